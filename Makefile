@@ -1,0 +1,31 @@
+# One command each: `make test` (lint, types, tests) and `make demo` (the main job).
+# Both create .venv and install everything on a fresh machine with nothing but Python.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup test lint demo clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# A bare `torch` requirement pulls a multi-GB CUDA build: pin the CPU build first when none is importable.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev,tools]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(VENV)/bin/ruff check aiokv kernels storage tests tools
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+demo: setup
+	$(PY) tools/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

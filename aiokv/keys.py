@@ -1,0 +1,132 @@
+"""Page keys: cumulative xxh3-128 over a namespace seed and the token ids of a prompt.
+
+Key *i* covers tokens ``[0, (i + 1) * page_tokens)``: it is the xxh3-128 digest of the 16-byte
+namespace seed followed by those token ids as little-endian uint64. The seed mixes the layout
+fingerprint, the model namespace and the per-request salt, so keys of different tenants, models or
+layouts never coincide. Only full pages get keys.
+
+The hashing is one streaming xxh3 state updated page by page (one C call per page, never a
+Python loop over tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import xxhash
+
+from aiokv.layout import KVLayout
+
+PageKey = bytes
+"""A page key: 16 bytes."""
+
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**63 - 1
+
+Tokens = Sequence[int] | npt.NDArray[np.integer] | torch.Tensor
+"""Token ids: a list of ints, a 1-D integer numpy array or a 1-D integer torch tensor (any device)."""
+
+Salt = str | bytes | None
+"""Per-request salt that isolates tenants; ``None`` is the shared namespace."""
+
+
+def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None) -> bytes:
+    """16-byte seed from the layout fingerprint, the model namespace and the salt.
+
+    Raises ``TypeError`` when ``namespace`` is not a str or ``salt`` is not str/bytes/None.
+    """
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+    if salt is None:
+        salt_bytes, salt_tag = b"", b"n"
+    elif isinstance(salt, str):
+        salt_bytes, salt_tag = salt.encode("utf-8"), b"s"
+    elif isinstance(salt, (bytes, bytearray)):
+        salt_bytes, salt_tag = bytes(salt), b"b"
+    else:
+        raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
+    ns = namespace.encode("utf-8")
+    # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
+    material = b"".join(
+        (
+            b"aiokv-seed-v1",
+            layout.fingerprint,
+            len(ns).to_bytes(8, "little"),
+            ns,
+            salt_tag,
+            len(salt_bytes).to_bytes(8, "little"),
+            salt_bytes,
+        )
+    )
+    return xxhash.xxh3_128_digest(material)
+
+
+def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
+    """Validate ``tokens`` and return them as a 1-D little-endian uint64 array.
+
+    Raises ``TypeError`` for floats, booleans, non-integers or a wrong container, and
+    ``ValueError`` for negative ids, ids >= 2**63, or more than one dimension.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+            raise TypeError(f"token ids must be integers, got a tensor of {tokens.dtype}")
+        if tokens.dim() != 1:
+            raise ValueError(f"token ids must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
+        array: npt.NDArray[np.integer] = tokens.detach().to("cpu", torch.int64).numpy()
+    elif isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got a numpy array of {tokens.dtype}")
+        if tokens.ndim != 1:
+            raise ValueError(f"token ids must be 1-D, got a numpy array of shape {tokens.shape}")
+        array = tokens
+    elif isinstance(tokens, (list, tuple)):
+        # One C-level pass over the element types instead of a Python loop per token.
+        kinds = set(map(type, tokens))
+        if bool in kinds or not all(issubclass(kind, (int, np.integer)) for kind in kinds):
+            bad = next(v for v in tokens if isinstance(v, bool) or not isinstance(v, (int, np.integer)))
+            raise TypeError(f"token ids must be ints, found {type(bad).__name__} {bad!r}")
+        try:
+            array = np.asarray(tokens, dtype=np.int64) if tokens else np.empty(0, np.int64)
+        except OverflowError:
+            raise ValueError("token ids must be < 2**63; found one that is not") from None
+    else:
+        raise TypeError(
+            f"token ids must be a list of ints, a 1-D integer numpy array or tensor; got {type(tokens).__name__}"
+        )
+    if array.size:
+        if array.dtype.kind == "i" and int(array.min()) < 0:
+            raise ValueError(f"token ids must be non-negative, found {int(array.min())}")
+        if array.dtype == np.uint64 and int(array.max()) > MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be < 2**63, found {int(array.max())}")
+    return np.ascontiguousarray(array, dtype="<u8")
+
+
+def page_keys(tokens: Tokens, page_tokens: int, seed: bytes, max_pages: int | None = None) -> list[PageKey]:
+    """Keys of the full pages of ``tokens`` (a partial last page gets none).
+
+    ``seed`` is from :func:`namespace_seed`; ``max_pages`` stops early. Raises as
+    :func:`token_array` does, and ``ValueError`` for a non-positive ``page_tokens`` or a seed that
+    is not 16 bytes.
+    """
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens <= 0:
+        raise ValueError(f"page_tokens must be a positive int, got {page_tokens!r}")
+    if not isinstance(seed, bytes) or len(seed) != KEY_BYTES:
+        raise ValueError("seed must be 16 bytes from namespace_seed()")
+    ids = token_array(tokens)
+    pages = ids.size // page_tokens
+    if max_pages is not None:
+        pages = min(pages, max(0, max_pages))
+    if pages == 0:
+        return []
+    rows = ids[: pages * page_tokens].reshape(pages, page_tokens)
+    state = xxhash.xxh3_128(seed)
+    update, digest = state.update, state.digest
+    keys: list[PageKey] = []
+    append = keys.append
+    for row in rows:
+        update(row)
+        append(digest())
+    return keys

@@ -1,0 +1,304 @@
+"""Page geometry and the description of an engine's KV buffer.
+
+A *page* holds the KV of ``page_tokens`` consecutive tokens for every layer, layer-major:
+``[num_layers, page_tokens, rows, head_dim]`` where ``rows = 2 * num_kv_heads`` (K heads, then
+V heads) for MHA/GQA and ``rows = 1`` (the latent vector) for MLA. Its byte size is padded up to a
+multiple of 4096 so disk I/O can use O_DIRECT straight from pool memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import xxhash
+
+PAGE_ALIGN = 4096
+"""Page sizes are padded to this many bytes (the O_DIRECT alignment that works everywhere)."""
+
+SUPPORTED_DTYPES: dict[torch.dtype, str] = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+"""Dtypes a page may hold, with the stable names that enter the fingerprint."""
+
+
+class KVKind(enum.Enum):
+    """Attention kind: separate K and V heads, or one compressed latent per token."""
+
+    MHA = "mha"
+    MLA = "mla"
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one model's KV cache; every key and page file carries its fingerprint.
+
+    Build with :meth:`mha` or :meth:`mla`. ``num_kv_heads`` and ``head_dim`` are the model's
+    totals (before tensor parallelism); for MLA ``num_kv_heads`` is 1 and ``head_dim`` is the
+    latent width.
+    """
+
+    kind: KVKind
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, KVKind):
+            raise TypeError(f"kind must be a KVKind, got {self.kind!r}")
+        _positive_int("num_layers", self.num_layers)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        _positive_int("page_tokens", self.page_tokens)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(SUPPORTED_DTYPES.values())
+            raise ValueError(f"dtype {self.dtype} is not supported; use one of: {names}")
+        if self.kind is KVKind.MLA and self.num_kv_heads != 1:
+            raise ValueError("an MLA layout has exactly one latent row per token (num_kv_heads=1)")
+
+    @classmethod
+    def mha(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        page_tokens: int = 256,
+    ) -> KVLayout:
+        """Layout of an MHA/GQA model: pages ``[L, page_tokens, 2 * num_kv_heads, head_dim]``."""
+        return cls(KVKind.MHA, num_layers, num_kv_heads, head_dim, dtype, page_tokens)
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, dtype: torch.dtype, page_tokens: int = 256) -> KVLayout:
+        """Layout of an MLA model: pages ``[L, page_tokens, 1, latent_dim]``."""
+        return cls(KVKind.MLA, num_layers, 1, latent_dim, dtype, page_tokens)
+
+    @property
+    def rows(self) -> int:
+        """Rows per token per layer: ``2 * num_kv_heads`` (K then V) for MHA, 1 for MLA."""
+        return 2 * self.num_kv_heads if self.kind is KVKind.MHA else 1
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one page: ``(L, page_tokens, rows, head_dim)``."""
+        return (self.num_layers, self.page_tokens, self.rows, self.head_dim)
+
+    @property
+    def token_row_bytes(self) -> int:
+        """Bytes of one token in one layer (all its rows)."""
+        return self.rows * self.head_dim * self.itemsize
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of KV in one page, before padding."""
+        return self.num_layers * self.page_tokens * self.token_row_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page occupies in the pool and on disk: payload padded to 4096."""
+        return -(-self.payload_bytes // PAGE_ALIGN) * PAGE_ALIGN
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """16 bytes that identify this layout, stable across processes and Python versions."""
+        text = (
+            f"aiokv-layout-v1|{self.kind.value}|layers={self.num_layers}|heads={self.num_kv_heads}"
+            f"|dim={self.head_dim}|dtype={SUPPORTED_DTYPES[self.dtype]}|page={self.page_tokens}"
+        )
+        return xxhash.xxh3_128_digest(text.encode("ascii"))
+
+    def describe(self) -> str:
+        """One line for logs: kind, shape, dtype and page size."""
+        return (
+            f"{self.kind.value} L={self.num_layers} H={self.num_kv_heads} D={self.head_dim} "
+            f"{SUPPORTED_DTYPES[self.dtype]} page={self.page_tokens} tokens/{self.page_bytes} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """What one tensor-parallel rank holds of each page.
+
+    ``row_start``/``local_heads`` select the rank's contiguous K heads (and the same V heads);
+    ``writer`` is False for replicas that must not write pages (t > kv heads, or MLA on rank > 0).
+    """
+
+    rank: int
+    size: int
+    head_start: int
+    local_heads: int
+    writer: bool
+
+    @classmethod
+    def of(cls, layout: KVLayout, rank: int = 0, size: int = 1) -> TPSlice:
+        """Slice of ``layout`` held by rank ``rank`` of ``size``; raises ``ValueError`` when they don't divide."""
+        _positive_int("tp_size", size)
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"tp_rank must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < size:
+            raise ValueError(f"tp_rank {rank} out of range for tp_size {size}")
+        if layout.kind is KVKind.MLA:
+            # MLA's latent is replicated on every rank: one rank writes, all read.
+            return cls(rank, size, 0, 1, rank == 0)
+        heads = layout.num_kv_heads
+        if size <= heads:
+            if heads % size:
+                raise ValueError(f"num_kv_heads {heads} is not divisible by tp_size {size}")
+            local = heads // size
+            return cls(rank, size, rank * local, local, True)
+        if size % heads:
+            raise ValueError(f"tp_size {size} is not a multiple of num_kv_heads {heads}")
+        replicas = size // heads
+        return cls(rank, size, rank // replicas, 1, rank % replicas == 0)
+
+
+class BufferForm(enum.Enum):
+    """How an engine stores its KV cache in GPU (or CPU) memory."""
+
+    STACKED = "stacked"
+    """One tensor ``[L, S, rows, D]``."""
+    PER_LAYER = "per_layer"
+    """A list of L tensors ``[S, rows, D]``."""
+    SPLIT_KV = "split_kv"
+    """Two lists of L tensors ``[S, H, D]``: K and V (MHA only)."""
+
+
+KVBufferLike = torch.Tensor | Sequence[torch.Tensor] | tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """A validated view of the engine's KV buffer, in the form the kernels consume.
+
+    ``k_layers[l]`` is layer l's ``[S, rows_local, D]`` tensor for STACKED and PER_LAYER forms
+    (rows_local = 2 * local heads, K heads then V heads; 1 for MLA) and ``v_layers`` is empty;
+    for SPLIT_KV, ``k_layers[l]`` and ``v_layers[l]`` are ``[S, local_heads, D]``. Each slot's rows
+    are contiguous in memory (``stride(-1) == 1``, ``stride(-2) == D``); the slot stride is free.
+    """
+
+    layout: KVLayout
+    form: BufferForm
+    tp: TPSlice
+    k_layers: tuple[torch.Tensor, ...]
+    v_layers: tuple[torch.Tensor, ...]
+    num_slots: int
+    device: torch.device
+
+    @classmethod
+    def wrap(cls, layout: KVLayout, kv: KVBufferLike, tp: TPSlice | None = None) -> KVBuffer:
+        """Validate ``kv`` against ``layout`` and describe it.
+
+        ``kv`` is one tensor ``[L, S, rows, D]``, a list of L tensors ``[S, rows, D]``, or a tuple
+        ``(k_list, v_list)`` of L tensors ``[S, H, D]`` each, where rows/H count this rank's heads.
+        Raises ``TypeError`` for a wrong container or dtype and ``ValueError`` for wrong shapes,
+        devices, strides, layer or head counts.
+        """
+        tp = tp or TPSlice.of(layout)
+        mla = layout.kind is KVKind.MLA
+        local_rows = 1 if mla else 2 * tp.local_heads
+        if isinstance(kv, torch.Tensor):
+            if kv.dim() != 4:
+                raise ValueError(
+                    f"a stacked KV buffer must be 4-D [L, S, rows, D], got shape {tuple(kv.shape)}"
+                )
+            if kv.shape[0] != layout.num_layers:
+                raise ValueError(f"KV buffer has {kv.shape[0]} layers, layout has {layout.num_layers}")
+            form = BufferForm.STACKED
+            k_layers: tuple[torch.Tensor, ...] = tuple(kv.unbind(0))
+            v_layers: tuple[torch.Tensor, ...] = ()
+            expect_rows = local_rows
+        elif (
+            isinstance(kv, tuple)
+            and len(kv) == 2
+            and all(isinstance(part, (list, tuple)) for part in kv)
+        ):
+            if mla:
+                raise ValueError("an MLA layout has no separate K and V: pass one tensor or a list")
+            form = BufferForm.SPLIT_KV
+            k_layers = cls._layer_list(layout, kv[0], "K")
+            v_layers = cls._layer_list(layout, kv[1], "V")
+            expect_rows = tp.local_heads
+        elif isinstance(kv, (list, tuple)):
+            form = BufferForm.PER_LAYER
+            k_layers = cls._layer_list(layout, kv, "KV")
+            v_layers = ()
+            expect_rows = local_rows
+        else:
+            raise TypeError(
+                "kv must be a tensor [L, S, rows, D], a list of L tensors [S, rows, D] or a tuple "
+                f"(k_list, v_list); got {type(kv).__name__}"
+            )
+        tensors = k_layers + v_layers
+        device = tensors[0].device
+        num_slots = tensors[0].shape[0]
+        for index, t in enumerate(tensors):
+            where = f"layer tensor {index}" if form is not BufferForm.STACKED else "KV buffer"
+            if t.dtype != layout.dtype:
+                raise TypeError(f"{where} has dtype {t.dtype}, layout has {layout.dtype}")
+            if t.dim() != 3:
+                raise ValueError(f"{where} must be 3-D [S, rows, D], got shape {tuple(t.shape)}")
+            if t.device != device:
+                raise ValueError(f"{where} is on {t.device}, the first is on {device}")
+            if t.shape[0] != num_slots:
+                raise ValueError(f"{where} has {t.shape[0]} slots, the first has {num_slots}")
+            if t.shape[1] != expect_rows:
+                what = "latent rows" if mla else "heads" if form is BufferForm.SPLIT_KV else "rows (2 x heads)"
+                raise ValueError(f"{where} has {t.shape[1]} {what}, expected {expect_rows} for this layout/TP rank")
+            if t.shape[2] != layout.head_dim:
+                raise ValueError(f"{where} has head_dim {t.shape[2]}, layout has {layout.head_dim}")
+            if t.stride(2) != 1 or t.stride(1) != layout.head_dim:
+                raise ValueError(
+                    f"{where} must have contiguous rows (strides [*, {layout.head_dim}, 1]), "
+                    f"got strides {t.stride()}"
+                )
+        if num_slots == 0:
+            raise ValueError("KV buffer has no slots")
+        return cls(layout, form, tp, k_layers, v_layers, num_slots, device)
+
+    @staticmethod
+    def _layer_list(layout: KVLayout, layers: Sequence[torch.Tensor], what: str) -> tuple[torch.Tensor, ...]:
+        items = tuple(layers)
+        if len(items) != layout.num_layers:
+            raise ValueError(f"{what} list has {len(items)} layer tensors, layout has {layout.num_layers}")
+        for index, t in enumerate(items):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what} list item {index} is a {type(t).__name__}, not a tensor")
+        return items
+
+    @property
+    def rows_local(self) -> int:
+        """Rows of one slot per layer held by this rank (K and V together for SPLIT_KV)."""
+        if self.layout.kind is KVKind.MLA:
+            return 1
+        return 2 * self.tp.local_heads
+
+    @property
+    def is_partial(self) -> bool:
+        """True when this rank holds only part of each page's rows (tensor parallelism)."""
+        return self.rows_local != self.layout.rows

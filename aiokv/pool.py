@@ -1,0 +1,277 @@
+"""`PagePool`: N pages of one layout in one shared-memory segment, plus the page table.
+
+N = byte budget // page bytes. The segment is prepared in chunks by worker threads (reserve
+tmpfs pages; with CUDA, populate and ``cudaHostRegister`` as pinned + mapped); pages of a chunk are
+handed to the allocator once it is ready, so a large pool is usable at once and fills in behind.
+
+Views of the memory, created once: :attr:`PagePool.pages` is a tensor ``[N, L, T, rows, D]`` of
+the layout dtype (rows = 2H for MHA, 1 for MLA) over the padded pages, and
+:meth:`PagePool.page_view` a writable ``memoryview`` of one whole padded page (the disk tier wraps
+each in one reusable io_uring iovec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from aiokv.keys import PageKey
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle, PageTable, PageTableStatistics, Reservation
+from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_available, prepare_in_background
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """Pool geometry, preparation progress and page-table counts."""
+
+    name: str
+    page_bytes: int
+    pages: PageTableStatistics
+    chunks_total: int
+    chunks_ready: int
+    chunks_failed: int
+    cuda_registered: bool
+
+
+def _page_tensor(buffer: memoryview, layout: KVLayout, count: int) -> torch.Tensor:
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=count * layout.page_bytes)
+    rows = raw.view(count, layout.page_bytes)[:, : layout.payload_bytes]
+    return rows.view(layout.dtype).view(count, *layout.page_shape)
+
+
+class PageMemory:
+    """Tensor and memoryview access to the pages of a segment (shared by pool and attachers)."""
+
+    def __init__(self, segment: SharedSegment, layout: KVLayout) -> None:
+        self.segment = segment
+        self.layout = layout
+        self.num_pages = segment.size // layout.page_bytes
+        if self.num_pages <= 0:
+            raise ValueError(f"segment of {segment.size} bytes holds no page of {layout.page_bytes} bytes")
+        self.pages = _page_tensor(segment.buffer, layout, self.num_pages)
+        """``[N, L, T, rows, D]`` of the layout dtype; page i is ``pages[i]``."""
+        pb = layout.page_bytes
+        self._views = [segment.buffer[i * pb : (i + 1) * pb] for i in range(self.num_pages)]
+
+    def page_view(self, page: int) -> memoryview:
+        """Writable memoryview of the whole padded page ``page`` (``page_bytes`` long)."""
+        return self._views[page]
+
+    def page_address(self, page: int) -> int:
+        """Virtual address of page ``page`` (device-mapped too once its chunk is registered)."""
+        return self.segment.address + page * self.layout.page_bytes
+
+    def close(self) -> None:
+        """Drop every view, then close the segment. Idempotent."""
+        if self.segment.closed:
+            return
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:
+                pass  # an io_uring iovec still exports it; the segment outlives it
+        self._views = []
+        self.pages = torch.empty(0)
+        self.segment.close()
+
+
+class PagePool:
+    """N pages in shared memory, with a page table. Create with :meth:`create`; one event loop owns it.
+
+    Every page-table method is available on :attr:`table`; the common ones are mirrored here.
+    """
+
+    def __init__(
+        self,
+        segment: SharedSegment,
+        layout: KVLayout,
+        register_cuda: bool,
+        chunk_bytes: int,
+        workers: int,
+    ) -> None:
+        self.layout = layout
+        self.memory = PageMemory(segment, layout)
+        self.table = PageTable(self.memory.num_pages)
+        self.register_cuda = register_cuda
+        pages_per_chunk = max(1, chunk_bytes // layout.page_bytes)
+        self._chunk_pages: list[range] = [
+            range(start, min(start + pages_per_chunk, self.memory.num_pages))
+            for start in range(0, self.memory.num_pages, pages_per_chunk)
+        ]
+        pb = layout.page_bytes
+        chunks = [(r.start * pb, len(r) * pb) for r in self._chunk_pages]
+        self._executor, self._pending = prepare_in_background(segment, chunks, register_cuda, workers)
+        self._futures = list(self._pending)
+        self._ready = 0
+        self._failed = 0
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        layout: KVLayout,
+        byte_budget: int,
+        *,
+        register_cuda: bool | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        workers: int = 4,
+        name_prefix: str = SHM_NAME_PREFIX,
+    ) -> PagePool:
+        """A pool of ``byte_budget // layout.page_bytes`` pages.
+
+        ``register_cuda=None`` registers with CUDA when a device is present. Raises ``TypeError``
+        for a non-int budget, ``ValueError`` when the budget holds no page, and
+        :class:`aiokv.shm.SegmentSpaceError` when shared memory is too small.
+        """
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if isinstance(byte_budget, bool) or not isinstance(byte_budget, int):
+            raise TypeError(f"byte_budget must be an int, got {type(byte_budget).__name__}")
+        if byte_budget < layout.page_bytes:
+            raise ValueError(
+                f"byte budget {byte_budget} is smaller than one page ({layout.page_bytes} bytes for {layout.describe()})"
+            )
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if register_cuda is None:
+            register_cuda = cuda_available()
+        pages = byte_budget // layout.page_bytes
+        segment = SharedSegment.create(pages * layout.page_bytes, name_prefix)
+        try:
+            return cls(segment, layout, register_cuda, chunk_bytes, workers)
+        except BaseException:
+            segment.close()
+            raise
+
+    # -- readiness ------------------------------------------------------------------------------
+
+    def _absorb(self) -> None:
+        if not self._pending:
+            return
+        still: list[concurrent.futures.Future[ChunkResult]] = []
+        for future in self._pending:
+            if not future.done():
+                still.append(future)
+                continue
+            result = future.result()
+            if result.error is None:
+                self._ready += 1
+                self.table.add_usable(self._chunk_pages[result.index])
+            else:
+                self._failed += 1
+                log.warning(
+                    "page pool %s: chunk %d (%d bytes) unusable: %s",
+                    self.name,
+                    result.index,
+                    result.length,
+                    result.error,
+                )
+        self._pending = still
+
+    async def wait_ready(self) -> None:
+        """Wait until every chunk is prepared (or failed)."""
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in self._futures))
+        self._absorb()
+
+    def wait_ready_blocking(self) -> None:
+        """Block until every chunk is prepared; for set-up code outside the event loop."""
+        concurrent.futures.wait(self._futures)
+        self._absorb()
+
+    @property
+    def ready(self) -> bool:
+        """True once every chunk is prepared."""
+        self._absorb()
+        return not self._pending
+
+    # -- page table facade ----------------------------------------------------------------------
+
+    def reserve(self, keys: Sequence[PageKey]) -> list[Reservation]:
+        """:meth:`PageTable.reserve` over the pages of every chunk prepared so far."""
+        self._absorb()
+        return self.table.reserve(keys)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the segment (including chunks not ready yet)."""
+        return self.memory.num_pages
+
+    @property
+    def name(self) -> str:
+        """Shared-memory name other processes pass to :meth:`attach`."""
+        return self.memory.segment.name
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """``[N, L, T, rows, D]`` tensor of the layout dtype over all pages."""
+        return self.memory.pages
+
+    def tensor(self, handle: PageHandle) -> torch.Tensor:
+        """``[L, T, rows, D]`` view of a live handle's page; raises ``StaleHandleError`` otherwise."""
+        return self.memory.pages[self.table.check(handle)]
+
+    def page_view(self, handle: PageHandle) -> memoryview:
+        """Writable memoryview of a live handle's padded page."""
+        return self.memory.page_view(self.table.check(handle))
+
+    def statistics(self) -> PoolStatistics:
+        """Geometry, preparation progress and page counts."""
+        self._absorb()
+        return PoolStatistics(
+            name=self.name,
+            page_bytes=self.layout.page_bytes,
+            pages=self.table.statistics(),
+            chunks_total=len(self._chunk_pages),
+            chunks_ready=self._ready,
+            chunks_failed=self._failed,
+            cuda_registered=self.register_cuda,
+        )
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for chunk preparation, unregister, unmap and unlink. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.memory.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the loop on chunk preparation. Idempotent."""
+        if self._closed:
+            return
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in self._futures if not f.cancelled()))
+        self.close()
+
+    def __enter__(self) -> PagePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> PagePool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @staticmethod
+    def attach(name: str, layout: KVLayout) -> PageMemory:
+        """Map another process's pool by name: page bytes only, no page table. Close when done."""
+        segment = SharedSegment.attach(name)
+        try:
+            return PageMemory(segment, layout)
+        except BaseException:
+            segment.close()
+            raise

@@ -1,0 +1,229 @@
+"""A POSIX shared-memory segment for the page pool, prepared in chunks in the background.
+
+Created with ``O_CREAT | O_EXCL`` and mode 0600 under a unique name (never reusing a leftover
+segment); other processes (tensor-parallel workers) attach by name; only the creator unlinks.
+Opened through ``shm_open`` directly rather than ``multiprocessing.shared_memory``, whose resource
+tracker would unlink the segment when an attaching worker exits (Python < 3.13).
+
+Preparing a chunk reserves its tmpfs pages (``posix_fallocate``: a too-small ``/dev/shm`` becomes
+a counted chunk failure, never a SIGBUS on first touch) and, with CUDA, faults it in and registers it
+as pinned, device-mapped memory. Registration of untouched memory costs ~1 s/GiB, so it runs in
+worker threads, chunk by chunk, and the pool hands out pages of ready chunks only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import _posixshmem  # type: ignore[import-not-found]
+
+log = logging.getLogger(__name__)
+
+SHM_NAME_PREFIX = "aiokv"
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in without touching them from Python
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_HOST_REGISTER_MAPPED = 2
+
+
+class _ShmModule(Protocol):
+    def shm_open(self, path: str, flags: int, mode: int = ...) -> int: ...
+    def shm_unlink(self, path: str) -> None: ...
+
+
+_shm = cast(_ShmModule, _posixshmem)
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+class SegmentSpaceError(OSError):
+    """The shared-memory file system cannot hold the requested segment."""
+
+
+def _shm_free_bytes() -> int | None:
+    # shm_open's segments live in /dev/shm on Linux; elsewhere we cannot ask.
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """Outcome of preparing one chunk: ``error`` is None when its pages may be used."""
+
+    index: int
+    offset: int
+    length: int
+    registered: bool
+    error: BaseException | None
+
+
+class SharedSegment:
+    """One mapped shared-memory segment.
+
+    ``create`` makes a new one (this process unlinks it at :meth:`close`); ``attach`` maps an
+    existing one by name. ``buffer`` is the writable mapping; ``address`` its virtual address.
+    """
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._fd = fd
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buffer = memoryview(self._map)
+        probe = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(probe)
+        del probe  # the address stays valid for the life of the mapping
+        self._closed = False
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, size: int, prefix: str = SHM_NAME_PREFIX) -> SharedSegment:
+        """Create a segment of ``size`` bytes (mode 0600, unique name).
+
+        Raises ``ValueError`` for a non-positive size and :class:`SegmentSpaceError` when the
+        shared-memory file system has less free space than ``size``.
+        """
+        if size <= 0:
+            raise ValueError(f"segment size must be positive, got {size}")
+        free = _shm_free_bytes()
+        if free is not None and free < size:
+            raise SegmentSpaceError(
+                f"/dev/shm has {free / 2**30:.2f} GiB free but the page pool needs {size / 2**30:.2f} GiB: "
+                "lower the pool budget or enlarge /dev/shm (e.g. docker --shm-size)"
+            )
+        name = f"/{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = _shm.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return cls(name, fd, size, owner=True)
+        except BaseException:
+            os.close(fd)
+            _shm.shm_unlink(name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> SharedSegment:
+        """Map an existing segment by name; this process never unlinks it."""
+        if not isinstance(name, str) or not name.startswith("/"):
+            raise ValueError(f"segment name must be a str starting with '/', got {name!r}")
+        fd = _shm.shm_open(name, os.O_RDWR, 0)
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise ValueError(f"segment {name} is empty")
+            return cls(name, fd, size, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def prepare_chunk(self, index: int, offset: int, length: int, register_cuda: bool) -> ChunkResult:
+        """Reserve (and with ``register_cuda`` populate and register) ``[offset, offset + length)``.
+
+        Runs in a worker thread; never raises, the error is in the result.
+        """
+        try:
+            os.posix_fallocate(self._fd, offset, length)
+            registered = False
+            if register_cuda:
+                # Populating first lets registration skip its own (slower) page faults; best effort.
+                _libc.madvise(ctypes.c_void_p(self.address + offset), length, MADV_POPULATE_WRITE)
+                _cuda_host_register(self.address + offset, length)
+                with self._lock:
+                    if self._closed:
+                        _cuda_host_unregister(self.address + offset)
+                        raise RuntimeError("segment closed while registering")
+                    self._registered.append((offset, length))
+                registered = True
+            return ChunkResult(index, offset, length, registered, None)
+        except BaseException as exc:  # reported to the pool, which counts and logs it
+            return ChunkResult(index, offset, length, False, exc)
+
+    def close(self) -> None:
+        """Unregister, unmap and (for the creator) unlink. Idempotent.
+
+        If some other object still holds an export of the mapping (a tensor, an io_uring iovec),
+        the mapping stays until that object is collected; the name is unlinked regardless.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            registered, self._registered = self._registered, []
+        for offset, _length in registered:
+            _cuda_host_unregister(self.address + offset)
+        try:
+            self.buffer.release()
+            self._map.close()
+        except BufferError:
+            log.debug("segment %s still exported; unmapped when its last view is collected", self.name)
+        os.close(self._fd)
+        if self.owner:
+            try:
+                _shm.shm_unlink(self.name)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+
+def _cudart() -> object | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.cudart()
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (registration makes sense)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _cuda_host_register(address: int, length: int) -> None:
+    rt = _cudart()
+    if rt is None:
+        raise RuntimeError("CUDA is not available")
+    flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+    err = rt.cudaHostRegister(address, length, flags)  # type: ignore[attr-defined]
+    if int(err) != 0:
+        raise OSError(f"cudaHostRegister({length} bytes) failed with CUDA error {int(err)}")
+
+
+def _cuda_host_unregister(address: int) -> None:
+    rt = _cudart()
+    if rt is not None:
+        rt.cudaHostUnregister(address)  # type: ignore[attr-defined]
+
+
+def prepare_in_background(
+    segment: SharedSegment,
+    chunks: list[tuple[int, int]],
+    register_cuda: bool,
+    workers: int,
+) -> tuple[concurrent.futures.ThreadPoolExecutor, list[concurrent.futures.Future[ChunkResult]]]:
+    """Submit every chunk ``(offset, length)`` to ``workers`` threads; returns the executor and futures."""
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="aiokv-pool")
+    futures = [
+        executor.submit(segment.prepare_chunk, index, offset, length, register_cuda)
+        for index, (offset, length) in enumerate(chunks)
+    ]
+    return executor, futures
