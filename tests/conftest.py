@@ -1,0 +1,66 @@
+"""Suite-wide hygiene: no unhandled loop exceptions, no pending tasks, no leftover segments."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+SHM_DIR = "/dev/shm"
+
+
+def _segments() -> set[str]:
+    prefix = f"aiokv-{os.getpid()}-"
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments() -> Iterator[None]:
+    """Every pool a test creates is closed (and its segment unlinked) by the end of the test."""
+    before = _segments()
+    yield
+    gc.collect()
+    left = _segments() - before
+    assert not left, f"test left shared-memory segments behind: {sorted(left)}"
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def loop_hygiene() -> AsyncIterator[None]:
+    """Fail a test that leaves an exception unhandled in the loop or a task pending."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        yield
+        # Let completions that were already scheduled run, then collect dropped futures so that
+        # "exception was never retrieved" is reported now, inside this test.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        me = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks(loop) if t is not me and not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        assert not pending, f"test left tasks pending: {pending}"
+        assert not errors, f"unhandled exceptions in the event loop: {errors}"
+    finally:
+        loop.set_exception_handler(previous)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The whole suite leaves no segment of this process behind."""
+    left = _segments()
+    if left:
+        print(f"\nleftover shared-memory segments: {sorted(left)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
