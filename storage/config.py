@@ -1,0 +1,111 @@
+"""Configuration and statistics of the disk tier."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class DiskBackend(enum.Enum):
+    """How page bytes move between pool memory and page files."""
+
+    AUTO = "auto"
+    """The best that works here, falling back with one logged warning per step."""
+    URING_FIXED = "uring_fixed"
+    """io_uring with the pool registered as fixed buffers."""
+    URING = "uring"
+    """io_uring with plain (unregistered) buffers."""
+    THREADS = "threads"
+    """``os.preadv``/``os.pwritev`` in a thread pool."""
+
+
+class ErrorKind(enum.Enum):
+    """Kinds of I/O faults counted by the tier."""
+
+    ENOSPC = "enospc"
+    EIO = "eio"
+    EPERM = "eperm"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """Settings of one :class:`~aiokv.storage.DiskTier`."""
+
+    directory: Path
+    """Root directory of the page files (created 0700); each layout uses its own subdirectory."""
+    capacity_bytes: int
+    """Byte budget for page files of this layout (header included); LRU eviction keeps within it."""
+    backend: DiskBackend = DiskBackend.AUTO
+    """Which I/O path to use; a forced one that cannot work makes :meth:`DiskTier.start` raise."""
+    direct_io: bool | None = None
+    """O_DIRECT on page files; None: where the file system allows it (tmpfs does not)."""
+    queue_depth: int = 32
+    """Page I/Os in flight at once (each page is a header plus a payload request)."""
+    write_behind_depth: int = 256
+    """Pages the write-behind queue holds before ``write_behind_nowait`` reports it full."""
+    write_behind_workers: int = 8
+    """Concurrent writes draining the write-behind queue."""
+    threads: int = 4
+    """Worker threads of the THREADS backend (and of directory scans)."""
+    ring_entries: int = 128
+    """SQ entries of the io_uring (the CQ has twice as many; more requests wait in a FIFO)."""
+    sync_writes: bool = False
+    """fdatasync each page file before publishing it. Off: a process crash never loses an
+    acknowledged page (the page cache survives it), and a power-loss torn page fails its checksum."""
+    drain_on_close: bool = True
+    """``aclose`` writes out queued write-behind pages; False drops them (counted as dropped)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, Path):
+            raise TypeError(f"directory must be a pathlib.Path, got {type(self.directory).__name__}")
+        if not isinstance(self.backend, DiskBackend):
+            raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise TypeError(f"direct_io must be bool or None, got {self.direct_io!r}")
+        for name in ("capacity_bytes", "queue_depth", "write_behind_depth", "write_behind_workers",
+                     "threads", "ring_entries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class DiskStatistics:
+    """A snapshot of the tier: contents, traffic, faults and queues."""
+
+    backend: DiskBackend
+    """Backend in use (AUTO before :meth:`DiskTier.start`)."""
+    direct_io: bool
+    """Whether page files are opened with O_DIRECT."""
+    pages: int
+    """Page files in the index."""
+    bytes_stored: int
+    """Bytes of those files (and of writes in flight, which hold their room)."""
+    capacity_bytes: int
+    reads: int
+    """Read attempts that reached the disk."""
+    writes: int
+    """Pages stored."""
+    bytes_read: int
+    bytes_written: int
+    hits: int
+    misses: int
+    """Reads that returned False: absent, corrupt or failed."""
+    corrupt: int
+    """Files refused by header or checksum checks (each deleted)."""
+    dropped: int
+    """Writes dropped for capacity, a full write-behind queue at close, or a closed tier."""
+    errors: dict[ErrorKind, int] = field(default_factory=dict)
+    """I/O faults by kind."""
+    write_behind_queued: int = 0
+    """Pages waiting in the write-behind queue."""
+    in_flight: int = 0
+    """Page reads and writes in progress."""
+    evictions: int = 0
+    """Files removed to make room."""
+    temp_files_removed: int = 0
+    """Leftover temporary files removed at start."""

@@ -1,0 +1,540 @@
+"""`DiskTier`: page files of one layout, with an in-memory index, LRU capacity and write-behind.
+
+All bookkeeping is plain synchronous code on the owning loop; coroutines await only backend
+completions. Each read or write runs as an internal job task holding its own claim on the page:
+
+- ``write`` takes its own pool reference (``retain``) for the job, so a cancelled caller may drop
+  its handle at once; the job finishes (publishes or cleans its temp file) and releases it.
+- ``read`` fills the caller's RESERVED page; a cancelled caller is kept until the kernel (or the
+  thread) is done with that page — otherwise the caller's ``abort`` would recycle memory that is
+  still being written — and then gets its ``CancelledError``.
+
+Faults (ENOSPC, EIO, permissions, corrupt files) become False/miss results, are counted by kind and
+logged once per kind; nothing raises into the caller's loop except caller mistakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from aiokv.keys import KEY_BYTES, PageKey
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle, PageState, StaleHandleError
+from aiokv.pool import PagePool
+
+from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend, probe_direct_io
+from .config import DiskBackend, DiskConfig, DiskStatistics, ErrorKind
+from .pagefile import (
+    PageFiles,
+    PageHeader,
+    file_bytes,
+    pack_header,
+    parse_header,
+    payload_checksum,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_KINDS = {
+    errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
+    errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
+}
+
+
+class DiskTier:
+    """Page files under ``config.directory`` for pages of ``pool`` (same layout).
+
+    Construction is cheap; :meth:`start` (or ``async with``) opens the backend and rebuilds the
+    index. Close the tier before the pool: registered buffers pin the pool's memory.
+    """
+
+    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool) -> None:
+        if not isinstance(config, DiskConfig):
+            raise TypeError(f"config must be a DiskConfig, got {type(config).__name__}")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(pool, PagePool):
+            raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        if pool.layout != layout:
+            raise ValueError(f"pool layout ({pool.layout.describe()}) differs from {layout.describe()}")
+        self.config = config
+        self.layout = layout
+        self.pool = pool
+        self.files = PageFiles(config.directory, layout)
+        self._file_bytes = file_bytes(layout)
+        self._io: PageIO | None = None
+        self._slots: HeaderSlots | None = None
+        self._free_slots: list[int] = list(range(config.queue_depth))
+        self._slot_sem: asyncio.Semaphore | None = None
+        # key -> generation; order = LRU (oldest first). A generation lets a late job tell whether
+        # the file it looked at is still the indexed one.
+        self._index: OrderedDict[PageKey, int] = OrderedDict()
+        self._generation = 0
+        self._used = 0
+        self._writing: dict[PageKey, asyncio.Future[bool]] = {}
+        self._delete_after_write: set[PageKey] = set()
+        self._unlinking: dict[PageKey, asyncio.Task[None]] = {}
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._queue: asyncio.Queue[tuple[PageKey, PageHandle]] | None = None
+        self._workers: list[asyncio.Task[None]] = []
+        self._accepting = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._logged: set[ErrorKind | str] = set()
+        self._errors = dict.fromkeys(ErrorKind, 0)
+        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
+        self._hits = self._misses = self._corrupt = self._dropped = self._evictions = 0
+        self._temp_removed = 0
+        self._in_flight = 0
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the backend on the running loop, rebuild the index, remove leftover temp files.
+
+        Raises ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here, or the
+        directory cannot be created; ``RuntimeError`` when started twice.
+        """
+        if self._io is not None or self._close_task is not None:
+            raise RuntimeError("disk tier already started")
+        await asyncio.to_thread(self.files.create_dirs)
+        found, self._temp_removed = await asyncio.to_thread(self.files.scan)
+        direct = self.config.direct_io
+        supported = await asyncio.to_thread(probe_direct_io, str(self.files.layout_dir))
+        if direct and not supported:
+            raise OSError(errno.EINVAL, f"{self.config.directory} refuses O_DIRECT (tmpfs?)")
+        if direct is None:
+            direct = supported
+            if not supported:
+                log.warning("disk tier: %s refuses O_DIRECT; using buffered I/O", self.config.directory)
+        slots = HeaderSlots(self.config.queue_depth)
+        try:
+            self._io = await open_backend(self.config, self.pool, slots, direct)
+        except BaseException:
+            slots.close()
+            raise
+        self._slots = slots
+        self._slot_sem = asyncio.Semaphore(self.config.queue_depth)
+        for _mtime, key in found:
+            self._index[key] = self._next_generation()
+            self._used += self._file_bytes
+        self._evict_to(self.config.capacity_bytes)
+        self._queue = asyncio.Queue(self.config.write_behind_depth)
+        self._workers = [asyncio.create_task(self._write_behind_worker())
+                         for _ in range(self.config.write_behind_workers)]
+        self._accepting = True
+        log.info("%s: %d pages indexed, %d temp files removed", describe_layout_io(self.layout, self._io),
+                 len(self._index), self._temp_removed)
+
+    async def __aenter__(self) -> DiskTier:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Drain (or drop, per ``drain_on_close``) write-behind, wait for in-flight I/O, close the
+        backend. Idempotent; a cancelled ``aclose`` keeps closing in the background."""
+        if self._close_task is None:
+            self._accepting = False
+            self._close_task = asyncio.create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        queue = self._queue
+        if queue is not None:
+            if not self.config.drain_on_close:
+                while not queue.empty():
+                    _key, handle = queue.get_nowait()
+                    self._dropped += 1
+                    self._release(handle)
+                    queue.task_done()
+            await queue.join()
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+        if self._io is not None:
+            await self._io.aclose()
+        if self._slots is not None:
+            self._slots.close()
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def contains(self, key: PageKey) -> bool:
+        """Whether a page file for ``key`` is indexed (it may still fail verification on read)."""
+        self._check_key(key)
+        return key in self._index
+
+    def keys_present_prefix(self, keys: Sequence[PageKey]) -> int:
+        """How many leading ``keys`` are on disk."""
+        count = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            count += 1
+        return count
+
+    # -- write ----------------------------------------------------------------------------------
+
+    async def write(self, key: PageKey, handle: PageHandle) -> bool:
+        """Store the page of ``handle`` (READY; the caller keeps its reference) under ``key``.
+
+        True when stored (or already stored); False when dropped for capacity, failed (counted by
+        kind) or the tier is closing. Raises ``TypeError``/``ValueError`` for a wrong key or a
+        stale/reserved handle, ``RuntimeError`` before :meth:`start`.
+        """
+        self._check_key(key)
+        ref = self._retain(handle)
+        if not self._accepting:
+            self._release(ref)
+            return self._refuse()
+        return await self._write_owned(key, ref)
+
+    async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
+        # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
+        if key in self._index:
+            self._index.move_to_end(key)
+            self._release(ref)
+            return True
+        pending = self._writing.get(key)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._writing[key] = pending
+            self._spawn(self._write_job(key, ref, pending))
+        else:
+            self._release(ref)
+        return await asyncio.shield(pending)
+
+    async def _write_job(self, key: PageKey, ref: PageHandle, done: asyncio.Future[bool]) -> None:
+        stored = False
+        reserved = False
+        try:
+            if not self._make_room(self._file_bytes):
+                self._dropped += 1
+                return
+            self._used += self._file_bytes
+            reserved = True
+            unlinking = self._unlinking.get(key)
+            if unlinking is not None:
+                await asyncio.wait({unlinking})  # an old unlink must not remove the new file
+            page = self.pool.table.check(ref)
+            async with self._slot() as slot:
+                assert self._slots is not None
+                assert self._io is not None
+                view = self.pool.memory.page_view(page)
+                pack_header(self._slots.views[slot], self.layout, key,
+                            payload_checksum(view[: self.layout.payload_bytes]))
+                await self._io.publish(self.files.temp_path(key), self.files.path(key), slot, page,
+                                       self.config.sync_writes)
+            stored = True
+        except OSError as exc:
+            self._count_error(exc, "write")
+        except Exception:
+            self._count_unexpected("write")
+        finally:
+            self._release(ref)
+            self._writing.pop(key, None)
+            if stored and key in self._delete_after_write:
+                stored = False
+                self._used -= self._file_bytes
+                self._unlink_later(key)
+            elif stored:
+                self._index[key] = self._next_generation()
+                self._writes += 1
+                self._bytes_written += self._file_bytes
+            elif reserved:
+                self._used -= self._file_bytes
+            self._delete_after_write.discard(key)
+            done.set_result(stored)
+
+    # -- read -----------------------------------------------------------------------------------
+
+    async def read(self, key: PageKey, handle: PageHandle) -> bool:
+        """Fill the RESERVED page of ``handle`` with ``key``'s page file.
+
+        True only when header and checksum verified; False is a miss (absent; corrupt — the file
+        is deleted and counted; or an I/O fault, counted). On False the page bytes are undefined:
+        abort the reservation. Raises ``TypeError``/``ValueError`` for a wrong key or a handle that
+        is not a live reservation. If cancelled with I/O in flight it waits for that I/O to finish
+        before raising ``CancelledError``, so the caller may abort the page at once.
+        """
+        self._check_key(key)
+        page = self._check_reserved(handle)
+        generation = self._index.get(key)
+        if generation is None or not self._accepting:
+            self._misses += 1
+            return False
+        self._index.move_to_end(key)
+        job = self._spawn(self._read_job(key, page, generation))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await _wait_uncancelled(job)
+            raise
+
+    async def _read_job(self, key: PageKey, page: int, generation: int) -> bool:
+        ok = False
+        try:
+            async with self._slot() as slot:
+                assert self._slots is not None
+                assert self._io is not None
+                self._reads += 1
+                try:
+                    got = await self._io.load(self.files.path(key), slot, page)
+                except FileNotFoundError:
+                    self._forget(key, generation)  # removed behind our back
+                    return False
+                if got != self._file_bytes:
+                    self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
+                    return False
+                header = parse_header(self._slots.views[slot], self.layout, key)
+                if not isinstance(header, PageHeader):
+                    self._reject(key, generation, header.value)
+                    return False
+                view = self.pool.memory.page_view(page)
+                if payload_checksum(view[: self.layout.payload_bytes]) != header.checksum:
+                    self._reject(key, generation, "payload checksum mismatch")
+                    return False
+                self._bytes_read += got
+                ok = True
+                return True
+        except OSError as exc:
+            self._count_error(exc, "read")
+            return False
+        except Exception:
+            self._count_unexpected("read")
+            return False
+        finally:
+            if ok:
+                self._hits += 1
+            else:
+                self._misses += 1
+
+    # -- delete ---------------------------------------------------------------------------------
+
+    async def delete(self, key: PageKey) -> None:
+        """Remove ``key``'s page file (a write in flight for it is discarded when it lands)."""
+        self._check_key(key)
+        if key in self._writing:
+            self._delete_after_write.add(key)
+        if key in self._index and self._io is not None:
+            await asyncio.shield(self._drop(key))
+
+    # -- write-behind ---------------------------------------------------------------------------
+
+    def write_behind_nowait(self, key: PageKey, handle: PageHandle) -> bool:
+        """Queue ``handle``'s page for writing and take ownership of that reference (released after
+        the write completes or is dropped). False — ownership not taken — when the queue is full or
+        the tier is not accepting work. Raises ``TypeError``/``ValueError`` for caller mistakes."""
+        self._check_key(key)
+        self._check_ready(handle)
+        if not self._accepting or self._queue is None:
+            return False
+        try:
+            self._queue.put_nowait((key, handle))
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    async def write_behind(self, key: PageKey, handle: PageHandle) -> None:
+        """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
+        is taken only when this returns). Raises ``RuntimeError`` when the tier is closed."""
+        self._check_key(key)
+        self._check_ready(handle)
+        if not self._accepting or self._queue is None:
+            raise RuntimeError("disk tier is not accepting writes (not started or closing)")
+        await self._queue.put((key, handle))
+
+    async def _write_behind_worker(self) -> None:
+        assert self._queue is not None
+        while True:
+            key, handle = await self._queue.get()
+            try:
+                await self._write_owned(key, self._retain(handle))
+            except Exception:
+                self._count_unexpected("write-behind")
+            finally:
+                self._release(handle)
+                self._queue.task_done()
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def statistics(self) -> DiskStatistics:
+        """A snapshot of contents, traffic, faults and queues."""
+        io = self._io
+        return DiskStatistics(
+            backend=io.kind if io is not None else DiskBackend.AUTO,
+            direct_io=io.direct if io is not None else False,
+            pages=len(self._index),
+            bytes_stored=self._used,
+            capacity_bytes=self.config.capacity_bytes,
+            reads=self._reads,
+            writes=self._writes,
+            bytes_read=self._bytes_read,
+            bytes_written=self._bytes_written,
+            hits=self._hits,
+            misses=self._misses,
+            corrupt=self._corrupt,
+            dropped=self._dropped,
+            errors=dict(self._errors),
+            write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
+            in_flight=self._in_flight,
+            evictions=self._evictions,
+            temp_files_removed=self._temp_removed,
+        )
+
+    @property
+    def backend(self) -> PageIO:
+        """The byte mover in use (tests inject faults through ``backend.faults``)."""
+        if self._io is None:
+            raise RuntimeError("disk tier not started")
+        return self._io
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
+
+    @asynccontextmanager
+    async def _slot(self) -> AsyncIterator[int]:
+        assert self._slot_sem is not None
+        async with self._slot_sem:
+            slot = self._free_slots.pop()
+            self._in_flight += 1
+            try:
+                yield slot
+            finally:
+                self._in_flight -= 1
+                self._free_slots.append(slot)
+
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    def _make_room(self, size: int) -> bool:
+        self._evict_to(self.config.capacity_bytes - size)
+        return self._used + size <= self.config.capacity_bytes
+
+    def _evict_to(self, limit: int) -> None:
+        while self._used > limit and self._index:
+            key = next(iter(self._index))
+            self._evictions += 1
+            self._drop(key)
+
+    def _forget(self, key: PageKey, generation: int) -> None:
+        if self._index.get(key) == generation:
+            del self._index[key]
+            self._used -= self._file_bytes
+
+    def _reject(self, key: PageKey, generation: int, why: str) -> None:
+        self._corrupt += 1
+        if "corrupt" not in self._logged:
+            self._logged.add("corrupt")
+            log.warning("disk tier: refusing page file %s: %s (deleted; further ones counted only)",
+                        self.files.path(key), why)
+        if self._index.get(key) == generation:
+            self._drop(key)
+
+    def _drop(self, key: PageKey) -> asyncio.Task[None]:
+        del self._index[key]
+        self._used -= self._file_bytes
+        return self._unlink_later(key)
+
+    def _unlink_later(self, key: PageKey) -> asyncio.Task[None]:
+        previous = self._unlinking.get(key)
+
+        async def unlink() -> None:
+            try:
+                if previous is not None:
+                    await asyncio.wait({previous})
+                assert self._io is not None
+                await self._io.unlink(self.files.path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._count_error(exc, "unlink")
+            finally:
+                if self._unlinking.get(key) is task:
+                    del self._unlinking[key]
+
+        task = self._spawn(unlink())
+        self._unlinking[key] = task
+        return task
+
+    def _count_error(self, exc: OSError, what: str) -> None:
+        kind = _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
+        self._errors[kind] += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("disk tier: %s failed: %s (further %s errors counted only)", what, exc, kind.value)
+
+    def _count_unexpected(self, what: str) -> None:
+        self._errors[ErrorKind.OTHER] += 1
+        log.exception("disk tier: unexpected failure in %s", what)
+
+    def _refuse(self) -> bool:
+        self._dropped += 1
+        return False
+
+    def _check_started(self) -> None:
+        if self._io is None and self._close_task is None:
+            raise RuntimeError("disk tier not started: call start() or use async with")
+
+    @staticmethod
+    def _check_key(key: PageKey) -> None:
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+
+    def _check_handle(self, handle: PageHandle) -> int:
+        self._check_started()
+        if not isinstance(handle, PageHandle):
+            raise TypeError(f"handle must be a PageHandle, got {type(handle).__name__}")
+        try:
+            return self.pool.table.check(handle)
+        except StaleHandleError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def _check_ready(self, handle: PageHandle) -> int:
+        page = self._check_handle(handle)
+        if self.pool.table.state_of(handle.key) is not PageState.READY:
+            raise ValueError(f"{handle!r} is a reservation: commit it before writing it to disk")
+        return page
+
+    def _check_reserved(self, handle: PageHandle) -> int:
+        page = self._check_handle(handle)
+        if self.pool.table.state_of(handle.key) is not PageState.RESERVED:
+            raise ValueError(f"{handle!r} is not a reservation: read into a reserved page")
+        return page
+
+    def _retain(self, handle: PageHandle) -> PageHandle:
+        self._check_ready(handle)
+        return self.pool.table.retain(handle)
+
+    def _release(self, handle: PageHandle) -> None:
+        try:
+            self.pool.table.release(handle)
+        except StaleHandleError:
+            log.exception("disk tier: page reference already released")
+
+
+async def _wait_uncancelled(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards)."""
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            continue

@@ -1,0 +1,165 @@
+"""The page-file format and the directory layout of a disk tier.
+
+A page file is a 4096-byte header followed by the page: ``page_bytes`` bytes, the payload padded
+with whatever the pool page holds past ``payload_bytes`` (the checksum covers the payload only).
+Both parts are multiples of 4096, so O_DIRECT can move them straight from pool memory.
+
+Header (little-endian), then zeros to 4096 bytes::
+
+    magic        8s   b"AIOKVPG\\x00"
+    version      u32  FORMAT_VERSION
+    header_size  u32  4096
+    fingerprint  16s  layout fingerprint
+    key          16s  page key
+    payload      u64  payload length in bytes
+    page         u64  padded page length in bytes (the bytes after the header)
+    checksum     u64  xxh3-64 of the payload
+    created_ns   u64  creation time, ns since the epoch
+    header_sum   u64  xxh3-64 of the 4096 header bytes with this field zeroed
+
+Names: ``<root>/<fingerprint hex>/<first 2 hex of key>/<key hex>`` (dirs 0700, files 0600).
+Temporary files live next to their final name as ``.tmp-<key hex>-<random>`` so the rename that
+publishes them is atomic (same directory, same file system).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from aiokv.keys import KEY_BYTES, PageKey
+from aiokv.layout import KVLayout
+
+HEADER_BYTES = 4096
+MAGIC = b"AIOKVPG\x00"
+FORMAT_VERSION = 1
+TEMP_PREFIX = ".tmp-"
+_FIELDS = struct.Struct("<8sII16s16sQQQQQ")
+_SUM_OFFSET = _FIELDS.size - 8
+
+
+class HeaderFault(enum.Enum):
+    """Why a header was refused."""
+
+    MAGIC = "bad magic"
+    VERSION = "unknown format version"
+    HEADER_SUM = "header checksum mismatch"
+    FINGERPRINT = "layout fingerprint mismatch"
+    KEY = "key mismatch"
+    LENGTH = "payload or page length mismatch"
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """Decoded header fields."""
+
+    fingerprint: bytes
+    key: PageKey
+    payload_bytes: int
+    page_bytes: int
+    checksum: int
+    created_ns: int
+
+
+def payload_checksum(payload: memoryview) -> int:
+    """xxh3-64 of the payload bytes."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def pack_header(into: memoryview, layout: KVLayout, key: PageKey, checksum: int) -> None:
+    """Write a complete header for ``key`` into ``into`` (``HEADER_BYTES`` long)."""
+    into[:HEADER_BYTES] = bytes(HEADER_BYTES)
+    _FIELDS.pack_into(
+        into, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.fingerprint, key,
+        layout.payload_bytes, layout.page_bytes, checksum, time.time_ns(), 0,
+    )
+    total = xxhash.xxh3_64_intdigest(into[:HEADER_BYTES])
+    struct.pack_into("<Q", into, _SUM_OFFSET, total)
+
+
+def parse_header(data: memoryview, layout: KVLayout, key: PageKey) -> PageHeader | HeaderFault:
+    """Decode and check a header read for ``key``; a :class:`HeaderFault` says what is wrong."""
+    (magic, version, size, fingerprint, got_key, payload, page, checksum, created, header_sum) = (
+        _FIELDS.unpack_from(data, 0)
+    )
+    if magic != MAGIC:
+        return HeaderFault.MAGIC
+    if version != FORMAT_VERSION or size != HEADER_BYTES:
+        return HeaderFault.VERSION
+    scratch = bytearray(data[:HEADER_BYTES])
+    scratch[_SUM_OFFSET : _SUM_OFFSET + 8] = bytes(8)
+    if xxhash.xxh3_64_intdigest(scratch) != header_sum:
+        return HeaderFault.HEADER_SUM
+    if fingerprint != layout.fingerprint:
+        return HeaderFault.FINGERPRINT
+    if got_key != key:
+        return HeaderFault.KEY
+    if payload != layout.payload_bytes or page != layout.page_bytes:
+        return HeaderFault.LENGTH
+    return PageHeader(fingerprint, got_key, payload, page, checksum, created)
+
+
+def file_bytes(layout: KVLayout) -> int:
+    """Size of one page file on disk."""
+    return HEADER_BYTES + layout.page_bytes
+
+
+class PageFiles:
+    """Paths of the page files of one layout under ``root``."""
+
+    def __init__(self, root: Path, layout: KVLayout) -> None:
+        self.root = root
+        self.layout_dir = root / layout.fingerprint.hex()
+
+    def path(self, key: PageKey) -> str:
+        """Final name of ``key``'s page file."""
+        name = key.hex()
+        return f"{self.layout_dir}/{name[:2]}/{name}"
+
+    def temp_path(self, key: PageKey) -> str:
+        """A fresh temporary name in the same directory as ``key``'s final name."""
+        name = key.hex()
+        return f"{self.layout_dir}/{name[:2]}/{TEMP_PREFIX}{name}-{os.urandom(6).hex()}"
+
+    def create_dirs(self) -> None:
+        """Create the root, layout and 256 fan-out directories (0700). Blocking: run in a thread."""
+        for directory in (self.root, self.layout_dir):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for i in range(256):
+            (self.layout_dir / f"{i:02x}").mkdir(mode=0o700, exist_ok=True)
+
+    def scan(self) -> tuple[list[tuple[float, PageKey]], int]:
+        """Walk the layout directory: ``([(mtime, key)], temp files removed)``. Blocking.
+
+        Temporary files are leftovers of writes that never published (a crash): removed. Names
+        that are not 32 hex digits are ignored; files of other layouts live in other directories
+        and are never looked at.
+        """
+        found: list[tuple[float, PageKey]] = []
+        removed = 0
+        for sub in os.scandir(self.layout_dir):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.startswith(TEMP_PREFIX):
+                    try:
+                        os.unlink(entry.path)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                    continue
+                if len(entry.name) != 2 * KEY_BYTES or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name)
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, key))
+                except (ValueError, FileNotFoundError):
+                    continue
+        found.sort()
+        return found, removed

@@ -1,0 +1,402 @@
+"""One io_uring per event loop, driven by raw syscalls, completing on the loop through an eventfd.
+
+Why raw syscalls and not the PyPI ``liburing`` wrapper: its abi3 wheel (2026.3.30) executes AVX-512
+instructions in ``Ring.__init__``; on a CPU without AVX-512 (the AMD EPYC of the development VM) the
+process dies of SIGILL, which no ``try`` can catch. The ring ABI is small and stable, so this module
+maps the rings itself (``io_uring_setup``/``io_uring_enter``/``io_uring_register`` through libc's
+``syscall``) and writes 64-byte SQEs with ``struct``. No iovec objects exist, so nothing can leak
+buffer exports: reads and writes pass raw addresses of pool memory (READ_FIXED/WRITE_FIXED over
+registered regions, or plain READ/WRITE), and the engine keeps every buffer alive until its CQE.
+
+Submission: coroutines prepare SQEs as they ask and one ``io_uring_enter`` per loop tick
+(``call_soon``) submits them all. Completion: the ring signals an eventfd watched with
+``loop.add_reader``; the callback drains the CQ ring and resolves one future per request (a negative
+result becomes ``OSError(errno)``). In-flight requests are bounded by the SQ size (the CQ ring is
+twice that), so the CQ can never overflow; further requests wait in a FIFO. A cancelled caller's
+request still completes and is discarded; :meth:`UringEngine.aclose` waits for every completion
+before unmapping, so the kernel never writes into freed memory.
+
+Ordering: without SQPOLL the kernel reads SQEs inside ``io_uring_enter`` on this thread, so plain
+stores suffice; CQ tail/head are read and written as aligned 32-bit ctypes values (x86-64 TSO; other
+architectures would need acquire/release fences here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+# Syscall numbers of the io_uring family are the same on every Linux architecture.
+SYS_IO_URING_SETUP = 425
+SYS_IO_URING_ENTER = 426
+SYS_IO_URING_REGISTER = 427
+
+IORING_OFF_SQ_RING = 0
+IORING_OFF_CQ_RING = 0x8000000
+IORING_OFF_SQES = 0x10000000
+IORING_SETUP_CLAMP = 1 << 4
+IORING_REGISTER_BUFFERS = 0
+IORING_UNREGISTER_BUFFERS = 1
+IORING_REGISTER_EVENTFD = 4
+IORING_FSYNC_DATASYNC = 1
+AT_FDCWD = -100
+
+OP_NOP = 0
+OP_FSYNC = 3
+OP_READ_FIXED = 4
+OP_WRITE_FIXED = 5
+OP_OPENAT = 18
+OP_CLOSE = 19
+OP_READ = 22
+OP_WRITE = 23
+OP_RENAMEAT = 35
+OP_UNLINKAT = 36
+
+MAX_REGION_BYTES = 1 << 30
+"""A registered buffer larger than 1 GiB fails with EFAULT: register in regions up to this size."""
+
+# struct io_uring_sqe: opcode, flags, ioprio, fd, off/addr2, addr, len, op_flags, user_data,
+# buf_index, personality, splice_fd_in, addr3, pad.
+_SQE = struct.Struct("<BBHiQQIIQHHiQQ")
+_CQE = struct.Struct("<QiI")
+assert _SQE.size == 64
+assert _CQE.size == 16
+
+
+_U32 = ctypes.c_uint32
+
+
+class _SqOff(ctypes.Structure):
+    _fields_ = [("head", _U32), ("tail", _U32), ("ring_mask", _U32), ("ring_entries", _U32),
+                ("flags", _U32), ("dropped", _U32), ("array", _U32), ("resv1", _U32),
+                ("user_addr", ctypes.c_uint64)]
+
+
+class _CqOff(ctypes.Structure):
+    _fields_ = [("head", _U32), ("tail", _U32), ("ring_mask", _U32), ("ring_entries", _U32),
+                ("overflow", _U32), ("cqes", _U32), ("flags", _U32), ("resv1", _U32),
+                ("user_addr", ctypes.c_uint64)]
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [("sq_entries", _U32), ("cq_entries", _U32), ("flags", _U32), ("sq_thread_cpu", _U32),
+                ("sq_thread_idle", _U32), ("features", _U32), ("wq_fd", _U32), ("resv", _U32 * 3),
+                ("sq_off", _SqOff), ("cq_off", _CqOff)]
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _check(result: int) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
+
+
+def io_uring_setup(entries: int, params: _Params) -> int:
+    """Create a ring; raises ``OSError`` (EPERM/ENOSYS where io_uring is refused). Tests monkeypatch it."""
+    return _check(_libc.syscall(SYS_IO_URING_SETUP, ctypes.c_uint(entries), ctypes.byref(params)))
+
+
+def io_uring_enter(fd: int, to_submit: int) -> int:
+    """Submit ``to_submit`` SQEs without waiting; returns how many the kernel took."""
+    return _check(_libc.syscall(SYS_IO_URING_ENTER, fd, ctypes.c_uint(to_submit), 0, 0, None, 0))
+
+
+def io_uring_register(fd: int, opcode: int, arg: ctypes.c_void_p | None, nr: int) -> int:
+    """``io_uring_register``; raises ``OSError`` (ENOMEM when memlock is too small for buffers)."""
+    return _check(_libc.syscall(SYS_IO_URING_REGISTER, fd, ctypes.c_uint(opcode), arg, ctypes.c_uint(nr)))
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered buffer: ``[address, address + length)`` with index ``index``."""
+
+    index: int
+    address: int
+    length: int
+
+
+class _Request:
+    __slots__ = ("fields", "future", "keep")
+
+    def __init__(self, fields: tuple[int, ...], future: asyncio.Future[int], keep: object) -> None:
+        self.fields = fields
+        self.future = future
+        self.keep = keep  # buffers the kernel reads or writes: alive until the CQE arrives
+
+
+FaultHook = Callable[[int], int | None]
+"""Called with the opcode of each completion; a returned negative errno replaces its result (tests)."""
+
+
+class UringEngine:
+    """One io_uring bound to the running loop. Create with :meth:`open` inside the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, entries: int) -> None:
+        params = _Params()
+        params.flags = IORING_SETUP_CLAMP
+        self._loop = loop
+        self._fd = io_uring_setup(entries, params)
+        self._efd = -1
+        try:
+            self._map_rings(params)
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            efd = ctypes.c_int32(self._efd)
+            efd_ptr = ctypes.cast(ctypes.byref(efd), ctypes.c_void_p)
+            io_uring_register(self._fd, IORING_REGISTER_EVENTFD, efd_ptr, 1)
+        except BaseException:
+            self._unmap()
+            raise
+        self._next_id = 1
+        self._inflight: dict[int, _Request] = {}
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
+        self._submit_scheduled = False
+        self._closed = False
+        self._idle: asyncio.Future[None] | None = None
+        self.fault_hook: FaultHook | None = None
+        self.submits = 0
+        self.submit_max_s = 0.0
+        loop.add_reader(self._efd, self._on_eventfd)
+
+    @classmethod
+    def open(cls, entries: int) -> UringEngine:
+        """A ring of at least ``entries`` SQEs on the running loop; raises ``OSError`` if refused."""
+        return cls(asyncio.get_running_loop(), entries)
+
+    def _map_rings(self, p: _Params) -> None:
+        self.sq_entries = p.sq_entries
+        sq_size = p.sq_off.array + p.sq_entries * 4
+        cq_size = p.cq_off.cqes + p.cq_entries * 16
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self._sq = mmap.mmap(self._fd, sq_size, flags, prot, offset=IORING_OFF_SQ_RING)
+        self._cq = mmap.mmap(self._fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
+        self._sqes = mmap.mmap(self._fd, p.sq_entries * 64, flags, prot, offset=IORING_OFF_SQES)
+        self._sq_tail = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.tail)
+        self._sq_head = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.head)
+        self._sq_mask = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.ring_mask).value
+        self._cq_head = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.head)
+        self._cq_tail = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.tail)
+        self._cq_mask = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.ring_mask).value
+        self._cqes_off = p.cq_off.cqes
+        # Identity SQ index array: slot i of the ring is SQE i.
+        array = (ctypes.c_uint32 * p.sq_entries).from_buffer(self._sq, p.sq_off.array)
+        for i in range(p.sq_entries):
+            array[i] = i
+        del array
+        self._tail = self._sq_tail.value
+
+    def _unmap(self) -> None:
+        for name in ("_sq_tail", "_sq_head", "_cq_head", "_cq_tail"):
+            if hasattr(self, name):
+                delattr(self, name)  # drop ctypes views first: they export the mmaps
+        for name in ("_sq", "_cq", "_sqes"):
+            m = getattr(self, name, None)
+            if m is not None:
+                m.close()
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+        os.close(self._fd)
+
+    # -- registered buffers ---------------------------------------------------------------------
+
+    def register_buffers(self, spans: list[tuple[int, int, int]]) -> list[list[Region]]:
+        """Register each ``(address, length, unit)`` span as fixed buffers, cut into regions of
+        <= 1 GiB holding whole ``unit``-byte pages; one call for all spans (the kernel allows one
+        registration per ring). Raises ``OSError`` (ENOMEM: memlock too small)."""
+        out: list[list[Region]] = []
+        flat: list[Region] = []
+        for address, length, unit in spans:
+            per_region = max(unit, MAX_REGION_BYTES // unit * unit)
+            regions: list[Region] = []
+            offset = 0
+            while offset < length:
+                size = min(per_region, length - offset)
+                regions.append(Region(len(flat), address + offset, size))
+                flat.append(regions[-1])
+                offset += size
+            out.append(regions)
+        iovs = (_IoVec * len(flat))(*[_IoVec(r.address, r.length) for r in flat])
+        io_uring_register(self._fd, IORING_REGISTER_BUFFERS, ctypes.cast(iovs, ctypes.c_void_p), len(flat))
+        return out
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _start(self, opcode: int, fd: int, addr: int, length: int, off: int, op_flags: int,
+               buf_index: int, keep: object) -> asyncio.Future[int]:
+        if self._closed:
+            raise RuntimeError("io_uring engine is closed")
+        future: asyncio.Future[int] = self._loop.create_future()
+        fields = (opcode, 0, 0, fd, off, addr, length, op_flags, 0, buf_index, 0, 0, 0, 0)
+        request = _Request(fields, future, keep)
+        if len(self._inflight) < self.sq_entries and not self._waiting:
+            self._prepare(request)
+        else:
+            self._waiting.append(request)
+        return future
+
+    def _prepare(self, request: _Request) -> None:
+        user_data = self._next_id
+        self._next_id += 1
+        fields = list(request.fields)
+        fields[8] = user_data
+        _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, *fields)
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
+        self._inflight[user_data] = request
+        self._prepared += 1
+        if not self._submit_scheduled:
+            self._submit_scheduled = True
+            self._loop.call_soon(self._submit)
+
+    def _submit(self) -> None:
+        self._submit_scheduled = False
+        if self._prepared == 0:
+            return
+        self._sq_tail.value = self._tail
+        t0 = self._loop.time()
+        try:
+            taken = io_uring_enter(self._fd, self._prepared)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
+                taken = 0
+            else:
+                self._fail_prepared(exc)
+                return
+        self.submits += 1
+        self.submit_max_s = max(self.submit_max_s, self._loop.time() - t0)
+        self._prepared -= taken
+        if self._prepared:
+            # The kernel is short of resources: retry after completions (or the next tick).
+            self._submit_scheduled = True
+            self._loop.call_soon(self._submit)
+
+    def _fail_prepared(self, exc: OSError) -> None:
+        # Unreachable in practice (EBADF/EFAULT on a broken ring): fail the requests nobody took.
+        log.error("io_uring_enter failed: %s", exc)
+        consumed = self._sq_head.value
+        pending = (self._tail - consumed) & 0xFFFFFFFF
+        for user_data in sorted(self._inflight)[-pending:] if pending else []:
+            request = self._inflight.pop(user_data)
+            if not request.future.done():
+                request.future.set_exception(OSError(exc.errno, exc.strerror))
+        self._tail = consumed
+        self._prepared = 0
+
+    def _on_eventfd(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._efd)
+        self._drain()
+
+    def _drain(self) -> None:
+        head = self._cq_head.value
+        tail = self._cq_tail.value
+        while head != tail:
+            user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
+            head = (head + 1) & 0xFFFFFFFF
+            request = self._inflight.pop(user_data, None)
+            if request is None:
+                continue
+            if self.fault_hook is not None:
+                injected = self.fault_hook(request.fields[0])
+                if injected is not None:
+                    res = injected
+            future = request.future
+            if not future.done():  # a cancelled caller's result is discarded
+                if res < 0:
+                    future.set_exception(OSError(-res, os.strerror(-res)))
+                else:
+                    future.set_result(res)
+            if tail == head:
+                tail = self._cq_tail.value
+        self._cq_head.value = head
+        while self._waiting and len(self._inflight) < self.sq_entries:
+            self._prepare(self._waiting.popleft())
+        if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
+            self._idle.set_result(None)
+
+    def read(self, fd: int, address: int, length: int, offset: int, keep: object,
+             region: Region | None = None) -> asyncio.Future[int]:
+        """Read ``length`` bytes at ``offset`` into memory at ``address`` (inside ``region`` when fixed)."""
+        if region is None:
+            return self._start(OP_READ, fd, address, length, offset, 0, 0, keep)
+        return self._start(OP_READ_FIXED, fd, address, length, offset, 0, region.index, keep)
+
+    def write(self, fd: int, address: int, length: int, offset: int, keep: object,
+              region: Region | None = None) -> asyncio.Future[int]:
+        """Write ``length`` bytes from ``address`` at ``offset``; bytes written is the result."""
+        if region is None:
+            return self._start(OP_WRITE, fd, address, length, offset, 0, 0, keep)
+        return self._start(OP_WRITE_FIXED, fd, address, length, offset, 0, region.index, keep)
+
+    def openat(self, path: bytes, flags: int, mode: int) -> asyncio.Future[int]:
+        """``openat(AT_FDCWD, path, flags, mode)``; the result is the new fd."""
+        buf = ctypes.create_string_buffer(path)
+        return self._start(OP_OPENAT, AT_FDCWD, ctypes.addressof(buf), mode, 0, flags | os.O_CLOEXEC, 0, buf)
+
+    def close_fd(self, fd: int) -> asyncio.Future[int]:
+        """``close(fd)`` through the ring."""
+        return self._start(OP_CLOSE, fd, 0, 0, 0, 0, 0, None)
+
+    def fsync(self, fd: int, datasync: bool = True) -> asyncio.Future[int]:
+        """``fdatasync``/``fsync`` through the ring."""
+        return self._start(OP_FSYNC, fd, 0, 0, 0, IORING_FSYNC_DATASYNC if datasync else 0, 0, None)
+
+    def renameat(self, old: bytes, new: bytes) -> asyncio.Future[int]:
+        """``renameat(AT_FDCWD, old, AT_FDCWD, new)``: atomic within one file system."""
+        a, b = ctypes.create_string_buffer(old), ctypes.create_string_buffer(new)
+        # The new dir fd travels in ``len`` and the new path in ``off`` (addr2).
+        return self._start(OP_RENAMEAT, AT_FDCWD, ctypes.addressof(a), AT_FDCWD & 0xFFFFFFFF,
+                           ctypes.addressof(b), 0, 0, (a, b))
+
+    def unlinkat(self, path: bytes) -> asyncio.Future[int]:
+        """``unlinkat(AT_FDCWD, path, 0)``."""
+        buf = ctypes.create_string_buffer(path)
+        return self._start(OP_UNLINKAT, AT_FDCWD, ctypes.addressof(buf), 0, 0, 0, 0, buf)
+
+    def nop(self) -> asyncio.Future[int]:
+        """A no-op round trip through the ring (probe)."""
+        return self._start(OP_NOP, -1, 0, 0, 0, 0, 0, None)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted or waiting for a slot."""
+        return len(self._inflight) + len(self._waiting)
+
+    async def aclose(self) -> None:
+        """Wait for every completion (the kernel must be done with our memory), then close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        cancelled = False
+        if self._inflight or self._waiting:
+            self._idle = self._loop.create_future()
+            while not self._idle.done():
+                try:
+                    await asyncio.shield(self._idle)
+                except asyncio.CancelledError:
+                    # Unmapping with I/O in flight would let the kernel write into freed memory.
+                    cancelled = True
+        self._loop.remove_reader(self._efd)
+        self._unmap()
+        if cancelled:
+            raise asyncio.CancelledError
