@@ -1,0 +1,87 @@
+"""Plain-torch gather/scatter (``index_select`` / ``index_copy_``).
+
+The only path for a KV buffer in CPU memory, and the oracle of the kernel tests. Works across
+devices (GPU KV buffer, CPU pages): data crosses with ``Tensor.to``, synchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiokv.layout import KVBuffer
+
+from .checks import (
+    PageIds,
+    check_gather_counts,
+    check_page_ids,
+    check_pages,
+    check_scatter_counts,
+    check_slots,
+)
+from .segments import segments
+
+
+def _token_rows(pages: torch.Tensor) -> torch.Tensor:
+    """``[N, L, T, rows * D]`` view of the pages (a view, never a copy: writes must land)."""
+    n, layers, tokens, rows, dim = pages.shape
+    return pages.view(n, layers, tokens, rows * dim)
+
+
+def reference_gather(
+    kv: KVBuffer, slots: torch.Tensor, pages: torch.Tensor, page_ids: PageIds | None = None
+) -> None:
+    """KV of ``slots`` -> ``pages[page_ids[i]]`` gets ``slots[i*T:(i+1)*T]``, every layer.
+
+    ``pages``: ``[N, L, T, rows, D]`` of the layout dtype, any device. ``page_ids`` None means
+    ``0..P-1``. Only this rank's rows are written; a non-writer rank (TP replica) writes nothing.
+    Raises ``ValueError`` naming the offending argument.
+    """
+    check_pages(kv, pages)
+    check_slots(kv, slots)
+    count = check_gather_counts(kv, slots, None if page_ids is None else len(page_ids))
+    ids = list(range(count)) if page_ids is None else check_page_ids(page_ids, pages.shape[0])
+    if not kv.tp.writer:
+        return
+    tokens = kv.layout.page_tokens
+    index = slots.to(device=kv.device, dtype=torch.int64)
+    dst_index = torch.tensor(ids, dtype=torch.int64, device=pages.device)
+    rows = _token_rows(pages)
+    for seg in segments(kv):
+        for layer, tensor in enumerate(seg.layers):
+            picked = tensor.reshape(tensor.shape[0], -1).index_select(0, index)
+            picked = picked[:, seg.kv_col : seg.kv_col + seg.width].reshape(count, tokens, seg.width)
+            dst = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
+            dst.index_copy_(0, dst_index, picked.to(pages.device))
+
+
+def reference_scatter(
+    kv: KVBuffer,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    page_ids: PageIds | None = None,
+    skip_first: int = 0,
+) -> None:
+    """Tokens ``[skip_first, P*T)`` of the concatenated ``pages[page_ids]`` -> KV ``slots``.
+
+    ``len(slots) == P*T - skip_first``; ``page_ids`` None means ``0..P-1`` where P follows from the
+    slot count. Every rank reads its own rows. Raises ``ValueError`` naming the offending argument.
+    """
+    check_pages(kv, pages)
+    check_slots(kv, slots)
+    tokens = kv.layout.page_tokens
+    if page_ids is None:
+        count = -(-(slots.numel() + skip_first) // tokens)
+        ids = list(range(count))
+    else:
+        ids = check_page_ids(page_ids, pages.shape[0])
+        count = len(ids)
+    check_scatter_counts(kv, slots, count, skip_first)
+    index = slots.to(device=kv.device, dtype=torch.int64)
+    src_index = torch.tensor(ids, dtype=torch.int64, device=pages.device)
+    rows = _token_rows(pages)
+    for seg in segments(kv):
+        for layer, tensor in enumerate(seg.layers):
+            picked = rows[:, layer, :, seg.page_col : seg.page_col + seg.width].index_select(0, src_index)
+            picked = picked.reshape(count * tokens, seg.width)[skip_first:]
+            dst = tensor.view(tensor.shape[0], -1)[:, seg.kv_col : seg.kv_col + seg.width]
+            dst.index_copy_(0, index, picked.to(kv.device))
