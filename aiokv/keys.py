@@ -1,7 +1,8 @@
 """Page keys: cumulative xxh3-128 over a namespace seed and the token ids of a prompt.
 
 Key *i* covers tokens ``[0, (i + 1) * page_tokens)``: it is the xxh3-128 digest of the 16-byte
-namespace seed followed by those token ids as little-endian uint64. The seed mixes the layout
+namespace seed, ``page_tokens`` as a little-endian uint64, then those token ids as little-endian
+uint64. The seed mixes the layout
 fingerprint, the model namespace and the per-request salt, so keys of different tenants, models or
 layouts never coincide. Only full pages get keys.
 
@@ -91,7 +92,7 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
         try:
             array = np.asarray(tokens, dtype=np.int64) if tokens else np.empty(0, np.int64)
         except OverflowError:
-            raise ValueError("token ids must be < 2**63; found one that is not") from None
+            raise ValueError("token ids must be in [0, 2**63); found one outside") from None
     else:
         raise TypeError(
             f"token ids must be a list of ints, a 1-D integer numpy array or tensor; got {type(tokens).__name__}"
@@ -122,11 +123,12 @@ def page_keys(tokens: Tokens, page_tokens: int, seed: bytes, max_pages: int | No
     if pages == 0:
         return []
     rows = ids[: pages * page_tokens].reshape(pages, page_tokens)
-    state = xxhash.xxh3_128(seed)
+    # The page size enters the stream too, so keys of one seed under two page sizes never meet.
+    state = xxhash.xxh3_128(seed + page_tokens.to_bytes(8, "little"))
     update, digest = state.update, state.digest
     keys: list[PageKey] = []
     append = keys.append
     for row in rows:
-        update(row)
+        update(row)  # type: ignore[arg-type]  # numpy stubs lack the buffer protocol
         append(digest())
     return keys

@@ -12,6 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import torch
 import xxhash
@@ -241,8 +242,8 @@ class KVBuffer:
             if mla:
                 raise ValueError("an MLA layout has no separate K and V: pass one tensor or a list")
             form = BufferForm.SPLIT_KV
-            k_layers = cls._layer_list(layout, kv[0], "K")
-            v_layers = cls._layer_list(layout, kv[1], "V")
+            k_layers = cls._layer_list(layout, cast(Sequence[torch.Tensor], kv[0]), "K")
+            v_layers = cls._layer_list(layout, cast(Sequence[torch.Tensor], kv[1]), "V")
             expect_rows = tp.local_heads
         elif isinstance(kv, (list, tuple)):
             form = BufferForm.PER_LAYER

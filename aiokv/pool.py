@@ -139,7 +139,8 @@ class PagePool:
             raise TypeError(f"byte_budget must be an int, got {type(byte_budget).__name__}")
         if byte_budget < layout.page_bytes:
             raise ValueError(
-                f"byte budget {byte_budget} is smaller than one page ({layout.page_bytes} bytes for {layout.describe()})"
+                f"byte budget {byte_budget} is smaller than one page "
+                f"({layout.page_bytes} bytes for {layout.describe()})"
             )
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")

@@ -13,6 +13,7 @@ worker threads, chunk by chunk, and the pool hands out pages of ready chunks onl
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]
 import concurrent.futures
 import ctypes
 import ctypes.util
@@ -22,9 +23,7 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Protocol, cast
-
-import _posixshmem  # type: ignore[import-not-found]
+from typing import Any, Protocol, cast
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +182,12 @@ class SharedSegment:
         return self._closed
 
 
-def _cudart() -> object | None:
+def _cudart() -> Any:
     import torch
 
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.cudart()
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 def cuda_available() -> bool:
@@ -203,7 +202,7 @@ def _cuda_host_register(address: int, length: int) -> None:
     if rt is None:
         raise RuntimeError("CUDA is not available")
     flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
-    err = rt.cudaHostRegister(address, length, flags)  # type: ignore[attr-defined]
+    err = rt.cudaHostRegister(address, length, flags)
     if int(err) != 0:
         raise OSError(f"cudaHostRegister({length} bytes) failed with CUDA error {int(err)}")
 
@@ -211,7 +210,7 @@ def _cuda_host_register(address: int, length: int) -> None:
 def _cuda_host_unregister(address: int) -> None:
     rt = _cudart()
     if rt is not None:
-        rt.cudaHostUnregister(address)  # type: ignore[attr-defined]
+        rt.cudaHostUnregister(address)
 
 
 def prepare_in_background(

@@ -1,0 +1,125 @@
+"""Page keys: determinism across processes, prefix property, isolation, input validation."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiokv.keys import namespace_seed, page_keys, token_array
+from aiokv.layout import KVLayout
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+
+
+def _keys_in_child(tokens: list[int]) -> list[bytes]:
+    return page_keys(tokens, 4, namespace_seed(LAYOUT, "ns", "tenant"))
+
+
+def test_keys_match_the_definition() -> None:
+    tokens = list(range(10))
+    seed = namespace_seed(LAYOUT, "ns", None)
+    keys = page_keys(tokens, 4, seed)
+    assert len(keys) == 2  # the partial third page gets no key
+    for i, key in enumerate(keys):
+        prefix = np.asarray(tokens[: (i + 1) * 4], dtype="<u8").tobytes()
+        assert key == xxhash.xxh3_128_digest(seed + (4).to_bytes(8, "little") + prefix)
+
+
+def test_same_keys_in_another_process() -> None:
+    tokens = [int(x) for x in np.random.default_rng(1).integers(0, 2**40, 64)]
+    here = _keys_in_child(tokens)
+    with multiprocessing.get_context("spawn").Pool(1) as workers:
+        there = workers.apply(_keys_in_child, (tokens,))
+    assert here == there and len(here) == 16
+
+
+def test_all_input_kinds_agree() -> None:
+    tokens = list(range(1000, 1040))
+    seed = namespace_seed(LAYOUT, "ns", b"salt")
+    expected = page_keys(tokens, 4, seed)
+    assert page_keys(np.asarray(tokens, dtype=np.int32), 4, seed) == expected
+    assert page_keys(np.asarray(tokens, dtype=np.uint64), 4, seed) == expected
+    assert page_keys(torch.tensor(tokens), 4, seed) == expected
+    assert page_keys(torch.tensor(tokens, dtype=torch.int32), 4, seed) == expected
+    assert page_keys(tuple(tokens), 4, seed) == expected
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "words"),
+    [
+        ([1.0, 2.0], TypeError, "float"),
+        ([True, 1], TypeError, "bool"),
+        (np.array([1.5]), TypeError, "float"),
+        (np.array([True]), TypeError, "bool"),
+        (torch.tensor([1.0]), TypeError, "float"),
+        (torch.tensor([True]), TypeError, "bool"),
+        ([-1, 2], ValueError, "non-negative"),
+        (np.array([-5]), ValueError, "non-negative"),
+        ([2**63], ValueError, r"2\*\*63"),
+        (np.array([2**63], dtype=np.uint64), ValueError, r"2\*\*63"),
+        (np.zeros((2, 2), dtype=np.int64), ValueError, "1-D"),
+        (torch.zeros((2, 2), dtype=torch.int64), ValueError, "1-D"),
+        ("abc", TypeError, "str"),
+        ([1, "2"], TypeError, "str"),
+    ],
+)
+def test_bad_tokens_are_refused_with_a_clear_message(tokens: object, error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=words):
+        token_array(tokens)  # type: ignore[arg-type]
+
+
+def test_bad_seed_namespace_salt_page_size() -> None:
+    seed = namespace_seed(LAYOUT, "ns")
+    with pytest.raises(ValueError, match="page_tokens"):
+        page_keys([1, 2], 0, seed)
+    with pytest.raises(ValueError, match="seed"):
+        page_keys([1, 2], 1, b"short")
+    with pytest.raises(TypeError, match="namespace"):
+        namespace_seed(LAYOUT, 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="salt"):
+        namespace_seed(LAYOUT, "ns", 5)  # type: ignore[arg-type]
+
+
+token_lists = st.lists(st.integers(min_value=0, max_value=2**63 - 1), min_size=0, max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=token_lists, cut=st.integers(min_value=0, max_value=80))
+def test_keys_of_a_prefix_are_a_prefix_of_the_keys(tokens: list[int], cut: int) -> None:
+    seed = namespace_seed(LAYOUT, "ns", "a")
+    full = page_keys(tokens, 4, seed)
+    part = page_keys(tokens[:cut], 4, seed)
+    assert full[: len(part)] == part
+    assert len(full) == len(tokens) // 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.lists(st.integers(min_value=0, max_value=2**32), min_size=16, max_size=64))
+def test_salt_namespace_page_size_and_layout_give_disjoint_keys(tokens: list[int]) -> None:
+    other_layout = KVLayout.mha(2, 2, 8, torch.bfloat16, page_tokens=4)
+    base = set(page_keys(tokens, 4, namespace_seed(LAYOUT, "ns", "a")))
+    variants = [
+        page_keys(tokens, 4, namespace_seed(LAYOUT, "ns", "b")),
+        page_keys(tokens, 4, namespace_seed(LAYOUT, "ns", None)),
+        page_keys(tokens, 4, namespace_seed(LAYOUT, "ns", b"a")),
+        page_keys(tokens, 4, namespace_seed(LAYOUT, "other", "a")),
+        page_keys(tokens, 8, namespace_seed(LAYOUT, "ns", "a")),
+        page_keys(tokens, 4, namespace_seed(other_layout, "ns", "a")),
+    ]
+    for keys in variants:
+        assert base.isdisjoint(keys)
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=token_lists, b=token_lists)
+def test_different_tokens_give_different_keys(a: list[int], b: list[int]) -> None:
+    seed = namespace_seed(LAYOUT, "ns")
+    ka, kb = page_keys(a, 4, seed), page_keys(b, 4, seed)
+    for i, (x, y) in enumerate(zip(ka, kb, strict=False)):
+        assert (x == y) == (a[: (i + 1) * 4] == b[: (i + 1) * 4])

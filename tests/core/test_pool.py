@@ -1,0 +1,200 @@
+"""Page pool: shared memory lifecycle, cross-process attach, page table protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import stat
+
+import pytest
+import torch
+
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageState, ReserveOutcome, StaleHandleError
+from aiokv.pool import PagePool
+from aiokv.shm import SegmentSpaceError, SharedSegment
+
+LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def _attach_and_write(name: str, page: int, value: float) -> None:
+    memory = PagePool.attach(name, LAYOUT)
+    try:
+        memory.pages[page].fill_(value)
+    finally:
+        memory.close()
+
+
+def test_budget_sets_page_count_and_small_budget_is_refused() -> None:
+    with PagePool.create(LAYOUT, 5 * LAYOUT.page_bytes + 100) as pool:
+        assert pool.num_pages == 5
+        assert pool.pages.shape == (5, *LAYOUT.page_shape) and pool.pages.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="smaller than one page"):
+        PagePool.create(LAYOUT, LAYOUT.page_bytes - 1)
+    with pytest.raises(TypeError, match="byte_budget"):
+        PagePool.create(LAYOUT, 1.5e9)  # type: ignore[arg-type]
+
+
+def test_segment_mode_name_and_unlink() -> None:
+    pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes)
+    path = "/dev/shm" + pool.name
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    other = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes)
+    assert other.name != pool.name
+    pool.close()
+    pool.close()  # idempotent
+    assert not os.path.exists(path)
+    other.close()
+
+
+def test_another_process_attaches_and_writes_a_page() -> None:
+    with PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        pool.pages.zero_()
+        proc = multiprocessing.get_context("spawn").Process(target=_attach_and_write, args=(pool.name, 2, 3.5))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert torch.all(pool.pages[2] == 3.5)
+        assert torch.all(pool.pages[1] == 0)
+        # The attacher's exit must not have unlinked the segment.
+        assert os.path.exists("/dev/shm" + pool.name)
+
+
+def test_attach_only_never_unlinks() -> None:
+    with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes) as pool:
+        attached = PagePool.attach(pool.name, LAYOUT)
+        attached.close()
+        attached.close()
+        assert os.path.exists("/dev/shm" + pool.name)
+    with pytest.raises(ValueError, match="segment name"):
+        SharedSegment.attach("no-slash")
+
+
+def test_too_small_shared_memory_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokv.shm
+
+    monkeypatch.setattr(aiokv.shm, "_shm_free_bytes", lambda: LAYOUT.page_bytes)
+    with pytest.raises(SegmentSpaceError, match="shm-size"):
+        PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes)
+
+
+def test_failed_chunk_is_counted_and_its_pages_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.posix_fallocate
+    failing_offset = LAYOUT.page_bytes * 2
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if offset == failing_offset:
+            raise OSError(28, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=2 * LAYOUT.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        stats = pool.statistics()
+        assert (stats.chunks_total, stats.chunks_ready, stats.chunks_failed) == (2, 1, 1)
+        results = pool.reserve([key(i) for i in range(4)])
+        assert [r.outcome for r in results] == [ReserveOutcome.RESERVED] * 2 + [ReserveOutcome.EXHAUSTED] * 2
+        assert {r.handle.page for r in results if r.handle} == {0, 1}
+        for r in results:
+            if r.handle:
+                pool.table.abort(r.handle)
+
+
+def test_reserve_commit_dedupe_and_handles() -> None:
+    with PagePool.create(LAYOUT, 3 * LAYOUT.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        (a,) = pool.reserve([key(1)])
+        assert a.outcome is ReserveOutcome.RESERVED and a.handle is not None
+        (again,) = pool.reserve([key(1)])
+        assert again.outcome is ReserveOutcome.PENDING and again.handle is None
+        pool.tensor(a.handle).fill_(7)
+        pool.table.commit(a.handle)
+        with pytest.raises(StaleHandleError):
+            pool.tensor(a.handle)  # the reservation handle is used up
+        (present,) = pool.reserve([key(1)])
+        assert present.outcome is ReserveOutcome.PRESENT
+        ref = pool.table.acquire(key(1))
+        assert ref is not None and torch.all(pool.tensor(ref) == 7)
+        pool.table.release(ref)
+        with pytest.raises(StaleHandleError):
+            pool.table.release(ref)
+        pool.table.check_invariants()
+
+
+def test_eviction_order_and_exhaustion() -> None:
+    with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        for i in (1, 2):
+            (r,) = pool.reserve([key(i)])
+            assert r.handle is not None
+            pool.table.commit(r.handle)
+        held = pool.table.acquire(key(1))  # now key 2 is the least recently used
+        assert held is not None
+        (r3,) = pool.reserve([key(3)])
+        assert r3.outcome is ReserveOutcome.RESERVED
+        assert pool.table.state_of(key(2)) is PageState.FREE and pool.table.contains(key(1))
+        # Everything is referenced or reserved: a typed outcome, not an exception.
+        (r4,) = pool.reserve([key(4)])
+        assert r4.outcome is ReserveOutcome.EXHAUSTED
+        stale = held
+        pool.table.release(held)
+        assert r3.handle is not None
+        pool.table.abort(r3.handle)
+        assert pool.table.evict(10) == [key(1)]
+        with pytest.raises(StaleHandleError):
+            pool.table.check(stale)
+        stats = pool.statistics().pages
+        assert (stats.free, stats.ready, stats.exhausted, stats.evictions) == (2, 0, 1, 2)
+        pool.table.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_waiters_wake_on_commit_and_abort() -> None:
+    async with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes) as pool:
+        await pool.wait_ready()
+        (r,) = pool.reserve([key(1)])
+        assert r.handle is not None
+        waiters = [asyncio.ensure_future(pool.table.wait_committed(key(1))) for _ in range(3)]
+        await asyncio.sleep(0)
+        pool.table.commit(r.handle)
+        assert await asyncio.gather(*waiters) == [True, True, True]
+        (r2,) = pool.reserve([key(2)])
+        assert r2.handle is not None
+        waiter = asyncio.ensure_future(pool.table.wait_committed(key(2)))
+        await asyncio.sleep(0)
+        pool.table.abort(r2.handle)
+        assert await waiter is False
+        assert await pool.table.wait_committed(key(99)) is False
+
+
+@pytest.mark.asyncio
+async def test_cancelled_waiter_leaks_nothing_and_disturbs_no_one() -> None:
+    async with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes) as pool:
+        await pool.wait_ready()
+        (r,) = pool.reserve([key(1)])
+        assert r.handle is not None
+        victim = asyncio.ensure_future(pool.table.wait_committed(key(1)))
+        survivor = asyncio.ensure_future(pool.table.wait_committed(key(1)))
+        await asyncio.sleep(0)
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        pool.table.commit(r.handle)
+        assert await survivor is True
+        pool.table.check_invariants()
+        stats = pool.statistics().pages
+        assert stats.reserved == 0 and stats.referenced == 0
+
+
+@pytest.mark.asyncio
+async def test_aclose_is_idempotent() -> None:
+    pool = PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes)
+    await pool.aclose()
+    await pool.aclose()
+    assert pool.memory.segment.closed
