@@ -102,6 +102,8 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
             raise ValueError(f"token ids must be non-negative, found {int(array.min())}")
         if array.dtype == np.uint64 and int(array.max()) > MAX_TOKEN_ID:
             raise ValueError(f"token ids must be < 2**63, found {int(array.max())}")
+    if array.dtype.itemsize == 8 and array.dtype.byteorder in "=<" and array.flags.c_contiguous:
+        return array.view("<u8")  # non-negative int64 has the same bytes as uint64: no copy
     return np.ascontiguousarray(array, dtype="<u8")
 
 
