@@ -1,0 +1,51 @@
+"""Fixtures of the disk-tier tests: a small layout, a pool closed after each test, a tier per backend."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiokv.storage import DiskBackend, DiskTier
+from disk_helpers import BACKENDS, config, small_layout
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return small_layout()
+
+
+@pytest.fixture
+def pool(layout: KVLayout) -> Iterator[PagePool]:
+    p = PagePool.create(layout, 64 * layout.page_bytes, register_cuda=False, workers=1)
+    p.wait_ready_blocking()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(params=BACKENDS, ids=[b.value for b in BACKENDS])
+def backend(request: pytest.FixtureRequest) -> DiskBackend:
+    value = request.param
+    assert isinstance(value, DiskBackend)
+    return value
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    return tmp_path / "disk"
+
+
+@pytest_asyncio.fixture
+async def tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> AsyncIterator[DiskTier]:
+    t = DiskTier(config(disk_dir, backend), layout, pool)
+    await t.start()
+    try:
+        yield t
+    finally:
+        await t.aclose()

@@ -1,0 +1,78 @@
+"""Helpers shared by the disk-tier tests (importable by spawned crash children too)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from aiokv.storage import DiskBackend, DiskConfig
+
+from aiokv.keys import PageKey
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.pool import PagePool
+
+BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS]
+
+
+def small_layout(dtype: torch.dtype = torch.float16) -> KVLayout:
+    return KVLayout.mha(2, 2, 64, dtype, page_tokens=16)  # 8 KiB payload: two 4 KiB blocks
+
+
+def key_of(i: int, tag: int = 0) -> PageKey:
+    return bytes([tag]) + i.to_bytes(15, "little")
+
+
+def config(directory: Path, backend: DiskBackend, capacity: int = 1 << 30, **overrides: object) -> DiskConfig:
+    """A small configuration: 8 I/Os in flight, 8 queued pages, 2 writers, 2 threads."""
+    fields: dict[str, object] = {"queue_depth": 8, "write_behind_depth": 8, "write_behind_workers": 2,
+                                 "threads": 2}
+    fields.update(overrides)
+    return DiskConfig(directory=directory, capacity_bytes=capacity, backend=backend, **fields)  # type: ignore[arg-type]
+
+
+def fill(pool: PagePool, key: PageKey, seed: int) -> PageHandle:
+    """A READY page of random bytes under ``key``; returns a held reference."""
+    (res,) = pool.reserve([key])
+    assert res.outcome is ReserveOutcome.RESERVED
+    assert res.handle is not None
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.tensor(res.handle).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    held = pool.table.commit(res.handle, keep=True)
+    assert held is not None
+    return held
+
+
+def reserve(pool: PagePool, key: PageKey) -> PageHandle:
+    (res,) = pool.reserve([key])
+    assert res.outcome is ReserveOutcome.RESERVED
+    assert res.handle is not None
+    return res.handle
+
+
+def assert_clean(pool: PagePool) -> None:
+    """No leaked reference or reservation."""
+    pool.table.check_invariants()
+    stats = pool.table.statistics()
+    assert stats.reserved == 0, stats
+    assert stats.referenced == 0, stats
+
+
+def page_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def temp_files(directory: Path) -> list[Path]:
+    return [p for p in page_files(directory) if p.name.startswith(".tmp-")]
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def payload(pool: PagePool, handle: PageHandle) -> torch.Tensor:
+    """A copy of the page's payload bytes (uint8: NaN patterns compare bit for bit)."""
+    raw = pool.memory.page_view(pool.table.check(handle))[: pool.layout.payload_bytes]
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
