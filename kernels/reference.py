@@ -20,11 +20,18 @@ from .checks import (
 )
 from .segments import segments
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """Same-size integer view: copies stay bit-exact and float8 needs no index kernels of its own."""
+    return t.view(_SAME_SIZE_INT[t.element_size()])
+
 
 def _token_rows(pages: torch.Tensor) -> torch.Tensor:
-    """``[N, L, T, rows * D]`` view of the pages (a view, never a copy: writes must land)."""
+    """``[N, L, T, rows * D]`` integer view of the pages (a view, never a copy: writes must land)."""
     n, layers, tokens, rows, dim = pages.shape
-    return pages.view(n, layers, tokens, rows * dim)
+    return _as_int(pages).view(n, layers, tokens, rows * dim)
 
 
 def reference_gather(
@@ -48,7 +55,7 @@ def reference_gather(
     rows = _token_rows(pages)
     for seg in segments(kv):
         for layer, tensor in enumerate(seg.layers):
-            picked = tensor.reshape(tensor.shape[0], -1).index_select(0, index)
+            picked = _as_int(tensor).reshape(tensor.shape[0], -1).index_select(0, index)
             picked = picked[:, seg.kv_col : seg.kv_col + seg.width].reshape(count, tokens, seg.width)
             dst = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
             dst.index_copy_(0, dst_index, picked.to(pages.device))
@@ -83,5 +90,5 @@ def reference_scatter(
         for layer, tensor in enumerate(seg.layers):
             picked = rows[:, layer, :, seg.page_col : seg.page_col + seg.width].index_select(0, src_index)
             picked = picked.reshape(count * tokens, seg.width)[skip_first:]
-            dst = tensor.view(tensor.shape[0], -1)[:, seg.kv_col : seg.kv_col + seg.width]
+            dst = _as_int(tensor).view(tensor.shape[0], -1)[:, seg.kv_col : seg.kv_col + seg.width]
             dst.index_copy_(0, index, picked.to(kv.device))
