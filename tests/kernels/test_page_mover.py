@@ -1,0 +1,169 @@
+"""PageMover over a real PagePool: every path, chunking over the staging lanes, checks before launch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
+from kvcase import (
+    DEVICE,
+    POISON,
+    distinct_slots,
+    empty_like_kv,
+    full_kv,
+    kv_equal,
+    kv_rows,
+    page_tokens_rows,
+    poisoned_pages,
+    rank_kv,
+    rank_rows,
+    triton_usable,
+)
+
+from aiokv.layout import BufferForm, KVBuffer, KVLayout, TPSlice
+from aiokv.pool import PagePool
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.bfloat16, page_tokens=16)
+PATHS = [TransferPath.REFERENCE] + ([TransferPath.STAGING, TransferPath.DIRECT] if triton_usable() else [])
+
+
+@pytest.fixture
+def pool() -> Iterator[PagePool]:
+    pool = PagePool.create(LAYOUT, 12 * LAYOUT.page_bytes)
+    pool.wait_ready_blocking()
+    pool.pages.view(torch.uint8).fill_(POISON)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def _finish(event: torch.cuda.Event | None) -> None:
+    if DEVICE.type == "cuda":
+        assert event is not None
+        event.synchronize()
+    else:
+        assert event is None
+
+
+# staging_pages only shapes the staging path: 1 (one lane), 2 (two lanes of one page), 3 (lanes of 2 and 1).
+ROUND_TRIPS = [(path, 2) for path in PATHS] + [(TransferPath.STAGING, n) for n in (1, 3) if triton_usable()]
+
+
+@pytest.mark.parametrize(("path", "staging_pages"), ROUND_TRIPS, ids=lambda v: getattr(v, "value", str(v)))
+@pytest.mark.parametrize("form", [BufferForm.STACKED, BufferForm.SPLIT_KV], ids=lambda f: f.value)
+def test_offload_then_load_round_trip(pool: PagePool, path: TransferPath, staging_pages: int, form: BufferForm) -> None:
+    gen = torch.Generator().manual_seed(staging_pages)
+    num_slots = 7 * 16 + 21
+    full = full_kv(LAYOUT, num_slots, gen)
+    kv = rank_kv(LAYOUT, full, form, TPSlice.of(LAYOUT))
+    mover = PageMover(kv, pool.pages, path, staging_pages)
+    assert mover.effective_path is path
+    slots = distinct_slots(7 * 16, num_slots, gen)
+    page_ids = [9, 2, 5, 0, 11, 3, 7]
+    _finish(mover.offload(slots, page_ids))
+    assert torch.equal(page_tokens_rows(pool.pages, page_ids), full.view(torch.uint8)[:, slots])
+    untouched = sorted(set(range(pool.num_pages)) - set(page_ids))
+    assert bool((pool.pages.view(torch.uint8)[untouched] == POISON).all())
+
+    back = empty_like_kv(kv)
+    loader = PageMover(back, pool.pages, path, staging_pages)
+    skip = 5
+    load_slots = distinct_slots(7 * 16 - skip, num_slots, gen)
+    _finish(loader.load(page_ids, load_slots, skip_first=skip))
+    want = empty_like_kv(kv)
+    reference_scatter(want, pool.pages, load_slots, page_ids, skip_first=skip)
+    assert kv_equal(back, want)
+    rows = kv_rows(back)
+    assert torch.equal(rows[:, load_slots], page_tokens_rows(pool.pages, page_ids)[:, skip:])
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+def test_tp_ranks_share_pages(pool: PagePool, path: TransferPath) -> None:
+    layout = LAYOUT
+    gen = torch.Generator().manual_seed(3)
+    num_slots = 64
+    full = full_kv(layout, num_slots, gen)
+    slots = distinct_slots(48, num_slots, gen)
+    page_ids = [1, 8, 4]
+    for rank in range(4):  # tp 4 > 2 heads: ranks 0 and 2 write, 1 and 3 are replicas
+        tp = TPSlice.of(layout, rank, 4)
+        mover = PageMover(rank_kv(layout, full, BufferForm.PER_LAYER, tp), pool.pages, path)
+        if path is TransferPath.STAGING:
+            assert mover.effective_path is TransferPath.DIRECT
+        event = mover.offload(slots, page_ids)
+        if tp.writer:
+            _finish(event)
+        else:
+            assert event is None
+    assert torch.equal(page_tokens_rows(pool.pages, page_ids), full.view(torch.uint8)[:, slots])
+    for rank in range(4):
+        tp = TPSlice.of(layout, rank, 4)
+        back = empty_like_kv(rank_kv(layout, full, BufferForm.PER_LAYER, tp))
+        _finish(PageMover(back, pool.pages, path).load(page_ids, slots))
+        assert torch.equal(kv_rows(back)[:, slots], rank_rows(layout, full.view(torch.uint8)[:, slots], tp))
+
+
+def test_default_path_follows_the_device(pool: PagePool) -> None:
+    kv = rank_kv(LAYOUT, full_kv(LAYOUT, 32, torch.Generator().manual_seed(0)), BufferForm.STACKED, TPSlice.of(LAYOUT))
+    mover = PageMover(kv, pool.pages)
+    assert mover.path is (TransferPath.STAGING if DEVICE.type == "cuda" else TransferPath.REFERENCE)
+
+
+# -- checks before launch ---------------------------------------------------------------------
+
+
+def _setup() -> tuple[KVBuffer, torch.Tensor]:
+    kv = rank_kv(LAYOUT, full_kv(LAYOUT, 40, torch.Generator().manual_seed(0)), BufferForm.STACKED, TPSlice.of(LAYOUT))
+    return kv, poisoned_pages(LAYOUT, 4)
+
+
+def _ok_slots() -> torch.Tensor:
+    return torch.arange(16)
+
+
+CASES: list[tuple[str, Callable[[KVBuffer, torch.Tensor], object], str]] = [
+    ("negative", lambda kv, p: reference_gather(kv, torch.arange(-1, 15), p, [0]), "slots holds a negative"),
+    ("out of range", lambda kv, p: reference_gather(kv, torch.arange(30, 46), p, [0]), "slots holds slot 45"),
+    ("duplicated", lambda kv, p: reference_gather(kv, torch.zeros(16, dtype=torch.int64), p, [0]), "duplicated slots"),
+    ("not whole pages", lambda kv, p: reference_gather(kv, torch.arange(15), p, None), "not a multiple of the page"),
+    ("page count", lambda kv, p: reference_gather(kv, _ok_slots(), p, [0, 1]), "page_ids names 2 pages"),
+    ("float slots", lambda kv, p: reference_gather(kv, _ok_slots().float(), p, [0]), "slots must have an integer"),
+    ("2-D slots", lambda kv, p: reference_gather(kv, _ok_slots().view(4, 4), p, [0]), "slots must be 1-D"),
+    ("page out of range", lambda kv, p: reference_gather(kv, _ok_slots(), p, [4]), "page_ids holds page 4"),
+    ("page negative", lambda kv, p: reference_gather(kv, _ok_slots(), p, [-1]), "page_ids holds a negative"),
+    ("page duplicated", lambda kv, p: reference_gather(kv, torch.arange(32), p, [1, 1]), "page_ids holds duplicated"),
+    ("pages dtype", lambda kv, p: reference_gather(kv, _ok_slots(), p.view(torch.int16), [0]), "pages has dtype"),
+    ("pages shape", lambda kv, p: reference_gather(kv, _ok_slots(), p[:, :1], [0]), "pages must have shape"),
+    ("skip too big", lambda kv, p: reference_scatter(kv, p, torch.arange(16), [0, 1], skip_first=16), "skip_first"),
+    ("scatter count", lambda kv, p: reference_scatter(kv, p, torch.arange(12), [0], skip_first=2), "need 14"),
+    ("mover path", lambda kv, p: PageMover(kv, p, "staging"), "path must be a TransferPath"),
+    ("mover staging", lambda kv, p: PageMover(kv, p, TransferPath.STAGING, 0), "staging_pages"),
+    ("mover load count", lambda kv, p: PageMover(kv, p).load([0, 1], _ok_slots()), "need 32"),
+    ("mover offload dup", lambda kv, p: PageMover(kv, p).offload(torch.zeros(16, dtype=torch.int32), [0]),
+     "duplicated slots"),
+]
+
+
+@pytest.mark.parametrize(("what", "call", "message"), CASES, ids=[c[0] for c in CASES])
+def test_bad_inputs_raise_value_error_naming_the_argument(
+    what: str, call: Callable[[KVBuffer, torch.Tensor], object], message: str
+) -> None:
+    kv, pages = _setup()
+    before = pages.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=message):
+        call(kv, pages)
+    assert torch.equal(pages.view(torch.uint8), before), f"{what}: pages changed before the check failed"
+
+
+@pytest.mark.skipif(not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_wrappers_check_too() -> None:
+    kv, pages = _setup()
+    with pytest.raises(ValueError, match="slots holds duplicated"):
+        gather(kv, torch.zeros(16, dtype=torch.int64), pages, [0])
+    with pytest.raises(ValueError, match="page_ids holds page 9"):
+        scatter(kv, pages, _ok_slots(), [9])
+    with pytest.raises(ValueError, match="pages has dtype"):
+        gather(kv, _ok_slots(), pages.view(torch.int16), [0])
