@@ -50,8 +50,8 @@ _OPCODES = {
 
 
 class FaultPlan:
-    """Errors to inject into the next operations of a kind (tests). The real operation still runs
-    on io_uring (only its result is replaced, exercising the completion path); threads raise."""
+    """Errors to inject into the next operations of a kind (tests). On io_uring the request still
+    travels through the ring (as a NOP) and fails at completion; threads raise before the syscall."""
 
     def __init__(self) -> None:
         self._plan: Counter[IOOp] = Counter()

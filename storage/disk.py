@@ -354,6 +354,11 @@ class DiskTier:
             raise RuntimeError("disk tier is not accepting writes (not started or closing)")
         await self._queue.put((key, handle))
 
+    async def flush(self) -> None:
+        """Wait until every page queued for write-behind so far is written or dropped."""
+        if self._queue is not None:
+            await self._queue.join()
+
     async def _write_behind_worker(self) -> None:
         assert self._queue is not None
         while True:

@@ -135,16 +135,19 @@ class Region:
 
 
 class _Request:
-    __slots__ = ("fields", "future", "keep")
+    __slots__ = ("fields", "future", "injected", "keep")
 
-    def __init__(self, fields: tuple[int, ...], future: asyncio.Future[int], keep: object) -> None:
+    def __init__(self, fields: tuple[int, ...], future: asyncio.Future[int], keep: object,
+                 injected: int | None) -> None:
         self.fields = fields
         self.future = future
         self.keep = keep  # buffers the kernel reads or writes: alive until the CQE arrives
+        self.injected = injected
 
 
 FaultHook = Callable[[int], int | None]
-"""Called with the opcode of each completion; a returned negative errno replaces its result (tests)."""
+"""Called with the opcode of each request (tests): when it returns a negative errno, the request
+goes through the ring as a NOP (no side effect) and completes with that result."""
 
 
 class UringEngine:
@@ -247,8 +250,11 @@ class UringEngine:
         if self._closed:
             raise RuntimeError("io_uring engine is closed")
         future: asyncio.Future[int] = self._loop.create_future()
+        injected = None if self.fault_hook is None else self.fault_hook(opcode)
+        if injected is not None:
+            opcode, fd, off, addr, length, op_flags, buf_index = OP_NOP, -1, 0, 0, 0, 0, 0
         fields = (opcode, 0, 0, fd, off, addr, length, op_flags, 0, buf_index, 0, 0, 0, 0)
-        request = _Request(fields, future, keep)
+        request = _Request(fields, future, keep, injected)
         if len(self._inflight) < self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
@@ -316,10 +322,8 @@ class UringEngine:
             request = self._inflight.pop(user_data, None)
             if request is None:
                 continue
-            if self.fault_hook is not None:
-                injected = self.fault_hook(request.fields[0])
-                if injected is not None:
-                    res = injected
+            if request.injected is not None:
+                res = request.injected
             future = request.future
             if not future.done():  # a cancelled caller's result is discarded
                 if res < 0:

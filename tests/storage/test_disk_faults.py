@@ -1,0 +1,317 @@
+"""Corrupt files, injected and real I/O faults, and backend fallbacks: each is a counted miss."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aiokv.storage import DiskBackend, DiskTier, ErrorKind
+from aiokv.storage import backends as backends_mod
+from aiokv.storage import uring as uring_mod
+from aiokv.storage.backends import IOOp
+from aiokv.storage.pagefile import HEADER_BYTES
+from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve, temp_files
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+
+
+async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
+    h = fill(pool, key_of(i), i)
+    data = payload(pool, h)
+    assert await tier.write(key_of(i), h)
+    pool.table.release(h)
+    return data
+
+
+async def _read_ok(tier: DiskTier, pool: PagePool, i: int, expect: torch.Tensor) -> None:
+    into = reserve(pool, key_of(1000 + i))
+    assert await tier.read(key_of(i), into)
+    assert torch.equal(payload(pool, into), expect)
+    pool.table.abort(into)
+
+
+def _exists(path: Path | str) -> bool:
+    return os.path.exists(path)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _truncate(path: Path, _layout: KVLayout) -> None:
+    os.truncate(path, path.stat().st_size - 4096)
+
+
+def _flip_payload(path: Path, layout: KVLayout) -> None:
+    _flip(path, HEADER_BYTES + layout.payload_bytes - 1)
+
+
+def _flip_header(path: Path, _layout: KVLayout) -> None:
+    _flip(path, 2000)  # inside the zero padding: only the header checksum can notice
+
+
+def _flip_header_field(path: Path, _layout: KVLayout) -> None:
+    _flip(path, 60)  # inside the payload-length field
+
+
+CORRUPTIONS = [_truncate, _flip_payload, _flip_header, _flip_header_field]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+async def test_corrupt_file_is_a_counted_miss_and_deleted(tier: DiskTier, pool: PagePool, layout: KVLayout,
+                                                          corrupt: object) -> None:
+    good = await _store(tier, pool, 1)
+    await _store(tier, pool, 2)
+    path = Path(tier.files.path(key_of(2)))
+    corrupt(path, layout)  # type: ignore[operator]
+    into = reserve(pool, key_of(50))
+    assert not await tier.read(key_of(2), into)
+    pool.table.abort(into)
+    await tier.delete(key_of(999))  # a no-op; lets the background unlink land first
+    assert not tier.contains(key_of(2))
+    stats = tier.statistics()
+    assert (stats.corrupt, stats.misses, stats.pages) == (1, 1, 1)
+    await tier.aclose()  # waits for the unlink
+    assert not _exists(path)
+    assert sum(stats.errors.values()) == 0
+    tier2 = DiskTier(tier.config, layout, pool)
+    async with tier2:
+        await _read_ok(tier2, pool, 1, good)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_foreign_key_and_foreign_layout_are_refused(tier: DiskTier, pool: PagePool, layout: KVLayout,
+                                                          disk_dir: Path, backend: DiskBackend) -> None:
+    await _store(tier, pool, 1)
+    await _store(tier, pool, 2)
+    # Key 2's file moved under key 3's name: the header names key 2.
+    os.rename(tier.files.path(key_of(2)), tier.files.path(key_of(3)))
+    # A page of another layout with the same byte size, placed under key 4's name.
+    other = KVLayout.mha(2, 2, 64, torch.bfloat16, page_tokens=16)
+    assert other.page_bytes == layout.page_bytes
+    other_pool = PagePool.create(other, 4 * other.page_bytes, register_cuda=False, workers=1)
+    try:
+        other_pool.wait_ready_blocking()
+        async with DiskTier(config(disk_dir, backend), other, other_pool) as foreign:
+            assert foreign.statistics().pages == 0  # layout 1's files are not served to layout 2
+            h = fill(other_pool, key_of(4), 4)
+            assert await foreign.write(key_of(4), h)
+            other_pool.table.release(h)
+            shutil.copy(foreign.files.path(key_of(4)), tier.files.path(key_of(4)))
+    finally:
+        other_pool.close()
+    await tier.aclose()
+    async with DiskTier(tier.config, layout, pool) as again:
+        assert again.keys_present_prefix([key_of(1), key_of(3), key_of(4)]) == 3
+        for i in (3, 4):
+            into = reserve(pool, key_of(100 + i))
+            assert not await again.read(key_of(i), into)
+            pool.table.abort(into)
+        assert again.statistics().corrupt == 2
+    assert not _exists(tier.files.path(key_of(3)))
+    assert not _exists(tier.files.path(key_of(4)))
+    assert_clean(pool)
+
+
+WRITE_FAULTS = [(IOOp.WRITE, errno.ENOSPC, ErrorKind.ENOSPC), (IOOp.OPEN, errno.EACCES, ErrorKind.EPERM),
+                (IOOp.RENAME, errno.EIO, ErrorKind.EIO), (IOOp.WRITE, errno.EINVAL, ErrorKind.OTHER)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("op", "err", "kind"), WRITE_FAULTS, ids=lambda v: getattr(v, "name", str(v)))
+async def test_injected_write_fault(tier: DiskTier, pool: PagePool, disk_dir: Path, op: IOOp, err: int,
+                                    kind: ErrorKind, caplog: pytest.LogCaptureFixture) -> None:
+    good = await _store(tier, pool, 1)
+    for i in (2, 3):
+        tier.backend.faults.inject(op, err)
+        h = fill(pool, key_of(i), i)
+        assert not await tier.write(key_of(i), h)
+        pool.table.release(h)
+        assert not tier.contains(key_of(i))
+    stats = tier.statistics()
+    assert stats.errors[kind] == 2
+    assert stats.writes == 1
+    assert stats.bytes_stored == stats.pages * (HEADER_BYTES + tier.layout.page_bytes)
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1  # logged once per kind
+    await _read_ok(tier, pool, 1, good)  # keeps serving what it has
+    await _store(tier, pool, 4)  # and writes again once the fault is gone
+    await tier.aclose()
+    assert temp_files(disk_dir) == []
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_injected_read_fault(tier: DiskTier, pool: PagePool) -> None:
+    good = await _store(tier, pool, 1)
+    tier.backend.faults.inject(IOOp.READ, errno.EIO)
+    into = reserve(pool, key_of(9))
+    assert not await tier.read(key_of(1), into)
+    pool.table.abort(into)
+    stats = tier.statistics()
+    assert stats.errors[ErrorKind.EIO] == 1
+    assert stats.corrupt == 0
+    await _read_ok(tier, pool, 1, good)  # an I/O error is not corruption: the file stays
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_file_removed_behind_our_back_is_a_plain_miss(tier: DiskTier, pool: PagePool) -> None:
+    await _store(tier, pool, 1)
+    os.unlink(tier.files.path(key_of(1)))
+    into = reserve(pool, key_of(9))
+    assert not await tier.read(key_of(1), into)
+    pool.table.abort(into)
+    stats = tier.statistics()
+    assert (stats.misses, stats.corrupt, sum(stats.errors.values()), stats.pages) == (1, 0, 0, 0)
+
+
+@pytest.fixture
+def small_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB ext4 file system on a loop device (supports O_DIRECT, unlike tmpfs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 is not installed")
+    image, mount = tmp_path / "ext4.img", tmp_path / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(24 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    done = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"loop mount not possible here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_real_enospc_on_small_ext4(small_ext4: Path, backend: DiskBackend) -> None:
+    layout = KVLayout.mha(4, 4, 128, torch.float16, page_tokens=64)  # 256 KiB pages
+    pool = PagePool.create(layout, 8 * layout.page_bytes, register_cuda=False, workers=1)
+    try:
+        pool.wait_ready_blocking()
+        async with DiskTier(config(small_ext4 / "disk", backend), layout, pool) as tier:
+            assert tier.statistics().direct_io
+            stored: dict[int, torch.Tensor] = {}
+            failed = 0
+            for i in range(200):  # 200 x 260 KiB: far past 24 MiB
+                h = fill(pool, key_of(i), i)
+                data = payload(pool, h)
+                if await tier.write(key_of(i), h):
+                    stored[i] = data
+                else:
+                    failed += 1
+                pool.table.release(h)
+                pool.table.evict(8)
+                if failed >= 5:
+                    break
+            stats = tier.statistics()
+            assert failed == 5
+            assert stats.errors[ErrorKind.ENOSPC] == 5
+            assert len(stored) > 20
+            for i in list(stored)[:: max(1, len(stored) // 10)]:
+                await _read_ok(tier, pool, i, stored[i])
+        assert temp_files(small_ext4 / "disk") == []
+        assert len(page_files(small_ext4 / "disk")) == len(stored)
+        assert_clean(pool)
+    finally:
+        pool.close()
+
+
+# -- fallbacks --------------------------------------------------------------------------------
+
+
+def _refuse_setup(_entries: int, _params: object) -> int:
+    raise OSError(errno.EPERM, "io_uring refused (injected)")
+
+
+@pytest.mark.asyncio
+async def test_auto_falls_back_to_threads_when_io_uring_is_refused(
+        disk_dir: Path, layout: KVLayout, pool: PagePool, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(uring_mod, "io_uring_setup", _refuse_setup)
+    with caplog.at_level(logging.WARNING):
+        async with DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool) as tier:
+            assert tier.statistics().backend is DiskBackend.THREADS
+            data = await _store(tier, pool, 1)
+            await _read_ok(tier, pool, 1, data)
+    assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] != []
+    for forced in (DiskBackend.URING, DiskBackend.URING_FIXED):
+        with pytest.raises(OSError, match="refused"):
+            await DiskTier(config(disk_dir, forced), layout, pool).start()
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_auto_falls_back_to_unregistered_buffers(disk_dir: Path, layout: KVLayout, pool: PagePool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    real = uring_mod.io_uring_register
+
+    def no_memlock(fd: int, opcode: int, arg: object, nr: int) -> int:
+        if opcode == uring_mod.IORING_REGISTER_BUFFERS:
+            raise OSError(errno.ENOMEM, "memlock (injected)")
+        return real(fd, opcode, arg, nr)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(uring_mod, "io_uring_register", no_memlock)
+    async with DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool) as tier:
+        assert tier.statistics().backend is DiskBackend.URING
+        data = await _store(tier, pool, 1)
+        await _read_ok(tier, pool, 1, data)
+    with pytest.raises(OSError, match="memlock"):
+        await DiskTier(config(disk_dir, DiskBackend.URING_FIXED), layout, pool).start()
+    assert_clean(pool)
+
+
+@pytest.fixture
+def tmpfs_dir() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = Path("/dev/shm") / f"aiokv-disk-test-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_buffered_io_where_o_direct_is_refused(tmpfs_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                     pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tmpfs refused O_DIRECT before Linux 6.6; newer kernels accept it, so the refusal is injected
+    # at the probe (the same EINVAL answer an old tmpfs gives).
+    real_open = os.open
+
+    def refuse_direct(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused (injected)")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(backends_mod.os, "open", refuse_direct)
+    async with DiskTier(config(tmpfs_dir, backend), layout, pool) as tier:
+        stats = tier.statistics()
+        assert not stats.direct_io
+        assert stats.backend is backend
+        data = await _store(tier, pool, 1)
+        await _read_ok(tier, pool, 1, data)
+    with pytest.raises(OSError, match="O_DIRECT"):
+        await DiskTier(config(tmpfs_dir, backend, direct_io=True), layout, pool).start()
+    monkeypatch.undo()
+    async with DiskTier(config(tmpfs_dir, backend), layout, pool) as tier:  # the real tmpfs, either way
+        await _read_ok(tier, pool, 1, data)
+    assert_clean(pool)
