@@ -1,0 +1,326 @@
+"""aiokv's demo inference loop: a Llama-shaped model served from one asyncio loop over aiokv's tiers.
+
+Runs a multi-tenant workload (multi-turn chats, long documents read by several users) twice: from
+scratch, then with the GPU prefix cache and aiokv's CPU pool and disk tier; checks every request
+against the from-scratch run (tokens identical, logits bit-exact on CPU) and prints where prompt
+tokens came from. ``--ttft`` instead measures time to first token for long prompts served from
+the pool, from disk, and recomputed.
+
+    .venv/bin/python tools/demo.py                                   # CPU, about 3 minutes
+    .venv/bin/python tools/demo.py --preset 8b --device cuda         # H200
+    .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft  # headline TTFT table
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_engine import (
+    BlockTable,
+    Engine,
+    RequestResult,
+    Session,
+    WorkloadConfig,
+    make_workload,
+    run_sessions,
+    total_requests,
+)
+from demo_model import PRESETS, LlamaModel, ModelConfig, preset
+from demo_report import OracleReport, Progress, compare, format_table, plot, summarize, write_json
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Workload and tier sizes per model preset: the KV buffer holds a few requests, the pool about a
+# quarter of the distinct prompt pages, so GPU prefix, pool and disk all serve hits.
+WORKLOADS: dict[str, WorkloadConfig] = {
+    "tiny": WorkloadConfig(
+        tenants=2, chats_per_tenant=2, chat_turns=3, system_tokens=24, chat_text=(20, 40),
+        docs_per_tenant=1, doc_tokens=(120, 160), users_per_doc=3, doc_turns=1, question_tokens=(6, 12),
+    ),
+    "small": WorkloadConfig(),
+    "8b": WorkloadConfig(
+        tenants=3, chats_per_tenant=4, chat_turns=4, system_tokens=1024, chat_text=(500, 1500),
+        docs_per_tenant=2, doc_tokens=(8000, 16000), users_per_doc=3, doc_turns=2, question_tokens=(40, 200),
+    ),
+}
+PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything one demo run needs (tokens, pages, bytes)."""
+
+    model: ModelConfig
+    workload: WorkloadConfig
+    device: str = "cpu"
+    page_tokens: int = 32
+    chunk_tokens: int = 0  # 0: one page per chunk
+    gen_tokens: int = 8
+    concurrency: int = 3
+    kv_blocks: int = 0  # 0: sized from the workload
+    pool_pages: int = 0  # 0: sized from the workload
+    disk_bytes: int = 1 << 34
+    disk_dir: Path | None = None  # None: a temporary directory, removed afterwards
+    namespace: str = "demo-model"
+
+
+@dataclass
+class DemoOutcome:
+    """Both runs' records, the cache statistics and the oracle's verdict."""
+
+    cached: list[RequestResult]
+    scratch: list[RequestResult]
+    summary: dict[str, Any]
+    stats: Any
+    oracle: OracleReport
+    kv_blocks: int
+    pool_pages: int
+
+
+def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int]:
+    """Longest request in tokens, KV buffer blocks and pool pages for this workload."""
+    page = cfg.page_tokens
+    longest = max(sum(len(t) for t in s.texts) + len(s.texts) * cfg.gen_tokens for s in sessions)
+    per_request = -(-longest // page)
+    distinct = {t for s in sessions for t in s.texts}
+    distinct_pages = sum(len(t) for t in distinct) // page
+    kv_blocks = cfg.kv_blocks or max(per_request, int(1.5 * cfg.concurrency * per_request))
+    pool_pages = cfg.pool_pages or max(per_request, distinct_pages // 4)
+    return longest, kv_blocks, pool_pages
+
+
+def _layout_and_config(cfg: DemoConfig, pool_pages: int, disk_dir: Path | None) -> tuple[Any, Any]:
+    from aiokv import CacheConfig, KVLayout
+
+    m = cfg.model
+    layout = KVLayout.mha(
+        num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype,
+        page_tokens=cfg.page_tokens,
+    )
+    config = CacheConfig(
+        cpu_bytes=pool_pages * layout.page_bytes, disk_dir=disk_dir, disk_bytes=cfg.disk_bytes,
+        namespace=cfg.namespace,
+    )
+    return layout, config
+
+
+async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
+    """Serve the workload from scratch, then through the cache; compare the two request by request."""
+    from aiokv import KVCache
+
+    device = torch.device(cfg.device)
+    sessions = make_workload(cfg.workload, cfg.model.vocab)
+    longest, kv_blocks, pool_pages = _sizes(cfg, sessions)
+    model = LlamaModel(cfg.model, device, longest + cfg.gen_tokens)
+    kv = model.new_kv_buffer(kv_blocks * cfg.page_tokens)
+    chunk = cfg.chunk_tokens or cfg.page_tokens
+    n_req = total_requests(sessions)
+
+    def noop(_: RequestResult) -> None:
+        pass
+
+    # Warm-up outside both timed runs (first-call allocations, kernel selection).
+    warm = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, 2, keep_logits=False)
+    await warm.serve("warmup", "warmup", "warmup", 0, list(range(min(longest, 4 * chunk))))
+
+    scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
+    t = time.perf_counter()
+    scratch = await run_sessions(
+        scratch_engine, sessions, cfg.concurrency, Progress("scratch", n_req) if progress else noop
+    )
+    wall_scratch = time.perf_counter() - t
+
+    tmp = None
+    disk_dir = cfg.disk_dir
+    if disk_dir is None:
+        tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
+    try:
+        layout, config = _layout_and_config(cfg, pool_pages, disk_dir)
+        async with KVCache(config, layout, kv) as cache:
+            engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, True), cache, chunk, cfg.gen_tokens)
+            t = time.perf_counter()
+            cached = await run_sessions(
+                engine, sessions, cfg.concurrency, Progress("cached", n_req) if progress else noop
+            )
+            wall = time.perf_counter() - t
+            stats = cache.stats()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    oracle = compare(cached, scratch, exact=device.type == "cpu")
+    summary = summarize(cached, scratch, wall, wall_scratch)
+    return DemoOutcome(cached, scratch, summary, stats, oracle, kv_blocks, pool_pages)
+
+
+async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Time to first token of one prompt per length: prefix from the pool, from disk, and recomputed.
+
+    The pool case offloads the prompt, then serves it again from a cache without a disk tier. The
+    disk case offloads into a cache whose write-behind persists the pages, closes it, and serves
+    from a new cache on the same directory (an empty pool, as after a restart).
+    """
+    from aiokv import KVCache
+
+    device = torch.device(cfg.device)
+    page, chunk = cfg.page_tokens, cfg.chunk_tokens or cfg.page_tokens
+    longest = max(lengths)
+    blocks = -(-(longest + 1) // page)
+    model = LlamaModel(cfg.model, device, longest + 1)
+    kv = model.new_kv_buffer(blocks * page)
+    pool_pages = cfg.pool_pages or blocks + 1
+    gen = torch.Generator().manual_seed(cfg.model.seed + 1)
+    rows: list[dict[str, Any]] = []
+
+    def engine(cache: Any) -> Engine:
+        return Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1)
+
+    await engine(None).serve("warmup", "t", "ttft", 0, list(range(min(longest, 2 * chunk))))
+    tmp = Path(tempfile.mkdtemp(prefix="aiokv-ttft-")) if cfg.disk_dir is None else cfg.disk_dir
+    try:
+        for n in lengths:
+            prompt = torch.randint(0, cfg.model.vocab, (n,), generator=gen).tolist()
+            row: dict[str, Any] = {"prompt_tokens": n}
+            times: dict[str, list[float]] = {"recompute": [], "pool": [], "disk": []}
+            logits: dict[str, torch.Tensor] = {}
+            for rep in range(repeats):
+                r = await engine(None).serve(f"recompute{n}", "t", "ttft", rep, prompt)
+                times["recompute"].append(r.ttft_s)
+                logits["recompute"] = r.logits[0] if r.logits is not None else torch.empty(0)
+                _, pool_only = _layout_and_config(cfg, pool_pages, None)
+                layout, _ = _layout_and_config(cfg, pool_pages, None)
+                async with KVCache(pool_only, layout, kv) as cache:
+                    await engine(cache).serve(f"fill{n}", f"pool{rep}", "ttft", rep, prompt)
+                    r = await engine(cache).serve(f"pool{n}", f"pool{rep}", "ttft", rep, prompt)
+                    times["pool"].append(r.ttft_s)
+                    row["pool_hit_tokens"] = r.pool_tokens
+                    logits["pool"] = r.logits[0] if r.logits is not None else torch.empty(0)
+                disk_dir = tmp / f"{n}-{rep}"
+                _, with_disk = _layout_and_config(cfg, pool_pages, disk_dir)
+                async with KVCache(with_disk, layout, kv) as cache:
+                    await engine(cache).serve(f"fill{n}", f"disk{rep}", "ttft", rep, prompt)
+                async with KVCache(with_disk, layout, kv) as cache:
+                    r = await engine(cache).serve(f"disk{n}", f"disk{rep}", "ttft", rep, prompt)
+                    times["disk"].append(r.ttft_s)
+                    row["disk_hit_tokens"] = r.disk_tokens
+                    row["disk_pool_tokens"] = r.pool_tokens
+                    logits["disk"] = r.logits[0] if r.logits is not None else torch.empty(0)
+                shutil.rmtree(disk_dir, ignore_errors=True)
+            for k, v in times.items():
+                row[f"{k}_s"] = sorted(v)[len(v) // 2]
+            row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
+            row["disk_speedup"] = row["recompute_s"] / row["disk_s"]
+            ref = logits["recompute"]
+            row["max_abs_logit_diff"] = max(float((logits[k] - ref).abs().max()) for k in ("pool", "disk"))
+            rows.append(row)
+            print(
+                f"  {n:>7} tokens: recompute {row['recompute_s'] * 1e3:9.1f} ms  pool {row['pool_s'] * 1e3:9.1f} ms "
+                f"({row['pool_speedup']:.1f}x)  disk {row['disk_s'] * 1e3:9.1f} ms ({row['disk_speedup']:.1f}x)  "
+                f"hits pool={row['pool_hit_tokens']} disk={row['disk_hit_tokens']}",
+                file=sys.stderr,
+            )
+    finally:
+        if cfg.disk_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model and workload shape")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="model/KV dtype (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
+    for name in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
+        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    p.add_argument("--page-tokens", type=int, help="tokens per page (default: per preset)")
+    p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk, a multiple of the page (0: one page)")
+    p.add_argument("--gen-tokens", type=int, default=8, help="tokens decoded per request")
+    p.add_argument("--concurrency", type=int, default=3, help="sessions served at once")
+    p.add_argument("--kv-blocks", type=int, default=0, help="KV buffer size in pages (0: from the workload)")
+    p.add_argument("--pool-pages", type=int, default=0, help="CPU pool size in pages (0: from the workload)")
+    p.add_argument("--disk-bytes", type=int, default=1 << 34, help="disk tier budget in bytes")
+    p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one)")
+    p.add_argument("--tenants", type=int, help="override the workload's tenant count")
+    p.add_argument("--json", type=Path, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of per-request prefill time and hit sources here")
+    p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
+    p.add_argument("--ttft-lengths", default="8192,16384,32768", help="prompt lengths for --ttft")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per --ttft measurement (median)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def config_from_args(a: argparse.Namespace) -> DemoConfig:
+    """The run's configuration from parsed flags."""
+    model = preset(a.preset, DTYPES[a.dtype] if a.dtype else None, a.seed)
+    overrides = {
+        "num_layers": a.layers, "hidden": a.hidden, "num_heads": a.heads, "num_kv_heads": a.kv_heads,
+        "intermediate": a.intermediate, "vocab": a.vocab,
+    }
+    model = replace(model, **{k: v for k, v in overrides.items() if v is not None})
+    workload = replace(WORKLOADS[a.preset], seed=a.seed)
+    if a.tenants:
+        workload = replace(workload, tenants=a.tenants)
+    return DemoConfig(
+        model=model, workload=workload, device=a.device, page_tokens=a.page_tokens or PAGE_TOKENS[a.preset],
+        chunk_tokens=a.chunk_tokens, gen_tokens=a.gen_tokens, concurrency=a.concurrency,
+        kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, disk_bytes=a.disk_bytes, disk_dir=a.disk_dir,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    cfg = config_from_args(a)
+    m = cfg.model
+    print(
+        f"model: {m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads / {m.num_kv_heads} KV heads, "
+        f"vocab {m.vocab}, {str(m.dtype).removeprefix('torch.')}, {m.params / 1e6:.1f}M params on {cfg.device}; "
+        f"page {cfg.page_tokens} tokens ({m.kv_bytes_per_token() * cfg.page_tokens / 2**10:.0f} KiB)",
+        file=sys.stderr,
+    )
+    if a.ttft:
+        lengths = [int(x) for x in a.ttft_lengths.split(",")]
+        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats))
+        print(f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}")
+        print(f"  {'prompt':>8} {'recompute ms':>13} {'pool ms':>10} {'speedup':>8} {'disk ms':>10} {'speedup':>8}")
+        for r in rows:
+            print(
+                f"  {r['prompt_tokens']:>8} {r['recompute_s'] * 1e3:>13.1f} {r['pool_s'] * 1e3:>10.1f} "
+                f"{r['pool_speedup']:>7.1f}x {r['disk_s'] * 1e3:>10.1f} {r['disk_speedup']:>7.1f}x"
+            )
+        if a.json:
+            write_json(a.json, {"config": asdict(cfg), "ttft": rows})
+        return 0
+    out = asyncio.run(run_demo(cfg, progress=not a.quiet))
+    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {cfg.disk_bytes >> 20} MiB")
+    print(format_table(out.summary, out.stats, out.oracle))
+    if a.json:
+        write_json(a.json, {
+            "config": asdict(cfg), "kv_blocks": out.kv_blocks, "pool_pages": out.pool_pages,
+            "summary": out.summary, "stats": out.stats, "oracle": out.oracle,
+            "requests": [{f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("logits", "prompt_digest")}
+                         for r in out.cached],
+        })
+    if a.plot:
+        title = (f"{m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}: "
+                 f"{out.summary['requests']} requests, page {cfg.page_tokens}")
+        plot(a.plot, out.cached, out.scratch, title)
+    for line in out.oracle.mismatches:
+        print(f"ORACLE MISMATCH {line}", file=sys.stderr)
+    return 1 if out.oracle.mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The demo's engine: workload, GPU slot blocks with prefix reuse, and the asyncio serving loop.
+
+An engine owns a KV buffer ``[L, S, 2H, D]`` cut into blocks of ``page_tokens`` slots. Finished
+requests leave their full prompt pages in the buffer as a GPU prefix cache (evicted LRU when blocks
+run out); below it sits aiokv's pool and disk tier. Per request the loop: takes blocks (reusing a
+GPU prefix), awaits ``match`` and ``load`` for the part the GPU does not hold, prefills the rest in
+page-aligned chunks, decodes greedily, awaits ``offload``, then frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from demo_model import LlamaModel
+
+
+class SessionKind(enum.Enum):
+    """What a session is: a multi-turn chat, or users asking about a shared document."""
+
+    CHAT = "chat"
+    DOC = "doc"
+
+
+@dataclass(frozen=True)
+class Session:
+    """One user's conversation: turn k's prompt is turn k-1's prompt + its answer + ``texts[k]``."""
+
+    name: str
+    tenant: str
+    kind: SessionKind
+    texts: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Size of the generated workload (all lengths in tokens)."""
+
+    tenants: int = 3
+    chats_per_tenant: int = 4
+    chat_turns: int = 4
+    system_tokens: int = 96
+    chat_text: tuple[int, int] = (120, 240)
+    docs_per_tenant: int = 2
+    doc_tokens: tuple[int, int] = (1100, 1500)
+    users_per_doc: int = 3
+    doc_turns: int = 2
+    question_tokens: tuple[int, int] = (24, 64)
+    seed: int = 0
+
+
+def make_workload(cfg: WorkloadConfig, vocab: int) -> list[Session]:
+    """Sessions in arrival order, deterministic from ``cfg.seed``.
+
+    Each tenant has a system prompt shared by its chats; each document is read by several users of
+    its tenant whose sessions are spread over the run, so late readers find it in a lower tier.
+    """
+    rng = random.Random(cfg.seed)
+
+    def text(bounds: tuple[int, int]) -> tuple[int, ...]:
+        return tuple(rng.randrange(vocab) for _ in range(rng.randint(*bounds)))
+
+    chats: list[Session] = []
+    readers: list[list[Session]] = []
+    for t in range(cfg.tenants):
+        tenant = f"tenant{t}"
+        system = tuple(rng.randrange(vocab) for _ in range(cfg.system_tokens))
+        for c in range(cfg.chats_per_tenant):
+            turns = [system + text(cfg.chat_text)] + [text(cfg.chat_text) for _ in range(cfg.chat_turns - 1)]
+            chats.append(Session(f"{tenant}/chat{c}", tenant, SessionKind.CHAT, tuple(turns)))
+        for d in range(cfg.docs_per_tenant):
+            doc = text(cfg.doc_tokens)
+            group = []
+            for u in range(cfg.users_per_doc):
+                turns = [doc + text(cfg.question_tokens)]
+                turns += [text(cfg.question_tokens) for _ in range(cfg.doc_turns - 1)]
+                group.append(Session(f"{tenant}/doc{d}/user{u}", tenant, SessionKind.DOC, tuple(turns)))
+            readers.append(group)
+    rng.shuffle(chats)
+    rng.shuffle(readers)
+    # Reader u of every document arrives in wave u; chats are spread evenly between the waves.
+    waves = [[group[u] for group in readers] for u in range(cfg.users_per_doc)]
+    per_wave = -(-len(chats) // max(1, len(waves)))
+    order: list[Session] = []
+    for u, wave in enumerate(waves):
+        order += wave + chats[u * per_wave : (u + 1) * per_wave]
+    return order
+
+
+def page_digests(tokens: Sequence[int], salt: str, page_tokens: int) -> list[bytes]:
+    """Cumulative digest of every full page: page i's digest covers the salt and tokens of pages 0..i."""
+    out: list[bytes] = []
+    h = hashlib.blake2b(salt.encode(), digest_size=16)
+    for i in range(len(tokens) // page_tokens):
+        h.update(torch.tensor(tokens[i * page_tokens : (i + 1) * page_tokens], dtype=torch.int64).numpy())
+        out.append(h.copy().digest())
+    return out
+
+
+class BlockTable:
+    """Blocks of ``block_tokens`` slots with reference counts and an LRU prefix cache of full pages.
+
+    All methods are synchronous: the loop's single thread makes each call atomic.
+    """
+
+    def __init__(self, num_blocks: int, block_tokens: int, prefix_reuse: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self.prefix_reuse = prefix_reuse
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}
+        self._by_key: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references
+        self.evictions = 0
+
+    def try_acquire(self, keys: Sequence[bytes], total: int) -> tuple[list[int], list[int]] | None:
+        """Reference the cached blocks of the longest prefix of ``keys`` and take new blocks up to ``total``.
+
+        Returns ``(hit_blocks, new_blocks)``, or None (nothing taken) when too few blocks are free.
+        """
+        hits: list[int] = []
+        if self.prefix_reuse:
+            for key in keys:
+                block = self._by_key.get(key)
+                if block is None:
+                    break
+                hits.append(block)
+        need = total - len(hits)
+        idle_hits = sum(1 for b in hits if b in self._lru)
+        if need > len(self._free) + len(self._lru) - idle_hits:
+            return None
+        for b in hits:
+            self._lru.pop(b, None)
+            self._refs[b] += 1
+        new: list[int] = []
+        while len(new) < need:
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._lru.popitem(last=False)
+                del self._by_key[self._key_of.pop(b)]
+                self.evictions += 1
+            self._refs[b] = 1
+            new.append(b)
+        return hits, new
+
+    def publish(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Make full prompt pages findable by later requests (first writer of a key wins)."""
+        if not self.prefix_reuse:
+            return
+        for b, key in zip(blocks, keys, strict=False):
+            if key not in self._by_key and b not in self._key_of:
+                self._by_key[key] = b
+                self._key_of[b] = key
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference per block; cached blocks stay in the LRU, others become free."""
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    def slots(self, blocks: Sequence[int], count: int, device: torch.device) -> torch.Tensor:
+        """The first ``count`` slot indices of ``blocks`` in order, int64 ``[count]``."""
+        t = self.block_tokens
+        base = torch.tensor(blocks, dtype=torch.int64)[:, None] * t + torch.arange(t)[None, :]
+        return base.reshape(-1)[:count].to(device)
+
+    def in_use(self) -> int:
+        """Blocks referenced by a running request."""
+        return self.num_blocks - len(self._free) - len(self._lru)
+
+
+@dataclass
+class RequestResult:
+    """What one request did and produced; times in seconds."""
+
+    name: str
+    tenant: str
+    kind: str
+    index: int
+    prompt_tokens: int
+    gpu_tokens: int = 0
+    pool_tokens: int = 0
+    disk_tokens: int = 0
+    computed_tokens: int = 0
+    lost_tokens: int = 0  # matched but not loaded (a lower tier failed)
+    match_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    offload_s: float = 0.0
+    ttft_s: float = 0.0
+    generated: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # float32 [gen_tokens, V] on CPU
+    prompt_digest: bytes = b""
+
+
+class Engine:
+    """One model, one KV buffer, one optional aiokv cache; serves requests from many tasks."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: torch.Tensor,
+        blocks: BlockTable,
+        cache: Any | None,
+        chunk_tokens: int,
+        gen_tokens: int,
+        keep_logits: bool = True,
+    ) -> None:
+        if chunk_tokens % blocks.block_tokens:
+            raise ValueError("chunk_tokens must be a multiple of page_tokens")
+        if gen_tokens < 1:
+            raise ValueError("gen_tokens must be at least 1")
+        self.model = model
+        self.kv = kv
+        self.blocks = blocks
+        self.cache = cache
+        self.chunk_tokens = chunk_tokens
+        self.gen_tokens = gen_tokens
+        self.keep_logits = keep_logits
+        self.page = blocks.block_tokens
+        self._freed = asyncio.Condition()
+        self._compute = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
+
+    def _sync(self) -> None:
+        if self.kv.is_cuda:
+            torch.cuda.synchronize(self.kv.device)
+
+    async def _take_blocks(self, keys: Sequence[bytes], total: int) -> tuple[list[int], list[int]]:
+        if total > self.blocks.num_blocks:
+            raise ValueError(f"a request needs {total} blocks; the KV buffer has {self.blocks.num_blocks}")
+        async with self._freed:
+            while (got := self.blocks.try_acquire(keys, total)) is None:
+                await self._freed.wait()
+        return got
+
+    async def _give_blocks(self, blocks: Sequence[int]) -> None:
+        self.blocks.release(blocks)
+        async with self._freed:
+            self._freed.notify_all()
+
+    async def serve(self, name: str, tenant: str, kind: str, index: int, prompt: list[int]) -> RequestResult:
+        """Serve one request: reuse, load, prefill the rest, decode, offload; return its record."""
+        n, page = len(prompt), self.page
+        res = RequestResult(name, tenant, kind, index, n)
+        res.prompt_digest = hashlib.blake2b(torch.tensor(prompt).numpy(), digest_size=16).digest()
+        # At least one prompt token is computed, to produce the first token's logits.
+        usable = (n - 1) // page * page
+        keys = page_digests(prompt, tenant, page)
+        total_slots = n + self.gen_tokens - 1  # the last generated token is never fed back
+        t0 = time.perf_counter()
+        hit_blocks, new_blocks = await self._take_blocks(keys[: usable // page], -(-total_slots // page))
+        blocks = hit_blocks + new_blocks
+        try:
+            slots = self.blocks.slots(blocks, total_slots, self.kv.device)
+            start = res.gpu_tokens = len(hit_blocks) * page
+            if self.cache is not None and usable > start:
+                start = await self._load(res, prompt[:usable], slots, start)
+            # Chunks end on absolute multiples of chunk_tokens, so they are the same with or without hits.
+            async with self._compute:
+                t1 = time.perf_counter()
+                tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
+                logits_list: list[torch.Tensor] = []
+                pos = start
+                while pos < n:
+                    end = min(n, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
+                    logits = self.model.forward(tokens[pos:end], pos, slots[:end], self.kv)
+                    pos = end
+                    if pos < n:
+                        await asyncio.sleep(0)  # let cache completions run between chunks
+                token = int(logits.argmax().item())
+                self._sync()
+                t2 = time.perf_counter()
+                res.prefill_s, res.ttft_s = t2 - t1, t2 - t0
+                res.computed_tokens = n - start
+                logits_list.append(logits)
+                res.generated.append(token)
+                for i in range(self.gen_tokens - 1):
+                    step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
+                    logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
+                    token = int(logits.argmax().item())
+                    logits_list.append(logits)
+                    res.generated.append(token)
+                res.decode_s = time.perf_counter() - t2
+            if self.keep_logits:
+                res.logits = torch.stack(logits_list).cpu()
+            full = n // page
+            self.blocks.publish(blocks[:full], keys[:full])
+            if self.cache is not None:
+                # Only the prompt's pages: answers' K/V come from one-token decode steps, whose
+                # arithmetic differs from a prefill chunk, so a later from-scratch run would differ.
+                t3 = time.perf_counter()
+                await self.cache.offload(prompt[: full * page], slots[: full * page], salt=tenant)
+                res.offload_s = time.perf_counter() - t3
+        finally:
+            await asyncio.shield(self._give_blocks(blocks))
+        return res
+
+    async def _load(self, res: RequestResult, prefix: list[int], slots: torch.Tensor, start: int) -> int:
+        """Match ``prefix`` in aiokv and load what the GPU prefix lacks; return where prefill starts."""
+        assert self.cache is not None
+        t = time.perf_counter()
+        m = await self.cache.match(prefix, salt=res.tenant)
+        res.match_s = time.perf_counter() - t
+        if m.tokens <= start:
+            await m.release()
+            return start
+        t = time.perf_counter()
+        loaded = await self.cache.load(m, slots[start : m.tokens], from_token=start)
+        self._sync()
+        res.load_s = time.perf_counter() - t
+        end = max(start, loaded.tokens)
+        res.pool_tokens = loaded.pool_pages * self.page
+        res.disk_tokens = loaded.disk_pages * self.page
+        res.lost_tokens = m.tokens - end
+        return end
+
+
+async def run_sessions(
+    engine: Engine,
+    sessions: Sequence[Session],
+    concurrency: int,
+    on_done: Callable[[RequestResult], None],
+) -> list[RequestResult]:
+    """Run sessions, ``concurrency`` at a time in arrival order; each turn waits for the previous answer."""
+    results: list[RequestResult] = []
+    counter = iter(range(1 << 30))
+    gate = asyncio.Semaphore(concurrency)
+
+    async def session(s: Session) -> None:
+        async with gate:
+            prompt: list[int] = []
+            for k, text in enumerate(s.texts):
+                prompt = prompt + list(text)
+                r = await engine.serve(f"{s.name}/turn{k}", s.tenant, s.kind.value, next(counter), prompt)
+                results.append(r)
+                on_done(r)
+                prompt = prompt + r.generated
+
+    async with asyncio.TaskGroup() as tg:
+        for s in sessions:
+            tg.create_task(session(s))
+    results.sort(key=lambda r: r.name)
+    return results
+
+
+def total_requests(sessions: Sequence[Session]) -> int:
+    """Number of requests (turns) in ``sessions``."""
+    return sum(len(s.texts) for s in sessions)
+

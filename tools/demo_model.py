@@ -1,0 +1,193 @@
+"""A small Llama-architecture decoder in plain torch that reads and writes a token-slot KV buffer.
+
+The KV buffer is one tensor ``[L, S, 2 * H_kv, D]`` (K heads, then V heads), the layout aiokv pages.
+Each forward call processes one chunk of a request: it writes the chunk's K/V into the request's
+slots and attends over all slots of the request up to the chunk's end.
+
+Bit-exactness with and without the cache comes from doing the same arithmetic in both cases: the
+engine always prefills in chunks aligned to absolute multiples of ``chunk_tokens`` (a multiple of
+the page size), so a chunk computed after a cache hit has the same shapes and inputs as the chunk
+computed from scratch, and the K/V it reads back are byte copies of what a from-scratch run wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder; weights are random from ``seed`` (no download)."""
+
+    num_layers: int = 4
+    hidden: int = 512
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate: int = 1024
+    vocab: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.num_heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.num_heads
+
+    @property
+    def params(self) -> int:
+        """Number of weights (embedding and LM head untied)."""
+        qkv = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_layer = qkv + self.hidden * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.num_layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Runs in the test suite in seconds.
+    "tiny": ModelConfig(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, intermediate=128, vocab=256),
+    # The CPU default of `make demo`.
+    "small": ModelConfig(),
+    # Llama-3.1-8B's shape (random weights), for an H200.
+    "8b": ModelConfig(
+        num_layers=32,
+        hidden=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate=14336,
+        vocab=128256,
+        rope_theta=500000.0,
+        dtype=torch.bfloat16,
+    ),
+}
+
+
+def preset(name: str, dtype: torch.dtype | None = None, seed: int = 0) -> ModelConfig:
+    """A preset shape, optionally with another dtype or seed; raises ``KeyError`` for unknown names."""
+    cfg = PRESETS[name]
+    return replace(cfg, dtype=dtype or cfg.dtype, seed=seed)
+
+
+class Layer:
+    """Weights of one decoder layer (fused QKV and fused gate/up projections)."""
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> None:
+        h, d = cfg.hidden, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+
+        def linear(out_f: int, in_f: int) -> torch.Tensor:
+            # Scaled so activations keep unit size through many layers of random weights.
+            w = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32)
+            return (w / math.sqrt(in_f)).to(cfg.dtype)
+
+        self.attn_norm = torch.ones(h, device=device, dtype=cfg.dtype)
+        self.wqkv = linear(qkv_out, h)
+        self.wo = linear(h, cfg.num_heads * d)
+        self.mlp_norm = torch.ones(h, device=device, dtype=cfg.dtype)
+        self.w_gate_up = linear(2 * cfg.intermediate, h)
+        self.w_down = linear(h, cfg.intermediate)
+
+
+class LlamaModel:
+    """Decoder with RMSNorm, rotary embeddings, GQA attention over a slot KV buffer, SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, max_positions: int) -> None:
+        self.cfg = cfg
+        self.device = device
+        # Weights are drawn on the device itself: 8B parameters drawn on a CPU would take minutes.
+        gen = torch.Generator(device=device)
+        gen.manual_seed(cfg.seed)
+        self.embed = torch.randn(cfg.vocab, cfg.hidden, generator=gen, device=device).to(cfg.dtype)
+        self.layers = [Layer(cfg, gen, device) for _ in range(cfg.num_layers)]
+        self.final_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
+        head = torch.randn(cfg.vocab, cfg.hidden, generator=gen, device=device, dtype=torch.float32)
+        self.lm_head = (head / math.sqrt(cfg.hidden)).to(cfg.dtype)
+        half = cfg.head_dim // 2
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+        self.max_positions = max_positions
+
+    def new_kv_buffer(self, slots: int) -> torch.Tensor:
+        """A zeroed KV buffer ``[L, slots, 2 * H_kv, D]`` in the model dtype on the model device."""
+        c = self.cfg
+        return torch.zeros(
+            c.num_layers, slots, 2 * c.num_kv_heads, c.head_dim, device=self.device, dtype=c.dtype
+        )
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
+        return xf.to(x.dtype) * weight
+
+    def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
+        """Rotate ``x`` ``[M, heads, D]`` by the angles of positions ``pos`` (half-split convention)."""
+        cos = self.cos[pos][:, None, :]
+        sin = self.sin[pos][:, None, :]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Run tokens at positions ``[start, start + M)``; return the float32 logits ``[V]`` of the last one.
+
+        ``tokens``: ``[M]`` int64. ``slots``: ``[start + M]`` int64, the request's slot of every
+        position so far; the chunk's K/V are written to ``slots[start:]`` and attention reads all of
+        ``slots`` (earlier positions must already hold their K/V, computed or loaded).
+        """
+        c = self.cfg
+        m = tokens.shape[0]
+        end = start + m
+        if slots.shape[0] != end:
+            raise ValueError(f"need {end} slots, got {slots.shape[0]}")
+        if end > self.max_positions:
+            raise ValueError(f"position {end} beyond max_positions {self.max_positions}")
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        pos = slice(start, end)
+        new_slots = slots[start:]
+        # Query i sits at position start + i: causal aligned to the lower right of [M, end]. As a
+        # CausalBias it runs in the memory-efficient kernel on CUDA without a materialised mask.
+        mask = causal_lower_right(m, end)
+        x = self.embed[tokens]
+        for li, layer in enumerate(self.layers):
+            h = self._norm(x, layer.attn_norm)
+            qkv = h @ layer.wqkv.T
+            q = qkv[:, : hq * d].view(m, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(m, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(m, hk, d)
+            kv_layer = kv[li]
+            kv_layer[new_slots, :hk] = self._rope(k, pos)
+            kv_layer[new_slots, hk:] = v
+            # Read every position back from the buffer, the chunk's own included, so the same bytes
+            # feed attention whether earlier positions were computed now or loaded from the cache.
+            ctx = kv_layer[slots]
+            rep = hq // hk
+            keys = ctx[:, :hk].transpose(0, 1).repeat_interleave(rep, dim=0)
+            vals = ctx[:, hk:].transpose(0, 1).repeat_interleave(rep, dim=0)
+            qh = self._rope(q, pos).transpose(0, 1)
+            att = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask)
+            x = x + att.transpose(0, 1).reshape(m, hq * d) @ layer.wo.T
+            h = self._norm(x, layer.mlp_norm)
+            gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.w_down.T
+        last = self._norm(x[-1:], self.final_norm)
+        return (last @ self.lm_head.T).float()[0]

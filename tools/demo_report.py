@@ -1,0 +1,213 @@
+"""Progress bar, oracle comparison, summary table, JSON and PNG output of the demo."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from demo_engine import RequestResult
+
+
+class Progress:
+    """A one-line text progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.tokens = {"gpu": 0, "pool": 0, "disk": 0, "computed": 0}
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._last_decile = -1
+
+    def __call__(self, r: RequestResult) -> None:
+        self.done += 1
+        self.tokens["gpu"] += r.gpu_tokens
+        self.tokens["pool"] += r.pool_tokens
+        self.tokens["disk"] += r.disk_tokens
+        self.tokens["computed"] += r.computed_tokens
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        bar = "#" * filled + "." * (width - filled)
+        tok = " ".join(f"{k}={v}" for k, v in self.tokens.items())
+        line = f"{self.label:>10} [{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:6.1f}s {tok}"
+        decile = 10 * self.done // max(1, self.total)
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if self.done == self.total else ""))
+        elif decile != self._last_decile:
+            sys.stderr.write(line + "\n")
+        self._last_decile = decile
+        sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class OracleReport:
+    """Outcome of comparing the cached run against the from-scratch run, request by request."""
+
+    compared: int
+    mismatches: tuple[str, ...]
+    max_abs_logit_diff: float
+    logits_bit_exact: bool
+
+
+def compare(cached: Sequence[RequestResult], scratch: Sequence[RequestResult], exact: bool) -> OracleReport:
+    """Generated tokens must be identical; logits bit-exact when ``exact`` (CPU), else the diff is reported."""
+    base = {r.name: r for r in scratch}
+    bad: list[str] = []
+    worst = 0.0
+    all_equal = True
+    for r in cached:
+        b = base.get(r.name)
+        if b is None:
+            bad.append(f"{r.name}: missing from the from-scratch run")
+            continue
+        if r.prompt_digest != b.prompt_digest:
+            bad.append(f"{r.name}: prompt differs (an earlier turn's answer differed)")
+            continue
+        if r.generated != b.generated:
+            bad.append(f"{r.name}: generated {r.generated} with cache, {b.generated} from scratch")
+        if r.logits is not None and b.logits is not None:
+            diff = float((r.logits - b.logits).abs().max())
+            worst = max(worst, diff)
+            equal = torch.equal(r.logits, b.logits)
+            all_equal = all_equal and equal
+            if exact and not equal:
+                bad.append(f"{r.name}: final logits differ (max abs diff {diff:.3g})")
+    if len(cached) != len(scratch):
+        bad.append(f"request counts differ: {len(cached)} with cache, {len(scratch)} from scratch")
+    return OracleReport(len(cached), tuple(bad), worst, all_equal)
+
+
+def plain(value: Any) -> Any:
+    """Stats and results as JSON-ready values (enums by value, dataclasses as dicts)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(plain(k)): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, (bytes, torch.Tensor)):
+        return None
+    return value
+
+
+def summarize(
+    cached: Sequence[RequestResult], scratch: Sequence[RequestResult], wall: float, wall_scratch: float
+) -> dict[str, Any]:
+    """Totals of both runs (tokens, seconds)."""
+    def total(rs: Sequence[RequestResult], attr: str) -> Any:
+        return sum(getattr(r, attr) for r in rs)
+
+    return {
+        "requests": len(cached),
+        "prompt_tokens": total(cached, "prompt_tokens"),
+        "gpu_prefix_tokens": total(cached, "gpu_tokens"),
+        "pool_tokens": total(cached, "pool_tokens"),
+        "disk_tokens": total(cached, "disk_tokens"),
+        "lost_tokens": total(cached, "lost_tokens"),
+        "computed_tokens": total(cached, "computed_tokens"),
+        "computed_tokens_scratch": total(scratch, "computed_tokens"),
+        "prefill_s": total(cached, "prefill_s"),
+        "prefill_s_scratch": total(scratch, "prefill_s"),
+        "load_s": total(cached, "load_s"),
+        "ttft_s_mean": total(cached, "ttft_s") / max(1, len(cached)),
+        "ttft_s_mean_scratch": total(scratch, "ttft_s") / max(1, len(scratch)),
+        "wall_s": wall,
+        "wall_s_scratch": wall_scratch,
+    }
+
+
+def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -> str:
+    """The summary table printed at the end of a run."""
+    s = summary
+    p = max(1, s["prompt_tokens"])
+
+    def row(name: str, with_cache: object, without: object = "") -> str:
+        return f"  {name:<34}{with_cache!s:>16}{without!s:>16}"
+
+    lines = [
+        row("", "with cache", "from scratch"),
+        row("requests", s["requests"], s["requests"]),
+        row("prompt tokens", s["prompt_tokens"], s["prompt_tokens"]),
+        row("  served from GPU prefix", f"{s['gpu_prefix_tokens']} ({100 * s['gpu_prefix_tokens'] / p:.0f}%)"),
+        row("  served from CPU pool", f"{s['pool_tokens']} ({100 * s['pool_tokens'] / p:.0f}%)"),
+        row("  served from disk", f"{s['disk_tokens']} ({100 * s['disk_tokens'] / p:.0f}%)"),
+        row("  matched, load failed", s["lost_tokens"]),
+        row("prefill tokens computed", s["computed_tokens"], s["computed_tokens_scratch"]),
+        row("prefill compute (s)", f"{s['prefill_s']:.2f}", f"{s['prefill_s_scratch']:.2f}"),
+        row("load from pool/disk (s)", f"{s['load_s']:.2f}", "0"),
+        row("mean time to first token (s)", f"{s['ttft_s_mean']:.3f}", f"{s['ttft_s_mean_scratch']:.3f}"),
+        row("wall time (s)", f"{s['wall_s']:.1f}", f"{s['wall_s_scratch']:.1f}"),
+    ]
+    if stats is not None:
+        lines.append("  bytes moved by aiokv:")
+        for direction, n in sorted(plain(getattr(stats, "bytes_moved", {})).items()):
+            lines.append(row(f"    {direction}", f"{n / 2**20:.1f} MiB"))
+        hit = plain(getattr(stats, "hit_tokens", {}))
+        if hit:
+            lines.append(row("  match hit tokens by tier", " ".join(f"{k}={v}" for k, v in sorted(hit.items()))))
+        lines.append(row("  pages stored/skipped/dropped", "/".join(
+            str(getattr(stats, a, "?")) for a in ("pages_stored", "pages_skipped", "pages_dropped"))))
+        lines.append(row("  pages promoted disk->pool", getattr(stats, "pages_promoted", "?")))
+        errors = {k: v for k, v in plain(getattr(stats, "errors", {})).items() if v}
+        lines.append(row("  faults by kind", ", ".join(f"{k}={v}" for k, v in sorted(errors.items())) or "none"))
+    verdict = "OK" if not oracle.mismatches else f"{len(oracle.mismatches)} MISMATCHES"
+    exact = "bit-exact" if oracle.logits_bit_exact else f"max abs diff {oracle.max_abs_logit_diff:.3g}"
+    lines.append(row("oracle (tokens, logits)", f"{verdict}, {exact}"))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` as indented JSON."""
+    import json
+
+    path.write_text(json.dumps(plain(payload), indent=2, sort_keys=True, default=str) + "\n")
+
+
+def plot(path: Path, cached: Sequence[RequestResult], scratch: Sequence[RequestResult], title: str) -> None:
+    """Per-request prefill time with and without the cache, and where each prompt's tokens came from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = sorted(cached, key=lambda r: r.index)
+    base = {r.name: r for r in scratch}
+    x = list(range(len(order)))
+    fig, (ax_t, ax_k) = plt.subplots(2, 1, figsize=(max(8.0, 0.12 * len(order) + 4), 7.5), sharex=True)
+    ms = 1000.0
+    ax_t.bar(x, [base[r.name].prefill_s * ms for r in order], width=0.9, color="#d0d0d0",
+             label="from scratch: prefill compute")
+    load = [r.load_s * ms for r in order]
+    ax_t.bar(x, load, width=0.5, color="#ff7f0e", label="with cache: load (pool/disk)")
+    ax_t.bar(x, [r.prefill_s * ms for r in order], width=0.5, bottom=load, color="#1f77b4",
+             label="with cache: prefill compute")
+    ax_t.set_ylabel("prefill time (ms)")
+    ax_t.legend(loc="upper left", fontsize=8)
+    ax_t.set_title(title, fontsize=10)
+    parts = [
+        ("GPU prefix", "gpu_tokens", "#2ca02c"),
+        ("CPU pool", "pool_tokens", "#9467bd"),
+        ("disk", "disk_tokens", "#8c564b"),
+        ("computed", "computed_tokens", "#1f77b4"),
+    ]
+    bottom = [0.0] * len(order)
+    for label, attr, color in parts:
+        vals = [float(getattr(r, attr)) for r in order]
+        ax_k.bar(x, vals, width=0.9, bottom=bottom, color=color, label=label)
+        bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
+    ax_k.set_ylabel("prompt tokens by source")
+    ax_k.set_xlabel("request (arrival order)")
+    ax_k.legend(loc="upper left", fontsize=8, ncols=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
