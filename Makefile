@@ -17,9 +17,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# mypy checks the installed layout (aiokv.kernels lives in kernels/, aiokv.storage in storage/):
+# a tree of links under build/ gives it the import names without installing anything.
+TYPECHECK := build/typecheck
 lint: setup
 	$(VENV)/bin/ruff check aiokv kernels storage tests tools
-	$(VENV)/bin/mypy
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/aiokv
+	ln -s $(CURDIR)/aiokv/*.py $(CURDIR)/aiokv/py.typed $(TYPECHECK)/aiokv/
+	ln -s $(CURDIR)/kernels $(TYPECHECK)/aiokv/kernels
+	ln -s $(CURDIR)/storage $(TYPECHECK)/aiokv/storage
+	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p aiokv
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -5,13 +5,25 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
 SHM_DIR = "/dev/shm"
+BOTH_LOOPS_DIRS = ("cache",)
+"""Test folders whose async tests run under the default loop and under uvloop."""
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
+    """Default asyncio loop everywhere; uvloop too for the cache manager's suite."""
+    factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
+    if any(part in BOTH_LOOPS_DIRS for part in item.path.parts):
+        import uvloop
+
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
 
 
 def _segments() -> set[str]:

@@ -1,0 +1,568 @@
+"""`KVCache`: the object an inference engine embeds.
+
+It wires the page pool, the kernels and the disk tier behind four coroutines on one event loop:
+``match`` (longest cached prefix), ``load`` (prefix into the engine's KV slots), ``offload``
+(the engine's KV into the pool, then write-behind to disk) and ``prefetch`` (disk -> pool).
+
+Metadata changes are plain synchronous code between awaits; coroutines await only copy
+completions (CUDA events through :class:`aiokv.cuda.CompletionBridge`), disk completions and
+commit futures. A cancelled caller never leaks a reference: copies already launched finish in the
+background and their pages are released (or, for an offload whose slots may be reused, aborted)
+when they complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from types import MappingProxyType, TracebackType
+
+import torch
+
+from aiokv.config import Admission, CacheConfig
+from aiokv.cuda import CompletionBridge, Lane
+from aiokv.kernels import PageMover, TransferPath
+from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys, token_array
+from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
+from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
+from aiokv.pool import PagePool
+from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
+from aiokv.storage import DiskConfig, DiskTier
+
+log = logging.getLogger(__name__)
+
+
+class KVCache:
+    """Tiered KV cache for one model layout and one engine KV buffer.
+
+    ``kv_buffer`` is the engine's KV cache: a tensor ``[L, S, rows, D]``, a list of L tensors
+    ``[S, rows, D]`` or ``(k_list, v_list)`` of ``[S, H, D]`` (see :class:`aiokv.layout.KVBuffer`),
+    on a CUDA device or the CPU. Use as ``async with KVCache(config, layout, kv) as cache``.
+    """
+
+    def __init__(self, config: CacheConfig | None, layout: KVLayout, kv_buffer: KVBufferLike) -> None:
+        if config is None:
+            config = CacheConfig()
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.config = config
+        self.layout = layout
+        self.tp = TPSlice.of(layout, config.tp_rank, config.tp_size)
+        self.kv = KVBuffer.wrap(layout, kv_buffer, self.tp)
+        if config.cpu_bytes < layout.page_bytes:
+            raise ValueError(f"cpu_bytes {config.cpu_bytes} is smaller than one page ({layout.page_bytes} bytes)")
+        self._cuda = self.kv.device.type == "cuda"
+        self._seeds: dict[Salt, bytes] = {}
+        self._pool: PagePool | None = None
+        self._disk: DiskTier | None = None
+        self._mover: PageMover | None = None
+        self._bridge = CompletionBridge()
+        self._background: set[asyncio.Future[None]] = set()
+        self._seen: OrderedDict[PageKey, None] = OrderedDict()
+        self._started = False
+        self._closed = False
+        self._errors: Counter[str] = Counter()
+        self._logged: set[str] = set()
+        self._lookups = 0
+        self._hit_tokens: Counter[Tier] = Counter()
+        self._loaded_tokens: Counter[Tier] = Counter()
+        self._miss_tokens = 0
+        self._bytes: Counter[str] = Counter()
+        self._stored = self._skipped = self._dropped = self._promoted = 0
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the pool, the copy engine and (when configured) the disk tier."""
+        if self._started:
+            return
+        if self._closed:
+            raise RuntimeError("KVCache is closed")
+        self._started = True
+        cfg = self.config
+        self._pool = PagePool.create(
+            self.layout,
+            cfg.cpu_bytes,
+            register_cuda=self._cuda,
+            chunk_bytes=cfg.pool_chunk_bytes,
+            workers=cfg.pool_workers,
+        )
+        path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
+        self._mover = PageMover(self.kv, self._pool.pages, path, cfg.staging_pages)
+        if cfg.disk_dir is not None:
+            disk = DiskTier(
+                DiskConfig(
+                    directory=cfg.disk_dir,
+                    capacity_bytes=cfg.disk_bytes,
+                    backend=cfg.disk_backend,
+                    direct_io=cfg.disk_direct_io,
+                    queue_depth=cfg.disk_queue_depth,
+                    write_behind_depth=cfg.write_behind_depth,
+                ),
+                self.layout,
+                self._pool,
+            )
+            try:
+                await disk.start()
+                self._disk = disk
+            except OSError as exc:
+                self._fault("disk_unavailable", f"disk tier at {cfg.disk_dir} is off: {exc}")
+                await disk.aclose()
+
+    async def aclose(self) -> None:
+        """Wait (up to ``close_timeout``) for background copies and write-behind, then free everything.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            async with asyncio.timeout(self.config.close_timeout):
+                while self._background:
+                    await asyncio.gather(*list(self._background), return_exceptions=True)
+        except TimeoutError:
+            self._fault("close_timeout", f"{len(self._background)} background jobs still running at close")
+        if self._disk is not None:
+            await self._disk.aclose()
+        await asyncio.to_thread(self._bridge.close)
+        self._mover = None
+        if self._pool is not None:
+            await self._pool.aclose()
+
+    async def flush(self) -> None:
+        """Wait until every page queued for disk so far is written (or dropped)."""
+        self._running()
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        if self._disk is not None:
+            await self._disk.flush()
+
+    async def __aenter__(self) -> KVCache:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def pool(self) -> PagePool:
+        """The CPU page pool (after start)."""
+        if self._pool is None:
+            raise RuntimeError("KVCache is not started: use `async with KVCache(...)` or await start()")
+        return self._pool
+
+    def _running(self) -> tuple[PagePool, PageMover]:
+        if self._closed:
+            raise RuntimeError("KVCache is closed")
+        if self._pool is None or self._mover is None:
+            raise RuntimeError("KVCache is not started: use `async with KVCache(...)` or await start()")
+        return self._pool, self._mover
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
+        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = namespace_seed(self.layout, self.config.namespace, salt)
+            if len(self._seeds) < 4096:
+                self._seeds[salt] = seed
+        return page_keys(tokens, self.layout.page_tokens, seed)
+
+    def _note_seen(self, keys: Sequence[PageKey]) -> None:
+        if self.config.admission is not Admission.SEEN_TWICE:
+            return
+        for key in keys:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > self.config.seen_window:
+            self._seen.popitem(last=False)
+
+    # -- match ----------------------------------------------------------------------------------
+
+    async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
+        """The longest prefix of full pages cached in the pool, then on disk.
+
+        Waits for pages another call is writing into the pool right now rather than stopping at
+        them. Raises ``TypeError``/``ValueError`` for bad tokens or salt.
+        """
+        pool, _ = self._running()
+        keys = self.keys(tokens, salt)
+        self._lookups += 1
+        handles: list[PageHandle] = []
+        try:
+            for key in keys:
+                handle = pool.table.acquire(key)
+                reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
+                if reserved and await pool.table.wait_committed(key):
+                    handle = pool.table.acquire(key)
+                if handle is None:
+                    break
+                handles.append(handle)
+        except BaseException:
+            self._release_handles(handles)
+            raise
+        disk_pages = 0
+        if self._disk is not None and len(handles) < len(keys):
+            disk_pages = self._disk.keys_present_prefix(keys[len(handles) :])
+        self._note_seen(keys)
+        t = self.layout.page_tokens
+        self._hit_tokens[Tier.POOL] += len(handles) * t
+        self._hit_tokens[Tier.DISK] += disk_pages * t
+        self._miss_tokens += (len(keys) - len(handles) - disk_pages) * t
+        return Match(self, tuple(keys), handles, disk_pages, t, self._release_handles)
+
+    def _release_handles(self, handles: Sequence[PageHandle]) -> None:
+        if self._pool is None:
+            return
+        for handle in handles:
+            if not handle.released:
+                self._pool.table.release(handle)
+
+    # -- load -----------------------------------------------------------------------------------
+
+    async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult:
+        """Copy tokens ``[from_token, match.tokens)`` of ``match`` into the KV ``slots``.
+
+        ``slots``: 1-D integer tensor, one slot per token, ``len == match.tokens - from_token``.
+        Pool pages start copying at once; disk pages are read into the pool and copied as each
+        arrives. Returns when the data is in the KV buffer and the current CUDA stream is ordered
+        after the copies. A fault below shortens the result to the valid contiguous prefix.
+        Consumes ``match``. Raises ``TypeError``/``ValueError`` for bad arguments (nothing changes).
+        """
+        pool, _ = self._running()
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        if isinstance(from_token, bool) or not isinstance(from_token, int):
+            raise TypeError(f"from_token must be an int, got {type(from_token).__name__}")
+        if not 0 <= from_token <= match.tokens:
+            raise ValueError(f"from_token {from_token} outside [0, {match.tokens}]")
+        if match.released:
+            raise StaleHandleError("this Match was already loaded or released")
+        slots = self._check_slots(slots, match.tokens - from_token, "slots")
+        keys, handles = match.take(self)
+
+        t = self.layout.page_tokens
+        first, skip = divmod(from_token, t)
+        self._release_handles(handles[:first])
+        pool_part = handles[first:]
+        copies: list[tuple[asyncio.Future[None], list[PageHandle]]] = []
+        promotions: list[asyncio.Task[PageHandle | None]] = []
+        end_page = first
+        pool_loaded = disk_loaded = consumed = 0
+        try:
+            if pool_part:
+                ids = [pool.table.check(h) for h in pool_part]
+                n_tokens = len(ids) * t - skip
+                copies.append((self._start_load(ids, slots[:n_tokens], skip), pool_part))
+                pool_part = []
+                end_page += len(ids)
+                pool_loaded = len(ids)
+            disk_start = max(first, match.pool_pages)
+            promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
+            for offset, task in enumerate(promotions):
+                # Shielded: a cancelled load still lets the page land in the pool (released later).
+                handle = await asyncio.shield(task)
+                consumed += 1
+                if handle is None:
+                    break
+                page = disk_start + offset
+                page_skip = skip if page == first else 0
+                lo = page * t + page_skip - from_token
+                hi = (page + 1) * t - from_token
+                copies.append((self._start_load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle]))
+                end_page = page + 1
+                disk_loaded += 1
+            for future, _ in copies:
+                await asyncio.shield(future)
+        except BaseException:
+            self._release_handles(pool_part)
+            for future, held in copies:
+                self._after(future, held, commit=None)
+            for task in promotions[consumed:]:
+                task.add_done_callback(self._release_promoted)
+            raise
+        for _, held in copies:
+            self._release_handles(held)
+        for task in promotions[consumed:]:
+            task.add_done_callback(self._release_promoted)
+        end = max(end_page * t, from_token)
+        self._loaded_tokens[Tier.POOL] += pool_loaded * t
+        self._loaded_tokens[Tier.DISK] += disk_loaded * t
+        moved = (pool_loaded + disk_loaded) * self.layout.payload_bytes
+        self._bytes["pool_to_gpu"] += moved
+        if end < match.tokens:
+            self._fault("load_shortened", f"load stopped at token {end} of {match.tokens}")
+        return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
+
+    def _start_load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> asyncio.Future[None]:
+        _, mover = self._running()
+        if not self._cuda:
+            return self._bridge.run_cpu(lambda: self._cpu_copy(mover.load, page_ids, slots, skip))
+        event = mover.load(page_ids, slots, skip)
+        if event is not None:
+            # Order the engine's stream after the copy on the GPU side; the host does not wait.
+            torch.cuda.current_stream(self.kv.device).wait_event(event)
+        return self._bridge.wait(event, Lane.LOAD)
+
+    @staticmethod
+    def _cpu_copy(fn: Callable[..., object], *args: object) -> None:
+        fn(*args)
+
+    def _release_promoted(self, task: asyncio.Task[PageHandle | None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        handle = task.result()
+        if handle is not None:
+            self._release_handles([handle])
+
+    async def _promote(self, key: PageKey) -> PageHandle | None:
+        """Bring ``key`` from disk into the pool and return a reference on it; None on any miss."""
+        pool = self.pool
+        disk = self._disk
+        (res,) = pool.reserve([key])
+        if res.outcome is ReserveOutcome.PRESENT:
+            return pool.table.acquire(key)
+        if res.outcome is ReserveOutcome.PENDING:
+            return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
+        if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
+            self._fault("pool_exhausted", "no free or evictable pool page for a disk promotion")
+            return None
+        handle = res.handle
+        assert handle is not None
+        read = asyncio.ensure_future(disk.read(key, handle))
+        try:
+            ok = await asyncio.shield(read)
+        except asyncio.CancelledError:
+            # The kernel may still be writing into the page: free it only once the read is over.
+            read.add_done_callback(lambda done: self._settle_read(done, handle))
+            raise
+        except Exception:
+            ok = False
+        if not ok:
+            pool.table.abort(handle)
+            self._fault("disk_read_failed", "a disk page could not be read back (see disk statistics)")
+            return None
+        self._promoted += 1
+        self._bytes["disk_to_pool"] += self.layout.page_bytes
+        return pool.table.commit(handle, keep=True)
+
+    def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
+        """A read abandoned by a cancelled caller finished: keep the page if it verified."""
+        ok = not read.cancelled() and read.exception() is None and read.result()
+        if handle.released:
+            return
+        if ok:
+            self._promoted += 1
+            self.pool.table.commit(handle)
+        else:
+            self.pool.table.abort(handle)
+
+    # -- offload --------------------------------------------------------------------------------
+
+    async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
+        """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.
+
+        ``slots``: 1-D integer tensor, one KV slot per token (``len(slots) == len(tokens)``).
+        Pages already cached or being written are skipped; the rest are gathered on a side stream
+        ordered after the current CUDA stream, committed, then queued for disk. Returns when the
+        engine may reuse the slots. Pool exhaustion and copy faults are counted, never raised;
+        bad arguments raise ``TypeError``/``ValueError`` before anything changes.
+        """
+        pool, _ = self._running()
+        ids = token_array(tokens)
+        slots = self._check_slots(slots, int(ids.size), "slots")
+        keys = self.keys(ids, salt)
+        if not keys:
+            return OffloadResult(0, 0, 0)
+        if not self.tp.writer:
+            # Replicated heads / MLA on rank > 0: the writer rank stores the page.
+            return OffloadResult(0, len(keys), 0)
+        admitted_before = None
+        if self.config.admission is Admission.SEEN_TWICE:
+            admitted_before = {k for k in keys if k in self._seen}
+        self._note_seen(keys)
+        reservations = pool.reserve(keys)
+        new = [(i, r.handle) for i, r in enumerate(reservations) if r.handle is not None]
+        skipped = sum(r.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING) for r in reservations)
+        dropped = sum(r.outcome is ReserveOutcome.EXHAUSTED for r in reservations)
+        if dropped:
+            self._fault("pool_exhausted", f"{dropped} pages not offloaded: the pool is full of referenced pages")
+        if not new:
+            self._skipped += skipped
+            self._dropped += dropped
+            return OffloadResult(0, skipped, dropped)
+        t = self.layout.page_tokens
+        handles = [h for _, h in new]
+        try:
+            index = torch.tensor([i for i, _ in new], dtype=torch.long, device=slots.device)
+            chosen = slots[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
+            future = self._start_offload(chosen, [h.page for h in handles])
+        except BaseException:
+            for handle in handles:
+                pool.table.abort(handle)
+            raise
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The slots may be reused as soon as we return: the copy's bytes cannot be trusted.
+            self._after(future, handles, commit=False)
+            raise
+        except Exception as exc:
+            for handle in handles:
+                pool.table.abort(handle)
+            self._fault("copy_failed", f"offload copy failed: {exc!r}")
+            self._dropped += dropped + len(new)
+            return OffloadResult(0, skipped, dropped + len(new))
+        self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
+        for (_, handle), key in zip(new, (keys[i] for i, _ in new), strict=True):
+            admit = self._disk is not None and (admitted_before is None or key in admitted_before)
+            kept = pool.table.commit(handle, keep=admit)
+            if kept is not None:
+                self._write_behind(key, kept)
+        self._stored += len(new)
+        self._skipped += skipped
+        self._dropped += dropped
+        return OffloadResult(len(new), skipped, dropped)
+
+    def _start_offload(self, slots: torch.Tensor, page_ids: list[int]) -> asyncio.Future[None]:
+        _, mover = self._running()
+        if not self._cuda:
+            return self._bridge.run_cpu(lambda: self._cpu_copy(mover.offload, slots, page_ids))
+        return self._bridge.wait(mover.offload(slots, page_ids), Lane.OFFLOAD)
+
+    def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
+        disk = self._disk
+        if disk is None or disk.contains(key):
+            self._release_handles([handle])
+            return
+        if disk.write_behind_nowait(key, handle):
+            self._bytes["pool_to_disk"] += self.layout.page_bytes
+        else:
+            self._release_handles([handle])
+            self._fault("write_behind_full", "write-behind queue full: page kept in the pool only")
+
+    def _after(self, future: asyncio.Future[None], handles: list[PageHandle], commit: bool | None) -> None:
+        """When a copy abandoned by a cancelled caller completes, release/abort its pages."""
+        pool = self.pool
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def finish(_: asyncio.Future[None]) -> None:
+            for handle in handles:
+                if handle.released:
+                    continue
+                if commit is None:
+                    pool.table.release(handle)
+                elif commit:
+                    pool.table.commit(handle)
+                else:
+                    pool.table.abort(handle)
+            if not future.cancelled():
+                future.exception()  # retrieved: a failed abandoned copy is only counted
+            done.set_result(None)
+            self._background.discard(done)
+
+        self._background.add(done)
+        future.add_done_callback(finish)
+
+    # -- prefetch -------------------------------------------------------------------------------
+
+    async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
+        """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool.
+
+        For requests waiting in a queue; the GPU is not touched. Faults stop the promotion at the
+        first page that failed (counted, never raised).
+        """
+        pool, _ = self._running()
+        keys = self.keys(tokens, salt)
+        in_pool = 0
+        for key in keys:
+            if pool.table.state_of(key) is PageState.FREE:
+                break
+            in_pool += 1
+        if self._disk is None or in_pool == len(keys):
+            return PrefetchResult(in_pool, 0)
+        count = self._disk.keys_present_prefix(keys[in_pool:])
+        tasks = [asyncio.ensure_future(self._promote(key)) for key in keys[in_pool : in_pool + count]]
+        try:
+            handles = await asyncio.shield(asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.add_done_callback(self._release_promoted)
+            raise
+        promoted = 0
+        for handle in handles:
+            if handle is None:
+                break
+            promoted += 1
+        self._release_handles([h for h in handles if h is not None])
+        return PrefetchResult(in_pool, promoted)
+
+    # -- validation, faults, statistics --------------------------------------------------------
+
+    def _check_slots(self, slots: object, count: int, name: str) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor):
+            raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+        if slots.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+        if slots.numel() != count:
+            raise ValueError(f"{name} has {slots.numel()} entries, expected {count}")
+        if slots.device != self.kv.device and slots.device.type != "cpu":
+            raise ValueError(f"{name} is on {slots.device}, the KV buffer is on {self.kv.device}")
+        if count:
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= self.kv.num_slots:
+                raise ValueError(f"{name} must lie in [0, {self.kv.num_slots}), got [{low}, {high}]")
+            if torch.unique(slots).numel() != count:
+                raise ValueError(f"{name} contains duplicate slots")
+        return slots.to(self.kv.device, torch.int64)
+
+    def _fault(self, kind: str, message: str) -> None:
+        self._errors[kind] += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("aiokv: %s (%s; further ones are only counted)", message, kind)
+
+    def stats(self) -> CacheStatistics:
+        """A frozen snapshot of the counters."""
+        pool = self.pool.statistics()
+        disk = self._disk.statistics() if self._disk is not None else None
+        errors = dict(self._errors)
+        if disk is not None:
+            for kind, count in disk.errors.items():
+                errors[f"disk_{kind.value}"] = count
+        return CacheStatistics(
+            lookups=self._lookups,
+            hit_tokens=MappingProxyType({tier: self._hit_tokens[tier] for tier in Tier}),
+            miss_tokens=self._miss_tokens,
+            loaded_tokens=MappingProxyType({tier: self._loaded_tokens[tier] for tier in Tier}),
+            bytes_moved=MappingProxyType(
+                {k: self._bytes[k] for k in ("gpu_to_pool", "pool_to_gpu", "pool_to_disk", "disk_to_pool")}
+            ),
+            pages_stored=self._stored,
+            pages_skipped=self._skipped,
+            pages_dropped=self._dropped,
+            pages_promoted=self._promoted,
+            pool_free=pool.pages.free,
+            pool_reserved=pool.pages.reserved,
+            pool_ready=pool.pages.ready,
+            pool_referenced=pool.pages.referenced,
+            write_behind_queue=disk.write_behind_queued if disk is not None else 0,
+            background_jobs=len(self._background),
+            errors=MappingProxyType(errors),
+            pool=pool,
+            disk=disk,
+        )

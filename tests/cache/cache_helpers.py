@@ -1,0 +1,51 @@
+"""Shared set-up for the cache manager's tests: small layouts, buffers, invariant checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+SLOTS = 256
+
+
+def make_kv(seed: int = 0, layout: KVLayout = LAYOUT, slots: int = SLOTS) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.num_layers, slots, layout.rows, layout.head_dim, generator=gen).to(layout.dtype)
+
+
+def config(
+    disk: Path | None,
+    pool_pages: int = 16,
+    disk_pages: int = 64,
+    backend: DiskBackend = DiskBackend.AUTO,
+    layout: KVLayout = LAYOUT,
+    **extra: object,
+) -> CacheConfig:
+    return CacheConfig(
+        cpu_bytes=pool_pages * layout.page_bytes,
+        disk_dir=disk,
+        disk_bytes=disk_pages * (layout.page_bytes + 4096),
+        namespace="test-model",
+        disk_backend=backend,
+        pool_chunk_bytes=4 * layout.page_bytes,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (length,), generator=gen).tolist()
+
+
+async def assert_quiescent(cache: KVCache) -> None:
+    """After write-behind drains: no references, reservations or background jobs, a consistent table."""
+    await cache.flush()
+    cache.pool.table.check_invariants()
+    stats = cache.stats()
+    assert stats.pool_reserved == 0, stats
+    assert stats.pool_referenced == 0, stats
+    assert stats.background_jobs == 0, stats
