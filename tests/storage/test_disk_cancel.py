@@ -1,0 +1,136 @@
+"""Cancelling read/write at every await leaves no leaked page reference or reservation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+from aiokv.storage import DiskTier
+from disk_helpers import assert_clean, fill, key_of, payload, reserve
+
+from aiokv.pool import PagePool
+
+Gate = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _gated(real: Gate, gate: asyncio.Event, entered: asyncio.Event) -> Gate:
+    async def wrapper(*args: object) -> Any:
+        entered.set()
+        await gate.wait()
+        return await real(*args)
+
+    return wrapper
+
+
+async def _spin(times: int) -> None:
+    for _ in range(times):
+        await asyncio.sleep(0)  # one loop iteration each: lets completions in, no wall-clock wait
+
+
+@pytest.mark.asyncio
+async def test_cancelled_read_waits_for_its_io_then_raises(tier: DiskTier, pool: PagePool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    h = fill(pool, key_of(1), 1)
+    assert await tier.write(key_of(1), h)
+    pool.table.release(h)
+    gate, entered = asyncio.Event(), asyncio.Event()
+    monkeypatch.setattr(tier.backend, "load", _gated(tier.backend.load, gate, entered))
+    into = reserve(pool, key_of(2))
+    task = asyncio.create_task(tier.read(key_of(1), into))
+    await entered.wait()
+    task.cancel()
+    await _spin(5)
+    assert not task.done()  # the I/O into the caller's page is not finished: the caller must wait
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool.table.abort(into)  # safe now: nothing writes into the page any more
+    assert tier.statistics().in_flight == 0
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_write_returns_at_once_and_finishes_in_background(
+        tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, entered = asyncio.Event(), asyncio.Event()
+    monkeypatch.setattr(tier.backend, "publish", _gated(tier.backend.publish, gate, entered))
+    h = fill(pool, key_of(1), 1)
+    expect = payload(pool, h)
+    task = asyncio.create_task(tier.write(key_of(1), h))
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool.table.release(h)  # the caller lets go; the job holds its own reference
+    assert pool.table.statistics().referenced == 1
+    gate.set()
+    await tier.aclose()
+    assert tier.contains(key_of(1))
+    assert_clean(pool)
+    pool.table.evict(64)
+    async with DiskTier(tier.config, tier.layout, pool) as again:
+        into = reserve(pool, key_of(1))
+        assert await again.read(key_of(1), into)
+        assert torch.equal(payload(pool, into), expect)
+        pool.table.abort(into)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
+    """Cancel after 0, 1, 2, ... loop iterations until the operations complete uncancelled."""
+    stored = fill(pool, key_of(0), 0)
+    assert await tier.write(key_of(0), stored)
+    pool.table.release(stored)
+    finished_read = finished_write = False
+    step = 0
+    while not (finished_read and finished_write):
+        assert step < 500, "operations never completed"
+        h = fill(pool, key_of(1000 + step), step)
+        into = reserve(pool, key_of(2000 + step))
+        write = asyncio.create_task(tier.write(key_of(1000 + step), h))
+        read = asyncio.create_task(tier.read(key_of(0), into))
+        await _spin(step)
+        write.cancel()
+        read.cancel()
+        for task, is_read in ((write, False), (read, True)):
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                continue
+            assert result
+            if is_read:
+                finished_read = True
+            else:
+                finished_write = True
+        pool.table.release(h)
+        pool.table.abort(into)
+        step += 1
+    await tier.aclose()
+    assert tier.statistics().in_flight == 0
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_write_behind_wait_takes_no_ownership(tier: DiskTier, pool: PagePool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, entered = asyncio.Event(), asyncio.Event()
+    monkeypatch.setattr(tier.backend, "publish", _gated(tier.backend.publish, gate, entered))
+    handles = [fill(pool, key_of(i), i) for i in range(11)]
+    for i in range(10):  # 2 workers take one each (gated), 8 fill the queue
+        assert tier.write_behind_nowait(key_of(i), handles[i])
+        await _spin(1)
+    assert not tier.write_behind_nowait(key_of(10), handles[10])
+    waiting = asyncio.create_task(tier.write_behind(key_of(10), handles[10]))
+    await _spin(3)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    pool.table.release(handles[10])  # still ours: the cancelled wait took nothing
+    gate.set()
+    await tier.aclose()
+    assert tier.statistics().writes == 10
+    assert_clean(pool)

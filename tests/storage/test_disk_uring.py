@@ -1,0 +1,140 @@
+"""The io_uring engine on its own: batching, errno mapping, overflow FIFO, cancellation, close."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import mmap
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiokv.storage.uring import OP_NOP, OP_READ, UringEngine
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[UringEngine]:
+    e = UringEngine.open(8)
+    try:
+        yield e
+    finally:
+        await e.aclose()
+
+
+@pytest.fixture
+def buffer() -> Iterator[tuple[mmap.mmap, int]]:
+    m = mmap.mmap(-1, 1 << 20)
+    probe = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(probe)
+    del probe
+    try:
+        yield m, address
+    finally:
+        m.close()
+
+
+@pytest.fixture
+def big_file(tmp_path: Path) -> Path:
+    path = tmp_path / "big"
+    with open(path, "wb") as f:
+        f.truncate(1 << 20)
+    return path
+
+
+@pytest.mark.asyncio
+async def test_one_submit_per_tick(engine: UringEngine) -> None:
+    before = engine.submits
+    results = await asyncio.gather(*(engine.nop() for _ in range(6)))
+    assert results == [0] * 6
+    assert engine.submits == before + 1
+
+
+@pytest.mark.asyncio
+async def test_more_requests_than_ring_entries_wait_in_fifo(engine: UringEngine) -> None:
+    assert engine.sq_entries == 8
+    assert await asyncio.gather(*(engine.nop() for _ in range(100))) == [0] * 100
+    assert engine.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_negative_result_is_oserror_with_errno(engine: UringEngine, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        await engine.openat(str(tmp_path / "absent").encode(), os.O_RDONLY, 0)
+    with pytest.raises(OSError, match="Bad file descriptor") as info:
+        await engine.close_fd(123456)
+    assert info.value.errno == errno.EBADF
+
+
+@pytest.mark.asyncio
+async def test_file_round_trip_fixed_and_plain(engine: UringEngine, tmp_path: Path,
+                                               buffer: tuple[mmap.mmap, int]) -> None:
+    m, address = buffer
+    (regions,) = engine.register_buffers([(address, len(m), 4096)])
+    path = str(tmp_path / "f").encode()
+    fd = await engine.openat(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    m[:8192] = b"a" * 4096 + b"b" * 4096
+    assert await engine.write(fd, address, 8192, 0, m, regions[0]) == 8192
+    m[:8192] = bytes(8192)
+    assert await engine.read(fd, address + 4096, 8192, 0, m) == 8192
+    assert m[4096:8192] == b"a" * 4096
+    assert m[8192:12288] == b"b" * 4096
+    assert await engine.fsync(fd) == 0
+    assert await engine.close_fd(fd) == 0
+    assert await engine.renameat(path, path + b"2") == 0
+    assert await engine.unlinkat(path + b"2") == 0
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_caller_is_discarded_and_close_waits(big_file: Path,
+                                                              buffer: tuple[mmap.mmap, int]) -> None:
+    m, address = buffer
+    engine = UringEngine.open(4)
+    fd = os.open(big_file, os.O_RDONLY)
+    try:
+        futures = [engine.read(fd, address, 1 << 20, 0, m) for _ in range(6)]
+        futures[0].cancel()  # its read still happens; the result is dropped without a loop error
+        await engine.aclose()  # returns only after every completion arrived
+        assert all(f.done() for f in futures)
+        assert [f.result() for f in futures[1:]] == [1 << 20] * 5
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.nop()
+        await engine.aclose()  # idempotent
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_close_survives_cancellation(buffer: tuple[mmap.mmap, int], big_file: Path) -> None:
+    m, address = buffer
+    engine = UringEngine.open(4)
+    fd = os.open(big_file, os.O_RDONLY)
+    try:
+        futures = [engine.read(fd, address, 1 << 20, 0, m) for _ in range(4)]
+        closing = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert all(f.done() for f in futures)  # cancelled, yet it waited for the kernel
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_fault_hook_fails_a_request_without_side_effects(engine: UringEngine, tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def hook(opcode: int) -> int | None:
+        seen.append(opcode)
+        return -errno.EIO if opcode == OP_READ else None
+
+    engine.fault_hook = hook
+    with pytest.raises(OSError, match="Input/output error") as info:
+        await engine.read(0, 0, 0, 0, None)
+    assert info.value.errno == errno.EIO
+    assert await engine.nop() == 0
+    assert seen == [OP_READ, OP_NOP]
