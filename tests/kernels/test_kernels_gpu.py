@@ -1,0 +1,140 @@
+"""Real shapes on a GPU: an 8B-class MHA layout and an MLA layout, every path, stream ordering.
+
+Skipped without CUDA (the same tests run at small shapes everywhere in the other files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
+from kvcase import ALL_DTYPES, POISON, bits, distinct_slots, empty_like_kv, kv_equal, poisoned_pages, random_bits
+
+from aiokv.layout import BufferForm, KVBuffer, KVLayout, TPSlice
+from aiokv.pool import PagePool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+REAL = {
+    "mha-8b": KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256),
+    "mla": KVLayout.mla(61, 576, torch.bfloat16, page_tokens=256),
+}
+SLOTS = 4096
+PAGES = 10
+
+
+@pytest.fixture(params=sorted(REAL))
+def real(request: pytest.FixtureRequest) -> Iterator[tuple[KVLayout, PagePool]]:
+    layout = REAL[request.param]
+    pool = PagePool.create(layout, PAGES * layout.page_bytes)
+    pool.wait_ready_blocking()
+    try:
+        yield layout, pool
+    finally:
+        pool.close()
+
+
+def _random_kv(layout: KVLayout, seed: int) -> KVBuffer:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, SLOTS, layout.rows, layout.head_dim)
+    return KVBuffer.wrap(layout, random_bits(shape, layout.dtype, gen).cuda())
+
+
+@pytest.mark.parametrize("path", list(TransferPath), ids=lambda p: p.value)
+@pytest.mark.parametrize("count", [1, 3, 7])
+def test_real_shapes_every_path(real: tuple[KVLayout, PagePool], path: TransferPath, count: int) -> None:
+    layout, pool = real
+    tokens = layout.page_tokens
+    pool.pages.view(torch.uint8).fill_(POISON)
+    kv = _random_kv(layout, count)
+    gen = torch.Generator().manual_seed(count)
+    slots = distinct_slots(count * tokens, SLOTS, gen)
+    page_ids = torch.randperm(PAGES, generator=gen)[:count].tolist()
+    mover = PageMover(kv, pool.pages, path)
+    event = mover.offload(slots, page_ids)
+    assert event is not None
+    event.synchronize()
+    want = poisoned_pages(layout, PAGES, torch.device("cpu"))
+    reference_gather(kv, slots, want, page_ids)
+    assert torch.equal(bits(pool.pages), bits(want))
+
+    skip = 100
+    back = empty_like_kv(kv)
+    load_slots = distinct_slots(count * tokens - skip, SLOTS, gen)
+    event = PageMover(back, pool.pages, path).load(page_ids, load_slots, skip_first=skip)
+    assert event is not None
+    torch.cuda.current_stream().wait_event(event)
+    expect = empty_like_kv(kv)
+    reference_scatter(expect, pool.pages, load_slots, page_ids, skip_first=skip)
+    assert kv_equal(back, expect)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("form", list(BufferForm), ids=lambda f: f.value)
+@pytest.mark.parametrize("tp_size", [1, 2, 16])
+def test_kernels_every_dtype_form_tp_at_real_width(dtype: torch.dtype, form: BufferForm, tp_size: int) -> None:
+    layout = KVLayout.mha(4, 8, 128, dtype, page_tokens=64)
+    tp = TPSlice.of(layout, {1: 0, 2: 1, 16: 14}[tp_size], tp_size)  # a writer with a non-zero head_start
+    gen = torch.Generator().manual_seed(tp_size)
+    heads = tp.local_heads
+    full = random_bits((4, 512, 2 * heads, 128), dtype, gen).cuda()
+    kv: KVBuffer
+    if form is BufferForm.STACKED:
+        kv = KVBuffer.wrap(layout, full, tp)
+    elif form is BufferForm.PER_LAYER:
+        kv = KVBuffer.wrap(layout, [full[i].clone() for i in range(4)], tp)
+    else:
+        kv = KVBuffer.wrap(
+            layout, ([full[i, :, :heads].clone() for i in range(4)], [full[i, :, heads:].clone() for i in range(4)]), tp
+        )
+    slots = distinct_slots(5 * 64, 512, gen)
+    for device in ("cuda", "pinned"):
+        pages = poisoned_pages(layout, 8, torch.device("cuda" if device == "cuda" else "cpu"))
+        if device == "pinned":
+            pages = pages.pin_memory()
+        want = pages.clone()
+        gather(kv, slots, pages, [7, 1, 3, 0, 5])
+        torch.cuda.synchronize()
+        reference_gather(kv, slots, want, [7, 1, 3, 0, 5])
+        assert torch.equal(bits(pages), bits(want)), device
+        back, expect = empty_like_kv(kv), empty_like_kv(kv)
+        scatter(back, pages, slots[17:], [7, 1, 3, 0, 5], skip_first=17)
+        torch.cuda.synchronize()
+        reference_scatter(expect, pages, slots[17:], [7, 1, 3, 0, 5], skip_first=17)
+        assert kv_equal(back, expect), device
+
+
+@pytest.mark.parametrize("path", [TransferPath.STAGING, TransferPath.DIRECT], ids=lambda p: p.value)
+def test_side_stream_waits_for_the_engine_and_copies_host_indices(path: TransferPath) -> None:
+    layout = REAL["mha-8b"]
+    with PagePool.create(layout, 4 * layout.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        shape = (layout.num_layers, SLOTS, layout.rows, layout.head_dim)
+        kv_tensor = torch.zeros(shape, dtype=layout.dtype, device="cuda")
+        kv = KVBuffer.wrap(layout, kv_tensor)
+        mover = PageMover(kv, pool.pages, path)
+        slots = torch.arange(512, 1024)
+        expect_slots = slots.clone()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the engine's stream, then its write
+        kv_tensor[:, 512:1024].fill_(3.0)
+        event = mover.offload(slots, [2, 0])
+        slots.fill_(0)  # the caller reuses its index tensor at once: the mover must have its own copy
+        assert event is not None
+        event.synchronize()
+        assert bool((pool.pages[[2, 0]] == 3.0).all()), "offload read the slots before the engine wrote them"
+        del expect_slots
+
+        target = torch.zeros_like(kv_tensor)
+        loader = PageMover(KVBuffer.wrap(layout, target), pool.pages, path)
+        torch.cuda._sleep(200_000_000)
+        target[:, 0:512].fill_(7.0)  # the engine's earlier write to those slots must land first
+        event = loader.load([2, 0], torch.arange(512))
+        assert event is not None
+        torch.cuda.current_stream().wait_event(event)
+        assert bool((target[:, 0:512] == 3.0).all()), "load was overtaken by an earlier engine write"
+        assert bool((target[:, 512:] == 0).all())
