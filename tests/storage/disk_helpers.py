@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiokv.storage import DiskBackend, DiskConfig
@@ -76,3 +77,38 @@ def payload(pool: PagePool, handle: PageHandle) -> torch.Tensor:
     """A copy of the page's payload bytes (uint8: NaN patterns compare bit for bit)."""
     raw = pool.memory.page_view(pool.table.check(handle))[: pool.layout.payload_bytes]
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def seed_of(key: PageKey) -> int:
+    """Deterministic page content seed for ``key`` (crash tests regenerate the expected bytes)."""
+    return int.from_bytes(key[:8], "little") % (2**31)
+
+
+def crash_child(directory: str, backend: str, conn: Any) -> None:
+    """Stream page writes forever (4 in flight), reporting each acknowledged key; killed by the parent."""
+    import asyncio
+
+    from aiokv.storage import DiskTier
+
+    async def main() -> None:
+        layout = small_layout()
+        pool = PagePool.create(layout, 16 * layout.page_bytes, register_cuda=False, workers=1)
+        pool.wait_ready_blocking()
+        async with DiskTier(config(Path(directory), DiskBackend(backend)), layout, pool) as tier:
+            conn.send(("ready", tier.statistics().temp_files_removed))
+            i = 0
+
+            async def one(key: PageKey) -> None:
+                h = fill(pool, key, seed_of(key))
+                ok = await tier.write(key, h)
+                pool.table.release(h)
+                pool.table.discard(key)
+                if ok:
+                    conn.send(("stored", key))
+
+            while True:
+                keys = [os.urandom(16) for _ in range(4)]
+                await asyncio.gather(*(one(k) for k in keys))
+                i += 4
+
+    asyncio.run(main())

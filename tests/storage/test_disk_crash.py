@@ -1,0 +1,87 @@
+"""SIGKILL a process that streams page writes, at random moments; restart and verify everything served."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import multiprocessing
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from aiokv.storage import DiskTier
+from disk_helpers import BACKENDS, assert_clean, config, crash_child, fill, payload, reserve, seed_of, temp_files
+
+from aiokv.keys import PageKey
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+
+ROUNDS = 21
+
+
+def _remove_child_segments(pid: int) -> None:
+    # A SIGKILLed pool never unlinks its shared memory.
+    for path in glob.glob(f"/dev/shm/aiokv-{pid}-*"):
+        os.unlink(path)
+
+
+def _round(directory: Path, backend: str, acks: int) -> tuple[set[PageKey], int]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=crash_child, args=(str(directory), backend, child), daemon=True)
+    proc.start()
+    child.close()
+    acked: set[PageKey] = set()
+    try:
+        kind, removed = parent.recv()
+        assert kind == "ready"
+        while len(acked) < acks:
+            kind, key = parent.recv()
+            acked.add(key)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # with writes in flight: up to 4 temp files left behind
+        proc.join()
+        parent.close()
+        _remove_child_segments(proc.pid)
+    assert proc.exitcode == -signal.SIGKILL
+    return acked, removed
+
+
+async def _verify(directory: Path, layout: KVLayout, pool: PagePool, must_have: set[PageKey]) -> int:
+    async with DiskTier(config(directory, BACKENDS[0]), layout, pool) as tier:
+        assert temp_files(directory) == []
+        keys = list(tier._index)
+        assert must_have <= set(keys)
+        for key in keys:
+            into = reserve(pool, key)
+            assert await tier.read(key, into), "a served page failed verification"
+            got = payload(pool, into)
+            pool.table.abort(into)
+            scratch = fill(pool, key, seed_of(key))  # the bytes the child wrote for this key
+            assert torch.equal(got, payload(pool, scratch))
+            pool.table.release(scratch)
+            pool.table.discard(key)
+        stats = tier.statistics()
+        assert stats.corrupt == 0
+        return stats.temp_files_removed
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_sigkill_during_writes_never_serves_a_bad_page(disk_dir: Path, layout: KVLayout,
+                                                             pool: PagePool) -> None:
+    rng = random.Random(1234)
+    acked_all: set[PageKey] = set()
+    removed_total = 0
+    for r in range(ROUNDS):
+        backend = BACKENDS[r % len(BACKENDS)].value
+        acked, _ = await asyncio.to_thread(_round, disk_dir, backend, rng.randint(0, 12))
+        acked_all |= acked
+        removed_total += await _verify(disk_dir, layout, pool, acked_all)
+    assert len(acked_all) > ROUNDS
+    # Kills land with writes in flight: some rounds must have left temp files for the restart to clean.
+    assert removed_total > 0
+    assert_clean(pool)
