@@ -18,6 +18,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from types import MappingProxyType, TracebackType
+from typing import Any
 
 import torch
 
@@ -91,6 +92,8 @@ class KVCache:
             chunk_bytes=cfg.pool_chunk_bytes,
             workers=cfg.pool_workers,
         )
+        # Usable once the first chunk is prepared; the rest fill in behind (pages of ready chunks only).
+        await self._pool.wait_usable()
         path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
         self._mover = PageMover(self.kv, self._pool.pages, path, cfg.staging_pages)
         if cfg.disk_dir is not None:
@@ -161,6 +164,11 @@ class KVCache:
         if self._pool is None:
             raise RuntimeError("KVCache is not started: use `async with KVCache(...)` or await start()")
         return self._pool
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, or None when there is none (not configured, or it could not start)."""
+        return self._disk
 
     def _running(self) -> tuple[PagePool, PageMover]:
         if self._closed:
@@ -291,12 +299,12 @@ class KVCache:
             for future, held in copies:
                 self._after(future, held, commit=None)
             for task in promotions[consumed:]:
-                task.add_done_callback(self._release_promoted)
+                self._adopt(task)
             raise
         for _, held in copies:
             self._release_handles(held)
         for task in promotions[consumed:]:
-            task.add_done_callback(self._release_promoted)
+            self._adopt(task)
         end = max(end_page * t, from_token)
         self._loaded_tokens[Tier.POOL] += pool_loaded * t
         self._loaded_tokens[Tier.DISK] += disk_loaded * t
@@ -320,12 +328,30 @@ class KVCache:
     def _cpu_copy(fn: Callable[..., object], *args: object) -> None:
         fn(*args)
 
-    def _release_promoted(self, task: asyncio.Task[PageHandle | None]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        handle = task.result()
-        if handle is not None:
-            self._release_handles([handle])
+    def _track(self, future: asyncio.Future[Any], finish: Callable[[], None]) -> None:
+        """Run ``finish`` when ``future`` (abandoned by its caller) completes; flush/aclose wait for it."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._background.add(done)
+
+        def settle(_: asyncio.Future[Any]) -> None:
+            try:
+                finish()
+            finally:
+                self._background.discard(done)
+                done.set_result(None)
+
+        future.add_done_callback(settle)
+
+    def _adopt(self, task: asyncio.Future[PageHandle | None]) -> None:
+        """Let a promotion nobody waits for finish in the background, then drop its reference."""
+
+        def finish() -> None:
+            if not task.cancelled() and task.exception() is None:
+                handle = task.result()
+                if handle is not None:
+                    self._release_handles([handle])
+
+        self._track(task, finish)
 
     async def _promote(self, key: PageKey) -> PageHandle | None:
         """Bring ``key`` from disk into the pool and return a reference on it; None on any miss."""
@@ -346,7 +372,7 @@ class KVCache:
             ok = await asyncio.shield(read)
         except asyncio.CancelledError:
             # The kernel may still be writing into the page: free it only once the read is over.
-            read.add_done_callback(lambda done: self._settle_read(done, handle))
+            self._track(read, lambda: self._settle_read(read, handle))
             raise
         except Exception:
             ok = False
@@ -454,11 +480,12 @@ class KVCache:
             self._fault("write_behind_full", "write-behind queue full: page kept in the pool only")
 
     def _after(self, future: asyncio.Future[None], handles: list[PageHandle], commit: bool | None) -> None:
-        """When a copy abandoned by a cancelled caller completes, release/abort its pages."""
+        """When a copy abandoned by a cancelled caller completes, release (None) or abort its pages."""
         pool = self.pool
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-        def finish(_: asyncio.Future[None]) -> None:
+        def finish() -> None:
+            if not future.cancelled():
+                future.exception()  # retrieved: a failed abandoned copy is only counted
             for handle in handles:
                 if handle.released:
                     continue
@@ -468,13 +495,8 @@ class KVCache:
                     pool.table.commit(handle)
                 else:
                     pool.table.abort(handle)
-            if not future.cancelled():
-                future.exception()  # retrieved: a failed abandoned copy is only counted
-            done.set_result(None)
-            self._background.discard(done)
 
-        self._background.add(done)
-        future.add_done_callback(finish)
+        self._track(future, finish)
 
     # -- prefetch -------------------------------------------------------------------------------
 
@@ -499,7 +521,7 @@ class KVCache:
             handles = await asyncio.shield(asyncio.gather(*tasks))
         except asyncio.CancelledError:
             for task in tasks:
-                task.add_done_callback(self._release_promoted)
+                self._adopt(task)
             raise
         promoted = 0
         for handle in handles:

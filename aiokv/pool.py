@@ -164,6 +164,9 @@ class PagePool:
             if not future.done():
                 still.append(future)
                 continue
+            if future.cancelled():  # only at close
+                self._failed += 1
+                continue
             result = future.result()
             if result.error is None:
                 self._ready += 1
@@ -182,6 +185,16 @@ class PagePool:
     async def wait_ready(self) -> None:
         """Wait until every chunk is prepared (or failed)."""
         await asyncio.gather(*(asyncio.wrap_future(f) for f in self._futures))
+        self._absorb()
+
+    async def wait_usable(self) -> None:
+        """Wait until the first chunk is prepared (or every chunk failed)."""
+        pending = [asyncio.wrap_future(f) for f in self._futures]
+        while pending:
+            done, rest = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(d.result().error is None for d in done):
+                break  # (cancelling the other wrappers would cancel their chunk work too)
+            pending = list(rest)
         self._absorb()
 
     def wait_ready_blocking(self) -> None:

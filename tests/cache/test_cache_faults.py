@@ -1,0 +1,168 @@
+"""Faults below the manager: each keeps the engine-facing calls working and is counted."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
+
+from aiokv import DiskBackend, KVCache
+from aiokv.storage import uring as uring_mod
+from aiokv.storage.backends import IOOp
+
+T = LAYOUT.page_tokens
+
+
+async def _evict_pool(cache: KVCache, pages: int) -> None:
+    """Fill the pool with other prompts so earlier pages live on disk only."""
+    for i in range(pages // 4 + 1):
+        await cache.offload(prompt(9000 + i, 4 * T), torch.arange(200, 200 + 4 * T))
+        await cache.flush()
+
+
+@pytest.mark.asyncio
+async def test_disk_full_keeps_offload_and_match_working(tmp_path: Path) -> None:
+    kv = make_kv(20)
+    tokens = prompt(20, 6 * T)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        assert cache.disk is not None
+        cache.disk.backend.faults.inject(IOOp.WRITE, errno.ENOSPC, times=1000)
+        result = await cache.offload(tokens, torch.arange(6 * T))
+        assert result.stored == 6  # the pool took them; the disk refused them
+        await cache.flush()
+        stats = cache.stats()
+        assert stats.errors["disk_enospc"] >= 1
+        assert stats.disk is not None and stats.disk.pages == 0
+        async with await cache.match(tokens) as match:
+            assert match.pool_pages == 6
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_corrupt_page_shortens_the_load_to_the_valid_prefix(tmp_path: Path) -> None:
+    kv = make_kv(21)
+    original = kv.clone()
+    tokens = prompt(21, 6 * T)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        await cache.offload(tokens, torch.arange(6 * T))
+        keys = cache.keys(tokens)
+    # Corrupt page 3's payload on disk, then restart so every page must come from disk.
+    disk_root = next(p for p in tmp_path.iterdir() if p.is_dir())
+    victim = next(p for p in disk_root.rglob("*") if p.name == keys[3].hex())
+    data = bytearray(victim.read_bytes())
+    data[4096 + 10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    kv.zero_()
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        match = await cache.match(tokens)
+        assert match.disk_pages == 6  # the index cannot know yet
+        loaded = await cache.load(match, torch.arange(6 * T))
+        assert loaded.shortened and loaded.tokens == 3 * T
+        assert torch.equal(kv[:, : 3 * T], original[:, : 3 * T])
+        assert torch.all(kv[:, 3 * T : 6 * T] == 0)  # nothing past the valid prefix was written
+        stats = cache.stats()
+        assert stats.disk is not None and stats.disk.corrupt == 1
+        assert stats.errors["load_shortened"] == 1
+        async with await cache.match(tokens) as again:
+            assert again.tokens == 3 * T  # page 3 is gone from the index: the prefix stops there
+        await assert_quiescent(cache)
+    assert not victim.exists()  # the bad file is deleted (by the time the tier has closed)
+
+
+@pytest.mark.asyncio
+async def test_io_error_on_read_is_a_counted_miss(tmp_path: Path) -> None:
+    kv = make_kv(22)
+    tokens = prompt(22, 4 * T)
+    async with KVCache(config(tmp_path, pool_pages=8), LAYOUT, kv) as cache:
+        await cache.offload(tokens, torch.arange(4 * T))
+        await cache.flush()
+        await _evict_pool(cache, 8)
+        assert cache.disk is not None
+        cache.disk.backend.faults.inject(IOOp.READ, errno.EIO, times=1)
+        match = await cache.match(tokens)
+        loaded = await cache.load(match, torch.arange(100, 100 + match.tokens))
+        assert loaded.shortened
+        assert cache.stats().errors["disk_eio"] == 1
+        await assert_quiescent(cache)
+
+
+def _refuse(_entries: int, _params: object) -> int:
+    raise OSError(errno.EPERM, "io_uring refused (injected)")
+
+
+@pytest.mark.asyncio
+async def test_io_uring_refused_falls_back_to_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(uring_mod, "io_uring_setup", _refuse)
+    kv = make_kv(23)
+    original = kv.clone()
+    tokens = prompt(23, 4 * T)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        assert cache.disk is not None
+        assert cache.stats().disk is not None
+        assert cache.stats().disk.backend is DiskBackend.THREADS  # type: ignore[union-attr]
+        await cache.offload(tokens, torch.arange(4 * T))
+    kv.zero_()
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        match = await cache.match(tokens)
+        loaded = await cache.load(match, torch.arange(4 * T))
+        assert loaded.tokens == 4 * T
+        assert torch.equal(kv[:, : 4 * T], original[:, : 4 * T])
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_forced_io_uring_refused_disables_the_disk_tier_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(uring_mod, "io_uring_setup", _refuse)
+    kv = make_kv(24)
+    async with KVCache(config(tmp_path, backend=DiskBackend.URING), LAYOUT, kv) as cache:
+        assert cache.disk is None
+        assert cache.stats().errors["disk_unavailable"] == 1
+        result = await cache.offload(prompt(24, 2 * T), torch.arange(2 * T))
+        assert result.stored == 2
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_pool_exhausted_is_counted_not_raised(tmp_path: Path) -> None:
+    kv = make_kv(25)
+    async with KVCache(config(None, pool_pages=4), LAYOUT, kv) as cache:
+        held = []
+        await cache.offload(prompt(25, 4 * T), torch.arange(4 * T))
+        held.append(await cache.match(prompt(25, 4 * T)))  # every page referenced
+        result = await cache.offload(prompt(26, 2 * T), torch.arange(4 * T, 6 * T))
+        assert (result.stored, result.dropped) == (0, 2)
+        assert cache.stats().errors["pool_exhausted"] == 1
+        for match in held:
+            match.release()
+        result = await cache.offload(prompt(26, 2 * T), torch.arange(4 * T, 6 * T))
+        assert result.stored == 2
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_prometheus_exporter_is_scraped(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from aiokv.metrics import register
+
+    kv = make_kv(26)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        registry = CollectorRegistry()
+        register(cache, registry)
+        tokens = prompt(26, 3 * T)
+        await cache.offload(tokens, torch.arange(3 * T))
+        async with await cache.match(tokens):
+            pass
+        await cache.flush()
+        text = generate_latest(registry).decode()
+        assert 'aiokv_hit_tokens_total{tier="pool"} 12.0' in text
+        assert 'aiokv_pages_total{outcome="stored"} 3.0' in text
+        assert f'aiokv_bytes_total{{direction="gpu_to_pool"}} {3 * LAYOUT.payload_bytes}.0' in text
+        assert 'aiokv_pool_pages{state="ready"} 3.0' in text
+        assert "aiokv_disk_pages 3.0" in text
+        assert "aiokv_lookups_total 1.0" in text
