@@ -7,13 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from aiokv.storage import uring as uring_mod
+from aiokv.storage.backends import IOOp
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import DiskBackend, KVCache
-from aiokv.storage import uring as uring_mod
-from aiokv.storage.backends import IOOp
 
 T = LAYOUT.page_tokens
+
+
+def _flip_payload_byte(root: Path, key: bytes) -> Path:
+    layout_dir = next(p for p in root.iterdir() if p.is_dir())
+    victim = next(p for p in layout_dir.rglob("*") if p.name == key.hex())
+    data = bytearray(victim.read_bytes())
+    data[4096 + 10] ^= 0xFF  # first payload bytes, after the 4096-byte header
+    victim.write_bytes(bytes(data))
+    return victim
 
 
 async def _evict_pool(cache: KVCache, pages: int) -> None:
@@ -50,11 +59,7 @@ async def test_corrupt_page_shortens_the_load_to_the_valid_prefix(tmp_path: Path
         await cache.offload(tokens, torch.arange(6 * T))
         keys = cache.keys(tokens)
     # Corrupt page 3's payload on disk, then restart so every page must come from disk.
-    disk_root = next(p for p in tmp_path.iterdir() if p.is_dir())
-    victim = next(p for p in disk_root.rglob("*") if p.name == keys[3].hex())
-    data = bytearray(victim.read_bytes())
-    data[4096 + 10] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    victim = _flip_payload_byte(tmp_path, keys[3])
     kv.zero_()
     async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
         match = await cache.match(tokens)
@@ -69,7 +74,7 @@ async def test_corrupt_page_shortens_the_load_to_the_valid_prefix(tmp_path: Path
         async with await cache.match(tokens) as again:
             assert again.tokens == 3 * T  # page 3 is gone from the index: the prefix stops there
         await assert_quiescent(cache)
-    assert not victim.exists()  # the bad file is deleted (by the time the tier has closed)
+    assert not _exists(victim)  # the bad file is deleted (by the time the tier has closed)
 
 
 @pytest.mark.asyncio
@@ -87,6 +92,10 @@ async def test_io_error_on_read_is_a_counted_miss(tmp_path: Path) -> None:
         assert loaded.shortened
         assert cache.stats().errors["disk_eio"] == 1
         await assert_quiescent(cache)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists()
 
 
 def _refuse(_entries: int, _params: object) -> int:
