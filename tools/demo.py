@@ -46,7 +46,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # quarter of the distinct prompt pages, so GPU prefix, pool and disk all serve hits.
 WORKLOADS: dict[str, WorkloadConfig] = {
     "tiny": WorkloadConfig(
-        tenants=2, chats_per_tenant=2, chat_turns=3, system_tokens=24, chat_text=(20, 40),
+        tenants=3, chats_per_tenant=2, chat_turns=3, system_tokens=24, chat_text=(20, 40),
         docs_per_tenant=1, doc_tokens=(120, 160), users_per_doc=3, doc_turns=1, question_tokens=(6, 12),
     ),
     "small": WorkloadConfig(),
@@ -56,6 +56,8 @@ WORKLOADS: dict[str, WorkloadConfig] = {
     ),
 }
 PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
+KV_FACTOR = 1.0
+POOL_FACTOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class DemoConfig:
     page_tokens: int = 32
     chunk_tokens: int = 0  # 0: one page per chunk
     gen_tokens: int = 8
-    concurrency: int = 3
+    concurrency: int = 2
+    window: int = 6  # sessions open at once
     kv_blocks: int = 0  # 0: sized from the workload
     pool_pages: int = 0  # 0: sized from the workload
     disk_bytes: int = 1 << 34
@@ -96,8 +99,8 @@ def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int]:
     per_request = -(-longest // page)
     distinct = {t for s in sessions for t in s.texts}
     distinct_pages = sum(len(t) for t in distinct) // page
-    kv_blocks = cfg.kv_blocks or max(per_request, int(1.5 * cfg.concurrency * per_request))
-    pool_pages = cfg.pool_pages or max(per_request, distinct_pages // 4)
+    kv_blocks = cfg.kv_blocks or max(per_request, int(KV_FACTOR * cfg.concurrency * per_request))
+    pool_pages = cfg.pool_pages or max(per_request, int(POOL_FACTOR * distinct_pages))
     return longest, kv_blocks, pool_pages
 
 
@@ -138,7 +141,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
     t = time.perf_counter()
     scratch = await run_sessions(
-        scratch_engine, sessions, cfg.concurrency, Progress("scratch", n_req) if progress else noop
+        scratch_engine, sessions, cfg.concurrency, cfg.window, Progress("scratch", n_req) if progress else noop
     )
     wall_scratch = time.perf_counter() - t
 
@@ -152,7 +155,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
             engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, True), cache, chunk, cfg.gen_tokens)
             t = time.perf_counter()
             cached = await run_sessions(
-                engine, sessions, cfg.concurrency, Progress("cached", n_req) if progress else noop
+                engine, sessions, cfg.concurrency, cfg.window, Progress("cached", n_req) if progress else noop
             )
             wall = time.perf_counter() - t
             stats = cache.stats()
@@ -247,7 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-tokens", type=int, help="tokens per page (default: per preset)")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk, a multiple of the page (0: one page)")
     p.add_argument("--gen-tokens", type=int, default=8, help="tokens decoded per request")
-    p.add_argument("--concurrency", type=int, default=3, help="sessions served at once")
+    p.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    p.add_argument("--window", type=int, default=6, help="sessions open at once (users between turns)")
     p.add_argument("--kv-blocks", type=int, default=0, help="KV buffer size in pages (0: from the workload)")
     p.add_argument("--pool-pages", type=int, default=0, help="CPU pool size in pages (0: from the workload)")
     p.add_argument("--disk-bytes", type=int, default=1 << 34, help="disk tier budget in bytes")
@@ -275,7 +279,7 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         workload = replace(workload, tenants=a.tenants)
     return DemoConfig(
         model=model, workload=workload, device=a.device, page_tokens=a.page_tokens or PAGE_TOKENS[a.preset],
-        chunk_tokens=a.chunk_tokens, gen_tokens=a.gen_tokens, concurrency=a.concurrency,
+        chunk_tokens=a.chunk_tokens, gen_tokens=a.gen_tokens, concurrency=a.concurrency, window=a.window,
         kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, disk_bytes=a.disk_bytes, disk_dir=a.disk_dir,
     )
 

@@ -44,13 +44,13 @@ class Session:
 class WorkloadConfig:
     """Size of the generated workload (all lengths in tokens)."""
 
-    tenants: int = 3
+    tenants: int = 4
     chats_per_tenant: int = 4
     chat_turns: int = 4
     system_tokens: int = 96
-    chat_text: tuple[int, int] = (120, 240)
+    chat_text: tuple[int, int] = (100, 200)
     docs_per_tenant: int = 2
-    doc_tokens: tuple[int, int] = (1100, 1500)
+    doc_tokens: tuple[int, int] = (800, 1100)
     users_per_doc: int = 3
     doc_turns: int = 2
     question_tokens: tuple[int, int] = (24, 64)
@@ -86,12 +86,14 @@ def make_workload(cfg: WorkloadConfig, vocab: int) -> list[Session]:
             readers.append(group)
     rng.shuffle(chats)
     rng.shuffle(readers)
-    # Reader u of every document arrives in wave u; chats are spread evenly between the waves.
+    # Reader u of every document arrives in wave u. The chats between waves grow 4x per wave, so
+    # a document comes back after a short gap (found in the pool) and after a long one (on disk).
     waves = [[group[u] for group in readers] for u in range(cfg.users_per_doc)]
-    per_wave = -(-len(chats) // max(1, len(waves)))
+    weights = [4**u for u in range(len(waves))]
+    bounds = [round(len(chats) * sum(weights[: u + 1]) / sum(weights)) for u in range(len(waves))]
     order: list[Session] = []
     for u, wave in enumerate(waves):
-        order += wave + chats[u * per_wave : (u + 1) * per_wave]
+        order += wave + chats[(bounds[u - 1] if u else 0) : bounds[u]]
     return order
 
 
@@ -270,32 +272,14 @@ class Engine:
             start = res.gpu_tokens = len(hit_blocks) * page
             if self.cache is not None and usable > start:
                 start = await self._load(res, prompt[:usable], slots, start)
-            # Chunks end on absolute multiples of chunk_tokens, so they are the same with or without hits.
+            # The model runs in a worker thread (torch releases the GIL), so the loop keeps
+            # serving the cache's disk and copy completions while a prefill computes.
             async with self._compute:
-                t1 = time.perf_counter()
-                tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
-                logits_list: list[torch.Tensor] = []
-                pos = start
-                while pos < n:
-                    end = min(n, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
-                    logits = self.model.forward(tokens[pos:end], pos, slots[:end], self.kv)
-                    pos = end
-                    if pos < n:
-                        await asyncio.sleep(0)  # let cache completions run between chunks
-                token = int(logits.argmax().item())
-                self._sync()
-                t2 = time.perf_counter()
-                res.prefill_s, res.ttft_s = t2 - t1, t2 - t0
-                res.computed_tokens = n - start
-                logits_list.append(logits)
-                res.generated.append(token)
-                for i in range(self.gen_tokens - 1):
-                    step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
-                    logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
-                    token = int(logits.argmax().item())
-                    logits_list.append(logits)
-                    res.generated.append(token)
-                res.decode_s = time.perf_counter() - t2
+                logits_list, res.generated, t1, t2 = await asyncio.to_thread(
+                    self._compute_request, prompt, start, slots
+                )
+            res.prefill_s, res.ttft_s, res.decode_s = t1[1] - t1[0], t1[1] - t0, t2 - t1[1]
+            res.computed_tokens = n - start
             if self.keep_logits:
                 res.logits = torch.stack(logits_list).cpu()
             full = n // page
@@ -310,17 +294,42 @@ class Engine:
             await asyncio.shield(self._give_blocks(blocks))
         return res
 
+    def _compute_request(
+        self, prompt: list[int], start: int, slots: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[int], tuple[float, float], float]:
+        """Prefill ``prompt[start:]`` then decode; return logits, tokens, (prefill start, first token), end."""
+        n = len(prompt)
+        t_start = time.perf_counter()
+        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
+        pos = start
+        # Chunks end on absolute multiples of chunk_tokens, so they are the same with or without hits.
+        while pos < n:
+            end = min(n, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
+            logits = self.model.forward(tokens[pos:end], pos, slots[:end], self.kv)
+            pos = end
+        token = int(logits.argmax().item())
+        self._sync()
+        t_first = time.perf_counter()
+        logits_list, generated = [logits], [token]
+        for i in range(self.gen_tokens - 1):
+            step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
+            logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
+            token = int(logits.argmax().item())
+            logits_list.append(logits)
+            generated.append(token)
+        return logits_list, generated, (t_start, t_first), time.perf_counter()
+
     async def _load(self, res: RequestResult, prefix: list[int], slots: torch.Tensor, start: int) -> int:
         """Match ``prefix`` in aiokv and load what the GPU prefix lacks; return where prefill starts."""
         assert self.cache is not None
         t = time.perf_counter()
         m = await self.cache.match(prefix, salt=res.tenant)
         res.match_s = time.perf_counter() - t
-        if m.tokens <= start:
-            await m.release()
-            return start
-        t = time.perf_counter()
-        loaded = await self.cache.load(m, slots[start : m.tokens], from_token=start)
+        async with m:  # releases the match when it is not loaded (load consumes it)
+            if m.tokens <= start:
+                return start
+            t = time.perf_counter()
+            loaded = await self.cache.load(m, slots[start : m.tokens], from_token=start)
         self._sync()
         res.load_s = time.perf_counter() - t
         end = max(start, loaded.tokens)
@@ -334,19 +343,26 @@ async def run_sessions(
     engine: Engine,
     sessions: Sequence[Session],
     concurrency: int,
+    window: int,
     on_done: Callable[[RequestResult], None],
 ) -> list[RequestResult]:
-    """Run sessions, ``concurrency`` at a time in arrival order; each turn waits for the previous answer."""
+    """Serve ``sessions`` in arrival order with ``window`` open at once and ``concurrency`` requests in flight.
+
+    A session's next turn waits for its previous answer and then queues behind the other open
+    sessions' turns (FIFO), so a user comes back after about ``window - 1`` other requests.
+    """
     results: list[RequestResult] = []
     counter = iter(range(1 << 30))
-    gate = asyncio.Semaphore(concurrency)
+    open_gate = asyncio.Semaphore(window)
+    in_flight = asyncio.Semaphore(concurrency)
 
     async def session(s: Session) -> None:
-        async with gate:
+        async with open_gate:
             prompt: list[int] = []
             for k, text in enumerate(s.texts):
                 prompt = prompt + list(text)
-                r = await engine.serve(f"{s.name}/turn{k}", s.tenant, s.kind.value, next(counter), prompt)
+                async with in_flight:
+                    r = await engine.serve(f"{s.name}/turn{k}", s.tenant, s.kind.value, next(counter), prompt)
                 results.append(r)
                 on_done(r)
                 prompt = prompt + r.generated

@@ -1,0 +1,107 @@
+"""The demo inference loop (tools/demo.py) at a tiny size: oracle holds and every tier serves hits."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import demo
+from demo_engine import BlockTable, RequestResult, make_workload
+from demo_model import LlamaModel, preset
+from demo_report import compare, format_table
+
+
+def tiny_config(tmp_path: Path) -> demo.DemoConfig:
+    return demo.config_from_args(demo.parse_args(["--preset", "tiny", "--disk-dir", str(tmp_path / "disk")]))
+
+
+@pytest.mark.asyncio
+async def test_tiny_demo_matches_from_scratch_and_uses_every_tier(tmp_path: Path) -> None:
+    out = await demo.run_demo(tiny_config(tmp_path), progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    assert out.oracle.compared == len(out.scratch) > 10
+    s = out.summary
+    assert s["gpu_prefix_tokens"] > 0
+    assert s["pool_tokens"] > 0
+    assert s["disk_tokens"] > 0
+    assert s["lost_tokens"] == 0
+    assert s["computed_tokens"] + s["gpu_prefix_tokens"] + s["pool_tokens"] + s["disk_tokens"] == s["prompt_tokens"]
+    assert s["computed_tokens_scratch"] == s["prompt_tokens"]
+    assert out.stats.bytes_moved["disk_to_pool"] > 0
+    assert not any(out.stats.errors.values())
+    assert "bit-exact" in format_table(out.summary, out.stats, out.oracle)
+
+
+def test_oracle_names_the_request_that_differs() -> None:
+    def result(name: str, logits: torch.Tensor, generated: list[int]) -> RequestResult:
+        return RequestResult(name, "t", "chat", 0, 10, generated=generated, logits=logits, prompt_digest=b"p")
+
+    base = [result("a", torch.zeros(2, 4), [1, 2]), result("b", torch.zeros(2, 4), [3, 4])]
+    same = [dataclasses.replace(r) for r in base]
+    assert compare(same, base, exact=True).mismatches == ()
+    nudged = torch.zeros(2, 4)
+    nudged[1, 3] = 1e-6
+    off = [base[0], result("b", nudged, [3, 4])]
+    report = compare(off, base, exact=True)
+    assert len(report.mismatches) == 1
+    assert report.mismatches[0].startswith("b:")
+    # On a GPU only the tokens must agree; the logit difference is reported.
+    gpu = compare(off, base, exact=False)
+    assert gpu.mismatches == ()
+    assert gpu.max_abs_logit_diff == pytest.approx(1e-6)
+    wrong = [base[0], result("b", torch.zeros(2, 4), [3, 5])]
+    assert compare(wrong, base, exact=False).mismatches[0].startswith("b:")
+
+
+def test_prefill_from_copied_prefix_is_bit_exact() -> None:
+    cfg = preset("tiny")
+    model = LlamaModel(cfg, torch.device("cpu"), 128)
+    tokens = torch.randint(0, cfg.vocab, (45,), generator=torch.Generator().manual_seed(3))
+    page = 8
+    kv_a, kv_b = model.new_kv_buffer(64), model.new_kv_buffer(64)
+    slots_a, slots_b = torch.arange(45), torch.randperm(64)[:45]
+    for s in range(0, 45, page):
+        logits_a = model.forward(tokens[s : s + page], s, slots_a[: s + page], kv_a)
+    hit = 4 * page
+    kv_b[:, slots_b[:hit]] = kv_a[:, slots_a[:hit]]
+    for s in range(hit, 45, page):
+        logits_b = model.forward(tokens[s : s + page], s, slots_b[: s + page], kv_b)
+    assert torch.equal(logits_a, logits_b)
+    assert torch.equal(kv_a[:, slots_a], kv_b[:, slots_b])
+
+
+def test_block_table_reuses_prefix_and_evicts_lru() -> None:
+    table = BlockTable(num_blocks=4, block_tokens=2, prefix_reuse=True)
+    got = table.try_acquire([b"k0", b"k1"], 3)
+    assert got == ([], [0, 1, 2])
+    table.publish([0, 1], [b"k0", b"k1"])
+    assert table.try_acquire([], 2) is None  # one block free, three referenced
+    table.release([0, 1, 2])
+    hits, new = table.try_acquire([b"k0", b"k1", b"k2"], 3) or ([], [])
+    assert hits == [0, 1]
+    assert len(new) == 1
+    table.release(hits + new)
+    # Needing all four blocks evicts the cached ones (LRU) and forgets their keys.
+    assert table.try_acquire([], 4) is not None
+    assert table.evictions == 2
+    assert table.try_acquire([b"k0"], 0) == ([], [])
+    assert table.slots([3, 1], 3, torch.device("cpu")).tolist() == [6, 7, 2]
+
+
+def test_workload_shares_documents_within_a_tenant_only() -> None:
+    sessions = make_workload(demo.WORKLOADS["tiny"], vocab=256)
+    docs = [s for s in sessions if s.kind.value == "doc"]
+    by_doc: dict[str, set[tuple[int, ...]]] = {}
+    for s in docs:
+        key = s.name.rsplit("/", 1)[0]
+        by_doc.setdefault(key, set()).add(s.texts[0][:100])
+    assert all(len(v) == 1 for v in by_doc.values())  # the readers of one document share its text
+    assert len({s.tenant for s in sessions}) == demo.WORKLOADS["tiny"].tenants
+    assert sessions == make_workload(demo.WORKLOADS["tiny"], vocab=256)  # deterministic
