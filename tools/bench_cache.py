@@ -1,0 +1,309 @@
+"""Throughput of the public API against baselines measured in the same run.
+
+GPU (H200), ``--mode gpu``: an 8B-class layout (32 layers, 8 KV heads, head_dim 128, bf16,
+256-token pages = 32 MiB), KV buffer on the GPU, random slots. ``offload`` and ``match``+``load``
+through ``KVCache`` against a plain pinned ``copy_`` of the same bytes (D2H and H2D), with the event
+loop's lag (a 1 ms periodic callback) while streaming, and the CUDA-event bridge's latency: time from
+the GPU finishing (seen by a thread spinning on ``event.query()``) to the awaiting future resolving.
+
+Development machine, ``--mode disk``: pages written to the disk tier, then loaded through the API
+(match + load into a CPU KV buffer) against the raw disk tier reading the same pages into the pool
+(``DiskTier.read`` at the same depth). Runs alternate A/B ``--rounds`` times.
+
+    python tools/bench_cache.py --mode gpu --json out.json
+    python tools/bench_cache.py --mode disk --dir /var/tmp/aiokv-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiokv import CacheConfig, KVCache, KVLayout
+from aiokv.cuda import CompletionBridge, Lane
+from aiokv.pool import PagePool
+from aiokv.storage import DiskConfig, DiskTier
+
+
+class LoopLag:
+    """Lateness of a 1 ms periodic callback while a workload runs."""
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        expected = loop.time() + self.period
+        while True:
+            await asyncio.sleep(max(0.0, expected - loop.time()))
+            now = loop.time()
+            self.samples.append(max(0.0, now - expected))
+            expected = now + self.period
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+        ordered = sorted(self.samples)
+        return {
+            "p50_ms": ordered[len(ordered) // 2] * 1e3,
+            "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+            "max_ms": ordered[-1] * 1e3,
+        }
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+
+async def bridge_latency(samples: int) -> dict[str, float]:
+    """GPU completion -> future resolution, in microseconds."""
+    bridge = CompletionBridge()
+    stream = torch.cuda.Stream()
+    latencies: list[float] = []
+    try:
+        for _ in range(samples):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time
+                event = torch.cuda.Event()
+                event.record(stream)
+            seen: list[float] = []
+
+            def spin(ev: torch.cuda.Event = event, out: list[float] = seen) -> None:
+                while not ev.query():
+                    pass
+                out.append(time.perf_counter())
+
+            watcher = threading.Thread(target=spin)
+            watcher.start()
+            await bridge.wait(event, Lane.LOAD)
+            resolved = time.perf_counter()
+            watcher.join()
+            latencies.append(max(0.0, resolved - seen[0]) * 1e6)
+    finally:
+        await asyncio.to_thread(bridge.close)
+    return {"p50_us": pct(latencies, 0.5), "p99_us": pct(latencies, 0.99), "max_us": max(latencies)}
+
+
+def memcpy_gbps(nbytes: int, direction: str, repeat: int) -> float:
+    device_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if direction == "d2h":
+            host.copy_(device_buf, non_blocking=True)
+        else:
+            device_buf.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
+    layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256)
+    pages = args.pages
+    tokens_per_prompt = pages * layout.page_tokens
+    prompts = args.prompts
+    slots = tokens_per_prompt * 2
+    kv = torch.randn(32, slots, 16, 128, dtype=torch.bfloat16, device="cuda")
+    config = CacheConfig(
+        cpu_bytes=(prompts * pages + 8) * layout.page_bytes, disk_dir=None, namespace="bench"
+    )
+    results: dict[str, Any] = {"layout": layout.describe(), "pages_per_call": pages, "prompts": prompts}
+    nbytes = pages * layout.payload_bytes
+    results["memcpy_d2h_gbps"] = memcpy_gbps(nbytes, "d2h", 10)
+    results["memcpy_h2d_gbps"] = memcpy_gbps(nbytes, "h2d", 10)
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        token_sets = [torch.randint(0, 100_000, (tokens_per_prompt,)).tolist() for _ in range(prompts)]
+        # Warm-up (Triton compilation, staging allocation).
+        warm = torch.randint(0, 100_000, (tokens_per_prompt,)).tolist()
+        await cache.offload(warm, torch.randperm(slots, device="cuda")[:tokens_per_prompt])
+        async with await cache.match(warm) as m:
+            await cache.load(m, torch.randperm(slots, device="cuda")[:tokens_per_prompt])
+        with LoopLag() as lag:
+            torch.cuda.synchronize()
+            offload_times = []
+            for tokens in token_sets:
+                src = torch.randperm(slots, device="cuda")[:tokens_per_prompt]
+                start = time.perf_counter()
+                await cache.offload(tokens, src)
+                offload_times.append(time.perf_counter() - start)
+            load_times = []
+            for tokens in token_sets:
+                dst = torch.randperm(slots, device="cuda")[:tokens_per_prompt]
+                match = await cache.match(tokens)
+                start = time.perf_counter()
+                await cache.load(match, dst)
+                torch.cuda.current_stream().synchronize()
+                load_times.append(time.perf_counter() - start)
+        results["offload_gbps"] = nbytes / statistics.median(offload_times) / 1e9
+        results["load_gbps"] = nbytes / statistics.median(load_times) / 1e9
+        results["offload_vs_memcpy"] = results["offload_gbps"] / results["memcpy_d2h_gbps"]
+        results["load_vs_memcpy"] = results["load_gbps"] / results["memcpy_h2d_gbps"]
+        results["loop_lag"] = lag.summary()
+    results["bridge"] = await bridge_latency(args.bridge_samples)
+    return results
+
+
+# -- disk -----------------------------------------------------------------------------------------
+
+
+def _drop_page_cache(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def raw_tier_read(root: Path, layout: KVLayout, keys: list[bytes], depth: int) -> float:
+    pool = PagePool.create(layout, (len(keys) + 1) * layout.page_bytes)
+    try:
+        await pool.wait_ready()
+        tier = DiskTier(
+            DiskConfig(directory=root, capacity_bytes=1 << 40, queue_depth=depth), layout, pool
+        )
+        async with tier:
+            reservations = pool.reserve(keys)
+            handles = [r.handle for r in reservations]
+            assert all(h is not None for h in handles)
+            await asyncio.to_thread(_drop_page_cache, root)
+            start = time.perf_counter()
+            oks = await asyncio.gather(*(tier.read(k, h) for k, h in zip(keys, handles, strict=True)))  # type: ignore[arg-type]
+            elapsed = time.perf_counter() - start
+            assert all(oks), "raw read failed"
+            for h in handles:
+                pool.table.abort(h)  # type: ignore[arg-type]
+    finally:
+        await pool.aclose()
+    return len(keys) * layout.page_bytes / elapsed / 1e9
+
+
+async def api_read(root: Path, layout: KVLayout, tokens: list[int], kv: torch.Tensor, depth: int) -> float:
+    pages = len(tokens) // layout.page_tokens
+    config = CacheConfig(
+        cpu_bytes=(pages + 1) * layout.page_bytes, disk_dir=root, disk_bytes=1 << 40,
+        disk_queue_depth=depth, namespace="bench",
+    )
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await asyncio.to_thread(_drop_page_cache, root)
+        start = time.perf_counter()
+        match = await cache.match(tokens)
+        assert match.disk_pages == pages, match
+        result = await cache.load(match, torch.arange(len(tokens)))
+        elapsed = time.perf_counter() - start
+        assert result.tokens == len(tokens), result
+    return pages * layout.page_bytes / elapsed / 1e9
+
+
+async def disk_mode(args: argparse.Namespace) -> dict[str, Any]:
+    # 4 MiB pages: 4 layers x 64 tokens x 16 rows x 128 x bf16... sized by --page-mib.
+    tokens_per_page = 64
+    rows_dim = args.page_mib * (1 << 20) // (4 * tokens_per_page * 2)
+    layout = KVLayout.mha(4, 8, rows_dim // 16, torch.bfloat16, page_tokens=tokens_per_page)
+    pages = args.disk_pages
+    tokens = torch.randint(0, 100_000, (pages * tokens_per_page,)).tolist()
+    kv = torch.randn(layout.num_layers, len(tokens), layout.rows, layout.head_dim).to(layout.dtype)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="aiokv-bench-"))
+    root = base / "cache"
+    shutil.rmtree(root, ignore_errors=True)
+    config = CacheConfig(
+        cpu_bytes=(pages + 1) * layout.page_bytes, disk_dir=root, disk_bytes=1 << 40, namespace="bench"
+    )
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(len(tokens)))
+        keys = cache.keys(tokens)
+    rounds: list[dict[str, float]] = []
+    with LoopLag() as lag:
+        for _ in range(args.rounds):
+            raw = await raw_tier_read(root, layout, keys, args.depth)
+            api = await api_read(root, layout, tokens, torch.zeros_like(kv), args.depth)
+            rounds.append({"raw_gbps": raw, "api_gbps": api, "ratio": api / raw})
+    shutil.rmtree(base if not args.dir else root, ignore_errors=True)
+    return {
+        "layout": layout.describe(),
+        "pages": pages,
+        "depth": args.depth,
+        "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "loop_lag": lag.summary(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["gpu", "disk"], default="gpu" if torch.cuda.is_available() else "disk")
+    parser.add_argument("--pages", type=int, default=64, help="pages per offload/load call (gpu mode)")
+    parser.add_argument("--prompts", type=int, default=6, help="prompts streamed (gpu mode)")
+    parser.add_argument("--bridge-samples", type=int, default=300)
+    parser.add_argument("--page-mib", type=int, default=4, help="page size (disk mode)")
+    parser.add_argument("--disk-pages", type=int, default=64, help="pages read per round (disk mode)")
+    parser.add_argument("--depth", type=int, default=8, help="disk queue depth (disk mode)")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (disk mode)")
+    parser.add_argument("--dir", help="directory for page files (disk mode; default a temp dir)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    if args.mode == "gpu" and not torch.cuda.is_available():
+        parser.error("--mode gpu needs a CUDA device")
+    result = asyncio.run(gpu_mode(args) if args.mode == "gpu" else disk_mode(args))
+    if args.mode == "gpu":
+        print(f"{result['layout']}, {result['pages_per_call']} pages per call")
+        print(f"{'direction':<10} {'API GB/s':>9} {'memcpy GB/s':>12} {'ratio':>6}")
+        print(f"{'offload':<10} {result['offload_gbps']:>9.2f} {result['memcpy_d2h_gbps']:>12.2f} "
+              f"{result['offload_vs_memcpy']:>6.2f}")
+        print(f"{'load':<10} {result['load_gbps']:>9.2f} {result['memcpy_h2d_gbps']:>12.2f} "
+              f"{result['load_vs_memcpy']:>6.2f}")
+        lag = result["loop_lag"]
+        print(f"loop lag while streaming: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
+              f"max {lag['max_ms']:.3f} ms")
+        b = result["bridge"]
+        print(f"CUDA event -> future: p50 {b['p50_us']:.1f} us, p99 {b['p99_us']:.1f} us, max {b['max_us']:.1f} us")
+    else:
+        print(f"{result['layout']}, {result['pages']} pages, depth {result['depth']}")
+        print(f"{'round':<6} {'raw tier GB/s':>14} {'API GB/s':>9} {'ratio':>6}")
+        for i, r in enumerate(result["rounds"]):
+            print(f"{i:<6} {r['raw_gbps']:>14.2f} {r['api_gbps']:>9.2f} {r['ratio']:>6.2f}")
+        lag = result["loop_lag"]
+        print(f"median ratio {result['median_ratio']:.2f}; loop lag p50 {lag['p50_ms']:.3f} ms, "
+              f"p99 {lag['p99_ms']:.3f} ms, max {lag['max_ms']:.3f} ms")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
