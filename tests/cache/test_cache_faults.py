@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiokv.storage import uring as uring_mod
-from aiokv.storage.backends import IOOp
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import DiskBackend, KVCache
+from aiokv.storage import uring as uring_mod
+from aiokv.storage.backends import IOOp
 
 T = LAYOUT.page_tokens
 
