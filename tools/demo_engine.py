@@ -45,7 +45,7 @@ class WorkloadConfig:
     """Size of the generated workload (all lengths in tokens)."""
 
     tenants: int = 4
-    chats_per_tenant: int = 4
+    chats_per_tenant: int = 5
     chat_turns: int = 4
     system_tokens: int = 96
     chat_text: tuple[int, int] = (100, 200)
@@ -298,6 +298,15 @@ class Engine:
         self, prompt: list[int], start: int, slots: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[int], tuple[float, float], float]:
         """Prefill ``prompt[start:]`` then decode; return logits, tokens, (prefill start, first token), end."""
+        if self.kv.is_cuda:
+            # A worker thread starts on device 0 and the default stream: follow the KV buffer's device.
+            with torch.cuda.device(self.kv.device):
+                return self._compute_on_device(prompt, start, slots)
+        return self._compute_on_device(prompt, start, slots)
+
+    def _compute_on_device(
+        self, prompt: list[int], start: int, slots: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[int], tuple[float, float], float]:
         n = len(prompt)
         t_start = time.perf_counter()
         tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)

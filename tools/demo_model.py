@@ -165,7 +165,7 @@ class LlamaModel:
         pos = slice(start, end)
         new_slots = slots[start:]
         # Query i sits at position start + i: causal aligned to the lower right of [M, end]. As a
-        # CausalBias it runs in the memory-efficient kernel on CUDA without a materialised mask.
+        # CausalBias it runs in the flash/memory-efficient kernels on CUDA without a materialised mask.
         mask = causal_lower_right(m, end)
         x = self.embed[tokens]
         for li, layer in enumerate(self.layers):
@@ -184,7 +184,8 @@ class LlamaModel:
             keys = ctx[:, :hk].transpose(0, 1).repeat_interleave(rep, dim=0)
             vals = ctx[:, hk:].transpose(0, 1).repeat_interleave(rep, dim=0)
             qh = self._rope(q, pos).transpose(0, 1)
-            att = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask)
+            # 4-D (batch of one): the flash and memory-efficient CUDA kernels accept only 4-D inputs.
+            att = F.scaled_dot_product_attention(qh[None], keys[None], vals[None], attn_mask=mask)[0]
             x = x + att.transpose(0, 1).reshape(m, hq * d) @ layer.wo.T
             h = self._norm(x, layer.mlp_norm)
             gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
