@@ -46,8 +46,8 @@ def check_slots(kv: KVBuffer, slots: torch.Tensor, name: str = "slots") -> None:
         raise ValueError(f"{name} must have an integer dtype, got {slots.dtype}")
     if slots.numel() == 0:
         raise ValueError(f"{name} is empty")
-    low = int(slots.min())
-    high = int(slots.max())
+    low_t, high_t = torch.aminmax(slots)
+    low, high = int(low_t), int(high_t)
     if low < 0:
         raise ValueError(f"{name} holds a negative slot ({low})")
     if high >= kv.num_slots:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -162,8 +163,8 @@ class PageMover:
         chunks = self._chunks(len(ids), ids, skip_first=0, tokens=tokens)
         plan = self._deal(chunks, self._offload_lanes)
         with self._on_side([lane for lane, _ in plan]) as streams:
-            for lane, mine in plan:
-                self._offload_lane(lane, mine, slots)
+            for lane, chunk, index in self._issue_order(plan, slots):
+                self._offload_chunk(lane, chunk, index)
         return self._finish(streams)
 
     def load(self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0) -> torch.cuda.Event | None:
@@ -188,39 +189,46 @@ class PageMover:
         chunks = self._chunks(len(ids), ids, skip_first=skip_first, tokens=tokens)
         plan = self._deal(chunks, self._load_lanes)
         with self._on_side([lane for lane, _ in plan]) as streams:
-            for lane, mine in plan:
-                self._load_lane(lane, mine, slots)
+            for lane, chunk, index in self._issue_order(plan, slots):
+                self._load_chunk(lane, chunk, index)
         return self._finish(streams)
 
     # -- staging path ---------------------------------------------------------------------------
 
-    def _offload_lane(self, lane: _Lane, chunks: list[_Chunk], slots: torch.Tensor) -> None:
-        assert lane.plan is not None and lane.staging is not None
-        if slots.is_cuda and lane.stream is not None:
-            slots.record_stream(lane.stream)
-        with self._stream(lane):
-            index = self._index(torch.cat([slots[c.slot_begin : c.slot_end] for c in chunks]), lane)
-            pos = 0
+    def _issue_order(
+        self, plan: list[tuple[_Lane, list[_Chunk]]], slots: torch.Tensor
+    ) -> Iterator[tuple[_Lane, _Chunk, torch.Tensor]]:
+        """Each chunk with its lane and device slots, in page order: every lane starts at once."""
+        indices = []
+        for lane, chunks in plan:
+            if slots.is_cuda and lane.stream is not None:
+                slots.record_stream(lane.stream)
+            with self._stream(lane):
+                index = self._index(torch.cat([slots[c.slot_begin : c.slot_end] for c in chunks]), lane)
+            offsets = [0]
             for chunk in chunks:
-                count = chunk.slot_end - chunk.slot_begin
-                lane.plan.gather(index[pos : pos + count], None)
-                pos += count
-                for j, page in enumerate(chunk.ids):
-                    self.pages[page].copy_(lane.staging[j], non_blocking=True)
+                offsets.append(offsets[-1] + chunk.slot_end - chunk.slot_begin)
+            indices.append([index[a:b] for a, b in itertools.pairwise(offsets)])
+        for step in range(max(len(chunks) for _, chunks in plan)):
+            for (lane, chunks), lane_indices in zip(plan, indices, strict=True):
+                if step < len(chunks):
+                    yield lane, chunks[step], lane_indices[step]
 
-    def _load_lane(self, lane: _Lane, chunks: list[_Chunk], slots: torch.Tensor) -> None:
+    def _offload_chunk(self, lane: _Lane, chunk: _Chunk, index: torch.Tensor) -> None:
+        """Gather into the lane's staging, then one memcpy per page, all on the lane's stream."""
         assert lane.plan is not None and lane.staging is not None
-        if slots.is_cuda and lane.stream is not None:
-            slots.record_stream(lane.stream)
         with self._stream(lane):
-            index = self._index(torch.cat([slots[c.slot_begin : c.slot_end] for c in chunks]), lane)
-            pos = 0
-            for chunk in chunks:
-                for j, page in enumerate(chunk.ids):
-                    lane.staging[j].copy_(self.pages[page], non_blocking=True)
-                count = chunk.slot_end - chunk.slot_begin
-                lane.plan.scatter(None, index[pos : pos + count], chunk.skip)
-                pos += count
+            lane.plan.gather(index, None)
+            for j, page in enumerate(chunk.ids):
+                self.pages[page].copy_(lane.staging[j], non_blocking=True)
+
+    def _load_chunk(self, lane: _Lane, chunk: _Chunk, index: torch.Tensor) -> None:
+        """One memcpy per page into the lane's staging, then the scatter, on the lane's stream."""
+        assert lane.plan is not None and lane.staging is not None
+        with self._stream(lane):
+            for j, page in enumerate(chunk.ids):
+                lane.staging[j].copy_(self.pages[page], non_blocking=True)
+            lane.plan.scatter(None, index, chunk.skip)
 
     @staticmethod
     def _chunks(count: int, ids: list[int], skip_first: int, tokens: int) -> list[_Chunk]:
