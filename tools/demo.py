@@ -137,7 +137,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
 
     # Warm-up outside both timed runs (first-call allocations, kernel selection).
     warm = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, 2, keep_logits=False)
-    await warm.serve("warmup", "warmup", "warmup", 0, list(range(min(longest, 4 * chunk))))
+    await warm.serve("warmup", "warmup", "warmup", 0, [i % cfg.model.vocab for i in range(min(longest, 4 * chunk))])
 
     scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
     t = time.perf_counter()
@@ -193,7 +193,7 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
     def engine(cache: Any) -> Engine:
         return Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1)
 
-    await engine(None).serve("warmup", "t", "ttft", 0, list(range(min(longest, 2 * chunk))))
+    await engine(None).serve("warmup", "t", "ttft", 0, [i % cfg.model.vocab for i in range(min(longest, 2 * chunk))])
     tmp = Path(tempfile.mkdtemp(prefix="aiokv-ttft-")) if cfg.disk_dir is None else cfg.disk_dir
     try:
         for n in lengths:
