@@ -62,6 +62,7 @@ class KVCache:
         self._disk: DiskTier | None = None
         self._mover: PageMover | None = None
         self._bridge = CompletionBridge()
+        self._control_stream: torch.cuda.Stream | None = None
         self._background: set[asyncio.Future[None]] = set()
         self._seen: OrderedDict[PageKey, None] = OrderedDict()
         self._started = False
@@ -258,8 +259,8 @@ class KVCache:
             raise ValueError(f"from_token {from_token} outside [0, {match.tokens}]")
         if match.released:
             raise StaleHandleError("this Match was already loaded or released")
-        slots = self._check_slots(slots, match.tokens - from_token, "slots")
-        keys, handles = match.take(self)
+        slots = await self._check_slots(slots, match.tokens - from_token, "slots")
+        keys, handles = match.take(self)  # raises if the match was released meanwhile
 
         t = self.layout.page_tokens
         first, skip = divmod(from_token, t)
@@ -408,7 +409,7 @@ class KVCache:
         """
         pool, _ = self._running()
         ids = token_array(tokens)
-        slots = self._check_slots(slots, int(ids.size), "slots")
+        slots = await self._check_slots(slots, int(ids.size), "slots")
         keys = self.keys(ids, salt)
         if not keys:
             return OffloadResult(0, 0, 0)
@@ -533,7 +534,12 @@ class KVCache:
 
     # -- validation, faults, statistics --------------------------------------------------------
 
-    def _check_slots(self, slots: object, count: int, name: str) -> torch.Tensor:
+    async def _check_slots(self, slots: object, count: int, name: str) -> torch.Tensor:
+        """Validate ``slots`` and return them as a CPU int64 tensor.
+
+        Slots on a CUDA device are read back asynchronously (a copy ordered after the engine's
+        current stream, awaited through the bridge), so validation never blocks the loop on the GPU.
+        """
         if not isinstance(slots, torch.Tensor):
             raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
         if slots.dtype not in (torch.int32, torch.int64):
@@ -544,13 +550,36 @@ class KVCache:
             raise ValueError(f"{name} has {slots.numel()} entries, expected {count}")
         if slots.device != self.kv.device and slots.device.type != "cpu":
             raise ValueError(f"{name} is on {slots.device}, the KV buffer is on {self.kv.device}")
+        host = await self._to_host(slots) if slots.device.type == "cuda" else slots
+        host = host.to(torch.int64)
         if count:
-            low, high = int(slots.min()), int(slots.max())
+            low, high = int(host.min()), int(host.max())
             if low < 0 or high >= self.kv.num_slots:
                 raise ValueError(f"{name} must lie in [0, {self.kv.num_slots}), got [{low}, {high}]")
-            if torch.unique(slots).numel() != count:
+            if torch.unique(host).numel() != count:
                 raise ValueError(f"{name} contains duplicate slots")
-        return slots.to(self.kv.device, torch.int64)
+        return host
+
+    async def _to_host(self, slots: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(slots.device))
+        if self._control_stream is None:
+            self._control_stream = torch.cuda.Stream(slots.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self._control_stream):
+            self._control_stream.wait_event(ready)
+            host.copy_(slots, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._control_stream)
+        slots.record_stream(self._control_stream)
+        future = self._bridge.wait(done, Lane.CONTROL)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            keep = [host]  # the pinned buffer must outlive the DMA into it
+            self._track(future, keep.clear)
+            raise
+        return host
 
     def _fault(self, kind: str, message: str) -> None:
         self._errors[kind] += 1

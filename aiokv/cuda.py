@@ -29,6 +29,8 @@ class Lane(enum.Enum):
 
     OFFLOAD = "offload"
     LOAD = "load"
+    CONTROL = "control"
+    """Small reads of caller data (slot indices) for validation."""
 
 
 _Item = tuple[torch.cuda.Event, asyncio.AbstractEventLoop, "asyncio.Future[None]"] | None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -10,11 +11,14 @@ from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
 SLOTS = 256
+DEVICE = torch.device(os.environ.get("AIOKV_TEST_DEVICE", "cpu"))
+"""Where the engine's KV buffer lives: the CPU in CI; ``AIOKV_TEST_DEVICE=cuda`` on a GPU machine."""
 
 
 def make_kv(seed: int = 0, layout: KVLayout = LAYOUT, slots: int = SLOTS) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.num_layers, slots, layout.rows, layout.head_dim, generator=gen).to(layout.dtype)
+    kv = torch.randn(layout.num_layers, slots, layout.rows, layout.head_dim, generator=gen).to(layout.dtype)
+    return kv.to(DEVICE)
 
 
 def config(
