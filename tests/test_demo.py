@@ -17,8 +17,9 @@ from demo_model import LlamaModel, preset
 from demo_report import compare, format_table
 
 
-def tiny_config(tmp_path: Path) -> demo.DemoConfig:
-    return demo.config_from_args(demo.parse_args(["--preset", "tiny", "--disk-dir", str(tmp_path / "disk")]))
+def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
+    args = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), *flags]
+    return demo.config_from_args(demo.parse_args(args))
 
 
 @pytest.mark.asyncio
@@ -37,6 +38,15 @@ async def test_tiny_demo_matches_from_scratch_and_uses_every_tier(tmp_path: Path
     assert out.stats.bytes_moved["disk_to_pool"] > 0
     assert not any(out.stats.errors.values())
     assert "bit-exact" in format_table(out.summary, out.stats, out.oracle)
+
+
+@pytest.mark.asyncio
+async def test_tiny_demo_with_prefetch_and_bfloat16_stays_exact(tmp_path: Path) -> None:
+    out = await demo.run_demo(tiny_config(tmp_path, "--prefetch", "--dtype", "bfloat16"), progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    assert out.summary["pool_tokens"] > 0
+    assert out.summary["computed_tokens"] < out.summary["computed_tokens_scratch"]
 
 
 def test_oracle_names_the_request_that_differs() -> None:

@@ -78,6 +78,7 @@ class DemoConfig:
     disk_bytes: int = 1 << 34
     disk_dir: Path | None = None  # None: a temporary directory, removed afterwards
     namespace: str = "demo-model"
+    prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
 
 
 @dataclass
@@ -153,7 +154,8 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     try:
         layout, config = _layout_and_config(cfg, pool_pages, disk_dir)
         async with KVCache(config, layout, kv) as cache:
-            engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, True), cache, chunk, cfg.gen_tokens)
+            blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
+            engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch)
             t = time.perf_counter()
             cached = await run_sessions(
                 engine, sessions, cfg.concurrency, cfg.window, Progress("cached", n_req) if progress else noop
@@ -264,6 +266,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-bytes", type=int, default=1 << 34, help="disk tier budget in bytes")
     p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one)")
     p.add_argument("--tenants", type=int, help="override the workload's tenant count")
+    p.add_argument("--prefetch", action="store_true", help="prefetch disk pages of queued turns into the pool")
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of per-request prefill time and hit sources here")
     p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
@@ -287,7 +290,8 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
         model=model, workload=workload, device=a.device, page_tokens=a.page_tokens or PAGE_TOKENS[a.preset],
         chunk_tokens=a.chunk_tokens, gen_tokens=a.gen_tokens, concurrency=a.concurrency, window=a.window,
-        kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, disk_bytes=a.disk_bytes, disk_dir=a.disk_dir,
+        kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, prefetch=a.prefetch, disk_bytes=a.disk_bytes,
+        disk_dir=a.disk_dir,
     )
 
 

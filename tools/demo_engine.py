@@ -199,6 +199,7 @@ class RequestResult:
     disk_tokens: int = 0
     computed_tokens: int = 0
     lost_tokens: int = 0  # matched but not loaded (a lower tier failed)
+    prefetched_pages: int = 0  # promoted disk -> pool by prefetch while the request waited
     match_s: float = 0.0
     load_s: float = 0.0
     prefill_s: float = 0.0
@@ -222,6 +223,7 @@ class Engine:
         chunk_tokens: int,
         gen_tokens: int,
         keep_logits: bool = True,
+        prefetch: bool = False,
     ) -> None:
         if chunk_tokens % blocks.block_tokens:
             raise ValueError("chunk_tokens must be a multiple of page_tokens")
@@ -234,6 +236,7 @@ class Engine:
         self.chunk_tokens = chunk_tokens
         self.gen_tokens = gen_tokens
         self.keep_logits = keep_logits
+        self.prefetch = prefetch
         self.page = blocks.block_tokens
         self._freed = asyncio.Condition()
         self._compute = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
@@ -348,6 +351,15 @@ class Engine:
         return end
 
 
+@dataclass(eq=False)
+class _Turn:
+    """A turn waiting for an engine slot, and the prefetch started for it."""
+
+    prompt: list[int]
+    tenant: str
+    prefetch: asyncio.Task[Any] | None = None
+
+
 async def run_sessions(
     engine: Engine,
     sessions: Sequence[Session],
@@ -363,15 +375,26 @@ async def run_sessions(
     results: list[RequestResult] = []
     counter = iter(range(1 << 30))
     open_gate = asyncio.Semaphore(window)
-    in_flight = asyncio.Semaphore(concurrency)
+    in_flight = asyncio.Semaphore(concurrency)  # FIFO: waiters enter in the order of ``queue``
+    queue: list[_Turn] = []
 
     async def session(s: Session) -> None:
         async with open_gate:
             prompt: list[int] = []
             for k, text in enumerate(s.texts):
                 prompt = prompt + list(text)
+                turn = _Turn(prompt, s.tenant)
+                queue.append(turn)
                 async with in_flight:
+                    queue.remove(turn)
+                    if engine.cache is not None and engine.prefetch and queue and queue[0].prefetch is None:
+                        # The next turn in line will start within one request: promote its disk pages
+                        # into the pool now, while this one computes (earlier, the pool may evict them).
+                        nxt = queue[0]
+                        nxt.prefetch = asyncio.create_task(engine.cache.prefetch(nxt.prompt, salt=nxt.tenant))
+                    promoted = (await turn.prefetch).promoted if turn.prefetch is not None else 0
                     r = await engine.serve(f"{s.name}/turn{k}", s.tenant, s.kind.value, next(counter), prompt)
+                r.prefetched_pages = promoted
                 results.append(r)
                 on_done(r)
                 prompt = prompt + r.generated

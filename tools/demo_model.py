@@ -28,7 +28,7 @@ class ModelConfig:
     hidden: int = 512
     num_heads: int = 8
     num_kv_heads: int = 2
-    intermediate: int = 1024
+    intermediate: int = 1408
     vocab: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
