@@ -102,9 +102,14 @@ class PageIO(Protocol):
     direct: bool
     faults: FaultPlan
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool) -> None:
-        """Write header slot ``slot`` and pool page ``page`` to ``temp``, then rename to ``final``."""
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
+        """Write header slot ``slot`` and pool page ``page`` to ``temp``, then rename to ``final``.
+
+        ``create``: make ``temp`` (exclusively); else ``temp`` is a recycled page file to overwrite.
+        On failure ``temp`` is removed."""
         ...
+
+    async def rename(self, source: str, target: str) -> None: ...
 
     async def load(self, path: str, slot: int, page: int) -> int:
         """Read ``path`` into header slot ``slot`` and pool page ``page``; returns bytes read."""
@@ -113,6 +118,11 @@ class PageIO(Protocol):
     async def unlink(self, path: str) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+def _ignore_result(future: asyncio.Future[int]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failed close of a read-only fd changes nothing
 
 
 def _short(what: str, got: int, want: int) -> OSError:
@@ -159,9 +169,10 @@ class UringPageIO:
                 raise result
         return [r for r in results if isinstance(r, int)]
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool) -> None:
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
         e = self.engine
-        fd = await e.openat(temp.encode(), os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags, 0o600)
+        mode = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = await e.openat(temp.encode(), mode | self._flags, 0o600)
         try:
             address = self._base + page * self._page_bytes
             head = e.write(fd, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slots,
@@ -177,12 +188,15 @@ class UringPageIO:
             await self._settle(e.close_fd(fd))
             await self._unlink_quiet(temp)
             raise
-        await self._settle(e.close_fd(fd))
         try:
-            await e.renameat(temp.encode(), final.encode())
+            # Close and rename in one submission: renaming an open file is fine, and it saves a round trip.
+            await self._settle(e.close_fd(fd), e.renameat(temp.encode(), final.encode()))
         except BaseException:
             await self._unlink_quiet(temp)
             raise
+
+    async def rename(self, source: str, target: str) -> None:
+        await self.engine.renameat(source.encode(), target.encode())
 
     async def _unlink_quiet(self, path: str) -> None:
         with contextlib.suppress(OSError):
@@ -198,7 +212,8 @@ class UringPageIO:
             body = e.read(fd, address, self._page_bytes, HEADER_BYTES, self._pool, self._page_region(address))
             return sum(await self._settle(head, body))
         finally:
-            await self._settle(e.close_fd(fd))
+            # Nobody needs to wait for the close (the engine tracks it until its completion).
+            e.close_fd(fd).add_done_callback(_ignore_result)
 
     async def unlink(self, path: str) -> None:
         await self.engine.unlinkat(path.encode())
@@ -234,9 +249,10 @@ class ThreadPageIO:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
         return await asyncio.shield(job)
 
-    def _publish(self, temp: str, final: str, slot: int, page: int, sync: bool) -> None:
+    def _publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
         self._fault(IOOp.OPEN)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self._flags, 0o600)
+        mode = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(temp, mode | self._flags, 0o600)
         try:
             self._fault(IOOp.WRITE)
             views = [self._slots.views[slot], self._pool.memory.page_view(page)]
@@ -271,8 +287,15 @@ class ThreadPageIO:
         self._fault(IOOp.UNLINK)
         os.unlink(path)
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool) -> None:
-        await self._run(self._publish, temp, final, slot, page, sync)
+    def _rename(self, source: str, target: str) -> None:
+        self._fault(IOOp.RENAME)
+        os.rename(source, target)
+
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
+        await self._run(self._publish, temp, final, slot, page, sync, create)
+
+    async def rename(self, source: str, target: str) -> None:
+        await self._run(self._rename, source, target)
 
     async def load(self, path: str, slot: int, page: int) -> int:
         result = await self._run(self._load, path, slot, page)

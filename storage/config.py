@@ -54,6 +54,9 @@ class DiskConfig:
     sync_writes: bool = False
     """fdatasync each page file before publishing it. Off: a process crash never loses an
     acknowledged page (the page cache survives it), and a power-loss torn page fails its checksum."""
+    recycle_files: bool = True
+    """A write that must evict renames the evicted file to its temporary name and overwrites it:
+    creating a file costs ~0.8 ms of kernel CPU on ext4 here, overwriting an allocated one almost none."""
     drain_on_close: bool = True
     """``aclose`` writes out queued write-behind pages; False drops them (counted as dropped)."""
 
@@ -106,6 +109,8 @@ class DiskStatistics:
     in_flight: int = 0
     """Page reads and writes in progress."""
     evictions: int = 0
-    """Files removed to make room."""
+    """Files removed (or recycled) to make room."""
+    recycled: int = 0
+    """Evicted files overwritten by a new page instead of being deleted and created anew."""
     temp_files_removed: int = 0
     """Leftover temporary files removed at start."""

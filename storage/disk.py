@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from aiokv.keys import KEY_BYTES, PageKey
+from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
-from aiokv.pagetable import PageHandle, PageState, StaleHandleError
+from aiokv.pagetable import PageHandle, StaleHandleError
 from aiokv.pool import PagePool
 
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend, probe_direct_io
+from .checks import check_key, check_ready, check_reserved
 from .config import DiskBackend, DiskConfig, DiskStatistics, ErrorKind
 from .pagefile import (
     PageFiles,
@@ -80,7 +81,10 @@ class DiskTier:
         self._used = 0
         self._writing: dict[PageKey, asyncio.Future[bool]] = {}
         self._delete_after_write: set[PageKey] = set()
-        self._unlinking: dict[PageKey, asyncio.Task[None]] = {}
+        # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
+        self._moving: dict[PageKey, asyncio.Task[None]] = {}
+        self._readers: Counter[PageKey] = Counter()
+        self._recycled = 0
         self._jobs: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[tuple[PageKey, PageHandle]] | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -171,7 +175,7 @@ class DiskTier:
 
     def contains(self, key: PageKey) -> bool:
         """Whether a page file for ``key`` is indexed (it may still fail verification on read)."""
-        self._check_key(key)
+        check_key(key)
         return key in self._index
 
     def keys_present_prefix(self, keys: Sequence[PageKey]) -> int:
@@ -192,7 +196,7 @@ class DiskTier:
         kind) or the tier is closing. Raises ``TypeError``/``ValueError`` for a wrong key or a
         stale/reserved handle, ``RuntimeError`` before :meth:`start`.
         """
-        self._check_key(key)
+        check_key(key)
         ref = self._retain(handle)
         if not self._accepting:
             self._release(ref)
@@ -218,14 +222,15 @@ class DiskTier:
         stored = False
         reserved = False
         try:
-            if not self._make_room(self._file_bytes):
+            moving = self._moving.get(key)
+            if moving is not None:
+                await asyncio.wait({moving})  # an old unlink must not remove the new file
+            temp = self.files.temp_path(key)
+            create = await self._claim_room(temp)
+            if create is None:
                 self._dropped += 1
                 return
-            self._used += self._file_bytes
             reserved = True
-            unlinking = self._unlinking.get(key)
-            if unlinking is not None:
-                await asyncio.wait({unlinking})  # an old unlink must not remove the new file
             page = self.pool.table.check(ref)
             async with self._slot() as slot:
                 assert self._slots is not None
@@ -233,8 +238,8 @@ class DiskTier:
                 view = self.pool.memory.page_view(page)
                 pack_header(self._slots.views[slot], self.layout, key,
                             payload_checksum(view[: self.layout.payload_bytes]))
-                await self._io.publish(self.files.temp_path(key), self.files.path(key), slot, page,
-                                       self.config.sync_writes)
+                await self._io.publish(temp, self.files.path(key), slot, page, self.config.sync_writes,
+                                       create)
             stored = True
         except OSError as exc:
             self._count_error(exc, "write")
@@ -267,7 +272,7 @@ class DiskTier:
         is not a live reservation. If cancelled with I/O in flight it waits for that I/O to finish
         before raising ``CancelledError``, so the caller may abort the page at once.
         """
-        self._check_key(key)
+        check_key(key)
         page = self._check_reserved(handle)
         generation = self._index.get(key)
         if generation is None or not self._accepting:
@@ -288,11 +293,16 @@ class DiskTier:
                 assert self._slots is not None
                 assert self._io is not None
                 self._reads += 1
+                self._readers[key] += 1
                 try:
                     got = await self._io.load(self.files.path(key), slot, page)
                 except FileNotFoundError:
                     self._forget(key, generation)  # removed behind our back
                     return False
+                finally:
+                    self._readers[key] -= 1
+                    if not self._readers[key]:
+                        del self._readers[key]
                 if got != self._file_bytes:
                     self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
                     return False
@@ -323,7 +333,7 @@ class DiskTier:
 
     async def delete(self, key: PageKey) -> None:
         """Remove ``key``'s page file (a write in flight for it is discarded when it lands)."""
-        self._check_key(key)
+        check_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
         if key in self._index and self._io is not None:
@@ -335,7 +345,7 @@ class DiskTier:
         """Queue ``handle``'s page for writing and take ownership of that reference (released after
         the write completes or is dropped). False — ownership not taken — when the queue is full or
         the tier is not accepting work. Raises ``TypeError``/``ValueError`` for caller mistakes."""
-        self._check_key(key)
+        check_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             return False
@@ -348,7 +358,7 @@ class DiskTier:
     async def write_behind(self, key: PageKey, handle: PageHandle) -> None:
         """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
         is taken only when this returns). Raises ``RuntimeError`` when the tier is closed."""
-        self._check_key(key)
+        check_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             raise RuntimeError("disk tier is not accepting writes (not started or closing)")
@@ -394,6 +404,7 @@ class DiskTier:
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
             in_flight=self._in_flight,
             evictions=self._evictions,
+            recycled=self._recycled,
             temp_files_removed=self._temp_removed,
         )
 
@@ -428,6 +439,44 @@ class DiskTier:
         self._generation += 1
         return self._generation
 
+    async def _claim_room(self, temp: str) -> bool | None:
+        """Room for one more file: True to create ``temp``; False when an evicted file was renamed to
+        ``temp`` for overwriting (creating files costs far more kernel CPU than overwriting); None:
+        no room (the write is dropped). Either way the file's bytes are counted in ``_used``."""
+        size = self._file_bytes
+        if self.config.recycle_files and self._used + size > self.config.capacity_bytes:
+            victim = self._recyclable()
+            if victim is not None:
+                assert self._io is not None
+                del self._index[victim]
+                self._evictions += 1
+                move = self._spawn(self._io.rename(self.files.path(victim), temp))
+                self._moving[victim] = move
+                await asyncio.wait({move})
+                if self._moving.get(victim) is move:
+                    del self._moving[victim]
+                error = move.exception()
+                if error is None:
+                    self._recycled += 1
+                    return False
+                self._used -= size
+                if not isinstance(error, FileNotFoundError):
+                    self._count_error(error if isinstance(error, OSError) else OSError(str(error)), "rename")
+                    self._unlink_later(victim)
+        if not self._make_room(size):
+            return None
+        self._used += size
+        return True
+
+    def _recyclable(self) -> PageKey | None:
+        # The least recently used file that no read has open (an overwrite would tear that read).
+        for index, key in enumerate(self._index):
+            if index >= 8:
+                break
+            if not self._readers[key]:
+                return key
+        return None
+
     def _make_room(self, size: int) -> bool:
         self._evict_to(self.config.capacity_bytes - size)
         return self._used + size <= self.config.capacity_bytes
@@ -458,7 +507,7 @@ class DiskTier:
         return self._unlink_later(key)
 
     def _unlink_later(self, key: PageKey) -> asyncio.Task[None]:
-        previous = self._unlinking.get(key)
+        previous = self._moving.get(key)
 
         async def unlink() -> None:
             try:
@@ -471,11 +520,11 @@ class DiskTier:
             except OSError as exc:
                 self._count_error(exc, "unlink")
             finally:
-                if self._unlinking.get(key) is task:
-                    del self._unlinking[key]
+                if self._moving.get(key) is task:
+                    del self._moving[key]
 
         task = self._spawn(unlink())
-        self._unlinking[key] = task
+        self._moving[key] = task
         return task
 
     def _count_error(self, exc: OSError, what: str) -> None:
@@ -497,33 +546,13 @@ class DiskTier:
         if self._io is None and self._close_task is None:
             raise RuntimeError("disk tier not started: call start() or use async with")
 
-    @staticmethod
-    def _check_key(key: PageKey) -> None:
-        if not isinstance(key, bytes):
-            raise TypeError(f"key must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-
-    def _check_handle(self, handle: PageHandle) -> int:
-        self._check_started()
-        if not isinstance(handle, PageHandle):
-            raise TypeError(f"handle must be a PageHandle, got {type(handle).__name__}")
-        try:
-            return self.pool.table.check(handle)
-        except StaleHandleError as exc:
-            raise ValueError(str(exc)) from exc
-
     def _check_ready(self, handle: PageHandle) -> int:
-        page = self._check_handle(handle)
-        if self.pool.table.state_of(handle.key) is not PageState.READY:
-            raise ValueError(f"{handle!r} is a reservation: commit it before writing it to disk")
-        return page
+        self._check_started()
+        return check_ready(self.pool, handle)
 
     def _check_reserved(self, handle: PageHandle) -> int:
-        page = self._check_handle(handle)
-        if self.pool.table.state_of(handle.key) is not PageState.RESERVED:
-            raise ValueError(f"{handle!r} is not a reservation: read into a reserved page")
-        return page
+        self._check_started()
+        return check_reserved(self.pool, handle)
 
     def _retain(self, handle: PageHandle) -> PageHandle:
         self._check_ready(handle)

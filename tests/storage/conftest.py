@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from aiokv.storage import DiskBackend, DiskTier
 from disk_helpers import BACKENDS, config, small_layout
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aiokv.storage import DiskBackend, DiskConfig
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskConfig
 
 BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS]
 
@@ -84,8 +84,11 @@ def seed_of(key: PageKey) -> int:
     return int.from_bytes(key[:8], "little") % (2**31)
 
 
-def crash_child(directory: str, backend: str, conn: Any) -> None:
-    """Stream page writes forever (4 in flight), reporting each acknowledged key; killed by the parent."""
+def crash_child(directory: str, backend: str, capacity_files: int, conn: Any) -> None:
+    """Stream page writes forever (4 in flight), reporting each acknowledged key; killed by the parent.
+
+    With a budget of ``capacity_files`` files most writes recycle an evicted file, so kills land in
+    the middle of overwrites too."""
     import asyncio
 
     from aiokv.storage import DiskTier
@@ -94,7 +97,8 @@ def crash_child(directory: str, backend: str, conn: Any) -> None:
         layout = small_layout()
         pool = PagePool.create(layout, 16 * layout.page_bytes, register_cuda=False, workers=1)
         pool.wait_ready_blocking()
-        async with DiskTier(config(Path(directory), DiskBackend(backend)), layout, pool) as tier:
+        capacity = capacity_files * (layout.page_bytes + 4096)
+        async with DiskTier(config(Path(directory), DiskBackend(backend), capacity), layout, pool) as tier:
             conn.send(("ready", tier.statistics().temp_files_removed))
             i = 0
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from aiokv.storage import DiskTier
 from disk_helpers import assert_clean, fill, key_of, payload, reserve
 
 from aiokv.pool import PagePool
+from aiokv.storage import DiskTier
 
 Gate = Callable[..., Coroutine[Any, Any, Any]]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiokv.storage import DiskTier
 from disk_helpers import BACKENDS, assert_clean, config, crash_child, fill, payload, reserve, seed_of, temp_files
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
+from aiokv.storage import DiskTier
 
 ROUNDS = 21
 
@@ -28,10 +28,10 @@ def _remove_child_segments(pid: int) -> None:
         os.unlink(path)
 
 
-def _round(directory: Path, backend: str, acks: int) -> tuple[set[PageKey], int]:
+def _round(directory: Path, backend: str, capacity_files: int, acks: int) -> tuple[set[PageKey], int]:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=crash_child, args=(str(directory), backend, child), daemon=True)
+    proc = ctx.Process(target=crash_child, args=(str(directory), backend, capacity_files, child), daemon=True)
     proc.start()
     child.close()
     acked: set[PageKey] = set()
@@ -78,10 +78,15 @@ async def test_sigkill_during_writes_never_serves_a_bad_page(disk_dir: Path, lay
     removed_total = 0
     for r in range(ROUNDS):
         backend = BACKENDS[r % len(BACKENDS)].value
-        acked, _ = await asyncio.to_thread(_round, disk_dir, backend, rng.randint(0, 12))
+        if r % 2:
+            # A full tier of 24 files: writes recycle evicted files (acknowledged pages get evicted).
+            await asyncio.to_thread(_round, disk_dir / "full", backend, 24, rng.randint(0, 40))
+            removed_total += await _verify(disk_dir / "full", layout, pool, set())
+            continue
+        acked, _ = await asyncio.to_thread(_round, disk_dir / "open", backend, 1 << 20, rng.randint(0, 12))
         acked_all |= acked
-        removed_total += await _verify(disk_dir, layout, pool, acked_all)
-    assert len(acked_all) > ROUNDS
+        removed_total += await _verify(disk_dir / "open", layout, pool, acked_all)
+    assert len(acked_all) > ROUNDS // 2
     # Kills land with writes in flight: some rounds must have left temp files for the restart to clean.
     assert removed_total > 0
     assert_clean(pool)

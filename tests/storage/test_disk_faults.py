@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve, temp_files
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage import backends as backends_mod
 from aiokv.storage import uring as uring_mod
 from aiokv.storage.backends import IOOp
 from aiokv.storage.pagefile import HEADER_BYTES
-from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve, temp_files
-
-from aiokv.layout import KVLayout
-from aiokv.pool import PagePool
 
 
 async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
@@ -151,6 +151,26 @@ async def test_injected_write_fault(tier: DiskTier, pool: PagePool, disk_dir: Pa
     await _store(tier, pool, 4)  # and writes again once the fault is gone
     await tier.aclose()
     assert temp_files(disk_dir) == []
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_fault_while_overwriting_a_recycled_file(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                       pool: PagePool) -> None:
+    per_file = HEADER_BYTES + layout.page_bytes
+    async with DiskTier(config(disk_dir, backend, capacity=2 * per_file), layout, pool) as tier:
+        await _store(tier, pool, 1)
+        good = await _store(tier, pool, 2)
+        tier.backend.faults.inject(IOOp.WRITE, errno.EIO)
+        h = fill(pool, key_of(3), 3)
+        assert not await tier.write(key_of(3), h)  # key 1's file was recycled, then the write failed
+        pool.table.release(h)
+        stats = tier.statistics()
+        assert (stats.pages, stats.recycled, stats.errors[ErrorKind.EIO]) == (1, 1, 1)
+        assert stats.bytes_stored == per_file
+        await _read_ok(tier, pool, 2, good)
+    assert temp_files(disk_dir) == []
+    assert len(page_files(disk_dir)) == 1
     assert_clean(pool)
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiokv.storage import DiskBackend, DiskTier
-from aiokv.storage.pagefile import HEADER_BYTES
 from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve
 
 from aiokv.layout import SUPPORTED_DTYPES, KVLayout
 from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage.pagefile import HEADER_BYTES
 
 LAYOUTS = [KVLayout.mha(2, 2, 64, dtype, page_tokens=16) for dtype in SUPPORTED_DTYPES] + [
     KVLayout.mla(3, 96, dtype, page_tokens=8) for dtype in SUPPORTED_DTYPES  # payload not 4096-aligned
@@ -219,3 +219,65 @@ async def test_not_started_raises(disk_dir: Path, layout: KVLayout, pool: PagePo
     pool.table.release(h)
     with pytest.raises(ValueError, match="layout"):
         DiskTier(config(disk_dir, DiskBackend.AUTO), KVLayout.mla(1, 64, torch.float16), pool)
+
+
+@pytest.mark.asyncio
+async def test_full_tier_recycles_evicted_files(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                pool: PagePool) -> None:
+    per_file = HEADER_BYTES + layout.page_bytes
+    async with DiskTier(config(disk_dir, backend, capacity=4 * per_file), layout, pool) as tier:
+        expect = {}
+        for i in range(10):
+            h = fill(pool, key_of(i), i)
+            expect[i] = payload(pool, h)
+            assert await tier.write(key_of(i), h)
+            pool.table.release(h)
+        stats = tier.statistics()
+        assert (stats.pages, stats.evictions, stats.recycled) == (4, 6, 6)
+        assert stats.bytes_stored == 4 * per_file
+        for i in range(6, 10):
+            into = reserve(pool, key_of(100 + i))
+            assert await tier.read(key_of(i), into)
+            assert torch.equal(payload(pool, into), expect[i])
+            pool.table.abort(into)
+    assert len(page_files(disk_dir)) == 4
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                 pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    per_file = HEADER_BYTES + layout.page_bytes
+    async with DiskTier(config(disk_dir, backend, capacity=2 * per_file), layout, pool) as tier:
+        expect = {}
+        for i in (1, 2):
+            h = fill(pool, key_of(i), i)
+            expect[i] = payload(pool, h)
+            assert await tier.write(key_of(i), h)
+            pool.table.release(h)
+        gate, entered = asyncio.Event(), asyncio.Event()
+        real_load = tier.backend.load
+
+        async def gated_load(path: str, slot: int, page: int) -> int:
+            if path == tier.files.path(key_of(1)):
+                entered.set()
+                await gate.wait()
+            return await real_load(path, slot, page)
+
+        monkeypatch.setattr(tier.backend, "load", gated_load)
+        into1 = reserve(pool, key_of(101))
+        reading = asyncio.create_task(tier.read(key_of(1), into1))
+        await entered.wait()
+        into2 = reserve(pool, key_of(102))
+        assert await tier.read(key_of(2), into2)  # key 1 is now the LRU file, with a read open
+        pool.table.abort(into2)
+        h = fill(pool, key_of(3), 3)
+        assert await tier.write(key_of(3), h)  # recycles key 2's file, not key 1's
+        pool.table.release(h)
+        assert [tier.contains(key_of(i)) for i in (1, 2, 3)] == [True, False, True]
+        gate.set()
+        assert await reading
+        assert torch.equal(payload(pool, into1), expect[1])
+        pool.table.abort(into1)
+        assert tier.statistics().recycled == 1
+    assert_clean(pool)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from aiokv.storage.uring import OP_NOP, OP_READ, UringEngine
 
 

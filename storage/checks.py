@@ -1,0 +1,41 @@
+"""Checks of caller arguments: they raise ``TypeError``/``ValueError`` before any state changes."""
+
+from __future__ import annotations
+
+from aiokv.keys import KEY_BYTES, PageKey
+from aiokv.pagetable import PageHandle, PageState, StaleHandleError
+from aiokv.pool import PagePool
+
+
+def check_key(key: PageKey) -> None:
+    """A page key is 16 bytes."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"key must be bytes, got {type(key).__name__}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+def check_handle(pool: PagePool, handle: PageHandle) -> int:
+    """The page id of a live handle of ``pool``."""
+    if not isinstance(handle, PageHandle):
+        raise TypeError(f"handle must be a PageHandle, got {type(handle).__name__}")
+    try:
+        return pool.table.check(handle)
+    except StaleHandleError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def check_ready(pool: PagePool, handle: PageHandle) -> int:
+    """The page id of a live handle on a READY page (a page with data to write)."""
+    page = check_handle(pool, handle)
+    if pool.table.state_of(handle.key) is not PageState.READY:
+        raise ValueError(f"{handle!r} is a reservation: commit it before writing it to disk")
+    return page
+
+
+def check_reserved(pool: PagePool, handle: PageHandle) -> int:
+    """The page id of a live reservation (a page to read into)."""
+    page = check_handle(pool, handle)
+    if pool.table.state_of(handle.key) is not PageState.RESERVED:
+        raise ValueError(f"{handle!r} is not a reservation: read into a reserved page")
+    return page

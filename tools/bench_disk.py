@@ -1,0 +1,397 @@
+"""Disk-tier throughput, CPU and event-loop lag against fio and aiofiles, measured in one run.
+
+For each page size (1 and 4 MiB) and queue depth (8 and 32), writes then reads ``--total-mib`` of
+pages (O_DIRECT files need no cache eviction; buffered files are fsynced and dropped with
+``posix_fadvise(DONTNEED)`` before reads):
+
+- ``fio``: ``--ioengine=io_uring --direct=1``, same block size and depth, on one file;
+- ``aiokv-file``: the aiokv io_uring engine (registered pool buffers) on the *same* file, alternated
+  with fio (A, B, A, B, ...) ``--repeats`` times — disks here vary ±40% run to run;
+- ``tier-<backend>``: the full ``DiskTier`` job (one page file per page: open, header + payload,
+  xxh3 checksum, rename; read verifies header and checksum) for uring_fixed, uring and threads;
+- ``aiofiles``: the same page-file job through aiofiles (buffered, thread per call).
+
+Reports GB/s (of page bytes), ratios to fio and aiofiles, CPU core-seconds per GB (process user+sys,
+all threads), and loop lag while streaming (a 1 ms periodic callback: p50/p99/max lateness), plus
+the longest single ``io_uring_enter``.
+
+    python tools/bench_disk.py --quick --json out/disk.json --plot out/disk.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.pagefile import HEADER_BYTES
+from aiokv.storage.uring import UringEngine
+
+GB = 1e9
+
+
+@dataclass
+class Row:
+    """One path at one (page size, depth)."""
+
+    path: str
+    page_mib: int
+    depth: int
+    write_gbs: float = 0.0
+    read_gbs: float = 0.0
+    cpu_s_per_gb: float | None = None
+    lag_p50_ms: float | None = None
+    lag_p99_ms: float | None = None
+    lag_max_ms: float | None = None
+    submit_max_ms: float | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+
+class LagProbe:
+    """A 1 ms periodic callback recording how late each run is."""
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def tick(due: float) -> None:
+            now = loop.time()
+            self.late.append(max(0.0, now - due))
+            self._handle = loop.call_at(now + 0.001, tick, now + 0.001)
+
+        now = loop.time()
+        self._handle = loop.call_at(now + 0.001, tick, now + 0.001)
+
+    def stop(self) -> tuple[float, float, float]:
+        if self._handle is not None:
+            self._handle.cancel()
+        if not self.late:
+            return 0.0, 0.0, 0.0
+        ordered = sorted(self.late)
+        p = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+        return p(0.5), p(0.99), ordered[-1] * 1000
+
+
+def layout_for(page_mib: int) -> KVLayout:
+    # 4 layers x 128 tokens x 8 rows x 128 x fp16 = 1 MiB; layers scale the page.
+    return KVLayout.mha(4 * page_mib, 4, 128, torch.float16, page_tokens=128)
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def timed(job: Callable[[], Awaitable[None]], nbytes: int, lag: LagProbe | None = None
+                ) -> tuple[float, float]:
+    """(GB/s, CPU core-seconds) of ``job``."""
+    if lag is not None:
+        lag.start()
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    await job()
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    return nbytes / elapsed / GB, cpu
+
+
+async def bounded(count: int, depth: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``one(i)`` for i < count with ``depth`` in flight."""
+    next_i = 0
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < count:
+            i = next_i
+            next_i += 1
+            await one(i)
+
+    await asyncio.gather(*(worker() for _ in range(depth)))
+
+
+def drop_cache(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def run_fio(path: str, rw: str, bs: int, depth: int, size: int) -> tuple[float, float]:
+    """(GB/s, CPU core-seconds) of one fio pass."""
+    out = subprocess.run(
+        ["fio", "--name=aiokv", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}",
+         "--ioengine=io_uring", "--direct=1", f"--size={size}", "--output-format=json"],
+        check=True, capture_output=True, text=True,
+    )
+    job = json.loads(out.stdout)["jobs"][0]
+    cpu = (float(job["usr_cpu"]) + float(job["sys_cpu"])) / 100 * float(job["job_runtime"]) / 1000
+    return float(job["write" if rw == "write" else "read"]["bw_bytes"]) / GB, cpu
+
+
+async def engine_file(pool: PagePool, path: str, count: int, depth: int, write: bool, row: Row,
+                      lag: LagProbe) -> tuple[float, float]:
+    """The aiokv io_uring engine moving pool pages to/from one file (registered buffers)."""
+    pb = pool.layout.page_bytes
+    engine = UringEngine.open(max(depth, 8))
+    (regions,) = engine.register_buffers([(pool.memory.segment.address, pool.num_pages * pb, pb)])
+    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    base = pool.memory.segment.address
+    per_region = regions[0].length
+
+    async def one(i: int) -> None:
+        page = i % pool.num_pages
+        address = base + page * pb
+        region = regions[page * pb // per_region]
+        op = engine.write if write else engine.read
+        assert await op(fd, address, pb, i * pb, None, region) == pb
+
+    try:
+        return await timed(lambda: bounded(count, depth, one), count * pb, lag)
+    finally:
+        os.close(fd)
+        row.submit_max_ms = max(row.submit_max_ms or 0.0, engine.submit_max_s * 1000)
+        await engine.aclose()
+
+
+async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count: int, depth: int,
+                   lag_w: LagProbe, lag_r: LagProbe) -> tuple[float, float, float, float, float]:
+    layout, pb = pool.layout, pool.layout.page_bytes
+    config = DiskConfig(directory=directory, capacity_bytes=count * (pb + HEADER_BYTES) * 2,
+                        backend=backend, queue_depth=depth, threads=depth)
+    keys = [i.to_bytes(16, "little") for i in range(1, count + 1)]
+    async with DiskTier(config, layout, pool) as tier:
+        held = [pool.table.acquire(page_key(p)) for p in range(pool.num_pages)]
+
+        async def write(i: int) -> None:
+            handle = held[i % len(held)]
+            assert handle is not None
+            assert await tier.write(keys[i], handle)
+
+        w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag_w)
+        for h in held:
+            if h is not None:
+                pool.table.release(h)
+        pool.table.evict(pool.num_pages)
+
+        async def read(i: int) -> None:
+            (res,) = pool.reserve([keys[i]])
+            assert res.handle is not None
+            ok = await tier.read(keys[i], res.handle)
+            pool.table.abort(res.handle)
+            assert ok
+
+        r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, lag_r)
+        submit = 0.0
+        io = tier.backend
+        if hasattr(io, "engine"):
+            submit = io.engine.submit_max_s * 1000
+    return w_gbs, w_cpu, r_gbs, r_cpu, submit
+
+
+def page_key(page: int) -> bytes:
+    return b"\xff" + page.to_bytes(15, "little")
+
+
+async def aiofiles_job(pool: PagePool, directory: Path, count: int, depth: int) -> tuple[float, float, float, float]:
+    import aiofiles
+    import aiofiles.os
+
+    pb = pool.layout.page_bytes
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    header = bytes(HEADER_BYTES)
+    paths = [str(directory / f"{i:08x}") for i in range(count)]
+
+    async def write(i: int) -> None:
+        view = pool.memory.page_view(i % pool.num_pages)
+        tmp = paths[i] + ".tmp"
+        async with aiofiles.open(tmp, "wb") as f:
+            await f.write(header)
+            await f.write(view)
+        await aiofiles.os.rename(tmp, paths[i])
+
+    w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb)
+    await asyncio.to_thread(drop_cache, paths)
+
+    async def read(i: int) -> None:
+        async with aiofiles.open(paths[i], "rb") as f:
+            data = await f.read()
+        xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_BYTES:])
+
+    r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb)
+    return w_gbs, w_cpu, r_gbs, r_cpu
+
+
+def fill_pool(pool: PagePool) -> None:
+    reservations = pool.reserve([page_key(p) for p in range(pool.num_pages)])
+    g = torch.Generator().manual_seed(0)
+    for res in reservations:
+        assert res.handle is not None
+        raw = pool.tensor(res.handle).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        pool.table.commit(res.handle)
+
+
+async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool) -> list[Row]:
+    layout = layout_for(page_mib)
+    pb = layout.page_bytes
+    count = max(depth, total_mib // page_mib)
+    pool = PagePool.create(layout, min(count, 64) * pb, register_cuda=False, workers=2)
+    rows: list[Row] = []
+    try:
+        await pool.wait_ready()
+        fill_pool(pool)
+        same_file = str(work / "same.bin")
+        fio_row = Row("fio", page_mib, depth, samples={"write": [], "read": []})
+        eng_row = Row("aiokv-file", page_mib, depth, samples={"write": [], "read": []})
+        lag = LagProbe()
+        cpu = fio_cpu = 0.0
+        # Lay the file out first so every measured pass overwrites allocated blocks, like fio does.
+        await engine_file(pool, same_file, count, depth, True, Row("warm-up", page_mib, depth), LagProbe())
+        for _ in range(repeats):  # A/B alternation on one file
+            for rw in ("write", "read"):
+                gbs, c = await engine_file(pool, same_file, count, depth, rw == "write", eng_row, lag)
+                eng_row.samples[rw].append(gbs)
+                cpu += c
+                if fio:
+                    gbs, c = await asyncio.to_thread(run_fio, same_file, rw, pb, depth, count * pb)
+                    fio_row.samples[rw].append(gbs)
+                    fio_cpu += c
+        eng_row.lag_p50_ms, eng_row.lag_p99_ms, eng_row.lag_max_ms = lag.stop()
+        eng_row.cpu_s_per_gb = cpu / (2 * repeats * count * pb / GB)
+        fio_row.cpu_s_per_gb = fio_cpu / (2 * repeats * count * pb / GB)
+        for row in (fio_row, eng_row):
+            if row.samples["write"]:
+                row.write_gbs = statistics.median(row.samples["write"])
+                row.read_gbs = statistics.median(row.samples["read"])
+                rows.append(row)
+        os.unlink(same_file)
+        for backend in (DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS):
+            directory = work / f"tier-{backend.value}"
+            lag_w, lag_r = LagProbe(), LagProbe()
+            w, wc, r, rc, submit = await tier_job(pool, directory, backend, count, depth, lag_w, lag_r)
+            lag_w.late += lag_r.late
+            row = Row(f"tier-{backend.value}", page_mib, depth, w, r, (wc + rc) / (2 * count * pb / GB))
+            row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag_w.stop()
+            lag_r.stop()
+            row.submit_max_ms = submit if backend is not DiskBackend.THREADS else None
+            rows.append(row)
+            shutil.rmtree(directory)
+            fill_pool(pool)
+        lag = LagProbe()
+        lag.start()
+        w, wc, r, rc = await aiofiles_job(pool, work / "aiofiles", count, depth)
+        row = Row("aiofiles", page_mib, depth, w, r, (wc + rc) / (2 * count * pb / GB))
+        row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag.stop()
+        rows.append(row)
+        shutil.rmtree(work / "aiofiles")
+    finally:
+        await pool.aclose()
+    return rows
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| page | depth | path | write GB/s | read GB/s | w/fio | r/fio | w/aiofiles | r/aiofiles | "
+           "core-s/GB | lag p50/p99/max ms | max submit ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        peers = {r.path: r for r in rows if (r.page_mib, r.depth) == (row.page_mib, row.depth)}
+        fio, aio = peers.get("fio"), peers.get("aiofiles")
+
+        def ratio(peer: Row | None, attr: str, row: Row = row) -> str:
+            if peer is None or row is peer or not getattr(peer, attr):
+                return "-"
+            return f"{getattr(row, attr) / getattr(peer, attr):.2f}x"
+
+        lag = "-" if row.lag_p50_ms is None else (
+            f"{row.lag_p50_ms:.2f}/{row.lag_p99_ms:.2f}/{row.lag_max_ms:.1f}")
+        out.append(
+            f"| {row.page_mib} MiB | {row.depth} | {row.path} | {row.write_gbs:.2f} | {row.read_gbs:.2f} | "
+            f"{ratio(fio, 'write_gbs')} | {ratio(fio, 'read_gbs')} | {ratio(aio, 'write_gbs')} | "
+            f"{ratio(aio, 'read_gbs')} | {fmt(row.cpu_s_per_gb, 3)} | {lag} | {fmt(row.submit_max_ms)} |"
+        )
+    return "\n".join(out)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.page_mib, r.depth) for r in rows})
+    paths = list(dict.fromkeys(r.path for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    width = 0.8 / len(paths)
+    for ax, attr in zip(axes, ("write_gbs", "read_gbs"), strict=True):
+        for j, name in enumerate(paths):
+            values = [next((getattr(r, attr) for r in rows if r.path == name and (r.page_mib, r.depth) == g), 0.0)
+                      for g in groups]
+            ax.bar([i + j * width for i in range(len(groups))], values, width, label=name)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{p} MiB / qd{d}" for p, d in groups])
+        ax.set_title(attr.replace("_gbs", " GB/s"))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk under test "
+                        "(default: a temporary directory under the current directory)")
+    parser.add_argument("--page-mib", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--depth", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--total-mib", type=int, default=1024, help="bytes moved per pass")
+    parser.add_argument("--repeats", type=int, default=3, help="A/B alternations with fio (>= 3)")
+    parser.add_argument("--quick", action="store_true", help="256 MiB per pass (about 2 minutes)")
+    parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--plot", type=str, default=None)
+    args = parser.parse_args()
+    total = 256 if args.quick else args.total_mib
+    have_fio = shutil.which("fio") is not None
+    if not have_fio:
+        print("WARNING: fio is not installed (apt-get install fio): no fio baseline, ratios to fio "
+              "are missing", file=sys.stderr)
+    rows: list[Row] = []
+    work = Path(tempfile.mkdtemp(prefix="aiokv-bench-", dir=args.dir or Path.cwd()))
+    try:
+        for page_mib in args.page_mib:
+            for depth in args.depth:
+                rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio))
+                print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"total_mib": total, "fio": have_fio, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
