@@ -369,6 +369,14 @@ class DiskTier:
         if self._queue is not None:
             await self._queue.join()
 
+    async def flush(self) -> None:
+        """Wait until every page queued for write-behind, or being written, so far is written or dropped."""
+        if self._queue is not None:
+            await self._queue.join()
+        pending = list(self._writing.values())
+        if pending:
+            await asyncio.wait(pending)
+
     async def _write_behind_worker(self) -> None:
         assert self._queue is not None
         while True:

@@ -146,10 +146,11 @@ async def test_write_behind_owns_reference(tier: DiskTier, pool: PagePool) -> No
     refused = [h for h, ok in zip(handles, taken, strict=True) if not ok]
     for h in refused:
         await tier.write_behind(h.key, h)  # waits for room
-    await tier.aclose()  # drains the queue
+    await tier.flush()
     for i in range(12):
         assert tier.contains(key_of(i))
     assert tier.statistics().writes == 12
+    assert tier.statistics().write_behind_queued == 0
     assert_clean(pool)
 
 
