@@ -38,8 +38,10 @@ import torch
 import xxhash
 
 from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.backends import UringPageIO
 from aiokv.storage.pagefile import HEADER_BYTES
 from aiokv.storage.uring import UringEngine
 
@@ -172,39 +174,49 @@ async def engine_file(pool: PagePool, path: str, count: int, depth: int, write: 
         await engine.aclose()
 
 
-async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count: int, depth: int,
-                   lag_w: LagProbe, lag_r: LagProbe) -> tuple[float, float, float, float, float]:
+async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count: int, depth: int) -> list[Row]:
+    """The full DiskTier job, twice: into an empty tier (every write creates a file), then as many new
+    pages into the now full tier (every write recycles an evicted file). Each pass is read back."""
     layout, pb = pool.layout, pool.layout.page_bytes
-    config = DiskConfig(directory=directory, capacity_bytes=count * (pb + HEADER_BYTES) * 2,
-                        backend=backend, queue_depth=depth, threads=depth)
-    keys = [i.to_bytes(16, "little") for i in range(1, count + 1)]
+    page_mib = pb >> 20
+    config = DiskConfig(directory=directory, capacity_bytes=count * (pb + HEADER_BYTES), backend=backend,
+                        queue_depth=depth, threads=depth)
+    rows: list[Row] = []
     async with DiskTier(config, layout, pool) as tier:
-        held = [pool.table.acquire(page_key(p)) for p in range(pool.num_pages)]
+        for name, first in (("", 1), (" full", count + 1)):
+            keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
+            fill_pool(pool)
+            held = [pool.table.acquire(page_key(p)) for p in range(pool.num_pages)]
 
-        async def write(i: int) -> None:
-            handle = held[i % len(held)]
-            assert handle is not None
-            assert await tier.write(keys[i], handle)
+            async def write(i: int, keys: list[bytes] = keys, held: list[PageHandle | None] = held) -> None:
+                handle = held[i % len(held)]
+                assert handle is not None
+                assert await tier.write(keys[i], handle)
 
-        w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag_w)
-        for h in held:
-            if h is not None:
-                pool.table.release(h)
-        pool.table.evict(pool.num_pages)
+            lag = LagProbe()
+            w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag)
+            for h in held:
+                if h is not None:
+                    pool.table.release(h)
+            pool.table.evict(pool.num_pages)
 
-        async def read(i: int) -> None:
-            (res,) = pool.reserve([keys[i]])
-            assert res.handle is not None
-            ok = await tier.read(keys[i], res.handle)
-            pool.table.abort(res.handle)
-            assert ok
+            async def read(i: int, keys: list[bytes] = keys) -> None:
+                (res,) = pool.reserve([keys[i]])
+                assert res.handle is not None
+                ok = await tier.read(keys[i], res.handle)
+                pool.table.abort(res.handle)
+                assert ok
 
-        r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, lag_r)
-        submit = 0.0
-        io = tier.backend
-        if hasattr(io, "engine"):
-            submit = io.engine.submit_max_s * 1000
-    return w_gbs, w_cpu, r_gbs, r_cpu, submit
+            r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb)
+            cpu = (w_cpu + r_cpu) / (2 * count * pb / GB)
+            row = Row(f"tier-{backend.value}{name}", page_mib, depth, w_gbs, r_gbs, cpu)
+            row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag.stop()
+            io = tier.backend
+            if isinstance(io, UringPageIO):
+                row.submit_max_ms = io.engine.submit_max_s * 1000
+            rows.append(row)
+        assert tier.statistics().recycled == count
+    return rows
 
 
 def page_key(page: int) -> bytes:
@@ -244,7 +256,8 @@ def fill_pool(pool: PagePool) -> None:
     reservations = pool.reserve([page_key(p) for p in range(pool.num_pages)])
     g = torch.Generator().manual_seed(0)
     for res in reservations:
-        assert res.handle is not None
+        if res.handle is None:
+            continue  # still READY from an earlier pass
         raw = pool.tensor(res.handle).view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
         pool.table.commit(res.handle)
@@ -265,7 +278,9 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
         lag = LagProbe()
         cpu = fio_cpu = 0.0
         # Lay the file out first so every measured pass overwrites allocated blocks, like fio does.
-        await engine_file(pool, same_file, count, depth, True, Row("warm-up", page_mib, depth), LagProbe())
+        warm = LagProbe()
+        await engine_file(pool, same_file, count, depth, True, Row("warm-up", page_mib, depth), warm)
+        warm.stop()
         for _ in range(repeats):  # A/B alternation on one file
             for rw in ("write", "read"):
                 gbs, c = await engine_file(pool, same_file, count, depth, rw == "write", eng_row, lag)
@@ -286,16 +301,9 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
         os.unlink(same_file)
         for backend in (DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS):
             directory = work / f"tier-{backend.value}"
-            lag_w, lag_r = LagProbe(), LagProbe()
-            w, wc, r, rc, submit = await tier_job(pool, directory, backend, count, depth, lag_w, lag_r)
-            lag_w.late += lag_r.late
-            row = Row(f"tier-{backend.value}", page_mib, depth, w, r, (wc + rc) / (2 * count * pb / GB))
-            row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag_w.stop()
-            lag_r.stop()
-            row.submit_max_ms = submit if backend is not DiskBackend.THREADS else None
-            rows.append(row)
-            shutil.rmtree(directory)
-            fill_pool(pool)
+            rows += await tier_job(pool, directory, backend, count, depth)
+            await asyncio.to_thread(shutil.rmtree, directory)
+        fill_pool(pool)
         lag = LagProbe()
         lag.start()
         w, wc, r, rc = await aiofiles_job(pool, work / "aiofiles", count, depth)
