@@ -308,12 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.ttft:
         lengths = [int(x) for x in a.ttft_lengths.split(",")]
         rows = asyncio.run(run_ttft(cfg, lengths, a.repeats))
-        print(f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}")
-        print(f"  {'prompt':>8} {'recompute ms':>13} {'pool ms':>10} {'speedup':>8} {'disk ms':>10} {'speedup':>8}")
+        print(
+            f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}, "
+            f"page {cfg.page_tokens}, median of {a.repeats}"
+        )
+        print(
+            f"  {'prompt':>8} {'recompute ms':>13} {'pool ms':>9} {'speedup':>8} {'disk ms':>9} {'speedup':>8}"
+            f" {'pool hit':>9} {'disk hit':>9} {'max |dlogit|':>13}"
+        )
         for r in rows:
             print(
-                f"  {r['prompt_tokens']:>8} {r['recompute_s'] * 1e3:>13.1f} {r['pool_s'] * 1e3:>10.1f} "
-                f"{r['pool_speedup']:>7.1f}x {r['disk_s'] * 1e3:>10.1f} {r['disk_speedup']:>7.1f}x"
+                f"  {r['prompt_tokens']:>8} {r['recompute_s'] * 1e3:>13.1f} {r['pool_s'] * 1e3:>9.1f} "
+                f"{r['pool_speedup']:>7.1f}x {r['disk_s'] * 1e3:>9.1f} {r['disk_speedup']:>7.1f}x"
+                f" {r['pool_hit_tokens']:>9} {r['disk_hit_tokens']:>9} {r['max_abs_logit_diff']:>13.3g}"
             )
         if a.json:
             write_json(a.json, {"config": asdict(cfg), "ttft": rows})

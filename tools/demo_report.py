@@ -194,7 +194,7 @@ def plot(path: Path, cached: Sequence[RequestResult], scratch: Sequence[RequestR
     ax_t.bar(x, [r.prefill_s * ms for r in order], width=0.5, bottom=load, color="#1f77b4",
              label="with cache: prefill compute")
     ax_t.set_ylabel("prefill time (ms)")
-    ax_t.legend(loc="upper left", fontsize=8)
+    ax_t.legend(loc="upper right", fontsize=8, framealpha=0.9)
     ax_t.set_title(title, fontsize=10)
     parts = [
         ("GPU prefix", "gpu_tokens", "#2ca02c"),
@@ -209,7 +209,7 @@ def plot(path: Path, cached: Sequence[RequestResult], scratch: Sequence[RequestR
         bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
     ax_k.set_ylabel("prompt tokens by source")
     ax_k.set_xlabel("request (arrival order)")
-    ax_k.legend(loc="upper left", fontsize=8, ncols=4)
+    ax_k.legend(loc="upper right", fontsize=8, ncols=4, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
