@@ -12,9 +12,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import demo
+import demo_engine
 from demo_engine import BlockTable, RequestResult, make_workload
 from demo_model import LlamaModel, preset
-from demo_report import compare, format_table
+from demo_report import OracleReport, compare, format_table, summarize
 
 
 def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
@@ -115,3 +116,37 @@ def test_workload_shares_documents_within_a_tenant_only() -> None:
     assert all(len(v) == 1 for v in by_doc.values())  # the readers of one document share its text
     assert len({s.tenant for s in sessions}) == demo.WORKLOADS["tiny"].tenants
     assert sessions == make_workload(demo.WORKLOADS["tiny"], vocab=256)  # deterministic
+
+
+@pytest.mark.asyncio
+async def test_oracle_catches_a_corrupted_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that leaves one wrong value in the KV buffer must fail the oracle, naming the request."""
+    original = demo_engine.Engine._load
+
+    async def corrupting_load(
+        self: demo_engine.Engine, res: RequestResult, prefix: list[int], slots: torch.Tensor, start: int
+    ) -> int:
+        end = await original(self, res, prefix, slots, start)
+        if end > start:
+            self.kv[:, slots[start]] += 0.5
+        return end
+
+    monkeypatch.setattr(demo_engine.Engine, "_load", corrupting_load)
+    out = await demo.run_demo(tiny_config(tmp_path), progress=False)
+    assert out.summary["pool_tokens"] + out.summary["disk_tokens"] > 0
+    assert out.oracle.mismatches
+    loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
+    assert any(m.split(":")[0] in loaded for m in out.oracle.mismatches)
+
+
+def test_main_exits_nonzero_on_a_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def failing(cfg: demo.DemoConfig, progress: bool = True) -> demo.DemoOutcome:
+        oracle = OracleReport(1, ("tenant0/chat0/turn1: final logits differ (max abs diff 0.1)",), 0.1, False)
+        summary = summarize([], [], 1.0, 2.0)
+        return demo.DemoOutcome([], [], summary, None, oracle, 4, 4)
+
+    monkeypatch.setattr(demo, "run_demo", failing)
+    assert demo.main(["--preset", "tiny", "--quiet"]) == 1
+    assert "ORACLE MISMATCH tenant0/chat0/turn1" in capsys.readouterr().err
