@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from aiokv.kernels import PageMover, TransferPath
 
+from aiokv.kernels import PageMover, TransferPath
 from aiokv.layout import KVBuffer, KVLayout
 from aiokv.pool import PagePool
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from aiokv.kernels.launch import interpreting
 
+from aiokv.kernels.launch import interpreting
 from aiokv.layout import BufferForm, KVBuffer, KVKind, KVLayout, TPSlice
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

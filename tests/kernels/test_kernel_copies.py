@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from aiokv.kernels import gather, reference_gather, reference_scatter, scatter
 from kvcase import (
     ALL_DTYPES,
     DEVICE,
@@ -29,6 +28,7 @@ from kvcase import (
     triton_usable,
 )
 
+from aiokv.kernels import gather, reference_gather, reference_scatter, scatter
 from aiokv.layout import BufferForm, KVBuffer, KVKind, KVLayout, TPSlice
 
 needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
 from kvcase import ALL_DTYPES, POISON, bits, distinct_slots, empty_like_kv, kv_equal, poisoned_pages, random_bits
 
+from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
 from aiokv.layout import BufferForm, KVBuffer, KVLayout, TPSlice
 from aiokv.pool import PagePool
 

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
 from kvcase import (
     DEVICE,
     POISON,
@@ -22,6 +21,7 @@ from kvcase import (
     triton_usable,
 )
 
+from aiokv.kernels import PageMover, TransferPath, gather, reference_gather, reference_scatter, scatter
 from aiokv.layout import BufferForm, KVBuffer, KVLayout, TPSlice
 from aiokv.pool import PagePool
 
