@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_engine import (
@@ -88,7 +90,7 @@ class DemoOutcome:
     cached: list[RequestResult]
     scratch: list[RequestResult]
     summary: dict[str, Any]
-    stats: Any
+    stats: CacheStatistics | None
     oracle: OracleReport
     kv_blocks: int
     pool_pages: int
@@ -106,9 +108,7 @@ def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int]:
     return longest, kv_blocks, pool_pages
 
 
-def _layout_and_config(cfg: DemoConfig, pool_pages: int, disk_dir: Path | None) -> tuple[Any, Any]:
-    from aiokv import CacheConfig, KVLayout
-
+def _layout_and_config(cfg: DemoConfig, pool_pages: int, disk_dir: Path | None) -> tuple[KVLayout, CacheConfig]:
     m = cfg.model
     layout = KVLayout.mha(
         num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype,
@@ -123,8 +123,6 @@ def _layout_and_config(cfg: DemoConfig, pool_pages: int, disk_dir: Path | None) 
 
 async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     """Serve the workload from scratch, then through the cache; compare the two request by request."""
-    from aiokv import KVCache
-
     device = torch.device(cfg.device)
     sessions = make_workload(cfg.workload, cfg.model.vocab)
     longest, kv_blocks, pool_pages = _sizes(cfg, sessions)
@@ -177,8 +175,6 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
     disk case offloads into a cache whose write-behind persists the pages, closes it, and serves
     from a new cache on the same directory (an empty pool, as after a restart).
     """
-    from aiokv import KVCache
-
     device = torch.device(cfg.device)
     page = cfg.page_tokens
     # Recompute is a chunked prefill of TTFT_CHUNK tokens (a common engine setting), not one page

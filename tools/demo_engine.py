@@ -17,10 +17,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from demo_model import LlamaModel
+
+from aiokv import KVCache, PrefetchResult
 
 
 class SessionKind(enum.Enum):
@@ -102,7 +103,7 @@ def page_digests(tokens: Sequence[int], salt: str, page_tokens: int) -> list[byt
     out: list[bytes] = []
     h = hashlib.blake2b(salt.encode(), digest_size=16)
     for i in range(len(tokens) // page_tokens):
-        h.update(torch.tensor(tokens[i * page_tokens : (i + 1) * page_tokens], dtype=torch.int64).numpy())
+        h.update(torch.tensor(tokens[i * page_tokens : (i + 1) * page_tokens], dtype=torch.int64).numpy().tobytes())
         out.append(h.copy().digest())
     return out
 
@@ -219,7 +220,7 @@ class Engine:
         model: LlamaModel,
         kv: torch.Tensor,
         blocks: BlockTable,
-        cache: Any | None,
+        cache: KVCache | None,
         chunk_tokens: int,
         gen_tokens: int,
         keep_logits: bool = True,
@@ -262,7 +263,8 @@ class Engine:
         """Serve one request: reuse, load, prefill the rest, decode, offload; return its record."""
         n, page = len(prompt), self.page
         res = RequestResult(name, tenant, kind, index, n)
-        res.prompt_digest = hashlib.blake2b(torch.tensor(prompt).numpy(), digest_size=16).digest()
+        raw = torch.tensor(prompt, dtype=torch.int64).numpy().tobytes()
+        res.prompt_digest = hashlib.blake2b(raw, digest_size=16).digest()
         # At least one prompt token is computed, to produce the first token's logits.
         usable = (n - 1) // page * page
         keys = page_digests(prompt, tenant, page)
@@ -344,7 +346,7 @@ class Engine:
             loaded = await self.cache.load(m, slots[start : m.tokens], from_token=start)
         self._sync()
         res.load_s = time.perf_counter() - t
-        end = max(start, loaded.tokens)
+        end = max(start, int(loaded.tokens))
         res.pool_tokens = loaded.pool_pages * self.page
         res.disk_tokens = loaded.disk_pages * self.page
         res.lost_tokens = m.tokens - end
@@ -357,7 +359,7 @@ class _Turn:
 
     prompt: list[int]
     tenant: str
-    prefetch: asyncio.Task[Any] | None = None
+    prefetch: asyncio.Task[PrefetchResult] | None = None
 
 
 async def run_sessions(
