@@ -365,11 +365,6 @@ class DiskTier:
         await self._queue.put((key, handle))
 
     async def flush(self) -> None:
-        """Wait until every page queued for write-behind so far is written or dropped."""
-        if self._queue is not None:
-            await self._queue.join()
-
-    async def flush(self) -> None:
         """Wait until every page queued for write-behind, or being written, so far is written or dropped."""
         if self._queue is not None:
             await self._queue.join()
