@@ -152,6 +152,8 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     try:
         layout, config = _layout_and_config(cfg, pool_pages, disk_dir)
         async with KVCache(config, layout, kv) as cache:
+            # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
+            await cache.pool.wait_ready()
             blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
             engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch)
             t = time.perf_counter()
@@ -206,6 +208,7 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
                 _, pool_only = _layout_and_config(cfg, pool_pages, None)
                 layout, _ = _layout_and_config(cfg, pool_pages, None)
                 async with KVCache(pool_only, layout, kv) as cache:
+                    await cache.pool.wait_ready()
                     await engine(cache).serve(f"fill{n}", f"pool{rep}", "ttft", rep, prompt)
                     r = await engine(cache).serve(f"pool{n}", f"pool{rep}", "ttft", rep, prompt)
                     times["pool"].append(r.ttft_s)
@@ -214,11 +217,17 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
                 disk_dir = tmp / f"{n}-{rep}"
                 _, with_disk = _layout_and_config(cfg, pool_pages, disk_dir)
                 async with KVCache(with_disk, layout, kv) as cache:
+                    await cache.pool.wait_ready()
                     await engine(cache).serve(f"fill{n}", f"disk{rep}", "ttft", rep, prompt)
                     await cache.flush()  # every page on disk before the pool goes away
                 async with KVCache(with_disk, layout, kv) as cache:
+                    await cache.pool.wait_ready()
                     r = await engine(cache).serve(f"disk{n}", f"disk{rep}", "ttft", rep, prompt)
                     times["disk"].append(r.ttft_s)
+                    disk_stats = cache.stats().disk
+                    # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
+                    row["disk_backend"] = str(getattr(disk_stats, "backend", None))
+                    row["disk_direct_io"] = getattr(disk_stats, "direct_io", None)
                     row["disk_hit_tokens"] = r.disk_tokens
                     row["disk_pool_tokens"] = r.pool_tokens
                     logits["disk"] = r.logits[0] if r.logits is not None else torch.empty(0)
@@ -308,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}, "
             f"page {cfg.page_tokens}, median of {a.repeats}"
         )
+        if rows:
+            print(f"  disk tier: {rows[0]['disk_backend']}, O_DIRECT={rows[0]['disk_direct_io']}")
         print(
             f"  {'prompt':>8} {'recompute ms':>13} {'pool ms':>9} {'speedup':>8} {'disk ms':>9} {'speedup':>8}"
             f" {'pool hit':>9} {'disk hit':>9} {'max |dlogit|':>13}"
