@@ -149,6 +149,8 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
         row("load from pool/disk (s)", f"{s['load_s']:.2f}", "0"),
         row("mean time to first token (s)", f"{s['ttft_s_mean']:.3f}", f"{s['ttft_s_mean_scratch']:.3f}"),
         row("wall time (s)", f"{s['wall_s']:.1f}", f"{s['wall_s_scratch']:.1f}"),
+        row("speedup: prefill / TTFT / wall", "/".join(
+            f"{s[k + '_scratch'] / s[k]:.2f}x" if s[k] else "-" for k in ("prefill_s", "ttft_s_mean", "wall_s"))),
     ]
     if stats is not None:
         lines.append("  bytes moved by aiokv:")
