@@ -19,7 +19,7 @@ import mmap
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -120,9 +120,19 @@ class PageIO(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _ignore_result(future: asyncio.Future[int]) -> None:
+def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # retrieved: a failed close of a read-only fd changes nothing
+
+
+def _chain_error(results: list[int], expect: list[int], what: str) -> OSError:
+    """The first failure of a chain (later ops report ECANCELED)."""
+    for res, want in zip(results, expect, strict=True):
+        if res < 0 and res != -errno.ECANCELED:
+            return OSError(-res, os.strerror(-res))
+        if res != want:
+            return _short(what, res, want) if res >= 0 else OSError(-res, os.strerror(-res))
+    return OSError(errno.EIO, f"{what} chain failed: {results}")
 
 
 def _short(what: str, got: int, want: int) -> OSError:
@@ -155,45 +165,57 @@ class UringPageIO:
             self._slot_region = regions[1][0]
         self._starts = [r.address for r in self._pool_regions]
         self._flags = os.O_DIRECT if direct else 0
+        engine.register_files(slots.count)  # one fixed-file slot per I/O slot
 
     def _page_region(self, address: int) -> uring.Region | None:
         if not self._pool_regions:
             return None
         return self._pool_regions[bisect.bisect_right(self._starts, address) - 1]
 
-    async def _settle(self, *futures: asyncio.Future[int]) -> list[int]:
-        # Wait for every request: the kernel may still touch the buffers of one whose twin failed.
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return [r for r in results if isinstance(r, int)]
+    def _io_op(self, write: bool, slot: int, address: int, length: int, offset: int,
+               region: uring.Region | None) -> uring.Op:
+        # fd is the file-table slot the chain's OPENAT filled.
+        if region is None:
+            return uring.Op(uring.OP_WRITE if write else uring.OP_READ, slot, address, length, offset,
+                            fixed_file=True)
+        return uring.Op(uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED, slot, address, length, offset,
+                        buf_index=region.index, fixed_file=True)
+
+    def _transfer(self, write: bool, slot: int, page: int) -> list[uring.Op]:
+        address = self._base + page * self._page_bytes
+        return [
+            self._io_op(write, slot, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slot_region),
+            self._io_op(write, slot, address, self._page_bytes, HEADER_BYTES, self._page_region(address)),
+        ]
+
+    def _release_slot(self, slot: int) -> None:
+        # A broken chain skipped its CLOSE: free the file-table slot (nobody waits for it).
+        closing = self.engine.chain([uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
+        closing.add_done_callback(_ignore_result)
 
     async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
-        e = self.engine
-        mode = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = await e.openat(temp.encode(), mode | self._flags, 0o600)
-        try:
-            address = self._base + page * self._page_bytes
-            head = e.write(fd, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slots,
-                           self._slot_region)
-            body = e.write(fd, address, self._page_bytes, HEADER_BYTES, self._pool,
-                           self._page_region(address))
-            wrote = await self._settle(head, body)
-            if wrote != [HEADER_BYTES, self._page_bytes]:
-                raise _short("write", sum(wrote), HEADER_BYTES + self._page_bytes)
-            if sync:
-                await e.fsync(fd)
-        except BaseException:
-            await self._settle(e.close_fd(fd))
+        # One linked chain, one submission, one wake-up: open into a fixed-file slot, write header
+        # and page, (fdatasync,) close, rename. A failure cancels the rest of the chain.
+        # No O_CLOEXEC: the kernel refuses it for an open into a fixed-file slot (there is no fd).
+        mode = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0) | self._flags
+        tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
+        ops = [uring.Op(uring.OP_OPENAT, uring.AT_FDCWD, ctypes.addressof(tmp), 0o600, op_flags=mode,
+                        file_index=slot + 1)]
+        ops += self._transfer(True, slot, page)
+        if sync:
+            ops.append(uring.Op(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
+        ops.append(uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1))
+        ops.append(uring.Op(uring.OP_RENAMEAT, uring.AT_FDCWD, ctypes.addressof(tmp),
+                            uring.AT_FDCWD & 0xFFFFFFFF, ctypes.addressof(fin)))
+        results = await self.engine.chain(ops, (tmp, fin, self._slots, self._pool))
+        expect = [0, HEADER_BYTES, self._page_bytes] + [0] * (len(ops) - 3)
+        if results == expect:
+            return
+        if results[0] == 0 and results[-2] != 0:
+            self._release_slot(slot)
+        if results[0] == 0 or not create:
             await self._unlink_quiet(temp)
-            raise
-        try:
-            # Close and rename in one submission: renaming an open file is fine, and it saves a round trip.
-            await self._settle(e.close_fd(fd), e.renameat(temp.encode(), final.encode()))
-        except BaseException:
-            await self._unlink_quiet(temp)
-            raise
+        raise _chain_error(results, expect, "write")
 
     async def rename(self, source: str, target: str) -> None:
         await self.engine.renameat(source.encode(), target.encode())
@@ -203,17 +225,24 @@ class UringPageIO:
             await self.engine.unlinkat(path.encode())
 
     async def load(self, path: str, slot: int, page: int) -> int:
-        e = self.engine
-        fd = await e.openat(path.encode(), os.O_RDONLY | self._flags, 0)
-        try:
-            address = self._base + page * self._page_bytes
-            head = e.read(fd, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slots,
-                          self._slot_region)
-            body = e.read(fd, address, self._page_bytes, HEADER_BYTES, self._pool, self._page_region(address))
-            return sum(await self._settle(head, body))
-        finally:
-            # Nobody needs to wait for the close (the engine tracks it until its completion).
-            e.close_fd(fd).add_done_callback(_ignore_result)
+        name = ctypes.create_string_buffer(path.encode())
+        ops = [uring.Op(uring.OP_OPENAT, uring.AT_FDCWD, ctypes.addressof(name), 0,
+                        op_flags=os.O_RDONLY | self._flags, file_index=slot + 1)]
+        ops += self._transfer(False, slot, page)
+        ops.append(uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1))
+        results = await self.engine.chain(ops, (name, self._slots, self._pool))
+        if results[0] == 0 and results[3] != 0:
+            self._release_slot(slot)
+        if results[0] < 0:
+            raise OSError(-results[0], os.strerror(-results[0]))
+        got = 0
+        for res in results[1:3]:
+            if res == -errno.ECANCELED:
+                break  # a short read broke the chain: the file is truncated
+            if res < 0:
+                raise OSError(-res, os.strerror(-res))
+            got += res
+        return got
 
     async def unlink(self, path: str) -> None:
         await self.engine.unlinkat(path.encode())

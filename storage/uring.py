@@ -33,8 +33,9 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,10 @@ IORING_SETUP_CLAMP = 1 << 4
 IORING_REGISTER_BUFFERS = 0
 IORING_UNREGISTER_BUFFERS = 1
 IORING_REGISTER_EVENTFD = 4
+IORING_REGISTER_FILES = 2
 IORING_FSYNC_DATASYNC = 1
+IOSQE_FIXED_FILE = 1 << 0
+IOSQE_IO_LINK = 1 << 2
 AT_FDCWD = -100
 
 OP_NOP = 0
@@ -134,20 +138,41 @@ class Region:
     length: int
 
 
-class _Request:
-    __slots__ = ("fields", "future", "injected", "keep")
+@dataclass(frozen=True)
+class Op:
+    """One SQE of a chain: see :meth:`UringEngine.chain`."""
 
-    def __init__(self, fields: tuple[int, ...], future: asyncio.Future[int], keep: object,
-                 injected: int | None) -> None:
-        self.fields = fields
+    opcode: int
+    fd: int = -1
+    addr: int = 0
+    length: int = 0
+    off: int = 0
+    op_flags: int = 0
+    buf_index: int = 0
+    file_index: int = 0
+    """For OPENAT/CLOSE: fixed-file slot + 1 (0: a normal fd)."""
+    fixed_file: bool = False
+    """``fd`` is a slot of the registered file table."""
+
+
+class _Request:
+    __slots__ = ("future", "injected", "keep", "ops", "pending", "results", "single")
+
+    def __init__(self, ops: list[tuple[int, ...]], future: asyncio.Future[Any], keep: object,
+                 injected: list[int | None], single: bool) -> None:
+        self.ops = ops
         self.future = future
-        self.keep = keep  # buffers the kernel reads or writes: alive until the CQE arrives
+        self.keep = keep  # buffers and paths the kernel uses: alive until the last CQE arrives
         self.injected = injected
+        self.single = single
+        self.results = [0] * len(ops)
+        self.pending = len(ops)
 
 
 FaultHook = Callable[[int], int | None]
 """Called with the opcode of each request (tests): when it returns a negative errno, the request
-goes through the ring as a NOP (no side effect) and completes with that result."""
+goes through the ring as a READ of fd -1 (no side effect; it fails, so a chain breaks there as it
+would on a real fault) and completes with the injected result."""
 
 
 class UringEngine:
@@ -169,7 +194,7 @@ class UringEngine:
             self._unmap()
             raise
         self._next_id = 1
-        self._inflight: dict[int, _Request] = {}
+        self._inflight: dict[int, tuple[_Request, int]] = {}  # user_data -> (request, op index)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
         self._submit_scheduled = False
@@ -243,33 +268,57 @@ class UringEngine:
         io_uring_register(self._fd, IORING_REGISTER_BUFFERS, ctypes.cast(iovs, ctypes.c_void_p), len(flat))
         return out
 
+    def register_files(self, count: int) -> None:
+        """A table of ``count`` empty fixed-file slots (OPENAT with ``file_index`` fills one)."""
+        fds = (ctypes.c_int32 * count)(*([-1] * count))
+        io_uring_register(self._fd, IORING_REGISTER_FILES, ctypes.cast(fds, ctypes.c_void_p), count)
+
     # -- requests -------------------------------------------------------------------------------
 
     def _start(self, opcode: int, fd: int, addr: int, length: int, off: int, op_flags: int,
                buf_index: int, keep: object) -> asyncio.Future[int]:
+        return self._enqueue([Op(opcode, fd, addr, length, off, op_flags, buf_index)], keep, True)
+
+    def chain(self, ops: Sequence[Op], keep: object) -> asyncio.Future[list[int]]:
+        """Submit ``ops`` as one linked chain (IOSQE_IO_LINK): each starts when the previous one
+        succeeded; after a failure (or a short read/write) the rest complete with -ECANCELED.
+        One future for the whole chain, resolved with every op's raw result (negative errno on
+        failure) once all of them completed. ``keep`` stays referenced until then."""
+        if not 0 < len(ops) <= self.sq_entries:
+            raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {len(ops)}")
+        return self._enqueue(ops, keep, False)
+
+    def _enqueue(self, ops: Sequence[Op], keep: object, single: bool) -> asyncio.Future[Any]:
         if self._closed:
             raise RuntimeError("io_uring engine is closed")
-        future: asyncio.Future[int] = self._loop.create_future()
-        injected = None if self.fault_hook is None else self.fault_hook(opcode)
-        if injected is not None:
-            opcode, fd, off, addr, length, op_flags, buf_index = OP_NOP, -1, 0, 0, 0, 0, 0
-        fields = (opcode, 0, 0, fd, off, addr, length, op_flags, 0, buf_index, 0, 0, 0, 0)
-        request = _Request(fields, future, keep, injected)
-        if len(self._inflight) < self.sq_entries and not self._waiting:
+        future: asyncio.Future[Any] = self._loop.create_future()
+        fields: list[tuple[int, ...]] = []
+        injected: list[int | None] = []
+        last = len(ops) - 1
+        for i, op in enumerate(ops):
+            err = None if self.fault_hook is None else self.fault_hook(op.opcode)
+            injected.append(err)
+            if err is not None:
+                op = Op(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
+            flags = (IOSQE_IO_LINK if i < last else 0) | (IOSQE_FIXED_FILE if op.fixed_file else 0)
+            fields.append((op.opcode, flags, 0, op.fd, op.off, op.addr, op.length, op.op_flags, 0,
+                           op.buf_index, 0, op.file_index, 0, 0))
+        request = _Request(fields, future, keep, injected, single)
+        if len(self._inflight) + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
             self._waiting.append(request)
         return future
 
     def _prepare(self, request: _Request) -> None:
-        user_data = self._next_id
-        self._next_id += 1
-        fields = list(request.fields)
-        fields[8] = user_data
-        _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, *fields)
-        self._tail = (self._tail + 1) & 0xFFFFFFFF
-        self._inflight[user_data] = request
-        self._prepared += 1
+        # A chain's SQEs go into the ring together: a submit never splits them.
+        for index, fields in enumerate(request.ops):
+            user_data = self._next_id
+            self._next_id += 1
+            _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, *fields[:8], user_data, *fields[9:])
+            self._tail = (self._tail + 1) & 0xFFFFFFFF
+            self._inflight[user_data] = (request, index)
+            self._prepared += 1
         if not self._submit_scheduled:
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
@@ -302,9 +351,7 @@ class UringEngine:
         consumed = self._sq_head.value
         pending = (self._tail - consumed) & 0xFFFFFFFF
         for user_data in sorted(self._inflight)[-pending:] if pending else []:
-            request = self._inflight.pop(user_data)
-            if not request.future.done():
-                request.future.set_exception(OSError(exc.errno, exc.strerror))
+            self._complete(user_data, -(exc.errno or errno.EIO))
         self._tail = consumed
         self._prepared = 0
 
@@ -319,24 +366,34 @@ class UringEngine:
         while head != tail:
             user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
             head = (head + 1) & 0xFFFFFFFF
-            request = self._inflight.pop(user_data, None)
-            if request is None:
-                continue
-            if request.injected is not None:
-                res = request.injected
-            future = request.future
-            if not future.done():  # a cancelled caller's result is discarded
-                if res < 0:
-                    future.set_exception(OSError(-res, os.strerror(-res)))
-                else:
-                    future.set_result(res)
+            self._complete(user_data, res)
             if tail == head:
                 tail = self._cq_tail.value
         self._cq_head.value = head
-        while self._waiting and len(self._inflight) < self.sq_entries:
+        while self._waiting and len(self._inflight) + len(self._waiting[0].ops) <= self.sq_entries:
             self._prepare(self._waiting.popleft())
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
+
+    def _complete(self, user_data: int, res: int) -> None:
+        entry = self._inflight.pop(user_data, None)
+        if entry is None:
+            return
+        request, index = entry
+        injected = request.injected[index]
+        request.results[index] = res if injected is None else injected
+        request.pending -= 1
+        if request.pending:
+            return
+        future = request.future
+        if future.done():
+            return  # a cancelled caller's result is discarded
+        if not request.single:
+            future.set_result(request.results)
+        elif (res := request.results[0]) < 0:
+            future.set_exception(OSError(-res, os.strerror(-res)))
+        else:
+            future.set_result(res)
 
     def read(self, fd: int, address: int, length: int, offset: int, keep: object,
              region: Region | None = None) -> asyncio.Future[int]:
