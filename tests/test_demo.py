@@ -145,7 +145,7 @@ def test_main_exits_nonzero_on_a_mismatch(
     async def failing(cfg: demo.DemoConfig, progress: bool = True) -> demo.DemoOutcome:
         oracle = OracleReport(1, ("tenant0/chat0/turn1: final logits differ (max abs diff 0.1)",), 0.1, False)
         summary = summarize([], [], 1.0, 2.0)
-        return demo.DemoOutcome([], [], summary, None, oracle, 4, 4)
+        return demo.DemoOutcome([], [], summary, None, oracle, 4, 4, 1 << 20)
 
     monkeypatch.setattr(demo, "run_demo", failing)
     assert demo.main(["--preset", "tiny", "--quiet"]) == 1

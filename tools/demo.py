@@ -53,8 +53,8 @@ WORKLOADS: dict[str, WorkloadConfig] = {
     ),
     "small": WorkloadConfig(),
     "8b": WorkloadConfig(
-        tenants=3, chats_per_tenant=4, chat_turns=4, system_tokens=1024, chat_text=(500, 1500),
-        docs_per_tenant=2, doc_tokens=(8000, 16000), users_per_doc=3, doc_turns=2, question_tokens=(40, 200),
+        tenants=3, chats_per_tenant=4, chat_turns=4, system_tokens=512, chat_text=(300, 800),
+        docs_per_tenant=2, doc_tokens=(6000, 12000), users_per_doc=3, doc_turns=2, question_tokens=(40, 200),
     ),
 }
 PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
@@ -77,7 +77,7 @@ class DemoConfig:
     window: int = 6  # sessions open at once
     kv_blocks: int = 0  # 0: sized from the workload
     pool_pages: int = 0  # 0: sized from the workload
-    disk_bytes: int = 1 << 34
+    disk_bytes: int = 0  # 0: twice the workload's distinct pages (TTFT: twice the longest prompt)
     disk_dir: Path | None = None  # None: a temporary directory, removed afterwards
     namespace: str = "demo-model"
     prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
@@ -94,28 +94,32 @@ class DemoOutcome:
     oracle: OracleReport
     kv_blocks: int
     pool_pages: int
+    disk_bytes: int
 
 
-def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int]:
-    """Longest request in tokens, KV buffer blocks and pool pages for this workload."""
+def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int, int]:
+    """Longest request in tokens, KV buffer blocks, pool pages and disk pages for this workload."""
     page = cfg.page_tokens
     longest = max(sum(len(t) for t in s.texts) + len(s.texts) * cfg.gen_tokens for s in sessions)
     per_request = -(-longest // page)
-    distinct = {t for s in sessions for t in s.texts}
+    distinct = {t for s in sessions for t in s.texts}  # a document counts once per reader: an upper bound
     distinct_pages = sum(len(t) for t in distinct) // page
     kv_blocks = cfg.kv_blocks or max(per_request, int(KV_FACTOR * cfg.concurrency * per_request))
     pool_pages = cfg.pool_pages or max(per_request, int(POOL_FACTOR * distinct_pages))
-    return longest, kv_blocks, pool_pages
+    return longest, kv_blocks, pool_pages, 2 * distinct_pages
 
 
-def _layout_and_config(cfg: DemoConfig, pool_pages: int, disk_dir: Path | None) -> tuple[KVLayout, CacheConfig]:
+def _layout_and_config(
+    cfg: DemoConfig, pool_pages: int, disk_dir: Path | None, disk_pages: int
+) -> tuple[KVLayout, CacheConfig]:
     m = cfg.model
     layout = KVLayout.mha(
         num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype,
         page_tokens=cfg.page_tokens,
     )
     config = CacheConfig(
-        cpu_bytes=pool_pages * layout.page_bytes, disk_dir=disk_dir, disk_bytes=cfg.disk_bytes,
+        cpu_bytes=pool_pages * layout.page_bytes, disk_dir=disk_dir,
+        disk_bytes=cfg.disk_bytes or max(1, disk_pages) * layout.page_bytes,
         namespace=cfg.namespace,
     )
     return layout, config
@@ -125,7 +129,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     """Serve the workload from scratch, then through the cache; compare the two request by request."""
     device = torch.device(cfg.device)
     sessions = make_workload(cfg.workload, cfg.model.vocab)
-    longest, kv_blocks, pool_pages = _sizes(cfg, sessions)
+    longest, kv_blocks, pool_pages, disk_pages = _sizes(cfg, sessions)
     model = LlamaModel(cfg.model, device, longest + cfg.gen_tokens)
     kv = model.new_kv_buffer(kv_blocks * cfg.page_tokens)
     chunk = cfg.chunk_tokens or cfg.page_tokens
@@ -150,7 +154,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     if disk_dir is None:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
     try:
-        layout, config = _layout_and_config(cfg, pool_pages, disk_dir)
+        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages)
         async with KVCache(config, layout, kv) as cache:
             # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
             await cache.pool.wait_ready()
@@ -167,7 +171,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
             shutil.rmtree(tmp, ignore_errors=True)
     oracle = compare(cached, scratch, exact=device.type == "cpu")
     summary = summarize(cached, scratch, wall, wall_scratch)
-    return DemoOutcome(cached, scratch, summary, stats, oracle, kv_blocks, pool_pages)
+    return DemoOutcome(cached, scratch, summary, stats, oracle, kv_blocks, pool_pages, config.disk_bytes)
 
 
 async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -205,8 +209,7 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
                 r = await engine(None).serve(f"recompute{n}", "t", "ttft", rep, prompt)
                 times["recompute"].append(r.ttft_s)
                 logits["recompute"] = r.logits[0] if r.logits is not None else torch.empty(0)
-                _, pool_only = _layout_and_config(cfg, pool_pages, None)
-                layout, _ = _layout_and_config(cfg, pool_pages, None)
+                layout, pool_only = _layout_and_config(cfg, pool_pages, None, 2 * blocks)
                 async with KVCache(pool_only, layout, kv) as cache:
                     await cache.pool.wait_ready()
                     await engine(cache).serve(f"fill{n}", f"pool{rep}", "ttft", rep, prompt)
@@ -215,7 +218,7 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
                     row["pool_hit_tokens"] = r.pool_tokens
                     logits["pool"] = r.logits[0] if r.logits is not None else torch.empty(0)
                 disk_dir = tmp / f"{n}-{rep}"
-                _, with_disk = _layout_and_config(cfg, pool_pages, disk_dir)
+                _, with_disk = _layout_and_config(cfg, pool_pages, disk_dir, 2 * blocks)
                 async with KVCache(with_disk, layout, kv) as cache:
                     await cache.pool.wait_ready()
                     await engine(cache).serve(f"fill{n}", f"disk{rep}", "ttft", rep, prompt)
@@ -268,7 +271,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=6, help="sessions open at once (users between turns)")
     p.add_argument("--kv-blocks", type=int, default=0, help="KV buffer size in pages (0: from the workload)")
     p.add_argument("--pool-pages", type=int, default=0, help="CPU pool size in pages (0: from the workload)")
-    p.add_argument("--disk-bytes", type=int, default=1 << 34, help="disk tier budget in bytes")
+    p.add_argument("--disk-bytes", type=int, default=0, help="disk tier budget in bytes (0: twice the working set)")
     p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one)")
     p.add_argument("--tenants", type=int, help="override the workload's tenant count")
     p.add_argument("--prefetch", action="store_true", help="prefetch disk pages of queued turns into the pool")
@@ -333,11 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             write_json(a.json, {"config": asdict(cfg), "ttft": rows})
         return 0
     out = asyncio.run(run_demo(cfg, progress=not a.quiet))
-    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {cfg.disk_bytes >> 20} MiB")
+    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB")
     print(format_table(out.summary, out.stats, out.oracle))
     if a.json:
         write_json(a.json, {
             "config": asdict(cfg), "kv_blocks": out.kv_blocks, "pool_pages": out.pool_pages,
+            "disk_bytes": out.disk_bytes,
             "summary": out.summary, "stats": out.stats, "oracle": out.oracle,
             "requests": [{f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("logits", "prompt_digest")}
                          for r in out.cached],
