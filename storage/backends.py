@@ -19,7 +19,7 @@ import mmap
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -120,11 +120,6 @@ class PageIO(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _ignore_result(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: a failed close of a read-only fd changes nothing
-
-
 def _chain_error(results: list[int], expect: list[int], what: str) -> OSError:
     """The first failure of a chain (later ops report ECANCELED)."""
     for res, want in zip(results, expect, strict=True):
@@ -188,10 +183,10 @@ class UringPageIO:
             self._io_op(write, slot, address, self._page_bytes, HEADER_BYTES, self._page_region(address)),
         ]
 
-    def _release_slot(self, slot: int) -> None:
-        # A broken chain skipped its CLOSE: free the file-table slot (nobody waits for it).
-        closing = self.engine.chain([uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
-        closing.add_done_callback(_ignore_result)
+    async def _release_slot(self, slot: int) -> None:
+        # A broken chain skipped its CLOSE: free the file-table slot before the I/O slot is reused
+        # (SQEs of different submissions are not ordered, so this must complete first).
+        await self.engine.chain([uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
 
     async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
         # One linked chain, one submission, one wake-up: open into a fixed-file slot, write header
@@ -212,7 +207,7 @@ class UringPageIO:
         if results == expect:
             return
         if results[0] == 0 and results[-2] != 0:
-            self._release_slot(slot)
+            await self._release_slot(slot)
         if results[0] == 0 or not create:
             await self._unlink_quiet(temp)
         raise _chain_error(results, expect, "write")
@@ -232,7 +227,7 @@ class UringPageIO:
         ops.append(uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1))
         results = await self.engine.chain(ops, (name, self._slots, self._pool))
         if results[0] == 0 and results[3] != 0:
-            self._release_slot(slot)
+            await self._release_slot(slot)
         if results[0] < 0:
             raise OSError(-results[0], os.strerror(-results[0]))
         got = 0

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from aiokv.storage.uring import OP_NOP, OP_READ, UringEngine
+from aiokv.storage.uring import (
+    AT_FDCWD,
+    OP_CLOSE,
+    OP_NOP,
+    OP_OPENAT,
+    OP_READ,
+    OP_RENAMEAT,
+    OP_WRITE,
+    Op,
+    UringEngine,
+)
 
 
 @pytest_asyncio.fixture
@@ -139,3 +149,37 @@ async def test_fault_hook_fails_a_request_without_side_effects(engine: UringEngi
     assert info.value.errno == errno.EIO
     assert await engine.nop() == 0
     assert seen == [OP_READ, OP_NOP]
+
+
+@pytest.mark.asyncio
+async def test_chain_runs_in_order_and_breaks_on_failure(engine: UringEngine, tmp_path: Path,
+                                                         buffer: tuple[mmap.mmap, int]) -> None:
+    m, address = buffer
+    engine.register_files(2)
+    path = ctypes.create_string_buffer(str(tmp_path / "f").encode())
+    new = ctypes.create_string_buffer(str(tmp_path / "g").encode())
+    m[:4096] = b"z" * 4096
+    ops = [
+        Op(OP_OPENAT, AT_FDCWD, ctypes.addressof(path), 0o600, op_flags=os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+           file_index=2),
+        Op(OP_WRITE, 1, address, 4096, 0, fixed_file=True),
+        Op(OP_CLOSE, 0, file_index=2),
+        Op(OP_RENAMEAT, AT_FDCWD, ctypes.addressof(path), AT_FDCWD & 0xFFFFFFFF, ctypes.addressof(new)),
+    ]
+    before = engine.submits
+    assert await engine.chain(ops, (path, new)) == [0, 4096, 0, 0]
+    assert engine.submits == before + 1
+    assert (tmp_path / "g").read_bytes() == b"z" * 4096
+    # The open fails (O_EXCL on an existing name): every later op of the chain is cancelled.
+    (tmp_path / "f").write_bytes(b"old")
+    results = await engine.chain(ops, (path, new))
+    assert results == [-errno.EEXIST] + [-errno.ECANCELED] * 3
+    # An injected fault breaks a chain the same way, without running the op.
+    (tmp_path / "f").unlink()
+    engine.fault_hook = lambda opcode: -errno.ENOSPC if opcode == OP_WRITE else None
+    results = await engine.chain(ops, (path, new))
+    assert results == [0, -errno.ENOSPC, -errno.ECANCELED, -errno.ECANCELED]
+    assert (tmp_path / "f").read_bytes() == b""  # created, neither written nor renamed
+    assert (tmp_path / "g").read_bytes() == b"z" * 4096
+    engine.fault_hook = None
+    assert await engine.chain([Op(OP_CLOSE, 0, file_index=2)], None) == [0]
