@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+import errno
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger("aiokv.storage.disk")
 
 
 class DiskBackend(enum.Enum):
@@ -114,3 +118,39 @@ class DiskStatistics:
     """Evicted files overwritten by a new page instead of being deleted and created anew."""
     temp_files_removed: int = 0
     """Leftover temporary files removed at start."""
+
+
+_KINDS = {
+    errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
+    errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
+}
+
+
+class FaultCounter:
+    """I/O faults counted by kind, each kind logged once."""
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(ErrorKind, 0)
+        self._logged: set[object] = set()
+
+    def first(self, what: object) -> bool:
+        """True the first time ``what`` is seen (log it then, count it only afterwards)."""
+        if what in self._logged:
+            return False
+        self._logged.add(what)
+        return True
+
+    def count(self, exc: OSError, what: str) -> None:
+        """Count ``exc`` by its errno; log the first of each kind."""
+        kind = _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
+        self._counts[kind] += 1
+        if self.first(kind):
+            log.warning("disk tier: %s failed: %s (further %s errors counted only)", what, exc, kind.value)
+
+    def unexpected(self, what: str) -> None:
+        """Count a bug-shaped failure (not an OSError) as OTHER, with its traceback."""
+        self._counts[ErrorKind.OTHER] += 1
+        log.exception("disk tier: unexpected failure in %s", what)
+
+    def snapshot(self) -> dict[ErrorKind, int]:
+        return dict(self._counts)

@@ -30,7 +30,7 @@ from aiokv.pool import PagePool
 
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend, probe_direct_io
 from .checks import check_key, check_ready, check_reserved
-from .config import DiskBackend, DiskConfig, DiskStatistics, ErrorKind
+from .config import DiskBackend, DiskConfig, DiskStatistics, FaultCounter
 from .pagefile import (
     PageFiles,
     PageHeader,
@@ -39,15 +39,10 @@ from .pagefile import (
     parse_header,
     payload_checksum,
 )
+from .writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_KINDS = {
-    errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
-    errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
-}
-
 
 class DiskTier:
     """Page files under ``config.directory`` for pages of ``pool`` (same layout).
@@ -86,12 +81,10 @@ class DiskTier:
         self._readers: Counter[PageKey] = Counter()
         self._recycled = 0
         self._jobs: set[asyncio.Task[Any]] = set()
-        self._queue: asyncio.Queue[tuple[PageKey, PageHandle]] | None = None
-        self._workers: list[asyncio.Task[None]] = []
+        self._queue: WriteBehind | None = None
         self._accepting = False
         self._close_task: asyncio.Task[None] | None = None
-        self._logged: set[ErrorKind | str] = set()
-        self._errors = dict.fromkeys(ErrorKind, 0)
+        self._faults = FaultCounter()
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._hits = self._misses = self._corrupt = self._dropped = self._evictions = 0
         self._temp_removed = 0
@@ -129,9 +122,9 @@ class DiskTier:
             self._index[key] = self._next_generation()
             self._used += self._file_bytes
         self._evict_to(self.config.capacity_bytes)
-        self._queue = asyncio.Queue(self.config.write_behind_depth)
-        self._workers = [asyncio.create_task(self._write_behind_worker())
-                         for _ in range(self.config.write_behind_workers)]
+        self._queue = WriteBehind(self.config.write_behind_depth, self.config.write_behind_workers,
+                                  lambda key, handle: self._write_owned(key, self._retain(handle)),
+                                  self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
         log.info("%s: %d pages indexed, %d temp files removed", describe_layout_io(self.layout, self._io),
                  len(self._index), self._temp_removed)
@@ -152,18 +145,8 @@ class DiskTier:
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
-        queue = self._queue
-        if queue is not None:
-            if not self.config.drain_on_close:
-                while not queue.empty():
-                    _key, handle = queue.get_nowait()
-                    self._dropped += 1
-                    self._release(handle)
-                    queue.task_done()
-            await queue.join()
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._queue is not None:
+            self._dropped += await self._queue.aclose(self.config.drain_on_close)
         while self._jobs:
             await asyncio.wait(set(self._jobs))
         if self._io is not None:
@@ -242,9 +225,9 @@ class DiskTier:
                                        create)
             stored = True
         except OSError as exc:
-            self._count_error(exc, "write")
+            self._faults.count(exc, "write")
         except Exception:
-            self._count_unexpected("write")
+            self._faults.unexpected("write")
         finally:
             self._release(ref)
             self._writing.pop(key, None)
@@ -318,10 +301,10 @@ class DiskTier:
                 ok = True
                 return True
         except OSError as exc:
-            self._count_error(exc, "read")
+            self._faults.count(exc, "read")
             return False
         except Exception:
-            self._count_unexpected("read")
+            self._faults.unexpected("read")
             return False
         finally:
             if ok:
@@ -349,11 +332,7 @@ class DiskTier:
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             return False
-        try:
-            self._queue.put_nowait((key, handle))
-        except asyncio.QueueFull:
-            return False
-        return True
+        return self._queue.put_nowait(key, handle)
 
     async def write_behind(self, key: PageKey, handle: PageHandle) -> None:
         """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
@@ -362,7 +341,7 @@ class DiskTier:
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             raise RuntimeError("disk tier is not accepting writes (not started or closing)")
-        await self._queue.put((key, handle))
+        await self._queue.put(key, handle)
 
     async def flush(self) -> None:
         """Wait until every page queued for write-behind, or being written, so far is written or dropped."""
@@ -371,18 +350,6 @@ class DiskTier:
         pending = list(self._writing.values())
         if pending:
             await asyncio.wait(pending)
-
-    async def _write_behind_worker(self) -> None:
-        assert self._queue is not None
-        while True:
-            key, handle = await self._queue.get()
-            try:
-                await self._write_owned(key, self._retain(handle))
-            except Exception:
-                self._count_unexpected("write-behind")
-            finally:
-                self._release(handle)
-                self._queue.task_done()
 
     # -- statistics -----------------------------------------------------------------------------
 
@@ -403,7 +370,7 @@ class DiskTier:
             misses=self._misses,
             corrupt=self._corrupt,
             dropped=self._dropped,
-            errors=dict(self._errors),
+            errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
             in_flight=self._in_flight,
             evictions=self._evictions,
@@ -464,7 +431,7 @@ class DiskTier:
                     return False
                 self._used -= size
                 if not isinstance(error, FileNotFoundError):
-                    self._count_error(error if isinstance(error, OSError) else OSError(str(error)), "rename")
+                    self._faults.count(error if isinstance(error, OSError) else OSError(str(error)), "rename")
                     self._unlink_later(victim)
         if not self._make_room(size):
             return None
@@ -497,8 +464,7 @@ class DiskTier:
 
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         self._corrupt += 1
-        if "corrupt" not in self._logged:
-            self._logged.add("corrupt")
+        if self._faults.first("corrupt"):
             log.warning("disk tier: refusing page file %s: %s (deleted; further ones counted only)",
                         self.files.path(key), why)
         if self._index.get(key) == generation:
@@ -521,7 +487,7 @@ class DiskTier:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                self._count_error(exc, "unlink")
+                self._faults.count(exc, "unlink")
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
@@ -529,17 +495,6 @@ class DiskTier:
         task = self._spawn(unlink())
         self._moving[key] = task
         return task
-
-    def _count_error(self, exc: OSError, what: str) -> None:
-        kind = _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
-        self._errors[kind] += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning("disk tier: %s failed: %s (further %s errors counted only)", what, exc, kind.value)
-
-    def _count_unexpected(self, what: str) -> None:
-        self._errors[ErrorKind.OTHER] += 1
-        log.exception("disk tier: unexpected failure in %s", what)
 
     def _refuse(self) -> bool:
         self._dropped += 1
