@@ -242,10 +242,6 @@ class Engine:
         self._freed = asyncio.Condition()
         self._compute = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
 
-    def _sync(self) -> None:
-        if self.kv.is_cuda:
-            torch.cuda.synchronize(self.kv.device)
-
     async def _take_blocks(self, keys: Sequence[bytes], total: int) -> tuple[list[int], list[int]]:
         if total > self.blocks.num_blocks:
             raise ValueError(f"a request needs {total} blocks; the KV buffer has {self.blocks.num_blocks}")
@@ -321,8 +317,9 @@ class Engine:
             end = min(n, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
             logits = self.model.forward(tokens[pos:end], pos, slots[:end], self.kv)
             pos = end
+        # .item() waits for this stream's prefill; a device-wide sync would also wait for the
+        # cache's copies of other requests on its side stream.
         token = int(logits.argmax().item())
-        self._sync()
         t_first = time.perf_counter()
         logits_list, generated = [logits], [token]
         for i in range(self.gen_tokens - 1):
@@ -343,8 +340,9 @@ class Engine:
             if m.tokens <= start:
                 return start
             t = time.perf_counter()
+            # Returns once the copies are complete (and our stream is ordered after them); a sync
+            # here would block the loop on another request's prefill running on the same stream.
             loaded = await self.cache.load(m, slots[start : m.tokens], from_token=start)
-        self._sync()
         res.load_s = time.perf_counter() - t
         end = max(start, int(loaded.tokens))
         res.pool_tokens = loaded.pool_pages * self.page
