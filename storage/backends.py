@@ -30,6 +30,9 @@ from .pagefile import HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
+CHAIN_MAX = 6
+"""Most SQEs one page needs: open, header, page, fsync, close, rename."""
+
 
 class IOOp(enum.Enum):
     """Operations a fault can be injected into."""
@@ -355,7 +358,8 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
     if want is DiskBackend.THREADS:
         return ThreadPageIO(pool, slots, direct, config.threads)
     try:
-        engine = uring.UringEngine.open(config.ring_entries)
+        # A page is a chain of up to 6 SQEs: room for every I/O slot's chain at once.
+        engine = uring.UringEngine.open(max(config.ring_entries, CHAIN_MAX * config.queue_depth))
     except OSError as exc:
         if want is not DiskBackend.AUTO:
             raise

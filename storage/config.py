@@ -52,9 +52,10 @@ class DiskConfig:
     write_behind_workers: int = 8
     """Concurrent writes draining the write-behind queue."""
     threads: int = 4
-    """Worker threads of the THREADS backend (and of directory scans)."""
+    """Worker threads of the THREADS backend."""
     ring_entries: int = 128
-    """SQ entries of the io_uring (the CQ has twice as many; more requests wait in a FIFO)."""
+    """SQ entries of the io_uring, raised to 6 x queue_depth (a page is a chain of up to 6 SQEs);
+    the CQ has twice as many; more requests wait in a FIFO."""
     sync_writes: bool = False
     """fdatasync each page file before publishing it. Off: a process crash never loses an
     acknowledged page (the page cache survives it), and a power-loss torn page fails its checksum."""
