@@ -150,3 +150,17 @@ def test_main_exits_nonzero_on_a_mismatch(
     monkeypatch.setattr(demo, "run_demo", failing)
     assert demo.main(["--preset", "tiny", "--quiet"]) == 1
     assert "ORACLE MISMATCH tenant0/chat0/turn1" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_ttft_mode_serves_the_prefix_from_pool_and_disk(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path)
+    rows = await demo.run_ttft(cfg, [64, 100], repeats=1)
+    page = cfg.page_tokens
+    for row, n in zip(rows, [64, 100], strict=True):
+        usable = (n - 1) // page * page  # at least one token is computed
+        assert row["prompt_tokens"] == n
+        assert row["pool_hit_tokens"] == usable
+        assert row["disk_hit_tokens"] == usable
+        assert row["max_abs_logit_diff"] == 0.0
+        assert min(row["recompute_s"], row["pool_s"], row["disk_s"]) > 0

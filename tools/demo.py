@@ -178,9 +178,10 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
 async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
     """Time to first token of one prompt per length: prefix from the pool, from disk, and recomputed.
 
-    The pool case offloads the prompt, then serves it again from a cache without a disk tier. The
-    disk case offloads into a cache whose write-behind persists the pages, closes it, and serves
-    from a new cache on the same directory (an empty pool, as after a restart).
+    Pool: one cache without a disk tier is filled once, then the prompt is served ``repeats``
+    times. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves from a
+    new cache on the same directory (an empty pool, as after a restart). Set-up (pool creation,
+    filling) is not timed; each figure is the median of ``repeats``.
     """
     device = torch.device(cfg.device)
     page = cfg.page_tokens
@@ -191,51 +192,58 @@ async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[di
     blocks = -(-(longest + 1) // page)
     model = LlamaModel(cfg.model, device, longest + 1)
     kv = model.new_kv_buffer(blocks * page)
-    pool_pages = cfg.pool_pages or blocks + 1
     gen = torch.Generator().manual_seed(cfg.model.seed + 1)
     rows: list[dict[str, Any]] = []
 
-    def engine(cache: Any) -> Engine:
-        return Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1)
+    async def serve(cache: KVCache | None, name: str, salt: str, prompt: list[int]) -> RequestResult:
+        engine = Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1)
+        return await engine.serve(name, salt, "ttft", 0, prompt)
 
-    await engine(None).serve("warmup", "t", "ttft", 0, [i % cfg.model.vocab for i in range(min(longest, 2 * chunk))])
+    def first_logits(r: RequestResult) -> torch.Tensor:
+        assert r.logits is not None
+        return r.logits[0]
+
+    await serve(None, "warmup", "t", [i % cfg.model.vocab for i in range(min(longest, 2 * chunk))])
     tmp = Path(tempfile.mkdtemp(prefix="aiokv-ttft-")) if cfg.disk_dir is None else cfg.disk_dir
     try:
         for n in lengths:
             prompt = torch.randint(0, cfg.model.vocab, (n,), generator=gen).tolist()
+            pages = cfg.pool_pages or -(-n // page) + 1
             row: dict[str, Any] = {"prompt_tokens": n}
             times: dict[str, list[float]] = {"recompute": [], "pool": [], "disk": []}
             logits: dict[str, torch.Tensor] = {}
-            for rep in range(repeats):
-                r = await engine(None).serve(f"recompute{n}", "t", "ttft", rep, prompt)
+            for _ in range(repeats):
+                r = await serve(None, f"recompute{n}", "recompute", prompt)
                 times["recompute"].append(r.ttft_s)
-                logits["recompute"] = r.logits[0] if r.logits is not None else torch.empty(0)
-                layout, pool_only = _layout_and_config(cfg, pool_pages, None, 2 * blocks)
-                async with KVCache(pool_only, layout, kv) as cache:
-                    await cache.pool.wait_ready()
-                    await engine(cache).serve(f"fill{n}", f"pool{rep}", "ttft", rep, prompt)
-                    r = await engine(cache).serve(f"pool{n}", f"pool{rep}", "ttft", rep, prompt)
+                logits["recompute"] = first_logits(r)
+            layout, pool_only = _layout_and_config(cfg, pages, None, 0)
+            async with KVCache(pool_only, layout, kv) as cache:
+                await cache.pool.wait_ready()
+                await serve(cache, f"fill{n}", "pool", prompt)
+                for _ in range(repeats):
+                    r = await serve(cache, f"pool{n}", "pool", prompt)
                     times["pool"].append(r.ttft_s)
-                    row["pool_hit_tokens"] = r.pool_tokens
-                    logits["pool"] = r.logits[0] if r.logits is not None else torch.empty(0)
-                disk_dir = tmp / f"{n}-{rep}"
-                _, with_disk = _layout_and_config(cfg, pool_pages, disk_dir, 2 * blocks)
+                row["pool_hit_tokens"] = r.pool_tokens
+                logits["pool"] = first_logits(r)
+            disk_dir = tmp / f"ttft-{n}"
+            _, with_disk = _layout_and_config(cfg, pages, disk_dir, 2 * pages)
+            async with KVCache(with_disk, layout, kv) as cache:
+                await cache.pool.wait_ready()
+                await serve(cache, f"fill{n}", "disk", prompt)
+                await cache.flush()  # every page on disk before the pool goes away
+            for _ in range(repeats):
                 async with KVCache(with_disk, layout, kv) as cache:
                     await cache.pool.wait_ready()
-                    await engine(cache).serve(f"fill{n}", f"disk{rep}", "ttft", rep, prompt)
-                    await cache.flush()  # every page on disk before the pool goes away
-                async with KVCache(with_disk, layout, kv) as cache:
-                    await cache.pool.wait_ready()
-                    r = await engine(cache).serve(f"disk{n}", f"disk{rep}", "ttft", rep, prompt)
+                    r = await serve(cache, f"disk{n}", "disk", prompt)
                     times["disk"].append(r.ttft_s)
                     disk_stats = cache.stats().disk
-                    # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
-                    row["disk_backend"] = str(getattr(disk_stats, "backend", None))
-                    row["disk_direct_io"] = getattr(disk_stats, "direct_io", None)
-                    row["disk_hit_tokens"] = r.disk_tokens
-                    row["disk_pool_tokens"] = r.pool_tokens
-                    logits["disk"] = r.logits[0] if r.logits is not None else torch.empty(0)
-                shutil.rmtree(disk_dir, ignore_errors=True)
+            # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
+            row["disk_backend"] = str(getattr(disk_stats, "backend", None))
+            row["disk_direct_io"] = getattr(disk_stats, "direct_io", None)
+            row["disk_hit_tokens"] = r.disk_tokens
+            row["disk_pool_tokens"] = r.pool_tokens
+            logits["disk"] = first_logits(r)
+            shutil.rmtree(disk_dir, ignore_errors=True)
             for k, v in times.items():
                 row[f"{k}_s"] = sorted(v)[len(v) // 2]
             row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
@@ -306,6 +314,8 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     cfg = config_from_args(a)
     m = cfg.model
     print(
