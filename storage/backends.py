@@ -138,12 +138,13 @@ def _short(what: str, got: int, want: int) -> OSError:
 
 
 class UringPageIO:
-    """Page files through one io_uring; pool pages as fixed buffers when ``fixed``."""
+    """Page files through one io_uring; pool pages as fixed buffers when ``regions`` are given
+    (from :func:`register_pool`: pool regions, then the header-slot region)."""
 
     def __init__(self, engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots, direct: bool,
-                 fixed: bool) -> None:
+                 regions: list[list[uring.Region]] | None) -> None:
         self.engine = engine
-        self.kind = DiskBackend.URING_FIXED if fixed else DiskBackend.URING
+        self.kind = DiskBackend.URING_FIXED if regions is not None else DiskBackend.URING
         self.direct = direct
         self.faults = FaultPlan()
         engine.fault_hook = self.faults.uring_hook
@@ -151,16 +152,8 @@ class UringPageIO:
         self._slots = slots
         self._page_bytes = pool.layout.page_bytes
         self._base = pool.memory.segment.address
-        self._pool_regions: list[uring.Region] = []
-        self._slot_region: uring.Region | None = None
-        if fixed:
-            size = pool.num_pages * self._page_bytes
-            regions = engine.register_buffers(
-                [(self._base, size, self._page_bytes),
-                 (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)]
-            )
-            self._pool_regions = regions[0]
-            self._slot_region = regions[1][0]
+        self._pool_regions: list[uring.Region] = regions[0] if regions is not None else []
+        self._slot_region: uring.Region | None = regions[1][0] if regions is not None else None
         self._starts = [r.address for r in self._pool_regions]
         self._flags = os.O_DIRECT if direct else 0
         engine.register_files(slots.count)  # one fixed-file slot per I/O slot
@@ -365,17 +358,34 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
             raise
         log.warning("disk tier: io_uring refused (%s); using the thread-pool backend", exc)
         return ThreadPageIO(pool, slots, direct, config.threads)
-    if want is DiskBackend.URING:
-        return UringPageIO(engine, pool, slots, direct, fixed=False)
     try:
-        return UringPageIO(engine, pool, slots, direct, fixed=True)
-    except OSError as exc:
-        if want is not DiskBackend.AUTO:
-            await engine.aclose()
-            raise
-        log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
-                    "using unregistered buffers", exc)
-        return UringPageIO(engine, pool, slots, direct, fixed=False)
+        regions = None
+        if want is not DiskBackend.URING:
+            try:
+                regions = await register_pool(engine, pool, slots)
+            except OSError as exc:
+                if want is not DiskBackend.AUTO:
+                    raise
+                log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
+                            "using unregistered buffers", exc)
+        return UringPageIO(engine, pool, slots, direct, regions)
+    except BaseException:
+        await engine.aclose()
+        raise
+
+
+async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots) -> list[list[uring.Region]]:
+    """Register pool memory and header slots as fixed buffers, in a thread: pinning faults in every
+    page of the pool (~1 s/GiB for memory never touched), which must not stall the loop."""
+    pb = pool.layout.page_bytes
+    spans = [(pool.memory.segment.address, pool.num_pages * pb, pb),
+             (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)]
+    job = asyncio.get_running_loop().run_in_executor(None, engine.register_buffers, spans)
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait({job})  # the ring must outlive the syscall using it
+        raise
 
 
 def describe_layout_io(layout: KVLayout, io: PageIO) -> str:

@@ -282,3 +282,10 @@ async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBa
         pool.table.abort(into1)
         assert tier.statistics().recycled == 1
     assert_clean(pool)
+
+
+def test_public_api_is_pinned() -> None:
+    import aiokv.storage
+
+    assert sorted(aiokv.storage.__all__) == ["DiskBackend", "DiskConfig", "DiskStatistics", "DiskTier", "ErrorKind"]
+    assert [b.value for b in DiskBackend] == ["auto", "uring_fixed", "uring", "threads"]
