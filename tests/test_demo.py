@@ -19,7 +19,9 @@ from demo_report import OracleReport, compare, format_table, summarize
 
 
 def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
-    args = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), *flags]
+    # One request at a time and write-behind settled after each: which tier serves what does not
+    # depend on how fast the disk is while other processes load the machine.
+    args = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), "--concurrency", "1", "--settle", *flags]
     return demo.config_from_args(demo.parse_args(args))
 
 

@@ -85,6 +85,7 @@ class DemoConfig:
     disk_dir: Path | None = None  # None: a temporary directory, removed afterwards
     namespace: str = "demo-model"
     prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
+    settle: bool = False  # flush write-behind after each offload (with concurrency 1: reproducible tiers)
 
 
 @dataclass
@@ -163,7 +164,9 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
             # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
             await cache.pool.wait_ready()
             blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
-            engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch)
+            engine = Engine(
+                model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle
+            )
             t = time.perf_counter()
             cached = await run_sessions(
                 engine, sessions, cfg.concurrency, cfg.window, Progress("cached", n_req) if progress else noop
@@ -288,6 +291,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-dir", type=Path, help="disk tier directory (default: a temporary one)")
     p.add_argument("--tenants", type=int, help="override the workload's tenant count")
     p.add_argument("--prefetch", action="store_true", help="prefetch disk pages of queued turns into the pool")
+    p.add_argument(
+        "--settle", action="store_true",
+        help="wait for disk writes after each offload (with --concurrency 1 the tier counts are reproducible)",
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of per-request prefill time and hit sources here")
     p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
@@ -311,7 +318,8 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
         model=model, workload=workload, device=a.device, page_tokens=a.page_tokens or PAGE_TOKENS[a.preset],
         chunk_tokens=a.chunk_tokens, gen_tokens=a.gen_tokens, concurrency=a.concurrency, window=a.window,
-        kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, prefetch=a.prefetch, disk_bytes=a.disk_bytes,
+        kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, prefetch=a.prefetch, settle=a.settle,
+        disk_bytes=a.disk_bytes,
         disk_dir=a.disk_dir,
     )
 

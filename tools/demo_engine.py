@@ -225,6 +225,7 @@ class Engine:
         gen_tokens: int,
         keep_logits: bool = True,
         prefetch: bool = False,
+        settle: bool = False,
     ) -> None:
         if chunk_tokens % blocks.block_tokens:
             raise ValueError("chunk_tokens must be a multiple of page_tokens")
@@ -238,6 +239,7 @@ class Engine:
         self.gen_tokens = gen_tokens
         self.keep_logits = keep_logits
         self.prefetch = prefetch
+        self.settle = settle  # wait for write-behind after each offload: reproducible tier counts
         self.page = blocks.block_tokens
         self._freed = asyncio.Condition()
         self._compute = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
@@ -291,6 +293,8 @@ class Engine:
                 t3 = time.perf_counter()
                 await self.cache.offload(prompt[: full * page], slots[: full * page], salt=tenant)
                 res.offload_s = time.perf_counter() - t3
+                if self.settle:
+                    await self.cache.flush()
         finally:
             await asyncio.shield(self._give_blocks(blocks))
         return res
