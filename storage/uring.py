@@ -71,6 +71,9 @@ OP_WRITE = 23
 OP_RENAMEAT = 35
 OP_UNLINKAT = 36
 
+SUBMIT_BATCH = 32
+"""SQEs handed to one ``io_uring_enter`` (whole chains; a longer chain goes alone)."""
+
 MAX_REGION_BYTES = 1 << 30
 """A registered buffer larger than 1 GiB fails with EFAULT: register in regions up to this size."""
 
@@ -197,6 +200,7 @@ class UringEngine:
         self._inflight: dict[int, tuple[_Request, int]] = {}  # user_data -> (request, op index)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
+        self._chains: collections.deque[int] = collections.deque()  # SQEs per prepared chain, in order
         self._submit_scheduled = False
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
@@ -319,6 +323,7 @@ class UringEngine:
             self._tail = (self._tail + 1) & 0xFFFFFFFF
             self._inflight[user_data] = (request, index)
             self._prepared += 1
+        self._chains.append(len(request.ops))
         if not self._submit_scheduled:
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
@@ -328,9 +333,14 @@ class UringEngine:
         if self._prepared == 0:
             return
         self._sq_tail.value = self._tail
+        # Whole chains only (a split chain would lose its links), about SUBMIT_BATCH SQEs per call:
+        # the kernel issues direct I/O inline, so one huge submit would stall the loop.
+        count = 0
+        while self._chains and (count == 0 or count + self._chains[0] <= SUBMIT_BATCH):
+            count += self._chains.popleft()
         t0 = self._loop.time()
         try:
-            taken = io_uring_enter(self._fd, self._prepared)
+            taken = io_uring_enter(self._fd, count)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
                 taken = 0
@@ -340,8 +350,10 @@ class UringEngine:
         self.submits += 1
         self.submit_max_s = max(self.submit_max_s, self._loop.time() - t0)
         self._prepared -= taken
+        if taken < count:
+            self._chains.appendleft(count - taken)  # the kernel was short of resources: retry the rest
         if self._prepared:
-            # The kernel is short of resources: retry after completions (or the next tick).
+            # Let other callbacks run, then submit the next batch.
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
 
@@ -354,6 +366,7 @@ class UringEngine:
             self._complete(user_data, -(exc.errno or errno.EIO))
         self._tail = consumed
         self._prepared = 0
+        self._chains.clear()
 
     def _on_eventfd(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -183,3 +183,15 @@ async def test_chain_runs_in_order_and_breaks_on_failure(engine: UringEngine, tm
     assert (tmp_path / "g").read_bytes() == b"z" * 4096
     engine.fault_hook = None
     assert await engine.chain([Op(OP_CLOSE, 0, file_index=2)], None) == [0]
+
+
+@pytest.mark.asyncio
+async def test_big_ticks_submit_in_batches_of_whole_chains() -> None:
+    engine = UringEngine.open(256)
+    try:
+        before = engine.submits
+        chains = [engine.chain([Op(OP_NOP)] * 3, None) for _ in range(40)]  # 120 SQEs in one tick
+        assert await asyncio.gather(*chains) == [[0, 0, 0]] * 40
+        assert engine.submits - before == 4  # 30 + 30 + 30 + 30: batches of <= 32, chains unsplit
+    finally:
+        await engine.aclose()
