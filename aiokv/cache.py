@@ -271,13 +271,19 @@ class KVCache:
         end_page = first
         pool_loaded = disk_loaded = consumed = 0
         try:
-            if pool_part:
-                ids = [pool.table.check(h) for h in pool_part]
-                n_tokens = len(ids) * t - skip
-                copies.append((self._start_load(ids, slots[:n_tokens], skip), pool_part))
-                pool_part = []
-                end_page += len(ids)
-                pool_loaded = len(ids)
+            group = self.config.launch_pages
+            launched = 0
+            while pool_part:
+                if launched:
+                    await asyncio.sleep(0)  # bounded host work per loop turn
+                part, pool_part = pool_part[:group], pool_part[group:]
+                lo = 0 if launched == 0 else launched * t - skip
+                hi = (launched + len(part)) * t - skip
+                ids = [pool.table.check(h) for h in part]
+                copies.append((self._start_load(ids, slots[lo:hi], skip if launched == 0 else 0), part))
+                launched += len(part)
+            end_page += launched
+            pool_loaded = launched
             disk_start = max(first, match.pool_pages)
             promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             for offset, task in enumerate(promotions):
@@ -432,26 +438,39 @@ class KVCache:
             return OffloadResult(0, skipped, dropped)
         t = self.layout.page_tokens
         handles = [h for _, h in new]
+        index = torch.tensor([i for i, _ in new], dtype=torch.long, device=slots.device)
+        chosen = slots[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
+        group = self.config.launch_pages
+        copies: list[tuple[asyncio.Future[None], list[PageHandle]]] = []
         try:
-            index = torch.tensor([i for i, _ in new], dtype=torch.long, device=slots.device)
-            chosen = slots[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
-            future = self._start_offload(chosen, [h.page for h in handles])
+            for start in range(0, len(handles), group):
+                if start:
+                    await asyncio.sleep(0)  # bounded host work per loop turn (launches are not free)
+                part = handles[start : start + group]
+                future = self._start_offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part])
+                copies.append((future, part))
+            outcomes = await asyncio.shield(
+                asyncio.gather(*(f for f, _ in copies), return_exceptions=True)
+            )
         except BaseException:
+            # Cancelled (or a launch refused its arguments): the slots may be reused as soon as we
+            # return, so launched copies are aborted once they finish, the rest at once.
+            launched = {id(h) for _, part in copies for h in part}
+            for future, part in copies:
+                self._after(future, part, commit=False)
             for handle in handles:
-                pool.table.abort(handle)
+                if id(handle) not in launched:
+                    pool.table.abort(handle)
             raise
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The slots may be reused as soon as we return: the copy's bytes cannot be trusted.
-            self._after(future, handles, commit=False)
-            raise
-        except Exception as exc:
-            for handle in handles:
+        failed = [h for (_, part), out in zip(copies, outcomes, strict=True) if out is not None for h in part]
+        if failed:
+            first = next(out for out in outcomes if out is not None)
+            self._fault("copy_failed", f"offload copy failed: {first!r}")
+            bad = {id(h) for h in failed}
+            for handle in failed:
                 pool.table.abort(handle)
-            self._fault("copy_failed", f"offload copy failed: {exc!r}")
-            self._dropped += dropped + len(new)
-            return OffloadResult(0, skipped, dropped + len(new))
+            new = [(i, h) for i, h in new if id(h) not in bad]
+            dropped += len(failed)
         self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
         for (_, handle), key in zip(new, (keys[i] for i, _ in new), strict=True):
             admit = self._disk is not None and (admitted_before is None or key in admitted_before)
@@ -511,7 +530,8 @@ class KVCache:
         keys = self.keys(tokens, salt)
         in_pool = 0
         for key in keys:
-            if pool.table.state_of(key) is PageState.FREE:
+            # Refresh pages already in the pool too: the request they wait for is coming.
+            if not pool.table.touch(key) and pool.table.state_of(key) is PageState.FREE:
                 break
             in_pool += 1
         if self._disk is None or in_pool == len(keys):

@@ -100,6 +100,9 @@ class CacheConfig:
     staging_pages: int = 4
     """Pages of GPU staging buffer per direction (staging path)."""
 
+    launch_pages: int = 8
+    """Pages whose copies are launched per event-loop turn; bounds the loop's stall on long transfers."""
+
     pool_chunk_bytes: int = 256 << 20
     """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes."""
 
@@ -117,7 +120,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "disk_bytes", "disk_queue_depth", "write_behind_depth", "seen_window",
-                     "staging_pages", "pool_chunk_bytes", "pool_workers", "tp_size"):
+                     "staging_pages", "launch_pages", "pool_chunk_bytes", "pool_workers", "tp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")

@@ -160,6 +160,15 @@ class PageTable:
         self._lru.pop(page, None)
         return PageHandle(page, entry.generation, key)
 
+    def touch(self, key: PageKey) -> bool:
+        """Mark the READY page of ``key`` most recently used; False when it is not READY."""
+        page = self._index.get(key)
+        if page is None or self._pages[page].state is not PageState.READY:
+            return False
+        if page in self._lru:
+            self._lru.move_to_end(page)
+        return True
+
     def acquire_prefix(self, keys: Sequence[PageKey]) -> list[PageHandle]:
         """References on the longest prefix of ``keys`` that is READY."""
         handles: list[PageHandle] = []

@@ -242,3 +242,35 @@ async def test_aclose_is_idempotent_and_waits_for_write_behind(tmp_path: Path) -
     await cache.aclose()
     async with KVCache(config(tmp_path), LAYOUT, kv) as reopened, await reopened.match(prompt(12, 8 * T)) as match:
         assert match.disk_pages == 8
+
+
+@pytest.mark.asyncio
+async def test_prefetch_protects_pages_already_in_the_pool(tmp_path: Path) -> None:
+    # Regression: prefetch counted pool pages but left them at the cold end of the LRU.
+    kv = make_kv(13)
+    wanted = prompt(13, 2 * T)
+    async with KVCache(config(None, pool_pages=4), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(wanted, torch.arange(2 * T))
+        await cache.offload(prompt(14, 2 * T), torch.arange(2 * T, 4 * T))  # pool full, `wanted` oldest
+        result = await cache.prefetch(wanted)
+        assert (result.pool_pages, result.promoted) == (2, 0)
+        await cache.offload(prompt(15, 2 * T), torch.arange(4 * T, 6 * T))  # evicts the two coldest
+        async with await cache.match(wanted) as match:
+            assert match.pool_pages == 2
+
+
+@pytest.mark.asyncio
+async def test_long_transfers_are_launched_in_groups(tmp_path: Path) -> None:
+    kv = make_kv(16)
+    original = kv.clone()
+    tokens = prompt(16, 11 * T)
+    async with KVCache(config(None, pool_pages=16, launch_pages=3), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        assert (await cache.offload(tokens, torch.arange(11 * T))).stored == 11
+        kv.zero_()
+        match = await cache.match(tokens)
+        loaded = await cache.load(match, torch.arange(40, 40 + 11 * T - 5), from_token=5)
+        assert loaded.tokens == 11 * T
+        assert torch.equal(kv[:, 40 : 40 + 11 * T - 5], original[:, 5 : 11 * T])
+        await assert_quiescent(cache)
