@@ -10,6 +10,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, which any test importing aiokv may do
+# (aiokv.kernels): without a GPU the kernel tests run under the interpreter, so set it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHM_DIR = "/dev/shm"
 BOTH_LOOPS_DIRS = ("cache",)
