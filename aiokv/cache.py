@@ -274,8 +274,7 @@ class KVCache:
             group = self.config.launch_pages
             launched = 0
             while pool_part:
-                if launched:
-                    await asyncio.sleep(0)  # bounded host work per loop turn
+                await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
                 part, pool_part = pool_part[:group], pool_part[group:]
                 lo = 0 if launched == 0 else launched * t - skip
                 hi = (launched + len(part)) * t - skip
@@ -444,8 +443,8 @@ class KVCache:
         copies: list[tuple[asyncio.Future[None], list[PageHandle]]] = []
         try:
             for start in range(0, len(handles), group):
-                if start:
-                    await asyncio.sleep(0)  # bounded host work per loop turn (launches are not free)
+                # Bounded host work per loop turn: validation above, then each group's launches.
+                await asyncio.sleep(0)
                 part = handles[start : start + group]
                 future = self._start_offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part])
                 copies.append((future, part))

@@ -100,7 +100,7 @@ class CacheConfig:
     staging_pages: int = 4
     """Pages of GPU staging buffer per direction (staging path)."""
 
-    launch_pages: int = 8
+    launch_pages: int = 2
     """Pages whose copies are launched per event-loop turn; bounds the loop's stall on long transfers."""
 
     pool_chunk_bytes: int = 256 << 20
