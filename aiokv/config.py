@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokv.kernels import TransferPath
+from aiokv.shm import shm_free_bytes
 from aiokv.storage import DiskBackend
 
 log = logging.getLogger(__name__)
@@ -32,18 +33,10 @@ def _ram_bytes() -> int:
         return 8 * GiB
 
 
-def _shm_free_bytes() -> int | None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
     """A quarter of RAM, at most 64 GiB, and at most 80% of the free shared memory."""
     budget = min(int(_ram_bytes() * fraction), cap)
-    shm = _shm_free_bytes()
+    shm = shm_free_bytes()
     if shm is not None:
         budget = min(budget, int(shm * 0.8))
     return max(budget, 0)

@@ -48,7 +48,8 @@ class SegmentSpaceError(OSError):
     """The shared-memory file system cannot hold the requested segment."""
 
 
-def _shm_free_bytes() -> int | None:
+def shm_free_bytes() -> int | None:
+    """Free bytes of the shared-memory file system (None where it cannot be asked)."""
     # shm_open's segments live in /dev/shm on Linux; elsewhere we cannot ask.
     try:
         st = os.statvfs("/dev/shm")
@@ -98,7 +99,7 @@ class SharedSegment:
         """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        free = _shm_free_bytes()
+        free = shm_free_bytes()
         if free is not None and free < size:
             raise SegmentSpaceError(
                 f"/dev/shm has {free / 2**30:.2f} GiB free but the page pool needs {size / 2**30:.2f} GiB: "

@@ -79,7 +79,7 @@ def test_attach_only_never_unlinks() -> None:
 def test_too_small_shared_memory_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import aiokv.shm
 
-    monkeypatch.setattr(aiokv.shm, "_shm_free_bytes", lambda: LAYOUT.page_bytes)
+    monkeypatch.setattr(aiokv.shm, "shm_free_bytes", lambda: LAYOUT.page_bytes)
     with pytest.raises(SegmentSpaceError, match="shm-size"):
         PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes)
 
