@@ -35,6 +35,19 @@ from aiokv.storage import DiskConfig, DiskTier
 log = logging.getLogger(__name__)
 
 
+def _has_duplicates(slots: torch.Tensor, num_slots: int) -> bool:
+    """Whether the in-range CPU index tensor ``slots`` repeats a value.
+
+    A scatter into a bitmap of the buffer's slots (~10x cheaper than ``torch.unique``'s sort for
+    a prompt's worth of slots) unless the buffer is far larger than the call.
+    """
+    count = slots.numel()
+    if num_slots > 16 * count:
+        return int(torch.unique(slots).numel()) != count
+    seen = torch.zeros(num_slots, dtype=torch.bool).index_fill_(0, slots, True)
+    return int(seen.sum()) != count
+
+
 class KVCache:
     """Tiered KV cache for one model layout and one engine KV buffer.
 
@@ -575,7 +588,7 @@ class KVCache:
             low, high = int(host.min()), int(host.max())
             if low < 0 or high >= self.kv.num_slots:
                 raise ValueError(f"{name} must lie in [0, {self.kv.num_slots}), got [{low}, {high}]")
-            if torch.unique(host).numel() != count:
+            if _has_duplicates(host, self.kv.num_slots):
                 raise ValueError(f"{name} contains duplicate slots")
         return host
 

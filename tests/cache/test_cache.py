@@ -274,3 +274,14 @@ async def test_long_transfers_are_launched_in_groups(tmp_path: Path) -> None:
         assert loaded.tokens == 11 * T
         assert torch.equal(kv[:, 40 : 40 + 11 * T - 5], original[:, 5 : 11 * T])
         await assert_quiescent(cache)
+
+
+def test_duplicate_detection_both_ways() -> None:
+    from aiokv.cache import _has_duplicates
+
+    distinct = torch.randperm(1000)[:300]
+    assert not _has_duplicates(distinct, 1000)  # bitmap
+    assert not _has_duplicates(distinct, 10**6)  # sort
+    repeated = torch.cat([distinct, distinct[7:8]])
+    assert _has_duplicates(repeated, 1000)
+    assert _has_duplicates(repeated, 10**6)
