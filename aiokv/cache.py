@@ -30,22 +30,10 @@ from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
 from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
+from aiokv.slots import SlotValidator
 from aiokv.storage import DiskConfig, DiskTier
 
 log = logging.getLogger(__name__)
-
-
-def _has_duplicates(slots: torch.Tensor, num_slots: int) -> bool:
-    """Whether the in-range CPU index tensor ``slots`` repeats a value.
-
-    A scatter into a bitmap of the buffer's slots (~10x cheaper than ``torch.unique``'s sort for
-    a prompt's worth of slots) unless the buffer is far larger than the call.
-    """
-    count = slots.numel()
-    if num_slots > 16 * count:
-        return int(torch.unique(slots).numel()) != count
-    seen = torch.zeros(num_slots, dtype=torch.bool).index_fill_(0, slots, True)
-    return int(seen.sum()) != count
 
 
 class KVCache:
@@ -75,7 +63,7 @@ class KVCache:
         self._disk: DiskTier | None = None
         self._mover: PageMover | None = None
         self._bridge = CompletionBridge()
-        self._control_stream: torch.cuda.Stream | None = None
+        self._slots = SlotValidator(self.kv, self._bridge, self._track)
         self._background: set[asyncio.Future[None]] = set()
         self._seen: OrderedDict[PageKey, None] = OrderedDict()
         self._started = False
@@ -272,7 +260,7 @@ class KVCache:
             raise ValueError(f"from_token {from_token} outside [0, {match.tokens}]")
         if match.released:
             raise StaleHandleError("this Match was already loaded or released")
-        slots = await self._check_slots(slots, match.tokens - from_token, "slots")
+        slots = await self._slots.check(slots, match.tokens - from_token)
         keys, handles = match.take(self)  # raises if the match was released meanwhile
 
         t = self.layout.page_tokens
@@ -427,7 +415,7 @@ class KVCache:
         """
         pool, _ = self._running()
         ids = token_array(tokens)
-        slots = await self._check_slots(slots, int(ids.size), "slots")
+        slots = await self._slots.check(slots, int(ids.size))
         keys = self.keys(ids, salt)
         if not keys:
             return OffloadResult(0, 0, 0)
@@ -565,53 +553,6 @@ class KVCache:
         return PrefetchResult(in_pool, promoted)
 
     # -- validation, faults, statistics --------------------------------------------------------
-
-    async def _check_slots(self, slots: object, count: int, name: str) -> torch.Tensor:
-        """Validate ``slots`` and return them as a CPU int64 tensor.
-
-        Slots on a CUDA device are read back asynchronously (a copy ordered after the engine's
-        current stream, awaited through the bridge), so validation never blocks the loop on the GPU.
-        """
-        if not isinstance(slots, torch.Tensor):
-            raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
-        if slots.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
-        if slots.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
-        if slots.numel() != count:
-            raise ValueError(f"{name} has {slots.numel()} entries, expected {count}")
-        if slots.device != self.kv.device and slots.device.type != "cpu":
-            raise ValueError(f"{name} is on {slots.device}, the KV buffer is on {self.kv.device}")
-        host = await self._to_host(slots) if slots.device.type == "cuda" else slots
-        host = host.to(torch.int64)
-        if count:
-            low, high = int(host.min()), int(host.max())
-            if low < 0 or high >= self.kv.num_slots:
-                raise ValueError(f"{name} must lie in [0, {self.kv.num_slots}), got [{low}, {high}]")
-            if _has_duplicates(host, self.kv.num_slots):
-                raise ValueError(f"{name} contains duplicate slots")
-        return host
-
-    async def _to_host(self, slots: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record(torch.cuda.current_stream(slots.device))
-        if self._control_stream is None:
-            self._control_stream = torch.cuda.Stream(slots.device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(self._control_stream):
-            self._control_stream.wait_event(ready)
-            host.copy_(slots, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(self._control_stream)
-        slots.record_stream(self._control_stream)
-        future = self._bridge.wait(done, Lane.CONTROL)
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            keep = [host]  # the pinned buffer must outlive the DMA into it
-            self._track(future, keep.clear)
-            raise
-        return host
 
     def _fault(self, kind: str, message: str) -> None:
         self._errors[kind] += 1
