@@ -14,20 +14,8 @@ from typing import Any
 import torch
 
 from aiokv.cuda import CompletionBridge, Lane
+from aiokv.kernels.checks import check_slots
 from aiokv.layout import KVBuffer
-
-
-def has_duplicates(slots: torch.Tensor, num_slots: int) -> bool:
-    """Whether the in-range CPU index tensor ``slots`` repeats a value.
-
-    A scatter into a bitmap of the buffer's slots (~10x cheaper than ``torch.unique``'s sort for
-    a prompt's worth of slots) unless the buffer is far larger than the call.
-    """
-    count = slots.numel()
-    if num_slots > 16 * count:
-        return int(torch.unique(slots).numel()) != count
-    seen = torch.zeros(num_slots, dtype=torch.bool).index_fill_(0, slots, True)
-    return int(seen.sum()) != count
 
 
 class SlotValidator:
@@ -67,11 +55,7 @@ class SlotValidator:
         host = await self._to_host(slots) if slots.device.type == "cuda" else slots
         host = host.to(torch.int64)
         if count:
-            low, high = int(host.min()), int(host.max())
-            if low < 0 or high >= self.kv.num_slots:
-                raise ValueError(f"{name} must lie in [0, {self.kv.num_slots}), got [{low}, {high}]")
-            if has_duplicates(host, self.kv.num_slots):
-                raise ValueError(f"{name} contains duplicate slots")
+            check_slots(self.kv, host, name)  # range and duplicates: the kernels' own check
         return host
 
     async def _to_host(self, slots: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,21 @@ def check_slots(kv: KVBuffer, slots: torch.Tensor, name: str = "slots") -> None:
         raise ValueError(f"{name} holds a negative slot ({low})")
     if high >= kv.num_slots:
         raise ValueError(f"{name} holds slot {high}, out of range for a KV buffer of {kv.num_slots} slots")
-    if torch.unique(slots).numel() != slots.numel():
+    if has_duplicates(slots, kv.num_slots):
         raise ValueError(f"{name} holds duplicated slots")
+
+
+def has_duplicates(slots: torch.Tensor, num_slots: int) -> bool:
+    """Whether the in-range index tensor ``slots`` repeats a value.
+
+    A scatter into a bitmap of the buffer's slots (~10x cheaper than ``torch.unique``'s sort for
+    a prompt's worth of slots) unless the buffer is far larger than the call.
+    """
+    count = slots.numel()
+    if num_slots > 16 * count:
+        return int(torch.unique(slots).numel()) != count
+    seen = torch.zeros(num_slots, dtype=torch.bool, device=slots.device).index_fill_(0, slots.long(), True)
+    return int(seen.sum()) != count
 
 
 def check_page_ids(page_ids: PageIds, num_pages: int, name: str = "page_ids") -> list[int]:

@@ -277,7 +277,7 @@ async def test_long_transfers_are_launched_in_groups(tmp_path: Path) -> None:
 
 
 def test_duplicate_detection_both_ways() -> None:
-    from aiokv.slots import has_duplicates as _has_duplicates
+    from aiokv.kernels.checks import has_duplicates as _has_duplicates
 
     distinct = torch.randperm(1000)[:300]
     assert not _has_duplicates(distinct, 1000)  # bitmap
