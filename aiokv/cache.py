@@ -267,10 +267,9 @@ class KVCache:
         first, skip = divmod(from_token, t)
         self._release_handles(handles[:first])
         pool_part = handles[first:]
-        copies: list[tuple[asyncio.Future[None], list[PageHandle]]] = []
+        copies: list[tuple[asyncio.Future[None], list[PageHandle], Tier]] = []
         promotions: list[asyncio.Task[PageHandle | None]] = []
-        end_page = first
-        pool_loaded = disk_loaded = consumed = 0
+        consumed = 0
         try:
             group = self.config.launch_pages
             launched = 0
@@ -280,10 +279,8 @@ class KVCache:
                 lo = 0 if launched == 0 else launched * t - skip
                 hi = (launched + len(part)) * t - skip
                 ids = [pool.table.check(h) for h in part]
-                copies.append((self._start_load(ids, slots[lo:hi], skip if launched == 0 else 0), part))
+                copies.append((self._start_load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
                 launched += len(part)
-            end_page += launched
-            pool_loaded = launched
             disk_start = max(first, match.pool_pages)
             promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             for offset, task in enumerate(promotions):
@@ -296,23 +293,30 @@ class KVCache:
                 page_skip = skip if page == first else 0
                 lo = page * t + page_skip - from_token
                 hi = (page + 1) * t - from_token
-                copies.append((self._start_load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle]))
-                end_page = page + 1
-                disk_loaded += 1
-            for future, _ in copies:
-                await asyncio.shield(future)
+                copies.append(
+                    (self._start_load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
+                )
+            outcomes = await asyncio.shield(asyncio.gather(*(f for f, _, _ in copies), return_exceptions=True))
         except BaseException:
             self._release_handles(pool_part)
-            for future, held in copies:
+            for future, held, _ in copies:
                 self._after(future, held, commit=None)
             for task in promotions[consumed:]:
                 self._adopt(task)
             raise
-        for _, held in copies:
+        # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
+        loaded = {Tier.POOL: 0, Tier.DISK: 0}
+        for (_, held, tier), outcome in zip(copies, outcomes, strict=True):
+            if outcome is not None:
+                self._fault("copy_failed", f"load copy failed: {outcome!r}")
+                break
+            loaded[tier] += len(held)
+        for _, held, _ in copies:
             self._release_handles(held)
         for task in promotions[consumed:]:
             self._adopt(task)
-        end = max(end_page * t, from_token)
+        pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
+        end = max((first + pool_loaded + disk_loaded) * t, from_token)
         self._loaded_tokens[Tier.POOL] += pool_loaded * t
         self._loaded_tokens[Tier.DISK] += disk_loaded * t
         moved = (pool_loaded + disk_loaded) * self.layout.payload_bytes

@@ -175,3 +175,52 @@ async def test_prometheus_exporter_is_scraped(tmp_path: Path) -> None:
         assert 'aiokv_pool_pages{state="ready"} 3.0' in text
         assert "aiokv_disk_pages 3.0" in text
         assert "aiokv_lookups_total 1.0" in text
+
+
+@pytest.mark.asyncio
+async def test_failed_offload_copy_is_counted_and_its_pages_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv(27)
+    async with KVCache(config(None), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        mover = cache._mover
+        assert mover is not None
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("copy engine fault (injected)")
+
+        monkeypatch.setattr(mover, "offload", broken)
+        result = await cache.offload(prompt(27, 3 * T), torch.arange(3 * T))
+        assert (result.stored, result.dropped) == (0, 3)
+        assert cache.stats().errors["copy_failed"] >= 1
+        async with await cache.match(prompt(27, 3 * T)) as match:
+            assert match.tokens == 0  # nothing half-copied was published
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv(28)
+    original = kv.clone()
+    tokens = prompt(28, 6 * T)
+    async with KVCache(config(None, launch_pages=2), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(6 * T))
+        mover = cache._mover
+        assert mover is not None
+        real = mover.load
+        calls = {"n": 0}
+
+        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("copy engine fault (injected)")
+            real(page_ids, slots, skip)
+
+        monkeypatch.setattr(mover, "load", second_group_fails)
+        kv.zero_()
+        match = await cache.match(tokens)
+        loaded = await cache.load(match, torch.arange(6 * T))
+        assert loaded.shortened and loaded.tokens == 2 * T  # the first group of 2 pages only
+        assert torch.equal(kv[:, : 2 * T], original[:, : 2 * T])
+        assert cache.stats().errors["copy_failed"] == 1
+        await assert_quiescent(cache)
