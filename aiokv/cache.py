@@ -329,7 +329,10 @@ class KVCache:
         _, mover = self._running()
         if not self._cuda:
             return self._bridge.run_cpu(lambda: self._cpu_copy(mover.load, page_ids, slots, skip))
-        event = mover.load(page_ids, slots, skip)
+        try:
+            event = mover.load(page_ids, slots, skip)
+        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+            return self._failed(exc)
         if event is not None:
             # Order the engine's stream after the copy on the GPU side; the host does not wait.
             torch.cuda.current_stream(self.kv.device).wait_event(event)
@@ -490,7 +493,17 @@ class KVCache:
         _, mover = self._running()
         if not self._cuda:
             return self._bridge.run_cpu(lambda: self._cpu_copy(mover.offload, slots, page_ids))
-        return self._bridge.wait(mover.offload(slots, page_ids), Lane.OFFLOAD)
+        try:
+            event = mover.offload(slots, page_ids)
+        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+            return self._failed(exc)
+        return self._bridge.wait(event, Lane.OFFLOAD)
+
+    @staticmethod
+    def _failed(exc: Exception) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_exception(exc)
+        return future
 
     def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
         disk = self._disk
