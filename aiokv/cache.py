@@ -25,7 +25,7 @@ import torch
 from aiokv.config import Admission, CacheConfig
 from aiokv.cuda import CompletionBridge, Lane
 from aiokv.kernels import PageMover, TransferPath
-from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys, token_array
+from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
 from aiokv.pool import PagePool
@@ -59,6 +59,8 @@ class KVCache:
             raise ValueError(f"cpu_bytes {config.cpu_bytes} is smaller than one page ({layout.page_bytes} bytes)")
         self._cuda = self.kv.device.type == "cuda"
         self._seeds: dict[Salt, bytes] = {}
+        # Pages of a rank that holds part of the heads carry only its rows: key them apart.
+        self._part = tp_part(self.tp, layout)
         self._pool: PagePool | None = None
         self._disk: DiskTier | None = None
         self._mover: PageMover | None = None
@@ -185,7 +187,7 @@ class KVCache:
         """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
         seed = self._seeds.get(salt)
         if seed is None:
-            seed = namespace_seed(self.layout, self.config.namespace, salt)
+            seed = namespace_seed(self.layout, self.config.namespace, salt, self._part)
             if len(self._seeds) < 4096:
                 self._seeds[salt] = seed
         return page_keys(tokens, self.layout.page_tokens, seed)

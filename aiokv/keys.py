@@ -19,7 +19,7 @@ import numpy.typing as npt
 import torch
 import xxhash
 
-from aiokv.layout import KVLayout
+from aiokv.layout import KVKind, KVLayout, TPSlice
 
 PageKey = bytes
 """A page key: 16 bytes."""
@@ -34,10 +34,12 @@ Salt = str | bytes | None
 """Per-request salt that isolates tenants; ``None`` is the shared namespace."""
 
 
-def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None) -> bytes:
-    """16-byte seed from the layout fingerprint, the model namespace and the salt.
+def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None, part: bytes = b"") -> bytes:
+    """16-byte seed from the layout fingerprint, the model namespace, the salt and the page part.
 
-    Raises ``TypeError`` when ``namespace`` is not a str or ``salt`` is not str/bytes/None.
+    ``part`` names which rows of each page the keyed pages hold when they hold only some (a
+    tensor-parallel rank's head slice, see :func:`tp_part`); empty for whole pages. Raises
+    ``TypeError`` when ``namespace`` is not a str or ``salt`` is not str/bytes/None.
     """
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
@@ -60,9 +62,23 @@ def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None) -> bytes
             salt_tag,
             len(salt_bytes).to_bytes(8, "little"),
             salt_bytes,
+            len(part).to_bytes(8, "little") if part else b"",
+            part,
         )
     )
     return xxhash.xxh3_128_digest(material)
+
+
+def tp_part(tp: TPSlice, layout: KVLayout) -> bytes:
+    """The key material of a rank's slice when its pages hold only its rows, else ``b""``.
+
+    Pages written by one rank of a tensor-parallel group hold that rank's heads only: their keys
+    must differ from other slices' keys so that no rank ever reads another rank's rows as its own.
+    Replicas of one head (tp_size > kv heads) share the slice, hence the pages.
+    """
+    if layout.kind is KVKind.MLA or tp.local_heads == layout.num_kv_heads:
+        return b""
+    return f"tp-heads={tp.head_start}+{tp.local_heads}/{layout.num_kv_heads}".encode("ascii")
 
 
 def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
