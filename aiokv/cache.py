@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -34,6 +35,14 @@ from aiokv.slots import SlotValidator
 from aiokv.storage import DiskConfig, DiskTier
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """One launched copy: its completion future and, on CUDA, the event that marks its end."""
+
+    future: asyncio.Future[None]
+    event: torch.cuda.Event | None = None
 
 
 class KVCache:
@@ -269,7 +278,7 @@ class KVCache:
         first, skip = divmod(from_token, t)
         self._release_handles(handles[:first])
         pool_part = handles[first:]
-        copies: list[tuple[asyncio.Future[None], list[PageHandle], Tier]] = []
+        copies: list[tuple[_Copy, list[PageHandle], Tier]] = []
         promotions: list[asyncio.Task[PageHandle | None]] = []
         consumed = 0
         try:
@@ -298,11 +307,15 @@ class KVCache:
                 copies.append(
                     (self._start_load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
                 )
-            outcomes = await asyncio.shield(asyncio.gather(*(f for f, _, _ in copies), return_exceptions=True))
+            outcomes = await asyncio.shield(
+                asyncio.gather(*(c.future for c, _, _ in copies), return_exceptions=True)
+            )
         except BaseException:
+            # Nothing may still write the caller's slots once we raise (the engine reuses them).
+            await self._quiesce([c for c, _, _ in copies], offload=False)
             self._release_handles(pool_part)
-            for future, held, _ in copies:
-                self._after(future, held, commit=None)
+            for copy, held, _ in copies:
+                self._after(copy.future, held, commit=None)
             for task in promotions[consumed:]:
                 self._adopt(task)
             raise
@@ -327,18 +340,41 @@ class KVCache:
             self._fault("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
 
-    def _start_load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> asyncio.Future[None]:
+    def _start_load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> _Copy:
         _, mover = self._running()
         if not self._cuda:
-            return self._bridge.run_cpu(lambda: self._cpu_copy(mover.load, page_ids, slots, skip))
+            return _Copy(self._bridge.run_cpu(lambda: self._cpu_copy(mover.load, page_ids, slots, skip)))
         try:
             event = mover.load(page_ids, slots, skip)
         except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
-            return self._failed(exc)
+            return _Copy(self._failed(exc))
         if event is not None:
-            # Order the engine's stream after the copy on the GPU side; the host does not wait.
+            # Order the engine's stream after the copy on the GPU side; the host does not wait. No
+            # await separates this from the launch, so a cancellation cannot fall in between.
             torch.cuda.current_stream(self.kv.device).wait_event(event)
-        return self._bridge.wait(event, Lane.LOAD)
+        return _Copy(self._bridge.wait(event, Lane.LOAD), event)
+
+    async def _quiesce(self, copies: Sequence[_Copy], *, offload: bool) -> None:
+        """Return only when no copy of a failing or cancelled call still touches the caller's slots.
+
+        CPU: copies that have not started are withdrawn, the running one (one launch group at
+        most) is awaited, also through further cancellations. CUDA: the engine's stream is made to
+        wait on every copy's event (loads did at launch), so its later work, such as reusing the
+        slots, is ordered after them; the host does not wait.
+        """
+        if self._cuda:
+            if offload:
+                stream = torch.cuda.current_stream(self.kv.device)
+                for copy in copies:
+                    if copy.event is not None:
+                        stream.wait_event(copy.event)
+            return
+        pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                continue  # cancelled again: still wait; the caller re-raises its own error
 
     @staticmethod
     def _cpu_copy(fn: Callable[..., object], *args: object) -> None:
@@ -450,23 +486,25 @@ class KVCache:
         index = torch.tensor([i for i, _ in new], dtype=torch.long, device=slots.device)
         chosen = slots[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
         group = self.config.launch_pages
-        copies: list[tuple[asyncio.Future[None], list[PageHandle]]] = []
+        copies: list[tuple[_Copy, list[PageHandle]]] = []
         try:
             for start in range(0, len(handles), group):
                 # Bounded host work per loop turn: validation above, then each group's launches.
                 await asyncio.sleep(0)
                 part = handles[start : start + group]
-                future = self._start_offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part])
-                copies.append((future, part))
+                copy = self._start_offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part])
+                copies.append((copy, part))
             outcomes = await asyncio.shield(
-                asyncio.gather(*(f for f, _ in copies), return_exceptions=True)
+                asyncio.gather(*(c.future for c, _ in copies), return_exceptions=True)
             )
         except BaseException:
             # Cancelled (or a launch refused its arguments): the slots may be reused as soon as we
-            # return, so launched copies are aborted once they finish, the rest at once.
+            # return, so no copy may still read them, and launched pages are aborted (their bytes
+            # cannot be trusted), the rest at once.
+            await self._quiesce([c for c, _ in copies], offload=True)
             launched = {id(h) for _, part in copies for h in part}
-            for future, part in copies:
-                self._after(future, part, commit=False)
+            for copy, part in copies:
+                self._after(copy.future, part, commit=False)
             for handle in handles:
                 if id(handle) not in launched:
                     pool.table.abort(handle)
@@ -491,15 +529,15 @@ class KVCache:
         self._dropped += dropped
         return OffloadResult(len(new), skipped, dropped)
 
-    def _start_offload(self, slots: torch.Tensor, page_ids: list[int]) -> asyncio.Future[None]:
+    def _start_offload(self, slots: torch.Tensor, page_ids: list[int]) -> _Copy:
         _, mover = self._running()
         if not self._cuda:
-            return self._bridge.run_cpu(lambda: self._cpu_copy(mover.offload, slots, page_ids))
+            return _Copy(self._bridge.run_cpu(lambda: self._cpu_copy(mover.offload, slots, page_ids)))
         try:
             event = mover.offload(slots, page_ids)
         except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
-            return self._failed(exc)
-        return self._bridge.wait(event, Lane.OFFLOAD)
+            return _Copy(self._failed(exc))
+        return _Copy(self._bridge.wait(event, Lane.OFFLOAD), event)
 
     @staticmethod
     def _failed(exc: Exception) -> asyncio.Future[None]:

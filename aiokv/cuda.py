@@ -17,7 +17,7 @@ import enum
 import queue
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +52,7 @@ class CompletionBridge:
         self._queues: dict[Lane, queue.SimpleQueue[_Item]] = {}
         self._threads: list[threading.Thread] = []
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cpu_jobs: dict[asyncio.Future[Any], concurrent.futures.Future[Any]] = {}
         self._closed = False
         self.completed = 0
 
@@ -92,12 +93,51 @@ class CompletionBridge:
         return future
 
     def run_cpu(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Run a CPU copy on the copy thread (copies stay in submission order)."""
+        """Run a CPU copy on the copy thread (copies stay in submission order).
+
+        Cancelling the returned future does NOT stop the copy: use :meth:`withdraw`, which tells
+        whether the copy can still run.
+        """
         if self._closed:
             raise RuntimeError("completion bridge is closed")
         if self._cpu is None:
             self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiokv-copy")
-        return asyncio.wrap_future(self._cpu.submit(fn))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        job = self._cpu.submit(fn)
+        self._cpu_jobs[future] = job
+
+        def done(_: concurrent.futures.Future[T]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._settle_cpu, future, job)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+        job.add_done_callback(done)
+        return future
+
+    def _settle_cpu(self, future: asyncio.Future[T], job: concurrent.futures.Future[T]) -> None:
+        self._cpu_jobs.pop(future, None)
+        if future.done():
+            return
+        if job.cancelled():
+            future.cancel()
+        elif (error := job.exception()) is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(job.result())
+
+    def withdraw(self, future: asyncio.Future[Any]) -> bool:
+        """Stop a CPU copy from :meth:`run_cpu` that has not started; True when it never runs.
+
+        False means the copy is running or over: its future resolves when it is over.
+        """
+        job = self._cpu_jobs.get(future)
+        if job is None or not job.cancel():
+            return future.cancelled()
+        self._cpu_jobs.pop(future, None)
+        future.cancel()
+        return True
 
     def close(self) -> None:
         """Stop the waiter threads after the events queued so far. Idempotent."""
