@@ -24,6 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check aiokv kernels storage tests tools
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/aiokv
 	ln -s $(CURDIR)/aiokv/*.py $(CURDIR)/aiokv/py.typed $(TYPECHECK)/aiokv/
+	ln -s $(CURDIR)/aiokv/tp $(TYPECHECK)/aiokv/tp
 	ln -s $(CURDIR)/kernels $(TYPECHECK)/aiokv/kernels
 	ln -s $(CURDIR)/storage $(TYPECHECK)/aiokv/storage
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p aiokv

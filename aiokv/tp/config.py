@@ -1,0 +1,39 @@
+"""Settings of the manager ↔ rank-worker link: queue bounds, timeouts, backoff, CUDA registration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """Bounds and timeouts of :class:`~aiokv.tp.RankGroup` and :class:`~aiokv.tp.RankWorker`."""
+
+    max_jobs: int = 1024
+    """Jobs a group keeps in flight; ``submit`` waits and ``submit_nowait`` raises ``asyncio.QueueFull`` beyond."""
+    worker_max_inflight: int = 256
+    """Specs one worker runs at once; beyond it the worker stops reading its socket (backpressure)."""
+    max_frame_bytes: int = 64 << 20
+    """Largest frame either side accepts; a longer length prefix is a protocol error."""
+    handshake_timeout_s: float = 10.0
+    """Seconds a connection has to finish the hello exchange (the worker's pool attach included)."""
+    close_timeout_s: float = 30.0
+    """Seconds ``RankGroup.aclose`` waits for jobs in flight before failing them."""
+    reconnect_initial_s: float = 0.01
+    """First delay before a worker reconnects after a failed attempt; doubles on each failure."""
+    reconnect_max_s: float = 1.0
+    """Longest delay between a worker's reconnect attempts."""
+    register_chunk_bytes: int = 256 << 20
+    """Bytes of the attached pool a CUDA worker registers per chunk (in the background)."""
+    register_threads: int = 4
+    """Threads a CUDA worker registers its pool mapping with."""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"TPConfig.{field.name} must be a positive number, got {value!r}")
+            if field.type == "int" and not isinstance(value, int):
+                raise ValueError(f"TPConfig.{field.name} must be an int, got {value!r}")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("TPConfig.reconnect_max_s must be >= reconnect_initial_s")

@@ -1,0 +1,254 @@
+"""Transfer specs: what the manager asks every rank to copy, as small frozen values.
+
+A spec names pool pages and token slots only: every rank applies it to its own head slice (slot
+numbering is the same on every rank, as engines' block tables are). It crosses from the scheduler
+process to the ranks over aiokv's socket (:mod:`aiokv.tp.wire`) or the engine's own channel: it is
+picklable and has a compact binary form, little-endian::
+
+    header  magic b"AKVS" | version u8 | direction u8 | slot width u8 (4 or 8) | 0 u8
+            | job id u64 | pool epoch u64 | page_tokens u32 | skip_first u32 | pages u32 | slots u32
+    body    page ids uint32 x pages | slots int32/int64 x slots
+
+:meth:`TransferSpec.from_bytes` accepts any bytes and raises ``ValueError`` for anything that is not
+one well-formed spec (never another exception).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+SPEC_MAGIC = b"AKVS"
+SPEC_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBQQIIII")
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_SLOT_DTYPES: dict[int, np.dtype[Any]] = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_PAGE_DTYPE = np.dtype("<u4")
+
+IntArrayLike = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
+"""Integers as a sequence, a 1-D numpy array or a 1-D host tensor."""
+
+
+class Direction(enum.Enum):
+    """Which way a spec moves bytes."""
+
+    OFFLOAD = 1
+    """Engine KV buffer -> pool pages (only ranks that write pages take part)."""
+    LOAD = 2
+    """Pool pages -> engine KV buffer (every rank)."""
+
+
+def _u(name: str, value: object, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{name} must be in [0, {limit}], got {value}")
+    return value
+
+
+def _as_numpy(name: str, values: IntArrayLike) -> npt.NDArray[np.integer[Any]]:
+    if isinstance(values, torch.Tensor):
+        if values.is_cuda:
+            raise ValueError(f"{name} must be on the host (a spec is a host value), got a CUDA tensor")
+        values = values.detach().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        raise ValueError(f"{name} is empty")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array
+
+
+def _frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class TransferSpec:
+    """One transfer every participating rank runs on its own head slice.
+
+    ``page_ids``: uint32 ``[P]``, distinct pool pages. ``slots``: int32 or int64 ``[S]``, the engine's
+    token slots. OFFLOAD: ``S == P * page_tokens``, page i gets slots ``[i*T, (i+1)*T)``. LOAD:
+    tokens ``[skip_first, P*T)`` of the concatenated pages go to the slots, ``S == P*T - skip_first``,
+    ``0 <= skip_first < T`` (a partly needed first page). ``epoch`` names the pool the pages belong
+    to: a worker attached to another pool refuses the spec. Arrays are read-only.
+
+    Build with :meth:`build` (converts and validates); the constructor validates already typed values
+    and raises ``ValueError`` naming the field.
+    """
+
+    job_id: int
+    direction: Direction
+    epoch: int
+    page_tokens: int
+    page_ids: npt.NDArray[np.uint32]
+    slots: npt.NDArray[np.signedinteger[Any]]
+    skip_first: int = 0
+
+    def __post_init__(self) -> None:
+        _u("job_id", self.job_id, _U64_MAX)
+        _u("epoch", self.epoch, _U64_MAX)
+        if _u("page_tokens", self.page_tokens, _U32_MAX) == 0:
+            raise ValueError("page_tokens must be positive")
+        _u("skip_first", self.skip_first, _U32_MAX)
+        if not isinstance(self.direction, Direction):
+            raise ValueError(f"direction must be a Direction, got {self.direction!r}")
+        pages, slots = self.page_ids, self.slots
+        if not isinstance(pages, np.ndarray) or pages.dtype != _PAGE_DTYPE or pages.ndim != 1:
+            raise ValueError("page_ids must be a 1-D uint32 array (use TransferSpec.build)")
+        if not isinstance(slots, np.ndarray) or slots.dtype not in _SLOT_DTYPES.values() or slots.ndim != 1:
+            raise ValueError("slots must be a 1-D int32 or int64 array (use TransferSpec.build)")
+        if pages.flags.writeable or slots.flags.writeable:
+            raise ValueError("page_ids and slots must be read-only arrays (use TransferSpec.build)")
+        if pages.size == 0 or slots.size == 0:
+            raise ValueError("a spec moves at least one page and one slot")
+        if pages.size > _U32_MAX or slots.size > _U32_MAX:
+            raise ValueError("a spec holds at most 2**32 - 1 pages and slots")
+        if int(slots.min()) < 0:
+            raise ValueError(f"slots holds a negative slot ({int(slots.min())})")
+        if pages.size > 1 and np.unique(pages).size != pages.size:
+            raise ValueError("page_ids holds duplicated pages")
+        tokens = self.page_tokens
+        if self.direction is Direction.OFFLOAD:
+            if self.skip_first:
+                raise ValueError("an OFFLOAD spec writes whole pages: skip_first must be 0")
+        elif self.skip_first >= tokens:
+            raise ValueError(f"skip_first must be in [0, {tokens}) (tokens of the first page), got {self.skip_first}")
+        expect = pages.size * tokens - self.skip_first
+        if slots.size != expect:
+            raise ValueError(
+                f"slots holds {slots.size} slots; {pages.size} pages of {tokens} tokens "
+                f"less skip_first={self.skip_first} need {expect}"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        job_id: int,
+        direction: Direction,
+        epoch: int,
+        page_tokens: int,
+        page_ids: IntArrayLike,
+        slots: IntArrayLike,
+        skip_first: int = 0,
+    ) -> TransferSpec:
+        """A spec from any integer sequences, arrays or host tensors (copied; int32 slots stay int32)."""
+        pages = _as_numpy("page_ids", page_ids)
+        if int(pages.min()) < 0 or int(pages.max()) > _U32_MAX:
+            raise ValueError(f"page_ids must be in [0, {_U32_MAX}]")
+        raw_slots = _as_numpy("slots", slots)
+        if raw_slots.dtype == np.int32:
+            slot_array = raw_slots.astype("<i4", copy=True)
+        else:
+            if int(raw_slots.max()) > 2**63 - 1:
+                raise ValueError("slots holds a slot beyond int64")
+            slot_array = raw_slots.astype("<i8", copy=True)
+        return cls(
+            job_id,
+            direction,
+            epoch,
+            page_tokens,
+            _frozen(pages.astype(_PAGE_DTYPE, copy=True)),
+            _frozen(slot_array),
+            skip_first,
+        )
+
+    # -- derived --------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        """Pool pages the spec touches."""
+        return int(self.page_ids.size)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots the spec touches."""
+        return int(self.slots.size)
+
+    # -- binary form ----------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The compact binary form (see the module docstring)."""
+        width = self.slots.dtype.itemsize
+        header = _HEADER.pack(
+            SPEC_MAGIC,
+            SPEC_VERSION,
+            self.direction.value,
+            width,
+            0,
+            self.job_id,
+            self.epoch,
+            self.page_tokens,
+            self.skip_first,
+            self.page_ids.size,
+            self.slots.size,
+        )
+        return b"".join((header, self.page_ids.tobytes(), self.slots.tobytes()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> TransferSpec:
+        """Decode :meth:`to_bytes` output; raises ``ValueError`` for truncated, trailing or bad input."""
+        if not isinstance(data, bytes):
+            data = bytes(data)  # the arrays below view it: never a buffer the caller may change
+        if len(data) < _HEADER.size:
+            raise ValueError(f"truncated spec: {len(data)} bytes, the header alone is {_HEADER.size}")
+        (magic, version, direction, width, reserved, job_id, epoch, page_tokens, skip_first, n_pages, n_slots) = (
+            _HEADER.unpack_from(data)
+        )
+        if magic != SPEC_MAGIC:
+            raise ValueError(f"not a transfer spec (magic {magic!r})")
+        if version != SPEC_VERSION:
+            raise ValueError(f"transfer spec version {version} is not supported (this side speaks {SPEC_VERSION})")
+        if reserved != 0:
+            raise ValueError("transfer spec has a non-zero reserved byte")
+        try:
+            kind = Direction(direction)
+        except ValueError:
+            raise ValueError(f"transfer spec has an unknown direction {direction}") from None
+        slot_dtype = _SLOT_DTYPES.get(width)
+        if slot_dtype is None:
+            raise ValueError(f"transfer spec has slot width {width}; 4 or 8 expected")
+        expect = _HEADER.size + n_pages * _PAGE_DTYPE.itemsize + n_slots * width
+        if len(data) != expect:
+            what = "truncated" if len(data) < expect else "trailing bytes after"
+            raise ValueError(f"{what} transfer spec: {len(data)} bytes, header says {expect}")
+        pages = np.frombuffer(data, _PAGE_DTYPE, n_pages, _HEADER.size)
+        slots = np.frombuffer(data, slot_dtype, n_slots, _HEADER.size + n_pages * _PAGE_DTYPE.itemsize)
+        return cls(job_id, kind, epoch, page_tokens, pages, slots, skip_first)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickles through the compact form: an engine's own channel carries the same bytes.
+        return (TransferSpec.from_bytes, (self.to_bytes(),))
+
+    # -- value semantics ------------------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferSpec):
+            return NotImplemented
+        return (
+            (self.job_id, self.direction, self.epoch, self.page_tokens, self.skip_first)
+            == (other.job_id, other.direction, other.epoch, other.page_tokens, other.skip_first)
+            and self.slots.dtype == other.slots.dtype
+            and np.array_equal(self.page_ids, other.page_ids)
+            and np.array_equal(self.slots, other.slots)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.job_id, self.direction, self.epoch, self.num_pages, self.num_tokens))
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferSpec(job={self.job_id}, {self.direction.name}, epoch={self.epoch:#x}, "
+            f"pages={self.num_pages}, tokens={self.num_tokens}, skip_first={self.skip_first})"
+        )

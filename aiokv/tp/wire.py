@@ -1,0 +1,235 @@
+"""Frames between a :class:`~aiokv.tp.RankGroup` and its workers, over one Unix-domain stream socket.
+
+Every frame is ``length u32 | kind u8 | payload`` (little-endian; ``length`` counts kind + payload).
+A session::
+
+    worker  --HELLO(version, rank, tp_size, layout fingerprint)-->            manager
+    worker  <--WELCOME(version, tp_size, fingerprint, pool epoch, name, pages)-- or REFUSE(reason, text)
+    worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name)
+    worker  <--SPEC(TransferSpec bytes)--  ...  --DONE(job id, status, text)-->
+
+Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+HELLO_MAGIC = b"AKVH"
+_FRAME = struct.Struct("<IB")
+_HELLO = struct.Struct("<4sHHH16s")
+_WELCOME = struct.Struct("<HH16sQIQ")
+_REFUSE = struct.Struct("<B")
+_ATTACHED = struct.Struct("<QB")
+_DONE = struct.Struct("<QB")
+MAX_TEXT_BYTES = 512
+"""Longest error text a frame carries (longer texts are cut)."""
+
+
+class ProtocolError(ValueError):
+    """A peer sent something that is not a valid frame of this protocol."""
+
+
+class FrameKind(enum.Enum):
+    """What a frame carries."""
+
+    HELLO = 1
+    WELCOME = 2
+    REFUSE = 3
+    ATTACHED = 4
+    SPEC = 5
+    DONE = 6
+
+
+class RankStatus(enum.Enum):
+    """How one rank's part of a job ended. Values up to 15 travel in DONE frames."""
+
+    OK = 0
+    COPY_FAILED = 1
+    """The copy raised (a CUDA error, a failed CPU copy)."""
+    BAD_SPEC = 2
+    """The spec does not fit this rank's layout or KV buffer (slots out of range, wrong page size)."""
+    STALE_EPOCH = 3
+    """The spec names another pool than the one this worker attached."""
+    NOT_REGISTERED = 4
+    """A page lies in a pool chunk this worker could not register with CUDA."""
+    WORKER_CLOSING = 5
+    """The worker is shutting down and ran nothing more."""
+    RANK_LOST = 16
+    """(manager side) The rank disconnected or died with the job in flight."""
+    NOT_ATTACHED = 17
+    """(manager side) The rank was not attached when the job was submitted."""
+    GROUP_CLOSED = 18
+    """(manager side) The group closed before the rank reported."""
+
+
+class RefuseReason(enum.Enum):
+    """Why a manager refused a worker's hello."""
+
+    VERSION = 1
+    TP_SIZE = 2
+    LAYOUT = 3
+    RANK_RANGE = 4
+    RANK_TAKEN = 5
+    """Another live connection holds this rank (retried: the old one may not be noticed dead yet)."""
+    CLOSING = 6
+    """The group is closing (retried: a new manager may come)."""
+    PEER = 7
+    """The connecting process belongs to another user."""
+
+    @property
+    def retry(self) -> bool:
+        """Whether a worker should try again later rather than give up."""
+        return self in (RefuseReason.RANK_TAKEN, RefuseReason.CLOSING)
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8", "replace")[:MAX_TEXT_BYTES]
+    return raw.decode("utf-8", "ignore").encode("utf-8")
+
+
+def _decode_text(payload: bytes, offset: int) -> str:
+    if len(payload) - offset > MAX_TEXT_BYTES:
+        raise ProtocolError(f"text of {len(payload) - offset} bytes exceeds {MAX_TEXT_BYTES}")
+    try:
+        return payload[offset:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"text is not UTF-8: {exc}") from None
+
+
+def _fixed(layout: struct.Struct, payload: bytes, what: str, exact: bool) -> tuple[Any, ...]:
+    if len(payload) < layout.size or (exact and len(payload) != layout.size):
+        raise ProtocolError(f"{what} of {len(payload)} bytes; {layout.size} expected")
+    return layout.unpack_from(payload)
+
+
+def frame(kind: FrameKind, payload: bytes) -> bytes:
+    """One frame ready to write."""
+    return _FRAME.pack(len(payload) + 1, kind.value) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[FrameKind, bytes]:
+    """The next frame. Raises ``asyncio.IncompleteReadError`` at EOF, :class:`ProtocolError` when malformed."""
+    length, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+    if length < 1 or length > max_bytes:
+        raise ProtocolError(f"frame of {length} bytes (limit {max_bytes})")
+    try:
+        what = FrameKind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    payload = await reader.readexactly(length - 1) if length > 1 else b""
+    return what, payload
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Worker -> manager: who the worker is."""
+
+    version: int
+    rank: int
+    tp_size: int
+    fingerprint: bytes
+
+    def encode(self) -> bytes:
+        return _HELLO.pack(HELLO_MAGIC, self.version, self.rank, self.tp_size, self.fingerprint)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Hello:
+        # Magic and version first: a peer of another version gets a clear refusal, not a parse error.
+        if len(payload) < 6 or payload[:4] != HELLO_MAGIC:
+            raise ProtocolError("not an aiokv worker hello")
+        (version,) = struct.unpack_from("<H", payload, 4)
+        if version != PROTOCOL_VERSION:
+            return cls(version, 0, 0, b"")
+        _, version, rank, tp_size, fingerprint = _fixed(_HELLO, payload, "hello", exact=True)
+        return cls(int(version), int(rank), int(tp_size), bytes(fingerprint))
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Manager -> worker: the pool to attach and the group's geometry."""
+
+    version: int
+    tp_size: int
+    fingerprint: bytes
+    epoch: int
+    num_pages: int
+    page_bytes: int
+    pool_name: str
+
+    def encode(self) -> bytes:
+        head = _WELCOME.pack(self.version, self.tp_size, self.fingerprint, self.epoch, self.num_pages, self.page_bytes)
+        return head + _text(self.pool_name)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Welcome:
+        version, tp_size, fingerprint, epoch, pages, page_bytes = _fixed(_WELCOME, payload, "welcome", exact=False)
+        name = _decode_text(payload, _WELCOME.size)
+        return cls(version, tp_size, fingerprint, epoch, pages, page_bytes, name)
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Manager -> worker: the hello was refused."""
+
+    reason: RefuseReason
+    text: str
+
+    def encode(self) -> bytes:
+        return _REFUSE.pack(self.reason.value) + _text(self.text)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Refuse:
+        (reason,) = _fixed(_REFUSE, payload, "refusal", exact=False)
+        try:
+            kind = RefuseReason(reason)
+        except ValueError:
+            raise ProtocolError(f"unknown refusal reason {reason}") from None
+        return cls(kind, _decode_text(payload, _REFUSE.size))
+
+
+@dataclass(frozen=True)
+class Attached:
+    """Worker -> manager: the pool of ``epoch`` is mapped (``ok``), or why not."""
+
+    epoch: int
+    ok: bool
+    text: str = ""
+
+    def encode(self) -> bytes:
+        return _ATTACHED.pack(self.epoch, self.ok) + _text(self.text)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Attached:
+        epoch, ok = _fixed(_ATTACHED, payload, "attach report", exact=False)
+        if ok not in (0, 1):
+            raise ProtocolError(f"attach report has ok={ok}")
+        return cls(epoch, bool(ok), _decode_text(payload, _ATTACHED.size))
+
+
+@dataclass(frozen=True)
+class Done:
+    """Worker -> manager: how this rank's part of job ``job_id`` ended."""
+
+    job_id: int
+    status: RankStatus
+    text: str = ""
+
+    def encode(self) -> bytes:
+        return _DONE.pack(self.job_id, self.status.value) + _text(self.text)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Done:
+        job_id, status = _fixed(_DONE, payload, "completion", exact=False)
+        try:
+            kind = RankStatus(status)
+        except ValueError:
+            raise ProtocolError(f"unknown completion status {status}") from None
+        if kind.value >= 16:
+            raise ProtocolError(f"completion status {kind.name} is manager-side only")
+        return cls(job_id, kind, _decode_text(payload, _DONE.size))

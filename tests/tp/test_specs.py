@@ -1,0 +1,149 @@
+"""Transfer specs and wire frames: round trips, and malformed input is a clear ValueError, never a crash."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiokv.tp.specs import Direction, TransferSpec
+from aiokv.tp.wire import Attached, Done, Hello, ProtocolError, RankStatus, Refuse, RefuseReason, Welcome
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> TransferSpec:
+    direction = draw(st.sampled_from(list(Direction)))
+    tokens = draw(st.integers(1, 16))
+    pages = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=6, unique=True))
+    skip = draw(st.integers(0, tokens - 1)) if direction is Direction.LOAD else 0
+    count = len(pages) * tokens - skip
+    high = draw(st.sampled_from([2**31 - 1, 2**63 - 1]))
+    slots = draw(st.lists(st.integers(0, high), min_size=count, max_size=count))
+    dtype = np.int32 if high < 2**31 else np.int64
+    return TransferSpec.build(
+        draw(st.integers(0, 2**64 - 1)),
+        direction,
+        draw(st.integers(0, 2**64 - 1)),
+        tokens,
+        np.array(pages, dtype=np.uint64),
+        np.array(slots, dtype=dtype),
+        skip,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs())
+def test_round_trip_bytes_and_pickle(spec: TransferSpec) -> None:
+    data = spec.to_bytes()
+    back = TransferSpec.from_bytes(data)
+    assert back == spec and back.slots.dtype == spec.slots.dtype
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert TransferSpec.from_bytes(bytearray(data)) == spec
+    assert not back.slots.flags.writeable and not back.page_ids.flags.writeable
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs(), st.data())
+def test_truncated_or_extended_input_is_a_value_error(spec: TransferSpec, data: st.DataObject) -> None:
+    raw = spec.to_bytes()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(ValueError, match=r"truncated|header"):
+        TransferSpec.from_bytes(raw[:cut])
+    with pytest.raises(ValueError, match="trailing"):
+        TransferSpec.from_bytes(raw + b"\0")
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs(), st.data())
+def test_corrupted_input_decodes_or_raises_value_error(spec: TransferSpec, data: st.DataObject) -> None:
+    raw = bytearray(spec.to_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        TransferSpec.from_bytes(bytes(raw))
+    except ValueError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_crash(raw: bytes) -> None:
+    try:
+        TransferSpec.from_bytes(raw)
+    except ValueError:
+        pass
+
+
+def test_header_lies_are_clear_errors() -> None:
+    spec = TransferSpec.build(1, Direction.LOAD, 7, 4, [3, 5], torch.arange(6), 2)
+    raw = bytearray(spec.to_bytes())
+    with pytest.raises(ValueError, match="magic"):
+        TransferSpec.from_bytes(b"XXXX" + bytes(raw[4:]))
+    bad = bytearray(raw)
+    bad[4] = 99
+    with pytest.raises(ValueError, match="version 99"):
+        TransferSpec.from_bytes(bytes(bad))
+    bad = bytearray(raw)
+    bad[5] = 7
+    with pytest.raises(ValueError, match="direction 7"):
+        TransferSpec.from_bytes(bytes(bad))
+    bad = bytearray(raw)
+    bad[6] = 2
+    with pytest.raises(ValueError, match="slot width 2"):
+        TransferSpec.from_bytes(bytes(bad))
+    # A header claiming 2**32-1 slots on a short body: a length error, no huge allocation.
+    huge = bytearray(raw)
+    struct.pack_into("<I", huge, 36, 2**32 - 1)
+    with pytest.raises(ValueError, match="truncated"):
+        TransferSpec.from_bytes(bytes(huge))
+
+
+def test_build_validates_counts_and_values() -> None:
+    with pytest.raises(ValueError, match="need 8"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 4, [0, 1], range(7))
+    with pytest.raises(ValueError, match="skip_first must be 0"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 4, [0], [0, 1, 2], 1)
+    with pytest.raises(ValueError, match="skip_first must be in"):
+        TransferSpec.build(1, Direction.LOAD, 1, 4, [0, 1], [0, 1, 2, 3], 4)
+    with pytest.raises(ValueError, match="negative"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 2, [0], [-1, 0])
+    with pytest.raises(ValueError, match="duplicated pages"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 1, [2, 2], [0, 1])
+    with pytest.raises(ValueError, match="integers"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 1, [0], np.array([0.5]))
+    with pytest.raises(ValueError, match="job_id"):
+        TransferSpec.build(-1, Direction.OFFLOAD, 1, 1, [0], [0])
+    with pytest.raises(ValueError, match="read-only"):
+        TransferSpec(1, Direction.OFFLOAD, 1, 1, np.zeros(1, np.uint32), np.zeros(1, np.int64))
+    spec = TransferSpec.build(9, Direction.LOAD, 1, 4, torch.tensor([4, 2]), torch.arange(5, dtype=torch.int32), 3)
+    assert (spec.num_pages, spec.num_tokens, spec.slots.dtype) == (2, 5, np.int32)
+    assert "job=9" in repr(spec)
+
+
+def test_wire_messages_round_trip_and_refuse_garbage() -> None:
+    hello = Hello(1, 3, 4, b"f" * 16)
+    assert Hello.decode(hello.encode()) == hello
+    assert Hello.decode(Hello(2, 0, 0, b"").encode()[:6]).version == 2  # another version: parsed for the refusal
+    welcome = Welcome(1, 4, b"f" * 16, 2**63, 10, 4096, "/aiokv-1-abc")
+    assert Welcome.decode(welcome.encode()) == welcome
+    refusal = Refuse(RefuseReason.LAYOUT, "x" * 2000)
+    back = Refuse.decode(refusal.encode())
+    assert back.reason is RefuseReason.LAYOUT and len(back.text) == 512
+    assert Attached.decode(Attached(5, True).encode()) == Attached(5, True)
+    assert Done.decode(Done(7, RankStatus.COPY_FAILED, "é").encode()) == Done(7, RankStatus.COPY_FAILED, "é")
+    for decode, raw in [
+        (Hello.decode, b"nope"),
+        (Welcome.decode, b"\0" * 5),
+        (Refuse.decode, b"\x63"),
+        (Attached.decode, struct.pack("<QB", 1, 2)),
+        (Done.decode, struct.pack("<QB", 1, 99)),
+        (Done.decode, struct.pack("<QB", 1, RankStatus.RANK_LOST.value)),
+        (Done.decode, struct.pack("<QB", 1, 0) + b"\xff"),
+    ]:
+        with pytest.raises(ProtocolError):
+            decode(raw)
