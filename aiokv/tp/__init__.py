@@ -1,0 +1,47 @@
+"""Tensor parallelism across processes: a scheduler-side manager and one worker per rank process.
+
+The manager (no engine tensors, no CUDA) owns the pool's page table and sends *transfer specs*
+through a :class:`RankGroup`; each rank's process runs a :class:`RankWorker` that attaches the same
+pool by name and copies its head slice of every page. A job resolves when every rank it was sent to
+reported or is gone; pages are committed only when all succeeded::
+
+    group = RankGroup(layout, tp_size, pool.name, pool.num_pages)      # scheduler process
+    await group.start(); await group.wait_attached()
+    res = pool.reserve(keys)                                          # RESERVED handles
+    job = group.submit_nowait(group.spec(Direction.OFFLOAD, [h.page for h in handles], slots))
+    job.add_done_callback(settle)        # commit every handle if job.outcome().ok, else abort
+    outcome = await job                  # cancelling this await leaves the job (and pages) owned
+
+    async with RankWorker(group_address, rank, tp_size, layout, kv_slice):  # each rank process
+        ...
+"""
+
+from .config import TPConfig
+from .executor import RankExecutor, RankReport
+from .group import GroupStatistics, RankGroup
+from .jobs import Job, JobOutcome, JobStatistics, JobTable, RankFailure
+from .specs import Direction, TransferSpec
+from .wire import ProtocolError, RankStatus, RefuseReason
+from .worker import RankWorker, RankWorkerThread, WorkerRefusedError, WorkerStatistics
+
+__all__ = [
+    "Direction",
+    "GroupStatistics",
+    "Job",
+    "JobOutcome",
+    "JobStatistics",
+    "JobTable",
+    "ProtocolError",
+    "RankExecutor",
+    "RankFailure",
+    "RankGroup",
+    "RankReport",
+    "RankStatus",
+    "RankWorker",
+    "RankWorkerThread",
+    "RefuseReason",
+    "TPConfig",
+    "TransferSpec",
+    "WorkerRefusedError",
+    "WorkerStatistics",
+]

@@ -1,0 +1,115 @@
+"""Where a manager listens: a socket in a private (0700, ours) directory.
+
+Only processes of the same user can reach a socket in such a directory; the manager also checks
+each peer's uid (``SO_PEERCRED``). The path is stable for a given directory, so a restarted manager
+listens where its workers reconnect. A socket file left by a dead manager is removed; one that a
+live manager still answers on is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOCKET_NAME = "manager.sock"
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A private directory and the socket path inside it; ``created`` when this process made the directory."""
+
+    directory: Path
+    created: bool
+
+    @property
+    def socket_path(self) -> Path:
+        """The Unix-domain socket the manager listens on."""
+        return self.directory / SOCKET_NAME
+
+
+def private_directory(directory: str | os.PathLike[str] | None) -> Endpoint:
+    """Create ``directory`` 0700 (a fresh temporary one for None), or check an existing one is private.
+
+    Raises ``PermissionError`` for a directory that is a symlink, not ours, or open to others, and
+    ``ValueError`` when the socket path inside would be too long for a Unix-domain address.
+    """
+    if directory is None:
+        endpoint = Endpoint(Path(tempfile.mkdtemp(prefix="aiokv-tp-")), True)  # mkdtemp makes it 0700
+    else:
+        path = Path(directory)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            created = False
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode):
+            raise PermissionError(f"{path} is not a directory (a symlink or a file): refusing to listen there")
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            if not created:
+                raise PermissionError(
+                    f"{path} has mode {stat.S_IMODE(info.st_mode):o}: the manager's directory must be 0700"
+                )
+            os.chmod(path, 0o700)  # mkdir's mode is masked by umask only downwards; be explicit anyway
+        endpoint = Endpoint(path, created)
+    raw = os.fsencode(endpoint.socket_path)
+    if len(raw) > _SUN_PATH_MAX:
+        if endpoint.created:
+            os.rmdir(endpoint.directory)
+        raise ValueError(
+            f"socket path {endpoint.socket_path} is {len(raw)} bytes; Unix-domain addresses hold "
+            f"{_SUN_PATH_MAX}: choose a shorter directory"
+        )
+    return endpoint
+
+
+def clear_stale_socket(path: Path) -> None:
+    """Remove a socket file nobody listens on; raise when a live listener answers or it is not ours."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} exists and is not a socket of this user: refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(os.fspath(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # a dead manager's socket
+        return
+    except BlockingIOError:
+        pass  # a live listener with a full backlog
+    finally:
+        probe.close()
+    raise RuntimeError(f"another manager is listening on {path}")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process on the other end of a connected Unix-domain socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def remove_endpoint(endpoint: Endpoint, inode: int | None) -> None:
+    """Unlink the socket (only if it is still the one we bound, ``inode``) and a directory we created."""
+    path = endpoint.socket_path
+    try:
+        if inode is not None and os.lstat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if endpoint.created:
+        try:
+            os.rmdir(endpoint.directory)
+        except OSError:
+            pass  # not empty: someone else put something there; leave it

@@ -1,0 +1,282 @@
+"""`RankExecutor`: runs transfer specs for one rank against one attached pool mapping.
+
+It lives in the rank's process. A :class:`~aiokv.kernels.PageMover` over this rank's KV buffer
+(its head slice) and the attached pool moves the bytes:
+
+- CPU KV buffer: the copy runs on the :class:`~aiokv.cuda.CompletionBridge`'s copy thread (specs
+  stay in order), never on the loop.
+- CUDA KV buffer: the copy is launched on the mover's own side streams, ordered after the engine's
+  stream by an event; a LOAD also makes the engine's stream wait for the copy, so the engine's later
+  kernels see the bytes. Completion comes through the bridge's waiter threads (no polling). The
+  attached mapping is registered with CUDA (pinned + mapped) chunk by chunk in background threads; a
+  spec waits for the chunks of its pages only.
+
+An engine that carries specs over its own channel can use this class directly:
+``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from aiokv.cuda import CompletionBridge, Lane
+from aiokv.kernels import PageMover, TransferPath
+from aiokv.layout import KVBuffer
+from aiokv.pool import PageMemory
+from aiokv.shm import ChunkResult, prepare_in_background
+
+from .config import TPConfig
+from .specs import Direction, TransferSpec
+from .wire import RankStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """How one rank's part of a spec ended."""
+
+    status: RankStatus
+    text: str = ""
+
+
+def _classify(exc: BaseException) -> RankReport:
+    # The mover validates first and raises ValueError naming the argument: the spec does not fit.
+    status = RankStatus.BAD_SPEC if isinstance(exc, ValueError) else RankStatus.COPY_FAILED
+    return RankReport(status, f"{type(exc).__name__}: {exc}")
+
+
+class RankExecutor:
+    """Runs specs between ``kv`` (this rank's slice) and the pool pages of ``memory`` (pool ``epoch``).
+
+    ``bridge`` is the worker's completion bridge (it outlives executors across reconnects).
+    ``engine_stream``: the stream the engine writes and reads its KV buffer on (CUDA only).
+    One event loop drives it; :meth:`aclose` waits for copies in flight, then unmaps the pool.
+    """
+
+    def __init__(
+        self,
+        kv: KVBuffer,
+        memory: PageMemory,
+        epoch: int,
+        bridge: CompletionBridge,
+        config: TPConfig | None = None,
+        engine_stream: torch.cuda.Stream | None = None,
+        path: TransferPath | None = None,
+    ) -> None:
+        self.kv = kv
+        self.memory = memory
+        self.epoch = epoch
+        self.config = config or TPConfig()
+        self._bridge = bridge
+        self._cuda = kv.device.type == "cuda"
+        if self._cuda and engine_stream is None:
+            raise ValueError("a CUDA KV buffer needs the engine's stream")
+        self._engine_stream = engine_stream
+        self._mover: PageMover | None = PageMover(kv, memory.pages, path)
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._closing = False
+        self._pages_per_chunk = max(1, self.config.register_chunk_bytes // kv.layout.page_bytes)
+        self._registering: concurrent.futures.ThreadPoolExecutor | None = None
+        self._chunks: list[concurrent.futures.Future[ChunkResult]] = []
+        self._tasks: set[asyncio.Task[RankReport]] = set()
+        if self._cuda:
+            self._register_in_background()
+
+    def _register_in_background(self) -> None:
+        # Each process registers its own mapping (registration is per mapping): ~50 ms/GiB when the
+        # creator already touched the pages, so it runs chunk by chunk in threads, low pages first.
+        page_bytes = self.kv.layout.page_bytes
+        ranges = [
+            (start * page_bytes, min(self._pages_per_chunk, self.memory.num_pages - start) * page_bytes)
+            for start in range(0, self.memory.num_pages, self._pages_per_chunk)
+        ]
+        self._registering, self._chunks = prepare_in_background(
+            self.memory.segment, ranges, True, self.config.register_threads
+        )
+
+    # -- running specs --------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Specs started and not yet reported."""
+        return self._in_flight
+
+    @property
+    def registered_chunks(self) -> tuple[int, int]:
+        """``(ready, total)`` chunks of the mapping registered with CUDA (``(0, 0)`` off CUDA)."""
+        ready = sum(1 for f in self._chunks if f.done() and f.result().error is None)
+        return ready, len(self._chunks)
+
+    def execute(self, spec: TransferSpec) -> asyncio.Future[RankReport]:
+        """Start ``spec``; the future resolves with this rank's report when its copy is over. Never raises."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[RankReport] = loop.create_future()
+        self._in_flight += 1
+        self._idle.clear()
+        if self._in_flight >= self.config.worker_max_inflight:
+            self._room.clear()
+        result.add_done_callback(self._finished)
+        early = self._precheck(spec)
+        if early is not None:
+            result.set_result(early)
+        elif not self._cuda:
+            copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec))
+            copy.add_done_callback(functools.partial(_forward, result))
+        else:
+            waiting = self._unregistered(spec.page_ids)
+            if waiting is None:
+                result.set_result(RankReport(RankStatus.NOT_REGISTERED, "a page lies in a chunk CUDA refused"))
+            elif waiting:
+                task = loop.create_task(self._launch_when_registered(spec, waiting))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(functools.partial(_forward, result))
+            else:
+                self._launch_cuda(spec, result)
+        return result
+
+    def _precheck(self, spec: TransferSpec) -> RankReport | None:
+        if self._closing or self._mover is None:
+            return RankReport(RankStatus.WORKER_CLOSING, "the worker is closing")
+        if spec.epoch != self.epoch:
+            return RankReport(RankStatus.STALE_EPOCH, f"spec epoch {spec.epoch:#x}, attached {self.epoch:#x}")
+        if spec.page_tokens != self.kv.layout.page_tokens:
+            tokens = self.kv.layout.page_tokens
+            return RankReport(RankStatus.BAD_SPEC, f"spec pages hold {spec.page_tokens} tokens, the layout's {tokens}")
+        if spec.direction is Direction.OFFLOAD and not self.kv.tp.writer:
+            return RankReport(RankStatus.OK)  # a replica (or MLA rank > 0): the writer of its rows copies
+        return None
+
+    def _copy_on_thread(self, spec: TransferSpec) -> RankReport:
+        """The CPU copy, on the bridge's copy thread; never raises."""
+        mover = self._mover
+        assert mover is not None  # dropped only after every copy is over
+        try:
+            slots = torch.from_numpy(np.array(spec.slots))  # a writable copy: torch refuses read-only arrays
+            ids = spec.page_ids.tolist()
+            if spec.direction is Direction.OFFLOAD:
+                mover.offload(slots, ids)
+            else:
+                mover.load(ids, slots, spec.skip_first)
+        except Exception as exc:
+            return _classify(exc)
+        return RankReport(RankStatus.OK)
+
+    def _launch_cuda(self, spec: TransferSpec, result: asyncio.Future[RankReport]) -> None:
+        mover, stream = self._mover, self._engine_stream
+        assert mover is not None and stream is not None
+        try:
+            slots = torch.from_numpy(np.array(spec.slots))
+            ids = spec.page_ids.tolist()
+            # The mover orders its side streams after the *current* stream: make that the engine's.
+            with torch.cuda.stream(stream):
+                if spec.direction is Direction.OFFLOAD:
+                    event = mover.offload(slots, ids)
+                    lane = Lane.OFFLOAD
+                else:
+                    event = mover.load(ids, slots, spec.skip_first)
+                    lane = Lane.LOAD
+                    if event is not None:
+                        stream.wait_event(event)  # the engine's later kernels read what we wrote
+        except Exception as exc:
+            result.set_result(_classify(exc))
+            return
+        waited = self._bridge.wait(event, lane)
+        waited.add_done_callback(functools.partial(_event_done, result))
+
+    async def _launch_when_registered(
+        self, spec: TransferSpec, waiting: list[concurrent.futures.Future[ChunkResult]]
+    ) -> RankReport:
+        for chunk in waiting:
+            # Shielded: cancelling an asyncio wrapper would cancel the registration work too.
+            done = await asyncio.shield(asyncio.wrap_future(chunk))
+            if done.error is not None:
+                return RankReport(RankStatus.NOT_REGISTERED, f"pool chunk {done.index}: {done.error}")
+        if self._closing:
+            return RankReport(RankStatus.WORKER_CLOSING, "the worker is closing")
+        inner: asyncio.Future[RankReport] = asyncio.get_running_loop().create_future()
+        self._launch_cuda(spec, inner)
+        return await inner
+
+    def _unregistered(self, page_ids: npt.NDArray[np.uint32]) -> list[concurrent.futures.Future[ChunkResult]] | None:
+        """Chunk futures the pages still wait for; None when one of them failed to register."""
+        chunk_ids = sorted({int(p) // self._pages_per_chunk for p in page_ids.tolist()})
+        waiting = []
+        for index in chunk_ids:
+            if index >= len(self._chunks):
+                continue  # out of range: the mover refuses the spec with a clear error
+            chunk = self._chunks[index]
+            if not chunk.done():
+                waiting.append(chunk)
+            elif chunk.cancelled() or chunk.result().error is not None:
+                return None
+        return waiting
+
+    def _finished(self, _: asyncio.Future[RankReport]) -> None:
+        self._in_flight -= 1
+        if self._in_flight < self.config.worker_max_inflight:
+            self._room.set()
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def wait_room(self) -> None:
+        """Wait until fewer than ``worker_max_inflight`` specs are in flight."""
+        while self._in_flight >= self.config.worker_max_inflight:
+            self._room.clear()
+            await self._room.wait()
+
+    async def drain(self) -> None:
+        """Wait until every started spec has reported."""
+        await self._idle.wait()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Refuse new specs, wait for copies in flight, stop registration, unmap. Idempotent."""
+        self._closing = True
+        await self.drain()
+        if self._mover is None:
+            return
+        # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
+        self._mover = None
+        await asyncio.to_thread(self._teardown)
+
+    def _teardown(self) -> None:
+        if self._registering is not None:
+            self._registering.shutdown(wait=True, cancel_futures=True)
+        self.memory.close()
+
+
+def _forward(result: asyncio.Future[RankReport], source: asyncio.Future[RankReport]) -> None:
+    if result.done():
+        return
+    if source.cancelled():
+        result.set_result(RankReport(RankStatus.COPY_FAILED, "the copy was cancelled"))
+    elif (exc := source.exception()) is not None:
+        result.set_result(_classify(exc))
+    else:
+        result.set_result(source.result())
+
+
+def _event_done(result: asyncio.Future[RankReport], waited: asyncio.Future[None]) -> None:
+    if result.done():
+        return
+    if waited.cancelled():
+        result.set_result(RankReport(RankStatus.COPY_FAILED, "the completion wait was cancelled"))
+    elif (exc := waited.exception()) is not None:
+        result.set_result(RankReport(RankStatus.COPY_FAILED, f"CUDA: {type(exc).__name__}: {exc}"))
+    else:
+        result.set_result(RankReport(RankStatus.OK))

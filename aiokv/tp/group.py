@@ -1,0 +1,423 @@
+"""`RankGroup`: the manager's end of the link to the rank workers of one tensor-parallel group.
+
+It listens on a Unix-domain socket in a private directory, admits one worker per rank after a hello
+exchange (protocol version, tp_size and layout fingerprint must match; the worker attaches the pool
+named in the reply and confirms its epoch), sends each submitted spec to the ranks that take part,
+and resolves the job through its :class:`~aiokv.tp.jobs.JobTable` once every rank is accounted for.
+A rank that disconnects (or dies: the kernel closes its socket) fails its part of every job it had
+in flight at once.
+
+The group holds no engine tensors and moves no bytes; its loop only reads and writes small frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from aiokv.layout import KVLayout, TPSlice
+
+from .config import TPConfig
+from .endpoint import Endpoint, clear_stale_socket, peer_credentials, private_directory, remove_endpoint
+from .jobs import Job, JobStatistics, JobTable, RankFailure
+from .specs import Direction, IntArrayLike, TransferSpec
+from .wire import (
+    PROTOCOL_VERSION,
+    Attached,
+    Done,
+    FrameKind,
+    Hello,
+    ProtocolError,
+    RankStatus,
+    Refuse,
+    RefuseReason,
+    Welcome,
+    frame,
+    read_frame,
+)
+
+log = logging.getLogger(__name__)
+
+_LINK_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ProtocolError, TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class GroupStatistics:
+    """Connections and jobs of a :class:`RankGroup`."""
+
+    address: str
+    epoch: int
+    pool_name: str
+    tp_size: int
+    attached: frozenset[int]
+    connections: int
+    """Connections accepted."""
+    refused: int
+    """Hellos refused (wrong version, layout, tp_size or rank; rank taken; closing)."""
+    attach_failures: int
+    """Workers that could not map the pool or confirmed another epoch."""
+    disconnects: int
+    """Attached ranks that went away."""
+    link_errors: int
+    """Connections ended by a malformed frame, a timeout or a socket error."""
+    jobs: JobStatistics
+
+
+class _Rank:
+    """One worker connection; ``attached`` once its pool mapping is confirmed."""
+
+    __slots__ = ("attached", "pid", "rank", "writer")
+
+    def __init__(self, rank: int, writer: asyncio.StreamWriter, pid: int) -> None:
+        self.rank = rank
+        self.writer = writer
+        self.pid = pid
+        self.attached = False
+
+
+class RankGroup:
+    """Manager side of one TP group: ``tp_size`` workers, one pool, every in-flight job.
+
+    ``pool_name``/``num_pages``: the pool workers attach (``PagePool.name``, ``PagePool.num_pages``);
+    ``epoch`` names it in every spec (random when None). ``directory``: where to listen, created 0700
+    (a fresh temporary directory when None); workers connect to :attr:`address`. A group restarted
+    on the same directory listens at the same address, and live workers re-attach to its new pool.
+
+    Use as ``async with RankGroup(...) as group`` or :meth:`start` / :meth:`aclose`. Raises
+    ``ValueError`` when ``tp_size`` does not divide the layout's heads (or they it).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        tp_size: int,
+        pool_name: str,
+        num_pages: int,
+        config: TPConfig | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        slices = [TPSlice.of(layout, rank, tp_size) for rank in range(tp_size)]
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if not isinstance(pool_name, str) or not pool_name.startswith("/"):
+            raise ValueError(f"pool_name must be a shared-memory name starting with '/', got {pool_name!r}")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch < 2**64):
+            raise ValueError(f"epoch must be an int in (0, 2**64), got {epoch!r}")
+        self.layout = layout
+        self.tp_size = tp_size
+        self.pool_name = pool_name
+        self.num_pages = num_pages
+        self.config = config or TPConfig()
+        self.epoch = epoch if epoch is not None else secrets.randbits(63) + 1
+        self.writers = frozenset(s.rank for s in slices if s.writer)
+        """Ranks that write pages: OFFLOAD specs go to these only (MLA: rank 0; one replica per head)."""
+        self._all_ranks = frozenset(range(tp_size))
+        self._directory = directory
+        self._endpoint: Endpoint | None = None
+        self._inode: int | None = None
+        self._server: asyncio.Server | None = None
+        self._jobs = JobTable(self.config.max_jobs)
+        self._ranks: dict[int, _Rank] = {}  # claimed at hello, attached after ATTACHED
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._all_attached = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._next_job = 1
+        self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._accepted = self._refused = self._attach_failures = self._disconnects = self._link_errors = 0
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it."""
+        if self._server is not None or self._closing:
+            raise RuntimeError("RankGroup.start() called twice or after aclose()")
+        endpoint = private_directory(self._directory)
+        try:
+            clear_stale_socket(endpoint.socket_path)
+            self._server = await asyncio.start_unix_server(
+                self._on_connection, path=os.fspath(endpoint.socket_path)
+            )
+            self._inode = os.lstat(endpoint.socket_path).st_ino
+        except BaseException:
+            remove_endpoint(endpoint, self._inode)
+            raise
+        self._endpoint = endpoint
+        log.info(
+            "rank group listening on %s: tp_size=%d, pool %s (epoch %#x, %d pages)",
+            endpoint.socket_path, self.tp_size, self.pool_name, self.epoch, self.num_pages,
+        )
+
+    async def aclose(self) -> None:
+        """Stop accepting, wait (``close_timeout_s`` at most) for jobs in flight, then fail the rest
+        (GROUP_CLOSED) and close every connection. Idempotent; safe to cancel (closing goes on).
+
+        A job failed here may still be running on a live worker: close the pool after the group and
+        never reuse its pages.
+        """
+        if self._close_task is None:
+            self._closing = True
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._jobs.in_flight:
+            try:
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    await self._jobs.wait_idle()
+            except TimeoutError:
+                log.warning("rank group closing with %d jobs still in flight", self._jobs.in_flight)
+        self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
+        for writer in list(self._connections):
+            writer.close()
+        # Closing a transport ends its reader at once: the connection tasks finish promptly.
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._endpoint is not None:
+            remove_endpoint(self._endpoint, self._inode)
+        self._changed.set()
+
+    async def __aenter__(self) -> RankGroup:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- ranks ----------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> Path:
+        """The socket path workers connect to (after :meth:`start`)."""
+        if self._endpoint is None:
+            raise RuntimeError("the rank group is not started")
+        return self._endpoint.socket_path
+
+    @property
+    def attached(self) -> frozenset[int]:
+        """Ranks whose worker is connected and has the pool mapped."""
+        return frozenset(r for r, conn in self._ranks.items() if conn.attached)
+
+    @property
+    def all_attached(self) -> bool:
+        """True when every rank is attached (a submit can succeed)."""
+        return self._all_attached.is_set()
+
+    async def wait_attached(self) -> None:
+        """Wait until every rank is attached; raises ``RuntimeError`` once the group closes."""
+        while not self._all_attached.is_set():
+            if self._closing:
+                raise RuntimeError("the rank group is closed")
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        # One event per change: waiters wake, re-check and wait on the next one.
+        if len(self.attached) == self.tp_size:
+            self._all_attached.set()
+        else:
+            self._all_attached.clear()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def spec(
+        self, direction: Direction, page_ids: IntArrayLike, slots: IntArrayLike, skip_first: int = 0
+    ) -> TransferSpec:
+        """A spec for this group's pool with the next job id (see :meth:`TransferSpec.build`)."""
+        job_id = self._next_job
+        self._next_job += 1
+        return TransferSpec.build(
+            job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first
+        )
+
+    def submit_nowait(self, spec: TransferSpec) -> Job:
+        """Send ``spec`` to its ranks (OFFLOAD: the writers; LOAD: all) and return its :class:`Job`.
+
+        Without every rank attached, or once closing, the job is returned already failed
+        (NOT_ATTACHED / GROUP_CLOSED); nothing is sent. Raises ``asyncio.QueueFull`` when
+        ``max_jobs`` jobs are in flight and ``ValueError`` for a spec of another pool, page size or
+        page range, or a job id already in flight.
+        """
+        targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
+        if self._closing:
+            failures = [RankFailure(r, RankStatus.GROUP_CLOSED, "the rank group is closed") for r in sorted(targets)]
+            return self._jobs.failed_job(spec, failures)
+        if spec.epoch != self.epoch:
+            raise ValueError(f"spec epoch {spec.epoch:#x} is not this group's pool epoch {self.epoch:#x}")
+        if spec.page_tokens != self.layout.page_tokens:
+            raise ValueError(f"spec pages hold {spec.page_tokens} tokens; the layout's hold {self.layout.page_tokens}")
+        if int(spec.page_ids.max()) >= self.num_pages:
+            raise ValueError(f"spec names page {int(spec.page_ids.max())}; the pool has {self.num_pages}")
+        missing = self._all_ranks - self.attached
+        if missing:
+            failures = [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
+            return self._jobs.failed_job(spec, failures)
+        job = self._jobs.open(spec, targets)
+        data = frame(FrameKind.SPEC, spec.to_bytes())
+        for rank in sorted(targets):
+            writer = self._ranks[rank].writer
+            if writer.is_closing():
+                self._jobs.report(spec.job_id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
+            else:
+                writer.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
+        return job
+
+    async def submit(self, spec: TransferSpec) -> Job:
+        """:meth:`submit_nowait` after waiting for room among the ``max_jobs`` in flight."""
+        while not self._closing and self._jobs.in_flight >= self._jobs.max_jobs:
+            await self._jobs.wait_room()
+        return self.submit_nowait(spec)
+
+    @property
+    def jobs(self) -> JobTable:
+        """The table owning every in-flight job (``in_flight``, ``pending_ranks``, ``wait_idle``)."""
+        return self._jobs
+
+    def statistics(self) -> GroupStatistics:
+        """Connections, ranks and job counts."""
+        return GroupStatistics(
+            address=os.fspath(self._endpoint.socket_path) if self._endpoint else "",
+            epoch=self.epoch,
+            pool_name=self.pool_name,
+            tp_size=self.tp_size,
+            attached=self.attached,
+            connections=self._accepted,
+            refused=self._refused,
+            attach_failures=self._attach_failures,
+            disconnects=self._disconnects,
+            link_errors=self._link_errors,
+            jobs=self._jobs.statistics(),
+        )
+
+    # -- connections ----------------------------------------------------------------------------
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._connections.add(writer)
+        self._accepted += 1
+        conn: _Rank | None = None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                conn = await self._handshake(reader, writer)
+            if conn is not None:
+                await self._serve(conn, reader)
+        except asyncio.IncompleteReadError:
+            pass  # EOF: the worker went away (or died)
+        except _LINK_ERRORS as exc:
+            self._link_errors += 1
+            log.warning("rank group: connection %s ended: %s: %s", _who(conn), type(exc).__name__, exc)
+        finally:
+            self._connections.discard(writer)
+            self._tasks.discard(task)
+            writer.close()
+            if conn is not None:
+                self._drop(conn)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Rank | None:
+        kind, payload = await read_frame(reader, self.config.max_frame_bytes)
+        if kind is not FrameKind.HELLO:
+            raise ProtocolError(f"expected a hello, got {kind.name}")
+        hello = Hello.decode(payload)
+        pid, uid = _peer(writer)
+        refusal = self._check_hello(hello, uid)
+        if refusal is not None:
+            self._refused += 1
+            log.warning("rank group: refused pid %d (rank %d): %s", pid, hello.rank, refusal.text)
+            writer.write(frame(FrameKind.REFUSE, refusal.encode()))
+            await writer.drain()
+            return None
+        conn = _Rank(hello.rank, writer, pid)
+        self._ranks[hello.rank] = conn  # claimed: a second hello for this rank is refused
+        try:
+            welcome = Welcome(
+                PROTOCOL_VERSION, self.tp_size, self.layout.fingerprint, self.epoch,
+                self.num_pages, self.layout.page_bytes, self.pool_name,
+            )
+            writer.write(frame(FrameKind.WELCOME, welcome.encode()))
+            kind, payload = await read_frame(reader, self.config.max_frame_bytes)
+            if kind is not FrameKind.ATTACHED:
+                raise ProtocolError(f"expected an attach report, got {kind.name}")
+            report = Attached.decode(payload)
+        except BaseException:
+            del self._ranks[hello.rank]
+            raise
+        if not report.ok or report.epoch != self.epoch:
+            del self._ranks[hello.rank]
+            self._attach_failures += 1
+            why = report.text if not report.ok else f"attached epoch {report.epoch:#x}"
+            log.warning("rank group: rank %d (pid %d) could not attach %s: %s", conn.rank, pid, self.pool_name, why)
+            return None
+        conn.attached = True
+        log.info("rank group: rank %d attached (pid %d)", conn.rank, pid)
+        self._notify()
+        return conn
+
+    def _check_hello(self, hello: Hello, uid: int) -> Refuse | None:
+        if uid not in (os.getuid(), 0):
+            return Refuse(RefuseReason.PEER, f"peer uid {uid} is not this manager's user")
+        if hello.version != PROTOCOL_VERSION:
+            return Refuse(
+                RefuseReason.VERSION,
+                f"worker speaks protocol {hello.version}, this manager speaks {PROTOCOL_VERSION}",
+            )
+        if hello.tp_size != self.tp_size:
+            return Refuse(RefuseReason.TP_SIZE, f"worker has tp_size {hello.tp_size}, the group has {self.tp_size}")
+        if hello.fingerprint != self.layout.fingerprint:
+            return Refuse(
+                RefuseReason.LAYOUT,
+                f"worker's layout fingerprint {hello.fingerprint.hex()} differs from the manager's "
+                f"{self.layout.fingerprint.hex()} ({self.layout.describe()})",
+            )
+        if not 0 <= hello.rank < self.tp_size:
+            return Refuse(RefuseReason.RANK_RANGE, f"rank {hello.rank} out of range for tp_size {self.tp_size}")
+        if self._closing:
+            return Refuse(RefuseReason.CLOSING, "the rank group is closing")
+        if hello.rank in self._ranks:
+            return Refuse(RefuseReason.RANK_TAKEN, f"rank {hello.rank} is already connected")
+        return None
+
+    async def _serve(self, conn: _Rank, reader: asyncio.StreamReader) -> None:
+        limit = self.config.max_frame_bytes
+        while True:
+            kind, payload = await read_frame(reader, limit)
+            if kind is not FrameKind.DONE:
+                raise ProtocolError(f"expected a completion, got {kind.name}")
+            done = Done.decode(payload)
+            self._jobs.report(done.job_id, conn.rank, done.status, done.text)
+
+    def _drop(self, conn: _Rank) -> None:
+        if self._ranks.get(conn.rank) is not conn:
+            return
+        del self._ranks[conn.rank]
+        if conn.attached:
+            self._disconnects += 1
+            failed = self._jobs.rank_lost(conn.rank, RankStatus.RANK_LOST, f"rank {conn.rank} (pid {conn.pid}) lost")
+            if not self._closing:
+                log.warning("rank group: rank %d (pid %d) detached; %d jobs failed", conn.rank, conn.pid, failed)
+            self._notify()
+
+
+def _peer(writer: asyncio.StreamWriter) -> tuple[int, int]:
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return 0, os.getuid()  # a transport without a socket (tests' fakes): same user
+    return peer_credentials(cast(socket.socket, sock))
+
+
+def _who(conn: _Rank | None) -> str:
+    return "before hello" if conn is None else f"of rank {conn.rank} (pid {conn.pid})"

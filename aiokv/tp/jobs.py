@@ -1,0 +1,251 @@
+"""The one owner of in-flight transfer jobs on the manager side: which ranks still owe a report.
+
+Synchronous bookkeeping (no awaits except the ``wait_*`` helpers), driven by the transport: a
+:class:`~aiokv.tp.RankGroup` over its socket, or an engine that carries specs and completions over
+its own channel and calls :meth:`JobTable.report` / :meth:`JobTable.rank_lost` itself.
+
+A job resolves once EVERY rank it was sent to is accounted for: it reported (success or error), or
+it is gone (disconnected, dead). Until then a live rank may still be writing the job's pool pages
+or KV slots, so the manager must not reuse them: it settles pages in a done-callback (see
+:class:`Job`), which also runs when the caller that awaited the job was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .specs import Direction, TransferSpec
+from .wire import RankStatus
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failed part of a job."""
+
+    rank: int
+    status: RankStatus
+    text: str
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a job ended: ``ok`` when every rank it was sent to reported success."""
+
+    job_id: int
+    direction: Direction
+    failures: tuple[RankFailure, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when no rank failed: the pages (OFFLOAD) or slots (LOAD) hold the right bytes."""
+        return not self.failures
+
+
+class Job:
+    """A submitted spec. Await it (or :meth:`wait`) for its :class:`JobOutcome`.
+
+    Awaiting is shielded: cancelling the awaiting coroutine never cancels the job, which stays owned
+    by its table until every rank is accounted for. Settle pages in :meth:`add_done_callback`
+    (commit on ``ok``, else abort/release): that runs whether or not anyone still awaits.
+    """
+
+    __slots__ = ("_future", "ranks", "spec")
+
+    def __init__(self, spec: TransferSpec, ranks: frozenset[int], future: asyncio.Future[JobOutcome]) -> None:
+        self.spec = spec
+        self.ranks = ranks
+        """Ranks the spec was sent to (OFFLOAD: writers only; LOAD: all)."""
+        self._future = future
+
+    @property
+    def id(self) -> int:
+        """The spec's job id."""
+        return self.spec.job_id
+
+    def done(self) -> bool:
+        """True once every rank is accounted for."""
+        return self._future.done()
+
+    def outcome(self) -> JobOutcome:
+        """The outcome of a done job; raises ``asyncio.InvalidStateError`` before."""
+        return self._future.result()
+
+    async def wait(self) -> JobOutcome:
+        """Wait for the outcome; cancelling the waiter leaves the job running."""
+        return await asyncio.shield(self._future)
+
+    def __await__(self) -> Generator[Any, None, JobOutcome]:
+        return self.wait().__await__()
+
+    def add_done_callback(self, fn: Callable[[Job], None]) -> None:
+        """Call ``fn(job)`` on the loop once the job is done (soon, if it already is)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __repr__(self) -> str:
+        state = ("ok" if self.outcome().ok else "failed") if self.done() else "in flight"
+        return f"Job({self.spec!r}, ranks={sorted(self.ranks)}, {state})"
+
+
+@dataclass(frozen=True)
+class JobStatistics:
+    """Counts of a :class:`JobTable`."""
+
+    in_flight: int
+    max_jobs: int
+    submitted: int
+    succeeded: int
+    failed: int
+    rank_failures: dict[RankStatus, int]
+    """Failed rank parts by status (a job failed on two ranks counts twice)."""
+    stray_reports: int
+    """Reports for no job in flight on that rank (late after a failure, or a confused peer)."""
+
+
+class _Entry:
+    __slots__ = ("failures", "job", "pending")
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.pending = set(job.ranks)
+        self.failures: list[RankFailure] = []
+
+
+class JobTable:
+    """In-flight jobs and the ranks each still waits for; at most ``max_jobs`` at once."""
+
+    def __init__(self, max_jobs: int) -> None:
+        if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or max_jobs <= 0:
+            raise ValueError(f"max_jobs must be a positive int, got {max_jobs!r}")
+        self.max_jobs = max_jobs
+        self._jobs: dict[int, _Entry] = {}
+        self._by_rank: dict[int, set[int]] = collections.defaultdict(set)
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._submitted = 0
+        self._succeeded = 0
+        self._failed = 0
+        self._rank_failures: collections.Counter[RankStatus] = collections.Counter()
+        self._stray = 0
+
+    # -- opening --------------------------------------------------------------------------------
+
+    def open(self, spec: TransferSpec, ranks: Iterable[int]) -> Job:
+        """Track ``spec`` as sent to ``ranks``.
+
+        Raises ``asyncio.QueueFull`` when ``max_jobs`` are in flight and ``ValueError`` when a job
+        of the same id is in flight or ``ranks`` is empty.
+        """
+        targets = frozenset(ranks)
+        if not targets:
+            raise ValueError("a job needs at least one rank")
+        if spec.job_id in self._jobs:
+            raise ValueError(f"job {spec.job_id} is already in flight")
+        if len(self._jobs) >= self.max_jobs:
+            raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
+        job = Job(spec, targets, asyncio.get_running_loop().create_future())
+        self._jobs[spec.job_id] = _Entry(job)
+        for rank in targets:
+            self._by_rank[rank].add(spec.job_id)
+        self._submitted += 1
+        self._idle.clear()
+        if len(self._jobs) >= self.max_jobs:
+            self._room.clear()
+        return job
+
+    def failed_job(self, spec: TransferSpec, failures: Iterable[RankFailure]) -> Job:
+        """A job that failed before it was sent (ranks missing, group closed): done at once, not tracked."""
+        found = tuple(failures)
+        future: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
+        future.set_result(JobOutcome(spec.job_id, spec.direction, found))
+        self._submitted += 1
+        self._failed += 1
+        self._rank_failures.update(f.status for f in found)
+        return Job(spec, frozenset(f.rank for f in found), future)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def report(self, job_id: int, rank: int, status: RankStatus, text: str = "") -> bool:
+        """Rank ``rank``'s part of ``job_id`` ended; False (counted) when no such part is in flight."""
+        entry = self._jobs.get(job_id)
+        if entry is None or rank not in entry.pending:
+            self._stray += 1
+            return False
+        self._settle_part(entry, rank, status, text)
+        return True
+
+    def rank_lost(self, rank: int, status: RankStatus = RankStatus.RANK_LOST, text: str = "") -> int:
+        """Fail ``rank``'s part of every job in flight (it disconnected or died); returns how many."""
+        ids = self._by_rank.pop(rank, set())
+        for job_id in sorted(ids):
+            entry = self._jobs.get(job_id)
+            if entry is not None and rank in entry.pending:
+                self._settle_part(entry, rank, status, text or f"rank {rank} lost with the job in flight")
+        return len(ids)
+
+    def fail_all(self, status: RankStatus, text: str) -> int:
+        """Fail every part still in flight (closing); returns the jobs failed."""
+        count = len(self._jobs)
+        for rank in list(self._by_rank):
+            self.rank_lost(rank, status, text)
+        return count
+
+    def pending_ranks(self, job_id: int) -> frozenset[int]:
+        """Ranks that still owe ``job_id`` a report (empty when it is not in flight)."""
+        entry = self._jobs.get(job_id)
+        return frozenset(entry.pending) if entry is not None else frozenset()
+
+    def _settle_part(self, entry: _Entry, rank: int, status: RankStatus, text: str) -> None:
+        entry.pending.discard(rank)
+        ranks = self._by_rank.get(rank)
+        if ranks is not None:
+            ranks.discard(entry.job.id)
+        if status is not RankStatus.OK:
+            entry.failures.append(RankFailure(rank, status, text))
+            self._rank_failures[status] += 1
+        if entry.pending:
+            return
+        del self._jobs[entry.job.id]
+        outcome = JobOutcome(entry.job.id, entry.job.spec.direction, tuple(entry.failures))
+        if outcome.ok:
+            self._succeeded += 1
+        else:
+            self._failed += 1
+        entry.job._future.set_result(outcome)
+        self._room.set()
+        if not self._jobs:
+            self._idle.set()
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs not yet resolved."""
+        return len(self._jobs)
+
+    async def wait_room(self) -> None:
+        """Wait until fewer than ``max_jobs`` jobs are in flight."""
+        while len(self._jobs) >= self.max_jobs:
+            self._room.clear()
+            await self._room.wait()
+
+    async def wait_idle(self) -> None:
+        """Wait until no job is in flight."""
+        await self._idle.wait()
+
+    def statistics(self) -> JobStatistics:
+        """Counts so far."""
+        return JobStatistics(
+            in_flight=len(self._jobs),
+            max_jobs=self.max_jobs,
+            submitted=self._submitted,
+            succeeded=self._succeeded,
+            failed=self._failed,
+            rank_failures=dict(self._rank_failures),
+            stray_reports=self._stray,
+        )

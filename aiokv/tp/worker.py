@@ -1,0 +1,435 @@
+"""`RankWorker`: the rank process's end of the link: attach the manager's pool, run its specs.
+
+One worker per tensor-parallel rank, in the rank's own process, with the engine's KV buffer holding
+this rank's heads only. A session: connect to the manager's socket, hello (version, rank, tp_size,
+layout fingerprint), map the pool named in the reply (:meth:`PagePool.attach`), confirm its epoch,
+then run specs through a :class:`~aiokv.tp.executor.RankExecutor` and report each completion.
+
+When the manager goes away (EOF), the worker stops reading, lets the copies in flight finish,
+drops the old mapping, and reconnects with a bounded backoff; the next hello names the new pool.
+
+Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
+:class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from aiokv.cuda import CompletionBridge
+from aiokv.kernels import TransferPath
+from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
+from aiokv.pool import PagePool
+
+from .config import TPConfig
+from .executor import RankExecutor, RankReport
+from .specs import TransferSpec
+from .wire import (
+    PROTOCOL_VERSION,
+    Attached,
+    Done,
+    FrameKind,
+    Hello,
+    ProtocolError,
+    RankStatus,
+    Refuse,
+    RefuseReason,
+    Welcome,
+    frame,
+    read_frame,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_LINK_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ValueError, TimeoutError, OSError)
+
+
+class WorkerRefusedError(RuntimeError):
+    """The manager refused this worker for good (wrong protocol version, layout, tp_size or rank)."""
+
+    def __init__(self, reason: RefuseReason, text: str) -> None:
+        super().__init__(f"manager refused the worker ({reason.name}): {text}")
+        self.reason = reason
+
+
+class _RetryLater(Exception):
+    """A refusal worth retrying (rank still held by a dying connection, manager closing)."""
+
+
+class _AttachFailed(Exception):
+    """The pool named in the welcome could not be mapped."""
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """State and counts of one :class:`RankWorker`."""
+
+    rank: int
+    tp_size: int
+    writer: bool
+    attached: bool
+    epoch: int | None
+    pool_name: str | None
+    sessions: int
+    """Pools attached so far (1 + re-attachments)."""
+    connect_failures: int
+    """Attempts that found no manager listening."""
+    link_errors: int
+    """Sessions ended by a malformed frame, a timeout, a refusal worth retrying or a failed attach."""
+    specs: int
+    reports: dict[RankStatus, int]
+    in_flight: int
+    registered_chunks: tuple[int, int]
+    """``(ready, total)`` pool chunks registered with CUDA in the current session."""
+
+
+class RankWorker:
+    """Rank ``rank`` of ``tp_size``: runs the manager's specs on ``kv`` (this rank's heads only).
+
+    ``address``: the manager's socket (``RankGroup.address``). ``kv``: anything ``KVBuffer.wrap``
+    accepts, holding this rank's slice (``TPSlice.of(layout, rank, tp_size)``). ``engine_stream``:
+    CUDA only; the stream the engine uses the KV buffer on (default: the current stream of the
+    buffer's device, in the constructing thread). ``path``: the mover's transfer path.
+    Raises ``ValueError``/``TypeError`` for a buffer that does not fit the layout and rank.
+    """
+
+    def __init__(
+        self,
+        address: str | os.PathLike[str],
+        rank: int,
+        tp_size: int,
+        layout: KVLayout,
+        kv: KVBufferLike,
+        config: TPConfig | None = None,
+        engine_stream: torch.cuda.Stream | None = None,
+        path: TransferPath | None = None,
+    ) -> None:
+        self.address = Path(address)
+        self.tp = TPSlice.of(layout, rank, tp_size)
+        self.layout = layout
+        self.kv = KVBuffer.wrap(layout, kv, self.tp)
+        self.config = config or TPConfig()
+        if self.kv.device.type == "cuda" and engine_stream is None:
+            engine_stream = torch.cuda.current_stream(self.kv.device)
+        self._engine_stream = engine_stream
+        self._path = path
+        self._bridge: CompletionBridge | None = None
+        self._executor: RankExecutor | None = None
+        self._epoch: int | None = None
+        self._pool_name: str | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._stop = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._ended = asyncio.Event()
+        self._run_started = False
+        self._session_task: asyncio.Task[bool] | None = None
+        self._own_task: asyncio.Task[None] | None = None
+        self._sessions = self._connect_failures = self._link_errors = self._specs = 0
+        self._reports: collections.Counter[RankStatus] = collections.Counter()
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, serve and reconnect until :meth:`aclose`. Raises :class:`WorkerRefusedError` when
+        the manager refuses this worker for good."""
+        if self._run_started:
+            raise RuntimeError("RankWorker.run() is already running (or ran)")
+        self._run_started = True
+        self._bridge = CompletionBridge()
+        delay = 0.0
+        try:
+            while not self._closing:
+                attached = False
+                self._session_task = asyncio.get_running_loop().create_task(self._session())
+                try:
+                    attached = await self._session_task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if not self._closing or (current is not None and current.cancelling()):
+                        raise
+                except (FileNotFoundError, ConnectionRefusedError):
+                    self._connect_failures += 1  # no manager listening (yet, or any more)
+                except WorkerRefusedError as exc:
+                    self._error = exc
+                    raise
+                except (_RetryLater, _AttachFailed, *_LINK_ERRORS) as exc:
+                    self._link_errors += 1
+                    log.warning("rank %d: session ended: %s: %s", self.tp.rank, type(exc).__name__, exc)
+                finally:
+                    self._session_task = None
+                delay = 0.0 if attached else min(max(2 * delay, self.config.reconnect_initial_s),
+                                                 self.config.reconnect_max_s)
+                if delay and not self._closing:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self._stop.wait()
+        finally:
+            bridge, self._bridge = self._bridge, None
+            await asyncio.to_thread(bridge.close)  # joins its threads: off the loop
+            self._ended.set()
+            self._notify()
+
+    async def _session(self) -> bool:
+        """One connection; True when it got as far as attaching the pool."""
+        reader, writer = await asyncio.open_unix_connection(os.fspath(self.address))
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                welcome = await self._hello(reader, writer)
+                executor = await self._attach(welcome, writer)
+            self._executor = executor
+            self._epoch, self._pool_name = welcome.epoch, welcome.pool_name
+            self._sessions += 1
+            self._notify()
+            log.info("rank %d: attached pool %s (epoch %#x)", self.tp.rank, welcome.pool_name, welcome.epoch)
+            try:
+                await self._serve(reader, writer, executor)
+            finally:
+                self._epoch = self._pool_name = None
+                self._notify()
+                # Copies in flight still use the mapping: their reports go out while the socket is
+                # open, then the mapping is dropped (teardown runs in a thread: it is not cancelled).
+                await executor.drain()
+                writer.close()
+                await executor.aclose()
+                self._executor = None
+            return True
+        finally:
+            writer.close()
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Welcome:
+        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.layout.fingerprint)
+        writer.write(frame(FrameKind.HELLO, hello.encode()))
+        kind, payload = await read_frame(reader, self.config.max_frame_bytes)
+        if kind is FrameKind.REFUSE:
+            refusal = Refuse.decode(payload)
+            if refusal.reason.retry:
+                raise _RetryLater(refusal.text)
+            raise WorkerRefusedError(refusal.reason, refusal.text)
+        if kind is not FrameKind.WELCOME:
+            raise ProtocolError(f"expected a welcome, got {kind.name}")
+        welcome = Welcome.decode(payload)
+        if welcome.version != PROTOCOL_VERSION:
+            raise WorkerRefusedError(RefuseReason.VERSION, f"manager speaks protocol {welcome.version}")
+        if welcome.tp_size != self.tp.size:
+            raise WorkerRefusedError(RefuseReason.TP_SIZE, f"manager has tp_size {welcome.tp_size}")
+        if welcome.fingerprint != self.layout.fingerprint or welcome.page_bytes != self.layout.page_bytes:
+            raise WorkerRefusedError(RefuseReason.LAYOUT, "manager's layout differs from this worker's")
+        return welcome
+
+    async def _attach(self, welcome: Welcome, writer: asyncio.StreamWriter) -> RankExecutor:
+        assert self._bridge is not None
+        try:
+            memory = await asyncio.to_thread(PagePool.attach, welcome.pool_name, self.layout)
+            try:
+                if memory.num_pages != welcome.num_pages:
+                    raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")
+                executor = RankExecutor(
+                    self.kv, memory, welcome.epoch, self._bridge, self.config, self._engine_stream, self._path
+                )
+            except BaseException:
+                memory.close()
+                raise
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            writer.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
+            raise _AttachFailed(f"pool {welcome.pool_name}: {why}") from exc
+        writer.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
+        return executor
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, executor: RankExecutor) -> None:
+        limit = self.config.max_frame_bytes
+        while True:
+            if executor.in_flight >= self.config.worker_max_inflight:
+                await executor.wait_room()  # stop reading: the manager's frames wait in the socket
+            try:
+                kind, payload = await read_frame(reader, limit)
+            except asyncio.IncompleteReadError:
+                log.info("rank %d: the manager closed the connection", self.tp.rank)
+                return
+            if kind is not FrameKind.SPEC:
+                raise ProtocolError(f"expected a spec, got {kind.name}")
+            spec = TransferSpec.from_bytes(payload)
+            self._specs += 1
+            report = executor.execute(spec)
+            report.add_done_callback(functools.partial(self._report, writer, spec.job_id))
+
+    def _report(self, writer: asyncio.StreamWriter, job_id: int, report: asyncio.Future[RankReport]) -> None:
+        result = report.result()
+        self._reports[result.status] += 1
+        if result.status is not RankStatus.OK:
+            log.warning("rank %d: job %d: %s %s", self.tp.rank, job_id, result.status.name, result.text)
+        if not writer.is_closing():
+            writer.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    @property
+    def attached(self) -> bool:
+        """True while a pool is mapped and specs are served."""
+        return self._epoch is not None
+
+    async def wait_attached(self) -> int:
+        """Wait until a pool is attached; returns its epoch. Raises :class:`WorkerRefusedError` when
+        refused for good and ``RuntimeError`` once the worker stopped."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._epoch is not None:
+                return self._epoch
+            if self._ended.is_set():
+                raise RuntimeError(f"rank {self.tp.rank}'s worker has stopped")
+            await self._changed.wait()
+
+    async def wait_detached(self) -> None:
+        """Wait until no pool is attached (the manager went away, or the worker stopped)."""
+        while self._epoch is not None:
+            await self._changed.wait()
+
+    def statistics(self) -> WorkerStatistics:
+        """State and counts (call on the worker's loop)."""
+        executor = self._executor
+        return WorkerStatistics(
+            rank=self.tp.rank,
+            tp_size=self.tp.size,
+            writer=self.tp.writer,
+            attached=self.attached,
+            epoch=self._epoch,
+            pool_name=self._pool_name,
+            sessions=self._sessions,
+            connect_failures=self._connect_failures,
+            link_errors=self._link_errors,
+            specs=self._specs,
+            reports=dict(self._reports),
+            in_flight=executor.in_flight if executor is not None else 0,
+            registered_chunks=executor.registered_chunks if executor is not None else (0, 0),
+        )
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop: let copies in flight finish and report, unmap the pool, end :meth:`run`. Idempotent."""
+        self._closing = True
+        self._stop.set()
+        if self._session_task is not None:
+            self._session_task.cancel()
+        if self._own_task is not None:
+            await asyncio.wait({self._own_task})
+            if not self._own_task.cancelled() and (exc := self._own_task.exception()) is not None:
+                log.debug("rank %d: worker ended with %r", self.tp.rank, exc)
+        elif self._run_started:
+            await self._ended.wait()
+
+    async def __aenter__(self) -> RankWorker:
+        self._own_task = asyncio.get_running_loop().create_task(self.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class RankWorkerThread:
+    """A :class:`RankWorker` on its own thread and event loop, for synchronous model runners.
+
+    Same arguments as :class:`RankWorker`; the KV buffer is validated and the engine's CUDA stream
+    captured in the constructing thread. ``start()`` / ``close()``, or ``with RankWorkerThread(...)``.
+    """
+
+    def __init__(
+        self,
+        address: str | os.PathLike[str],
+        rank: int,
+        tp_size: int,
+        layout: KVLayout,
+        kv: KVBufferLike,
+        config: TPConfig | None = None,
+        engine_stream: torch.cuda.Stream | None = None,
+        path: TransferPath | None = None,
+    ) -> None:
+        self.worker = RankWorker(address, rank, tp_size, layout, kv, config, engine_stream, path)
+        self._thread = threading.Thread(target=self._main, name=f"aiokv-rank{rank}", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+        """What ended the worker's run, if it did not end by :meth:`close`."""
+
+    def start(self) -> None:
+        """Start the thread and its loop (returns once the loop runs)."""
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.run(self._amain())
+
+    async def _amain(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        run = self._loop.create_task(self.worker.run())
+        stop = self._loop.create_task(self._stop.wait())
+        await asyncio.wait({run, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        await self.worker.aclose()
+        await asyncio.wait({run, stop})
+        if not run.cancelled() and (exc := run.exception()) is not None:
+            self.error = exc
+
+    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        if self._loop is None or not self._thread.is_alive():
+            raise RuntimeError("the worker thread is not running")
+
+        async def call() -> T:
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout)
+
+    def wait_attached(self, timeout: float | None = None) -> int:
+        """Block until a pool is attached; returns its epoch. Raises ``TimeoutError`` after ``timeout``
+        seconds and :class:`WorkerRefusedError` when refused for good."""
+        return self._call(self.worker.wait_attached, timeout)
+
+    def statistics(self) -> WorkerStatistics:
+        """The worker's statistics, read on its loop."""
+
+        async def read() -> WorkerStatistics:
+            return self.worker.statistics()
+
+        return self._call(read, None)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker (copies in flight finish first) and join the thread. Idempotent.
+
+        Raises ``TimeoutError`` when the thread did not end within ``timeout`` seconds.
+        """
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"rank {self.worker.tp.rank}'s worker thread did not stop in {timeout} s")
+
+    def __enter__(self) -> RankWorkerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,191 @@
+"""Helpers of the TP tests: reference KV, rank slices, and rank processes (importable by spawned children)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiokv.layout import KVKind, KVLayout, TPSlice
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.pool import PagePool
+from aiokv.tp import RankWorker, RankWorkerThread, TPConfig
+
+SLOTS = 96
+CONFIG = TPConfig(reconnect_initial_s=0.005, reconnect_max_s=0.2, handshake_timeout_s=30.0)
+
+
+def full_kv(layout: KVLayout, seed: int, slots: int = SLOTS) -> torch.Tensor:
+    """The full-head KV buffer every rank holds a slice of: ``[L, S, rows, D]``, distinct values."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, slots, layout.rows, layout.head_dim)
+    return torch.randn(shape, generator=gen).to(layout.dtype)
+
+
+def rank_kv(full: torch.Tensor, layout: KVLayout, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``full``: its K heads, then the same V heads (MLA: the whole latent)."""
+    if layout.kind is KVKind.MLA:
+        return full.clone()
+    tp = TPSlice.of(layout, rank, size)
+    heads, first, count = layout.num_kv_heads, tp.head_start, tp.local_heads
+    k = full[:, :, first : first + count]
+    v = full[:, :, heads + first : heads + first + count]
+    return torch.cat([k, v], dim=2).contiguous()
+
+
+def expected_page(full: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+    """The whole page ``[L, T, rows, D]`` the tokens in ``slots`` make."""
+    return full[:, torch.as_tensor(list(slots), dtype=torch.int64)]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def reserve(pool: PagePool, keys: Sequence[bytes]) -> list[PageHandle]:
+    handles = []
+    for res in pool.reserve(keys):
+        assert res.outcome is ReserveOutcome.RESERVED and res.handle is not None, res
+        handles.append(res.handle)
+    return handles
+
+
+async def new_pool(layout: KVLayout, pages: int) -> PagePool:
+    pool = PagePool.create(layout, pages * layout.page_bytes, register_cuda=False)
+    await pool.wait_ready()
+    return pool
+
+
+# -- rank processes ---------------------------------------------------------------------------------
+
+
+def rank_main(
+    ctrl: multiprocessing.connection.Connection,
+    address: str,
+    rank: int,
+    tp_size: int,
+    layout: KVLayout,
+    seed: int,
+    fill: bool,
+    threaded: bool,
+) -> None:
+    """A rank process: its own KV buffer (its slice of ``full_kv(seed)``, or zeros) and a worker.
+
+    Commands on ``ctrl``: ``"dump"`` -> the buffer; ``"stats"`` -> the worker's statistics;
+    ``"stop"`` -> close the worker, answer ``"stopped"`` and exit.
+    """
+    torch.set_num_threads(1)
+    kv = rank_kv(full_kv(layout, seed), layout, rank, tp_size)
+    if not fill:
+        kv.zero_()
+    if threaded:
+        with RankWorkerThread(address, rank, tp_size, layout, kv, CONFIG) as runner:
+            ctrl.send(("started", os.getpid()))
+            while True:
+                command = ctrl.recv()
+                if command == "dump":
+                    ctrl.send(_raw(kv))
+                elif command == "stats":
+                    ctrl.send(runner.statistics())
+                else:
+                    break
+        ctrl.send(("stopped", runner.error))
+    else:
+        asyncio.run(_async_rank(ctrl, address, rank, tp_size, layout, kv))
+
+
+async def _async_rank(
+    ctrl: multiprocessing.connection.Connection, address: str, rank: int, tp_size: int, layout: KVLayout,
+    kv: torch.Tensor,
+) -> None:
+    async with RankWorker(address, rank, tp_size, layout, kv, CONFIG) as worker:
+        ctrl.send(("started", os.getpid()))
+        while True:
+            command = await asyncio.to_thread(ctrl.recv)
+            if command == "dump":
+                ctrl.send(_raw(kv))
+            elif command == "stats":
+                ctrl.send(worker.statistics())
+            else:
+                break
+    ctrl.send(("stopped", None))
+
+
+def _raw(kv: torch.Tensor) -> tuple[bytes, tuple[int, ...]]:
+    # Plain bytes: torch's pickler would move a tensor through shared memory of its own.
+    return kv.contiguous().view(torch.uint8).numpy().tobytes(), tuple(kv.shape)
+
+
+class RankProcesses:
+    """``tp_size`` rank processes (spawned) attached to the manager at ``address``."""
+
+    def __init__(self, address: Path, layout: KVLayout, tp_size: int, seed: int, fill: bool) -> None:
+        self.address = os.fspath(address)
+        self.layout = layout
+        self.tp_size = tp_size
+        self.seed = seed
+        self.fill = fill
+        self._ctx = multiprocessing.get_context("spawn")
+        self.procs: dict[int, BaseProcess] = {}
+        self.ctrl: dict[int, multiprocessing.connection.Connection] = {}
+
+    def start(self, rank: int) -> None:
+        parent, child = self._ctx.Pipe()
+        threaded = rank % 2 == 0  # both runners in every group
+        proc = self._ctx.Process(
+            target=rank_main,
+            args=(child, self.address, rank, self.tp_size, self.layout, self.seed, self.fill, threaded),
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        self.procs[rank], self.ctrl[rank] = proc, parent
+
+    def start_all(self) -> None:
+        for rank in range(self.tp_size):
+            self.start(rank)
+
+    async def ask(self, rank: int, command: str) -> Any:
+        conn = self.ctrl[rank]
+        conn.send(command)
+        reply = await asyncio.to_thread(conn.recv)
+        while isinstance(reply, tuple) and reply and reply[0] == "started":
+            reply = await asyncio.to_thread(conn.recv)
+        return reply
+
+    async def dump(self, rank: int) -> torch.Tensor:
+        raw, shape = await self.ask(rank, "dump")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.layout.dtype).view(shape)
+
+    def kill(self, rank: int) -> None:
+        proc = self.procs[rank]
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+
+    async def reap(self, rank: int) -> int | None:
+        proc = self.procs.pop(rank)
+        self.ctrl.pop(rank).close()
+        await asyncio.to_thread(proc.join, 60)
+        return proc.exitcode
+
+    async def stop_all(self) -> None:
+        """Stop every worker cleanly (copies finish), then join."""
+        for rank in sorted(self.procs):
+            reply = await self.ask(rank, "stop")
+            assert reply[0] == "stopped" and reply[1] is None, reply
+            assert await self.reap(rank) == 0
+
+    async def kill_all(self) -> None:
+        for rank in sorted(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                self.kill(rank)
+            await self.reap(rank)
