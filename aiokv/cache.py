@@ -92,10 +92,10 @@ class KVCache:
 
     async def start(self) -> None:
         """Create the pool, the copy engine and (when configured) the disk tier."""
+        if self._closed:
+            raise RuntimeError("KVCache is closed: a closed cache cannot be started again")
         if self._started:
             return
-        if self._closed:
-            raise RuntimeError("KVCache is closed")
         self._started = True
         cfg = self.config
         self._pool = PagePool.create(
@@ -140,7 +140,8 @@ class KVCache:
         try:
             async with asyncio.timeout(self.config.close_timeout):
                 while self._background:
-                    await asyncio.gather(*list(self._background), return_exceptions=True)
+                    # asyncio.wait, not gather: a timeout must not cancel the jobs' futures.
+                    await asyncio.wait(set(self._background))
         except TimeoutError:
             self._fault("close_timeout", f"{len(self._background)} background jobs still running at close")
         if self._disk is not None:
@@ -154,7 +155,8 @@ class KVCache:
         """Wait until every page queued for disk so far is written (or dropped)."""
         self._running()
         if self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+            # asyncio.wait, not gather: cancelling flush() must not cancel the jobs' futures.
+            await asyncio.wait(set(self._background))
         if self._disk is not None:
             await self._disk.flush()
 
@@ -390,7 +392,8 @@ class KVCache:
                 finish()
             finally:
                 self._background.discard(done)
-                done.set_result(None)
+                if not done.done():
+                    done.set_result(None)
 
         future.add_done_callback(settle)
 

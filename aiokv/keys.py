@@ -92,6 +92,8 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
             raise TypeError(f"token ids must be integers, got a tensor of {tokens.dtype}")
         if tokens.dim() != 1:
             raise ValueError(f"token ids must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
+        if tokens.device.type == "meta":
+            raise ValueError("token ids are on the meta device: they hold no values")
         array: npt.NDArray[np.integer] = tokens.detach().to("cpu", torch.int64).numpy()
     elif isinstance(tokens, np.ndarray):
         if tokens.dtype.kind not in "iu":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -50,6 +52,8 @@ class Match:
         self.tokens = self.pages * page_tokens
         """Tokens in the match (a multiple of the page size)."""
         self._done = False
+        # The page table belongs to this loop: a finalizer (any thread) hands its release there.
+        self._loop = asyncio.get_running_loop() if handles else None
 
     @property
     def released(self) -> bool:
@@ -81,6 +85,21 @@ class Match:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # A Match dropped while holding pool pages would pin them forever: give them back on its
+        # loop and warn, as asyncio does for an unclosed transport.
+        if self._done or not self._handles or self._loop is None:
+            return
+        self._done = True
+        handles, self._handles = self._handles, []
+        _warn(f"unreleased {self!r}: call release() or load() (or use `async with`)", ResourceWarning,
+              source=self, stacklevel=2)
+        if not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._release_fn, handles)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: its pool is gone with it
 
     def __repr__(self) -> str:
         state = "released" if self._done else "held"
