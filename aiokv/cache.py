@@ -1,48 +1,34 @@
 """`KVCache`: the object an inference engine embeds.
 
-It wires the page pool, the kernels and the disk tier behind four coroutines on one event loop:
-``match`` (longest cached prefix), ``load`` (prefix into the engine's KV slots), ``offload``
-(the engine's KV into the pool, then write-behind to disk) and ``prefetch`` (disk -> pool).
+A thin facade over two halves that also run apart: the :class:`aiokv.manager.CacheManager`
+(keys, page table, tiers, counters; no engine tensors) and an in-process worker
+(:class:`aiokv.transfers.LocalTransfers`: the kernels moving bytes between the engine's KV buffer
+and the pool). It validates every argument at this edge, the slot indices against the engine's
+buffer included, before anything changes.
 
-Metadata changes are plain synchronous code between awaits; coroutines await only copy
-completions (CUDA events through :class:`aiokv.cuda.CompletionBridge`), disk completions and
-commit futures. A cancelled caller never leaks a reference: copies already launched finish in the
-background and their pages are released (or, for an offload whose slots may be reused, aborted)
-when they complete.
+Four coroutines on one event loop: ``match`` (longest cached prefix), ``load`` (prefix into the
+engine's KV slots), ``offload`` (the engine's KV into the pool, then write-behind to disk) and
+``prefetch`` (disk -> pool). A cancelled caller never leaks a reference and never leaves a copy
+touching its slots (see ``docs/design.md``, cancellation contract).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
-from typing import Any
+from types import TracebackType
 
 import torch
 
-from aiokv.config import Admission, CacheConfig
-from aiokv.cuda import CompletionBridge, Lane
-from aiokv.kernels import PageMover, TransferPath
-from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys, token_array, tp_part
+from aiokv.config import CacheConfig
+from aiokv.cuda import CompletionBridge
+from aiokv.keys import PageKey, Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
-from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
+from aiokv.manager import CacheManager
 from aiokv.pool import PagePool
-from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
+from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
 from aiokv.slots import SlotValidator
-from aiokv.storage import DiskConfig, DiskTier
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    """One launched copy: its completion future and, on CUDA, the event that marks its end."""
-
-    future: asyncio.Future[None]
-    event: torch.cuda.Event | None = None
+from aiokv.storage import DiskTier
+from aiokv.transfers import LocalTransfers
 
 
 class KVCache:
@@ -64,101 +50,46 @@ class KVCache:
         self.layout = layout
         self.tp = TPSlice.of(layout, config.tp_rank, config.tp_size)
         self.kv = KVBuffer.wrap(layout, kv_buffer, self.tp)
-        if config.cpu_bytes < layout.page_bytes:
-            raise ValueError(f"cpu_bytes {config.cpu_bytes} is smaller than one page ({layout.page_bytes} bytes)")
         self._cuda = self.kv.device.type == "cuda"
-        self._seeds: dict[Salt, bytes] = {}
         # Pages of a rank that holds part of the heads carry only its rows: key them apart.
-        self._part = tp_part(self.tp, layout)
-        self._pool: PagePool | None = None
-        self._disk: DiskTier | None = None
-        self._mover: PageMover | None = None
+        self._manager = CacheManager(
+            config, layout, part=tp_part(self.tp, layout), writer=self.tp.writer, register_cuda=self._cuda
+        )
         self._bridge = CompletionBridge()
-        self._slots = SlotValidator(self.kv, self._bridge, self._track)
-        self._background: set[asyncio.Future[None]] = set()
-        self._seen: OrderedDict[PageKey, None] = OrderedDict()
-        self._started = False
-        self._closed = False
-        self._errors: Counter[str] = Counter()
-        self._logged: set[str] = set()
-        self._lookups = 0
-        self._hit_tokens: Counter[Tier] = Counter()
-        self._loaded_tokens: Counter[Tier] = Counter()
-        self._miss_tokens = 0
-        self._bytes: Counter[str] = Counter()
-        self._stored = self._skipped = self._dropped = self._promoted = 0
+        self._slots = SlotValidator(self.kv, self._bridge, self._manager.track)
+        self._transfers: LocalTransfers | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Create the pool, the copy engine and (when configured) the disk tier."""
-        if self._closed:
-            raise RuntimeError("KVCache is closed: a closed cache cannot be started again")
-        if self._started:
+        """Create the pool, the copy engine and (when configured) the disk tier.
+
+        Raises ``RuntimeError`` after :meth:`aclose`.
+        """
+        if self._transfers is not None:
+            self._manager.check_running()
             return
-        self._started = True
+        pool = await self._manager.start()
+        from aiokv.kernels import PageMover, TransferPath  # Triton loads with the first cache
+
         cfg = self.config
-        self._pool = PagePool.create(
-            self.layout,
-            cfg.cpu_bytes,
-            register_cuda=self._cuda,
-            chunk_bytes=cfg.pool_chunk_bytes,
-            workers=cfg.pool_workers,
-        )
-        # Usable once the first chunk is prepared; the rest fill in behind (pages of ready chunks only).
-        await self._pool.wait_usable()
         path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
-        self._mover = PageMover(self.kv, self._pool.pages, path, cfg.staging_pages)
-        if cfg.disk_dir is not None:
-            disk = DiskTier(
-                DiskConfig(
-                    directory=cfg.disk_dir,
-                    capacity_bytes=cfg.disk_bytes,
-                    backend=cfg.disk_backend,
-                    direct_io=cfg.disk_direct_io,
-                    queue_depth=cfg.disk_queue_depth,
-                    write_behind_depth=cfg.write_behind_depth,
-                ),
-                self.layout,
-                self._pool,
-            )
-            try:
-                await disk.start()
-                self._disk = disk
-            except OSError as exc:
-                self._fault("disk_unavailable", f"disk tier at {cfg.disk_dir} is off: {exc}")
-                await disk.aclose()
+        mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages)
+        self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
+        self._manager.attach(self._transfers)
 
     async def aclose(self) -> None:
         """Wait (up to ``close_timeout``) for background copies and write-behind, then free everything.
 
         Idempotent.
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            async with asyncio.timeout(self.config.close_timeout):
-                while self._background:
-                    # asyncio.wait, not gather: a timeout must not cancel the jobs' futures.
-                    await asyncio.wait(set(self._background))
-        except TimeoutError:
-            self._fault("close_timeout", f"{len(self._background)} background jobs still running at close")
-        if self._disk is not None:
-            await self._disk.aclose()
+        await self._manager.aclose()
         await asyncio.to_thread(self._bridge.close)
-        self._mover = None
-        if self._pool is not None:
-            await self._pool.aclose()
+        await self._manager.close_pool()
 
     async def flush(self) -> None:
         """Wait until every page queued for disk so far is written (or dropped)."""
-        self._running()
-        if self._background:
-            # asyncio.wait, not gather: cancelling flush() must not cancel the jobs' futures.
-            await asyncio.wait(set(self._background))
-        if self._disk is not None:
-            await self._disk.flush()
+        await self._manager.flush()
 
     async def __aenter__(self) -> KVCache:
         try:
@@ -176,43 +107,23 @@ class KVCache:
     @property
     def pool(self) -> PagePool:
         """The CPU page pool (after start)."""
-        if self._pool is None:
-            raise RuntimeError("KVCache is not started: use `async with KVCache(...)` or await start()")
-        return self._pool
+        return self._manager.pool
 
     @property
     def disk(self) -> DiskTier | None:
         """The disk tier, or None when there is none (not configured, or it could not start)."""
-        return self._disk
+        return self._manager.disk
 
-    def _running(self) -> tuple[PagePool, PageMover]:
-        if self._closed:
-            raise RuntimeError("KVCache is closed")
-        if self._pool is None or self._mover is None:
-            raise RuntimeError("KVCache is not started: use `async with KVCache(...)` or await start()")
-        return self._pool, self._mover
+    @property
+    def manager(self) -> CacheManager:
+        """The bookkeeping half (keys, page table, tiers, counters)."""
+        return self._manager
 
-    # -- keys -----------------------------------------------------------------------------------
+    # -- the engine's calls ---------------------------------------------------------------------
 
     def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
         """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
-        seed = self._seeds.get(salt)
-        if seed is None:
-            seed = namespace_seed(self.layout, self.config.namespace, salt, self._part)
-            if len(self._seeds) < 4096:
-                self._seeds[salt] = seed
-        return page_keys(tokens, self.layout.page_tokens, seed)
-
-    def _note_seen(self, keys: Sequence[PageKey]) -> None:
-        if self.config.admission is not Admission.SEEN_TWICE:
-            return
-        for key in keys:
-            self._seen[key] = None
-            self._seen.move_to_end(key)
-        while len(self._seen) > self.config.seen_window:
-            self._seen.popitem(last=False)
-
-    # -- match ----------------------------------------------------------------------------------
+        return self._manager.keys(tokens, salt)
 
     async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
         """The longest prefix of full pages cached in the pool, then on disk.
@@ -220,40 +131,7 @@ class KVCache:
         Waits for pages another call is writing into the pool right now rather than stopping at
         them. Raises ``TypeError``/``ValueError`` for bad tokens or salt.
         """
-        pool, _ = self._running()
-        keys = self.keys(tokens, salt)
-        self._lookups += 1
-        handles: list[PageHandle] = []
-        try:
-            for key in keys:
-                handle = pool.table.acquire(key)
-                reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
-                if reserved and await pool.table.wait_committed(key):
-                    handle = pool.table.acquire(key)
-                if handle is None:
-                    break
-                handles.append(handle)
-        except BaseException:
-            self._release_handles(handles)
-            raise
-        disk_pages = 0
-        if self._disk is not None and len(handles) < len(keys):
-            disk_pages = self._disk.keys_present_prefix(keys[len(handles) :])
-        self._note_seen(keys)
-        t = self.layout.page_tokens
-        self._hit_tokens[Tier.POOL] += len(handles) * t
-        self._hit_tokens[Tier.DISK] += disk_pages * t
-        self._miss_tokens += (len(keys) - len(handles) - disk_pages) * t
-        return Match(self, tuple(keys), handles, disk_pages, t, self._release_handles)
-
-    def _release_handles(self, handles: Sequence[PageHandle]) -> None:
-        if self._pool is None:
-            return
-        for handle in handles:
-            if not handle.released:
-                self._pool.table.release(handle)
-
-    # -- load -----------------------------------------------------------------------------------
+        return await self._manager.match(tokens, salt)
 
     async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult:
         """Copy tokens ``[from_token, match.tokens)`` of ``match`` into the KV ``slots``.
@@ -264,193 +142,9 @@ class KVCache:
         after the copies. A fault below shortens the result to the valid contiguous prefix.
         Consumes ``match``. Raises ``TypeError``/``ValueError`` for bad arguments (nothing changes).
         """
-        pool, _ = self._running()
-        if not isinstance(match, Match):
-            raise TypeError(f"match must be a Match, got {type(match).__name__}")
-        if isinstance(from_token, bool) or not isinstance(from_token, int):
-            raise TypeError(f"from_token must be an int, got {type(from_token).__name__}")
-        if not 0 <= from_token <= match.tokens:
-            raise ValueError(f"from_token {from_token} outside [0, {match.tokens}]")
-        if match.released:
-            raise StaleHandleError("this Match was already loaded or released")
-        slots = await self._slots.check(slots, match.tokens - from_token)
-        keys, handles = match.take(self)  # raises if the match was released meanwhile
-
-        t = self.layout.page_tokens
-        first, skip = divmod(from_token, t)
-        self._release_handles(handles[:first])
-        pool_part = handles[first:]
-        copies: list[tuple[_Copy, list[PageHandle], Tier]] = []
-        promotions: list[asyncio.Task[PageHandle | None]] = []
-        consumed = 0
-        try:
-            group = self.config.launch_pages
-            launched = 0
-            while pool_part:
-                await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
-                part, pool_part = pool_part[:group], pool_part[group:]
-                lo = 0 if launched == 0 else launched * t - skip
-                hi = (launched + len(part)) * t - skip
-                ids = [pool.table.check(h) for h in part]
-                copies.append((self._start_load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
-                launched += len(part)
-            disk_start = max(first, match.pool_pages)
-            promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
-            for offset, task in enumerate(promotions):
-                # Shielded: a cancelled load still lets the page land in the pool (released later).
-                handle = await asyncio.shield(task)
-                consumed += 1
-                if handle is None:
-                    break
-                page = disk_start + offset
-                page_skip = skip if page == first else 0
-                lo = page * t + page_skip - from_token
-                hi = (page + 1) * t - from_token
-                copies.append(
-                    (self._start_load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
-                )
-            outcomes = await asyncio.shield(
-                asyncio.gather(*(c.future for c, _, _ in copies), return_exceptions=True)
-            )
-        except BaseException:
-            # Nothing may still write the caller's slots once we raise (the engine reuses them).
-            await self._quiesce([c for c, _, _ in copies], offload=False)
-            self._release_handles(pool_part)
-            for copy, held, _ in copies:
-                self._after(copy.future, held, commit=None)
-            for task in promotions[consumed:]:
-                self._adopt(task)
-            raise
-        # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
-        loaded = {Tier.POOL: 0, Tier.DISK: 0}
-        for (_, held, tier), outcome in zip(copies, outcomes, strict=True):
-            if outcome is not None:
-                self._fault("copy_failed", f"load copy failed: {outcome!r}")
-                break
-            loaded[tier] += len(held)
-        for _, held, _ in copies:
-            self._release_handles(held)
-        for task in promotions[consumed:]:
-            self._adopt(task)
-        pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
-        end = max((first + pool_loaded + disk_loaded) * t, from_token)
-        self._loaded_tokens[Tier.POOL] += pool_loaded * t
-        self._loaded_tokens[Tier.DISK] += disk_loaded * t
-        moved = (pool_loaded + disk_loaded) * self.layout.payload_bytes
-        self._bytes["pool_to_gpu"] += moved
-        if end < match.tokens:
-            self._fault("load_shortened", f"load stopped at token {end} of {match.tokens}")
-        return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
-
-    def _start_load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> _Copy:
-        _, mover = self._running()
-        if not self._cuda:
-            return _Copy(self._bridge.run_cpu(lambda: self._cpu_copy(mover.load, page_ids, slots, skip)))
-        try:
-            event = mover.load(page_ids, slots, skip)
-        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
-            return _Copy(self._failed(exc))
-        if event is not None:
-            # Order the engine's stream after the copy on the GPU side; the host does not wait. No
-            # await separates this from the launch, so a cancellation cannot fall in between.
-            torch.cuda.current_stream(self.kv.device).wait_event(event)
-        return _Copy(self._bridge.wait(event, Lane.LOAD), event)
-
-    async def _quiesce(self, copies: Sequence[_Copy], *, offload: bool) -> None:
-        """Return only when no copy of a failing or cancelled call still touches the caller's slots.
-
-        CPU: copies that have not started are withdrawn, the running one (one launch group at
-        most) is awaited, also through further cancellations. CUDA: the engine's stream is made to
-        wait on every copy's event (loads did at launch), so its later work, such as reusing the
-        slots, is ordered after them; the host does not wait.
-        """
-        if self._cuda:
-            if offload:
-                stream = torch.cuda.current_stream(self.kv.device)
-                for copy in copies:
-                    if copy.event is not None:
-                        stream.wait_event(copy.event)
-            return
-        pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
-        while pending:
-            try:
-                _, pending = await asyncio.wait(pending)
-            except asyncio.CancelledError:
-                continue  # cancelled again: still wait; the caller re-raises its own error
-
-    @staticmethod
-    def _cpu_copy(fn: Callable[..., object], *args: object) -> None:
-        fn(*args)
-
-    def _track(self, future: asyncio.Future[Any], finish: Callable[[], None]) -> None:
-        """Run ``finish`` when ``future`` (abandoned by its caller) completes; flush/aclose wait for it."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._background.add(done)
-
-        def settle(_: asyncio.Future[Any]) -> None:
-            try:
-                finish()
-            finally:
-                self._background.discard(done)
-                if not done.done():
-                    done.set_result(None)
-
-        future.add_done_callback(settle)
-
-    def _adopt(self, task: asyncio.Future[PageHandle | None]) -> None:
-        """Let a promotion nobody waits for finish in the background, then drop its reference."""
-
-        def finish() -> None:
-            if not task.cancelled() and task.exception() is None:
-                handle = task.result()
-                if handle is not None:
-                    self._release_handles([handle])
-
-        self._track(task, finish)
-
-    async def _promote(self, key: PageKey) -> PageHandle | None:
-        """Bring ``key`` from disk into the pool and return a reference on it; None on any miss."""
-        pool = self.pool
-        disk = self._disk
-        (res,) = pool.reserve([key])
-        if res.outcome is ReserveOutcome.PRESENT:
-            return pool.table.acquire(key)
-        if res.outcome is ReserveOutcome.PENDING:
-            return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
-        if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
-            self._fault("pool_exhausted", "no free or evictable pool page for a disk promotion")
-            return None
-        handle = res.handle
-        assert handle is not None
-        read = asyncio.ensure_future(disk.read(key, handle))
-        try:
-            ok = await asyncio.shield(read)
-        except asyncio.CancelledError:
-            # The kernel may still be writing into the page: free it only once the read is over.
-            self._track(read, lambda: self._settle_read(read, handle))
-            raise
-        except Exception:
-            ok = False
-        if not ok:
-            pool.table.abort(handle)
-            self._fault("disk_read_failed", "a disk page could not be read back (see disk statistics)")
-            return None
-        self._promoted += 1
-        self._bytes["disk_to_pool"] += self.layout.page_bytes
-        return pool.table.commit(handle, keep=True)
-
-    def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
-        """A read abandoned by a cancelled caller finished: keep the page if it verified."""
-        ok = not read.cancelled() and read.exception() is None and read.result()
-        if handle.released:
-            return
-        if ok:
-            self._promoted += 1
-            self.pool.table.commit(handle)
-        else:
-            self.pool.table.abort(handle)
-
-    # -- offload --------------------------------------------------------------------------------
+        count = self._manager.check_load(match, from_token)
+        host = await self._slots.check(slots, count)
+        return await self._manager.load(match, host, from_token)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.
@@ -461,124 +155,10 @@ class KVCache:
         engine may reuse the slots. Pool exhaustion and copy faults are counted, never raised;
         bad arguments raise ``TypeError``/``ValueError`` before anything changes.
         """
-        pool, _ = self._running()
+        self._manager.check_running()
         ids = token_array(tokens)
-        slots = await self._slots.check(slots, int(ids.size))
-        keys = self.keys(ids, salt)
-        if not keys:
-            return OffloadResult(0, 0, 0)
-        if not self.tp.writer:
-            # Replicated heads / MLA on rank > 0: the writer rank stores the page.
-            return OffloadResult(0, len(keys), 0)
-        admitted_before = None
-        if self.config.admission is Admission.SEEN_TWICE:
-            admitted_before = {k for k in keys if k in self._seen}
-        self._note_seen(keys)
-        reservations = pool.reserve(keys)
-        new = [(i, r.handle) for i, r in enumerate(reservations) if r.handle is not None]
-        skipped = sum(r.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING) for r in reservations)
-        dropped = sum(r.outcome is ReserveOutcome.EXHAUSTED for r in reservations)
-        if dropped:
-            self._fault("pool_exhausted", f"{dropped} pages not offloaded: the pool is full of referenced pages")
-        if not new:
-            self._skipped += skipped
-            self._dropped += dropped
-            return OffloadResult(0, skipped, dropped)
-        t = self.layout.page_tokens
-        handles = [h for _, h in new]
-        index = torch.tensor([i for i, _ in new], dtype=torch.long, device=slots.device)
-        chosen = slots[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
-        group = self.config.launch_pages
-        copies: list[tuple[_Copy, list[PageHandle]]] = []
-        try:
-            for start in range(0, len(handles), group):
-                # Bounded host work per loop turn: validation above, then each group's launches.
-                await asyncio.sleep(0)
-                part = handles[start : start + group]
-                copy = self._start_offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part])
-                copies.append((copy, part))
-            outcomes = await asyncio.shield(
-                asyncio.gather(*(c.future for c, _ in copies), return_exceptions=True)
-            )
-        except BaseException:
-            # Cancelled (or a launch refused its arguments): the slots may be reused as soon as we
-            # return, so no copy may still read them, and launched pages are aborted (their bytes
-            # cannot be trusted), the rest at once.
-            await self._quiesce([c for c, _ in copies], offload=True)
-            launched = {id(h) for _, part in copies for h in part}
-            for copy, part in copies:
-                self._after(copy.future, part, commit=False)
-            for handle in handles:
-                if id(handle) not in launched:
-                    pool.table.abort(handle)
-            raise
-        failed = [h for (_, part), out in zip(copies, outcomes, strict=True) if out is not None for h in part]
-        if failed:
-            first = next(out for out in outcomes if out is not None)
-            self._fault("copy_failed", f"offload copy failed: {first!r}")
-            bad = {id(h) for h in failed}
-            for handle in failed:
-                pool.table.abort(handle)
-            new = [(i, h) for i, h in new if id(h) not in bad]
-            dropped += len(failed)
-        self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
-        for (_, handle), key in zip(new, (keys[i] for i, _ in new), strict=True):
-            admit = self._disk is not None and (admitted_before is None or key in admitted_before)
-            kept = pool.table.commit(handle, keep=admit)
-            if kept is not None:
-                self._write_behind(key, kept)
-        self._stored += len(new)
-        self._skipped += skipped
-        self._dropped += dropped
-        return OffloadResult(len(new), skipped, dropped)
-
-    def _start_offload(self, slots: torch.Tensor, page_ids: list[int]) -> _Copy:
-        _, mover = self._running()
-        if not self._cuda:
-            return _Copy(self._bridge.run_cpu(lambda: self._cpu_copy(mover.offload, slots, page_ids)))
-        try:
-            event = mover.offload(slots, page_ids)
-        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
-            return _Copy(self._failed(exc))
-        return _Copy(self._bridge.wait(event, Lane.OFFLOAD), event)
-
-    @staticmethod
-    def _failed(exc: Exception) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        future.set_exception(exc)
-        return future
-
-    def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
-        disk = self._disk
-        if disk is None or disk.contains(key):
-            self._release_handles([handle])
-            return
-        if disk.write_behind_nowait(key, handle):
-            self._bytes["pool_to_disk"] += self.layout.page_bytes
-        else:
-            self._release_handles([handle])
-            self._fault("write_behind_full", "write-behind queue full: page kept in the pool only")
-
-    def _after(self, future: asyncio.Future[None], handles: list[PageHandle], commit: bool | None) -> None:
-        """When a copy abandoned by a cancelled caller completes, release (None) or abort its pages."""
-        pool = self.pool
-
-        def finish() -> None:
-            if not future.cancelled():
-                future.exception()  # retrieved: a failed abandoned copy is only counted
-            for handle in handles:
-                if handle.released:
-                    continue
-                if commit is None:
-                    pool.table.release(handle)
-                elif commit:
-                    pool.table.commit(handle)
-                else:
-                    pool.table.abort(handle)
-
-        self._track(future, finish)
-
-    # -- prefetch -------------------------------------------------------------------------------
+        host = await self._slots.check(slots, int(ids.size))
+        return await self._manager.offload(ids, host, salt)
 
     async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
         """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool.
@@ -586,67 +166,8 @@ class KVCache:
         For requests waiting in a queue; the GPU is not touched. Faults stop the promotion at the
         first page that failed (counted, never raised).
         """
-        pool, _ = self._running()
-        keys = self.keys(tokens, salt)
-        in_pool = 0
-        for key in keys:
-            # Refresh pages already in the pool too: the request they wait for is coming.
-            if not pool.table.touch(key) and pool.table.state_of(key) is PageState.FREE:
-                break
-            in_pool += 1
-        if self._disk is None or in_pool == len(keys):
-            return PrefetchResult(in_pool, 0)
-        count = self._disk.keys_present_prefix(keys[in_pool:])
-        tasks = [asyncio.ensure_future(self._promote(key)) for key in keys[in_pool : in_pool + count]]
-        try:
-            handles = await asyncio.shield(asyncio.gather(*tasks))
-        except asyncio.CancelledError:
-            for task in tasks:
-                self._adopt(task)
-            raise
-        promoted = 0
-        for handle in handles:
-            if handle is None:
-                break
-            promoted += 1
-        self._release_handles([h for h in handles if h is not None])
-        return PrefetchResult(in_pool, promoted)
-
-    # -- validation, faults, statistics --------------------------------------------------------
-
-    def _fault(self, kind: str, message: str) -> None:
-        self._errors[kind] += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning("aiokv: %s (%s; further ones are only counted)", message, kind)
+        return await self._manager.prefetch(tokens, salt)
 
     def stats(self) -> CacheStatistics:
         """A frozen snapshot of the counters."""
-        pool = self.pool.statistics()
-        disk = self._disk.statistics() if self._disk is not None else None
-        errors = dict(self._errors)
-        if disk is not None:
-            for kind, count in disk.errors.items():
-                errors[f"disk_{kind.value}"] = count
-        return CacheStatistics(
-            lookups=self._lookups,
-            hit_tokens=MappingProxyType({tier: self._hit_tokens[tier] for tier in Tier}),
-            miss_tokens=self._miss_tokens,
-            loaded_tokens=MappingProxyType({tier: self._loaded_tokens[tier] for tier in Tier}),
-            bytes_moved=MappingProxyType(
-                {k: self._bytes[k] for k in ("gpu_to_pool", "pool_to_gpu", "pool_to_disk", "disk_to_pool")}
-            ),
-            pages_stored=self._stored,
-            pages_skipped=self._skipped,
-            pages_dropped=self._dropped,
-            pages_promoted=self._promoted,
-            pool_free=pool.pages.free,
-            pool_reserved=pool.pages.reserved,
-            pool_ready=pool.pages.ready,
-            pool_referenced=pool.pages.referenced,
-            write_behind_queue=disk.write_behind_queued if disk is not None else 0,
-            background_jobs=len(self._background),
-            errors=MappingProxyType(errors),
-            pool=pool,
-            disk=disk,
-        )
+        return self._manager.stats()

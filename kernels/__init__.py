@@ -3,11 +3,40 @@
 ``gather``/``scatter`` are Triton kernels behind typed launch wrappers; ``reference_gather`` /
 ``reference_scatter`` do the same in plain torch (CPU KV buffers, test oracle); :class:`PageMover`
 runs whole-page offloads and loads on side CUDA streams through a :class:`TransferPath`.
+
+Triton is imported with the first use of a mover or kernel, not with ``import aiokv``.
 """
 
-from .launch import CopyPlan, gather, scatter
-from .mover import PageMover, TransferPath
-from .reference import reference_gather, reference_scatter
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .paths import TransferPath
+
+if TYPE_CHECKING:
+    from .launch import CopyPlan, gather, scatter
+    from .mover import PageMover
+    from .reference import reference_gather, reference_scatter
+
+_LAZY = {
+    "CopyPlan": ".launch",
+    "gather": ".launch",
+    "scatter": ".launch",
+    "PageMover": ".mover",
+    "reference_gather": ".reference",
+    "reference_scatter": ".reference",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CopyPlan",

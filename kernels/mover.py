@@ -14,7 +14,6 @@ of its lanes, recorded on the first lane's stream.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,21 +31,11 @@ from .checks import (
     check_slots,
 )
 from .launch import CopyPlan, interpreting
+from .paths import TransferPath
 from .reference import reference_gather, reference_scatter
 
 DEFAULT_STAGING_PAGES = 2
 """Pages of GPU staging per direction (two lanes of one page each): 64 MiB per direction for an 8B model."""
-
-
-class TransferPath(enum.Enum):
-    """How pages cross between the GPU and the pool."""
-
-    STAGING = "staging"
-    """Default on CUDA: Triton gather -> GPU staging -> cudaMemcpyAsync to the pinned page (load: reverse)."""
-    DIRECT = "direct"
-    """Triton reads/writes the pool in place through its device-mapped address."""
-    REFERENCE = "reference"
-    """Plain torch; the only path for a CPU KV buffer."""
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:

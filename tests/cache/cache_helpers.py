@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+from aiokv.kernels import PageMover
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
 SLOTS = 256
@@ -53,3 +54,10 @@ async def assert_quiescent(cache: KVCache) -> None:
     assert stats.pool_reserved == 0, stats
     assert stats.pool_referenced == 0, stats
     assert stats.background_jobs == 0, stats
+
+
+def mover_of(cache: KVCache) -> PageMover:
+    """The in-process worker's page mover (tests patch its copies to inject faults or delays)."""
+    transfers = cache._transfers
+    assert transfers is not None, "the cache is not started"
+    return transfers.mover

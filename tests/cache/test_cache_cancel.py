@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
 
 from aiokv import KVCache
 
@@ -91,8 +91,7 @@ async def test_cancelled_call_waits_for_its_running_copy(call: str, monkeypatch:
         await cache.pool.wait_ready()
         if call == "load":
             await cache.offload(tokens, torch.arange(4 * T))
-        mover = cache._mover
-        assert mover is not None
+        mover = mover_of(cache)
         gate, entered = threading.Event(), threading.Event()
         finished: list[int] = []
         original: Callable[..., Any] = getattr(mover, call)
@@ -188,8 +187,7 @@ async def test_soak_random_cancellation_with_reused_slots_never_serves_wrong_kv(
         if DEVICE.type == "cpu":
             # A slow copy device: each copy runs several times over (copies are idempotent), so
             # copies queue up behind each other as they do behind a large offload in production.
-            mover = cache._mover
-            assert mover is not None
+            mover = mover_of(cache)
             for name in ("load", "offload"):
                 original: Callable[..., Any] = getattr(mover, name)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
 
 from aiokv import DiskBackend, KVCache
 from aiokv.storage import uring as uring_mod
@@ -182,8 +182,7 @@ async def test_failed_offload_copy_is_counted_and_its_pages_aborted(monkeypatch:
     kv = make_kv(27)
     async with KVCache(config(None), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
-        mover = cache._mover
-        assert mover is not None
+        mover = mover_of(cache)
 
         def broken(*_: object) -> None:
             raise RuntimeError("copy engine fault (injected)")
@@ -205,8 +204,7 @@ async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatc
     async with KVCache(config(None, launch_pages=2), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(6 * T))
-        mover = cache._mover
-        assert mover is not None
+        mover = mover_of(cache)
         real = mover.load
         calls = {"n": 0}
 

@@ -24,7 +24,7 @@ async def test_cancelled_flush_and_close_timeout_leave_background_jobs_consisten
     await cache.start()
     job: asyncio.Future[None] = loop.create_future()
     finished: list[int] = []
-    cache._track(job, lambda: finished.append(1))  # a copy abandoned by a cancelled caller
+    cache.manager.track(job, lambda: finished.append(1))  # a copy abandoned by a cancelled caller
     flush = asyncio.create_task(cache.flush())
     await asyncio.sleep(0)
     flush.cancel()
@@ -32,7 +32,7 @@ async def test_cancelled_flush_and_close_timeout_leave_background_jobs_consisten
         await flush
     assert cache.stats().background_jobs == 1
     await cache.aclose()  # times out on the job (counted), does not hang
-    assert cache._errors["close_timeout"] == 1
+    assert cache.manager.faults["close_timeout"] == 1
     job.set_result(None)
     await asyncio.sleep(0)
     await asyncio.sleep(0)

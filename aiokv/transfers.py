@@ -1,0 +1,120 @@
+"""The seam between the manager and whoever moves bytes between the engine's slots and pool pages.
+
+The manager decides *which* pool pages and slots a transfer touches; a :class:`Transfers`
+implementation runs it and reports completion as a :class:`Copy`. :class:`LocalTransfers` is the
+in-process worker (one process holds the KV buffer and the pool: ``KVCache``); the ranks of a
+tensor-parallel group run theirs in their own processes (:mod:`aiokv.tp`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from aiokv.cuda import CompletionBridge, Lane
+
+if TYPE_CHECKING:
+    from aiokv.kernels import PageMover
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One launched transfer: its completion future and, on CUDA, the event that marks its end.
+
+    The future resolves to None when every byte moved, or raises what failed (a fault: the
+    manager counts it and shortens or drops).
+    """
+
+    future: asyncio.Future[None]
+    event: torch.cuda.Event | None = None
+
+
+class Transfers(Protocol):
+    """Runs the manager's transfers. ``slots`` are host int64 tensors, validated by the caller."""
+
+    def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
+        """Gather ``slots`` (``len(page_ids) * page_tokens`` of them) into the pages ``page_ids``."""
+        ...
+
+    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+        """Scatter tokens ``[skip, ...)`` of the concatenated pages into ``slots``."""
+        ...
+
+    async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
+        """Return only when none of ``copies`` still touches the caller's slots (see LocalTransfers)."""
+        ...
+
+
+def failed_copy(exc: BaseException) -> Copy:
+    """A copy that failed before it started (a launch fault): it settles as a failed transfer."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_exception(exc)
+    return Copy(future)
+
+
+class LocalTransfers:
+    """The in-process worker: a :class:`PageMover` over the engine's KV buffer and the pool.
+
+    CPU KV buffers copy on the bridge's copy thread (never on the loop); CUDA copies run on the
+    mover's side streams and complete through the bridge's waiter threads.
+    """
+
+    def __init__(self, mover: PageMover, bridge: CompletionBridge, device: torch.device) -> None:
+        self.mover = mover
+        self._bridge = bridge
+        self._device = device
+        self._cuda = device.type == "cuda"
+
+    def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
+        mover = self.mover
+        if not self._cuda:
+            return Copy(self._bridge.run_cpu(lambda: _call(mover.offload, slots, page_ids)))
+        try:
+            event = mover.offload(slots, page_ids)
+        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+            return failed_copy(exc)
+        return Copy(self._bridge.wait(event, Lane.OFFLOAD), event)
+
+    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+        mover = self.mover
+        if not self._cuda:
+            return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip)))
+        try:
+            event = mover.load(page_ids, slots, skip)
+        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+            return failed_copy(exc)
+        if event is not None:
+            # Order the engine's stream after the copy on the GPU side; the host does not wait. No
+            # await separates this from the launch, so a cancellation cannot fall in between.
+            torch.cuda.current_stream(self._device).wait_event(event)
+        return Copy(self._bridge.wait(event, Lane.LOAD), event)
+
+    async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
+        """Return only when no copy of a failing or cancelled call still touches the caller's slots.
+
+        CPU: copies that have not started are withdrawn, the running one (one launch group at
+        most) is awaited, also through further cancellations. CUDA: the engine's stream is made to
+        wait on every copy's event (loads did at launch), so its later work, such as reusing the
+        slots, is ordered after them; the host does not wait.
+        """
+        if self._cuda:
+            if offload:
+                stream = torch.cuda.current_stream(self._device)
+                for copy in copies:
+                    if copy.event is not None:
+                        stream.wait_event(copy.event)
+            return
+        pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                continue  # cancelled again: still wait; the caller re-raises its own error
+
+
+def _call(fn: Callable[..., object], *args: object) -> None:
+    fn(*args)

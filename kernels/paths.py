@@ -1,0 +1,16 @@
+"""Transfer paths: which byte mover crosses between the GPU and the pool (no Triton import here)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class TransferPath(enum.Enum):
+    """How pages cross between the GPU and the pool."""
+
+    STAGING = "staging"
+    """Default on CUDA: Triton gather -> GPU staging -> cudaMemcpyAsync to the pinned page (load: reverse)."""
+    DIRECT = "direct"
+    """Triton reads/writes the pool in place through its device-mapped address."""
+    REFERENCE = "reference"
+    """Plain torch; the only path for a CPU KV buffer."""
