@@ -222,6 +222,16 @@ class RankGroup:
                 raise RuntimeError("the rank group is closed")
             await self._changed.wait()
 
+    async def wait_change(self) -> frozenset[int]:
+        """Wait for the next change of :attr:`attached` (a rank came or went); returns the new set.
+
+        Raises ``RuntimeError`` once the group closes.
+        """
+        if self._closing:
+            raise RuntimeError("the rank group is closed")
+        await self._changed.wait()
+        return self.attached
+
     def _notify(self) -> None:
         # One event per change: waiters wake, re-check and wait on the next one.
         if len(self.attached) == self.tp_size:

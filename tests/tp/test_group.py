@@ -376,4 +376,4 @@ async def test_a_second_manager_on_a_live_directory_is_refused(pool: PagePool, g
 
 async def _wait_ranks(group: RankGroup, ranks: set[int]) -> None:
     while group.attached != ranks:
-        await group._changed.wait()
+        await group.wait_change()

@@ -75,16 +75,18 @@ def rank_main(
     tp_size: int,
     layout: KVLayout,
     seed: int,
+    slots: int,
     fill: bool,
     threaded: bool,
 ) -> None:
     """A rank process: its own KV buffer (its slice of ``full_kv(seed)``, or zeros) and a worker.
 
     Commands on ``ctrl``: ``"dump"`` -> the buffer; ``"stats"`` -> the worker's statistics;
+    ``"maps"`` -> the pool segments it has mapped;
     ``"stop"`` -> close the worker, answer ``"stopped"`` and exit.
     """
     torch.set_num_threads(1)
-    kv = rank_kv(full_kv(layout, seed), layout, rank, tp_size)
+    kv = rank_kv(full_kv(layout, seed, slots), layout, rank, tp_size)
     if not fill:
         kv.zero_()
     if threaded:
@@ -96,6 +98,8 @@ def rank_main(
                     ctrl.send(_raw(kv))
                 elif command == "stats":
                     ctrl.send(runner.statistics())
+                elif command == "maps":
+                    ctrl.send(shm_mappings())
                 else:
                     break
         ctrl.send(("stopped", runner.error))
@@ -115,9 +119,17 @@ async def _async_rank(
                 ctrl.send(_raw(kv))
             elif command == "stats":
                 ctrl.send(worker.statistics())
+            elif command == "maps":
+                ctrl.send(shm_mappings())
             else:
                 break
     ctrl.send(("stopped", None))
+
+
+def shm_mappings() -> set[str]:
+    """Names of the aiokv shared-memory segments this process has mapped."""
+    with open("/proc/self/maps") as maps:
+        return {"/" + line.split("/dev/shm/")[1].split()[0] for line in maps if "/dev/shm/aiokv" in line}
 
 
 def _raw(kv: torch.Tensor) -> tuple[bytes, tuple[int, ...]]:
@@ -128,8 +140,11 @@ def _raw(kv: torch.Tensor) -> tuple[bytes, tuple[int, ...]]:
 class RankProcesses:
     """``tp_size`` rank processes (spawned) attached to the manager at ``address``."""
 
-    def __init__(self, address: Path, layout: KVLayout, tp_size: int, seed: int, fill: bool) -> None:
+    def __init__(
+        self, address: Path, layout: KVLayout, tp_size: int, seed: int, fill: bool, slots: int = SLOTS
+    ) -> None:
         self.address = os.fspath(address)
+        self.slots = slots
         self.layout = layout
         self.tp_size = tp_size
         self.seed = seed
@@ -143,7 +158,7 @@ class RankProcesses:
         threaded = rank % 2 == 0  # both runners in every group
         proc = self._ctx.Process(
             target=rank_main,
-            args=(child, self.address, rank, self.tp_size, self.layout, self.seed, self.fill, threaded),
+            args=(child, self.address, rank, self.tp_size, self.layout, self.seed, self.slots, self.fill, threaded),
             daemon=True,
         )
         proc.start()
