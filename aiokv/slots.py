@@ -14,8 +14,36 @@ from typing import Any
 import torch
 
 from aiokv.cuda import CompletionBridge, Lane
-from aiokv.kernels.checks import check_slots
+from aiokv.kernels.checks import check_slot_range, check_slots
 from aiokv.layout import KVBuffer
+
+
+def check_form(slots: object, count: int, name: str = "slots") -> torch.Tensor:
+    """Type, dtype, shape and count of a slot tensor (values are checked separately)."""
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+    if slots.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
+    if slots.numel() != count:
+        raise ValueError(f"{name} has {slots.numel()} entries, expected {count}")
+    return slots
+
+
+def check_host_slots(slots: object, count: int, num_slots: int, name: str = "slots") -> torch.Tensor:
+    """Validate host slot indices of a KV buffer of ``num_slots`` slots; returns them as int64.
+
+    For a scheduler that holds no KV buffer (the slots are the same on every rank). Raises
+    ``TypeError``/``ValueError``; a CUDA tensor is refused (pass the scheduler's host copy).
+    """
+    tensor = check_form(slots, count, name)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a host (CPU) tensor here, got one on {tensor.device}")
+    tensor = tensor.to(torch.int64)
+    if count:
+        check_slot_range(tensor, num_slots, name)
+    return tensor
 
 
 class SlotValidator:
@@ -42,14 +70,7 @@ class SlotValidator:
         Slots on a CUDA device are read back asynchronously (a copy ordered after the engine's
         current stream, awaited through the bridge), so validation never blocks the loop on the GPU.
         """
-        if not isinstance(slots, torch.Tensor):
-            raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
-        if slots.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
-        if slots.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(slots.shape)}")
-        if slots.numel() != count:
-            raise ValueError(f"{name} has {slots.numel()} entries, expected {count}")
+        slots = check_form(slots, count, name)
         if slots.device != self.kv.device and slots.device.type != "cpu":
             raise ValueError(f"{name} is on {slots.device}, the KV buffer is on {self.kv.device}")
         host = await self._to_host(slots) if slots.device.type == "cuda" else slots

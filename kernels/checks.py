@@ -38,6 +38,11 @@ def check_slots(kv: KVBuffer, slots: torch.Tensor, name: str = "slots") -> None:
 
     Reading the values of a CUDA tensor waits for the current stream; pass CPU slots on a hot path.
     """
+    check_slot_range(slots, kv.num_slots, name)
+
+
+def check_slot_range(slots: torch.Tensor, num_slots: int, name: str = "slots") -> None:
+    """``slots``: 1-D integer tensor of distinct slots in ``[0, num_slots)``; ``ValueError`` otherwise."""
     if not isinstance(slots, torch.Tensor):
         raise ValueError(f"{name} must be a 1-D integer tensor, got {type(slots).__name__}")
     if slots.dim() != 1:
@@ -50,9 +55,9 @@ def check_slots(kv: KVBuffer, slots: torch.Tensor, name: str = "slots") -> None:
     low, high = int(low_t), int(high_t)
     if low < 0:
         raise ValueError(f"{name} holds a negative slot ({low})")
-    if high >= kv.num_slots:
-        raise ValueError(f"{name} holds slot {high}, out of range for a KV buffer of {kv.num_slots} slots")
-    if has_duplicates(slots, kv.num_slots):
+    if high >= num_slots:
+        raise ValueError(f"{name} holds slot {high}, out of range for a KV buffer of {num_slots} slots")
+    if has_duplicates(slots, num_slots):
         raise ValueError(f"{name} holds duplicated slots")
 
 

@@ -1,0 +1,196 @@
+"""`TPCache`: the scheduler side of a tensor-parallel group — one pool, one page table, one disk tier.
+
+The engine's scheduler process owns it; each rank process runs a :class:`aiokv.tp.RankWorker` with
+its own slice of the KV buffer, connected to :attr:`TPCache.address`::
+
+    async with TPCache(config, layout, tp_size=2, num_slots=S) as cache:   # scheduler
+        await cache.wait_ranks()
+        hit = await cache.match(tokens)
+        await cache.load(hit, slots)             # every rank scatters its heads into `slots`
+        await cache.offload(tokens, slots)       # every writer rank gathers its heads; the page is
+                                                 # committed only when all of them succeeded
+    async with RankWorker(address, rank, 2, layout, kv_slice): ...         # rank process r
+
+Pages hold every head (each rank writes its slice of the same pool page), so keys are the same for
+every rank and one ``match`` serves all of them. Slots are the scheduler's host indices, the same on
+every rank. A rank that fails, dies or is not attached fails the transfer: an offload then stores
+nothing of it and a load is shortened (to a miss); nothing partial is ever served.
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+
+import torch
+
+from aiokv.config import CacheConfig
+from aiokv.keys import PageKey, Salt, Tokens, token_array
+from aiokv.layout import KVLayout, TPSlice
+from aiokv.manager import CacheManager
+from aiokv.pool import PagePool
+from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
+from aiokv.slots import check_host_slots
+from aiokv.storage import DiskTier
+
+from .config import TPConfig
+from .group import GroupStatistics, RankGroup
+from .transfers import GroupTransfers
+
+
+class TPCache:
+    """Tiered KV cache shared by the ``tp_size`` ranks of one engine (see the module docstring).
+
+    ``num_slots``: token slots of each rank's KV buffer (the same on every rank). ``directory``:
+    where the workers' socket lives (a private 0700 directory; a fresh temporary one when None).
+    Raises ``ValueError`` when ``tp_size`` and the layout's heads do not divide, ``TypeError`` for
+    arguments of the wrong type.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig | None,
+        layout: KVLayout,
+        *,
+        tp_size: int,
+        num_slots: int,
+        tp_config: TPConfig | None = None,
+        directory: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if config is None:
+            config = CacheConfig()
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if config.tp_size != 1 or config.tp_rank != 0:
+            raise ValueError("CacheConfig.tp_rank/tp_size are for one-process caches; pass tp_size to TPCache")
+        TPSlice.of(layout, 0, tp_size)  # tp_size and the heads divide (ValueError/TypeError)
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if tp_config is not None and not isinstance(tp_config, TPConfig):
+            raise TypeError(f"tp_config must be a TPConfig, got {type(tp_config).__name__}")
+        self.config = config
+        self.layout = layout
+        self.tp_size = tp_size
+        self.num_slots = num_slots
+        self._tp_config = tp_config
+        self._directory = directory
+        self._manager = CacheManager(config, layout)
+        self._group: RankGroup | None = None
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the pool and the disk tier, and listen for rank workers. Raises after :meth:`aclose`."""
+        if self._group is not None:
+            self._manager.check_running()
+            return
+        pool = await self._manager.start()
+        group = RankGroup(
+            self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config, directory=self._directory
+        )
+        await group.start()
+        self._group = group
+        self._manager.attach(GroupTransfers(group))
+
+    async def aclose(self) -> None:
+        """Wait (bounded) for in-flight work and write-behind, stop serving workers, free the pool.
+
+        Idempotent. Workers notice and wait to re-attach to a new manager.
+        """
+        await self._manager.aclose()
+        if self._group is not None:
+            await self._group.aclose()
+        await self._manager.close_pool()
+
+    async def __aenter__(self) -> TPCache:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def group(self) -> RankGroup:
+        """The rank group (after start)."""
+        if self._group is None:
+            raise RuntimeError("TPCache is not started: use `async with TPCache(...)` or await start()")
+        return self._group
+
+    @property
+    def address(self) -> str:
+        """The socket path rank workers connect to."""
+        return os.fspath(self.group.address)
+
+    async def wait_ranks(self) -> None:
+        """Wait until every rank's worker is attached to this cache's pool."""
+        await self.group.wait_attached()
+
+    @property
+    def pool(self) -> PagePool:
+        """The shared page pool (after start)."""
+        return self._manager.pool
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, or None."""
+        return self._manager.disk
+
+    @property
+    def manager(self) -> CacheManager:
+        """The bookkeeping half (keys, page table, tiers, counters)."""
+        return self._manager
+
+    # -- the scheduler's calls ------------------------------------------------------------------
+
+    def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
+        """Page keys of the full pages of ``tokens`` (the same for every rank)."""
+        return self._manager.keys(tokens, salt)
+
+    async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
+        """The longest cached prefix, one answer for every rank (see ``KVCache.match``)."""
+        return await self._manager.match(tokens, salt)
+
+    async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult:
+        """Every rank copies tokens ``[from_token, match.tokens)`` into its ``slots`` (host indices).
+
+        Returns when every rank reported; a rank that failed or is gone shortens the result (to
+        the pages before that transfer). Raises ``TypeError``/``ValueError`` for bad arguments.
+        """
+        count = self._manager.check_load(match, from_token)
+        host = check_host_slots(slots, count, self.num_slots)
+        return await self._manager.load(match, host, from_token)
+
+    async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
+        """Every writer rank copies its heads of ``tokens``' full pages from ``slots`` into the pool.
+
+        A page is committed only when all of them succeeded; returns when the ranks may reuse the
+        slots. Raises ``TypeError``/``ValueError`` for bad arguments (nothing changes).
+        """
+        self._manager.check_running()
+        ids = token_array(tokens)
+        host = check_host_slots(slots, int(ids.size), self.num_slots)
+        return await self._manager.offload(ids, host, salt)
+
+    async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
+        """Read the disk pages after the pool's prefix of ``tokens`` into the pool (no rank involved)."""
+        return await self._manager.prefetch(tokens, salt)
+
+    async def flush(self) -> None:
+        """Wait until every page queued for disk so far is written (or dropped)."""
+        await self._manager.flush()
+
+    def stats(self) -> CacheStatistics:
+        """A frozen snapshot of the counters."""
+        return self._manager.stats()
+
+    def group_statistics(self) -> GroupStatistics:
+        """Ranks attached, connections and jobs of the rank group."""
+        return self.group.statistics()
