@@ -108,6 +108,10 @@ class CacheConfig:
     tp_size: int = 1
     """Tensor-parallel world size (each rank moves its own slice of every page's heads)."""
 
+    offload_wait: float = 5.0
+    """Seconds an offload may wait, each time the pool is full, for write-behind to free pages
+    before it drops the rest of its pages (counted as pool_exhausted)."""
+
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""
 
@@ -135,5 +139,8 @@ class CacheConfig:
             raise TypeError(f"CacheConfig.transfer_path must be a TransferPath or None, got {self.transfer_path!r}")
         if not isinstance(self.admission, Admission):
             raise TypeError(f"CacheConfig.admission must be an Admission, got {self.admission!r}")
+        if isinstance(self.offload_wait, bool) or not isinstance(self.offload_wait, (int, float)) \
+                or not self.offload_wait >= 0:
+            raise ValueError("CacheConfig.offload_wait must be a non-negative number of seconds")
         if not isinstance(self.close_timeout, (int, float)) or self.close_timeout < 0:
             raise ValueError("CacheConfig.close_timeout must be a non-negative number of seconds")

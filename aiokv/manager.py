@@ -25,7 +25,7 @@ from aiokv.config import Admission, CacheConfig
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
 from aiokv.layout import KVLayout
-from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
+from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome, StaleHandleError
 from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
 from aiokv.storage import DiskConfig, DiskTier
@@ -420,8 +420,7 @@ class CacheManager:
 
         ``slots``: host int64, one per token, checked against the engine's buffer by the caller.
         """
-        pool, transfers = self._running()
-        host = slots
+        self._running()
         keys = self.keys(tokens, salt)
         if not keys:
             return OffloadResult(0, 0, 0)
@@ -432,28 +431,70 @@ class CacheManager:
         if self.config.admission is Admission.SEEN_TWICE:
             admitted_before = {k for k in keys if k in self._seen}
         self._note_seen(keys)
-        reservations = pool.reserve(keys)
+        t = self.layout.page_tokens
+        stored = skipped = dropped = 0
+        start = 0
+        # Rounds: store what the pool can take; when it is full of pages the write-behind still
+        # holds, wait (bounded) for them to reach disk and go on, instead of dropping the rest.
+        while start < len(keys):
+            reservations = self.pool.reserve(keys[start:])
+            room = next((i for i, r in enumerate(reservations) if r.outcome is ReserveOutcome.EXHAUSTED),
+                        len(reservations))
+            counts = await self._store(keys[start : start + room], reservations[:room],
+                                       slots[start * t : (start + room) * t], admitted_before)
+            stored, skipped, dropped = stored + counts[0], skipped + counts[1], dropped + counts[2]
+            start += room
+            if start < len(keys) and not await self._wait_for_room():
+                dropped += len(keys) - start
+                self.faults.record("pool_exhausted", f"{len(keys) - start} pages not offloaded: the pool is full "
+                                   "of referenced pages")
+                break
+        self._stored += stored
+        self._skipped += skipped
+        self._dropped += dropped
+        return OffloadResult(stored, skipped, dropped)
+
+    async def _wait_for_room(self) -> bool:
+        """Wait (``offload_wait`` at most) for a pool page to be freed by write-behind or reads in
+        flight; False when nothing in flight can free one, or none came in time."""
+        disk = self._disk
+        if disk is None:
+            return False
+        busy = disk.statistics()
+        if busy.write_behind_queued == 0 and busy.in_flight == 0:
+            return False
+        try:
+            async with asyncio.timeout(self.config.offload_wait):
+                await self.pool.table.wait_reclaimable()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _store(
+        self, keys: Sequence[PageKey], reservations: Sequence[Reservation], slots: torch.Tensor,
+        admitted_before: set[PageKey] | None,
+    ) -> tuple[int, int, int]:
+        """Copy the RESERVED pages of one round, commit them and queue them for disk.
+
+        ``slots`` holds ``len(keys) * page_tokens`` host slots. Returns (stored, skipped, dropped).
+        """
+        pool, transfers = self._running()
         new = [(i, r.handle) for i, r in enumerate(reservations) if r.handle is not None]
         skipped = sum(r.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING) for r in reservations)
-        dropped = sum(r.outcome is ReserveOutcome.EXHAUSTED for r in reservations)
-        if dropped:
-            self.faults.record("pool_exhausted", f"{dropped} pages not offloaded: the pool is full of referenced pages")
         if not new:
-            self._skipped += skipped
-            self._dropped += dropped
-            return OffloadResult(0, skipped, dropped)
+            return 0, skipped, 0
         t = self.layout.page_tokens
         handles = [h for _, h in new]
         index = torch.tensor([i for i, _ in new], dtype=torch.long)
-        chosen = host[: len(keys) * t].view(len(keys), t).index_select(0, index).reshape(-1)
+        chosen = slots.view(len(keys), t).index_select(0, index).reshape(-1)
         group = self.config.launch_pages
         copies: list[tuple[Copy, list[PageHandle]]] = []
         try:
-            for start in range(0, len(handles), group):
+            for begin in range(0, len(handles), group):
                 # Bounded host work per loop turn: validation above, then each group's launches.
                 await asyncio.sleep(0)
-                part = handles[start : start + group]
-                copies.append((transfers.offload(chosen[start * t : (start + len(part)) * t], [h.page for h in part]),
+                part = handles[begin : begin + group]
+                copies.append((transfers.offload(chosen[begin * t : (begin + len(part)) * t], [h.page for h in part]),
                                part))
             outcomes = await asyncio.shield(asyncio.gather(*(c.future for c, _ in copies), return_exceptions=True))
         except BaseException:
@@ -468,6 +509,7 @@ class CacheManager:
                 if id(handle) not in launched:
                     pool.table.abort(handle)
             raise
+        dropped = 0
         failed = [h for (_, part), out in zip(copies, outcomes, strict=True) if out is not None for h in part]
         if failed:
             first = next(out for out in outcomes if out is not None)
@@ -476,17 +518,15 @@ class CacheManager:
             for handle in failed:
                 pool.table.abort(handle)
             new = [(i, h) for i, h in new if id(h) not in bad]
-            dropped += len(failed)
+            dropped = len(failed)
         self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
-        for (_, handle), key in zip(new, (keys[i] for i, _ in new), strict=True):
+        for i, handle in new:
+            key = keys[i]
             admit = self._disk is not None and (admitted_before is None or key in admitted_before)
             kept = pool.table.commit(handle, keep=admit)
             if kept is not None:
                 self._write_behind(key, kept)
-        self._stored += len(new)
-        self._skipped += skipped
-        self._dropped += dropped
-        return OffloadResult(len(new), skipped, dropped)
+        return len(new), skipped, dropped
 
     def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
         disk = self._disk

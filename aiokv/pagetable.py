@@ -122,6 +122,7 @@ class PageTable:
         self._exhausted = 0
         self._commits = 0
         self._aborts = 0
+        self._reclaimable: asyncio.Future[None] | None = None  # woken when a page may be taken
         self.on_evict: Callable[[PageKey], None] | None = None
         """Called with each evicted key (the cache uses it for statistics and disk admission)."""
 
@@ -136,6 +137,7 @@ class PageTable:
             self._usable += 1
         # Low page ids first: they are the first chunks prepared.
         self._free.sort(reverse=True)
+        self._wake_reclaimable()
 
     # -- lookups (plain functions: they cannot block) ------------------------------------------
 
@@ -198,6 +200,7 @@ class PageTable:
         entry.refs -= 1
         if entry.refs == 0:
             self._lru[page] = None
+            self._wake_reclaimable()
 
     def retain(self, handle: PageHandle) -> PageHandle:
         """A second, independent reference on the page of a live handle."""
@@ -215,15 +218,21 @@ class PageTable:
         """Reserve a page for each key not already READY or RESERVED, evicting LRU pages as needed.
 
         Returns one :class:`Reservation` per key, in order. Once one key is EXHAUSTED, every later
-        key that would need a new page is EXHAUSTED too (a prefix stays a prefix).
+        key that would need a new page is EXHAUSTED too (a prefix stays a prefix). READY pages of
+        ``keys`` become the most recently used, and are never evicted to make room for the later
+        keys of the same call (that would drop a prefix to store its continuation).
         """
         out: list[Reservation] = []
         exhausted = False
+        present: list[int] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
         for key in keys:
             page = self._index.get(key)
             if page is not None:
                 state = self._pages[page].state
                 outcome = ReserveOutcome.PRESENT if state is PageState.READY else ReserveOutcome.PENDING
+                if page in self._lru:
+                    del self._lru[page]
+                    present.append(page)
                 out.append(Reservation(key, outcome))
                 continue
             if exhausted or (page := self._allocate()) is None:
@@ -237,6 +246,10 @@ class PageTable:
             entry.refs = 1
             self._index[key] = page
             out.append(Reservation(key, ReserveOutcome.RESERVED, PageHandle(page, entry.generation, key)))
+        # Back as most recently used, the call's first page last: a later eviction takes the
+        # deepest page of the prefix first, which keeps the rest of the prefix matchable.
+        for page in reversed(present):
+            self._lru[page] = None
         return out
 
     def commit(self, handle: PageHandle, *, keep: bool = False) -> PageHandle | None:
@@ -251,6 +264,7 @@ class PageTable:
         entry.refs -= 1
         if entry.refs == 0:
             self._lru[handle.page] = None
+            self._wake_reclaimable()
         return None
 
     def abort(self, handle: PageHandle) -> None:
@@ -261,6 +275,20 @@ class PageTable:
         self._free_page(handle.page)
         self._free.append(handle.page)
         self._wake(entry, False)
+        self._wake_reclaimable()
+
+    async def wait_reclaimable(self) -> None:
+        """Wait until a page may have become free or evictable (a reference dropped, a reservation
+        aborted, a chunk became usable). Another caller may take it first: reserve again and see.
+        Cancelling the waiter never disturbs other waiters."""
+        if self._reclaimable is None or self._reclaimable.done():
+            self._reclaimable = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._reclaimable)
+
+    def _wake_reclaimable(self) -> None:
+        waiter, self._reclaimable = self._reclaimable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def wait_committed(self, key: PageKey) -> bool:
         """Wait until the RESERVED page of ``key`` is committed (True) or aborted (False).
