@@ -23,6 +23,7 @@ import torch
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, PageTable, PageTableStatistics, Reservation
+from aiokv.segments import reclaim
 from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_available, prepare_in_background
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class PagePool:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         if register_cuda is None:
             register_cuda = cuda_available()
+        # Reclaim first: a leftover of a killed process may hold the memory this pool needs.
+        reclaim(name_prefix)
         pages = byte_budget // layout.page_bytes
         segment = SharedSegment.create(pages * layout.page_bytes, name_prefix)
         try:
@@ -283,7 +286,10 @@ class PagePool:
 
     @staticmethod
     def attach(name: str, layout: KVLayout) -> PageMemory:
-        """Map another process's pool by name: page bytes only, no page table. Close when done."""
+        """Map another process's pool by name: page bytes only, no page table. Close when done.
+
+        Raises ``FileNotFoundError`` when the pool is gone (or being reclaimed after its creator died).
+        """
         segment = SharedSegment.attach(name)
         try:
             return PageMemory(segment, layout)

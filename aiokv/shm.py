@@ -5,6 +5,12 @@ segment); other processes (tensor-parallel workers) attach by name; only the cre
 Opened through ``shm_open`` directly rather than ``multiprocessing.shared_memory``, whose resource
 tracker would unlink the segment when an attaching worker exits (Python < 3.13).
 
+Ownership: every process that has a segment open holds a shared ``flock`` on its descriptor, so the
+lock disappears with the last such process, however it dies (SIGKILL included). The name is
+``/<prefix>-<pid>-<start>-<random>`` (creator's pid and start time in clock ticks since boot, which
+tell pid reuse apart; tmpfs does not survive a reboot, so no boot id is needed).
+:mod:`aiokv.segments` reclaims segments whose lock nobody holds.
+
 Preparing a chunk reserves its tmpfs pages (``posix_fallocate``: a too-small ``/dev/shm`` becomes
 a counted chunk failure, never a SIGBUS on first touch) and, with CUDA, faults it in and registers it
 as pinned, device-mapped memory. Registration of untouched memory costs ~1 s/GiB, so it runs in
@@ -17,6 +23,7 @@ import _posixshmem  # type: ignore[import-not-found]
 import concurrent.futures
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
@@ -28,6 +35,8 @@ from typing import Any, Protocol, cast
 log = logging.getLogger(__name__)
 
 SHM_NAME_PREFIX = "aiokv"
+SHM_DIR = "/dev/shm"
+"""Where Linux (glibc) keeps POSIX shared-memory names: ``shm_open("/x")`` is ``SHM_DIR + "/x"``."""
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in without touching them from Python
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
@@ -50,12 +59,35 @@ class SegmentSpaceError(OSError):
 
 def shm_free_bytes() -> int | None:
     """Free bytes of the shared-memory file system (None where it cannot be asked)."""
-    # shm_open's segments live in /dev/shm on Linux; elsewhere we cannot ask.
+    # shm_open's segments live in SHM_DIR on Linux; elsewhere we cannot ask.
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot; None when there is no such process.
+
+    Together with the pid it names one process: a reused pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces and parentheses, so split after its last ')'.
+    try:
+        return int(stat.rsplit(b")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def segment_name(prefix: str = SHM_NAME_PREFIX) -> str:
+    """A fresh segment name ``/<prefix>-<pid>-<start ticks>-<16 hex>`` for this process."""
+    pid = os.getpid()
+    return f"/{prefix}-{pid}-{process_start_ticks(pid) or 0}-{secrets.token_hex(8)}"
 
 
 @dataclass(frozen=True)
@@ -105,23 +137,35 @@ class SharedSegment:
                 f"/dev/shm has {free / 2**30:.2f} GiB free but the page pool needs {size / 2**30:.2f} GiB: "
                 "lower the pool budget or enlarge /dev/shm (e.g. docker --shm-size)"
             )
-        name = f"/{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        name = segment_name(prefix)
         fd = _shm.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            # Lock before sizing: a reclaimer that takes the lock first sees an empty segment and leaves
+            # it alone (it holds the lock only for a moment, so blocking here is brief).
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, size)
             return cls(name, fd, size, owner=True)
         except BaseException:
-            os.close(fd)
             _shm.shm_unlink(name)
+            os.close(fd)
             raise
 
     @classmethod
     def attach(cls, name: str) -> SharedSegment:
-        """Map an existing segment by name; this process never unlinks it."""
+        """Map an existing segment by name; this process never unlinks it.
+
+        Raises ``FileNotFoundError`` when there is no such segment or it is being reclaimed (its
+        creator died and no process holds it).
+        """
         if not isinstance(name, str) or not name.startswith("/"):
             raise ValueError(f"segment name must be a str starting with '/', got {name!r}")
         fd = _shm.shm_open(name, os.O_RDWR, 0)
         try:
+            try:
+                # Holding the owner lock keeps the segment from being reclaimed while we use it.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise FileNotFoundError(f"segment {name} is being reclaimed (its creator is gone)") from None
             size = os.fstat(fd).st_size
             if size <= 0:
                 raise ValueError(f"segment {name} is empty")
@@ -170,12 +214,13 @@ class SharedSegment:
             self._map.close()
         except BufferError:
             log.debug("segment %s still exported; unmapped when its last view is collected", self.name)
-        os.close(self._fd)
         if self.owner:
             try:
                 _shm.shm_unlink(self.name)
             except FileNotFoundError:
                 pass
+        # Closing drops the owner lock: only after the unlink, so the name never looks abandoned.
+        os.close(self._fd)
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,182 @@
+"""Reclaiming segments of dead pool owners: real SIGKILLs, live owners, planted and foreign files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.segments import SegmentState, main, reclaim, scan
+from aiokv.shm import SHM_DIR, process_start_ticks
+
+LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A name prefix of this test only: concurrent test runs reclaim "aiokv" segments, never these."""
+    p = f"aiokvtest{secrets.token_hex(4)}"
+    yield p
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(p):
+            path = os.path.join(SHM_DIR, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+
+
+def dead_pid() -> int:
+    """A pid no process can have: above the kernel's pid_max."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read()) + 1
+
+
+def plant(name: str, size: int = 8192) -> str:
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    return path
+
+
+def hex16() -> str:
+    return secrets.token_hex(8)
+
+
+def _create_pool_and_wait(
+    prefix: str, names: multiprocessing.queues.Queue[str], stop: multiprocessing.synchronize.Event
+) -> None:
+    pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, name_prefix=prefix, register_cuda=False, workers=1)
+    pool.wait_ready_blocking()
+    names.put(pool.name)
+    stop.wait(120)  # SIGKILLed before this returns, or told to finish
+    pool.close()
+
+
+def _spawn_owner(prefix: str) -> tuple[multiprocessing.process.BaseProcess, str, multiprocessing.synchronize.Event]:
+    names: multiprocessing.queues.Queue[str] = SPAWN.Queue()
+    stop = SPAWN.Event()
+    child = SPAWN.Process(target=_create_pool_and_wait, args=(prefix, names, stop))
+    child.start()
+    return child, names.get(timeout=120), stop
+
+
+def test_segment_of_a_sigkilled_creator_is_reclaimed_by_the_next_pool(prefix: str) -> None:
+    child, name, _ = _spawn_owner(prefix)
+    attached = PagePool.attach(name, LAYOUT)  # a live worker of the pool
+    try:
+        os.kill(child.pid or 0, signal.SIGKILL)
+        child.join(60)
+        assert child.exitcode == -signal.SIGKILL
+        path = SHM_DIR + name
+        assert os.path.exists(path)  # the leak: nothing unlinked it
+        # An attached process still holds it: not reclaimed while that worker lives.
+        assert reclaim(prefix) == []
+        (info,) = scan(prefix)
+        assert info.state is SegmentState.LIVE and not info.creator_alive
+    finally:
+        attached.close()
+    (info,) = scan(prefix)
+    assert info.state is SegmentState.DEAD and info.size == 4 * LAYOUT.page_bytes
+    with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes, name_prefix=prefix) as pool:
+        assert not os.path.exists(path)
+        assert [s.name for s in scan(prefix)] == [pool.name]
+
+
+def test_segment_of_a_live_owner_is_never_touched(prefix: str) -> None:
+    child, name, stop = _spawn_owner(prefix)
+    try:
+        with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes, name_prefix=prefix) as mine:
+            assert reclaim(prefix) == [] and reclaim(prefix, legacy=True) == []
+            assert main(["clean", "--legacy", "--prefix", prefix]) == 0
+            states = {s.name: (s.state, s.creator_alive) for s in scan(prefix)}
+            assert states == {name: (SegmentState.LIVE, True), mine.name: (SegmentState.LIVE, True)}
+            assert os.path.exists(SHM_DIR + name)
+    finally:
+        stop.set()
+        child.join(60)
+    assert child.exitcode == 0
+    assert not os.path.exists(SHM_DIR + name)  # its owner unlinked it on close
+
+
+def test_only_dead_segments_are_reclaimed_and_nothing_else_is_touched(prefix: str) -> None:
+    dead = dead_pid()
+    me = os.getpid()
+    dead_seg = plant(f"{prefix}-{dead}-12345-{hex16()}")
+    empty = plant(f"{prefix}-{dead}-12345-{hex16()}", size=0)  # its creator died before sizing it
+    legacy_dead = plant(f"{prefix}-{dead}-{hex16()}")
+    legacy_live = plant(f"{prefix}-{me}-{hex16()}")
+    # Our own pid and start time, unlocked: a live owner is never reclaimed even without its lock.
+    unlocked_live = plant(f"{prefix}-{me}-{process_start_ticks(me)}-{hex16()}")
+    # Pid reuse: our pid with another start time is not us.
+    reused_pid = plant(f"{prefix}-{me}-1-{hex16()}")
+    untouched = [
+        plant(f"{prefix}-notes"),
+        plant(f"{prefix}-{dead}-1-{hex16()}.bak"),
+        plant(f"{prefix}x-{dead}-1-{hex16()}"),
+        plant(f"{prefix}-{dead}-1-{hex16()[:15]}"),
+        plant(f"{prefix}-{dead}-1-{hex16().upper()}"),
+    ]
+    target = plant(f"{prefix}-target")
+    link = os.path.join(SHM_DIR, f"{prefix}-{dead}-2-{hex16()}")
+    os.symlink(target, link)
+    fifo = os.path.join(SHM_DIR, f"{prefix}-{dead}-3-{hex16()}")
+    os.mkfifo(fifo, 0o600)  # opening it without O_NONBLOCK would hang the reclaim
+    directory = os.path.join(SHM_DIR, f"{prefix}-{dead}-4-{hex16()}")
+    os.mkdir(directory, 0o700)
+    untouched += [target, link, fifo, directory, legacy_live, unlocked_live]
+
+    states = {SHM_DIR + s.name: s.state for s in scan(prefix)}
+    assert states[dead_seg] is SegmentState.DEAD and states[reused_pid] is SegmentState.DEAD
+    assert states[empty] is SegmentState.CREATING
+    assert states[legacy_dead] is SegmentState.LEGACY and states[legacy_live] is SegmentState.LEGACY
+    assert states[unlocked_live] is SegmentState.LIVE
+    assert states[fifo] is SegmentState.FOREIGN and states[directory] is SegmentState.FOREIGN
+    assert link not in states
+
+    assert sorted(SHM_DIR + s.name for s in reclaim(prefix)) == sorted([dead_seg, reused_pid])
+    assert os.path.exists(empty) and os.path.exists(legacy_dead)
+    assert sorted(SHM_DIR + s.name for s in reclaim(prefix, legacy=True)) == sorted([empty, legacy_dead])
+    for path in untouched:
+        assert os.path.lexists(path), path
+    assert os.path.islink(link) and os.path.isfile(target)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a file of another user")
+def test_segments_of_other_users_are_never_touched(prefix: str) -> None:
+    other = plant(f"{prefix}-{dead_pid()}-12345-{hex16()}")
+    os.chown(other, 65534, 65534)
+    assert [s.state for s in scan(prefix)] == [SegmentState.FOREIGN]
+    assert reclaim(prefix, legacy=True) == []
+    with PagePool.create(LAYOUT, LAYOUT.page_bytes, name_prefix=prefix):
+        pass
+    assert os.path.exists(other)
+
+
+def test_operator_commands_list_and_clean(prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    seg = plant(f"{prefix}-{dead_pid()}-12345-{hex16()}", size=3 << 20)
+    listed = subprocess.run(
+        [sys.executable, "-m", "aiokv.segments", "list", "--prefix", prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert os.path.basename(seg) in listed and "dead (creator gone)" in listed
+    assert "1 reclaimable" in listed
+    assert main(["clean", "--prefix", prefix]) == 0
+    assert "1 segments removed" in capsys.readouterr().out
+    assert not os.path.exists(seg)
