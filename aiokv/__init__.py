@@ -11,6 +11,8 @@ plain function on one event loop::
         await cache.offload(token_ids, slots, salt=tenant)
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from aiokv.cache import KVCache
 from aiokv.config import Admission, CacheConfig
 from aiokv.kernels import TransferPath
@@ -18,6 +20,11 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import StaleHandleError
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
 from aiokv.storage import DiskBackend
+
+try:
+    __version__ = version("aiokv")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Admission",

@@ -22,3 +22,9 @@ def test_importing_aiokv_does_not_load_triton() -> None:
     code = "import sys, aiokv; loaded = [m for m in sys.modules if m.split('.')[0] == 'triton']; print(loaded)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_version_is_exported() -> None:
+    import aiokv
+
+    assert isinstance(aiokv.__version__, str) and aiokv.__version__[0].isdigit()

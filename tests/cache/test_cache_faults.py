@@ -155,7 +155,7 @@ async def test_pool_exhausted_is_counted_not_raised(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_prometheus_exporter_is_scraped(tmp_path: Path) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import CollectorRegistry
 
     from aiokv.metrics import register
 
@@ -168,13 +168,39 @@ async def test_prometheus_exporter_is_scraped(tmp_path: Path) -> None:
         async with await cache.match(tokens):
             pass
         await cache.flush()
-        text = generate_latest(registry).decode()
-        assert 'aiokv_hit_tokens_total{tier="pool"} 12.0' in text
-        assert 'aiokv_pages_total{outcome="stored"} 3.0' in text
-        assert f'aiokv_bytes_total{{direction="gpu_to_pool"}} {3 * LAYOUT.payload_bytes}.0' in text
-        assert 'aiokv_pool_pages{state="ready"} 3.0' in text
-        assert "aiokv_disk_pages 3.0" in text
-        assert "aiokv_lookups_total 1.0" in text
+        me = {"cache": "test-model", "namespace": "test-model", "tp_rank": "0"}
+        values = _scrape(registry)
+        assert values["aiokv_hit_tokens_total", frozenset({**me, "tier": "pool"}.items())] == 12
+        assert values["aiokv_pages_total", frozenset({**me, "outcome": "stored"}.items())] == 3
+        assert values["aiokv_bytes_total", frozenset({**me, "direction": "gpu_to_pool"}.items())] == (
+            3 * LAYOUT.payload_bytes
+        )
+        assert values["aiokv_pool_pages", frozenset({**me, "state": "ready"}.items())] == 3
+        assert values["aiokv_disk_pages", frozenset(me.items())] == 3
+        assert values["aiokv_lookups_total", frozenset(me.items())] == 1
+        # A second cache in the same registry: its own labelled series, no clash (they once were
+        # duplicate unlabelled series); the same labels twice are refused.
+        async with KVCache(config(None), LAYOUT, make_kv(27)) as other:
+            register(other, registry, name="draft-model")
+            with pytest.raises(ValueError, match="already registered"):
+                register(other, registry, name="draft-model")
+            (await other.match(tokens)).release()
+            values = _scrape(registry)
+            assert values["aiokv_lookups_total", frozenset({**me, "cache": "draft-model"}.items())] == 1
+            assert values["aiokv_lookups_total", frozenset(me.items())] == 1
+
+
+def _scrape(registry: object) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of a scrape, by name and label set (parsed as Prometheus would)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()  # type: ignore[arg-type]
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 @pytest.mark.asyncio
