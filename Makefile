@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# Where the CPU build of torch comes from. Empty: pip's configured index (which must serve a CPU
+# build; plain PyPI serves the CUDA one). E.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
 .PHONY: setup test lint demo clean
 
@@ -11,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# A bare `torch` requirement pulls a multi-GB CUDA build: pin the CPU build first when none is importable.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev,tools]"
 	touch $@
 
