@@ -259,14 +259,32 @@ def _cuda_host_unregister(address: int) -> None:
         rt.cudaHostUnregister(address)
 
 
+PREPARE_NICE = 10
+"""Nice increment of chunk-preparation threads: on a busy machine the event loop's thread wins the CPU."""
+
+
+def _lower_priority() -> None:
+    # On Linux a thread id names one thread for setpriority; raising one's own nice needs no privilege.
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 def prepare_in_background(
     segment: SharedSegment,
     chunks: list[tuple[int, int]],
     register_cuda: bool,
     workers: int,
 ) -> tuple[concurrent.futures.ThreadPoolExecutor, list[concurrent.futures.Future[ChunkResult]]]:
-    """Submit every chunk ``(offset, length)`` to ``workers`` threads; returns the executor and futures."""
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="aiokv-pool")
+    """Submit every chunk ``(offset, length)`` to ``workers`` threads; returns the executor and futures.
+
+    The threads run at lower priority (:data:`PREPARE_NICE`): preparation is kernel work that would
+    otherwise take the event loop's CPU on a machine with few cores.
+    """
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, workers), thread_name_prefix="aiokv-pool", initializer=_lower_priority
+    )
     futures = [
         executor.submit(segment.prepare_chunk, index, offset, length, register_cuda)
         for index, (offset, length) in enumerate(chunks)

@@ -6,13 +6,14 @@ import asyncio
 import multiprocessing
 import os
 import stat
+import threading
 
 import pytest
 import torch
 
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageState, ReserveOutcome, StaleHandleError
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, PoolClosedError
 from aiokv.shm import SegmentSpaceError, SharedSegment
 
 LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
@@ -198,3 +199,56 @@ async def test_aclose_is_idempotent() -> None:
     await pool.aclose()
     await pool.aclose()
     assert pool.memory.segment.closed
+
+
+@pytest.mark.asyncio
+async def test_a_closed_pool_hands_out_nothing_and_is_never_reopened() -> None:
+    pool = await PagePool.open(LAYOUT, 2 * LAYOUT.page_bytes)
+    (r,) = pool.reserve([key(1)])
+    assert r.handle is not None
+    await pool.aclose()
+    assert pool.closed
+    # Before the fix a closed pool still reserved pages of its unmapped segment.
+    with pytest.raises(PoolClosedError):
+        pool.reserve([key(2)])
+    with pytest.raises(PoolClosedError):
+        pool.tensor(r.handle)
+    with pytest.raises(PoolClosedError):
+        pool.page_view(r.handle)
+    with pytest.raises(PoolClosedError):
+        _ = pool.pages
+    with pytest.raises(PoolClosedError):
+        await pool.wait_usable()
+    with pytest.raises(PoolClosedError):
+        await pool.wait_ready()
+    with pytest.raises(PoolClosedError):
+        pool.wait_ready_blocking()
+    assert pool.statistics().name == pool.name  # statistics stay readable
+
+
+@pytest.mark.asyncio
+async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    entered = asyncio.Event()
+    real = os.posix_fallocate
+
+    def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        loop.call_soon_threadsafe(entered.set)
+        release.wait(60)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=LAYOUT.page_bytes, workers=1)
+    await entered.wait()  # chunk 0 is being prepared; chunks 1-3 wait for the thread
+    closers = [asyncio.ensure_future(pool.aclose()) for _ in range(2)]
+    await asyncio.sleep(0)  # one turn: both closers started and wait for the running chunk
+    with pytest.raises(PoolClosedError):
+        pool.reserve([key(1)])
+    assert not any(c.done() for c in closers)
+    release.set()
+    await asyncio.gather(*closers)
+    assert pool.memory.segment.closed
+    stats = pool.statistics()
+    assert (stats.chunks_ready, stats.chunks_failed) == (1, 3)  # chunks no thread had started are dropped
+    await pool.aclose()

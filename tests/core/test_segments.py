@@ -180,3 +180,13 @@ def test_operator_commands_list_and_clean(prefix: str, capsys: pytest.CaptureFix
     assert main(["clean", "--prefix", prefix]) == 0
     assert "1 segments removed" in capsys.readouterr().out
     assert not os.path.exists(seg)
+
+
+@pytest.mark.asyncio
+async def test_open_reclaims_too(prefix: str) -> None:
+    plant(f"{prefix}-{dead_pid()}-12345-{hex16()}")
+    pool = await PagePool.open(LAYOUT, LAYOUT.page_bytes, name_prefix=prefix)
+    try:
+        assert [s.name for s in scan(prefix)] == [pool.name]
+    finally:
+        await pool.aclose()

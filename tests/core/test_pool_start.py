@@ -1,0 +1,152 @@
+"""Pool start-up off the event loop: ``PagePool.open`` keeps the loop responsive and cleans up on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import aiokv.pool
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.shm import SegmentSpaceError
+
+LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
+SMALL = KVLayout.mha(1, 1, 16, torch.bfloat16, page_tokens=8)
+"""4 KiB pages: a pool of many pages in little memory (the set-up work grows with the page count)."""
+MANY_PAGES = 1 << 18
+"""262144 pages (1 GiB): creating them synchronously on the loop stalls it ~0.25 s (without GC pauses)."""
+STALL_BOUND = 0.1
+"""Seconds; generous for a busy 2-core CI machine, far below the synchronous create's stall."""
+
+
+def _segments() -> set[str]:
+    prefix = f"aiokv-{os.getpid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+class LagProbe:
+    """A callback due every millisecond; ``max_lag`` is the longest it ran late (seconds)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.max_lag = 0.0
+        self.ticked = asyncio.Event()
+        self._due = self._loop.time() + 0.001
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        self.max_lag = max(self.max_lag, now - self._due)
+        self.ticked.set()
+        self._due = now + 0.001
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def stop(self) -> float:
+        self._handle.cancel()
+        return self.max_lag
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Cyclic-GC pauses hold the GIL for a time set by the whole process's heap, not by the code
+    under test: keep them out of the measurement (docs/design.md, pool section, says more)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.asyncio
+async def test_open_of_a_large_pool_never_stalls_the_loop() -> None:
+    with no_gc_pauses():
+        probe = LagProbe()
+        await probe.ticked.wait()
+        pool = await PagePool.open(SMALL, MANY_PAGES * SMALL.page_bytes, chunk_bytes=16 << 20)
+        stall = probe.stop()
+    try:
+        assert pool.num_pages == MANY_PAGES
+        assert pool.statistics().pages.usable > 0  # usable at return
+        assert stall < STALL_BOUND, f"loop stalled {stall * 1000:.0f} ms during PagePool.open"
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_open_returns_a_usable_pool_that_fills_in() -> None:
+    pool = await PagePool.open(LAYOUT, 8 * LAYOUT.page_bytes, chunk_bytes=2 * LAYOUT.page_bytes, workers=2)
+    try:
+        assert pool.statistics().chunks_ready >= 1
+        (r,) = pool.reserve([b"k" * 16])
+        assert r.handle is not None
+        pool.table.abort(r.handle)
+        await pool.wait_ready()
+        stats = pool.statistics()
+        assert (stats.chunks_total, stats.chunks_ready, stats.chunks_failed) == (4, 4, 0)
+        assert stats.pages.usable == 8
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_open_reports_too_small_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiokv.shm
+
+    monkeypatch.setattr(aiokv.shm, "shm_free_bytes", lambda: LAYOUT.page_bytes)
+    with pytest.raises(SegmentSpaceError, match="shm-size"):
+        await PagePool.open(LAYOUT, 4 * LAYOUT.page_bytes)
+    with pytest.raises(ValueError, match="smaller than one page"):
+        await PagePool.open(LAYOUT, 1)
+
+
+def _gate(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> tuple[threading.Event, asyncio.Event]:
+    """Make ``target.name`` block in its (worker) thread until the returned threading.Event is set;
+    the asyncio.Event is set when the first call entered."""
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    entered = asyncio.Event()
+    real: Callable[..., object] = getattr(target, name)
+
+    def gated(*args: object, **kwargs: object) -> object:
+        loop.call_soon_threadsafe(entered.set)
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, gated)
+    return release, entered
+
+
+@pytest.mark.asyncio
+async def test_cancelled_while_the_segment_is_being_made_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _segments()
+    release, entered = _gate(monkeypatch, aiokv.pool, "reclaim")  # the first step of create()
+    task = asyncio.ensure_future(PagePool.open(LAYOUT, 4 * LAYOUT.page_bytes))
+    await entered.wait()
+    task.cancel()
+    asyncio.get_running_loop().call_soon(release.set)  # after the task saw its cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _segments() == before
+
+
+@pytest.mark.asyncio
+async def test_cancelled_while_waiting_for_the_first_chunk_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _segments()
+    release, entered = _gate(monkeypatch, os, "posix_fallocate")
+    task = asyncio.ensure_future(PagePool.open(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=LAYOUT.page_bytes))
+    await entered.wait()
+    assert len(_segments() - before) == 1
+    task.cancel()
+    asyncio.get_running_loop().call_soon(release.set)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _segments() == before
