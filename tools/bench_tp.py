@@ -1,0 +1,193 @@
+"""Tensor parallelism through the manager: rank workers in their own processes, one shared pool.
+
+One scheduler process runs a :class:`aiokv.tp.cache.TPCache`; ``--tp`` rank processes (spawned)
+each hold their head slice of an 8B-shaped KV buffer (32 layers, 8 KV heads, head_dim 128, bf16,
+256-token pages) on ``--device`` and run a :class:`aiokv.tp.RankWorker`. Measured in one run:
+
+- offload and load of ``--pages`` pages through the manager (every rank copying its slice of each
+  page at once), against a pinned ``copy_`` of the same bytes by every rank at once (D2H, H2D);
+- each rank's loaded bytes against its own source slots (bit-exact, checked in the rank);
+- the manager loop's lag (a 1 ms periodic callback) while streaming.
+
+    python tools/bench_tp.py --device cuda --tp 2 --pages 64 --json out.json
+    python tools/bench_tp.py --device cpu --tp 2 --layers 2 --pages 8        # smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import multiprocessing.connection
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cache import LoopLag
+
+from aiokv import CacheConfig, KVLayout
+from aiokv.layout import TPSlice
+from aiokv.tp import RankWorker
+from aiokv.tp.cache import TPCache
+
+
+def _layout(args: argparse.Namespace) -> KVLayout:
+    return KVLayout.mha(args.layers, args.heads, args.head_dim, torch.bfloat16, page_tokens=args.page_tokens)
+
+
+def rank_main(conn: multiprocessing.connection.Connection, address: str, rank: int, args: argparse.Namespace) -> None:
+    """A rank process: its KV slice on the device, a worker, and commands from the scheduler."""
+    asyncio.run(_rank(conn, address, rank, args))
+
+
+async def _rank(conn: multiprocessing.connection.Connection, address: str, rank: int, args: argparse.Namespace) -> None:
+    layout = _layout(args)
+    device = torch.device(args.device)
+    tp = TPSlice.of(layout, rank, args.tp)
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    kv = torch.randn(layout.num_layers, 2 * args.pages * layout.page_tokens, 2 * tp.local_heads, layout.head_dim,
+                     generator=gen, device=device).to(layout.dtype)
+    slice_bytes = args.pages * layout.payload_bytes * tp.local_heads // layout.num_kv_heads
+    async with RankWorker(address, rank, args.tp, layout, kv) as worker:
+        await worker.wait_attached()
+        conn.send(("ready", slice_bytes))
+        while True:
+            command, *rest = await asyncio.to_thread(conn.recv)
+            if command == "check":
+                n = args.pages * layout.page_tokens
+                conn.send(bool(torch.equal(kv[:, n : 2 * n], kv[:, :n])))
+            elif command == "zero":
+                n = args.pages * layout.page_tokens
+                kv[:, n : 2 * n].zero_()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                conn.send(True)
+            elif command == "memcpy":
+                conn.send(_memcpy(slice_bytes, device, rest[0]))
+            else:
+                break
+    conn.send(worker.statistics().specs)
+
+
+def _memcpy(nbytes: int, device: torch.device, direction: str) -> float:
+    """Seconds for one pinned copy of ``nbytes`` in ``direction`` (the baseline)."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst, src = (host, dev) if direction == "d2h" else (dev, host)
+    dst.copy_(src, non_blocking=pin)  # warm
+    if pin:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    dst.copy_(src, non_blocking=pin)
+    if pin:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+async def _ask_all(conns: list[multiprocessing.connection.Connection], *command: Any) -> list[Any]:
+    for conn in conns:
+        conn.send(command)
+    return [await asyncio.to_thread(conn.recv) for conn in conns]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout = _layout(args)
+    t = layout.page_tokens
+    n = args.pages * t
+    ctx = multiprocessing.get_context("spawn")
+    config = CacheConfig(cpu_bytes=(args.pages + 2) * layout.page_bytes, disk_dir=None, namespace="bench-tp",
+                         launch_pages=args.launch_pages)
+    results: dict[str, Any] = {"tp": args.tp, "pages": args.pages, "page_bytes": layout.page_bytes,
+                               "device": args.device}
+    with tempfile.TemporaryDirectory() as sock_dir:
+        async with TPCache(config, layout, tp_size=args.tp, num_slots=2 * n,
+                           directory=Path(sock_dir) / "tp") as cache:
+            await cache.pool.wait_ready()
+            conns, procs = [], []
+            for rank in range(args.tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=rank_main, args=(child, cache.address, rank, args), daemon=True)
+                proc.start()
+                conns.append(parent)
+                procs.append(proc)
+            try:
+                ready = [await asyncio.to_thread(c.recv) for c in conns]
+                await cache.wait_ranks()
+                total = sum(nbytes for _, nbytes in ready)
+                rows: dict[str, list[float]] = {k: [] for k in ("offload", "load", "memcpy_d2h", "memcpy_h2d")}
+                exact = True
+                with LoopLag() as lag:
+                    for rep in range(args.reps):
+                        tokens = list(range(rep * 10**6, rep * 10**6 + n))
+                        start = time.perf_counter()
+                        result = await cache.offload(tokens, torch.arange(n))
+                        rows["offload"].append(time.perf_counter() - start)
+                        assert result.stored == args.pages, result
+                        await _ask_all(conns, "zero")
+                        match = await cache.match(tokens)
+                        start = time.perf_counter()
+                        loaded = await cache.load(match, torch.arange(n, 2 * n))
+                        rows["load"].append(time.perf_counter() - start)
+                        assert loaded.tokens == n, loaded
+                        exact &= all(await _ask_all(conns, "check"))
+                        cache.pool.table.evict(cache.pool.num_pages)
+                for _ in range(args.reps):
+                    for direction in ("d2h", "h2d"):
+                        rows[f"memcpy_{direction}"].append(max(await _ask_all(conns, "memcpy", direction)))
+            finally:
+                specs = await _ask_all(conns, "stop")
+                for proc in procs:
+                    await asyncio.to_thread(proc.join, 60)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    results.update(
+        bytes=total,
+        bit_exact=exact,
+        gbps={k: total / v / 1e9 for k, v in med.items()},
+        offload_vs_memcpy=med["memcpy_d2h"] / med["offload"],
+        load_vs_memcpy=med["memcpy_h2d"] / med["load"],
+        loop_lag=lag.summary(),
+        specs_per_rank=specs,
+    )
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda[:N] (every rank shares it) or cpu")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-tokens", type=int, default=256)
+    p.add_argument("--launch-pages", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    out = asyncio.run(run(args))
+    g = out["gbps"]
+    print(f"tp={out['tp']} {out['pages']} pages x {out['page_bytes'] >> 20} MiB on {out['device']}; "
+          f"bit-exact on every rank: {out['bit_exact']}")
+    print(f"offload {g['offload']:.1f} GB/s vs pinned memcpy D2H {g['memcpy_d2h']:.1f} GB/s: "
+          f"{out['offload_vs_memcpy']:.2f}x")
+    print(f"load    {g['load']:.1f} GB/s vs pinned memcpy H2D {g['memcpy_h2d']:.1f} GB/s: {out['load_vs_memcpy']:.2f}x")
+    lag = out["loop_lag"]
+    print(f"manager loop lag while streaming: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
+          f"max {lag['max_ms']:.3f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    if not out["bit_exact"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
