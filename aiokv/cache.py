@@ -20,6 +20,7 @@ from types import TracebackType
 import torch
 
 from aiokv.config import CacheConfig
+from aiokv.costs import LoadEstimate
 from aiokv.cuda import CompletionBridge
 from aiokv.keys import PageKey, Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
@@ -28,6 +29,7 @@ from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
 from aiokv.slots import SlotValidator
 from aiokv.storage import DiskTier
+from aiokv.stream import LoadStream
 from aiokv.transfers import LocalTransfers
 
 
@@ -145,6 +147,26 @@ class KVCache:
         count = self._manager.check_load(match, from_token)
         host = await self._slots.check(slots, count)
         return await self._manager.load(match, host, from_token)
+
+    async def start_load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
+        """Start loading ``match`` from its last page backwards while the engine computes it from the
+        front: a compute-or-load split (see :class:`aiokv.stream.LoadStream`). Returns at once.
+
+        Arguments as for :meth:`load`; consumes ``match``. Raises ``TypeError``/``ValueError`` for bad
+        arguments (nothing changes).
+        """
+        count = self._manager.check_load(match, from_token)
+        host = await self._slots.check(slots, count)
+        return self._manager.start_load(match, host, from_token)
+
+    def estimate(self, match: Match) -> LoadEstimate:
+        """What loading ``match`` would cost (pool copies, disk reads, recomputing) by the rates
+        measured so far, and where a compute-or-load split is expected to meet."""
+        return self._manager.estimate(match)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` (feeds the cost model)."""
+        self._manager.costs.prefill.update(tokens, seconds)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.

@@ -108,6 +108,9 @@ class CacheConfig:
     tp_size: int = 1
     """Tensor-parallel world size (each rank moves its own slice of every page's heads)."""
 
+    prefill_tokens_per_s: float | None = None
+    """The engine's prefill rate, if known (else learned from stream loads and ``note_prefill``)."""
+
     offload_wait: float = 5.0
     """Seconds an offload may wait, each time the pool is full, for write-behind to free pages
     before it drops the rest of its pages (counted as pool_exhausted)."""
@@ -139,6 +142,11 @@ class CacheConfig:
             raise TypeError(f"CacheConfig.transfer_path must be a TransferPath or None, got {self.transfer_path!r}")
         if not isinstance(self.admission, Admission):
             raise TypeError(f"CacheConfig.admission must be an Admission, got {self.admission!r}")
+        if self.prefill_tokens_per_s is not None and (
+            isinstance(self.prefill_tokens_per_s, bool) or not isinstance(self.prefill_tokens_per_s, (int, float))
+            or not self.prefill_tokens_per_s > 0
+        ):
+            raise ValueError("CacheConfig.prefill_tokens_per_s must be None or a positive number")
         if isinstance(self.offload_wait, bool) or not isinstance(self.offload_wait, (int, float)) \
                 or not self.offload_wait >= 0:
             raise ValueError("CacheConfig.offload_wait must be a non-negative number of seconds")

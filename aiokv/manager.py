@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from aiokv.config import Admission, CacheConfig
+from aiokv.costs import CostModel, LoadEstimate, RateMeter
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
 from aiokv.layout import KVLayout
@@ -29,6 +31,7 @@ from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome, 
 from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
 from aiokv.storage import DiskConfig, DiskTier
+from aiokv.stream import LoadStream
 from aiokv.transfers import Copy, Transfers
 
 log = logging.getLogger("aiokv.cache")
@@ -63,6 +66,7 @@ class CacheManager:
         self._started = False
         self._closed = False
         self.faults = FaultLog(log)
+        self.costs = CostModel(config.prefill_tokens_per_s)
         self._lookups = 0
         self._hit_tokens: Counter[Tier] = Counter()
         self._loaded_tokens: Counter[Tier] = Counter()
@@ -260,6 +264,7 @@ class CacheManager:
         copies: list[tuple[Copy, list[PageHandle], Tier]] = []
         promotions: list[asyncio.Task[PageHandle | None]] = []
         consumed = 0
+        started = time.perf_counter()
         try:
             group = self.config.launch_pages
             launched = 0
@@ -271,8 +276,13 @@ class CacheManager:
                 ids = [pool.table.check(h) for h in part]
                 copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
                 launched += len(part)
+            self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
+                          self.layout.payload_bytes)
             disk_start = max(first, match.pool_pages)
             promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
+            if promotions:
+                self._measure(list(promotions), len(promotions), time.perf_counter(), self.costs.disk,
+                              self.layout.page_bytes)
             for offset, task in enumerate(promotions):
                 # Shielded: a cancelled load still lets the page land in the pool (released later).
                 handle = await asyncio.shield(task)
@@ -317,6 +327,33 @@ class CacheManager:
         if end < match.tokens:
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
+
+    @staticmethod
+    def _measure(futures: list[asyncio.Future[Any]], pages: int, started: float, meter: RateMeter,
+                 page_bytes: int) -> None:
+        """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``."""
+        if not futures or not pages:
+            return
+
+        def done(_: object) -> None:
+            meter.update(pages * page_bytes, time.perf_counter() - started)
+
+        asyncio.gather(*futures, return_exceptions=True).add_done_callback(done)
+
+    def start_load(self, match: Match, slots: torch.Tensor, from_token: int) -> LoadStream:
+        """A compute-or-load split over ``match`` (see :class:`aiokv.stream.LoadStream`).
+
+        Arguments were checked by :meth:`check_load` and the slots against the engine's buffer.
+        """
+        self._running()
+        return LoadStream(self, match, slots, from_token)
+
+    def estimate(self, match: Match) -> LoadEstimate:
+        """What loading ``match`` would cost by the rates measured so far, and where a split meets."""
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        return self.costs.estimate(match.pool_pages, match.disk_pages, self.layout.page_tokens,
+                                   self.layout.page_bytes)
 
     # -- in-flight work -------------------------------------------------------------------------
 

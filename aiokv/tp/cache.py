@@ -25,6 +25,7 @@ from types import TracebackType
 import torch
 
 from aiokv.config import CacheConfig
+from aiokv.costs import LoadEstimate
 from aiokv.keys import PageKey, Salt, Tokens, token_array
 from aiokv.layout import KVLayout, TPSlice
 from aiokv.manager import CacheManager
@@ -32,6 +33,7 @@ from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
 from aiokv.slots import check_host_slots
 from aiokv.storage import DiskTier
+from aiokv.stream import LoadStream
 
 from .config import TPConfig
 from .group import GroupStatistics, RankGroup
@@ -167,6 +169,16 @@ class TPCache:
         count = self._manager.check_load(match, from_token)
         host = check_host_slots(slots, count, self.num_slots)
         return await self._manager.load(match, host, from_token)
+
+    def start_load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
+        """A compute-or-load split over ``match`` for every rank (see :class:`aiokv.stream.LoadStream`)."""
+        count = self._manager.check_load(match, from_token)
+        host = check_host_slots(slots, count, self.num_slots)
+        return self._manager.start_load(match, host, from_token)
+
+    def estimate(self, match: Match) -> LoadEstimate:
+        """What loading ``match`` would cost by the rates measured so far, and where a split meets."""
+        return self._manager.estimate(match)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Every writer rank copies its heads of ``tokens``' full pages from ``slots`` into the pool.

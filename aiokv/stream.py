@@ -1,0 +1,279 @@
+"""`LoadStream`: load a matched prefix while the engine computes it (compute-or-load split).
+
+The engine prefills the matched prefix from the front; the stream copies its pages from the back
+(disk pages are read into the pool ahead of their copy). Before computing a chunk the engine
+*claims* it; the stream never launches a page whose tokens were claimed, and ``claim`` never grants
+tokens a launched page covers. Where the two fronts meet the load stops: the engine computes
+``[from_token, loaded_from)``, the cache loads ``[loaded_from, match.tokens)``. On a slow tier that is
+never worse than recomputing; on any tier it approaches the harmonic combination of the two rates::
+
+    stream = await cache.start_load(match, slots, from_token=start)
+    pos = start
+    while (end := stream.claim(pos + chunk)) > pos:   # never past what the load covers already
+        prefill(tokens[pos:end]); pos = end           # report a chunk by claiming the next one
+    result = await stream.finish()                    # KV of [result.loaded_from, match.tokens) is in
+    prefill(tokens[pos:result.loaded_from])           # what the load gave up (a fault), if anything
+
+On CUDA each launched copy orders the engine's current stream after it (no host sync): claim a
+chunk before launching its kernels, and do not claim far ahead of what the GPU has computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from aiokv.pagetable import PageHandle
+from aiokv.results import Match, Tier
+from aiokv.transfers import Copy
+
+if TYPE_CHECKING:
+    from aiokv.manager import CacheManager
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """Outcome of a :class:`LoadStream`: the KV of ``[loaded_from, tokens)`` is in the buffer."""
+
+    tokens: int
+    """``match.tokens``."""
+    from_token: int
+    """Where the stream started (earlier tokens were in the engine's buffer already)."""
+    claimed: int
+    """How far the engine claimed (computes itself); ``<= loaded_from``."""
+    loaded_from: int
+    """Start of the loaded suffix; ``tokens`` when nothing was loaded. The engine computes
+    ``[claimed, loaded_from)`` besides what it already did."""
+    pool_pages: int
+    """Pages copied from the pool."""
+    disk_pages: int
+    """Pages read from disk and copied."""
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens whose KV the load delivered."""
+        return self.tokens - self.loaded_from
+
+
+class LoadStream:
+    """A running compute-or-load split over one match (see the module docstring).
+
+    Created by ``KVCache.start_load`` (or ``TPCache.start_load``); consumes the match. Use
+    :meth:`finish` (or leave ``async with``, which also works when the engine stops early).
+    """
+
+    def __init__(self, manager: CacheManager, match: Match, slots: torch.Tensor, from_token: int) -> None:
+        self._manager = manager
+        keys, handles = match.take(manager)
+        t = manager.layout.page_tokens
+        self._t = t
+        self.tokens = match.tokens
+        self.from_token = from_token
+        first = from_token // t
+        self._first = first
+        self._keys = keys
+        manager._release_handles(handles[:first])
+        self._pool = {page: handles[page] for page in range(first, match.pool_pages)}
+        self._disk_pages = range(max(first, match.pool_pages), match.pages)
+        self._slots = slots
+        self._claimed = from_token
+        self._front = match.tokens  # start of the lowest page launched so far
+        self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
+        self._promotions: dict[int, asyncio.Task[PageHandle | None]] = {}
+        self._stopping = False
+        self._failed_at: int | None = None  # a disk page that could not be promoted
+        self._last_claim = time.perf_counter()
+        self._last_claim_tokens = 0
+        self._finished = False
+        self._loader = asyncio.create_task(self._run())
+
+    # -- the engine's side ----------------------------------------------------------------------
+
+    @property
+    def front(self) -> int:
+        """First token of the loaded (or loading) suffix; the engine may compute up to here."""
+        return self._front
+
+    def claim(self, end: int) -> int:
+        """Claim tokens up to ``end`` for the engine to compute; returns how far it may compute.
+
+        The answer never passes the first token of a page already launched, nor ``match.tokens``;
+        it only grows. Claiming also reports that the previous claim was computed (for the cost
+        model's prefill rate). Raises ``TypeError`` for a non-int.
+        """
+        if isinstance(end, bool) or not isinstance(end, int):
+            raise TypeError(f"end must be an int, got {type(end).__name__}")
+        now = time.perf_counter()
+        if self._last_claim_tokens:
+            self._manager.costs.prefill.update(self._last_claim_tokens, now - self._last_claim)
+        granted = max(self._claimed, min(end, self._front, self.tokens))
+        self._last_claim_tokens, self._last_claim = granted - self._claimed, now
+        self._claimed = granted
+        return granted
+
+    async def finish(self) -> StreamResult:
+        """Wait until the load reached the claimed front and its copies are in the buffer.
+
+        The engine claims nothing more after this. A fault shortens the loaded suffix (counted);
+        a cancelled ``finish`` stops the load and returns only when no copy touches the slots.
+        """
+        if self._finished:
+            raise RuntimeError("LoadStream.finish() was already called")
+        self._finished = True
+        try:
+            await asyncio.shield(self._loader)
+            outcomes = await asyncio.shield(
+                asyncio.gather(*(c.future for _, c, _, _ in self._copies), return_exceptions=True)
+            )
+        except BaseException:
+            await self._abandon()
+            raise
+        return self._settle(outcomes)
+
+    async def aclose(self) -> None:
+        """Stop the load where it is (nothing more is launched) and release everything. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        await self._abandon()
+
+    async def __aenter__(self) -> LoadStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- the loader -----------------------------------------------------------------------------
+
+    def _start_of(self, page: int) -> int:
+        return max(page * self._t, self.from_token)
+
+    def _slots_of(self, low: int, high: int) -> tuple[torch.Tensor, int]:
+        """Slots of pages ``[low, high]`` and the tokens skipped in page ``low``."""
+        begin = self._start_of(low)
+        end = (high + 1) * self._t
+        return self._slots[begin - self.from_token : end - self.from_token], begin - low * self._t
+
+    def _promote_ahead(self, page: int) -> None:
+        """Disk reads for ``page`` and the pages below it, up to the disk queue depth in flight."""
+        ahead = self._manager.config.disk_queue_depth
+        for lower in range(page, max(self._disk_pages.start - 1, page - ahead), -1):
+            if lower in self._promotions or self._start_of(lower) < self._claimed:
+                continue
+            self._promotions[lower] = asyncio.ensure_future(self._manager._promote(self._keys[lower]))
+
+    async def _run(self) -> None:
+        manager = self._manager
+        _, transfers = manager._running()
+        group = manager.config.launch_pages
+        table = manager.pool.table
+        page = self.tokens // self._t - 1
+        pool_started: float | None = None
+        disk_started = time.perf_counter()
+        disk_bytes = 0
+        while page >= self._first and not self._stopping and self._start_of(page) >= self._claimed:
+            await asyncio.sleep(0)  # bounded host work per loop turn; the engine claims meanwhile
+            if self._stopping or self._start_of(page) < self._claimed:
+                break
+            if page in self._pool:
+                low = page
+                while low - 1 >= self._first and low - 1 in self._pool and page - low + 1 < group \
+                        and self._start_of(low - 1) >= self._claimed:
+                    low -= 1
+                handles = [self._pool.pop(p) for p in range(low, page + 1)]
+                slots, skip = self._slots_of(low, page)
+                copy = transfers.load([table.check(h) for h in handles], slots, skip)
+                pool_started = pool_started or time.perf_counter()
+                for offset, handle in enumerate(handles):
+                    self._copies.append((low + offset, copy, handle, Tier.POOL))
+                self._front = self._start_of(low)
+                page = low - 1
+                continue
+            self._promote_ahead(page)
+            promoted = await asyncio.shield(self._promotions[page])
+            del self._promotions[page]  # after the await: a cancelled loader leaves it to _release_rest
+            if promoted is None:
+                self._failed_at = page
+                break
+            disk_bytes += manager.layout.page_bytes
+            if self._stopping or self._start_of(page) < self._claimed:
+                manager._release_handles([promoted])  # the engine got here first: the page stays cached
+                break
+            slots, skip = self._slots_of(page, page)
+            copy = transfers.load([table.check(promoted)], slots, skip)
+            self._copies.append((page, copy, promoted, Tier.DISK))
+            self._front = self._start_of(page)
+            page -= 1
+        if disk_bytes:
+            manager.costs.disk.update(disk_bytes, time.perf_counter() - disk_started)
+        if pool_started is not None:
+            pool_copies = [c.future for _, c, _, tier in self._copies if tier is Tier.POOL]
+            pool_bytes = len(pool_copies) * manager.layout.payload_bytes
+            started = pool_started
+
+            def measured(_: object) -> None:
+                manager.costs.pool.update(pool_bytes, time.perf_counter() - started)
+
+            asyncio.gather(*pool_copies, return_exceptions=True).add_done_callback(measured)
+
+    # -- settling -------------------------------------------------------------------------------
+
+    def _settle(self, outcomes: list[BaseException | None]) -> StreamResult:
+        manager = self._manager
+        failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}
+        if failed:
+            manager.faults.record("copy_failed", f"stream load copy failed: {next(o for o in outcomes if o)!r}")
+        loaded_from = self.tokens
+        counted = {Tier.POOL: 0, Tier.DISK: 0}
+        expected = self.tokens // self._t - 1
+        for page, _, _, tier in sorted(self._copies, key=lambda c: -c[0]):
+            if page != expected or page in failed:
+                break  # the loaded suffix must be contiguous up to match.tokens
+            loaded_from = self._start_of(page)
+            counted[tier] += 1
+            expected = page - 1
+        for _, _, handle, _ in self._copies:
+            manager._release_handles([handle])
+        self._release_rest()
+        t = self._t
+        manager._loaded_tokens[Tier.POOL] += counted[Tier.POOL] * t
+        manager._loaded_tokens[Tier.DISK] += counted[Tier.DISK] * t
+        manager._bytes["pool_to_gpu"] += (counted[Tier.POOL] + counted[Tier.DISK]) * manager.layout.payload_bytes
+        if self._failed_at is not None or failed:
+            manager.faults.record("load_shortened", "a stream load stopped at a fault; the engine computes the rest")
+        return StreamResult(self.tokens, self.from_token, self._claimed, loaded_from,
+                            counted[Tier.POOL], counted[Tier.DISK])
+
+    def _release_rest(self) -> None:
+        """Pages never launched go back; promotions still running are adopted (released when done)."""
+        self._manager._release_handles(list(self._pool.values()))
+        self._pool.clear()
+        for task in self._promotions.values():
+            self._manager._adopt(task)
+        self._promotions.clear()
+
+    async def _abandon(self) -> None:
+        """Stop launching, wait until no copy touches the slots, release every page."""
+        self._stopping = True
+        manager = self._manager
+        if not self._loader.done():
+            self._loader.cancel()
+        while not self._loader.done():
+            try:
+                await asyncio.wait({self._loader})
+            except asyncio.CancelledError:
+                continue
+        if not self._loader.cancelled() and self._loader.exception() is not None:
+            manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
+        _, transfers = manager._running()
+        await transfers.quiesce([c for _, c, _, _ in self._copies], offload=False)
+        for _, copy, handle, _ in self._copies:
+            manager._after(copy.future, [handle], commit=None)
+        self._release_rest()

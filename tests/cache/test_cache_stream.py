@@ -1,0 +1,204 @@
+"""Compute-or-load split: the engine computes the front, the stream loads the back, never both."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
+
+from aiokv import KVCache
+from aiokv.costs import CostModel
+from aiokv.stream import LoadStream, StreamResult
+
+T = LAYOUT.page_tokens
+MARK = 9.0  # what the simulated engine writes into the tokens it computes
+
+
+def _flip_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0xFF  # a payload byte (after the 4096-byte header)
+    path.write_bytes(bytes(data))
+
+
+def _slow_copies(monkeypatch: pytest.MonkeyPatch, cache: KVCache, reps: int) -> None:
+    """Make every copy run ``reps`` times over (idempotent): a slow tier the engine can race."""
+    mover = mover_of(cache)
+    for name in ("load", "offload"):
+        original: Callable[..., Any] = getattr(mover, name)
+
+        def slow(*args: Any, _original: Callable[..., Any] = original) -> Any:
+            for _ in range(reps):
+                result = _original(*args)
+            return result
+
+        monkeypatch.setattr(mover, name, slow)
+
+
+async def _engine(stream: LoadStream, kv: torch.Tensor, slots: torch.Tensor, start: int, chunk: int,
+                  turns: int) -> tuple[int, StreamResult]:
+    """Claim and "compute" (write MARK) chunk by chunk, yielding ``turns`` loop turns per chunk."""
+    pos = start
+    while (end := stream.claim(pos + chunk)) > pos:
+        kv[:, slots[pos - start : end - start].to(DEVICE)] = MARK
+        pos = end
+        for _ in range(turns):
+            await asyncio.sleep(0)
+    return pos, await stream.finish()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("turns", [0, 3, 50], ids=["engine-never-yields", "race", "engine-slow"])
+async def test_split_covers_the_prefix_once_and_never_writes_claimed_tokens(
+    monkeypatch: pytest.MonkeyPatch, turns: int
+) -> None:
+    kv = make_kv(70)
+    original = kv.clone()
+    n = 12 * T
+    tokens = prompt(70, n)
+    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        if DEVICE.type == "cpu":
+            _slow_copies(monkeypatch, cache, 20)
+        target = torch.arange(100, 100 + n - 2)
+        kv[:, target.to(DEVICE)] = 0
+        stream = await cache.start_load(await cache.match(tokens), target, from_token=2)
+        computed, result = await _engine(stream, kv, target, 2, T, turns)
+        assert result.claimed == computed <= result.loaded_from <= n
+        assert result.loaded_from - result.claimed < T  # the fronts met (give or take a page)
+        got = kv[:, target.to(DEVICE)]
+        # The engine's tokens hold the engine's bytes: the load never wrote a claimed token.
+        assert bool((got[:, : computed - 2] == MARK).all())
+        # The loaded suffix is bit-exact.
+        lo = result.loaded_from - 2
+        assert torch.equal(got[:, lo:], original[:, result.loaded_from : n])
+        assert result.loaded_tokens == (result.pool_pages + result.disk_pages) * T - (2 if lo == 0 else 0)
+        if turns == 0:
+            assert result.loaded_from == n  # the engine claimed everything before the loader ran
+        else:
+            assert result.loaded_tokens > 0 and result.claimed > 2  # both fronts moved
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_an_idle_engine_gets_everything_loaded_from_pool_and_disk(tmp_path: Path) -> None:
+    kv = make_kv(71)
+    original = kv.clone()
+    n = 8 * T
+    tokens = prompt(71, n)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        cache.pool.table.evict(cache.pool.num_pages)  # the second half only on disk
+        await cache.offload(tokens[: 4 * T], torch.arange(4 * T))
+        match = await cache.match(tokens)
+        assert (match.pool_pages, match.disk_pages) == (4, 4)
+        target = torch.arange(50, 50 + n)
+        async with await cache.start_load(match, target) as stream:
+            result = await stream.finish()
+        assert (result.loaded_from, result.pool_pages, result.disk_pages) == (0, 4, 4)
+        assert torch.equal(kv[:, target.to(DEVICE)], original[:, :n])
+        async with await cache.match(tokens) as again:
+            estimate = cache.estimate(again)
+        assert estimate.pool_seconds is not None and estimate.pool_seconds > 0
+        assert estimate.disk_seconds == 0.0  # every page is in the pool now
+        disk_rate = cache.manager.costs.disk.rate
+        assert disk_rate is not None and disk_rate > 0  # measured from the stream's disk reads
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_disk_page_shortens_the_loaded_suffix_and_the_engine_computes_the_rest(
+    tmp_path: Path,
+) -> None:
+    kv = make_kv(72)
+    original = kv.clone()
+    n = 6 * T
+    tokens = prompt(72, n)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        cache.pool.table.evict(cache.pool.num_pages)
+        keys = cache.keys(tokens)
+        disk = cache.disk
+        assert disk is not None
+        _flip_payload_byte(Path(disk.files.path(keys[3])))
+        target = torch.arange(60, 60 + n)
+        kv[:, target.to(DEVICE)] = 0
+        stream = await cache.start_load(await cache.match(tokens), target)
+        result = await stream.finish()
+        assert result.loaded_from == 4 * T  # pages 4 and 5 loaded; page 3 is the engine's to compute
+        assert torch.equal(kv[:, target[4 * T :].to(DEVICE)], original[:, 4 * T : n])
+        assert cache.stats().errors["load_shortened"] >= 1
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_finish_leaves_no_copy_and_no_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv(73)
+    n = 10 * T
+    tokens = prompt(73, n)
+    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        if DEVICE.type == "cpu":
+            _slow_copies(monkeypatch, cache, 20)
+        target = torch.arange(100, 100 + n)
+        stream = await cache.start_load(await cache.match(tokens), target)
+        task = asyncio.create_task(stream.finish())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        snapshot = kv[:, target.to(DEVICE)].clone()
+        await cache.flush()
+        assert torch.equal(kv[:, target.to(DEVICE)], snapshot), "a copy wrote the slots after CancelledError"
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_stream_arguments_are_checked_before_anything_changes() -> None:
+    async with KVCache(config(None, pool_pages=8), LAYOUT, make_kv(74)) as cache:
+        await cache.pool.wait_ready()
+        tokens = prompt(74, 2 * T)
+        await cache.offload(tokens, torch.arange(2 * T))
+        match = await cache.match(tokens)
+        with pytest.raises(ValueError, match="entries"):
+            await cache.start_load(match, torch.arange(T))
+        assert not match.released
+        stream = await cache.start_load(match, torch.arange(2 * T))
+        with pytest.raises(TypeError):
+            stream.claim(1.5)  # type: ignore[arg-type]
+        assert stream.claim(10**6) <= 2 * T
+        first = stream.claim(0)
+        assert stream.claim(0) == first  # claims never shrink
+        await stream.finish()
+        with pytest.raises(RuntimeError, match="already"):
+            await stream.finish()
+        await assert_quiescent(cache)
+
+
+def test_cost_model_split_meets_where_load_and_compute_times_match() -> None:
+    model = CostModel(prefill_tokens_per_s=1000.0)
+    model.pool.update(1000.0, 1.0)  # 1000 bytes/s: one 100-byte page per 0.1 s
+    model.disk.update(100.0, 1.0)  # 1 page/s
+    # 10 pool pages of 10 tokens (0.01 s to compute each, 0.1 s to load): loading loses.
+    pool = model.estimate(10, 0, 10, 100)
+    assert pool.pool_seconds == pytest.approx(1.0) and pool.recompute_seconds == pytest.approx(0.1)
+    assert pool.worth_loading is False
+    assert pool.split_token is not None and 0 <= pool.split_token <= 100
+    fast = CostModel(prefill_tokens_per_s=10.0)
+    fast.pool.update(1e6, 1.0)
+    fast.disk.update(1e6, 1.0)
+    est = fast.estimate(6, 4, 10, 100)
+    assert est.worth_loading is True and est.split_token == 0  # loading is far faster: load all
+    unknown = CostModel().estimate(3, 0, 10, 100)
+    assert unknown.worth_loading is None and unknown.split_token is None
