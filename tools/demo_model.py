@@ -8,11 +8,17 @@ Bit-exactness with and without the cache comes from doing the same arithmetic in
 engine always prefills in chunks aligned to absolute multiples of ``chunk_tokens`` (a multiple of
 the page size), so a chunk computed after a cache hit has the same shapes and inputs as the chunk
 computed from scratch, and the K/V it reads back are byte copies of what a from-scratch run wrote.
+
+Tensor parallelism (``Shard``): a rank holds its query heads, KV heads and MLP columns; the two
+partial sums per layer are combined by an all-reduce the caller supplies. Bit-exactness then holds
+between two runs under the same split (the all-reduce's summation order is fixed), not against the
+one-process model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -84,37 +90,121 @@ def preset(name: str, dtype: torch.dtype | None = None, seed: int = 0) -> ModelC
     return replace(cfg, dtype=dtype or cfg.dtype, seed=seed)
 
 
-class Layer:
-    """Weights of one decoder layer (fused QKV and fused gate/up projections)."""
+@dataclass(frozen=True)
+class Shard:
+    """The part of every layer one of ``size`` tensor-parallel ranks holds (Megatron's split).
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> None:
+    Query heads and the MLP's intermediate columns are cut into ``size`` contiguous ranges; KV heads
+    too when ``size`` divides them, else (``size`` a multiple of the KV heads) each KV head is
+    replicated on ``size // num_kv_heads`` ranks, as ``aiokv.layout.TPSlice`` assumes. Embedding,
+    norms and LM head are replicated. ``Shard()`` is the whole model.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ``ValueError`` when ``cfg`` cannot be split this way."""
+        n, hk = self.size, cfg.num_kv_heads
+        if not 0 <= self.rank < n:
+            raise ValueError(f"rank {self.rank} out of range for tp size {n}")
+        if cfg.num_heads % n or cfg.intermediate % n:
+            raise ValueError(f"tp size {n} must divide num_heads {cfg.num_heads} and intermediate {cfg.intermediate}")
+        if hk % n and n % hk:
+            raise ValueError(f"tp size {n} must divide num_kv_heads {hk} or be a multiple of it")
+
+    def q_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """First query head and count."""
+        count = cfg.num_heads // self.size
+        return self.rank * count, count
+
+    def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """First KV head and count (one replicated head when the KV heads are fewer than the ranks)."""
+        hk = cfg.num_kv_heads
+        if self.size <= hk:
+            count = hk // self.size
+            return self.rank * count, count
+        return self.rank // (self.size // hk), 1
+
+    def columns(self, cfg: ModelConfig) -> tuple[int, int]:
+        """First intermediate column of the MLP and count."""
+        count = cfg.intermediate // self.size
+        return self.rank * count, count
+
+
+def _rows(w: torch.Tensor, *ranges: tuple[int, int]) -> torch.Tensor:
+    """Rows ``[start, start + count)`` of each range, stacked; ``w`` itself when they cover it in order."""
+    if [s for s, _ in ranges] == [sum(c for _, c in ranges[:i]) for i in range(len(ranges))] and \
+            sum(c for _, c in ranges) == w.shape[0]:
+        return w
+    return torch.cat([w[s : s + c] for s, c in ranges]).contiguous()
+
+
+def _cols(w: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Columns ``[start, start + count)`` of ``w`` (contiguous); ``w`` itself when that is all of it."""
+    return w if (start, count) == (0, w.shape[1]) else w[:, start : start + count].contiguous()
+
+
+class Layer:
+    """Weights of one decoder layer (fused QKV and fused gate/up projections), or a shard of them."""
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, device: torch.device, shard: Shard = Shard()) -> None:
         h, d = cfg.hidden, cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        hq, hk, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate
+        qkv_out = (hq + 2 * hk) * d
 
         def linear(out_f: int, in_f: int) -> torch.Tensor:
             # Scaled so activations keep unit size through many layers of random weights.
             w = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32)
             return (w / math.sqrt(in_f)).to(cfg.dtype)
 
+        # Every rank draws the whole layer (the same generator sequence as one process, so the TP
+        # model has the same weights) and keeps its slice; the rest is freed before the next layer.
+        (qs, qc), (ks, kc), (cs, cc) = shard.q_heads(cfg), shard.kv_heads(cfg), shard.columns(cfg)
         self.attn_norm = torch.ones(h, device=device, dtype=cfg.dtype)
-        self.wqkv = linear(qkv_out, h)
-        self.wo = linear(h, cfg.num_heads * d)
+        self.wqkv = _rows(linear(qkv_out, h), (qs * d, qc * d), ((hq + ks) * d, kc * d), ((hq + hk + ks) * d, kc * d))
+        self.wo = _cols(linear(h, hq * d), qs * d, qc * d)
         self.mlp_norm = torch.ones(h, device=device, dtype=cfg.dtype)
-        self.w_gate_up = linear(2 * cfg.intermediate, h)
-        self.w_down = linear(h, cfg.intermediate)
+        self.w_gate_up = _rows(linear(2 * inter, h), (cs, cc), (inter + cs, cc))
+        self.w_down = _cols(linear(h, inter), cs, cc)
+
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the tensor-parallel ranks (identical result on every rank); returns the sum."""
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class LlamaModel:
-    """Decoder with RMSNorm, rotary embeddings, GQA attention over a slot KV buffer, SwiGLU MLP."""
+    """Decoder with RMSNorm, rotary embeddings, GQA attention over a slot KV buffer, SwiGLU MLP.
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, max_positions: int) -> None:
+    With a ``shard`` of more than one rank it holds that rank's heads and MLP columns, its KV
+    buffer holds only its KV heads (K then V), and ``all_reduce`` combines the ranks' partial
+    outputs of the attention output projection and the MLP down projection (Megatron-style).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        max_positions: int,
+        shard: Shard = Shard(),
+        all_reduce: AllReduce = _no_reduce,
+    ) -> None:
+        shard.check(cfg)
         self.cfg = cfg
         self.device = device
+        self.shard = shard
+        self.all_reduce = all_reduce
+        self.q_heads = shard.q_heads(cfg)[1]
+        self.kv_heads = shard.kv_heads(cfg)[1]
         # Weights are drawn on the device itself: 8B parameters drawn on a CPU would take minutes.
         gen = torch.Generator(device=device)
         gen.manual_seed(cfg.seed)
         self.embed = torch.randn(cfg.vocab, cfg.hidden, generator=gen, device=device).to(cfg.dtype)
-        self.layers = [Layer(cfg, gen, device) for _ in range(cfg.num_layers)]
+        self.layers = [Layer(cfg, gen, device, shard) for _ in range(cfg.num_layers)]
         self.final_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
         head = torch.randn(cfg.vocab, cfg.hidden, generator=gen, device=device, dtype=torch.float32)
         self.lm_head = (head / math.sqrt(cfg.hidden)).to(cfg.dtype)
@@ -126,10 +216,10 @@ class LlamaModel:
         self.max_positions = max_positions
 
     def new_kv_buffer(self, slots: int) -> torch.Tensor:
-        """A zeroed KV buffer ``[L, slots, 2 * H_kv, D]`` in the model dtype on the model device."""
+        """A zeroed KV buffer ``[L, slots, 2 * H_kv, D]`` (this shard's KV heads) in the model dtype and device."""
         c = self.cfg
         return torch.zeros(
-            c.num_layers, slots, 2 * c.num_kv_heads, c.head_dim, device=self.device, dtype=c.dtype
+            c.num_layers, slots, 2 * self.kv_heads, c.head_dim, device=self.device, dtype=c.dtype
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -154,6 +244,17 @@ class LlamaModel:
         position so far; the chunk's K/V are written to ``slots[start:]`` and attention reads all of
         ``slots`` (earlier positions must already hold their K/V, computed or loaded).
         """
+        return self.logits(self.hidden(tokens, start, slots, kv))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits ``[V]`` of the last row of ``hidden`` ``[M, hidden]``."""
+        last = self._norm(hidden[-1:], self.final_norm)
+        return (last @ self.lm_head.T).float()[0]
+
+    @torch.inference_mode()
+    def hidden(self, tokens: torch.Tensor, start: int, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The decoder layers of :meth:`forward`: the final hidden states ``[M, hidden]`` (every rank's)."""
         c = self.cfg
         m = tokens.shape[0]
         end = start + m
@@ -161,7 +262,7 @@ class LlamaModel:
             raise ValueError(f"need {end} slots, got {slots.shape[0]}")
         if end > self.max_positions:
             raise ValueError(f"position {end} beyond max_positions {self.max_positions}")
-        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        hq, hk, d = self.q_heads, self.kv_heads, c.head_dim
         pos = slice(start, end)
         new_slots = slots[start:]
         # Query i sits at position start + i: causal aligned to the lower right of [M, end]. As a
@@ -186,9 +287,9 @@ class LlamaModel:
             qh = self._rope(q, pos).transpose(0, 1)
             # 4-D (batch of one): the flash and memory-efficient CUDA kernels accept only 4-D inputs.
             att = F.scaled_dot_product_attention(qh[None], keys[None], vals[None], attn_mask=mask)[0]
-            x = x + att.transpose(0, 1).reshape(m, hq * d) @ layer.wo.T
+            # Under TP each rank holds some heads: its output projection is a partial sum of x's update.
+            x = x + self.all_reduce(att.transpose(0, 1).reshape(m, hq * d) @ layer.wo.T)
             h = self._norm(x, layer.mlp_norm)
             gate, up = (h @ layer.w_gate_up.T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.w_down.T
-        last = self._norm(x[-1:], self.final_norm)
-        return (last @ self.lm_head.T).float()[0]
+            x = x + self.all_reduce((F.silu(gate) * up) @ layer.w_down.T)
+        return x
