@@ -148,16 +148,22 @@ class KVCache:
         host = await self._slots.check(slots, count)
         return await self._manager.load(match, host, from_token)
 
-    async def start_load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
+    async def start_load(
+        self, match: Match, slots: torch.Tensor, *, from_token: int = 0, layered: bool = False
+    ) -> LoadStream:
         """Start loading ``match`` from its last page backwards while the engine computes it from the
         front: a compute-or-load split (see :class:`aiokv.stream.LoadStream`). Returns at once.
 
-        Arguments as for :meth:`load`; consumes ``match``. Raises ``TypeError``/``ValueError`` for bad
-        arguments (nothing changes).
+        Arguments as for :meth:`load`; consumes ``match``. ``layered``: copy layer by layer, so the
+        engine can prefill the uncached tail while later layers still arrive (``stream.launched()``,
+        then ``wait_layer``/``order_layer`` before each layer). Raises ``TypeError``/``ValueError``
+        for bad arguments (nothing changes).
         """
+        if not isinstance(layered, bool):
+            raise TypeError(f"layered must be a bool, got {type(layered).__name__}")
         count = self._manager.check_load(match, from_token)
         host = await self._slots.check(slots, count)
-        return self._manager.start_load(match, host, from_token)
+        return self._manager.start_load(match, host, from_token, layered)
 
     def estimate(self, match: Match) -> LoadEstimate:
         """What loading ``match`` would cost (pool copies, disk reads, recomputing) by the rates

@@ -340,13 +340,14 @@ class CacheManager:
 
         asyncio.gather(*futures, return_exceptions=True).add_done_callback(done)
 
-    def start_load(self, match: Match, slots: torch.Tensor, from_token: int) -> LoadStream:
+    def start_load(self, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False) -> LoadStream:
         """A compute-or-load split over ``match`` (see :class:`aiokv.stream.LoadStream`).
 
         Arguments were checked by :meth:`check_load` and the slots against the engine's buffer.
+        ``layered``: copy layer by layer, with readiness per layer.
         """
         self._running()
-        return LoadStream(self, match, slots, from_token)
+        return LoadStream(self, match, slots, from_token, layered)
 
     def estimate(self, match: Match) -> LoadEstimate:
         """What loading ``match`` would cost by the rates measured so far, and where a split meets."""

@@ -67,8 +67,11 @@ class LoadStream:
     :meth:`finish` (or leave ``async with``, which also works when the engine stops early).
     """
 
-    def __init__(self, manager: CacheManager, match: Match, slots: torch.Tensor, from_token: int) -> None:
+    def __init__(
+        self, manager: CacheManager, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False
+    ) -> None:
         self._manager = manager
+        self._layered = layered
         keys, handles = match.take(manager)
         t = manager.layout.page_tokens
         self._t = t
@@ -115,6 +118,58 @@ class LoadStream:
         self._last_claim_tokens, self._last_claim = granted - self._claimed, now
         self._claimed = granted
         return granted
+
+    async def launched(self) -> int:
+        """Wait until the loader launched every copy it will (it met the claimed front, ran out of
+        pages or hit a fault); returns where the loaded suffix starts if every copy succeeds.
+
+        After this the engine may prefill the uncached tail, waiting on each layer's readiness
+        (:meth:`wait_layer` / :meth:`order_layer`) before that layer reads the prefix.
+        """
+        await asyncio.shield(self._loader)
+        return self._front
+
+    async def wait_layer(self, layer: int) -> bool:
+        """Wait until layer ``layer`` of every launched copy is in the buffer (after :meth:`launched`).
+
+        CPU: awaits the copies (True when all landed). CUDA: makes the current stream wait on the
+        GPU (no host wait) and returns True at once. With a layer-wise stream (``layered=True``)
+        layer l is ready before later layers; otherwise when the whole copy is.
+        """
+        if self._loader.done() is False:
+            raise RuntimeError("wait_layer() before launched(): the set of copies is not fixed yet")
+        self._check_layer(layer)
+        if self._cuda_copies():
+            self.order_layer(layer)
+            return True
+        waits = [c.layer_futures[layer] if c.layer_futures else c.future for _, c, _, _ in self._unique_copies()]
+        outcomes = await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
+        return all(out is True or out is None for out in outcomes)
+
+    def order_layer(self, layer: int) -> None:
+        """CUDA: make the engine's current stream wait (on the GPU) for layer ``layer`` of every
+        launched copy. No-op where the copies are not CUDA events (CPU, or remote rank workers)."""
+        self._check_layer(layer)
+        events = [c.layer_events[layer] if c.layer_events else c.event for _, c, _, _ in self._unique_copies()]
+        self._manager._running()[1].order_after([e for e in events if e is not None])
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self._manager.layout.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self._manager.layout.num_layers})")
+
+    def _unique_copies(self) -> list[tuple[int, Copy, PageHandle, Tier]]:
+        seen: set[int] = set()
+        out = []
+        for entry in self._copies:
+            if id(entry[1]) not in seen:
+                seen.add(id(entry[1]))
+                out.append(entry)
+        return out
+
+    def _cuda_copies(self) -> bool:
+        return any(c.event is not None for _, c, _, _ in self._copies)
 
     async def finish(self) -> StreamResult:
         """Wait until the load reached the claimed front and its copies are in the buffer.
@@ -189,7 +244,8 @@ class LoadStream:
                     low -= 1
                 handles = [self._pool.pop(p) for p in range(low, page + 1)]
                 slots, skip = self._slots_of(low, page)
-                copy = transfers.load([table.check(h) for h in handles], slots, skip)
+                launch = transfers.load_layers if self._layered else transfers.load
+                copy = launch([table.check(h) for h in handles], slots, skip)
                 pool_started = pool_started or time.perf_counter()
                 for offset, handle in enumerate(handles):
                     self._copies.append((low + offset, copy, handle, Tier.POOL))
@@ -207,7 +263,8 @@ class LoadStream:
                 manager._release_handles([promoted])  # the engine got here first: the page stays cached
                 break
             slots, skip = self._slots_of(page, page)
-            copy = transfers.load([table.check(promoted)], slots, skip)
+            launch = transfers.load_layers if self._layered else transfers.load
+            copy = launch([table.check(promoted)], slots, skip)
             self._copies.append((page, copy, promoted, Tier.DISK))
             self._front = self._start_of(page)
             page -= 1
@@ -227,6 +284,11 @@ class LoadStream:
 
     def _settle(self, outcomes: list[BaseException | None]) -> StreamResult:
         manager = self._manager
+        # Layer-wise copies did not order the engine's stream at launch: whatever it does next
+        # (reusing the slots included) comes after every copy.
+        unordered = [c.event for _, c, _, _ in self._unique_copies() if c.event is not None and not c.ordered]
+        if unordered:
+            manager._running()[1].order_after(unordered)
         failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}
         if failed:
             manager.faults.record("copy_failed", f"stream load copy failed: {next(o for o in outcomes if o)!r}")

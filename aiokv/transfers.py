@@ -31,6 +31,12 @@ class Copy:
 
     future: asyncio.Future[None]
     event: torch.cuda.Event | None = None
+    layer_events: tuple[torch.cuda.Event, ...] = ()
+    """CUDA, layer by layer: event ``l`` completes once layers ``0..l`` landed."""
+    layer_futures: tuple[asyncio.Future[bool], ...] = ()
+    """CPU, layer by layer: future ``l`` resolves True once layer ``l`` landed (False: it never will)."""
+    ordered: bool = True
+    """Whether the engine's stream was made to wait on the whole copy at launch."""
 
 
 class Transfers(Protocol):
@@ -42,6 +48,14 @@ class Transfers(Protocol):
 
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         """Scatter tokens ``[skip, ...)`` of the concatenated pages into ``slots``."""
+        ...
+
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+        """:meth:`load` layer by layer, with per-layer readiness where the worker can give it."""
+        ...
+
+    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+        """Make the engine's stream wait (on the GPU) for ``events`` of this worker's copies."""
         ...
 
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
@@ -93,6 +107,42 @@ class LocalTransfers:
             torch.cuda.current_stream(self._device).wait_event(event)
         return Copy(self._bridge.wait(event, Lane.LOAD), event)
 
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+        """A load copied layer 0 of every page first, then layer 1, ... with readiness per layer.
+
+        CUDA: the engine's stream is NOT made to wait here; the caller orders it per layer (and
+        after the whole copy before anything else touches the slots). CPU: one future per layer.
+        """
+        mover = self.mover
+        if self._cuda:
+            try:
+                events = mover.load_layers(page_ids, slots, skip)
+            except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+                return failed_copy(exc)
+            assert events is not None
+            return Copy(self._bridge.wait(events[-1], Lane.LOAD), events[-1], tuple(events), ordered=False)
+        loop = asyncio.get_running_loop()
+        layers = tuple(loop.create_future() for _ in range(mover.kv.layout.num_layers))
+
+        def landed(layer: int) -> None:
+            loop.call_soon_threadsafe(_resolve_layer, layers[layer], True)
+
+        future = self._bridge.run_cpu(lambda: _call(mover.load_layers, page_ids, slots, skip, landed))
+
+        def settled(_: asyncio.Future[None]) -> None:
+            for layer in layers:  # withdrawn or failed: what did not land never will
+                _resolve_layer(layer, False)
+
+        future.add_done_callback(settled)
+        return Copy(future, layer_futures=layers)
+
+    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+        if not self._cuda:
+            return
+        stream = torch.cuda.current_stream(self._device)
+        for event in events:
+            stream.wait_event(event)
+
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
         """Return only when no copy of a failing or cancelled call still touches the caller's slots.
 
@@ -102,11 +152,10 @@ class LocalTransfers:
         slots, is ordered after them; the host does not wait.
         """
         if self._cuda:
-            if offload:
-                stream = torch.cuda.current_stream(self._device)
-                for copy in copies:
-                    if copy.event is not None:
-                        stream.wait_event(copy.event)
+            stream = torch.cuda.current_stream(self._device)
+            for copy in copies:
+                if copy.event is not None and (offload or not copy.ordered):
+                    stream.wait_event(copy.event)
             return
         pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
         while pending:
@@ -118,3 +167,8 @@ class LocalTransfers:
 
 def _call(fn: Callable[..., object], *args: object) -> None:
     fn(*args)
+
+
+def _resolve_layer(future: asyncio.Future[bool], landed: bool) -> None:
+    if not future.done():
+        future.set_result(landed)

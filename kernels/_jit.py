@@ -74,6 +74,7 @@ def scatter_kernel(
     page_ids_ptr,
     n_tokens,
     skip,
+    first_layer,
     kv_col,
     page_col,
     width,
@@ -86,9 +87,10 @@ def scatter_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Token ``skip + i`` of the pages -> KV slot ``slots[i]`` (i in [0, n_tokens))."""
+    """Token ``skip + i`` of the pages -> KV slot ``slots[i]`` (i in [0, n_tokens)), layers
+    ``first_layer + program_id(1)`` (a load can run layer by layer)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    layer = tl.program_id(1).to(tl.int64)
+    layer = (tl.program_id(1) + first_layer).to(tl.int64)
     col = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
     tmask = tok < n_tokens
     mask = tmask[:, None] & (col < width)[None, :]

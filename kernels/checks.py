@@ -121,3 +121,14 @@ def check_scatter_counts(kv: KVBuffer, slots: torch.Tensor, page_count: int, ski
             f"slots holds {slots.numel()} slots; {page_count} pages of {tokens} tokens "
             f"less skip_first={skip_first} need {expect}"
         )
+
+
+def check_layers(kv: KVBuffer, layers: range | None) -> range | None:
+    """``layers``: None (all) or a non-empty step-1 range within the layout's layers."""
+    if layers is None:
+        return None
+    if not isinstance(layers, range) or layers.step != 1:
+        raise ValueError(f"layers must be a range with step 1, got {layers!r}")
+    if not 0 <= layers.start < layers.stop <= kv.layout.num_layers:
+        raise ValueError(f"layers {layers!r} outside [0, {kv.layout.num_layers}) or empty")
+    return layers

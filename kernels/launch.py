@@ -20,6 +20,7 @@ from . import _jit
 from .checks import (
     PageIds,
     check_gather_counts,
+    check_layers,
     check_page_ids,
     check_pages,
     check_scatter_counts,
@@ -123,10 +124,10 @@ class CopyPlan:
             block_w=block_w,
         )
 
-    def _grid(self, launch: _SegmentLaunch, n_tokens: int) -> tuple[int, int, int]:
+    def _grid(self, launch: _SegmentLaunch, n_tokens: int, layers: int | None = None) -> tuple[int, int, int]:
         return (
             triton.cdiv(n_tokens, launch.block_t),
-            self.kv.layout.num_layers,
+            self.kv.layout.num_layers if layers is None else layers,
             triton.cdiv(launch.width, launch.block_w),
         )
 
@@ -158,11 +159,17 @@ class CopyPlan:
                 BLOCK_W=launch.block_w,
             )
 
-    def scatter(self, page_ids: torch.Tensor | None, slots: torch.Tensor, skip_first: int) -> None:
-        """Tokens ``[skip_first, skip_first + len(slots))`` of pages ``page_ids`` -> ``slots``. Unchecked."""
+    def scatter(
+        self, page_ids: torch.Tensor | None, slots: torch.Tensor, skip_first: int, layers: range | None = None
+    ) -> None:
+        """Tokens ``[skip_first, skip_first + len(slots))`` of pages ``page_ids`` -> ``slots``, for
+        ``layers`` (a step-1 range; None: all). Unchecked."""
         ids = slots if page_ids is None else page_ids
+        first, count = (0, None) if layers is None else (layers.start, len(layers))
+        if count == 0:
+            return
         for launch in self._launches:
-            _jit.scatter_kernel[self._grid(launch, slots.numel())](
+            _jit.scatter_kernel[self._grid(launch, slots.numel(), count)](
                 launch.kv_base,
                 launch.layer_off,
                 launch.slot_stride,
@@ -171,6 +178,7 @@ class CopyPlan:
                 ids,
                 slots.numel(),
                 skip_first,
+                first,
                 launch.kv_col,
                 launch.page_col,
                 launch.width,
@@ -207,12 +215,14 @@ def scatter(
     slots: torch.Tensor,
     page_ids: PageIds | None = None,
     skip_first: int = 0,
+    layers: range | None = None,
 ) -> None:
     """Triton scatter on the current stream: tokens ``[skip_first, P*T)`` of ``pages[page_ids]`` -> ``slots``.
 
-    ``len(slots) == P*T - skip_first`` with ``0 <= skip_first < T``. Raises ``ValueError`` naming
-    the offending argument.
+    ``len(slots) == P*T - skip_first`` with ``0 <= skip_first < T``; ``layers``: a step-1 range of
+    layers to copy (None: all). Raises ``ValueError`` naming the offending argument.
     """
+    layers = check_layers(kv, layers)
     plan = CopyPlan(kv, pages)
     check_slots(kv, slots)
     tokens = kv.layout.page_tokens
@@ -224,4 +234,4 @@ def scatter(
         count = len(id_list)
         ids = _index(id_list, kv.device)
     check_scatter_counts(kv, slots, count, skip_first)
-    plan.scatter(ids, _index(slots, kv.device), skip_first)
+    plan.scatter(ids, _index(slots, kv.device), skip_first, layers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +181,64 @@ class PageMover:
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._load_chunk(lane, chunk, index)
         return self._finish(streams)
+
+    def load_layers(
+        self,
+        page_ids: Sequence[int],
+        slots: torch.Tensor,
+        skip_first: int = 0,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> list[torch.cuda.Event] | None:
+        """:meth:`load`, layer by layer: layer 0 of every page first, then layer 1, ...
+
+        CUDA: queued behind the caller's current stream on one side stream; returns one event per
+        layer (event ``l`` completes once layers ``0..l`` are in the KV buffer; the last one ends
+        the whole load). The caller's stream is NOT made to wait: wait on event ``l`` before
+        reading layer ``l``. CPU: synchronous, calls ``on_layer(l)`` as each layer lands, returns None.
+        """
+        ids = self._check(slots, page_ids)
+        check_scatter_counts(self.kv, slots, len(ids), skip_first)
+        layers = self.kv.layout.num_layers
+        events: list[torch.cuda.Event] = []
+        path = self.effective_path
+        lane = self._load_lanes[0]
+        with self._on_side([lane]) as streams:
+            if path is TransferPath.REFERENCE:
+                for layer in range(layers):
+                    reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1))
+                    self._layer_done(streams, events, on_layer, layer)
+            elif path is TransferPath.DIRECT:
+                page_index, slot_index = self._index(ids, lane), self._index(slots, lane)
+                for layer in range(layers):
+                    self._direct_plan().scatter(page_index, slot_index, skip_first, range(layer, layer + 1))
+                    self._layer_done(streams, events, on_layer, layer)
+            else:
+                assert lane.plan is not None and lane.staging is not None
+                tokens = self.kv.layout.page_tokens
+                chunks = self._deal(self._chunks(len(ids), ids, skip_first, tokens), [lane])[0][1]
+                if slots.is_cuda and lane.stream is not None:
+                    slots.record_stream(lane.stream)
+                indices = [self._index(slots[c.slot_begin : c.slot_end], lane) for c in chunks]
+                for layer in range(layers):
+                    with self._stream(lane):
+                        for chunk, index in zip(chunks, indices, strict=True):
+                            for j, page in enumerate(chunk.ids):
+                                lane.staging[j, layer].copy_(self.pages[page, layer], non_blocking=True)
+                            lane.plan.scatter(None, index, chunk.skip, range(layer, layer + 1))
+                    self._layer_done(streams, events, on_layer, layer)
+        return events or None
+
+    @staticmethod
+    def _layer_done(
+        streams: list[torch.cuda.Stream], events: list[torch.cuda.Event],
+        on_layer: Callable[[int], None] | None, layer: int,
+    ) -> None:
+        if streams:
+            event = _new_event()
+            event.record(streams[0])
+            events.append(event)
+        elif on_layer is not None:
+            on_layer(layer)
 
     # -- staging path ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from aiokv.layout import KVBuffer
 from .checks import (
     PageIds,
     check_gather_counts,
+    check_layers,
     check_page_ids,
     check_pages,
     check_scatter_counts,
@@ -88,12 +89,15 @@ def reference_scatter(
     slots: torch.Tensor,
     page_ids: PageIds | None = None,
     skip_first: int = 0,
+    layers: range | None = None,
 ) -> None:
     """Tokens ``[skip_first, P*T)`` of the concatenated ``pages[page_ids]`` -> KV ``slots``.
 
     ``len(slots) == P*T - skip_first``; ``page_ids`` None means ``0..P-1`` where P follows from the
-    slot count. Every rank reads its own rows. Raises ``ValueError`` naming the offending argument.
+    slot count; ``layers`` a step-1 range of layers to copy (None: all). Every rank reads its own
+    rows. Raises ``ValueError`` naming the offending argument.
     """
+    wanted = check_layers(kv, layers)
     check_pages(kv, pages)
     check_slots(kv, slots)
     tokens = kv.layout.page_tokens
@@ -110,6 +114,8 @@ def reference_scatter(
     start = _run_start(index)
     for seg in segments(kv):
         for layer, tensor in enumerate(seg.layers):
+            if wanted is not None and layer not in wanted:
+                continue
             src = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
             if count == 1:  # one page: a view of it, no index_select copy
                 picked = src[ids[0]][skip_first:]

@@ -41,6 +41,11 @@ class GroupTransfers:
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         return self._submit(Direction.LOAD, page_ids, slots, skip)
 
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+        # The ranks order their own streams after their copies: per-layer readiness stays in the
+        # rank processes, so here a layer is ready when the whole spec is.
+        return self.load(page_ids, slots, skip)
+
     def _submit(self, direction: Direction, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         try:
             job = self.group.submit_nowait(self.group.spec(direction, page_ids, slots, skip))
@@ -59,6 +64,9 @@ class GroupTransfers:
 
         job.add_done_callback(settle)
         return Copy(future)
+
+    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+        """Nothing to order here: each rank orders its own stream after its copies."""
 
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
         """Wait until every rank finished (or was lost) with each of ``copies``.

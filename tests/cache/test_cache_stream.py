@@ -202,3 +202,46 @@ def test_cost_model_split_meets_where_load_and_compute_times_match() -> None:
     assert est.worth_loading is True and est.split_token == 0  # loading is far faster: load all
     unknown = CostModel().estimate(3, 0, 10, 100)
     assert unknown.worth_loading is None and unknown.split_token is None
+
+
+@pytest.mark.asyncio
+async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A consumer that waits on layer l's readiness sees layer l's loaded bytes, bit-exact, while
+    # later layers may still be on their way (the copies are slowed so they are).
+    import aiokv.kernels.mover as mover_module
+
+    kv = make_kv(75)
+    original = kv.clone()
+    n = 6 * T
+    tokens = prompt(75, n)
+    async with KVCache(config(None, pool_pages=16, launch_pages=2), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        real: Callable[..., Any] = mover_module.reference_scatter
+
+        def slow(*args: Any, **kwargs: Any) -> None:
+            for _ in range(40):
+                real(*args, **kwargs)
+
+        if DEVICE.type == "cpu":
+            monkeypatch.setattr(mover_module, "reference_scatter", slow)
+        target = torch.arange(80, 80 + n - 1)
+        kv[:, target.to(DEVICE)] = 0
+        stream = await cache.start_load(await cache.match(tokens), target, from_token=1, layered=True)
+        assert await stream.launched() == 1  # nothing claimed: the whole match is launched
+        ahead = 0
+        for layer in range(LAYOUT.num_layers):
+            assert await stream.wait_layer(layer)
+            got = kv[layer, target.to(DEVICE)]
+            assert torch.equal(got, original[layer, 1:n]), f"layer {layer} not in place when ready"
+            if layer + 1 < LAYOUT.num_layers and not torch.equal(kv[layer + 1, target.to(DEVICE)],
+                                                                 original[layer + 1, 1:n]):
+                ahead += 1  # readiness came before the next layer landed: a real layer-wise load
+        result = await stream.finish()
+        assert result.loaded_from == 1
+        assert torch.equal(kv[:, target.to(DEVICE)], original[:, 1:n])
+        if DEVICE.type == "cpu":
+            assert ahead >= 1
+        with pytest.raises(ValueError, match="layer"):
+            await stream.wait_layer(LAYOUT.num_layers)
+        await assert_quiescent(cache)
