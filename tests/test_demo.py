@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -16,6 +17,10 @@ import demo_engine
 from demo_engine import BlockTable, RequestResult, make_workload
 from demo_model import LlamaModel, preset
 from demo_report import OracleReport, compare, format_table, summarize
+
+from aiokv import LoadResult, Match
+from aiokv.tp import RankStatus
+from aiokv.tp.cache import TPCache
 
 
 def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
@@ -50,6 +55,50 @@ async def test_tiny_demo_with_prefetch_and_bfloat16_stays_exact(tmp_path: Path) 
     assert out.oracle.logits_bit_exact
     assert out.summary["pool_tokens"] > 0
     assert out.summary["computed_tokens"] < out.summary["computed_tokens_scratch"]
+
+
+@pytest.mark.asyncio
+async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path: Path) -> None:
+    """--tp 2: heads split over two spawned rank processes; the pool serves both ranks, bit-exact."""
+    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2"), progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    assert out.oracle.compared == len(out.scratch) > 10
+    s = out.summary
+    assert s["pool_tokens"] > 0  # a load counts only when every rank's copy of its heads completed
+    assert s["disk_tokens"] > 0
+    assert s["lost_tokens"] == 0
+    assert s["computed_tokens"] + s["gpu_prefix_tokens"] + s["pool_tokens"] + s["disk_tokens"] == s["prompt_tokens"]
+    assert out.stats.bytes_moved["pool_to_gpu"] > 0
+    assert not any(out.stats.errors.values())
+    assert [w.rank for w in out.rank_workers] == [0, 1]
+    for worker in out.rank_workers:
+        assert worker.specs > 0
+        assert set(worker.reports) == {RankStatus.OK}
+    assert not multiprocessing.active_children()  # every rank process was joined
+
+
+@pytest.mark.asyncio
+async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pool pages whose rank-1 V head is off by 0.5 reach only rank 1, and still fail the oracle."""
+    original = TPCache.load
+
+    async def corrupting_load(
+        self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0
+    ) -> LoadResult:
+        # Page rows are [K0, K1, V0, V1]; with --tp 2 row 3 is rank 1's V head, layer 0, every token.
+        self.pool.pages[:, 0, :, 3] += 0.5
+        return await original(self, match, slots, from_token=from_token)
+
+    monkeypatch.setattr(TPCache, "load", corrupting_load)
+    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", "--tenants", "1"), progress=False)
+    assert out.summary["pool_tokens"] > 0
+    assert out.oracle.mismatches
+    loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
+    assert any(m.split(":")[0] in loaded for m in out.oracle.mismatches)
+    assert not multiprocessing.active_children()
 
 
 def test_oracle_names_the_request_that_differs() -> None:

@@ -11,6 +11,7 @@ Only prompt pages are offloaded: answer tokens' K/V come from one-token decode s
 arithmetic differs from a prefill chunk's, so serving them would break bit-exactness.
 
     .venv/bin/python tools/demo.py                                   # CPU, about 1.5 minutes
+    .venv/bin/python tools/demo.py --tp 2                            # heads over 2 rank processes (CPU)
     .venv/bin/python tools/demo.py --preset 8b --device cuda         # H200
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft  # headline TTFT table
 """
@@ -22,7 +23,6 @@ import asyncio
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout
+from aiokv.tp import WorkerStatistics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,14 +38,15 @@ from demo_engine import (
     BlockTable,
     Engine,
     RequestResult,
+    Runs,
     Session,
     WorkloadConfig,
     make_workload,
-    run_sessions,
-    total_requests,
+    timed_run,
 )
-from demo_model import PRESETS, LlamaModel, ModelConfig, preset
-from demo_report import OracleReport, Progress, compare, format_table, plot, summarize, write_json
+from demo_model import PRESETS, LlamaModel, ModelConfig, Shard, preset
+from demo_report import OracleReport, compare, format_table, plot, progress_bar, summarize, tp_line, write_json
+from demo_tp import RankFailedError, serve_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +88,7 @@ class DemoConfig:
     namespace: str = "demo-model"
     prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
     settle: bool = False  # flush write-behind after each offload (with concurrency 1: reproducible tiers)
+    tp: int = 1  # tensor-parallel ranks, each its own process (1: the model runs in this process)
 
 
 @dataclass
@@ -100,6 +103,8 @@ class DemoOutcome:
     kv_blocks: int
     pool_pages: int
     disk_bytes: int
+    rank_pids: tuple[int, ...] = ()  # TP: the rank processes (all joined by now)
+    rank_workers: tuple[WorkerStatistics, ...] = ()  # TP: each rank's aiokv worker at its stop
 
 
 def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int, int]:
@@ -131,59 +136,78 @@ def _layout_and_config(
 
 
 async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
-    """Serve the workload from scratch, then through the cache; compare the two request by request."""
+    """Serve the workload from scratch, then through the cache; compare the two request by request.
+
+    With ``cfg.tp > 1`` both runs use the same split over ``cfg.tp`` rank processes (``demo_tp``).
+    """
     device = torch.device(cfg.device)
     sessions = make_workload(cfg.workload, cfg.model.vocab)
     longest, kv_blocks, pool_pages, disk_pages = _sizes(cfg, sessions)
-    model = LlamaModel(cfg.model, device, longest + cfg.gen_tokens)
-    kv = model.new_kv_buffer(kv_blocks * cfg.page_tokens)
     chunk = cfg.chunk_tokens or cfg.page_tokens
-    n_req = total_requests(sessions)
-
-    def noop(_: RequestResult) -> None:
-        pass
-
-    # Warm-up outside both timed runs (first-call allocations, kernel selection).
-    warm = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, 2, keep_logits=False)
-    await warm.serve("warmup", "warmup", "warmup", 0, [i % cfg.model.vocab for i in range(min(longest, 4 * chunk))])
-
-    scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
-    t = time.perf_counter()
-    scratch = await run_sessions(
-        scratch_engine, sessions, cfg.concurrency, cfg.window, Progress("scratch", n_req) if progress else noop
-    )
-    wall_scratch = time.perf_counter() - t
-
     tmp = None
     disk_dir = cfg.disk_dir
     if disk_dir is None:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
     try:
         layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages)
-        async with KVCache(config, layout, kv) as cache:
-            # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
-            await cache.pool.wait_ready()
-            blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
-            engine = Engine(
-                model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle
-            )
-            t = time.perf_counter()
-            cached = await run_sessions(
-                engine, sessions, cfg.concurrency, cfg.window, Progress("cached", n_req) if progress else noop
-            )
-            wall = time.perf_counter() - t
-            stats = cache.stats()
+        if cfg.tp > 1:
+            runs = await serve_tp(cfg, sessions, layout, config, kv_blocks, longest, progress)
+        else:
+            runs = await _serve_one_process(cfg, sessions, layout, config, kv_blocks, longest, progress)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     # Bit-exact needs the same chunk shapes with and without hits (one page per chunk) and the CPU.
-    oracle = compare(cached, scratch, exact=device.type == "cpu" and chunk == cfg.page_tokens)
-    summary = summarize(cached, scratch, wall, wall_scratch)
-    return DemoOutcome(cached, scratch, summary, stats, oracle, kv_blocks, pool_pages, config.disk_bytes)
+    oracle = compare(runs.cached, runs.scratch, exact=device.type == "cpu" and chunk == cfg.page_tokens)
+    summary = summarize(runs.cached, runs.scratch, runs.wall, runs.wall_scratch)
+    return DemoOutcome(
+        runs.cached, runs.scratch, summary, runs.stats, oracle, kv_blocks, pool_pages, config.disk_bytes,
+        runs.rank_pids, runs.rank_workers,
+    )
+
+
+async def _serve_one_process(
+    cfg: DemoConfig,
+    sessions: list[Session],
+    layout: KVLayout,
+    config: CacheConfig,
+    kv_blocks: int,
+    longest: int,
+    progress: bool,
+) -> Runs:
+    """Warm up, serve ``sessions`` from scratch, then through a ``KVCache``, all in this process."""
+    device = torch.device(cfg.device)
+    model = LlamaModel(cfg.model, device, longest + cfg.gen_tokens)
+    kv = model.new_kv_buffer(kv_blocks * cfg.page_tokens)
+    chunk = cfg.chunk_tokens or cfg.page_tokens
+
+    # Warm-up outside both timed runs (first-call allocations, kernel selection).
+    warm = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, 2, keep_logits=False)
+    await warm.serve("warmup", "warmup", "warmup", 0, [i % cfg.model.vocab for i in range(min(longest, 4 * chunk))])
+
+    scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
+    scratch, wall_scratch = await timed_run(
+        scratch_engine, sessions, cfg.concurrency, cfg.window, progress_bar("scratch", sessions, progress)
+    )
+    async with KVCache(config, layout, kv) as cache:
+        # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
+        await cache.pool.wait_ready()
+        blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
+        engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle)
+        cached, wall = await timed_run(
+            engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress)
+        )
+        stats = cache.stats()
+    return Runs(cached, scratch, wall, wall_scratch, stats)
 
 
 async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
     """Time to first token of one prompt per length: prefix from the pool, from disk, and recomputed.
+
+``--tp N`` splits the model's heads and MLP columns over N spawned rank processes that combine their
+partial sums with a gloo all-reduce and keep their own KV buffer slice, under one ``TPCache`` in
+this (scheduler) process; both runs use the same split, so the oracle stays bit-exact on CPU
+(``demo_tp.py``).
 
     Pool: one cache without a disk tier is filled once, then the prompt is served ``repeats``
     times. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves from a
@@ -274,6 +298,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model and workload shape")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--tp", type=int, default=1,
+        help="tensor-parallel ranks, one spawned process each (on CUDA all share the device)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model/KV dtype (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed")
     for name in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
@@ -321,6 +349,7 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         kv_blocks=a.kv_blocks, pool_pages=a.pool_pages, prefetch=a.prefetch, settle=a.settle,
         disk_bytes=a.disk_bytes,
         disk_dir=a.disk_dir,
+        tp=a.tp,
     )
 
 
@@ -330,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--repeats must be at least 1")
     cfg = config_from_args(a)
     m = cfg.model
+    if cfg.tp < 1:
+        raise SystemExit("--tp must be at least 1")
+    if cfg.tp > 1:
+        if a.ttft:
+            raise SystemExit("--ttft runs in one process; drop --tp")
+        try:
+            Shard(0, cfg.tp).check(m)
+        except ValueError as exc:
+            raise SystemExit(f"--tp {cfg.tp}: {exc}") from None
     print(
         f"model: {m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads / {m.num_kv_heads} KV heads, "
         f"vocab {m.vocab}, {str(m.dtype).removeprefix('torch.')}, {m.params / 1e6:.1f}M params on {cfg.device}; "
@@ -358,8 +396,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             write_json(a.json, {"config": asdict(cfg), "ttft": rows})
         return 0
-    out = asyncio.run(run_demo(cfg, progress=not a.quiet))
+    failed: list[Exception] = []
+    try:
+        out = asyncio.run(run_demo(cfg, progress=not a.quiet))
+    except* RankFailedError as group:  # a rank process died: nothing to compare, say which
+        failed += group.exceptions
+    if failed:
+        for error in failed:
+            print(f"TP RANK FAILED {error}", file=sys.stderr)
+        return 2
     print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB")
+    if cfg.tp > 1:
+        print(tp_line(cfg.tp, out.rank_pids, out.rank_workers))
     print(format_table(out.summary, out.stats, out.oracle))
     if a.json:
         write_json(a.json, {

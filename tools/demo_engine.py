@@ -1,6 +1,7 @@
 """The demo's engine: workload, GPU slot blocks with prefix reuse, and the asyncio serving loop.
 
-An engine owns a KV buffer ``[L, S, 2H, D]`` cut into blocks of ``page_tokens`` slots. Finished
+An engine owns a KV buffer ``[L, S, 2H, D]`` (or, under tensor parallelism, each rank process owns
+its heads' part of it: ``demo_tp.py``) cut into blocks of ``page_tokens`` slots. Finished
 requests leave their full prompt pages in the buffer as a GPU prefix cache (evicted LRU when blocks
 run out); below it sits aiokv's pool and disk tier. Per request the loop: takes blocks (reusing a
 GPU prefix), awaits ``match`` and ``load`` for the part the GPU does not hold, prefills the rest in
@@ -9,6 +10,7 @@ page-aligned chunks, decodes greedily, awaits ``offload``, then frees its blocks
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import enum
 import hashlib
@@ -17,11 +19,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from demo_model import LlamaModel
 
-from aiokv import KVCache, PrefetchResult
+from aiokv import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
+
+if TYPE_CHECKING:
+    from aiokv.tp import WorkerStatistics
 
 
 class SessionKind(enum.Enum):
@@ -212,17 +218,61 @@ class RequestResult:
     prompt_digest: bytes = b""
 
 
-class Engine:
-    """One model, one KV buffer, one optional aiokv cache; serves requests from many tasks."""
+class ServingCache(Protocol):
+    """What the serving loop calls on aiokv: ``KVCache`` (one process) and ``TPCache`` (TP ranks)."""
+
+    async def match(self, tokens: Sequence[int], salt: str | None = None) -> Match: ...
+
+    async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult: ...
+
+    async def offload(
+        self, tokens: Sequence[int], slots: torch.Tensor, *, salt: str | None = None
+    ) -> OffloadResult: ...
+
+    async def prefetch(self, tokens: Sequence[int], *, salt: str | None = None) -> PrefetchResult: ...
+
+    async def flush(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Computed:
+    """One request's model work: logits and tokens of every decode step, and when they happened."""
+
+    logits: list[torch.Tensor]  # float32 [V] per generated token
+    generated: list[int]
+    prefill_start: float  # perf_counter seconds
+    first_token: float
+    end: float
+
+
+def prefill_chunks(start: int, n: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` of each prefill chunk of positions ``[start, n)``.
+
+    Chunks end on absolute multiples of ``chunk_tokens``, so they are the same with or without hits.
+    """
+    out: list[tuple[int, int]] = []
+    pos = start
+    while pos < n:
+        end = min(n, (pos // chunk_tokens + 1) * chunk_tokens)
+        out.append((pos, end))
+        pos = end
+    return out
+
+
+class ServingLoop(abc.ABC):
+    """The per-request steps over slot blocks and an optional aiokv cache; subclasses run the model.
+
+    ``slot_device``: where slot index tensors live (the KV buffer's device in one process; the
+    host for TP, whose ranks each hold their own buffer and receive host indices).
+    """
 
     def __init__(
         self,
-        model: LlamaModel,
-        kv: torch.Tensor,
         blocks: BlockTable,
-        cache: KVCache | None,
+        cache: ServingCache | None,
         chunk_tokens: int,
         gen_tokens: int,
+        slot_device: torch.device,
         keep_logits: bool = True,
         prefetch: bool = False,
         settle: bool = False,
@@ -231,18 +281,17 @@ class Engine:
             raise ValueError("chunk_tokens must be a multiple of page_tokens")
         if gen_tokens < 1:
             raise ValueError("gen_tokens must be at least 1")
-        self.model = model
-        self.kv = kv
         self.blocks = blocks
         self.cache = cache
         self.chunk_tokens = chunk_tokens
         self.gen_tokens = gen_tokens
+        self.slot_device = slot_device
         self.keep_logits = keep_logits
         self.prefetch = prefetch
         self.settle = settle  # wait for write-behind after each offload: reproducible tier counts
         self.page = blocks.block_tokens
         self._freed = asyncio.Condition()
-        self._compute = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
+        self._accelerator = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
 
     async def _take_blocks(self, keys: Sequence[bytes], total: int) -> tuple[list[int], list[int]]:
         if total > self.blocks.num_blocks:
@@ -271,20 +320,18 @@ class Engine:
         hit_blocks, new_blocks = await self._take_blocks(keys[: usable // page], -(-total_slots // page))
         blocks = hit_blocks + new_blocks
         try:
-            slots = self.blocks.slots(blocks, total_slots, self.kv.device)
+            slots = self.blocks.slots(blocks, total_slots, self.slot_device)
             start = res.gpu_tokens = len(hit_blocks) * page
             if self.cache is not None and usable > start:
                 start = await self._load(res, prompt[:usable], slots, start)
-            # The model runs in a worker thread (torch releases the GIL), so the loop keeps
-            # serving the cache's disk and copy completions while a prefill computes.
-            async with self._compute:
-                logits_list, res.generated, t1, t2 = await asyncio.to_thread(
-                    self._compute_request, prompt, start, slots
-                )
-            res.prefill_s, res.ttft_s, res.decode_s = t1[1] - t1[0], t1[1] - t0, t2 - t1[1]
+            async with self._accelerator:
+                done = await self._compute(prompt, start, slots)
+            res.generated = done.generated
+            res.prefill_s, res.ttft_s = done.first_token - done.prefill_start, done.first_token - t0
+            res.decode_s = done.end - done.first_token
             res.computed_tokens = n - start
             if self.keep_logits:
-                res.logits = torch.stack(logits_list).cpu()
+                res.logits = torch.stack(done.logits).cpu()
             full = n // page
             self.blocks.publish(blocks[:full], keys[:full])
             if self.cache is not None:
@@ -298,41 +345,6 @@ class Engine:
         finally:
             await asyncio.shield(self._give_blocks(blocks))
         return res
-
-    def _compute_request(
-        self, prompt: list[int], start: int, slots: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[int], tuple[float, float], float]:
-        """Prefill ``prompt[start:]`` then decode; return logits, tokens, (prefill start, first token), end."""
-        if self.kv.is_cuda:
-            # A worker thread starts on device 0 and the default stream: follow the KV buffer's device.
-            with torch.cuda.device(self.kv.device):
-                return self._compute_on_device(prompt, start, slots)
-        return self._compute_on_device(prompt, start, slots)
-
-    def _compute_on_device(
-        self, prompt: list[int], start: int, slots: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[int], tuple[float, float], float]:
-        n = len(prompt)
-        t_start = time.perf_counter()
-        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
-        pos = start
-        # Chunks end on absolute multiples of chunk_tokens, so they are the same with or without hits.
-        while pos < n:
-            end = min(n, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
-            logits = self.model.forward(tokens[pos:end], pos, slots[:end], self.kv)
-            pos = end
-        # .item() waits for this stream's prefill; a device-wide sync would also wait for the
-        # cache's copies of other requests on its side stream.
-        token = int(logits.argmax().item())
-        t_first = time.perf_counter()
-        logits_list, generated = [logits], [token]
-        for i in range(self.gen_tokens - 1):
-            step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
-            logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
-            token = int(logits.argmax().item())
-            logits_list.append(logits)
-            generated.append(token)
-        return logits_list, generated, (t_start, t_first), time.perf_counter()
 
     async def _load(self, res: RequestResult, prefix: list[int], slots: torch.Tensor, start: int) -> int:
         """Match ``prefix`` in aiokv and load what the GPU prefix lacks; return where prefill starts."""
@@ -354,6 +366,63 @@ class Engine:
         res.lost_tokens = m.tokens - end
         return end
 
+    @abc.abstractmethod
+    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+        """Prefill ``prompt[start:]`` into ``slots`` (earlier positions hold their K/V), then decode.
+
+        Returns when the K/V of every prompt position are in the KV buffer(s), so they may be offloaded.
+        """
+
+
+class Engine(ServingLoop):
+    """One process: one model, one KV buffer, one optional aiokv cache; serves requests from many tasks."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: torch.Tensor,
+        blocks: BlockTable,
+        cache: ServingCache | None,
+        chunk_tokens: int,
+        gen_tokens: int,
+        keep_logits: bool = True,
+        prefetch: bool = False,
+        settle: bool = False,
+    ) -> None:
+        super().__init__(blocks, cache, chunk_tokens, gen_tokens, kv.device, keep_logits, prefetch, settle)
+        self.model = model
+        self.kv = kv
+
+    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+        # The model runs in a worker thread (torch releases the GIL), so the loop keeps
+        # serving the cache's disk and copy completions while a prefill computes.
+        return await asyncio.to_thread(self._compute_request, prompt, start, slots)
+
+    def _compute_request(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+        if self.kv.is_cuda:
+            # A worker thread starts on device 0 and the default stream: follow the KV buffer's device.
+            with torch.cuda.device(self.kv.device):
+                return self._compute_on_device(prompt, start, slots)
+        return self._compute_on_device(prompt, start, slots)
+
+    def _compute_on_device(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+        n = len(prompt)
+        t_start = time.perf_counter()
+        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
+        for begin, end in prefill_chunks(start, n, self.chunk_tokens):
+            logits = self.model.forward(tokens[begin:end], begin, slots[:end], self.kv)
+        # .item() waits for this stream's prefill; a device-wide sync would also wait for the
+        # cache's copies of other requests on its side stream.
+        token = int(logits.argmax().item())
+        t_first = time.perf_counter()
+        logits_list, generated = [logits], [token]
+        for i in range(self.gen_tokens - 1):
+            step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
+            logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
+            token = int(logits.argmax().item())
+            logits_list.append(logits)
+            generated.append(token)
+        return Computed(logits_list, generated, t_start, t_first, time.perf_counter())
 
 @dataclass(eq=False)
 class _Turn:
@@ -365,7 +434,7 @@ class _Turn:
 
 
 async def run_sessions(
-    engine: Engine,
+    engine: ServingLoop,
     sessions: Sequence[Session],
     concurrency: int,
     window: int,
@@ -408,6 +477,32 @@ async def run_sessions(
             tg.create_task(session(s))
     results.sort(key=lambda r: r.name)
     return results
+
+
+async def timed_run(
+    engine: ServingLoop,
+    sessions: Sequence[Session],
+    concurrency: int,
+    window: int,
+    on_done: Callable[[RequestResult], None],
+) -> tuple[list[RequestResult], float]:
+    """:func:`run_sessions` and its wall time in seconds."""
+    t = time.perf_counter()
+    results = await run_sessions(engine, sessions, concurrency, window, on_done)
+    return results, time.perf_counter() - t
+
+
+@dataclass
+class Runs:
+    """Both runs of the demo's workload: records, wall times (s), the cache's counters, TP ranks."""
+
+    cached: list[RequestResult]
+    scratch: list[RequestResult]
+    wall: float
+    wall_scratch: float
+    stats: CacheStatistics | None
+    rank_pids: tuple[int, ...] = ()
+    rank_workers: tuple[WorkerStatistics, ...] = ()  # each TP rank's aiokv worker, once stopped
 
 
 def total_requests(sessions: Sequence[Session]) -> int:

@@ -6,13 +6,16 @@ import dataclasses
 import enum
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from demo_engine import RequestResult
+from demo_engine import RequestResult, Session, total_requests
+
+if TYPE_CHECKING:
+    from aiokv.tp import WorkerStatistics
 
 
 class Progress:
@@ -45,6 +48,17 @@ class Progress:
             sys.stderr.write(line + "\n")
         self._last_decile = decile
         sys.stderr.flush()
+
+
+def progress_bar(label: str, sessions: Sequence[Session], show: bool) -> Callable[[RequestResult], None]:
+    """A :class:`Progress` over every turn of ``sessions``, or a no-op when ``show`` is False."""
+    if show:
+        return Progress(label, total_requests(sessions))
+
+    def quiet(_: RequestResult) -> None:
+        pass
+
+    return quiet
 
 
 @dataclass(frozen=True)
@@ -168,6 +182,16 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
     exact = "bit-exact" if oracle.logits_bit_exact else f"max abs diff {oracle.max_abs_logit_diff:.3g}"
     lines.append(row("oracle (tokens, logits)", f"{verdict}, {exact}"))
     return "\n".join(lines)
+
+
+def tp_line(tp: int, pids: Sequence[int], workers: Sequence[WorkerStatistics]) -> str:
+    """One line on the TP ranks: processes, how they combine, what each rank's aiokv worker ran."""
+    per_rank = "; ".join(
+        f"rank {w.rank}: {w.specs} transfer specs ({', '.join(f'{k.name}={v}' for k, v in w.reports.items())})"
+        for w in workers
+    )
+    return (f"tensor parallel: {tp} rank processes (pids {', '.join(map(str, pids))}), partial sums combined by a "
+            f"gloo all-reduce; {per_rank or 'no worker statistics (a rank did not stop cleanly)'}")
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
