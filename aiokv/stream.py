@@ -227,7 +227,9 @@ class LoadStream:
     async def _run(self) -> None:
         manager = self._manager
         _, transfers = manager._running()
-        group = manager.config.launch_pages
+        # Layer by layer, all pool pages go in one launch: the worker then copies layer 0 of every
+        # page before layer 1 (launch groups would each run all their layers before the next).
+        group = len(self._pool) if self._layered else manager.config.launch_pages
         table = manager.pool.table
         page = self.tokens // self._t - 1
         pool_started: float | None = None

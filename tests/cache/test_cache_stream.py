@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -218,30 +219,42 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         real: Callable[..., Any] = mover_module.reference_scatter
+        # Layer l + 1 is copied only once the consumer has checked layer l: readiness can then be
+        # proven to come before the next layer lands, deterministically.
+        gates = [threading.Event() for _ in range(LAYOUT.num_layers)]
+        gates[0].set()
+        calls = [0]
 
-        def slow(*args: Any, **kwargs: Any) -> None:
-            for _ in range(40):
-                real(*args, **kwargs)
+        def gated(*args: Any, **kwargs: Any) -> None:
+            layer = calls[0]
+            calls[0] += 1
+            gates[min(layer, len(gates) - 1)].wait()
+            real(*args, **kwargs)
 
         if DEVICE.type == "cpu":
-            monkeypatch.setattr(mover_module, "reference_scatter", slow)
+            monkeypatch.setattr(mover_module, "reference_scatter", gated)
         target = torch.arange(80, 80 + n - 1)
         kv[:, target.to(DEVICE)] = 0
         stream = await cache.start_load(await cache.match(tokens), target, from_token=1, layered=True)
-        assert await stream.launched() == 1  # nothing claimed: the whole match is launched
-        ahead = 0
-        for layer in range(LAYOUT.num_layers):
-            assert await stream.wait_layer(layer)
-            got = kv[layer, target.to(DEVICE)]
-            assert torch.equal(got, original[layer, 1:n]), f"layer {layer} not in place when ready"
-            if layer + 1 < LAYOUT.num_layers and not torch.equal(kv[layer + 1, target.to(DEVICE)],
-                                                                 original[layer + 1, 1:n]):
-                ahead += 1  # readiness came before the next layer landed: a real layer-wise load
+        try:
+            assert await stream.launched() == 1  # nothing claimed: the whole match is launched
+            ahead = 0
+            for layer in range(LAYOUT.num_layers):
+                assert await stream.wait_layer(layer)
+                got = kv[layer, target.to(DEVICE)]
+                assert torch.equal(got, original[layer, 1:n]), f"layer {layer} not in place when ready"
+                if layer + 1 < LAYOUT.num_layers:
+                    if not torch.equal(kv[layer + 1, target.to(DEVICE)], original[layer + 1, 1:n]):
+                        ahead += 1  # ready before the next layer landed: a real layer-wise load
+                    gates[layer + 1].set()
+        finally:
+            for gate in gates:
+                gate.set()  # never leave the copy thread blocked, also when the test fails
         result = await stream.finish()
         assert result.loaded_from == 1
         assert torch.equal(kv[:, target.to(DEVICE)], original[:, 1:n])
         if DEVICE.type == "cpu":
-            assert ahead >= 1
+            assert ahead == LAYOUT.num_layers - 1
         with pytest.raises(ValueError, match="layer"):
             await stream.wait_layer(LAYOUT.num_layers)
         await assert_quiescent(cache)
