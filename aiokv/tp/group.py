@@ -418,7 +418,8 @@ class RankGroup:
             self._disconnects += 1
             failed = self._jobs.rank_lost(conn.rank, RankStatus.RANK_LOST, f"rank {conn.rank} (pid {conn.pid}) lost")
             if not self._closing:
-                log.warning("rank group: rank %d (pid %d) detached; %d jobs failed", conn.rank, conn.pid, failed)
+                level = logging.WARNING if failed else logging.INFO
+                log.log(level, "rank group: rank %d (pid %d) detached; %d jobs failed", conn.rank, conn.pid, failed)
             self._notify()
 
 

@@ -78,6 +78,8 @@ def rank_main(
     slots: int,
     fill: bool,
     threaded: bool,
+    device: str = "cpu",
+    config: TPConfig = CONFIG,
 ) -> None:
     """A rank process: its own KV buffer (its slice of ``full_kv(seed)``, or zeros) and a worker.
 
@@ -86,11 +88,11 @@ def rank_main(
     ``"stop"`` -> close the worker, answer ``"stopped"`` and exit.
     """
     torch.set_num_threads(1)
-    kv = rank_kv(full_kv(layout, seed, slots), layout, rank, tp_size)
+    kv = rank_kv(full_kv(layout, seed, slots), layout, rank, tp_size).to(device)
     if not fill:
         kv.zero_()
     if threaded:
-        with RankWorkerThread(address, rank, tp_size, layout, kv, CONFIG) as runner:
+        with RankWorkerThread(address, rank, tp_size, layout, kv, config) as runner:
             ctrl.send(("started", os.getpid()))
             while True:
                 command = ctrl.recv()
@@ -104,14 +106,14 @@ def rank_main(
                     break
         ctrl.send(("stopped", runner.error))
     else:
-        asyncio.run(_async_rank(ctrl, address, rank, tp_size, layout, kv))
+        asyncio.run(_async_rank(ctrl, address, rank, tp_size, layout, kv, config))
 
 
 async def _async_rank(
     ctrl: multiprocessing.connection.Connection, address: str, rank: int, tp_size: int, layout: KVLayout,
-    kv: torch.Tensor,
+    kv: torch.Tensor, config: TPConfig,
 ) -> None:
-    async with RankWorker(address, rank, tp_size, layout, kv, CONFIG) as worker:
+    async with RankWorker(address, rank, tp_size, layout, kv, config) as worker:
         ctrl.send(("started", os.getpid()))
         while True:
             command = await asyncio.to_thread(ctrl.recv)
@@ -134,17 +136,27 @@ def shm_mappings() -> set[str]:
 
 def _raw(kv: torch.Tensor) -> tuple[bytes, tuple[int, ...]]:
     # Plain bytes: torch's pickler would move a tensor through shared memory of its own.
-    return kv.contiguous().view(torch.uint8).numpy().tobytes(), tuple(kv.shape)
+    return kv.cpu().contiguous().view(torch.uint8).numpy().tobytes(), tuple(kv.shape)
 
 
 class RankProcesses:
     """``tp_size`` rank processes (spawned) attached to the manager at ``address``."""
 
     def __init__(
-        self, address: Path, layout: KVLayout, tp_size: int, seed: int, fill: bool, slots: int = SLOTS
+        self,
+        address: Path,
+        layout: KVLayout,
+        tp_size: int,
+        seed: int,
+        fill: bool,
+        slots: int = SLOTS,
+        device: str = "cpu",
+        config: TPConfig = CONFIG,
     ) -> None:
         self.address = os.fspath(address)
         self.slots = slots
+        self.device = device
+        self.config = config
         self.layout = layout
         self.tp_size = tp_size
         self.seed = seed
@@ -158,7 +170,10 @@ class RankProcesses:
         threaded = rank % 2 == 0  # both runners in every group
         proc = self._ctx.Process(
             target=rank_main,
-            args=(child, self.address, rank, self.tp_size, self.layout, self.seed, self.slots, self.fill, threaded),
+            args=(
+                child, self.address, rank, self.tp_size, self.layout, self.seed, self.slots, self.fill, threaded,
+                self.device, self.config,
+            ),
             daemon=True,
         )
         proc.start()

@@ -1,0 +1,98 @@
+"""Rank workers on a GPU: CUDA KV buffers, side streams after the engine's stream, pool chunks
+registered by each worker's own mapping in the background (the manager registers nothing).
+
+Skipped without CUDA (the same flows run on CPU buffers in test_tp_processes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
+
+from aiokv.layout import KVLayout
+from aiokv.tp import Direction, Job, RankGroup, TPConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CASES = {
+    "mha-tp2": (KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=16), 2),
+    "mla-tp2": (KVLayout.mla(4, 576, torch.bfloat16, page_tokens=16), 2),
+}
+SLOTS = 256
+PAGES = 12
+
+
+@pytest_asyncio.fixture
+async def spawned() -> AsyncIterator[list[RankProcesses]]:
+    groups: list[RankProcesses] = []
+    yield groups
+    for procs in groups:
+        await procs.kill_all()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(CASES))
+async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, spawned: list[RankProcesses]) -> None:
+    layout, tp = CASES[case]
+    T = layout.page_tokens
+    # Chunks of two pages: specs wait for the chunks of their pages only.
+    config = TPConfig(
+        reconnect_initial_s=CONFIG.reconnect_initial_s, register_chunk_bytes=2 * layout.page_bytes,
+        handshake_timeout_s=60.0,
+    )
+    full = full_kv(layout, seed=9, slots=SLOTS)
+    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[: 8 * T]
+    pool = await new_pool(layout, PAGES)  # register_cuda=False: the manager touches no CUDA
+    try:
+        async with RankGroup(layout, tp, pool.name, pool.num_pages, config, tmp_path / "m") as group:
+            writers = RankProcesses(group.address, layout, tp, 9, True, SLOTS, "cuda", config)
+            spawned.append(writers)
+            writers.start_all()
+            async with asyncio.timeout(180):
+                await group.wait_attached()
+            pool.pages.view(torch.uint8).fill_(0xA5)
+            handles = reserve(pool, [key(i) for i in range(8)])
+            pages = [h.page for h in handles]
+            jobs: list[Job] = []
+            for i in range(0, 8, 2):  # four jobs in flight at once
+                spec = group.spec(Direction.OFFLOAD, pages[i : i + 2], slots[i * T : (i + 2) * T])
+                jobs.append(group.submit_nowait(spec))
+            outcomes = [await job for job in jobs]
+            assert all(o.ok for o in outcomes), outcomes
+            for handle in handles:
+                pool.table.commit(handle)
+            for i, page in enumerate(pages):
+                assert torch.equal(pool.pages[page], expected_page(full, slots[i * T : (i + 1) * T].tolist()))
+            await writers.stop_all()
+
+            readers = RankProcesses(group.address, layout, tp, 9, False, SLOTS, "cuda", config)
+            spawned.append(readers)
+            readers.start_all()
+            async with asyncio.timeout(180):
+                await group.wait_attached()
+            refs = [pool.table.acquire(key(i)) for i in range(8)]
+            target = torch.arange(SLOTS - 1, SLOTS - 8 * T, -1)
+            outcome = await group.submit_nowait(group.spec(Direction.LOAD, pages, target, skip_first=1))
+            for ref in refs:
+                assert ref is not None
+                pool.table.release(ref)
+            assert outcome.ok
+            for rank in range(tp):
+                got = await readers.dump(rank)
+                want = rank_kv(full, layout, rank, tp)
+                assert torch.equal(got[:, target], want[:, slots[1:]]), f"rank {rank} is not bit-exact"
+                stats = await readers.ask(rank, "stats")
+                assert stats.registered_chunks == (PAGES // 2, PAGES // 2)
+            await readers.stop_all()
+            assert group.jobs.in_flight == 0
+    finally:
+        await pool.aclose()
