@@ -404,12 +404,7 @@ class TPRanks:
             stopped = [r.stopped.result() for r in ranks if r.stopped.done() and not r.stopped.cancelled()]
             self.workers = tuple(s.worker for s in stopped if s is not None)
             self.worker_errors = tuple(f"rank {s.rank}: {s.error}" for s in stopped if s is not None and s.error)
-            for r in ranks:
-                await asyncio.to_thread(r.proc.join, self.stop_timeout_s)
-                if r.proc.is_alive():
-                    r.proc.kill()  # stuck (a collective waiting for a dead peer): ours to end
-                    await asyncio.to_thread(r.proc.join)
-                await asyncio.to_thread(r.reader.join)
+            await asyncio.gather(*(self._join(r) for r in ranks))
         finally:
             for r in ranks:
                 r.commands.close()
@@ -419,6 +414,13 @@ class TPRanks:
                 r.ready.cancel()
             if self._store_dir is not None:
                 shutil.rmtree(self._store_dir, ignore_errors=True)
+
+    async def _join(self, r: _Rank) -> None:
+        await asyncio.to_thread(r.proc.join, self.stop_timeout_s)
+        if r.proc.is_alive():
+            r.proc.kill()  # stuck (a collective waiting for a dead peer): ours to end
+            await asyncio.to_thread(r.proc.join)
+        await asyncio.to_thread(r.reader.join)  # ends at the reply pipe's EOF, now that the child exited
 
 
 async def _wait_settled(done: asyncio.Future[torch.Tensor | None]) -> torch.Tensor | None:
