@@ -18,15 +18,20 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import threading
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from aiokv import shm
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, PageTable, PageTableStatistics, Reservation
-from aiokv.segments import reclaim
+
+if TYPE_CHECKING:
+    from aiokv.segments import SegmentInfo
 from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_available, prepare_in_background
 
 log = logging.getLogger(__name__)
@@ -69,12 +74,14 @@ class PageMemory:
         self.pages = _page_tensor(segment.buffer, layout, self.num_pages)
         """``[N, L, T, rows, D]`` of the layout dtype; page i is ``pages[i]``."""
         # Made on first use: one slice per page up front costs ~1 µs each (0.3 s for 256K pages).
-        self._views: list[memoryview | None] = [None] * self.num_pages
+        self._views: dict[int, memoryview] = {}
 
     def page_view(self, page: int) -> memoryview:
         """Writable memoryview of the whole padded page ``page`` (``page_bytes`` long)."""
-        view = self._views[page]
+        view = self._views.get(page)
         if view is None:
+            if not 0 <= page < self.num_pages:
+                raise IndexError(f"page {page} out of range [0, {self.num_pages})")
             pb = self.layout.page_bytes
             view = self._views[page] = self.segment.buffer[page * pb : (page + 1) * pb]
         return view
@@ -87,14 +94,12 @@ class PageMemory:
         """Drop every view, then close the segment. Idempotent."""
         if self.segment.closed:
             return
-        for view in self._views:
-            if view is None:
-                continue
+        for view in self._views.values():
             try:
                 view.release()
             except BufferError:
                 pass  # an io_uring iovec still exports it; the segment outlives it
-        self._views = []
+        self._views = {}
         self.pages = torch.empty(0)
         self.segment.close()
 
@@ -116,6 +121,32 @@ async def _finish(cleanup: Awaitable[None]) -> None:
     _cleanups.add(task)
     task.add_done_callback(_cleanup_done)
     await asyncio.wait([task])
+
+
+def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[SegmentInfo]]:
+    """Unlink dead processes' segments: now if a segment of ``size`` bytes needs their memory, else
+    in a thread beside the new pool's preparation (so a large leftover never delays start-up)."""
+    # Imported here: `python -m aiokv.segments` must not find itself imported by `import aiokv`.
+    from aiokv.segments import SegmentState, reclaim, scan
+
+    reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
+    if not any(s.state is SegmentState.DEAD for s in scan(prefix)):
+        reclaimed.set_result([])
+        return reclaimed
+    free = shm.shm_free_bytes()
+    if free is None or free < size:
+        reclaimed.set_result(reclaim(prefix))
+        return reclaimed
+
+    def run() -> None:
+        try:
+            reclaimed.set_result(reclaim(prefix))
+        except BaseException as exc:  # reclaim() logs per segment; anything else ends here
+            reclaimed.set_exception(exc)
+
+    # A daemon: an exit mid-way leaves the rest to the next start, never waits for it.
+    threading.Thread(target=run, name="aiokv-reclaim", daemon=True).start()
+    return reclaimed
 
 
 async def _discard(build: asyncio.Future[PagePool]) -> None:
@@ -162,6 +193,9 @@ class PagePool:
         self._closed = False  # no more pages or views handed out
         self._released = False  # memory unmapped and unlinked
         self._closing: asyncio.Task[None] | None = None
+        self.reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
+        """Segments of dead processes that creating this pool unlinked (see :meth:`create`)."""
+        self.reclaimed.set_result([])
 
     @staticmethod
     def _check_arguments(layout: KVLayout, byte_budget: int, chunk_bytes: int) -> None:
@@ -190,24 +224,27 @@ class PagePool:
     ) -> PagePool:
         """A pool of ``byte_budget // layout.page_bytes`` pages; chunks are prepared in the background.
 
-        Blocks for the set-up (page table, segment, unlinking segments that dead processes left:
-        milliseconds to a second with many small pages or a large leftover); on an event loop use
-        :meth:`open`. ``register_cuda=None`` registers with CUDA when a device is present. Raises
-        ``TypeError`` for a non-int budget, ``ValueError`` when the budget holds no page, and
+        Blocks for the set-up (page table, segment: milliseconds, up to a second with very many small
+        pages); on an event loop use :meth:`open`. Segments that dead processes left behind are
+        reclaimed (:mod:`aiokv.segments`): first when this pool needs their memory, else beside it in
+        a thread (unlinking frees ~75 ms per GiB here); :attr:`reclaimed` resolves to them.
+        ``register_cuda=None`` registers with CUDA when a device is present. Raises ``TypeError``
+        for a non-int budget, ``ValueError`` when the budget holds no page, and
         :class:`aiokv.shm.SegmentSpaceError` when shared memory is too small.
         """
         cls._check_arguments(layout, byte_budget, chunk_bytes)
         if register_cuda is None:
             register_cuda = cuda_available()
-        # Reclaim first: a leftover of a killed process may hold the memory this pool needs.
-        reclaim(name_prefix)
-        pages = byte_budget // layout.page_bytes
-        segment = SharedSegment.create(pages * layout.page_bytes, name_prefix)
+        size = byte_budget // layout.page_bytes * layout.page_bytes
+        reclaimed = _reclaim_for(size, name_prefix)
+        segment = SharedSegment.create(size, name_prefix)
         try:
-            return cls(segment, layout, register_cuda, chunk_bytes, workers)
+            pool = cls(segment, layout, register_cuda, chunk_bytes, workers)
         except BaseException:
             segment.close()
             raise
+        pool.reclaimed = reclaimed
+        return pool
 
     @classmethod
     async def open(

@@ -203,6 +203,11 @@ def scan(prefix: str = SHM_NAME_PREFIX) -> list[SegmentInfo]:
     return found
 
 
+def reclaimable_bytes(prefix: str = SHM_NAME_PREFIX) -> int:
+    """Bytes that :func:`reclaim` would free now: count them as free when sizing a pool."""
+    return sum(s.size for s in scan(prefix) if s.state is SegmentState.DEAD)
+
+
 def reclaim(prefix: str = SHM_NAME_PREFIX, *, legacy: bool = False) -> list[SegmentInfo]:
     """Unlink the DEAD segments (see the module docstring); returns those unlinked. Never raises OSError.
 
@@ -232,7 +237,7 @@ def reclaim(prefix: str = SHM_NAME_PREFIX, *, legacy: bool = False) -> list[Segm
 
 
 def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

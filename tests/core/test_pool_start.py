@@ -126,11 +126,13 @@ def _gate(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> tuple[t
 
 
 @pytest.mark.asyncio
-async def test_cancelled_while_the_segment_is_being_made_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_cancelled_while_the_thread_builds_the_pool_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     before = _segments()
-    release, entered = _gate(monkeypatch, aiokv.pool, "reclaim")  # the first step of create()
+    # The page table is built after the segment exists: the thread holds a segment nobody owns yet.
+    release, entered = _gate(monkeypatch, aiokv.pool, "PageTable")
     task = asyncio.ensure_future(PagePool.open(LAYOUT, 4 * LAYOUT.page_bytes))
     await entered.wait()
+    assert len(_segments() - before) == 1
     task.cancel()
     asyncio.get_running_loop().call_soon(release.set)  # after the task saw its cancellation
     with pytest.raises(asyncio.CancelledError):

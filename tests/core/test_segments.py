@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
@@ -15,10 +16,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import aiokv.shm
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.segments import SegmentState, main, reclaim, scan
-from aiokv.shm import SHM_DIR, process_start_ticks
+from aiokv.segments import SegmentState, main, reclaim, reclaimable_bytes, scan
+from aiokv.shm import SHM_DIR, SharedSegment, process_start_ticks
 
 LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
 SPAWN = multiprocessing.get_context("spawn")
@@ -91,7 +93,10 @@ def test_segment_of_a_sigkilled_creator_is_reclaimed_by_the_next_pool(prefix: st
         attached.close()
     (info,) = scan(prefix)
     assert info.state is SegmentState.DEAD and info.size == 4 * LAYOUT.page_bytes
+    assert reclaimable_bytes(prefix) == info.size
     with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes, name_prefix=prefix) as pool:
+        # Shared memory had room for both: unlinked in a thread beside the new pool's preparation.
+        assert [s.name for s in pool.reclaimed.result(timeout=60)] == [name]
         assert not os.path.exists(path)
         assert [s.name for s in scan(prefix)] == [pool.name]
 
@@ -184,9 +189,31 @@ def test_operator_commands_list_and_clean(prefix: str, capsys: pytest.CaptureFix
 
 @pytest.mark.asyncio
 async def test_open_reclaims_too(prefix: str) -> None:
-    plant(f"{prefix}-{dead_pid()}-12345-{hex16()}")
+    seg = plant(f"{prefix}-{dead_pid()}-12345-{hex16()}")
     pool = await PagePool.open(LAYOUT, LAYOUT.page_bytes, name_prefix=prefix)
     try:
+        assert [SHM_DIR + s.name for s in await asyncio.wrap_future(pool.reclaimed)] == [seg]
         assert [s.name for s in scan(prefix)] == [pool.name]
     finally:
         await pool.aclose()
+
+
+def test_leftovers_are_reclaimed_first_when_the_pool_needs_their_memory(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seg = plant(f"{prefix}-{dead_pid()}-12345-{hex16()}")
+    real = aiokv.shm.shm_free_bytes
+    answers = iter([LAYOUT.page_bytes - 1])  # the first question: "is there room already?" no
+
+    monkeypatch.setattr(aiokv.shm, "shm_free_bytes", lambda: next(answers, None) or real())
+    leftover_at_create: list[bool] = []
+    create = SharedSegment.create
+
+    def watched_create(size: int, name_prefix: str) -> SharedSegment:
+        leftover_at_create.append(os.path.exists(seg))
+        return create(size, name_prefix)
+
+    monkeypatch.setattr(SharedSegment, "create", watched_create)
+    with PagePool.create(LAYOUT, LAYOUT.page_bytes, name_prefix=prefix) as pool:
+        assert leftover_at_create == [False]  # unlinked before the new segment was made
+        assert [SHM_DIR + s.name for s in pool.reclaimed.result()] == [seg]
