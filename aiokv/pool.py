@@ -139,6 +139,7 @@ def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[Segme
         return reclaimed
 
     def run() -> None:
+        shm.lower_thread_priority()
         try:
             reclaimed.set_result(reclaim(prefix))
         except BaseException as exc:  # reclaim() logs per segment; anything else ends here

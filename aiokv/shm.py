@@ -260,11 +260,12 @@ def _cuda_host_unregister(address: int) -> None:
 
 
 PREPARE_NICE = 10
-"""Nice increment of chunk-preparation threads: on a busy machine the event loop's thread wins the CPU."""
+"""Nice increment of background threads (chunk preparation, reclaim): the event loop's thread wins the CPU."""
 
 
-def _lower_priority() -> None:
-    # On Linux a thread id names one thread for setpriority; raising one's own nice needs no privilege.
+def lower_thread_priority() -> None:
+    """Lower the calling thread's priority by :data:`PREPARE_NICE` (best effort; Linux nice is per thread)."""
+    # A thread id names one thread for setpriority; raising one's own nice needs no privilege.
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
     except (AttributeError, OSError):
@@ -293,7 +294,7 @@ def prepare_in_background(
     """
     threads = max(1, min(workers, _cpus() - 1))
     executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=threads, thread_name_prefix="aiokv-pool", initializer=_lower_priority
+        max_workers=threads, thread_name_prefix="aiokv-pool", initializer=lower_thread_priority
     )
     futures = [
         executor.submit(segment.prepare_chunk, index, offset, length, register_cuda)
