@@ -88,15 +88,15 @@ class CacheManager:
             return self.pool
         self._started = True
         cfg = self.config
-        self._pool = PagePool.create(
+        # Set-up runs in a thread (the loop never blocks on it); usable once the first chunk is
+        # prepared, the rest fill in behind (pages of ready chunks only).
+        self._pool = await PagePool.open(
             self.layout,
             cfg.cpu_bytes,
             register_cuda=self._register_cuda,
             chunk_bytes=cfg.pool_chunk_bytes,
             workers=cfg.pool_workers,
         )
-        # Usable once the first chunk is prepared; the rest fill in behind (pages of ready chunks only).
-        await self._pool.wait_usable()
         if cfg.disk_dir is not None:
             disk = DiskTier(
                 DiskConfig(
@@ -418,6 +418,14 @@ class CacheManager:
             return pool.table.acquire(key)
         if res.outcome is ReserveOutcome.PENDING:
             return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
+        # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
+        # a load's own promotions hold their pages until its copies end, so that could not help).
+        while res.outcome is ReserveOutcome.EXHAUSTED and disk is not None and await self._wait_for_room(disk_io=False):
+            (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
+        if res.outcome is ReserveOutcome.PRESENT:
+            return pool.table.acquire(key)
+        if res.outcome is ReserveOutcome.PENDING:
+            return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
         if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
             self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
             return None
@@ -492,21 +500,27 @@ class CacheManager:
         self._dropped += dropped
         return OffloadResult(stored, skipped, dropped)
 
-    async def _wait_for_room(self) -> bool:
-        """Wait (``offload_wait`` at most) for a pool page to be freed by write-behind or reads in
-        flight; False when nothing in flight can free one, or none came in time."""
-        disk = self._disk
-        if disk is None:
-            return False
-        busy = disk.statistics()
-        if busy.write_behind_queued == 0 and busy.in_flight == 0:
+    async def _wait_for_room(self, *, disk_io: bool = True) -> bool:
+        """Wait (``offload_wait`` at most) until a pool page may be free: a chunk still being
+        prepared becomes usable, or (``disk_io``) the write-behind or a read releases one. False
+        when nothing in flight can free a page, or none came in time."""
+        pool, disk = self.pool, self._disk
+        waits: list[asyncio.Future[None]] = []
+        if not pool.ready:
+            waits.append(asyncio.ensure_future(pool.wait_ready()))
+        if disk is not None and disk_io:
+            busy = disk.statistics()
+            if busy.write_behind_queued or busy.in_flight:
+                waits.append(asyncio.ensure_future(pool.table.wait_reclaimable()))
+        if not waits:
             return False
         try:
-            async with asyncio.timeout(self.config.offload_wait):
-                await self.pool.table.wait_reclaimable()
-        except TimeoutError:
-            return False
-        return True
+            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        return bool(done)
 
     async def _store(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation], slots: torch.Tensor,
