@@ -4,7 +4,8 @@ It lives in the rank's process. A :class:`~aiokv.kernels.PageMover` over this ra
 (its head slice) and the attached pool moves the bytes:
 
 - CPU KV buffer: the copy runs on the :class:`~aiokv.cuda.CompletionBridge`'s copy thread (specs
-  stay in order), never on the loop.
+  stay in order), never on the engine's loop; a thread runner's private loop is itself the copy
+  thread (``copy_on_loop``).
 - CUDA KV buffer: the copy is launched on the mover's own side streams, ordered after the engine's
   stream by an event; a LOAD also makes the engine's stream wait for the copy, so the engine's later
   kernels see the bytes. Completion comes through the bridge's waiter threads (no polling). The
@@ -59,6 +60,8 @@ class RankExecutor:
 
     ``bridge`` is the worker's completion bridge (it outlives executors across reconnects).
     ``engine_stream``: the stream the engine writes and reads its KV buffer on (CUDA only).
+    ``copy_on_loop``: run CPU copies on the driving loop itself; only for a loop that is a thread
+    of the worker's own (:class:`~aiokv.tp.RankWorkerThread`), never an engine's or a manager's.
     One event loop drives it; :meth:`aclose` waits for copies in flight, then unmaps the pool.
     """
 
@@ -71,12 +74,14 @@ class RankExecutor:
         config: TPConfig | None = None,
         engine_stream: torch.cuda.Stream | None = None,
         path: TransferPath | None = None,
+        copy_on_loop: bool = False,
     ) -> None:
         self.kv = kv
         self.memory = memory
         self.epoch = epoch
         self.config = config or TPConfig()
         self._bridge = bridge
+        self._copy_on_loop = copy_on_loop
         self._cuda = kv.device.type == "cuda"
         if self._cuda and engine_stream is None:
             raise ValueError("a CUDA KV buffer needs the engine's stream")
@@ -132,6 +137,8 @@ class RankExecutor:
         early = self._precheck(spec)
         if early is not None:
             result.set_result(early)
+        elif not self._cuda and self._copy_on_loop:
+            result.set_result(self._copy_on_thread(spec))
         elif not self._cuda:
             copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec))
             copy.add_done_callback(functools.partial(_forward, result))

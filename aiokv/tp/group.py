@@ -8,11 +8,15 @@ A rank that disconnects (or dies: the kernel closes its socket) fails its part o
 in flight at once.
 
 The group holds no engine tensors and moves no bytes; its loop only reads and writes small frames.
+Connections are asyncio protocols on the Unix socket rather than stream tasks: a completion is
+handled in the read callback that received it, with no task wake-up per rank (the round trip of a
+spec to eight ranks is dominated by such wake-ups; see ``tools/bench_specs.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import secrets
@@ -32,6 +36,7 @@ from .wire import (
     Attached,
     Done,
     FrameKind,
+    FrameParser,
     Hello,
     ProtocolError,
     RankStatus,
@@ -39,13 +44,9 @@ from .wire import (
     RefuseReason,
     Welcome,
     frame,
-    read_frame,
 )
 
 log = logging.getLogger(__name__)
-
-_LINK_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ProtocolError, TimeoutError, OSError)
-
 
 @dataclass(frozen=True)
 class GroupStatistics:
@@ -65,20 +66,8 @@ class GroupStatistics:
     disconnects: int
     """Attached ranks that went away."""
     link_errors: int
-    """Connections ended by a malformed frame, a timeout or a socket error."""
+    """Connections ended by a malformed or unexpected frame, or a handshake timeout."""
     jobs: JobStatistics
-
-
-class _Rank:
-    """One worker connection; ``attached`` once its pool mapping is confirmed."""
-
-    __slots__ = ("attached", "pid", "rank", "writer")
-
-    def __init__(self, rank: int, writer: asyncio.StreamWriter, pid: int) -> None:
-        self.rank = rank
-        self.writer = writer
-        self.pid = pid
-        self.attached = False
 
 
 class RankGroup:
@@ -124,9 +113,8 @@ class RankGroup:
         self._inode: int | None = None
         self._server: asyncio.Server | None = None
         self._jobs = JobTable(self.config.max_jobs)
-        self._ranks: dict[int, _Rank] = {}  # claimed at hello, attached after ATTACHED
-        self._connections: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._ranks: dict[int, _RankLink] = {}  # claimed at hello, attached after ATTACHED
+        self._links: set[_RankLink] = set()
         self._all_attached = asyncio.Event()
         self._changed = asyncio.Event()
         self._next_job = 1
@@ -143,8 +131,9 @@ class RankGroup:
         endpoint = private_directory(self._directory)
         try:
             clear_stale_socket(endpoint.socket_path)
-            self._server = await asyncio.start_unix_server(
-                self._on_connection, path=os.fspath(endpoint.socket_path)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(
+                lambda: _RankLink(self), path=os.fspath(endpoint.socket_path)
             )
             self._inode = os.lstat(endpoint.socket_path).st_ino
         except BaseException:
@@ -178,11 +167,12 @@ class RankGroup:
             except TimeoutError:
                 log.warning("rank group closing with %d jobs still in flight", self._jobs.in_flight)
         self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
-        for writer in list(self._connections):
-            writer.close()
-        # Closing a transport ends its reader at once: the connection tasks finish promptly.
-        if self._tasks:
-            await asyncio.wait(set(self._tasks))
+        links = list(self._links)
+        for link in links:
+            if link.transport is not None:
+                link.transport.abort()  # no flush: a rank that stopped reading must not hold us
+        if links:
+            await asyncio.wait([link.closed for link in links])
         if self._server is not None:
             await self._server.wait_closed()
         if self._endpoint is not None:
@@ -278,11 +268,11 @@ class RankGroup:
         job = self._jobs.open(spec, targets)
         data = frame(FrameKind.SPEC, spec.to_bytes())
         for rank in sorted(targets):
-            writer = self._ranks[rank].writer
-            if writer.is_closing():
+            transport = self._ranks[rank].transport
+            if transport is None or transport.is_closing():
                 self._jobs.report(spec.job_id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
             else:
-                writer.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
+                transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
         return job
 
     async def submit(self, spec: TransferSpec) -> Job:
@@ -314,68 +304,47 @@ class RankGroup:
 
     # -- connections ----------------------------------------------------------------------------
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self._connections.add(writer)
-        self._accepted += 1
-        conn: _Rank | None = None
-        try:
-            async with asyncio.timeout(self.config.handshake_timeout_s):
-                conn = await self._handshake(reader, writer)
-            if conn is not None:
-                await self._serve(conn, reader)
-        except asyncio.IncompleteReadError:
-            pass  # EOF: the worker went away (or died)
-        except _LINK_ERRORS as exc:
-            self._link_errors += 1
-            log.warning("rank group: connection %s ended: %s: %s", _who(conn), type(exc).__name__, exc)
-        finally:
-            self._connections.discard(writer)
-            self._tasks.discard(task)
-            writer.close()
-            if conn is not None:
-                self._drop(conn)
-
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Rank | None:
-        kind, payload = await read_frame(reader, self.config.max_frame_bytes)
-        if kind is not FrameKind.HELLO:
-            raise ProtocolError(f"expected a hello, got {kind.name}")
-        hello = Hello.decode(payload)
-        pid, uid = _peer(writer)
+    def _on_hello(self, link: _RankLink, hello: Hello) -> None:
+        assert link.transport is not None
+        link.pid, uid = _peer(link.transport)
         refusal = self._check_hello(hello, uid)
         if refusal is not None:
             self._refused += 1
-            log.warning("rank group: refused pid %d (rank %d): %s", pid, hello.rank, refusal.text)
-            writer.write(frame(FrameKind.REFUSE, refusal.encode()))
-            await writer.drain()
-            return None
-        conn = _Rank(hello.rank, writer, pid)
-        self._ranks[hello.rank] = conn  # claimed: a second hello for this rank is refused
-        try:
-            welcome = Welcome(
-                PROTOCOL_VERSION, self.tp_size, self.layout.fingerprint, self.epoch,
-                self.num_pages, self.layout.page_bytes, self.pool_name,
-            )
-            writer.write(frame(FrameKind.WELCOME, welcome.encode()))
-            kind, payload = await read_frame(reader, self.config.max_frame_bytes)
-            if kind is not FrameKind.ATTACHED:
-                raise ProtocolError(f"expected an attach report, got {kind.name}")
-            report = Attached.decode(payload)
-        except BaseException:
-            del self._ranks[hello.rank]
-            raise
+            log.warning("rank group: refused pid %d (rank %d): %s", link.pid, hello.rank, refusal.text)
+            link.state = _LinkState.ENDED
+            link.transport.write(frame(FrameKind.REFUSE, refusal.encode()))
+            link.transport.close()  # after the refusal is flushed
+            return
+        link.rank = hello.rank
+        self._ranks[hello.rank] = link  # claimed: a second hello for this rank is refused
+        link.state = _LinkState.ATTACH
+        welcome = Welcome(
+            PROTOCOL_VERSION, self.tp_size, self.layout.fingerprint, self.epoch,
+            self.num_pages, self.layout.page_bytes, self.pool_name,
+        )
+        link.transport.write(frame(FrameKind.WELCOME, welcome.encode()))
+
+    def _on_attached(self, link: _RankLink, report: Attached) -> None:
+        assert link.transport is not None
         if not report.ok or report.epoch != self.epoch:
-            del self._ranks[hello.rank]
             self._attach_failures += 1
             why = report.text if not report.ok else f"attached epoch {report.epoch:#x}"
-            log.warning("rank group: rank %d (pid %d) could not attach %s: %s", conn.rank, pid, self.pool_name, why)
-            return None
-        conn.attached = True
-        log.info("rank group: rank %d attached (pid %d)", conn.rank, pid)
+            log.warning("rank group: rank %d (pid %d) cannot attach %s: %s", link.rank, link.pid, self.pool_name, why)
+            link.state = _LinkState.ENDED
+            link.transport.close()
+            return
+        link.state = _LinkState.SERVING
+        link.attached = True
+        link.stop_timer()
+        log.info("rank group: rank %d attached (pid %d)", link.rank, link.pid)
         self._notify()
-        return conn
+
+    def _on_link_error(self, link: _RankLink, why: str) -> None:
+        self._link_errors += 1
+        who = "before hello" if link.rank < 0 else f"of rank {link.rank} (pid {link.pid})"
+        log.warning("rank group: connection %s ended: %s", who, why)
+        if link.transport is not None:
+            link.transport.abort()
 
     def _check_hello(self, hello: Hello, uid: int) -> Refuse | None:
         if uid not in (os.getuid(), 0):
@@ -401,34 +370,89 @@ class RankGroup:
             return Refuse(RefuseReason.RANK_TAKEN, f"rank {hello.rank} is already connected")
         return None
 
-    async def _serve(self, conn: _Rank, reader: asyncio.StreamReader) -> None:
-        limit = self.config.max_frame_bytes
-        while True:
-            kind, payload = await read_frame(reader, limit)
-            if kind is not FrameKind.DONE:
-                raise ProtocolError(f"expected a completion, got {kind.name}")
-            done = Done.decode(payload)
-            self._jobs.report(done.job_id, conn.rank, done.status, done.text)
-
-    def _drop(self, conn: _Rank) -> None:
-        if self._ranks.get(conn.rank) is not conn:
+    def _drop(self, link: _RankLink) -> None:
+        self._links.discard(link)
+        if link.rank < 0 or self._ranks.get(link.rank) is not link:
             return
-        del self._ranks[conn.rank]
-        if conn.attached:
+        del self._ranks[link.rank]
+        if link.attached:
             self._disconnects += 1
-            failed = self._jobs.rank_lost(conn.rank, RankStatus.RANK_LOST, f"rank {conn.rank} (pid {conn.pid}) lost")
+            failed = self._jobs.rank_lost(link.rank, RankStatus.RANK_LOST, f"rank {link.rank} (pid {link.pid}) lost")
             if not self._closing:
                 level = logging.WARNING if failed else logging.INFO
-                log.log(level, "rank group: rank %d (pid %d) detached; %d jobs failed", conn.rank, conn.pid, failed)
+                log.log(level, "rank group: rank %d (pid %d) detached; %d jobs failed", link.rank, link.pid, failed)
             self._notify()
 
 
-def _peer(writer: asyncio.StreamWriter) -> tuple[int, int]:
-    sock = writer.get_extra_info("socket")
+class _LinkState(enum.Enum):
+    HELLO = "hello"
+    ATTACH = "attach"
+    SERVING = "serving"
+    ENDED = "ended"
+
+
+class _RankLink(asyncio.Protocol):
+    """One worker connection, driven by the loop's read callbacks.
+
+    Frames are handled as they arrive, in the callback that read them: no task, and no task
+    wake-up, per connection or per completion (eight ranks' completions cost one pass each).
+    """
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.rank = -1
+        self.pid = 0
+        self.attached = False
+        self.state = _LinkState.HELLO
+        self.transport: asyncio.Transport | None = None
+        self.parser = FrameParser(group.config.max_frame_bytes)
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.group._links.add(self)
+        self.group._accepted += 1
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.group.config.handshake_timeout_s, self._handshake_timeout)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _handshake_timeout(self) -> None:
+        self._timer = None
+        if not self.attached:
+            self.group._on_link_error(self, "no hello/attach report within the handshake timeout")
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for kind, payload in self.parser.feed(data):
+                if self.state is _LinkState.SERVING and kind is FrameKind.DONE:
+                    done = Done.decode(payload)
+                    self.group._jobs.report(done.job_id, self.rank, done.status, done.text)
+                elif self.state is _LinkState.HELLO and kind is FrameKind.HELLO:
+                    self.group._on_hello(self, Hello.decode(payload))
+                elif self.state is _LinkState.ATTACH and kind is FrameKind.ATTACHED:
+                    self.group._on_attached(self, Attached.decode(payload))
+                elif self.state is not _LinkState.ENDED:
+                    raise ProtocolError(f"unexpected {kind.name} frame in state {self.state.value}")
+        except ProtocolError as exc:
+            self.state = _LinkState.ENDED
+            self.group._on_link_error(self, f"ProtocolError: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop_timer()
+        self.state = _LinkState.ENDED
+        if exc is not None:
+            log.debug("rank group: connection of rank %d ended: %r", self.rank, exc)  # e.g. reset by a killed rank
+        self.group._drop(self)
+        self.closed.set_result(None)
+
+
+def _peer(transport: asyncio.BaseTransport) -> tuple[int, int]:
+    sock = transport.get_extra_info("socket")
     if sock is None:
         return 0, os.getuid()  # a transport without a socket (tests' fakes): same user
     return peer_credentials(cast(socket.socket, sock))
-
-
-def _who(conn: _Rank | None) -> str:
-    return "before hello" if conn is None else f"of rank {conn.rank} (pid {conn.pid})"

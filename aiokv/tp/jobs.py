@@ -76,7 +76,21 @@ class Job:
 
     async def wait(self) -> JobOutcome:
         """Wait for the outcome; cancelling the waiter leaves the job running."""
-        return await asyncio.shield(self._future)
+        if self._future.done():
+            return self._future.result()
+        # A private waiter per call (what asyncio.shield does, one loop turn shorter): cancelling the
+        # caller cancels only its waiter, never the job's future that the table resolves.
+        waiter: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
+
+        def wake(done: asyncio.Future[JobOutcome]) -> None:
+            if not waiter.done():
+                waiter.set_result(done.result())
+
+        self._future.add_done_callback(wake)
+        try:
+            return await waiter
+        finally:
+            self._future.remove_done_callback(wake)
 
     def __await__(self) -> Generator[Any, None, JobOutcome]:
         return self.wait().__await__()

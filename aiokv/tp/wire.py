@@ -14,6 +14,7 @@ Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import struct
 from dataclasses import dataclass
@@ -111,6 +112,61 @@ def _fixed(layout: struct.Struct, payload: bytes, what: str, exact: bool) -> tup
 def frame(kind: FrameKind, payload: bytes) -> bytes:
     """One frame ready to write."""
     return _FRAME.pack(len(payload) + 1, kind.value) + payload
+
+
+class FrameParser:
+    """Complete frames out of the bytes of one connection, fed as they arrive (synchronous)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._buffer = bytearray()
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of a frame not complete yet."""
+        return bytes(self._buffer)
+
+    def feed(self, data: bytes) -> list[tuple[FrameKind, bytes]]:
+        """Append ``data``; return the frames it completed. Raises :class:`ProtocolError` when malformed."""
+        self._buffer += data
+        buffer, start, frames = self._buffer, 0, []
+        while len(buffer) - start >= _FRAME.size:
+            length, kind = _FRAME.unpack_from(buffer, start)
+            if length < 1 or length > self._max:
+                raise ProtocolError(f"frame of {length} bytes (limit {self._max})")
+            end = start + _FRAME.size + length - 1
+            if end > len(buffer):
+                break
+            try:
+                what = FrameKind(kind)
+            except ValueError:
+                raise ProtocolError(f"unknown frame kind {kind}") from None
+            frames.append((what, bytes(buffer[start + _FRAME.size : end])))
+            start = end
+        del buffer[:start]
+        return frames
+
+
+class FrameReader:
+    """Frames of one stream connection, parsed from whatever the socket delivered in one read.
+
+    One await per batch of frames instead of two per frame. Use one reader for the whole
+    connection (it buffers bytes beyond the frame it returns).
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, max_bytes: int) -> None:
+        self._reader = reader
+        self._parser = FrameParser(max_bytes)
+        self._frames: collections.deque[tuple[FrameKind, bytes]] = collections.deque()
+
+    async def read(self) -> tuple[FrameKind, bytes]:
+        """The next frame. Raises ``asyncio.IncompleteReadError`` at EOF, :class:`ProtocolError` when malformed."""
+        while not self._frames:
+            data = await self._reader.read(1 << 16)
+            if not data:
+                raise asyncio.IncompleteReadError(self._parser.pending, None)
+            self._frames.extend(self._parser.feed(data))
+        return self._frames.popleft()
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[FrameKind, bytes]:
