@@ -436,8 +436,11 @@ class PagePool:
         running = [asyncio.wrap_future(f) for f in self._futures if not f.cancelled()]
         if running:
             await asyncio.wait(running)
-        # Unmapping and unlinking a large segment frees its pages: tens of ms per GiB, off the loop.
-        await asyncio.to_thread(self.close)
+        # Unmapping and unlinking a large segment frees its pages (tens of ms per GiB): in one of the
+        # preparation threads, which yield the CPU to the loop's thread.
+        await asyncio.wrap_future(self._executor.submit(self.memory.close))
+        self._released = True
+        self._executor.shutdown(wait=False)  # its threads are idle and exit by themselves
 
     def __enter__(self) -> PagePool:
         return self
