@@ -5,14 +5,18 @@ through a :class:`RankGroup`; each rank's process runs a :class:`RankWorker` tha
 pool by name and copies its head slice of every page. A job resolves when every rank it was sent to
 reported or is gone; pages are committed only when all succeeded::
 
-    group = RankGroup(layout, tp_size, pool.name, pool.num_pages)      # scheduler process
-    await group.start(); await group.wait_attached()
-    res = pool.reserve(keys)                                          # RESERVED handles
-    job = group.submit_nowait(group.spec(Direction.OFFLOAD, [h.page for h in handles], slots))
-    job.add_done_callback(settle)        # commit every handle if job.outcome().ok, else abort
-    outcome = await job                  # cancelling this await leaves the job (and pages) owned
+    # scheduler process
+    async with RankGroup(layout, tp_size, pool.name, pool.num_pages) as group:
+        await group.wait_attached()                     # every rank's worker has the pool mapped
+        handles = [r.handle for r in pool.reserve(keys)]  # RESERVED pages (check the outcomes)
+        job = group.submit_nowait(group.spec(Direction.OFFLOAD, [h.page for h in handles], slots))
+        job.add_done_callback(settle)  # commit every handle if job.outcome().ok, else abort them
+        outcome = await job            # cancelling this await leaves the job (and pages) owned
 
-    async with RankWorker(group_address, rank, tp_size, layout, kv_slice):  # each rank process
+    # each rank process: its own heads of the KV buffer
+    with RankWorkerThread(group.address, rank, tp_size, layout, kv_slice):   # synchronous runner
+        ...
+    async with RankWorker(group.address, rank, tp_size, layout, kv_slice):  # or on the rank's loop
         ...
 """
 

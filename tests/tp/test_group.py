@@ -134,7 +134,6 @@ async def test_offload_then_load_with_both_runners(pool: PagePool, group: RankGr
             assert stats.attached and stats.specs == 1 and stats.reports == {RankStatus.OK: 1}
         assert thread_worker.statistics().reports == {RankStatus.OK: 1}
     # Fresh zeroed workers load the pages back, the first page partly (skip 1 token), to other slots.
-    await asyncio.sleep(0)
     z0, z1 = torch.zeros_like(k0), torch.zeros_like(k1)
     refs = [pool.table.acquire(key(i)) for i in range(3)]
     target = torch.arange(40, 40 + 3 * T - 1)
@@ -236,13 +235,20 @@ async def test_cancelled_waiter_leaves_the_job_owned_until_every_rank_reported(
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
+    # A second job is the barrier: once it is done, rank 0's earlier report on the same connection
+    # has been handled too.
+    barrier = group.submit_nowait(group.spec(Direction.LOAD, [5], range(T)))
+    barrier_ids = [(await r.next_spec()).job_id for r in ranks]
     ranks[0].report(specs[0].job_id)
-    await asyncio.sleep(0)
+    ranks[0].report(barrier_ids[0])
+    ranks[1].report(barrier_ids[1])
+    assert (await barrier).ok
+    assert group.jobs.pending_ranks(job.id) == {1}
     assert group.jobs.in_flight == 1 and not settled, "the job must stay owned while rank 1 may still write"
     assert pool.table.statistics().reserved == 1
     ranks[1].report(specs[1].job_id)
     assert (await job).ok
-    await asyncio.sleep(0)
+    # The settling callbacks were registered before this await's own: they have run.
     assert settled == [True] and pool.table.contains(key(1))
     for r in ranks:
         await r.close()
@@ -272,6 +278,7 @@ async def test_queue_bound_nowait_twin_and_waiting_submit(pool: PagePool, tmp_pa
             group.submit_nowait(TransferSpec.build(99, Direction.LOAD, group.epoch + 1, T, [0], range(T)))
         with pytest.raises(ValueError, match="pool has 16"):
             group.submit_nowait(group.spec(Direction.LOAD, [16], range(T)))
+        assert group.jobs.in_flight == 0 and group.statistics().jobs.succeeded == 3
         await rank.close()
 
 
@@ -346,6 +353,7 @@ async def test_workers_reattach_to_a_restarted_manager(pool: PagePool, tmp_path:
                 assert (await second.submit_nowait(second.spec(Direction.OFFLOAD, [7], range(T, 2 * T)))).ok
                 assert torch.equal(second_pool.pages[7], full[:, T : 2 * T])
                 assert [w.statistics().sessions for w in workers] == [2, 2]
+                assert second.jobs.in_flight == 0
         finally:
             await second_pool.aclose()
 

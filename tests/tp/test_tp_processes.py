@@ -174,7 +174,6 @@ async def test_sigkill_at_random_moments_never_commits_a_wrong_byte(
                     if outcome.ok:
                         for p, k in enumerate(keys):
                             expected[k] = expected_page(full, chosen[p * T : (p + 1) * T])
-                await asyncio.sleep(0)  # the done-callbacks settle the pages
                 _verify(pool, expected)
                 assert await procs.reap(victim) == -9
                 procs.start(victim)
