@@ -1,0 +1,310 @@
+"""`PageFileStore`: an engine's pages as checksummed page files of aiokv's disk tier.
+
+Engines hand over pages that live in their own memory (vLLM's shared CPU region, SGLang's host
+pool), identified by their own keys. The store keeps them as :class:`~aiokv.storage.DiskTier` page
+files, so they get what the disk tier gives aiokv's pool: a header and payload checksum verified on
+every read, LRU capacity that survives restarts, crash-safe publication, io_uring (fixed buffers,
+O_DIRECT) with fallbacks to plain buffers and threads.
+
+Keys: ``xxh3-128(seed ‖ engine key)``; the seed mixes the engine identity's fingerprint (model,
+dtype, page geometry, parallel layout: whatever decides what the bytes mean) and the namespace.
+Each identity also has its own directory, ``<directory>/<engine>-<fingerprint hex>``, so two models
+never share a page file.
+
+Bytes: the disk tier moves whole pages between files and pool pages, so the store owns a small
+staging pool (``staging_pages`` pages): a page is copied from the engine's memory into a staging
+page (``torch`` copies, the GIL released) and written from there, and read into one and copied
+out. Writing into the engine's memory directly needs a disk-tier entry point that takes a buffer
+instead of a pool page (see ``docs/adapters.md``).
+
+Everything runs on the loop of a :class:`LoopThread`; the methods taking coroutines run there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from aiokv.keys import PageKey
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
+
+from .loopthread import LoopThread
+
+DEFAULT_DISK_BYTES = 64 << 30
+
+
+def default_disk_dir() -> Path:
+    """``$XDG_CACHE_HOME/aiokv`` (``~/.cache/aiokv``): the same root as ``CacheConfig``'s default."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "aiokv"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings of a :class:`PageFileStore`; engines pass them as plain options (:meth:`from_options`)."""
+
+    directory: Path
+    """Root of the page files; each engine identity uses its own subdirectory."""
+    capacity_bytes: int = DEFAULT_DISK_BYTES
+    """Byte budget of this identity's page files (LRU eviction keeps within it)."""
+    namespace: str = "default"
+    """Model namespace mixed into every key."""
+    backend: DiskBackend = DiskBackend.AUTO
+    """io_uring with fixed buffers, plain io_uring, or threads; AUTO falls back in that order."""
+    direct_io: bool | None = None
+    """O_DIRECT on page files; None: where the file system allows it."""
+    queue_depth: int = 16
+    """Page I/Os in flight at once."""
+    staging_pages: int = 0
+    """Pages of the staging pool (also the bound on pages being copied or moved); 0: 2 x queue_depth."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, Path):
+            raise TypeError(f"directory must be a pathlib.Path, got {type(self.directory).__name__}")
+        if not isinstance(self.namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(self.namespace).__name__}")
+        if not isinstance(self.backend, DiskBackend):
+            raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
+        for name in ("capacity_bytes", "queue_depth", "staging_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < (0 if name == "staging_pages" else 1):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
+
+    @property
+    def pages_in_staging(self) -> int:
+        """Staging pool size in pages."""
+        return self.staging_pages or 2 * self.queue_depth
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
+        """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
+        ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
+        ``queue_depth``, ``staging_pages``. Unknown names raise ``ValueError`` (a typo must not pass
+        silently); wrong types raise ``TypeError``."""
+        known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
+        disk_dir = options.get("disk_dir")
+        if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+            raise TypeError(f"disk_dir must be a path, got {type(disk_dir).__name__}")
+        backend = options.get("disk_backend", DiskBackend.AUTO.value)
+        if not isinstance(backend, str):
+            raise TypeError(f"disk_backend must be a str, got {type(backend).__name__}")
+        direct_io = options.get("direct_io")
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise TypeError(f"direct_io must be a bool or null, got {direct_io!r}")
+        namespace = options.get("namespace", "default")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        return cls(
+            directory=Path(disk_dir) if disk_dir is not None else default_disk_dir(),
+            capacity_bytes=_int_option(options, "disk_bytes", DEFAULT_DISK_BYTES),
+            namespace=namespace,
+            backend=DiskBackend(backend),
+            direct_io=direct_io,
+            queue_depth=_int_option(options, "queue_depth", 16),
+            staging_pages=_int_option(options, "staging_pages", 0),
+        )
+
+
+def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def fingerprint(engine: str, facts: Mapping[str, object]) -> bytes:
+    """16 bytes naming what an engine's page bytes mean: ``engine`` and its sorted ``facts``."""
+    text = "|".join([f"aiokv-adapter-v1|{engine}", *(f"{name}={facts[name]!r}" for name in sorted(facts))])
+    return xxhash.xxh3_128_digest(text.encode("utf-8"))
+
+
+def raw_layout(page_bytes: int) -> KVLayout:
+    """The disk tier's layout for opaque pages of ``page_bytes`` bytes (padded to 4096 on disk)."""
+    return KVLayout.mla(num_layers=1, latent_dim=page_bytes, dtype=torch.uint8, page_tokens=1)
+
+
+class PageFileStore:
+    """Page files for one engine identity; pages are given as lists of ``uint8`` CPU tensors.
+
+    Construct from any thread but the store's own (it blocks until the disk tier started: index
+    rebuilt, temp files removed). The coroutines run on :attr:`thread`'s loop.
+    """
+
+    def __init__(self, config: StoreConfig, engine: str, facts: Mapping[str, object], page_bytes: int) -> None:
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        self.config = config
+        self.page_bytes = page_bytes
+        self.fingerprint = fingerprint(engine, {**facts, "page_bytes": page_bytes})
+        self.directory = config.directory / f"{engine}-{self.fingerprint.hex()}"
+        ns = config.namespace.encode("utf-8")
+        material = b"aiokv-engine-key-v1" + self.fingerprint + len(ns).to_bytes(8, "little") + ns
+        self._seed = xxhash.xxh3_128_digest(material)
+        self.layout = raw_layout(page_bytes)
+        self._tickets = itertools.count(1)
+        self._pool: PagePool | None = None
+        self._disk: DiskTier | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self.thread = LoopThread(f"aiokv-{engine}")
+        try:
+            self.thread.run(self._open())
+        except BaseException:
+            self.thread.close()
+            raise
+        self._closed = False
+
+    async def _open(self) -> None:
+        pages = self.config.pages_in_staging
+        pool = await PagePool.open(self.layout, pages * self.layout.page_bytes, register_cuda=False, workers=1)
+        disk = DiskTier(
+            DiskConfig(
+                directory=self.directory,
+                capacity_bytes=self.config.capacity_bytes,
+                backend=self.config.backend,
+                direct_io=self.config.direct_io,
+                queue_depth=self.config.queue_depth,
+            ),
+            self.layout,
+            pool,
+        )
+        try:
+            await disk.start()
+        except BaseException:
+            await pool.aclose()
+            raise
+        self._pool, self._disk = pool, disk
+        self._slots = asyncio.Semaphore(pages)
+
+    def key(self, engine_key: bytes) -> PageKey:
+        """The page key of the engine's key ``engine_key`` (any bytes)."""
+        return xxhash.xxh3_128_digest(self._seed + engine_key)
+
+    # -- on the loop ----------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether a page file is indexed for each key (a read still verifies it). Loop only."""
+        disk = self._started()[1]
+        return [disk.contains(key) for key in keys]
+
+    def present_prefix(self, keys: Sequence[PageKey]) -> int:
+        """How many leading ``keys`` have page files. Loop only."""
+        return self._started()[1].keys_present_prefix(keys)
+
+    async def store(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
+        """Write the page made of the ``page`` tensors (1-D ``uint8`` CPU, ``page_bytes`` in all) under
+        ``key``. True once stored (or already on disk); False when the disk tier dropped or failed
+        the write (counted in its statistics). The tensors are read before the first await that
+        follows the copy: the caller's memory is free again when this returns."""
+        pool, disk = self._started()
+        if disk.contains(key):
+            return True
+        assert self._slots is not None
+        async with self._slots:
+            handle = self._reserve(pool)
+            if handle is None:
+                return False
+            try:
+                self._copy(pool, handle, page, into_staging=True)
+            except BaseException:
+                pool.table.abort(handle)
+                raise
+            ready = pool.table.commit(handle, keep=True)
+            assert ready is not None
+            try:
+                return await disk.write(key, ready)
+            finally:
+                pool.table.release(ready)
+                pool.table.discard(ready.key)
+
+    async def load(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
+        """Read ``key``'s page file, verify it and copy it into the ``page`` tensors. False (the
+        tensors untouched) for a missing, corrupt (deleted, counted) or unreadable file."""
+        pool, disk = self._started()
+        if not disk.contains(key):
+            return False
+        assert self._slots is not None
+        async with self._slots:
+            handle = self._reserve(pool)
+            if handle is None:
+                return False
+            try:
+                if not await disk.read(key, handle):
+                    return False
+                self._copy(pool, handle, page, into_staging=False)
+                return True
+            finally:
+                pool.table.abort(handle)
+
+    def statistics(self) -> DiskStatistics:
+        """The disk tier's statistics. Loop only."""
+        return self._started()[1].statistics()
+
+    async def flush(self) -> None:
+        """Wait for writes in flight."""
+        await self._started()[1].flush()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for I/O in flight, close the disk tier and the staging pool, stop the thread.
+        Idempotent; call from any thread but the store's."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.thread.run(self._close())
+        finally:
+            self.thread.close()
+
+    async def _close(self) -> None:
+        try:
+            if self._disk is not None:
+                await self._disk.aclose()
+        finally:
+            if self._pool is not None:
+                await self._pool.aclose()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _started(self) -> tuple[PagePool, DiskTier]:
+        if self._pool is None or self._disk is None:
+            raise RuntimeError("page-file store is not open")
+        return self._pool, self._disk
+
+    def _reserve(self, pool: PagePool) -> PageHandle | None:
+        # A staging page under a key of its own: the page is only bounce memory, never looked up.
+        ticket = next(self._tickets).to_bytes(16, "little")
+        (reservation,) = pool.reserve([ticket])
+        if reservation.outcome is not ReserveOutcome.RESERVED:
+            return None
+        return reservation.handle
+
+    def _copy(self, pool: PagePool, handle: PageHandle, page: Sequence[torch.Tensor], into_staging: bool) -> None:
+        total = sum(part.numel() for part in page)
+        if total != self.page_bytes:
+            raise ValueError(f"page parts hold {total} bytes, pages are {self.page_bytes}")
+        staging = pool.tensor(handle).reshape(-1)
+        offset = 0
+        for part in page:
+            n = part.numel()
+            window = staging[offset : offset + n]
+            if into_staging:
+                window.copy_(part)
+            else:
+                part.copy_(window)
+            offset += n

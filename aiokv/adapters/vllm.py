@@ -1,0 +1,309 @@
+"""vLLM 0.33: aiokv's disk tier as a secondary tier of vLLM's ``TieringOffloadingManager``.
+
+Configure it in ``kv_connector_extra_config`` of vLLM's ``OffloadingConnector``::
+
+    "spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": 34359738368,
+    "secondary_tiers": [{"type": "AiokvTier", "module_path": "aiokv.adapters.vllm",
+                         "disk_dir": "/mnt/nvme/aiokv", "disk_bytes": 1099511627776,
+                         "namespace": "llama-3.1-8b"}]
+
+The tier runs in vLLM's scheduler process. vLLM calls it synchronously, under its manager lock; every
+call here only updates dictionaries and hands work to aiokv's event loop on a thread of the tier's
+own (:class:`~aiokv.adapters.loopthread.LoopThread`), so no call waits for a disk, a copy or the loop:
+
+- ``lookup`` answers from verdicts the loop produced; an unknown key is queued and answered RETRY
+  (vLLM keeps scanning and asks again next step); ``on_schedule_end`` sends the step's queue to the loop.
+- ``submit_store`` / ``submit_load`` start one job on the loop; ``get_finished_jobs`` collects the
+  finished ones (a load reports the keys that arrived when only some did); ``drain_jobs`` blocks,
+  as vLLM's contract asks, until every job and lookup is done.
+
+Chunk ``c`` of vLLM's shared CPU region is row ``c`` of ``primary_kv_view``. Keys: vLLM's offload
+key (block hash, which mixes its cache salt, LoRA and multimodal hashes, plus the KV group) under
+aiokv's seed of the model identity (model, dtype, chunk geometry, parallel layout) and namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .store import PageFileStore, StoreConfig
+
+log = logging.getLogger(__name__)
+
+_Answer = list[tuple[OffloadKey, bool]]
+
+
+def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
+    """What decides the meaning of a chunk's bytes, from vLLM's normalized ``OffloadingConfig``."""
+    config = offloading_spec.config
+    model, cache, parallel = config.model, config.cache, config.parallel
+    return {
+        "model": model.name,
+        "dtype": model.dtype,
+        "chunk_bytes": chunk_bytes,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "groups": tuple(
+            (g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, tuple(g.layer_names))
+            for g in config.groups
+        ),
+        "tokens_per_hash": cache.tokens_per_hash,
+        "blocks_per_chunk": cache.blocks_per_chunk,
+        "parallel": (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size,
+                     parallel.dcp_size, parallel.is_parallelism_agnostic),
+        "replicated_layout": config.replicated_layout,
+        "canonical_layout": config.canonical_layout,
+        "kv_cache_layout": config.kv_cache_layout,
+    }
+
+
+class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped for mypy here
+    """aiokv page files as a vLLM secondary tier (storage medium).
+
+    Options (the tier's config entries besides ``type`` and ``module_path``): ``disk_dir`` (default
+    ``$XDG_CACHE_HOME/aiokv``), ``disk_bytes`` (64 GiB), ``namespace``, ``disk_backend`` (``auto``,
+    ``uring_fixed``, ``uring``, ``threads``), ``direct_io``, ``queue_depth``, ``staging_pages``,
+    ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter). Raises ``TypeError``/``ValueError`` for
+    a wrong option and ``OSError`` when the directory cannot be used.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        disk_dir: str | None = None,
+        disk_bytes: int | None = None,
+        namespace: str = "default",
+        disk_backend: str = "auto",
+        direct_io: bool | None = None,
+        queue_depth: int = 16,
+        staging_pages: int = 0,
+        locality: str | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
+                                      "direct_io": direct_io, "queue_depth": queue_depth,
+                                      "staging_pages": staging_pages}
+        if disk_dir is not None:
+            options["disk_dir"] = disk_dir
+        if disk_bytes is not None:
+            options["disk_bytes"] = disk_bytes
+        config = StoreConfig.from_options(options)
+        if locality is not None:
+            from vllm.v1.kv_offload.base import Locality
+
+            self.locality = Locality(locality)
+        num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        self._chunk_bytes = self.block_size_bytes
+        # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
+        self._bytes_view = primary_kv_view.cast("B")
+        self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
+        self._store = PageFileStore(config, "vllm", spec_facts(offloading_spec, self._chunk_bytes), self._chunk_bytes)
+        # Lookups: verdicts of the loop, kept while a request still asks about the key.
+        self._verdicts: dict[OffloadKey, bool] = {}
+        self._wanted: dict[OffloadKey, set[str]] = {}
+        self._req_keys: dict[str, set[OffloadKey]] = {}
+        self._queued: list[OffloadKey] = []
+        self._asked: set[OffloadKey] = set()
+        self._lookups: list[concurrent.futures.Future[_Answer]] = []
+        # Jobs: one future each; a load's also names the keys that failed.
+        self._jobs: dict[int, concurrent.futures.Future[tuple[JobResult, list[OffloadKey]]]] = {}
+        self._shut = False
+        log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT/MISS from the loop's verdict; RETRY while it is being looked up (never blocks)."""
+        self._take_answers()
+        req_id = req_context.req_id
+        self._req_keys.setdefault(req_id, set()).add(key)
+        self._wanted.setdefault(key, set()).add(req_id)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            if key not in self._asked:
+                self._asked.add(key)
+                self._queued.append(key)
+            return LookupResult.RETRY
+        return LookupResult.HIT if verdict else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Send the step's queued lookups to the loop (one hand-over per step)."""
+        self._take_answers()
+        if not self._queued or self._shut:
+            return
+        keys, self._queued = self._queued, []
+        store = self._store
+        page_keys = [store.key(key) for key in keys]
+        self._lookups.append(store.thread.call(lambda: list(zip(keys, store.contains(page_keys), strict=True))))
+
+    def _take_answers(self) -> None:
+        if not self._lookups or not self._lookups[0].done():
+            return
+        pending = []
+        for future in self._lookups:
+            if not future.done():
+                pending.append(future)
+                continue
+            try:
+                answers = future.result()
+            except Exception:
+                log.exception("aiokv tier: lookup failed; treating the keys as misses")
+                continue
+            for key, hit in answers:
+                self._asked.discard(key)
+                if key in self._wanted:
+                    self._verdicts[key] = hit
+        self._lookups = pending
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Forget the request's verdicts (a later request looks its keys up afresh)."""
+        req_id = req_context.req_id
+        for key in self._req_keys.pop(req_id, ()):
+            users = self._wanted.get(key)
+            if users is None:
+                continue
+            users.discard(req_id)
+            if not users:
+                del self._wanted[key]
+                self._verdicts.pop(key, None)
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Start writing the job's chunks (pinned by vLLM until the job is reported)."""
+        pairs = self._pairs(job_metadata)
+        self._start(job_metadata.job_id, self._store_job(job_metadata.job_id, pairs))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        """Start reading the job's chunks into the primary slots vLLM allocated."""
+        pairs = self._pairs(job_metadata)
+        self._start(job_metadata.job_id, self._load_job(job_metadata.job_id, pairs))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Jobs finished since the last call (never blocks)."""
+        finished = [job_id for job_id, future in self._jobs.items() if future.done()]
+        results = []
+        for job_id in finished:
+            future = self._jobs.pop(job_id)
+            try:
+                result, failed = future.result()
+            except Exception:
+                log.exception("aiokv tier: job %d failed", job_id)
+                result, failed = JobResult(job_id=job_id, success=False), []
+            for key in failed:
+                if key in self._wanted:
+                    self._verdicts[key] = False  # a failed load must not be promoted again
+            results.append(result)
+        return results
+
+    def has_pending_work(self) -> bool:
+        """True while jobs or lookups are in flight, or lookups wait for the next step's hand-over."""
+        return bool(self._jobs or self._lookups or self._queued)
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job and lookup completed; results stay for ``get_finished_jobs``."""
+        pending: list[concurrent.futures.Future[Any]] = [*self._jobs.values(), *self._lookups]
+        concurrent.futures.wait(pending)
+
+    def shutdown(self) -> None:
+        """Drain, close the disk tier and its thread, and let go of vLLM's region (vLLM unmaps it
+        next and keeps it mapped while anything still exports it). Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        self.drain_jobs()
+        self._store.close()
+        self._region = torch.empty(0, dtype=torch.uint8)
+        self._bytes_view.release()
+
+    def config_info(self) -> ConfigInfoMapping:
+        return {"aiokv_namespace": self._store.config.namespace, "aiokv_dir": str(self._store.directory)}
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("aiokv_namespace", "aiokv_dir")
+
+    def statistics(self) -> Mapping[str, object]:
+        """The disk tier's statistics (blocks briefly on the loop; for tests and tools)."""
+        return vars(self._store.thread.call(self._store.statistics).result())
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _pairs(self, job: TransferJob) -> list[tuple[OffloadKey, int]]:
+        keys = list(job.keys)
+        chunks = [int(c) for c in job.chunk_ids]
+        if len(keys) != len(chunks):
+            raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(chunks)} chunk ids")
+        bad = [c for c in chunks if not 0 <= c < self._region.shape[0]]
+        if bad:
+            raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
+        return list(zip(keys, chunks, strict=True))
+
+    def _start(self, job_id: int, job: Any) -> None:
+        if self._shut:
+            job.close()
+            failed: concurrent.futures.Future[tuple[JobResult, list[OffloadKey]]] = concurrent.futures.Future()
+            failed.set_result((JobResult(job_id=job_id, success=False), []))
+            self._jobs[job_id] = failed
+            return
+        self._jobs[job_id] = self._store.thread.submit(job)
+
+    async def _store_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> tuple[JobResult, list[OffloadKey]]:
+        start = time.monotonic()
+        store = self._store
+        done = await asyncio.gather(*(store.store(store.key(key), [self._region[c]]) for key, c in pairs),
+                                    return_exceptions=True)
+        stored = sum(1 for ok in done if ok is True)
+        _log_errors(done)
+        result = JobResult(job_id=job_id, success=stored == len(pairs), transfer_time=time.monotonic() - start,
+                           transfer_bytes=stored * self._chunk_bytes)
+        return result, []
+
+    async def _load_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> tuple[JobResult, list[OffloadKey]]:
+        start = time.monotonic()
+        store = self._store
+        done = await asyncio.gather(*(store.load(store.key(key), [self._region[c]]) for key, c in pairs),
+                                    return_exceptions=True)
+        _log_errors(done)
+        loaded = [key for (key, _), ok in zip(pairs, done, strict=True) if ok is True]
+        failed = [key for (key, _), ok in zip(pairs, done, strict=True) if ok is not True]
+        result = JobResult(
+            job_id=job_id,
+            success=not failed,
+            successful_keys=tuple(loaded) if failed and loaded else None,
+            transfer_time=time.monotonic() - start,
+            transfer_bytes=len(loaded) * self._chunk_bytes,
+        )
+        return result, failed
+
+
+def _log_errors(done: list[bool | BaseException]) -> None:
+    errors = [r for r in done if isinstance(r, BaseException)]
+    if errors:
+        log.error("aiokv tier: %d page transfers raised; first: %r", len(errors), errors[0])
