@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
-.PHONY: setup test lint demo clean
+.PHONY: setup engines test lint demo clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# vLLM and SGLang for the adapter tests (tests/adapters): --no-deps, so torch, numpy and triton stay as
+# installed; requirements-engines.txt says why each entry is there. First install ~1.5 min, ~1.5 GB.
+$(VENV)/.engines: requirements-engines.txt $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps -r requirements-engines.txt
+	touch $@
+
+engines: $(VENV)/.engines
+
 # mypy checks the installed layout (aiokv.kernels lives in kernels/, aiokv.storage in storage/):
 # a tree of links under build/ gives it the import names without installing anything.
 TYPECHECK := build/typecheck
@@ -29,11 +37,12 @@ lint: setup
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/aiokv
 	ln -s $(CURDIR)/aiokv/*.py $(CURDIR)/aiokv/py.typed $(TYPECHECK)/aiokv/
 	ln -s $(CURDIR)/aiokv/tp $(TYPECHECK)/aiokv/tp
+	ln -s $(CURDIR)/aiokv/adapters $(TYPECHECK)/aiokv/adapters
 	ln -s $(CURDIR)/kernels $(TYPECHECK)/aiokv/kernels
 	ln -s $(CURDIR)/storage $(TYPECHECK)/aiokv/storage
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p aiokv
 
-test: lint
+test: lint engines
 	$(VENV)/bin/pytest -q
 
 demo: setup
