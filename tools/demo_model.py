@@ -172,6 +172,10 @@ class Layer:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the tensor-parallel ranks (identical result on every rank); returns the sum."""
 
+LayerHook = Callable[[int], None]
+"""Called with a layer index right before that layer's attention reads the KV buffer: a layer-wise
+load makes the engine wait there for that layer's copies (on the GPU stream, or the host on CPU)."""
+
 
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
@@ -237,14 +241,22 @@ class LlamaModel:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        slots: torch.Tensor,
+        kv: torch.Tensor,
+        before_attention: LayerHook | None = None,
+    ) -> torch.Tensor:
         """Run tokens at positions ``[start, start + M)``; return the float32 logits ``[V]`` of the last one.
 
         ``tokens``: ``[M]`` int64. ``slots``: ``[start + M]`` int64, the request's slot of every
         position so far; the chunk's K/V are written to ``slots[start:]`` and attention reads all of
-        ``slots`` (earlier positions must already hold their K/V, computed or loaded).
+        ``slots`` (earlier positions must already hold their K/V, computed or loaded, or arrive by the
+        time ``before_attention(layer)`` returns).
         """
-        return self.logits(self.hidden(tokens, start, slots, kv))
+        return self.logits(self.hidden(tokens, start, slots, kv, before_attention))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -253,7 +265,14 @@ class LlamaModel:
         return (last @ self.lm_head.T).float()[0]
 
     @torch.inference_mode()
-    def hidden(self, tokens: torch.Tensor, start: int, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        slots: torch.Tensor,
+        kv: torch.Tensor,
+        before_attention: LayerHook | None = None,
+    ) -> torch.Tensor:
         """The decoder layers of :meth:`forward`: the final hidden states ``[M, hidden]`` (every rank's)."""
         c = self.cfg
         m = tokens.shape[0]
@@ -278,6 +297,9 @@ class LlamaModel:
             kv_layer = kv[li]
             kv_layer[new_slots, :hk] = self._rope(k, pos)
             kv_layer[new_slots, hk:] = v
+            if before_attention is not None:
+                # As late as possible: this layer's projections above overlapped its load.
+                before_attention(li)
             # Read every position back from the buffer, the chunk's own included, so the same bytes
             # feed attention whether earlier positions were computed now or loaded from the cache.
             ctx = kv_layer[slots]
