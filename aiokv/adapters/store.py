@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,12 @@ def raw_layout(page_bytes: int) -> KVLayout:
     return KVLayout.mla(num_layers=1, latent_dim=page_bytes, dtype=torch.uint8, page_tokens=1)
 
 
+def _yield_gil() -> None:
+    """Let the engine's threads run: the loop thread shares the GIL with the engine's scheduler,
+    and a thread waiting for the GIL otherwise waits out the switch interval (5 ms by default)."""
+    time.sleep(0)
+
+
 class PageFileStore:
     """Page files for one engine identity; pages are given as lists of ``uint8`` CPU tensors.
 
@@ -215,6 +222,7 @@ class PageFileStore:
             return True
         assert self._slots is not None
         async with self._slots:
+            _yield_gil()
             handle = self._reserve(pool)
             if handle is None:
                 return False
@@ -230,6 +238,7 @@ class PageFileStore:
             finally:
                 pool.table.release(ready)
                 pool.table.discard(ready.key)
+                _yield_gil()
 
     async def load(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
         """Read ``key``'s page file, verify it and copy it into the ``page`` tensors. False (the
@@ -249,6 +258,7 @@ class PageFileStore:
                 return True
             finally:
                 pool.table.abort(handle)
+                _yield_gil()
 
     def statistics(self) -> DiskStatistics:
         """The disk tier's statistics. Loop only."""
