@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import sys
 from pathlib import Path
@@ -14,11 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import demo
 import demo_engine
-from demo_engine import BlockTable, RequestResult, make_workload
+from demo_engine import BlockTable, ClaimPolicy, Engine, LoadPath, RequestResult, claim_pays, make_workload
 from demo_model import LlamaModel, preset
-from demo_report import OracleReport, compare, format_table, summarize
+from demo_report import OracleReport, compare, format_table, plot, summarize
 
-from aiokv import LoadResult, Match
+from aiokv import KVCache, Match
+from aiokv.costs import LoadEstimate
+from aiokv.stream import LoadStream
 from aiokv.tp import RankStatus
 from aiokv.tp.cache import TPCache
 
@@ -83,17 +86,16 @@ async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pool pages whose rank-1 V head is off by 0.5 reach only rank 1, and still fail the oracle."""
-    original = TPCache.load
+    original = TPCache.start_load
 
-    async def corrupting_load(
-        self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0
-    ) -> LoadResult:
+    def corrupting_start_load(self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
         # Page rows are [K0, K1, V0, V1]; with --tp 2 row 3 is rank 1's V head, layer 0, every token.
         self.pool.pages[:, 0, :, 3] += 0.5
-        return await original(self, match, slots, from_token=from_token)
+        return original(self, match, slots, from_token=from_token)
 
-    monkeypatch.setattr(TPCache, "load", corrupting_load)
-    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", "--tenants", "1"), progress=False)
+    monkeypatch.setattr(TPCache, "start_load", corrupting_start_load)
+    # Two tenants: with one, the only pool page hit sits in front of disk pages and the split computes it.
+    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", "--tenants", "2"), progress=False)
     assert out.summary["pool_tokens"] > 0
     assert out.oracle.mismatches
     loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
@@ -171,7 +173,7 @@ def test_workload_shares_documents_within_a_tenant_only() -> None:
 
 @pytest.mark.asyncio
 async def test_oracle_catches_a_corrupted_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load that leaves one wrong value in the KV buffer must fail the oracle, naming the request."""
+    """A plain load that leaves one wrong value in the KV buffer must fail the oracle, naming the request."""
     original = demo_engine.Engine._load
 
     async def corrupting_load(
@@ -183,7 +185,7 @@ async def test_oracle_catches_a_corrupted_load(tmp_path: Path, monkeypatch: pyte
         return end
 
     monkeypatch.setattr(demo_engine.Engine, "_load", corrupting_load)
-    out = await demo.run_demo(tiny_config(tmp_path), progress=False)
+    out = await demo.run_demo(tiny_config(tmp_path, "--load-path", "plain", "--tenants", "1"), progress=False)
     assert out.summary["pool_tokens"] + out.summary["disk_tokens"] > 0
     assert out.oracle.mismatches
     loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
@@ -203,17 +205,165 @@ def test_main_exits_nonzero_on_a_mismatch(
     assert "ORACLE MISMATCH tenant0/chat0/turn1" in capsys.readouterr().err
 
 
-@pytest.mark.asyncio
-async def test_ttft_mode_serves_the_prefix_from_pool_and_disk(tmp_path: Path) -> None:
+def test_ttft_mode_serves_the_prefix_from_pool_and_disk_beside_floors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # One page per chunk: recomputed and cache-served prompts then prefill the same chunk shapes, so
     # the logits agree bit for bit by construction (with one 2048-token chunk they only happened to).
-    cfg = tiny_config(tmp_path, "--chunk-tokens", "8")
-    rows = await demo.run_ttft(cfg, [64, 100], repeats=1)
-    page = cfg.page_tokens
-    for row, n in zip(rows, [64, 100], strict=True):
+    out = tmp_path / "ttft.json"
+    argv = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), "--ttft", "--ttft-lengths", "64,100",
+            "--chunk-tokens", "8", "--repeats", "1", "--load-path", "plain", "split-layered", "--json", str(out)]
+    assert demo.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "floor = max(memcpy of the loaded bytes, tail prefill alone) + one layer" in printed
+    assert "bound = 1 / (1/recompute + 1/disk-only load)" in printed
+    rows = json.loads(out.read_text())["ttft"]
+    assert [(r["prompt_tokens"], r["load_path"]) for r in rows] == [
+        (64, "plain"), (64, "split-layered"), (100, "plain"), (100, "split-layered")]
+    page = 8
+    for row in rows:
+        n = row["prompt_tokens"]
         usable = (n - 1) // page * page  # at least one token is computed
-        assert row["prompt_tokens"] == n
-        assert row["pool_hit_tokens"] == usable
-        assert row["disk_hit_tokens"] == usable
+        # Every matched token is loaded or (split) computed by the engine; the disk tier holds them all.
+        assert row["pool_hit_tokens"] + row["pool_claimed_tokens"] == usable
+        assert row["disk_hit_tokens"] + row["disk_pool_tokens"] + row["disk_claimed_tokens"] == usable
+        assert row["disk_only_tokens"] == usable
         assert row["max_abs_logit_diff"] == 0.0
-        assert min(row["recompute_s"], row["pool_s"], row["disk_s"]) > 0
+        assert min(row["recompute_s"], row["pool_s"], row["disk_s"], row["tail_s"], row["disk_only_s"]) > 0
+        assert row["pool_floor_s"] == pytest.approx(
+            max(row["memcpy_s"], row["tail_s"]) + row["tail_s"] / demo.PRESETS["tiny"].num_layers)
+        assert row["disk_bound_s"] == pytest.approx(1 / (1 / row["recompute_s"] + 1 / row["disk_only_s"]))
+        assert row["pool_vs_floor"] == pytest.approx(row["pool_s"] / row["pool_floor_s"])
+        assert row["disk_vs_bound"] == pytest.approx(row["disk_s"] / row["disk_bound_s"])
+        assert f"{row['pool_vs_floor']:.2f}x" in printed
+        assert f"{row['disk_vs_bound']:.2f}x" in printed
+    assert rows[0]["pool_claimed_tokens"] == rows[0]["disk_claimed_tokens"] == 0  # plain never claims
+
+
+@pytest.mark.asyncio
+async def test_split_path_is_bit_exact_with_tokens_from_pool_disk_and_the_engine(tmp_path: Path) -> None:
+    """--claim always: the engine computes the front of every streamed hit, the cache loads the back."""
+    out = await demo.run_demo(tiny_config(tmp_path, "--load-path", "split", "--claim", "always"), progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    s = out.summary
+    assert s["claimed_tokens"] > 0
+    assert s["pool_tokens"] > 0
+    assert s["disk_tokens"] > 0
+    assert s["lost_tokens"] == 0
+    assert s["computed_tokens"] + s["gpu_prefix_tokens"] + s["pool_tokens"] + s["disk_tokens"] == s["prompt_tokens"]
+    # A claim starts where the GPU prefix ends: hits the engine computed itself went on from the front.
+    assert all(r.claimed_tokens % 8 == 0 and r.claimed_tokens <= r.computed_tokens for r in out.cached)
+    assert not any(out.stats.errors.values())
+    assert 0 <= s["slower_requests"] <= s["compared_ttft"] == len(out.cached)
+
+
+@pytest.mark.asyncio
+async def test_oracle_catches_wrong_bytes_served_by_a_layered_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pool pages off by 0.5 in one K row reach the tail prefill through the per-layer waits: the oracle fails."""
+    original = KVCache.start_load
+
+    async def corrupting_start_load(
+        self: KVCache, match: Match, slots: torch.Tensor, *, from_token: int = 0, layered: bool = False
+    ) -> LoadStream:
+        assert layered  # the default path
+        self.pool.pages[:, 1, :, 0] += 0.5  # layer 1 (the last), K head 0, every token of every page
+        return await original(self, match, slots, from_token=from_token, layered=layered)
+
+    monkeypatch.setattr(KVCache, "start_load", corrupting_start_load)
+    out = await demo.run_demo(tiny_config(tmp_path, "--tenants", "2"), progress=False)
+    assert out.summary["pool_tokens"] > 0
+    assert out.oracle.mismatches
+    loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
+    assert any(m.split(":")[0] in loaded for m in out.oracle.mismatches)
+
+
+def _flip_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0xFF  # a payload byte (after the 4096-byte header)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", [LoadPath.LAYERED, LoadPath.SPLIT_LAYERED])
+async def test_a_corrupt_disk_page_leaves_the_prefix_below_it_to_the_engine(tmp_path: Path, path: LoadPath) -> None:
+    """The stream stops at a page that fails its checksum; the engine computes what lies below: still exact."""
+    cfg = tiny_config(tmp_path)
+    page, blocks, n = cfg.page_tokens, 16, 100
+    model = LlamaModel(cfg.model, torch.device("cpu"), blocks * page)
+    kv = model.new_kv_buffer(blocks * page)
+    prompt = torch.randint(0, cfg.model.vocab, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def engine(cache: KVCache | None) -> Engine:
+        return Engine(model, kv, BlockTable(blocks, page, False), cache, page, 2, load_path=path,
+                      claim=ClaimPolicy.ALWAYS)
+
+    reference = await engine(None).serve("reference", "t", "x", 0, prompt)
+    layout, config = demo._layout_and_config(cfg, blocks, tmp_path / "disk", 2 * blocks, path)
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await engine(cache).serve("fill", "t", "x", 0, prompt)
+        await cache.flush()
+        assert cache.disk is not None
+        victim = Path(cache.disk.files.path(cache.keys(prompt, salt="t")[7]))
+    _flip_payload_byte(victim)
+    async with KVCache(config, layout, kv) as cache:  # restarted: every hit comes from disk
+        await cache.pool.wait_ready()
+        served = await engine(cache).serve("served", "t", "x", 0, prompt)
+        assert cache.stats().errors["load_shortened"] == 1
+    usable = (n - 1) // page * page
+    assert served.computed_tokens == n - served.disk_tokens
+    assert served.disk_tokens + served.claimed_tokens + served.lost_tokens == usable
+    if path.claims:  # the engine's claims may also have reached above the corrupt page first
+        assert served.disk_tokens <= usable - 8 * page
+    else:
+        assert served.disk_tokens == usable - 8 * page  # the pages above the corrupt one
+        assert served.lost_tokens == 8 * page
+    assert served.generated == reference.generated
+    assert served.logits is not None and reference.logits is not None
+    assert torch.equal(served.logits, reference.logits)
+
+
+def test_claims_pay_unless_a_layer_wise_load_hides_behind_the_tail() -> None:
+    page, pages = 256, 31
+    shape = {"share": 1.0, "tail_tokens": 256, "match_tokens": page * pages}
+    # 8B-like rates on an H200: a pool hit loads in ~21 ms, recomputing it takes ~300 ms.
+    pool = LoadEstimate(0.021, 0.0, 0.30, 2 * page)
+    assert not claim_pays(pool, **shape, layered=True, disk=False)  # the tail prefill hides the load
+    assert claim_pays(pool, **shape, layered=False, disk=False)  # the tail waits for the whole load anyway
+    disk = LoadEstimate(0.021, 0.48, 0.30, 18 * page)  # a disk hit: slower than recomputing
+    assert claim_pays(disk, **shape, layered=True, disk=True)
+    unknown = LoadEstimate(None, None, 0.30, None)  # a new cache: claim for disk hits only
+    assert claim_pays(unknown, **shape, layered=True, disk=True)
+    assert not claim_pays(unknown, **shape, layered=True, disk=False)
+
+
+def test_summary_counts_requests_slower_with_the_cache_and_the_plot_marks_them(tmp_path: Path) -> None:
+    def result(name: str, index: int, ttft: float) -> RequestResult:
+        return RequestResult(name, "t", "chat", index, 16, ttft_s=ttft, pool_tokens=8, computed_tokens=8)
+
+    scratch = [result("a", 0, 0.10), result("b", 1, 0.10), result("c", 2, 0.10), result("d", 3, 0.10)]
+    cached = [result("a", 0, 0.05), result("b", 1, 0.105), result("c", 2, 0.20), result("d", 3, 0.10)]
+    s = summarize(cached, scratch, 1.0, 1.0)
+    assert s["slower_requests"] == 2
+    assert s["slower_fraction"] == 0.5
+    assert s["slower_beyond_noise"] == 1
+    assert s["slower_names"] == ["b", "c"]
+    assert s["worst_ttft_ratio"] == pytest.approx(2.0)
+    assert s["worst_request"] == "c"
+    table = format_table(s, None, OracleReport(4, (), 0.0, True))
+    assert "2/4 (50%)" in table
+    assert "2.00x" in table
+    png = tmp_path / "requests.png"
+    plot(png, cached, scratch, "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_paths_name_their_parts() -> None:
+    assert [p for p in LoadPath if p.claims] == [LoadPath.SPLIT, LoadPath.SPLIT_LAYERED]
+    assert [p for p in LoadPath if p.layered] == [LoadPath.LAYERED, LoadPath.SPLIT_LAYERED]
+    assert {p.without_layers() for p in LoadPath} == {LoadPath.PLAIN, LoadPath.SPLIT}
+    with pytest.raises(SystemExit, match="only in --ttft"):
+        demo.main(["--preset", "tiny", "--load-path", "plain", "split"])

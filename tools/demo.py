@@ -7,6 +7,13 @@ reported on a GPU; a mismatch exits 1 naming the request) and prints where promp
 from. ``--ttft`` instead measures time to first token for long prompts served from the pool, from
 disk, and recomputed.
 
+Cache hits are served through ``--load-path`` (default ``split-layered``): aiokv loads the match
+from its last page backwards while the engine prefills it from the front, claiming chunk by chunk
+(``LoadStream.claim``) until the two meet, then prefills the uncached tail, whose layer l waits
+only for layer l of the copies (``order_layer`` on CUDA, ``wait_layer`` on CPU). ``plain`` awaits
+``load`` first. Claimed chunks follow the same page grid as a from-scratch run, so the oracle stays
+bit-exact.
+
 Only prompt pages are offloaded: answer tokens' K/V come from one-token decode steps, whose
 arithmetic differs from a prefill chunk's, so serving them would break bit-exactness.
 
@@ -14,6 +21,12 @@ arithmetic differs from a prefill chunk's, so serving them would break bit-exact
     .venv/bin/python tools/demo.py --tp 2                            # heads over 2 rank processes (CPU)
     .venv/bin/python tools/demo.py --preset 8b --device cuda         # H200
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft  # headline TTFT table
+    .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft --load-path plain split-layered
+
+``--tp N`` splits the model's heads and MLP columns over N spawned rank processes that combine their
+partial sums with a gloo all-reduce and keep their own KV buffer slice, under one ``TPCache`` in
+this (scheduler) process; both runs use the same split, so the oracle stays bit-exact on CPU
+(``demo_tp.py``).
 """
 
 from __future__ import annotations
@@ -21,22 +34,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout
+from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout, TransferPath
 from aiokv.tp import WorkerStatistics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_engine import (
     BlockTable,
+    ClaimPolicy,
     Engine,
+    LoadPath,
     RequestResult,
     Runs,
     Session,
@@ -45,7 +63,18 @@ from demo_engine import (
     timed_run,
 )
 from demo_model import PRESETS, LlamaModel, ModelConfig, Shard, preset
-from demo_report import OracleReport, compare, format_table, plot, progress_bar, summarize, tp_line, write_json
+from demo_report import (
+    OracleReport,
+    compare,
+    format_table,
+    format_ttft,
+    plot,
+    progress_bar,
+    summarize,
+    tp_line,
+    ttft_ratios,
+    write_json,
+)
 from demo_tp import RankFailedError, serve_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +118,15 @@ class DemoConfig:
     prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
     settle: bool = False  # flush write-behind after each offload (with concurrency 1: reproducible tiers)
     tp: int = 1  # tensor-parallel ranks, each its own process (1: the model runs in this process)
+    load_path: LoadPath = LoadPath.SPLIT_LAYERED  # how cache hits reach the KV buffer
+    claim: ClaimPolicy = ClaimPolicy.AUTO  # when a splitting path claims
+    transfer_path: TransferPath | None = None  # None: DIRECT for layer-wise loads on CUDA, else aiokv's default
+
+    def transfer_path_for(self, path: LoadPath) -> TransferPath | None:
+        """The pool->GPU path for ``path``: layer-wise over STAGING issues a memcpy per page and layer."""
+        if self.transfer_path is not None:
+            return self.transfer_path
+        return TransferPath.DIRECT if path.layered and torch.device(self.device).type == "cuda" else None
 
 
 @dataclass
@@ -120,7 +158,7 @@ def _sizes(cfg: DemoConfig, sessions: list[Session]) -> tuple[int, int, int, int
 
 
 def _layout_and_config(
-    cfg: DemoConfig, pool_pages: int, disk_dir: Path | None, disk_pages: int
+    cfg: DemoConfig, pool_pages: int, disk_dir: Path | None, disk_pages: int, path: LoadPath | None = None
 ) -> tuple[KVLayout, CacheConfig]:
     m = cfg.model
     layout = KVLayout.mha(
@@ -130,7 +168,7 @@ def _layout_and_config(
     config = CacheConfig(
         cpu_bytes=pool_pages * layout.page_bytes, disk_dir=disk_dir,
         disk_bytes=cfg.disk_bytes or max(1, disk_pages) * layout.page_bytes,
-        namespace=cfg.namespace,
+        namespace=cfg.namespace, transfer_path=cfg.transfer_path_for(cfg.load_path if path is None else path),
     )
     return layout, config
 
@@ -149,7 +187,9 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     if disk_dir is None:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
     try:
-        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages)
+        # TP ranks keep per-layer readiness to themselves: their hits stream whole pages.
+        path = cfg.load_path.without_layers() if cfg.tp > 1 else cfg.load_path
+        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages, path)
         if cfg.tp > 1:
             runs = await serve_tp(cfg, sessions, layout, config, kv_blocks, longest, progress)
         else:
@@ -193,7 +233,8 @@ async def _serve_one_process(
         # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
         await cache.pool.wait_ready()
         blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
-        engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle)
+        engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle,
+                        load_path=cfg.load_path, claim=cfg.claim)
         cached, wall = await timed_run(
             engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress)
         )
@@ -201,21 +242,53 @@ async def _serve_one_process(
     return Runs(cached, scratch, wall, wall_scratch, stats)
 
 
-async def run_ttft(cfg: DemoConfig, lengths: list[int], repeats: int) -> list[dict[str, Any]]:
-    """Time to first token of one prompt per length: prefix from the pool, from disk, and recomputed.
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
 
-``--tp N`` splits the model's heads and MLP columns over N spawned rank processes that combine their
-partial sums with a gloo all-reduce and keep their own KV buffer slice, under one ``TPCache`` in
-this (scheduler) process; both runs use the same split, so the oracle stays bit-exact on CPU
-(``demo_tp.py``).
 
-    Pool: one cache without a disk tier is filled once, then the prompt is served ``repeats``
-    times. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves from a
-    new cache on the same directory (an empty pool, as after a restart). Set-up (pool creation,
-    filling) is not timed; each figure is the median of ``repeats``.
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memcpy_seconds(nbytes: int, device: torch.device, repeats: int) -> float:
+    """Median time of one copy of ``nbytes`` from host memory into ``device`` (pinned on CUDA)."""
+    cuda = device.type == "cuda"
+    host = torch.ones(max(1, nbytes), dtype=torch.uint8, pin_memory=cuda)
+    target = torch.empty_like(host, device=device)
+    target.copy_(host, non_blocking=cuda)  # first touch, outside the timing
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        target.copy_(host, non_blocking=cuda)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return _median(times)
+
+
+async def run_ttft(
+    cfg: DemoConfig, lengths: list[int], repeats: int, paths: Sequence[LoadPath] | None = None
+) -> list[dict[str, Any]]:
+    """Time to first token of one prompt per length and load path: prefix from the pool, from disk,
+    and recomputed, with each tier's floor measured in the same run. One row per (length, path).
+
+    Baselines per length: ``recompute`` (chunked prefill of the whole prompt), ``tail`` (prefill of
+    the uncached tail alone, the prefix already in the buffer), ``memcpy`` (one host->device copy of
+    the hit's bytes, pinned on CUDA) and ``disk_only`` (match + plain ``load`` of the prefix from
+    disk after a restart, nothing computed). Pool floor: max(memcpy, tail) + tail / layers (the
+    tail's last layer cannot start before the load ends); disk bound: 1 / (1/recompute + 1/disk_only),
+    the compute-or-load split's ideal meeting point.
+
+    Pool: one cache without a disk tier per path is filled once and serves one untimed hit (the
+    cost model learns the pool rate, kernels compile: an engine's steady state), then ``repeats``
+    timed hits. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves
+    from a new cache on the same directory (an empty pool and no learned rates, as after a
+    restart). Set-up (pool creation, filling) is not timed; each figure is the median of ``repeats``.
     """
     device = torch.device(cfg.device)
     page = cfg.page_tokens
+    paths = list(paths or [cfg.load_path])
     # Recompute is a chunked prefill of TTFT_CHUNK tokens (a common engine setting), not one page
     # at a time: the baseline should be a good prefill, not a slow one.
     chunk = cfg.chunk_tokens or max(page, TTFT_CHUNK // page * page)
@@ -226,68 +299,110 @@ this (scheduler) process; both runs use the same split, so the oracle stays bit-
     gen = torch.Generator().manual_seed(cfg.model.seed + 1)
     rows: list[dict[str, Any]] = []
 
-    async def serve(cache: KVCache | None, name: str, salt: str, prompt: list[int]) -> RequestResult:
-        engine = Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1)
-        return await engine.serve(name, salt, "ttft", 0, prompt)
+    def engine(cache: KVCache | None, path: LoadPath) -> Engine:
+        return Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1, load_path=path, claim=cfg.claim)
+
+    async def serve(cache: KVCache | None, path: LoadPath, name: str, salt: str, prompt: list[int]) -> RequestResult:
+        return await engine(cache, path).serve(name, salt, "ttft", 0, prompt)
 
     def first_logits(r: RequestResult) -> torch.Tensor:
         assert r.logits is not None
         return r.logits[0]
 
-    await serve(None, "warmup", "t", [i % cfg.model.vocab for i in range(min(longest, 2 * chunk))])
+    await serve(None, LoadPath.PLAIN, "warmup", "t", [i % cfg.model.vocab for i in range(min(longest, 2 * chunk))])
     tmp = Path(tempfile.mkdtemp(prefix="aiokv-ttft-")) if cfg.disk_dir is None else cfg.disk_dir
     try:
         for n in lengths:
             prompt = torch.randint(0, cfg.model.vocab, (n,), generator=gen).tolist()
             pages = cfg.pool_pages or -(-n // page) + 1
-            row: dict[str, Any] = {"prompt_tokens": n}
-            times: dict[str, list[float]] = {"recompute": [], "pool": [], "disk": []}
+            usable = (n - 1) // page * page  # what a hit can cover: at least one token is computed
+            base: dict[str, list[float]] = {"recompute": [], "tail": [], "disk_only": []}
             logits: dict[str, torch.Tensor] = {}
             for _ in range(repeats):
-                r = await serve(None, f"recompute{n}", "recompute", prompt)
-                times["recompute"].append(r.ttft_s)
+                r = await serve(None, LoadPath.PLAIN, f"recompute{n}", "recompute", prompt)
+                base["recompute"].append(r.ttft_s)
                 logits["recompute"] = first_logits(r)
-            layout, pool_only = _layout_and_config(cfg, pages, None, 0)
-            async with KVCache(pool_only, layout, kv) as cache:
-                await cache.pool.wait_ready()
-                await serve(cache, f"fill{n}", "pool", prompt)
-                for _ in range(repeats):
-                    r = await serve(cache, f"pool{n}", "pool", prompt)
-                    times["pool"].append(r.ttft_s)
-                row["pool_hit_tokens"] = r.pool_tokens
-                logits["pool"] = first_logits(r)
+            # The recompute left the prompt's K/V in slots [0, n) (a fresh block table hands out
+            # blocks in order): the tail prefill alone reads the prefix in place.
+            slots = BlockTable(blocks, page, False).slots(list(range(blocks)), n, torch.device("cpu"))
+            timer = engine(None, LoadPath.PLAIN)
+            for _ in range(repeats):
+                _sync(device)
+                t = time.perf_counter()
+                await timer._prefill(prompt, usable, n, slots, first=True)
+                base["tail"].append(time.perf_counter() - t)
+            layout, _ = _layout_and_config(cfg, pages, None, 0)
+            loaded_bytes = usable // page * layout.payload_bytes
+            memcpy_s = _memcpy_seconds(loaded_bytes, device, repeats)
             disk_dir = tmp / f"ttft-{n}"
-            _, with_disk = _layout_and_config(cfg, pages, disk_dir, 2 * pages)
+            _, with_disk = _layout_and_config(cfg, pages, disk_dir, 2 * pages, LoadPath.PLAIN)
             async with KVCache(with_disk, layout, kv) as cache:
                 await cache.pool.wait_ready()
-                await serve(cache, f"fill{n}", "disk", prompt)
+                await serve(cache, LoadPath.PLAIN, f"fill{n}", "disk", prompt)
                 await cache.flush()  # every page on disk before the pool goes away
+            host_slots = torch.arange(usable)
             for _ in range(repeats):
                 async with KVCache(with_disk, layout, kv) as cache:
                     await cache.pool.wait_ready()
-                    r = await serve(cache, f"disk{n}", "disk", prompt)
-                    times["disk"].append(r.ttft_s)
+                    t = time.perf_counter()
+                    m = await cache.match(prompt[:usable], salt="disk")
+                    loaded = await cache.load(m, host_slots[: m.tokens])
+                    base["disk_only"].append(time.perf_counter() - t)
                     disk_stats = cache.stats().disk
-            # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
-            row["disk_backend"] = str(getattr(disk_stats, "backend", None))
-            row["disk_direct_io"] = getattr(disk_stats, "direct_io", None)
-            row["disk_hit_tokens"] = r.disk_tokens
-            row["disk_pool_tokens"] = r.pool_tokens
-            logits["disk"] = first_logits(r)
+            med = {k: _median(v) for k, v in base.items()}
+            layers = cfg.model.num_layers
+            shared: dict[str, Any] = {
+                "prompt_tokens": n, "recompute_s": med["recompute"], "tail_s": med["tail"], "memcpy_s": memcpy_s,
+                "loaded_bytes": loaded_bytes, "disk_only_s": med["disk_only"],
+                "disk_only_tokens": loaded.tokens,
+                # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
+                "disk_backend": str(getattr(disk_stats, "backend", None)),
+                "disk_direct_io": getattr(disk_stats, "direct_io", None),
+                "pool_floor_s": max(memcpy_s, med["tail"]) + med["tail"] / layers,
+                "disk_bound_s": 1.0 / (1.0 / med["recompute"] + 1.0 / med["disk_only"]),
+            }
+            for path in paths:
+                row: dict[str, Any] = dict(shared, load_path=path.value, claim=cfg.claim.value)
+                row["transfer_path"] = str(cfg.transfer_path_for(path))
+                times: dict[str, list[float]] = {"pool": [], "disk": []}
+                _, pool_cfg = _layout_and_config(cfg, pages, None, 0, path)
+                async with KVCache(pool_cfg, layout, kv) as cache:
+                    await cache.pool.wait_ready()
+                    await serve(cache, path, f"fill{n}", "pool", prompt)
+                    await serve(cache, path, f"warm{n}", "pool", prompt)
+                    for _ in range(repeats):
+                        r = await serve(cache, path, f"pool{n}", "pool", prompt)
+                        times["pool"].append(r.ttft_s)
+                row["pool_hit_tokens"] = r.pool_tokens
+                row["pool_claimed_tokens"] = r.claimed_tokens
+                logits["pool"] = first_logits(r)
+                _, disk_cfg = _layout_and_config(cfg, pages, disk_dir, 2 * pages, path)
+                for _ in range(repeats):
+                    async with KVCache(disk_cfg, layout, kv) as cache:
+                        await cache.pool.wait_ready()
+                        r = await serve(cache, path, f"disk{n}", "disk", prompt)
+                        times["disk"].append(r.ttft_s)
+                row["disk_hit_tokens"] = r.disk_tokens
+                row["disk_pool_tokens"] = r.pool_tokens
+                row["disk_claimed_tokens"] = r.claimed_tokens
+                logits["disk"] = first_logits(r)
+                row["pool_s"], row["disk_s"] = _median(times["pool"]), _median(times["disk"])
+                row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
+                row["disk_speedup"] = row["recompute_s"] / row["disk_s"]
+                row["pool_vs_floor"] = row["pool_s"] / row["pool_floor_s"]
+                row["disk_vs_bound"] = row["disk_s"] / row["disk_bound_s"]
+                ref = logits["recompute"]
+                row["max_abs_logit_diff"] = max(float((logits[k] - ref).abs().max()) for k in ("pool", "disk"))
+                rows.append(row)
+                print(
+                    f"  {n:>7} tokens {path.value:>13}: recompute {row['recompute_s'] * 1e3:.1f} ms; pool "
+                    f"{row['pool_s'] * 1e3:.1f} ms ({row['pool_vs_floor']:.2f}x floor "
+                    f"{row['pool_floor_s'] * 1e3:.1f}); disk {row['disk_s'] * 1e3:.1f} ms "
+                    f"({row['disk_vs_bound']:.2f}x bound {row['disk_bound_s'] * 1e3:.1f}); hits "
+                    f"pool={row['pool_hit_tokens']} disk={row['disk_hit_tokens']}",
+                    file=sys.stderr,
+                )
             shutil.rmtree(disk_dir, ignore_errors=True)
-            for k, v in times.items():
-                row[f"{k}_s"] = sorted(v)[len(v) // 2]
-            row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
-            row["disk_speedup"] = row["recompute_s"] / row["disk_s"]
-            ref = logits["recompute"]
-            row["max_abs_logit_diff"] = max(float((logits[k] - ref).abs().max()) for k in ("pool", "disk"))
-            rows.append(row)
-            print(
-                f"  {n:>7} tokens: recompute {row['recompute_s'] * 1e3:9.1f} ms  pool {row['pool_s'] * 1e3:9.1f} ms "
-                f"({row['pool_speedup']:.1f}x)  disk {row['disk_s'] * 1e3:9.1f} ms ({row['disk_speedup']:.1f}x)  "
-                f"hits pool={row['pool_hit_tokens']} disk={row['disk_hit_tokens']}",
-                file=sys.stderr,
-            )
     finally:
         if cfg.disk_dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -323,6 +438,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--settle", action="store_true",
         help="wait for disk writes after each offload (with --concurrency 1 the tier counts are reproducible)",
     )
+    p.add_argument(
+        "--load-path", nargs="+", choices=[x.value for x in LoadPath], default=[LoadPath.SPLIT_LAYERED.value],
+        help="how cache hits reach the KV buffer: plain (await load), split (compute-or-load: the engine "
+        "prefills the match from the front while aiokv loads it from the back), layered (the tail prefill "
+        "waits per layer), split-layered (both; default). Several compare side by side in --ttft",
+    )
+    p.add_argument(
+        "--claim", choices=[x.value for x in ClaimPolicy], default=ClaimPolicy.AUTO.value,
+        help="when a split path claims: auto (when the cost model expects it to pay), always (Cake's dynamic split)",
+    )
+    p.add_argument(
+        "--transfer-path", choices=["auto", *(x.value for x in TransferPath)], default="auto",
+        help="aiokv's pool<->GPU path (auto: direct for layer-wise loads on CUDA, else aiokv's default)",
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of per-request prefill time and hit sources here")
     p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
@@ -350,6 +479,8 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         disk_bytes=a.disk_bytes,
         disk_dir=a.disk_dir,
         tp=a.tp,
+        load_path=LoadPath(a.load_path[0]), claim=ClaimPolicy(a.claim),
+        transfer_path=None if a.transfer_path == "auto" else TransferPath(a.transfer_path),
     )
 
 
@@ -361,9 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.model
     if cfg.tp < 1:
         raise SystemExit("--tp must be at least 1")
+    if len(a.load_path) > 1 and not a.ttft:
+        raise SystemExit("several --load-path values compare only in --ttft; the workload takes one")
     if cfg.tp > 1:
         if a.ttft:
             raise SystemExit("--ttft runs in one process; drop --tp")
+        if cfg.load_path.layered:
+            print(f"--tp: per-layer readiness stays in the rank processes; hits stream whole pages "
+                  f"({cfg.load_path.without_layers().value})", file=sys.stderr)
         try:
             Shard(0, cfg.tp).check(m)
         except ValueError as exc:
@@ -376,23 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if a.ttft:
         lengths = [int(x) for x in a.ttft_lengths.split(",")]
-        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats))
+        paths = [LoadPath(x) for x in dict.fromkeys(a.load_path)]
+        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats, paths))
         print(
             f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}, "
-            f"page {cfg.page_tokens}, median of {a.repeats}"
+            f"page {cfg.page_tokens}, median of {a.repeats}, claim {cfg.claim.value}"
         )
-        if rows:
-            print(f"  disk tier: {rows[0]['disk_backend']}, O_DIRECT={rows[0]['disk_direct_io']}")
-        print(
-            f"  {'prompt':>8} {'recompute ms':>13} {'pool ms':>9} {'speedup':>8} {'disk ms':>9} {'speedup':>8}"
-            f" {'pool hit':>9} {'disk hit':>9} {'max |dlogit|':>13}"
-        )
-        for r in rows:
-            print(
-                f"  {r['prompt_tokens']:>8} {r['recompute_s'] * 1e3:>13.1f} {r['pool_s'] * 1e3:>9.1f} "
-                f"{r['pool_speedup']:>7.1f}x {r['disk_s'] * 1e3:>9.1f} {r['disk_speedup']:>7.1f}x"
-                f" {r['pool_hit_tokens']:>9} {r['disk_hit_tokens']:>9} {r['max_abs_logit_diff']:>13.3g}"
-            )
+        print(format_ttft(rows))
         if a.json:
             write_json(a.json, {"config": asdict(cfg), "ttft": rows})
         return 0
@@ -405,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         for error in failed:
             print(f"TP RANK FAILED {error}", file=sys.stderr)
         return 2
-    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB")
+    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB; "
+          f"hits through {(cfg.load_path.without_layers() if cfg.tp > 1 else cfg.load_path).value} "
+          f"(claim {cfg.claim.value})")
     if cfg.tp > 1:
         print(tp_line(cfg.tp, out.rank_pids, out.rank_workers))
     print(format_table(out.summary, out.stats, out.oracle))
@@ -414,8 +542,11 @@ def main(argv: list[str] | None = None) -> int:
             "config": asdict(cfg), "kv_blocks": out.kv_blocks, "pool_pages": out.pool_pages,
             "disk_bytes": out.disk_bytes,
             "summary": out.summary, "stats": out.stats, "oracle": out.oracle,
-            "requests": [{f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("logits", "prompt_digest")}
-                         for r in out.cached],
+            "requests": [
+                {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("logits", "prompt_digest")}
+                | {"ttft_s_scratch": ratio.scratch_s, "ttft_ratio": ratio.ratio}
+                for r, ratio in zip(out.cached, ttft_ratios(out.cached, out.scratch), strict=True)
+            ],
         })
     if a.plot:
         title = (f"{m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}: "

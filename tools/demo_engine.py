@@ -4,8 +4,10 @@ An engine owns a KV buffer ``[L, S, 2H, D]`` (or, under tensor parallelism, each
 its heads' part of it: ``demo_tp.py``) cut into blocks of ``page_tokens`` slots. Finished
 requests leave their full prompt pages in the buffer as a GPU prefix cache (evicted LRU when blocks
 run out); below it sits aiokv's pool and disk tier. Per request the loop: takes blocks (reusing a
-GPU prefix), awaits ``match`` and ``load`` for the part the GPU does not hold, prefills the rest in
-page-aligned chunks, decodes greedily, awaits ``offload``, then frees its blocks.
+GPU prefix), matches the part the GPU does not hold in aiokv and gets it into the buffer (``LoadPath``:
+a plain ``load``, or a ``LoadStream`` that loads from the back while the engine prefills from the
+front and/or lets the tail prefill wait layer by layer), prefills the rest in page-aligned chunks,
+decodes greedily, awaits ``offload``, then frees its blocks.
 """
 
 from __future__ import annotations
@@ -19,15 +21,85 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
-from demo_model import LlamaModel
+from demo_model import LayerHook, LlamaModel
 
-from aiokv import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
+from aiokv import CacheStatistics, KVCache, LoadResult, Match, OffloadResult, PrefetchResult
+from aiokv.costs import LoadEstimate
+from aiokv.stream import LoadStream, StreamResult
 
 if TYPE_CHECKING:
     from aiokv.tp import WorkerStatistics
+
+_R = TypeVar("_R")
+
+LAYER_WAIT_S = 600.0
+"""Bound of a CPU model thread's wait for one layer's copies (they finish in milliseconds)."""
+
+
+class LoadPath(enum.Enum):
+    """How the serving loop gets a cache hit's KV into its buffer."""
+
+    PLAIN = "plain"
+    """``await load(...)``, then prefill the rest."""
+    SPLIT = "split"
+    """``start_load``: the engine claims the matched prefix chunk by chunk from the front while the
+    cache loads it from the back; where they meet the load stops (compute-or-load split)."""
+    LAYERED = "layered"
+    """``start_load(layered=True)`` without claims: the tail prefill waits on each layer's copies
+    just before that layer's attention, so it overlaps the rest of the load."""
+    SPLIT_LAYERED = "split-layered"
+    """Both: claims from the front, then the tail prefill overlapping the last copies layer by layer."""
+
+    @property
+    def claims(self) -> bool:
+        """Whether the engine computes part of the matched prefix itself."""
+        return self in (LoadPath.SPLIT, LoadPath.SPLIT_LAYERED)
+
+    @property
+    def layered(self) -> bool:
+        """Whether copies land layer by layer and the tail prefill waits per layer."""
+        return self in (LoadPath.LAYERED, LoadPath.SPLIT_LAYERED)
+
+    def without_layers(self) -> LoadPath:
+        """The same path with whole-page copies (where per-layer readiness is not visible: TP)."""
+        return {LoadPath.LAYERED: LoadPath.SPLIT, LoadPath.SPLIT_LAYERED: LoadPath.SPLIT}.get(self, self)
+
+
+class ClaimPolicy(enum.Enum):
+    """When a claiming ``LoadPath`` actually claims."""
+
+    AUTO = "auto"
+    """Only when the cost model expects it to pay (:func:`claim_pays`); always while rates are unknown."""
+    ALWAYS = "always"
+    """Chunk after chunk until the fronts meet (Cake's dynamic split), whatever the rates."""
+
+
+def claim_pays(
+    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, layered: bool, disk: bool
+) -> bool:
+    """Whether computing part of the matched prefix should beat leaving all of it to the load.
+
+    ``estimate`` covers the whole match; ``share`` is the fraction still to bring in (the rest is in
+    the GPU prefix); ``tail_tokens`` follow the match; ``disk``: some of it is read from disk. With
+    load time L, recompute time R and tail prefill T, the fronts meet near L·R/(L+R) and the tail
+    follows; without claims the tail overlaps the load layer by layer (ready near max(L, T)) or
+    follows it (L + T). So claiming loses only layer-wise with a load shorter than about the tail:
+    a pool hit on a GPU. While a rate is unknown, claim for disk hits only: the pool is a memory
+    copy, far faster than any prefill, and a claim made before the loader's first turn would keep
+    a short pool hit from ever teaching the cost model the pool's rate.
+    """
+    load, compute = estimate.load_seconds, estimate.recompute_seconds
+    if load is None or compute is None or load <= 0 or compute <= 0 or match_tokens <= 0:
+        return disk
+    load, recompute = load * share, compute * share
+    # The average prefill rate underestimates a tail that attends over a long prefix: this errs
+    # towards claiming, the choice that is never much worse than recomputing.
+    tail = tail_tokens * compute / match_tokens
+    meet = load * recompute / (load + recompute)
+    return meet + tail < (max(load, tail) if layered else load + tail)
 
 
 class SessionKind(enum.Enum):
@@ -205,10 +277,11 @@ class RequestResult:
     pool_tokens: int = 0
     disk_tokens: int = 0
     computed_tokens: int = 0
+    claimed_tokens: int = 0  # matched, but computed by the engine itself (compute-or-load split)
     lost_tokens: int = 0  # matched but not loaded (a lower tier failed)
     prefetched_pages: int = 0  # promoted disk -> pool by prefetch while the request waited
     match_s: float = 0.0
-    load_s: float = 0.0
+    load_s: float = 0.0  # wall time of the load (a stream's overlaps the prefill)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     offload_s: float = 0.0
@@ -233,6 +306,21 @@ class ServingCache(Protocol):
 
     async def flush(self) -> None: ...
 
+    def estimate(self, match: Match) -> LoadEstimate: ...
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A cache hit being streamed into the buffer while the request computes."""
+
+    stream: LoadStream
+    tokens: int  # match.tokens: the tail prefill starts here
+    claim: bool  # the engine computes the front of the match itself
+    layered: bool  # the tail prefill waits on each layer
+    started: float  # perf_counter seconds at start_load
+    result: StreamResult | None = None
+    finished: float = 0.0  # perf_counter seconds when finish() returned
+
 
 @dataclass(frozen=True)
 class Computed:
@@ -243,6 +331,14 @@ class Computed:
     prefill_start: float  # perf_counter seconds
     first_token: float
     end: float
+
+
+@dataclass(frozen=True)
+class First:
+    """The logits of the prompt's last position (float32 ``[V]``) and the greedy token they give."""
+
+    logits: torch.Tensor
+    token: int
 
 
 def prefill_chunks(start: int, n: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -262,8 +358,10 @@ def prefill_chunks(start: int, n: int, chunk_tokens: int) -> list[tuple[int, int
 class ServingLoop(abc.ABC):
     """The per-request steps over slot blocks and an optional aiokv cache; subclasses run the model.
 
-    ``slot_device``: where slot index tensors live (the KV buffer's device in one process; the
-    host for TP, whose ranks each hold their own buffer and receive host indices).
+    Slot indices stay on the host here: aiokv validates device indices by a read-back ordered after
+    the engine's stream, and a blocking ``.to(device)`` on the loop would wait for another
+    request's prefill; the model's side moves them to its device itself (TP ranks get host indices).
+    ``load_path`` and ``claim`` choose how a hit is loaded (:class:`LoadPath`, :class:`ClaimPolicy`).
     """
 
     def __init__(
@@ -272,10 +370,11 @@ class ServingLoop(abc.ABC):
         cache: ServingCache | None,
         chunk_tokens: int,
         gen_tokens: int,
-        slot_device: torch.device,
         keep_logits: bool = True,
         prefetch: bool = False,
         settle: bool = False,
+        load_path: LoadPath = LoadPath.PLAIN,
+        claim: ClaimPolicy = ClaimPolicy.AUTO,
     ) -> None:
         if chunk_tokens % blocks.block_tokens:
             raise ValueError("chunk_tokens must be a multiple of page_tokens")
@@ -285,10 +384,11 @@ class ServingLoop(abc.ABC):
         self.cache = cache
         self.chunk_tokens = chunk_tokens
         self.gen_tokens = gen_tokens
-        self.slot_device = slot_device
         self.keep_logits = keep_logits
         self.prefetch = prefetch
         self.settle = settle  # wait for write-behind after each offload: reproducible tier counts
+        self.load_path = load_path
+        self.claim = claim
         self.page = blocks.block_tokens
         self._freed = asyncio.Condition()
         self._accelerator = asyncio.Lock()  # one accelerator: prefill/decode of one request at a time
@@ -319,17 +419,26 @@ class ServingLoop(abc.ABC):
         t0 = time.perf_counter()
         hit_blocks, new_blocks = await self._take_blocks(keys[: usable // page], -(-total_slots // page))
         blocks = hit_blocks + new_blocks
+        streaming: _Stream | None = None
         try:
-            slots = self.blocks.slots(blocks, total_slots, self.slot_device)
+            slots = self.blocks.slots(blocks, total_slots, torch.device("cpu"))
             start = res.gpu_tokens = len(hit_blocks) * page
             if self.cache is not None and usable > start:
-                start = await self._load(res, prompt[:usable], slots, start)
+                if self.load_path is LoadPath.PLAIN:
+                    start = await self._load(res, prompt[:usable], slots, start)
+                else:
+                    # Started before waiting for the accelerator: the load runs while it is busy.
+                    streaming = await self._open_stream(res, prompt, usable, slots, start)
             async with self._accelerator:
-                done = await self._compute(prompt, start, slots)
+                done = await self._compute(prompt, start, slots, streaming)
             res.generated = done.generated
             res.prefill_s, res.ttft_s = done.first_token - done.prefill_start, done.first_token - t0
             res.decode_s = done.end - done.first_token
-            res.computed_tokens = n - start
+            if streaming is not None:
+                self._record_stream(res, streaming, start)
+            elif self.cache is not None:
+                self._note_prefill(n - start, res.prefill_s)
+            res.computed_tokens = n - res.gpu_tokens - res.pool_tokens - res.disk_tokens
             if self.keep_logits:
                 res.logits = torch.stack(done.logits).cpu()
             full = n // page
@@ -343,6 +452,8 @@ class ServingLoop(abc.ABC):
                 if self.settle:
                     await self.cache.flush()
         finally:
+            if streaming is not None:
+                await streaming.stream.aclose()  # a no-op after finish(); else no copy touches the slots after it
             await asyncio.shield(self._give_blocks(blocks))
         return res
 
@@ -366,12 +477,118 @@ class ServingLoop(abc.ABC):
         res.lost_tokens = m.tokens - end
         return end
 
-    @abc.abstractmethod
-    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+    async def _open_stream(
+        self, res: RequestResult, prompt: list[int], usable: int, slots: torch.Tensor, start: int
+    ) -> _Stream | None:
+        """Match the prompt's first ``usable`` tokens and start streaming what the GPU prefix lacks."""
+        assert self.cache is not None
+        t = time.perf_counter()
+        m = await self.cache.match(prompt[:usable], salt=res.tenant)
+        res.match_s = time.perf_counter() - t
+        async with m:  # releases the match when no stream takes it
+            if m.tokens <= start:
+                return None
+            layered = self.load_path.layered
+            claim = self.load_path.claims and (
+                self.claim is ClaimPolicy.ALWAYS
+                or claim_pays(
+                    self.cache.estimate(m), share=(m.tokens - start) / m.tokens, tail_tokens=len(prompt) - m.tokens,
+                    match_tokens=m.tokens, layered=layered, disk=m.disk_pages > 0,
+                )
+            )
+            t = time.perf_counter()
+            stream = await self._start_stream(m, slots[start : m.tokens], start, layered)
+        return _Stream(stream, m.tokens, claim, layered, t)
+
+    def _record_stream(self, res: RequestResult, s: _Stream, start: int) -> None:
+        assert s.result is not None
+        r = s.result
+        res.pool_tokens = r.pool_pages * self.page
+        res.disk_tokens = r.disk_pages * self.page
+        res.claimed_tokens = r.claimed - start
+        res.lost_tokens = r.loaded_from - r.claimed  # what a fault left to the engine
+        res.load_s = s.finished - s.started
+
+    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor, s: _Stream | None) -> Computed:
         """Prefill ``prompt[start:]`` into ``slots`` (earlier positions hold their K/V), then decode.
 
-        Returns when the K/V of every prompt position are in the KV buffer(s), so they may be offloaded.
+        With a stream, the match's prefix is claimed from the front and loaded from the back
+        (``LoadStream``) before the tail. Returns when the K/V of every prompt position are in the
+        KV buffer(s), so they may be offloaded.
         """
+        n = len(prompt)
+        t_start = time.perf_counter()
+        first: First | None
+        if s is None:
+            first = await self._prefill(prompt, start, n, slots, first=True)
+        else:
+            pos = await self._claim_front(prompt, start, slots, s) if s.claim else start
+            if s.layered:
+                # Every copy is launched (or the loader met our claims): a disk fault below the
+                # front left [pos, front) to us; then the tail waits on each layer of the rest.
+                front = await s.stream.launched()
+                await self._prefill(prompt, pos, front, slots)
+                first = await self._prefill(prompt, s.tokens, n, slots, first=True, layers=s.stream)
+                s.result = await s.stream.finish()
+                s.finished = time.perf_counter()
+                if s.result.loaded_from > front:  # a copy failed after its launch: the tail read bad KV
+                    await self._prefill(prompt, front, s.result.loaded_from, slots)
+                    first = await self._prefill(prompt, s.tokens, n, slots, first=True)
+            else:
+                s.result = await s.stream.finish()
+                s.finished = time.perf_counter()
+                await self._prefill(prompt, pos, s.result.loaded_from, slots)
+                first = await self._prefill(prompt, s.tokens, n, slots, first=True)
+        assert first is not None
+        t_first = time.perf_counter()
+        logits, generated = await self._decode(n, first, slots)
+        return Computed(logits, generated, t_start, t_first, time.perf_counter())
+
+    async def _claim_front(self, prompt: list[int], pos: int, slots: torch.Tensor, s: _Stream) -> int:
+        """Claim and compute the match chunk by chunk from ``pos`` until the load's front; return where we stopped.
+
+        Chunks follow the grid of :func:`prefill_chunks` (cut where the load's front is), so with one
+        page per chunk they have the shapes of a from-scratch run.
+        """
+        while True:
+            want = min(s.tokens, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
+            end = s.stream.claim(want)
+            if end <= pos:
+                return pos
+            await self._prefill(prompt, pos, end, slots, paced=True)
+            pos = end
+
+    @abc.abstractmethod
+    def _note_prefill(self, tokens: int, seconds: float) -> None:
+        """Tell the cache's cost model how fast this engine prefilled (where the cache takes it)."""
+
+    @abc.abstractmethod
+    async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
+        """``start_load`` on this loop's cache (host ``slots`` of tokens ``[start, match.tokens)``)."""
+
+    @abc.abstractmethod
+    async def _prefill(
+        self,
+        prompt: list[int],
+        begin: int,
+        end: int,
+        slots: torch.Tensor,
+        *,
+        first: bool = False,
+        layers: LoadStream | None = None,
+        paced: bool = False,
+    ) -> First | None:
+        """Prefill positions ``[begin, end)`` (nothing when empty) in chunks of :func:`prefill_chunks`.
+
+        ``first``: return the last position's logits and greedy token (computed by then).
+        ``layers``: a layer-wise stream whose copies each layer's attention must wait for.
+        ``paced``: return only once the accelerator finished everything but this call's last chunk,
+        so that claims track what was computed, not what was queued.
+        """
+
+    @abc.abstractmethod
+    async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        """Greedy decode after a prompt of ``n`` tokens: logits and token of every generated token."""
 
 
 class Engine(ServingLoop):
@@ -382,47 +599,115 @@ class Engine(ServingLoop):
         model: LlamaModel,
         kv: torch.Tensor,
         blocks: BlockTable,
-        cache: ServingCache | None,
+        cache: KVCache | None,
         chunk_tokens: int,
         gen_tokens: int,
         keep_logits: bool = True,
         prefetch: bool = False,
         settle: bool = False,
+        load_path: LoadPath = LoadPath.PLAIN,
+        claim: ClaimPolicy = ClaimPolicy.AUTO,
     ) -> None:
-        super().__init__(blocks, cache, chunk_tokens, gen_tokens, kv.device, keep_logits, prefetch, settle)
+        super().__init__(blocks, cache, chunk_tokens, gen_tokens, keep_logits, prefetch, settle, load_path, claim)
+        self.kv_cache = cache
         self.model = model
         self.kv = kv
+        self._paced: torch.cuda.Event | None = None  # the last paced chunk's completion (CUDA)
 
-    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
-        # The model runs in a worker thread (torch releases the GIL), so the loop keeps
-        # serving the cache's disk and copy completions while a prefill computes.
-        return await asyncio.to_thread(self._compute_request, prompt, start, slots)
+    async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
+        assert self.kv_cache is not None
+        return await self.kv_cache.start_load(match, slots, from_token=start, layered=layered)
 
-    def _compute_request(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
+    def _note_prefill(self, tokens: int, seconds: float) -> None:
+        if self.kv_cache is not None and tokens > 0:
+            self.kv_cache.note_prefill(tokens, seconds)
+
+    def _layer_hook(self, stream: LoadStream) -> LayerHook:
+        """What the model calls before layer l's attention, from the thread that runs it."""
+        if self.kv.is_cuda:
+            # The current stream of the model's thread waits for layer l's copies on the GPU: no
+            # host wait, and placed between layer l's projections and its attention.
+            return stream.order_layer
+        loop = asyncio.get_running_loop()
+
+        def wait(layer: int) -> None:
+            # CPU copies finish on aiokv's copy thread and are awaited on the loop: this thread
+            # blocks until layer l landed while later layers keep arriving.
+            asyncio.run_coroutine_threadsafe(stream.wait_layer(layer), loop).result(LAYER_WAIT_S)
+
+        return wait
+
+    async def _prefill(
+        self,
+        prompt: list[int],
+        begin: int,
+        end: int,
+        slots: torch.Tensor,
+        *,
+        first: bool = False,
+        layers: LoadStream | None = None,
+        paced: bool = False,
+    ) -> First | None:
+        if end <= begin:
+            return None
+        hook = None if layers is None else self._layer_hook(layers)
+        # The model runs in a worker thread (torch releases the GIL), so the loop keeps serving
+        # the cache's disk and copy completions, and the stream's loader, while a chunk computes.
+        return await asyncio.to_thread(self._on_device, self._prefill_sync, prompt, begin, end, slots, first, hook,
+                                       paced)
+
+    def _on_device(self, fn: Callable[..., _R], *args: object) -> _R:
         if self.kv.is_cuda:
             # A worker thread starts on device 0 and the default stream: follow the KV buffer's device.
             with torch.cuda.device(self.kv.device):
-                return self._compute_on_device(prompt, start, slots)
-        return self._compute_on_device(prompt, start, slots)
+                return fn(*args)
+        return fn(*args)
 
-    def _compute_on_device(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
-        n = len(prompt)
-        t_start = time.perf_counter()
-        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.kv.device)
-        for begin, end in prefill_chunks(start, n, self.chunk_tokens):
-            logits = self.model.forward(tokens[begin:end], begin, slots[:end], self.kv)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the KV buffer's device; a pageable copy would wait for the queued chunks."""
+        if not self.kv.is_cuda:
+            return host
+        return host.pin_memory().to(self.kv.device, non_blocking=True)
+
+    def _prefill_sync(
+        self, prompt: list[int], begin: int, end: int, host_slots: torch.Tensor, first: bool,
+        hook: LayerHook | None, paced: bool,
+    ) -> First | None:
+        tokens = self._to_device(torch.tensor(prompt[begin:end], dtype=torch.int64))
+        slots = self._to_device(host_slots[:end])
+        for b, e in prefill_chunks(begin, end, self.chunk_tokens):
+            logits = self.model.forward(tokens[b - begin : e - begin], b, slots[:e], self.kv, hook)
+        if paced and self.kv.is_cuda:
+            # Keep one chunk queued behind the running one: no bubble, and the next claim comes
+            # only once the GPU reached this chunk.
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+            previous, self._paced = self._paced, done
+            if previous is not None:
+                previous.synchronize()
+        else:
+            self._paced = None
+        if not first:
+            return None
         # .item() waits for this stream's prefill; a device-wide sync would also wait for the
         # cache's copies of other requests on its side stream.
-        token = int(logits.argmax().item())
-        t_first = time.perf_counter()
-        logits_list, generated = [logits], [token]
+        return First(logits, int(logits.argmax().item()))
+
+    async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        return await asyncio.to_thread(self._on_device, self._decode_sync, n, first, slots)
+
+    def _decode_sync(self, n: int, first: First, host_slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        slots = self._to_device(host_slots)
+        logits_list, generated = [first.logits], [first.token]
+        token = first.token
         for i in range(self.gen_tokens - 1):
             step = torch.tensor([token], dtype=torch.int64, device=self.kv.device)
             logits = self.model.forward(step, n + i, slots[: n + i + 1], self.kv)
             token = int(logits.argmax().item())
             logits_list.append(logits)
             generated.append(token)
-        return Computed(logits_list, generated, t_start, t_first, time.perf_counter())
+        return logits_list, generated
+
 
 @dataclass(eq=False)
 class _Turn:

@@ -114,19 +114,47 @@ def plain(value: Any) -> Any:
     return value
 
 
+NOISE = 1.1
+"""A request counts as slower beyond noise when its TTFT with the cache exceeds this times from scratch."""
+
+
+@dataclass(frozen=True)
+class TTFTRatio:
+    """One request's time to first token with the cache against the same request from scratch."""
+
+    name: str
+    cached_s: float
+    scratch_s: float  # NaN when the request is missing from the scratch run
+
+    @property
+    def ratio(self) -> float:
+        """cache / scratch: above 1 the cache made this request slower."""
+        return self.cached_s / self.scratch_s if self.scratch_s > 0 else float("nan")
+
+
+def ttft_ratios(cached: Sequence[RequestResult], scratch: Sequence[RequestResult]) -> list[TTFTRatio]:
+    """Per request of ``cached`` (same order), its TTFT ratio against the request of the same name."""
+    base = {r.name: r.ttft_s for r in scratch}
+    return [TTFTRatio(r.name, r.ttft_s, base.get(r.name, float("nan"))) for r in cached]
+
+
 def summarize(
     cached: Sequence[RequestResult], scratch: Sequence[RequestResult], wall: float, wall_scratch: float
 ) -> dict[str, Any]:
-    """Totals of both runs (tokens, seconds)."""
+    """Totals of both runs (tokens, seconds), and how many requests the cache made slower."""
     def total(rs: Sequence[RequestResult], attr: str) -> Any:
         return sum(getattr(r, attr) for r in rs)
 
+    ratios = [x for x in ttft_ratios(cached, scratch) if x.ratio == x.ratio]  # NaN: nothing to compare
+    worst = max(ratios, key=lambda x: x.ratio, default=None)
+    slower = [x for x in ratios if x.ratio > 1.0]
     return {
         "requests": len(cached),
         "prompt_tokens": total(cached, "prompt_tokens"),
         "gpu_prefix_tokens": total(cached, "gpu_tokens"),
         "pool_tokens": total(cached, "pool_tokens"),
         "disk_tokens": total(cached, "disk_tokens"),
+        "claimed_tokens": total(cached, "claimed_tokens"),
         "lost_tokens": total(cached, "lost_tokens"),
         "prefetched_pages": total(cached, "prefetched_pages"),
         "computed_tokens": total(cached, "computed_tokens"),
@@ -138,6 +166,13 @@ def summarize(
         "ttft_s_mean_scratch": total(scratch, "ttft_s") / max(1, len(scratch)),
         "wall_s": wall,
         "wall_s_scratch": wall_scratch,
+        "compared_ttft": len(ratios),
+        "slower_requests": len(slower),
+        "slower_fraction": len(slower) / max(1, len(ratios)),
+        "slower_beyond_noise": sum(1 for x in ratios if x.ratio > NOISE),
+        "slower_names": [x.name for x in slower],
+        "worst_ttft_ratio": worst.ratio if worst else None,
+        "worst_request": worst.name if worst else None,
     }
 
 
@@ -156,12 +191,19 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
         row("  served from GPU prefix", f"{s['gpu_prefix_tokens']} ({100 * s['gpu_prefix_tokens'] / p:.0f}%)"),
         row("  served from CPU pool", f"{s['pool_tokens']} ({100 * s['pool_tokens'] / p:.0f}%)"),
         row("  served from disk", f"{s['disk_tokens']} ({100 * s['disk_tokens'] / p:.0f}%)"),
+        row("  matched, computed by the split", s["claimed_tokens"]),
         row("  matched, load failed", s["lost_tokens"]),
         row("pages prefetched disk->pool", s["prefetched_pages"]),
         row("prefill tokens computed", s["computed_tokens"], s["computed_tokens_scratch"]),
         row("prefill compute (s)", f"{s['prefill_s']:.2f}", f"{s['prefill_s_scratch']:.2f}"),
-        row("load from pool/disk (s)", f"{s['load_s']:.2f}", "0"),
+        row("load wall time (s, overlaps prefill)", f"{s['load_s']:.2f}", "0"),
         row("mean time to first token (s)", f"{s['ttft_s_mean']:.3f}", f"{s['ttft_s_mean_scratch']:.3f}"),
+        row("requests slower with cache (TTFT)",
+            f"{s['slower_requests']}/{s['compared_ttft']} ({100 * s['slower_fraction']:.0f}%)"),
+        row(f"  of them beyond {NOISE:.1f}x", s["slower_beyond_noise"]),
+        row("worst TTFT ratio cache/scratch", "-" if s["worst_ttft_ratio"] is None else
+            f"{s['worst_ttft_ratio']:.2f}x"),
+        row("  worst request", s["worst_request"] or "-"),
         row("wall time (s)", f"{s['wall_s']:.1f}", f"{s['wall_s_scratch']:.1f}"),
         row("speedup: prefill / TTFT / wall", "/".join(
             f"{s[k + '_scratch'] / s[k]:.2f}x" if s[k] else "-" for k in ("prefill_s", "ttft_s_mean", "wall_s"))),
@@ -202,40 +244,84 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> None:
 
 
 def plot(path: Path, cached: Sequence[RequestResult], scratch: Sequence[RequestResult], title: str) -> None:
-    """Per-request prefill time with and without the cache, and where each prompt's tokens came from."""
+    """Per-request time to first token with and without the cache (requests the cache made slower
+    in red), the load's wall time, and where each prompt's tokens came from."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     order = sorted(cached, key=lambda r: r.index)
-    base = {r.name: r for r in scratch}
+    ratios = {x.name: x for x in ttft_ratios(cached, scratch)}
     x = list(range(len(order)))
     fig, (ax_t, ax_k) = plt.subplots(2, 1, figsize=(max(8.0, 0.12 * len(order) + 4), 7.5), sharex=True)
     ms = 1000.0
-    ax_t.bar(x, [base[r.name].prefill_s * ms for r in order], width=0.9, color="#d0d0d0",
-             label="from scratch: prefill compute")
-    load = [r.load_s * ms for r in order]
-    ax_t.bar(x, load, width=0.5, color="#ff7f0e", label="with cache: load (pool/disk)")
-    ax_t.bar(x, [r.prefill_s * ms for r in order], width=0.5, bottom=load, color="#1f77b4",
-             label="with cache: prefill compute")
-    ax_t.set_ylabel("prefill time (ms)")
+    ax_t.bar(x, [ratios[r.name].scratch_s * ms for r in order], width=0.9, color="#d0d0d0",
+             label="from scratch")
+    slower = [ratios[r.name].ratio > 1.0 for r in order]
+    ax_t.bar(x, [r.ttft_s * ms for r in order], width=0.5,
+             color=["#d62728" if s else "#1f77b4" for s in slower], label="with cache")
+    ax_t.scatter(x, [r.load_s * ms for r in order], s=9, color="#ff7f0e", zorder=3,
+                 label="with cache: load wall time (overlaps prefill)")
+    worst = max(ratios.values(), key=lambda q: q.ratio if q.ratio == q.ratio else 0.0, default=None)
+    marked = [i for i, s in enumerate(slower) if s]
+    if marked:
+        ax_t.scatter(marked, [order[i].ttft_s * ms * 1.04 for i in marked], marker="v", color="#d62728", zorder=4,
+                     label=f"slower with cache: {len(marked)}/{len(order)}"
+                     + (f", worst {worst.ratio:.2f}x" if worst else ""))
+    ax_t.set_ylabel("time to first token (ms)")
     ax_t.legend(loc="upper right", fontsize=8, framealpha=0.9)
     ax_t.set_title(title, fontsize=10)
-    parts = [
-        ("GPU prefix", "gpu_tokens", "#2ca02c"),
-        ("CPU pool", "pool_tokens", "#9467bd"),
-        ("disk", "disk_tokens", "#8c564b"),
-        ("computed", "computed_tokens", "#1f77b4"),
+    parts: list[tuple[str, Callable[[RequestResult], int], str]] = [
+        ("GPU prefix", lambda r: r.gpu_tokens, "#2ca02c"),
+        ("CPU pool", lambda r: r.pool_tokens, "#9467bd"),
+        ("disk", lambda r: r.disk_tokens, "#8c564b"),
+        ("cached, computed by the split", lambda r: r.claimed_tokens, "#17becf"),
+        ("computed", lambda r: r.computed_tokens - r.claimed_tokens, "#1f77b4"),
     ]
     bottom = [0.0] * len(order)
-    for label, attr, color in parts:
-        vals = [float(getattr(r, attr)) for r in order]
+    for label, get, color in parts:
+        vals = [float(get(r)) for r in order]
         ax_k.bar(x, vals, width=0.9, bottom=bottom, color=color, label=label)
         bottom = [a + b for a, b in zip(bottom, vals, strict=True)]
     ax_k.set_ylabel("prompt tokens by source")
     ax_k.set_xlabel("request (arrival order)")
-    ax_k.legend(loc="upper right", fontsize=8, ncols=4, framealpha=0.9)
+    ax_k.legend(loc="upper right", fontsize=8, ncols=3, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def format_ttft(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The --ttft tables: pool hits against their floor, disk hits against the harmonic bound."""
+    if not rows:
+        return "  (no rows)"
+    r0 = rows[0]
+    lines = [
+        f"  disk tier: {r0['disk_backend']}, O_DIRECT={r0['disk_direct_io']}",
+        "  pool hits; floor = max(memcpy of the loaded bytes, tail prefill alone) + one layer's share of the tail",
+        f"  {'prompt':>7} {'path':>13} {'recompute':>10} {'loaded':>9} {'memcpy':>8} {'tail':>8} {'floor':>8}"
+        f" {'pool hit':>9} {'/floor':>7} {'speedup':>8} {'claimed':>8} {'hit tok':>8}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['prompt_tokens']:>7} {r['load_path']:>13} {r['recompute_s'] * 1e3:>8.1f}ms"
+            f" {r['loaded_bytes'] / 2**20:>6.1f}MiB {r['memcpy_s'] * 1e3:>6.1f}ms {r['tail_s'] * 1e3:>6.1f}ms"
+            f" {r['pool_floor_s'] * 1e3:>6.1f}ms {r['pool_s'] * 1e3:>7.1f}ms {r['pool_vs_floor']:>6.2f}x"
+            f" {r['pool_speedup']:>7.1f}x {r['pool_claimed_tokens']:>8} {r['pool_hit_tokens']:>8}"
+        )
+    lines += [
+        "  disk hits (restarted cache, empty pool); bound = 1 / (1/recompute + 1/disk-only load)",
+        f"  {'prompt':>7} {'path':>13} {'recompute':>10} {'disk-only':>10} {'bound':>9} {'disk hit':>9}"
+        f" {'/bound':>7} {'speedup':>8} {'claimed':>8} {'hit tok':>8} {'max|dlogit|':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['prompt_tokens']:>7} {r['load_path']:>13} {r['recompute_s'] * 1e3:>8.1f}ms"
+            f" {r['disk_only_s'] * 1e3:>8.1f}ms {r['disk_bound_s'] * 1e3:>7.1f}ms {r['disk_s'] * 1e3:>7.1f}ms"
+            f" {r['disk_vs_bound']:>6.2f}x {r['disk_speedup']:>7.2f}x {r['disk_claimed_tokens']:>8}"
+            f" {r['disk_hit_tokens'] + r['disk_pool_tokens']:>8} {r['max_abs_logit_diff']:>12.3g}"
+        )
+    lines.append("  claimed: prefix tokens the engine computed itself (compute-or-load split); "
+                 "speedup: recompute / hit")
+    return "\n".join(lines)

@@ -38,7 +38,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -50,12 +49,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
-from demo_engine import BlockTable, Computed, Runs, ServingLoop, Session, prefill_chunks, timed_run
+from demo_engine import (
+    BlockTable,
+    ClaimPolicy,
+    First,
+    LoadPath,
+    Runs,
+    ServingLoop,
+    Session,
+    prefill_chunks,
+    timed_run,
+)
 from demo_model import LlamaModel, ModelConfig, Shard
 from demo_report import progress_bar
 
-from aiokv import CacheConfig, KVLayout
+from aiokv import CacheConfig, KVLayout, Match
 from aiokv.layout import TPSlice
+from aiokv.stream import LoadStream
 from aiokv.tp import RankWorkerThread, WorkerStatistics
 from aiokv.tp.cache import TPCache
 
@@ -437,7 +447,12 @@ async def _wait_settled(done: asyncio.Future[torch.Tensor | None]) -> torch.Tens
 
 
 class TPEngine(ServingLoop):
-    """The serving loop of the scheduler process: model steps run on the TP ranks, slots are host indices."""
+    """The serving loop of the scheduler process: model steps run on the TP ranks, slots are host indices.
+
+    Cache hits may stream (``TPCache.start_load``): claimed chunks are steps like any other (a step
+    returns once every rank computed it, so claims track the computation). Per-layer readiness
+    lives in the rank processes, so layer-wise paths run with whole-page copies here.
+    """
 
     def __init__(
         self,
@@ -449,30 +464,52 @@ class TPEngine(ServingLoop):
         keep_logits: bool = True,
         prefetch: bool = False,
         settle: bool = False,
+        load_path: LoadPath = LoadPath.PLAIN,
+        claim: ClaimPolicy = ClaimPolicy.AUTO,
     ) -> None:
         super().__init__(
-            blocks, cache, chunk_tokens, gen_tokens, torch.device("cpu"), keep_logits, prefetch, settle
+            blocks, cache, chunk_tokens, gen_tokens, keep_logits, prefetch, settle, load_path.without_layers(), claim
         )
         self.ranks = ranks
+        self.tp_cache = cache
 
-    async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor) -> Computed:
-        n = len(prompt)
-        t_start = time.perf_counter()
-        chunks = prefill_chunks(start, n, self.chunk_tokens)
+    def _note_prefill(self, tokens: int, seconds: float) -> None:
+        pass  # TPCache takes no prefill reports: its cost model learns the rate from claims
+
+    async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
+        assert self.tp_cache is not None
+        return self.tp_cache.start_load(match, slots, from_token=start)
+
+    async def _prefill(
+        self,
+        prompt: list[int],
+        begin: int,
+        end: int,
+        slots: torch.Tensor,
+        *,
+        first: bool = False,
+        layers: LoadStream | None = None,
+        paced: bool = False,
+    ) -> First | None:
+        chunks = prefill_chunks(begin, end, self.chunk_tokens)
         logits = None
-        for i, (begin, end) in enumerate(chunks):
-            logits = await self.ranks.step(prompt[begin:end], begin, slots[:end], logits=i == len(chunks) - 1)
+        for i, (b, e) in enumerate(chunks):
+            logits = await self.ranks.step(prompt[b:e], b, slots[:e], logits=first and i == len(chunks) - 1)
+        if not first:
+            return None
         assert logits is not None
-        token = int(logits.argmax())
-        t_first = time.perf_counter()
-        logits_list, generated = [logits], [token]
+        return First(logits, int(logits.argmax()))
+
+    async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        logits_list, generated = [first.logits], [first.token]
+        token = first.token
         for i in range(self.gen_tokens - 1):
             logits = await self.ranks.step([token], n + i, slots[: n + i + 1], logits=True)
             assert logits is not None
             token = int(logits.argmax())
             logits_list.append(logits)
             generated.append(token)
-        return Computed(logits_list, generated, t_start, t_first, time.perf_counter())
+        return logits_list, generated
 
 
 async def serve_tp(
@@ -505,7 +542,7 @@ async def serve_tp(
             )
             engine = TPEngine(
                 ranks, BlockTable(kv_blocks, cfg.page_tokens, True), cache, chunk, cfg.gen_tokens,
-                prefetch=cfg.prefetch, settle=cfg.settle,
+                prefetch=cfg.prefetch, settle=cfg.settle, load_path=cfg.load_path, claim=cfg.claim,
             )
             cached, wall = await timed_run(
                 engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress)
