@@ -15,7 +15,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import demo
 import demo_engine
-from demo_engine import BlockTable, ClaimPolicy, Engine, LoadPath, RequestResult, claim_pays, make_workload
+from demo_engine import (
+    BlockTable,
+    ClaimPolicy,
+    Engine,
+    LoadPath,
+    RequestResult,
+    claim_pays,
+    claim_size,
+    make_workload,
+)
 from demo_model import LlamaModel, preset
 from demo_report import OracleReport, compare, format_table, plot, summarize
 
@@ -212,14 +221,14 @@ def test_ttft_mode_serves_the_prefix_from_pool_and_disk_beside_floors(
     # the logits agree bit for bit by construction (with one 2048-token chunk they only happened to).
     out = tmp_path / "ttft.json"
     argv = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), "--ttft", "--ttft-lengths", "64,100",
-            "--chunk-tokens", "8", "--repeats", "1", "--load-path", "plain", "split-layered", "--json", str(out)]
+            "--chunk-tokens", "8", "--repeats", "1", "--load-path", "plain", "auto", "--json", str(out)]
     assert demo.main(argv) == 0
     printed = capsys.readouterr().out
     assert "floor = max(memcpy of the loaded bytes, tail prefill alone) + one layer" in printed
     assert "bound = 1 / (1/recompute + 1/disk-only load)" in printed
     rows = json.loads(out.read_text())["ttft"]
     assert [(r["prompt_tokens"], r["load_path"]) for r in rows] == [
-        (64, "plain"), (64, "split-layered"), (100, "plain"), (100, "split-layered")]
+        (64, "plain"), (64, "auto"), (100, "plain"), (100, "auto")]
     page = 8
     for row in rows:
         n = row["prompt_tokens"]
@@ -264,16 +273,19 @@ async def test_oracle_catches_wrong_bytes_served_by_a_layered_stream(
 ) -> None:
     """Pool pages off by 0.5 in one K row reach the tail prefill through the per-layer waits: the oracle fails."""
     original = KVCache.start_load
+    layered_hits: list[int] = []
 
     async def corrupting_start_load(
         self: KVCache, match: Match, slots: torch.Tensor, *, from_token: int = 0, layered: bool = False
     ) -> LoadStream:
-        assert layered  # the default path
-        self.pool.pages[:, 1, :, 0] += 0.5  # layer 1 (the last), K head 0, every token of every page
+        if layered:  # the default path loads a hit all in the pool layer by layer
+            layered_hits.append(match.tokens)
+            self.pool.pages[:, 1, :, 0] += 0.5  # layer 1 (the last), K head 0, every token of every page
         return await original(self, match, slots, from_token=from_token, layered=layered)
 
     monkeypatch.setattr(KVCache, "start_load", corrupting_start_load)
     out = await demo.run_demo(tiny_config(tmp_path, "--tenants", "2"), progress=False)
+    assert layered_hits
     assert out.summary["pool_tokens"] > 0
     assert out.oracle.mismatches
     loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}
@@ -340,6 +352,17 @@ def test_claims_pay_unless_a_layer_wise_load_hides_behind_the_tail() -> None:
     assert not claim_pays(unknown, **shape, layered=True, disk=False)
 
 
+def test_claims_are_sized_to_where_the_fronts_meet() -> None:
+    grid = {"page": 8, "chunk": 64}
+    # Before both paces are known: one page (a long first chunk would race a load it cannot see).
+    assert claim_size(gap=200, loaded=0, load_s=0.01, computed=0, compute_s=0.0, **grid) == 8
+    assert claim_size(gap=200, loaded=16, load_s=0.01, computed=0, compute_s=0.01, **grid) == 8
+    # Equal paces: half the gap, capped at a chunk; a fast load leaves one page; the grid holds.
+    assert claim_size(gap=80, loaded=16, load_s=0.01, computed=16, compute_s=0.01, **grid) == 40
+    assert claim_size(gap=800, loaded=16, load_s=0.01, computed=16, compute_s=0.01, **grid) == 64
+    assert claim_size(gap=80, loaded=160, load_s=0.01, computed=8, compute_s=0.01, **grid) == 8
+
+
 def test_summary_counts_requests_slower_with_the_cache_and_the_plot_marks_them(tmp_path: Path) -> None:
     def result(name: str, index: int, ttft: float) -> RequestResult:
         return RequestResult(name, "t", "chat", index, 16, ttft_s=ttft, pool_tokens=8, computed_tokens=8)
@@ -362,8 +385,10 @@ def test_summary_counts_requests_slower_with_the_cache_and_the_plot_marks_them(t
 
 
 def test_load_paths_name_their_parts() -> None:
-    assert [p for p in LoadPath if p.claims] == [LoadPath.SPLIT, LoadPath.SPLIT_LAYERED]
-    assert [p for p in LoadPath if p.layered] == [LoadPath.LAYERED, LoadPath.SPLIT_LAYERED]
-    assert {p.without_layers() for p in LoadPath} == {LoadPath.PLAIN, LoadPath.SPLIT}
+    assert [p for p in LoadPath if p.claims] == [LoadPath.SPLIT, LoadPath.SPLIT_LAYERED, LoadPath.AUTO]
+    assert [p for p in LoadPath if p.layered_for(True)] == [LoadPath.LAYERED, LoadPath.SPLIT_LAYERED]
+    assert [p for p in LoadPath if p.layered_for(False)] == [LoadPath.LAYERED, LoadPath.SPLIT_LAYERED, LoadPath.AUTO]
+    assert [p.without_layers() for p in LoadPath] == [LoadPath.PLAIN, LoadPath.SPLIT, LoadPath.PLAIN,
+                                                      LoadPath.SPLIT, LoadPath.SPLIT]
     with pytest.raises(SystemExit, match="only in --ttft"):
         demo.main(["--preset", "tiny", "--load-path", "plain", "split"])

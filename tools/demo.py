@@ -7,12 +7,13 @@ reported on a GPU; a mismatch exits 1 naming the request) and prints where promp
 from. ``--ttft`` instead measures time to first token for long prompts served from the pool, from
 disk, and recomputed.
 
-Cache hits are served through ``--load-path`` (default ``split-layered``): aiokv loads the match
-from its last page backwards while the engine prefills it from the front, claiming chunk by chunk
-(``LoadStream.claim``) until the two meet, then prefills the uncached tail, whose layer l waits
-only for layer l of the copies (``order_layer`` on CUDA, ``wait_layer`` on CPU). ``plain`` awaits
-``load`` first. Claimed chunks follow the same page grid as a from-scratch run, so the oracle stays
-bit-exact.
+Cache hits are served through ``--load-path`` (default ``auto``): aiokv loads the match from its
+last page backwards while the engine prefills it from the front, claiming chunk by chunk
+(``LoadStream.claim``) where the cost model says it pays, until the two meet; then the engine
+prefills the uncached tail. For a hit all in the pool the copies go layer by layer and the tail's
+layer l waits only for layer l (``order_layer`` on CUDA, ``wait_layer`` on CPU); a hit that reaches
+disk streams whole pages. ``plain`` awaits ``load`` first. Claimed chunks follow the page grid of a
+from-scratch run, so the oracle stays bit-exact.
 
 Only prompt pages are offloaded: answer tokens' K/V come from one-token decode steps, whose
 arithmetic differs from a prefill chunk's, so serving them would break bit-exactness.
@@ -118,7 +119,7 @@ class DemoConfig:
     prefetch: bool = False  # prefetch a queued turn's disk pages into the pool
     settle: bool = False  # flush write-behind after each offload (with concurrency 1: reproducible tiers)
     tp: int = 1  # tensor-parallel ranks, each its own process (1: the model runs in this process)
-    load_path: LoadPath = LoadPath.SPLIT_LAYERED  # how cache hits reach the KV buffer
+    load_path: LoadPath = LoadPath.AUTO  # how cache hits reach the KV buffer
     claim: ClaimPolicy = ClaimPolicy.AUTO  # when a splitting path claims
     transfer_path: TransferPath | None = None  # None: DIRECT for layer-wise loads on CUDA, else aiokv's default
 
@@ -439,10 +440,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="wait for disk writes after each offload (with --concurrency 1 the tier counts are reproducible)",
     )
     p.add_argument(
-        "--load-path", nargs="+", choices=[x.value for x in LoadPath], default=[LoadPath.SPLIT_LAYERED.value],
+        "--load-path", nargs="+", choices=[x.value for x in LoadPath], default=[LoadPath.AUTO.value],
         help="how cache hits reach the KV buffer: plain (await load), split (compute-or-load: the engine "
         "prefills the match from the front while aiokv loads it from the back), layered (the tail prefill "
-        "waits per layer), split-layered (both; default). Several compare side by side in --ttft",
+        "waits per layer), split-layered (both), auto (default: split-layered for hits all in the pool, "
+        "split for hits reaching disk). Several compare side by side in --ttft",
     )
     p.add_argument(
         "--claim", choices=[x.value for x in ClaimPolicy], default=ClaimPolicy.AUTO.value,

@@ -52,27 +52,36 @@ class LoadPath(enum.Enum):
     just before that layer's attention, so it overlaps the rest of the load."""
     SPLIT_LAYERED = "split-layered"
     """Both: claims from the front, then the tail prefill overlapping the last copies layer by layer."""
+    AUTO = "auto"
+    """Per hit: ``split-layered`` when the hit is all in the pool (one launch, layer-major: the tail
+    overlaps the whole load), ``split`` when it reaches disk (its pages launch one by one as reads
+    land, so per-layer readiness would cost a layer's launch and event per page and buy little)."""
 
     @property
     def claims(self) -> bool:
-        """Whether the engine computes part of the matched prefix itself."""
-        return self in (LoadPath.SPLIT, LoadPath.SPLIT_LAYERED)
+        """Whether the engine may compute part of the matched prefix itself."""
+        return self in (LoadPath.SPLIT, LoadPath.SPLIT_LAYERED, LoadPath.AUTO)
 
     @property
     def layered(self) -> bool:
-        """Whether copies land layer by layer and the tail prefill waits per layer."""
-        return self in (LoadPath.LAYERED, LoadPath.SPLIT_LAYERED)
+        """Whether some hits load layer by layer (the tail prefill then waits per layer)."""
+        return self in (LoadPath.LAYERED, LoadPath.SPLIT_LAYERED, LoadPath.AUTO)
+
+    def layered_for(self, reaches_disk: bool) -> bool:
+        """Whether a hit (reaching disk or not) loads layer by layer on this path."""
+        return self.layered and not (self is LoadPath.AUTO and reaches_disk)
 
     def without_layers(self) -> LoadPath:
         """The same path with whole-page copies (where per-layer readiness is not visible: TP)."""
-        return {LoadPath.LAYERED: LoadPath.SPLIT, LoadPath.SPLIT_LAYERED: LoadPath.SPLIT}.get(self, self)
+        return LoadPath.SPLIT if self.claims else LoadPath.PLAIN
 
 
 class ClaimPolicy(enum.Enum):
     """When a claiming ``LoadPath`` actually claims."""
 
     AUTO = "auto"
-    """Only when the cost model expects it to pay (:func:`claim_pays`); always while rates are unknown."""
+    """Only when the cost model expects it to pay (:func:`claim_pays`); while its rates are unknown,
+    for hits that reach disk."""
     ALWAYS = "always"
     """Chunk after chunk until the fronts meet (Cake's dynamic split), whatever the rates."""
 
@@ -107,6 +116,23 @@ class SessionKind(enum.Enum):
 
     CHAT = "chat"
     DOC = "doc"
+
+
+def claim_size(
+    *, gap: int, loaded: int, load_s: float, computed: int, compute_s: float, page: int, chunk: int
+) -> int:
+    """Tokens the engine should claim next in a compute-or-load split: a page, at most a chunk.
+
+    ``gap``: tokens between the engine's position and the load's front; ``loaded`` tokens were
+    launched by the load in ``load_s`` seconds, ``computed`` by the engine in ``compute_s``. At
+    these paces the fronts meet after the engine's share gap·c/(c+l) of the gap; claiming more would
+    compute what the load would have delivered sooner. One page while either pace is unknown.
+    """
+    if gap <= 0 or loaded <= 0 or computed <= 0 or load_s <= 0 or compute_s <= 0:
+        return page
+    load_rate, compute_rate = loaded / load_s, computed / compute_s
+    share = gap * compute_rate / (load_rate + compute_rate)
+    return max(page, min(chunk, int(share) // page * page))
 
 
 @dataclass(frozen=True)
@@ -488,7 +514,7 @@ class ServingLoop(abc.ABC):
         async with m:  # releases the match when no stream takes it
             if m.tokens <= start:
                 return None
-            layered = self.load_path.layered
+            layered = self.load_path.layered_for(m.disk_pages > 0)
             claim = self.load_path.claims and (
                 self.claim is ClaimPolicy.ALWAYS
                 or claim_pays(
@@ -545,18 +571,29 @@ class ServingLoop(abc.ABC):
         return Computed(logits, generated, t_start, t_first, time.perf_counter())
 
     async def _claim_front(self, prompt: list[int], pos: int, slots: torch.Tensor, s: _Stream) -> int:
-        """Claim and compute the match chunk by chunk from ``pos`` until the load's front; return where we stopped.
+        """Claim and compute the match from ``pos`` until it meets the load's front; return where we stopped.
 
-        Chunks follow the grid of :func:`prefill_chunks` (cut where the load's front is), so with one
-        page per chunk they have the shapes of a from-scratch run.
+        Each claim is sized to where the fronts should meet at their current paces (:func:`claim_size`):
+        a long chunk claimed up front would be computed even where the load would have been there
+        sooner. Claims stay on the grid of :func:`prefill_chunks`, so with one page per chunk they
+        have the shapes of a from-scratch run.
         """
+        first = previous = pos
+        started = time.perf_counter()
         while True:
-            want = min(s.tokens, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
+            now = time.perf_counter()
+            front = s.stream.front
+            size = claim_size(
+                gap=front - pos, loaded=s.tokens - front, load_s=now - s.started,
+                computed=previous - first, compute_s=now - started, page=self.page, chunk=self.chunk_tokens,
+            )
+            want = min(s.tokens, pos + size, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
             end = s.stream.claim(want)
             if end <= pos:
                 return pos
             await self._prefill(prompt, pos, end, slots, paced=True)
-            pos = end
+            # Only chunks before the last are surely computed (CUDA: the last may still be queued).
+            previous, pos = pos, end
 
     @abc.abstractmethod
     def _note_prefill(self, tokens: int, seconds: float) -> None:
