@@ -299,10 +299,13 @@ class UringEngine:
         fields: list[tuple[int, ...]] = []
         injected: list[int | None] = []
         last = len(ops) - 1
+        broken = False
         for i, op in enumerate(ops):
-            err = None if self.fault_hook is None else self.fault_hook(op.opcode)
+            # Ops after an injected failure never run (ECANCELED), so they take no injection either.
+            err = None if self.fault_hook is None or broken else self.fault_hook(op.opcode)
             injected.append(err)
             if err is not None:
+                broken = True
                 op = Op(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
             flags = (IOSQE_IO_LINK if i < last else 0) | (IOSQE_FIXED_FILE if op.fixed_file else 0)
             fields.append((op.opcode, flags, 0, op.fd, op.off, op.addr, op.length, op.op_flags, 0,
@@ -422,10 +425,10 @@ class UringEngine:
             return self._start(OP_WRITE, fd, address, length, offset, 0, 0, keep)
         return self._start(OP_WRITE_FIXED, fd, address, length, offset, 0, region.index, keep)
 
-    def openat(self, path: bytes, flags: int, mode: int) -> asyncio.Future[int]:
-        """``openat(AT_FDCWD, path, flags, mode)``; the result is the new fd."""
+    def openat(self, path: bytes, flags: int, mode: int, dir_fd: int = AT_FDCWD) -> asyncio.Future[int]:
+        """``openat(dir_fd, path, flags | O_CLOEXEC, mode)``; the result is the new fd."""
         buf = ctypes.create_string_buffer(path)
-        return self._start(OP_OPENAT, AT_FDCWD, ctypes.addressof(buf), mode, 0, flags | os.O_CLOEXEC, 0, buf)
+        return self._start(OP_OPENAT, dir_fd, ctypes.addressof(buf), mode, 0, flags | os.O_CLOEXEC, 0, buf)
 
     def close_fd(self, fd: int) -> asyncio.Future[int]:
         """``close(fd)`` through the ring."""
@@ -435,17 +438,17 @@ class UringEngine:
         """``fdatasync``/``fsync`` through the ring."""
         return self._start(OP_FSYNC, fd, 0, 0, 0, IORING_FSYNC_DATASYNC if datasync else 0, 0, None)
 
-    def renameat(self, old: bytes, new: bytes) -> asyncio.Future[int]:
-        """``renameat(AT_FDCWD, old, AT_FDCWD, new)``: atomic within one file system."""
+    def renameat(self, old: bytes, new: bytes, dir_fd: int = AT_FDCWD) -> asyncio.Future[int]:
+        """``renameat(dir_fd, old, dir_fd, new)``: atomic within one file system."""
         a, b = ctypes.create_string_buffer(old), ctypes.create_string_buffer(new)
         # The new dir fd travels in ``len`` and the new path in ``off`` (addr2).
-        return self._start(OP_RENAMEAT, AT_FDCWD, ctypes.addressof(a), AT_FDCWD & 0xFFFFFFFF,
+        return self._start(OP_RENAMEAT, dir_fd, ctypes.addressof(a), dir_fd & 0xFFFFFFFF,
                            ctypes.addressof(b), 0, 0, (a, b))
 
-    def unlinkat(self, path: bytes) -> asyncio.Future[int]:
-        """``unlinkat(AT_FDCWD, path, 0)``."""
+    def unlinkat(self, path: bytes, dir_fd: int = AT_FDCWD) -> asyncio.Future[int]:
+        """``unlinkat(dir_fd, path, 0)``."""
         buf = ctypes.create_string_buffer(path)
-        return self._start(OP_UNLINKAT, AT_FDCWD, ctypes.addressof(buf), 0, 0, 0, 0, buf)
+        return self._start(OP_UNLINKAT, dir_fd, ctypes.addressof(buf), 0, 0, 0, 0, buf)
 
     def nop(self) -> asyncio.Future[int]:
         """A no-op round trip through the ring (probe)."""
