@@ -3,7 +3,7 @@
 See ``docs/storage.md`` for the format, backends, crash safety and fault handling.
 """
 
-from .config import DiskBackend, DiskConfig, DiskStatistics, ErrorKind
+from .config import DiskBackend, DiskConfig, DiskStatistics, ErrorKind, ReadOnly
 from .disk import DiskTier
 
-__all__ = ["DiskBackend", "DiskConfig", "DiskStatistics", "DiskTier", "ErrorKind"]
+__all__ = ["DiskBackend", "DiskConfig", "DiskStatistics", "DiskTier", "ErrorKind", "ReadOnly"]

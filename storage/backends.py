@@ -1,7 +1,7 @@
 """Byte movers: whole page files between pool memory and disk, through io_uring or threads.
 
-Each backend offers the same three coroutines — publish a page file (temp write + rename), read a
-page file, unlink — and raises ``OSError`` for faults. Bookkeeping lives in :mod:`.disk`.
+Each backend offers the same coroutines — take over a recycled file, publish a page file (temp
+write + rename), read a page file, unlink — and raises ``OSError`` for faults. Bookkeeping lives in :mod:`.disk`.
 :func:`open_backend` picks one, falling back (one warning each) from registered buffers to plain
 buffers when registration fails, and from io_uring to threads when the kernel refuses io_uring.
 """
@@ -27,11 +27,20 @@ from aiokv.pool import PagePool
 from . import uring
 from .config import DiskBackend, DiskConfig
 from .pagefile import HEADER_BYTES
+from .safefiles import (
+    OPEN_FLAGS,
+    UnsafeFileError,
+    check_page_fd,
+    classify_open_error,
+    open_page_file,
+    ready_for_io,
+)
 
 log = logging.getLogger(__name__)
 
 CHAIN_MAX = 6
-"""Most SQEs one page needs: open, header, page, fsync, close, rename."""
+"""SQEs one page may hold at once: its chain (header, page, fsync, close, rename) or its open, plus
+one unlink or rename of an evicted file."""
 
 
 class IOOp(enum.Enum):
@@ -99,50 +108,69 @@ class HeaderSlots:
 
 
 class PageIO(Protocol):
-    """What :class:`~aiokv.storage.DiskTier` needs from a backend."""
+    """What :class:`~aiokv.storage.DiskTier` needs from a backend.
+
+    Names are relative to the layout directory's descriptor (``dir_fd``). Every open goes through
+    :mod:`.safefiles`: ``O_NOFOLLOW|O_NONBLOCK``, then a regular file of ours, or
+    :class:`~aiokv.storage.safefiles.UnsafeFileError`. Callers are the tier's own job tasks, which
+    are never cancelled (a cancelled caller of the tier is shielded from them)."""
 
     kind: DiskBackend
     direct: bool
     faults: FaultPlan
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
-        """Write header slot ``slot`` and pool page ``page`` to ``temp``, then rename to ``final``.
-
-        ``create``: make ``temp`` (exclusively); else ``temp`` is a recycled page file to overwrite.
-        On failure ``temp`` is removed."""
+    async def take_over(self, victim: str, temp: str) -> int:
+        """Open the page file ``victim`` for overwriting (our regular file, one link), then rename it
+        to ``temp``: a recycled file is checked before the rename moves it. Returns the open fd."""
         ...
 
-    async def rename(self, source: str, target: str) -> None: ...
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+        """Write header slot ``slot`` and pool page ``page`` into ``temp``, then rename it to ``final``.
 
-    async def load(self, path: str, slot: int, page: int) -> int:
-        """Read ``path`` into header slot ``slot`` and pool page ``page``; returns bytes read."""
+        ``fd``: ``temp`` opened by :meth:`take_over` (closed here); None: create ``temp`` exclusively.
+        On failure ``temp`` is removed. A short write is ENOSPC (the file system is full)."""
         ...
 
-    async def unlink(self, path: str) -> None: ...
+    async def load(self, name: str, slot: int, page: int) -> int:
+        """Read ``name`` into header slot ``slot`` and pool page ``page``; returns bytes read."""
+        ...
+
+    async def unlink(self, name: str) -> None: ...
 
     async def aclose(self) -> None: ...
 
 
-def _chain_error(results: list[int], expect: list[int], what: str) -> OSError:
-    """The first failure of a chain (later ops report ECANCELED)."""
+def _chain_error(results: list[int], expect: list[int]) -> OSError:
+    """The first failure of a write chain (later ops report ECANCELED)."""
     for res, want in zip(results, expect, strict=True):
         if res < 0 and res != -errno.ECANCELED:
             return OSError(-res, os.strerror(-res))
         if res != want:
-            return _short(what, res, want) if res >= 0 else OSError(-res, os.strerror(-res))
-    return OSError(errno.EIO, f"{what} chain failed: {results}")
+            return _short_write(res, want) if res >= 0 else OSError(-res, os.strerror(-res))
+    return OSError(errno.EIO, f"write chain failed: {results}")
 
 
-def _short(what: str, got: int, want: int) -> OSError:
-    return OSError(errno.EIO, f"short {what}: {got} of {want} bytes")
+def _planted_temp(temp: str) -> UnsafeFileError:
+    # Temporary names are fresh and random: whatever already holds one was put there (left alone:
+    # O_CREAT|O_EXCL never follows or opens it; the next start removes it).
+    return UnsafeFileError(errno.EEXIST, f"{temp} exists already: something was planted under a temporary name")
+
+
+def _short_write(got: int, want: int) -> OSError:
+    # A regular file takes fewer bytes than asked only when the file system (or quota) is full.
+    return OSError(errno.ENOSPC, f"short write ({got} of {want} bytes): file system full")
 
 
 class UringPageIO:
     """Page files through one io_uring; pool pages as fixed buffers when ``regions`` are given
-    (from :func:`register_pool`: pool regions, then the header-slot region)."""
+    (from :func:`register_pool`: pool regions, then the header-slot region).
+
+    A page costs two submissions: an OPENAT (into a normal fd, so that it can be checked with
+    ``fstat`` before any byte moves), then one linked chain — WRITE header, WRITE page, [FSYNC],
+    CLOSE, RENAMEAT for a write; READ, READ, CLOSE for a read."""
 
     def __init__(self, engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots, direct: bool,
-                 regions: list[list[uring.Region]] | None) -> None:
+                 regions: list[list[uring.Region]] | None, dir_fd: int) -> None:
         self.engine = engine
         self.kind = DiskBackend.URING_FIXED if regions is not None else DiskBackend.URING
         self.direct = direct
@@ -150,84 +178,97 @@ class UringPageIO:
         engine.fault_hook = self.faults.uring_hook
         self._pool = pool
         self._slots = slots
+        self._dir = dir_fd
         self._page_bytes = pool.layout.page_bytes
         self._base = pool.memory.segment.address
         self._pool_regions: list[uring.Region] = regions[0] if regions is not None else []
         self._slot_region: uring.Region | None = regions[1][0] if regions is not None else None
         self._starts = [r.address for r in self._pool_regions]
-        self._flags = os.O_DIRECT if direct else 0
-        engine.register_files(slots.count)  # one fixed-file slot per I/O slot
 
     def _page_region(self, address: int) -> uring.Region | None:
         if not self._pool_regions:
             return None
         return self._pool_regions[bisect.bisect_right(self._starts, address) - 1]
 
-    def _io_op(self, write: bool, slot: int, address: int, length: int, offset: int,
+    def _io_op(self, write: bool, fd: int, address: int, length: int, offset: int,
                region: uring.Region | None) -> uring.Op:
-        # fd is the file-table slot the chain's OPENAT filled.
         if region is None:
-            return uring.Op(uring.OP_WRITE if write else uring.OP_READ, slot, address, length, offset,
-                            fixed_file=True)
-        return uring.Op(uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED, slot, address, length, offset,
-                        buf_index=region.index, fixed_file=True)
+            return uring.Op(uring.OP_WRITE if write else uring.OP_READ, fd, address, length, offset)
+        return uring.Op(uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED, fd, address, length, offset,
+                        buf_index=region.index)
 
-    def _transfer(self, write: bool, slot: int, page: int) -> list[uring.Op]:
+    def _transfer(self, write: bool, fd: int, slot: int, page: int) -> list[uring.Op]:
         address = self._base + page * self._page_bytes
         return [
-            self._io_op(write, slot, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slot_region),
-            self._io_op(write, slot, address, self._page_bytes, HEADER_BYTES, self._page_region(address)),
+            self._io_op(write, fd, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slot_region),
+            self._io_op(write, fd, address, self._page_bytes, HEADER_BYTES, self._page_region(address)),
         ]
 
-    async def _release_slot(self, slot: int) -> None:
-        # A broken chain skipped its CLOSE: free the file-table slot before the I/O slot is reused
-        # (SQEs of different submissions are not ordered, so this must complete first).
-        await self.engine.chain([uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
+    async def _open(self, name: str, flags: int, mode: int, write: bool) -> int:
+        # O_NONBLOCK: opening a FIFO must not park an io_uring worker (nor aclose) forever.
+        try:
+            fd = await self.engine.openat(name.encode(), flags | OPEN_FLAGS, mode, dir_fd=self._dir)
+        except OSError as exc:
+            raise classify_open_error(exc, name) from None
+        try:
+            check_page_fd(fd, name, write)
+            ready_for_io(fd, self.direct)
+        except BaseException:
+            os.close(fd)  # nothing was read or written through it
+            raise
+        return fd
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
-        # One linked chain, one submission, one wake-up: open into a fixed-file slot, write header
-        # and page, (fdatasync,) close, rename. A failure cancels the rest of the chain.
-        # No O_CLOEXEC: the kernel refuses it for an open into a fixed-file slot (there is no fd).
-        mode = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0) | self._flags
+    async def _close_quiet(self, fd: int) -> None:
+        # A broken chain skipped its CLOSE.
+        with contextlib.suppress(OSError):
+            await self.engine.close_fd(fd)
+
+    async def _unlink_quiet(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            await self.engine.unlinkat(name.encode(), dir_fd=self._dir)
+
+    async def take_over(self, victim: str, temp: str) -> int:
+        fd = await self._open(victim, os.O_WRONLY, 0, write=True)
+        try:
+            await self.engine.renameat(victim.encode(), temp.encode(), dir_fd=self._dir)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+        if fd is None:
+            try:
+                fd = await self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, write=True)
+            except OSError as exc:
+                if exc.errno == errno.EEXIST:
+                    raise _planted_temp(temp) from None
+                await self._unlink_quiet(temp)  # it may exist now (an O_DIRECT refusal after creating)
+                raise
         tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
-        ops = [uring.Op(uring.OP_OPENAT, uring.AT_FDCWD, ctypes.addressof(tmp), 0o600, op_flags=mode,
-                        file_index=slot + 1)]
-        ops += self._transfer(True, slot, page)
+        ops = self._transfer(True, fd, slot, page)
         if sync:
-            ops.append(uring.Op(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
-        ops.append(uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1))
-        ops.append(uring.Op(uring.OP_RENAMEAT, uring.AT_FDCWD, ctypes.addressof(tmp),
-                            uring.AT_FDCWD & 0xFFFFFFFF, ctypes.addressof(fin)))
+            ops.append(uring.Op(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
+        ops.append(uring.Op(uring.OP_CLOSE, fd))
+        ops.append(uring.Op(uring.OP_RENAMEAT, self._dir, ctypes.addressof(tmp), self._dir & 0xFFFFFFFF,
+                            ctypes.addressof(fin)))
         results = await self.engine.chain(ops, (tmp, fin, self._slots, self._pool))
-        expect = [0, HEADER_BYTES, self._page_bytes] + [0] * (len(ops) - 3)
+        expect = [HEADER_BYTES, self._page_bytes] + [0] * (len(ops) - 2)
         if results == expect:
             return
-        if results[0] == 0 and results[-2] != 0:
-            await self._release_slot(slot)
-        if results[0] == 0 or not create:
-            await self._unlink_quiet(temp)
-        raise _chain_error(results, expect, "write")
+        if results[-2] == -errno.ECANCELED:
+            await self._close_quiet(fd)
+        await self._unlink_quiet(temp)
+        raise _chain_error(results, expect)
 
-    async def rename(self, source: str, target: str) -> None:
-        await self.engine.renameat(source.encode(), target.encode())
-
-    async def _unlink_quiet(self, path: str) -> None:
-        with contextlib.suppress(OSError):
-            await self.engine.unlinkat(path.encode())
-
-    async def load(self, path: str, slot: int, page: int) -> int:
-        name = ctypes.create_string_buffer(path.encode())
-        ops = [uring.Op(uring.OP_OPENAT, uring.AT_FDCWD, ctypes.addressof(name), 0,
-                        op_flags=os.O_RDONLY | self._flags, file_index=slot + 1)]
-        ops += self._transfer(False, slot, page)
-        ops.append(uring.Op(uring.OP_CLOSE, 0, file_index=slot + 1))
-        results = await self.engine.chain(ops, (name, self._slots, self._pool))
-        if results[0] == 0 and results[3] != 0:
-            await self._release_slot(slot)
-        if results[0] < 0:
-            raise OSError(-results[0], os.strerror(-results[0]))
+    async def load(self, name: str, slot: int, page: int) -> int:
+        fd = await self._open(name, os.O_RDONLY, 0, write=False)
+        ops = [*self._transfer(False, fd, slot, page), uring.Op(uring.OP_CLOSE, fd)]
+        results = await self.engine.chain(ops, (self._slots, self._pool))
+        if results[2] == -errno.ECANCELED:
+            await self._close_quiet(fd)
         got = 0
-        for res in results[1:3]:
+        for res in results[:2]:
             if res == -errno.ECANCELED:
                 break  # a short read broke the chain: the file is truncated
             if res < 0:
@@ -235,8 +276,8 @@ class UringPageIO:
             got += res
         return got
 
-    async def unlink(self, path: str) -> None:
-        await self.engine.unlinkat(path.encode())
+    async def unlink(self, name: str) -> None:
+        await self.engine.unlinkat(name.encode(), dir_fd=self._dir)
 
     async def aclose(self) -> None:
         await self.engine.aclose()
@@ -247,12 +288,12 @@ class ThreadPageIO:
 
     kind = DiskBackend.THREADS
 
-    def __init__(self, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int) -> None:
+    def __init__(self, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int, dir_fd: int) -> None:
         self.direct = direct
         self.faults = FaultPlan()
         self._pool = pool
         self._slots = slots
-        self._flags = os.O_DIRECT if direct else 0
+        self._dir = dir_fd
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="aiokv-disk")
         self._jobs: set[asyncio.Future[object]] = set()
 
@@ -269,61 +310,78 @@ class ThreadPageIO:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
         return await asyncio.shield(job)
 
-    def _publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
+    def _open(self, name: str, flags: int, write: bool) -> int:
         self._fault(IOOp.OPEN)
-        mode = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(temp, mode | self._flags, 0o600)
+        return open_page_file(name, flags, self._dir, write, self.direct)
+
+    def _take_over(self, victim: str, temp: str) -> int:
+        fd = self._open(victim, os.O_WRONLY, write=True)
+        try:
+            self._fault(IOOp.RENAME)
+            os.rename(victim, temp, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+        if fd is None:
+            try:
+                fd = self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True)
+            except OSError as exc:
+                if exc.errno == errno.EEXIST:
+                    raise _planted_temp(temp) from None
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=self._dir)
+                raise
         try:
             self._fault(IOOp.WRITE)
             views = [self._slots.views[slot], self._pool.memory.page_view(page)]
             want = HEADER_BYTES + len(views[1])
             got = os.pwritev(fd, views, 0)
             if got != want:
-                raise _short("write", got, want)
+                raise _short_write(got, want)
             if sync:
                 self._fault(IOOp.FSYNC)
                 os.fdatasync(fd)
             os.close(fd)
             fd = -1
             self._fault(IOOp.RENAME)
-            os.rename(temp, final)
+            os.rename(temp, final, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=self._dir)
             raise
 
-    def _load(self, path: str, slot: int, page: int) -> int:
-        self._fault(IOOp.OPEN)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._flags)
+    def _load(self, name: str, slot: int, page: int) -> int:
+        fd = self._open(name, os.O_RDONLY, write=False)
         try:
             self._fault(IOOp.READ)
             return os.preadv(fd, [self._slots.views[slot], self._pool.memory.page_view(page)], 0)
         finally:
             os.close(fd)
 
-    def _unlink(self, path: str) -> None:
+    def _unlink(self, name: str) -> None:
         self._fault(IOOp.UNLINK)
-        os.unlink(path)
+        os.unlink(name, dir_fd=self._dir)
 
-    def _rename(self, source: str, target: str) -> None:
-        self._fault(IOOp.RENAME)
-        os.rename(source, target)
-
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, create: bool) -> None:
-        await self._run(self._publish, temp, final, slot, page, sync, create)
-
-    async def rename(self, source: str, target: str) -> None:
-        await self._run(self._rename, source, target)
-
-    async def load(self, path: str, slot: int, page: int) -> int:
-        result = await self._run(self._load, path, slot, page)
+    async def take_over(self, victim: str, temp: str) -> int:
+        result = await self._run(self._take_over, victim, temp)
         assert isinstance(result, int)
         return result
 
-    async def unlink(self, path: str) -> None:
-        await self._run(self._unlink, path)
+    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+        await self._run(self._publish, temp, final, slot, page, sync, fd)
+
+    async def load(self, name: str, slot: int, page: int) -> int:
+        result = await self._run(self._load, name, slot, page)
+        assert isinstance(result, int)
+        return result
+
+    async def unlink(self, name: str) -> None:
+        await self._run(self._unlink, name)
 
     async def aclose(self) -> None:
         while self._jobs:
@@ -331,33 +389,21 @@ class ThreadPageIO:
         self._executor.shutdown(wait=False)
 
 
-def probe_direct_io(directory: str) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT (tmpfs answers EINVAL). Blocking."""
-    path = os.path.join(directory, f".tmp-probe-{os.urandom(6).hex()}")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    os.close(fd)
-    os.unlink(path)
-    return True
-
-
-async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, direct: bool) -> PageIO:
-    """The backend ``config`` asks for; AUTO falls back step by step with one warning each."""
+async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, direct: bool,
+                       dir_fd: int) -> PageIO:
+    """The backend ``config`` asks for, working in the directory ``dir_fd``; AUTO falls back step
+    by step with one warning each."""
     want = config.backend
     if want is DiskBackend.THREADS:
-        return ThreadPageIO(pool, slots, direct, config.threads)
+        return ThreadPageIO(pool, slots, direct, config.threads, dir_fd)
     try:
-        # A page is a chain of up to 6 SQEs: room for every I/O slot's chain at once.
+        # Room for every I/O slot's SQEs at once.
         engine = uring.UringEngine.open(max(config.ring_entries, CHAIN_MAX * config.queue_depth))
     except OSError as exc:
         if want is not DiskBackend.AUTO:
             raise
         log.warning("disk tier: io_uring refused (%s); using the thread-pool backend", exc)
-        return ThreadPageIO(pool, slots, direct, config.threads)
+        return ThreadPageIO(pool, slots, direct, config.threads, dir_fd)
     try:
         regions = None
         if want is not DiskBackend.URING:
@@ -368,7 +414,7 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
                     raise
                 log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
                             "using unregistered buffers", exc)
-        return UringPageIO(engine, pool, slots, direct, regions)
+        return UringPageIO(engine, pool, slots, direct, regions, dir_fd)
     except BaseException:
         await engine.aclose()
         raise

@@ -8,6 +8,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .safefiles import UnsafeFileError
+
 log = logging.getLogger("aiokv.storage.disk")
 
 
@@ -30,7 +32,20 @@ class ErrorKind(enum.Enum):
     ENOSPC = "enospc"
     EIO = "eio"
     EPERM = "eperm"
+    UNSAFE = "unsafe"
+    """A symlink, special file, directory or foreign file where a page file should be (refused)."""
     OTHER = "other"
+
+
+class ReadOnly(enum.Enum):
+    """Why a tier serves reads but refuses writes."""
+
+    FILE_SYSTEM = "read-only file system"
+    """Mounted read-only (at start, or an EROFS answer since)."""
+    NOT_WRITABLE = "directory not writable"
+    """We may not create files in the layout directory."""
+    LOCKED = "held by another cache"
+    """Another cache (process) holds the directory's lock: it alone writes and evicts there."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,14 @@ class DiskConfig:
     creating a file costs ~0.8 ms of kernel CPU on ext4 here, overwriting an allocated one almost none."""
     drain_on_close: bool = True
     """``aclose`` writes out queued write-behind pages; False drops them (counted as dropped)."""
+    min_free_bytes: int = 256 << 20
+    """Free space left to others on the file system: the effective capacity is
+    min(capacity_bytes, our files + free space - this), taken at start, on ENOSPC and (while below
+    capacity_bytes) again at most every ``free_space_recheck_s``."""
+    free_space_recheck_s: float = 1.0
+    """Least seconds between two free-space checks while the file system limits the tier."""
+    enospc_retries: int = 2
+    """Times a write that met ENOSPC evicts least recently used files and tries again."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -72,13 +95,18 @@ class DiskConfig:
             raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise TypeError(f"direct_io must be bool or None, got {self.direct_io!r}")
-        for name in ("capacity_bytes", "queue_depth", "write_behind_depth", "write_behind_workers",
-                     "threads", "ring_entries"):
+        positive = ("capacity_bytes", "queue_depth", "write_behind_depth", "write_behind_workers", "threads",
+                    "ring_entries")
+        for name in (*positive, "min_free_bytes", "enospc_retries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            if value < (1 if name in positive else 0):
+                raise ValueError(f"{name} must be {'positive' if name in positive else '>= 0'}, got {value}")
+        if isinstance(self.free_space_recheck_s, bool) or not isinstance(self.free_space_recheck_s, (int, float)):
+            raise TypeError(f"free_space_recheck_s must be a number, got {type(self.free_space_recheck_s).__name__}")
+        if not self.free_space_recheck_s >= 0:
+            raise ValueError(f"free_space_recheck_s must be >= 0, got {self.free_space_recheck_s}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +122,7 @@ class DiskStatistics:
     bytes_stored: int
     """Bytes of those files (and of writes in flight, which hold their room)."""
     capacity_bytes: int
+    """The configured budget."""
     reads: int
     """Read attempts that reached the disk."""
     writes: int
@@ -119,11 +148,20 @@ class DiskStatistics:
     """Evicted files overwritten by a new page instead of being deleted and created anew."""
     temp_files_removed: int = 0
     """Leftover temporary files removed at start."""
+    effective_capacity_bytes: int = 0
+    """The budget in force: ``capacity_bytes`` or less when the file system has less room."""
+    read_only: ReadOnly | None = None
+    """Why writes are refused, or None when the tier writes."""
+    writes_refused: int = 0
+    """Writes refused because the tier is read-only."""
+    skipped_at_scan: int = 0
+    """Fan-out directories and files that could not be read at start (their faults are in ``errors``)."""
 
 
 _KINDS = {
     errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
     errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
+    errno.ELOOP: ErrorKind.UNSAFE,  # O_NOFOLLOW met a symlink
 }
 
 
@@ -142,8 +180,8 @@ class FaultCounter:
         return True
 
     def count(self, exc: OSError, what: str) -> None:
-        """Count ``exc`` by its errno; log the first of each kind."""
-        kind = _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
+        """Count ``exc`` by its errno (an :class:`UnsafeFileError` as UNSAFE); log the first of each kind."""
+        kind = ErrorKind.UNSAFE if isinstance(exc, UnsafeFileError) else _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
         self._counts[kind] += 1
         if self.first(kind):
             log.warning("disk tier: %s failed: %s (further %s errors counted only)", what, exc, kind.value)

@@ -9,8 +9,14 @@ completions. Each read or write runs as an internal job task holding its own cla
   thread) is done with that page — otherwise the caller's ``abort`` would recycle memory that is
   still being written — and then gets its ``CancelledError``.
 
-Faults (ENOSPC, EIO, permissions, corrupt files) become False/miss results, are counted by kind and
-logged once per kind; nothing raises into the caller's loop except caller mistakes.
+Faults (ENOSPC, EIO, permissions, corrupt or planted files) become False/miss results, are counted
+by kind and logged once per kind; nothing raises into the caller's loop except caller mistakes.
+
+Capacity: the budget in force is ``capacity_bytes`` or less when the file system has less room
+(taken at start, on ENOSPC, and again now and then while it limits the tier); ENOSPC evicts least
+recently used files and retries. Read-only mode (a read-only file system, a directory we may not
+write, or another cache holding the directory's lock) serves and verifies reads, refuses writes
+(counted) and never deletes a file.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import asyncio
 import errno
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -28,9 +34,10 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
 from aiokv.pool import PagePool
 
-from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend, probe_direct_io
+from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_key, check_ready, check_reserved
-from .config import DiskBackend, DiskConfig, DiskStatistics, FaultCounter
+from .config import DiskBackend, DiskConfig, DiskStatistics, FaultCounter, ReadOnly
+from .layoutdir import FreeSpace, Prepared, free_space, prepare
 from .pagefile import (
     PageFiles,
     PageHeader,
@@ -39,10 +46,12 @@ from .pagefile import (
     parse_header,
     payload_checksum,
 )
+from .safefiles import UnsafeDirectoryError, UnsafeFileError
 from .writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
 
 class DiskTier:
     """Page files under ``config.directory`` for pages of ``pool`` (same layout).
@@ -77,7 +86,7 @@ class DiskTier:
         self._writing: dict[PageKey, asyncio.Future[bool]] = {}
         self._delete_after_write: set[PageKey] = set()
         # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
-        self._moving: dict[PageKey, asyncio.Task[None]] = {}
+        self._moving: dict[PageKey, asyncio.Task[Any]] = {}
         self._readers: Counter[PageKey] = Counter()
         self._recycled = 0
         self._jobs: set[asyncio.Task[Any]] = set()
@@ -87,47 +96,76 @@ class DiskTier:
         self._faults = FaultCounter()
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._hits = self._misses = self._corrupt = self._dropped = self._evictions = 0
-        self._temp_removed = 0
+        self._temp_removed = self._skipped = self._writes_refused = 0
         self._in_flight = 0
+        self._dir: Prepared | None = None
+        self._read_only: ReadOnly | None = None
+        self._capacity = config.capacity_bytes
+        self._space_checked = 0.0
 
     # -- lifetime -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the backend on the running loop, rebuild the index, remove leftover temp files.
+        """Check the directories, take the directory's lock, open the backend on the running loop,
+        rebuild the index, remove leftover temp files.
 
-        Raises ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here, or the
-        directory cannot be created; ``RuntimeError`` when started twice.
+        Raises ``UnsafeDirectoryError`` (an ``OSError``) for a directory that is not safely ours,
+        ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here or the directory
+        cannot be created; ``RuntimeError`` when started twice. A directory that cannot be written
+        (read-only file system, locked by another cache) is no error: the tier starts read-only.
         """
-        if self._io is not None or self._close_task is not None:
+        if self._dir is not None or self._close_task is not None:
             raise RuntimeError("disk tier already started")
-        await asyncio.to_thread(self.files.create_dirs)
-        found, self._temp_removed = await asyncio.to_thread(self.files.scan)
-        direct = self.config.direct_io
-        supported = await asyncio.to_thread(probe_direct_io, str(self.files.layout_dir))
-        if direct and not supported:
-            raise OSError(errno.EINVAL, f"{self.config.directory} refuses O_DIRECT (tmpfs?)")
-        if direct is None:
-            direct = supported
-            if not supported:
-                log.warning("disk tier: %s refuses O_DIRECT; using buffered I/O", self.config.directory)
-        slots = HeaderSlots(self.config.queue_depth)
         try:
-            self._io = await open_backend(self.config, self.pool, slots, direct)
-        except BaseException:
-            slots.close()
+            prepared = await _in_thread_owned(prepare, self.files)
+        except UnsafeDirectoryError as exc:
+            log.error("%s", exc.strerror)
             raise
+        try:
+            direct = self._choose_direct(prepared.direct)
+            slots = HeaderSlots(self.config.queue_depth)
+            try:
+                self._io = await open_backend(self.config, self.pool, slots, direct, prepared.dir_fd)
+            except BaseException:
+                slots.close()
+                raise
+        except BaseException:
+            prepared.close()
+            raise
+        self._dir = prepared
         self._slots = slots
         self._slot_sem = asyncio.Semaphore(self.config.queue_depth)
-        for _mtime, key in found:
+        for fault, what in prepared.faults:
+            self._faults.count(fault, what)
+        self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
+        for _mtime, key in prepared.found:
             self._index[key] = self._next_generation()
             self._used += self._file_bytes
-        self._evict_to(self.config.capacity_bytes)
+        self._read_only = prepared.read_only
+        self._capacity = self._capacity_for(prepared.space, after_enospc=False)
+        self._space_checked = asyncio.get_running_loop().time()
+        if self._read_only is None:
+            self._evict_to(self._capacity)
+        else:
+            log.warning("disk tier: %s is read-only here (%s): serving its %d pages, refusing writes",
+                        self.files.layout_dir, self._read_only.value, len(self._index))
         self._queue = WriteBehind(self.config.write_behind_depth, self.config.write_behind_workers,
                                   lambda key, handle: self._write_owned(key, self._retain(handle)),
                                   self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
-        log.info("%s: %d pages indexed, %d temp files removed", describe_layout_io(self.layout, self._io),
-                 len(self._index), self._temp_removed)
+        log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
+                 describe_layout_io(self.layout, self._io), len(self._index), self._temp_removed, self._skipped)
+
+    def _choose_direct(self, supported: bool | None) -> bool:
+        direct = self.config.direct_io
+        if direct and supported is False:
+            raise OSError(errno.EINVAL, f"{self.config.directory} refuses O_DIRECT (tmpfs?)")
+        if direct is not None:
+            return direct
+        if not supported:
+            log.warning("disk tier: %s %s; using buffered I/O", self.config.directory,
+                        "refuses O_DIRECT" if supported is False else "has no file to probe O_DIRECT with")
+        return bool(supported)
 
     async def __aenter__(self) -> DiskTier:
         await self.start()
@@ -138,7 +176,8 @@ class DiskTier:
 
     async def aclose(self) -> None:
         """Drain (or drop, per ``drain_on_close``) write-behind, wait for in-flight I/O, close the
-        backend. Idempotent; a cancelled ``aclose`` keeps closing in the background."""
+        backend, release the directory's lock. Idempotent; a cancelled ``aclose`` keeps closing in
+        the background."""
         if self._close_task is None:
             self._accepting = False
             self._close_task = asyncio.create_task(self._close())
@@ -153,6 +192,13 @@ class DiskTier:
             await self._io.aclose()
         if self._slots is not None:
             self._slots.close()
+        if self._dir is not None:
+            self._dir.close()
+
+    @property
+    def read_only(self) -> ReadOnly | None:
+        """Why writes are refused (read-only file system, directory locked by another cache...), or None."""
+        return self._read_only
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -192,6 +238,10 @@ class DiskTier:
             self._index.move_to_end(key)
             self._release(ref)
             return True
+        if self._read_only is not None:
+            self._release(ref)
+            self._writes_refused += 1
+            return False
         pending = self._writing.get(key)
         if pending is None:
             pending = asyncio.get_running_loop().create_future()
@@ -203,29 +253,11 @@ class DiskTier:
 
     async def _write_job(self, key: PageKey, ref: PageHandle, done: asyncio.Future[bool]) -> None:
         stored = False
-        reserved = False
         try:
             moving = self._moving.get(key)
             if moving is not None:
                 await asyncio.wait({moving})  # an old unlink must not remove the new file
-            temp = self.files.temp_path(key)
-            create = await self._claim_room(temp)
-            if create is None:
-                self._dropped += 1
-                return
-            reserved = True
-            page = self.pool.table.check(ref)
-            async with self._slot() as slot:
-                assert self._slots is not None
-                assert self._io is not None
-                view = self.pool.memory.page_view(page)
-                pack_header(self._slots.views[slot], self.layout, key,
-                            payload_checksum(view[: self.layout.payload_bytes]))
-                await self._io.publish(temp, self.files.path(key), slot, page, self.config.sync_writes,
-                                       create)
-            stored = True
-        except OSError as exc:
-            self._faults.count(exc, "write")
+            stored = await self._store(key, ref)
         except Exception:
             self._faults.unexpected("write")
         finally:
@@ -239,10 +271,75 @@ class DiskTier:
                 self._index[key] = self._next_generation()
                 self._writes += 1
                 self._bytes_written += self._file_bytes
-            elif reserved:
-                self._used -= self._file_bytes
             self._delete_after_write.discard(key)
             done.set_result(stored)
+
+    async def _store(self, key: PageKey, ref: PageHandle) -> bool:
+        """Publish ``key``'s page file. True: stored, its room held in ``_used``. A full file system
+        (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
+        files make room, and the write is tried again, ``enospc_retries`` times at most."""
+        retries = self.config.enospc_retries
+        for attempt in range(retries + 1):
+            if self._read_only is not None:  # became read-only meanwhile
+                self._writes_refused += 1
+                return False
+            await self._recheck_space()
+            claim = self._claim_room()
+            if claim is None:
+                self._dropped += 1
+                return False
+            victim, unlinks = claim
+            if attempt and unlinks:
+                await asyncio.wait(unlinks)  # a retry needs the space they free
+            try:
+                await self._publish(key, ref, victim)
+                return True
+            except OSError as exc:
+                self._used -= self._file_bytes
+                self._faults.count(exc, "write")
+                if exc.errno == errno.EROFS:
+                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == retries:
+                    return False
+                await self._refresh_space(after_enospc=True)
+            except BaseException:
+                self._used -= self._file_bytes
+                raise
+        return False
+
+    async def _publish(self, key: PageKey, ref: PageHandle, victim: PageKey | None) -> None:
+        page = self.pool.table.check(ref)
+        temp = self.files.temp_rel(key)
+        async with self._slot() as slot:
+            assert self._slots is not None
+            assert self._io is not None
+            fd = None if victim is None else await self._take_over(victim, temp)
+            view = self.pool.memory.page_view(page)
+            pack_header(self._slots.views[slot], self.layout, key, payload_checksum(view[: self.layout.payload_bytes]))
+            await self._io.publish(temp, self.files.rel(key), slot, page, self.config.sync_writes, fd)
+
+    async def _take_over(self, victim: PageKey, temp: str) -> int | None:
+        """Rename the evicted ``victim``'s file to ``temp`` for overwriting; its fd, or None when it is
+        gone or is not our page file (then ``temp`` is created instead)."""
+        assert self._io is not None
+        move = self._spawn(self._io.take_over(self.files.rel(victim), temp))
+        self._moving[victim] = move  # a new write of ``victim`` waits for this rename
+        await asyncio.wait({move})
+        if self._moving.get(victim) is move:
+            del self._moving[victim]
+        error = move.exception()
+        if error is None:
+            self._recycled += 1
+            return move.result()
+        if isinstance(error, FileNotFoundError):
+            return None
+        if isinstance(error, UnsafeFileError):
+            self._faults.count(error, "recycle")
+            self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
+            return None
+        if not (isinstance(error, OSError) and error.errno == errno.EROFS):
+            self._unlink_later(victim)  # out of the index already: do not orphan its file
+        raise error
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -278,9 +375,14 @@ class DiskTier:
                 self._reads += 1
                 self._readers[key] += 1
                 try:
-                    got = await self._io.load(self.files.path(key), slot, page)
+                    got = await self._io.load(self.files.rel(key), slot, page)
                 except FileNotFoundError:
                     self._forget(key, generation)  # removed behind our back
+                    return False
+                except UnsafeFileError as exc:  # planted: nothing was read through it
+                    self._faults.count(exc, "read")
+                    if self._index.get(key) == generation:
+                        self._drop(key)
                     return False
                 finally:
                     self._readers[key] -= 1
@@ -320,23 +422,30 @@ class DiskTier:
         if key in self._writing:
             self._delete_after_write.add(key)
         if key in self._index and self._io is not None:
-            await asyncio.shield(self._drop(key))
+            unlink = self._drop(key)
+            if unlink is not None:
+                await asyncio.shield(unlink)
 
     # -- write-behind ---------------------------------------------------------------------------
 
     def write_behind_nowait(self, key: PageKey, handle: PageHandle) -> bool:
         """Queue ``handle``'s page for writing and take ownership of that reference (released after
-        the write completes or is dropped). False — ownership not taken — when the queue is full or
-        the tier is not accepting work. Raises ``TypeError``/``ValueError`` for caller mistakes."""
+        the write completes or is dropped). False — ownership not taken — when the queue is full,
+        the tier is not accepting work, or it is read-only (counted in ``writes_refused``; see
+        :attr:`read_only`). Raises ``TypeError``/``ValueError`` for caller mistakes."""
         check_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
+            return False
+        if self._read_only is not None and key not in self._index:
+            self._writes_refused += 1
             return False
         return self._queue.put_nowait(key, handle)
 
     async def write_behind(self, key: PageKey, handle: PageHandle) -> None:
         """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
-        is taken only when this returns). Raises ``RuntimeError`` when the tier is closed."""
+        is taken only when this returns; a read-only tier refuses the write when the queue gets to
+        it, counted). Raises ``RuntimeError`` when the tier is closed."""
         check_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
@@ -376,6 +485,10 @@ class DiskTier:
             evictions=self._evictions,
             recycled=self._recycled,
             temp_files_removed=self._temp_removed,
+            effective_capacity_bytes=self._capacity,
+            read_only=self._read_only,
+            writes_refused=self._writes_refused,
+            skipped_at_scan=self._skipped,
         )
 
     @property
@@ -409,34 +522,23 @@ class DiskTier:
         self._generation += 1
         return self._generation
 
-    async def _claim_room(self, temp: str) -> bool | None:
-        """Room for one more file: True to create ``temp``; False when an evicted file was renamed to
-        ``temp`` for overwriting (creating files costs far more kernel CPU than overwriting); None:
-        no room (the write is dropped). Either way the file's bytes are counted in ``_used``."""
+    def _claim_room(self) -> tuple[PageKey | None, list[asyncio.Task[None]]] | None:
+        """Room for one more file, counted in ``_used``: ``(victim, unlinks)``, or None when there is
+        no room (the write is dropped). With recycling, a full tier hands over its least recently
+        used file (``victim``) to be overwritten — creating files costs far more kernel CPU than
+        overwriting — and its room passes to the new file. ``unlinks``: evictions in flight."""
         size = self._file_bytes
-        if self.config.recycle_files and self._used + size > self.config.capacity_bytes:
+        if self.config.recycle_files and self._used + size > self._capacity:
             victim = self._recyclable()
             if victim is not None:
-                assert self._io is not None
                 del self._index[victim]
                 self._evictions += 1
-                move = self._spawn(self._io.rename(self.files.path(victim), temp))
-                self._moving[victim] = move
-                await asyncio.wait({move})
-                if self._moving.get(victim) is move:
-                    del self._moving[victim]
-                error = move.exception()
-                if error is None:
-                    self._recycled += 1
-                    return False
-                self._used -= size
-                if not isinstance(error, FileNotFoundError):
-                    self._faults.count(error if isinstance(error, OSError) else OSError(str(error)), "rename")
-                    self._unlink_later(victim)
-        if not self._make_room(size):
+                return victim, self._evict_to(self._capacity)
+        unlinks = self._evict_to(self._capacity - size)
+        if self._used + size > self._capacity:
             return None
         self._used += size
-        return True
+        return None, unlinks
 
     def _recyclable(self) -> PageKey | None:
         # The least recently used file that no read has open (an overwrite would tear that read).
@@ -447,15 +549,55 @@ class DiskTier:
                 return key
         return None
 
-    def _make_room(self, size: int) -> bool:
-        self._evict_to(self.config.capacity_bytes - size)
-        return self._used + size <= self.config.capacity_bytes
-
-    def _evict_to(self, limit: int) -> None:
+    def _evict_to(self, limit: int) -> list[asyncio.Task[None]]:
+        unlinks = []
         while self._used > limit and self._index:
             key = next(iter(self._index))
             self._evictions += 1
-            self._drop(key)
+            unlink = self._drop(key)
+            if unlink is not None:
+                unlinks.append(unlink)
+        return unlinks
+
+    # -- free space -----------------------------------------------------------------------------
+
+    def _capacity_for(self, space: FreeSpace, after_enospc: bool) -> int:
+        """The budget in force: what we store plus what the file system still offers (bytes less
+        ``min_free_bytes``, and inodes), never above ``capacity_bytes``; after ENOSPC never above
+        what we store (the file system just said so, whatever statvfs counts)."""
+        room = space.bytes - self.config.min_free_bytes
+        if space.files is not None:
+            room = min(room, space.files * self._file_bytes)
+        capacity = min(self.config.capacity_bytes, self._used + max(0, room))
+        return min(capacity, self._used) if after_enospc else capacity
+
+    async def _recheck_space(self) -> None:
+        # While the file system limits the tier below its budget, look again now and then: others
+        # may have freed space.
+        if self._capacity >= self.config.capacity_bytes:
+            return
+        if asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s:
+            await self._refresh_space(after_enospc=False)
+
+    async def _refresh_space(self, after_enospc: bool) -> None:
+        assert self._dir is not None
+        self._space_checked = asyncio.get_running_loop().time()
+        try:
+            space = await asyncio.to_thread(free_space, self._dir.dir_fd)
+        except OSError as exc:
+            self._faults.count(exc, "statvfs")
+            return
+        if space.read_only:
+            self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        self._capacity = self._capacity_for(space, after_enospc)
+
+    def _enter_read_only(self, reason: ReadOnly) -> None:
+        if self._read_only is None:
+            self._read_only = reason
+            log.warning("disk tier: %s became read-only (%s): serving its %d pages, refusing writes",
+                        self.files.layout_dir, reason.value, len(self._index))
+
+    # -- index ----------------------------------------------------------------------------------
 
     def _forget(self, key: PageKey, generation: int) -> None:
         if self._index.get(key) == generation:
@@ -470,12 +612,15 @@ class DiskTier:
         if self._index.get(key) == generation:
             self._drop(key)
 
-    def _drop(self, key: PageKey) -> asyncio.Task[None]:
+    def _drop(self, key: PageKey) -> asyncio.Task[None] | None:
+        """Out of the index, and its file unlinked — unless read-only: then the file stays."""
         del self._index[key]
         self._used -= self._file_bytes
         return self._unlink_later(key)
 
-    def _unlink_later(self, key: PageKey) -> asyncio.Task[None]:
+    def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+        if self._read_only is not None:
+            return None
         previous = self._moving.get(key)
 
         async def unlink() -> None:
@@ -483,11 +628,13 @@ class DiskTier:
                 if previous is not None:
                     await asyncio.wait({previous})
                 assert self._io is not None
-                await self._io.unlink(self.files.path(key))
+                await self._io.unlink(self.files.rel(key))
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 self._faults.count(exc, "unlink")
+                if exc.errno == errno.EROFS:
+                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
@@ -523,7 +670,20 @@ class DiskTier:
             log.exception("disk tier: page reference already released")
 
 
-async def _wait_uncancelled(task: asyncio.Task[Any]) -> None:
+async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles) -> Prepared:
+    """``fn(files)`` in a thread; if cancelled meanwhile, the descriptors it returns are closed (a
+    lock left open would keep the directory read-only for everyone else)."""
+    job = asyncio.ensure_future(asyncio.to_thread(fn, files))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await _wait_uncancelled(job)
+        if not job.cancelled() and job.exception() is None:
+            job.result().close()
+        raise
+
+
+async def _wait_uncancelled(task: asyncio.Future[Any]) -> None:
     """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards)."""
     while not task.done():
         try:

@@ -17,7 +17,8 @@ Header (little-endian), then zeros to 4096 bytes::
     created_ns   u64  creation time, ns since the epoch
     header_sum   u64  xxh3-64 of the 4096 header bytes with this field zeroed
 
-Names: ``<root>/<fingerprint hex>/<first 2 hex of key>/<key hex>`` (dirs 0700, files 0600).
+Names: ``<root>/<fingerprint hex>/<first 2 hex of key>/<key hex>`` (dirs 0700, files 0600); the
+layout directory also holds ``.lock`` (see :mod:`.layoutdir`).
 Temporary files live next to their final name as ``.tmp-<key hex>-<random>`` so the rename that
 publishes them is atomic (same directory, same file system).
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import xxhash
 
-from aiokv.keys import KEY_BYTES, PageKey
+from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 
 HEADER_BYTES = 4096
@@ -111,55 +112,27 @@ def file_bytes(layout: KVLayout) -> int:
 
 
 class PageFiles:
-    """Paths of the page files of one layout under ``root``."""
+    """Names of the page files of one layout under ``root``.
+
+    I/O uses names relative to the layout directory (``rel``, ``temp_rel``), resolved from a
+    descriptor of that directory checked at start, so a path component swapped later cannot
+    redirect it; ``path`` is the absolute name, for messages and tests.
+    """
 
     def __init__(self, root: Path, layout: KVLayout) -> None:
         self.root = root
         self.layout_dir = root / layout.fingerprint.hex()
 
+    def rel(self, key: PageKey) -> str:
+        """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
+        name = key.hex()
+        return f"{name[:2]}/{name}"
+
+    def temp_rel(self, key: PageKey) -> str:
+        """A fresh temporary name in the same directory as ``key``'s final name (relative)."""
+        name = key.hex()
+        return f"{name[:2]}/{TEMP_PREFIX}{name}-{os.urandom(6).hex()}"
+
     def path(self, key: PageKey) -> str:
-        """Final name of ``key``'s page file."""
-        name = key.hex()
-        return f"{self.layout_dir}/{name[:2]}/{name}"
-
-    def temp_path(self, key: PageKey) -> str:
-        """A fresh temporary name in the same directory as ``key``'s final name."""
-        name = key.hex()
-        return f"{self.layout_dir}/{name[:2]}/{TEMP_PREFIX}{name}-{os.urandom(6).hex()}"
-
-    def create_dirs(self) -> None:
-        """Create the root, layout and 256 fan-out directories (0700). Blocking: run in a thread."""
-        for directory in (self.root, self.layout_dir):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for i in range(256):
-            (self.layout_dir / f"{i:02x}").mkdir(mode=0o700, exist_ok=True)
-
-    def scan(self) -> tuple[list[tuple[float, PageKey]], int]:
-        """Walk the layout directory: ``([(mtime, key)], temp files removed)``. Blocking.
-
-        Temporary files are leftovers of writes that never published (a crash): removed. Names
-        that are not 32 hex digits are ignored; files of other layouts live in other directories
-        and are never looked at.
-        """
-        found: list[tuple[float, PageKey]] = []
-        removed = 0
-        for sub in os.scandir(self.layout_dir):
-            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.startswith(TEMP_PREFIX):
-                    try:
-                        os.unlink(entry.path)
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
-                    continue
-                if len(entry.name) != 2 * KEY_BYTES or not entry.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    key = bytes.fromhex(entry.name)
-                    found.append((entry.stat(follow_symlinks=False).st_mtime, key))
-                except (ValueError, FileNotFoundError):
-                    continue
-        found.sort()
-        return found, removed
+        """Absolute final name of ``key``'s page file."""
+        return f"{self.layout_dir}/{self.rel(key)}"

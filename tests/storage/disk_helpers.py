@@ -62,7 +62,8 @@ def assert_clean(pool: PagePool) -> None:
 
 
 def page_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file())
+    """Page files and temporary files under ``directory`` (not the layout directory's lock file)."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != ".lock")
 
 
 def temp_files(directory: Path) -> list[Path]:
@@ -114,5 +115,42 @@ def crash_child(directory: str, backend: str, capacity_files: int, conn: Any) ->
                 keys = [os.urandom(16) for _ in range(4)]
                 await asyncio.gather(*(one(k) for k in keys))
                 i += 4
+
+    asyncio.run(main())
+
+
+def holder_child(directory: str, backend: str, capacity_files: int, count: int, conn: Any) -> None:
+    """Hold a tier on ``directory`` (another engine process): write ``count`` pages (key_of(i, 7),
+    seed i), report ``("ready", read_only)``; then on ``("write", n)`` write ``n`` more pages and
+    report ``"written"``, until told ``"close"``."""
+    import asyncio
+
+    from aiokv.storage import DiskTier
+
+    async def main() -> None:
+        layout = small_layout()
+        pool = PagePool.create(layout, 16 * layout.page_bytes, register_cuda=False, workers=1)
+        try:
+            pool.wait_ready_blocking()
+            capacity = capacity_files * (layout.page_bytes + 4096)
+            async with DiskTier(config(Path(directory), DiskBackend(backend), capacity), layout, pool) as tier:
+                written = 0
+
+                async def write(n: int) -> None:
+                    nonlocal written
+                    for i in range(written, written + n):
+                        h = fill(pool, key_of(i, 7), i)
+                        await tier.write(key_of(i, 7), h)
+                        pool.table.release(h)
+                        pool.table.discard(key_of(i, 7))
+                    written += n
+
+                await write(count)
+                conn.send(("ready", tier.read_only))
+                while (message := await asyncio.to_thread(conn.recv)) != "close":
+                    await write(message[1])
+                    conn.send("written")
+        finally:
+            pool.close()
 
     asyncio.run(main())

@@ -1,4 +1,4 @@
-"""Corrupt files, injected and real I/O faults, and backend fallbacks: each is a counted miss."""
+"""Corrupt files, injected I/O faults, backend fallbacks: each a counted miss (real faults: test_disk_fs.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,7 +126,8 @@ async def test_foreign_key_and_foreign_layout_are_refused(tier: DiskTier, pool: 
     assert_clean(pool)
 
 
-WRITE_FAULTS = [(IOOp.WRITE, errno.ENOSPC, ErrorKind.ENOSPC), (IOOp.OPEN, errno.EACCES, ErrorKind.EPERM),
+# ENOSPC is a capacity signal (evict, retry): see test_injected_enospc_* and the real one on ext4.
+WRITE_FAULTS = [(IOOp.OPEN, errno.EACCES, ErrorKind.EPERM),
                 (IOOp.RENAME, errno.EIO, ErrorKind.EIO), (IOOp.WRITE, errno.EINVAL, ErrorKind.OTHER)]
 
 
@@ -151,6 +151,46 @@ async def test_injected_write_fault(tier: DiskTier, pool: PagePool, disk_dir: Pa
     await _store(tier, pool, 4)  # and writes again once the fault is gone
     await tier.aclose()
     assert temp_files(disk_dir) == []
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_injected_enospc_evicts_the_lru_file_and_retries(disk_dir: Path, backend: DiskBackend,
+                                                               layout: KVLayout, pool: PagePool) -> None:
+    per_file = HEADER_BYTES + layout.page_bytes
+    async with DiskTier(config(disk_dir, backend, free_space_recheck_s=3600.0), layout, pool) as tier:
+        await _store(tier, pool, 1)
+        await _store(tier, pool, 2)
+        tier.backend.faults.inject(IOOp.WRITE, errno.ENOSPC)
+        data = await _store(tier, pool, 3)  # the file system said full: key 1 (LRU) made room
+        stats = tier.statistics()
+        assert [tier.contains(key_of(i)) for i in (1, 2, 3)] == [False, True, True]
+        assert (stats.errors[ErrorKind.ENOSPC], stats.evictions, stats.pages) == (1, 1, 2)
+        assert stats.effective_capacity_bytes == 2 * per_file  # what the file system holds, for now
+        await _store(tier, pool, 4)  # stays within it
+        assert [tier.contains(key_of(i)) for i in (2, 3, 4)] == [False, True, True]
+        await _read_ok(tier, pool, 3, data)
+    async with DiskTier(config(disk_dir, backend), layout, pool) as again:  # a restart looks again
+        assert again.statistics().effective_capacity_bytes == again.config.capacity_bytes
+        assert again.statistics().pages == 2
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_injected_enospc_retries_are_bounded(tier: DiskTier, pool: PagePool) -> None:
+    for i in range(4):
+        await _store(tier, pool, i)
+    attempts = 1 + tier.config.enospc_retries
+    tier.backend.faults.inject(IOOp.WRITE, errno.ENOSPC, attempts)
+    h = fill(pool, key_of(9), 9)
+    assert not await tier.write(key_of(9), h)
+    pool.table.release(h)
+    stats = tier.statistics()
+    assert stats.errors[ErrorKind.ENOSPC] == attempts
+    assert stats.evictions == attempts - 1  # one file evicted for each retry, no more
+    assert stats.pages == 4 - stats.evictions
+    assert stats.bytes_stored == stats.pages * (HEADER_BYTES + tier.layout.page_bytes)
+    assert temp_files(tier.config.directory) == []
     assert_clean(pool)
 
 
@@ -197,62 +237,6 @@ async def test_file_removed_behind_our_back_is_a_plain_miss(tier: DiskTier, pool
     pool.table.abort(into)
     stats = tier.statistics()
     assert (stats.misses, stats.corrupt, sum(stats.errors.values()), stats.pages) == (1, 0, 0, 0)
-
-
-@pytest.fixture
-def small_ext4(tmp_path: Path) -> Iterator[Path]:
-    """A 24 MiB ext4 file system on a loop device (supports O_DIRECT, unlike tmpfs)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a loop device needs root")
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is not installed")
-    image, mount = tmp_path / "ext4.img", tmp_path / "mnt"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(24 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
-    done = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"loop mount not possible here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
-
-@pytest.mark.root
-@pytest.mark.asyncio
-async def test_real_enospc_on_small_ext4(small_ext4: Path, backend: DiskBackend) -> None:
-    layout = KVLayout.mha(4, 4, 128, torch.float16, page_tokens=64)  # 256 KiB pages
-    pool = PagePool.create(layout, 8 * layout.page_bytes, register_cuda=False, workers=1)
-    try:
-        pool.wait_ready_blocking()
-        async with DiskTier(config(small_ext4 / "disk", backend), layout, pool) as tier:
-            assert tier.statistics().direct_io
-            stored: dict[int, torch.Tensor] = {}
-            failed = 0
-            for i in range(200):  # 200 x 260 KiB: far past 24 MiB
-                h = fill(pool, key_of(i), i)
-                data = payload(pool, h)
-                if await tier.write(key_of(i), h):
-                    stored[i] = data
-                else:
-                    failed += 1
-                pool.table.release(h)
-                pool.table.evict(8)
-                if failed >= 5:
-                    break
-            stats = tier.statistics()
-            assert failed == 5
-            assert stats.errors[ErrorKind.ENOSPC] == 5
-            assert len(stored) > 20
-            for i in list(stored)[:: max(1, len(stored) // 10)]:
-                await _read_ok(tier, pool, i, stored[i])
-        assert temp_files(small_ext4 / "disk") == []
-        assert len(page_files(small_ext4 / "disk")) == len(stored)
-        assert_clean(pool)
-    finally:
-        pool.close()
 
 
 # -- fallbacks --------------------------------------------------------------------------------
@@ -317,10 +301,10 @@ async def test_buffered_io_where_o_direct_is_refused(tmpfs_dir: Path, backend: D
     # at the probe (the same EINVAL answer an old tmpfs gives).
     real_open = os.open
 
-    def refuse_direct(path: str, flags: int, mode: int = 0o777) -> int:
+    def refuse_direct(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "O_DIRECT refused (injected)")
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
 
     monkeypatch.setattr(backends_mod.os, "open", refuse_direct)
     async with DiskTier(config(tmpfs_dir, backend), layout, pool) as tier:

@@ -260,7 +260,7 @@ async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBa
         real_load = tier.backend.load
 
         async def gated_load(path: str, slot: int, page: int) -> int:
-            if path == tier.files.path(key_of(1)):
+            if path == tier.files.rel(key_of(1)):
                 entered.set()
                 await gate.wait()
             return await real_load(path, slot, page)
@@ -287,5 +287,6 @@ async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBa
 def test_public_api_is_pinned() -> None:
     import aiokv.storage
 
-    assert sorted(aiokv.storage.__all__) == ["DiskBackend", "DiskConfig", "DiskStatistics", "DiskTier", "ErrorKind"]
+    assert sorted(aiokv.storage.__all__) == ["DiskBackend", "DiskConfig", "DiskStatistics", "DiskTier", "ErrorKind",
+                                             "ReadOnly"]
     assert [b.value for b in DiskBackend] == ["auto", "uring_fixed", "uring", "threads"]

@@ -1,0 +1,296 @@
+"""The layout directory at start: safe directories, the lock, what this process may do, what is there.
+
+:func:`prepare` runs once per :meth:`DiskTier.start`, in a worker thread (it blocks on the file
+system). In order:
+
+1. The root (``DiskConfig.directory``, created 0700; it may be a symlink: the operator chose it),
+   the layout directory and the 256 fan-out directories (``O_NOFOLLOW``: a symlink there is
+   refused) must be directories owned by our effective uid. Group/other permission bits are
+   removed (0700); a directory of another owner, or one others can write whose mode cannot be
+   fixed, raises :class:`UnsafeDirectoryError` and the tier does not start.
+2. ``<layout dir>/.lock`` is taken with a non-blocking ``flock``: one cache writes and evicts in a
+   directory at a time, so its byte budget holds however many processes share the directory. A
+   second cache finds it locked and runs read-only, serving what is there.
+3. Read-only also when the file system is mounted read-only or the directory is not writable.
+4. O_DIRECT is probed by opening an existing file (the lock file, else a page file) — creating a
+   probe file is the last resort, so a full or read-only file system can still be probed.
+5. Every fan-out directory is scanned through its own descriptor; one that cannot be opened or
+   read (EIO) is skipped and counted, as is a file that cannot be examined. Leftover temporary
+   files are removed only by the lock holder (for anyone else they may be writes in flight).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokv.keys import KEY_BYTES, PageKey
+
+from .config import ReadOnly
+from .pagefile import TEMP_PREFIX, PageFiles
+from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
+
+log = logging.getLogger("aiokv.storage.disk")
+
+LOCK_NAME = ".lock"
+FANOUT = 256
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class FreeSpace:
+    """What the file system still has for us."""
+
+    bytes: int
+    """Bytes available to unprivileged users (the root reserve is left alone)."""
+    files: int | None
+    """Inodes available, or None where the file system has no inode limit (btrfs reports 0)."""
+    read_only: bool
+
+
+def free_space(dir_fd: int) -> FreeSpace:
+    """``fstatvfs`` of the directory ``dir_fd`` (blocking, cheap on local file systems)."""
+    st = os.fstatvfs(dir_fd)
+    files = st.f_favail if st.f_files > 0 else None
+    return FreeSpace(st.f_bavail * st.f_frsize, files, bool(st.f_flag & os.ST_RDONLY))
+
+
+@dataclass
+class Prepared:
+    """The outcome of :func:`prepare`; the tier owns ``dir_fd`` and ``lock_fd`` until :meth:`close`."""
+
+    dir_fd: int
+    """The layout directory: every page file is opened, renamed and unlinked relative to it."""
+    lock_fd: int | None
+    """The held ``flock`` (None when another cache holds it or it could not be taken)."""
+    read_only: ReadOnly | None
+    direct: bool | None
+    """Whether O_DIRECT opens work here; None when nothing could be probed."""
+    space: FreeSpace
+    found: list[tuple[float, PageKey]] = field(default_factory=list)
+    """``(mtime, key)`` of every page file, oldest first."""
+    temp_removed: int = 0
+    skipped: int = 0
+    """Fan-out directories and files that could not be examined."""
+    faults: list[tuple[OSError, str]] = field(default_factory=list)
+    """Faults met, with what was being done: the tier counts them."""
+
+    def close(self) -> None:
+        for fd in (self.lock_fd, self.dir_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.lock_fd = None
+        self.dir_fd = -1
+
+
+def prepare(files: PageFiles) -> Prepared:
+    """Check (and create) the directories, take the lock, probe, scan. Blocking: run in a thread.
+
+    Raises :class:`UnsafeDirectoryError` for a directory that is not safely ours, ``OSError`` when
+    the layout directory neither exists nor can be created."""
+    files.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root_fd = os.open(files.root, _DIR_FLAGS)
+    try:
+        _check_dir(root_fd, files.root)
+        dir_fd = _sub_dir(root_fd, files.layout_dir.name, files.layout_dir, create=True)
+    finally:
+        os.close(root_fd)
+    try:
+        return _prepare_layout(dir_fd, files.layout_dir)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+
+
+def _prepare_layout(dir_fd: int, shown: Path) -> Prepared:
+    faults: list[tuple[OSError, str]] = []
+    lock_fd, read_only = _take_lock(dir_fd, shown, faults)
+    try:
+        space = free_space(dir_fd)
+        if read_only is None and space.read_only:
+            read_only = ReadOnly.FILE_SYSTEM
+        if read_only is None and not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd, effective_ids=True):
+            read_only = ReadOnly.NOT_WRITABLE
+        state = Prepared(dir_fd, lock_fd, read_only, None, space, faults=faults)
+        for i in range(FANOUT):
+            _scan_fanout(state, f"{i:02x}", shown)
+        state.found.sort()
+        state.direct = _probe_direct(state)
+        return state
+    except BaseException:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        raise
+
+
+def _check_dir(fd: int, shown: Path) -> None:
+    """Ours, and nobody else's: remove group/other bits; refuse what cannot be made safe."""
+    st = os.fstat(fd)
+    euid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(errno.ENOTDIR, f"disk tier: {shown} is not a directory")
+    if st.st_uid != euid:
+        raise UnsafeDirectoryError(
+            errno.EPERM, f"disk tier: {shown} belongs to uid {st.st_uid}, not to this process (uid {euid}): "
+            "refusing to use it; choose another directory or give it to this user")
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return
+    try:
+        os.fchmod(fd, mode & 0o700)
+    except OSError as exc:
+        if mode & 0o022:
+            raise UnsafeDirectoryError(
+                errno.EPERM, f"disk tier: others can write into {shown} (mode {mode:o}) and it cannot be made "
+                f"0700 ({exc.strerror}): refusing to use it") from None
+        log.warning("disk tier: %s is readable by others (mode %o) and cannot be made 0700: %s", shown, mode, exc)
+        return
+    log.warning("disk tier: %s had mode %o; changed to %o (nobody else may use the cache directory)",
+                shown, mode, mode & 0o700)
+
+
+def _sub_dir(parent_fd: int, name: str, shown: Path, create: bool) -> int:
+    """A checked descriptor of directory ``name`` under ``parent_fd`` (created 0700 when ``create``)."""
+    made: OSError | None = None
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        except OSError as exc:  # read-only, no inode left...: use it if it is there
+            made = exc
+    try:
+        fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafeDirectoryError(
+                exc.errno, f"disk tier: {shown} is not a directory (a symlink or a file): refusing to use it") from None
+        if exc.errno == errno.ENOENT and made is not None:
+            raise made from None
+        raise
+    try:
+        _check_dir(fd, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _take_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> tuple[int | None, ReadOnly | None]:
+    lock_name = shown / LOCK_NAME
+    try:
+        # Read-only: flock needs no write access, and a file open for writing would make a later
+        # ``mount -o remount,ro`` fail with EBUSY. An existing file opens on a read-only mount too.
+        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        _refuse_planted(exc, lock_name)
+        if exc.errno != errno.EROFS:
+            faults.append((exc, f"creating {lock_name}"))
+        return None, ReadOnly.FILE_SYSTEM if exc.errno == errno.EROFS else ReadOnly.NOT_WRITABLE
+    try:
+        check_page_fd(fd, str(lock_name), write=False)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None, ReadOnly.LOCKED
+    except UnsafeFileError as exc:
+        os.close(fd)
+        raise UnsafeDirectoryError(exc.errno, f"disk tier: {exc.strerror}: refusing to use {shown}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, None
+
+
+def _refuse_planted(exc: OSError, name: Path) -> None:
+    if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+        raise UnsafeDirectoryError(exc.errno, f"disk tier: {name} is not a regular file: refusing to use "
+                                   f"{name.parent}") from None
+
+
+def _scan_fanout(state: Prepared, name: str, layout_dir: Path) -> None:
+    """Index one fan-out directory; what cannot be read is skipped and recorded, never fatal."""
+    shown = layout_dir / name
+    try:
+        fd = _sub_dir(state.dir_fd, name, shown, create=state.read_only is None)
+    except UnsafeDirectoryError:
+        raise
+    except FileNotFoundError:
+        return  # never created (a read-only start): nothing there
+    except OSError as exc:
+        state.skipped += 1
+        state.faults.append((exc, f"opening {shown}"))
+        return
+    euid = os.geteuid()
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:  # getdents may fail midway: the entries listed so far stay indexed
+                if entry.name.startswith(TEMP_PREFIX):
+                    if state.read_only is None:
+                        _remove_temp(state, fd, entry.name, shown)
+                    continue
+                if len(entry.name) != 2 * KEY_BYTES:
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name)
+                    st = entry.stat(follow_symlinks=False)
+                except ValueError:
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    state.skipped += 1
+                    state.faults.append((exc, f"examining {shown / entry.name}"))
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
+                    state.skipped += 1
+                    state.faults.append((UnsafeFileError(errno.EPERM, f"{shown / entry.name} is not our regular "
+                                                                      "file"), "scanning"))
+                    continue
+                state.found.append((st.st_mtime, key))
+    except OSError as exc:
+        state.skipped += 1
+        state.faults.append((exc, f"reading {shown}"))
+    finally:
+        os.close(fd)
+
+
+def _remove_temp(state: Prepared, fd: int, name: str, shown: Path) -> None:
+    try:
+        os.unlink(name, dir_fd=fd)
+        state.temp_removed += 1
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        state.faults.append((exc, f"removing {shown / name}"))
+
+
+def _probe_direct(state: Prepared) -> bool | None:
+    """Whether O_DIRECT opens work here (tmpfs before Linux 6.6 answers EINVAL), without creating a
+    file when one exists; None when nothing could be probed."""
+    names = [LOCK_NAME] + [f"{key.hex()[:2]}/{key.hex()}" for _mtime, key in state.found[:1]]
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECT | OPEN_FLAGS, dir_fd=state.dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            continue
+        os.close(fd)
+        return True
+    if state.read_only is not None:
+        return None
+    probe = f"{TEMP_PREFIX}probe-{os.urandom(6).hex()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | OPEN_FLAGS, 0o600,
+                     dir_fd=state.dir_fd)
+    except OSError as exc:
+        return False if exc.errno == errno.EINVAL else None
+    os.close(fd)
+    os.unlink(probe, dir_fd=state.dir_fd)
+    return True

@@ -1,0 +1,95 @@
+"""Opening page files safely: never through a symlink, never blocking on a special file.
+
+Every page file (temporary or final, for reading or writing, on every backend) is opened with
+``O_NOFOLLOW | O_NONBLOCK`` and WITHOUT ``O_DIRECT``; :func:`check_page_fd` then requires a regular
+file owned by our effective uid (and, to be written, with a single link), and only then
+:func:`ready_for_io` clears ``O_NONBLOCK`` and sets ``O_DIRECT``. So:
+
+- a symlink planted under a page file's name fails the open (ELOOP): nothing outside the cache
+  is ever read or written through it;
+- a FIFO, socket or device never blocks the open (O_NONBLOCK: a FIFO opens at once for reading and
+  fails with ENXIO for writing) and is refused before any read or write;
+- a hard link to another file is never overwritten.
+
+The open runs without ``O_DIRECT`` because the kernel refuses ``O_DIRECT`` on a FIFO with EINVAL,
+which would hide what the file is; ``fcntl(F_SETFL)`` adds it once the file is known to be regular.
+``O_NONBLOCK`` must go before the I/O: io_uring answers EAGAIN instead of waiting on a file that has it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""Flags every page-file open carries."""
+
+# What an O_NOFOLLOW|O_NONBLOCK open answers when the name does not hold a regular file: a symlink
+# (ELOOP), a FIFO without reader / a socket / a device without driver (ENXIO), a directory (EISDIR).
+_PLANTED = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a FIFO, socket or device", errno.EISDIR: "a directory"}
+
+
+class UnsafeFileError(OSError):
+    """A page file's name holds something else: a symlink, a special file, a directory, a file of
+    another owner, or (for writing) a file with other hard links. Counted as ``ErrorKind.UNSAFE``."""
+
+
+class UnsafeDirectoryError(PermissionError):
+    """A directory of the tier is not ours, is not a real directory, or others can write into it
+    and its mode cannot be fixed: the tier refuses to start."""
+
+
+def classify_open_error(exc: OSError, name: str) -> OSError:
+    """``exc`` from opening a page file, turned into :class:`UnsafeFileError` when it says the name
+    holds a symlink, special file or directory."""
+    what = _PLANTED.get(exc.errno or 0)
+    if what is None:
+        return exc
+    return UnsafeFileError(exc.errno, f"{name} is {what}, not a page file")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return f"of type {stat.S_IFMT(mode):o}"
+
+
+def check_page_fd(fd: int, name: str, write: bool) -> os.stat_result:
+    """Raise :class:`UnsafeFileError` unless ``fd`` is a regular file owned by our effective uid
+    (with exactly one link when ``write``). ``fstat`` never blocks on the file's contents."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFileError(errno.EPERM, f"{name} is {_kind(st.st_mode)}, not a page file")
+    if st.st_uid != os.geteuid():
+        raise UnsafeFileError(errno.EPERM, f"{name} belongs to uid {st.st_uid}, not to uid {os.geteuid()}")
+    if write and st.st_nlink != 1:
+        raise UnsafeFileError(errno.EMLINK, f"{name} has {st.st_nlink} hard links: not overwriting it")
+    return st
+
+
+def ready_for_io(fd: int, direct: bool) -> None:
+    """Clear ``O_NONBLOCK`` and set ``O_DIRECT`` when ``direct``: only on a checked regular file."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    wanted = (flags & ~os.O_NONBLOCK) | (os.O_DIRECT if direct else 0)
+    if wanted != flags:
+        fcntl.fcntl(fd, fcntl.F_SETFL, wanted)
+
+
+def open_page_file(name: str, flags: int, dir_fd: int, write: bool, direct: bool, mode: int = 0o600) -> int:
+    """Open, check and prepare a page file (blocking; the threads backend). ``flags``: the access mode
+    plus ``O_CREAT|O_EXCL`` to create. Raises ``OSError`` (:class:`UnsafeFileError` for what is not ours)."""
+    try:
+        fd = os.open(name, flags | OPEN_FLAGS, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        raise classify_open_error(exc, name) from None
+    try:
+        check_page_fd(fd, name, write)
+        ready_for_io(fd, direct)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
