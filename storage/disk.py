@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -37,7 +36,8 @@ from aiokv.pool import PagePool
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_key, check_ready, check_reserved
 from .config import DiskBackend, DiskConfig, DiskStatistics, FaultCounter, ReadOnly
-from .layoutdir import FreeSpace, Prepared, free_space, prepare
+from .index import PageIndex
+from .layoutdir import Prepared, free_space, prepare
 from .pagefile import (
     PageFiles,
     PageHeader,
@@ -78,16 +78,11 @@ class DiskTier:
         self._slots: HeaderSlots | None = None
         self._free_slots: list[int] = list(range(config.queue_depth))
         self._slot_sem: asyncio.Semaphore | None = None
-        # key -> generation; order = LRU (oldest first). A generation lets a late job tell whether
-        # the file it looked at is still the indexed one.
-        self._index: OrderedDict[PageKey, int] = OrderedDict()
-        self._generation = 0
-        self._used = 0
+        self._index = PageIndex(self._file_bytes, config.capacity_bytes, config.min_free_bytes)
         self._writing: dict[PageKey, asyncio.Future[bool]] = {}
         self._delete_after_write: set[PageKey] = set()
         # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
         self._moving: dict[PageKey, asyncio.Task[Any]] = {}
-        self._readers: Counter[PageKey] = Counter()
         self._recycled = 0
         self._jobs: set[asyncio.Task[Any]] = set()
         self._queue: WriteBehind | None = None
@@ -95,12 +90,11 @@ class DiskTier:
         self._close_task: asyncio.Task[None] | None = None
         self._faults = FaultCounter()
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
-        self._hits = self._misses = self._corrupt = self._dropped = self._evictions = 0
+        self._hits = self._misses = self._corrupt = self._dropped = 0
         self._temp_removed = self._skipped = self._writes_refused = 0
         self._in_flight = 0
         self._dir: Prepared | None = None
         self._read_only: ReadOnly | None = None
-        self._capacity = config.capacity_bytes
         self._space_checked = 0.0
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -139,13 +133,12 @@ class DiskTier:
             self._faults.count(fault, what)
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
         for _mtime, key in prepared.found:
-            self._index[key] = self._next_generation()
-            self._used += self._file_bytes
+            self._index.add_found(key)
         self._read_only = prepared.read_only
-        self._capacity = self._capacity_for(prepared.space, after_enospc=False)
+        self._index.set_capacity(prepared.space, after_enospc=False)
         self._space_checked = asyncio.get_running_loop().time()
         if self._read_only is None:
-            self._evict_to(self._capacity)
+            self._remove_files(self._index.evict_to(self._index.capacity))
         else:
             log.warning("disk tier: %s is read-only here (%s): serving its %d pages, refusing writes",
                         self.files.layout_dir, self._read_only.value, len(self._index))
@@ -235,7 +228,7 @@ class DiskTier:
     async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
         # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
         if key in self._index:
-            self._index.move_to_end(key)
+            self._index.touch(key)
             self._release(ref)
             return True
         if self._read_only is not None:
@@ -265,17 +258,17 @@ class DiskTier:
             self._writing.pop(key, None)
             if stored and key in self._delete_after_write:
                 stored = False
-                self._used -= self._file_bytes
+                self._index.give_back()
                 self._unlink_later(key)
             elif stored:
-                self._index[key] = self._next_generation()
+                self._index.add(key)
                 self._writes += 1
                 self._bytes_written += self._file_bytes
             self._delete_after_write.discard(key)
             done.set_result(stored)
 
     async def _store(self, key: PageKey, ref: PageHandle) -> bool:
-        """Publish ``key``'s page file. True: stored, its room held in ``_used``. A full file system
+        """Publish ``key``'s page file. True: stored, its room held in the index's ``used``. A full file system
         (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
         files make room, and the write is tried again, ``enospc_retries`` times at most."""
         retries = self.config.enospc_retries
@@ -284,18 +277,19 @@ class DiskTier:
                 self._writes_refused += 1
                 return False
             await self._recheck_space()
-            claim = self._claim_room()
+            claim = self._index.claim(self.config.recycle_files)
             if claim is None:
                 self._dropped += 1
                 return False
-            victim, unlinks = claim
+            victim, evicted = claim
+            unlinks = self._remove_files(evicted)
             if attempt and unlinks:
                 await asyncio.wait(unlinks)  # a retry needs the space they free
             try:
                 await self._publish(key, ref, victim)
                 return True
             except OSError as exc:
-                self._used -= self._file_bytes
+                self._index.give_back()
                 self._faults.count(exc, "write")
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
@@ -303,7 +297,7 @@ class DiskTier:
                     return False
                 await self._refresh_space(after_enospc=True)
             except BaseException:
-                self._used -= self._file_bytes
+                self._index.give_back()
                 raise
         return False
 
@@ -354,11 +348,11 @@ class DiskTier:
         """
         check_key(key)
         page = self._check_reserved(handle)
-        generation = self._index.get(key)
+        generation = self._index.generation(key)
         if generation is None or not self._accepting:
             self._misses += 1
             return False
-        self._index.move_to_end(key)
+        self._index.touch(key)
         job = self._spawn(self._read_job(key, page, generation))
         try:
             return await asyncio.shield(job)
@@ -373,7 +367,8 @@ class DiskTier:
                 assert self._slots is not None
                 assert self._io is not None
                 self._reads += 1
-                self._readers[key] += 1
+                readers = self._index.readers
+                readers[key] += 1
                 try:
                     got = await self._io.load(self.files.rel(key), slot, page)
                 except FileNotFoundError:
@@ -381,13 +376,13 @@ class DiskTier:
                     return False
                 except UnsafeFileError as exc:  # planted: nothing was read through it
                     self._faults.count(exc, "read")
-                    if self._index.get(key) == generation:
+                    if self._index.generation(key) == generation:
                         self._drop(key)
                     return False
                 finally:
-                    self._readers[key] -= 1
-                    if not self._readers[key]:
-                        del self._readers[key]
+                    readers[key] -= 1
+                    if not readers[key]:
+                        del readers[key]
                 if got != self._file_bytes:
                     self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
                     return False
@@ -469,7 +464,7 @@ class DiskTier:
             backend=io.kind if io is not None else DiskBackend.AUTO,
             direct_io=io.direct if io is not None else False,
             pages=len(self._index),
-            bytes_stored=self._used,
+            bytes_stored=self._index.used,
             capacity_bytes=self.config.capacity_bytes,
             reads=self._reads,
             writes=self._writes,
@@ -482,10 +477,10 @@ class DiskTier:
             errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
             in_flight=self._in_flight,
-            evictions=self._evictions,
+            evictions=self._index.evictions,
             recycled=self._recycled,
             temp_files_removed=self._temp_removed,
-            effective_capacity_bytes=self._capacity,
+            effective_capacity_bytes=self._index.capacity,
             read_only=self._read_only,
             writes_refused=self._writes_refused,
             skipped_at_scan=self._skipped,
@@ -518,63 +513,16 @@ class DiskTier:
                 self._in_flight -= 1
                 self._free_slots.append(slot)
 
-    def _next_generation(self) -> int:
-        self._generation += 1
-        return self._generation
-
-    def _claim_room(self) -> tuple[PageKey | None, list[asyncio.Task[None]]] | None:
-        """Room for one more file, counted in ``_used``: ``(victim, unlinks)``, or None when there is
-        no room (the write is dropped). With recycling, a full tier hands over its least recently
-        used file (``victim``) to be overwritten — creating files costs far more kernel CPU than
-        overwriting — and its room passes to the new file. ``unlinks``: evictions in flight."""
-        size = self._file_bytes
-        if self.config.recycle_files and self._used + size > self._capacity:
-            victim = self._recyclable()
-            if victim is not None:
-                del self._index[victim]
-                self._evictions += 1
-                return victim, self._evict_to(self._capacity)
-        unlinks = self._evict_to(self._capacity - size)
-        if self._used + size > self._capacity:
-            return None
-        self._used += size
-        return None, unlinks
-
-    def _recyclable(self) -> PageKey | None:
-        # The least recently used file that no read has open (an overwrite would tear that read).
-        for index, key in enumerate(self._index):
-            if index >= 8:
-                break
-            if not self._readers[key]:
-                return key
-        return None
-
-    def _evict_to(self, limit: int) -> list[asyncio.Task[None]]:
-        unlinks = []
-        while self._used > limit and self._index:
-            key = next(iter(self._index))
-            self._evictions += 1
-            unlink = self._drop(key)
-            if unlink is not None:
-                unlinks.append(unlink)
-        return unlinks
+    def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
+        """Unlink the files of keys evicted from the index (nothing when read-only)."""
+        return [task for key in keys if (task := self._unlink_later(key)) is not None]
 
     # -- free space -----------------------------------------------------------------------------
-
-    def _capacity_for(self, space: FreeSpace, after_enospc: bool) -> int:
-        """The budget in force: what we store plus what the file system still offers (bytes less
-        ``min_free_bytes``, and inodes), never above ``capacity_bytes``; after ENOSPC never above
-        what we store (the file system just said so, whatever statvfs counts)."""
-        room = space.bytes - self.config.min_free_bytes
-        if space.files is not None:
-            room = min(room, space.files * self._file_bytes)
-        capacity = min(self.config.capacity_bytes, self._used + max(0, room))
-        return min(capacity, self._used) if after_enospc else capacity
 
     async def _recheck_space(self) -> None:
         # While the file system limits the tier below its budget, look again now and then: others
         # may have freed space.
-        if self._capacity >= self.config.capacity_bytes:
+        if self._index.capacity >= self._index.budget:
             return
         if asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s:
             await self._refresh_space(after_enospc=False)
@@ -589,7 +537,7 @@ class DiskTier:
             return
         if space.read_only:
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
-        self._capacity = self._capacity_for(space, after_enospc)
+        self._index.set_capacity(space, after_enospc)
 
     def _enter_read_only(self, reason: ReadOnly) -> None:
         if self._read_only is None:
@@ -600,22 +548,19 @@ class DiskTier:
     # -- index ----------------------------------------------------------------------------------
 
     def _forget(self, key: PageKey, generation: int) -> None:
-        if self._index.get(key) == generation:
-            del self._index[key]
-            self._used -= self._file_bytes
+        self._index.forget(key, generation)
 
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         self._corrupt += 1
         if self._faults.first("corrupt"):
             log.warning("disk tier: refusing page file %s: %s (deleted; further ones counted only)",
                         self.files.path(key), why)
-        if self._index.get(key) == generation:
+        if self._index.generation(key) == generation:
             self._drop(key)
 
     def _drop(self, key: PageKey) -> asyncio.Task[None] | None:
         """Out of the index, and its file unlinked — unless read-only: then the file stays."""
-        del self._index[key]
-        self._used -= self._file_bytes
+        self._index.remove(key)
         return self._unlink_later(key)
 
     def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:

@@ -1,0 +1,126 @@
+"""`PageIndex`: which page files the tier has, in LRU order, their bytes and the budget in force.
+
+Plain synchronous bookkeeping for :class:`~aiokv.storage.DiskTier`: evictions return keys and the
+tier removes their files. ``used`` counts indexed files plus the room claimed by writes in flight.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+
+from aiokv.keys import PageKey
+
+from .layoutdir import FreeSpace
+
+RECYCLE_WINDOW = 8
+"""How many of the least recently used files may be looked at for one that no read has open."""
+
+
+class PageIndex:
+    """Keys of page files (oldest first) with a generation each, so that a late job can tell
+    whether the file it looked at is still the indexed one."""
+
+    def __init__(self, file_bytes: int, capacity_bytes: int, min_free_bytes: int) -> None:
+        self.file_bytes = file_bytes
+        self.budget = capacity_bytes
+        """The configured budget."""
+        self.min_free_bytes = min_free_bytes
+        self.capacity = capacity_bytes
+        """The budget in force: ``budget`` or less when the file system has less room."""
+        self.used = 0
+        self.evictions = 0
+        self.readers: Counter[PageKey] = Counter()
+        """Reads in progress per key: their files are not recycled."""
+        self._entries: OrderedDict[PageKey, int] = OrderedDict()
+        self._generation = 0
+
+    def __contains__(self, key: PageKey) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[PageKey]:
+        return iter(self._entries)
+
+    def generation(self, key: PageKey) -> int | None:
+        return self._entries.get(key)
+
+    def touch(self, key: PageKey) -> None:
+        """Mark ``key`` most recently used."""
+        self._entries.move_to_end(key)
+
+    def add(self, key: PageKey) -> None:
+        """Index ``key``'s file (its room is already counted in ``used``), most recently used."""
+        self._generation += 1
+        self._entries[key] = self._generation
+
+    def add_found(self, key: PageKey) -> None:
+        """Index a file found at start (oldest first): count its room too."""
+        self.used += self.file_bytes
+        self.add(key)
+
+    def remove(self, key: PageKey) -> None:
+        """Out of the index, its room given back."""
+        del self._entries[key]
+        self.used -= self.file_bytes
+
+    def forget(self, key: PageKey, generation: int) -> bool:
+        """:meth:`remove` ``key`` if it is still the file of ``generation``."""
+        if self._entries.get(key) != generation:
+            return False
+        self.remove(key)
+        return True
+
+    def give_back(self) -> None:
+        """A claimed room that was not used (the write failed)."""
+        self.used -= self.file_bytes
+
+    def claim(self, recycle: bool) -> tuple[PageKey | None, list[PageKey]] | None:
+        """Room for one more file, counted in ``used``: ``(victim, evicted)``, or None when there is
+        none. With ``recycle``, a full index hands over its least recently used file that no read
+        has open (``victim``, out of the index) to be overwritten — creating a file costs far more
+        kernel CPU than overwriting one — and its room passes to the new file. ``evicted``: keys
+        whose files the caller must remove."""
+        size = self.file_bytes
+        if recycle and self.used + size > self.capacity:
+            victim = self._recyclable()
+            if victim is not None:
+                del self._entries[victim]
+                self.evictions += 1
+                return victim, self.evict_to(self.capacity)
+        evicted = self.evict_to(self.capacity - size)
+        if self.used + size > self.capacity:
+            return None
+        self.used += size
+        return None, evicted
+
+    def _recyclable(self) -> PageKey | None:
+        # The least recently used file that no read has open (an overwrite would tear that read).
+        for index, key in enumerate(self._entries):
+            if index >= RECYCLE_WINDOW:
+                break
+            if not self.readers[key]:
+                return key
+        return None
+
+    def evict_to(self, limit: int) -> list[PageKey]:
+        """Remove least recently used keys until ``used <= limit``; the caller removes their files."""
+        evicted = []
+        while self.used > limit and self._entries:
+            key = next(iter(self._entries))
+            self.evictions += 1
+            self.remove(key)
+            evicted.append(key)
+        return evicted
+
+    def set_capacity(self, space: FreeSpace, after_enospc: bool) -> None:
+        """The budget in force: what is stored plus what the file system still offers (bytes less
+        ``min_free_bytes``, and inodes), never above ``budget``; after ENOSPC never above what is
+        stored (the file system just said so, whatever statvfs counts)."""
+        room = space.bytes - self.min_free_bytes
+        if space.files is not None:
+            room = min(room, space.files * self.file_bytes)
+        capacity = min(self.budget, self.used + max(0, room))
+        self.capacity = min(capacity, self.used) if after_enospc else capacity
