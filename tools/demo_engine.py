@@ -17,6 +17,7 @@ import asyncio
 import enum
 import hashlib
 import random
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -307,7 +308,7 @@ class RequestResult:
     lost_tokens: int = 0  # matched but not loaded (a lower tier failed)
     prefetched_pages: int = 0  # promoted disk -> pool by prefetch while the request waited
     match_s: float = 0.0
-    load_s: float = 0.0  # wall time of the load (a stream's overlaps the prefill)
+    load_s: float = 0.0  # waited for the load: plain, the whole call; a stream, launched()/finish() only
     prefill_s: float = 0.0
     decode_s: float = 0.0
     offload_s: float = 0.0
@@ -343,9 +344,9 @@ class _Stream:
     tokens: int  # match.tokens: the tail prefill starts here
     claim: bool  # the engine computes the front of the match itself
     layered: bool  # the tail prefill waits on each layer
-    started: float  # perf_counter seconds at start_load
+    started: float  # perf_counter seconds at start_load (the load's pace is measured from here)
     result: StreamResult | None = None
-    finished: float = 0.0  # perf_counter seconds when finish() returned
+    waited: float = 0.0  # seconds the request waited in launched()/finish() (the rest overlapped)
 
 
 @dataclass(frozen=True)
@@ -522,9 +523,9 @@ class ServingLoop(abc.ABC):
                     match_tokens=m.tokens, layered=layered, disk=m.disk_pages > 0,
                 )
             )
-            t = time.perf_counter()
+            started = time.perf_counter()
             stream = await self._start_stream(m, slots[start : m.tokens], start, layered)
-        return _Stream(stream, m.tokens, claim, layered, t)
+        return _Stream(stream, m.tokens, claim, layered, started)
 
     def _record_stream(self, res: RequestResult, s: _Stream, start: int) -> None:
         assert s.result is not None
@@ -533,7 +534,7 @@ class ServingLoop(abc.ABC):
         res.disk_tokens = r.disk_pages * self.page
         res.claimed_tokens = r.claimed - start
         res.lost_tokens = r.loaded_from - r.claimed  # what a fault left to the engine
-        res.load_s = s.finished - s.started
+        res.load_s = s.waited
 
     async def _compute(self, prompt: list[int], start: int, slots: torch.Tensor, s: _Stream | None) -> Computed:
         """Prefill ``prompt[start:]`` into ``slots`` (earlier positions hold their K/V), then decode.
@@ -552,17 +553,21 @@ class ServingLoop(abc.ABC):
             if s.layered:
                 # Every copy is launched (or the loader met our claims): a disk fault below the
                 # front left [pos, front) to us; then the tail waits on each layer of the rest.
+                t = time.perf_counter()
                 front = await s.stream.launched()
+                s.waited += time.perf_counter() - t
                 await self._prefill(prompt, pos, front, slots)
                 first = await self._prefill(prompt, s.tokens, n, slots, first=True, layers=s.stream)
+                t = time.perf_counter()
                 s.result = await s.stream.finish()
-                s.finished = time.perf_counter()
+                s.waited += time.perf_counter() - t
                 if s.result.loaded_from > front:  # a copy failed after its launch: the tail read bad KV
                     await self._prefill(prompt, front, s.result.loaded_from, slots)
                     first = await self._prefill(prompt, s.tokens, n, slots, first=True)
             else:
+                t = time.perf_counter()
                 s.result = await s.stream.finish()
-                s.finished = time.perf_counter()
+                s.waited += time.perf_counter() - t
                 await self._prefill(prompt, pos, s.result.loaded_from, slots)
                 first = await self._prefill(prompt, s.tokens, n, slots, first=True)
         assert first is not None
@@ -628,6 +633,50 @@ class ServingLoop(abc.ABC):
         """Greedy decode after a prompt of ``n`` tokens: logits and token of every generated token."""
 
 
+class _OrderedLayers:
+    """CUDA layer hook: the model thread's current stream waits (on the GPU, no host wait) for layer
+    l's copies, placed between layer l's projections and its attention. Once per layer: later
+    chunks on the same stream are ordered after the wait already."""
+
+    def __init__(self, stream: LoadStream) -> None:
+        self._stream = stream
+        self._ordered: set[int] = set()
+
+    def __call__(self, layer: int) -> None:
+        if layer not in self._ordered:
+            self._stream.order_layer(layer)
+            self._ordered.add(layer)
+
+
+class _LayerGate:
+    """CPU layer hook: the model thread blocks until layer l of every copy landed.
+
+    A task on the loop follows the stream's layers in order (``wait_layer``) and opens one
+    ``threading.Event`` per layer, so the model thread waits only for layers not yet in and makes
+    no loop round trip for those that are (each round trip could wait out the GIL's switch
+    interval). A copy that failed opens its layer too: ``finish()`` reports it and the engine redoes
+    the tail.
+    """
+
+    def __init__(self, stream: LoadStream, layers: int) -> None:
+        self._ready = [threading.Event() for _ in range(layers)]
+        self._task = asyncio.get_running_loop().create_task(self._follow(stream))
+
+    async def _follow(self, stream: LoadStream) -> None:
+        for layer, ready in enumerate(self._ready):
+            await stream.wait_layer(layer)
+            ready.set()
+
+    def __call__(self, layer: int) -> None:
+        if not self._ready[layer].wait(LAYER_WAIT_S):
+            raise TimeoutError(f"layer {layer} of the load did not land in {LAYER_WAIT_S} s")
+
+    async def aclose(self) -> None:
+        """Stop following (the prefill ended, maybe early) and wait until the task is done."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
 class Engine(ServingLoop):
     """One process: one model, one KV buffer, one optional aiokv cache; serves requests from many tasks."""
 
@@ -659,21 +708,6 @@ class Engine(ServingLoop):
         if self.kv_cache is not None and tokens > 0:
             self.kv_cache.note_prefill(tokens, seconds)
 
-    def _layer_hook(self, stream: LoadStream) -> LayerHook:
-        """What the model calls before layer l's attention, from the thread that runs it."""
-        if self.kv.is_cuda:
-            # The current stream of the model's thread waits for layer l's copies on the GPU: no
-            # host wait, and placed between layer l's projections and its attention.
-            return stream.order_layer
-        loop = asyncio.get_running_loop()
-
-        def wait(layer: int) -> None:
-            # CPU copies finish on aiokv's copy thread and are awaited on the loop: this thread
-            # blocks until layer l landed while later layers keep arriving.
-            asyncio.run_coroutine_threadsafe(stream.wait_layer(layer), loop).result(LAYER_WAIT_S)
-
-        return wait
-
     async def _prefill(
         self,
         prompt: list[int],
@@ -687,11 +721,20 @@ class Engine(ServingLoop):
     ) -> First | None:
         if end <= begin:
             return None
-        hook = None if layers is None else self._layer_hook(layers)
+        hook: LayerHook | None = None
+        gate: _LayerGate | None = None
+        if layers is not None and self.kv.is_cuda:
+            hook = _OrderedLayers(layers)
+        elif layers is not None:
+            hook = gate = _LayerGate(layers, self.model.cfg.num_layers)
         # The model runs in a worker thread (torch releases the GIL), so the loop keeps serving
         # the cache's disk and copy completions, and the stream's loader, while a chunk computes.
-        return await asyncio.to_thread(self._on_device, self._prefill_sync, prompt, begin, end, slots, first, hook,
-                                       paced)
+        try:
+            return await asyncio.to_thread(self._on_device, self._prefill_sync, prompt, begin, end, slots, first,
+                                           hook, paced)
+        finally:
+            if gate is not None:
+                await gate.aclose()
 
     def _on_device(self, fn: Callable[..., _R], *args: object) -> _R:
         if self.kv.is_cuda:
