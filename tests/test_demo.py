@@ -338,15 +338,17 @@ async def test_a_corrupt_disk_page_leaves_the_prefix_below_it_to_the_engine(tmp_
     assert torch.equal(served.logits, reference.logits)
 
 
-def test_claims_pay_unless_a_layer_wise_load_hides_behind_the_tail() -> None:
+def test_claims_pay_unless_a_layer_wise_load_hides_behind_the_tail_or_the_load_is_far_faster() -> None:
     page, pages = 256, 31
-    shape = {"share": 1.0, "tail_tokens": 256, "match_tokens": page * pages}
+    shape = {"share": 1.0, "tail_tokens": 256, "match_tokens": page * pages, "page_tokens": page}
     # 8B-like rates on an H200: a pool hit loads in ~21 ms, recomputing it takes ~300 ms.
     pool = LoadEstimate(0.021, 0.0, 0.30, 2 * page)
     assert not claim_pays(pool, **shape, layered=True, disk=False)  # the tail prefill hides the load
-    assert claim_pays(pool, **shape, layered=False, disk=False)  # the tail waits for the whole load anyway
+    # Whole pages: the fronts would meet a page (~10 ms) into a 21 ms load, saving ~1.5 ms at best.
+    assert not claim_pays(pool, **shape, layered=False, disk=False)
     disk = LoadEstimate(0.021, 0.48, 0.30, 18 * page)  # a disk hit: slower than recomputing
     assert claim_pays(disk, **shape, layered=True, disk=True)
+    assert claim_pays(disk, **shape, layered=False, disk=True)
     unknown = LoadEstimate(None, None, 0.30, None)  # a new cache: claim for disk hits only
     assert claim_pays(unknown, **shape, layered=True, disk=True)
     assert not claim_pays(unknown, **shape, layered=True, disk=False)

@@ -88,27 +88,32 @@ class ClaimPolicy(enum.Enum):
 
 
 def claim_pays(
-    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, layered: bool, disk: bool
+    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
+    disk: bool,
 ) -> bool:
     """Whether computing part of the matched prefix should beat leaving all of it to the load.
 
     ``estimate`` covers the whole match; ``share`` is the fraction still to bring in (the rest is in
     the GPU prefix); ``tail_tokens`` follow the match; ``disk``: some of it is read from disk. With
-    load time L, recompute time R and tail prefill T, the fronts meet near L·R/(L+R) and the tail
-    follows; without claims the tail overlaps the load layer by layer (ready near max(L, T)) or
-    follows it (L + T). So claiming loses only layer-wise with a load shorter than about the tail:
-    a pool hit on a GPU. While a rate is unknown, claim for disk hits only: the pool is a memory
-    copy, far faster than any prefill, and a claim made before the loader's first turn would keep
-    a short pool hit from ever teaching the cost model the pool's rate.
+    load time L, recompute time R and tail prefill T, the fronts meet near L·R/(L+R), later by half
+    a page's compute on average (claims are whole pages) and never before one page is computed; the
+    tail follows. Without claims the tail overlaps the load layer by layer (ready near max(L, T)) or
+    follows it (L + T). So claiming loses layer-wise with a load shorter than about the tail (a pool
+    hit on a GPU) and wherever the load is far faster than recomputing. While a rate is unknown,
+    claim for disk hits only: the pool is a memory copy, far faster than any prefill, and a claim
+    made before the loader's first turn would keep a short pool hit from ever teaching the cost
+    model the pool's rate.
     """
     load, compute = estimate.load_seconds, estimate.recompute_seconds
     if load is None or compute is None or load <= 0 or compute <= 0 or match_tokens <= 0:
         return disk
     load, recompute = load * share, compute * share
+    per_token = compute / match_tokens
     # The average prefill rate underestimates a tail that attends over a long prefix: this errs
     # towards claiming, the choice that is never much worse than recomputing.
-    tail = tail_tokens * compute / match_tokens
-    meet = load * recompute / (load + recompute)
+    tail = tail_tokens * per_token
+    page = page_tokens * per_token
+    meet = max(page, load * recompute / (load + recompute) + page / 2)
     return meet + tail < (max(load, tail) if layered else load + tail)
 
 
@@ -520,7 +525,7 @@ class ServingLoop(abc.ABC):
                 self.claim is ClaimPolicy.ALWAYS
                 or claim_pays(
                     self.cache.estimate(m), share=(m.tokens - start) / m.tokens, tail_tokens=len(prompt) - m.tokens,
-                    match_tokens=m.tokens, layered=layered, disk=m.disk_pages > 0,
+                    match_tokens=m.tokens, page_tokens=self.page, layered=layered, disk=m.disk_pages > 0,
                 )
             )
             started = time.perf_counter()
