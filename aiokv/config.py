@@ -38,7 +38,11 @@ def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
     budget = min(int(_ram_bytes() * fraction), cap)
     shm = shm_free_bytes()
     if shm is not None:
-        budget = min(budget, int(shm * 0.8))
+        # Segments of killed processes are reclaimed when a pool is created: count them as free.
+        # (Imported here: a module-level import would make `python -m aiokv.segments` warn.)
+        from aiokv.segments import reclaimable_bytes
+
+        budget = min(budget, int((shm + reclaimable_bytes()) * 0.8))
     return max(budget, 0)
 
 

@@ -90,13 +90,17 @@ class CacheManager:
         cfg = self.config
         # Set-up runs in a thread (the loop never blocks on it); usable once the first chunk is
         # prepared, the rest fill in behind (pages of ready chunks only).
-        self._pool = await PagePool.open(
+        pool = await PagePool.open(
             self.layout,
             cfg.cpu_bytes,
             register_cuda=self._register_cuda,
             chunk_bytes=cfg.pool_chunk_bytes,
             workers=cfg.pool_workers,
         )
+        if self._closed:  # aclose() ran while the pool was being set up: it must not outlive the cache
+            await pool.aclose()
+            raise RuntimeError("the cache was closed while it was starting")
+        self._pool = pool
         if cfg.disk_dir is not None:
             disk = DiskTier(
                 DiskConfig(

@@ -35,8 +35,7 @@ from bench_cache import LoopLag
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.layout import TPSlice
-from aiokv.tp import RankWorker
-from aiokv.tp.cache import TPCache
+from aiokv.tp import RankWorker, TPCache
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:

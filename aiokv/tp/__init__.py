@@ -20,6 +20,7 @@ reported or is gone; pages are committed only when all succeeded::
         ...
 """
 
+from .cache import TPCache
 from .config import TPConfig
 from .executor import RankExecutor, RankReport
 from .group import GroupStatistics, RankGroup
@@ -44,6 +45,7 @@ __all__ = [
     "RankWorker",
     "RankWorkerThread",
     "RefuseReason",
+    "TPCache",
     "TPConfig",
     "TransferSpec",
     "WorkerRefusedError",

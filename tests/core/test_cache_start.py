@@ -28,12 +28,6 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiokv/manager.py (fec0e01) stores the pool of `await PagePool.open` without checking that "
-    "aclose() ran meanwhile: the pool outlives the closed cache. Fix: check self._closed after the await "
-    "(close the new pool, raise RuntimeError), then drop this mark.",
-)
 @pytest.mark.asyncio
 async def test_aclose_during_start_makes_start_raise_and_leaks_no_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     before = _segments()

@@ -14,7 +14,7 @@ import torch
 from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, rank_kv
 
 from aiokv import CacheConfig, KVLayout
-from aiokv.tp.cache import TPCache
+from aiokv.tp import TPCache
 
 MHA = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 MLA = KVLayout.mla(2, 16, torch.bfloat16, page_tokens=4)
