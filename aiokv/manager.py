@@ -586,7 +586,9 @@ class CacheManager:
 
     def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
         disk = self._disk
-        if disk is None or disk.contains(key):
+        if disk is None or disk.contains(key) or disk.read_only is not None:
+            # A read-only tier (another cache writes this directory, or the file system is
+            # read-only) refuses writes by design: not a full queue, nothing to count here.
             self._release_handles([handle])
             return
         if disk.write_behind_nowait(key, handle):

@@ -248,3 +248,17 @@ async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatc
         assert torch.equal(kv[:, : 2 * T], original[:, : 2 * T])
         assert cache.stats().errors["copy_failed"] == 1
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_read_only_disk_tier_is_not_a_full_write_behind_queue(tmp_path: Path) -> None:
+    # Regression: a cache whose disk directory another cache writes (read-only tier) counted every
+    # offloaded page as "write_behind_full".
+    async with KVCache(config(tmp_path), LAYOUT, make_kv(29)) as writer:
+        async with KVCache(config(tmp_path), LAYOUT, make_kv(30)) as reader:
+            assert reader.disk is not None and reader.disk.read_only is not None
+            result = await reader.offload(prompt(29, 3 * T), torch.arange(3 * T))
+            assert result.stored == 3
+            assert "write_behind_full" not in reader.stats().errors
+            await assert_quiescent(reader)
+        assert writer.disk is not None and writer.disk.read_only is None
