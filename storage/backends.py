@@ -184,6 +184,28 @@ class UringPageIO:
         self._pool_regions: list[uring.Region] = regions[0] if regions is not None else []
         self._slot_region: uring.Region | None = regions[1][0] if regions is not None else None
         self._starts = [r.address for r in self._pool_regions]
+        self._registering: asyncio.Task[None] | None = None
+
+    def register_in_background(self) -> None:
+        """Register the pool as fixed buffers in a thread; I/O uses them once registered."""
+        self._registering = asyncio.ensure_future(self._register())
+
+    async def _register(self) -> None:
+        try:
+            regions = await register_pool(self.engine, self._pool, self._slots)
+        except OSError as exc:
+            log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
+                        "using unregistered buffers", exc)
+            return
+        self._pool_regions = regions[0]
+        self._slot_region = regions[1][0]
+        self._starts = [r.address for r in self._pool_regions]
+        self.kind = DiskBackend.URING_FIXED
+
+    async def wait_registered(self) -> None:
+        """Wait until the background registration (if any) is over, successful or not."""
+        if self._registering is not None:
+            await asyncio.wait({self._registering})
 
     def _page_region(self, address: int) -> uring.Region | None:
         if not self._pool_regions:
@@ -280,6 +302,10 @@ class UringPageIO:
         await self.engine.unlinkat(name.encode(), dir_fd=self._dir)
 
     async def aclose(self) -> None:
+        if self._registering is not None:
+            # The ring must outlive the registration syscall (register_pool waits for it).
+            self._registering.cancel()
+            await asyncio.gather(self._registering, return_exceptions=True)
         await self.engine.aclose()
 
 
@@ -405,16 +431,15 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
         log.warning("disk tier: io_uring refused (%s); using the thread-pool backend", exc)
         return ThreadPageIO(pool, slots, direct, config.threads, dir_fd)
     try:
-        regions = None
-        if want is not DiskBackend.URING:
-            try:
-                regions = await register_pool(engine, pool, slots)
-            except OSError as exc:
-                if want is not DiskBackend.AUTO:
-                    raise
-                log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
-                            "using unregistered buffers", exc)
-        return UringPageIO(engine, pool, slots, direct, regions, dir_fd)
+        if want is DiskBackend.URING_FIXED:
+            # Forced: registration must work (or the tier does not start), so wait for it.
+            return UringPageIO(engine, pool, slots, direct, await register_pool(engine, pool, slots), dir_fd)
+        io = UringPageIO(engine, pool, slots, direct, None, dir_fd)
+        if want is DiskBackend.AUTO:
+            # Registering pins (faults in) the whole pool: ~1 s/GiB of untouched memory, a minute
+            # for a large pool. Serve with unregistered buffers meanwhile; switch when it is done.
+            io.register_in_background()
+        return io
     except BaseException:
         await engine.aclose()
         raise

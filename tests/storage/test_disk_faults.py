@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage import backends as backends_mod
 from aiokv.storage import uring as uring_mod
-from aiokv.storage.backends import IOOp
+from aiokv.storage.backends import IOOp, UringPageIO
 from aiokv.storage.pagefile import HEADER_BYTES
 
 
@@ -280,6 +281,36 @@ async def test_auto_falls_back_to_unregistered_buffers(disk_dir: Path, layout: K
         await _read_ok(tier, pool, 1, data)
     with pytest.raises(OSError, match="memlock"):
         await DiskTier(config(disk_dir, DiskBackend.URING_FIXED), layout, pool).start()
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_auto_serves_before_the_pool_is_registered(disk_dir: Path, layout: KVLayout, pool: PagePool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (#11 start-up): the tier waited for the whole pool to be registered as fixed
+    # buffers (pinning faults in every page: ~1 s/GiB, a minute for a large pool) before it started.
+    real = uring_mod.io_uring_register
+    gate = threading.Event()
+
+    def slow_register(fd: int, opcode: int, arg: object, nr: int) -> int:
+        if opcode == uring_mod.IORING_REGISTER_BUFFERS:
+            gate.wait()  # registration still pinning the pool
+        return real(fd, opcode, arg, nr)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(uring_mod, "io_uring_register", slow_register)
+    async with DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool) as tier:
+        try:
+            assert tier.statistics().backend is DiskBackend.URING  # started while registering
+            data = await _store(tier, pool, 1)
+            await _read_ok(tier, pool, 1, data)
+        finally:
+            gate.set()  # never leave the registration blocked: closing waits for it
+        io = tier._io
+        assert isinstance(io, UringPageIO)
+        await io.wait_registered()
+        assert tier.statistics().backend is DiskBackend.URING_FIXED
+        data = await _store(tier, pool, 2)  # now through fixed buffers
+        await _read_ok(tier, pool, 2, data)
     assert_clean(pool)
 
 
