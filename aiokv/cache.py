@@ -15,6 +15,7 @@ touching its slots (see ``docs/design.md``, cancellation contract).
 from __future__ import annotations
 
 import asyncio
+import importlib
 from types import TracebackType
 
 import torch
@@ -72,7 +73,9 @@ class KVCache:
             self._manager.check_running()
             return
         pool = await self._manager.start()
-        from aiokv.kernels import PageMover, TransferPath  # Triton loads with the first cache
+        # Importing Triton takes a few hundred ms: in a thread, never on the loop.
+        await asyncio.to_thread(importlib.import_module, "aiokv.kernels.mover")
+        from aiokv.kernels import PageMover, TransferPath
 
         cfg = self.config
         path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)

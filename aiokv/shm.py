@@ -301,3 +301,9 @@ def prepare_in_background(
         for index, (offset, length) in enumerate(chunks)
     ]
     return executor, futures
+
+
+def populate(address: int, length: int) -> None:
+    """Fault in ``length`` bytes of a shared mapping at ``address`` without touching them from
+    Python (MADV_POPULATE_WRITE); a no-op where the kernel lacks it (before 5.14)."""
+    _libc.madvise(ctypes.c_void_p(address), length, MADV_POPULATE_WRITE)

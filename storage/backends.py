@@ -23,6 +23,7 @@ from typing import Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
+from aiokv.shm import populate
 
 from . import uring
 from .config import DiskBackend, DiskConfig
@@ -451,12 +452,25 @@ async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: Header
     pb = pool.layout.page_bytes
     spans = [(pool.memory.segment.address, pool.num_pages * pb, pb),
              (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)]
-    job = asyncio.get_running_loop().run_in_executor(None, engine.register_buffers, spans)
+    job = asyncio.get_running_loop().run_in_executor(None, _populate_then_register, engine, spans)
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
         await asyncio.wait({job})  # the ring must outlive the syscall using it
         raise
+
+
+def _populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:
+    """Fault the spans in first (MADV_POPULATE_WRITE), then register them.
+
+    The kernel holds the ring's lock for the whole registration, and the loop's submissions wait
+    on it: pinning memory never touched costs ~1 s/GiB, pinning touched memory ~20 ms/GiB. So the
+    slow part (first touch) happens here, outside the lock, 256 MiB at a time."""
+    step = 256 << 20
+    for address, length, _unit in spans:
+        for offset in range(0, length, step):
+            populate(address + offset, min(step, length - offset))
+    return engine.register_buffers(spans)
 
 
 def describe_layout_io(layout: KVLayout, io: PageIO) -> str:
