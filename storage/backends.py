@@ -17,6 +17,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -188,19 +189,47 @@ class UringPageIO:
         self._registering: asyncio.Task[None] | None = None
 
     def register_in_background(self) -> None:
-        """Register the pool as fixed buffers in a thread; I/O uses them once registered."""
+        """Register the pool as fixed buffers in a thread, region by region; each region's pages use
+        fixed-buffer I/O as soon as it is registered, the rest plain I/O until then."""
         self._registering = asyncio.ensure_future(self._register())
 
     async def _register(self) -> None:
+        pb = self._pool.layout.page_bytes
+        spans = [(self._base, self._pool.num_pages * pb, pb), (self._slots.address, self._slots.count * HEADER_BYTES,
+                                                              HEADER_BYTES)]
+        plan = self.engine.plan_regions(spans, REGISTER_REGION_BYTES)
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def adopt(region: uring.Region, slot: bool) -> None:
+            if slot:
+                self._slot_region = region
+            else:
+                self._pool_regions.append(region)
+                self._starts.append(region.address)
+
+        def register() -> None:
+            # Header slots first (tiny), then the pool in address order: each update holds the
+            # ring's lock only while it pins one region, already faulted in.
+            self.engine.register_sparse_buffers(sum(len(r) for r in plan))
+            for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
+                if stop.is_set():
+                    return
+                populate(region.address, region.length)
+                self.engine.update_buffer(region)
+                loop.call_soon_threadsafe(adopt, region, slot)
+
+        job = loop.run_in_executor(None, register)
         try:
-            regions = await register_pool(self.engine, self._pool, self._slots)
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait({job})  # the ring must outlive the syscall using it
+            raise
         except OSError as exc:
-            log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock?); "
-                        "using unregistered buffers", exc)
+            log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock, or a kernel "
+                        "before 5.19); pages registered so far stay fixed, the rest use plain buffers", exc)
             return
-        self._pool_regions = regions[0]
-        self._slot_region = regions[1][0]
-        self._starts = [r.address for r in self._pool_regions]
         self.kind = DiskBackend.URING_FIXED
 
     async def wait_registered(self) -> None:
@@ -209,9 +238,12 @@ class UringPageIO:
             await asyncio.wait({self._registering})
 
     def _page_region(self, address: int) -> uring.Region | None:
-        if not self._pool_regions:
+        # Regions are adopted in address order: a page past the last one is not registered yet.
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at < 0:
             return None
-        return self._pool_regions[bisect.bisect_right(self._starts, address) - 1]
+        region = self._pool_regions[at]
+        return region if address < region.address + region.length else None
 
     def _io_op(self, write: bool, fd: int, address: int, length: int, offset: int,
                region: uring.Region | None) -> uring.Op:
@@ -458,6 +490,10 @@ async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: Header
     except asyncio.CancelledError:
         await asyncio.wait({job})  # the ring must outlive the syscall using it
         raise
+
+
+REGISTER_REGION_BYTES = 256 << 20
+"""Pool memory registered per io_uring update in the background (the ring's lock is held meanwhile)."""
 
 
 def _populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:

@@ -52,6 +52,9 @@ IORING_OFF_CQ_RING = 0x8000000
 IORING_OFF_SQES = 0x10000000
 IORING_SETUP_CLAMP = 1 << 4
 IORING_REGISTER_BUFFERS = 0
+IORING_REGISTER_BUFFERS2 = 15
+IORING_REGISTER_BUFFERS_UPDATE = 16
+IORING_RSRC_REGISTER_SPARSE = 1
 IORING_UNREGISTER_BUFFERS = 1
 IORING_REGISTER_EVENTFD = 4
 IORING_REGISTER_FILES = 2
@@ -130,6 +133,16 @@ def io_uring_enter(fd: int, to_submit: int) -> int:
 def io_uring_register(fd: int, opcode: int, arg: ctypes.c_void_p | None, nr: int) -> int:
     """``io_uring_register``; raises ``OSError`` (ENOMEM when memlock is too small for buffers)."""
     return _check(_libc.syscall(SYS_IO_URING_REGISTER, fd, ctypes.c_uint(opcode), arg, ctypes.c_uint(nr)))
+
+
+class _RsrcRegister(ctypes.Structure):
+    _fields_ = (("nr", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("resv2", ctypes.c_uint64),
+                ("data", ctypes.c_uint64), ("tags", ctypes.c_uint64))
+
+
+class _RsrcUpdate2(ctypes.Structure):
+    _fields_ = (("offset", ctypes.c_uint32), ("resv", ctypes.c_uint32), ("data", ctypes.c_uint64),
+                ("tags", ctypes.c_uint64), ("nr", ctypes.c_uint32), ("resv2", ctypes.c_uint32))
 
 
 @dataclass(frozen=True)
@@ -271,6 +284,36 @@ class UringEngine:
         iovs = (_IoVec * len(flat))(*[_IoVec(r.address, r.length) for r in flat])
         io_uring_register(self._fd, IORING_REGISTER_BUFFERS, ctypes.cast(iovs, ctypes.c_void_p), len(flat))
         return out
+
+    @staticmethod
+    def plan_regions(spans: list[tuple[int, int, int]], max_bytes: int = MAX_REGION_BYTES) -> list[list[Region]]:
+        """Cut each ``(address, length, unit)`` span into regions of <= ``max_bytes`` holding whole
+        ``unit``-byte pages, indexed in order across spans (the buffer table's slots)."""
+        out: list[list[Region]] = []
+        index = 0
+        for address, length, unit in spans:
+            per_region = max(unit, max_bytes // unit * unit)
+            regions: list[Region] = []
+            for offset in range(0, length, per_region):
+                regions.append(Region(index, address + offset, min(per_region, length - offset)))
+                index += 1
+            out.append(regions)
+        return out
+
+    def register_sparse_buffers(self, count: int) -> None:
+        """An empty fixed-buffer table of ``count`` slots (kernel >= 5.19), filled later one region at
+        a time by :meth:`update_buffer`. Raises ``OSError`` (EINVAL on older kernels)."""
+        arg = _RsrcRegister(count, IORING_RSRC_REGISTER_SPARSE, 0, 0, 0)
+        io_uring_register(self._fd, IORING_REGISTER_BUFFERS2, ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p),
+                          ctypes.sizeof(arg))
+
+    def update_buffer(self, region: Region) -> None:
+        """Register ``region`` in its slot of a sparse table. The kernel holds the ring's lock while
+        it pins the pages: fault them in first and keep regions small. Raises ``OSError``."""
+        iov = _IoVec(region.address, region.length)
+        arg = _RsrcUpdate2(region.index, 0, ctypes.addressof(iov), 0, 1, 0)
+        io_uring_register(self._fd, IORING_REGISTER_BUFFERS_UPDATE, ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p),
+                          ctypes.sizeof(arg))
 
     def register_files(self, count: int) -> None:
         """A table of ``count`` empty fixed-file slots (OPENAT with ``file_index`` fills one)."""

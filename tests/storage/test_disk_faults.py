@@ -264,13 +264,17 @@ async def test_auto_falls_back_to_threads_when_io_uring_is_refused(
     assert_clean(pool)
 
 
+_BUFFER_REGISTRATION = (uring_mod.IORING_REGISTER_BUFFERS, uring_mod.IORING_REGISTER_BUFFERS2,
+                        uring_mod.IORING_REGISTER_BUFFERS_UPDATE)
+
+
 @pytest.mark.asyncio
 async def test_auto_falls_back_to_unregistered_buffers(disk_dir: Path, layout: KVLayout, pool: PagePool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     real = uring_mod.io_uring_register
 
     def no_memlock(fd: int, opcode: int, arg: object, nr: int) -> int:
-        if opcode == uring_mod.IORING_REGISTER_BUFFERS:
+        if opcode in _BUFFER_REGISTRATION:
             raise OSError(errno.ENOMEM, "memlock (injected)")
         return real(fd, opcode, arg, nr)  # type: ignore[arg-type]
 
@@ -293,7 +297,7 @@ async def test_auto_serves_before_the_pool_is_registered(disk_dir: Path, layout:
     gate = threading.Event()
 
     def slow_register(fd: int, opcode: int, arg: object, nr: int) -> int:
-        if opcode == uring_mod.IORING_REGISTER_BUFFERS:
+        if opcode in _BUFFER_REGISTRATION:
             gate.wait()  # registration still pinning the pool
         return real(fd, opcode, arg, nr)  # type: ignore[arg-type]
 
