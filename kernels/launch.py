@@ -8,7 +8,6 @@ picks the word size, builds the per-layer address tables once, and launches on t
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,17 +25,13 @@ from .checks import (
     check_scatter_counts,
     check_slots,
 )
+from .paths import interpreting
 from .segments import Segment, segments
 
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _VECTOR_BYTES = 16
 _BLOCK_ELEMS = 4096
 """Words one program moves at most: 32 KiB of int64, enough to hide latency, few enough registers."""
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _word_view(tensor: torch.Tensor, word: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +31,10 @@ from .checks import (
     check_scatter_counts,
     check_slots,
 )
-from .launch import CopyPlan, interpreting
-from .paths import TransferPath
+from .paths import TransferPath, interpreting
+
+if TYPE_CHECKING:
+    from .launch import CopyPlan
 from .reference import reference_gather, reference_scatter
 
 DEFAULT_STAGING_PAGES = 2
@@ -117,6 +120,8 @@ class PageMover:
         staging = torch.empty(
             (staging_pages, *self.kv.layout.page_shape), dtype=self.kv.layout.dtype, device=self.kv.device
         )
+        from .launch import CopyPlan  # Triton loads only for a path that launches kernels
+
         return _Lane(stream, staging, CopyPlan(self.kv, staging))
 
     @property
@@ -322,6 +327,8 @@ class PageMover:
     def _direct_plan(self) -> CopyPlan:
         # Built on first use: the pool registers its memory in the background after creation.
         if self._direct is None:
+            from .launch import CopyPlan
+
             self._direct = CopyPlan(self.kv, self.pages)
         return self._direct
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 
 
 class TransferPath(enum.Enum):
@@ -14,3 +15,8 @@ class TransferPath(enum.Enum):
     """Triton reads/writes the pool in place through its device-mapped address."""
     REFERENCE = "reference"
     """Plain torch; the only path for a CPU KV buffer."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
