@@ -16,25 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from types import TracebackType
 
 import torch
 
 from aiokv.config import CacheConfig
-from aiokv.costs import LoadEstimate
 from aiokv.cuda import CompletionBridge
-from aiokv.keys import PageKey, Salt, Tokens, token_array, tp_part
+from aiokv.facade import CacheFacade
+from aiokv.keys import Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.manager import CacheManager
-from aiokv.pool import PagePool
-from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
+from aiokv.results import LoadResult, Match, OffloadResult
 from aiokv.slots import SlotValidator
-from aiokv.storage import DiskTier
 from aiokv.stream import LoadStream
 from aiokv.transfers import LocalTransfers
 
 
-class KVCache:
+class KVCache(CacheFacade):
     """Tiered KV cache for one model layout and one engine KV buffer.
 
     ``kv_buffer`` is the engine's KV cache: a tensor ``[L, S, rows, D]``, a list of L tensors
@@ -92,51 +89,7 @@ class KVCache:
         await asyncio.to_thread(self._bridge.close)
         await self._manager.close_pool()
 
-    async def flush(self) -> None:
-        """Wait until every page queued for disk so far is written (or dropped)."""
-        await self._manager.flush()
-
-    async def __aenter__(self) -> KVCache:
-        try:
-            await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    @property
-    def pool(self) -> PagePool:
-        """The CPU page pool (after start)."""
-        return self._manager.pool
-
-    @property
-    def disk(self) -> DiskTier | None:
-        """The disk tier, or None when there is none (not configured, or it could not start)."""
-        return self._manager.disk
-
-    @property
-    def manager(self) -> CacheManager:
-        """The bookkeeping half (keys, page table, tiers, counters)."""
-        return self._manager
-
     # -- the engine's calls ---------------------------------------------------------------------
-
-    def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
-        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
-        return self._manager.keys(tokens, salt)
-
-    async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
-        """The longest prefix of full pages cached in the pool, then on disk.
-
-        Waits for pages another call is writing into the pool right now rather than stopping at
-        them. Raises ``TypeError``/``ValueError`` for bad tokens or salt.
-        """
-        return await self._manager.match(tokens, salt)
 
     async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult:
         """Copy tokens ``[from_token, match.tokens)`` of ``match`` into the KV ``slots``.
@@ -168,15 +121,6 @@ class KVCache:
         host = await self._slots.check(slots, count)
         return self._manager.start_load(match, host, from_token, layered)
 
-    def estimate(self, match: Match) -> LoadEstimate:
-        """What loading ``match`` would cost (pool copies, disk reads, recomputing) by the rates
-        measured so far, and where a compute-or-load split is expected to meet."""
-        return self._manager.estimate(match)
-
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` (feeds the cost model)."""
-        self._manager.costs.prefill.update(tokens, seconds)
-
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.
 
@@ -191,14 +135,4 @@ class KVCache:
         host = await self._slots.check(slots, int(ids.size))
         return await self._manager.offload(ids, host, salt)
 
-    async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
-        """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool.
 
-        For requests waiting in a queue; the GPU is not touched. Faults stop the promotion at the
-        first page that failed (counted, never raised).
-        """
-        return await self._manager.prefetch(tokens, salt)
-
-    def stats(self) -> CacheStatistics:
-        """A frozen snapshot of the counters."""
-        return self._manager.stats()

@@ -20,19 +20,16 @@ nothing of it and a load is shortened (to a miss); nothing partial is ever serve
 from __future__ import annotations
 
 import os
-from types import TracebackType
 
 import torch
 
 from aiokv.config import CacheConfig
-from aiokv.costs import LoadEstimate
-from aiokv.keys import PageKey, Salt, Tokens, token_array
+from aiokv.facade import CacheFacade
+from aiokv.keys import Salt, Tokens, token_array
 from aiokv.layout import KVLayout, TPSlice
 from aiokv.manager import CacheManager
-from aiokv.pool import PagePool
-from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult
+from aiokv.results import LoadResult, Match, OffloadResult
 from aiokv.slots import check_host_slots
-from aiokv.storage import DiskTier
 from aiokv.stream import LoadStream
 
 from .config import TPConfig
@@ -40,7 +37,7 @@ from .group import GroupStatistics, RankGroup
 from .transfers import GroupTransfers
 
 
-class TPCache:
+class TPCache(CacheFacade):
     """Tiered KV cache shared by the ``tp_size`` ranks of one engine (see the module docstring).
 
     ``num_slots``: token slots of each rank's KV buffer (the same on every rank). ``directory``:
@@ -106,19 +103,6 @@ class TPCache:
             await self._group.aclose()
         await self._manager.close_pool()
 
-    async def __aenter__(self) -> TPCache:
-        try:
-            await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     @property
     def group(self) -> RankGroup:
         """The rank group (after start)."""
@@ -135,30 +119,7 @@ class TPCache:
         """Wait until every rank's worker is attached to this cache's pool."""
         await self.group.wait_attached()
 
-    @property
-    def pool(self) -> PagePool:
-        """The shared page pool (after start)."""
-        return self._manager.pool
-
-    @property
-    def disk(self) -> DiskTier | None:
-        """The disk tier, or None."""
-        return self._manager.disk
-
-    @property
-    def manager(self) -> CacheManager:
-        """The bookkeeping half (keys, page table, tiers, counters)."""
-        return self._manager
-
     # -- the scheduler's calls ------------------------------------------------------------------
-
-    def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
-        """Page keys of the full pages of ``tokens`` (the same for every rank)."""
-        return self._manager.keys(tokens, salt)
-
-    async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
-        """The longest cached prefix, one answer for every rank (see ``KVCache.match``)."""
-        return await self._manager.match(tokens, salt)
 
     async def load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadResult:
         """Every rank copies tokens ``[from_token, match.tokens)`` into its ``slots`` (host indices).
@@ -176,10 +137,6 @@ class TPCache:
         host = check_host_slots(slots, count, self.num_slots)
         return self._manager.start_load(match, host, from_token)
 
-    def estimate(self, match: Match) -> LoadEstimate:
-        """What loading ``match`` would cost by the rates measured so far, and where a split meets."""
-        return self._manager.estimate(match)
-
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Every writer rank copies its heads of ``tokens``' full pages from ``slots`` into the pool.
 
@@ -190,18 +147,6 @@ class TPCache:
         ids = token_array(tokens)
         host = check_host_slots(slots, int(ids.size), self.num_slots)
         return await self._manager.offload(ids, host, salt)
-
-    async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
-        """Read the disk pages after the pool's prefix of ``tokens`` into the pool (no rank involved)."""
-        return await self._manager.prefetch(tokens, salt)
-
-    async def flush(self) -> None:
-        """Wait until every page queued for disk so far is written (or dropped)."""
-        await self._manager.flush()
-
-    def stats(self) -> CacheStatistics:
-        """A frozen snapshot of the counters."""
-        return self._manager.stats()
 
     def group_statistics(self) -> GroupStatistics:
         """Ranks attached, connections and jobs of the rank group."""
