@@ -3,6 +3,7 @@ evict the prefix a call is using to store its suffix."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import KVCache
+from aiokv.pagetable import PageHandle
 
 T = LAYOUT.page_tokens
 
@@ -88,4 +90,34 @@ async def test_pages_a_call_skipped_become_recently_used() -> None:
         await cache.offload(prompt(69, 2 * T), torch.arange(4 * T, 6 * T))  # evicts the two coldest
         async with await cache.match(hot) as match:
             assert match.pool_pages == 2
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_disk_makes_offload_give_up_after_offload_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fault: the disk never completes a write, so the write-behind keeps its pool pages forever.
+    # The offload waits offload_wait, drops the rest (counted) and returns: it never hangs.
+    kv = make_kv(62)
+    tokens = prompt(62, 10 * T)
+    async with KVCache(config(tmp_path, pool_pages=3, disk_pages=40, offload_wait=0.05), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        real = disk._write_owned
+        stuck = asyncio.Event()
+
+        async def never_done(key: bytes, ref: PageHandle) -> bool:
+            await stuck.wait()
+            return await real(key, ref)
+
+        monkeypatch.setattr(disk, "_write_owned", never_done)
+        try:
+            async with asyncio.timeout(30):
+                result = await cache.offload(tokens, torch.arange(10 * T))
+            assert (result.stored, result.dropped) == (3, 7), result
+            assert cache.stats().errors["pool_exhausted"] >= 1
+        finally:
+            stuck.set()  # the disk recovers: the queued pages are written
         await assert_quiescent(cache)
