@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SHM_NAME_PREFIX = "aiokv"
 SHM_DIR = "/dev/shm"
 """Where Linux (glibc) keeps POSIX shared-memory names: ``shm_open("/x")`` is ``SHM_DIR + "/x"``."""
+MADV_DONTNEED = 4
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in without touching them from Python
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
@@ -184,7 +185,7 @@ class SharedSegment:
             registered = False
             if register_cuda:
                 # Populating first lets registration skip its own (slower) page faults; best effort.
-                _libc.madvise(ctypes.c_void_p(self.address + offset), length, MADV_POPULATE_WRITE)
+                populate(self.address + offset, length)
                 _cuda_host_register(self.address + offset, length)
                 with self._lock:
                     if self._closed:
@@ -209,6 +210,11 @@ class SharedSegment:
             registered, self._registered = self._registered, []
         for offset, _length in registered:
             _cuda_host_unregister(self.address + offset)
+        # munmap holds the process's mmap lock for writing while it tears down every page table
+        # entry (~200 ms for 1 GiB here), and the loop's thread waits on it for any fault or
+        # allocation: drop the entries a step at a time first (the data stays in the segment), so
+        # the unmap itself is quick.
+        unpopulate(self.address, self.size)
         try:
             self.buffer.release()
             self._map.close()
@@ -303,7 +309,24 @@ def prepare_in_background(
     return executor, futures
 
 
+POPULATE_STEP = 2 << 20
+"""Bytes faulted in per madvise call. The kernel holds the process's mmap lock for a whole call
+(~1 s/GiB of untouched tmpfs), and any mmap/munmap in another thread, the loop's included (an
+allocation of a large object), waits for it: 256 MiB per call stalled the loop ~250 ms; 16 MiB
+keeps each wait under ~16 ms, typically a few ms."""
+
+
+def unpopulate(address: int, length: int) -> None:
+    """Drop the page table entries of ``length`` bytes of a shared mapping at ``address``
+    (MADV_DONTNEED, :data:`POPULATE_STEP` at a time); the segment's data stays, a later access
+    faults it back in."""
+    for offset in range(0, length, POPULATE_STEP):
+        _libc.madvise(ctypes.c_void_p(address + offset), min(POPULATE_STEP, length - offset), MADV_DONTNEED)
+
+
 def populate(address: int, length: int) -> None:
     """Fault in ``length`` bytes of a shared mapping at ``address`` without touching them from
-    Python (MADV_POPULATE_WRITE); a no-op where the kernel lacks it (before 5.14)."""
-    _libc.madvise(ctypes.c_void_p(address), length, MADV_POPULATE_WRITE)
+    Python (MADV_POPULATE_WRITE), :data:`POPULATE_STEP` at a time; a no-op where the kernel lacks
+    it (before 5.14)."""
+    for offset in range(0, length, POPULATE_STEP):
+        _libc.madvise(ctypes.c_void_p(address + offset), min(POPULATE_STEP, length - offset), MADV_POPULATE_WRITE)

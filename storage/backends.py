@@ -24,7 +24,7 @@ from typing import Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.shm import populate
+from aiokv.shm import lower_thread_priority, populate
 
 from . import uring
 from .config import DiskBackend, DiskConfig
@@ -197,7 +197,9 @@ class UringPageIO:
         pb = self._pool.layout.page_bytes
         spans = [(self._base, self._pool.num_pages * pb, pb), (self._slots.address, self._slots.count * HEADER_BYTES,
                                                               HEADER_BYTES)]
-        plan = self.engine.plan_regions(spans, REGISTER_REGION_BYTES)
+        # The kernel's table holds at most 16384 buffers: larger regions for a pool beyond 512 GiB.
+        region_bytes = max(REGISTER_REGION_BYTES, -(-self._pool.num_pages * pb // MAX_REGISTER_REGIONS))
+        plan = self.engine.plan_regions(spans, region_bytes)
         loop = asyncio.get_running_loop()
         stop = threading.Event()
 
@@ -219,7 +221,11 @@ class UringPageIO:
                 self.engine.update_buffer(region)
                 loop.call_soon_threadsafe(adopt, region, slot)
 
-        job = loop.run_in_executor(None, register)
+        # A thread of its own at lower priority: faulting in is kernel CPU work that would otherwise
+        # take turns with the loop's thread on a small machine.
+        executor = ThreadPoolExecutor(1, thread_name_prefix="aiokv-register", initializer=lower_thread_priority)
+        job = loop.run_in_executor(executor, register)
+        executor.shutdown(wait=False)
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -492,8 +498,13 @@ async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: Header
         raise
 
 
-REGISTER_REGION_BYTES = 256 << 20
-"""Pool memory registered per io_uring update in the background (the ring's lock is held meanwhile)."""
+REGISTER_REGION_BYTES = 64 << 20
+"""Pool memory registered per io_uring update in the background. The ring's lock and the process's
+mmap lock are held while the kernel pins it (~20 ms/GiB once faulted in): 256 MiB stalled the loop's
+submissions and allocations ~5 ms per region, 64 MiB ~1 ms."""
+
+MAX_REGISTER_REGIONS = 8192
+"""Regions the background registration plans at most (the kernel's table takes 16384)."""
 
 
 def _populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:
