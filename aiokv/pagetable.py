@@ -15,10 +15,15 @@ whenever the page is freed, so a handle can never reach recycled memory.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
+import operator
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from aiokv.keys import PageKey
 
@@ -29,6 +34,11 @@ class PageState(enum.Enum):
     FREE = "free"
     RESERVED = "reserved"
     READY = "ready"
+
+
+# Codes of the per-page state column (a bytearray); _STATES maps a code back to the enum.
+_FREE, _RESERVED, _READY = 0, 1, 2
+_STATES = (PageState.FREE, PageState.RESERVED, PageState.READY)
 
 
 class StaleHandleError(RuntimeError):
@@ -95,26 +105,35 @@ class PageTableStatistics:
     aborts: int
 
 
-class _Page:
-    __slots__ = ("generation", "key", "refs", "state", "waiter")
-
-    def __init__(self) -> None:
-        self.state = PageState.FREE
-        self.key: PageKey | None = None
-        self.refs = 0
-        self.generation = 0
-        self.waiter: asyncio.Future[bool] | None = None
-
-
 class PageTable:
-    """Bookkeeping for ``capacity`` pages; pages become usable through :meth:`add_usable`."""
+    """Bookkeeping for ``capacity`` pages; pages become usable through :meth:`add_usable`.
+
+    Per-page state lives in flat columns indexed by page id (a ``bytearray`` of states, ``array``
+    columns of reference counts and generations, a list of keys), not in one Python object per
+    page: building a table is a few C-level allocations whatever its size, and a large table adds
+    nothing for the cyclic GC to walk. (One object per page made a 262,144-page table trigger GC
+    passes that stalled the event loop ~100 ms.) Scalar access to ``bytearray``/``array`` costs
+    about what an attribute of a slotted object did; counts over all pages use numpy views.
+    """
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._pages = [_Page() for _ in range(capacity)]
-        self._free: list[int] = []
+        self._state = bytearray(capacity)  # _FREE / _RESERVED / _READY per page
+        self._refs: array[int] = array("q", [0]) * capacity
+        self._generation: array[int] = array("q", [0]) * capacity
+        self._keys: list[PageKey | None] = [None] * capacity  # None iff FREE
+        self._usable_mask = bytearray(capacity)  # 1 once add_usable handed the page over
+        self._waiters: dict[int, asyncio.Future[bool]] = {}  # RESERVED pages someone awaits
+        # Free pages: a stack of pages freed after use (taken first, last freed first), then pages
+        # never used, as runs [start, stop) of consecutive ids (one per chunk, so adding a chunk
+        # costs O(1) whatever the table's size), highest first so the lowest is taken first: the
+        # first chunks prepared, which are also the first registered for CUDA and io_uring.
+        self._recycled: array[int] = array("q")
+        self._fresh_starts: array[int] = array("q")
+        self._fresh_stops: array[int] = array("q")
+        self._fresh = 0
         self._usable = 0
         self._index: dict[PageKey, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # READY, refs == 0; oldest first
@@ -129,14 +148,37 @@ class PageTable:
     # -- capacity -------------------------------------------------------------------------------
 
     def add_usable(self, pages: Iterable[int]) -> None:
-        """Hand pages (of a prepared chunk) to the allocator."""
-        for page in pages:
-            if not 0 <= page < self.capacity:
-                raise ValueError(f"page {page} out of range")
-            self._free.append(page)
-            self._usable += 1
-        # Low page ids first: they are the first chunks prepared.
-        self._free.sort(reverse=True)
+        """Hand pages (of a prepared chunk) to the allocator.
+
+        Raises ``ValueError``, changing nothing, when a page is out of range or already usable.
+        Vectorised: a chunk of thousands of small pages costs the loop well under a millisecond.
+        """
+        if isinstance(pages, range):
+            new = np.arange(pages.start, pages.stop, pages.step, dtype=np.int64)
+        else:
+            new = np.fromiter(pages, dtype=np.int64)
+        if new.size == 0:
+            return
+        new.sort()
+        if new[0] < 0 or new[-1] >= self.capacity:
+            bad = new[0] if new[0] < 0 else new[-1]
+            raise ValueError(f"page {bad} out of range [0, {self.capacity})")
+        usable = np.frombuffer(self._usable_mask, dtype=np.uint8)
+        if usable[new].any() or (new[1:] == new[:-1]).any():
+            raise ValueError("a page was handed over twice")
+        usable[new] = 1
+        del usable  # the view pins the bytearray's buffer
+        # Runs of consecutive ids (a chunk is one). Pages are never handed over twice, so runs are
+        # disjoint and none can straddle another: ordering them by start orders every page.
+        cuts = np.flatnonzero(np.diff(new) != 1) + 1
+        starts = new[np.concatenate(([0], cuts))].tolist()
+        stops = (new[np.concatenate((cuts - 1, [new.size - 1]))] + 1).tolist()
+        for start, stop in zip(starts, stops, strict=True):
+            at = bisect.bisect_left(self._fresh_starts, -start, key=operator.neg)
+            self._fresh_starts.insert(at, start)
+            self._fresh_stops.insert(at, stop)
+        self._fresh += int(new.size)
+        self._usable += int(new.size)
         self._wake_reclaimable()
 
     # -- lookups (plain functions: they cannot block) ------------------------------------------
@@ -144,28 +186,26 @@ class PageTable:
     def state_of(self, key: PageKey) -> PageState:
         """FREE when the key is unknown, else the state of its page."""
         page = self._index.get(key)
-        return PageState.FREE if page is None else self._pages[page].state
+        return PageState.FREE if page is None else _STATES[self._state[page]]
 
     def contains(self, key: PageKey) -> bool:
         """True when ``key`` is READY."""
-        return self.state_of(key) is PageState.READY
+        page = self._index.get(key)
+        return page is not None and self._state[page] == _READY
 
     def acquire(self, key: PageKey) -> PageHandle | None:
         """A reference on the READY page of ``key`` (refreshing its LRU position), or None."""
         page = self._index.get(key)
-        if page is None:
+        if page is None or self._state[page] != _READY:
             return None
-        entry = self._pages[page]
-        if entry.state is not PageState.READY:
-            return None
-        entry.refs += 1
+        self._refs[page] += 1
         self._lru.pop(page, None)
-        return PageHandle(page, entry.generation, key)
+        return PageHandle(page, self._generation[page], key)
 
     def touch(self, key: PageKey) -> bool:
         """Mark the READY page of ``key`` most recently used; False when it is not READY."""
         page = self._index.get(key)
-        if page is None or self._pages[page].state is not PageState.READY:
+        if page is None or self._state[page] != _READY:
             return False
         if page in self._lru:
             self._lru.move_to_end(page)
@@ -183,34 +223,33 @@ class PageTable:
 
     def check(self, handle: PageHandle) -> int:
         """The page id of a live handle; raises :class:`StaleHandleError` otherwise."""
-        if handle.released:
+        if handle._released:
             raise StaleHandleError(f"{handle!r} was already released")
-        entry = self._pages[handle.page]
-        if entry.generation != handle.generation or entry.key != handle.key:
+        page = handle.page
+        if self._generation[page] != handle.generation or self._keys[page] != handle.key:
             raise StaleHandleError(f"{handle!r} refers to a recycled page")
-        return handle.page
+        return page
 
     def release(self, handle: PageHandle) -> None:
         """Give back one reference. A RESERVED page's reserver must commit or abort instead."""
         page = self.check(handle)
-        entry = self._pages[page]
-        if entry.state is PageState.RESERVED:
+        if self._state[page] == _RESERVED:
             raise StaleHandleError(f"{handle!r} is a reservation: commit or abort it")
         handle._released = True
-        entry.refs -= 1
-        if entry.refs == 0:
+        refs = self._refs[page] - 1
+        self._refs[page] = refs
+        if refs == 0:
             self._lru[page] = None
             self._wake_reclaimable()
 
     def retain(self, handle: PageHandle) -> PageHandle:
         """A second, independent reference on the page of a live handle."""
         page = self.check(handle)
-        entry = self._pages[page]
-        if entry.state is not PageState.READY:
+        if self._state[page] != _READY:
             raise StaleHandleError(f"{handle!r} is a reservation: commit it before sharing it")
-        entry.refs += 1
+        self._refs[page] += 1
         self._lru.pop(page, None)
-        return PageHandle(page, entry.generation, handle.key)
+        return PageHandle(page, self._generation[page], handle.key)
 
     # -- two-phase writes ---------------------------------------------------------------------
 
@@ -225,13 +264,13 @@ class PageTable:
         out: list[Reservation] = []
         exhausted = False
         present: list[int] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
+        index, state, lru = self._index, self._state, self._lru
         for key in keys:
-            page = self._index.get(key)
+            page = index.get(key)
             if page is not None:
-                state = self._pages[page].state
-                outcome = ReserveOutcome.PRESENT if state is PageState.READY else ReserveOutcome.PENDING
-                if page in self._lru:
-                    del self._lru[page]
+                outcome = ReserveOutcome.PRESENT if state[page] == _READY else ReserveOutcome.PENDING
+                if page in lru:
+                    del lru[page]
                     present.append(page)
                 out.append(Reservation(key, outcome))
                 continue
@@ -240,41 +279,40 @@ class PageTable:
                 self._exhausted += 1
                 out.append(Reservation(key, ReserveOutcome.EXHAUSTED))
                 continue
-            entry = self._pages[page]
-            entry.state = PageState.RESERVED
-            entry.key = key
-            entry.refs = 1
-            self._index[key] = page
-            out.append(Reservation(key, ReserveOutcome.RESERVED, PageHandle(page, entry.generation, key)))
+            state[page] = _RESERVED
+            self._keys[page] = key
+            self._refs[page] = 1
+            index[key] = page
+            out.append(Reservation(key, ReserveOutcome.RESERVED, PageHandle(page, self._generation[page], key)))
         # Back as most recently used, the call's first page last: a later eviction takes the
         # deepest page of the prefix first, which keeps the rest of the prefix matchable.
         for page in reversed(present):
-            self._lru[page] = None
+            lru[page] = None
         return out
 
     def commit(self, handle: PageHandle, *, keep: bool = False) -> PageHandle | None:
         """RESERVED -> READY; wakes waiters with True. With ``keep`` returns a reference to hold."""
-        entry = self._reserved_entry(handle)
+        page = self._reserved_page(handle)
         handle._released = True
-        entry.state = PageState.READY
+        self._state[page] = _READY
         self._commits += 1
-        self._wake(entry, True)
+        self._wake(page, True)
         if keep:
-            return PageHandle(handle.page, entry.generation, handle.key)
-        entry.refs -= 1
-        if entry.refs == 0:
-            self._lru[handle.page] = None
+            return PageHandle(page, self._generation[page], handle.key)
+        refs = self._refs[page] - 1
+        self._refs[page] = refs
+        if refs == 0:
+            self._lru[page] = None
             self._wake_reclaimable()
         return None
 
     def abort(self, handle: PageHandle) -> None:
         """RESERVED -> FREE; wakes waiters with False (the key is missing)."""
-        entry = self._reserved_entry(handle)
+        page = self._reserved_page(handle)
         handle._released = True
         self._aborts += 1
-        self._free_page(handle.page)
-        self._free.append(handle.page)
-        self._wake(entry, False)
+        self._free_page(page)
+        self._wake(page, False)
         self._wake_reclaimable()
 
     async def wait_reclaimable(self) -> None:
@@ -299,23 +337,22 @@ class PageTable:
         page = self._index.get(key)
         if page is None:
             return False
-        entry = self._pages[page]
-        if entry.state is not PageState.RESERVED:
-            return entry.state is PageState.READY
-        if entry.waiter is None:
-            entry.waiter = asyncio.get_running_loop().create_future()
-        return await asyncio.shield(entry.waiter)
+        state = self._state[page]
+        if state != _RESERVED:
+            return state == _READY
+        waiter = self._waiters.get(page)
+        if waiter is None:
+            waiter = self._waiters[page] = asyncio.get_running_loop().create_future()
+        return await asyncio.shield(waiter)
 
-    def _reserved_entry(self, handle: PageHandle) -> _Page:
+    def _reserved_page(self, handle: PageHandle) -> int:
         page = self.check(handle)
-        entry = self._pages[page]
-        if entry.state is not PageState.RESERVED:
+        if self._state[page] != _RESERVED:
             raise StaleHandleError(f"{handle!r} is not a reservation")
-        return entry
+        return page
 
-    @staticmethod
-    def _wake(entry: _Page, value: bool) -> None:
-        waiter, entry.waiter = entry.waiter, None
+    def _wake(self, page: int, value: bool) -> None:
+        waiter = self._waiters.pop(page, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(value)
 
@@ -326,11 +363,10 @@ class PageTable:
         keys: list[PageKey] = []
         while len(keys) < count and self._lru:
             page, _ = self._lru.popitem(last=False)
-            key = self._pages[page].key
+            key = self._keys[page]
             assert key is not None
             keys.append(key)
             self._free_page(page)
-            self._free.append(page)
             self._evictions += 1
             if self.on_evict is not None:
                 self.on_evict(key)
@@ -343,43 +379,49 @@ class PageTable:
             return False
         del self._lru[page]
         self._free_page(page)
-        self._free.append(page)
         return True
 
     def _allocate(self) -> int | None:
-        if self._free:
-            return self._free.pop()
+        if self._recycled:
+            return self._recycled.pop()
+        starts = self._fresh_starts
+        if starts:
+            page = starts[-1]
+            if page + 1 == self._fresh_stops[-1]:
+                starts.pop()
+                self._fresh_stops.pop()
+            else:
+                starts[-1] = page + 1
+            self._fresh -= 1
+            return page
         if self.evict(1):
-            return self._free.pop()
+            return self._recycled.pop()
         return None
 
     def _free_page(self, page: int) -> None:
-        entry = self._pages[page]
-        if entry.key is not None:
-            self._index.pop(entry.key, None)
-        entry.state = PageState.FREE
-        entry.key = None
-        entry.refs = 0
-        entry.generation += 1
+        key = self._keys[page]
+        if key is not None:
+            self._index.pop(key, None)
+        self._state[page] = _FREE
+        self._keys[page] = None
+        self._refs[page] = 0
+        self._generation[page] += 1
+        self._recycled.append(page)
 
     # -- introspection --------------------------------------------------------------------------
 
     def statistics(self) -> PageTableStatistics:
-        """Counts by state and lifetime counters."""
-        reserved = ready = referenced = 0
-        for entry in self._pages:
-            if entry.state is PageState.RESERVED:
-                reserved += 1
-            elif entry.state is PageState.READY:
-                ready += 1
-                referenced += entry.refs > 0
+        """Counts by state and lifetime counters (a few vectorised passes: ~0.1 ms per 262K pages)."""
+        state = np.frombuffer(self._state, dtype=np.uint8)
+        ready = state == _READY
+        referenced = np.count_nonzero(ready & (np.frombuffer(self._refs, dtype=np.int64) > 0))
         return PageTableStatistics(
             capacity=self.capacity,
             usable=self._usable,
-            free=len(self._free),
-            reserved=reserved,
-            ready=ready,
-            referenced=referenced,
+            free=len(self._recycled) + self._fresh,
+            reserved=int(np.count_nonzero(state == _RESERVED)),
+            ready=int(np.count_nonzero(ready)),
+            referenced=int(referenced),
             evictable=len(self._lru),
             evictions=self._evictions,
             exhausted=self._exhausted,
@@ -389,20 +431,38 @@ class PageTable:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (used by tests)."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
-        for page, entry in enumerate(self._pages):
-            if entry.state is PageState.FREE:
-                assert entry.key is None and entry.refs == 0, f"free page {page} has a key or refs"
-                assert page not in self._lru, f"free page {page} in LRU"
-            else:
-                assert page not in free, f"{entry.state} page {page} on the free list"
-                assert entry.key is not None and self._index.get(entry.key) == page, f"index broken at {page}"
-                assert entry.refs >= 0, f"negative refs on page {page}"
-                if entry.state is PageState.RESERVED:
-                    assert entry.refs >= 1, f"reserved page {page} without the reserver's ref"
-                    assert page not in self._lru, f"reserved page {page} in LRU"
-                else:
-                    assert (entry.refs == 0) == (page in self._lru), f"LRU membership wrong at {page}"
-        assert len(self._index) == sum(e.state is not PageState.FREE for e in self._pages), "stale index"
-        assert len(free) + len(self._index) == self._usable, "pages lost or invented"
+        state = np.frombuffer(self._state, dtype=np.uint8)
+        refs = np.frombuffer(self._refs, dtype=np.int64)
+        usable = np.frombuffer(self._usable_mask, dtype=np.uint8).astype(bool)
+        starts = np.frombuffer(self._fresh_starts, dtype=np.int64)
+        stops = np.frombuffer(self._fresh_stops, dtype=np.int64)
+        assert starts.size == stops.size and (starts < stops).all(), "an empty or inverted run of unused pages"
+        assert (stops[1:] <= starts[:-1]).all(), "runs of unused pages overlap or are out of order"
+        fresh = np.concatenate(
+            [np.arange(a, b, dtype=np.int64) for a, b in zip(starts, stops, strict=True)] + [starts[:0]]
+        )
+        assert fresh.size == self._fresh, "count of unused pages wrong"
+        free = np.concatenate((np.frombuffer(self._recycled, dtype=np.int64), fresh))
+        del starts, stops  # views pin the arrays' buffers
+        assert ((state == _FREE) | (state == _RESERVED) | (state == _READY)).all(), "unknown state"
+        assert np.unique(free).size == free.size, "a page is on the free list twice"
+        assert usable[free].all(), "a page not handed over is on the free list"
+        assert (state[free] == _FREE).all(), "a page on the free list is in use"
+        assert not (state[~usable] != _FREE).any(), "a page not handed over is in use"
+        assert int(usable.sum()) == self._usable, "usable count wrong"
+        assert (refs >= 0).all(), "negative refs"
+        free_pages = np.flatnonzero(state == _FREE)
+        assert not refs[free_pages].any(), "a free page has refs"
+        assert all(self._keys[p] is None for p in free_pages.tolist()), "a free page has a key"
+        assert (refs[state == _RESERVED] >= 1).all(), "a reserved page lacks the reserver's ref"
+        lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
+        in_lru = np.zeros(self.capacity, dtype=bool)
+        in_lru[lru] = True
+        evictable = (state == _READY) & (refs == 0)
+        assert (in_lru == evictable).all(), "LRU membership differs from READY pages without refs"
+        for page in np.flatnonzero(state != _FREE).tolist():
+            key = self._keys[page]
+            assert key is not None and self._index.get(key) == page, f"index broken at {page}"
+        assert len(self._index) == int(np.count_nonzero(state != _FREE)), "stale index"
+        assert all(state[p] == _RESERVED for p in self._waiters), "a waiter on a page not RESERVED"
+        assert free.size + len(self._index) == self._usable, "pages lost or invented"
