@@ -9,6 +9,13 @@ staging buffer, chunks dealt round-robin: lane A's memcpy overlaps lane B's kern
 never overwrites its staging before its own memcpy has read it (stream order). Every lane first
 waits on an event recorded on the caller's current stream; the call returns one event after all
 of its lanes, recorded on the first lane's stream.
+
+Layer-wise loads (:meth:`PageMover.load_layers`, STAGING) run as a pipeline over two streams: a
+copy stream moves layer l of a group of pages (each page's layer is one contiguous slab of the
+pool page ``[L, T, rows, D]``) into one of a few staging buffers, and the scatter stream (the
+first load lane's) moves it into the KV buffer, then marks layer l ready. The copy engine waits
+for a scatter only to reuse its buffer, so PCIe stays busy; the buffers are carved out of the
+load lanes' staging (no extra GPU memory). See :func:`layer_schedule`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aiokv import cuda as _cuda
 from aiokv.layout import KVBuffer
 
 from .checks import (
@@ -39,6 +47,9 @@ from .reference import reference_gather, reference_scatter
 
 DEFAULT_STAGING_PAGES = 2
 """Pages of GPU staging per direction (two lanes of one page each): 64 MiB per direction for an 8B model."""
+LAYER_BUFFERS = 3
+"""Staging buffers of a layer-wise load: the copy engine fills one while a scatter reads another;
+the third absorbs a scatter delayed behind the engine's own kernels without stalling PCIe."""
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -65,6 +76,75 @@ class _Chunk:
     slot_begin: int
     slot_end: int
     skip: int
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """One step of a layer-wise load: layer ``layer`` of the pages of group ``group``, copied into
+    staging buffer ``buffer`` and scattered from it."""
+
+    layer: int
+    group: int
+    buffer: int
+    reuse: bool
+    """The buffer served an earlier unit of this call: its copy must wait for that unit's scatter."""
+    ends_layer: bool
+    """The last unit of its layer: once it is scattered, layer ``layer`` is in the KV buffer."""
+
+
+def layer_groups(count: int, capacity: int) -> list[range]:
+    """Pages ``[0, count)`` of a call in the fewest consecutive groups of at most ``capacity``
+    pages, their sizes within one of each other (no short tail group paying a whole launch)."""
+    if count < 1 or capacity < 1:
+        raise ValueError(f"count and capacity must be positive, got {count} and {capacity}")
+    n = -(-count // capacity)
+    base, extra = divmod(count, n)
+    groups, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
+
+
+def layer_schedule(layers: int, groups: int, buffers: int) -> list[LayerUnit]:
+    """Issue order of a layer-wise load: layer 0 of every group in page order, then layer 1, ...
+
+    Unit k uses buffer ``k % buffers``, so the copy of unit k waits only for the scatter of unit
+    ``k - buffers``: the copy engine runs up to ``buffers - 1`` units ahead of the scatters.
+    """
+    units: list[LayerUnit] = []
+    for layer in range(layers):
+        for group in range(groups):
+            k = len(units)
+            units.append(LayerUnit(layer, group, k % buffers, k >= buffers, group == groups - 1))
+    return units
+
+
+def split_layer_staging(slabs: int, buffers: int = LAYER_BUFFERS) -> tuple[int, int]:
+    """``(buffer count, slabs per buffer)`` for a staging area of ``slabs`` layer slabs: up to
+    ``buffers`` equal buffers, fewer when there are fewer slabs than that."""
+    count = max(1, min(buffers, slabs))
+    return count, slabs // count
+
+
+@dataclass
+class _LayerStaging:
+    """The staging of layer-wise loads: buffers carved out of the load lanes' staging area."""
+
+    copy_stream: torch.cuda.Stream | None
+    buffers: list[torch.Tensor]
+    """Each ``[capacity, T, rows, D]``: slab j holds one layer of the group's page j."""
+    plans: list[CopyPlan]
+    """One per buffer, over it viewed as ``[capacity, L, T, rows, D]`` with layer stride 0."""
+    copied: list[torch.cuda.Event]
+    """Per buffer: recorded on the copy stream after its slabs were queued (re-recorded per use)."""
+    freed: list[torch.cuda.Event]
+    """Per buffer: recorded on the scatter stream after the scatter that read it."""
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[0]
 
 
 class PageMover:
@@ -107,22 +187,72 @@ class PageMover:
         )
         self.staging_pages = staging_pages
         self._direct: CopyPlan | None = None
+        self._layered: _LayerStaging | None = None
+        self._layered_done: torch.cuda.Event | None = None
+        """The last layer-wise load's end: later whole-page loads on other lanes reuse its staging."""
         staged = self.effective_path is TransferPath.STAGING
         lanes = min(2, staging_pages) if staged else 1
         shares = [staging_pages // lanes + (i < staging_pages % lanes) for i in range(lanes)]
-        self._offload_lanes = [self._lane(share if staged else 0) for share in shares]
-        self._load_lanes = [self._lane(share if staged else 0) for share in shares]
+        if not staged:
+            self._offload_lanes = [self._lane(None) for _ in shares]
+            self._load_lanes = [self._lane(None) for _ in shares]
+            return
+        self._offload_lanes = [self._lane(self._staging_area(share)) for share in shares]
+        # One area for the load lanes, so layer-wise loads can carve their buffers out of it.
+        area = self._staging_area(staging_pages).view(-1)
+        starts = [0, *itertools.accumulate(shares)]
+        page_elems = area.numel() // staging_pages
+        self._load_lanes = [
+            self._lane(area[a * page_elems : b * page_elems].view(b - a, *kv.layout.page_shape))
+            for a, b in itertools.pairwise(starts)
+        ]
+        self._layered = self._layer_staging(area)
+        self._keep_until_idle(area, [lane.stream for lane in self._load_lanes] + [self._layered.copy_stream])
+        for lane in self._offload_lanes:
+            assert lane.staging is not None
+            self._keep_until_idle(lane.staging, [lane.stream])
 
-    def _lane(self, staging_pages: int) -> _Lane:
+    def _staging_area(self, pages: int) -> torch.Tensor:
+        layout = self.kv.layout
+        return torch.empty((pages, *layout.page_shape), dtype=layout.dtype, device=self.kv.device)
+
+    @staticmethod
+    def _keep_until_idle(staging: torch.Tensor, streams: Sequence[torch.cuda.Stream | None]) -> None:
+        # A mover dropped with copies in flight must not hand its staging to the allocator early:
+        # marked as used by the side streams, the memory is reused only after their queued work.
+        for stream in streams:
+            if stream is not None:
+                staging.record_stream(stream)
+
+    def _lane(self, staging: torch.Tensor | None) -> _Lane:
         stream = _new_stream(self.kv.device) if self._cuda else None
-        if staging_pages == 0:
+        if staging is None:
             return _Lane(stream, None, None)
-        staging = torch.empty(
-            (staging_pages, *self.kv.layout.page_shape), dtype=self.kv.layout.dtype, device=self.kv.device
-        )
         from .launch import CopyPlan  # Triton loads only for a path that launches kernels
 
         return _Lane(stream, staging, CopyPlan(self.kv, staging))
+
+    def _layer_staging(self, area: torch.Tensor) -> _LayerStaging:
+        """Buffers of one layer of several pages each, views of the load lanes' ``area``."""
+        from .launch import CopyPlan
+
+        layout = self.kv.layout
+        tokens, rows, dim = layout.page_tokens, layout.rows, layout.head_dim
+        slab = tokens * rows * dim
+        count, capacity = split_layer_staging(area.numel() // slab)
+        buffers = [area[i * capacity * slab : (i + 1) * capacity * slab].view(capacity, tokens, rows, dim)
+                   for i in range(count)]
+        # The scatter kernel addresses page * page_stride + layer * layer_stride: a layer stride of
+        # 0 makes every layer of "page" j the buffer's slab j, so one plan serves every layer.
+        shape = (capacity, layout.num_layers, tokens, rows, dim)
+        plans = [CopyPlan(self.kv, b.as_strided(shape, (slab, 0, rows * dim, dim, 1))) for b in buffers]
+        return _LayerStaging(
+            copy_stream=_new_stream(self.kv.device) if self._cuda else None,
+            buffers=buffers,
+            plans=plans,
+            copied=[_new_event() for _ in buffers] if self._cuda else [],
+            freed=[_new_event() for _ in buffers] if self._cuda else [],
+        )
 
     @property
     def staging_bytes(self) -> int:
@@ -182,7 +312,14 @@ class PageMover:
             return self._finish(streams)
         chunks = self._chunks(len(ids), ids, skip_first=skip_first, tokens=tokens)
         plan = self._deal(chunks, self._load_lanes)
-        with self._on_side([lane for lane, _ in plan]) as streams:
+        lanes = [lane for lane, _ in plan]
+        with self._ordered_on_failure(lanes), self._on_side(lanes) as streams:
+            if self._layered_done is not None:
+                # A layer-wise load used this staging; the first lane (its scatter stream) is
+                # ordered after it already, the others wait.
+                for lane in lanes[1:]:
+                    if lane.stream is not None:
+                        lane.stream.wait_event(self._layered_done)
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._load_chunk(lane, chunk, index)
         return self._finish(streams)
@@ -196,10 +333,13 @@ class PageMover:
     ) -> list[torch.cuda.Event] | None:
         """:meth:`load`, layer by layer: layer 0 of every page first, then layer 1, ...
 
-        CUDA: queued behind the caller's current stream on one side stream; returns one event per
+        CUDA: queued behind the caller's current stream on side streams; returns one event per
         layer (event ``l`` completes once layers ``0..l`` are in the KV buffer; the last one ends
         the whole load). The caller's stream is NOT made to wait: wait on event ``l`` before
-        reading layer ``l``. CPU: synchronous, calls ``on_layer(l)`` as each layer lands, returns None.
+        reading layer ``l``. STAGING pipelines the layer slabs' copies and the scatters over two
+        streams (module docstring). CPU: synchronous, calls ``on_layer(l)`` as each layer lands,
+        returns None. If queuing fails part-way, the caller's stream is made to wait for what was
+        queued before the error propagates.
         """
         ids = self._check(slots, page_ids)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
@@ -207,7 +347,7 @@ class PageMover:
         events: list[torch.cuda.Event] = []
         path = self.effective_path
         lane = self._load_lanes[0]
-        with self._on_side([lane]) as streams:
+        with self._ordered_on_failure([lane]), self._on_side([lane]) as streams:
             if path is TransferPath.REFERENCE:
                 for layer in range(layers):
                     reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1))
@@ -218,20 +358,86 @@ class PageMover:
                     self._direct_plan().scatter(page_index, slot_index, skip_first, range(layer, layer + 1))
                     self._layer_done(streams, events, on_layer, layer)
             else:
-                assert lane.plan is not None and lane.staging is not None
-                tokens = self.kv.layout.page_tokens
-                chunks = self._deal(self._chunks(len(ids), ids, skip_first, tokens), [lane])[0][1]
-                if slots.is_cuda and lane.stream is not None:
-                    slots.record_stream(lane.stream)
-                indices = [self._index(slots[c.slot_begin : c.slot_end], lane) for c in chunks]
-                for layer in range(layers):
-                    with self._stream(lane):
-                        for chunk, index in zip(chunks, indices, strict=True):
-                            for j, page in enumerate(chunk.ids):
-                                lane.staging[j, layer].copy_(self.pages[page, layer], non_blocking=True)
-                            lane.plan.scatter(None, index, chunk.skip, range(layer, layer + 1))
-                    self._layer_done(streams, events, on_layer, layer)
+                self._load_layers_staged(ids, slots, skip_first, on_layer, streams, events)
         return events or None
+
+    def _load_layers_staged(
+        self,
+        ids: list[int],
+        slots: torch.Tensor,
+        skip_first: int,
+        on_layer: Callable[[int], None] | None,
+        streams: list[torch.cuda.Stream],
+        events: list[torch.cuda.Event],
+    ) -> None:
+        """The STAGING layer-wise pipeline; runs inside :meth:`_on_side` of the first load lane."""
+        staging = self._layered
+        assert staging is not None
+        scatter_lane = self._load_lanes[0]
+        tokens = self.kv.layout.page_tokens
+        groups = [
+            _Chunk(
+                first=g.start,
+                ids=ids[g.start : g.stop],
+                slot_begin=max(g.start * tokens - skip_first, 0),
+                slot_end=g.stop * tokens - skip_first,
+                skip=skip_first if g.start == 0 else 0,
+            )
+            for g in layer_groups(len(ids), staging.capacity)
+        ]
+        index = self._index(slots, scatter_lane)  # on the scatter stream, which alone reads it
+        indices = [index[g.slot_begin : g.slot_end] for g in groups]
+        copy_stream = staging.copy_stream
+        if copy_stream is not None:
+            # The buffers are the load lanes' staging: the first copy waits until every load queued
+            # on those lanes (layer-wise scatters included) has read it. The first lane already
+            # waits for the caller's stream, so this also orders the copies after the caller.
+            for other in self._load_lanes:
+                if other.stream is not None:
+                    mark = _new_event()
+                    mark.record(other.stream)
+                    copy_stream.wait_event(mark)
+        for unit in layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)):
+            group, buffer = groups[unit.group], unit.buffer
+            with self._on_stream(copy_stream):
+                if copy_stream is not None and unit.reuse:
+                    copy_stream.wait_event(staging.freed[buffer])
+                self._copy_unit(staging.buffers[buffer], group.ids, unit.layer, copy_stream)
+                if copy_stream is not None:
+                    staging.copied[buffer].record(copy_stream)
+            with self._stream(scatter_lane):
+                if scatter_lane.stream is not None:
+                    scatter_lane.stream.wait_event(staging.copied[buffer])
+                layer = range(unit.layer, unit.layer + 1)
+                staging.plans[buffer].scatter(None, indices[unit.group], group.skip, layer)
+                if scatter_lane.stream is not None:
+                    staging.freed[buffer].record(scatter_lane.stream)
+            if unit.ends_layer:
+                self._layer_done(streams, events, on_layer, unit.layer)
+        if events:
+            self._layered_done = events[-1]
+
+    def _copy_unit(
+        self, buffer: torch.Tensor, page_ids: list[int], layer: int, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Layer ``layer`` of pool pages ``page_ids`` -> slabs ``0..`` of ``buffer``, on ``stream``.
+
+        One copy per page: a page's layer is contiguous, consecutive pages' are a page apart. On
+        CUDA through the runtime directly where it can (torch's ``copy_`` costs ~10 µs of host time
+        per call, thousands of calls per long prefix).
+        """
+        if stream is not None and _cuda.raw_memcpy_available():
+            pages = self.pages
+            itemsize = pages.element_size()
+            slab = buffer[0].numel() * itemsize
+            dst = buffer.data_ptr()
+            src = pages.data_ptr() + layer * pages.stride(1) * itemsize
+            page_stride = pages.stride(0) * itemsize
+            for j, page in enumerate(page_ids):
+                _cuda.memcpy_async(dst + j * slab, src + page * page_stride, slab, stream)
+            return
+        for j, page in enumerate(page_ids):
+            buffer[j].copy_(self.pages[page, layer], non_blocking=True)
 
     @staticmethod
     def _layer_done(
@@ -336,6 +542,29 @@ class PageMover:
         if lane.stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(lane.stream)
+
+    @staticmethod
+    def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    @contextlib.contextmanager
+    def _ordered_on_failure(self, lanes: list[_Lane]) -> Iterator[None]:
+        """If the body raises, the caller's current stream waits for whatever ``lanes`` queued.
+
+        A load that fails part-way (a refused copy, a launch error) has already queued scatters
+        into the caller's slots; ordering the caller's stream after them keeps the contract that
+        nothing the caller does next (reusing the slots) is overtaken by a late write.
+        """
+        try:
+            yield
+        except BaseException:
+            caller = torch.cuda.current_stream(self.kv.device) if self._cuda else None
+            for lane in lanes:
+                if caller is not None and lane.stream is not None:
+                    queued = _new_event()
+                    queued.record(lane.stream)
+                    caller.wait_event(queued)
+            raise
 
     @contextlib.contextmanager
     def _on_side(self, lanes: list[_Lane]) -> Iterator[list[torch.cuda.Stream]]:

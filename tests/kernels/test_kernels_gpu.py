@@ -138,3 +138,92 @@ def test_side_stream_waits_for_the_engine_and_copies_host_indices(path: Transfer
         torch.cuda.current_stream().wait_event(event)
         assert bool((target[:, 0:512] == 3.0).all()), "load was overtaken by an earlier engine write"
         assert bool((target[:, 512:] == 0).all())
+
+
+# -- layer-wise loads (STAGING pipeline: copy stream -> layer buffers -> scatter stream) ----------
+
+
+def _layer_equal(a: KVBuffer, b: KVBuffer, layer: int) -> bool:
+    pairs = [(a.k_layers[layer], b.k_layers[layer])] + ([(a.v_layers[layer], b.v_layers[layer])] if a.v_layers else [])
+    return all(torch.equal(bits(x), bits(y)) for x, y in pairs)
+
+
+def test_layer_wise_load_of_registered_pool_pages_at_real_shapes(real: tuple[KVLayout, PagePool]) -> None:
+    from aiokv.cuda import raw_memcpy_available
+
+    assert raw_memcpy_available(), "the layer slabs would go through torch's copy_ (host bound)"
+    layout, pool = real
+    kv = _random_kv(layout, 11)
+    gen = torch.Generator().manual_seed(11)
+    page_ids = torch.randperm(PAGES, generator=gen)[:9].tolist()
+    event = PageMover(kv, pool.pages).offload(distinct_slots(9 * layout.page_tokens, SLOTS, gen), page_ids)
+    assert event is not None
+    event.synchronize()
+    skip = 77
+    slots = distinct_slots(9 * layout.page_tokens - skip, SLOTS, gen)
+    back = empty_like_kv(kv)
+    events = PageMover(back, pool.pages, TransferPath.STAGING, 2).load_layers(page_ids, slots, skip)
+    assert events is not None and len(events) == layout.num_layers
+    events[-1].synchronize()
+    expect = empty_like_kv(kv)
+    reference_scatter(expect, pool.pages, slots, page_ids, skip_first=skip)
+    assert kv_equal(back, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8], ids=str)
+@pytest.mark.parametrize("staging_pages", [1, 8])  # one-page groups (37 a layer) and groups of 13
+@pytest.mark.parametrize("raw", [True, False], ids=["cudart", "torch-copy"])
+def test_layer_wise_load_odd_sizes_many_pages(
+    dtype: torch.dtype, staging_pages: int, raw: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not raw:
+        monkeypatch.setattr("aiokv.cuda.raw_memcpy_available", lambda: False)
+    layout = KVLayout.mha(5, 3, 40, dtype, page_tokens=48)
+    gen = torch.Generator().manual_seed(staging_pages)
+    count, num_slots = 37, 37 * 48 + 29
+    kv = KVBuffer.wrap(layout, random_bits((5, num_slots, 6, 40), dtype, gen).cuda())
+    pages = poisoned_pages(layout, 41, torch.device("cpu")).pin_memory()
+    page_ids = torch.randperm(41, generator=gen)[:count].tolist()
+    reference_gather(kv, distinct_slots(count * 48, num_slots, gen), pages, page_ids)
+    skip = 47
+    slots = distinct_slots(count * 48 - skip, num_slots, gen)
+    back = empty_like_kv(kv)
+    events = PageMover(back, pages, TransferPath.STAGING, staging_pages).load_layers(page_ids, slots, skip)
+    assert events is not None
+    torch.cuda.current_stream().wait_event(events[-1])
+    expect = empty_like_kv(kv)
+    reference_scatter(expect, pages, slots, page_ids, skip_first=skip)
+    assert kv_equal(back, expect)
+
+
+def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Copies of layers >= 1 are held back on the copy stream: event 0 must complete with layer 0
+    # in place while the later layers are still in flight, and each later event with its layer.
+    layout = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=256)
+    gen = torch.Generator().manual_seed(3)
+    kv = KVBuffer.wrap(layout, random_bits((4, 4096, 16, 128), torch.bfloat16, gen).cuda())
+    pages = poisoned_pages(layout, 12, torch.device("cpu")).pin_memory()
+    page_ids = torch.randperm(12, generator=gen)[:10].tolist()
+    reference_gather(kv, distinct_slots(10 * 256, 4096, gen), pages, page_ids)
+    slots = distinct_slots(10 * 256, 4096, gen)
+    expect = empty_like_kv(kv)
+    reference_scatter(expect, pages, slots, page_ids)
+    real_copy = PageMover._copy_unit
+
+    def slowed(self: PageMover, buffer: torch.Tensor, ids: list[int], layer: int,
+               stream: torch.cuda.Stream | None) -> None:
+        if layer >= 1:
+            torch.cuda._sleep(20_000_000)  # ~10 ms of the copy stream per unit (the current stream)
+        real_copy(self, buffer, ids, layer, stream)
+
+    monkeypatch.setattr(PageMover, "_copy_unit", slowed)
+    back = empty_like_kv(kv)
+    events = PageMover(back, pages, TransferPath.STAGING, 2).load_layers(page_ids, slots)
+    assert events is not None and len(events) == 4
+    events[0].synchronize()
+    assert _layer_equal(back, expect, 0)
+    assert not events[-1].query(), "the later layers were not in flight: the test proves nothing"
+    for layer in range(1, 4):
+        events[layer].synchronize()
+        assert _layer_equal(back, expect, layer), layer
+    assert kv_equal(back, expect)

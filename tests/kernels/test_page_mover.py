@@ -213,3 +213,110 @@ def kv_equal_layer(a: KVBuffer, b: KVBuffer, layer: int) -> bool:
     if a.v_layers:
         pairs.append((a.v_layers[layer], b.v_layers[layer]))
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
+
+
+STAGED = [TransferPath.STAGING] if triton_usable() else []
+
+
+def _loaded_pool(pool: PagePool, page_ids: list[int], num_slots: int, seed: int) -> KVBuffer:
+    """A stacked KV buffer of random bits whose slots were offloaded into ``page_ids``."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = rank_kv(LAYOUT, full_kv(LAYOUT, num_slots, gen), BufferForm.STACKED, TPSlice.of(LAYOUT))
+    _finish(PageMover(kv, pool.pages, TransferPath.REFERENCE).offload(
+        distinct_slots(len(page_ids) * LAYOUT.page_tokens, num_slots, gen), page_ids))
+    return kv
+
+
+@pytest.mark.parametrize("path", STAGED, ids=lambda p: p.value)
+@pytest.mark.parametrize("staging_pages", [1, 3])  # buffers of 1 slab (11 groups), of 2 slabs (6 groups)
+def test_layer_pipeline_over_many_groups_is_bit_exact(pool: PagePool, path: TransferPath, staging_pages: int) -> None:
+    page_ids = [11, 0, 5, 3, 9, 1, 7, 2, 10, 4, 6]
+    kv = _loaded_pool(pool, page_ids, 11 * 16 + 7, staging_pages)
+    gen = torch.Generator().manual_seed(9)
+    skip = 11
+    load_slots = distinct_slots(11 * 16 - skip, kv.num_slots, gen)
+    want = empty_like_kv(kv)
+    reference_scatter(want, pool.pages, load_slots, page_ids, skip_first=skip)
+    back = empty_like_kv(kv)
+    seen: list[int] = []
+
+    def on_layer(layer: int) -> None:
+        assert [kv_equal_layer(back, want, other) for other in range(LAYOUT.num_layers)] == [
+            other <= layer for other in range(LAYOUT.num_layers)
+        ]
+        seen.append(layer)
+
+    events = PageMover(back, pool.pages, path, staging_pages).load_layers(page_ids, load_slots, skip, on_layer)
+    if DEVICE.type == "cuda":
+        assert events is not None
+        events[-1].synchronize()
+    else:
+        assert seen == list(range(LAYOUT.num_layers))
+    assert kv_equal(back, want)
+
+
+@pytest.mark.parametrize("path", STAGED, ids=lambda p: p.value)
+def test_layered_and_whole_page_loads_share_staging_without_mixing(pool: PagePool, path: TransferPath) -> None:
+    # Layer-wise buffers are carved out of the load lanes' staging: back-to-back loads of both
+    # kinds on one mover, no host wait in between, each lands its own pages' bytes.
+    page_ids = [3, 8, 1, 10, 6, 0]
+    kv = _loaded_pool(pool, page_ids, 200, 4)
+    gen = torch.Generator().manual_seed(4)
+    slots = distinct_slots(6 * 16, kv.num_slots, gen)
+    parts = [(page_ids[0:3], slots[0:48]), (page_ids[3:5], slots[48:80]), (page_ids[5:6], slots[80:96])]
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pool.pages, path, 2)
+    done = [mover.load_layers(*parts[0]), mover.load(*parts[1]), mover.load_layers(*parts[2])]
+    if DEVICE.type == "cuda":
+        whole = done[1]
+        assert isinstance(whole, torch.cuda.Event)
+        torch.cuda.current_stream().wait_event(whole)
+        for events in (done[0], done[2]):
+            assert isinstance(events, list)
+            torch.cuda.current_stream().wait_event(events[-1])
+    want = empty_like_kv(kv)
+    for ids, part in parts:
+        reference_scatter(want, pool.pages, part, ids)
+    assert kv_equal(back, want)
+
+
+@pytest.mark.parametrize("path", STAGED, ids=lambda p: p.value)
+def test_a_copy_failing_mid_load_raises_after_the_layers_before_it(
+    pool: PagePool, path: TransferPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The 6th of 8 units (layer 1, group 1) is refused: the error propagates, layer 0 landed whole
+    # and was reported, layer 1 was not reported. On CUDA the caller's stream is then ordered
+    # after what was queued (its later writes to the slots are not overtaken).
+    page_ids = [2, 7, 4, 9]
+    kv = _loaded_pool(pool, page_ids, 100, 6)
+    load_slots = distinct_slots(4 * 16, kv.num_slots, torch.Generator().manual_seed(6))
+    want = empty_like_kv(kv)
+    reference_scatter(want, pool.pages, load_slots, page_ids)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pool.pages, path, 2)  # 4 slabs: 3 buffers of one page, 4 groups a layer
+    real = PageMover._copy_unit
+    calls: list[int] = []
+
+    def refusing(self: PageMover, buffer: torch.Tensor, ids: list[int], layer: int,
+                 stream: torch.cuda.Stream | None) -> None:
+        calls.append(layer)
+        if len(calls) == 6:
+            raise RuntimeError("cudaMemcpyAsync refused (injected)")
+        if stream is not None and len(calls) == 5:
+            torch.cuda._sleep(100_000_000)  # the scatters queued before the fault run late
+        real(self, buffer, ids, layer, stream)
+
+    monkeypatch.setattr(PageMover, "_copy_unit", refusing)
+    seen: list[int] = []
+    with pytest.raises(RuntimeError, match="injected"):
+        mover.load_layers(page_ids, load_slots, 0, seen.append)
+    assert calls == [0, 0, 0, 0, 1, 1]
+    if DEVICE.type == "cuda":
+        # The caller's stream waits for the queued scatters: its own write lands after them.
+        k = back.k_layers[1]
+        k[load_slots[:16].to(DEVICE)] = 0
+        torch.cuda.synchronize()
+        assert bool((k[load_slots[:16].to(DEVICE)].view(torch.uint8) == 0).all())
+    else:
+        assert seen == [0]
+    assert kv_equal_layer(back, want, 0)

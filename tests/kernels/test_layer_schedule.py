@@ -1,0 +1,80 @@
+"""The planning of layer-wise STAGING loads: page groups, the buffer reuse schedule, staging split.
+
+Pure Python: the GPU pipeline issues exactly these units (``PageMover._load_layers_staged``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from aiokv.kernels.mover import LAYER_BUFFERS, layer_groups, layer_schedule, split_layer_staging
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 42])
+@pytest.mark.parametrize("count", [1, 7, 37, 128])
+def test_groups_cover_every_page_once_in_order_within_the_cap(count: int, capacity: int) -> None:
+    groups = layer_groups(count, capacity)
+    assert [p for g in groups for p in g] == list(range(count))
+    assert len(groups) == -(-count // capacity)  # the fewest groups the cap allows
+    sizes = [len(g) for g in groups]
+    assert max(sizes) <= capacity
+    assert max(sizes) - min(sizes) <= 1, sizes  # balanced: no short tail group
+
+
+def test_groups_balance_a_long_prefix() -> None:
+    # 128 pages (32K tokens of 256) through buffers of 42 slabs: 4 groups of 32, not 42+42+42+2.
+    assert [len(g) for g in layer_groups(128, 42)] == [32, 32, 32, 32]
+
+
+def test_groups_refuse_empty_arguments() -> None:
+    for count, capacity in [(0, 4), (3, 0), (-1, 2)]:
+        with pytest.raises(ValueError, match="must be positive"):
+            layer_groups(count, capacity)
+
+
+@pytest.mark.parametrize("buffers", [1, 3])
+@pytest.mark.parametrize(("layers", "groups"), [(2, 1), (32, 1), (61, 5)])
+def test_schedule_goes_layer_by_layer_and_reuses_buffers_in_rotation(layers: int, groups: int, buffers: int) -> None:
+    units = layer_schedule(layers, groups, buffers)
+    assert [(u.layer, u.group) for u in units] == [(layer, g) for layer in range(layers) for g in range(groups)]
+    for k, unit in enumerate(units):
+        assert unit.buffer == k % buffers
+        # A copy waits for a scatter exactly when its buffer served an earlier unit of the call...
+        assert unit.reuse == any(u.buffer == unit.buffer for u in units[:k])
+        # ...and never for one of the ``buffers - 1`` units before it: the copy engine runs ahead.
+        assert unit.buffer not in {u.buffer for u in units[max(0, k - buffers + 1) : k]}
+    ends = [u for u in units if u.ends_layer]
+    assert [u.layer for u in ends] == list(range(layers))
+    assert all(u.group == groups - 1 for u in ends)  # a layer is ready after its last group only
+
+
+def test_schedule_replayed_on_two_streams_never_overwrites_an_unread_buffer() -> None:
+    # Replay the issue order on a model of the two streams: the copy stream runs as far ahead as
+    # its waits allow (the worst case for reuse), the scatter stream as late as possible. Each
+    # scatter must find its own unit's bytes in the buffer.
+    units = layer_schedule(6, 4, LAYER_BUFFERS)
+    contents: dict[int, int] = {}
+    scattered: set[int] = set()
+    last_reader: dict[int, int] = {}  # buffer -> unit whose scatter frees it
+    copied = 0
+    for k, unit in enumerate(units):
+        # The copy stream runs every copy whose wait (the previous reader of its buffer) is met.
+        while copied < len(units):
+            nxt = units[copied]
+            waits_for = last_reader.get(nxt.buffer) if nxt.reuse else None
+            if waits_for is not None and waits_for not in scattered:
+                break
+            contents[nxt.buffer] = copied
+            last_reader[nxt.buffer] = copied
+            copied += 1
+        assert contents[unit.buffer] == k, f"unit {k} would scatter unit {contents[unit.buffer]}'s bytes"
+        scattered.add(k)
+    assert copied == len(units)
+
+
+def test_staging_split_into_up_to_three_equal_buffers() -> None:
+    cases = {1: (1, 1), 2: (2, 1), 3: (3, 1), 4: (3, 1), 64: (3, 21), 128: (3, 42), 122: (3, 40)}
+    for slabs, expected in cases.items():
+        count, each = split_layer_staging(slabs)
+        assert (count, each) == expected, slabs
+        assert count * each <= slabs
