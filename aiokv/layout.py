@@ -4,10 +4,16 @@ A *page* holds the KV of ``page_tokens`` consecutive tokens for every layer, lay
 ``[num_layers, page_tokens, rows, head_dim]`` where ``rows = 2 * num_kv_heads`` (K heads, then
 V heads) for MHA/GQA and ``rows = 1`` (the latent vector) for MLA. Its byte size is padded up to a
 multiple of 4096 so disk I/O can use O_DIRECT straight from pool memory.
+
+Pages a tensor-parallel cache shares between its ranks are *rank-major* instead
+(:meth:`KVLayout.for_tp`): ``[parts, L, T, rows / parts, D]``, part p holding the K and V heads of
+one rank's slice, so each rank's part is one contiguous block it can move with one copy-engine
+memcpy per page. The format enters the fingerprint: whole-row and rank-major pages never share keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +68,8 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     page_tokens: int = 256
+    parts: int = 1
+    """Rank-major parts of each page: 1 for whole-row pages, more for a TP cache's (see :meth:`for_tp`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, KVKind):
@@ -70,6 +78,7 @@ class KVLayout:
         _positive_int("num_kv_heads", self.num_kv_heads)
         _positive_int("head_dim", self.head_dim)
         _positive_int("page_tokens", self.page_tokens)
+        _positive_int("parts", self.parts)
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -77,6 +86,8 @@ class KVLayout:
             raise ValueError(f"dtype {self.dtype} is not supported; use one of: {names}")
         if self.kind is KVKind.MLA and self.num_kv_heads != 1:
             raise ValueError("an MLA layout has exactly one latent row per token (num_kv_heads=1)")
+        if self.num_kv_heads % self.parts or (self.kind is KVKind.MLA and self.parts != 1):
+            raise ValueError(f"{self.parts} page parts do not split {self.num_kv_heads} {self.kind.value} heads")
 
     @classmethod
     def mha(
@@ -106,9 +117,34 @@ class KVLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def page_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one page: ``(L, page_tokens, rows, head_dim)``."""
-        return (self.num_layers, self.page_tokens, self.rows, self.head_dim)
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one page: ``(L, page_tokens, rows, head_dim)``; rank-major pages (``parts > 1``)
+        ``(parts, L, page_tokens, rows / parts, head_dim)``."""
+        if self.parts == 1:
+            return (self.num_layers, self.page_tokens, self.rows, self.head_dim)
+        return (self.parts, self.num_layers, self.page_tokens, self.rows // self.parts, self.head_dim)
+
+    def for_tp(self, tp_size: int) -> KVLayout:
+        """The page format of a cache whose ``tp_size`` ranks share each page (:class:`aiokv.tp.TPCache`).
+
+        One rank-major part per distinct head slice: ``min(tp_size, num_kv_heads)`` parts for MHA
+        (replicas of one head share a part), one for MLA (its latent is replicated, not split).
+        Raises ``ValueError`` when ``tp_size`` and the heads do not divide.
+        """
+        whole = dataclasses.replace(self, parts=1)
+        TPSlice.of(whole, 0, tp_size)  # tp_size and the heads divide
+        parts = 1 if self.kind is KVKind.MLA else min(tp_size, self.num_kv_heads)
+        return whole if parts == 1 else dataclasses.replace(self, parts=parts)
+
+    @property
+    def part_layout(self) -> KVLayout:
+        """One part of a rank-major page as a whole-row layout (its heads only); ``self`` when ``parts == 1``.
+
+        A rank moves its part with an ordinary mover over ``pages[:, part]`` of this layout.
+        """
+        if self.parts == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // self.parts, parts=1)
 
     @property
     def token_row_bytes(self) -> int:
@@ -132,6 +168,9 @@ class KVLayout:
             f"aiokv-layout-v1|{self.kind.value}|layers={self.num_layers}|heads={self.num_kv_heads}"
             f"|dim={self.head_dim}|dtype={SUPPORTED_DTYPES[self.dtype]}|page={self.page_tokens}"
         )
+        if self.parts > 1:
+            # Only rank-major pages add a term: whole-row fingerprints (and disk caches) stay as they were.
+            text += f"|parts={self.parts}"
         return xxhash.xxh3_128_digest(text.encode("ascii"))
 
     def describe(self) -> str:
@@ -139,6 +178,7 @@ class KVLayout:
         return (
             f"{self.kind.value} L={self.num_layers} H={self.num_kv_heads} D={self.head_dim} "
             f"{SUPPORTED_DTYPES[self.dtype]} page={self.page_tokens} tokens/{self.page_bytes} bytes"
+            + (f" in {self.parts} rank-major parts" if self.parts > 1 else "")
         )
 
 
@@ -177,6 +217,11 @@ class TPSlice:
             raise ValueError(f"tp_size {size} is not a multiple of num_kv_heads {heads}")
         replicas = size // heads
         return cls(rank, size, rank // replicas, 1, rank % replicas == 0)
+
+    @property
+    def part(self) -> int:
+        """Index of this rank's part in a rank-major page (:meth:`KVLayout.for_tp`); 0 for MLA."""
+        return self.head_start // self.local_heads
 
 
 class BufferForm(enum.Enum):
@@ -220,6 +265,8 @@ class KVBuffer:
         Raises ``TypeError`` for a wrong container or dtype and ``ValueError`` for wrong shapes,
         devices, strides, layer or head counts.
         """
+        if layout.parts != 1:
+            raise ValueError("describe a KV buffer with the model's layout; rank-major page layouts are for pools")
         tp = tp or TPSlice.of(layout)
         mla = layout.kind is KVKind.MLA
         local_rows = 1 if mla else 2 * tp.local_heads
@@ -298,6 +345,17 @@ class KVBuffer:
         if self.layout.kind is KVKind.MLA:
             return 1
         return 2 * self.tp.local_heads
+
+    def rank_part(self) -> KVBuffer:
+        """This rank's slice as a whole-row buffer of its page part's layout (``part_layout`` of
+        ``layout.for_tp(tp.size)``), for a mover over ``pages[:, tp.part]`` of a rank-major pool.
+
+        Each page's part is one contiguous block there, so a mover copies it whole (STAGING: one
+        memcpy per page). ``tp.writer`` is kept: a replica still writes nothing.
+        """
+        part_layout = self.layout.for_tp(self.tp.size).part_layout
+        local = TPSlice(self.tp.rank, self.tp.size, 0, part_layout.num_kv_heads, self.tp.writer)
+        return dataclasses.replace(self, layout=part_layout, tp=local)
 
     @property
     def is_partial(self) -> bool:

@@ -12,9 +12,12 @@ its own slice of the KV buffer, connected to :attr:`TPCache.address`::
     async with RankWorker(address, rank, 2, layout, kv_slice): ...         # rank process r
 
 Pages hold every head (each rank writes its slice of the same pool page), so keys are the same for
-every rank and one ``match`` serves all of them. Slots are the scheduler's host indices, the same on
-every rank. A rank that fails, dies or is not attached fails the transfer: an offload then stores
-nothing of it and a load is shortened (to a miss); nothing partial is ever served.
+every rank and one ``match`` serves all of them. Pages are rank-major (:meth:`KVLayout.for_tp`):
+each rank's heads are one contiguous block of every page, which it copies whole (on a GPU, at the
+copy engines' rate); the page format is in the fingerprint that keys and page files carry. Slots
+are the scheduler's host indices, the same on every rank. A rank that fails, dies or is not attached
+fails the transfer: an offload then stores nothing of it and a load is shortened (to a miss);
+nothing partial is ever served.
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ class TPCache(CacheFacade):
         self.num_slots = num_slots
         self._tp_config = tp_config
         self._directory = directory
-        self._manager = CacheManager(config, layout)
+        self.page_layout = layout.for_tp(tp_size)
+        """The pool's and page files' format: rank-major, one part per head slice (its fingerprint keys
+        every page, so caches of another TP split over the same ``disk_dir`` never serve these bytes)."""
+        self._manager = CacheManager(config, self.page_layout)
         self._group: RankGroup | None = None
 
     # -- lifetime -------------------------------------------------------------------------------

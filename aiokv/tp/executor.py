@@ -1,7 +1,9 @@
 """`RankExecutor`: runs transfer specs for one rank against one attached pool mapping.
 
 It lives in the rank's process. A :class:`~aiokv.kernels.PageMover` over this rank's KV buffer
-(its head slice) and the attached pool moves the bytes:
+(its head slice) and its part of every page of the attached pool moves the bytes (the pool is
+rank-major, ``KVLayout.for_tp``: the part is one contiguous block per page, so a CUDA rank uses the
+STAGING path, one copy-engine memcpy per page):
 
 - CPU KV buffer: the copy runs on the :class:`~aiokv.cuda.CompletionBridge`'s copy thread (specs
   stay in order), never on the engine's loop; a thread runner's private loop is itself the copy
@@ -86,7 +88,14 @@ class RankExecutor:
         if self._cuda and engine_stream is None:
             raise ValueError("a CUDA KV buffer needs the engine's stream")
         self._engine_stream = engine_stream
-        self._mover: PageMover | None = PageMover(kv, memory.pages, path)
+        # The pool is rank-major ([N, parts, L, T, rows/parts, D]): this rank's part of every page is
+        # one contiguous block, so its mover is a whole-row one over a strided view of the pool, and
+        # STAGING (one copy-engine memcpy per page) applies instead of the DIRECT kernel.
+        if memory.layout != kv.layout.for_tp(kv.tp.size):
+            raise ValueError(f"the pool holds {memory.layout.describe()}; rank {kv.tp.rank} of {kv.tp.size} "
+                             f"needs {kv.layout.for_tp(kv.tp.size).describe()}")
+        pages = memory.pages if memory.layout.parts == 1 else memory.pages[:, kv.tp.part]
+        self._mover: PageMover | None = PageMover(kv.rank_part(), pages, path)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -73,6 +73,7 @@ class GroupStatistics:
 class RankGroup:
     """Manager side of one TP group: ``tp_size`` workers, one pool, every in-flight job.
 
+    ``layout``: the model's layout; the pool holds pages of :attr:`page_layout` (rank-major parts).
     ``pool_name``/``num_pages``: the pool workers attach (``PagePool.name``, ``PagePool.num_pages``);
     ``epoch`` names it in every spec (random when None). ``directory``: where to listen, created 0700
     (a fresh temporary directory when None); workers connect to :attr:`address`. A group restarted
@@ -100,6 +101,8 @@ class RankGroup:
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch < 2**64):
             raise ValueError(f"epoch must be an int in (0, 2**64), got {epoch!r}")
         self.layout = layout
+        self.page_layout = layout.for_tp(tp_size)
+        """The pool's page format: one rank-major part per head slice (``layout.for_tp(tp_size)``)."""
         self.tp_size = tp_size
         self.pool_name = pool_name
         self.num_pages = num_pages
@@ -319,8 +322,8 @@ class RankGroup:
         self._ranks[hello.rank] = link  # claimed: a second hello for this rank is refused
         link.state = _LinkState.ATTACH
         welcome = Welcome(
-            PROTOCOL_VERSION, self.tp_size, self.layout.fingerprint, self.epoch,
-            self.num_pages, self.layout.page_bytes, self.pool_name,
+            PROTOCOL_VERSION, self.tp_size, self.page_layout.fingerprint, self.epoch,
+            self.num_pages, self.page_layout.page_bytes, self.pool_name,
         )
         link.transport.write(frame(FrameKind.WELCOME, welcome.encode()))
 
@@ -356,11 +359,11 @@ class RankGroup:
             )
         if hello.tp_size != self.tp_size:
             return Refuse(RefuseReason.TP_SIZE, f"worker has tp_size {hello.tp_size}, the group has {self.tp_size}")
-        if hello.fingerprint != self.layout.fingerprint:
+        if hello.fingerprint != self.page_layout.fingerprint:
             return Refuse(
                 RefuseReason.LAYOUT,
-                f"worker's layout fingerprint {hello.fingerprint.hex()} differs from the manager's "
-                f"{self.layout.fingerprint.hex()} ({self.layout.describe()})",
+                f"worker's page format fingerprint {hello.fingerprint.hex()} differs from the manager's "
+                f"{self.page_layout.fingerprint.hex()} ({self.page_layout.describe()})",
             )
         if not 0 <= hello.rank < self.tp_size:
             return Refuse(RefuseReason.RANK_RANGE, f"rank {hello.rank} out of range for tp_size {self.tp_size}")

@@ -120,6 +120,8 @@ class RankWorker:
         self.address = Path(address)
         self.tp = TPSlice.of(layout, rank, tp_size)
         self.layout = layout
+        self.page_layout = layout.for_tp(tp_size)
+        """The pool's page format (rank-major parts); its fingerprint is what the manager checks."""
         self.kv = KVBuffer.wrap(layout, kv, self.tp)
         self.config = config or TPConfig()
         if self.kv.device.type == "cuda" and engine_stream is None:
@@ -213,7 +215,7 @@ class RankWorker:
             writer.close()
 
     async def _hello(self, frames: FrameReader, writer: asyncio.StreamWriter) -> Welcome:
-        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.layout.fingerprint)
+        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint)
         writer.write(frame(FrameKind.HELLO, hello.encode()))
         kind, payload = await frames.read()
         if kind is FrameKind.REFUSE:
@@ -228,14 +230,14 @@ class RankWorker:
             raise WorkerRefusedError(RefuseReason.VERSION, f"manager speaks protocol {welcome.version}")
         if welcome.tp_size != self.tp.size:
             raise WorkerRefusedError(RefuseReason.TP_SIZE, f"manager has tp_size {welcome.tp_size}")
-        if welcome.fingerprint != self.layout.fingerprint or welcome.page_bytes != self.layout.page_bytes:
+        if welcome.fingerprint != self.page_layout.fingerprint or welcome.page_bytes != self.page_layout.page_bytes:
             raise WorkerRefusedError(RefuseReason.LAYOUT, "manager's layout differs from this worker's")
         return welcome
 
     async def _attach(self, welcome: Welcome, writer: asyncio.StreamWriter) -> RankExecutor:
         assert self._bridge is not None
         try:
-            memory = await asyncio.to_thread(PagePool.attach, welcome.pool_name, self.layout)
+            memory = await asyncio.to_thread(PagePool.attach, welcome.pool_name, self.page_layout)
             try:
                 if memory.num_pages != welcome.num_pages:
                     raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")

@@ -47,6 +47,8 @@ from aiokv.tp.wire import (
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 T = LAYOUT.page_tokens
+PAGES = LAYOUT.for_tp(2)
+"""The pool's page format under TP 2: two rank-major parts."""
 FAST = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05)
 
 
@@ -61,7 +63,7 @@ class FakeRank:
         cls, group: RankGroup, rank: int, version: int = PROTOCOL_VERSION, tp_size: int | None = None
     ) -> FakeRank:
         reader, writer = await asyncio.open_unix_connection(os.fspath(group.address))
-        hello = Hello(version, rank, tp_size or group.tp_size, group.layout.fingerprint)
+        hello = Hello(version, rank, tp_size or group.tp_size, group.page_layout.fingerprint)
         writer.write(frame(FrameKind.HELLO, hello.encode()))
         kind, payload = await read_frame(reader, 1 << 20)
         if kind is FrameKind.REFUSE:
@@ -85,7 +87,7 @@ class FakeRank:
 
 @pytest_asyncio.fixture
 async def pool() -> AsyncIterator[PagePool]:
-    pool = await new_pool(LAYOUT, 16)
+    pool = await new_pool(PAGES, 16)
     yield pool
     pool.table.check_invariants()
     assert pool.table.statistics().reserved == 0, "a test left pages reserved"
@@ -129,7 +131,7 @@ async def test_offload_then_load_with_both_runners(pool: PagePool, group: RankGr
             outcome = await job
             assert outcome.ok and job.ranks == {0, 1}
             for i, page in enumerate(pages):
-                assert torch.equal(pool.pages[page], expected_page(full, slots[i * T : (i + 1) * T].tolist()))
+                assert torch.equal(pool.pages[page], expected_page(full, slots[i * T : (i + 1) * T].tolist(), PAGES))
             stats = worker.statistics()
             assert stats.attached and stats.specs == 1 and stats.reports == {RankStatus.OK: 1}
         assert thread_worker.statistics().reports == {RankStatus.OK: 1}
@@ -314,15 +316,17 @@ async def test_executor_on_an_engine_channel(pool: PagePool) -> None:
     full = full_kv(LAYOUT, 2)
     tp = TPSlice.of(LAYOUT, 1, 2)
     bridge = CompletionBridge()
-    executor = RankExecutor(KVBuffer.wrap(LAYOUT, rank_kv(full, LAYOUT, 1, 2), tp), PagePool.attach(pool.name, LAYOUT),
-                            epoch=5, bridge=bridge)
+    kv = KVBuffer.wrap(LAYOUT, rank_kv(full, LAYOUT, 1, 2), tp)
+    with pytest.raises(ValueError, match="rank-major parts"):  # a pool of whole-row pages does not fit
+        RankExecutor(kv, PagePool.attach(pool.name, LAYOUT), epoch=5, bridge=bridge)
+    executor = RankExecutor(kv, PagePool.attach(pool.name, PAGES), epoch=5, bridge=bridge)
     pool.pages.zero_()
     ok = await executor.execute(TransferSpec.build(1, Direction.OFFLOAD, 5, T, [3], range(T)))
     assert ok.status is RankStatus.OK
-    heads = LAYOUT.num_kv_heads
-    assert torch.equal(pool.pages[3][:, :, 2:4], full[:, :T, 2:4])  # rank 1's K heads
-    assert torch.equal(pool.pages[3][:, :, heads + 2 :], full[:, :T, heads + 2 :])  # and V heads
-    assert not pool.pages[3][:, :, :2].any(), "rank 1 wrote rank 0's heads"
+    # Page 3 is [2 parts, L, T, 4 rows, D]: rank 1 wrote its K heads 2-3 and V heads 2-3 as part 1.
+    assert torch.equal(pool.pages[3][1], expected_page(full, range(T), PAGES)[1])
+    assert not pool.pages[3][0].any(), "rank 1 wrote rank 0's part"
+    assert not pool.pages[:3].any() and not pool.pages[4:].any(), "rank 1 wrote another page"
     stale = await executor.execute(TransferSpec.build(2, Direction.OFFLOAD, 6, T, [3], range(T)))
     assert stale.status is RankStatus.STALE_EPOCH
     bad = await executor.execute(TransferSpec.build(3, Direction.LOAD, 5, T, [3], range(1000, 1000 + T)))
@@ -345,13 +349,13 @@ async def test_workers_reattach_to_a_restarted_manager(pool: PagePool, tmp_path:
             assert (await first.submit_nowait(first.spec(Direction.OFFLOAD, [0], range(T)))).ok
         for worker in workers:
             await worker.wait_detached()
-        second_pool = await new_pool(LAYOUT, 8)
+        second_pool = await new_pool(PAGES, 8)
         try:
             async with RankGroup(LAYOUT, 2, second_pool.name, second_pool.num_pages, FAST, directory) as second:
                 await second.wait_attached()
                 assert [await w.wait_attached() for w in workers] == [second.epoch, second.epoch]
                 assert (await second.submit_nowait(second.spec(Direction.OFFLOAD, [7], range(T, 2 * T)))).ok
-                assert torch.equal(second_pool.pages[7], full[:, T : 2 * T])
+                assert torch.equal(second_pool.pages[7], expected_page(full, range(T, 2 * T), PAGES))
                 assert [w.statistics().sessions for w in workers] == [2, 2]
                 assert second.jobs.in_flight == 0
         finally:

@@ -51,7 +51,7 @@ async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, 
     )
     full = full_kv(layout, seed=9, slots=SLOTS)
     slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[: 8 * T]
-    pool = await new_pool(layout, PAGES)  # register_cuda=False: the manager touches no CUDA
+    pool = await new_pool(layout.for_tp(tp), PAGES)  # register_cuda=False: the manager touches no CUDA
     try:
         async with RankGroup(layout, tp, pool.name, pool.num_pages, config, tmp_path / "m") as group:
             writers = RankProcesses(group.address, layout, tp, 9, True, SLOTS, "cuda", config)
@@ -71,7 +71,8 @@ async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, 
             for handle in handles:
                 pool.table.commit(handle)
             for i, page in enumerate(pages):
-                assert torch.equal(pool.pages[page], expected_page(full, slots[i * T : (i + 1) * T].tolist()))
+                want = expected_page(full, slots[i * T : (i + 1) * T].tolist(), pool.layout)
+                assert torch.equal(pool.pages[page], want)
             await writers.stop_all()
 
             readers = RankProcesses(group.address, layout, tp, 9, False, SLOTS, "cuda", config)

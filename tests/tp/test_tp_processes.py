@@ -69,7 +69,7 @@ async def test_offload_from_every_rank_then_fresh_ranks_load_their_heads(
     T = layout.page_tokens
     full = full_kv(layout, seed=7)
     slots = torch.randperm(full.shape[1], generator=torch.Generator().manual_seed(11))[: 4 * T]
-    pool = await new_pool(layout, 16)
+    pool = await new_pool(layout.for_tp(tp), 16)
     try:
         async with RankGroup(layout, tp, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
             writers = RankProcesses(group.address, layout, tp, seed=7, fill=True)
@@ -85,7 +85,7 @@ async def test_offload_from_every_rank_then_fresh_ranks_load_their_heads(
             assert (await job).ok
             assert job.ranks == group.writers  # MLA and replicas: one writer per row
             for i, page in enumerate(pages):
-                want = expected_page(full, slots[i * T : (i + 1) * T].tolist())
+                want = expected_page(full, slots[i * T : (i + 1) * T].tolist(), pool.layout)
                 assert torch.equal(pool.pages[page], want), f"page {i} is not the full-head reference"
             await writers.stop_all()
 
@@ -130,7 +130,7 @@ async def test_sigkill_at_random_moments_never_commits_a_wrong_byte(
     full = full_kv(layout, seed=3, slots=KILL_SLOTS)
     expected: dict[bytes, torch.Tensor] = {}
     failed_parts = 0
-    pool = await new_pool(layout, 96)
+    pool = await new_pool(layout.for_tp(tp), 96)
     try:
         async with RankGroup(layout, tp, pool.name, pool.num_pages, CONFIG, tmp_path / "k") as group:
             procs = RankProcesses(group.address, layout, tp, seed=3, fill=True, slots=KILL_SLOTS)
@@ -173,7 +173,7 @@ async def test_sigkill_at_random_moments_never_commits_a_wrong_byte(
                     failed_parts += len(outcome.failures)
                     if outcome.ok:
                         for p, k in enumerate(keys):
-                            expected[k] = expected_page(full, chosen[p * T : (p + 1) * T])
+                            expected[k] = expected_page(full, chosen[p * T : (p + 1) * T], pool.layout)
                 _verify(pool, expected)
                 assert await procs.reap(victim) == -9
                 procs.start(victim)
@@ -220,7 +220,7 @@ async def test_live_workers_reattach_to_a_restarted_manager(tmp_path: Path, spaw
     T = layout.page_tokens
     full = full_kv(layout, seed=5)
     directory = tmp_path / "mgr"
-    first_pool = await new_pool(layout, 8)
+    first_pool = await new_pool(layout.for_tp(tp), 8)
     try:
         async with RankGroup(layout, tp, first_pool.name, first_pool.num_pages, CONFIG, directory) as first:
             procs = RankProcesses(first.address, layout, tp, seed=5, fill=True)
@@ -229,18 +229,18 @@ async def test_live_workers_reattach_to_a_restarted_manager(tmp_path: Path, spaw
             async with asyncio.timeout(START_S):
                 await first.wait_attached()
             assert (await first.submit_nowait(first.spec(Direction.OFFLOAD, [1], range(T)))).ok
-            assert torch.equal(first_pool.pages[1], full[:, :T])
+            assert torch.equal(first_pool.pages[1], expected_page(full, range(T), first_pool.layout))
             assert_clean(first_pool, first)
     finally:
         await first_pool.aclose()
-    second_pool = await new_pool(layout, 8)
+    second_pool = await new_pool(layout.for_tp(tp), 8)
     try:
         async with RankGroup(layout, tp, second_pool.name, second_pool.num_pages, CONFIG, directory) as second:
             async with asyncio.timeout(START_S):
                 await second.wait_attached()
             job = second.submit_nowait(second.spec(Direction.OFFLOAD, [6], range(2 * T, 3 * T)))
             assert (await job).ok
-            assert torch.equal(second_pool.pages[6], full[:, 2 * T : 3 * T])
+            assert torch.equal(second_pool.pages[6], expected_page(full, range(2 * T, 3 * T), second_pool.layout))
             for rank in range(tp):
                 stats = await procs.ask(rank, "stats")
                 assert stats.sessions == 2 and stats.epoch == second.epoch

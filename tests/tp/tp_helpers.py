@@ -42,9 +42,21 @@ def rank_kv(full: torch.Tensor, layout: KVLayout, rank: int, size: int) -> torch
     return torch.cat([k, v], dim=2).contiguous()
 
 
-def expected_page(full: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-    """The whole page ``[L, T, rows, D]`` the tokens in ``slots`` make."""
-    return full[:, torch.as_tensor(list(slots), dtype=torch.int64)]
+def expected_page(full: torch.Tensor, slots: Sequence[int], layout: KVLayout) -> torch.Tensor:
+    """The page the tokens in ``slots`` make, in ``layout``'s page format: ``[L, T, rows, D]``, or
+    ``[parts, L, T, rows / parts, D]`` when rank-major (part p: the K heads of slice p, then its V heads)."""
+    page = full[:, torch.as_tensor(list(slots), dtype=torch.int64)]
+    return rank_major(page, layout)
+
+
+def rank_major(page: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """A whole-row page ``[L, T, rows, D]`` rearranged into ``layout``'s rank-major parts (a copy)."""
+    if layout.parts == 1:
+        return page
+    heads, h = layout.num_kv_heads, layout.num_kv_heads // layout.parts
+    parts = [torch.cat([page[:, :, p * h : (p + 1) * h], page[:, :, heads + p * h : heads + (p + 1) * h]], dim=2)
+             for p in range(layout.parts)]
+    return torch.stack(parts)
 
 
 def key(i: int) -> bytes:
