@@ -188,6 +188,7 @@ class PageMover:
         self.staging_pages = staging_pages
         self._direct: CopyPlan | None = None
         self._layered: _LayerStaging | None = None
+        self._raw_memcpy = self._cuda and _cuda.raw_memcpy_available()
         self._layered_done: torch.cuda.Event | None = None
         """The last layer-wise load's end: later whole-page loads on other lanes reuse its staging."""
         staged = self.effective_path is TransferPath.STAGING
@@ -426,7 +427,7 @@ class PageMover:
         CUDA through the runtime directly where it can (torch's ``copy_`` costs ~10 µs of host time
         per call, thousands of calls per long prefix).
         """
-        if stream is not None and _cuda.raw_memcpy_available():
+        if stream is not None and self._raw_memcpy:
             pages = self.pages
             itemsize = pages.element_size()
             slab = buffer[0].numel() * itemsize

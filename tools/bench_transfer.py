@@ -3,7 +3,8 @@
 For an 8B-class layout (32 layers, 8 KV heads, head_dim 128, bf16) and an MLA layout (61 layers,
 576 latent, bf16), 256-token pages of random slots, 1/8/64 pages per call:
 
-- offload (GPU -> pool) and load (pool -> GPU) for each path, GB/s and the ratio to memcpy;
+- offload (GPU -> pool), load (pool -> GPU) and a layer-by-layer load (``layers``) for each path,
+  GB/s and the ratio to memcpy;
 - offload and load at the same time (ratio to one direction alone);
 - interference: a bf16 matmul loop's throughput alone and with offloads + loads running beside it.
 
@@ -23,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 
@@ -34,6 +36,10 @@ LAYOUTS = {
     "mha-8b": KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256),
     "mla-61x576": KVLayout.mla(61, 576, torch.bfloat16, page_tokens=256),
 }
+
+
+Op = Literal["offload", "load", "layers"]
+"""``layers``: a load layer by layer (``PageMover.load_layers``), timed to its last layer's event."""
 
 
 @dataclass
@@ -143,12 +149,17 @@ class Bench:
 
         return _timed(call, _reps(pages * self.layout.payload_bytes, 2 << 30))
 
-    def transfer(self, path: TransferPath, pages: int, offload: bool) -> tuple[float, float]:
+    def transfer(self, path: TransferPath, pages: int, op: Op) -> tuple[float, float]:
         mover = self.movers[path]
         slots, ids = self.random_call(pages)
 
         def call() -> torch.cuda.Event | None:
-            return mover.offload(slots, ids) if offload else mover.load(ids, slots)
+            if op == "offload":
+                return mover.offload(slots, ids)
+            if op == "load":
+                return mover.load(ids, slots)
+            events = mover.load_layers(ids, slots)
+            return None if events is None else events[-1]
 
         return _timed(call, _reps(pages * self.layout.payload_bytes, 2 << 30))
 
@@ -272,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = pages * bench.layout.payload_bytes
                 base = {d: bench.memcpy(pages, d) for d in (True, False)}
                 single: dict[TransferPath, float] = {}
-                for offload, op in ((True, "offload"), (False, "load")):
+                ops: tuple[tuple[bool, Op], ...] = ((True, "offload"), (False, "load"), (False, "layers"))
+                for offload, op in ops:
                     for path in bench.movers:
-                        timing = bench.transfer(path, pages, offload)
+                        timing = bench.transfer(path, pages, op)
                         row = _emit(rows, name, op, path, pages, nbytes, timing, base[offload])
-                        single[path] = min(single.get(path, row.gbps), row.gbps)
+                        if op != "layers":
+                            single[path] = min(single.get(path, row.gbps), row.gbps)
                 both_base = bench.both_memcpy(pages)
                 for path in bench.movers:
                     timing = bench.both(path, pages)
