@@ -129,6 +129,11 @@ class RankExecutor:
         return self._in_flight
 
     @property
+    def transfer_path(self) -> TransferPath | None:
+        """The path this rank's copies take (STAGING on CUDA by default); None once closed."""
+        return None if self._mover is None else self._mover.effective_path
+
+    @property
     def registered_chunks(self) -> tuple[int, int]:
         """``(ready, total)`` chunks of the mapping registered with CUDA (``(0, 0)`` off CUDA)."""
         ready = sum(1 for f in self._chunks if f.done() and f.result().error is None)

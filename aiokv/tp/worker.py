@@ -94,6 +94,8 @@ class WorkerStatistics:
     in_flight: int
     registered_chunks: tuple[int, int]
     """``(ready, total)`` pool chunks registered with CUDA in the current session."""
+    transfer_path: TransferPath | None
+    """The path this rank's copies take in the current session (None while detached)."""
 
 
 class RankWorker:
@@ -327,6 +329,7 @@ class RankWorker:
             reports=dict(self._reports),
             in_flight=executor.in_flight if executor is not None else 0,
             registered_chunks=executor.registered_chunks if executor is not None else (0, 0),
+            transfer_path=executor.transfer_path if executor is not None else None,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
