@@ -398,6 +398,34 @@ class PageMover:
                     mark = _new_event()
                     mark.record(other.stream)
                     copy_stream.wait_event(mark)
+        try:
+            self._issue_layer_units(staging, groups, indices, on_layer, streams, events)
+        except BaseException:
+            if copy_stream is not None and scatter_lane.stream is not None:
+                # Copies may be queued whose scatters never were: the scatter stream (which the
+                # caller and later whole-page loads are ordered after) waits for them too.
+                copies = _new_event()
+                copies.record(copy_stream)
+                scatter_lane.stream.wait_event(copies)
+                ended = _new_event()
+                ended.record(scatter_lane.stream)
+                self._layered_done = ended
+            raise
+        if events:
+            self._layered_done = events[-1]
+
+    def _issue_layer_units(
+        self,
+        staging: _LayerStaging,
+        groups: list[_Chunk],
+        indices: list[torch.Tensor],
+        on_layer: Callable[[int], None] | None,
+        streams: list[torch.cuda.Stream],
+        events: list[torch.cuda.Event],
+    ) -> None:
+        """Queue every unit of :func:`layer_schedule`: copies on the copy stream, scatters and
+        layer events on the first load lane's stream."""
+        copy_stream, scatter_lane = staging.copy_stream, self._load_lanes[0]
         for unit in layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)):
             group, buffer = groups[unit.group], unit.buffer
             with self._on_stream(copy_stream):
@@ -415,8 +443,6 @@ class PageMover:
                     staging.freed[buffer].record(scatter_lane.stream)
             if unit.ends_layer:
                 self._layer_done(streams, events, on_layer, unit.layer)
-        if events:
-            self._layered_done = events[-1]
 
     def _copy_unit(
         self, buffer: torch.Tensor, page_ids: list[int], layer: int, stream: torch.cuda.Stream | None
