@@ -7,9 +7,12 @@ each hold their head slice of an 8B-shaped KV buffer (32 layers, 8 KV heads, hea
 - offload and load of ``--pages`` pages through the manager (every rank copying its slice of each
   page at once), against a pinned ``copy_`` of the same bytes by every rank at once (D2H, H2D);
 - each rank's loaded bytes against its own source slots (bit-exact, checked in the rank);
-- the manager loop's lag (a 1 ms periodic callback) while streaming.
+- the manager loop's lag (a 1 ms periodic callback) while streaming;
+- the path each rank's copies took (pages are rank-major: each rank's part is contiguous, so STAGING
+  moves it with one copy-engine memcpy per page).
 
     python tools/bench_tp.py --device cuda --tp 2 --pages 64 --json out.json
+    python tools/bench_tp.py --device cuda --tp 2 --pages 64 --path direct   # the kernel path, to compare
     python tools/bench_tp.py --device cpu --tp 2 --layers 2 --pages 8        # smoke test on a CPU
 """
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import LoopLag
 
 from aiokv import CacheConfig, KVLayout
+from aiokv.kernels import TransferPath
 from aiokv.layout import TPSlice
 from aiokv.tp import RankWorker, TPCache
 
@@ -55,9 +59,11 @@ async def _rank(conn: multiprocessing.connection.Connection, address: str, rank:
     kv = torch.randn(layout.num_layers, 2 * args.pages * layout.page_tokens, 2 * tp.local_heads, layout.head_dim,
                      generator=gen, device=device).to(layout.dtype)
     slice_bytes = args.pages * layout.payload_bytes * tp.local_heads // layout.num_kv_heads
-    async with RankWorker(address, rank, args.tp, layout, kv) as worker:
+    path = TransferPath(args.path) if device.type == "cuda" else TransferPath.REFERENCE
+    async with RankWorker(address, rank, args.tp, layout, kv, path=path) as worker:
         await worker.wait_attached()
-        conn.send(("ready", slice_bytes))
+        used = worker.statistics().transfer_path
+        conn.send(("ready", slice_bytes, used.value if used is not None else "none"))
         while True:
             command, *rest = await asyncio.to_thread(conn.recv)
             if command == "check":
@@ -121,7 +127,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 ready = [await asyncio.to_thread(c.recv) for c in conns]
                 await cache.wait_ranks()
-                total = sum(nbytes for _, nbytes in ready)
+                total = sum(nbytes for _, nbytes, _ in ready)
+                results["transfer_paths"] = [path for _, _, path in ready]
                 rows: dict[str, list[float]] = {k: [] for k in ("offload", "load", "memcpy_d2h", "memcpy_h2d")}
                 exact = True
                 with LoopLag() as lag:
@@ -170,12 +177,15 @@ def main() -> None:
     p.add_argument("--page-tokens", type=int, default=256)
     p.add_argument("--launch-pages", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--path", choices=[TransferPath.STAGING.value, TransferPath.DIRECT.value],
+                   default=TransferPath.STAGING.value,
+                   help="the ranks' copy path on CUDA (rank-major pages make STAGING possible; DIRECT for comparison)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     out = asyncio.run(run(args))
     g = out["gbps"]
     print(f"tp={out['tp']} {out['pages']} pages x {out['page_bytes'] >> 20} MiB on {out['device']}; "
-          f"bit-exact on every rank: {out['bit_exact']}")
+          f"bit-exact on every rank: {out['bit_exact']}; ranks' copy paths: {', '.join(out['transfer_paths'])}")
     print(f"offload {g['offload']:.1f} GB/s vs pinned memcpy D2H {g['memcpy_d2h']:.1f} GB/s: "
           f"{out['offload_vs_memcpy']:.2f}x")
     print(f"load    {g['load']:.1f} GB/s vs pinned memcpy H2D {g['memcpy_h2d']:.1f} GB/s: {out['load_vs_memcpy']:.2f}x")

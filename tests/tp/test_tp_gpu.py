@@ -1,5 +1,6 @@
 """Rank workers on a GPU: CUDA KV buffers, side streams after the engine's stream, pool chunks
-registered by each worker's own mapping in the background (the manager registers nothing).
+registered by each worker's own mapping in the background (the manager registers nothing). Pages
+are rank-major, so every rank copies its part through STAGING (one copy-engine memcpy per page).
 
 Skipped without CUDA (the same flows run on CPU buffers in test_tp_processes.py).
 """
@@ -15,6 +16,7 @@ import pytest_asyncio
 import torch
 from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
 
+from aiokv.kernels import TransferPath
 from aiokv.layout import KVLayout
 from aiokv.tp import Direction, Job, RankGroup, TPConfig
 
@@ -26,6 +28,8 @@ pytestmark = [
 CASES = {
     "mha-tp2": (KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=16), 2),
     "mla-tp2": (KVLayout.mla(4, 576, torch.bfloat16, page_tokens=16), 2),
+    "mha-tp4": (KVLayout.mha(4, 8, 128, torch.float16, page_tokens=16), 4),
+    "replicas-tp4": (KVLayout.mha(4, 2, 128, torch.bfloat16, page_tokens=16), 4),
 }
 SLOTS = 256
 PAGES = 12
@@ -73,6 +77,8 @@ async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, 
             for i, page in enumerate(pages):
                 want = expected_page(full, slots[i * T : (i + 1) * T].tolist(), pool.layout)
                 assert torch.equal(pool.pages[page], want)
+            for rank in range(tp):  # each rank's part is contiguous: copy engines, not the DIRECT kernel
+                assert (await writers.ask(rank, "stats")).transfer_path is TransferPath.STAGING
             await writers.stop_all()
 
             readers = RankProcesses(group.address, layout, tp, 9, False, SLOTS, "cuda", config)
