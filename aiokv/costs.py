@@ -54,11 +54,19 @@ class LoadEstimate:
 
     @property
     def worth_loading(self) -> bool | None:
-        """Whether a plain load is expected to beat recomputing (None: not known yet)."""
-        load, compute = self.load_seconds, self.recompute_seconds
-        if load is None or compute is None:
+        """Whether a plain load is expected to beat recomputing (None: not known yet).
+
+        False as soon as one known part alone (the disk reads, say) takes as long as recomputing,
+        even while the other's rate is unknown: aiokv never picks a load it expects to lose.
+        """
+        compute = self.recompute_seconds
+        if compute is None:
             return None
-        return load < compute
+        known = [part for part in (self.pool_seconds, self.disk_seconds) if part is not None]
+        if any(part >= compute for part in known):
+            return False
+        load = self.load_seconds
+        return None if load is None else load < compute
 
 
 class CostModel:
@@ -80,11 +88,14 @@ class CostModel:
         read = 0.0 if disk_pages == 0 else None if disk_rate is None else disk_pages * page_bytes / disk_rate
         recompute = None if prefill is None else pages * page_tokens / prefill
         split = None
-        if pages and prefill is not None and copy is not None and read is not None:
+        # Pages reaching disk: their reads bound the load whatever the copies cost, so an unknown
+        # copy rate counts as free there (the split is then the latest the load can meet).
+        copy_known = copy if copy is not None else 0.0 if disk_pages else None
+        if pages and prefill is not None and copy_known is not None and read is not None:
             # Loading runs from the back, computing from the front: with the fronts meeting at page
             # k the prefix is ready after max(time to compute [0, k), time to load [k, P)).
             compute_page = page_tokens / prefill
-            per_pool = copy / pages
+            per_pool = copy_known / pages
             per_disk = read / disk_pages + per_pool if disk_pages else per_pool
             best_k, best = pages, pages * compute_page
             load = 0.0

@@ -16,6 +16,13 @@ never worse than recomputing; on any tier it approaches the harmonic combination
 
 On CUDA each launched copy orders the engine's current stream after it (no host sync): claim a
 chunk before launching its kernels, and do not claim far ahead of what the GPU has computed.
+
+Disk pages are read from the back a few at a time (:data:`READAHEAD_BYTES`), so they land one by
+one rather than in a burst (concurrent reads share the device: sixteen 32 MiB reads in flight landed
+together after ~300 ms on the H200, as long as the whole 8K prefill). A read the engine will claim
+into before it lands, by the measured rates, is not started; a read the engine claimed into while
+it was in flight is not waited for (it lands in the pool in the background): the fronts meet
+without waiting on the disk.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +41,11 @@ from aiokv.transfers import Copy
 
 if TYPE_CHECKING:
     from aiokv.manager import CacheManager
+
+READAHEAD_BYTES = 32 << 20
+"""Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
+depth): one read queued behind the landing one keeps the device busy, more only delays the first
+page and wastes the reads the engine overtakes. TODO(lead): a ``CacheConfig`` field."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,12 @@ class LoadStream:
         self._claimed = from_token
         self._front = match.tokens  # start of the lowest page launched so far
         self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
-        self._promotions: dict[int, asyncio.Task[PageHandle | None]] = {}
+        self._promotions: dict[int, asyncio.Task[PageHandle | None]] = {}  # reads in flight, by page
+        config = manager.config
+        self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
+        self._disk_started = time.perf_counter()
+        self._disk_landed = 0  # pages this stream read so far (its own disk rate)
+        self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
         self._failed_at: int | None = None  # a disk page that could not be promoted
         self._last_claim = time.perf_counter()
@@ -117,6 +134,8 @@ class LoadStream:
         granted = max(self._claimed, min(end, self._front, self.tokens))
         self._last_claim_tokens, self._last_claim = granted - self._claimed, now
         self._claimed = granted
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)  # the loader re-checks whether its read is still worth waiting for
         return granted
 
     async def launched(self) -> int:
@@ -217,12 +236,54 @@ class LoadStream:
         return self._slots[begin - self.from_token : end - self.from_token], begin - low * self._t
 
     def _promote_ahead(self, page: int) -> None:
-        """Disk reads for ``page`` and the pages below it, up to the disk queue depth in flight."""
-        ahead = self._manager.config.disk_queue_depth
-        for lower in range(page, max(self._disk_pages.start - 1, page - ahead), -1):
-            if lower in self._promotions or self._start_of(lower) < self._claimed:
+        """Start disk reads for ``page`` and the pages below it, back to front, while fewer than the
+        read-ahead are in flight; none for a page claimed, or one the engine will claim first."""
+        for lower in range(page, self._disk_pages.start - 1, -1):
+            if len(self._promotions) >= self._ahead:
+                return
+            if lower in self._promotions:
                 continue
+            if self._start_of(lower) < self._claimed or not self._lands_in_time(lower):
+                return
             self._promotions[lower] = asyncio.ensure_future(self._manager._promote(self._keys[lower]))
+
+    def _lands_in_time(self, page: int) -> bool:
+        """Whether a read of ``page`` started now should land before the engine finishes the page.
+
+        By the rates: this stream's own disk pace once a page landed (else the cost model's), the
+        engine's prefill rate. Always True until the engine claims (it may never: then the load must
+        bring every page) and while a rate is unknown.
+        """
+        if self._claimed <= self.from_token:
+            return True
+        costs = self._manager.costs
+        prefill = costs.prefill.rate
+        page_bytes = self._manager.layout.page_bytes
+        elapsed = time.perf_counter() - self._disk_started
+        disk = self._disk_landed * page_bytes / elapsed if self._disk_landed and elapsed > 0 else costs.disk.rate
+        if prefill is None or disk is None:
+            return True
+        # Reads already in flight land first (or share the device with this one until they do).
+        lands = (len(self._promotions) + 1) * page_bytes / disk
+        reached = ((page + 1) * self._t - self._claimed) / prefill
+        return lands < reached
+
+    async def _read(self, page: int) -> asyncio.Task[PageHandle | None] | None:
+        """The landed read of ``page``, or None once the engine claimed into the page (or the stream
+        stops): the read is then not waited for; ``_release_rest`` adopts it."""
+        task = self._promotions[page]
+        while not task.done():
+            if self._stopping or self._start_of(page) < self._claimed:
+                return None
+            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._wake = wake
+            try:
+                # Not cancelled by a cancelled loader: the read stays in _promotions for adoption.
+                waits: set[asyncio.Future[Any]] = {task, wake}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._wake = None
+        return task
 
     async def _run(self) -> None:
         manager = self._manager
@@ -233,8 +294,6 @@ class LoadStream:
         table = manager.pool.table
         page = self.tokens // self._t - 1
         pool_started: float | None = None
-        disk_started = time.perf_counter()
-        disk_bytes = 0
         while page >= self._first and not self._stopping and self._start_of(page) >= self._claimed:
             await asyncio.sleep(0)  # bounded host work per loop turn; the engine claims meanwhile
             if self._stopping or self._start_of(page) < self._claimed:
@@ -255,12 +314,17 @@ class LoadStream:
                 page = low - 1
                 continue
             self._promote_ahead(page)
-            promoted = await asyncio.shield(self._promotions[page])
+            if page not in self._promotions:
+                break  # its read would land after the engine got there: the planned meeting point
+            read = await self._read(page)
+            if read is None:
+                break  # the engine claimed into the page while it was read: the fronts met
             del self._promotions[page]  # after the await: a cancelled loader leaves it to _release_rest
+            promoted = read.result()
             if promoted is None:
                 self._failed_at = page
                 break
-            disk_bytes += manager.layout.page_bytes
+            self._disk_landed += 1
             if self._stopping or self._start_of(page) < self._claimed:
                 manager._release_handles([promoted])  # the engine got here first: the page stays cached
                 break
@@ -270,8 +334,9 @@ class LoadStream:
             self._copies.append((page, copy, promoted, Tier.DISK))
             self._front = self._start_of(page)
             page -= 1
-        if disk_bytes:
-            manager.costs.disk.update(disk_bytes, time.perf_counter() - disk_started)
+        if self._disk_landed:
+            manager.costs.disk.update(self._disk_landed * manager.layout.page_bytes,
+                                      time.perf_counter() - self._disk_started)
         if pool_started is not None:
             pool_copies = [c.future for _, c, _, tier in self._copies if tier is Tier.POOL]
             pool_bytes = len(pool_copies) * manager.layout.payload_bytes
