@@ -174,3 +174,45 @@ async def test_a_hopeless_tier_is_not_read_once_the_engine_computes(
         assert computed == n and result.loaded_from == n and result.disk_pages == 0
         assert started[0] == after_claim == before == 0  # nothing read: the engine computes it all
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_reads_ahead_are_bounded_in_bytes_and_go_from_the_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sixteen 32 MiB reads in flight landed together after ~300 ms on the H200 (they share the
+    # device), as long as the whole 8K prefill: the stream keeps READAHEAD_BYTES in flight instead.
+    import aiokv.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "READAHEAD_BYTES", 3 * LAYOUT.page_bytes)
+    n = 10 * T
+    tokens = prompt(97, n)
+    source = await _fill_disk(tmp_path, tokens)
+    kv = make_kv(98)
+    async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        real: Callable[..., Awaitable[bool]] = disk.read
+        keys = cache.keys(tokens)
+        order: list[int] = []
+        in_flight, most = [0], [0]
+
+        async def counted(key: Any, handle: Any) -> bool:
+            order.append(keys.index(key))
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                return await real(key, handle)
+            finally:
+                in_flight[0] -= 1
+
+        monkeypatch.setattr(disk, "read", counted)
+        target = torch.arange(30, 30 + n)
+        async with await cache.start_load(await cache.match(tokens), target) as stream:
+            result = await stream.finish()  # an idle engine: everything is loaded
+        assert (result.loaded_from, result.disk_pages) == (0, 10)
+        assert most[0] == 3  # never more than the read-ahead, and it is used
+        assert order == sorted(order, reverse=True)  # from the back
+        assert torch.equal(kv[:, target.to(DEVICE)], source[:, :n])
+        await assert_quiescent(cache)
