@@ -40,9 +40,9 @@ from .safefiles import (
 
 log = logging.getLogger(__name__)
 
-CHAIN_MAX = 6
-"""SQEs one page may hold at once: its chain (header, page, fsync, close, rename) or its open, plus
-one unlink or rename of an evicted file."""
+CHAIN_MAX = 7
+"""SQEs one page may hold at once: its chain (open, header, page, fsync, close, rename), plus one
+unlink or rename of an evicted file."""
 
 
 class IOOp(enum.Enum):
@@ -58,7 +58,8 @@ class IOOp(enum.Enum):
 
 _OPCODES = {
     uring.OP_OPENAT: IOOp.OPEN, uring.OP_READ: IOOp.READ, uring.OP_READ_FIXED: IOOp.READ,
-    uring.OP_WRITE: IOOp.WRITE, uring.OP_WRITE_FIXED: IOOp.WRITE, uring.OP_FSYNC: IOOp.FSYNC,
+    uring.OP_READV: IOOp.READ, uring.OP_WRITE: IOOp.WRITE, uring.OP_WRITE_FIXED: IOOp.WRITE,
+    uring.OP_WRITEV: IOOp.WRITE, uring.OP_FSYNC: IOOp.FSYNC,
     uring.OP_RENAMEAT: IOOp.RENAME, uring.OP_UNLINKAT: IOOp.UNLINK,
 }
 
@@ -90,7 +91,8 @@ class FaultPlan:
 
 
 class HeaderSlots:
-    """Page-aligned 4096-byte buffers for headers (O_DIRECT needs aligned memory), one per I/O slot."""
+    """Page-aligned 4096-byte buffers for headers (O_DIRECT needs aligned memory), one per I/O slot,
+    and per slot a two-entry iovec (header, page) for vectored I/O."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -100,6 +102,18 @@ class HeaderSlots:
         self.address = ctypes.addressof(probe)
         del probe
         self.views = [self.buffer[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(count)]
+        self.iovecs = (uring.IoVec * (2 * count))()
+        self.iovec_address = ctypes.addressof(self.iovecs)
+        for i in range(count):
+            self.iovecs[2 * i].base = self.address + i * HEADER_BYTES
+            self.iovecs[2 * i].len = HEADER_BYTES
+
+    def iovec(self, slot: int, address: int, length: int) -> int:
+        """The address of ``slot``'s iovec pair, its second entry set to ``[address, +length)``."""
+        entry = self.iovecs[2 * slot + 1]
+        entry.base = address
+        entry.len = length
+        return self.iovec_address + 2 * slot * ctypes.sizeof(uring.IoVec)
 
     def close(self) -> None:
         for view in self.views:
@@ -112,7 +126,8 @@ class HeaderSlots:
 class PageIO(Protocol):
     """What :class:`~aiokv.storage.DiskTier` needs from a backend.
 
-    Names are relative to the layout directory's descriptor (``dir_fd``). Every open goes through
+    Names are relative to a directory descriptor (a fan-out directory, opened and checked at start:
+    no path walk per operation). Every open goes through
     :mod:`.safefiles`: ``O_NOFOLLOW|O_NONBLOCK``, then a regular file of ours, or
     :class:`~aiokv.storage.safefiles.UnsafeFileError`. Callers are the tier's own job tasks, which
     are never cancelled (a cancelled caller of the tier is shielded from them)."""
@@ -121,23 +136,25 @@ class PageIO(Protocol):
     direct: bool
     faults: FaultPlan
 
-    async def take_over(self, victim: str, temp: str) -> int:
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
         """Open the page file ``victim`` for overwriting (our regular file, one link), then rename it
         to ``temp``: a recycled file is checked before the rename moves it. Returns the open fd."""
         ...
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
-        """Write header slot ``slot`` and pool page ``page`` into ``temp``, then rename it to ``final``.
+    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None) -> None:
+        """Write header slot ``slot`` and pool page ``page`` into ``temp``, then rename it to ``final``
+        (both names in the directory ``dir_fd``).
 
         ``fd``: ``temp`` opened by :meth:`take_over` (closed here); None: create ``temp`` exclusively.
         On failure ``temp`` is removed. A short write is ENOSPC (the file system is full)."""
         ...
 
-    async def load(self, name: str, slot: int, page: int) -> int:
+    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
         """Read ``name`` into header slot ``slot`` and pool page ``page``; returns bytes read."""
         ...
 
-    async def unlink(self, name: str) -> None: ...
+    async def unlink(self, dir_fd: int, name: str) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -167,12 +184,15 @@ class UringPageIO:
     """Page files through one io_uring; pool pages as fixed buffers when ``regions`` are given
     (from :func:`register_pool`: pool regions, then the header-slot region).
 
-    A page costs two submissions: an OPENAT (into a normal fd, so that it can be checked with
-    ``fstat`` before any byte moves), then one linked chain — WRITE header, WRITE page, [FSYNC],
-    CLOSE, RENAMEAT for a write; READ, READ, CLOSE for a read."""
+    A new page file is one linked chain: OPENAT (``O_CREAT|O_EXCL|O_NOFOLLOW`` into the I/O slot's
+    fixed-file entry: only a new regular file of ours can come out of it), header and page, [FSYNC],
+    CLOSE, RENAMEAT. A read, or the overwrite of a recycled file, opens an existing name first
+    (into a normal fd, ``fstat``-checked before any byte moves), then one chain: header and page,
+    CLOSE. Header and page move in one vectored op (READV/WRITEV) with plain buffers, or as two
+    fixed-buffer ops once the page's region is registered."""
 
     def __init__(self, engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots, direct: bool,
-                 regions: list[list[uring.Region]] | None, dir_fd: int) -> None:
+                 regions: list[list[uring.Region]] | None) -> None:
         self.engine = engine
         self.kind = DiskBackend.URING_FIXED if regions is not None else DiskBackend.URING
         self.direct = direct
@@ -180,7 +200,6 @@ class UringPageIO:
         engine.fault_hook = self.faults.uring_hook
         self._pool = pool
         self._slots = slots
-        self._dir = dir_fd
         self._page_bytes = pool.layout.page_bytes
         self._base = pool.memory.segment.address
         self._pool_regions: list[uring.Region] = regions[0] if regions is not None else []
@@ -251,24 +270,32 @@ class UringPageIO:
         region = self._pool_regions[at]
         return region if address < region.address + region.length else None
 
-    def _io_op(self, write: bool, fd: int, address: int, length: int, offset: int,
-               region: uring.Region | None) -> uring.Op:
-        if region is None:
-            return uring.Op(uring.OP_WRITE if write else uring.OP_READ, fd, address, length, offset)
-        return uring.Op(uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED, fd, address, length, offset,
-                        buf_index=region.index)
-
-    def _transfer(self, write: bool, fd: int, slot: int, page: int) -> list[uring.Op]:
+    def _transfer(self, write: bool, fd: int, fixed_file: bool, slot: int, page: int) -> list[uring.SqeFields]:
+        """Header and page in one vectored op (plain buffers), or two fixed-buffer ops where the
+        page's region is registered (fixed buffers spare the kernel pinning the page per I/O)."""
         address = self._base + page * self._page_bytes
+        region = self._page_region(address)
+        slots = self._slots
+        if region is None or self._slot_region is None:
+            opcode = uring.OP_WRITEV if write else uring.OP_READV
+            return [uring.sqe(opcode, fd, slots.iovec(slot, address, self._page_bytes), 2, 0, fixed_file=fixed_file)]
+        opcode = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
         return [
-            self._io_op(write, fd, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, self._slot_region),
-            self._io_op(write, fd, address, self._page_bytes, HEADER_BYTES, self._page_region(address)),
+            uring.sqe(opcode, fd, slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0,
+                      buf_index=self._slot_region.index, fixed_file=fixed_file),
+            uring.sqe(opcode, fd, address, self._page_bytes, HEADER_BYTES, buf_index=region.index,
+                      fixed_file=fixed_file),
         ]
 
-    async def _open(self, name: str, flags: int, mode: int, write: bool) -> int:
+    def _submit(self, ops: list[uring.SqeFields], keep: object) -> asyncio.Future[list[int]]:
+        future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self.engine.submit(ops, keep, None, future)
+        return future
+
+    async def _open(self, dir_fd: int, name: str, flags: int, mode: int, write: bool) -> int:
         # O_NONBLOCK: opening a FIFO must not park an io_uring worker (nor aclose) forever.
         try:
-            fd = await self.engine.openat(name.encode(), flags | OPEN_FLAGS, mode, dir_fd=self._dir)
+            fd = await self.engine.openat(name.encode(), flags | OPEN_FLAGS, mode, dir_fd=dir_fd)
         except OSError as exc:
             raise classify_open_error(exc, name) from None
         try:
@@ -284,52 +311,91 @@ class UringPageIO:
         with contextlib.suppress(OSError):
             await self.engine.close_fd(fd)
 
-    async def _unlink_quiet(self, name: str) -> None:
+    async def _unlink_quiet(self, dir_fd: int, name: str) -> None:
         with contextlib.suppress(OSError):
-            await self.engine.unlinkat(name.encode(), dir_fd=self._dir)
+            await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
 
-    async def take_over(self, victim: str, temp: str) -> int:
-        fd = await self._open(victim, os.O_WRONLY, 0, write=True)
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
+        fd = await self._open(victim_dir, victim, os.O_WRONLY, 0, write=True)
         try:
-            await self.engine.renameat(victim.encode(), temp.encode(), dir_fd=self._dir)
+            a, b = ctypes.create_string_buffer(victim.encode()), ctypes.create_string_buffer(temp.encode())
+            op = uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(a), temp_dir & 0xFFFFFFFF,
+                           ctypes.addressof(b))
+            (res,) = await self._submit([op], (a, b))
+            if res < 0:
+                raise OSError(-res, os.strerror(-res))
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
-        if fd is None:
-            try:
-                fd = await self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, write=True)
-            except OSError as exc:
-                if exc.errno == errno.EEXIST:
-                    raise _planted_temp(temp) from None
-                await self._unlink_quiet(temp)  # it may exist now (an O_DIRECT refusal after creating)
-                raise
+    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None) -> None:
         tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
-        ops = self._transfer(True, fd, slot, page)
-        if sync:
-            ops.append(uring.Op(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
-        ops.append(uring.Op(uring.OP_CLOSE, fd))
-        ops.append(uring.Op(uring.OP_RENAMEAT, self._dir, ctypes.addressof(tmp), self._dir & 0xFFFFFFFF,
-                            ctypes.addressof(fin)))
-        results = await self.engine.chain(ops, (tmp, fin, self._slots, self._pool))
-        expect = [HEADER_BYTES, self._page_bytes] + [0] * (len(ops) - 2)
-        if results == expect:
+        ops: list[uring.SqeFields] = []
+        created = fd is None
+        if created:
+            # A fresh O_EXCL|O_NOFOLLOW create can only make a new regular file of ours with one
+            # link, so it needs no fstat check: open, write, close and rename go in one chain,
+            # through the I/O slot's fixed-file entry (the fd does not exist before the chain runs).
+            # No O_CLOEXEC: the kernel refuses it for a fixed-file slot (which no exec can inherit anyway).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+            ops.append(uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(tmp), 0o600, 0, flags, file_index=slot + 1))
+            ops += self._transfer(True, slot, True, slot, page)
+            if sync:
+                ops.append(uring.sqe(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
+            ops.append(uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1))
+        else:
+            assert fd is not None
+            ops += self._transfer(True, fd, False, slot, page)
+            if sync:
+                ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
+            ops.append(uring.sqe(uring.OP_CLOSE, fd))
+        ops.append(uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF,
+                             ctypes.addressof(fin)))
+        results = await self._submit(ops, (tmp, fin, self._slots, self._pool))
+        if not any(res < 0 for res in results) and self._written(ops, results):
             return
-        if results[-2] == -errno.ECANCELED:
-            await self._close_quiet(fd)
-        await self._unlink_quiet(temp)
-        raise _chain_error(results, expect)
+        first = results[0] if created else 0
+        if created and first < 0:
+            if first == -errno.EEXIST:
+                raise _planted_temp(temp)
+            raise classify_open_error(OSError(-first, os.strerror(-first)), temp)
+        close_at = len(ops) - 2
+        if results[close_at] == -errno.ECANCELED:  # the chain broke before its CLOSE
+            if created:
+                with contextlib.suppress(OSError):
+                    await self._submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
+            else:
+                assert fd is not None
+                await self._close_quiet(fd)
+        await self._unlink_quiet(dir_fd, temp)
+        raise _chain_error(results[1:] if created else results, self._expect(ops[1:] if created else ops))
 
-    async def load(self, name: str, slot: int, page: int) -> int:
-        fd = await self._open(name, os.O_RDONLY, 0, write=False)
-        ops = [*self._transfer(False, fd, slot, page), uring.Op(uring.OP_CLOSE, fd)]
-        results = await self.engine.chain(ops, (self._slots, self._pool))
-        if results[2] == -errno.ECANCELED:
+    def _expect(self, ops: list[uring.SqeFields]) -> list[int]:
+        # What each op of a write chain returns when it succeeds: bytes for transfers, else 0.
+        want = []
+        for op in ops:
+            if op[0] in (uring.OP_WRITEV, uring.OP_READV):
+                want.append(HEADER_BYTES + self._page_bytes)
+            elif op[0] in (uring.OP_WRITE_FIXED, uring.OP_READ_FIXED):
+                want.append(op[6])
+            else:
+                want.append(0)
+        return want
+
+    def _written(self, ops: list[uring.SqeFields], results: list[int]) -> bool:
+        start = 1 if ops[0][0] == uring.OP_OPENAT else 0
+        return results[start:] == self._expect(ops[start:])
+
+    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
+        fd = await self._open(dir_fd, name, os.O_RDONLY, 0, write=False)
+        ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
+        results = await self._submit(ops, (self._slots, self._pool))
+        if results[-1] == -errno.ECANCELED:
             await self._close_quiet(fd)
         got = 0
-        for res in results[:2]:
+        for res in results[:-1]:
             if res == -errno.ECANCELED:
                 break  # a short read broke the chain: the file is truncated
             if res < 0:
@@ -337,8 +403,8 @@ class UringPageIO:
             got += res
         return got
 
-    async def unlink(self, name: str) -> None:
-        await self.engine.unlinkat(name.encode(), dir_fd=self._dir)
+    async def unlink(self, dir_fd: int, name: str) -> None:
+        await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
 
     async def aclose(self) -> None:
         if self._registering is not None:
@@ -353,12 +419,11 @@ class ThreadPageIO:
 
     kind = DiskBackend.THREADS
 
-    def __init__(self, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int, dir_fd: int) -> None:
+    def __init__(self, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int) -> None:
         self.direct = direct
         self.faults = FaultPlan()
         self._pool = pool
         self._slots = slots
-        self._dir = dir_fd
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="aiokv-disk")
         self._jobs: set[asyncio.Future[object]] = set()
 
@@ -375,29 +440,29 @@ class ThreadPageIO:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
         return await asyncio.shield(job)
 
-    def _open(self, name: str, flags: int, write: bool) -> int:
+    def _open(self, dir_fd: int, name: str, flags: int, write: bool) -> int:
         self._fault(IOOp.OPEN)
-        return open_page_file(name, flags, self._dir, write, self.direct)
+        return open_page_file(name, flags, dir_fd, write, self.direct)
 
-    def _take_over(self, victim: str, temp: str) -> int:
-        fd = self._open(victim, os.O_WRONLY, write=True)
+    def _take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
+        fd = self._open(victim_dir, victim, os.O_WRONLY, write=True)
         try:
             self._fault(IOOp.RENAME)
-            os.rename(victim, temp, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            os.rename(victim, temp, src_dir_fd=victim_dir, dst_dir_fd=temp_dir)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    def _publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+    def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
         if fd is None:
             try:
-                fd = self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True)
+                fd = self._open(dir_fd, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True)
             except OSError as exc:
                 if exc.errno == errno.EEXIST:
                     raise _planted_temp(temp) from None
                 with contextlib.suppress(OSError):
-                    os.unlink(temp, dir_fd=self._dir)
+                    os.unlink(temp, dir_fd=dir_fd)
                 raise
         try:
             self._fault(IOOp.WRITE)
@@ -412,41 +477,42 @@ class ThreadPageIO:
             os.close(fd)
             fd = -1
             self._fault(IOOp.RENAME)
-            os.rename(temp, final, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            os.rename(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=self._dir)
+                os.unlink(temp, dir_fd=dir_fd)
             raise
 
-    def _load(self, name: str, slot: int, page: int) -> int:
-        fd = self._open(name, os.O_RDONLY, write=False)
+    def _load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
+        fd = self._open(dir_fd, name, os.O_RDONLY, write=False)
         try:
             self._fault(IOOp.READ)
             return os.preadv(fd, [self._slots.views[slot], self._pool.memory.page_view(page)], 0)
         finally:
             os.close(fd)
 
-    def _unlink(self, name: str) -> None:
+    def _unlink(self, dir_fd: int, name: str) -> None:
         self._fault(IOOp.UNLINK)
-        os.unlink(name, dir_fd=self._dir)
+        os.unlink(name, dir_fd=dir_fd)
 
-    async def take_over(self, victim: str, temp: str) -> int:
-        result = await self._run(self._take_over, victim, temp)
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
+        result = await self._run(self._take_over, victim_dir, victim, temp_dir, temp)
         assert isinstance(result, int)
         return result
 
-    async def publish(self, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
-        await self._run(self._publish, temp, final, slot, page, sync, fd)
+    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None) -> None:
+        await self._run(self._publish, dir_fd, temp, final, slot, page, sync, fd)
 
-    async def load(self, name: str, slot: int, page: int) -> int:
-        result = await self._run(self._load, name, slot, page)
+    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
+        result = await self._run(self._load, dir_fd, name, slot, page)
         assert isinstance(result, int)
         return result
 
-    async def unlink(self, name: str) -> None:
-        await self._run(self._unlink, name)
+    async def unlink(self, dir_fd: int, name: str) -> None:
+        await self._run(self._unlink, dir_fd, name)
 
     async def aclose(self) -> None:
         while self._jobs:
@@ -454,26 +520,31 @@ class ThreadPageIO:
         self._executor.shutdown(wait=False)
 
 
-async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, direct: bool,
-                       dir_fd: int) -> PageIO:
-    """The backend ``config`` asks for, working in the directory ``dir_fd``; AUTO falls back step
-    by step with one warning each."""
+async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, direct: bool) -> PageIO:
+    """The backend ``config`` asks for; AUTO falls back step by step with one warning each."""
     want = config.backend
     if want is DiskBackend.THREADS:
-        return ThreadPageIO(pool, slots, direct, config.threads, dir_fd)
+        return ThreadPageIO(pool, slots, direct, config.threads)
     try:
         # Room for every I/O slot's SQEs at once.
         engine = uring.UringEngine.open(max(config.ring_entries, CHAIN_MAX * config.queue_depth))
+        try:
+            # One fixed-file entry per I/O slot: a new page file is opened, written, closed and
+            # renamed in one chain (kernel >= 5.15).
+            engine.register_files(config.queue_depth)
+        except BaseException:
+            await engine.aclose()
+            raise
     except OSError as exc:
         if want is not DiskBackend.AUTO:
             raise
         log.warning("disk tier: io_uring refused (%s); using the thread-pool backend", exc)
-        return ThreadPageIO(pool, slots, direct, config.threads, dir_fd)
+        return ThreadPageIO(pool, slots, direct, config.threads)
     try:
         if want is DiskBackend.URING_FIXED:
             # Forced: registration must work (or the tier does not start), so wait for it.
-            return UringPageIO(engine, pool, slots, direct, await register_pool(engine, pool, slots), dir_fd)
-        io = UringPageIO(engine, pool, slots, direct, None, dir_fd)
+            return UringPageIO(engine, pool, slots, direct, await register_pool(engine, pool, slots))
+        io = UringPageIO(engine, pool, slots, direct, None)
         if want is DiskBackend.AUTO:
             # Registering pins (faults in) the whole pool: ~1 s/GiB of untouched memory, a minute
             # for a large pool. Serve with unregistered buffers meanwhile; switch when it is done.

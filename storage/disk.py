@@ -22,12 +22,13 @@ write, or another cache holding the directory's lock) serves and verifies reads,
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from aiokv.faults import FaultLog
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
@@ -35,7 +36,9 @@ from aiokv.pool import PagePool
 
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_key, check_ready, check_reserved
-from .config import DiskBackend, DiskConfig, DiskStatistics, FaultCounter, ReadOnly
+from .checksum import Checksums
+from .config import DiskBackend, DiskConfig, DiskStatistics, ReadOnly
+from .faults import DiskFaults
 from .index import PageIndex
 from .layoutdir import Prepared, free_space, prepare
 from .pagefile import (
@@ -44,7 +47,6 @@ from .pagefile import (
     file_bytes,
     pack_header,
     parse_header,
-    payload_checksum,
 )
 from .safefiles import UnsafeDirectoryError, UnsafeFileError
 from .writebehind import WriteBehind
@@ -58,9 +60,12 @@ class DiskTier:
 
     Construction is cheap; :meth:`start` (or ``async with``) opens the backend and rebuilds the
     index. Close the tier before the pool: registered buffers pin the pool's memory.
+
+    ``faults``: where I/O faults are counted (kinds ``disk_enospc``, ``disk_eio``, ...); the cache
+    manager passes its own log so each fault is counted once; None: a log of the tier's own.
     """
 
-    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool) -> None:
+    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool, faults: FaultLog | None = None) -> None:
         if not isinstance(config, DiskConfig):
             raise TypeError(f"config must be a DiskConfig, got {type(config).__name__}")
         if not isinstance(layout, KVLayout):
@@ -69,6 +74,8 @@ class DiskTier:
             raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
         if pool.layout != layout:
             raise ValueError(f"pool layout ({pool.layout.describe()}) differs from {layout.describe()}")
+        if faults is not None and not isinstance(faults, FaultLog):
+            raise TypeError(f"faults must be a FaultLog or None, got {type(faults).__name__}")
         self.config = config
         self.layout = layout
         self.pool = pool
@@ -77,7 +84,8 @@ class DiskTier:
         self._io: PageIO | None = None
         self._slots: HeaderSlots | None = None
         self._free_slots: list[int] = list(range(config.queue_depth))
-        self._slot_sem: asyncio.Semaphore | None = None
+        self._slot_waiters: collections.deque[asyncio.Future[int]] = collections.deque()
+        self._checksums: Checksums | None = None
         self._index = PageIndex(self._file_bytes, config.capacity_bytes, config.min_free_bytes)
         self._writing: dict[PageKey, asyncio.Future[bool]] = {}
         self._delete_after_write: set[PageKey] = set()
@@ -88,7 +96,8 @@ class DiskTier:
         self._queue: WriteBehind | None = None
         self._accepting = False
         self._close_task: asyncio.Task[None] | None = None
-        self._faults = FaultCounter()
+        self._faults = DiskFaults(faults)
+        self._corrupt_logged = False
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._hits = self._misses = self._corrupt = self._dropped = 0
         self._temp_removed = self._skipped = self._writes_refused = 0
@@ -119,7 +128,7 @@ class DiskTier:
             direct = self._choose_direct(prepared.direct)
             slots = HeaderSlots(self.config.queue_depth)
             try:
-                self._io = await open_backend(self.config, self.pool, slots, direct, prepared.dir_fd)
+                self._io = await open_backend(self.config, self.pool, slots, direct)
             except BaseException:
                 slots.close()
                 raise
@@ -128,7 +137,7 @@ class DiskTier:
             raise
         self._dir = prepared
         self._slots = slots
-        self._slot_sem = asyncio.Semaphore(self.config.queue_depth)
+        self._checksums = Checksums()
         for fault, what in prepared.faults:
             self._faults.count(fault, what)
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
@@ -183,6 +192,8 @@ class DiskTier:
             await asyncio.wait(set(self._jobs))
         if self._io is not None:
             await self._io.aclose()
+        if self._checksums is not None:
+            await self._checksums.aclose()
         if self._slots is not None:
             self._slots.close()
         if self._dir is not None:
@@ -303,20 +314,36 @@ class DiskTier:
 
     async def _publish(self, key: PageKey, ref: PageHandle, victim: PageKey | None) -> None:
         page = self.pool.table.check(ref)
-        temp = self.files.temp_rel(key)
-        async with self._slot() as slot:
+        dir_fd, final = self._where(key)
+        temp = self.files.temp_name(key)
+        slot = await self._take_slot()
+        try:
             assert self._slots is not None
             assert self._io is not None
-            fd = None if victim is None else await self._take_over(victim, temp)
+            assert self._checksums is not None
             view = self.pool.memory.page_view(page)
-            pack_header(self._slots.views[slot], self.layout, key, payload_checksum(view[: self.layout.payload_bytes]))
-            await self._io.publish(temp, self.files.rel(key), slot, page, self.config.sync_writes, fd)
+            checksum = await self._checksums.checksum(view[: self.layout.payload_bytes])
+            pack_header(self._slots.views[slot], self.layout, key, checksum)
+            fd = None if victim is None else await self._take_over(victim, dir_fd, temp)
+            await self._io.publish(dir_fd, temp, final, slot, page, self.config.sync_writes, fd)
+        finally:
+            self._give_slot(slot)
 
-    async def _take_over(self, victim: PageKey, temp: str) -> int | None:
+    def _where(self, key: PageKey) -> tuple[int, str]:
+        """The directory descriptor and name of ``key``'s page file: its fan-out directory's, or the
+        layout directory's (with the fan-out prefix) where that could not be opened at start."""
+        assert self._dir is not None
+        fanout = self._dir.fanout[key[0]]
+        if fanout >= 0:
+            return fanout, self.files.name(key)
+        return self._dir.dir_fd, self.files.rel(key)
+
+    async def _take_over(self, victim: PageKey, temp_dir: int, temp: str) -> int | None:
         """Rename the evicted ``victim``'s file to ``temp`` for overwriting; its fd, or None when it is
         gone or is not our page file (then ``temp`` is created instead)."""
         assert self._io is not None
-        move = self._spawn(self._io.take_over(self.files.rel(victim), temp))
+        victim_dir, victim_name = self._where(victim)
+        move = self._spawn(self._io.take_over(victim_dir, victim_name, temp_dir, temp))
         self._moving[victim] = move  # a new write of ``victim`` waits for this rename
         await asyncio.wait({move})
         if self._moving.get(victim) is move:
@@ -362,41 +389,43 @@ class DiskTier:
 
     async def _read_job(self, key: PageKey, page: int, generation: int) -> bool:
         ok = False
+        slot = -1
         try:
-            async with self._slot() as slot:
-                assert self._slots is not None
-                assert self._io is not None
-                self._reads += 1
-                readers = self._index.readers
-                readers[key] += 1
-                try:
-                    got = await self._io.load(self.files.rel(key), slot, page)
-                except FileNotFoundError:
-                    self._forget(key, generation)  # removed behind our back
-                    return False
-                except UnsafeFileError as exc:  # planted: nothing was read through it
-                    self._faults.count(exc, "read")
-                    if self._index.generation(key) == generation:
-                        self._drop(key)
-                    return False
-                finally:
-                    readers[key] -= 1
-                    if not readers[key]:
-                        del readers[key]
-                if got != self._file_bytes:
-                    self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
-                    return False
-                header = parse_header(self._slots.views[slot], self.layout, key)
-                if not isinstance(header, PageHeader):
-                    self._reject(key, generation, header.value)
-                    return False
-                view = self.pool.memory.page_view(page)
-                if payload_checksum(view[: self.layout.payload_bytes]) != header.checksum:
-                    self._reject(key, generation, "payload checksum mismatch")
-                    return False
-                self._bytes_read += got
-                ok = True
-                return True
+            slot = await self._take_slot()
+            assert self._slots is not None
+            assert self._io is not None
+            assert self._checksums is not None
+            self._reads += 1
+            readers = self._index.readers
+            readers[key] += 1
+            try:
+                got = await self._io.load(*self._where(key), slot, page)
+            except FileNotFoundError:
+                self._forget(key, generation)  # removed behind our back
+                return False
+            except UnsafeFileError as exc:  # planted: nothing was read through it
+                self._faults.count(exc, "read")
+                if self._index.generation(key) == generation:
+                    self._drop(key)
+                return False
+            finally:
+                readers[key] -= 1
+                if not readers[key]:
+                    del readers[key]
+            if got != self._file_bytes:
+                self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
+                return False
+            header = parse_header(self._slots.views[slot], self.layout, key)
+            if not isinstance(header, PageHeader):
+                self._reject(key, generation, header.value)
+                return False
+            view = self.pool.memory.page_view(page)
+            if await self._checksums.checksum(view[: self.layout.payload_bytes]) != header.checksum:
+                self._reject(key, generation, "payload checksum mismatch")
+                return False
+            self._bytes_read += got
+            ok = True
+            return True
         except OSError as exc:
             self._faults.count(exc, "read")
             return False
@@ -404,6 +433,8 @@ class DiskTier:
             self._faults.unexpected("read")
             return False
         finally:
+            if slot >= 0:
+                self._give_slot(slot)
             if ok:
                 self._hits += 1
             else:
@@ -501,17 +532,32 @@ class DiskTier:
         task.add_done_callback(self._jobs.discard)
         return task
 
-    @asynccontextmanager
-    async def _slot(self) -> AsyncIterator[int]:
-        assert self._slot_sem is not None
-        async with self._slot_sem:
-            slot = self._free_slots.pop()
+    async def _take_slot(self) -> int:
+        """An I/O slot (header buffer, iovec, fixed-file entry): at once when one is free, else in
+        FIFO order. Give it back with :meth:`_give_slot`."""
+        if self._free_slots and not self._slot_waiters:
             self._in_flight += 1
-            try:
-                yield slot
-            finally:
-                self._in_flight -= 1
-                self._free_slots.append(slot)
+            return self._free_slots.pop()
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            slot = await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._in_flight += 1
+                self._give_slot(waiter.result())  # handed over just as we were cancelled
+            raise
+        self._in_flight += 1
+        return slot
+
+    def _give_slot(self, slot: int) -> None:
+        self._in_flight -= 1
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
+        self._free_slots.append(slot)
 
     def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
         """Unlink the files of keys evicted from the index (nothing when read-only)."""
@@ -552,7 +598,8 @@ class DiskTier:
 
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         self._corrupt += 1
-        if self._faults.first("corrupt"):
+        if not self._corrupt_logged:
+            self._corrupt_logged = True
             log.warning("disk tier: refusing page file %s: %s (deleted; further ones counted only)",
                         self.files.path(key), why)
         if self._index.generation(key) == generation:
@@ -573,7 +620,7 @@ class DiskTier:
                 if previous is not None:
                     await asyncio.wait({previous})
                 assert self._io is not None
-                await self._io.unlink(self.files.rel(key))
+                await self._io.unlink(*self._where(key))
             except FileNotFoundError:
                 pass
             except OSError as exc:

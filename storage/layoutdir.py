@@ -79,11 +79,16 @@ class Prepared:
     """Fan-out directories and files that could not be examined."""
     faults: list[tuple[OSError, str]] = field(default_factory=list)
     """Faults met, with what was being done: the tier counts them."""
+    fanout: list[int] = field(default_factory=lambda: [-1] * FANOUT)
+    """Checked descriptors of the fan-out directories (-1: absent or unreadable at start): page
+    files are opened, renamed and unlinked relative to them, so no operation walks a path (after a
+    cache drop every walk through the fan-out directory was a lookup of its own)."""
 
     def close(self) -> None:
-        for fd in (self.lock_fd, self.dir_fd):
+        for fd in (*self.fanout, self.lock_fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
+        self.fanout = [-1] * FANOUT
         self.lock_fd = None
         self.dir_fd = -1
 
@@ -117,14 +122,20 @@ def _prepare_layout(dir_fd: int, shown: Path) -> Prepared:
         if read_only is None and not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd, effective_ids=True):
             read_only = ReadOnly.NOT_WRITABLE
         state = Prepared(dir_fd, lock_fd, read_only, None, space, faults=faults)
+    except BaseException:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        raise
+    try:
         for i in range(FANOUT):
-            _scan_fanout(state, f"{i:02x}", shown)
+            _scan_fanout(state, i, shown)
         state.found.sort()
         state.direct = _probe_direct(state)
         return state
     except BaseException:
-        if lock_fd is not None:
-            os.close(lock_fd)
+        for fd in (*state.fanout, lock_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
         raise
 
 
@@ -213,8 +224,10 @@ def _refuse_planted(exc: OSError, name: Path) -> None:
                                    f"{name.parent}") from None
 
 
-def _scan_fanout(state: Prepared, name: str, layout_dir: Path) -> None:
-    """Index one fan-out directory; what cannot be read is skipped and recorded, never fatal."""
+def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
+    """Index one fan-out directory and keep its descriptor; what cannot be read is skipped and
+    recorded, never fatal."""
+    name = f"{index:02x}"
     shown = layout_dir / name
     try:
         fd = _sub_dir(state.dir_fd, name, shown, create=state.read_only is None)
@@ -256,8 +269,9 @@ def _scan_fanout(state: Prepared, name: str, layout_dir: Path) -> None:
     except OSError as exc:
         state.skipped += 1
         state.faults.append((exc, f"reading {shown}"))
-    finally:
-        os.close(fd)
+        os.close(fd)  # unreadable: its pages are served through the layout directory, or not at all
+        return
+    state.fanout[index] = fd
 
 
 def _remove_temp(state: Prepared, fd: int, name: str, shown: Path) -> None:

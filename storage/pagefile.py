@@ -123,6 +123,14 @@ class PageFiles:
         self.root = root
         self.layout_dir = root / layout.fingerprint.hex()
 
+    def name(self, key: PageKey) -> str:
+        """``<key hex>``: the final name relative to the fan-out directory ``key[0]``."""
+        return key.hex()
+
+    def temp_name(self, key: PageKey) -> str:
+        """A fresh temporary name for ``key``, relative to its fan-out directory."""
+        return f"{TEMP_PREFIX}{key.hex()}-{os.urandom(6).hex()}"
+
     def rel(self, key: PageKey) -> str:
         """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
         name = key.hex()

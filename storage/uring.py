@@ -64,6 +64,8 @@ IOSQE_IO_LINK = 1 << 2
 AT_FDCWD = -100
 
 OP_NOP = 0
+OP_READV = 1
+OP_WRITEV = 2
 OP_FSYNC = 3
 OP_READ_FIXED = 4
 OP_WRITE_FIXED = 5
@@ -109,7 +111,9 @@ class _Params(ctypes.Structure):
                 ("sq_off", _SqOff), ("cq_off", _CqOff)]
 
 
-class _IoVec(ctypes.Structure):
+class IoVec(ctypes.Structure):
+    """``struct iovec``."""
+
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
@@ -171,13 +175,28 @@ class Op:
     """``fd`` is a slot of the registered file table."""
 
 
-class _Request:
-    __slots__ = ("future", "injected", "keep", "ops", "pending", "results", "single")
+SqeFields = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int]
+"""An SQE as packed, ``user_data`` (index 8) left 0: see :func:`sqe`."""
 
-    def __init__(self, ops: list[tuple[int, ...]], future: asyncio.Future[Any], keep: object,
-                 injected: list[int | None], single: bool) -> None:
+ChainDone = Callable[[list[int]], None]
+"""Called on the loop with every op's raw result once a chain completed (see :meth:`UringEngine.submit`)."""
+
+
+def sqe(opcode: int, fd: int = -1, addr: int = 0, length: int = 0, off: int = 0, op_flags: int = 0,
+        buf_index: int = 0, file_index: int = 0, fixed_file: bool = False) -> SqeFields:
+    """The fields of one SQE (same meaning as :class:`Op`), cheap to build on the hot path."""
+    return (opcode, IOSQE_FIXED_FILE if fixed_file else 0, 0, fd, off, addr, length, op_flags, 0,
+            buf_index, 0, file_index, 0, 0)
+
+
+class _Request:
+    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "results", "single")
+
+    def __init__(self, ops: list[SqeFields], future: asyncio.Future[Any] | None, callback: ChainDone | None,
+                 keep: object, injected: list[int | None] | None, single: bool) -> None:
         self.ops = ops
         self.future = future
+        self.callback = callback
         self.keep = keep  # buffers and paths the kernel uses: alive until the last CQE arrives
         self.injected = injected
         self.single = single
@@ -281,7 +300,7 @@ class UringEngine:
                 flat.append(regions[-1])
                 offset += size
             out.append(regions)
-        iovs = (_IoVec * len(flat))(*[_IoVec(r.address, r.length) for r in flat])
+        iovs = (IoVec * len(flat))(*[IoVec(r.address, r.length) for r in flat])
         io_uring_register(self._fd, IORING_REGISTER_BUFFERS, ctypes.cast(iovs, ctypes.c_void_p), len(flat))
         return out
 
@@ -310,7 +329,7 @@ class UringEngine:
     def update_buffer(self, region: Region) -> None:
         """Register ``region`` in its slot of a sparse table. The kernel holds the ring's lock while
         it pins the pages: fault them in first and keep regions small. Raises ``OSError``."""
-        iov = _IoVec(region.address, region.length)
+        iov = IoVec(region.address, region.length)
         arg = _RsrcUpdate2(region.index, 0, ctypes.addressof(iov), 0, 1, 0)
         io_uring_register(self._fd, IORING_REGISTER_BUFFERS_UPDATE, ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p),
                           ctypes.sizeof(arg))
@@ -324,48 +343,64 @@ class UringEngine:
 
     def _start(self, opcode: int, fd: int, addr: int, length: int, off: int, op_flags: int,
                buf_index: int, keep: object) -> asyncio.Future[int]:
-        return self._enqueue([Op(opcode, fd, addr, length, off, op_flags, buf_index)], keep, True)
+        future: asyncio.Future[int] = self._loop.create_future()
+        self._enqueue([sqe(opcode, fd, addr, length, off, op_flags, buf_index)], keep, future, None, True)
+        return future
 
     def chain(self, ops: Sequence[Op], keep: object) -> asyncio.Future[list[int]]:
         """Submit ``ops`` as one linked chain (IOSQE_IO_LINK): each starts when the previous one
         succeeded; after a failure (or a short read/write) the rest complete with -ECANCELED.
         One future for the whole chain, resolved with every op's raw result (negative errno on
         failure) once all of them completed. ``keep`` stays referenced until then."""
+        future: asyncio.Future[list[int]] = self._loop.create_future()
+        fields = [sqe(op.opcode, op.fd, op.addr, op.length, op.off, op.op_flags, op.buf_index, op.file_index,
+                      op.fixed_file) for op in ops]
+        self.submit(fields, keep, None, future)
+        return future
+
+    def submit(self, ops: list[SqeFields], keep: object, callback: ChainDone | None,
+               future: asyncio.Future[list[int]] | None = None) -> None:
+        """As :meth:`chain`, without a future per chain: ``callback(results)`` runs on the loop from
+        the completion drain (all chains completed by one eventfd wake-up are handled in one
+        callback). Build ``ops`` with :func:`sqe`. ``callback`` must not raise (a bug: logged)."""
         if not 0 < len(ops) <= self.sq_entries:
             raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {len(ops)}")
-        return self._enqueue(ops, keep, False)
+        self._enqueue(ops, keep, future, callback, False)
 
-    def _enqueue(self, ops: Sequence[Op], keep: object, single: bool) -> asyncio.Future[Any]:
+    def _enqueue(self, ops: list[SqeFields], keep: object, future: asyncio.Future[Any] | None,
+                 callback: ChainDone | None, single: bool) -> None:
         if self._closed:
             raise RuntimeError("io_uring engine is closed")
-        future: asyncio.Future[Any] = self._loop.create_future()
-        fields: list[tuple[int, ...]] = []
-        injected: list[int | None] = []
-        last = len(ops) - 1
-        broken = False
-        for i, op in enumerate(ops):
-            # Ops after an injected failure never run (ECANCELED), so they take no injection either.
-            err = None if self.fault_hook is None or broken else self.fault_hook(op.opcode)
-            injected.append(err)
-            if err is not None:
-                broken = True
-                op = Op(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
-            flags = (IOSQE_IO_LINK if i < last else 0) | (IOSQE_FIXED_FILE if op.fixed_file else 0)
-            fields.append((op.opcode, flags, 0, op.fd, op.off, op.addr, op.length, op.op_flags, 0,
-                           op.buf_index, 0, op.file_index, 0, 0))
-        request = _Request(fields, future, keep, injected, single)
+        injected: list[int | None] | None = None
+        fields = ops
+        if self.fault_hook is not None:
+            injected = []
+            fields = []
+            broken = False
+            for op in ops:
+                # Ops after an injected failure never run (ECANCELED), so they take no injection either.
+                err = None if broken else self.fault_hook(op[0])
+                injected.append(err)
+                if err is not None:
+                    broken = True
+                    op = sqe(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
+                fields.append(op)
+        request = _Request(fields, future, callback, keep, injected, single)
         if len(self._inflight) + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
             self._waiting.append(request)
-        return future
 
     def _prepare(self, request: _Request) -> None:
         # A chain's SQEs go into the ring together: a submit never splits them.
+        last = len(request.ops) - 1
         for index, fields in enumerate(request.ops):
             user_data = self._next_id
             self._next_id += 1
-            _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, *fields[:8], user_data, *fields[9:])
+            # Every op but the last is linked to the next one.
+            flags = fields[1] | IOSQE_IO_LINK if index < last else fields[1]
+            _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, fields[0], flags, *fields[2:8], user_data,
+                           *fields[9:])
             self._tail = (self._tail + 1) & 0xFFFFFFFF
             self._inflight[user_data] = (request, index)
             self._prepared += 1
@@ -439,13 +474,19 @@ class UringEngine:
         if entry is None:
             return
         request, index = entry
-        injected = request.injected[index]
+        injected = None if request.injected is None else request.injected[index]
         request.results[index] = res if injected is None else injected
         request.pending -= 1
         if request.pending:
             return
+        if request.callback is not None:
+            try:
+                request.callback(request.results)
+            except Exception:
+                log.exception("io_uring completion callback failed")
+            return
         future = request.future
-        if future.done():
+        if future is None or future.done():
             return  # a cancelled caller's result is discarded
         if not request.single:
             future.set_result(request.results)

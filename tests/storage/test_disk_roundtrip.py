@@ -259,11 +259,11 @@ async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBa
         gate, entered = asyncio.Event(), asyncio.Event()
         real_load = tier.backend.load
 
-        async def gated_load(path: str, slot: int, page: int) -> int:
-            if path == tier.files.rel(key_of(1)):
+        async def gated_load(dir_fd: int, name: str, slot: int, page: int) -> int:
+            if name == tier.files.name(key_of(1)):
                 entered.set()
                 await gate.wait()
-            return await real_load(path, slot, page)
+            return await real_load(dir_fd, name, slot, page)
 
         monkeypatch.setattr(tier.backend, "load", gated_load)
         into1 = reserve(pool, key_of(101))
