@@ -1,25 +1,57 @@
 """An asyncio event loop on a thread of its own, for engines that call synchronously from theirs.
 
-The engine's threads hand coroutines over with :meth:`LoopThread.submit` (never blocks: one
-``call_soon_threadsafe``) and either poll the returned future or wait on it (:meth:`LoopThread.run`).
+Two ways to hand work over:
+
+- :meth:`LoopThread.post` / :meth:`~LoopThread.post_call` queue it without waking the loop: a
+  ``deque`` append, no system call, so the engine's thread never lets go of the GIL. A waking
+  hand-over (``call_soon_threadsafe`` writes to the loop's self-pipe) releases the GIL for that
+  write, and the loop thread, woken by it, may take the GIL first and run its Python for up to the
+  switch interval before the engine's thread gets it back: that was the longest call into vLLM's
+  tier. The loop picks queued work up itself: it polls every ``poll_s`` while it has posted work
+  running or had some within ``linger_s``, then parks; :meth:`~LoopThread.wake` (one system call,
+  only while parked with work queued) is for the engine's once-per-step hook and for blocking calls.
+- :meth:`~LoopThread.submit` / :meth:`~LoopThread.call` / :meth:`~LoopThread.run` wake the loop
+  at once and return a ``concurrent.futures.Future`` (for calls that wait anyway).
+
 All aiokv state (the disk tier, its io_uring) lives on the loop and is touched only there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
+_Posted = Coroutine[Any, Any, object] | Callable[[], object]
+
 
 class LoopThread:
-    """A daemon thread running one event loop until :meth:`close`."""
+    """A daemon thread running one event loop until :meth:`close`.
 
-    def __init__(self, name: str) -> None:
+    ``poll_s``: how often the loop picks up posted work while busy, seconds. ``linger_s``: how
+    long it keeps polling after its last posted work ended before it parks, seconds.
+    """
+
+    def __init__(self, name: str, poll_s: float = 0.001, linger_s: float = 0.05) -> None:
+        if not poll_s > 0 or not linger_s >= 0:
+            raise ValueError(f"poll_s must be > 0 and linger_s >= 0, got {poll_s}, {linger_s}")
+        self._poll_s = poll_s
+        self._linger_s = linger_s
+        self._inbox: collections.deque[_Posted] = collections.deque()
+        # Read by the engine's threads, written by the loop (and by wake()); see _park.
+        self._parked = True
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._last_work = 0.0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -45,15 +77,106 @@ class LoopThread:
         """The loop (use only from coroutines running on it)."""
         return self._loop
 
+    # -- non-waking hand-over -------------------------------------------------------------------
+
+    def post(self, work: Coroutine[Any, Any, object]) -> None:
+        """Queue the coroutine ``work``; the loop starts it as a task at its next poll. Never
+        blocks, makes no system call. ``work`` must handle its own errors (an escaping exception is
+        logged). Raises ``RuntimeError`` once closed (``work`` is closed unstarted)."""
+        if self._closed:
+            work.close()
+            raise RuntimeError("loop thread is closed")
+        self._inbox.append(work)
+
+    def post_call(self, fn: Callable[[], object]) -> None:
+        """Queue the plain function ``fn`` for the loop's next poll (as :meth:`post`)."""
+        if self._closed:
+            raise RuntimeError("loop thread is closed")
+        self._inbox.append(fn)
+
+    @property
+    def parked(self) -> bool:
+        """True while the loop does not poll: posted work waits for :meth:`wake`."""
+        return self._parked
+
+    def pending(self) -> int:
+        """Posted items the loop has not picked up yet."""
+        return len(self._inbox)
+
+    def wake(self) -> None:
+        """Make a parked loop poll now if work is queued (one system call); else nothing."""
+        if self._parked and self._inbox and not self._closed:
+            self._parked = False
+            self._loop.call_soon_threadsafe(self._poll)
+
+    def quiesce(self, timeout: float | None = None) -> None:
+        """Block until everything posted so far has run and every posted coroutine finished
+        (from any thread but the loop's). Raises ``TimeoutError`` after ``timeout`` seconds."""
+        self.run(self._quiesce(), timeout)
+
+    async def _quiesce(self) -> None:
+        self._take_inbox()
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+            self._take_inbox()
+
+    def _take_inbox(self) -> bool:
+        took = False
+        while True:
+            try:
+                work = self._inbox.popleft()
+            except IndexError:
+                return took
+            took = True
+            if callable(work):
+                try:
+                    work()
+                except Exception:
+                    log.exception("aiokv loop: posted call raised")
+                continue
+            task: asyncio.Task[object] = self._loop.create_task(work)
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        self._last_work = time.monotonic()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("aiokv loop: posted coroutine raised", exc_info=task.exception())
+
+    def _poll(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        now = time.monotonic()
+        if self._take_inbox() or self._tasks:
+            self._last_work = now
+        if now - self._last_work < self._linger_s or self._tasks:
+            self._timer = self._loop.call_later(self._poll_s, self._poll)
+            return
+        self._park()
+
+    def _park(self) -> None:
+        # Publish "parked" before the last look at the inbox: an engine thread appends, then reads
+        # the flag (wake). With the GIL ordering the four steps, either its read sees True (and it
+        # wakes the loop) or this look sees its item (and the loop keeps polling).
+        self._parked = True
+        if self._inbox:
+            self._parked = False
+            self._timer = self._loop.call_later(self._poll_s, self._poll)
+
+    # -- waking hand-over -----------------------------------------------------------------------
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; returns at once. Raises ``RuntimeError`` once closed."""
+        """Schedule ``coro`` on the loop now (wakes it); returns at once. Raises ``RuntimeError`` once closed."""
         if self._closed:
             coro.close()
             raise RuntimeError("loop thread is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run the plain function ``fn`` on the loop; returns at once. Raises ``RuntimeError`` once closed."""
+        """Run the plain function ``fn`` on the loop now (wakes it); returns at once. Raises
+        ``RuntimeError`` once closed."""
         if self._closed:
             raise RuntimeError("loop thread is closed")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -77,9 +200,14 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def close(self) -> None:
-        """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled."""
+        """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
+        posted work never picked up is dropped (coroutines closed unstarted)."""
         if self._closed:
             return
         self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        while self._inbox:
+            work = self._inbox.popleft()
+            if not callable(work):
+                work.close()

@@ -68,6 +68,11 @@ class StoreConfig:
     """Page I/Os in flight at once."""
     staging_pages: int = 0
     """Pages of the staging pool (also the bound on pages being copied or moved); 0: 2 x queue_depth."""
+    poll_s: float = 0.001
+    """While the store is busy, how often its loop picks up work an engine posted, seconds."""
+    linger_s: float = 0.05
+    """How long the loop keeps polling after its last posted work, seconds; then it parks and the
+    engine's next hand-over wakes it (one system call)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -82,6 +87,12 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
+        for name in ("poll_s", "linger_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not self.poll_s > 0 or not self.linger_s >= 0:
+            raise ValueError(f"poll_s must be > 0 and linger_s >= 0, got {self.poll_s}, {self.linger_s}")
 
     @property
     def pages_in_staging(self) -> int:
@@ -92,9 +103,10 @@ class StoreConfig:
     def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
-        ``queue_depth``, ``staging_pages``. Unknown names raise ``ValueError`` (a typo must not pass
-        silently); wrong types raise ``TypeError``."""
-        known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages"}
+        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``. Unknown names raise
+        ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
+        known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
+                 "poll_s", "linger_s"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
@@ -118,6 +130,8 @@ class StoreConfig:
             direct_io=direct_io,
             queue_depth=_int_option(options, "queue_depth", 16),
             staging_pages=_int_option(options, "staging_pages", 0),
+            poll_s=_float_option(options, "poll_s", 0.001),
+            linger_s=_float_option(options, "linger_s", 0.05),
         )
 
 
@@ -126,6 +140,13 @@ def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     return value
+
+
+def _float_option(options: Mapping[str, object], name: str, default: float) -> float:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def fingerprint(engine: str, facts: Mapping[str, object]) -> bytes:
@@ -167,7 +188,7 @@ class PageFileStore:
         self._pool: PagePool | None = None
         self._disk: DiskTier | None = None
         self._slots: asyncio.Semaphore | None = None
-        self.thread = LoopThread(f"aiokv-{engine}")
+        self.thread = LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s)
         try:
             self.thread.run(self._open())
         except BaseException:

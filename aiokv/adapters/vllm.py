@@ -9,14 +9,17 @@ Configure it in ``kv_connector_extra_config`` of vLLM's ``OffloadingConnector``:
                          "namespace": "llama-3.1-8b"}]
 
 The tier runs in vLLM's scheduler process. vLLM calls it synchronously, under its manager lock; every
-call here only updates dictionaries and hands work to aiokv's event loop on a thread of the tier's
-own (:class:`~aiokv.adapters.loopthread.LoopThread`), so no call waits for a disk, a copy or the loop:
+call here only updates dictionaries and deques and queues work for aiokv's event loop on a thread
+of the tier's own (:class:`~aiokv.adapters.loopthread.LoopThread`) without waking it, so no call
+waits for a disk, a copy or the loop, and none makes a system call (which would let the loop thread
+take the GIL) except ``on_schedule_end`` when the loop is parked:
 
 - ``lookup`` answers from verdicts the loop produced; an unknown key is queued and answered RETRY
-  (vLLM keeps scanning and asks again next step); ``on_schedule_end`` sends the step's queue to the loop.
-- ``submit_store`` / ``submit_load`` start one job on the loop; ``get_finished_jobs`` collects the
-  finished ones (a load reports the keys that arrived when only some did); ``drain_jobs`` blocks,
-  as vLLM's contract asks, until every job and lookup is done.
+  (vLLM keeps scanning and asks again next step); ``on_schedule_end`` posts the step's queue.
+- ``submit_store`` / ``submit_load`` queue one job; the loop, polling while busy, starts it within
+  ``poll_s``, and ``on_schedule_end`` wakes a parked loop. ``get_finished_jobs`` pops the finished
+  ones (a load reports the keys that arrived when only some did); ``drain_jobs`` blocks, as vLLM's
+  contract asks, until every job and lookup is done, handed over at a step end or not.
 
 Chunk ``c`` of vLLM's shared CPU region is row ``c`` of ``primary_kv_view``. Keys: vLLM's offload
 key (block hash, which mixes its cache salt, LoRA and multimodal hashes, plus the KV group) under
@@ -26,10 +29,10 @@ aiokv's seed of the model identity (model, dtype, chunk geometry, parallel layou
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -80,6 +83,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     Options (the tier's config entries besides ``type`` and ``module_path``): ``disk_dir`` (default
     ``$XDG_CACHE_HOME/aiokv``), ``disk_bytes`` (64 GiB), ``namespace``, ``disk_backend`` (``auto``,
     ``uring_fixed``, ``uring``, ``threads``), ``direct_io``, ``queue_depth``, ``staging_pages``,
+    ``poll_s`` / ``linger_s`` (how often the loop polls while busy, how long before it parks),
     ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter). Raises ``TypeError``/``ValueError`` for
     a wrong option and ``OSError`` when the directory cannot be used.
     """
@@ -100,12 +104,14 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         direct_io: bool | None = None,
         queue_depth: int = 16,
         staging_pages: int = 0,
+        poll_s: float = 0.001,
+        linger_s: float = 0.05,
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
                                       "direct_io": direct_io, "queue_depth": queue_depth,
-                                      "staging_pages": staging_pages}
+                                      "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s}
         if disk_dir is not None:
             options["disk_dir"] = disk_dir
         if disk_bytes is not None:
@@ -127,9 +133,13 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._req_keys: dict[str, set[OffloadKey]] = {}
         self._queued: list[OffloadKey] = []
         self._asked: set[OffloadKey] = set()
-        self._lookups: list[concurrent.futures.Future[_Answer]] = []
-        # Jobs: one future each; a load's also names the keys that failed.
-        self._jobs: dict[int, concurrent.futures.Future[tuple[JobResult, list[OffloadKey]]]] = {}
+        # The loop appends to these deques and vLLM's thread pops them: no lock, no future, so no
+        # call here ever waits for the loop thread or lets it take the GIL.
+        self._answers: collections.deque[_Answer] = collections.deque()
+        self._lookups_out = 0
+        # Jobs: posted to the loop without waking it; each reports (result, keys that failed).
+        self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = collections.deque()
+        self._unreported: set[int] = set()
         self._shut = False
         log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
 
@@ -150,33 +160,37 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         return LookupResult.HIT if verdict else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Send the step's queued lookups to the loop (one hand-over per step)."""
+        """Post the step's queued lookups to the loop, and wake it if it is parked with work
+        queued (jobs submitted this step, these lookups): the one hand-over per step that may
+        make a system call."""
         self._take_answers()
-        if not self._queued or self._shut:
+        if self._shut:
             return
-        keys, self._queued = self._queued, []
-        store = self._store
-        page_keys = [store.key(key) for key in keys]
-        self._lookups.append(store.thread.call(lambda: list(zip(keys, store.contains(page_keys), strict=True))))
+        if self._queued:
+            keys, self._queued = self._queued, []
+            store = self._store
+            page_keys = [store.key(key) for key in keys]
+
+            def look_up() -> None:
+                try:
+                    hits = store.contains(page_keys)
+                except Exception:
+                    log.exception("aiokv tier: lookup failed; treating the keys as misses")
+                    hits = [False] * len(keys)
+                self._answers.append(list(zip(keys, hits, strict=True)))
+
+            self._lookups_out += 1
+            store.thread.post_call(look_up)
+        self._store.thread.wake()
 
     def _take_answers(self) -> None:
-        if not self._lookups or not self._lookups[0].done():
-            return
-        pending = []
-        for future in self._lookups:
-            if not future.done():
-                pending.append(future)
-                continue
-            try:
-                answers = future.result()
-            except Exception:
-                log.exception("aiokv tier: lookup failed; treating the keys as misses")
-                continue
+        while self._answers:
+            answers = self._answers.popleft()
+            self._lookups_out -= 1
             for key, hit in answers:
                 self._asked.discard(key)
                 if key in self._wanted:
                     self._verdicts[key] = hit
-        self._lookups = pending
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -196,26 +210,23 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     # -- jobs -----------------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Start writing the job's chunks (pinned by vLLM until the job is reported)."""
+        """Queue writing the job's chunks (pinned by vLLM until the job is reported). No system call:
+        the loop picks the job up at its next poll, or when ``on_schedule_end`` wakes it."""
         pairs = self._pairs(job_metadata)
         self._start(job_metadata.job_id, self._store_job(job_metadata.job_id, pairs))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Start reading the job's chunks into the primary slots vLLM allocated."""
+        """Queue reading the job's chunks into the primary slots vLLM allocated (as ``submit_store``)."""
         pairs = self._pairs(job_metadata)
         self._start(job_metadata.job_id, self._load_job(job_metadata.job_id, pairs))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """Jobs finished since the last call (never blocks)."""
-        finished = [job_id for job_id, future in self._jobs.items() if future.done()]
+        """Jobs finished since the last call (never blocks). A load that got some of its keys
+        reports them in ``successful_keys``; the keys that failed become MISS verdicts."""
         results = []
-        for job_id in finished:
-            future = self._jobs.pop(job_id)
-            try:
-                result, failed = future.result()
-            except Exception:
-                log.exception("aiokv tier: job %d failed", job_id)
-                result, failed = JobResult(job_id=job_id, success=False), []
+        while self._finished:
+            result, failed = self._finished.popleft()
+            self._unreported.discard(result.job_id)
             for key in failed:
                 if key in self._wanted:
                     self._verdicts[key] = False  # a failed load must not be promoted again
@@ -223,21 +234,23 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         return results
 
     def has_pending_work(self) -> bool:
-        """True while jobs or lookups are in flight, or lookups wait for the next step's hand-over."""
-        return bool(self._jobs or self._lookups or self._queued)
+        """True while a job is not reported yet or a lookup is queued or unanswered."""
+        return bool(self._unreported or self._lookups_out or self._queued)
 
     def drain_jobs(self) -> None:
-        """Block until every submitted job and lookup completed; results stay for ``get_finished_jobs``."""
-        pending: list[concurrent.futures.Future[Any]] = [*self._jobs.values(), *self._lookups]
-        concurrent.futures.wait(pending)
+        """Block until every submitted job and posted lookup completed, whether or not
+        ``on_schedule_end`` handed them over; results stay for ``get_finished_jobs``."""
+        if self._shut:
+            return
+        self._store.thread.quiesce()
 
     def shutdown(self) -> None:
         """Drain, close the disk tier and its thread, and let go of vLLM's region (vLLM unmaps it
         next and keeps it mapped while anything still exports it). Idempotent."""
         if self._shut:
             return
-        self._shut = True
         self.drain_jobs()
+        self._shut = True
         self._store.close()
         self._region = torch.empty(0, dtype=torch.uint8)
         self._bytes_view.release()
@@ -265,14 +278,25 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
         return list(zip(keys, chunks, strict=True))
 
-    def _start(self, job_id: int, job: Any) -> None:
+    def _start(self, job_id: int, job: Coroutine[Any, Any, tuple[JobResult, list[OffloadKey]]]) -> None:
+        self._unreported.add(job_id)
         if self._shut:
             job.close()
-            failed: concurrent.futures.Future[tuple[JobResult, list[OffloadKey]]] = concurrent.futures.Future()
-            failed.set_result((JobResult(job_id=job_id, success=False), []))
-            self._jobs[job_id] = failed
+            self._finished.append((JobResult(job_id=job_id, success=False), []))
             return
-        self._jobs[job_id] = self._store.thread.submit(job)
+        self._store.thread.post(self._report(job_id, job))
+
+    async def _report(self, job_id: int, job: Coroutine[Any, Any, tuple[JobResult, list[OffloadKey]]]) -> None:
+        """Run ``job`` and queue its result for ``get_finished_jobs``, exactly once, whatever happens."""
+        try:
+            outcome = await job
+        except asyncio.CancelledError:
+            self._finished.append((JobResult(job_id=job_id, success=False), []))
+            raise
+        except Exception:
+            log.exception("aiokv tier: job %d failed", job_id)
+            outcome = (JobResult(job_id=job_id, success=False), [])
+        self._finished.append(outcome)
 
     async def _store_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> tuple[JobResult, list[OffloadKey]]:
         start = time.monotonic()

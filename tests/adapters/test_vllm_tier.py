@@ -221,3 +221,89 @@ def test_two_models_never_share_a_page_file(tmp_path: Path, managers: list[Tieri
     step(b)
     assert tier_of(a).statistics()["pages"] == 2
     assert tier_of(b).statistics()["pages"] == 0
+
+
+def complete_stores(manager: TieringOffloadingManager, req: str, keys: Sequence[bytes], seeds: Sequence[int]) -> None:
+    """GPU -> CPU store of one request, ending with complete_store (which submits the cascade to
+    aiokv), and no scheduler step after it."""
+    ctx = ReqContext(req_id=req)
+    with manager.lock:
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None
+        for chunk, seed in zip(out.store_spec.chunk_ids, seeds, strict=True):
+            write_chunk(manager, int(chunk), payload(seed))
+        manager.complete_store(keys, ctx)
+
+
+def test_submit_does_not_wake_the_loop_and_reset_cache_drains_it(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """A job submitted while the loop is parked stays queued (no wake-up system call in submit_*);
+    vLLM's reset_cache, which calls drain_jobs and never on_schedule_end, still gets every result."""
+    manager = make_manager(tmp_path)
+    managers.append(manager)
+    tier = tier_of(manager)
+    thread = tier._store.thread
+    assert thread.parked  # nothing was posted since the tier started
+    keys = keys_of("parked", 3)
+    complete_stores(manager, "r1", keys, [1, 2, 3])
+    assert thread.parked and thread.pending() == 1  # queued, the loop not woken
+    assert tier.has_pending_work()
+    with manager.lock:
+        manager.reset_cache()  # drain_jobs, then vLLM asserts every job was reported
+        manager.on_reset_flushed()
+        assert not manager.has_pending_work()
+    assert tier.statistics()["writes"] == 3
+    with manager.lock:
+        manager.on_request_finished(ReqContext(req_id="r1"))
+
+
+def test_shutdown_without_a_step_end_finishes_submitted_stores(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    manager = make_manager(tmp_path)
+    keys = keys_of("unstepped", 2)
+    complete_stores(manager, "r1", keys, [4, 5])
+    assert tier_of(manager)._store.thread.pending() == 1
+    manager.shutdown()  # never stepped: the job must still run, and shutdown must not hang
+    again = make_manager(tmp_path)
+    managers.append(again)
+    ctx = ReqContext(req_id="r2")
+    with again.lock:
+        again.on_new_request(ctx)
+    assert lookup_all(again, keys, ctx) == [LookupResult.HIT] * 2
+    assert load(again, keys, ctx) == [payload(4), payload(5)]
+    with again.lock:
+        again.on_request_finished(ctx)
+    step(again)
+
+
+def test_load_with_one_corrupt_page_reports_the_others(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """Partial success: a page found corrupt between the lookup's HIT and the load is reported
+    failed (vLLM drops it, the request recomputes it); the other pages arrive bit-exact."""
+    manager = make_manager(tmp_path)
+    managers.append(manager)
+    keys = keys_of("partial", 3)
+    store(manager, "r1", keys, [20, 21, 22])
+    store(manager, "r2", keys_of("evictor", CPU_CHUNKS), range(CPU_CHUNKS))  # evicts `keys` from the CPU tier
+    tier = tier_of(manager)
+    ctx = ReqContext(req_id="r3")
+    with manager.lock:
+        manager.on_new_request(ctx)
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 3
+    step(manager)  # the loop answers: all three on disk
+    (victim,) = [p for p in page_files(tmp_path) if p.name == tier._store.key(keys[1]).hex()]
+    with manager.lock:  # a disk hit: vLLM reserves CPU chunks and defers submit_load to the step end
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 3
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 99] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    step(manager)  # submit_load, drained; the corrupt page fails its checksum
+    with manager.lock:
+        results = [manager.lookup(k, ctx) for k in keys]
+    assert results == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+    assert load(manager, [keys[0], keys[2]], ctx) == [payload(20), payload(22)]
+    with manager.lock:
+        manager.on_request_finished(ctx)
+    step(manager)
+    assert tier.statistics()["corrupt"] == 1
