@@ -27,11 +27,15 @@ class TPConfig:
     """Bytes of the attached pool a CUDA worker registers per chunk (in the background)."""
     register_threads: int = 4
     """Threads a CUDA worker registers its pool mapping with."""
+    inline_copy_bytes: int = 256 << 10
+    """A CPU rank's copy of at most this many bytes runs on the worker's loop when none is queued on
+    the copy thread (the hop there and back, two thread wake-ups, costs more); 0: always hop."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            low_ok = field.name == "inline_copy_bytes" and value == 0
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (value <= 0 and not low_ok):
                 raise ValueError(f"TPConfig.{field.name} must be a positive number, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"TPConfig.{field.name} must be an int, got {value!r}")

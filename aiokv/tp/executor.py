@@ -6,8 +6,10 @@ rank-major, ``KVLayout.for_tp``: the part is one contiguous block per page, so a
 STAGING path, one copy-engine memcpy per page):
 
 - CPU KV buffer: the copy runs on the :class:`~aiokv.cuda.CompletionBridge`'s copy thread (specs
-  stay in order), never on the engine's loop; a thread runner's private loop is itself the copy
-  thread (``copy_on_loop``).
+  stay in order); a thread runner's private loop is itself the copy thread (``copy_on_loop``). A
+  copy of at most ``TPConfig.inline_copy_bytes`` runs on the driving loop when no copy is queued
+  (order kept): the hop to the copy thread and back cost more than such a copy (a spec round trip
+  of an async runner took 2.5x a thread runner's on the H200 host, the difference being that hop).
 - CUDA KV buffer: the copy is launched on the mover's own side streams, ordered after the engine's
   stream by an event; a LOAD also makes the engine's stream wait for the copy, so the engine's later
   kernels see the bytes. Completion comes through the bridge's waiter threads (no polling). The
@@ -97,6 +99,9 @@ class RankExecutor:
         pages = memory.pages if memory.layout.parts == 1 else memory.pages[:, kv.tp.part]
         self._mover: PageMover | None = PageMover(kv.rank_part(), pages, path)
         self._in_flight = 0
+        self._queued = 0  # copies handed to the bridge's copy thread and not yet back
+        layout = kv.layout
+        self._slot_bytes = layout.num_layers * kv.rows_local * layout.head_dim * layout.itemsize
         self._idle = asyncio.Event()
         self._idle.set()
         self._room = asyncio.Event()
@@ -151,10 +156,12 @@ class RankExecutor:
         early = self._precheck(spec)
         if early is not None:
             result.set_result(early)
-        elif not self._cuda and self._copy_on_loop:
+        elif not self._cuda and (self._copy_on_loop or self._inline(spec)):
             result.set_result(self._copy_on_thread(spec))
         elif not self._cuda:
+            self._queued += 1
             copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec))
+            copy.add_done_callback(self._dequeued)
             copy.add_done_callback(functools.partial(_forward, result))
         else:
             waiting = self._unregistered(spec.page_ids)
@@ -181,8 +188,15 @@ class RankExecutor:
             return RankReport(RankStatus.OK)  # a replica (or MLA rank > 0): the writer of its rows copies
         return None
 
+    def _inline(self, spec: TransferSpec) -> bool:
+        """Whether this CPU copy is small enough for the loop, with no earlier copy still queued."""
+        return self._queued == 0 and len(spec.slots) * self._slot_bytes <= self.config.inline_copy_bytes
+
+    def _dequeued(self, _: asyncio.Future[RankReport]) -> None:
+        self._queued -= 1
+
     def _copy_on_thread(self, spec: TransferSpec) -> RankReport:
-        """The CPU copy, on the bridge's copy thread; never raises."""
+        """The CPU copy, on the bridge's copy thread (or inline, see :meth:`_inline`); never raises."""
         mover = self._mover
         assert mover is not None  # dropped only after every copy is over
         try:
