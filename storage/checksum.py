@@ -36,8 +36,10 @@ class Checksums:
     synchronously from ``start`` (one code path for callers). The caller keeps ``view``'s memory
     alive and unchanged until ``done`` ran. :meth:`aclose` waits for the threads."""
 
-    def __init__(self, inline_bytes: int = INLINE_CHECKSUM_BYTES, threads: int = CHECKSUM_THREADS) -> None:
-        self._inline = inline_bytes
+    def __init__(self, inline_bytes: int | None = None, threads: int | None = None) -> None:
+        # None: the module constants as they are now (read here, so tests and the lead's config can set them).
+        self._inline = INLINE_CHECKSUM_BYTES if inline_bytes is None else inline_bytes
+        threads = CHECKSUM_THREADS if threads is None else threads
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]

@@ -1,12 +1,19 @@
 """Disk-tier throughput, CPU and event-loop lag against fio and aiofiles, measured in one run.
 
-For each page size (1 and 4 MiB) and queue depth (8 and 32), writes then reads ``--total-mib`` of
+For each page size (1, 4 and 32 MiB) and queue depth (8 and 32), writes then reads ``--total-mib`` of
 pages (O_DIRECT files need no cache eviction; buffered files are fsynced and dropped with
-``posix_fadvise(DONTNEED)`` before reads):
+``posix_fadvise(DONTNEED)`` before reads). Every round runs each contender once, in turn
+(fio, raw engine, tier, LMCache, ...), ``--repeats`` rounds; medians are reported — disks here vary
+±40% run to run, so only contenders alternated in one run compare:
 
-- ``fio``: ``--ioengine=io_uring --direct=1``, same block size and depth, on one file;
-- ``aiokv-file``: the aiokv io_uring engine (registered pool buffers) on the *same* file, alternated
-  with fio (A, B, A, B, ...) ``--repeats`` times — disks here vary ±40% run to run;
+- ``fio``: ``--ioengine=io_uring --direct=1``, same block size and depth, a fresh file each round
+  (overwriting an allocated file is faster than writing a new one: not like for like);
+- ``aiokv-file``: the aiokv io_uring engine (registered pool buffers), one op per page into one
+  fresh file each round (the "raw engine" the tier's CPU is compared with);
+- ``lmcache-odirect`` / ``lmcache-buffered``: LMCache 0.5.6 ``LocalDiskBackend``'s own byte path
+  (``write_file``/``read_file``, one file per page, its thread count) with and without
+  ``use_odirect``; skipped with a message when LMCache cannot be imported (``--lmcache-path``: a
+  directory to import it from, e.g. a ``pip install --target`` outside the project's venv);
 - ``tier-<backend>``: the full ``DiskTier`` job (one page file per page: open, header + payload,
   xxh3 checksum, rename; read verifies header and checksum) for uring_fixed, uring and threads;
 - ``aiofiles``: the same page-file job through aiofiles (buffered, thread per call).
@@ -73,6 +80,9 @@ class LagProbe:
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
+        """Start ticking (again a no-op: one probe may span several phases)."""
+        if self._handle is not None:
+            return
         loop = asyncio.get_running_loop()
 
         def tick(due: float) -> None:
@@ -195,6 +205,7 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
 
             lag = LagProbe()
             w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag)
+            held_lag = lag
             for h in held:
                 if h is not None:
                     pool.table.release(h)
@@ -207,10 +218,11 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
                 pool.table.abort(res.handle)
                 assert ok
 
-            r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb)
+            r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, held_lag)
             cpu = (w_cpu + r_cpu) / (2 * count * pb / GB)
-            row = Row(f"tier-{backend.value}{name}", page_mib, depth, w_gbs, r_gbs, cpu)
-            row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag.stop()
+            row = Row(f"tier-{backend.value}{name}", page_mib, depth, w_gbs, r_gbs, cpu,
+                      samples={"cpu_w": [w_cpu], "cpu_r": [r_cpu]})
+            row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = held_lag.stop()
             io = tier.backend
             if isinstance(io, UringPageIO):
                 row.submit_max_ms = io.engine.submit_max_s * 1000
@@ -263,57 +275,132 @@ def fill_pool(pool: PagePool) -> None:
         pool.table.commit(res.handle)
 
 
-async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool) -> list[Row]:
+class Samples:
+    """Per contender: GB/s each way, CPU core-seconds and bytes, loop lag, over the rounds."""
+
+    def __init__(self) -> None:
+        self.write: list[float] = []
+        self.read: list[float] = []
+        self.cpu_s = 0.0
+        self.bytes = 0
+        self.lag: list[tuple[float, float, float]] = []
+        self.submit_max_ms: float | None = None
+
+    def row(self, path: str, page_mib: int, depth: int) -> Row:
+        row = Row(path, page_mib, depth, statistics.median(self.write), statistics.median(self.read),
+                  self.cpu_s / (self.bytes / GB) if self.bytes else None,
+                  samples={"write": self.write, "read": self.read})
+        if self.lag:
+            row.lag_p50_ms = statistics.median(lag[0] for lag in self.lag)
+            row.lag_p99_ms = max(lag[1] for lag in self.lag)
+            row.lag_max_ms = max(lag[2] for lag in self.lag)
+        row.submit_max_ms = self.submit_max_ms
+        return row
+
+
+def lmcache_backend(path: str | None) -> tuple[type, int] | str:
+    """LMCache's ``LocalDiskBackend`` class and its default thread count, or why it is unavailable."""
+    if path is not None and path not in sys.path:
+        sys.path.append(path)
+    try:
+        from lmcache.v1.storage_backend import local_disk_backend as ldb
+    except Exception as exc:  # ImportError, or its own start-up failing on a missing dependency
+        return f"{type(exc).__name__}: {exc}"
+    return ldb.LocalDiskBackend, int(getattr(ldb, "_DEFAULT_THREAD_COUNT", 4))
+
+
+async def lmcache_job(cls: type, threads: int, pool: PagePool, directory: Path, count: int, depth: int,
+                      direct: bool, lag: LagProbe) -> tuple[float, float, float, float]:
+    """LMCache's byte path: ``write_file``/``read_file`` of ``LocalDiskBackend`` (one file per page,
+    whole page per call), in its own thread pool, ``depth`` pages in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pb = pool.layout.page_bytes
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    backend = cls.__new__(cls)  # only the I/O methods: no CPU allocator, no controller
+    backend.os_disk_bs = os.statvfs(directory).f_bsize
+    backend.use_odirect = direct
+    backend.dict = {}
+    paths = [str(directory / f"{i:08x}.pt") for i in range(count)]
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(threads, thread_name_prefix="lmcache-disk")
+    try:
+        async def write(i: int) -> None:
+            view = pool.memory.page_view(i % pool.num_pages)
+            await loop.run_in_executor(executor, backend.write_file, view, paths[i])
+
+        w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag)
+        if not direct:
+            await asyncio.to_thread(drop_cache, paths)
+
+        async def read(i: int) -> None:
+            view = pool.memory.page_view(i % pool.num_pages)
+            await loop.run_in_executor(executor, backend.read_file, i, view, paths[i])
+
+        r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, lag)
+    finally:
+        executor.shutdown(wait=True)
+    return w_gbs, w_cpu, r_gbs, r_cpu
+
+
+async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool,
+                  backends: list[DiskBackend], lmcache: tuple[type, int] | None) -> list[Row]:
     layout = layout_for(page_mib)
     pb = layout.page_bytes
     count = max(depth, total_mib // page_mib)
     pool = PagePool.create(layout, min(count, 64) * pb, register_cuda=False, workers=2)
-    rows: list[Row] = []
+    samples: dict[str, Samples] = {}
+
+    def add(path: str, w: float, wc: float, r: float, rc: float, lag: LagProbe | None) -> Samples:
+        got = samples.setdefault(path, Samples())
+        got.write.append(w)
+        got.read.append(r)
+        got.cpu_s += wc + rc
+        got.bytes += 2 * count * pb
+        if lag is not None:
+            got.lag.append(lag.stop())
+        return got
+
     try:
         await pool.wait_ready()
         fill_pool(pool)
-        same_file = str(work / "same.bin")
-        fio_row = Row("fio", page_mib, depth, samples={"write": [], "read": []})
-        eng_row = Row("aiokv-file", page_mib, depth, samples={"write": [], "read": []})
-        lag = LagProbe()
-        cpu = fio_cpu = 0.0
-        # Lay the file out first so every measured pass overwrites allocated blocks, like fio does.
-        warm = LagProbe()
-        await engine_file(pool, same_file, count, depth, True, Row("warm-up", page_mib, depth), warm)
-        warm.stop()
-        for _ in range(repeats):  # A/B alternation on one file
-            for rw in ("write", "read"):
-                gbs, c = await engine_file(pool, same_file, count, depth, rw == "write", eng_row, lag)
-                eng_row.samples[rw].append(gbs)
-                cpu += c
-                if fio:
-                    gbs, c = await asyncio.to_thread(run_fio, same_file, rw, pb, depth, count * pb)
-                    fio_row.samples[rw].append(gbs)
-                    fio_cpu += c
-        eng_row.lag_p50_ms, eng_row.lag_p99_ms, eng_row.lag_max_ms = lag.stop()
-        eng_row.cpu_s_per_gb = cpu / (2 * repeats * count * pb / GB)
-        fio_row.cpu_s_per_gb = fio_cpu / (2 * repeats * count * pb / GB)
-        for row in (fio_row, eng_row):
-            if row.samples["write"]:
-                row.write_gbs = statistics.median(row.samples["write"])
-                row.read_gbs = statistics.median(row.samples["read"])
-                rows.append(row)
-        os.unlink(same_file)
-        for backend in (DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS):
-            directory = work / f"tier-{backend.value}"
-            rows += await tier_job(pool, directory, backend, count, depth)
-            await asyncio.to_thread(shutil.rmtree, directory)
-        fill_pool(pool)
-        lag = LagProbe()
-        lag.start()
-        w, wc, r, rc = await aiofiles_job(pool, work / "aiofiles", count, depth)
-        row = Row("aiofiles", page_mib, depth, w, r, (wc + rc) / (2 * count * pb / GB))
-        row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = lag.stop()
-        rows.append(row)
-        shutil.rmtree(work / "aiofiles")
+        for _ in range(repeats):  # one pass of every contender per round, in turn
+            if fio:
+                path = str(work / "fio.bin")  # a fresh file each round, like the tier's new files
+                w, wc = await asyncio.to_thread(run_fio, path, "write", pb, depth, count * pb)
+                r, rc = await asyncio.to_thread(run_fio, path, "read", pb, depth, count * pb)
+                os.unlink(path)
+                add("fio", w, wc, r, rc, None)
+            path = str(work / "engine.bin")
+            lag, probe = LagProbe(), Row("aiokv-file", page_mib, depth)
+            w, wc = await engine_file(pool, path, count, depth, True, probe, lag)
+            r, rc = await engine_file(pool, path, count, depth, False, probe, lag)
+            os.unlink(path)
+            add("aiokv-file", w, wc, r, rc, lag).submit_max_ms = probe.submit_max_ms
+            for backend in backends:
+                directory = work / f"tier-{backend.value}"
+                for row in await tier_job(pool, directory, backend, count, depth):
+                    got = add(row.path, row.write_gbs, row.samples["cpu_w"][0], row.read_gbs,
+                              row.samples["cpu_r"][0], None)
+                    got.lag.append((row.lag_p50_ms or 0.0, row.lag_p99_ms or 0.0, row.lag_max_ms or 0.0))
+                    got.submit_max_ms = row.submit_max_ms
+                await asyncio.to_thread(shutil.rmtree, directory)
+            if lmcache is not None:
+                for direct in (True, False):
+                    directory = work / "lmcache"
+                    lag = LagProbe()
+                    w, wc, r, rc = await lmcache_job(*lmcache, pool, directory, count, depth, direct, lag)
+                    add(f"lmcache-{'odirect' if direct else 'buffered'}", w, wc, r, rc, lag)
+                    await asyncio.to_thread(shutil.rmtree, directory)
+            fill_pool(pool)
+            lag = LagProbe()
+            lag.start()
+            w, wc, r, rc = await aiofiles_job(pool, work / "aiofiles", count, depth)
+            add("aiofiles", w, wc, r, rc, lag)
+            await asyncio.to_thread(shutil.rmtree, work / "aiofiles")
     finally:
         await pool.aclose()
-    return rows
+    return [got.row(path, page_mib, depth) for path, got in samples.items()]
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
@@ -321,12 +408,13 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    out = ["| page | depth | path | write GB/s | read GB/s | w/fio | r/fio | w/aiofiles | r/aiofiles | "
-           "core-s/GB | lag p50/p99/max ms | max submit ms |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| page | depth | path | write GB/s | read GB/s | w/fio | r/fio | w/LMCache-odirect | "
+           "r/LMCache-odirect | w/aiofiles | r/aiofiles | core-s/GB | CPU / raw engine | lag p50/p99/max ms | "
+           "max submit ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         peers = {r.path: r for r in rows if (r.page_mib, r.depth) == (row.page_mib, row.depth)}
-        fio, aio = peers.get("fio"), peers.get("aiofiles")
+        fio, aio, lmc, raw = (peers.get(name) for name in ("fio", "aiofiles", "lmcache-odirect", "aiokv-file"))
 
         def ratio(peer: Row | None, attr: str, row: Row = row) -> str:
             if peer is None or row is peer or not getattr(peer, attr):
@@ -337,8 +425,9 @@ def table(rows: list[Row]) -> str:
             f"{row.lag_p50_ms:.2f}/{row.lag_p99_ms:.2f}/{row.lag_max_ms:.1f}")
         out.append(
             f"| {row.page_mib} MiB | {row.depth} | {row.path} | {row.write_gbs:.2f} | {row.read_gbs:.2f} | "
-            f"{ratio(fio, 'write_gbs')} | {ratio(fio, 'read_gbs')} | {ratio(aio, 'write_gbs')} | "
-            f"{ratio(aio, 'read_gbs')} | {fmt(row.cpu_s_per_gb, 3)} | {lag} | {fmt(row.submit_max_ms)} |"
+            f"{ratio(fio, 'write_gbs')} | {ratio(fio, 'read_gbs')} | {ratio(lmc, 'write_gbs')} | "
+            f"{ratio(lmc, 'read_gbs')} | {ratio(aio, 'write_gbs')} | {ratio(aio, 'read_gbs')} | "
+            f"{fmt(row.cpu_s_per_gb, 3)} | {ratio(raw, 'cpu_s_per_gb')} | {lag} | {fmt(row.submit_max_ms)} |"
         )
     return "\n".join(out)
 
@@ -370,10 +459,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk under test "
                         "(default: a temporary directory under the current directory)")
-    parser.add_argument("--page-mib", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--page-mib", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--depth", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes moved per pass")
-    parser.add_argument("--repeats", type=int, default=3, help="A/B alternations with fio (>= 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds, every contender once per round (>= 3)")
+    parser.add_argument("--backends", nargs="+", default=[b.value for b in (DiskBackend.URING_FIXED, DiskBackend.URING,
+                                                                             DiskBackend.THREADS)],
+                        choices=[b.value for b in DiskBackend if b is not DiskBackend.AUTO], help="tier backends")
+    parser.add_argument("--lmcache-path", type=str, default=None, help="directory to import LMCache from (a "
+                        "pip --target install kept out of the project's venv)")
     parser.add_argument("--quick", action="store_true", help="256 MiB per pass (about 2 minutes)")
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--plot", type=str, default=None)
@@ -383,19 +477,26 @@ def main() -> int:
     if not have_fio:
         print("WARNING: fio is not installed (apt-get install fio): no fio baseline, ratios to fio "
               "are missing", file=sys.stderr)
+    lmcache = lmcache_backend(args.lmcache_path)
+    if isinstance(lmcache, str):
+        print(f"WARNING: LMCache is not importable ({lmcache}): no LMCache rows, ratios to it are missing "
+              "(pip install --target DIR lmcache==0.5.6, then --lmcache-path DIR)", file=sys.stderr)
+    backends = [DiskBackend(b) for b in args.backends]
     rows: list[Row] = []
     work = Path(tempfile.mkdtemp(prefix="aiokv-bench-", dir=args.dir or Path.cwd()))
     try:
         for page_mib in args.page_mib:
             for depth in args.depth:
-                rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio))
+                rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio, backends,
+                                            None if isinstance(lmcache, str) else lmcache))
                 print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"total_mib": total, "fio": have_fio, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"total_mib": total, "fio": have_fio, "lmcache": not isinstance(lmcache, str),
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -1,0 +1,180 @@
+"""The page-file chain's machinery: checksum thread, shared fault log, I/O slot hand-over, one-chain creates."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import mmap
+import threading
+from pathlib import Path
+
+import pytest
+from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
+
+from aiokv.faults import FaultLog
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier, ErrorKind
+from aiokv.storage import checksum as checksum_module
+from aiokv.storage.backends import IOOp, UringPageIO
+from aiokv.storage.checksum import Checksums
+from aiokv.storage.pagefile import payload_checksum
+from aiokv.storage.uring import OP_OPENAT
+
+
+@pytest.mark.asyncio
+async def test_checksums_inline_and_threaded_agree() -> None:
+    data = mmap.mmap(-1, 1 << 20)
+    data.write(bytes(range(256)) * 4096)
+    view = memoryview(data)
+    sums = Checksums(inline_bytes=64 << 10, threads=1)
+    try:
+        small, large = await asyncio.gather(sums.checksum(view[: 32 << 10]), sums.checksum(view))
+        assert small == payload_checksum(view[: 32 << 10])
+        assert large == payload_checksum(view)
+    finally:
+        await sums.aclose()
+        view.release()
+        data.close()
+
+
+@pytest.mark.asyncio
+async def test_cancelled_checksum_waits_for_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancelled caller keeps the memory until the thread stopped reading it."""
+    gate, entered = threading.Event(), threading.Event()
+    real = checksum_module.payload_checksum
+
+    def slow(view: memoryview) -> int:
+        entered.set()
+        gate.wait(10)
+        return real(view)
+
+    monkeypatch.setattr(checksum_module, "payload_checksum", slow)
+    sums = Checksums(inline_bytes=0, threads=1)
+    data = bytearray(8192)
+    try:
+        task = asyncio.create_task(sums.checksum(memoryview(data)))
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()  # the thread still hashes the caller's memory
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        gate.set()
+        await sums.aclose()
+
+
+@pytest.mark.asyncio
+async def test_checksum_failure_reaches_the_caller() -> None:
+    sums = Checksums(inline_bytes=0, threads=1)
+    view = memoryview(bytearray(4096))
+    view.release()  # hashing a released view raises in the thread
+    try:
+        with pytest.raises(ValueError):
+            await sums.checksum(view)
+    finally:
+        await sums.aclose()
+
+
+@pytest.mark.asyncio
+async def test_large_pages_verify_through_the_checksum_thread(disk_dir: Path, backend: DiskBackend,
+                                                              layout: KVLayout, pool: PagePool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum_module, "INLINE_CHECKSUM_BYTES", 0)  # every payload goes to the thread
+    hashed_in: set[str] = set()
+    real = checksum_module.payload_checksum
+
+    def spy(view: memoryview) -> int:
+        hashed_in.add(threading.current_thread().name)
+        return real(view)
+
+    monkeypatch.setattr(checksum_module, "payload_checksum", spy)
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        h = fill(pool, key_of(1), 1)
+        expect = payload(pool, h)
+        assert await tier.write(key_of(1), h)
+        pool.table.release(h)
+        into = reserve(pool, key_of(2))
+        assert await tier.read(key_of(1), into)
+        assert payload(pool, into).equal(expect)
+        pool.table.abort(into)
+    assert hashed_in == {"aiokv-checksum-0"}
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_shared_fault_log_counts_disk_faults_once_under_their_names(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    shared = FaultLog(logging.getLogger("test"))
+    shared.record("pool_exhausted", "a manager fault")
+    async with DiskTier(config(disk_dir, backend), layout, pool, faults=shared) as tier:
+        tier.backend.faults.inject(IOOp.WRITE, errno.EIO)
+        h = fill(pool, key_of(1), 1)
+        assert not await tier.write(key_of(1), h)
+        pool.table.release(h)
+        assert tier.statistics().errors[ErrorKind.EIO] == 1
+    assert dict(shared.counts()) == {"pool_exhausted": 1, "disk_eio": 1}
+    assert_clean(pool)
+
+
+def test_fault_log_must_be_a_fault_log(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    with pytest.raises(TypeError):
+        DiskTier(config(disk_dir, DiskBackend.THREADS), layout, pool, faults=object())  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_more_pages_than_io_slots_all_complete(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                     pool: PagePool) -> None:
+    """Slots are handed over in FIFO order when all are busy; a cancelled waiter hands its slot on."""
+    async with DiskTier(config(disk_dir, backend, queue_depth=2), layout, pool) as tier:
+        handles = [fill(pool, key_of(i), i) for i in range(12)]
+        writes = [asyncio.create_task(tier.write(key_of(i), handles[i])) for i in range(12)]
+        await asyncio.sleep(0)
+        writes[5].cancel()  # the job goes on without its caller
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        assert isinstance(results[5], asyncio.CancelledError)
+        assert all(r is True for i, r in enumerate(results) if i != 5)
+        await tier.flush()
+        for h in handles:
+            pool.table.release(h)
+        assert tier.statistics().in_flight == 0
+        assert tier.statistics().writes == 12
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_new_page_file_is_one_chain_with_its_open(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    """io_uring: a new file's OPENAT travels in the same submission as its writes (no round trip)."""
+    async with DiskTier(config(disk_dir, DiskBackend.URING), layout, pool) as tier:
+        io = tier.backend
+        assert isinstance(io, UringPageIO)
+        seen: list[int] = []
+        io.engine.fault_hook = lambda opcode: seen.append(opcode) and None  # type: ignore[func-returns-value]
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)
+        pool.table.release(h)
+        assert seen[0] == OP_OPENAT and len(seen) == 4  # open, header+page (WRITEV), close, rename
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_planted_temp_name_fails_the_one_chain_create(disk_dir: Path, backend: DiskBackend,
+                                                            layout: KVLayout, pool: PagePool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_EXCL meets something under the fresh temporary name: UNSAFE, nothing written through it."""
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        planted = "planted-temp"
+        monkeypatch.setattr(tier.files, "temp_name", lambda key: planted)
+        target = disk_dir / "elsewhere"
+        target.write_bytes(b"keep")
+        (disk_dir / layout.fingerprint.hex() / key_of(1).hex()[:2] / planted).symlink_to(target)
+        h = fill(pool, key_of(1), 1)
+        assert not await tier.write(key_of(1), h)
+        pool.table.release(h)
+        assert tier.statistics().errors[ErrorKind.UNSAFE] == 1
+        assert target.read_bytes() == b"keep"
+    assert_clean(pool)
