@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import logging
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .safefiles import UnsafeFileError
@@ -48,19 +51,45 @@ class ReadOnly(enum.Enum):
     """Another cache (process) holds the directory's lock: it alone writes and evicts there."""
 
 
+GiB = 1 << 30
+
+
+def default_disk_dir() -> Path | None:
+    """``$XDG_CACHE_HOME/aiokv`` (or ``~/.cache/aiokv``), created 0700, when writable; else None."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "aiokv"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def _default_directory() -> Path:
+    path = default_disk_dir()
+    if path is None:
+        raise ValueError("DiskConfig.directory: no writable default ($XDG_CACHE_HOME/aiokv); pass directory=")
+    return path
+
+
 @dataclass(frozen=True)
 class DiskConfig:
-    """Settings of one :class:`~aiokv.storage.DiskTier`."""
+    """Settings of one :class:`~aiokv.storage.DiskTier`; nested in ``CacheConfig.disk``.
 
-    directory: Path
-    """Root directory of the page files (created 0700); each layout uses its own subdirectory."""
-    capacity_bytes: int
+    The one place each disk setting and its default is defined. Raises ``TypeError``/``ValueError``
+    naming the field for a bad value.
+    """
+
+    directory: Path = field(default_factory=_default_directory)
+    """Root directory of the page files (created 0700); each layout uses its own subdirectory.
+    Default: ``$XDG_CACHE_HOME/aiokv`` (``ValueError`` when that is not writable)."""
+    capacity_bytes: int = 64 * GiB
     """Byte budget for page files of this layout (header included); LRU eviction keeps within it."""
     backend: DiskBackend = DiskBackend.AUTO
     """Which I/O path to use; a forced one that cannot work makes :meth:`DiskTier.start` raise."""
     direct_io: bool | None = None
     """O_DIRECT on page files; None: where the file system allows it (tmpfs does not)."""
-    queue_depth: int = 32
+    queue_depth: int = 16
     """Page I/Os in flight at once (each page is a header plus a payload request)."""
     write_behind_depth: int = 256
     """Pages the write-behind queue holds before ``write_behind_nowait`` reports it full."""
@@ -89,24 +118,63 @@ class DiskConfig:
     """Times a write that met ENOSPC evicts least recently used files and tries again."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.directory, Path):
-            raise TypeError(f"directory must be a pathlib.Path, got {type(self.directory).__name__}")
-        if not isinstance(self.backend, DiskBackend):
-            raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
-        if self.direct_io is not None and not isinstance(self.direct_io, bool):
-            raise TypeError(f"direct_io must be bool or None, got {self.direct_io!r}")
-        positive = ("capacity_bytes", "queue_depth", "write_behind_depth", "write_behind_workers", "threads",
-                    "ring_entries")
-        for name in (*positive, "min_free_bytes", "enospc_retries"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < (1 if name in positive else 0):
-                raise ValueError(f"{name} must be {'positive' if name in positive else '>= 0'}, got {value}")
-        if isinstance(self.free_space_recheck_s, bool) or not isinstance(self.free_space_recheck_s, (int, float)):
-            raise TypeError(f"free_space_recheck_s must be a number, got {type(self.free_space_recheck_s).__name__}")
-        if not self.free_space_recheck_s >= 0:
-            raise ValueError(f"free_space_recheck_s must be >= 0, got {self.free_space_recheck_s}")
+        for f in fields(self):
+            check_disk_setting(f.name, getattr(self, f.name), f"DiskConfig.{f.name}")
+
+
+def _check_int(value: object, label: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{label} must be an int, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{label} must be {'positive' if least else '>= 0'}, got {value}")
+
+
+def _check_bool(value: object, label: str, optional: bool) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise TypeError(f"{label} must be a bool{' or None' if optional else ''}, got {value!r}")
+
+
+def _check_seconds(value: object, label: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__}")
+    if not value >= 0:  # NaN fails too
+        raise ValueError(f"{label} must be >= 0, got {value}")
+
+
+def _check_directory(value: object, label: str) -> None:
+    if not isinstance(value, Path):
+        raise TypeError(f"{label} must be a pathlib.Path, got {type(value).__name__}")
+
+
+def _check_backend(value: object, label: str) -> None:
+    if not isinstance(value, DiskBackend):
+        raise TypeError(f"{label} must be a DiskBackend, got {value!r}")
+
+
+# One check per DiskConfig field; a field missing here fails every DiskConfig construction (KeyError),
+# so a new setting cannot slip in unvalidated.
+_CHECKS: dict[str, Callable[[object, str], None]] = {
+    "directory": _check_directory,
+    "capacity_bytes": functools.partial(_check_int, least=1),
+    "backend": _check_backend,
+    "direct_io": functools.partial(_check_bool, optional=True),
+    "queue_depth": functools.partial(_check_int, least=1),
+    "write_behind_depth": functools.partial(_check_int, least=1),
+    "write_behind_workers": functools.partial(_check_int, least=1),
+    "threads": functools.partial(_check_int, least=1),
+    "ring_entries": functools.partial(_check_int, least=1),
+    "sync_writes": functools.partial(_check_bool, optional=False),
+    "recycle_files": functools.partial(_check_bool, optional=False),
+    "drain_on_close": functools.partial(_check_bool, optional=False),
+    "min_free_bytes": functools.partial(_check_int, least=0),
+    "free_space_recheck_s": _check_seconds,
+    "enospc_retries": functools.partial(_check_int, least=0),
+}
+
+
+def check_disk_setting(name: str, value: object, label: str) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``label`` unless ``value`` suits ``DiskConfig.<name>``."""
+    _CHECKS[name](value, label)
 
 
 @dataclass(frozen=True)
