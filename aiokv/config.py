@@ -1,20 +1,30 @@
-"""`CacheConfig`: every knob of a `KVCache`, each with a default that works embedded."""
+"""`CacheConfig`: the one configuration tree of a cache, each setting's default defined once.
+
+Settings of the cache itself are fields of :class:`CacheConfig`; those of the disk tier live in the
+nested :class:`~aiokv.storage.DiskConfig` (``CacheConfig.disk``), where each has its only default.
+Six common disk settings keep flat names (``disk_dir``, ``disk_bytes``, ...): constructor shortcuts
+that fill the nested config and read-only views of it, never a second copy.
+"""
 
 from __future__ import annotations
 
 import enum
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from aiokv.kernels import TransferPath
+from aiokv.pool import DEFAULT_CHUNK_BYTES
 from aiokv.shm import shm_free_bytes
-from aiokv.storage import DiskBackend
+from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
+
+__all__ = ["DISK_SHORTCUTS", "Admission", "CacheConfig", "default_cpu_bytes", "default_disk", "default_disk_dir"]
 
 log = logging.getLogger(__name__)
-
-GiB = 1 << 30
 
 
 class Admission(enum.Enum):
@@ -24,6 +34,29 @@ class Admission(enum.Enum):
     """Every page stored in the pool is also written to disk."""
     SEEN_TWICE = "seen_twice"
     """Only pages whose key was offloaded or looked up before (spares SSD wear on one-off prompts)."""
+
+
+class _Unset(enum.Enum):
+    """Marks a constructor argument that was not given (None is a meaningful value for some)."""
+
+    TOKEN = "unset"
+
+    def __repr__(self) -> str:
+        return "<default>"  # how help(CacheConfig) shows a parameter's default
+
+
+# Typed Any so that it can be the default of parameters of any type (it never outlives __init__).
+_UNSET: Any = _Unset.TOKEN
+
+DISK_SHORTCUTS: Mapping[str, str] = MappingProxyType({
+    "disk_dir": "directory",
+    "disk_bytes": "capacity_bytes",
+    "disk_backend": "backend",
+    "disk_direct_io": "direct_io",
+    "disk_queue_depth": "queue_depth",
+    "write_behind_depth": "write_behind_depth",
+})
+"""Flat ``CacheConfig`` names of ``DiskConfig`` fields (constructor shortcuts and read-only views)."""
 
 
 def _ram_bytes() -> int:
@@ -46,44 +79,40 @@ def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
     return max(budget, 0)
 
 
-def default_disk_dir() -> Path | None:
-    """``$XDG_CACHE_HOME/aiokv`` (or ``~/.cache/aiokv``) when writable, else None (no disk tier)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "aiokv"
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return path if os.access(path, os.W_OK | os.X_OK) else None
+def default_disk() -> DiskConfig | None:
+    """A disk tier with every ``DiskConfig`` default under :func:`default_disk_dir`; None (no disk
+    tier) when that directory is not writable."""
+    directory = default_disk_dir()
+    return DiskConfig(directory=directory) if directory is not None else None
 
 
-@dataclass(frozen=True)
+def _disk_default(name: str) -> Any:
+    """``DiskConfig``'s own default of ``name`` (what a view reads when there is no disk tier)."""
+    (f,) = (f for f in fields(DiskConfig) if f.name == name)
+    return f.default
+
+
+@dataclass(frozen=True, init=False)
 class CacheConfig:
-    """Configuration of a :class:`aiokv.KVCache`; every field has a working default."""
+    """Configuration of a :class:`aiokv.KVCache`; every field has a working default.
+
+    Keyword arguments only. ``disk`` configures the disk tier (None: none); the shortcuts
+    ``disk_dir``, ``disk_bytes``, ``disk_backend``, ``disk_direct_io``, ``disk_queue_depth`` and
+    ``write_behind_depth`` fill the fields of a ``disk`` that is not given (``disk_dir=None`` turns
+    the tier off), and read back from ``disk``. Raises ``TypeError``/``ValueError`` naming the field
+    for a bad value, and ``ValueError`` when a shortcut disagrees with a ``disk`` given beside it
+    (``dataclasses.replace(config, disk_bytes=...)`` is such a case: replace ``disk`` instead).
+    """
 
     cpu_bytes: int = field(default_factory=default_cpu_bytes)
     """Byte budget of the shared-memory page pool (pages = cpu_bytes // page bytes)."""
 
-    disk_dir: Path | None = field(default_factory=default_disk_dir)
-    """Directory of the disk tier; None disables it. Page files go under ``<dir>/<layout fingerprint>/``."""
-
-    disk_bytes: int = 64 * GiB
-    """Byte budget of the disk tier (LRU eviction beyond it)."""
+    disk: DiskConfig | None = field(default_factory=default_disk)
+    """The disk tier's settings (see :class:`~aiokv.storage.DiskConfig`); None disables the tier.
+    Page files go under ``<disk.directory>/<layout fingerprint>/``."""
 
     namespace: str = "default"
     """Model namespace mixed into every key: different models never share pages."""
-
-    disk_backend: DiskBackend = DiskBackend.AUTO
-    """Disk I/O backend; AUTO falls back from registered io_uring to plain io_uring to threads."""
-
-    disk_direct_io: bool | None = None
-    """O_DIRECT for page files; None uses it where the file system allows."""
-
-    disk_queue_depth: int = 16
-    """Page I/Os in flight on the disk tier."""
-
-    write_behind_depth: int = 256
-    """Pages that may wait for their disk write; beyond it new pages are not written (counted)."""
 
     admission: Admission = Admission.ALL
     """Which pages the write-behind persists."""
@@ -100,7 +129,7 @@ class CacheConfig:
     launch_pages: int = 2
     """Pages whose copies are launched per event-loop turn; bounds the loop's stall on long transfers."""
 
-    pool_chunk_bytes: int = 256 << 20
+    pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes."""
 
     pool_workers: int = 4
@@ -122,37 +151,165 @@ class CacheConfig:
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""
 
-    def __post_init__(self) -> None:
-        for name in ("cpu_bytes", "disk_bytes", "disk_queue_depth", "write_behind_depth", "seen_window",
-                     "staging_pages", "launch_pages", "pool_chunk_bytes", "pool_workers", "tp_size"):
+    def __init__(
+        self,
+        *,
+        cpu_bytes: int = _UNSET,
+        disk: DiskConfig | None = _UNSET,
+        namespace: str = _UNSET,
+        admission: Admission = _UNSET,
+        seen_window: int = _UNSET,
+        transfer_path: TransferPath | None = _UNSET,
+        staging_pages: int = _UNSET,
+        launch_pages: int = _UNSET,
+        pool_chunk_bytes: int = _UNSET,
+        pool_workers: int = _UNSET,
+        tp_rank: int = _UNSET,
+        tp_size: int = _UNSET,
+        prefill_tokens_per_s: float | None = _UNSET,
+        offload_wait: float = _UNSET,
+        close_timeout: float = _UNSET,
+        disk_dir: str | os.PathLike[str] | None = _UNSET,
+        disk_bytes: int = _UNSET,
+        disk_backend: DiskBackend = _UNSET,
+        disk_direct_io: bool | None = _UNSET,
+        disk_queue_depth: int = _UNSET,
+        write_behind_depth: int = _UNSET,
+    ) -> None:
+        # Written by hand (dataclass init=False) so that the shortcuts are arguments, not fields:
+        # fields would be a second copy of the disk settings, and dataclasses.replace would pass
+        # their stale values back beside a new ``disk``. Defaults stay those of the fields above.
+        arguments = dict(locals())
+        for f in fields(self):
+            if f.name == "disk":
+                continue
+            value = arguments[f.name]
+            if value is _UNSET:
+                factory = f.default_factory
+                value = factory() if callable(factory) else f.default
+            object.__setattr__(self, f.name, value)
+        self._check()
+        given = {short: arguments[short] for short in DISK_SHORTCUTS if arguments[short] is not _UNSET}
+        object.__setattr__(self, "disk", _resolve_disk(disk, given))
+
+    # -- read-only views of the disk settings (the shortcuts' names) ------------------------------
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """``disk.directory``; None when there is no disk tier."""
+        return self.disk.directory if self.disk is not None else None
+
+    @property
+    def disk_bytes(self) -> int:
+        """``disk.capacity_bytes`` (``DiskConfig``'s default when there is no disk tier)."""
+        return int(self._disk_value("capacity_bytes"))
+
+    @property
+    def disk_backend(self) -> DiskBackend:
+        """``disk.backend`` (``DiskConfig``'s default when there is no disk tier)."""
+        value = self._disk_value("backend")
+        assert isinstance(value, DiskBackend)
+        return value
+
+    @property
+    def disk_direct_io(self) -> bool | None:
+        """``disk.direct_io`` (``DiskConfig``'s default when there is no disk tier)."""
+        value = self._disk_value("direct_io")
+        return None if value is None else bool(value)
+
+    @property
+    def disk_queue_depth(self) -> int:
+        """``disk.queue_depth`` (``DiskConfig``'s default when there is no disk tier)."""
+        return int(self._disk_value("queue_depth"))
+
+    @property
+    def write_behind_depth(self) -> int:
+        """``disk.write_behind_depth`` (``DiskConfig``'s default when there is no disk tier)."""
+        return int(self._disk_value("write_behind_depth"))
+
+    def _disk_value(self, name: str) -> Any:
+        return getattr(self.disk, name) if self.disk is not None else _disk_default(name)
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Validate the cache's own fields (the disk tier's are DiskConfig's to check)."""
+        for name in ("cpu_bytes", "seen_window", "staging_pages", "launch_pages", "pool_chunk_bytes",
+                     "pool_workers", "tp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be positive, got {value}")
         if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int):
-            raise TypeError("CacheConfig.tp_rank must be an int")
+            raise TypeError(f"CacheConfig.tp_rank must be an int, got {type(self.tp_rank).__name__}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"CacheConfig.tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
-        if self.disk_dir is not None and not isinstance(self.disk_dir, (str, Path)):
-            raise TypeError(f"CacheConfig.disk_dir must be a Path or None, got {type(self.disk_dir).__name__}")
-        if isinstance(self.disk_dir, str):
-            object.__setattr__(self, "disk_dir", Path(self.disk_dir))
         if not isinstance(self.namespace, str):
-            raise TypeError("CacheConfig.namespace must be a str")
-        if not isinstance(self.disk_backend, DiskBackend):
-            raise TypeError(f"CacheConfig.disk_backend must be a DiskBackend, got {self.disk_backend!r}")
+            raise TypeError(f"CacheConfig.namespace must be a str, got {type(self.namespace).__name__}")
         if self.transfer_path is not None and not isinstance(self.transfer_path, TransferPath):
             raise TypeError(f"CacheConfig.transfer_path must be a TransferPath or None, got {self.transfer_path!r}")
         if not isinstance(self.admission, Admission):
             raise TypeError(f"CacheConfig.admission must be an Admission, got {self.admission!r}")
-        if self.prefill_tokens_per_s is not None and (
-            isinstance(self.prefill_tokens_per_s, bool) or not isinstance(self.prefill_tokens_per_s, (int, float))
-            or not self.prefill_tokens_per_s > 0
-        ):
-            raise ValueError("CacheConfig.prefill_tokens_per_s must be None or a positive number")
-        if isinstance(self.offload_wait, bool) or not isinstance(self.offload_wait, (int, float)) \
-                or not self.offload_wait >= 0:
-            raise ValueError("CacheConfig.offload_wait must be a non-negative number of seconds")
-        if not isinstance(self.close_timeout, (int, float)) or self.close_timeout < 0:
-            raise ValueError("CacheConfig.close_timeout must be a non-negative number of seconds")
+        rate = self.prefill_tokens_per_s
+        if rate is not None:
+            _check_number("prefill_tokens_per_s", rate)
+            if not rate > 0:
+                raise ValueError(f"CacheConfig.prefill_tokens_per_s must be None or positive, got {rate}")
+        for name in ("offload_wait", "close_timeout"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not value >= 0:  # NaN fails too
+                raise ValueError(f"CacheConfig.{name} must be a non-negative number of seconds, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"CacheConfig.{name} must be a number, got {type(value).__name__}")
+
+
+def _shortcut_value(short: str, value: object) -> object:
+    """``value`` of shortcut ``short`` as the ``DiskConfig`` field holds it (a str path becomes a
+    Path), after checking it against that field's rules."""
+    label = f"CacheConfig.{short}"
+    if short == "disk_dir":
+        if not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"{label} must be a path or None, got {type(value).__name__}")
+        value = Path(value)
+    check_disk_setting(DISK_SHORTCUTS[short], value, label)
+    return value
+
+
+def _resolve_disk(disk: object, given: dict[str, object]) -> DiskConfig | None:
+    """The one ``DiskConfig`` (or None) from the ``disk`` argument and the shortcuts ``given``."""
+    if disk is not _UNSET and disk is not None and not isinstance(disk, DiskConfig):
+        raise TypeError(f"CacheConfig.disk must be a DiskConfig or None, got {type(disk).__name__}")
+    off = "disk_dir" in given and given["disk_dir"] is None
+    values = {DISK_SHORTCUTS[s]: _shortcut_value(s, v) for s, v in given.items() if not (s == "disk_dir" and off)}
+    if disk is _UNSET:
+        if off:
+            # disk_dir=None: no disk tier, whatever else was given (as before the nested config).
+            return None
+        if not values:
+            return default_disk()  # the field's default
+        directory = values.pop("directory", None) or default_disk_dir()
+        if directory is None:  # no writable default directory: no disk tier
+            return None
+        return DiskConfig(directory=directory, **values)  # type: ignore[arg-type]  # each checked above
+    if disk is None:
+        named = [s for s in given if s != "disk_dir"]
+        if named:
+            raise ValueError(f"CacheConfig.{named[0]} is given but disk=None turns the disk tier off")
+        return None
+    assert isinstance(disk, DiskConfig)
+    if off:
+        raise ValueError("CacheConfig.disk_dir=None turns the disk tier off, but disk= configures one: give one")
+    for short in given:
+        name = DISK_SHORTCUTS[short]
+        if values[name] != getattr(disk, name):
+            raise ValueError(
+                f"CacheConfig.{short}={values[name]!r} disagrees with disk.{name}={getattr(disk, name)!r}: "
+                f"give one of them (to change a config, replace its disk: "
+                f"dataclasses.replace(config, disk=dataclasses.replace(config.disk, {name}=...)))"
+            )
+    return disk

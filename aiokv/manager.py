@@ -30,7 +30,7 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome, StaleHandleError
 from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
-from aiokv.storage import DiskConfig, DiskTier
+from aiokv.storage import DiskTier
 from aiokv.stream import LoadStream
 from aiokv.transfers import Copy, Transfers
 
@@ -101,24 +101,13 @@ class CacheManager:
             await pool.aclose()
             raise RuntimeError("the cache was closed while it was starting")
         self._pool = pool
-        if cfg.disk_dir is not None:
-            disk = DiskTier(
-                DiskConfig(
-                    directory=cfg.disk_dir,
-                    capacity_bytes=cfg.disk_bytes,
-                    backend=cfg.disk_backend,
-                    direct_io=cfg.disk_direct_io,
-                    queue_depth=cfg.disk_queue_depth,
-                    write_behind_depth=cfg.write_behind_depth,
-                ),
-                self.layout,
-                self._pool,
-            )
+        if cfg.disk is not None:
+            disk = DiskTier(cfg.disk, self.layout, self._pool)
             try:
                 await disk.start()
                 self._disk = disk
             except OSError as exc:
-                self.faults.record("disk_unavailable", f"disk tier at {cfg.disk_dir} is off: {exc}")
+                self.faults.record("disk_unavailable", f"disk tier at {cfg.disk.directory} is off: {exc}")
                 await disk.aclose()
         return self._pool
 
