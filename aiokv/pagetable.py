@@ -264,7 +264,9 @@ class PageTable:
         out: list[Reservation] = []
         exhausted = False
         present: list[int] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
-        index, state, lru = self._index, self._state, self._lru
+        # Locals: this loop runs once per page of every offload.
+        index, state, lru, recycled = self._index, self._state, self._lru, self._recycled
+        page_keys, refs, generation = self._keys, self._refs, self._generation
         for key in keys:
             page = index.get(key)
             if page is not None:
@@ -274,16 +276,18 @@ class PageTable:
                     present.append(page)
                 out.append(Reservation(key, outcome))
                 continue
-            if exhausted or (page := self._allocate()) is None:
+            if not exhausted:
+                page = recycled.pop() if recycled else self._allocate()
+            if page is None:
                 exhausted = True
                 self._exhausted += 1
                 out.append(Reservation(key, ReserveOutcome.EXHAUSTED))
                 continue
             state[page] = _RESERVED
-            self._keys[page] = key
-            self._refs[page] = 1
+            page_keys[page] = key
+            refs[page] = 1
             index[key] = page
-            out.append(Reservation(key, ReserveOutcome.RESERVED, PageHandle(page, self._generation[page], key)))
+            out.append(Reservation(key, ReserveOutcome.RESERVED, PageHandle(page, generation[page], key)))
         # Back as most recently used, the call's first page last: a later eviction takes the
         # deepest page of the prefix first, which keeps the rest of the prefix matchable.
         for page in reversed(present):
@@ -361,16 +365,22 @@ class PageTable:
     def evict(self, count: int) -> list[PageKey]:
         """Evict up to ``count`` least recently used unreferenced READY pages; returns their keys."""
         keys: list[PageKey] = []
-        while len(keys) < count and self._lru:
-            page, _ = self._lru.popitem(last=False)
-            key = self._keys[page]
-            assert key is not None
+        while len(keys) < count and (key := self._evict_one()) is not None:
             keys.append(key)
-            self._free_page(page)
-            self._evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(key)
         return keys
+
+    def _evict_one(self) -> PageKey | None:
+        """Free the least recently used evictable page (onto the recycled stack); its key, or None."""
+        if not self._lru:
+            return None
+        page, _ = self._lru.popitem(last=False)
+        key = self._keys[page]
+        assert key is not None
+        self._free_page(page)
+        self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
+        return key
 
     def discard(self, key: PageKey) -> bool:
         """Drop an unreferenced READY page (e.g. its content was found bad); False if it could not be."""
@@ -394,7 +404,7 @@ class PageTable:
                 starts[-1] = page + 1
             self._fresh -= 1
             return page
-        if self.evict(1):
+        if self._evict_one() is not None:
             return self._recycled.pop()
         return None
 
