@@ -16,8 +16,17 @@ Both then wait until every chunk is prepared ("fill", stall measured too) when t
 ``--leftover-gib`` first leaves a segment of that size behind a SIGKILLed child process, so the next
 ``open`` also reclaims it (unlinking frees memory: off the loop).
 
+``--table PAGES...`` measures the page table alone instead, GC enabled, at each page count: built in
+a thread (as ``PagePool.open`` does) then handed its pages chunk by chunk on the loop (max loop
+stall, GC time and full passes, GC-tracked objects it added), then, full of READY pages, the loop
+time of one 256-page batch of each hot-path operation (``offload``: reserve with evictions and
+commit; ``match+load``: acquire the prefix, check and release each handle; ``statistics``).
+``--against REV`` measures the page table of that git revision too, alternated in the same run, and
+prints ratios against it.
+
     python tools/bench_start.py                                # 1, 4, 16 GiB; 8B-model pages
     python tools/bench_start.py --page-tokens 16 --leftover-gib 4 --json out.json
+    python tools/bench_start.py --table 65536 262144 1048576 --against b6a79ae
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ import multiprocessing.synchronize
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+import aiokv.pagetable
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.shm import shm_free_bytes
@@ -252,6 +265,150 @@ def report(rows: list[Row]) -> None:
         print(f"  {gib:6.2f} GiB: usable {ou:.1f} / {su:.1f} ms = {ou / su:.2f}x; stall {os_:.2f} / {ss:.2f} ms")
 
 
+@dataclass(frozen=True)
+class TableRow:
+    impl: str
+    pages: int
+    build_ms: float
+    add_ms: float
+    max_stall_ms: float
+    gc_ms: float
+    gc_full_passes: int
+    tracked_objects: int
+    offload_us: float
+    match_load_us: float
+    statistics_us: float
+
+
+def load_table_module(rev: str) -> types.ModuleType:
+    """``aiokv/pagetable.py`` as of git revision ``rev``, imported under its own module name."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:aiokv/pagetable.py"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"pagetable_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their class's module up
+    exec(compile(source, f"{rev}:aiokv/pagetable.py", "exec"), module.__dict__)
+    return module
+
+
+def _batch_us(op: Callable[[], object], repeat: int) -> float:
+    """Median loop time of ``op`` (microseconds) over ``repeat`` calls."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+async def measure_table(impl: str, module: types.ModuleType, pages: int, chunk: int, repeat: int) -> TableRow:
+    gc.collect()
+    tracked = len(gc.get_objects())
+    passes = [0]
+
+    def count_full(phase: str, info: dict[str, int]) -> None:
+        passes[0] += phase == "start" and info["generation"] == 2
+
+    gc.callbacks.append(count_full)
+    clock = GcClock()
+    probe = LagProbe()
+    await asyncio.sleep(0.01)  # the probe's first ticks
+    probe.take()
+    start = time.perf_counter()
+    table = await asyncio.get_running_loop().run_in_executor(None, module.PageTable, pages)
+    build = time.perf_counter() - start
+    add = 0.0
+    for first in range(0, pages, chunk):
+        begin = time.perf_counter()
+        table.add_usable(range(first, min(first + chunk, pages)))  # as PagePool absorbs a chunk
+        add += time.perf_counter() - begin
+        await asyncio.sleep(0)
+    stall = max(probe.take(), default=0.0)
+    probe.stop()
+    gc_seconds = clock.stop()
+    gc.callbacks.remove(count_full)
+    added = len(gc.get_objects()) - tracked
+
+    # Fill it with READY pages, then time 256-page batches of the hot path on the full table.
+    counter = iter(range(1 << 62))
+
+    def new_keys() -> list[bytes]:
+        return [next(counter).to_bytes(16, "little") for _ in range(256)]
+
+    for _ in range(pages // 256):
+        for r in table.reserve(new_keys()):
+            table.commit(r.handle)
+    resident = new_keys()  # a prefix that stays in the pool: matched over and over
+    for r in table.reserve(resident):
+        table.commit(r.handle)
+
+    def offload() -> None:
+        for r in table.reserve(new_keys()):  # each new page evicts the least recently used one
+            table.commit(r.handle)
+
+    def match_load() -> None:
+        handles = table.acquire_prefix(resident)
+        for h in handles:
+            table.check(h)
+        for h in handles:
+            table.release(h)
+
+    return TableRow(
+        impl=impl,
+        pages=pages,
+        build_ms=_ms(build),
+        add_ms=_ms(add),
+        max_stall_ms=_ms(stall),
+        gc_ms=_ms(gc_seconds),
+        gc_full_passes=passes[0],
+        tracked_objects=added,
+        offload_us=_batch_us(offload, repeat),
+        match_load_us=_batch_us(match_load, repeat),
+        statistics_us=_batch_us(table.statistics, repeat),
+    )
+
+
+async def run_table(args: argparse.Namespace) -> list[TableRow]:
+    impls: list[tuple[str, types.ModuleType]] = [("current", aiokv.pagetable)]
+    if args.against:
+        impls.append((args.against, load_table_module(args.against)))
+    rows: list[TableRow] = []
+    for pages in args.table:
+        for rep in range(args.repeat):
+            for impl, module in impls if rep % 2 == 0 else impls[::-1]:
+                row = await measure_table(impl, module, pages, args.table_chunk, args.ops_repeat)
+                rows.append(row)
+                print(json.dumps(asdict(row)), file=sys.stderr)
+    return rows
+
+
+def report_table(rows: list[TableRow]) -> None:
+    print(
+        f"{'impl':>9} {'pages':>8} {'build ms':>9} {'add ms':>7} {'max stall':>9} {'gc ms':>7} {'full gc':>7} "
+        f"{'objects':>8} {'offload us':>10} {'match+load us':>13} {'stats us':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r.impl:>9} {r.pages:8d} {r.build_ms:9.1f} {r.add_ms:7.1f} {r.max_stall_ms:9.2f} {r.gc_ms:7.1f} "
+            f"{r.gc_full_passes:7d} {r.tracked_objects:8d} {r.offload_us:10.1f} {r.match_load_us:13.1f} "
+            f"{r.statistics_us:9.1f}"
+        )
+    others = sorted({r.impl for r in rows} - {"current"})
+    for other in others:
+        print(f"ratios current/{other} (medians per size): max stall, offload, match+load, statistics")
+        for pages in sorted({r.pages for r in rows}):
+
+            def med(impl: str, field: str, n: int = pages) -> float:
+                return statistics.median(getattr(r, field) for r in rows if r.impl == impl and r.pages == n)
+
+            parts = []
+            for field in ("max_stall_ms", "offload_us", "match_load_us", "statistics_us"):
+                a, b = med("current", field), med(other, field)
+                parts.append(f"{a:.1f}/{b:.1f} = {a / b:.2f}x" if b else f"{a:.1f}/{b:.1f}")
+            print(f"  {pages:8d} pages: " + "; ".join(parts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0, 16.0], help="pool sizes (GiB)")
@@ -266,13 +423,23 @@ def main() -> int:
     parser.add_argument("--leftover-gib", type=float, default=0.0, help="reclaim a SIGKILLed child's segment first")
     parser.add_argument("--layers", type=int, default=32, help="layers of the (8B-shaped) layout")
     parser.add_argument("--workers", type=int, default=4, help="chunk-preparation threads (CacheConfig default 4)")
+    parser.add_argument("--table", type=int, nargs="+", help="page counts: measure the page table alone")
+    parser.add_argument("--table-chunk", type=int, default=4096, help="pages handed over per chunk (--table)")
+    parser.add_argument("--ops-repeat", type=int, default=200, help="timed batches per hot-path operation (--table)")
+    parser.add_argument("--against", help="git revision whose page table is measured alongside (--table)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    rows = asyncio.run(run(args))
-    report(rows)
+    if args.table:
+        table_rows = asyncio.run(run_table(args))
+        report_table(table_rows)
+        dumped: list[dict[str, object]] = [asdict(r) for r in table_rows]
+    else:
+        rows = asyncio.run(run(args))
+        report(rows)
+        dumped = [asdict(r) for r in rows]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            json.dump(dumped, f, indent=1)
     return 0
 
 
