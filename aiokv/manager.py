@@ -31,6 +31,7 @@ from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome, 
 from aiokv.pool import PagePool
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
 from aiokv.storage import DiskTier
+from aiokv.storage.faults import fault_name
 from aiokv.stream import LoadStream
 from aiokv.transfers import Copy, Transfers
 
@@ -102,7 +103,8 @@ class CacheManager:
             raise RuntimeError("the cache was closed while it was starting")
         self._pool = pool
         if cfg.disk is not None:
-            disk = DiskTier(cfg.disk, self.layout, self._pool)
+            # One fault log: the tier counts its I/O faults (disk_eio, ...) where the cache counts its own.
+            disk = DiskTier(cfg.disk, self.layout, self._pool, self.faults)
             try:
                 await disk.start()
                 self._disk = disk
@@ -622,10 +624,10 @@ class CacheManager:
         """A frozen snapshot of the counters."""
         pool = self.pool.statistics()
         disk = self._disk.statistics() if self._disk is not None else None
-        errors = dict(self.faults.counts())
+        errors = dict(self.faults.counts())  # the disk tier's faults included: it shares the log
         if disk is not None:
-            for kind, count in disk.errors.items():
-                errors[f"disk_{kind.value}"] = count
+            for kind in disk.errors:
+                errors.setdefault(fault_name(kind), 0)  # every disk kind reported, zeros included
         return CacheStatistics(
             lookups=self._lookups,
             hit_tokens=MappingProxyType({tier: self._hit_tokens[tier] for tier in Tier}),
