@@ -191,11 +191,35 @@ def _runtime_library() -> ctypes.CDLL | None:
             continue
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         memcpy.restype = ctypes.c_int
+        try:
+            memcpy2d = lib.cudaMemcpy2DAsync
+        except AttributeError:
+            continue
+        memcpy2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                             ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        memcpy2d.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         _runtime = lib
         break
     return _runtime
+
+
+def memcpy2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
+                   stream: torch.cuda.Stream) -> None:
+    """Queue ``cudaMemcpy2DAsync``: ``height`` rows of ``width`` bytes, row i from ``src + i * spitch``
+    to ``dst + i * dpitch``, on ``stream`` (as :func:`memcpy_async`; the host rows must lie in one
+    ``cudaHostRegister`` range). One call for many slabs: the runtime's per-call host cost, not
+    PCIe, bounded a layer-wise load of thousands of 1 MiB slabs one call each."""
+    lib = _runtime_library()
+    if lib is None:
+        raise RuntimeError("no CUDA runtime library is loaded in this process")
+    err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+    if err != 0:
+        message = lib.cudaGetErrorString(err) or b"?"
+        raise RuntimeError(
+            f"cudaMemcpy2DAsync({height} x {width} bytes) failed: CUDA error {err} ({message.decode()})"
+        )
 
 
 def raw_memcpy_available() -> bool:

@@ -371,6 +371,12 @@ class PagePool:
         return self.memory.num_pages
 
     @property
+    def chunk_pages(self) -> int:
+        """Pages per preparation chunk; chunk i is pages ``[i * chunk_pages, (i + 1) * chunk_pages)``,
+        registered with CUDA (pinned) as one range, so one copy may span pages of one chunk only."""
+        return len(self._chunk_pages[0]) if len(self._chunk_pages) > 1 else self.memory.num_pages
+
+    @property
     def name(self) -> str:
         """Shared-memory name other processes pass to :meth:`attach`."""
         return self.memory.segment.name

@@ -107,6 +107,21 @@ def layer_groups(count: int, capacity: int) -> list[range]:
     return groups
 
 
+def slab_runs(page_ids: Sequence[int], run_pages: int) -> list[tuple[int, int, int]]:
+    """``(first slab, first page, count)`` runs of ``page_ids``: consecutive page ids that lie in
+    one registration of ``run_pages`` pages (registrations start at page 0), so each run is one 2-D
+    copy; 1 makes every page its own run."""
+    runs: list[tuple[int, int, int]] = []
+    for j, page in enumerate(page_ids):
+        if runs:
+            first_slab, first_page, count = runs[-1]
+            if page == first_page + count and page // run_pages == first_page // run_pages:
+                runs[-1] = (first_slab, first_page, count + 1)
+                continue
+        runs.append((j, page, 1))
+    return runs
+
+
 def layer_schedule(layers: int, groups: int, buffers: int) -> list[LayerUnit]:
     """Issue order of a layer-wise load: layer 0 of every group in page order, then layer 1, ...
 
@@ -153,6 +168,8 @@ class PageMover:
     ``pages``: the pool tensor ``[N, L, T, rows, D]`` (``PagePool.pages``); with a CUDA KV buffer
     the pages used must lie in chunks the pool has registered (pinned + mapped). ``path`` None picks
     STAGING on CUDA and REFERENCE on CPU. ``staging_pages``: GPU staging per direction, in pages.
+    ``run_pages``: the pool is pinned in registrations of this many pages, the first at page 0
+    (``PagePool.chunk_pages``); one copy may cover consecutive pages within one registration.
 
     A rank that holds only part of each page's rows (tensor parallelism) moves them through the
     DIRECT path even when STAGING is asked for: its rows are strided in the page, and one contiguous
@@ -166,6 +183,7 @@ class PageMover:
         pages: torch.Tensor,
         path: TransferPath | None = None,
         staging_pages: int = DEFAULT_STAGING_PAGES,
+        run_pages: int = 1,
     ) -> None:
         if not isinstance(kv, KVBuffer):
             raise ValueError(f"kv must be a KVBuffer (KVBuffer.wrap), got {type(kv).__name__}")
@@ -189,6 +207,9 @@ class PageMover:
         self._direct: CopyPlan | None = None
         self._layered: _LayerStaging | None = None
         self._raw_memcpy = self._cuda and _cuda.raw_memcpy_available()
+        if isinstance(run_pages, bool) or not isinstance(run_pages, int) or run_pages < 1:
+            raise ValueError(f"run_pages must be a positive int, got {run_pages!r}")
+        self.run_pages = run_pages
         self._layered_done: torch.cuda.Event | None = None
         """The last layer-wise load's end: later whole-page loads on other lanes reuse its staging."""
         staged = self.effective_path is TransferPath.STAGING
@@ -460,8 +481,12 @@ class PageMover:
             dst = buffer.data_ptr()
             src = pages.data_ptr() + layer * pages.stride(1) * itemsize
             page_stride = pages.stride(0) * itemsize
-            for j, page in enumerate(page_ids):
-                _cuda.memcpy_async(dst + j * slab, src + page * page_stride, slab, stream)
+            for j, page, count in slab_runs(page_ids, self.run_pages):
+                if count == 1:
+                    _cuda.memcpy_async(dst + j * slab, src + page * page_stride, slab, stream)
+                else:
+                    _cuda.memcpy2d_async(dst + j * slab, slab, src + page * page_stride, page_stride, slab, count,
+                                         stream)
             return
         for j, page in enumerate(page_ids):
             buffer[j].copy_(self.pages[page, layer], non_blocking=True)

@@ -170,6 +170,35 @@ def test_layer_wise_load_of_registered_pool_pages_at_real_shapes(real: tuple[KVL
     assert kv_equal(back, expect)
 
 
+def test_layer_wise_runs_of_consecutive_pages_as_2d_copies(real: tuple[KVLayout, PagePool]) -> None:
+    # Runs of consecutive pool pages go as one cudaMemcpy2DAsync each, never across two pinned
+    # registrations (chunks of the pool): pages 0-9 in small chunks, loaded in an order that makes
+    # runs, breaks and chunk crossings.
+    layout, big = real
+    big.close()
+    pool = PagePool.create(layout, PAGES * layout.page_bytes, chunk_bytes=3 * layout.page_bytes)
+    pool.wait_ready_blocking()
+    try:
+        assert pool.chunk_pages == 3
+        kv = _random_kv(layout, 12)
+        gen = torch.Generator().manual_seed(12)
+        page_ids = [1, 2, 3, 4, 5, 9, 7, 8, 0]
+        event = PageMover(kv, pool.pages).offload(distinct_slots(9 * layout.page_tokens, SLOTS, gen), page_ids)
+        assert event is not None
+        event.synchronize()
+        slots = distinct_slots(9 * layout.page_tokens - 5, SLOTS, gen)
+        back = empty_like_kv(kv)
+        mover = PageMover(back, pool.pages, TransferPath.STAGING, 8, run_pages=pool.chunk_pages)
+        events = mover.load_layers(page_ids, slots, 5)
+        assert events is not None
+        events[-1].synchronize()
+        expect = empty_like_kv(kv)
+        reference_scatter(expect, pool.pages, slots, page_ids, skip_first=5)
+        assert kv_equal(back, expect)
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8], ids=str)
 @pytest.mark.parametrize("staging_pages", [1, 8])  # one-page groups (37 a layer) and groups of 13
 @pytest.mark.parametrize("raw", [True, False], ids=["cudart", "torch-copy"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiokv.kernels.mover import LAYER_BUFFERS, layer_groups, layer_schedule, split_layer_staging
+from aiokv.kernels.mover import LAYER_BUFFERS, layer_groups, layer_schedule, slab_runs, split_layer_staging
 
 
 @pytest.mark.parametrize("capacity", [1, 5, 42])
@@ -78,3 +78,15 @@ def test_staging_split_into_up_to_three_equal_buffers() -> None:
         count, each = split_layer_staging(slabs)
         assert (count, each) == expected, slabs
         assert count * each <= slabs
+
+
+def test_slab_runs_join_consecutive_pages_within_one_registration() -> None:
+    # Registrations of 4 pages: 0-3, 4-7, 8-11. Runs never cross one (a copy may not span two
+    # cudaHostRegister ranges) and never join pages that are not consecutive.
+    ids = [2, 3, 4, 5, 6, 9, 8, 10, 11, 12]
+    assert slab_runs(ids, 4) == [(0, 2, 2), (2, 4, 3), (5, 9, 1), (6, 8, 1), (7, 10, 2), (9, 12, 1)]
+    assert slab_runs(ids, 1) == [(j, p, 1) for j, p in enumerate(ids)]
+    assert slab_runs(list(range(5)), 100) == [(0, 0, 5)]
+    assert slab_runs([], 4) == []
+    covered = [p for _, first, n in slab_runs(ids, 4) for p in range(first, first + n)]
+    assert covered == ids
