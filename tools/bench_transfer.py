@@ -122,7 +122,7 @@ class Bench:
         # and one memcpy may not cross two registrations).
         self.pinned = torch.empty((2 * max_pages, *layout.page_shape), dtype=layout.dtype, pin_memory=True)
         self.gen = torch.Generator().manual_seed(seed)
-        self.movers = {path: PageMover(self.kv, self.pool.pages, path) for path in (
+        self.movers = {path: PageMover(self.kv, self.pool.pages, path, run_pages=self.pool.chunk_pages) for path in (
             TransferPath.STAGING, TransferPath.DIRECT)}
 
     def close(self) -> None:
