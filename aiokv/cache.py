@@ -76,7 +76,7 @@ class KVCache(CacheFacade):
 
         cfg = self.config
         path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
-        mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages)
+        mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)
 
