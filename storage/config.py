@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import enum
-import errno
 import functools
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-from .safefiles import UnsafeFileError
-
-log = logging.getLogger("aiokv.storage.disk")
 
 
 class DiskBackend(enum.Enum):
@@ -224,40 +218,3 @@ class DiskStatistics:
     """Writes refused because the tier is read-only."""
     skipped_at_scan: int = 0
     """Fan-out directories and files that could not be read at start (their faults are in ``errors``)."""
-
-
-_KINDS = {
-    errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
-    errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
-    errno.ELOOP: ErrorKind.UNSAFE,  # O_NOFOLLOW met a symlink
-}
-
-
-class FaultCounter:
-    """I/O faults counted by kind, each kind logged once."""
-
-    def __init__(self) -> None:
-        self._counts = dict.fromkeys(ErrorKind, 0)
-        self._logged: set[object] = set()
-
-    def first(self, what: object) -> bool:
-        """True the first time ``what`` is seen (log it then, count it only afterwards)."""
-        if what in self._logged:
-            return False
-        self._logged.add(what)
-        return True
-
-    def count(self, exc: OSError, what: str) -> None:
-        """Count ``exc`` by its errno (an :class:`UnsafeFileError` as UNSAFE); log the first of each kind."""
-        kind = ErrorKind.UNSAFE if isinstance(exc, UnsafeFileError) else _KINDS.get(exc.errno or 0, ErrorKind.OTHER)
-        self._counts[kind] += 1
-        if self.first(kind):
-            log.warning("disk tier: %s failed: %s (further %s errors counted only)", what, exc, kind.value)
-
-    def unexpected(self, what: str) -> None:
-        """Count a bug-shaped failure (not an OSError) as OTHER, with its traceback."""
-        self._counts[ErrorKind.OTHER] += 1
-        log.exception("disk tier: unexpected failure in %s", what)
-
-    def snapshot(self) -> dict[ErrorKind, int]:
-        return dict(self._counts)
