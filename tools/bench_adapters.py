@@ -47,10 +47,11 @@ TIMED = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_sched
          "on_new_request", "on_request_finished")
 
 
-def build(disk_dir: Path, chunk_bytes: int, cpu_chunks: int, queue_depth: int, backend: str, linger_s: float) -> Any:
+def build(disk_dir: Path, chunk_bytes: int, cpu_chunks: int, queue_depth: int, backend: str, linger_s: float,
+          idle_poll_s: float) -> Any:
     tier = {"type": "AiokvTier", "module_path": "aiokv.adapters.vllm", "disk_dir": str(disk_dir),
             "disk_bytes": 64 << 30, "queue_depth": queue_depth, "disk_backend": backend, "namespace": "bench",
-            "linger_s": linger_s}
+            "linger_s": linger_s, "idle_poll_s": idle_poll_s}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=256, layer_names=("layers",), group_id=0),),
         worker_kv_bytes_per_block=chunk_bytes,
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", help="auto, uring_fixed, uring or threads")
     parser.add_argument("--linger-s", type=float, default=0.05,
                         help="the tier's linger_s: polling time after work before the loop parks, s")
+    parser.add_argument("--idle-poll-s", type=float, default=0.01,
+                        help="the tier's idle_poll_s: a parked loop's look interval, s (0: step ends wake it)")
     parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary page-file directory")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
@@ -204,7 +207,8 @@ def main() -> None:
     total = int(args.gib * (1 << 30)) // chunk_bytes // args.per_request * args.per_request
     requests = total // args.per_request
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        manager = build(Path(tmp), chunk_bytes, total // 2, args.queue_depth, args.backend, args.linger_s)
+        manager = build(Path(tmp), chunk_bytes, total // 2, args.queue_depth, args.backend, args.linger_s,
+                        args.idle_poll_s)
         tier = manager.secondary_tiers[0]
         assert isinstance(tier, AiokvTier)
         times = time_calls(tier)

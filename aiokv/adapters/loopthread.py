@@ -8,8 +8,9 @@ Two ways to hand work over:
   write, and the loop thread, woken by it, may take the GIL first and run its Python for up to the
   switch interval before the engine's thread gets it back: that was the longest call into vLLM's
   tier. The loop picks queued work up itself: it polls every ``poll_s`` while it has posted work
-  running or had some within ``linger_s``, then parks; :meth:`~LoopThread.wake` (one system call,
-  only while parked with work queued) is for the engine's once-per-step hook and for blocking calls.
+  running or had some within ``linger_s``, then parks, looking only every ``idle_poll_s`` (0: not at
+  all). :meth:`~LoopThread.wake` (one system call, only while parked with work queued) makes a
+  parked loop look now, for callers that prefer that system call to the parked loop's latency.
 - :meth:`~LoopThread.submit` / :meth:`~LoopThread.call` / :meth:`~LoopThread.run` wake the loop
   at once and return a ``concurrent.futures.Future`` (for calls that wait anyway).
 
@@ -39,13 +40,16 @@ class LoopThread:
 
     ``poll_s``: how often the loop picks up posted work while busy, seconds. ``linger_s``: how
     long it keeps polling after its last posted work ended before it parks, seconds.
+    ``idle_poll_s``: how often a parked loop still looks, seconds; 0: only when woken.
     """
 
-    def __init__(self, name: str, poll_s: float = 0.001, linger_s: float = 0.05) -> None:
-        if not poll_s > 0 or not linger_s >= 0:
-            raise ValueError(f"poll_s must be > 0 and linger_s >= 0, got {poll_s}, {linger_s}")
+    def __init__(self, name: str, poll_s: float = 0.001, linger_s: float = 0.05, idle_poll_s: float = 0.0) -> None:
+        if not poll_s > 0 or not linger_s >= 0 or not idle_poll_s >= 0:
+            raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {poll_s}, {linger_s}, "
+                             f"{idle_poll_s}")
         self._poll_s = poll_s
         self._linger_s = linger_s
+        self._idle_poll_s = idle_poll_s
         self._inbox: collections.deque[_Posted] = collections.deque()
         # Read by the engine's threads, written by the loop (and by wake()); see _park.
         self._parked = True
@@ -62,6 +66,7 @@ class LoopThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._started.set)
+        self._loop.call_soon(self._park)
         try:
             self._loop.run_forever()
         finally:
@@ -96,7 +101,8 @@ class LoopThread:
 
     @property
     def parked(self) -> bool:
-        """True while the loop does not poll: posted work waits for :meth:`wake`."""
+        """True while the loop does not poll every ``poll_s``: posted work waits for :meth:`wake` or
+        the next idle look (``idle_poll_s``)."""
         return self._parked
 
     def pending(self) -> int:
@@ -164,6 +170,16 @@ class LoopThread:
         if self._inbox:
             self._parked = False
             self._timer = self._loop.call_later(self._poll_s, self._poll)
+        elif self._idle_poll_s > 0:
+            self._timer = self._loop.call_later(self._idle_poll_s, self._idle_look)
+
+    def _idle_look(self) -> None:
+        self._timer = None
+        if self._inbox:
+            self._parked = False
+            self._poll()
+        else:
+            self._timer = self._loop.call_later(self._idle_poll_s, self._idle_look)
 
     # -- waking hand-over -----------------------------------------------------------------------
 

@@ -71,8 +71,10 @@ class StoreConfig:
     poll_s: float = 0.001
     """While the store is busy, how often its loop picks up work an engine posted, seconds."""
     linger_s: float = 0.05
-    """How long the loop keeps polling after its last posted work, seconds; then it parks and the
-    engine's next hand-over wakes it (one system call)."""
+    """How long the loop keeps polling after its last posted work, seconds; then it parks."""
+    idle_poll_s: float = 0.01
+    """How often a parked loop still looks for posted work, seconds. 0: never; the engine's step-end
+    hand-over then wakes it (one system call, in which the loop thread may take the GIL first)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -87,12 +89,13 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
-        for name in ("poll_s", "linger_s"):
+        for name in ("poll_s", "linger_s", "idle_poll_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not self.poll_s > 0 or not self.linger_s >= 0:
-            raise ValueError(f"poll_s must be > 0 and linger_s >= 0, got {self.poll_s}, {self.linger_s}")
+        if not self.poll_s > 0 or not self.linger_s >= 0 or not self.idle_poll_s >= 0:
+            raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {self.poll_s}, "
+                             f"{self.linger_s}, {self.idle_poll_s}")
 
     @property
     def pages_in_staging(self) -> int:
@@ -103,10 +106,10 @@ class StoreConfig:
     def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
-        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``. Unknown names raise
+        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``. Unknown names raise
         ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-                 "poll_s", "linger_s"}
+                 "poll_s", "linger_s", "idle_poll_s"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
@@ -132,6 +135,7 @@ class StoreConfig:
             staging_pages=_int_option(options, "staging_pages", 0),
             poll_s=_float_option(options, "poll_s", 0.001),
             linger_s=_float_option(options, "linger_s", 0.05),
+            idle_poll_s=_float_option(options, "idle_poll_s", 0.01),
         )
 
 
@@ -188,7 +192,8 @@ class PageFileStore:
         self._pool: PagePool | None = None
         self._disk: DiskTier | None = None
         self._slots: asyncio.Semaphore | None = None
-        self.thread = LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s)
+        self.thread = LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s,
+                                 idle_poll_s=config.idle_poll_s)
         try:
             self.thread.run(self._open())
         except BaseException:

@@ -11,15 +11,15 @@ Configure it in ``kv_connector_extra_config`` of vLLM's ``OffloadingConnector``:
 The tier runs in vLLM's scheduler process. vLLM calls it synchronously, under its manager lock; every
 call here only updates dictionaries and deques and queues work for aiokv's event loop on a thread
 of the tier's own (:class:`~aiokv.adapters.loopthread.LoopThread`) without waking it, so no call
-waits for a disk, a copy or the loop, and none makes a system call (which would let the loop thread
-take the GIL) except ``on_schedule_end`` when the loop is parked:
+waits for a disk, a copy or the loop, and none makes a system call (in which the loop thread could
+take the GIL). The loop looks for queued work every ``poll_s`` while busy, every ``idle_poll_s``
+once parked (``idle_poll_s=0``: ``on_schedule_end`` wakes it instead, one system call per step):
 
 - ``lookup`` answers from verdicts the loop produced; an unknown key is queued and answered RETRY
   (vLLM keeps scanning and asks again next step); ``on_schedule_end`` posts the step's queue.
-- ``submit_store`` / ``submit_load`` queue one job; the loop, polling while busy, starts it within
-  ``poll_s``, and ``on_schedule_end`` wakes a parked loop. ``get_finished_jobs`` pops the finished
-  ones (a load reports the keys that arrived when only some did); ``drain_jobs`` blocks, as vLLM's
-  contract asks, until every job and lookup is done, handed over at a step end or not.
+- ``submit_store`` / ``submit_load`` queue one job. ``get_finished_jobs`` pops the finished ones
+  (a load reports the keys that arrived when only some did); ``drain_jobs`` blocks, as vLLM's
+  contract asks, until every job and lookup is done, whether a step end handed it over or not.
 
 Chunk ``c`` of vLLM's shared CPU region is row ``c`` of ``primary_kv_view``. Keys: vLLM's offload
 key (block hash, which mixes its cache salt, LoRA and multimodal hashes, plus the KV group) under
@@ -83,7 +83,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     Options (the tier's config entries besides ``type`` and ``module_path``): ``disk_dir`` (default
     ``$XDG_CACHE_HOME/aiokv``), ``disk_bytes`` (64 GiB), ``namespace``, ``disk_backend`` (``auto``,
     ``uring_fixed``, ``uring``, ``threads``), ``direct_io``, ``queue_depth``, ``staging_pages``,
-    ``poll_s`` / ``linger_s`` (how often the loop polls while busy, how long before it parks),
+    ``poll_s`` / ``linger_s`` / ``idle_poll_s`` (how often the loop polls while busy, how long
+    before it parks, how often it looks while parked; 0: on_schedule_end wakes it instead),
     ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter). Raises ``TypeError``/``ValueError`` for
     a wrong option and ``OSError`` when the directory cannot be used.
     """
@@ -106,12 +107,14 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         staging_pages: int = 0,
         poll_s: float = 0.001,
         linger_s: float = 0.05,
+        idle_poll_s: float = 0.01,
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
                                       "direct_io": direct_io, "queue_depth": queue_depth,
-                                      "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s}
+                                      "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s,
+                                      "idle_poll_s": idle_poll_s}
         if disk_dir is not None:
             options["disk_dir"] = disk_dir
         if disk_bytes is not None:
@@ -160,9 +163,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         return LookupResult.HIT if verdict else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Post the step's queued lookups to the loop, and wake it if it is parked with work
-        queued (jobs submitted this step, these lookups): the one hand-over per step that may
-        make a system call."""
+        """Post the step's queued lookups to the loop. With ``idle_poll_s=0`` also wake the loop
+        if it is parked with work queued: the one hand-over per step that may make a system call
+        (by default a parked loop finds the work itself within ``idle_poll_s``)."""
         self._take_answers()
         if self._shut:
             return
@@ -181,7 +184,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
             self._lookups_out += 1
             store.thread.post_call(look_up)
-        self._store.thread.wake()
+        if self._store.config.idle_poll_s == 0:
+            self._store.thread.wake()
 
     def _take_answers(self) -> None:
         while self._answers:

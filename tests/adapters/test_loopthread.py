@@ -129,3 +129,14 @@ def test_an_item_posted_as_the_loop_parks_keeps_it_polling(lt: LoopThread) -> No
     lt.call(post_then_park).result(5)
     assert ran.wait(5)
     assert lt.pending() == 0
+
+
+def test_a_parked_loop_with_idle_polling_finds_work_unwoken() -> None:
+    thread = LoopThread("aiokv-test", poll_s=0.001, linger_s=0.0, idle_poll_s=0.005)
+    try:
+        ran = threading.Event()
+        assert thread.parked
+        thread.post_call(ran.set)  # no wake()
+        assert ran.wait(5)
+    finally:
+        thread.close()

@@ -8,6 +8,7 @@ chunks where vLLM's GPU worker would.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,9 +38,10 @@ CPU_CHUNKS = 4
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def make_manager(disk_dir: Path, model: str = "test/model-a", namespace: str = "tests") -> TieringOffloadingManager:
+def make_manager(disk_dir: Path, model: str = "test/model-a", namespace: str = "tests",
+                 options: dict[str, object] | None = None) -> TieringOffloadingManager:
     tier = {"type": "AiokvTier", "module_path": "aiokv.adapters.vllm", "disk_dir": str(disk_dir),
-            "disk_bytes": 64 * CHUNK_BYTES, "namespace": namespace, "queue_depth": 4}
+            "disk_bytes": 64 * CHUNK_BYTES, "namespace": namespace, "queue_depth": 4, **(options or {})}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.self_attn",), group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES,
@@ -239,8 +241,9 @@ def complete_stores(manager: TieringOffloadingManager, req: str, keys: Sequence[
 def test_submit_does_not_wake_the_loop_and_reset_cache_drains_it(
         tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
     """A job submitted while the loop is parked stays queued (no wake-up system call in submit_*);
-    vLLM's reset_cache, which calls drain_jobs and never on_schedule_end, still gets every result."""
-    manager = make_manager(tmp_path)
+    vLLM's reset_cache, which calls drain_jobs and never on_schedule_end, still gets every result.
+    (idle_poll_s=0: a parked loop sleeps until woken, so the job stays queued until drained.)"""
+    manager = make_manager(tmp_path, options={"idle_poll_s": 0})
     managers.append(manager)
     tier = tier_of(manager)
     thread = tier._store.thread
@@ -260,7 +263,7 @@ def test_submit_does_not_wake_the_loop_and_reset_cache_drains_it(
 
 def test_shutdown_without_a_step_end_finishes_submitted_stores(
         tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
-    manager = make_manager(tmp_path)
+    manager = make_manager(tmp_path, options={"idle_poll_s": 0})  # nothing but shutdown picks the job up
     keys = keys_of("unstepped", 2)
     complete_stores(manager, "r1", keys, [4, 5])
     assert tier_of(manager)._store.thread.pending() == 1
@@ -307,3 +310,28 @@ def test_load_with_one_corrupt_page_reports_the_others(
         manager.on_request_finished(ctx)
     step(manager)
     assert tier.statistics()["corrupt"] == 1
+
+
+def test_a_parked_loop_finds_submitted_jobs_without_any_hand_over(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """Default idle_poll_s: no call wakes the loop, yet the parked loop picks a submitted job up by
+    itself (no step end, no drain); the next step reports it."""
+    manager = make_manager(tmp_path)
+    managers.append(manager)
+    tier = tier_of(manager)
+    thread = tier._store.thread
+    assert thread.parked
+    complete_stores(manager, "r1", keys_of("idle", 2), [6, 7])
+    picked = threading.Event()
+    for _ in range(1000):  # bounded: the parked loop looks every 10 ms
+        if thread.pending() == 0:
+            picked.set()
+            break
+        picked.wait(0.01)
+    assert picked.is_set()
+    step(manager)  # drained: the result is reported at the next step
+    assert tier.statistics()["writes"] == 2
+    with manager.lock:
+        manager.on_request_finished(ReqContext(req_id="r1"))
+    step(manager)
+    assert not manager.has_pending_work()
