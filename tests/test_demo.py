@@ -98,8 +98,10 @@ async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
     original = TPCache.start_load
 
     def corrupting_start_load(self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
-        # Page rows are [K0, K1, V0, V1]; with --tp 2 row 3 is rank 1's V head, layer 0, every token.
-        self.pool.pages[:, 0, :, 3] += 0.5
+        # TP pages are rank-major [parts, L, T, rows/parts, D]; with --tp 2 part 1 is rank 1's
+        # [K, V] head: part 1, layer 0, every token, row 1 is its V head.
+        assert self.pool.pages.dim() == 6 and self.pool.pages.shape[1] == 2
+        self.pool.pages[:, 1, 0, :, 1] += 0.5
         return original(self, match, slots, from_token=from_token)
 
     monkeypatch.setattr(TPCache, "start_load", corrupting_start_load)
