@@ -128,7 +128,7 @@ class PageTable:
         self._waiters: dict[int, asyncio.Future[bool]] = {}  # RESERVED pages someone awaits
         # Free pages: a stack of pages freed after use (taken first, last freed first), then pages
         # never used, as runs [start, stop) of consecutive ids (one per chunk, so adding a chunk
-        # costs O(1) whatever the table's size), highest first so the lowest is taken first: the
+        # costs nothing that grows with the table), highest first so the lowest is taken first: the
         # first chunks prepared, which are also the first registered for CUDA and io_uring.
         self._recycled: array[int] = array("q")
         self._fresh_starts: array[int] = array("q")
@@ -421,7 +421,8 @@ class PageTable:
     # -- introspection --------------------------------------------------------------------------
 
     def statistics(self) -> PageTableStatistics:
-        """Counts by state and lifetime counters (a few vectorised passes: ~0.1 ms per 262K pages)."""
+        """Counts by state and lifetime counters (vectorised: ~0.2 ms for 262K pages, where a loop
+        over per-page objects took ~200 ms)."""
         state = np.frombuffer(self._state, dtype=np.uint8)
         ready = state == _READY
         referenced = np.count_nonzero(ready & (np.frombuffer(self._refs, dtype=np.int64) > 0))
