@@ -64,7 +64,7 @@ async def one(gib: float, directory: Path, layout: KVLayout) -> tuple[int, float
     config = CacheConfig(cpu_bytes=int(gib * (1 << 30)), disk_dir=directory, disk_bytes=8 << 30, namespace="start")
     gc.collect()  # nothing owed by earlier runs lands in this one
     clock = GcClock()
-    stop, lags = asyncio.Event(), []
+    stop, lags = asyncio.Event(), list[float]()
     probe = asyncio.create_task(_lateness(stop, lags))
     start = time.perf_counter()
     async with KVCache(config, layout, kv) as cache:
@@ -77,7 +77,7 @@ async def one(gib: float, directory: Path, layout: KVLayout) -> tuple[int, float
         await probe
         stall = max(lags)
     gc_seconds, full = clock.stop()
-    stop, idle = asyncio.Event(), []
+    stop, idle = asyncio.Event(), list[float]()
     probe = asyncio.create_task(_lateness(stop, idle))
     await asyncio.sleep(first_page)
     stop.set()

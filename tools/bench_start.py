@@ -400,7 +400,7 @@ def report_table(rows: list[TableRow]) -> None:
         for pages in sorted({r.pages for r in rows}):
 
             def med(impl: str, field: str, n: int = pages) -> float:
-                return statistics.median(getattr(r, field) for r in rows if r.impl == impl and r.pages == n)
+                return float(statistics.median(getattr(r, field) for r in rows if r.impl == impl and r.pages == n))
 
             parts = []
             for field in ("max_stall_ms", "offload_us", "match_load_us", "statistics_us"):

@@ -60,6 +60,7 @@ async def test_open_of_a_262k_page_pool_with_gc_on_does_not_stall_the_loop() -> 
     worst = 0.0
     ticked = asyncio.Event()
     due = loop.time() + 0.001
+    handle: asyncio.TimerHandle | None = None
 
     def tick() -> None:
         nonlocal worst, due, handle
@@ -75,7 +76,6 @@ async def test_open_of_a_262k_page_pool_with_gc_on_does_not_stall_the_loop() -> 
     pool = await PagePool.open(SMALL, MANY_PAGES * SMALL.page_bytes, chunk_bytes=CHUNK_PAGES * SMALL.page_bytes)
     try:
         await pool.wait_ready()  # every chunk's pages joined the table on the loop
-        handle.cancel()
         stats = pool.statistics().pages
         assert (stats.capacity, stats.usable) == (MANY_PAGES, MANY_PAGES)
         assert worst < STALL_BOUND, f"the loop stalled {worst * 1e3:.0f} ms while a {MANY_PAGES}-page pool opened"

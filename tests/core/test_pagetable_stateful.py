@@ -60,7 +60,7 @@ class Model:
         self.recycled.append(page)
 
     def evict(self, count: int) -> list[bytes]:
-        keys = []
+        keys: list[bytes] = []
         while len(keys) < count and self.lru:
             page, _ = self.lru.popitem(last=False)
             key = self.pages[page].key
@@ -325,7 +325,7 @@ class PageTableMachine(RuleBasedStateMachine):
         ready = self.model.state_of(key) is PageState.READY
         assert self.table.touch(key) is ready
         page = self.model.index.get(key)
-        if ready and page in self.model.lru:
+        if ready and page is not None and page in self.model.lru:
             self.model.lru.move_to_end(page)
 
     @rule(count=st.integers(0, 3))
