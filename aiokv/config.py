@@ -18,7 +18,8 @@ from types import MappingProxyType
 from typing import Any
 
 from aiokv.kernels import TransferPath
-from aiokv.pool import DEFAULT_CHUNK_BYTES
+from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
+from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 from aiokv.shm import shm_free_bytes
 from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
 
@@ -123,7 +124,7 @@ class CacheConfig:
     transfer_path: TransferPath | None = None
     """GPU <-> pool copy path; None picks STAGING for a CUDA KV buffer and REFERENCE on the CPU."""
 
-    staging_pages: int = 4
+    staging_pages: int = DEFAULT_STAGING_PAGES
     """Pages of GPU staging buffer per direction (staging path)."""
 
     launch_pages: int = 2
@@ -132,7 +133,7 @@ class CacheConfig:
     pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes."""
 
-    pool_workers: int = 4
+    pool_workers: int = DEFAULT_WORKERS
     """Threads that prepare pool chunks in the background."""
 
     tp_rank: int = 0

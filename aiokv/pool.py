@@ -37,6 +37,8 @@ from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_availabl
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_WORKERS = 4
+"""Preparation threads asked for (capped at one fewer than the process's CPUs)."""
 
 
 class PoolClosedError(RuntimeError):
@@ -220,7 +222,7 @@ class PagePool:
         *,
         register_cuda: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        workers: int = 4,
+        workers: int = DEFAULT_WORKERS,
         name_prefix: str = SHM_NAME_PREFIX,
     ) -> PagePool:
         """A pool of ``byte_budget // layout.page_bytes`` pages; chunks are prepared in the background.
@@ -255,7 +257,7 @@ class PagePool:
         *,
         register_cuda: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        workers: int = 4,
+        workers: int = DEFAULT_WORKERS,
         name_prefix: str = SHM_NAME_PREFIX,
     ) -> PagePool:
         """:meth:`create` in a worker thread, then :meth:`wait_usable`; the loop never blocks on set-up.

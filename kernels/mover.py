@@ -39,14 +39,12 @@ from .checks import (
     check_scatter_counts,
     check_slots,
 )
-from .paths import TransferPath, interpreting
+from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
 
 if TYPE_CHECKING:
     from .launch import CopyPlan
 from .reference import reference_gather, reference_scatter
 
-DEFAULT_STAGING_PAGES = 2
-"""Pages of GPU staging per direction (two lanes of one page each): 64 MiB per direction for an 8B model."""
 LAYER_BUFFERS = 3
 """Staging buffers of a layer-wise load: the copy engine fills one while a scatter reads another;
 the third absorbs a scatter delayed behind the engine's own kernels without stalling PCIe."""

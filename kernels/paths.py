@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 import os
 
+DEFAULT_STAGING_PAGES = 4
+"""GPU staging per direction, in pages (here, not in the mover, so the config reads it without Triton)."""
+
 
 class TransferPath(enum.Enum):
     """How pages cross between the GPU and the pool."""

@@ -27,8 +27,9 @@ import itertools
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -38,16 +39,23 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
+from aiokv.storage.config import default_disk_dir as _storage_default_dir
 
 from .loopthread import LoopThread
 
-DEFAULT_DISK_BYTES = 64 << 30
+_DISK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DiskConfig)}
+DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
+"""The disk tier's own default budget (one default per setting, defined in ``DiskConfig``)."""
+DEFAULT_QUEUE_DEPTH: int = _DISK_DEFAULTS["queue_depth"]
 
 
 def default_disk_dir() -> Path:
-    """``$XDG_CACHE_HOME/aiokv`` (``~/.cache/aiokv``): the same root as ``CacheConfig``'s default."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aiokv"
+    """``DiskConfig``'s default directory (``$XDG_CACHE_HOME/aiokv``, created 0700). Raises
+    ``ValueError`` when it is not writable: pass ``disk_dir``."""
+    path = _storage_default_dir()
+    if path is None:
+        raise ValueError("no writable default disk directory ($XDG_CACHE_HOME/aiokv): pass disk_dir")
+    return path
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class StoreConfig:
     """io_uring with fixed buffers, plain io_uring, or threads; AUTO falls back in that order."""
     direct_io: bool | None = None
     """O_DIRECT on page files; None: where the file system allows it."""
-    queue_depth: int = 16
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
     """Page I/Os in flight at once."""
     staging_pages: int = 0
     """Pages of the staging pool (also the bound on pages being copied or moved); 0: 2 x queue_depth."""
@@ -125,17 +133,18 @@ class StoreConfig:
         namespace = options.get("namespace", "default")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        default: dict[str, Any] = {f.name: f.default for f in fields(cls)}  # each default once: the fields'
         return cls(
             directory=Path(disk_dir) if disk_dir is not None else default_disk_dir(),
-            capacity_bytes=_int_option(options, "disk_bytes", DEFAULT_DISK_BYTES),
+            capacity_bytes=_int_option(options, "disk_bytes", default["capacity_bytes"]),
             namespace=namespace,
             backend=DiskBackend(backend),
             direct_io=direct_io,
-            queue_depth=_int_option(options, "queue_depth", 16),
-            staging_pages=_int_option(options, "staging_pages", 0),
-            poll_s=_float_option(options, "poll_s", 0.001),
-            linger_s=_float_option(options, "linger_s", 0.05),
-            idle_poll_s=_float_option(options, "idle_poll_s", 0.01),
+            queue_depth=_int_option(options, "queue_depth", default["queue_depth"]),
+            staging_pages=_int_option(options, "staging_pages", default["staging_pages"]),
+            poll_s=_float_option(options, "poll_s", default["poll_s"]),
+            linger_s=_float_option(options, "linger_s", default["linger_s"]),
+            idle_poll_s=_float_option(options, "idle_poll_s", default["idle_poll_s"]),
         )
 
 

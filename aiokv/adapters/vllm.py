@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine, Iterable, Mapping
@@ -48,6 +49,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .store import PageFileStore, StoreConfig
+
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +106,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         namespace: str = "default",
         disk_backend: str = "auto",
         direct_io: bool | None = None,
-        queue_depth: int = 16,
-        staging_pages: int = 0,
-        poll_s: float = 0.001,
-        linger_s: float = 0.05,
-        idle_poll_s: float = 0.01,
+        queue_depth: int = _DEFAULT["queue_depth"],
+        staging_pages: int = _DEFAULT["staging_pages"],
+        poll_s: float = _DEFAULT["poll_s"],
+        linger_s: float = _DEFAULT["linger_s"],
+        idle_poll_s: float = _DEFAULT["idle_poll_s"],
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
