@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
+
 
 @dataclass(frozen=True)
 class TPConfig:
-    """Bounds and timeouts of :class:`~aiokv.tp.RankGroup` and :class:`~aiokv.tp.RankWorker`."""
+    """Bounds and timeouts of :class:`~aiokv.tp.RankGroup` and :class:`~aiokv.tp.RankWorker`.
+
+    The link's own settings, used on both sides of it: rank processes build one without a
+    :class:`~aiokv.CacheConfig`, so it is not nested in one; a :class:`~aiokv.tp.TPCache` takes it
+    as ``tp_config``. Defaults shared with the pool come from :mod:`aiokv.pool`."""
 
     max_jobs: int = 1024
     """Jobs a group keeps in flight; ``submit`` waits and ``submit_nowait`` raises ``asyncio.QueueFull`` beyond."""
@@ -23,9 +29,9 @@ class TPConfig:
     """First delay before a worker reconnects after a failed attempt; doubles on each failure."""
     reconnect_max_s: float = 1.0
     """Longest delay between a worker's reconnect attempts."""
-    register_chunk_bytes: int = 256 << 20
+    register_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Bytes of the attached pool a CUDA worker registers per chunk (in the background)."""
-    register_threads: int = 4
+    register_threads: int = DEFAULT_WORKERS
     """Threads a CUDA worker registers its pool mapping with."""
     inline_copy_bytes: int = 256 << 10
     """A CPU rank's copy of at most this many bytes runs on the worker's loop when none is queued on
