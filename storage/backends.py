@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -43,6 +44,17 @@ log = logging.getLogger(__name__)
 CHAIN_MAX = 7
 """SQEs one page may hold at once: its chain (open, header, page, fsync, close, rename), plus one
 unlink or rename of an evicted file."""
+
+
+Published = Callable[[BaseException | None], None]
+"""Completion of :meth:`PageIO.start_publish`: None when published, else the fault."""
+
+Loaded = Callable[[int | BaseException], None]
+"""Completion of :meth:`PageIO.start_load`: bytes read, or the fault."""
+
+
+def _ignore(_results: list[int]) -> None:
+    """Completion of a request whose result nobody needs (a CLOSE the broken chain skipped)."""
 
 
 class IOOp(enum.Enum):
@@ -141,17 +153,19 @@ class PageIO(Protocol):
         to ``temp``: a recycled file is checked before the rename moves it. Returns the open fd."""
         ...
 
-    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
-                      fd: int | None) -> None:
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None, done: Published) -> None:
         """Write header slot ``slot`` and pool page ``page`` into ``temp``, then rename it to ``final``
-        (both names in the directory ``dir_fd``).
+        (both names in the directory ``dir_fd``); ``done(None)`` on the loop once published, or
+        ``done(OSError)``, never from inside this call.
 
         ``fd``: ``temp`` opened by :meth:`take_over` (closed here); None: create ``temp`` exclusively.
-        On failure ``temp`` is removed. A short write is ENOSPC (the file system is full)."""
+        On failure ``temp`` is removed before ``done`` runs. A short write is ENOSPC (file system full)."""
         ...
 
-    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
-        """Read ``name`` into header slot ``slot`` and pool page ``page``; returns bytes read."""
+    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+        """Read ``name`` into header slot ``slot`` and pool page ``page``; ``done(bytes read)`` on the
+        loop once nothing writes into the page any more, or ``done(OSError)``, never from inside this call."""
         ...
 
     async def unlink(self, dir_fd: int, name: str) -> None: ...
@@ -329,8 +343,8 @@ class UringPageIO:
             raise
         return fd
 
-    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
-                      fd: int | None) -> None:
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None, done: Published) -> None:
         tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
         ops: list[uring.SqeFields] = []
         created = fd is None
@@ -353,9 +367,21 @@ class UringPageIO:
             ops.append(uring.sqe(uring.OP_CLOSE, fd))
         ops.append(uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF,
                              ctypes.addressof(fin)))
-        results = await self._submit(ops, (tmp, fin, self._slots, self._pool))
-        if not any(res < 0 for res in results) and self._written(ops, results):
-            return
+
+        def written(results: list[int]) -> None:
+            if not any(res < 0 for res in results) and self._written(ops, results):
+                done(None)
+                return
+            # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
+            cleanup = asyncio.ensure_future(self._publish_failed(ops, results, dir_fd, temp, slot, fd))
+            cleanup.add_done_callback(lambda job: done(job.exception() or OSError(errno.EIO, "publish failed")))
+
+        self.engine.submit(ops, (tmp, fin, self._slots, self._pool), written)
+
+    async def _publish_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
+                              slot: int, fd: int | None) -> None:
+        """Clean up after a broken write chain; raises the fault it met."""
+        created = fd is None
         first = results[0] if created else 0
         if created and first < 0:
             if first == -errno.EEXIST:
@@ -388,20 +414,42 @@ class UringPageIO:
         start = 1 if ops[0][0] == uring.OP_OPENAT else 0
         return results[start:] == self._expect(ops[start:])
 
-    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
-        fd = await self._open(dir_fd, name, os.O_RDONLY, 0, write=False)
-        ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
-        results = await self._submit(ops, (self._slots, self._pool))
-        if results[-1] == -errno.ECANCELED:
-            await self._close_quiet(fd)
-        got = 0
-        for res in results[:-1]:
-            if res == -errno.ECANCELED:
-                break  # a short read broke the chain: the file is truncated
-            if res < 0:
-                raise OSError(-res, os.strerror(-res))
-            got += res
-        return got
+    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+        # OPENAT into a normal fd (O_NONBLOCK: a FIFO must not park an io_uring worker), fstat-checked
+        # on the loop when it completes, then one chain: header and page, CLOSE.
+        path = ctypes.create_string_buffer(name.encode())
+
+        def opened(results: list[int]) -> None:
+            fd = results[0]
+            if fd < 0:
+                done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
+                return
+            try:
+                check_page_fd(fd, name, False)
+                ready_for_io(fd, self.direct)
+            except Exception as exc:
+                os.close(fd)  # nothing was read through it
+                done(exc)
+                return
+            ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
+
+            def read(results: list[int]) -> None:
+                if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
+                    self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
+                got = 0
+                for res in results[:-1]:
+                    if res == -errno.ECANCELED:
+                        break  # a short read broke the chain: the file is truncated
+                    if res < 0:
+                        done(OSError(-res, os.strerror(-res)))
+                        return
+                    got += res
+                done(got)
+
+            self.engine.submit(ops, (self._slots, self._pool), read)
+
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0,
+                                      os.O_RDONLY | OPEN_FLAGS)], path, opened)
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
@@ -432,13 +480,16 @@ class ThreadPageIO:
         if err is not None:
             raise OSError(err, os.strerror(err))
 
-    async def _run(self, fn: object, *args: object) -> object:
+    def _start(self, fn: object, *args: object) -> asyncio.Future[object]:
         loop = asyncio.get_running_loop()
         job: asyncio.Future[object] = loop.run_in_executor(self._executor, fn, *args)  # type: ignore[arg-type]
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
+        return job
+
+    async def _run(self, fn: object, *args: object) -> object:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
-        return await asyncio.shield(job)
+        return await asyncio.shield(self._start(fn, *args))
 
     def _open(self, dir_fd: int, name: str, flags: int, write: bool) -> int:
         self._fault(IOOp.OPEN)
@@ -502,14 +553,14 @@ class ThreadPageIO:
         assert isinstance(result, int)
         return result
 
-    async def publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
-                      fd: int | None) -> None:
-        await self._run(self._publish, dir_fd, temp, final, slot, page, sync, fd)
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+                      fd: int | None, done: Published) -> None:
+        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync, fd)
+        job.add_done_callback(lambda job: done(job.exception()))
 
-    async def load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
-        result = await self._run(self._load, dir_fd, name, slot, page)
-        assert isinstance(result, int)
-        return result
+    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+        job = self._start(self._load, dir_fd, name, slot, page)
+        job.add_done_callback(lambda job: done(job.exception() or job.result()))  # type: ignore[arg-type]
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self._run(self._unlink, dir_fd, name)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
+import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -84,10 +86,13 @@ class DiskTier:
         self._io: PageIO | None = None
         self._slots: HeaderSlots | None = None
         self._free_slots: list[int] = list(range(config.queue_depth))
-        self._slot_waiters: collections.deque[asyncio.Future[int]] = collections.deque()
+        self._slot_waiters: collections.deque[_Job] = collections.deque()
+        self._payload_bytes = layout.payload_bytes
+        self._active = 0  # page jobs driven by callbacks, not yet ended
+        self._idle: asyncio.Future[None] | None = None
         self._checksums: Checksums | None = None
         self._index = PageIndex(self._file_bytes, config.capacity_bytes, config.min_free_bytes)
-        self._writing: dict[PageKey, asyncio.Future[bool]] = {}
+        self._writing: dict[PageKey, _WriteJob] = {}
         self._delete_after_write: set[PageKey] = set()
         # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
         self._moving: dict[PageKey, asyncio.Task[Any]] = {}
@@ -188,8 +193,12 @@ class DiskTier:
     async def _close(self) -> None:
         if self._queue is not None:
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
-        while self._jobs:
-            await asyncio.wait(set(self._jobs))
+        while self._jobs or self._active:
+            if self._active:
+                self._idle = asyncio.get_running_loop().create_future()
+                await self._idle
+            if self._jobs:
+                await asyncio.wait(set(self._jobs))
         if self._io is not None:
             await self._io.aclose()
         if self._checksums is not None:
@@ -246,65 +255,151 @@ class DiskTier:
             self._release(ref)
             self._writes_refused += 1
             return False
-        pending = self._writing.get(key)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_future()
-            self._writing[key] = pending
-            self._spawn(self._write_job(key, ref, pending))
+        # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        job = self._writing.get(key)
+        if job is None:
+            job = self._writing[key] = _WriteJob(key, ref)
+            job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
+            self._job_started()
+            self._start_write(job)
         else:
             self._release(ref)
-        return await asyncio.shield(pending)
+            job.waiters.append(waiter)
+        return await waiter
 
-    async def _write_job(self, key: PageKey, ref: PageHandle, done: asyncio.Future[bool]) -> None:
-        stored = False
+    def _start_write(self, job: _WriteJob) -> None:
+        """The common case driven by completion callbacks (no task per page): a new file, no rename
+        of the key in flight, room without recycling. Everything else takes the coroutine path."""
         try:
-            moving = self._moving.get(key)
-            if moving is not None:
-                await asyncio.wait({moving})  # an old unlink must not remove the new file
-            stored = await self._store(key, ref)
-        except Exception:
-            self._faults.unexpected("write")
-        finally:
-            self._release(ref)
-            self._writing.pop(key, None)
-            if stored and key in self._delete_after_write:
-                stored = False
-                self._index.give_back()
-                self._unlink_later(key)
-            elif stored:
-                self._index.add(key)
-                self._writes += 1
-                self._bytes_written += self._file_bytes
-            self._delete_after_write.discard(key)
-            done.set_result(stored)
-
-    async def _store(self, key: PageKey, ref: PageHandle) -> bool:
-        """Publish ``key``'s page file. True: stored, its room held in the index's ``used``. A full file system
-        (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
-        files make room, and the write is tried again, ``enospc_retries`` times at most."""
-        retries = self.config.enospc_retries
-        for attempt in range(retries + 1):
-            if self._read_only is not None:  # became read-only meanwhile
-                self._writes_refused += 1
-                return False
-            await self._recheck_space()
+            if job.key in self._moving or self._space_recheck_due():
+                self._spawn(self._write_slow(job, 0, None, refresh=False))
+                return
             claim = self._index.claim(self.config.recycle_files)
             if claim is None:
                 self._dropped += 1
-                return False
+                self._end_write(job, False)
+                return
             victim, evicted = claim
-            unlinks = self._remove_files(evicted)
-            if attempt and unlinks:
-                await asyncio.wait(unlinks)  # a retry needs the space they free
+            self._remove_files(evicted)
+            if victim is not None:
+                self._spawn(self._write_slow(job, 0, claim, refresh=False))
+                return
+            self._with_slot(job, self._write_slot)
+        except Exception:
+            self._faults.unexpected("write")
+            self._end_write(job, False)
+
+    def _write_slot(self, job: _Job, slot: int) -> None:
+        assert isinstance(job, _WriteJob) and self._checksums is not None
+        job.slot = slot
+        try:
+            job.page = self.pool.table.check(job.ref)
+            self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
+                                  functools.partial(self._write_hashed, job))
+        except Exception:
+            self._write_failed(job, None)
+
+    def _write_hashed(self, job: _WriteJob, checksum: int | BaseException) -> None:
+        assert self._slots is not None and self._io is not None
+        try:
+            if isinstance(checksum, BaseException):
+                raise checksum
+            pack_header(self._slots.views[job.slot], self.layout, job.key, checksum)
+            dir_fd, final = self._where(job.key)
+            self._io.start_publish(dir_fd, self.files.temp_name(job.key), final, job.slot, job.page,
+                                   self.config.sync_writes, None, functools.partial(self._write_done, job))
+        except Exception:
+            self._write_failed(job, None)
+
+    def _write_done(self, job: _WriteJob, error: BaseException | None) -> None:
+        self._give_slot(job.slot)
+        if error is None:
+            self._end_write(job, True)
+        else:
+            self._write_failed(job, error, slot_given=True)
+
+    def _write_failed(self, job: _WriteJob, error: BaseException | None, slot_given: bool = False) -> None:
+        """A fast-path write failed: the room goes back; ENOSPC tries again on the coroutine path."""
+        if not slot_given:
+            self._give_slot(job.slot)
+        self._index.give_back()
+        if not isinstance(error, OSError):
+            self._faults.unexpected("write")
+            self._end_write(job, False)
+            return
+        if self._count_write_fault(error) and self.config.enospc_retries > 0:
+            self._spawn(self._write_slow(job, 1, None, refresh=True))
+        else:
+            self._end_write(job, False)
+
+    def _count_write_fault(self, exc: OSError) -> bool:
+        """Count a write's fault; True when it is the file system saying it is full."""
+        self._faults.count(exc, "write")
+        if exc.errno == errno.EROFS:
+            self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+    async def _write_slow(self, job: _WriteJob, first: int, claim: tuple[PageKey | None, list[PageKey]] | None,
+                          refresh: bool) -> None:
+        stored = False
+        try:
+            if refresh:
+                await self._refresh_space(after_enospc=True)
+            moving = self._moving.get(job.key)
+            if moving is not None:
+                await asyncio.wait({moving})  # an old unlink must not remove the new file
+            stored = await self._store(job.key, job.ref, first, claim)
+        except Exception:
+            self._faults.unexpected("write")
+        finally:
+            self._end_write(job, stored)
+
+    def _end_write(self, job: _WriteJob, stored: bool) -> None:
+        key = job.key
+        self._release(job.ref)
+        self._writing.pop(key, None)
+        if stored and key in self._delete_after_write:
+            stored = False
+            self._index.give_back()
+            self._unlink_later(key)
+        elif stored:
+            self._index.add(key)
+            self._writes += 1
+            self._bytes_written += self._file_bytes
+        self._delete_after_write.discard(key)
+        for waiter in job.waiters:
+            if not waiter.done():
+                waiter.set_result(stored)
+        self._job_ended(job)
+
+    async def _store(self, key: PageKey, ref: PageHandle, first: int = 0,
+                     claim: tuple[PageKey | None, list[PageKey]] | None = None) -> bool:
+        """Publish ``key``'s page file. True: stored, its room held in the index's ``used``. A full file system
+        (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
+        files make room, and the write is tried again, ``enospc_retries`` times at most.
+        ``first``: attempts already made; ``claim``: room the caller already claimed for this one."""
+        retries = self.config.enospc_retries
+        for attempt in range(first, retries + 1):
+            if claim is None:
+                if self._read_only is not None:  # became read-only meanwhile
+                    self._writes_refused += 1
+                    return False
+                await self._recheck_space()
+                claim = self._index.claim(self.config.recycle_files)
+                if claim is None:
+                    self._dropped += 1
+                    return False
+                unlinks = self._remove_files(claim[1])
+                if attempt and unlinks:
+                    await asyncio.wait(unlinks)  # a retry needs the space they free
+            victim, claim = claim[0], None
             try:
                 await self._publish(key, ref, victim)
                 return True
             except OSError as exc:
                 self._index.give_back()
-                self._faults.count(exc, "write")
-                if exc.errno == errno.EROFS:
-                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == retries:
+                if not self._count_write_fault(exc) or attempt == retries:
                     return False
                 await self._refresh_space(after_enospc=True)
             except BaseException:
@@ -322,10 +417,14 @@ class DiskTier:
             assert self._io is not None
             assert self._checksums is not None
             view = self.pool.memory.page_view(page)
-            checksum = await self._checksums.checksum(view[: self.layout.payload_bytes])
+            checksum = await self._checksums.checksum(view[: self._payload_bytes])
             pack_header(self._slots.views[slot], self.layout, key, checksum)
             fd = None if victim is None else await self._take_over(victim, dir_fd, temp)
-            await self._io.publish(dir_fd, temp, final, slot, page, self.config.sync_writes, fd)
+            published: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            self._io.start_publish(dir_fd, temp, final, slot, page, self.config.sync_writes, fd, published.set_result)
+            error = await published  # a job task: never cancelled (callers are shielded from it)
+            if error is not None:
+                raise error
         finally:
             self._give_slot(slot)
 
@@ -380,65 +479,103 @@ class DiskTier:
             self._misses += 1
             return False
         self._index.touch(key)
-        job = self._spawn(self._read_job(key, page, generation))
+        job = _ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
+        self._job_started()
+        self._with_slot(job, self._read_slot)
         try:
-            return await asyncio.shield(job)
+            return await job.result
         except asyncio.CancelledError:
-            await _wait_uncancelled(job)
+            if not self._cancel_waiting(job):
+                await job.wait_ended()  # the kernel (or a thread) may still write into the page
             raise
 
-    async def _read_job(self, key: PageKey, page: int, generation: int) -> bool:
-        ok = False
-        slot = -1
+    def _read_slot(self, job: _Job, slot: int) -> None:
+        assert isinstance(job, _ReadJob) and self._io is not None
+        job.slot = slot
+        self._reads += 1
+        self._index.readers[job.key] += 1
         try:
-            slot = await self._take_slot()
-            assert self._slots is not None
-            assert self._io is not None
-            assert self._checksums is not None
-            self._reads += 1
-            readers = self._index.readers
-            readers[key] += 1
-            try:
-                got = await self._io.load(*self._where(key), slot, page)
-            except FileNotFoundError:
-                self._forget(key, generation)  # removed behind our back
-                return False
-            except UnsafeFileError as exc:  # planted: nothing was read through it
-                self._faults.count(exc, "read")
-                if self._index.generation(key) == generation:
-                    self._drop(key)
-                return False
-            finally:
-                readers[key] -= 1
-                if not readers[key]:
-                    del readers[key]
+            self._io.start_load(*self._where(job.key), slot, job.page, functools.partial(self._read_loaded, job))
+        except Exception:
+            self._read_unreader(job.key)
+            self._give_slot(slot)
+            self._faults.unexpected("read")
+            self._end_read(job, False)
+
+    def _read_unreader(self, key: PageKey) -> None:
+        readers = self._index.readers
+        readers[key] -= 1
+        if not readers[key]:
+            del readers[key]
+
+    def _read_loaded(self, job: _ReadJob, got: int | BaseException) -> None:
+        assert self._slots is not None and self._checksums is not None
+        key, generation = job.key, job.generation
+        self._read_unreader(key)
+        try:
+            if isinstance(got, BaseException):
+                self._give_slot(job.slot)
+                self._read_fault(job, got)
+                return
             if got != self._file_bytes:
+                self._give_slot(job.slot)
                 self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
-                return False
-            header = parse_header(self._slots.views[slot], self.layout, key)
+                self._end_read(job, False)
+                return
+            header = parse_header(self._slots.views[job.slot], self.layout, key)
+            self._give_slot(job.slot)  # the header is parsed: the slot may go on before the payload hash
             if not isinstance(header, PageHeader):
                 self._reject(key, generation, header.value)
-                return False
-            view = self.pool.memory.page_view(page)
-            if await self._checksums.checksum(view[: self.layout.payload_bytes]) != header.checksum:
-                self._reject(key, generation, "payload checksum mismatch")
-                return False
-            self._bytes_read += got
-            ok = True
-            return True
-        except OSError as exc:
-            self._faults.count(exc, "read")
-            return False
+                self._end_read(job, False)
+                return
+            job.checksum = header.checksum
+            self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
+                                  functools.partial(self._read_hashed, job))
         except Exception:
             self._faults.unexpected("read")
-            return False
-        finally:
-            if slot >= 0:
-                self._give_slot(slot)
-            if ok:
-                self._hits += 1
-            else:
-                self._misses += 1
+            self._end_read(job, False)
+
+    def _read_fault(self, job: _ReadJob, exc: BaseException) -> None:
+        if isinstance(exc, FileNotFoundError):
+            self._forget(job.key, job.generation)  # removed behind our back
+        elif isinstance(exc, UnsafeFileError):  # planted: nothing was read through it
+            self._faults.count(exc, "read")
+            if self._index.generation(job.key) == job.generation:
+                self._drop(job.key)
+        elif isinstance(exc, OSError):
+            self._faults.count(exc, "read")
+        else:
+            self._faults.unexpected("read")
+        self._end_read(job, False)
+
+    def _read_hashed(self, job: _ReadJob, checksum: int | BaseException) -> None:
+        if isinstance(checksum, BaseException):
+            self._faults.unexpected("read")
+            self._end_read(job, False)
+        elif checksum != job.checksum:
+            self._reject(job.key, job.generation, "payload checksum mismatch")
+            self._end_read(job, False)
+        else:
+            self._bytes_read += self._file_bytes
+            self._end_read(job, True)
+
+    def _end_read(self, job: _ReadJob, ok: bool) -> None:
+        if ok:
+            self._hits += 1
+        else:
+            self._misses += 1
+        if not job.result.done():
+            job.result.set_result(ok)
+        self._job_ended(job)
+
+    def _cancel_waiting(self, job: _ReadJob) -> bool:
+        """A cancelled read still waiting for a slot ends at once (nothing was read); True then."""
+        if job.slot >= 0 or job.ended:
+            return job.ended
+        self._slot_waiters.remove(job)
+        self._misses += 1
+        self._job_ended(job)
+        return True
 
     # -- delete ---------------------------------------------------------------------------------
 
@@ -482,7 +619,7 @@ class DiskTier:
         """Wait until every page queued for write-behind, or being written, so far is written or dropped."""
         if self._queue is not None:
             await self._queue.join()
-        pending = list(self._writing.values())
+        pending = [job.ended_future() for job in self._writing.values()]
         if pending:
             await asyncio.wait(pending)
 
@@ -532,38 +669,51 @@ class DiskTier:
         task.add_done_callback(self._jobs.discard)
         return task
 
-    async def _take_slot(self) -> int:
-        """An I/O slot (header buffer, iovec, fixed-file entry): at once when one is free, else in
-        FIFO order. Give it back with :meth:`_give_slot`."""
+    def _with_slot(self, job: _Job, then: Callable[[_Job, int], None]) -> None:
+        """``then(job, slot)`` with an I/O slot (header buffer, iovec, fixed-file entry): at once when
+        one is free, else when one is given back, in FIFO order. Give it back with :meth:`_give_slot`."""
         if self._free_slots and not self._slot_waiters:
             self._in_flight += 1
-            return self._free_slots.pop()
-        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._slot_waiters.append(waiter)
-        try:
-            slot = await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self._in_flight += 1
-                self._give_slot(waiter.result())  # handed over just as we were cancelled
-            raise
-        self._in_flight += 1
-        return slot
+            then(job, self._free_slots.pop())
+            return
+        job.then = then
+        self._slot_waiters.append(job)
+
+    async def _take_slot(self) -> int:
+        """An I/O slot for the coroutine path (the job task is never cancelled: callers are shielded)."""
+        got: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._with_slot(_Job(), lambda _job, slot: got.set_result(slot))
+        return await got
 
     def _give_slot(self, slot: int) -> None:
         self._in_flight -= 1
-        while self._slot_waiters:
-            waiter = self._slot_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(slot)
-                return
+        if self._slot_waiters:
+            job = self._slot_waiters.popleft()
+            then, job.then = job.then, None
+            assert then is not None
+            self._in_flight += 1
+            then(job, slot)
+            return
         self._free_slots.append(slot)
+
+    def _job_started(self) -> None:
+        self._active += 1
+
+    def _job_ended(self, job: _Job) -> None:
+        job.end()
+        self._active -= 1
+        if not self._active and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
         """Unlink the files of keys evicted from the index (nothing when read-only)."""
         return [task for key in keys if (task := self._unlink_later(key)) is not None]
 
     # -- free space -----------------------------------------------------------------------------
+
+    def _space_recheck_due(self) -> bool:
+        return (self._index.capacity < self._index.budget and
+                asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s)
 
     async def _recheck_space(self) -> None:
         # While the file system limits the tier below its budget, look again now and then: others
@@ -660,6 +810,68 @@ class DiskTier:
             self.pool.table.release(handle)
         except StaleHandleError:
             log.exception("disk tier: page reference already released")
+
+
+class _Job:
+    """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
+
+    __slots__ = ("ended", "ended_waiters", "slot", "then")
+
+    def __init__(self) -> None:
+        self.slot = -1
+        self.then: Callable[[_Job, int], None] | None = None  # what runs once a slot is free
+        self.ended = False
+        self.ended_waiters: list[asyncio.Future[None]] | None = None
+
+    def end(self) -> None:
+        self.ended = True
+        for waiter in self.ended_waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def ended_future(self) -> asyncio.Future[None]:
+        """A future resolved when the job ends (made only for those who wait: cancellation, flush)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.ended:
+            waiter.set_result(None)
+        else:
+            if self.ended_waiters is None:
+                self.ended_waiters = []
+            self.ended_waiters.append(waiter)
+        return waiter
+
+    async def wait_ended(self) -> None:
+        """Until the job ended, even if cancelled again meanwhile (the caller re-raises afterwards)."""
+        while not self.ended:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ended_future()
+
+
+class _WriteJob(_Job):
+    """A write of ``key`` holding its own pool reference ``ref``; ``waiters``: the callers' futures."""
+
+    __slots__ = ("key", "page", "ref", "waiters")
+
+    def __init__(self, key: PageKey, ref: PageHandle) -> None:
+        super().__init__()
+        self.key = key
+        self.ref = ref
+        self.page = -1
+        self.waiters: list[asyncio.Future[bool]] = []
+
+
+class _ReadJob(_Job):
+    """A read into the caller's reserved ``page``; ``result`` is the caller's future."""
+
+    __slots__ = ("checksum", "generation", "key", "page", "result")
+
+    def __init__(self, key: PageKey, page: int, generation: int, result: asyncio.Future[bool]) -> None:
+        super().__init__()
+        self.key = key
+        self.page = page
+        self.generation = generation
+        self.result = result
+        self.checksum = 0
 
 
 async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles) -> Prepared:

@@ -19,13 +19,15 @@ Header (little-endian), then zeros to 4096 bytes::
 
 Names: ``<root>/<fingerprint hex>/<first 2 hex of key>/<key hex>`` (dirs 0700, files 0600); the
 layout directory also holds ``.lock`` (see :mod:`.layoutdir`).
-Temporary files live next to their final name as ``.tmp-<key hex>-<random>`` so the rename that
+Temporary files live next to their final name as ``.tmp-<key hex>-<process tag><counter>`` so the rename that
 publishes them is atomic (same directory, same file system).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 import os
 import struct
 import time
@@ -43,6 +45,33 @@ FORMAT_VERSION = 1
 TEMP_PREFIX = ".tmp-"
 _FIELDS = struct.Struct("<8sII16s16sQQQQQ")
 _SUM_OFFSET = _FIELDS.size - 8
+_ZEROS = bytes(HEADER_BYTES)
+
+
+class _TempNames:
+    """Temporary-file suffixes: a random per-process tag and a counter.
+
+    Why not ``os.urandom`` per file (~50 us a call on this VM): the suffix only has to make the
+    name fresh, never secret. Safety does not rest on it: a temp file is created
+    ``O_CREAT|O_EXCL|O_NOFOLLOW`` in a 0700 directory of ours, so a name someone planted (only our
+    own uid could) fails the create (EEXIST, counted UNSAFE) and is never followed or opened. Guessing
+    is as hard as before: the 64-bit tag comes from ``os.urandom`` once per process (and again in a
+    forked child, which must not repeat its parent's names), and a counter never repeats within it.
+    """
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.tag = os.urandom(8).hex()
+        self.counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.tag}{next(self.counter):x}"
+
+
+_TEMP = _TempNames()
 
 
 class HeaderFault(enum.Enum):
@@ -68,6 +97,12 @@ class PageHeader:
     created_ns: int
 
 
+@functools.lru_cache(maxsize=64)
+def _geometry(layout: KVLayout) -> tuple[bytes, int, int]:
+    # KVLayout's byte sizes are computed properties (a torch allocation each): once per layout.
+    return layout.fingerprint, layout.payload_bytes, layout.page_bytes
+
+
 def payload_checksum(payload: memoryview) -> int:
     """xxh3-64 of the payload bytes."""
     return xxhash.xxh3_64_intdigest(payload)
@@ -75,11 +110,10 @@ def payload_checksum(payload: memoryview) -> int:
 
 def pack_header(into: memoryview, layout: KVLayout, key: PageKey, checksum: int) -> None:
     """Write a complete header for ``key`` into ``into`` (``HEADER_BYTES`` long)."""
-    into[:HEADER_BYTES] = bytes(HEADER_BYTES)
-    _FIELDS.pack_into(
-        into, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.fingerprint, key,
-        layout.payload_bytes, layout.page_bytes, checksum, time.time_ns(), 0,
-    )
+    fingerprint, payload, page = _geometry(layout)
+    into[:HEADER_BYTES] = _ZEROS
+    _FIELDS.pack_into(into, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, fingerprint, key, payload, page, checksum,
+                      time.time_ns(), 0)
     total = xxhash.xxh3_64_intdigest(into[:HEADER_BYTES])
     struct.pack_into("<Q", into, _SUM_OFFSET, total)
 
@@ -97,11 +131,12 @@ def parse_header(data: memoryview, layout: KVLayout, key: PageKey) -> PageHeader
     scratch[_SUM_OFFSET : _SUM_OFFSET + 8] = bytes(8)
     if xxhash.xxh3_64_intdigest(scratch) != header_sum:
         return HeaderFault.HEADER_SUM
-    if fingerprint != layout.fingerprint:
+    want_fingerprint, want_payload, want_page = _geometry(layout)
+    if fingerprint != want_fingerprint:
         return HeaderFault.FINGERPRINT
     if got_key != key:
         return HeaderFault.KEY
-    if payload != layout.payload_bytes or page != layout.page_bytes:
+    if payload != want_payload or page != want_page:
         return HeaderFault.LENGTH
     return PageHeader(fingerprint, got_key, payload, page, checksum, created)
 
@@ -129,7 +164,7 @@ class PageFiles:
 
     def temp_name(self, key: PageKey) -> str:
         """A fresh temporary name for ``key``, relative to its fan-out directory."""
-        return f"{TEMP_PREFIX}{key.hex()}-{os.urandom(6).hex()}"
+        return f"{TEMP_PREFIX}{key.hex()}-{_TEMP.next()}"
 
     def rel(self, key: PageKey) -> str:
         """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
@@ -139,7 +174,7 @@ class PageFiles:
     def temp_rel(self, key: PageKey) -> str:
         """A fresh temporary name in the same directory as ``key``'s final name (relative)."""
         name = key.hex()
-        return f"{name[:2]}/{TEMP_PREFIX}{name}-{os.urandom(6).hex()}"
+        return f"{name[:2]}/{TEMP_PREFIX}{name}-{_TEMP.next()}"
 
     def path(self, key: PageKey) -> str:
         """Absolute final name of ``key``'s page file."""

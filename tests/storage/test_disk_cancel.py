@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,14 +13,23 @@ from disk_helpers import assert_clean, fill, key_of, payload, reserve
 from aiokv.pool import PagePool
 from aiokv.storage import DiskTier
 
-Gate = Callable[..., Coroutine[Any, Any, Any]]
+Start = Callable[..., None]
 
 
-def _gated(real: Gate, gate: asyncio.Event, entered: asyncio.Event) -> Gate:
-    async def wrapper(*args: object) -> Any:
+def _gated(real: Start, gate: asyncio.Event, entered: asyncio.Event) -> Start:
+    """A backend ``start_*`` call held until ``gate`` is set (the I/O is in flight meanwhile)."""
+    held: set[asyncio.Task[Any]] = set()
+
+    def wrapper(*args: object) -> None:
         entered.set()
-        await gate.wait()
-        return await real(*args)
+
+        async def later() -> None:
+            await gate.wait()
+            real(*args)
+
+        task = asyncio.create_task(later())
+        held.add(task)
+        task.add_done_callback(held.discard)
 
     return wrapper
 
@@ -37,7 +46,7 @@ async def test_cancelled_read_waits_for_its_io_then_raises(tier: DiskTier, pool:
     assert await tier.write(key_of(1), h)
     pool.table.release(h)
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "load", _gated(tier.backend.load, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_load", _gated(tier.backend.start_load, gate, entered))
     into = reserve(pool, key_of(2))
     task = asyncio.create_task(tier.read(key_of(1), into))
     await entered.wait()
@@ -56,7 +65,7 @@ async def test_cancelled_read_waits_for_its_io_then_raises(tier: DiskTier, pool:
 async def test_cancelled_write_returns_at_once_and_finishes_in_background(
         tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "publish", _gated(tier.backend.publish, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_publish", _gated(tier.backend.start_publish, gate, entered))
     h = fill(pool, key_of(1), 1)
     expect = payload(pool, h)
     task = asyncio.create_task(tier.write(key_of(1), h))
@@ -118,7 +127,7 @@ async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
 async def test_cancelled_write_behind_wait_takes_no_ownership(tier: DiskTier, pool: PagePool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "publish", _gated(tier.backend.publish, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_publish", _gated(tier.backend.start_publish, gate, entered))
     handles = [fill(pool, key_of(i), i) for i in range(11)]
     for i in range(10):  # 2 workers take one each (gated), 8 fill the queue
         assert tier.write_behind_nowait(key_of(i), handles[i])

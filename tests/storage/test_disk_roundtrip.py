@@ -12,6 +12,7 @@ from disk_helpers import assert_clean, config, fill, key_of, page_files, payload
 from aiokv.layout import SUPPORTED_DTYPES, KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage.backends import Loaded
 from aiokv.storage.pagefile import HEADER_BYTES
 
 LAYOUTS = [KVLayout.mha(2, 2, 64, dtype, page_tokens=16) for dtype in SUPPORTED_DTYPES] + [
@@ -257,15 +258,22 @@ async def test_recycling_skips_a_file_being_read(disk_dir: Path, backend: DiskBa
             assert await tier.write(key_of(i), h)
             pool.table.release(h)
         gate, entered = asyncio.Event(), asyncio.Event()
-        real_load = tier.backend.load
+        real_load = tier.backend.start_load
+        held: list[asyncio.Task[None]] = []
 
-        async def gated_load(dir_fd: int, name: str, slot: int, page: int) -> int:
-            if name == tier.files.name(key_of(1)):
-                entered.set()
+        def gated_load(dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+            if name != tier.files.name(key_of(1)):
+                real_load(dir_fd, name, slot, page, done)
+                return
+            entered.set()
+
+            async def later() -> None:
                 await gate.wait()
-            return await real_load(dir_fd, name, slot, page)
+                real_load(dir_fd, name, slot, page, done)
 
-        monkeypatch.setattr(tier.backend, "load", gated_load)
+            held.append(asyncio.create_task(later()))
+
+        monkeypatch.setattr(tier.backend, "start_load", gated_load)
         into1 = reserve(pool, key_of(101))
         reading = asyncio.create_task(tier.read(key_of(1), into1))
         await entered.wait()

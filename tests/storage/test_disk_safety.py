@@ -146,9 +146,9 @@ async def test_symlink_at_a_temporary_name_is_never_followed(disk_dir: Path, bac
     async with DiskTier(config(disk_dir, backend, capacity=capacity), layout, pool) as tier:
         await _store(tier, pool, 1)
         await _store(tier, pool, 2)
-        temp = f"{key_of(3).hex()[:2]}/.tmp-planted"
-        os.symlink(outside, tier.files.layout_dir / temp)
-        monkeypatch.setattr(tier.files, "temp_rel", lambda _key: temp)  # the name the write will use
+        temp = ".tmp-planted"  # in key 3's fan-out directory, where its temporary file goes
+        os.symlink(outside, tier.files.layout_dir / key_of(3).hex()[:2] / temp)
+        monkeypatch.setattr(tier.files, "temp_name", lambda _key: temp)  # the name the write will use
         h = fill(pool, key_of(3), 3)
         stored = await tier.write(key_of(3), h)
         pool.table.release(h)
