@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from .pagefile import payload_checksum
@@ -40,6 +41,8 @@ class Checksums:
         # None: the module constants as they are now (read here, so tests and the lead's config can set them).
         self._inline = INLINE_CHECKSUM_BYTES if inline_bytes is None else inline_bytes
         threads = CHECKSUM_THREADS if threads is None else threads
+        self.cpu_s = 0.0
+        """CPU seconds spent hashing so far, inline and in the threads (benchmarks report the share)."""
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]
@@ -49,10 +52,12 @@ class Checksums:
     def start(self, view: memoryview, done: Done) -> None:
         loop = asyncio.get_running_loop()
         if len(view) <= self._inline:
+            t0 = time.thread_time()
             try:
                 value: int | BaseException = payload_checksum(view)
             except Exception as exc:  # a released view: a bug, reported to the caller
                 value = exc
+            self.cpu_s += time.thread_time() - t0
             loop.call_soon(done, value)
             return
         self._jobs.put((view, loop, done))
@@ -88,10 +93,13 @@ class Checksums:
             if job is None:
                 return
             view, loop, done = job
+            t0 = time.thread_time()
             try:
                 value: int | BaseException = payload_checksum(view)
             except Exception as exc:
                 value = exc
+            # One float add per page; races between threads could lose an add (one thread by default).
+            self.cpu_s += time.thread_time() - t0
             try:
                 loop.call_soon_threadsafe(done, value)
             except RuntimeError:  # the loop is closed: nobody waits any more

@@ -655,6 +655,11 @@ class DiskTier:
         )
 
     @property
+    def checksum_seconds(self) -> float:
+        """CPU seconds spent hashing payloads so far (both directions; benchmarks report the share)."""
+        return 0.0 if self._checksums is None else self._checksums.cpu_s
+
+    @property
     def backend(self) -> PageIO:
         """The byte mover in use (tests inject faults through ``backend.faults``)."""
         if self._io is None:

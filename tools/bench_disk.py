@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -65,6 +66,8 @@ class Row:
     write_gbs: float = 0.0
     read_gbs: float = 0.0
     cpu_s_per_gb: float | None = None
+    checksum_s_per_gb: float | None = None
+    """Of ``cpu_s_per_gb``: hashing payloads (tier rows), so the tier's CPU can be read without it."""
     lag_p50_ms: float | None = None
     lag_p99_ms: float | None = None
     lag_max_ms: float | None = None
@@ -116,6 +119,9 @@ def cpu_seconds() -> float:
 async def timed(job: Callable[[], Awaitable[None]], nbytes: int, lag: LagProbe | None = None
                 ) -> tuple[float, float]:
     """(GB/s, CPU core-seconds) of ``job``."""
+    # Each pass starts from a collected heap: a full collection owed to the previous contender's
+    # garbage would otherwise land in this one's lag and CPU.
+    gc.collect()
     if lag is not None:
         lag.start()
     c0, t0 = cpu_seconds(), time.perf_counter()
@@ -204,6 +210,7 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
                 assert await tier.write(keys[i], handle)
 
             lag = LagProbe()
+            hashed = tier.checksum_seconds
             w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag)
             held_lag = lag
             for h in held:
@@ -221,7 +228,7 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
             r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, held_lag)
             cpu = (w_cpu + r_cpu) / (2 * count * pb / GB)
             row = Row(f"tier-{backend.value}{name}", page_mib, depth, w_gbs, r_gbs, cpu,
-                      samples={"cpu_w": [w_cpu], "cpu_r": [r_cpu]})
+                      samples={"cpu_w": [w_cpu], "cpu_r": [r_cpu], "cpu_hash": [tier.checksum_seconds - hashed]})
             row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = held_lag.stop()
             io = tier.backend
             if isinstance(io, UringPageIO):
@@ -282,6 +289,7 @@ class Samples:
         self.write: list[float] = []
         self.read: list[float] = []
         self.cpu_s = 0.0
+        self.hash_s: float | None = None
         self.bytes = 0
         self.lag: list[tuple[float, float, float]] = []
         self.submit_max_ms: float | None = None
@@ -290,6 +298,8 @@ class Samples:
         row = Row(path, page_mib, depth, statistics.median(self.write), statistics.median(self.read),
                   self.cpu_s / (self.bytes / GB) if self.bytes else None,
                   samples={"write": self.write, "read": self.read})
+        if self.hash_s is not None and self.bytes:
+            row.checksum_s_per_gb = self.hash_s / (self.bytes / GB)
         if self.lag:
             row.lag_p50_ms = statistics.median(lag[0] for lag in self.lag)
             row.lag_p99_ms = max(lag[1] for lag in self.lag)
@@ -383,6 +393,7 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
                     got = add(row.path, row.write_gbs, row.samples["cpu_w"][0], row.read_gbs,
                               row.samples["cpu_r"][0], None)
                     got.lag.append((row.lag_p50_ms or 0.0, row.lag_p99_ms or 0.0, row.lag_max_ms or 0.0))
+                    got.hash_s = (got.hash_s or 0.0) + row.samples["cpu_hash"][0]
                     got.submit_max_ms = row.submit_max_ms
                 await asyncio.to_thread(shutil.rmtree, directory)
             if lmcache is not None:
@@ -409,9 +420,9 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def table(rows: list[Row]) -> str:
     out = ["| page | depth | path | write GB/s | read GB/s | w/fio | r/fio | w/LMCache-odirect | "
-           "r/LMCache-odirect | w/aiofiles | r/aiofiles | core-s/GB | CPU / raw engine | lag p50/p99/max ms | "
-           "max submit ms |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "r/LMCache-odirect | w/aiofiles | r/aiofiles | core-s/GB | of it xxh3 | CPU / raw engine | "
+           "CPU w/o xxh3 / raw | lag p50/p99/max ms | max submit ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         peers = {r.path: r for r in rows if (r.page_mib, r.depth) == (row.page_mib, row.depth)}
         fio, aio, lmc, raw = (peers.get(name) for name in ("fio", "aiofiles", "lmcache-odirect", "aiokv-file"))
@@ -427,9 +438,17 @@ def table(rows: list[Row]) -> str:
             f"| {row.page_mib} MiB | {row.depth} | {row.path} | {row.write_gbs:.2f} | {row.read_gbs:.2f} | "
             f"{ratio(fio, 'write_gbs')} | {ratio(fio, 'read_gbs')} | {ratio(lmc, 'write_gbs')} | "
             f"{ratio(lmc, 'read_gbs')} | {ratio(aio, 'write_gbs')} | {ratio(aio, 'read_gbs')} | "
-            f"{fmt(row.cpu_s_per_gb, 3)} | {ratio(raw, 'cpu_s_per_gb')} | {lag} | {fmt(row.submit_max_ms)} |"
+            f"{fmt(row.cpu_s_per_gb, 3)} | {fmt(row.checksum_s_per_gb, 3)} | {ratio(raw, 'cpu_s_per_gb')} | "
+            f"{without_hash(row, raw)} | {lag} | {fmt(row.submit_max_ms)} |"
         )
     return "\n".join(out)
+
+
+def without_hash(row: Row, raw: Row | None) -> str:
+    """The tier's CPU less its payload hashing, over the raw engine's (which hashes nothing)."""
+    if raw is None or row.checksum_s_per_gb is None or not row.cpu_s_per_gb or not raw.cpu_s_per_gb:
+        return "-"
+    return f"{(row.cpu_s_per_gb - row.checksum_s_per_gb) / raw.cpu_s_per_gb:.2f}x"
 
 
 def plot(rows: list[Row], path: str) -> None:
