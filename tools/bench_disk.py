@@ -96,6 +96,10 @@ class LagProbe:
         now = loop.time()
         self._handle = loop.call_at(now + 0.001, tick, now + 0.001)
 
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
     def stop(self) -> tuple[float, float, float]:
         if self._handle is not None:
             self._handle.cancel()
@@ -119,9 +123,11 @@ def cpu_seconds() -> float:
 async def timed(job: Callable[[], Awaitable[None]], nbytes: int, lag: LagProbe | None = None
                 ) -> tuple[float, float]:
     """(GB/s, CPU core-seconds) of ``job``."""
-    # Each pass starts from a collected heap: a full collection owed to the previous contender's
-    # garbage would otherwise land in this one's lag and CPU.
-    gc.collect()
+    # Each contender starts from a collected heap: a full collection owed to the previous contender's
+    # garbage would otherwise land in this one's lag and CPU. Not while its lag probe already runs
+    # (its read pass after its write pass): that would be a stall of our own making.
+    if lag is None or not lag.running:
+        gc.collect()
     if lag is not None:
         lag.start()
     c0, t0 = cpu_seconds(), time.perf_counter()

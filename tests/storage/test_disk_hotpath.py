@@ -8,6 +8,7 @@ import logging
 import mmap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
@@ -19,7 +20,7 @@ from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage import checksum as checksum_module
 from aiokv.storage.backends import IOOp, UringPageIO
 from aiokv.storage.checksum import Checksums
-from aiokv.storage.pagefile import payload_checksum
+from aiokv.storage.pagefile import PageFiles, payload_checksum
 from aiokv.storage.uring import OP_OPENAT
 
 
@@ -178,3 +179,102 @@ async def test_planted_temp_name_fails_the_one_chain_create(disk_dir: Path, back
         assert tier.statistics().errors[ErrorKind.UNSAFE] == 1
         assert target.read_bytes() == b"keep"
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_reads_and_new_file_writes_run_no_task_per_page(disk_dir: Path, backend: DiskBackend,
+                                                              layout: KVLayout, pool: PagePool) -> None:
+    """The common page jobs move on by completion callbacks: no asyncio task is created for them."""
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        loop = asyncio.get_running_loop()
+        created: list[object] = []
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+            created.append(coro)
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        handles = [fill(pool, key_of(i), i) for i in range(12)]
+        loop.set_task_factory(counting)
+        try:
+            written = [tier.write(key_of(i), handles[i]) for i in range(12)]  # more than the 8 I/O slots
+            assert all([await w for w in written])
+            for h in handles:
+                pool.table.release(h)
+            pool.table.evict(64)
+            into = [reserve(pool, key_of(100 + i)) for i in range(12)]
+            reads = [tier.read(key_of(i), into[i]) for i in range(12)]
+            assert all([await r for r in reads])
+        finally:
+            loop.set_task_factory(None)
+        assert created == []
+        for h in into:
+            pool.table.abort(h)
+        assert tier.statistics().in_flight == 0
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_read_waiting_for_a_slot_leaves_at_once(disk_dir: Path, backend: DiskBackend,
+                                                                layout: KVLayout, pool: PagePool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every I/O slot busy, a cancelled read has touched nothing: it need not wait for anyone."""
+    async with DiskTier(config(disk_dir, backend, queue_depth=1), layout, pool) as tier:
+        for i in (1, 2):
+            h = fill(pool, key_of(i), i)
+            assert await tier.write(key_of(i), h)
+            pool.table.release(h)
+        gate, entered = asyncio.Event(), asyncio.Event()
+        real = tier.backend.start_load
+        held: list[asyncio.Task[None]] = []
+
+        def gated(*args: Any) -> None:
+            entered.set()
+
+            async def later() -> None:
+                await gate.wait()
+                real(*args)
+
+            held.append(asyncio.create_task(later()))
+
+        monkeypatch.setattr(tier.backend, "start_load", gated)
+        first, second = reserve(pool, key_of(101)), reserve(pool, key_of(102))
+        busy = asyncio.create_task(tier.read(key_of(1), first))
+        await entered.wait()
+        queued = asyncio.create_task(tier.read(key_of(2), second))
+        await asyncio.sleep(0)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued  # returns although the only slot's I/O is still held
+        assert not busy.done()
+        pool.table.abort(second)
+        gate.set()
+        assert await busy
+        pool.table.abort(first)
+        stats = tier.statistics()
+        assert (stats.reads, stats.hits, stats.in_flight) == (1, 1, 0)
+    assert_clean(pool)
+
+
+def _temp_names_in_child(files: PageFiles, out: Any) -> None:
+    out.send([files.temp_name(key_of(1)) for _ in range(3)])
+
+
+def test_temp_names_are_fresh_per_process_and_after_fork(disk_dir: Path, layout: KVLayout) -> None:
+    """A per-process random tag and a counter: never repeated, not even by a forked child."""
+    import multiprocessing
+
+    files = PageFiles(disk_dir, layout)
+    mine = [files.temp_name(key_of(1)) for _ in range(3)]
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_temp_names_in_child, args=(files, theirs))
+    child.start()
+    try:
+        assert ours.poll(30)
+        names = ours.recv()
+    finally:
+        child.join(30)
+    assert len(set(mine)) == 3
+    assert not set(names) & set(mine + [files.temp_name(key_of(1)) for _ in range(3)])
+    tag = lambda name: name.rsplit("-", 1)[1][:16]  # noqa: E731
+    assert {tag(n) for n in names} != {tag(n) for n in mine}
