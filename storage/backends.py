@@ -80,14 +80,19 @@ class FaultPlan:
     """Errors to inject into the next operations of a kind (tests). On io_uring the request still
     travels through the ring (as a NOP) and fails at completion; threads raise before the syscall."""
 
-    def __init__(self) -> None:
+    def __init__(self, arm: Callable[[], None] | None = None) -> None:
         self._plan: Counter[IOOp] = Counter()
         self._errno: dict[IOOp, int] = {}
+        # Called at the first injection: the engine looks at every op only once a test asked for it.
+        self._arm = arm
 
     def inject(self, op: IOOp, err: int, times: int = 1) -> None:
         """Make the next ``times`` operations ``op`` fail with ``err``."""
         self._plan[op] += times
         self._errno[op] = err
+        if self._arm is not None:
+            self._arm()
+            self._arm = None
 
     def take(self, op: IOOp) -> int | None:
         """The errno to fail this ``op`` with, or None."""
@@ -210,8 +215,7 @@ class UringPageIO:
         self.engine = engine
         self.kind = DiskBackend.URING_FIXED if regions is not None else DiskBackend.URING
         self.direct = direct
-        self.faults = FaultPlan()
-        engine.fault_hook = self.faults.uring_hook
+        self.faults = FaultPlan(arm=self._arm_faults)
         self._pool = pool
         self._slots = slots
         self._page_bytes = pool.layout.page_bytes
@@ -220,6 +224,10 @@ class UringPageIO:
         self._slot_region: uring.Region | None = regions[1][0] if regions is not None else None
         self._starts = [r.address for r in self._pool_regions]
         self._registering: asyncio.Task[None] | None = None
+
+    def _arm_faults(self) -> None:
+        # Only once a fault is injected: otherwise every op would pay a hook call for nothing.
+        self.engine.fault_hook = self.faults.uring_hook
 
     def register_in_background(self) -> None:
         """Register the pool as fixed buffers in a thread, region by region; each region's pages use

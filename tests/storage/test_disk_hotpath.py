@@ -278,3 +278,20 @@ def test_temp_names_are_fresh_per_process_and_after_fork(disk_dir: Path, layout:
     assert not set(names) & set(mine + [files.temp_name(key_of(1)) for _ in range(3)])
     tag = lambda name: name.rsplit("-", 1)[1][:16]  # noqa: E731
     assert {tag(n) for n in names} != {tag(n) for n in mine}
+
+
+@pytest.mark.asyncio
+async def test_fault_hook_is_armed_only_by_an_injection(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    """Ops pay no fault-hook call in service; the first injection arms it and the fault lands."""
+    async with DiskTier(config(disk_dir, DiskBackend.URING), layout, pool) as tier:
+        io = tier.backend
+        assert isinstance(io, UringPageIO)
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)
+        assert io.engine.fault_hook is None
+        io.faults.inject(IOOp.WRITE, errno.EIO)
+        assert io.engine.fault_hook is not None
+        assert not await tier.write(key_of(2), h)
+        pool.table.release(h)
+        assert tier.statistics().errors[ErrorKind.EIO] == 1
+    assert_clean(pool)
