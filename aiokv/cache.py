@@ -69,6 +69,8 @@ class KVCache(CacheFacade):
         if self._transfers is not None:
             self._manager.check_running()
             return
+        # Threads before the pool's preparation holds the mmap lock (see CompletionBridge.prestart).
+        self._bridge.prestart(self._cuda)
         pool = await self._manager.start()
         # Importing Triton takes a few hundred ms: in a thread, never on the loop.
         await asyncio.to_thread(importlib.import_module, "aiokv.kernels.mover")

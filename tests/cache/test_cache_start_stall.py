@@ -60,3 +60,20 @@ async def test_start_with_the_disk_tier_does_not_stall_the_loop(tmp_path: Path) 
     finally:
         gc.enable()
     assert worst < 0.04, f"the loop stalled {worst * 1e3:.0f} ms while the cache started"
+
+
+@pytest.mark.asyncio
+async def test_the_first_offload_starts_no_thread_on_the_loop(tmp_path: Path) -> None:
+    # Regression: the copy thread was created by the first offload, on the loop, while the pool's
+    # preparation held the mmap lock that creating a thread's stack needs: 20-60 ms stalls. Threads
+    # start with the cache now.
+    import threading
+
+    kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
+    config = CacheConfig(cpu_bytes=64 << 20, disk_dir=None, namespace="threads")
+    async with KVCache(config, LAYOUT, kv) as cache:
+        names = {t.name for t in threading.enumerate()}
+        assert any(name.startswith("aiokv-copy") for name in names)
+        before = threading.active_count()
+        await cache.offload(list(range(16)), torch.arange(16))
+        assert threading.active_count() == before
