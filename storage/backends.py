@@ -587,6 +587,7 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
     try:
         # Room for every I/O slot's SQEs at once.
         engine = uring.UringEngine.open(max(config.ring_entries, CHAIN_MAX * config.queue_depth))
+        engine.async_data = pool.layout.page_bytes >= ASYNC_PAGE_BYTES
         try:
             # One fixed-file entry per I/O slot: a new page file is opened, written, closed and
             # renamed in one chain (kernel >= 5.15).
@@ -627,6 +628,10 @@ async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: Header
         await asyncio.wait({job})  # the ring must outlive the syscall using it
         raise
 
+
+ASYNC_PAGE_BYTES = 8 << 20
+"""Pages this large or larger move through io-wq workers (``UringEngine.async_data``): inline
+issue of a large O_DIRECT op can block ``io_uring_enter`` (and so the loop) for hundreds of ms."""
 
 REGISTER_REGION_BYTES = 64 << 20
 """Pool memory registered per io_uring update in the background. The ring's lock and the process's

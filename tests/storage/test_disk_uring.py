@@ -195,3 +195,50 @@ async def test_big_ticks_submit_in_batches_of_whole_chains() -> None:
         assert engine.submits - before == 4  # 30 + 30 + 30 + 30: batches of <= 32, chains unsplit
     finally:
         await engine.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("async_data", [False, True])
+async def test_async_data_marks_page_ops_only_and_round_trips(engine: UringEngine, tmp_path: Path,
+                                                              buffer: tuple[mmap.mmap, int], async_data: bool) -> None:
+    # Regression (#14): 32 MiB O_DIRECT ops issued inline blocked io_uring_enter, and so the loop,
+    # for 0.6-0.8 s at queue depth 32; with async_data they go to io-wq workers (IOSQE_ASYNC).
+    from aiokv.storage.uring import _SQE, IOSQE_ASYNC
+
+    engine.async_data = async_data
+    m, address = buffer
+    path = str(tmp_path / "f").encode()
+    fd = await engine.openat(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    m[:8192] = b"c" * 8192
+    assert await engine.write(fd, address, 8192, 0, m) == 8192
+    m[:8192] = bytes(8192)
+    assert await engine.read(fd, address, 8192, 0, m) == 8192
+    assert m[:8192] == b"c" * 8192
+    assert await engine.close_fd(fd) == 0
+    # The ring's SQE slots still hold what was submitted: open, write, read, close in order.
+    flags = [_SQE.unpack_from(engine._sqes, i * 64)[1] for i in range(4)]
+    marked = [bool(f & IOSQE_ASYNC) for f in flags]
+    assert marked == [False, async_data, async_data, False]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("page_tokens", [16, 256], ids=["2MiB", "32MiB"])
+async def test_the_tier_issues_large_pages_async(tmp_path: Path, page_tokens: int) -> None:
+    # An 8B model's 256-token page (32 MiB) goes through io-wq; a 2 MiB page is issued inline.
+    import torch
+    from disk_helpers import config
+
+    from aiokv import KVLayout
+    from aiokv.pool import PagePool
+    from aiokv.storage import DiskBackend, DiskTier
+    from aiokv.storage.backends import ASYNC_PAGE_BYTES
+
+    layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=page_tokens)
+    pool = PagePool.create(layout, 2 * layout.page_bytes)
+    try:
+        async with DiskTier(config(tmp_path / "d", DiskBackend.URING), layout, pool) as tier:
+            engine = tier._io.engine  # type: ignore[union-attr]
+            assert engine.async_data == (layout.page_bytes >= ASYNC_PAGE_BYTES)
+            assert engine.async_data == (page_tokens == 256)
+    finally:
+        pool.close()
