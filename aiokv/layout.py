@@ -111,10 +111,10 @@ class KVLayout:
         """Rows per token per layer: ``2 * num_kv_heads`` (K then V) for MHA, 1 for MLA."""
         return 2 * self.num_kv_heads if self.kind is KVKind.MHA else 1
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -151,12 +151,12 @@ class KVLayout:
         """Bytes of one token in one layer (all its rows)."""
         return self.rows * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         """Bytes of KV in one page, before padding."""
         return self.num_layers * self.page_tokens * self.token_row_bytes
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """Bytes one page occupies in the pool and on disk: payload padded to 4096."""
         return -(-self.payload_bytes // PAGE_ALIGN) * PAGE_ALIGN
