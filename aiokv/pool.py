@@ -19,9 +19,9 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_available, prepare_in_background
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_WORKERS = 4
@@ -427,6 +428,16 @@ class PagePool:
         self._released = True
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.memory.close()
+
+    def run_in_background(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on one of the pool's preparation threads (nice +10), after the chunks queued
+        before it. For background work on the pool's memory (the disk tier's io_uring
+        registration): its threads exist already, and starting a new one from the loop waits for
+        it under load (10-20 ms stalls measured at start-up). Raises ``PoolClosedError`` once the
+        pool is closing; a job not started when it closes is cancelled."""
+        if self._closed:
+            raise PoolClosedError("the page pool is closed")
+        return self._executor.submit(fn)
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the loop: chunks not started are dropped, running ones

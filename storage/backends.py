@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from aiokv.layout import KVLayout
-from aiokv.pool import PagePool
-from aiokv.shm import lower_thread_priority, populate
+from aiokv.pool import PagePool, PoolClosedError
+from aiokv.shm import populate
 
 from . import uring
 from .config import DiskBackend, DiskConfig
@@ -262,16 +262,20 @@ class UringPageIO:
                 self.engine.update_buffer(region)
                 loop.call_soon_threadsafe(adopt, region, slot)
 
-        # A thread of its own at lower priority: faulting in is kernel CPU work that would otherwise
-        # take turns with the loop's thread on a small machine.
-        executor = ThreadPoolExecutor(1, thread_name_prefix="aiokv-register", initializer=lower_thread_priority)
-        job = loop.run_in_executor(executor, register)
-        executor.shutdown(wait=False)
+        # On the pool's own preparation threads (nice +10, already running): faulting in is kernel
+        # CPU work that would otherwise take turns with the loop's thread on a small machine, and
+        # starting a thread of its own from the loop stalled it 10-20 ms under load.
+        try:
+            work = self._pool.run_in_background(register)
+        except PoolClosedError:
+            return
+        job = asyncio.wrap_future(work)
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
             stop.set()
-            await asyncio.wait({job})  # the ring must outlive the syscall using it
+            if not work.cancel():  # not started yet (queued behind chunk preparation): nothing to wait for
+                await asyncio.wait({job})  # the ring must outlive the syscall using it
             raise
         except OSError as exc:
             log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock, or a kernel "

@@ -77,3 +77,29 @@ async def test_the_first_offload_starts_no_thread_on_the_loop(tmp_path: Path) ->
         before = threading.active_count()
         await cache.offload(list(range(16)), torch.arange(16))
         assert threading.active_count() == before
+
+
+@pytest.mark.asyncio
+async def test_pool_registration_runs_on_the_pools_own_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: the disk tier started a registration thread of its own from the loop while the
+    # pool's preparation ran (a 10-20 ms wait for it under load). It runs on the pool's threads now.
+    import threading
+
+    import aiokv.storage.backends as backends
+
+    ran_on: list[str] = []
+    populate = backends.populate
+
+    def recording(address: int, length: int) -> None:
+        ran_on.append(threading.current_thread().name)
+        populate(address, length)
+
+    monkeypatch.setattr(backends, "populate", recording)
+    kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
+    config = CacheConfig(cpu_bytes=64 << 20, disk_dir=tmp_path / "disk", disk_bytes=1 << 30, namespace="reg")
+    async with KVCache(config, LAYOUT, kv) as cache:
+        disk = cache.disk
+        assert disk is not None
+        await disk._io.wait_registered()  # type: ignore[union-attr]
+        assert disk._io.kind.value == "uring_fixed"  # type: ignore[union-attr]
+    assert ran_on and all(name.startswith("aiokv-pool") for name in ran_on), ran_on
