@@ -64,7 +64,10 @@ def drop_page_cache() -> None:
     """Make the next reads reach the (throttled) device: a read served from the page cache (a
     buffered tier, or the files just written) never meets the throttle. Root only, as this test."""
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as exc:  # a container's read-only /proc/sys: the throttle cannot be shown here
+        pytest.skip(f"cannot drop the page cache here ({exc})")
 
 
 async def _compute(pages: int) -> None:
