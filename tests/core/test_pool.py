@@ -252,3 +252,16 @@ async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypat
     stats = pool.statistics()
     assert (stats.chunks_ready, stats.chunks_failed) == (1, 3)  # chunks no thread had started are dropped
     await pool.aclose()
+
+
+def test_run_in_background_uses_the_pools_threads_and_a_closed_pool_refuses() -> None:
+    pool = PagePool.create(LAYOUT, 8 * LAYOUT.page_bytes, chunk_bytes=2 * LAYOUT.page_bytes)
+    try:
+        pool.wait_ready_blocking()
+        name = pool.run_in_background(lambda: threading.current_thread().name).result(timeout=10)
+        assert name.startswith("aiokv-pool")
+        assert pool.chunk_pages == 2
+    finally:
+        pool.close()
+    with pytest.raises(PoolClosedError):
+        pool.run_in_background(int)

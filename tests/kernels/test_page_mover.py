@@ -141,6 +141,8 @@ CASES: list[tuple[str, Callable[[KVBuffer, torch.Tensor], object], str]] = [
     ("scatter count", lambda kv, p: reference_scatter(kv, p, torch.arange(12), [0], skip_first=2), "need 14"),
     ("mover path", lambda kv, p: PageMover(kv, p, "staging"), "path must be a TransferPath"),
     ("mover staging", lambda kv, p: PageMover(kv, p, TransferPath.STAGING, 0), "staging_pages"),
+    ("mover run_pages 0", lambda kv, p: PageMover(kv, p, run_pages=0), "run_pages"),
+    ("mover run_pages bool", lambda kv, p: PageMover(kv, p, run_pages=True), "run_pages"),
     ("mover load count", lambda kv, p: PageMover(kv, p).load([0, 1], _ok_slots()), "need 32"),
     ("mover offload dup", lambda kv, p: PageMover(kv, p).offload(torch.zeros(16, dtype=torch.int32), [0]),
      "duplicated slots"),
