@@ -71,12 +71,15 @@ class CompletionBridge:
         """
         if self._closed:
             return
-        if self._cpu is None:
-            self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiokv-copy")
-        self._cpu.submit(int).result()  # the one copy thread exists from here on
+        self._cpu_executor().submit(int).result()  # the one copy thread exists from here on
         if cuda:
             for lane in Lane:
                 self._lane(lane)
+
+    def _cpu_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._cpu is None:
+            self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiokv-copy")
+        return self._cpu
 
     def _lane(self, lane: Lane) -> queue.SimpleQueue[_Item]:
         q = self._queues.get(lane)
@@ -122,11 +125,9 @@ class CompletionBridge:
         """
         if self._closed:
             raise RuntimeError("completion bridge is closed")
-        if self._cpu is None:
-            self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiokv-copy")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        job = self._cpu.submit(fn)
+        job = self._cpu_executor().submit(fn)
         self._cpu_jobs[future] = job
 
         def done(_: concurrent.futures.Future[T]) -> None:
@@ -228,15 +229,23 @@ def memcpy2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, hei
     to ``dst + i * dpitch``, on ``stream`` (as :func:`memcpy_async`; the host rows must lie in one
     ``cudaHostRegister`` range). One call for many slabs: the runtime's per-call host cost, not
     PCIe, bounded a layer-wise load of thousands of 1 MiB slabs one call each."""
+    lib = _required_runtime()
+    err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+    _check(lib, err, f"cudaMemcpy2DAsync({height} x {width} bytes)")
+
+
+def _required_runtime() -> Any:
     lib = _runtime_library()
     if lib is None:
         raise RuntimeError("no CUDA runtime library is loaded in this process")
-    err = lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+    return lib
+
+
+def _check(lib: Any, err: int, what: str) -> None:
+    """Raise ``RuntimeError`` with CUDA's message for a non-zero runtime error code."""
     if err != 0:
         message = lib.cudaGetErrorString(err) or b"?"
-        raise RuntimeError(
-            f"cudaMemcpy2DAsync({height} x {width} bytes) failed: CUDA error {err} ({message.decode()})"
-        )
+        raise RuntimeError(f"{what} failed: CUDA error {err} ({message.decode()})")
 
 
 def raw_memcpy_available() -> bool:
@@ -253,10 +262,6 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
     not cross two ``cudaHostRegister`` ranges. Raises ``RuntimeError`` with CUDA's message if the
     runtime refuses the copy, ``RuntimeError`` too where :func:`raw_memcpy_available` is False.
     """
-    lib = _runtime_library()
-    if lib is None:
-        raise RuntimeError("no CUDA runtime library is loaded in this process")
+    lib = _required_runtime()
     err = lib.cudaMemcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
-    if err != 0:
-        message = lib.cudaGetErrorString(err) or b"?"
-        raise RuntimeError(f"cudaMemcpyAsync({nbytes} bytes) failed: CUDA error {err} ({message.decode()})")
+    _check(lib, err, f"cudaMemcpyAsync({nbytes} bytes)")

@@ -445,12 +445,13 @@ class PageMover:
         """Queue every unit of :func:`layer_schedule`: copies on the copy stream, scatters and
         layer events on the first load lane's stream."""
         copy_stream, scatter_lane = staging.copy_stream, self._load_lanes[0]
+        runs = [slab_runs(group.ids, self.run_pages) for group in groups]  # the same for every layer
         for unit in layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)):
             group, buffer = groups[unit.group], unit.buffer
             with self._on_stream(copy_stream):
                 if copy_stream is not None and unit.reuse:
                     copy_stream.wait_event(staging.freed[buffer])
-                self._copy_unit(staging.buffers[buffer], group.ids, unit.layer, copy_stream)
+                self._copy_unit(staging.buffers[buffer], group.ids, runs[unit.group], unit.layer, copy_stream)
                 if copy_stream is not None:
                     staging.copied[buffer].record(copy_stream)
             with self._stream(scatter_lane):
@@ -464,11 +465,13 @@ class PageMover:
                 self._layer_done(streams, events, on_layer, unit.layer)
 
     def _copy_unit(
-        self, buffer: torch.Tensor, page_ids: list[int], layer: int, stream: torch.cuda.Stream | None
+        self, buffer: torch.Tensor, page_ids: list[int], runs: list[tuple[int, int, int]], layer: int,
+        stream: torch.cuda.Stream | None,
     ) -> None:
         """Layer ``layer`` of pool pages ``page_ids`` -> slabs ``0..`` of ``buffer``, on ``stream``.
 
-        One copy per page: a page's layer is contiguous, consecutive pages' are a page apart. On
+        One copy per run of ``runs`` (:func:`slab_runs` of ``page_ids``): a page's layer is
+        contiguous, consecutive pages' are a page apart (one 2-D copy for a run). On
         CUDA through the runtime directly where it can (torch's ``copy_`` costs ~10 µs of host time
         per call, thousands of calls per long prefix).
         """
@@ -479,7 +482,7 @@ class PageMover:
             dst = buffer.data_ptr()
             src = pages.data_ptr() + layer * pages.stride(1) * itemsize
             page_stride = pages.stride(0) * itemsize
-            for j, page, count in slab_runs(page_ids, self.run_pages):
+            for j, page, count in runs:
                 if count == 1:
                     _cuda.memcpy_async(dst + j * slab, src + page * page_stride, slab, stream)
                 else:

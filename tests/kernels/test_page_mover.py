@@ -299,14 +299,14 @@ def test_a_copy_failing_mid_load_raises_after_the_layers_before_it(
     real = PageMover._copy_unit
     calls: list[int] = []
 
-    def refusing(self: PageMover, buffer: torch.Tensor, ids: list[int], layer: int,
-                 stream: torch.cuda.Stream | None) -> None:
+    def refusing(self: PageMover, buffer: torch.Tensor, ids: list[int], runs: list[tuple[int, int, int]],
+                 layer: int, stream: torch.cuda.Stream | None) -> None:
         calls.append(layer)
         if len(calls) == 6:
             raise RuntimeError("cudaMemcpyAsync refused (injected)")
         if stream is not None and len(calls) == 5:
             torch.cuda._sleep(100_000_000)  # the scatters queued before the fault run late
-        real(self, buffer, ids, layer, stream)
+        real(self, buffer, ids, runs, layer, stream)
 
     monkeypatch.setattr(PageMover, "_copy_unit", refusing)
     seen: list[int] = []

@@ -25,6 +25,11 @@ class _RefusingRuntime:
         self.calls.append((dst, src, nbytes, kind, stream))
         return 1
 
+    def cudaMemcpy2DAsync(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                          stream: int) -> int:
+        self.calls.append((dst, src, width * height, kind, stream))
+        return 1
+
     def cudaGetErrorString(self, err: int) -> bytes:
         return b"invalid argument"
 
@@ -39,6 +44,26 @@ def test_a_refused_copy_raises_with_cudas_message(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync\(4096 bytes\) failed: CUDA error 1 \(invalid argument\)"):
         cuda.memcpy_async(8192, 16384, 4096, _Stream())  # type: ignore[arg-type]
     assert runtime.calls == [(8192, 16384, 4096, 4, 1234)]  # cudaMemcpyDefault, the caller's stream
+    with pytest.raises(RuntimeError, match=r"cudaMemcpy2DAsync\(3 x 4096 bytes\) failed: CUDA error 1 \(invalid"):
+        cuda.memcpy2d_async(8192, 4096, 16384, 1 << 20, 4096, 3, _Stream())  # type: ignore[arg-type]
+    assert runtime.calls[1] == (8192, 16384, 3 * 4096, 4, 1234)
+
+
+def test_prestart_starts_the_copy_thread_once_and_a_closed_bridge_starts_nothing() -> None:
+    import threading
+
+    def copy_threads() -> int:
+        return sum(t.name.startswith("aiokv-copy") for t in threading.enumerate())
+
+    before = copy_threads()
+    bridge = cuda.CompletionBridge()
+    bridge.prestart(False)
+    bridge.prestart(False)
+    assert copy_threads() == before + 1
+    bridge.close()
+    assert copy_threads() == before
+    bridge.prestart(False)
+    assert copy_threads() == before
 
 
 @pytest.mark.gpu
