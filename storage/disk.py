@@ -292,7 +292,7 @@ class DiskTier:
 
     def _write_slot(self, job: _Job, slot: int) -> None:
         assert isinstance(job, _WriteJob) and self._checksums is not None
-        job.slot = slot
+        job.slot, job.holds_slot = slot, True
         try:
             job.page = self.pool.table.check(job.ref)
             self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
@@ -313,16 +313,20 @@ class DiskTier:
             self._write_failed(job, None)
 
     def _write_done(self, job: _WriteJob, error: BaseException | None) -> None:
-        self._give_slot(job.slot)
+        self._return_slot(job)
         if error is None:
-            self._end_write(job, True)
+            try:
+                self._end_write(job, True)
+            except Exception:  # never left unended: its caller and close() wait for the end
+                self._faults.unexpected("write")
+                if not job.ended:
+                    self._end_write(job, False)
         else:
-            self._write_failed(job, error, slot_given=True)
+            self._write_failed(job, error)
 
-    def _write_failed(self, job: _WriteJob, error: BaseException | None, slot_given: bool = False) -> None:
+    def _write_failed(self, job: _WriteJob, error: BaseException | None) -> None:
         """A fast-path write failed: the room goes back; ENOSPC tries again on the coroutine path."""
-        if not slot_given:
-            self._give_slot(job.slot)
+        self._return_slot(job)
         self._index.give_back()
         if not isinstance(error, OSError):
             self._faults.unexpected("write")
@@ -491,14 +495,14 @@ class DiskTier:
 
     def _read_slot(self, job: _Job, slot: int) -> None:
         assert isinstance(job, _ReadJob) and self._io is not None
-        job.slot = slot
+        job.slot, job.holds_slot = slot, True
         self._reads += 1
         self._index.readers[job.key] += 1
         try:
             self._io.start_load(*self._where(job.key), slot, job.page, functools.partial(self._read_loaded, job))
         except Exception:
             self._read_unreader(job.key)
-            self._give_slot(slot)
+            self._return_slot(job)
             self._faults.unexpected("read")
             self._end_read(job, False)
 
@@ -514,16 +518,16 @@ class DiskTier:
         self._read_unreader(key)
         try:
             if isinstance(got, BaseException):
-                self._give_slot(job.slot)
+                self._return_slot(job)
                 self._read_fault(job, got)
                 return
             if got != self._file_bytes:
-                self._give_slot(job.slot)
+                self._return_slot(job)
                 self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
                 self._end_read(job, False)
                 return
             header = parse_header(self._slots.views[job.slot], self.layout, key)
-            self._give_slot(job.slot)  # the header is parsed: the slot may go on before the payload hash
+            self._return_slot(job)  # the header is parsed: the slot may go on before the payload hash
             if not isinstance(header, PageHeader):
                 self._reject(key, generation, header.value)
                 self._end_read(job, False)
@@ -531,9 +535,11 @@ class DiskTier:
             job.checksum = header.checksum
             self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
                                   functools.partial(self._read_hashed, job))
-        except Exception:
+        except Exception:  # the slot back and the job ended on every path: later I/O must not hang
+            self._return_slot(job)
             self._faults.unexpected("read")
-            self._end_read(job, False)
+            if not job.ended:
+                self._end_read(job, False)
 
     def _read_fault(self, job: _ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
@@ -549,15 +555,20 @@ class DiskTier:
         self._end_read(job, False)
 
     def _read_hashed(self, job: _ReadJob, checksum: int | BaseException) -> None:
-        if isinstance(checksum, BaseException):
+        try:
+            if isinstance(checksum, BaseException):
+                self._faults.unexpected("read")
+                self._end_read(job, False)
+            elif checksum != job.checksum:
+                self._reject(job.key, job.generation, "payload checksum mismatch")
+                self._end_read(job, False)
+            else:
+                self._bytes_read += self._file_bytes
+                self._end_read(job, True)
+        except Exception:  # never left unended: its caller and close() wait for the end
             self._faults.unexpected("read")
-            self._end_read(job, False)
-        elif checksum != job.checksum:
-            self._reject(job.key, job.generation, "payload checksum mismatch")
-            self._end_read(job, False)
-        else:
-            self._bytes_read += self._file_bytes
-            self._end_read(job, True)
+            if not job.ended:
+                self._end_read(job, False)
 
     def _end_read(self, job: _ReadJob, ok: bool) -> None:
         if ok:
@@ -690,6 +701,12 @@ class DiskTier:
         self._with_slot(_Job(), lambda _job, slot: got.set_result(slot))
         return await got
 
+    def _return_slot(self, job: _Job) -> None:
+        """Give ``job``'s I/O slot back if it still holds it (idempotent: every path may call it)."""
+        if job.holds_slot:
+            job.holds_slot = False
+            self._give_slot(job.slot)
+
     def _give_slot(self, slot: int) -> None:
         self._in_flight -= 1
         if self._slot_waiters:
@@ -820,10 +837,11 @@ class DiskTier:
 class _Job:
     """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
 
-    __slots__ = ("ended", "ended_waiters", "slot", "then")
+    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then")
 
     def __init__(self) -> None:
         self.slot = -1
+        self.holds_slot = False  # until :meth:`DiskTier._return_slot`: once, on every path
         self.then: Callable[[_Job, int], None] | None = None  # what runs once a slot is free
         self.ended = False
         self.ended_waiters: list[asyncio.Future[None]] | None = None

@@ -295,3 +295,40 @@ async def test_fault_hook_is_armed_only_by_an_injection(disk_dir: Path, layout: 
         pool.table.release(h)
         assert tier.statistics().errors[ErrorKind.EIO] == 1
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", ["parse_header", "reject"])
+async def test_an_unexpected_error_in_a_read_callback_returns_its_slot(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    # Regression: a read callback that raised ended the read as a counted miss but kept its I/O
+    # slot; with one slot every later read and write, and close(), waited for ever.
+    import aiokv.storage.disk as disk_module
+
+    async with DiskTier(config(disk_dir, backend, queue_depth=1), layout, pool) as tier:
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)
+        expect = payload(pool, h).clone()
+        pool.table.release(h)
+
+        def boom(*_args: object) -> Any:
+            raise RuntimeError("injected")
+
+        if where == "parse_header":
+            monkeypatch.setattr(disk_module, "parse_header", boom)
+        else:  # a bad header, then the rejection itself fails
+            monkeypatch.setattr(disk_module, "parse_header", lambda *_a: ErrorKind.CORRUPT)
+            monkeypatch.setattr(tier, "_reject", boom)
+        into = reserve(pool, key_of(2))
+        async with asyncio.timeout(10):
+            assert not await tier.read(key_of(1), into)
+        pool.table.abort(into)
+        assert tier.statistics().errors[ErrorKind.OTHER] >= 1
+        monkeypatch.undo()
+        into = reserve(pool, key_of(3))
+        async with asyncio.timeout(10):  # the one slot is free again
+            assert await tier.read(key_of(1), into)
+        assert payload(pool, into).equal(expect)
+        pool.table.abort(into)
+    assert_clean(pool)
