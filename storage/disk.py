@@ -307,7 +307,7 @@ class DiskTier:
                 raise checksum
             pack_header(self._slots.views[job.slot], self.layout, job.key, checksum)
             dir_fd, final = self._where(job.key)
-            self._io.start_publish(dir_fd, self.files.temp_name(job.key), final, job.slot, job.page,
+            self._io.start_publish(dir_fd, self._temp(job.key), final, job.slot, job.page,
                                    self.config.sync_writes, None, functools.partial(self._write_done, job))
         except Exception:
             self._write_failed(job, None)
@@ -414,7 +414,7 @@ class DiskTier:
     async def _publish(self, key: PageKey, ref: PageHandle, victim: PageKey | None) -> None:
         page = self.pool.table.check(ref)
         dir_fd, final = self._where(key)
-        temp = self.files.temp_name(key)
+        temp = self._temp(key)
         slot = await self._take_slot()
         try:
             assert self._slots is not None
@@ -440,6 +440,12 @@ class DiskTier:
         if fanout >= 0:
             return fanout, self.files.name(key)
         return self._dir.dir_fd, self.files.rel(key)
+
+    def _temp(self, key: PageKey) -> str:
+        """A fresh temporary name beside ``key``'s final one, relative to :meth:`_where`'s directory:
+        start-up removes leftover temporaries only inside fan-out directories."""
+        assert self._dir is not None
+        return self.files.temp_name(key) if self._dir.fanout[key[0]] >= 0 else self.files.temp_rel(key)
 
     async def _take_over(self, victim: PageKey, temp_dir: int, temp: str) -> int | None:
         """Rename the evicted ``victim``'s file to ``temp`` for overwriting; its fd, or None when it is

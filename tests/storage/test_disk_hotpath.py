@@ -332,3 +332,31 @@ async def test_an_unexpected_error_in_a_read_callback_returns_its_slot(
         assert payload(pool, into).equal(expect)
         pool.table.abort(into)
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_without_a_fanout_fd_the_temporary_goes_beside_the_final_name(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: where a fan-out directory could not be opened at start, the final name is
+    # relative to the layout directory ("xx/<key>") but the temporary had no "xx/": it was created
+    # in the layout directory, where start-up never removes leftovers.
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        assert tier._dir is not None
+        key = key_of(7)
+        tier._dir.fanout[key[0]] = -1  # as if opening that fan-out directory had failed at start
+        published: list[tuple[str, str]] = []
+        io = tier._io
+        assert io is not None
+        start = io.start_publish
+
+        def recording(dir_fd: int, temp: str, final: str, *rest: Any) -> None:
+            published.append((temp, final))
+            start(dir_fd, temp, final, *rest)
+
+        monkeypatch.setattr(io, "start_publish", recording)
+        h = fill(pool, key, 7)
+        assert await tier.write(key, h)
+        pool.table.release(h)
+        assert published and all(t.split("/")[0] == f.split("/")[0] == key.hex()[:2] for t, f in published)
+    assert_clean(pool)
