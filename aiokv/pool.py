@@ -377,7 +377,7 @@ class PagePool:
     def chunk_pages(self) -> int:
         """Pages per preparation chunk; chunk i is pages ``[i * chunk_pages, (i + 1) * chunk_pages)``,
         registered with CUDA (pinned) as one range, so one copy may span pages of one chunk only."""
-        return len(self._chunk_pages[0]) if len(self._chunk_pages) > 1 else self.memory.num_pages
+        return len(self._chunk_pages[0])
 
     @property
     def name(self) -> str:

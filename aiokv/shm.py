@@ -312,8 +312,8 @@ def prepare_in_background(
 POPULATE_STEP = 2 << 20
 """Bytes faulted in per madvise call. The kernel holds the process's mmap lock for a whole call
 (~1 s/GiB of untouched tmpfs), and any mmap/munmap in another thread, the loop's included (an
-allocation of a large object), waits for it: 256 MiB per call stalled the loop ~250 ms; 16 MiB
-keeps each wait under ~16 ms, typically a few ms."""
+allocation of a large object, a new thread's stack), waits for it: 256 MiB per call stalled the
+loop ~250 ms, 16 MiB still 6-16 ms; 2 MiB keeps each wait near 2 ms at worst."""
 
 
 def unpopulate(address: int, length: int) -> None:

@@ -26,7 +26,6 @@ publishes them is atomic (same directory, same file system).
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import os
 import struct
@@ -97,12 +96,6 @@ class PageHeader:
     created_ns: int
 
 
-@functools.lru_cache(maxsize=64)
-def _geometry(layout: KVLayout) -> tuple[bytes, int, int]:
-    # KVLayout's byte sizes are computed properties (a torch allocation each): once per layout.
-    return layout.fingerprint, layout.payload_bytes, layout.page_bytes
-
-
 def payload_checksum(payload: memoryview) -> int:
     """xxh3-64 of the payload bytes."""
     return xxhash.xxh3_64_intdigest(payload)
@@ -110,7 +103,7 @@ def payload_checksum(payload: memoryview) -> int:
 
 def pack_header(into: memoryview, layout: KVLayout, key: PageKey, checksum: int) -> None:
     """Write a complete header for ``key`` into ``into`` (``HEADER_BYTES`` long)."""
-    fingerprint, payload, page = _geometry(layout)
+    fingerprint, payload, page = layout.fingerprint, layout.payload_bytes, layout.page_bytes
     into[:HEADER_BYTES] = _ZEROS
     _FIELDS.pack_into(into, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, fingerprint, key, payload, page, checksum,
                       time.time_ns(), 0)
@@ -131,7 +124,7 @@ def parse_header(data: memoryview, layout: KVLayout, key: PageKey) -> PageHeader
     scratch[_SUM_OFFSET : _SUM_OFFSET + 8] = bytes(8)
     if xxhash.xxh3_64_intdigest(scratch) != header_sum:
         return HeaderFault.HEADER_SUM
-    want_fingerprint, want_payload, want_page = _geometry(layout)
+    want_fingerprint, want_payload, want_page = layout.fingerprint, layout.payload_bytes, layout.page_bytes
     if fingerprint != want_fingerprint:
         return HeaderFault.FINGERPRINT
     if got_key != key:
