@@ -23,6 +23,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,19 @@ log = logging.getLogger(__name__)
 _Posted = Coroutine[Any, Any, object] | Callable[[], object]
 
 
+def check_timing(poll_s: float, linger_s: float, idle_poll_s: float) -> None:
+    """Refuse polling settings a loop cannot run with: ``TypeError`` for a non-number, ``ValueError``
+    unless ``poll_s > 0``, ``linger_s >= 0`` and ``idle_poll_s >= 0``, all finite (an infinite poll
+    would leave posted work waiting for ever)."""
+    for name, value in (("poll_s", poll_s), ("linger_s", linger_s), ("idle_poll_s", idle_poll_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+    if not poll_s > 0 or not linger_s >= 0 or not idle_poll_s >= 0:
+        raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {poll_s}, {linger_s}, {idle_poll_s}")
+
+
 class LoopThread:
     """A daemon thread running one event loop until :meth:`close`.
 
@@ -44,9 +58,7 @@ class LoopThread:
     """
 
     def __init__(self, name: str, poll_s: float = 0.001, linger_s: float = 0.05, idle_poll_s: float = 0.0) -> None:
-        if not poll_s > 0 or not linger_s >= 0 or not idle_poll_s >= 0:
-            raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {poll_s}, {linger_s}, "
-                             f"{idle_poll_s}")
+        check_timing(poll_s, linger_s, idle_poll_s)
         self._poll_s = poll_s
         self._linger_s = linger_s
         self._idle_poll_s = idle_poll_s

@@ -41,7 +41,7 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
 
-from .loopthread import LoopThread
+from .loopthread import LoopThread, check_timing
 
 _DISK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DiskConfig)}
 DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
@@ -97,13 +97,7 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
-        for name in ("poll_s", "linger_s", "idle_poll_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not self.poll_s > 0 or not self.linger_s >= 0 or not self.idle_poll_s >= 0:
-            raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {self.poll_s}, "
-                             f"{self.linger_s}, {self.idle_poll_s}")
+        check_timing(self.poll_s, self.linger_s, self.idle_poll_s)
 
     @property
     def pages_in_staging(self) -> int:

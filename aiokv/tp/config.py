@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
@@ -41,8 +42,11 @@ class TPConfig:
         for field in fields(self):
             value = getattr(self, field.name)
             low_ok = field.name == "inline_copy_bytes" and value == 0
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (value <= 0 and not low_ok):
-                raise ValueError(f"TPConfig.{field.name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (not value > 0 and not low_ok):
+                zero = " (or 0)" if field.name == "inline_copy_bytes" else ""
+                raise ValueError(f"TPConfig.{field.name} must be a positive number{zero}, got {value!r}")
+            if not math.isfinite(value):  # an endless timeout or backoff would hang, not fail
+                raise ValueError(f"TPConfig.{field.name} must be finite, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"TPConfig.{field.name} must be an int, got {value!r}")
         if self.reconnect_max_s < self.reconnect_initial_s:

@@ -8,6 +8,7 @@ import gc
 import threading
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,21 @@ def test_a_parked_loop_with_idle_polling_finds_work_unwoken() -> None:
         assert ran.wait(5)
     finally:
         thread.close()
+
+
+@pytest.mark.parametrize(("options", "error"), [
+    ({"poll_s": float("inf")}, ValueError),
+    ({"linger_s": float("nan")}, ValueError),
+    ({"idle_poll_s": -1.0}, ValueError),
+    ({"poll_s": 0.0}, ValueError),
+    ({"poll_s": "1"}, TypeError),
+    ({"linger_s": True}, TypeError),
+], ids=["poll-inf", "linger-nan", "idle-negative", "poll-zero", "poll-str", "linger-bool"])
+def test_polling_settings_a_loop_cannot_run_with_are_refused(options: dict[str, object], error: type) -> None:
+    from aiokv.adapters.store import StoreConfig
+
+    settings: dict[str, object] = {"poll_s": 0.001, "linger_s": 0.05, "idle_poll_s": 0.01, **options}
+    with pytest.raises(error):
+        LoopThread("bad", **settings)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        StoreConfig(directory=Path("/nonexistent-aiokv"), **settings)  # type: ignore[arg-type]

@@ -56,3 +56,11 @@ def test_inline_copy_bytes_may_be_zero_but_not_negative() -> None:
     assert TPConfig(inline_copy_bytes=0).inline_copy_bytes == 0
     with pytest.raises(ValueError, match="inline_copy_bytes"):
         TPConfig(inline_copy_bytes=-1)
+
+
+@pytest.mark.parametrize("field", ["handshake_timeout_s", "close_timeout_s", "reconnect_max_s", "max_jobs"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_tp_config_refuses_endless_or_undefined_values(field: str, value: float) -> None:
+    # NaN slipped past "<= 0"; an infinite timeout or backoff hangs instead of failing.
+    with pytest.raises(ValueError, match=field):
+        TPConfig(**{field: value})  # type: ignore[arg-type]
