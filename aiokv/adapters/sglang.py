@@ -12,6 +12,13 @@ Start SGLang with::
 pool's own memory (found through its ``get_page_buffer_meta``) and page files, with no tensor made
 per page. Without it SGLang uses the plain ``get``/``set`` interface with page tensors.
 
+Hybrid models (SGLang's ``HybridCacheController``: Mamba states, SWA, indexer or draft pools
+beside the KV pool) use the v2 interface: each extra host pool is registered by name
+(``register_mem_host_pool_v2``) and gets page files of its own; ``batch_exists_v2`` applies
+SGLang's per-pool hit policies, ``batch_get_v2`` / ``batch_set_v2`` move several pools' pages in
+one call. ``clear()`` (SGLang's ``/clear_hicache_storage_backend``) deletes this backend's page
+files and goes on empty.
+
 SGLang calls storage backends synchronously from its prefetch and backup threads; each call hands
 its pages to aiokv's event loop (a thread of the backend's own) and waits for them. Keys: SGLang's
 page hash strings under aiokv's seed of the model identity (model, TP/PP/CP shard, host layout,
@@ -22,17 +29,29 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
-from .store import PageFileStore, StoreConfig
+from .loopthread import LoopThread
+from .store import PageFileStore, StoreConfig, open_thread, page_file_bytes
 
 log = logging.getLogger(__name__)
+
+_KV = "kv"  # SGLang's PoolName.KV
 
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _STORE_KEYS = ("disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
@@ -50,14 +69,46 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+@dataclass
+class _Pool:
+    """One of SGLang's host pools and the page files of its pages."""
+
+    name: str
+    host: Any
+    """SGLang's host pool (``HostKVCache``)."""
+    page_bytes: int
+    in_place: bool
+    """Pages move straight between the pool's memory and page files (``get_page_buffer_meta``);
+    else through SGLang's flat data pages (``get_data_page`` / ``set_from_flat_data_page``)."""
+    store: PageFileStore | None = None
+
+
+@dataclass
+class _Move:
+    """One pool's share of a batch: per key the page's buffers, and for flat reads where they go."""
+
+    store: PageFileStore
+    keys: list[str]
+    pages: list[list[torch.Tensor]]
+    host: Any = None
+    flat_targets: list[int] | None = None
+    """Flat reads: the host index each page is set at once read (on SGLang's thread)."""
+
+
 class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped for mypy here
     """aiokv page files behind SGLang's ``HiCacheStorage`` interface; created by SGLang's
     ``StorageBackendFactory`` for the ``dynamic`` backend.
 
     Options in the extra config besides the factory's: ``disk_dir``, ``disk_bytes``, ``namespace``,
-    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages`` (see the README). The disk
-    tier opens when SGLang registers its host pool (page bytes come from it), or at the first plain
-    ``set``/``get`` otherwise.
+    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages`` (see the README).
+
+    Pools: the KV pool (``register_mem_pool_host``) and, for hybrid models, the extra host pools
+    SGLang registers by name (``register_mem_host_pool_v2``: Mamba states, SWA, indexer, draft...).
+    Each pool's pages are page files of their own identity (directory and key seed), all driven by
+    one loop thread. ``disk_bytes`` is shared among the pools known when the files open, in
+    proportion to their page-file sizes (one pool: all of it); a pool registered later adds its
+    share on top. The files open when SGLang says the pools are registered
+    (``on_host_pools_registered``) or at the first call that needs them.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -69,21 +120,35 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self.config = StoreConfig.from_options({k: extra[k] for k in _STORE_KEYS if k in extra})
         self.storage_config = storage_config
         self.mem_pool_host: Any = None
-        self._store: PageFileStore | None = None
+        self._extra_hosts: dict[str, Any] = {}  # registered by name (v2), in order
+        self._pools: dict[str, _Pool] = {}  # opened: KV first
+        self._thread: LoopThread | None = None
+        self._weight_at_open = 0
         self._opening = threading.Lock()  # SGLang's prefetch and backup threads may both open it
+        self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Keep SGLang's host pool and open the disk tier for its page size."""
+        """Keep SGLang's (KV) host pool; its page files open with the other pools'."""
         self.mem_pool_host = mem_pool_host
-        page_size = int(mem_pool_host.page_size)
-        _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-        self._open(int(sum(sizes)))
 
-    def _facts(self) -> dict[str, object]:
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Keep one of a hybrid model's host pools under its name; opened at once when the other
+        pools' files are already open (a pool added at run time)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        with self._opening:
+            self._extra_hosts[name] = host_pool
+            if self._pools and name != _KV and name not in self._pools:
+                self._open_pool(name, host_pool, self._weight_at_open)
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang registered every pool it has now: open their page files (``disk_bytes`` shared)."""
+        self._open_all()
+
+    def _kv_facts(self, pool: Any) -> dict[str, object]:
         c = self.storage_config
-        pool = self.mem_pool_host
         return {
             "model": c.model_name,
             # MLA pages are the same on every TP rank; other pages hold the rank's heads only.
@@ -98,48 +163,174 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             "interface": "v1" if self.interface_v1 else "plain",
         }
 
-    def _open(self, page_bytes: int) -> PageFileStore:
-        with self._opening:
-            if self._store is None:
-                self._store = PageFileStore(self.config, "sglang", self._facts(), page_bytes)
-            elif self._store.page_bytes != page_bytes:
-                raise ValueError(f"pages of {page_bytes} bytes, but this backend stores {self._store.page_bytes}")
-            return self._store
+    def _extra_facts(self, name: str, host: Any, in_place: bool) -> dict[str, object]:
+        c = self.storage_config
+        facts = self._kv_facts(host)
+        # As SGLang's own file backend: Mamba state is sharded by TP rank even beside replicated MLA KV.
+        facts["tp"] = (c.tp_rank, c.tp_size) if not c.is_mla_model or name == "mamba" else None
+        facts["interface"] = "v2-in-place" if in_place else "v2-flat"
+        facts["pool"] = name
+        facts["pool_type"] = type(host).__name__
+        return facts
 
-    def _opened(self) -> PageFileStore | None:
-        return self._store
+    def _open_all(self, plain_page_bytes: int | None = None) -> bool:
+        """Open every known pool's page files unless open; False when there is nothing to open yet
+        (no host pool registered and no plain page seen)."""
+        with self._opening:
+            if self._pools:
+                return True
+            if self._closed:
+                raise RuntimeError("aiokv backend is closed")
+            if self.mem_pool_host is None and plain_page_bytes is None:
+                return False
+            shapes = []  # (name, host, page bytes, in place)
+            if self.mem_pool_host is not None:
+                kv_bytes, _ = _page_geometry(self.mem_pool_host, self.interface_v1)
+                shapes.append((_KV, self.mem_pool_host, kv_bytes, self.interface_v1))
+            else:
+                assert plain_page_bytes is not None
+                shapes.append((_KV, None, plain_page_bytes, False))
+            for name, host in self._extra_hosts.items():
+                if name != _KV:
+                    page_bytes, in_place = _page_geometry(host, True)
+                    shapes.append((name, host, page_bytes, in_place))
+            self._weight_at_open = sum(page_file_bytes(b) for _, _, b, _ in shapes)
+            self._thread = open_thread(self.config, "sglang")
+            try:
+                for name, host, page_bytes, in_place in shapes:
+                    if name == _KV:
+                        self._pools[_KV] = _Pool(_KV, host, page_bytes, in_place, self._new_store(
+                            self._kv_facts(host), page_bytes, self._weight_at_open))
+                    else:
+                        self._open_pool(name, host, self._weight_at_open)
+            except BaseException:
+                self._close_pools()
+                raise
+            return True
+
+    def _open_pool(self, name: str, host: Any, weight_total: int) -> None:
+        page_bytes, in_place = _page_geometry(host, True)
+        facts = self._extra_facts(name, host, in_place)
+        self._pools[name] = _Pool(name, host, page_bytes, in_place,
+                                  self._new_store(facts, page_bytes, weight_total))
+
+    def _new_store(self, facts: Mapping[str, object], page_bytes: int, weight_total: int) -> PageFileStore:
+        weight = page_file_bytes(page_bytes)
+        share = max(weight, self.config.capacity_bytes * weight // max(weight, weight_total))
+        assert self._thread is not None
+        return PageFileStore(dataclasses.replace(self.config, capacity_bytes=share), "sglang", facts, page_bytes,
+                             thread=self._thread)
+
+    def _kv(self, plain_page_bytes: int | None = None) -> _Pool | None:
+        """The KV pool, its files open; None before anything registered it."""
+        if not self._open_all(plain_page_bytes):
+            return None
+        kv = self._pools[_KV]
+        if plain_page_bytes is not None and kv.page_bytes != plain_page_bytes:
+            raise ValueError(f"pages of {plain_page_bytes} bytes, but this backend stores {kv.page_bytes}")
+        return kv
 
     # -- v1: host-pool pages in place ------------------------------------------------------------
-
-    def _host_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[torch.Tensor]]:
-        pool = self.mem_pool_host
-        if pool is None:
-            raise RuntimeError("batch_*_v1 needs the host pool (register_mem_pool_host)")
-        if host_indices.numel() != len(keys) * int(pool.page_size):
-            raise ValueError(f"{host_indices.numel()} host indices for {len(keys)} pages of {pool.page_size} tokens")
-        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-        per_page = len(ptrs) // max(1, len(keys))
-        if per_page * len(keys) != len(ptrs):
-            raise ValueError(f"{len(ptrs)} buffers do not split into {len(keys)} pages")
-        return [[_memory(int(p), int(s)) for p, s in zip(ptrs[i * per_page : (i + 1) * per_page],
-                                                        sizes[i * per_page : (i + 1) * per_page], strict=True)]
-                for i in range(len(keys))]
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read each page into its host-pool slots; per key, True when it arrived verified."""
-        store = self._opened()
-        if store is None or not keys:
+        kv = self._kv()
+        if kv is None or not keys:
             return [False] * len(keys)
-        return self._run_all(store, False, keys, self._host_pages(keys, host_indices))
+        return self._run([self._moves(kv, kv.host, keys, host_indices, write=False)], write=False)[0]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Write each page from its host-pool slots; per key, True when stored."""
-        store = self._opened()
-        if store is None or not keys:
+        kv = self._kv()
+        if kv is None or not keys:
             return [False] * len(keys)
-        return self._run_all(store, True, keys, self._host_pages(keys, host_indices))
+        return self._run([self._moves(kv, kv.host, keys, host_indices, write=True)], write=True)[0]
+
+    # -- v2: several pools per call (hybrid models) -----------------------------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable prefix of ``keys`` across the KV pool and each transfer's pool, with SGLang's
+        hit policies: ``ALL_PAGES`` (every page of the prefix in that pool), ``TRAILING_PAGES`` (the
+        last ``len(transfer.keys)`` pages before a stop point). ``BLOCK_GROUPS`` raises
+        ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). A pool never
+        registered holds nothing."""
+        transfers = list(pool_transfers or [])
+        kv = self._kv()
+        if kv is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        for transfer in transfers:
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
+        kv_store = _opened(kv)
+        kv_keys = [kv_store.key(k.encode("utf-8")) for k in keys]
+        stores = [self._pools[str(t.name)].store if str(t.name) in self._pools else None for t in transfers]
+        pool_keys = [None if s is None else [s.key(k.encode("utf-8")) for k in keys] for s in stores]
+
+        def look() -> tuple[int, list[list[bool]]]:
+            kv_pages = kv_store.present_prefix(kv_keys)
+            present = [[False] * kv_pages if s is None or pk is None else s.contains(pk[:kv_pages])
+                       for s, pk in zip(stores, pool_keys, strict=True)]
+            return kv_pages, present
+
+        kv_pages, present = self._loop().call(look).result()
+        hits: dict[str, int] = {_KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer, exists in zip(transfers, present, strict=True):
+            if not restorable:
+                break
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = exists.index(False) if False in exists else kv_pages
+                allowed = set(range(1, boundary + 1))
+            else:
+                window = max(1, len(transfer.keys) if transfer.keys else 1)
+                allowed = {n for n in range(1, kv_pages + 1) if all(exists[max(0, n - window):n])}
+                boundary = max(allowed, default=0)
+            if boundary:
+                hits[str(transfer.name)] = boundary
+            restorable = [n for n in restorable if n in allowed]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages from its pool's files into that pool's host slots; per pool,
+        per key, True when the page arrived verified (a wrong index count, or a pool never
+        registered: all False)."""
+        return self._batch_v2(transfers, write=False)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Write each transfer's pages from its pool's host slots; per pool, per key, True when stored."""
+        return self._batch_v2(transfers, write=True)
+
+    def _batch_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        if self._kv() is None:
+            return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        names: list[str] = []
+        moves: list[_Move] = []
+        for transfer in transfers:
+            name, keys = str(transfer.name), list(transfer.keys or [])
+            pool = self._pools.get(name)
+            host = self._extra_hosts.get(name, pool.host if pool is not None else None)
+            if pool is None or host is None or not keys:
+                if keys:
+                    log.error("aiokv backend: pool %r is not registered", name)
+                results[name] = [False] * len(keys)
+                continue
+            try:
+                move = self._moves(pool, host, keys, transfer.host_indices, write)
+            except ValueError as exc:
+                log.error("aiokv backend: %s: %s", name, exc)
+                results[name] = [False] * len(keys)
+                continue
+            names.append(name)
+            moves.append(move)
+        for name, done in zip(names, self._run(moves, write), strict=True):
+            results[name] = done
+        return results
 
     # -- plain interface --------------------------------------------------------------------------
 
@@ -148,7 +339,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if target_location is None:
             return None
         page = _flat_bytes(target_location)
-        ok = self._run_all(self._open(page.numel()), False, [key], [[page]])
+        kv = self._kv(page.numel())
+        assert kv is not None
+        ok = self._run([_Move(_opened(kv), [key], [[page]])], write=False)[0]
         return target_location if ok[0] else None
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
@@ -156,7 +349,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if not keys or target_locations is None:
             return [None] * len(keys)
         pages = [_flat_bytes(t) for t in target_locations]
-        ok = self._run_all(self._open(pages[0].numel()), False, keys, [[p] for p in pages])
+        kv = self._kv(pages[0].numel())
+        assert kv is not None
+        ok = self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=False)[0]
         return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -164,53 +359,155 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if value is None:
             return False
         page = _flat_bytes(value)
-        return self._run_all(self._open(page.numel()), True, [key], [[page]])[0]
+        kv = self._kv(page.numel())
+        assert kv is not None
+        return self._run([_Move(_opened(kv), [key], [[page]])], write=True)[0][0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         if not keys or values is None:
             return not keys
         pages = [_flat_bytes(v) for v in values]
-        return all(self._run_all(self._open(pages[0].numel()), True, keys, [[p] for p in pages]))
+        kv = self._kv(pages[0].numel())
+        assert kv is not None
+        return all(self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=True)[0])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading ``keys`` have page files (SGLang's prefix semantics)."""
-        store = self._opened()
-        if store is None or not keys:
+        kv = self._kv()
+        if kv is None or not keys:
             return 0
+        store = _opened(kv)
         page_keys = [store.key(k.encode("utf-8")) for k in keys]
-        return store.thread.call(lambda: store.present_prefix(page_keys)).result()
+        return self._loop().call(lambda: store.present_prefix(page_keys)).result()
 
-    def clear(self) -> None:
-        log.warning("aiokv backend: clear() is not supported; delete the directory of a stopped server instead")
+    def clear(self) -> bool:
+        """Delete every page file of this backend's pools (this model, rank and layout; other
+        identities under ``disk_dir`` stay) and go on empty. True when all were cleared; False when
+        a pool's directory is read-only or held by another process, or removal failed part-way
+        (logged). Transfers running meanwhile miss or are refused, never see removed bytes."""
+        if self._kv() is None:
+            log.warning("aiokv backend: clear() before any host pool was registered: nothing known to clear")
+            return False
+        stores = [_opened(pool) for pool in self._pools.values()]
+
+        async def clear_all() -> list[bool | BaseException]:
+            return await asyncio.gather(*(s.clear() for s in stores), return_exceptions=True)
+
+        done = self._loop().run(clear_all())
+        errors = [d for d in done if isinstance(d, BaseException)]
+        if errors:
+            log.error("aiokv backend: clearing failed: %r", errors[0])
+        return all(d is True for d in done)
 
     def close(self) -> None:
-        """Wait for I/O in flight and close the disk tier. Idempotent."""
-        if self._store is not None:
-            self._store.close()
+        """Wait for I/O in flight and close every pool's files and the loop thread. Idempotent."""
+        with self._opening:
+            self._closed = True
+            self._close_pools()
 
-    def statistics(self) -> Mapping[str, object]:
-        """The disk tier's statistics (for tests and tools); empty before the tier opened."""
-        store = self._opened()
-        return {} if store is None else vars(store.thread.call(store.statistics).result())
+    def _close_pools(self) -> None:
+        try:
+            for pool in self._pools.values():
+                if pool.store is not None:
+                    pool.store.close()
+        finally:
+            self._pools.clear()
+            if self._thread is not None:
+                self._thread.close()
+                self._thread = None
+
+    def statistics(self, pool: str = _KV) -> Mapping[str, object]:
+        """The disk tier's statistics of one pool's files (for tests and tools); empty before they opened."""
+        opened = self._pools.get(pool)
+        if opened is None or opened.store is None:
+            return {}
+        return vars(self._loop().call(opened.store.statistics).result())
 
     # -- internals ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _run_all(store: PageFileStore, write: bool, keys: Sequence[str],
-                 pages: Sequence[list[torch.Tensor]]) -> list[bool]:
-        page_keys = [store.key(k.encode("utf-8")) for k in keys]
-        move = store.store if write else store.load
+    def _loop(self) -> LoopThread:
+        if self._thread is None:
+            raise RuntimeError("aiokv backend is closed")
+        return self._thread
 
-        async def run() -> list[bool]:
-            done = await asyncio.gather(*(move(k, p) for k, p in zip(page_keys, pages, strict=True)),
-                                        return_exceptions=True)
-            errors = [d for d in done if isinstance(d, BaseException)]
+    def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
+               write: bool) -> _Move:
+        """What moves for ``keys`` at ``host_indices`` of ``host`` (``ValueError`` for an index count
+        that is not ``len(keys)`` pages)."""
+        page_tokens = int(host.page_size) or 1
+        if host_indices is None or host_indices.numel() != len(keys) * page_tokens:
+            got = 0 if host_indices is None else host_indices.numel()
+            raise ValueError(f"{got} host indices for {len(keys)} pages of {page_tokens} tokens")
+        store = _opened(pool)
+        if pool.in_place:
+            return _Move(store, keys, _pages_in_place(host, len(keys), host_indices))
+        firsts = [int(host_indices[i * page_tokens]) for i in range(len(keys))]
+        if write:
+            return _Move(store, keys, [[_flat_bytes(host.get_data_page(i, flat=True))] for i in firsts])
+        pages = [[_flat_bytes(host.get_dummy_flat_data_page())] for _ in firsts]
+        return _Move(store, keys, pages, host, firsts)
+
+    def _run(self, moves: Sequence[_Move], write: bool) -> list[list[bool]]:
+        """Move every page of ``moves`` on the loop, all at once, and wait; per move, per key, True
+        when stored (write) or read verified. Flat reads are set into their host pool afterwards."""
+        if not moves:
+            return []
+
+        async def run() -> list[list[bool]]:
+            groups = []
+            for move in moves:
+                store = move.store
+                step = store.store if write else store.load
+                groups.append(asyncio.gather(*(step(store.key(k.encode("utf-8")), p)
+                                               for k, p in zip(move.keys, move.pages, strict=True)),
+                                             return_exceptions=True))
+            done = await asyncio.gather(*groups)
+            errors = [d for group in done for d in group if isinstance(d, BaseException)]
             if errors:
                 log.error("aiokv backend: %d page transfers raised; first: %r", len(errors), errors[0])
-            return [d is True for d in done]
+            return [[d is True for d in group] for group in done]
 
-        return store.thread.run(run())
+        results = self._loop().run(run())
+        for move, ok in zip(moves, results, strict=True):
+            if move.flat_targets is None:
+                continue
+            for index, page, hit in zip(move.flat_targets, move.pages, ok, strict=True):
+                if hit:
+                    move.host.set_from_flat_data_page(index, page[0])
+        return results
+
+
+def _opened(pool: _Pool) -> PageFileStore:
+    if pool.store is None:
+        raise RuntimeError(f"pool {pool.name!r} has no page files open")
+    return pool.store
+
+
+def _page_geometry(host: Any, in_place: bool) -> tuple[int, bool]:
+    """Page bytes of ``host``'s pages, and whether they move in place: through the pool's buffer
+    addresses (``get_page_buffer_meta``) when asked and the pool gives them, else as flat data
+    pages (Mamba pools with side states, for one, refuse the addresses)."""
+    if in_place:
+        try:
+            _, sizes = host.get_page_buffer_meta(torch.arange(int(host.page_size) or 1, dtype=torch.int64))
+        except (NotImplementedError, ValueError, AttributeError) as exc:
+            log.info("aiokv backend: %s pages move as flat data pages (%s)", type(host).__name__, exc)
+        else:
+            return int(sum(int(s) for s in sizes)), True
+    dummy = host.get_dummy_flat_data_page()
+    return int(dummy.numel() * dummy.element_size()), False
+
+
+def _pages_in_place(host: Any, count: int, host_indices: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per page, ``uint8`` tensors over its buffers in the host pool's memory (no copy)."""
+    ptrs, sizes = host.get_page_buffer_meta(host_indices)
+    per_page = len(ptrs) // max(1, count)
+    if per_page * count != len(ptrs):
+        raise ValueError(f"{len(ptrs)} buffers do not split into {count} pages")
+    return [[_memory(int(p), int(s)) for p, s in zip(ptrs[i * per_page : (i + 1) * per_page],
+                                                    sizes[i * per_page : (i + 1) * per_page], strict=True)]
+            for i in range(count)]

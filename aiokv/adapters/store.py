@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -40,8 +42,11 @@ from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
+from aiokv.storage.pagefile import file_bytes
 
 from .loopthread import LoopThread, check_timing
+
+log = logging.getLogger(__name__)
 
 _DISK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DiskConfig)}
 DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
@@ -167,6 +172,17 @@ def raw_layout(page_bytes: int) -> KVLayout:
     return KVLayout.mla(num_layers=1, latent_dim=page_bytes, dtype=torch.uint8, page_tokens=1)
 
 
+def open_thread(config: StoreConfig, engine: str) -> LoopThread:
+    """A loop thread polling as ``config`` says, for one store or several sharing it."""
+    return LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s,
+                      idle_poll_s=config.idle_poll_s)
+
+
+def page_file_bytes(page_bytes: int) -> int:
+    """Bytes on disk of one page file holding ``page_bytes`` bytes (header, padding)."""
+    return file_bytes(raw_layout(page_bytes))
+
+
 def _yield_gil() -> None:
     """Let the engine's threads run: the loop thread shares the GIL with the engine's scheduler,
     and a thread waiting for the GIL otherwise waits out the switch interval (5 ms by default)."""
@@ -177,10 +193,13 @@ class PageFileStore:
     """Page files for one engine identity; pages are given as lists of ``uint8`` CPU tensors.
 
     Construct from any thread but the store's own (it blocks until the disk tier started: index
-    rebuilt, temp files removed). The coroutines run on :attr:`thread`'s loop.
+    rebuilt, temp files removed). The coroutines run on :attr:`thread`'s loop. ``thread``: a loop
+    thread shared with other stores (the caller closes it after closing them); None: one of the
+    store's own, closed with it.
     """
 
-    def __init__(self, config: StoreConfig, engine: str, facts: Mapping[str, object], page_bytes: int) -> None:
+    def __init__(self, config: StoreConfig, engine: str, facts: Mapping[str, object], page_bytes: int,
+                 thread: LoopThread | None = None) -> None:
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         self.config = config
@@ -195,18 +214,29 @@ class PageFileStore:
         self._pool: PagePool | None = None
         self._disk: DiskTier | None = None
         self._slots: asyncio.Semaphore | None = None
-        self.thread = LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s,
-                                 idle_poll_s=config.idle_poll_s)
+        self._clearing = asyncio.Lock()
+        self._owns_thread = thread is None
+        self.thread = thread if thread is not None else open_thread(config, engine)
         try:
             self.thread.run(self._open())
         except BaseException:
-            self.thread.close()
+            if self._owns_thread:
+                self.thread.close()
             raise
         self._closed = False
 
     async def _open(self) -> None:
         pages = self.config.pages_in_staging
         pool = await PagePool.open(self.layout, pages * self.layout.page_bytes, register_cuda=False, workers=1)
+        try:
+            disk = await self._start_disk(pool)
+        except BaseException:
+            await pool.aclose()
+            raise
+        self._pool, self._disk = pool, disk
+        self._slots = asyncio.Semaphore(pages)
+
+    async def _start_disk(self, pool: PagePool) -> DiskTier:
         disk = DiskTier(
             DiskConfig(
                 directory=self.directory,
@@ -218,13 +248,8 @@ class PageFileStore:
             self.layout,
             pool,
         )
-        try:
-            await disk.start()
-        except BaseException:
-            await pool.aclose()
-            raise
-        self._pool, self._disk = pool, disk
-        self._slots = asyncio.Semaphore(pages)
+        await disk.start()
+        return disk
 
     def key(self, engine_key: bytes) -> PageKey:
         """The page key of the engine's key ``engine_key`` (any bytes)."""
@@ -297,6 +322,33 @@ class PageFileStore:
         """Wait for writes in flight."""
         await self._started()[1].flush()
 
+    async def clear(self) -> bool:
+        """Delete every page file of this identity and start over empty. True when cleared.
+
+        The disk tier is closed first (waiting for its I/O in flight), its directory removed (never
+        following a link in it) and a fresh tier started there. Calls meanwhile see a closing tier:
+        writes are refused and reads miss (never bytes from a half-removed file). False, with the
+        tier left as it was, when the directory is read-only here or held by another process (its
+        owner alone deletes there); False with the tier restarted over what is left when the
+        removal fails part-way (the index is rebuilt from the files that remain)."""
+        async with self._clearing:  # a second clear() waits: two would each start a tier
+            pool, disk = self._started()
+            if disk.read_only is not None:
+                log.warning("aiokv store: not clearing %s: %s", self.directory, disk.read_only.value)
+                return False
+            await disk.aclose()
+            removed = True
+            try:
+                await asyncio.to_thread(shutil.rmtree, self.directory)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                log.exception("aiokv store: clearing %s failed part-way", self.directory)
+                removed = False
+            # If this raises, the closed tier stays: writes are refused and reads miss.
+            self._disk = await self._start_disk(pool)
+            return removed
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -308,7 +360,8 @@ class PageFileStore:
         try:
             self.thread.run(self._close())
         finally:
-            self.thread.close()
+            if self._owns_thread:
+                self.thread.close()
 
     async def _close(self) -> None:
         try:

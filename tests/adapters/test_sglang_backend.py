@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Iterator, Sequence
@@ -30,10 +32,19 @@ pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make test installs requirements-engines.txt)")
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
+from fs_helpers import loop_ext4, remount
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 DTYPE = torch.bfloat16
@@ -64,14 +75,16 @@ def _placeholder_attribute(name: str) -> type:
     return type(name, (), {})
 
 
-def _import_host_pool() -> Any:
+def _import_host_pools() -> tuple[Any, Any]:
+    """SGLang's MHA and Mamba host pool classes."""
     try:
         import torchvision  # noqa: F401  # a working torchvision needs no placeholder
     except Exception:
         pass
     else:
+        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        return MHATokenToKVPoolHost
+        return MHATokenToKVPoolHost, MambaPoolHost
     finder = _Placeholder()
     sys.meta_path.insert(0, finder)
     try:
@@ -79,6 +92,7 @@ def _import_host_pool() -> Any:
         # APIs, "only CUDA supports ..."); the suite turns warnings into errors.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
             from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     except ImportError as exc:
         pytest.skip(f"SGLang's host pool does not import here ({exc}); make engines installs what it needs",
@@ -87,11 +101,16 @@ def _import_host_pool() -> Any:
         sys.meta_path.remove(finder)
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
-    return MHATokenToKVPoolHost
+    return MHATokenToKVPoolHost, MambaPoolHost
 
 
-MHATokenToKVPoolHost = _import_host_pool()
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
+MHATokenToKVPoolHost, MambaPoolHost = _import_host_pools()
+from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+    KVBufferLayout,
+    KVBuffers,
+    MambaStateBufferInfo,
+    MHABufferInfo,
+)
 
 
 def host_pool(pages: int, layout: str = "page_first") -> Any:
@@ -238,3 +257,232 @@ def test_ranks_and_models_do_not_share_pages(tmp_path: Path, backends: list[Any]
     assert rank0.batch_exists(["k"]) == 1
     assert rank1.batch_exists(["k"]) == 0  # rank 1 holds other heads
     assert other.batch_exists(["k"]) == 0
+
+
+# -- v2: a hybrid model's extra pools ------------------------------------------------------------
+
+
+def mamba_pool(slots: int, side_state: bool = False) -> Any:
+    """SGLang's Mamba state host pool on the CPU (one state slot per page, ``page_first``), over
+    CPU stand-ins for the device state buffers ``[layers, slots, ...]`` (read for their geometry
+    only). ``side_state``: a registered per-slot side buffer, with which the pool refuses buffer
+    addresses (``get_page_buffer_meta``) and pages move as its flat data pages."""
+    temporal = torch.zeros(LAYERS, slots, 4, 16, dtype=torch.float32)
+    conv = (torch.zeros(LAYERS, slots, 8, 3, dtype=torch.bfloat16),)
+    extra = (torch.zeros(slots, 5, dtype=torch.int32),) if side_state else ()
+    info = MambaStateBufferInfo(temporal=temporal, conv=conv, extra_checkpoint_buffers=extra)
+    pool = MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+    pool.test_device_buffers = (temporal, conv, extra)
+    return pool
+
+
+def fill_state(pool: Any, slot: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    size = pool.get_dummy_flat_data_page().numel()
+    pool.set_from_flat_data_page(slot, torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g))
+
+
+def state(pool: Any, slot: int) -> torch.Tensor:
+    return pool.get_data_page(slot, flat=True).clone()
+
+
+def attach_hybrid(made: list[Any], disk_dir: Path, kv_pool: Any, extra: dict[PoolName, Any],
+                  **kw: Any) -> AiokvHiCacheStorage:
+    """What SGLang's HybridCacheController.attach_storage_backend does: factory, the KV (anchor)
+    pool, each entry of the host pool group by name, then on_host_pools_registered."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(disk_dir, True, **kw), kv_pool)
+    made.append(backend)
+    assert isinstance(backend, AiokvHiCacheStorage)
+    backend.register_mem_pool_host(kv_pool)
+    for name, pool in extra.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def trailing(keys: int = 1) -> PoolTransfer:
+    return PoolTransfer(name=PoolName.MAMBA, keys=[f"window-{i}" for i in range(keys)],
+                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+
+@pytest.mark.parametrize("side_state", [False, True], ids=["in-place", "flat-pages"])
+def test_v2_hybrid_round_trip_hit_policies_and_restart(tmp_path: Path, backends: list[Any], side_state: bool) -> None:
+    kv, mamba = host_pool(8), mamba_pool(8, side_state)
+    for p in range(4):
+        fill(kv, p, seed=p)
+        fill_state(mamba, p, seed=100 + p)
+    kv_pages = [page(kv, p) for p in range(4)]
+    states = [state(mamba, p) for p in range(4)]
+    keys = [f"h{i}" for i in range(4)]
+    backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
+    assert backend.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4  # KV: the base controller's v1
+    # Mamba keeps the state at some page boundaries only (here after pages 2 and 4).
+    stored = backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1, 3]),
+                                                keys=["h1", "h3"])])
+    assert stored == {"mamba": [True, True]}
+
+    found = backend.batch_exists_v2(keys, [trailing()])
+    assert (found.kv_hit_pages, found.restorable_prefix_pages) == (4, [2, 4])
+    assert found.extra_pool_hit_pages == {"kv": 4, "mamba": 4}
+    found = backend.batch_exists_v2(keys, [trailing(2)])  # windows of 2 pages: (h0, h1) or (h2, h3)
+    assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
+    found = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys)])  # ALL_PAGES
+    assert (found.kv_hit_pages, found.restorable_prefix_pages, found.extra_pool_hit_pages) == (0, [], {"kv": 4})
+    found = backend.batch_exists_v2(["h0", "gap", "h2"], [trailing()])  # the KV prefix bounds every pool
+    assert (found.kv_hit_pages, found.restorable_prefix_pages) == (0, [])
+    assert backend.batch_exists_v2(["h0", "h1"], [trailing()]).kv_hit_pages == 2
+
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5, 6]), keys=["h3", "h0"]),
+                                PoolTransfer(name=PoolName.KV, host_indices=indices([6]), keys=["h2"])])
+    assert got == {"mamba": [True, False], "kv": [True]}
+    assert torch.equal(state(mamba, 5), states[3])
+    assert torch.equal(state(mamba, 6), torch.zeros_like(states[0]))  # a miss leaves the slot alone
+    assert torch.equal(page(kv, 6), kv_pages[2])
+
+    kv_stats, mamba_stats = backend.statistics(), backend.statistics("mamba")
+    assert mamba_stats["pages"] == 2 and kv_stats["pages"] == 4
+    assert 0 < mamba_stats["capacity_bytes"] < kv_stats["capacity_bytes"]
+    assert kv_stats["capacity_bytes"] + mamba_stats["capacity_bytes"] <= 64 << 20  # disk_bytes, shared
+    backend.close()
+
+    kv2, mamba2 = host_pool(8), mamba_pool(8, side_state)
+    again = attach_hybrid(backends, tmp_path, kv2, {PoolName.MAMBA: mamba2})
+    assert again.batch_exists_v2(keys, [trailing()]).restorable_prefix_pages == [2, 4]
+    got = again.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=["h1", "h3"])])
+    assert got == {"mamba": [True, True]}
+    assert torch.equal(state(mamba2, 0), states[1]) and torch.equal(state(mamba2, 1), states[3])
+    assert again.batch_get_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+    assert all(torch.equal(page(kv2, p), kv_pages[p]) for p in range(4))
+
+
+def test_v2_refuses_what_it_cannot_serve(tmp_path: Path, backends: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+    kv, mamba = host_pool(4), mamba_pool(4)
+    fill_state(mamba, 0, seed=1)
+    backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
+    with caplog.at_level(logging.ERROR, logger="aiokv.adapters.sglang"):
+        # A pool never registered, and an index count that is not one per page: all False, logged.
+        got = backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=["a"]),
+                                    PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=["a"])])
+    assert got == {"swa": [False], "mamba": [False]}
+    assert "not registered" in caplog.text and "2 host indices for 1 pages" in caplog.text
+    assert backend.statistics("mamba")["writes"] == 0
+    block_groups = PoolTransfer(name=PoolName.MAMBA, keys=["a"], hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    with pytest.raises(ValueError, match="Unsupported pool hit policy"):
+        backend.batch_exists_v2(["a"], [block_groups])
+    # A pool SGLang never registered holds nothing: an ALL_PAGES check on it finds no prefix.
+    assert backend.batch_set_v1(["a"], indices([0])) == [True]
+    found = backend.batch_exists_v2(["a"], [PoolTransfer(name=PoolName.SWA, keys=["a"])])
+    assert (found.kv_hit_pages, found.extra_pool_hit_pages) == (0, {"kv": 1})
+
+
+def test_a_pool_registered_at_run_time_gets_files_of_its_own(tmp_path: Path, backends: list[Any]) -> None:
+    kv, mamba = host_pool(4), mamba_pool(4)
+    fill_state(mamba, 2, seed=9)
+    backend = attach_hybrid(backends, tmp_path, kv, {})
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])]) \
+        == {"mamba": [False]}  # not registered yet
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)  # SGLang's register_host_pool_entry
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])]) \
+        == {"mamba": [True]}
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=["k"])]) \
+        == {"mamba": [True]}
+    assert torch.equal(state(mamba, 3), state(mamba, 2))
+    assert backend.statistics("mamba")["pages"] == 1
+
+
+# -- clear() ---------------------------------------------------------------------------------------
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_clear_removes_this_identity_only_and_keeps_serving(tmp_path: Path, backends: list[Any]) -> None:
+    kv, mamba = host_pool(4), mamba_pool(4)
+    fill(kv, 0, seed=1)
+    fill_state(mamba, 0, seed=2)
+    backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
+    assert backend.batch_set_v1(["a"], indices([0])) == [True]
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])]) \
+        == {"mamba": [True]}
+    other = attach(backends, tmp_path, host_pool(4), interface_v1=True, model="test/other")
+    assert other.batch_set_v1(["a"], indices([0])) == [True]
+    assert len(page_files(tmp_path)) == 3
+
+    assert backend.clear() is True
+    assert backend.batch_exists(["a"]) == 0
+    assert backend.batch_exists_v2(["a"], [trailing()]).kv_hit_pages == 0
+    assert backend.batch_get_v1(["a"], indices([1])) == [False]
+    assert torch.equal(page(kv, 1), torch.zeros_like(page(kv, 1)))
+    assert other.batch_exists(["a"]) == 1  # another model's files stay
+    assert len(page_files(tmp_path)) == 1
+    # Cleared, not closed: new pages are stored and read back, and a restart does not bring old ones back.
+    fill(kv, 2, seed=3)
+    assert backend.batch_set_v1(["b"], indices([2])) == [True]
+    assert backend.batch_get_v1(["b"], indices([3])) == [True]
+    assert torch.equal(page(kv, 3), page(kv, 2))
+    backend.close()
+    again = attach_hybrid(backends, tmp_path, host_pool(4), {PoolName.MAMBA: mamba_pool(4)})
+    assert again.batch_exists(["a", "b"]) == 0 and again.batch_exists(["b"]) == 1
+    assert again.statistics("mamba")["pages"] == 0
+
+
+def test_clear_before_any_pool_is_registered_says_so(tmp_path: Path, backends: list[Any]) -> None:
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path, True), None)
+    backends.append(backend)
+    assert backend.clear() is False
+    assert backend.batch_exists(["a"]) == 0
+
+
+@pytest.mark.root
+def test_clear_on_a_read_only_file_system_refuses_and_keeps_serving(tmp_path: Path, backends: list[Any]) -> None:
+    with loop_ext4(tmp_path, 320) as mount:  # room above the disk tier's 256 MiB free-space floor
+        kv = host_pool(4)
+        fill(kv, 0, seed=5)
+        expected = page(kv, 0)
+        backend = attach(backends, mount, kv, interface_v1=True)
+        assert backend.batch_set_v1(["a"], indices([0])) == [True]
+        backend.close()
+        remount(mount, "ro")
+        try:
+            fresh = host_pool(4)
+            again = attach(backends, mount, fresh, interface_v1=True)
+            assert again.clear() is False  # a read-only tier serves and refuses to delete
+            assert again.batch_get_v1(["a"], indices([1])) == [True]
+            assert torch.equal(page(fresh, 1), expected)
+            again.close()
+        finally:
+            remount(mount, "rw")
+
+
+def test_clear_while_another_thread_reads_never_gives_wrong_bytes(tmp_path: Path, backends: list[Any]) -> None:
+    """SGLang's prefetch thread reads while its scheduler asks for clear(): every page a read
+    reports is bit-exact, and once clear() returned every read misses."""
+    kv = host_pool(16)
+    for p in range(8):
+        fill(kv, p, seed=40 + p)
+    expected = [page(kv, p) for p in range(8)]
+    keys = [f"c{p}" for p in range(8)]
+    backend = attach(backends, tmp_path, kv, interface_v1=True)
+    assert backend.batch_set_v1(keys, indices(list(range(8)))) == [True] * 8
+    cleared = threading.Event()
+    seen: list[tuple[bool, list[bool]]] = []
+
+    def reader() -> None:
+        for _ in range(100_000):  # bounded; ends at the first read that starts after clear() returned
+            after = cleared.is_set()
+            got = backend.batch_get_v1(keys, indices(list(range(8, 16))))
+            for p, hit in enumerate(got):
+                if hit:
+                    assert torch.equal(page(kv, 8 + p), expected[p])
+            seen.append((after, got))
+            if after:
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert backend.clear() is True
+    cleared.set()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert seen and seen[-1] == (True, [False] * 8)
