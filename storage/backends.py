@@ -53,6 +53,59 @@ Loaded = Callable[[int | BaseException], None]
 """Completion of :meth:`PageIO.start_load`: bytes read, or the fault."""
 
 
+class PageBuffer:
+    """Where a page's bytes are during one I/O: pool memory or a caller's buffer (``write_from``,
+    ``read_into``). ``view``: the whole page (``page_bytes``), ``payload``: its first
+    ``payload_bytes`` (what the checksum covers); ``address``: its first byte; ``aligned``: the
+    address suits O_DIRECT (4096-byte aligned; the length always is)."""
+
+    __slots__ = ("address", "aligned", "payload", "view")
+
+    def __init__(self, address: int, view: memoryview, payload_bytes: int) -> None:
+        self.address = address
+        self.view = view
+        self.payload = view[:payload_bytes]
+        self.aligned = address % DIRECT_ALIGN == 0
+
+    def release(self) -> None:
+        """Let go of a caller's memory at once (its owner may unmap it when the call returns; a view
+        left to the garbage collector would keep an mmap from closing)."""
+        self.payload.release()
+        self.view.release()
+
+
+DIRECT_ALIGN = 4096
+"""Buffer alignment O_DIRECT needs (the largest logical block size of common devices)."""
+
+
+class _PyBuffer(ctypes.Structure):
+    # CPython's Py_buffer (stable layout since 3.0): only ``buf`` is read.
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of ``view``'s first byte, read-only views included (``ctypes.from_buffer`` only
+    takes writable ones). Valid while ``view`` (which holds its exporter's buffer) is alive."""
+    info = _PyBuffer()
+    if _get_buffer(view, ctypes.byref(info), 0) != 0:  # PyBUF_SIMPLE; an error is raised as set
+        raise BufferError("cannot export the buffer")
+    try:
+        return int(info.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(info))
+
+
 def _ignore(_results: list[int]) -> None:
     """Completion of a request whose result nobody needs (a CLOSE the broken chain skipped)."""
 
@@ -153,27 +206,35 @@ class PageIO(Protocol):
     direct: bool
     faults: FaultPlan
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
-        """Open the page file ``victim`` for overwriting (our regular file, one link), then rename it
-        to ``temp``: a recycled file is checked before the rename moves it. Returns the open fd."""
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
+        """Open the page file ``victim`` for overwriting (our regular file, one link; O_DIRECT when
+        ``direct`` and the tier's files use it), then rename it to ``temp``: a recycled file is
+        checked before the rename moves it. Returns the open fd."""
         ...
 
-    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       fd: int | None, done: Published) -> None:
-        """Write header slot ``slot`` and pool page ``page`` into ``temp``, then rename it to ``final``
+        """Write header slot ``slot`` and ``page`` into ``temp``, then rename it to ``final``
         (both names in the directory ``dir_fd``); ``done(None)`` on the loop once published, or
-        ``done(OSError)``, never from inside this call.
+        ``done(OSError)``, never from inside this call. ``page`` is read until ``done`` runs; O_DIRECT
+        only where it is ``aligned``.
 
         ``fd``: ``temp`` opened by :meth:`take_over` (closed here); None: create ``temp`` exclusively.
         On failure ``temp`` is removed before ``done`` runs. A short write is ENOSPC (file system full)."""
         ...
 
-    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
-        """Read ``name`` into header slot ``slot`` and pool page ``page``; ``done(bytes read)`` on the
-        loop once nothing writes into the page any more, or ``done(OSError)``, never from inside this call."""
+    def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
+        """Read ``name`` into header slot ``slot`` and ``page``; ``done(bytes read)`` on the loop once
+        nothing writes into the page any more, or ``done(OSError)``, never from inside this call."""
         ...
 
     async def unlink(self, dir_fd: int, name: str) -> None: ...
+
+    async def register_memory(self, view: memoryview, address: int) -> bool:
+        """Register ``[address, +len(view))`` (a caller's region) for I/O with fixed buffers; False
+        when this backend cannot (no registered-buffer table, memlock, table full): plain buffers then.
+        The kernel holds the pages pinned until :meth:`aclose`."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -223,7 +284,23 @@ class UringPageIO:
         self._pool_regions: list[uring.Region] = regions[0] if regions is not None else []
         self._slot_region: uring.Region | None = regions[1][0] if regions is not None else None
         self._starts = [r.address for r in self._pool_regions]
+        self._pool_end = self._base + pool.num_pages * self._page_bytes
+        # Callers' regions (register_memory), sorted by address, and the views that keep them mapped.
+        self._ext_regions: list[uring.Region] = []
+        self._ext_starts: list[int] = []
+        self._ext_views: list[memoryview] = []
+        pb = self._page_bytes
+        # The kernel's table holds at most 16384 buffers: larger regions for a pool beyond 512 GiB.
+        region_bytes = max(REGISTER_REGION_BYTES, -(-pool.num_pages * pb // MAX_REGISTER_REGIONS))
+        self._plan = self.engine.plan_regions(
+            [(self._base, pool.num_pages * pb, pb), (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)],
+            region_bytes)
+        planned = sum(len(r) for r in self._plan)
+        # Empty (no slot for callers' regions) unless registering in the background: a forced
+        # URING_FIXED registers a full table, a forced URING none.
+        self._table = _BufferTable(engine, 0, planned)
         self._registering: asyncio.Task[None] | None = None
+        self._ext_jobs: set[asyncio.Future[None]] = set()
 
     def _arm_faults(self) -> None:
         # Only once a fault is injected: otherwise every op would pay a hook call for nothing.
@@ -232,15 +309,12 @@ class UringPageIO:
     def register_in_background(self) -> None:
         """Register the pool as fixed buffers in a thread, region by region; each region's pages use
         fixed-buffer I/O as soon as it is registered, the rest plain I/O until then."""
+        planned = sum(len(r) for r in self._plan)
+        self._table = _BufferTable(self.engine, planned + EXTERNAL_REGION_SLOTS, planned)
         self._registering = asyncio.ensure_future(self._register())
 
     async def _register(self) -> None:
-        pb = self._pool.layout.page_bytes
-        spans = [(self._base, self._pool.num_pages * pb, pb), (self._slots.address, self._slots.count * HEADER_BYTES,
-                                                              HEADER_BYTES)]
-        # The kernel's table holds at most 16384 buffers: larger regions for a pool beyond 512 GiB.
-        region_bytes = max(REGISTER_REGION_BYTES, -(-self._pool.num_pages * pb // MAX_REGISTER_REGIONS))
-        plan = self.engine.plan_regions(spans, region_bytes)
+        plan = self._plan
         loop = asyncio.get_running_loop()
         stop = threading.Event()
 
@@ -254,7 +328,7 @@ class UringPageIO:
         def register() -> None:
             # Header slots first (tiny), then the pool in address order: each update holds the
             # ring's lock only while it pins one region, already faulted in.
-            self.engine.register_sparse_buffers(sum(len(r) for r in plan))
+            self._table.ensure()
             for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
                 if stop.is_set():
                     return
@@ -283,6 +357,59 @@ class UringPageIO:
             return
         self.kind = DiskBackend.URING_FIXED
 
+    async def register_memory(self, view: memoryview, address: int) -> bool:
+        length = len(view)
+        pb = self._page_bytes
+        # Regions overlap by one page, so that every page-sized buffer in the span lies whole inside
+        # one of them (a fixed-buffer op must not cross a region's end) whatever the caller's page
+        # boundaries; the overlap costs at most 1/8 more pinned memory.
+        region_bytes = min(uring.MAX_REGION_BYTES, max(REGISTER_REGION_BYTES, 8 * pb))
+        stride = region_bytes - pb
+        bounds: list[tuple[int, int]] = []
+        start = 0
+        while True:
+            end = min(start + region_bytes, length)
+            bounds.append((address + start, end - start))
+            if end == length:
+                break
+            start += stride
+        first = self._table.take(len(bounds))
+        if first is None:
+            return False
+        regions = [uring.Region(first + i, a, n) for i, (a, n) in enumerate(bounds)]
+        done: list[uring.Region] = []
+
+        def register() -> None:
+            # In a thread: faulting in and pinning take ~20 ms/GiB even for touched memory.
+            self._table.ensure()
+            for region in regions:
+                with contextlib.suppress(OSError):  # read-only memory: the update says so (EFAULT)
+                    populate(region.address, region.length)
+                self.engine.update_buffer(region)
+                done.append(region)
+
+        job = asyncio.ensure_future(asyncio.to_thread(register))
+        self._ext_jobs.add(job)
+        job.add_done_callback(self._ext_jobs.discard)
+        try:
+            await _wait_uncancelled(job)
+        finally:
+            # What was pinned is used, even by a cancelled caller: the kernel holds it either way.
+            for region in done:
+                at = bisect.bisect_right(self._ext_starts, region.address)
+                self._ext_starts.insert(at, region.address)
+                self._ext_regions.insert(at, region)
+            if done:
+                self._ext_views.append(view)
+        error = job.exception()
+        if error is not None:
+            if not isinstance(error, OSError):
+                raise error
+            log.warning("disk tier: cannot register %d bytes at %#x as fixed buffers (%s); plain buffers there",
+                        length, address, error)
+            return False
+        return True
+
     async def wait_registered(self) -> None:
         """Wait until the background registration (if any) is over, successful or not."""
         if self._registering is not None:
@@ -296,11 +423,23 @@ class UringPageIO:
         region = self._pool_regions[at]
         return region if address < region.address + region.length else None
 
-    def _transfer(self, write: bool, fd: int, fixed_file: bool, slot: int, page: int) -> list[uring.SqeFields]:
+    def _external_region(self, address: int) -> uring.Region | None:
+        # External regions overlap by a page (see register_memory): the last one starting at or
+        # before ``address`` ends last, so it holds the page if any does.
+        at = bisect.bisect_right(self._ext_starts, address) - 1
+        if at < 0:
+            return None
+        region = self._ext_regions[at]
+        return region if address + self._page_bytes <= region.address + region.length else None
+
+    def _transfer(self, write: bool, fd: int, fixed_file: bool, slot: int, page: PageBuffer) -> list[uring.SqeFields]:
         """Header and page in one vectored op (plain buffers), or two fixed-buffer ops where the
         page's region is registered (fixed buffers spare the kernel pinning the page per I/O)."""
-        address = self._base + page * self._page_bytes
-        region = self._page_region(address)
+        address = page.address
+        if self._base <= address < self._pool_end:
+            region = self._page_region(address)
+        else:
+            region = self._external_region(address) if self._ext_regions else None
         slots = self._slots
         if region is None or self._slot_region is None:
             opcode = uring.OP_WRITEV if write else uring.OP_READV
@@ -318,7 +457,7 @@ class UringPageIO:
         self.engine.submit(ops, keep, None, future)
         return future
 
-    async def _open(self, dir_fd: int, name: str, flags: int, mode: int, write: bool) -> int:
+    async def _open(self, dir_fd: int, name: str, flags: int, mode: int, write: bool, direct: bool) -> int:
         # O_NONBLOCK: opening a FIFO must not park an io_uring worker (nor aclose) forever.
         try:
             fd = await self.engine.openat(name.encode(), flags | OPEN_FLAGS, mode, dir_fd=dir_fd)
@@ -326,7 +465,7 @@ class UringPageIO:
             raise classify_open_error(exc, name) from None
         try:
             check_page_fd(fd, name, write)
-            ready_for_io(fd, self.direct)
+            ready_for_io(fd, self.direct and direct)
         except BaseException:
             os.close(fd)  # nothing was read or written through it
             raise
@@ -341,8 +480,8 @@ class UringPageIO:
         with contextlib.suppress(OSError):
             await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
-        fd = await self._open(victim_dir, victim, os.O_WRONLY, 0, write=True)
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
+        fd = await self._open(victim_dir, victim, os.O_WRONLY, 0, write=True, direct=direct)
         try:
             a, b = ctypes.create_string_buffer(victim.encode()), ctypes.create_string_buffer(temp.encode())
             op = uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(a), temp_dir & 0xFFFFFFFF,
@@ -355,7 +494,7 @@ class UringPageIO:
             raise
         return fd
 
-    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       fd: int | None, done: Published) -> None:
         tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
         ops: list[uring.SqeFields] = []
@@ -365,7 +504,8 @@ class UringPageIO:
             # link, so it needs no fstat check: open, write, close and rename go in one chain,
             # through the I/O slot's fixed-file entry (the fd does not exist before the chain runs).
             # No O_CLOEXEC: the kernel refuses it for a fixed-file slot (which no exec can inherit anyway).
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+            direct = os.O_DIRECT if self.direct and page.aligned else 0
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct
             ops.append(uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(tmp), 0o600, 0, flags, file_index=slot + 1))
             ops += self._transfer(True, slot, True, slot, page)
             if sync:
@@ -388,7 +528,7 @@ class UringPageIO:
             cleanup = asyncio.ensure_future(self._publish_failed(ops, results, dir_fd, temp, slot, fd))
             cleanup.add_done_callback(lambda job: done(job.exception() or OSError(errno.EIO, "publish failed")))
 
-        self.engine.submit(ops, (tmp, fin, self._slots, self._pool), written)
+        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written)
 
     async def _publish_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
                               slot: int, fd: int | None) -> None:
@@ -426,7 +566,7 @@ class UringPageIO:
         start = 1 if ops[0][0] == uring.OP_OPENAT else 0
         return results[start:] == self._expect(ops[start:])
 
-    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+    def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         # OPENAT into a normal fd (O_NONBLOCK: a FIFO must not park an io_uring worker), fstat-checked
         # on the loop when it completes, then one chain: header and page, CLOSE.
         path = ctypes.create_string_buffer(name.encode())
@@ -438,7 +578,7 @@ class UringPageIO:
                 return
             try:
                 check_page_fd(fd, name, False)
-                ready_for_io(fd, self.direct)
+                ready_for_io(fd, self.direct and page.aligned)
             except Exception as exc:
                 os.close(fd)  # nothing was read through it
                 done(exc)
@@ -458,7 +598,7 @@ class UringPageIO:
                     got += res
                 done(got)
 
-            self.engine.submit(ops, (self._slots, self._pool), read)
+            self.engine.submit(ops, (self._slots, self._pool, page.view), read)
 
         self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0,
                                       os.O_RDONLY | OPEN_FLAGS)], path, opened)
@@ -471,7 +611,12 @@ class UringPageIO:
             # The ring must outlive the registration syscall (register_pool waits for it).
             self._registering.cancel()
             await asyncio.gather(self._registering, return_exceptions=True)
+        while self._ext_jobs:  # register_memory calls still pinning
+            await asyncio.wait(set(self._ext_jobs))
         await self.engine.aclose()
+        for view in self._ext_views:  # unpinned with the ring: the caller may unmap its regions now
+            view.release()
+        self._ext_views.clear()
 
 
 class ThreadPageIO:
@@ -503,12 +648,12 @@ class ThreadPageIO:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
         return await asyncio.shield(self._start(fn, *args))
 
-    def _open(self, dir_fd: int, name: str, flags: int, write: bool) -> int:
+    def _open(self, dir_fd: int, name: str, flags: int, write: bool, direct: bool) -> int:
         self._fault(IOOp.OPEN)
-        return open_page_file(name, flags, dir_fd, write, self.direct)
+        return open_page_file(name, flags, dir_fd, write, self.direct and direct)
 
-    def _take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
-        fd = self._open(victim_dir, victim, os.O_WRONLY, write=True)
+    def _take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
+        fd = self._open(victim_dir, victim, os.O_WRONLY, write=True, direct=direct)
         try:
             self._fault(IOOp.RENAME)
             os.rename(victim, temp, src_dir_fd=victim_dir, dst_dir_fd=temp_dir)
@@ -517,10 +662,11 @@ class ThreadPageIO:
             raise
         return fd
 
-    def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool, fd: int | None) -> None:
+    def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
+                 fd: int | None) -> None:
         if fd is None:
             try:
-                fd = self._open(dir_fd, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True)
+                fd = self._open(dir_fd, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True, direct=page.aligned)
             except OSError as exc:
                 if exc.errno == errno.EEXIST:
                     raise _planted_temp(temp) from None
@@ -529,7 +675,7 @@ class ThreadPageIO:
                 raise
         try:
             self._fault(IOOp.WRITE)
-            views = [self._slots.views[slot], self._pool.memory.page_view(page)]
+            views = [self._slots.views[slot], page.view]
             want = HEADER_BYTES + len(views[1])
             got = os.pwritev(fd, views, 0)
             if got != want:
@@ -548,11 +694,11 @@ class ThreadPageIO:
                 os.unlink(temp, dir_fd=dir_fd)
             raise
 
-    def _load(self, dir_fd: int, name: str, slot: int, page: int) -> int:
-        fd = self._open(dir_fd, name, os.O_RDONLY, write=False)
+    def _load(self, dir_fd: int, name: str, slot: int, page: PageBuffer) -> int:
+        fd = self._open(dir_fd, name, os.O_RDONLY, write=False, direct=page.aligned)
         try:
             self._fault(IOOp.READ)
-            return os.preadv(fd, [self._slots.views[slot], self._pool.memory.page_view(page)], 0)
+            return os.preadv(fd, [self._slots.views[slot], page.view], 0)
         finally:
             os.close(fd)
 
@@ -560,22 +706,25 @@ class ThreadPageIO:
         self._fault(IOOp.UNLINK)
         os.unlink(name, dir_fd=dir_fd)
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str) -> int:
-        result = await self._run(self._take_over, victim_dir, victim, temp_dir, temp)
+    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
+        result = await self._run(self._take_over, victim_dir, victim, temp_dir, temp, direct)
         assert isinstance(result, int)
         return result
 
-    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: int, sync: bool,
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       fd: int | None, done: Published) -> None:
         job = self._start(self._publish, dir_fd, temp, final, slot, page, sync, fd)
         job.add_done_callback(lambda job: done(job.exception()))
 
-    def start_load(self, dir_fd: int, name: str, slot: int, page: int, done: Loaded) -> None:
+    def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         job = self._start(self._load, dir_fd, name, slot, page)
         job.add_done_callback(lambda job: done(job.exception() or job.result()))  # type: ignore[arg-type]
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self._run(self._unlink, dir_fd, name)
+
+    async def register_memory(self, view: memoryview, address: int) -> bool:
+        return False  # no fixed buffers without io_uring: plain pwritev/preadv
 
     async def aclose(self) -> None:
         while self._jobs:
@@ -644,6 +793,50 @@ submissions and allocations ~5 ms per region, 64 MiB ~1 ms."""
 
 MAX_REGISTER_REGIONS = 8192
 """Regions the background registration plans at most (the kernel's table takes 16384)."""
+
+EXTERNAL_REGION_SLOTS = 4096
+"""Slots of the registered-buffer table kept for callers' regions (``register_memory``)."""
+
+
+class _BufferTable:
+    """The ring's sparse registered-buffer table (``size`` slots; 0: none, the pool was registered
+    whole): made once, by whichever thread needs it first; the pool's regions and the header slots
+    take the first ``first_free`` slots, callers' regions the next ones, in order."""
+
+    def __init__(self, engine: uring.UringEngine, size: int, first_free: int) -> None:
+        self._engine = engine
+        self.size = size
+        self._next = first_free
+        self._lock = threading.Lock()
+        self._made = False
+
+    def ensure(self) -> None:
+        """Register the empty table unless done (blocking; any thread). Raises ``OSError``."""
+        with self._lock:
+            if not self._made:
+                self._engine.register_sparse_buffers(self.size)
+                self._made = True
+
+    def take(self, count: int) -> int | None:
+        """The first of ``count`` consecutive free slots, or None when the table lacks them."""
+        with self._lock:
+            if self._next + count > self.size:
+                return None
+            first, self._next = self._next, self._next + count
+            return first
+
+
+async def _wait_uncancelled(job: asyncio.Future[None]) -> None:
+    """Wait for ``job`` even if cancelled meanwhile (the ring must outlive the syscall using it);
+    re-raises the cancellation afterwards."""
+    cancelled = False
+    while not job.done():
+        try:
+            await asyncio.wait({job})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:

@@ -39,3 +39,15 @@ def check_reserved(pool: PagePool, handle: PageHandle) -> int:
     if pool.table.state_of(handle.key) is not PageState.RESERVED:
         raise ValueError(f"{handle!r} is not a reservation: read into a reserved page")
     return page
+
+
+def check_buffer(buffer: memoryview, nbytes: int | None, writable: bool) -> None:
+    """A C-contiguous memoryview of ``nbytes`` bytes (None: any, but not empty), writable when asked."""
+    if not buffer.c_contiguous:  # a released view raises ValueError here too
+        raise ValueError("buffer must be C-contiguous")
+    if writable and buffer.readonly:
+        raise TypeError("buffer must be writable (a read fills it)")
+    if nbytes is None and buffer.nbytes == 0:
+        raise ValueError("buffer is empty")
+    if nbytes is not None and buffer.nbytes != nbytes:
+        raise ValueError(f"buffer must be {nbytes} bytes (layout.page_bytes), got {buffer.nbytes}")

@@ -104,6 +104,8 @@ class Checksums:
                 loop.call_soon_threadsafe(done, value)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 log.debug("checksum finished after its loop closed")
+            # Not held while waiting for the next job: the view may be a caller's memory it unmaps.
+            del job, view, done
 
     async def aclose(self) -> None:
         """Stop the threads once the queued hashes are done. Idempotent."""

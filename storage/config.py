@@ -218,3 +218,7 @@ class DiskStatistics:
     """Writes refused because the tier is read-only."""
     skipped_at_scan: int = 0
     """Fan-out directories and files that could not be read at start (their faults are in ``errors``)."""
+    buffered_fallbacks: int = 0
+    """``write_from``/``read_into`` calls whose buffer is not 4096-aligned: buffered I/O instead of O_DIRECT."""
+    memory_unregistered: int = 0
+    """``register_memory`` calls that could not register the region: plain buffers there."""

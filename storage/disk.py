@@ -36,8 +36,8 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
 from aiokv.pool import PagePool
 
-from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
-from .checks import check_key, check_ready, check_reserved
+from .backends import HeaderSlots, PageBuffer, PageIO, buffer_address, describe_layout_io, open_backend
+from .checks import check_buffer, check_key, check_ready, check_reserved
 from .checksum import Checksums
 from .config import DiskBackend, DiskConfig, DiskStatistics, ReadOnly
 from .faults import DiskFaults
@@ -107,6 +107,7 @@ class DiskTier:
         self._hits = self._misses = self._corrupt = self._dropped = 0
         self._temp_removed = self._skipped = self._writes_refused = 0
         self._in_flight = 0
+        self._buffered_fallbacks = self._memory_unregistered = 0
         self._dir: Prepared | None = None
         self._read_only: ReadOnly | None = None
         self._space_checked = 0.0
@@ -247,26 +248,65 @@ class DiskTier:
 
     async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
         # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
+        joined = self._join_write(key, ref, None)
+        if isinstance(joined, bool):
+            self._release(ref)
+            return joined
+        # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
+        return await joined[1]
+
+    async def write_from(self, key: PageKey, buffer: memoryview) -> bool:
+        """Store the ``layout.page_bytes`` bytes of ``buffer`` (C-contiguous, e.g. a page of an
+        engine's own CPU memory) under ``key``: as :meth:`write`, without a pool page.
+
+        The caller keeps ``buffer`` alive and unchanged until this returns; if cancelled while the
+        kernel (or the checksum thread) still reads it, this waits for that before raising
+        ``CancelledError``. Raises ``TypeError``/``ValueError`` for a wrong key or buffer (nothing
+        changed then), ``RuntimeError`` before :meth:`start`.
+        """
+        check_key(key)
+        self._check_started()
+        page = self._external(buffer, writable=False)
+        if not self._accepting:
+            page.release()
+            return self._refuse()
+        joined = self._join_write(key, None, page)
+        if isinstance(joined, bool):
+            page.release()
+            return joined
+        job, waiter = joined
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if job.buffer is page:  # our buffer is in the job's hands until it ends
+                await job.wait_ended()
+            raise
+        finally:
+            page.release()
+
+    def _join_write(self, key: PageKey, ref: PageHandle | None,
+                    page: PageBuffer | None) -> bool | tuple[_WriteJob, asyncio.Future[bool]]:
+        """Start a write of ``key`` from ``ref`` (taken by the job) or ``page``, or join the one in
+        flight; the job and this caller's future, or the answer when there is nothing to write
+        (``ref`` is then still the caller's)."""
         if key in self._index:
             self._index.touch(key)
-            self._release(ref)
             return True
         if self._read_only is not None:
-            self._release(ref)
             self._writes_refused += 1
             return False
-        # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         job = self._writing.get(key)
         if job is None:
-            job = self._writing[key] = _WriteJob(key, ref)
+            job = self._writing[key] = _WriteJob(key, ref, page)
             job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
             self._job_started()
             self._start_write(job)
         else:
-            self._release(ref)
+            if ref is not None:
+                self._release(ref)
             job.waiters.append(waiter)
-        return await waiter
+        return job, waiter
 
     def _start_write(self, job: _WriteJob) -> None:
         """The common case driven by completion callbacks (no task per page): a new file, no rename
@@ -294,9 +334,8 @@ class DiskTier:
         assert isinstance(job, _WriteJob) and self._checksums is not None
         job.slot, job.holds_slot = slot, True
         try:
-            job.page = self.pool.table.check(job.ref)
-            self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
-                                  functools.partial(self._write_hashed, job))
+            job.page = self._source(job)
+            self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job))
         except Exception:
             self._write_failed(job, None)
 
@@ -307,6 +346,7 @@ class DiskTier:
                 raise checksum
             pack_header(self._slots.views[job.slot], self.layout, job.key, checksum)
             dir_fd, final = self._where(job.key)
+            assert job.page is not None
             self._io.start_publish(dir_fd, self._temp(job.key), final, job.slot, job.page,
                                    self.config.sync_writes, None, functools.partial(self._write_done, job))
         except Exception:
@@ -353,7 +393,7 @@ class DiskTier:
             moving = self._moving.get(job.key)
             if moving is not None:
                 await asyncio.wait({moving})  # an old unlink must not remove the new file
-            stored = await self._store(job.key, job.ref, first, claim)
+            stored = await self._store(job, first, claim)
         except Exception:
             self._faults.unexpected("write")
         finally:
@@ -361,7 +401,8 @@ class DiskTier:
 
     def _end_write(self, job: _WriteJob, stored: bool) -> None:
         key = job.key
-        self._release(job.ref)
+        if job.ref is not None:
+            self._release(job.ref)
         self._writing.pop(key, None)
         if stored and key in self._delete_after_write:
             stored = False
@@ -377,9 +418,9 @@ class DiskTier:
                 waiter.set_result(stored)
         self._job_ended(job)
 
-    async def _store(self, key: PageKey, ref: PageHandle, first: int = 0,
+    async def _store(self, job: _WriteJob, first: int = 0,
                      claim: tuple[PageKey | None, list[PageKey]] | None = None) -> bool:
-        """Publish ``key``'s page file. True: stored, its room held in the index's ``used``. A full file system
+        """Publish ``job``'s page file. True: stored, its room held in the index's ``used``. A full file system
         (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
         files make room, and the write is tried again, ``enospc_retries`` times at most.
         ``first``: attempts already made; ``claim``: room the caller already claimed for this one."""
@@ -399,7 +440,7 @@ class DiskTier:
                     await asyncio.wait(unlinks)  # a retry needs the space they free
             victim, claim = claim[0], None
             try:
-                await self._publish(key, ref, victim)
+                await self._publish(job, victim)
                 return True
             except OSError as exc:
                 self._index.give_back()
@@ -411,8 +452,9 @@ class DiskTier:
                 raise
         return False
 
-    async def _publish(self, key: PageKey, ref: PageHandle, victim: PageKey | None) -> None:
-        page = self.pool.table.check(ref)
+    async def _publish(self, job: _WriteJob, victim: PageKey | None) -> None:
+        key = job.key
+        page = self._source(job)
         dir_fd, final = self._where(key)
         temp = self._temp(key)
         slot = await self._take_slot()
@@ -420,10 +462,9 @@ class DiskTier:
             assert self._slots is not None
             assert self._io is not None
             assert self._checksums is not None
-            view = self.pool.memory.page_view(page)
-            checksum = await self._checksums.checksum(view[: self._payload_bytes])
+            checksum = await self._checksums.checksum(page.payload)
             pack_header(self._slots.views[slot], self.layout, key, checksum)
-            fd = None if victim is None else await self._take_over(victim, dir_fd, temp)
+            fd = None if victim is None else await self._take_over(victim, dir_fd, temp, page.aligned)
             published: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
             self._io.start_publish(dir_fd, temp, final, slot, page, self.config.sync_writes, fd, published.set_result)
             error = await published  # a job task: never cancelled (callers are shielded from it)
@@ -447,12 +488,12 @@ class DiskTier:
         assert self._dir is not None
         return self.files.temp_name(key) if self._dir.fanout[key[0]] >= 0 else self.files.temp_rel(key)
 
-    async def _take_over(self, victim: PageKey, temp_dir: int, temp: str) -> int | None:
+    async def _take_over(self, victim: PageKey, temp_dir: int, temp: str, direct: bool) -> int | None:
         """Rename the evicted ``victim``'s file to ``temp`` for overwriting; its fd, or None when it is
         gone or is not our page file (then ``temp`` is created instead)."""
         assert self._io is not None
         victim_dir, victim_name = self._where(victim)
-        move = self._spawn(self._io.take_over(victim_dir, victim_name, temp_dir, temp))
+        move = self._spawn(self._io.take_over(victim_dir, victim_name, temp_dir, temp, direct))
         self._moving[victim] = move  # a new write of ``victim`` waits for this rename
         await asyncio.wait({move})
         if self._moving.get(victim) is move:
@@ -484,6 +525,27 @@ class DiskTier:
         """
         check_key(key)
         page = self._check_reserved(handle)
+        memory = self.pool.memory
+        return await self._read(key, PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes))
+
+    async def read_into(self, key: PageKey, buffer: memoryview) -> bool:
+        """Fill ``buffer`` (C-contiguous, writable, ``layout.page_bytes`` bytes: e.g. a page of an
+        engine's own CPU memory) with ``key``'s page: as :meth:`read`, without a pool page.
+
+        True only when header and checksum verified; on False the buffer's bytes are undefined. If
+        cancelled with I/O in flight it waits until nothing writes into ``buffer`` any more before
+        raising ``CancelledError``. Raises ``TypeError``/``ValueError`` for a wrong key or buffer
+        (nothing read then), ``RuntimeError`` before :meth:`start`.
+        """
+        check_key(key)
+        self._check_started()
+        page = self._external(buffer, writable=True)
+        try:
+            return await self._read(key, page)
+        finally:
+            page.release()  # the job ended: nothing touches the buffer any more
+
+    async def _read(self, key: PageKey, page: PageBuffer) -> bool:
         generation = self._index.generation(key)
         if generation is None or not self._accepting:
             self._misses += 1
@@ -539,8 +601,7 @@ class DiskTier:
                 self._end_read(job, False)
                 return
             job.checksum = header.checksum
-            self._checksums.start(self.pool.memory.page_view(job.page)[: self._payload_bytes],
-                                  functools.partial(self._read_hashed, job))
+            self._checksums.start(job.page.payload, functools.partial(self._read_hashed, job))
         except Exception:  # the slot back and the job ended on every path: later I/O must not hang
             self._return_slot(job)
             self._faults.unexpected("read")
@@ -669,6 +730,8 @@ class DiskTier:
             read_only=self._read_only,
             writes_refused=self._writes_refused,
             skipped_at_scan=self._skipped,
+            buffered_fallbacks=self._buffered_fallbacks,
+            memory_unregistered=self._memory_unregistered,
         )
 
     @property
@@ -682,6 +745,50 @@ class DiskTier:
         if self._io is None:
             raise RuntimeError("disk tier not started")
         return self._io
+
+    # -- callers' memory -----------------------------------------------------------------------
+
+    async def register_memory(self, buffer: memoryview) -> None:
+        """Register a caller's region (e.g. an engine's shared CPU memory, C-contiguous, writable)
+        so that :meth:`write_from`/:meth:`read_into` of pages inside it use io_uring fixed buffers.
+
+        Pinning runs in a thread (~20 ms/GiB of touched memory); the region must stay mapped until
+        the tier is closed (the kernel holds its pages pinned; the tier keeps ``buffer``). Where it
+        cannot be registered (threads backend, forced ``URING_FIXED``, memlock, table full) pages
+        inside it move through plain buffers: counted in ``memory_unregistered``, never an error.
+        O_DIRECT does not depend on this: it is used for every caller page whose address is
+        4096-aligned (others go buffered, counted in ``buffered_fallbacks``). A cancelled call
+        waits for the pinning thread before raising ``CancelledError``. Raises ``TypeError``/
+        ``ValueError`` for a buffer that is not a C-contiguous writable memoryview, or is empty.
+        """
+        if not isinstance(buffer, memoryview):
+            raise TypeError(f"buffer must be a memoryview, got {type(buffer).__name__}")
+        check_buffer(buffer, None, writable=True)
+        self._check_started()
+        if self._io is None or not self._accepting:
+            raise RuntimeError("disk tier is closing")
+        view = buffer.cast("B")
+        if not await self._io.register_memory(view, buffer_address(view)):
+            self._memory_unregistered += 1
+
+    def _external(self, buffer: memoryview, writable: bool) -> PageBuffer:
+        """A caller's page buffer, checked (``TypeError``/``ValueError`` before any state change)."""
+        if not isinstance(buffer, memoryview):
+            raise TypeError(f"buffer must be a memoryview, got {type(buffer).__name__}")
+        check_buffer(buffer, self.layout.page_bytes, writable)
+        view = buffer.cast("B")
+        page = PageBuffer(buffer_address(view), view, self._payload_bytes)
+        if not page.aligned and self._io is not None and self._io.direct:
+            self._buffered_fallbacks += 1  # O_DIRECT needs aligned memory: this one goes buffered
+        return page
+
+    def _source(self, job: _WriteJob) -> PageBuffer:
+        """Where ``job``'s bytes are: the caller's buffer, or its pool page (checked: still live)."""
+        if job.buffer is not None:
+            return job.buffer
+        assert job.ref is not None
+        page = self.pool.table.check(job.ref)
+        return PageBuffer(self.pool.memory.page_address(page), self.pool.memory.page_view(page), self._payload_bytes)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -877,24 +984,26 @@ class _Job:
 
 
 class _WriteJob(_Job):
-    """A write of ``key`` holding its own pool reference ``ref``; ``waiters``: the callers' futures."""
+    """A write of ``key`` from its own pool reference ``ref`` or from a caller's ``buffer``;
+    ``waiters``: the callers' futures; ``page``: where the bytes are, once it holds a slot."""
 
-    __slots__ = ("key", "page", "ref", "waiters")
+    __slots__ = ("buffer", "key", "page", "ref", "waiters")
 
-    def __init__(self, key: PageKey, ref: PageHandle) -> None:
+    def __init__(self, key: PageKey, ref: PageHandle | None, buffer: PageBuffer | None) -> None:
         super().__init__()
         self.key = key
         self.ref = ref
-        self.page = -1
+        self.buffer = buffer
+        self.page: PageBuffer | None = None
         self.waiters: list[asyncio.Future[bool]] = []
 
 
 class _ReadJob(_Job):
-    """A read into the caller's reserved ``page``; ``result`` is the caller's future."""
+    """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's future."""
 
     __slots__ = ("checksum", "generation", "key", "page", "result")
 
-    def __init__(self, key: PageKey, page: int, generation: int, result: asyncio.Future[bool]) -> None:
+    def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool]) -> None:
         super().__init__()
         self.key = key
         self.page = page
