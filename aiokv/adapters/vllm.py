@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Collection, Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -55,6 +56,19 @@ _DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(StoreC
 log = logging.getLogger(__name__)
 
 _Answer = list[tuple[OffloadKey, bool]]
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """A finished job as the loop reports it to vLLM's thread."""
+
+    result: JobResult
+    failed: list[OffloadKey] = dataclasses.field(default_factory=list)
+    """Keys of a load that did not arrive (their verdicts become MISS)."""
+    stored: list[OffloadKey] = dataclasses.field(default_factory=list)
+    """Keys a store put on disk (KV events)."""
+    gone: list[OffloadKey] = dataclasses.field(default_factory=list)
+    """Keys a failed load found no longer on disk (corrupt, deleted; KV events)."""
 
 
 def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
@@ -88,8 +102,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     ``uring_fixed``, ``uring``, ``threads``), ``direct_io``, ``queue_depth``, ``staging_pages``,
     ``poll_s`` / ``linger_s`` / ``idle_poll_s`` (how often the loop polls while busy, how long
     before it parks, how often it looks while parked; 0: on_schedule_end wakes it instead),
-    ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter). Raises ``TypeError``/``ValueError`` for
-    a wrong option and ``OSError`` when the directory cannot be used.
+    ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter), ``enable_kv_events`` (KV events for
+    pages stored, and for pages a load found gone; only where vLLM publishes KV events). Raises
+    ``TypeError``/``ValueError`` for a wrong option and ``OSError`` when the directory cannot be used.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -112,8 +127,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         linger_s: float = _DEFAULT["linger_s"],
         idle_poll_s: float = _DEFAULT["idle_poll_s"],
         locality: str | None = None,
+        enable_kv_events: bool = False,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not isinstance(enable_kv_events, bool):
+            raise TypeError(f"enable_kv_events must be a bool, got {enable_kv_events!r}")
         options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
                                       "direct_io": direct_io, "queue_depth": queue_depth,
                                       "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s,
@@ -144,9 +162,16 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._answers: collections.deque[_Answer] = collections.deque()
         self._lookups_out = 0
         # Jobs: posted to the loop without waking it; each reports (result, keys that failed).
-        self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = collections.deque()
+        self._finished: collections.deque[_Outcome] = collections.deque()
         self._unreported: set[int] = set()
         self._shut = False
+        # KV events (vLLM's own file tier does the same): only when vLLM publishes them at all.
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning("aiokv tier: enable_kv_events is set but vLLM's KV cache events are off")
         log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
 
     # -- lookups --------------------------------------------------------------------------------
@@ -227,18 +252,39 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         pairs = self._pairs(job_metadata)
         self._start(job_metadata.job_id, self._load_job(job_metadata.job_id, pairs))
 
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark the keys' page files most recently used (LRU), those on disk; queued for the loop
+        like a job (no system call), picked up at its next poll."""
+        if self._shut or not keys:
+            return
+        store = self._store
+        page_keys = [store.key(key) for key in keys]
+        store.thread.post_call(lambda: store.touch(page_keys))
+
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call (never blocks). A load that got some of its keys
         reports them in ``successful_keys``; the keys that failed become MISS verdicts."""
         results = []
         while self._finished:
-            result, failed = self._finished.popleft()
-            self._unreported.discard(result.job_id)
-            for key in failed:
+            outcome = self._finished.popleft()
+            self._unreported.discard(outcome.result.job_id)
+            for key in outcome.failed:
                 if key in self._wanted:
                     self._verdicts[key] = False  # a failed load must not be promoted again
-            results.append(result)
+            if self._events is not None:
+                for keys, removed in ((outcome.stored, False), (outcome.gone, True)):
+                    if keys:
+                        self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
+                                                            locality=self.locality))
+            results.append(outcome.result)
         return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """KV events since the last call (``enable_kv_events``): pages stored, pages a load found
+        gone (a corrupt file is deleted). Evictions for room are not reported."""
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
 
     def has_pending_work(self) -> bool:
         """True while a job is not reported yet or a lookup is queued or unanswered."""
@@ -285,38 +331,38 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
         return list(zip(keys, chunks, strict=True))
 
-    def _start(self, job_id: int, job: Coroutine[Any, Any, tuple[JobResult, list[OffloadKey]]]) -> None:
+    def _start(self, job_id: int, job: Coroutine[Any, Any, _Outcome]) -> None:
         self._unreported.add(job_id)
         if self._shut:
             job.close()
-            self._finished.append((JobResult(job_id=job_id, success=False), []))
+            self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
             return
         self._store.thread.post(self._report(job_id, job))
 
-    async def _report(self, job_id: int, job: Coroutine[Any, Any, tuple[JobResult, list[OffloadKey]]]) -> None:
+    async def _report(self, job_id: int, job: Coroutine[Any, Any, _Outcome]) -> None:
         """Run ``job`` and queue its result for ``get_finished_jobs``, exactly once, whatever happens."""
         try:
             outcome = await job
         except asyncio.CancelledError:
-            self._finished.append((JobResult(job_id=job_id, success=False), []))
+            self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
             raise
         except Exception:
             log.exception("aiokv tier: job %d failed", job_id)
-            outcome = (JobResult(job_id=job_id, success=False), [])
+            outcome = _Outcome(JobResult(job_id=job_id, success=False))
         self._finished.append(outcome)
 
-    async def _store_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> tuple[JobResult, list[OffloadKey]]:
+    async def _store_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> _Outcome:
         start = time.monotonic()
         store = self._store
         done = await asyncio.gather(*(store.store(store.key(key), [self._region[c]]) for key, c in pairs),
                                     return_exceptions=True)
-        stored = sum(1 for ok in done if ok is True)
+        stored = [key for (key, _), ok in zip(pairs, done, strict=True) if ok is True]
         _log_errors(done)
-        result = JobResult(job_id=job_id, success=stored == len(pairs), transfer_time=time.monotonic() - start,
-                           transfer_bytes=stored * self._chunk_bytes)
-        return result, []
+        result = JobResult(job_id=job_id, success=len(stored) == len(pairs), transfer_time=time.monotonic() - start,
+                           transfer_bytes=len(stored) * self._chunk_bytes)
+        return _Outcome(result, stored=stored)
 
-    async def _load_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> tuple[JobResult, list[OffloadKey]]:
+    async def _load_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> _Outcome:
         start = time.monotonic()
         store = self._store
         done = await asyncio.gather(*(store.load(store.key(key), [self._region[c]]) for key, c in pairs),
@@ -331,7 +377,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             transfer_time=time.monotonic() - start,
             transfer_bytes=len(loaded) * self._chunk_bytes,
         )
-        return result, failed
+        gone = store.contains([store.key(key) for key in failed])
+        return _Outcome(result, failed=failed, gone=[key for key, there in zip(failed, gone, strict=True) if not there])
 
 
 def _log_errors(done: list[bool | BaseException]) -> None:

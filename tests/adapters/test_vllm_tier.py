@@ -8,6 +8,7 @@ chunks where vLLM's GPU worker would.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
 
 import torch
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -31,6 +32,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from aiokv.adapters.store import page_file_bytes
 from aiokv.adapters.vllm import AiokvTier
 
 CHUNK_BYTES = 64 << 10
@@ -39,13 +41,13 @@ STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
 def make_manager(disk_dir: Path, model: str = "test/model-a", namespace: str = "tests",
-                 options: dict[str, object] | None = None) -> TieringOffloadingManager:
+                 options: dict[str, object] | None = None, kv_events: bool = False) -> TieringOffloadingManager:
     tier = {"type": "AiokvTier", "module_path": "aiokv.adapters.vllm", "disk_dir": str(disk_dir),
             "disk_bytes": 64 * CHUNK_BYTES, "namespace": namespace, "queue_depth": 4, **(options or {})}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.self_attn",), group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_CHUNKS * CHUNK_BYTES,
                       "secondary_tiers": [tier]},
         engine_id=f"aiokv-test-{uuid.uuid4().hex[:12]}",
@@ -335,3 +337,85 @@ def test_a_parked_loop_finds_submitted_jobs_without_any_hand_over(
         manager.on_request_finished(ReqContext(req_id="r1"))
     step(manager)
     assert not manager.has_pending_work()
+
+
+def on_disk(manager: TieringOffloadingManager, keys: Sequence[bytes]) -> list[bool]:
+    """Whether the aiokv tier holds a page file for each key (asked on its loop)."""
+    store = tier_of(manager)._store
+    page_keys = [store.key(k) for k in keys]
+    return store.thread.call(lambda: store.contains(page_keys)).result()
+
+
+@pytest.mark.parametrize("touched", [False, True], ids=["untouched", "touched"])
+def test_touch_keeps_pages_on_disk_when_room_is_made(
+        tmp_path: Path, managers: list[TieringOffloadingManager], touched: bool) -> None:
+    """vLLM's manager.touch reaches the tier: the touched pages are the most recently used on disk,
+    so the next writes evict the others (the disk holds 4 pages here)."""
+    manager = make_manager(tmp_path, options={"disk_bytes": 4 * page_file_bytes(CHUNK_BYTES)})
+    managers.append(manager)
+    old, newer, newest = keys_of("old", 2), keys_of("newer", 2), keys_of("newest", 2)
+    store(manager, "r1", old, [1, 2])
+    store(manager, "r2", newer, [3, 4])
+    assert on_disk(manager, old + newer) == [True] * 4
+    if touched:
+        with manager.lock:
+            manager.touch(old, ReqContext(req_id="r3"))
+        step(manager)
+    store(manager, "r4", newest, [5, 6])  # two writes: two evictions
+    assert on_disk(manager, newest) == [True, True]
+    assert on_disk(manager, old) == [touched] * 2
+    assert on_disk(manager, newer) == [not touched] * 2
+    assert tier_of(manager).statistics()["evictions"] == 2
+
+
+def test_touch_of_keys_not_on_disk_changes_nothing(tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    manager = make_manager(tmp_path)
+    managers.append(manager)
+    keys = keys_of("kept", 2)
+    store(manager, "r1", keys, [1, 2])
+    before = tier_of(manager).statistics()
+    with manager.lock:
+        manager.touch(keys_of("never-stored", 3), ReqContext(req_id="r2"))
+    step(manager)
+    after = tier_of(manager).statistics()
+    assert (after["pages"], after["reads"], after["writes"]) == (before["pages"], before["reads"], before["writes"])
+    assert on_disk(manager, keys_of("never-stored", 3)) == [False] * 3
+
+
+def test_kv_events_for_stored_pages_and_pages_found_gone(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    manager = make_manager(tmp_path, options={"enable_kv_events": True}, kv_events=True)
+    managers.append(manager)
+    keys = keys_of("events", 2)
+    store(manager, "r1", keys, [1, 2])
+    with manager.lock:
+        events = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
+    assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(keys), False)]
+    store(manager, "r2", keys_of("evictor", CPU_CHUNKS), range(CPU_CHUNKS))  # `keys` leave the CPU tier
+    with manager.lock:
+        list(manager.take_events())
+    tier = tier_of(manager)
+    (victim,) = [p for p in page_files(tmp_path) if p.name == tier._store.key(keys[0]).hex()]
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 7] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    ctx = ReqContext(req_id="r3")
+    with manager.lock:
+        manager.on_new_request(ctx)
+    assert lookup_all(manager, keys, ctx) == [LookupResult.MISS, LookupResult.HIT]
+    with manager.lock:
+        events = [e for e in manager.take_events() if e.medium is Medium.STORAGE]
+        manager.on_request_finished(ctx)
+    assert [(e.keys, e.removed) for e in events] == [([keys[0]], True)]  # the corrupt page was deleted
+    step(manager)
+
+
+def test_kv_events_stay_off_where_vllm_publishes_none(
+        tmp_path: Path, managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="aiokv.adapters.vllm"):
+        manager = make_manager(tmp_path, options={"enable_kv_events": True}, kv_events=False)
+    managers.append(manager)
+    assert "KV cache events are off" in caplog.text
+    store(manager, "r1", keys_of("quiet", 1), [1])
+    with manager.lock:
+        assert list(tier_of(manager).take_events()) == []
