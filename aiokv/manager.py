@@ -527,7 +527,7 @@ class CacheManager:
         """
         pool, transfers = self._running()
         new = [(i, r.handle) for i, r in enumerate(reservations) if r.handle is not None]
-        skipped = sum(r.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING) for r in reservations)
+        skipped = len(reservations) - len(new)  # PRESENT or PENDING: a round holds no EXHAUSTED key
         if not new:
             return 0, skipped, 0
         t = self.layout.page_tokens
@@ -567,10 +567,11 @@ class CacheManager:
             new = [(i, h) for i, h in new if id(h) not in bad]
             dropped = len(failed)
         self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
+        commit, to_disk = pool.table.commit, self._disk is not None  # once per page: locals
         for i, handle in new:
             key = keys[i]
-            admit = self._disk is not None and (admitted_before is None or key in admitted_before)
-            kept = pool.table.commit(handle, keep=admit)
+            admit = to_disk and (admitted_before is None or key in admitted_before)
+            kept = commit(handle, keep=admit)
             if kept is not None:
                 self._write_behind(key, kept)
         return len(new), skipped, dropped

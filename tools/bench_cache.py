@@ -10,8 +10,16 @@ Development machine, ``--mode disk``: pages written to the disk tier, then loade
 (match + load into a CPU KV buffer) against the raw disk tier reading the same pages into the pool
 (``DiskTier.read`` at the same depth). Runs alternate A/B ``--rounds`` times.
 
+Any machine, ``--mode loop``: the event loop's own cost of the bookkeeping, not of the bytes. CPU
+time of the loop thread (``time.thread_time``) per ``offload`` of ``--pages`` new pages through
+``KVCache`` with a CPU KV buffer and tiny pages (the copies run on the copy thread), into a full
+pool, so every page evicts one; ``--disk`` adds the write-behind queueing. ``--against REV`` runs
+the same measurement on git revision REV's package too, each in a fresh process, alternated
+``--rounds`` times, and prints the ratio.
+
     python tools/bench_cache.py --mode gpu --json out.json
     python tools/bench_cache.py --mode disk --dir /var/tmp/aiokv-bench
+    python tools/bench_cache.py --mode loop --pages 256 --against HEAD~3 --rounds 4
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -269,23 +278,147 @@ async def disk_mode(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def loop_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """Loop-thread CPU time per offload of ``args.pages`` new pages (CPU KV buffer, tiny pages), and
+    the longest single loop callback (a task step: synchronous work nothing else can interleave)."""
+    layout = KVLayout.mha(1, 1, 16, torch.bfloat16, page_tokens=16)  # 4 KiB pages: bookkeeping dominates
+    t = layout.page_tokens
+    tokens = args.pages * t
+    kv = torch.zeros(layout.num_layers, tokens, layout.rows, layout.head_dim, dtype=layout.dtype)
+    slots = torch.arange(tokens)
+    pool_pages = 8 * args.pages
+    root = Path(tempfile.mkdtemp(prefix="aiokv-loop-"))
+    config = CacheConfig(cpu_bytes=pool_pages * layout.page_bytes, namespace="loop",
+                         disk_dir=root / "disk" if args.disk else None, disk_bytes=1 << 30)
+    cpu: list[float] = []
+    wall: list[float] = []
+    steps: list[float] = []  # the longest loop callback (task step) of each call
+    longest = [0.0]
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        start = time.perf_counter()
+        run(handle)
+        longest[0] = max(longest[0], time.perf_counter() - start)
+
+    asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+    try:
+        async with KVCache(config, layout, kv) as cache:
+            await cache.pool.wait_ready()
+            for call in range(pool_pages // args.pages + args.calls):
+                first = call * tokens  # new tokens each call: every page is new
+                ids = list(range(first, first + tokens))
+                cpu_start, wall_start = time.thread_time(), time.perf_counter()
+                longest[0] = 0.0
+                result = await cache.offload(ids, slots)
+                cpu_end, wall_end = time.thread_time(), time.perf_counter()
+                if call >= pool_pages // args.pages:  # the pool is full: each new page evicts one
+                    cpu.append(cpu_end - cpu_start)
+                    wall.append(wall_end - wall_start)
+                    steps.append(longest[0])
+                assert result.stored == args.pages, result
+                if args.disk:
+                    await cache.flush()
+    finally:
+        asyncio.events.Handle._run = run  # type: ignore[method-assign]
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "pages_per_call": args.pages,
+        "longest_step_us_p50": statistics.median(steps) * 1e6,
+        "longest_step_us_p90": pct(steps, 0.9) * 1e6,
+        "disk": args.disk,
+        "calls": len(cpu),
+        "loop_cpu_us_p50": statistics.median(cpu) * 1e6,
+        "loop_cpu_us_p10": pct(cpu, 0.1) * 1e6,
+        "loop_cpu_us_p90": pct(cpu, 0.9) * 1e6,
+        "wall_us_p50": statistics.median(wall) * 1e6,
+    }
+
+
+def package_tree(rev: str, into: Path) -> Path:
+    """An importable copy of revision ``rev``'s package (``aiokv`` with ``kernels``/``storage`` inside)."""
+    root = Path(__file__).resolve().parent.parent
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = into / "pkg"
+    pkg.mkdir()
+    shutil.copytree(src / "aiokv", pkg / "aiokv")
+    for part in ("kernels", "storage"):
+        (pkg / "aiokv" / part).symlink_to(src / part)
+    return pkg
+
+
+def loop_against(args: argparse.Namespace) -> dict[str, Any]:
+    """``--mode loop`` on this tree and on ``args.against``, each in a fresh process, alternated."""
+    own = [a for a in sys.argv[1:] if a not in ("--against", args.against)]
+    scratch = Path(tempfile.mkdtemp(prefix="aiokv-against-"))
+    runs: dict[str, list[dict[str, Any]]] = {"current": [], args.against: []}
+    try:
+        trees = {"current": None, args.against: package_tree(args.against, scratch / "rev")}
+        for rnd in range(args.rounds):
+            for name in list(trees) if rnd % 2 == 0 else list(trees)[::-1]:
+                env = dict(os.environ)
+                tree = trees[name]
+                if tree is not None:
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+                out = scratch / "run.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), *own, "--json", str(out)]
+                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(out.read_text()))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result: dict[str, Any] = {"against": args.against, "runs": runs}
+    for field in ("loop_cpu_us_p50", "longest_step_us_p50"):
+        current = [r[field] for r in runs["current"]]
+        other = [r[field] for r in runs[args.against]]
+        result[field] = {"current": current, "against": other,
+                         "ratio": statistics.median(current) / statistics.median(other)}
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["gpu", "disk"], default="gpu" if torch.cuda.is_available() else "disk")
-    parser.add_argument("--pages", type=int, default=64, help="pages per offload/load call (gpu mode)")
+    parser.add_argument("--mode", choices=["gpu", "disk", "loop"],
+                        default="gpu" if torch.cuda.is_available() else "disk")
+    parser.add_argument("--pages", type=int, default=64, help="pages per offload/load call (gpu and loop modes)")
+    parser.add_argument("--calls", type=int, default=200, help="timed offload calls (loop mode)")
+    parser.add_argument("--disk", action="store_true", help="with a disk tier: write-behind queueing (loop mode)")
+    parser.add_argument("--against", metavar="REV", help="also measure git revision REV, alternated (loop mode)")
     parser.add_argument("--prompts", type=int, default=6, help="prompts streamed (gpu mode)")
     parser.add_argument("--bridge-samples", type=int, default=300)
     parser.add_argument("--gpu-slots", action="store_true", help="pass slot indices as CUDA tensors (gpu mode)")
     parser.add_argument("--page-mib", type=int, default=4, help="page size (disk mode)")
     parser.add_argument("--disk-pages", type=int, default=64, help="pages read per round (disk mode)")
     parser.add_argument("--depth", type=int, default=8, help="disk queue depth (disk mode)")
-    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (disk mode)")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (disk and loop --against modes)")
     parser.add_argument("--dir", help="directory for page files (disk mode; default a temp dir)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     if args.mode == "gpu" and not torch.cuda.is_available():
         parser.error("--mode gpu needs a CUDA device")
-    result = asyncio.run(gpu_mode(args) if args.mode == "gpu" else disk_mode(args))
+    if args.mode == "loop" and args.against:
+        result = loop_against(args)
+        for field, what in (("loop_cpu_us_p50", "loop CPU"), ("longest_step_us_p50", "longest loop step")):
+            r = result[field]
+            print(f"{what} per {args.pages}-page offload (us, median per fresh process, alternated):")
+            print(f"  current:          {', '.join(f'{v:.0f}' for v in r['current'])}")
+            print(f"  {args.against + ':':<17} {', '.join(f'{v:.0f}' for v in r['against'])}")
+            print(f"  ratio current/{args.against} (medians): {r['ratio']:.2f}")
+    elif args.mode == "loop":
+        result = asyncio.run(loop_mode(args))
+        print(f"loop CPU per {result['pages_per_call']}-page offload{' (disk tier on)' if args.disk else ''}: "
+              f"p10 {result['loop_cpu_us_p10']:.0f} us, p50 {result['loop_cpu_us_p50']:.0f} us, "
+              f"p90 {result['loop_cpu_us_p90']:.0f} us; longest loop step p50 "
+              f"{result['longest_step_us_p50']:.0f} us, p90 {result['longest_step_us_p90']:.0f} us; "
+              f"wall p50 {result['wall_us_p50']:.0f} us ({result['calls']} calls)")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+        return 0
+    else:
+        result = asyncio.run(gpu_mode(args) if args.mode == "gpu" else disk_mode(args))
     if args.mode == "gpu":
         print(f"{result['layout']}, {result['pages_per_call']} pages per call")
         print(f"{'direction':<10} {'API GB/s':>9} {'memcpy GB/s':>12} {'ratio':>6}")
@@ -298,7 +431,7 @@ def main() -> int:
               f"max {lag['max_ms']:.3f} ms")
         b = result["bridge"]
         print(f"CUDA event -> future: p50 {b['p50_us']:.1f} us, p99 {b['p99_us']:.1f} us, max {b['max_us']:.1f} us")
-    else:
+    elif args.mode == "disk":
         print(f"{result['layout']}, {result['pages']} pages, depth {result['depth']}")
         print(f"{'round':<6} {'raw tier GB/s':>14} {'API GB/s':>9} {'ratio':>6}")
         for i, r in enumerate(result["rounds"]):
