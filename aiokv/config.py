@@ -102,7 +102,10 @@ class CacheConfig:
     ``write_behind_depth`` fill the fields of a ``disk`` that is not given (``disk_dir=None`` turns
     the tier off), and read back from ``disk``. Raises ``TypeError``/``ValueError`` naming the field
     for a bad value, and ``ValueError`` when a shortcut disagrees with a ``disk`` given beside it
-    (``dataclasses.replace(config, disk_bytes=...)`` is such a case: replace ``disk`` instead).
+    (``dataclasses.replace(config, disk_bytes=...)`` is such a case: replace ``disk`` instead), when
+    ``disk_dir`` is an empty path (it would mean the working directory), and when disk shortcuts
+    are given without ``disk_dir`` where the default directory is not writable (the settings could
+    not be honoured). ``disk_dir=None`` beside other shortcuts: no tier; they are checked, unused.
     """
 
     cpu_bytes: int = field(default_factory=default_cpu_bytes)
@@ -276,6 +279,9 @@ def _shortcut_value(short: str, value: object) -> object:
     if short == "disk_dir":
         if not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"{label} must be a path or None, got {type(value).__name__}")
+        if isinstance(value, str) and not value:
+            # Path("") is the working directory: an unset variable would put page files there.
+            raise ValueError(f"{label} is an empty path (for no disk tier pass disk_dir=None)")
         value = Path(value)
     check_disk_setting(DISK_SHORTCUTS[short], value, label)
     return value
@@ -294,8 +300,13 @@ def _resolve_disk(disk: object, given: dict[str, object]) -> DiskConfig | None:
         if not values:
             return default_disk()  # the field's default
         directory = values.pop("directory", None) or default_disk_dir()
-        if directory is None:  # no writable default directory: no disk tier
-            return None
+        if directory is None:
+            # A disk setting without a directory where the default one is not writable: refused,
+            # not dropped (without any disk setting there is simply no tier: see default_disk).
+            raise ValueError(
+                f"CacheConfig.{next(iter(given))} is given but there is no disk directory "
+                "($XDG_CACHE_HOME/aiokv is not writable): pass disk_dir=, or disk=None for no disk tier"
+            )
         return DiskConfig(directory=directory, **values)  # type: ignore[arg-type]  # each checked above
     if disk is None:
         named = [s for s in given if s != "disk_dir"]

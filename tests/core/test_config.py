@@ -109,9 +109,26 @@ def test_default_disk_directory_unwritable_means_no_disk_tier(tmp_path: Path, mo
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "sub"))
     assert CacheConfig().disk is None
-    assert CacheConfig(disk_bytes=1 << 30).disk is None  # as before: no directory, no tier
+    # A disk setting that cannot be honoured (no directory for it) is refused, not dropped: it once
+    # gave a config without a disk tier that read back disk_bytes as DiskConfig's 64 GiB default.
+    with pytest.raises(ValueError, match=r"CacheConfig\.disk_bytes is given but there is no disk directory"):
+        CacheConfig(disk_bytes=1 << 30)
+    assert CacheConfig(disk_dir=tmp_path, disk_bytes=1 << 30).disk == DiskConfig(directory=tmp_path,
+                                                                                capacity_bytes=1 << 30)
+    assert CacheConfig(disk=None).disk is None and CacheConfig(disk_dir=None, disk_bytes=1 << 30).disk is None
     with pytest.raises(ValueError, match=r"DiskConfig\.directory"):
         DiskConfig()
+
+
+def test_an_empty_disk_dir_is_refused(home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Path("") is the working directory: an unset environment variable (disk_dir=os.environ.get(...,
+    # "")) put page files (and the layout's directory) wherever the process happened to run.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"CacheConfig\.disk_dir is an empty path"):
+        CacheConfig(disk_dir="")
+    with pytest.raises(ValueError, match=r"CacheConfig\.disk_dir is an empty path"):
+        CacheConfig(disk=DiskConfig(directory=tmp_path), disk_dir="")
+    assert not home.exists() and list(tmp_path.iterdir()) == []  # nothing created anywhere
 
 
 # -- shortcuts against the nested config --------------------------------------------------------
