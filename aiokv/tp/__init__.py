@@ -18,6 +18,9 @@ reported or is gone; pages are committed only when all succeeded::
         ...
     async with RankWorker(group.address, rank, tp_size, layout, kv_slice):  # or on the rank's loop
         ...
+
+Layer-wise loads through a :class:`TPCache` (``start_load(..., layered=True)``): see
+:mod:`aiokv.tp.stream`.
 """
 
 from .cache import TPCache
@@ -25,7 +28,8 @@ from .config import TPConfig
 from .executor import RankExecutor, RankReport
 from .group import GroupStatistics, RankGroup
 from .jobs import Job, JobOutcome, JobStatistics, JobTable, RankFailure
-from .specs import Direction, TransferSpec
+from .specs import Direction, LayeredLoad, TransferSpec
+from .stream import TPLoadStream
 from .wire import ProtocolError, RankStatus, RefuseReason
 from .worker import RankWorker, RankWorkerThread, WorkerRefusedError, WorkerStatistics
 
@@ -36,6 +40,7 @@ __all__ = [
     "JobOutcome",
     "JobStatistics",
     "JobTable",
+    "LayeredLoad",
     "ProtocolError",
     "RankExecutor",
     "RankFailure",
@@ -47,6 +52,7 @@ __all__ = [
     "RefuseReason",
     "TPCache",
     "TPConfig",
+    "TPLoadStream",
     "TransferSpec",
     "WorkerRefusedError",
     "WorkerStatistics",

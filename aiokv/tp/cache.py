@@ -28,15 +28,16 @@ import torch
 
 from aiokv.config import CacheConfig
 from aiokv.facade import CacheFacade
+from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
 from aiokv.keys import Salt, Tokens, token_array
 from aiokv.layout import KVLayout, TPSlice
 from aiokv.manager import CacheManager
 from aiokv.results import LoadResult, Match, OffloadResult
 from aiokv.slots import check_host_slots
-from aiokv.stream import LoadStream
 
 from .config import TPConfig
 from .group import GroupStatistics, RankGroup
+from .stream import TPLoadStream
 from .transfers import GroupTransfers
 
 
@@ -45,8 +46,9 @@ class TPCache(CacheFacade):
 
     ``num_slots``: token slots of each rank's KV buffer (the same on every rank). ``directory``:
     where the workers' socket lives (a private 0700 directory; a fresh temporary one when None).
-    Raises ``ValueError`` when ``tp_size`` and the layout's heads do not divide, ``TypeError`` for
-    arguments of the wrong type.
+    Raises ``ValueError`` when ``tp_size`` and the layout's heads do not divide or ``config`` sets
+    what only the ranks use (``transfer_path``, ``staging_pages``), ``TypeError`` for arguments of
+    the wrong type.
     """
 
     def __init__(
@@ -67,6 +69,14 @@ class TPCache(CacheFacade):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if config.tp_size != 1 or config.tp_rank != 0:
             raise ValueError("CacheConfig.tp_rank/tp_size are for one-process caches; pass tp_size to TPCache")
+        # The ranks move the bytes: their copy settings are theirs (RankWorker(path=...)). Given to the
+        # manager they were silently ignored.
+        if config.transfer_path is not None:
+            raise ValueError("CacheConfig.transfer_path is not used by a TPCache: each rank picks its path "
+                             "(RankWorker(..., path=...))")
+        if config.staging_pages != DEFAULT_STAGING_PAGES:
+            raise ValueError("CacheConfig.staging_pages is not used by a TPCache: the ranks' movers keep "
+                             "their own staging")
         TPSlice.of(layout, 0, tp_size)  # tp_size and the heads divide (ValueError/TypeError)
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
@@ -83,6 +93,7 @@ class TPCache(CacheFacade):
         every page, so caches of another TP split over the same ``disk_dir`` never serve these bytes)."""
         self._manager = CacheManager(config, self.page_layout)
         self._group: RankGroup | None = None
+        self._transfers: GroupTransfers | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -97,7 +108,8 @@ class TPCache(CacheFacade):
         )
         await group.start()
         self._group = group
-        self._manager.attach(GroupTransfers(group))
+        self._transfers = GroupTransfers(group)
+        self._manager.attach(self._transfers)
 
     async def aclose(self) -> None:
         """Wait (bounded) for in-flight work and write-behind, stop serving workers, free the pool.
@@ -137,11 +149,24 @@ class TPCache(CacheFacade):
         host = check_host_slots(slots, count, self.num_slots)
         return await self._manager.load(match, host, from_token)
 
-    def start_load(self, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
-        """A compute-or-load split over ``match`` for every rank (see :class:`aiokv.stream.LoadStream`)."""
+    def start_load(
+        self, match: Match, slots: torch.Tensor, *, from_token: int = 0, layered: bool = False
+    ) -> TPLoadStream:
+        """A compute-or-load split over ``match`` for every rank (see :class:`aiokv.stream.LoadStream`).
+
+        ``layered``: every rank copies layer by layer; ``stream.wait_layer(l)`` resolves once all
+        ranks have layer ``l``, and each rank's engine waits on its own copies through
+        ``RankWorker.wait_layer(stream.layered_load(), l)`` (see :mod:`aiokv.tp.stream`). Returns at
+        once (unlike ``KVCache.start_load``, not a coroutine: host slots need no device round trip).
+        Consumes ``match``; raises ``TypeError``/``ValueError`` for bad arguments (nothing changes).
+        """
+        if not isinstance(layered, bool):
+            raise TypeError(f"layered must be a bool, got {type(layered).__name__}")
         count = self._manager.check_load(match, from_token)
         host = check_host_slots(slots, count, self.num_slots)
-        return self._manager.start_load(match, host, from_token)
+        self._manager.check_running()
+        assert self._transfers is not None  # running implies started
+        return TPLoadStream(self._manager, self._transfers, match, host, from_token, layered)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Every writer rank copies its heads of ``tokens``' full pages from ``slots`` into the pool.

@@ -12,9 +12,15 @@ STAGING path, one copy-engine memcpy per page):
   of an async runner took 2.5x a thread runner's on the H200 host, the difference being that hop).
 - CUDA KV buffer: the copy is launched on the mover's own side streams, ordered after the engine's
   stream by an event; a LOAD also makes the engine's stream wait for the copy, so the engine's later
-  kernels see the bytes. Completion comes through the bridge's waiter threads (no polling). The
-  attached mapping is registered with CUDA (pinned + mapped) chunk by chunk in background threads; a
-  spec waits for the chunks of its pages only.
+  kernels see the bytes (a layered LOAD does not: the engine waits per layer, see below).
+  Completion comes through the bridge's waiter threads (no polling). The attached mapping is
+  registered with CUDA (pinned + mapped) chunk by chunk in background threads; a spec waits for the
+  chunks of its pages only.
+
+A layered LOAD (``spec.layered``) copies layer 0 of every page, then layer 1, ...
+(``PageMover.load_layers``); :attr:`RankExecutor.layers` keeps each job's progress for the
+engine's rank process (:mod:`aiokv.tp.layers`): CPU layers are marked as they land (and
+``on_layers`` is told, from whatever thread copied them), CUDA copies leave one event per layer.
 
 An engine that carries specs over its own channel can use this class directly:
 ``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself.
@@ -26,6 +32,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +46,7 @@ from aiokv.pool import PageMemory
 from aiokv.shm import ChunkResult, prepare_in_background
 
 from .config import TPConfig
+from .layers import LayerProgress, LayerTable
 from .specs import Direction, TransferSpec
 from .wire import RankStatus
 
@@ -66,6 +74,8 @@ class RankExecutor:
     ``engine_stream``: the stream the engine writes and reads its KV buffer on (CUDA only).
     ``copy_on_loop``: run CPU copies on the driving loop itself; only for a loop that is a thread
     of the worker's own (:class:`~aiokv.tp.RankWorkerThread`), never an engine's or a manager's.
+    ``on_layers(job_id, landed)``: called, from the thread that copied them, as layers of a layered
+    CPU load land (the worker sends LAYERS frames).
     One event loop drives it; :meth:`aclose` waits for copies in flight, then unmaps the pool.
     """
 
@@ -79,6 +89,7 @@ class RankExecutor:
         engine_stream: torch.cuda.Stream | None = None,
         path: TransferPath | None = None,
         copy_on_loop: bool = False,
+        on_layers: Callable[[int, int], None] | None = None,
     ) -> None:
         self.kv = kv
         self.memory = memory
@@ -86,6 +97,9 @@ class RankExecutor:
         self.config = config or TPConfig()
         self._bridge = bridge
         self._copy_on_loop = copy_on_loop
+        self._on_layers = on_layers
+        self.layers = LayerTable(epoch, kv.layout.num_layers)
+        """Progress of this session's layered loads, for the engine's per-layer waits."""
         self._cuda = kv.device.type == "cuda"
         if self._cuda and engine_stream is None:
             raise ValueError("a CUDA KV buffer needs the engine's stream")
@@ -153,14 +167,17 @@ class RankExecutor:
         if self._in_flight >= self.config.worker_max_inflight:
             self._room.clear()
         result.add_done_callback(self._finished)
+        progress = self.layers.arrived(spec.job_id, spec.layered)
+        if progress is not None:
+            result.add_done_callback(lambda _: progress.end())
         early = self._precheck(spec)
         if early is not None:
             result.set_result(early)
         elif not self._cuda and (self._copy_on_loop or self._inline(spec)):
-            result.set_result(self._copy_on_thread(spec))
+            result.set_result(self._copy_on_thread(spec, progress))
         elif not self._cuda:
             self._queued += 1
-            copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec))
+            copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec, progress))
             copy.add_done_callback(self._dequeued)
             copy.add_done_callback(functools.partial(_forward, result))
         else:
@@ -168,12 +185,12 @@ class RankExecutor:
             if waiting is None:
                 result.set_result(RankReport(RankStatus.NOT_REGISTERED, "a page lies in a chunk CUDA refused"))
             elif waiting:
-                task = loop.create_task(self._launch_when_registered(spec, waiting))
+                task = loop.create_task(self._launch_when_registered(spec, waiting, progress))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(functools.partial(_forward, result))
             else:
-                self._launch_cuda(spec, result)
+                self._launch_cuda(spec, result, progress)
         return result
 
     def _precheck(self, spec: TransferSpec) -> RankReport | None:
@@ -189,13 +206,18 @@ class RankExecutor:
         return None
 
     def _inline(self, spec: TransferSpec) -> bool:
-        """Whether this CPU copy is small enough for the loop, with no earlier copy still queued."""
-        return self._queued == 0 and len(spec.slots) * self._slot_bytes <= self.config.inline_copy_bytes
+        """Whether this CPU copy is small enough for the loop, with no earlier copy still queued.
+
+        Never a layered load: its point is that the engine computes while layers land, and an
+        engine on this loop could not (the loop would be busy copying until the last layer).
+        """
+        return (not spec.layered and self._queued == 0
+                and len(spec.slots) * self._slot_bytes <= self.config.inline_copy_bytes)
 
     def _dequeued(self, _: asyncio.Future[RankReport]) -> None:
         self._queued -= 1
 
-    def _copy_on_thread(self, spec: TransferSpec) -> RankReport:
+    def _copy_on_thread(self, spec: TransferSpec, progress: LayerProgress | None = None) -> RankReport:
         """The CPU copy, on the bridge's copy thread (or inline, see :meth:`_inline`); never raises."""
         mover = self._mover
         assert mover is not None  # dropped only after every copy is over
@@ -204,13 +226,23 @@ class RankExecutor:
             ids = spec.page_ids.tolist()
             if spec.direction is Direction.OFFLOAD:
                 mover.offload(slots, ids)
+            elif progress is not None:
+                mover.load_layers(ids, slots, spec.skip_first, functools.partial(self._landed, spec.job_id, progress))
             else:
                 mover.load(ids, slots, spec.skip_first)
         except Exception as exc:
             return _classify(exc)
         return RankReport(RankStatus.OK)
 
-    def _launch_cuda(self, spec: TransferSpec, result: asyncio.Future[RankReport]) -> None:
+    def _landed(self, job_id: int, progress: LayerProgress, layer: int) -> None:
+        """A layer of a layered CPU load is in the buffer (called on the copying thread)."""
+        progress.mark(layer + 1)
+        if self._on_layers is not None:
+            self._on_layers(job_id, layer + 1)
+
+    def _launch_cuda(
+        self, spec: TransferSpec, result: asyncio.Future[RankReport], progress: LayerProgress | None = None
+    ) -> None:
         mover, stream = self._mover, self._engine_stream
         assert mover is not None and stream is not None
         try:
@@ -221,6 +253,12 @@ class RankExecutor:
                 if spec.direction is Direction.OFFLOAD:
                     event = mover.offload(slots, ids)
                     lane = Lane.OFFLOAD
+                elif progress is not None:
+                    # The engine's stream is not made to wait: it waits per layer (wait_layer).
+                    events = mover.load_layers(ids, slots, spec.skip_first)
+                    assert events
+                    progress.launch(events)
+                    event, lane = events[-1], Lane.LOAD
                 else:
                     event = mover.load(ids, slots, spec.skip_first)
                     lane = Lane.LOAD
@@ -233,7 +271,10 @@ class RankExecutor:
         waited.add_done_callback(functools.partial(_event_done, result))
 
     async def _launch_when_registered(
-        self, spec: TransferSpec, waiting: list[concurrent.futures.Future[ChunkResult]]
+        self,
+        spec: TransferSpec,
+        waiting: list[concurrent.futures.Future[ChunkResult]],
+        progress: LayerProgress | None,
     ) -> RankReport:
         for chunk in waiting:
             # Shielded: cancelling an asyncio wrapper would cancel the registration work too.
@@ -243,7 +284,7 @@ class RankExecutor:
         if self._closing:
             return RankReport(RankStatus.WORKER_CLOSING, "the worker is closing")
         inner: asyncio.Future[RankReport] = asyncio.get_running_loop().create_future()
-        self._launch_cuda(spec, inner)
+        self._launch_cuda(spec, inner, progress)
         return await inner
 
     def _unregistered(self, page_ids: npt.NDArray[np.uint32]) -> list[concurrent.futures.Future[ChunkResult]] | None:
@@ -283,6 +324,7 @@ class RankExecutor:
         """Refuse new specs, wait for copies in flight, stop registration, unmap. Idempotent."""
         self._closing = True
         await self.drain()
+        self.layers.close()
         if self._mover is None:
             return
         # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.

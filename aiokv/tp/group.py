@@ -38,6 +38,7 @@ from .wire import (
     FrameKind,
     FrameParser,
     Hello,
+    Layers,
     ProtocolError,
     RankStatus,
     Refuse,
@@ -237,27 +238,34 @@ class RankGroup:
     # -- jobs -----------------------------------------------------------------------------------
 
     def spec(
-        self, direction: Direction, page_ids: IntArrayLike, slots: IntArrayLike, skip_first: int = 0
+        self,
+        direction: Direction,
+        page_ids: IntArrayLike,
+        slots: IntArrayLike,
+        skip_first: int = 0,
+        layered: bool = False,
     ) -> TransferSpec:
         """A spec for this group's pool with the next job id (see :meth:`TransferSpec.build`)."""
         job_id = self._next_job
         self._next_job += 1
         return TransferSpec.build(
-            job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first
+            job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first, layered
         )
 
     def submit_nowait(self, spec: TransferSpec) -> Job:
         """Send ``spec`` to its ranks (OFFLOAD: the writers; LOAD: all) and return its :class:`Job`.
 
+        A layered spec's job has one readiness future per layer (:attr:`Job.layer_futures`).
         Without every rank attached, or once closing, the job is returned already failed
         (NOT_ATTACHED / GROUP_CLOSED); nothing is sent. Raises ``asyncio.QueueFull`` when
         ``max_jobs`` jobs are in flight and ``ValueError`` for a spec of another pool, page size or
         page range, or a job id already in flight.
         """
         targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
+        layers = self.layout.num_layers if spec.layered else 0
         if self._closing:
             failures = [RankFailure(r, RankStatus.GROUP_CLOSED, "the rank group is closed") for r in sorted(targets)]
-            return self._jobs.failed_job(spec, failures)
+            return self._jobs.failed_job(spec, failures, layers)
         if spec.epoch != self.epoch:
             raise ValueError(f"spec epoch {spec.epoch:#x} is not this group's pool epoch {self.epoch:#x}")
         if spec.page_tokens != self.layout.page_tokens:
@@ -267,8 +275,8 @@ class RankGroup:
         missing = self._all_ranks - self.attached
         if missing:
             failures = [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
-            return self._jobs.failed_job(spec, failures)
-        job = self._jobs.open(spec, targets)
+            return self._jobs.failed_job(spec, failures, layers)
+        job = self._jobs.open(spec, targets, layers)
         data = frame(FrameKind.SPEC, spec.to_bytes())
         for rank in sorted(targets):
             transport = self._ranks[rank].transport
@@ -435,6 +443,9 @@ class _RankLink(asyncio.Protocol):
                 if self.state is _LinkState.SERVING and kind is FrameKind.DONE:
                     done = Done.decode(payload)
                     self.group._jobs.report(done.job_id, self.rank, done.status, done.text)
+                elif self.state is _LinkState.SERVING and kind is FrameKind.LAYERS:
+                    layers = Layers.decode(payload)
+                    self.group._jobs.report_layers(layers.job_id, self.rank, layers.landed)
                 elif self.state is _LinkState.HELLO and kind is FrameKind.HELLO:
                     self.group._on_hello(self, Hello.decode(payload))
                 elif self.state is _LinkState.ATTACH and kind is FrameKind.ATTACHED:

@@ -53,13 +53,23 @@ class Job:
     (commit on ``ok``, else abort/release): that runs whether or not anyone still awaits.
     """
 
-    __slots__ = ("_future", "ranks", "spec")
+    __slots__ = ("_future", "layer_futures", "ranks", "spec")
 
-    def __init__(self, spec: TransferSpec, ranks: frozenset[int], future: asyncio.Future[JobOutcome]) -> None:
+    def __init__(
+        self,
+        spec: TransferSpec,
+        ranks: frozenset[int],
+        future: asyncio.Future[JobOutcome],
+        layer_futures: tuple[asyncio.Future[bool], ...] = (),
+    ) -> None:
         self.spec = spec
         self.ranks = ranks
         """Ranks the spec was sent to (OFFLOAD: writers only; LOAD: all)."""
         self._future = future
+        self.layer_futures = layer_futures
+        """A layered spec: future ``l`` resolves True once every rank reported layer ``l`` landed (a
+        LAYERS frame, or its whole part succeeded), False once the job ended without that; in layer
+        order, each before the job itself. Empty for other specs."""
 
     @property
     def id(self) -> int:
@@ -120,12 +130,14 @@ class JobStatistics:
 
 
 class _Entry:
-    __slots__ = ("failures", "job", "pending")
+    __slots__ = ("failures", "job", "landed", "pending", "ready")
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.pending = set(job.ranks)
         self.failures: list[RankFailure] = []
+        self.landed = dict.fromkeys(job.ranks, 0)  # layered: layers each rank reported
+        self.ready = 0  # layered: layer futures resolved True so far
 
 
 class JobTable:
@@ -149,20 +161,23 @@ class JobTable:
 
     # -- opening --------------------------------------------------------------------------------
 
-    def open(self, spec: TransferSpec, ranks: Iterable[int]) -> Job:
-        """Track ``spec`` as sent to ``ranks``.
+    def open(self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0) -> Job:
+        """Track ``spec`` as sent to ``ranks``; a layered spec with readiness for ``layers`` layers.
 
         Raises ``asyncio.QueueFull`` when ``max_jobs`` are in flight and ``ValueError`` when a job
-        of the same id is in flight or ``ranks`` is empty.
+        of the same id is in flight, ``ranks`` is empty or ``layers`` does not fit ``spec.layered``.
         """
         targets = frozenset(ranks)
         if not targets:
             raise ValueError("a job needs at least one rank")
         if spec.job_id in self._jobs:
             raise ValueError(f"job {spec.job_id} is already in flight")
+        if (layers > 0) != spec.layered or layers < 0:
+            raise ValueError(f"layers={layers} for a {'layered' if spec.layered else 'whole'} spec")
         if len(self._jobs) >= self.max_jobs:
             raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
-        job = Job(spec, targets, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        job = Job(spec, targets, loop.create_future(), tuple(loop.create_future() for _ in range(layers)))
         self._jobs[spec.job_id] = _Entry(job)
         for rank in targets:
             self._by_rank[rank].add(spec.job_id)
@@ -172,15 +187,19 @@ class JobTable:
             self._room.clear()
         return job
 
-    def failed_job(self, spec: TransferSpec, failures: Iterable[RankFailure]) -> Job:
+    def failed_job(self, spec: TransferSpec, failures: Iterable[RankFailure], layers: int = 0) -> Job:
         """A job that failed before it was sent (ranks missing, group closed): done at once, not tracked."""
         found = tuple(failures)
-        future: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[JobOutcome] = loop.create_future()
         future.set_result(JobOutcome(spec.job_id, spec.direction, found))
+        layer_futures = tuple(loop.create_future() for _ in range(layers))
+        for layer in layer_futures:
+            layer.set_result(False)
         self._submitted += 1
         self._failed += 1
         self._rank_failures.update(f.status for f in found)
-        return Job(spec, frozenset(f.rank for f in found), future)
+        return Job(spec, frozenset(f.rank for f in found), future, layer_futures)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -192,6 +211,32 @@ class JobTable:
             return False
         self._settle_part(entry, rank, status, text)
         return True
+
+    def report_layers(self, job_id: int, rank: int, landed: int) -> bool:
+        """Rank ``rank`` has layers ``0 .. landed-1`` of layered job ``job_id`` in its buffer.
+
+        Resolves the layer futures every rank has reached. False (counted as a stray report) for
+        no such part in flight, a job that is not layered, or a count that does not grow or
+        exceeds the layers.
+        """
+        entry = self._jobs.get(job_id)
+        layers = len(entry.job.layer_futures) if entry is not None else 0
+        if entry is None or rank not in entry.pending or not entry.landed[rank] < landed <= layers:
+            self._stray += 1
+            return False
+        entry.landed[rank] = landed
+        self._resolve_layers(entry)
+        return True
+
+    def _resolve_layers(self, entry: _Entry) -> None:
+        futures = entry.job.layer_futures
+        if not futures or entry.failures:
+            return  # a failed part never lands its later layers: they resolve False with the job
+        reached = min(entry.landed.values())
+        while entry.ready < reached:
+            if not futures[entry.ready].done():  # a consumer may have cancelled its future
+                futures[entry.ready].set_result(True)
+            entry.ready += 1
 
     def rank_lost(self, rank: int, status: RankStatus = RankStatus.RANK_LOST, text: str = "") -> int:
         """Fail ``rank``'s part of every job in flight (it disconnected or died); returns how many."""
@@ -222,9 +267,15 @@ class JobTable:
         if status is not RankStatus.OK:
             entry.failures.append(RankFailure(rank, status, text))
             self._rank_failures[status] += 1
+        elif entry.job.layer_futures:
+            entry.landed[rank] = len(entry.job.layer_futures)  # its whole part landed
+            self._resolve_layers(entry)
         if entry.pending:
             return
         del self._jobs[entry.job.id]
+        for layer in entry.job.layer_futures:
+            if not layer.done():
+                layer.set_result(False)
         outcome = JobOutcome(entry.job.id, entry.job.spec.direction, tuple(entry.failures))
         if outcome.ok:
             self._succeeded += 1

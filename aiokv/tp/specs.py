@@ -5,9 +5,11 @@ numbering is the same on every rank, as engines' block tables are). It crosses f
 process to the ranks over aiokv's socket (:mod:`aiokv.tp.wire`) or the engine's own channel: it is
 picklable and has a compact binary form, little-endian::
 
-    header  magic b"AKVS" | version u8 | direction u8 | slot width u8 (4 or 8) | 0 u8
+    header  magic b"AKVS" | version u8 | direction u8 | slot width u8 (4 or 8) | flags u8
             | job id u64 | pool epoch u64 | page_tokens u32 | skip_first u32 | pages u32 | slots u32
     body    page ids uint32 x pages | slots int32/int64 x slots
+
+``flags`` bit 0: LAYERED (a LOAD copied layer by layer, with readiness per layer); other bits are 0.
 
 :meth:`TransferSpec.from_bytes` accepts any bytes and raises ``ValueError`` for anything that is not
 one well-formed spec (never another exception).
@@ -32,6 +34,7 @@ _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 _SLOT_DTYPES: dict[int, np.dtype[Any]] = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _PAGE_DTYPE = np.dtype("<u4")
+_FLAG_LAYERED = 1
 
 IntArrayLike = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 """Integers as a sequence, a 1-D numpy array or a 1-D host tensor."""
@@ -82,7 +85,9 @@ class TransferSpec:
     token slots. OFFLOAD: ``S == P * page_tokens``, page i gets slots ``[i*T, (i+1)*T)``. LOAD:
     tokens ``[skip_first, P*T)`` of the concatenated pages go to the slots, ``S == P*T - skip_first``,
     ``0 <= skip_first < T`` (a partly needed first page). ``epoch`` names the pool the pages belong
-    to: a worker attached to another pool refuses the spec. Arrays are read-only.
+    to: a worker attached to another pool refuses the spec. ``layered`` (LOAD only): the rank copies
+    layer 0 of every page, then layer 1, ... and reports each layer as it lands (see
+    :class:`LayeredLoad`). Arrays are read-only.
 
     Build with :meth:`build` (converts and validates); the constructor validates already typed values
     and raises ``ValueError`` naming the field.
@@ -95,6 +100,7 @@ class TransferSpec:
     page_ids: npt.NDArray[np.uint32]
     slots: npt.NDArray[np.signedinteger[Any]]
     skip_first: int = 0
+    layered: bool = False
 
     def __post_init__(self) -> None:
         _u("job_id", self.job_id, _U64_MAX)
@@ -104,6 +110,10 @@ class TransferSpec:
         _u("skip_first", self.skip_first, _U32_MAX)
         if not isinstance(self.direction, Direction):
             raise ValueError(f"direction must be a Direction, got {self.direction!r}")
+        if not isinstance(self.layered, bool):
+            raise ValueError(f"layered must be a bool, got {self.layered!r}")
+        if self.layered and self.direction is not Direction.LOAD:
+            raise ValueError("only a LOAD spec is layered (an OFFLOAD gathers whole pages)")
         pages, slots = self.page_ids, self.slots
         if not isinstance(pages, np.ndarray) or pages.dtype != _PAGE_DTYPE or pages.ndim != 1:
             raise ValueError("page_ids must be a 1-D uint32 array (use TransferSpec.build)")
@@ -142,6 +152,7 @@ class TransferSpec:
         page_ids: IntArrayLike,
         slots: IntArrayLike,
         skip_first: int = 0,
+        layered: bool = False,
     ) -> TransferSpec:
         """A spec from any integer sequences, arrays or host tensors (copied; int32 slots stay int32)."""
         pages = _as_numpy("page_ids", page_ids)
@@ -162,6 +173,7 @@ class TransferSpec:
             _frozen(pages.astype(_PAGE_DTYPE, copy=True)),
             _frozen(slot_array),
             skip_first,
+            layered,
         )
 
     # -- derived --------------------------------------------------------------------------------
@@ -186,7 +198,7 @@ class TransferSpec:
             SPEC_VERSION,
             self.direction.value,
             width,
-            0,
+            _FLAG_LAYERED if self.layered else 0,
             self.job_id,
             self.epoch,
             self.page_tokens,
@@ -203,15 +215,15 @@ class TransferSpec:
             data = bytes(data)  # the arrays below view it: never a buffer the caller may change
         if len(data) < _HEADER.size:
             raise ValueError(f"truncated spec: {len(data)} bytes, the header alone is {_HEADER.size}")
-        (magic, version, direction, width, reserved, job_id, epoch, page_tokens, skip_first, n_pages, n_slots) = (
+        (magic, version, direction, width, flags, job_id, epoch, page_tokens, skip_first, n_pages, n_slots) = (
             _HEADER.unpack_from(data)
         )
         if magic != SPEC_MAGIC:
             raise ValueError(f"not a transfer spec (magic {magic!r})")
         if version != SPEC_VERSION:
             raise ValueError(f"transfer spec version {version} is not supported (this side speaks {SPEC_VERSION})")
-        if reserved != 0:
-            raise ValueError("transfer spec has a non-zero reserved byte")
+        if flags & ~_FLAG_LAYERED:
+            raise ValueError(f"transfer spec has unknown flags {flags:#x}")
         try:
             kind = Direction(direction)
         except ValueError:
@@ -225,7 +237,7 @@ class TransferSpec:
             raise ValueError(f"{what} transfer spec: {len(data)} bytes, header says {expect}")
         pages = np.frombuffer(data, _PAGE_DTYPE, n_pages, _HEADER.size)
         slots = np.frombuffer(data, slot_dtype, n_slots, _HEADER.size + n_pages * _PAGE_DTYPE.itemsize)
-        return cls(job_id, kind, epoch, page_tokens, pages, slots, skip_first)
+        return cls(job_id, kind, epoch, page_tokens, pages, slots, skip_first, bool(flags & _FLAG_LAYERED))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickles through the compact form: an engine's own channel carries the same bytes.
@@ -237,8 +249,8 @@ class TransferSpec:
         if not isinstance(other, TransferSpec):
             return NotImplemented
         return (
-            (self.job_id, self.direction, self.epoch, self.page_tokens, self.skip_first)
-            == (other.job_id, other.direction, other.epoch, other.page_tokens, other.skip_first)
+            (self.job_id, self.direction, self.epoch, self.page_tokens, self.skip_first, self.layered)
+            == (other.job_id, other.direction, other.epoch, other.page_tokens, other.skip_first, other.layered)
             and self.slots.dtype == other.slots.dtype
             and np.array_equal(self.page_ids, other.page_ids)
             and np.array_equal(self.slots, other.slots)
@@ -250,5 +262,23 @@ class TransferSpec:
     def __repr__(self) -> str:
         return (
             f"TransferSpec(job={self.job_id}, {self.direction.name}, epoch={self.epoch:#x}, "
-            f"pages={self.num_pages}, tokens={self.num_tokens}, skip_first={self.skip_first})"
+            f"pages={self.num_pages}, tokens={self.num_tokens}, skip_first={self.skip_first}"
+            f"{', layered' if self.layered else ''})"
         )
+
+
+@dataclass(frozen=True)
+class LayeredLoad:
+    """What a rank needs to wait on the layers of a layer-wise load: the pool epoch and the job ids
+    of its specs (``TPLoadStream.layered_load()``). A small picklable value the scheduler puts in
+    its step message to the ranks; each rank passes it to ``RankWorker.wait_layer``."""
+
+    epoch: int
+    jobs: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _u("epoch", self.epoch, _U64_MAX)
+        if not isinstance(self.jobs, tuple):
+            raise ValueError(f"jobs must be a tuple of job ids, got {type(self.jobs).__name__}")
+        for job in self.jobs:
+            _u("job id", job, _U64_MAX)

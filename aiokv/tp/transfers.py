@@ -9,6 +9,7 @@ the group until every rank is accounted for, whoever still awaits it.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,7 @@ class GroupTransfers:
 
     def __init__(self, group: RankGroup) -> None:
         self.group = group
+        self._jobs: weakref.WeakKeyDictionary[asyncio.Future[None], int] = weakref.WeakKeyDictionary()
 
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         return self._submit(Direction.OFFLOAD, page_ids, slots, 0)
@@ -42,13 +44,20 @@ class GroupTransfers:
         return self._submit(Direction.LOAD, page_ids, slots, skip)
 
     def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
-        # The ranks order their own streams after their copies: per-layer readiness stays in the
-        # rank processes, so here a layer is ready when the whole spec is.
-        return self.load(page_ids, slots, skip)
+        """A layered LOAD spec: each rank copies layer by layer. The copy's ``layer_futures`` resolve
+        as every rank reports a layer landed (CPU ranks report each; a CUDA rank's layers resolve
+        with its whole part, its own stream waits per layer: ``RankWorker.wait_layer``)."""
+        return self._submit(Direction.LOAD, page_ids, slots, skip, layered=True)
 
-    def _submit(self, direction: Direction, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def job_id(self, copy: Copy) -> int | None:
+        """The job id of a copy this object launched and sent (None: failed before it was sent)."""
+        return self._jobs.get(copy.future)
+
+    def _submit(
+        self, direction: Direction, page_ids: list[int], slots: torch.Tensor, skip: int, layered: bool = False
+    ) -> Copy:
         try:
-            job = self.group.submit_nowait(self.group.spec(direction, page_ids, slots, skip))
+            job = self.group.submit_nowait(self.group.spec(direction, page_ids, slots, skip, layered))
         except (asyncio.QueueFull, ValueError) as exc:  # too many jobs in flight: a counted fault
             return failed_copy(exc)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -63,7 +72,9 @@ class GroupTransfers:
                 future.set_exception(TransferFailedError(outcome))
 
         job.add_done_callback(settle)
-        return Copy(future)
+        if not job.done():  # sent to the ranks (a job failed before sending is done already)
+            self._jobs[future] = job.id
+        return Copy(future, layer_futures=job.layer_futures)
 
     def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
         """Nothing to order here: each rank orders its own stream after its copies."""

@@ -7,6 +7,7 @@ A session::
     worker  <--WELCOME(version, tp_size, fingerprint, pool epoch, name, pages)-- or REFUSE(reason, text)
     worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name)
     worker  <--SPEC(TransferSpec bytes)--  ...  --DONE(job id, status, text)-->
+            (a layered LOAD: --LAYERS(job id, layers landed)--> as layers land, before its DONE)
 
 Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 """
@@ -20,7 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: layered LOAD specs and LAYERS frames."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -28,6 +30,7 @@ _WELCOME = struct.Struct("<HH16sQIQ")
 _REFUSE = struct.Struct("<B")
 _ATTACHED = struct.Struct("<QB")
 _DONE = struct.Struct("<QB")
+_LAYERS = struct.Struct("<QI")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 
@@ -45,6 +48,7 @@ class FrameKind(enum.Enum):
     ATTACHED = 4
     SPEC = 5
     DONE = 6
+    LAYERS = 7
 
 
 class RankStatus(enum.Enum):
@@ -289,3 +293,21 @@ class Done:
         if kind.value >= 16:
             raise ProtocolError(f"completion status {kind.name} is manager-side only")
         return cls(job_id, kind, _decode_text(payload, _DONE.size))
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Worker -> manager: layers ``0 .. landed-1`` of layered job ``job_id`` are in this rank's buffer."""
+
+    job_id: int
+    landed: int
+
+    def encode(self) -> bytes:
+        return _LAYERS.pack(self.job_id, self.landed)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Layers:
+        job_id, landed = _fixed(_LAYERS, payload, "layer report", exact=True)
+        if landed == 0:
+            raise ProtocolError("layer report of 0 layers")
+        return cls(job_id, landed)

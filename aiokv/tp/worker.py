@@ -10,6 +10,10 @@ drops the old mapping, and reconnects with a bounded backoff; the next hello nam
 
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
+
+Layer-wise loads: a layered LOAD spec is copied layer by layer; a CPU rank reports each landed layer
+to the manager (LAYERS frames) and both runners offer ``wait_layer(load, layer)`` to the engine's
+rank process, which calls it before layer ``layer``'s attention (see :mod:`aiokv.tp.stream`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -35,7 +39,8 @@ from aiokv.pool import PagePool
 
 from .config import TPConfig
 from .executor import RankExecutor, RankReport
-from .specs import TransferSpec
+from .layers import LayerProgress, wait_all, wait_all_async
+from .specs import LayeredLoad, TransferSpec
 from .wire import (
     PROTOCOL_VERSION,
     Attached,
@@ -43,6 +48,7 @@ from .wire import (
     FrameKind,
     FrameReader,
     Hello,
+    Layers,
     ProtocolError,
     RankStatus,
     Refuse,
@@ -245,7 +251,7 @@ class RankWorker:
                     raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")
                 executor = RankExecutor(
                     self.kv, memory, welcome.epoch, self._bridge, self.config, self._engine_stream, self._path,
-                    self._copy_on_loop,
+                    self._copy_on_loop, _layer_reporter(writer),
                 )
             except BaseException:
                 memory.close()
@@ -283,6 +289,46 @@ class RankWorker:
             log.warning("rank %d: job %d: %s %s", self.tp.rank, job_id, result.status.name, result.text)
         if not writer.is_closing():
             writer.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
+
+    # -- layer-wise loads -----------------------------------------------------------------------
+
+    def _layer_progress(self, load: LayeredLoad, layer: int) -> list[LayerProgress] | None:
+        """The progress of ``load``'s jobs in the current session (None: another pool or detached)."""
+        if not isinstance(load, LayeredLoad):
+            raise TypeError(f"load must be a LayeredLoad, got {type(load).__name__}")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.layout.num_layers})")
+        executor = self._executor  # read once: another thread may end the session meanwhile
+        if executor is None or executor.epoch != load.epoch:
+            return None
+        return [executor.layers.progress(job) for job in load.jobs]
+
+    def _order_layer(self, progress: Sequence[LayerProgress], layer: int) -> None:
+        if self._engine_stream is not None:
+            for p in progress:
+                if p.events:
+                    self._engine_stream.wait_event(p.events[layer])
+
+    async def wait_layer(self, load: LayeredLoad, layer: int) -> bool:
+        """Wait until layer ``layer`` of every copy of ``load`` is in this rank's buffer.
+
+        ``load``: ``TPLoadStream.layered_load()`` of the scheduler's stream, carried to the rank by
+        the engine. CPU: waits for the bytes (the spec may not even have arrived yet). CUDA: waits
+        until the copies are queued, then makes the engine's stream wait for the layer on the GPU
+        (no host wait for the bytes). Returns False when a copy failed or can no longer deliver
+        the layer (the worker detached, the pool is another one): the engine must not rely on it
+        (the scheduler's ``finish()`` then reports the load shortened). Bound it with
+        ``asyncio.timeout``. Raises ``TypeError``/``ValueError`` for bad arguments.
+        """
+        progress = self._layer_progress(load, layer)
+        if progress is None:
+            return False
+        ok = await wait_all_async(progress, layer)
+        if ok:
+            self._order_layer(progress, layer)
+        return ok
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -355,6 +401,25 @@ class RankWorker:
         await self.aclose()
 
 
+def _layer_reporter(writer: asyncio.StreamWriter) -> Callable[[int, int], None]:
+    """Sends LAYERS frames on ``writer`` from whatever thread a layer landed on (the loop's own
+    directly: a copy running on the loop blocks it until the copy ends)."""
+    loop = asyncio.get_running_loop()
+    owner = threading.get_ident()
+
+    def send(job_id: int, landed: int) -> None:
+        if not writer.is_closing():
+            writer.write(frame(FrameKind.LAYERS, Layers(job_id, landed).encode()))
+
+    def landed(job_id: int, count: int) -> None:
+        if threading.get_ident() == owner:
+            send(job_id, count)
+        else:
+            loop.call_soon_threadsafe(send, job_id, count)
+
+    return landed
+
+
 class RankWorkerThread:
     """A :class:`RankWorker` on its own thread and event loop, for synchronous model runners.
 
@@ -418,6 +483,20 @@ class RankWorkerThread:
         """Block until a pool is attached; returns its epoch. Raises ``TimeoutError`` after ``timeout``
         seconds and :class:`WorkerRefusedError` when refused for good."""
         return self._call(self.worker.wait_attached, timeout)
+
+    def wait_layer(self, load: LayeredLoad, layer: int, timeout: float | None = None) -> bool:
+        """:meth:`RankWorker.wait_layer`, blocking the calling thread (the model runner's).
+
+        Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        worker = self.worker
+        progress = worker._layer_progress(load, layer)
+        if progress is None:
+            return False
+        ok = wait_all(progress, layer, timeout)
+        if ok:
+            worker._order_layer(progress, layer)
+        return ok
 
     def statistics(self) -> WorkerStatistics:
         """The worker's statistics, read on its loop."""

@@ -11,8 +11,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv.tp.specs import Direction, TransferSpec
-from aiokv.tp.wire import Attached, Done, Hello, ProtocolError, RankStatus, Refuse, RefuseReason, Welcome
+from aiokv.tp.specs import Direction, LayeredLoad, TransferSpec
+from aiokv.tp.wire import (
+    PROTOCOL_VERSION,
+    Attached,
+    Done,
+    Hello,
+    Layers,
+    ProtocolError,
+    RankStatus,
+    Refuse,
+    RefuseReason,
+    Welcome,
+)
 
 
 @st.composite
@@ -33,6 +44,7 @@ def specs(draw: st.DrawFn) -> TransferSpec:
         np.array(pages, dtype=np.uint64),
         np.array(slots, dtype=dtype),
         skip,
+        direction is Direction.LOAD and draw(st.booleans()),
     )
 
 
@@ -96,6 +108,10 @@ def test_header_lies_are_clear_errors() -> None:
     bad[6] = 2
     with pytest.raises(ValueError, match="slot width 2"):
         TransferSpec.from_bytes(bytes(bad))
+    bad = bytearray(raw)
+    bad[7] = 2  # flags: bit 0 is LAYERED, the rest are unknown
+    with pytest.raises(ValueError, match="unknown flags 0x2"):
+        TransferSpec.from_bytes(bytes(bad))
     # A header claiming 2**32-1 slots on a short body: a length error, no huge allocation.
     huge = bytearray(raw)
     struct.pack_into("<I", huge, 36, 2**32 - 1)
@@ -118,17 +134,28 @@ def test_build_validates_counts_and_values() -> None:
         TransferSpec.build(1, Direction.OFFLOAD, 1, 1, [0], np.array([0.5]))
     with pytest.raises(ValueError, match="job_id"):
         TransferSpec.build(-1, Direction.OFFLOAD, 1, 1, [0], [0])
+    with pytest.raises(ValueError, match="only a LOAD spec is layered"):
+        TransferSpec.build(1, Direction.OFFLOAD, 1, 1, [0], [0], layered=True)
+    with pytest.raises(ValueError, match="layered must be a bool"):
+        TransferSpec.build(1, Direction.LOAD, 1, 1, [0], [0], layered=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="read-only"):
         TransferSpec(1, Direction.OFFLOAD, 1, 1, np.zeros(1, np.uint32), np.zeros(1, np.int64))
     spec = TransferSpec.build(9, Direction.LOAD, 1, 4, torch.tensor([4, 2]), torch.arange(5, dtype=torch.int32), 3)
     assert (spec.num_pages, spec.num_tokens, spec.slots.dtype) == (2, 5, np.int32)
     assert "job=9" in repr(spec)
+    layered = TransferSpec.build(9, Direction.LOAD, 1, 4, [4, 2], range(5), 3, layered=True)
+    assert layered != TransferSpec.build(9, Direction.LOAD, 1, 4, [4, 2], range(5), 3)
+    assert TransferSpec.from_bytes(layered.to_bytes()).layered and "layered" in repr(layered)
+    with pytest.raises(ValueError, match="job id"):
+        LayeredLoad(1, (-1,))
+    with pytest.raises(ValueError, match="tuple"):
+        LayeredLoad(1, [1])  # type: ignore[arg-type]
 
 
 def test_wire_messages_round_trip_and_refuse_garbage() -> None:
-    hello = Hello(1, 3, 4, b"f" * 16)
+    hello = Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16)
     assert Hello.decode(hello.encode()) == hello
-    assert Hello.decode(Hello(2, 0, 0, b"").encode()[:6]).version == 2  # another version: parsed for the refusal
+    assert Hello.decode(Hello(9, 0, 0, b"").encode()[:6]).version == 9  # another version: parsed for the refusal
     welcome = Welcome(1, 4, b"f" * 16, 2**63, 10, 4096, "/aiokv-1-abc")
     assert Welcome.decode(welcome.encode()) == welcome
     refusal = Refuse(RefuseReason.LAYOUT, "x" * 2000)
@@ -136,6 +163,7 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
     assert back.reason is RefuseReason.LAYOUT and len(back.text) == 512
     assert Attached.decode(Attached(5, True).encode()) == Attached(5, True)
     assert Done.decode(Done(7, RankStatus.COPY_FAILED, "é").encode()) == Done(7, RankStatus.COPY_FAILED, "é")
+    assert Layers.decode(Layers(7, 3).encode()) == Layers(7, 3)
     for decode, raw in [
         (Hello.decode, b"nope"),
         (Welcome.decode, b"\0" * 5),
@@ -144,6 +172,8 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
         (Done.decode, struct.pack("<QB", 1, 99)),
         (Done.decode, struct.pack("<QB", 1, RankStatus.RANK_LOST.value)),
         (Done.decode, struct.pack("<QB", 1, 0) + b"\xff"),
+        (Layers.decode, struct.pack("<QI", 1, 0)),
+        (Layers.decode, struct.pack("<QI", 1, 2) + b"\0"),
     ]:
         with pytest.raises(ProtocolError):
             decode(raw)

@@ -14,6 +14,7 @@ import torch
 from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, rank_kv
 
 from aiokv import CacheConfig, KVLayout
+from aiokv.kernels import TransferPath
 from aiokv.tp import TPCache
 
 MHA = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
@@ -123,6 +124,12 @@ async def test_bad_arguments_are_refused_before_anything_changes() -> None:
         TPCache(CacheConfig(cpu_bytes=1 << 20, disk_dir=None), MHA, tp_size=3, num_slots=8)
     with pytest.raises(ValueError, match="num_slots"):
         TPCache(CacheConfig(cpu_bytes=1 << 20, disk_dir=None), MHA, tp_size=2, num_slots=0)
+    # Copy settings belong to the ranks: given to the manager they were silently ignored.
+    with pytest.raises(ValueError, match=r"transfer_path is not used by a TPCache.*RankWorker"):
+        TPCache(CacheConfig(cpu_bytes=1 << 20, disk=None, transfer_path=TransferPath.DIRECT), MHA, tp_size=2,
+                num_slots=8)
+    with pytest.raises(ValueError, match="staging_pages is not used by a TPCache"):
+        TPCache(CacheConfig(cpu_bytes=1 << 20, disk=None, staging_pages=3), MHA, tp_size=2, num_slots=8)
     async with TPCache(_config(MHA, None), MHA, tp_size=2, num_slots=SLOTS, tp_config=CONFIG) as cache:
         t = MHA.page_tokens
         with pytest.raises(ValueError, match="out of range"):

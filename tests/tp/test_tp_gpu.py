@@ -16,9 +16,10 @@ import pytest_asyncio
 import torch
 from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
 
+from aiokv import CacheConfig
 from aiokv.kernels import TransferPath
 from aiokv.layout import KVLayout
-from aiokv.tp import Direction, Job, RankGroup, TPConfig
+from aiokv.tp import Direction, Job, RankGroup, TPCache, TPConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -103,3 +104,41 @@ async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, 
             assert group.jobs.in_flight == 0
     finally:
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
+    tmp_path: Path, spawned: list[RankProcesses]
+) -> None:
+    """A layered load through a TPCache: each CUDA rank's engine waits on layer l's event (its own
+    stream, no host wait) and then reads layer l bit-exact; the scheduler's stream finishes whole."""
+    layout, tp = CASES["mha-tp2"]
+    T = layout.page_tokens
+    config = TPConfig(reconnect_initial_s=CONFIG.reconnect_initial_s, handshake_timeout_s=60.0)
+    cache_config = CacheConfig(cpu_bytes=PAGES * layout.page_bytes, disk=None, namespace="tp-gpu-layered")
+    tokens = list(range(8 * T))
+    async with TPCache(cache_config, layout, tp_size=tp, num_slots=SLOTS, tp_config=config,
+                       directory=tmp_path / "m") as cache:
+        ranks = RankProcesses(Path(cache.address), layout, tp, 9, True, SLOTS, "cuda", config)
+        spawned.append(ranks)
+        ranks.start_all()
+        async with asyncio.timeout(180):
+            await cache.wait_ranks()
+        assert (await cache.offload(tokens, torch.arange(8 * T))).stored == 8
+        target = torch.arange(SLOTS - 1, SLOTS - 8 * T, -1)
+        stream = cache.start_load(await cache.match(tokens), target, from_token=1, layered=True)
+        await stream.launched()
+        load = stream.layered_load()
+        for rank in range(tp):
+            ranks.send(rank, ("layers", load, target))
+        result = await stream.finish()
+        assert result.loaded_from == 1
+        full = full_kv(layout, seed=9, slots=SLOTS)
+        for rank in range(tp):
+            want = rank_kv(full, layout, rank, tp)[:, 1 : 8 * T]
+            for layer, (ok, raw) in enumerate(await ranks.reply(rank)):
+                assert ok is True
+                assert torch.equal(ranks.tensor(raw), want[layer]), f"rank {rank} read layer {layer} before it landed"
+            assert torch.equal((await ranks.dump(rank))[:, target], want)
+        await ranks.stop_all()
+        assert cache.group.jobs.in_flight == 0

@@ -92,14 +92,21 @@ def rank_main(
     threaded: bool,
     device: str = "cpu",
     config: TPConfig = CONFIG,
+    gate: Any = None,
 ) -> None:
     """A rank process: its own KV buffer (its slice of ``full_kv(seed)``, or zeros) and a worker.
 
     Commands on ``ctrl``: ``"dump"`` -> the buffer; ``"stats"`` -> the worker's statistics;
     ``"maps"`` -> the pool segments it has mapped;
+    ``("layers", load, slots)`` -> per layer l: ``wait_layer(load, l)`` (the engine's wait before
+    layer l's attention), then a snapshot of layer l at ``slots``: ``[(ok, raw bytes), ...]``;
     ``"stop"`` -> close the worker, answer ``"stopped"`` and exit.
+    ``gate``: a semaphore each layer of a layered CPU copy acquires before it is copied (the test
+    lets layers land one by one).
     """
     torch.set_num_threads(1)
+    if gate is not None:
+        _gate_layers(gate)
     kv = rank_kv(full_kv(layout, seed, slots), layout, rank, tp_size).to(device)
     if not fill:
         kv.zero_()
@@ -114,11 +121,29 @@ def rank_main(
                     ctrl.send(runner.statistics())
                 elif command == "maps":
                     ctrl.send(shm_mappings())
+                elif isinstance(command, tuple) and command[0] == "layers":
+                    _, load, at = command
+                    ctrl.send([(runner.wait_layer(load, layer, 120.0), _raw(kv[layer, at]))
+                               for layer in range(layout.num_layers)])
                 else:
                     break
         ctrl.send(("stopped", runner.error))
     else:
         asyncio.run(_async_rank(ctrl, address, rank, tp_size, layout, kv, config))
+
+
+def _gate_layers(gate: Any) -> None:
+    """Make each layer of a layered CPU copy wait for ``gate`` (the REFERENCE path's per-layer call)."""
+    from aiokv.kernels import mover
+
+    scatter = mover.reference_scatter
+
+    def gated(kv: Any, pages: Any, slots: Any, ids: Any = None, skip: int = 0, layers: range | None = None) -> None:
+        if layers is not None and len(layers) == 1:
+            assert gate.acquire(timeout=120), "the test never let this layer land"
+        scatter(kv, pages, slots, ids, skip, layers)
+
+    mover.reference_scatter = gated  # type: ignore[assignment]
 
 
 async def _async_rank(
@@ -135,6 +160,14 @@ async def _async_rank(
                 ctrl.send(worker.statistics())
             elif command == "maps":
                 ctrl.send(shm_mappings())
+            elif isinstance(command, tuple) and command[0] == "layers":
+                _, load, at = command
+                replies = []
+                for layer in range(layout.num_layers):
+                    async with asyncio.timeout(120):
+                        ok = await worker.wait_layer(load, layer)
+                    replies.append((ok, _raw(kv[layer, at])))
+                ctrl.send(replies)
             else:
                 break
     ctrl.send(("stopped", None))
@@ -164,6 +197,7 @@ class RankProcesses:
         slots: int = SLOTS,
         device: str = "cpu",
         config: TPConfig = CONFIG,
+        gated: bool = False,
     ) -> None:
         self.address = os.fspath(address)
         self.slots = slots
@@ -176,6 +210,8 @@ class RankProcesses:
         self._ctx = multiprocessing.get_context("spawn")
         self.procs: dict[int, BaseProcess] = {}
         self.ctrl: dict[int, multiprocessing.connection.Connection] = {}
+        self.gates: dict[int, Any] = {r: self._ctx.Semaphore(0) for r in range(tp_size)} if gated else {}
+        """Per rank: release once to let one layer of its layered copies land (``gated=True``)."""
 
     def start(self, rank: int) -> None:
         parent, child = self._ctx.Pipe()
@@ -184,7 +220,7 @@ class RankProcesses:
             target=rank_main,
             args=(
                 child, self.address, rank, self.tp_size, self.layout, self.seed, self.slots, self.fill, threaded,
-                self.device, self.config,
+                self.device, self.config, self.gates.get(rank),
             ),
             daemon=True,
         )
@@ -203,6 +239,20 @@ class RankProcesses:
         while isinstance(reply, tuple) and reply and reply[0] == "started":
             reply = await asyncio.to_thread(conn.recv)
         return reply
+
+    def send(self, rank: int, command: object) -> None:
+        """Send ``command`` without waiting for the reply (read it with :meth:`reply`)."""
+        self.ctrl[rank].send(command)
+
+    async def reply(self, rank: int) -> Any:
+        reply = await asyncio.to_thread(self.ctrl[rank].recv)
+        while isinstance(reply, tuple) and reply and reply[0] == "started":
+            reply = await asyncio.to_thread(self.ctrl[rank].recv)
+        return reply
+
+    def tensor(self, raw: tuple[bytes, tuple[int, ...]]) -> torch.Tensor:
+        data, shape = raw
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype).view(shape)
 
     async def dump(self, rank: int) -> torch.Tensor:
         raw, shape = await self.ask(rank, "dump")

@@ -1,0 +1,189 @@
+"""Rank-side readiness of layered loads: which layers of which job are in this rank's KV buffer.
+
+The copy thread (or the worker's loop) marks layers as they land; the engine's rank process waits
+on them from any thread: blocking (:meth:`LayerProgress.wait`, a synchronous model runner) or on
+its own event loop (:meth:`LayerProgress.wait_async`). A job the engine asks about before its spec
+arrived gets a placeholder that the spec's arrival fills (specs arrive in job-id order on one
+connection, so a later spec's arrival means the job will never come: the placeholder then fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+RETAINED_JOBS = 1024
+"""Ended layered jobs whose outcome a table keeps for late waiters (older ones are forgotten)."""
+
+
+class LayerProgress:
+    """One layered job on one rank. Thread-safe: marked from the copy thread, waited on anywhere.
+
+    CPU: ``landed`` counts layers in the buffer, in order. CUDA: ``events`` (one per layer, the
+    last ending the whole copy) once the copy is launched; the engine's stream waits on them.
+    """
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._cond = threading.Condition()
+        self.landed = 0
+        self.events: tuple[torch.cuda.Event, ...] = ()
+        self.arrived = False
+        """Whether the spec reached this rank (False: a placeholder for an early waiter)."""
+        self.ended = False
+        """The copy is over (or will never run); layers not landed by then never land."""
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool], int]] = []
+
+    # -- the copy's side ------------------------------------------------------------------------
+
+    def arrive(self) -> None:
+        with self._cond:
+            self.arrived = True
+
+    def mark(self, landed: int) -> None:
+        """Layers ``0 .. landed-1`` are in the buffer (CPU)."""
+        with self._cond:
+            self.landed = max(self.landed, landed)
+            self._cond.notify_all()
+            self._wake()
+
+    def launch(self, events: Sequence[torch.cuda.Event]) -> None:
+        """The CUDA copy is queued: event ``l`` completes when layer ``l`` landed."""
+        with self._cond:
+            self.events = tuple(events)
+            self._cond.notify_all()
+            self._wake()
+
+    def end(self) -> None:
+        """The copy is over (its report went out) or will never run."""
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+            self._wake()
+
+    # -- the engine's side ----------------------------------------------------------------------
+
+    def _state(self, layer: int) -> bool | None:
+        """True: the layer landed (or its event exists); False: it never will; None: not yet."""
+        if self.landed > layer or self.events:
+            return True
+        return False if self.ended else None
+
+    def wait(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until :meth:`_state` is known; raises ``TimeoutError`` after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._state(layer) is not None, timeout):
+                raise TimeoutError(f"layer {layer} not ready within {timeout} s")
+            state = self._state(layer)
+            assert state is not None
+            return state
+
+    async def wait_async(self, layer: int) -> bool:
+        """:meth:`wait` on the running event loop (never blocks it)."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            state = self._state(layer)
+            if state is not None:
+                return state
+            future: asyncio.Future[bool] = loop.create_future()
+            self._waiters.append((loop, future, layer))
+        try:
+            return await future
+        finally:
+            with self._cond:
+                self._waiters = [w for w in self._waiters if w[1] is not future]
+
+    def _wake(self) -> None:
+        # Under the lock: resolve the waiters whose layer is decided, each on its own loop.
+        keep = []
+        for loop, future, layer in self._waiters:
+            state = self._state(layer)
+            if state is None:
+                keep.append((loop, future, layer))
+            else:
+                try:
+                    loop.call_soon_threadsafe(_resolve, future, state)
+                except RuntimeError:
+                    pass  # that loop is closed: nobody waits any more
+        self._waiters = keep
+
+
+def _resolve(future: asyncio.Future[bool], state: bool) -> None:
+    if not future.done():
+        future.set_result(state)
+
+
+class LayerTable:
+    """The layered jobs of one attached session (one pool epoch), by job id. Thread-safe."""
+
+    def __init__(self, epoch: int, layers: int) -> None:
+        self.epoch = epoch
+        self.layers = layers
+        self._lock = threading.Lock()
+        self._jobs: collections.OrderedDict[int, LayerProgress] = collections.OrderedDict()
+        self._highest = 0  # highest job id that arrived (any spec)
+        self._closed = False
+
+    def arrived(self, job_id: int, layered: bool) -> LayerProgress | None:
+        """A spec arrived (in job-id order): fail placeholders of earlier jobs that never came;
+        returns the progress of a layered job."""
+        with self._lock:
+            self._highest = max(self._highest, job_id)
+            stale = [p for j, p in self._jobs.items() if j < job_id and not p.arrived and not p.ended]
+            progress = None
+            if layered:
+                progress = self._jobs.get(job_id)
+                if progress is None or progress.arrived:
+                    progress = self._jobs[job_id] = LayerProgress(self.layers)
+                progress.arrive()
+                self._forget()
+        for placeholder in stale:
+            placeholder.end()
+        return progress
+
+    def progress(self, job_id: int) -> LayerProgress:
+        """The job's progress; a placeholder for one not arrived yet; an ended one for a job that
+        arrived but was not layered here, or was forgotten (its layers are not known to be ready)."""
+        with self._lock:
+            progress = self._jobs.get(job_id)
+            if progress is None:
+                progress = LayerProgress(self.layers)
+                if job_id <= self._highest or self._closed:
+                    progress.end()
+                    return progress
+                self._jobs[job_id] = progress
+            return progress
+
+    def close(self) -> None:
+        """The session ended: every job not over never lands more."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._jobs.values())
+        for progress in pending:
+            progress.end()
+
+    def _forget(self) -> None:
+        ended = [j for j, p in self._jobs.items() if p.ended]
+        for job_id in ended[: max(0, len(ended) - RETAINED_JOBS)]:
+            del self._jobs[job_id]
+
+
+def wait_all(progress: Sequence[LayerProgress], layer: int, timeout: float | None) -> bool:
+    """Block until ``layer`` is decided for every job; True when it landed (or is queued) for all.
+    Raises ``TimeoutError`` after ``timeout`` seconds in all."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ok = True
+    for p in progress:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ok = p.wait(layer, left) and ok
+    return ok
+
+
+async def wait_all_async(progress: Sequence[LayerProgress], layer: int) -> bool:
+    """:func:`wait_all` on the running loop."""
+    return all([await p.wait_async(layer) for p in progress])

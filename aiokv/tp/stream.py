@@ -1,0 +1,67 @@
+"""`TPLoadStream`: a :class:`~aiokv.stream.LoadStream` whose copies run on the ranks of a TP group.
+
+Layer by layer (``TPCache.start_load(..., layered=True)``) each rank copies layer 0 of every page,
+then layer 1, ... Readiness lives on both sides:
+
+- the scheduler: ``stream.wait_layer(l)`` resolves once every rank reported layer ``l`` landed
+  (CPU ranks send a LAYERS frame per layer; a CUDA rank's layers resolve with its whole copy);
+- each rank: the engine's rank process waits on its own copies before layer ``l``'s attention,
+  ``RankWorker.wait_layer(load, l)`` with ``load = stream.layered_load()`` carried in the scheduler's
+  step message (CPU: a host wait for the layer's bytes; CUDA: its stream waits on the layer's
+  event, no host wait)::
+
+    stream = cache.start_load(match, slots, layered=True)          # scheduler
+    await stream.launched()
+    send_step(tail_tokens, load=stream.layered_load())             # the engine's own channel
+    ...                                                            # rank r, before layer l:
+    worker.wait_layer(step.load, l)                                #   RankWorkerThread: blocking
+    result = await stream.finish()                                 # scheduler, after the step
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from aiokv.results import Match
+from aiokv.stream import LoadStream
+
+from .specs import LayeredLoad
+
+if TYPE_CHECKING:
+    from aiokv.manager import CacheManager
+
+    from .transfers import GroupTransfers
+
+
+class TPLoadStream(LoadStream):
+    """A load stream over rank workers (created by ``TPCache.start_load``)."""
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        transfers: GroupTransfers,
+        match: Match,
+        slots: torch.Tensor,
+        from_token: int,
+        layered: bool,
+    ) -> None:
+        self._transfers = transfers
+        self.layered = layered
+        """Whether the ranks copy layer by layer."""
+        super().__init__(manager, match, slots, from_token, layered)
+
+    def layered_load(self) -> LayeredLoad:
+        """The pool epoch and the job ids of this stream's copies, for the ranks' ``wait_layer``.
+
+        Call after :meth:`launched` (the set of copies is fixed then). Copies that failed before
+        they were sent are left out (their layers never land; ``finish`` counts them). Raises
+        ``RuntimeError`` before ``launched()`` or for a stream that is not layered.
+        """
+        if not self.layered:
+            raise RuntimeError("layered_load() of a stream started without layered=True")
+        if not self._loader.done():
+            raise RuntimeError("layered_load() before launched(): the set of copies is not fixed yet")
+        jobs = (self._transfers.job_id(copy) for _, copy, _, _ in self._unique_copies())
+        return LayeredLoad(self._transfers.group.epoch, tuple(sorted(j for j in jobs if j is not None)))
