@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -29,9 +29,7 @@ from aiokv import shm
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, PageTable, PageTableStatistics, Reservation
-
-if TYPE_CHECKING:
-    from aiokv.segments import SegmentInfo
+from aiokv.reclaim import SegmentInfo, SegmentState, reclaim, scan
 from aiokv.shm import SHM_NAME_PREFIX, ChunkResult, SharedSegment, cuda_available, prepare_in_background
 
 log = logging.getLogger(__name__)
@@ -129,9 +127,6 @@ async def _finish(cleanup: Awaitable[None]) -> None:
 def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[SegmentInfo]]:
     """Unlink dead processes' segments: now if a segment of ``size`` bytes needs their memory, else
     in a thread beside the new pool's preparation (so a large leftover never delays start-up)."""
-    # Imported here: `python -m aiokv.segments` must not find itself imported by `import aiokv`.
-    from aiokv.segments import SegmentState, reclaim, scan
-
     reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
     if not any(s.state is SegmentState.DEAD for s in scan(prefix)):
         reclaimed.set_result([])
@@ -230,7 +225,7 @@ class PagePool:
 
         Blocks for the set-up (page table, segment: milliseconds, up to a second with very many small
         pages); on an event loop use :meth:`open`. Segments that dead processes left behind are
-        reclaimed (:mod:`aiokv.segments`): first when this pool needs their memory, else beside it in
+        reclaimed (:mod:`aiokv.reclaim`): first when this pool needs their memory, else beside it in
         a thread (unlinking frees ~75 ms per GiB here); :attr:`reclaimed` resolves to them.
         ``register_cuda=None`` registers with CUDA when a device is present. Raises ``TypeError``
         for a non-int budget, ``ValueError`` when the budget holds no page, and

@@ -9,7 +9,7 @@ Ownership: every process that has a segment open holds a shared ``flock`` on its
 lock disappears with the last such process, however it dies (SIGKILL included). The name is
 ``/<prefix>-<pid>-<start>-<random>`` (creator's pid and start time in clock ticks since boot, which
 tell pid reuse apart; tmpfs does not survive a reboot, so no boot id is needed).
-:mod:`aiokv.segments` reclaims segments whose lock nobody holds.
+:mod:`aiokv.reclaim` reclaims segments whose lock nobody holds.
 
 Preparing a chunk reserves its tmpfs pages (``posix_fallocate``: a too-small ``/dev/shm`` becomes
 a counted chunk failure, never a SIGBUS on first touch) and, with CUDA, faults it in and registers it

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -142,3 +144,44 @@ async def test_cancelled_while_waiting_for_the_first_chunk_leaves_nothing(monkey
     with pytest.raises(asyncio.CancelledError):
         await task
     assert _segments() == before
+
+
+FIRST_OPEN = """
+import asyncio, sys
+import torch
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+
+async def main() -> None:
+    layout = KVLayout.mha(1, 1, 16, torch.bfloat16, page_tokens=8)
+    before = set(sys.modules)
+    pool = await PagePool.open(layout, 8 * layout.page_bytes, chunk_bytes=2 * layout.page_bytes)
+    await pool.wait_ready()
+    await pool.aclose()
+    print(" ".join(sorted(set(sys.modules) - before)))
+
+asyncio.run(main())
+"""
+
+
+def test_a_processs_first_open_imports_no_module() -> None:
+    # Regression (#11, first start): the first PagePool.open imported aiokv.segments in its worker
+    # thread. An import holds the GIL for its whole compile and module body (1-2 ms with bytecode
+    # caches, 3-5 ms without), and the loop waits for the GIL. Everything the start path needs is
+    # imported with the package now, before any loop runs.
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    run = subprocess.run([sys.executable, "-c", FIRST_OPEN], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [], f"imported during the first open: {run.stdout.strip()}"
+
+
+def test_the_operators_command_runs_without_an_import_warning() -> None:
+    # aiokv.segments is the command; `import aiokv` imports only aiokv.reclaim, so `python -m` never
+    # runs a module that is imported already (runpy warns about that).
+    run = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "aiokv.segments", "list", "--prefix", "aiokv-none-such"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "0 segments" in run.stdout
+    assert run.stderr == ""
