@@ -86,7 +86,7 @@ def rank_child(
     torch.set_num_threads(1)
     if noop:
         # The copy thread still runs (and hops back to the loop); it just moves no bytes.
-        RankExecutor._copy_on_thread = lambda self, spec: RankReport(RankStatus.OK)  # type: ignore[method-assign]
+        RankExecutor._copy_on_thread = lambda self, spec, progress=None: RankReport(RankStatus.OK)  # type: ignore[method-assign]
     layout = layout_for(size, page_tokens)
     tp = TPSlice.of(layout, rank, size)
     kv = torch.randn(1, 4 * page_tokens, 2 * tp.local_heads, layout.head_dim).to(layout.dtype)
