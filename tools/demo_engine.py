@@ -455,6 +455,10 @@ class ServingLoop(abc.ABC):
         try:
             slots = self.blocks.slots(blocks, total_slots, torch.device("cpu"))
             start = res.gpu_tokens = len(hit_blocks) * page
+            # Like an engine's input preparation: the request's token ids and slots reach the
+            # device before a load is launched (a copy queued behind a load's copies would wait for
+            # all of them: CUDA runs host-to-device copies of all streams on one engine, in order).
+            self._stage_inputs(prompt, slots)
             if self.cache is not None and usable > start:
                 if self.load_path is LoadPath.PLAIN:
                     start = await self._load(res, prompt[:usable], slots, start)
@@ -486,8 +490,15 @@ class ServingLoop(abc.ABC):
         finally:
             if streaming is not None:
                 await streaming.stream.aclose()  # a no-op after finish(); else no copy touches the slots after it
+            self._unstage_inputs(slots)
             await asyncio.shield(self._give_blocks(blocks))
         return res
+
+    def _stage_inputs(self, prompt: list[int], slots: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Copy a request's token ids and slots to the accelerator ahead of its loads (if it has one)."""
+
+    def _unstage_inputs(self, slots: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Forget what :meth:`_stage_inputs` copied for the request with ``slots``."""
 
     async def _load(self, res: RequestResult, prefix: list[int], slots: torch.Tensor, start: int) -> int:
         """Match ``prefix`` in aiokv and load what the GPU prefix lacks; return where prefill starts."""
@@ -704,6 +715,8 @@ class Engine(ServingLoop):
         self.model = model
         self.kv = kv
         self._paced: torch.cuda.Event | None = None  # the last paced chunk's completion (CUDA)
+        # Per request (keyed by its host slots' id): (prompt, host slots, device tokens, device slots).
+        self._staged: dict[int, tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
         assert self.kv_cache is not None
@@ -748,6 +761,26 @@ class Engine(ServingLoop):
                 return fn(*args)
         return fn(*args)
 
+    def _stage_inputs(self, prompt: list[int], slots: torch.Tensor) -> None:
+        if self.kv.is_cuda:
+            with torch.cuda.device(self.kv.device):
+                tokens = self._to_device(torch.tensor(prompt, dtype=torch.int64))
+                self._staged[id(slots)] = (prompt, slots, tokens, self._to_device(slots))
+
+    def _unstage_inputs(self, slots: torch.Tensor) -> None:
+        self._staged.pop(id(slots), None)
+
+    def _inputs(
+        self, prompt: list[int], begin: int, end: int, host_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device token ids of ``[begin, end)`` and slots of ``[0, end)``: slices of the staged copies
+        when this request's inputs were staged (the same objects), else copied now."""
+        staged = self._staged.get(id(host_slots))
+        if staged is not None and staged[0] is prompt and staged[1] is host_slots:
+            return staged[2][begin:end], staged[3][:end]
+        tokens = self._to_device(torch.tensor(prompt[begin:end], dtype=torch.int64))
+        return tokens, self._to_device(host_slots[:end])
+
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the KV buffer's device; a pageable copy would wait for the queued chunks."""
         if not self.kv.is_cuda:
@@ -758,8 +791,7 @@ class Engine(ServingLoop):
         self, prompt: list[int], begin: int, end: int, host_slots: torch.Tensor, first: bool,
         hook: LayerHook | None, paced: bool,
     ) -> First | None:
-        tokens = self._to_device(torch.tensor(prompt[begin:end], dtype=torch.int64))
-        slots = self._to_device(host_slots[:end])
+        tokens, slots = self._inputs(prompt, begin, end, host_slots)
         for b, e in prefill_chunks(begin, end, self.chunk_tokens):
             logits = self.model.forward(tokens[b - begin : e - begin], b, slots[:e], self.kv, hook)
         if paced and self.kv.is_cuda:
