@@ -15,6 +15,13 @@ Two ways to hand work over:
   at once and return a ``concurrent.futures.Future`` (for calls that wait anyway).
 
 All aiokv state (the disk tier, its io_uring) lives on the loop and is touched only there.
+
+If the loop ends without :meth:`LoopThread.close` (a callback let ``SystemExit`` or
+``KeyboardInterrupt`` out, or something stopped the loop), the thread cancels the work in flight
+(each coroutine's own cleanup runs, so I/O into a caller's memory has ended), runs the finalizers
+(:meth:`~LoopThread.add_finalizer`: the disk tier closes), fails every caller still waiting with
+``LoopDied`` and ends; :attr:`~LoopThread.dead` then says so, and every later hand-over raises
+``LoopDied`` instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -34,6 +41,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _Posted = Coroutine[Any, Any, object] | Callable[[], object]
+
+
+class LoopDied(RuntimeError):
+    """The loop thread ended without being closed; what it was running was cancelled."""
 
 
 def check_timing(poll_s: float, linger_s: float, idle_poll_s: float) -> None:
@@ -67,6 +78,10 @@ class LoopThread:
         self._parked = True
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[object]] = set()
+        self._waiting: set[concurrent.futures.Future[Any]] = set()  # callers of submit/call not answered yet
+        self._finalizers: list[Callable[[], Coroutine[Any, Any, object]]] = []
+        self.died: BaseException | None = None
+        """Why the loop ended without :meth:`close` (None while it runs or after a close)."""
         self._last_work = 0.0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -81,13 +96,84 @@ class LoopThread:
         self._loop.call_soon(self._park)
         try:
             self._loop.run_forever()
+            if not self._closed:
+                raise LoopDied("the loop was stopped without LoopThread.close()")
+        except BaseException as exc:  # the thread ends here; callers learn it through `died`
+            died = exc if isinstance(exc, LoopDied) else LoopDied(f"aiokv loop thread died: {exc!r}")
+            if died is not exc:
+                died.__cause__ = exc
+            self.died = died
+            log.critical("aiokv loop thread %s died (%r); its work in flight is cancelled",
+                         self._thread.name, exc)
         finally:
             pending = asyncio.all_tasks(self._loop)
             for task in pending:
                 task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._run_to_end(asyncio.gather(*pending, return_exceptions=True))
+            if self.died is not None:
+                self._finalize()
+            self._run_to_end(self._loop.shutdown_asyncgens())
             self._loop.close()
+            if self.died is not None:
+                self._fail_waiting()
+                self._drop_inbox()
+
+    def _run_to_end(self, work: Awaitable[object]) -> None:
+        """Run ``work`` on the (no longer running) loop to its end, even if a ``stop()`` scheduled
+        meanwhile (a :meth:`close` racing with the loop's end) interrupts it."""
+        future = asyncio.ensure_future(work, loop=self._loop)
+        while True:
+            try:
+                self._loop.run_until_complete(future)
+                return
+            except RuntimeError:
+                if future.done():
+                    raise
+
+    def _finalize(self) -> None:
+        for finalizer in self._finalizers:
+            try:
+                self._run_to_end(finalizer())
+            except BaseException:  # one failing finalizer must not skip the others
+                log.exception("aiokv loop: finalizer raised while the loop thread ended")
+
+    def _fail_waiting(self) -> None:
+        for future in list(self._waiting):
+            _fail(future, self.died)
+        self._waiting.clear()
+
+    def _drop_inbox(self) -> None:
+        while self._inbox:
+            work = self._inbox.popleft()
+            if not callable(work):
+                work.close()
+
+    @property
+    def dead(self) -> bool:
+        """True once the loop ended without :meth:`close` and its thread is gone: everything it
+        was running has ended (cancelled), and hand-overs raise ``LoopDied``."""
+        return self.died is not None and not self._thread.is_alive()
+
+    def add_finalizer(self, finalizer: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        """Run ``finalizer()`` on the loop, after the work in flight was cancelled, if the loop
+        ever ends without :meth:`close` (e.g. close a disk tier whose owner can no longer reach it)."""
+        self._finalizers.append(finalizer)
+
+    def _check_running(self) -> None:
+        if self.died is not None:
+            raise self.died
+        if self._closed:
+            raise RuntimeError("loop thread is closed")
+
+    def _track(self, future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+        """Keep ``future`` until answered, so a dying loop fails it instead of leaving its caller
+        waiting. Added before the check: either the dying thread's sweep sees it, or this check
+        sees ``died`` (set before the sweep)."""
+        self._waiting.add(future)
+        future.add_done_callback(self._waiting.discard)
+        if self.died is not None:
+            _fail(future, self.died)
+        return future
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -99,16 +185,16 @@ class LoopThread:
     def post(self, work: Coroutine[Any, Any, object]) -> None:
         """Queue the coroutine ``work``; the loop starts it as a task at its next poll. Never
         blocks, makes no system call. ``work`` must handle its own errors (an escaping exception is
-        logged). Raises ``RuntimeError`` once closed (``work`` is closed unstarted)."""
-        if self._closed:
+        logged). Raises ``RuntimeError`` once closed, ``LoopDied`` once the loop died (``work`` is
+        closed unstarted)."""
+        if self._closed or self.died is not None:
             work.close()
-            raise RuntimeError("loop thread is closed")
+            self._check_running()
         self._inbox.append(work)
 
     def post_call(self, fn: Callable[[], object]) -> None:
         """Queue the plain function ``fn`` for the loop's next poll (as :meth:`post`)."""
-        if self._closed:
-            raise RuntimeError("loop thread is closed")
+        self._check_running()
         self._inbox.append(fn)
 
     @property
@@ -123,7 +209,7 @@ class LoopThread:
 
     def wake(self) -> None:
         """Make a parked loop poll now if work is queued (one system call); else nothing."""
-        if self._parked and self._inbox and not self._closed:
+        if self._parked and self._inbox and not self._closed and self.died is None:
             self._parked = False
             self._loop.call_soon_threadsafe(self._poll)
 
@@ -196,17 +282,24 @@ class LoopThread:
     # -- waking hand-over -----------------------------------------------------------------------
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop now (wakes it); returns at once. Raises ``RuntimeError`` once closed."""
-        if self._closed:
+        """Schedule ``coro`` on the loop now (wakes it); returns at once. Raises ``RuntimeError`` once
+        closed, ``LoopDied`` once the loop died; the future fails with ``LoopDied`` if it dies first."""
+        if self._closed or self.died is not None:
             coro.close()
-            raise RuntimeError("loop thread is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._check_running()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop closed as it died, after the check
+            coro.close()
+            self._check_running()
+            raise
+        return self._track(future)
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run the plain function ``fn`` on the loop now (wakes it); returns at once. Raises
-        ``RuntimeError`` once closed."""
-        if self._closed:
-            raise RuntimeError("loop thread is closed")
+        ``RuntimeError`` once closed, ``LoopDied`` once the loop died; the future fails with
+        ``LoopDied`` if it dies before running ``fn``."""
+        self._check_running()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -217,7 +310,12 @@ class LoopThread:
             except BaseException as exc:
                 future.set_exception(exc)
 
-        self._loop.call_soon_threadsafe(run)
+        self._track(future)
+        try:
+            self._loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop closed as it died, after the check
+            self._check_running()
+            raise
         return future
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -225,17 +323,32 @@ class LoopThread:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("LoopThread.run called from its own loop: it would deadlock")
-        return self.submit(coro).result(timeout)
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            if future.done() and future.exception() is exc:  # it ended the loop, not this thread
+                raise LoopDied(f"aiokv loop thread died: {exc!r}") from exc
+            raise
 
     def close(self) -> None:
         """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
-        posted work never picked up is dropped (coroutines closed unstarted)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        while self._inbox:
-            work = self._inbox.popleft()
-            if not callable(work):
-                work.close()
+        posted work never picked up is dropped (coroutines closed unstarted). After the loop died
+        this only drops what was posted since."""
+        if not self._closed:
+            self._closed = True
+            if self.died is None:  # a dying loop ends by itself (a stop would cut its finalizers short)
+                try:
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+                except RuntimeError:  # closed: it died meanwhile
+                    pass
+            self._thread.join()
+        self._drop_inbox()
+
+
+def _fail(future: concurrent.futures.Future[Any], error: BaseException | None) -> None:
+    if not future.done():
+        try:
+            future.set_exception(error if error is not None else LoopDied("aiokv loop thread died"))
+        except concurrent.futures.InvalidStateError:  # answered meanwhile
+            pass

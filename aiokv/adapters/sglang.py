@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from .loopthread import LoopThread
+from .loopthread import LoopDied, LoopThread
 from .store import PageFileStore, StoreConfig, open_thread, page_file_bytes
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                        for s, pk in zip(stores, pool_keys, strict=True)]
             return kv_pages, present
 
-        kv_pages, present = self._loop().call(look).result()
+        try:
+            kv_pages, present = self._loop().call(look).result()
+        except LoopDied:
+            log.error("aiokv backend: the loop thread died; every page misses")
+            return PoolTransferResult(0, {}, [])
         hits: dict[str, int] = {_KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer, exists in zip(transfers, present, strict=True):
@@ -382,7 +386,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             return 0
         store = _opened(kv)
         page_keys = [store.key(k.encode("utf-8")) for k in keys]
-        return self._loop().call(lambda: store.present_prefix(page_keys)).result()
+        try:
+            return self._loop().call(lambda: store.present_prefix(page_keys)).result()
+        except LoopDied:
+            log.error("aiokv backend: the loop thread died; every page misses")
+            return 0
 
     def clear(self) -> bool:
         """Delete every page file of this backend's pools (this model, rank and layout; other
@@ -397,7 +405,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         async def clear_all() -> list[bool | BaseException]:
             return await asyncio.gather(*(s.clear() for s in stores), return_exceptions=True)
 
-        done = self._loop().run(clear_all())
+        try:
+            done = self._loop().run(clear_all())
+        except LoopDied:
+            log.error("aiokv backend: the loop thread died; nothing was cleared")
+            return False
         errors = [d for d in done if isinstance(d, BaseException)]
         if errors:
             log.error("aiokv backend: clearing failed: %r", errors[0])
@@ -471,7 +483,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 log.error("aiokv backend: %d page transfers raised; first: %r", len(errors), errors[0])
             return [[d is True for d in group] for group in done]
 
-        results = self._loop().run(run())
+        try:
+            results = self._loop().run(run())
+        except LoopDied:
+            log.error("aiokv backend: the loop thread died; every transfer fails")
+            return [[False] * len(move.keys) for move in moves]
         for move, ok in zip(moves, results, strict=True):
             if move.flat_targets is None:
                 continue

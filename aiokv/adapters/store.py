@@ -44,7 +44,7 @@ from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
 from aiokv.storage.pagefile import file_bytes
 
-from .loopthread import LoopThread, check_timing
+from .loopthread import LoopDied, LoopThread, check_timing
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,8 @@ class PageFileStore:
             if self._owns_thread:
                 self.thread.close()
             raise
+        # If the loop dies, the dying thread closes the tier and the staging pool (nothing else can).
+        self.thread.add_finalizer(self._close)
         self._closed = False
 
     async def _open(self) -> None:
@@ -374,6 +376,8 @@ class PageFileStore:
         self._closed = True
         try:
             self.thread.run(self._close())
+        except LoopDied:
+            pass  # the dying thread closed them (finalizer)
         finally:
             if self._owns_thread:
                 self.thread.close()

@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -49,6 +49,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from .loopthread import LoopDied
 from .store import PageFileStore, StoreConfig
 
 _DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
@@ -147,10 +148,12 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             self.locality = Locality(locality)
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         self._chunk_bytes = self.block_size_bytes
+        # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
+        # mapped while anything exports it, and the exception's frames would keep these alive).
+        self._store = PageFileStore(config, "vllm", spec_facts(offloading_spec, self._chunk_bytes), self._chunk_bytes)
         # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
         self._bytes_view = primary_kv_view.cast("B")
         self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
-        self._store = PageFileStore(config, "vllm", spec_facts(offloading_spec, self._chunk_bytes), self._chunk_bytes)
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
         self._wanted: dict[OffloadKey, set[str]] = {}
@@ -165,6 +168,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._finished: collections.deque[_Outcome] = collections.deque()
         self._unreported: set[int] = set()
         self._shut = False
+        self._dead = False  # the loop thread died and every job it held is answered for
         # KV events (vLLM's own file tier does the same): only when vLLM publishes them at all.
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
@@ -177,7 +181,10 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     # -- lookups --------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT/MISS from the loop's verdict; RETRY while it is being looked up (never blocks)."""
+        """HIT/MISS from the loop's verdict; RETRY while it is being looked up (never blocks). MISS
+        for everything once the loop thread died."""
+        if self._reap():
+            return LookupResult.MISS
         self._take_answers()
         req_id = req_context.req_id
         self._req_keys.setdefault(req_id, set()).add(key)
@@ -195,7 +202,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if it is parked with work queued: the one hand-over per step that may make a system call
         (by default a parked loop finds the work itself within ``idle_poll_s``)."""
         self._take_answers()
-        if self._shut:
+        if self._shut or self._reap():
             return
         if self._queued:
             keys, self._queued = self._queued, []
@@ -244,18 +251,18 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queue writing the job's chunks (pinned by vLLM until the job is reported). No system call:
         the loop picks the job up at its next poll, or when ``on_schedule_end`` wakes it."""
-        pairs = self._pairs(job_metadata)
-        self._start(job_metadata.job_id, self._store_job(job_metadata.job_id, pairs))
+        pairs, job_id = self._pairs(job_metadata), job_metadata.job_id
+        self._start(job_id, lambda: self._store_job(job_id, pairs))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Queue reading the job's chunks into the primary slots vLLM allocated (as ``submit_store``)."""
-        pairs = self._pairs(job_metadata)
-        self._start(job_metadata.job_id, self._load_job(job_metadata.job_id, pairs))
+        pairs, job_id = self._pairs(job_metadata), job_metadata.job_id
+        self._start(job_id, lambda: self._load_job(job_id, pairs))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark the keys' page files most recently used (LRU), those on disk; queued for the loop
         like a job (no system call), picked up at its next poll."""
-        if self._shut or not keys:
+        if self._shut or not keys or self._reap():
             return
         store = self._store
         page_keys = [store.key(key) for key in keys]
@@ -264,6 +271,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call (never blocks). A load that got some of its keys
         reports them in ``successful_keys``; the keys that failed become MISS verdicts."""
+        self._reap()
         results = []
         while self._finished:
             outcome = self._finished.popleft()
@@ -288,14 +296,20 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def has_pending_work(self) -> bool:
         """True while a job is not reported yet or a lookup is queued or unanswered."""
+        self._reap()
         return bool(self._unreported or self._lookups_out or self._queued)
 
     def drain_jobs(self) -> None:
         """Block until every submitted job and posted lookup completed, whether or not
-        ``on_schedule_end`` handed them over; results stay for ``get_finished_jobs``."""
+        ``on_schedule_end`` handed them over; results stay for ``get_finished_jobs``. If the loop
+        thread died, wait for it to end instead: its jobs are then reported failed."""
         if self._shut:
             return
-        self._store.thread.quiesce()
+        if not self._reap(wait=True):
+            try:
+                self._store.thread.quiesce()
+            except LoopDied:
+                self._reap(wait=True)
 
     def shutdown(self) -> None:
         """Drain, close the disk tier and its thread, and let go of vLLM's region (vLLM unmaps it
@@ -331,18 +345,51 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
         return list(zip(keys, chunks, strict=True))
 
-    def _start(self, job_id: int, job: Coroutine[Any, Any, _Outcome]) -> None:
+    def _start(self, job_id: int, job: Callable[[], Coroutine[Any, Any, _Outcome]]) -> None:
         self._unreported.add(job_id)
-        if self._shut:
-            job.close()
-            self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
-            return
-        self._store.thread.post(self._report(job_id, job))
+        if not self._shut and not self._reap():
+            try:
+                self._store.thread.post(self._report(job_id, job))
+                return
+            except LoopDied:  # died since the check (post closed the coroutine)
+                pass
+        self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
 
-    async def _report(self, job_id: int, job: Coroutine[Any, Any, _Outcome]) -> None:
-        """Run ``job`` and queue its result for ``get_finished_jobs``, exactly once, whatever happens."""
+    def _reap(self, wait: bool = False) -> bool:
+        """True once the loop thread died (then nothing more reaches the disk). When its thread has
+        ended (``wait``: wait for that, it is cancelling its work), answer for it once: every job
+        not reported fails, every lookup still out is a MISS."""
+        if self._dead:
+            return True
+        thread = self._store.thread
+        if thread.died is None:
+            return False
+        if wait:
+            thread.close()  # joins the ending thread; drops what was posted after it died
+        if not thread.dead:
+            return True  # still cancelling its work: answered for at a later call
+        thread.close()
+        self._dead = True
+        log.error("aiokv tier: the loop thread died (%r); jobs in flight are reported failed, lookups miss",
+                  thread.died)
+        self._take_answers()
+        answered = {outcome.result.job_id for outcome in self._finished}
+        for job_id in sorted(self._unreported - answered):
+            self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
+        for key in (*self._asked, *self._queued):
+            if key in self._wanted:
+                self._verdicts[key] = False
+        self._asked.clear()
+        self._queued.clear()
+        self._lookups_out = 0
+        return True
+
+    async def _report(self, job_id: int, job: Callable[[], Coroutine[Any, Any, _Outcome]]) -> None:
+        """Run ``job()`` and queue its result for ``get_finished_jobs``, exactly once, whatever
+        happens. The job's coroutine is made here: a report dropped or cancelled before it started
+        leaves no coroutine that was never awaited (the tier answers for the job then)."""
         try:
-            outcome = await job
+            outcome = await job()
         except asyncio.CancelledError:
             self._finished.append(_Outcome(JobResult(job_id=job_id, success=False)))
             raise

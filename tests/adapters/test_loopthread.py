@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokv.adapters.loopthread import LoopThread
+from aiokv.adapters.loopthread import LoopDied, LoopThread
 
 
 @pytest.fixture
@@ -159,3 +159,78 @@ def test_polling_settings_a_loop_cannot_run_with_are_refused(options: dict[str, 
         LoopThread("bad", **settings)  # type: ignore[arg-type]
     with pytest.raises(error):
         StoreConfig(directory=Path("/nonexistent-aiokv"), **settings)  # type: ignore[arg-type]
+
+
+# -- a loop that dies ----------------------------------------------------------------------------
+
+
+def _die() -> None:
+    raise SystemExit("injected")
+
+
+def test_a_dying_loop_fails_its_waiters_runs_its_finalizers_and_refuses_more_work() -> None:
+    """Regression: a loop ended by a BaseException left callers of run()/call() waiting for ever
+    and the owner's resources open. Now: work in flight is cancelled (its cleanup runs),
+    finalizers run on the loop, waiters get LoopDied, later hand-overs raise it."""
+    thread = LoopThread("aiokv-test", poll_s=0.001, linger_s=0.0)
+    try:
+        started, cleaned, finalized = threading.Event(), threading.Event(), threading.Event()
+        gate: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        async def in_flight() -> None:
+            started.set()
+            try:
+                await asyncio.wrap_future(gate)
+            finally:
+                cleaned.set()
+
+        async def finalizer() -> None:
+            await asyncio.sleep(0)
+            finalized.set()
+
+        thread.add_finalizer(finalizer)
+        waiting = thread.submit(in_flight())
+        assert started.wait(10)
+        thread.post_call(_die)
+        thread.wake()
+        with pytest.raises((LoopDied, concurrent.futures.CancelledError)):
+            waiting.result(10)
+        thread.close()  # joins the dying thread; idempotent with what follows
+        assert thread.dead and isinstance(thread.died, LoopDied)
+        assert isinstance(thread.died.__cause__, SystemExit)
+        assert cleaned.is_set() and finalized.is_set()
+        with pytest.raises(LoopDied):
+            thread.call(lambda: None)
+        with pytest.raises(LoopDied):
+            thread.run(asyncio.sleep(0))
+        with pytest.raises(LoopDied):
+            thread.post_call(lambda: None)
+        with pytest.raises(LoopDied):
+            thread.quiesce(5)
+    finally:
+        thread.close()
+
+
+def test_a_quiesce_that_meets_the_fatal_call_raises_loop_died_not_system_exit() -> None:
+    """Regression: quiesce runs posted calls inside its own task; a SystemExit there reached the
+    waiting engine thread as SystemExit."""
+    thread = LoopThread("aiokv-test", poll_s=0.001, linger_s=0.0)
+    try:
+        thread.post_call(_die)
+        with pytest.raises(LoopDied):
+            thread.quiesce(10)
+    finally:
+        thread.close()
+    assert thread.dead
+
+
+def test_a_loop_stopped_without_close_counts_as_dead() -> None:
+    thread = LoopThread("aiokv-test", poll_s=0.001, linger_s=0.0)
+    try:
+        thread.loop.call_soon_threadsafe(thread.loop.stop)
+        thread._thread.join(10)  # it ends by itself
+        with pytest.raises(LoopDied):
+            thread.call(lambda: None)
+    finally:
+        thread.close()
+    assert thread.dead and "stopped without" in str(thread.died)
