@@ -55,7 +55,7 @@ _KV = "kv"  # SGLang's PoolName.KV
 
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _STORE_KEYS = ("disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-               "poll_s", "linger_s", "idle_poll_s")
+               "poll_s", "linger_s", "idle_poll_s", "zero_copy")
 
 
 def _memory(address: int, size: int) -> torch.Tensor:

@@ -88,6 +88,9 @@ class StoreConfig:
     idle_poll_s: float = 0.01
     """How often a parked loop still looks for posted work, seconds. 0: never; the engine's step-end
     hand-over then wakes it (one system call, in which the loop thread may take the GIL first)."""
+    zero_copy: bool = True
+    """Move a page that is one contiguous buffer of a 4096-multiple size straight between the
+    engine's memory and its page file; False: always through a staging page (one copy each way)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -96,6 +99,8 @@ class StoreConfig:
             raise TypeError(f"namespace must be a str, got {type(self.namespace).__name__}")
         if not isinstance(self.backend, DiskBackend):
             raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
+        if not isinstance(self.zero_copy, bool):
+            raise TypeError(f"zero_copy must be a bool, got {self.zero_copy!r}")
         for name in ("capacity_bytes", "queue_depth", "staging_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -113,10 +118,10 @@ class StoreConfig:
     def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
-        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``. Unknown names raise
+        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``. Unknown names raise
         ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-                 "poll_s", "linger_s", "idle_poll_s"}
+                 "poll_s", "linger_s", "idle_poll_s", "zero_copy"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
@@ -129,6 +134,9 @@ class StoreConfig:
         direct_io = options.get("direct_io")
         if direct_io is not None and not isinstance(direct_io, bool):
             raise TypeError(f"direct_io must be a bool or null, got {direct_io!r}")
+        zero_copy = options.get("zero_copy", True)
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy must be a bool, got {zero_copy!r}")
         namespace = options.get("namespace", "default")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
@@ -144,6 +152,7 @@ class StoreConfig:
             poll_s=_float_option(options, "poll_s", default["poll_s"]),
             linger_s=_float_option(options, "linger_s", default["linger_s"]),
             idle_poll_s=_float_option(options, "idle_poll_s", default["idle_poll_s"]),
+            zero_copy=zero_copy,
         )
 
 
@@ -215,6 +224,14 @@ class PageFileStore:
         self._disk: DiskTier | None = None
         self._slots: asyncio.Semaphore | None = None
         self._clearing = asyncio.Lock()
+        # Pages of one buffer whose size is the disk layout's (4096-multiple) skip the staging copy.
+        self._direct_ok = config.zero_copy and self.layout.page_bytes == page_bytes
+        self._regions: list[memoryview] = []  # engine memory registered with the disk tier
+        self._registering: set[asyncio.Task[None]] = set()
+        self.direct_pages = 0
+        """Pages moved straight between the engine's memory and their files (no staging copy)."""
+        self.staged_pages = 0
+        """Pages moved through a staging page."""
         self._owns_thread = thread is None
         self.thread = thread if thread is not None else open_thread(config, engine)
         try:
@@ -286,14 +303,25 @@ class PageFileStore:
     async def store(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
         """Write the page made of the ``page`` tensors (1-D ``uint8`` CPU, ``page_bytes`` in all) under
         ``key``. True once stored (or already on disk); False when the disk tier dropped or failed
-        the write (counted in its statistics). The tensors are read before the first await that
-        follows the copy: the caller's memory is free again when this returns."""
+        the write (counted in its statistics). A page of one tensor is written straight from it
+        (``zero_copy``), else copied into a staging page first; either way the caller's memory is
+        free again when this returns (also when cancelled). Raises ``ValueError`` for parts that do
+        not add up to ``page_bytes``."""
         pool, disk = self._started()
         if disk.contains(key):
             return True
         assert self._slots is not None
+        direct = self._direct(page, writable=False)
         async with self._slots:
             _yield_gil()
+            if direct is not None:
+                try:
+                    self.direct_pages += 1
+                    return await disk.write_from(key, direct)
+                finally:
+                    direct.release()
+                    _yield_gil()
+            self.staged_pages += 1
             handle = self._reserve(pool)
             if handle is None:
                 return False
@@ -312,13 +340,25 @@ class PageFileStore:
                 _yield_gil()
 
     async def load(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
-        """Read ``key``'s page file, verify it and copy it into the ``page`` tensors. False (the
-        tensors untouched) for a missing, corrupt (deleted, counted) or unreadable file."""
+        """Read ``key``'s page file into the ``page`` tensors and verify it; True only once verified.
+        False for a missing, corrupt (deleted, counted) or unreadable file: the tensors are then
+        untouched when the page went through a staging page, and hold undefined bytes when it was
+        read in place (``zero_copy``, a page of one tensor): the engine must not use them, as it
+        does not use a page whose load failed. Raises ``ValueError`` as :meth:`store`."""
         pool, disk = self._started()
         if not disk.contains(key):
             return False
         assert self._slots is not None
+        direct = self._direct(page, writable=True)
         async with self._slots:
+            if direct is not None:
+                try:
+                    self.direct_pages += 1
+                    return await disk.read_into(key, direct)
+                finally:
+                    direct.release()
+                    _yield_gil()
+            self.staged_pages += 1
             handle = self._reserve(pool)
             if handle is None:
                 return False
@@ -334,6 +374,24 @@ class PageFileStore:
     def statistics(self) -> DiskStatistics:
         """The disk tier's statistics. Loop only."""
         return self._started()[1].statistics()
+
+    def register_memory(self, region: memoryview) -> None:
+        """Register the engine's ``region`` (C-contiguous, writable, mapped until :meth:`close`) with
+        the disk tier in the background, so that pages inside it move through io_uring fixed
+        buffers; until then (or where it cannot be registered: counted in the tier's statistics)
+        they move through plain buffers. Loop only; the registration is redone after :meth:`clear`."""
+        self._regions.append(region)
+        self._register(region)
+
+    def _register(self, region: memoryview) -> None:
+        task = asyncio.get_running_loop().create_task(self._started()[1].register_memory(region))
+        self._registering.add(task)
+        task.add_done_callback(self._registered)
+
+    def _registered(self, task: asyncio.Task[None]) -> None:
+        self._registering.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("aiokv store: registering engine memory failed", exc_info=task.exception())
 
     async def flush(self) -> None:
         """Wait for writes in flight."""
@@ -353,6 +411,7 @@ class PageFileStore:
             if disk.read_only is not None:
                 log.warning("aiokv store: not clearing %s: %s", self.directory, disk.read_only.value)
                 return False
+            await self._stop_registering()
             await disk.aclose()
             removed = True
             try:
@@ -364,6 +423,8 @@ class PageFileStore:
                 removed = False
             # If this raises, the closed tier stays: writes are refused and reads miss.
             self._disk = await self._start_disk(pool)
+            for region in self._regions:
+                self._register(region)
             return removed
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -382,8 +443,15 @@ class PageFileStore:
             if self._owns_thread:
                 self.thread.close()
 
+    async def _stop_registering(self) -> None:
+        for task in self._registering:
+            task.cancel()  # waits for its pinning thread (DiskTier.register_memory)
+        if self._registering:
+            await asyncio.wait(set(self._registering))
+
     async def _close(self) -> None:
         try:
+            await self._stop_registering()
             if self._disk is not None:
                 await self._disk.aclose()
         finally:
@@ -396,6 +464,22 @@ class PageFileStore:
         if self._pool is None or self._disk is None:
             raise RuntimeError("page-file store is not open")
         return self._pool, self._disk
+
+    def _direct(self, page: Sequence[torch.Tensor], writable: bool) -> memoryview | None:
+        """A view of the page's memory when it can move in place: one contiguous ``uint8`` CPU
+        tensor of the disk layout's page size (a 4096-multiple); else None (staging copy)."""
+        if len(page) != 1:
+            return None
+        part = page[0]
+        if part.numel() != self.page_bytes:
+            raise ValueError(f"page parts hold {part.numel()} bytes, pages are {self.page_bytes}")
+        if not self._direct_ok or part.dtype != torch.uint8 or part.device.type != "cpu" or not part.is_contiguous():
+            return None
+        view = part.numpy().data
+        if writable and view.readonly:
+            view.release()
+            return None
+        return view
 
     def _reserve(self, pool: PagePool) -> PageHandle | None:
         # A staging page under a key of its own: the page is only bounce memory, never looked up.

@@ -104,7 +104,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     ``poll_s`` / ``linger_s`` / ``idle_poll_s`` (how often the loop polls while busy, how long
     before it parks, how often it looks while parked; 0: on_schedule_end wakes it instead),
     ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter), ``enable_kv_events`` (KV events for
-    pages stored, and for pages a load found gone; only where vLLM publishes KV events). Raises
+    pages stored, and for pages a load found gone; only where vLLM publishes KV events),
+    ``zero_copy`` (default true: chunks move straight between vLLM's region, registered with
+    io_uring, and their files; false: through staging pages). Raises
     ``TypeError``/``ValueError`` for a wrong option and ``OSError`` when the directory cannot be used.
     """
 
@@ -129,6 +131,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         idle_poll_s: float = _DEFAULT["idle_poll_s"],
         locality: str | None = None,
         enable_kv_events: bool = False,
+        zero_copy: bool = _DEFAULT["zero_copy"],
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(enable_kv_events, bool):
@@ -136,7 +139,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
                                       "direct_io": direct_io, "queue_depth": queue_depth,
                                       "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s,
-                                      "idle_poll_s": idle_poll_s}
+                                      "idle_poll_s": idle_poll_s, "zero_copy": zero_copy}
         if disk_dir is not None:
             options["disk_dir"] = disk_dir
         if disk_bytes is not None:
@@ -154,6 +157,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
         self._bytes_view = primary_kv_view.cast("B")
         self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
+        if config.zero_copy and not self._bytes_view.readonly and self._bytes_view.nbytes:
+            # Chunks move straight between the region and their files: register it as io_uring
+            # fixed buffers (pinning runs in the background; until then plain buffers).
+            store, region = self._store, self._bytes_view
+            store.thread.call(lambda: store.register_memory(region)).result()
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
         self._wanted: dict[OffloadKey, set[str]] = {}

@@ -486,3 +486,47 @@ def test_clear_while_another_thread_reads_never_gives_wrong_bytes(tmp_path: Path
     thread.join(60)
     assert not thread.is_alive()
     assert seen and seen[-1] == (True, [False] * 8)
+
+
+# -- zero copy -------------------------------------------------------------------------------------
+
+
+def counters(backend: AiokvHiCacheStorage, pool: str = "kv") -> tuple[int, int]:
+    """(pages moved in place, pages moved through a staging page) of one pool's files."""
+    store = backend._pools[pool].store
+    assert store is not None
+    return store.thread.call(lambda: (store.direct_pages, store.staged_pages)).result()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "staged"])
+def test_plain_pages_move_in_place_and_split_pages_through_staging(
+        tmp_path: Path, backends: list[Any], zero_copy: bool) -> None:
+    """A plain page is one tensor of 16 KiB: it moves straight between SGLang's tensor and its file.
+    A v1 page of the page_first host pool is two buffers (K and V), and a Mamba state page is 608
+    bytes (not a 4096-multiple): those go through a staging page. Bit-exact every way."""
+    pool = host_pool(4)
+    fill(pool, 0, seed=21)
+    config = storage_config(tmp_path, interface_v1=False)
+    config.extra_config["zero_copy"] = zero_copy
+    plain = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backends.append(plain)
+    plain.register_mem_pool_host(pool)
+    assert plain.set("p", pool.get_data_page(0))
+    target = pool.get_dummy_flat_data_page()
+    assert plain.get("p", target) is target
+    assert torch.equal(target, pool.get_data_page(0))
+    assert counters(plain) == ((2, 0) if zero_copy else (0, 2))
+
+    kv, mamba = host_pool(4), mamba_pool(4)
+    fill(kv, 1, seed=22)
+    fill_state(mamba, 1, seed=23)
+    v1 = attach_hybrid(backends, tmp_path / "v1", kv, {PoolName.MAMBA: mamba})
+    assert v1.batch_set_v1(["k"], indices([1])) == [True]
+    assert v1.batch_get_v1(["k"], indices([2])) == [True]
+    assert torch.equal(page(kv, 2), page(kv, 1))
+    assert v1.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=["k"])]) \
+        == {"mamba": [True]}
+    assert v1.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])]) \
+        == {"mamba": [True]}
+    assert torch.equal(state(mamba, 2), state(mamba, 1))
+    assert counters(v1) == (0, 2) and counters(v1, "mamba") == (0, 2)

@@ -218,19 +218,29 @@ def test_a_read_only_file_system_refuses_stores_and_serves_what_it_has(
 # -- loads ----------------------------------------------------------------------------------------
 
 
-def test_a_load_of_damaged_files_reports_the_good_keys_and_writes_nothing_else(
-        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "staged"])
+def test_a_load_of_damaged_files_reports_the_good_keys_and_writes_no_other_chunk(
+        tmp_path: Path, managers: list[TieringOffloadingManager], zero_copy: bool) -> None:
     """Between the lookup's HIT and the load, page files are damaged behind the tier's back: one
     bit flipped, cut after its header, deleted, and replaced by a link to another good page file.
-    The job reports only the intact key in successful_keys; the others become misses, and only
-    the intact key's chunk of vLLM's region changes."""
-    manager = make_manager(tmp_path, cpu_chunks=8)
+    The job reports only the intact key in successful_keys; the others become misses. No chunk
+    outside the job's own changes; read in place, a failed page's chunk (vLLM's, reserved for
+    this job, freed unused) may hold the bytes read; through staging pages it is untouched."""
+    manager = make_manager(tmp_path, cpu_chunks=8, options={"zero_copy": zero_copy})
     managers.append(manager)
     tier = tier_of(manager)
     keys = keys_of("damaged", 5)
     store(manager, "r1", keys, range(10, 15))
     evict_from_cpu(manager, "r2", chunks=8)
     results = record_results(tier)
+    submitted: list[TransferJob] = []
+    submit_load = tier.submit_load
+
+    def recording_submit_load(job: TransferJob) -> None:
+        submitted.append(job)
+        submit_load(job)
+
+    tier.submit_load = recording_submit_load  # type: ignore[method-assign]
     ctx = ReqContext(req_id="r3")
     with manager.lock:
         manager.on_new_request(ctx)
@@ -261,7 +271,11 @@ def test_a_load_of_damaged_files_reports_the_good_keys_and_writes_nothing_else(
         manager.complete_load([keys[0]], ctx)
     now = chunks_of(region(manager))
     assert now[good_chunk] == payload(10)
-    assert {i for i, (a, b) in enumerate(zip(snapshot, now, strict=True)) if a != b} <= {good_chunk}
+    (job,) = submitted
+    assert good_chunk in job.chunk_ids
+    changed = {i for i, (a, b) in enumerate(zip(snapshot, now, strict=True)) if a != b}
+    assert changed <= ({int(c) for c in job.chunk_ids} if zero_copy else {good_chunk})
+    assert tier._store.thread.call(lambda: tier._store.direct_pages > 0).result() is zero_copy
     assert on_disk(manager, keys) == [True, False, False, False, False]  # damaged files are forgotten
     assert path[0].read_bytes()[4096:] == payload(10)  # the link was not followed to harm its target
     assert tier_of(manager).statistics()["corrupt"] >= 1

@@ -292,3 +292,64 @@ def test_kv_events_stay_off_where_vllm_publishes_none(
     store(manager, "r1", keys_of("quiet", 1), [1])
     with manager.lock:
         assert list(tier_of(manager).take_events()) == []
+
+
+def store_counters(manager: TieringOffloadingManager) -> tuple[int, int]:
+    """(pages moved in place, pages moved through a staging page) by the tier's store."""
+    store = tier_of(manager)._store
+    return store.thread.call(lambda: (store.direct_pages, store.staged_pages)).result()
+
+
+def test_chunks_move_in_place_both_ways_and_the_region_is_let_go(
+        tmp_path: Path, managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture) -> None:
+    """Zero-copy: each chunk is written from and read into vLLM's region itself (registered with
+    io_uring), bit-exact; at shutdown the tier lets go of the region so vLLM can unmap it."""
+    manager = make_manager(tmp_path)
+    keys = keys_of("in-place", CPU_CHUNKS)
+    store(manager, "r1", keys, range(30, 30 + CPU_CHUNKS))
+    store(manager, "r2", keys_of("evictor", CPU_CHUNKS), range(CPU_CHUNKS))
+    ctx = ReqContext(req_id="r3")
+    with manager.lock:
+        manager.on_new_request(ctx)
+    assert lookup_all(manager, keys, ctx) == [LookupResult.HIT] * CPU_CHUNKS
+    assert load(manager, keys, ctx) == [payload(s) for s in range(30, 30 + CPU_CHUNKS)]
+    with manager.lock:
+        manager.on_request_finished(ctx)
+    step(manager)
+    assert store_counters(manager) == (3 * CPU_CHUNKS, 0)  # two requests stored, one loaded: no staging copy
+    stats = tier_of(manager).statistics()
+    assert stats["buffered_fallbacks"] == 0  # every chunk 4096-aligned: O_DIRECT where the tier uses it
+    manager.shutdown()
+    assert "still exported" not in caplog.text  # vLLM unmapped its region: nothing of ours holds it
+
+
+def test_pages_written_in_place_read_back_through_staging_and_back(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """The two paths write the same files: zero_copy is not part of the identity."""
+    first = make_manager(tmp_path, options={"zero_copy": True})
+    keys = keys_of("either", 2)
+    store(first, "r1", keys, [41, 42])
+    first.shutdown()
+    staged = make_manager(tmp_path, options={"zero_copy": False})
+    ctx = ReqContext(req_id="r2")
+    with staged.lock:
+        staged.on_new_request(ctx)
+    assert lookup_all(staged, keys, ctx) == [LookupResult.HIT] * 2
+    assert load(staged, keys, ctx) == [payload(41), payload(42)]
+    more = keys_of("staged", 2)
+    with staged.lock:
+        staged.on_request_finished(ctx)
+    store(staged, "r3", more, [43, 44])
+    assert store_counters(staged) == (0, 4)
+    staged.shutdown()
+    again = make_manager(tmp_path)
+    managers.append(again)
+    ctx = ReqContext(req_id="r4")
+    with again.lock:
+        again.on_new_request(ctx)
+    assert lookup_all(again, more, ctx) == [LookupResult.HIT] * 2
+    assert load(again, more, ctx) == [payload(43), payload(44)]
+    with again.lock:
+        again.on_request_finished(ctx)
+    step(again)
+    assert store_counters(again)[1] == 0
