@@ -151,14 +151,18 @@ class LoadStream:
     async def wait_layer(self, layer: int) -> bool:
         """Wait until layer ``layer`` of every launched copy is in the buffer (after :meth:`launched`).
 
-        CPU: awaits the copies (True when all landed). CUDA: makes the current stream wait on the
-        GPU (no host wait) and returns True at once. With a layer-wise stream (``layered=True``)
-        layer l is ready before later layers; otherwise when the whole copy is.
+        CPU: awaits the copies (True when all landed). CUDA: awaits (never blocking the loop) until
+        layer ``layer``'s copies are queued, then makes the current stream wait on the GPU, and
+        returns True. With a layer-wise stream (``layered=True``) layer l is ready before later
+        layers; otherwise when the whole copy is.
         """
         if self._loader.done() is False:
             raise RuntimeError("wait_layer() before launched(): the set of copies is not fixed yet")
         self._check_layer(layer)
         if self._cuda_copies():
+            queued = [c.layer_futures[layer] for _, c, _, _ in self._unique_copies() if c.paced is not None]
+            if queued:
+                await asyncio.shield(asyncio.gather(*queued))
             self.order_layer(layer)
             return True
         waits = [c.layer_futures[layer] if c.layer_futures else c.future for _, c, _, _ in self._unique_copies()]
@@ -167,8 +171,16 @@ class LoadStream:
 
     def order_layer(self, layer: int) -> None:
         """CUDA: make the engine's current stream wait (on the GPU) for layer ``layer`` of every
-        launched copy. No-op where the copies are not CUDA events (CPU, or remote rank workers)."""
+        launched copy. No-op where the copies are not CUDA events (CPU, or remote rank workers).
+
+        A layer-wise load is queued a few layers ahead of the GPU (``PACE_BYTES``), so this may
+        block the calling thread until layer ``layer``'s copies are queued: call it from the thread
+        that launches the engine's kernels; on the event loop, ``await wait_layer(layer)``.
+        """
         self._check_layer(layer)
+        for _, c, _, _ in self._unique_copies():
+            if c.paced is not None:
+                c.paced.wait_issued(layer)
         events = [c.layer_events[layer] if c.layer_events else c.event for _, c, _, _ in self._unique_copies()]
         self._manager._running()[1].order_after([e for e in events if e is not None])
 
@@ -353,7 +365,8 @@ class LoadStream:
         manager = self._manager
         # Layer-wise copies did not order the engine's stream at launch: whatever it does next
         # (reusing the slots included) comes after every copy.
-        unordered = [c.event for _, c, _, _ in self._unique_copies() if c.event is not None and not c.ordered]
+        unordered = [c.event if c.paced is None else c.paced.end
+                     for _, c, _, _ in self._unique_copies() if c.event is not None and not c.ordered]
         if unordered:
             manager._running()[1].order_after(unordered)
         failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}

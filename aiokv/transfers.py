@@ -19,6 +19,7 @@ from aiokv.cuda import CompletionBridge, Lane
 
 if TYPE_CHECKING:
     from aiokv.kernels import PageMover
+    from aiokv.kernels.mover import PacedLayers
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,10 @@ class Copy:
     """CPU, layer by layer: future ``l`` resolves True once layer ``l`` landed (False: it never will)."""
     ordered: bool = True
     """Whether the engine's stream was made to wait on the whole copy at launch."""
+    paced: PacedLayers | None = None
+    """CUDA, a paced layer-wise load: ``layer_events[l]`` exists on the GPU only once
+    ``layer_futures[l]`` resolved (``paced.wait_issued(l)`` from a thread); stop it with
+    ``paced.stop()``. ``layer_futures[-1]`` resolves once it queues nothing more."""
 
 
 class Transfers(Protocol):
@@ -114,14 +119,20 @@ class LocalTransfers:
         after the whole copy before anything else touches the slots). CPU: one future per layer.
         """
         mover = self.mover
+        loop = asyncio.get_running_loop()
         if self._cuda:
+            try:
+                paced = mover.start_layers(page_ids, slots, skip)
+            except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+                return failed_copy(exc)
+            if paced is not None:
+                return self._feed(paced, loop)
             try:
                 events = mover.load_layers(page_ids, slots, skip)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
                 return failed_copy(exc)
             assert events is not None
             return Copy(self._bridge.wait(events[-1], Lane.LOAD), events[-1], tuple(events), ordered=False)
-        loop = asyncio.get_running_loop()
         layers = tuple(loop.create_future() for _ in range(mover.kv.layout.num_layers))
 
         def landed(layer: int) -> None:
@@ -135,6 +146,32 @@ class LocalTransfers:
 
         future.add_done_callback(settled)
         return Copy(future, layer_futures=layers)
+
+    def _feed(self, paced: PacedLayers, loop: asyncio.AbstractEventLoop) -> Copy:
+        """Queue a paced layer-wise load on the copy thread (idle on CUDA): it issues the units a few
+        ahead of the GPU and resolves layer ``l``'s future as layer ``l``'s event is queued."""
+        layers = tuple(loop.create_future() for _ in paced.events)
+
+        def issued(layer: int) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve_layer, layers[layer], True)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for the layer any more
+
+        try:
+            future = self._bridge.run_cpu(lambda: paced.feed(issued))
+        except Exception as exc:  # the bridge is closed: nothing was queued
+            paced.discard()
+            return failed_copy(exc)
+
+        def settled(done: asyncio.Future[None]) -> None:
+            if done.cancelled():
+                paced.discard()  # withdrawn before it ran (a no-op once it ran)
+            for layer in layers:  # what was not queued never will be
+                _resolve_layer(layer, False)
+
+        future.add_done_callback(settled)
+        return Copy(future, paced.events[-1], tuple(paced.events), layers, ordered=False, paced=paced)
 
     def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
         if not self._cuda:
@@ -152,10 +189,22 @@ class LocalTransfers:
         slots, is ordered after them; the host does not wait.
         """
         if self._cuda:
+            paced = [c for c in copies if c.paced is not None]
+            for copy in paced:
+                assert copy.paced is not None
+                copy.paced.stop()
+            # A paced load queues its last events on the copy thread: wait (host, never the GPU)
+            # until it queued nothing more, also through further cancellations.
+            feeding = {c.layer_futures[-1] for c in paced if not c.layer_futures[-1].done()}
+            while feeding:
+                try:
+                    _, feeding = await asyncio.wait(feeding)
+                except asyncio.CancelledError:
+                    continue
             stream = torch.cuda.current_stream(self._device)
             for copy in copies:
                 if copy.event is not None and (offload or not copy.ordered):
-                    stream.wait_event(copy.event)
+                    stream.wait_event(copy.event if copy.paced is None else copy.paced.end)
             return
         pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
         while pending:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +49,52 @@ from .reference import reference_gather, reference_scatter
 LAYER_BUFFERS = 3
 """Staging buffers of a layer-wise load: the copy engine fills one while a scatter reads another;
 the third absorbs a scatter delayed behind the engine's own kernels without stalling PCIe."""
+
+
+PACE_BYTES = 256 << 20
+"""How far a paced layer-wise load (:meth:`PageMover.start_layers`) runs ahead of the GPU: the
+feeding thread queues a unit only once the unit this many staged bytes earlier has been scattered
+(at least ``LAYER_BUFFERS + 1`` units). CUDA maps streams onto a few hardware queues
+(``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default; SGLang sets 8): a stream of the engine that shares
+one with the copy stream runs nothing queued after a load's copies until they are done. Queued all
+at once, a 32K-token hit (4 GiB) held the engine's tail prefill until the whole load had landed
+(H200: 137 ms against a floor of 79); paced, such a stream waits for at most this many bytes."""
+
+
+def pace_window(unit_bytes: int, pace_bytes: int = PACE_BYTES) -> int:
+    """Units a paced load keeps queued: ``pace_bytes`` worth, at least one more than the buffers."""
+    if unit_bytes < 1:
+        raise ValueError(f"unit_bytes must be positive, got {unit_bytes}")
+    return max(LAYER_BUFFERS + 1, pace_bytes // unit_bytes)
+
+
+def feed_paced(
+    count: int,
+    window: int,
+    issue: Callable[[int], None],
+    wait_issued_unit: Callable[[int], None],
+    stopped: Callable[[], bool],
+) -> int:
+    """Issue units ``0..count-1`` in order, each only once unit ``k - window`` is done on the GPU;
+    stop early when ``stopped()``. Returns how many were issued (the feeding loop of
+    :class:`PacedLayers`, separate so that its order is tested without a GPU).
+
+    With ``window`` units queued it waits (``wait_issued_unit``, a host wait that releases the GIL)
+    until half of them are done, then queues that many in one go: the feeding thread takes the GIL
+    back once per half window, not once per unit (each time can cost an engine thread's switch
+    interval, 5 ms, while the GPU drains what is queued)."""
+    half = max(1, window // 2)
+    done = -1  # the last unit known done on the GPU
+    for k in range(count):
+        if stopped():
+            return k
+        if k - window > done:
+            done = min(k - 1, k - window + half)
+            wait_issued_unit(done)
+            if stopped():
+                return k
+        issue(k)
+    return count
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -160,6 +207,122 @@ class _LayerStaging:
         return self.buffers[0].shape[0]
 
 
+@dataclass(frozen=True)
+class _StagedLayers:
+    """What a STAGING layer-wise load issues: its page groups, their device slots and slab runs."""
+
+    groups: list[_Chunk]
+    indices: list[torch.Tensor]
+    runs: list[list[tuple[int, int, int]]]
+    units: list[LayerUnit]
+
+
+class PacedLayers:
+    """A layer-wise STAGING load whose units a thread queues a few at a time (:meth:`feed`).
+
+    Made by :meth:`PageMover.start_layers`, which ordered it after the caller's stream. ``events[l]``
+    completes once layers ``0..l`` are in the KV buffer, but exists on the GPU only once
+    ``issued[l]`` is set: wait for that (``wait_issued``) before making a stream wait on it.
+    """
+
+    def __init__(self, mover: PageMover, plan: _StagedLayers, window: int) -> None:
+        layers = mover.kv.layout.num_layers
+        self._mover = mover
+        self._plan = plan
+        self.window = window
+        self.events = [_new_event() for _ in range(layers)]
+        self.issued = [threading.Event() for _ in range(layers)]
+        self.end = _new_event()
+        """Recorded after everything this load queued (whether it completed, stopped or failed)."""
+        self.issued_units = 0
+        self._stop = threading.Event()
+        self._fed = False
+        self._fed_lock = threading.Lock()
+
+    def stop(self) -> None:
+        """Queue no further unit (from any thread); the layers not queued are then marked issued
+        with events that complete after everything queued, and the load counts as failed."""
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def discard(self) -> bool:
+        """Give up a load that was never fed (its feeding job was withdrawn or could not be queued):
+        it queues nothing, its layers count as issued, the mover's staging is free again. False (and
+        nothing changes) once :meth:`feed` started."""
+        with self._fed_lock:
+            if self._fed:
+                return False
+            self._fed = True
+        self._stop.set()
+        for ready in self.issued:
+            ready.set()
+        self._mover._paced_done(None)
+        return True
+
+    def wait_issued(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer``'s event exists on the GPU (or ``timeout`` passed)."""
+        return self.issued[layer].wait(timeout)
+
+    def feed(self, on_issued: Callable[[int], None] | None = None) -> None:
+        """Queue every unit, at most :attr:`window` ahead of the GPU, then wait until the GPU is done.
+
+        Runs on a thread of the caller's choosing, once. ``on_issued(l)`` is called as layer ``l``'s
+        event is queued, and for every layer left when the load stops or fails. Raises
+        ``RuntimeError`` when stopped before the end, or what failed, after the GPU finished what
+        was queued.
+        """
+        with self._fed_lock:
+            if self._fed:
+                raise RuntimeError("PacedLayers.feed() runs once (or the load was discarded)")
+            self._fed = True
+        mover, plan = self._mover, self._plan
+        staging = mover._layered
+        assert staging is not None and staging.copy_stream is not None
+        scatter_lane = mover._load_lanes[0]
+        scatter_stream = scatter_lane.stream
+        assert scatter_stream is not None
+        scattered = [_new_event() for _ in plan.units]
+        error: BaseException | None = None
+        with torch.cuda.device(mover.kv.device):
+            try:
+                def issue(k: int) -> None:
+                    unit = plan.units[k]
+                    mover._issue_unit(staging, plan, unit)
+                    scattered[k].record(scatter_stream)
+                    self.issued_units = k + 1
+                    if unit.ends_layer:
+                        self.events[unit.layer].record(scatter_stream)
+                        self.issued[unit.layer].set()
+                        if on_issued is not None:
+                            on_issued(unit.layer)
+
+                issued = feed_paced(len(plan.units), self.window, issue, lambda k: scattered[k].synchronize(),
+                                    self._stop.is_set)
+                if issued < len(plan.units):
+                    error = RuntimeError(f"layer-wise load stopped after {issued} of {len(plan.units)} units")
+            except BaseException as exc:  # a launch fault: what was queued still completes
+                error = exc
+            finally:
+                # Copies may be queued whose scatters never were: the end waits for both streams.
+                copies = _new_event()
+                copies.record(staging.copy_stream)
+                scatter_stream.wait_event(copies)
+                self.end.record(scatter_stream)
+                for layer, ready in enumerate(self.issued):
+                    if not ready.is_set():
+                        self.events[layer].record(scatter_stream)
+                        ready.set()
+                        if on_issued is not None:
+                            on_issued(layer)
+                mover._paced_done(self.end)
+            self.end.synchronize()
+        if error is not None:
+            raise error
+
+
 class PageMover:
     """Offload/load of whole pages between one KV buffer and one pool tensor.
 
@@ -210,6 +373,9 @@ class PageMover:
         self.run_pages = run_pages
         self._layered_done: torch.cuda.Event | None = None
         """The last layer-wise load's end: later whole-page loads on other lanes reuse its staging."""
+        self._paced_active = 0
+        """Paced layer-wise loads still queuing units (their staging is in use: other loads go DIRECT)."""
+        self._paced_lock = threading.Lock()
         staged = self.effective_path is TransferPath.STAGING
         lanes = min(2, staging_pages) if staged else 1
         shares = [staging_pages // lanes + (i < staging_pages % lanes) for i in range(lanes)]
@@ -325,6 +491,13 @@ class PageMover:
             with self._on_side(self._load_lanes[:1]) as streams:
                 reference_scatter(self.kv, self.pages, slots, ids, skip_first)
             return self._finish(streams)
+        if self._paced_active:
+            # A paced layer-wise load is still queuing into the staging: read the pool directly,
+            # on the last lane (the first is that load's scatter stream).
+            lane = self._load_lanes[-1]
+            with self._on_side([lane]) as streams:
+                self._direct_plan().scatter(self._index(ids, lane), self._index(slots, lane), skip_first)
+            return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._load_lanes[0]
             with self._on_side([lane]) as streams:
@@ -367,6 +540,8 @@ class PageMover:
         events: list[torch.cuda.Event] = []
         path = self.effective_path
         lane = self._load_lanes[0]
+        if self._paced_active and path is TransferPath.STAGING:
+            path, lane = TransferPath.DIRECT, self._load_lanes[-1]  # as in load()
         with self._ordered_on_failure([lane]), self._on_side([lane]) as streams:
             if path is TransferPath.REFERENCE:
                 for layer in range(layers):
@@ -381,18 +556,47 @@ class PageMover:
                 self._load_layers_staged(ids, slots, skip_first, on_layer, streams, events)
         return events or None
 
-    def _load_layers_staged(
-        self,
-        ids: list[int],
-        slots: torch.Tensor,
-        skip_first: int,
-        on_layer: Callable[[int], None] | None,
-        streams: list[torch.cuda.Stream],
-        events: list[torch.cuda.Event],
-    ) -> None:
-        """The STAGING layer-wise pipeline; runs inside :meth:`_on_side` of the first load lane."""
+    def start_layers(
+        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, pace_bytes: int = PACE_BYTES
+    ) -> PacedLayers | None:
+        """:meth:`load_layers` queued a few units at a time by a thread of the caller's (STAGING on CUDA).
+
+        Checks the arguments and orders the load after the caller's current stream now; nothing is
+        copied until the returned load's :meth:`PacedLayers.feed` runs (once, on any thread). Each
+        stream sharing a hardware queue with the copy stream then waits for at most ``pace_bytes``
+        of queued copies (see :data:`PACE_BYTES`), not for the whole load. None where this mover does
+        not stage (DIRECT, REFERENCE, CPU): use :meth:`load_layers`. Paced loads of one mover must be
+        fed in the order they were started, one after the other (one feeding thread).
+        """
+        ids = self._check(slots, page_ids)
+        check_scatter_counts(self.kv, slots, len(ids), skip_first)
+        if isinstance(pace_bytes, bool) or not isinstance(pace_bytes, int) or pace_bytes < 1:
+            raise ValueError(f"pace_bytes must be a positive int, got {pace_bytes!r}")
         staging = self._layered
-        assert staging is not None
+        if self.effective_path is not TransferPath.STAGING or staging is None or staging.copy_stream is None:
+            return None
+        lane = self._load_lanes[0]
+        with self._on_side([lane]):
+            plan = self._staged_plan(staging, ids, slots, skip_first)
+        layout = self.kv.layout
+        unit_bytes = staging.capacity * layout.page_tokens * layout.rows * layout.head_dim * self.pages.element_size()
+        with self._paced_lock:
+            self._paced_active += 1
+        return PacedLayers(self, plan, pace_window(unit_bytes, pace_bytes))
+
+    def _paced_done(self, end: torch.cuda.Event | None) -> None:
+        """A paced load queued its last unit (the feeding thread): later loads order after ``end``
+        (None: it queued nothing)."""
+        with self._paced_lock:
+            if end is not None:
+                self._layered_done = end
+            self._paced_active -= 1
+
+    def _staged_plan(
+        self, staging: _LayerStaging, ids: list[int], slots: torch.Tensor, skip_first: int
+    ) -> _StagedLayers:
+        """Groups, device slots and slab runs of a STAGING layer-wise load; orders the copy stream
+        after the load lanes. Runs inside :meth:`_on_side` of the first load lane."""
         scatter_lane = self._load_lanes[0]
         tokens = self.kv.layout.page_tokens
         groups = [
@@ -406,7 +610,6 @@ class PageMover:
             for g in layer_groups(len(ids), staging.capacity)
         ]
         index = self._index(slots, scatter_lane)  # on the scatter stream, which alone reads it
-        indices = [index[g.slot_begin : g.slot_end] for g in groups]
         copy_stream = staging.copy_stream
         if copy_stream is not None:
             # The buffers are the load lanes' staging: the first copy waits until every load queued
@@ -417,8 +620,33 @@ class PageMover:
                     mark = _new_event()
                     mark.record(other.stream)
                     copy_stream.wait_event(mark)
+        return _StagedLayers(
+            groups=groups,
+            indices=[index[g.slot_begin : g.slot_end] for g in groups],
+            runs=[slab_runs(group.ids, self.run_pages) for group in groups],  # the same for every layer
+            units=layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)),
+        )
+
+    def _load_layers_staged(
+        self,
+        ids: list[int],
+        slots: torch.Tensor,
+        skip_first: int,
+        on_layer: Callable[[int], None] | None,
+        streams: list[torch.cuda.Stream],
+        events: list[torch.cuda.Event],
+    ) -> None:
+        """The STAGING layer-wise pipeline; runs inside :meth:`_on_side` of the first load lane."""
+        staging = self._layered
+        assert staging is not None
+        scatter_lane = self._load_lanes[0]
+        copy_stream = staging.copy_stream
+        plan = self._staged_plan(staging, ids, slots, skip_first)
         try:
-            self._issue_layer_units(staging, groups, indices, on_layer, streams, events)
+            for unit in plan.units:
+                self._issue_unit(staging, plan, unit)
+                if unit.ends_layer:
+                    self._layer_done(streams, events, on_layer, unit.layer)
         except BaseException:
             if copy_stream is not None and scatter_lane.stream is not None:
                 # Copies may be queued whose scatters never were: the scatter stream (which the
@@ -433,36 +661,24 @@ class PageMover:
         if events:
             self._layered_done = events[-1]
 
-    def _issue_layer_units(
-        self,
-        staging: _LayerStaging,
-        groups: list[_Chunk],
-        indices: list[torch.Tensor],
-        on_layer: Callable[[int], None] | None,
-        streams: list[torch.cuda.Stream],
-        events: list[torch.cuda.Event],
-    ) -> None:
-        """Queue every unit of :func:`layer_schedule`: copies on the copy stream, scatters and
-        layer events on the first load lane's stream."""
+    def _issue_unit(self, staging: _LayerStaging, plan: _StagedLayers, unit: LayerUnit) -> None:
+        """Queue one unit of :func:`layer_schedule`: its copy on the copy stream, its scatter on the
+        first load lane's stream (the caller records layer events after a unit that ends a layer)."""
         copy_stream, scatter_lane = staging.copy_stream, self._load_lanes[0]
-        runs = [slab_runs(group.ids, self.run_pages) for group in groups]  # the same for every layer
-        for unit in layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)):
-            group, buffer = groups[unit.group], unit.buffer
-            with self._on_stream(copy_stream):
-                if copy_stream is not None and unit.reuse:
-                    copy_stream.wait_event(staging.freed[buffer])
-                self._copy_unit(staging.buffers[buffer], group.ids, runs[unit.group], unit.layer, copy_stream)
-                if copy_stream is not None:
-                    staging.copied[buffer].record(copy_stream)
-            with self._stream(scatter_lane):
-                if scatter_lane.stream is not None:
-                    scatter_lane.stream.wait_event(staging.copied[buffer])
-                layer = range(unit.layer, unit.layer + 1)
-                staging.plans[buffer].scatter(None, indices[unit.group], group.skip, layer)
-                if scatter_lane.stream is not None:
-                    staging.freed[buffer].record(scatter_lane.stream)
-            if unit.ends_layer:
-                self._layer_done(streams, events, on_layer, unit.layer)
+        group, buffer = plan.groups[unit.group], unit.buffer
+        with self._on_stream(copy_stream):
+            if copy_stream is not None and unit.reuse:
+                copy_stream.wait_event(staging.freed[buffer])
+            self._copy_unit(staging.buffers[buffer], group.ids, plan.runs[unit.group], unit.layer, copy_stream)
+            if copy_stream is not None:
+                staging.copied[buffer].record(copy_stream)
+        with self._stream(scatter_lane):
+            if scatter_lane.stream is not None:
+                scatter_lane.stream.wait_event(staging.copied[buffer])
+            layer = range(unit.layer, unit.layer + 1)
+            staging.plans[buffer].scatter(None, plan.indices[unit.group], group.skip, layer)
+            if scatter_lane.stream is not None:
+                staging.freed[buffer].record(scatter_lane.stream)
 
     def _copy_unit(
         self, buffer: torch.Tensor, page_ids: list[int], runs: list[tuple[int, int, int]], layer: int,

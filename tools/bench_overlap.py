@@ -11,7 +11,7 @@ the uncached last page: per layer, attention scores of 256 queries against that 
   ``launched()`` of the layer-wise one;
 - ``load then tail``: ``load`` then the tail (the simple path);
 - ``layer-wise + tail``: ``start_load(layered=True)``, ``launched()``, then layer l waits on its
-  readiness on the GPU (``order_layer``) just before its attention.
+  readiness on the GPU (``wait_layer``) just before its attention.
 
 Floor = max(memcpy, tail) + tail / layers. Every path (``--path``: staging, direct) runs in the
 same process against the same baselines, repetitions interleaved; each row checks the tail's
@@ -152,7 +152,7 @@ async def measure(args: argparse.Namespace, tokens: int, paths: list[TransferPat
                 await stream.launched()
                 tail.out.clear()
                 for layer in range(layout.num_layers):
-                    stream.order_layer(layer)
+                    await stream.wait_layer(layer)  # on the loop: order_layer could block it
                     tail.layer(layer)
                 result = await stream.finish()
                 torch.cuda.synchronize()

@@ -239,11 +239,11 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
     reference_scatter(expect, pages, slots, page_ids)
     real_copy = PageMover._copy_unit
 
-    def slowed(self: PageMover, buffer: torch.Tensor, ids: list[int], layer: int,
-               stream: torch.cuda.Stream | None) -> None:
+    def slowed(self: PageMover, buffer: torch.Tensor, ids: list[int], runs: list[tuple[int, int, int]],
+               layer: int, stream: torch.cuda.Stream | None) -> None:
         if layer >= 1:
             torch.cuda._sleep(20_000_000)  # ~10 ms of the copy stream per unit (the current stream)
-        real_copy(self, buffer, ids, layer, stream)
+        real_copy(self, buffer, ids, runs, layer, stream)
 
     monkeypatch.setattr(PageMover, "_copy_unit", slowed)
     back = empty_like_kv(kv)
@@ -255,4 +255,119 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
     for layer in range(1, 4):
         events[layer].synchronize()
         assert _layer_equal(back, expect, layer), layer
+    assert kv_equal(back, expect)
+
+
+# -- paced layer-wise loads (start_layers + feed on a thread: a few units queued at a time) --------
+
+
+PacedCase = tuple[KVLayout, KVBuffer, torch.Tensor, list[int], torch.Tensor, KVBuffer]
+
+
+def _paced_case(seed: int, count: int = 10) -> PacedCase:
+    layout = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=256)
+    gen = torch.Generator().manual_seed(seed)
+    kv = KVBuffer.wrap(layout, random_bits((4, 4096, 16, 128), torch.bfloat16, gen).cuda())
+    pages = poisoned_pages(layout, 12, torch.device("cpu")).pin_memory()
+    page_ids = torch.randperm(12, generator=gen)[:count].tolist()
+    reference_gather(kv, distinct_slots(count * 256, 4096, gen), pages, page_ids)
+    slots = distinct_slots(count * 256 - 3, 4096, gen)
+    expect = empty_like_kv(kv)
+    reference_scatter(expect, pages, slots, page_ids, skip_first=3)
+    return layout, kv, pages, page_ids, slots, expect
+
+
+def test_paced_layer_wise_load_is_bit_exact_and_never_runs_far_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from aiokv.kernels import mover as mover_module
+
+    layout, kv, pages, page_ids, slots, expect = _paced_case(21)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pages, TransferPath.STAGING, 1)  # one-page groups: 10 units a layer
+    waited: list[int] = []
+    real_feed = mover_module.feed_paced
+
+    def spying(count: int, window: int, issue, wait, stopped) -> int:  # type: ignore[no-untyped-def]
+        def spy_wait(k: int) -> None:
+            waited.append(k)
+            wait(k)
+        return real_feed(count, window, issue, spy_wait, stopped)
+
+    monkeypatch.setattr(mover_module, "feed_paced", spying)
+    paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
+    assert paced is not None and paced.window == mover_module.LAYER_BUFFERS + 1
+    assert not paced.issued[0].is_set(), "nothing may be queued before feed()"
+    issued: list[int] = []
+    thread = threading.Thread(target=paced.feed, args=(issued.append,))
+    thread.start()
+    for layer in range(layout.num_layers):
+        assert paced.wait_issued(layer, timeout=30)
+        torch.cuda.current_stream().wait_event(paced.events[layer])
+        torch.cuda.current_stream().synchronize()
+        assert _layer_equal(back, expect, layer), layer
+    thread.join(30)
+    assert issued == list(range(layout.num_layers))
+    units = 10 * layout.num_layers
+    assert paced.issued_units == units
+    half = max(1, paced.window // 2)
+    assert waited == sorted(set(waited)) and waited[-1] >= units - paced.window - half, waited
+    assert len(waited) <= -(-(units - paced.window) // half), "the feeder woke once per unit"
+    assert kv_equal(back, expect)
+    assert mover._paced_active == 0
+
+
+def test_paced_load_stopped_part_way_orders_everything_it_queued() -> None:
+    layout, kv, pages, page_ids, slots, expect = _paced_case(22)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pages, TransferPath.STAGING, 1)
+    paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
+    assert paced is not None
+
+    def on_issued(layer: int) -> None:
+        if layer == 0:
+            paced.stop()
+
+    with pytest.raises(RuntimeError, match="stopped after"):
+        paced.feed(on_issued)
+    assert all(flag.is_set() for flag in paced.issued), "a waiter for a layer never queued would hang"
+    assert 10 <= paced.issued_units < 10 * layout.num_layers
+    assert paced.end.query() and paced.events[-1].query()
+    assert _layer_equal(back, expect, 0)
+    assert mover._paced_active == 0
+    # The staging is free again: a full paced load after it is bit-exact.
+    again = mover.start_layers(page_ids, slots, 3)
+    assert again is not None
+    again.feed()
+    assert kv_equal(back, expect)
+
+
+def test_whole_page_load_while_a_paced_load_is_queued_reads_the_pool_directly() -> None:
+    _, kv, pages, page_ids, slots, expect = _paced_case(23)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pages, TransferPath.STAGING, 2)
+    paced = mover.start_layers(page_ids[:6], slots[: 6 * 256 - 3], 3)
+    assert paced is not None and mover._paced_active == 1
+    # Another request's whole-page load meanwhile (its own slots): it must not touch the staging.
+    event = mover.load(page_ids[6:], slots[6 * 256 - 3 :])
+    assert event is not None
+    paced.feed()
+    torch.cuda.current_stream().wait_event(event)
+    torch.cuda.current_stream().synchronize()
+    assert kv_equal(back, expect)
+    assert mover._paced_active == 0
+
+
+def test_discarded_paced_load_frees_the_staging() -> None:
+    _, kv, pages, page_ids, slots, expect = _paced_case(24)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pages, TransferPath.STAGING, 2)
+    paced = mover.start_layers(page_ids, slots, 3)
+    assert paced is not None and paced.discard() and not paced.discard()
+    assert all(flag.is_set() for flag in paced.issued) and mover._paced_active == 0
+    with pytest.raises(RuntimeError, match="runs once"):
+        paced.feed()
+    events = mover.load_layers(page_ids, slots, 3)  # the staging path again
+    assert events is not None
+    events[-1].synchronize()
     assert kv_equal(back, expect)

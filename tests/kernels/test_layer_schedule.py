@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from aiokv.kernels.mover import LAYER_BUFFERS, layer_groups, layer_schedule, slab_runs, split_layer_staging
+from aiokv.kernels.mover import (
+    LAYER_BUFFERS,
+    PACE_BYTES,
+    feed_paced,
+    layer_groups,
+    layer_schedule,
+    pace_window,
+    slab_runs,
+    split_layer_staging,
+)
 
 
 @pytest.mark.parametrize("capacity", [1, 5, 42])
@@ -90,3 +99,77 @@ def test_slab_runs_join_consecutive_pages_within_one_registration() -> None:
     assert slab_runs([], 4) == []
     covered = [p for _, first, n in slab_runs(ids, 4) for p in range(first, first + n)]
     assert covered == ids
+
+
+# -- pacing: how far a layer-wise load is queued ahead of the GPU ----------------------------------
+
+
+def test_pace_window_in_bytes_never_below_the_buffers() -> None:
+    assert pace_window(42 << 20) == PACE_BYTES // (42 << 20)  # a 32K-token 8B hit: 6 units of 42 MiB
+    assert pace_window(1 << 40) == LAYER_BUFFERS + 1  # huge units: still one ahead of the buffers
+    assert pace_window(1 << 20, pace_bytes=8 << 20) == 8
+    with pytest.raises(ValueError, match="positive"):
+        pace_window(0)
+
+
+@pytest.mark.parametrize(("count", "window"), [(1, 4), (10, 4), (128, 6), (5, 5)])
+def test_feed_issues_in_order_each_after_the_unit_a_window_earlier(count: int, window: int) -> None:
+    done: set[int] = set()  # units the "GPU" finished: only those the feeder waited for
+    trace: list[tuple[str, int]] = []
+
+    def issue(k: int) -> None:
+        if k >= window:  # waiting for a unit covers the earlier ones (a stream completes in order)
+            assert k - window <= max(done, default=-1), f"unit {k} queued before unit {k - window} was done"
+        trace.append(("issue", k))
+
+    def wait(k: int) -> None:
+        assert ("issue", k) in trace, f"waited for unit {k} before queuing it"
+        done.add(k)
+        trace.append(("wait", k))
+
+    assert feed_paced(count, window, issue, wait, lambda: False) == count
+    assert [k for op, k in trace if op == "issue"] == list(range(count))
+    waits = [k for op, k in trace if op == "wait"]
+    assert waits == sorted(set(waits)), "waits for later and later units"
+    # At any time at most `window` units are queued and not known done (a wait covers every unit
+    # up to the one waited for: a stream completes in order).
+    known = -1
+    for op, k in trace:
+        if op == "wait":
+            known = k
+        else:
+            assert k - known <= window
+    # Woken once per half window, not once per unit: the feeding thread takes the GIL back rarely.
+    half = max(1, window // 2)
+    assert len(waits) <= -(-max(0, count - window) // half), waits
+
+
+def test_feed_stops_before_the_next_unit_and_after_a_wait() -> None:
+    issued: list[int] = []
+    stop = [False]
+
+    def issue(k: int) -> None:
+        issued.append(k)
+        if k == 2:
+            stop[0] = True
+
+    assert feed_paced(10, 4, issue, lambda k: None, lambda: stop[0]) == 3
+    assert issued == [0, 1, 2]
+
+    issued.clear()
+    stop[0] = False
+
+    def wait(k: int) -> None:
+        stop[0] = True  # stopped while waiting for the GPU: the unit that needed the wait is not queued
+
+    assert feed_paced(10, 4, issued.append, wait, lambda: stop[0]) == 4
+    assert issued == [0, 1, 2, 3]
+
+
+def test_feed_propagates_a_failed_issue_with_the_count_so_far() -> None:
+    def issue(k: int) -> None:
+        if k == 5:
+            raise RuntimeError("launch refused")
+
+    with pytest.raises(RuntimeError, match="launch refused"):
+        feed_paced(10, 4, issue, lambda k: None, lambda: False)
