@@ -260,7 +260,8 @@ class LoadStream:
             self._promotions[lower] = asyncio.ensure_future(self._manager._promote(self._keys[lower]))
 
     def _lands_in_time(self, page: int) -> bool:
-        """Whether a read of ``page`` started now should land before the engine finishes the page.
+        """Whether a read of ``page`` started now should land before the engine claims into the page
+        (reaches its first token: from then on the loader may no longer launch it).
 
         By the rates: this stream's own disk pace once a page landed (else the cost model's), the
         engine's prefill rate. Always True until the engine claims (it may never: then the load must
@@ -277,7 +278,7 @@ class LoadStream:
             return True
         # Reads already in flight land first (or share the device with this one until they do).
         lands = (len(self._promotions) + 1) * page_bytes / disk
-        reached = ((page + 1) * self._t - self._claimed) / prefill
+        reached = (self._start_of(page) - self._claimed) / prefill
         return lands < reached
 
     async def _read(self, page: int) -> asyncio.Task[PageHandle | None] | None:

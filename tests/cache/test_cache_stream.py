@@ -115,6 +115,34 @@ async def test_an_idle_engine_gets_everything_loaded_from_pool_and_disk(tmp_path
 
 
 @pytest.mark.asyncio
+async def test_a_disk_read_must_land_before_the_engine_reaches_the_first_token_of_its_page(tmp_path: Path) -> None:
+    # Regression: the loader compared a read's landing with when the engine would reach the END of
+    # the page; the engine claims from the page's first token on, after which the read is wasted.
+    kv = make_kv(73)
+    n = 8 * T
+    tokens = prompt(73, n)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        cache.pool.table.evict(cache.pool.num_pages)  # every page only on disk
+        costs = cache.manager.costs
+        costs.disk.update(LAYOUT.page_bytes, 0.010)  # a page read takes 10 ms
+        costs.prefill.update(T, 0.010)  # the engine computes a page in 10 ms
+        match = await cache.match(tokens)
+        assert match.disk_pages == 8
+        stream = await cache.start_load(match, torch.arange(50, 50 + n))
+        # Before the loader's first turn: the engine has claimed two pages, nothing is in flight.
+        stream._claimed = 2 * T
+        # Page 3 starts one page ahead of the engine: a read landing in 10 ms lands as the engine
+        # gets there, too late; page 4 starts two pages ahead.
+        assert not stream._lands_in_time(3)
+        assert stream._lands_in_time(4)
+        await stream.aclose()
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
 async def test_a_corrupt_disk_page_shortens_the_loaded_suffix_and_the_engine_computes_the_rest(
     tmp_path: Path,
 ) -> None:
