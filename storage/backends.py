@@ -19,9 +19,9 @@ import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool, PoolClosedError
@@ -48,6 +48,10 @@ unlink or rename of an evicted file."""
 
 Published = Callable[[BaseException | None], None]
 """Completion of :meth:`PageIO.start_publish`: None when published, else the fault."""
+
+Recycled = Callable[[BaseException | None, bool], None]
+"""Completion of :meth:`PageIO.start_recycle`: the fault or None, and whether the victim's file
+was taken over (opened, checked and renamed to the temporary name)."""
 
 Loaded = Callable[[int | BaseException], None]
 """Completion of :meth:`PageIO.start_load`: bytes read, or the fault."""
@@ -206,21 +210,22 @@ class PageIO(Protocol):
     direct: bool
     faults: FaultPlan
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
-        """Open the page file ``victim`` for overwriting (our regular file, one link; O_DIRECT when
-        ``direct`` and the tier's files use it), then rename it to ``temp``: a recycled file is
-        checked before the rename moves it. Returns the open fd."""
+    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
+                      done: Published) -> None:
+        """Create ``temp`` exclusively, write header slot ``slot`` and ``page`` into it, then rename it
+        to ``final`` (both names in the directory ``dir_fd``); ``done(None)`` on the loop once
+        published, or ``done(OSError)``, never from inside this call. ``page`` is read until ``done``
+        runs; O_DIRECT only where it is ``aligned``. On failure ``temp`` is removed before ``done``
+        runs. A short write is ENOSPC (file system full)."""
         ...
 
-    def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
-                      fd: int | None, done: Published) -> None:
-        """Write header slot ``slot`` and ``page`` into ``temp``, then rename it to ``final``
-        (both names in the directory ``dir_fd``); ``done(None)`` on the loop once published, or
-        ``done(OSError)``, never from inside this call. ``page`` is read until ``done`` runs; O_DIRECT
-        only where it is ``aligned``.
-
-        ``fd``: ``temp`` opened by :meth:`take_over` (closed here); None: create ``temp`` exclusively.
-        On failure ``temp`` is removed before ``done`` runs. A short write is ENOSPC (file system full)."""
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+                      page: PageBuffer, sync: bool, done: Recycled) -> None:
+        """As :meth:`start_publish`, overwriting the evicted page file ``victim`` instead of creating
+        one: open it for writing (checked: our regular file, one link) and rename it to ``temp``
+        before a byte moves, so a crash mid-overwrite leaves only a temporary file. ``done(error,
+        taken)``: ``taken`` False when the victim was not taken over (gone, not ours, or the open or
+        rename failed: nothing was written); on a fault after the take-over ``temp`` is removed."""
         ...
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
@@ -326,14 +331,32 @@ class UringPageIO:
                 self._starts.append(region.address)
 
         def register() -> None:
+            try:
+                self._table.ensure()
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                register_whole()
+                return
             # Header slots first (tiny), then the pool in address order: each update holds the
             # ring's lock only while it pins one region, already faulted in.
-            self._table.ensure()
             for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
                 if stop.is_set():
                     return
                 populate(region.address, region.length)
                 self.engine.update_buffer(region)
+                loop.call_soon_threadsafe(adopt, region, slot)
+
+        def register_whole() -> None:
+            # Kernels 5.15-5.18 refuse sparse tables (EINVAL): register the pool and the header
+            # slots in one call, as a forced URING_FIXED does (faulted in first: the ring's lock is
+            # held for the whole call). No slot is left for callers' regions.
+            self._table.refuse()
+            pb = self._page_bytes
+            pool_regions, slot_regions = _populate_then_register(
+                self.engine, [(self._base, self._pool.num_pages * pb, pb),
+                              (self._slots.address, self._slots.count * HEADER_BYTES, HEADER_BYTES)])
+            for region, slot in [(r, True) for r in slot_regions] + [(r, False) for r in pool_regions]:
                 loop.call_soon_threadsafe(adopt, region, slot)
 
         # On the pool's own preparation threads (nice +10, already running): faulting in is kernel
@@ -457,20 +480,6 @@ class UringPageIO:
         self.engine.submit(ops, keep, None, future)
         return future
 
-    async def _open(self, dir_fd: int, name: str, flags: int, mode: int, write: bool, direct: bool) -> int:
-        # O_NONBLOCK: opening a FIFO must not park an io_uring worker (nor aclose) forever.
-        try:
-            fd = await self.engine.openat(name.encode(), flags | OPEN_FLAGS, mode, dir_fd=dir_fd)
-        except OSError as exc:
-            raise classify_open_error(exc, name) from None
-        try:
-            check_page_fd(fd, name, write)
-            ready_for_io(fd, self.direct and direct)
-        except BaseException:
-            os.close(fd)  # nothing was read or written through it
-            raise
-        return fd
-
     async def _close_quiet(self, fd: int) -> None:
         # A broken chain skipped its CLOSE.
         with contextlib.suppress(OSError):
@@ -480,75 +489,102 @@ class UringPageIO:
         with contextlib.suppress(OSError):
             await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
-        fd = await self._open(victim_dir, victim, os.O_WRONLY, 0, write=True, direct=direct)
-        try:
-            a, b = ctypes.create_string_buffer(victim.encode()), ctypes.create_string_buffer(temp.encode())
-            op = uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(a), temp_dir & 0xFFFFFFFF,
-                           ctypes.addressof(b))
-            (res,) = await self._submit([op], (a, b))
-            if res < 0:
-                raise OSError(-res, os.strerror(-res))
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
     def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
-                      fd: int | None, done: Published) -> None:
+                      done: Published) -> None:
+        # A fresh O_EXCL|O_NOFOLLOW create can only make a new regular file of ours with one link,
+        # so it needs no fstat check: open, write, close and rename go in one chain, through the
+        # I/O slot's fixed-file entry (the fd does not exist before the chain runs). No O_CLOEXEC:
+        # the kernel refuses it for a fixed-file slot (which no exec can inherit anyway).
         tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
-        ops: list[uring.SqeFields] = []
-        created = fd is None
-        if created:
-            # A fresh O_EXCL|O_NOFOLLOW create can only make a new regular file of ours with one
-            # link, so it needs no fstat check: open, write, close and rename go in one chain,
-            # through the I/O slot's fixed-file entry (the fd does not exist before the chain runs).
-            # No O_CLOEXEC: the kernel refuses it for a fixed-file slot (which no exec can inherit anyway).
-            direct = os.O_DIRECT if self.direct and page.aligned else 0
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct
-            ops.append(uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(tmp), 0o600, 0, flags, file_index=slot + 1))
-            ops += self._transfer(True, slot, True, slot, page)
-            if sync:
-                ops.append(uring.sqe(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
-            ops.append(uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1))
-        else:
-            assert fd is not None
-            ops += self._transfer(True, fd, False, slot, page)
-            if sync:
-                ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
-            ops.append(uring.sqe(uring.OP_CLOSE, fd))
-        ops.append(uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF,
-                             ctypes.addressof(fin)))
+        direct = os.O_DIRECT if self.direct and page.aligned else 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct
+        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(tmp), 0o600, 0, flags, file_index=slot + 1),
+               *self._transfer(True, slot, True, slot, page)]
+        if sync:
+            ops.append(uring.sqe(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
+        ops += [uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1),
+                uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF, ctypes.addressof(fin))]
 
         def written(results: list[int]) -> None:
-            if not any(res < 0 for res in results) and self._written(ops, results):
+            if results[0] >= 0 and self._written(ops, results, 1):
                 done(None)
                 return
             # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
-            cleanup = asyncio.ensure_future(self._publish_failed(ops, results, dir_fd, temp, slot, fd))
-            cleanup.add_done_callback(lambda job: done(job.exception() or OSError(errno.EIO, "publish failed")))
+            self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
 
         self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written)
 
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+                      page: PageBuffer, sync: bool, done: Recycled) -> None:
+        # Two submissions: OPENAT of the victim into a normal fd (O_NONBLOCK: a FIFO must not park
+        # an io_uring worker), fstat-checked on the loop when it completes (a chain cannot look at
+        # the file); then one chain: RENAMEAT victim -> temp, header and page, [FSYNC], CLOSE,
+        # RENAMEAT temp -> final.
+        name = ctypes.create_string_buffer(victim.encode())
+
+        def opened(results: list[int]) -> None:
+            fd = results[0]
+            if fd < 0:
+                done(classify_open_error(OSError(-fd, os.strerror(-fd)), victim), False)
+                return
+            try:
+                check_page_fd(fd, victim, True)
+                ready_for_io(fd, self.direct and page.aligned, os.O_WRONLY | OPEN_FLAGS)
+            except Exception as exc:
+                os.close(fd)  # nothing was written through it
+                done(exc, False)
+                return
+            tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
+            ops = [uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(name), dir_fd & 0xFFFFFFFF,
+                             ctypes.addressof(tmp)),
+                   *self._transfer(True, fd, False, slot, page)]
+            if sync:
+                ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
+            ops += [uring.sqe(uring.OP_CLOSE, fd),
+                    uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF,
+                              ctypes.addressof(fin))]
+
+            def written(results: list[int]) -> None:
+                if self._written(ops, results, 0):
+                    done(None, True)
+                    return
+                if results[0] < 0:  # the victim was not renamed: nothing written, its CLOSE skipped
+                    self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
+                    done(OSError(-results[0], os.strerror(-results[0])), False)
+                    return
+                self._cleanup(self._recycle_failed(ops, results, dir_fd, temp, fd), lambda exc: done(exc, True))
+
+            self.engine.submit(ops, (name, tmp, fin, self._slots, self._pool, page.view), written)
+
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, ctypes.addressof(name), 0, 0,
+                                      os.O_WRONLY | OPEN_FLAGS)], name, opened)
+
+    def _cleanup(self, job: Coroutine[Any, Any, None], done: Published) -> None:
+        """Run a failed chain's clean-up coroutine (it raises the fault it met), then ``done(fault)``."""
+        task = asyncio.ensure_future(job)
+        task.add_done_callback(lambda task: done(task.exception() or OSError(errno.EIO, "write chain failed")))
+
     async def _publish_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
-                              slot: int, fd: int | None) -> None:
-        """Clean up after a broken write chain; raises the fault it met."""
-        created = fd is None
-        first = results[0] if created else 0
-        if created and first < 0:
+                              slot: int) -> None:
+        """Clean up after a broken new-file chain; raises the fault it met."""
+        first = results[0]
+        if first < 0:
             if first == -errno.EEXIST:
                 raise _planted_temp(temp)
             raise classify_open_error(OSError(-first, os.strerror(-first)), temp)
-        close_at = len(ops) - 2
-        if results[close_at] == -errno.ECANCELED:  # the chain broke before its CLOSE
-            if created:
-                with contextlib.suppress(OSError):
-                    await self._submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
-            else:
-                assert fd is not None
-                await self._close_quiet(fd)
+        if results[-2] == -errno.ECANCELED:  # the chain broke before its CLOSE
+            with contextlib.suppress(OSError):
+                await self._submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None)
         await self._unlink_quiet(dir_fd, temp)
-        raise _chain_error(results[1:] if created else results, self._expect(ops[1:] if created else ops))
+        raise _chain_error(results[1:], self._expect(ops[1:]))
+
+    async def _recycle_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
+                              fd: int) -> None:
+        """Clean up after a recycling chain that broke after the victim became ``temp``; raises the fault."""
+        if results[-2] == -errno.ECANCELED:  # the chain broke before its CLOSE
+            await self._close_quiet(fd)
+        await self._unlink_quiet(dir_fd, temp)
+        raise _chain_error(results, self._expect(ops))
 
     def _expect(self, ops: list[uring.SqeFields]) -> list[int]:
         # What each op of a write chain returns when it succeeds: bytes for transfers, else 0.
@@ -562,8 +598,8 @@ class UringPageIO:
                 want.append(0)
         return want
 
-    def _written(self, ops: list[uring.SqeFields], results: list[int]) -> bool:
-        start = 1 if ops[0][0] == uring.OP_OPENAT else 0
+    def _written(self, ops: list[uring.SqeFields], results: list[int], start: int) -> bool:
+        """Whether every op from ``start`` on (an OPENAT's fd is no byte count) did what it should."""
         return results[start:] == self._expect(ops[start:])
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
@@ -578,7 +614,7 @@ class UringPageIO:
                 return
             try:
                 check_page_fd(fd, name, False)
-                ready_for_io(fd, self.direct and page.aligned)
+                ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
             except Exception as exc:
                 os.close(fd)  # nothing was read through it
                 done(exc)
@@ -619,6 +655,14 @@ class UringPageIO:
         self._ext_views.clear()
 
 
+class _NotTaken(Exception):
+    """The victim of a recycling write was not taken over (threads backend): ``error`` says why."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class ThreadPageIO:
     """Page files through ``os.pwritev``/``os.preadv`` in a thread pool (io_uring refused)."""
 
@@ -652,15 +696,19 @@ class ThreadPageIO:
         self._fault(IOOp.OPEN)
         return open_page_file(name, flags, dir_fd, write, self.direct and direct)
 
-    def _take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
-        fd = self._open(victim_dir, victim, os.O_WRONLY, write=True, direct=direct)
+    def _recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+                 page: PageBuffer, sync: bool) -> None:
         try:
-            self._fault(IOOp.RENAME)
-            os.rename(victim, temp, src_dir_fd=victim_dir, dst_dir_fd=temp_dir)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+            fd = self._open(victim_dir, victim, os.O_WRONLY, write=True, direct=page.aligned)
+            try:
+                self._fault(IOOp.RENAME)
+                os.rename(victim, temp, src_dir_fd=victim_dir, dst_dir_fd=dir_fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        except OSError as exc:
+            raise _NotTaken(exc) from None
+        self._publish(dir_fd, temp, final, slot, page, sync, fd)
 
     def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                  fd: int | None) -> None:
@@ -706,15 +754,22 @@ class ThreadPageIO:
         self._fault(IOOp.UNLINK)
         os.unlink(name, dir_fd=dir_fd)
 
-    async def take_over(self, victim_dir: int, victim: str, temp_dir: int, temp: str, direct: bool) -> int:
-        result = await self._run(self._take_over, victim_dir, victim, temp_dir, temp, direct)
-        assert isinstance(result, int)
-        return result
-
     def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
-                      fd: int | None, done: Published) -> None:
-        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync, fd)
+                      done: Published) -> None:
+        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync, None)
         job.add_done_callback(lambda job: done(job.exception()))
+
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+                      page: PageBuffer, sync: bool, done: Recycled) -> None:
+        def finished(job: asyncio.Future[object]) -> None:
+            exc = job.exception()
+            if isinstance(exc, _NotTaken):
+                done(exc.error, False)
+            else:
+                done(exc, True)
+
+        self._start(self._recycle, victim_dir, victim, dir_fd, temp, final, slot, page, sync).add_done_callback(
+            finished)
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         job = self._start(self._load, dir_fd, name, slot, page)
@@ -816,6 +871,11 @@ class _BufferTable:
             if not self._made:
                 self._engine.register_sparse_buffers(self.size)
                 self._made = True
+
+    def refuse(self) -> None:
+        """No sparse table here (the pool was registered whole): callers' regions get no slot."""
+        with self._lock:
+            self.size = 0
 
     def take(self, count: int) -> int | None:
         """The first of ``count`` consecutive free slots, or None when the table lacks them."""

@@ -22,8 +22,6 @@ write, or another cache holding the directory's lock) serves and verifies reads,
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import errno
 import functools
 import logging
@@ -42,6 +40,7 @@ from .checksum import Checksums
 from .config import DiskBackend, DiskConfig, DiskStatistics, ReadOnly
 from .faults import DiskFaults
 from .index import PageIndex
+from .jobs import IOSlots, Job, ReadJob, WriteJob, wait_uncancelled
 from .layoutdir import Prepared, free_space, prepare
 from .pagefile import (
     PageFiles,
@@ -85,17 +84,16 @@ class DiskTier:
         self._file_bytes = file_bytes(layout)
         self._io: PageIO | None = None
         self._slots: HeaderSlots | None = None
-        self._free_slots: list[int] = list(range(config.queue_depth))
-        self._slot_waiters: collections.deque[_Job] = collections.deque()
+        self._io_slots = IOSlots(config.queue_depth)
         self._payload_bytes = layout.payload_bytes
         self._active = 0  # page jobs driven by callbacks, not yet ended
         self._idle: asyncio.Future[None] | None = None
         self._checksums: Checksums | None = None
         self._index = PageIndex(self._file_bytes, config.capacity_bytes, config.min_free_bytes)
-        self._writing: dict[PageKey, _WriteJob] = {}
+        self._writing: dict[PageKey, WriteJob] = {}
         self._delete_after_write: set[PageKey] = set()
         # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
-        self._moving: dict[PageKey, asyncio.Task[Any]] = {}
+        self._moving: dict[PageKey, asyncio.Future[Any]] = {}
         self._recycled = 0
         self._jobs: set[asyncio.Task[Any]] = set()
         self._queue: WriteBehind | None = None
@@ -106,7 +104,6 @@ class DiskTier:
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._hits = self._misses = self._corrupt = self._dropped = 0
         self._temp_removed = self._skipped = self._writes_refused = 0
-        self._in_flight = 0
         self._buffered_fallbacks = self._memory_unregistered = 0
         self._dir: Prepared | None = None
         self._read_only: ReadOnly | None = None
@@ -285,7 +282,7 @@ class DiskTier:
             page.release()
 
     def _join_write(self, key: PageKey, ref: PageHandle | None,
-                    page: PageBuffer | None) -> bool | tuple[_WriteJob, asyncio.Future[bool]]:
+                    page: PageBuffer | None) -> bool | tuple[WriteJob, asyncio.Future[bool]]:
         """Start a write of ``key`` from ``ref`` (taken by the job) or ``page``, or join the one in
         flight; the job and this caller's future, or the answer when there is nothing to write
         (``ref`` is then still the caller's)."""
@@ -298,7 +295,7 @@ class DiskTier:
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         job = self._writing.get(key)
         if job is None:
-            job = self._writing[key] = _WriteJob(key, ref, page)
+            job = self._writing[key] = WriteJob(key, ref, page)
             job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
             self._job_started()
             self._start_write(job)
@@ -308,73 +305,148 @@ class DiskTier:
             job.waiters.append(waiter)
         return job, waiter
 
-    def _start_write(self, job: _WriteJob) -> None:
-        """The common case driven by completion callbacks (no task per page): a new file, no rename
-        of the key in flight, room without recycling. Everything else takes the coroutine path."""
-        try:
-            if job.key in self._moving or self._space_recheck_due():
-                self._spawn(self._write_slow(job, 0, None, refresh=False))
-                return
-            claim = self._index.claim(self.config.recycle_files)
-            if claim is None:
-                self._dropped += 1
-                self._end_write(job, False)
-                return
-            victim, evicted = claim
-            self._remove_files(evicted)
-            if victim is not None:
-                self._spawn(self._write_slow(job, 0, claim, refresh=False))
-                return
-            self._with_slot(job, self._write_slot)
-        except Exception:
-            self._faults.unexpected("write")
-            self._end_write(job, False)
-
-    def _write_slot(self, job: _Job, slot: int) -> None:
-        assert isinstance(job, _WriteJob) and self._checksums is not None
-        job.slot, job.holds_slot = slot, True
+    def _start_write(self, job: WriteJob) -> None:
+        """Hash the payload first (holding no I/O slot or room meanwhile), then claim room, take a
+        slot and publish, all moved on by completion callbacks. Only the rare waits — a rename or
+        unlink of the key in flight, a due free-space check, an ENOSPC retry — take a coroutine."""
+        assert self._checksums is not None
         try:
             job.page = self._source(job)
             self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job))
         except Exception:
-            self._write_failed(job, None)
+            self._write_bug(job)
 
-    def _write_hashed(self, job: _WriteJob, checksum: int | BaseException) -> None:
-        assert self._slots is not None and self._io is not None
+    def _write_hashed(self, job: WriteJob, checksum: int | BaseException) -> None:
         try:
             if isinstance(checksum, BaseException):
                 raise checksum
-            pack_header(self._slots.views[job.slot], self.layout, job.key, checksum)
-            dir_fd, final = self._where(job.key)
-            assert job.page is not None
-            self._io.start_publish(dir_fd, self._temp(job.key), final, job.slot, job.page,
-                                   self.config.sync_writes, None, functools.partial(self._write_done, job))
+            job.checksum = checksum
+            if job.key in self._moving or self._space_recheck_due():
+                self._spawn(self._write_later(job, refresh=False))
+            else:
+                self._claim(job)
         except Exception:
+            self._write_bug(job)
+
+    async def _write_later(self, job: WriteJob, refresh: bool) -> None:
+        """Look at the free space again (``refresh``: the file system just said it is full), wait
+        for a rename or unlink of the key in flight, then go on by callbacks."""
+        try:
+            if refresh:
+                await self._refresh_space(after_enospc=True)
+            else:
+                await self._recheck_space()
+            moving = self._moving.get(job.key)
+            if moving is not None:
+                await asyncio.wait({moving})  # an old unlink must not remove the new file
+            self._claim(job)
+        except Exception:
+            self._write_bug(job)
+
+    def _claim(self, job: WriteJob) -> None:
+        """Room for the file (evicting least recently used files, or recycling one), then a slot."""
+        if self._read_only is not None:  # became read-only meanwhile
+            self._writes_refused += 1
+            self._end_write(job, False)
+            return
+        claim = self._index.claim(self.config.recycle_files)
+        if claim is None:
+            self._dropped += 1
+            self._end_write(job, False)
+            return
+        job.victim, evicted = claim
+        unlinks = self._remove_files(evicted)
+        if job.attempt and unlinks:
+            # A retry after ENOSPC needs the space they free (they never raise).
+            freed = asyncio.gather(*unlinks, return_exceptions=True)
+            freed.add_done_callback(lambda _: self._io_slots.take(job, self._write_slot))
+        else:
+            self._io_slots.take(job, self._write_slot)
+
+    def _write_slot(self, job: Job, slot: int) -> None:
+        assert isinstance(job, WriteJob) and self._slots is not None and self._io is not None
+        try:
+            assert job.page is not None
+            pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
+            dir_fd, final = self._where(job.key)
+            temp = self._temp(job.key)
+            if job.victim is None:
+                self._io.start_publish(dir_fd, temp, final, slot, job.page, self.config.sync_writes,
+                                       functools.partial(self._written, job))
+                return
+            # The victim's file is renamed to ``temp`` in the chain: a new write of the victim's key
+            # waits until it left the name.
+            job.moved = asyncio.get_running_loop().create_future()
+            self._moving[job.victim] = job.moved
+            self._io.start_recycle(*self._where(job.victim), dir_fd, temp, final, slot, job.page,
+                                   self.config.sync_writes, functools.partial(self._recycled_done, job))
+        except Exception:
+            self._victim_moved(job)
             self._write_failed(job, None)
 
-    def _write_done(self, job: _WriteJob, error: BaseException | None) -> None:
-        self._return_slot(job)
-        if error is None:
-            try:
-                self._end_write(job, True)
-            except Exception:  # never left unended: its caller and close() wait for the end
-                self._faults.unexpected("write")
-                if not job.ended:
-                    self._end_write(job, False)
-        else:
-            self._write_failed(job, error)
+    def _victim_moved(self, job: WriteJob) -> None:
+        moved = job.moved
+        if moved is None:
+            return
+        job.moved = None
+        moved.set_result(None)
+        assert job.victim is not None
+        if self._moving.get(job.victim) is moved:
+            del self._moving[job.victim]
 
-    def _write_failed(self, job: _WriteJob, error: BaseException | None) -> None:
-        """A fast-path write failed: the room goes back; ENOSPC tries again on the coroutine path."""
+    def _recycled_done(self, job: WriteJob, error: BaseException | None, taken: bool) -> None:
+        """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
+        instead), not ours (counted, unlinked, a new file instead) or a fault."""
+        try:
+            victim = job.victim
+            assert victim is not None and self._io is not None and job.page is not None
+            self._victim_moved(job)
+            if taken:
+                self._recycled += 1
+            if error is None or taken:
+                self._written(job, error)
+                return
+            if isinstance(error, UnsafeFileError):
+                self._faults.count(error, "recycle")
+                self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
+            elif not isinstance(error, FileNotFoundError):
+                if not (isinstance(error, OSError) and error.errno == errno.EROFS):
+                    self._unlink_later(victim)  # out of the index already: do not orphan its file
+                self._write_failed(job, error)
+                return
+            job.victim = None
+            self._write_slot(job, job.slot)  # still holding the slot: a new file in its place
+        except Exception:
+            self._write_bug(job)
+
+    def _written(self, job: WriteJob, error: BaseException | None) -> None:
+        self._return_slot(job)
+        if error is not None:
+            self._write_failed(job, error)
+            return
+        try:
+            self._end_write(job, True)
+        except Exception:  # never left unended: its caller and close() wait for the end
+            self._write_bug(job)
+
+    def _write_failed(self, job: WriteJob, error: BaseException | None) -> None:
+        """A write that held room failed: the room goes back; ENOSPC tries again (bounded)."""
         self._return_slot(job)
         self._index.give_back()
         if not isinstance(error, OSError):
-            self._faults.unexpected("write")
-            self._end_write(job, False)
+            self._write_bug(job)
             return
-        if self._count_write_fault(error) and self.config.enospc_retries > 0:
-            self._spawn(self._write_slow(job, 1, None, refresh=True))
+        if self._count_write_fault(error) and job.attempt < self.config.enospc_retries:
+            job.attempt += 1
+            self._spawn(self._write_later(job, refresh=True))
         else:
+            self._end_write(job, False)
+
+    def _write_bug(self, job: WriteJob) -> None:
+        """An unexpected failure (a bug): counted and logged; the job ends, its slot given back."""
+        self._return_slot(job)
+        self._faults.unexpected("write")
+        if not job.ended:
             self._end_write(job, False)
 
     def _count_write_fault(self, exc: OSError) -> bool:
@@ -384,22 +456,7 @@ class DiskTier:
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
-    async def _write_slow(self, job: _WriteJob, first: int, claim: tuple[PageKey | None, list[PageKey]] | None,
-                          refresh: bool) -> None:
-        stored = False
-        try:
-            if refresh:
-                await self._refresh_space(after_enospc=True)
-            moving = self._moving.get(job.key)
-            if moving is not None:
-                await asyncio.wait({moving})  # an old unlink must not remove the new file
-            stored = await self._store(job, first, claim)
-        except Exception:
-            self._faults.unexpected("write")
-        finally:
-            self._end_write(job, stored)
-
-    def _end_write(self, job: _WriteJob, stored: bool) -> None:
+    def _end_write(self, job: WriteJob, stored: bool) -> None:
         key = job.key
         if job.ref is not None:
             self._release(job.ref)
@@ -418,61 +475,6 @@ class DiskTier:
                 waiter.set_result(stored)
         self._job_ended(job)
 
-    async def _store(self, job: _WriteJob, first: int = 0,
-                     claim: tuple[PageKey | None, list[PageKey]] | None = None) -> bool:
-        """Publish ``job``'s page file. True: stored, its room held in the index's ``used``. A full file system
-        (ENOSPC) is a capacity signal: the budget shrinks to what is stored, least recently used
-        files make room, and the write is tried again, ``enospc_retries`` times at most.
-        ``first``: attempts already made; ``claim``: room the caller already claimed for this one."""
-        retries = self.config.enospc_retries
-        for attempt in range(first, retries + 1):
-            if claim is None:
-                if self._read_only is not None:  # became read-only meanwhile
-                    self._writes_refused += 1
-                    return False
-                await self._recheck_space()
-                claim = self._index.claim(self.config.recycle_files)
-                if claim is None:
-                    self._dropped += 1
-                    return False
-                unlinks = self._remove_files(claim[1])
-                if attempt and unlinks:
-                    await asyncio.wait(unlinks)  # a retry needs the space they free
-            victim, claim = claim[0], None
-            try:
-                await self._publish(job, victim)
-                return True
-            except OSError as exc:
-                self._index.give_back()
-                if not self._count_write_fault(exc) or attempt == retries:
-                    return False
-                await self._refresh_space(after_enospc=True)
-            except BaseException:
-                self._index.give_back()
-                raise
-        return False
-
-    async def _publish(self, job: _WriteJob, victim: PageKey | None) -> None:
-        key = job.key
-        page = self._source(job)
-        dir_fd, final = self._where(key)
-        temp = self._temp(key)
-        slot = await self._take_slot()
-        try:
-            assert self._slots is not None
-            assert self._io is not None
-            assert self._checksums is not None
-            checksum = await self._checksums.checksum(page.payload)
-            pack_header(self._slots.views[slot], self.layout, key, checksum)
-            fd = None if victim is None else await self._take_over(victim, dir_fd, temp, page.aligned)
-            published: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-            self._io.start_publish(dir_fd, temp, final, slot, page, self.config.sync_writes, fd, published.set_result)
-            error = await published  # a job task: never cancelled (callers are shielded from it)
-            if error is not None:
-                raise error
-        finally:
-            self._give_slot(slot)
-
     def _where(self, key: PageKey) -> tuple[int, str]:
         """The directory descriptor and name of ``key``'s page file: its fan-out directory's, or the
         layout directory's (with the fan-out prefix) where that could not be opened at start."""
@@ -487,30 +489,6 @@ class DiskTier:
         start-up removes leftover temporaries only inside fan-out directories."""
         assert self._dir is not None
         return self.files.temp_name(key) if self._dir.fanout[key[0]] >= 0 else self.files.temp_rel(key)
-
-    async def _take_over(self, victim: PageKey, temp_dir: int, temp: str, direct: bool) -> int | None:
-        """Rename the evicted ``victim``'s file to ``temp`` for overwriting; its fd, or None when it is
-        gone or is not our page file (then ``temp`` is created instead)."""
-        assert self._io is not None
-        victim_dir, victim_name = self._where(victim)
-        move = self._spawn(self._io.take_over(victim_dir, victim_name, temp_dir, temp, direct))
-        self._moving[victim] = move  # a new write of ``victim`` waits for this rename
-        await asyncio.wait({move})
-        if self._moving.get(victim) is move:
-            del self._moving[victim]
-        error = move.exception()
-        if error is None:
-            self._recycled += 1
-            return move.result()
-        if isinstance(error, FileNotFoundError):
-            return None
-        if isinstance(error, UnsafeFileError):
-            self._faults.count(error, "recycle")
-            self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
-            return None
-        if not (isinstance(error, OSError) and error.errno == errno.EROFS):
-            self._unlink_later(victim)  # out of the index already: do not orphan its file
-        raise error
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -551,9 +529,9 @@ class DiskTier:
             self._misses += 1
             return False
         self._index.touch(key)
-        job = _ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
+        job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
         self._job_started()
-        self._with_slot(job, self._read_slot)
+        self._io_slots.take(job, self._read_slot)
         try:
             return await job.result
         except asyncio.CancelledError:
@@ -561,9 +539,8 @@ class DiskTier:
                 await job.wait_ended()  # the kernel (or a thread) may still write into the page
             raise
 
-    def _read_slot(self, job: _Job, slot: int) -> None:
-        assert isinstance(job, _ReadJob) and self._io is not None
-        job.slot, job.holds_slot = slot, True
+    def _read_slot(self, job: Job, slot: int) -> None:
+        assert isinstance(job, ReadJob) and self._io is not None
         self._reads += 1
         self._index.readers[job.key] += 1
         try:
@@ -580,7 +557,7 @@ class DiskTier:
         if not readers[key]:
             del readers[key]
 
-    def _read_loaded(self, job: _ReadJob, got: int | BaseException) -> None:
+    def _read_loaded(self, job: ReadJob, got: int | BaseException) -> None:
         assert self._slots is not None and self._checksums is not None
         key, generation = job.key, job.generation
         self._read_unreader(key)
@@ -608,7 +585,7 @@ class DiskTier:
             if not job.ended:
                 self._end_read(job, False)
 
-    def _read_fault(self, job: _ReadJob, exc: BaseException) -> None:
+    def _read_fault(self, job: ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
             self._forget(job.key, job.generation)  # removed behind our back
         elif isinstance(exc, UnsafeFileError):  # planted: nothing was read through it
@@ -621,7 +598,7 @@ class DiskTier:
             self._faults.unexpected("read")
         self._end_read(job, False)
 
-    def _read_hashed(self, job: _ReadJob, checksum: int | BaseException) -> None:
+    def _read_hashed(self, job: ReadJob, checksum: int | BaseException) -> None:
         try:
             if isinstance(checksum, BaseException):
                 self._faults.unexpected("read")
@@ -637,7 +614,7 @@ class DiskTier:
             if not job.ended:
                 self._end_read(job, False)
 
-    def _end_read(self, job: _ReadJob, ok: bool) -> None:
+    def _end_read(self, job: ReadJob, ok: bool) -> None:
         if ok:
             self._hits += 1
         else:
@@ -646,11 +623,10 @@ class DiskTier:
             job.result.set_result(ok)
         self._job_ended(job)
 
-    def _cancel_waiting(self, job: _ReadJob) -> bool:
+    def _cancel_waiting(self, job: ReadJob) -> bool:
         """A cancelled read still waiting for a slot ends at once (nothing was read); True then."""
-        if job.slot >= 0 or job.ended:
+        if job.ended or not self._io_slots.leave(job):
             return job.ended
-        self._slot_waiters.remove(job)
         self._misses += 1
         self._job_ended(job)
         return True
@@ -722,7 +698,7 @@ class DiskTier:
             dropped=self._dropped,
             errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
-            in_flight=self._in_flight,
+            in_flight=self._io_slots.in_use,
             evictions=self._index.evictions,
             recycled=self._recycled,
             temp_files_removed=self._temp_removed,
@@ -782,7 +758,7 @@ class DiskTier:
             self._buffered_fallbacks += 1  # O_DIRECT needs aligned memory: this one goes buffered
         return page
 
-    def _source(self, job: _WriteJob) -> PageBuffer:
+    def _source(self, job: WriteJob) -> PageBuffer:
         """Where ``job``'s bytes are: the caller's buffer, or its pool page (checked: still live)."""
         if job.buffer is not None:
             return job.buffer
@@ -798,43 +774,14 @@ class DiskTier:
         task.add_done_callback(self._jobs.discard)
         return task
 
-    def _with_slot(self, job: _Job, then: Callable[[_Job, int], None]) -> None:
-        """``then(job, slot)`` with an I/O slot (header buffer, iovec, fixed-file entry): at once when
-        one is free, else when one is given back, in FIFO order. Give it back with :meth:`_give_slot`."""
-        if self._free_slots and not self._slot_waiters:
-            self._in_flight += 1
-            then(job, self._free_slots.pop())
-            return
-        job.then = then
-        self._slot_waiters.append(job)
-
-    async def _take_slot(self) -> int:
-        """An I/O slot for the coroutine path (the job task is never cancelled: callers are shielded)."""
-        got: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._with_slot(_Job(), lambda _job, slot: got.set_result(slot))
-        return await got
-
-    def _return_slot(self, job: _Job) -> None:
+    def _return_slot(self, job: Job) -> None:
         """Give ``job``'s I/O slot back if it still holds it (idempotent: every path may call it)."""
-        if job.holds_slot:
-            job.holds_slot = False
-            self._give_slot(job.slot)
-
-    def _give_slot(self, slot: int) -> None:
-        self._in_flight -= 1
-        if self._slot_waiters:
-            job = self._slot_waiters.popleft()
-            then, job.then = job.then, None
-            assert then is not None
-            self._in_flight += 1
-            then(job, slot)
-            return
-        self._free_slots.append(slot)
+        self._io_slots.give_back(job)
 
     def _job_started(self) -> None:
         self._active += 1
 
-    def _job_ended(self, job: _Job) -> None:
+    def _job_ended(self, job: Job) -> None:
         job.end()
         self._active -= 1
         if not self._active and self._idle is not None and not self._idle.done():
@@ -947,71 +894,6 @@ class DiskTier:
             log.exception("disk tier: page reference already released")
 
 
-class _Job:
-    """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
-
-    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then")
-
-    def __init__(self) -> None:
-        self.slot = -1
-        self.holds_slot = False  # until :meth:`DiskTier._return_slot`: once, on every path
-        self.then: Callable[[_Job, int], None] | None = None  # what runs once a slot is free
-        self.ended = False
-        self.ended_waiters: list[asyncio.Future[None]] | None = None
-
-    def end(self) -> None:
-        self.ended = True
-        for waiter in self.ended_waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def ended_future(self) -> asyncio.Future[None]:
-        """A future resolved when the job ends (made only for those who wait: cancellation, flush)."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self.ended:
-            waiter.set_result(None)
-        else:
-            if self.ended_waiters is None:
-                self.ended_waiters = []
-            self.ended_waiters.append(waiter)
-        return waiter
-
-    async def wait_ended(self) -> None:
-        """Until the job ended, even if cancelled again meanwhile (the caller re-raises afterwards)."""
-        while not self.ended:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.ended_future()
-
-
-class _WriteJob(_Job):
-    """A write of ``key`` from its own pool reference ``ref`` or from a caller's ``buffer``;
-    ``waiters``: the callers' futures; ``page``: where the bytes are, once it holds a slot."""
-
-    __slots__ = ("buffer", "key", "page", "ref", "waiters")
-
-    def __init__(self, key: PageKey, ref: PageHandle | None, buffer: PageBuffer | None) -> None:
-        super().__init__()
-        self.key = key
-        self.ref = ref
-        self.buffer = buffer
-        self.page: PageBuffer | None = None
-        self.waiters: list[asyncio.Future[bool]] = []
-
-
-class _ReadJob(_Job):
-    """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's future."""
-
-    __slots__ = ("checksum", "generation", "key", "page", "result")
-
-    def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool]) -> None:
-        super().__init__()
-        self.key = key
-        self.page = page
-        self.generation = generation
-        self.result = result
-        self.checksum = 0
-
-
 async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles) -> Prepared:
     """``fn(files)`` in a thread; if cancelled meanwhile, the descriptors it returns are closed (a
     lock left open would keep the directory read-only for everyone else)."""
@@ -1019,16 +901,7 @@ async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        await _wait_uncancelled(job)
+        await wait_uncancelled(job)
         if not job.cancelled() and job.exception() is None:
             job.result().close()
         raise
-
-
-async def _wait_uncancelled(task: asyncio.Future[Any]) -> None:
-    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards)."""
-    while not task.done():
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import traceback
 
 from aiokv.faults import FaultLog
 
@@ -45,9 +46,14 @@ class DiskFaults:
         self.log.record(fault_name(kind_of(exc)), f"disk tier: {what} failed: {exc}")
 
     def unexpected(self, what: str) -> None:
-        """Count a bug-shaped failure (not an OSError) as OTHER, and log its traceback every time."""
-        self.log.record(fault_name(ErrorKind.OTHER), f"disk tier: unexpected failure in {what}")
-        log.exception("disk tier: unexpected failure in %s", what)
+        """Count a bug-shaped failure (not an OSError) as OTHER, and log its traceback every time:
+        once per failure (the fault log's first-of-a-kind warning carries it then)."""
+        kind = fault_name(ErrorKind.OTHER)
+        if self.log[kind] == 0:  # the record below logs: let its one line carry the traceback
+            self.log.record(kind, f"disk tier: unexpected failure in {what}\n{traceback.format_exc().rstrip()}")
+        else:
+            self.log.record(kind, f"disk tier: unexpected failure in {what}")
+            log.exception("disk tier: unexpected failure in %s", what)
 
     def snapshot(self) -> dict[ErrorKind, int]:
         """Counts by kind (every kind present, zeros included)."""

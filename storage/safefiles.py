@@ -71,9 +71,11 @@ def check_page_fd(fd: int, name: str, write: bool) -> os.stat_result:
     return st
 
 
-def ready_for_io(fd: int, direct: bool) -> None:
-    """Clear ``O_NONBLOCK`` and set ``O_DIRECT`` when ``direct``: only on a checked regular file."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+def ready_for_io(fd: int, direct: bool, flags: int | None = None) -> None:
+    """Clear ``O_NONBLOCK`` and set ``O_DIRECT`` when ``direct``: only on a checked regular file.
+    ``flags``: those it was opened with, when known (spares the F_GETFL call on the hot path)."""
+    if flags is None:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     wanted = (flags & ~os.O_NONBLOCK) | (os.O_DIRECT if direct else 0)
     if wanted != flags:
         fcntl.fcntl(fd, fcntl.F_SETFL, wanted)

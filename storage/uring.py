@@ -297,18 +297,8 @@ class UringEngine:
         """Register each ``(address, length, unit)`` span as fixed buffers, cut into regions of
         <= 1 GiB holding whole ``unit``-byte pages; one call for all spans (the kernel allows one
         registration per ring). Raises ``OSError`` (ENOMEM: memlock too small)."""
-        out: list[list[Region]] = []
-        flat: list[Region] = []
-        for address, length, unit in spans:
-            per_region = max(unit, MAX_REGION_BYTES // unit * unit)
-            regions: list[Region] = []
-            offset = 0
-            while offset < length:
-                size = min(per_region, length - offset)
-                regions.append(Region(len(flat), address + offset, size))
-                flat.append(regions[-1])
-                offset += size
-            out.append(regions)
+        out = self.plan_regions(spans)
+        flat = [region for regions in out for region in regions]
         iovs = (IoVec * len(flat))(*[IoVec(r.address, r.length) for r in flat])
         io_uring_register(self._fd, IORING_REGISTER_BUFFERS, ctypes.cast(iovs, ctypes.c_void_p), len(flat))
         return out

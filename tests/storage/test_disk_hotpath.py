@@ -18,6 +18,7 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage import checksum as checksum_module
+from aiokv.storage import uring as uring_module
 from aiokv.storage.backends import IOOp, UringPageIO
 from aiokv.storage.checksum import Checksums
 from aiokv.storage.pagefile import PageFiles, payload_checksum
@@ -360,3 +361,232 @@ async def test_without_a_fanout_fd_the_temporary_goes_beside_the_final_name(
         pool.table.release(h)
         assert published and all(t.split("/")[0] == f.split("/")[0] == key.hex()[:2] for t, f in published)
     assert_clean(pool)
+
+
+def _counting_tasks(loop: asyncio.AbstractEventLoop, created: list[object]) -> None:
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        created.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+
+
+@pytest.mark.asyncio
+async def test_recycled_writes_run_no_task_per_page(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                    pool: PagePool) -> None:
+    # Regression (#14): a write into a full tier (recycling an evicted file: the steady state of a
+    # cache) ran as a coroutine task per page with three submissions.
+    files = 6
+    capacity = files * (layout.page_bytes + 4096)
+    async with DiskTier(config(disk_dir, backend, capacity), layout, pool) as tier:
+        handles = [fill(pool, key_of(i), i) for i in range(2 * files)]
+        expect = [payload(pool, h) for h in handles]
+        for i in range(files):
+            assert await tier.write(key_of(i), handles[i])
+        created: list[object] = []
+        loop = asyncio.get_running_loop()
+        _counting_tasks(loop, created)
+        try:
+            written = [tier.write(key_of(i), handles[i]) for i in range(files, 2 * files)]
+            assert all([await w for w in written])
+        finally:
+            loop.set_task_factory(None)
+        assert created == []
+        stats = tier.statistics()
+        assert (stats.recycled, stats.pages, stats.in_flight) == (files, files, 0)
+        for h in handles:
+            pool.table.release(h)
+        pool.table.evict(64)
+        for i in range(files, 2 * files):
+            into = reserve(pool, key_of(100 + i))
+            assert await tier.read(key_of(i), into)
+            assert payload(pool, into).equal(expect[i])
+            pool.table.abort(into)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_recycled_file_is_two_submissions(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    """io_uring: open the victim (checked on the loop), then one chain: rename it to the temporary
+    name, header and page, close, rename to the final name."""
+    capacity = layout.page_bytes + 4096
+    async with DiskTier(config(disk_dir, DiskBackend.URING, capacity), layout, pool) as tier:
+        io = tier.backend
+        assert isinstance(io, UringPageIO)
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)
+        chains: list[list[int]] = []
+        real = io.engine.submit
+
+        def spy(ops: list[uring_module.SqeFields], keep: object, callback: Any, future: Any = None) -> None:
+            chains.append([op[0] for op in ops])
+            real(ops, keep, callback, future)
+
+        io.engine.submit = spy  # type: ignore[method-assign]
+        assert await tier.write(key_of(2), h)
+        pool.table.release(h)
+        assert tier.statistics().recycled == 1
+        assert chains == [[OP_OPENAT], [uring_module.OP_RENAMEAT, uring_module.OP_WRITEV, uring_module.OP_CLOSE,
+                                        uring_module.OP_RENAMEAT]]
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_payload_is_hashed_before_an_io_slot(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                   pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # #14: a write waiting for an I/O slot hashes its payload meanwhile, so the slot is held only
+    # for the I/O itself.
+    async with DiskTier(config(disk_dir, backend, queue_depth=1), layout, pool) as tier:
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)
+        gate, entered = asyncio.Event(), asyncio.Event()
+        real = tier.backend.start_load
+        held: list[asyncio.Task[None]] = []
+
+        def gated(*args: Any) -> None:
+            entered.set()
+
+            async def later() -> None:
+                await gate.wait()
+                real(*args)
+
+            held.append(asyncio.create_task(later()))
+
+        monkeypatch.setattr(tier.backend, "start_load", gated)
+        assert tier._checksums is not None
+        hashed: list[int] = []
+        start = tier._checksums.start
+
+        def counting(view: memoryview, done: Any) -> None:
+            hashed.append(len(view))
+            start(view, done)
+
+        monkeypatch.setattr(tier._checksums, "start", counting)
+        into = reserve(pool, key_of(100))
+        reading = asyncio.create_task(tier.read(key_of(1), into))
+        try:
+            await entered.wait()  # the only slot is busy
+            writing = asyncio.create_task(tier.write(key_of(2), h))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert hashed == [layout.payload_bytes] and not writing.done()
+        finally:
+            gate.set()  # never leave the slot held: closing waits for it
+        assert await reading and await writing
+        assert len(hashed) == 2  # and the read's verification
+        pool.table.release(h)
+        pool.table.abort(into)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_auto_registers_the_pool_whole_where_sparse_tables_are_refused(
+        disk_dir: Path, layout: KVLayout, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # #14: kernels 5.15-5.18 answer EINVAL to a sparse buffer table; AUTO then ran on plain
+    # buffers for good. Now it registers the pool in one call, as a forced URING_FIXED does.
+    real = uring_module.io_uring_register
+    refused: list[int] = []
+
+    def old_kernel(fd: int, opcode: int, arg: object, nr: int) -> int:
+        if opcode in (uring_module.IORING_REGISTER_BUFFERS2, uring_module.IORING_REGISTER_BUFFERS_UPDATE):
+            refused.append(opcode)
+            raise OSError(errno.EINVAL, "no sparse tables before 5.19 (injected)")
+        return real(fd, opcode, arg, nr)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(uring_module, "io_uring_register", old_kernel)
+    region = mmap.mmap(-1, 2 * layout.page_bytes)
+    view = memoryview(region)
+    try:
+        async with DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool) as tier:
+            io = tier.backend
+            assert isinstance(io, UringPageIO)
+            await io.wait_registered()
+            assert refused == [uring_module.IORING_REGISTER_BUFFERS2]
+            assert tier.statistics().backend is DiskBackend.URING_FIXED
+            chains: list[int] = []
+            real_submit = io.engine.submit
+
+            def spy(ops: list[uring_module.SqeFields], keep: object, callback: Any, future: Any = None) -> None:
+                chains.extend(op[0] for op in ops)
+                real_submit(ops, keep, callback, future)
+
+            io.engine.submit = spy  # type: ignore[method-assign]
+            h = fill(pool, key_of(1), 1)
+            expect = payload(pool, h)
+            assert await tier.write(key_of(1), h)
+            pool.table.release(h)
+            into = reserve(pool, key_of(2))
+            assert await tier.read(key_of(1), into)
+            assert payload(pool, into).equal(expect)
+            pool.table.abort(into)
+            assert uring_module.OP_WRITE_FIXED in chains and uring_module.OP_READ_FIXED in chains
+            await tier.register_memory(view)  # no slot left for it: plain buffers, counted
+            assert tier.statistics().memory_unregistered == 1
+            view[: layout.page_bytes] = bytes(range(256)) * (layout.page_bytes // 256)
+            assert await tier.write_from(key_of(3), view[: layout.page_bytes])
+            assert await tier.read_into(key_of(3), view[layout.page_bytes :])
+            assert view[layout.page_bytes :] == view[: layout.page_bytes]
+    finally:
+        view.release()
+        region.close()
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_failure_is_logged_once(disk_dir: Path, layout: KVLayout, pool: PagePool,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # Regression (#14): the first unexpected failure was logged twice (the fault log's first-of-a-
+    # kind warning, then the traceback).
+    import aiokv.storage.disk as disk_module
+
+    def boom(*_args: object) -> None:
+        raise RuntimeError("injected bug")
+
+    async with DiskTier(config(disk_dir, DiskBackend.THREADS), layout, pool) as tier:
+        monkeypatch.setattr(disk_module, "pack_header", boom)
+        h = fill(pool, key_of(1), 1)
+        with caplog.at_level(logging.WARNING):
+            assert not await tier.write(key_of(1), h)
+            first = [r for r in caplog.records if "unexpected failure" in r.getMessage()]
+            assert len(first) == 1 and "RuntimeError: injected bug" in first[0].getMessage()
+            caplog.clear()
+            assert not await tier.write(key_of(2), h)
+            later = [r for r in caplog.records if "unexpected failure" in r.getMessage()]
+            assert len(later) == 1 and later[0].exc_info is not None
+        pool.table.release(h)
+        assert tier.statistics().errors[ErrorKind.OTHER] == 2
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_checksum_results_reach_the_loop_in_one_wake_up() -> None:
+    # #14: each hash finished in the thread woke the loop on its own (a socket write, a poll and a
+    # read per page); results finished meanwhile now share one wake-up.
+    sums = Checksums(inline_bytes=0, threads=1)
+    data = [bytes([i]) * 8192 for i in range(8)]
+    got: list[int | BaseException] = []
+    deliveries = 0
+    deliver = sums._deliver
+
+    def counting() -> None:
+        nonlocal deliveries
+        deliveries += 1
+        deliver()
+
+    sums._deliver = counting  # type: ignore[method-assign]
+    try:
+        for d in data:
+            sums.start(memoryview(d), got.append)
+        # Block the loop (as a busy loop would be) until the thread hashed all eight.
+        for _ in range(10_000):
+            if len(sums._results) == 8:
+                break
+            threading.Event().wait(0.001)
+        assert len(sums._results) == 8
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert got == [payload_checksum(memoryview(d)) for d in data]
+        assert deliveries == 1
+    finally:
+        await sums.aclose()

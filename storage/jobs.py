@@ -1,0 +1,146 @@
+"""Page jobs of the disk tier and the I/O slots they take turns on.
+
+A read or write of one page is a small object moved on by completion callbacks (checksum done,
+slot free, I/O completed) instead of a task per page: the loop runs no coroutine per page on the
+common paths. :class:`IOSlots` hands out the per-slot resources (header buffer, iovec pair,
+fixed-file entry) in FIFO order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from aiokv.keys import PageKey
+from aiokv.pagetable import PageHandle
+
+from .backends import PageBuffer
+
+
+class Job:
+    """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
+
+    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then")
+
+    def __init__(self) -> None:
+        self.slot = -1
+        self.holds_slot = False  # until :meth:`IOSlots.give_back`: once, on every path
+        self.then: Callable[[Job, int], None] | None = None  # what runs once a slot is free
+        self.ended = False
+        self.ended_waiters: list[asyncio.Future[None]] | None = None
+
+    def end(self) -> None:
+        self.ended = True
+        for waiter in self.ended_waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def ended_future(self) -> asyncio.Future[None]:
+        """A future resolved when the job ends (made only for those who wait: cancellation, flush)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.ended:
+            waiter.set_result(None)
+        else:
+            if self.ended_waiters is None:
+                self.ended_waiters = []
+            self.ended_waiters.append(waiter)
+        return waiter
+
+    async def wait_ended(self) -> None:
+        """Until the job ended, even if cancelled again meanwhile (the caller re-raises afterwards)."""
+        while not self.ended:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ended_future()
+
+
+class WriteJob(Job):
+    """A write of ``key`` from its own pool reference ``ref`` or from a caller's ``buffer``.
+
+    ``waiters``: the callers' futures; ``page``: where the bytes are (set when it starts);
+    ``checksum``: of the payload, taken before any slot or room; ``victim``: the evicted key whose
+    file it recycles, or None (a new file); ``attempt``: ENOSPC retries so far; ``moved``: resolved
+    once the victim's file left its name (a new write of the victim waits for it)."""
+
+    __slots__ = ("attempt", "buffer", "checksum", "key", "moved", "page", "ref", "victim", "waiters")
+
+    def __init__(self, key: PageKey, ref: PageHandle | None, buffer: PageBuffer | None) -> None:
+        super().__init__()
+        self.key = key
+        self.ref = ref
+        self.buffer = buffer
+        self.page: PageBuffer | None = None
+        self.checksum = 0
+        self.victim: PageKey | None = None
+        self.moved: asyncio.Future[None] | None = None
+        self.attempt = 0
+        self.waiters: list[asyncio.Future[bool]] = []
+
+
+class ReadJob(Job):
+    """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's future."""
+
+    __slots__ = ("checksum", "generation", "key", "page", "result")
+
+    def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool]) -> None:
+        super().__init__()
+        self.key = key
+        self.page = page
+        self.generation = generation
+        self.result = result
+        self.checksum = 0
+
+
+class IOSlots:
+    """``count`` I/O slots (header buffer, iovec pair, fixed-file entry each), handed out FIFO."""
+
+    def __init__(self, count: int) -> None:
+        self._free = list(range(count))
+        self._waiters: collections.deque[Job] = collections.deque()
+        self.in_use = 0
+
+    def take(self, job: Job, then: Callable[[Job, int], None]) -> None:
+        """``then(job, slot)`` with a slot (``job.slot``, held): at once when one is free, else when
+        one is given back, in FIFO order. Give it back with :meth:`give_back`."""
+        if self._free and not self._waiters:
+            self.in_use += 1
+            job.slot, job.holds_slot = self._free.pop(), True
+            then(job, job.slot)
+            return
+        job.then = then
+        self._waiters.append(job)
+
+    def give_back(self, job: Job) -> None:
+        """Give ``job``'s slot back if it still holds it (idempotent: every path may call it)."""
+        if not job.holds_slot:
+            return
+        job.holds_slot = False
+        self.in_use -= 1
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            then, waiter.then = waiter.then, None
+            assert then is not None
+            self.in_use += 1
+            waiter.slot, waiter.holds_slot = job.slot, True
+            then(waiter, job.slot)
+            return
+        self._free.append(job.slot)
+
+    def leave(self, job: Job) -> bool:
+        """Take ``job`` out of the queue if it is still waiting for a slot; True then."""
+        if job.slot >= 0 or job.then is None:
+            return False
+        self._waiters.remove(job)
+        job.then = None
+        return True
+
+
+async def wait_uncancelled(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards)."""
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            continue
