@@ -14,6 +14,12 @@ The row ``control`` is the baseline of the same run: an empty function timed the
 step, under the manager lock; its max is what the machine alone (preemption, other processes) puts
 on any call. ``wakes`` counts the hand-overs that made a system call (the loop was parked).
 
+CPU per GB: the CPU time of every thread of the process but the scheduler's (the tier's loop
+thread, the disk tier's checksum and pool threads, io_uring workers), per GB (1e9 bytes) of chunks
+written, and read, in each phase. The scheduler's own work (the worker's region writes, the test
+pattern, the bit-exact check) is not counted. ``--zero-copy off`` runs the same with every page
+through a staging page (the path before zero copy), for A/B runs alternated in one session.
+
     python tools/bench_adapters.py --gib 1 --json out/adapters.json
 """
 
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import resource
 import tempfile
 import time
 import uuid
@@ -48,10 +56,10 @@ TIMED = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_sched
 
 
 def build(disk_dir: Path, chunk_bytes: int, cpu_chunks: int, queue_depth: int, backend: str, linger_s: float,
-          idle_poll_s: float) -> Any:
+          idle_poll_s: float, zero_copy: bool) -> Any:
     tier = {"type": "AiokvTier", "module_path": "aiokv.adapters.vllm", "disk_dir": str(disk_dir),
             "disk_bytes": 64 << 30, "queue_depth": queue_depth, "disk_backend": backend, "namespace": "bench",
-            "linger_s": linger_s, "idle_poll_s": idle_poll_s}
+            "linger_s": linger_s, "idle_poll_s": idle_poll_s, "zero_copy": zero_copy}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=256, layer_names=("layers",), group_id=0),),
         worker_kv_bytes_per_block=chunk_bytes,
@@ -173,6 +181,13 @@ def count_wakes(tier: AiokvTier) -> list[int]:
     return count
 
 
+def other_threads_cpu_s() -> float:
+    """CPU seconds of this process (live and ended threads, io_uring workers) minus the calling
+    (scheduler) thread's own."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime - time.thread_time()
+
+
 def pattern(request: int, index: int, size: int) -> bytes:
     return np.random.default_rng(request * 1000 + index).integers(0, 256, size, dtype=np.uint8).tobytes()
 
@@ -199,6 +214,9 @@ def main() -> None:
                         help="the tier's linger_s: polling time after work before the loop parks, s")
     parser.add_argument("--idle-poll-s", type=float, default=0.01,
                         help="the tier's idle_poll_s: a parked loop's look interval, s (0: step ends wake it)")
+    parser.add_argument("--zero-copy", choices=("on", "off"), default="on",
+                        help="the tier's zero_copy: chunks straight between vLLM's region and files (on) "
+                        "or through staging pages (off)")
     parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary page-file directory")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
@@ -208,7 +226,7 @@ def main() -> None:
     requests = total // args.per_request
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         manager = build(Path(tmp), chunk_bytes, total // 2, args.queue_depth, args.backend, args.linger_s,
-                        args.idle_poll_s)
+                        args.idle_poll_s, args.zero_copy == "on")
         tier = manager.secondary_tiers[0]
         assert isinstance(tier, AiokvTier)
         times = time_calls(tier)
@@ -218,21 +236,23 @@ def main() -> None:
         keys = [[make_offload_key(f"r{r}-{i}".encode().ljust(32, b"."), 0) for i in range(args.per_request)]
                 for r in range(requests)]
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), other_threads_cpu_s()
             for r in range(requests):
                 sched.store(f"w{r}", keys[r], functools.partial(pattern, r, size=chunk_bytes))
             while manager.has_pending_work():
                 sched.step()
-            write_s = time.perf_counter() - start
-            start = time.perf_counter()
+            write_s, write_cpu = time.perf_counter() - start, other_threads_cpu_s() - cpu
+            start, cpu = time.perf_counter(), other_threads_cpu_s()
             loaded = 0
             for r in range(requests // 2):  # evicted from the CPU tier: promoted from disk
                 data = sched.load(f"l{r}", keys[r])
                 if data != [pattern(r, i, chunk_bytes) for i in range(args.per_request)]:
                     raise SystemExit(f"request {r}: loaded bytes differ")
                 loaded += len(data)
-            read_s = time.perf_counter() - start
+            read_s, read_cpu = time.perf_counter() - start, other_threads_cpu_s() - cpu
             stats = tier.statistics()
+            store = tier._store
+            direct, staged = store.thread.call(lambda: (store.direct_pages, store.staged_pages)).result()
         finally:
             manager.shutdown()
     figures = summarize(times)
@@ -243,6 +263,10 @@ def main() -> None:
         "step_ms": args.step_ms, "backend": str(stats["backend"]), "direct_io": stats["direct_io"],
         "write_gib_s": total * chunk_bytes / write_s / (1 << 30),
         "read_gib_s": loaded * chunk_bytes / read_s / (1 << 30),
+        "zero_copy": args.zero_copy == "on", "direct_pages": direct, "staged_pages": staged,
+        "write_cpu_s_per_gb": write_cpu / (total * chunk_bytes / 1e9),
+        "read_cpu_s_per_gb": read_cpu / (loaded * chunk_bytes / 1e9),
+        "load_average": os.getloadavg(),
         "longest_call_us": longest, "calls": figures, "wakes": wakes[0],
         "wake_max_us": max(wakes[1:], default=0) / 1e3,
     }
@@ -251,6 +275,9 @@ def main() -> None:
           f"{report['backend']}, O_DIRECT={report['direct_io']}, {sched.steps} steps")
     print(f"write {report['write_gib_s']:.2f} GiB/s, read {report['read_gib_s']:.2f} GiB/s "
           "(scheduler wall, steps included)")
+    print(f"zero copy {args.zero_copy}: {direct} pages in place, {staged} through staging; CPU besides the scheduler: "
+          f"write {report['write_cpu_s_per_gb']:.3f}, read {report['read_cpu_s_per_gb']:.3f} core-s/GB; "
+          f"load average {report['load_average'][0]:.1f}")
     print(f"{'method':22} {'calls':>7} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
     for name, f in figures.items():
         print(f"{name:22} {f['calls']:7d} {f['p50_us']:8.1f} {f['p99_us']:8.1f} {f['max_us']:8.1f}")
