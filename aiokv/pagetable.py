@@ -118,23 +118,27 @@ class PageTableStatistics:
 class PageTable:
     """Bookkeeping for ``capacity`` pages; pages become usable through :meth:`add_usable`.
 
-    Per-page state lives in flat columns indexed by page id (a ``bytearray`` of states, ``array``
-    columns of reference counts and generations, a list of keys), not in one Python object per
-    page: building a table is a few C-level allocations whatever its size, and a large table adds
-    nothing for the cyclic GC to walk. (One object per page made a 262,144-page table trigger GC
-    passes that stalled the event loop ~100 ms.) Scalar access to ``bytearray``/``array`` costs
-    about what an attribute of a slotted object did; counts over all pages use numpy views.
+    Per-page state lives in flat columns indexed by page id (memoryviews of zeroed numpy arrays for
+    states, reference counts and generations; a dict of the keys of pages in use), not in one
+    Python object per page: building a table allocates a few zeroed regions whatever its size
+    (nothing is written until a page is used), and a large table adds nothing for the cyclic GC to
+    walk. (One object per page made a 262,144-page table trigger GC passes that stalled the event
+    loop ~100 ms.) Scalar access to a memoryview costs about what an attribute of a slotted object
+    did; counts over all pages use numpy views.
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._state = bytearray(capacity)  # _FREE / _RESERVED / _READY per page
-        self._refs: array[int] = array("q", [0]) * capacity
-        self._generation: array[int] = array("q", [0]) * capacity
-        self._keys: list[PageKey | None] = [None] * capacity  # None iff FREE
-        self._usable_mask = bytearray(capacity)  # 1 once add_usable handed the page over
+        # Columns over calloc'd numpy memory: allocating them touches nothing (the kernel hands out
+        # zero pages on first use), where bytearray/array('q') * n/[None] * n filled every byte
+        # holding the GIL: 4-8 ms for 262,144 pages in a fresh process, a loop stall although the
+        # table is built in a worker thread. Memoryviews give scalar access as fast as array's.
+        self._state: memoryview = np.zeros(capacity, np.uint8).data  # _FREE/_RESERVED/_READY
+        self._refs: memoryview = np.zeros(capacity, np.int64).data
+        self._generation: memoryview = np.zeros(capacity, np.int64).data
+        self._usable_mask = np.zeros(capacity, np.uint8)  # 1 once add_usable handed the page over
         self._waiters: dict[int, asyncio.Future[bool]] = {}  # RESERVED pages someone awaits
         # Free pages: a stack of pages freed after use (taken first, last freed first), then pages
         # never used, as runs [start, stop) of consecutive ids (one per chunk, so adding a chunk
@@ -145,8 +149,9 @@ class PageTable:
         self._fresh_stops: array[int] = array("q")
         self._fresh = 0
         self._usable = 0
-        self._index: dict[PageKey, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # READY, refs == 0; oldest first
+        self._index: dict[PageKey, int] = {}  # key -> page of every page not FREE (no reverse column:
+        # a handle carries its key, and the LRU its pages' keys)
+        self._lru: OrderedDict[int, PageKey] = OrderedDict()  # READY, refs == 0, -> key; oldest first
         self._evictions = 0
         self._exhausted = 0
         self._commits = 0
@@ -173,11 +178,10 @@ class PageTable:
         if new[0] < 0 or new[-1] >= self.capacity:
             bad = new[0] if new[0] < 0 else new[-1]
             raise ValueError(f"page {bad} out of range [0, {self.capacity})")
-        usable = np.frombuffer(self._usable_mask, dtype=np.uint8)
+        usable = self._usable_mask
         if usable[new].any() or (new[1:] == new[:-1]).any():
             raise ValueError("a page was handed over twice")
         usable[new] = 1
-        del usable  # the view pins the bytearray's buffer
         # Runs of consecutive ids (a chunk is one). Pages are never handed over twice, so runs are
         # disjoint and none can straddle another: ordering them by start orders every page.
         cuts = np.flatnonzero(np.diff(new) != 1) + 1
@@ -236,7 +240,7 @@ class PageTable:
         if handle._released:
             raise StaleHandleError(f"{handle!r} was already released")
         page = handle.page
-        if self._generation[page] != handle.generation or self._keys[page] != handle.key:
+        if self._generation[page] != handle.generation or self._index.get(handle.key) != page:
             raise StaleHandleError(f"{handle!r} refers to a recycled page")
         return page
 
@@ -249,7 +253,7 @@ class PageTable:
         refs = self._refs[page] - 1
         self._refs[page] = refs
         if refs == 0:
-            self._lru[page] = None
+            self._lru[page] = handle.key
             self._wake_reclaimable()
 
     def retain(self, handle: PageHandle) -> PageHandle:
@@ -273,11 +277,11 @@ class PageTable:
         """
         out: list[Reservation] = []
         exhausted = False
-        present: list[int] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
+        present: list[tuple[int, PageKey]] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
         # Locals, and the allocation and eviction paths inlined: this loop runs once per page of
         # every offload, on the event loop (a 256-page batch is one synchronous step).
         index, state, lru, recycled = self._index, self._state, self._lru, self._recycled
-        page_keys, refs, generation = self._keys, self._refs, self._generation
+        refs, generation = self._refs, self._generation
         fresh_starts, fresh_stops = self._fresh_starts, self._fresh_stops
         append, new = out.append, _new_reservation
         for key in keys:
@@ -286,7 +290,7 @@ class PageTable:
                 outcome = _PRESENT_OUTCOME if state[page] == _READY else _PENDING_OUTCOME
                 if page in lru:
                     del lru[page]
-                    present.append(page)
+                    present.append((page, key))
                 append(new(Reservation, (key, outcome, None)))
                 continue
             if exhausted:
@@ -306,8 +310,8 @@ class PageTable:
             elif lru and self.on_evict is None:
                 # Evict the least recently used page straight into this reservation (_free_page
                 # without the trip through the recycled stack).
-                page = lru.popitem(last=False)[0]
-                index.pop(page_keys[page], None)  # type: ignore[arg-type]  # a READY page has a key
+                page, old = lru.popitem(last=False)
+                del index[old]
                 generation[page] += 1
                 self._evictions += 1
             elif lru:
@@ -319,14 +323,13 @@ class PageTable:
                 append(new(Reservation, (key, _EXHAUSTED_OUTCOME, None)))
                 continue
             state[page] = _RESERVED
-            page_keys[page] = key
             refs[page] = 1
             index[key] = page
             append(new(Reservation, (key, _RESERVED_OUTCOME, PageHandle(page, generation[page], key))))
         # Back as most recently used, the call's first page last: a later eviction takes the
         # deepest page of the prefix first, which keeps the rest of the prefix matchable.
-        for page in reversed(present):
-            lru[page] = None
+        for page, key in reversed(present):
+            lru[page] = key
         return out
 
     def commit(self, handle: PageHandle, *, keep: bool = False) -> PageHandle | None:
@@ -336,7 +339,7 @@ class PageTable:
         if (
             handle._released
             or self._generation[page] != handle.generation
-            or self._keys[page] != handle.key
+            or self._index.get(handle.key) != page
             or self._state[page] != _RESERVED
         ):
             self._reserved_page(handle)  # raises the precise StaleHandleError
@@ -350,7 +353,7 @@ class PageTable:
         refs = self._refs[page] - 1
         self._refs[page] = refs
         if refs == 0:
-            self._lru[page] = None
+            self._lru[page] = handle.key
             if self._reclaimable is not None:
                 self._wake_reclaimable()
         return None
@@ -360,7 +363,7 @@ class PageTable:
         page = self._reserved_page(handle)
         handle._released = True
         self._aborts += 1
-        self._free_page(page)
+        self._free_page(page, handle.key)
         self._wake(page, False)
         self._wake_reclaimable()
 
@@ -418,10 +421,8 @@ class PageTable:
         """Free the least recently used evictable page (onto the recycled stack); its key, or None."""
         if not self._lru:
             return None
-        page, _ = self._lru.popitem(last=False)
-        key = self._keys[page]
-        assert key is not None
-        self._free_page(page)
+        page, key = self._lru.popitem(last=False)
+        self._free_page(page, key)
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict(key)
@@ -433,7 +434,7 @@ class PageTable:
         if page is None or page not in self._lru:
             return False
         del self._lru[page]
-        self._free_page(page)
+        self._free_page(page, key)
         return True
 
     def _allocate(self) -> int | None:
@@ -453,12 +454,10 @@ class PageTable:
             return self._recycled.pop()
         return None
 
-    def _free_page(self, page: int) -> None:
-        key = self._keys[page]
-        if key is not None:
-            self._index.pop(key, None)
+    def _free_page(self, page: int, key: PageKey) -> None:
+        """Page ``page``, which holds ``key``, becomes FREE (on the recycled stack)."""
+        del self._index[key]
         self._state[page] = _FREE
-        self._keys[page] = None
         self._refs[page] = 0
         self._generation[page] += 1
         self._recycled.append(page)
@@ -489,7 +488,7 @@ class PageTable:
         """Raise ``AssertionError`` naming the first broken invariant (used by tests)."""
         state = np.frombuffer(self._state, dtype=np.uint8)
         refs = np.frombuffer(self._refs, dtype=np.int64)
-        usable = np.frombuffer(self._usable_mask, dtype=np.uint8).astype(bool)
+        usable = self._usable_mask.astype(bool)
         starts = np.frombuffer(self._fresh_starts, dtype=np.int64)
         stops = np.frombuffer(self._fresh_stops, dtype=np.int64)
         assert starts.size == stops.size and (starts < stops).all(), "an empty or inverted run of unused pages"
@@ -509,7 +508,9 @@ class PageTable:
         assert (refs >= 0).all(), "negative refs"
         free_pages = np.flatnonzero(state == _FREE)
         assert not refs[free_pages].any(), "a free page has refs"
-        assert all(self._keys[p] is None for p in free_pages.tolist()), "a free page has a key"
+        keys = {page: key for key, page in self._index.items()}
+        assert len(keys) == len(self._index), "two keys on one page"
+        assert not any(p in keys for p in free_pages.tolist()), "a free page has a key"
         assert (refs[state == _RESERVED] >= 1).all(), "a reserved page lacks the reserver's ref"
         lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
         in_lru = np.zeros(self.capacity, dtype=bool)
@@ -517,8 +518,8 @@ class PageTable:
         evictable = (state == _READY) & (refs == 0)
         assert (in_lru == evictable).all(), "LRU membership differs from READY pages without refs"
         for page in np.flatnonzero(state != _FREE).tolist():
-            key = self._keys[page]
-            assert key is not None and self._index.get(key) == page, f"index broken at {page}"
+            assert page in keys, f"index broken at {page}"
+        assert all(keys.get(page) == key for page, key in self._lru.items()), "the LRU's key of a page is wrong"
         assert len(self._index) == int(np.count_nonzero(state != _FREE)), "stale index"
         assert all(state[p] == _RESERVED for p in self._waiters), "a waiter on a page not RESERVED"
         assert free.size + len(self._index) == self._usable, "pages lost or invented"

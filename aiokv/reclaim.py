@@ -27,6 +27,7 @@ import contextlib
 import enum
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -71,13 +72,24 @@ class SegmentInfo:
     """The creator (pid and, for current names, start time) is a live process of this pid namespace."""
 
 
+@functools.lru_cache(maxsize=16)
+def _patterns(prefix: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """Name patterns of this version's and older versions' segments under ``prefix``."""
+    p = re.escape(prefix)
+    return re.compile(rf"{p}-(\d+)-(\d+)-[0-9a-f]{{16}}"), re.compile(rf"{p}-(\d+)-[0-9a-f]{{16}}")
+
+
+_patterns(SHM_NAME_PREFIX)  # compiled with the package: the first pool's scan runs beside the loop,
+# and compiling a pattern is pure Python holding the GIL (~1-3 ms the first time in a process)
+
+
 def _parse(filename: str, prefix: str) -> tuple[int, int | None] | None:
     """(creator pid, start ticks) of an aiokv segment's file name; start is None for legacy names."""
-    p = re.escape(prefix)
-    m = re.fullmatch(rf"{p}-(\d+)-(\d+)-[0-9a-f]{{16}}", filename)
+    current, legacy = _patterns(prefix)
+    m = current.fullmatch(filename)
     if m:
         return int(m[1]), int(m[2])
-    m = re.fullmatch(rf"{p}-(\d+)-[0-9a-f]{{16}}", filename)
+    m = legacy.fullmatch(filename)
     return (int(m[1]), None) if m else None
 
 
