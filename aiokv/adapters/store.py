@@ -118,8 +118,8 @@ class StoreConfig:
     def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
-        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``. Unknown names raise
-        ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
+        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``.
+        Unknown names raise ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
                  "poll_s", "linger_s", "idle_poll_s", "zero_copy"}
         unknown = sorted(set(options) - known)

@@ -429,7 +429,8 @@ def test_bad_options_fail_the_tier_at_start_and_leave_nothing_running(
     assert _aiokv_threads() == before
 
 
-def test_a_disk_dir_that_is_a_file_fails_at_start_holding_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_disk_dir_that_is_a_file_fails_at_start_holding_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Regression: the tier took its views of vLLM's region before starting the disk tier, so a
     start that failed left them exported (vLLM then kept the region mapped: "buffers are still
     exported to native users")."""
