@@ -75,8 +75,8 @@ def _placeholder_attribute(name: str) -> type:
     return type(name, (), {})
 
 
-def _import_host_pools() -> tuple[Any, Any]:
-    """SGLang's MHA and Mamba host pool classes."""
+def _import_host_pools() -> tuple[Any, Any, Any]:
+    """SGLang's MHA, Mamba and MLA host pool classes."""
     try:
         import torchvision  # noqa: F401  # a working torchvision needs no placeholder
     except Exception:
@@ -84,7 +84,8 @@ def _import_host_pools() -> tuple[Any, Any]:
     else:
         from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        return MHATokenToKVPoolHost, MambaPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+        return MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost
     finder = _Placeholder()
     sys.meta_path.insert(0, finder)
     try:
@@ -94,6 +95,7 @@ def _import_host_pools() -> tuple[Any, Any]:
             warnings.simplefilter("ignore")
             from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
             from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     except ImportError as exc:
         pytest.skip(f"SGLang's host pool does not import here ({exc}); make engines installs what it needs",
                     allow_module_level=True)
@@ -101,15 +103,16 @@ def _import_host_pools() -> tuple[Any, Any]:
         sys.meta_path.remove(finder)
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
-    return MHATokenToKVPoolHost, MambaPoolHost
+    return MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost
 
 
-MHATokenToKVPoolHost, MambaPoolHost = _import_host_pools()
+MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost = _import_host_pools()
 from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
     KVBufferLayout,
     KVBuffers,
     MambaStateBufferInfo,
     MHABufferInfo,
+    MLABufferInfo,
 )
 
 
@@ -146,9 +149,9 @@ def fill(pool: Any, index: int, seed: int) -> None:
 
 
 def storage_config(disk_dir: Path, interface_v1: bool, model: str = "test/model",
-                   tp_rank: int = 0, page_first: bool = True) -> HiCacheStorageConfig:
+                   tp_rank: int = 0, page_first: bool = True, mla: bool = False) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=page_first, model_name=model,
         extra_config={"backend_name": "aiokv", "module_path": "aiokv.adapters.sglang",
                       "class_name": "AiokvHiCacheStorage", "interface_v1": int(interface_v1),
@@ -530,3 +533,79 @@ def test_plain_pages_move_in_place_and_split_pages_through_staging(
         == {"mamba": [True]}
     assert torch.equal(state(mamba, 2), state(mamba, 1))
     assert counters(v1) == (0, 2) and counters(v1, "mamba") == (0, 2)
+
+
+def mla_pool(pages: int) -> Any:
+    """SGLang's MLA host pool on the CPU (``page_first``: one buffer of 32 KiB per page), over CPU
+    stand-ins for the device's per-layer latent buffers ``[tokens, 1, 512]`` (geometry only)."""
+    lora, rope = 448, 64
+    layers = tuple(torch.zeros(pages * PAGE, 1, lora + rope, dtype=DTYPE) for _ in range(LAYERS))
+    info = MLABufferInfo(buffers=layers, data_ptrs=torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64),
+                         layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+                         kv_lora_rank=lora, qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=DTYPE,
+                         device=torch.device("cpu"))
+    pool = MLATokenToKVPoolHost(info, 1.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=pages * PAGE, start_layer=0, end_layer=LAYERS,
+                                target_layer_num=LAYERS)
+    pool.test_device_buffers = layers
+    return pool
+
+
+def mla_fill(pool: Any, index: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    size = pool.get_dummy_flat_data_page().numel()
+    pool.set_from_flat_data_page(index * PAGE, torch.randn(size, generator=g).to(DTYPE))
+
+
+def test_mla_pages_move_in_place_between_the_host_pool_and_files(tmp_path: Path, backends: list[Any]) -> None:
+    """An MLA page is one buffer of the host pool: v1 writes it from, and reads it into, SGLang's
+    own host memory (no staging copy), bit-exact; a corrupt file read in place fails, and no
+    host page outside that read's own slots changes."""
+    pool = mla_pool(8)
+    for p in range(3):
+        mla_fill(pool, p, seed=60 + p)
+    expected = [page(pool, p) for p in range(3)]
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path, True, mla=True), pool)
+    backends.append(backend)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    assert backend.batch_set_v1(["m0", "m1", "m2"], indices([0, 1, 2])) == [True] * 3
+    assert backend.batch_get_v1(["m0", "m1"], indices([4, 5])) == [True, True]
+    assert torch.equal(page(pool, 4), expected[0]) and torch.equal(page(pool, 5), expected[1])
+    assert counters(backend) == (5, 0)
+    (victim,) = [p for p in tmp_path.rglob("*") if p.name == backend._pools["kv"].store.key(b"m2").hex()]
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 100] ^= 0x20
+    victim.write_bytes(bytes(raw))
+    before = [page(pool, p) for p in range(8)]
+    assert backend.batch_get_v1(["m2"], indices([6])) == [False]  # SGLang frees slot 6 unused
+    after = [page(pool, p) for p in range(8)]
+    assert [p for p in range(8) if not torch.equal(before[p], after[p])] in ([], [6])
+    assert backend.statistics()["corrupt"] == 1 and backend.batch_exists(["m2"]) == 0
+
+
+def test_a_dead_loop_thread_makes_every_call_miss_never_hang(tmp_path: Path, backends: list[Any]) -> None:
+    """Regression: with the backend's loop thread gone, SGLang's prefetch and backup threads got
+    RuntimeError from every call, or waited for ever in one the loop died during. Now every call
+    answers a miss or a failure at once."""
+    kv = host_pool(4)
+    fill(kv, 0, seed=70)
+    backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba_pool(4)})
+    assert backend.batch_set_v1(["a"], indices([0])) == [True]
+
+    def die() -> None:
+        raise SystemExit("injected: the loop thread ends")
+
+    thread = backend._loop()
+    thread.post_call(die)
+    thread.wake()
+    thread.close()  # joins it
+    assert thread.dead
+    assert backend.batch_exists(["a"]) == 0
+    assert backend.batch_get_v1(["a"], indices([1])) == [False]
+    assert backend.batch_set_v1(["b"], indices([0])) == [False]
+    assert backend.batch_exists_v2(["a"], [trailing()]).kv_hit_pages == 0
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])]) \
+        == {"mamba": [False]}
+    assert backend.clear() is False
+    backend.close()
