@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import sys
 
 import torch
 
 from aiokv.config import CacheConfig
 from aiokv.cuda import CompletionBridge
 from aiokv.facade import CacheFacade
+from aiokv.kernels import TransferPath
+from aiokv.kernels.mover import PageMover
 from aiokv.keys import Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.manager import CacheManager
@@ -72,12 +75,12 @@ class KVCache(CacheFacade):
         # Threads before the pool's preparation holds the mmap lock (see CompletionBridge.prestart).
         self._bridge.prestart(self._cuda)
         pool = await self._manager.start()
-        # Importing Triton takes a few hundred ms: in a thread, never on the loop.
-        await asyncio.to_thread(importlib.import_module, "aiokv.kernels.mover")
-        from aiokv.kernels import PageMover, TransferPath
-
         cfg = self.config
         path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
+        if path is not TransferPath.REFERENCE and "aiokv.kernels.launch" not in sys.modules:
+            # Triton takes a few hundred ms to import: in a thread, never on the loop (the mover's
+            # own modules come with the package: an import holds the GIL while the loop waits).
+            await asyncio.to_thread(importlib.import_module, "aiokv.kernels.launch")
         mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)

@@ -129,15 +129,11 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KVCache.start imports aiokv.kernels.mover (and .reference, .segments) in a thread "
-    "(aiokv/cache.py): 3-17 ms holding the GIL on a process's first start; to move to the package "
-    "import (no Triton in it). Strict: passes, and so fails, once that is done.",
-)
 def test_a_processs_first_start_imports_no_module(tmp_path: Path) -> None:
     # #11, first start: an import holds the GIL for its compile and whole module body while the loop
     # waits; everything the start path needs belongs to the package import, before any loop runs.
+    # (KVCache.start imported aiokv.kernels.mover, .reference and .segments in a thread: 3-17 ms
+    # holding the GIL. Triton, which the CPU path does not use, stays out of the package import.)
     # (aiokv.segments was the pool's share: see tests/core/test_pool_start.py.)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     run = subprocess.run([sys.executable, "-c", FIRST_START, str(tmp_path / "disk")], capture_output=True,
