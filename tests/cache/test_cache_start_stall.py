@@ -140,3 +140,52 @@ def test_a_processs_first_start_imports_no_module(tmp_path: Path) -> None:
                          text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [], f"imported during the first start: {run.stdout.strip()}"
+
+
+FIRST_START_STALL = """
+import asyncio, sys
+import torch
+from aiokv import CacheConfig, KVCache, KVLayout
+
+async def main() -> None:
+    layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256)  # 32 MiB pages (8B shape)
+    kv = torch.zeros(layout.num_layers, 256, layout.rows, layout.head_dim, dtype=layout.dtype)
+    config = CacheConfig(cpu_bytes=1 << 30, disk_dir=sys.argv[1], disk_bytes=1 << 30, namespace="first")
+    loop = asyncio.get_running_loop()
+    worst, due = 0.0, loop.time() + 0.001
+    def tick() -> None:
+        global handle
+        nonlocal worst, due
+        now = loop.time()
+        worst, due = max(worst, now - due), now + 0.001
+        handle = loop.call_at(due, tick)
+    global handle
+    handle = loop.call_at(due, tick)
+    await asyncio.sleep(0.02)  # the probe's first ticks
+    worst = 0.0
+    async with KVCache(config, layout, kv) as cache:
+        stall = worst
+    handle.cancel()
+    print(stall)
+
+asyncio.run(main())
+"""
+FIRST_START_BOUND = 0.005
+"""Seconds: the target (#11), for the best of five fresh processes (what every first start pays,
+without the shared VM's noise). 2-vCPU VM, load average 3-5, 1 GiB pool, disk tier on: before this
+bound, first starts stalled 6.0-14.0 ms (imports in threads, the page table's columns written,
+regular expressions compiled, all holding the GIL); now 2.8-6.8 ms, most 3-5."""
+
+
+@pytest.mark.slow
+def test_a_processs_first_start_does_not_stall_the_loop(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    stalls = []
+    for attempt in range(5):
+        run = subprocess.run([sys.executable, "-c", FIRST_START_STALL, str(tmp_path / f"disk{attempt}")],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        stalls.append(float(run.stdout.split()[-1]))
+        if stalls[-1] < FIRST_START_BOUND:
+            return
+    pytest.fail(f"every first start stalled the loop: {[round(s * 1e3, 1) for s in stalls]} ms")
