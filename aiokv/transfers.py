@@ -193,6 +193,8 @@ class LocalTransfers:
             for copy in paced:
                 assert copy.paced is not None
                 copy.paced.stop()
+                # Still waiting behind another load on the copy thread: it never runs (discarded).
+                self._bridge.withdraw(copy.future)
             # A paced load queues its last events on the copy thread: wait (host, never the GPU)
             # until it queued nothing more, also through further cancellations.
             feeding = {c.layer_futures[-1] for c in paced if not c.layer_futures[-1].done()}

@@ -371,3 +371,40 @@ def test_discarded_paced_load_frees_the_staging() -> None:
     assert events is not None
     events[-1].synchronize()
     assert kv_equal(back, expect)
+
+
+@pytest.mark.asyncio
+async def test_a_paced_load_withdrawn_before_it_is_fed_queues_nothing() -> None:
+    # quiesce (a cancelled stream) of a paced load still waiting behind other work on the copy
+    # thread withdraws it: nothing is ever queued, its layers settle as not landed, the staging is free.
+    import threading
+
+    from aiokv.cuda import CompletionBridge
+    from aiokv.transfers import LocalTransfers
+
+    _, kv, pages, page_ids, slots, expect = _paced_case(25)
+    back = empty_like_kv(kv)
+    mover = PageMover(back, pages, TransferPath.STAGING, 1)
+    bridge = CompletionBridge()
+    bridge.prestart(True)
+    transfers = LocalTransfers(mover, bridge, back.device)
+    gate = threading.Event()
+    try:
+        blocker = bridge.run_cpu(lambda: gate.wait(30))  # holds the copy thread
+        first = transfers.load_layers(page_ids, slots, 3)
+        assert first.paced is not None and mover._paced_active == 1
+        await transfers.quiesce([first], offload=False)
+        assert first.future.cancelled() and first.paced.issued_units == 0
+        assert all(f.done() and f.result() is False for f in first.layer_futures)
+        assert mover._paced_active == 0
+        gate.set()
+        assert await blocker
+        second = transfers.load_layers(page_ids, slots, 3)
+        assert second.paced is not None
+        await second.future
+        torch.cuda.current_stream().wait_event(second.paced.end)
+        torch.cuda.current_stream().synchronize()
+        assert kv_equal(back, expect)
+    finally:
+        gate.set()
+        bridge.close()
