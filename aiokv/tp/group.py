@@ -112,6 +112,8 @@ class RankGroup:
         self.writers = frozenset(s.rank for s in slices if s.writer)
         """Ranks that write pages: OFFLOAD specs go to these only (MLA: rank 0; one replica per head)."""
         self._all_ranks = frozenset(range(tp_size))
+        self._rank_order = tuple(range(tp_size))
+        self._writer_order = tuple(sorted(self.writers))
         self._directory = directory
         self._endpoint: Endpoint | None = None
         self._inode: int | None = None
@@ -272,13 +274,13 @@ class RankGroup:
             raise ValueError(f"spec pages hold {spec.page_tokens} tokens; the layout's hold {self.layout.page_tokens}")
         if int(spec.page_ids.max()) >= self.num_pages:
             raise ValueError(f"spec names page {int(spec.page_ids.max())}; the pool has {self.num_pages}")
-        missing = self._all_ranks - self.attached
+        missing = self._all_ranks - self.attached if not self._all_attached.is_set() else None
         if missing:
             failures = [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
             return self._jobs.failed_job(spec, failures, layers)
         job = self._jobs.open(spec, targets, layers)
         data = frame(FrameKind.SPEC, spec.to_bytes())
-        for rank in sorted(targets):
+        for rank in self._writer_order if targets is self.writers else self._rank_order:
             transport = self._ranks[rank].transport
             if transport is None or transport.is_closing():
                 self._jobs.report(spec.job_id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")

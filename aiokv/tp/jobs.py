@@ -136,7 +136,7 @@ class _Entry:
         self.job = job
         self.pending = set(job.ranks)
         self.failures: list[RankFailure] = []
-        self.landed = dict.fromkeys(job.ranks, 0)  # layered: layers each rank reported
+        self.landed = dict.fromkeys(job.ranks, 0) if job.layer_futures else {}  # layered: per rank
         self.ready = 0  # layered: layer futures resolved True so far
 
 

@@ -125,24 +125,25 @@ class LayerTable:
         self.epoch = epoch
         self.layers = layers
         self._lock = threading.Lock()
-        self._jobs: collections.OrderedDict[int, LayerProgress] = collections.OrderedDict()
+        self._jobs: collections.OrderedDict[int, LayerProgress] = collections.OrderedDict()  # arrived
+        self._waiting: dict[int, LayerProgress] = {}  # placeholders: asked for, not arrived
         self._highest = 0  # highest job id that arrived (any spec)
         self._closed = False
 
     def arrived(self, job_id: int, layered: bool) -> LayerProgress | None:
         """A spec arrived (in job-id order): fail placeholders of earlier jobs that never came;
-        returns the progress of a layered job."""
+        returns the progress of a layered job. Cheap for a plain spec with nobody waiting."""
         with self._lock:
             self._highest = max(self._highest, job_id)
-            stale = [p for j, p in self._jobs.items() if j < job_id and not p.arrived and not p.ended]
+            stale = [j for j in self._waiting if j < job_id] if self._waiting else []
+            ended = [self._waiting.pop(j) for j in stale]
             progress = None
             if layered:
-                progress = self._jobs.get(job_id)
-                if progress is None or progress.arrived:
-                    progress = self._jobs[job_id] = LayerProgress(self.layers)
+                progress = self._waiting.pop(job_id, None) or LayerProgress(self.layers)
                 progress.arrive()
+                self._jobs[job_id] = progress
                 self._forget()
-        for placeholder in stale:
+        for placeholder in ended:
             placeholder.end()
         return progress
 
@@ -150,26 +151,30 @@ class LayerTable:
         """The job's progress; a placeholder for one not arrived yet; an ended one for a job that
         arrived but was not layered here, or was forgotten (its layers are not known to be ready)."""
         with self._lock:
-            progress = self._jobs.get(job_id)
+            progress = self._jobs.get(job_id) or self._waiting.get(job_id)
             if progress is None:
                 progress = LayerProgress(self.layers)
                 if job_id <= self._highest or self._closed:
                     progress.end()
-                    return progress
-                self._jobs[job_id] = progress
+                else:
+                    self._waiting[job_id] = progress
             return progress
 
     def close(self) -> None:
         """The session ended: every job not over never lands more."""
         with self._lock:
             self._closed = True
-            pending = list(self._jobs.values())
+            pending = [*self._jobs.values(), *self._waiting.values()]
+            self._waiting.clear()
         for progress in pending:
             progress.end()
 
     def _forget(self) -> None:
-        ended = [j for j, p in self._jobs.items() if p.ended]
-        for job_id in ended[: max(0, len(ended) - RETAINED_JOBS)]:
+        # Oldest first: drop ended jobs beyond what late waiters may still ask about.
+        while len(self._jobs) > RETAINED_JOBS:
+            job_id, oldest = next(iter(self._jobs.items()))
+            if not oldest.ended:
+                return
             del self._jobs[job_id]
 
 

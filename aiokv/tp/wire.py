@@ -51,6 +51,9 @@ class FrameKind(enum.Enum):
     LAYERS = 7
 
 
+_KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup per frame, not an Enum call
+
+
 class RankStatus(enum.Enum):
     """How one rank's part of a job ended. Values up to 15 travel in DONE frames."""
 
@@ -71,6 +74,10 @@ class RankStatus(enum.Enum):
     """(manager side) The rank was not attached when the job was submitted."""
     GROUP_CLOSED = 18
     """(manager side) The group closed before the rank reported."""
+
+
+_STATUS = {status.value: status for status in RankStatus}
+_WORKER_STATUS = {value: status for value, status in _STATUS.items() if value < 16}
 
 
 class RefuseReason(enum.Enum):
@@ -141,10 +148,9 @@ class FrameParser:
             end = start + _FRAME.size + length - 1
             if end > len(buffer):
                 break
-            try:
-                what = FrameKind(kind)
-            except ValueError:
-                raise ProtocolError(f"unknown frame kind {kind}") from None
+            what = _KINDS.get(kind)
+            if what is None:
+                raise ProtocolError(f"unknown frame kind {kind}")
             frames.append((what, bytes(buffer[start + _FRAME.size : end])))
             start = end
         del buffer[:start]
@@ -286,13 +292,13 @@ class Done:
     @classmethod
     def decode(cls, payload: bytes) -> Done:
         job_id, status = _fixed(_DONE, payload, "completion", exact=False)
-        try:
-            kind = RankStatus(status)
-        except ValueError:
-            raise ProtocolError(f"unknown completion status {status}") from None
-        if kind.value >= 16:
-            raise ProtocolError(f"completion status {kind.name} is manager-side only")
-        return cls(job_id, kind, _decode_text(payload, _DONE.size))
+        kind = _WORKER_STATUS.get(status)
+        if kind is None:
+            if status in _STATUS:
+                raise ProtocolError(f"completion status {_STATUS[status].name} is manager-side only")
+            raise ProtocolError(f"unknown completion status {status}")
+        # Most completions carry no text: no slice and decode for them (eight per round trip).
+        return cls(job_id, kind, _decode_text(payload, _DONE.size) if len(payload) > _DONE.size else "")
 
 
 @dataclass(frozen=True)

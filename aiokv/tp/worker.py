@@ -28,7 +28,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -46,7 +46,7 @@ from .wire import (
     Attached,
     Done,
     FrameKind,
-    FrameReader,
+    FrameParser,
     Hello,
     Layers,
     ProtocolError,
@@ -196,36 +196,38 @@ class RankWorker:
 
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool."""
-        reader, writer = await asyncio.open_unix_connection(os.fspath(self.address))
-        frames = FrameReader(reader, self.config.max_frame_bytes)
+        loop = asyncio.get_running_loop()
+        _, link = await loop.create_unix_connection(
+            lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address)
+        )
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
-                welcome = await self._hello(frames, writer)
-                executor = await self._attach(welcome, writer)
+                welcome = await self._hello(link)
+                executor = await self._attach(welcome, link)
             self._executor = executor
             self._epoch, self._pool_name = welcome.epoch, welcome.pool_name
             self._sessions += 1
             self._notify()
             log.info("rank %d: attached pool %s (epoch %#x)", self.tp.rank, welcome.pool_name, welcome.epoch)
             try:
-                await self._serve(frames, writer, executor)
+                await self._serve(link, executor)
             finally:
                 self._epoch = self._pool_name = None
                 self._notify()
                 # Copies in flight still use the mapping: their reports go out while the socket is
                 # open, then the mapping is dropped (teardown runs in a thread: it is not cancelled).
                 await executor.drain()
-                writer.close()
+                link.close()
                 await executor.aclose()
                 self._executor = None
             return True
         finally:
-            writer.close()
+            link.close()
 
-    async def _hello(self, frames: FrameReader, writer: asyncio.StreamWriter) -> Welcome:
+    async def _hello(self, link: _WorkerLink) -> Welcome:
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint)
-        writer.write(frame(FrameKind.HELLO, hello.encode()))
-        kind, payload = await frames.read()
+        link.write(frame(FrameKind.HELLO, hello.encode()))
+        kind, payload = await link.read()
         if kind is FrameKind.REFUSE:
             refusal = Refuse.decode(payload)
             if refusal.reason.retry:
@@ -242,7 +244,7 @@ class RankWorker:
             raise WorkerRefusedError(RefuseReason.LAYOUT, "manager's layout differs from this worker's")
         return welcome
 
-    async def _attach(self, welcome: Welcome, writer: asyncio.StreamWriter) -> RankExecutor:
+    async def _attach(self, welcome: Welcome, link: _WorkerLink) -> RankExecutor:
         assert self._bridge is not None
         try:
             memory = await asyncio.to_thread(PagePool.attach, welcome.pool_name, self.page_layout)
@@ -251,44 +253,45 @@ class RankWorker:
                     raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")
                 executor = RankExecutor(
                     self.kv, memory, welcome.epoch, self._bridge, self.config, self._engine_stream, self._path,
-                    self._copy_on_loop, _layer_reporter(writer),
+                    self._copy_on_loop, _layer_reporter(link),
                 )
             except BaseException:
                 memory.close()
                 raise
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-            writer.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
+            link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
             raise _AttachFailed(f"pool {welcome.pool_name}: {why}") from exc
-        writer.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
+        link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
         return executor
 
-    async def _serve(self, frames: FrameReader, writer: asyncio.StreamWriter, executor: RankExecutor) -> None:
-        while True:
-            if executor.in_flight >= self.config.worker_max_inflight:
-                await executor.wait_room()  # stop reading: the manager's frames wait in the socket
-            try:
-                kind, payload = await frames.read()
-            except asyncio.IncompleteReadError:
-                log.info("rank %d: the manager closed the connection", self.tp.rank)
-                return
-            if kind is not FrameKind.SPEC:
-                raise ProtocolError(f"expected a spec, got {kind.name}")
-            spec = TransferSpec.from_bytes(payload)
-            self._specs += 1
-            report = executor.execute(spec)
-            if report.done():  # refused at once, or copied on this loop: no extra loop turn
-                self._report(writer, spec.job_id, report)
-            else:
-                report.add_done_callback(functools.partial(self._report, writer, spec.job_id))
+    async def _serve(self, link: _WorkerLink, executor: RankExecutor) -> None:
+        """Run specs until the manager closes the connection (frames are handled in the link's read
+        callback: no task wake-up per spec). Raises what ended the link otherwise."""
+        link.serve(executor)
+        try:
+            await link.wait_ended()
+        except asyncio.IncompleteReadError:
+            log.info("rank %d: the manager closed the connection", self.tp.rank)
 
-    def _report(self, writer: asyncio.StreamWriter, job_id: int, report: asyncio.Future[RankReport]) -> None:
+    def _run_spec(self, link: _WorkerLink, executor: RankExecutor, payload: bytes) -> None:
+        """One SPEC frame, in the read callback. Raises ``ValueError`` for a malformed spec."""
+        spec = TransferSpec.from_bytes(payload)
+        self._specs += 1
+        report = executor.execute(spec)
+        if report.done():  # refused at once, or copied on this loop: no extra loop turn
+            self._report(link, spec.job_id, report)
+        else:
+            report.add_done_callback(functools.partial(self._report, link, spec.job_id))
+        if executor.in_flight >= self.config.worker_max_inflight:
+            report.add_done_callback(lambda _: link.room())  # runs after the executor counted it out
+
+    def _report(self, link: _WorkerLink, job_id: int, report: asyncio.Future[RankReport]) -> None:
         result = report.result()
         self._reports[result.status] += 1
         if result.status is not RankStatus.OK:
             log.warning("rank %d: job %d: %s %s", self.tp.rank, job_id, result.status.name, result.text)
-        if not writer.is_closing():
-            writer.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
+        link.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
 
     # -- layer-wise loads -----------------------------------------------------------------------
 
@@ -401,15 +404,14 @@ class RankWorker:
         await self.aclose()
 
 
-def _layer_reporter(writer: asyncio.StreamWriter) -> Callable[[int, int], None]:
-    """Sends LAYERS frames on ``writer`` from whatever thread a layer landed on (the loop's own
+def _layer_reporter(link: _WorkerLink) -> Callable[[int, int], None]:
+    """Sends LAYERS frames on ``link`` from whatever thread a layer landed on (the loop's own
     directly: a copy running on the loop blocks it until the copy ends)."""
     loop = asyncio.get_running_loop()
     owner = threading.get_ident()
 
     def send(job_id: int, landed: int) -> None:
-        if not writer.is_closing():
-            writer.write(frame(FrameKind.LAYERS, Layers(job_id, landed).encode()))
+        link.write(frame(FrameKind.LAYERS, Layers(job_id, landed).encode()))
 
     def landed(job_id: int, count: int) -> None:
         if threading.get_ident() == owner:
@@ -418,6 +420,123 @@ def _layer_reporter(writer: asyncio.StreamWriter) -> Callable[[int, int], None]:
             loop.call_soon_threadsafe(send, job_id, count)
 
     return landed
+
+
+class _WorkerLink(asyncio.Protocol):
+    """The worker's end of one connection. During the handshake frames queue for :meth:`read`;
+    once serving, each SPEC frame runs in the read callback that received it."""
+
+    def __init__(self, worker: RankWorker, max_bytes: int) -> None:
+        self._worker = worker
+        self._parser = FrameParser(max_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._frames: collections.deque[tuple[FrameKind, bytes]] = collections.deque()
+        self._executor: RankExecutor | None = None
+        self._changed: asyncio.Future[None] | None = None  # wakes read() / wait_ended()
+        self._end: BaseException | None = None  # what ended the link, once it ended
+        self._paused = False
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._end is not None:
+            return
+        try:
+            self._frames.extend(self._parser.feed(data))
+        except ProtocolError as exc:
+            self._ended(exc)
+            return
+        if self._executor is not None:
+            self._pump()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._ended(asyncio.IncompleteReadError(self._parser.pending, None))
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc if exc is not None else asyncio.IncompleteReadError(self._parser.pending, None))
+
+    # -- the session's side ---------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)  # buffered: never blocks
+
+    async def read(self) -> tuple[FrameKind, bytes]:
+        """The next handshake frame. Raises ``asyncio.IncompleteReadError`` at EOF, what broke the
+        link otherwise (a :class:`ProtocolError`, a connection error)."""
+        while not self._frames:
+            if self._end is not None:
+                raise self._end
+            await self._wait()
+        return self._frames.popleft()
+
+    def serve(self, executor: RankExecutor) -> None:
+        """From now on SPEC frames run on ``executor`` as they arrive (frames already queued first)."""
+        self._executor = executor
+        self._pump()
+
+    def _pump(self) -> None:
+        """Run queued SPEC frames until the worker is full (then reading pauses: backpressure)."""
+        executor = self._executor
+        assert executor is not None
+        try:
+            while self._frames and self._end is None:
+                if executor.in_flight >= self._worker.config.worker_max_inflight:
+                    self._pause()
+                    return
+                kind, payload = self._frames.popleft()
+                if kind is not FrameKind.SPEC:
+                    raise ProtocolError(f"expected a spec, got {kind.name}")
+                self._worker._run_spec(self, executor, payload)
+        except ValueError as exc:  # ProtocolError, or a malformed spec
+            self._ended(exc)
+
+    async def wait_ended(self) -> None:
+        """Return when the link ended; raises what ended it (``IncompleteReadError`` at EOF)."""
+        while self._end is None:
+            await self._wait()
+        raise self._end
+
+    def _pause(self) -> None:
+        if not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def room(self) -> None:
+        """A spec ended: run what waits and read again once there is room."""
+        if not self._paused or self._executor is None or self._end is not None:
+            return
+        self._pump()
+        if self._executor.in_flight < self._worker.config.worker_max_inflight and self._transport is not None:
+            self._paused = False
+            if not self._transport.is_closing():
+                self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _wait(self) -> asyncio.Future[None]:
+        if self._changed is None or self._changed.done():  # done: a cancelled waiter's
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)
+
+    def _ended(self, exc: BaseException) -> None:
+        if self._end is None:
+            self._end = exc
+            if not isinstance(exc, asyncio.IncompleteReadError) and self._transport is not None:
+                self._transport.abort()  # a broken link: nothing more is read or written
+        self._wake()
 
 
 class RankWorkerThread:

@@ -14,17 +14,29 @@ it), so readiness is checked against what has really landed, not against timing:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
-from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, rank_kv
+from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, new_pool, rank_kv
 
 from aiokv import CacheConfig, KVLayout
-from aiokv.tp import Direction, JobTable, LayeredLoad, RankStatus, TPCache, TransferSpec
-from aiokv.tp.layers import LayerTable
+from aiokv.tp import (
+    Direction,
+    JobTable,
+    LayeredLoad,
+    RankGroup,
+    RankStatus,
+    RankWorker,
+    TPCache,
+    TPConfig,
+    TransferSpec,
+)
+from aiokv.tp.layers import RETAINED_JOBS, LayerTable
 
 LAYOUT = KVLayout.mha(4, 4, 8, torch.float16, page_tokens=4)
 T = LAYOUT.page_tokens
@@ -267,3 +279,65 @@ async def test_rank_side_waits_for_jobs_not_arrived_and_fails_those_that_never_c
     with pytest.raises(TimeoutError):
         LayerTable(1, 1).progress(1).wait(0, timeout=0.01)
     assert LayeredLoad(5, (3,)).jobs == (3,)
+
+
+def test_rank_side_table_keeps_a_bounded_number_of_ended_jobs() -> None:
+    table = LayerTable(epoch=1, layers=1)
+    running = table.arrived(1, layered=True)
+    assert running is not None
+    for job in range(2, RETAINED_JOBS + 10):
+        done = table.arrived(job, layered=True)
+        assert done is not None
+        done.mark(1)
+        done.end()
+    # The oldest job still runs: nothing behind it is dropped yet (bounded by running jobs).
+    assert table.progress(2).wait(0, timeout=0) is True
+    running.mark(1)
+    running.end()
+    table.arrived(RETAINED_JOBS + 10, layered=True)
+    # Forgotten: not known to be ready (the engine asked far too late); recent ones are kept.
+    assert table.progress(1).wait(0, timeout=0) is False
+    assert table.progress(RETAINED_JOBS + 9).wait(0, timeout=0) is True
+
+
+@pytest.mark.asyncio
+async def test_a_full_worker_stops_reading_and_resumes_when_a_spec_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backpressure: beyond ``worker_max_inflight`` specs a worker leaves the rest in its socket."""
+    from aiokv.kernels import mover
+
+    gate = threading.Semaphore(0)
+    scatter = mover.reference_scatter
+
+    def gated(*args: Any) -> None:
+        assert gate.acquire(timeout=60)
+        scatter(*args)
+
+    monkeypatch.setattr(mover, "reference_scatter", gated)  # every layer of a layered copy waits
+    config = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05, worker_max_inflight=2)
+    pool = await new_pool(LAYOUT.for_tp(2), 8)
+    full = full_kv(LAYOUT, SEED)
+    try:
+        async with RankGroup(LAYOUT, 2, pool.name, pool.num_pages, config, tmp_path / "m") as group, \
+                RankWorker(group.address, 0, 2, LAYOUT, rank_kv(full, LAYOUT, 0, 2), config) as w0, \
+                RankWorker(group.address, 1, 2, LAYOUT, rank_kv(full, LAYOUT, 1, 2), config) as w1:
+            await group.wait_attached()
+            jobs = [group.submit_nowait(group.spec(Direction.LOAD, [i], range(i * T, (i + 1) * T), layered=True))
+                    for i in range(5)]
+            try:
+                async with asyncio.timeout(30):
+                    # Worker statistics have no change event: a bounded poll.
+                    while w0.statistics().specs < 2 or w1.statistics().specs < 2:  # noqa: ASYNC110
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the workers had every chance to read on: they must not
+                assert (w0.statistics().specs, w1.statistics().specs) == (2, 2)
+                assert w0.statistics().in_flight == 2 and not any(job.done() for job in jobs)
+            finally:
+                for _ in range(5 * 2 * LAYOUT.num_layers):
+                    gate.release()  # (also when the test failed: closing waits for the copies)
+            outcomes = [await job for job in jobs]
+            assert all(o.ok for o in outcomes), outcomes
+            assert (w0.statistics().specs, w1.statistics().specs) == (5, 5)
+    finally:
+        await pool.aclose()
