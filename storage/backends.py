@@ -512,7 +512,7 @@ class UringPageIO:
             # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
             self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
 
-        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written)
+        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written, expect=self._expect(ops))
 
     def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
@@ -554,7 +554,8 @@ class UringPageIO:
                     return
                 self._cleanup(self._recycle_failed(ops, results, dir_fd, temp, fd), lambda exc: done(exc, True))
 
-            self.engine.submit(ops, (name, tmp, fin, self._slots, self._pool, page.view), written)
+            self.engine.submit(ops, (name, tmp, fin, self._slots, self._pool, page.view), written,
+                               expect=self._expect(ops))
 
         self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, ctypes.addressof(name), 0, 0,
                                       os.O_WRONLY | OPEN_FLAGS)], name, opened)
@@ -634,7 +635,7 @@ class UringPageIO:
                     got += res
                 done(got)
 
-            self.engine.submit(ops, (self._slots, self._pool, page.view), read)
+            self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=self._expect(ops))
 
         self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0,
                                       os.O_RDONLY | OPEN_FLAGS)], path, opened)

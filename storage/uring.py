@@ -62,6 +62,8 @@ IORING_FSYNC_DATASYNC = 1
 IOSQE_FIXED_FILE = 1 << 0
 IOSQE_IO_LINK = 1 << 2
 IOSQE_ASYNC = 1 << 4
+IOSQE_CQE_SKIP_SUCCESS = 1 << 6
+IORING_FEAT_CQE_SKIP = 1 << 11
 AT_FDCWD = -100
 
 OP_NOP = 0
@@ -194,18 +196,22 @@ def sqe(opcode: int, fd: int = -1, addr: int = 0, length: int = 0, off: int = 0,
 
 
 class _Request:
-    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "results", "single")
+    __slots__ = ("callback", "first", "future", "injected", "keep", "ops", "pending", "results", "single", "skip")
 
     def __init__(self, ops: list[SqeFields], future: asyncio.Future[Any] | None, callback: ChainDone | None,
-                 keep: object, injected: list[int | None] | None, single: bool) -> None:
+                 keep: object, injected: list[int | None] | None, single: bool, expect: list[int] | None) -> None:
         self.ops = ops
         self.future = future
         self.callback = callback
         self.keep = keep  # buffers and paths the kernel uses: alive until the last CQE arrives
         self.injected = injected
         self.single = single
-        self.results = [0] * len(ops)
+        # ``skip``: every op but the last posts a CQE only when it fails (IOSQE_CQE_SKIP_SUCCESS);
+        # the results of those that stay silent are what the caller expects of a success.
+        self.skip = expect is not None and len(ops) > 1
+        self.results = list(expect) if expect is not None else [0] * len(ops)
         self.pending = len(ops)
+        self.first = 0  # user_data of the first op (the ops' are consecutive)
 
 
 FaultHook = Callable[[int], int | None]
@@ -248,6 +254,8 @@ class UringEngine:
         self.fault_hook: FaultHook | None = None
         self.submits = 0
         self.submit_max_s = 0.0
+        self.skip_success = bool(params.features & IORING_FEAT_CQE_SKIP)
+        """The kernel can leave out the CQEs of linked ops that succeed (5.17): see :meth:`submit`."""
         loop.add_reader(self._efd, self._on_eventfd)
 
     @classmethod
@@ -358,16 +366,22 @@ class UringEngine:
         return future
 
     def submit(self, ops: list[SqeFields], keep: object, callback: ChainDone | None,
-               future: asyncio.Future[list[int]] | None = None) -> None:
+               future: asyncio.Future[list[int]] | None = None, expect: list[int] | None = None) -> None:
         """As :meth:`chain`, without a future per chain: ``callback(results)`` runs on the loop from
         the completion drain (all chains completed by one eventfd wake-up are handled in one
-        callback). Build ``ops`` with :func:`sqe`. ``callback`` must not raise (a bug: logged)."""
+        callback). Build ``ops`` with :func:`sqe`. ``callback`` must not raise (a bug: logged).
+
+        ``expect``: each op's result on success (bytes for a transfer, else 0). Where the kernel
+        can (:attr:`skip_success`), only the last op and failing ones post a CQE: a page's chain
+        costs one completion instead of one per op. The results then hold ``expect`` for the ops
+        that succeeded silently, the failure (a negative errno, or a short transfer) where one
+        broke the chain, and ``-ECANCELED`` for the ops after it, as always."""
         if not 0 < len(ops) <= self.sq_entries:
             raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {len(ops)}")
-        self._enqueue(ops, keep, future, callback, False)
+        self._enqueue(ops, keep, future, callback, False, expect if self.skip_success else None)
 
     def _enqueue(self, ops: list[SqeFields], keep: object, future: asyncio.Future[Any] | None,
-                 callback: ChainDone | None, single: bool) -> None:
+                 callback: ChainDone | None, single: bool, expect: list[int] | None = None) -> None:
         if self._closed:
             raise RuntimeError("io_uring engine is closed")
         injected: list[int | None] | None = None
@@ -384,7 +398,7 @@ class UringEngine:
                     broken = True
                     op = sqe(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
                 fields.append(op)
-        request = _Request(fields, future, callback, keep, injected, single)
+        request = _Request(fields, future, callback, keep, injected, single, expect)
         if len(self._inflight) + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
@@ -393,11 +407,13 @@ class UringEngine:
     def _prepare(self, request: _Request) -> None:
         # A chain's SQEs go into the ring together: a submit never splits them.
         last = len(request.ops) - 1
+        request.first = self._next_id
+        linked = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS if request.skip else IOSQE_IO_LINK
         for index, fields in enumerate(request.ops):
             user_data = self._next_id
             self._next_id += 1
             # Every op but the last is linked to the next one.
-            flags = fields[1] | IOSQE_IO_LINK if index < last else fields[1]
+            flags = fields[1] | linked if index < last else fields[1]
             if self.async_data and fields[0] in DATA_OPS:
                 flags |= IOSQE_ASYNC
             _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, fields[0], flags, *fields[2:8], user_data,
@@ -476,10 +492,16 @@ class UringEngine:
             return
         request, index = entry
         injected = None if request.injected is None else request.injected[index]
-        request.results[index] = res if injected is None else injected
-        request.pending -= 1
-        if request.pending:
-            return
+        if injected is not None:
+            res = injected
+        if request.skip:
+            if not self._skipped_done(request, index, res):
+                return
+        else:
+            request.results[index] = res
+            request.pending -= 1
+            if request.pending:
+                return
         if request.callback is not None:
             try:
                 request.callback(request.results)
@@ -495,6 +517,22 @@ class UringEngine:
             future.set_exception(OSError(-res, os.strerror(-res)))
         else:
             future.set_result(res)
+
+    def _skipped_done(self, request: _Request, index: int, res: int) -> bool:
+        """Whether a chain whose successful ops post no CQE is complete. The last op always reports
+        unless an earlier one failed: a failing op (a negative errno, or a short transfer) posts its
+        CQE and the kernel then cancels the rest of the chain silently (``REQ_F_SKIP_LINK_CQES``),
+        so their results are ``-ECANCELED`` without a CQE. The ops left in the in-flight table (the
+        silent ones) are removed then."""
+        last = len(request.ops) - 1
+        if index < last and res == request.results[index]:
+            return False  # a success reported after all: the chain goes on
+        request.results[index] = res
+        if index < last:
+            request.results[index + 1 :] = [-errno.ECANCELED] * (last - index)
+        for user_data in range(request.first, request.first + len(request.ops)):
+            self._inflight.pop(user_data, None)
+        return True
 
     def read(self, fd: int, address: int, length: int, offset: int, keep: object,
              region: Region | None = None) -> asyncio.Future[int]:

@@ -60,9 +60,10 @@ def _submitted_opcodes(io: UringPageIO) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     real = io.engine.submit
 
-    def spy(ops: list[uring_mod.SqeFields], keep: object, callback: Any, future: Any = None) -> None:
+    def spy(ops: list[uring_mod.SqeFields], keep: object, callback: Any, future: Any = None,
+            expect: Any = None) -> None:
         seen.extend((op[0], op[9]) for op in ops)
-        real(ops, keep, callback, future)
+        real(ops, keep, callback, future, expect)
 
     io.engine.submit = spy  # type: ignore[method-assign]
     return seen
