@@ -152,8 +152,9 @@ class LoadStream:
         """Wait until layer ``layer`` of every launched copy is in the buffer (after :meth:`launched`).
 
         CPU: awaits the copies (True when all landed). CUDA: awaits (never blocking the loop) until
-        layer ``layer``'s copies are queued, then makes the current stream wait on the GPU, and
-        returns True. With a layer-wise stream (``layered=True``) layer l is ready before later
+        layer ``layer``'s copies are queued, then makes the current stream wait on the GPU; False
+        when a load gave the layer up (a fault after launch: :meth:`finish` reports it shortened,
+        the engine computes what it lacks). With a layer-wise stream (``layered=True``) layer l is ready before later
         layers; otherwise when the whole copy is.
         """
         if self._loader.done() is False:
@@ -163,26 +164,32 @@ class LoadStream:
             queued = [c.layer_futures[layer] for _, c, _, _ in self._unique_copies() if c.paced is not None]
             if queued:
                 await asyncio.shield(asyncio.gather(*queued))
-            self.order_layer(layer)
-            return True
+            return self.order_layer(layer)
         waits = [c.layer_futures[layer] if c.layer_futures else c.future for _, c, _, _ in self._unique_copies()]
         outcomes = await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
         return all(out is True or out is None for out in outcomes)
 
-    def order_layer(self, layer: int) -> None:
+    def order_layer(self, layer: int) -> bool:
         """CUDA: make the engine's current stream wait (on the GPU) for layer ``layer`` of every
         launched copy. No-op where the copies are not CUDA events (CPU, or remote rank workers).
 
         A layer-wise load is queued a few layers ahead of the GPU (``PACE_BYTES``), so this may
         block the calling thread until layer ``layer``'s copies are queued: call it from the thread
-        that launches the engine's kernels; on the event loop, ``await wait_layer(layer)``.
+        that launches the engine's kernels; on the event loop, ``await wait_layer(layer)``. Returns
+        False when a load gave the layer up (a fault after launch; the stream is still ordered after
+        everything that load queued): the layer is not in place, :meth:`finish` reports it.
         """
         self._check_layer(layer)
+        landing = True
         for _, c, _, _ in self._unique_copies():
             if c.paced is not None:
                 c.paced.wait_issued(layer)
+                landing = landing and c.paced.queued[layer]
+            elif c.event is None and c.future.done() and (c.future.cancelled() or c.future.exception()):
+                landing = False  # failed at launch: nothing of it lands
         events = [c.layer_events[layer] if c.layer_events else c.event for _, c, _, _ in self._unique_copies()]
         self._manager._running()[1].order_after([e for e in events if e is not None])
+        return landing
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int):

@@ -40,8 +40,9 @@ class Copy:
     """Whether the engine's stream was made to wait on the whole copy at launch."""
     paced: PacedLayers | None = None
     """CUDA, a paced layer-wise load: ``layer_events[l]`` exists on the GPU only once
-    ``layer_futures[l]`` resolved (``paced.wait_issued(l)`` from a thread); stop it with
-    ``paced.stop()``. ``layer_futures[-1]`` resolves once it queues nothing more."""
+    ``layer_futures[l]`` resolved (``paced.wait_issued(l)`` from a thread), True when the layer's
+    copies were queued, False when the load gave it up; stop it with ``paced.stop()``.
+    ``layer_futures[-1]`` resolves once it queues nothing more, after ``event`` exists."""
 
 
 class Transfers(Protocol):
@@ -152,9 +153,9 @@ class LocalTransfers:
         ahead of the GPU and resolves layer ``l``'s future as layer ``l``'s event is queued."""
         layers = tuple(loop.create_future() for _ in paced.events)
 
-        def issued(layer: int) -> None:
+        def issued(layer: int, queued: bool) -> None:
             try:
-                loop.call_soon_threadsafe(_resolve_layer, layers[layer], True)
+                loop.call_soon_threadsafe(_resolve_layer, layers[layer], queued)
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for the layer any more
 
@@ -205,8 +206,10 @@ class LocalTransfers:
                     continue
             stream = torch.cuda.current_stream(self._device)
             for copy in copies:
+                # A paced load's last layer event is queued after all of its work, on every path,
+                # before its last layer future resolves (its ``end`` only after: not yet there).
                 if copy.event is not None and (offload or not copy.ordered):
-                    stream.wait_event(copy.event if copy.paced is None else copy.paced.end)
+                    stream.wait_event(copy.event)
             return
         pending = {c.future for c in copies if not c.future.done() and not self._bridge.withdraw(c.future)}
         while pending:

@@ -235,6 +235,8 @@ class PacedLayers:
         self.end = _new_event()
         """Recorded after everything this load queued (whether it completed, stopped or failed)."""
         self.issued_units = 0
+        self.queued = [False] * layers
+        """Per layer: its copies were queued (it lands); False for a layer given up (stop, fault)."""
         self._stop = threading.Event()
         self._fed = False
         self._fed_lock = threading.Lock()
@@ -266,11 +268,12 @@ class PacedLayers:
         """Block until layer ``layer``'s event exists on the GPU (or ``timeout`` passed)."""
         return self.issued[layer].wait(timeout)
 
-    def feed(self, on_issued: Callable[[int], None] | None = None) -> None:
+    def feed(self, on_issued: Callable[[int, bool], None] | None = None) -> None:
         """Queue every unit, at most :attr:`window` ahead of the GPU, then wait until the GPU is done.
 
-        Runs on a thread of the caller's choosing, once. ``on_issued(l)`` is called as layer ``l``'s
-        event is queued, and for every layer left when the load stops or fails. Raises
+        Runs on a thread of the caller's choosing, once. ``on_issued(l, True)`` is called as layer
+        ``l``'s event is queued; ``on_issued(l, False)`` for every layer given up when the load stops
+        or fails (its event completes after everything queued, but the layer is not loaded). Raises
         ``RuntimeError`` when stopped before the end, or what failed, after the GPU finished what
         was queued.
         """
@@ -295,9 +298,10 @@ class PacedLayers:
                     self.issued_units = k + 1
                     if unit.ends_layer:
                         self.events[unit.layer].record(scatter_stream)
+                        self.queued[unit.layer] = True
                         self.issued[unit.layer].set()
                         if on_issued is not None:
-                            on_issued(unit.layer)
+                            on_issued(unit.layer, True)
 
                 issued = feed_paced(len(plan.units), self.window, issue, lambda k: scattered[k].synchronize(),
                                     self._stop.is_set)
@@ -316,7 +320,7 @@ class PacedLayers:
                         self.events[layer].record(scatter_stream)
                         ready.set()
                         if on_issued is not None:
-                            on_issued(layer)
+                            on_issued(layer, False)
                 mover._paced_done(self.end)
             self.end.synchronize()
         if error is not None:

@@ -298,8 +298,8 @@ def test_paced_layer_wise_load_is_bit_exact_and_never_runs_far_ahead(monkeypatch
     paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
     assert paced is not None and paced.window == mover_module.LAYER_BUFFERS + 1
     assert not paced.issued[0].is_set(), "nothing may be queued before feed()"
-    issued: list[int] = []
-    thread = threading.Thread(target=paced.feed, args=(issued.append,))
+    issued: list[tuple[int, bool]] = []
+    thread = threading.Thread(target=paced.feed, args=(lambda layer, queued: issued.append((layer, queued)),))
     thread.start()
     for layer in range(layout.num_layers):
         assert paced.wait_issued(layer, timeout=30)
@@ -307,7 +307,8 @@ def test_paced_layer_wise_load_is_bit_exact_and_never_runs_far_ahead(monkeypatch
         torch.cuda.current_stream().synchronize()
         assert _layer_equal(back, expect, layer), layer
     thread.join(30)
-    assert issued == list(range(layout.num_layers))
+    assert issued == [(layer, True) for layer in range(layout.num_layers)]
+    assert all(paced.queued)
     units = 10 * layout.num_layers
     assert paced.issued_units == units
     half = max(1, paced.window // 2)
@@ -324,13 +325,19 @@ def test_paced_load_stopped_part_way_orders_everything_it_queued() -> None:
     paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
     assert paced is not None
 
-    def on_issued(layer: int) -> None:
+    reported: dict[int, bool] = {}
+
+    def on_issued(layer: int, queued: bool) -> None:
+        reported[layer] = queued
         if layer == 0:
             paced.stop()
 
     with pytest.raises(RuntimeError, match="stopped after"):
         paced.feed(on_issued)
     assert all(flag.is_set() for flag in paced.issued), "a waiter for a layer never queued would hang"
+    # Layer 0 landed; every layer given up is reported so (a waiter must not read it as loaded).
+    assert reported == {layer: layer == 0 for layer in range(layout.num_layers)}
+    assert paced.queued == [layer == 0 for layer in range(layout.num_layers)]
     assert 10 <= paced.issued_units < 10 * layout.num_layers
     assert paced.end.query() and paced.events[-1].query()
     assert _layer_equal(back, expect, 0)
