@@ -112,6 +112,22 @@ def test_header_lies_are_clear_errors() -> None:
     bad[7] = 2  # flags: bit 0 is LAYERED, the rest are unknown
     with pytest.raises(ValueError, match="unknown flags 0x2"):
         TransferSpec.from_bytes(bytes(bad))
+    # Decoding checks every value rule the constructor does (only the types come from the format).
+    header = 40  # the header's size: page ids follow it, then the slots
+    for offset, fmt, value, message in [
+        (24, "<I", 0, "page_tokens must be positive"),
+        (28, "<I", 4, r"skip_first must be in \[0, 4\)"),
+        (header + 4, "<I", 3, "duplicated pages"),
+        (header + 8, "<q", -1, "negative slot"),
+    ]:
+        bad = bytearray(raw)
+        struct.pack_into(fmt, bad, offset, value)
+        with pytest.raises(ValueError, match=message):
+            TransferSpec.from_bytes(bytes(bad))
+    offload = bytearray(TransferSpec.build(1, Direction.OFFLOAD, 7, 4, [3], range(4)).to_bytes())
+    offload[7] = 1
+    with pytest.raises(ValueError, match="only a LOAD spec is layered"):
+        TransferSpec.from_bytes(bytes(offload))
     # A header claiming 2**32-1 slots on a short body: a length error, no huge allocation.
     huge = bytearray(raw)
     struct.pack_into("<I", huge, 36, 2**32 - 1)
