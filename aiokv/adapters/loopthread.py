@@ -43,6 +43,25 @@ log = logging.getLogger(__name__)
 _Posted = Coroutine[Any, Any, object] | Callable[[], object]
 
 
+QUIESCE_REPORT_S = 30.0
+"""How long :meth:`LoopThread.quiesce` waits before it logs what it is waiting for (then again)."""
+
+
+def _where(task: asyncio.Task[object]) -> str:
+    """Where a pending task is suspended: its chain of coroutines, outermost first, and what the
+    innermost one awaits."""
+    steps: list[str] = []
+    awaited: object = task.get_coro()
+    while awaited is not None and len(steps) < 16:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is None:
+            steps.append(type(awaited).__name__)
+            break
+        steps.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return " -> ".join(steps)
+
+
 class LoopDied(RuntimeError):
     """The loop thread ended without being closed; what it was running was cancelled."""
 
@@ -220,8 +239,13 @@ class LoopThread:
 
     async def _quiesce(self) -> None:
         self._take_inbox()
+        waited = 0.0
         while self._tasks:
-            await asyncio.wait(set(self._tasks))
+            _, pending = await asyncio.wait(set(self._tasks), timeout=QUIESCE_REPORT_S)
+            if pending:  # still waiting: say on what (a hang must be diagnosable), then keep waiting
+                waited += QUIESCE_REPORT_S
+                log.warning("aiokv loop: quiesce has waited %.0f s for %d posted coroutines; first: %s",
+                            waited, len(pending), _where(next(iter(pending))))
             self._take_inbox()
 
     def _take_inbox(self) -> bool:

@@ -37,17 +37,23 @@ from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
+
+from aiokv.storage import DiskStatistics
 
 from .loopthread import LoopDied
 from .store import PageFileStore, StoreConfig
@@ -57,6 +63,22 @@ _DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(StoreC
 log = logging.getLogger(__name__)
 
 _Answer = list[tuple[OffloadKey, bool]]
+
+_PREFIX = "vllm:kv_offload_aiokv_"
+# Counters: the disk tier's statistics field each one follows (vLLM gets the increase per call).
+_COUNTERS = {
+    "corrupt_pages": ("corrupt", "Page files that failed verification on read (deleted; the load missed)."),
+    "dropped_writes": ("dropped", "Page writes dropped for capacity (no room could be made)."),
+    "refused_writes": ("writes_refused", "Page writes refused because the directory is read-only here."),
+    "evictions": ("evictions", "Page files evicted (least recently used) to keep within disk_bytes."),
+    "io_errors": ("errors", "I/O faults of the disk tier, by kind (each failed a page or a start-up scan entry)."),
+}
+_GAUGES = {
+    "bytes_stored": ("bytes_stored", "Bytes of page files on disk."),
+    "capacity_bytes": ("effective_capacity_bytes",
+                       "The byte budget in force (disk_bytes, or less while the disk is short)."),
+    "read_only": ("read_only", "1 while the tier serves reads but refuses writes (read-only, locked...)."),
+}
 
 
 @dataclasses.dataclass
@@ -177,6 +199,10 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._unreported: set[int] = set()
         self._shut = False
         self._dead = False  # the loop thread died and every job it held is answered for
+        # Metrics: the loop leaves a statistics snapshot here when asked (get_stats, one step behind).
+        self._snapshots: collections.deque[DiskStatistics] = collections.deque()
+        self._snapshot_asked = False
+        self._reported: DiskStatistics | None = None
         # KV events (vLLM's own file tier does the same): only when vLLM publishes them at all.
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
@@ -336,6 +362,52 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return ("aiokv_namespace", "aiokv_dir")
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The disk tier's own metrics (vLLM already counts the bytes and time of every job)."""
+        metrics: dict[str, OffloadingMetricMetadata] = {}
+        for name, (_, doc) in _COUNTERS.items():
+            labels = (TIER_LABEL, "kind") if name == "io_errors" else (TIER_LABEL,)
+            metrics[_PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+        for name, (_, doc) in _GAUGES.items():
+            metrics[_PREFIX + name] = OffloadingGaugeMetadata(documentation=doc, labelnames=(TIER_LABEL,))
+        return metrics
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The metrics of :meth:`build_metric_definitions` (never blocks: figures of the loop's
+        snapshot asked for at the previous call; counters as increases since the last report).
+        None when there is no snapshot yet or nothing changed."""
+        if self._shut or self._reap():
+            return None
+        latest = None
+        while self._snapshots:
+            latest = self._snapshots.popleft()
+            self._snapshot_asked = False
+        if not self._snapshot_asked:
+            store, snapshots = self._store, self._snapshots
+            store.thread.post_call(lambda: snapshots.append(store.statistics()))
+            self._snapshot_asked = True
+        if latest is None:
+            return None
+        stats = OffloadingConnectorStats()
+        tier = (self.tier_type,)
+        before = self._reported
+        for name, (field, _) in _COUNTERS.items():
+            if field == "errors":
+                old = before.errors if before is not None else {}
+                for kind, count in latest.errors.items():
+                    if count - old.get(kind, 0):
+                        stats.increase_counter(_PREFIX + name, count - old.get(kind, 0), (self.tier_type, kind.value))
+                continue
+            increase = getattr(latest, field) - (getattr(before, field) if before is not None else 0)
+            if increase:
+                stats.increase_counter(_PREFIX + name, increase, tier)
+        stats.set_gauge(_PREFIX + "bytes_stored", latest.bytes_stored, tier)
+        stats.set_gauge(_PREFIX + "capacity_bytes", latest.effective_capacity_bytes, tier)
+        stats.set_gauge(_PREFIX + "read_only", int(latest.read_only is not None), tier)
+        self._reported = latest
+        return stats
 
     def statistics(self) -> Mapping[str, object]:
         """The disk tier's statistics (blocks briefly on the loop; for tests and tools)."""

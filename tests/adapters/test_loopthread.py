@@ -234,3 +234,36 @@ def test_a_loop_stopped_without_close_counts_as_dead() -> None:
     finally:
         thread.close()
     assert thread.dead and "stopped without" in str(thread.died)
+
+
+def test_a_long_quiesce_says_what_it_waits_for(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A quiesce that waits long logs the coroutine chain it waits on (a hang must be diagnosable)."""
+    import aiokv.adapters.loopthread as loopthread
+
+    monkeypatch.setattr(loopthread, "QUIESCE_REPORT_S", 0.01)
+    thread = LoopThread("aiokv-test", poll_s=0.001, linger_s=0.0)
+    try:
+        gate: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        async def inner() -> None:
+            await asyncio.wrap_future(gate)
+
+        async def outer() -> None:
+            await inner()
+
+        thread.post(outer())
+        waiting = threading.Thread(target=thread.quiesce, args=(10,))
+        with caplog.at_level("WARNING", logger="aiokv.adapters.loopthread"):
+            waiting.start()
+            for _ in range(1000):  # bounded: the report comes after 10 ms
+                if "quiesce has waited" in caplog.text:
+                    break
+                gate_seen = threading.Event()
+                gate_seen.wait(0.01)
+            gate.set_result(None)
+            waiting.join(10)
+        assert not waiting.is_alive()
+        assert "outer (test_loopthread.py" in caplog.text and "-> inner (test_loopthread.py" in caplog.text
+    finally:
+        thread.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -353,3 +354,61 @@ def test_pages_written_in_place_read_back_through_staging_and_back(
         again.on_request_finished(ctx)
     step(again)
     assert store_counters(again)[1] == 0
+
+
+def test_metrics_are_declared_to_vllm_and_reported_without_blocking(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """vLLM's spec gathers the tier's metric definitions by module path; the manager's get_stats
+    carries the disk tier's counters (as increases) and gauges, one step behind, never waiting."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    tier_config = {"type": "AiokvTier", "module_path": "aiokv.adapters.vllm"}
+    definitions = TieringOffloadingSpec.build_metric_definitions(
+        {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier_config]})
+    ours = {name for name in definitions if name.startswith("vllm:kv_offload_aiokv_")}
+    assert ours == {f"vllm:kv_offload_aiokv_{n}" for n in (
+        "corrupt_pages", "dropped_writes", "refused_writes", "evictions", "io_errors", "bytes_stored",
+        "capacity_bytes", "read_only")}
+
+    manager = make_manager(tmp_path)
+    managers.append(manager)
+    tier = tier_of(manager)
+
+    def ours_in(stats: Any) -> dict[str, dict[tuple[str, ...], float]]:
+        if stats is None:
+            return {}
+        _types, values = stats.metric_sections()
+        return {k: dict(v) for k, v in values.items() if k.startswith("vllm:kv_offload_aiokv_")}
+
+    keys = keys_of("metrics", 2)
+    store(manager, "r1", keys, [1, 2])
+    with manager.lock:
+        ours_in(manager.get_stats())  # asks the loop for a snapshot
+    step(manager)
+    with manager.lock:
+        first = ours_in(manager.get_stats())
+    label = (tier.tier_type,)
+    assert first["vllm:kv_offload_aiokv_bytes_stored"][label] == 2 * page_file_bytes(CHUNK_BYTES)
+    assert first["vllm:kv_offload_aiokv_read_only"][label] == 0
+    assert "vllm:kv_offload_aiokv_corrupt_pages" not in first
+    # A corrupt page found at load: the counter goes up by one, once.
+    store(manager, "r2", keys_of("evictor", CPU_CHUNKS), range(CPU_CHUNKS))
+    (victim,) = [p for p in page_files(tmp_path) if p.name == tier._store.key(keys[0]).hex()]
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 3] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    ctx = ReqContext(req_id="r3")
+    with manager.lock:
+        manager.on_new_request(ctx)
+    assert lookup_all(manager, keys, ctx) == [LookupResult.MISS, LookupResult.HIT]
+    with manager.lock:
+        manager.on_request_finished(ctx)
+        ours_in(manager.get_stats())
+    step(manager)
+    with manager.lock:
+        second = ours_in(manager.get_stats())
+    step(manager)
+    with manager.lock:
+        third = ours_in(manager.get_stats())
+    assert second["vllm:kv_offload_aiokv_corrupt_pages"][label] == 1
+    assert "vllm:kv_offload_aiokv_corrupt_pages" not in third  # reported once, as an increase
