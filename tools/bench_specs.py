@@ -11,6 +11,12 @@ of the spec's size to every peer and waits for every reply), the transport's flo
 
     python tools/bench_specs.py                     # 8 workers, 3000 rounds, default loop
     python tools/bench_specs.py --loop uvloop --json out/bench_specs.json
+    python tools/bench_specs.py --inproc            # aiokv's own CPU per round trip (one process)
+
+``--inproc``: the manager and one worker (``RankWorker``) on one event loop in this process, so a
+round trip is aiokv's own work on both ends (encode, socket writes and reads, decode, bookkeeping)
+with no scheduling among processes: CPU microseconds per round trip (``time.process_time``) stay
+comparable on a loaded machine, where the multi-process latencies do not.
 """
 
 from __future__ import annotations
@@ -225,6 +231,47 @@ async def aiokv_round_trip(args: argparse.Namespace, noop: bool, threaded: bool)
     return summarize(samples), spec_bytes
 
 
+async def inproc_round_trip(args: argparse.Namespace, noop: bool) -> dict[str, float]:
+    """Manager and one worker on this loop; latency and CPU per round trip (see the module docstring)."""
+    if noop:
+        saved = RankExecutor._copy_on_thread
+        RankExecutor._copy_on_thread = lambda self, spec, progress=None: RankReport(RankStatus.OK)  # type: ignore[method-assign]
+    layout = layout_for(1, args.page_tokens)
+    pool = PagePool.create(layout, 64 * layout.page_bytes, register_cuda=False)
+    await pool.wait_ready()
+    kv = torch.randn(1, 4 * args.page_tokens, layout.rows, layout.head_dim).to(layout.dtype)
+    directory = tempfile.mkdtemp(prefix="aiokv-bench-")
+    try:
+        async with RankGroup(layout, 1, pool.name, pool.num_pages, TPConfig(), os.path.join(directory, "m")) as group, \
+                RankWorker(group.address, 0, 1, layout, kv, TPConfig()) as worker:
+            await worker.wait_attached()
+            await group.wait_attached()
+            tokens = args.page_tokens
+            specs = [
+                group.spec(Direction.OFFLOAD, [i % pool.num_pages], np.arange(tokens) + (i % 3) * tokens)
+                for i in range(args.warmup + args.rounds)
+            ]
+            samples = []
+            cpu_start = 0.0
+            for i, spec in enumerate(specs):
+                if i == args.warmup:
+                    cpu_start = time.process_time()
+                start = time.perf_counter_ns()
+                outcome = await group.submit_nowait(spec)
+                elapsed = time.perf_counter_ns() - start
+                if not outcome.ok:
+                    raise RuntimeError(f"job failed: {outcome}")
+                if i >= args.warmup:
+                    samples.append(elapsed)
+            cpu_us = (time.process_time() - cpu_start) / args.rounds * 1e6
+    finally:
+        if noop:
+            RankExecutor._copy_on_thread = saved  # type: ignore[method-assign]
+        await pool.aclose()
+        os.rmdir(directory)
+    return {**summarize(samples), "cpu_us": cpu_us}
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     noop, spec_bytes = await aiokv_round_trip(args, noop=True, threaded=True)
     tiny, _ = await aiokv_round_trip(args, noop=False, threaded=True)
@@ -254,8 +301,26 @@ def main() -> None:
     parser.add_argument("--page-tokens", type=int, default=16, help="tokens per (tiny) page")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop, both sides")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--inproc", action="store_true", help="one process: aiokv's own CPU per round trip")
     args = parser.parse_args()
     result: dict[str, Any] = {}
+    if args.inproc:
+        async def run_inproc() -> None:
+            result["inproc_noop"] = await inproc_round_trip(args, noop=True)
+            result["inproc_tiny_page"] = await inproc_round_trip(args, noop=False)
+
+        run_loop(run_inproc, args.loop)
+        print(f"spec round trip in one process (manager + 1 worker on one loop), {args.rounds} rounds, "
+              f"{args.loop} loop, load {os.getloadavg()[0]:.1f}")
+        print(f"{'path':<32} {'p50 us':>8} {'p99 us':>8} {'CPU us/round':>13}")
+        for name, key in (("no-op copy", "inproc_noop"), ("4 KiB page (PageMover)", "inproc_tiny_page")):
+            row = result[key]
+            print(f"{name:<32} {row['p50_us']:8.1f} {row['p99_us']:8.1f} {row['cpu_us']:13.1f}")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+        return
 
     async def run() -> None:
         result.update(await measure(args))
