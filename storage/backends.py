@@ -1,7 +1,8 @@
 """Byte movers: whole page files between pool memory and disk, through io_uring or threads.
 
-Each backend offers the same coroutines — take over a recycled file, publish a page file (temp
-write + rename), read a page file, unlink — and raises ``OSError`` for faults. Bookkeeping lives in :mod:`.disk`.
+Each backend offers the same operations — publish a new page file (temp write + rename), overwrite
+a recycled one, read one (started now, completed by a callback on the loop), unlink, register a
+caller's memory — and reports faults as ``OSError``. Bookkeeping lives in :mod:`.disk`.
 :func:`open_backend` picks one, falling back (one warning each) from registered buffers to plain
 buffers when registration fails, and from io_uring to threads when the kernel refuses io_uring.
 """

@@ -1,13 +1,14 @@
 """`DiskTier`: page files of one layout, with an in-memory index, LRU capacity and write-behind.
 
-All bookkeeping is plain synchronous code on the owning loop; coroutines await only backend
-completions. Each read or write runs as an internal job task holding its own claim on the page:
+All bookkeeping is plain synchronous code on the owning loop. Each read or write is a page job
+(:mod:`.jobs`) moved on by completion callbacks, holding its own claim on the page:
 
 - ``write`` takes its own pool reference (``retain``) for the job, so a cancelled caller may drop
   its handle at once; the job finishes (publishes or cleans its temp file) and releases it.
-- ``read`` fills the caller's RESERVED page; a cancelled caller is kept until the kernel (or the
-  thread) is done with that page — otherwise the caller's ``abort`` would recycle memory that is
-  still being written — and then gets its ``CancelledError``.
+  ``write_from`` has no reference to take: a cancelled caller waits until its buffer is free.
+- ``read`` (``read_into``) fills the caller's RESERVED page (buffer); a cancelled caller is kept
+  until the kernel (or the thread) is done with that memory — otherwise the caller's ``abort``
+  would recycle memory that is still being written — and then gets its ``CancelledError``.
 
 Faults (ENOSPC, EIO, permissions, corrupt or planted files) become False/miss results, are counted
 by kind and logged once per kind; nothing raises into the caller's loop except caller mistakes.
