@@ -15,7 +15,6 @@ Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import struct
 from dataclasses import dataclass
@@ -155,28 +154,6 @@ class FrameParser:
             start = end
         del buffer[:start]
         return frames
-
-
-class FrameReader:
-    """Frames of one stream connection, parsed from whatever the socket delivered in one read.
-
-    One await per batch of frames instead of two per frame. Use one reader for the whole
-    connection (it buffers bytes beyond the frame it returns).
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, max_bytes: int) -> None:
-        self._reader = reader
-        self._parser = FrameParser(max_bytes)
-        self._frames: collections.deque[tuple[FrameKind, bytes]] = collections.deque()
-
-    async def read(self) -> tuple[FrameKind, bytes]:
-        """The next frame. Raises ``asyncio.IncompleteReadError`` at EOF, :class:`ProtocolError` when malformed."""
-        while not self._frames:
-            data = await self._reader.read(1 << 16)
-            if not data:
-                raise asyncio.IncompleteReadError(self._parser.pending, None)
-            self._frames.extend(self._parser.feed(data))
-        return self._frames.popleft()
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[FrameKind, bytes]:
