@@ -28,8 +28,17 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool, PoolClosedError
 from aiokv.shm import populate
 
-from . import uring
+from . import memory, uring
 from .config import DiskBackend, DiskConfig
+from .memory import (
+    EXTERNAL_REGION_SLOTS,
+    MAX_REGISTER_REGIONS,
+    BufferTable,
+    PageBuffer,
+    populate_then_register,
+    register_pool,
+    wait_uncancelled,
+)
 from .pagefile import HEADER_BYTES
 from .safefiles import (
     OPEN_FLAGS,
@@ -56,59 +65,6 @@ was taken over (opened, checked and renamed to the temporary name)."""
 
 Loaded = Callable[[int | BaseException], None]
 """Completion of :meth:`PageIO.start_load`: bytes read, or the fault."""
-
-
-class PageBuffer:
-    """Where a page's bytes are during one I/O: pool memory or a caller's buffer (``write_from``,
-    ``read_into``). ``view``: the whole page (``page_bytes``), ``payload``: its first
-    ``payload_bytes`` (what the checksum covers); ``address``: its first byte; ``aligned``: the
-    address suits O_DIRECT (4096-byte aligned; the length always is)."""
-
-    __slots__ = ("address", "aligned", "payload", "view")
-
-    def __init__(self, address: int, view: memoryview, payload_bytes: int) -> None:
-        self.address = address
-        self.view = view
-        self.payload = view[:payload_bytes]
-        self.aligned = address % DIRECT_ALIGN == 0
-
-    def release(self) -> None:
-        """Let go of a caller's memory at once (its owner may unmap it when the call returns; a view
-        left to the garbage collector would keep an mmap from closing)."""
-        self.payload.release()
-        self.view.release()
-
-
-DIRECT_ALIGN = 4096
-"""Buffer alignment O_DIRECT needs (the largest logical block size of common devices)."""
-
-
-class _PyBuffer(ctypes.Structure):
-    # CPython's Py_buffer (stable layout since 3.0): only ``buf`` is read.
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
-
-
-def buffer_address(view: memoryview) -> int:
-    """The address of ``view``'s first byte, read-only views included (``ctypes.from_buffer`` only
-    takes writable ones). Valid while ``view`` (which holds its exporter's buffer) is alive."""
-    info = _PyBuffer()
-    if _get_buffer(view, ctypes.byref(info), 0) != 0:  # PyBUF_SIMPLE; an error is raised as set
-        raise BufferError("cannot export the buffer")
-    try:
-        return int(info.buf or 0)
-    finally:
-        _release_buffer(ctypes.byref(info))
 
 
 def _ignore(_results: list[int]) -> None:
@@ -297,14 +253,14 @@ class UringPageIO:
         self._ext_views: list[memoryview] = []
         pb = self._page_bytes
         # The kernel's table holds at most 16384 buffers: larger regions for a pool beyond 512 GiB.
-        region_bytes = max(REGISTER_REGION_BYTES, -(-pool.num_pages * pb // MAX_REGISTER_REGIONS))
+        region_bytes = max(memory.REGISTER_REGION_BYTES, -(-pool.num_pages * pb // MAX_REGISTER_REGIONS))
         self._plan = self.engine.plan_regions(
             [(self._base, pool.num_pages * pb, pb), (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)],
             region_bytes)
         planned = sum(len(r) for r in self._plan)
         # Empty (no slot for callers' regions) unless registering in the background: a forced
         # URING_FIXED registers a full table, a forced URING none.
-        self._table = _BufferTable(engine, 0, planned)
+        self._table = BufferTable(engine, 0, planned)
         self._registering: asyncio.Task[None] | None = None
         self._ext_jobs: set[asyncio.Future[None]] = set()
 
@@ -316,7 +272,7 @@ class UringPageIO:
         """Register the pool as fixed buffers in a thread, region by region; each region's pages use
         fixed-buffer I/O as soon as it is registered, the rest plain I/O until then."""
         planned = sum(len(r) for r in self._plan)
-        self._table = _BufferTable(self.engine, planned + EXTERNAL_REGION_SLOTS, planned)
+        self._table = BufferTable(self.engine, planned + EXTERNAL_REGION_SLOTS, planned)
         self._registering = asyncio.ensure_future(self._register())
 
     async def _register(self) -> None:
@@ -354,7 +310,7 @@ class UringPageIO:
             # held for the whole call). No slot is left for callers' regions.
             self._table.refuse()
             pb = self._page_bytes
-            pool_regions, slot_regions = _populate_then_register(
+            pool_regions, slot_regions = populate_then_register(
                 self.engine, [(self._base, self._pool.num_pages * pb, pb),
                               (self._slots.address, self._slots.count * HEADER_BYTES, HEADER_BYTES)])
             for region, slot in [(r, True) for r in slot_regions] + [(r, False) for r in pool_regions]:
@@ -387,7 +343,7 @@ class UringPageIO:
         # Regions overlap by one page, so that every page-sized buffer in the span lies whole inside
         # one of them (a fixed-buffer op must not cross a region's end) whatever the caller's page
         # boundaries; the overlap costs at most 1/8 more pinned memory.
-        region_bytes = min(uring.MAX_REGION_BYTES, max(REGISTER_REGION_BYTES, 8 * pb))
+        region_bytes = min(uring.MAX_REGION_BYTES, max(memory.REGISTER_REGION_BYTES, 8 * pb))
         stride = region_bytes - pb
         bounds: list[tuple[int, int]] = []
         start = 0
@@ -416,7 +372,7 @@ class UringPageIO:
         self._ext_jobs.add(job)
         job.add_done_callback(self._ext_jobs.discard)
         try:
-            await _wait_uncancelled(job)
+            await wait_uncancelled(job)
         finally:
             # What was pinned is used, even by a cancelled caller: the kernel holds it either way.
             for region in done:
@@ -825,94 +781,9 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
         raise
 
 
-async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots) -> list[list[uring.Region]]:
-    """Register pool memory and header slots as fixed buffers, in a thread: pinning faults in every
-    page of the pool (~1 s/GiB for memory never touched), which must not stall the loop."""
-    pb = pool.layout.page_bytes
-    spans = [(pool.memory.segment.address, pool.num_pages * pb, pb),
-             (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)]
-    job = asyncio.get_running_loop().run_in_executor(None, _populate_then_register, engine, spans)
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        await asyncio.wait({job})  # the ring must outlive the syscall using it
-        raise
-
-
 ASYNC_PAGE_BYTES = 8 << 20
 """Pages this large or larger move through io-wq workers (``UringEngine.async_data``): inline
 issue of a large O_DIRECT op can block ``io_uring_enter`` (and so the loop) for hundreds of ms."""
-
-REGISTER_REGION_BYTES = 64 << 20
-"""Pool memory registered per io_uring update in the background. The ring's lock and the process's
-mmap lock are held while the kernel pins it (~20 ms/GiB once faulted in): 256 MiB stalled the loop's
-submissions and allocations ~5 ms per region, 64 MiB ~1 ms."""
-
-MAX_REGISTER_REGIONS = 8192
-"""Regions the background registration plans at most (the kernel's table takes 16384)."""
-
-EXTERNAL_REGION_SLOTS = 4096
-"""Slots of the registered-buffer table kept for callers' regions (``register_memory``)."""
-
-
-class _BufferTable:
-    """The ring's sparse registered-buffer table (``size`` slots; 0: none, the pool was registered
-    whole): made once, by whichever thread needs it first; the pool's regions and the header slots
-    take the first ``first_free`` slots, callers' regions the next ones, in order."""
-
-    def __init__(self, engine: uring.UringEngine, size: int, first_free: int) -> None:
-        self._engine = engine
-        self.size = size
-        self._next = first_free
-        self._lock = threading.Lock()
-        self._made = False
-
-    def ensure(self) -> None:
-        """Register the empty table unless done (blocking; any thread). Raises ``OSError``."""
-        with self._lock:
-            if not self._made:
-                self._engine.register_sparse_buffers(self.size)
-                self._made = True
-
-    def refuse(self) -> None:
-        """No sparse table here (the pool was registered whole): callers' regions get no slot."""
-        with self._lock:
-            self.size = 0
-
-    def take(self, count: int) -> int | None:
-        """The first of ``count`` consecutive free slots, or None when the table lacks them."""
-        with self._lock:
-            if self._next + count > self.size:
-                return None
-            first, self._next = self._next, self._next + count
-            return first
-
-
-async def _wait_uncancelled(job: asyncio.Future[None]) -> None:
-    """Wait for ``job`` even if cancelled meanwhile (the ring must outlive the syscall using it);
-    re-raises the cancellation afterwards."""
-    cancelled = False
-    while not job.done():
-        try:
-            await asyncio.wait({job})
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-def _populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:
-    """Fault the spans in first (MADV_POPULATE_WRITE), then register them.
-
-    The kernel holds the ring's lock for the whole registration, and the loop's submissions wait
-    on it: pinning memory never touched costs ~1 s/GiB, pinning touched memory ~20 ms/GiB. So the
-    slow part (first touch) happens here, outside the lock, 256 MiB at a time."""
-    step = 256 << 20
-    for address, length, _unit in spans:
-        for offset in range(0, length, step):
-            populate(address + offset, min(step, length - offset))
-    return engine.register_buffers(spans)
-
 
 def describe_layout_io(layout: KVLayout, io: PageIO) -> str:
     """One log line: backend, O_DIRECT and page geometry."""

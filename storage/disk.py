@@ -35,7 +35,7 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
 from aiokv.pool import PagePool
 
-from .backends import HeaderSlots, PageBuffer, PageIO, buffer_address, describe_layout_io, open_backend
+from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_buffer, check_key, check_ready, check_reserved
 from .checksum import Checksums
 from .config import DiskBackend, DiskConfig, DiskStatistics, ReadOnly
@@ -43,6 +43,7 @@ from .faults import DiskFaults
 from .index import PageIndex
 from .jobs import IOSlots, Job, ReadJob, WriteJob, wait_uncancelled
 from .layoutdir import Prepared, free_space, prepare
+from .memory import PageBuffer, buffer_address
 from .pagefile import (
     PageFiles,
     PageHeader,

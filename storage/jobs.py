@@ -17,7 +17,7 @@ from typing import Any
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
-from .backends import PageBuffer
+from .memory import PageBuffer
 
 
 class Job:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve
 
-import aiokv.storage.backends as backends_mod
+import aiokv.storage.memory as memory_mod
 import aiokv.storage.uring as uring_mod
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -203,7 +203,7 @@ async def test_registered_regions_hold_every_page(disk_dir: Path, layout: KVLayo
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Registration cuts a large region into pieces; a page of the caller's (at any 4 KiB offset: the
     # tier does not know the engine's page boundaries) must lie whole inside one piece.
-    monkeypatch.setattr(backends_mod, "REGISTER_REGION_BYTES", 8 * layout.page_bytes)
+    monkeypatch.setattr(memory_mod, "REGISTER_REGION_BYTES", 8 * layout.page_bytes)
     r = Region(40, layout.page_bytes)
     try:
         async with DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool) as tier:
@@ -212,7 +212,7 @@ async def test_registered_regions_hold_every_page(disk_dir: Path, layout: KVLayo
             await tier.register_memory(r.whole)
             await io.wait_registered()
             assert len(io._ext_regions) > 4  # several pieces
-            base = backends_mod.buffer_address(r.whole)
+            base = memory_mod.buffer_address(r.whole)
             for offset in range(0, len(r.whole) - layout.page_bytes + 1, 4096):
                 assert io._external_region(base + offset) is not None, offset
             assert io._external_region(base + len(r.whole) - layout.page_bytes + 4096) is None
