@@ -11,11 +11,12 @@ dtype, page geometry, parallel layout: whatever decides what the bytes mean) and
 Each identity also has its own directory, ``<directory>/<engine>-<fingerprint hex>``, so two models
 never share a page file.
 
-Bytes: the disk tier moves whole pages between files and pool pages, so the store owns a small
-staging pool (``staging_pages`` pages): a page is copied from the engine's memory into a staging
-page (``torch`` copies, the GIL released) and written from there, and read into one and copied
-out. Writing into the engine's memory directly needs a disk-tier entry point that takes a buffer
-instead of a pool page (see ``docs/adapters.md``).
+Bytes: a page that is one contiguous buffer of the disk layout's size (a 4096-multiple) moves
+straight between the engine's memory and its file (``DiskTier.write_from`` / ``read_into``; an
+engine region registered with :meth:`PageFileStore.register_memory` uses io_uring fixed buffers).
+Other pages (split in the engine's memory, or of other sizes) go through a small staging pool of
+the store's (``staging_pages`` pages): copied from the engine's memory into a staging page
+(``torch`` copies, the GIL released) and written from there, read into one and copied out.
 
 Everything runs on the loop of a :class:`LoopThread`; the methods taking coroutines run there.
 """
