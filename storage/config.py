@@ -112,6 +112,14 @@ class DiskConfig:
     """Times a write that met ENOSPC evicts least recently used files and tries again."""
 
     def __post_init__(self) -> None:
+        directory = self.directory
+        if isinstance(directory, (str, os.PathLike)) and not isinstance(directory, Path):
+            # A str or other path-like is what users pass; kept as a Path (an empty one would be
+            # the working directory: refused).
+            text = os.fspath(directory)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"DiskConfig.directory must be a non-empty path, got {directory!r}")
+            object.__setattr__(self, "directory", Path(text))
         for f in fields(self):
             check_disk_setting(f.name, getattr(self, f.name), f"DiskConfig.{f.name}")
 
@@ -137,7 +145,9 @@ def _check_seconds(value: object, label: str) -> None:
 
 def _check_directory(value: object, label: str) -> None:
     if not isinstance(value, Path):
-        raise TypeError(f"{label} must be a pathlib.Path, got {type(value).__name__}")
+        raise TypeError(f"{label} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if str(value) in ("", "."):
+        raise ValueError(f"{label} must be a non-empty path, got {str(value)!r}")
 
 
 def _check_backend(value: object, label: str) -> None:

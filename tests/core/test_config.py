@@ -178,7 +178,7 @@ def test_replace_changes_the_nested_config(tmp_path: Path) -> None:
 def test_every_disk_setting_is_validated(tmp_path: Path, name: str) -> None:
     good = {"directory": tmp_path}
     with pytest.raises(TypeError, match=f"DiskConfig.{name} must be"):
-        DiskConfig(**{**good, name: "x"})  # type: ignore[arg-type]
+        DiskConfig(**{**good, name: 1.5 if name == "directory" else "x"})  # type: ignore[arg-type]
     default = DISK_FIELDS[name].default
     if isinstance(default, (int, float)) and not isinstance(default, bool):
         with pytest.raises(ValueError, match=f"DiskConfig.{name} must be"):
@@ -229,3 +229,16 @@ def test_readme_documents_every_disk_setting_and_shortcut() -> None:
     text = README.read_text()
     for name in (*DISK_FIELDS, *DISK_SHORTCUTS):
         assert f"`{name}`" in text, f"README's configuration text misses {name}"
+
+
+def test_disk_config_takes_a_str_or_path_like_directory_as_a_path(tmp_path: Path) -> None:
+    # Regression: DiskConfig(directory=str) was refused (TypeError) although CacheConfig took one.
+    class Where:
+        def __fspath__(self) -> str:
+            return str(tmp_path / "pl")
+
+    assert DiskConfig(directory=str(tmp_path)).directory == tmp_path
+    assert DiskConfig(directory=Where()).directory == tmp_path / "pl"  # type: ignore[arg-type]
+    for empty in ("", Path(""), Path(".")):
+        with pytest.raises(ValueError, match="non-empty path"):
+            DiskConfig(directory=empty)  # type: ignore[arg-type]
