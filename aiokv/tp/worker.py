@@ -493,7 +493,9 @@ class _WorkerLink(asyncio.Protocol):
                 if kind is not FrameKind.SPEC:
                     raise ProtocolError(f"expected a spec, got {kind.name}")
                 self._worker._run_spec(self, executor, payload)
-        except ValueError as exc:  # ProtocolError, or a malformed spec
+        except Exception as exc:  # ProtocolError, a malformed spec, or a bug running one
+            # Also when the pump runs from a spec's report (room()): an exception escaping there
+            # left reading paused and the link up, and the manager waited for specs never run.
             self._ended(exc)
 
     async def wait_ended(self) -> None:

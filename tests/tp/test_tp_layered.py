@@ -341,3 +341,39 @@ async def test_a_full_worker_stops_reading_and_resumes_when_a_spec_ends(
             assert (w0.statistics().specs, w1.statistics().specs) == (5, 5)
     finally:
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_spec_that_cannot_run_after_a_pause_ends_the_link_instead_of_stalling_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the pump that runs a paused spec from a spec's report let an exception other than
+    ValueError escape: reading stayed paused, the link stayed up, the jobs waited for ever."""
+    from aiokv.tp import worker as worker_module
+
+    runs = {"n": 0}
+    real_run = worker_module.RankWorker._run_spec
+
+    def failing(self: Any, link: Any, executor: Any, payload: bytes) -> None:
+        runs["n"] += 1
+        if runs["n"] > 2:  # each rank's first spec runs; the next, pumped from room(), breaks
+            raise RuntimeError("injected: running a spec failed")
+        real_run(self, link, executor, payload)
+
+    monkeypatch.setattr(worker_module.RankWorker, "_run_spec", failing)
+    config = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05, worker_max_inflight=1)
+    pool = await new_pool(LAYOUT.for_tp(2), 8)
+    full = full_kv(LAYOUT, SEED)
+    try:
+        async with RankGroup(LAYOUT, 2, pool.name, pool.num_pages, config, tmp_path / "m") as group, \
+                RankWorker(group.address, 0, 2, LAYOUT, rank_kv(full, LAYOUT, 0, 2), config), \
+                RankWorker(group.address, 1, 2, LAYOUT, rank_kv(full, LAYOUT, 1, 2), config):
+            await group.wait_attached()
+            jobs = [group.submit_nowait(group.spec(Direction.LOAD, [i], range(i * T, (i + 1) * T)))
+                    for i in range(3)]
+            async with asyncio.timeout(30):
+                outcomes = [await job for job in jobs]
+            assert outcomes[0].ok, outcomes[0]
+            assert not all(o.ok for o in outcomes[1:]), "a spec that never ran was reported done"
+    finally:
+        await pool.aclose()
