@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import enum
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -520,7 +521,7 @@ class UringPageIO:
     def _cleanup(self, job: Coroutine[Any, Any, None], done: Published) -> None:
         """Run a failed chain's clean-up coroutine (it raises the fault it met), then ``done(fault)``."""
         task = asyncio.ensure_future(job)
-        task.add_done_callback(lambda task: done(task.exception() or OSError(errno.EIO, "write chain failed")))
+        task.add_done_callback(functools.partial(_cleaned_up, done=done))
 
     async def _publish_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
                               slot: int) -> None:
@@ -611,6 +612,15 @@ class UringPageIO:
         for view in self._ext_views:  # unpinned with the ring: the caller may unmap its regions now
             view.release()
         self._ext_views.clear()
+
+
+def _cleaned_up(task: asyncio.Task[None], done: Published) -> None:
+    # A cancelled clean-up (its loop is going away) is a failed write too: ``task.exception()``
+    # would raise, ``done`` would never run and the page's job would never end.
+    if task.cancelled():
+        done(OSError(errno.ECANCELED, "write clean-up cancelled"))
+    else:
+        done(task.exception() or OSError(errno.EIO, "write chain failed"))
 
 
 class _NotTaken(Exception):

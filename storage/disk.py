@@ -324,7 +324,7 @@ class DiskTier:
                 raise checksum
             job.checksum = checksum
             if job.key in self._moving or self._space_recheck_due():
-                self._spawn(self._write_later(job, refresh=False))
+                self._spawn_write_later(job, refresh=False)
             else:
                 self._claim(job)
         except Exception:
@@ -344,6 +344,17 @@ class DiskTier:
             self._claim(job)
         except Exception:
             self._write_bug(job)
+
+    def _spawn_write_later(self, job: WriteJob, refresh: bool) -> None:
+        task = self._spawn(self._write_later(job, refresh))
+        task.add_done_callback(functools.partial(self._write_later_done, job))
+
+    def _write_later_done(self, job: WriteJob, task: asyncio.Task[None]) -> None:
+        # Cancelled (its loop is going away; maybe before its first step) or a BaseException: the
+        # job holds no room or slot while it awaits (both are taken in ``_claim``, which never
+        # awaits), so it ends unstored; its callers and ``aclose`` wait for that end.
+        if not job.ended and (task.cancelled() or task.exception() is not None):
+            self._end_write(job, False)
 
     def _claim(self, job: WriteJob) -> None:
         """Room for the file (evicting least recently used files, or recycling one), then a slot."""
@@ -440,7 +451,7 @@ class DiskTier:
             return
         if self._count_write_fault(error) and job.attempt < self.config.enospc_retries:
             job.attempt += 1
-            self._spawn(self._write_later(job, refresh=True))
+            self._spawn_write_later(job, refresh=True)
         else:
             self._end_write(job, False)
 
