@@ -263,7 +263,8 @@ class UringPageIO:
         # URING_FIXED registers a full table, a forced URING none.
         self._table = BufferTable(engine, 0, planned)
         self._registering: asyncio.Task[None] | None = None
-        self._ext_jobs: set[asyncio.Future[None]] = set()
+        # register_memory calls still pinning, and the flag that stops each between pieces.
+        self._ext_jobs: dict[asyncio.Future[None], threading.Event] = {}
 
     def _arm_faults(self) -> None:
         # Only once a fault is injected: otherwise every op would pay a hook call for nothing.
@@ -359,21 +360,25 @@ class UringPageIO:
             return False
         regions = [uring.Region(first + i, a, n) for i, (a, n) in enumerate(bounds)]
         done: list[uring.Region] = []
+        # Set by a cancelled caller or by aclose: a large region takes seconds to minutes to pin.
+        stop = threading.Event()
 
         def register() -> None:
             # In a thread: faulting in and pinning take ~20 ms/GiB even for touched memory.
             self._table.ensure()
             for region in regions:
+                if stop.is_set():
+                    return
                 with contextlib.suppress(OSError):  # read-only memory: the update says so (EFAULT)
                     populate(region.address, region.length)
                 self.engine.update_buffer(region)
                 done.append(region)
 
         job = asyncio.ensure_future(asyncio.to_thread(register))
-        self._ext_jobs.add(job)
-        job.add_done_callback(self._ext_jobs.discard)
+        self._ext_jobs[job] = stop
+        job.add_done_callback(self._ext_jobs.pop)
         try:
-            await wait_uncancelled(job)
+            await wait_uncancelled(job, stop)
         finally:
             # What was pinned is used, even by a cancelled caller: the kernel holds it either way.
             for region in done:
@@ -389,7 +394,8 @@ class UringPageIO:
             log.warning("disk tier: cannot register %d bytes at %#x as fixed buffers (%s); plain buffers there",
                         length, address, error)
             return False
-        return True
+        # Stopped by aclose: the pieces pinned so far are used, the rest goes through plain buffers.
+        return len(done) == len(regions)
 
     async def wait_registered(self) -> None:
         """Wait until the background registration (if any) is over, successful or not."""
@@ -606,7 +612,9 @@ class UringPageIO:
             # The ring must outlive the registration syscall (register_pool waits for it).
             self._registering.cancel()
             await asyncio.gather(self._registering, return_exceptions=True)
-        while self._ext_jobs:  # register_memory calls still pinning
+        while self._ext_jobs:  # register_memory calls still pinning: stopped after their piece
+            for stop in self._ext_jobs.values():
+                stop.set()
             await asyncio.wait(set(self._ext_jobs))
         await self.engine.aclose()
         for view in self._ext_views:  # unpinned with the ring: the caller may unmap its regions now

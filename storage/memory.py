@@ -134,15 +134,18 @@ class BufferTable:
             return first
 
 
-async def wait_uncancelled(job: asyncio.Future[None]) -> None:
+async def wait_uncancelled(job: asyncio.Future[None], stop: threading.Event | None = None) -> None:
     """Wait for ``job`` even if cancelled meanwhile (the ring must outlive the syscall using it);
-    re-raises the cancellation afterwards."""
+    a cancellation sets ``stop`` (the job's thread looks at it between pieces) and is re-raised
+    afterwards."""
     cancelled = False
     while not job.done():
         try:
             await asyncio.wait({job})
         except asyncio.CancelledError:
             cancelled = True
+            if stop is not None:
+                stop.set()
     if cancelled:
         raise asyncio.CancelledError
 
