@@ -367,6 +367,7 @@ class DiskTier:
             self._dropped += 1
             self._end_write(job, False)
             return
+        job.holds_room = True
         job.victim, evicted = claim
         unlinks = self._remove_files(evicted)
         if job.attempt and unlinks:
@@ -445,7 +446,7 @@ class DiskTier:
     def _write_failed(self, job: WriteJob, error: BaseException | None) -> None:
         """A write that held room failed: the room goes back; ENOSPC tries again (bounded)."""
         self._return_slot(job)
-        self._index.give_back()
+        self._give_room_back(job)
         if not isinstance(error, OSError):
             self._write_bug(job)
             return
@@ -455,9 +456,18 @@ class DiskTier:
         else:
             self._end_write(job, False)
 
+    def _give_room_back(self, job: WriteJob) -> None:
+        """The room ``job`` claimed goes back, if it still holds it (idempotent)."""
+        if job.holds_room:
+            job.holds_room = False
+            self._index.give_back()
+
     def _write_bug(self, job: WriteJob) -> None:
-        """An unexpected failure (a bug): counted and logged; the job ends, its slot given back."""
+        """An unexpected failure (a bug): counted and logged; the job ends, its room and slot given
+        back (it may still wait for a slot: it leaves the queue)."""
+        self._io_slots.leave(job)
         self._return_slot(job)
+        self._give_room_back(job)
         self._faults.unexpected("write")
         if not job.ended:
             self._end_write(job, False)
@@ -476,12 +486,13 @@ class DiskTier:
         self._writing.pop(key, None)
         if stored and key in self._delete_after_write:
             stored = False
-            self._index.give_back()
             self._unlink_later(key)
-        elif stored:
+        if stored:
+            job.holds_room = False  # the file's now
             self._index.add(key)
             self._writes += 1
             self._bytes_written += self._file_bytes
+        self._give_room_back(job)
         self._delete_after_write.discard(key)
         for waiter in job.waiters:
             if not waiter.done():

@@ -62,9 +62,11 @@ class WriteJob(Job):
     ``waiters``: the callers' futures; ``page``: where the bytes are (set when it starts);
     ``checksum``: of the payload, taken before any slot or room; ``victim``: the evicted key whose
     file it recycles, or None (a new file); ``attempt``: ENOSPC retries so far; ``moved``: resolved
-    once the victim's file left its name (a new write of the victim waits for it)."""
+    once the victim's file left its name (a new write of the victim waits for it); ``holds_room``:
+    room claimed in the index and not yet given back or taken by the file."""
 
-    __slots__ = ("attempt", "buffer", "checksum", "key", "moved", "page", "ref", "victim", "waiters")
+    __slots__ = ("attempt", "buffer", "checksum", "holds_room", "key", "moved", "page", "ref", "victim",
+                 "waiters")
 
     def __init__(self, key: PageKey, ref: PageHandle | None, buffer: PageBuffer | None) -> None:
         super().__init__()
@@ -76,6 +78,7 @@ class WriteJob(Job):
         self.victim: PageKey | None = None
         self.moved: asyncio.Future[None] | None = None
         self.attempt = 0
+        self.holds_room = False
         self.waiters: list[asyncio.Future[bool]] = []
 
 
