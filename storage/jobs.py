@@ -102,6 +102,8 @@ class IOSlots:
     def __init__(self, count: int) -> None:
         self._free = list(range(count))
         self._waiters: collections.deque[Job] = collections.deque()
+        self._returned: collections.deque[int] = collections.deque()  # slots to hand on (see give_back)
+        self._handing = False
         self.in_use = 0
 
     def take(self, job: Job, then: Callable[[Job, int], None]) -> None:
@@ -116,20 +118,42 @@ class IOSlots:
         self._waiters.append(job)
 
     def give_back(self, job: Job) -> None:
-        """Give ``job``'s slot back if it still holds it (idempotent: every path may call it)."""
+        """Give ``job``'s slot back if it still holds it (idempotent: every path may call it).
+
+        The slot goes to the next waiter at once. A waiter's ``then`` may give its slot back
+        before returning (its start failed): that slot is handed on by the loop below, not by a
+        nested call, so the stack stays flat however many waiters fail in a row."""
         if not job.holds_slot:
             return
         job.holds_slot = False
         self.in_use -= 1
-        if self._waiters:
-            waiter = self._waiters.popleft()
-            then, waiter.then = waiter.then, None
-            assert then is not None
+        self._returned.append(job.slot)
+        if self._handing:
+            return  # the hand-off running further up the stack passes it on
+        self._handing = True
+        try:
+            while self._returned:
+                slot = self._returned.popleft()
+                if not self._waiters:
+                    self._free.append(slot)
+                    continue
+                waiter = self._waiters.popleft()
+                then, waiter.then = waiter.then, None
+                assert then is not None
+                self.in_use += 1
+                waiter.slot, waiter.holds_slot = slot, True
+                then(waiter, slot)
+        finally:
+            self._handing = False
+            if self._returned:  # a ``then`` raised: the slots it left are handed on next turn
+                asyncio.get_running_loop().call_soon(self._hand_on)
+
+    def _hand_on(self) -> None:
+        if self._returned and not self._handing:
+            job = Job()
+            job.slot, job.holds_slot = self._returned.popleft(), True
             self.in_use += 1
-            waiter.slot, waiter.holds_slot = job.slot, True
-            then(waiter, job.slot)
-            return
-        self._free.append(job.slot)
+            self.give_back(job)
 
     def leave(self, job: Job) -> bool:
         """Take ``job`` out of the queue if it is still waiting for a slot; True then."""
