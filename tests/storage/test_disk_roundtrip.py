@@ -204,8 +204,9 @@ async def test_caller_errors_change_nothing(tier: DiskTier, pool: PagePool) -> N
 
 
 def test_config_validates() -> None:
+    assert config("dir", DiskBackend.AUTO).directory == Path("dir")  # type: ignore[arg-type]  # a str is kept as a Path
     with pytest.raises(TypeError):
-        config("dir", DiskBackend.AUTO)  # type: ignore[arg-type]
+        config(1, DiskBackend.AUTO)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="queue_depth"):
         config(Path("d"), DiskBackend.AUTO, queue_depth=0)
     with pytest.raises(TypeError):
