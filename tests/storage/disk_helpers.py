@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +156,30 @@ def holder_child(directory: str, backend: str, capacity_files: int, count: int, 
             pool.close()
 
     asyncio.run(main())
+
+
+Start = Callable[..., None]
+
+
+def gated(real: Start, gate: asyncio.Event, entered: asyncio.Event) -> Start:
+    """A backend ``start_*`` call held until ``gate`` is set (the I/O is in flight meanwhile)."""
+    held: set[asyncio.Task[Any]] = set()
+
+    def wrapper(*args: object) -> None:
+        entered.set()
+
+        async def later() -> None:
+            await gate.wait()
+            real(*args)
+
+        task = asyncio.create_task(later())
+        held.add(task)
+        task.add_done_callback(held.discard)
+
+    return wrapper
+
+
+async def spin(times: int) -> None:
+    """``times`` loop iterations: lets completions in, no wall-clock wait."""
+    for _ in range(times):
+        await asyncio.sleep(0)

@@ -6,12 +6,12 @@ import asyncio
 import errno
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve
+from disk_helpers import assert_clean, config, fill, gated, key_of, page_files, payload, reserve, spin
 
 import aiokv.storage.memory as memory_mod
 import aiokv.storage.uring as uring_mod
@@ -19,8 +19,6 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.backends import HEADER_BYTES, UringPageIO
-
-Start = Callable[..., None]
 
 
 class Region:
@@ -261,40 +259,17 @@ async def test_corrupt_file_is_a_miss(tier: DiskTier, layout: KVLayout, region: 
     assert page_files(disk_dir) == []  # deleted
 
 
-def _gated(real: Start, gate: asyncio.Event, entered: asyncio.Event) -> Start:
-    """A backend ``start_*`` call held until ``gate`` is set (the I/O is in flight meanwhile)."""
-    held: set[asyncio.Task[Any]] = set()
-
-    def wrapper(*args: object) -> None:
-        entered.set()
-
-        async def later() -> None:
-            await gate.wait()
-            real(*args)
-
-        task = asyncio.create_task(later())
-        held.add(task)
-        task.add_done_callback(held.discard)
-
-    return wrapper
-
-
-async def _spin(times: int) -> None:
-    for _ in range(times):
-        await asyncio.sleep(0)  # one loop iteration each, no wall-clock wait
-
-
 @pytest.mark.asyncio
 async def test_cancelled_read_into_waits_for_its_io(tier: DiskTier, region: Region,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     sent = region.fill(0, 4)
     assert await tier.write_from(key_of(1), region.page(0))
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "start_load", _gated(tier.backend.start_load, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_load", gated(tier.backend.start_load, gate, entered))
     task = asyncio.create_task(tier.read_into(key_of(1), region.page(1)))
     await entered.wait()
     task.cancel()
-    await _spin(5)
+    await spin(5)
     assert not task.done()  # the kernel may still write into the caller's buffer: keep the caller
     gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -310,11 +285,11 @@ async def test_cancelled_write_from_waits_until_the_buffer_is_free(tier: DiskTie
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     sent = region.fill(0, 6)
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "start_publish", _gated(tier.backend.start_publish, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_publish", gated(tier.backend.start_publish, gate, entered))
     task = asyncio.create_task(tier.write_from(key_of(1), region.page(0)))
     await entered.wait()
     task.cancel()
-    await _spin(5)
+    await spin(5)
     assert not task.done()  # the write still reads the caller's buffer
     gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -336,11 +311,11 @@ async def test_cancelled_read_into_waiting_for_a_slot_leaves_at_once(disk_dir: P
         region.fill(0, 2)
         assert await tier.write_from(key_of(1), region.page(0))
         gate, entered = asyncio.Event(), asyncio.Event()
-        monkeypatch.setattr(tier.backend, "start_load", _gated(tier.backend.start_load, gate, entered))
+        monkeypatch.setattr(tier.backend, "start_load", gated(tier.backend.start_load, gate, entered))
         first = asyncio.create_task(tier.read_into(key_of(1), region.page(1)))
         await entered.wait()
         second = asyncio.create_task(tier.read_into(key_of(1), region.page(2)))
-        await _spin(3)
+        await spin(3)
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
             await second  # it held no slot: nothing touched its buffer

@@ -3,40 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from disk_helpers import assert_clean, fill, key_of, payload, reserve
+from disk_helpers import assert_clean, fill, gated, key_of, payload, reserve, spin
 
 from aiokv.pool import PagePool
 from aiokv.storage import DiskTier
-
-Start = Callable[..., None]
-
-
-def _gated(real: Start, gate: asyncio.Event, entered: asyncio.Event) -> Start:
-    """A backend ``start_*`` call held until ``gate`` is set (the I/O is in flight meanwhile)."""
-    held: set[asyncio.Task[Any]] = set()
-
-    def wrapper(*args: object) -> None:
-        entered.set()
-
-        async def later() -> None:
-            await gate.wait()
-            real(*args)
-
-        task = asyncio.create_task(later())
-        held.add(task)
-        task.add_done_callback(held.discard)
-
-    return wrapper
-
-
-async def _spin(times: int) -> None:
-    for _ in range(times):
-        await asyncio.sleep(0)  # one loop iteration each: lets completions in, no wall-clock wait
 
 
 @pytest.mark.asyncio
@@ -46,12 +19,12 @@ async def test_cancelled_read_waits_for_its_io_then_raises(tier: DiskTier, pool:
     assert await tier.write(key_of(1), h)
     pool.table.release(h)
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "start_load", _gated(tier.backend.start_load, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_load", gated(tier.backend.start_load, gate, entered))
     into = reserve(pool, key_of(2))
     task = asyncio.create_task(tier.read(key_of(1), into))
     await entered.wait()
     task.cancel()
-    await _spin(5)
+    await spin(5)
     assert not task.done()  # the I/O into the caller's page is not finished: the caller must wait
     gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -65,7 +38,7 @@ async def test_cancelled_read_waits_for_its_io_then_raises(tier: DiskTier, pool:
 async def test_cancelled_write_returns_at_once_and_finishes_in_background(
         tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "start_publish", _gated(tier.backend.start_publish, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_publish", gated(tier.backend.start_publish, gate, entered))
     h = fill(pool, key_of(1), 1)
     expect = payload(pool, h)
     task = asyncio.create_task(tier.write(key_of(1), h))
@@ -102,7 +75,7 @@ async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
         into = reserve(pool, key_of(2000 + step))
         write = asyncio.create_task(tier.write(key_of(1000 + step), h))
         read = asyncio.create_task(tier.read(key_of(0), into))
-        await _spin(step)
+        await spin(step)
         write.cancel()
         read.cancel()
         for task, is_read in ((write, False), (read, True)):
@@ -127,14 +100,14 @@ async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
 async def test_cancelled_write_behind_wait_takes_no_ownership(tier: DiskTier, pool: PagePool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     gate, entered = asyncio.Event(), asyncio.Event()
-    monkeypatch.setattr(tier.backend, "start_publish", _gated(tier.backend.start_publish, gate, entered))
+    monkeypatch.setattr(tier.backend, "start_publish", gated(tier.backend.start_publish, gate, entered))
     handles = [fill(pool, key_of(i), i) for i in range(11)]
     for i in range(10):  # 2 workers take one each (gated), 8 fill the queue
         assert tier.write_behind_nowait(key_of(i), handles[i])
-        await _spin(1)
+        await spin(1)
     assert not tier.write_behind_nowait(key_of(10), handles[10])
     waiting = asyncio.create_task(tier.write_behind(key_of(10), handles[10]))
-    await _spin(3)
+    await spin(3)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
