@@ -271,8 +271,8 @@ class CacheManager:
                 ids = [pool.table.check(h) for h in part]
                 copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
                 launched += len(part)
-            self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
-                          self.layout.payload_bytes)
+            measured = self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
+                                     self.layout.payload_bytes)
             disk_start = max(first, match.pool_pages)
             promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             if promotions:
@@ -303,6 +303,7 @@ class CacheManager:
             for task in promotions[consumed:]:
                 self._adopt(task)
             raise
+        measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
         loaded = {Tier.POOL: 0, Tier.DISK: 0}
         for (_, held, tier), outcome in zip(copies, outcomes, strict=True):
@@ -325,15 +326,24 @@ class CacheManager:
 
     @staticmethod
     def _measure(futures: list[asyncio.Future[Any]], pages: int, started: float, meter: RateMeter,
-                 page_bytes: int) -> None:
-        """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``."""
-        if not futures or not pages:
-            return
+                 page_bytes: int) -> Callable[[], None]:
+        """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``.
 
-        def done(_: object) -> None:
-            meter.update(pages * page_bytes, time.perf_counter() - started)
+        Folded when the last future completes, or earlier by calling the returned function once
+        they are all done: a call that settles its result after awaiting the futures calls it, so
+        the rate is in before the call returns (a done-callback may still be queued then).
+        """
+        folded = not futures or not pages
 
-        asyncio.gather(*futures, return_exceptions=True).add_done_callback(done)
+        def fold() -> None:
+            nonlocal folded
+            if not folded and all(f.done() for f in futures):
+                folded = True
+                meter.update(pages * page_bytes, time.perf_counter() - started)
+
+        for future in futures:
+            future.add_done_callback(lambda _: fold())
+        return fold
 
     def start_load(self, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False) -> LoadStream:
         """A compute-or-load split over ``match`` (see :class:`aiokv.stream.LoadStream`).

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,7 @@ class LoadStream:
         config = manager.config
         self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
         self._disk_started = time.perf_counter()
+        self._measured: Callable[[], None] = lambda: None
         self._disk_landed = 0  # pages this stream read so far (its own disk rate)
         self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
@@ -359,18 +361,14 @@ class LoadStream:
                                       time.perf_counter() - self._disk_started)
         if pool_started is not None:
             pool_copies = [c.future for _, c, _, tier in self._copies if tier is Tier.POOL]
-            pool_bytes = len(pool_copies) * manager.layout.payload_bytes
-            started = pool_started
-
-            def measured(_: object) -> None:
-                manager.costs.pool.update(pool_bytes, time.perf_counter() - started)
-
-            asyncio.gather(*pool_copies, return_exceptions=True).add_done_callback(measured)
+            self._measured = manager._measure(pool_copies, len(pool_copies), pool_started,
+                                              manager.costs.pool, manager.layout.payload_bytes)
 
     # -- settling -------------------------------------------------------------------------------
 
     def _settle(self, outcomes: list[BaseException | None]) -> StreamResult:
         manager = self._manager
+        self._measured()  # every copy is done: the pool rate is in before finish() returns
         # Layer-wise copies did not order the engine's stream at launch: whatever it does next
         # (reusing the slots included) comes after every copy.
         unordered = [c.event if c.paced is None else c.paced.end

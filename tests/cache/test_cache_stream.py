@@ -13,7 +13,8 @@ import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
 
 from aiokv import KVCache
-from aiokv.costs import CostModel
+from aiokv.costs import CostModel, RateMeter
+from aiokv.manager import CacheManager
 from aiokv.stream import LoadStream, StreamResult
 
 T = LAYOUT.page_tokens
@@ -213,6 +214,27 @@ async def test_stream_arguments_are_checked_before_anything_changes() -> None:
         with pytest.raises(RuntimeError, match="already"):
             await stream.finish()
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_rate_is_folded_before_the_call_that_awaited_the_copies_returns() -> None:
+    # Regression: the pool rate was folded in a done-callback of a gather of the copies, which
+    # could still be queued when finish() returned (seen on CUDA: estimate() right after a stream
+    # load had no pool rate). A call that awaited its copies now folds the rate itself.
+    loop = asyncio.get_running_loop()
+    meter = RateMeter()
+    copies = [loop.create_future() for _ in range(3)]
+    fold = CacheManager._measure(copies, 3, 0.0, meter, 4096)
+    fold()
+    assert meter.rate is None  # not all done: nothing folded yet
+    for copy in copies:
+        copy.set_result(None)
+    fold()  # no loop turn since: the done-callbacks have not run
+    assert meter.rate is not None and meter.rate > 0
+    folded = meter.rate
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert meter.rate == folded  # the callbacks fold nothing twice
 
 
 def test_cost_model_split_meets_where_load_and_compute_times_match() -> None:
