@@ -26,7 +26,7 @@ import asyncio
 import errno
 import functools
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from aiokv.faults import FaultLog
@@ -219,6 +219,28 @@ class DiskTier:
         """Whether a page file for ``key`` is indexed (it may still fail verification on read)."""
         check_key(key)
         return key in self._index
+
+    def touch(self, keys: Iterable[PageKey]) -> int:
+        """Mark the page files of ``keys`` most recently used, in order (the last one most recent);
+        keys without an indexed file (absent, or still being written) are skipped. Returns how many
+        were touched. No I/O; recency is not kept across restarts (the index rebuilds in file-time
+        order). Raises ``TypeError``/``ValueError`` for a key that is not 16 bytes or ``keys`` that
+        is not an iterable of keys (a single ``bytes`` key included): nothing is touched then."""
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise TypeError(f"keys must be an iterable of keys, got a single {type(keys).__name__}")
+        try:
+            wanted = list(keys)
+        except TypeError:
+            raise TypeError(f"keys must be an iterable of keys, got {type(keys).__name__}") from None
+        for key in wanted:
+            check_key(key)
+        index = self._index
+        touched = 0
+        for key in wanted:
+            if key in index:
+                index.touch(key)
+                touched += 1
+        return touched
 
     def keys_present_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading ``keys`` are on disk."""

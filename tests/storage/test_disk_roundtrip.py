@@ -139,6 +139,35 @@ async def test_capacity_lru_eviction_and_drop(disk_dir: Path, backend: DiskBacke
 
 
 @pytest.mark.asyncio
+async def test_touch_orders_eviction(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    per_file = HEADER_BYTES + layout.page_bytes
+    async with DiskTier(config(disk_dir, backend, capacity=3 * per_file), layout, pool) as tier:
+        handles = [fill(pool, key_of(i), i) for i in range(5)]
+        for i in range(3):
+            assert await tier.write(key_of(i), handles[i])
+        # Bad input first: nothing is touched, even the valid key before the bad one.
+        with pytest.raises(TypeError):
+            tier.touch(key_of(0))  # a single key, not an iterable of keys
+        with pytest.raises(TypeError):
+            tier.touch(7)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            tier.touch([key_of(0), "x" * 16])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="16 bytes"):
+            tier.touch([key_of(0), b"short"])
+        assert tier.touch([]) == 0
+        # 0 and 1 become most recent (1 last); the unknown key is skipped: 2 is the oldest.
+        assert tier.touch(iter([key_of(0), key_of(77), key_of(1)])) == 2
+        assert await tier.write(key_of(3), handles[3])
+        assert [tier.contains(key_of(i)) for i in range(4)] == [True, True, False, True]
+        assert await tier.write(key_of(4), handles[4])  # then 0, touched before 1
+        assert [tier.contains(key_of(i)) for i in range(5)] == [False, True, False, True, True]
+        assert tier.statistics().evictions == 2
+        for h in handles:
+            pool.table.release(h)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
 async def test_write_behind_owns_reference(tier: DiskTier, pool: PagePool) -> None:
     handles = [fill(pool, key_of(i), i) for i in range(12)]
     taken = [tier.write_behind_nowait(key_of(i), h) for i, h in enumerate(handles)]
