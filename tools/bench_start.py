@@ -24,9 +24,14 @@ commit; ``match+load``: acquire the prefix, check and release each handle; ``sta
 ``--against REV`` measures the page table of that git revision too, alternated in the same run, and
 prints ratios against it.
 
+``--token-array COUNTS...`` times ``keys.token_array`` (the validation and conversion every ``match``,
+``offload`` and ``prefetch`` starts with) for a list, a tuple, a numpy array and a CPU tensor of that
+many ids; with ``--against REV``, that revision's ``aiokv/keys.py`` alternates call by call.
+
     python tools/bench_start.py                                # 1, 4, 16 GiB; 8B-model pages
     python tools/bench_start.py --page-tokens 16 --leftover-gib 4 --json out.json
     python tools/bench_start.py --table 65536 262144 1048576 --against b6a79ae
+    python tools/bench_start.py --token-array 4096 131072 --against HEAD~1 --ops-repeat 2000
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+import aiokv.keys
 import aiokv.pagetable
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -280,15 +287,15 @@ class TableRow:
     statistics_us: float
 
 
-def load_table_module(rev: str) -> types.ModuleType:
-    """``aiokv/pagetable.py`` as of git revision ``rev``, imported under its own module name."""
+def load_module(rev: str, path: str = "aiokv/pagetable.py") -> types.ModuleType:
+    """``path`` as of git revision ``rev``, imported under its own module name."""
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "show", f"{rev}:aiokv/pagetable.py"], cwd=root, capture_output=True, text=True, check=True
+        ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True
     ).stdout
-    module = types.ModuleType(f"pagetable_{rev}")
+    module = types.ModuleType(f"{Path(path).stem}_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their class's module up
-    exec(compile(source, f"{rev}:aiokv/pagetable.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -372,7 +379,7 @@ async def measure_table(impl: str, module: types.ModuleType, pages: int, chunk: 
 async def run_table(args: argparse.Namespace) -> list[TableRow]:
     impls: list[tuple[str, types.ModuleType]] = [("current", aiokv.pagetable)]
     if args.against:
-        impls.append((args.against, load_table_module(args.against)))
+        impls.append((args.against, load_module(args.against)))
     rows: list[TableRow] = []
     for pages in args.table:
         for rep in range(args.repeat):
@@ -409,6 +416,59 @@ def report_table(rows: list[TableRow]) -> None:
             print(f"  {pages:8d} pages: " + "; ".join(parts))
 
 
+@dataclass(frozen=True)
+class TokenRow:
+    impl: str
+    tokens: int
+    kind: str
+    median_us: float
+    best_us: float
+
+
+def _token_inputs(count: int) -> dict[str, object]:
+    ids = np.random.default_rng(0).integers(0, 150_000, count, dtype=np.int64)  # a vocabulary's range
+    return {"list": ids.tolist(), "tuple": tuple(ids.tolist()), "numpy": ids, "tensor": torch.from_numpy(ids)}
+
+
+def run_tokens(args: argparse.Namespace) -> list[TokenRow]:
+    """``keys.token_array`` per input kind, current and ``--against`` alternated call by call."""
+    impls: list[tuple[str, types.ModuleType]] = [("current", aiokv.keys)]
+    if args.against:
+        impls.append((args.against, load_module(args.against, "aiokv/keys.py")))
+    rows: list[TokenRow] = []
+    for count in args.token_array:
+        for kind, value in _token_inputs(count).items():
+            times: dict[str, list[float]] = {impl: [] for impl, _ in impls}
+            expected = aiokv.keys.token_array(value).tobytes()  # type: ignore[arg-type]
+            for rep in range(args.ops_repeat):
+                for impl, module in impls if rep % 2 == 0 else impls[::-1]:
+                    start = time.perf_counter()
+                    out = module.token_array(value)
+                    times[impl].append(time.perf_counter() - start)
+                    if rep == 0 and out.tobytes() != expected:
+                        raise AssertionError(f"{impl} gives other bytes for a {kind}")
+            for impl, samples in times.items():
+                row = TokenRow(
+                    impl, count, kind, round(statistics.median(samples) * 1e6, 1), round(min(samples) * 1e6, 1)
+                )
+                rows.append(row)
+                print(json.dumps(asdict(row)), file=sys.stderr)
+    return rows
+
+
+def report_tokens(rows: list[TokenRow]) -> None:
+    print(f"{'impl':>9} {'tokens':>7} {'kind':>7} {'median us':>10} {'best us':>8}")
+    for r in rows:
+        print(f"{r.impl:>9} {r.tokens:7d} {r.kind:>7} {r.median_us:10.1f} {r.best_us:8.1f}")
+    for other in sorted({r.impl for r in rows} - {"current"}):
+        print(f"ratios current/{other} (medians)")
+        for r in rows:
+            if r.impl == "current":
+                (o,) = [x for x in rows if x.impl == other and (x.tokens, x.kind) == (r.tokens, r.kind)]
+                ratio = r.median_us / o.median_us
+                print(f"  {r.tokens:7d} {r.kind:>7}: {r.median_us:.1f}/{o.median_us:.1f} = {ratio:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0, 16.0], help="pool sizes (GiB)")
@@ -427,12 +487,17 @@ def main() -> int:
     parser.add_argument("--table-chunk", type=int, default=4096, help="pages handed over per chunk (--table)")
     parser.add_argument("--ops-repeat", type=int, default=200, help="timed batches per hot-path operation (--table)")
     parser.add_argument("--against", help="git revision whose page table is measured alongside (--table)")
+    parser.add_argument("--token-array", type=int, nargs="+", help="token counts: time keys.token_array alone")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    if args.table:
+    if args.token_array:
+        token_rows = run_tokens(args)
+        report_tokens(token_rows)
+        dumped: list[dict[str, object]] = [asdict(r) for r in token_rows]
+    elif args.table:
         table_rows = asyncio.run(run_table(args))
         report_table(table_rows)
-        dumped: list[dict[str, object]] = [asdict(r) for r in table_rows]
+        dumped = [asdict(r) for r in table_rows]
     else:
         rows = asyncio.run(run(args))
         report(rows)

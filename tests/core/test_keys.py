@@ -67,11 +67,55 @@ def test_all_input_kinds_agree() -> None:
         (torch.zeros((2, 2), dtype=torch.int64), ValueError, "1-D"),
         ("abc", TypeError, "str"),
         ([1, "2"], TypeError, "str"),
+        ((1, "2"), TypeError, "str"),
+        ([1, None], TypeError, "NoneType"),
+        ([3, torch.tensor(3)], TypeError, "Tensor"),  # an __index__ is not an int
+        ([3, np.float64(3.0)], TypeError, "float64"),
+        ([5, 2**64], ValueError, r"2\*\*63"),
+        ((5, 2**63), ValueError, r"2\*\*63"),
+        ((5, -(2**70)), ValueError, "non-negative"),
+        ([np.int64(5), -1], ValueError, "non-negative"),
     ],
 )
 def test_bad_tokens_are_refused_with_a_clear_message(tokens: object, error: type[Exception], words: str) -> None:
     with pytest.raises(error, match=words):
         token_array(tokens)  # type: ignore[arg-type]
+
+
+def _definition(tokens: list[int]) -> bytes:
+    """The key material's bytes by definition: each id as a little-endian uint64 (no numpy)."""
+    return b"".join(t.to_bytes(8, "little") for t in tokens)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**63 - 1) | st.sampled_from([0, 1, 2**63 - 1]), max_size=300))
+def test_every_input_kind_gives_the_defined_bytes(tokens: list[int]) -> None:
+    # token_array's list path became array('Q') after an exact type check (320 -> 150 us for
+    # 4,096 ids): keys must not change, for any container.
+    expected = _definition(tokens)
+    kinds: list[object] = [tokens, tuple(tokens), np.asarray(tokens, dtype=np.uint64), [np.uint64(t) for t in tokens]]
+    kinds += [np.asarray(tokens, dtype=np.int64), torch.tensor(tokens, dtype=torch.int64)]
+    if all(t < 2**31 for t in tokens):
+        kinds += [np.asarray(tokens, dtype=np.int32), torch.tensor(tokens, dtype=torch.int32)]
+        kinds += [[np.int32(t) for t in tokens], torch.tensor(tokens, dtype=torch.int64)[::1]]
+    for value in kinds:
+        ids = token_array(value)  # type: ignore[arg-type]
+        assert ids.dtype == np.dtype("<u8") and ids.ndim == 1 and ids.flags.c_contiguous
+        assert ids.tobytes() == expected, type(value).__name__
+
+
+def test_a_strided_tensor_and_a_big_list_give_the_defined_bytes() -> None:
+    tokens = [int(x) for x in np.random.default_rng(2).integers(0, 2**63 - 1, 4096, dtype=np.int64)]
+    assert token_array(tokens).tobytes() == _definition(tokens)
+    wide = torch.tensor(tokens + tokens, dtype=torch.int64)[::2]  # a view with stride 2
+    assert token_array(wide).tobytes() == _definition((tokens + tokens)[::2])
+
+
+def test_bad_token_lists_leave_the_list_unchanged() -> None:
+    tokens = [4, 5, -6]
+    with pytest.raises(ValueError, match="non-negative"):
+        token_array(tokens)
+    assert tokens == [4, 5, -6]
 
 
 def test_bad_seed_namespace_salt_page_size() -> None:
