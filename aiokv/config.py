@@ -105,7 +105,7 @@ class CacheConfig:
     (``dataclasses.replace(config, disk_bytes=...)`` is such a case: replace ``disk`` instead), when
     ``disk_dir`` is an empty path (it would mean the working directory), and when disk shortcuts
     are given without ``disk_dir`` where the default directory is not writable (the settings could
-    not be honoured). ``disk_dir=None`` beside other shortcuts: no tier; they are checked, unused.
+    not be honoured), or beside ``disk_dir=None`` or ``disk=None`` (which turn the tier off alone).
     """
 
     cpu_bytes: int = field(default_factory=default_cpu_bytes)
@@ -295,7 +295,14 @@ def _resolve_disk(disk: object, given: dict[str, object]) -> DiskConfig | None:
     values = {DISK_SHORTCUTS[s]: _shortcut_value(s, v) for s, v in given.items() if not (s == "disk_dir" and off)}
     if disk is _UNSET:
         if off:
-            # disk_dir=None: no disk tier, whatever else was given (as before the nested config).
+            named = [s for s in given if s != "disk_dir"]
+            if named:
+                # Once silently no tier: a size meant for a directory that a variable left None
+                # gave a cache without disk, reading disk_bytes back as DiskConfig's default.
+                raise ValueError(
+                    f"CacheConfig.{named[0]} is given but disk_dir=None turns the disk tier off: "
+                    "pass a directory, or drop the disk settings (disk=None) for no disk tier"
+                )
             return None
         if not values:
             return default_disk()  # the field's default

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout, TransferPath
+from aiokv.storage import DiskConfig
 from aiokv.tp import WorkerStatistics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -170,9 +171,12 @@ def _layout_and_config(
         num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype,
         page_tokens=cfg.page_tokens,
     )
+    # disk_dir None: no disk tier (a size beside disk_dir=None is refused).
+    disk = None if disk_dir is None else DiskConfig(
+        directory=disk_dir, capacity_bytes=cfg.disk_bytes or max(1, disk_pages) * layout.page_bytes
+    )
     config = CacheConfig(
-        cpu_bytes=pool_pages * layout.page_bytes, disk_dir=disk_dir,
-        disk_bytes=cfg.disk_bytes or max(1, disk_pages) * layout.page_bytes,
+        cpu_bytes=pool_pages * layout.page_bytes, disk=disk,
         namespace=cfg.namespace, transfer_path=cfg.transfer_path_for(cfg.load_path if path is None else path),
     )
     return layout, config

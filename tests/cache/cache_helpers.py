@@ -9,6 +9,7 @@ import torch
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
 from aiokv.kernels import PageMover
+from aiokv.storage import DiskConfig
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
 SLOTS = 256
@@ -30,12 +31,14 @@ def config(
     layout: KVLayout = LAYOUT,
     **extra: object,
 ) -> CacheConfig:
+    """A small cache's config; ``disk=None``: no disk tier (``disk_pages`` and ``backend`` unused)."""
+    tier = None if disk is None else DiskConfig(
+        directory=disk, capacity_bytes=disk_pages * (layout.page_bytes + 4096), backend=backend
+    )
     return CacheConfig(
         cpu_bytes=pool_pages * layout.page_bytes,
-        disk_dir=disk,
-        disk_bytes=disk_pages * (layout.page_bytes + 4096),
+        disk=tier,
         namespace="test-model",
-        disk_backend=backend,
         pool_chunk_bytes=4 * layout.page_bytes,
         **extra,  # type: ignore[arg-type]
     )

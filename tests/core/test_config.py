@@ -115,7 +115,7 @@ def test_default_disk_directory_unwritable_means_no_disk_tier(tmp_path: Path, mo
         CacheConfig(disk_bytes=1 << 30)
     assert CacheConfig(disk_dir=tmp_path, disk_bytes=1 << 30).disk == DiskConfig(directory=tmp_path,
                                                                                 capacity_bytes=1 << 30)
-    assert CacheConfig(disk=None).disk is None and CacheConfig(disk_dir=None, disk_bytes=1 << 30).disk is None
+    assert CacheConfig(disk=None).disk is None and CacheConfig(disk_dir=None).disk is None
     with pytest.raises(ValueError, match=r"DiskConfig\.directory"):
         DiskConfig()
 
@@ -151,11 +151,23 @@ def test_shortcuts_and_disk_none(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="disk_dir=None turns the disk tier off"):
         CacheConfig(disk=DiskConfig(directory=tmp_path), disk_dir=None)
     assert CacheConfig(disk=None, disk_dir=None).disk is None
-    # Without disk=, disk_dir=None turns the tier off and the other shortcuts are (as before)
-    # checked but unused: tools pass a size whether or not they give a directory.
-    assert CacheConfig(disk_dir=None, disk_bytes=1 << 30).disk is None
+    assert CacheConfig(disk_dir=None).disk is None  # alone, disk_dir=None is the other way to say "no tier"
     with pytest.raises(ValueError, match=r"CacheConfig\.disk_bytes"):
         CacheConfig(disk_dir=None, disk_bytes=0)
+
+
+@pytest.mark.parametrize("short", sorted(set(DISK_SHORTCUTS) - {"disk_dir"}))
+def test_a_disk_setting_beside_disk_dir_none_is_refused(home: Path, tmp_path: Path, short: str) -> None:
+    # It once meant "no tier" silently: a directory left None by a variable (disk_dir=args.disk_dir)
+    # beside a size gave a cache without disk that read disk_bytes back as DiskConfig's 64 GiB default.
+    name = DISK_SHORTCUTS[short]
+    value = _not_default(DISK_FIELDS[name], tmp_path)
+    with pytest.raises(ValueError, match=f"CacheConfig.{short} is given but disk_dir=None turns the disk tier off"):
+        CacheConfig(disk_dir=None, **{short: value})  # type: ignore[arg-type]
+    assert not home.exists()  # nothing created
+    # With a directory the same setting is honoured.
+    config = CacheConfig(disk_dir=tmp_path, **{short: value})  # type: ignore[arg-type]
+    assert config.disk is not None and getattr(config.disk, name) == value
 
 
 def test_replace_changes_the_nested_config(tmp_path: Path) -> None:

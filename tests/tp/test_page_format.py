@@ -26,6 +26,7 @@ from aiokv import CacheConfig, KVCache, KVLayout
 from aiokv.kernels import TransferPath
 from aiokv.keys import namespace_seed
 from aiokv.layout import KVBuffer, TPSlice
+from aiokv.storage import DiskConfig
 from aiokv.tp import RankWorker, TPCache
 
 MHA = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
@@ -46,9 +47,9 @@ def _staging_usable() -> bool:
 
 
 def _config(layout: KVLayout, disk: Path | None) -> CacheConfig:
+    tier = None if disk is None else DiskConfig(directory=disk, capacity_bytes=64 * (layout.page_bytes + 4096))
     return CacheConfig(
-        cpu_bytes=16 * layout.page_bytes, disk_dir=disk, disk_bytes=64 * (layout.page_bytes + 4096),
-        namespace="tp-format", pool_chunk_bytes=4 * layout.page_bytes,
+        cpu_bytes=16 * layout.page_bytes, disk=tier, namespace="tp-format", pool_chunk_bytes=4 * layout.page_bytes,
     )
 
 

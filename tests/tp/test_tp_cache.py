@@ -15,6 +15,7 @@ from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, rank_kv
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.kernels import TransferPath
+from aiokv.storage import DiskConfig
 from aiokv.tp import TPCache
 
 MHA = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
@@ -22,9 +23,9 @@ MLA = KVLayout.mla(2, 16, torch.bfloat16, page_tokens=4)
 
 
 def _config(layout: KVLayout, disk: Path | None) -> CacheConfig:
+    tier = None if disk is None else DiskConfig(directory=disk, capacity_bytes=64 * (layout.page_bytes + 4096))
     return CacheConfig(
-        cpu_bytes=16 * layout.page_bytes, disk_dir=disk, disk_bytes=64 * (layout.page_bytes + 4096),
-        namespace="tp-test", pool_chunk_bytes=4 * layout.page_bytes,
+        cpu_bytes=16 * layout.page_bytes, disk=tier, namespace="tp-test", pool_chunk_bytes=4 * layout.page_bytes,
     )
 
 
