@@ -47,7 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from .loopthread import LoopDied, LoopThread
-from .store import PageFileStore, StoreConfig, open_thread, page_file_bytes
+from .store import PageFileStore, Sharing, StoreConfig, open_thread, page_file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _KV = "kv"  # SGLang's PoolName.KV
 
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _STORE_KEYS = ("disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-               "poll_s", "linger_s", "idle_poll_s", "zero_copy")
+               "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s")
 
 
 def _memory(address: int, size: int) -> torch.Tensor:
@@ -153,6 +153,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             "model": c.model_name,
             # MLA pages are the same on every TP rank; other pages hold the rank's heads only.
             "tp": None if c.is_mla_model else (c.tp_rank, c.tp_size),
+            # With DP attention, tp_rank counts within a DP group: each group has its own files
+            # (and, for MLA, its own writer).
+            "dp": c.dp_rank,
             "pp": (c.pp_rank, c.pp_size),
             "attn_cp": (c.attn_cp_rank, c.attn_cp_size),
             "dcp": (c.dcp_rank, c.dcp_size),
@@ -214,12 +217,21 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._pools[name] = _Pool(name, host, page_bytes, in_place,
                                   self._new_store(facts, page_bytes, weight_total))
 
+    def _sharing(self, facts: Mapping[str, object]) -> Sharing:
+        """Pages without the TP rank in their identity (MLA: the same on every rank) are shared by
+        the ranks: SGLang's storage writer (``is_storage_writer``: rank 0, or the first DCP group)
+        writes them and the other ranks read them, as SGLang's own backends do."""
+        c = self.storage_config
+        if facts["tp"] is not None or c.tp_size <= 1:
+            return Sharing.ALONE
+        return Sharing.WRITER if c.is_storage_writer else Sharing.READER
+
     def _new_store(self, facts: Mapping[str, object], page_bytes: int, weight_total: int) -> PageFileStore:
         weight = page_file_bytes(page_bytes)
         share = max(weight, self.config.capacity_bytes * weight // max(weight, weight_total))
         assert self._thread is not None
         return PageFileStore(dataclasses.replace(self.config, capacity_bytes=share), "sglang", facts, page_bytes,
-                             thread=self._thread)
+                             thread=self._thread, sharing=self._sharing(facts))
 
     def _kv(self, plain_page_bytes: int | None = None) -> _Pool | None:
         """The KV pool, its files open; None before anything registered it."""
@@ -269,14 +281,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         stores = [self._pools[str(t.name)].store if str(t.name) in self._pools else None for t in transfers]
         pool_keys = [None if s is None else [s.key(k.encode("utf-8")) for k in keys] for s in stores]
 
-        def look() -> tuple[int, list[list[bool]]]:
-            kv_pages = kv_store.present_prefix(kv_keys)
-            present = [[False] * kv_pages if s is None or pk is None else s.contains(pk[:kv_pages])
+        async def look() -> tuple[int, list[list[bool]]]:
+            kv_pages = await kv_store.fresh_prefix(kv_keys)
+            present = [[False] * kv_pages if s is None or pk is None else await s.fresh_contains(pk[:kv_pages])
                        for s, pk in zip(stores, pool_keys, strict=True)]
             return kv_pages, present
 
         try:
-            kv_pages, present = self._loop().call(look).result()
+            kv_pages, present = self._loop().run(look())
         except LoopDied:
             log.error("aiokv backend: the loop thread died; every page misses")
             return PoolTransferResult(0, {}, [])
@@ -387,7 +399,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         store = _opened(kv)
         page_keys = [store.key(k.encode("utf-8")) for k in keys]
         try:
-            return self._loop().call(lambda: store.present_prefix(page_keys)).result()
+            return self._loop().run(store.fresh_prefix(page_keys))
         except LoopDied:
             log.error("aiokv backend: the loop thread died; every page misses")
             return 0

@@ -18,14 +18,22 @@ Other pages (split in the engine's memory, or of other sizes) go through a small
 the store's (``staging_pages`` pages): copied from the engine's memory into a staging page
 (``torch`` copies, the GIL released) and written from there, read into one and copied out.
 
+Sharing (:class:`Sharing`): a directory that several processes serve (SGLang's MLA pages, the
+same on every TP rank) has one writer, the process that holds the disk tier's directory lock, and
+readers that never take it. A reader's index is rebuilt (the directory rescanned) when a lookup
+misses a page whose file the writer has published since, at most every ``reader_refresh_s``.
+
 Everything runs on the loop of a :class:`LoopThread`; the methods taking coroutines run there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import fcntl
 import itertools
 import logging
+import math
 import os
 import shutil
 import time
@@ -42,8 +50,10 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
+from aiokv.storage.config import ReadOnly
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
-from aiokv.storage.pagefile import file_bytes
+from aiokv.storage.layoutdir import LOCK_NAME
+from aiokv.storage.pagefile import PageFiles, file_bytes
 
 from .loopthread import LoopDied, LoopThread, check_timing
 
@@ -53,6 +63,21 @@ _DISK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DiskConfig)}
 DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
 """The disk tier's own default budget (one default per setting, defined in ``DiskConfig``)."""
 DEFAULT_QUEUE_DEPTH: int = _DISK_DEFAULTS["queue_depth"]
+
+
+class Sharing(enum.Enum):
+    """How a store shares its directory with stores of other processes (engine ranks)."""
+
+    ALONE = "alone"
+    """The directory is this process's: its tier takes the directory lock (if another cache holds
+    it, the tier serves what is there read-only)."""
+    WRITER = "writer"
+    """The one process that writes a directory other processes read: its tier waits (up to
+    ``writer_wait_s``) for the lock while a reader is starting, then writes and evicts there."""
+    READER = "reader"
+    """Reads a directory another process writes: its tier never takes the lock, refuses writes
+    (counted), and is rebuilt from the files when a lookup misses a page the writer published
+    since (at most every ``reader_refresh_s``)."""
 
 
 def default_disk_dir() -> Path:
@@ -92,6 +117,13 @@ class StoreConfig:
     zero_copy: bool = True
     """Move a page that is one contiguous buffer of a 4096-multiple size straight between the
     engine's memory and its page file; False: always through a staging page (one copy each way)."""
+    writer_wait_s: float = 10.0
+    """Shared directories (:class:`Sharing`): how long the writer waits for the directory lock
+    while readers start (each holds it shared for its start-up scan), and a reader for a writer
+    that is between two tiers, seconds. A writer that waited this long serves read-only."""
+    reader_refresh_s: float = 1.0
+    """Shared directories: least seconds between two rescans of a reader's index (each one a scan
+    of the directory, in a worker thread), made when a lookup misses a page whose file exists."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -109,6 +141,12 @@ class StoreConfig:
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
         check_timing(self.poll_s, self.linger_s, self.idle_poll_s)
+        for name in ("writer_wait_s", "reader_refresh_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
 
     @property
     def pages_in_staging(self) -> int:
@@ -119,10 +157,11 @@ class StoreConfig:
     def from_options(cls, options: Mapping[str, object]) -> StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
-        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``.
-        Unknown names raise ``ValueError`` (a typo must not pass silently); wrong types raise ``TypeError``."""
+        ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``,
+        ``writer_wait_s``, ``reader_refresh_s``. Unknown names raise ``ValueError`` (a typo must not
+        pass silently); wrong types raise ``TypeError``."""
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-                 "poll_s", "linger_s", "idle_poll_s", "zero_copy"}
+                 "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
@@ -154,6 +193,8 @@ class StoreConfig:
             linger_s=_float_option(options, "linger_s", default["linger_s"]),
             idle_poll_s=_float_option(options, "idle_poll_s", default["idle_poll_s"]),
             zero_copy=zero_copy,
+            writer_wait_s=_float_option(options, "writer_wait_s", default["writer_wait_s"]),
+            reader_refresh_s=_float_option(options, "reader_refresh_s", default["reader_refresh_s"]),
         )
 
 
@@ -193,6 +234,24 @@ def page_file_bytes(page_bytes: int) -> int:
     return file_bytes(raw_layout(page_bytes))
 
 
+def _hold_shared(lock_path: Path) -> int | None:
+    """A descriptor holding a shared ``flock`` on a tier directory's lock file (created with its
+    directories as the tier would: 0700), or None when it cannot be had: the writer holds the lock
+    (its exclusive lock excludes ours), or the directory is unusable (the tier's start says why)."""
+    try:
+        lock_path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _yield_gil() -> None:
     """Let the engine's threads run: the loop thread shares the GIL with the engine's scheduler,
     and a thread waiting for the GIL otherwise waits out the switch interval (5 ms by default)."""
@@ -205,14 +264,18 @@ class PageFileStore:
     Construct from any thread but the store's own (it blocks until the disk tier started: index
     rebuilt, temp files removed). The coroutines run on :attr:`thread`'s loop. ``thread``: a loop
     thread shared with other stores (the caller closes it after closing them); None: one of the
-    store's own, closed with it.
+    store's own, closed with it. ``sharing``: whether other processes serve the same directory
+    (:class:`Sharing`; they then have the same ``engine``, ``facts`` and ``page_bytes``).
     """
 
     def __init__(self, config: StoreConfig, engine: str, facts: Mapping[str, object], page_bytes: int,
-                 thread: LoopThread | None = None) -> None:
+                 thread: LoopThread | None = None, sharing: Sharing = Sharing.ALONE) -> None:
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        if not isinstance(sharing, Sharing):
+            raise TypeError(f"sharing must be a Sharing, got {sharing!r}")
         self.config = config
+        self.sharing = sharing
         self.page_bytes = page_bytes
         self.fingerprint = fingerprint(engine, {**facts, "page_bytes": page_bytes})
         self.directory = config.directory / f"{engine}-{self.fingerprint.hex()}"
@@ -220,6 +283,10 @@ class PageFileStore:
         material = b"aiokv-engine-key-v1" + self.fingerprint + len(ns).to_bytes(8, "little") + ns
         self._seed = xxhash.xxh3_128_digest(material)
         self.layout = raw_layout(page_bytes)
+        self._lock_path = PageFiles(self.directory, self.layout).layout_dir / LOCK_NAME
+        self._refreshed = -math.inf  # loop time of the reader's last rescan
+        self.refreshes = 0
+        """Rescans of a reader's index (:attr:`Sharing.READER`)."""
         self._tickets = itertools.count(1)
         self._pool: PagePool | None = None
         self._disk: DiskTier | None = None
@@ -254,9 +321,47 @@ class PageFileStore:
             await pool.aclose()
             raise
         self._pool, self._disk = pool, disk
+        self._refreshed = asyncio.get_running_loop().time()
         self._slots = asyncio.Semaphore(pages)
 
     async def _start_disk(self, pool: PagePool) -> DiskTier:
+        """A started tier over the directory, in the role of :attr:`sharing`."""
+        if self.sharing is Sharing.ALONE:
+            return await self._new_disk(pool)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.writer_wait_s
+        delay = 0.01
+        while True:
+            if self.sharing is Sharing.WRITER:
+                disk = await self._new_disk(pool)
+                if disk.read_only is not ReadOnly.LOCKED:
+                    return disk
+                if loop.time() >= deadline:
+                    log.warning("aiokv store: %s stays locked by another process after %.1f s: this writer "
+                                "serves it read-only", self.directory, self.config.writer_wait_s)
+                    return disk
+            else:
+                # A shared lock while the tier starts: its own (exclusive) attempt then fails, so
+                # it starts read-only, and never removes the writer's temp files or evicts its pages.
+                guard = await asyncio.to_thread(_hold_shared, self._lock_path)
+                try:
+                    disk = await self._new_disk(pool)
+                finally:
+                    if guard is not None:
+                        os.close(guard)
+                if disk.read_only is not None:
+                    return disk
+                # It took the lock anyway: the writer let go of it between our two attempts (it
+                # was between two tiers). Give it back at once.
+                if loop.time() >= deadline:
+                    await disk.aclose()
+                    raise OSError(f"aiokv store: a reader of {self.directory} kept getting its lock for "
+                                  f"{self.config.writer_wait_s} s: is the writer running?")
+            await disk.aclose()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.2)
+
+    async def _new_disk(self, pool: PagePool) -> DiskTier:
         disk = DiskTier(
             DiskConfig(
                 directory=self.directory,
@@ -300,6 +405,51 @@ class PageFileStore:
     def present_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading ``keys`` have page files. Loop only."""
         return self._started()[1].keys_present_prefix(keys)
+
+    async def fresh_prefix(self, keys: Sequence[PageKey]) -> int:
+        """:meth:`present_prefix`; a reader first rescans its directory when the first key missing
+        from its index has a file (the writer published it since), if ``reader_refresh_s`` passed."""
+        count = self.present_prefix(keys)
+        if count < len(keys) and await self._stale(keys[count : count + 1]):
+            await self._refresh()
+            count = self.present_prefix(keys)
+        return count
+
+    async def fresh_contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        """:meth:`contains`; a reader first rescans as :meth:`fresh_prefix` when a missing key has a file."""
+        found = self.contains(keys)
+        missing = [key for key, there in zip(keys, found, strict=True) if not there]
+        if missing and await self._stale(missing):
+            await self._refresh()
+            found = self.contains(keys)
+        return found
+
+    async def _stale(self, missing: Sequence[PageKey]) -> bool:
+        """Whether a reader's index is due a rescan: one of the ``missing`` keys has a file now."""
+        if self.sharing is not Sharing.READER:
+            return False
+        if asyncio.get_running_loop().time() - self._refreshed < self.config.reader_refresh_s:
+            return False
+        files = self._started()[1].files
+        paths = [files.path(key) for key in missing]
+        return await asyncio.to_thread(lambda: any(os.path.lexists(path) for path in paths))
+
+    async def _refresh(self) -> None:
+        """Rebuild a reader's index: a new tier over the directory replaces the old one, which
+        finishes the reads in flight and closes. A rescan that fails keeps the old tier."""
+        async with self._clearing:
+            loop = asyncio.get_running_loop()
+            if loop.time() - self._refreshed < self.config.reader_refresh_s:
+                return  # another caller rescanned while this one waited
+            self._refreshed = loop.time()
+            pool, old = self._started()
+            try:
+                self._disk = await self._start_disk(pool)
+            except Exception:
+                log.exception("aiokv store: rescanning %s failed; serving the index it had", self.directory)
+                return
+            self.refreshes += 1
+            await old.aclose()
 
     async def store(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
         """Write the page made of the ``page`` tensors (1-D ``uint8`` CPU, ``page_bytes`` in all) under
@@ -407,6 +557,11 @@ class PageFileStore:
         tier left as it was, when the directory is read-only here or held by another process (its
         owner alone deletes there); False with the tier restarted over what is left when the
         removal fails part-way (the index is rebuilt from the files that remain)."""
+        if self.sharing is Sharing.READER:
+            # The writer deletes; a reader forgets what it indexed (and finds what is still there).
+            self._refreshed = -math.inf
+            await self._refresh()
+            return True
         async with self._clearing:  # a second clear() waits: two would each start a tier
             pool, disk = self._started()
             if disk.read_only is not None:

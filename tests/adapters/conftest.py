@@ -15,3 +15,12 @@ def managers() -> Iterator[list[Any]]:
     yield made
     for manager in made:
         manager.shutdown()
+
+
+@pytest.fixture
+def backends() -> Iterator[list[Any]]:
+    """SGLang backends a test makes; every one is closed at the end."""
+    made: list[Any] = []
+    yield made
+    for backend in made:
+        backend.close()

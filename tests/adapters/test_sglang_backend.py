@@ -1,28 +1,17 @@
 """aiokv's disk tier as SGLang 0.5.23's HiCache storage backend, created by SGLang's real factory.
 
 The backend comes from SGLang's own ``StorageBackendFactory.create_backend("dynamic", ...)`` with a
-real ``HiCacheStorageConfig`` and SGLang's real host pool, ``MHATokenToKVPoolHost`` on the CPU (no
-pinning); the tests call it as SGLang's cache controller does (register the host pool, batch_exists
-for the prefix, batch_get_v1/batch_set_v1, or get/set with the pool's own data pages).
-
-The host pool's package imports ``sglang.srt.configs``, whose multimodal model configs import
-torchvision at module level; the only torchvision on PyPI for x86_64 links libtorch_cuda and does
-not load beside the CPU torch. The pool never calls torchvision, so an empty placeholder answers
-those imports while the pool's module loads, and is removed from ``sys.modules`` right after
-(transformers, imported before it, has already decided torchvision is absent). The import also needs
-dill, sentencepiece, compressed-tensors, loguru and gguf (requirements-engines.txt).
+real ``HiCacheStorageConfig`` and SGLang's real host pools (``MHATokenToKVPoolHost``,
+``MambaPoolHost``, ``MLATokenToKVPoolHost``) on the CPU (no pinning; sglang_helpers.py says how
+they import here); the tests call it as SGLang's cache controller does (register the host pool,
+batch_exists for the prefix, batch_get_v1/batch_set_v1, or get/set with the pool's own data pages).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading
-import types
-import warnings
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,153 +21,27 @@ pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make test installs requirements-engines.txt)")
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang_helpers import (
+    LAYERS,
+    PAGE,
+    MambaPoolHost,
+    MambaStateBufferInfo,
+    attach,
+    fill,
+    host_pool,
+    indices,
+    mla_fill,
+    mla_pool,
+    page,
+    storage_config,
+)
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
 from fs_helpers import loop_ext4, remount
-
-LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
-DTYPE = torch.bfloat16
-
-
-class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty ``torchvision*`` modules whose every attribute is an empty class (import time only)."""
-
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__getattr__ = _placeholder_attribute  # type: ignore[method-assign]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
-
-
-def _placeholder_attribute(name: str) -> type:
-    if name.startswith("__"):  # module protocol (__file__, __spec__...): absent, as on a real module
-        raise AttributeError(name)
-    return type(name, (), {})
-
-
-def _import_host_pools() -> tuple[Any, Any, Any]:
-    """SGLang's MHA, Mamba and MLA host pool classes."""
-    try:
-        import torchvision  # noqa: F401  # a working torchvision needs no placeholder
-    except Exception:
-        pass
-    else:
-        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-        return MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost
-    finder = _Placeholder()
-    sys.meta_path.insert(0, finder)
-    try:
-        # SGLang's model and quantization modules warn at import on a CPU (deprecated torch.jit
-        # APIs, "only CUDA supports ..."); the suite turns warnings into errors.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-            from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-    except ImportError as exc:
-        pytest.skip(f"SGLang's host pool does not import here ({exc}); make engines installs what it needs",
-                    allow_module_level=True)
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-    return MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost
-
-
-MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost = _import_host_pools()
-from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
-    KVBufferLayout,
-    KVBuffers,
-    MambaStateBufferInfo,
-    MHABufferInfo,
-    MLABufferInfo,
-)
-
-
-def host_pool(pages: int, layout: str = "page_first") -> Any:
-    """SGLang's MHA host pool of ``pages`` pages on the CPU, over a CPU stand-in for the device KV
-    buffers it is built from (per-layer ``[tokens, heads, dim]``; the pool only reads their geometry
-    until a GPU transfer, which these tests do not make)."""
-    tokens = pages * PAGE
-    k = tuple(torch.zeros(tokens, HEADS, DIM, dtype=DTYPE) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens, HEADS, DIM, dtype=DTYPE) for _ in range(LAYERS))
-
-    def ptrs(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=HEADS, head_dim=DIM, v_head_dim=DIM, dtype=DTYPE,
-                         device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS)
-    pool.test_device_buffers = (k, v)  # kept alive with the pool
-    assert pool.size >= tokens
-    return pool
-
-
-def page(pool: Any, index: int) -> torch.Tensor:
-    """Page ``index``'s bytes as SGLang reads them (its flat data page, a copy)."""
-    return pool.get_data_page(index * PAGE, flat=True).clone()
-
-
-def fill(pool: Any, index: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    pool.set_from_flat_data_page(index * PAGE, torch.randn(2 * LAYERS * PAGE * HEADS * DIM, generator=g).to(DTYPE))
-
-
-def storage_config(disk_dir: Path, interface_v1: bool, model: str = "test/model",
-                   tp_rank: int = 0, page_first: bool = True, mla: bool = False) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
-        enable_storage_metrics=False, is_page_first_layout=page_first, model_name=model,
-        extra_config={"backend_name": "aiokv", "module_path": "aiokv.adapters.sglang",
-                      "class_name": "AiokvHiCacheStorage", "interface_v1": int(interface_v1),
-                      "disk_dir": str(disk_dir), "disk_bytes": 64 << 20, "queue_depth": 4},
-    )
-
-
-@pytest.fixture
-def backends() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for backend in made:
-        backend.close()
-
-
-def attach(made: list[Any], disk_dir: Path, pool: Any, interface_v1: bool, **kw: Any) -> AiokvHiCacheStorage:
-    """What SGLang's attach_storage_backend does: factory, then register the host pool."""
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config(disk_dir, interface_v1, **kw), pool)
-    made.append(backend)
-    assert isinstance(backend, AiokvHiCacheStorage)
-    assert isinstance(backend, HiCacheStorage)
-    backend.register_mem_pool_host(pool)
-    return backend
-
-
-def indices(pages: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -533,28 +396,6 @@ def test_plain_pages_move_in_place_and_split_pages_through_staging(
         == {"mamba": [True]}
     assert torch.equal(state(mamba, 2), state(mamba, 1))
     assert counters(v1) == (0, 2) and counters(v1, "mamba") == (0, 2)
-
-
-def mla_pool(pages: int) -> Any:
-    """SGLang's MLA host pool on the CPU (``page_first``: one buffer of 32 KiB per page), over CPU
-    stand-ins for the device's per-layer latent buffers ``[tokens, 1, 512]`` (geometry only)."""
-    lora, rope = 448, 64
-    layers = tuple(torch.zeros(pages * PAGE, 1, lora + rope, dtype=DTYPE) for _ in range(LAYERS))
-    info = MLABufferInfo(buffers=layers, data_ptrs=torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64),
-                         layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
-                         kv_lora_rank=lora, qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=DTYPE,
-                         device=torch.device("cpu"))
-    pool = MLATokenToKVPoolHost(info, 1.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=pages * PAGE, start_layer=0, end_layer=LAYERS,
-                                target_layer_num=LAYERS)
-    pool.test_device_buffers = layers
-    return pool
-
-
-def mla_fill(pool: Any, index: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    size = pool.get_dummy_flat_data_page().numel()
-    pool.set_from_flat_data_page(index * PAGE, torch.randn(size, generator=g).to(DTYPE))
 
 
 def test_mla_pages_move_in_place_between_the_host_pool_and_files(tmp_path: Path, backends: list[Any]) -> None:

@@ -1,0 +1,234 @@
+"""SGLang MLA with TP > 1: one directory for every rank, SGLang's storage writer writes, all ranks read.
+
+MLA pages are the same on every TP rank; SGLang's cache controller lets only the storage writer
+(``HiCacheStorageConfig.is_storage_writer``: rank 0) back pages up and has every rank prefetch
+(then takes the minimum of the ranks' hits). Each rank here is a backend made by SGLang's real
+factory over SGLang's real MLA host pool, several in one process standing for the ranks' processes
+(the directory lock is an ``flock``, which conflicts between open files of one process as between
+processes).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
+                    reason="SGLang is not installed (make test installs requirements-engines.txt)")
+
+import torch
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang_helpers import host_pool, indices, mla_fill, mla_pool, page, storage_config
+
+from aiokv.adapters.sglang import AiokvHiCacheStorage
+from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig
+from aiokv.storage.config import ReadOnly
+
+MLA_FILE = 4096 + 32768  # header + one MLA page of the test pool
+
+
+def rank(made: list[Any], disk_dir: Path, tp_rank: int, tp_size: int = 2, pool: Any = None,
+         mla: bool = True, **options: object) -> AiokvHiCacheStorage:
+    """One rank's backend as SGLang attaches it (factory, host pool, pools registered: files open)."""
+    pool = pool if pool is not None else (mla_pool(8) if mla else host_pool(8))
+    config = storage_config(disk_dir, True, mla=mla, tp_rank=tp_rank, tp_size=tp_size,
+                            options={"reader_refresh_s": 0, **options})
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    made.append(backend)
+    assert isinstance(backend, AiokvHiCacheStorage)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    backend.test_pool = pool
+    return backend
+
+
+def kv_store(backend: AiokvHiCacheStorage) -> PageFileStore:
+    store = backend._pools["kv"].store
+    assert store is not None
+    return store
+
+
+def pages_of(backend: AiokvHiCacheStorage, count: int, seed: int) -> list[torch.Tensor]:
+    """Fill the first ``count`` host pages of ``backend``'s pool; their bytes."""
+    for p in range(count):
+        mla_fill(backend.test_pool, p, seed=seed + p)
+    return [page(backend.test_pool, p) for p in range(count)]
+
+
+def layout_dirs(root: Path) -> list[Path]:
+    return sorted(lock.parent for lock in root.rglob(".lock"))
+
+
+def test_one_directory_the_writer_rank_writes_every_rank_reads(tmp_path: Path, backends: list[Any]) -> None:
+    """Ranks 1-3 start before rank 0 (SGLang starts them in any order): rank 0, the storage writer,
+    still gets the directory; what it writes every other rank finds and reads bit-exact into its
+    own host pool; a non-writer's write is refused; one directory, the same keys on every rank."""
+    readers = [rank(backends, tmp_path, r, tp_size=4) for r in (3, 1, 2)]
+    writer = rank(backends, tmp_path, 0, tp_size=4)
+    assert [kv_store(b).sharing for b in (writer, *readers)] == [Sharing.WRITER] + [Sharing.READER] * 3
+    assert writer.statistics()["read_only"] is None
+    assert all(r.statistics()["read_only"] is ReadOnly.LOCKED for r in readers)
+    assert len(layout_dirs(tmp_path)) == 1
+    assert len({kv_store(b).key(b"k") for b in (writer, *readers)}) == 1  # no rank in MLA keys
+
+    keys = [f"m{i}" for i in range(4)]
+    expected = pages_of(writer, 4, seed=80)
+    assert writer.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+    for reader in readers:
+        assert reader.batch_exists(keys) == 4  # published after the reader started: found by a rescan
+        assert reader.batch_get_v1(keys, indices([4, 5, 6, 7])) == [True] * 4
+        assert all(torch.equal(page(reader.test_pool, 4 + p), expected[p]) for p in range(4))
+        assert kv_store(reader).refreshes == 1
+    # SGLang never asks a non-writer to back up (backup_skip); if something does, it is refused.
+    pages_of(readers[0], 1, seed=90)
+    assert readers[0].batch_set_v1(["from-rank-3"], indices([0])) == [False]
+    assert readers[0].statistics()["writes_refused"] == 1
+    assert writer.batch_exists(["from-rank-3"]) == 0
+    assert writer.statistics()["pages"] == 4
+
+
+def test_non_mla_ranks_and_dp_groups_keep_directories_of_their_own(tmp_path: Path, backends: list[Any]) -> None:
+    """Non-MLA pages hold the rank's heads: each rank writes its own directory. With DP attention
+    SGLang's tp_rank counts within the DP group: each group has its own directory (and writer)."""
+    mha = [rank(backends, tmp_path / "mha", r, mla=False) for r in (0, 1)]
+    assert [kv_store(b).sharing for b in mha] == [Sharing.ALONE] * 2
+    assert kv_store(mha[0]).key(b"k") != kv_store(mha[1]).key(b"k")
+    assert all(b.statistics()["read_only"] is None for b in mha)
+    assert len(layout_dirs(tmp_path / "mha")) == 2
+
+    groups = []
+    for dp in (0, 1):
+        pool = mla_pool(8)
+        config = storage_config(tmp_path / "dp", True, mla=True, tp_rank=0, dp_rank=dp)
+        backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        backends.append(backend)
+        backend.register_mem_pool_host(pool)
+        backend.on_host_pools_registered()
+        groups.append(backend)
+    assert all(kv_store(b).sharing is Sharing.WRITER and b.statistics()["read_only"] is None for b in groups)
+    assert len(layout_dirs(tmp_path / "dp")) == 2
+
+
+def test_a_reader_never_takes_the_lock_even_with_no_writer_running(tmp_path: Path, backends: list[Any]) -> None:
+    """A reader starts, rescans and clears while no writer runs: it never holds the directory, so
+    the writer that starts next (or again) writes there."""
+    reader = rank(backends, tmp_path, 1)
+    assert reader.statistics()["read_only"] is ReadOnly.LOCKED  # its own start-up guard excluded its tier
+    writer = rank(backends, tmp_path, 0)
+    assert writer.statistics()["read_only"] is None
+    expected = pages_of(writer, 1, seed=5)
+    assert writer.batch_set_v1(["a"], indices([0])) == [True]
+    writer.close()
+    assert reader.batch_exists(["a"]) == 1  # a rescan with no writer running
+    assert reader.clear() is True  # a reader forgets (rescans); the writer deletes
+    assert kv_store(reader).refreshes == 2
+    assert reader.statistics()["read_only"] is ReadOnly.LOCKED
+    again = rank(backends, tmp_path, 0)
+    assert again.statistics()["read_only"] is None
+    assert reader.batch_get_v1(["a"], indices([3])) == [True]
+    assert torch.equal(page(reader.test_pool, 3), expected[0])
+
+
+def _hold_shared(lock: Path) -> int:
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    return fd
+
+
+def test_the_writer_waits_while_a_reader_starts(tmp_path: Path, backends: list[Any],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A reader holds the lock shared while its tier starts; a writer starting meanwhile waits for
+    it (a real shared flock here, released after 0.3 s) and then writes. A lock never released
+    within writer_wait_s: the writer serves read-only, says so, and its writes are refused."""
+    rank(backends, tmp_path, 1)  # makes the directory and its lock file
+    (layout,) = layout_dirs(tmp_path)
+    guard = _hold_shared(layout / ".lock")
+    threading.Timer(0.3, os.close, (guard,)).start()
+    start = time.monotonic()
+    writer = rank(backends, tmp_path, 0, writer_wait_s=30)
+    assert time.monotonic() - start >= 0.25
+    assert writer.statistics()["read_only"] is None
+    writer.close()
+
+    guard = _hold_shared(layout / ".lock")
+    try:
+        with caplog.at_level(logging.WARNING, logger="aiokv.adapters.store"):
+            stuck = rank(backends, tmp_path, 0, writer_wait_s=0.3)
+        assert stuck.statistics()["read_only"] is ReadOnly.LOCKED
+        assert "serves it read-only" in caplog.text
+        pages_of(stuck, 1, seed=1)
+        assert stuck.batch_set_v1(["x"], indices([0])) == [False]
+    finally:
+        os.close(guard)
+
+
+def test_reader_rescans_are_bounded_by_reader_refresh_s(tmp_path: Path, backends: list[Any]) -> None:
+    """A reader whose last rescan is recent answers from its index (a page published since misses),
+    then rescans once reader_refresh_s has passed; a miss with no file behind it never rescans."""
+    slow = rank(backends, tmp_path, 1, tp_size=4, reader_refresh_s=0.5)
+    fast = rank(backends, tmp_path, 2, tp_size=4)
+    writer = rank(backends, tmp_path, 0, tp_size=4)
+    assert fast.batch_exists(["nothing"]) == 0 and kv_store(fast).refreshes == 0  # no file: no rescan
+    pages_of(writer, 1, seed=3)
+    assert writer.batch_set_v1(["p"], indices([0])) == [True]
+    assert fast.batch_exists(["p"]) == 1
+    start = time.monotonic()
+    found = slow.batch_exists(["p"])
+    if time.monotonic() - start < 0.4:  # asked within 0.5 s of its start: not rescanned yet
+        assert found == 0 and kv_store(slow).refreshes == 0
+    deadline = time.monotonic() + 10
+    while slow.batch_exists(["p"]) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert kv_store(slow).refreshes == 1
+
+
+def test_pages_the_writer_evicted_or_that_rotted_miss_on_readers(tmp_path: Path, backends: list[Any]) -> None:
+    """A reader's index may still list a page the writer evicted since: the read misses (the file
+    is gone), never wrong bytes. A corrupt file misses on the reader, which leaves it to the writer
+    (a reader never deletes), and the writer's own read then removes it."""
+    room = {"disk_bytes": 3 * MLA_FILE}
+    reader = rank(backends, tmp_path, 1, **room)
+    writer = rank(backends, tmp_path, 0, **room)
+    expected = pages_of(writer, 4, seed=20)
+    assert writer.batch_set_v1(["a", "b", "c"], indices([0, 1, 2])) == [True] * 3
+    assert reader.batch_exists(["a", "b", "c"]) == 3
+    assert writer.batch_set_v1(["d"], indices([3])) == [True]  # evicts the least recently used
+    (evicted,) = [k for k in "abc" if writer.batch_exists([k]) == 0]
+    kept = [k for k in "abc" if k != evicted]
+    assert reader.batch_exists([evicted]) == 1  # its index still lists it
+    before = page(reader.test_pool, 7)
+    assert reader.batch_get_v1([evicted], indices([7])) == [False]
+    assert torch.equal(page(reader.test_pool, 7), before)  # nothing was read: the file was gone
+    assert reader.batch_exists([evicted]) == 0
+
+    (victim,) = [p for p in tmp_path.rglob(kv_store(writer).key(kept[0].encode()).hex())]
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 7] ^= 0x04
+    victim.write_bytes(bytes(raw))
+    assert reader.batch_get_v1([kept[0]], indices([6])) == [False]
+    assert reader.statistics()["corrupt"] == 1 and victim.exists()
+    assert writer.batch_get_v1([kept[0]], indices([6])) == [False]
+    assert not victim.exists()
+    assert reader.batch_exists([kept[1], "d"]) == 2  # "d" came after its last rescan: found by another
+    assert reader.batch_get_v1([kept[1], "d"], indices([4, 5])) == [True, True]
+    assert torch.equal(page(reader.test_pool, 4), expected["abc".index(kept[1])])
+    assert torch.equal(page(reader.test_pool, 5), expected[3])
+
+
+@pytest.mark.parametrize(("name", "value", "error"), [
+    ("writer_wait_s", -1, ValueError), ("reader_refresh_s", float("nan"), ValueError),
+    ("writer_wait_s", float("inf"), ValueError), ("reader_refresh_s", "1", TypeError),
+    ("writer_wait_s", True, TypeError),
+])
+def test_sharing_options_are_checked(tmp_path: Path, name: str, value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=name):
+        StoreConfig.from_options({"disk_dir": str(tmp_path), name: value})
+    assert not list(tmp_path.iterdir())  # refused before anything was made
