@@ -391,16 +391,7 @@ class PageFileStore:
         """Mark the page files of ``keys`` most recently used (keys without one are skipped); how
         many were. Loop only; no I/O (recency is not kept across restarts: the index rebuilds in
         file-time order)."""
-        disk = self._started()[1]
-        # DiskTier has no public LRU refresh yet (its reads and writes refresh it); its index's own
-        # touch only reorders the LRU, and only for indexed keys.
-        index = disk._index
-        touched = 0
-        for key in keys:
-            if key in index:
-                index.touch(key)
-                touched += 1
-        return touched
+        return self._started()[1].touch(keys)
 
     def present_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading ``keys`` have page files. Loop only."""
