@@ -5,19 +5,41 @@ load's pool copies, of its disk reads — so concurrency inside a call counts as
 engine's prefill rate is given in the config, reported by the engine, or learned from the claims
 of a :class:`aiokv.stream.LoadStream`. :meth:`CostModel.estimate` turns them into what a match
 would cost to load, to recompute, and where a compute-or-load split would meet.
+
+The rates outlive the process in the disk tier's layout directory (:data:`RATES_FILE`), so the
+first hit after a restart plans its split as a warmed cache would. The file is a hint, never
+trusted blindly: :func:`read_rates_file` refuses anything that is not a small regular file of
+ours (a planted symlink, FIFO or directory; another owner's file; one others may write), and
+:func:`decode_rates` one of another format, version, layout or device kind, or with a value that is
+no finite number; rates outside :data:`RATE_BOUNDS` are clamped. :func:`write_rates_file` replaces
+it atomically (a fresh owner-only temporary file, then ``rename``), never through a symlink.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import math
+import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class RateMeter:
-    """An exponentially weighted moving average of a rate (amount per second)."""
+    """An exponentially weighted moving average of a rate (amount per second).
+
+    ``samples`` counts the observations folded in (a restored meter keeps its count); ``listener``
+    is called after each fold (the cache schedules saving the rates).
+    """
 
     def __init__(self, weight: float = 0.3, initial: float | None = None) -> None:
         self._weight = weight
         self._rate = initial
+        self.samples = 0
+        """Observations folded in so far (restored ones included)."""
+        self.listener: Callable[[], None] | None = None
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
@@ -25,6 +47,14 @@ class RateMeter:
             return
         rate = amount / seconds
         self._rate = rate if self._rate is None else (1 - self._weight) * self._rate + self._weight * rate
+        self.samples += 1
+        if self.listener is not None:
+            self.listener()
+
+    def restore(self, rate: float, samples: int) -> None:
+        """Take a saved state (already checked and clamped): the moving average goes on from it."""
+        self._rate = rate
+        self.samples = samples
 
     @property
     def rate(self) -> float | None:
@@ -80,6 +110,10 @@ class CostModel:
         self.prefill = RateMeter(initial=prefill_tokens_per_s)
         """Tokens per second the engine prefills."""
 
+    def meters(self) -> dict[str, RateMeter]:
+        """The meters by the names they are saved under (the keys of :data:`RATE_BOUNDS`)."""
+        return {"pool": self.pool, "disk": self.disk, "prefill": self.prefill}
+
     def estimate(self, pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: int) -> LoadEstimate:
         """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages."""
         pool_rate, disk_rate, prefill = self.pool.rate, self.disk.rate, self.prefill.rate
@@ -107,3 +141,182 @@ class CostModel:
             k = best_k
             split = k * page_tokens
         return LoadEstimate(copy, read, recompute, split)
+
+
+# -- the rates across restarts --------------------------------------------------------------------
+
+RATES_FILE = ".rates"
+"""In the disk tier's layout directory (a dot name: no page file, and tools listing pages skip it)."""
+RATES_TEMP = ".rates.tmp"
+"""Written, then renamed over :data:`RATES_FILE`; only the directory's lock holder writes."""
+RATES_FORMAT = "aiokv-rates"
+RATES_VERSION = 1
+RATES_MAX_BYTES = 4096
+"""A rates file is a few hundred bytes; anything larger is not ours and is not read."""
+RATE_BOUNDS: dict[str, tuple[float, float]] = {
+    "pool": (1e6, 1e13),  # bytes/s: 1 MB/s (a loaded CPU copy) to 10 TB/s (beyond any link)
+    "disk": (1e5, 1e12),  # bytes/s: 100 kB/s (a throttled device) to 1 TB/s
+    "prefill": (1.0, 1e9),  # tokens/s
+}
+"""Sane range of each saved rate: a value outside is clamped (and counted) when read back."""
+MAX_SAMPLES = 1_000_000
+
+
+class RatesFileError(ValueError):
+    """A rates file that must not be used; ``reason`` is one of ``planted`` (not a regular file),
+    ``unsafe`` (another owner's, or writable by others), ``oversize``, ``corrupt`` (not the format,
+    a truncated file included), ``version``, ``foreign-layout``, ``foreign-device``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SavedRates:
+    """What :func:`decode_rates` accepted: ``(rate, samples)`` by meter name, clamped."""
+
+    rates: dict[str, tuple[float, int]]
+    clamped: tuple[str, ...]
+    """Names of the rates that lay outside :data:`RATE_BOUNDS`."""
+
+
+def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
+    """The rates file's bytes: the known meters' rates and sample counts, with the layout
+    fingerprint (hex) and the device kind they were measured on."""
+    rates = {name: {"rate": meter.rate, "samples": meter.samples}
+             for name, meter in costs.meters().items() if meter.rate is not None}
+    doc = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout, "device": device, "rates": rates}
+    data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+    if len(data) > RATES_MAX_BYTES:
+        raise ValueError(f"rates file of {len(data)} bytes exceeds {RATES_MAX_BYTES}")
+    return data
+
+
+def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
+    """Parse and check a rates file written by :func:`encode_rates` for ``layout`` on ``device``.
+
+    Raises :class:`RatesFileError` for anything else. Rates outside :data:`RATE_BOUNDS` are
+    clamped, sample counts to ``[1, MAX_SAMPLES]``.
+    """
+    if len(data) > RATES_MAX_BYTES:
+        raise RatesFileError("oversize", f"{len(data)} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RatesFileError("corrupt", f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != RATES_FORMAT:
+        raise RatesFileError("corrupt", "not an aiokv rates file")
+    if doc.get("version") != RATES_VERSION:
+        raise RatesFileError("version", f"version {doc.get('version')!r}, this aiokv reads {RATES_VERSION}")
+    if doc.get("layout") != layout:
+        raise RatesFileError("foreign-layout", f"written for layout {doc.get('layout')!r}")
+    if doc.get("device") != device:
+        raise RatesFileError("foreign-device", f"measured on {doc.get('device')!r}, this cache runs on {device!r}")
+    entries = doc.get("rates")
+    if not isinstance(entries, dict) or not set(entries) <= set(RATE_BOUNDS):
+        raise RatesFileError("corrupt", "bad rates table")
+    rates: dict[str, tuple[float, int]] = {}
+    clamped: list[str] = []
+    for name, entry in entries.items():
+        rate = entry.get("rate") if isinstance(entry, dict) else None
+        samples = entry.get("samples") if isinstance(entry, dict) else None
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate):
+            raise RatesFileError("corrupt", f"{name}: rate {rate!r} is no finite number")
+        if isinstance(samples, bool) or not isinstance(samples, int):
+            raise RatesFileError("corrupt", f"{name}: samples {samples!r} is no int")
+        low, high = RATE_BOUNDS[name]
+        if not low <= rate <= high:
+            clamped.append(name)
+        rates[name] = (min(max(float(rate), low), high), min(max(samples, 1), MAX_SAMPLES))
+    return SavedRates(rates, tuple(clamped))
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a rate")
+
+
+def _open_dir(directory: Path) -> int:
+    """The layout directory, never through a symlink at its own name, and ours."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        raise RatesFileError("unsafe", f"{directory} is not this user's directory")
+    return fd
+
+
+def read_rates_file(directory: Path) -> bytes | None:
+    """The rates file's bytes in ``directory``; None when there is none. Blocking: run in a thread.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK`` (a planted symlink fails, a FIFO never blocks), then
+    required to be a regular file of ours that others cannot write, of at most
+    :data:`RATES_MAX_BYTES`. Raises :class:`RatesFileError` for what is not ours, ``OSError``
+    when the directory or the file cannot be read.
+    """
+    dir_fd = _open_dir(directory)
+    try:
+        try:
+            fd = os.open(RATES_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise RatesFileError("planted", f"{directory / RATES_FILE}: {exc.strerror}") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RatesFileError("planted", f"{directory / RATES_FILE} is not a regular file")
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise RatesFileError("unsafe", f"{directory / RATES_FILE} is another user's or others may write it")
+            if st.st_size > RATES_MAX_BYTES:
+                raise RatesFileError("oversize", f"{directory / RATES_FILE} holds {st.st_size} bytes")
+            chunks: list[bytes] = []
+            size = 0
+            while size <= RATES_MAX_BYTES and (chunk := os.read(fd, RATES_MAX_BYTES + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+            if size > RATES_MAX_BYTES:  # it grew since the fstat
+                raise RatesFileError("oversize", f"{directory / RATES_FILE} holds more than {RATES_MAX_BYTES} bytes")
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_rates_file(directory: Path, data: bytes) -> None:
+    """Replace the rates file in ``directory`` with ``data`` atomically. Blocking: run in a thread.
+
+    A fresh owner-only temporary file (``O_CREAT | O_EXCL | O_NOFOLLOW``: whatever is planted under
+    its name is removed, never followed), then ``rename`` over :data:`RATES_FILE` (which replaces a
+    symlink there, never writes through it). Not fsynced: after a crash the file may be stale or
+    torn, and a torn one is refused when read. Raises ``OSError``; leaves no temporary file.
+    """
+    if len(data) > RATES_MAX_BYTES:
+        raise ValueError(f"rates file of {len(data)} bytes exceeds {RATES_MAX_BYTES}")
+    dir_fd = _open_dir(directory)
+    try:
+        try:
+            os.unlink(RATES_TEMP, dir_fd=dir_fd)  # a leftover of a crash (or a planted name)
+        except FileNotFoundError:
+            pass
+        fd = os.open(RATES_TEMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+        try:
+            try:
+                os.fchmod(fd, 0o600)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(RATES_TEMP, RATES_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(RATES_TEMP, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)

@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from aiokv.config import Admission, CacheConfig
-from aiokv.costs import CostModel, LoadEstimate, RateMeter
+from aiokv.costs import (
+    CostModel,
+    LoadEstimate,
+    RateMeter,
+    RatesFileError,
+    decode_rates,
+    encode_rates,
+    read_rates_file,
+    write_rates_file,
+)
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
 from aiokv.layout import KVLayout
@@ -37,6 +46,10 @@ from aiokv.transfers import Copy, Transfers
 
 log = logging.getLogger("aiokv.cache")
 
+RATES_SAVE_INTERVAL_S = 30.0
+"""The learned rates are saved at most this often while they change (and at close).
+TODO(lead): a ``CacheConfig`` field."""
+
 
 class CacheManager:
     """Keys, tiers and page lifetimes for one layout; bytes move through a :class:`Transfers`.
@@ -44,13 +57,17 @@ class CacheManager:
     ``part`` is mixed into every key (a tensor-parallel rank's head slice when its pages hold only
     its rows, see :func:`aiokv.keys.tp_part`); ``writer`` False makes offloads store nothing (a
     replica that must not write pages). ``register_cuda`` registers the pool with CUDA in this
-    process (the in-process worker copies on a GPU).
+    process (the in-process worker copies on a GPU). ``device``: the kind of device the bytes move
+    to (``"cuda"``, ``"cpu"``, ...; default from ``register_cuda``): rates saved by a cache on
+    another kind are not used.
     """
 
     def __init__(
         self, config: CacheConfig, layout: KVLayout, *, part: bytes = b"", writer: bool = True,
-        register_cuda: bool = False,
+        register_cuda: bool = False, device: str | None = None,
     ) -> None:
+        if device is not None and not isinstance(device, str):
+            raise TypeError(f"device must be a str or None, got {type(device).__name__}")
         if config.cpu_bytes < layout.page_bytes:
             raise ValueError(f"cpu_bytes {config.cpu_bytes} is smaller than one page ({layout.page_bytes} bytes)")
         self.config = config
@@ -68,6 +85,14 @@ class CacheManager:
         self._closed = False
         self.faults = FaultLog(log)
         self.costs = CostModel(config.prefill_tokens_per_s)
+        self.device_kind = device or ("cuda" if register_cuda else "cpu")
+        """What the saved rates are keyed by, with the layout's fingerprint."""
+        for meter in self.costs.meters().values():
+            meter.listener = self._rates_changed
+        self._rates_dirty = False  # a rate changed since the last save
+        self._rates_saved_at: float | None = None  # time.monotonic() of the last save started
+        self._rates_lock = asyncio.Lock()  # one write of the file at a time
+        self._rates_task: asyncio.Task[None] | None = None  # the last save started in the background
         self._lookups = 0
         self._hit_tokens: Counter[Tier] = Counter()
         self._loaded_tokens: Counter[Tier] = Counter()
@@ -111,6 +136,8 @@ class CacheManager:
             except OSError as exc:
                 self.faults.record("disk_unavailable", f"disk tier at {cfg.disk.directory} is off: {exc}")
                 await disk.aclose()
+            else:
+                await self._restore_rates(disk)
         return self._pool
 
     def attach(self, transfers: Transfers) -> None:
@@ -133,6 +160,7 @@ class CacheManager:
         except TimeoutError:
             self.faults.record("close_timeout", f"{len(self._background)} background jobs still running at close")
         if self._disk is not None:
+            await asyncio.shield(self._save_rates())  # a cancelled close still leaves them saved
             await self._disk.aclose()
 
     async def close_pool(self) -> None:
@@ -149,6 +177,11 @@ class CacheManager:
             await asyncio.wait(set(self._background))
         if self._disk is not None:
             await self._disk.flush()
+            if self._rates_due():
+                self._start_rates_save()
+            saving = self._rates_task
+            if saving is not None and not saving.done():
+                await asyncio.wait({saving})  # also one a rate folded during this flush started
 
     @property
     def pool(self) -> PagePool:
@@ -172,6 +205,71 @@ class CacheManager:
     def check_running(self) -> None:
         """Raise ``RuntimeError`` unless started and not closed."""
         self._running()
+
+    # -- the learned rates across restarts -------------------------------------------------------
+
+    async def _restore_rates(self, disk: DiskTier) -> None:
+        """Take the rates a previous cache saved in ``disk``'s layout directory, when they are
+        ours (this layout, this device kind) and sound; anything else is ignored and counted."""
+        where = disk.files.layout_dir
+        try:
+            data = await asyncio.to_thread(read_rates_file, where)
+            if data is None:
+                return  # a first start
+            saved = decode_rates(data, self.layout.fingerprint.hex(), self.device_kind)
+        except (RatesFileError, OSError) as exc:
+            self.faults.record("rates_ignored", f"saved rates in {where} not used ({exc})")
+            return
+        meters = self.costs.meters()
+        for name, (rate, samples) in saved.rates.items():
+            if name == "prefill" and self.config.prefill_tokens_per_s is not None:
+                continue  # the engine's own figure wins over a learned one
+            meters[name].restore(rate, samples)
+        if saved.clamped:
+            self.faults.record("rates_clamped", f"saved rates out of bounds, clamped: {', '.join(saved.clamped)}",
+                               len(saved.clamped))
+
+    def _rates_due(self) -> bool:
+        saved = self._rates_saved_at
+        return self._rates_dirty and (saved is None or time.monotonic() - saved >= RATES_SAVE_INTERVAL_S)
+
+    def _rates_changed(self) -> None:
+        """A meter folded an observation: save the rates in the background when one is due."""
+        self._rates_dirty = True
+        if self._disk is None or self._closed or not self._rates_due():
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # folded off the loop: the next flush or the close saves them
+        self._start_rates_save()
+
+    def _start_rates_save(self) -> None:
+        self._rates_saved_at = time.monotonic()  # one save started per interval
+        task = self._rates_task = asyncio.ensure_future(self._save_rates())
+
+        def settled() -> None:
+            error = None if task.cancelled() else task.exception()
+            if error is not None:
+                self.faults.record("rates_not_saved", f"saving the rates failed: {error!r}")
+
+        self.track(task, settled)  # flush/aclose wait for it
+
+    async def _save_rates(self) -> None:
+        """Write the rates file off the loop when they changed since the last save; only the
+        directory's lock holder writes. A failed write is counted."""
+        async with self._rates_lock:
+            disk = self._disk
+            if disk is None or disk.read_only is not None or not self._rates_dirty:
+                return
+            data = encode_rates(self.costs, self.layout.fingerprint.hex(), self.device_kind)
+            self._rates_dirty = False
+            self._rates_saved_at = time.monotonic()
+            try:
+                await asyncio.to_thread(write_rates_file, disk.files.layout_dir, data)
+            except OSError as exc:
+                self._rates_dirty = True
+                self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")
 
     # -- keys -----------------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ never worse than recomputing; on any tier it approaches the harmonic combination
 On CUDA each launched copy orders the engine's current stream after it (no host sync): claim a
 chunk before launching its kernels, and do not claim far ahead of what the GPU has computed.
 
+``stream.planned`` is where the fronts should meet by the cost model's rates (``CostModel.estimate``
+at the start; None while a rate is unknown). The rates survive restarts (saved in the disk tier's
+directory), so the first hit after one has its plan too. An engine that claims small steps while
+it cannot tell the paces apart may claim up to ``planned`` in whole chunks at once (a chunk
+prefills faster than pages one by one), then go on a page at a time until the fronts meet.
+
 Disk pages are read from the back a few at a time (:data:`READAHEAD_BYTES`), so they land one by
 one rather than in a burst (concurrent reads share the device: sixteen 32 MiB reads in flight landed
 together after ~300 ms on the H200, as long as the whole 8K prefill). A read the engine will claim
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aiokv.costs import LoadEstimate
 from aiokv.pagetable import PageHandle
 from aiokv.results import Match, Tier
 from aiokv.transfers import Copy
@@ -96,6 +103,12 @@ class LoadStream:
         manager._release_handles(handles[:first])
         self._pool = {page: handles[page] for page in range(first, match.pool_pages)}
         self._disk_pages = range(max(first, match.pool_pages), match.pages)
+        self.estimate: LoadEstimate = manager.costs.estimate(len(self._pool), len(self._disk_pages), t,
+                                                             manager.layout.page_bytes)
+        """The cost model's view of this load (pages ``[from_token // page_tokens, match.pages)``) at its start."""
+        split = self.estimate.split_token
+        self.planned: int | None = None if split is None else max(from_token, first * t + split)
+        """Where the fronts are expected to meet (a token; None while a rate is unknown)."""
         self._slots = slots
         self._claimed = from_token
         self._front = match.tokens  # start of the lowest page launched so far
