@@ -28,10 +28,15 @@ from aiokv.kernels.mover import PageMover
 from aiokv.keys import Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.manager import CacheManager
+from aiokv.pool import run_in_new_thread
 from aiokv.results import LoadResult, Match, OffloadResult
 from aiokv.slots import SlotValidator
 from aiokv.stream import LoadStream
 from aiokv.transfers import LocalTransfers
+
+
+def _nothing(_: object) -> None:
+    """A closed bridge leaves nothing to dispose of."""
 
 
 class KVCache(CacheFacade):
@@ -91,7 +96,9 @@ class KVCache(CacheFacade):
         Idempotent.
         """
         await self._manager.aclose()
-        await asyncio.to_thread(self._bridge.close)
+        # Joins the bridge's threads: off the loop, on a thread the loop does not wait to start
+        # (to_thread's first call would start the default executor's thread here).
+        await run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
         await self._manager.close_pool()
 
     # -- the engine's calls ---------------------------------------------------------------------
