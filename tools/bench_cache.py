@@ -3,8 +3,15 @@
 GPU (H200), ``--mode gpu``: an 8B-class layout (32 layers, 8 KV heads, head_dim 128, bf16,
 256-token pages = 32 MiB), KV buffer on the GPU, random slots. ``offload`` and ``match``+``load``
 through ``KVCache`` against a plain pinned ``copy_`` of the same bytes (D2H and H2D), with the event
-loop's lag (a 1 ms periodic callback) while streaming, and the CUDA-event bridge's latency: time from
-the GPU finishing (seen by a thread spinning on ``event.query()``) to the awaiting future resolving.
+loop's lag (a 1 ms periodic callback). Then the streaming API (``start_load``, layer by layer with
+``--layered``): an engine claims ``--claim-tokens`` at a time, each "computed" in ``--compute-ms``
+(GPU sleep on its stream, the host free), until the fronts meet, then waits on every layer and
+finishes. While it streams: the loop's lag (target p99 <= 1.2 ms), the CUDA-event bridge's latency
+(target p99 <= 200 us: time from the GPU finishing, seen by a thread spinning on a spin event
+recorded beside it, to the awaiting future resolving; for events with the default flags and for
+blocking-sync ones), and the CPU time the cache's waiter threads burn per second (a spinning waiter
+burns ~1 s/s). ``--device cpu`` runs the same code with a CPU KV buffer and a small layout (no
+bridge: a smoke run for machines without a GPU).
 
 Development machine, ``--mode disk``: pages written to the disk tier, then loaded through the API
 (match + load into a CPU KV buffer) against the raw disk tier reading the same pages into the pool
@@ -18,6 +25,7 @@ the same measurement on git revision REV's package too, each in a fresh process,
 ``--rounds`` times, and prints the ratio.
 
     python tools/bench_cache.py --mode gpu --json out.json
+    python tools/bench_cache.py --mode gpu --device cpu --pages 8 --prompts 2
     python tools/bench_cache.py --mode disk --dir /var/tmp/aiokv-bench
     python tools/bench_cache.py --mode loop --pages 256 --against HEAD~3 --rounds 4
 """
@@ -90,81 +98,154 @@ def pct(values: list[float], q: float) -> float:
 # -- GPU ------------------------------------------------------------------------------------------
 
 
-async def bridge_latency(samples: int) -> dict[str, float]:
-    """GPU completion -> future resolution, in microseconds."""
+def _event(blocking: bool) -> torch.cuda.Event:
+    return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
+
+
+async def _bridge_sample(bridge: CompletionBridge, stream: torch.cuda.Stream, blocking: bool) -> float:
+    """One GPU completion -> future resolution, in microseconds (``blocking``: a blocking-sync event)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]  # ~0.1 ms of GPU time
+        event = _event(blocking)
+        event.record(stream)
+        spin = _event(False)  # completes with ``event``; the watcher busy-waits on it (GIL released)
+        spin.record(stream)
+    seen: list[float] = []
+
+    def watch() -> None:
+        spin.synchronize()
+        seen.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    await bridge.wait(event, Lane.LOAD)
+    resolved = time.perf_counter()
+    await asyncio.to_thread(watcher.join)
+    return max(0.0, resolved - seen[0]) * 1e6
+
+
+def _latency_summary(latencies: list[float]) -> dict[str, float]:
+    if not latencies:
+        return {"samples": 0}
+    return {"samples": len(latencies), "p50_us": pct(latencies, 0.5), "p99_us": pct(latencies, 0.99),
+            "max_us": max(latencies)}
+
+
+async def bridge_latency(samples: int, stop: asyncio.Event | None = None) -> dict[str, dict[str, float]]:
+    """GPU completion -> future resolution on a bridge of its own, spin and blocking-sync events
+    alternated: ``samples`` of them, or (``stop``) until ``stop`` is set."""
     bridge = CompletionBridge()
-    stream = torch.cuda.Stream()
-    latencies: list[float] = []
+    bridge.prestart(True)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    latencies: dict[bool, list[float]] = {False: [], True: []}
     try:
-        for _ in range(samples):
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time
-                event = torch.cuda.Event()
-                event.record(stream)
-            seen: list[float] = []
-
-            def spin(ev: torch.cuda.Event = event, out: list[float] = seen) -> None:
-                # synchronize() on a spin event busy-waits in C with the GIL released: the host sees
-                # the GPU finish within a microsecond or so, without taking the loop's GIL.
-                ev.synchronize()
-                out.append(time.perf_counter())
-
-            watcher = threading.Thread(target=spin)
-            watcher.start()
-            await bridge.wait(event, Lane.LOAD)
-            resolved = time.perf_counter()
-            watcher.join()
-            latencies.append(max(0.0, resolved - seen[0]) * 1e6)
+        i = 0
+        while (i < samples) if stop is None else not stop.is_set():
+            blocking = bool(i % 2)
+            latencies[blocking].append(await _bridge_sample(bridge, stream, blocking))
+            i += 1
     finally:
         await asyncio.to_thread(bridge.close)
-    return {"p50_us": pct(latencies, 0.5), "p99_us": pct(latencies, 0.99), "max_us": max(latencies)}
+    return {"spin_events": _latency_summary(latencies[False]),
+            "blocking_events": _latency_summary(latencies[True])}
 
 
-def memcpy_gbps(nbytes: int, direction: str, repeat: int) -> float:
-    device_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def memcpy_gbps(nbytes: int, direction: str, repeat: int, device: torch.device) -> float:
+    """A plain copy of ``nbytes`` (pinned host memory on CUDA), median GB/s."""
+    cuda = device.type == "cuda"
+    device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     times = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         if direction == "d2h":
-            host.copy_(device_buf, non_blocking=True)
+            host.copy_(device_buf, non_blocking=cuda)
         else:
-            device_buf.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+            device_buf.copy_(host, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times) / 1e9
 
 
+class ThreadCPU:
+    """CPU seconds the given threads used over a window, per wall second (a spinning thread: ~1)."""
+
+    def __init__(self, threads: list[threading.Thread]) -> None:
+        self._clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if t.ident is not None]
+        self._start = 0.0
+        self._wall = 0.0
+
+    def _cpu(self) -> float:
+        return sum(time.clock_gettime(clock) for clock in self._clocks)
+
+    def __enter__(self) -> ThreadCPU:
+        self._start, self._wall = self._cpu(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.share = (self._cpu() - self._start) / max(1e-9, time.perf_counter() - self._wall)
+
+
+async def _stream_one(cache: KVCache, tokens: Any, slots: torch.Tensor, args: argparse.Namespace) -> dict[str, int]:
+    """One hit through ``start_load``: claims with simulated compute, then every layer, then finish."""
+    cuda = slots.device.type == "cuda" or cache.kv.device.type == "cuda"
+    match = await cache.match(tokens)
+    stream = await cache.start_load(match, slots, layered=args.layered)
+    async with stream:
+        pos = 0
+        while (end := stream.claim(pos + args.claim_tokens)) > pos:
+            if cuda:
+                torch.cuda._sleep(int(args.compute_ms * 1.4e6))  # type: ignore[no-untyped-call]  # ~compute_ms (1.4 GHz)
+            await asyncio.sleep(args.compute_ms / 1e3)  # the host is free while the chunk computes
+            pos = end
+        await stream.launched()
+        for layer in range(cache.layout.num_layers):
+            await stream.wait_layer(layer)  # CUDA: the current stream waits on the GPU, the host does not
+        result = await stream.finish()
+    return {"claimed": result.claimed, "loaded_from": result.loaded_from, "tokens": result.tokens}
+
+
 async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
-    layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=256)
+    else:  # a smoke run: 128 KiB pages
+        layout = KVLayout.mha(4, 2, 64, torch.bfloat16, page_tokens=64)
     pages = args.pages
     tokens_per_prompt = pages * layout.page_tokens
     prompts = args.prompts
     slots = tokens_per_prompt * 2
-    kv = torch.randn(32, slots, 16, 128, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(layout.num_layers, slots, layout.rows, layout.head_dim, dtype=layout.dtype, device=device)
     config = CacheConfig(
         cpu_bytes=(prompts * pages + 8) * layout.page_bytes, disk_dir=None, namespace="bench"
     )
     results: dict[str, Any] = {
-        "layout": layout.describe(), "pages_per_call": pages, "prompts": prompts, "gpu_slots": args.gpu_slots,
+        "device": str(device), "layout": layout.describe(), "pages_per_call": pages, "prompts": prompts,
+        "gpu_slots": args.gpu_slots, "layered": args.layered, "claim_tokens": args.claim_tokens,
+        "compute_ms": args.compute_ms,
     }
     nbytes = pages * layout.payload_bytes
-    results["memcpy_d2h_gbps"] = memcpy_gbps(nbytes, "d2h", 10)
-    results["memcpy_h2d_gbps"] = memcpy_gbps(nbytes, "h2d", 10)
+    results["memcpy_d2h_gbps"] = memcpy_gbps(nbytes, "d2h", 10, device)
+    results["memcpy_h2d_gbps"] = memcpy_gbps(nbytes, "h2d", 10, device)
+    slot_device = "cuda" if args.gpu_slots and cuda else "cpu"
     async with KVCache(config, layout, kv) as cache:
         await cache.pool.wait_ready()
         # Token ids as an int64 array and slot indices on the CPU: what an engine's scheduler holds
         # (a list of ints costs ~0.1 us per token to convert; CUDA slots cost a read-back).
         token_sets = [torch.randint(0, 100_000, (tokens_per_prompt,)).numpy() for _ in range(prompts)]
-        slot_device = "cuda" if args.gpu_slots else "cpu"
-        # Warm-up (Triton compilation, staging allocation).
+        # Warm-up (Triton compilation, staging allocation, the streaming path once).
         warm = torch.randint(0, 100_000, (tokens_per_prompt,)).numpy()
         await cache.offload(warm, torch.randperm(slots, device=slot_device)[:tokens_per_prompt])
         async with await cache.match(warm) as m:
             await cache.load(m, torch.randperm(slots, device=slot_device)[:tokens_per_prompt])
+        await _stream_one(cache, warm, torch.randperm(slots, device=slot_device)[:tokens_per_prompt], args)
         with LoopLag() as lag:
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             offload_times = []
             for tokens in token_sets:
                 src = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
@@ -183,7 +264,31 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
         results["offload_vs_memcpy"] = results["offload_gbps"] / results["memcpy_d2h_gbps"]
         results["load_vs_memcpy"] = results["load_gbps"] / results["memcpy_h2d_gbps"]
         results["loop_lag"] = lag.summary()
-    results["bridge"] = await bridge_latency(args.bridge_samples)
+        # Streaming: the lag and the bridge latency are measured while hits stream.
+        if cuda:
+            torch.cuda.synchronize()
+        stop = asyncio.Event()
+        sampler = asyncio.ensure_future(bridge_latency(0, stop)) if cuda else None
+        waiters = list(cache._bridge._threads)  # the cache's waiter threads (CUDA), none on a CPU buffer
+        outcomes = []
+        stream_times = []
+        with LoopLag() as stream_lag, ThreadCPU(waiters) as waiter_cpu:
+            for _ in range(args.stream_rounds):
+                for tokens in token_sets:
+                    dst = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
+                    start = time.perf_counter()
+                    outcomes.append(await _stream_one(cache, tokens, dst, args))
+                    stream_times.append(time.perf_counter() - start)
+            stop.set()
+            bridge_streaming = await sampler if sampler is not None else None
+        results["stream"] = {
+            "hits": len(outcomes), "median_s": statistics.median(stream_times),
+            "claimed_tokens_median": statistics.median(o["claimed"] for o in outcomes),
+            "loaded_tokens_median": statistics.median(o["tokens"] - o["loaded_from"] for o in outcomes),
+            "loop_lag": stream_lag.summary(), "bridge": bridge_streaming,
+            "waiter_threads": len(waiters), "waiter_cpu_per_s": waiter_cpu.share,
+        }
+    results["bridge_idle"] = await bridge_latency(args.bridge_samples) if cuda else None
     return results
 
 
@@ -289,7 +394,7 @@ async def loop_mode(args: argparse.Namespace) -> dict[str, Any]:
     pool_pages = 8 * args.pages
     root = Path(tempfile.mkdtemp(prefix="aiokv-loop-"))
     config = CacheConfig(cpu_bytes=pool_pages * layout.page_bytes, namespace="loop",
-                         disk_dir=root / "disk" if args.disk else None, disk_bytes=1 << 30)
+                         **({"disk_dir": root / "disk", "disk_bytes": 1 << 30} if args.disk else {"disk": None}))
     cpu: list[float] = []
     wall: list[float] = []
     steps: list[float] = []  # the longest loop callback (task step) of each call
@@ -301,7 +406,7 @@ async def loop_mode(args: argparse.Namespace) -> dict[str, Any]:
         run(handle)
         longest[0] = max(longest[0], time.perf_counter() - start)
 
-    asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+    asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
     try:
         async with KVCache(config, layout, kv) as cache:
             await cache.pool.wait_ready()
@@ -389,6 +494,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=6, help="prompts streamed (gpu mode)")
     parser.add_argument("--bridge-samples", type=int, default=300)
     parser.add_argument("--gpu-slots", action="store_true", help="pass slot indices as CUDA tensors (gpu mode)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="KV buffer device (gpu mode; cpu: a smoke run with a small layout)")
+    parser.add_argument("--layered", action="store_true", help="stream layer by layer (gpu mode)")
+    parser.add_argument("--claim-tokens", type=int, default=2048, help="tokens per claim while streaming (gpu mode)")
+    parser.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per claim (gpu mode)")
+    parser.add_argument("--stream-rounds", type=int, default=3, help="passes over the prompts while streaming")
     parser.add_argument("--page-mib", type=int, default=4, help="page size (disk mode)")
     parser.add_argument("--disk-pages", type=int, default=64, help="pages read per round (disk mode)")
     parser.add_argument("--depth", type=int, default=8, help="disk queue depth (disk mode)")
@@ -396,8 +507,8 @@ def main() -> int:
     parser.add_argument("--dir", help="directory for page files (disk mode; default a temp dir)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
-    if args.mode == "gpu" and not torch.cuda.is_available():
-        parser.error("--mode gpu needs a CUDA device")
+    if args.mode == "gpu" and args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--mode gpu needs a CUDA device (or --device cpu for a smoke run)")
     if args.mode == "loop" and args.against:
         result = loop_against(args)
         for field, what in (("loop_cpu_us_p50", "loop CPU"), ("longest_step_us_p50", "longest loop step")):
@@ -427,10 +538,21 @@ def main() -> int:
         print(f"{'load':<10} {result['load_gbps']:>9.2f} {result['memcpy_h2d_gbps']:>12.2f} "
               f"{result['load_vs_memcpy']:>6.2f}")
         lag = result["loop_lag"]
-        print(f"loop lag while streaming: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
+        print(f"loop lag during offload/load: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
               f"max {lag['max_ms']:.3f} ms")
-        b = result["bridge"]
-        print(f"CUDA event -> future: p50 {b['p50_us']:.1f} us, p99 {b['p99_us']:.1f} us, max {b['max_us']:.1f} us")
+        st = result["stream"]
+        lag = st["loop_lag"]
+        print(f"streaming ({st['hits']} hits, {'layer by layer' if result['layered'] else 'whole pages'}, median "
+              f"{st['median_s'] * 1e3:.1f} ms, claimed {st['claimed_tokens_median']:.0f} / loaded "
+              f"{st['loaded_tokens_median']:.0f} tokens): loop lag p50 {lag['p50_ms']:.3f} ms, p99 "
+              f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
+              f"threads burned {st['waiter_cpu_per_s']:.2f} CPU s/s")
+        for name, b in (("while streaming", st["bridge"]), ("idle", result["bridge_idle"])):
+            for kind, summary in (b or {}).items():
+                if summary.get("samples"):
+                    print(f"CUDA event -> future {name}, {kind}: p50 {summary['p50_us']:.1f} us, p99 "
+                          f"{summary['p99_us']:.1f} us (target 200), max {summary['max_us']:.1f} us "
+                          f"({summary['samples']} samples)")
     elif args.mode == "disk":
         print(f"{result['layout']}, {result['pages']} pages, depth {result['depth']}")
         print(f"{'round':<6} {'raw tier GB/s':>14} {'API GB/s':>9} {'ratio':>6}")
