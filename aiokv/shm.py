@@ -242,10 +242,25 @@ def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
+def _init_cuda_driver() -> None:
+    """``cuInit`` through ctypes, which releases the GIL for the call.
+
+    The first ``torch.cuda.is_available()`` of a process initializes the driver inside a call that
+    holds the GIL (~11 ms on an H200 host): from a helper thread that stalled the engine's loop.
+    With the driver already initialized, torch's check is quick. No driver library: nothing to do.
+    """
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuInit(ctypes.c_uint(0))
+    except (OSError, AttributeError):
+        pass
+
+
 def cuda_available() -> bool:
     """True when a CUDA device is usable (registration makes sense)."""
     import torch
 
+    _init_cuda_driver()
     return bool(torch.cuda.is_available())
 
 
