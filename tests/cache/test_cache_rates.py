@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
 
 import aiokv.manager as manager_module
 from aiokv import KVCache
@@ -39,6 +39,8 @@ T = LAYOUT.page_tokens
 N = 12 * T
 FINGERPRINT = LAYOUT.fingerprint.hex()
 PAGE = LAYOUT.page_bytes
+KIND = DEVICE.type  # the device kind a KVCache over the test's buffer keys its rates by
+OTHER_KIND = "cpu" if KIND == "cuda" else "cuda"
 
 
 def _layout_dir(root: Path) -> Path:
@@ -74,7 +76,7 @@ async def _plan(cache: KVCache, tokens: list[int]) -> tuple[Any, int | None]:
     return estimate, planned
 
 
-def _valid_file(device: str = "cpu", layout: str = FINGERPRINT, **rates: tuple[float, int]) -> bytes:
+def _valid_file(device: str = KIND, layout: str = FINGERPRINT, **rates: tuple[float, int]) -> bytes:
     costs = CostModel()
     for name, (rate, samples) in (rates or {"disk": (PAGE / 0.010, 3), "prefill": (T / 0.004, 5)}).items():
         costs.meters()[name].restore(rate, samples)
@@ -136,7 +138,7 @@ def _plant_foreign_layout(d: Path) -> None:
 
 
 def _plant_foreign_device(d: Path) -> None:
-    (d / RATES_FILE).write_bytes(_valid_file(device="cuda"))
+    (d / RATES_FILE).write_bytes(_valid_file(device=OTHER_KIND))
 
 
 def _plant_nan(d: Path) -> None:
@@ -203,7 +205,7 @@ async def test_a_file_that_is_not_ours_or_not_sound_is_ignored_and_counted(tmp_p
         assert saved.is_dir() and not (_layout_dir(tmp_path) / RATES_TEMP).exists()  # not replaced, no leftover
         return
     assert stat.S_ISREG(saved.lstat().st_mode) and stat.S_IMODE(saved.lstat().st_mode) == 0o600
-    assert decode_rates(saved.read_bytes(), FINGERPRINT, "cpu").rates["disk"][0] == pytest.approx(PAGE / 0.010)
+    assert decode_rates(saved.read_bytes(), FINGERPRINT, KIND).rates["disk"][0] == pytest.approx(PAGE / 0.010)
     if plant == "symlink":
         # The symlink itself was replaced; its target was never written.
         assert (tmp_path.parent / "elsewhere-rates").read_bytes() == _valid_file()
@@ -278,7 +280,7 @@ async def test_rates_are_saved_off_the_loop_at_most_once_per_interval_and_at_clo
         await assert_quiescent(cache)
     assert len(threads) == 2  # the close saved the latest
     assert loop_thread not in threads
-    assert decode_rates(saved.read_bytes(), FINGERPRINT, "cpu").rates["prefill"][1] == 51
+    assert decode_rates(saved.read_bytes(), FINGERPRINT, KIND).rates["prefill"][1] == 51
 
 
 @pytest.mark.asyncio
@@ -323,20 +325,20 @@ async def test_a_failed_save_is_counted(tmp_path: Path) -> None:
 
 def test_decode_says_why_a_file_is_refused() -> None:
     good = _valid_file()
-    assert decode_rates(good, FINGERPRINT, "cpu").rates["disk"] == (PAGE / 0.010, 3)
+    assert decode_rates(good, FINGERPRINT, KIND).rates["disk"] == (PAGE / 0.010, 3)
     cases = {
         b"[1, 2]": "corrupt",
         good[:-3]: "corrupt",
         good.replace(b'"version": 1', b'"version": 7'): "version",
         _valid_file(layout="ab" * 16): "foreign-layout",
-        _valid_file(device="cuda"): "foreign-device",
+        _valid_file(device=OTHER_KIND): "foreign-device",
         good.replace(b'"samples": 3', b'"samples": true'): "corrupt",
         good.replace(b'"samples": 3', b'"samples": 3}, "bogus": {"rate": 1.0, "samples": 1'): "corrupt",
         b" " * (RATES_MAX_BYTES + 1): "oversize",
     }
     for data, reason in cases.items():
         with pytest.raises(RatesFileError) as info:
-            decode_rates(data, FINGERPRINT, "cpu")
+            decode_rates(data, FINGERPRINT, KIND)
         assert info.value.reason == reason, data
 
 
