@@ -14,9 +14,12 @@ touching its slots (see ``docs/design.md``, cancellation contract).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import importlib
+import logging
 import sys
+import time
+from collections.abc import Sequence
 
 import torch
 
@@ -34,9 +37,37 @@ from aiokv.slots import SlotValidator
 from aiokv.stream import LoadStream
 from aiokv.transfers import LocalTransfers
 
+log = logging.getLogger(__name__)
+
 
 def _nothing(_: object) -> None:
-    """A closed bridge leaves nothing to dispose of."""
+    """Nothing to dispose of (a closed bridge, an import)."""
+
+
+def _transfer_path(cuda: bool, configured: TransferPath | None) -> TransferPath:
+    """The path a cache uses: the configured one, else staging on CUDA and the torch reference on CPU."""
+    return configured or (TransferPath.STAGING if cuda else TransferPath.REFERENCE)
+
+
+def _start_modules(path: TransferPath) -> tuple[str, ...]:
+    """Modules a start on ``path`` needs beyond the package (which never imports Triton itself)."""
+    return () if path is TransferPath.REFERENCE else ("aiokv.kernels.launch",)
+
+
+def _import_all(names: Sequence[str]) -> None:
+    for name in names:
+        importlib.import_module(name)
+
+
+def _load_triton_driver() -> None:
+    """Load Triton's CUDA driver utilities (a compiled helper module) now rather than at the first
+    kernel launch, on the loop. Best effort: a failure here shows again, precisely, at that launch."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.get_current_device()
+    except Exception as exc:  # an older or newer Triton's API; nothing the caller can act on here
+        log.debug("Triton's driver not preloaded: %r", exc)
 
 
 class KVCache(CacheFacade):
@@ -81,14 +112,53 @@ class KVCache(CacheFacade):
         self._bridge.prestart(self._cuda)
         pool = await self._manager.start()
         cfg = self.config
-        path = cfg.transfer_path or (TransferPath.STAGING if self._cuda else TransferPath.REFERENCE)
-        if path is not TransferPath.REFERENCE and "aiokv.kernels.launch" not in sys.modules:
-            # Triton takes a few hundred ms to import: in a thread, never on the loop (the mover's
-            # own modules come with the package: an import holds the GIL while the loop waits).
-            await asyncio.to_thread(importlib.import_module, "aiokv.kernels.launch")
+        path = _transfer_path(self._cuda, cfg.transfer_path)
+        missing = [name for name in _start_modules(path) if name not in sys.modules]
+        if missing:
+            # Not preloaded: import in a thread, yet an import holds the GIL for its whole body
+            # (Triton's 24-95 ms on an H200 host) and the loop waits for it. Counted and logged
+            # once (the first cache of a process is the only one to import).
+            began = time.perf_counter()
+            await run_in_new_thread(functools.partial(_import_all, missing), "aiokv-import", _nothing)
+            spent = (time.perf_counter() - began) * 1e3
+            self._manager.faults.record(
+                "start_imports",
+                f"start imported {', '.join(missing)} itself ({spent:.0f} ms, mostly holding the GIL: "
+                f"a loop stall); call KVCache.preload({str(self.kv.device)!r}) before the event loop runs",
+            )
         mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)
+
+    @staticmethod
+    def preload(device: torch.device | str, transfer_path: TransferPath | None = None) -> tuple[str, ...]:
+        """Import what the first :meth:`start` of a cache on ``device`` would import, so it stalls
+        its event loop on no import; returns the modules imported (empty when none was needed).
+
+        Call it once per process before the engine's event loop runs (or from any thread: it blocks
+        for the imports, ~0.2-1 s for Triton, holding the GIL much of it). ``device`` is the KV
+        buffer's (``"cuda"``, ``"cuda:1"``, a ``torch.device``; a CPU buffer needs nothing);
+        ``transfer_path`` as in :class:`CacheConfig` (``None``: the device's default). On CUDA it
+        also loads Triton's driver utilities, which the first kernel launch would load. Without it,
+        ``start`` imports them in a thread and counts ``start_imports`` in ``stats().errors``.
+        Raises ``TypeError``/``ValueError`` for a bad device or path, ``ImportError`` when Triton
+        is not installed.
+        """
+        if isinstance(device, str):
+            try:
+                device = torch.device(device)
+            except RuntimeError as exc:
+                raise ValueError(f"not a device: {device!r} ({exc})") from None
+        if not isinstance(device, torch.device):
+            raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
+        if transfer_path is not None and not isinstance(transfer_path, TransferPath):
+            raise TypeError(f"transfer_path must be a TransferPath or None, got {type(transfer_path).__name__}")
+        cuda = device.type == "cuda"
+        missing = tuple(name for name in _start_modules(_transfer_path(cuda, transfer_path)) if name not in sys.modules)
+        _import_all(missing)
+        if cuda and "aiokv.kernels.launch" in sys.modules:
+            _load_triton_driver()
+        return missing
 
     async def aclose(self) -> None:
         """Wait (up to ``close_timeout``) for background copies and write-behind, then free everything.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -223,3 +224,78 @@ async def test_start_and_close_wait_for_no_thread_of_their_own_to_start(
         await cache.offload(list(range(16)), torch.arange(16))
     assert not [s for s in started if s.endswith(ours)], started
     assert not [s for s in started if s.startswith("asyncio")], started  # no default executor without a disk tier
+
+
+PRELOAD_START = """
+import asyncio, json, logging, sys
+import torch
+from aiokv import CacheConfig, KVCache, KVLayout, TransferPath
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+preload = sys.argv[1] == "preload"
+layout = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=4)
+before = set(sys.modules)
+preloaded = KVCache.preload("cpu", TransferPath.DIRECT) if preload else ()
+by_preload = sorted(set(sys.modules) - before)
+
+async def main() -> dict[str, object]:
+    kv = torch.zeros(layout.num_layers, 64, layout.rows, layout.head_dim, dtype=layout.dtype)
+    config = CacheConfig(cpu_bytes=1 << 20, disk_dir=None, namespace="pre", transfer_path=TransferPath.DIRECT)
+    counts = []
+    for first in (True, False):  # a second cache in the same process imports nothing again
+        cache = KVCache(config, layout, kv)
+        before = set(sys.modules)
+        await cache.start()
+        if first:
+            by_start = sorted(set(sys.modules) - before)
+        await cache.offload(list(range(8)), torch.arange(8))  # the mover works
+        counts.append(cache.stats().errors.get("start_imports", 0))
+        await cache.aclose()
+    return {"by_start": by_start, "counts": counts}
+
+out = asyncio.run(main())
+print(json.dumps({**out, "preloaded": list(preloaded), "by_preload": by_preload}))
+"""
+
+
+def _preload_run(mode: str) -> tuple[dict[str, list[object]], str]:
+    # TRITON_INTERPRET lets a CPU KV buffer take a path that launches kernels: a start then imports
+    # what it would import on CUDA (aiokv.kernels.launch, Triton).
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", PRELOAD_START, mode], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1]), run.stderr
+
+
+def test_preload_imports_what_a_start_would_and_the_start_then_imports_nothing() -> None:
+    # #11, first start on CUDA: start() imported Triton in a thread, 24-95 ms holding the GIL on an
+    # H200 host (a loop stall). KVCache.preload imports it before the loop runs; a start without it
+    # says so: counted in stats().errors["start_imports"], logged once.
+    cold, cold_log = _preload_run("cold")
+    assert "aiokv.kernels.launch" in cold["by_start"] and "triton" in cold["by_start"]
+    assert cold["counts"] == [1, 0]  # the first cache imported; the second found it imported
+    assert cold_log.count("KVCache.preload('cpu')") == 1, cold_log
+
+    warm, warm_log = _preload_run("preload")
+    assert warm["preloaded"] == ["aiokv.kernels.launch"]
+    assert set(cold["by_start"]) <= set(warm["by_preload"])  # everything the start imported
+    assert warm["by_start"] == [], f"imported by a start after preload: {warm['by_start']}"
+    assert warm["counts"] == [0, 0]
+    assert "start_imports" not in warm_log
+
+
+def test_preload_of_a_cpu_device_imports_nothing_and_refuses_bad_arguments() -> None:
+    import aiokv
+
+    before = set(sys.modules)
+    assert KVCache.preload("cpu") == () and KVCache.preload(torch.device("cpu")) == ()
+    assert set(sys.modules) == before
+    assert "triton" not in sys.modules or "aiokv.kernels.launch" in before  # import aiokv loads no Triton
+    with pytest.raises(TypeError, match="device"):
+        KVCache.preload(0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a device"):
+        KVCache.preload("gpu:0")
+    with pytest.raises(TypeError, match="transfer_path"):
+        KVCache.preload("cpu", "direct")  # type: ignore[arg-type]
+    assert aiokv.KVCache.preload is KVCache.preload
