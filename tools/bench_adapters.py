@@ -21,6 +21,17 @@ pattern, the bit-exact check) is not counted. ``--zero-copy off`` runs the same 
 through a staging page (the path before zero copy), for A/B runs alternated in one session.
 
     python tools/bench_adapters.py --gib 1 --json out/adapters.json
+
+``--engine sglang``: SGLang 0.5.23's backend from its real factory over its real MLA host pool
+(``page_first``, 61 layers x 64 tokens x 576 bf16: 4.3 MiB pages, one buffer each) on the CPU,
+called as SGLang's cache controller calls it: ``batch_set_v1`` in batches of 128 pages, then
+``batch_exists`` and ``batch_get_v1`` into other host slots, checked bit-exact. CPU per GB as
+above (every thread but the caller's). ``--register off`` skips registering the host pool with
+io_uring (the behaviour before it was registered; pages still move in place, O_DIRECT where
+aligned), for A/B runs alternated in one session. The host pool's module imports on a CPU machine
+through tests/adapters/sglang_helpers.py (it says why).
+
+    python tools/bench_adapters.py --engine sglang --gib 1 --register on
 """
 
 from __future__ import annotations
@@ -202,8 +213,98 @@ def summarize(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return out
 
 
+SGLANG_BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per batch_set_v1 / batch_get_v1 call
+
+
+def run_sglang(args: argparse.Namespace) -> dict[str, Any]:
+    """The SGLang run: MLA pages written from and read into SGLang's host pool; its figures."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters"))
+    import sglang_helpers as sh
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    import aiokv.adapters.sglang as adapter
+
+    if args.register == "off":
+        adapter._register_host = lambda pool: None  # the behaviour before: host pool not registered
+    layers, tokens, dim = 61, 64, 576
+    page_bytes = layers * tokens * dim * 2
+    pages = max(1, int(args.gib * (1 << 30)) // page_bytes)
+    capacity = 2 * pages * tokens  # written from the first half, read into the second
+    device = tuple(torch.zeros(capacity, 1, dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = sh.MLABufferInfo(buffers=device, data_ptrs=torch.tensor([t.data_ptr() for t in device], dtype=torch.uint64),
+                            layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=tokens,
+                            kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dim=dim, dtype=torch.bfloat16,
+                            device=torch.device("cpu"))
+    host = sh.MLATokenToKVPoolHost(info, 1.0, 0, tokens, "page_first", pin_memory=False, device="cpu",
+                                   device_capacity_tokens=capacity, start_layer=0, end_layer=layers,
+                                   target_layer_num=layers)
+    del device
+    flat = host.kv_buffer.view(torch.uint8).reshape(-1)[: 2 * pages * page_bytes].view(2 * pages, page_bytes)
+    seed = torch.Generator().manual_seed(7)
+    flat[:pages] = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=seed)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        config = sh.storage_config(Path(tmp), True, model="bench/mla", mla=True, tp_size=1, options={
+            "disk_bytes": 64 << 30, "queue_depth": args.queue_depth, "disk_backend": args.backend,
+            "zero_copy": args.zero_copy == "on"})
+        backend = StorageBackendFactory.create_backend("dynamic", config, host)
+        try:
+            backend.register_mem_pool_host(host)
+            backend.on_host_pools_registered()
+            store = backend._pools["kv"].store
+            store.thread.run(store.wait_registered())
+            keys = [f"page-{i}" for i in range(pages)]
+
+            def slots(first: int, count: int) -> torch.Tensor:
+                return torch.arange(first * tokens, (first + count) * tokens)
+
+            start, cpu = time.perf_counter(), other_threads_cpu_s()
+            for b in range(0, pages, SGLANG_BATCH):
+                n = min(SGLANG_BATCH, pages - b)
+                if not all(backend.batch_set_v1(keys[b : b + n], slots(b, n))):
+                    raise SystemExit(f"batch {b}: pages not stored")
+            write_s, write_cpu = time.perf_counter() - start, other_threads_cpu_s() - cpu
+            start, cpu = time.perf_counter(), other_threads_cpu_s()
+            for b in range(0, pages, SGLANG_BATCH):
+                n = min(SGLANG_BATCH, pages - b)
+                if backend.batch_exists(keys[b : b + n]) != n or not all(
+                        backend.batch_get_v1(keys[b : b + n], slots(pages + b, n))):
+                    raise SystemExit(f"batch {b}: pages not read back")
+            read_s, read_cpu = time.perf_counter() - start, other_threads_cpu_s() - cpu
+            if not torch.equal(flat[:pages], flat[pages:]):
+                raise SystemExit("read bytes differ")
+            stats = backend.statistics()
+            direct, staged = store.thread.call(lambda: (store.direct_pages, store.staged_pages)).result()
+            registered = store.registered_regions - int(stats["memory_unregistered"])
+        finally:
+            backend.close()
+    total = pages * page_bytes
+    report = {
+        "engine": "sglang", "page_bytes": page_bytes, "pages": pages, "backend": str(stats["backend"]),
+        "direct_io": stats["direct_io"], "register": args.register, "registered_regions": registered,
+        "direct_pages": direct, "staged_pages": staged, "buffered_fallbacks": stats["buffered_fallbacks"],
+        "write_gib_s": total / write_s / (1 << 30), "read_gib_s": total / read_s / (1 << 30),
+        "write_cpu_s_per_gb": write_cpu / (total / 1e9), "read_cpu_s_per_gb": read_cpu / (total / 1e9),
+        "load_average": os.getloadavg(),
+    }
+    print(f"SGLang AiokvHiCacheStorage, MLA host pool: {pages} x {page_bytes >> 10} KiB pages "
+          f"({total / (1 << 30):.2f} GiB) stored and read back bit-exact; {report['backend']}, "
+          f"O_DIRECT={report['direct_io']}, host pool registered: {args.register} ({registered} regions)")
+    print(f"{direct} pages in place, {staged} through staging, {report['buffered_fallbacks']} buffered fallbacks")
+    print(f"write {report['write_gib_s']:.2f} GiB/s {report['write_cpu_s_per_gb']:.3f} core-s/GB; "
+          f"read {report['read_gib_s']:.2f} GiB/s {report['read_cpu_s_per_gb']:.3f} core-s/GB "
+          f"(CPU besides the caller's thread); load average {report['load_average'][0]:.1f}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="which adapter to drive")
+    parser.add_argument("--register", choices=("on", "off"), default="on",
+                        help="sglang: register the host pool with io_uring (on) or not (off, the old behaviour)")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB of chunks stored (half of them loaded back)")
     parser.add_argument("--chunk-mib", type=float, default=2.0, help="bytes per chunk, MiB (a multiple of 4 KiB)")
     parser.add_argument("--per-request", type=int, default=16, help="chunks per request")
@@ -220,6 +321,12 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary page-file directory")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
+    if args.engine == "sglang":
+        report = run_sglang(args)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+        return
 
     chunk_bytes = int(args.chunk_mib * (1 << 20)) // 4096 * 4096
     total = int(args.gib * (1 << 30)) // chunk_bytes // args.per_request * args.per_request

@@ -81,6 +81,9 @@ class _Pool:
     """Pages move straight between the pool's memory and page files (``get_page_buffer_meta``);
     else through SGLang's flat data pages (``get_data_page`` / ``set_from_flat_data_page``)."""
     store: PageFileStore | None = None
+    parts: int = 0
+    """Buffers per page in the pool's memory (in place); 1: each page is one buffer, which moves
+    with no staging copy when its size is a 4096-multiple (the pool's memory is then registered)."""
 
 
 @dataclass
@@ -186,24 +189,24 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 raise RuntimeError("aiokv backend is closed")
             if self.mem_pool_host is None and plain_page_bytes is None:
                 return False
-            shapes = []  # (name, host, page bytes, in place)
+            shapes = []  # (name, host, page bytes, in place, buffers per page)
             if self.mem_pool_host is not None:
-                kv_bytes, _ = _page_geometry(self.mem_pool_host, self.interface_v1)
-                shapes.append((_KV, self.mem_pool_host, kv_bytes, self.interface_v1))
+                shapes.append((_KV, self.mem_pool_host, *_page_geometry(self.mem_pool_host, self.interface_v1)))
             else:
                 assert plain_page_bytes is not None
-                shapes.append((_KV, None, plain_page_bytes, False))
+                shapes.append((_KV, None, plain_page_bytes, False, 0))
             for name, host in self._extra_hosts.items():
                 if name != _KV:
-                    page_bytes, in_place = _page_geometry(host, True)
-                    shapes.append((name, host, page_bytes, in_place))
-            self._weight_at_open = sum(page_file_bytes(b) for _, _, b, _ in shapes)
+                    shapes.append((name, host, *_page_geometry(host, True)))
+            self._weight_at_open = sum(page_file_bytes(shape[2]) for shape in shapes)
             self._thread = open_thread(self.config, "sglang")
             try:
-                for name, host, page_bytes, in_place in shapes:
+                for name, host, page_bytes, in_place, parts in shapes:
                     if name == _KV:
-                        self._pools[_KV] = _Pool(_KV, host, page_bytes, in_place, self._new_store(
-                            self._kv_facts(host), page_bytes, self._weight_at_open))
+                        kv = _Pool(_KV, host, page_bytes, in_place, self._new_store(
+                            self._kv_facts(host), page_bytes, self._weight_at_open), parts)
+                        self._pools[_KV] = kv
+                        _register_host(kv)
                     else:
                         self._open_pool(name, host, self._weight_at_open)
             except BaseException:
@@ -212,10 +215,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             return True
 
     def _open_pool(self, name: str, host: Any, weight_total: int) -> None:
-        page_bytes, in_place = _page_geometry(host, True)
+        page_bytes, in_place, parts = _page_geometry(host, True)
         facts = self._extra_facts(name, host, in_place)
-        self._pools[name] = _Pool(name, host, page_bytes, in_place,
-                                  self._new_store(facts, page_bytes, weight_total))
+        pool = _Pool(name, host, page_bytes, in_place, self._new_store(facts, page_bytes, weight_total), parts)
+        self._pools[name] = pool
+        _register_host(pool)
 
     def _sharing(self, facts: Mapping[str, object]) -> Sharing:
         """Pages without the TP rank in their identity (MLA: the same on every rank) are shared by
@@ -515,19 +519,49 @@ def _opened(pool: _Pool) -> PageFileStore:
     return pool.store
 
 
-def _page_geometry(host: Any, in_place: bool) -> tuple[int, bool]:
-    """Page bytes of ``host``'s pages, and whether they move in place: through the pool's buffer
-    addresses (``get_page_buffer_meta``) when asked and the pool gives them, else as flat data
-    pages (Mamba pools with side states, for one, refuse the addresses)."""
+def _page_geometry(host: Any, in_place: bool) -> tuple[int, bool, int]:
+    """Page bytes of ``host``'s pages, whether they move in place, and in how many buffers: in
+    place through the pool's buffer addresses (``get_page_buffer_meta``) when asked and the pool
+    gives them, else as flat data pages (Mamba pools with side states, for one, refuse the
+    addresses; 0 buffers)."""
     if in_place:
         try:
             _, sizes = host.get_page_buffer_meta(torch.arange(int(host.page_size) or 1, dtype=torch.int64))
         except (NotImplementedError, ValueError, AttributeError) as exc:
             log.info("aiokv backend: %s pages move as flat data pages (%s)", type(host).__name__, exc)
         else:
-            return int(sum(int(s) for s in sizes)), True
+            return int(sum(int(s) for s in sizes)), True, len(sizes)
     dummy = host.get_dummy_flat_data_page()
-    return int(dummy.numel() * dummy.element_size()), False
+    return int(dummy.numel() * dummy.element_size()), False, 0
+
+
+def _register_host(pool: _Pool) -> None:
+    """Register the host pool's memory (its ``kv_buffer`` tensors) with the pool's disk tier when
+    its pages move in place as one buffer each (MLA ``page_first``...), so they move through
+    io_uring fixed buffers (pinned in the background). Pages split in several buffers go through
+    staging pages, for which registering would only pin memory."""
+    store, host = pool.store, pool.host
+    if store is None or host is None or not pool.in_place or pool.parts != 1 or not store.config.zero_copy:
+        return
+    regions = _host_regions(host)
+    def register() -> None:
+        for region in regions:
+            store.register_memory(region)
+
+    if regions:
+        store.thread.call(register).result()
+
+
+def _host_regions(host: Any) -> list[memoryview]:
+    """Writable byte views of the host pool's CPU buffers (``kv_buffer``: a tensor or a list of them)."""
+    buffers = getattr(host, "kv_buffer", None)
+    tensors = list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+    regions = []
+    for tensor in tensors:
+        if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.is_contiguous()
+                and tensor.numel()):
+            regions.append(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return regions
 
 
 def _pages_in_place(host: Any, count: int, host_indices: torch.Tensor) -> list[list[torch.Tensor]]:

@@ -521,7 +521,11 @@ class PageFileStore:
         """Register the engine's ``region`` (C-contiguous, writable, mapped until :meth:`close`) with
         the disk tier in the background, so that pages inside it move through io_uring fixed
         buffers; until then (or where it cannot be registered: counted in the tier's statistics)
-        they move through plain buffers. Loop only; the registration is redone after :meth:`clear`."""
+        they move through plain buffers. Loop only; the registration is redone after :meth:`clear`.
+        A reader (:attr:`Sharing.READER`) does not register: each rescan replaces its tier, and
+        pinning the region again each time would cost more than fixed buffers save."""
+        if self.sharing is Sharing.READER:
+            return
         self._regions.append(region)
         self._register(region)
 
@@ -529,6 +533,17 @@ class PageFileStore:
         task = asyncio.get_running_loop().create_task(self._started()[1].register_memory(region))
         self._registering.add(task)
         task.add_done_callback(self._registered)
+
+    async def wait_registered(self) -> None:
+        """Wait until the registrations in the background are over (done, refused or failed)."""
+        if self._registering:
+            await asyncio.wait(set(self._registering))
+
+    @property
+    def registered_regions(self) -> int:
+        """Engine regions handed to :meth:`register_memory` (those refused are counted in the
+        tier's ``memory_unregistered``)."""
+        return len(self._regions)
 
     def _registered(self, task: asyncio.Task[None]) -> None:
         self._registering.discard(task)
@@ -587,6 +602,7 @@ class PageFileStore:
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
+            self._regions.clear()  # the engine's memory is its own again
             if self._owns_thread:
                 self.thread.close()
 

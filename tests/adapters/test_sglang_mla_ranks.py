@@ -29,7 +29,7 @@ from sglang_helpers import host_pool, indices, mla_fill, mla_pool, page, storage
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
 from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig
-from aiokv.storage.config import ReadOnly
+from aiokv.storage.config import DiskBackend, ReadOnly
 
 MLA_FILE = 4096 + 32768  # header + one MLA page of the test pool
 
@@ -232,3 +232,45 @@ def test_sharing_options_are_checked(tmp_path: Path, name: str, value: object, e
     with pytest.raises(error, match=name):
         StoreConfig.from_options({"disk_dir": str(tmp_path), name: value})
     assert not list(tmp_path.iterdir())  # refused before anything was made
+
+
+# -- the host pool's memory as io_uring fixed buffers -----------------------------------------------
+
+
+def registered(backend: AiokvHiCacheStorage) -> tuple[int, int]:
+    """(regions handed to the disk tier, regions it could not register), once registration is over."""
+    store = kv_store(backend)
+    store.thread.run(store.wait_registered())
+    return store.registered_regions, int(backend.statistics()["memory_unregistered"])
+
+
+@pytest.mark.parametrize("disk_backend", ["auto", "threads"])
+def test_the_mla_host_pool_is_registered_and_pages_move_in_place(
+        tmp_path: Path, backends: list[Any], disk_backend: str) -> None:
+    """An MLA page is one buffer of SGLang's host pool: the pool's memory is registered with the
+    disk tier (io_uring fixed buffers), and pages move in place, bit-exact, both ways. Where the
+    tier cannot register it (the threads backend refuses), it says so and pages still move in place."""
+    writer = rank(backends, tmp_path, 0, tp_size=1, disk_backend=disk_backend)
+    assert kv_store(writer).sharing is Sharing.ALONE
+    handed, refused = registered(writer)
+    fixed = writer.statistics()["backend"] is DiskBackend.URING_FIXED  # auto: where io_uring allows it
+    assert handed == 1 and refused == (0 if fixed else 1)
+    if disk_backend == "threads":
+        assert not fixed  # threads never registers
+    expected = pages_of(writer, 3, seed=40)
+    assert writer.batch_set_v1(["a", "b", "c"], indices([0, 1, 2])) == [True] * 3
+    assert writer.batch_get_v1(["a", "b", "c"], indices([5, 6, 7])) == [True] * 3
+    assert all(torch.equal(page(writer.test_pool, 5 + p), expected[p]) for p in range(3))
+    store = kv_store(writer)
+    assert store.thread.call(lambda: (store.direct_pages, store.staged_pages)).result() == (6, 0)
+    assert writer.statistics()["buffered_fallbacks"] == 0
+
+
+def test_split_pages_and_readers_register_nothing(tmp_path: Path, backends: list[Any]) -> None:
+    """MHA page_first pages are two buffers (K, V) that go through staging pages: registering the
+    pool would only pin it. A reader's tier is replaced at each rescan: it does not register either."""
+    mha = rank(backends, tmp_path / "mha", 0, mla=False)
+    assert registered(mha) == (0, 0)
+    reader = rank(backends, tmp_path / "mla", 1)
+    writer = rank(backends, tmp_path / "mla", 0)
+    assert registered(reader) == (0, 0) and registered(writer) == (1, 0)
