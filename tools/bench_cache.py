@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -102,26 +104,46 @@ def _event(blocking: bool) -> torch.cuda.Event:
     return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
 
 
-async def _bridge_sample(bridge: CompletionBridge, stream: torch.cuda.Stream, blocking: bool) -> float:
+class Watcher:
+    """One thread that busy-waits (GIL released) on spin events and stamps when each completed:
+    the reference the bridge's latency is measured from. Persistent: starting a thread per sample
+    would load the loop the measurement runs on."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, concurrent.futures.Future[float]] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name="bench-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, stamp = item
+            event.synchronize()
+            stamp.set_result(time.perf_counter())
+
+    def watch(self, event: torch.cuda.Event) -> concurrent.futures.Future[float]:
+        stamp: concurrent.futures.Future[float] = concurrent.futures.Future()
+        self._queue.put((event, stamp))
+        return stamp
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+async def _bridge_sample(bridge: CompletionBridge, watcher: Watcher, stream: torch.cuda.Stream,
+                         blocking: bool) -> float:
     """One GPU completion -> future resolution, in microseconds (``blocking``: a blocking-sync event)."""
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]  # ~0.1 ms of GPU time
         event = _event(blocking)
         event.record(stream)
-        spin = _event(False)  # completes with ``event``; the watcher busy-waits on it (GIL released)
+        spin = _event(False)  # completes with ``event``; the watcher busy-waits on it
         spin.record(stream)
-    seen: list[float] = []
-
-    def watch() -> None:
-        spin.synchronize()
-        seen.append(time.perf_counter())
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    seen = watcher.watch(spin)
     await bridge.wait(event, Lane.LOAD)
     resolved = time.perf_counter()
-    await asyncio.to_thread(watcher.join)
-    return max(0.0, resolved - seen[0]) * 1e6
+    return max(0.0, resolved - await asyncio.wrap_future(seen)) * 1e6
 
 
 def _latency_summary(latencies: list[float]) -> dict[str, float]:
@@ -136,15 +158,17 @@ async def bridge_latency(samples: int, stop: asyncio.Event | None = None) -> dic
     alternated: ``samples`` of them, or (``stop``) until ``stop`` is set."""
     bridge = CompletionBridge()
     bridge.prestart(True)
+    watcher = Watcher()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     latencies: dict[bool, list[float]] = {False: [], True: []}
     try:
         i = 0
         while (i < samples) if stop is None else not stop.is_set():
             blocking = bool(i % 2)
-            latencies[blocking].append(await _bridge_sample(bridge, stream, blocking))
+            latencies[blocking].append(await _bridge_sample(bridge, watcher, stream, blocking))
             i += 1
     finally:
+        await asyncio.to_thread(watcher.close)
         await asyncio.to_thread(bridge.close)
     return {"spin_events": _latency_summary(latencies[False]),
             "blocking_events": _latency_summary(latencies[True])}
@@ -170,11 +194,37 @@ def memcpy_gbps(nbytes: int, direction: str, repeat: int, device: torch.device) 
     return nbytes / statistics.median(times) / 1e9
 
 
+def thread_clocks_work() -> bool:
+    """Whether another thread's CPU clock advances here (under gVisor it read 0 for every thread)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)
+        first = time.clock_gettime(clock)
+        time.sleep(0.05)
+        return time.clock_gettime(clock) - first > 0.005
+    finally:
+        stop.set()
+        thread.join()
+
+
 class ThreadCPU:
-    """CPU seconds the given threads used over a window, per wall second (a spinning thread: ~1)."""
+    """CPU seconds the given threads used over a window, per wall second (a spinning thread: ~1);
+    ``share`` is None where per-thread CPU clocks do not work."""
 
     def __init__(self, threads: list[threading.Thread]) -> None:
         self._clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if t.ident is not None]
+        self.share: float | None = 0.0  # no threads: nothing burned
+        if self._clocks and not thread_clocks_work():
+            self._clocks = []
+            self.share = None
         self._start = 0.0
         self._wall = 0.0
 
@@ -186,7 +236,8 @@ class ThreadCPU:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.share = (self._cpu() - self._start) / max(1e-9, time.perf_counter() - self._wall)
+        if self._clocks:
+            self.share = (self._cpu() - self._start) / max(1e-9, time.perf_counter() - self._wall)
 
 
 async def _stream_one(cache: KVCache, tokens: Any, slots: torch.Tensor, args: argparse.Namespace) -> dict[str, int]:
@@ -546,7 +597,8 @@ def main() -> int:
               f"{st['median_s'] * 1e3:.1f} ms, claimed {st['claimed_tokens_median']:.0f} / loaded "
               f"{st['loaded_tokens_median']:.0f} tokens): loop lag p50 {lag['p50_ms']:.3f} ms, p99 "
               f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
-              f"threads burned {st['waiter_cpu_per_s']:.2f} CPU s/s")
+              f"threads burned " + ("? (per-thread CPU clocks do not work here)" if st["waiter_cpu_per_s"] is None
+                                    else f"{st['waiter_cpu_per_s']:.2f} CPU s/s"))
         for name, b in (("while streaming", st["bridge"]), ("idle", result["bridge_idle"])):
             for kind, summary in (b or {}).items():
                 if summary.get("samples"):

@@ -346,12 +346,39 @@ async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: p
         await assert_quiescent(cache)
 
 
+def _thread_clocks_work() -> bool:
+    """Whether another thread's CPU clock advances here (under gVisor, on the H200 machines, every
+    thread's read 0: the measurement below would pass whatever the waiters do)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)
+        first = time.clock_gettime(clock)
+        time.sleep(0.05)
+        return time.clock_gettime(clock) - first > 0.005
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA waiter threads exist on a GPU only")
+@pytest.mark.xfail(strict=True, reason="the copies' events lack cudaEventBlockingSync: cudaEventSynchronize "
+                   "busy-waits on them (kernels/mover.py _new_event, aiokv/cuda.py: the lead's fix)")
 @pytest.mark.asyncio
 async def test_waiter_threads_do_not_spin_while_copies_are_in_flight() -> None:
-    # The issue's rule (#10): a waiter thread blocks while the GPU works. Events with the default
-    # flags make cudaEventSynchronize busy-wait (cudaDeviceScheduleAuto spins while the process
-    # has fewer contexts than cores): a core burned per lane for as long as copies are in flight.
+    # The issue's rule (#10): a waiter thread blocks while the GPU works. CUDA: "If the
+    # cudaEventBlockingSync flag has not been set, then the CPU thread will busy-wait until the
+    # event has been completed by the device" (cudaEventSynchronize): a core burned per lane for
+    # as long as copies are in flight.
+    if not _thread_clocks_work():
+        pytest.skip("per-thread CPU clocks do not advance here: a spinning waiter cannot be seen")
     n = 6 * T
     tokens = prompt(77, n)
     async with KVCache(config(None, pool_pages=16), LAYOUT, make_kv(77)) as cache:
