@@ -9,8 +9,9 @@ tensor-parallel group run theirs in their own processes (:mod:`aiokv.tp`).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -43,6 +44,93 @@ class Copy:
     ``layer_futures[l]`` resolved (``paced.wait_issued(l)`` from a thread), True when the layer's
     copies were queued, False when the load gave it up; stop it with ``paced.stop()``.
     ``layer_futures[-1]`` resolves once it queues nothing more, after ``event`` exists."""
+    launch: PacedLaunch | None = None
+    """CUDA, a paced whole-page copy: launched only once earlier copies drained (``event`` is
+    then ``launch.event``; before that nothing of it is on the GPU and it can be withdrawn)."""
+
+
+@dataclass(eq=False, slots=True)
+class PacedLaunch:
+    """One copy held by a :class:`LaunchPacer` until earlier copies of its direction drained."""
+
+    start: Callable[[], tuple[asyncio.Future[None], torch.cuda.Event | None]]
+    """Launches the copy: its completion future and end event. Raises on a launch fault."""
+    nbytes: int
+    future: asyncio.Future[None]
+    """Resolves as the launched copy does; cancelled when withdrawn before its launch."""
+    event: torch.cuda.Event | None = None
+    launched: bool = False
+
+
+@dataclass(eq=False)
+class LaunchPacer:
+    """At most ``budget`` bytes of one direction's whole-page copies queued on the GPU at a time.
+
+    CUDA maps streams onto a few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``): an engine
+    stream sharing one with aiokv's copy stream runs nothing queued after aiokv's copies until
+    they are done. A 32K-token offload queued at once (4 GiB, ~80 ms) held other requests' prefill
+    and decode kernels that long; paced, they wait for at most ``budget`` bytes. Later copies wait
+    in FIFO order and are launched from the loop as earlier ones complete (a launch is the same
+    host work it was at the call). One copy larger than the budget still runs, alone.
+    """
+
+    budget: int
+    in_flight: int = 0
+    queue: deque[PacedLaunch] = field(default_factory=deque)
+
+    def run(self, nbytes: int, start: Callable[[], tuple[asyncio.Future[None], torch.cuda.Event | None]]
+            ) -> PacedLaunch:
+        """Launch now when the budget allows and nobody waits, else queue; returns its handle."""
+        entry = PacedLaunch(start, nbytes, asyncio.get_running_loop().create_future())
+        if not self.queue and (self.in_flight == 0 or self.in_flight + nbytes <= self.budget):
+            self._launch(entry)
+        else:
+            self.queue.append(entry)
+        return entry
+
+    def withdraw(self, entry: PacedLaunch) -> bool:
+        """Cancel ``entry`` if it was not launched (nothing of it ever runs): True; False once launched."""
+        if entry.launched:
+            return False
+        entry.future.cancel()
+        self._pump()
+        return True
+
+    def _launch(self, entry: PacedLaunch) -> None:
+        try:
+            inner, event = entry.start()
+        except Exception as exc:  # a launch fault: this copy fails, the next may run
+            entry.launched = True
+            if not entry.future.done():
+                entry.future.set_exception(exc)
+            return
+        entry.launched, entry.event = True, event
+        self.in_flight += entry.nbytes
+        inner.add_done_callback(lambda done: self._landed(entry, done))
+
+    def _landed(self, entry: PacedLaunch, inner: asyncio.Future[None]) -> None:
+        self.in_flight -= entry.nbytes
+        outer = entry.future
+        if not outer.done():
+            if inner.cancelled():
+                outer.cancel()
+            elif (exc := inner.exception()) is not None:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(None)
+        self._pump()
+
+    def _pump(self) -> None:
+        queue = self.queue
+        while queue:
+            head = queue[0]
+            if head.future.done():  # withdrawn (or cancelled by its owner) while it waited
+                queue.popleft()
+                continue
+            if self.in_flight and self.in_flight + head.nbytes > self.budget:
+                return
+            queue.popleft()
+            self._launch(head)
 
 
 class Transfers(Protocol):
@@ -83,21 +171,32 @@ class LocalTransfers:
     mover's side streams and complete through the bridge's waiter threads.
     """
 
-    def __init__(self, mover: PageMover, bridge: CompletionBridge, device: torch.device) -> None:
+    def __init__(self, mover: PageMover, bridge: CompletionBridge, device: torch.device,
+                 pace_bytes: int | None = None) -> None:
+        from aiokv.kernels.mover import PACE_BYTES
+
         self.mover = mover
         self._bridge = bridge
         self._device = device
         self._cuda = device.type == "cuda"
+        self.offloads = LaunchPacer(PACE_BYTES if pace_bytes is None else pace_bytes)
+        """Paces offloads on CUDA (see :class:`LaunchPacer`)."""
 
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         mover = self.mover
         if not self._cuda:
             return Copy(self._bridge.run_cpu(lambda: _call(mover.offload, slots, page_ids)))
-        try:
-            event = mover.offload(slots, page_ids)
-        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
-            return failed_copy(exc)
-        return Copy(self._bridge.wait(event, Lane.OFFLOAD), event)
+        # What the engine wrote so far, also for a launch deferred behind earlier offloads.
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self._device))
+        bridge = self._bridge
+
+        def start() -> tuple[asyncio.Future[None], torch.cuda.Event | None]:
+            event = mover.offload(slots, page_ids, ready)
+            return bridge.wait(event, Lane.OFFLOAD), event
+
+        entry = self.offloads.run(len(page_ids) * mover.pages[0].nbytes, start)
+        return Copy(entry.future, entry.event, launch=entry)
 
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         mover = self.mover
@@ -206,6 +305,11 @@ class LocalTransfers:
                     continue
             stream = torch.cuda.current_stream(self._device)
             for copy in copies:
+                if copy.launch is not None:
+                    # Not launched yet: it never will be. Launched: ordered like any other copy.
+                    if not self.offloads.withdraw(copy.launch) and copy.launch.event is not None:
+                        stream.wait_event(copy.launch.event)
+                    continue
                 # A paced load's last layer event is queued after all of its work, on every path,
                 # before its last layer future resolves (its ``end`` only after: not yet there).
                 if copy.event is not None and (offload or not copy.ordered):

@@ -452,13 +452,17 @@ class PageMover:
 
     # -- public ---------------------------------------------------------------------------------
 
-    def offload(self, slots: torch.Tensor, page_ids: Sequence[int]) -> torch.cuda.Event | None:
+    def offload(
+        self, slots: torch.Tensor, page_ids: Sequence[int], ready: torch.cuda.Event | None = None
+    ) -> torch.cuda.Event | None:
         """KV of ``slots`` -> pool pages ``page_ids``; page i gets ``slots[i*T:(i+1)*T]``.
 
         ``slots``: 1-D int tensor (any device; CPU avoids a blocking read for the checks) of
-        ``len(page_ids) * T`` distinct slots. CUDA: queued behind the caller's current stream;
-        returns the event to await before committing the pages. CPU: synchronous, returns None; so
-        does a TP replica that must not write (``tp.writer`` False), which moves nothing.
+        ``len(page_ids) * T`` distinct slots. CUDA: queued behind the caller's current stream, or
+        behind ``ready`` when given (an event the caller recorded earlier: a launch deferred by
+        pacing still copies what the engine had written by then); returns the event to await
+        before committing the pages. CPU: synchronous, returns None; so does a TP replica that
+        must not write (``tp.writer`` False), which moves nothing.
         """
         ids = self._check(slots, page_ids)
         check_gather_counts(self.kv, slots, len(ids))
@@ -466,17 +470,17 @@ class PageMover:
             return None
         tokens = self.kv.layout.page_tokens
         if self.effective_path is TransferPath.REFERENCE:
-            with self._on_side(self._offload_lanes[:1]) as streams:
+            with self._on_side(self._offload_lanes[:1], ready) as streams:
                 reference_gather(self.kv, slots, self.pages, ids)
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._offload_lanes[0]
-            with self._on_side([lane]) as streams:
+            with self._on_side([lane], ready) as streams:
                 self._direct_plan().gather(self._index(slots, lane), self._index(ids, lane))
             return self._finish(streams)
         chunks = self._chunks(len(ids), ids, skip_first=0, tokens=tokens)
         plan = self._deal(chunks, self._offload_lanes)
-        with self._on_side([lane for lane, _ in plan]) as streams:
+        with self._on_side([lane for lane, _ in plan], ready) as streams:
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._offload_chunk(lane, chunk, index)
         return self._finish(streams)
@@ -840,12 +844,16 @@ class PageMover:
             raise
 
     @contextlib.contextmanager
-    def _on_side(self, lanes: list[_Lane]) -> Iterator[list[torch.cuda.Stream]]:
-        """Make ``lanes`` wait for the caller's current stream; run the body on the first lane."""
+    def _on_side(
+        self, lanes: list[_Lane], ready: torch.cuda.Event | None = None
+    ) -> Iterator[list[torch.cuda.Stream]]:
+        """Make ``lanes`` wait for the caller's current stream (or ``ready``, recorded on it
+        earlier); run the body on the first lane."""
         streams = [lane.stream for lane in lanes if lane.stream is not None]
         if streams:
-            ready = _new_event()
-            ready.record(torch.cuda.current_stream(self.kv.device))
+            if ready is None:
+                ready = _new_event()
+                ready.record(torch.cuda.current_stream(self.kv.device))
             for stream in streams:
                 stream.wait_event(ready)
         with self._stream(lanes[0]):
