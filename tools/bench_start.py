@@ -28,10 +28,15 @@ prints ratios against it.
 ``offload`` and ``prefetch`` starts with) for a list, a tuple, a numpy array and a CPU tensor of that
 many ids; with ``--against REV``, that revision's ``aiokv/keys.py`` alternates call by call.
 
+``--first-start N`` runs N fresh processes per mode, a CUDA KV buffer (``--device``), with and without
+``KVCache.preload`` before the loop, alternated: the loop's worst stall during the first ``start()``
+and the first two offloads (1 GiB pool, no disk tier).
+
     python tools/bench_start.py                                # 1, 4, 16 GiB; 8B-model pages
     python tools/bench_start.py --page-tokens 16 --leftover-gib 4 --json out.json
     python tools/bench_start.py --table 65536 262144 1048576 --against b6a79ae
     python tools/bench_start.py --token-array 4096 131072 --against HEAD~1 --ops-repeat 2000
+    python tools/bench_start.py --first-start 5                # H200: CUDA first start, preload or not
 """
 
 from __future__ import annotations
@@ -469,6 +474,86 @@ def report_tokens(rows: list[TokenRow]) -> None:
                 print(f"  {r.tokens:7d} {r.kind:>7}: {r.median_us:.1f}/{o.median_us:.1f} = {ratio:.2f}x")
 
 
+FIRST_START = """
+import asyncio, gc, json, sys, time
+import torch
+from aiokv import CacheConfig, KVCache, KVLayout, TransferPath
+
+device, path, preload = sys.argv[1], sys.argv[2], sys.argv[3] == "preload"
+path = None if path == "default" else TransferPath(path)
+layout = KVLayout.mha(32, 8, 128, torch.bfloat16, page_tokens=16)  # 8B-shaped, 2 MiB pages
+kv = torch.zeros(layout.num_layers, 1024, layout.rows, layout.head_dim, dtype=layout.dtype, device=device)
+began = time.perf_counter()
+preloaded = KVCache.preload(device, path) if preload else ()
+preload_ms = (time.perf_counter() - began) * 1e3
+
+async def main() -> dict[str, object]:
+    gc.collect()  # the full collection importing torch leaves owed is not the start's
+    loop = asyncio.get_running_loop()
+    worst, due = 0.0, loop.time() + 0.001
+    def tick() -> None:
+        global handle
+        nonlocal worst, due
+        now = loop.time()
+        worst, due = max(worst, now - due), now + 0.001
+        handle = loop.call_at(due, tick)
+    global handle
+    handle = loop.call_at(due, tick)
+    await asyncio.sleep(0.05)
+    worst = 0.0
+    config = CacheConfig(cpu_bytes=1 << 30, disk_dir=None, namespace="first", transfer_path=path)
+    began = time.perf_counter()
+    cache = KVCache(config, layout, kv)
+    await cache.start()
+    start_ms, start_stall, worst = (time.perf_counter() - began) * 1e3, worst, 0.0
+    began = time.perf_counter()
+    await cache.offload(list(range(64)), torch.arange(64, device=device))
+    offload_ms, offload_stall, worst = (time.perf_counter() - began) * 1e3, worst, 0.0
+    await cache.offload(list(range(1000, 1064)), torch.arange(64, device=device))
+    second_stall = worst
+    counted = cache.stats().errors.get("start_imports", 0)
+    await cache.aclose()
+    handle.cancel()
+    return {"start_ms": start_ms, "start_stall_ms": start_stall * 1e3, "offload_ms": offload_ms,
+            "first_offload_stall_ms": offload_stall * 1e3, "second_offload_stall_ms": second_stall * 1e3,
+            "start_imports": counted}
+
+print(json.dumps({"preloaded": list(preloaded), "preload_ms": preload_ms, **asyncio.run(main())}))
+"""
+
+
+def run_first_start(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Fresh processes, without and with ``KVCache.preload`` alternated: the loop's worst stall
+    during the first ``start()`` and during the first two offloads (a 1 ms probe)."""
+    rows: list[dict[str, object]] = []
+    for rep in range(args.first_start):
+        for mode in ("cold", "preload") if rep % 2 == 0 else ("preload", "cold"):
+            run = subprocess.run(
+                [sys.executable, "-c", FIRST_START, args.device, args.transfer_path, mode],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if run.returncode != 0:
+                raise RuntimeError(run.stderr)
+            row = {"mode": mode, **json.loads(run.stdout.splitlines()[-1])}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def report_first_start(rows: list[dict[str, object]]) -> None:
+    fields = ("preload_ms", "start_ms", "start_stall_ms", "first_offload_stall_ms", "second_offload_stall_ms")
+    print(f"{'mode':>8} " + " ".join(f"{f:>24}" for f in fields) + " start_imports")
+    for r in rows:
+        print(f"{r['mode']:>8} " + " ".join(f"{float(r[f]):24.2f}" for f in fields) + f" {r['start_imports']}")  # type: ignore[arg-type]
+    print("medians preload/cold:")
+    for f in fields[1:]:
+        pre = statistics.median(float(r[f]) for r in rows if r["mode"] == "preload")  # type: ignore[arg-type]
+        cold = statistics.median(float(r[f]) for r in rows if r["mode"] == "cold")  # type: ignore[arg-type]
+        print(f"  {f}: {pre:.2f} / {cold:.2f} ms" + (f" = {pre / cold:.2f}x" if cold else ""))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0, 16.0], help="pool sizes (GiB)")
@@ -488,12 +573,19 @@ def main() -> int:
     parser.add_argument("--ops-repeat", type=int, default=200, help="timed batches per hot-path operation (--table)")
     parser.add_argument("--against", help="git revision whose page table is measured alongside (--table)")
     parser.add_argument("--token-array", type=int, nargs="+", help="token counts: time keys.token_array alone")
+    parser.add_argument("--first-start", type=int, help="fresh processes per mode: first start with/without preload")
+    parser.add_argument("--device", default="cuda", help="KV buffer device (--first-start)")
+    parser.add_argument("--transfer-path", default="default", help="TransferPath value or 'default' (--first-start)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    if args.token_array:
+    if args.first_start:
+        start_rows = run_first_start(args)
+        report_first_start(start_rows)
+        dumped: list[dict[str, object]] = start_rows
+    elif args.token_array:
         token_rows = run_tokens(args)
         report_tokens(token_rows)
-        dumped: list[dict[str, object]] = [asdict(r) for r in token_rows]
+        dumped = [asdict(r) for r in token_rows]
     elif args.table:
         table_rows = asyncio.run(run_table(args))
         report_table(table_rows)
