@@ -240,6 +240,50 @@ class ThreadCPU:
             self.share = (self._cpu() - self._start) / max(1e-9, time.perf_counter() - self._wall)
 
 
+def _where(handle: asyncio.events.Handle) -> str:
+    """For a task step: the innermost coroutine of the task's await chain and its line."""
+    task = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
+    coro: Any = task.get_coro() if isinstance(task, asyncio.Task) else None
+    where = ""
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        frame = coro.cr_frame
+        where = f"{coro.__qualname__}:{frame.f_lineno}"
+        coro = getattr(coro, "cr_await", None)
+    return where
+
+
+class LongSteps:
+    """The loop's longest callbacks (task steps included) while active: what a loop lag is made of.
+    Wraps ``asyncio.events.Handle._run`` (the asyncio loop; uvloop runs its own handles)."""
+
+    def __init__(self, threshold_s: float = 0.0005, keep: int = 8) -> None:
+        self._threshold = threshold_s
+        self._keep = keep
+        self.steps: list[tuple[float, str]] = []
+        self._run = asyncio.events.Handle._run
+
+    def __enter__(self) -> LongSteps:
+        run, steps, threshold = self._run, self.steps, self._threshold
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            before = _where(handle)
+            start = time.perf_counter()
+            run(handle)
+            took = time.perf_counter() - start
+            if took > threshold:
+                steps.append((took, f"{before} -> {_where(handle)}" if before else repr(handle)[:200]))
+
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.events.Handle._run = self._run  # type: ignore[method-assign]
+
+    def summary(self) -> list[dict[str, Any]]:
+        top = sorted(self.steps, reverse=True)[: self._keep]
+        return [{"ms": took * 1e3, "callback": what} for took, what in top]
+
+
 async def _stream_one(cache: KVCache, tokens: Any, slots: torch.Tensor, args: argparse.Namespace) -> dict[str, int]:
     """One hit through ``start_load``: claims with simulated compute, then every layer, then finish."""
     cuda = slots.device.type == "cuda" or cache.kv.device.type == "cuda"
@@ -323,7 +367,7 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
         waiters = list(cache._bridge._threads)  # the cache's waiter threads (CUDA), none on a CPU buffer
         outcomes = []
         stream_times = []
-        with LoopLag() as stream_lag, ThreadCPU(waiters) as waiter_cpu:
+        with LoopLag() as stream_lag, ThreadCPU(waiters) as waiter_cpu, LongSteps() as long_steps:
             for _ in range(args.stream_rounds):
                 for tokens in token_sets:
                     dst = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
@@ -338,6 +382,7 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
             "loaded_tokens_median": statistics.median(o["tokens"] - o["loaded_from"] for o in outcomes),
             "loop_lag": stream_lag.summary(), "bridge": bridge_streaming,
             "waiter_threads": len(waiters), "waiter_cpu_per_s": waiter_cpu.share,
+            "long_steps": long_steps.summary(), "long_steps_over_0.5ms": len(long_steps.steps),
         }
     results["bridge_idle"] = await bridge_latency(args.bridge_samples) if cuda else None
     return results
@@ -599,6 +644,9 @@ def main() -> int:
               f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
               f"threads burned " + ("? (per-thread CPU clocks do not work here)" if st["waiter_cpu_per_s"] is None
                                     else f"{st['waiter_cpu_per_s']:.2f} CPU s/s"))
+        print(f"loop callbacks over 0.5 ms while streaming: {st['long_steps_over_0.5ms']}; longest:")
+        for step in st["long_steps"][:5]:
+            print(f"  {step['ms']:7.3f} ms  {step['callback']}")
         for name, b in (("while streaming", st["bridge"]), ("idle", result["bridge_idle"])):
             for kind, summary in (b or {}).items():
                 if summary.get("samples"):
