@@ -156,8 +156,11 @@ class IOSlots:
             self.give_back(job)
 
     def leave(self, job: Job) -> bool:
-        """Take ``job`` out of the queue if it is still waiting for a slot; True then."""
-        if job.slot >= 0 or job.then is None:
+        """Take ``job`` out of the queue if it is still waiting for a slot; True then.
+
+        Queued means ``then`` is set (it is cleared when a slot is handed over): ``slot`` keeps the
+        number of a slot held before (a write retried after ENOSPC queues again)."""
+        if job.then is None:
             return False
         self._waiters.remove(job)
         job.then = None
