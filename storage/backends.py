@@ -43,6 +43,7 @@ from .memory import (
 from .pagefile import HEADER_BYTES
 from .safefiles import (
     OPEN_FLAGS,
+    CachedOpen,
     UnsafeFileError,
     check_page_fd,
     classify_open_error,
@@ -62,7 +63,7 @@ Published = Callable[[BaseException | None], None]
 
 Recycled = Callable[[BaseException | None, bool], None]
 """Completion of :meth:`PageIO.start_recycle`: the fault or None, and whether the victim's file
-was taken over (opened, checked and renamed to the temporary name)."""
+was taken over (opened and checked: bytes may have been written into it)."""
 
 Loaded = Callable[[int | BaseException], None]
 """Completion of :meth:`PageIO.start_load`: bytes read, or the fault."""
@@ -177,13 +178,15 @@ class PageIO(Protocol):
         runs. A short write is ENOSPC (file system full)."""
         ...
 
-    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
         """As :meth:`start_publish`, overwriting the evicted page file ``victim`` instead of creating
-        one: open it for writing (checked: our regular file, one link) and rename it to ``temp``
-        before a byte moves, so a crash mid-overwrite leaves only a temporary file. ``done(error,
-        taken)``: ``taken`` False when the victim was not taken over (gone, not ours, or the open or
-        rename failed: nothing was written); on a fault after the take-over ``temp`` is removed."""
+        one: open it for writing (checked: our regular file, one link), write header and page into
+        it, close it and rename it to ``final`` (one rename, no temporary name). A crash mid-write
+        leaves a torn file under the victim's name, which its checksums refuse on read (the victim
+        is out of the index, and a new write of its key waits for ``done``). ``done(error,
+        taken)``: ``taken`` False when the victim was not taken over (gone, not ours, or the open
+        failed: nothing was written); on a fault after the take-over the victim's name is removed."""
         ...
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
@@ -230,9 +233,11 @@ class UringPageIO:
     A new page file is one linked chain: OPENAT (``O_CREAT|O_EXCL|O_NOFOLLOW`` into the I/O slot's
     fixed-file entry: only a new regular file of ours can come out of it), header and page, [FSYNC],
     CLOSE, RENAMEAT. A read, or the overwrite of a recycled file, opens an existing name first
-    (into a normal fd, ``fstat``-checked before any byte moves), then one chain: header and page,
-    CLOSE. Header and page move in one vectored op (READV/WRITEV) with plain buffers, or as two
-    fixed-buffer ops once the page's region is registered."""
+    (into a normal fd, ``fstat``-checked before any byte moves: on the loop where the name is in the
+    kernel's lookup caches, else by an OPENAT through the ring), then one chain: header and page,
+    CLOSE (and for an overwrite RENAMEAT to the new name). Header and page move in one vectored op
+    (READV/WRITEV) with plain buffers, or as two fixed-buffer ops once the page's region is
+    registered."""
 
     def __init__(self, engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots, direct: bool,
                  regions: list[list[uring.Region]] | None) -> None:
@@ -240,6 +245,7 @@ class UringPageIO:
         self.kind = DiskBackend.URING_FIXED if regions is not None else DiskBackend.URING
         self.direct = direct
         self.faults = FaultPlan(arm=self._arm_faults)
+        self._cached = CachedOpen()
         self._pool = pool
         self._slots = slots
         self._page_bytes = pool.layout.page_bytes
@@ -478,51 +484,73 @@ class UringPageIO:
 
         self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written, expect=self._expect(ops))
 
-    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
-        # Two submissions: OPENAT of the victim into a normal fd (O_NONBLOCK: a FIFO must not park
-        # an io_uring worker), fstat-checked on the loop when it completes (a chain cannot look at
-        # the file); then one chain: RENAMEAT victim -> temp, header and page, [FSYNC], CLOSE,
-        # RENAMEAT temp -> final.
-        name = ctypes.create_string_buffer(victim.encode())
+        # The victim is opened into a normal fd (O_NONBLOCK: a FIFO must not block the open) and
+        # fstat-checked on the loop (a chain cannot look at the file): at once where its name is in
+        # the kernel's lookup caches (openat2 RESOLVE_CACHED, a few microseconds, no I/O), else by
+        # an OPENAT through the ring first. Then one chain: header and page, [FSYNC], CLOSE,
+        # RENAMEAT victim -> final.
+        name = victim.encode()
+        flags = os.O_WRONLY | OPEN_FLAGS
+        try:
+            fd = self._open_cached(victim_dir, name, flags)
+        except OSError as exc:
+            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, victim), False)
+            return
+        if fd is not None:
+            self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, True)
+            return
+        path = ctypes.create_string_buffer(name)
 
         def opened(results: list[int]) -> None:
             fd = results[0]
             if fd < 0:
                 done(classify_open_error(OSError(-fd, os.strerror(-fd)), victim), False)
                 return
-            try:
-                check_page_fd(fd, victim, True)
-                ready_for_io(fd, self.direct and page.aligned, os.O_WRONLY | OPEN_FLAGS)
-            except Exception as exc:
-                os.close(fd)  # nothing was written through it
+            self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, False)
+
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, ctypes.addressof(path), 0, 0, flags)], path, opened)
+
+    def _overwrite(self, fd: int, victim_dir: int, victim: str, name: bytes, dir_fd: int, final: str, slot: int,
+                   page: PageBuffer, sync: bool, done: Recycled, now: bool) -> None:
+        """Check the victim's open ``fd``, then write it and rename it to ``final`` in one chain.
+        ``now``: called from inside :meth:`start_recycle` (``done`` must then wait for the loop)."""
+        try:
+            check_page_fd(fd, victim, True)
+            ready_for_io(fd, self.direct and page.aligned, os.O_WRONLY | OPEN_FLAGS)
+        except Exception as exc:
+            os.close(fd)  # nothing was written through it
+            if now:
+                asyncio.get_running_loop().call_soon(done, exc, False)
+            else:
                 done(exc, False)
+            return
+        ops = self._transfer(True, fd, False, slot, page)
+        if sync:
+            ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
+        old, fin = ctypes.create_string_buffer(name), ctypes.create_string_buffer(final.encode())
+        ops += [uring.sqe(uring.OP_CLOSE, fd),
+                uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(old), dir_fd & 0xFFFFFFFF,
+                          ctypes.addressof(fin))]
+        expect = self._expect(ops)
+
+        def written(results: list[int]) -> None:
+            if results == expect:
+                done(None, True)
                 return
-            tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
-            ops = [uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(name), dir_fd & 0xFFFFFFFF,
-                             ctypes.addressof(tmp)),
-                   *self._transfer(True, fd, False, slot, page)]
-            if sync:
-                ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
-            ops += [uring.sqe(uring.OP_CLOSE, fd),
-                    uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF,
-                              ctypes.addressof(fin))]
+            # A fault after the take-over: the victim's name holds a torn file, removed before ``done``.
+            self._cleanup(self._recycle_failed(ops, results, expect, victim_dir, victim, fd),
+                          lambda exc: done(exc, True))
 
-            def written(results: list[int]) -> None:
-                if self._written(ops, results, 0):
-                    done(None, True)
-                    return
-                if results[0] < 0:  # the victim was not renamed: nothing written, its CLOSE skipped
-                    self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
-                    done(OSError(-results[0], os.strerror(-results[0])), False)
-                    return
-                self._cleanup(self._recycle_failed(ops, results, dir_fd, temp, fd), lambda exc: done(exc, True))
+        self.engine.submit(ops, (old, fin, self._slots, self._pool, page.view), written, expect=expect)
 
-            self.engine.submit(ops, (name, tmp, fin, self._slots, self._pool, page.view), written,
-                               expect=self._expect(ops))
-
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, ctypes.addressof(name), 0, 0,
-                                      os.O_WRONLY | OPEN_FLAGS)], name, opened)
+    def _open_cached(self, dir_fd: int, name: bytes, flags: int) -> int | None:
+        """An existing file opened on the loop where that needs no I/O, else None (open it through
+        the ring). Once a test injects faults, every open goes through the ring, where they land."""
+        if self.engine.fault_hook is not None:
+            return None
+        return self._cached.open(dir_fd, name, flags)
 
     def _cleanup(self, job: Coroutine[Any, Any, None], done: Published) -> None:
         """Run a failed chain's clean-up coroutine (it raises the fault it met), then ``done(fault)``."""
@@ -543,13 +571,14 @@ class UringPageIO:
         await self._unlink_quiet(dir_fd, temp)
         raise _chain_error(results[1:], self._expect(ops[1:]))
 
-    async def _recycle_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
-                              fd: int) -> None:
-        """Clean up after a recycling chain that broke after the victim became ``temp``; raises the fault."""
+    async def _recycle_failed(self, ops: list[uring.SqeFields], results: list[int], expect: list[int],
+                              victim_dir: int, victim: str, fd: int) -> None:
+        """Clean up after a broken overwrite chain (the victim's name holds a torn file, or the new
+        page under the old name); raises the fault."""
         if results[-2] == -errno.ECANCELED:  # the chain broke before its CLOSE
             await self._close_quiet(fd)
-        await self._unlink_quiet(dir_fd, temp)
-        raise _chain_error(results, self._expect(ops))
+        await self._unlink_quiet(victim_dir, victim)
+        raise _chain_error(results, expect)
 
     def _expect(self, ops: list[uring.SqeFields]) -> list[int]:
         # What each op of a write chain returns when it succeeds: bytes for transfers, else 0.
@@ -568,41 +597,59 @@ class UringPageIO:
         return results[start:] == self._expect(ops[start:])
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        # OPENAT into a normal fd (O_NONBLOCK: a FIFO must not park an io_uring worker), fstat-checked
-        # on the loop when it completes, then one chain: header and page, CLOSE.
-        path = ctypes.create_string_buffer(name.encode())
+        # Opened into a normal fd (O_NONBLOCK: a FIFO must not block the open) and fstat-checked on
+        # the loop: at once where the name is in the kernel's lookup caches (openat2 RESOLVE_CACHED),
+        # else by an OPENAT through the ring first. Then one chain: header and page, CLOSE.
+        encoded = name.encode()
+        flags = os.O_RDONLY | OPEN_FLAGS
+        try:
+            fd = self._open_cached(dir_fd, encoded, flags)
+        except OSError as exc:
+            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
+            return
+        if fd is not None:
+            self._read_file(fd, name, slot, page, done, True)
+            return
+        path = ctypes.create_string_buffer(encoded)
 
         def opened(results: list[int]) -> None:
             fd = results[0]
             if fd < 0:
                 done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
                 return
-            try:
-                check_page_fd(fd, name, False)
-                ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
-            except Exception as exc:
-                os.close(fd)  # nothing was read through it
+            self._read_file(fd, name, slot, page, done, False)
+
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0, flags)], path, opened)
+
+    def _read_file(self, fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool) -> None:
+        """Check the open ``fd`` of ``name``, then read header and page and close it in one chain.
+        ``now``: called from inside :meth:`start_load` (``done`` must then wait for the loop)."""
+        try:
+            check_page_fd(fd, name, False)
+            ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
+        except Exception as exc:
+            os.close(fd)  # nothing was read through it
+            if now:
+                asyncio.get_running_loop().call_soon(done, exc)
+            else:
                 done(exc)
-                return
-            ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
+            return
+        ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
 
-            def read(results: list[int]) -> None:
-                if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
-                    self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
-                got = 0
-                for res in results[:-1]:
-                    if res == -errno.ECANCELED:
-                        break  # a short read broke the chain: the file is truncated
-                    if res < 0:
-                        done(OSError(-res, os.strerror(-res)))
-                        return
-                    got += res
-                done(got)
+        def read(results: list[int]) -> None:
+            if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
+                self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
+            got = 0
+            for res in results[:-1]:
+                if res == -errno.ECANCELED:
+                    break  # a short read broke the chain: the file is truncated
+                if res < 0:
+                    done(OSError(-res, os.strerror(-res)))
+                    return
+                got += res
+            done(got)
 
-            self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=self._expect(ops))
-
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0,
-                                      os.O_RDONLY | OPEN_FLAGS)], path, opened)
+        self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=self._expect(ops))
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
@@ -672,31 +719,29 @@ class ThreadPageIO:
         self._fault(IOOp.OPEN)
         return open_page_file(name, flags, dir_fd, write, self.direct and direct)
 
-    def _recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
-                 page: PageBuffer, sync: bool) -> None:
+    def _recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int, page: PageBuffer,
+                 sync: bool) -> None:
         try:
             fd = self._open(victim_dir, victim, os.O_WRONLY, write=True, direct=page.aligned)
-            try:
-                self._fault(IOOp.RENAME)
-                os.rename(victim, temp, src_dir_fd=victim_dir, dst_dir_fd=dir_fd)
-            except BaseException:
-                os.close(fd)
-                raise
         except OSError as exc:
             raise _NotTaken(exc) from None
-        self._publish(dir_fd, temp, final, slot, page, sync, fd)
+        self._write_rename(fd, victim_dir, victim, dir_fd, final, slot, page, sync)
 
-    def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
-                 fd: int | None) -> None:
-        if fd is None:
-            try:
-                fd = self._open(dir_fd, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True, direct=page.aligned)
-            except OSError as exc:
-                if exc.errno == errno.EEXIST:
-                    raise _planted_temp(temp) from None
-                with contextlib.suppress(OSError):
-                    os.unlink(temp, dir_fd=dir_fd)
-                raise
+    def _publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool) -> None:
+        try:
+            fd = self._open(dir_fd, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, write=True, direct=page.aligned)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                raise _planted_temp(temp) from None
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            raise
+        self._write_rename(fd, dir_fd, temp, dir_fd, final, slot, page, sync)
+
+    def _write_rename(self, fd: int, src_dir: int, src: str, dir_fd: int, final: str, slot: int, page: PageBuffer,
+                      sync: bool) -> None:
+        """Header and page into ``fd`` (the file named ``src``), [fdatasync], close, rename ``src`` to
+        ``final``; on a fault ``src`` is removed (it holds a torn or misnamed file)."""
         try:
             self._fault(IOOp.WRITE)
             views = [self._slots.views[slot], page.view]
@@ -710,12 +755,12 @@ class ThreadPageIO:
             os.close(fd)
             fd = -1
             self._fault(IOOp.RENAME)
-            os.rename(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.rename(src, final, src_dir_fd=src_dir, dst_dir_fd=dir_fd)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dir_fd)
+                os.unlink(src, dir_fd=src_dir)
             raise
 
     def _load(self, dir_fd: int, name: str, slot: int, page: PageBuffer) -> int:
@@ -732,10 +777,10 @@ class ThreadPageIO:
 
     def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       done: Published) -> None:
-        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync, None)
+        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync)
         job.add_done_callback(lambda job: done(job.exception()))
 
-    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, temp: str, final: str, slot: int,
+    def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
         def finished(job: asyncio.Future[object]) -> None:
             exc = job.exception()
@@ -744,7 +789,7 @@ class ThreadPageIO:
             else:
                 done(exc, True)
 
-        self._start(self._recycle, victim_dir, victim, dir_fd, temp, final, slot, page, sync).add_done_callback(
+        self._start(self._recycle, victim_dir, victim, dir_fd, final, slot, page, sync).add_done_callback(
             finished)
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:

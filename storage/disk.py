@@ -405,16 +405,15 @@ class DiskTier:
             assert job.page is not None
             pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
             dir_fd, final = self._where(job.key)
-            temp = self._temp(job.key)
             if job.victim is None:
-                self._io.start_publish(dir_fd, temp, final, slot, job.page, self.config.sync_writes,
+                self._io.start_publish(dir_fd, self._temp(job.key), final, slot, job.page, self.config.sync_writes,
                                        functools.partial(self._written, job))
                 return
-            # The victim's file is renamed to ``temp`` in the chain: a new write of the victim's key
-            # waits until it left the name.
+            # The victim's file is overwritten under its name, then renamed to ``final``: a new
+            # write of the victim's key waits until it left the name.
             job.moved = asyncio.get_running_loop().create_future()
             self._moving[job.victim] = job.moved
-            self._io.start_recycle(*self._where(job.victim), dir_fd, temp, final, slot, job.page,
+            self._io.start_recycle(*self._where(job.victim), dir_fd, final, slot, job.page,
                                    self.config.sync_writes, functools.partial(self._recycled_done, job))
         except Exception:
             self._victim_moved(job)

@@ -18,6 +18,8 @@ which would hide what the file is; ``fcntl(F_SETFL)`` adds it once the file is k
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import os
@@ -95,3 +97,51 @@ def open_page_file(name: str, flags: int, dir_fd: int, write: bool, direct: bool
         os.close(fd)
         raise
     return fd
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (added in 5.6)
+RESOLVE_CACHED = 0x20
+"""``openat2`` resolve flag (5.12): fail with EAGAIN unless the lookup needs no I/O."""
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+class CachedOpen:
+    """Open an existing page file on the calling thread only when that cannot block: ``openat2``
+    with ``RESOLVE_CACHED`` answers EAGAIN unless every name on the way is in the kernel's lookup
+    caches. A recycled file (the least recently used one, written by this tier) usually is: the
+    overwrite then needs no ring round trip for its open. Not for creating files (O_CREAT needs I/O).
+
+    Where ``openat2`` or ``RESOLVE_CACHED`` is missing (before 5.12, or refused by a seccomp
+    filter answering ENOSYS), :meth:`open` answers None from then on."""
+
+    def __init__(self) -> None:
+        self.available = True
+        self._how = _OpenHow(0, 0, RESOLVE_CACHED)
+        self._how_ref = ctypes.byref(self._how)
+        self._size = ctypes.sizeof(_OpenHow)
+        self._syscall = _libc.syscall
+
+    def open(self, dir_fd: int, name: bytes, flags: int) -> int | None:
+        """The fd of ``name`` (relative to ``dir_fd``) opened with ``flags``, or None when opening it
+        would need I/O (or ``openat2`` is unavailable here). Raises ``OSError`` as ``openat``
+        would (a planted name: see :func:`classify_open_error`)."""
+        if not self.available:
+            return None
+        self._how.flags = flags
+        fd = self._syscall(_SYS_OPENAT2, dir_fd, name, self._how_ref, self._size)
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err == errno.EAGAIN:
+            return None
+        if err in (errno.ENOSYS, errno.EINVAL, errno.E2BIG):
+            # No openat2, or no RESOLVE_CACHED (EINVAL before 5.12): the ring opens every file
+            # from now on. (Our callers pass no flags openat2 could refuse with EINVAL.)
+            self.available = False
+            return None
+        raise OSError(err, os.strerror(err))

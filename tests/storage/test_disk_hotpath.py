@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
+from disk_helpers import assert_clean, config, fill, is_root, key_of, page_files, payload, reserve
 
 from aiokv.faults import FaultLog
 from aiokv.layout import KVLayout
@@ -405,15 +405,15 @@ async def test_recycled_writes_run_no_task_per_page(disk_dir: Path, backend: Dis
     assert_clean(pool)
 
 
-@pytest.mark.asyncio
-async def test_recycled_file_is_two_submissions(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
-    """io_uring: open the victim (checked on the loop), then one chain: rename it to the temporary
-    name, header and page, close, rename to the final name."""
+async def _recycle_chains(disk_dir: Path, layout: KVLayout, pool: PagePool, cold: bool) -> list[list[int]]:
+    """The submissions of one recycled write (io_uring, plain buffers); ``cold``: the victim's name
+    is first dropped from the kernel's lookup caches."""
     capacity = layout.page_bytes + 4096
     async with DiskTier(config(disk_dir, DiskBackend.URING, capacity), layout, pool) as tier:
         io = tier.backend
         assert isinstance(io, UringPageIO)
         h = fill(pool, key_of(1), 1)
+        expect = payload(pool, h)
         assert await tier.write(key_of(1), h)
         chains: list[list[int]] = []
         real = io.engine.submit
@@ -423,13 +423,43 @@ async def test_recycled_file_is_two_submissions(disk_dir: Path, layout: KVLayout
             chains.append([op[0] for op in ops])
             real(ops, keep, callback, future, expect)
 
+        if cold:  # unused dentries and inodes out of the kernel's caches
+            await asyncio.to_thread(Path("/proc/sys/vm/drop_caches").write_text, "2")
         io.engine.submit = spy  # type: ignore[method-assign]
         assert await tier.write(key_of(2), h)
+        io.engine.submit = real  # type: ignore[method-assign]
         pool.table.release(h)
+        pool.table.evict(64)
         assert tier.statistics().recycled == 1
-        assert chains == [[OP_OPENAT], [uring_module.OP_RENAMEAT, uring_module.OP_WRITEV, uring_module.OP_CLOSE,
-                                        uring_module.OP_RENAMEAT]]
+        assert not tier.contains(key_of(1))
+        into = reserve(pool, key_of(50))
+        assert await tier.read(key_of(2), into)
+        assert payload(pool, into).equal(expect)
+        pool.table.abort(into)
     assert_clean(pool)
+    assert [p.name for p in page_files(disk_dir)] == [key_of(2).hex()]
+    return chains
+
+
+@pytest.mark.asyncio
+async def test_recycled_file_is_one_chain(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    """io_uring: the victim (just written: its name is in the lookup caches) opens on the loop
+    (openat2 RESOLVE_CACHED, checked), then one chain writes it, closes it and renames it to the
+    final name: no temporary name, no second rename, no OPENAT round trip."""
+    chains = await _recycle_chains(disk_dir, layout, pool, cold=False)
+    assert chains == [[uring_module.OP_WRITEV, uring_module.OP_CLOSE, uring_module.OP_RENAMEAT]]
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_recycled_file_not_in_the_caches_opens_through_the_ring(disk_dir: Path, layout: KVLayout,
+                                                                      pool: PagePool) -> None:
+    """A victim whose name left the kernel's lookup caches (dropped for real: needs root) is not
+    opened on the loop (the lookup could read the disk): an OPENAT through the ring first."""
+    if not is_root():
+        pytest.skip("dropping the kernel's caches needs root")
+    chains = await _recycle_chains(disk_dir, layout, pool, cold=True)
+    assert chains == [[OP_OPENAT], [uring_module.OP_WRITEV, uring_module.OP_CLOSE, uring_module.OP_RENAMEAT]]
 
 
 @pytest.mark.asyncio
@@ -597,7 +627,8 @@ async def test_checksum_results_reach_the_loop_in_one_wake_up() -> None:
 @pytest.mark.asyncio
 async def test_a_page_costs_one_completion_per_submission(disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
     # #14: every op of a page's chain posted a CQE (five per new file, six per recycled one), each
-    # drained and matched in Python on the loop; now the successful ones stay silent.
+    # drained and matched in Python on the loop; now the successful ones stay silent, and a file
+    # whose name is in the kernel's lookup caches is opened on the loop (no OPENAT round trip).
     async with DiskTier(config(disk_dir, DiskBackend.URING, layout.page_bytes + 4096), layout, pool) as tier:
         io = tier.backend
         assert isinstance(io, UringPageIO)
@@ -617,12 +648,13 @@ async def test_a_page_costs_one_completion_per_submission(disk_dir: Path, layout
         assert len(cqes) == 1  # a new file: one chain
         cqes.clear()
         assert await tier.write(key_of(2), h)  # recycles key 1's file
-        assert len(cqes) == 2 and tier.statistics().recycled == 1  # victim open, then one chain
+        assert len(cqes) == 1 and tier.statistics().recycled == 1  # victim opened on the loop, one chain
         pool.table.release(h)
         cqes.clear()
         into = reserve(pool, key_of(3))
         assert await tier.read(key_of(2), into)
-        assert len(cqes) == 2  # open, then one chain
+        assert len(cqes) == 1  # opened on the loop (its name is in the lookup caches), one chain
         assert payload(pool, into).equal(expect)
         pool.table.abort(into)
     assert_clean(pool)
+
