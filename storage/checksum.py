@@ -40,7 +40,7 @@ class Checksums:
     instance: results of the threads reach it in batches, one wake-up of the loop for all the
     hashes finished meanwhile (a wake-up per page cost a socket write, a poll and a read)."""
 
-    def __init__(self, inline_bytes: int | None = None, threads: int | None = None) -> None:
+    def __init__(self, inline_bytes: int | None = None, threads: int | None = None, start: bool = True) -> None:
         # None: the module constants as they are now (read here, so tests and the lead's config can set them).
         self._inline = INLINE_CHECKSUM_BYTES if inline_bytes is None else inline_bytes
         threads = CHECKSUM_THREADS if threads is None else threads
@@ -52,6 +52,12 @@ class Checksums:
         self._wake_pending = False  # a _deliver is scheduled on the loop and has not taken the results yet
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]
+        if start:
+            self.start_threads()
+
+    def start_threads(self) -> None:
+        """Start the threads (``start=False``: from a thread other than the loop's — ``Thread.start``
+        waits until the new thread runs, which on a loaded machine holds the caller for ms)."""
         for thread in self._threads:
             thread.start()
 
@@ -131,8 +137,14 @@ class Checksums:
 
     async def aclose(self) -> None:
         """Stop the threads once the queued hashes are done. Idempotent."""
-        threads, self._threads = self._threads, []
-        for _ in threads:
-            self._jobs.put(None)
+        threads = self.close_nowait()
         for thread in threads:
             await asyncio.to_thread(thread.join)
+
+    def close_nowait(self) -> list[threading.Thread]:
+        """Tell the started threads to stop once the queued hashes are done (they are daemons);
+        returns them, to join. Idempotent."""
+        threads, self._threads = [t for t in self._threads if t.ident is not None], []
+        for _ in threads:
+            self._jobs.put(None)
+        return threads

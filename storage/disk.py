@@ -124,10 +124,15 @@ class DiskTier:
         """
         if self._dir is not None or self._close_task is not None:
             raise RuntimeError("disk tier already started")
+        # Its threads start in the thread that prepares the directory: Thread.start waits until the
+        # new thread runs, which held the loop for ms on a loaded machine (#11).
+        checksums = Checksums(start=False)
         try:
-            prepared = await _in_thread_owned(prepare, self.files)
-        except UnsafeDirectoryError as exc:
-            log.error("%s", exc.strerror)
+            prepared = await _in_thread_owned(functools.partial(_start_then_prepare, checksums), self.files)
+        except BaseException as exc:
+            checksums.close_nowait()
+            if isinstance(exc, UnsafeDirectoryError):
+                log.error("%s", exc.strerror)
             raise
         try:
             direct = self._choose_direct(prepared.direct)
@@ -139,10 +144,11 @@ class DiskTier:
                 raise
         except BaseException:
             prepared.close()
+            checksums.close_nowait()
             raise
         self._dir = prepared
         self._slots = slots
-        self._checksums = Checksums()
+        self._checksums = checksums
         for fault, what in prepared.faults:
             self._faults.count(fault, what)
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
@@ -939,6 +945,12 @@ class DiskTier:
             self.pool.table.release(handle)
         except StaleHandleError:
             log.exception("disk tier: page reference already released")
+
+
+def _start_then_prepare(checksums: Checksums, files: PageFiles) -> Prepared:
+    """In a worker thread: start the checksum threads, then :func:`prepare` the directory."""
+    checksums.start_threads()
+    return prepare(files)
 
 
 async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles) -> Prepared:

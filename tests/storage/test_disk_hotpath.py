@@ -658,3 +658,28 @@ async def test_a_page_costs_one_completion_per_submission(disk_dir: Path, layout
         pool.table.abort(into)
     assert_clean(pool)
 
+
+@pytest.mark.asyncio
+async def test_checksum_threads_start_off_the_loop(disk_dir: Path, backend: DiskBackend, layout: KVLayout,
+                                                   pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # #11/#14: ``Thread.start`` waits until the new thread runs; started from the loop it held the
+    # loop for ms on a loaded machine. The tier starts its checksum threads in its preparing thread.
+    starts: list[tuple[str, int]] = []
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        starts.append((self.name, threading.get_ident()))
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    loop_thread = threading.get_ident()
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        monkeypatch.undo()
+        hashers = [ident for name, ident in starts if name.startswith("aiokv-checksum")]
+        assert hashers, starts
+        assert loop_thread not in hashers
+        h = fill(pool, key_of(1), 1)
+        assert await tier.write(key_of(1), h)  # the threads serve
+        pool.table.release(h)
+    assert not [t for t in threading.enumerate() if t.name.startswith("aiokv-checksum")]
+    assert_clean(pool)
