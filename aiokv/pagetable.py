@@ -19,8 +19,7 @@ import bisect
 import enum
 import operator
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,6 +92,14 @@ class Reservation(NamedTuple):
     handle: PageHandle | None = None
 
 
+_SHARDS = 256
+"""Dicts the key index (and the page -> key map) are split into. A dict rebuilds its whole hash
+table once its free slots run out, and under churn (a page freed for each one stored) that is every
+few hundred thousand inserts: 262K keys in one dict took 5-35 ms each time, a loop stall. A 256th
+of it is a rebuild of ~1K keys (~4K for a 1M-page pool). Keys are digests: their first byte, which
+picks the dict, is uniform."""
+_MASK = _SHARDS - 1
+
 _new_reservation = tuple.__new__  # Reservation without its Python-level __new__ (the hot loop's own)
 _RESERVED_OUTCOME, _PRESENT_OUTCOME = ReserveOutcome.RESERVED, ReserveOutcome.PRESENT
 _PENDING_OUTCOME, _EXHAUSTED_OUTCOME = ReserveOutcome.PENDING, ReserveOutcome.EXHAUSTED
@@ -119,12 +126,14 @@ class PageTable:
     """Bookkeeping for ``capacity`` pages; pages become usable through :meth:`add_usable`.
 
     Per-page state lives in flat columns indexed by page id (memoryviews of zeroed numpy arrays for
-    states, reference counts and generations; a dict of the keys of pages in use), not in one
-    Python object per page: building a table allocates a few zeroed regions whatever its size
-    (nothing is written until a page is used), and a large table adds nothing for the cyclic GC to
-    walk. (One object per page made a 262,144-page table trigger GC passes that stalled the event
-    loop ~100 ms.) Scalar access to a memoryview costs about what an attribute of a slotted object
-    did; counts over all pages use numpy views.
+    states, reference counts, generations and the LRU's links; the keys of pages in use in dicts
+    split by key), not in one Python object per page: building a table allocates a few zeroed
+    regions whatever its size (nothing is written until a page is used), and a large table adds
+    nothing for the cyclic GC to walk. (One object per page made a 262,144-page table trigger GC
+    passes that stalled the event loop ~100 ms.) Scalar access to a memoryview costs about what an
+    attribute of a slotted object did; counts over all pages use numpy views. No structure is ever
+    rebuilt whole on the hot path: the LRU is a linked list through two columns, and the dicts are
+    small (see ``_SHARDS``). Keys are ``bytes`` (16-byte page digests).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -149,9 +158,17 @@ class PageTable:
         self._fresh_stops: array[int] = array("q")
         self._fresh = 0
         self._usable = 0
-        self._index: dict[PageKey, int] = {}  # key -> page of every page not FREE (no reverse column:
-        # a handle carries its key, and the LRU its pages' keys)
-        self._lru: OrderedDict[int, PageKey] = OrderedDict()  # READY, refs == 0, -> key; oldest first
+        # key -> page and page -> key of every page not FREE, by key[0] and by page & _MASK.
+        self._index: list[dict[PageKey, int]] = [{} for _ in range(_SHARDS)]
+        self._keys: list[dict[int, PageKey]] = [{} for _ in range(_SHARDS)]
+        # The LRU: READY pages with refs == 0, exactly, oldest first. A doubly linked list through
+        # the columns _prev/_next, node `capacity` its sentinel (an OrderedDict's hash table was
+        # rebuilt under churn like any dict's, 5-35 ms at 262K pages). Membership is the state and
+        # the reference count, so a page off the list keeps stale links nobody reads.
+        self._head = capacity
+        self._prev: memoryview = np.zeros(capacity + 1, np.int64).data
+        self._next: memoryview = np.zeros(capacity + 1, np.int64).data
+        self._prev[capacity] = self._next[capacity] = capacity
         self._evictions = 0
         self._exhausted = 0
         self._commits = 0
@@ -199,30 +216,36 @@ class PageTable:
 
     def state_of(self, key: PageKey) -> PageState:
         """FREE when the key is unknown, else the state of its page."""
-        page = self._index.get(key)
+        page = self._index[key[0]].get(key)
         return PageState.FREE if page is None else _STATES[self._state[page]]
 
     def contains(self, key: PageKey) -> bool:
         """True when ``key`` is READY."""
-        page = self._index.get(key)
+        page = self._index[key[0]].get(key)
         return page is not None and self._state[page] == _READY
 
     def acquire(self, key: PageKey) -> PageHandle | None:
         """A reference on the READY page of ``key`` (refreshing its LRU position), or None."""
-        page = self._index.get(key)
+        page = self._index[key[0]].get(key)
         if page is None or self._state[page] != _READY:
             return None
-        self._refs[page] += 1
-        self._lru.pop(page, None)
+        refs = self._refs[page]
+        if refs == 0:  # off the LRU (unlinked inline: once per page of every match)
+            prev, nxt = self._prev, self._next
+            before, after = prev[page], nxt[page]
+            nxt[before] = after
+            prev[after] = before
+        self._refs[page] = refs + 1
         return PageHandle(page, self._generation[page], key)
 
     def touch(self, key: PageKey) -> bool:
         """Mark the READY page of ``key`` most recently used; False when it is not READY."""
-        page = self._index.get(key)
+        page = self._index[key[0]].get(key)
         if page is None or self._state[page] != _READY:
             return False
-        if page in self._lru:
-            self._lru.move_to_end(page)
+        if self._refs[page] == 0:
+            self._unlink(page)
+            self._link_last(page)
         return True
 
     def acquire_prefix(self, keys: Sequence[PageKey]) -> list[PageHandle]:
@@ -240,7 +263,8 @@ class PageTable:
         if handle._released:
             raise StaleHandleError(f"{handle!r} was already released")
         page = handle.page
-        if self._generation[page] != handle.generation or self._index.get(handle.key) != page:
+        key = handle.key
+        if self._generation[page] != handle.generation or self._index[key[0]].get(key) != page:
             raise StaleHandleError(f"{handle!r} refers to a recycled page")
         return page
 
@@ -252,17 +276,22 @@ class PageTable:
         handle._released = True
         refs = self._refs[page] - 1
         self._refs[page] = refs
-        if refs == 0:
-            self._lru[page] = handle.key
-            self._wake_reclaimable()
+        if refs == 0:  # onto the LRU, most recent (inline: once per page of every load)
+            prev, nxt, head = self._prev, self._next, self._head
+            last = prev[head]
+            nxt[last] = page
+            prev[page] = last
+            nxt[page] = head
+            prev[head] = page
+            if self._reclaimable is not None:
+                self._wake_reclaimable()
 
     def retain(self, handle: PageHandle) -> PageHandle:
         """A second, independent reference on the page of a live handle."""
         page = self.check(handle)
         if self._state[page] != _READY:
             raise StaleHandleError(f"{handle!r} is a reservation: commit it before sharing it")
-        self._refs[page] += 1
-        self._lru.pop(page, None)
+        self._refs[page] += 1  # a live reference: the page is off the LRU already
         return PageHandle(page, self._generation[page], handle.key)
 
     # -- two-phase writes ---------------------------------------------------------------------
@@ -273,73 +302,105 @@ class PageTable:
         Returns one :class:`Reservation` per key, in order. Once one key is EXHAUSTED, every later
         key that would need a new page is EXHAUSTED too (a prefix stays a prefix). READY pages of
         ``keys`` become the most recently used, and are never evicted to make room for the later
-        keys of the same call (that would drop a prefix to store its continuation).
+        keys of the same call (that would drop a prefix to store its continuation). Raises
+        ``TypeError``/``IndexError`` for a key that is not non-empty ``bytes``, with this call's
+        reservations undone (its evictions stay done).
         """
         out: list[Reservation] = []
         exhausted = False
-        present: list[tuple[int, PageKey]] = []  # READY, unreferenced pages of this call: out of the LRU meanwhile
-        # Locals, and the allocation and eviction paths inlined: this loop runs once per page of
-        # every offload, on the event loop (a 256-page batch is one synchronous step).
-        index, state, lru, recycled = self._index, self._state, self._lru, self._recycled
-        refs, generation = self._refs, self._generation
+        # READY pages of this call: held by a reference meanwhile (off the LRU, as the caller's own
+        # would be, also for an on_evict callback that looks), given back below.
+        present: list[int] = []
+        # Locals, and the allocation, eviction and list paths inlined: this loop runs once per page
+        # of every offload, on the event loop (a 256-page batch is one synchronous step).
+        index, page_keys, state, recycled = self._index, self._keys, self._state, self._recycled
+        refs, generation, prev, nxt, head = self._refs, self._generation, self._prev, self._next, self._head
         fresh_starts, fresh_stops = self._fresh_starts, self._fresh_stops
-        append, new = out.append, _new_reservation
-        for key in keys:
-            page = index.get(key)
-            if page is not None:
-                outcome = _PRESENT_OUTCOME if state[page] == _READY else _PENDING_OUTCOME
-                if page in lru:
-                    del lru[page]
-                    present.append((page, key))
-                append(new(Reservation, (key, outcome, None)))
-                continue
-            if exhausted:
-                self._exhausted += 1
-                append(new(Reservation, (key, _EXHAUSTED_OUTCOME, None)))
-                continue
-            if recycled:
-                page = recycled.pop()
-            elif fresh_starts:
-                page = fresh_starts[-1]
-                if page + 1 == fresh_stops[-1]:
-                    fresh_starts.pop()
-                    fresh_stops.pop()
+        append, new, mask = out.append, _new_reservation, _MASK
+        try:
+            for key in keys:
+                shard = index[key[0]]
+                page = shard.get(key)
+                if page is not None:
+                    if state[page] == _READY:
+                        count = refs[page]
+                        if count == 0:
+                            before, after = prev[page], nxt[page]
+                            nxt[before] = after
+                            prev[after] = before
+                        refs[page] = count + 1
+                        present.append(page)
+                        append(new(Reservation, (key, _PRESENT_OUTCOME, None)))
+                    else:
+                        append(new(Reservation, (key, _PENDING_OUTCOME, None)))
+                    continue
+                if exhausted:
+                    self._exhausted += 1
+                    append(new(Reservation, (key, _EXHAUSTED_OUTCOME, None)))
+                    continue
+                if recycled:
+                    page = recycled.pop()
+                elif fresh_starts:
+                    page = fresh_starts[-1]
+                    if page + 1 == fresh_stops[-1]:
+                        fresh_starts.pop()
+                        fresh_stops.pop()
+                    else:
+                        fresh_starts[-1] = page + 1
+                    self._fresh -= 1
+                elif (page := nxt[head]) != head and self.on_evict is None:
+                    # Evict the least recently used page straight into this reservation (_free_page
+                    # without the trip through the recycled stack; its page -> key entry is
+                    # overwritten below).
+                    after = nxt[page]
+                    nxt[head] = after
+                    prev[after] = head
+                    old = page_keys[page & mask][page]
+                    del index[old[0]][old]
+                    generation[page] += 1
+                    self._evictions += 1
+                elif page != head:
+                    page = self._allocate()  # evicts through _evict_one, which calls on_evict
+                    assert page is not None  # the LRU was not empty
                 else:
-                    fresh_starts[-1] = page + 1
-                self._fresh -= 1
-            elif lru and self.on_evict is None:
-                # Evict the least recently used page straight into this reservation (_free_page
-                # without the trip through the recycled stack).
-                page, old = lru.popitem(last=False)
-                del index[old]
-                generation[page] += 1
-                self._evictions += 1
-            elif lru:
-                page = self._allocate()  # evicts through _evict_one, which calls on_evict
-                assert page is not None  # the LRU was not empty
-            else:
-                exhausted = True
-                self._exhausted += 1
-                append(new(Reservation, (key, _EXHAUSTED_OUTCOME, None)))
-                continue
-            state[page] = _RESERVED
-            refs[page] = 1
-            index[key] = page
-            append(new(Reservation, (key, _RESERVED_OUTCOME, PageHandle(page, generation[page], key))))
-        # Back as most recently used, the call's first page last: a later eviction takes the
-        # deepest page of the prefix first, which keeps the rest of the prefix matchable.
-        for page, key in reversed(present):
-            lru[page] = key
+                    exhausted = True
+                    self._exhausted += 1
+                    append(new(Reservation, (key, _EXHAUSTED_OUTCOME, None)))
+                    continue
+                state[page] = _RESERVED
+                refs[page] = 1
+                shard[key] = page
+                page_keys[page & mask][page] = key
+                append(new(Reservation, (key, _RESERVED_OUTCOME, PageHandle(page, generation[page], key))))
+        except BaseException:
+            # A bad key (not bytes, empty): undo this call's reservations (evictions stay done).
+            for reservation in out:
+                if reservation.handle is not None:
+                    self.abort(reservation.handle)
+            raise
+        finally:
+            # Back as most recently used, the call's first page last: a later eviction takes the
+            # deepest page of the prefix first, which keeps the rest of the prefix matchable.
+            for page in reversed(present) if present else ():
+                count = refs[page] - 1
+                refs[page] = count
+                if count == 0:
+                    last = prev[head]
+                    nxt[last] = page
+                    prev[page] = last
+                    nxt[page] = head
+                    prev[head] = page
         return out
 
     def commit(self, handle: PageHandle, *, keep: bool = False) -> PageHandle | None:
         """RESERVED -> READY; wakes waiters with True. With ``keep`` returns a reference to hold."""
         # check() and _reserved_page() inlined: once per page of every offload.
         page = handle.page
+        key = handle.key
         if (
             handle._released
             or self._generation[page] != handle.generation
-            or self._index.get(handle.key) != page
+            or self._index[key[0]].get(key) != page
             or self._state[page] != _RESERVED
         ):
             self._reserved_page(handle)  # raises the precise StaleHandleError
@@ -349,11 +410,16 @@ class PageTable:
         if self._waiters:
             self._wake(page, True)
         if keep:
-            return PageHandle(page, self._generation[page], handle.key)
+            return PageHandle(page, self._generation[page], key)
         refs = self._refs[page] - 1
         self._refs[page] = refs
-        if refs == 0:
-            self._lru[page] = handle.key
+        if refs == 0:  # onto the LRU, most recent (linked inline: once per page of every offload)
+            prev, nxt, head = self._prev, self._next, self._head
+            last = prev[head]
+            nxt[last] = page
+            prev[page] = last
+            nxt[page] = head
+            prev[head] = page
             if self._reclaimable is not None:
                 self._wake_reclaimable()
         return None
@@ -386,7 +452,7 @@ class PageTable:
         Returns at once with whether it is READY when it is not RESERVED. Cancelling the waiter
         never disturbs other waiters or the page.
         """
-        page = self._index.get(key)
+        page = self._index[key[0]].get(key)
         if page is None:
             return False
         state = self._state[page]
@@ -419,9 +485,14 @@ class PageTable:
 
     def _evict_one(self) -> PageKey | None:
         """Free the least recently used evictable page (onto the recycled stack); its key, or None."""
-        if not self._lru:
+        prev, nxt, head = self._prev, self._next, self._head
+        page = nxt[head]
+        if page == head:
             return None
-        page, key = self._lru.popitem(last=False)
+        after = nxt[page]
+        nxt[head] = after
+        prev[after] = head
+        key = self._keys[page & _MASK][page]
         self._free_page(page, key)
         self._evictions += 1
         if self.on_evict is not None:
@@ -430,12 +501,36 @@ class PageTable:
 
     def discard(self, key: PageKey) -> bool:
         """Drop an unreferenced READY page (e.g. its content was found bad); False if it could not be."""
-        page = self._index.get(key)
-        if page is None or page not in self._lru:
+        page = self._index[key[0]].get(key)
+        if page is None or self._state[page] != _READY or self._refs[page] != 0:
             return False
-        del self._lru[page]
+        self._unlink(page)
         self._free_page(page, key)
         return True
+
+    def _unlink(self, page: int) -> None:
+        """Take ``page`` off the LRU (it must be on it)."""
+        prev, nxt = self._prev, self._next
+        before, after = prev[page], nxt[page]
+        nxt[before] = after
+        prev[after] = before
+
+    def _link_last(self, page: int) -> None:
+        """Put ``page`` on the LRU as its most recently used page (it must be off it)."""
+        prev, nxt, head = self._prev, self._next, self._head
+        last = prev[head]
+        nxt[last] = page
+        prev[page] = last
+        nxt[page] = head
+        prev[head] = page
+
+    def _lru_pages(self) -> Iterator[int]:
+        """The LRU's pages, oldest first (a walk over the list: for tests and introspection)."""
+        nxt, head = self._next, self._head
+        page = nxt[head]
+        while page != head:
+            yield page
+            page = nxt[page]
 
     def _allocate(self) -> int | None:
         if self._recycled:
@@ -456,7 +551,8 @@ class PageTable:
 
     def _free_page(self, page: int, key: PageKey) -> None:
         """Page ``page``, which holds ``key``, becomes FREE (on the recycled stack)."""
-        del self._index[key]
+        del self._index[key[0]][key]
+        del self._keys[page & _MASK][page]
         self._state[page] = _FREE
         self._refs[page] = 0
         self._generation[page] += 1
@@ -470,14 +566,15 @@ class PageTable:
         state = np.frombuffer(self._state, dtype=np.uint8)
         ready = state == _READY
         referenced = np.count_nonzero(ready & (np.frombuffer(self._refs, dtype=np.int64) > 0))
+        ready_count = int(np.count_nonzero(ready))
         return PageTableStatistics(
             capacity=self.capacity,
             usable=self._usable,
             free=len(self._recycled) + self._fresh,
             reserved=int(np.count_nonzero(state == _RESERVED)),
-            ready=int(np.count_nonzero(ready)),
+            ready=ready_count,
             referenced=int(referenced),
-            evictable=len(self._lru),
+            evictable=ready_count - int(referenced),  # the LRU's pages, exactly (an invariant)
             evictions=self._evictions,
             exhausted=self._exhausted,
             commits=self._commits,
@@ -508,18 +605,36 @@ class PageTable:
         assert (refs >= 0).all(), "negative refs"
         free_pages = np.flatnonzero(state == _FREE)
         assert not refs[free_pages].any(), "a free page has refs"
-        keys = {page: key for key, page in self._index.items()}
-        assert len(keys) == len(self._index), "two keys on one page"
+        index = {key: page for shard in self._index for key, page in shard.items()}
+        assert len(index) == sum(map(len, self._index)), "a key in two index shards"
+        assert all(key[0] == n for n, shard in enumerate(self._index) for key in shard), "a key in the wrong shard"
+        keys = {page: key for key, page in index.items()}
+        assert len(keys) == len(index), "two keys on one page"
+        page_keys = {page: key for shard in self._keys for page, key in shard.items()}
+        wrong = [page for n, shard in enumerate(self._keys) for page in shard if page & _MASK != n]
+        assert not wrong, f"pages in the wrong shard: {wrong}"
+        assert page_keys == keys, "the page -> key map differs from the index"
         assert not any(p in keys for p in free_pages.tolist()), "a free page has a key"
         assert (refs[state == _RESERVED] >= 1).all(), "a reserved page lacks the reserver's ref"
-        lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
+        # The LRU: a well-linked list from the sentinel, both ways, visiting each page once.
+        prev, nxt, head = self._prev, self._next, self._head
+        assert 0 <= nxt[head] <= head and 0 <= prev[head] <= head, "the sentinel's links are out of range"
+        lru: list[int] = []
+        page = nxt[head]
+        while page != head:
+            assert len(lru) < self.capacity, "the LRU has a cycle"
+            assert 0 <= page < self.capacity, f"an LRU link out of range: {page}"
+            assert nxt[prev[page]] == page, f"the LRU's links disagree at page {page}"
+            lru.append(page)
+            page = nxt[page]
+        assert prev[head] == (lru[-1] if lru else head), "the LRU's last link is wrong"
+        assert len(set(lru)) == len(lru), "a page twice on the LRU"
         in_lru = np.zeros(self.capacity, dtype=bool)
-        in_lru[lru] = True
+        in_lru[np.asarray(lru, dtype=np.int64)] = True
         evictable = (state == _READY) & (refs == 0)
         assert (in_lru == evictable).all(), "LRU membership differs from READY pages without refs"
         for page in np.flatnonzero(state != _FREE).tolist():
             assert page in keys, f"index broken at {page}"
-        assert all(keys.get(page) == key for page, key in self._lru.items()), "the LRU's key of a page is wrong"
-        assert len(self._index) == int(np.count_nonzero(state != _FREE)), "stale index"
+        assert len(index) == int(np.count_nonzero(state != _FREE)), "stale index"
         assert all(state[p] == _RESERVED for p in self._waiters), "a waiter on a page not RESERVED"
-        assert free.size + len(self._index) == self._usable, "pages lost or invented"
+        assert free.size + len(index) == self._usable, "pages lost or invented"

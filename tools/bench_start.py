@@ -28,6 +28,10 @@ prints ratios against it.
 ``offload`` and ``prefetch`` starts with) for a list, a tuple, a numpy array and a CPU tensor of that
 many ids; with ``--against REV``, that revision's ``aiokv/keys.py`` alternates call by call.
 
+``--churn PAGES...`` times single insert, lookup and evict calls on a full table for twice as many
+rounds as it has pages (``--churn-ops``): p50, p99, p99.9 and max per operation, with ``--against REV``
+alternated table by table (a dict rebuilding its hash table shows as a rare multi-ms max).
+
 ``--first-start N`` runs N fresh processes per mode, a CUDA KV buffer (``--device``), with and without
 ``KVCache.preload`` before the loop, alternated: the loop's worst stall during the first ``start()``
 and the first two offloads (1 GiB pool, no disk tier).
@@ -37,13 +41,16 @@ and the first two offloads (1 GiB pool, no disk tier).
     python tools/bench_start.py --table 65536 262144 1048576 --against b6a79ae
     python tools/bench_start.py --token-array 4096 131072 --against HEAD~1 --ops-repeat 2000
     python tools/bench_start.py --first-start 5                # H200: CUDA first start, preload or not
+    python tools/bench_start.py --churn 262144 --against HEAD~1 --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
+import itertools
 import json
 import multiprocessing
 import multiprocessing.synchronize
@@ -54,6 +61,7 @@ import subprocess
 import sys
 import time
 import types
+from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -474,6 +482,123 @@ def report_tokens(rows: list[TokenRow]) -> None:
                 print(f"  {r.tokens:7d} {r.kind:>7}: {r.median_us:.1f}/{o.median_us:.1f} = {ratio:.2f}x")
 
 
+@dataclass(frozen=True)
+class ChurnRow:
+    impl: str
+    pages: int
+    op: str
+    count: int
+    p50_us: float
+    p99_us: float
+    p999_us: float
+    max_us: float
+    over_1ms: int
+
+
+def measure_churn(impl: str, module: types.ModuleType, pages: int, ops: int) -> list[ChurnRow]:
+    """A full table (every page READY), then ``ops`` rounds of: insert one new key (reserve +
+    commit; every other round it evicts the least recently used page inline, the others take the
+    page an explicit ``evict(1)`` freed), look one resident key up (acquire + release), and every
+    other round ``evict(1)``. Each call timed alone, in this thread's CPU time (a busy machine's
+    preemptions are not the table's); cyclic GC off (its passes are not the table's either)."""
+    table = module.PageTable(pages)
+    for first in range(0, pages, 4096):
+        table.add_usable(range(first, min(first + 4096, pages)))
+    keys = (i.to_bytes(8, "little") * 2 for i in itertools.count(1))  # digests' first bytes vary
+    recent: collections.deque[bytes] = collections.deque(maxlen=1024)
+    for _ in range(pages // 256):
+        batch = [next(keys) for _ in range(256)]
+        for r in table.reserve(batch):
+            table.commit(r.handle)
+        recent.extend(batch)
+    times = {op: array("q", bytes(8 * ops)) for op in ("insert", "lookup", "evict")}
+    insert, lookup, evict = times["insert"], times["lookup"], times["evict"]
+    clock = time.thread_time_ns  # CPU time of this thread: a shared machine's preemptions stay out
+    evicted = 0
+    gc.disable()
+    try:
+        for i in range(ops):
+            key = next(keys)
+            began = clock()
+            (r,) = table.reserve([key])
+            table.commit(r.handle)
+            insert[i] = clock() - began
+            recent.append(key)
+            resident = recent[0]
+            began = clock()
+            handle = table.acquire(resident)
+            table.release(handle)
+            lookup[i] = clock() - began
+            if i % 2:
+                began = clock()
+                table.evict(1)
+                evict[evicted] = clock() - began
+                evicted += 1
+    finally:
+        gc.enable()
+    rows = []
+    for op, samples in times.items():
+        count = evicted if op == "evict" else ops
+        us = np.frombuffer(samples, dtype=np.int64)[:count] / 1000.0
+        p50, p99, p999 = np.percentile(us, [50, 99, 99.9])
+        rows.append(
+            ChurnRow(
+                impl,
+                pages,
+                op,
+                count,
+                round(float(p50), 2),
+                round(float(p99), 2),
+                round(float(p999), 2),
+                round(float(us.max()), 1),
+                int((us > 1000).sum()),
+            )
+        )
+    return rows
+
+
+def run_churn(args: argparse.Namespace) -> list[ChurnRow]:
+    impls: list[tuple[str, types.ModuleType]] = [("current", aiokv.pagetable)]
+    if args.against:
+        impls.append((args.against, load_module(args.against)))
+    rows: list[ChurnRow] = []
+    for pages in args.churn:
+        for rep in range(args.repeat):
+            for impl, module in impls if rep % 2 == 0 else impls[::-1]:
+                for row in measure_churn(impl, module, pages, args.churn_ops or 2 * pages):
+                    rows.append(row)
+                    print(json.dumps(asdict(row)), file=sys.stderr)
+                gc.collect()
+    return rows
+
+
+def report_churn(rows: list[ChurnRow]) -> None:
+    print(
+        f"{'impl':>9} {'pages':>8} {'op':>7} {'count':>8} {'p50 us':>7} {'p99 us':>7} {'p99.9 us':>8} "
+        f"{'max us':>8} {'>1ms':>5}"
+    )
+    for r in rows:
+        print(
+            f"{r.impl:>9} {r.pages:8d} {r.op:>7} {r.count:8d} {r.p50_us:7.2f} {r.p99_us:7.2f} {r.p999_us:8.2f} "
+            f"{r.max_us:8.1f} {r.over_1ms:5d}"
+        )
+    for other in sorted({r.impl for r in rows} - {"current"}):
+        print(f"ratios current/{other} (medians over repeats): p50, p99, max")
+        for pages in sorted({r.pages for r in rows}):
+            for op in ("insert", "lookup", "evict"):
+
+                def med(impl: str, field: str, n: int = pages, o: str = op) -> float:
+                    return float(
+                        statistics.median(getattr(r, field) for r in rows if (r.impl, r.pages, r.op) == (impl, n, o))
+                    )
+
+                parts = []
+                for field in ("p50_us", "p99_us", "max_us"):
+                    a, b = med("current", field), med(other, field)
+                    parts.append(f"{a:.2f}/{b:.2f} = {a / b:.2f}x")
+                print(f"  {pages:8d} {op:>7}: " + "; ".join(parts))
+
+
 FIRST_START = """
 import asyncio, gc, json, sys, time
 import torch
@@ -576,12 +701,18 @@ def main() -> int:
     parser.add_argument("--first-start", type=int, help="fresh processes per mode: first start with/without preload")
     parser.add_argument("--device", default="cuda", help="KV buffer device (--first-start)")
     parser.add_argument("--transfer-path", default="default", help="TransferPath value or 'default' (--first-start)")
+    parser.add_argument("--churn", type=int, nargs="+", help="page counts: insert/lookup/evict latency, full table")
+    parser.add_argument("--churn-ops", type=int, help="rounds per table (--churn; default twice its pages)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    if args.first_start:
+    if args.churn:
+        churn_rows = run_churn(args)
+        report_churn(churn_rows)
+        dumped: list[dict[str, object]] = [asdict(r) for r in churn_rows]
+    elif args.first_start:
         start_rows = run_first_start(args)
         report_first_start(start_rows)
-        dumped: list[dict[str, object]] = start_rows
+        dumped = start_rows
     elif args.token_array:
         token_rows = run_tokens(args)
         report_tokens(token_rows)
