@@ -21,8 +21,9 @@ files and goes on empty.
 
 SGLang calls storage backends synchronously from its prefetch and backup threads; each call hands
 its pages to aiokv's event loop (a thread of the backend's own) and waits for them. Keys: SGLang's
-page hash strings under aiokv's seed of the model identity (model, TP/PP/CP shard, host layout,
-dtype, page bytes, interface) and namespace; each identity has its own directory.
+page hash strings under aiokv's seed of the model identity (model, TP/PP/CP/DCP shard, DP group,
+host layout, dtype, page bytes, interface) and namespace; each identity has its own directory.
+MLA pages carry no TP rank: the ranks share their directory, one writing, all reading.
 """
 
 from __future__ import annotations
@@ -103,7 +104,12 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     ``StorageBackendFactory`` for the ``dynamic`` backend.
 
     Options in the extra config besides the factory's: ``disk_dir``, ``disk_bytes``, ``namespace``,
-    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages`` (see the README).
+    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages``, ``zero_copy``, and for MLA
+    with TP > 1 ``writer_wait_s`` / ``reader_refresh_s`` (see the README and ``StoreConfig``).
+
+    MLA with TP > 1: MLA pages are the same on every rank, so every rank's backend serves one
+    directory; SGLang's storage writer (``is_storage_writer``) writes it, the others read it and
+    rescan it when a lookup misses a page the writer published since (:class:`~.store.Sharing`).
 
     Pools: the KV pool (``register_mem_pool_host``) and, for hybrid models, the extra host pools
     SGLang registers by name (``register_mem_host_pool_v2``: Mamba states, SWA, indexer, draft...).

@@ -5,7 +5,7 @@ MLA pages are the same on every TP rank; SGLang's cache controller lets only the
 (then takes the minimum of the ranks' hits). Each rank here is a backend made by SGLang's real
 factory over SGLang's real MLA host pool, several in one process standing for the ranks' processes
 (the directory lock is an ``flock``, which conflicts between open files of one process as between
-processes).
+processes), and one test with rank 1 in a process of its own.
 """
 
 from __future__ import annotations
@@ -277,3 +277,56 @@ def test_split_pages_and_readers_register_nothing(tmp_path: Path, backends: list
     reader = rank(backends, tmp_path / "mla", 1)
     writer = rank(backends, tmp_path / "mla", 0)
     assert registered(reader) == (0, 0) and registered(writer) == (1, 0)
+
+
+_RANK_PROCESS = """
+import sys
+sys.path.insert(0, {helpers!r})
+import torch
+from sglang_helpers import indices, mla_fill, mla_pool, page, storage_config
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+pool = mla_pool(8)
+config = storage_config({root!r}, True, mla=True, tp_rank=1, options={{"reader_refresh_s": 0}})
+backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+backend.register_mem_pool_host(pool)
+backend.on_host_pools_registered()
+print("ready", backend.statistics()["read_only"], flush=True)
+sys.stdin.readline()  # rank 0 stored its pages
+keys = ["p0", "p1", "p2"]
+found = backend.batch_exists(keys)
+got = backend.batch_get_v1(keys, indices([4, 5, 6]))
+expected = mla_pool(8)
+for p in range(3):
+    mla_fill(expected, p, seed=70 + p)
+exact = all(torch.equal(page(pool, 4 + p), page(expected, p)) for p in range(3))
+print("read", found, got, exact, flush=True)
+backend.close()
+"""
+
+
+def test_a_reader_rank_in_another_process_reads_what_rank_0_writes(tmp_path: Path, backends: list[Any]) -> None:
+    """Rank 1 in a process of its own, started first, and rank 0 here: rank 0 gets the directory,
+    and rank 1 reads its pages bit-exact."""
+    import subprocess
+    import sys
+
+    script = _RANK_PROCESS.format(helpers=str(Path(__file__).parent), root=str(tmp_path))
+    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            ready = proc.stdout.readline()
+            assert ready.strip() == "ready ReadOnly.LOCKED", ready
+            writer = rank(backends, tmp_path, 0)
+            assert writer.statistics()["read_only"] is None
+            for p in range(3):
+                mla_fill(writer.test_pool, p, seed=70 + p)
+            assert writer.batch_set_v1(["p0", "p1", "p2"], indices([0, 1, 2])) == [True] * 3
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "read 3 [True, True, True] True"
+            assert proc.wait(120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
