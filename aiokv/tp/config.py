@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from aiokv.kernels.mover import PACE_BYTES
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 
 
@@ -34,6 +35,9 @@ class TPConfig:
     """Bytes of the attached pool a CUDA worker registers per chunk (in the background)."""
     register_threads: int = DEFAULT_WORKERS
     """Threads a CUDA worker registers its pool mapping with."""
+    pace_bytes: int = PACE_BYTES
+    """How far a CUDA rank's layer-wise load runs ahead of the GPU (``PageMover.start_layers``): an
+    engine stream sharing a hardware queue with the copy stream waits for at most this many bytes."""
     inline_copy_bytes: int = 256 << 10
     """A CPU rank's copy of at most this many bytes runs on the worker's loop when none is queued on
     the copy thread (the hop there and back, two thread wake-ups, costs more); 0: always hop."""

@@ -20,7 +20,10 @@ STAGING path, one copy-engine memcpy per page):
 A layered LOAD (``spec.layered``) copies layer 0 of every page, then layer 1, ...
 (``PageMover.load_layers``); :attr:`RankExecutor.layers` keeps each job's progress for the
 engine's rank process (:mod:`aiokv.tp.layers`): CPU layers are marked as they land (and
-``on_layers`` is told, from whatever thread copied them), CUDA copies leave one event per layer.
+``on_layers`` is told, from whatever thread copied them). CUDA copies leave one event per layer;
+on the STAGING path they are paced as in the single-process cache (``PageMover.start_layers``, fed
+on the bridge's copy thread, :mod:`aiokv.tp.paced`): layer ``l`` is ready for the engine once its
+event is queued, and ``on_layers`` is told once it completed.
 
 An engine that carries specs over its own channel can use this class directly:
 ``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself.
@@ -47,6 +50,7 @@ from aiokv.shm import ChunkResult, prepare_in_background
 
 from .config import TPConfig
 from .layers import LayerProgress, LayerTable
+from .paced import feed_layers, watch_landed
 from .specs import Direction, TransferSpec
 from .wire import RankStatus
 
@@ -113,6 +117,10 @@ class RankExecutor:
         pages = memory.pages if memory.layout.parts == 1 else memory.pages[:, kv.tp.part]
         self._mover: PageMover | None = PageMover(kv.rank_part(), pages, path)
         self._in_flight = 0
+        self.layered_loads = 0
+        """Layered LOAD specs that reached this executor."""
+        self.paced_loads = 0
+        """Layered CUDA loads fed a few units at a time (the STAGING path)."""
         self._queued = 0  # copies handed to the bridge's copy thread and not yet back
         layout = kv.layout
         self._slot_bytes = layout.num_layers * kv.rows_local * layout.head_dim * layout.itemsize
@@ -169,6 +177,7 @@ class RankExecutor:
         result.add_done_callback(self._finished)
         progress = self.layers.arrived(spec.job_id, spec.layered)
         if progress is not None:
+            self.layered_loads += 1
             result.add_done_callback(lambda _: progress.end())
         early = self._precheck(spec)
         if early is not None:
@@ -255,9 +264,19 @@ class RankExecutor:
                     lane = Lane.OFFLOAD
                 elif progress is not None:
                     # The engine's stream is not made to wait: it waits per layer (wait_layer).
+                    paced = mover.start_layers(ids, slots, spec.skip_first, self.config.pace_bytes)
+                    if paced is not None:
+                        self.paced_loads += 1
+                        fed = feed_layers(paced, progress, self._bridge, self._cuda_landed(spec.job_id))
+                        fed.add_done_callback(functools.partial(_copied, result))
+                        return
                     events = mover.load_layers(ids, slots, spec.skip_first)
                     assert events
-                    progress.launch(events)
+                    progress.launch(events)  # all queued at once (DIRECT, REFERENCE)
+                    report = self._cuda_landed(spec.job_id)
+                    if report is not None:
+                        for layer, queued in enumerate(events):  # waited in order, before the last
+                            watch_landed(self._bridge, queued, layer, report)
                     event, lane = events[-1], Lane.LOAD
                 else:
                     event = mover.load(ids, slots, spec.skip_first)
@@ -269,6 +288,11 @@ class RankExecutor:
             return
         waited = self._bridge.wait(event, lane)
         waited.add_done_callback(functools.partial(_event_done, result))
+
+    def _cuda_landed(self, job_id: int) -> Callable[[int], None] | None:
+        """Tells ``on_layers`` (on the loop) how many layers of a CUDA job completed on the GPU."""
+        on_layers = self._on_layers
+        return None if on_layers is None else functools.partial(on_layers, job_id)
 
     async def _launch_when_registered(
         self,
@@ -346,6 +370,17 @@ def _forward(result: asyncio.Future[RankReport], source: asyncio.Future[RankRepo
         result.set_result(_classify(exc))
     else:
         result.set_result(source.result())
+
+
+def _copied(result: asyncio.Future[RankReport], copy: asyncio.Future[None]) -> None:
+    if result.done():
+        return
+    if copy.cancelled():
+        result.set_result(RankReport(RankStatus.COPY_FAILED, "the copy was cancelled"))
+    elif (exc := copy.exception()) is not None:
+        result.set_result(_classify(exc))
+    else:
+        result.set_result(RankReport(RankStatus.OK))
 
 
 def _event_done(result: asyncio.Future[RankReport], waited: asyncio.Future[None]) -> None:

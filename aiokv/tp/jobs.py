@@ -127,6 +127,8 @@ class JobStatistics:
     """Failed rank parts by status (a job failed on two ranks counts twice)."""
     stray_reports: int
     """Reports for no job in flight on that rank (late after a failure, or a confused peer)."""
+    layer_reports: int = 0
+    """LAYERS reports taken (a rank's layered part growing before its whole part ended)."""
 
 
 class _Entry:
@@ -158,6 +160,7 @@ class JobTable:
         self._failed = 0
         self._rank_failures: collections.Counter[RankStatus] = collections.Counter()
         self._stray = 0
+        self._layer_reports = 0
 
     # -- opening --------------------------------------------------------------------------------
 
@@ -225,6 +228,7 @@ class JobTable:
             self._stray += 1
             return False
         entry.landed[rank] = landed
+        self._layer_reports += 1
         self._resolve_layers(entry)
         return True
 
@@ -313,4 +317,5 @@ class JobTable:
             failed=self._failed,
             rank_failures=dict(self._rank_failures),
             stray_reports=self._stray,
+            layer_reports=self._layer_reports,
         )

@@ -24,8 +24,9 @@ RETAINED_JOBS = 1024
 class LayerProgress:
     """One layered job on one rank. Thread-safe: marked from the copy thread, waited on anywhere.
 
-    CPU: ``landed`` counts layers in the buffer, in order. CUDA: ``events`` (one per layer, the
-    last ending the whole copy) once the copy is launched; the engine's stream waits on them.
+    ``landed`` counts the layers the engine may use, in order. CPU: layers in the buffer. CUDA:
+    layers whose event is queued (``events``, one per layer, the last ending the whole copy): the
+    engine's stream waits on event ``l`` on the GPU, which a paced load queues only as it goes.
     """
 
     def __init__(self, layers: int) -> None:
@@ -46,16 +47,19 @@ class LayerProgress:
             self.arrived = True
 
     def mark(self, landed: int) -> None:
-        """Layers ``0 .. landed-1`` are in the buffer (CPU)."""
+        """Layers ``0 .. landed-1`` are in the buffer (CPU) or their events are queued (CUDA)."""
         with self._cond:
             self.landed = max(self.landed, landed)
             self._cond.notify_all()
             self._wake()
 
-    def launch(self, events: Sequence[torch.cuda.Event]) -> None:
-        """The CUDA copy is queued: event ``l`` completes when layer ``l`` landed."""
+    def launch(self, events: Sequence[torch.cuda.Event], issued: int | None = None) -> None:
+        """The CUDA copy started: event ``l`` completes when layers ``0..l`` landed. ``issued``: how
+        many events are queued already (None: all); a paced load :meth:`mark` s the rest as it
+        queues them (an event not queued yet would complete at once on the GPU)."""
         with self._cond:
             self.events = tuple(events)
+            self.landed = max(self.landed, len(self.events) if issued is None else issued)
             self._cond.notify_all()
             self._wake()
 
@@ -69,8 +73,8 @@ class LayerProgress:
     # -- the engine's side ----------------------------------------------------------------------
 
     def _state(self, layer: int) -> bool | None:
-        """True: the layer landed (or its event exists); False: it never will; None: not yet."""
-        if self.landed > layer or self.events:
+        """True: the layer landed (or its event is queued); False: it never will; None: not yet."""
+        if self.landed > layer:
             return True
         return False if self.ended else None
 

@@ -4,7 +4,7 @@ Layer by layer (``TPCache.start_load(..., layered=True)``) each rank copies laye
 then layer 1, ... Readiness lives on both sides:
 
 - the scheduler: ``stream.wait_layer(l)`` resolves once every rank reported layer ``l`` landed
-  (CPU ranks send a LAYERS frame per layer; a CUDA rank's layers resolve with its whole copy);
+  (ranks send a LAYERS frame per layer: CPU once its bytes are in, CUDA once its event completed);
 - each rank: the engine's rank process waits on its own copies before layer ``l``'s attention,
   ``RankWorker.wait_layer(load, l)`` with ``load = stream.layered_load()`` carried in the scheduler's
   step message (CPU: a host wait for the layer's bytes; CUDA: its stream waits on the layer's

@@ -11,9 +11,10 @@ drops the old mapping, and reconnects with a bounded backoff; the next hello nam
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
 
-Layer-wise loads: a layered LOAD spec is copied layer by layer; a CPU rank reports each landed layer
-to the manager (LAYERS frames) and both runners offer ``wait_layer(load, layer)`` to the engine's
-rank process, which calls it before layer ``layer``'s attention (see :mod:`aiokv.tp.stream`).
+Layer-wise loads: a layered LOAD spec is copied layer by layer (paced on a CUDA rank's STAGING
+path, :mod:`aiokv.tp.paced`); a rank reports each landed layer to the manager (LAYERS frames) and
+both runners offer ``wait_layer(load, layer)`` to the engine's rank process, which calls it before
+layer ``layer``'s attention (see :mod:`aiokv.tp.stream`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class WorkerStatistics:
     """``(ready, total)`` pool chunks registered with CUDA in the current session."""
     transfer_path: TransferPath | None
     """The path this rank's copies take in the current session (None while detached)."""
+    layered_loads: int = 0
+    """Layered LOAD specs of the current session (copied layer by layer)."""
+    paced_loads: int = 0
+    """Of those, CUDA loads fed a few units at a time (``TPConfig.pace_bytes``)."""
 
 
 class RankWorker:
@@ -319,8 +324,9 @@ class RankWorker:
 
         ``load``: ``TPLoadStream.layered_load()`` of the scheduler's stream, carried to the rank by
         the engine. CPU: waits for the bytes (the spec may not even have arrived yet). CUDA: waits
-        until the copies are queued, then makes the engine's stream wait for the layer on the GPU
-        (no host wait for the bytes). Returns False when a copy failed or can no longer deliver
+        until the layer's copies are queued (a paced load queues them as the GPU gets through the
+        earlier ones), then makes the engine's stream wait for the layer on the GPU (no host wait
+        for the bytes). Returns False when a copy failed or can no longer deliver
         the layer (the worker detached, the pool is another one): the engine must not rely on it
         (the scheduler's ``finish()`` then reports the load shortened). Bound it with
         ``asyncio.timeout``. Raises ``TypeError``/``ValueError`` for bad arguments.
@@ -379,6 +385,8 @@ class RankWorker:
             in_flight=executor.in_flight if executor is not None else 0,
             registered_chunks=executor.registered_chunks if executor is not None else (0, 0),
             transfer_path=executor.transfer_path if executor is not None else None,
+            layered_loads=executor.layered_loads if executor is not None else 0,
+            paced_loads=executor.paced_loads if executor is not None else 0,
         )
 
     # -- lifetime -------------------------------------------------------------------------------

@@ -142,3 +142,51 @@ async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
             assert torch.equal((await ranks.dump(rank))[:, target], want)
         await ranks.stop_all()
         assert cache.group.jobs.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_cuda_ranks_paced_layered_load_bit_exact_per_layer(
+    tmp_path: Path, spawned: list[RankProcesses]
+) -> None:
+    """A layered load that each CUDA rank feeds a few units at a time (``TPConfig.pace_bytes`` tiny:
+    the feeder waits on the GPU every few units): each rank's engine sees layer l only once it is
+    queued and reads it bit-exact after its stream waited; the manager hears of each layer of each
+    rank (LAYERS) once it landed on the GPU, before the job ends."""
+    layout, tp = KVLayout.mha(12, 8, 128, torch.bfloat16, page_tokens=16), 2
+    T, pages = layout.page_tokens, 24
+    config = TPConfig(reconnect_initial_s=CONFIG.reconnect_initial_s, handshake_timeout_s=60.0, pace_bytes=1)
+    cache_config = CacheConfig(cpu_bytes=(pages + 2) * layout.page_bytes, disk=None, namespace="tp-gpu-paced")
+    slots = 2 * pages * T
+    tokens = list(range(5000, 5000 + pages * T))
+    async with TPCache(cache_config, layout, tp_size=tp, num_slots=slots, tp_config=config,
+                       directory=tmp_path / "m") as cache:
+        ranks = RankProcesses(Path(cache.address), layout, tp, 11, True, slots, "cuda", config)
+        spawned.append(ranks)
+        ranks.start_all()
+        async with asyncio.timeout(180):
+            await cache.wait_ranks()
+        assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
+        target = torch.arange(2 * pages * T - 1, pages * T, -1)  # tokens [1, pages*T) into other slots
+        stream = cache.start_load(await cache.match(tokens), target, from_token=1, layered=True)
+        await stream.launched()
+        load = stream.layered_load()
+        for rank in range(tp):
+            ranks.send(rank, ("layers", load, target))
+        waits = [asyncio.create_task(stream.wait_layer(layer)) for layer in range(layout.num_layers)]
+        result = await stream.finish()
+        assert result.loaded_from == 1
+        assert [await w for w in waits] == [True] * layout.num_layers
+        full = full_kv(layout, seed=11, slots=slots)
+        for rank in range(tp):
+            want = rank_kv(full, layout, rank, tp)[:, 1 : pages * T]
+            for layer, (ok, raw) in enumerate(await ranks.reply(rank)):
+                assert ok is True
+                assert torch.equal(ranks.tensor(raw), want[layer]), f"rank {rank} read layer {layer} before it landed"
+            assert torch.equal((await ranks.dump(rank))[:, target], want)
+            stats = await ranks.ask(rank, "stats")
+            assert stats.paced_loads == 1, "the rank queued its layered load whole"
+        jobs = cache.group.statistics().jobs
+        assert jobs.stray_reports == 0
+        assert jobs.layer_reports == tp * layout.num_layers * len(load.jobs)
+        await ranks.stop_all()
+        assert cache.group.jobs.in_flight == 0

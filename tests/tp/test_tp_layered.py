@@ -130,7 +130,9 @@ async def test_layers_land_in_order_before_the_load_ends_and_bit_exact_on_every_
             assert torch.equal(readers.tensor(raw), _want(rank, layer)), f"rank {rank} read layer {layer} early"
         got = await readers.dump(rank)
         assert torch.equal(got[:, TARGET], _want(rank)), f"rank {rank} holds bytes that are not its heads"
-    assert cache.group.statistics().jobs.stray_reports == 0
+    jobs = cache.group.statistics().jobs
+    assert jobs.stray_reports == 0
+    assert jobs.layer_reports == 2 * layers  # every rank reported every layer (LAYERS) before its DONE
     _assert_clean(cache)
 
 

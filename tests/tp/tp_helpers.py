@@ -138,10 +138,12 @@ def _gate_layers(gate: Any) -> None:
 
     scatter = mover.reference_scatter
 
-    def gated(kv: Any, pages: Any, slots: Any, ids: Any = None, skip: int = 0, layers: range | None = None) -> None:
+    def gated(
+        kv: Any, pages: Any, slots: Any, ids: Any = None, skip: int = 0, layers: range | None = None, *rest: Any
+    ) -> None:
         if layers is not None and len(layers) == 1:
             assert gate.acquire(timeout=120), "the test never let this layer land"
-        scatter(kv, pages, slots, ids, skip, layers)
+        scatter(kv, pages, slots, ids, skip, layers, *rest)  # rest: whatever later arguments it takes
 
     mover.reference_scatter = gated  # type: ignore[assignment]
 
