@@ -19,6 +19,12 @@ gloo backend. Rank 0 returns the logits, the scheduler samples and sends the nex
 ``TPCache`` sends each rank's worker a transfer spec and reports a page only when every rank's copy
 of its slice completed.
 
+Layer-wise hits (``--load-path layered``, ``split-layered``, ``auto``) stream as in one process: the
+scheduler starts ``TPCache.start_load(..., layered=True)`` and puts ``stream.layered_load()`` in the
+tail's steps; each rank calls ``RankWorkerThread.wait_layer(load, l)`` just before layer ``l``'s
+attention (CPU: until the layer's bytes are in its buffer; CUDA: its stream waits on the layer's
+event), so the tail's projections overlap the rest of the load on every rank.
+
 Why gloo: it runs on CPU tensors in every torch build, needs no GPU per rank, and its summation order
 is fixed, so two runs under the same split are bit-exact (the oracle's requirement). On CUDA the
 ranks share one GPU (NCCL refuses two ranks on one device) and the partial sums make a round trip
@@ -66,8 +72,9 @@ from demo_report import progress_bar
 from aiokv import CacheConfig, KVLayout, Match
 from aiokv.layout import TPSlice
 from aiokv.stream import LoadStream
-from aiokv.tp import RankWorkerThread, WorkerStatistics
+from aiokv.tp import LayeredLoad, RankWorkerThread, WorkerStatistics
 from aiokv.tp.cache import TPCache
+from aiokv.tp.stream import TPLoadStream
 
 if TYPE_CHECKING:
     from demo import DemoConfig
@@ -105,6 +112,7 @@ class Step:
     start: int
     slots: np.ndarray  # int64 [start + M], host slot of every position so far
     logits: bool  # rank 0 returns the last position's logits
+    load: LayeredLoad | None = None  # a layer-wise load each layer's attention waits for (its copies)
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,7 @@ def _serve_rank(spec: RankSpec, commands: Connection, replies: Connection) -> No
                     break  # the scheduler is gone
                 if isinstance(command, Stop):
                     break
-                replies.send(_step(spec.rank, model, kv, command))
+                replies.send(_step(spec.rank, model, kv, command, worker, spec.timeout_s))
             stats = worker.statistics()
         error = None if worker.error is None else f"{type(worker.error).__name__}: {worker.error}"
         replies.send(Stopped(spec.rank, stats, error))
@@ -204,16 +212,33 @@ def _serve_rank(spec: RankSpec, commands: Connection, replies: Connection) -> No
         dist.destroy_process_group()
 
 
-def _step(rank: int, model: LlamaModel, kv: torch.Tensor, step: Step) -> StepDone:
+def _step(
+    rank: int, model: LlamaModel, kv: torch.Tensor, step: Step, worker: RankWorkerThread, timeout_s: float
+) -> StepDone:
     tokens = torch.from_numpy(step.tokens).to(model.device)
     slots = torch.from_numpy(step.slots).to(model.device)
-    hidden = model.hidden(tokens, step.start, slots, kv)
+    hook = None if step.load is None else _LayerWait(worker, step.load, timeout_s)
+    hidden = model.hidden(tokens, step.start, slots, kv, hook)
     logits = None
     if rank == 0 and step.logits:
         logits = model.logits(hidden).cpu().numpy().tobytes()
     # Every rank's K/V of the step are written once hidden() returned (CPU), or are ordered before
     # the worker's next copies on this stream (CUDA): the scheduler may offload after the replies.
     return StepDone(rank, step.seq, logits)
+
+
+class _LayerWait:
+    """Before layer l's attention: this rank's copies of layer l are in (CPU), or its stream waits
+    for them (CUDA). False (a copy failed, the worker detached) lets the step compute on: the
+    scheduler's ``finish()`` then reports the load shortened and the tail is computed again."""
+
+    def __init__(self, worker: RankWorkerThread, load: LayeredLoad, timeout_s: float) -> None:
+        self._worker = worker
+        self._load = load
+        self._timeout_s = timeout_s
+
+    def __call__(self, layer: int) -> None:
+        self._worker.wait_layer(self._load, layer, self._timeout_s)  # raises TimeoutError: the step fails
 
 
 # -- the scheduler's side ---------------------------------------------------------------------------
@@ -369,10 +394,13 @@ class TPRanks:
                 if not pending.done.done():
                     pending.done.set_exception(error)
 
-    async def step(self, tokens: Sequence[int], start: int, slots: torch.Tensor, logits: bool) -> torch.Tensor | None:
+    async def step(
+        self, tokens: Sequence[int], start: int, slots: torch.Tensor, logits: bool, load: LayeredLoad | None = None
+    ) -> torch.Tensor | None:
         """Run positions ``[start, start + len(tokens))`` on every rank; rank 0's logits ``[V]`` float32.
 
-        ``slots``: host int64 ``[start + len(tokens)]``. Returns when every rank finished the step
+        ``slots``: host int64 ``[start + len(tokens)]``. ``load``: a layer-wise load whose layer l
+        each rank waits for before layer l's attention. Returns when every rank finished the step
         (its K/V are in every rank's buffer); None when ``logits`` is False. A cancelled caller
         still waits for the ranks to finish (they write the step's slots), then ``CancelledError``
         propagates. Raises :class:`RankFailedError` when a rank failed or exited.
@@ -386,7 +414,7 @@ class TPRanks:
         seq = next(self._seq)
         pending = _Pending(self._loop.create_future(), set(range(self.tp_size)))
         self._steps[seq] = pending
-        message = Step(seq, np.asarray(tokens, dtype=np.int64), start, slots.numpy(), logits)
+        message = Step(seq, np.asarray(tokens, dtype=np.int64), start, slots.numpy(), logits, load)
         for rank, r in enumerate(self._ranks):
             try:
                 r.commands.send(message)  # small, and the rank is idle between steps: no long block
@@ -450,8 +478,8 @@ class TPEngine(ServingLoop):
     """The serving loop of the scheduler process: model steps run on the TP ranks, slots are host indices.
 
     Cache hits may stream (``TPCache.start_load``): claimed chunks are steps like any other (a step
-    returns once every rank computed it, so claims track the computation). Per-layer readiness
-    lives in the rank processes, so layer-wise paths run with whole-page copies here.
+    returns once every rank computed it, so claims track the computation). Layer-wise hits carry
+    the stream's ``layered_load()`` in the tail's steps: each rank waits per layer on its own copies.
     """
 
     def __init__(
@@ -468,7 +496,7 @@ class TPEngine(ServingLoop):
         claim: ClaimPolicy = ClaimPolicy.AUTO,
     ) -> None:
         super().__init__(
-            blocks, cache, chunk_tokens, gen_tokens, keep_logits, prefetch, settle, load_path.without_layers(), claim
+            blocks, cache, chunk_tokens, gen_tokens, keep_logits, prefetch, settle, load_path, claim
         )
         self.ranks = ranks
         self.tp_cache = cache
@@ -478,7 +506,7 @@ class TPEngine(ServingLoop):
 
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
         assert self.tp_cache is not None
-        return self.tp_cache.start_load(match, slots, from_token=start)
+        return self.tp_cache.start_load(match, slots, from_token=start, layered=layered)
 
     async def _prefill(
         self,
@@ -492,9 +520,13 @@ class TPEngine(ServingLoop):
         paced: bool = False,
     ) -> First | None:
         chunks = prefill_chunks(begin, end, self.chunk_tokens)
+        load = None
+        if layers is not None and chunks:
+            assert isinstance(layers, TPLoadStream)
+            load = layers.layered_load()  # the serving loop awaited launched(): the copies are fixed
         logits = None
         for i, (b, e) in enumerate(chunks):
-            logits = await self.ranks.step(prompt[b:e], b, slots[:e], logits=first and i == len(chunks) - 1)
+            logits = await self.ranks.step(prompt[b:e], b, slots[:e], logits=first and i == len(chunks) - 1, load=load)
         if not first:
             return None
         assert logits is not None
