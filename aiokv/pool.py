@@ -149,7 +149,7 @@ def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[Segme
     return reclaimed
 
 
-def _launch(target: Callable[[], object], name: str) -> None:
+def _launch(target: Callable[[], object], name: str, failed: Callable[[BaseException], object] | None = None) -> None:
     """Start a thread named ``name`` running ``target``; the caller does not wait for it to run.
 
     ``threading.Thread.start`` waits until the new thread runs (the OS's scheduling latency: 0.3-6
@@ -158,10 +158,16 @@ def _launch(target: Callable[[], object], name: str) -> None:
     ``_thread`` launcher takes that wait off the caller: it starts the named ``threading.Thread``
     and waits for it itself. (The launcher never calls ``threading.current_thread()``, which would
     register it as a dummy thread for good: ``daemon`` is given, so ``Thread`` does not look.)
+    When the named thread cannot start (``RuntimeError``: no thread left), ``failed`` gets the error
+    in the launcher.
     """
 
     def launcher() -> None:
-        threading.Thread(target=target, name=name, daemon=False).start()
+        try:
+            threading.Thread(target=target, name=name, daemon=False).start()
+        except BaseException as exc:  # nothing runs target: whoever waits for it must hear
+            if failed is not None:
+                failed(exc)
 
     _thread.start_new_thread(launcher, ())
 
@@ -185,20 +191,22 @@ def run_in_new_thread(fn: Callable[[], T], name: str, orphan: Callable[[T], obje
         else:
             future.set_result(result)  # type: ignore[arg-type]
 
-    def run() -> None:
-        result: T | None = None
-        error: BaseException | None = None
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting caller
-            error = exc
+    def deliver(result: T | None, error: BaseException | None) -> None:
         try:
             loop.call_soon_threadsafe(settle, result, error)
         except RuntimeError:  # the loop is closed: no one will take the result
             if error is None:
                 orphan(result)  # type: ignore[arg-type]
 
-    _launch(run, name)
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting caller
+            deliver(None, exc)
+        else:
+            deliver(result, None)
+
+    _launch(run, name, lambda exc: deliver(None, exc))
     return future
 
 

@@ -335,3 +335,19 @@ def test_a_result_nobody_can_take_goes_to_orphan() -> None:
 
     asyncio.run(cancel())
     assert orphaned == [11, 11]
+
+
+@pytest.mark.asyncio
+async def test_open_raises_when_its_thread_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Thread.start raises RuntimeError("can't start new thread") when the process has no thread
+    # left: the launcher hands that to the waiting open, which must not wait for ever.
+    before = _segments()
+
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        async with asyncio.timeout(60):
+            await PagePool.open(LAYOUT, 4 * LAYOUT.page_bytes)
+    assert _segments() == before
