@@ -14,19 +14,28 @@ each hold their head slice of an 8B-shaped KV buffer (32 layers, 8 KV heads, hea
     python tools/bench_tp.py --device cuda --tp 2 --pages 64 --json out.json
     python tools/bench_tp.py --device cuda --tp 2 --pages 64 --path direct   # the kernel path, to compare
     python tools/bench_tp.py --device cpu --tp 2 --layers 2 --pages 8        # smoke test on a CPU
+    python tools/bench_tp.py --device cpu --tp 2 --layers 4 --pages 16 --stalls-ms 10   # where the loop stalls
+
+``--stalls-ms``: a sampling thread reads the manager loop's stack (``sys._current_frames``) whenever
+the loop has not run a callback for that long, and the garbage collector's pauses are timed; the
+stalls, their stacks and the collections during them are printed (and written with ``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +49,113 @@ from aiokv import CacheConfig, KVLayout
 from aiokv.kernels import TransferPath
 from aiokv.layout import TPSlice
 from aiokv.tp import RankWorker, TPCache
+
+
+class StallProbe:
+    """Where the event loop stalls: a 1 ms heartbeat on the loop, a thread that samples the loop
+    thread's stack once the heartbeat is ``threshold_s`` late, and gc pauses timed meanwhile.
+
+    Each stall: its length, the loop thread's stack when first seen late (and the innermost frame at
+    each later sample), the other threads' innermost frames then (a GIL holder shows there), the gc
+    generations collected during it with their pauses, and from the loop thread's
+    ``/proc/self/task/<tid>/schedstat`` how long it ran on a CPU and how long it waited in the run
+    queue meanwhile (the machine's other processes, not this one, delayed it).
+    """
+
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self.stalls: list[dict[str, Any]] = []
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop_thread = threading.get_ident()
+        self._schedstat = ""
+        self._handle: asyncio.TimerHandle | None = None
+        self._gc: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self._gc_start = 0.0
+
+    def _tick(self) -> None:
+        self._beat = time.monotonic()
+        self._handle = asyncio.get_running_loop().call_later(0.001, self._tick)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            self._gc_start = now
+        else:
+            self._gc.append((self._gc_start, now - self._gc_start, info["generation"]))
+
+    def _sample(self) -> None:
+        current: dict[str, Any] | None = None
+        while not self._stop.wait(0.002):
+            beat = self._beat
+            late = time.monotonic() - beat
+            if late < self.threshold_s:
+                if current is not None:
+                    self._end(current)
+                    current = None
+                continue
+            frames = sys._current_frames()
+            frame = frames.get(self._loop_thread)
+            if frame is None:
+                continue
+            if current is None or current["since"] != beat:
+                if current is not None:  # a beat came and went between two samples: a new stall
+                    self._end(current)
+                others = [_innermost(f) for ident, f in frames.items()
+                          if ident not in (self._loop_thread, threading.get_ident())]
+                current = {"since": beat, "stack": "".join(traceback.format_stack(frame)), "inner": [],
+                           "others": others, "sched0": _schedstat(self._schedstat)}
+            where = _innermost(frame)
+            if not current["inner"] or current["inner"][-1] != where:
+                current["inner"].append(where)
+
+    def _end(self, stall: dict[str, Any]) -> None:
+        stall["ms"] = (self._beat - stall["since"]) * 1e3
+        run0, wait0 = stall.pop("sched0")
+        run1, wait1 = _schedstat(self._schedstat)
+        stall["on_cpu_ms"], stall["run_queue_ms"] = (run1 - run0) / 1e6, (wait1 - wait0) / 1e6
+        self.stalls.append(stall)
+
+    def __enter__(self) -> StallProbe:
+        self._loop_thread = threading.get_ident()
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._tick()
+        gc.callbacks.append(self._on_gc)
+        self._thread = threading.Thread(target=self._sample, name="stall-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        gc.callbacks.remove(self._on_gc)
+        if self._handle is not None:
+            self._handle.cancel()
+        for stall in self.stalls:
+            begin, end = stall["since"], stall["since"] + stall["ms"] / 1e3
+            stall["gc"] = [{"generation": g, "ms": round(d * 1e3, 3)} for t, d, g in self._gc if begin <= t <= end]
+            del stall["since"]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """The stalls, longest first."""
+        return sorted(self.stalls, key=lambda s: -s["ms"])
+
+
+def _innermost(frame: Any) -> str:
+    inner = traceback.extract_stack(frame, limit=1)[-1]
+    return f"{inner.filename}:{inner.lineno} {inner.name}"
+
+
+def _schedstat(path: str) -> tuple[int, int]:
+    """Nanoseconds a thread ran on a CPU and waited in the run queue (0, 0 where not readable)."""
+    try:
+        with open(path) as f:
+            run, wait, _ = f.read().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:
@@ -131,7 +247,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["transfer_paths"] = [path for _, _, path in ready]
                 rows: dict[str, list[float]] = {k: [] for k in ("offload", "load", "memcpy_d2h", "memcpy_h2d")}
                 exact = True
-                with LoopLag() as lag:
+                probe = StallProbe(args.stalls_ms / 1e3) if args.stalls_ms else None
+                with LoopLag() as lag, probe or contextlib.nullcontext():
+                    # LoopLag's task takes its first step only when the loop next runs: without this
+                    # turn a stall at the very start (the first offload's) went unmeasured.
+                    await asyncio.sleep(0)
                     for rep in range(args.reps):
                         tokens = list(range(rep * 10**6, rep * 10**6 + n))
                         start = time.perf_counter()
@@ -162,6 +282,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         load_vs_memcpy=med["memcpy_h2d"] / med["load"],
         loop_lag=lag.summary(),
         specs_per_rank=specs,
+        stalls=probe.summary() if probe is not None else None,
     )
     return results
 
@@ -180,6 +301,8 @@ def main() -> None:
     p.add_argument("--path", choices=[TransferPath.STAGING.value, TransferPath.DIRECT.value],
                    default=TransferPath.STAGING.value,
                    help="the ranks' copy path on CUDA (rank-major pages make STAGING possible; DIRECT for comparison)")
+    p.add_argument("--stalls-ms", type=float, default=0.0,
+                   help="sample the manager loop's stack whenever it stalls this long (0: off)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     out = asyncio.run(run(args))
@@ -192,6 +315,11 @@ def main() -> None:
     lag = out["loop_lag"]
     print(f"manager loop lag while streaming: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
           f"max {lag['max_ms']:.3f} ms")
+    for stall in (out["stalls"] or [])[:5]:
+        print(f"\nstall {stall['ms']:.1f} ms: loop thread on a CPU {stall['on_cpu_ms']:.1f} ms, in the run queue "
+              f"{stall['run_queue_ms']:.1f} ms; gc during it: {stall['gc'] or 'none'}\n"
+              f"  loop thread's innermost frames sampled: {' -> '.join(stall['inner'])}\n"
+              f"  other threads then: {'; '.join(stall['others']) or 'none'}\n{stall['stack']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     if not out["bit_exact"]:

@@ -72,6 +72,13 @@ def _as_numpy(name: str, values: IntArrayLike) -> npt.NDArray[np.integer[Any]]:
     return array
 
 
+def _has_duplicates(values: npt.NDArray[np.uint32]) -> bool:
+    # Sorted neighbours, not np.unique: numpy 2's unique imports numpy.ma on first use, 20-80 ms on
+    # the loop that built or decoded the first multi-page spec (the manager's max loop lag in bench_tp).
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def _lowest(values: npt.NDArray[np.integer[Any]]) -> int:
     # A numpy reduction costs ~5 us even for a handful of values; a spec usually holds a few pages.
     return min(values.tolist()) if values.size <= 256 else int(values.min())
@@ -139,7 +146,7 @@ class TransferSpec:
         lowest = _lowest(slots)
         if lowest < 0:
             raise ValueError(f"slots holds a negative slot ({lowest})")
-        if pages.size > 1 and np.unique(pages).size != pages.size:
+        if pages.size > 1 and _has_duplicates(pages):
             raise ValueError("page_ids holds duplicated pages")
         tokens = self.page_tokens
         if self.direction is Direction.OFFLOAD:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -193,3 +195,25 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
     ]:
         with pytest.raises(ProtocolError):
             decode(raw)
+
+
+def test_the_first_multi_page_spec_loads_no_module_on_the_loop() -> None:
+    # numpy 2's np.unique imports numpy.ma on first use: the first multi-page spec built (manager)
+    # or decoded (worker) stalled that loop 20-80 ms (bench_tp's one unexplained max loop lag).
+    code = (
+        "import sys\n"
+        "from aiokv.tp.specs import Direction, TransferSpec\n"
+        "before = set(sys.modules)\n"
+        "spec = TransferSpec.build(1, Direction.LOAD, 1, 4, [3, 1, 2], range(1, 12), skip_first=1)\n"
+        "TransferSpec.from_bytes(spec.to_bytes())\n"
+        "for dup in ([3, 1, 3], [0, 0]):\n"
+        "    try:\n"
+        "        TransferSpec.build(2, Direction.OFFLOAD, 1, 4, dup, range(4 * len(dup)))\n"
+        "    except ValueError as exc:\n"
+        "        assert 'duplicated' in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError(dup)\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", f"imported while building and decoding specs: {out.stdout}"
