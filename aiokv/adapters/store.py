@@ -451,6 +451,7 @@ class PageFileStore:
         not add up to ``page_bytes``."""
         pool, disk = self._started()
         if disk.contains(key):
+            disk.touch([key])  # as the disk tier's own write of a stored key: the page is recent again
             return True
         assert self._slots is not None
         direct = self._direct(page, writable=False)

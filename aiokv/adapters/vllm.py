@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 _Answer = list[tuple[OffloadKey, bool]]
 
+SWEEP_WINDOW = 32
+"""Pages in a row still on disk after which the search for evicted pages stops (KV events)."""
+
 _PREFIX = "vllm:kv_offload_aiokv_"
 # Counters: the disk tier's statistics field each one follows (vLLM gets the increase per call).
 _COUNTERS = {
@@ -92,6 +95,8 @@ class _Outcome:
     """Keys a store put on disk (KV events)."""
     gone: list[OffloadKey] = dataclasses.field(default_factory=list)
     """Keys a failed load found no longer on disk (corrupt, deleted; KV events)."""
+    evicted: list[OffloadKey] = dataclasses.field(default_factory=list)
+    """Keys this tier stored whose files the disk tier has removed since (evicted for room; KV events)."""
 
 
 def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
@@ -126,7 +131,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     ``poll_s`` / ``linger_s`` / ``idle_poll_s`` (how often the loop polls while busy, how long
     before it parks, how often it looks while parked; 0: on_schedule_end wakes it instead),
     ``locality`` (``LOCAL``/``REMOTE``, vLLM's tier filter), ``enable_kv_events`` (KV events for
-    pages stored, and for pages a load found gone; only where vLLM publishes KV events),
+    pages stored, pages a load found gone, and pages evicted for room; only where vLLM publishes
+    KV events),
     ``zero_copy`` (default true: chunks move straight between vLLM's region, registered with
     io_uring, and their files; false: through staging pages). Raises
     ``TypeError``/``ValueError`` for a wrong option and ``OSError`` when the directory cannot be used.
@@ -205,9 +211,14 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._reported: DiskStatistics | None = None
         # KV events (vLLM's own file tier does the same): only when vLLM publishes them at all.
         self._events: list[OffloadingEvent] | None = None
+        # With events: the pages this tier stored, least recently used first, as the disk tier
+        # orders them (a store, a load attempt and a touch make a page the most recent in both),
+        # so that pages it evicts are found at the front. Loop only.
+        self._mirror: collections.OrderedDict[bytes, OffloadKey] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
+                self._mirror = collections.OrderedDict()
             else:
                 log.warning("aiokv tier: enable_kv_events is set but vLLM's KV cache events are off")
         log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
@@ -298,9 +309,15 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         like a job (no system call), picked up at its next poll."""
         if self._shut or not keys or self._reap():
             return
-        store = self._store
+        store, mirror = self._store, self._mirror
         page_keys = [store.key(key) for key in keys]
-        store.thread.post_call(lambda: store.touch(page_keys))
+
+        def touch() -> None:
+            store.touch(page_keys)
+            if mirror is not None:
+                _move_to_end(mirror, page_keys)
+
+        store.thread.post_call(touch)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call (never blocks). A load that got some of its keys
@@ -314,7 +331,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 if key in self._wanted:
                     self._verdicts[key] = False  # a failed load must not be promoted again
             if self._events is not None:
-                for keys, removed in ((outcome.stored, False), (outcome.gone, True)):
+                for keys, removed in ((outcome.stored, False), (outcome.gone + outcome.evicted, True)):
                     if keys:
                         self._events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
                                                             locality=self.locality))
@@ -323,7 +340,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """KV events since the last call (``enable_kv_events``): pages stored, pages a load found
-        gone (a corrupt file is deleted). Evictions for room are not reported."""
+        gone (a corrupt file is deleted), pages evicted for room (found after each store job).
+        Pages stored by an earlier process are not reported when evicted (their vLLM keys are
+        not known here)."""
         if self._events:
             events, self._events = self._events, []
             yield from events
@@ -487,7 +506,29 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         _log_errors(done)
         result = JobResult(job_id=job_id, success=len(stored) == len(pairs), transfer_time=time.monotonic() - start,
                            transfer_bytes=len(stored) * self._chunk_bytes)
-        return _Outcome(result, stored=stored)
+        evicted: list[OffloadKey] = []
+        if self._mirror is not None:
+            for key in stored:
+                page_key = store.key(key)
+                self._mirror[page_key] = key
+                self._mirror.move_to_end(page_key)
+            evicted = self._sweep()
+        return _Outcome(result, stored=stored, evicted=evicted)
+
+    def _sweep(self) -> list[OffloadKey]:
+        """Keys of pages this tier stored that the disk tier no longer has, out of the mirror: from
+        its least recently used end until ``SWEEP_WINDOW`` pages in a row are still there (the disk
+        tier evicts from that end, recycling one of its first few files that no read holds)."""
+        assert self._mirror is not None
+        store, gone, present = self._store, [], 0
+        for page_key in self._mirror:
+            if store.contains([page_key])[0]:
+                present += 1
+                if present >= SWEEP_WINDOW:
+                    break
+            else:
+                gone.append(page_key)
+        return [self._mirror.pop(page_key) for page_key in gone]
 
     async def _load_job(self, job_id: int, pairs: list[tuple[OffloadKey, int]]) -> _Outcome:
         start = time.monotonic()
@@ -504,8 +545,19 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             transfer_time=time.monotonic() - start,
             transfer_bytes=len(loaded) * self._chunk_bytes,
         )
-        gone = store.contains([store.key(key) for key in failed])
-        return _Outcome(result, failed=failed, gone=[key for key, there in zip(failed, gone, strict=True) if not there])
+        there = store.contains([store.key(key) for key in failed])
+        gone = [key for key, on_disk in zip(failed, there, strict=True) if not on_disk]
+        if self._mirror is not None:  # every read made its page the most recent; gone ones are reported here
+            _move_to_end(self._mirror, [store.key(key) for key, _ in pairs])
+            for key in gone:
+                self._mirror.pop(store.key(key), None)
+        return _Outcome(result, failed=failed, gone=gone)
+
+
+def _move_to_end(mirror: collections.OrderedDict[bytes, OffloadKey], page_keys: Iterable[bytes]) -> None:
+    for page_key in page_keys:
+        if page_key in mirror:
+            mirror.move_to_end(page_key)
 
 
 def _log_errors(done: list[bool | BaseException]) -> None:

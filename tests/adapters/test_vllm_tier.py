@@ -284,6 +284,48 @@ def test_kv_events_for_stored_pages_and_pages_found_gone(
     step(manager)
 
 
+def test_kv_events_for_pages_evicted_for_room(tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """The disk holds 6 pages: storing 4, 4 more and 4 more evicts the oldest. Every page evicted
+    gets one "removed" event after its "stored" one; no page still on disk does; a page stored again
+    while on disk is recent again (it outlives pages stored after it the first time)."""
+    file_bytes = CHUNK_BYTES + 4096
+    manager = make_manager(tmp_path, options={"enable_kv_events": True, "disk_bytes": 6 * file_bytes},
+                           kv_events=True)
+    managers.append(manager)
+    events: list[tuple[bytes, bool]] = []
+
+    def collect() -> None:
+        with manager.lock:
+            events.extend((key, e.removed) for e in manager.take_events() if e.medium is Medium.STORAGE
+                          for key in e.keys)
+
+    a, b, c = keys_of("old", 4), keys_of("mid", 4), keys_of("new", 4)
+    for req, keys, seed in (("ra", a, 0), ("rb", b, 10)):
+        store(manager, req, keys, range(seed, seed + 4))
+        collect()
+    assert sorted(k for k, removed in events if not removed) == sorted(a + b)
+    gone = [k for k, there in zip(a + b, on_disk(manager, a + b), strict=True) if not there]
+    assert len(gone) == 2 and set(gone) <= set(a)
+    assert sorted(k for k, removed in events if removed) == sorted(gone)
+    survivor = next(k for k in a if k not in gone)
+    tier = tier_of(manager)
+    store_ = tier._store
+    tier.touch([survivor], ReqContext(req_id="t"))  # vLLM's touch: the survivor is recent again
+    step(manager)
+    store(manager, "rc", c, range(20, 24))
+    collect()
+    keys = a + b + c
+    there = dict(zip(keys, on_disk(manager, keys), strict=True))
+    assert there[survivor]  # touched: outlived the pages of b stored after it
+    for key in keys:
+        history = [removed for k, removed in events if k == key]
+        assert history[0] is False  # stored first
+        assert history[-1] is (not there[key])  # removed exactly when no longer on disk
+        assert history.count(True) <= 1
+    evictions = store_.thread.call(lambda: store_.statistics().evictions).result()
+    assert sum(removed for _, removed in events) == evictions == len(keys) - 6
+
+
 def test_kv_events_stay_off_where_vllm_publishes_none(
         tmp_path: Path, managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="aiokv.adapters.vllm"):
