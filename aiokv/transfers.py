@@ -185,14 +185,14 @@ class LocalTransfers:
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         mover = self.mover
         if not self._cuda:
-            return Copy(self._bridge.run_cpu(lambda: _call(mover.offload, slots, page_ids)))
+            return Copy(self._bridge.run_cpu(lambda: _call(mover.offload, slots, page_ids, checked=True)))
         # What the engine wrote so far, also for a launch deferred behind earlier offloads.
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(torch.cuda.current_stream(self._device))
         bridge = self._bridge
 
         def start() -> tuple[asyncio.Future[None], torch.cuda.Event | None]:
-            event = mover.offload(slots, page_ids, ready)
+            event = mover.offload(slots, page_ids, ready, checked=True)
             return bridge.wait(event, Lane.OFFLOAD), event
 
         entry = self.offloads.run(len(page_ids) * mover.pages[0].nbytes, start)
@@ -201,9 +201,9 @@ class LocalTransfers:
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         mover = self.mover
         if not self._cuda:
-            return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip)))
+            return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip, checked=True)))
         try:
-            event = mover.load(page_ids, slots, skip)
+            event = mover.load(page_ids, slots, skip, checked=True)
         except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
             return failed_copy(exc)
         if event is not None:
@@ -222,13 +222,13 @@ class LocalTransfers:
         loop = asyncio.get_running_loop()
         if self._cuda:
             try:
-                paced = mover.start_layers(page_ids, slots, skip)
+                paced = mover.start_layers(page_ids, slots, skip, checked=True)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
                 return failed_copy(exc)
             if paced is not None:
                 return self._feed(paced, loop)
             try:
-                events = mover.load_layers(page_ids, slots, skip)
+                events = mover.load_layers(page_ids, slots, skip, checked=True)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
                 return failed_copy(exc)
             assert events is not None
@@ -238,7 +238,7 @@ class LocalTransfers:
         def landed(layer: int) -> None:
             loop.call_soon_threadsafe(_resolve_layer, layers[layer], True)
 
-        future = self._bridge.run_cpu(lambda: _call(mover.load_layers, page_ids, slots, skip, landed))
+        future = self._bridge.run_cpu(lambda: _call(mover.load_layers, page_ids, slots, skip, landed, checked=True))
 
         def settled(_: asyncio.Future[None]) -> None:
             for layer in layers:  # withdrawn or failed: what did not land never will
@@ -323,8 +323,8 @@ class LocalTransfers:
                 continue  # cancelled again: still wait; the caller re-raises its own error
 
 
-def _call(fn: Callable[..., object], *args: object) -> None:
-    fn(*args)
+def _call(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    fn(*args, **kwargs)
 
 
 def _resolve_layer(future: asyncio.Future[bool], landed: bool) -> None:

@@ -340,6 +340,10 @@ class PageMover:
     DIRECT path even when STAGING is asked for: its rows are strided in the page, and one contiguous
     memcpy per page would overwrite the other ranks' rows. :attr:`effective_path` says which runs.
     Raises ``ValueError`` for a path that cannot serve this buffer or a bad argument.
+
+    Each copy checks its slots (range, duplicates: a pass over the indices) unless the caller says
+    it did with ``checked=True``: ``KVCache`` checks them once per call at its public edge and
+    launches a long transfer in many groups.
     """
 
     def __init__(
@@ -453,7 +457,8 @@ class PageMover:
     # -- public ---------------------------------------------------------------------------------
 
     def offload(
-        self, slots: torch.Tensor, page_ids: Sequence[int], ready: torch.cuda.Event | None = None
+        self, slots: torch.Tensor, page_ids: Sequence[int], ready: torch.cuda.Event | None = None,
+        *, checked: bool = False,
     ) -> torch.cuda.Event | None:
         """KV of ``slots`` -> pool pages ``page_ids``; page i gets ``slots[i*T:(i+1)*T]``.
 
@@ -464,14 +469,14 @@ class PageMover:
         before committing the pages. CPU: synchronous, returns None; so does a TP replica that
         must not write (``tp.writer`` False), which moves nothing.
         """
-        ids = self._check(slots, page_ids)
+        ids = self._check(slots, page_ids, checked)
         check_gather_counts(self.kv, slots, len(ids))
         if not self.kv.tp.writer:
             return None
         tokens = self.kv.layout.page_tokens
         if self.effective_path is TransferPath.REFERENCE:
             with self._on_side(self._offload_lanes[:1], ready) as streams:
-                reference_gather(self.kv, slots, self.pages, ids)
+                reference_gather(self.kv, slots, self.pages, ids, True)  # checked
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._offload_lanes[0]
@@ -485,19 +490,21 @@ class PageMover:
                 self._offload_chunk(lane, chunk, index)
         return self._finish(streams)
 
-    def load(self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0) -> torch.cuda.Event | None:
+    def load(
+        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, *, checked: bool = False
+    ) -> torch.cuda.Event | None:
         """Tokens ``[skip_first, len(page_ids)*T)`` of the concatenated pool pages -> ``slots``.
 
         ``len(slots) == len(page_ids) * T - skip_first``, ``0 <= skip_first < T``. CUDA: queued
         behind the caller's current stream; returns the completion event: make the compute stream
         wait on it, and keep the pool pages alive until it completes. CPU: synchronous, returns None.
         """
-        ids = self._check(slots, page_ids)
+        ids = self._check(slots, page_ids, checked)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
         tokens = self.kv.layout.page_tokens
         if self.effective_path is TransferPath.REFERENCE:
             with self._on_side(self._load_lanes[:1]) as streams:
-                reference_scatter(self.kv, self.pages, slots, ids, skip_first)
+                reference_scatter(self.kv, self.pages, slots, ids, skip_first, None, True)  # checked
             return self._finish(streams)
         if self._paced_active:
             # A paced layer-wise load is still queuing into the staging: read the pool directly,
@@ -531,6 +538,8 @@ class PageMover:
         slots: torch.Tensor,
         skip_first: int = 0,
         on_layer: Callable[[int], None] | None = None,
+        *,
+        checked: bool = False,
     ) -> list[torch.cuda.Event] | None:
         """:meth:`load`, layer by layer: layer 0 of every page first, then layer 1, ...
 
@@ -542,7 +551,7 @@ class PageMover:
         returns None. If queuing fails part-way, the caller's stream is made to wait for what was
         queued before the error propagates.
         """
-        ids = self._check(slots, page_ids)
+        ids = self._check(slots, page_ids, checked)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
         layers = self.kv.layout.num_layers
         events: list[torch.cuda.Event] = []
@@ -553,7 +562,8 @@ class PageMover:
         with self._ordered_on_failure([lane]), self._on_side([lane]) as streams:
             if path is TransferPath.REFERENCE:
                 for layer in range(layers):
-                    reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1))
+                    reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1),
+                                      True)  # checked
                     self._layer_done(streams, events, on_layer, layer)
             elif path is TransferPath.DIRECT:
                 page_index, slot_index = self._index(ids, lane), self._index(slots, lane)
@@ -565,7 +575,8 @@ class PageMover:
         return events or None
 
     def start_layers(
-        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, pace_bytes: int = PACE_BYTES
+        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, pace_bytes: int = PACE_BYTES,
+        *, checked: bool = False,
     ) -> PacedLayers | None:
         """:meth:`load_layers` queued a few units at a time by a thread of the caller's (STAGING on CUDA).
 
@@ -576,7 +587,7 @@ class PageMover:
         not stage (DIRECT, REFERENCE, CPU): use :meth:`load_layers`. Paced loads of one mover must be
         fed in the order they were started, one after the other (one feeding thread).
         """
-        ids = self._check(slots, page_ids)
+        ids = self._check(slots, page_ids, checked)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
         if isinstance(pace_bytes, bool) or not isinstance(pace_bytes, int) or pace_bytes < 1:
             raise ValueError(f"pace_bytes must be a positive int, got {pace_bytes!r}")
@@ -803,8 +814,11 @@ class PageMover:
 
     # -- streams and indices --------------------------------------------------------------------
 
-    def _check(self, slots: torch.Tensor, page_ids: PageIds) -> list[int]:
-        check_slots(self.kv, slots)
+    def _check(self, slots: torch.Tensor, page_ids: PageIds, checked: bool) -> list[int]:
+        """Checks ``slots`` unless the caller did (``checked``: a pass over the indices, once per call
+        at the public edge, not again per launch group), and always the page ids (a short list)."""
+        if not checked:
+            check_slots(self.kv, slots)
         return check_page_ids(page_ids, self.pages.shape[0])
 
     def _direct_plan(self) -> CopyPlan:

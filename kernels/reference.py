@@ -51,16 +51,19 @@ def _token_rows(pages: torch.Tensor) -> torch.Tensor:
 
 
 def reference_gather(
-    kv: KVBuffer, slots: torch.Tensor, pages: torch.Tensor, page_ids: PageIds | None = None
+    kv: KVBuffer, slots: torch.Tensor, pages: torch.Tensor, page_ids: PageIds | None = None,
+    checked: bool = False,
 ) -> None:
     """KV of ``slots`` -> ``pages[page_ids[i]]`` gets ``slots[i*T:(i+1)*T]``, every layer.
 
     ``pages``: ``[N, L, T, rows, D]`` of the layout dtype, any device. ``page_ids`` None means
     ``0..P-1``. Only this rank's rows are written; a non-writer rank (TP replica) writes nothing.
-    Raises ``ValueError`` naming the offending argument.
+    ``checked``: the caller checked the slots (range, duplicates) already. Raises ``ValueError``
+    naming the offending argument.
     """
     check_pages(kv, pages)
-    check_slots(kv, slots)
+    if not checked:
+        check_slots(kv, slots)
     count = check_gather_counts(kv, slots, None if page_ids is None else len(page_ids))
     ids = list(range(count)) if page_ids is None else check_page_ids(page_ids, pages.shape[0])
     if not kv.tp.writer:
@@ -90,16 +93,19 @@ def reference_scatter(
     page_ids: PageIds | None = None,
     skip_first: int = 0,
     layers: range | None = None,
+    checked: bool = False,
 ) -> None:
     """Tokens ``[skip_first, P*T)`` of the concatenated ``pages[page_ids]`` -> KV ``slots``.
 
     ``len(slots) == P*T - skip_first``; ``page_ids`` None means ``0..P-1`` where P follows from the
     slot count; ``layers`` a step-1 range of layers to copy (None: all). Every rank reads its own
-    rows. Raises ``ValueError`` naming the offending argument.
+    rows. ``checked``: the caller checked the slots (range, duplicates) already. Raises
+    ``ValueError`` naming the offending argument.
     """
     wanted = check_layers(kv, layers)
     check_pages(kv, pages)
-    check_slots(kv, slots)
+    if not checked:
+        check_slots(kv, slots)
     tokens = kv.layout.page_tokens
     if page_ids is None:
         count = -(-(slots.numel() + skip_first) // tokens)

@@ -96,10 +96,10 @@ async def test_cancelled_call_waits_for_its_running_copy(call: str, monkeypatch:
         finished: list[int] = []
         original: Callable[..., Any] = getattr(mover, call)
 
-        def slow(*args: Any) -> Any:
+        def slow(*args: Any, **kwargs: Any) -> Any:
             entered.set()
             gate.wait()
-            result = original(*args)
+            result = original(*args, **kwargs)
             finished.append(1)
             return result
 
@@ -191,9 +191,9 @@ async def test_soak_random_cancellation_with_reused_slots_never_serves_wrong_kv(
             for name in ("load", "offload"):
                 original: Callable[..., Any] = getattr(mover, name)
 
-                def slow(*args: Any, _original: Callable[..., Any] = original) -> Any:
+                def slow(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
                     for _ in range(30):
-                        result = _original(*args)
+                        result = _original(*args, **kwargs)
                     return result
 
                 monkeypatch.setattr(mover, name, slow)

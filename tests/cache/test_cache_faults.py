@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ async def test_failed_offload_copy_is_counted_and_its_pages_aborted(monkeypatch:
         await cache.pool.wait_ready()
         mover = mover_of(cache)
 
-        def broken(*_: object) -> None:
+        def broken(*_: object, **__: object) -> None:
             raise RuntimeError("copy engine fault (injected)")
 
         monkeypatch.setattr(mover, "offload", broken)
@@ -234,11 +235,11 @@ async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatc
         real = mover.load
         calls = {"n": 0}
 
-        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0) -> None:
+        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> None:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("copy engine fault (injected)")
-            real(page_ids, slots, skip)
+            real(page_ids, slots, skip, **kwargs)
 
         monkeypatch.setattr(mover, "load", second_group_fails)
         kv.zero_()

@@ -34,9 +34,9 @@ def _slow_copies(monkeypatch: pytest.MonkeyPatch, cache: KVCache, reps: int) -> 
     for name in ("load", "offload"):
         original: Callable[..., Any] = getattr(mover, name)
 
-        def slow(*args: Any, _original: Callable[..., Any] = original) -> Any:
+        def slow(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
             for _ in range(reps):
-                result = _original(*args)
+                result = _original(*args, **kwargs)
             return result
 
         monkeypatch.setattr(mover, name, slow)
@@ -311,8 +311,6 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
         await assert_quiescent(cache)
 
 
-@pytest.mark.xfail(strict=True, reason="PageMover._check re-validates the slots of every launch group "
-                   "(kernels/mover.py, the lead's): remove this marker with that fix")
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", ["load", "stream"])
 async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
