@@ -102,7 +102,9 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _new_event() -> torch.cuda.Event:
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+    # Blocking sync: the bridge's waiter threads sleep in cudaEventSynchronize instead of
+    # busy-waiting a core each for as long as copies are in flight (the default flag spins).
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
 
 
 @dataclass

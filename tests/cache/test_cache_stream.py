@@ -367,8 +367,6 @@ def _thread_clocks_work() -> bool:
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA waiter threads exist on a GPU only")
-@pytest.mark.xfail(strict=True, reason="the copies' events lack cudaEventBlockingSync: cudaEventSynchronize "
-                   "busy-waits on them (kernels/mover.py _new_event, aiokv/cuda.py: the lead's fix)")
 @pytest.mark.asyncio
 async def test_waiter_threads_do_not_spin_while_copies_are_in_flight() -> None:
     # The issue's rule (#10): a waiter thread blocks while the GPU works. CUDA: "If the
