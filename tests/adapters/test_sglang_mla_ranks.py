@@ -256,10 +256,10 @@ def test_the_mla_host_pool_is_registered_and_pages_move_in_place(
     writer = rank(backends, tmp_path, 0, tp_size=1, disk_backend=disk_backend)
     assert kv_store(writer).sharing is Sharing.ALONE
     handed, refused = registered(writer)
-    fixed = writer.statistics()["backend"] is DiskBackend.URING_FIXED  # auto: where io_uring allows it
-    assert handed == 1 and refused == (0 if fixed else 1)
-    if disk_backend == "threads":
-        assert not fixed  # threads never registers
+    # io_uring (auto, where the kernel allows it) registers it; threads cannot.
+    threads = writer.statistics()["backend"] is DiskBackend.THREADS
+    assert handed == 1 and refused == (1 if threads else 0)
+    assert threads == (disk_backend == "threads") or disk_backend == "auto"
     expected = pages_of(writer, 3, seed=40)
     assert writer.batch_set_v1(["a", "b", "c"], indices([0, 1, 2])) == [True] * 3
     assert writer.batch_get_v1(["a", "b", "c"], indices([5, 6, 7])) == [True] * 3

@@ -100,6 +100,7 @@ def test_corrupt_file_is_a_miss_never_wrong_bytes(tmp_path: Path, managers: list
     step(again)
     stats = tier_of(again).statistics()
     assert stats["corrupt"] == 2
+    again.shutdown()  # waits for the disk tier's unlinks, which run after the reads returned
     assert page_files(tmp_path) == []  # a corrupt file is deleted
 
 
