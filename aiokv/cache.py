@@ -108,8 +108,9 @@ class KVCache(CacheFacade):
         if self._transfers is not None:
             self._manager.check_running()
             return
-        # Threads before the pool's preparation holds the mmap lock (see CompletionBridge.prestart).
-        self._bridge.prestart(self._cuda)
+        # Threads before the pool's preparation holds the mmap lock (see CompletionBridge.prestart),
+        # started from a thread of their own: Thread.start waits until the new thread runs.
+        await run_in_new_thread(functools.partial(self._bridge.prestart, self._cuda), "aiokv-prestart", _nothing)
         pool = await self._manager.start()
         cfg = self.config
         path = _transfer_path(self._cuda, cfg.transfer_path)
