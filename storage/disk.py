@@ -342,7 +342,7 @@ class DiskTier:
         assert self._checksums is not None
         try:
             job.page = self._source(job)
-            self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job))
+            self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job), writing=True)
         except Exception:
             self._write_bug(job)
 
