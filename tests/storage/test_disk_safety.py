@@ -154,9 +154,11 @@ async def test_symlink_at_a_temporary_name_is_never_followed(disk_dir: Path, bac
         pool.table.release(h)
         stats = tier.statistics()
         if recycle:
-            # The recycled file was checked, then renamed over the planted name (the link is gone).
+            # The recycled file was checked, written under its own name and renamed to key 3's:
+            # no temporary name is involved, the planted link is left alone (removed at restart).
             assert stored
             assert (stats.recycled, stats.errors[ErrorKind.UNSAFE]) == (1, 0)
+            assert (tier.files.layout_dir / key_of(3).hex()[:2] / temp).is_symlink()
         else:
             # Creating a temporary file is exclusive: the planted name is refused, counted.
             assert not stored
