@@ -597,7 +597,8 @@ class PageTable:
         free = np.concatenate((np.frombuffer(self._recycled, dtype=np.int64), fresh))
         del starts, stops  # views pin the arrays' buffers
         assert ((state == _FREE) | (state == _RESERVED) | (state == _READY)).all(), "unknown state"
-        assert np.unique(free).size == free.size, "a page is on the free list twice"
+        ordered = np.sort(free)  # (np.unique imports numpy.ma on first use: a stall where it runs)
+        assert not (ordered[1:] == ordered[:-1]).any(), "a page is on the free list twice"
         assert usable[free].all(), "a page not handed over is on the free list"
         assert (state[free] == _FREE).all(), "a page on the free list is in use"
         assert not (state[~usable] != _FREE).any(), "a page not handed over is in use"

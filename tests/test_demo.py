@@ -97,12 +97,13 @@ async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
     """Pool pages whose rank-1 V head is off by 0.5 reach only rank 1, and still fail the oracle."""
     original = TPCache.start_load
 
-    def corrupting_start_load(self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0) -> LoadStream:
+    def corrupting_start_load(self: TPCache, match: Match, slots: torch.Tensor, *, from_token: int = 0,
+                              layered: bool = False) -> LoadStream:
         # TP pages are rank-major [parts, L, T, rows/parts, D]; with --tp 2 part 1 is rank 1's
         # [K, V] head: part 1, layer 0, every token, row 1 is its V head.
         assert self.pool.pages.dim() == 6 and self.pool.pages.shape[1] == 2
         self.pool.pages[:, 1, 0, :, 1] += 0.5
-        return original(self, match, slots, from_token=from_token)
+        return original(self, match, slots, from_token=from_token, layered=layered)
 
     monkeypatch.setattr(TPCache, "start_load", corrupting_start_load)
     # Two tenants: with one, the only pool page hit sits in front of disk pages and the split computes it.

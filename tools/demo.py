@@ -196,9 +196,7 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     if disk_dir is None:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
     try:
-        # TP ranks keep per-layer readiness to themselves: their hits stream whole pages.
-        path = cfg.load_path.without_layers() if cfg.tp > 1 else cfg.load_path
-        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages, path)
+        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages, cfg.load_path)
         if cfg.tp > 1:
             runs = await serve_tp(cfg, sessions, layout, config, kv_blocks, longest, progress)
         else:
@@ -507,9 +505,6 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tp > 1:
         if a.ttft:
             raise SystemExit("--ttft runs in one process; drop --tp")
-        if cfg.load_path.layered:
-            print(f"--tp: per-layer readiness stays in the rank processes; hits stream whole pages "
-                  f"({cfg.load_path.without_layers().value})", file=sys.stderr)
         try:
             Shard(0, cfg.tp).check(m)
         except ValueError as exc:
@@ -542,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"TP RANK FAILED {error}", file=sys.stderr)
         return 2
     print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB; "
-          f"hits through {(cfg.load_path.without_layers() if cfg.tp > 1 else cfg.load_path).value} "
+          f"hits through {cfg.load_path.value} "
           f"(claim {cfg.claim.value})")
     if cfg.tp > 1:
         print(tp_line(cfg.tp, out.rank_pids, out.rank_workers))

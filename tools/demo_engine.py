@@ -608,6 +608,11 @@ class ServingLoop(abc.ABC):
                 gap=front - pos, loaded=s.tokens - front, load_s=now - s.started,
                 computed=previous - first, compute_s=now - started, page=self.page, chunk=self.chunk_tokens,
             )
+            planned = s.stream.planned
+            if planned is not None and planned > pos:
+                # The cost model's split (known from the first hit after a restart: its rates
+                # are kept in the disk tier's directory): claim up to it in whole chunks.
+                size = max(size, planned - pos)
             want = min(s.tokens, pos + size, (pos // self.chunk_tokens + 1) * self.chunk_tokens)
             end = s.stream.claim(want)
             if end <= pos:
