@@ -316,7 +316,8 @@ def _resolve_disk(disk: object, given: dict[str, object]) -> DiskConfig | None:
             )
         return DiskConfig(directory=directory, **values)  # type: ignore[arg-type]  # each checked above
     if disk is None:
-        named = [s for s in given if s != "disk_dir"]
+        # disk_dir=None agrees with disk=None; a directory beside it was once silently no tier.
+        named = [s for s in given if not (s == "disk_dir" and off)]
         if named:
             raise ValueError(f"CacheConfig.{named[0]} is given but disk=None turns the disk tier off")
         return None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
-from aiokv.config import DISK_SHORTCUTS
+from aiokv.config import DISK_SHORTCUTS, default_disk
 from aiokv.storage import DiskConfig
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
@@ -154,6 +154,17 @@ def test_shortcuts_and_disk_none(tmp_path: Path) -> None:
     assert CacheConfig(disk_dir=None).disk is None  # alone, disk_dir=None is the other way to say "no tier"
     with pytest.raises(ValueError, match=r"CacheConfig\.disk_bytes"):
         CacheConfig(disk_dir=None, disk_bytes=0)
+
+
+def test_a_directory_beside_disk_none_is_refused(home: Path, tmp_path: Path) -> None:
+    # Regression: disk=None beside disk_dir=<a directory> silently gave no tier (the directory
+    # was dropped); any disk setting beside disk=None is refused, a directory included.
+    for directory in (tmp_path / "pages", str(tmp_path / "pages")):
+        with pytest.raises(ValueError, match=r"CacheConfig\.disk_dir is given but disk=None turns the disk tier off"):
+            CacheConfig(disk=None, disk_dir=directory)
+    assert not (tmp_path / "pages").exists() and not home.exists()  # nothing created
+    assert CacheConfig(disk=None).disk is None and CacheConfig(disk=None, disk_dir=None).disk is None
+    assert CacheConfig().disk == default_disk()  # the default is unchanged
 
 
 @pytest.mark.parametrize("short", sorted(set(DISK_SHORTCUTS) - {"disk_dir"}))
