@@ -14,6 +14,7 @@ touching its slots (see ``docs/design.md``, cancellation contract).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import logging
@@ -166,7 +167,17 @@ class KVCache(CacheFacade):
 
         Idempotent.
         """
+        transfers = self._transfers
+        if transfers is not None:
+            transfers.offloads.close()  # paced offloads still waiting never reach the GPU
         await self._manager.aclose()
+        if transfers is not None:
+            try:
+                async with asyncio.timeout(self.config.close_timeout):
+                    await transfers.offloads.drain()
+            except TimeoutError:
+                # Only a GPU that stopped for close_timeout gets here: the pool is freed regardless.
+                log.error("aiokv: offload copies still running after %.0f s at close", self.config.close_timeout)
         # Joins the bridge's threads: off the loop, on a thread the loop does not wait to start
         # (to_thread's first call would start the default executor's thread here).
         await run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)

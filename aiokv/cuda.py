@@ -59,7 +59,16 @@ class CompletionBridge:
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None
         self._cpu_jobs: dict[asyncio.Future[Any], concurrent.futures.Future[Any]] = {}
         self._closed = False
+        # wait()'s check and put, close()'s flag and sentinels, and lane creation are atomic under
+        # it: an item put after a lane's sentinel would never resolve, and a lane made after close
+        # would keep its thread for ever.
+        self._lock = threading.Lock()
         self.completed = 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (nothing new is accepted)."""
+        return self._closed
 
     def prestart(self, cuda: bool) -> None:
         """Start the threads the bridge will use (the copy thread; with ``cuda`` the waiters).
@@ -69,12 +78,17 @@ class CompletionBridge:
         preparation holds in long stretches: started lazily on the loop during start-up, one thread
         start stalled the loop 20-60 ms on the 2-vCPU VM. A closed bridge starts nothing.
         """
-        if self._closed:
-            return
-        self._cpu_executor().submit(int).result()  # the one copy thread exists from here on
+        with self._lock:
+            if self._closed:
+                return
+            job = self._cpu_executor().submit(int)
+        job.result()  # the one copy thread exists from here on
         if cuda:
             for lane in Lane:
-                self._lane(lane)
+                with self._lock:
+                    if self._closed:
+                        return  # closed meanwhile (a cancelled start): start no more threads
+                    self._lane(lane)
 
     def _cpu_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._cpu is None:
@@ -107,14 +121,15 @@ class CompletionBridge:
 
     def wait(self, event: torch.cuda.Event | None, lane: Lane) -> asyncio.Future[None]:
         """A future that resolves when ``event`` has completed (at once for None)."""
-        if self._closed:
-            raise RuntimeError("completion bridge is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        if event is None:
-            future.set_result(None)
-        else:
-            self._lane(lane).put((event, loop, future))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("completion bridge is closed")
+            if event is None:
+                future.set_result(None)
+            else:
+                self._lane(lane).put((event, loop, future))
         return future
 
     def run_cpu(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -123,11 +138,12 @@ class CompletionBridge:
         Cancelling the returned future does NOT stop the copy: use :meth:`withdraw`, which tells
         whether the copy can still run.
         """
-        if self._closed:
-            raise RuntimeError("completion bridge is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        job = self._cpu_executor().submit(fn)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("completion bridge is closed")
+            job = self._cpu_executor().submit(fn)
         self._cpu_jobs[future] = job
 
         def done(_: concurrent.futures.Future[T]) -> None:
@@ -164,15 +180,17 @@ class CompletionBridge:
 
     def close(self) -> None:
         """Stop the waiter threads after the events queued so far. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for q in self._queues.values():
-            q.put(None)
-        for thread in self._threads:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for q in self._queues.values():
+                q.put(None)
+            threads, cpu = list(self._threads), self._cpu
+        for thread in threads:
             thread.join()
-        if self._cpu is not None:
-            self._cpu.shutdown(wait=True)
+        if cpu is not None:
+            cpu.shutdown(wait=True)
 
 
 # -- raw copies through the CUDA runtime that torch loaded ---------------------------------------

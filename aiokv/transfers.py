@@ -77,12 +77,19 @@ class LaunchPacer:
     budget: int
     in_flight: int = 0
     queue: deque[PacedLaunch] = field(default_factory=deque)
+    closed: bool = False
+    running: set[asyncio.Future[None]] = field(default_factory=set)
+    """Completion futures of launched copies not yet done."""
 
     def run(self, nbytes: int, start: Callable[[], tuple[asyncio.Future[None], torch.cuda.Event | None]]
             ) -> PacedLaunch:
-        """Launch now when the budget allows and nobody waits, else queue; returns its handle."""
+        """Launch now when the budget allows and nobody waits, else queue; returns its handle.
+
+        Closed: nothing is launched, the copy fails at once (``RuntimeError``)."""
         entry = PacedLaunch(start, nbytes, asyncio.get_running_loop().create_future())
-        if not self.queue and (self.in_flight == 0 or self.in_flight + nbytes <= self.budget):
+        if self.closed:
+            entry.future.set_exception(RuntimeError("the cache is closing: copy not launched"))
+        elif not self.queue and (self.in_flight == 0 or self.in_flight + nbytes <= self.budget):
             self._launch(entry)
         else:
             self.queue.append(entry)
@@ -90,11 +97,31 @@ class LaunchPacer:
 
     def withdraw(self, entry: PacedLaunch) -> bool:
         """Cancel ``entry`` if it was not launched (nothing of it ever runs): True; False once launched."""
-        if entry.launched:
-            return False
-        entry.future.cancel()
+        return self.withdraw_all([entry])[0]
+
+    def withdraw_all(self, entries: Sequence[PacedLaunch]) -> list[bool]:
+        """:meth:`withdraw` for several entries, all before the queue moves on: withdrawing one
+        must not launch another of the same cancelled call."""
+        withdrawn = []
+        for entry in entries:
+            if not entry.launched:
+                entry.future.cancel()
+            withdrawn.append(not entry.launched)
         self._pump()
-        return True
+        return withdrawn
+
+    def close(self) -> None:
+        """Launch nothing more: waiting copies fail (``RuntimeError``); launched ones run out."""
+        self.closed = True
+        while self.queue:
+            entry = self.queue.popleft()
+            if not entry.future.done():
+                entry.future.set_exception(RuntimeError("the cache is closing: copy not launched"))
+
+    async def drain(self) -> None:
+        """Wait until no launched copy is running (bound it with ``asyncio.timeout``)."""
+        while self.running:
+            await asyncio.wait(set(self.running))
 
     def _launch(self, entry: PacedLaunch) -> None:
         try:
@@ -106,10 +133,12 @@ class LaunchPacer:
             return
         entry.launched, entry.event = True, event
         self.in_flight += entry.nbytes
+        self.running.add(inner)
         inner.add_done_callback(lambda done: self._landed(entry, done))
 
     def _landed(self, entry: PacedLaunch, inner: asyncio.Future[None]) -> None:
         self.in_flight -= entry.nbytes
+        self.running.discard(inner)
         outer = entry.future
         if not outer.done():
             if inner.cancelled():
@@ -122,7 +151,7 @@ class LaunchPacer:
 
     def _pump(self) -> None:
         queue = self.queue
-        while queue:
+        while queue and not self.closed:
             head = queue[0]
             if head.future.done():  # withdrawn (or cancelled by its owner) while it waited
                 queue.popleft()
@@ -192,6 +221,8 @@ class LocalTransfers:
         bridge = self._bridge
 
         def start() -> tuple[asyncio.Future[None], torch.cuda.Event | None]:
+            if bridge.closed:  # nothing may reach the GPU that no one would wait for
+                raise RuntimeError("completion bridge is closed")
             event = mover.offload(slots, page_ids, ready, checked=True)
             return bridge.wait(event, Lane.OFFLOAD), event
 
@@ -304,10 +335,12 @@ class LocalTransfers:
                 except asyncio.CancelledError:
                     continue
             stream = torch.cuda.current_stream(self._device)
+            # Not launched yet: never will be (all withdrawn before the queue moves on, so none of
+            # them starts now). Launched: ordered like any other copy.
+            self.offloads.withdraw_all([c.launch for c in copies if c.launch is not None])
             for copy in copies:
                 if copy.launch is not None:
-                    # Not launched yet: it never will be. Launched: ordered like any other copy.
-                    if not self.offloads.withdraw(copy.launch) and copy.launch.event is not None:
+                    if copy.launch.launched and copy.launch.event is not None:
                         stream.wait_event(copy.launch.event)
                     continue
                 # A paced load's last layer event is queued after all of its work, on every path,

@@ -104,10 +104,11 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
 def _new_event(blocking: bool = False) -> torch.cuda.Event:
     """A CUDA event; ``blocking``: a host waiting on it sleeps (``cudaEventBlockingSync``).
 
-    The end event of a copy is blocking: the bridge's waiter threads would otherwise busy-wait a
-    core each in ``cudaEventSynchronize`` for as long as copies are in flight. The events a paced
-    load's feeder waits on are not: it waits for half a window at a time, and with blocking events
-    hits streamed slower (H200, one trial: median 57.1 vs 40.7 ms).
+    Events a host thread waits on (a copy's end, layer events) are blocking: the bridge's waiter
+    threads would otherwise busy-wait a core each in ``cudaEventSynchronize`` for as long as
+    copies are in flight. The unit events a paced load's feeder waits on are not: it waits for half
+    a window at a time, and with every event blocking hits streamed slower (H200, one trial: median
+    57.1 vs 40.7 ms).
     """
     return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
 
@@ -237,9 +238,11 @@ class PacedLayers:
         self._mover = mover
         self._plan = plan
         self.window = window
-        self.events = [_new_event() for _ in range(layers)]
+        # Blocking: hosts wait on these (the bridge, a TP rank's landed-layer watch); the feeder
+        # waits on its own unit events, which stay default.
+        self.events = [_new_event(blocking=True) for _ in range(layers)]
         self.issued = [threading.Event() for _ in range(layers)]
-        self.end = _new_event()
+        self.end = _new_event(blocking=True)
         """Recorded after everything this load queued (whether it completed, stopped or failed)."""
         self.issued_units = 0
         self.queued = [False] * layers
@@ -740,7 +743,7 @@ class PageMover:
         on_layer: Callable[[int], None] | None, layer: int,
     ) -> None:
         if streams:
-            event = _new_event()
+            event = _new_event(blocking=True)  # the bridge's waiter may sleep on it (the last one)
             event.record(streams[0])
             events.append(event)
         elif on_layer is not None:

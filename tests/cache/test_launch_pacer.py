@@ -193,3 +193,43 @@ async def test_cancelled_paced_offload_withdraws_what_waits_and_stores_no_reused
         loaded = await cache.load(match, target)
         assert torch.equal(kv[:, target[: loaded.tokens].to(DEVICE)], original[:, : loaded.tokens])
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_closed_pacer_launches_nothing_more_and_drains_what_runs() -> None:
+    # Regression (review): a copy queued behind the pacer was launched from a done-callback after
+    # aclose had closed the bridge: its kernel reached the GPU with nothing waiting for it while
+    # the pool was freed. Closing the pacer first fails what waits; what runs is drained.
+    pacer = LaunchPacer(50)
+    fake = Launches(pacer)
+    running = fake.run("running", 50)
+    waiting = fake.run("waiting", 50)
+    pacer.close()
+    assert isinstance(waiting.future.exception(), RuntimeError) and not pacer.queue
+    late = fake.run("late", 10)
+    assert isinstance(late.future.exception(), RuntimeError)
+    drained = asyncio.create_task(pacer.drain())
+    await _turns()
+    assert not drained.done()  # "running" is still on the GPU
+    fake.inner["running"].set_result(None)
+    await asyncio.wait_for(drained, 5)
+    assert fake.started == ["running"]  # nothing launched after close
+    assert running.future.result() is None and pacer.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_withdrawing_a_cancelled_calls_copies_launches_none_of_them() -> None:
+    # Regression (review): quiesce withdrew a cancelled call's copies one by one; withdrawing the
+    # first let the queue move on and launch the second, a copy started during its own call's
+    # cancellation (and then waited for by the engine's stream).
+    pacer = LaunchPacer(100)
+    fake = Launches(pacer)
+    fake.run("other", 50)
+    first = fake.run("first", 60)  # does not fit beside "other"
+    second = fake.run("second", 40)  # would fit once "first" is gone
+    assert pacer.withdraw_all([first, second]) == [True, True]
+    assert fake.started == ["other"]
+    assert first.future.cancelled() and second.future.cancelled()
+    fake.inner["other"].set_result(None)
+    await _turns()
+    assert fake.started == ["other"] and not pacer.queue and pacer.in_flight == 0
