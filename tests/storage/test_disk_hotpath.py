@@ -716,3 +716,34 @@ async def test_a_written_page_up_to_1_mib_is_hashed_on_the_loop(disk_dir: Path, 
         assert payload(pool, into).equal(expect)
         pool.table.abort(into)
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_inline_write_hashing_is_bounded_per_loop_turn(disk_dir: Path, backend: DiskBackend,
+                                                            layout: KVLayout, pool: PagePool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # #14: 32 writes of 1 MiB started at once were all hashed inline in one turn of the loop and
+    # held it 5-12 ms. At most INLINE_WRITE_BYTES_PER_TURN are hashed inline per turn, the rest in
+    # the thread; the next turn has its budget again.
+    monkeypatch.setattr(checksum_module, "INLINE_CHECKSUM_BYTES", 0)
+    monkeypatch.setattr(checksum_module, "INLINE_WRITE_CHECKSUM_BYTES", layout.payload_bytes)
+    monkeypatch.setattr(checksum_module, "INLINE_WRITE_BYTES_PER_TURN", 2 * layout.payload_bytes)
+    hashed_in: list[str] = []
+    real = checksum_module.payload_checksum
+
+    def spy(view: memoryview) -> int:
+        hashed_in.append(threading.current_thread().name)
+        return real(view)
+
+    monkeypatch.setattr(checksum_module, "payload_checksum", spy)
+    loop_thread = threading.current_thread().name
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        handles = [fill(pool, key_of(i), i) for i in range(6)]
+        assert all(await asyncio.gather(*(tier.write(key_of(i), handles[i]) for i in range(5))))  # one turn
+        assert sorted(hashed_in) == sorted([loop_thread] * 2 + ["aiokv-checksum-0"] * 3)
+        hashed_in.clear()
+        assert await tier.write(key_of(5), handles[5])  # a later turn: inline again
+        assert hashed_in == [loop_thread]
+        for h in handles:
+            pool.table.release(h)
+    assert_clean(pool)
