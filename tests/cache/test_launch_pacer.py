@@ -176,6 +176,9 @@ async def test_cancelled_paced_offload_withdraws_what_waits_and_stores_no_reused
         await cache.pool.wait_ready()
         pacer = cache._transfers.offloads  # type: ignore[union-attr]
         pacer.budget = LAYOUT.page_bytes
+        # The GPU busy before the offload: its first copy (ordered after the engine's stream) cannot
+        # land before the test cancels, so the rest queue behind it (tiny pages copy in microseconds).
+        torch.cuda._sleep(300_000_000)  # type: ignore[no-untyped-call]
         task = asyncio.create_task(cache.offload(tokens, torch.arange(n)))
         for _ in range(10_000):  # until launches are queued behind the first
             if len(pacer.queue) >= 2:
