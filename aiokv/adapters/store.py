@@ -9,7 +9,8 @@ O_DIRECT) with fallbacks to plain buffers and threads.
 Keys: ``xxh3-128(seed ‖ engine key)``; the seed mixes the engine identity's fingerprint (model,
 dtype, page geometry, parallel layout: whatever decides what the bytes mean) and the namespace.
 Each identity also has its own directory, ``<directory>/<engine>-<fingerprint hex>``, so two models
-never share a page file.
+never share a page file; its name is predictable, so it is checked as the tier checks its own
+directories (never a symlink, ours, 0700) before anything is created in it.
 
 Bytes: a page that is one contiguous buffer of the disk layout's size (a 4096-multiple) moves
 straight between the engine's memory and its file (``DiskTier.write_from`` / ``read_into``; an
@@ -40,7 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import xxhash
@@ -52,8 +53,15 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import ReadOnly
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
-from aiokv.storage.layoutdir import LOCK_NAME
+from aiokv.storage.layoutdir import LOCK_NAME, _sub_dir
 from aiokv.storage.pagefile import PageFiles, file_bytes
+from aiokv.storage.safefiles import (
+    OPEN_FLAGS,
+    UnsafeDirectoryError,
+    UnsafeFileError,
+    check_page_fd,
+    classify_open_error,
+)
 
 from .loopthread import LoopDied, LoopThread, check_timing
 
@@ -234,22 +242,77 @@ def page_file_bytes(page_bytes: int) -> int:
     return file_bytes(raw_layout(page_bytes))
 
 
-def _hold_shared(lock_path: Path) -> int | None:
-    """A descriptor holding a shared ``flock`` on a tier directory's lock file (created with its
-    directories as the tier would: 0700), or None when it cannot be had: the writer holds the lock
-    (its exclusive lock excludes ours), or the directory is unusable (the tier's start says why)."""
+def _open_own_dir(directory: Path) -> int:
+    """A checked descriptor of a store's directory ``<root>/<engine>-<fingerprint hex>`` (created
+    0700, with the root). The root is the operator's choice (it may be a symlink); the directory in
+    it must be a real directory of ours that nobody else can write, checked by the tier's own check
+    (``_sub_dir``: ``O_NOFOLLOW``, owner, group/other bits removed or refused; one policy for both).
+    Its name is predictable: in a root others can write (``/tmp/aiokv``) another user could plant
+    it as a symlink (the tier, which follows a symlinked root, would then create directories
+    wherever it points) or as a directory of theirs. Blocking. Raises ``UnsafeDirectoryError``
+    (logged) for what is not safely ours; ``OSError`` when it cannot be created or opened."""
     try:
-        lock_path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock_path.parent.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
+        directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # not a directory: the open says so (NotADirectoryError)
+    root_fd = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _sub_dir(root_fd, directory.name, directory, create=True)
+    except UnsafeDirectoryError as exc:
+        log.error("%s", exc.strerror)
+        raise
+    finally:
+        os.close(root_fd)
+
+
+def _check_own_dir(directory: Path) -> None:
+    """:func:`_open_own_dir`, for its checks only."""
+    os.close(_open_own_dir(directory))
+
+
+def _hold_shared(directory: Path, layout_dir: Path) -> int | None:
+    """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir`` in the
+    store's ``directory``, reached through checked descriptors (:func:`_open_own_dir`; the layout
+    directory as the tier checks it), created as the tier would (0700, ``.lock`` 0600). None when
+    the writer holds the lock (its exclusive lock excludes ours) or the lock file cannot be had
+    (the tier's start says why). Blocking, but never on what a name holds: the lock file opens
+    with the tier's flags (``O_NOFOLLOW | O_NONBLOCK``), and only a regular file of ours is locked.
+    Raises ``UnsafeDirectoryError`` (logged) for a directory or lock file that is not safely ours:
+    a symlink, FIFO, socket, device or directory at the lock's name, a file of another owner."""
+    own_fd = _open_own_dir(directory)
+    try:
+        dir_fd = _sub_dir(own_fd, layout_dir.name, layout_dir, create=True)
+    except UnsafeDirectoryError as exc:
+        log.error("%s", exc.strerror)
+        raise
+    finally:
+        os.close(own_fd)
+    lock = layout_dir / LOCK_NAME
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        error = classify_open_error(exc, str(lock))
+        if isinstance(error, UnsafeFileError):
+            _refuse(lock, error)
         return None
+    finally:
+        os.close(dir_fd)
     try:
+        check_page_fd(fd, str(lock), write=False)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except UnsafeFileError as exc:
+        os.close(fd)
+        _refuse(lock, exc)
     except OSError:
         os.close(fd)
         return None
     return fd
+
+
+def _refuse(lock: Path, exc: OSError) -> NoReturn:
+    message = f"{exc.strerror}: refusing to use {lock.parent}"
+    log.error("aiokv store: %s", message)
+    raise UnsafeDirectoryError(exc.errno, f"aiokv store: {message}") from None
 
 
 def _yield_gil() -> None:
@@ -283,7 +346,7 @@ class PageFileStore:
         material = b"aiokv-engine-key-v1" + self.fingerprint + len(ns).to_bytes(8, "little") + ns
         self._seed = xxhash.xxh3_128_digest(material)
         self.layout = raw_layout(page_bytes)
-        self._lock_path = PageFiles(self.directory, self.layout).layout_dir / LOCK_NAME
+        self._layout_dir = PageFiles(self.directory, self.layout).layout_dir
         self._refreshed = -math.inf  # loop time of the reader's last rescan
         self.refreshes = 0
         """Rescans of a reader's index (:attr:`Sharing.READER`)."""
@@ -326,6 +389,8 @@ class PageFileStore:
 
     async def _start_disk(self, pool: PagePool) -> DiskTier:
         """A started tier over the directory, in the role of :attr:`sharing`."""
+        if self.sharing is not Sharing.READER:  # a reader checks it each time it takes its shared lock
+            await asyncio.to_thread(_check_own_dir, self.directory)
         if self.sharing is Sharing.ALONE:
             return await self._new_disk(pool)
         loop = asyncio.get_running_loop()
@@ -343,7 +408,7 @@ class PageFileStore:
             else:
                 # A shared lock while the tier starts: its own (exclusive) attempt then fails, so
                 # it starts read-only, and never removes the writer's temp files or evicts its pages.
-                guard = await asyncio.to_thread(_hold_shared, self._lock_path)
+                guard = await asyncio.to_thread(_hold_shared, self.directory, self._layout_dir)
                 try:
                     disk = await self._new_disk(pool)
                 finally:

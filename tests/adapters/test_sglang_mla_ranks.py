@@ -30,6 +30,7 @@ from sglang_helpers import host_pool, indices, mla_fill, mla_pool, page, storage
 from aiokv.adapters.sglang import AiokvHiCacheStorage
 from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig
 from aiokv.storage.config import DiskBackend, ReadOnly
+from aiokv.storage.safefiles import UnsafeDirectoryError
 
 MLA_FILE = 4096 + 32768  # header + one MLA page of the test pool
 
@@ -167,6 +168,36 @@ def test_the_writer_waits_while_a_reader_starts(tmp_path: Path, backends: list[A
         assert stuck.batch_set_v1(["x"], indices([0])) == [False]
     finally:
         os.close(guard)
+
+
+def test_a_reader_rank_refuses_a_fifo_at_the_lock_at_once(tmp_path: Path, backends: list[Any]) -> None:
+    """Regression: a FIFO another user planted at the lock file's name (predictable, in a shared
+    disk_dir such as /tmp/aiokv) hung an MLA reader rank's start for ever: its start-up guard opened
+    the lock blocking, in a worker thread nothing can cancel, so SGLang never finished starting. The
+    start now fails at once, saying what is there; nothing opened the FIFO for reading."""
+    rank(backends, tmp_path, 0).close()  # the writer made the directory and its lock file
+    (layout,) = layout_dirs(tmp_path)
+    (layout / ".lock").unlink()
+    os.mkfifo(layout / ".lock", 0o600)
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            rank(backends, tmp_path, 1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=start, name="reader-rank-start", daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        fd = os.open(layout / ".lock", os.O_RDWR | os.O_NONBLOCK)  # a writer lets the stuck open go
+        thread.join(20)
+        os.close(fd)
+        pytest.fail("the reader rank's start hung on the FIFO at its lock file")
+    (error,) = outcome
+    assert isinstance(error, UnsafeDirectoryError)
+    assert "is a FIFO" in str(error)
 
 
 def test_reader_rescans_are_bounded_by_reader_refresh_s(tmp_path: Path, backends: list[Any]) -> None:
