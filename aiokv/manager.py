@@ -83,6 +83,8 @@ class CacheManager:
         self._seen: OrderedDict[PageKey, None] = OrderedDict()
         self._started = False
         self._closed = False
+        self._close_task: asyncio.Task[None] | None = None  # the one close; every aclose() waits for it
+        self._starting: asyncio.Future[None] | None = None  # resolved when start() has settled
         self.faults = FaultLog(log)
         self.costs = CostModel(config.prefill_tokens_per_s)
         self.device_kind = device or ("cuda" if register_cuda else "cpu")
@@ -113,6 +115,13 @@ class CacheManager:
         if self._started:
             return self.pool
         self._started = True
+        starting = self._starting = asyncio.get_running_loop().create_future()
+        try:
+            return await self._open()
+        finally:
+            starting.set_result(None)
+
+    async def _open(self) -> PagePool:
         cfg = self.config
         # Set-up runs in a thread (the loop never blocks on it); usable once the first chunk is
         # prepared, the rest fill in behind (pages of ready chunks only).
@@ -137,6 +146,8 @@ class CacheManager:
                 self.faults.record("disk_unavailable", f"disk tier at {cfg.disk.directory} is off: {exc}")
                 await disk.aclose()
             else:
+                if self._closed:  # the close waited for this start: it closes the tier, then the pool goes
+                    raise RuntimeError("the cache was closed while it was starting")
                 await self._restore_rates(disk)
         return self._pool
 
@@ -145,13 +156,21 @@ class CacheManager:
         self._transfers = transfers
 
     async def aclose(self) -> None:
-        """Wait (up to ``close_timeout``) for in-flight work and write-behind, then free everything.
+        """Wait (up to ``close_timeout``) for in-flight work and write-behind, then close the disk tier.
 
-        Idempotent. The worker (``transfers``) must be closed by its owner after this returns.
+        Idempotent; a cancelled ``aclose`` keeps closing in the background and every later call
+        waits for that close to end, so the disk tier (whose I/O may still use pool pages) is
+        closed before anyone frees the pool. The worker (``transfers``) must be closed by its owner
+        after this returns, then the pool (:meth:`close_pool`).
         """
-        if self._closed:
-            return
-        self._closed = True
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        if self._starting is not None:
+            await self._starting  # a start in flight may still be opening the disk tier over the pool
         try:
             async with asyncio.timeout(self.config.close_timeout):
                 while self._background:
@@ -160,11 +179,15 @@ class CacheManager:
         except TimeoutError:
             self.faults.record("close_timeout", f"{len(self._background)} background jobs still running at close")
         if self._disk is not None:
-            await asyncio.shield(self._save_rates())  # a cancelled close still leaves them saved
+            await self._save_rates()
             await self._disk.aclose()
 
     async def close_pool(self) -> None:
-        """Free the pool (after the worker that copies into it is closed)."""
+        """Free the pool (after :meth:`aclose` and the worker that copies into it are closed).
+
+        Waits for the close first: the pool is never freed under an open disk tier.
+        """
+        await self.aclose()
         self._transfers = None
         if self._pool is not None:
             await self._pool.aclose()

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
+import aiokv.manager as manager_module
 from aiokv import KVCache
+from aiokv.costs import RATES_FILE, write_rates_file
+from aiokv.storage import DiskTier
 
 T = LAYOUT.page_tokens
 
@@ -79,3 +83,89 @@ async def test_a_dropped_match_gives_its_pages_back_with_a_resource_warning(tmp_
         await asyncio.sleep(0)  # the release runs on the loop that owns the page table
         assert cache.stats().pool_referenced == 0
         await assert_quiescent(cache)
+
+
+def _hold_rates_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Future[None], threading.Event]:
+    """Every write of the rates file blocks (a slow disk) until the returned event is set; the
+    future resolves once the first write has begun."""
+    loop = asyncio.get_running_loop()
+    entered: asyncio.Future[None] = loop.create_future()
+    release = threading.Event()
+
+    def held(directory: Path, data: bytes) -> None:
+        loop.call_soon_threadsafe(lambda: entered.done() or entered.set_result(None))
+        assert release.wait(30), "the test never released the rates write"
+        write_rates_file(directory, data)
+
+    monkeypatch.setattr(manager_module, "write_rates_file", held)
+    return entered, release
+
+
+async def _directory_is_free(root: Path) -> bool:
+    """Whether a new cache over ``root`` gets the directory's lock (no open tier holds it)."""
+    async with KVCache(config(root), LAYOUT, make_kv(54)) as probe:
+        assert probe.disk is not None
+        return probe.disk.read_only is None
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_close_is_finished_by_the_next_one_before_the_pool_is_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: the close marked the manager closed, then was cancelled while the rates were
+    # saved; a second aclose() saw it closed and freed the pool under the still open disk tier
+    # (its ring, threads, lock, and write-behind that may use pool pages).
+    entered, release = _hold_rates_writes(monkeypatch)
+    cache = KVCache(config(tmp_path), LAYOUT, make_kv(54))
+    await cache.start()
+    disk = cache.disk
+    assert disk is not None and disk.read_only is None
+    cache.manager.costs.pool.update(1e9, 1.0)  # a rate changed: the close (or a save it waits for) writes it
+    first = asyncio.create_task(cache.aclose())
+    await entered  # the rates file is being written
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    second = asyncio.create_task(cache.aclose())  # the engine's retry
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not second.done(), "the second close returned while the first was still closing"
+    assert not cache.pool.closed  # nothing freed the pool under the disk tier
+    release.set()
+    await second
+    assert cache.pool.closed
+    assert await _directory_is_free(tmp_path)  # the tier was closed: its lock is released
+    assert (tmp_path / LAYOUT.fingerprint.hex() / RATES_FILE).is_file()  # and the rates were saved
+
+
+@pytest.mark.asyncio
+async def test_a_close_during_start_waits_for_the_disk_tier_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a close while start() was opening the disk tier saw no tier, so the pool was
+    # freed; the start then kept a tier open over the freed pool.
+    entered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    gate = asyncio.Event()
+    real_start = DiskTier.start
+
+    async def held_start(tier: DiskTier) -> None:
+        entered.set_result(None)
+        await gate.wait()  # the directory checks and the ring set-up take a while
+        await real_start(tier)
+
+    monkeypatch.setattr(DiskTier, "start", held_start)
+    cache = KVCache(config(tmp_path), LAYOUT, make_kv(55))
+    starting = asyncio.create_task(cache.start())
+    await entered
+    closing = asyncio.create_task(cache.aclose())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not closing.done(), "the close returned while the start was still opening the disk tier"
+    assert not cache.pool.closed
+    gate.set()
+    with pytest.raises(RuntimeError, match="closed while it was starting"):
+        await starting
+    await closing
+    assert cache.pool.closed
+    monkeypatch.setattr(DiskTier, "start", real_start)
+    assert await _directory_is_free(tmp_path)
