@@ -397,8 +397,9 @@ class CacheManager:
             disk_start = max(first, match.pool_pages)
             promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             if promotions:
+                # A promotion that returned None (a miss) read nothing.
                 self._measure(list(promotions), len(promotions), time.perf_counter(), self.costs.disk,
-                              self.layout.page_bytes)
+                              self.layout.page_bytes, lambda f: f.result() is not None)
             for offset, task in enumerate(promotions):
                 # Shielded: a cancelled load still lets the page land in the pool (released later).
                 handle = await asyncio.shield(task)
@@ -447,12 +448,16 @@ class CacheManager:
 
     @staticmethod
     def _measure(futures: list[asyncio.Future[Any]], pages: int, started: float, meter: RateMeter,
-                 page_bytes: int) -> Callable[[], None]:
+                 page_bytes: int, delivered: Callable[[asyncio.Future[Any]], bool] | None = None,
+                 ) -> Callable[[], None]:
         """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``.
 
         Folded when the last future completes, or earlier by calling the returned function once
         they are all done: a call that settles its result after awaiting the futures calls it, so
         the rate is in before the call returns (a done-callback may still be queued then).
+        Nothing is folded when any future was cancelled or failed, or ``delivered`` says it moved
+        nothing: a withdrawn or failed copy moved fewer bytes than its pages (and fails fast), so
+        counting it would inflate the rate, which is saved across restarts.
         """
         folded = not futures or not pages
 
@@ -460,7 +465,9 @@ class CacheManager:
             nonlocal folded
             if not folded and all(f.done() for f in futures):
                 folded = True
-                meter.update(pages * page_bytes, time.perf_counter() - started)
+                if all(not f.cancelled() and f.exception() is None and (delivered is None or delivered(f))
+                       for f in futures):
+                    meter.update(pages * page_bytes, time.perf_counter() - started)
 
         for future in futures:
             future.add_done_callback(lambda _: fold())

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
 
 import aiokv.manager as manager_module
 from aiokv import KVCache
@@ -28,12 +28,14 @@ from aiokv.costs import (
     RATES_MAX_BYTES,
     RATES_TEMP,
     CostModel,
+    RateMeter,
     RatesFileError,
     decode_rates,
     encode_rates,
     read_rates_file,
     write_rates_file,
 )
+from aiokv.manager import CacheManager
 
 T = LAYOUT.page_tokens
 N = 12 * T
@@ -402,3 +404,93 @@ async def test_the_first_hit_after_a_restart_skips_hopeless_reads_only_with_save
             await stream.aclose()
         assert reads == 0 if saved else reads >= 1
         await assert_quiescent(cache)
+
+
+# -- what a measurement counts ------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_load_with_a_failed_copy_folds_no_pool_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: the pool rate counted every launched page once all copies were done, the failed
+    # ones included (a fast failure: an inflated rate, then saved in the rates file).
+    tokens = prompt(60, 6 * T)
+    async with KVCache(config(tmp_path, launch_pages=2), LAYOUT, make_kv(60)) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(6 * T))
+        mover = mover_of(cache)
+        real = mover.load
+        calls = {"n": 0}
+
+        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("copy engine fault (injected)")
+            real(page_ids, slots, skip, **kwargs)
+
+        monkeypatch.setattr(mover, "load", second_group_fails)
+        loaded = await cache.load(await cache.match(tokens), torch.arange(100, 100 + 6 * T))
+        assert loaded.shortened and cache.stats().errors["copy_failed"] == 1
+        await asyncio.sleep(0)  # any done-callback folds by now
+        assert cache.manager.costs.pool.samples == 0 and cache.manager.costs.pool.rate is None
+        monkeypatch.setattr(mover, "load", real)
+        await cache.load(await cache.match(tokens), torch.arange(100, 100 + 6 * T))
+        assert cache.manager.costs.pool.samples == 1  # a load whose copies all landed is measured
+        await assert_quiescent(cache)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the copy thread exists for CPU KV buffers")
+@pytest.mark.asyncio
+async def test_a_cancelled_load_folds_no_pool_rate(tmp_path: Path) -> None:
+    # Regression: a cancelled load's withdrawn copies (never started) were counted as moved pages
+    # once they were all done: 8 groups' bytes folded for the one group that ran.
+    tokens = prompt(61, 8 * T)
+    async with KVCache(config(tmp_path, launch_pages=1), LAYOUT, make_kv(61)) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(8 * T))
+        await cache.flush()
+        gate = threading.Event()
+        blocker = cache._bridge.run_cpu(gate.wait)  # the copy thread is busy with someone else's copy
+        task = asyncio.create_task(cache.load(await cache.match(tokens), torch.arange(100, 100 + 8 * T)))
+        try:
+            for _ in range(50):
+                await asyncio.sleep(0)  # the load queued all its copies (one group a turn) behind the blocker
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()  # never leave the copy thread blocked, also when the test fails
+        await blocker
+        await cache.flush()  # every abandoned copy has settled
+        assert cache.manager.costs.pool.samples == 0 and cache.manager.costs.pool.rate is None
+        await assert_quiescent(cache)
+    # Nothing was measured: the close saved no pool rate.
+    data = read_rates_file(_layout_dir(tmp_path))
+    assert data is None or "pool" not in decode_rates(data, FINGERPRINT, KIND).rates
+
+
+@pytest.mark.asyncio
+async def test_measure_skips_cancelled_failed_and_missed_futures() -> None:
+    loop = asyncio.get_running_loop()
+    for settle in ("cancel", "fail", "miss"):
+        meter = RateMeter()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(4)]
+        fold = CacheManager._measure(futures, 4, 0.0, meter, 4096, lambda f: f.result() is not None)
+        for future in futures[:3]:
+            future.set_result(True)
+        if settle == "cancel":
+            futures[3].cancel()
+        elif settle == "fail":
+            futures[3].set_exception(OSError(5, "injected"))
+        else:
+            futures[3].set_result(None)  # a promotion that read nothing
+        fold()
+        assert meter.rate is None and meter.samples == 0, settle
+        if settle == "fail":
+            futures[3].exception()
+    meter = RateMeter()
+    delivered = [loop.create_future() for _ in range(2)]
+    fold = CacheManager._measure(delivered, 2, 0.0, meter, 4096)
+    for future in delivered:
+        future.set_result(None)  # a copy's success
+    fold()
+    assert meter.samples == 1 and meter.rate is not None
