@@ -98,6 +98,7 @@ class KVCache(CacheFacade):
         self._bridge = CompletionBridge()
         self._slots = SlotValidator(self.kv, self._bridge, self._manager.track)
         self._transfers: LocalTransfers | None = None
+        self._close_task: asyncio.Future[None] | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -165,8 +166,14 @@ class KVCache(CacheFacade):
     async def aclose(self) -> None:
         """Wait (up to ``close_timeout``) for background copies and write-behind, then free everything.
 
-        Idempotent.
+        Idempotent. The close runs once, in a task every call waits for: a cancelled ``aclose``
+        raises ``CancelledError`` but the close goes on to the end (bridge, pool) without a retry.
         """
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         transfers = self._transfers
         if transfers is not None:
             transfers.offloads.close()  # paced offloads still waiting never reach the GPU

@@ -169,3 +169,28 @@ async def test_a_close_during_start_waits_for_the_disk_tier_it_opens(
     assert cache.pool.closed
     monkeypatch.setattr(DiskTier, "start", real_start)
     assert await _directory_is_free(tmp_path)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: KVCache.aclose cancelled while the manager closed returned with the bridge's
+    # threads and the pool still open, and nothing freed them unless the engine called it again.
+    entered, release = _hold_rates_writes(monkeypatch)
+    cache = KVCache(config(tmp_path), LAYOUT, make_kv(56))
+    await cache.start()
+    cache.manager.costs.pool.update(1e9, 1.0)  # a rate changed: the close writes it (held here)
+    first = asyncio.create_task(cache.aclose())
+    await entered
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert not cache.pool.closed
+    release.set()
+    for _ in range(2000):  # no second aclose(): the close goes on by itself
+        if cache.pool.closed:
+            break
+        await asyncio.sleep(0.005)
+    assert cache.pool.closed
+    assert cache._bridge.closed
+    assert await _directory_is_free(tmp_path)
+    await cache.aclose()  # idempotent: returns at once
