@@ -13,6 +13,7 @@ against the engine's buffer is the caller's job (``KVCache`` does it at its publ
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -37,7 +38,7 @@ from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome, StaleHandleError
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, PrefetchResult, Tier
 from aiokv.storage import DiskTier
 from aiokv.storage.faults import fault_name
@@ -45,6 +46,10 @@ from aiokv.stream import LoadStream
 from aiokv.transfers import Copy, Transfers
 
 log = logging.getLogger("aiokv.cache")
+
+
+def _nothing(_: object) -> None:
+    """A thread's result nobody takes any more (the rates read or write of a cancelled call)."""
 
 RATES_SAVE_INTERVAL_S = 30.0
 """The learned rates are saved at most this often while they change (and at close).
@@ -236,7 +241,9 @@ class CacheManager:
         ours (this layout, this device kind) and sound; anything else is ignored and counted."""
         where = disk.files.layout_dir
         try:
-            data = await asyncio.to_thread(read_rates_file, where)
+            # A thread the loop does not wait to start (to_thread's first call would start the
+            # default executor's thread on the loop).
+            data = await run_in_new_thread(functools.partial(read_rates_file, where), "aiokv-rates", _nothing)
             if data is None:
                 return  # a first start
             saved = decode_rates(data, self.layout.fingerprint.hex(), self.device_kind)
@@ -289,7 +296,8 @@ class CacheManager:
             self._rates_dirty = False
             self._rates_saved_at = time.monotonic()
             try:
-                await asyncio.to_thread(write_rates_file, disk.files.layout_dir, data)
+                await run_in_new_thread(functools.partial(write_rates_file, disk.files.layout_dir, data),
+                                        "aiokv-rates", _nothing)
             except OSError as exc:
                 self._rates_dirty = True
                 self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")

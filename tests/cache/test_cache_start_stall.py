@@ -226,6 +226,37 @@ async def test_start_and_close_wait_for_no_thread_of_their_own_to_start(
     assert not [s for s in started if s.startswith("asyncio")], started  # no default executor without a disk tier
 
 
+@pytest.mark.asyncio
+async def test_the_rates_read_and_write_start_no_thread_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: the saved rates were read at start and written at close through to_thread,
+    # whose first call starts the default executor's thread on the loop (Thread.start waits there
+    # until it runs). The disk tier's own starts are attributed to storage/ and not counted here.
+    import threading
+    import traceback
+
+    loop_thread = threading.get_ident()
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if threading.get_ident() == loop_thread:
+            files = [f.filename for f in traceback.extract_stack()[:-1]]
+            package = [f for f in files if "/aiokv/" in f or "/storage/" in f or "/kernels/" in f]
+            started.append(f"{self.name} from {package[-1] if package else 'the loop'}")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
+    config = CacheConfig(cpu_bytes=64 << 20, disk_dir=tmp_path, disk_bytes=1 << 30, namespace="nothread")
+    for _ in range(2):  # the second start reads the rates the first close wrote
+        async with KVCache(config, LAYOUT, kv) as cache:
+            await cache.offload(list(range(16)), torch.arange(16))
+            cache.manager.costs.pool.update(1e9, 1.0)  # a rate changed: the close writes it
+    assert not [s for s in started if s.endswith("aiokv/manager.py")], started
+
+
 PRELOAD_START = """
 import asyncio, json, logging, sys
 import torch
