@@ -22,6 +22,7 @@ nothing partial is ever served.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import torch
@@ -94,6 +95,7 @@ class TPCache(CacheFacade):
         self._manager = CacheManager(config, self.page_layout)
         self._group: RankGroup | None = None
         self._transfers: GroupTransfers | None = None
+        self._close_task: asyncio.Future[None] | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -114,8 +116,14 @@ class TPCache(CacheFacade):
     async def aclose(self) -> None:
         """Wait (bounded) for in-flight work and write-behind, stop serving workers, free the pool.
 
-        Idempotent. Workers notice and wait to re-attach to a new manager.
+        Idempotent. Workers notice and wait to re-attach to a new manager. The close runs once, in
+        a task every call waits for: a cancelled ``aclose`` raises but the close goes on to the end.
         """
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         await self._manager.aclose()
         if self._group is not None:
             await self._group.aclose()

@@ -7,6 +7,7 @@ after a restart from disk. A rank that is gone fails the transfer: nothing parti
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,40 @@ async def test_bad_arguments_are_refused_before_anything_changes() -> None:
         with pytest.raises(TypeError):
             await cache.offload(list(range(2 * t)), list(range(2 * t)))  # type: ignore[arg-type]
         assert cache.stats().pool_reserved == 0 and cache.stats().pages_stored == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: TPCache.aclose cancelled while the manager closed returned with the rank group's
+    # socket and the pool still open, freed only if the engine called it again.
+    import threading
+
+    import aiokv.manager as manager_module
+    from aiokv.costs import write_rates_file
+
+    loop = asyncio.get_running_loop()
+    entered: asyncio.Future[None] = loop.create_future()
+    release = threading.Event()
+
+    def held(directory: Path, data: bytes) -> None:
+        loop.call_soon_threadsafe(lambda: entered.done() or entered.set_result(None))
+        assert release.wait(30), "the test never released the rates write"
+        write_rates_file(directory, data)
+
+    monkeypatch.setattr(manager_module, "write_rates_file", held)
+    cache = TPCache(_config(MHA, tmp_path), MHA, tp_size=2, num_slots=SLOTS, tp_config=CONFIG)
+    await cache.start()
+    cache.manager.costs.pool.update(1e9, 1.0)  # a rate changed: the close writes it (held)
+    first = asyncio.create_task(cache.aclose())
+    await entered
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    release.set()
+    for _ in range(2000):  # no second aclose(): the close goes on by itself
+        if cache.pool.closed:
+            break
+        await asyncio.sleep(0.005)
+    assert cache.pool.closed
+    assert cache.group._close_task is not None and cache.group._close_task.done()  # the group closed too
+    await cache.aclose()  # idempotent
