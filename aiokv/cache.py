@@ -177,18 +177,22 @@ class KVCache(CacheFacade):
         transfers = self._transfers
         if transfers is not None:
             transfers.offloads.close()  # paced offloads still waiting never reach the GPU
-        await self._manager.aclose()
-        if transfers is not None:
-            try:
-                async with asyncio.timeout(self.config.close_timeout):
-                    await transfers.offloads.drain()
-            except TimeoutError:
-                # Only a GPU that stopped for close_timeout gets here: the pool is freed regardless.
-                log.error("aiokv: offload copies still running after %.0f s at close", self.config.close_timeout)
-        # Joins the bridge's threads: off the loop, on a thread the loop does not wait to start
-        # (to_thread's first call would start the default executor's thread here).
-        await run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
-        await self._manager.close_pool()
+        try:
+            await self._manager.aclose()
+        finally:
+            if transfers is not None:
+                try:
+                    async with asyncio.timeout(self.config.close_timeout):
+                        await transfers.offloads.drain()
+                except TimeoutError:
+                    # Only a GPU stopped for close_timeout gets here; the bridge's close below then
+                    # waits for those copies' events (the pool is not freed under them).
+                    log.error("aiokv: offload copies still running after %.0f s at close",
+                              self.config.close_timeout)
+            # Joins the bridge's threads: off the loop, on a thread the loop does not wait to start
+            # (to_thread's first call would start the default executor's thread here).
+            await run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
+            await self._manager.close_pool()
 
     # -- the engine's calls ---------------------------------------------------------------------
 

@@ -184,8 +184,16 @@ class CacheManager:
         except TimeoutError:
             self.faults.record("close_timeout", f"{len(self._background)} background jobs still running at close")
         if self._disk is not None:
-            await self._save_rates()
-            await self._disk.aclose()
+            # A failure here is counted, not raised: the close task's outcome is what every later
+            # aclose() and close_pool() see, and the pool and bridge must still be freed after it.
+            try:
+                await self._save_rates()
+            except Exception as exc:
+                self.faults.record("rates_not_saved", f"rates not saved at close: {exc!r}")
+            try:
+                await self._disk.aclose()
+            except Exception as exc:
+                self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")
 
     async def close_pool(self) -> None:
         """Free the pool (after :meth:`aclose` and the worker that copies into it are closed).

@@ -194,3 +194,24 @@ async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkey
     assert cache._bridge.closed
     assert await _directory_is_free(tmp_path)
     await cache.aclose()  # idempotent: returns at once
+
+
+@pytest.mark.asyncio
+async def test_a_failing_disk_close_still_frees_the_pool_and_the_bridge(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (review): an error out of the manager's close (here the disk tier's close failing
+    # with EIO) was the stored close's outcome: every aclose() re-raised it and the pool and the
+    # bridge were never freed. The failure is counted; the close goes on.
+    cache = KVCache(config(tmp_path), LAYOUT, make_kv(57))
+    await cache.start()
+    real = DiskTier.aclose
+
+    async def failing(self: DiskTier) -> None:
+        await real(self)
+        raise OSError(5, "EIO at close (injected)")
+
+    monkeypatch.setattr(DiskTier, "aclose", failing)
+    await cache.aclose()
+    assert cache.pool.closed and cache._bridge.closed
+    assert cache.stats().errors["close_failed"] == 1
+    await cache.aclose()  # idempotent
