@@ -752,8 +752,10 @@ class ThreadPageIO:
             if sync:
                 self._fault(IOOp.FSYNC)
                 os.fdatasync(fd)
-            os.close(fd)
-            fd = -1
+            # Forget the number before closing: a close that fails (EIO on NFS) has still released
+            # it, and closing it again below could close another thread's new file.
+            closing, fd = fd, -1
+            os.close(closing)
             self._fault(IOOp.RENAME)
             os.rename(src, final, src_dir_fd=src_dir, dst_dir_fd=dir_fd)
         except BaseException:
