@@ -27,8 +27,14 @@ class _SlowLanes(CompletionBridge):
 
     delay = 0.0
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()  # set once a lane lookup is inside the window
+
     def _lane(self, lane: Lane):  # type: ignore[no-untyped-def]
-        time.sleep(self.delay)
+        if self.delay:
+            self.inside.set()
+            time.sleep(self.delay)  # the injected delay: the window the other thread used to slip into
         return super()._lane(lane)
 
 
@@ -43,7 +49,7 @@ async def test_wait_racing_close_resolves_or_raises_never_hangs() -> None:
     bridge = _SlowLanes()
     bridge.prestart(True)
     bridge.delay = 0.05
-    closer = threading.Thread(target=lambda: (time.sleep(0.01), bridge.close()))
+    closer = threading.Thread(target=lambda: (bridge.inside.wait(5), bridge.close()))
     closer.start()
     future = bridge.wait(_Done(), Lane.OFFLOAD)  # type: ignore[arg-type]
     await asyncio.to_thread(closer.join)
@@ -61,10 +67,9 @@ def test_close_during_prestart_leaves_no_waiter_thread() -> None:
     bridge.delay = 0.02
     starter = threading.Thread(target=bridge.prestart, args=(True,))
     starter.start()
-    time.sleep(0.03)  # inside the lane loop
+    assert bridge.inside.wait(5)  # prestart is inside its lane loop
     bridge.close()
     starter.join(5)
-    deadline = time.monotonic() + 5
-    while set(_waiters_alive()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for thread in bridge._threads:
+        thread.join(5)  # every waiter thread the bridge made got its sentinel
     assert not set(_waiters_alive()) - before

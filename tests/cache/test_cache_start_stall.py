@@ -193,20 +193,13 @@ def test_a_processs_first_start_does_not_stall_the_loop(tmp_path: Path) -> None:
     pytest.fail(f"every first start stalled the loop: {[round(s * 1e3, 1) for s in stalls]} ms")
 
 
-@pytest.mark.asyncio
-async def test_start_and_close_wait_for_no_thread_of_their_own_to_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Regression (#11, first start): PagePool.open started the loop's default executor's thread
-    # (run_in_executor) and aclose the same through to_thread: Thread.start waits on the loop until
-    # the new thread runs (1.5-6 ms on the loaded 2-vCPU VM). Both start their threads without
-    # waiting now, and so does the bridge's prestart (it ran on the loop: the copy thread's start).
-    # Attributed by the innermost aiokv frame of each start made on the loop's thread.
+def _thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each Thread.start made on the calling (loop) thread as "name from <innermost aiokv
+    file>" (Thread.start waits there until the new thread runs)."""
     import threading
     import traceback
 
     loop_thread = threading.get_ident()  # (current_thread() would make a launcher a dummy thread)
-    ours = ("aiokv/pool.py", "aiokv/shm.py", "aiokv/pagetable.py", "aiokv/cache.py", "aiokv/cuda.py")
     started: list[str] = []
     real = threading.Thread.start
 
@@ -218,6 +211,20 @@ async def test_start_and_close_wait_for_no_thread_of_their_own_to_start(
         real(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
+@pytest.mark.asyncio
+async def test_start_and_close_wait_for_no_thread_of_their_own_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression (#11, first start): PagePool.open started the loop's default executor's thread
+    # (run_in_executor) and aclose the same through to_thread: Thread.start waits on the loop until
+    # the new thread runs (1.5-6 ms on the loaded 2-vCPU VM). Both start their threads without
+    # waiting now, and so does the bridge's prestart (it ran on the loop: the copy thread's start).
+    # Attributed by the innermost aiokv frame of each start made on the loop's thread.
+    ours = ("aiokv/pool.py", "aiokv/shm.py", "aiokv/pagetable.py", "aiokv/cache.py", "aiokv/cuda.py")
+    started = _thread_starts_on_the_loop(monkeypatch)
     kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
     config = CacheConfig(cpu_bytes=64 << 20, disk_dir=None, namespace="nothread")
     async with KVCache(config, LAYOUT, kv) as cache:
@@ -233,21 +240,7 @@ async def test_the_rates_read_and_write_start_no_thread_on_the_loop(
     # Regression: the saved rates were read at start and written at close through to_thread,
     # whose first call starts the default executor's thread on the loop (Thread.start waits there
     # until it runs). The disk tier's own starts are attributed to storage/ and not counted here.
-    import threading
-    import traceback
-
-    loop_thread = threading.get_ident()
-    started: list[str] = []
-    real = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if threading.get_ident() == loop_thread:
-            files = [f.filename for f in traceback.extract_stack()[:-1]]
-            package = [f for f in files if "/aiokv/" in f or "/storage/" in f or "/kernels/" in f]
-            started.append(f"{self.name} from {package[-1] if package else 'the loop'}")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = _thread_starts_on_the_loop(monkeypatch)
     kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
     config = CacheConfig(cpu_bytes=64 << 20, disk_dir=tmp_path, disk_bytes=1 << 30, namespace="nothread")
     for _ in range(2):  # the second start reads the rates the first close wrote
