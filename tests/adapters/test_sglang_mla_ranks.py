@@ -10,6 +10,7 @@ processes), and one test with rank 1 in a process of its own.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
@@ -65,6 +66,20 @@ def pages_of(backend: AiokvHiCacheStorage, count: int, seed: int) -> list[torch.
 
 def layout_dirs(root: Path) -> list[Path]:
     return sorted(lock.parent for lock in root.rglob(".lock"))
+
+
+def wait_for_loop_time(store: PageFileStore, when: float) -> None:
+    """Return once ``store``'s loop clock reads ``when`` or later (a wait on the clock the store
+    itself compares with, not a guess at it); fails at once if ``when`` is more than 10 s away."""
+
+    async def until() -> None:
+        loop = asyncio.get_running_loop()
+        assert when - loop.time() < 10, f"{when - loop.time():.1f} s to wait: the store's clock is not the one read"
+        # 1 ms past it: asyncio runs a timer up to its clock's resolution early.
+        await asyncio.sleep(max(0.0, when - loop.time()) + 0.001)
+        assert loop.time() >= when
+
+    store.thread.run(until(), timeout=15)
 
 
 def test_one_directory_the_writer_rank_writes_every_rank_reads(tmp_path: Path, backends: list[Any]) -> None:
@@ -210,15 +225,14 @@ def test_reader_rescans_are_bounded_by_reader_refresh_s(tmp_path: Path, backends
     pages_of(writer, 1, seed=3)
     assert writer.batch_set_v1(["p"], indices([0])) == [True]
     assert fast.batch_exists(["p"]) == 1
-    start = time.monotonic()
+    store = kv_store(slow)
+    due = store._refreshed + store.config.reader_refresh_s  # the loop time _stale compares with
     found = slow.batch_exists(["p"])
-    if time.monotonic() - start < 0.4:  # asked within 0.5 s of its start: not rescanned yet
-        assert found == 0 and kv_store(slow).refreshes == 0
-    deadline = time.monotonic() + 10
-    while slow.batch_exists(["p"]) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert kv_store(slow).refreshes == 1
+    if store.thread.loop.time() < due:  # the whole call ran before its rescan was due
+        assert found == 0 and store.refreshes == 0
+    wait_for_loop_time(store, due)
+    assert slow.batch_exists(["p"]) == 1
+    assert store.refreshes == 1
 
 
 def test_pages_the_writer_evicted_or_that_rotted_miss_on_readers(tmp_path: Path, backends: list[Any]) -> None:
