@@ -216,28 +216,34 @@ def thread_clocks_work() -> bool:
 
 
 class ThreadCPU:
-    """CPU seconds the given threads used over a window, per wall second (a spinning thread: ~1);
-    ``share`` is None where per-thread CPU clocks do not work."""
+    """CPU seconds the given threads used over a ``with`` window (``cpu``), its wall seconds
+    (``wall``) and their ratio (``share``; a spinning thread: ~1). ``cpu`` and ``share`` are None
+    where per-thread CPU clocks do not work (``thread_clocks_work``). Also used by the tests."""
 
     def __init__(self, threads: list[threading.Thread]) -> None:
         self._clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if t.ident is not None]
-        self.share: float | None = 0.0  # no threads: nothing burned
+        self.cpu: float | None = 0.0  # no threads: nothing burned
         if self._clocks and not thread_clocks_work():
             self._clocks = []
-            self.share = None
+            self.cpu = None
+        self.wall = 0.0
         self._start = 0.0
-        self._wall = 0.0
+
+    @property
+    def share(self) -> float | None:
+        return None if self.cpu is None else self.cpu / max(1e-9, self.wall)
 
     def _cpu(self) -> float:
         return sum(time.clock_gettime(clock) for clock in self._clocks)
 
     def __enter__(self) -> ThreadCPU:
-        self._start, self._wall = self._cpu(), time.perf_counter()
+        self._start, self.wall = self._cpu(), time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
         if self._clocks:
-            self.share = (self._cpu() - self._start) / max(1e-9, time.perf_counter() - self._wall)
+            self.cpu = self._cpu() - self._start
 
 
 def _where(handle: asyncio.events.Handle) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,10 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))
+
+from bench_cache import ThreadCPU, thread_clocks_work  # one probe of per-thread CPU clocks, the benchmark's
 
 from aiokv import KVCache
 from aiokv.costs import CostModel, RateMeter
@@ -344,26 +349,38 @@ async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: p
         await assert_quiescent(cache)
 
 
-def _thread_clocks_work() -> bool:
-    """Whether another thread's CPU clock advances here (under gVisor, on the H200 machines, every
-    thread's read 0: the measurement below would pass whatever the waiters do)."""
-    stop = threading.Event()
+def test_thread_cpu_tells_a_thread_that_burns_cpu_from_one_that_blocks() -> None:
+    """The measurement the test below (and bench_cache) relies on, checked where it can run: a
+    thread that spins for 30 ms of its own CPU time, and one blocked on an event meanwhile."""
+    if not thread_clocks_work():
+        pytest.skip("per-thread CPU clocks do not advance here")
+    go, spun, done = threading.Event(), threading.Event(), threading.Event()
 
     def spin() -> None:
-        while not stop.is_set():
+        go.wait()
+        began, give_up = time.thread_time(), time.monotonic() + 30
+        while time.thread_time() - began < 0.03 and time.monotonic() < give_up:
             pass
+        spun.set()
+        done.wait()
 
-    thread = threading.Thread(target=spin)
-    thread.start()
+    spinner, sleeper = threading.Thread(target=spin), threading.Thread(target=done.wait)
+    spinner.start()
+    sleeper.start()
     try:
-        assert thread.ident is not None
-        clock = time.pthread_getcpuclockid(thread.ident)
-        first = time.clock_gettime(clock)
-        time.sleep(0.05)
-        return time.clock_gettime(clock) - first > 0.005
+        outer = time.perf_counter()
+        with ThreadCPU([spinner]) as burned, ThreadCPU([sleeper]) as idle:
+            go.set()
+            assert spun.wait(60), "the spinning thread never finished"
+        outer = time.perf_counter() - outer
     finally:
-        stop.set()
-        thread.join()
+        go.set()
+        done.set()
+        spinner.join()
+        sleeper.join()
+    assert burned.cpu is not None and idle.cpu is not None
+    assert 0.03 <= burned.cpu <= burned.wall + 0.001 and burned.wall <= outer, (burned.cpu, burned.wall, outer)
+    assert idle.cpu < 0.005, idle.cpu
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA waiter threads exist on a GPU only")
@@ -373,7 +390,7 @@ async def test_waiter_threads_do_not_spin_while_copies_are_in_flight() -> None:
     # cudaEventBlockingSync flag has not been set, then the CPU thread will busy-wait until the
     # event has been completed by the device" (cudaEventSynchronize): a core burned per lane for
     # as long as copies are in flight.
-    if not _thread_clocks_work():
+    if not thread_clocks_work():
         pytest.skip("per-thread CPU clocks do not advance here: a spinning waiter cannot be seen")
     n = 6 * T
     tokens = prompt(77, n)
@@ -383,13 +400,13 @@ async def test_waiter_threads_do_not_spin_while_copies_are_in_flight() -> None:
         await cache.flush()
         lane = next(t for t in cache._bridge._threads if t.name == "aiokv-cuda-load")
         assert lane.ident is not None
-        clock = time.pthread_getcpuclockid(lane.ident)
         match = await cache.match(tokens)
         torch.cuda._sleep(300_000_000)  # type: ignore[no-untyped-call]  # ~0.2 s of GPU time before the copies
-        cpu, wall = time.clock_gettime(clock), time.perf_counter()
-        result = await cache.load(match, torch.arange(100, 100 + n))
-        cpu, wall = time.clock_gettime(clock) - cpu, time.perf_counter() - wall
+        with ThreadCPU([lane]) as waiter:
+            result = await cache.load(match, torch.arange(100, 100 + n))
         assert result.tokens == n
+        cpu, wall = waiter.cpu, waiter.wall
+        assert cpu is not None
         assert wall > 0.05, "the copies did not wait behind the GPU's work: nothing measured"
         assert cpu < 0.2 * wall, f"the load lane's waiter used {cpu * 1e3:.0f} ms of CPU in {wall * 1e3:.0f} ms"
         await assert_quiescent(cache)
