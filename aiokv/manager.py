@@ -43,7 +43,7 @@ from aiokv.results import CacheStatistics, LoadResult, Match, OffloadResult, Pre
 from aiokv.storage import DiskTier
 from aiokv.storage.faults import fault_name
 from aiokv.stream import LoadStream
-from aiokv.transfers import Copy, Transfers
+from aiokv.transfers import Copy, CopyWithdrawn, Transfers
 
 log = logging.getLogger("aiokv.cache")
 
@@ -106,6 +106,7 @@ class CacheManager:
         self._miss_tokens = 0
         self._bytes: Counter[str] = Counter()
         self._stored = self._skipped = self._dropped = self._promoted = 0
+        self._withdrawn = 0  # pages a call did not copy because the close began first (not a fault)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -396,12 +397,18 @@ class CacheManager:
         copies: list[tuple[Copy, list[PageHandle], Tier]] = []
         promotions: list[asyncio.Task[PageHandle | None]] = []
         consumed = 0
+        cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
         try:
             group = self.config.launch_pages
             launched = 0
             while pool_part:
                 await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
+                if self._closed:
+                    # No copy may start once the close began: it frees the pool after the copies
+                    # launched so far (a CUDA copy launched after its bridge closed had no waiter).
+                    cut = True
+                    break
                 part, pool_part = pool_part[:group], pool_part[group:]
                 lo = 0 if launched == 0 else launched * t - skip
                 hi = (launched + len(part)) * t - skip
@@ -411,7 +418,10 @@ class CacheManager:
             measured = self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
                                      self.layout.payload_bytes)
             disk_start = max(first, match.pool_pages)
-            promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
+            if self._closed:
+                cut = True  # no disk reads either
+            else:
+                promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             if promotions:
                 # A promotion that returned None (a miss) read nothing.
                 self._measure(list(promotions), len(promotions), time.perf_counter(), self.costs.disk,
@@ -421,6 +431,10 @@ class CacheManager:
                 handle = await asyncio.shield(task)
                 consumed += 1
                 if handle is None:
+                    break
+                if self._closed:
+                    self._release_handles([handle])
+                    cut = True
                     break
                 page = disk_start + offset
                 page_skip = skip if page == first else 0
@@ -449,6 +463,7 @@ class CacheManager:
                 self.faults.record("copy_failed", f"load copy failed: {outcome!r}")
                 break
             loaded[tier] += len(held)
+        self._release_handles(pool_part)  # not launched: the close began (else empty)
         for _, held, _ in copies:
             self._release_handles(held)
         for task in promotions[consumed:]:
@@ -458,7 +473,11 @@ class CacheManager:
         self._loaded_tokens[Tier.POOL] += pool_loaded * t
         self._loaded_tokens[Tier.DISK] += disk_loaded * t
         self._bytes["pool_to_gpu"] += (pool_loaded + disk_loaded) * self.layout.payload_bytes
-        if end < match.tokens:
+        launched_pages = sum(len(held) for _, held, _ in copies)
+        withdrawn = match.pages - first - launched_pages if cut else 0
+        self._withdrawn += withdrawn
+        if end < match.tokens and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
+            # Cut only by the close (every launched copy landed): withdrawn, not a fault.
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
 
@@ -627,17 +646,22 @@ class CacheManager:
             admitted_before = {k for k in keys if k in self._seen}
         self._note_seen(keys)
         t = self.layout.page_tokens
-        stored = skipped = dropped = 0
+        stored = skipped = dropped = withdrawn = 0
         start = 0
         # Rounds: store what the pool can take; when it is full of pages the write-behind still
         # holds, wait (bounded) for them to reach disk and go on, instead of dropping the rest.
         while start < len(keys):
+            if self._closed:  # the close began between rounds: the rest is withdrawn, not a fault
+                withdrawn += len(keys) - start
+                dropped += len(keys) - start
+                break
             reservations = self.pool.reserve(keys[start:])
             room = next((i for i, r in enumerate(reservations) if r.outcome is ReserveOutcome.EXHAUSTED),
                         len(reservations))
             counts = await self._store(keys[start : start + room], reservations[:room],
                                        slots[start * t : (start + room) * t], admitted_before)
             stored, skipped, dropped = stored + counts[0], skipped + counts[1], dropped + counts[2]
+            withdrawn += counts[3]
             start += room
             if start < len(keys) and not await self._wait_for_room():
                 dropped += len(keys) - start
@@ -647,6 +671,7 @@ class CacheManager:
         self._stored += stored
         self._skipped += skipped
         self._dropped += dropped
+        self._withdrawn += withdrawn
         return OffloadResult(stored, skipped, dropped)
 
     async def _wait_for_room(self, *, disk_io: bool = True) -> bool:
@@ -674,26 +699,34 @@ class CacheManager:
     async def _store(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation], slots: torch.Tensor,
         admitted_before: set[PageKey] | None,
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, int]:
         """Copy the RESERVED pages of one round, commit them and queue them for disk.
 
-        ``slots`` holds ``len(keys) * page_tokens`` host slots. Returns (stored, skipped, dropped).
+        ``slots`` holds ``len(keys) * page_tokens`` host slots. Returns (stored, skipped, dropped,
+        withdrawn): withdrawn pages (also dropped) were never copied because the cache began
+        closing first, a paced copy still waiting (:class:`CopyWithdrawn`) or a group not launched.
         """
         pool, transfers = self._running()
         new = [(i, r.handle) for i, r in enumerate(reservations) if r.handle is not None]
         skipped = len(reservations) - len(new)  # PRESENT or PENDING: a round holds no EXHAUSTED key
         if not new:
-            return 0, skipped, 0
+            return 0, skipped, 0, 0
         t = self.layout.page_tokens
         handles = [h for _, h in new]
         index = torch.tensor([i for i, _ in new], dtype=torch.long)
         chosen = slots.view(len(keys), t).index_select(0, index).reshape(-1)
         group = self.config.launch_pages
         copies: list[tuple[Copy, list[PageHandle]]] = []
+        unlaunched: list[PageHandle] = []
         try:
             for begin in range(0, len(handles), group):
                 # Bounded host work per loop turn: validation above, then each group's launches.
                 await asyncio.sleep(0)
+                if self._closed:
+                    # The close began: nothing more goes to the copy engine (as the pacer's close
+                    # withdraws what waits); the close frees the pool once launched copies ended.
+                    unlaunched = handles[begin:]
+                    break
                 part = handles[begin : begin + group]
                 copies.append((transfers.offload(chosen[begin * t : (begin + len(part)) * t], [h.page for h in part]),
                                part))
@@ -710,16 +743,19 @@ class CacheManager:
                 if id(handle) not in launched:
                     pool.table.abort(handle)
             raise
-        dropped = 0
-        failed = [h for (_, part), out in zip(copies, outcomes, strict=True) if out is not None for h in part]
-        if failed:
-            first = next(out for out in outcomes if out is not None)
-            self.faults.record("copy_failed", f"offload copy failed: {first!r}")
-            bad = {id(h) for h in failed}
-            for handle in failed:
+        # Withdrawn by the close (never ran) is not a failure: aborted alike, counted apart.
+        withdrawn = unlaunched + [h for (_, part), out in zip(copies, outcomes, strict=True)
+                                  if isinstance(out, CopyWithdrawn) for h in part]
+        errors = [out for out in outcomes if out is not None and not isinstance(out, CopyWithdrawn)]
+        failed = [h for (_, part), out in zip(copies, outcomes, strict=True)
+                  if out is not None and not isinstance(out, CopyWithdrawn) for h in part]
+        if errors:
+            self.faults.record("copy_failed", f"offload copy failed: {errors[0]!r}")
+        if failed or withdrawn:
+            bad = {id(h) for h in failed} | {id(h) for h in withdrawn}
+            for handle in failed + withdrawn:
                 pool.table.abort(handle)
             new = [(i, h) for i, h in new if id(h) not in bad]
-            dropped = len(failed)
         self._bytes["gpu_to_pool"] += len(new) * self.layout.payload_bytes
         commit, to_disk = pool.table.commit, self._disk is not None  # once per page: locals
         for i, handle in new:
@@ -728,7 +764,7 @@ class CacheManager:
             kept = commit(handle, keep=admit)
             if kept is not None:
                 self._write_behind(key, kept)
-        return len(new), skipped, dropped
+        return len(new), skipped, len(failed) + len(withdrawn), len(withdrawn)
 
     def _write_behind(self, key: PageKey, handle: PageHandle) -> None:
         disk = self._disk
@@ -741,7 +777,8 @@ class CacheManager:
             self._bytes["pool_to_disk"] += self.layout.page_bytes
         else:
             self._release_handles([handle])
-            self.faults.record("write_behind_full", "write-behind queue full: page kept in the pool only")
+            if not self._closed:  # a closing tier accepts no more writes by design: not a full queue
+                self.faults.record("write_behind_full", "write-behind queue full: page kept in the pool only")
 
     # -- prefetch -------------------------------------------------------------------------------
 
@@ -795,6 +832,7 @@ class CacheManager:
             pages_skipped=self._skipped,
             pages_dropped=self._dropped,
             pages_promoted=self._promoted,
+            pages_withdrawn=self._withdrawn,
             pool_free=pool.pages.free,
             pool_reserved=pool.pages.reserved,
             pool_ready=pool.pages.ready,

@@ -136,7 +136,8 @@ class OffloadResult:
     skipped: int
     """Pages already cached or being written by another call."""
     dropped: int
-    """Pages not stored: pool full of referenced pages, or the copy failed."""
+    """Pages not stored: pool full of referenced pages, the copy failed, or the cache began closing
+    before their copy was launched (withdrawn: see ``CacheStatistics.pages_withdrawn``)."""
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,14 @@ class CacheStatistics:
     pages_skipped: int
     """Pages offload found cached already."""
     pages_dropped: int
-    """Pages offload could not store."""
+    """Pages offload could not store (withdrawn ones included)."""
     pages_promoted: int
     """Pages read from disk into the pool (load and prefetch)."""
+    pages_withdrawn: int
+    """Pages a load or offload in flight did not copy because the cache began closing before their
+    copy was launched (a paced offload still waiting for its turn, a launch group not reached).
+    Nothing of them ran: an offload's are aborted (never served), a load's are not reported
+    loaded. Not a fault: never counted in ``errors`` (not ``copy_failed``, ``load_shortened``)."""
     pool_free: int
     pool_reserved: int
     pool_ready: int

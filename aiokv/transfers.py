@@ -28,7 +28,8 @@ class Copy:
     """One launched transfer: its completion future and, on CUDA, the event that marks its end.
 
     The future resolves to None when every byte moved, or raises what failed (a fault: the
-    manager counts it and shortens or drops).
+    manager counts it and shortens or drops), or :class:`CopyWithdrawn` when the cache's close
+    withdrew it before it ran (not a fault).
     """
 
     future: asyncio.Future[None]
@@ -47,6 +48,13 @@ class Copy:
     launch: PacedLaunch | None = None
     """CUDA, a paced whole-page copy: launched only once earlier copies drained (``event`` is
     then ``launch.event``; before that nothing of it is on the GPU and it can be withdrawn)."""
+
+
+class CopyWithdrawn(RuntimeError):
+    """A paced copy the cache's close withdrew before it was launched: nothing of it ran.
+
+    Not a fault: the manager counts its pages as withdrawn (``stats().pages_withdrawn``), never
+    as ``copy_failed``."""
 
 
 @dataclass(eq=False, slots=True)
@@ -85,10 +93,10 @@ class LaunchPacer:
             ) -> PacedLaunch:
         """Launch now when the budget allows and nobody waits, else queue; returns its handle.
 
-        Closed: nothing is launched, the copy fails at once (``RuntimeError``)."""
+        Closed: nothing is launched, the copy is withdrawn at once (:class:`CopyWithdrawn`)."""
         entry = PacedLaunch(start, nbytes, asyncio.get_running_loop().create_future())
         if self.closed:
-            entry.future.set_exception(RuntimeError("the cache is closing: copy not launched"))
+            entry.future.set_exception(CopyWithdrawn("the cache is closing: copy not launched"))
         elif not self.queue and (self.in_flight == 0 or self.in_flight + nbytes <= self.budget):
             self._launch(entry)
         else:
@@ -111,12 +119,13 @@ class LaunchPacer:
         return withdrawn
 
     def close(self) -> None:
-        """Launch nothing more: waiting copies fail (``RuntimeError``); launched ones run out."""
+        """Launch nothing more: waiting copies are withdrawn (:class:`CopyWithdrawn`, nothing of them
+        ran: their owner aborts their pages, not a fault); launched ones run out (:meth:`drain`)."""
         self.closed = True
         while self.queue:
             entry = self.queue.popleft()
             if not entry.future.done():
-                entry.future.set_exception(RuntimeError("the cache is closing: copy not launched"))
+                entry.future.set_exception(CopyWithdrawn("the cache is closing: copy not launched"))
 
     async def drain(self) -> None:
         """Wait until no launched copy is running (bound it with ``asyncio.timeout``)."""
@@ -209,10 +218,19 @@ class LocalTransfers:
         self._device = device
         self._cuda = device.type == "cuda"
         self.offloads = LaunchPacer(PACE_BYTES if pace_bytes is None else pace_bytes)
-        """Paces offloads on CUDA (see :class:`LaunchPacer`)."""
+        """Paces offloads on CUDA (see :class:`LaunchPacer`). The cache's close closes it first."""
+
+    @property
+    def closing(self) -> bool:
+        """Whether the cache's close began (it closes :attr:`offloads` first): from then on nothing
+        is launched, every new copy is withdrawn at once (:class:`CopyWithdrawn`). A copy launched
+        later could outlive the bridge's close (no waiter) and read or write a freed pool."""
+        return self.offloads.closed
 
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         mover = self.mover
+        if self.closing:
+            return _withdrawn()
         if not self._cuda:
             return Copy(self._bridge.run_cpu(lambda: _call(mover.offload, slots, page_ids, checked=True)))
         # What the engine wrote so far, also for a launch deferred behind earlier offloads.
@@ -231,6 +249,8 @@ class LocalTransfers:
 
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         mover = self.mover
+        if self.closing:
+            return _withdrawn()
         if not self._cuda:
             return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip, checked=True)))
         try:
@@ -250,6 +270,8 @@ class LocalTransfers:
         after the whole copy before anything else touches the slots). CPU: one future per layer.
         """
         mover = self.mover
+        if self.closing:
+            return _withdrawn()
         loop = asyncio.get_running_loop()
         if self._cuda:
             try:
@@ -354,6 +376,10 @@ class LocalTransfers:
                 _, pending = await asyncio.wait(pending)
             except asyncio.CancelledError:
                 continue  # cancelled again: still wait; the caller re-raises its own error
+
+
+def _withdrawn() -> Copy:
+    return failed_copy(CopyWithdrawn("the cache is closing: copy not launched"))
 
 
 def _call(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
