@@ -32,9 +32,11 @@ without the hash (0.31 -> 0.21 core-s/GB here). A read's hash runs in the comple
 may finish several pages at once: those stay with the thread above ``INLINE_CHECKSUM_BYTES``."""
 
 INLINE_WRITE_BYTES_PER_TURN = 2 << 20
-"""At most this many written bytes are hashed inline in one turn of the loop (~0.3 ms); further
-written pages in the same turn go to the thread. A caller starting 32 writes of 1 MiB at once held
-the loop 5-12 ms hashing them all inline (the loop-lag budget is 3 ms)."""
+"""At most this many bytes (written and read pages alike) are hashed inline in one turn of the loop
+(~0.3 ms); further pages started in the same turn go to the thread. A caller starting 32 writes of
+1 MiB at once held the loop 5-12 ms hashing them all inline (the loop-lag budget is 3 ms). All
+inline hashes of a turn run in one callback: a per-call budget reset by a callback of the next turn
+let one turn hash up to twice the budget (the pages started before the reset ran, then after it)."""
 
 CHECKSUM_THREADS = 1
 """Threads hashing large payloads: one hashes ~10 GB/s, several times what a disk moves."""
@@ -58,7 +60,9 @@ class Checksums:
         self._inline = INLINE_CHECKSUM_BYTES if inline_bytes is None else inline_bytes
         self._inline_write = INLINE_WRITE_CHECKSUM_BYTES if inline_write_bytes is None else inline_write_bytes
         self._turn_budget = INLINE_WRITE_BYTES_PER_TURN
-        self._turn_bytes = 0  # written bytes hashed inline in this turn of the loop (reset next turn)
+        # Pages to hash on the loop, and whether the one callback per turn that hashes them is due.
+        self._inline_jobs: list[tuple[memoryview, Done]] = []
+        self._batch_scheduled = False
         threads = CHECKSUM_THREADS if threads is None else threads
         self.cpu_s = 0.0
         """CPU seconds spent hashing so far, inline and in the threads (benchmarks report the share)."""
@@ -79,30 +83,45 @@ class Checksums:
 
     def start(self, view: memoryview, done: Done, writing: bool = False) -> None:
         """Hash ``view``, then ``done(checksum)`` on the loop; ``writing``: a page being written
-        (hashed inline up to ``inline_write_bytes`` instead of ``inline_bytes``)."""
-        loop = asyncio.get_running_loop()
+        (hashed inline up to ``inline_write_bytes`` instead of ``inline_bytes``).
+
+        Inline hashes run in one callback per turn of the loop (scheduled by the first of them), so
+        the turn's budget (``INLINE_WRITE_BYTES_PER_TURN``) holds whatever callbacks started them
+        and in which order; the pages past it go to the thread."""
         size = len(view)
-        if writing and size > self._inline and size <= self._inline_write:
-            # Inline within this turn's budget, else like a read (the thread for this size).
-            if self._turn_bytes + size > self._turn_budget:
-                writing = False
-            else:
-                if not self._turn_bytes:
-                    loop.call_soon(self._new_turn)  # runs in the next turn of the loop
-                self._turn_bytes += size
-        if size <= (self._inline_write if writing else self._inline):
+        if size > (self._inline_write if writing else self._inline):
+            self._jobs.put((view, asyncio.get_running_loop(), done))
+            return
+        self._inline_jobs.append((view, done))
+        if not self._batch_scheduled:
+            self._batch_scheduled = True
+            asyncio.get_running_loop().call_soon(self._hash_inline)
+
+    def _hash_inline(self) -> None:
+        """On the loop, at most once per turn: hash the pages started inline since the last run,
+        up to the turn's budget; the rest go to the thread. Each ``done`` runs here."""
+        self._batch_scheduled = False
+        jobs, self._inline_jobs = self._inline_jobs, []
+        budget = self._turn_budget
+        spent = 0
+        hashing = 0.0
+        for view, done in jobs:
+            size = len(view)
+            if spent + size > budget:
+                self._jobs.put((view, asyncio.get_running_loop(), done))
+                continue
+            spent += size
             t0 = time.thread_time()
             try:
                 value: int | BaseException = payload_checksum(view)
             except Exception as exc:  # a released view: a bug, reported to the caller
                 value = exc
-            self.cpu_s += time.thread_time() - t0
-            loop.call_soon(done, value)
-            return
-        self._jobs.put((view, loop, done))
-
-    def _new_turn(self) -> None:
-        self._turn_bytes = 0
+            hashing += time.thread_time() - t0
+            try:
+                done(value)
+            except Exception:  # a bug in a caller's callback: the others still get theirs
+                log.exception("checksum callback failed")
+        self.cpu_s += hashing
 
     async def checksum(self, view: memoryview) -> int:
         """``view``'s checksum (inline or in a thread); keeps ``view`` until the hash is done, even
