@@ -125,6 +125,8 @@ class LoadStream:
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
         self._finished = False
+        self._launched: list[Copy] | None = None  # _launched_copies(), once the loader is done
+        self._cuda = False  # whether they are CUDA copies (set with _launched)
         self._loader = asyncio.create_task(self._run())
 
     # -- the engine's side ----------------------------------------------------------------------
@@ -175,12 +177,16 @@ class LoadStream:
         if self._loader.done() is False:
             raise RuntimeError("wait_layer() before launched(): the set of copies is not fixed yet")
         self._check_layer(layer)
-        if self._cuda_copies():
-            queued = [c.layer_futures[layer] for _, c, _, _ in self._unique_copies() if c.paced is not None]
+        copies = self._launched_copies()
+        if self._cuda:
+            # Only the layers not queued yet are awaited: an engine waits on every layer in turn,
+            # and a gather per layer cost more host time than the ordering itself.
+            queued = [c.layer_futures[layer] for c in copies
+                      if c.paced is not None and not c.layer_futures[layer].done()]
             if queued:
                 await asyncio.shield(asyncio.gather(*queued))
             return self.order_layer(layer)
-        waits = [c.layer_futures[layer] if c.layer_futures else c.future for _, c, _, _ in self._unique_copies()]
+        waits = [c.layer_futures[layer] if c.layer_futures else c.future for c in copies]
         outcomes = await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
         return all(out is True or out is None for out in outcomes)
 
@@ -196,14 +202,20 @@ class LoadStream:
         """
         self._check_layer(layer)
         landing = True
-        for _, c, _, _ in self._unique_copies():
+        events = []
+        copies = self._launched_copies() if self._loader.done() else [c for _, c, _, _ in self._unique_copies()]
+        for c in copies:
             if c.paced is not None:
                 c.paced.wait_issued(layer)
                 landing = landing and c.paced.queued[layer]
             elif c.event is None and c.future.done() and (c.future.cancelled() or c.future.exception()):
                 landing = False  # failed at launch: nothing of it lands
-        events = [c.layer_events[layer] if c.layer_events else c.event for _, c, _, _ in self._unique_copies()]
-        self._manager._running()[1].order_after([e for e in events if e is not None])
+            event = c.layer_events[layer] if c.layer_events else c.event
+            if event is not None:
+                events.append(event)
+        transfers = self._manager._running()[1]
+        if events:
+            transfers.order_after(events)
         return landing
 
     def _check_layer(self, layer: int) -> None:
@@ -221,8 +233,13 @@ class LoadStream:
                 out.append(entry)
         return out
 
-    def _cuda_copies(self) -> bool:
-        return any(c.event is not None for _, c, _, _ in self._copies)
+    def _launched_copies(self) -> list[Copy]:
+        """The distinct copies once the loader is done (the set is fixed from then on), worked out
+        once: the engine asks for them on every layer (``wait_layer``/``order_layer``)."""
+        if self._launched is None:
+            self._launched = [c for _, c, _, _ in self._unique_copies()]
+            self._cuda = any(c.event is not None for c in self._launched)
+        return self._launched
 
     async def finish(self) -> StreamResult:
         """Wait until the load reached the claimed front and its copies are in the buffer.
