@@ -144,9 +144,20 @@ def test_a_processs_first_start_imports_no_module(tmp_path: Path) -> None:
 
 
 FIRST_START_STALL = """
-import asyncio, gc, sys
+import asyncio, gc, os, sys, time
 import torch
 from aiokv import CacheConfig, KVCache, KVLayout
+
+try:
+    SCHED = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # the loop's thread: ns on CPU, ns runnable
+except OSError:
+    SCHED = -1  # no scheduler statistics: nothing is discounted
+
+def loop_thread() -> tuple[int, int]:
+    if SCHED < 0:
+        return 0, 0
+    on_cpu, runnable = os.pread(SCHED, 64, 0).split()[:2]
+    return int(on_cpu), int(runnable)
 
 async def main() -> None:
     gc.collect()  # the full collection importing torch leaves owed (see test_pool_start.py)
@@ -154,43 +165,61 @@ async def main() -> None:
     kv = torch.zeros(layout.num_layers, 256, layout.rows, layout.head_dim, dtype=layout.dtype)
     config = CacheConfig(cpu_bytes=1 << 30, disk_dir=sys.argv[1], disk_bytes=1 << 30, namespace="first")
     loop = asyncio.get_running_loop()
-    worst, due = 0.0, loop.time() + 0.001
+    worst = raw = 0.0
+    ticks = 0
+    due, last = loop.time() + 0.001, (*loop_thread(), time.process_time_ns())
     def tick() -> None:
         global handle
-        nonlocal worst, due
-        now = loop.time()
-        worst, due = max(worst, now - due), now + 0.001
+        nonlocal worst, raw, ticks, due, last
+        now, (on_cpu, runnable), process = loop.time(), loop_thread(), time.process_time_ns()
+        # Of the time the loop's thread was runnable but off the CPU, the part this process's
+        # other threads did not use went to other processes: the machine's load, not the start's.
+        ours = process - last[2] - (on_cpu - last[0])
+        theirs = max(0, runnable - last[1] - ours) / 1e9
+        worst, raw = max(worst, now - due - theirs), max(raw, now - due)
+        due, last, ticks = now + 0.001, (on_cpu, runnable, process), ticks + 1
         handle = loop.call_at(due, tick)
     global handle
     handle = loop.call_at(due, tick)
     await asyncio.sleep(0.02)  # the probe's first ticks
-    worst = 0.0
+    worst = raw = 0.0
+    ticks = 0
     async with KVCache(config, layout, kv) as cache:
-        stall = worst
+        stall = worst, raw, ticks
     handle.cancel()
-    print(stall)
+    print(*stall)
 
 asyncio.run(main())
 """
 FIRST_START_BOUND = 0.005
-"""Seconds: the target (#11), for the best of five fresh processes (what every first start pays,
-without the shared VM's noise). 2-vCPU VM, load average 3-5, 1 GiB pool, disk tier on: before this
-bound, first starts stalled 6.0-14.0 ms (imports in threads, the page table's columns written,
-regular expressions compiled, all holding the GIL); now 2.8-6.8 ms, most 3-5."""
+"""Seconds: the target (#11), for the best of ``FIRST_START_TRIES`` fresh processes (what every first
+start pays, without the shared VM's noise). 2-vCPU VM, load average 3-5, 1 GiB pool, disk tier on:
+before this bound, first starts stalled 6.0-14.0 ms (imports in threads, the page table's columns
+written, regular expressions compiled, all holding the GIL); now 2.8-6.8 ms, most 3-5.
+
+A stall is the probe's lateness less the time the loop's thread waited for a CPU that other
+processes had (its runnable time beyond what this process's other threads ran meanwhile, from
+``/proc/thread-self/schedstat``). Blocked in a call, waiting for the GIL or a lock, running a long
+callback, or queued behind this process's own threads, all still count. Load average 7-8 (two other
+CPU-bound processes and a test suite on the 2 vCPUs): raw stalls 10.5-30 ms, none under the bound;
+discounted 1.8-17.9 ms, half under it. A start blocked 20 ms on the loop stalls >= 20 ms either way."""
+FIRST_START_TRIES = 8
 
 
 @pytest.mark.slow
 def test_a_processs_first_start_does_not_stall_the_loop(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     stalls = []
-    for attempt in range(5):
+    for attempt in range(FIRST_START_TRIES):
         run = subprocess.run([sys.executable, "-c", FIRST_START_STALL, str(tmp_path / f"disk{attempt}")],
                              capture_output=True, text=True, timeout=120, env=env)
         assert run.returncode == 0, run.stderr
-        stalls.append(float(run.stdout.split()[-1]))
-        if stalls[-1] < FIRST_START_BOUND:
+        stall, raw, ticks = map(float, run.stdout.split()[-3:])
+        assert ticks >= 3, f"the probe ticked {ticks:.0f} times during the start: {run.stderr}"
+        stalls.append(f"{stall * 1e3:.1f} ({raw * 1e3:.1f} raw)")
+        if stall < FIRST_START_BOUND:
             return
-    pytest.fail(f"every first start stalled the loop: {[round(s * 1e3, 1) for s in stalls]} ms")
+    pytest.fail(f"every first start stalled the loop: {', '.join(stalls)} ms")
 
 
 def _thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
