@@ -26,6 +26,7 @@ import asyncio
 import errno
 import functools
 import logging
+import os
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -33,7 +34,7 @@ from aiokv.faults import FaultLog
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, run_in_new_thread
 
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_buffer, check_key, check_ready, check_reserved
@@ -113,23 +114,35 @@ class DiskTier:
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, directory_fd: int | None = None) -> None:
         """Check the directories, take the directory's lock, open the backend on the running loop,
         rebuild the index, remove leftover temp files.
 
-        Raises ``UnsafeDirectoryError`` (an ``OSError``) for a directory that is not safely ours,
-        ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here or the directory
-        cannot be created; ``RuntimeError`` when started twice. A directory that cannot be written
-        (read-only file system, locked by another cache) is no error: the tier starts read-only.
+        ``directory_fd``: a descriptor of ``config.directory`` that the caller opened and checked
+        itself (an engine adapter's directory, whose name others may be able to swap): the tier
+        starts from its own duplicate of it and never looks the directory's name up, so a name
+        replaced after the caller's check (a symlink, another directory) redirects nothing. The
+        caller keeps its descriptor (it may close it once this returned). None: the directory is
+        created if need be and opened by its path (it may be a symlink: the operator's choice).
+
+        Raises ``TypeError``/``ValueError`` for a ``directory_fd`` that is not an open descriptor
+        (nothing started), ``UnsafeDirectoryError`` (an ``OSError``) for a directory that is not
+        safely ours, ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here or the
+        directory cannot be created; ``RuntimeError`` when started twice. A directory that cannot be
+        written (read-only file system, locked by another cache) is no error: the tier starts
+        read-only.
         """
         if self._dir is not None or self._close_task is not None:
             raise RuntimeError("disk tier already started")
+        owned = [] if directory_fd is None else [_duplicate_directory_fd(directory_fd)]
         # Its threads start in the thread that prepares the directory: Thread.start waits until the
         # new thread runs, which held the loop for ms on a loaded machine (#11).
         checksums = Checksums(start=False)
         try:
-            prepared = await _in_thread_owned(functools.partial(_start_then_prepare, checksums), self.files)
+            prepared = await _prepare_in_thread(functools.partial(_start_then_prepare, checksums, self.files, owned))
         except BaseException as exc:
+            for fd in owned:  # the thread never ran (it takes the descriptor over when it does)
+                os.close(fd)
             checksums.close_nowait()
             if isinstance(exc, UnsafeDirectoryError):
                 log.error("%s", exc.strerror)
@@ -947,16 +960,39 @@ class DiskTier:
             log.exception("disk tier: page reference already released")
 
 
-def _start_then_prepare(checksums: Checksums, files: PageFiles) -> Prepared:
-    """In a worker thread: start the checksum threads, then :func:`prepare` the directory."""
-    checksums.start_threads()
-    return prepare(files)
+def _duplicate_directory_fd(fd: int) -> int:
+    """The tier's own duplicate of a caller's directory descriptor (checked: a caller mistake raises
+    ``TypeError``/``ValueError``)."""
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise TypeError(f"directory_fd must be an int (a file descriptor) or None, got {type(fd).__name__}")
+    if fd < 0:
+        raise ValueError(f"directory_fd must be an open file descriptor, got {fd}")
+    try:
+        return os.dup(fd)  # a plain syscall that never blocks: on the loop
+    except OSError as exc:
+        raise ValueError(f"directory_fd {fd} is not an open file descriptor ({exc.strerror})") from None
 
 
-async def _in_thread_owned(fn: Callable[[PageFiles], Prepared], files: PageFiles) -> Prepared:
-    """``fn(files)`` in a thread; if cancelled meanwhile, the descriptors it returns are closed (a
-    lock left open would keep the directory read-only for everyone else)."""
-    job = asyncio.ensure_future(asyncio.to_thread(fn, files))
+def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int]) -> Prepared:
+    """In a worker thread: start the checksum threads, then :func:`prepare` the directory (from the
+    descriptor in ``owned``, taken over here, or by its path when ``owned`` is empty)."""
+    root_fd = owned.pop() if owned else None
+    try:
+        checksums.start_threads()
+    except BaseException:
+        if root_fd is not None:
+            os.close(root_fd)
+        raise
+    return prepare(files, root_fd)
+
+
+async def _prepare_in_thread(work: Callable[[], Prepared]) -> Prepared:
+    """``work()`` on a new thread, started without the loop waiting for it (``asyncio.to_thread``'s
+    first call starts the default executor's thread on the loop, and ``Thread.start`` waits there
+    until it runs). If the caller is cancelled meanwhile, this waits for the thread, closes the
+    descriptors it returns (a lock left open would keep the directory read-only for everyone else)
+    and re-raises; if the loop goes away first, the thread closes them itself."""
+    job = run_in_new_thread(work, "aiokv-disk-start", Prepared.close)
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:

@@ -3,9 +3,11 @@
 :func:`prepare` runs once per :meth:`DiskTier.start`, in a worker thread (it blocks on the file
 system). In order:
 
-1. The root (``DiskConfig.directory``, created 0700; it may be a symlink: the operator chose it),
-   the layout directory and the 256 fan-out directories (``O_NOFOLLOW``: a symlink there is
-   refused) must be directories owned by our effective uid. Group/other permission bits are
+1. The root (``DiskConfig.directory``, created 0700; it may be a symlink: the operator chose it;
+   or a descriptor of it that the caller already opened and checked, e.g. an engine adapter's
+   directory: then its name is never looked up again), the layout directory and the 256 fan-out
+   directories (``O_NOFOLLOW``: a symlink there is refused) must be directories owned by our
+   effective uid. Group/other permission bits are
    removed (0700); a directory of another owner, or one others can write whose mode cannot be
    fixed, raises :class:`UnsafeDirectoryError` and the tier does not start.
 2. ``<layout dir>/.lock`` is taken with a non-blocking ``flock``: one cache writes and evicts in a
@@ -93,16 +95,21 @@ class Prepared:
         self.dir_fd = -1
 
 
-def prepare(files: PageFiles) -> Prepared:
+def prepare(files: PageFiles, root_fd: int | None = None) -> Prepared:
     """Check (and create) the directories, take the lock, probe, scan. Blocking: run in a thread.
+
+    ``root_fd``: a descriptor of ``files.root`` that the caller opened and checked (then the root
+    is never opened by its path: a name swapped meanwhile cannot redirect anything); ``prepare``
+    takes it over and closes it. None: the root is created (0700) and opened by its path.
 
     Raises :class:`UnsafeDirectoryError` for a directory that is not safely ours, ``OSError`` when
     the layout directory neither exists nor can be created."""
-    files.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    root_fd = os.open(files.root, _DIR_FLAGS)
+    if root_fd is None:
+        files.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root_fd = os.open(files.root, _DIR_FLAGS)
     try:
-        _check_dir(root_fd, files.root)
-        dir_fd = _sub_dir(root_fd, files.layout_dir.name, files.layout_dir, create=True)
+        check_private_dir(root_fd, files.root)
+        dir_fd = open_private_subdir(root_fd, files.layout_dir.name, files.layout_dir, create=True)
     finally:
         os.close(root_fd)
     try:
@@ -139,8 +146,10 @@ def _prepare_layout(dir_fd: int, shown: Path) -> Prepared:
         raise
 
 
-def _check_dir(fd: int, shown: Path) -> None:
-    """Ours, and nobody else's: remove group/other bits; refuse what cannot be made safe."""
+def check_private_dir(fd: int, shown: Path) -> None:
+    """Check that the directory ``fd`` (shown as ``shown`` in messages) is ours and nobody else's:
+    group/other bits are removed (logged). Raises :class:`UnsafeDirectoryError` for what is not a
+    directory, belongs to another uid, or can be written by others and cannot be made 0700."""
     st = os.fstat(fd)
     euid = os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
@@ -165,8 +174,12 @@ def _check_dir(fd: int, shown: Path) -> None:
                 shown, mode, mode & 0o700)
 
 
-def _sub_dir(parent_fd: int, name: str, shown: Path, create: bool) -> int:
-    """A checked descriptor of directory ``name`` under ``parent_fd`` (created 0700 when ``create``)."""
+def open_private_subdir(parent_fd: int, name: str, shown: Path, create: bool) -> int:
+    """A descriptor of the directory ``name`` under ``parent_fd`` (created 0700 when ``create``),
+    opened without following a symlink (``O_NOFOLLOW``) and checked by :func:`check_private_dir`.
+    The caller owns it. Blocking. Raises :class:`UnsafeDirectoryError` for a symlink or file at
+    ``name`` or a directory that is not safely ours; ``OSError`` when it is absent (and could not be
+    created: the creation's error) or cannot be opened."""
     made: OSError | None = None
     if create:
         try:
@@ -185,7 +198,7 @@ def _sub_dir(parent_fd: int, name: str, shown: Path, create: bool) -> int:
             raise made from None
         raise
     try:
-        _check_dir(fd, shown)
+        check_private_dir(fd, shown)
     except BaseException:
         os.close(fd)
         raise
@@ -230,7 +243,7 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     name = f"{index:02x}"
     shown = layout_dir / name
     try:
-        fd = _sub_dir(state.dir_fd, name, shown, create=state.read_only is None)
+        fd = open_private_subdir(state.dir_fd, name, shown, create=state.read_only is None)
     except UnsafeDirectoryError:
         raise
     except FileNotFoundError:

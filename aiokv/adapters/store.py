@@ -10,7 +10,8 @@ Keys: ``xxh3-128(seed ‖ engine key)``; the seed mixes the engine identity's fi
 dtype, page geometry, parallel layout: whatever decides what the bytes mean) and the namespace.
 Each identity also has its own directory, ``<directory>/<engine>-<fingerprint hex>``, so two models
 never share a page file; its name is predictable, so it is checked as the tier checks its own
-directories (never a symlink, ours, 0700) before anything is created in it.
+directories (never a symlink, ours, 0700) before anything is created in it, and the tier gets the
+checked descriptor: nothing looks the name up again, so swapping it afterwards redirects nothing.
 
 Bytes: a page that is one contiguous buffer of the disk layout's size (a 4096-multiple) moves
 straight between the engine's memory and its file (``DiskTier.write_from`` / ``read_into``; an
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import fcntl
+import functools
 import itertools
 import logging
 import math
@@ -49,11 +52,11 @@ import xxhash
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import ReadOnly
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
-from aiokv.storage.layoutdir import LOCK_NAME, _sub_dir
+from aiokv.storage.layoutdir import LOCK_NAME, open_private_subdir
 from aiokv.storage.pagefile import PageFiles, file_bytes
 from aiokv.storage.safefiles import (
     OPEN_FLAGS,
@@ -246,18 +249,20 @@ def _open_own_dir(directory: Path) -> int:
     """A checked descriptor of a store's directory ``<root>/<engine>-<fingerprint hex>`` (created
     0700, with the root). The root is the operator's choice (it may be a symlink); the directory in
     it must be a real directory of ours that nobody else can write, checked by the tier's own check
-    (``_sub_dir``: ``O_NOFOLLOW``, owner, group/other bits removed or refused; one policy for both).
-    Its name is predictable: in a root others can write (``/tmp/aiokv``) another user could plant
-    it as a symlink (the tier, which follows a symlinked root, would then create directories
-    wherever it points) or as a directory of theirs. Blocking. Raises ``UnsafeDirectoryError``
-    (logged) for what is not safely ours; ``OSError`` when it cannot be created or opened."""
+    (:func:`~aiokv.storage.layoutdir.open_private_subdir`: ``O_NOFOLLOW``, owner, group/other bits
+    removed or refused; one policy for both). Its name is predictable: in a root others can write
+    (``/tmp/aiokv``) another user could plant it as a symlink (the tier, which follows a symlinked
+    root, would then create directories wherever it points) or as a directory of theirs; so the
+    tier is handed this descriptor and never looks the name up itself. Blocking. Raises
+    ``UnsafeDirectoryError`` (logged) for what is not safely ours; ``OSError`` when it cannot be
+    created or opened."""
     try:
         directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     except FileExistsError:
         pass  # not a directory: the open says so (NotADirectoryError)
     root_fd = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return _sub_dir(root_fd, directory.name, directory, create=True)
+        return open_private_subdir(root_fd, directory.name, directory, create=True)
     except UnsafeDirectoryError as exc:
         log.error("%s", exc.strerror)
         raise
@@ -265,28 +270,53 @@ def _open_own_dir(directory: Path) -> int:
         os.close(root_fd)
 
 
-def _check_own_dir(directory: Path) -> None:
-    """:func:`_open_own_dir`, for its checks only."""
-    os.close(_open_own_dir(directory))
-
-
-def _hold_shared(directory: Path, layout_dir: Path) -> int | None:
-    """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir`` in the
-    store's ``directory``, reached through checked descriptors (:func:`_open_own_dir`; the layout
-    directory as the tier checks it), created as the tier would (0700, ``.lock`` 0600). None when
-    the writer holds the lock (its exclusive lock excludes ours) or the lock file cannot be had
-    (the tier's start says why). Blocking, but never on what a name holds: the lock file opens
-    with the tier's flags (``O_NOFOLLOW | O_NONBLOCK``), and only a regular file of ours is locked.
-    Raises ``UnsafeDirectoryError`` (logged) for a directory or lock file that is not safely ours:
-    a symlink, FIFO, socket, device or directory at the lock's name, a file of another owner."""
+def _open_dirs(directory: Path, layout_dir: Path, guard: bool) -> tuple[int, int | None]:
+    """The store's checked directory descriptor (:func:`_open_own_dir`) and, when ``guard``, a
+    shared lock held through it (:func:`_hold_shared`). Blocking; the caller owns both."""
     own_fd = _open_own_dir(directory)
     try:
-        dir_fd = _sub_dir(own_fd, layout_dir.name, layout_dir, create=True)
+        return own_fd, _hold_shared(own_fd, layout_dir) if guard else None
+    except BaseException:
+        os.close(own_fd)
+        raise
+
+
+def _close_dirs(opened: tuple[int, int | None]) -> None:
+    """Close what :func:`_open_dirs` returned to a caller that is gone."""
+    for fd in opened:
+        if fd is not None:
+            os.close(fd)
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of what ``directory``'s name holds now (a symlink at the name is not
+    followed), or None when it holds nothing. Blocking."""
+    try:
+        st = os.stat(directory, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _nothing(_: object) -> None:
+    """Nothing to close for a caller that is gone."""
+
+
+def _hold_shared(own_fd: int, layout_dir: Path) -> int | None:
+    """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir`` in the
+    store's directory ``own_fd`` (checked: :func:`_open_own_dir`), reached through a checked
+    descriptor of the layout directory (as the tier checks it), created as the tier would (0700,
+    ``.lock`` 0600). None when the writer holds the lock (its exclusive lock excludes ours) or the
+    lock file cannot be had (the tier's start says why). Blocking, but never on what a name holds:
+    the lock file opens with the tier's flags (``O_NOFOLLOW | O_NONBLOCK``), and only a regular file
+    of ours is locked. Raises ``UnsafeDirectoryError`` (logged) for a directory or lock file that is
+    not safely ours: a symlink, FIFO, socket, device or directory at the lock's name, a file of
+    another owner."""
+    try:
+        dir_fd = open_private_subdir(own_fd, layout_dir.name, layout_dir, create=True)
     except UnsafeDirectoryError as exc:
         log.error("%s", exc.strerror)
         raise
-    finally:
-        os.close(own_fd)
     lock = layout_dir / LOCK_NAME
     try:
         fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
@@ -389,8 +419,6 @@ class PageFileStore:
 
     async def _start_disk(self, pool: PagePool) -> DiskTier:
         """A started tier over the directory, in the role of :attr:`sharing`."""
-        if self.sharing is not Sharing.READER:  # a reader checks it each time it takes its shared lock
-            await asyncio.to_thread(_check_own_dir, self.directory)
         if self.sharing is Sharing.ALONE:
             return await self._new_disk(pool)
         loop = asyncio.get_running_loop()
@@ -408,12 +436,7 @@ class PageFileStore:
             else:
                 # A shared lock while the tier starts: its own (exclusive) attempt then fails, so
                 # it starts read-only, and never removes the writer's temp files or evicts its pages.
-                guard = await asyncio.to_thread(_hold_shared, self.directory, self._layout_dir)
-                try:
-                    disk = await self._new_disk(pool)
-                finally:
-                    if guard is not None:
-                        os.close(guard)
+                disk = await self._new_disk(pool, guard=True)
                 if disk.read_only is not None:
                     return disk
                 # It took the lock anyway: the writer let go of it between our two attempts (it
@@ -426,19 +449,46 @@ class PageFileStore:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.2)
 
-    async def _new_disk(self, pool: PagePool) -> DiskTier:
-        disk = DiskTier(
-            DiskConfig(
-                directory=self.directory,
-                capacity_bytes=self.config.capacity_bytes,
-                backend=self.config.backend,
-                direct_io=self.config.direct_io,
-                queue_depth=self.config.queue_depth,
-            ),
-            self.layout,
-            pool,
-        )
-        await disk.start()
+    async def _new_disk(self, pool: PagePool, guard: bool = False) -> DiskTier:
+        """A started tier over the store's directory, reached only through a descriptor checked here
+        (:func:`_open_own_dir`, in a thread): the tier never looks the directory's name up, so a
+        name swapped after the check (a symlink, another directory) redirects nothing. ``guard``:
+        the lock file is held shared while the tier starts (a reader's). Raises
+        ``UnsafeDirectoryError`` (logged; the tier closed again) when, once the tier started, the
+        name no longer leads to the directory checked: someone replaced it meanwhile."""
+        own_fd, held = await run_in_new_thread(
+            functools.partial(_open_dirs, self.directory, self._layout_dir, guard), "aiokv-store-dir", _close_dirs)
+        try:
+            try:
+                disk = DiskTier(
+                    DiskConfig(
+                        directory=self.directory,
+                        capacity_bytes=self.config.capacity_bytes,
+                        backend=self.config.backend,
+                        direct_io=self.config.direct_io,
+                        queue_depth=self.config.queue_depth,
+                    ),
+                    self.layout,
+                    pool,
+                )
+                await disk.start(directory_fd=own_fd)
+            finally:
+                if held is not None:
+                    os.close(held)
+            checked = os.fstat(own_fd)  # a descriptor's fstat never blocks
+        finally:
+            os.close(own_fd)
+        try:
+            named = await run_in_new_thread(functools.partial(_identity, self.directory), "aiokv-store-dir", _nothing)
+        except BaseException:
+            await disk.aclose()
+            raise
+        if named != (checked.st_dev, checked.st_ino):
+            await disk.aclose()
+            message = (f"aiokv store: {self.directory} was replaced (renamed, or a link put in its place) while "
+                       "the store started: refusing to use it (nothing was written outside the directory checked)")
+            log.error("%s", message)
+            raise UnsafeDirectoryError(errno.EPERM, message)
         return disk
 
     def key(self, engine_key: bytes) -> PageKey:

@@ -15,12 +15,16 @@ import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import aiokv.adapters.store as store_module
+import aiokv.storage.disk as disk_module
 from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig, fingerprint, raw_layout
 from aiokv.storage.config import ReadOnly
+from aiokv.storage.layoutdir import Prepared
 from aiokv.storage.pagefile import PageFiles
 from aiokv.storage.safefiles import UnsafeDirectoryError
 
@@ -227,3 +231,93 @@ def test_a_fifo_planted_after_a_reader_started_never_hangs_its_rescan(
     finally:
         writer.close()
         reader.close()
+
+
+def _swap(directory: Path, outside: Path) -> Path:
+    """Another user's swap at the store's directory name: the directory renamed away (to a name
+    beside it) and a symlink to ``outside`` put in its place. Returns where the directory went."""
+    moved = directory.with_name(directory.name + ".moved")
+    os.rename(directory, moved)
+    os.symlink(outside, directory, target_is_directory=True)
+    return moved
+
+
+@pytest.mark.parametrize("moment", ["after the store's check", "as the tier prepares"])
+@pytest.mark.parametrize("sharing", [Sharing.ALONE, Sharing.WRITER, Sharing.READER])
+def test_a_store_directory_swapped_after_its_check_redirects_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        sharing: Sharing, moment: str) -> None:
+    """Regression (#11): the store checked its directory (``O_NOFOLLOW``, ours, 0700) and closed
+    it; the tier then opened it again by its name. The name swapped in between (renamed away, a
+    symlink to another directory in its place) had the tier create its layout and fan-out
+    directories and its lock file there, and write its pages there. The swap is made for real at
+    the exact moment (right after the store's check, or as the tier's start-up thread begins): the
+    tier now works only in the directory that was checked, and the store, finding the name changed
+    once the tier started, refuses to start, saying why. A restart then refuses the link."""
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    directory = store_dir(root)
+    moved: list[Path] = []
+    if moment == "after the store's check":
+        real_open = store_module._open_own_dir
+
+        def open_then_swap(path: Path) -> int:
+            fd = real_open(path)
+            if not moved:
+                moved.append(_swap(path, outside))
+            return fd
+
+        monkeypatch.setattr(store_module, "_open_own_dir", open_then_swap)
+    else:
+        real_prepare = disk_module.prepare
+
+        def swap_then_prepare(*args: Any) -> Prepared:
+            if not moved:
+                moved.append(_swap(directory, outside))
+            return real_prepare(*args)
+
+        monkeypatch.setattr(disk_module, "prepare", swap_then_prepare)
+    before = aiokv_threads()
+
+    with caplog.at_level(logging.ERROR):
+        try:
+            outcome: PageFileStore | Exception = start(root, sharing)
+        except Exception as exc:
+            outcome = exc
+    if isinstance(outcome, PageFileStore):
+        outcome.close()  # started over the swapped name (the old code): closed before failing
+
+    assert moved, "the swap was not made"
+    assert tree(outside) == []  # nothing created, nothing written through the link
+    assert isinstance(outcome, UnsafeDirectoryError) and "was replaced" in str(outcome), outcome
+    checked = moved[0] / layout_dir(root).name
+    assert (checked / ".lock").is_file() and stat.S_IMODE(checked.stat().st_mode) == 0o700
+    assert "was replaced" in caplog.text
+    assert aiokv_threads() == before
+    monkeypatch.undo()
+    with pytest.raises(UnsafeDirectoryError, match=r"is not a directory \(a symlink"):
+        start(root, sharing)
+    assert tree(outside) == []
+
+
+def test_pages_stored_after_the_directory_was_swapped_stay_in_it(tmp_path: Path) -> None:
+    """Once started, a store writes only through the descriptors its tier checked: its directory
+    swapped for a link to another directory under a running store, pages still land (and load)
+    where the store checked, and nothing appears where the link points."""
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    store = start(root, Sharing.ALONE)
+    try:
+        moved = _swap(store.directory, outside)
+        keys = [store.key(bytes([i])) for i in range(4)]
+        for i, key in enumerate(keys):
+            assert store.thread.run(store.store(key, [torch.full((PAGE_BYTES,), i, dtype=torch.uint8)]))
+        for i, key in enumerate(keys):
+            page = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+            assert store.thread.run(store.load(key, [page]))
+            assert torch.equal(page, torch.full((PAGE_BYTES,), i, dtype=torch.uint8))
+        names = {p.name for p in moved.rglob("*") if p.is_file()}
+        assert {key.hex() for key in keys} <= names
+        assert tree(outside) == []
+    finally:
+        store.close()
