@@ -895,13 +895,25 @@ class DiskTier:
         self._index.forget(key, generation)
 
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
+        """A page file that failed verification: counted, out of the index, deleted unless the tier
+        is read-only (another cache may own it, or nothing may be deleted here). The first one is
+        logged, saying which of these happened."""
         self._corrupt += 1
+        now = self._index.generation(key)
+        if now == generation:
+            self._drop(key)
         if not self._corrupt_logged:
             self._corrupt_logged = True
-            log.warning("disk tier: refusing page file %s: %s (deleted; further ones counted only)",
-                        self.files.path(key), why)
-        if self._index.generation(key) == generation:
-            self._drop(key)
+            if now is None:
+                fate = "already out of the index"
+            elif now != generation:
+                fate = "a newer file of the key replaced it meanwhile"
+            elif self._read_only is not None:
+                fate = f"kept, as the tier is read-only ({self._read_only.value}), but no longer served"
+            else:
+                fate = "deleted"
+            log.warning("disk tier: refusing page file %s: %s (%s; further ones counted only)",
+                        self.files.path(key), why, fate)
 
     def _drop(self, key: PageKey) -> asyncio.Task[None] | None:
         """Out of the index, and its file unlinked — unless read-only: then the file stays."""
