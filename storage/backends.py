@@ -475,14 +475,17 @@ class UringPageIO:
         ops += [uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1),
                 uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF, ctypes.addressof(fin))]
 
+        # What each op returns when it succeeds (the OPENAT into a fixed-file slot: 0), computed once.
+        expect = self._expect(ops)
+
         def written(results: list[int]) -> None:
-            if results[0] >= 0 and self._written(ops, results, 1):
+            if results == expect:
                 done(None)
                 return
             # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
             self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
 
-        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written, expect=self._expect(ops))
+        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written, expect=expect)
 
     def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
@@ -591,10 +594,6 @@ class UringPageIO:
             else:
                 want.append(0)
         return want
-
-    def _written(self, ops: list[uring.SqeFields], results: list[int], start: int) -> bool:
-        """Whether every op from ``start`` on (an OPENAT's fd is no byte count) did what it should."""
-        return results[start:] == self._expect(ops[start:])
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         # Opened into a normal fd (O_NONBLOCK: a FIFO must not block the open) and fstat-checked on

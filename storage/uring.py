@@ -196,7 +196,7 @@ def sqe(opcode: int, fd: int = -1, addr: int = 0, length: int = 0, off: int = 0,
 
 
 class _Request:
-    __slots__ = ("callback", "first", "future", "injected", "keep", "ops", "pending", "results", "single", "skip")
+    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "results", "single", "skip")
 
     def __init__(self, ops: list[SqeFields], future: asyncio.Future[Any] | None, callback: ChainDone | None,
                  keep: object, injected: list[int | None] | None, single: bool, expect: list[int] | None) -> None:
@@ -210,8 +210,7 @@ class _Request:
         # the results of those that stay silent are what the caller expects of a success.
         self.skip = expect is not None and len(ops) > 1
         self.results = list(expect) if expect is not None else [0] * len(ops)
-        self.pending = len(ops)
-        self.first = 0  # user_data of the first op (the ops' are consecutive)
+        self.pending = len(ops)  # ops whose CQE has not arrived (silent successes included)
 
 
 FaultHook = Callable[[int], int | None]
@@ -239,7 +238,12 @@ class UringEngine:
             self._unmap()
             raise
         self._next_id = 1
-        self._inflight: dict[int, tuple[_Request, int]] = {}  # user_data -> (request, op index)
+        # One entry per request (not per op): an op's user_data is its request's id shifted left by
+        # ``_index_bits``, plus the op's index in the chain.
+        self._inflight: dict[int, _Request] = {}
+        self._index_bits = max(1, self.sq_entries.bit_length())
+        self._index_mask = (1 << self._index_bits) - 1
+        self._ops_inflight = 0  # SQEs prepared or submitted whose CQE may still come
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
         self._chains: collections.deque[int] = collections.deque()  # SQEs per prepared chain, in order
@@ -399,29 +403,34 @@ class UringEngine:
                     op = sqe(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
                 fields.append(op)
         request = _Request(fields, future, callback, keep, injected, single, expect)
-        if len(self._inflight) + len(fields) <= self.sq_entries and not self._waiting:
+        if self._ops_inflight + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
             self._waiting.append(request)
 
     def _prepare(self, request: _Request) -> None:
         # A chain's SQEs go into the ring together: a submit never splits them.
-        last = len(request.ops) - 1
-        request.first = self._next_id
+        ops = request.ops
+        last = len(ops) - 1
+        rid = self._next_id
+        self._next_id += 1
+        self._inflight[rid] = request
+        base = rid << self._index_bits
         linked = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS if request.skip else IOSQE_IO_LINK
-        for index, fields in enumerate(request.ops):
-            user_data = self._next_id
-            self._next_id += 1
+        sqes, mask, tail, async_data = self._sqes, self._sq_mask, self._tail, self.async_data
+        for index, fields in enumerate(ops):
             # Every op but the last is linked to the next one.
             flags = fields[1] | linked if index < last else fields[1]
-            if self.async_data and fields[0] in DATA_OPS:
+            if async_data and fields[0] in DATA_OPS:
                 flags |= IOSQE_ASYNC
-            _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, fields[0], flags, *fields[2:8], user_data,
-                           *fields[9:])
-            self._tail = (self._tail + 1) & 0xFFFFFFFF
-            self._inflight[user_data] = (request, index)
-            self._prepared += 1
-        self._chains.append(len(request.ops))
+            _SQE.pack_into(sqes, (tail & mask) * 64, fields[0], flags, fields[2], fields[3], fields[4], fields[5],
+                           fields[6], fields[7], base + index, fields[9], fields[10], fields[11], fields[12],
+                           fields[13])
+            tail = (tail + 1) & 0xFFFFFFFF
+        self._tail = tail
+        self._ops_inflight += last + 1
+        self._prepared += last + 1
+        self._chains.append(last + 1)
         if not self._submit_scheduled:
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
@@ -460,7 +469,9 @@ class UringEngine:
         log.error("io_uring_enter failed: %s", exc)
         consumed = self._sq_head.value
         pending = (self._tail - consumed) & 0xFFFFFFFF
-        for user_data in sorted(self._inflight)[-pending:] if pending else []:
+        # The SQEs nobody took are still in the ring, with their user_data.
+        untaken = [_SQE.unpack_from(self._sqes, ((consumed + i) & self._sq_mask) * 64)[8] for i in range(pending)]
+        for user_data in untaken:
             self._complete(user_data, -(exc.errno or errno.EIO))
         self._tail = consumed
         self._prepared = 0
@@ -481,27 +492,34 @@ class UringEngine:
             if tail == head:
                 tail = self._cq_tail.value
         self._cq_head.value = head
-        while self._waiting and len(self._inflight) + len(self._waiting[0].ops) <= self.sq_entries:
+        while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
             self._prepare(self._waiting.popleft())
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
 
     def _complete(self, user_data: int, res: int) -> None:
-        entry = self._inflight.pop(user_data, None)
-        if entry is None:
-            return
-        request, index = entry
-        injected = None if request.injected is None else request.injected[index]
-        if injected is not None:
-            res = injected
+        rid = user_data >> self._index_bits
+        request = self._inflight.get(rid)
+        if request is None:
+            return  # a CQE of a chain already completed (its silent ops were counted done)
+        index = user_data & self._index_mask
+        self._ops_inflight -= 1
+        request.pending -= 1
+        if request.injected is not None:
+            injected = request.injected[index]
+            if injected is not None:
+                res = injected
         if request.skip:
             if not self._skipped_done(request, index, res):
                 return
+            # The ops that stay silent will post nothing: their SQ/CQ room is free.
+            self._ops_inflight -= request.pending
+            request.pending = 0
         else:
             request.results[index] = res
-            request.pending -= 1
             if request.pending:
                 return
+        del self._inflight[rid]
         if request.callback is not None:
             try:
                 request.callback(request.results)
@@ -522,16 +540,14 @@ class UringEngine:
         """Whether a chain whose successful ops post no CQE is complete. The last op always reports
         unless an earlier one failed: a failing op (a negative errno, or a short transfer) posts its
         CQE and the kernel then cancels the rest of the chain silently (``REQ_F_SKIP_LINK_CQES``),
-        so their results are ``-ECANCELED`` without a CQE. The ops left in the in-flight table (the
-        silent ones) are removed then."""
+        so their results are ``-ECANCELED`` without a CQE. The chain leaves the in-flight table
+        then: a late CQE of one of its ops is ignored."""
         last = len(request.ops) - 1
         if index < last and res == request.results[index]:
             return False  # a success reported after all: the chain goes on
         request.results[index] = res
         if index < last:
             request.results[index + 1 :] = [-errno.ECANCELED] * (last - index)
-        for user_data in range(request.first, request.first + len(request.ops)):
-            self._inflight.pop(user_data, None)
         return True
 
     def read(self, fd: int, address: int, length: int, offset: int, keep: object,
@@ -580,7 +596,7 @@ class UringEngine:
     @property
     def in_flight(self) -> int:
         """Requests submitted or waiting for a slot."""
-        return len(self._inflight) + len(self._waiting)
+        return self._ops_inflight + len(self._waiting)
 
     async def aclose(self) -> None:
         """Wait for every completion (the kernel must be done with our memory), then close. Idempotent."""
