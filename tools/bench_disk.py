@@ -4,7 +4,9 @@ For each page size (1, 4 and 32 MiB) and queue depth (8 and 32), writes then rea
 pages (O_DIRECT files need no cache eviction; buffered files are fsynced and dropped with
 ``posix_fadvise(DONTNEED)`` before reads). Every round runs each contender once, in turn
 (fio, raw engine, tier, LMCache, ...), ``--repeats`` rounds; medians are reported — disks here vary
-±40% run to run, so only contenders alternated in one run compare:
+±40% run to run, so only contenders alternated in one run compare. Every contender writes fresh
+files, and all of them stay until the configuration ends (then ``--settle-s`` passes): on ext4
+without a journal a create right after another contender's mass delete costs twice the CPU.
 
 - ``fio``: ``--ioengine=io_uring --direct=1``, same block size and depth, a fresh file each round
   (overwriting an allocated file is faster than writing a new one: not like for like);
@@ -361,11 +363,44 @@ async def lmcache_job(cls: type, threads: int, pool: PagePool, directory: Path, 
     return w_gbs, w_cpu, r_gbs, r_cpu
 
 
+SETTLE_S = 35.0
+"""Seconds to wait after deleting a configuration's files before the next configuration starts.
+ext4 without a journal (the development VM's) skips, at every file creation, the free inodes whose
+deletion is less than 30 s old, looking each one up: creating files right after a mass delete
+cost about twice the CPU (0.25 -> 0.5 core-s/GB for 1 MiB files, measured), and whichever
+contender came right after another's delete paid for it."""
+
+
+def scratch_bytes(page_mib: int, depth: int, total_mib: int, repeats: int, backends: int, lmcache: bool) -> int:
+    """Disk space one configuration holds when every contender's files are kept until its end."""
+    count = max(depth, total_mib // page_mib)
+    per_round = (2 + backends + (2 if lmcache else 0) + 1) * count * ((page_mib << 20) + HEADER_BYTES)
+    return repeats * per_round
+
+
+async def remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            await asyncio.to_thread(shutil.rmtree, path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool,
-                  backends: list[DiskBackend], lmcache: tuple[type, int] | None) -> list[Row]:
+                  backends: list[DiskBackend], lmcache: tuple[type, int] | None, keep: bool = True) -> list[Row]:
+    """One configuration, ``repeats`` alternated rounds. ``keep``: every contender's files stay until
+    the configuration ends (no contender creates files right after another's deletes: see
+    :data:`SETTLE_S`); else each is removed after its pass (less disk space)."""
     layout = layout_for(page_mib)
     pb = layout.page_bytes
     count = max(depth, total_mib // page_mib)
+    trash: list[Path] = []
+
+    async def done_with(path: Path) -> None:
+        if keep:
+            trash.append(path)
+        else:
+            await remove_all([path])
     pool = PagePool.create(layout, min(count, 64) * pb, register_cuda=False, workers=2)
     samples: dict[str, Samples] = {}
 
@@ -382,43 +417,46 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
     try:
         await pool.wait_ready()
         fill_pool(pool)
-        for _ in range(repeats):  # one pass of every contender per round, in turn
+        for round_ in range(repeats):  # one pass of every contender per round, in turn
             if fio:
-                path = str(work / "fio.bin")  # a fresh file each round, like the tier's new files
-                w, wc = await asyncio.to_thread(run_fio, path, "write", pb, depth, count * pb)
-                r, rc = await asyncio.to_thread(run_fio, path, "read", pb, depth, count * pb)
-                os.unlink(path)
+                path = work / f"fio-{round_}.bin"  # a fresh file each round, like the tier's new files
+                w, wc = await asyncio.to_thread(run_fio, str(path), "write", pb, depth, count * pb)
+                r, rc = await asyncio.to_thread(run_fio, str(path), "read", pb, depth, count * pb)
+                await done_with(path)
                 add("fio", w, wc, r, rc, None)
-            path = str(work / "engine.bin")
+            path = work / f"engine-{round_}.bin"
             lag, probe = LagProbe(), Row("aiokv-file", page_mib, depth)
-            w, wc = await engine_file(pool, path, count, depth, True, probe, lag)
-            r, rc = await engine_file(pool, path, count, depth, False, probe, lag)
-            os.unlink(path)
+            w, wc = await engine_file(pool, str(path), count, depth, True, probe, lag)
+            r, rc = await engine_file(pool, str(path), count, depth, False, probe, lag)
+            await done_with(path)
             add("aiokv-file", w, wc, r, rc, lag).submit_max_ms = probe.submit_max_ms
             for backend in backends:
-                directory = work / f"tier-{backend.value}"
+                directory = work / f"tier-{backend.value}-{round_}"
                 for row in await tier_job(pool, directory, backend, count, depth):
                     got = add(row.path, row.write_gbs, row.samples["cpu_w"][0], row.read_gbs,
                               row.samples["cpu_r"][0], None)
                     got.lag.append((row.lag_p50_ms or 0.0, row.lag_p99_ms or 0.0, row.lag_max_ms or 0.0))
                     got.hash_s = (got.hash_s or 0.0) + row.samples["cpu_hash"][0]
                     got.submit_max_ms = row.submit_max_ms
-                await asyncio.to_thread(shutil.rmtree, directory)
+                await done_with(directory)
             if lmcache is not None:
                 for direct in (True, False):
-                    directory = work / "lmcache"
+                    name = f"lmcache-{'odirect' if direct else 'buffered'}"
+                    directory = work / f"{name}-{round_}"
                     lag = LagProbe()
                     w, wc, r, rc = await lmcache_job(*lmcache, pool, directory, count, depth, direct, lag)
-                    add(f"lmcache-{'odirect' if direct else 'buffered'}", w, wc, r, rc, lag)
-                    await asyncio.to_thread(shutil.rmtree, directory)
+                    add(name, w, wc, r, rc, lag)
+                    await done_with(directory)
             fill_pool(pool)
             lag = LagProbe()
             lag.start()
-            w, wc, r, rc = await aiofiles_job(pool, work / "aiofiles", count, depth)
+            directory = work / f"aiofiles-{round_}"
+            w, wc, r, rc = await aiofiles_job(pool, directory, count, depth)
             add("aiofiles", w, wc, r, rc, lag)
-            await asyncio.to_thread(shutil.rmtree, work / "aiofiles")
+            await done_with(directory)
     finally:
         await pool.aclose()
+        await remove_all(trash)
     return [got.row(path, page_mib, depth) for path, got in samples.items()]
 
 
@@ -496,6 +534,8 @@ def main() -> int:
     parser.add_argument("--lmcache-path", type=str, default=None, help="directory to import LMCache from (a "
                         "pip --target install kept out of the project's venv)")
     parser.add_argument("--quick", action="store_true", help="256 MiB per pass (about 2 minutes)")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="seconds between configurations, "
+                        "after their files are deleted (ext4 without a journal: see SETTLE_S)")
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--plot", type=str, default=None)
     args = parser.parse_args()
@@ -511,19 +551,34 @@ def main() -> int:
     backends = [DiskBackend(b) for b in args.backends]
     rows: list[Row] = []
     work = Path(tempfile.mkdtemp(prefix="aiokv-bench-", dir=args.dir or Path.cwd()))
+    configs = [(page_mib, depth) for page_mib in args.page_mib for depth in args.depth]
+    loads: list[float] = []
     try:
-        for page_mib in args.page_mib:
-            for depth in args.depth:
-                rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio, backends,
-                                            None if isinstance(lmcache, str) else lmcache))
-                print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
+        for n, (page_mib, depth) in enumerate(configs):
+            if n:
+                # The last configuration's files were just deleted: let ext4's window pass.
+                time.sleep(args.settle_s)
+            need = scratch_bytes(page_mib, depth, total, args.repeats, len(backends), not isinstance(lmcache, str))
+            stat = os.statvfs(work)
+            keep = need * 1.2 < stat.f_bavail * stat.f_frsize
+            if not keep:
+                print(f"WARNING: {need >> 30} GiB of scratch space needed to keep every contender's files "
+                      "until the configuration ends: removing each after its pass instead (contenders after "
+                      "another's delete pay ext4's recently-deleted scan)", file=sys.stderr)
+            loads.append(os.getloadavg()[0])
+            rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio, backends,
+                                        None if isinstance(lmcache, str) else lmcache, keep))
+            loads.append(os.getloadavg()[0])
+            print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(rows))
+    print(f"\n1-minute load average at the start and end of each configuration: {min(loads):.1f}-{max(loads):.1f} "
+          f"({os.cpu_count()} CPUs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"total_mib": total, "fio": have_fio, "lmcache": not isinstance(lmcache, str),
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "load_average": [min(loads), max(loads)], "rows": [asdict(r) for r in rows]}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0
