@@ -232,7 +232,7 @@ class PageTable:
         refs = self._refs[page]
         if refs == 0:  # off the LRU (unlinked inline: once per page of every match)
             prev, nxt = self._prev, self._next
-            before, after = prev[page], nxt[page]
+            before, after = prev[page], nxt[page]  # LRU unlink (inlined _unlink)
             nxt[before] = after
             prev[after] = before
         self._refs[page] = refs + 1
@@ -278,7 +278,7 @@ class PageTable:
         self._refs[page] = refs
         if refs == 0:  # onto the LRU, most recent (inline: once per page of every load)
             prev, nxt, head = self._prev, self._next, self._head
-            last = prev[head]
+            last = prev[head]  # LRU link (inlined _link_last)
             nxt[last] = page
             prev[page] = last
             nxt[page] = head
@@ -325,7 +325,7 @@ class PageTable:
                     if state[page] == _READY:
                         count = refs[page]
                         if count == 0:
-                            before, after = prev[page], nxt[page]
+                            before, after = prev[page], nxt[page]  # LRU unlink (inlined _unlink)
                             nxt[before] = after
                             prev[after] = before
                         refs[page] = count + 1
@@ -352,7 +352,7 @@ class PageTable:
                     # Evict the least recently used page straight into this reservation (_free_page
                     # without the trip through the recycled stack; its page -> key entry is
                     # overwritten below).
-                    after = nxt[page]
+                    after = nxt[page]  # LRU unlink the oldest (inlined _unlink)
                     nxt[head] = after
                     prev[after] = head
                     old = page_keys[page & mask][page]
@@ -385,7 +385,7 @@ class PageTable:
                 count = refs[page] - 1
                 refs[page] = count
                 if count == 0:
-                    last = prev[head]
+                    last = prev[head]  # LRU link (inlined _link_last)
                     nxt[last] = page
                     prev[page] = last
                     nxt[page] = head
@@ -415,7 +415,7 @@ class PageTable:
         self._refs[page] = refs
         if refs == 0:  # onto the LRU, most recent (linked inline: once per page of every offload)
             prev, nxt, head = self._prev, self._next, self._head
-            last = prev[head]
+            last = prev[head]  # LRU link (inlined _link_last)
             nxt[last] = page
             prev[page] = last
             nxt[page] = head
@@ -489,7 +489,7 @@ class PageTable:
         page = nxt[head]
         if page == head:
             return None
-        after = nxt[page]
+        after = nxt[page]  # LRU unlink the oldest (inlined _unlink)
         nxt[head] = after
         prev[after] = head
         key = self._keys[page & _MASK][page]
@@ -509,16 +509,21 @@ class PageTable:
         return True
 
     def _unlink(self, page: int) -> None:
-        """Take ``page`` off the LRU (it must be on it)."""
+        """Take ``page`` off the LRU (it must be on it).
+
+        This and :meth:`_link_last` are inlined where they run once per page (acquire, release,
+        reserve, commit, _evict_one): the calls cost 10-15% per operation there (bench_start
+        --churn). Each copy's first line is marked ``# LRU``; test_pagetable_lru runs every marked
+        line against a plain model."""
         prev, nxt = self._prev, self._next
-        before, after = prev[page], nxt[page]
+        before, after = prev[page], nxt[page]  # LRU unlink
         nxt[before] = after
         prev[after] = before
 
     def _link_last(self, page: int) -> None:
         """Put ``page`` on the LRU as its most recently used page (it must be off it)."""
         prev, nxt, head = self._prev, self._next, self._head
-        last = prev[head]
+        last = prev[head]  # LRU link
         nxt[last] = page
         prev[page] = last
         nxt[page] = head

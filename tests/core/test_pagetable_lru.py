@@ -5,10 +5,17 @@ structure that grows with the table; the order and the invariants stay those of 
 from __future__ import annotations
 
 import random
+import re
+import sys
+import types
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
+from aiokv import pagetable
 from aiokv.pagetable import _SHARDS, PageHandle, PageTable, ReserveOutcome
 
 
@@ -154,3 +161,168 @@ def test_the_invariant_check_finds_a_broken_lru() -> None:
     table._refs[handle.page] = 0  # unreferenced yet off the list
     with pytest.raises(AssertionError, match="membership"):
         table.check_invariants()
+
+
+# -- the inlined copies of _unlink and _link_last ---------------------------------------------------
+
+_MARK = re.compile(r"#\s*LRU (unlink the oldest|unlink|link)\b")
+
+
+def _marked_copies() -> dict[int, tuple[str, list[str]]]:
+    """Line number -> (kind, the copy's statements) of each ``# LRU`` mark in aiokv/pagetable.py."""
+    lines = Path(pagetable.__file__).read_text().splitlines()
+    copies = {}
+    for number, line in enumerate(lines, 1):
+        if mark := _MARK.search(line):
+            size = 5 if mark.group(1) == "link" else 3
+            body = [text.split("#")[0].strip() for text in lines[number - 1 : number - 1 + size]]
+            copies[number] = (mark.group(1), body)
+    return copies
+
+
+def test_every_inlined_lru_copy_is_the_methods_text() -> None:
+    # acquire, release, reserve (three), commit and _evict_one carry _unlink / _link_last inlined
+    # (a call there costs 10-15% per operation): each copy must be the method's own statements.
+    copies = _marked_copies()
+    unlink = [body for kind, body in copies.values() if kind == "unlink"]
+    link = [body for kind, body in copies.values() if kind == "link"]
+    oldest = [body for kind, body in copies.values() if kind == "unlink the oldest"]
+    assert (len(unlink), len(link), len(oldest)) == (3, 4, 2), copies  # the methods' own, and 7 copies
+    assert unlink[0] == ["before, after = prev[page], nxt[page]", "nxt[before] = after", "prev[after] = before"]
+    assert all(body == unlink[0] for body in unlink) and all(body == link[0] for body in link), copies
+    # Unlinking the oldest page is _unlink with the sentinel for ``before`` (prev[page] is head).
+    expected = ["after = nxt[page]"] + [s.replace("before", "head") for s in unlink[0][1:]]
+    assert all(body == expected for body in oldest), copies
+
+
+@contextmanager
+def _lines_run(path: str) -> Iterator[set[int]]:
+    """Line numbers of ``path`` executed while the block runs."""
+    ran: set[int] = set()
+
+    def local(frame: types.FrameType, event: str, arg: object) -> object:
+        if event == "line":
+            ran.add(frame.f_lineno)
+        return local
+
+    def call(frame: types.FrameType, event: str, arg: object) -> object:
+        return local if frame.f_code.co_filename == path else None
+
+    sys.settrace(call)
+    try:
+        yield ran
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_every_inlined_lru_copy_runs_and_keeps_the_models_order(seed: int) -> None:
+    # Random reserve batches (new, READY, RESERVED and repeated keys; evicting inline and through
+    # on_evict), commits with and without keep, acquire, retain, release, touch, evict and discard,
+    # against an OrderedDict LRU: the table's whole LRU order is the model's after every operation,
+    # and every marked copy ran.
+    rng = random.Random(seed)
+    capacity = 12
+    table = PageTable(capacity)
+    table.add_usable(range(capacity))
+    keys = [bytes([rng.choice((0, 5))]) + rng.randbytes(15) for _ in range(24)]
+    lru: OrderedDict[bytes, None] = OrderedDict()  # READY, unreferenced, oldest first
+    refs: dict[bytes, int] = {}  # READY keys -> references held
+    reserved: dict[bytes, PageHandle] = {}
+    held: list[PageHandle] = []
+    evicted: list[bytes] = []
+    with _lines_run(pagetable.__file__) as ran:
+        for step in range(3000):
+            op = rng.random()
+            if op < 0.3:
+                batch = [rng.choice(keys) for _ in range(rng.randint(1, 4))]
+                table.on_evict = evicted.append if rng.random() < 0.5 else None
+                callback = table.on_evict is not None
+                results = table.reserve(batch)
+                table.on_evict = None
+                # The model: the call holds its READY keys meanwhile; a new key takes a free page,
+                # else evicts the oldest; its READY keys go back most recent, its first one last.
+                expected: list[ReserveOutcome] = []
+                exhausted, evicted_now, calls = False, [], []
+                free = capacity - len(refs) - len(reserved)
+                lru_model = OrderedDict.fromkeys(lru)
+                fresh: set[bytes] = set()
+                for key in batch:
+                    if key in refs:
+                        expected.append(ReserveOutcome.PRESENT)
+                        lru_model.pop(key, None)
+                        calls.append(key)
+                    elif key in reserved or key in fresh:
+                        expected.append(ReserveOutcome.PENDING)
+                    elif exhausted or (free == 0 and not lru_model):
+                        exhausted = True
+                        expected.append(ReserveOutcome.EXHAUSTED)
+                    else:
+                        if free:
+                            free -= 1
+                        else:
+                            oldest = next(iter(lru_model))
+                            del lru_model[oldest], refs[oldest]  # a later key of the call may be it
+                            evicted_now.append(oldest)
+                        fresh.add(key)
+                        expected.append(ReserveOutcome.RESERVED)
+                assert [r.outcome for r in results] == expected, f"step {step}"
+                for key in reversed(dict.fromkeys(calls)):  # (a repeated key is linked once, as its first)
+                    if refs[key] == 0:
+                        lru_model[key] = None
+                lru = lru_model
+                assert evicted == (evicted_now if callback else []), f"step {step}"
+                evicted.clear()
+                assert not any(table.contains(key) for key in evicted_now)
+                reserved.update((r.key, r.handle) for r in results if r.handle is not None)
+            elif op < 0.45 and reserved:
+                key = rng.choice(list(reserved))
+                handle = reserved.pop(key)
+                if rng.random() < 0.15:
+                    table.abort(handle)
+                elif rng.random() < 0.3:
+                    kept = table.commit(handle, keep=True)
+                    assert kept is not None
+                    held.append(kept)
+                    refs[key] = 1
+                else:
+                    assert table.commit(handle) is None
+                    refs[key] = 0
+                    lru[key] = None
+            elif op < 0.6:
+                key = rng.choice(keys)
+                handle = table.acquire(key)
+                assert (handle is not None) == (key in refs)
+                if handle is not None:
+                    held.append(handle)
+                    refs[key] += 1
+                    lru.pop(key, None)
+            elif op < 0.65 and held:
+                held.append(table.retain(rng.choice(held)))
+                refs[held[-1].key] += 1
+            elif op < 0.82 and held:
+                handle = held.pop(rng.randrange(len(held)))
+                table.release(handle)
+                refs[handle.key] -= 1
+                if refs[handle.key] == 0:
+                    lru[handle.key] = None
+            elif op < 0.9:
+                key = rng.choice(keys)
+                assert table.touch(key) == (key in refs)
+                if key in lru:
+                    lru.move_to_end(key)
+            elif op < 0.95:
+                count = rng.randint(0, 2)
+                expected_keys = list(lru)[:count]
+                assert table.evict(count) == expected_keys
+                for key in expected_keys:
+                    del lru[key], refs[key]
+            else:
+                key = rng.choice(keys)
+                assert table.discard(key) == (key in lru)
+                if key in lru:
+                    del lru[key], refs[key]
+            assert [table._keys[p % _SHARDS][p] for p in table._lru_pages()] == list(lru), f"step {step}"
+    table.check_invariants()
+    missed = {n: kind for n, (kind, _) in _marked_copies().items() if n not in ran}
+    assert not missed, f"LRU copies never run (line: kind): {missed}"
