@@ -45,7 +45,7 @@ import torch
 from aiokv.costs import LoadEstimate
 from aiokv.pagetable import PageHandle
 from aiokv.results import Match, Tier
-from aiokv.transfers import Copy
+from aiokv.transfers import Copy, CopyWithdrawn
 
 if TYPE_CHECKING:
     from aiokv.manager import CacheManager
@@ -122,6 +122,7 @@ class LoadStream:
         self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
         self._failed_at: int | None = None  # a disk page that could not be promoted
+        self._cut_at: int | None = None  # the highest page not launched because the cache's close began
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
         self._finished = False
@@ -350,6 +351,9 @@ class LoadStream:
             await asyncio.sleep(0)  # bounded host work per loop turn; the engine claims meanwhile
             if self._stopping or self._start_of(page) < self._claimed:
                 break
+            if manager._closed:
+                self._cut_at = page  # the close began: nothing more is launched (withdrawn, not a fault)
+                break
             if page in self._pool:
                 low = page
                 while low - 1 >= self._first and low - 1 in self._pool and page - low + 1 < group \
@@ -375,6 +379,10 @@ class LoadStream:
             promoted = read.result()
             if promoted is None:
                 self._failed_at = page
+                break
+            if manager._closed:
+                manager._release_handles([promoted])
+                self._cut_at = page
                 break
             self._disk_landed += 1
             if self._stopping or self._start_of(page) < self._claimed:
@@ -406,8 +414,9 @@ class LoadStream:
         if unordered:
             manager._running()[1].order_after(unordered)
         failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}
-        if failed:
-            manager.faults.record("copy_failed", f"stream load copy failed: {next(o for o in outcomes if o)!r}")
+        errors = [out for out in outcomes if out is not None and not isinstance(out, CopyWithdrawn)]
+        if errors:
+            manager.faults.record("copy_failed", f"stream load copy failed: {errors[0]!r}")
         loaded_from = self.tokens
         counted = {Tier.POOL: 0, Tier.DISK: 0}
         expected = self.tokens // self._t - 1
@@ -424,7 +433,12 @@ class LoadStream:
         manager._loaded_tokens[Tier.POOL] += counted[Tier.POOL] * t
         manager._loaded_tokens[Tier.DISK] += counted[Tier.DISK] * t
         manager._bytes["pool_to_gpu"] += (counted[Tier.POOL] + counted[Tier.DISK]) * manager.layout.payload_bytes
-        if self._failed_at is not None or failed:
+        withdrawn = len(failed) - len(errors)
+        if self._cut_at is not None:
+            # Pages the engine had not claimed when the close stopped the loader: not copied.
+            withdrawn += sum(1 for p in range(self._first, self._cut_at + 1) if self._start_of(p) >= self._claimed)
+        manager._withdrawn += withdrawn
+        if self._failed_at is not None or errors:
             manager.faults.record("load_shortened", "a stream load stopped at a fault; the engine computes the rest")
         return StreamResult(self.tokens, self.from_token, self._claimed, loaded_from,
                             counted[Tier.POOL], counted[Tier.DISK])
