@@ -36,6 +36,7 @@ class RateMeter:
 
     def __init__(self, weight: float = 0.3, initial: float | None = None) -> None:
         self._weight = weight
+        self._initial = initial
         self._rate = initial
         self.samples = 0
         """Observations folded in so far (restored ones included)."""
@@ -55,6 +56,11 @@ class RateMeter:
         """Take a saved state (already checked and clamped): the moving average goes on from it."""
         self._rate = rate
         self.samples = samples
+
+    def reset(self) -> None:
+        """Back to the state it was built with: what it measured belongs to another device."""
+        self._rate = self._initial
+        self.samples = 0
 
     @property
     def rate(self) -> float | None:
@@ -113,6 +119,11 @@ class CostModel:
     def meters(self) -> dict[str, RateMeter]:
         """The meters by the names they are saved under (the keys of :data:`RATE_BOUNDS`)."""
         return {"pool": self.pool, "disk": self.disk, "prefill": self.prefill}
+
+    def reset(self) -> None:
+        """Forget every measurement (the configured prefill rate stays)."""
+        for meter in self.meters().values():
+            meter.reset()
 
     def estimate(self, pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: int) -> LoadEstimate:
         """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages."""

@@ -64,15 +64,19 @@ class CacheManager:
     replica that must not write pages). ``register_cuda`` registers the pool with CUDA in this
     process (the in-process worker copies on a GPU). ``device``: the kind of device the bytes move
     to (``"cuda"``, ``"cpu"``, ...; default from ``register_cuda``): rates saved by a cache on
-    another kind are not used.
+    another kind are not used. ``device_later``: the workers are elsewhere (a tensor-parallel
+    group) and their kind becomes known with :meth:`set_device`; until then no rate is read or
+    saved (nothing would say which device they belong to).
     """
 
     def __init__(
         self, config: CacheConfig, layout: KVLayout, *, part: bytes = b"", writer: bool = True,
-        register_cuda: bool = False, device: str | None = None,
+        register_cuda: bool = False, device: str | None = None, device_later: bool = False,
     ) -> None:
         if device is not None and not isinstance(device, str):
             raise TypeError(f"device must be a str or None, got {type(device).__name__}")
+        if device is not None and device_later:
+            raise ValueError("device and device_later exclude each other")
         if config.cpu_bytes < layout.page_bytes:
             raise ValueError(f"cpu_bytes {config.cpu_bytes} is smaller than one page ({layout.page_bytes} bytes)")
         self.config = config
@@ -92,8 +96,8 @@ class CacheManager:
         self._starting: asyncio.Future[None] | None = None  # resolved when start() has settled
         self.faults = FaultLog(log)
         self.costs = CostModel(config.prefill_tokens_per_s)
-        self.device_kind = device or ("cuda" if register_cuda else "cpu")
-        """What the saved rates are keyed by, with the layout's fingerprint."""
+        self.device_kind: str | None = None if device_later else device or ("cuda" if register_cuda else "cpu")
+        """What the saved rates are keyed by, with the layout's fingerprint (None: not known yet)."""
         for meter in self.costs.meters().values():
             meter.listener = self._rates_changed
         self._rates_dirty = False  # a rate changed since the last save
@@ -245,24 +249,64 @@ class CacheManager:
 
     # -- the learned rates across restarts -------------------------------------------------------
 
+    def set_device(self, kind: str) -> None:
+        """The workers' device kind (``device_later``): the rates are labelled by it from now on and
+        the saved rates of that kind are read in the background (``flush``/``aclose`` wait for it).
+
+        Another kind than before (the ranks were replaced by ranks on another device) forgets what
+        was measured: those rates belong to the other device. Ignored once closing. Raises
+        ``TypeError``/``ValueError`` for a kind that is not a non-empty str.
+        """
+        if not isinstance(kind, str):
+            raise TypeError(f"kind must be a str, got {type(kind).__name__}")
+        if not kind:
+            raise ValueError("kind must not be empty")
+        if kind == self.device_kind or self._closed:
+            return
+        if self.device_kind is not None:
+            log.warning("aiokv: the workers now copy on %s, not %s: rates measured so far forgotten",
+                        kind, self.device_kind)
+            self.costs.reset()
+            self._rates_dirty = False
+        self.device_kind = kind
+        disk = self._disk
+        if disk is not None:
+            task = asyncio.ensure_future(self._restore_rates(disk))
+
+            def settled() -> None:
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    self.faults.record("rates_ignored", f"reading the saved rates failed: {error!r}")
+
+            self.track(task, settled)
+
     async def _restore_rates(self, disk: DiskTier) -> None:
         """Take the rates a previous cache saved in ``disk``'s layout directory, when they are
-        ours (this layout, this device kind) and sound; anything else is ignored and counted."""
+        ours (this layout, this device kind) and sound; anything else is ignored and counted.
+        A meter that measured something since the start keeps its own."""
+        kind = self.device_kind
+        if kind is None:
+            return  # not known yet: read once set_device() names it
         where = disk.files.layout_dir
-        try:
-            # A thread the loop does not wait to start (to_thread's first call would start the
-            # default executor's thread on the loop).
-            data = await run_in_new_thread(functools.partial(read_rates_file, where), "aiokv-rates", _nothing)
-            if data is None:
-                return  # a first start
-            saved = decode_rates(data, self.layout.fingerprint.hex(), self.device_kind)
-        except (RatesFileError, OSError) as exc:
-            self.faults.record("rates_ignored", f"saved rates in {where} not used ({exc})")
-            return
+        async with self._rates_lock:  # never between a save's encode and its rename
+            try:
+                # A thread the loop does not wait to start (to_thread's first call would start the
+                # default executor's thread on the loop).
+                data = await run_in_new_thread(functools.partial(read_rates_file, where), "aiokv-rates", _nothing)
+                if data is None:
+                    return  # a first start
+                saved = decode_rates(data, self.layout.fingerprint.hex(), kind)
+            except (RatesFileError, OSError) as exc:
+                self.faults.record("rates_ignored", f"saved rates in {where} not used ({exc})")
+                return
+        if self.device_kind != kind:
+            return  # relabelled while reading
         meters = self.costs.meters()
         for name, (rate, samples) in saved.rates.items():
             if name == "prefill" and self.config.prefill_tokens_per_s is not None:
                 continue  # the engine's own figure wins over a learned one
+            if meters[name].samples:
+                continue  # measured here since the start: newer than the file
             meters[name].restore(rate, samples)
         if saved.clamped:
             self.faults.record("rates_clamped", f"saved rates out of bounds, clamped: {', '.join(saved.clamped)}",
@@ -298,10 +342,10 @@ class CacheManager:
         """Write the rates file off the loop when they changed since the last save; only the
         directory's lock holder writes. A failed write is counted."""
         async with self._rates_lock:
-            disk = self._disk
-            if disk is None or disk.read_only is not None or not self._rates_dirty:
-                return
-            data = encode_rates(self.costs, self.layout.fingerprint.hex(), self.device_kind)
+            disk, kind = self._disk, self.device_kind
+            if disk is None or disk.read_only is not None or not self._rates_dirty or kind is None:
+                return  # kind None: measured before the workers said which device they copy on
+            data = encode_rates(self.costs, self.layout.fingerprint.hex(), kind)
             self._rates_dirty = False
             self._rates_saved_at = time.monotonic()
             try:

@@ -92,7 +92,8 @@ class TPCache(CacheFacade):
         self.page_layout = layout.for_tp(tp_size)
         """The pool's and page files' format: rank-major, one part per head slice (its fingerprint keys
         every page, so caches of another TP split over the same ``disk_dir`` never serve these bytes)."""
-        self._manager = CacheManager(config, self.page_layout)
+        # The ranks move the bytes: the rates are labelled by their device, known once they attach.
+        self._manager = CacheManager(config, self.page_layout, device_later=True)
         self._group: RankGroup | None = None
         self._transfers: GroupTransfers | None = None
         self._close_task: asyncio.Future[None] | None = None
@@ -106,7 +107,8 @@ class TPCache(CacheFacade):
             return
         pool = await self._manager.start()
         group = RankGroup(
-            self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config, directory=self._directory
+            self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config, directory=self._directory,
+            on_all_attached=self._manager.set_device,
         )
         await group.start()
         self._group = group

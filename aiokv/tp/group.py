@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -80,8 +81,10 @@ class RankGroup:
     (a fresh temporary directory when None); workers connect to :attr:`address`. A group restarted
     on the same directory listens at the same address, and live workers re-attach to its new pool.
 
-    Use as ``async with RankGroup(...) as group`` or :meth:`start` / :meth:`aclose`. Raises
-    ``ValueError`` when ``tp_size`` does not divide the layout's heads (or they it).
+    ``on_all_attached``: called on the loop, with :attr:`device_kind`, each time the last missing
+    rank attaches (the ranks' device becomes known; a :class:`~aiokv.tp.TPCache` labels its rates
+    by it). Use as ``async with RankGroup(...) as group`` or :meth:`start` / :meth:`aclose`.
+    Raises ``ValueError`` when ``tp_size`` does not divide the layout's heads (or they it).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class RankGroup:
         config: TPConfig | None = None,
         directory: str | os.PathLike[str] | None = None,
         epoch: int | None = None,
+        on_all_attached: Callable[[str], None] | None = None,
     ) -> None:
         slices = [TPSlice.of(layout, rank, tp_size) for rank in range(tp_size)]
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
@@ -122,6 +126,7 @@ class RankGroup:
         self._ranks: dict[int, _RankLink] = {}  # claimed at hello, attached after ATTACHED
         self._links: set[_RankLink] = set()
         self._all_attached = asyncio.Event()
+        self._on_all_attached = on_all_attached
         self._changed = asyncio.Event()
         self._next_job = 1
         self._closing = False
@@ -207,6 +212,15 @@ class RankGroup:
         return frozenset(r for r, conn in self._ranks.items() if conn.attached)
 
     @property
+    def device_kind(self) -> str | None:
+        """The kind of device the ranks copy on (their KV buffers': ``cpu``, ``cuda``, ...), once
+        every rank is attached; ranks on different kinds give them sorted, joined by ``+``. None
+        while a rank is missing."""
+        if not self._all_attached.is_set():
+            return None
+        return "+".join(sorted({conn.device for conn in self._ranks.values() if conn.attached}))
+
+    @property
     def all_attached(self) -> bool:
         """True when every rank is attached (a submit can succeed)."""
         return self._all_attached.is_set()
@@ -230,12 +244,20 @@ class RankGroup:
 
     def _notify(self) -> None:
         # One event per change: waiters wake, re-check and wait on the next one.
+        completed = False
         if len(self.attached) == self.tp_size:
+            completed = not self._all_attached.is_set()
             self._all_attached.set()
         else:
             self._all_attached.clear()
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        kind = self.device_kind
+        if completed and self._on_all_attached is not None and kind is not None:
+            try:
+                self._on_all_attached(kind)
+            except Exception:  # the listener's fault must not end the rank's connection
+                log.exception("rank group: on_all_attached(%r) failed", kind)
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -329,6 +351,7 @@ class RankGroup:
             link.transport.close()  # after the refusal is flushed
             return
         link.rank = hello.rank
+        link.device = hello.device
         self._ranks[hello.rank] = link  # claimed: a second hello for this rank is refused
         link.state = _LinkState.ATTACH
         welcome = Welcome(
@@ -415,6 +438,7 @@ class _RankLink(asyncio.Protocol):
         self.group = group
         self.rank = -1
         self.pid = 0
+        self.device = ""  # the kind of device the rank's KV buffer is on (from its hello)
         self.attached = False
         self.state = _LinkState.HELLO
         self.transport: asyncio.Transport | None = None

@@ -3,7 +3,7 @@
 Every frame is ``length u32 | kind u8 | payload`` (little-endian; ``length`` counts kind + payload).
 A session::
 
-    worker  --HELLO(version, rank, tp_size, layout fingerprint)-->            manager
+    worker  --HELLO(version, rank, tp_size, layout fingerprint, device kind)--> manager
     worker  <--WELCOME(version, tp_size, fingerprint, pool epoch, name, pages)-- or REFUSE(reason, text)
     worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name)
     worker  <--SPEC(TransferSpec bytes)--  ...  --DONE(job id, status, text)-->
@@ -20,8 +20,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 2
-"""2: layered LOAD specs and LAYERS frames."""
+PROTOCOL_VERSION = 3
+"""2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -32,6 +32,8 @@ _DONE = struct.Struct("<QB")
 _LAYERS = struct.Struct("<QI")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
+MAX_DEVICE_BYTES = 32
+"""Longest device kind a HELLO carries (``torch.device.type``: ``cpu``, ``cuda``, ...)."""
 
 
 class ProtocolError(ValueError):
@@ -171,15 +173,17 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> tuple[Fram
 
 @dataclass(frozen=True)
 class Hello:
-    """Worker -> manager: who the worker is."""
+    """Worker -> manager: who the worker is. ``device``: the kind of device its KV buffer is on
+    (``torch.device.type``); the manager labels the rates it learns through the ranks by it."""
 
     version: int
     rank: int
     tp_size: int
     fingerprint: bytes
+    device: str
 
     def encode(self) -> bytes:
-        return _HELLO.pack(HELLO_MAGIC, self.version, self.rank, self.tp_size, self.fingerprint)
+        return _HELLO.pack(HELLO_MAGIC, self.version, self.rank, self.tp_size, self.fingerprint) + _text(self.device)
 
     @classmethod
     def decode(cls, payload: bytes) -> Hello:
@@ -188,9 +192,13 @@ class Hello:
             raise ProtocolError("not an aiokv worker hello")
         (version,) = struct.unpack_from("<H", payload, 4)
         if version != PROTOCOL_VERSION:
-            return cls(version, 0, 0, b"")
-        _, version, rank, tp_size, fingerprint = _fixed(_HELLO, payload, "hello", exact=True)
-        return cls(int(version), int(rank), int(tp_size), bytes(fingerprint))
+            return cls(version, 0, 0, b"", "")
+        _, version, rank, tp_size, fingerprint = _fixed(_HELLO, payload, "hello", exact=False)
+        device = _decode_text(payload, _HELLO.size)
+        if not 0 < len(device) <= MAX_DEVICE_BYTES or not device.isascii() or not device.isidentifier() \
+                or not device.islower():
+            raise ProtocolError(f"hello names no device kind: {device[:MAX_DEVICE_BYTES]!r}")
+        return cls(int(version), int(rank), int(tp_size), bytes(fingerprint), device)
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ class RankWorker:
             link.close()
 
     async def _hello(self, link: _WorkerLink) -> Welcome:
-        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint)
+        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         link.write(frame(FrameKind.HELLO, hello.encode()))
         kind, payload = await link.read()
         if kind is FrameKind.REFUSE:

@@ -60,10 +60,11 @@ class FakeRank:
 
     @classmethod
     async def connect(
-        cls, group: RankGroup, rank: int, version: int = PROTOCOL_VERSION, tp_size: int | None = None
+        cls, group: RankGroup, rank: int, version: int = PROTOCOL_VERSION, tp_size: int | None = None,
+        device: str = "cpu",
     ) -> FakeRank:
         reader, writer = await asyncio.open_unix_connection(os.fspath(group.address))
-        hello = Hello(version, rank, tp_size or group.tp_size, group.page_layout.fingerprint)
+        hello = Hello(version, rank, tp_size or group.tp_size, group.page_layout.fingerprint, device)
         writer.write(frame(FrameKind.HELLO, hello.encode()))
         kind, payload = await read_frame(reader, 1 << 20)
         if kind is FrameKind.REFUSE:
@@ -389,3 +390,31 @@ async def test_a_second_manager_on_a_live_directory_is_refused(pool: PagePool, g
 async def _wait_ranks(group: RankGroup, ranks: set[int]) -> None:
     while group.attached != ranks:
         await group.wait_change()
+
+
+@pytest.mark.asyncio
+async def test_the_ranks_device_kind_comes_from_their_hellos(pool: PagePool, tmp_path: Path) -> None:
+    # What a TPCache labels its learned rates by (it was "cpu" whatever the ranks copied on).
+    seen: list[str] = []
+    async with RankGroup(LAYOUT, 2, pool.name, pool.num_pages, FAST, tmp_path / "dev",
+                         on_all_attached=seen.append) as group:
+        first = await FakeRank.connect(group, 0, device="cuda")
+        await _wait_ranks(group, {0})
+        assert group.device_kind is None and seen == []  # not known while a rank is missing
+        second = await FakeRank.connect(group, 1, device="cuda")
+        await group.wait_attached()
+        assert group.device_kind == "cuda" and seen == ["cuda"]
+        await second.close()
+        await _wait_ranks(group, {0})
+        assert group.device_kind is None
+        other = await FakeRank.connect(group, 1, device="cpu")
+        await group.wait_attached()
+        assert group.device_kind == "cpu+cuda" and seen == ["cuda", "cpu+cuda"]
+        for fake in (first, other):
+            await fake.close()
+        await _wait_ranks(group, set())
+        full = full_kv(LAYOUT, 1)
+        k0, k1 = rank_kv(full, LAYOUT, 0, 2), rank_kv(full, LAYOUT, 1, 2)
+        async with RankWorker(group.address, 0, 2, LAYOUT, k0, FAST), RankWorker(group.address, 1, 2, LAYOUT, k1, FAST):
+            await group.wait_attached()
+            assert group.device_kind == "cpu" and seen[-1] == "cpu"  # real workers name their buffer's device

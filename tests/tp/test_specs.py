@@ -171,9 +171,12 @@ def test_build_validates_counts_and_values() -> None:
 
 
 def test_wire_messages_round_trip_and_refuse_garbage() -> None:
-    hello = Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16)
+    hello = Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16, "cuda")
     assert Hello.decode(hello.encode()) == hello
-    assert Hello.decode(Hello(9, 0, 0, b"").encode()[:6]).version == 9  # another version: parsed for the refusal
+    assert Hello.decode(Hello(9, 0, 0, b"", "").encode()[:6]).version == 9  # another version: parsed for the refusal
+    for device in ["", "CUDA", "cu da", "cuda:0", "x" * 33, "é"]:  # a hello names a device kind, nothing else
+        with pytest.raises(ProtocolError, match="device kind"):
+            Hello.decode(Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16, device).encode())
     welcome = Welcome(1, 4, b"f" * 16, 2**63, 10, 4096, "/aiokv-1-abc")
     assert Welcome.decode(welcome.encode()) == welcome
     refusal = Refuse(RefuseReason.LAYOUT, "x" * 2000)

@@ -164,6 +164,7 @@ async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkey
     monkeypatch.setattr(manager_module, "write_rates_file", held)
     cache = TPCache(_config(MHA, tmp_path), MHA, tp_size=2, num_slots=SLOTS, tp_config=CONFIG)
     await cache.start()
+    cache.manager.set_device("cpu")  # as the group reports once its ranks attached: rates are saved
     cache.manager.costs.pool.update(1e9, 1.0)  # a rate changed: the close writes it (held)
     first = asyncio.create_task(cache.aclose())
     await entered

@@ -8,6 +8,7 @@ Skipped without CUDA (the same flows run on CPU buffers in test_tp_processes.py)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,8 +18,10 @@ import torch
 from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
 
 from aiokv import CacheConfig
+from aiokv.costs import RATES_FILE
 from aiokv.kernels import TransferPath
 from aiokv.layout import KVLayout
+from aiokv.storage import DiskConfig
 from aiokv.tp import Direction, Job, RankGroup, TPCache, TPConfig
 
 pytestmark = [
@@ -190,3 +193,38 @@ async def test_cuda_ranks_paced_layered_load_bit_exact_per_layer(
         assert jobs.layer_reports == tp * layout.num_layers * len(load.jobs)
         await ranks.stop_all()
         assert cache.group.jobs.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_cuda_ranks_label_the_learned_rates_cuda(tmp_path: Path, spawned: list[RankProcesses]) -> None:
+    """The rates a TPCache learns through CUDA ranks are saved as ``cuda`` rates (they were saved as
+    ``cpu`` ones: the scheduler process labelled them by its own kind) and read back only by a
+    group of CUDA ranks."""
+    layout, tp = CASES["mha-tp2"]
+    T, pages = layout.page_tokens, 8
+    page_layout = layout.for_tp(tp)
+    disk = DiskConfig(directory=tmp_path / "disk", capacity_bytes=4 * pages * (page_layout.page_bytes + 4096))
+    cache_config = CacheConfig(cpu_bytes=(pages + 2) * page_layout.page_bytes, disk=disk, namespace="tp-gpu-rates")
+    tokens = list(range(9000, 9000 + pages * T))
+    config = TPConfig(reconnect_initial_s=CONFIG.reconnect_initial_s, handshake_timeout_s=60.0)
+    for restart in (False, True):
+        async with TPCache(cache_config, layout, tp_size=tp, num_slots=SLOTS, tp_config=config,
+                           directory=tmp_path / "m") as cache:
+            ranks = RankProcesses(Path(cache.address), layout, tp, 13, True, SLOTS, "cuda", config)
+            spawned.append(ranks)
+            ranks.start_all()
+            async with asyncio.timeout(180):
+                await cache.wait_ranks()
+            await cache.flush()
+            manager = cache._manager
+            assert manager.device_kind == "cuda" and cache.group.device_kind == "cuda"
+            if restart:
+                assert manager.costs.pool.rate is not None, "a CUDA group did not read its own saved rates"
+                assert "rates_ignored" not in cache.stats().errors
+            else:
+                assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
+                loaded = await cache.load(await cache.match(tokens), torch.arange(pages * T, 2 * pages * T))
+                assert loaded.tokens == pages * T and manager.costs.pool.rate is not None
+            await ranks.stop_all()
+        doc = json.loads((tmp_path / "disk" / page_layout.fingerprint.hex() / RATES_FILE).read_bytes())
+        assert doc["device"] == "cuda"
