@@ -2,7 +2,8 @@
 
 ``gather``/``scatter`` are Triton kernels behind typed launch wrappers; ``reference_gather`` /
 ``reference_scatter`` do the same in plain torch (CPU KV buffers, test oracle); :class:`PageMover`
-runs whole-page offloads and loads on side CUDA streams through a :class:`TransferPath`.
+runs whole-page offloads and loads on side CUDA streams through a :class:`TransferPath`;
+:func:`warm_up` compiles and launches, once, every kernel variant a mover's copies use.
 
 Triton is imported with the first use of a mover or kernel, not with ``import aiokv``.
 """
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from .launch import CopyPlan, gather, scatter
     from .mover import PageMover
     from .reference import reference_gather, reference_scatter
+    from .warmup import WarmUp, warm_up
 
 _LAZY = {
     "CopyPlan": ".launch",
@@ -26,6 +28,8 @@ _LAZY = {
     "PageMover": ".mover",
     "reference_gather": ".reference",
     "reference_scatter": ".reference",
+    "WarmUp": ".warmup",
+    "warm_up": ".warmup",
 }
 
 
@@ -42,8 +46,10 @@ __all__ = [
     "CopyPlan",
     "PageMover",
     "TransferPath",
+    "WarmUp",
     "gather",
     "reference_gather",
     "reference_scatter",
     "scatter",
+    "warm_up",
 ]

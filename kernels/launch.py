@@ -3,12 +3,21 @@
 :class:`CopyPlan` binds one KV buffer to one page tensor (the pool, or a GPU staging buffer): it
 picks the word size, builds the per-layer address tables once, and launches on the current stream.
 :func:`gather` and :func:`scatter` are checked one-shot forms of the same.
+
+Triton compiles one *variant* of a kernel per :data:`LaunchKey`: the constexprs, and for each other
+argument its type and whether it is divisible by 16 (an integer equal to 1 is a variant of its own).
+:func:`launch_key` computes it with Triton's own specialization rule; :func:`record_launches` lets
+tests and the warm-up (:mod:`aiokv.kernels.warmup`) see which variants launches use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import triton
@@ -28,6 +37,88 @@ from .checks import (
 from .paths import interpreting
 from .segments import Segment, segments
 
+LaunchKey = tuple[str, tuple[object, ...], tuple[tuple[str, object], ...]]
+"""What Triton compiles a kernel for: its name, each runtime argument's specialization, the constexprs."""
+
+try:  # Triton's own rule (the one its launcher keys the compiled kernels by)
+    from triton._C.libtriton import native_specialize_impl as _native_specialize
+    from triton.backends.compiler import BaseBackend as _BaseBackend
+except ImportError:  # another Triton version: the rule its documentation states
+    _native_specialize = None
+
+
+def specialization(arg: object) -> object:
+    """How Triton specializes one runtime argument: a tensor by dtype and 16-byte alignment, an int
+    by width and divisibility by 16, ``1`` as a constant of its own."""
+    if _native_specialize is not None:
+        return tuple(_native_specialize(_BaseBackend, arg, False, True, True))
+    if isinstance(arg, torch.Tensor):
+        return (str(arg.dtype), "D" if arg.data_ptr() % 16 == 0 else "")
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return (type(arg).__name__, None)
+    if arg == 1:
+        return ("constexpr", 1)
+    return ("i32" if -(2**31) <= arg < 2**31 else "i64", "D" if arg % 16 == 0 else "")
+
+
+def launch_key(name: str, args: tuple[object, ...], constexprs: dict[str, object]) -> LaunchKey:
+    """The variant a launch of kernel ``name`` with these arguments compiles (see the module docstring)."""
+    return name, tuple(specialization(a) for a in args), tuple(sorted(constexprs.items()))
+
+
+@dataclass
+class LaunchRecord:
+    """What :func:`record_launches` saw: every launch's key and the thread it ran on, in order."""
+
+    launch: bool = True
+    """False: record only, launch nothing (tests enumerating variants without running kernels)."""
+    hook: Callable[[LaunchKey], None] | None = None
+    """Called with each key on the launching thread, after it is recorded and before the launch."""
+    keys: list[LaunchKey] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)
+
+
+_records: list[LaunchRecord] = []
+_records_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def record_launches(launch: bool = True, hook: Callable[[LaunchKey], None] | None = None) -> Iterator[LaunchRecord]:
+    """Record every kernel launch of every :class:`CopyPlan`, from any thread, while the block runs.
+
+    ``launch=False`` also suppresses the launches (their keys are still recorded); ``hook`` sees
+    each key on the launching thread before the launch (an exception from it fails the launch).
+    For tests and diagnostics: the hot path pays one list check while nothing records.
+    """
+    record = LaunchRecord(launch, hook)
+    with _records_lock:
+        _records.append(record)
+    try:
+        yield record
+    finally:
+        with _records_lock:
+            _records.remove(record)
+
+
+def _observe(key: LaunchKey) -> bool:
+    """Hand ``key`` to the active records; False when one of them suppresses launches."""
+    name = threading.current_thread().name
+    launch = True
+    for record in list(_records):
+        record.keys.append(key)
+        record.threads.append(name)
+        launch = launch and record.launch
+        if record.hook is not None:
+            record.hook(key)
+    return launch
+
+
+_INTERPRETED = interpreting()
+"""Fixed when Triton was imported (``_jit``'s decorators made interpreted functions or JIT ones)."""
+_interpreter_lock = threading.Lock()
+"""The interpreter is not thread-safe (it patches ``triton.language`` while a kernel runs): a
+launch on the copy thread beside one on the warm-up thread failed. Compiled launches need no lock."""
+
 _WORDS: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _VECTOR_BYTES = 16
 _BLOCK_ELEMS = 4096
@@ -41,6 +132,13 @@ def _word_view(tensor: torch.Tensor, word: int) -> torch.Tensor:
     count = (storage.nbytes() - offset) // word
     view = torch.empty(0, dtype=_WORDS[word], device=tensor.device)
     return view.set_(storage, offset // word, (count,), (1,))
+
+
+def _aligned_like(words: torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` scratch words of ``words``' dtype whose address is ``words``' modulo 16 bytes."""
+    size = words.element_size()
+    shift = (words.data_ptr() % 16) // size
+    return torch.empty(shift + count, dtype=words.dtype, device=device)[shift:]
 
 
 def _pow2_divisor(value: int, limit: int) -> int:
@@ -98,6 +196,8 @@ class CopyPlan:
         self.page_words = _word_view(pages, self.word)
         self.page_strides = [s // self.word for s in page_strides]
         self._launches = [self._segment(seg, common) for seg in segs]
+        self._once: set[LaunchKey] | None = None
+        """Set on a scratch twin: launch each variant once, skip the launches of a variant already in it."""
 
     def _segment(self, seg: Segment, common: int) -> _SegmentLaunch:
         word, itemsize = self.word, self.kv.layout.itemsize
@@ -135,24 +235,10 @@ class CopyPlan:
             return
         ids = slots if page_ids is None else page_ids
         for launch in self._launches:
-            _jit.gather_kernel[self._grid(launch, slots.numel())](
-                launch.kv_base,
-                launch.layer_off,
-                launch.slot_stride,
-                slots,
-                self.page_words,
-                ids,
-                slots.numel(),
-                launch.kv_col,
-                launch.page_col,
-                launch.width,
-                *self.page_strides,
-                T=self.tokens,
-                PAGE_IDS=page_ids is not None,
-                VEC=launch.vec,
-                BLOCK_T=launch.block_t,
-                BLOCK_W=launch.block_w,
-            )
+            args = (launch.kv_base, launch.layer_off, launch.slot_stride, slots, self.page_words, ids, slots.numel(),
+                    launch.kv_col, launch.page_col, launch.width, *self.page_strides)
+            self._run(_jit.gather_kernel, "gather", self._grid(launch, slots.numel()), args,
+                      self._constexprs(launch, page_ids is not None))
 
     def scatter(
         self, page_ids: torch.Tensor | None, slots: torch.Tensor, skip_first: int, layers: range | None = None
@@ -164,26 +250,71 @@ class CopyPlan:
         if count == 0:
             return
         for launch in self._launches:
-            _jit.scatter_kernel[self._grid(launch, slots.numel(), count)](
-                launch.kv_base,
-                launch.layer_off,
-                launch.slot_stride,
-                slots,
-                self.page_words,
-                ids,
-                slots.numel(),
-                skip_first,
-                first,
-                launch.kv_col,
-                launch.page_col,
-                launch.width,
-                *self.page_strides,
-                T=self.tokens,
-                PAGE_IDS=page_ids is not None,
-                VEC=launch.vec,
-                BLOCK_T=launch.block_t,
-                BLOCK_W=launch.block_w,
-            )
+            args = (launch.kv_base, launch.layer_off, launch.slot_stride, slots, self.page_words, ids, slots.numel(),
+                    skip_first, first, launch.kv_col, launch.page_col, launch.width, *self.page_strides)
+            self._run(_jit.scatter_kernel, "scatter", self._grid(launch, slots.numel(), count), args,
+                      self._constexprs(launch, page_ids is not None))
+
+    def _constexprs(self, launch: _SegmentLaunch, page_ids: bool) -> dict[str, object]:
+        return {"T": self.tokens, "PAGE_IDS": page_ids, "VEC": launch.vec, "BLOCK_T": launch.block_t,
+                "BLOCK_W": launch.block_w}
+
+    def _run(self, kernel: Any, name: str, grid: tuple[int, int, int], args: tuple[object, ...],
+             constexprs: dict[str, object]) -> None:
+        """The one launch point of both kernels (the warm-up's twins and :func:`record_launches` see
+        exactly what a copy launches)."""
+        if self._once is not None or _records:
+            key = launch_key(name, args, constexprs)
+            if self._once is not None:
+                if key in self._once:
+                    return
+                self._once.add(key)
+            if _records and not _observe(key):
+                return
+        if _INTERPRETED:
+            with _interpreter_lock:
+                kernel[grid](*args, **constexprs)
+            return
+        kernel[grid](*args, **constexprs)
+
+    def scratch_twin(self, once: set[LaunchKey], pages: int) -> CopyPlan:
+        """A plan that launches the same Triton variants as this one and touches only its own scratch.
+
+        Same word size, columns and constexprs, pointers with the same alignment (modulo 16 bytes),
+        and page strides replaced by the smallest values of the same specialization (0 for a
+        multiple of 16), so each launch has the key a copy through this plan would have while its
+        memory stays a few KiB. Launch it with slots all 0 (its KV side is one row per segment,
+        layer offsets 0) and pages below ``pages`` (page ids, or ``tokens // T`` without them).
+        Launches a variant only once: keys already in ``once`` are skipped, new ones added.
+        Scratch is allocated on the KV device, on the calling thread's current stream.
+        """
+        twin = object.__new__(CopyPlan)
+        twin.kv, twin.tokens, twin.word = self.kv, self.tokens, self.word
+        device, layers = self.kv.device, self.kv.layout.num_layers
+        vec = max(x.vec for x in self._launches)  # every stride stays a multiple of each segment's VEC
+        twin.page_strides = [_smallest_like(stride, vec) for stride in self.page_strides]
+        page, layer, token = twin.page_strides
+        span = (pages - 1) * page + (layers - 1) * layer + (self.tokens - 1) * token
+        twin.page_words = _aligned_like(self.page_words, span + max(x.page_col + x.width for x in self._launches),
+                                        device)
+        twin.pages = twin.page_words
+        zeros = torch.zeros(layers, dtype=torch.int64, device=device)
+        twin._launches = [
+            replace(x, kv_base=_aligned_like(x.kv_base, x.kv_col + x.width, device), layer_off=zeros, slot_stride=zeros)
+            for x in self._launches
+        ]
+        twin._once = once
+        return twin
+
+
+def _smallest_like(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that Triton specializes as it does ``value`` (which is a
+    multiple of it); ``value`` itself when none is found among the first few."""
+    want = specialization(value)
+    for candidate in range(0, min(value, 64 * multiple), multiple):
+        if specialization(candidate) == want:
+            return candidate
+    return value
 
 
 def _index(values: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:

@@ -627,17 +627,7 @@ class PageMover:
         """Groups, device slots and slab runs of a STAGING layer-wise load; orders the copy stream
         after the load lanes. Runs inside :meth:`_on_side` of the first load lane."""
         scatter_lane = self._load_lanes[0]
-        tokens = self.kv.layout.page_tokens
-        groups = [
-            _Chunk(
-                first=g.start,
-                ids=ids[g.start : g.stop],
-                slot_begin=max(g.start * tokens - skip_first, 0),
-                slot_end=g.stop * tokens - skip_first,
-                skip=skip_first if g.start == 0 else 0,
-            )
-            for g in layer_groups(len(ids), staging.capacity)
-        ]
+        groups = self._layer_chunks(ids, skip_first, staging.capacity, self.kv.layout.page_tokens)
         index = self._index(slots, scatter_lane)  # on the scatter stream, which alone reads it
         copy_stream = staging.copy_stream
         if copy_stream is not None:
@@ -655,6 +645,20 @@ class PageMover:
             runs=[slab_runs(group.ids, self.run_pages) for group in groups],  # the same for every layer
             units=layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)),
         )
+
+    @staticmethod
+    def _layer_chunks(ids: list[int], skip_first: int, capacity: int, tokens: int) -> list[_Chunk]:
+        """The page groups of a STAGING layer-wise load (:func:`layer_groups`) with their slot ranges."""
+        return [
+            _Chunk(
+                first=g.start,
+                ids=ids[g.start : g.stop],
+                slot_begin=max(g.start * tokens - skip_first, 0),
+                slot_end=g.stop * tokens - skip_first,
+                skip=skip_first if g.start == 0 else 0,
+            )
+            for g in layer_groups(len(ids), capacity)
+        ]
 
     def _load_layers_staged(
         self,
@@ -761,14 +765,19 @@ class PageMover:
                 slots.record_stream(lane.stream)
             with self._stream(lane):
                 index = self._index(torch.cat([slots[c.slot_begin : c.slot_end] for c in chunks]), lane)
-            offsets = [0]
-            for chunk in chunks:
-                offsets.append(offsets[-1] + chunk.slot_end - chunk.slot_begin)
-            indices.append([index[a:b] for a, b in itertools.pairwise(offsets)])
+            indices.append([index[a:b] for a, b in self._lane_slices(chunks)])
         for step in range(max(len(chunks) for _, chunks in plan)):
             for (lane, chunks), lane_indices in zip(plan, indices, strict=True):
                 if step < len(chunks):
                     yield lane, chunks[step], lane_indices[step]
+
+    @staticmethod
+    def _lane_slices(chunks: list[_Chunk]) -> list[tuple[int, int]]:
+        """Where each of a lane's chunks lies in the lane's one index tensor (its chunks' slots in order)."""
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + chunk.slot_end - chunk.slot_begin)
+        return list(itertools.pairwise(offsets))
 
     def _offload_chunk(self, lane: _Lane, chunk: _Chunk, index: torch.Tensor) -> None:
         """Gather into the lane's staging, then one memcpy per page, all on the lane's stream."""
