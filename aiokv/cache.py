@@ -10,6 +10,11 @@ Four coroutines on one event loop: ``match`` (longest cached prefix), ``load`` (
 engine's KV slots), ``offload`` (the engine's KV into the pool, then write-behind to disk) and
 ``prefetch`` (disk -> pool). A cancelled caller never leaks a reference and never leaves a copy
 touching its slots (see ``docs/design.md``, cancellation contract).
+
+On a path that launches Triton kernels, ``start`` also starts the warm-up (:mod:`aiokv.kernels.warmup`)
+in a thread: it compiles and loads every kernel variant this layout's copies use, so that no copy
+compiles one on the event loop. Copies that arrive before the variants of page-aligned calls are
+warm wait for them (an await, never a loop stall); :meth:`KVCache.wait_warm` waits for all.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import functools
 import importlib
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -29,6 +35,7 @@ from aiokv.cuda import CompletionBridge
 from aiokv.facade import CacheFacade
 from aiokv.kernels import TransferPath
 from aiokv.kernels.mover import PageMover
+from aiokv.kernels.warmup import WarmUp, warm_up
 from aiokv.keys import Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.manager import CacheManager
@@ -71,12 +78,27 @@ def _load_triton_driver() -> None:
         log.debug("Triton's driver not preloaded: %r", exc)
 
 
+def _load_triton_specialization() -> None:
+    """Run Triton's argument specialization once: its first call imports ~50 modules (~0.1 s holding
+    the GIL), which the warm-up thread or the first launch would otherwise import under the loop."""
+    from aiokv.kernels.launch import specialization
+
+    specialization(0)
+
+
+def _set_ready(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class KVCache(CacheFacade):
     """Tiered KV cache for one model layout and one engine KV buffer.
 
     ``kv_buffer`` is the engine's KV cache: a tensor ``[L, S, rows, D]``, a list of L tensors
     ``[S, rows, D]`` or ``(k_list, v_list)`` of ``[S, H, D]`` (see :class:`aiokv.layout.KVBuffer`),
     on a CUDA device or the CPU. Use as ``async with KVCache(config, layout, kv) as cache``.
+    On CUDA, ``await cache.wait_warm()`` before serving keeps the kernel warm-up out of the first
+    requests' way (module docstring).
     """
 
     def __init__(self, config: CacheConfig | None, layout: KVLayout, kv_buffer: KVBufferLike) -> None:
@@ -99,6 +121,11 @@ class KVCache(CacheFacade):
         self._slots = SlotValidator(self.kv, self._bridge, self._manager.track)
         self._transfers: LocalTransfers | None = None
         self._close_task: asyncio.Future[None] | None = None
+        self._warm: asyncio.Future[WarmUp] | None = None
+        """The warm-up thread's result (None: not started, or no kernels to warm)."""
+        self._warm_ready: asyncio.Future[None] | None = None
+        """Resolved once the variants of page-aligned copies are warm (or the warm-up ended)."""
+        self._warm_stop = threading.Event()
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -132,6 +159,64 @@ class KVCache(CacheFacade):
         mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)
+        if mover.effective_path is not TransferPath.REFERENCE:
+            self._start_warm_up(mover)
+
+    def _start_warm_up(self, mover: PageMover) -> None:
+        """Start the warm-up thread (see the module docstring); nothing awaits it here."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def on_ready() -> None:  # on the warm-up thread
+            try:
+                loop.call_soon_threadsafe(_set_ready, ready)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits any more
+
+        self._warm_ready = ready
+        self._warm = run_in_new_thread(
+            functools.partial(warm_up, mover, self._warm_stop, on_ready), "aiokv-warmup", _nothing
+        )
+        self._warm.add_done_callback(self._warmed)
+
+    def _warmed(self, done: asyncio.Future[WarmUp]) -> None:
+        if self._warm_ready is not None:
+            _set_ready(self._warm_ready)
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            self._manager.faults.record(
+                "warm_up_failed", f"kernel warm-up failed ({error!r}): copies compile what they launch, on the loop"
+            )
+            return
+        result = done.result()
+        log.debug("aiokv: %d kernel variants warm in %.2f s (page-aligned copies: %d in %.2f s)%s",
+                  result.variants, result.seconds, result.ready_variants, result.ready_seconds,
+                  ", stopped" if result.stopped else "")
+
+    async def _kernels_ready(self) -> None:
+        """Wait (an await: the loop goes on) until the variants of page-aligned copies are warm."""
+        ready = self._warm_ready
+        if ready is not None and not ready.done():
+            await asyncio.shield(ready)
+
+    async def wait_warm(self) -> WarmUp | None:
+        """Wait until the warm-up started by :meth:`start` has compiled and loaded every Triton
+        kernel variant this cache's copies can launch; returns what it did.
+
+        An engine that serves right after start may call it first: copies that arrive before the
+        variants of page-aligned calls are warm wait for those (seconds when Triton's disk cache is
+        cold), and a copy whose variant is not warm yet (a load that starts mid-page) compiles it
+        itself, on the loop. None where no kernels
+        run (a CPU KV buffer, or before :meth:`start`) or when the warm-up failed (counted as
+        ``warm_up_failed`` in ``stats().errors``). Cancelling the call does not stop the warm-up.
+        """
+        warm = self._warm
+        if warm is None:
+            return None
+        await asyncio.wait([warm])  # a cancelled caller raises here; the warm-up goes on
+        return None if warm.cancelled() or warm.exception() is not None else warm.result()
 
     @staticmethod
     def preload(device: torch.device | str, transfer_path: TransferPath | None = None) -> tuple[str, ...]:
@@ -142,7 +227,8 @@ class KVCache(CacheFacade):
         for the imports, ~0.2-1 s for Triton, holding the GIL much of it). ``device`` is the KV
         buffer's (``"cuda"``, ``"cuda:1"``, a ``torch.device``; a CPU buffer needs nothing);
         ``transfer_path`` as in :class:`CacheConfig` (``None``: the device's default). On CUDA it
-        also loads Triton's driver utilities, which the first kernel launch would load. Without it,
+        also loads Triton's driver utilities, which the first kernel launch would load, and runs
+        Triton's argument specialization once (its first call imports ~50 modules). Without it,
         ``start`` imports them in a thread and counts ``start_imports`` in ``stats().errors``.
         Raises ``TypeError``/``ValueError`` for a bad device or path, ``ImportError`` when Triton
         is not installed.
@@ -157,10 +243,13 @@ class KVCache(CacheFacade):
         if transfer_path is not None and not isinstance(transfer_path, TransferPath):
             raise TypeError(f"transfer_path must be a TransferPath or None, got {type(transfer_path).__name__}")
         cuda = device.type == "cuda"
-        missing = tuple(name for name in _start_modules(_transfer_path(cuda, transfer_path)) if name not in sys.modules)
+        needed = _start_modules(_transfer_path(cuda, transfer_path))
+        missing = tuple(name for name in needed if name not in sys.modules)
         _import_all(missing)
-        if cuda and "aiokv.kernels.launch" in sys.modules:
-            _load_triton_driver()
+        if needed:  # a path that launches kernels
+            if cuda:
+                _load_triton_driver()
+            _load_triton_specialization()
         return missing
 
     async def aclose(self) -> None:
@@ -174,6 +263,11 @@ class KVCache(CacheFacade):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
+        self._warm_stop.set()
+        if self._warm is not None:
+            # Stops between two launches (at worst after the one compile in progress); it touches
+            # only its own scratch, yet nothing of it may run once the cache is closed.
+            await asyncio.wait([self._warm])
         transfers = self._transfers
         if transfers is not None:
             transfers.offloads.close()  # paced offloads still waiting never reach the GPU
@@ -207,6 +301,7 @@ class KVCache(CacheFacade):
         """
         count = self._manager.check_load(match, from_token)
         host = await self._slots.check(slots, count)
+        await self._kernels_ready()
         return await self._manager.load(match, host, from_token)
 
     async def start_load(
@@ -224,6 +319,7 @@ class KVCache(CacheFacade):
             raise TypeError(f"layered must be a bool, got {type(layered).__name__}")
         count = self._manager.check_load(match, from_token)
         host = await self._slots.check(slots, count)
+        await self._kernels_ready()
         return self._manager.start_load(match, host, from_token, layered)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
@@ -238,6 +334,7 @@ class KVCache(CacheFacade):
         self._manager.check_running()
         ids = token_array(tokens)
         host = await self._slots.check(slots, int(ids.size))
+        await self._kernels_ready()
         return await self._manager.offload(ids, host, salt)
 
 

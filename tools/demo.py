@@ -236,23 +236,14 @@ async def _serve_one_process(
     scratch, wall_scratch = await timed_run(
         scratch_engine, sessions, cfg.concurrency, cfg.window, progress_bar("scratch", sessions, progress)
     )
-    # Warm-up of the cache's path, as of the model's above (an engine's warm-up step runs its whole
-    # step once): Triton compiles or loads the copy kernels at their first launch, on the loop
-    # (~0.5 s on the H200), which made the first cached requests slower than from scratch. A
-    # throwaway pool-only cache of the same layout and paths (the kernels are compiled once per
-    # process) offloads one prompt, then loads it through a fresh block table; the measured cache's
-    # statistics stay the workload's own.
-    warm_prompt = [(7 * i + 3) % cfg.model.vocab for i in range(min(longest, 4 * chunk))]
-    warm_pages = 2 * (-(-len(warm_prompt) // cfg.page_tokens))
-    async with KVCache(replace(config, disk=None, cpu_bytes=warm_pages * layout.page_bytes), layout, kv) as warm:
-        await warm.pool.wait_ready()
-        for turn in range(2):
-            warm_cached = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, True), warm, chunk, 2,
-                                 keep_logits=False, load_path=cfg.load_path, claim=cfg.claim)
-            await warm_cached.serve("warmup", "warmup", "warmup", turn, warm_prompt)
     async with KVCache(config, layout, kv) as cache:
-        # Set-up, not serving: a large pool hands out pages only from chunks already prepared.
+        # Set-up, not serving: a large pool hands out pages only from chunks already prepared, and
+        # the cache's kernel warm-up (started by start) compiles every copy kernel variant of this
+        # layout: compiled at the first copy instead, on the loop (~0.5 s on the H200), it made the
+        # first cached requests slower than from scratch. (A throwaway cache that served one prompt
+        # did this before; wait_warm also covers the variants that prompt did not reach.)
         await cache.pool.wait_ready()
+        await cache.wait_warm()
         blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
         engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle,
                         load_path=cfg.load_path, claim=cfg.claim)
@@ -359,12 +350,14 @@ async def run_ttft(
             _, with_disk = _layout_and_config(cfg, pages, disk_dir, 2 * pages, LoadPath.PLAIN)
             async with KVCache(with_disk, layout, kv) as cache:
                 await cache.pool.wait_ready()
+                await cache.wait_warm()  # set-up: each start warms its kernels in a thread
                 await serve(cache, LoadPath.PLAIN, f"fill{n}", "disk", prompt)
                 await cache.flush()  # every page on disk before the pool goes away
             host_slots = torch.arange(usable)
             for _ in range(repeats):
                 async with KVCache(with_disk, layout, kv) as cache:
                     await cache.pool.wait_ready()
+                    await cache.wait_warm()
                     t = time.perf_counter()
                     m = await cache.match(prompt[:usable], salt="disk")
                     loaded = await cache.load(m, host_slots[: m.tokens])
@@ -389,6 +382,7 @@ async def run_ttft(
                 _, pool_cfg = _layout_and_config(cfg, pages, None, 0, path)
                 async with KVCache(pool_cfg, layout, kv) as cache:
                     await cache.pool.wait_ready()
+                    await cache.wait_warm()
                     await serve(cache, path, f"fill{n}", "pool", prompt)
                     await serve(cache, path, f"warm{n}", "pool", prompt)
                     for _ in range(repeats):
@@ -401,6 +395,7 @@ async def run_ttft(
                 for _ in range(repeats):
                     async with KVCache(disk_cfg, layout, kv) as cache:
                         await cache.pool.wait_ready()
+                        await cache.wait_warm()
                         r = await serve(cache, path, f"disk{n}", "disk", prompt)
                         times["disk"].append(r.ttft_s)
                 row["disk_hit_tokens"] = r.disk_tokens

@@ -1,0 +1,145 @@
+"""GPU check of the kernel warm-up: the first copies after start compile nothing on the event loop.
+
+Runs with ``AIOKV_TEST_DEVICE=cuda`` on a CUDA machine (skipped elsewhere). Each mode is a fresh
+process with an empty ``TRITON_CACHE_DIR``, so every kernel variant really compiles:
+
+- ``warm``: ``await cache.wait_warm()``, then the first offload, a load, a load starting mid-page
+  and a layer-wise load. They must add no compiled variant to Triton's cache and stall the loop
+  less than :data:`STALL_LIMIT_MS` each (a loop-lag probe sleeping 1 ms at a time).
+- ``ready``: the same copies right after start, without ``wait_warm`` (they wait for the
+  page-aligned variants themselves). Reported, not bounded: the warm-up compiles beside them.
+- ``control``: the warm-up stopped before its first launch (as before it existed): the copies
+  compile their variants themselves, on the loop. It must compile some (else the check is moot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("AIOKV_TEST_DEVICE", "cpu")
+STALL_LIMIT_MS = 10.0
+
+pytestmark = pytest.mark.skipif(
+    not (DEVICE.startswith("cuda") and torch.cuda.is_available()), reason="GPU check: AIOKV_TEST_DEVICE=cuda"
+)
+
+SCRIPT = r"""
+import asyncio, dataclasses, json, sys, time
+import torch
+from aiokv import CacheConfig, KVCache, KVLayout
+
+mode, device = sys.argv[1], sys.argv[2]
+layout = KVLayout.mha(8, 8, 128, torch.bfloat16, page_tokens=16)
+KVCache.preload(device)
+from aiokv.kernels import _jit
+
+
+def compiled():
+    return sum(len(c[0]) for k in (_jit.gather_kernel, _jit.scatter_kernel) for c in k.device_caches.values())
+
+
+class Probe:
+    # Largest delay of a 1 ms sleep beyond its 1 ms: the longest the loop was kept from running it.
+    def __init__(self):
+        self.worst, self.running = 0.0, True
+
+    async def run(self):
+        while self.running:
+            began = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.worst = max(self.worst, time.perf_counter() - began - 0.001)
+
+    def take(self):
+        worst, self.worst = self.worst, 0.0
+        return round(worst * 1e3, 2)
+
+
+async def main():
+    kv = torch.randn(layout.num_layers, 4096, layout.rows, layout.head_dim, device=device).to(layout.dtype)
+    config = CacheConfig(cpu_bytes=64 * layout.page_bytes, disk=None, namespace="gpu-warm")
+    out = {"mode": mode}
+    probe = Probe()
+    probing = asyncio.ensure_future(probe.run())
+    await asyncio.sleep(0.05)
+    probe.take()
+    cache = KVCache(config, layout, kv)
+    if mode == "control":
+        cache._warm_stop.set()  # the warm-up stops before its first launch
+    async with cache:
+        await cache.pool.wait_ready()
+        out["start_stall_ms"] = probe.take()
+        if mode == "warm":
+            began = time.perf_counter()
+            warm = await cache.wait_warm()
+            out["wait_warm_s"] = round(time.perf_counter() - began, 3)
+            out["warm_up"] = dataclasses.asdict(warm) if warm is not None else None
+            out["stall_during_warm_up_ms"] = probe.take()
+        before = compiled()
+        tokens = list(range(8 * layout.page_tokens))
+        slots = torch.arange(len(tokens))
+        stalls, compiles, seconds = {}, {}, {}
+
+        async def step(name, coro):
+            began, count = time.perf_counter(), compiled()
+            await coro
+            seconds[name] = round(time.perf_counter() - began, 4)
+            stalls[name] = probe.take()
+            compiles[name] = compiled() - count
+
+        async def load(offset, from_token=0, layered=False):
+            match = await cache.match(tokens)
+            if layered:
+                stream = await cache.start_load(match, slots[from_token:] + offset, from_token=from_token,
+                                                layered=True)
+                await stream.finish()
+            else:
+                await cache.load(match, slots[from_token:] + offset, from_token=from_token)
+
+        await step("offload", cache.offload(tokens, slots))
+        await step("load", load(1024))
+        await step("load_mid_page", load(2048, from_token=5))
+        await step("layered", load(3072, layered=True))
+        await step("layered_mid_page", load(3072, from_token=9, layered=True))
+        torch.cuda.synchronize()
+        out.update(stalls_ms=stalls, compiled=compiles, seconds=seconds, compiled_by_copies=compiled() - before)
+        out["errors"] = dict(cache.stats().errors)
+    probe.running = False
+    await probing
+    print(json.dumps(out))
+
+
+asyncio.run(main())
+"""
+
+
+def _run(mode: str, tmp: Path) -> dict[str, object]:
+    cache_dir = tmp / f"triton-{mode}"
+    cache_dir.mkdir()
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", SCRIPT, mode, DEVICE], capture_output=True, text=True, timeout=400,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(out))
+    return out
+
+
+def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Path) -> None:
+    warm = _run("warm", tmp_path)
+    control = _run("control", tmp_path)
+    ready = _run("ready", tmp_path)  # reported only (see the module docstring)
+    assert isinstance(control["compiled_by_copies"], int) and control["compiled_by_copies"] > 0, control
+    assert warm["warm_up"] is not None and not warm["warm_up"]["stopped"], warm  # type: ignore[index]
+    assert warm["compiled_by_copies"] == 0, f"copies compiled variants the warm-up missed: {warm}"
+    stalls = warm["stalls_ms"]
+    assert isinstance(stalls, dict)
+    assert max(stalls.values()) < STALL_LIMIT_MS, f"first copies stalled the loop: {warm} (control: {control})"
+    assert "warm_up_failed" not in warm["errors"] and "warm_up_failed" not in ready["errors"]  # type: ignore[operator]
