@@ -182,7 +182,7 @@ def _marked_copies() -> dict[int, tuple[str, list[str]]]:
 
 def test_every_inlined_lru_copy_is_the_methods_text() -> None:
     # acquire, release, reserve (three), commit and _evict_one carry _unlink / _link_last inlined
-    # (a call there costs 10-15% per operation): each copy must be the method's own statements.
+    # (a call there costs 4-15% per operation): each copy must be the method's own statements.
     copies = _marked_copies()
     unlink = [body for kind, body in copies.values() if kind == "unlink"]
     link = [body for kind, body in copies.values() if kind == "link"]
