@@ -306,7 +306,7 @@ async def test_an_unexpected_error_in_a_read_callback_returns_its_slot(
         monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     # Regression: a read callback that raised ended the read as a counted miss but kept its I/O
     # slot; with one slot every later read and write, and close(), waited for ever.
-    import aiokv.storage.disk as disk_module
+    import aiokv.storage.readpath as readpath
 
     async with DiskTier(config(disk_dir, backend, queue_depth=1), layout, pool) as tier:
         h = fill(pool, key_of(1), 1)
@@ -318,9 +318,9 @@ async def test_an_unexpected_error_in_a_read_callback_returns_its_slot(
             raise RuntimeError("injected")
 
         if where == "parse_header":
-            monkeypatch.setattr(disk_module, "parse_header", boom)
+            monkeypatch.setattr(readpath, "parse_header", boom)
         else:  # a bad header, then the rejection itself fails
-            monkeypatch.setattr(disk_module, "parse_header", lambda *_a: ErrorKind.CORRUPT)
+            monkeypatch.setattr(readpath, "parse_header", lambda *_a: ErrorKind.CORRUPT)
             monkeypatch.setattr(tier, "_reject", boom)
         into = reserve(pool, key_of(2))
         async with asyncio.timeout(10):
@@ -571,13 +571,13 @@ async def test_an_unexpected_failure_is_logged_once(disk_dir: Path, layout: KVLa
                                                     caplog: pytest.LogCaptureFixture) -> None:
     # Regression (#14): the first unexpected failure was logged twice (the fault log's first-of-a-
     # kind warning, then the traceback).
-    import aiokv.storage.disk as disk_module
+    import aiokv.storage.writepath as writepath
 
     def boom(*_args: object) -> None:
         raise RuntimeError("injected bug")
 
     async with DiskTier(config(disk_dir, DiskBackend.THREADS), layout, pool) as tier:
-        monkeypatch.setattr(disk_module, "pack_header", boom)
+        monkeypatch.setattr(writepath, "pack_header", boom)
         h = fill(pool, key_of(1), 1)
         with caplog.at_level(logging.WARNING):
             assert not await tier.write(key_of(1), h)

@@ -1,0 +1,262 @@
+"""`TierBase`: the disk tier's state and the bookkeeping its read and write jobs share.
+
+Plain synchronous code on the owning loop (a few coroutines await a thread or an unlink): caller
+checks and page references, where a key's file is (directory descriptor and name), the jobs'
+accounting (I/O slots, the count :meth:`DiskTier.aclose` waits on), the budget in force against the
+file system's free space, and the index with the unlinks that follow it. The job state machines
+build on it (:mod:`.writepath`, :mod:`.readpath`); :class:`~.disk.DiskTier` is the public shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aiokv.faults import FaultLog
+from aiokv.keys import PageKey
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle, StaleHandleError
+from aiokv.pool import PagePool
+
+from .backends import HeaderSlots, PageIO
+from .checks import check_buffer, check_ready, check_reserved
+from .checksum import Checksums
+from .config import DiskConfig, ReadOnly
+from .faults import DiskFaults
+from .index import PageIndex
+from .jobs import IOSlots, Job, WriteJob
+from .layoutdir import Prepared, free_space
+from .memory import PageBuffer, buffer_address
+from .pagefile import PageFiles, file_bytes
+from .writebehind import WriteBehind
+
+log = logging.getLogger("aiokv.storage.disk")  # one logger for the tier, whichever file logs
+T = TypeVar("T")
+
+
+class TierBase:
+    """The state of a :class:`~.disk.DiskTier` (constructed through it) and the internals its
+    read and write paths share. Not used on its own."""
+
+    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool, faults: FaultLog | None = None) -> None:
+        if not isinstance(config, DiskConfig):
+            raise TypeError(f"config must be a DiskConfig, got {type(config).__name__}")
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(pool, PagePool):
+            raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        if pool.layout != layout:
+            raise ValueError(f"pool layout ({pool.layout.describe()}) differs from {layout.describe()}")
+        if faults is not None and not isinstance(faults, FaultLog):
+            raise TypeError(f"faults must be a FaultLog or None, got {type(faults).__name__}")
+        self.config = config
+        self.layout = layout
+        self.pool = pool
+        self.files = PageFiles(config.directory, layout)
+        self._file_bytes = file_bytes(layout)
+        self._io: PageIO | None = None
+        self._slots: HeaderSlots | None = None
+        self._io_slots = IOSlots(config.queue_depth)
+        self._payload_bytes = layout.payload_bytes
+        self._active = 0  # page jobs driven by callbacks, not yet ended
+        self._idle: asyncio.Future[None] | None = None
+        self._checksums: Checksums | None = None
+        self._index = PageIndex(self._file_bytes, config.capacity_bytes, config.min_free_bytes)
+        self._writing: dict[PageKey, WriteJob] = {}
+        self._delete_after_write: set[PageKey] = set()
+        # Renames/unlinks in flight on a key's final path: a new write of the key waits for them.
+        self._moving: dict[PageKey, asyncio.Future[Any]] = {}
+        self._recycled = 0
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._queue: WriteBehind | None = None
+        self._accepting = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._faults = DiskFaults(faults)
+        self._corrupt_logged = False
+        self._reads = self._writes = self._bytes_read = self._bytes_written = 0
+        self._hits = self._misses = self._corrupt = self._dropped = 0
+        self._temp_removed = self._skipped = self._writes_refused = 0
+        self._buffered_fallbacks = self._memory_unregistered = 0
+        self._dir: Prepared | None = None
+        self._read_only: ReadOnly | None = None
+        self._space_checked = 0.0
+
+    # -- caller checks and page references ------------------------------------------------------
+
+    def _check_started(self) -> None:
+        if self._io is None and self._close_task is None:
+            raise RuntimeError("disk tier not started: call start() or use async with")
+
+    def _check_ready(self, handle: PageHandle) -> int:
+        self._check_started()
+        return check_ready(self.pool, handle)
+
+    def _check_reserved(self, handle: PageHandle) -> int:
+        self._check_started()
+        return check_reserved(self.pool, handle)
+
+    def _retain(self, handle: PageHandle) -> PageHandle:
+        self._check_ready(handle)
+        return self.pool.table.retain(handle)
+
+    def _release(self, handle: PageHandle) -> None:
+        try:
+            self.pool.table.release(handle)
+        except StaleHandleError:
+            log.exception("disk tier: page reference already released")
+
+    def _refuse(self) -> bool:
+        self._dropped += 1
+        return False
+
+    # -- page memory and file names -------------------------------------------------------------
+
+    def _external(self, buffer: memoryview, writable: bool) -> PageBuffer:
+        """A caller's page buffer, checked (``TypeError``/``ValueError`` before any state change)."""
+        if not isinstance(buffer, memoryview):
+            raise TypeError(f"buffer must be a memoryview, got {type(buffer).__name__}")
+        check_buffer(buffer, self.layout.page_bytes, writable)
+        view = buffer.cast("B")
+        page = PageBuffer(buffer_address(view), view, self._payload_bytes)
+        if not page.aligned and self._io is not None and self._io.direct:
+            self._buffered_fallbacks += 1  # O_DIRECT needs aligned memory: this one goes buffered
+        return page
+
+    def _source(self, job: WriteJob) -> PageBuffer:
+        """Where ``job``'s bytes are: the caller's buffer, or its pool page (checked: still live)."""
+        if job.buffer is not None:
+            return job.buffer
+        assert job.ref is not None
+        page = self.pool.table.check(job.ref)
+        return PageBuffer(self.pool.memory.page_address(page), self.pool.memory.page_view(page), self._payload_bytes)
+
+    def _where(self, key: PageKey) -> tuple[int, str]:
+        """The directory descriptor and name of ``key``'s page file: its fan-out directory's, or the
+        layout directory's (with the fan-out prefix) where that could not be opened at start."""
+        assert self._dir is not None
+        fanout = self._dir.fanout[key[0]]
+        if fanout >= 0:
+            return fanout, self.files.name(key)
+        return self._dir.dir_fd, self.files.rel(key)
+
+    def _temp(self, key: PageKey) -> str:
+        """A fresh temporary name beside ``key``'s final one, relative to :meth:`_where`'s directory:
+        start-up removes leftover temporaries only inside fan-out directories."""
+        assert self._dir is not None
+        return self.files.temp_name(key) if self._dir.fanout[key[0]] >= 0 else self.files.temp_rel(key)
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
+
+    def _return_slot(self, job: Job) -> None:
+        """Give ``job``'s I/O slot back if it still holds it (idempotent: every path may call it)."""
+        self._io_slots.give_back(job)
+
+    def _job_started(self) -> None:
+        self._active += 1
+
+    def _job_ended(self, job: Job) -> None:
+        job.end()
+        self._active -= 1
+        if not self._active and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    # -- free space -----------------------------------------------------------------------------
+
+    def _space_recheck_due(self) -> bool:
+        return (self._index.capacity < self._index.budget and
+                asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s)
+
+    async def _recheck_space(self) -> None:
+        # While the file system limits the tier below its budget, look again now and then: others
+        # may have freed space.
+        if self._index.capacity >= self._index.budget:
+            return
+        if asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s:
+            await self._refresh_space(after_enospc=False)
+
+    async def _refresh_space(self, after_enospc: bool) -> None:
+        assert self._dir is not None
+        self._space_checked = asyncio.get_running_loop().time()
+        try:
+            space = await asyncio.to_thread(free_space, self._dir.dir_fd)
+        except OSError as exc:
+            self._faults.count(exc, "statvfs")
+            return
+        if space.read_only:
+            self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        self._index.set_capacity(space, after_enospc)
+
+    def _enter_read_only(self, reason: ReadOnly) -> None:
+        if self._read_only is None:
+            self._read_only = reason
+            log.warning("disk tier: %s became read-only (%s): serving its %d pages, refusing writes",
+                        self.files.layout_dir, reason.value, len(self._index))
+
+    # -- index and files ------------------------------------------------------------------------
+
+    def _forget(self, key: PageKey, generation: int) -> None:
+        self._index.forget(key, generation)
+
+    def _reject(self, key: PageKey, generation: int, why: str) -> None:
+        """A page file that failed verification: counted, out of the index, deleted unless the tier
+        is read-only (another cache may own it, or nothing may be deleted here). The first one is
+        logged, saying which of these happened."""
+        self._corrupt += 1
+        now = self._index.generation(key)
+        if now == generation:
+            self._drop(key)
+        if not self._corrupt_logged:
+            self._corrupt_logged = True
+            if now is None:
+                fate = "already out of the index"
+            elif now != generation:
+                fate = "a newer file of the key replaced it meanwhile"
+            elif self._read_only is not None:
+                fate = f"kept, as the tier is read-only ({self._read_only.value}), but no longer served"
+            else:
+                fate = "deleted"
+            log.warning("disk tier: refusing page file %s: %s (%s; further ones counted only)",
+                        self.files.path(key), why, fate)
+
+    def _drop(self, key: PageKey) -> asyncio.Task[None] | None:
+        """Out of the index, and its file unlinked — unless read-only: then the file stays."""
+        self._index.remove(key)
+        return self._unlink_later(key)
+
+    def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+        if self._read_only is not None:
+            return None
+        previous = self._moving.get(key)
+
+        async def unlink() -> None:
+            try:
+                if previous is not None:
+                    await asyncio.wait({previous})
+                assert self._io is not None
+                await self._io.unlink(*self._where(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._faults.count(exc, "unlink")
+                if exc.errno == errno.EROFS:
+                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
+            finally:
+                if self._moving.get(key) is task:
+                    del self._moving[key]
+
+        task = self._spawn(unlink())
+        self._moving[key] = task
+        return task
+
+    def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
+        """Unlink the files of keys evicted from the index (nothing when read-only)."""
+        return [task for key in keys if (task := self._unlink_later(key)) is not None]

@@ -1,0 +1,252 @@
+"""The write path of the disk tier: a page job moved on by completion callbacks.
+
+A write hashes its payload first (holding no I/O slot or room meanwhile), then claims room
+(evicting or recycling least recently used files), takes an I/O slot and publishes: a new file
+(temporary name, renamed) or a recycled one (overwritten under the victim's name, renamed). Only
+the rare waits — a rename or unlink of the key in flight, a due free-space check, an ENOSPC retry —
+take a coroutine. Every path ends the job exactly once (:meth:`WritePath._end_write`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+
+from aiokv.keys import PageKey
+from aiokv.pagetable import PageHandle
+
+from .config import ReadOnly
+from .jobs import Job, WriteJob
+from .memory import PageBuffer
+from .pagefile import pack_header
+from .safefiles import UnsafeFileError
+from .tierbase import TierBase
+
+
+class WritePath(TierBase):
+    """Writes of the disk tier (see the module docstring); :class:`~.disk.DiskTier` calls them."""
+
+    async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
+        # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
+        joined = self._join_write(key, ref, None)
+        if isinstance(joined, bool):
+            self._release(ref)
+            return joined
+        # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
+        return await joined[1]
+
+    def _join_write(self, key: PageKey, ref: PageHandle | None,
+                    page: PageBuffer | None) -> bool | tuple[WriteJob, asyncio.Future[bool]]:
+        """Start a write of ``key`` from ``ref`` (taken by the job) or ``page``, or join the one in
+        flight; the job and this caller's future, or the answer when there is nothing to write
+        (``ref`` is then still the caller's)."""
+        if key in self._index:
+            self._index.touch(key)
+            return True
+        if self._read_only is not None:
+            self._writes_refused += 1
+            return False
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        job = self._writing.get(key)
+        if job is None:
+            job = self._writing[key] = WriteJob(key, ref, page)
+            job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
+            self._job_started()
+            self._start_write(job)
+        else:
+            if ref is not None:
+                self._release(ref)
+            job.waiters.append(waiter)
+        return job, waiter
+
+    def _start_write(self, job: WriteJob) -> None:
+        """Hash the payload first (holding no I/O slot or room meanwhile), then claim room, take a
+        slot and publish, all moved on by completion callbacks. Only the rare waits — a rename or
+        unlink of the key in flight, a due free-space check, an ENOSPC retry — take a coroutine."""
+        assert self._checksums is not None
+        try:
+            job.page = self._source(job)
+            self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job), writing=True)
+        except Exception:
+            self._write_bug(job)
+
+    def _write_hashed(self, job: WriteJob, checksum: int | BaseException) -> None:
+        try:
+            if isinstance(checksum, BaseException):
+                raise checksum
+            job.checksum = checksum
+            if job.key in self._moving or self._space_recheck_due():
+                self._spawn_write_later(job, refresh=False)
+            else:
+                self._claim(job)
+        except Exception:
+            self._write_bug(job)
+
+    async def _write_later(self, job: WriteJob, refresh: bool) -> None:
+        """Look at the free space again (``refresh``: the file system just said it is full), wait
+        for a rename or unlink of the key in flight, then go on by callbacks."""
+        try:
+            if refresh:
+                await self._refresh_space(after_enospc=True)
+            else:
+                await self._recheck_space()
+            moving = self._moving.get(job.key)
+            if moving is not None:
+                await asyncio.wait({moving})  # an old unlink must not remove the new file
+            self._claim(job)
+        except Exception:
+            self._write_bug(job)
+
+    def _spawn_write_later(self, job: WriteJob, refresh: bool) -> None:
+        task = self._spawn(self._write_later(job, refresh))
+        task.add_done_callback(functools.partial(self._write_later_done, job))
+
+    def _write_later_done(self, job: WriteJob, task: asyncio.Task[None]) -> None:
+        # Cancelled (its loop is going away; maybe before its first step) or a BaseException: the
+        # job holds no room or slot while it awaits (both are taken in ``_claim``, which never
+        # awaits), so it ends unstored; its callers and ``aclose`` wait for that end.
+        if not job.ended and (task.cancelled() or task.exception() is not None):
+            self._end_write(job, False)
+
+    def _claim(self, job: WriteJob) -> None:
+        """Room for the file (evicting least recently used files, or recycling one), then a slot."""
+        if self._read_only is not None:  # became read-only meanwhile
+            self._writes_refused += 1
+            self._end_write(job, False)
+            return
+        claim = self._index.claim(self.config.recycle_files)
+        if claim is None:
+            self._dropped += 1
+            self._end_write(job, False)
+            return
+        job.holds_room = True
+        job.victim, evicted = claim
+        unlinks = self._remove_files(evicted)
+        if job.attempt and unlinks:
+            # A retry after ENOSPC needs the space they free (they never raise).
+            freed = asyncio.gather(*unlinks, return_exceptions=True)
+            freed.add_done_callback(lambda _: self._io_slots.take(job, self._write_slot))
+        else:
+            self._io_slots.take(job, self._write_slot)
+
+    def _write_slot(self, job: Job, slot: int) -> None:
+        assert isinstance(job, WriteJob) and self._slots is not None and self._io is not None
+        try:
+            assert job.page is not None
+            pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
+            dir_fd, final = self._where(job.key)
+            if job.victim is None:
+                self._io.start_publish(dir_fd, self._temp(job.key), final, slot, job.page, self.config.sync_writes,
+                                       functools.partial(self._written, job))
+                return
+            # The victim's file is overwritten under its name, then renamed to ``final``: a new
+            # write of the victim's key waits until it left the name.
+            job.moved = asyncio.get_running_loop().create_future()
+            self._moving[job.victim] = job.moved
+            self._io.start_recycle(*self._where(job.victim), dir_fd, final, slot, job.page,
+                                   self.config.sync_writes, functools.partial(self._recycled_done, job))
+        except Exception:
+            self._victim_moved(job)
+            self._write_failed(job, None)
+
+    def _victim_moved(self, job: WriteJob) -> None:
+        moved = job.moved
+        if moved is None:
+            return
+        job.moved = None
+        moved.set_result(None)
+        assert job.victim is not None
+        if self._moving.get(job.victim) is moved:
+            del self._moving[job.victim]
+
+    def _recycled_done(self, job: WriteJob, error: BaseException | None, taken: bool) -> None:
+        """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
+        instead), not ours (counted, unlinked, a new file instead) or a fault."""
+        try:
+            victim = job.victim
+            assert victim is not None and self._io is not None and job.page is not None
+            self._victim_moved(job)
+            if taken:
+                self._recycled += 1
+            if error is None or taken:
+                self._written(job, error)
+                return
+            if isinstance(error, UnsafeFileError):
+                self._faults.count(error, "recycle")
+                self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
+            elif not isinstance(error, FileNotFoundError):
+                if not (isinstance(error, OSError) and error.errno == errno.EROFS):
+                    self._unlink_later(victim)  # out of the index already: do not orphan its file
+                self._write_failed(job, error)
+                return
+            job.victim = None
+            self._write_slot(job, job.slot)  # still holding the slot: a new file in its place
+        except Exception:
+            self._write_bug(job)
+
+    def _written(self, job: WriteJob, error: BaseException | None) -> None:
+        self._return_slot(job)
+        if error is not None:
+            self._write_failed(job, error)
+            return
+        try:
+            self._end_write(job, True)
+        except Exception:  # never left unended: its caller and close() wait for the end
+            self._write_bug(job)
+
+    def _write_failed(self, job: WriteJob, error: BaseException | None) -> None:
+        """A write that held room failed: the room goes back; ENOSPC tries again (bounded)."""
+        self._return_slot(job)
+        self._give_room_back(job)
+        if not isinstance(error, OSError):
+            self._write_bug(job)
+            return
+        if self._count_write_fault(error) and job.attempt < self.config.enospc_retries:
+            job.attempt += 1
+            self._spawn_write_later(job, refresh=True)
+        else:
+            self._end_write(job, False)
+
+    def _give_room_back(self, job: WriteJob) -> None:
+        """The room ``job`` claimed goes back, if it still holds it (idempotent)."""
+        if job.holds_room:
+            job.holds_room = False
+            self._index.give_back()
+
+    def _write_bug(self, job: WriteJob) -> None:
+        """An unexpected failure (a bug): counted and logged; the job ends, its room and slot given
+        back (it may still wait for a slot: it leaves the queue)."""
+        self._io_slots.leave(job)
+        self._return_slot(job)
+        self._give_room_back(job)
+        self._faults.unexpected("write")
+        if not job.ended:
+            self._end_write(job, False)
+
+    def _count_write_fault(self, exc: OSError) -> bool:
+        """Count a write's fault; True when it is the file system saying it is full."""
+        self._faults.count(exc, "write")
+        if exc.errno == errno.EROFS:
+            self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+    def _end_write(self, job: WriteJob, stored: bool) -> None:
+        key = job.key
+        if job.ref is not None:
+            self._release(job.ref)
+        self._writing.pop(key, None)
+        if stored and key in self._delete_after_write:
+            stored = False
+            self._unlink_later(key)
+        if stored:
+            job.holds_room = False  # the file's now
+            self._index.add(key)
+            self._writes += 1
+            self._bytes_written += self._file_bytes
+        self._give_room_back(job)
+        self._delete_after_write.discard(key)
+        for waiter in job.waiters:
+            if not waiter.done():
+                waiter.set_result(stored)
+        self._job_ended(job)
