@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ from aiokv.faults import FaultLog
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, StaleHandleError
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, run_in_new_thread
 
 from .backends import HeaderSlots, PageIO
 from .checks import check_buffer, check_ready, check_reserved
@@ -187,7 +188,10 @@ class TierBase:
         assert self._dir is not None
         self._space_checked = asyncio.get_running_loop().time()
         try:
-            space = await asyncio.to_thread(free_space, self._dir.dir_fd)
+            # A thread of its own: ``asyncio.to_thread``'s first call starts the default executor's
+            # thread from the loop, which waits there until it runs.
+            space = await run_in_new_thread(functools.partial(free_space, self._dir.dir_fd), "aiokv-statvfs",
+                                            _nothing)
         except OSError as exc:
             self._faults.count(exc, "statvfs")
             return
@@ -260,3 +264,7 @@ class TierBase:
     def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
         """Unlink the files of keys evicted from the index (nothing when read-only)."""
         return [task for key in keys if (task := self._unlink_later(key)) is not None]
+
+
+def _nothing(_: object) -> None:
+    """Nothing to close for a caller that is gone."""

@@ -6,6 +6,7 @@ thread runs). Real directories, real swaps, real descriptors counted in ``/proc/
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import stat
@@ -21,7 +22,8 @@ from disk_helpers import assert_clean, config, fill, key_of, page_files, payload
 import aiokv.storage.disk as disk_module
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage import DiskBackend, DiskTier, ErrorKind
+from aiokv.storage.backends import IOOp
 from aiokv.storage.layoutdir import LOCK_NAME, Prepared
 from aiokv.storage.pagefile import PageFiles
 from aiokv.storage.safefiles import UnsafeDirectoryError
@@ -217,14 +219,9 @@ async def test_a_cancelled_start_closes_what_it_opened_and_releases_the_lock(
 # -- no thread started on the loop -----------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
-    """Regression (#11): the directory was prepared through ``asyncio.to_thread``, whose first call
-    starts the loop's default executor's thread from the loop, and ``Thread.start`` waits there
-    until the new thread runs (ms on a loaded machine). Every ``Thread.start`` made on the loop's
-    thread while the tier starts is recorded with the innermost frame of ``storage/`` on its stack:
-    none may come from the start-up's own code."""
+def _thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each ``Thread.start`` made on the calling (loop) thread as "name from <innermost
+    ``storage/`` file on its stack>" (or "from elsewhere")."""
     loop_thread = threading.get_ident()
     started: list[str] = []
     real = threading.Thread.start
@@ -237,6 +234,18 @@ async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: p
         real(self)
 
     monkeypatch.setattr(threading.Thread, "start", recording_start)
+    return started
+
+
+@pytest.mark.asyncio
+async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """Regression (#11): the directory was prepared through ``asyncio.to_thread``, whose first call
+    starts the loop's default executor's thread from the loop, and ``Thread.start`` waits there
+    until the new thread runs (ms on a loaded machine). Every ``Thread.start`` made on the loop's
+    thread while the tier starts is recorded with the innermost frame of ``storage/`` on its stack:
+    none may come from the start-up's own code."""
+    started = _thread_starts_on_the_loop(monkeypatch)
     tier = DiskTier(config(tmp_path / "cache", backend), layout, pool)
     await tier.start()
     monkeypatch.undo()
@@ -249,6 +258,30 @@ async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: p
     # fixed-buffer registration's executor thread, from storage/memory.py, is another matter.)
     own = [s for s in started if s.endswith(("storage/disk.py", "storage/layoutdir.py", "from elsewhere"))]
     assert not own, started
+
+
+@pytest.mark.asyncio
+async def test_a_free_space_check_starts_no_thread_on_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: DiskBackend, layout: KVLayout,
+        pool: PagePool) -> None:
+    """Regression: the free-space check after an ENOSPC (and the periodic one while the file
+    system limits the tier) ran ``fstatvfs`` through ``asyncio.to_thread``, starting the default
+    executor's thread from the loop on first use. A real (injected) ENOSPC answer to a write."""
+    async with DiskTier(config(tmp_path / "cache", backend, free_space_recheck_s=3600.0), layout, pool) as tier:
+        for i in range(2):
+            handle = fill(pool, key_of(i), i)
+            assert await tier.write(key_of(i), handle)
+            pool.table.release(handle)
+        started = _thread_starts_on_the_loop(monkeypatch)
+        tier.backend.faults.inject(IOOp.WRITE, errno.ENOSPC)
+        handle = fill(pool, key_of(2), 2)
+        assert await tier.write(key_of(2), handle)  # retried after the check, a file evicted
+        pool.table.release(handle)
+        monkeypatch.undo()
+        stats = tier.statistics()
+        assert (stats.errors[ErrorKind.ENOSPC], stats.evictions) == (1, 1)
+    assert not [s for s in started if s.endswith(("storage/tierbase.py", "storage/disk.py"))], started
+    assert_clean(pool)
 
 
 def test_the_layout_directory_is_checked_like_the_rest(tmp_path: Path) -> None:
