@@ -21,6 +21,7 @@ import errno
 import json
 import math
 import os
+import reprlib
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,23 +208,26 @@ def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
 def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
     """Parse and check a rates file written by :func:`encode_rates` for ``layout`` on ``device``.
 
-    Raises :class:`RatesFileError` for anything else. Rates outside :data:`RATE_BOUNDS` are
-    clamped, sample counts to ``[1, MAX_SAMPLES]``.
+    Raises :class:`RatesFileError` for anything else, whatever the bytes (and nothing else: the
+    file is only a hint, and one that raised otherwise would fail every start). Rates outside
+    :data:`RATE_BOUNDS` are clamped, sample counts to ``[1, MAX_SAMPLES]``.
     """
     if len(data) > RATES_MAX_BYTES:
         raise RatesFileError("oversize", f"{len(data)} bytes")
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: 4 KiB hold 2048 levels of nesting, more than the parser recurses.
         raise RatesFileError("corrupt", f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != RATES_FORMAT:
         raise RatesFileError("corrupt", "not an aiokv rates file")
     if doc.get("version") != RATES_VERSION:
-        raise RatesFileError("version", f"version {doc.get('version')!r}, this aiokv reads {RATES_VERSION}")
+        raise RatesFileError("version", f"version {_shown(doc.get('version'))}, this aiokv reads {RATES_VERSION}")
     if doc.get("layout") != layout:
-        raise RatesFileError("foreign-layout", f"written for layout {doc.get('layout')!r}")
+        raise RatesFileError("foreign-layout", f"written for layout {_shown(doc.get('layout'))}")
     if doc.get("device") != device:
-        raise RatesFileError("foreign-device", f"measured on {doc.get('device')!r}, this cache runs on {device!r}")
+        raise RatesFileError("foreign-device",
+                             f"measured on {_shown(doc.get('device'))}, this cache runs on {device!r}")
     entries = doc.get("rates")
     if not isinstance(entries, dict) or not set(entries) <= set(RATE_BOUNDS):
         raise RatesFileError("corrupt", "bad rates table")
@@ -232,19 +236,37 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
     for name, entry in entries.items():
         rate = entry.get("rate") if isinstance(entry, dict) else None
         samples = entry.get("samples") if isinstance(entry, dict) else None
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate):
-            raise RatesFileError("corrupt", f"{name}: rate {rate!r} is no finite number")
+        value = _finite(rate)
+        if value is None:
+            raise RatesFileError("corrupt", f"{name}: rate {_shown(rate)} is no finite number")
         if isinstance(samples, bool) or not isinstance(samples, int):
-            raise RatesFileError("corrupt", f"{name}: samples {samples!r} is no int")
+            raise RatesFileError("corrupt", f"{name}: samples {_shown(samples)} is no int")
         low, high = RATE_BOUNDS[name]
-        if not low <= rate <= high:
+        if not low <= value <= high:
             clamped.append(name)
-        rates[name] = (min(max(float(rate), low), high), min(max(samples, 1), MAX_SAMPLES))
+        rates[name] = (min(max(value, low), high), min(max(samples, 1), MAX_SAMPLES))
     return SavedRates(rates, tuple(clamped))
 
 
 def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a rate")
+
+
+def _finite(rate: object) -> float | None:
+    """``rate`` as a finite float; None for anything else (an int past a float's range included:
+    ``float`` and ``math.isfinite`` raise ``OverflowError`` on it)."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float):
+        return None
+    try:
+        value = float(rate)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _shown(value: object) -> str:
+    """A file's value for a message, bounded in length and depth (the file may hold anything)."""
+    return reprlib.repr(value)
 
 
 def _open_dir(directory: Path) -> int:
