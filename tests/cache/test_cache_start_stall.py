@@ -362,8 +362,7 @@ def test_preload_of_a_cpu_device_imports_nothing_and_refuses_bad_arguments() -> 
 
     before = set(sys.modules)
     assert KVCache.preload("cpu") == () and KVCache.preload(torch.device("cpu")) == ()
-    assert set(sys.modules) == before
-    assert "triton" not in sys.modules or "aiokv.kernels.launch" in before  # import aiokv loads no Triton
+    assert set(sys.modules) == before  # (that `import aiokv` loads no Triton: test_smoke_hygiene, in a fresh process)
     with pytest.raises(TypeError, match="device"):
         KVCache.preload(0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a device"):
