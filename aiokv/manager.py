@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -54,6 +55,17 @@ def _nothing(_: object) -> None:
 RATES_SAVE_INTERVAL_S = 30.0
 """The learned rates are saved at most this often while they change (and at close).
 TODO(lead): a ``CacheConfig`` field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """A disk page in the pool for one call (:meth:`CacheManager._promote`): a reference on it."""
+
+    handle: PageHandle
+    read: bool
+    """Whether this call read the page from disk. False: it was in the pool already, or another
+    call's read brought it in; such a page cost this call no disk time and must not be counted as
+    a disk read (it would inflate the learned disk rate, which is saved across restarts)."""
 
 
 class CacheManager:
@@ -439,7 +451,7 @@ class CacheManager:
         self._release_handles(handles[:first])
         pool_part = handles[first:]
         copies: list[tuple[Copy, list[PageHandle], Tier]] = []
-        promotions: list[asyncio.Task[PageHandle | None]] = []
+        promotions: list[asyncio.Task[Promotion | None]] = []
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
@@ -467,15 +479,22 @@ class CacheManager:
             else:
                 promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             if promotions:
-                # A promotion that returned None (a miss) read nothing.
-                self._measure(list(promotions), len(promotions), time.perf_counter(), self.costs.disk,
-                              self.layout.page_bytes, lambda f: f.result() is not None)
+                # Only the pages these promotions read count (one already in the pool took no disk
+                # time); a miss (None) folds nothing: a failed read fails fast.
+                tasks = list(promotions)
+
+                def read() -> int:
+                    return sum(1 for task in tasks if (p := task.result()) is not None and p.read)
+
+                self._measure(list(tasks), read, time.perf_counter(), self.costs.disk, self.layout.page_bytes,
+                              lambda f: f.result() is not None)
             for offset, task in enumerate(promotions):
                 # Shielded: a cancelled load still lets the page land in the pool (released later).
-                handle = await asyncio.shield(task)
+                promoted = await asyncio.shield(task)
                 consumed += 1
-                if handle is None:
+                if promoted is None:
                     break
+                handle = promoted.handle
                 if self._closed:
                     self._release_handles([handle])
                     cut = True
@@ -526,17 +545,19 @@ class CacheManager:
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
 
     @staticmethod
-    def _measure(futures: list[asyncio.Future[Any]], pages: int, started: float, meter: RateMeter,
-                 page_bytes: int, delivered: Callable[[asyncio.Future[Any]], bool] | None = None,
+    def _measure(futures: list[asyncio.Future[Any]], pages: int | Callable[[], int], started: float,
+                 meter: RateMeter, page_bytes: int, delivered: Callable[[asyncio.Future[Any]], bool] | None = None,
                  ) -> Callable[[], None]:
         """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``.
 
-        Folded when the last future completes, or earlier by calling the returned function once
-        they are all done: a call that settles its result after awaiting the futures calls it, so
-        the rate is in before the call returns (a done-callback may still be queued then).
-        Nothing is folded when any future was cancelled or failed, or ``delivered`` says it moved
-        nothing: a withdrawn or failed copy moved fewer bytes than its pages (and fails fast), so
-        counting it would inflate the rate, which is saved across restarts.
+        ``pages`` may be a function, asked once they all succeeded (promotions: how many of them
+        read their page; none read, nothing is folded). Folded when the last future completes, or
+        earlier by calling the returned function once they are all done: a call that settles its
+        result after awaiting the futures calls it, so the rate is in before the call returns (a
+        done-callback may still be queued then). Nothing is folded when any future was cancelled
+        or failed, or ``delivered`` says it moved nothing: a withdrawn or failed copy moved fewer
+        bytes than its pages (and fails fast), so counting it would inflate the rate, which is
+        saved across restarts.
         """
         folded = not futures or not pages
 
@@ -546,7 +567,9 @@ class CacheManager:
                 folded = True
                 if all(not f.cancelled() and f.exception() is None and (delivered is None or delivered(f))
                        for f in futures):
-                    meter.update(pages * page_bytes, time.perf_counter() - started)
+                    moved = pages() if callable(pages) else pages
+                    if moved:
+                        meter.update(moved * page_bytes, time.perf_counter() - started)
 
         for future in futures:
             future.add_done_callback(lambda _: fold())
@@ -589,14 +612,14 @@ class CacheManager:
 
         future.add_done_callback(settle)
 
-    def _adopt(self, task: asyncio.Future[PageHandle | None]) -> None:
+    def _adopt(self, task: asyncio.Future[Promotion | None]) -> None:
         """Let a promotion nobody waits for finish in the background, then drop its reference."""
 
         def finish() -> None:
             if not task.cancelled() and task.exception() is None:
-                handle = task.result()
-                if handle is not None:
-                    self._release_handles([handle])
+                promoted = task.result()
+                if promoted is not None:
+                    self._release_handles([promoted.handle])
 
         self.track(task, finish)
 
@@ -621,23 +644,21 @@ class CacheManager:
 
     # -- disk promotions ------------------------------------------------------------------------
 
-    async def _promote(self, key: PageKey) -> PageHandle | None:
-        """Bring ``key`` from disk into the pool and return a reference on it; None on any miss."""
+    async def _promote(self, key: PageKey) -> Promotion | None:
+        """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
+        call read it (not when it was in the pool or another call's read brought it); None on any
+        miss."""
         pool = self.pool
         disk = self._disk
         (res,) = pool.reserve([key])
-        if res.outcome is ReserveOutcome.PRESENT:
-            return pool.table.acquire(key)
-        if res.outcome is ReserveOutcome.PENDING:
-            return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
+        if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
+            return await self._already_in(key, res.outcome)
         # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
         # a load's own promotions hold their pages until its copies end, so that could not help).
         while res.outcome is ReserveOutcome.EXHAUSTED and disk is not None and await self._wait_for_room(disk_io=False):
             (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
-        if res.outcome is ReserveOutcome.PRESENT:
-            return pool.table.acquire(key)
-        if res.outcome is ReserveOutcome.PENDING:
-            return pool.table.acquire(key) if await pool.table.wait_committed(key) else None
+        if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
+            return await self._already_in(key, res.outcome)
         if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
             self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
             return None
@@ -658,7 +679,18 @@ class CacheManager:
             return None
         self._promoted += 1
         self._bytes["disk_to_pool"] += self.layout.page_bytes
-        return pool.table.commit(handle, keep=True)
+        kept = pool.table.commit(handle, keep=True)
+        assert kept is not None  # keep=True always returns the reference
+        return Promotion(kept, read=True)
+
+    async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | None:
+        """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
+        (PENDING: wait for its commit); nothing was read by this call. None when it is gone."""
+        table = self.pool.table
+        if outcome is ReserveOutcome.PENDING and not await table.wait_committed(key):
+            return None
+        handle = table.acquire(key)
+        return None if handle is None else Promotion(handle, read=False)
 
     def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
         """A read abandoned by a cancelled caller finished: keep the page if it verified."""
@@ -841,17 +873,17 @@ class CacheManager:
         count = self._disk.keys_present_prefix(keys[in_pool:])
         tasks = [asyncio.ensure_future(self._promote(key)) for key in keys[in_pool : in_pool + count]]
         try:
-            handles = await asyncio.shield(asyncio.gather(*tasks))
+            promotions = await asyncio.shield(asyncio.gather(*tasks))
         except asyncio.CancelledError:
             for task in tasks:
                 self._adopt(task)
             raise
         promoted = 0
-        for handle in handles:
-            if handle is None:
+        for promotion in promotions:
+            if promotion is None:
                 break
-            promoted += 1
-        self._release_handles([h for h in handles if h is not None])
+            promoted += promotion.read  # not a page another call read (or that was in the pool)
+        self._release_handles([p.handle for p in promotions if p is not None])
         return PrefetchResult(in_pool, promoted)
 
     # -- statistics -----------------------------------------------------------------------------

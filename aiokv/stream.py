@@ -48,7 +48,7 @@ from aiokv.results import Match, Tier
 from aiokv.transfers import Copy, CopyWithdrawn
 
 if TYPE_CHECKING:
-    from aiokv.manager import CacheManager
+    from aiokv.manager import CacheManager, Promotion
 
 READAHEAD_BYTES = 32 << 20
 """Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
@@ -113,12 +113,12 @@ class LoadStream:
         self._claimed = from_token
         self._front = match.tokens  # start of the lowest page launched so far
         self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
-        self._promotions: dict[int, asyncio.Task[PageHandle | None]] = {}  # reads in flight, by page
+        self._promotions: dict[int, asyncio.Task[Promotion | None]] = {}  # reads in flight, by page
         config = manager.config
         self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
         self._disk_started = time.perf_counter()
         self._measured: Callable[[], None] = lambda: None
-        self._disk_landed = 0  # pages this stream read so far (its own disk rate)
+        self._disk_landed = 0  # pages this stream read from disk so far (its own disk rate)
         self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
         self._failed_at: int | None = None  # a disk page that could not be promoted
@@ -321,7 +321,7 @@ class LoadStream:
         reached = (self._start_of(page) - self._claimed) / prefill
         return lands < reached
 
-    async def _read(self, page: int) -> asyncio.Task[PageHandle | None] | None:
+    async def _read(self, page: int) -> asyncio.Task[Promotion | None] | None:
         """The landed read of ``page``, or None once the engine claimed into the page (or the stream
         stops): the read is then not waited for; ``_release_rest`` adopts it."""
         task = self._promotions[page]
@@ -376,15 +376,18 @@ class LoadStream:
             if read is None:
                 break  # the engine claimed into the page while it was read: the fronts met
             del self._promotions[page]  # after the await: a cancelled loader leaves it to _release_rest
-            promoted = read.result()
-            if promoted is None:
+            promotion = read.result()
+            if promotion is None:
                 self._failed_at = page
                 break
+            promoted = promotion.handle
             if manager._closed:
                 manager._release_handles([promoted])
                 self._cut_at = page
                 break
-            self._disk_landed += 1
+            # Only a page this stream read counts for the disk's pace: one already in the pool (or
+            # read by another call) landed at once, and would inflate the rate saved across restarts.
+            self._disk_landed += promotion.read
             if self._stopping or self._start_of(page) < self._claimed:
                 manager._release_handles([promoted])  # the engine got here first: the page stays cached
                 break
