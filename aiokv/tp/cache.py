@@ -97,23 +97,46 @@ class TPCache(CacheFacade):
         self._group: RankGroup | None = None
         self._transfers: GroupTransfers | None = None
         self._close_task: asyncio.Future[None] | None = None
+        self._starting: asyncio.Future[None] | None = None  # resolved when a start() in flight has settled
 
     # -- lifetime -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Create the pool and the disk tier, and listen for rank workers. Raises after :meth:`aclose`."""
+        """Create the pool and the disk tier, and listen for rank workers.
+
+        Raises ``RuntimeError`` after :meth:`aclose`, and when ``aclose`` is called while it runs:
+        the close waits for it, and it stops listening (closes the rank group it opened) before
+        it raises, so nothing it made outlives the cache.
+        """
+        if self._close_task is not None:
+            raise RuntimeError("the TPCache is closed: a closed cache cannot be started again")
         if self._group is not None:
             self._manager.check_running()
             return
-        pool = await self._manager.start()
-        group = RankGroup(
-            self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config, directory=self._directory,
-            on_all_attached=self._manager.set_device,
-        )
-        await group.start()
-        self._group = group
-        self._transfers = GroupTransfers(group)
-        self._manager.attach(self._transfers)
+        if self._starting is not None and not self._starting.done():
+            raise RuntimeError("TPCache.start() is already running")
+        starting = self._starting = asyncio.get_running_loop().create_future()
+        try:
+            pool = await self._manager.start()
+            self._check_not_closing()
+            group = RankGroup(
+                self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config,
+                directory=self._directory, on_all_attached=self._manager.set_device,
+            )
+            await group.start()
+            if self._close_task is not None:
+                # The close began while the group started listening: its _close never saw it.
+                await group.aclose()
+                self._check_not_closing()
+            self._group = group
+            self._transfers = GroupTransfers(group)
+            self._manager.attach(self._transfers)
+        finally:
+            starting.set_result(None)
+
+    def _check_not_closing(self) -> None:
+        if self._close_task is not None:
+            raise RuntimeError("the TPCache was closed while it was starting")
 
     async def aclose(self) -> None:
         """Wait (bounded) for in-flight work and write-behind, stop serving workers, free the pool.
@@ -126,6 +149,9 @@ class TPCache(CacheFacade):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
+        if self._starting is not None:
+            # A start in flight may still be opening the rank group: it closes it and raises.
+            await self._starting
         await self._manager.aclose()
         if self._group is not None:
             await self._group.aclose()
