@@ -12,12 +12,15 @@ registry without clashing:
 | ``aiokv_miss_tokens_total`` | counter | | full-page tokens looked up and not found |
 | ``aiokv_loaded_tokens_total`` | counter | tier | tokens copied into the KV buffer per source tier |
 | ``aiokv_bytes_total`` | counter | direction | bytes moved: gpu_to_pool, pool_to_gpu, pool_to_disk, disk_to_pool |
-| ``aiokv_pages_total`` | counter | outcome | offload/promotion outcomes: stored, skipped, dropped, promoted |
+| ``aiokv_pages_total`` | counter | outcome | pages: stored, skipped, dropped, promoted, withdrawn (see below) |
 | ``aiokv_pool_pages`` | gauge | state | pool pages: free, reserved, ready, referenced |
 | ``aiokv_queue_depth`` | gauge | queue | write_behind, background_jobs |
 | ``aiokv_errors_total`` | counter | kind | faults by kind |
 | ``aiokv_disk_pages`` | gauge | | page files on disk |
 | ``aiokv_disk_bytes`` | gauge | | bytes of page files on disk |
+
+``outcome="withdrawn"``: pages a load or offload in flight did not copy because the close began
+(``CacheStatistics.pages_withdrawn``; not a fault; an offload's are also counted ``dropped``).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class CacheCollector:
             add(c, "bytes", "Bytes moved, by direction.", "direction", base, dict(s.bytes_moved))
             add(c, "pages", "Pages by offload/promotion outcome.", "outcome", base,
                 {"stored": s.pages_stored, "skipped": s.pages_skipped, "dropped": s.pages_dropped,
-                 "promoted": s.pages_promoted})
+                 "promoted": s.pages_promoted, "withdrawn": s.pages_withdrawn})
             add(g, "pool_pages", "Pool pages by state.", "state", base,
                 {"free": s.pool_free, "reserved": s.pool_reserved, "ready": s.pool_ready,
                  "referenced": s.pool_referenced})
