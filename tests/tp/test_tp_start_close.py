@@ -105,3 +105,31 @@ async def test_a_start_without_a_close_still_listens(tmp_path: Path) -> None:
     finally:
         await cache.aclose()
     assert not _accepts(Path(cache.group.address))
+
+
+@pytest.mark.asyncio
+async def test_a_second_start_while_one_runs_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, gate = asyncio.Event(), asyncio.Event()
+    real_start = group_module.RankGroup.start
+
+    async def held_start(self: group_module.RankGroup) -> None:
+        entered.set()
+        await gate.wait()
+        await real_start(self)
+
+    monkeypatch.setattr(group_module.RankGroup, "start", held_start)
+    cache = _cache(tmp_path / "sock")
+    first = asyncio.create_task(cache.start())
+    try:
+        await entered.wait()
+        with pytest.raises(RuntimeError, match="already running"):
+            async with asyncio.timeout(10):  # a bound only: a second start that waited on the gate hung
+                await cache.start()
+    finally:
+        gate.set()
+    await first  # the first start is not disturbed
+    try:
+        assert _accepts(Path(cache.address))
+        await cache.start()  # started: a no-op
+    finally:
+        await cache.aclose()
