@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,11 @@ SUBMIT_BATCH = 32
 
 DATA_OPS = frozenset({OP_READV, OP_WRITEV, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE})
 """Ops that move page bytes (see :attr:`UringEngine.async_data`)."""
+
+DRAIN_TURN_S = 0.5e-3
+"""Completions handled in one turn of the loop are cut off after this long (the rest in the next
+turn): 32 pages completing at once ran every page's completion work in one callback, which held
+the loop ~4 ms at queue depth 32 (loop-lag budget: p99 1.2 ms, max 3 ms)."""
 
 MAX_REGION_BYTES = 1 << 30
 """A registered buffer larger than 1 GiB fails with EFAULT: register in regions up to this size."""
@@ -248,6 +254,7 @@ class UringEngine:
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
         self._chains: collections.deque[int] = collections.deque()  # SQEs per prepared chain, in order
         self._submit_scheduled = False
+        self._drain_due = False  # a _drain_again is scheduled (CQEs left over by a drain cut short)
         self.async_data = False
         """Issue page reads and writes from the kernel's io-wq workers (IOSQE_ASYNC), never inline in
         ``io_uring_enter``: an O_DIRECT op issued inline blocks the submitting thread once the
@@ -485,17 +492,29 @@ class UringEngine:
     def _drain(self) -> None:
         head = self._cq_head.value
         tail = self._cq_tail.value
+        deadline = time.perf_counter() + DRAIN_TURN_S
         while head != tail:
             user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
             head = (head + 1) & 0xFFFFFFFF
             self._complete(user_data, res)
             if tail == head:
                 tail = self._cq_tail.value
+            elif time.perf_counter() > deadline:
+                # The eventfd will not fire again for CQEs already posted: drain them next turn.
+                if not self._drain_due:
+                    self._drain_due = True
+                    self._loop.call_soon(self._drain_again)
+                break
         self._cq_head.value = head
         while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
             self._prepare(self._waiting.popleft())
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
+
+    def _drain_again(self) -> None:
+        self._drain_due = False
+        if self._efd >= 0:  # not unmapped by aclose meanwhile (another drain took the rest)
+            self._drain()
 
     def _complete(self, user_data: int, res: int) -> None:
         rid = user_data >> self._index_bits

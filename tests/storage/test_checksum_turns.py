@@ -1,4 +1,5 @@
-"""The inline hashing budget holds per turn of the loop, whatever order callbacks start hashes in."""
+"""Work per turn of the loop stays bounded: inline hashing (whatever order callbacks start hashes in),
+the checksum thread's deliveries, io_uring completion drains."""
 
 from __future__ import annotations
 
@@ -135,3 +136,89 @@ def test_small_pages_count_against_the_turn_budget(monkeypatch: pytest.MonkeyPat
     assert per_turn and max(per_turn.values()) <= 4 * PAGE, dict(per_turn)
     view.release()
     data.close()
+
+
+def test_thread_results_are_delivered_within_the_turn_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Loop lag at queue depth 32: the thread's results for many pages came back in one wake-up and
+    # every page's next step ran in that one callback. With DELIVER_TURN_S = 0 each turn runs one.
+    monkeypatch.setattr(checksum_module, "DELIVER_TURN_S", 0.0, raising=False)
+    first_gate, last_started, last_gate = threading.Event(), threading.Event(), threading.Event()
+    real = checksum_module.payload_checksum
+    calls = [0]
+
+    def spy(view: memoryview) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            first_gate.wait(10)
+        elif calls[0] == 7:  # the thread is sequential: results 1-6 are queued for the loop now
+            last_started.set()
+            last_gate.wait(10)
+        return real(view)
+
+    monkeypatch.setattr(checksum_module, "payload_checksum", spy)
+    data = bytearray(range(256)) * 16
+    per_turn: collections.Counter[int] = collections.Counter()
+
+    async def scenario(selector: CountingSelector) -> None:
+        sums = Checksums(inline_bytes=0, inline_write_bytes=0, threads=1)
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        got: list[int | BaseException] = []
+
+        def done(value: int | BaseException) -> None:
+            got.append(value)
+            if len(got) <= 6:
+                per_turn[selector.turns] += 1
+            if len(got) == 7:
+                finished.set_result(None)
+
+        try:
+            for _ in range(7):
+                sums.start(memoryview(data), done)
+            first_gate.set()
+            # Hold the loop (no await) until six results wait for it, as a busy loop would.
+            assert last_started.wait(10)
+            last_gate.set()
+            await finished
+            assert got == [real(memoryview(data))] * 7
+        finally:
+            first_gate.set()
+            last_gate.set()
+            await sums.aclose()
+
+    run_counted(scenario)
+    assert sum(per_turn.values()) == 6
+    assert max(per_turn.values()) == 1, dict(per_turn)
+
+
+def test_completion_drain_stops_at_its_turn_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same for io_uring completions: 8 chains completed by one wake-up of the eventfd ran every
+    # completion callback in one turn. With DRAIN_TURN_S = 0 each turn handles one CQE, and the
+    # CQEs left over are drained without a further eventfd signal.
+    from aiokv.storage import uring as uring_module
+
+    monkeypatch.setattr(uring_module, "DRAIN_TURN_S", 0.0, raising=False)
+    per_turn: collections.Counter[int] = collections.Counter()
+
+    async def scenario(selector: CountingSelector) -> None:
+        engine = uring_module.UringEngine.open(64)
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        results: list[list[int]] = []
+
+        def done(got: list[int]) -> None:
+            results.append(got)
+            per_turn[selector.turns] += 1
+            if len(results) == 8:
+                finished.set_result(None)
+
+        try:
+            for _ in range(8):  # NOPs complete inside the one io_uring_enter that submits them all
+                engine.submit([uring_module.sqe(uring_module.OP_NOP)] * 3, None, done, expect=[0, 0, 0])
+            await finished
+            assert results == [[0, 0, 0]] * 8
+        finally:
+            await engine.aclose()
+
+    run_counted(scenario)
+    assert max(per_turn.values()) == 1 and len(per_turn) == 8, dict(per_turn)

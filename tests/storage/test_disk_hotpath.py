@@ -728,6 +728,9 @@ async def test_inline_write_hashing_is_bounded_per_loop_turn(disk_dir: Path, bac
     monkeypatch.setattr(checksum_module, "INLINE_CHECKSUM_BYTES", 0)
     monkeypatch.setattr(checksum_module, "INLINE_WRITE_CHECKSUM_BYTES", layout.payload_bytes)
     monkeypatch.setattr(checksum_module, "INLINE_WRITE_BYTES_PER_TURN", 2 * layout.payload_bytes)
+    # The byte budget alone decides here: a slow turn (the threads backend starting its first
+    # thread) would otherwise leave the rest for the next turn (DELIVER_TURN_S, tested apart).
+    monkeypatch.setattr(checksum_module, "DELIVER_TURN_S", 10.0)
     hashed_in: list[str] = []
     real = checksum_module.payload_checksum
 
