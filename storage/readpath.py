@@ -31,6 +31,9 @@ class ReadPath(TierBase):
             return False
         self._index.touch(key)
         job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
+        # Counted from now, not from its slot: a write must not pick the file of a read still
+        # waiting for a slot as its recycling victim (the overwrite could overlap the read).
+        self._index.readers[key] += 1
         self._job_started()
         self._io_slots.take(job, self._read_slot)
         try:
@@ -43,7 +46,6 @@ class ReadPath(TierBase):
     def _read_slot(self, job: Job, slot: int) -> None:
         assert isinstance(job, ReadJob) and self._io is not None
         self._reads += 1
-        self._index.readers[job.key] += 1
         try:
             self._io.start_load(*self._where(job.key), slot, job.page, functools.partial(self._read_loaded, job))
         except Exception:
@@ -53,6 +55,7 @@ class ReadPath(TierBase):
             self._end_read(job, False)
 
     def _read_unreader(self, key: PageKey) -> None:
+        """The read of ``key`` no longer needs its file (loaded, failed, or left the slot queue)."""
         readers = self._index.readers
         readers[key] -= 1
         if not readers[key]:
@@ -128,6 +131,7 @@ class ReadPath(TierBase):
         """A cancelled read still waiting for a slot ends at once (nothing was read); True then."""
         if job.ended or not self._io_slots.leave(job):
             return job.ended
+        self._read_unreader(job.key)
         self._misses += 1
         self._job_ended(job)
         return True
