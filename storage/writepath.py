@@ -91,9 +91,10 @@ class WritePath(TierBase):
                 await self._refresh_space(after_enospc=True)
             else:
                 await self._recheck_space()
-            moving = self._moving.get(job.key)
-            if moving is not None:
-                await asyncio.wait({moving})  # an old unlink must not remove the new file
+            # An old rename or unlink must not remove the new file; one may follow another (a
+            # failed recycle unlinks its victim's name once the recycle is done): wait for all.
+            while (moving := self._moving.get(job.key)) is not None:
+                await asyncio.wait({moving})
             self._claim(job)
         except Exception:
             self._write_bug(job)
@@ -166,18 +167,21 @@ class WritePath(TierBase):
         try:
             victim = job.victim
             assert victim is not None and self._io is not None and job.page is not None
-            self._victim_moved(job)
+            # An unlink of the victim's name registers in ``_moving`` before ``moved`` resolves: a
+            # writer of the victim's key woken by it then finds the unlink and waits for it too.
             if taken:
                 self._recycled += 1
+            elif isinstance(error, UnsafeFileError):
+                self._faults.count(error, "recycle")
+                self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
+            elif (error is not None and not isinstance(error, FileNotFoundError)
+                  and not (isinstance(error, OSError) and error.errno == errno.EROFS)):
+                self._unlink_later(victim)  # out of the index already: do not orphan its file
+            self._victim_moved(job)
             if error is None or taken:
                 self._written(job, error)
                 return
-            if isinstance(error, UnsafeFileError):
-                self._faults.count(error, "recycle")
-                self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
-            elif not isinstance(error, FileNotFoundError):
-                if not (isinstance(error, OSError) and error.errno == errno.EROFS):
-                    self._unlink_later(victim)  # out of the index already: do not orphan its file
+            if not isinstance(error, (UnsafeFileError, FileNotFoundError)):
                 self._write_failed(job, error)
                 return
             job.victim = None

@@ -1,9 +1,12 @@
-"""Recycling against the reads around it: a read waiting for an I/O slot keeps its file from being
-overwritten."""
+"""Recycling against the reads and writes around it: a read waiting for an I/O slot keeps its file
+from being overwritten, and a recycle that fails never unlinks the file a new write of the
+victim's key put under that name."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from disk_helpers import assert_clean, config, fill, gated, key_of, payload, res
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage.pagefile import file_bytes
 
 
@@ -27,6 +30,10 @@ async def _store(tier: DiskTier, pool: PagePool, i: int, seed: int) -> torch.Ten
         pool.table.release(h)
         pool.table.discard(key_of(i))
     return data
+
+
+def _regular_file(path: str) -> bool:
+    return stat.S_ISREG(os.lstat(path).st_mode)
 
 
 def _settled(tier: DiskTier, pool: PagePool) -> None:
@@ -128,5 +135,70 @@ async def test_a_read_cancelled_while_waiting_for_a_slot_leaves_its_file_recycla
         assert (stats.corrupt, stats.recycled, stats.pages) == (0, 1, 3), stats
         for handle in into.values():
             pool.table.abort(handle)
+        _settled(tier, pool)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_recycle_never_unlinks_a_new_file_of_the_victims_key(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: a recycle whose victim's name was refused (here a planted symlink) woke a waiting
+    # writer of the victim's key before it registered the unlink of that name, and the writer did
+    # not look again: its new file could land under the name first and then be unlinked (stored,
+    # indexed, and gone: a miss). The unlink is held until the writer either published (the old
+    # order) or is seen waiting for it, so the test fails on the old code whatever the timing.
+    async with DiskTier(config(disk_dir, backend, 2 * file_bytes(layout)), layout, pool) as tier:
+        await _store(tier, pool, 1, 1)
+        await _store(tier, pool, 2, 2)
+        victim = tier.files.path(key_of(1))
+        os.unlink(victim)
+        os.symlink(tmp_path / "elsewhere", victim)
+        gate, entered = asyncio.Event(), asyncio.Event()
+        monkeypatch.setattr(tier.backend, "start_recycle", gated(tier.backend.start_recycle, gate, entered))
+        real_unlink = tier.backend.unlink
+        new_file_first: list[bool] = []  # per unlink of key 1's name: was a new file of key 1 indexed?
+        unlinked = asyncio.Event()
+
+        async def unlink(dir_fd: int, name: str) -> None:
+            if not name.endswith(key_of(1).hex()):
+                await real_unlink(dir_fd, name)
+                return
+            await spin(10)  # a writer woken by the failed recycle has claimed its room by now
+            writer = tier._writing.get(key_of(1))
+            if writer is not None and writer.holds_room:  # it did not wait for this unlink
+                await writer.wait_ended()
+            new_file_first.append(tier.contains(key_of(1)))
+            try:
+                await real_unlink(dir_fd, name)
+            finally:
+                unlinked.set()
+
+        monkeypatch.setattr(tier.backend, "unlink", unlink)
+        h3 = fill(pool, key_of(3), 3)
+        third = asyncio.create_task(tier.write(key_of(3), h3))  # recycles key 1's name (the LRU file)
+        await entered.wait()
+        h1 = fill(pool, key_of(1), 11)
+        fresh = payload(pool, h1)
+        again = asyncio.create_task(tier.write(key_of(1), h1))  # waits until the name is free
+        try:
+            await spin(5)
+            assert not again.done()
+        finally:
+            gate.set()
+        assert await third
+        assert await again
+        pool.table.release(h3)
+        pool.table.release(h1)
+        await unlinked.wait()
+        assert new_file_first == [False]  # the refused name was removed before the new file came, not after
+        stats = tier.statistics()
+        assert (stats.errors[ErrorKind.UNSAFE], stats.pages) == (1, 2), stats
+        assert _regular_file(victim)
+        pool.table.discard(key_of(1))
+        into = reserve(pool, key_of(1))
+        assert await tier.read(key_of(1), into)
+        assert torch.equal(payload(pool, into), fresh)
+        pool.table.abort(into)
         _settled(tier, pool)
     assert_clean(pool)
