@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from aiokv.pool import PagePool
+from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.shm import populate
 
 from . import uring
@@ -77,16 +78,27 @@ def buffer_address(view: memoryview) -> int:
 
 async def register_pool(engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots) -> list[list[uring.Region]]:
     """Register pool memory and header slots as fixed buffers, in a thread: pinning faults in every
-    page of the pool (~1 s/GiB for memory never touched), which must not stall the loop."""
+    page of the pool (~1 s/GiB for memory never touched), which must not stall the loop.
+
+    A thread of its own, started without the loop waiting for it (``run_in_executor``'s first call
+    starts the default executor's thread on the loop, and ``Thread.start`` waits there until it
+    runs). A cancelled call waits for the thread (the ring must outlive the syscall using it),
+    even if cancelled again meanwhile, then raises ``CancelledError``."""
     pb = pool.layout.page_bytes
     spans = [(pool.memory.segment.address, pool.num_pages * pb, pb),
              (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)]
-    job = asyncio.get_running_loop().run_in_executor(None, populate_then_register, engine, spans)
+    # Nothing to undo for a caller that is gone: the regions stay registered until the ring closes.
+    job = run_in_new_thread(functools.partial(populate_then_register, engine, spans), "aiokv-register-pool",
+                            _keep_registered)
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        await asyncio.wait({job})  # the ring must outlive the syscall using it
+        await wait_uncancelled(job)
         raise
+
+
+def _keep_registered(_: object) -> None:
+    """Regions registered for a caller that is gone: the ring drops them when it closes."""
 
 
 REGISTER_REGION_BYTES = 64 << 20
@@ -134,7 +146,7 @@ class BufferTable:
             return first
 
 
-async def wait_uncancelled(job: asyncio.Future[None], stop: threading.Event | None = None) -> None:
+async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | None = None) -> None:
     """Wait for ``job`` even if cancelled meanwhile (the ring must outlive the syscall using it);
     a cancellation sets ``stop`` (the job's thread looks at it between pieces) and is re-raised
     afterwards."""

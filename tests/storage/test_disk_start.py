@@ -20,6 +20,7 @@ import torch
 from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve
 
 import aiokv.storage.disk as disk_module
+import aiokv.storage.memory as memory_module
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind
@@ -254,9 +255,9 @@ async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: p
     finally:
         await tier.aclose()
     # ``asyncio.to_thread`` calls ``run_in_executor`` from a task of its own, whose stack holds no
-    # frame of ``storage/``: a default-executor thread started there is the start-up's own. (The
-    # fixed-buffer registration's executor thread, from storage/memory.py, is another matter.)
-    own = [s for s in started if s.endswith(("storage/disk.py", "storage/layoutdir.py", "from elsewhere"))]
+    # frame of ``storage/``: a default-executor thread started there is the start-up's own.
+    own = [s for s in started
+           if s.endswith(("storage/disk.py", "storage/layoutdir.py", "storage/memory.py", "from elsewhere"))]
     assert not own, started
 
 
@@ -302,3 +303,68 @@ def test_the_layout_directory_is_checked_like_the_rest(tmp_path: Path) -> None:
             open_private_subdir(root_fd, "link", root / "link", create=False)
     finally:
         os.close(root_fd)
+
+
+# -- registering the pool as fixed buffers ---------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_fixed_buffer_registration_starts_no_thread_on_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: KVLayout, pool: PagePool) -> None:
+    """Regression: a start with ``URING_FIXED`` forced registered the pool and the header slots
+    through ``run_in_executor(None, ...)``, the default executor's first use, which started its
+    thread from the loop (``Thread.start`` waits there until the new thread runs)."""
+    started = _thread_starts_on_the_loop(monkeypatch)
+    tier = DiskTier(config(tmp_path / "cache", DiskBackend.URING_FIXED), layout, pool)
+    await tier.start()
+    monkeypatch.undo()
+    try:
+        assert tier.statistics().backend is DiskBackend.URING_FIXED
+        await _round_trip(tier, pool, 2)  # through the registered buffers
+    finally:
+        await tier.aclose()
+    assert not [s for s in started if s.endswith("storage/memory.py")], started
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_start_cancelled_while_registering_waits_for_the_registration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: KVLayout, pool: PagePool, cancels: int) -> None:
+    """A start cancelled (``cancels`` times) while its thread registers the pool: it waits for that
+    thread (the ring must outlive the syscall using it), closes what it opened, releases the lock,
+    then raises ``CancelledError``; the next start registers and writes."""
+    loop = asyncio.get_running_loop()
+    entered = asyncio.Event()
+    gate, finished = threading.Event(), threading.Event()
+    real = memory_module.populate_then_register
+
+    def gated(*args: Any) -> Any:
+        loop.call_soon_threadsafe(entered.set)
+        assert gate.wait(GATE_S)
+        try:
+            return real(*args)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(memory_module, "populate_then_register", gated)
+    directory = tmp_path / "cache"
+    start = asyncio.create_task(DiskTier(config(directory, DiskBackend.URING_FIXED), layout, pool).start())
+    try:
+        await entered.wait()
+        for _ in range(cancels):
+            start.cancel()
+            await asyncio.sleep(0)
+        assert not start.done()  # it waits for the registering thread
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert finished.is_set()
+    finally:
+        gate.set()
+    assert _fds_into(directory) == []
+    assert _lock_is_free(directory, layout)
+    monkeypatch.undo()
+    async with DiskTier(config(directory, DiskBackend.URING_FIXED), layout, pool) as again:
+        await _round_trip(again, pool, 2)
+    assert_clean(pool)
