@@ -70,7 +70,8 @@ SWEEP_WINDOW = 32
 _PREFIX = "vllm:kv_offload_aiokv_"
 # Counters: the disk tier's statistics field each one follows (vLLM gets the increase per call).
 _COUNTERS = {
-    "corrupt_pages": ("corrupt", "Page files that failed verification on read (deleted; the load missed)."),
+    "corrupt_pages": ("corrupt", "Page files that failed verification on read (the load missed; deleted, "
+                                 "or kept by a read-only tier, e.g. a reader of another writer's directory)."),
     "dropped_writes": ("dropped", "Page writes dropped for capacity (no room could be made)."),
     "refused_writes": ("writes_refused", "Page writes refused because the directory is read-only here."),
     "evictions": ("evictions", "Page files evicted (least recently used) to keep within disk_bytes."),
