@@ -95,7 +95,8 @@ class _Outcome:
     stored: list[OffloadKey] = dataclasses.field(default_factory=list)
     """Keys a store put on disk (KV events)."""
     gone: list[OffloadKey] = dataclasses.field(default_factory=list)
-    """Keys a failed load found no longer on disk (corrupt, deleted; KV events)."""
+    """Keys a failed load found no longer on disk (corrupt: deleted, or kept unserved by a read-only
+    tier; KV events)."""
     evicted: list[OffloadKey] = dataclasses.field(default_factory=list)
     """Keys this tier stored whose files the disk tier has removed since (evicted for room; KV events)."""
 
@@ -341,9 +342,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """KV events since the last call (``enable_kv_events``): pages stored, pages a load found
-        gone (a corrupt file is deleted), pages evicted for room (found after each store job).
-        Pages stored by an earlier process are not reported when evicted (their vLLM keys are
-        not known here)."""
+        gone (a corrupt file is no longer served: deleted, or kept by a read-only tier), pages
+        evicted for room (found after each store job). Pages stored by an earlier process are not
+        reported when evicted (their vLLM keys are not known here)."""
         if self._events:
             events, self._events = self._events, []
             yield from events
