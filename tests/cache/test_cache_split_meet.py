@@ -8,6 +8,7 @@ are driven by events: the engine overtakes every read in flight, deterministical
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,13 @@ async def test_cancelled_finish_at_the_meeting_point_leaves_no_copy_pending(
         target = torch.arange(20, 20 + n)
         stream = await cache.start_load(await cache.match(tokens), target)
         gate.set()  # the back pages land and are launched
-        for _ in range(1000):  # loop turns, not time: the reads complete on the loop's eventfd
-            if stream.front < n:
+        deadline = time.monotonic() + 30
+        for _ in range(10**7):
+            # Checked every turn (the reads complete on the loop's eventfd), bounded in time: a
+            # loaded machine's disk took longer than 1000 bare turns (2 in ~37 runs at load 2.5).
+            if stream.front < n or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.0002)
         gate.clear()  # later reads are held: the loader waits below its front
         front = stream.front
         assert front < n
