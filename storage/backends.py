@@ -19,14 +19,14 @@ import functools
 import logging
 import mmap
 import os
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from aiokv.layout import KVLayout
-from aiokv.pool import PagePool, PoolClosedError
+from aiokv.pool import PagePool, PoolClosedError, run_in_new_thread
 from aiokv.shm import populate
 
 from . import memory, uring
@@ -380,7 +380,11 @@ class UringPageIO:
                 self.engine.update_buffer(region)
                 done.append(region)
 
-        job = asyncio.ensure_future(asyncio.to_thread(register))
+        # A thread of its own, started without the loop waiting for it (``asyncio.to_thread``'s
+        # first call starts the default executor's thread on the loop, and ``Thread.start`` waits
+        # there until it runs). Nothing to undo for a caller that is gone: what was pinned stays
+        # registered until the ring closes.
+        job = run_in_new_thread(register, "aiokv-register-memory", _keep_registered)
         self._ext_jobs[job] = stop
         job.add_done_callback(self._ext_jobs.pop)
         try:
@@ -668,6 +672,10 @@ class UringPageIO:
         self._ext_views.clear()
 
 
+def _keep_registered(_: None) -> None:
+    """A caller's region registered after its loop closed: the ring drops it when it closes."""
+
+
 def _cleaned_up(task: asyncio.Task[None], done: Published) -> None:
     # A cancelled clean-up (its loop is going away) is a failed write too: ``task.exception()``
     # would raise, ``done`` would never run and the page's job would never end.
@@ -685,8 +693,17 @@ class _NotTaken(Exception):
         self.error = error
 
 
+_Work = tuple[Callable[..., object], tuple[object, ...], asyncio.AbstractEventLoop, asyncio.Future[object]]
+"""A job of :class:`ThreadPageIO`'s workers: a function, its arguments, and where its outcome goes."""
+
+
 class ThreadPageIO:
-    """Page files through ``os.pwritev``/``os.preadv`` in a thread pool (io_uring refused)."""
+    """Page files through ``os.pwritev``/``os.preadv`` in worker threads (io_uring refused).
+
+    Create with ``await ThreadPageIO.open(...)``: its ``threads`` workers (``aiokv-disk_<i>``) are
+    started from a thread of their own, so that the loop never waits in ``Thread.start`` (which
+    waits until the new thread runs: ms on a loaded machine, #11). Jobs go to the workers in the
+    order they were started, through one unbounded queue (the tier bounds what it has in flight)."""
 
     kind = DiskBackend.THREADS
 
@@ -695,22 +712,88 @@ class ThreadPageIO:
         self.faults = FaultPlan()
         self._pool = pool
         self._slots = slots
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="aiokv-disk")
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        # Daemons, as the checksum threads: a tier never closed must not hold the interpreter's
+        # exit (a write cut there leaves a temporary name or a torn file, as a crash does).
+        self._threads = [threading.Thread(target=self._work, name=f"aiokv-disk_{i}", daemon=True)
+                         for i in range(threads)]
+        self._started: list[threading.Thread] = []
+        self._closed = False
+        self._stopped: asyncio.Future[None] | None = None  # the join of the stopped workers
         self._jobs: set[asyncio.Future[object]] = set()
+
+    @classmethod
+    async def open(cls, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int) -> ThreadPageIO:
+        """A backend with its workers running. ``RuntimeError`` when one cannot start (no thread
+        left: those started have ended first). A cancelled call waits for the starting thread, then
+        until the workers it started have ended (even if cancelled again), then raises
+        ``CancelledError``."""
+        io = cls(pool, slots, direct, threads)
+        job = run_in_new_thread(io._start_workers, "aiokv-disk-start-workers", io._stop_orphaned)
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: raised below all the same
+                await wait_uncancelled(job)
+            await io._end_workers()
+            raise
+        return io
+
+    def _start_workers(self) -> None:
+        """In a thread of its own: start every worker, or none (those started are stopped and
+        joined before the error goes to the caller)."""
+        try:
+            for thread in self._threads:
+                thread.start()
+                self._started.append(thread)
+        except BaseException:
+            _join(self._stop_workers())
+            raise
+
+    def _stop_workers(self) -> list[threading.Thread]:
+        """Tell the started workers to stop once the queued jobs are done; returns them, to join."""
+        started, self._started = self._started, []
+        for _ in started:
+            self._queue.put(None)
+        return started
+
+    def _stop_orphaned(self, _: None) -> None:
+        # Workers started for a caller whose loop closed first: nobody will close this backend.
+        self._stop_workers()
+
+    def _work(self) -> None:
+        """A worker: run jobs until told to stop, each outcome handed to its future on its loop."""
+        while (work := self._queue.get()) is not None:
+            fn, args, loop, future = work
+            result: object = None
+            error: BaseException | None = None
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the job's future, as an executor does
+                error = exc
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                log.debug("disk I/O finished after its loop closed")
+            # Not held while waiting for the next job: its page may be a caller's memory it unmaps.
+            del work, fn, args, future, result, error
 
     def _fault(self, op: IOOp) -> None:
         err = self.faults.take(op)
         if err is not None:
             raise OSError(err, os.strerror(err))
 
-    def _start(self, fn: object, *args: object) -> asyncio.Future[object]:
+    def _start(self, fn: Callable[..., object], *args: object) -> asyncio.Future[object]:
+        if self._closed:
+            raise RuntimeError("disk I/O threads are closed")
         loop = asyncio.get_running_loop()
-        job: asyncio.Future[object] = loop.run_in_executor(self._executor, fn, *args)  # type: ignore[arg-type]
+        job: asyncio.Future[object] = loop.create_future()
+        self._queue.put((fn, args, loop, job))
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
         return job
 
-    async def _run(self, fn: object, *args: object) -> object:
+    async def _run(self, fn: Callable[..., object], *args: object) -> object:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
         return await asyncio.shield(self._start(fn, *args))
 
@@ -804,16 +887,55 @@ class ThreadPageIO:
         return False  # no fixed buffers without io_uring: plain pwritev/preadv
 
     async def aclose(self) -> None:
-        while self._jobs:
-            await asyncio.wait(set(self._jobs))
-        self._executor.shutdown(wait=False)
+        """Wait for the jobs started, then stop the workers and wait until they have ended (joined
+        on a thread started without the loop waiting). Idempotent. A cancelled call still waits
+        until the workers have ended (after the jobs queued: nothing touches a page any more),
+        then raises ``CancelledError``."""
+        self._closed = True
+        try:
+            while self._jobs:
+                await asyncio.wait(set(self._jobs))
+        finally:
+            await self._end_workers()
+
+    async def _end_workers(self) -> None:
+        """Stop the started workers and wait until they have ended (a cancelled call still waits)."""
+        workers = self._stop_workers()
+        if workers:
+            self._stopped = run_in_new_thread(functools.partial(_join, workers), "aiokv-join-disk-workers", _ended)
+        if self._stopped is None:
+            return
+        try:
+            await asyncio.shield(self._stopped)
+        except asyncio.CancelledError:
+            await wait_uncancelled(self._stopped)
+            raise
+
+
+def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
+    """On the loop: a worker's outcome into its job's future (unless the job was cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join()
+
+
+def _ended(_: None) -> None:
+    """The workers were joined after their loop closed: nothing is left to do."""
 
 
 async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, direct: bool) -> PageIO:
     """The backend ``config`` asks for; AUTO falls back step by step with one warning each."""
     want = config.backend
     if want is DiskBackend.THREADS:
-        return ThreadPageIO(pool, slots, direct, config.threads)
+        return await ThreadPageIO.open(pool, slots, direct, config.threads)
     try:
         # Room for every I/O slot's SQEs at once.
         engine = uring.UringEngine.open(max(config.ring_entries, CHAIN_MAX * config.queue_depth))
@@ -829,7 +951,7 @@ async def open_backend(config: DiskConfig, pool: PagePool, slots: HeaderSlots, d
         if want is not DiskBackend.AUTO:
             raise
         log.warning("disk tier: io_uring refused (%s); using the thread-pool backend", exc)
-        return ThreadPageIO(pool, slots, direct, config.threads)
+        return await ThreadPageIO.open(pool, slots, direct, config.threads)
     try:
         if want is DiskBackend.URING_FIXED:
             # Forced: registration must work (or the tier does not start), so wait for it.

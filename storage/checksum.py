@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 
+from aiokv.pool import run_in_new_thread
+
+from .memory import wait_uncancelled
 from .pagefile import payload_checksum
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,7 @@ class Checksums:
         self._wake_pending = False  # a _deliver is scheduled on the loop and has not taken the results yet
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]
+        self._joined: asyncio.Future[None] | None = None  # the join of the stopped threads, once aclose ran
         if start:
             self.start_threads()
 
@@ -207,10 +212,23 @@ class Checksums:
                 log.exception("checksum callback failed")
 
     async def aclose(self) -> None:
-        """Stop the threads once the queued hashes are done. Idempotent."""
+        """Stop the threads once the queued hashes are done and wait until they have ended.
+        Idempotent (a later call waits for the same threads). A cancelled call still waits for
+        them, then raises ``CancelledError``.
+
+        They are joined on a thread started without the loop waiting for it: ``asyncio.to_thread``'s
+        first call starts the default executor's thread on the loop, and ``Thread.start`` waits
+        there until it runs (#11)."""
         threads = self.close_nowait()
-        for thread in threads:
-            await asyncio.to_thread(thread.join)
+        if threads:
+            self._joined = run_in_new_thread(functools.partial(_join, threads), "aiokv-join-checksums", _joined)
+        if self._joined is None:
+            return
+        try:
+            await asyncio.shield(self._joined)
+        except asyncio.CancelledError:
+            await wait_uncancelled(self._joined)
+            raise
 
     def close_nowait(self) -> list[threading.Thread]:
         """Tell the started threads to stop once the queued hashes are done (they are daemons);
@@ -219,3 +237,12 @@ class Checksums:
         for _ in threads:
             self._jobs.put(None)
         return threads
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join()
+
+
+def _joined(_: None) -> None:
+    """The join finished after its loop closed: the threads have ended, nothing is left to do."""
