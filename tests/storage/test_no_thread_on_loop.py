@@ -23,7 +23,7 @@ import aiokv.storage.checksum as checksum_module
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
-from aiokv.storage.backends import UringPageIO
+from aiokv.storage.backends import HeaderSlots, ThreadPageIO, UringPageIO
 from aiokv.storage.checksum import Checksums
 from aiokv.storage.layoutdir import LOCK_NAME
 from aiokv.storage.pagefile import HEADER_BYTES, PageFiles
@@ -180,6 +180,50 @@ async def test_a_start_cancelled_while_its_workers_start_waits_for_them(
     async with DiskTier(config(directory, DiskBackend.THREADS), layout, pool) as again:
         await _round_trip(again, pool, range(2))
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_cancelled_close_of_the_threads_backend_waits_for_its_workers(
+        pool: PagePool, cancels: int) -> None:
+    """A close cancelled (``cancels`` times) while a worker still runs a job: it waits until the job
+    is done and the workers have ended, then raises ``CancelledError``; the job's outcome arrives."""
+    loop = asyncio.get_running_loop()
+    entered = asyncio.Event()
+    gate = threading.Event()
+
+    def held() -> int:
+        loop.call_soon_threadsafe(entered.set)
+        assert gate.wait(BOUND_S)
+        return 5
+
+    slots = HeaderSlots(2)
+    io = await ThreadPageIO.open(pool, slots, False, 2)
+    try:
+        job = io._start(held)
+        closing = asyncio.create_task(io.aclose())
+        async with asyncio.timeout(BOUND_S):
+            await entered.wait()
+        for _ in range(cancels):
+            closing.cancel()
+            await asyncio.sleep(0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not closing.done()  # the worker still runs the job
+        assert _alive("aiokv-disk_")
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(BOUND_S):
+                await asyncio.shield(closing)
+        assert job.result() == 5
+        assert _alive("aiokv-disk_") == []
+        async with asyncio.timeout(BOUND_S):
+            await io.aclose()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            io._start(held)
+    finally:
+        gate.set()
+        slots.close()
 
 
 # -- registering a caller's memory -------------------------------------------------------------
