@@ -126,21 +126,37 @@ class KVCache(CacheFacade):
         self._warm_ready: asyncio.Future[None] | None = None
         """Resolved once the variants of page-aligned copies are warm (or the warm-up ended)."""
         self._warm_stop = threading.Event()
+        self._starting: asyncio.Future[None] | None = None  # resolved when a start() in flight has settled
 
     # -- lifetime -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Create the pool, the copy engine and (when configured) the disk tier.
 
-        Raises ``RuntimeError`` after :meth:`aclose`.
+        Raises ``RuntimeError`` after :meth:`aclose`, and when ``aclose`` is called while it runs:
+        the close waits for it, and it builds no copy engine and starts no warm-up once the close
+        began, so nothing it made outlives the cache.
         """
+        if self._close_task is not None:
+            raise RuntimeError("the KVCache is closed: a closed cache cannot be started again")
         if self._transfers is not None:
             self._manager.check_running()
             return
+        if self._starting is not None and not self._starting.done():
+            raise RuntimeError("KVCache.start() is already running")
+        starting = self._starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._start()
+        finally:
+            starting.set_result(None)
+
+    async def _start(self) -> None:
         # Threads before the pool's preparation holds the mmap lock (see CompletionBridge.prestart),
         # started from a thread of their own: Thread.start waits until the new thread runs.
         await run_in_new_thread(functools.partial(self._bridge.prestart, self._cuda), "aiokv-prestart", _nothing)
+        self._check_not_closing()
         pool = await self._manager.start()
+        self._check_not_closing()
         cfg = self.config
         path = _transfer_path(self._cuda, cfg.transfer_path)
         missing = [name for name in _start_modules(path) if name not in sys.modules]
@@ -156,11 +172,19 @@ class KVCache(CacheFacade):
                 f"start imported {', '.join(missing)} itself ({spent:.0f} ms, mostly holding the GIL: "
                 f"a loop stall); call KVCache.preload({str(self.kv.device)!r}) before the event loop runs",
             )
+            self._check_not_closing()
+        # No await from here on: the close (waiting for this start) sees all of it or none.
         mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)
         if mover.effective_path is not TransferPath.REFERENCE:
             self._start_warm_up(mover)
+
+    def _check_not_closing(self) -> None:
+        """Raise once :meth:`aclose` began: a start it waits for makes nothing more (the close frees
+        the bridge's threads, the manager and the pool it made so far)."""
+        if self._close_task is not None:
+            raise RuntimeError("the KVCache was closed while it was starting")
 
     def _start_warm_up(self, mover: PageMover) -> None:
         """Start the warm-up thread (see the module docstring); nothing awaits it here."""
@@ -263,6 +287,10 @@ class KVCache(CacheFacade):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
+        if self._starting is not None:
+            # A start in flight may still be opening the manager or importing: it makes nothing
+            # more once it sees this close (no copy engine, no warm-up thread) and raises.
+            await asyncio.wait([self._starting])
         self._warm_stop.set()
         if self._warm is not None:
             # Stops between two launches (at worst after the one compile in progress); it touches
@@ -300,8 +328,7 @@ class KVCache(CacheFacade):
         Consumes ``match``. Raises ``TypeError``/``ValueError`` for bad arguments (nothing changes).
         """
         count = self._manager.check_load(match, from_token)
-        host = await self._slots.check(slots, count)
-        await self._kernels_ready()
+        host = await self._before_load(match, slots, count)
         return await self._manager.load(match, host, from_token)
 
     async def start_load(
@@ -318,9 +345,29 @@ class KVCache(CacheFacade):
         if not isinstance(layered, bool):
             raise TypeError(f"layered must be a bool, got {type(layered).__name__}")
         count = self._manager.check_load(match, from_token)
-        host = await self._slots.check(slots, count)
-        await self._kernels_ready()
+        host = await self._before_load(match, slots, count)
         return self._manager.start_load(match, host, from_token, layered)
+
+    async def _before_load(self, match: Match, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """The checked host slots of a load of ``match``, once the kernels are warm.
+
+        The manager takes ``match`` only after these awaits (the slots' read-back on CUDA, the
+        warm-up): a load cancelled here, or one that finds the cache closing when they end,
+        releases it (consumed, as by a cancelled load), else its pool pages stay referenced.
+        Bad slots raise with the match still the caller's (nothing changes).
+        """
+        try:
+            host = await self._slots.check(slots, count)
+            await self._kernels_ready()
+            if self._close_task is not None:  # the close began meanwhile: nothing more is launched
+                raise RuntimeError("the cache is closed")
+            self._manager.check_running()
+        except (TypeError, ValueError):
+            raise
+        except BaseException:
+            match.release()
+            raise
+        return host
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.
