@@ -727,9 +727,14 @@ class CacheManager:
         # Rounds: store what the pool can take; when it is full of pages the write-behind still
         # holds, wait (bounded) for them to reach disk and go on, instead of dropping the rest.
         while start < len(keys):
-            if self._closed:  # the close began between rounds: the rest is withdrawn, not a fault
-                withdrawn += len(keys) - start
-                dropped += len(keys) - start
+            if self._closed:
+                # The close began between rounds: what still needed a copy is withdrawn (dropped,
+                # not a fault); pages in the pool or being written meanwhile would have been skipped.
+                state_of = self.pool.table.state_of
+                held = sum(1 for key in keys[start:] if state_of(key) is not PageState.FREE)
+                skipped += held
+                withdrawn += len(keys) - start - held
+                dropped += len(keys) - start - held
                 break
             reservations = self.pool.reserve(keys[start:])
             room = next((i for i, r in enumerate(reservations) if r.outcome is ReserveOutcome.EXHAUSTED),
