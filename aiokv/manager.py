@@ -431,6 +431,9 @@ class CacheManager:
         self._running()
         if not isinstance(match, Match):
             raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        if not match.belongs_to(self):
+            # Checked here, before any await of the call: a cancelled call releases its match.
+            raise ValueError("this Match belongs to another KVCache")
         if isinstance(from_token, bool) or not isinstance(from_token, int):
             raise TypeError(f"from_token must be an int, got {type(from_token).__name__}")
         if not 0 <= from_token <= match.tokens:

@@ -60,6 +60,10 @@ class Match:
         """True once loaded or released."""
         return self._done
 
+    def belongs_to(self, owner: object) -> bool:
+        """Whether this match was made by ``owner`` (only its own cache may load or take it)."""
+        return owner is self._owner
+
     def take(self, owner: object) -> tuple[tuple[PageKey, ...], list[PageHandle]]:
         """Hand the keys and page references to ``owner``'s load (the match is used up)."""
         if owner is not self._owner:

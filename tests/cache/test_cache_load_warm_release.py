@@ -145,3 +145,30 @@ async def test_a_load_waiting_for_the_warm_up_when_the_close_begins_releases_its
     finally:
         held.open()
         await cache.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["load", "start_load"])
+async def test_another_caches_match_is_refused_before_the_wait_and_left_alone(
+    tmp_path: Path, gated: list[Gate], how: str
+) -> None:
+    # Regression: the owner of a Match was checked only when the manager took it, after the
+    # warm-up wait: a load given another cache's match waited there, and cancelled (here by the
+    # bound) released the other cache's match (bad input must change nothing).
+    cache, held = await _cache_with_pages(tmp_path, gated)
+    other = KVCache(config(None, transfer_path=TransferPath.REFERENCE), LAYOUT, make_kv(2))
+    try:
+        await other.start()
+        assert (await other.offload(TOKENS, torch.arange(len(TOKENS)))).stored == PAGES
+        foreign = await other.match(TOKENS)
+        assert foreign.pool_pages == PAGES
+        with pytest.raises(ValueError, match="another KVCache"):
+            await asyncio.wait_for(_call(cache, how, foreign), 5)
+        assert not foreign.released and other.stats().pool_referenced == PAGES
+        assert cache.stats().pool_referenced == 0
+        result = await other.load(foreign, torch.arange(len(TOKENS)) + 32)  # still the other's to load
+        assert result.tokens == len(TOKENS)
+    finally:
+        held.open()
+        await other.aclose()
+        await cache.aclose()
