@@ -123,6 +123,11 @@ class WritePath(TierBase):
             return
         job.holds_room = True
         job.victim, evicted = claim
+        if job.victim is not None:
+            # Out of the index from now on: a new write of the victim's key must wait until the
+            # recycle left the name (it may wait for a slot first), not publish a file it overwrites.
+            job.moved = asyncio.get_running_loop().create_future()
+            self._moving[job.victim] = job.moved
         unlinks = self._remove_files(evicted)
         if job.attempt and unlinks:
             # A retry after ENOSPC needs the space they free (they never raise).
@@ -142,24 +147,30 @@ class WritePath(TierBase):
                                        functools.partial(self._written, job))
                 return
             # The victim's file is overwritten under its name, then renamed to ``final``: a new
-            # write of the victim's key waits until it left the name.
-            job.moved = asyncio.get_running_loop().create_future()
-            self._moving[job.victim] = job.moved
+            # write of the victim's key waits (on ``job.moved``, set by ``_claim``) until it left the name.
             self._io.start_recycle(*self._where(job.victim), dir_fd, final, slot, job.page,
                                    self.config.sync_writes, functools.partial(self._recycled_done, job))
         except Exception:
-            self._victim_moved(job)
-            self._write_failed(job, None)
+            self._write_failed(job, None)  # frees the victim's name (its file unlinked: never taken)
 
-    def _victim_moved(self, job: WriteJob) -> None:
+    def _victim_moved(self, job: WriteJob, unlink: bool = False) -> None:
+        """The victim's name is free for a new write of its key (idempotent: every exit calls it).
+        ``unlink``: the recycle ended without taking the file over, so it is removed first (out of
+        the index already); the unlink registers before ``moved`` resolves, so a writer woken by it
+        waits for the unlink too."""
         moved = job.moved
         if moved is None:
             return
         job.moved = None
-        moved.set_result(None)
-        assert job.victim is not None
-        if self._moving.get(job.victim) is moved:
-            del self._moving[job.victim]
+        victim = job.victim
+        assert victim is not None
+        try:
+            if unlink:
+                self._unlink_later(victim)
+        finally:
+            moved.set_result(None)
+            if self._moving.get(victim) is moved:
+                del self._moving[victim]
 
     def _recycled_done(self, job: WriteJob, error: BaseException | None, taken: bool) -> None:
         """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
@@ -203,6 +214,10 @@ class WritePath(TierBase):
         """A write that held room failed: the room goes back; ENOSPC tries again (bounded)."""
         self._return_slot(job)
         self._give_room_back(job)
+        try:
+            self._victim_moved(job, True)  # a retry may pick another victim: this one's name is free
+        except Exception:
+            error = None  # a bug: ended below
         if not isinstance(error, OSError):
             self._write_bug(job)
             return
@@ -220,11 +235,16 @@ class WritePath(TierBase):
 
     def _write_bug(self, job: WriteJob) -> None:
         """An unexpected failure (a bug): counted and logged; the job ends, its room and slot given
-        back (it may still wait for a slot: it leaves the queue)."""
+        back (it may still wait for a slot: it leaves the queue) and its victim's name freed (else
+        a new write of that key, and ``aclose``, would wait for it forever)."""
         self._io_slots.leave(job)
         self._return_slot(job)
         self._give_room_back(job)
         self._faults.unexpected("write")
+        try:
+            self._victim_moved(job, True)  # resolves ``moved`` even if the unlink fails
+        except Exception:
+            self._faults.unexpected("write")
         if not job.ended:
             self._end_write(job, False)
 
@@ -254,3 +274,4 @@ class WritePath(TierBase):
             if not waiter.done():
                 waiter.set_result(stored)
         self._job_ended(job)
+        self._victim_moved(job, True)  # (freed earlier on every path: never left pending)

@@ -36,6 +36,10 @@ def _regular_file(path: str) -> bool:
     return stat.S_ISREG(os.lstat(path).st_mode)
 
 
+def _exists(path: str) -> bool:
+    return os.path.lexists(path)
+
+
 def _settled(tier: DiskTier, pool: PagePool) -> None:
     stats = tier.statistics()
     assert stats.in_flight == 0, stats
@@ -196,6 +200,156 @@ async def test_a_failed_recycle_never_unlinks_a_new_file_of_the_victims_key(
         assert (stats.errors[ErrorKind.UNSAFE], stats.pages) == (1, 2), stats
         assert _regular_file(victim)
         pool.table.discard(key_of(1))
+        into = reserve(pool, key_of(1))
+        assert await tier.read(key_of(1), into)
+        assert torch.equal(payload(pool, into), fresh)
+        pool.table.abort(into)
+        _settled(tier, pool)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_new_write_of_the_victims_key_waits_while_its_recycle_waits_for_a_slot(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: a recycle took its victim out of the index when it claimed room but registered
+    # the rename of the victim's name only once it had an I/O slot. A new write of the victim's key
+    # meanwhile published its file under that name; the recycle then overwrote and renamed it away:
+    # write() said True and the index listed the key, but its file was gone (a miss).
+    capacity = 3 * file_bytes(layout)
+    async with DiskTier(config(disk_dir, backend, capacity, queue_depth=2), layout, pool) as tier:
+        for i in (1, 2, 3):
+            await _store(tier, pool, i, i)
+        read_gate, read_entered = asyncio.Event(), asyncio.Event()
+        recycle_gate, recycle_entered = asyncio.Event(), asyncio.Event()
+        monkeypatch.setattr(tier.backend, "start_load", gated(tier.backend.start_load, read_gate, read_entered))
+        monkeypatch.setattr(tier.backend, "start_recycle",
+                            gated(tier.backend.start_recycle, recycle_gate, recycle_entered))
+        into = {i: reserve(pool, key_of(100 + i)) for i in (2, 3)}
+        h4, h1 = fill(pool, key_of(4), 4), fill(pool, key_of(1), 11)
+        data4, fresh = payload(pool, h4), payload(pool, h1)
+        try:
+            busy = [asyncio.create_task(tier.read(key_of(i), into[i])) for i in (2, 3)]  # both slots
+            await read_entered.wait()
+            await spin(2)
+            fourth = asyncio.create_task(tier.write(key_of(4), h4))  # recycles key 1's file; no slot yet
+            await spin(5)
+            assert not tier.contains(key_of(1)) and tier.statistics().evictions == 1
+            again = asyncio.create_task(tier.write(key_of(1), h1))  # a new file of the victim's key
+            await spin(5)
+            read_gate.set()
+            await asyncio.wait_for(recycle_entered.wait(), 5)  # the recycle has its slot, its I/O held
+            await spin(10)
+            assert not again.done()  # it waits until the recycle left key 1's name
+        finally:
+            read_gate.set()
+            recycle_gate.set()
+        for task in busy:
+            assert await task
+        assert await asyncio.wait_for(fourth, 5)
+        assert await asyncio.wait_for(again, 5)
+        for h, i in ((h1, 1), (h4, 4)):
+            pool.table.release(h)
+            pool.table.discard(key_of(i))
+        for handle in into.values():
+            pool.table.abort(handle)
+        for i, expected in ((1, fresh), (4, data4)):
+            check = reserve(pool, key_of(200 + i))
+            assert await tier.read(key_of(i), check), i
+            assert torch.equal(payload(pool, check), expected), i
+            pool.table.abort(check)
+        stats = tier.statistics()
+        assert (stats.corrupt, stats.recycled, stats.pages) == (0, 2, 3), stats
+        _settled(tier, pool)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_recycle_that_fails_by_a_bug_frees_its_victims_name(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: a recycle that raised before it freed its victim's name (here counting the refused
+    # name raises) ended by the bug path, which left the name registered as moving for good: a new
+    # write of the victim's key waited forever, and so did the tier's close.
+    tier = DiskTier(config(disk_dir, backend, 2 * file_bytes(layout)), layout, pool)
+    await tier.start()
+    try:
+        await _store(tier, pool, 1, 1)
+        await _store(tier, pool, 2, 2)
+        victim = tier.files.path(key_of(1))
+        os.unlink(victim)
+        os.symlink(tmp_path / "elsewhere", victim)
+        real_count = tier._faults.count
+
+        def count(exc: OSError, what: str) -> None:
+            if what == "recycle":
+                raise RuntimeError("injected: counting the refused name fails")
+            real_count(exc, what)
+
+        monkeypatch.setattr(tier._faults, "count", count)
+        h3 = fill(pool, key_of(3), 3)
+        try:
+            assert not await asyncio.wait_for(tier.write(key_of(3), h3), 5)  # recycles key 1's name
+        finally:
+            pool.table.release(h3)
+            pool.table.discard(key_of(3))
+        stats = tier.statistics()
+        assert (stats.errors[ErrorKind.OTHER], stats.pages) == (1, 1), stats
+        h1 = fill(pool, key_of(1), 11)
+        fresh = payload(pool, h1)
+        try:
+            assert await asyncio.wait_for(tier.write(key_of(1), h1), 5)
+        finally:
+            pool.table.release(h1)
+            pool.table.discard(key_of(1))
+        assert _regular_file(victim)  # the planted name was removed, the new file put there
+        into = reserve(pool, key_of(1))
+        assert await tier.read(key_of(1), into)
+        assert torch.equal(payload(pool, into), fresh)
+        pool.table.abort(into)
+        _settled(tier, pool)
+    finally:
+        await asyncio.wait_for(tier.aclose(), 10)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_recycle_that_fails_by_a_bug_before_its_slot_unlinks_its_victim(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A write that fails by a bug right after choosing its victim (here removing the evicted files
+    # raises) frees the victim's name and removes its file: out of the index, it would otherwise
+    # stay on disk outside the budget.
+    async with DiskTier(config(disk_dir, backend, 2 * file_bytes(layout)), layout, pool) as tier:
+        await _store(tier, pool, 1, 1)
+        await _store(tier, pool, 2, 2)
+        victim = tier.files.path(key_of(1))
+
+        def remove_files(keys: list[object]) -> list[asyncio.Task[None]]:
+            raise RuntimeError("injected: removing the evicted files fails")
+
+        monkeypatch.setattr(tier, "_remove_files", remove_files)
+        h3 = fill(pool, key_of(3), 3)
+        try:
+            assert not await asyncio.wait_for(tier.write(key_of(3), h3), 5)
+        finally:
+            pool.table.release(h3)
+            pool.table.discard(key_of(3))
+        monkeypatch.undo()
+        stats = tier.statistics()
+        assert (stats.errors[ErrorKind.OTHER], stats.pages, stats.recycled) == (1, 1, 0), stats
+        assert not tier.contains(key_of(1))
+        if tier._jobs:  # the victim's unlink
+            await asyncio.wait(set(tier._jobs), timeout=5)
+        assert not tier._jobs
+        assert not _exists(victim)
+        h1 = fill(pool, key_of(1), 11)
+        fresh = payload(pool, h1)
+        try:
+            assert await asyncio.wait_for(tier.write(key_of(1), h1), 5)
+        finally:
+            pool.table.release(h1)
+            pool.table.discard(key_of(1))
         into = reserve(pool, key_of(1))
         assert await tier.read(key_of(1), into)
         assert torch.equal(payload(pool, into), fresh)
