@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from aiokv.keys import PageKey
@@ -183,3 +186,21 @@ async def spin(times: int) -> None:
     """``times`` loop iterations: lets completions in, no wall-clock wait."""
     for _ in range(times):
         await asyncio.sleep(0)
+
+
+def thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records each ``Thread.start`` made on the calling (loop) thread as "name from <innermost
+    ``storage/`` file on its stack>" (or "from elsewhere")."""
+    loop_thread = threading.get_ident()
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def recording_start(self: threading.Thread) -> None:
+        if threading.get_ident() == loop_thread:
+            files = [f.filename for f in traceback.extract_stack()[:-1]]
+            ours = [f for f in files if "/storage/" in f]
+            started.append(f"{self.name} from {ours[-1] if ours else 'elsewhere'}")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    return started

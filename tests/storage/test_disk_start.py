@@ -11,13 +11,12 @@ import fcntl
 import os
 import stat
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve
+from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve, thread_starts_on_the_loop
 
 import aiokv.storage.disk as disk_module
 import aiokv.storage.memory as memory_module
@@ -220,24 +219,6 @@ async def test_a_cancelled_start_closes_what_it_opened_and_releases_the_lock(
 # -- no thread started on the loop -----------------------------------------------------------
 
 
-def _thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records each ``Thread.start`` made on the calling (loop) thread as "name from <innermost
-    ``storage/`` file on its stack>" (or "from elsewhere")."""
-    loop_thread = threading.get_ident()
-    started: list[str] = []
-    real = threading.Thread.start
-
-    def recording_start(self: threading.Thread) -> None:
-        if threading.get_ident() == loop_thread:
-            files = [f.filename for f in traceback.extract_stack()[:-1]]
-            ours = [f for f in files if "/storage/" in f]
-            started.append(f"{self.name} from {ours[-1] if ours else 'elsewhere'}")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recording_start)
-    return started
-
-
 @pytest.mark.asyncio
 async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
@@ -246,7 +227,7 @@ async def test_start_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: p
     until the new thread runs (ms on a loaded machine). Every ``Thread.start`` made on the loop's
     thread while the tier starts is recorded with the innermost frame of ``storage/`` on its stack:
     none may come from the start-up's own code."""
-    started = _thread_starts_on_the_loop(monkeypatch)
+    started = thread_starts_on_the_loop(monkeypatch)
     tier = DiskTier(config(tmp_path / "cache", backend), layout, pool)
     await tier.start()
     monkeypatch.undo()
@@ -272,7 +253,7 @@ async def test_a_free_space_check_starts_no_thread_on_the_loop(
             handle = fill(pool, key_of(i), i)
             assert await tier.write(key_of(i), handle)
             pool.table.release(handle)
-        started = _thread_starts_on_the_loop(monkeypatch)
+        started = thread_starts_on_the_loop(monkeypatch)
         tier.backend.faults.inject(IOOp.WRITE, errno.ENOSPC)
         handle = fill(pool, key_of(2), 2)
         assert await tier.write(key_of(2), handle)  # retried after the check, a file evicted
@@ -313,7 +294,7 @@ async def test_fixed_buffer_registration_starts_no_thread_on_the_loop(
     """Regression: a start with ``URING_FIXED`` forced registered the pool and the header slots
     through ``run_in_executor(None, ...)``, the default executor's first use, which started its
     thread from the loop (``Thread.start`` waits there until the new thread runs)."""
-    started = _thread_starts_on_the_loop(monkeypatch)
+    started = thread_starts_on_the_loop(monkeypatch)
     tier = DiskTier(config(tmp_path / "cache", DiskBackend.URING_FIXED), layout, pool)
     await tier.start()
     monkeypatch.undo()

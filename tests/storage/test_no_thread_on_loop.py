@@ -12,12 +12,11 @@ import fcntl
 import mmap
 import os
 import threading
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
+from disk_helpers import assert_clean, config, fill, key_of, payload, reserve, thread_starts_on_the_loop
 
 import aiokv.storage.checksum as checksum_module
 from aiokv.layout import KVLayout
@@ -30,24 +29,6 @@ from aiokv.storage.pagefile import HEADER_BYTES, PageFiles
 
 BOUND_S = 30.0
 """Longest any wait here may take (a gated thread, a start): they end within milliseconds."""
-
-
-def _thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records each ``Thread.start`` made on the calling (loop) thread as "name from <innermost
-    ``storage/`` file on its stack>" (or "from elsewhere")."""
-    loop_thread = threading.get_ident()
-    started: list[str] = []
-    real = threading.Thread.start
-
-    def recording_start(self: threading.Thread) -> None:
-        if threading.get_ident() == loop_thread:
-            files = [f.filename for f in traceback.extract_stack()[:-1]]
-            ours = [f for f in files if "/storage/" in f]
-            started.append(f"{self.name} from {ours[-1] if ours else 'elsewhere'}")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recording_start)
-    return started
 
 
 def _alive(prefix: str) -> list[str]:
@@ -95,7 +76,7 @@ async def test_a_tier_starts_no_thread_on_the_loop(tmp_path: Path, monkeypatch: 
     close: not one ``Thread.start`` on the loop's thread."""
     monkeypatch.setattr(checksum_module, "INLINE_CHECKSUM_BYTES", 0)  # reads hashed in the thread
     file_bytes = HEADER_BYTES + layout.page_bytes
-    started = _thread_starts_on_the_loop(monkeypatch)
+    started = thread_starts_on_the_loop(monkeypatch)
     tier = DiskTier(config(tmp_path / "cache", backend, capacity=4 * file_bytes), layout, pool)
     await tier.start()
     try:
@@ -242,7 +223,7 @@ async def test_registering_memory_starts_no_thread_on_the_loop(
             if not isinstance(io, UringPageIO):
                 pytest.skip("io_uring refused here: nothing to register")
             await io.wait_registered()
-            started = _thread_starts_on_the_loop(monkeypatch)
+            started = thread_starts_on_the_loop(monkeypatch)
             await tier.register_memory(whole)
             monkeypatch.undo()
             assert tier.statistics().memory_unregistered == 0  # registered, by a thread of its own
@@ -263,7 +244,7 @@ async def test_closing_the_checksums_starts_no_thread_on_the_loop(monkeypatch: p
     sums = Checksums(inline_bytes=0, threads=2)
     data = bytearray(range(256)) * 64
     assert await sums.checksum(memoryview(data)) == checksum_module.payload_checksum(memoryview(data))
-    started = _thread_starts_on_the_loop(monkeypatch)
+    started = thread_starts_on_the_loop(monkeypatch)
     async with asyncio.timeout(BOUND_S):
         await sums.aclose()
     monkeypatch.undo()
