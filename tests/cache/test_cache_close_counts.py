@@ -154,10 +154,11 @@ async def test_an_offload_in_flight_launches_nothing_once_the_close_began() -> N
 
 @cpu_only
 @pytest.mark.asyncio
-async def test_a_load_in_flight_launches_nothing_once_the_close_began() -> None:
-    # Regression: a load in flight kept launching copies out of a pool the close was about to
-    # free (on CUDA one launched after the bridge closed had no waiter), and a load cut by the
-    # close was not told apart from a fault.
+@pytest.mark.parametrize("how", ["load", "stream"])
+async def test_a_load_in_flight_launches_nothing_once_the_close_began(how: str) -> None:
+    # Regression: a load (or a LoadStream's loader) in flight kept launching copies out of a pool
+    # the close was about to free (on CUDA one launched after the bridge closed had no waiter), and
+    # a load cut by the close was not told apart from a fault (copy_failed, load_shortened).
     kv = make_kv(72)
     n = 8
     tokens = prompt(72, n * T)
@@ -179,13 +180,23 @@ async def test_a_load_in_flight_launches_nothing_once_the_close_began() -> None:
 
     transfers.load = load  # type: ignore[method-assign]
     target = torch.arange(100, 100 + n * T)
-    result = await cache.load(await cache.match(tokens), target)
+    match = await cache.match(tokens)
+    if how == "load":
+        result = await cache.load(match, target)
+        first, loaded = 0, result.pool_pages  # from the front
+    else:
+        streamed = await (await cache.start_load(match, target)).finish()
+        loaded = streamed.pool_pages
+        first = n - loaded  # from the back, contiguous up to the match's end
+        assert (streamed.loaded_from, streamed.tokens) == (first * T, n * T)
     await closing[0]
     assert not any(launched), "a copy was launched after the close began"
     done = len(launched)
-    assert 3 <= done < n
-    assert (result.tokens, result.requested, result.pool_pages) == (done * T, n * T, done)
-    assert torch.equal(kv[:, target[: done * T]], kv[:, : done * T])
+    assert 3 <= done < n and loaded == done
+    if how == "load":
+        assert (result.tokens, result.requested) == (done * T, n * T)
+    span = slice(first * T, (first + done) * T)
+    assert torch.equal(kv[:, target[span]], kv[:, span])
     stats = cache.stats()
     assert stats.pages_withdrawn == n - done and not stats.errors, stats.errors
     cache.pool.table.check_invariants()
