@@ -238,17 +238,24 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
     expect = empty_like_kv(kv)
     reference_scatter(expect, pages, slots, page_ids)
     real_copy = PageMover._copy_unit
+    slowed_layers: list[int] = []
 
     def slowed(self: PageMover, buffer: torch.Tensor, ids: list[int], runs: list[tuple[int, int, int]],
                layer: int, stream: torch.cuda.Stream | None) -> None:
         if layer >= 1:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of the copy stream per unit (the current stream)
+            assert stream is not None, "a CUDA staging load without a copy stream"
+            slowed_layers.append(layer)
+            with torch.cuda.stream(stream):  # on the copy stream itself, whatever stream is current
+                torch.cuda._sleep(50_000_000)  # ~25 ms per unit at the H200's ~2 GHz
         real_copy(self, buffer, ids, runs, layer, stream)
 
     monkeypatch.setattr(PageMover, "_copy_unit", slowed)
     back = empty_like_kv(kv)
-    events = PageMover(back, pages, TransferPath.STAGING, 2).load_layers(page_ids, slots)
+    mover = PageMover(back, pages, TransferPath.STAGING, 2)
+    assert mover.effective_path is TransferPath.STAGING, mover.effective_path
+    events = mover.load_layers(page_ids, slots)
     assert events is not None and len(events) == 4
+    assert sorted(set(slowed_layers)) == [1, 2, 3], "the later layers' copies did not go through _copy_unit"
     events[0].synchronize()
     assert _layer_equal(back, expect, 0)
     assert not events[-1].query(), "the later layers were not in flight: the test proves nothing"
