@@ -48,7 +48,7 @@ from aiokv.results import Match, Tier
 from aiokv.transfers import Copy, CopyWithdrawn
 
 if TYPE_CHECKING:
-    from aiokv.manager import CacheManager, Promotion
+    from aiokv.loadpath import LoadPath, Promotion
 
 READAHEAD_BYTES = 32 << 20
 """Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
@@ -88,7 +88,7 @@ class LoadStream:
     """
 
     def __init__(
-        self, manager: CacheManager, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False
+        self, manager: LoadPath, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False
     ) -> None:
         self._manager = manager
         self._layered = layered

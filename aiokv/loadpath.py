@@ -1,0 +1,343 @@
+"""`LoadPath`: how the manager serves a hit: match, load, disk promotions and prefetch.
+
+A match takes references on the pool's prefix and counts the disk's; a load copies pool pages at
+once and reads disk pages into freshly reserved pool pages (promotions), copying each as it lands;
+prefetch promotes without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
+the same promotions. Mixed into :class:`aiokv.manager.CacheManager`; the state is
+:class:`aiokv.managerbase.ManagerBase`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aiokv.costs import LoadEstimate, RateMeter
+from aiokv.keys import PageKey, Salt, Tokens
+from aiokv.managerbase import ManagerBase
+from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
+from aiokv.results import LoadResult, Match, PrefetchResult, Tier
+from aiokv.stream import LoadStream
+from aiokv.transfers import Copy
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """A disk page in the pool for one call (:meth:`LoadPath._promote`): a reference on it."""
+
+    handle: PageHandle
+    read: bool
+    """Whether this call read the page from disk. False: it was in the pool already, or another
+    call's read brought it in; such a page cost this call no disk time and must not be counted as
+    a disk read (it would inflate the learned disk rate, which is saved across restarts)."""
+
+
+class LoadPath(ManagerBase):
+    """Match, load, disk promotions and prefetch of the manager (see the module docstring)."""
+
+    # -- match ----------------------------------------------------------------------------------
+
+    async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
+        """The longest prefix of full pages cached in the pool, then on disk (see ``KVCache.match``)."""
+        pool, _ = self._running()
+        keys = self.keys(tokens, salt)
+        self._lookups += 1
+        handles: list[PageHandle] = []
+        try:
+            for key in keys:
+                handle = pool.table.acquire(key)
+                reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
+                if reserved and await pool.table.wait_committed(key):
+                    handle = pool.table.acquire(key)
+                if handle is None:
+                    break
+                handles.append(handle)
+        except BaseException:
+            self._release_handles(handles)
+            raise
+        disk_pages = 0
+        if self._disk is not None and len(handles) < len(keys):
+            disk_pages = self._disk.keys_present_prefix(keys[len(handles) :])
+        self._note_seen(keys)
+        t = self.layout.page_tokens
+        self._hit_tokens[Tier.POOL] += len(handles) * t
+        self._hit_tokens[Tier.DISK] += disk_pages * t
+        self._miss_tokens += (len(keys) - len(handles) - disk_pages) * t
+        return Match(self, tuple(keys), handles, disk_pages, t, self._release_handles)
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def check_load(self, match: object, from_token: object) -> int:
+        """Validate ``load``'s arguments (nothing changes); returns how many slots it needs."""
+        self._running()
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        if not match.belongs_to(self):
+            # Checked here, before any await of the call: a cancelled call releases its match.
+            raise ValueError("this Match belongs to another KVCache")
+        if isinstance(from_token, bool) or not isinstance(from_token, int):
+            raise TypeError(f"from_token must be an int, got {type(from_token).__name__}")
+        if not 0 <= from_token <= match.tokens:
+            raise ValueError(f"from_token {from_token} outside [0, {match.tokens}]")
+        if match.released:
+            raise StaleHandleError("this Match was already loaded or released")
+        return match.tokens - from_token
+
+    async def load(self, match: Match, slots: torch.Tensor, from_token: int) -> LoadResult:
+        """Copy tokens ``[from_token, match.tokens)`` of ``match`` into ``slots`` (checked host int64).
+
+        Arguments were checked by :meth:`check_load` and the slots against the engine's buffer.
+        """
+        pool, transfers = self._running()
+        keys, handles = match.take(self)  # raises if the match was released meanwhile
+        t = self.layout.page_tokens
+        first, skip = divmod(from_token, t)
+        self._release_handles(handles[:first])
+        pool_part = handles[first:]
+        copies: list[tuple[Copy, list[PageHandle], Tier]] = []
+        promotions: list[asyncio.Task[Promotion | None]] = []
+        consumed = 0
+        cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
+        started = time.perf_counter()
+        try:
+            group = self.config.launch_pages
+            launched = 0
+            while pool_part:
+                await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
+                if self._closed:
+                    # No copy may start once the close began: it frees the pool after the copies
+                    # launched so far (a CUDA copy launched after its bridge closed had no waiter).
+                    cut = True
+                    break
+                part, pool_part = pool_part[:group], pool_part[group:]
+                lo = 0 if launched == 0 else launched * t - skip
+                hi = (launched + len(part)) * t - skip
+                ids = [pool.table.check(h) for h in part]
+                copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
+                launched += len(part)
+            measured = self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
+                                     self.layout.payload_bytes)
+            disk_start = max(first, match.pool_pages)
+            if self._closed:
+                cut = True  # no disk reads either
+            else:
+                promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
+            if promotions:
+                # Only the pages these promotions read count (one already in the pool took no disk
+                # time); a miss (None) folds nothing: a failed read fails fast.
+                tasks = list(promotions)
+
+                def read() -> int:
+                    return sum(1 for task in tasks if (p := task.result()) is not None and p.read)
+
+                self._measure(list(tasks), read, time.perf_counter(), self.costs.disk, self.layout.page_bytes,
+                              lambda f: f.result() is not None)
+            for offset, task in enumerate(promotions):
+                # Shielded: a cancelled load still lets the page land in the pool (released later).
+                promoted = await asyncio.shield(task)
+                consumed += 1
+                if promoted is None:
+                    break
+                handle = promoted.handle
+                if self._closed:
+                    self._release_handles([handle])
+                    cut = True
+                    break
+                page = disk_start + offset
+                page_skip = skip if page == first else 0
+                lo = page * t + page_skip - from_token
+                hi = (page + 1) * t - from_token
+                copies.append(
+                    (transfers.load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
+                )
+            outcomes = await asyncio.shield(
+                asyncio.gather(*(c.future for c, _, _ in copies), return_exceptions=True)
+            )
+        except BaseException:
+            # Nothing may still write the caller's slots once we raise (the engine reuses them).
+            await transfers.quiesce([c for c, _, _ in copies], offload=False)
+            self._release_handles(pool_part)
+            for copy, held, _ in copies:
+                self._after(copy.future, held, commit=None)
+            for task in promotions[consumed:]:
+                self._adopt(task)
+            raise
+        measured()
+        # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
+        loaded = {Tier.POOL: 0, Tier.DISK: 0}
+        for (_, held, tier), outcome in zip(copies, outcomes, strict=True):
+            if outcome is not None:
+                self.faults.record("copy_failed", f"load copy failed: {outcome!r}")
+                break
+            loaded[tier] += len(held)
+        self._release_handles(pool_part)  # not launched: the close began (else empty)
+        for _, held, _ in copies:
+            self._release_handles(held)
+        for task in promotions[consumed:]:
+            self._adopt(task)
+        pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
+        end = max((first + pool_loaded + disk_loaded) * t, from_token)
+        self._loaded_tokens[Tier.POOL] += pool_loaded * t
+        self._loaded_tokens[Tier.DISK] += disk_loaded * t
+        self._bytes["pool_to_gpu"] += (pool_loaded + disk_loaded) * self.layout.payload_bytes
+        launched_pages = sum(len(held) for _, held, _ in copies)
+        withdrawn = match.pages - first - launched_pages if cut else 0
+        self._withdrawn += withdrawn
+        if end < match.tokens and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
+            # Cut only by the close (every launched copy landed): withdrawn, not a fault.
+            self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
+        return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
+
+    @staticmethod
+    def _measure(futures: list[asyncio.Future[Any]], pages: int | Callable[[], int], started: float,
+                 meter: RateMeter, page_bytes: int, delivered: Callable[[asyncio.Future[Any]], bool] | None = None,
+                 ) -> Callable[[], None]:
+        """Fold what ``futures`` delivered (``pages`` pages) over their wall time into ``meter``.
+
+        ``pages`` may be a function, asked once they all succeeded (promotions: how many of them
+        read their page; none read, nothing is folded). Folded when the last future completes, or
+        earlier by calling the returned function once they are all done: a call that settles its
+        result after awaiting the futures calls it, so the rate is in before the call returns (a
+        done-callback may still be queued then). Nothing is folded when any future was cancelled
+        or failed, or ``delivered`` says it moved nothing: a withdrawn or failed copy moved fewer
+        bytes than its pages (and fails fast), so counting it would inflate the rate, which is
+        saved across restarts.
+        """
+        folded = not futures or not pages
+
+        def fold() -> None:
+            nonlocal folded
+            if not folded and all(f.done() for f in futures):
+                folded = True
+                if all(not f.cancelled() and f.exception() is None and (delivered is None or delivered(f))
+                       for f in futures):
+                    moved = pages() if callable(pages) else pages
+                    if moved:
+                        meter.update(moved * page_bytes, time.perf_counter() - started)
+
+        for future in futures:
+            future.add_done_callback(lambda _: fold())
+        return fold
+
+    def start_load(self, match: Match, slots: torch.Tensor, from_token: int, layered: bool = False) -> LoadStream:
+        """A compute-or-load split over ``match`` (see :class:`aiokv.stream.LoadStream`).
+
+        Arguments were checked by :meth:`check_load` and the slots against the engine's buffer.
+        ``layered``: copy layer by layer, with readiness per layer.
+        """
+        self._running()
+        return LoadStream(self, match, slots, from_token, layered)
+
+    def estimate(self, match: Match) -> LoadEstimate:
+        """What loading ``match`` would cost by the rates measured so far, and where a split meets."""
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        return self.costs.estimate(match.pool_pages, match.disk_pages, self.layout.page_tokens,
+                                   self.layout.page_bytes)
+
+    def _adopt(self, task: asyncio.Future[Promotion | None]) -> None:
+        """Let a promotion nobody waits for finish in the background, then drop its reference."""
+
+        def finish() -> None:
+            if not task.cancelled() and task.exception() is None:
+                promoted = task.result()
+                if promoted is not None:
+                    self._release_handles([promoted.handle])
+
+        self.track(task, finish)
+
+    # -- disk promotions ------------------------------------------------------------------------
+
+    async def _promote(self, key: PageKey) -> Promotion | None:
+        """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
+        call read it (not when it was in the pool or another call's read brought it); None on any
+        miss."""
+        pool = self.pool
+        disk = self._disk
+        (res,) = pool.reserve([key])
+        if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
+            return await self._already_in(key, res.outcome)
+        # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
+        # a load's own promotions hold their pages until its copies end, so that could not help).
+        while res.outcome is ReserveOutcome.EXHAUSTED and disk is not None and await self._wait_for_room(disk_io=False):
+            (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
+        if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
+            return await self._already_in(key, res.outcome)
+        if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
+            self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
+            return None
+        handle = res.handle
+        assert handle is not None
+        read = asyncio.ensure_future(disk.read(key, handle))
+        try:
+            ok = await asyncio.shield(read)
+        except asyncio.CancelledError:
+            # The kernel may still be writing into the page: free it only once the read is over.
+            self.track(read, lambda: self._settle_read(read, handle))
+            raise
+        except Exception:
+            ok = False
+        if not ok:
+            pool.table.abort(handle)
+            self.faults.record("disk_read_failed", "a disk page could not be read back (see disk statistics)")
+            return None
+        self._promoted += 1
+        self._bytes["disk_to_pool"] += self.layout.page_bytes
+        kept = pool.table.commit(handle, keep=True)
+        assert kept is not None  # keep=True always returns the reference
+        return Promotion(kept, read=True)
+
+    async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | None:
+        """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
+        (PENDING: wait for its commit); nothing was read by this call. None when it is gone."""
+        table = self.pool.table
+        if outcome is ReserveOutcome.PENDING and not await table.wait_committed(key):
+            return None
+        handle = table.acquire(key)
+        return None if handle is None else Promotion(handle, read=False)
+
+    def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
+        """A read abandoned by a cancelled caller finished: keep the page if it verified."""
+        ok = not read.cancelled() and read.exception() is None and read.result()
+        if handle.released:
+            return
+        if ok:
+            self._promoted += 1
+            self.pool.table.commit(handle)
+        else:
+            self.pool.table.abort(handle)
+
+    # -- prefetch -------------------------------------------------------------------------------
+
+    async def prefetch(self, tokens: Tokens, salt: Salt = None) -> PrefetchResult:
+        """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool."""
+        pool, _ = self._running()
+        keys = self.keys(tokens, salt)
+        in_pool = 0
+        for key in keys:
+            # Refresh pages already in the pool too: the request they wait for is coming.
+            if not pool.table.touch(key) and pool.table.state_of(key) is PageState.FREE:
+                break
+            in_pool += 1
+        if self._disk is None or in_pool == len(keys):
+            return PrefetchResult(in_pool, 0)
+        count = self._disk.keys_present_prefix(keys[in_pool:])
+        tasks = [asyncio.ensure_future(self._promote(key)) for key in keys[in_pool : in_pool + count]]
+        try:
+            promotions = await asyncio.shield(asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            for task in tasks:
+                self._adopt(task)
+            raise
+        promoted = 0
+        for promotion in promotions:
+            if promotion is None:
+                break
+            promoted += promotion.read  # not a page another call read (or that was in the pool)
+        self._release_handles([p.handle for p in promotions if p is not None])
+        return PrefetchResult(in_pool, promoted)

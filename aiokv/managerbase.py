@@ -1,0 +1,178 @@
+"""`ManagerBase`: what every path of the :class:`aiokv.manager.CacheManager` shares.
+
+The manager's state (configuration, pool, disk tier, counters), its keys, page references, room in
+the pool and the one owner of in-flight work (:meth:`ManagerBase.track`). The paths pages take are
+built on it, each in its own module: :mod:`aiokv.loadpath` (match, load, disk promotions, prefetch)
+and :mod:`aiokv.offloadpath` (offload rounds, write-behind); :mod:`aiokv.manager` adds the lifetime,
+the learned rates saved across restarts and the statistics. All of it is synchronous bookkeeping
+between awaits, on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiokv.config import Admission, CacheConfig
+from aiokv.costs import CostModel
+from aiokv.faults import FaultLog
+from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle
+from aiokv.pool import PagePool
+from aiokv.results import Tier
+from aiokv.storage import DiskTier
+from aiokv.transfers import Transfers
+
+log = logging.getLogger("aiokv.cache")
+
+
+class ManagerBase:
+    """State, keys, page references and in-flight work of one manager (see the module docstring).
+
+    ``part`` is mixed into every key; ``writer`` False makes offloads store nothing (see
+    :class:`aiokv.manager.CacheManager`).
+    """
+
+    def __init__(self, config: CacheConfig, layout: KVLayout, *, part: bytes = b"", writer: bool = True) -> None:
+        self.config = config
+        self.layout = layout
+        self._part = part
+        self._writer = writer
+        self._seeds: dict[Salt, bytes] = {}
+        self._pool: PagePool | None = None
+        self._disk: DiskTier | None = None
+        self._transfers: Transfers | None = None
+        self._background: set[asyncio.Future[None]] = set()
+        self._seen: OrderedDict[PageKey, None] = OrderedDict()
+        self._closed = False
+        self.faults = FaultLog(log)
+        self.costs = CostModel(config.prefill_tokens_per_s)
+        self._lookups = 0
+        self._hit_tokens: Counter[Tier] = Counter()
+        self._loaded_tokens: Counter[Tier] = Counter()
+        self._miss_tokens = 0
+        self._bytes: Counter[str] = Counter()
+        self._stored = self._skipped = self._dropped = self._promoted = 0
+        self._withdrawn = 0  # pages a call did not copy because the close began first (not a fault)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> PagePool:
+        """The CPU page pool (after start)."""
+        if self._pool is None:
+            raise RuntimeError("the cache is not started: use `async with KVCache(...)` or await start()")
+        return self._pool
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, or None when there is none (not configured, or it could not start)."""
+        return self._disk
+
+    def _running(self) -> tuple[PagePool, Transfers]:
+        if self._closed:
+            raise RuntimeError("the cache is closed")
+        if self._pool is None or self._transfers is None:
+            raise RuntimeError("the cache is not started: use `async with KVCache(...)` or await start()")
+        return self._pool, self._transfers
+
+    def check_running(self) -> None:
+        """Raise ``RuntimeError`` unless started and not closed."""
+        self._running()
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
+        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = namespace_seed(self.layout, self.config.namespace, salt, self._part)
+            if len(self._seeds) < 4096:
+                self._seeds[salt] = seed
+        return page_keys(tokens, self.layout.page_tokens, seed)
+
+    def _note_seen(self, keys: Sequence[PageKey]) -> None:
+        if self.config.admission is not Admission.SEEN_TWICE:
+            return
+        for key in keys:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > self.config.seen_window:
+            self._seen.popitem(last=False)
+
+    # -- page references ------------------------------------------------------------------------
+
+    def _release_handles(self, handles: Sequence[PageHandle]) -> None:
+        if self._pool is None:
+            return
+        for handle in handles:
+            if not handle.released:
+                self._pool.table.release(handle)
+
+    # -- in-flight work -------------------------------------------------------------------------
+
+    def track(self, future: asyncio.Future[Any], finish: Callable[[], None]) -> None:
+        """Run ``finish`` when ``future`` (abandoned by its caller) completes; flush/aclose wait for it.
+
+        The one owner of work nobody awaits any more: copies and disk reads of cancelled calls,
+        promotions past a shortened load, read-backs of slot indices.
+        """
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._background.add(done)
+
+        def settle(_: asyncio.Future[Any]) -> None:
+            try:
+                finish()
+            finally:
+                self._background.discard(done)
+                if not done.done():
+                    done.set_result(None)
+
+        future.add_done_callback(settle)
+
+    def _after(self, future: asyncio.Future[None], handles: list[PageHandle], commit: bool | None) -> None:
+        """When a copy abandoned by a failing caller completes, release (None) or abort its pages."""
+        pool = self.pool
+
+        def finish() -> None:
+            if not future.cancelled():
+                future.exception()  # retrieved: a failed abandoned copy is only counted
+            for handle in handles:
+                if handle.released:
+                    continue
+                if commit is None:
+                    pool.table.release(handle)
+                elif commit:
+                    pool.table.commit(handle)
+                else:
+                    pool.table.abort(handle)
+
+        self.track(future, finish)
+
+    # -- room in the pool -----------------------------------------------------------------------
+
+    async def _wait_for_room(self, *, disk_io: bool = True) -> bool:
+        """Wait (``offload_wait`` at most) until a pool page may be free: a chunk still being
+        prepared becomes usable, or (``disk_io``) the write-behind or a read releases one. False
+        when nothing in flight can free a page, or none came in time."""
+        pool, disk = self.pool, self._disk
+        waits: list[asyncio.Future[None]] = []
+        if not pool.ready:
+            waits.append(asyncio.ensure_future(pool.wait_ready()))
+        if disk is not None and disk_io:
+            busy = disk.statistics()
+            if busy.write_behind_queued or busy.in_flight:
+                waits.append(asyncio.ensure_future(pool.table.wait_reclaimable()))
+        if not waits:
+            return False
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        return bool(done)
