@@ -15,6 +15,7 @@ worker thread so a large copy never stalls the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import ctypes
 import enum
@@ -38,16 +39,69 @@ class Lane(enum.Enum):
     """Small reads of caller data (slot indices) for validation."""
 
 
-_Item = tuple[torch.cuda.Event, asyncio.AbstractEventLoop, "asyncio.Future[None]"] | None
+class _Inbox:
+    """Completions waiting for one loop, handed over in batches.
+
+    Waiter threads :meth:`post`; the first post after a drain schedules one :meth:`drain` with
+    ``call_soon_threadsafe`` (a self-pipe write, a loop wake-up), later ones only append until that
+    drain runs. N events completing while the loop is busy or asleep cost one wake-up, one handle
+    and one callback, not N: each wake-up is also the waiter taking the GIL from the loop thread.
+    """
+
+    __slots__ = ("_errors", "_futures", "_lock", "_pending", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._futures: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._errors: dict[asyncio.Future[None], BaseException] = {}
+        self._pending = False
+        # Waiters of several lanes post to one inbox: the flag's check-and-set is atomic under it,
+        # so two of them never both schedule a drain for the same batch.
+        self._lock = threading.Lock()
+
+    def post(self, futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+        """From a waiter thread: ``futures`` completed (the last one with ``error``, if any)."""
+        with self._lock:
+            self._futures.extend(futures)
+            if error is not None:
+                self._errors[futures[-1]] = error
+            if self._pending:
+                return  # the drain already scheduled has not started: it takes these too
+            self._pending = True
+        try:
+            self.loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            with self._lock:
+                self._pending = False
+                self._futures.clear()
+                self._errors.clear()
+
+    def drain(self) -> None:
+        """On the loop: resolve every future posted so far, in completion order."""
+        with self._lock:
+            # Cleared before taking the batch: a post from here on schedules a drain of its own.
+            self._pending = False
+            futures, self._futures = self._futures, collections.deque()
+            errors, self._errors = self._errors, {}
+        for future in futures:
+            if not future.done():  # done: the waiter was cancelled; the copy finished anyway
+                error = errors.get(future) if errors else None
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return  # the waiter was cancelled; the copy finished anyway
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+_Item = tuple[torch.cuda.Event, _Inbox, "asyncio.Future[None]"] | None
+
+
+def _completed(event: torch.cuda.Event) -> bool:
+    """Whether ``event`` completed, without waiting (a CUDA query: cheap, holds the GIL). An error
+    reads as not completed: ``synchronize`` then raises it for the waiting coroutine."""
+    try:
+        return bool(event.query())  # type: ignore[no-untyped-call]
+    except Exception:
+        return False
 
 
 class CompletionBridge:
@@ -59,6 +113,9 @@ class CompletionBridge:
         self._cpu: concurrent.futures.ThreadPoolExecutor | None = None
         self._cpu_jobs: dict[asyncio.Future[Any], concurrent.futures.Future[Any]] = {}
         self._closed = False
+        # The loop futures are resolved on (one per bridge in practice: a cache's or a rank's). A
+        # wait from another loop replaces it; items queued already keep the inbox they were given.
+        self._inbox: _Inbox | None = None
         # wait()'s check and put, close()'s flag and sentinels, and lane creation are atomic under
         # it: an item put after a lane's sentinel would never resolve, and a lane made after close
         # would keep its thread for ever.
@@ -106,18 +163,34 @@ class CompletionBridge:
         return q
 
     def _wait_loop(self, q: queue.SimpleQueue[_Item]) -> None:
-        while (item := q.get()) is not None:
-            event, loop, future = item
+        """One lane's waiter: blocks (GIL released) on the queue, then in ``synchronize()`` on the
+        oldest event (blocking-sync events sleep there; events of one lane complete in order).
+        Those queued behind it that completed too go in the same batch: one hand-over to the loop
+        for events that finish together, such as a layer-wise load's layers."""
+        item = q.get()
+        while item is not None:
+            event, inbox, future = item
             error: BaseException | None = None
             try:
                 event.synchronize()
             except BaseException as exc:  # a CUDA error surfaces in the awaiting coroutine
                 error = exc
-            self.completed += 1
-            try:
-                loop.call_soon_threadsafe(_resolve, future, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting any more
+            batch = [future]
+            held = False  # whether ``item`` is the next one to wait for, already taken off the queue
+            while error is None:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and item[1] is inbox and _completed(item[0]):
+                    batch.append(item[2])
+                    continue
+                held = True  # the sentinel, another loop's, or still running: waited for next
+                break
+            self.completed += len(batch)
+            inbox.post(batch, error)
+            if not held:
+                item = q.get()
 
     def wait(self, event: torch.cuda.Event | None, lane: Lane) -> asyncio.Future[None]:
         """A future that resolves when ``event`` has completed (at once for None)."""
@@ -129,7 +202,10 @@ class CompletionBridge:
             if event is None:
                 future.set_result(None)
             else:
-                self._lane(lane).put((event, loop, future))
+                inbox = self._inbox
+                if inbox is None or inbox.loop is not loop:
+                    inbox = self._inbox = _Inbox(loop)
+                self._lane(lane).put((event, inbox, future))
         return future
 
     def run_cpu(self, fn: Callable[[], T]) -> asyncio.Future[T]:
