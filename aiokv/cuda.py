@@ -48,12 +48,13 @@ class _Inbox:
     and one callback, not N: each wake-up is also the waiter taking the GIL from the loop thread.
     """
 
-    __slots__ = ("_errors", "_futures", "_lock", "_pending", "loop")
+    __slots__ = ("_errors", "_futures", "_lock", "_pending", "_values", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._futures: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._errors: dict[asyncio.Future[None], BaseException] = {}
+        self._futures: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._errors: dict[asyncio.Future[Any], BaseException] = {}
+        self._values: dict[asyncio.Future[Any], object] = {}  # results other than None
         self._pending = False
         # Waiters of several lanes post to one inbox: the flag's check-and-set is atomic under it,
         # so two of them never both schedule a drain for the same batch.
@@ -68,6 +69,20 @@ class _Inbox:
             if self._pending:
                 return  # the drain already scheduled has not started: it takes these too
             self._pending = True
+        self._wake()
+
+    def post_value(self, future: asyncio.Future[T], value: T) -> None:
+        """From any thread: ``future`` is to resolve with ``value``."""
+        with self._lock:
+            self._futures.append(future)
+            if value is not None:
+                self._values[future] = value
+            if self._pending:
+                return
+            self._pending = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self.loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
@@ -75,21 +90,24 @@ class _Inbox:
                 self._pending = False
                 self._futures.clear()
                 self._errors.clear()
+                self._values.clear()
 
     def drain(self) -> None:
-        """On the loop: resolve every future posted so far, in completion order."""
+        """On the loop: resolve every future posted so far, in the order posted."""
         with self._lock:
             # Cleared before taking the batch: a post from here on schedules a drain of its own.
             self._pending = False
             futures, self._futures = self._futures, collections.deque()
             errors, self._errors = self._errors, {}
+            values, self._values = self._values, {}
         for future in futures:
-            if not future.done():  # done: the waiter was cancelled; the copy finished anyway
-                error = errors.get(future) if errors else None
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
+            if future.done():
+                continue  # the waiter was cancelled; the copy finished anyway
+            error = errors.get(future) if errors else None
+            if error is None:
+                future.set_result(values.get(future) if values else None)
+            else:
+                future.set_exception(error)
 
 
 _Item = tuple[torch.cuda.Event, _Inbox, "asyncio.Future[None]"] | None
@@ -207,6 +225,20 @@ class CompletionBridge:
                     inbox = self._inbox = _Inbox(loop)
                 self._lane(lane).put((event, inbox, future))
         return future
+
+    def resolve_threadsafe(self, future: asyncio.Future[T], value: T) -> None:
+        """From any thread: resolve ``future`` with ``value`` on its loop (unless it is done by
+        then), in the same hand-over as the event completions: a thread that settles many futures
+        in a row (a paced load's layers as it queues them) wakes the loop once, not once each.
+        Nothing happens once the future's loop is closed."""
+        loop = future.get_loop()
+        inbox = self._inbox
+        if inbox is None or inbox.loop is not loop:
+            with self._lock:
+                inbox = self._inbox
+                if inbox is None or inbox.loop is not loop:
+                    inbox = self._inbox = _Inbox(loop)
+        inbox.post_value(future, value)
 
     def run_cpu(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run a CPU copy on the copy thread (copies stay in submission order).

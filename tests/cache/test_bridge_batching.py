@@ -206,3 +206,46 @@ def test_completion_after_the_loop_closed_leaves_the_waiter_working() -> None:
         threading.excepthook = previous
     assert not errors, errors
     assert bridge.completed == 2
+
+
+@pytest.mark.asyncio
+async def test_values_settled_from_a_thread_share_one_wakeup(bridge: CompletionBridge) -> None:
+    # A thread settling many futures in a row (a paced load's feeder as it queues each layer) wakes
+    # the loop once: one call_soon_threadsafe per future before (32 here).
+    loop = asyncio.get_running_loop()
+    layers: list[asyncio.Future[bool]] = [loop.create_future() for _ in range(32)]
+    layers[5].cancel()  # a consumer gave up on it: left alone
+    calls = _count_handovers(loop)
+    try:
+        def settle_all() -> None:
+            for i, f in enumerate(layers):
+                bridge.resolve_threadsafe(f, i % 3 != 0)
+
+        feeder = threading.Thread(target=settle_all)
+        feeder.start()
+        _block_loop_until(lambda: not feeder.is_alive())  # all settled while the loop is held
+        assert not any(f.done() for i, f in enumerate(layers) if i != 5)  # only the loop resolves them
+        await asyncio.wait_for(asyncio.gather(*(f for i, f in enumerate(layers) if i != 5)), 10)
+    finally:
+        _restore(loop)
+    if calls is not None:
+        assert calls[0] == 1, calls
+    assert [f.result() for i, f in enumerate(layers) if i != 5] == [i % 3 != 0 for i in range(32) if i != 5]
+    assert layers[5].cancelled()
+
+
+def test_value_settled_after_its_loop_closed_is_dropped() -> None:
+    bridge = CompletionBridge()
+    loop = asyncio.new_event_loop()
+    future: asyncio.Future[bool] = loop.create_future()
+    loop.close()
+    bridge.resolve_threadsafe(future, True)  # no loop to run it: nothing, and no error
+    assert not future.done()
+
+    async def later() -> bool:  # the bridge serves a new loop afterwards
+        fresh: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        bridge.resolve_threadsafe(fresh, True)
+        return await asyncio.wait_for(fresh, 10)
+
+    assert asyncio.run(later()) is True
+    bridge.close()
