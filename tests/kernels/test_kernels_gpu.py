@@ -226,8 +226,13 @@ def test_layer_wise_load_odd_sizes_many_pages(
 
 
 def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Copies of layers >= 1 are held back on the copy stream: event 0 must complete with layer 0
-    # in place while the later layers are still in flight, and each later event with its layer.
+    # The copies of layers >= 1 are held back on the host (the loading thread blocks before
+    # queuing them): event 0 must complete with layer 0 in place while nothing of the later layers
+    # was queued, and each later event with its layer. (Holding them on the GPU instead, with a
+    # sleep kernel on the copy stream, proves nothing: streams that share a hardware queue with
+    # the copy stream then wait behind the sleep too, event 0's among them.)
+    import threading
+
     layout = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=256)
     gen = torch.Generator().manual_seed(3)
     kv = KVBuffer.wrap(layout, random_bits((4, 4096, 16, 128), torch.bfloat16, gen).cuda())
@@ -237,28 +242,55 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
     slots = distinct_slots(10 * 256, 4096, gen)
     expect = empty_like_kv(kv)
     reference_scatter(expect, pages, slots, page_ids)
-    real_copy = PageMover._copy_unit
-    slowed_layers: list[int] = []
+    real_copy, real_done = PageMover._copy_unit, PageMover._layer_done
+    gate, layer0 = threading.Event(), threading.Event()
+    held: list[int] = []
+    published: list[torch.cuda.Event] = []
 
-    def slowed(self: PageMover, buffer: torch.Tensor, ids: list[int], runs: list[tuple[int, int, int]],
-               layer: int, stream: torch.cuda.Stream | None) -> None:
-        if layer >= 1:
-            assert stream is not None, "a CUDA staging load without a copy stream"
-            slowed_layers.append(layer)
-            with torch.cuda.stream(stream):  # on the copy stream itself, whatever stream is current
-                torch.cuda._sleep(50_000_000)  # ~25 ms per unit at the H200's ~2 GHz
+    def held_copy(self: PageMover, buffer: torch.Tensor, ids: list[int], runs: list[tuple[int, int, int]],
+                  layer: int, stream: torch.cuda.Stream | None) -> None:
+        if layer >= 1 and not gate.is_set():
+            held.append(layer)
+            assert gate.wait(60), "the test never released the later layers"
         real_copy(self, buffer, ids, runs, layer, stream)
 
-    monkeypatch.setattr(PageMover, "_copy_unit", slowed)
+    def publishing(streams: list[torch.cuda.Stream], events: list[torch.cuda.Event], on_layer: object,
+                   layer: int) -> None:
+        real_done(streams, events, on_layer, layer)  # type: ignore[arg-type]
+        published.append(events[-1])
+        if layer == 0:
+            layer0.set()
+
+    monkeypatch.setattr(PageMover, "_copy_unit", held_copy)
+    monkeypatch.setattr(PageMover, "_layer_done", staticmethod(publishing))
     back = empty_like_kv(kv)
     mover = PageMover(back, pages, TransferPath.STAGING, 2)
     assert mover.effective_path is TransferPath.STAGING, mover.effective_path
-    events = mover.load_layers(page_ids, slots)
-    assert events is not None and len(events) == 4
-    assert sorted(set(slowed_layers)) == [1, 2, 3], "the later layers' copies did not go through _copy_unit"
-    events[0].synchronize()
-    assert _layer_equal(back, expect, 0)
-    assert not events[-1].query(), "the later layers were not in flight: the test proves nothing"
+    out: list[list[torch.cuda.Event] | None] = []
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            out.append(mover.load_layers(page_ids, slots))
+        except BaseException as exc:  # surfaced below
+            failed.append(exc)
+            gate.set()
+            layer0.set()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        assert layer0.wait(60) and not failed, failed
+        published[0].synchronize()
+        assert held == [1], "the loading thread is not held before layer 1's first copy"
+        assert _layer_equal(back, expect, 0)
+        assert not _layer_equal(back, expect, 1), "layer 1 landed although none of its copies was queued"
+    finally:
+        gate.set()
+        thread.join(60)
+    assert not failed, failed
+    events = out[0]
+    assert events is not None and len(events) == 4 and events == published
     for layer in range(1, 4):
         events[layer].synchronize()
         assert _layer_equal(back, expect, layer), layer
