@@ -31,6 +31,7 @@ Everything runs on the loop of a :class:`LoopThread`; the methods taking corouti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import errno
 import fcntl
@@ -39,7 +40,7 @@ import itertools
 import logging
 import math
 import os
-import shutil
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -302,6 +303,125 @@ def _nothing(_: object) -> None:
     """Nothing to close for a caller that is gone."""
 
 
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TREE_DEPTH = 2
+"""Directory levels under a store's directory: layout directories, then their fan-out ones."""
+
+
+def _open_same_dir(directory: Path, identity: tuple[int, int] | None) -> int | None:
+    """A descriptor of the store's directory, opened without following a symlink at its name
+    (``O_NOFOLLOW``), when it is still the directory the tier was started over (``identity``,
+    ``(st_dev, st_ino)``); None when the name is gone or leads elsewhere. Blocking; the caller
+    closes it."""
+    if identity is None:
+        return None
+    try:
+        root_fd = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fd = os.open(directory.name, _DIR_OPEN, dir_fd=root_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(root_fd)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != identity:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _open_below(dir_fd: int, name: str) -> int | None:
+    """``name`` under ``dir_fd`` as a directory of ours (``O_NOFOLLOW``), or None (a symlink, a file,
+    gone, another owner's). Blocking; the caller closes it."""
+    try:
+        fd = os.open(name, _DIR_OPEN, dir_fd=dir_fd)
+    except OSError:
+        return None
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _page_file_exists(directory: Path, identity: tuple[int, int] | None, parts: Sequence[str]) -> bool:
+    """Whether a regular file sits at ``parts`` (directories, then the file's name) under the
+    store's directory, reached from a descriptor of that directory (:func:`_open_same_dir`) one
+    component at a time, none followed if it is a symlink. Blocking; looks only."""
+    fd = _open_same_dir(directory, identity)
+    try:
+        for name in parts[:-1]:
+            if fd is None:
+                return False
+            sub = _open_below(fd, name)
+            os.close(fd)
+            fd = sub
+        if fd is None:
+            return False
+        try:
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _clear_tree(directory: Path, identity: tuple[int, int] | None) -> bool:
+    """Delete the regular files of ours under the store's directory (page files, temporary ones),
+    through descriptors only: a symlink is never followed nor a directory entered that is not
+    ours, and a name swapped meanwhile redirects nothing (each directory is opened ``O_NOFOLLOW``
+    from its parent's descriptor). The lock files stay (a reader may hold one), as does anything
+    that is not a regular file of ours (logged). Emptied subdirectories are removed. True when the
+    directory is gone or cleared; False (logged) when it is no longer the directory the tier used.
+    Blocking; raises ``OSError`` when a removal fails."""
+    fd = _open_same_dir(directory, identity)
+    if fd is None:
+        if _identity(directory) is None:
+            return True  # nothing there: nothing to clear
+        log.error("aiokv store: not clearing %s: it is no longer the directory this store used (renamed, or "
+                  "something put in its place)", directory)
+        return False
+    try:
+        _clear_below(fd, directory, _TREE_DEPTH)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _clear_below(dir_fd: int, shown: Path, depth: int) -> None:
+    euid = os.geteuid()
+    for name in os.listdir(dir_fd):
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and depth > 0 and st.st_uid == euid:
+            sub = _open_below(dir_fd, name)
+            if sub is None:
+                log.warning("aiokv store: clear left %s (no longer a directory of ours)", shown / name)
+                continue
+            try:
+                _clear_below(sub, shown / name, depth - 1)
+            finally:
+                os.close(sub)
+            try:
+                os.rmdir(name, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
+        elif stat.S_ISREG(st.st_mode) and st.st_uid == euid:
+            if name != LOCK_NAME:
+                # unlinkat removes this name in this directory: whatever stands there now, nothing
+                # is followed (a file swapped for a link since the stat loses the link only).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dir_fd)
+        else:
+            log.warning("aiokv store: clear left %s (not a regular file or directory of ours)", shown / name)
+
+
 def _hold_shared(own_fd: int, layout_dir: Path) -> int | None:
     """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir`` in the
     store's directory ``own_fd`` (checked: :func:`_open_own_dir`), reached through a checked
@@ -378,6 +498,7 @@ class PageFileStore:
         self.layout = raw_layout(page_bytes)
         self._layout_dir = PageFiles(self.directory, self.layout).layout_dir
         self._refreshed = -math.inf  # loop time of the reader's last rescan
+        self._dir_identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory the tier uses
         self.refreshes = 0
         """Rescans of a reader's index (:attr:`Sharing.READER`)."""
         self._tickets = itertools.count(1)
@@ -489,6 +610,7 @@ class PageFileStore:
                        "the store started: refusing to use it (nothing was written outside the directory checked)")
             log.error("%s", message)
             raise UnsafeDirectoryError(errno.EPERM, message)
+        self._dir_identity = named
         return disk
 
     def key(self, engine_key: bytes) -> PageKey:
@@ -537,8 +659,13 @@ class PageFileStore:
         if asyncio.get_running_loop().time() - self._refreshed < self.config.reader_refresh_s:
             return False
         files = self._started()[1].files
-        paths = [files.path(key) for key in missing]
-        return await asyncio.to_thread(lambda: any(os.path.lexists(path) for path in paths))
+        parts = [(self._layout_dir.name, *files.rel(key).split("/")) for key in missing]
+        directory, identity = self.directory, self._dir_identity
+
+        def any_file() -> bool:
+            return any(_page_file_exists(directory, identity, p) for p in parts)
+
+        return await run_in_new_thread(any_file, "aiokv-store-dir", _nothing)
 
     async def _refresh(self) -> None:
         """Rebuild a reader's index: a new tier over the directory replaces the old one, which
@@ -673,8 +800,10 @@ class PageFileStore:
     async def clear(self) -> bool:
         """Delete every page file of this identity and start over empty. True when cleared.
 
-        The disk tier is closed first (waiting for its I/O in flight), its directory removed (never
-        following a link in it) and a fresh tier started there. Calls meanwhile see a closing tier:
+        The disk tier is closed first (waiting for its I/O in flight), the regular files of ours in
+        its directory deleted through descriptors of that directory (never following a link, never
+        entering a directory that is not ours, never through a name swapped since the tier started:
+        see :func:`_clear_tree`) and a fresh tier started there. Calls meanwhile see a closing tier:
         writes are refused and reads miss (never bytes from a half-removed file). False, with the
         tier left as it was, when the directory is read-only here or held by another process (its
         owner alone deletes there); False with the tier restarted over what is left when the
@@ -691,11 +820,9 @@ class PageFileStore:
                 return False
             await self._stop_registering()
             await disk.aclose()
-            removed = True
             try:
-                await asyncio.to_thread(shutil.rmtree, self.directory)
-            except FileNotFoundError:
-                pass
+                clearing = functools.partial(_clear_tree, self.directory, self._dir_identity)
+                removed = await run_in_new_thread(clearing, "aiokv-store-clear", _nothing)
             except OSError:
                 log.exception("aiokv store: clearing %s failed part-way", self.directory)
                 removed = False
