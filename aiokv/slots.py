@@ -40,7 +40,9 @@ def check_host_slots(slots: object, count: int, num_slots: int, name: str = "slo
     tensor = check_form(slots, count, name)
     if tensor.device.type != "cpu":
         raise ValueError(f"{name} must be a host (CPU) tensor here, got one on {tensor.device}")
-    tensor = tensor.to(torch.int64)
+    # Always a copy of our own: the caller may reuse its index buffer as soon as the call returns
+    # (a streaming load launches later, from these validated values, without checking again).
+    tensor = tensor.to(torch.int64, copy=True)
     if count:
         check_slot_range(tensor, num_slots, name)
     return tensor
@@ -74,7 +76,9 @@ class SlotValidator:
         if slots.device != self.kv.device and slots.device.type != "cpu":
             raise ValueError(f"{name} is on {slots.device}, the KV buffer is on {self.kv.device}")
         host = await self._to_host(slots) if slots.device.type == "cuda" else slots
-        host = host.to(torch.int64)
+        # A copy of our own unless the read-back made one: launches after this call returned (a
+        # streaming load's) use these validated values unchecked, whatever the caller does to its buffer.
+        host = host.to(torch.int64, copy=host is slots)
         if count:
             check_slots(self.kv, host, name)  # range and duplicates: the kernels' own check
         return host
