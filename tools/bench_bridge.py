@@ -29,7 +29,10 @@ Waiters compared in the same run, alternated ``--rounds`` times:
   the loop (a thread wanting the GIL makes the loop thread give it up and wait to get it back).
 - ``bridge``: the working tree's ``CompletionBridge``; ``--against REV`` adds ``REV``'s as ``REV``.
 
-Scenarios: ``stream`` (the load above) and ``idle`` (events 5 ms apart, nothing else running: the
+Scenarios: ``stream`` (the load above), ``convoy`` (the same with ``--step-calls`` GIL-releasing C
+calls in each engine step and ``--feeder-calls`` in each feeder burst: each release lets another
+thread take the GIL, and a thread that gives it back and retakes it faster than the loop thread
+wakes keeps it up to the switch interval) and ``idle`` (events 5 ms apart, nothing else running: the
 chain alone, the loop asleep in epoll when each completes). Timings need a quiet machine: on a
 2-core VM shared with other work the p99s are the other work's.
 
@@ -188,13 +191,29 @@ def _started(module: ModuleType) -> Callable[[], Waiter]:
     return make
 
 
-def busy(seconds: float, spans: list[tuple[float, float]] | None = None) -> None:
-    """Python work holding the GIL (what an engine step or a hash loop does); its monotonic start
-    and end appended to ``spans``."""
+_release: Callable[[], object] | None = None
+
+
+def _c_call() -> None:
+    """A C call that releases the GIL and gives it back (ctypes does, as for ``cudaMemcpy2DAsync``;
+    torch's ``record``/``wait_event`` too): where another thread can take the GIL from this one."""
+    global _release
+    if _release is None:
+        _release = ctypes.CDLL(None).getppid
+    _release()
+
+
+def busy(seconds: float, spans: list[tuple[float, float]] | None = None, calls: int = 0) -> None:
+    """Python work holding the GIL (what an engine step or a hash loop does), cut by ``calls`` C
+    calls that release it; its monotonic start and end appended to ``spans``."""
     start = time.monotonic()
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    chunk = seconds / (calls + 1)
+    for i in range(calls + 1):
+        if i:
+            _c_call()
+        end = time.perf_counter() + chunk
+        while time.perf_counter() < end:
+            pass
     if spans is not None:
         spans.append((start, time.monotonic()))
 
@@ -272,11 +291,12 @@ class LagProbe:
             expected, delay = now + self._period, waited
 
 
-def _feeder(stop: threading.Event, work_s: float, period_s: float) -> None:
-    """The paced feeder's shape: Python work (issuing a unit), then a wait with the GIL released."""
+def _feeder(stop: threading.Event, work_s: float, period_s: float, calls: int) -> None:
+    """The paced feeder's shape: Python work issuing units (``calls`` C calls), then a wait with the
+    GIL released."""
     _tight_timer_slack()
     while not stop.wait(period_s):
-        busy(work_s)
+        busy(work_s, calls=calls)
 
 
 def _thread_cpu(threads: list[threading.Thread]) -> float:
@@ -308,20 +328,23 @@ def _waiter_threads(before: set[int]) -> list[threading.Thread]:
             and not t.name.startswith(("bench-feeder", "asyncio_"))]
 
 
-async def _engine(args: argparse.Namespace, spans: list[tuple[float, float]]) -> None:
+async def _engine(args: argparse.Namespace, spans: list[tuple[float, float]], calls: int) -> None:
     """The engine's shape on the loop: per hit, ``--layers`` steps of ``--step-us`` (a layer's
-    launches after its ``wait_layer``), each followed by a loop turn, then ``--gap-ms`` in one step
-    (``finish``, the next ``match``'s hashing, ``start_load``), then ``--idle-ms`` awaiting the GPU."""
+    launches after its ``wait_layer``; ``calls`` C calls in each), each followed by a loop turn,
+    then ``--gap-ms`` in one step (``finish``, the next ``match``'s hashing, ``start_load``), then
+    ``--idle-ms`` awaiting the GPU."""
     while True:
         for _ in range(args.layers):
-            busy(args.step_us * 1e-6, spans)
+            busy(args.step_us * 1e-6, spans, calls)
             await asyncio.sleep(0)
         busy(args.gap_ms * 1e-3, spans)
         await asyncio.sleep(args.idle_ms * 1e-3)
 
 
-async def scenario(make: Callable[[], Waiter], lane: Any, args: argparse.Namespace, idle: bool) -> Samples:
+async def scenario(make: Callable[[], Waiter], lane: Any, args: argparse.Namespace, kind: str) -> Samples:
     """One waiter under one scenario; returns its samples."""
+    idle = kind == "idle"
+    convoy = kind == "convoy"
     out = Samples()
     loop = asyncio.get_running_loop()
     writes = [0]
@@ -337,7 +360,8 @@ async def scenario(make: Callable[[], Waiter], lane: Any, args: argparse.Namespa
     stop = threading.Event()
     feeder = None
     if not idle and args.feeder_us > 0:
-        feeder = threading.Thread(target=_feeder, args=(stop, args.feeder_us * 1e-6, args.feeder_period_us * 1e-6),
+        feeder = threading.Thread(target=_feeder, args=(stop, args.feeder_us * 1e-6, args.feeder_period_us * 1e-6,
+                                        args.feeder_calls if convoy else 0),
                                   name="bench-feeder", daemon=True)
         feeder.start()
     probe = asyncio.ensure_future(LagProbe(out.lag, out.own_lag).run())
@@ -346,7 +370,7 @@ async def scenario(make: Callable[[], Waiter], lane: Any, args: argparse.Namespa
     cpu0, wall0 = _thread_cpu(threads), time.perf_counter()
     switches0, loop0 = _switches(threads), _switches(me)
     spans: list[tuple[float, float]] = []
-    engine = None if idle else asyncio.ensure_future(_engine(args, spans))
+    engine = None if idle else asyncio.ensure_future(_engine(args, spans, args.step_calls if convoy else 0))
     try:
         interval = (5000 if idle else args.interval_us) * 1e-6
         for _ in range(args.samples // args.burst):
@@ -423,7 +447,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[Samples]] = {name: [] for name in makers}
         for _ in range(args.rounds):
             for name, (make, lane) in makers.items():
-                runs[name].append(await scenario(make, lane, args, kind == "idle"))
+                runs[name].append(await scenario(make, lane, args, kind))
         results[kind] = {name: summarize(r) for name, r in runs.items()}
     return results
 
@@ -453,7 +477,8 @@ def report(results: dict[str, Any], baseline: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", nargs="+", choices=["stream", "idle"], default=["stream", "idle"])
+    parser.add_argument("--scenario", nargs="+", choices=["stream", "convoy", "idle"],
+                        default=["stream", "convoy", "idle"])
     parser.add_argument("--waiters", nargs="+", choices=["bare", "poll", "bridge"], default=["bare", "poll", "bridge"])
     parser.add_argument("--against", nargs="*", default=[], help="git revisions whose bridge to add")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the waiters")
@@ -463,6 +488,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32, help="engine steps per hit")
     parser.add_argument("--step-us", type=float, default=50.0, help="engine Python work per layer step")
     parser.add_argument("--gap-ms", type=float, default=1.6, help="engine Python work between hits, one step")
+    parser.add_argument("--step-calls", type=int, default=3,
+                        help="convoy: GIL-releasing C calls per engine step (order_layer's wait_event)")
+    parser.add_argument("--feeder-calls", type=int, default=64, help="convoy: the feeder's C calls per burst")
     parser.add_argument("--idle-ms", type=float, default=5.0, help="engine awaiting the GPU per hit")
     parser.add_argument("--feeder-us", type=float, default=150.0, help="copy thread's Python work per unit (0: none)")
     parser.add_argument("--feeder-period-us", type=float, default=1000.0, help="copy thread's wait between units")
