@@ -182,12 +182,10 @@ class LoadPath(ManagerBase):
             self._adopt(task)
         pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
         end = max((first + pool_loaded + disk_loaded) * t, from_token)
-        self._loaded_tokens[Tier.POOL] += pool_loaded * t
-        self._loaded_tokens[Tier.DISK] += disk_loaded * t
-        self._bytes["pool_to_gpu"] += (pool_loaded + disk_loaded) * self.layout.payload_bytes
+        self.count_loaded(pool_loaded, disk_loaded)
         launched_pages = sum(len(held) for _, held, _ in copies)
         withdrawn = match.pages - first - launched_pages if cut else 0
-        self._withdrawn += withdrawn
+        self.withdraw(withdrawn)
         if end < match.tokens and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
             # Cut only by the close (every launched copy landed): withdrawn, not a fault.
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")

@@ -73,6 +73,25 @@ class ManagerBase:
         """The disk tier, or None when there is none (not configured, or it could not start)."""
         return self._disk
 
+    @property
+    def closing(self) -> bool:
+        """True from the close's first step on (:meth:`aiokv.manager.CacheManager.aclose`): a call in
+        flight launches nothing more and counts what it did not copy with :meth:`withdraw`."""
+        return self._closed
+
+    def withdraw(self, pages: int) -> None:
+        """Count ``pages`` a call did not copy because the close began first: ``pages_withdrawn``
+        in :meth:`aiokv.manager.CacheManager.stats`, never a fault."""
+        self._withdrawn += pages
+
+    def count_loaded(self, pool_pages: int, disk_pages: int) -> None:
+        """Count a load's pages copied into the engine's buffer: ``pool_pages`` that were in the pool,
+        ``disk_pages`` read from disk first (``loaded_tokens`` and ``bytes_moved["pool_to_gpu"]``)."""
+        t = self.layout.page_tokens
+        self._loaded_tokens[Tier.POOL] += pool_pages * t
+        self._loaded_tokens[Tier.DISK] += disk_pages * t
+        self._bytes["pool_to_gpu"] += (pool_pages + disk_pages) * self.layout.payload_bytes
+
     def _running(self) -> tuple[PagePool, Transfers]:
         if self._closed:
             raise RuntimeError("the cache is closed")

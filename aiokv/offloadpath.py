@@ -73,7 +73,7 @@ class OffloadPath(ManagerBase):
         self._stored += stored
         self._skipped += skipped
         self._dropped += dropped
-        self._withdrawn += withdrawn
+        self.withdraw(withdrawn)
         return OffloadResult(stored, skipped, dropped)
 
     async def _store(

@@ -351,7 +351,7 @@ class LoadStream:
             await asyncio.sleep(0)  # bounded host work per loop turn; the engine claims meanwhile
             if self._stopping or self._start_of(page) < self._claimed:
                 break
-            if manager._closed:
+            if manager.closing:
                 self._cut_at = page  # the close began: nothing more is launched (withdrawn, not a fault)
                 break
             if page in self._pool:
@@ -381,7 +381,7 @@ class LoadStream:
                 self._failed_at = page
                 break
             promoted = promotion.handle
-            if manager._closed:
+            if manager.closing:
                 manager._release_handles([promoted])
                 self._cut_at = page
                 break
@@ -432,15 +432,12 @@ class LoadStream:
         for _, _, handle, _ in self._copies:
             manager._release_handles([handle])
         self._release_rest()
-        t = self._t
-        manager._loaded_tokens[Tier.POOL] += counted[Tier.POOL] * t
-        manager._loaded_tokens[Tier.DISK] += counted[Tier.DISK] * t
-        manager._bytes["pool_to_gpu"] += (counted[Tier.POOL] + counted[Tier.DISK]) * manager.layout.payload_bytes
+        manager.count_loaded(counted[Tier.POOL], counted[Tier.DISK])
         withdrawn = len(failed) - len(errors)
         if self._cut_at is not None:
             # Pages the engine had not claimed when the close stopped the loader: not copied.
             withdrawn += sum(1 for p in range(self._first, self._cut_at + 1) if self._start_of(p) >= self._claimed)
-        manager._withdrawn += withdrawn
+        manager.withdraw(withdrawn)
         if self._failed_at is not None or errors:
             manager.faults.record("load_shortened", "a stream load stopped at a fault; the engine computes the rest")
         return StreamResult(self.tokens, self.from_token, self._claimed, loaded_from,
