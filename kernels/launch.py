@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -76,6 +76,26 @@ class LaunchRecord:
     """Called with each key on the launching thread, after it is recorded and before the launch."""
     keys: list[LaunchKey] = field(default_factory=list)
     threads: list[str] = field(default_factory=list)
+
+
+class TwinLaunches:
+    """What the scratch twins of one warm-up share (:meth:`CopyPlan.scratch_twin`): each variant is
+    launched once; a launch of a variant in ``done`` or launched already is skipped."""
+
+    def __init__(self, launch: bool = True, done: Iterable[LaunchKey] = ()) -> None:
+        self.launch = launch
+        """False: the twins' launches only add their keys (enumeration); nothing runs, nothing is recorded."""
+        self.keys: list[LaunchKey] = []
+        """The variants the twins launched (or named), in order."""
+        self._seen = set(done)
+
+    def claim(self, key: LaunchKey) -> bool:
+        """Whether ``key`` is new (then it is added)."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        self.keys.append(key)
+        return True
 
 
 _records: list[LaunchRecord] = []
@@ -196,7 +216,7 @@ class CopyPlan:
         self.page_words = _word_view(pages, self.word)
         self.page_strides = [s // self.word for s in page_strides]
         self._launches = [self._segment(seg, common) for seg in segs]
-        self._once: set[LaunchKey] | None = None
+        self._once: TwinLaunches | None = None
         """Set on a scratch twin: launch each variant once, skip the launches of a variant already in it."""
 
     def _segment(self, seg: Segment, common: int) -> _SegmentLaunch:
@@ -265,10 +285,8 @@ class CopyPlan:
         exactly what a copy launches)."""
         if self._once is not None or _records:
             key = launch_key(name, args, constexprs)
-            if self._once is not None:
-                if key in self._once:
-                    return
-                self._once.add(key)
+            if self._once is not None and (not self._once.claim(key) or not self._once.launch):
+                return
             if _records and not _observe(key):
                 return
         if _INTERPRETED:
@@ -277,7 +295,18 @@ class CopyPlan:
             return
         kernel[grid](*args, **constexprs)
 
-    def scratch_twin(self, once: set[LaunchKey], pages: int) -> CopyPlan:
+    def variant_signature(self) -> tuple[object, ...]:
+        """Everything of this plan that the variants of its launches depend on, besides each call's
+        own arguments (slots, page ids, token count, skip, layers): equal signatures, equal variants
+        for equal calls. Pointers enter by their alignment only."""
+        return (
+            self.kv.tp.writer, self.tokens, self.word, str(self.page_words.dtype), self.page_words.data_ptr() % 16,
+            tuple(self.page_strides),
+            tuple((str(x.kv_base.dtype), x.kv_base.data_ptr() % 16, x.kv_col, x.page_col, x.width, x.vec, x.block_t,
+                   x.block_w) for x in self._launches),
+        )
+
+    def scratch_twin(self, once: TwinLaunches, pages: int, device: torch.device | None = None) -> CopyPlan:
         """A plan that launches the same Triton variants as this one and touches only its own scratch.
 
         Same word size, columns and constexprs, pointers with the same alignment (modulo 16 bytes),
@@ -285,12 +314,13 @@ class CopyPlan:
         multiple of 16), so each launch has the key a copy through this plan would have while its
         memory stays a few KiB. Launch it with slots all 0 (its KV side is one row per segment,
         layer offsets 0) and pages below ``pages`` (page ids, or ``tokens // T`` without them).
-        Launches a variant only once: keys already in ``once`` are skipped, new ones added.
-        Scratch is allocated on the KV device, on the calling thread's current stream.
+        Launches a variant only once (see :class:`TwinLaunches`). Scratch is allocated on ``device``
+        (default: the KV device, on the calling thread's current stream; the CPU is enough for a
+        twin of ``once.launch`` False, whose launches only name their variants).
         """
         twin = object.__new__(CopyPlan)
         twin.kv, twin.tokens, twin.word = self.kv, self.tokens, self.word
-        device, layers = self.kv.device, self.kv.layout.num_layers
+        device, layers = device or self.kv.device, self.kv.layout.num_layers
         vec = max(x.vec for x in self._launches)  # every stride stays a multiple of each segment's VEC
         twin.page_strides = [_smallest_like(stride, vec) for stride in self.page_strides]
         page, layer, token = twin.page_strides

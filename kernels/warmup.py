@@ -3,46 +3,63 @@
 Triton compiles a kernel per variant (:data:`aiokv.kernels.launch.LaunchKey`: constexprs, and for
 each other argument its type and whether it is divisible by 16; an int equal to 1 is a variant of
 its own). A variant's first launch compiles it (or loads it from Triton's disk cache) and loads it
-onto the device: ~0.5 s on an H200, a loop stall when a cache's first copy launches it on the event
-loop. :func:`warm_up` does that work beforehand, on the thread that calls it.
+onto the device: ~0.3 s on an H200 host, a loop stall when a cache's first copy launches it on the
+event loop. :func:`warm_up` does that work beforehand, on the thread that calls it, in three steps:
 
-It runs the mover's own planning (:meth:`PageMover._chunks`, ``_deal`` and ``_lane_slices`` over the
-staging lanes, ``_layer_chunks`` for layer-wise loads, ``_index`` for index tensors) for every call
-shape that can reach a new variant, and launches through the same :class:`CopyPlan` code on a scratch
-twin of each plan (:meth:`CopyPlan.scratch_twin`: same constants and pointer alignment, strides of
-the same class, a few KiB of scratch). Only the slot indices (their offset in a lane's index
-tensor), the token count, the skip and the first layer vary between the calls of one plan; the
-shapes enumerated reach every class of them:
+1. *Enumerate* (:func:`variants_of`): run the mover's own planning (:meth:`PageMover._chunks`,
+   ``_deal`` and ``_lane_slices`` over the staging lanes, ``_layer_chunks`` for layer-wise loads)
+   for every call shape that can reach a new variant, through scratch twins of its plans
+   (:meth:`CopyPlan.scratch_twin`: same constants and pointer alignment, strides of the same class)
+   that only name their variants. Only the slot indices (their offset in a lane's index tensor),
+   the token count, the skip and the first layer vary between the calls of one plan; the shapes
+   reach every class of them: whole pages over the staging lanes, 1..3x the staging pages (every
+   partial chunk of each lane, the chunks after the first at both offset parities); layer-wise
+   loads, 1..4x a layer buffer's capacity; the DIRECT plan, 1..16 pages (every count modulo 16);
+   skips, see :func:`skip_values`; layers, the first of each class. The result, the variants and one
+   call that first reaches each, is kept per process for movers whose plans have the same
+   :meth:`CopyPlan.variant_signature` (a bounded table): a second cache does not enumerate again.
+2. *Compile apart* (CUDA): a helper process compiles the variants not yet loaded in this process
+   into Triton's disk cache (:mod:`aiokv.kernels.precompile`): Triton's compile holds the GIL for
+   ~20 ms stretches, which stalled the event loop while the warm-up compiled on its thread.
+3. *Launch* each variant not yet loaded in this process once, on the twins' scratch and a stream
+   of its own (copies may run meanwhile), as soon as the helper has it: Triton then loads the
+   binary from its disk cache (~2 ms of Python each) instead of compiling. A variant the helper
+   could not compile is compiled here, as without it.
 
-- whole pages over the staging lanes: 1..3x the staging pages (every partial chunk of each lane,
-  the chunks after the first at both offset parities);
-- layer-wise loads: 1..4x a layer buffer's capacity (one to four groups);
-- the DIRECT plan: 1..16 pages (every page count modulo 16);
-- skips: see :func:`skip_values`; layers: the first of each class (0, 1, 2 stand for all).
-
-One launch per distinct set of the varying arguments' specializations is enough (the plan's own
-are fixed); the twins also skip keys already launched. Everything runs on a stream of its own and
-touches only the twins' scratch: copies may run meanwhile. Shapes of page-aligned calls (skip 0:
-what an engine whose blocks are pages does), on every path a copy may take, come first; ``on_ready``
-is called once they are warm.
+Calls of page-aligned shapes (skip 0: what an engine whose blocks are pages does), on every path a
+copy may take, come first; ``on_ready`` is called once they are launched and done on the device.
+Variants a warm-up launched on a device are remembered per process: a later warm-up of the same
+variants on that device launches nothing. Warm-ups of one device run one at a time.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from .paths import TransferPath
+from .paths import TransferPath, interpreting
 
 if TYPE_CHECKING:
     from .launch import CopyPlan, LaunchKey
     from .mover import PageMover, _Lane
+    from .precompile import Precompile
+
+log = logging.getLogger(__name__)
+
+MEMO_ENTRIES = 32
+"""Enumerations kept per process (one per distinct set of plan signatures; a few KiB each)."""
+
+YIELD_S = 0.0005
+"""Pause between two launches (GIL released): a loop thread asking for the GIL gets it within one
+launch's Python work (~2 ms), not the interpreter's 5 ms switch interval."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,12 @@ class WarmUp:
     ready_seconds: float
     stopped: bool
     """``stop`` was set before the end: some variants may not be warm."""
+    skipped: int = 0
+    """Variants the copies use that were loaded in this process already (not launched again)."""
+    precompiled: int = 0
+    """Variants a helper process compiled into Triton's disk cache before their launch here."""
+    precompile_error: str | None = None
+    """Why the helper process did not compile every variant (None: it did, or none was needed)."""
 
 
 class _Stopped(Exception):
@@ -70,82 +93,114 @@ def skip_values(tokens: int) -> list[int]:
     return sorted(set(range(min(tokens, 18))) | {tokens - 1})
 
 
-def warm_up(
-    mover: PageMover, stop: threading.Event | None = None, on_ready: Callable[[], None] | None = None
-) -> WarmUp:
-    """Launch every Triton variant ``mover``'s copies can launch, once, on scratch (module docstring).
+# -- enumeration ------------------------------------------------------------------------------------
 
-    Blocks the calling thread until its launches completed on the device (run it off the event
-    loop); ``on_ready()`` is called from it once the variants of page-aligned calls are warm (also
-    when it fails or stops before: nobody waits for it in vain). ``stop`` set: returns early
-    (``stopped``). Nothing to do for the REFERENCE path (no kernels). Raises what a launch raises
-    (a compile error, out of device memory).
-    """
-    began = time.perf_counter()
-    if mover.effective_path is TransferPath.REFERENCE:
-        if on_ready is not None:
-            on_ready()
-        return WarmUp(0, 0, 0.0, 0.0, False)
-    run = _Run(mover, stop)
-    ready: tuple[int, float] | None = None
-    stopped = False
+
+@dataclass(frozen=True)
+class _Call:
+    """One twin call that reaches new variants: its plan's index in :func:`_roles`, its arguments."""
+
+    role: int
+    op: Literal["gather", "scatter"]
+    slots: tuple[int, int]
+    """``(offset, length)`` of its slots in a fresh index tensor (the offset sets their alignment)."""
+    ids: int | None
+    """Page ids passed (all 0), or None."""
+    skip: int
+    layer: int | None
+    """The one layer scattered, or None: all."""
+    keys: tuple[LaunchKey, ...]
+    """The variants it launches first."""
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The variants a mover's copies use, and one call reaching each (see the module docstring)."""
+
+    keys: tuple[LaunchKey, ...]
+    calls: tuple[_Call, ...]
+    ready_calls: int
+    """The first ``ready_calls`` calls are those of page-aligned shapes."""
+
+
+_memo: collections.OrderedDict[tuple[object, ...], Variants] = collections.OrderedDict()
+_loaded: dict[str, set[LaunchKey]] = {}
+"""Per device: variants launched by a finished warm-up (compiled kernels only: their modules stay loaded)."""
+_turns: dict[str, threading.Lock] = {}
+"""Per device: held by the warm-up running there (a later one then finds the variants loaded)."""
+_state_lock = threading.Lock()
+
+
+def _roles(mover: PageMover) -> list[tuple[CopyPlan, int]]:
+    """The plans the mover launches through, in a fixed order, each with the pages a twin needs."""
+    roles: list[tuple[CopyPlan, int]] = []
+    if mover.effective_path is TransferPath.STAGING:
+        for lane in mover._offload_lanes + mover._load_lanes:
+            assert lane.plan is not None and lane.staging is not None
+            roles.append((lane.plan, lane.staging.shape[0]))
+        if mover._layered is not None:
+            roles.extend((plan, mover._layered.capacity) for plan in mover._layered.plans)
     try:
-        with run.on_device():
-            try:
-                run.phase(aligned=True)
-                # Done on the device before copies go on: they may use what the warm-up built for the
-                # mover (the DIRECT plan's address tables, copied to the GPU on this stream).
-                run.synchronize()
-                ready = (len(run.seen), time.perf_counter() - began)
-                if on_ready is not None:
-                    on_ready()
-                run.phase(aligned=False)
-            except _Stopped:
-                stopped = True
-            finally:
-                run.synchronize()
-    finally:
-        if ready is None and on_ready is not None:
-            on_ready()
-    variants, ready_s = ready or (len(run.seen), time.perf_counter() - began)
-    return WarmUp(len(run.seen), variants, time.perf_counter() - began, ready_s, stopped)
+        roles.append((mover._direct_plan(), 1))  # the twin's scratch has one page
+    except ValueError:
+        pass  # the pool is not mapped for the kernels: a real DIRECT copy would fail alike
+    return roles
 
 
-class _Run:
-    """One warm-up: the call shapes of each plan the mover launches, one launch per new key."""
+def _signature(mover: PageMover, roles: list[tuple[CopyPlan, int]]) -> tuple[object, ...]:
+    """What the enumeration's result depends on: the plans' variant signatures and the call shapes."""
+    layered = mover._layered
+    return (
+        mover.effective_path, mover.kv.layout.page_tokens, mover.kv.layout.num_layers,
+        tuple(len(lanes) for lanes in (mover._offload_lanes, mover._load_lanes)),
+        None if layered is None else (layered.capacity, len(layered.plans)),
+        tuple((plan.variant_signature(), pages) for plan, pages in roles),
+    )
 
-    def __init__(self, mover: PageMover, stop: threading.Event | None) -> None:
-        from .launch import specialization  # loaded already: the mover's plans launch through it
+
+def variants_of(mover: PageMover) -> tuple[Variants, bool]:
+    """The variants ``mover``'s copies use (see the module docstring) and whether they were known
+    already (kept from an earlier mover of the same signature in this process). Thread-safe."""
+    roles = _roles(mover)
+    signature = _signature(mover, roles)
+    with _state_lock:
+        known = _memo.get(signature)
+        if known is not None:
+            _memo.move_to_end(signature)
+            return known, True
+    found = _Enumeration(mover, roles).run()
+    with _state_lock:
+        _memo[signature] = found
+        _memo.move_to_end(signature)
+        while len(_memo) > MEMO_ENTRIES:
+            _memo.popitem(last=False)
+    return found, False
+
+
+class _Enumeration:
+    """The call shapes of each plan the mover launches; one recorded call per new variant."""
+
+    def __init__(self, mover: PageMover, roles: list[tuple[CopyPlan, int]]) -> None:
+        from .launch import TwinLaunches, specialization
 
         self.spec = specialization
         self.mover = mover
-        self.stop = stop
-        self.seen: set[LaunchKey] = set()
         self.tokens = mover.kv.layout.page_tokens
-        self.stream: torch.cuda.Stream | None = None
-        self.lane: _Lane | None = None
-        self.twins: dict[int, CopyPlan] = {}
+        self.named = TwinLaunches(launch=False)
+        cpu = torch.device("cpu")  # twins that launch nothing need no device memory
+        self.twins = {id(plan): (i, plan.scratch_twin(self.named, pages, cpu)) for i, (plan, pages) in enumerate(roles)}
+        self.calls: list[_Call] = []
         self.done: set[object] = set()
         classes: dict[object, int] = {}
         for layer in range(mover.kv.layout.num_layers):
             classes.setdefault(specialization(layer), layer)
         self.layers = sorted(classes.values())
 
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        """The KV device and a stream of the warm-up's own current on this thread (CUDA)."""
-        from .mover import _Lane
-
-        device = self.mover.kv.device
-        if device.type != "cuda":
-            self.lane = _Lane(None, None, None)
-            yield
-            return
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.lane = _Lane(self.stream, None, None)
-            with torch.cuda.stream(self.stream):
-                yield
+    def run(self) -> Variants:
+        self.phase(aligned=True)
+        ready = len(self.calls)
+        self.phase(aligned=False)
+        return Variants(tuple(self.named.keys), tuple(self.calls), ready)
 
     def phase(self, aligned: bool) -> None:
         """Page-aligned calls (skip 0), or all the others."""
@@ -161,27 +216,20 @@ class _Run:
         else:
             self.direct(gathers=aligned and mover.kv.tp.writer, skips=skips)
 
-    # -- call shapes ----------------------------------------------------------------------------
-
     def whole_pages(self, lanes: list[_Lane], skips: list[int] | None) -> None:
         """Offloads (``skips`` None) or loads of 1..3x the staging pages over ``lanes``, chunked and
         indexed as :meth:`PageMover.offload`/:meth:`PageMover.load` do."""
         mover, tokens = self.mover, self.tokens
         capacity = sum(lane.staging.shape[0] for lane in lanes if lane.staging is not None)
-        index = self.index(3 * capacity * tokens)  # each lane's is a fresh tensor like this one
         for count in range(1, 3 * capacity + 1):
             for skip in skips or [0]:
                 chunks = mover._chunks(count, list(range(count)), skip, tokens)
                 for lane, mine in mover._deal(chunks, lanes):
-                    assert lane.staging is not None
-                    twin = self.twin(lane.plan, lane.staging.shape[0])
                     for chunk, (a, b) in zip(mine, mover._lane_slices(mine), strict=True):
-                        slots = index[a:b]
-                        if self.new(id(lane.plan), slots, chunk.skip):
-                            if skips is None:
-                                twin.gather(slots, None)
-                            else:
-                                twin.scatter(None, slots, chunk.skip)
+                        # Each lane's index is a fresh tensor: a chunk's slots start at offset a in it.
+                        if self.new(id(lane.plan), a, b - a, chunk.skip):
+                            op: Literal["gather", "scatter"] = "gather" if skips is None else "scatter"
+                            self.call(lane.plan, op, (a, b - a), None, chunk.skip, None)
 
     def layered(self, skips: list[int]) -> None:
         """STAGING layer-wise loads of 1..4x a layer buffer's capacity, grouped and indexed as
@@ -192,69 +240,241 @@ class _Run:
         if staging is None:
             return
         capacity = staging.capacity
-        twins = [self.twin(plan, capacity) for plan in staging.plans]
-        index = self.index(4 * capacity * tokens)
         for count in range(1, 4 * capacity + 1):
             ids = list(range(count))
             for skip in skips:
                 for group in mover._layer_chunks(ids, skip, capacity, tokens):
-                    slots = index[group.slot_begin : group.slot_end]
-                    if self.new("layered", slots, group.skip):
-                        for twin in twins:
+                    slots = (group.slot_begin, group.slot_end - group.slot_begin)
+                    if self.new("layered", *slots, group.skip):
+                        for plan in staging.plans:
                             for layer in self.layers:
-                                twin.scatter(None, slots, group.skip, range(layer, layer + 1))
+                                self.call(plan, "scatter", slots, None, group.skip, layer)
 
     def direct(self, gathers: bool, skips: list[int]) -> None:
         """DIRECT copies of 1..16 pages, indexed as :meth:`PageMover.offload`/``load``/``load_layers``
-        do: gathers (offloads), whole-page and per-layer scatters."""
-        mover, tokens = self.mover, self.tokens
+        do (fresh index tensors): gathers (offloads), whole-page and per-layer scatters."""
         try:
-            plan = mover._direct_plan()
+            plan = self.mover._direct_plan()
         except ValueError:
-            return  # the pool is not mapped for the kernels: a real DIRECT copy would fail alike
-        twin = self.twin(plan, 1)
+            return
+        tokens = self.tokens
         for count in range(1, 17):
-            zero_ids = [0] * count  # the twin's scratch has one page
-            if gathers:
-                slots, ids = self.fresh([0] * (count * tokens)), self.fresh(zero_ids)
-                if self.new("gather", slots, 0, ids):
-                    twin.gather(slots, ids)
+            if gathers and self.new("gather", 0, count * tokens, 0, True):
+                self.call(plan, "gather", (0, count * tokens), count, 0, None)
             for skip in skips:
-                slots, ids = self.fresh([0] * (count * tokens - skip)), self.fresh(zero_ids)
-                if self.new("scatter", slots, skip, ids):
-                    twin.scatter(ids, slots, skip)
+                slots = (0, count * tokens - skip)
+                if self.new("scatter", *slots, skip, True):
+                    self.call(plan, "scatter", slots, count, skip, None)
                     for layer in self.layers:
-                        twin.scatter(ids, slots, skip, range(layer, layer + 1))
+                        self.call(plan, "scatter", slots, count, skip, layer)
 
-    # -- helpers --------------------------------------------------------------------------------
-
-    def new(self, plan: object, slots: torch.Tensor, skip: int, ids: torch.Tensor | None = None) -> bool:
-        """Whether a call of ``plan`` with these varying arguments may launch a variant not launched
-        yet (first checking ``stop``)."""
-        if self.stop is not None and self.stop.is_set():
-            raise _Stopped
+    def new(self, plan: object, offset: int, length: int, skip: int, ids: bool = False) -> bool:
+        """Whether a call of ``plan`` with these varying arguments may reach a variant not named yet
+        (slots at ``offset`` of a fresh int64 tensor: their alignment; page ids: a fresh tensor)."""
         spec = self.spec
-        shape = (plan, spec(slots), spec(slots.numel()), spec(skip), None if ids is None else spec(ids))
+        shape = (plan, (offset * 8) % 16, spec(length), spec(skip), ids)
         if shape in self.done:
             return False
         self.done.add(shape)
         return True
 
-    def twin(self, plan: CopyPlan | None, pages: int) -> CopyPlan:
-        """``plan``'s scratch twin, for launches that address pages below ``pages`` (one per plan)."""
+    def call(self, plan: CopyPlan | None, op: Literal["gather", "scatter"], slots: tuple[int, int], ids: int | None,
+             skip: int, layer: int | None) -> None:
+        """Run the call on ``plan``'s naming twin; record it when it names new variants."""
         assert plan is not None
-        twin = self.twins.get(id(plan))
+        role, twin = self.twins[id(plan)]
+        before = len(self.named.keys)
+        offset, length = slots
+        index = torch.zeros(offset + length, dtype=torch.int64)[offset:]
+        page_ids = None if ids is None else torch.zeros(ids, dtype=torch.int64)
+        if op == "gather":
+            twin.gather(index, page_ids)
+        else:
+            twin.scatter(page_ids, index, skip, None if layer is None else range(layer, layer + 1))
+        if len(self.named.keys) > before:
+            self.calls.append(_Call(role, op, slots, ids, skip, layer, tuple(self.named.keys[before:])))
+
+
+# -- the warm-up ------------------------------------------------------------------------------------
+
+
+def warm_up(
+    mover: PageMover,
+    stop: threading.Event | None = None,
+    on_ready: Callable[[], None] | None = None,
+    precompile: bool = True,
+) -> WarmUp:
+    """Launch every Triton variant ``mover``'s copies can launch and this process has not loaded
+    yet, once, on scratch (module docstring).
+
+    Blocks the calling thread until its launches completed on the device (run it off the event
+    loop); ``on_ready()`` is called from it once the variants of page-aligned calls are warm (also
+    when it fails or stops before: nobody waits for it in vain). ``stop`` set: returns early
+    (``stopped``; a helper process is killed). ``precompile``: on CUDA, compile in a helper process
+    first (:mod:`aiokv.kernels.precompile`). Nothing to do for the REFERENCE path (no kernels).
+    Raises what a launch raises (a compile error, out of device memory).
+    """
+    began = time.perf_counter()
+    ready_called = False
+
+    def ready() -> None:
+        nonlocal ready_called
+        if not ready_called and on_ready is not None:
+            ready_called = True
+            on_ready()
+
+    try:
+        if mover.effective_path is TransferPath.REFERENCE:
+            return WarmUp(0, 0, 0.0, 0.0, False)
+        with _turn(mover.kv.device, stop) as waited:
+            if not waited:
+                return WarmUp(0, 0, 0.0, 0.0, True)
+            return _Launches(mover, stop, precompile, began).run(ready)
+    finally:
+        ready()
+
+
+@contextlib.contextmanager
+def _turn(device: torch.device, stop: threading.Event | None) -> Iterator[bool]:
+    """The warm-ups of one device one at a time; False: stopped while waiting for the one before."""
+    with _state_lock:
+        turn = _turns.setdefault(str(device), threading.Lock())
+    while not turn.acquire(timeout=0.05):
+        if stop is not None and stop.is_set():
+            yield False
+            return
+    try:
+        yield True
+    finally:
+        turn.release()
+
+
+class _Launches:
+    """Step 2 and 3 of one warm-up (module docstring)."""
+
+    def __init__(self, mover: PageMover, stop: threading.Event | None, precompile: bool, began: float) -> None:
+        from .launch import TwinLaunches
+
+        self.mover = mover
+        self.stop = stop
+        self.began = began
+        self.device = mover.kv.device
+        self.compiled = self.device.type == "cuda" and not interpreting()
+        self.variants, _ = variants_of(mover)
+        with _state_lock:
+            loaded = set(_loaded.get(str(self.device), ())) if self.compiled else set()
+        self.launches = TwinLaunches(done=loaded)
+        self.pending = [key for key in self.variants.keys if key not in loaded]
+        self.skipped = len(self.variants.keys) - len(self.pending)
+        self.want_precompile = precompile and self.compiled and bool(self.pending)
+        self.child: Precompile | None = None
+        self.child_index = {key: i for i, key in enumerate(self.pending)}
+        self.roles = _roles(mover)
+        self.twins: dict[int, CopyPlan] = {}
+        self.stream: torch.cuda.Stream | None = None
+        self.index: torch.Tensor | None = None
+
+    def run(self, ready: Callable[[], None]) -> WarmUp:
+        variants = self.variants
+        stopped = False
+        ready_at: tuple[int, float] | None = None
+        try:
+            with self.on_device():
+                try:
+                    if self.stop is not None and self.stop.is_set():
+                        raise _Stopped
+                    if self.want_precompile:
+                        self.start_child()
+                    for number, call in enumerate(variants.calls):
+                        if number == variants.ready_calls:
+                            ready_at = self.ready(ready)
+                        self.launch(call)
+                    if ready_at is None:
+                        ready_at = self.ready(ready)
+                except _Stopped:
+                    stopped = True
+                finally:
+                    self.synchronize()
+        finally:
+            if self.child is not None:
+                self.child.close()
+        if not stopped and self.compiled:
+            with _state_lock:
+                _loaded.setdefault(str(self.device), set()).update(self.launches.keys)
+        launched = len(self.launches.keys)
+        ready_variants, ready_s = ready_at or (launched, time.perf_counter() - self.began)
+        child = self.child
+        error = None if child is None else child.error or _failures(child.failures)
+        if child is None and self.want_precompile:
+            error = "the helper process was not started"
+        if error is not None and not stopped:
+            log.warning("aiokv: kernel variants compiled in this process (%s): the event loop may stall", error)
+        return WarmUp(launched, ready_variants, time.perf_counter() - self.began, ready_s, stopped, self.skipped,
+                      0 if child is None else child.ok, None if stopped else error)
+
+    def ready(self, ready: Callable[[], None]) -> tuple[int, float]:
+        # Done on the device before copies go on: they may use what the warm-up built for the
+        # mover (the DIRECT plan's address tables, copied to the GPU on this stream).
+        self.synchronize()
+        at = (len(self.launches.keys), time.perf_counter() - self.began)
+        ready()
+        return at
+
+    def start_child(self) -> None:
+        try:
+            import triton
+
+            from .precompile import Precompile
+
+            target = triton.runtime.driver.active.get_current_target()
+            cache_dir = str(triton.knobs.cache.dir)
+        except Exception as exc:  # another Triton's API: compile here, as without a helper
+            log.debug("aiokv: no helper process for the kernel compiles: %r", exc)
+            return
+        self.child = Precompile(self.pending, target, cache_dir)
+
+    def launch(self, call: _Call) -> None:
+        """``call`` on its plan's scratch twin, once the helper process compiled its new variants."""
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped
+        new = [key for key in call.keys if key in self.child_index and key not in self.launches.keys]
+        if not new:
+            return  # loaded already: the twin would launch nothing
+        if self.child is not None:
+            for key in new:
+                self.child.wait(self.child_index[key], self.stop)
+            if self.stop is not None and self.stop.is_set():
+                raise _Stopped
+        plan, pages = self.roles[call.role]
+        twin = self.twins.get(call.role)
         if twin is None:
-            twin = self.twins[id(plan)] = plan.scratch_twin(self.seen, pages)
-        return twin
+            twin = self.twins[call.role] = plan.scratch_twin(self.launches, pages)
+        offset, length = call.slots
+        slots = self.zeros(offset + length)[offset:]
+        ids = None if call.ids is None else self.zeros(call.ids)
+        if call.op == "gather":
+            twin.gather(slots, ids)
+        else:
+            twin.scatter(ids, slots, call.skip, None if call.layer is None else range(call.layer, call.layer + 1))
+        if self.compiled:
+            time.sleep(YIELD_S)
 
-    def index(self, length: int) -> torch.Tensor:
-        """An index tensor of slots 0 as a copy makes one (fresh, on the KV device)."""
-        return self.fresh(torch.zeros(length, dtype=torch.int64))
+    def zeros(self, length: int) -> torch.Tensor:
+        """``length`` slots 0 at the start of an int64 tensor on the device (a fresh allocation's alignment)."""
+        if self.index is None or self.index.numel() < length:
+            self.index = torch.zeros(max(length, 4096), dtype=torch.int64, device=self.device)
+        return self.index[:length]
 
-    def fresh(self, values: torch.Tensor | list[int]) -> torch.Tensor:
-        assert self.lane is not None
-        return self.mover._index(values, self.lane)
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The KV device and a stream of the warm-up's own current on this thread (CUDA)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(self.stream):
+                yield
 
     def synchronize(self) -> None:
         """Wait (host, GIL released) until the launches are done on the device: scratch is freed
@@ -263,3 +483,10 @@ class _Run:
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self.stream)
             done.synchronize()
+
+
+def _failures(failures: dict[int, str]) -> str | None:
+    if not failures:
+        return None
+    index, why = next(iter(failures.items()))
+    return f"{len(failures)} variant(s) failed in the helper process, the first ({index}): {why}"
