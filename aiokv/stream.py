@@ -112,6 +112,7 @@ class LoadStream:
         self._slots = slots
         self._claimed = from_token
         self._front = match.tokens  # start of the lowest page launched so far
+        self._front_moved: asyncio.Future[None] | None = None  # resolved when it moves (wait_front)
         self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
         self._promotions: dict[int, asyncio.Task[Promotion | None]] = {}  # reads in flight, by page
         config = manager.config
@@ -136,6 +137,35 @@ class LoadStream:
     def front(self) -> int:
         """First token of the loaded (or loading) suffix; the engine may compute up to here."""
         return self._front
+
+    async def wait_front(self, token: int) -> int:
+        """Wait until :attr:`front` is at or below ``token`` (the load launched the copies of
+        ``[token, match.tokens)`` at least), or until it will move no more: the loader launched
+        everything it will (it met the claimed front, ran out of pages, hit a fault, or the stream
+        or the cache is closing). Returns :attr:`front`, which is above ``token`` in the second case.
+
+        Cancelling the call changes nothing else. Bound it with ``asyncio.timeout`` when a disk
+        read may be slow. Raises ``TypeError`` for a non-int, ``ValueError`` for a token outside
+        ``[from_token, match.tokens]``.
+        """
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"token must be an int, got {type(token).__name__}")
+        if not self.from_token <= token <= self.tokens:
+            raise ValueError(f"token {token} outside [{self.from_token}, {self.tokens}]")
+        while self._front > token and not self._loader.done():
+            if self._front_moved is None:
+                self._front_moved = asyncio.get_running_loop().create_future()
+            # asyncio.wait: a cancelled caller cancels neither the loader nor the shared future.
+            waits: set[asyncio.Future[Any]] = {self._front_moved, self._loader}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return self._front
+
+    def _advance(self, front: int) -> None:
+        """The loader launched the pages from ``front`` on: wake :meth:`wait_front`."""
+        self._front = front
+        moved, self._front_moved = self._front_moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
 
     def claim(self, end: int) -> int:
         """Claim tokens up to ``end`` for the engine to compute; returns how far it may compute.
@@ -366,7 +396,7 @@ class LoadStream:
                 pool_started = pool_started or time.perf_counter()
                 for offset, handle in enumerate(handles):
                     self._copies.append((low + offset, copy, handle, Tier.POOL))
-                self._front = self._start_of(low)
+                self._advance(self._start_of(low))
                 page = low - 1
                 continue
             self._promote_ahead(page)
@@ -395,7 +425,7 @@ class LoadStream:
             launch = transfers.load_layers if self._layered else transfers.load
             copy = launch([table.check(promoted)], slots, skip)
             self._copies.append((page, copy, promoted, Tier.DISK))
-            self._front = self._start_of(page)
+            self._advance(self._start_of(page))
             page -= 1
         if self._disk_landed:
             manager.costs.disk.update(self._disk_landed * manager.layout.page_bytes,

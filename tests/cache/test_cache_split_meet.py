@@ -8,7 +8,6 @@ are driven by events: the engine overtakes every read in flight, deterministical
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -114,16 +113,11 @@ async def test_cancelled_finish_at_the_meeting_point_leaves_no_copy_pending(
         target = torch.arange(20, 20 + n)
         stream = await cache.start_load(await cache.match(tokens), target)
         gate.set()  # the back pages land and are launched
-        deadline = time.monotonic() + 30
-        for _ in range(10**7):
-            # Checked every turn (the reads complete on the loop's eventfd), bounded in time: a
-            # loaded machine's disk took longer than 1000 bare turns (2 in ~37 runs at load 2.5).
-            if stream.front < n or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.0002)
+        async with asyncio.timeout(BOUND_S):
+            # Woken as the loader launches the last page (it polled stream.front every 0.2 ms).
+            front = await stream.wait_front(n - T)
         gate.clear()  # later reads are held: the loader waits below its front
-        front = stream.front
-        assert front < n
+        assert front == stream.front and front < n
         assert stream.claim(n) == front  # the engine claims up to the front (the fronts meet)
         task = asyncio.create_task(stream.finish())
         await asyncio.sleep(0)
