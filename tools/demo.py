@@ -61,6 +61,7 @@ from demo_engine import (
     Runs,
     Session,
     WorkloadConfig,
+    admission_order,
     make_workload,
     timed_run,
 )
@@ -247,8 +248,11 @@ async def _serve_one_process(
         blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
         engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle,
                         load_path=cfg.load_path, claim=cfg.claim)
+        # The scratch run's admission order: each request has the same index and the same
+        # requests ahead of it in both runs, so its TTFT compares like for like.
         cached, wall = await timed_run(
-            engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress)
+            engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress),
+            admission_order(scratch),
         )
         stats = cache.stats()
     return Runs(cached, scratch, wall, wall_scratch, stats)

@@ -315,6 +315,7 @@ class RequestResult:
     match_s: float = 0.0
     load_s: float = 0.0  # waited for the load: plain, the whole call; a stream, launched()/finish() only
     prefill_s: float = 0.0
+    launch_s: float = 0.0  # of prefill_s, until the first token's last chunk was queued (host side)
     decode_s: float = 0.0
     offload_s: float = 0.0
     ttft_s: float = 0.0
@@ -363,6 +364,7 @@ class Computed:
     prefill_start: float  # perf_counter seconds
     first_token: float
     end: float
+    queued: float  # when the first token's last prefill chunk was queued (before waiting for its logits)
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,8 @@ class First:
 
     logits: torch.Tensor
     token: int
+    queued: float = 0.0
+    """perf_counter seconds when its chunk was queued, before the wait for the logits (0: not timed)."""
 
 
 def prefill_chunks(start: int, n: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -469,6 +473,7 @@ class ServingLoop(abc.ABC):
                 done = await self._compute(prompt, start, slots, streaming)
             res.generated = done.generated
             res.prefill_s, res.ttft_s = done.first_token - done.prefill_start, done.first_token - t0
+            res.launch_s = done.queued - done.prefill_start
             res.decode_s = done.end - done.first_token
             if streaming is not None:
                 self._record_stream(res, streaming, start)
@@ -589,7 +594,7 @@ class ServingLoop(abc.ABC):
         assert first is not None
         t_first = time.perf_counter()
         logits, generated = await self._decode(n, first, slots)
-        return Computed(logits, generated, t_start, t_first, time.perf_counter())
+        return Computed(logits, generated, t_start, t_first, time.perf_counter(), first.queued or t_first)
 
     async def _claim_front(self, prompt: list[int], pos: int, slots: torch.Tensor, s: _Stream) -> int:
         """Claim and compute the match from ``pos`` until it meets the load's front; return where we stopped.
@@ -811,9 +816,13 @@ class Engine(ServingLoop):
             self._paced = None
         if not first:
             return None
+        # Host-side end of the prefill: on CUDA the kernels are queued, not run. A prefill_s far
+        # above launch_s waited for the GPU; launch_s itself grows when the launching thread is
+        # starved (the GIL, the CPU).
+        queued = time.perf_counter()
         # .item() waits for this stream's prefill; a device-wide sync would also wait for the
         # cache's copies of other requests on its side stream.
-        return First(logits, int(logits.argmax().item()))
+        return First(logits, int(logits.argmax().item()), queued)
 
     async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
         return await asyncio.to_thread(self._on_device, self._decode_sync, n, first, slots)
@@ -835,9 +844,20 @@ class Engine(ServingLoop):
 class _Turn:
     """A turn waiting for an engine slot, and the prefetch started for it."""
 
+    name: str
     prompt: list[int]
     tenant: str
     prefetch: asyncio.Task[PrefetchResult] | None = None
+
+
+def request_names(sessions: Sequence[Session]) -> list[str]:
+    """The name of every request (turn) of ``sessions``: ``<session>/turn<k>``."""
+    return [f"{s.name}/turn{k}" for s in sessions for k in range(len(s.texts))]
+
+
+def admission_order(results: Sequence[RequestResult]) -> list[str]:
+    """Request names in the order a run admitted them to the engine (by ``index``)."""
+    return [r.name for r in sorted(results, key=lambda r: r.index)]
 
 
 async def run_sessions(
@@ -846,34 +866,63 @@ async def run_sessions(
     concurrency: int,
     window: int,
     on_done: Callable[[RequestResult], None],
+    order: Sequence[str] | None = None,
 ) -> list[RequestResult]:
     """Serve ``sessions`` in arrival order with ``window`` open at once and ``concurrency`` requests in flight.
 
     A session's next turn waits for its previous answer and then queues behind the other open
     sessions' turns (FIFO), so a user comes back after about ``window - 1`` other requests.
+
+    ``order`` (request names, from :func:`admission_order` of a run of the same sessions, window
+    and concurrency) admits the requests in exactly that order instead: a turn that is ready waits
+    until every request before it was admitted. Each request then has the same index, and the
+    same requests in flight before it, as in that run, so per-request times compare like for
+    like. Raises ``ValueError`` unless ``order`` names every request once.
     """
+    if order is not None and sorted(order) != sorted(request_names(sessions)):
+        raise ValueError("order must name every request of the sessions exactly once")
     results: list[RequestResult] = []
     counter = iter(range(1 << 30))
     open_gate = asyncio.Semaphore(window)
     in_flight = asyncio.Semaphore(concurrency)  # FIFO: waiters enter in the order of ``queue``
     queue: list[_Turn] = []
+    admitted = 0  # requests admitted so far (``order``: the position of the next one)
+    turn_changed = asyncio.Condition()
+
+    async def wait_turn(name: str) -> None:
+        if order is not None:
+            async with turn_changed:
+                await turn_changed.wait_for(lambda: order[admitted] == name)
+
+    def next_in_line() -> _Turn | None:
+        if order is None:
+            return queue[0] if queue else None
+        following = order[admitted] if admitted < len(order) else None
+        return next((t for t in queue if t.name == following), None)
 
     async def session(s: Session) -> None:
+        nonlocal admitted
         async with open_gate:
             prompt: list[int] = []
             for k, text in enumerate(s.texts):
                 prompt = prompt + list(text)
-                turn = _Turn(prompt, s.tenant)
+                name = f"{s.name}/turn{k}"
+                turn = _Turn(name, prompt, s.tenant)
                 queue.append(turn)
+                await wait_turn(name)
                 async with in_flight:
                     queue.remove(turn)
-                    if engine.cache is not None and engine.prefetch and queue and queue[0].prefetch is None:
+                    admitted += 1
+                    if order is not None:
+                        async with turn_changed:
+                            turn_changed.notify_all()
+                    nxt = next_in_line()
+                    if engine.cache is not None and engine.prefetch and nxt is not None and nxt.prefetch is None:
                         # The next turn in line will start within one request: promote its disk pages
                         # into the pool now, while this one computes (earlier, the pool may evict them).
-                        nxt = queue[0]
                         nxt.prefetch = asyncio.create_task(engine.cache.prefetch(nxt.prompt, salt=nxt.tenant))
                     promoted = (await turn.prefetch).promoted if turn.prefetch is not None else 0
-                    r = await engine.serve(f"{s.name}/turn{k}", s.tenant, s.kind.value, next(counter), prompt)
+                    r = await engine.serve(name, s.tenant, s.kind.value, next(counter), prompt)
                 r.prefetched_pages = promoted
                 results.append(r)
                 on_done(r)
@@ -892,10 +941,11 @@ async def timed_run(
     concurrency: int,
     window: int,
     on_done: Callable[[RequestResult], None],
+    order: Sequence[str] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """:func:`run_sessions` and its wall time in seconds."""
+    """:func:`run_sessions` (``order``: admit in this order) and its wall time in seconds."""
     t = time.perf_counter()
-    results = await run_sessions(engine, sessions, concurrency, window, on_done)
+    results = await run_sessions(engine, sessions, concurrency, window, on_done, order)
     return results, time.perf_counter() - t
 
 

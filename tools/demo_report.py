@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -138,6 +139,34 @@ def ttft_ratios(cached: Sequence[RequestResult], scratch: Sequence[RequestResult
     return [TTFTRatio(r.name, r.ttft_s, base.get(r.name, float("nan"))) for r in cached]
 
 
+@dataclass(frozen=True)
+class MissComparison:
+    """Requests that computed their whole prompt in both runs: the engine did the same work, so
+    their own prefill (not the queue ahead of them) shows whether serving with the cache slowed
+    the engine's compute: ratios cache / scratch of ``prefill_s`` and of its host part ``launch_s``."""
+
+    requests: int
+    prefill_median: float | None
+    prefill_worst: float | None
+    worst_request: str | None
+    launch_median: float | None
+
+
+def compare_misses(cached: Sequence[RequestResult], scratch: Sequence[RequestResult]) -> MissComparison:
+    """:class:`MissComparison` of the requests of ``cached`` that hit nothing (by name in ``scratch``)."""
+    base = {r.name: r for r in scratch}
+    pairs = [(r, base[r.name]) for r in cached
+             if r.name in base and r.computed_tokens == r.prompt_tokens == base[r.name].computed_tokens
+             and r.prefill_s > 0 and base[r.name].prefill_s > 0]
+    if not pairs:
+        return MissComparison(0, None, None, None, None)
+    prefill = [(c.prefill_s / s.prefill_s, c.name) for c, s in pairs]
+    launch = [c.launch_s / s.launch_s for c, s in pairs if c.launch_s > 0 and s.launch_s > 0]
+    worst = max(prefill)
+    return MissComparison(len(pairs), statistics.median(v for v, _ in prefill), worst[0], worst[1],
+                          statistics.median(launch) if launch else None)
+
+
 def summarize(
     cached: Sequence[RequestResult], scratch: Sequence[RequestResult], wall: float, wall_scratch: float
 ) -> dict[str, Any]:
@@ -148,6 +177,8 @@ def summarize(
     ratios = [x for x in ttft_ratios(cached, scratch) if x.ratio == x.ratio]  # NaN: nothing to compare
     worst = max(ratios, key=lambda x: x.ratio, default=None)
     slower = [x for x in ratios if x.ratio > 1.0]
+    position = {r.name: r.index for r in scratch}
+    misses = compare_misses(cached, scratch)
     return {
         "requests": len(cached),
         "prompt_tokens": total(cached, "prompt_tokens"),
@@ -173,6 +204,13 @@ def summarize(
         "slower_names": [x.name for x in slower],
         "worst_ttft_ratio": worst.ratio if worst else None,
         "worst_request": worst.name if worst else None,
+        # Requests admitted at another position than from scratch (0: like-for-like queues).
+        "admitted_elsewhere": sum(1 for r in cached if position.get(r.name, r.index) != r.index),
+        "miss_requests": misses.requests,
+        "miss_prefill_ratio_median": misses.prefill_median,
+        "miss_prefill_ratio_worst": misses.prefill_worst,
+        "miss_prefill_worst_request": misses.worst_request,
+        "miss_launch_ratio_median": misses.launch_median,
     }
 
 
@@ -183,6 +221,9 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
 
     def row(name: str, with_cache: object, without: object = "") -> str:
         return f"  {name:<34}{with_cache!s:>16}{without!s:>16}"
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
 
     lines = [
         row("", "with cache", "from scratch"),
@@ -204,6 +245,11 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
         row("worst TTFT ratio cache/scratch", "-" if s["worst_ttft_ratio"] is None else
             f"{s['worst_ttft_ratio']:.2f}x"),
         row("  worst request", s["worst_request"] or "-"),
+        row("  admitted at another position", s["admitted_elsewhere"]),
+        row("misses (no hit): requests", s["miss_requests"]),
+        row("  own prefill cache/scratch, median", ratio(s["miss_prefill_ratio_median"])),
+        row("  worst", ratio(s["miss_prefill_ratio_worst"])),
+        row("  host launch part, median", ratio(s["miss_launch_ratio_median"])),
         row("wall time (s)", f"{s['wall_s']:.1f}", f"{s['wall_s_scratch']:.1f}"),
         row("speedup: prefill / TTFT / wall", "/".join(
             f"{s[k + '_scratch'] / s[k]:.2f}x" if s[k] else "-" for k in ("prefill_s", "ttft_s_mean", "wall_s"))),
