@@ -1,0 +1,214 @@
+"""A rank worker's kernel warm-up: it launches every variant the rank's real copies launch, the first
+spec waits for it (unread, never on the loop), the session's end stops it before the pool is
+unmapped, and a failure is counted while copies go on.
+
+CPU only, kernels under the Triton interpreter (``TRITON_INTERPRET=1`` from ``tests/conftest.py``):
+a rank on the STAGING path launches them there. The warm-up thread is held inside its first launch
+by a :func:`record_launches` hook, so every ordering below is forced, not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from tp_helpers import expected_page, full_kv, key, new_pool, reserve
+
+from aiokv.kernels import TransferPath
+from aiokv.kernels.launch import LaunchKey, LaunchRecord, record_launches
+from aiokv.kernels.paths import interpreting
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.tp import Direction, RankGroup, RankStatus, RankWorker, TPConfig
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU test: kernels under the Triton interpreter")
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+FAST = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05)
+WARM = "aiokv-warmup"
+
+
+class Gate:
+    """Holds the warm-up thread in its first launch until :meth:`open`; tells the loop when it got there."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fail: bool = False) -> None:
+        self.loop = loop
+        self.fail = fail
+        self.held = asyncio.Event()
+        self.other = asyncio.Event()
+        """Set when a thread other than the warm-up's launches (a real copy)."""
+        self._open = threading.Event()
+
+    def __call__(self, key: LaunchKey) -> None:
+        if threading.current_thread().name != WARM:
+            self.loop.call_soon_threadsafe(self.other.set)
+            return
+        if self.fail:
+            raise RuntimeError("injected: the warm-up's launch failed")
+        if not self.held.is_set():
+            self.loop.call_soon_threadsafe(self.held.set)
+            assert self._open.wait(60), "the test never opened the gate"
+
+    def open(self) -> None:
+        self._open.set()
+
+
+@pytest.fixture
+def gated() -> Iterator[Callable[..., tuple[Gate, LaunchRecord]]]:
+    contexts = []
+
+    def make(fail: bool = False) -> tuple[Gate, LaunchRecord]:
+        gate = Gate(asyncio.get_running_loop(), fail)
+        context = record_launches(hook=gate)
+        contexts.append((gate, context))
+        return gate, context.__enter__()
+
+    yield make
+    for gate, context in contexts:
+        gate.open()
+        context.__exit__(None, None, None)
+
+
+@pytest_asyncio.fixture
+async def pool() -> AsyncIterator[PagePool]:
+    pool = await new_pool(LAYOUT.for_tp(1), 16)
+    yield pool
+    assert pool.table.statistics().reserved == 0, "a test left pages reserved"
+    await pool.aclose()
+
+
+@pytest_asyncio.fixture
+async def group(pool: PagePool, tmp_path: Path) -> AsyncIterator[RankGroup]:
+    async with RankGroup(LAYOUT, 1, pool.name, pool.num_pages, FAST, tmp_path / "g") as group:
+        yield group
+
+
+def _worker(group: RankGroup, kv: torch.Tensor, path: TransferPath = TransferPath.STAGING) -> RankWorker:
+    return RankWorker(group.address, 0, 1, LAYOUT, kv, FAST, path=path)
+
+
+def _waiting_in(task: asyncio.Future[object] | None, function: str) -> bool:
+    """Whether ``task`` is suspended in a coroutine named ``function`` (anywhere down its await chain)."""
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    while coro is not None:
+        code = getattr(coro, "cr_code", None)
+        if code is not None and code.co_name == function:
+            return True
+        coro = getattr(coro, "cr_await", None)
+    return False
+
+
+async def _until(condition: Callable[[], bool], turns: int = 10_000) -> None:
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def _warm_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == WARM]
+
+
+@pytest.mark.asyncio
+async def test_rank_copies_wait_for_the_warm_up_and_launch_only_its_variants(
+    pool: PagePool, group: RankGroup, gated: Callable[..., tuple[Gate, LaunchRecord]]
+) -> None:
+    gate, record = gated()
+    full = full_kv(LAYOUT, 1, 64)
+    kv = full.clone()
+    handles = reserve(pool, [key(i) for i in range(3)])
+    pages = [h.page for h in handles]
+    slots = torch.arange(5, 5 + 3 * T)
+    async with _worker(group, kv) as worker:
+        await group.wait_attached()
+        await gate.held.wait()  # the session's warm-up is in its first launch
+        offload = group.submit_nowait(group.spec(Direction.OFFLOAD, pages, slots))
+        await _until(lambda: _waiting_in(worker._session_task, "until"))
+        assert worker.statistics().specs == 0 and not gate.other.is_set(), "a spec ran before the kernels were warm"
+        gate.open()
+        assert (await offload).ok
+        for i, page in enumerate(pages):
+            pool.table.commit(handles[i])
+            assert torch.equal(pool.pages[page], expected_page(full, slots[i * T : (i + 1) * T].tolist(), LAYOUT))
+        # Loads: whole pages, from mid-page, layer by layer, to other slots.
+        loads = [group.spec(Direction.LOAD, pages, range(32, 32 + 3 * T)),
+                 group.spec(Direction.LOAD, pages, range(20, 20 + 3 * T - 1), skip_first=1),
+                 group.spec(Direction.LOAD, pages[:2], range(44, 44 + 2 * T - 3), skip_first=3, layered=True)]
+        for spec in loads:
+            assert (await (await group.submit(spec))).ok
+        assert torch.equal(kv[:, 32 : 32 + 3 * T], full[:, slots])
+        warm = await worker.wait_warm()
+        assert warm is not None and not warm.stopped and warm.variants > 0
+        assert worker.statistics().reports == {RankStatus.OK: 4}
+    warm_keys = {k for k, t in zip(record.keys, record.threads, strict=True) if t == WARM}
+    real = {k for k, t in zip(record.keys, record.threads, strict=True) if t != WARM}
+    assert real, "the rank's copies launched no kernel"
+    assert real <= warm_keys, f"variants the rank's warm-up missed: {sorted(real - warm_keys, key=str)}"
+    assert len(warm_keys) == warm.variants
+    assert worker.statistics().warm_up_failed == 0
+
+
+@pytest.mark.asyncio
+async def test_closing_the_worker_stops_its_warm_up_before_the_pool_is_unmapped(
+    group: RankGroup, gated: Callable[..., tuple[Gate, LaunchRecord]]
+) -> None:
+    gate, record = gated()
+    worker = _worker(group, full_kv(LAYOUT, 2, 64))
+    await worker.__aenter__()
+    await gate.held.wait()
+    threads = _warm_threads()
+    assert len(threads) == 1
+    warm = worker._warm
+    assert warm is not None
+    executor = worker._executor
+    assert executor is not None
+    closing = asyncio.ensure_future(worker.aclose())
+    await _until(lambda: warm._stop.is_set())
+    await _until(lambda: _waiting_in(worker._session_task, "aclose"))  # the session waits for the warm-up
+    assert not closing.done() and executor._mover is not None, "the close went on while the warm-up ran"
+    gate.open()
+    await closing
+    launched = len(record.keys)
+    threads[0].join(10)  # it returned its result; only its exit may be left
+    assert not threads[0].is_alive()
+    assert len(record.keys) == launched, "the warm-up launched after aclose returned"
+    assert executor._mover is None  # unmapped, after the warm-up ended
+    result = warm.result
+    assert result is not None and result.stopped
+    assert worker.statistics().warm_up_failed == 0
+
+
+@pytest.mark.asyncio
+async def test_a_failed_rank_warm_up_is_counted_and_specs_go_on(
+    pool: PagePool, group: RankGroup, gated: Callable[..., tuple[Gate, LaunchRecord]]
+) -> None:
+    gate, record = gated(fail=True)  # the warm-up's first launch raises
+    handles = reserve(pool, [key(7)])
+    async with _worker(group, full_kv(LAYOUT, 3, 64)) as worker:
+        await group.wait_attached()
+        assert await worker.wait_warm() is None
+        assert worker.statistics().warm_up_failed == 1
+        assert (await (await group.submit(group.spec(Direction.OFFLOAD, [handles[0].page], range(T))))).ok
+        assert gate.other.is_set()  # the copy launched its kernels itself
+    assert WARM in record.threads
+    pool.table.abort(handles[0])
+
+
+@pytest.mark.asyncio
+async def test_a_rank_without_kernels_starts_no_warm_up(pool: PagePool, group: RankGroup) -> None:
+    handles = reserve(pool, [key(9)])
+    with record_launches(launch=False) as record:
+        async with _worker(group, full_kv(LAYOUT, 4, 64), TransferPath.REFERENCE) as worker:
+            await group.wait_attached()
+            assert not _warm_threads()
+            assert await worker.wait_warm() is None
+            assert (await (await group.submit(group.spec(Direction.OFFLOAD, [handles[0].page], range(T))))).ok
+    assert record.keys == []
+    pool.table.abort(handles[0])
