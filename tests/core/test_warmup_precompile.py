@@ -220,3 +220,83 @@ def test_the_enumeration_table_is_bounded_and_thread_safe(monkeypatch: pytest.Mo
         variants_of(_mover(staging=staging))
     assert len(warmup_module._memo) == 2  # the oldest went
     assert not variants_of(movers[0])[1]  # the first signature was evicted
+
+
+# -- the loop's stalls while variants compile ---------------------------------------------------------
+
+# A fresh process, not interpreted: an event loop with a 1 ms sleeper while a thread (named as the
+# warm-up's) either compiles the keys itself or has the helper compile them and loads each as the
+# warm-up does (the JIT's cache hit). Each sleep's delay discounts the loop thread's own run-queue
+# wait (/proc/thread-self/schedstat): CPU taken by other processes is not a GIL stall.
+PROBE = r"""
+import asyncio, json, os, sys, threading, time
+import triton, triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton._utils import canonicalize_dtype
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.runtime import driver
+from aiokv.kernels import _jit
+from aiokv.kernels.precompile import Precompile, _TargetOnly, _freeze, _stand_in
+
+target = GPUTarget("cuda", 90, 32)
+driver.set_active(_TargetOnly(target))
+dtypes = {canonicalize_dtype(getattr(tl, n)): getattr(tl, n) for n in ("int64", "int32", "int16", "uint8")}
+spec = lambda a: tuple(native_specialize_impl(BaseBackend, a, False, True, True))
+keys = [(k[0], _freeze(k[1]), _freeze(k[2])) for k in json.loads(sys.argv[1])]
+
+def load(key):  # the launch's compile step: a compile, or a cache hit
+    name, specs, constexprs = key
+    getattr(_jit, name + "_kernel").warmup(*[_stand_in(s, spec, dtypes) for s in specs], grid=(1,), **dict(constexprs))
+
+def in_thread(cache):
+    for key in keys:
+        load(key)
+
+def with_helper(cache):
+    with Precompile(keys, target, cache) as child:
+        for i, key in enumerate(keys):
+            child.wait(i)
+            load(key)
+            time.sleep(0.0005)  # the warm-up's pause between launches
+        assert child.error is None and not child.failures, (child.error, child.failures)
+
+async def measure(mode, work):
+    cache = os.path.join(sys.argv[2], mode)
+    triton.knobs.cache.dir = cache
+    for kernel in (_jit.gather_kernel, _jit.scatter_kernel):
+        kernel.device_caches.clear()
+    fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    waited = lambda: int(os.pread(fd, 100, 0).split()[1]) / 1e9
+    done, delays = threading.Event(), []
+    thread = threading.Thread(target=lambda: (work(cache), done.set()), name="aiokv-warmup")
+    began = time.perf_counter()
+    thread.start()
+    while not done.is_set():
+        w, t = waited(), time.perf_counter()
+        await asyncio.sleep(0.001)
+        delays.append((time.perf_counter() - t - 0.001 - (waited() - w)) * 1e3)
+    thread.join()
+    delays.sort()
+    return {"s": round(time.perf_counter() - began, 2), "max_ms": round(delays[-1], 2),
+            "p99_ms": round(delays[int(0.99 * (len(delays) - 1))], 2), "over_5ms": sum(d > 5 for d in delays),
+            "samples": len(delays)}
+
+async def main():
+    print(json.dumps({"thread": await measure("thread", in_thread), "helper": await measure("helper", with_helper)}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_compiling_in_the_helper_keeps_the_loop_s_stalls_short(tmp_path: Path) -> None:
+    variants, _ = variants_of(_mover())
+    keys = list(variants.keys[:8])
+    run = subprocess.run([sys.executable, "-c", PROBE, json.dumps(keys), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, env=_fresh_env(tmp_path / "unused"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(result))
+    thread, helper = result["thread"], result["helper"]
+    assert thread["over_5ms"] > 0, f"compiling on a thread stalled nothing: the comparison is moot ({result})"
+    assert helper["over_5ms"] * 2 <= thread["over_5ms"] and helper["p99_ms"] < thread["p99_ms"], result
