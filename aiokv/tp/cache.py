@@ -139,10 +139,13 @@ class TPCache(CacheFacade):
             raise RuntimeError("the TPCache was closed while it was starting")
 
     async def aclose(self) -> None:
-        """Wait (bounded) for in-flight work and write-behind, stop serving workers, free the pool.
+        """Wait (bounded) for write-behind and transfers in flight, fence the ranks still copying and
+        wait for them, stop serving workers, free the pool (see :meth:`RankGroup.aclose`).
 
-        Idempotent. Workers notice and wait to re-attach to a new manager. The close runs once, in
-        a task every call waits for: a cancelled ``aclose`` raises but the close goes on to the end.
+        When it returns, no rank copies into or out of its KV buffer for this cache (and every
+        ``load``/``offload`` that ended reported what landed). Idempotent. Workers notice and wait to
+        re-attach to a new manager. The close runs once, in a task every call waits for: a cancelled
+        ``aclose`` raises but the close goes on to the end (the pool is freed once the ranks are done).
         """
         if self._close_task is None:
             self._close_task = asyncio.ensure_future(self._close())

@@ -26,7 +26,8 @@ class TPConfig:
     handshake_timeout_s: float = 10.0
     """Seconds a connection has to finish the hello exchange (the worker's pool attach included)."""
     close_timeout_s: float = 30.0
-    """Seconds ``RankGroup.aclose`` waits for jobs in flight before failing them."""
+    """Seconds ``RankGroup.aclose`` waits for jobs in flight before fencing the ranks still copying
+    (it then waits for their reports, warning every ``close_timeout_s``)."""
     reconnect_initial_s: float = 0.01
     """First delay before a worker reconnects after a failed attempt; doubles on each failure."""
     reconnect_max_s: float = 1.0

@@ -133,6 +133,7 @@ class RankExecutor:
         self._registering: concurrent.futures.ThreadPoolExecutor | None = None
         self._chunks: list[concurrent.futures.Future[ChunkResult]] = []
         self._tasks: set[asyncio.Task[RankReport]] = set()
+        self._copies: set[asyncio.Future[RankReport]] = set()  # queued on the copy thread, not back yet
         if self._cuda:
             self._register_in_background()
 
@@ -187,6 +188,7 @@ class RankExecutor:
         elif not self._cuda:
             self._queued += 1
             copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec, progress))
+            self._copies.add(copy)
             copy.add_done_callback(self._dequeued)
             copy.add_done_callback(functools.partial(_forward, result))
         else:
@@ -223,8 +225,9 @@ class RankExecutor:
         return (not spec.layered and self._queued == 0
                 and len(spec.slots) * self._slot_bytes <= self.config.inline_copy_bytes)
 
-    def _dequeued(self, _: asyncio.Future[RankReport]) -> None:
+    def _dequeued(self, copy: asyncio.Future[RankReport]) -> None:
         self._queued -= 1
+        self._copies.discard(copy)
 
     def _copy_on_thread(self, spec: TransferSpec, progress: LayerProgress | None = None) -> RankReport:
         """The CPU copy, on the bridge's copy thread (or inline, see :meth:`_inline`); never raises."""
@@ -239,15 +242,23 @@ class RankExecutor:
                 mover.load_layers(ids, slots, spec.skip_first, functools.partial(self._landed, spec.job_id, progress))
             else:
                 mover.load(ids, slots, spec.skip_first)
+        except _Fenced:
+            return RankReport(RankStatus.WORKER_CLOSING, "fenced: the load stopped between two layers")
         except Exception as exc:
             return _classify(exc)
         return RankReport(RankStatus.OK)
 
     def _landed(self, job_id: int, progress: LayerProgress, layer: int) -> None:
-        """A layer of a layered CPU load is in the buffer (called on the copying thread)."""
+        """A layer of a layered CPU load is in the buffer (called on the copying thread).
+
+        Raises :class:`_Fenced` after it was counted when the executor was fenced meanwhile: the
+        load copies no further layer (the engine's waits for them return False).
+        """
         progress.mark(layer + 1)
         if self._on_layers is not None:
             self._on_layers(job_id, layer + 1)
+        if self._closing and layer + 1 < self.kv.layout.num_layers:
+            raise _Fenced
 
     def _launch_cuda(
         self, spec: TransferSpec, result: asyncio.Future[RankReport], progress: LayerProgress | None = None
@@ -342,11 +353,22 @@ class RankExecutor:
         """Wait until every started spec has reported."""
         await self._idle.wait()
 
+    def fence(self) -> None:
+        """Start nothing more: later specs are refused (WORKER_CLOSING), CPU copies still queued on
+        the copy thread are withdrawn (reported WORKER_CLOSING, no byte moved), a layered CPU load
+        stops after its current layer, and a CUDA spec still waiting for its pages' registration
+        is not launched. A copy already running (or queued on the GPU) ends as it would have: wait
+        for it with :meth:`drain`. Idempotent; call on the driving loop.
+        """
+        self._closing = True
+        for copy in list(self._copies):
+            self._bridge.withdraw(copy)  # False for one running or over: it reports when it ends
+
     # -- lifetime -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Refuse new specs, wait for copies in flight, stop registration, unmap. Idempotent."""
-        self._closing = True
+        """:meth:`fence`, wait for copies in flight, stop registration, unmap. Idempotent."""
+        self.fence()
         await self.drain()
         self.layers.close()
         if self._mover is None:
@@ -361,11 +383,15 @@ class RankExecutor:
         self.memory.close()
 
 
+class _Fenced(Exception):
+    """Raised on the copy thread between two layers of a load once the executor was fenced."""
+
+
 def _forward(result: asyncio.Future[RankReport], source: asyncio.Future[RankReport]) -> None:
     if result.done():
         return
-    if source.cancelled():
-        result.set_result(RankReport(RankStatus.COPY_FAILED, "the copy was cancelled"))
+    if source.cancelled():  # withdrawn by fence() before it began: no byte moved
+        result.set_result(RankReport(RankStatus.WORKER_CLOSING, "fenced: the copy was withdrawn before it began"))
     elif (exc := source.exception()) is not None:
         result.set_result(_classify(exc))
     else:

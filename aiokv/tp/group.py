@@ -16,6 +16,7 @@ spec to eight ranks is dominated by such wake-ups; see ``tools/bench_specs.py``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -70,6 +71,9 @@ class GroupStatistics:
     link_errors: int
     """Connections ended by a malformed or unexpected frame, or a handshake timeout."""
     jobs: JobStatistics
+    fenced: int = 0
+    """Ranks fenced: still owing reports at close after ``close_timeout_s``, or whose link broke
+    with jobs in flight (told to run nothing new; their reports or their end were waited for)."""
 
 
 class RankGroup:
@@ -132,6 +136,7 @@ class RankGroup:
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
         self._accepted = self._refused = self._attach_failures = self._disconnects = self._link_errors = 0
+        self._fenced = 0
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -157,11 +162,18 @@ class RankGroup:
         )
 
     async def aclose(self) -> None:
-        """Stop accepting, wait (``close_timeout_s`` at most) for jobs in flight, then fail the rest
-        (GROUP_CLOSED) and close every connection. Idempotent; safe to cancel (closing goes on).
+        """Stop accepting, wait ``close_timeout_s`` for jobs in flight, fence the ranks that still
+        owe reports and wait for them, then close every connection. Idempotent; safe to cancel (the
+        close goes on).
 
-        A job failed here may still be running on a live worker: close the pool after the group and
-        never reuse its pages.
+        Fencing a rank half-closes its connection: the worker runs nothing new (copies queued on
+        its copy thread are withdrawn and reported WORKER_CLOSING, a layered CPU load stops at its
+        next layer), reports the copies that were running once they end, and closes its end. A job
+        therefore ends only when every rank reported or its connection ended (a worker closes it
+        only once none of its copies runs; a dead rank's copies died with it): when this returns,
+        no rank copies into or out of the memory of any job of this group, and the pool may be
+        freed. A live rank stuck in a copy holds the close (a warning every ``close_timeout_s``);
+        bound the wait with ``asyncio.timeout``: the close goes on without the caller.
         """
         if self._close_task is None:
             self._closing = True
@@ -171,12 +183,16 @@ class RankGroup:
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self._jobs.in_flight:
-            try:
-                async with asyncio.timeout(self.config.close_timeout_s):
-                    await self._jobs.wait_idle()
-            except TimeoutError:
-                log.warning("rank group closing with %d jobs still in flight", self._jobs.in_flight)
+        if not await self._wait_idle():
+            self._fence_all()
+            while not await self._wait_idle():
+                log.warning(
+                    "rank group closing: ranks %s still copying for %d jobs; waiting for their reports "
+                    "(the slots and pages of those jobs are theirs until then)",
+                    self._owing_pids(), self._jobs.in_flight,
+                )
+        # Every part was reported or ended with its connection: nothing is left to fail but a part
+        # of no connection at all (a safety net; none is expected).
         self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
         links = list(self._links)
         for link in links:
@@ -189,6 +205,40 @@ class RankGroup:
         if self._endpoint is not None:
             remove_endpoint(self._endpoint, self._inode)
         self._changed.set()
+
+    async def _wait_idle(self) -> bool:
+        """Wait ``close_timeout_s`` at most for no job in flight; True when none is."""
+        if self._jobs.in_flight:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    await self._jobs.wait_idle()
+        return not self._jobs.in_flight
+
+    def _fence_all(self) -> None:
+        owing = self._jobs.owing_ranks()
+        log.warning(
+            "rank group closing: %d jobs still in flight after %.1f s; fencing ranks %s (they run "
+            "nothing new, report what runs, then end their connection)",
+            self._jobs.in_flight, self.config.close_timeout_s, self._owing_pids(),
+        )
+        for link in list(self._links):
+            if link.attached and link.rank in owing:
+                self._fence(link)
+
+    def _fence(self, link: _RankLink) -> None:
+        """Half-close ``link``: the worker sees EOF, runs nothing new and ends the connection once
+        its copies are over (the connection's end then settles whatever it did not report)."""
+        transport = link.transport
+        if transport is None or transport.is_closing() or link.fenced:
+            return
+        link.fenced = True
+        self._fenced += 1
+        transport.write_eof()  # after what is buffered: specs already sent still arrive (and report)
+
+    def _owing_pids(self) -> dict[int, int]:
+        """Rank -> pid of the ranks that still owe a report."""
+        owing = self._jobs.owing_ranks()
+        return {r: link.pid for r, link in sorted(self._ranks.items()) if r in owing}
 
     async def __aenter__(self) -> RankGroup:
         await self.start()
@@ -335,6 +385,7 @@ class RankGroup:
             disconnects=self._disconnects,
             link_errors=self._link_errors,
             jobs=self._jobs.statistics(),
+            fenced=self._fenced,
         )
 
     # -- connections ----------------------------------------------------------------------------
@@ -379,7 +430,13 @@ class RankGroup:
         self._link_errors += 1
         who = "before hello" if link.rank < 0 else f"of rank {link.rank} (pid {link.pid})"
         log.warning("rank group: connection %s ended: %s", who, why)
-        if link.transport is not None:
+        if link.attached and link.rank in self._jobs.owing_ranks():
+            # Its copies may still run: failing its jobs now would hand their slots back to the
+            # engine under them. Fenced, the worker ends the connection once they are over, and
+            # the connection's end fails what it owes (its later frames are ignored).
+            link.state = _LinkState.ENDED
+            self._fence(link)
+        elif link.transport is not None:
             link.transport.abort()
 
     def _check_hello(self, hello: Hello, uid: int) -> Refuse | None:
@@ -444,6 +501,7 @@ class _RankLink(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = FrameParser(group.config.max_frame_bytes)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.fenced = False  # half-closed by the manager: the worker ends it once its copies are over
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -452,6 +510,11 @@ class _RankLink(asyncio.Protocol):
         self.group._accepted += 1
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.group.config.handshake_timeout_s, self._handshake_timeout)
+
+    @property
+    def ended(self) -> bool:
+        """Whether frames from this connection are no longer taken."""
+        return self.state is _LinkState.ENDED
 
     def stop_timer(self) -> None:
         if self._timer is not None:
@@ -464,6 +527,8 @@ class _RankLink(asyncio.Protocol):
             self.group._on_link_error(self, "no hello/attach report within the handshake timeout")
 
     def data_received(self, data: bytes) -> None:
+        if self.ended:
+            return  # refused, or broken and fenced: only the connection's end matters now
         try:
             for kind, payload in self.parser.feed(data):
                 if self.state is _LinkState.SERVING and kind is FrameKind.DONE:

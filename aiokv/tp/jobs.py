@@ -258,6 +258,10 @@ class JobTable:
             self.rank_lost(rank, status, text)
         return count
 
+    def owing_ranks(self) -> frozenset[int]:
+        """Ranks that still owe a report for some job in flight."""
+        return frozenset(rank for rank, ids in self._by_rank.items() if ids)
+
     def pending_ranks(self, job_id: int) -> frozenset[int]:
         """Ranks that still owe ``job_id`` a report (empty when it is not in flight)."""
         entry = self._jobs.get(job_id)

@@ -20,8 +20,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 3
-"""2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind."""
+PROTOCOL_VERSION = 4
+"""2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
+keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
+closes it only then: the manager reads a connection's end as "none of that rank's copies runs"."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")

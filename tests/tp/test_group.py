@@ -286,7 +286,12 @@ async def test_queue_bound_nowait_twin_and_waiting_submit(pool: PagePool, tmp_pa
 
 
 @pytest.mark.asyncio
-async def test_aclose_is_bounded_idempotent_and_removes_its_directory(pool: PagePool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["reports", "closes"])
+async def test_aclose_fences_a_rank_owing_a_report_and_removes_its_directory(
+    pool: PagePool, tmp_path: Path, ending: str
+) -> None:
+    # Past close_timeout_s the close no longer fails a job a live rank may still be copying: it
+    # half-closes that rank's connection (the fence) and waits for its report or its end.
     config = TPConfig(close_timeout_s=0.05)
     group = RankGroup(LAYOUT, 1, pool.name, pool.num_pages, config, tmp_path / "c")
     await group.start()
@@ -295,17 +300,82 @@ async def test_aclose_is_bounded_idempotent_and_removes_its_directory(pool: Page
     rank = await FakeRank.connect(group, 0)
     await group.wait_attached()
     job = group.submit_nowait(group.spec(Direction.LOAD, [0], range(T)))
+    spec = await rank.next_spec()
     closing = asyncio.create_task(group.aclose())
-    await group.aclose()  # a second call waits for the same close
-    await closing
-    assert [f.status for f in job.outcome().failures] == [RankStatus.GROUP_CLOSED]
+    second = asyncio.create_task(group.aclose())  # a second call waits for the same close
+    async with asyncio.timeout(30):
+        assert await rank.reader.read() == b""  # the fence: EOF, after close_timeout_s
+    assert group.statistics().fenced == 1
+    assert not job.done() and not closing.done() and not second.done()
+    if ending == "reports":
+        rank.report(spec.job_id)  # the copy ended: reported over the half-closed connection
+        async with asyncio.timeout(30):
+            assert (await job).ok
+        assert not closing.done()  # the rank has not ended its connection yet
+    await rank.close()
+    async with asyncio.timeout(30):
+        await closing
+        await second
+    if ending == "closes":
+        assert [f.status for f in job.outcome().failures] == [RankStatus.RANK_LOST]
     assert not address.exists() and not address.parent.exists()
     late = group.submit_nowait(group.spec(Direction.LOAD, [0], range(T)))
     assert [f.status for f in late.outcome().failures] == [RankStatus.GROUP_CLOSED]
     assert group.jobs.in_flight == 0
     with pytest.raises(RuntimeError, match="closed"):
         await group.wait_attached()
-    await rank.close()
+
+
+@pytest.mark.asyncio
+async def test_aclose_lets_a_rank_owing_nothing_go_at_once(tmp_path: Path) -> None:
+    # A rank that owes no report is not waited for (a fake that never answers holds nothing). MLA:
+    # rank 0 alone writes, so rank 1 never gets the offload's spec.
+    mla = KVLayout.mla(2, 16, torch.float16, page_tokens=T)
+    pool = await new_pool(mla.for_tp(2), 4)
+    try:
+        group = RankGroup(mla, 2, pool.name, pool.num_pages, TPConfig(close_timeout_s=0.05), tmp_path / "c")
+        await group.start()
+        ranks = [await FakeRank.connect(group, r) for r in range(2)]
+        await group.wait_attached()
+        job = group.submit_nowait(group.spec(Direction.OFFLOAD, [0], range(T)))
+        assert job.ranks == {0}
+        spec = await ranks[0].next_spec()
+        closing = asyncio.create_task(group.aclose())
+        async with asyncio.timeout(30):
+            assert await ranks[0].reader.read() == b""  # fenced
+        assert group.statistics().fenced == 1  # rank 1 owed nothing: not fenced, not waited for
+        ranks[0].report(spec.job_id)
+        await ranks[0].close()
+        async with asyncio.timeout(30):
+            await closing
+        assert (await job).ok
+        assert await ranks[1].reader.read() == b""  # its connection was simply closed
+        await ranks[1].close()
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_broken_link_of_a_rank_owing_a_report_is_fenced_not_aborted(group: RankGroup) -> None:
+    # A malformed frame from a serving rank with a job in flight: failing the job at once would hand
+    # the engine slots the rank may still copy into. The link is fenced (EOF) and its later frames
+    # ignored; the job fails when the rank ends its connection.
+    ranks = [await FakeRank.connect(group, r) for r in range(2)]
+    await group.wait_attached()
+    job = group.submit_nowait(group.spec(Direction.LOAD, [0], range(T)))
+    spec = await ranks[1].next_spec()
+    ranks[1].writer.write(frame(FrameKind.HELLO, b"not now"))  # unexpected while serving
+    async with asyncio.timeout(30):
+        assert await ranks[1].reader.read() == b""  # fenced: EOF, not a reset
+    assert not job.done()
+    assert group.statistics().fenced == 1 and group.statistics().link_errors == 1
+    ranks[1].report(spec.job_id)  # ignored: the link is broken
+    ranks[0].report((await ranks[0].next_spec()).job_id)
+    await ranks[1].close()
+    async with asyncio.timeout(30):
+        outcome = await job
+    assert [(f.rank, f.status) for f in outcome.failures] == [(1, RankStatus.RANK_LOST)]
+    await ranks[0].close()
 
 
 @pytest.mark.asyncio
