@@ -35,12 +35,14 @@ import torch
 
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
+from aiokv.kernels.warmup import WarmUp
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pool import PagePool
 
 from .config import TPConfig
 from .executor import RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
+from .rankwarm import RankWarmUp
 from .specs import LayeredLoad, TransferSpec
 from .wire import (
     PROTOCOL_VERSION,
@@ -107,6 +109,8 @@ class WorkerStatistics:
     """Layered LOAD specs of the current session (copied layer by layer)."""
     paced_loads: int = 0
     """Of those, CUDA loads fed a few units at a time (``TPConfig.pace_bytes``)."""
+    warm_up_failed: int = 0
+    """Kernel warm-ups (one per session on a path that launches kernels) that raised."""
 
 
 class RankWorker:
@@ -155,6 +159,8 @@ class RankWorker:
         self._session_task: asyncio.Task[bool] | None = None
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
+        self._warm_up_failed = 0
+        self._warm: RankWarmUp | None = None  # the current session's kernel warm-up
         self._reports: collections.Counter[RankStatus] = collections.Counter()
 
     # -- running --------------------------------------------------------------------------------
@@ -210,15 +216,17 @@ class RankWorker:
                 welcome = await self._hello(link)
                 executor = await self._attach(welcome, link)
             self._executor = executor
+            warm = self._warm = RankWarmUp(executor._mover, self._warmed_badly, executor._chunks[:1])
             self._epoch, self._pool_name = welcome.epoch, welcome.pool_name
             self._sessions += 1
             self._notify()
             log.info("rank %d: attached pool %s (epoch %#x)", self.tp.rank, welcome.pool_name, welcome.epoch)
             try:
-                await self._serve(link, executor)
+                await self._serve(link, executor, warm)
             finally:
                 self._epoch = self._pool_name = None
                 self._notify()
+                warm.stop()
                 # Fenced: nothing new starts (queued copies are withdrawn). The copies running end
                 # and their reports go out while the socket is still open; only then is it closed:
                 # the manager takes its end to mean none of this session's copies runs any more
@@ -226,6 +234,8 @@ class RankWorker:
                 # mapping is dropped (teardown runs in a thread: it is not cancelled).
                 executor.fence()
                 await _drain(executor)
+                await warm.aclose()  # it plans over the mover's view of the mapping: done before the unmap
+                self._warm = None
                 link.close()
                 await executor.aclose()
                 self._executor = None
@@ -274,14 +284,32 @@ class RankWorker:
         link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
         return executor
 
-    async def _serve(self, link: _WorkerLink, executor: RankExecutor) -> None:
+    async def _serve(self, link: _WorkerLink, executor: RankExecutor, warm: RankWarmUp) -> None:
         """Run specs until the manager closes the connection (frames are handled in the link's read
-        callback: no task wake-up per spec). Raises what ended the link otherwise."""
-        link.serve(executor)
+        callback: no task wake-up per spec), the first once the kernels of page-aligned copies are
+        warm (launched before, it would compile them on this loop). Raises what ended the link otherwise."""
         try:
+            if not warm.ready.done():
+                link.hold()  # specs wait unread meanwhile (backpressure on the manager)
+                await link.until(warm.ready)
+            link.serve(executor)
             await link.wait_ended()
         except asyncio.IncompleteReadError:
             log.info("rank %d: the manager closed the connection", self.tp.rank)
+
+    async def wait_warm(self) -> WarmUp | None:
+        """Wait until the current session's kernel warm-up ended (specs already wait for the
+        variants of page-aligned copies; a rank may wait for all before serving); returns what it
+        did. None while detached, where no kernels run, or when it failed (counted in
+        ``statistics().warm_up_failed``). Cancelling the call does not stop the warm-up."""
+        warm = self._warm
+        if warm is None:
+            return None
+        await warm.wait_ended()
+        return warm.result
+
+    def _warmed_badly(self, _: BaseException) -> None:
+        self._warm_up_failed += 1  # logged by the warm-up
 
     def _run_spec(self, link: _WorkerLink, executor: RankExecutor, payload: bytes) -> None:
         """One SPEC frame, in the read callback. Raises ``ValueError`` for a malformed spec."""
@@ -391,6 +419,7 @@ class RankWorker:
             transfer_path=executor.transfer_path if executor is not None else None,
             layered_loads=executor.layered_loads if executor is not None else 0,
             paced_loads=executor.paced_loads if executor is not None else 0,
+            warm_up_failed=self._warm_up_failed,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -507,6 +536,18 @@ class _WorkerLink(asyncio.Protocol):
         """From now on SPEC frames run on ``executor`` as they arrive (frames already queued first)."""
         self._executor = executor
         self._pump()
+        self.room()  # reading resumes if :meth:`hold` paused it
+
+    def hold(self) -> None:
+        """Read nothing more until :meth:`serve`."""
+        self._pause()
+
+    async def until(self, future: asyncio.Future[None]) -> None:
+        """Wait for ``future``; raises what ended the link if it ends first."""
+        while not future.done():
+            if self._end is not None:
+                raise self._end
+            await asyncio.wait({future, self._wait()}, return_when=asyncio.FIRST_COMPLETED)
 
     def _pump(self) -> None:
         """Run queued SPEC frames until the worker is full (then reading pauses: backpressure)."""
