@@ -92,7 +92,9 @@ class SlotValidator:
         with torch.cuda.stream(self._control_stream):
             self._control_stream.wait_event(ready)
             host.copy_(slots, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # Blocking: the control lane's waiter sleeps on it (the read-back may wait behind the
+            # engine's whole stream) instead of spinning a core that the loop thread needs.
+            done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self._control_stream)
         slots.record_stream(self._control_stream)
         future = self._bridge.wait(done, Lane.CONTROL)

@@ -289,7 +289,8 @@ class LocalTransfers:
         layers = tuple(loop.create_future() for _ in range(mover.kv.layout.num_layers))
 
         def landed(layer: int) -> None:
-            loop.call_soon_threadsafe(_resolve_layer, layers[layer], True)
+            # Through the bridge's batched hand-over: layers landing close together wake the loop once.
+            self._bridge.resolve_threadsafe(layers[layer], True)
 
         future = self._bridge.run_cpu(lambda: _call(mover.load_layers, page_ids, slots, skip, landed, checked=True))
 
@@ -306,10 +307,8 @@ class LocalTransfers:
         layers = tuple(loop.create_future() for _ in paced.events)
 
         def issued(layer: int, queued: bool) -> None:
-            try:
-                loop.call_soon_threadsafe(_resolve_layer, layers[layer], queued)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits for the layer any more
+            # One loop wake-up per batch of layers queued, not one per layer; a closed loop: dropped.
+            self._bridge.resolve_threadsafe(layers[layer], queued)
 
         try:
             future = self._bridge.run_cpu(lambda: paced.feed(issued))
