@@ -132,14 +132,16 @@ class Watcher:
 
 
 async def _bridge_sample(bridge: CompletionBridge, watcher: Watcher, stream: torch.cuda.Stream,
-                         blocking: bool) -> float:
-    """One GPU completion -> future resolution, in microseconds (``blocking``: a blocking-sync event)."""
+                         events: tuple[torch.cuda.Event, torch.cuda.Event]) -> float:
+    """One GPU completion -> future resolution, in microseconds. ``events``: the event the bridge
+    waits on (blocking-sync or not) and a spin event the watcher busy-waits on; created once per
+    run and re-recorded (both completed before the next sample): creating events on the loop each
+    sample added to the very lag the benchmark measures."""
+    event, spin = events
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]  # ~0.1 ms of GPU time
-        event = _event(blocking)
         event.record(stream)
-        spin = _event(False)  # completes with ``event``; the watcher busy-waits on it
-        spin.record(stream)
+        spin.record(stream)  # completes with ``event``
     seen = watcher.watch(spin)
     await bridge.wait(event, Lane.LOAD)
     resolved = time.perf_counter()
@@ -161,11 +163,12 @@ async def bridge_latency(samples: int, stop: asyncio.Event | None = None) -> dic
     watcher = Watcher()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     latencies: dict[bool, list[float]] = {False: [], True: []}
+    events = {blocking: (_event(blocking), _event(False)) for blocking in (False, True)}
     try:
         i = 0
         while (i < samples) if stop is None else not stop.is_set():
             blocking = bool(i % 2)
-            latencies[blocking].append(await _bridge_sample(bridge, watcher, stream, blocking))
+            latencies[blocking].append(await _bridge_sample(bridge, watcher, stream, events[blocking]))
             i += 1
     finally:
         await asyncio.to_thread(watcher.close)
