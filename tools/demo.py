@@ -23,6 +23,11 @@ arithmetic differs from a prefill chunk's, so serving them would break bit-exact
     .venv/bin/python tools/demo.py --preset 8b --device cuda         # H200
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft  # headline TTFT table
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft --load-path plain split-layered
+    .venv/bin/python tools/demo.py --preset 8b --device cuda --probe-gil [--no-disk]  # why misses slow down
+
+The cached run admits requests in the scratch run's order, so each request's TTFT compares like
+for like. Requests that hit nothing compare their own prefill (and its host part, ``launch_s``)
+apart from their queue; ``--probe-gil`` measures how long other threads held the GIL meanwhile.
 
 ``--tp N`` splits the model's heads and MLP columns over N spawned rank processes that combine their
 partial sums with a gloo all-reduce and keep their own KV buffer slice, under one ``TPCache`` in
@@ -66,6 +71,7 @@ from demo_engine import (
     timed_run,
 )
 from demo_model import PRESETS, LlamaModel, ModelConfig, Shard, preset
+from demo_probe import GilProbe
 from demo_report import (
     OracleReport,
     compare,
@@ -124,6 +130,8 @@ class DemoConfig:
     load_path: LoadPath = LoadPath.AUTO  # how cache hits reach the KV buffer
     claim: ClaimPolicy = ClaimPolicy.AUTO  # when a splitting path claims
     transfer_path: TransferPath | None = None  # None: aiokv's default (STAGING on CUDA)
+    disk: bool = True  # False: the cache has no disk tier (the pool only)
+    probe_gil: bool = False  # sample how long a Python thread waits for the GIL during both runs
 
     def transfer_path_for(self, path: LoadPath) -> TransferPath | None:
         """The pool->GPU path for ``path`` (``None``: the cache's default, STAGING on CUDA).
@@ -194,24 +202,63 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     chunk = cfg.chunk_tokens or cfg.page_tokens
     tmp = None
     disk_dir = cfg.disk_dir
-    if disk_dir is None:
+    if disk_dir is None and cfg.disk:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
+    probe = GilProbe() if cfg.probe_gil else None
     try:
-        layout, config = _layout_and_config(cfg, pool_pages, disk_dir, disk_pages, cfg.load_path)
+        layout, config = _layout_and_config(cfg, pool_pages, disk_dir if cfg.disk else None, disk_pages,
+                                            cfg.load_path)
+        if probe is not None:
+            probe.start()
         if cfg.tp > 1:
             runs = await serve_tp(cfg, sessions, layout, config, kv_blocks, longest, progress)
         else:
             runs = await _serve_one_process(cfg, sessions, layout, config, kv_blocks, longest, progress)
     finally:
+        if probe is not None:
+            probe.stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     # Bit-exact needs the same chunk shapes with and without hits (one page per chunk) and the CPU.
     oracle = compare(runs.cached, runs.scratch, exact=device.type == "cpu" and chunk == cfg.page_tokens)
     summary = summarize(runs.cached, runs.scratch, runs.wall, runs.wall_scratch)
+    if probe is not None:
+        summary["gil_probe"] = _probe_summary(probe, runs)
     return DemoOutcome(
         runs.cached, runs.scratch, summary, runs.stats, oracle, kv_blocks, pool_pages, config.disk_bytes,
         runs.rank_pids, runs.rank_workers,
     )
+
+
+def _probe_summary(probe: GilProbe, runs: Runs) -> dict[str, Any]:
+    """The probe's lags per run, and over the prefill of each request (``gil_lag_s``): misses' mean
+    in both runs (the same requests), where the cache's work would show as a longer wait."""
+    for r in (*runs.cached, *runs.scratch):
+        r.gil_lag_s = probe.mean_lag(r.prefill_at, r.prefill_at + r.prefill_s)
+    out: dict[str, Any] = {name: asdict(probe.summary(*span)) for name, span in runs.spans.items()}
+    base = {r.name: r for r in runs.scratch}
+    misses = [(r.gil_lag_s, base[r.name].gil_lag_s) for r in runs.cached
+              if r.computed_tokens == r.prompt_tokens and r.name in base]
+    pairs = [(c, s) for c, s in misses if c is not None and s is not None]
+    out["miss_prefill_lag_s"] = (
+        {"requests": len(pairs), "cached": statistics.fmean(c for c, _ in pairs),
+         "scratch": statistics.fmean(s for _, s in pairs)} if pairs else None
+    )
+    return out
+
+
+def probe_line(summary: dict[str, Any]) -> str | None:
+    """One line on the GIL probe's figures (None without ``--probe-gil``)."""
+    g = summary.get("gil_probe")
+    if g is None:
+        return None
+    runs = "; ".join(f"{name} mean {g[name]['mean_s'] * 1e3:.2f} ms p99 {g[name]['p99_s'] * 1e3:.2f} ms "
+                     f"(~{100 * g[name]['busy_fraction']:.0f}% of the run)"
+                     for name in ("scratch", "cached") if name in g)
+    m = g.get("miss_prefill_lag_s")
+    misses = "" if m is None else (f"; during misses' prefill (n={m['requests']}) cached {m['cached'] * 1e3:.2f} ms "
+                                   f"vs scratch {m['scratch'] * 1e3:.2f} ms")
+    return f"GIL probe (wake-up lag of a 1 ms sleeper): {runs}{misses}"
 
 
 async def _serve_one_process(
@@ -234,9 +281,11 @@ async def _serve_one_process(
     await warm.serve("warmup", "warmup", "warmup", 0, [i % cfg.model.vocab for i in range(min(longest, 4 * chunk))])
 
     scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
+    begin = time.perf_counter()
     scratch, wall_scratch = await timed_run(
         scratch_engine, sessions, cfg.concurrency, cfg.window, progress_bar("scratch", sessions, progress)
     )
+    spans = {"scratch": (begin, time.perf_counter())}
     async with KVCache(config, layout, kv) as cache:
         # Set-up, not serving: a large pool hands out pages only from chunks already prepared, and
         # the cache's kernel warm-up (started by start) compiles every copy kernel variant of this
@@ -250,12 +299,14 @@ async def _serve_one_process(
                         load_path=cfg.load_path, claim=cfg.claim)
         # The scratch run's admission order: each request has the same index and the same
         # requests ahead of it in both runs, so its TTFT compares like for like.
+        begin = time.perf_counter()
         cached, wall = await timed_run(
             engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress),
             admission_order(scratch),
         )
+        spans["cached"] = (begin, time.perf_counter())
         stats = cache.stats()
-    return Runs(cached, scratch, wall, wall_scratch, stats)
+    return Runs(cached, scratch, wall, wall_scratch, stats, spans=spans)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -473,6 +524,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--transfer-path", choices=["auto", *(x.value for x in TransferPath)], default="auto",
         help="aiokv's pool<->GPU path (auto: direct for layer-wise loads on CUDA, else aiokv's default)",
     )
+    p.add_argument("--no-disk", action="store_true", help="the cache without a disk tier (the CPU pool only)")
+    p.add_argument(
+        "--probe-gil", action="store_true",
+        help="sample a sleeping thread's wake-up lag during both runs (how long other threads hold the GIL)",
+    )
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of per-request prefill time and hit sources here")
     p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
@@ -502,6 +558,7 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         tp=a.tp,
         load_path=LoadPath(a.load_path[0]), claim=ClaimPolicy(a.claim),
         transfer_path=None if a.transfer_path == "auto" else TransferPath(a.transfer_path),
+        disk=not a.no_disk, probe_gil=a.probe_gil,
     )
 
 
@@ -513,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.model
     if cfg.tp < 1:
         raise SystemExit("--tp must be at least 1")
+    if a.no_disk and (a.ttft or a.disk_dir is not None or a.disk_bytes):
+        raise SystemExit("--no-disk goes with the workload alone, without --disk-dir or --disk-bytes")
     if len(a.load_path) > 1 and not a.ttft:
         raise SystemExit("several --load-path values compare only in --ttft; the workload takes one")
     if cfg.tp > 1:
@@ -552,12 +611,15 @@ def main(argv: list[str] | None = None) -> int:
         for error in failed:
             print(f"TP RANK FAILED {error}", file=sys.stderr)
         return 2
-    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, disk tier {out.disk_bytes >> 20} MiB; "
+    disk = f"disk tier {out.disk_bytes >> 20} MiB" if cfg.disk else "no disk tier"
+    print(f"KV buffer {out.kv_blocks} pages, CPU pool {out.pool_pages} pages, {disk}; "
           f"hits through {cfg.load_path.value} "
           f"(claim {cfg.claim.value})")
     if cfg.tp > 1:
         print(tp_line(cfg.tp, out.rank_pids, out.rank_workers))
     print(format_table(out.summary, out.stats, out.oracle))
+    if (line := probe_line(out.summary)) is not None:
+        print(line)
     if a.json:
         write_json(a.json, {
             "config": asdict(cfg), "kv_blocks": out.kv_blocks, "pool_pages": out.pool_pages,

@@ -316,6 +316,8 @@ class RequestResult:
     load_s: float = 0.0  # waited for the load: plain, the whole call; a stream, launched()/finish() only
     prefill_s: float = 0.0
     launch_s: float = 0.0  # of prefill_s, until the first token's last chunk was queued (host side)
+    prefill_at: float = 0.0  # perf_counter seconds when its prefill began
+    gil_lag_s: float | None = None  # the demo's GIL probe over its prefill (--probe-gil), mean wake-up lag
     decode_s: float = 0.0
     offload_s: float = 0.0
     ttft_s: float = 0.0
@@ -474,6 +476,7 @@ class ServingLoop(abc.ABC):
             res.generated = done.generated
             res.prefill_s, res.ttft_s = done.first_token - done.prefill_start, done.first_token - t0
             res.launch_s = done.queued - done.prefill_start
+            res.prefill_at = done.prefill_start
             res.decode_s = done.end - done.first_token
             if streaming is not None:
                 self._record_stream(res, streaming, start)
@@ -960,6 +963,7 @@ class Runs:
     stats: CacheStatistics | None
     rank_pids: tuple[int, ...] = ()
     rank_workers: tuple[WorkerStatistics, ...] = ()  # each TP rank's aiokv worker, once stopped
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # run -> perf_counter begin, end
 
 
 def total_requests(sessions: Sequence[Session]) -> int:

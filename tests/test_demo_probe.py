@@ -1,0 +1,78 @@
+"""The demo's diagnostics for requests slower with the cache: the GIL probe and a cache without disk."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import demo
+from demo_probe import GilProbe
+
+
+@pytest.fixture
+def long_switch_interval() -> Iterator[float]:
+    """A 20 ms switch interval: a thread holding the GIL delays a waiting one by about that much."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)
+    try:
+        yield 0.02
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_the_probe_sees_a_thread_that_holds_the_gil(long_switch_interval: float) -> None:
+    with GilProbe(0.001) as probe:
+        idle_begin = time.perf_counter()
+        time.sleep(0.2)  # releases the GIL: the probe wakes on time, bar the OS's latency
+        idle_end = busy_begin = time.perf_counter()
+        n = 0
+        while time.perf_counter() - busy_begin < 0.3:  # pure Python: holds the GIL until forced off
+            n += 1
+        busy_end = time.perf_counter()
+    idle, busy = probe.summary(idle_begin, idle_end), probe.summary(busy_begin, busy_end)
+    assert idle.samples > busy.samples > 0
+    assert busy.mean_s > long_switch_interval / 4
+    assert busy.mean_s > 4 * idle.mean_s
+    assert busy.busy_fraction > 0.5
+    mean = probe.mean_lag(busy_begin, busy_end)
+    assert mean is not None and mean == pytest.approx(busy.mean_s)
+    assert probe.mean_lag(busy_end + 10, busy_end + 11) is None
+    assert probe.summary(busy_end + 10, busy_end + 11).samples == 0
+
+
+def test_the_probe_refuses_a_bad_interval_and_a_second_start() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        GilProbe(0.0)
+    probe = GilProbe()
+    with probe, pytest.raises(RuntimeError, match="already started"):
+        probe.start()
+    probe.stop()  # idempotent
+
+
+@pytest.mark.asyncio
+async def test_tiny_demo_without_disk_and_with_the_probe_stays_exact(tmp_path: Path) -> None:
+    cfg = demo.config_from_args(demo.parse_args(["--preset", "tiny", "--no-disk", "--probe-gil", "--quiet"]))
+    out = await demo.run_demo(cfg, progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    assert out.stats is not None and out.stats.disk is None
+    assert out.summary["disk_tokens"] == 0
+    assert out.summary["pool_tokens"] > 0
+    probe = out.summary["gil_probe"]
+    assert probe["scratch"]["samples"] > 0 and probe["cached"]["samples"] > 0
+    assert probe["miss_prefill_lag_s"]["requests"] == out.summary["miss_requests"] > 0
+    assert all(r.gil_lag_s is not None for r in out.cached if r.prefill_s > 0.01)
+    assert demo.probe_line(out.summary) is not None
+    assert demo.probe_line({}) is None
+
+
+def test_no_disk_is_refused_beside_a_disk_setting(tmp_path: Path) -> None:
+    for extra in (["--disk-dir", str(tmp_path)], ["--disk-bytes", "4096"], ["--ttft"]):
+        with pytest.raises(SystemExit, match="--no-disk"):
+            demo.main(["--preset", "tiny", "--no-disk", *extra])
