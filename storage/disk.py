@@ -16,6 +16,10 @@ claim on the page:
 Faults (ENOSPC, EIO, permissions, corrupt or planted files) become False/miss results, are counted
 by kind and logged once per kind; nothing raises into the caller's loop except caller mistakes.
 
+Spare files (``spare_files``, :mod:`.spares`): a small stock of pre-created, pre-sized files made
+on a thread of their own; a new page is written into one and renamed, as a recycled file is,
+instead of creating its file in its chain. They hold their room in the budget.
+
 Capacity: the budget in force is ``capacity_bytes`` or less when the file system has less room
 (taken at start, on ENOSPC, and again now and then while it limits the tier); ENOSPC evicts least
 recently used files and retries. Read-only mode (a read-only file system, a directory we may not
@@ -46,6 +50,7 @@ from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles
 from .readpath import ReadPath
 from .safefiles import UnsafeDirectoryError
+from .spares import SpareStatistics
 from .writebehind import WriteBehind
 from .writepath import WritePath
 
@@ -60,6 +65,11 @@ class DiskTier(WritePath, ReadPath):
 
     ``faults``: where I/O faults are counted (kinds ``disk_enospc``, ``disk_eio``, ...); the cache
     manager passes its own log so each fault is counted once; None: a log of the tier's own.
+
+    ``spare_files``: how many pre-created, pre-sized spare files to keep for new pages (0: none,
+    every new page creates its file). Each holds one page file's room in ``capacity_bytes``; they
+    are made only into free room, on a thread of their own, and removed at close (a crash leaves
+    them to the next start, which removes them). ``TypeError``/``ValueError`` for a bad count.
     """
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -129,6 +139,7 @@ class DiskTier(WritePath, ReadPath):
                                   lambda key, handle: self._write_owned(key, self._retain(handle)),
                                   self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
+        self._refill_spares()
         log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
                  describe_layout_io(self.layout, self._io), len(self._index), self._temp_removed, self._skipped)
 
@@ -168,6 +179,7 @@ class DiskTier(WritePath, ReadPath):
                 await self._idle
             if self._jobs:
                 await asyncio.wait(set(self._jobs))
+        await self._close_spares()
         if self._io is not None:
             await self._io.aclose()
         if self._checksums is not None:
@@ -353,7 +365,7 @@ class DiskTier(WritePath, ReadPath):
             backend=io.kind if io is not None else DiskBackend.AUTO,
             direct_io=io.direct if io is not None else False,
             pages=len(self._index),
-            bytes_stored=self._index.used,
+            bytes_stored=self._index.stored_bytes,
             capacity_bytes=self.config.capacity_bytes,
             reads=self._reads,
             writes=self._writes,
@@ -376,6 +388,10 @@ class DiskTier(WritePath, ReadPath):
             buffered_fallbacks=self._buffered_fallbacks,
             memory_unregistered=self._memory_unregistered,
         )
+
+    def spare_statistics(self) -> SpareStatistics:
+        """A snapshot of the spare files (stock, made, taken, faults)."""
+        return self._spares.statistics()
 
     @property
     def checksum_seconds(self) -> float:

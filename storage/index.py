@@ -1,7 +1,8 @@
 """`PageIndex`: which page files the tier has, in LRU order, their bytes and the budget in force.
 
 Plain synchronous bookkeeping for :class:`~aiokv.storage.DiskTier`: evictions return keys and the
-tier removes their files. ``used`` counts indexed files plus the room claimed by writes in flight.
+tier removes their files. ``used`` counts indexed files, the room claimed by writes in flight and
+the room held by spare files (:mod:`.spares`, ``spares`` of them).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class PageIndex:
         self.capacity = capacity_bytes
         """The budget in force: ``budget`` or less when the file system has less room."""
         self.used = 0
+        self.spares = 0
+        """Files of room in ``used`` held by spare files (in stock or being made)."""
         self.evictions = 0
         self.readers: Counter[PageKey] = Counter()
         """Reads in progress per key: their files are not recycled."""
@@ -72,6 +75,28 @@ class PageIndex:
             return False
         self.remove(key)
         return True
+
+    @property
+    def stored_bytes(self) -> int:
+        """``used`` less the spare files' room: indexed files and writes in flight."""
+        return self.used - self.spares * self.file_bytes
+
+    def reserve_spares(self, count: int) -> int:
+        """Room for up to ``count`` spare files, only where it is free (nothing is evicted for a
+        spare); returns how many it reserved."""
+        count = max(0, min(count, (self.capacity - self.used) // self.file_bytes))
+        self.used += count * self.file_bytes
+        self.spares += count
+        return count
+
+    def spare_taken(self) -> None:
+        """A write took a spare: its room passes to the write (still in ``used``)."""
+        self.spares -= 1
+
+    def release_spares(self, count: int) -> None:
+        """``count`` spares gone (not made, or removed): their room is free again."""
+        self.spares -= count
+        self.used -= count * self.file_bytes
 
     def give_back(self) -> None:
         """A claimed room that was not used (the write failed)."""

@@ -18,7 +18,8 @@ system). In order:
    probe file is the last resort, so a full or read-only file system can still be probed.
 5. Every fan-out directory is scanned through its own descriptor; one that cannot be opened or
    read (EIO) is skipped and counted, as is a file that cannot be examined. Leftover temporary
-   files are removed only by the lock holder (for anyone else they may be writes in flight).
+   files and spare files (:mod:`.spares`; a crash leaves them, maybe torn) are removed only by the
+   lock holder (for anyone else they may be writes in flight), and counted as temporary files.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from aiokv.keys import KEY_BYTES, PageKey
 from .config import ReadOnly
 from .pagefile import TEMP_PREFIX, PageFiles
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
+from .spares import SPARE_PREFIX
 
 log = logging.getLogger("aiokv.storage.disk")
 
@@ -256,7 +258,7 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     try:
         with os.scandir(fd) as entries:
             for entry in entries:  # getdents may fail midway: the entries listed so far stay indexed
-                if entry.name.startswith(TEMP_PREFIX):
+                if entry.name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
                     if state.read_only is None:
                         _remove_temp(state, fd, entry.name, shown)
                     continue

@@ -3,7 +3,8 @@
 Plain synchronous code on the owning loop (a few coroutines await a thread or an unlink): caller
 checks and page references, where a key's file is (directory descriptor and name), the jobs'
 accounting (I/O slots, the count :meth:`DiskTier.aclose` waits on), the budget in force against the
-file system's free space, and the index with the unlinks that follow it. The job state machines
+file system's free space, the index with the unlinks that follow it, and the stock of spare
+files (:mod:`.spares`) that new pages are written into. The job state machines
 build on it (:mod:`.writepath`, :mod:`.readpath`); :class:`~.disk.DiskTier` is the public shell.
 """
 
@@ -28,10 +29,11 @@ from .checksum import Checksums
 from .config import DiskConfig, ReadOnly
 from .faults import DiskFaults
 from .index import PageIndex
-from .jobs import IOSlots, Job, WriteJob
+from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
 from .layoutdir import Prepared, free_space
 from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
+from .spares import Made, Spare, SpareStock, make_spares
 from .writebehind import WriteBehind
 
 log = logging.getLogger("aiokv.storage.disk")  # one logger for the tier, whichever file logs
@@ -42,7 +44,8 @@ class TierBase:
     """The state of a :class:`~.disk.DiskTier` (constructed through it) and the internals its
     read and write paths share. Not used on its own."""
 
-    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool, faults: FaultLog | None = None) -> None:
+    def __init__(self, config: DiskConfig, layout: KVLayout, pool: PagePool, faults: FaultLog | None = None,
+                 *, spare_files: int = 0) -> None:
         if not isinstance(config, DiskConfig):
             raise TypeError(f"config must be a DiskConfig, got {type(config).__name__}")
         if not isinstance(layout, KVLayout):
@@ -53,6 +56,10 @@ class TierBase:
             raise ValueError(f"pool layout ({pool.layout.describe()}) differs from {layout.describe()}")
         if faults is not None and not isinstance(faults, FaultLog):
             raise TypeError(f"faults must be a FaultLog or None, got {type(faults).__name__}")
+        if isinstance(spare_files, bool) or not isinstance(spare_files, int):
+            raise TypeError(f"spare_files must be an int, got {type(spare_files).__name__}")
+        if spare_files < 0:
+            raise ValueError(f"spare_files must be >= 0, got {spare_files}")
         self.config = config
         self.layout = layout
         self.pool = pool
@@ -84,6 +91,11 @@ class TierBase:
         self._dir: Prepared | None = None
         self._read_only: ReadOnly | None = None
         self._space_checked = 0.0
+        # Spare files: the stock, the batch being made, the spare each write holds until its slot.
+        self._spares = SpareStock(spare_files, config.free_space_recheck_s)
+        self._refill: asyncio.Future[Made] | None = None
+        self._spare_of: dict[WriteJob, Spare] = {}
+        self._spare_fault_logged = False
 
     # -- caller checks and page references ------------------------------------------------------
 
@@ -197,6 +209,8 @@ class TierBase:
             return
         if space.read_only:
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        # Never below ``used``: spares keep their room (their blocks are allocated already), and
+        # the next writes take them first.
         self._index.set_capacity(space, after_enospc)
 
     def _enter_read_only(self, reason: ReadOnly) -> None:
@@ -264,6 +278,103 @@ class TierBase:
     def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
         """Unlink the files of keys evicted from the index (nothing when read-only)."""
         return [task for key in keys if (task := self._unlink_later(key)) is not None]
+
+    # -- spare files ----------------------------------------------------------------------------
+
+    def _refill_spares(self) -> None:
+        """Start a batch of spare files if the stock is short, room is free and none is in flight
+        (plain code: the files are made on a thread of their own)."""
+        spares = self._spares
+        if not spares.target or not self._accepting or self._read_only is not None or self._dir is None:
+            return
+        want = spares.wanted(asyncio.get_running_loop().time())
+        if not want:
+            return
+        dirs = [fd for fd in self._dir.fanout if fd >= 0]
+        count = self._index.reserve_spares(want) if dirs else 0
+        if not count:
+            return
+        batch = spares.plan(dirs, count)
+        # A thread of its own (run_in_new_thread): creating files blocks, and the loop must not
+        # wait in Thread.start either (#11).
+        self._refill = run_in_new_thread(functools.partial(make_spares, batch, self._file_bytes),
+                                         "aiokv-disk-spares", _orphan_spares)
+        self._refill.add_done_callback(functools.partial(self._spares_made, len(batch)))
+
+    def _spares_made(self, planned: int, refill: asyncio.Future[Made]) -> None:
+        """A batch landed: its spares go into stock, the room of those not made goes back."""
+        if self._refill is refill:
+            self._refill = None
+        now = asyncio.get_running_loop().time()
+        try:
+            made = refill.result()
+        except Exception:  # a bug in the batch (or no thread left): nothing made
+            self._faults.unexpected("spare files")
+            made = Made([], OSError(errno.EIO, "spare batch failed"))
+        self._spares.landed(made, now)
+        self._index.release_spares(planned - len(made.spares))
+        error = made.error
+        if error is not None:
+            if not self._spare_fault_logged:
+                self._spare_fault_logged = True
+                log.warning("disk tier: cannot make spare files in %s (%s): new pages create their own files "
+                            "(further faults counted only)", self.files.layout_dir, error)
+            if error.errno == errno.EROFS:
+                self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        if not self._accepting or self._read_only is not None:
+            return  # closing (the close removes the stock once the writes are done), or read-only
+        self._refill_spares()
+
+    def _take_spare(self, job: WriteJob) -> bool:
+        """Give ``job`` a spare file and its room (True), or nothing (False)."""
+        spare = self._spares.take()
+        if spare is None:
+            return False
+        self._index.spare_taken()
+        self._spare_of[job] = spare
+        job.holds_room = True
+        self._refill_spares()
+        return True
+
+    def _remove_spares(self, spares: list[Spare]) -> None:
+        """Spares out of stock: their room goes back, their files are unlinked (not when read-only:
+        the next start removes them)."""
+        if not spares:
+            return
+        self._index.release_spares(len(spares))
+        for spare in spares:
+            self._unlink_spare(spare)
+
+    def _unlink_spare(self, spare: Spare) -> None:
+        """Unlink a spare's file that no stock or write holds any more (its room is not counted)."""
+        if self._read_only is not None or self._io is None:
+            return
+
+        async def unlink() -> None:
+            assert self._io is not None
+            try:
+                await self._io.unlink(spare.dir_fd, spare.name)
+                self._spares.removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._faults.count(exc, "unlink")
+                if exc.errno == errno.EROFS:
+                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
+
+        self._spawn(unlink())
+
+    async def _close_spares(self) -> None:
+        """At close, once no write is left: wait for the batch in flight, then remove the stock."""
+        if self._refill is not None:
+            await wait_uncancelled(self._refill)
+        self._remove_spares(self._spares.drain())
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+
+
+def _orphan_spares(_: Made) -> None:
+    """Spares made after their tier's loop closed: left for the next start to remove."""
 
 
 def _nothing(_: object) -> None:

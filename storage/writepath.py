@@ -1,10 +1,11 @@
 """The write path of the disk tier: a page job moved on by completion callbacks.
 
-A write hashes its payload first (holding no I/O slot or room meanwhile), then claims room
-(evicting or recycling least recently used files), takes an I/O slot and publishes: a new file
-(temporary name, renamed) or a recycled one (overwritten under the victim's name, renamed). Only
-the rare waits — a rename or unlink of the key in flight, a due free-space check, an ENOSPC retry —
-take a coroutine. Every path ends the job exactly once (:meth:`WritePath._end_write`).
+A write hashes its payload first (holding no I/O slot or room meanwhile), then claims room (a
+spare file and its room, or room evicting or recycling least recently used files), takes an I/O
+slot and publishes: a spare file or a recycled one (overwritten under its own name, renamed), or a
+new file (temporary name, renamed). Only the rare waits — a rename or unlink of the key in flight,
+a due free-space check, an ENOSPC retry — take a coroutine. Every path ends the job exactly once
+(:meth:`WritePath._end_write`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .jobs import Job, WriteJob
 from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
+from .spares import Made, Spare
 from .tierbase import TierBase
 
 
@@ -111,10 +113,20 @@ class WritePath(TierBase):
             self._end_write(job, False)
 
     def _claim(self, job: WriteJob) -> None:
-        """Room for the file (evicting least recently used files, or recycling one), then a slot."""
+        """Room for the file (a spare file, or evicting least recently used files, or recycling
+        one), then a slot."""
         if self._read_only is not None:  # became read-only meanwhile
             self._writes_refused += 1
             self._end_write(job, False)
+            return
+        if self._take_spare(job):
+            self._io_slots.take(job, self._write_slot)
+            return
+        index, refill = self._index, self._refill
+        if refill is not None and index.used + index.file_bytes > index.capacity:
+            # The only free room is held by spares being made: take one of them when they land
+            # rather than evict a page (they are made into free room, never at a page's cost).
+            refill.add_done_callback(functools.partial(self._claim_after_refill, job))
             return
         claim = self._index.claim(self.config.recycle_files)
         if claim is None:
@@ -136,12 +148,31 @@ class WritePath(TierBase):
         else:
             self._io_slots.take(job, self._write_slot)
 
+    def _claim_after_refill(self, job: WriteJob, _: asyncio.Future[Made]) -> None:
+        # After the batch's own callback put its spares into stock (callbacks run in order).
+        if job.ended:
+            return
+        try:
+            if job.key in self._moving:
+                self._spawn_write_later(job, refresh=False)
+            else:
+                self._claim(job)
+        except Exception:
+            self._write_bug(job)
+
     def _write_slot(self, job: Job, slot: int) -> None:
         assert isinstance(job, WriteJob) and self._slots is not None and self._io is not None
         try:
             assert job.page is not None
             pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
             dir_fd, final = self._where(job.key)
+            spare = self._spare_of.get(job)
+            if spare is not None:
+                # As a recycled file: overwritten under its own name, then renamed to ``final``.
+                self._io.start_recycle(spare.dir_fd, spare.name, dir_fd, final, slot, job.page,
+                                       self.config.sync_writes, functools.partial(self._spare_done, job, spare))
+                del self._spare_of[job]  # the backend's now (it removes the name on a fault)
+                return
             if job.victim is None:
                 self._io.start_publish(dir_fd, self._temp(job.key), final, slot, job.page, self.config.sync_writes,
                                        functools.partial(self._written, job))
@@ -200,6 +231,28 @@ class WritePath(TierBase):
         except Exception:
             self._write_bug(job)
 
+    def _spare_done(self, job: WriteJob, spare: Spare, error: BaseException | None, taken: bool) -> None:
+        """The spare was taken over (``taken``) and written, or not taken: then the job writes a
+        new file in its place (still holding its slot and the spare's room); a name that still
+        holds something is unlinked (never followed), a fault counted."""
+        try:
+            if taken:
+                self._spares.taken += 1
+                self._written(job, error)
+                return
+            self._spares.not_taken += 1
+            if isinstance(error, OSError) and error.errno == errno.EROFS:
+                self._write_failed(job, error)  # counted; read-only from now on
+                return
+            if not isinstance(error, OSError):
+                raise AssertionError(f"spare not taken without a fault: {error!r}")
+            if not isinstance(error, FileNotFoundError):
+                self._faults.count(error, "spare")
+                self._unlink_spare(spare)
+            self._write_slot(job, job.slot)
+        except Exception:
+            self._write_bug(job)
+
     def _written(self, job: WriteJob, error: BaseException | None) -> None:
         self._return_slot(job)
         if error is not None:
@@ -228,7 +281,11 @@ class WritePath(TierBase):
             self._end_write(job, False)
 
     def _give_room_back(self, job: WriteJob) -> None:
-        """The room ``job`` claimed goes back, if it still holds it (idempotent)."""
+        """The room ``job`` claimed goes back, if it still holds it (idempotent), and a spare it
+        took but never handed to the backend is removed."""
+        spare = self._spare_of.pop(job, None)
+        if spare is not None:
+            self._unlink_spare(spare)
         if job.holds_room:
             job.holds_room = False
             self._index.give_back()
