@@ -18,6 +18,9 @@ without a journal a create right after another contender's mass delete costs twi
   directory to import it from, e.g. a ``pip install --target`` outside the project's venv);
 - ``tier-<backend>``: the full ``DiskTier`` job (one page file per page: open, header + payload,
   xxh3 checksum, rename; read verifies header and checksum) for uring_fixed, uring and threads;
+  ``tier-<backend> spares<N>`` the same with ``spare_files=N`` (``--spares``: new pages written into
+  pre-created spare files; the pass starts right after the tier's start, so the spare thread's CPU,
+  the first stock's included, is in the tier's; the JSON says how many writes took a spare);
 - ``aiofiles``: the same page-file job through aiofiles (buffered, thread per call).
 
 Reports GB/s (of page bytes), ratios to fio and aiofiles, CPU core-seconds per GB (process CPU time
@@ -200,15 +203,18 @@ async def engine_file(pool: PagePool, path: str, count: int, depth: int, write: 
         await engine.aclose()
 
 
-async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count: int, depth: int) -> list[Row]:
-    """The full DiskTier job, twice: into an empty tier (every write creates a file), then as many new
-    pages into the now full tier (every write recycles an evicted file). Each pass is read back."""
+async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count: int, depth: int,
+                   spares: int = 0) -> list[Row]:
+    """The full DiskTier job, twice: into an empty tier (every write creates a file, or takes a
+    spare file), then as many new pages into the now full tier (every write recycles an evicted
+    file, or takes a spare left from the first pass). Each pass is read back."""
     layout, pb = pool.layout, pool.layout.page_bytes
     page_mib = pb >> 20
     config = DiskConfig(directory=directory, capacity_bytes=count * (pb + HEADER_BYTES), backend=backend,
                         queue_depth=depth, threads=depth)
     rows: list[Row] = []
-    async with DiskTier(config, layout, pool) as tier:
+    label = f"tier-{backend.value}" + (f" spares{spares}" if spares else "")
+    async with DiskTier(config, layout, pool, spare_files=spares) as tier:
         for name, first in (("", 1), (" full", count + 1)):
             keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
             fill_pool(pool)
@@ -221,6 +227,7 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
 
             lag = LagProbe()
             hashed = tier.checksum_seconds
+            taken = tier.spare_statistics().taken
             w_gbs, w_cpu = await timed(lambda: bounded(count, depth, write), count * pb, lag)
             held_lag = lag
             for h in held:
@@ -237,14 +244,15 @@ async def tier_job(pool: PagePool, directory: Path, backend: DiskBackend, count:
 
             r_gbs, r_cpu = await timed(lambda: bounded(count, depth, read), count * pb, held_lag)
             cpu = (w_cpu + r_cpu) / (2 * count * pb / GB)
-            row = Row(f"tier-{backend.value}{name}", page_mib, depth, w_gbs, r_gbs, cpu,
-                      samples={"cpu_w": [w_cpu], "cpu_r": [r_cpu], "cpu_hash": [tier.checksum_seconds - hashed]})
+            row = Row(f"{label}{name}", page_mib, depth, w_gbs, r_gbs, cpu,
+                      samples={"cpu_w": [w_cpu], "cpu_r": [r_cpu], "cpu_hash": [tier.checksum_seconds - hashed],
+                               "spares_taken": [tier.spare_statistics().taken - taken]})
             row.lag_p50_ms, row.lag_p99_ms, row.lag_max_ms = held_lag.stop()
             io = tier.backend
             if isinstance(io, UringPageIO):
                 row.submit_max_ms = io.engine.submit_max_s * 1000
             rows.append(row)
-        assert tier.statistics().recycled == count
+        assert tier.statistics().recycled + int(rows[-1].samples["spares_taken"][0]) == count
     return rows
 
 
@@ -303,11 +311,13 @@ class Samples:
         self.bytes = 0
         self.lag: list[tuple[float, float, float]] = []
         self.submit_max_ms: float | None = None
+        self.spares_taken: list[int] = []
 
     def row(self, path: str, page_mib: int, depth: int) -> Row:
         row = Row(path, page_mib, depth, statistics.median(self.write), statistics.median(self.read),
                   self.cpu_s / (self.bytes / GB) if self.bytes else None,
-                  samples={"write": self.write, "read": self.read})
+                  samples={"write": self.write, "read": self.read, "cpu_s": [self.cpu_s],
+                           "spares_taken": [float(n) for n in self.spares_taken]})
         if self.hash_s is not None and self.bytes:
             row.checksum_s_per_gb = self.hash_s / (self.bytes / GB)
         if self.lag:
@@ -387,7 +397,8 @@ async def remove_all(paths: list[Path]) -> None:
 
 
 async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool,
-                  backends: list[DiskBackend], lmcache: tuple[type, int] | None, keep: bool = True) -> list[Row]:
+                  backends: list[DiskBackend], lmcache: tuple[type, int] | None, keep: bool = True,
+                  spares: tuple[int, ...] = (0,)) -> list[Row]:
     """One configuration, ``repeats`` alternated rounds. ``keep``: every contender's files stay until
     the configuration ends (no contender creates files right after another's deletes: see
     :data:`SETTLE_S`); else each is removed after its pass (less disk space)."""
@@ -430,15 +441,19 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
             r, rc = await engine_file(pool, str(path), count, depth, False, probe, lag)
             await done_with(path)
             add("aiokv-file", w, wc, r, rc, lag).submit_max_ms = probe.submit_max_ms
-            for backend in backends:
-                directory = work / f"tier-{backend.value}-{round_}"
-                for row in await tier_job(pool, directory, backend, count, depth):
-                    got = add(row.path, row.write_gbs, row.samples["cpu_w"][0], row.read_gbs,
-                              row.samples["cpu_r"][0], None)
-                    got.lag.append((row.lag_p50_ms or 0.0, row.lag_p99_ms or 0.0, row.lag_max_ms or 0.0))
-                    got.hash_s = (got.hash_s or 0.0) + row.samples["cpu_hash"][0]
-                    got.submit_max_ms = row.submit_max_ms
-                await done_with(directory)
+            # Spare counts alternate their order every round: neither always runs right after
+            # another contender's pass.
+            for n_spares in spares if round_ % 2 == 0 else spares[::-1]:
+                for backend in backends:
+                    directory = work / f"tier-{backend.value}-s{n_spares}-{round_}"
+                    for row in await tier_job(pool, directory, backend, count, depth, n_spares):
+                        got = add(row.path, row.write_gbs, row.samples["cpu_w"][0], row.read_gbs,
+                                  row.samples["cpu_r"][0], None)
+                        got.lag.append((row.lag_p50_ms or 0.0, row.lag_p99_ms or 0.0, row.lag_max_ms or 0.0))
+                        got.hash_s = (got.hash_s or 0.0) + row.samples["cpu_hash"][0]
+                        got.submit_max_ms = row.submit_max_ms
+                        got.spares_taken.append(int(row.samples["spares_taken"][0]))
+                    await done_with(directory)
             if lmcache is not None:
                 for direct in (True, False):
                     name = f"lmcache-{'odirect' if direct else 'buffered'}"
@@ -533,6 +548,8 @@ def main() -> int:
                         choices=[b.value for b in DiskBackend if b is not DiskBackend.AUTO], help="tier backends")
     parser.add_argument("--lmcache-path", type=str, default=None, help="directory to import LMCache from (a "
                         "pip --target install kept out of the project's venv)")
+    parser.add_argument("--spares", type=int, nargs="+", default=[0], help="tier rows for each spare-file "
+                        "stock (DiskTier spare_files; 0: none), alternated within each round")
     parser.add_argument("--quick", action="store_true", help="256 MiB per pass (about 2 minutes)")
     parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="seconds between configurations, "
                         "after their files are deleted (ext4 without a journal: see SETTLE_S)")
@@ -558,7 +575,8 @@ def main() -> int:
             if n:
                 # The last configuration's files were just deleted: let ext4's window pass.
                 time.sleep(args.settle_s)
-            need = scratch_bytes(page_mib, depth, total, args.repeats, len(backends), not isinstance(lmcache, str))
+            need = scratch_bytes(page_mib, depth, total, args.repeats, len(backends) * len(args.spares),
+                                 not isinstance(lmcache, str))
             stat = os.statvfs(work)
             keep = need * 1.2 < stat.f_bavail * stat.f_frsize
             if not keep:
@@ -567,7 +585,7 @@ def main() -> int:
                       "another's delete pay ext4's recently-deleted scan)", file=sys.stderr)
             loads.append(os.getloadavg()[0])
             rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio, backends,
-                                        None if isinstance(lmcache, str) else lmcache, keep))
+                                        None if isinstance(lmcache, str) else lmcache, keep, tuple(args.spares)))
             loads.append(os.getloadavg()[0])
             print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
     finally:
