@@ -5,6 +5,8 @@ holding the GIL slows it by about as much. The probe sleeps ``interval_s`` at a 
 its own and records how late it woke up (the sleep releases the GIL; waking needs it back): on an
 idle machine the lag is the OS's wake-up latency (tens of µs), and it grows by however long other
 threads hold the GIL. Lags are kept with their time, so a request's prefill window can be looked up.
+The model's own thread holds the GIL between its launches too, so read a lag against the same
+request's lag in the other run (the demo's summary does), not as an absolute.
 """
 
 from __future__ import annotations
