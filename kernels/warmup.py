@@ -58,8 +58,10 @@ MEMO_ENTRIES = 32
 """Enumerations kept per process (one per distinct set of plan signatures; a few KiB each)."""
 
 YIELD_S = 0.0005
-"""Pause between two launches (GIL released): a loop thread asking for the GIL gets it within one
-launch's Python work (~2 ms), not the interpreter's 5 ms switch interval."""
+"""Pause between two launches, and every :data:`PACE_S` of enumeration (GIL released): a loop thread
+asking for the GIL gets it within that much Python work, not the interpreter's 5 ms switch interval."""
+
+PACE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class _Enumeration:
         self.twins = {id(plan): (i, plan.scratch_twin(self.named, pages, cpu)) for i, (plan, pages) in enumerate(roles)}
         self.calls: list[_Call] = []
         self.done: set[object] = set()
+        self.since = time.perf_counter()
         classes: dict[object, int] = {}
         for layer in range(mover.kv.layout.num_layers):
             classes.setdefault(specialization(layer), layer)
@@ -271,6 +274,10 @@ class _Enumeration:
     def new(self, plan: object, offset: int, length: int, skip: int, ids: bool = False) -> bool:
         """Whether a call of ``plan`` with these varying arguments may reach a variant not named yet
         (slots at ``offset`` of a fresh int64 tensor: their alignment; page ids: a fresh tensor)."""
+        now = time.perf_counter()
+        if now - self.since >= PACE_S:  # let a waiting event loop have the GIL (see YIELD_S)
+            time.sleep(YIELD_S)
+            self.since = time.perf_counter()
         spec = self.spec
         shape = (plan, (offset * 8) % 16, spec(length), spec(skip), ids)
         if shape in self.done:
