@@ -10,10 +10,11 @@ the same promotions. Mixed into :class:`aiokv.manager.CacheManager`; the state i
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,8 +23,10 @@ from aiokv.keys import PageKey, Salt, Tokens
 from aiokv.managerbase import ManagerBase
 from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
 from aiokv.results import LoadResult, Match, PrefetchResult, Tier
-from aiokv.stream import LoadStream
 from aiokv.transfers import Copy
+
+if TYPE_CHECKING:
+    from aiokv.stream import LoadStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,17 @@ class Promotion:
     """Whether this call read the page from disk. False: it was in the pool already, or another
     call's read brought it in; such a page cost this call no disk time and must not be counted as
     a disk read (it would inflate the learned disk rate, which is saved across restarts)."""
+
+
+class NoPage(enum.Enum):
+    """Why a promotion (:meth:`LoadPath._promote`) brought no page into the pool."""
+
+    MISS = "miss"
+    """Not there: a failed read or a full pool (counted where it happened), or the page another
+    call was bringing in did not arrive."""
+    WITHDRAWN = "withdrawn"
+    """The cache's close began while the promotion waited for room: nothing was read. Not a fault;
+    a load or stream counts its pages ``pages_withdrawn``."""
 
 
 class LoadPath(ManagerBase):
@@ -100,7 +114,7 @@ class LoadPath(ManagerBase):
         self._release_handles(handles[:first])
         pool_part = handles[first:]
         copies: list[tuple[Copy, list[PageHandle], Tier]] = []
-        promotions: list[asyncio.Task[Promotion | None]] = []
+        promotions: list[asyncio.Task[Promotion | NoPage]] = []
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
@@ -129,19 +143,20 @@ class LoadPath(ManagerBase):
                 promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
             if promotions:
                 # Only the pages these promotions read count (one already in the pool took no disk
-                # time); a miss (None) folds nothing: a failed read fails fast.
+                # time); a miss folds nothing: a failed read fails fast.
                 tasks = list(promotions)
 
                 def read() -> int:
-                    return sum(1 for task in tasks if (p := task.result()) is not None and p.read)
+                    return sum(1 for task in tasks if isinstance(p := task.result(), Promotion) and p.read)
 
                 self._measure(list(tasks), read, time.perf_counter(), self.costs.disk, self.layout.page_bytes,
-                              lambda f: f.result() is not None)
+                              lambda f: isinstance(f.result(), Promotion))
             for offset, task in enumerate(promotions):
                 # Shielded: a cancelled load still lets the page land in the pool (released later).
                 promoted = await asyncio.shield(task)
                 consumed += 1
-                if promoted is None:
+                if not isinstance(promoted, Promotion):
+                    cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
                     break
                 handle = promoted.handle
                 if self._closed:
@@ -229,6 +244,8 @@ class LoadPath(ManagerBase):
         ``layered``: copy layer by layer, with readiness per layer.
         """
         self._running()
+        from aiokv.stream import LoadStream  # here: the stream module imports this one
+
         return LoadStream(self, match, slots, from_token, layered)
 
     def estimate(self, match: Match) -> LoadEstimate:
@@ -238,23 +255,23 @@ class LoadPath(ManagerBase):
         return self.costs.estimate(match.pool_pages, match.disk_pages, self.layout.page_tokens,
                                    self.layout.page_bytes)
 
-    def _adopt(self, task: asyncio.Future[Promotion | None]) -> None:
+    def _adopt(self, task: asyncio.Future[Promotion | NoPage]) -> None:
         """Let a promotion nobody waits for finish in the background, then drop its reference."""
 
         def finish() -> None:
             if not task.cancelled() and task.exception() is None:
                 promoted = task.result()
-                if promoted is not None:
+                if isinstance(promoted, Promotion):
                     self._release_handles([promoted.handle])
 
         self.track(task, finish)
 
     # -- disk promotions ------------------------------------------------------------------------
 
-    async def _promote(self, key: PageKey) -> Promotion | None:
+    async def _promote(self, key: PageKey) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
-        call read it (not when it was in the pool or another call's read brought it); None on any
-        miss."""
+        call read it (not when it was in the pool or another call's read brought it); else why not
+        (:class:`NoPage`: a miss, counted here, or withdrawn by the close while it waited)."""
         pool = self.pool
         disk = self._disk
         (res,) = pool.reserve([key])
@@ -263,12 +280,16 @@ class LoadPath(ManagerBase):
         # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
         # a load's own promotions hold their pages until its copies end, so that could not help).
         while res.outcome is ReserveOutcome.EXHAUSTED and disk is not None and await self._wait_for_room(disk_io=False):
+            if self._closed:
+                # The close began during the wait: no read (the tier is closing, and its refusal
+                # was once counted disk_read_failed); the caller counts the page withdrawn.
+                return NoPage.WITHDRAWN
             (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
             return await self._already_in(key, res.outcome)
         if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
             self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
-            return None
+            return NoPage.MISS
         handle = res.handle
         assert handle is not None
         read = asyncio.ensure_future(disk.read(key, handle))
@@ -283,21 +304,21 @@ class LoadPath(ManagerBase):
         if not ok:
             pool.table.abort(handle)
             self.faults.record("disk_read_failed", "a disk page could not be read back (see disk statistics)")
-            return None
+            return NoPage.MISS
         self._promoted += 1
         self._bytes["disk_to_pool"] += self.layout.page_bytes
         kept = pool.table.commit(handle, keep=True)
         assert kept is not None  # keep=True always returns the reference
         return Promotion(kept, read=True)
 
-    async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | None:
+    async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | NoPage:
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
-        (PENDING: wait for its commit); nothing was read by this call. None when it is gone."""
+        (PENDING: wait for its commit); nothing was read by this call. A miss when it is gone."""
         table = self.pool.table
         if outcome is ReserveOutcome.PENDING and not await table.wait_committed(key):
-            return None
+            return NoPage.MISS
         handle = table.acquire(key)
-        return None if handle is None else Promotion(handle, read=False)
+        return NoPage.MISS if handle is None else Promotion(handle, read=False)
 
     def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
         """A read abandoned by a cancelled caller finished: keep the page if it verified."""
@@ -334,8 +355,8 @@ class LoadPath(ManagerBase):
             raise
         promoted = 0
         for promotion in promotions:
-            if promotion is None:
-                break
+            if not isinstance(promotion, Promotion):
+                break  # a miss (counted), or withdrawn by the close: prefetch copies nothing, counts nothing
             promoted += promotion.read  # not a page another call read (or that was in the pool)
-        self._release_handles([p.handle for p in promotions if p is not None])
+        self._release_handles([p.handle for p in promotions if isinstance(p, Promotion)])
         return PrefetchResult(in_pool, promoted)

@@ -151,7 +151,7 @@ class CacheManager(LoadPath, OffloadPath):
         after this returns, then the pool (:meth:`close_pool`).
         """
         if self._close_task is None:
-            self._closed = True
+            self._begin_close()
             self._close_task = asyncio.get_running_loop().create_task(self._close())
         await asyncio.shield(self._close_task)
 

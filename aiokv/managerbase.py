@@ -49,6 +49,7 @@ class ManagerBase:
         self._background: set[asyncio.Future[None]] = set()
         self._seen: OrderedDict[PageKey, None] = OrderedDict()
         self._closed = False
+        self._close_began = asyncio.Event()  # set with _closed: ends every wait for room (_begin_close)
         self.faults = FaultLog(log)
         self.costs = CostModel(config.prefill_tokens_per_s)
         self._lookups = 0
@@ -72,6 +73,11 @@ class ManagerBase:
     def disk(self) -> DiskTier | None:
         """The disk tier, or None when there is none (not configured, or it could not start)."""
         return self._disk
+
+    def _begin_close(self) -> None:
+        """The close's first step: calls in flight launch nothing more and stop waiting for room."""
+        self._closed = True
+        self._close_began.set()
 
     @property
     def closing(self) -> bool:
@@ -177,9 +183,11 @@ class ManagerBase:
     async def _wait_for_room(self, *, disk_io: bool = True) -> bool:
         """Wait (``offload_wait`` at most) until a pool page may be free: a chunk still being
         prepared becomes usable, or (``disk_io``) the write-behind or a read releases one. False
-        when nothing in flight can free a page, or none came in time."""
+        when nothing in flight can free a page, or none came in time. True as well, at once, when
+        the close began (before or during the wait): the caller then looks at :attr:`closing` and
+        stops, counting what it did not copy as withdrawn (it once waited on, through the close)."""
         pool, disk = self.pool, self._disk
-        waits: list[asyncio.Future[None]] = []
+        waits: list[asyncio.Future[Any]] = []
         if not pool.ready:
             waits.append(asyncio.ensure_future(pool.wait_ready()))
         if disk is not None and disk_io:
@@ -188,6 +196,7 @@ class ManagerBase:
                 waits.append(asyncio.ensure_future(pool.table.wait_reclaimable()))
         if not waits:
             return False
+        waits.append(asyncio.ensure_future(self._close_began.wait()))
         try:
             done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -38,17 +38,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aiokv.costs import LoadEstimate
+from aiokv.loadpath import LoadPath, NoPage, Promotion
 from aiokv.pagetable import PageHandle
 from aiokv.results import Match, Tier
 from aiokv.transfers import Copy, CopyWithdrawn
-
-if TYPE_CHECKING:
-    from aiokv.loadpath import LoadPath, Promotion
 
 READAHEAD_BYTES = 32 << 20
 """Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
@@ -114,7 +112,7 @@ class LoadStream:
         self._front = match.tokens  # start of the lowest page launched so far
         self._front_moved: asyncio.Future[None] | None = None  # resolved when it moves (wait_front)
         self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
-        self._promotions: dict[int, asyncio.Task[Promotion | None]] = {}  # reads in flight, by page
+        self._promotions: dict[int, asyncio.Task[Promotion | NoPage]] = {}  # reads in flight, by page
         config = manager.config
         self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
         self._disk_started = time.perf_counter()
@@ -351,7 +349,7 @@ class LoadStream:
         reached = (self._start_of(page) - self._claimed) / prefill
         return lands < reached
 
-    async def _read(self, page: int) -> asyncio.Task[Promotion | None] | None:
+    async def _read(self, page: int) -> asyncio.Task[Promotion | NoPage] | None:
         """The landed read of ``page``, or None once the engine claimed into the page (or the stream
         stops): the read is then not waited for; ``_release_rest`` adopts it."""
         task = self._promotions[page]
@@ -407,7 +405,10 @@ class LoadStream:
                 break  # the engine claimed into the page while it was read: the fronts met
             del self._promotions[page]  # after the await: a cancelled loader leaves it to _release_rest
             promotion = read.result()
-            if promotion is None:
+            if promotion is NoPage.WITHDRAWN:
+                self._cut_at = page  # the close ended the read's wait for room: nothing was read
+                break
+            if not isinstance(promotion, Promotion):
                 self._failed_at = page
                 break
             promoted = promotion.handle
