@@ -87,6 +87,8 @@ class TwinLaunches:
         """False: the twins' launches only add their keys (enumeration); nothing runs, nothing is recorded."""
         self.keys: list[LaunchKey] = []
         """The variants the twins launched (or named), in order."""
+        self.launched: list[LaunchKey] = []
+        """Of those, the ones really launched (not a launch a :func:`record_launches` suppressed)."""
         self._seen = set(done)
 
     def claim(self, key: LaunchKey) -> bool:
@@ -292,8 +294,10 @@ class CopyPlan:
         if _INTERPRETED:
             with _interpreter_lock:
                 kernel[grid](*args, **constexprs)
-            return
-        kernel[grid](*args, **constexprs)
+        else:
+            kernel[grid](*args, **constexprs)
+        if self._once is not None:
+            self._once.launched.append(key)
 
     def variant_signature(self) -> tuple[object, ...]:
         """Everything of this plan that the variants of its launches depend on, besides each call's

@@ -407,7 +407,7 @@ class _Launches:
                 self.child.close()
         if not stopped and self.compiled:
             with _state_lock:
-                _loaded.setdefault(str(self.device), set()).update(self.launches.keys)
+                _loaded.setdefault(str(self.device), set()).update(self.launches.launched)
         launched = len(self.launches.keys)
         ready_variants, ready_s = ready_at or (launched, time.perf_counter() - self.began)
         child = self.child

@@ -17,11 +17,21 @@ import torch
 from kvcase import DEVICE, full_kv, kv_equal, kv_snapshot, rank_kv, triton_usable
 
 from aiokv.kernels import PageMover, TransferPath
-from aiokv.kernels.launch import LaunchKey, record_launches, specialization
+from aiokv.kernels import warmup as warmup_module
+from aiokv.kernels.launch import LaunchKey, TwinLaunches, record_launches, specialization
+from aiokv.kernels.paths import interpreting
 from aiokv.kernels.warmup import skip_values, warm_up
 from aiokv.layout import BufferForm, KVBuffer, KVLayout, TPSlice
 
 pytestmark = pytest.mark.skipif(not triton_usable(), reason="needs CUDA or TRITON_INTERPRET=1")
+COMPILED = DEVICE.type == "cuda" and not interpreting()
+"""Compiled kernels stay loaded: a later warm-up in this process launches only the others."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test warms up as a fresh process would (on a GPU, earlier tests loaded the same variants)."""
+    monkeypatch.setattr(warmup_module, "_loaded", {})
 
 
 def _pages(layout: KVLayout, count: int) -> torch.Tensor:
@@ -177,3 +187,34 @@ def test_reference_path_has_nothing_to_warm() -> None:
     with record_launches(launch=False) as record:
         result = warm_up(mover, on_ready=lambda: ready.append(True))
     assert (result.variants, result.stopped, ready, record.keys) == (0, False, [True], [])
+
+
+def test_a_second_warm_up_launches_only_what_this_process_has_not_loaded() -> None:
+    gen = torch.Generator().manual_seed(4)
+    kv = rank_kv(MHA, full_kv(MHA, 64, gen), BufferForm.STACKED, TPSlice.of(MHA))
+    with record_launches(launch=False):  # suppressed launches load nothing: they must not count
+        dry = warm_up(PageMover(kv, _pages(MHA, 8), TransferPath.DIRECT, 2))
+    first = warm_up(PageMover(kv, _pages(MHA, 8), TransferPath.DIRECT, 2))
+    assert first.variants == dry.variants > 0 and first.skipped == 0
+    second = warm_up(PageMover(kv, _pages(MHA, 8), TransferPath.DIRECT, 2))
+    if COMPILED:  # loaded on this device by the first
+        assert (second.variants, second.skipped) == (0, first.variants)
+    else:  # the interpreter keeps nothing loaded: every warm-up launches all
+        assert (second.variants, second.skipped) == (first.variants, 0)
+
+
+def test_a_twin_counts_as_launched_only_what_it_really_launched() -> None:
+    kv = rank_kv(MHA, full_kv(MHA, 64, torch.Generator().manual_seed(5)), BufferForm.STACKED, TPSlice.of(MHA))
+    plan = PageMover(kv, _pages(MHA, 4), TransferPath.DIRECT, 2)._direct_plan()
+    slots = torch.zeros(MHA.page_tokens, dtype=torch.int64, device=DEVICE)
+    suppressed = TwinLaunches()
+    with record_launches(launch=False) as record:
+        plan.scratch_twin(suppressed, 1).gather(slots, None)
+    assert suppressed.keys == record.keys != [] and suppressed.launched == []
+    launched = TwinLaunches()
+    plan.scratch_twin(launched, 1).gather(slots, None)
+    assert launched.launched == launched.keys == suppressed.keys
+    named = TwinLaunches(launch=False)  # enumeration: names its variants, launches and records nothing
+    with record_launches(launch=False) as record:
+        plan.scratch_twin(named, 1, torch.device("cpu")).gather(slots.cpu(), None)
+    assert named.keys == suppressed.keys and named.launched == [] and record.keys == []
