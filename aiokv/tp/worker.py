@@ -5,8 +5,11 @@ this rank's heads only. A session: connect to the manager's socket, hello (versi
 layout fingerprint), map the pool named in the reply (:meth:`PagePool.attach`), confirm its epoch,
 then run specs through a :class:`~aiokv.tp.executor.RankExecutor` and report each completion.
 
-When the manager goes away (EOF), the worker stops reading, lets the copies in flight finish,
-drops the old mapping, and reconnects with a bounded backoff; the next hello names the new pool.
+When the manager goes away or fences the link (EOF), the worker stops reading, starts nothing new
+(copies queued on its copy thread are withdrawn and reported ``WORKER_CLOSING``), lets the copies
+running finish and report, and only then closes its end: the manager takes a connection's end to
+mean no copy of that session still runs (protocol 4). It then drops the old mapping and reconnects
+with a bounded backoff; the next hello names the new pool.
 
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
@@ -425,7 +428,8 @@ class RankWorker:
     # -- lifetime -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Stop: let copies in flight finish and report, unmap the pool, end :meth:`run`. Idempotent."""
+        """Stop: start nothing new (queued copies are withdrawn and reported ``WORKER_CLOSING``), let
+        the copies running finish and report, unmap the pool, end :meth:`run`. Idempotent."""
         self._closing = True
         self._stop.set()
         if self._session_task is not None:
