@@ -26,7 +26,9 @@ on the bridge's copy thread, :mod:`aiokv.tp.paced`): layer ``l`` is ready for th
 event is queued, and ``on_layers`` is told once it completed.
 
 An engine that carries specs over its own channel can use this class directly:
-``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself.
+``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself. To stop
+a rank, ``executor.fence()`` then ``await executor.drain()``: only then are its specs over (the
+scheduler must not count a spec failed and reuse its slots before the rank's report or its end).
 """
 
 from __future__ import annotations
