@@ -682,6 +682,11 @@ class RankWorkerThread:
         seconds and :class:`WorkerRefusedError` when refused for good."""
         return self._call(self.worker.wait_attached, timeout)
 
+    def wait_warm(self, timeout: float | None = None) -> WarmUp | None:
+        """:meth:`RankWorker.wait_warm`, blocking the calling thread. Raises ``TimeoutError`` after
+        ``timeout`` seconds."""
+        return self._call(self.worker.wait_warm, timeout)
+
     def wait_layer(self, load: LayeredLoad, layer: int, timeout: float | None = None) -> bool:
         """:meth:`RankWorker.wait_layer`, blocking the calling thread (the model runner's).
 

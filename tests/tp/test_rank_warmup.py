@@ -24,7 +24,7 @@ from aiokv.kernels.launch import LaunchKey, LaunchRecord, record_launches
 from aiokv.kernels.paths import interpreting
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.tp import Direction, RankGroup, RankStatus, RankWorker, TPConfig
+from aiokv.tp import Direction, RankGroup, RankStatus, RankWorker, RankWorkerThread, TPConfig
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU test: kernels under the Triton interpreter")
 
@@ -212,3 +212,16 @@ async def test_a_rank_without_kernels_starts_no_warm_up(pool: PagePool, group: R
             assert (await (await group.submit(group.spec(Direction.OFFLOAD, [handles[0].page], range(T))))).ok
     assert record.keys == []
     pool.table.abort(handles[0])
+
+
+@pytest.mark.asyncio
+async def test_a_thread_runner_waits_for_its_warm_up(group: RankGroup) -> None:
+    kv = full_kv(LAYOUT, 5, 64)
+    with RankWorkerThread(group.address, 0, 1, LAYOUT, kv, FAST, path=TransferPath.DIRECT) as runner:
+        await asyncio.to_thread(runner.wait_attached, 60)
+        warm = await asyncio.to_thread(runner.wait_warm, 120)
+        assert warm is not None and not warm.stopped and warm.variants > 0
+        for thread in _warm_threads():
+            thread.join(10)  # it returned its result; only its exit may be left
+        assert not _warm_threads()  # it ended; the session goes on
+    assert runner.error is None
