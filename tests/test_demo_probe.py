@@ -76,3 +76,32 @@ def test_no_disk_is_refused_beside_a_disk_setting(tmp_path: Path) -> None:
     for extra in (["--disk-dir", str(tmp_path)], ["--disk-bytes", "4096"], ["--ttft"]):
         with pytest.raises(SystemExit, match="--no-disk"):
             demo.main(["--preset", "tiny", "--no-disk", *extra])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["open", "after"])
+async def test_the_scratch_run_can_follow_or_share_the_cache_and_still_compares_like_for_like(
+    when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spans: list[demo.Runs] = []
+    serve = demo._serve_one_process
+
+    async def recorded(*args: object) -> demo.Runs:
+        runs = await serve(*args)  # type: ignore[arg-type]
+        spans.append(runs)
+        return runs
+
+    monkeypatch.setattr(demo, "_serve_one_process", recorded)
+    cfg = demo.config_from_args(demo.parse_args(["--preset", "tiny", "--scratch-run", when, "--quiet"]))
+    out = await demo.run_demo(cfg, progress=False)
+    assert out.oracle.mismatches == ()
+    assert out.oracle.logits_bit_exact
+    assert out.summary["admitted_elsewhere"] == 0
+    assert out.summary["pool_tokens"] > 0
+    (scratch_begin, scratch_end), (cached_begin, cached_end) = spans[0].spans["scratch"], spans[0].spans["cached"]
+    assert (scratch_begin > cached_end) if when == "after" else (scratch_end < cached_begin)
+
+
+def test_the_scratch_run_moves_only_in_one_process() -> None:
+    with pytest.raises(SystemExit, match="--scratch-run"):
+        demo.main(["--preset", "tiny", "--tp", "2", "--scratch-run", "after"])

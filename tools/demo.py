@@ -23,7 +23,7 @@ arithmetic differs from a prefill chunk's, so serving them would break bit-exact
     .venv/bin/python tools/demo.py --preset 8b --device cuda         # H200
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft  # headline TTFT table
     .venv/bin/python tools/demo.py --preset 8b --device cuda --ttft --load-path plain split-layered
-    .venv/bin/python tools/demo.py --preset 8b --device cuda --probe-gil [--no-disk]  # why misses slow down
+    .venv/bin/python tools/demo.py --preset 8b --device cuda --probe-gil [--no-disk] [--scratch-run open|after]
 
 The cached run admits requests in the scratch run's order, so each request's TTFT compares like
 for like. Requests that hit nothing compare their own prefill (and its host part, ``launch_s``)
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import shutil
 import statistics
 import sys
@@ -107,6 +108,19 @@ POOL_FACTOR = 0.25
 TTFT_CHUNK = 2048
 
 
+class ScratchWhen(enum.Enum):
+    """When the from-scratch run happens relative to the cached one (a control for run order)."""
+
+    BEFORE = "before"
+    """First, before any cache exists (the default)."""
+    OPEN = "open"
+    """With the cache started and warm but unused, just before the cached run: is an open cache
+    (its threads, its pinned and registered pool) enough to slow the engine?"""
+    AFTER = "after"
+    """After the cached run and the cache's close, admitting in the cached run's order: does the
+    second run pay for running second (GPU clocks, allocator state)?"""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Everything one demo run needs (tokens, pages, bytes)."""
@@ -132,6 +146,7 @@ class DemoConfig:
     transfer_path: TransferPath | None = None  # None: aiokv's default (STAGING on CUDA)
     disk: bool = True  # False: the cache has no disk tier (the pool only)
     probe_gil: bool = False  # sample how long a Python thread waits for the GIL during both runs
+    scratch_when: ScratchWhen = ScratchWhen.BEFORE  # when the from-scratch run happens
 
     def transfer_path_for(self, path: LoadPath) -> TransferPath | None:
         """The pool->GPU path for ``path`` (``None``: the cache's default, STAGING on CUDA).
@@ -280,12 +295,20 @@ async def _serve_one_process(
     warm = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, 2, keep_logits=False)
     await warm.serve("warmup", "warmup", "warmup", 0, [i % cfg.model.vocab for i in range(min(longest, 4 * chunk))])
 
-    scratch_engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
-    begin = time.perf_counter()
-    scratch, wall_scratch = await timed_run(
-        scratch_engine, sessions, cfg.concurrency, cfg.window, progress_bar("scratch", sessions, progress)
-    )
-    spans = {"scratch": (begin, time.perf_counter())}
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def run_scratch(order: list[str] | None) -> tuple[list[RequestResult], float]:
+        engine = Engine(model, kv, BlockTable(kv_blocks, cfg.page_tokens, False), None, chunk, cfg.gen_tokens)
+        begin = time.perf_counter()
+        out = await timed_run(
+            engine, sessions, cfg.concurrency, cfg.window, progress_bar("scratch", sessions, progress), order
+        )
+        spans["scratch"] = (begin, time.perf_counter())
+        return out
+
+    when = cfg.scratch_when
+    if when is ScratchWhen.BEFORE:
+        scratch, wall_scratch = await run_scratch(None)
     async with KVCache(config, layout, kv) as cache:
         # Set-up, not serving: a large pool hands out pages only from chunks already prepared, and
         # the cache's kernel warm-up (started by start) compiles every copy kernel variant of this
@@ -294,18 +317,22 @@ async def _serve_one_process(
         # did this before; wait_warm also covers the variants that prompt did not reach.)
         await cache.pool.wait_ready()
         await cache.wait_warm()
+        if when is ScratchWhen.OPEN:
+            scratch, wall_scratch = await run_scratch(None)
         blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
         engine = Engine(model, kv, blocks, cache, chunk, cfg.gen_tokens, prefetch=cfg.prefetch, settle=cfg.settle,
                         load_path=cfg.load_path, claim=cfg.claim)
-        # The scratch run's admission order: each request has the same index and the same
-        # requests ahead of it in both runs, so its TTFT compares like for like.
+        # The first run's admission order: each request has the same index and the same requests
+        # ahead of it in both runs, so its TTFT compares like for like.
         begin = time.perf_counter()
         cached, wall = await timed_run(
             engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress),
-            admission_order(scratch),
+            None if when is ScratchWhen.AFTER else admission_order(scratch),
         )
         spans["cached"] = (begin, time.perf_counter())
         stats = cache.stats()
+    if when is ScratchWhen.AFTER:
+        scratch, wall_scratch = await run_scratch(admission_order(cached))
     return Runs(cached, scratch, wall, wall_scratch, stats, spans=spans)
 
 
@@ -524,6 +551,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--transfer-path", choices=["auto", *(x.value for x in TransferPath)], default="auto",
         help="aiokv's pool<->GPU path (auto: direct for layer-wise loads on CUDA, else aiokv's default)",
     )
+    p.add_argument(
+        "--scratch-run", choices=[x.value for x in ScratchWhen], default=ScratchWhen.BEFORE.value,
+        help="when the from-scratch run happens: before the cache exists (default), with the cache open and "
+        "idle, or after the cached run (a control for what slows the cached run's own compute)",
+    )
     p.add_argument("--no-disk", action="store_true", help="the cache without a disk tier (the CPU pool only)")
     p.add_argument(
         "--probe-gil", action="store_true",
@@ -558,7 +590,7 @@ def config_from_args(a: argparse.Namespace) -> DemoConfig:
         tp=a.tp,
         load_path=LoadPath(a.load_path[0]), claim=ClaimPolicy(a.claim),
         transfer_path=None if a.transfer_path == "auto" else TransferPath(a.transfer_path),
-        disk=not a.no_disk, probe_gil=a.probe_gil,
+        disk=not a.no_disk, probe_gil=a.probe_gil, scratch_when=ScratchWhen(a.scratch_run),
     )
 
 
@@ -577,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tp > 1:
         if a.ttft:
             raise SystemExit("--ttft runs in one process; drop --tp")
+        if cfg.scratch_when is not ScratchWhen.BEFORE:
+            raise SystemExit("--scratch-run runs in one process; drop --tp")
         try:
             Shard(0, cfg.tp).check(m)
         except ValueError as exc:
