@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -105,3 +106,19 @@ async def test_the_scratch_run_can_follow_or_share_the_cache_and_still_compares_
 def test_the_scratch_run_moves_only_in_one_process() -> None:
     with pytest.raises(SystemExit, match="--scratch-run"):
         demo.main(["--preset", "tiny", "--tp", "2", "--scratch-run", "after"])
+
+
+def test_the_json_gives_each_requests_scratch_prefill_beside_its_cached_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "wl.json"
+    assert demo.main(["--preset", "tiny", "--quiet", "--probe-gil", "--json", str(out)]) == 0
+    assert "GIL probe" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    requests = payload["requests"]
+    assert len(requests) == payload["summary"]["requests"] > 10
+    for r in requests:
+        assert r["index_scratch"] == r["index"]  # replayed order
+        assert 0 < r["launch_s_scratch"] <= r["prefill_s_scratch"]
+        assert 0 < r["launch_s"] <= r["prefill_s"]
+    assert payload["summary"]["gil_probe"]["cached"]["samples"] > 0

@@ -103,6 +103,8 @@ WORKLOADS: dict[str, WorkloadConfig] = {
     ),
 }
 PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
+SCRATCH_FIELDS = ("index", "prefill_s", "launch_s", "decode_s", "prefill_at", "gil_lag_s")
+"""What the JSON gives of each request's from-scratch run beside its cached one (``<field>_scratch``)."""
 KV_FACTOR = 1.0
 POOL_FACTOR = 0.25
 TTFT_CHUNK = 2048
@@ -655,13 +657,19 @@ def main(argv: list[str] | None = None) -> int:
     if (line := probe_line(out.summary)) is not None:
         print(line)
     if a.json:
+        scratch = {r.name: r for r in out.scratch}
+
+        def from_scratch(name: str) -> dict[str, Any]:
+            r = scratch.get(name)
+            return {} if r is None else {f"{k}_scratch": getattr(r, k) for k in SCRATCH_FIELDS}
+
         write_json(a.json, {
             "config": asdict(cfg), "kv_blocks": out.kv_blocks, "pool_pages": out.pool_pages,
             "disk_bytes": out.disk_bytes,
             "summary": out.summary, "stats": out.stats, "oracle": out.oracle,
             "requests": [
                 {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("logits", "prompt_digest")}
-                | {"ttft_s_scratch": ratio.scratch_s, "ttft_ratio": ratio.ratio}
+                | from_scratch(r.name) | {"ttft_s_scratch": ratio.scratch_s, "ttft_ratio": ratio.ratio}
                 for r, ratio in zip(out.cached, ttft_ratios(out.cached, out.scratch), strict=True)
             ],
         })
