@@ -366,7 +366,7 @@ class _Launches:
         self.stop = stop
         self.began = began
         self.device = mover.kv.device
-        self.compiled = self.device.type == "cuda" and not interpreting()
+        self.compiled = _compiles(self.device)
         self.variants, _ = variants_of(mover)
         with _state_lock:
             loaded = set(_loaded.get(str(self.device), ())) if self.compiled else set()
@@ -428,13 +428,10 @@ class _Launches:
         return at
 
     def start_child(self) -> None:
+        from .precompile import Precompile
+
         try:
-            import triton
-
-            from .precompile import Precompile
-
-            target = triton.runtime.driver.active.get_current_target()
-            cache_dir = str(triton.knobs.cache.dir)
+            target, cache_dir = _compile_target()
         except Exception as exc:  # another Triton's API: compile here, as without a helper
             log.debug("aiokv: no helper process for the kernel compiles: %r", exc)
             return
@@ -490,6 +487,19 @@ class _Launches:
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self.stream)
             done.synchronize()
+
+
+def _compiles(device: torch.device) -> bool:
+    """Whether launches on ``device`` compile (CUDA, not the interpreter): then variants stay loaded
+    and a helper process compiles them first."""
+    return device.type == "cuda" and not interpreting()
+
+
+def _compile_target() -> tuple[object, str]:
+    """Triton's target for the current device and its disk cache directory, as this process resolves them."""
+    import triton
+
+    return triton.runtime.driver.active.get_current_target(), str(triton.knobs.cache.dir)
 
 
 def _failures(failures: dict[int, str]) -> str | None:

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,10 @@ import torch
 from aiokv.kernels import PageMover, TransferPath
 from aiokv.kernels import precompile as precompile_module
 from aiokv.kernels import warmup as warmup_module
-from aiokv.kernels.launch import LaunchKey
+from aiokv.kernels.launch import LaunchKey, record_launches
 from aiokv.kernels.paths import interpreting
 from aiokv.kernels.precompile import Precompile
-from aiokv.kernels.warmup import _Enumeration, _roles, variants_of
+from aiokv.kernels.warmup import _Enumeration, _roles, variants_of, warm_up
 from aiokv.layout import KVBuffer, KVLayout, TPSlice
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU test: movers under the Triton interpreter")
@@ -179,6 +180,79 @@ def test_a_helper_that_cannot_start_leaves_an_error(tmp_path: Path, monkeypatch:
     assert child.error is not None and child.error.startswith("the compile process did not start")
     monkeypatch.setattr(sys, "executable", "")
     assert Precompile([], _target(), str(tmp_path)).error is not None
+
+
+# -- the warm-up with its helper ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Warm-ups of CPU movers run as on CUDA: variants stay loaded, and a helper process compiles
+    them first, for sm_90, into the returned directory (the launches here stay interpreted)."""
+    cache = tmp_path / "triton"
+    monkeypatch.setattr(warmup_module, "_compiles", lambda device: True)
+    monkeypatch.setattr(warmup_module, "_compile_target", lambda: (_target(), str(cache)))
+    monkeypatch.setattr(warmup_module, "_loaded", {})
+    return cache
+
+
+@pytest.mark.slow
+def test_the_warm_up_launches_each_variant_once_its_helper_compiled_it(as_on_a_gpu: Path) -> None:
+    with record_launches() as record:
+        result = warm_up(_mover(path=TransferPath.DIRECT))
+    assert result.precompile_error is None and not result.stopped, result
+    assert result.precompiled == result.variants == len(record.keys) > 0
+    assert any(as_on_a_gpu.iterdir())
+    again = warm_up(_mover(path=TransferPath.DIRECT))  # loaded in this process: nothing to do
+    assert (again.variants, again.skipped, again.precompiled) == (0, result.variants, 0)
+
+
+def test_a_crashing_helper_leaves_the_compiles_to_this_process(
+    as_on_a_gpu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sys, "executable", _script(tmp_path, "cat >/dev/null; echo boom >&2; exit 3"))
+    ready: list[int] = []
+    with record_launches() as record:
+        result = warm_up(_mover(path=TransferPath.DIRECT), on_ready=lambda: ready.append(len(record.keys)))
+    assert result.precompile_error is not None and "exited with 3" in result.precompile_error
+    assert not result.stopped and result.precompiled == 0
+    assert result.variants == len(record.keys) == len(variants_of(_mover(path=TransferPath.DIRECT))[0].keys)
+    assert ready == [result.ready_variants]
+    assert "compiled in this process" in caplog.text
+
+
+def test_a_helper_that_cannot_start_leaves_the_compiles_to_this_process(
+    as_on_a_gpu: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_target() -> tuple[object, str]:
+        raise RuntimeError("injected: this Triton has no target API")
+
+    monkeypatch.setattr(warmup_module, "_compile_target", no_target)
+    result = warm_up(_mover(path=TransferPath.DIRECT))
+    assert result.precompile_error == "the helper process was not started"
+    assert not result.stopped and result.variants > 0
+
+
+def test_stop_while_the_helper_works_ends_the_warm_up_and_the_helper(
+    as_on_a_gpu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid_file = tmp_path / "pid"
+    monkeypatch.setattr(sys, "executable", _script(tmp_path, f"echo $$ > {pid_file}; exec sleep 60"))
+    stop = threading.Event()
+
+    def stop_once_it_runs() -> None:  # the helper wrote its pid: it runs (a bounded wait for another process)
+        for _ in range(3000):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_once_it_runs).start()
+    with record_launches() as record:
+        result = warm_up(_mover(path=TransferPath.DIRECT), stop)
+    assert result.stopped and result.variants == len(record.keys) == 0
+    assert _gone(int(pid_file.read_text()))
+    assert warmup_module._loaded == {}  # a stopped warm-up remembers nothing
 
 
 # -- the per-process enumeration table ---------------------------------------------------------------
