@@ -121,4 +121,5 @@ def test_the_json_gives_each_requests_scratch_prefill_beside_its_cached_one(
         assert r["index_scratch"] == r["index"]  # replayed order
         assert 0 < r["launch_s_scratch"] <= r["prefill_s_scratch"]
         assert 0 < r["launch_s"] <= r["prefill_s"]
+        assert r["model_cpu_s"] > 0 and r["model_cpu_s_scratch"] > 0
     assert payload["summary"]["gil_probe"]["cached"]["samples"] > 0

@@ -85,9 +85,12 @@ async def test_an_order_that_does_not_name_every_request_once_is_refused() -> No
 
 
 @pytest.mark.asyncio
-async def test_every_request_reports_the_host_part_of_its_prefill() -> None:
+async def test_every_request_reports_the_host_part_of_its_prefill_and_its_model_threads_work() -> None:
     for r in await serve(GatedEngine(None, None)):
         assert 0 < r.launch_s <= r.prefill_s <= r.ttft_s
+        # The model thread's own counters over its prefill and decode calls.
+        assert r.model_cpu_s > 0
+        assert r.model_waits >= 0 and r.model_preemptions >= 0
 
 
 def test_misses_compare_their_own_prefill_not_their_queue() -> None:
@@ -106,6 +109,13 @@ def test_misses_compare_their_own_prefill_not_their_queue() -> None:
     assert m.prefill_worst == pytest.approx(2.0)
     assert m.worst_request == "b"
     assert m.launch_median == pytest.approx(1.0)
+    assert m.waits_per_s == (0.0, 0.0)
+    for r, waits in zip(cached, (3, 60, 0, 5), strict=True):  # per second of prefill + decode: 30, 300, -, 33.3
+        r.model_waits, r.model_preemptions, r.model_cpu_s = waits, 1, 0.05
+    m = compare_misses(cached, scratch)
+    assert m.waits_per_s == (pytest.approx(100 / 3), 0.0)
+    assert m.preemptions_per_s == (pytest.approx(1 / 0.15), 0.0)
+    assert m.cpu_share == (pytest.approx(1 / 3), 0.0)
     s = summarize(cached, scratch, 1.0, 1.0)
     assert s["worst_request"] == "a"  # by TTFT: its queue, not its prefill
     assert s["miss_prefill_worst_request"] == "b"

@@ -103,7 +103,8 @@ WORKLOADS: dict[str, WorkloadConfig] = {
     ),
 }
 PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
-SCRATCH_FIELDS = ("index", "prefill_s", "launch_s", "decode_s", "prefill_at", "gil_lag_s")
+SCRATCH_FIELDS = ("index", "prefill_s", "launch_s", "decode_s", "prefill_at", "gil_lag_s", "model_cpu_s",
+                  "model_waits", "model_preemptions")
 """What the JSON gives of each request's from-scratch run beside its cached one (``<field>_scratch``)."""
 KV_FACTOR = 1.0
 POOL_FACTOR = 0.25

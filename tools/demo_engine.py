@@ -40,6 +40,25 @@ LAYER_WAIT_S = 600.0
 """Bound of a CPU model thread's wait for one layer's copies (they finish in milliseconds)."""
 
 
+def thread_counters() -> tuple[float, int, int]:
+    """The calling thread's CPU seconds and voluntary / involuntary context switches (Linux; 0 elsewhere).
+
+    A thread waiting for the GIL sleeps on a futex: a voluntary switch. One that loses its core to
+    another runnable thread is preempted: an involuntary one. A CUDA sync spins without either.
+    """
+    waits = preemptions = 0
+    try:
+        with open("/proc/thread-self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    waits = int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    preemptions = int(line.split()[1])
+    except OSError:
+        pass
+    return time.thread_time(), waits, preemptions
+
+
 class LoadPath(enum.Enum):
     """How the serving loop gets a cache hit's KV into its buffer."""
 
@@ -317,6 +336,9 @@ class RequestResult:
     prefill_s: float = 0.0
     launch_s: float = 0.0  # of prefill_s, until the first token's last chunk was queued (host side)
     prefill_at: float = 0.0  # perf_counter seconds when its prefill began
+    model_cpu_s: float = 0.0  # CPU time of the model's thread(s) in its prefill and decode calls
+    model_waits: int = 0  # their voluntary context switches: waits (for the GIL, a lock, a blocking sync)
+    model_preemptions: int = 0  # their involuntary ones: another thread took the core
     gil_lag_s: float | None = None  # the demo's GIL probe over its prefill (--probe-gil), mean wake-up lag
     decode_s: float = 0.0
     offload_s: float = 0.0
@@ -477,6 +499,7 @@ class ServingLoop(abc.ABC):
             res.prefill_s, res.ttft_s = done.first_token - done.prefill_start, done.first_token - t0
             res.launch_s = done.queued - done.prefill_start
             res.prefill_at = done.prefill_start
+            res.model_cpu_s, res.model_waits, res.model_preemptions = self._take_model_work(slots)
             res.decode_s = done.end - done.first_token
             if streaming is not None:
                 self._record_stream(res, streaming, start)
@@ -504,6 +527,12 @@ class ServingLoop(abc.ABC):
 
     def _stage_inputs(self, prompt: list[int], slots: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Copy a request's token ids and slots to the accelerator ahead of its loads (if it has one)."""
+
+    def _take_model_work(self, slots: torch.Tensor) -> tuple[float, int, int]:
+        """What the model's threads spent on the request with ``slots``: CPU seconds, voluntary and
+        involuntary context switches (zeros where the model runs elsewhere: TP ranks)."""
+        del slots
+        return 0.0, 0, 0
 
     def _unstage_inputs(self, slots: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """Forget what :meth:`_stage_inputs` copied for the request with ``slots``."""
@@ -730,6 +759,8 @@ class Engine(ServingLoop):
         self._paced: torch.cuda.Event | None = None  # the last paced chunk's completion (CUDA)
         # Per request (keyed by its host slots' id): (prompt, host slots, device tokens, device slots).
         self._staged: dict[int, tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Per request (keyed by its host slots' id): its model calls' CPU seconds, waits, preemptions.
+        self._work: dict[int, tuple[float, int, int]] = {}
 
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
         assert self.kv_cache is not None
@@ -761,8 +792,8 @@ class Engine(ServingLoop):
         # The model runs in a worker thread (torch releases the GIL), so the loop keeps serving
         # the cache's disk and copy completions, and the stream's loader, while a chunk computes.
         try:
-            return await asyncio.to_thread(self._on_device, self._prefill_sync, prompt, begin, end, slots, first,
-                                           hook, paced)
+            return await asyncio.to_thread(self._counted, slots, self._on_device, self._prefill_sync, prompt, begin,
+                                           end, slots, first, hook, paced)
         finally:
             if gate is not None:
                 await gate.aclose()
@@ -782,6 +813,20 @@ class Engine(ServingLoop):
 
     def _unstage_inputs(self, slots: torch.Tensor) -> None:
         self._staged.pop(id(slots), None)
+        self._work.pop(id(slots), None)
+
+    def _take_model_work(self, slots: torch.Tensor) -> tuple[float, int, int]:
+        return self._work.pop(id(slots), (0.0, 0, 0))
+
+    def _counted(self, host_slots: torch.Tensor, fn: Callable[..., _R], *args: object) -> _R:
+        """``fn(*args)`` on this (model) thread, its CPU time and context switches added to the request's."""
+        cpu, waits, preempted = thread_counters()
+        try:
+            return fn(*args)
+        finally:
+            c, w, p = thread_counters()
+            before = self._work.get(id(host_slots), (0.0, 0, 0))
+            self._work[id(host_slots)] = (before[0] + c - cpu, before[1] + w - waits, before[2] + p - preempted)
 
     def _inputs(
         self, prompt: list[int], begin: int, end: int, host_slots: torch.Tensor
@@ -828,7 +873,7 @@ class Engine(ServingLoop):
         return First(logits, int(logits.argmax().item()), queued)
 
     async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-        return await asyncio.to_thread(self._on_device, self._decode_sync, n, first, slots)
+        return await asyncio.to_thread(self._counted, slots, self._on_device, self._decode_sync, n, first, slots)
 
     def _decode_sync(self, n: int, first: First, host_slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
         slots = self._to_device(host_slots)

@@ -150,6 +150,15 @@ class MissComparison:
     prefill_worst: float | None
     worst_request: str | None
     launch_median: float | None
+    # Medians over these requests' prefill + decode, (with cache, from scratch): the model thread's
+    # voluntary switches per second (waits: the GIL, a lock), involuntary ones (preempted), CPU share.
+    waits_per_s: tuple[float, float] | None = None
+    preemptions_per_s: tuple[float, float] | None = None
+    cpu_share: tuple[float, float] | None = None
+
+
+def _per_compute_s(r: RequestResult, value: float) -> float:
+    return value / max(1e-9, r.prefill_s + r.decode_s)
 
 
 def compare_misses(cached: Sequence[RequestResult], scratch: Sequence[RequestResult]) -> MissComparison:
@@ -163,8 +172,14 @@ def compare_misses(cached: Sequence[RequestResult], scratch: Sequence[RequestRes
     prefill = [(c.prefill_s / s.prefill_s, c.name) for c, s in pairs]
     launch = [c.launch_s / s.launch_s for c, s in pairs if c.launch_s > 0 and s.launch_s > 0]
     worst = max(prefill)
+
+    def both(get: Callable[[RequestResult], float]) -> tuple[float, float]:
+        return (statistics.median(_per_compute_s(c, get(c)) for c, _ in pairs),
+                statistics.median(_per_compute_s(s, get(s)) for _, s in pairs))
+
     return MissComparison(len(pairs), statistics.median(v for v, _ in prefill), worst[0], worst[1],
-                          statistics.median(launch) if launch else None)
+                          statistics.median(launch) if launch else None, both(lambda r: r.model_waits),
+                          both(lambda r: r.model_preemptions), both(lambda r: r.model_cpu_s))
 
 
 def summarize(
@@ -211,6 +226,9 @@ def summarize(
         "miss_prefill_ratio_worst": misses.prefill_worst,
         "miss_prefill_worst_request": misses.worst_request,
         "miss_launch_ratio_median": misses.launch_median,
+        "miss_model_waits_per_s": misses.waits_per_s,
+        "miss_model_preemptions_per_s": misses.preemptions_per_s,
+        "miss_model_cpu_share": misses.cpu_share,
     }
 
 
@@ -250,6 +268,11 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
         row("  own prefill cache/scratch, median", ratio(s["miss_prefill_ratio_median"])),
         row("  worst", ratio(s["miss_prefill_ratio_worst"])),
         row("  host launch part, median", ratio(s["miss_launch_ratio_median"])),
+        *([] if s["miss_model_waits_per_s"] is None else [
+            row("  model thread: waits per s", *(f"{x:.0f}" for x in s["miss_model_waits_per_s"])),
+            row("  model thread: preemptions per s", *(f"{x:.0f}" for x in s["miss_model_preemptions_per_s"])),
+            row("  model thread: CPU share", *(f"{100 * x:.0f}%" for x in s["miss_model_cpu_share"])),
+        ]),
         row("wall time (s)", f"{s['wall_s']:.1f}", f"{s['wall_s_scratch']:.1f}"),
         row("speedup: prefill / TTFT / wall", "/".join(
             f"{s[k + '_scratch'] / s[k]:.2f}x" if s[k] else "-" for k in ("prefill_s", "ttft_s_mean", "wall_s"))),
