@@ -127,6 +127,9 @@ class LoadStream:
         self._finished = False
         self._launched: list[Copy] | None = None  # _launched_copies(), once the loader is done
         self._cuda = False  # whether they are CUDA copies (set with _launched)
+        # Held for the stream's life: once the cache's close began, _running() raises, but a stream
+        # given up or finished during the close must still wait for (or order after) its copies.
+        self._transfers = manager._running()[1]
         self._loader = asyncio.create_task(self._run())
 
     # -- the engine's side ----------------------------------------------------------------------
@@ -242,9 +245,8 @@ class LoadStream:
             event = c.layer_events[layer] if c.layer_events else c.event
             if event is not None:
                 events.append(event)
-        transfers = self._manager._running()[1]
         if events:
-            transfers.order_after(events)
+            self._transfers.order_after(events)
         return landing
 
     def _check_layer(self, layer: int) -> None:
@@ -368,7 +370,7 @@ class LoadStream:
 
     async def _run(self) -> None:
         manager = self._manager
-        _, transfers = manager._running()
+        transfers = self._transfers
         # Layer by layer, all pool pages go in one launch: the worker then copies layer 0 of every
         # page before layer 1 (launch groups would each run all their layers before the next).
         group = len(self._pool) if self._layered else manager.config.launch_pages
@@ -446,7 +448,7 @@ class LoadStream:
         unordered = [c.event if c.paced is None else c.paced.end
                      for _, c, _, _ in self._unique_copies() if c.event is not None and not c.ordered]
         if unordered:
-            manager._running()[1].order_after(unordered)
+            self._transfers.order_after(unordered)
         failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}
         errors = [out for out in outcomes if out is not None and not isinstance(out, CopyWithdrawn)]
         if errors:
@@ -495,8 +497,7 @@ class LoadStream:
                 continue
         if not self._loader.cancelled() and self._loader.exception() is not None:
             manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
-        _, transfers = manager._running()
-        await transfers.quiesce([c for _, c, _, _ in self._copies], offload=False)
+        await self._transfers.quiesce([c for _, c, _, _ in self._copies], offload=False)
         for _, copy, handle, _ in self._copies:
             manager._after(copy.future, [handle], commit=None)
         self._release_rest()
