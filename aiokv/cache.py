@@ -215,6 +215,11 @@ class KVCache(CacheFacade):
             )
             return
         result = done.result()
+        if result.precompile_error is not None:
+            # Compiled in-process instead (the loop may have stalled on the GIL meanwhile): say so once.
+            self._manager.faults.record(
+                "precompile_failed", f"kernel compile helper failed ({result.precompile_error}): compiled in-process"
+            )
         log.debug("aiokv: %d kernel variants warm in %.2f s (page-aligned copies: %d in %.2f s)%s",
                   result.variants, result.seconds, result.ready_variants, result.ready_seconds,
                   ", stopped" if result.stopped else "")

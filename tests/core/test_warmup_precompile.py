@@ -374,3 +374,24 @@ def test_compiling_in_the_helper_keeps_the_loop_s_stalls_short(tmp_path: Path) -
     thread, helper = result["thread"], result["helper"]
     assert thread["over_5ms"] > 0, f"compiling on a thread stalled nothing: the comparison is moot ({result})"
     assert helper["over_5ms"] * 2 <= thread["over_5ms"] and helper["p99_ms"] < thread["p99_ms"], result
+
+
+@pytest.mark.asyncio
+async def test_a_cache_counts_a_failed_helper_once_and_its_copies_go_on(
+    as_on_a_gpu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVCache counts the helper's failure as a fault (precompile_failed): before, it was only
+    logged, so an engine's metrics never showed that its loop could stall on in-process compiles."""
+    from aiokv import CacheConfig, KVCache
+
+    monkeypatch.setattr(sys, "executable", _script(tmp_path, "cat >/dev/null; echo boom >&2; exit 3"))
+    kv = torch.randn(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim).to(LAYOUT.dtype)
+    config = CacheConfig(cpu_bytes=16 * LAYOUT.page_bytes, disk=None, transfer_path=TransferPath.DIRECT,
+                         namespace="precompile-failed")
+    async with KVCache(config, LAYOUT, kv) as cache:
+        warm = await cache.wait_warm()
+        assert warm is not None and warm.precompile_error is not None and warm.variants > 0
+        errors = cache.stats().errors
+        assert errors.get("precompile_failed") == 1 and "warm_up_failed" not in errors, errors
+        tokens = list(range(2 * LAYOUT.page_tokens))
+        assert (await cache.offload(tokens, torch.arange(len(tokens)))).stored == 2
