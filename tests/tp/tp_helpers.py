@@ -152,16 +152,22 @@ async def _async_rank(
     ctrl: multiprocessing.connection.Connection, address: str, rank: int, tp_size: int, layout: KVLayout,
     kv: torch.Tensor, config: TPConfig,
 ) -> None:
+    # The worker shares this loop: every reply goes out from a thread. A reply longer than the
+    # pipe's buffer (a layer snapshot, a dump) blocks its sender until the test reads it, and the
+    # test may first await a job of this rank (stream.finish()), whose DONE needs this loop.
+    async def reply(message: object) -> None:
+        await asyncio.to_thread(ctrl.send, message)
+
     async with RankWorker(address, rank, tp_size, layout, kv, config) as worker:
-        ctrl.send(("started", os.getpid()))
+        await reply(("started", os.getpid()))
         while True:
             command = await asyncio.to_thread(ctrl.recv)
             if command == "dump":
-                ctrl.send(_raw(kv))
+                await reply(_raw(kv))
             elif command == "stats":
-                ctrl.send(worker.statistics())
+                await reply(worker.statistics())
             elif command == "maps":
-                ctrl.send(shm_mappings())
+                await reply(shm_mappings())
             elif isinstance(command, tuple) and command[0] == "layers":
                 _, load, at = command
                 replies = []
@@ -169,10 +175,10 @@ async def _async_rank(
                     async with asyncio.timeout(120):
                         ok = await worker.wait_layer(load, layer)
                     replies.append((ok, _raw(kv[layer, at])))
-                ctrl.send(replies)
+                await reply(replies)
             else:
                 break
-    ctrl.send(("stopped", None))
+    await reply(("stopped", None))
 
 
 def shm_mappings() -> set[str]:
