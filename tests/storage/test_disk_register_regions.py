@@ -1,0 +1,130 @@
+"""The pool's background registration pins small regions (another thread's munmap waits for the pin
+of a whole region) and faults in only memory that is not mapped yet (a pool prepared for CUDA is)."""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disk_helpers import assert_clean, config, key_of
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.shm import populate
+from aiokv.storage import DiskBackend, DiskTier, backends, uring
+from aiokv.storage.backends import BACKGROUND_REGION_BYTES, UringPageIO
+
+POOL_BYTES = 3 * BACKGROUND_REGION_BYTES + (1 << 20)
+"""Four regions: three whole ones and a tail."""
+
+
+def _memlock_allows(size: int) -> bool:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 2 * size
+
+
+@pytest.fixture
+def big_pool(layout: KVLayout) -> Iterator[PagePool]:
+    p = PagePool.create(layout, POOL_BYTES, register_cuda=False, workers=1)
+    p.wait_ready_blocking()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+class Spy:
+    """Records the real calls (address, length) in the pool's range, then makes them."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.start = pool.memory.segment.address
+        self.end = self.start + pool.num_pages * pool.layout.page_bytes
+        self.updates: list[tuple[int, int]] = []
+        self.populated: list[tuple[int, int]] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        update = uring.UringEngine.update_buffer
+        real_populate = backends.populate
+
+        def recording_update(engine: uring.UringEngine, region: uring.Region) -> None:
+            if self.start <= region.address < self.end:
+                self.updates.append((region.address, region.length))
+            update(engine, region)
+
+        def recording_populate(address: int, length: int) -> None:
+            if self.start <= address < self.end:
+                self.populated.append((address, length))
+            real_populate(address, length)
+
+        monkeypatch.setattr(uring.UringEngine, "update_buffer", recording_update)
+        monkeypatch.setattr(backends, "populate", recording_populate)
+
+
+async def _registered(disk_dir: Path, layout: KVLayout, pool: PagePool) -> tuple[DiskTier, UringPageIO]:
+    tier = DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool)
+    await tier.start()
+    io = tier.backend
+    if not isinstance(io, UringPageIO):
+        await tier.aclose()
+        pytest.skip("io_uring refused here: nothing is registered")
+    await io.wait_registered()
+    if io.kind is not DiskBackend.URING_FIXED:
+        await tier.aclose()
+        pytest.skip("fixed buffers cannot be registered here")
+    return tier, io
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "untouched"])
+async def test_background_registration_pins_small_regions(disk_dir: Path, layout: KVLayout, big_pool: PagePool,
+                                                          monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+    if not _memlock_allows(POOL_BYTES):
+        pytest.skip("memlock limit below the pool")
+    pool = big_pool
+    if mapped:  # as the CUDA preparation of each chunk leaves it
+        populate(pool.memory.segment.address, pool.num_pages * layout.page_bytes)
+    spy = Spy(pool)
+    spy.install(monkeypatch)
+    tier, io = await _registered(disk_dir, layout, pool)
+    try:
+        # Every update pins at most one small region, and together they cover the pool in order.
+        assert len(spy.updates) >= 4
+        assert all(length <= BACKGROUND_REGION_BYTES for _, length in spy.updates), spy.updates
+        assert spy.updates[0][0] == spy.start
+        for (a, n), (b, _) in zip(spy.updates, spy.updates[1:], strict=False):
+            assert a + n == b
+        assert spy.updates[-1][0] + spy.updates[-1][1] == spy.end
+        # Mapped memory is pinned as it is; untouched memory is faulted in first, region by region.
+        if mapped:
+            assert spy.populated == []
+        else:
+            assert spy.populated == spy.updates
+        # Fixed-buffer I/O in the last region: a page written from it reads back into it.
+        pb = layout.page_bytes
+        memory = pool.memory.segment.buffer
+        last, before = (pool.num_pages - 1) * pb, (pool.num_pages - 2) * pb
+        region = io._page_region(spy.start + last)
+        assert region is not None and region.address == spy.updates[-1][0]
+        seen: list[tuple[int, int]] = []
+        submit = io.engine.submit
+
+        def recording(ops: list[uring.SqeFields], keep: object, callback: Any, future: Any = None,
+                      expect: Any = None) -> None:
+            seen.extend((op[0], op[9]) for op in ops)
+            submit(ops, keep, callback, future, expect)
+
+        io.engine.submit = recording  # type: ignore[method-assign]
+        sent = os.urandom(pb)
+        memory[last : last + pb] = sent
+        assert await tier.write_from(key_of(0), memory[last : last + pb])
+        assert await tier.read_into(key_of(0), memory[before : before + pb])
+        assert bytes(memory[before : before + pb]) == sent
+        assert (uring.OP_WRITE_FIXED, region.index) in seen
+        assert (uring.OP_READ_FIXED, region.index) in seen
+    finally:
+        await tier.aclose()
+    assert_clean(pool)
