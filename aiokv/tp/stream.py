@@ -47,7 +47,7 @@ class TPLoadStream(LoadStream):
         from_token: int,
         layered: bool,
     ) -> None:
-        self._transfers = transfers
+        self._group_transfers = transfers
         self.layered = layered
         """Whether the ranks copy layer by layer."""
         super().__init__(manager, match, slots, from_token, layered)
@@ -63,5 +63,5 @@ class TPLoadStream(LoadStream):
             raise RuntimeError("layered_load() of a stream started without layered=True")
         if not self._loader.done():
             raise RuntimeError("layered_load() before launched(): the set of copies is not fixed yet")
-        jobs = (self._transfers.job_id(copy) for _, copy, _, _ in self._unique_copies())
-        return LayeredLoad(self._transfers.group.epoch, tuple(sorted(j for j in jobs if j is not None)))
+        jobs = (self._group_transfers.job_id(copy) for _, copy, _, _ in self._unique_copies())
+        return LayeredLoad(self._group_transfers.group.epoch, tuple(sorted(j for j in jobs if j is not None)))
