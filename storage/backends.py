@@ -337,14 +337,18 @@ class UringPageIO:
                 register_whole()
                 return
             # Header slots first (tiny), then the pool in address order: each update holds the
-            # ring's lock only while it pins one region, already faulted in (a pool prepared for
-            # CUDA is: faulting it in again took the mmap lock 2 MiB at a time for nothing).
+            # ring's lock only while it pins one region, already faulted in. A pool prepared for
+            # CUDA is (each chunk populated, then pinned by CUDA): populating it again, or even
+            # asking /proc/self/pagemap, takes the mmap lock 2 MiB at a time, and another thread's
+            # munmap waits for each (that thread blocked in 4-7% of its iterations here).
+            pool_mapped = self._pool.register_cuda
             pagemap = _open_pagemap()
             try:
                 for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
                     if stop.is_set():
                         return
-                    if pagemap is None or not _faulted_in(pagemap, region.address, region.length):
+                    known = pool_mapped and not slot
+                    if not known and (pagemap is None or not _faulted_in(pagemap, region.address, region.length)):
                         populate(region.address, region.length)
                     self.engine.update_buffer(region)
                     loop.call_soon_threadsafe(adopt, region, slot)

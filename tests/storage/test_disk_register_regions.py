@@ -1,11 +1,11 @@
 """The pool's background registration pins small regions (another thread's munmap waits for the pin
-of a whole region) and faults in only memory that is not mapped yet (a pool prepared for CUDA is)."""
+of a whole region) and faults in only memory that is not mapped yet, without asking for a pool
+prepared for CUDA (mapped by its chunk preparation; asking takes the mmap lock too)."""
 
 from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,14 @@ def _memlock_allows(size: int) -> bool:
     return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 2 * size
 
 
-@pytest.fixture
-def big_pool(layout: KVLayout) -> Iterator[PagePool]:
-    p = PagePool.create(layout, POOL_BYTES, register_cuda=False, workers=1)
+def _pool(layout: KVLayout, prepared: str) -> PagePool:
+    # "cuda": chunks prepared for CUDA, each faulted in before cudaHostRegister (which fails here
+    # without a device, after the faulting in: the memory is mapped, the chunks unusable).
+    p = PagePool.create(layout, POOL_BYTES, register_cuda=prepared == "cuda", workers=1)
     p.wait_ready_blocking()
-    try:
-        yield p
-    finally:
-        p.close()
+    if prepared == "mapped":  # faulted in by use (or by the caller)
+        populate(p.memory.segment.address, p.num_pages * layout.page_bytes)
+    return p
 
 
 class Spy:
@@ -45,6 +45,7 @@ class Spy:
         self.end = self.start + pool.num_pages * pool.layout.page_bytes
         self.updates: list[tuple[int, int]] = []
         self.populated: list[tuple[int, int]] = []
+        self.asked: list[tuple[int, int]] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         update = uring.UringEngine.update_buffer
@@ -60,6 +61,14 @@ class Spy:
                 self.populated.append((address, length))
             real_populate(address, length)
 
+        faulted_in = backends._faulted_in
+
+        def recording_faulted_in(pagemap: int, address: int, length: int) -> bool:
+            if self.start <= address < self.end:
+                self.asked.append((address, length))
+            return faulted_in(pagemap, address, length)
+
+        monkeypatch.setattr(backends, "_faulted_in", recording_faulted_in)
         monkeypatch.setattr(uring.UringEngine, "update_buffer", recording_update)
         monkeypatch.setattr(backends, "populate", recording_populate)
 
@@ -79,16 +88,21 @@ async def _registered(disk_dir: Path, layout: KVLayout, pool: PagePool) -> tuple
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "untouched"])
-async def test_background_registration_pins_small_regions(disk_dir: Path, layout: KVLayout, big_pool: PagePool,
-                                                          monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+@pytest.mark.parametrize("prepared", ["cuda", "mapped", "untouched"])
+async def test_background_registration_pins_small_regions(disk_dir: Path, layout: KVLayout,
+                                                          monkeypatch: pytest.MonkeyPatch, prepared: str) -> None:
     if not _memlock_allows(POOL_BYTES):
         pytest.skip("memlock limit below the pool")
-    pool = big_pool
-    if mapped:  # as the CUDA preparation of each chunk leaves it
-        populate(pool.memory.segment.address, pool.num_pages * layout.page_bytes)
+    pool = _pool(layout, prepared)
     spy = Spy(pool)
     spy.install(monkeypatch)
+    try:
+        await _check_registration(disk_dir, layout, pool, spy, prepared)
+    finally:
+        pool.close()
+
+
+async def _check_registration(disk_dir: Path, layout: KVLayout, pool: PagePool, spy: Spy, prepared: str) -> None:
     tier, io = await _registered(disk_dir, layout, pool)
     try:
         # Every update pins at most one small region, and together they cover the pool in order.
@@ -98,11 +112,10 @@ async def test_background_registration_pins_small_regions(disk_dir: Path, layout
         for (a, n), (b, _) in zip(spy.updates, spy.updates[1:], strict=False):
             assert a + n == b
         assert spy.updates[-1][0] + spy.updates[-1][1] == spy.end
-        # Mapped memory is pinned as it is; untouched memory is faulted in first, region by region.
-        if mapped:
-            assert spy.populated == []
-        else:
-            assert spy.populated == spy.updates
+        # A pool prepared for CUDA is pinned as it is, without asking; mapped memory is pinned once
+        # the page map says so; untouched memory is faulted in first, region by region.
+        assert spy.asked == ([] if prepared == "cuda" else spy.updates)
+        assert spy.populated == (spy.updates if prepared == "untouched" else [])
         # Fixed-buffer I/O in the last region: a page written from it reads back into it.
         pb = layout.page_bytes
         memory = pool.memory.segment.buffer
@@ -127,4 +140,5 @@ async def test_background_registration_pins_small_regions(disk_dir: Path, layout
         assert (uring.OP_READ_FIXED, region.index) in seen
     finally:
         await tier.aclose()
-    assert_clean(pool)
+    if prepared != "cuda":
+        assert_clean(pool)
