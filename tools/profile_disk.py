@@ -1,0 +1,331 @@
+"""Profile the disk tier's loop thread while it writes and reads page files (issue #14).
+
+For each depth, a fresh :class:`DiskTier` (one directory per run) goes through four phases of
+``--total-mib`` each: writes into the empty tier (every write creates a file), reads of them, writes
+of as many new pages into the now full tier (every write recycles an evicted file), reads of those.
+Before every read phase the page files' cached pages and, as root, the dentry and inode caches are
+dropped (``/proc/sys/vm/drop_caches``; otherwise ``posix_fadvise(DONTNEED)`` per file only).
+
+Each configuration runs ``--repeats`` times unprofiled (medians), then once profiled, each run in
+its own directory:
+- unprofiled: CPU per GB for the loop thread (``getrusage(RUSAGE_THREAD)``, user and kernel time)
+  and for the whole process (``RUSAGE_SELF``: checksum thread, pool workers, io-wq workers included);
+- under cProfile on the loop thread only (Python 3.11's profiler hooks the thread that enables it):
+  the top ``--top`` entries by cumulative time and by own time, per phase kind (writes, reads),
+  timed with the thread's CPU clock (``time.thread_time``): waits in epoll are not counted; then
+  the own time summed per source file.
+  Profiling inflates the loop thread's time, so its CPU figures are not printed. The loop thread
+  also runs this driver (``profile_disk.py``, the pool's reserve/abort per read): listed as such.
+
+The unprofiled run ends with the baseline of issue #14: the same io_uring engine writing, then
+reading, one op per page into one O_DIRECT file; each tier phase's process CPU is shown as a ratio
+to it (writes to its write, reads to its read).
+
+Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import gc
+import io
+import os
+import pstats
+import resource
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.pagefile import HEADER_BYTES
+from aiokv.storage.uring import UringEngine
+
+GB = 1e9
+PHASES = ("write new", "read new", "write recycled", "read recycled")
+
+
+@dataclass
+class Phase:
+    """CPU seconds of one phase (``nbytes`` moved)."""
+
+    name: str
+    nbytes: int
+    wall_s: float
+    loop_user_s: float
+    loop_sys_s: float
+    proc_s: float
+    hash_s: float = 0.0
+    """Of ``proc_s``: hashing payloads (the tier's checksum seconds, loop and thread)."""
+
+    def per_gb(self, seconds: float) -> float:
+        return seconds / (self.nbytes / GB)
+
+
+def rusage(who: int) -> tuple[float, float]:
+    r = resource.getrusage(who)
+    return r.ru_utime, r.ru_stime
+
+
+def drop_caches(directory: Path) -> str:
+    """Drop the cached pages of every file under ``directory`` (and dentries/inodes as root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return "drop_caches"
+    except OSError:
+        for path in directory.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+
+
+def layout_for(page_mib: int) -> KVLayout:
+    # As tools/bench_disk.py: 4 layers x 128 tokens x 8 rows x 128 x fp16 = 1 MiB; layers scale it.
+    return KVLayout.mha(4 * page_mib, 4, 128, torch.float16, page_tokens=128)
+
+
+def fill_pool(pool: PagePool) -> list[PageHandle]:
+    """Every pool page READY with random bytes; returns a held reference to each."""
+    keys = [b"\xff" + p.to_bytes(15, "little") for p in range(pool.num_pages)]
+    g = torch.Generator().manual_seed(0)
+    held: list[PageHandle] = []
+    for res in pool.reserve(keys):
+        assert res.handle is not None
+        raw = pool.tensor(res.handle).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        handle = pool.table.commit(res.handle, keep=True)
+        assert handle is not None
+        held.append(handle)
+    return held
+
+
+async def bounded(count: int, depth: int, one: Callable[[int], Awaitable[None]]) -> None:
+    """``one(i)`` for every ``i < count``, ``depth`` at a time."""
+    it = iter(range(count))
+
+    async def worker() -> None:
+        for i in it:
+            await one(i)
+
+    await asyncio.gather(*(worker() for _ in range(depth)))
+
+
+async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, total_mib: int,
+              profiles: dict[str, cProfile.Profile] | None) -> tuple[list[Phase], str]:
+    """The four phases against a fresh tier in ``directory``; ``profiles`` (by "write"/"read")
+    collect the loop thread's profile when given."""
+    layout = layout_for(page_mib)
+    pb = layout.page_bytes
+    count = max(depth, total_mib // page_mib)
+    pool = PagePool.create(layout, min(count, 64) * pb, register_cuda=False, workers=2)
+    pool.wait_ready_blocking()
+    config = DiskConfig(directory=directory, capacity_bytes=count * (pb + HEADER_BYTES), backend=backend,
+                        queue_depth=depth, threads=depth)
+    phases: list[Phase] = []
+    dropped = ""
+    async with DiskTier(config, layout, pool) as tier:
+        for first in (1, count + 1):
+            keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
+            held = fill_pool(pool)
+
+            async def write(i: int, keys: list[bytes] = keys, held: list[PageHandle] = held) -> None:
+                assert await tier.write(keys[i], held[i % len(held)])
+
+            async def read(i: int, keys: list[bytes] = keys) -> None:
+                (res,) = pool.reserve([keys[i]])
+                assert res.handle is not None
+                ok = await tier.read(keys[i], res.handle)
+                pool.table.abort(res.handle)
+                assert ok
+
+            for kind, one in (("write", write), ("read", read)):
+                if kind == "read":
+                    for h in held:
+                        pool.table.release(h)
+                    pool.table.evict(pool.num_pages)
+                    dropped = await asyncio.to_thread(drop_caches, directory)
+                prof = None if profiles is None else profiles[kind]
+                hashed = tier.checksum_seconds
+                phases.append(await measured(PHASES[len(phases)], count * pb,
+                                             functools.partial(bounded, count, depth, one), prof))
+                phases[-1].hash_s = tier.checksum_seconds - hashed
+    pool.close()
+    return phases, dropped
+
+
+async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int) -> list[Phase]:
+    """The baseline: the same io_uring engine moving the pool's pages to and from one O_DIRECT file,
+    one op per page (registered buffers; no header, checksum, index or page file)."""
+    layout = layout_for(page_mib)
+    pb = layout.page_bytes
+    count = max(depth, total_mib // page_mib)
+    pool = PagePool.create(layout, min(count, 64) * pb, register_cuda=False, workers=2)
+    pool.wait_ready_blocking()
+    for h in fill_pool(pool):
+        pool.table.release(h)
+    await asyncio.to_thread(directory.mkdir, parents=True)
+    path = directory / "raw"
+    engine = UringEngine.open(max(depth, 8))
+    (regions,) = engine.register_buffers([(pool.memory.segment.address, pool.num_pages * pb, pb)])
+    base, per_region = pool.memory.segment.address, regions[0].length
+    phases: list[Phase] = []
+    try:
+        for write in (True, False):
+            if not write:
+                await asyncio.to_thread(drop_caches, directory)
+            fd = os.open(path, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT, 0o600)
+
+            async def one(i: int, fd: int = fd, write: bool = write) -> None:
+                page = i % pool.num_pages
+                op = engine.write if write else engine.read
+                assert await op(fd, base + page * pb, pb, i * pb, None, regions[page * pb // per_region]) == pb
+
+            try:
+                phases.append(await measured(f"raw {'write' if write else 'read'}", count * pb,
+                                             lambda: bounded(count, depth, one), None))
+            finally:
+                os.close(fd)
+    finally:
+        await engine.aclose()
+        pool.close()
+    return phases
+
+
+async def measured(name: str, nbytes: int, job: Callable[[], Awaitable[None]],
+                   prof: cProfile.Profile | None) -> Phase:
+    """Run ``job`` on the loop thread, under ``prof`` when given; its wall time and CPU."""
+    gc.collect()
+    t_user, t_sys = rusage(resource.RUSAGE_THREAD)
+    p_user, p_sys = rusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    await job()
+    if prof is not None:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    t_user2, t_sys2 = rusage(resource.RUSAGE_THREAD)
+    p_user2, p_sys2 = rusage(resource.RUSAGE_SELF)
+    return Phase(name, nbytes, wall, t_user2 - t_user, t_sys2 - t_sys, (p_user2 + p_sys2) - (p_user + p_sys))
+
+
+def top(prof: cProfile.Profile, sort: str, n: int) -> str:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).strip_dirs().sort_stats(sort).print_stats(n)
+    lines = out.getvalue().splitlines()
+    # Keep the totals line and the table; drop pstats' blank lines and "Ordered by" chatter.
+    return "\n".join(line for line in lines if line.strip() and not line.strip().startswith("Ordered by"))
+
+
+def by_file(prof: cProfile.Profile, n: int) -> str:
+    """Own time summed per source file (built-ins under their own label): where the loop's time goes."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    files: dict[str, list[float]] = {}
+    total = 0.0
+    for (filename, _, name), (_, calls, tottime, _, _) in stats.items():
+        label = os.path.basename(filename) if filename != "~" else f"built-in {name}"
+        entry = files.setdefault(label, [0.0, 0.0])
+        entry[0] += tottime
+        entry[1] += calls
+        total += tottime
+    rows = sorted(files.items(), key=lambda item: -item[1][0])[:n]
+    lines = [f"  {'own s':>7} {'share':>6} {'calls':>8}  file"]
+    lines += [f"  {t:7.3f} {t / total:6.1%} {int(c):8d}  {label}" for label, (t, c) in rows]
+    return "\n".join(lines)
+
+
+async def fresh(directory: Path) -> Path:
+    """``directory``, removed first if a killed run left it."""
+    await asyncio.to_thread(shutil.rmtree, directory, True)
+    return directory
+
+
+def median_phase(runs: list[Phase]) -> Phase:
+    """Field by field, the median of one phase's runs."""
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+    return Phase(runs[0].name, runs[0].nbytes, med([p.wall_s for p in runs]), med([p.loop_user_s for p in runs]),
+                 med([p.loop_sys_s for p in runs]), med([p.proc_s for p in runs]), med([p.hash_s for p in runs]))
+
+
+def print_cpu(phases: list[Phase]) -> None:
+    print(f"  {'phase':<15} {'GB/s':>6} {'loop usr':>9} {'loop sys':>9} {'loop':>7} {'process':>8}"
+          f" {'xxh3':>6}   (core-s/GB; process / raw engine's, with and without xxh3)")
+    raw = {"write": phases[-2], "read": phases[-1]}
+    for p in phases:
+        base = raw["read" if "read" in p.name else "write"]
+        ratio = "" if p.name.startswith("raw") else (
+            f"   {p.proc_s / base.proc_s:4.1f}x / {(p.proc_s - p.hash_s) / base.proc_s:4.1f}x")
+        print(f"  {p.name:<15} {p.nbytes / p.wall_s / GB:6.2f} {p.per_gb(p.loop_user_s):9.3f} "
+              f"{p.per_gb(p.loop_sys_s):9.3f} {p.per_gb(p.loop_user_s + p.loop_sys_s):7.3f} "
+              f"{p.per_gb(p.proc_s):8.3f} {p.per_gb(p.hash_s):6.3f}{ratio}")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    backend = DiskBackend(args.backend)
+    for depth in args.depth:
+        head = f"== {backend.value} page {args.page_mib} MiB qd {depth} {args.total_mib} MiB/phase"
+        name = f"p{args.page_mib}-q{depth}"
+        # Unprofiled: tier and raw engine alternated, ``--repeats`` rounds, medians per phase.
+        rounds: list[list[Phase]] = []
+        dropped = ""
+        for _ in range(args.repeats):
+            directory = await fresh(args.dir / f"{name}-cpu")
+            phases, dropped = await run(directory, backend, args.page_mib, depth, args.total_mib, None)
+            await asyncio.to_thread(shutil.rmtree, directory)
+            directory = await fresh(args.dir / f"{name}-raw")
+            phases += await raw_engine(directory, args.page_mib, depth, args.total_mib)
+            await asyncio.to_thread(shutil.rmtree, directory)
+            rounds.append(phases)
+        print(f"{head}: CPU, unprofiled, median of {args.repeats} (reads after {dropped})")
+        print_cpu([median_phase([r[i] for r in rounds]) for i in range(len(rounds[0]))])
+        # Profiled: the loop thread's CPU clock, so time blocked in epoll or io_uring_enter is not
+        # counted as the loop's cost.
+        profiles = {kind: cProfile.Profile(time.thread_time) for kind in ("write", "read")}
+        directory = await fresh(args.dir / f"{name}-prof")
+        await run(directory, backend, args.page_mib, depth, args.total_mib, profiles)
+        await asyncio.to_thread(shutil.rmtree, directory)
+        for kind, prof in profiles.items():
+            for sort in ("cumulative", "tottime"):
+                print(f"{head}: loop thread, {kind}s (new + recycled), top {args.top} by {sort}")
+                print(top(prof, sort, args.top))
+            print(f"{head}: loop thread, {kind}s, own time by file")
+            print(by_file(prof, args.top))
+        sys.stdout.flush()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--dir", type=Path, required=True, help="scratch directory (removed runs' files)")
+    parser.add_argument("--backend", default=DiskBackend.URING_FIXED.value,
+                        choices=[b.value for b in DiskBackend])
+    parser.add_argument("--page-mib", type=int, default=1)
+    parser.add_argument("--depth", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes per phase")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="unprofiled rounds (medians)")
+    args = parser.parse_args()
+    if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 1 or min(args.depth) < 1:
+        parser.error("sizes, depths and --top must be positive (--total-mib >= --page-mib)")
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
