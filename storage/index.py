@@ -7,7 +7,7 @@ the room held by spare files (:mod:`.spares`, ``spares`` of them).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from aiokv.keys import PageKey
@@ -33,8 +33,9 @@ class PageIndex:
         self.spares = 0
         """Files of room in ``used`` held by spare files (in stock or being made)."""
         self.evictions = 0
-        self.readers: Counter[PageKey] = Counter()
-        """Reads in progress per key: their files are not recycled."""
+        self.readers: dict[PageKey, int] = {}
+        """Reads in progress per key (absent: none): their files are not recycled. A plain dict: a
+        Counter's missing-key and delete paths are Python calls, on every read and recycle."""
         self._entries: OrderedDict[PageKey, int] = OrderedDict()
         self._generation = 0
 
@@ -123,10 +124,11 @@ class PageIndex:
 
     def _recyclable(self) -> PageKey | None:
         # The least recently used file that no read has open (an overwrite would tear that read).
+        readers = self.readers
         for index, key in enumerate(self._entries):
             if index >= RECYCLE_WINDOW:
                 break
-            if not self.readers[key]:
+            if not readers.get(key):
                 return key
         return None
 

@@ -33,7 +33,8 @@ class ReadPath(TierBase):
         job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
         # Counted from now, not from its slot: a write must not pick the file of a read still
         # waiting for a slot as its recycling victim (the overwrite could overlap the read).
-        self._index.readers[key] += 1
+        readers = self._index.readers
+        readers[key] = readers.get(key, 0) + 1
         self._job_started()
         self._io_slots.take(job, self._read_slot)
         try:
@@ -57,8 +58,10 @@ class ReadPath(TierBase):
     def _read_unreader(self, key: PageKey) -> None:
         """The read of ``key`` no longer needs its file (loaded, failed, or left the slot queue)."""
         readers = self._index.readers
-        readers[key] -= 1
-        if not readers[key]:
+        count = readers.get(key, 0) - 1
+        if count:
+            readers[key] = count
+        else:
             del readers[key]
 
     def _read_loaded(self, job: ReadJob, got: int | BaseException) -> None:
