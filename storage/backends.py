@@ -213,6 +213,9 @@ older kernels: the TLB shootdown or the lock waits). 64 MiB regions took ~2.2 ms
 another thread's 1 MiB mmap+munmap to p99 1.2 ms, p99.9 2.1 ms (6 us alone); 8 MiB regions ~0.25 ms
 each, p99 50 us, p99.9 0.3 ms (tools/bench_register_stall.py, 2-vCPU VM, kernel 6.18)."""
 
+ADOPT_BYTES = 64 << 20
+"""Pinned pool memory the background registration hands to the loop at once (one wake-up)."""
+
 _PAGEMAP_PRESENT = 0x80
 """Bit 63 of a ``/proc/self/pagemap`` entry (little-endian: the top bit of its last byte): the page
 is mapped. Readable without privileges (only the frame numbers are hidden)."""
@@ -328,6 +331,10 @@ class UringPageIO:
                 self._pool_regions.append(region)
                 self._starts.append(region.address)
 
+        def adopt_all(regions: list[tuple[uring.Region, bool]]) -> None:
+            for region, slot in regions:
+                adopt(region, slot)
+
         def register() -> None:
             try:
                 self._table.ensure()
@@ -343,6 +350,10 @@ class UringPageIO:
             # munmap waits for each (that thread blocked in 4-7% of its iterations here).
             pool_mapped = self._pool.register_cuda
             pagemap = _open_pagemap()
+            # Handed to the loop ADOPT_BYTES at a time: each hand-over wakes the loop's thread,
+            # which takes the GIL from whichever thread runs Python (the engine's).
+            pinned: list[tuple[uring.Region, bool]] = []
+            pinned_bytes = 0
             try:
                 for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
                     if stop.is_set():
@@ -351,10 +362,16 @@ class UringPageIO:
                     if not known and (pagemap is None or not _faulted_in(pagemap, region.address, region.length)):
                         populate(region.address, region.length)
                     self.engine.update_buffer(region)
-                    loop.call_soon_threadsafe(adopt, region, slot)
+                    pinned.append((region, slot))
+                    pinned_bytes += region.length
+                    if slot or pinned_bytes >= ADOPT_BYTES:
+                        loop.call_soon_threadsafe(adopt_all, pinned)
+                        pinned, pinned_bytes = [], 0
             finally:
                 if pagemap is not None:
                     os.close(pagemap)
+                if pinned:
+                    loop.call_soon_threadsafe(adopt_all, pinned)
 
         def register_whole() -> None:
             # Kernels 5.15-5.18 refuse sparse tables (EINVAL): register the pool and the header

@@ -4,8 +4,10 @@ prepared for CUDA (mapped by its chunk preparation; asking takes the mmap lock t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,10 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.shm import populate
 from aiokv.storage import DiskBackend, DiskTier, backends, uring
-from aiokv.storage.backends import BACKGROUND_REGION_BYTES, UringPageIO
+from aiokv.storage.backends import ADOPT_BYTES, BACKGROUND_REGION_BYTES, UringPageIO
 
 POOL_BYTES = 3 * BACKGROUND_REGION_BYTES + (1 << 20)
-"""Four regions: three whole ones and a tail."""
+"""Four regions: three whole ones and a tail (handed to the loop at once)."""
 
 
 def _memlock_allows(size: int) -> bool:
@@ -103,8 +105,24 @@ async def test_background_registration_pins_small_regions(disk_dir: Path, layout
 
 
 async def _check_registration(disk_dir: Path, layout: KVLayout, pool: PagePool, spy: Spy, prepared: str) -> None:
-    tier, io = await _registered(disk_dir, layout, pool)
+    # Wake-ups of the loop from the registering thread (each takes the GIL from the engine's).
+    loop = asyncio.get_running_loop()
+    wakeups: list[str] = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counting(callback: Any, *args: Any, context: Any = None) -> asyncio.Handle:
+        if threading.current_thread().name.startswith("aiokv-pool"):
+            wakeups.append(repr(callback))
+        return call_soon_threadsafe(callback, *args, context=context)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
     try:
+        tier, io = await _registered(disk_dir, layout, pool)
+    finally:
+        del loop.call_soon_threadsafe
+    try:
+        # The header slots, the pool's regions ADOPT_BYTES at a time, the job's end.
+        assert len(wakeups) <= 2 + -(-POOL_BYTES // ADOPT_BYTES), wakeups
         # Every update pins at most one small region, and together they cover the pool in order.
         assert len(spy.updates) >= 4
         assert all(length <= BACKGROUND_REGION_BYTES for _, length in spy.updates), spy.updates
@@ -112,6 +130,7 @@ async def _check_registration(disk_dir: Path, layout: KVLayout, pool: PagePool, 
         for (a, n), (b, _) in zip(spy.updates, spy.updates[1:], strict=False):
             assert a + n == b
         assert spy.updates[-1][0] + spy.updates[-1][1] == spy.end
+        assert [(r.address, r.length) for r in io._pool_regions] == spy.updates  # all handed over
         # A pool prepared for CUDA is pinned as it is, without asking; mapped memory is pinned once
         # the page map says so; untouched memory is faulted in first, region by region.
         assert spy.asked == ([] if prepared == "cuda" else spy.updates)
