@@ -247,6 +247,20 @@ class KVCache(CacheFacade):
         await asyncio.wait([warm])  # a cancelled caller raises here; the warm-up goes on
         return None if warm.cancelled() or warm.exception() is not None else warm.result()
 
+    async def wait_started(self) -> None:
+        """Wait until every piece of start-up work running in the background is over: the pool's
+        chunks prepared (and registered with CUDA), the disk tier's io_uring registration of the
+        pool, and the kernel warm-up (:meth:`wait_warm`). Until then copies already work, but that
+        work shares the process's CPU, GIL and memory-map lock with the engine. Faults in any of
+        them are counted, not raised. Raises ``RuntimeError`` before :meth:`start`.
+        """
+        self._manager.check_running()
+        await self._manager.pool.wait_ready()
+        disk = self._manager.disk
+        if disk is not None:
+            await disk.wait_registered()
+        await self.wait_warm()
+
     @staticmethod
     def preload(device: torch.device | str, transfer_path: TransferPath | None = None) -> tuple[str, ...]:
         """Import what the first :meth:`start` of a cache on ``device`` would import, so it stalls

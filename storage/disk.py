@@ -405,6 +405,15 @@ class DiskTier(WritePath, ReadPath):
             raise RuntimeError("disk tier not started")
         return self._io
 
+    async def wait_registered(self) -> None:
+        """Wait until the pool's background io_uring buffer registration (URING_FIXED chosen by
+        ``AUTO``) is over, successful or not; at once for other backends. The registration pins the
+        pool region by region while I/O goes on; an engine may await this in its set-up so that
+        the pinning does not overlap its first requests. Cancelling the call does not stop it."""
+        wait = getattr(self._io, "wait_registered", None)
+        if wait is not None:
+            await wait()
+
     # -- callers' memory ------------------------------------------------------------------------
 
     async def register_memory(self, buffer: memoryview) -> None:

@@ -1,0 +1,55 @@
+"""``KVCache.wait_started()``: returns once the background start-up work is over — the pool's
+chunks, the disk tier's io_uring registration of the pool, the kernel warm-up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import LAYOUT, config, make_kv
+
+from aiokv import DiskBackend, KVCache
+from aiokv.storage.backends import UringPageIO
+from aiokv.storage.uring import Region, UringEngine
+
+
+@pytest.mark.asyncio
+async def test_wait_started_covers_the_disk_tiers_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each region's pinning is held 50 ms: the registration outlives the start by far.
+    real = UringEngine.update_buffer
+    pinned: list[float] = []
+
+    def slow(self: UringEngine, region: Region) -> None:
+        time.sleep(0.05)
+        real(self, region)
+        pinned.append(time.monotonic())
+
+    monkeypatch.setattr(UringEngine, "update_buffer", slow)
+    cache = KVCache(config(tmp_path / "disk", pool_pages=64, backend=DiskBackend.AUTO), LAYOUT, make_kv(0))
+    with pytest.raises(RuntimeError, match="not started"):
+        await cache.wait_started()
+    async with cache:
+        await cache.wait_started()
+        returned = time.monotonic()
+        if pinned:
+            assert pinned[-1] <= returned, "wait_started returned while the pool was still being pinned"
+        assert cache.pool.ready
+        disk = cache._manager.disk
+        assert disk is not None
+        io = disk.backend
+        if isinstance(io, UringPageIO) and io._registering is not None:
+            assert io._registering.done(), "wait_started returned before the pool's registration ended"
+        else:
+            pytest.skip(f"no background registration on this machine ({type(io).__name__})")
+        await cache.wait_started()  # again: at once
+
+
+@pytest.mark.asyncio
+async def test_wait_started_without_a_disk_tier() -> None:
+    async with KVCache(config(None), LAYOUT, make_kv(0)) as cache:
+        await cache.wait_started()
+        assert cache.pool.ready
+        tokens = list(range(2 * LAYOUT.page_tokens))
+        assert (await cache.offload(tokens, torch.arange(len(tokens)))).stored == 2
