@@ -317,9 +317,10 @@ async def _serve_one_process(
         # the cache's kernel warm-up (started by start) compiles every copy kernel variant of this
         # layout: compiled at the first copy instead, on the loop (~0.5 s on the H200), it made the
         # first cached requests slower than from scratch. (A throwaway cache that served one prompt
-        # did this before; wait_warm also covers the variants that prompt did not reach.)
-        await cache.pool.wait_ready()
-        await cache.wait_warm()
+        # did this before; wait_warm also covers the variants that prompt did not reach.) The disk
+        # tier's io_uring registration pins the pool region by region in the background: awaited
+        # too, as an engine started long before its first request would have it done.
+        await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
         if when is ScratchWhen.OPEN:
             scratch, wall_scratch = await run_scratch(None)
         blocks = BlockTable(kv_blocks, cfg.page_tokens, True)
@@ -434,15 +435,13 @@ async def run_ttft(
             disk_dir = tmp / f"ttft-{n}"
             _, with_disk = _layout_and_config(cfg, pages, disk_dir, 2 * pages, LoadPath.PLAIN)
             async with KVCache(with_disk, layout, kv) as cache:
-                await cache.pool.wait_ready()
-                await cache.wait_warm()  # set-up: each start warms its kernels in a thread
+                await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                 await serve(cache, LoadPath.PLAIN, f"fill{n}", "disk", prompt)
                 await cache.flush()  # every page on disk before the pool goes away
             host_slots = torch.arange(usable)
             for _ in range(repeats):
                 async with KVCache(with_disk, layout, kv) as cache:
-                    await cache.pool.wait_ready()
-                    await cache.wait_warm()
+                    await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                     t = time.perf_counter()
                     m = await cache.match(prompt[:usable], salt="disk")
                     loaded = await cache.load(m, host_slots[: m.tokens])
@@ -466,8 +465,7 @@ async def run_ttft(
                 times: dict[str, list[float]] = {"pool": [], "disk": []}
                 _, pool_cfg = _layout_and_config(cfg, pages, None, 0, path)
                 async with KVCache(pool_cfg, layout, kv) as cache:
-                    await cache.pool.wait_ready()
-                    await cache.wait_warm()
+                    await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                     await serve(cache, path, f"fill{n}", "pool", prompt)
                     await serve(cache, path, f"warm{n}", "pool", prompt)
                     for _ in range(repeats):
@@ -479,8 +477,7 @@ async def run_ttft(
                 _, disk_cfg = _layout_and_config(cfg, pages, disk_dir, 2 * pages, path)
                 for _ in range(repeats):
                     async with KVCache(disk_cfg, layout, kv) as cache:
-                        await cache.pool.wait_ready()
-                        await cache.wait_warm()
+                        await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                         r = await serve(cache, path, f"disk{n}", "disk", prompt)
                         times["disk"].append(r.ttft_s)
                 row["disk_hit_tokens"] = r.disk_tokens
