@@ -63,6 +63,7 @@ from demo_engine import (
     Runs,
     ServingLoop,
     Session,
+    admission_order,
     prefill_chunks,
     timed_run,
 )
@@ -576,8 +577,10 @@ async def serve_tp(
                 ranks, BlockTable(kv_blocks, cfg.page_tokens, True), cache, chunk, cfg.gen_tokens,
                 prefetch=cfg.prefetch, settle=cfg.settle, load_path=cfg.load_path, claim=cfg.claim,
             )
+            # Admitted in the scratch run's order: each request has the same neighbours in both runs.
             cached, wall = await timed_run(
-                engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress)
+                engine, sessions, cfg.concurrency, cfg.window, progress_bar("cached", sessions, progress),
+                admission_order(scratch),
             )
             stats = cache.stats()
         for line in ranks.worker_errors:
