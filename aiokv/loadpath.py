@@ -356,7 +356,10 @@ class LoadPath(ManagerBase):
         promoted = 0
         for promotion in promotions:
             if not isinstance(promotion, Promotion):
-                break  # a miss (counted), or withdrawn by the close: prefetch copies nothing, counts nothing
+                break  # a miss (counted), or withdrawn by the close (counted below)
             promoted += promotion.read  # not a page another call read (or that was in the pool)
+        withdrawn = sum(1 for p in promotions if p is NoPage.WITHDRAWN)
+        if withdrawn:
+            self.withdraw(withdrawn)  # pages the close kept this prefetch from reading, as load counts them
         self._release_handles([p.handle for p in promotions if isinstance(p, Promotion)])
         return PrefetchResult(in_pool, promoted)
