@@ -3,8 +3,10 @@
 A match takes references on the pool's prefix and counts the disk's; a load copies pool pages at
 once and reads disk pages into freshly reserved pool pages (promotions), copying each as it lands;
 prefetch promotes without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
-the same promotions. Mixed into :class:`aiokv.manager.CacheManager`; the state is
-:class:`aiokv.managerbase.ManagerBase`'s.
+the same promotions through the public members it needs (:meth:`LoadPath.promote`,
+:meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.measure_pool_copies`, and the base's
+``running_transfers``, ``release``, ``release_after``, ``closing``, ``withdraw``, ``count_loaded``).
+Mixed into :class:`aiokv.manager.CacheManager`; the state is :class:`aiokv.managerbase.ManagerBase`'s.
 """
 
 from __future__ import annotations
@@ -134,8 +136,7 @@ class LoadPath(ManagerBase):
                 ids = [pool.table.check(h) for h in part]
                 copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
                 launched += len(part)
-            measured = self._measure([c.future for c, _, _ in copies], launched, started, self.costs.pool,
-                                     self.layout.payload_bytes)
+            measured = self.measure_pool_copies([c.future for c, _, _ in copies], launched, started)
             disk_start = max(first, match.pool_pages)
             if self._closed:
                 cut = True  # no disk reads either
@@ -206,6 +207,14 @@ class LoadPath(ManagerBase):
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
 
+    def measure_pool_copies(self, futures: list[asyncio.Future[Any]], pages: int, started: float
+                            ) -> Callable[[], None]:
+        """Fold ``pages`` pool pages copied by ``futures`` (launched from ``started``, a
+        ``time.perf_counter()``) into the pool's rate (:attr:`costs`), as :meth:`_measure` says:
+        once they all succeeded, at the last one's completion or when the returned function is
+        called after awaiting them (then the rate is in before the caller returns)."""
+        return self._measure(futures, pages, started, self.costs.pool, self.layout.payload_bytes)
+
     @staticmethod
     def _measure(futures: list[asyncio.Future[Any]], pages: int | Callable[[], int], started: float,
                  meter: RateMeter, page_bytes: int, delivered: Callable[[asyncio.Future[Any]], bool] | None = None,
@@ -255,6 +264,12 @@ class LoadPath(ManagerBase):
         return self.costs.estimate(match.pool_pages, match.disk_pages, self.layout.page_tokens,
                                    self.layout.page_bytes)
 
+    def adopt_promotion(self, task: asyncio.Future[Promotion | NoPage]) -> None:
+        """Take over a promotion (:meth:`promote`) its caller no longer waits for: it finishes in
+        the background and the reference it brings is dropped (the page stays cached);
+        ``flush``/``aclose`` wait for it."""
+        self._adopt(task)
+
     def _adopt(self, task: asyncio.Future[Promotion | NoPage]) -> None:
         """Let a promotion nobody waits for finish in the background, then drop its reference."""
 
@@ -267,6 +282,13 @@ class LoadPath(ManagerBase):
         self.track(task, finish)
 
     # -- disk promotions ------------------------------------------------------------------------
+
+    async def promote(self, key: PageKey) -> Promotion | NoPage:
+        """Bring the disk page ``key`` into the pool: a :class:`Promotion` holding a reference the
+        caller releases (:meth:`release`), or why not (:class:`NoPage`: a miss, counted; or
+        withdrawn by the close while it waited for room, which the caller counts with
+        :meth:`withdraw`). A caller that stops waiting hands the task to :meth:`adopt_promotion`."""
+        return await self._promote(key)
 
     async def _promote(self, key: PageKey) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this

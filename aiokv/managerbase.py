@@ -109,6 +109,14 @@ class ManagerBase:
         """Raise ``RuntimeError`` unless started and not closed."""
         self._running()
 
+    def running_transfers(self) -> Transfers:
+        """The transfers bytes move through; ``RuntimeError`` unless started and not closing.
+
+        A call that outlives the close's first step takes them at its start and holds them (a load
+        stream given up during the close must still wait for, or order after, its copies).
+        """
+        return self._running()[1]
+
     # -- keys -----------------------------------------------------------------------------------
 
     def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
@@ -130,6 +138,11 @@ class ManagerBase:
             self._seen.popitem(last=False)
 
     # -- page references ------------------------------------------------------------------------
+
+    def release(self, handles: Sequence[PageHandle]) -> None:
+        """Drop a caller's references ``handles`` (pool pages it no longer copies); one already
+        released is skipped. Nothing happens before the pool exists."""
+        self._release_handles(handles)
 
     def _release_handles(self, handles: Sequence[PageHandle]) -> None:
         if self._pool is None:
@@ -158,6 +171,12 @@ class ManagerBase:
                     done.set_result(None)
 
         future.add_done_callback(settle)
+
+    def release_after(self, future: asyncio.Future[None], handles: list[PageHandle]) -> None:
+        """Release the references ``handles`` once ``future`` (a load copy its caller abandoned,
+        possibly still running) completes; a failure of it is retrieved, never raised.
+        ``flush``/``aclose`` wait for it (:meth:`track`)."""
+        self._after(future, handles, commit=None)
 
     def _after(self, future: asyncio.Future[None], handles: list[PageHandle], commit: bool | None) -> None:
         """When a copy abandoned by a failing caller completes, release (None) or abort its pages."""

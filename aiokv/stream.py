@@ -98,7 +98,7 @@ class LoadStream:
         first = from_token // t
         self._first = first
         self._keys = keys
-        manager._release_handles(handles[:first])
+        manager.release(handles[:first])
         self._pool = {page: handles[page] for page in range(first, match.pool_pages)}
         self._disk_pages = range(max(first, match.pool_pages), match.pages)
         self.estimate: LoadEstimate = manager.costs.estimate(len(self._pool), len(self._disk_pages), t,
@@ -129,7 +129,7 @@ class LoadStream:
         self._cuda = False  # whether they are CUDA copies (set with _launched)
         # Held for the stream's life: once the cache's close began, _running() raises, but a stream
         # given up or finished during the close must still wait for (or order after) its copies.
-        self._transfers = manager._running()[1]
+        self._transfers = manager.running_transfers()
         self._loader = asyncio.create_task(self._run())
 
     # -- the engine's side ----------------------------------------------------------------------
@@ -327,7 +327,7 @@ class LoadStream:
                 continue
             if self._start_of(lower) < self._claimed or not self._lands_in_time(lower):
                 return
-            self._promotions[lower] = asyncio.ensure_future(self._manager._promote(self._keys[lower]))
+            self._promotions[lower] = asyncio.ensure_future(self._manager.promote(self._keys[lower]))
 
     def _lands_in_time(self, page: int) -> bool:
         """Whether a read of ``page`` started now should land before the engine claims into the page
@@ -415,14 +415,14 @@ class LoadStream:
                 break
             promoted = promotion.handle
             if manager.closing:
-                manager._release_handles([promoted])
+                manager.release([promoted])
                 self._cut_at = page
                 break
             # Only a page this stream read counts for the disk's pace: one already in the pool (or
             # read by another call) landed at once, and would inflate the rate saved across restarts.
             self._disk_landed += promotion.read
             if self._stopping or self._start_of(page) < self._claimed:
-                manager._release_handles([promoted])  # the engine got here first: the page stays cached
+                manager.release([promoted])  # the engine got here first: the page stays cached
                 break
             slots, skip = self._slots_of(page, page)
             launch = transfers.load_layers if self._layered else transfers.load
@@ -435,8 +435,7 @@ class LoadStream:
                                       time.perf_counter() - self._disk_started)
         if pool_started is not None:
             pool_copies = [c.future for _, c, _, tier in self._copies if tier is Tier.POOL]
-            self._measured = manager._measure(pool_copies, len(pool_copies), pool_started,
-                                              manager.costs.pool, manager.layout.payload_bytes)
+            self._measured = manager.measure_pool_copies(pool_copies, len(pool_copies), pool_started)
 
     # -- settling -------------------------------------------------------------------------------
 
@@ -462,7 +461,7 @@ class LoadStream:
             loaded_from = self._start_of(page)
             counted[tier] += 1
             expected = page - 1
-        manager._release_handles([handle for _, _, handle, _ in self._copies])  # one call: 64 pages, not 64 calls
+        manager.release([handle for _, _, handle, _ in self._copies])  # one call: 64 pages, not 64 calls
         self._release_rest()
         manager.count_loaded(counted[Tier.POOL], counted[Tier.DISK])
         withdrawn = len(failed) - len(errors)
@@ -477,10 +476,10 @@ class LoadStream:
 
     def _release_rest(self) -> None:
         """Pages never launched go back; promotions still running are adopted (released when done)."""
-        self._manager._release_handles(list(self._pool.values()))
+        self._manager.release(list(self._pool.values()))
         self._pool.clear()
         for task in self._promotions.values():
-            self._manager._adopt(task)
+            self._manager.adopt_promotion(task)
         self._promotions.clear()
 
     async def _abandon(self) -> None:
@@ -498,5 +497,5 @@ class LoadStream:
             manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
         await self._transfers.quiesce([c for _, c, _, _ in self._copies], offload=False)
         for _, copy, handle, _ in self._copies:
-            manager._after(copy.future, [handle], commit=None)
+            manager.release_after(copy.future, [handle])
         self._release_rest()
