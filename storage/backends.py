@@ -34,10 +34,12 @@ from .config import DiskBackend, DiskConfig
 from .memory import (
     EXTERNAL_REGION_SLOTS,
     MAX_REGISTER_REGIONS,
+    REGISTER_REGION_BYTES,
     BufferTable,
     PageBuffer,
     populate_then_register,
     register_pool,
+    update_in_batches,
     wait_uncancelled,
 )
 from .pagefile import HEADER_BYTES
@@ -205,13 +207,8 @@ class PageIO(Protocol):
     async def aclose(self) -> None: ...
 
 
-BACKGROUND_REGION_BYTES = 8 << 20
-"""Pool memory pinned per io_uring update by the background registration. While the kernel pins a
-region, other threads' munmap (a freed Python arena, a torch or glibc allocation returned, a thread
-stack) waits for it (the pin walks the page tables with interrupts off, or under the mmap lock on
-older kernels: the TLB shootdown or the lock waits). 64 MiB regions took ~2.2 ms each and delayed
-another thread's 1 MiB mmap+munmap to p99 1.2 ms, p99.9 2.1 ms (6 us alone); 8 MiB regions ~0.25 ms
-each, p99 50 us, p99.9 0.3 ms (tools/bench_register_stall.py, 2-vCPU VM, kernel 6.18)."""
+BACKGROUND_REGION_BYTES = REGISTER_REGION_BYTES
+"""Pool memory pinned per region by the background registration (see ``REGISTER_REGION_BYTES``)."""
 
 ADOPT_BYTES = 64 << 20
 """Pinned pool memory the background registration hands to the loop at once (one wake-up)."""
@@ -344,7 +341,8 @@ class UringPageIO:
                 register_whole()
                 return
             # Header slots first (tiny), then the pool in address order: each update holds the
-            # ring's lock only while it pins one region, already faulted in. A pool prepared for
+            # ring's lock only while it pins a few regions, already faulted in (other threads'
+            # munmap waits for one region's pin at a time). A pool prepared for
             # CUDA is (each chunk populated, then pinned by CUDA): populating it again, or even
             # asking /proc/self/pagemap, takes the mmap lock 2 MiB at a time, and another thread's
             # munmap waits for each (that thread blocked in 4-7% of its iterations here).
@@ -354,19 +352,22 @@ class UringPageIO:
             # which takes the GIL from whichever thread runs Python (the engine's).
             pinned: list[tuple[uring.Region, bool]] = []
             pinned_bytes = 0
+
+            def fault_in(region: uring.Region, known: bool = False) -> None:
+                if not known and (pagemap is None or not _faulted_in(pagemap, region.address, region.length)):
+                    populate(region.address, region.length)
+
             try:
-                for region, slot in [(r, True) for r in plan[1]] + [(r, False) for r in plan[0]]:
-                    if stop.is_set():
-                        return
-                    known = pool_mapped and not slot
-                    if not known and (pagemap is None or not _faulted_in(pagemap, region.address, region.length)):
-                        populate(region.address, region.length)
-                    self.engine.update_buffer(region)
-                    pinned.append((region, slot))
-                    pinned_bytes += region.length
-                    if slot or pinned_bytes >= ADOPT_BYTES:
-                        loop.call_soon_threadsafe(adopt_all, pinned)
-                        pinned, pinned_bytes = [], 0
+                # Header slots first (they sit after the pool's regions in the table: a batch of
+                # their own), then the pool, REGIONS_PER_UPDATE regions to a call.
+                for regions, slot in ((plan[1], True), (plan[0], False)):
+                    prepare = functools.partial(fault_in, known=pool_mapped and not slot)
+                    for done in update_in_batches(self.engine, regions, stop, prepare):
+                        pinned.extend((region, slot) for region in done)
+                        pinned_bytes += sum(region.length for region in done)
+                        if slot or pinned_bytes >= ADOPT_BYTES:
+                            loop.call_soon_threadsafe(adopt_all, pinned)
+                            pinned, pinned_bytes = [], 0
             finally:
                 if pagemap is not None:
                     os.close(pagemap)
@@ -433,13 +434,20 @@ class UringPageIO:
         def register() -> None:
             # In a thread: faulting in and pinning take ~20 ms/GiB even for touched memory.
             self._table.ensure()
-            for region in regions:
-                if stop.is_set():
-                    return
-                with contextlib.suppress(OSError):  # read-only memory: the update says so (EFAULT)
-                    populate(region.address, region.length)
-                self.engine.update_buffer(region)
-                done.append(region)
+            pagemap = _open_pagemap()
+
+            def fault_in(region: uring.Region) -> None:
+                # Memory the caller has touched is pinned as it is (asking costs ~1/10 of populating).
+                if pagemap is None or not _faulted_in(pagemap, region.address, region.length):
+                    with contextlib.suppress(OSError):  # read-only memory: the update says so (EFAULT)
+                        populate(region.address, region.length)
+
+            try:
+                for pinned in update_in_batches(self.engine, regions, stop, fault_in):
+                    done.extend(pinned)
+            finally:
+                if pagemap is not None:
+                    os.close(pagemap)
 
         # A thread of its own, started without the loop waiting for it (``asyncio.to_thread``'s
         # first call starts the default executor's thread on the loop, and ``Thread.start`` waits

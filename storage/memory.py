@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import functools
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiokv.pool import PagePool, run_in_new_thread
@@ -101,10 +102,19 @@ def _keep_registered(_: object) -> None:
     """Regions registered for a caller that is gone: the ring drops them when it closes."""
 
 
-REGISTER_REGION_BYTES = 64 << 20
-"""Pool memory registered per io_uring update in the background. The ring's lock and the process's
-mmap lock are held while the kernel pins it (~20 ms/GiB once faulted in): 256 MiB stalled the loop's
-submissions and allocations ~5 ms per region, 64 MiB ~1 ms."""
+REGISTER_REGION_BYTES = 8 << 20
+"""Memory pinned per region by the pool's background registration and by ``register_memory``.
+While the kernel pins a region, other threads' munmap (a freed Python arena, a torch or glibc
+allocation returned, a thread stack) waits for it (the pin walks the page tables with interrupts
+off, or under the mmap lock on older kernels: the TLB shootdown or the lock waits). 64 MiB regions
+took ~2.2 ms each and delayed another thread's 1 MiB mmap+munmap to p99 1.2 ms, p99.9 2.1 ms (6 us
+alone); 8 MiB regions ~0.25 ms each, p99 50 us, p99.9 0.3 ms (tools/bench_register_stall.py, 2-vCPU
+VM, kernel 6.18)."""
+
+REGIONS_PER_UPDATE = 8
+"""Regions pinned per ``io_uring_register`` call (one after another inside it: the window in which
+other threads' munmap waits stays one region). Fewer calls: each return from a ctypes call waits for
+the GIL (up to the 5 ms switch interval under a GIL-bound thread), and hands it back."""
 
 MAX_REGISTER_REGIONS = 8192
 """Regions the background registration plans at most (the kernel's table takes 16384)."""
@@ -160,6 +170,28 @@ async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | Non
                 stop.set()
     if cancelled:
         raise asyncio.CancelledError
+
+
+def update_in_batches(engine: uring.UringEngine, regions: Sequence[uring.Region], stop: threading.Event,
+                      prepare: Callable[[uring.Region], None]) -> Iterator[list[uring.Region]]:
+    """Register ``regions`` (consecutive slots, in order) ``REGIONS_PER_UPDATE`` to a call, each
+    batch's regions ``prepare``-d (faulted in) first; yields each call's registered regions (the
+    first ones of its batch: a partly refused batch is retried from the refused region, whose error
+    the kernel reports then). Once ``stop`` is set, pins the region being faulted in and stops. Raises ``OSError`` for a
+    refused region: those yielded before are registered, it and the rest are not."""
+    at = 0
+    while at < len(regions) and not stop.is_set():
+        batch: list[uring.Region] = []
+        for region in regions[at : at + REGIONS_PER_UPDATE]:
+            prepare(region)
+            batch.append(region)
+            if stop.is_set():  # faulting in is the slow part: pin the region in progress, none after it
+                break
+        # Fewer than the batch: the kernel refused the next region. The next call starts there and
+        # raises its error (the kernel reports one only for a call's first region).
+        done = engine.update_buffers(batch)
+        at += done
+        yield list(batch[:done])
 
 
 def populate_then_register(engine: uring.UringEngine, spans: list[tuple[int, int, int]]) -> list[list[uring.Region]]:

@@ -345,12 +345,26 @@ class UringEngine:
                           ctypes.sizeof(arg))
 
     def update_buffer(self, region: Region) -> None:
-        """Register ``region`` in its slot of a sparse table. The kernel holds the ring's lock while
-        it pins the pages: fault them in first and keep regions small. Raises ``OSError``."""
-        iov = IoVec(region.address, region.length)
-        arg = _RsrcUpdate2(region.index, 0, ctypes.addressof(iov), 0, 1, 0)
-        io_uring_register(self._fd, IORING_REGISTER_BUFFERS_UPDATE, ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p),
-                          ctypes.sizeof(arg))
+        """Register ``region`` in its slot of a sparse table (:meth:`update_buffers` of one region).
+        Raises ``OSError``."""
+        self.update_buffers([region])
+
+    def update_buffers(self, regions: Sequence[Region]) -> int:
+        """Register ``regions`` (consecutive slots of a sparse table, in slot order) in one call: the
+        kernel pins them one after another, holding the ring's lock meanwhile (fault them in first and
+        keep regions small) but taking the mmap lock per region. Returns how many were registered:
+        the first ones; fewer than ``len(regions)`` when the kernel refused the next one (the call
+        reports an error only when it refused the first: call again from there to get it). Raises
+        ``ValueError`` for non-consecutive slots, ``OSError`` when the first region is refused."""
+        if not regions:
+            return 0
+        first = regions[0].index
+        if any(r.index != first + i for i, r in enumerate(regions)):
+            raise ValueError(f"regions must take consecutive slots: {[r.index for r in regions]}")
+        iovs = (IoVec * len(regions))(*[IoVec(r.address, r.length) for r in regions])
+        arg = _RsrcUpdate2(first, 0, ctypes.addressof(iovs), 0, len(regions), 0)
+        return io_uring_register(self._fd, IORING_REGISTER_BUFFERS_UPDATE,
+                                 ctypes.cast(ctypes.pointer(arg), ctypes.c_void_p), ctypes.sizeof(arg))
 
     def register_files(self, count: int) -> None:
         """A table of ``count`` empty fixed-file slots (OPENAT with ``file_index`` fills one)."""

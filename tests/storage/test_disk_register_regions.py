@@ -5,6 +5,7 @@ prepared for CUDA (mapped by its chunk preparation; asking takes the mmap lock t
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import resource
 import threading
@@ -19,9 +20,11 @@ from aiokv.pool import PagePool
 from aiokv.shm import populate
 from aiokv.storage import DiskBackend, DiskTier, backends, uring
 from aiokv.storage.backends import ADOPT_BYTES, BACKGROUND_REGION_BYTES, UringPageIO
+from aiokv.storage.memory import REGIONS_PER_UPDATE
 
-POOL_BYTES = 3 * BACKGROUND_REGION_BYTES + (1 << 20)
-"""Four regions: three whole ones and a tail (handed to the loop at once)."""
+POOL_BYTES = (REGIONS_PER_UPDATE + 1) * BACKGROUND_REGION_BYTES + (1 << 20)
+"""Ten regions: a full update batch (handed to the loop at once), then a batch of two whole ones and
+a tail."""
 
 
 def _memlock_allows(size: int) -> bool:
@@ -40,23 +43,32 @@ def _pool(layout: KVLayout, prepared: str) -> PagePool:
 
 
 class Spy:
-    """Records the real calls (address, length) in the pool's range, then makes them."""
+    """Records the real update syscalls (each call's regions, (address, length)) and populates in
+    the pool's range, then makes them."""
 
     def __init__(self, pool: PagePool) -> None:
         self.start = pool.memory.segment.address
         self.end = self.start + pool.num_pages * pool.layout.page_bytes
-        self.updates: list[tuple[int, int]] = []
+        self.calls: list[list[tuple[int, int]]] = []
         self.populated: list[tuple[int, int]] = []
         self.asked: list[tuple[int, int]] = []
 
+    @property
+    def updates(self) -> list[tuple[int, int]]:
+        return [region for call in self.calls for region in call]
+
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        update = uring.UringEngine.update_buffer
+        register = uring.io_uring_register
         real_populate = backends.populate
 
-        def recording_update(engine: uring.UringEngine, region: uring.Region) -> None:
-            if self.start <= region.address < self.end:
-                self.updates.append((region.address, region.length))
-            update(engine, region)
+        def recording_register(fd: int, opcode: int, arg: ctypes.c_void_p | None, nr: int) -> int:
+            if opcode == uring.IORING_REGISTER_BUFFERS_UPDATE and arg is not None:
+                update = ctypes.cast(arg, ctypes.POINTER(uring._RsrcUpdate2)).contents
+                iovs = (uring.IoVec * update.nr).from_address(update.data)
+                call = [(int(iov.base or 0), int(iov.len)) for iov in iovs]
+                if any(self.start <= a < self.end for a, _ in call):
+                    self.calls.append(call)
+            return register(fd, opcode, arg, nr)
 
         def recording_populate(address: int, length: int) -> None:
             if self.start <= address < self.end:
@@ -71,7 +83,7 @@ class Spy:
             return faulted_in(pagemap, address, length)
 
         monkeypatch.setattr(backends, "_faulted_in", recording_faulted_in)
-        monkeypatch.setattr(uring.UringEngine, "update_buffer", recording_update)
+        monkeypatch.setattr(uring, "io_uring_register", recording_register)
         monkeypatch.setattr(backends, "populate", recording_populate)
 
 
@@ -123,9 +135,12 @@ async def _check_registration(disk_dir: Path, layout: KVLayout, pool: PagePool, 
     try:
         # The header slots, the pool's regions ADOPT_BYTES at a time, the job's end.
         assert len(wakeups) <= 2 + -(-POOL_BYTES // ADOPT_BYTES), wakeups
-        # Every update pins at most one small region, and together they cover the pool in order.
+        # Every region is small, and together they cover the pool in order, REGIONS_PER_UPDATE to
+        # an update syscall (one GIL round trip each).
         assert len(spy.updates) >= 4
         assert all(length <= BACKGROUND_REGION_BYTES for _, length in spy.updates), spy.updates
+        assert len(spy.calls) == -(-len(spy.updates) // REGIONS_PER_UPDATE), spy.calls
+        assert all(len(call) <= REGIONS_PER_UPDATE for call in spy.calls), spy.calls
         assert spy.updates[0][0] == spy.start
         for (a, n), (b, _) in zip(spy.updates, spy.updates[1:], strict=False):
             assert a + n == b
