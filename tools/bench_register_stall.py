@@ -10,8 +10,10 @@ same pool (created and prepared once, outside the measurement):
 - ``uring``: a ``DiskTier`` started with backend URING (the same start-up work, no registration);
 - ``register``: a ``DiskTier`` started with backend AUTO, whose pool registration (fixed buffers)
   runs in the background; the probe runs until ``wait_registered`` returns;
+- ``register-single``: the same, one region per ``io_uring_register`` update call (as before the
+  updates were batched: each call's return waits for the GIL);
 - ``register-old``: the same, as registered before 8 MiB regions (64 MiB regions, each faulted in
-  again whether mapped or not);
+  again whether mapped or not, one per call);
 - ``chunks``: a fresh pool of the same size prepared as on CUDA (each chunk faulted in; the
   ``cudaHostRegister`` call itself cannot run here and is skipped).
 
@@ -24,11 +26,14 @@ a pin / a populate call. ``--gil`` swaps it for pure Python (~0.5 ms of bytecode
 holding the GIL: what other threads' GIL acquisitions cost it). Per condition: per-iteration
 p50/p99/p99.9/max of each part (us), the probe's iterations per second, its voluntary (blocked)
 and involuntary (preempted) context switches per iteration, and its time above idle's median in
-all; each ``io_uring_register`` update's duration over all registering conditions.
+all; each ``io_uring_register`` update call's duration and region count over all registering
+conditions.
 
     python tools/bench_register_stall.py --pool-gib 6 --rounds 4 --populate
     python tools/bench_register_stall.py --c --pool-gib 4 --rounds 4 --cuda-pool --conditions idle register register-old
     python tools/bench_register_stall.py --gil --pool-gib 4 --cuda-pool --conditions idle register register-old
+    python tools/bench_register_stall.py --gil --pool-gib 4 --rounds 3 --cuda-pool \
+        --conditions idle register register-single
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +57,7 @@ import torch
 from aiokv import shm
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskConfig, DiskTier, backends
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier, backends, memory
 from aiokv.storage import uring as uring_mod
 from aiokv.storage.backends import UringPageIO
 
@@ -255,9 +260,14 @@ def _overlapping(starts: list[float], values: list[float], spans: list[tuple[flo
     return out
 
 
+_batch_sizes: list[int] = []
+"""Regions per timed ``update_buffers`` call."""
+
+
 def _timed_calls(durations: list[tuple[float, float]], populates: list[tuple[float, float]]) -> Callable[[], None]:
-    """Record each ``update_buffer`` and background ``populate`` call's (start, duration); returns the undo."""
-    original = uring_mod.UringEngine.update_buffer
+    """Record each ``update_buffers`` call's (start, duration) and each background ``populate``
+    call's; returns the undo."""
+    original = uring_mod.UringEngine.update_buffers
     original_populate = backends.populate
 
     def timed_populate(address: int, length: int) -> None:
@@ -269,17 +279,18 @@ def _timed_calls(durations: list[tuple[float, float]], populates: list[tuple[flo
 
     backends.populate = timed_populate
 
-    def timed(self: uring_mod.UringEngine, region: uring_mod.Region) -> None:
+    def timed(self: uring_mod.UringEngine, regions: Sequence[uring_mod.Region]) -> int:
         t = time.perf_counter()
         try:
-            original(self, region)
+            return original(self, regions)
         finally:
             durations.append((t, time.perf_counter() - t))
+            _batch_sizes.append(len(regions))
 
-    setattr(uring_mod.UringEngine, "update_buffer", timed)  # noqa: B010
+    setattr(uring_mod.UringEngine, "update_buffers", timed)  # noqa: B010
 
     def undo() -> None:
-        setattr(uring_mod.UringEngine, "update_buffer", original)  # noqa: B010
+        setattr(uring_mod.UringEngine, "update_buffers", original)  # noqa: B010
         backends.populate = original_populate
 
     return undo
@@ -384,6 +395,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             await asyncio.to_thread(_populate, pool)
                         backend = DiskBackend.URING if cond == "uring" else DiskBackend.AUTO
                         old = backends.BACKGROUND_REGION_BYTES, backends._faulted_in
+                        per_update = memory.REGIONS_PER_UPDATE
+                        if cond in ("register-single", "register-old"):
+                            memory.REGIONS_PER_UPDATE = 1
                         if cond == "register-old":
                             # The registration before 629b28d: 64 MiB regions, each populated
                             # (read once, at the registration's start).
@@ -395,6 +409,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                                            args.window)
                         finally:
                             backends.BACKGROUND_REGION_BYTES, backends._faulted_in = old
+                            memory.REGIONS_PER_UPDATE = per_update
                         await pool.aclose()
                     for part, values in probe.samples.items():
                         results.setdefault(cond, {}).setdefault(part, []).extend(values)
@@ -443,7 +458,7 @@ def main() -> None:
     parser.add_argument("--cuda-pool", action="store_true",
                         help="prepare the tier's pool as on CUDA (chunks faulted in; the CUDA call skipped)")
     parser.add_argument("--conditions", nargs="+", default=["idle", "uring", "register", "register-old", "chunks"],
-                        choices=["idle", "uring", "register", "register-old", "chunks"])
+                        choices=["idle", "uring", "register", "register-single", "register-old", "chunks"])
     parser.add_argument("--dir", default=None, help="where the disk tiers' directories go")
     parser.add_argument("--c", action="store_true", help="the C probe (mmap lock and CPU, no GIL; needs cc)")
     parser.add_argument("--gil", action="store_true", help="a pure-Python probe (the GIL alone)")
@@ -471,8 +486,9 @@ def main() -> None:
                   f"(busy {sum(row['busy_ms']):.0f} ms in all)")
     if "update_buffer_ms" in out:
         u = out["update_buffer_ms"]
-        print(f"io_uring update per region: n={u['n']} p50 {u['p50']:.2f} ms p99 {u['p99']:.2f} ms "
-              f"max {u['max']:.2f} ms")
+        per_call = statistics.fmean(_batch_sizes or [0])
+        print(f"io_uring update call ({per_call:.1f} regions on average): n={u['n']} p50 {u['p50']:.2f} ms "
+              f"p99 {u['p99']:.2f} ms max {u['max']:.2f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
