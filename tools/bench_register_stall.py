@@ -282,7 +282,8 @@ def _timed_calls(durations: list[tuple[float, float]], populates: list[tuple[flo
     def timed(self: uring_mod.UringEngine, regions: Sequence[uring_mod.Region]) -> int:
         t = time.perf_counter()
         try:
-            return original(self, regions)
+            done: int = original(self, regions)
+            return done
         finally:
             durations.append((t, time.perf_counter() - t))
             _batch_sizes.append(len(regions))
