@@ -426,7 +426,8 @@ class DiskTier(WritePath, ReadPath):
         inside it move through plain buffers: counted in ``memory_unregistered``, never an error.
         O_DIRECT does not depend on this: it is used for every caller page whose address is
         4096-aligned (others go buffered, counted in ``buffered_fallbacks``). Pinning goes in
-        pieces (64 MiB); a cancelled call, or :meth:`aclose`, stops it after the piece in progress
+        pieces (8 MiB, several per registration call); a cancelled call, or :meth:`aclose`, stops
+        it after the piece in progress
         (a cancelled call waits for that piece before raising ``CancelledError``): pieces pinned
         so far use fixed buffers, the rest plain ones (counted when stopped by ``aclose``). Raises ``TypeError``/
         ``ValueError`` for a buffer that is not a C-contiguous writable memoryview, or is empty.

@@ -4,6 +4,7 @@ chunks, the disk tier's io_uring registration of the pool, the kernel warm-up.""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,23 +18,26 @@ from aiokv.storage.uring import Region, UringEngine
 
 @pytest.mark.asyncio
 async def test_wait_started_covers_the_disk_tiers_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each region's pinning is held 50 ms: the registration outlives the start by far.
-    real = UringEngine.update_buffer
+    # Each batch's pinning is held 50 ms: the registration outlives the start by far.
+    real = UringEngine.update_buffers
     pinned: list[float] = []
 
-    def slow(self: UringEngine, region: Region) -> None:
+    def slow(self: UringEngine, regions: Sequence[Region]) -> int:
         time.sleep(0.05)
-        real(self, region)
+        done = real(self, regions)
         pinned.append(time.monotonic())
+        return done
 
-    monkeypatch.setattr(UringEngine, "update_buffer", slow)
+    monkeypatch.setattr(UringEngine, "update_buffers", slow)
     cache = KVCache(config(tmp_path / "disk", pool_pages=64, backend=DiskBackend.AUTO), LAYOUT, make_kv(0))
     with pytest.raises(RuntimeError, match="not started"):
         await cache.wait_started()
     async with cache:
         await cache.wait_started()
         returned = time.monotonic()
-        if pinned:
+        io = cache._manager.disk.backend if cache._manager.disk is not None else None
+        if isinstance(io, UringPageIO) and io._registering is not None:
+            assert pinned, "the background registration pinned nothing through update_buffers"
             assert pinned[-1] <= returned, "wait_started returned while the pool was still being pinned"
         assert cache.pool.ready
         disk = cache._manager.disk
