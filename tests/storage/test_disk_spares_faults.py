@@ -219,8 +219,10 @@ async def test_sigkill_leaves_spares_that_the_restart_removes_and_never_indexes(
         acked, stock = await asyncio.to_thread(_round, directory, backend.value, idle, 10)
         left = len(spare_files(directory))
         if idle:
-            assert stock == 8
-            assert left == 8  # a kill leaves the stock on disk
+            # The stock refills in batches once at most half is left: after 8 pages it may stand at
+            # anything up to 8 depending on when the last batch ran (it failed here under load as 6 == 8).
+            assert 0 < stock <= 8
+            assert left == stock  # a kill leaves the stock on disk
         async with DiskTier(config(directory, BACKENDS[0]), layout, pool) as tier:
             stats = tier.statistics()
             assert spare_files(directory) == []
