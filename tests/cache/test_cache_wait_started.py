@@ -3,6 +3,8 @@ chunks, the disk tier's io_uring registration of the pool, the kernel warm-up.""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,22 +20,32 @@ from aiokv.storage.uring import Region, UringEngine
 
 @pytest.mark.asyncio
 async def test_wait_started_covers_the_disk_tiers_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each batch's pinning is held 50 ms: the registration outlives the start by far.
+    # The registration is held inside its first pinning call until the test lets it go: while it
+    # is held, wait_started must still be waiting.
     real = UringEngine.update_buffers
+    gate, entered = threading.Event(), threading.Event()
     pinned: list[float] = []
 
-    def slow(self: UringEngine, regions: Sequence[Region]) -> int:
-        time.sleep(0.05)
+    def held(self: UringEngine, regions: Sequence[Region]) -> int:
+        entered.set()
+        assert gate.wait(30), "the test never released the registration"
         done = real(self, regions)
         pinned.append(time.monotonic())
         return done
 
-    monkeypatch.setattr(UringEngine, "update_buffers", slow)
+    monkeypatch.setattr(UringEngine, "update_buffers", held)
     cache = KVCache(config(tmp_path / "disk", pool_pages=64, backend=DiskBackend.AUTO), LAYOUT, make_kv(0))
     with pytest.raises(RuntimeError, match="not started"):
         await cache.wait_started()
     async with cache:
-        await cache.wait_started()
+        waiting = asyncio.ensure_future(cache.wait_started())
+        try:
+            if await asyncio.to_thread(entered.wait, 10):
+                await asyncio.wait({waiting}, timeout=0.1)
+                assert not waiting.done(), "wait_started returned while the pool was still being pinned"
+        finally:
+            gate.set()
+        await asyncio.wait_for(waiting, 30)
         returned = time.monotonic()
         io = cache._manager.disk.backend if cache._manager.disk is not None else None
         if isinstance(io, UringPageIO) and io._registering is not None:
