@@ -104,7 +104,7 @@ WORKLOADS: dict[str, WorkloadConfig] = {
 }
 PAGE_TOKENS = {"tiny": 8, "small": 32, "8b": 256}
 SCRATCH_FIELDS = ("index", "prefill_s", "launch_s", "decode_s", "prefill_at", "gil_lag_s", "model_cpu_s",
-                  "model_waits", "model_preemptions")
+                  "model_waits", "model_preemptions", "threads_s")
 """What the JSON gives of each request's from-scratch run beside its cached one (``<field>_scratch``)."""
 KV_FACTOR = 1.0
 POOL_FACTOR = 0.25
@@ -253,8 +253,18 @@ def _probe_summary(probe: GilProbe, runs: Runs) -> dict[str, Any]:
     in both runs (the same requests), where the cache's work would show as a longer wait."""
     for r in (*runs.cached, *runs.scratch):
         r.gil_lag_s = probe.mean_lag(r.prefill_at, r.prefill_at + r.prefill_s)
+        r.threads_s = probe.thread_run_s(r.prefill_at, r.prefill_at + r.prefill_s)
     out: dict[str, Any] = {name: asdict(probe.summary(*span)) for name, span in runs.spans.items()}
     base = {r.name: r for r in runs.scratch}
+    # Which threads ran more over the slowest requests' prefill than over the same from scratch.
+    slowest = sorted((r for r in runs.cached if r.name in base),
+                     key=lambda r: r.ttft_s / max(base[r.name].ttft_s, 1e-9), reverse=True)[:3]
+    out["slowest_threads"] = [
+        {"request": r.name, "prefill_s": [r.prefill_s, base[r.name].prefill_s],
+         "extra_run_s": dict(sorted(((k, v - base[r.name].threads_s.get(k, 0.0)) for k, v in r.threads_s.items()),
+                                    key=lambda kv: -kv[1])[:5])}
+        for r in slowest
+    ]
     misses = [(r.gil_lag_s, base[r.name].gil_lag_s) for r in runs.cached
               if r.computed_tokens == r.prompt_tokens and r.name in base]
     pairs = [(c, s) for c, s in misses if c is not None and s is not None]
@@ -276,7 +286,12 @@ def probe_line(summary: dict[str, Any]) -> str | None:
     m = g.get("miss_prefill_lag_s")
     misses = "" if m is None else (f"; during misses' prefill (n={m['requests']}) cached {m['cached'] * 1e3:.2f} ms "
                                    f"vs scratch {m['scratch'] * 1e3:.2f} ms")
-    return f"GIL probe (wake-up lag of a 1 ms sleeper): {runs}{misses}"
+    slow = "".join(
+        f"\n  {x['request']}: prefill {x['prefill_s'][0]:.3f} vs {x['prefill_s'][1]:.3f} s; threads' extra CPU s: "
+        + ", ".join(f"{k} {v:+.3f}" for k, v in x["extra_run_s"].items())
+        for x in g.get("slowest_threads", [])
+    )
+    return f"GIL probe (wake-up lag of a 1 ms sleeper): {runs}{misses}{slow}"
 
 
 async def _serve_one_process(

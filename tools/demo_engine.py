@@ -340,6 +340,7 @@ class RequestResult:
     model_waits: int = 0  # their voluntary context switches: waits (for the GIL, a lock, a blocking sync)
     model_preemptions: int = 0  # their involuntary ones: another thread took the core
     gil_lag_s: float | None = None  # the demo's GIL probe over its prefill (--probe-gil), mean wake-up lag
+    threads_s: dict[str, float] = field(default_factory=dict)  # CPU s per thread name over its prefill (--probe-gil)
     decode_s: float = 0.0
     offload_s: float = 0.0
     ttft_s: float = 0.0

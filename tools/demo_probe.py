@@ -7,11 +7,17 @@ idle machine the lag is the OS's wake-up latency (tens of µs), and it grows by 
 threads hold the GIL. Lags are kept with their time, so a request's prefill window can be looked up.
 The model's own thread holds the GIL between its launches too, so read a lag against the same
 request's lag in the other run (the demo's summary does), not as an absolute.
+
+Every ``snapshot_every`` wake-ups the probe also reads how long each thread of the process has run
+on a CPU (``/proc/self/task/<tid>/schedstat``, by thread name): :meth:`thread_run_s` gives what each
+ran over a span, which names the thread that was busy while a request was slower than from scratch.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -36,10 +42,15 @@ class GilProbe:
     over any span of ``time.perf_counter()`` seconds, once stopped or while running.
     """
 
-    def __init__(self, interval_s: float = 0.001) -> None:
+    def __init__(self, interval_s: float = 0.001, snapshot_every: int = 50) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s!r}")
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be at least 1, got {snapshot_every!r}")
         self.interval_s = interval_s
+        self.snapshot_every = snapshot_every
+        self._snap_times: list[float] = []
+        self._snaps: list[dict[str, float]] = []
         self._times: list[float] = []  # wake-up times, increasing
         self._lags: list[float] = []
         self._stop = threading.Event()
@@ -67,7 +78,13 @@ class GilProbe:
 
     def _run(self) -> None:
         interval = self.interval_s
+        n = 0
         while not self._stop.is_set():
+            if n % self.snapshot_every == 0:
+                snap = thread_run_times()
+                self._snap_times.append(time.perf_counter())
+                self._snaps.append(snap)
+            n += 1
             t = time.perf_counter()
             time.sleep(interval)
             now = time.perf_counter()
@@ -78,6 +95,16 @@ class GilProbe:
         times = self._times[: len(self._lags)]
         lo, hi = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
         return self._lags[lo:hi]
+
+    def thread_run_s(self, begin: float, end: float) -> dict[str, float]:
+        """CPU seconds each thread name ran between the snapshots nearest ``begin`` and ``end``."""
+        times = self._snap_times[: len(self._snaps)]
+        if not times:
+            return {}
+        lo = max(0, bisect.bisect_right(times, begin) - 1)
+        hi = min(len(times) - 1, bisect.bisect_left(times, end))
+        first, last = self._snaps[lo], self._snaps[hi]
+        return {name: run - first.get(name, 0.0) for name, run in last.items() if run > first.get(name, 0.0)}
 
     def mean_lag(self, begin: float, end: float) -> float | None:
         """Mean wake-up lag (s) of the samples in ``[begin, end]``; None when there are none."""
@@ -91,3 +118,35 @@ class GilProbe:
             return LagSummary(0, 0.0, 0.0, 0.0, 0.0)
         return LagSummary(len(lags), sum(lags) / len(lags), lags[min(len(lags) - 1, int(0.99 * len(lags)))],
                           lags[-1], min(1.0, sum(lags) / (end - begin)))
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def thread_run_times() -> dict[str, float]:
+    """Seconds each thread of this process has run on a CPU, summed by name (digits as ``#``, so a
+    pool's workers add up), and under ``"<name> (queued)"`` the seconds it waited runnable for a
+    CPU; Python threads by their ``threading`` name, others by ``comm``. Threads
+    that ended drop out (a span's delta counts only threads alive at both ends). Empty off Linux."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                fields = f.read().split()
+                run_ns, queued_ns = int(fields[0]), int(fields[1])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        key = _DIGITS.sub("#", name)
+        out[key] = out.get(key, 0.0) + run_ns / 1e9
+        # Runnable but waiting for a CPU (other threads or processes had them): not the GIL.
+        out[key + " (queued)"] = out.get(key + " (queued)", 0.0) + queued_ns / 1e9
+    return out
