@@ -45,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -355,6 +355,19 @@ async def _serve_one_process(
     return Runs(cached, scratch, wall, wall_scratch, stats, spans=spans)
 
 
+async def _traced_hit(path: Path, hit: Awaitable[RequestResult]) -> None:
+    """Await ``hit`` under ``torch.profiler`` (host ops and the device's kernels and copies) and
+    write its Chrome trace to ``path``: not timed, the profiler slows the host side."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        r = await hit
+    prof.export_chrome_trace(str(path))
+    print(f"trace of a pool hit (TTFT {r.ttft_s * 1e3:.1f} ms under the profiler): {path}", file=sys.stderr)
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
@@ -381,7 +394,8 @@ def _memcpy_seconds(nbytes: int, device: torch.device, repeats: int) -> float:
 
 
 async def run_ttft(
-    cfg: DemoConfig, lengths: list[int], repeats: int, paths: Sequence[LoadPath] | None = None
+    cfg: DemoConfig, lengths: list[int], repeats: int, paths: Sequence[LoadPath] | None = None,
+    trace_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Time to first token of one prompt per length and load path: prefix from the pool, from disk,
     and recomputed, with each tier's floor measured in the same run. One row per (length, path).
@@ -398,6 +412,8 @@ async def run_ttft(
     timed hits. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves
     from a new cache on the same directory (an empty pool and no learned rates, as after a
     restart). Set-up (pool creation, filling) is not timed; each figure is the median of ``repeats``.
+    ``trace_dir``: after the timed pool hits, one more (untimed) under ``torch.profiler``, written as
+    a Chrome trace ``pool<n>-<path>.json`` there: where the hit's time goes, stream by stream.
     """
     device = torch.device(cfg.device)
     page = cfg.page_tokens
@@ -486,6 +502,9 @@ async def run_ttft(
                     for _ in range(repeats):
                         r = await serve(cache, path, f"pool{n}", "pool", prompt)
                         times["pool"].append(r.ttft_s)
+                    if trace_dir is not None:
+                        await _traced_hit(trace_dir / f"pool{n}-{path.value}.json",
+                                          serve(cache, path, f"trace{n}", "pool", prompt))
                 row["pool_hit_tokens"] = r.pool_tokens
                 row["pool_claimed_tokens"] = r.claimed_tokens
                 logits["pool"] = first_logits(r)
@@ -581,6 +600,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft", action="store_true", help="measure time to first token instead of the workload")
     p.add_argument("--ttft-lengths", default="8192,16384,32768", help="prompt lengths for --ttft")
     p.add_argument("--repeats", type=int, default=3, help="repeats per --ttft measurement (median)")
+    p.add_argument("--trace", type=Path, metavar="DIR",
+                   help="--ttft: also write a torch.profiler Chrome trace of one extra pool hit per length here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -640,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in a.ttft_lengths.split(",")]
         paths = [LoadPath(x) for x in dict.fromkeys(a.load_path)]
         KVCache.preload(cfg.device)  # before the loop runs: the first start then imports nothing
-        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats, paths))
+        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats, paths, a.trace))
         print(
             f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}, "
             f"page {cfg.page_tokens}, median of {a.repeats}, claim {cfg.claim.value}"
