@@ -24,10 +24,22 @@ pool, so every page evicts one; ``--disk`` adds the write-behind queueing. ``--a
 the same measurement on git revision REV's package too, each in a fresh process, alternated
 ``--rounds`` times, and prints the ratio.
 
+Any machine, ``--mode stream``: the loop thread's time per streaming hit through the public API
+(``match``, ``start_load(layered=True)``, the claims until the fronts meet, ``launched``, a
+``wait_layer`` per layer, ``finish``) of ``--pages`` pool pages of 256 tokens (64: a 16K-token
+prompt), 32 layers: CPU time of the loop thread (``time.thread_time``) per hit and per call, and
+the CPU time of the longest single loop callback of each hit (what a loop lag is made of).
+``--device cpu`` (the default without a GPU): a CPU KV buffer with one 16-wide head, the copies
+on the copy thread (Python-driven index copies, ~0.5 s a hit on 2 cores: they land untimed before
+the ``wait_layer`` calls are timed); ``cuda``: the 8B shape, timed as an engine calls it.
+``--token-list`` passes the token ids as a list of ints (what many engines hold) instead of an
+int64 array. ``--against REV`` alternates with revision REV's package as in loop mode.
+
     python tools/bench_cache.py --mode gpu --json out.json
     python tools/bench_cache.py --mode gpu --device cpu --pages 8 --prompts 2
     python tools/bench_cache.py --mode disk --dir /var/tmp/aiokv-bench
     python tools/bench_cache.py --mode loop --pages 256 --against HEAD~3 --rounds 4
+    python tools/bench_cache.py --mode stream --against HEAD~3 --rounds 6
 """
 
 from __future__ import annotations
@@ -545,6 +557,111 @@ async def loop_mode(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class Laps:
+    """The loop thread's CPU time (``time.thread_time``) between successive :meth:`lap` calls."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._start = time.thread_time()
+
+    def lap(self, name: str) -> None:
+        now = time.thread_time()
+        self.spent[name] = now - self._start
+        self._start = now
+
+
+STREAM_PHASES = ("match", "start_load", "claims", "launched", "layers", "finish")
+"""The calls of one streaming hit, timed one by one (``claims``: the claim loop while the loader launches)."""
+
+
+async def stream_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """Loop-thread CPU time per streaming hit and per call (see the module docstring)."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    heads, dim = (8, 128) if cuda else (1, 16)  # CPU: 512 KiB pages, so the bytes stay small
+    layout = KVLayout.mha(32, heads, dim, torch.bfloat16, page_tokens=256)
+    tokens_per_prompt = args.pages * layout.page_tokens
+    prompts = 3
+    num_slots = 2 * tokens_per_prompt
+    kv = torch.randn(layout.num_layers, num_slots, layout.rows, layout.head_dim, dtype=layout.dtype, device=device)
+    config = CacheConfig(cpu_bytes=(prompts * args.pages + 8) * layout.page_bytes, disk_dir=None, namespace="bench")
+    phases: dict[str, list[float]] = {name: [] for name in STREAM_PHASES}
+    hits: list[float] = []
+    steps: list[float] = []
+    longest = [0.0]
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        # CPU time, not wall: on a CPU buffer the copy thread's Python takes the GIL in between.
+        start = time.thread_time()
+        run(handle)
+        longest[0] = max(longest[0], time.thread_time() - start)
+
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.wait_warm()
+        token_sets: list[Any] = [torch.randint(0, 100_000, (tokens_per_prompt,)).numpy() for _ in range(prompts)]
+        for ids in token_sets:
+            await cache.offload(ids, torch.randperm(num_slots, device=device)[:tokens_per_prompt])
+        if args.token_list:
+            token_sets = [ids.tolist() for ids in token_sets]
+        # The engine's slot indices (host int64), made before the timed hits: not aiokv's work.
+        slot_sets = [torch.randperm(num_slots)[:tokens_per_prompt] for _ in range(prompts)]
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
+        try:
+            for hit in range(args.warm_hits + args.hits):
+                tokens, slots = token_sets[hit % prompts], slot_sets[hit % prompts]
+                if cuda:
+                    torch.cuda.synchronize()
+                longest[0] = step = 0.0
+                laps = Laps()
+                lap = laps.lap
+                match = await cache.match(tokens)
+                lap("match")
+                stream = await cache.start_load(match, slots, layered=True)
+                lap("start_load")
+                async with stream:
+                    pos = 0
+                    while (end := stream.claim(pos + args.claim_tokens)) > pos:
+                        if cuda:
+                            torch.cuda._sleep(int(args.compute_ms * 1.4e6))  # type: ignore[no-untyped-call]
+                        await asyncio.sleep(args.compute_ms / 1e3)
+                        pos = end
+                    lap("claims")
+                    await stream.launched()
+                    lap("launched")
+                    if not cuda:
+                        # CPU copies are Python-driven index copies on the copy thread (~0.5 s for
+                        # 32 MiB on a 2-core machine): let them land untimed, then time the calls.
+                        step = longest[0]
+                        await stream.wait_layer(layout.num_layers - 1)
+                        lap("landing")
+                        longest[0] = 0.0
+                    for layer in range(layout.num_layers):
+                        await stream.wait_layer(layer)
+                    lap("layers")
+                    result = await stream.finish()
+                    lap("finish")
+                assert result.loaded_from == result.claimed and result.tokens == tokens_per_prompt, result
+                if hit >= args.warm_hits:
+                    for name in STREAM_PHASES:
+                        phases[name].append(laps.spent[name])
+                    hits.append(sum(laps.spent[name] for name in STREAM_PHASES))
+                    steps.append(longest[0] if cuda else max(step, longest[0]))
+        finally:
+            asyncio.events.Handle._run = run  # type: ignore[method-assign]
+    return {
+        "device": str(device), "layout": layout.describe(), "pages": args.pages, "hits": len(hits),
+        "token_list": args.token_list, "claim_tokens": args.claim_tokens, "compute_ms": args.compute_ms,
+        "hit_cpu_us_p50": statistics.median(hits) * 1e6,
+        "hit_cpu_us_p10": pct(hits, 0.1) * 1e6,
+        "hit_cpu_us_p90": pct(hits, 0.9) * 1e6,
+        "longest_step_us_p50": statistics.median(steps) * 1e6,
+        "longest_step_us_p90": pct(steps, 0.9) * 1e6,
+        "phase_cpu_us_p50": {name: statistics.median(v) * 1e6 for name, v in phases.items()},
+    }
+
+
 def package_tree(rev: str, into: Path) -> Path:
     """An importable copy of revision ``rev``'s package (``aiokv`` with ``kernels``/``storage`` inside)."""
     root = Path(__file__).resolve().parent.parent
@@ -561,7 +678,7 @@ def package_tree(rev: str, into: Path) -> Path:
 
 
 def loop_against(args: argparse.Namespace) -> dict[str, Any]:
-    """``--mode loop`` on this tree and on ``args.against``, each in a fresh process, alternated."""
+    """``--mode loop``/``stream`` on this tree and on ``args.against``, each in a fresh process, alternated."""
     own = [a for a in sys.argv[1:] if a not in ("--against", args.against)]
     scratch = Path(tempfile.mkdtemp(prefix="aiokv-against-"))
     runs: dict[str, list[dict[str, Any]]] = {"current": [], args.against: []}
@@ -580,7 +697,9 @@ def loop_against(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result: dict[str, Any] = {"against": args.against, "runs": runs}
-    for field in ("loop_cpu_us_p50", "longest_step_us_p50"):
+    fields = ("hit_cpu_us_p50", "longest_step_us_p50") if args.mode == "stream" else ("loop_cpu_us_p50",
+                                                                                       "longest_step_us_p50")
+    for field in fields:
         current = [r[field] for r in runs["current"]]
         other = [r[field] for r in runs[args.against]]
         result[field] = {"current": current, "against": other,
@@ -590,31 +709,60 @@ def loop_against(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["gpu", "disk", "loop"],
+    parser.add_argument("--mode", choices=["gpu", "disk", "loop", "stream"],
                         default="gpu" if torch.cuda.is_available() else "disk")
-    parser.add_argument("--pages", type=int, default=64, help="pages per offload/load call (gpu and loop modes)")
+    parser.add_argument("--pages", type=int, default=64,
+                        help="pages per offload/load call (gpu, loop and stream modes)")
     parser.add_argument("--calls", type=int, default=200, help="timed offload calls (loop mode)")
     parser.add_argument("--disk", action="store_true", help="with a disk tier: write-behind queueing (loop mode)")
-    parser.add_argument("--against", metavar="REV", help="also measure git revision REV, alternated (loop mode)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also measure git revision REV, alternated (loop and stream modes)")
+    parser.add_argument("--hits", type=int, default=60, help="timed streaming hits (stream mode)")
+    parser.add_argument("--warm-hits", type=int, default=6, help="untimed streaming hits first (stream mode)")
+    parser.add_argument("--token-list", action="store_true", help="token ids as a list of ints (stream mode)")
     parser.add_argument("--prompts", type=int, default=6, help="prompts streamed (gpu mode)")
     parser.add_argument("--bridge-samples", type=int, default=300)
     parser.add_argument("--gpu-slots", action="store_true", help="pass slot indices as CUDA tensors (gpu mode)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="KV buffer device (gpu mode; cpu: a smoke run with a small layout)")
+                        help="KV buffer device (gpu and stream modes; cpu: a small layout)")
     parser.add_argument("--layered", action="store_true", help="stream layer by layer (gpu mode)")
-    parser.add_argument("--claim-tokens", type=int, default=2048, help="tokens per claim while streaming (gpu mode)")
-    parser.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per claim (gpu mode)")
+    parser.add_argument("--claim-tokens", type=int, default=2048,
+                        help="tokens per claim while streaming (gpu and stream modes)")
+    parser.add_argument("--compute-ms", type=float, default=2.0,
+                        help="simulated compute per claim (gpu and stream modes)")
     parser.add_argument("--stream-rounds", type=int, default=3, help="passes over the prompts while streaming")
     parser.add_argument("--page-mib", type=int, default=4, help="page size (disk mode)")
     parser.add_argument("--disk-pages", type=int, default=64, help="pages read per round (disk mode)")
     parser.add_argument("--depth", type=int, default=8, help="disk queue depth (disk mode)")
-    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (disk and loop --against modes)")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (disk, and loop/stream --against)")
     parser.add_argument("--dir", help="directory for page files (disk mode; default a temp dir)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
-    if args.mode == "gpu" and args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--mode gpu needs a CUDA device (or --device cpu for a smoke run)")
-    if args.mode == "loop" and args.against:
+    if args.mode in ("gpu", "stream") and args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--mode {args.mode} needs a CUDA device (or --device cpu)")
+    if args.mode == "stream" and args.against:
+        result = loop_against(args)
+        for field, what in (("hit_cpu_us_p50", "loop CPU per streaming hit"),
+                            ("longest_step_us_p50", "longest loop step per hit")):
+            r = result[field]
+            print(f"{what}, {args.pages} pages{' (token list)' if args.token_list else ''} "
+                  "(us, median per fresh process, alternated):")
+            print(f"  current:          {', '.join(f'{v:.0f}' for v in r['current'])}")
+            print(f"  {args.against + ':':<17} {', '.join(f'{v:.0f}' for v in r['against'])}")
+            print(f"  ratio current/{args.against} (medians): {r['ratio']:.2f}")
+        print("loop CPU per call (us, median of the per-process medians):")
+        for name in STREAM_PHASES:
+            cur = statistics.median(r["phase_cpu_us_p50"][name] for r in result["runs"]["current"])
+            old = statistics.median(r["phase_cpu_us_p50"][name] for r in result["runs"][args.against])
+            print(f"  {name:<11} current {cur:7.0f}  {args.against} {old:7.0f}  ratio {cur / max(old, 1e-9):.2f}")
+    elif args.mode == "stream":
+        result = asyncio.run(stream_mode(args))
+        print(f"{result['layout']}, {result['pages']} pages, {result['hits']} hits"
+              f"{', token list' if args.token_list else ''}: loop CPU per hit p10 {result['hit_cpu_us_p10']:.0f} us, "
+              f"p50 {result['hit_cpu_us_p50']:.0f} us, p90 {result['hit_cpu_us_p90']:.0f} us; longest loop step "
+              f"p50 {result['longest_step_us_p50']:.0f} us, p90 {result['longest_step_us_p90']:.0f} us")
+        print("  per call (p50): " + ", ".join(f"{k} {v:.0f} us" for k, v in result["phase_cpu_us_p50"].items()))
+    elif args.mode == "loop" and args.against:
         result = loop_against(args)
         for field, what in (("loop_cpu_us_p50", "loop CPU"), ("longest_step_us_p50", "longest loop step")):
             r = result[field]
