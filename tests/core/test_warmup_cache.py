@@ -15,15 +15,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from loop_probes import until, waiting_in
+from warmup_gate import WARM, Gate, warm_threads, warmup_gates
 
 from aiokv import CacheConfig, KVCache, KVLayout, TransferPath
-from aiokv.kernels.launch import LaunchKey, LaunchRecord, record_launches
+from aiokv.kernels.launch import LaunchRecord, record_launches
 from aiokv.kernels.paths import interpreting
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU test: kernels under the Triton interpreter")
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-WARM = "aiokv-warmup"
 
 
 def _cache(path: TransferPath = TransferPath.DIRECT) -> KVCache:
@@ -32,68 +33,10 @@ def _cache(path: TransferPath = TransferPath.DIRECT) -> KVCache:
     return KVCache(config, LAYOUT, kv)
 
 
-class Gate:
-    """Holds the warm-up thread in its first launch until :meth:`open`; tells the loop when it got there."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fail: bool = False) -> None:
-        self.loop = loop
-        self.fail = fail
-        self.held = asyncio.Event()
-        self.other = asyncio.Event()
-        """Set when a thread other than the warm-up's launches (a real copy)."""
-        self._open = threading.Event()
-
-    def __call__(self, key: LaunchKey) -> None:
-        if threading.current_thread().name != WARM:
-            self.loop.call_soon_threadsafe(self.other.set)
-            return
-        if self.fail:
-            raise RuntimeError("injected: the warm-up's launch failed")
-        if not self.held.is_set():
-            self.loop.call_soon_threadsafe(self.held.set)
-            assert self._open.wait(60), "the test never opened the gate"
-
-    def open(self) -> None:
-        self._open.set()
-
-
 @pytest.fixture
 def gated() -> Iterator[Callable[..., tuple[Gate, LaunchRecord]]]:
-    contexts = []
-
-    def make(fail: bool = False) -> tuple[Gate, LaunchRecord]:
-        gate = Gate(asyncio.get_running_loop(), fail)
-        context = record_launches(hook=gate)
-        contexts.append((gate, context))
-        return gate, context.__enter__()
-
-    yield make
-    for gate, context in contexts:
-        gate.open()
-        context.__exit__(None, None, None)
-
-
-def _waiting_in(task: asyncio.Future[object] | None, function: str) -> bool:
-    """Whether ``task`` is suspended in a coroutine named ``function`` (anywhere down its await chain)."""
-    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-    while coro is not None:
-        code = getattr(coro, "cr_code", None)
-        if code is not None and code.co_name == function:
-            return True
-        coro = getattr(coro, "cr_await", None)
-    return False
-
-
-async def _until(condition: Callable[[], bool], turns: int = 10_000) -> None:
-    for _ in range(turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
-
-
-def _warm_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == WARM]
+    with warmup_gates() as make:
+        yield make
 
 
 @pytest.mark.asyncio
@@ -107,7 +50,7 @@ async def test_start_returns_while_the_warm_up_runs_off_the_loop_and_copies_wait
         await gate.held.wait()
         tokens = list(range(3 * LAYOUT.page_tokens))
         offload = asyncio.ensure_future(cache.offload(tokens, torch.arange(len(tokens))))
-        await _until(lambda: _waiting_in(offload, "_kernels_ready") or gate.other.is_set())
+        await until(lambda: waiting_in(offload, "_kernels_ready") or gate.other.is_set())
         assert not gate.other.is_set(), "a copy launched before the warm-up made its kernels ready"
         gate.open()
         assert (await offload).stored == 3
@@ -137,11 +80,11 @@ async def test_aclose_during_the_warm_up_stops_it_and_nothing_runs_afterwards(
     cache = _cache(TransferPath.STAGING)
     await cache.start()
     await gate.held.wait()
-    threads = _warm_threads()
+    threads = warm_threads()
     assert len(threads) == 1
     closing = asyncio.ensure_future(cache.aclose())
-    await _until(lambda: cache._warm_stop.is_set())
-    await _until(lambda: _waiting_in(cache._close_task, "wait"))  # _close waits for the warm-up
+    await until(lambda: cache._warm_stop.is_set())
+    await until(lambda: waiting_in(cache._close_task, "wait"))  # _close waits for the warm-up
     assert not closing.done(), "aclose did not wait for the warm-up"
     gate.open()
     await closing
@@ -164,7 +107,7 @@ async def test_a_copy_cancelled_while_waiting_for_the_warm_up_changes_nothing(
         await gate.held.wait()
         tokens = list(range(2 * LAYOUT.page_tokens))
         offload = asyncio.ensure_future(cache.offload(tokens, torch.arange(len(tokens))))
-        await _until(lambda: _waiting_in(offload, "_kernels_ready"))
+        await until(lambda: waiting_in(offload, "_kernels_ready"))
         offload.cancel()
         with pytest.raises(asyncio.CancelledError):
             await offload
@@ -172,7 +115,7 @@ async def test_a_copy_cancelled_while_waiting_for_the_warm_up_changes_nothing(
         assert (stats.pool_reserved, stats.pool_ready, stats.background_jobs) == (0, 0, 0)
         assert not gate.other.is_set()
         waiter = asyncio.ensure_future(cache.wait_warm())
-        await _until(lambda: _waiting_in(waiter, "wait_warm"))
+        await until(lambda: waiting_in(waiter, "wait_warm"))
         waiter.cancel()  # a cancelled wait_warm does not stop the warm-up
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -205,7 +148,7 @@ async def test_a_cache_without_kernels_starts_no_warm_up() -> None:
     with record_launches(launch=False) as record:
         async with cache:
             assert await cache.wait_warm() is None
-            assert not _warm_threads()
+            assert not warm_threads()
             tokens = list(range(LAYOUT.page_tokens))
             assert (await cache.offload(tokens, torch.arange(len(tokens)))).stored == 1
     assert record.keys == []

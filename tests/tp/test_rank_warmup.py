@@ -10,17 +10,18 @@ by a :func:`record_launches` hook, so every ordering below is forced, not timed.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
+from loop_probes import until, waiting_in
 from tp_helpers import expected_page, full_kv, key, new_pool, reserve
+from warmup_gate import WARM, Gate, warm_threads, warmup_gates
 
 from aiokv.kernels import TransferPath
-from aiokv.kernels.launch import LaunchKey, LaunchRecord, record_launches
+from aiokv.kernels.launch import LaunchRecord, record_launches
 from aiokv.kernels.paths import interpreting
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -31,48 +32,12 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU test: kernels un
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
 T = LAYOUT.page_tokens
 FAST = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05)
-WARM = "aiokv-warmup"
-
-
-class Gate:
-    """Holds the warm-up thread in its first launch until :meth:`open`; tells the loop when it got there."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fail: bool = False) -> None:
-        self.loop = loop
-        self.fail = fail
-        self.held = asyncio.Event()
-        self.other = asyncio.Event()
-        """Set when a thread other than the warm-up's launches (a real copy)."""
-        self._open = threading.Event()
-
-    def __call__(self, key: LaunchKey) -> None:
-        if threading.current_thread().name != WARM:
-            self.loop.call_soon_threadsafe(self.other.set)
-            return
-        if self.fail:
-            raise RuntimeError("injected: the warm-up's launch failed")
-        if not self.held.is_set():
-            self.loop.call_soon_threadsafe(self.held.set)
-            assert self._open.wait(60), "the test never opened the gate"
-
-    def open(self) -> None:
-        self._open.set()
 
 
 @pytest.fixture
 def gated() -> Iterator[Callable[..., tuple[Gate, LaunchRecord]]]:
-    contexts = []
-
-    def make(fail: bool = False) -> tuple[Gate, LaunchRecord]:
-        gate = Gate(asyncio.get_running_loop(), fail)
-        context = record_launches(hook=gate)
-        contexts.append((gate, context))
-        return gate, context.__enter__()
-
-    yield make
-    for gate, context in contexts:
-        gate.open()
-        context.__exit__(None, None, None)
+    with warmup_gates() as make:
+        yield make
 
 
 @pytest_asyncio.fixture
@@ -93,29 +58,6 @@ def _worker(group: RankGroup, kv: torch.Tensor, path: TransferPath = TransferPat
     return RankWorker(group.address, 0, 1, LAYOUT, kv, FAST, path=path)
 
 
-def _waiting_in(task: asyncio.Future[object] | None, function: str) -> bool:
-    """Whether ``task`` is suspended in a coroutine named ``function`` (anywhere down its await chain)."""
-    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-    while coro is not None:
-        code = getattr(coro, "cr_code", None)
-        if code is not None and code.co_name == function:
-            return True
-        coro = getattr(coro, "cr_await", None)
-    return False
-
-
-async def _until(condition: Callable[[], bool], turns: int = 10_000) -> None:
-    for _ in range(turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition not reached")
-
-
-def _warm_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == WARM]
-
-
 @pytest.mark.asyncio
 async def test_rank_copies_wait_for_the_warm_up_and_launch_only_its_variants(
     pool: PagePool, group: RankGroup, gated: Callable[..., tuple[Gate, LaunchRecord]]
@@ -130,7 +72,7 @@ async def test_rank_copies_wait_for_the_warm_up_and_launch_only_its_variants(
         await group.wait_attached()
         await gate.held.wait()  # the session's warm-up is in its first launch
         offload = group.submit_nowait(group.spec(Direction.OFFLOAD, pages, slots))
-        await _until(lambda: _waiting_in(worker._session_task, "until"))
+        await until(lambda: waiting_in(worker._session_task, "until"))
         assert worker.statistics().specs == 0 and not gate.other.is_set(), "a spec ran before the kernels were warm"
         gate.open()
         assert (await offload).ok
@@ -163,15 +105,15 @@ async def test_closing_the_worker_stops_its_warm_up_before_the_pool_is_unmapped(
     worker = _worker(group, full_kv(LAYOUT, 2, 64))
     await worker.__aenter__()
     await gate.held.wait()
-    threads = _warm_threads()
+    threads = warm_threads()
     assert len(threads) == 1
     warm = worker._warm
     assert warm is not None
     executor = worker._executor
     assert executor is not None
     closing = asyncio.ensure_future(worker.aclose())
-    await _until(lambda: warm._stop.is_set())
-    await _until(lambda: _waiting_in(worker._session_task, "aclose"))  # the session waits for the warm-up
+    await until(lambda: warm._stop.is_set())
+    await until(lambda: waiting_in(worker._session_task, "aclose"))  # the session waits for the warm-up
     assert not closing.done() and executor._mover is not None, "the close went on while the warm-up ran"
     gate.open()
     await closing
@@ -207,7 +149,7 @@ async def test_a_rank_without_kernels_starts_no_warm_up(pool: PagePool, group: R
     with record_launches(launch=False) as record:
         async with _worker(group, full_kv(LAYOUT, 4, 64), TransferPath.REFERENCE) as worker:
             await group.wait_attached()
-            assert not _warm_threads()
+            assert not warm_threads()
             assert await worker.wait_warm() is None
             assert (await (await group.submit(group.spec(Direction.OFFLOAD, [handles[0].page], range(T))))).ok
     assert record.keys == []
@@ -221,7 +163,7 @@ async def test_a_thread_runner_waits_for_its_warm_up(group: RankGroup) -> None:
         await asyncio.to_thread(runner.wait_attached, 60)
         warm = await asyncio.to_thread(runner.wait_warm, 120)
         assert warm is not None and not warm.stopped and warm.variants > 0
-        for thread in _warm_threads():
+        for thread in warm_threads():
             thread.join(10)  # it returned its result; only its exit may be left
-        assert not _warm_threads()  # it ended; the session goes on
+        assert not warm_threads()  # it ended; the session goes on
     assert runner.error is None
