@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -125,9 +126,24 @@ class FaultPlan:
         return None if err is None else -err
 
 
+class Statx(ctypes.Structure):
+    """``struct statx`` (256 bytes): the fields a read chain's STATX is checked on, then padding."""
+
+    _fields_ = [("mask", ctypes.c_uint32), ("blksize", ctypes.c_uint32), ("attributes", ctypes.c_uint64),
+                ("nlink", ctypes.c_uint32), ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
+                ("mode", ctypes.c_uint16), ("spare", ctypes.c_uint16), ("rest", ctypes.c_uint8 * 224)]
+
+
+STATX_NEEDED = 0x1 | 0x8  # STATX_TYPE | STATX_UID: what a page file is checked on
+AT_SYMLINK_NOFOLLOW = 0x100
+PATH_BYTES = 256
+"""Per I/O slot, room for a page file's name (relative to its directory) and its terminating NUL."""
+
+
 class HeaderSlots:
-    """Page-aligned 4096-byte buffers for headers (O_DIRECT needs aligned memory), one per I/O slot,
-    and per slot a two-entry iovec (header, page) for vectored I/O."""
+    """Page-aligned 4096-byte buffers for headers (O_DIRECT needs aligned memory), one per I/O slot;
+    per slot a two-entry iovec (header, page) for vectored I/O, and a name buffer and a ``statx``
+    result for a read chain (kept here: the kernel writes them until the slot's chain completed)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -142,6 +158,19 @@ class HeaderSlots:
         for i in range(count):
             self.iovecs[2 * i].base = self.address + i * HEADER_BYTES
             self.iovecs[2 * i].len = HEADER_BYTES
+        self.stats = (Statx * count)()
+        self.stats_address = ctypes.addressof(self.stats)
+        self._paths = ctypes.create_string_buffer(count * PATH_BYTES)
+        self._paths_address = ctypes.addressof(self._paths)
+
+    def path(self, slot: int, name: bytes) -> int | None:
+        """The address of ``slot``'s name buffer holding ``name`` NUL-terminated, or None when it
+        does not fit (then the caller allocates one)."""
+        if len(name) >= PATH_BYTES:
+            return None
+        address = self._paths_address + slot * PATH_BYTES
+        ctypes.memmove(address, name + b"\0", len(name) + 1)
+        return address
 
     def iovec(self, slot: int, address: int, length: int) -> int:
         """The address of ``slot``'s iovec pair, its second entry set to ``[address, +length)``."""
@@ -265,7 +294,10 @@ class UringPageIO:
 
     A new page file is one linked chain: OPENAT (``O_CREAT|O_EXCL|O_NOFOLLOW`` into the I/O slot's
     fixed-file entry: only a new regular file of ours can come out of it), header and page, [FSYNC],
-    CLOSE, RENAMEAT. A read, or the overwrite of a recycled file, opens an existing name first
+    CLOSE, RENAMEAT. A read with O_DIRECT is one chain too: OPENAT (``O_NOFOLLOW|O_NONBLOCK|
+    O_DIRECT``, refused for anything but a regular file) into the slot's fixed-file entry, STATX
+    (our regular file, checked before the bytes count), header and page, CLOSE (:meth:`_load_chain`).
+    The overwrite of a recycled file, and a read without O_DIRECT, open the existing name first
     (into a normal fd, ``fstat``-checked before any byte moves: on the loop where the name is in the
     kernel's lookup caches, else by an OPENAT through the ring), then one chain: header and page,
     CLOSE (and for an overwrite RENAMEAT to the new name). Header and page move in one vectored op
@@ -279,6 +311,10 @@ class UringPageIO:
         self.direct = direct
         self.faults = FaultPlan(arm=self._arm_faults)
         self._cached = CachedOpen()
+        self.chain_reads = True
+        """Reads as one chain from the open (:meth:`_load_chain`); False once a read there answered
+        EAGAIN (a file system without non-blocking direct reads), or to force the checked way."""
+        self._uid = os.geteuid()
         self._pool = pool
         self._slots = slots
         self._page_bytes = pool.layout.page_bytes
@@ -669,6 +705,102 @@ class UringPageIO:
         return want
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
+        if self.chain_reads and self.direct and page.aligned:
+            self._load_chain(dir_fd, name, slot, page, done)
+        else:
+            self._load_checked(dir_fd, name, slot, page, done)
+
+    def _load_chain(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
+        """A read as one submission: OPENAT into the slot's fixed-file entry
+        (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``), STATX of the name (no follow), header and page, CLOSE.
+
+        The open is as safe as :meth:`_load_checked`'s without looking at the file first: a symlink
+        fails it (ELOOP), a socket too (ENXIO), and ``O_NONBLOCK`` opens a FIFO at once, which
+        ``O_DIRECT`` then refuses (EINVAL), as it refuses devices. Only a regular file (or a block
+        device, which only root can plant) is read. Its STATX (the chain cannot ``fstat``) must
+        say a regular file of our uid before the bytes count, as :func:`check_page_fd` requires;
+        the caller verifies header and checksum after that. An EINVAL open (what it is needs a
+        look: a FIFO, a device) and a file system answering EAGAIN to ``O_NONBLOCK`` reads (from
+        then on, every read) go the checked way, :meth:`_load_checked`."""
+        encoded = name.encode()
+        slots = self._slots
+        path = slots.path(slot, encoded)
+        keep: object = (slots, self._pool, page.view)
+        if path is None:
+            buffer = ctypes.create_string_buffer(encoded)
+            path, keep = ctypes.addressof(buffer), (buffer, keep)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
+        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags, file_index=slot + 1),
+               uring.sqe(uring.OP_STATX, dir_fd, path, STATX_NEEDED, slots.stats_address + slot * ctypes.sizeof(Statx),
+                         AT_SYMLINK_NOFOLLOW),
+               *self._transfer(False, slot, True, slot, page),
+               uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)]
+        expect = self._expect(ops)
+        moved = sum(expect[2:-1])
+
+        def read(results: list[int]) -> None:
+            if results == expect:
+                done(self._chain_checked(slot, name) or moved)
+                return
+            if results[0] < 0:  # nothing was opened: nothing to close
+                self._chain_failed(results, dir_fd, name, slot, page, done)
+                return
+            if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE: closed first, as
+                # the slot's entry must be empty before the slot goes to another page's chain
+                self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
+                                   lambda _: self._chain_failed(results, dir_fd, name, slot, page, done))
+                return
+            self._chain_failed(results, dir_fd, name, slot, page, done)
+
+        self.engine.submit(ops, keep, read, expect=expect)
+
+    def _chain_checked(self, slot: int, name: str) -> UnsafeFileError | None:
+        """What the read chain's STATX says of the file read: None for a regular file of ours."""
+        st = self._slots.stats[slot]
+        if st.mask & STATX_NEEDED != STATX_NEEDED:
+            return UnsafeFileError(errno.EPERM, f"{name}: the file system does not report its type and owner")
+        if not stat.S_ISREG(st.mode):
+            return UnsafeFileError(errno.EPERM, f"{name} is not a regular file (mode {st.mode:o}), not a page file")
+        if st.uid != self._uid:
+            return UnsafeFileError(errno.EPERM, f"{name} belongs to uid {st.uid}, not to uid {self._uid}")
+        return None
+
+    def _chain_failed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
+                      done: Loaded) -> None:
+        """A broken read chain (its file closed): the fault, or the checked way where the chain
+        cannot tell (an EINVAL open, an EAGAIN read)."""
+        opened, statted = results[0], results[1]
+        if opened < 0:
+            if opened == -errno.EINVAL:
+                self._load_checked(dir_fd, name, slot, page, done)
+            else:
+                done(classify_open_error(OSError(-opened, os.strerror(-opened)), name))
+            return
+        if statted < 0:
+            done(OSError(-statted, os.strerror(-statted)))  # ENOENT: removed behind our back
+            return
+        unsafe = self._chain_checked(slot, name)
+        if unsafe is not None:
+            done(unsafe)  # whatever the read did: its bytes never count
+            return
+        got = 0
+        for res in results[2:-1]:
+            if res == -errno.EAGAIN:
+                # This file system answers O_NONBLOCK reads with EAGAIN: the checked way from now on.
+                self.chain_reads = False
+                log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
+                         "page files before reading them from now on")
+                self._load_checked(dir_fd, name, slot, page, done)
+                return
+            if res == -errno.ECANCELED:
+                break  # a short read broke the chain: the file is truncated
+            if res < 0:
+                done(OSError(-res, os.strerror(-res)))
+                return
+            got += res
+        done(got)
+
+    def _load_checked(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         # Opened into a normal fd (O_NONBLOCK: a FIFO must not block the open) and fstat-checked on
         # the loop: at once where the name is in the kernel's lookup caches (openat2 RESOLVE_CACHED),
         # else by an OPENAT through the ring first. Then one chain: header and page, CLOSE.
