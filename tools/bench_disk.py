@@ -398,7 +398,7 @@ async def remove_all(paths: list[Path]) -> None:
 
 async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats: int, fio: bool,
                   backends: list[DiskBackend], lmcache: tuple[type, int] | None, keep: bool = True,
-                  spares: tuple[int, ...] = (0,)) -> list[Row]:
+                  spares: tuple[int, ...] = (0,), aiofiles: bool = True) -> list[Row]:
     """One configuration, ``repeats`` alternated rounds. ``keep``: every contender's files stay until
     the configuration ends (no contender creates files right after another's deletes: see
     :data:`SETTLE_S`); else each is removed after its pass (less disk space)."""
@@ -463,6 +463,8 @@ async def measure(work: Path, page_mib: int, depth: int, total_mib: int, repeats
                     add(name, w, wc, r, rc, lag)
                     await done_with(directory)
             fill_pool(pool)
+            if not aiofiles:
+                continue
             lag = LagProbe()
             lag.start()
             directory = work / f"aiofiles-{round_}"
@@ -550,6 +552,8 @@ def main() -> int:
                         "pip --target install kept out of the project's venv)")
     parser.add_argument("--spares", type=int, nargs="+", default=[0], help="tier rows for each spare-file "
                         "stock (DiskTier spare_files; 0: none), alternated within each round")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["fio", "aiofiles"],
+                        help="contenders left out (shorter runs when only the tier and the raw engine matter)")
     parser.add_argument("--quick", action="store_true", help="256 MiB per pass (about 2 minutes)")
     parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="seconds between configurations, "
                         "after their files are deleted (ext4 without a journal: see SETTLE_S)")
@@ -557,8 +561,8 @@ def main() -> int:
     parser.add_argument("--plot", type=str, default=None)
     args = parser.parse_args()
     total = 256 if args.quick else args.total_mib
-    have_fio = shutil.which("fio") is not None
-    if not have_fio:
+    have_fio = shutil.which("fio") is not None and "fio" not in args.skip
+    if not have_fio and "fio" not in args.skip:
         print("WARNING: fio is not installed (apt-get install fio): no fio baseline, ratios to fio "
               "are missing", file=sys.stderr)
     lmcache = lmcache_backend(args.lmcache_path)
@@ -585,7 +589,8 @@ def main() -> int:
                       "another's delete pay ext4's recently-deleted scan)", file=sys.stderr)
             loads.append(os.getloadavg()[0])
             rows += asyncio.run(measure(work, page_mib, depth, total, args.repeats, have_fio, backends,
-                                        None if isinstance(lmcache, str) else lmcache, keep, tuple(args.spares)))
+                                        None if isinstance(lmcache, str) else lmcache, keep, tuple(args.spares),
+                                        "aiofiles" not in args.skip))
             loads.append(os.getloadavg()[0])
             print(f"done: {page_mib} MiB pages, depth {depth}", file=sys.stderr)
     finally:
