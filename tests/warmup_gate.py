@@ -63,3 +63,15 @@ def warmup_gates() -> Iterator[Callable[..., tuple[Gate, LaunchRecord]]]:
 def warm_threads() -> list[threading.Thread]:
     """The warm-up threads alive now."""
     return [t for t in threading.enumerate() if t.name == WARM]
+
+
+async def open_into_close(gate: Gate, closing: asyncio.Future[None], record: LaunchRecord,
+                          thread: threading.Thread) -> None:
+    """Let the held warm-up ``thread`` go while a close waits for it, await the close, then check
+    that the thread ended and launched nothing after the close returned."""
+    gate.open()
+    await closing
+    launched = len(record.keys)
+    thread.join(10)  # it returned its result; only its exit may be left
+    assert not thread.is_alive()
+    assert len(record.keys) == launched, "the warm-up launched after aclose returned"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from loop_probes import until, waiting_in
-from warmup_gate import WARM, Gate, warm_threads, warmup_gates
+from warmup_gate import WARM, Gate, open_into_close, warm_threads, warmup_gates
 
 from aiokv import CacheConfig, KVCache, KVLayout, TransferPath
 from aiokv.kernels.launch import LaunchRecord, record_launches
@@ -86,12 +86,7 @@ async def test_aclose_during_the_warm_up_stops_it_and_nothing_runs_afterwards(
     await until(lambda: cache._warm_stop.is_set())
     await until(lambda: waiting_in(cache._close_task, "wait"))  # _close waits for the warm-up
     assert not closing.done(), "aclose did not wait for the warm-up"
-    gate.open()
-    await closing
-    launched = len(record.keys)
-    threads[0].join(10)  # it returned its result; only its exit may be left
-    assert not threads[0].is_alive()
-    assert len(record.keys) == launched, "the warm-up launched after aclose returned"
+    await open_into_close(gate, closing, record, threads[0])
     assert cache._warm is not None and cache._warm.result().stopped
     assert await cache.wait_warm() is not None  # after close: what it did, at once
 

@@ -18,7 +18,7 @@ import pytest_asyncio
 import torch
 from loop_probes import until, waiting_in
 from tp_helpers import expected_page, full_kv, key, new_pool, reserve
-from warmup_gate import WARM, Gate, warm_threads, warmup_gates
+from warmup_gate import WARM, Gate, open_into_close, warm_threads, warmup_gates
 
 from aiokv.kernels import TransferPath
 from aiokv.kernels.launch import LaunchRecord, record_launches
@@ -115,12 +115,7 @@ async def test_closing_the_worker_stops_its_warm_up_before_the_pool_is_unmapped(
     await until(lambda: warm._stop.is_set())
     await until(lambda: waiting_in(worker._session_task, "aclose"))  # the session waits for the warm-up
     assert not closing.done() and executor._mover is not None, "the close went on while the warm-up ran"
-    gate.open()
-    await closing
-    launched = len(record.keys)
-    threads[0].join(10)  # it returned its result; only its exit may be left
-    assert not threads[0].is_alive()
-    assert len(record.keys) == launched, "the warm-up launched after aclose returned"
+    await open_into_close(gate, closing, record, threads[0])
     assert executor._mover is None  # unmapped, after the warm-up ended
     result = warm.result
     assert result is not None and result.stopped
