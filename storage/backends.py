@@ -330,9 +330,14 @@ class UringPageIO:
         pb = self._page_bytes
         # The kernel's table holds at most 16384 buffers: larger regions for a pool beyond 64 GiB.
         region_bytes = max(BACKGROUND_REGION_BYTES, -(-pool.num_pages * pb // MAX_REGISTER_REGIONS))
-        self._plan = self.engine.plan_regions(
-            [(self._base, pool.num_pages * pb, pb), (slots.address, slots.count * HEADER_BYTES, HEADER_BYTES)],
-            region_bytes)
+        pool_plan = self.engine.plan_regions([(self._base, pool.num_pages * pb, pb)], region_bytes)[0]
+        # All header slots in one region, whatever the pool's region size: an op on any slot names
+        # that region's buffer (_transfer). Cut at 8 MiB, a queue depth above 2048 split them in two
+        # and ops on the first region's slots failed (EFAULT, counted), dropping writes and reads.
+        slot_bytes = slots.count * HEADER_BYTES
+        if slot_bytes > uring.MAX_REGION_BYTES:
+            raise ValueError(f"{slots.count} header slots exceed one fixed buffer ({uring.MAX_REGION_BYTES} bytes)")
+        self._plan = [pool_plan, [uring.Region(len(pool_plan), slots.address, slot_bytes)]]
         planned = sum(len(r) for r in self._plan)
         # Empty (no slot for callers' regions) unless registering in the background: a forced
         # URING_FIXED registers a full table, a forced URING none.
@@ -450,6 +455,11 @@ class UringPageIO:
         # one of them (a fixed-buffer op must not cross a region's end) whatever the caller's page
         # boundaries; the overlap costs at most 1/8 more pinned memory.
         region_bytes = min(uring.MAX_REGION_BYTES, max(memory.REGISTER_REGION_BYTES, 8 * pb))
+        free = self._table.free
+        if free and length > free * (region_bytes - pb):
+            # More pieces than the table has slots left (beyond ~32 GiB at 8 MiB a piece): larger
+            # pieces, one slot each, rather than none registered at all.
+            region_bytes = min(uring.MAX_REGION_BYTES, -(-(-(-length // free) + pb) // 4096) * 4096)
         stride = region_bytes - pb
         bounds: list[tuple[int, int]] = []
         start = 0

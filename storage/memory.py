@@ -147,6 +147,12 @@ class BufferTable:
         with self._lock:
             self.size = 0
 
+    @property
+    def free(self) -> int:
+        """Slots not taken yet (callers' regions may use them)."""
+        with self._lock:
+            return max(0, self.size - self._next)
+
     def take(self, count: int) -> int | None:
         """The first of ``count`` consecutive free slots, or None when the table lacks them."""
         with self._lock:
