@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -196,6 +197,8 @@ def update_in_batches(engine: uring.UringEngine, regions: Sequence[uring.Region]
         # Fewer than the batch: the kernel refused the next region. The next call starts there and
         # raises its error (the kernel reports one only for a call's first region).
         done = engine.update_buffers(batch)
+        if done <= 0:  # the kernel reports an error for a call's first region; never loop on nothing
+            raise OSError(errno.EIO, f"io_uring registered none of {len(batch)} regions and reported no error")
         at += done
         yield list(batch[:done])
 
