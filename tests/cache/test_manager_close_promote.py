@@ -22,8 +22,9 @@ import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt
 
-from aiokv import KVCache
+from aiokv import CacheStatistics, KVCache
 from aiokv.shm import ChunkResult, SharedSegment
+from aiokv.storage import DiskTier
 
 T = LAYOUT.page_tokens
 PAGES = 4  # one pool chunk (cache_helpers: 4 pages a chunk)
@@ -47,6 +48,41 @@ def _hold_later_chunks(monkeypatch: pytest.MonkeyPatch, release: threading.Event
         return real(self, index, offset, length, register_cuda)
 
     monkeypatch.setattr(SharedSegment, "prepare_chunk", held)
+
+
+def _pause_after_disk_close(monkeypatch: pytest.MonkeyPatch, disk: DiskTier, go_on: asyncio.Event) -> asyncio.Event:
+    """The cache's close runs the real disk-tier close, then pauses until ``go_on``. Returns the
+    event set once the disk tier is closed."""
+    disk_closed = asyncio.Event()
+    real_close = disk.aclose
+
+    async def close_disk() -> None:
+        await real_close()
+        disk_closed.set()
+        async with asyncio.timeout(BOUND_S):
+            await go_on.wait()
+
+    monkeypatch.setattr(disk, "aclose", close_disk)
+    return disk_closed
+
+
+async def _stats_then_close(cache: KVCache, closing: asyncio.Future[None], go_on: asyncio.Event) -> CacheStatistics:
+    """The statistics taken while the close pauses after the disk tier's, then the rest of the close."""
+    stats = cache.stats()
+    go_on.set()
+    async with asyncio.timeout(BOUND_S):
+        await closing
+    return stats
+
+
+def _assert_withdrawn_without_faults(stats: CacheStatistics, kv: torch.Tensor, target: torch.Tensor,
+                                     before: torch.Tensor) -> None:
+    """All PAGES pages counted withdrawn, no fault of any kind (disk_read_failed, pool_exhausted,
+    load_shortened among them), and nothing reached the slots ``target``."""
+    assert stats.pages_withdrawn == PAGES
+    errors = {kind: n for kind, n in stats.errors.items() if n}
+    assert not errors, errors
+    assert torch.equal(kv[:, target.to(DEVICE)], before)
 
 
 @pytest.mark.asyncio
@@ -83,16 +119,7 @@ async def test_a_close_during_a_promotions_wait_for_room_withdraws_its_pages(
             return await real_wait(disk_io=disk_io)
 
         monkeypatch.setattr(manager, "_wait_for_room", wait_for_room)
-        disk_closed = asyncio.Event()
-        real_close = disk.aclose
-
-        async def close_disk() -> None:  # the real close, then the cache's close pauses
-            await real_close()
-            disk_closed.set()
-            async with asyncio.timeout(BOUND_S):
-                await go_on.wait()
-
-        monkeypatch.setattr(disk, "aclose", close_disk)
+        disk_closed = _pause_after_disk_close(monkeypatch, disk, go_on)
         target = torch.arange(100, 100 + PAGES * T)
         before = kv[:, target.to(DEVICE)].clone()
         stream = None
@@ -120,28 +147,19 @@ async def test_a_close_during_a_promotions_wait_for_room_withdraws_its_pages(
                 assert outcome == PAGES * T  # the front never moved: nothing was launched
                 outcome = await stream.finish()
         holding.release()
-        stats = cache.stats()
-        go_on.set()
-        async with asyncio.timeout(BOUND_S):
-            await closing
+        stats = await _stats_then_close(cache, closing, go_on)
     finally:
         release.set()
         go_on.set()
         await cache.aclose()
-    errors = {kind: n for kind, n in stats.errors.items() if n}
-    assert "disk_read_failed" not in errors and "pool_exhausted" not in errors, errors
-    assert "load_shortened" not in errors, errors
+    _assert_withdrawn_without_faults(stats, kv, target, before)  # a prefetch's counted nowhere before
     assert stats.pages_promoted == 0
     if call == "load":
         assert (outcome.tokens, outcome.pool_pages, outcome.disk_pages) == (0, 0, 0)
-        assert stats.pages_withdrawn == PAGES
     elif call == "stream":
         assert outcome.loaded_from == PAGES * T and outcome.disk_pages == 0
-        assert stats.pages_withdrawn == PAGES
     else:
         assert outcome.promoted == 0
-        assert stats.pages_withdrawn == PAGES  # counted nowhere before
-    assert torch.equal(kv[:, target.to(DEVICE)], before)  # nothing reached the slots
 
 
 @pytest.mark.asyncio
@@ -174,16 +192,7 @@ async def test_a_load_whose_disk_reads_land_after_the_close_began_withdraws_thei
             return ok
 
         monkeypatch.setattr(disk, "read", landed_late)
-        disk_closed = asyncio.Event()
-        real_close = disk.aclose
-
-        async def close_disk() -> None:
-            await real_close()
-            disk_closed.set()
-            async with asyncio.timeout(BOUND_S):
-                await go_on.wait()
-
-        monkeypatch.setattr(disk, "aclose", close_disk)
+        disk_closed = _pause_after_disk_close(monkeypatch, disk, go_on)
         match = await cache.match(on_disk)
         assert match.disk_pages == PAGES
         target = torch.arange(100, 100 + PAGES * T)
@@ -198,15 +207,10 @@ async def test_a_load_whose_disk_reads_land_after_the_close_began_withdraws_thei
         gate.set()
         async with asyncio.timeout(BOUND_S):
             result = await work
-        stats = cache.stats()
-        go_on.set()
-        async with asyncio.timeout(BOUND_S):
-            await closing
+        stats = await _stats_then_close(cache, closing, go_on)
     finally:
         gate.set()
         go_on.set()
         await cache.aclose()
     assert (result.tokens, result.disk_pages) == (0, 0)
-    assert stats.pages_withdrawn == PAGES
-    assert not {kind: n for kind, n in stats.errors.items() if n}, stats.errors
-    assert torch.equal(kv[:, target.to(DEVICE)], before)
+    _assert_withdrawn_without_faults(stats, kv, target, before)
