@@ -204,9 +204,13 @@ class RankWorker:
                             await self._stop.wait()
         finally:
             bridge, self._bridge = self._bridge, None
-            await asyncio.to_thread(bridge.close)  # joins its threads: off the loop
-            self._ended.set()
-            self._notify()
+            cancels = _Cancels()
+            try:
+                await cancels.outlast(asyncio.to_thread(bridge.close))  # joins its threads: off the loop
+            finally:
+                self._ended.set()  # what a close without a task of its own waits for
+                self._notify()
+            cancels.raise_if_cancelled()
 
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool."""
@@ -234,14 +238,18 @@ class RankWorker:
                 # and their reports go out while the socket is still open; only then is it closed:
                 # the manager takes its end to mean none of this session's copies runs any more
                 # (it fails what is unreported and the engine may reuse those slots). Then the
-                # mapping is dropped (teardown runs in a thread: it is not cancelled).
+                # mapping is dropped. Every step runs to its end even if the session is cancelled
+                # again meanwhile (a second aclose, or run() cancelled then aclose): the cancel is
+                # raised once the mapping is gone.
                 executor.fence()
-                await _drain(executor)
-                await warm.aclose()  # it plans over the mover's view of the mapping: done before the unmap
+                cancels = _Cancels()
+                await cancels.outlast(executor.drain())
+                await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
                 link.close()
-                await executor.aclose()
+                await cancels.outlast(executor.aclose())
                 self._executor = None
+                cancels.raise_if_cancelled()
             return True
         finally:
             link.close()
@@ -268,8 +276,14 @@ class RankWorker:
 
     async def _attach(self, welcome: Welcome, link: _WorkerLink) -> RankExecutor:
         assert self._bridge is not None
+        cancels = _Cancels()
         try:
-            memory = await asyncio.to_thread(PagePool.attach, welcome.pool_name, self.page_layout)
+            # A cancel (aclose, the handshake's timeout) does not abandon the thread mapping the
+            # pool: the mapping it returns would stay in this process for good.
+            memory = await cancels.outlast(asyncio.to_thread(PagePool.attach, welcome.pool_name, self.page_layout))
+            if cancels.cancelled:
+                await cancels.outlast(asyncio.to_thread(memory.close))
+                cancels.raise_if_cancelled()
             try:
                 if memory.num_pages != welcome.num_pages:
                     raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")
@@ -281,6 +295,7 @@ class RankWorker:
                 memory.close()
                 raise
         except Exception as exc:
+            cancels.raise_if_cancelled()  # cancelled while the attach failed: the cancel wins
             why = f"{type(exc).__name__}: {exc}"
             link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
             raise _AttachFailed(f"pool {welcome.pool_name}: {why}") from exc
@@ -449,18 +464,37 @@ class RankWorker:
         await self.aclose()
 
 
-async def _drain(executor: RankExecutor) -> None:
-    """Wait until every copy the executor started is over, even if cancelled meanwhile (then
-    raise ``CancelledError`` after): the link must not close while one still runs."""
-    drained = asyncio.ensure_future(executor.drain())
-    cancelled = False
-    while not drained.done():
+class _Cancels:
+    """Runs the steps of a teardown to their end even when its task is cancelled meanwhile, and
+    remembers the cancel: :meth:`raise_if_cancelled` raises it after the last step. (A cancel
+    lands at whichever await runs: a step cut short left the link closing on a running copy, the
+    pool mapped or a warm-up thread unjoined.)"""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def outlast(self, step: Awaitable[T]) -> T:
+        """Await ``step`` to its end through any number of cancels; returns or raises what it does."""
+        future = asyncio.ensure_future(step)
+        while not future.done():
+            try:
+                await asyncio.wait({future})
+            except asyncio.CancelledError:
+                self.cancelled = True
+        return future.result()
+
+    async def settle(self, step: Awaitable[None]) -> None:
+        """Await ``step``, which itself runs to its end through a cancel and raises it after
+        (``RankWarmUp.aclose``), and remember that cancel instead. Awaited in this task: no task
+        of its own, and a probe of this task's await chain sees the step."""
         try:
-            await asyncio.wait({drained})
+            await step
         except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+            self.cancelled = True
+
+    def raise_if_cancelled(self) -> None:
+        if self.cancelled:
+            raise asyncio.CancelledError
 
 
 def _layer_reporter(link: _WorkerLink) -> Callable[[int, int], None]:
