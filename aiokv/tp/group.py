@@ -16,13 +16,14 @@ spec to eight ranks is dominated by such wake-ups; see ``tools/bench_specs.py``)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -71,6 +72,8 @@ class GroupStatistics:
     link_errors: int
     """Connections ended by a malformed or unexpected frame, or a handshake timeout."""
     jobs: JobStatistics
+    waiting: int = 0
+    """Submissions waiting for room now: held jobs (``submit_queued``) and ``submit`` calls."""
     fenced: int = 0
     """Ranks fenced: still owing reports at close after ``close_timeout_s``, or whose link broke
     with jobs in flight (told to run nothing new; their reports or their end were waited for)."""
@@ -126,7 +129,11 @@ class RankGroup:
         self._endpoint: Endpoint | None = None
         self._inode: int | None = None
         self._server: asyncio.Server | None = None
-        self._jobs = JobTable(self.config.max_jobs)
+        self._jobs = JobTable(self.config.max_jobs, on_room=self._room_freed)
+        # Submissions waiting for room, in order: held jobs (submit_queued) and turns of submit().
+        self._queue: collections.deque[Job | asyncio.Future[None]] = collections.deque()
+        self._granted: asyncio.Future[None] | None = None  # a submit() given its turn, not yet resumed
+        self._pump_handle: asyncio.Handle | None = None
         self._ranks: dict[int, _RankLink] = {}  # claimed at hello, attached after ATTACHED
         self._links: set[_RankLink] = set()
         self._all_attached = asyncio.Event()
@@ -177,6 +184,7 @@ class RankGroup:
         """
         if self._close_task is None:
             self._closing = True
+            self._end_waits()  # nothing held is sent any more; waiting submissions end now
             self._close_task = asyncio.get_running_loop().create_task(self._close())
         await asyncio.shield(self._close_task)
 
@@ -332,39 +340,164 @@ class RankGroup:
         A layered spec's job has one readiness future per layer (:attr:`Job.layer_futures`).
         Without every rank attached, or once closing, the job is returned already failed
         (NOT_ATTACHED / GROUP_CLOSED); nothing is sent. Raises ``asyncio.QueueFull`` when
-        ``max_jobs`` jobs are in flight and ``ValueError`` for a spec of another pool, page size or
-        page range, or a job id already in flight.
+        ``max_jobs`` jobs are in flight or others wait for room (:meth:`submit`,
+        :meth:`submit_queued`: specs reach the ranks in the order they were submitted), and
+        ``ValueError`` for a spec of another pool, page size or page range, or a job id already
+        in flight.
         """
+        if self._closing:
+            return self._closed_job(spec)
+        targets, layers = self._check_spec(spec)
+        if self._queue or self._granted is not None:
+            raise asyncio.QueueFull(f"{len(self._queue)} submissions wait for room ahead of job {spec.job_id}")
+        return self._send_new(spec, targets, layers)
+
+    def submit_queued(self, spec: TransferSpec) -> Job:
+        """:meth:`submit_nowait` when there is room and nothing waits, else hold ``spec`` until room
+        frees (in submission order) and send it then; returns its :class:`Job` at once.
+
+        A held job's futures exist already (its layer futures too); it is sent only once earlier
+        submissions were. :meth:`withdraw` ends it unsent. The group's close withdraws every held
+        job at once: their outcome is ``withdrawn`` (nothing of them ran; not a failure). Ranks
+        missing when its turn comes fail it NOT_ATTACHED, as :meth:`submit_nowait` would.
+        Raises ``ValueError`` as :meth:`submit_nowait` does.
+        """
+        if self._closing:
+            return self._closed_job(spec)
+        targets, layers = self._check_spec(spec)
+        if not self._queue and self._granted is None and self._jobs.in_flight < self._jobs.max_jobs:
+            return self._send_new(spec, targets, layers)
+        job = self._jobs.hold(spec, targets, layers)
+        self._queue.append(job)
+        return job
+
+    def withdraw(self, jobs: Iterable[Job]) -> int:
+        """Withdraw those of ``jobs`` still held (:meth:`submit_queued`): none of them is ever sent,
+        all before the queue moves on. Returns how many were; jobs sent or ended are left alone."""
+        withdrawn = sum(1 for job in jobs if self._jobs.withdraw(job))
+        if withdrawn:
+            self._queue = collections.deque(entry for entry in self._queue if not entry.done())
+            self._schedule_pump()  # a withdrawn head may have stood before room
+        return withdrawn
+
+    async def submit(self, spec: TransferSpec) -> Job:
+        """:meth:`submit_nowait` after waiting for room among the ``max_jobs`` in flight, in turn
+        with other waiting submissions.
+
+        Cancelled while it waits: nothing is sent and nothing of it is kept. The group's close
+        ends the wait at once: the job returned is ``withdrawn`` (not sent, not a failure).
+        Raises ``ValueError`` (before waiting) as :meth:`submit_nowait` does.
+        """
+        if self._closing:
+            return self._closed_job(spec)
+        targets, layers = self._check_spec(spec)
+        if not self._queue and self._granted is None and self._jobs.in_flight < self._jobs.max_jobs:
+            return self._send_new(spec, targets, layers)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            # Our turn came but we were cancelled before taking it: pass it on. Still queued: the
+            # cancellation cancelled ``turn`` with us; drop it now (it holds no spec).
+            if self._granted is turn:
+                self._granted = None
+                self._schedule_pump()
+            with contextlib.suppress(ValueError):
+                self._queue.remove(turn)
+            raise
+        if self._granted is turn:
+            self._granted = None
+        if self._closing:  # woken by the close: never sent
+            return self._jobs.withdrawn_job(spec, targets, layers)
+        self._schedule_pump()  # those behind us: after our spec is sent, in order
+        return self._send_new(spec, targets, layers)
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`aclose` was called: nothing more is sent."""
+        return self._closing
+
+    def _closed_job(self, spec: TransferSpec) -> Job:
         targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
         layers = self.layout.num_layers if spec.layered else 0
-        if self._closing:
-            failures = [RankFailure(r, RankStatus.GROUP_CLOSED, "the rank group is closed") for r in sorted(targets)]
-            return self._jobs.failed_job(spec, failures, layers)
+        failures = [RankFailure(r, RankStatus.GROUP_CLOSED, "the rank group is closed") for r in sorted(targets)]
+        return self._jobs.failed_job(spec, failures, layers)
+
+    def _check_spec(self, spec: TransferSpec) -> tuple[frozenset[int], int]:
+        """The spec's target ranks and layer count; ``ValueError`` when it does not fit this group."""
         if spec.epoch != self.epoch:
             raise ValueError(f"spec epoch {spec.epoch:#x} is not this group's pool epoch {self.epoch:#x}")
         if spec.page_tokens != self.layout.page_tokens:
             raise ValueError(f"spec pages hold {spec.page_tokens} tokens; the layout's hold {self.layout.page_tokens}")
         if int(spec.page_ids.max()) >= self.num_pages:
             raise ValueError(f"spec names page {int(spec.page_ids.max())}; the pool has {self.num_pages}")
-        missing = self._all_ranks - self.attached if not self._all_attached.is_set() else None
-        if missing:
-            failures = [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
+        targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
+        return targets, self.layout.num_layers if spec.layered else 0
+
+    def _missing(self) -> list[RankFailure]:
+        """A failure per rank not attached (none while every rank is)."""
+        missing = self._all_ranks - self.attached if not self._all_attached.is_set() else frozenset()
+        return [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
+
+    def _send_new(self, spec: TransferSpec, targets: frozenset[int], layers: int) -> Job:
+        failures = self._missing()
+        if failures:
             return self._jobs.failed_job(spec, failures, layers)
         job = self._jobs.open(spec, targets, layers)
-        data = frame(FrameKind.SPEC, spec.to_bytes())
-        for rank in self._writer_order if targets is self.writers else self._rank_order:
-            transport = self._ranks[rank].transport
-            if transport is None or transport.is_closing():
-                self._jobs.report(spec.job_id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
-            else:
-                transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
+        self._send(job)
         return job
 
-    async def submit(self, spec: TransferSpec) -> Job:
-        """:meth:`submit_nowait` after waiting for room among the ``max_jobs`` in flight."""
-        while not self._closing and self._jobs.in_flight >= self._jobs.max_jobs:
-            await self._jobs.wait_room()
-        return self.submit_nowait(spec)
+    def _send(self, job: Job) -> None:
+        data = frame(FrameKind.SPEC, job.spec.to_bytes())
+        for rank in self._writer_order if job.spec.direction is Direction.OFFLOAD else self._rank_order:
+            transport = self._ranks[rank].transport
+            if transport is None or transport.is_closing():
+                self._jobs.report(job.id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
+            else:
+                transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
+
+    def _room_freed(self) -> None:
+        # Called by the job table inside its bookkeeping: send from a later callback, never here.
+        if self._queue:
+            self._schedule_pump()
+
+    def _schedule_pump(self) -> None:
+        if self._pump_handle is None and self._queue:
+            self._pump_handle = asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Send held jobs and wake waiting submissions in order while there is room; a woken
+        submission sends its own spec (then pumps again), so nothing overtakes it."""
+        self._pump_handle = None
+        jobs = self._jobs
+        while self._queue and self._granted is None and not self._closing:
+            head = self._queue[0]
+            if head.done():  # withdrawn, or a cancelled submission
+                self._queue.popleft()
+                continue
+            if jobs.in_flight >= jobs.max_jobs:
+                return
+            self._queue.popleft()
+            if isinstance(head, Job):
+                failures = self._missing()
+                if failures:
+                    jobs.fail_held(head, failures)
+                else:
+                    jobs.admit(head)
+                    self._send(head)
+            else:
+                self._granted = head
+                head.set_result(None)
+
+    def _end_waits(self) -> None:
+        """The close's first step: held jobs are withdrawn, waiting submissions woken (withdrawn)."""
+        queue, self._queue = self._queue, collections.deque()
+        for entry in queue:
+            if isinstance(entry, Job):
+                self._jobs.withdraw(entry)
+            elif not entry.done():
+                entry.set_result(None)
 
     @property
     def jobs(self) -> JobTable:
@@ -385,6 +518,7 @@ class RankGroup:
             disconnects=self._disconnects,
             link_errors=self._link_errors,
             jobs=self._jobs.statistics(),
+            waiting=len(self._queue) + (self._granted is not None),
             fenced=self._fenced,
         )
 

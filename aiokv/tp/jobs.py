@@ -38,11 +38,14 @@ class JobOutcome:
     job_id: int
     direction: Direction
     failures: tuple[RankFailure, ...]
+    withdrawn: bool = False
+    """Never sent: withdrawn while it waited for room (by its owner, or the group's close). No
+    rank ran any of it; not a fault (``failures`` is empty)."""
 
     @property
     def ok(self) -> bool:
         """True when no rank failed: the pages (OFFLOAD) or slots (LOAD) hold the right bytes."""
-        return not self.failures
+        return not self.failures and not self.withdrawn
 
 
 class Job:
@@ -110,7 +113,11 @@ class Job:
         self._future.add_done_callback(lambda _: fn(self))
 
     def __repr__(self) -> str:
-        state = ("ok" if self.outcome().ok else "failed") if self.done() else "in flight"
+        if not self.done():
+            state = "pending"
+        else:
+            outcome = self.outcome()
+            state = "ok" if outcome.ok else "withdrawn" if outcome.withdrawn else "failed"
         return f"Job({self.spec!r}, ranks={sorted(self.ranks)}, {state})"
 
 
@@ -129,6 +136,12 @@ class JobStatistics:
     """Reports for no job in flight on that rank (late after a failure, or a confused peer)."""
     layer_reports: int = 0
     """LAYERS reports taken (a rank's layered part growing before its whole part ended)."""
+    held: int = 0
+    """Jobs waiting for room now (:meth:`JobTable.hold`): not sent, not in flight."""
+    queued: int = 0
+    """Jobs held for room so far (sent later, withdrawn, or held now)."""
+    withdrawn: int = 0
+    """Held jobs withdrawn before they were sent (:meth:`JobTable.withdraw`): nothing of them ran."""
 
 
 class _Entry:
@@ -143,13 +156,21 @@ class _Entry:
 
 
 class JobTable:
-    """In-flight jobs and the ranks each still waits for; at most ``max_jobs`` at once."""
+    """In-flight jobs and the ranks each still waits for; at most ``max_jobs`` at once.
 
-    def __init__(self, max_jobs: int) -> None:
+    Jobs beyond that may be held (:meth:`hold`): their futures exist, nothing is sent; the sender
+    moves them in flight with :meth:`admit` as room frees (``on_room`` is called, synchronously,
+    each time a job leaves the table: schedule the sending, never send from inside it) or
+    withdraws them (:meth:`withdraw`).
+    """
+
+    def __init__(self, max_jobs: int, on_room: Callable[[], None] | None = None) -> None:
         if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or max_jobs <= 0:
             raise ValueError(f"max_jobs must be a positive int, got {max_jobs!r}")
         self.max_jobs = max_jobs
+        self._on_room = on_room
         self._jobs: dict[int, _Entry] = {}
+        self._held: dict[int, Job] = {}
         self._by_rank: dict[int, set[int]] = collections.defaultdict(set)
         self._room = asyncio.Event()
         self._room.set()
@@ -161,6 +182,8 @@ class JobTable:
         self._rank_failures: collections.Counter[RankStatus] = collections.Counter()
         self._stray = 0
         self._layer_reports = 0
+        self._withdrawn = 0
+        self._queued = 0
 
     # -- opening --------------------------------------------------------------------------------
 
@@ -168,27 +191,92 @@ class JobTable:
         """Track ``spec`` as sent to ``ranks``; a layered spec with readiness for ``layers`` layers.
 
         Raises ``asyncio.QueueFull`` when ``max_jobs`` are in flight and ``ValueError`` when a job
-        of the same id is in flight, ``ranks`` is empty or ``layers`` does not fit ``spec.layered``.
+        of the same id is in flight or held, ``ranks`` is empty or ``layers`` does not fit ``spec.layered``.
         """
+        targets = self._check(spec, ranks, layers)
+        if len(self._jobs) >= self.max_jobs:
+            raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
+        job = self._new_job(spec, targets, layers)
+        self._submitted += 1
+        self._track(job)
+        return job
+
+    def hold(self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0) -> Job:
+        """A job for ``spec`` that waits for room, to be sent to ``ranks`` later (:meth:`admit`).
+
+        Its futures exist at once (layer futures included); it is not in flight until admitted.
+        Raises ``ValueError`` as :meth:`open` does.
+        """
+        job = self._new_job(spec, self._check(spec, ranks, layers), layers)
+        self._submitted += 1
+        self._queued += 1
+        self._held[spec.job_id] = job
+        return job
+
+    def admit(self, job: Job) -> None:
+        """Move held ``job`` in flight (its spec is being sent now).
+
+        Raises ``asyncio.QueueFull`` when ``max_jobs`` are in flight and ``ValueError`` when ``job``
+        is not held here (admitted, withdrawn, or another table's).
+        """
+        if self._held.get(job.id) is not job:
+            raise ValueError(f"job {job.id} is not held by this table")
+        if len(self._jobs) >= self.max_jobs:
+            raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
+        del self._held[job.id]
+        self._track(job)
+
+    def withdraw(self, job: Job) -> bool:
+        """End held ``job`` unsent: its outcome is ``withdrawn``, its layer futures False. True when
+        it was held; False (nothing changes) once admitted or ended."""
+        if self._held.get(job.id) is not job:
+            return False
+        del self._held[job.id]
+        self._withdrawn += 1
+        self._end_unsent(job, JobOutcome(job.id, job.spec.direction, (), withdrawn=True))
+        return True
+
+    def fail_held(self, job: Job, failures: Iterable[RankFailure]) -> bool:
+        """End held ``job`` unsent as failed (its ranks are missing now): counted as :meth:`failed_job`.
+        False (nothing changes) once admitted or ended."""
+        if self._held.get(job.id) is not job:
+            return False
+        del self._held[job.id]
+        found = tuple(failures)
+        self._failed += 1
+        self._rank_failures.update(f.status for f in found)
+        self._end_unsent(job, JobOutcome(job.id, job.spec.direction, found))
+        return True
+
+    def _check(self, spec: TransferSpec, ranks: Iterable[int], layers: int) -> frozenset[int]:
         targets = frozenset(ranks)
         if not targets:
             raise ValueError("a job needs at least one rank")
-        if spec.job_id in self._jobs:
+        if spec.job_id in self._jobs or spec.job_id in self._held:
             raise ValueError(f"job {spec.job_id} is already in flight")
         if (layers > 0) != spec.layered or layers < 0:
             raise ValueError(f"layers={layers} for a {'layered' if spec.layered else 'whole'} spec")
-        if len(self._jobs) >= self.max_jobs:
-            raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
+        return targets
+
+    @staticmethod
+    def _new_job(spec: TransferSpec, targets: frozenset[int], layers: int) -> Job:
         loop = asyncio.get_running_loop()
-        job = Job(spec, targets, loop.create_future(), tuple(loop.create_future() for _ in range(layers)))
-        self._jobs[spec.job_id] = _Entry(job)
-        for rank in targets:
-            self._by_rank[rank].add(spec.job_id)
-        self._submitted += 1
+        return Job(spec, targets, loop.create_future(), tuple(loop.create_future() for _ in range(layers)))
+
+    def _track(self, job: Job) -> None:
+        self._jobs[job.id] = _Entry(job)
+        for rank in job.ranks:
+            self._by_rank[rank].add(job.id)
         self._idle.clear()
         if len(self._jobs) >= self.max_jobs:
             self._room.clear()
-        return job
+
+    @staticmethod
+    def _end_unsent(job: Job, outcome: JobOutcome) -> None:
+        for layer in job.layer_futures:
+            if not layer.done():
+                layer.set_result(False)
+        job._future.set_result(outcome)
 
     def failed_job(self, spec: TransferSpec, failures: Iterable[RankFailure], layers: int = 0) -> Job:
         """A job that failed before it was sent (ranks missing, group closed): done at once, not tracked."""
@@ -203,6 +291,15 @@ class JobTable:
         self._failed += 1
         self._rank_failures.update(f.status for f in found)
         return Job(spec, frozenset(f.rank for f in found), future, layer_futures)
+
+    def withdrawn_job(self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0) -> Job:
+        """A job withdrawn before it was sent (the close ended its wait for room): done at once,
+        not tracked, counted as withdrawn."""
+        job = self._new_job(spec, frozenset(ranks), layers)
+        self._submitted += 1
+        self._withdrawn += 1
+        self._end_unsent(job, JobOutcome(spec.job_id, spec.direction, (), withdrawn=True))
+        return job
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -293,13 +390,20 @@ class JobTable:
         self._room.set()
         if not self._jobs:
             self._idle.set()
+        if self._on_room is not None:
+            self._on_room()
 
     # -- waiting --------------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        """Jobs not yet resolved."""
+        """Jobs sent and not yet resolved."""
         return len(self._jobs)
+
+    @property
+    def held(self) -> int:
+        """Jobs waiting for room (held, not sent)."""
+        return len(self._held)
 
     async def wait_room(self) -> None:
         """Wait until fewer than ``max_jobs`` jobs are in flight."""
@@ -322,4 +426,7 @@ class JobTable:
             rank_failures=dict(self._rank_failures),
             stray_reports=self._stray,
             layer_reports=self._layer_reports,
+            held=len(self._held),
+            queued=self._queued,
+            withdrawn=self._withdrawn,
         )

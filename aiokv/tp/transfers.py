@@ -4,6 +4,11 @@ Each transfer becomes one spec sent to every rank that takes part (LOAD: all; OF
 Its :class:`aiokv.transfers.Copy` resolves when every such rank reported: None when all succeeded,
 :class:`TransferFailedError` when any failed, was lost or was not attached. The job stays owned by
 the group until every rank is accounted for, whoever still awaits it.
+
+Beyond ``TPConfig.max_jobs`` jobs in flight a spec is held by the group and sent, in launch order,
+as room frees (:meth:`RankGroup.submit_queued`): a large load or offload waits for room instead of
+failing. A held spec is withdrawn when its call is cancelled (:meth:`GroupTransfers.quiesce`) or the
+group closes: nothing of it runs, and its copy raises :class:`~aiokv.transfers.CopyWithdrawn`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiokv.transfers import Copy, failed_copy
+from aiokv.transfers import Copy, CopyWithdrawn, failed_copy
 
 from .group import RankGroup
 from .jobs import Job, JobOutcome
@@ -35,7 +40,8 @@ class GroupTransfers:
 
     def __init__(self, group: RankGroup) -> None:
         self.group = group
-        self._jobs: weakref.WeakKeyDictionary[asyncio.Future[None], int] = weakref.WeakKeyDictionary()
+        # Each copy's job, sent or held (the job drops its reference to the copy's future once done).
+        self._jobs: weakref.WeakKeyDictionary[asyncio.Future[None], Job] = weakref.WeakKeyDictionary()
 
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         return self._submit(Direction.OFFLOAD, page_ids, slots, 0)
@@ -50,15 +56,21 @@ class GroupTransfers:
         return self._submit(Direction.LOAD, page_ids, slots, skip, layered=True)
 
     def job_id(self, copy: Copy) -> int | None:
-        """The job id of a copy this object launched and sent (None: failed before it was sent)."""
-        return self._jobs.get(copy.future)
+        """The job id of a copy this object launched, sent or held for room (None: failed before
+        it was sent). Specs reach the ranks in job-id order, held ones too."""
+        job = self._jobs.get(copy.future)
+        return None if job is None else job.id
 
     def _submit(
         self, direction: Direction, page_ids: list[int], slots: torch.Tensor, skip: int, layered: bool = False
     ) -> Copy:
+        group = self.group
+        if group.closing:  # nothing is sent any more: withdrawn, as a held spec would be
+            return failed_copy(CopyWithdrawn("the rank group is closing: spec not sent"))
         try:
-            job = self.group.submit_nowait(self.group.spec(direction, page_ids, slots, skip, layered))
-        except (asyncio.QueueFull, ValueError) as exc:  # too many jobs in flight: a counted fault
+            # Sent now, or held (in launch order) until the jobs in flight leave room for it.
+            job = group.submit_queued(group.spec(direction, page_ids, slots, skip, layered))
+        except ValueError as exc:  # arguments were validated by the manager: a counted fault
             return failed_copy(exc)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -68,12 +80,14 @@ class GroupTransfers:
             outcome = done.outcome()
             if outcome.ok:
                 future.set_result(None)
+            elif outcome.withdrawn:
+                future.set_exception(CopyWithdrawn(f"job {outcome.job_id} withdrawn before it was sent"))
             else:
                 future.set_exception(TransferFailedError(outcome))
 
         job.add_done_callback(settle)
-        if not job.done():  # sent to the ranks (a job failed before sending is done already)
-            self._jobs[future] = job.id
+        if not job.done():  # sent or held (a job failed before sending is done already)
+            self._jobs[future] = job
         return Copy(future, layer_futures=job.layer_futures)
 
     def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
@@ -82,10 +96,12 @@ class GroupTransfers:
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
         """Wait until every rank finished (or was lost) with each of ``copies``.
 
-        The ranks copy into and out of the engine's buffers in their own processes: a failing or
-        cancelled call returns only when none of its specs still runs anywhere (a dead rank's part
-        ends when the group notices its connection drop).
+        Specs of ``copies`` still held for room are withdrawn first, all at once (none is ever
+        sent). The ranks copy into and out of the engine's buffers in their own processes: a
+        failing or cancelled call returns only when none of its specs still runs anywhere (a dead
+        rank's part ends when the group notices its connection drop).
         """
+        self.group.withdraw([job for c in copies if (job := self._jobs.get(c.future)) is not None])
         pending = {c.future for c in copies if not c.future.done()}
         while pending:
             try:
