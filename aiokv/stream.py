@@ -46,7 +46,8 @@ from aiokv.costs import LoadEstimate
 from aiokv.loadpath import LoadPath, NoPage, Promotion
 from aiokv.pagetable import PageHandle
 from aiokv.results import Match, Tier
-from aiokv.transfers import Copy, CopyWithdrawn
+from aiokv.streamcopies import StreamCopies
+from aiokv.transfers import Copy
 
 READAHEAD_BYTES = 32 << 20
 """Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
@@ -111,7 +112,6 @@ class LoadStream:
         self._claimed = from_token
         self._front = match.tokens  # start of the lowest page launched so far
         self._front_moved: asyncio.Future[None] | None = None  # resolved when it moves (wait_front)
-        self._copies: list[tuple[int, Copy, PageHandle, Tier]] = []
         self._promotions: dict[int, asyncio.Task[Promotion | NoPage]] = {}  # reads in flight, by page
         config = manager.config
         self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
@@ -125,11 +125,10 @@ class LoadStream:
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
         self._finished = False
-        self._launched: list[Copy] | None = None  # _launched_copies(), once the loader is done
-        self._cuda = False  # whether they are CUDA copies (set with _launched)
         # Held for the stream's life: once the cache's close began, _running() raises, but a stream
         # given up or finished during the close must still wait for (or order after) its copies.
         self._transfers = manager.running_transfers()
+        self._copies = StreamCopies(self._transfers, match.pages - 1)
         self._loader = asyncio.create_task(self._run())
 
     # -- the engine's side ----------------------------------------------------------------------
@@ -209,18 +208,7 @@ class LoadStream:
         if self._loader.done() is False:
             raise RuntimeError("wait_layer() before launched(): the set of copies is not fixed yet")
         self._check_layer(layer)
-        copies = self._launched_copies()
-        if self._cuda:
-            # Only the layers not queued yet are awaited: an engine waits on every layer in turn,
-            # and a gather per layer cost more host time than the ordering itself.
-            queued = [c.layer_futures[layer] for c in copies
-                      if c.paced is not None and not c.layer_futures[layer].done()]
-            if queued:
-                await asyncio.shield(asyncio.gather(*queued))
-            return self.order_layer(layer)
-        waits = [c.layer_futures[layer] if c.layer_futures else c.future for c in copies]
-        outcomes = await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
-        return all(out is True or out is None for out in outcomes)
+        return await self._copies.wait_layer(layer)
 
     def order_layer(self, layer: int) -> bool:
         """CUDA: make the engine's current stream wait (on the GPU) for layer ``layer`` of every
@@ -233,21 +221,8 @@ class LoadStream:
         everything that load queued): the layer is not in place, :meth:`finish` reports it.
         """
         self._check_layer(layer)
-        landing = True
-        events = []
-        copies = self._launched_copies() if self._loader.done() else [c for _, c, _, _ in self._unique_copies()]
-        for c in copies:
-            if c.paced is not None:
-                c.paced.wait_issued(layer)
-                landing = landing and c.paced.queued[layer]
-            elif c.event is None and c.future.done() and (c.future.cancelled() or c.future.exception()):
-                landing = False  # failed at launch: nothing of it lands
-            event = c.layer_events[layer] if c.layer_events else c.event
-            if event is not None:
-                events.append(event)
-        if events:
-            self._transfers.order_after(events)
-        return landing
+        copies = self._copies.fix() if self._loader.done() else self._copies.copies()
+        return self._copies.order_layer(layer, copies)
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int):
@@ -256,21 +231,8 @@ class LoadStream:
             raise ValueError(f"layer {layer} outside [0, {self._manager.layout.num_layers})")
 
     def _unique_copies(self) -> list[tuple[int, Copy, PageHandle, Tier]]:
-        seen: set[int] = set()
-        out = []
-        for entry in self._copies:
-            if id(entry[1]) not in seen:
-                seen.add(id(entry[1]))
-                out.append(entry)
-        return out
-
-    def _launched_copies(self) -> list[Copy]:
-        """The distinct copies once the loader is done (the set is fixed from then on), worked out
-        once: the engine asks for them on every layer (``wait_layer``/``order_layer``)."""
-        if self._launched is None:
-            self._launched = [c for _, c, _, _ in self._unique_copies()]
-            self._cuda = any(c.event is not None for c in self._launched)
-        return self._launched
+        """One entry per launched copy: its first page, the copy, a page reference and the tier."""
+        return [(launch.low, launch.copy, launch.handles[0], launch.tier) for launch in self._copies.launches]
 
     async def finish(self) -> StreamResult:
         """Wait until the load reached the claimed front and its copies are in the buffer.
@@ -283,9 +245,7 @@ class LoadStream:
         self._finished = True
         try:
             await asyncio.shield(self._loader)
-            outcomes = await asyncio.shield(
-                asyncio.gather(*(c.future for _, c, _, _ in self._copies), return_exceptions=True)
-            )
+            outcomes = await self._copies.outcomes()
         except BaseException:
             await self._abandon()
             raise
@@ -385,17 +345,15 @@ class LoadStream:
                 self._cut_at = page  # the close began: nothing more is launched (withdrawn, not a fault)
                 break
             if page in self._pool:
-                low = page
-                while low - 1 >= self._first and low - 1 in self._pool and page - low + 1 < group \
-                        and self._start_of(low - 1) >= self._claimed:
-                    low -= 1
+                # The pool pages not launched are [first, page] (launches run from the back): as
+                # many as one launch takes, none the engine claimed into.
+                low = max(page - group + 1, self._first_unclaimed())
                 handles = [self._pool.pop(p) for p in range(low, page + 1)]
                 slots, skip = self._slots_of(low, page)
                 launch = transfers.load_layers if self._layered else transfers.load
                 copy = launch([table.check(h) for h in handles], slots, skip)
                 pool_started = pool_started or time.perf_counter()
-                for offset, handle in enumerate(handles):
-                    self._copies.append((low + offset, copy, handle, Tier.POOL))
+                self._copies.add(low, copy, handles, Tier.POOL)
                 self._advance(self._start_of(low))
                 page = low - 1
                 continue
@@ -427,52 +385,45 @@ class LoadStream:
             slots, skip = self._slots_of(page, page)
             launch = transfers.load_layers if self._layered else transfers.load
             copy = launch([table.check(promoted)], slots, skip)
-            self._copies.append((page, copy, promoted, Tier.DISK))
+            self._copies.add(page, copy, [promoted], Tier.DISK)
             self._advance(self._start_of(page))
             page -= 1
         if self._disk_landed:
             manager.costs.disk.update(self._disk_landed * manager.layout.page_bytes,
                                       time.perf_counter() - self._disk_started)
         if pool_started is not None:
-            pool_copies = [c.future for _, c, _, tier in self._copies if tier is Tier.POOL]
-            self._measured = manager.measure_pool_copies(pool_copies, len(pool_copies), pool_started)
+            pool = [launch for launch in self._copies.launches if launch.tier is Tier.POOL]
+            self._measured = manager.measure_pool_copies([launch.copy.future for launch in pool],
+                                                         sum(len(launch.handles) for launch in pool), pool_started)
+
+    def _first_unclaimed(self) -> int:
+        """The lowest page the engine has not claimed into (``_start_of(page) >= _claimed``)."""
+        if self._claimed <= self.from_token:
+            return self._first
+        return max(self._first, -(-self._claimed // self._t))
 
     # -- settling -------------------------------------------------------------------------------
 
     def _settle(self, outcomes: list[BaseException | None]) -> StreamResult:
         manager = self._manager
         self._measured()  # every copy is done: the pool rate is in before finish() returns
-        # Layer-wise copies did not order the engine's stream at launch: whatever it does next
-        # (reusing the slots included) comes after every copy.
-        unordered = [c.event if c.paced is None else c.paced.end
-                     for _, c, _, _ in self._unique_copies() if c.event is not None and not c.ordered]
-        if unordered:
-            self._transfers.order_after(unordered)
-        failed = {page for (page, _, _, _), out in zip(self._copies, outcomes, strict=True) if out is not None}
-        errors = [out for out in outcomes if out is not None and not isinstance(out, CopyWithdrawn)]
-        if errors:
-            manager.faults.record("copy_failed", f"stream load copy failed: {errors[0]!r}")
-        loaded_from = self.tokens
-        counted = {Tier.POOL: 0, Tier.DISK: 0}
-        expected = self.tokens // self._t - 1
-        for page, _, _, tier in sorted(self._copies, key=lambda c: -c[0]):
-            if page != expected or page in failed:
-                break  # the loaded suffix must be contiguous up to match.tokens
-            loaded_from = self._start_of(page)
-            counted[tier] += 1
-            expected = page - 1
-        manager.release([handle for _, _, handle, _ in self._copies])  # one call: 64 pages, not 64 calls
+        settled = self._copies.settle(outcomes)  # also orders the engine's stream after every copy
+        if settled.first_error is not None:
+            manager.faults.record("copy_failed", f"stream load copy failed: {settled.first_error!r}")
+        # The loaded suffix must be contiguous up to match.tokens.
+        loaded_from = self.tokens if settled.loaded_from is None else self._start_of(settled.loaded_from)
+        manager.release(self._copies.handles())  # one call: 64 pages, not 64 calls
         self._release_rest()
-        manager.count_loaded(counted[Tier.POOL], counted[Tier.DISK])
-        withdrawn = len(failed) - len(errors)
+        manager.count_loaded(settled.pool_pages, settled.disk_pages)
+        withdrawn = settled.withdrawn_pages
         if self._cut_at is not None:
             # Pages the engine had not claimed when the close stopped the loader: not copied.
             withdrawn += sum(1 for p in range(self._first, self._cut_at + 1) if self._start_of(p) >= self._claimed)
         manager.withdraw(withdrawn)
-        if self._failed_at is not None or errors:
+        if self._failed_at is not None or settled.first_error is not None:
             manager.faults.record("load_shortened", "a stream load stopped at a fault; the engine computes the rest")
         return StreamResult(self.tokens, self.from_token, self._claimed, loaded_from,
-                            counted[Tier.POOL], counted[Tier.DISK])
+                            settled.pool_pages, settled.disk_pages)
 
     def _release_rest(self) -> None:
         """Pages never launched go back; promotions still running are adopted (released when done)."""
@@ -495,7 +446,7 @@ class LoadStream:
                 continue
         if not self._loader.cancelled() and self._loader.exception() is not None:
             manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
-        await self._transfers.quiesce([c for _, c, _, _ in self._copies], offload=False)
-        for _, copy, handle, _ in self._copies:
-            manager.release_after(copy.future, [handle])
+        await self._copies.quiesce()
+        for launch in self._copies.launches:
+            manager.release_after(launch.copy.future, launch.handles)
         self._release_rest()

@@ -1,0 +1,162 @@
+"""The copies a :class:`aiokv.stream.LoadStream` launched: layer readiness, settling, giving up.
+
+A stream launches from the back of its match to the front: a group of pool pages in one copy (layer
+by layer, all of them at once) or one promoted disk page. Each launch is recorded once, with its
+page range, its references and its tier, so the engine's per-layer calls, the settling and the
+giving up walk one entry per copy: a 64-page layer-wise load is one entry, not 64 (the engine calls
+``wait_layer``/``order_layer`` once per layer, on the loop or its launching thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiokv.pagetable import PageHandle
+from aiokv.results import Tier
+from aiokv.transfers import Copy, CopyWithdrawn, Transfers
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One copy of pages ``[low, high]`` of the match."""
+
+    low: int
+    high: int
+    copy: Copy
+    handles: list[PageHandle]
+    """References on the copied pool pages: released once the copy is over."""
+    tier: Tier
+    """Where the pages were: the pool, or the disk (read into the pool first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What the launched copies delivered (:meth:`StreamCopies.settle`)."""
+
+    loaded_from: int | None
+    """First page of the loaded suffix (contiguous up to the match's last page); None: none."""
+    pool_pages: int
+    """Pages of that suffix copied from the pool."""
+    disk_pages: int
+    """Pages of that suffix read from disk."""
+    withdrawn_pages: int
+    """Pages whose copy the cache's close withdrew before it ran (not a fault)."""
+    first_error: BaseException | None
+    """What the first failed copy raised (a fault); None when none failed."""
+
+
+class StreamCopies:
+    """The launches of one stream, latest (lowest pages) last; ``last_page`` is the match's."""
+
+    def __init__(self, transfers: Transfers, last_page: int) -> None:
+        self._transfers = transfers
+        self._last_page = last_page
+        self.launches: list[Launch] = []
+        self._fixed: list[Copy] | None = None
+        self._cuda = False
+
+    def add(self, low: int, copy: Copy, handles: list[PageHandle], tier: Tier) -> None:
+        """Record a copy of pages ``[low, low + len(handles))``, launched below every earlier one."""
+        self.launches.append(Launch(low, low + len(handles) - 1, copy, handles, tier))
+
+    def copies(self) -> list[Copy]:
+        """The copies launched so far (one per launch), in launch order."""
+        return self._fixed if self._fixed is not None else [launch.copy for launch in self.launches]
+
+    def fix(self) -> list[Copy]:
+        """The copies once the loader is done (no more launches), worked out once."""
+        if self._fixed is None:
+            self._fixed = [launch.copy for launch in self.launches]
+            self._cuda = any(c.event is not None for c in self._fixed)
+        return self._fixed
+
+    # -- layer readiness -----------------------------------------------------------------------
+
+    async def wait_layer(self, layer: int) -> bool:
+        """:meth:`LoadStream.wait_layer` once the loader is done (``layer`` already checked)."""
+        copies = self.fix()
+        if self._cuda:
+            # Only layers not queued yet are awaited: an engine waits on every layer in turn.
+            queued = [c.layer_futures[layer] for c in copies
+                      if c.paced is not None and not c.layer_futures[layer].done()]
+            if queued:
+                await asyncio.shield(asyncio.gather(*queued))
+            return self.order_layer(layer, copies)
+        waits = [c.layer_futures[layer] if c.layer_futures else c.future for c in copies]
+        if not all(w.done() for w in waits):  # landed ones cost no loop turn
+            await asyncio.shield(asyncio.gather(*waits, return_exceptions=True))
+        return all(_landed(w) for w in waits)
+
+    def order_layer(self, layer: int, copies: list[Copy]) -> bool:
+        """:meth:`LoadStream.order_layer` over ``copies`` (``layer`` already checked)."""
+        landing = True
+        events = []
+        for c in copies:
+            if c.paced is not None:
+                c.paced.wait_issued(layer)
+                landing = landing and c.paced.queued[layer]
+            elif c.event is None and c.future.done() and (c.future.cancelled() or c.future.exception()):
+                landing = False  # failed at launch: nothing of it lands
+            event = c.layer_events[layer] if c.layer_events else c.event
+            if event is not None:
+                events.append(event)
+        if events:
+            self._transfers.order_after(events)
+        return landing
+
+    # -- settling ------------------------------------------------------------------------------
+
+    async def outcomes(self) -> list[BaseException | None]:
+        """Wait (shielded) until every copy is over; what each one raised, None when it delivered."""
+        futures = [launch.copy.future for launch in self.launches]
+        if not futures:
+            return []
+        return await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
+
+    def settle(self, outcomes: list[BaseException | None]) -> Settled:
+        """Every copy is over (``outcomes``, one per launch): order the engine's stream after them
+        all, work out the loaded suffix and give back every copied page's reference."""
+        # Layer-wise copies did not order the engine's stream at launch: whatever it does next
+        # (reusing the slots included) comes after every copy.
+        unordered = [c.event if c.paced is None else c.paced.end
+                     for c in self.copies() if c.event is not None and not c.ordered]
+        if unordered:
+            self._transfers.order_after(unordered)
+        loaded_from: int | None = None
+        counted = {Tier.POOL: 0, Tier.DISK: 0}
+        withdrawn = 0
+        first_error: BaseException | None = None
+        expected = self._last_page
+        contiguous = True
+        # Launches run from the back: the loaded suffix is their prefix up to a gap or a failure.
+        for launch, outcome in zip(self.launches, outcomes, strict=True):
+            if outcome is not None:
+                contiguous = False
+                if isinstance(outcome, CopyWithdrawn):
+                    withdrawn += launch.high - launch.low + 1
+                elif first_error is None:
+                    first_error = outcome
+            elif contiguous and launch.high == expected:
+                loaded_from = launch.low
+                counted[launch.tier] += launch.high - launch.low + 1
+                expected = launch.low - 1
+            else:
+                contiguous = False
+        return Settled(loaded_from, counted[Tier.POOL], counted[Tier.DISK], withdrawn, first_error)
+
+    def handles(self) -> list[PageHandle]:
+        """References held by the launched copies."""
+        return [handle for launch in self.launches for handle in launch.handles]
+
+    async def quiesce(self) -> None:
+        """Return only when no copy still touches the engine's slots (also when cancelled again)."""
+        await self._transfers.quiesce(self.copies(), offload=False)
+
+
+def _landed(done: asyncio.Future[bool] | asyncio.Future[None]) -> bool:
+    """A layer future resolved True (landed; False: given up), or a whole copy's None (delivered)."""
+    if done.cancelled() or done.exception() is not None:
+        return False
+    result = done.result()
+    return result is True or result is None
