@@ -23,7 +23,9 @@ the store's (``staging_pages`` pages): copied from the engine's memory into a st
 Sharing (:class:`Sharing`): a directory that several processes serve (SGLang's MLA pages, the
 same on every TP rank) has one writer, the process that holds the disk tier's directory lock, and
 readers that never take it. A reader's index is rebuilt (the directory rescanned) when a lookup
-misses a page whose file the writer has published since, at most every ``reader_refresh_s``.
+misses a page whose file the writer has published since, at most every ``reader_refresh_s``; the
+files are looked for at most that often too, on one thread the reader keeps for it, through a
+descriptor of the layout directory its tier indexes.
 
 Everything runs on the loop of a :class:`LoopThread`; the methods taking coroutines run there.
 """
@@ -40,9 +42,11 @@ import itertools
 import logging
 import math
 import os
+import queue
 import stat
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -135,7 +139,8 @@ class StoreConfig:
     that is between two tiers, seconds. A writer that waited this long serves read-only."""
     reader_refresh_s: float = 1.0
     """Shared directories: least seconds between two rescans of a reader's index (each one a scan
-    of the directory, in a worker thread), made when a lookup misses a page whose file exists."""
+    of the directory, in a worker thread), made when a lookup misses a page whose file exists, and
+    between two looks for such files (on the reader's one check thread)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -271,18 +276,31 @@ def _open_own_dir(directory: Path) -> int:
         os.close(root_fd)
 
 
-def _open_dirs(directory: Path, layout_dir: Path, guard: bool) -> tuple[int, int | None]:
-    """The store's checked directory descriptor (:func:`_open_own_dir`) and, when ``guard``, a
-    shared lock held through it (:func:`_hold_shared`). Blocking; the caller owns both."""
+def _open_dirs(directory: Path, layout_dir: Path, guard: bool) -> tuple[int, int | None, int | None]:
+    """The store's checked directory descriptor (:func:`_open_own_dir`) and, when ``guard`` (a
+    reader's), a descriptor of the tier's ``layout_dir`` in it (created 0700 as the tier would,
+    ``O_NOFOLLOW``, checked by the tier's own check) and a shared lock held through that
+    (:func:`_hold_shared`); else None twice. Blocking; the caller owns all three. Raises
+    ``UnsafeDirectoryError`` (logged) for a directory that is not safely ours."""
     own_fd = _open_own_dir(directory)
+    if not guard:
+        return own_fd, None, None
     try:
-        return own_fd, _hold_shared(own_fd, layout_dir) if guard else None
+        layout_fd = open_private_subdir(own_fd, layout_dir.name, layout_dir, create=True)
+    except BaseException as exc:
+        os.close(own_fd)
+        if isinstance(exc, UnsafeDirectoryError):
+            log.error("%s", exc.strerror)
+        raise
+    try:
+        return own_fd, layout_fd, _hold_shared(layout_fd, layout_dir)
     except BaseException:
+        os.close(layout_fd)
         os.close(own_fd)
         raise
 
 
-def _close_dirs(opened: tuple[int, int | None]) -> None:
+def _close_dirs(opened: tuple[int, int | None, int | None]) -> None:
     """Close what :func:`_open_dirs` returned to a caller that is gone."""
     for fd in opened:
         if fd is not None:
@@ -345,28 +363,121 @@ def _open_below(dir_fd: int, name: str) -> int | None:
     return fd
 
 
-def _page_file_exists(directory: Path, identity: tuple[int, int] | None, parts: Sequence[str]) -> bool:
-    """Whether a regular file sits at ``parts`` (directories, then the file's name) under the
-    store's directory, reached from a descriptor of that directory (:func:`_open_same_dir`) one
-    component at a time, none followed if it is a symlink. Blocking; looks only."""
-    fd = _open_same_dir(directory, identity)
+def _any_page_file(layout_fd: int, names: Sequence[tuple[str, str]]) -> bool:
+    """Whether a regular file sits at one of ``names`` (``(fan-out directory, file name)``) under the
+    layout directory ``layout_fd``: each fan-out directory is opened once from that descriptor, as
+    a directory of ours without following a symlink (:func:`_open_below`), and the file's name is
+    stat'ed without following one. Blocking; looks only, and stops at the first file found."""
+    fans: dict[str, int | None] = {}
     try:
-        for name in parts[:-1]:
-            if fd is None:
-                return False
-            sub = _open_below(fd, name)
-            os.close(fd)
-            fd = sub
-        if fd is None:
-            return False
-        try:
-            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode)
+        for fan, name in names:
+            if fan not in fans:
+                fans[fan] = _open_below(layout_fd, fan)
+            fan_fd = fans[fan]
+            if fan_fd is None:
+                continue
+            try:
+                st = os.stat(name, dir_fd=fan_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                return True
+        return False
     finally:
-        if fd is not None:
-            os.close(fd)
+        for fan_fd in fans.values():
+            if fan_fd is not None:
+                os.close(fan_fd)
+
+
+class _ReaderCheck:
+    """A reader's staleness checks (:func:`_any_page_file`), run in order on one worker thread of
+    their own that lives as long as the store, over a descriptor of the layout directory its tier
+    indexes (:meth:`adopt`). Nothing is looked up by name above that descriptor, so the store's
+    directory renamed and a symlink put in its place after the tier started redirects nothing.
+
+    The descriptor is the worker's alone: one replaced is closed by the worker after the checks
+    queued before (never while one of them uses it, nor once its number could be reused). Create,
+    and :meth:`join`, on a thread other than the loop's (``Thread.start`` and ``join`` wait)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a job is never queued behind the stop
+        self._stopped = False
+        self._fd: int | None = None  # the worker's: touched only by its jobs
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def adopt(self, layout_fd: int) -> None:
+        """Check in the layout directory ``layout_fd`` from now on; the descriptor is the worker's."""
+        if not self._put(functools.partial(self._replace, layout_fd)):
+            os.close(layout_fd)
+
+    def check(self, names: Sequence[tuple[str, str]]) -> asyncio.Future[bool]:
+        """A future of the running loop: whether a page file sits at one of ``names`` in the layout
+        directory last adopted (False when none was, or once stopped). A cancelled caller's result
+        is dropped."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+
+        def run() -> None:
+            try:
+                found = self._fd is not None and _any_page_file(self._fd, names)
+            except BaseException as exc:  # handed to the awaiting caller
+                _deliver(loop, future, False, exc)
+            else:
+                _deliver(loop, future, found, None)
+
+        if not self._put(run):
+            future.set_result(False)
+        return future
+
+    def stop(self) -> None:
+        """Let the worker end once the jobs queued are done, closing its descriptor. Idempotent;
+        any thread."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._jobs.put(None)
+
+    def join(self) -> None:
+        """:meth:`stop`, then wait for the worker to end (its jobs are a few system calls each)."""
+        self.stop()
+        self._thread.join()
+
+    def _put(self, job: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._stopped:
+                return False
+            self._jobs.put(job)
+            return True
+
+    def _replace(self, layout_fd: int | None) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = layout_fd
+
+    def _work(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                job()
+        finally:
+            self._replace(None)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[bool], found: bool,
+             error: BaseException | None) -> None:
+    """Hand a check's outcome to its loop (a closed loop has nobody waiting: dropped)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, found, error)
+
+
+def _settle(future: asyncio.Future[bool], found: bool, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(found)
 
 
 def _clear_tree(directory: Path, identity: tuple[int, int] | None) -> bool:
@@ -422,31 +533,22 @@ def _clear_below(dir_fd: int, shown: Path, depth: int) -> None:
             log.warning("aiokv store: clear left %s (not a regular file or directory of ours)", shown / name)
 
 
-def _hold_shared(own_fd: int, layout_dir: Path) -> int | None:
-    """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir`` in the
-    store's directory ``own_fd`` (checked: :func:`_open_own_dir`), reached through a checked
-    descriptor of the layout directory (as the tier checks it), created as the tier would (0700,
-    ``.lock`` 0600). None when the writer holds the lock (its exclusive lock excludes ours) or the
+def _hold_shared(layout_fd: int, layout_dir: Path) -> int | None:
+    """A descriptor holding a shared ``flock`` on the lock file of the tier's ``layout_dir``, reached
+    through its checked descriptor ``layout_fd`` (:func:`_open_dirs`), created as the tier would
+    (``.lock`` 0600). None when the writer holds the lock (its exclusive lock excludes ours) or the
     lock file cannot be had (the tier's start says why). Blocking, but never on what a name holds:
     the lock file opens with the tier's flags (``O_NOFOLLOW | O_NONBLOCK``), and only a regular file
-    of ours is locked. Raises ``UnsafeDirectoryError`` (logged) for a directory or lock file that is
-    not safely ours: a symlink, FIFO, socket, device or directory at the lock's name, a file of
-    another owner."""
-    try:
-        dir_fd = open_private_subdir(own_fd, layout_dir.name, layout_dir, create=True)
-    except UnsafeDirectoryError as exc:
-        log.error("%s", exc.strerror)
-        raise
+    of ours is locked. Raises ``UnsafeDirectoryError`` (logged) for a lock file that is not safely
+    ours: a symlink, FIFO, socket, device or directory at the lock's name, a file of another owner."""
     lock = layout_dir / LOCK_NAME
     try:
-        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=layout_fd)
     except OSError as exc:
         error = classify_open_error(exc, str(lock))
         if isinstance(error, UnsafeFileError):
             _refuse(lock, error)
         return None
-    finally:
-        os.close(dir_fd)
     try:
         check_page_fd(fd, str(lock), write=False)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -498,6 +600,7 @@ class PageFileStore:
         self.layout = raw_layout(page_bytes)
         self._layout_dir = PageFiles(self.directory, self.layout).layout_dir
         self._refreshed = -math.inf  # loop time of the reader's last rescan
+        self._checked = -math.inf  # loop time of the reader's last look for a page file it lacks
         self._dir_identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory the tier uses
         self.refreshes = 0
         """Rescans of a reader's index (:attr:`Sharing.READER`)."""
@@ -515,10 +618,14 @@ class PageFileStore:
         self.staged_pages = 0
         """Pages moved through a staging page."""
         self._owns_thread = thread is None
+        # A reader's staleness checks: one worker for the store's life, started here (off the loop).
+        self._check = _ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
         self.thread = thread if thread is not None else open_thread(config, engine)
         try:
             self.thread.run(self._open())
         except BaseException:
+            if self._check is not None:
+                self._check.join()
             if self._owns_thread:
                 self.thread.close()
             raise
@@ -577,40 +684,50 @@ class PageFileStore:
         the lock file is held shared while the tier starts (a reader's). Raises
         ``UnsafeDirectoryError`` (logged; the tier closed again) when, once the tier started, the
         name no longer leads to the directory checked: someone replaced it meanwhile."""
-        own_fd, held = await run_in_new_thread(
+        own_fd, layout_fd, held = await run_in_new_thread(
             functools.partial(_open_dirs, self.directory, self._layout_dir, guard), "aiokv-store-dir", _close_dirs)
         try:
             try:
-                disk = DiskTier(
-                    DiskConfig(
-                        directory=self.directory,
-                        capacity_bytes=self.config.capacity_bytes,
-                        backend=self.config.backend,
-                        direct_io=self.config.direct_io,
-                        queue_depth=self.config.queue_depth,
-                    ),
-                    self.layout,
-                    pool,
-                )
-                await disk.start(directory_fd=own_fd)
+                try:
+                    disk = DiskTier(
+                        DiskConfig(
+                            directory=self.directory,
+                            capacity_bytes=self.config.capacity_bytes,
+                            backend=self.config.backend,
+                            direct_io=self.config.direct_io,
+                            queue_depth=self.config.queue_depth,
+                        ),
+                        self.layout,
+                        pool,
+                    )
+                    await disk.start(directory_fd=own_fd)
+                finally:
+                    if held is not None:
+                        os.close(held)
+                checked = os.fstat(own_fd)  # a descriptor's fstat never blocks
             finally:
-                if held is not None:
-                    os.close(held)
-            checked = os.fstat(own_fd)  # a descriptor's fstat never blocks
-        finally:
-            os.close(own_fd)
-        try:
-            named = await run_in_new_thread(functools.partial(_identity, self.directory), "aiokv-store-dir", _nothing)
+                os.close(own_fd)
+            try:
+                named = await run_in_new_thread(functools.partial(_identity, self.directory), "aiokv-store-dir",
+                                                _nothing)
+            except BaseException:
+                await disk.aclose()
+                raise
+            if named != (checked.st_dev, checked.st_ino):
+                await disk.aclose()
+                message = (f"aiokv store: {self.directory} was replaced (renamed, or a link put in its place) while "
+                           "the store started: refusing to use it (nothing was written outside the directory checked)")
+                log.error("%s", message)
+                raise UnsafeDirectoryError(errno.EPERM, message)
         except BaseException:
-            await disk.aclose()
+            if layout_fd is not None:
+                os.close(layout_fd)
             raise
-        if named != (checked.st_dev, checked.st_ino):
-            await disk.aclose()
-            message = (f"aiokv store: {self.directory} was replaced (renamed, or a link put in its place) while "
-                       "the store started: refusing to use it (nothing was written outside the directory checked)")
-            log.error("%s", message)
-            raise UnsafeDirectoryError(errno.EPERM, message)
         self._dir_identity = named
+        if layout_fd is not None:
+            # A reader's staleness checks look in the layout directory of the tier it serves now.
+            assert self._check is not None  # guard is a reader's
+            self._check.adopt(layout_fd)
         return disk
 
     def key(self, engine_key: bytes) -> PageKey:
@@ -653,19 +770,22 @@ class PageFileStore:
         return found
 
     async def _stale(self, missing: Sequence[PageKey]) -> bool:
-        """Whether a reader's index is due a rescan: one of the ``missing`` keys has a file now."""
-        if self.sharing is not Sharing.READER:
-            return False
-        if asyncio.get_running_loop().time() - self._refreshed < self.config.reader_refresh_s:
-            return False
+        """Whether a reader's index is due a rescan: one of the ``missing`` keys has a file now.
+        Looked for at most every ``reader_refresh_s`` (as rescans are made), on the reader's check
+        worker (:class:`_ReaderCheck`): lookups that keep missing pages nobody published cost no
+        system call in between, and the loop never waits on the directory."""
+        if self._check is None:
+            return False  # not a reader
         files = self._started()[1].files
-        parts = [(self._layout_dir.name, *files.rel(key).split("/")) for key in missing]
-        directory, identity = self.directory, self._dir_identity
-
-        def any_file() -> bool:
-            return any(_page_file_exists(directory, identity, p) for p in parts)
-
-        return await run_in_new_thread(any_file, "aiokv-store-dir", _nothing)
+        now = asyncio.get_running_loop().time()
+        if now - max(self._refreshed, self._checked) < self.config.reader_refresh_s:
+            return False
+        self._checked = now
+        names: list[tuple[str, str]] = []
+        for key in missing:
+            fan, name = files.rel(key).split("/")
+            names.append((fan, name))
+        return await self._check.check(names)
 
     async def _refresh(self) -> None:
         """Rebuild a reader's index: a new tier over the directory replaces the old one, which
@@ -846,6 +966,8 @@ class PageFileStore:
             pass  # the dying thread closed them (finalizer)
         finally:
             self._regions.clear()  # the engine's memory is its own again
+            if self._check is not None:
+                self._check.join()  # its layout directory descriptor closed
             if self._owns_thread:
                 self.thread.close()
 
@@ -861,6 +983,8 @@ class PageFileStore:
             if self._disk is not None:
                 await self._disk.aclose()
         finally:
+            if self._check is not None:
+                self._check.stop()  # also when the loop dies: nobody may join it then
             if self._pool is not None:
                 await self._pool.aclose()
 
