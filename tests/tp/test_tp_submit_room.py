@@ -229,9 +229,15 @@ async def test_a_call_cancelled_while_waiting_for_room_sends_nothing_more(tmp_pa
 
 
 @pytest.mark.asyncio
-async def test_close_withdraws_offload_specs_waiting_for_room_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direction", [
+    "offload",
+    pytest.param("load", marks=pytest.mark.xfail(
+        strict=True, reason="aiokv/loadpath.py counts a copy withdrawn by the close as copy_failed and the load "
+        "as shortened (offloadpath and LoadStream count it withdrawn): not this change's file")),
+])
+async def test_close_withdraws_specs_waiting_for_room_at_once(tmp_path: Path, direction: str) -> None:
     pages = 6
-    tokens, source = _tokens(24000, pages), torch.arange(pages * T)
+    tokens, source, target = _tokens(24000, pages), torch.arange(pages * T), torch.arange(40, 40 + pages * T)
     cache = _cache(tmp_path)
     await cache.start()
     ranks = HeldRanks(Path(cache.address), LAYOUT, 2, seed=34, held=frozenset({1}), config=RANK_CONFIG)
@@ -241,7 +247,14 @@ async def test_close_withdraws_offload_specs_waiting_for_room_at_once(tmp_path: 
         ranks.start_all()
         async with asyncio.timeout(START_S):
             await cache.wait_ranks()
-        call = asyncio.create_task(cache.offload(tokens, source))
+        call: asyncio.Task[Any]
+        if direction == "load":
+            held.release(pages)
+            assert (await cache.offload(tokens, source)).stored == pages
+            await _entered(held, pages)
+            call = asyncio.create_task(cache.load(await cache.match(tokens), target))
+        else:
+            call = asyncio.create_task(cache.offload(tokens, source))
         await _entered(held)
         group = cache.group
         await _until(lambda: group.statistics().waiting == pages - MAX_JOBS, "the specs past max_jobs wait")
@@ -254,11 +267,13 @@ async def test_close_withdraws_offload_specs_waiting_for_room_at_once(tmp_path: 
         async with asyncio.timeout(60):
             result = await call
             await closing
-        assert (result.stored, result.dropped) == (MAX_JOBS, pages - MAX_JOBS)
-        stats = cache.stats()
-        assert stats.pages_withdrawn == pages - MAX_JOBS
-        assert _faults(cache) == {"copy_failed": 0, "load_shortened": 0}
+        if direction == "load":
+            assert result.tokens == MAX_JOBS * T  # the prefix the sent copies loaded
+        else:
+            assert (result.stored, result.dropped) == (MAX_JOBS, pages - MAX_JOBS)
         assert cache.group_statistics().jobs.failed == 0
+        assert _faults(cache) == {"copy_failed": 0, "load_shortened": 0}
+        assert cache.stats().pages_withdrawn == pages - MAX_JOBS
     finally:
         held.release(16)
         if closing is None:
