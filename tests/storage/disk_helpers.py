@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
+import multiprocessing
 import os
+import signal
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +22,14 @@ from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskConfig
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.pagefile import HEADER_BYTES
 
 BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS]
+BIG = KVLayout.mha(4, 4, 128, torch.float16, page_tokens=64)
+"""256 KiB pages: a small ext4 fills fast (the file-system fault tests)."""
+PER_FILE = HEADER_BYTES + BIG.page_bytes
+"""Bytes of one page file of :data:`BIG`."""
 
 
 def small_layout(dtype: torch.dtype = torch.float16) -> KVLayout:
@@ -49,6 +59,36 @@ def fill(pool: PagePool, key: PageKey, seed: int) -> PageHandle:
     held = pool.table.commit(res.handle, keep=True)
     assert held is not None
     return held
+
+
+@contextlib.contextmanager
+def ready_pool(layout: KVLayout, pages: int) -> Iterator[PagePool]:
+    """A prepared pool of ``pages`` pages (no CUDA registration), closed on exit."""
+    pool = PagePool.create(layout, pages * layout.page_bytes, register_cuda=False, workers=1)
+    pool.wait_ready_blocking()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+async def write_page(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torch.Tensor]:
+    """Write page ``key_of(i)`` (seed ``i``) and empty the pool again; returns (written, its payload)."""
+    h = fill(pool, key_of(i), i)
+    data = payload(pool, h)
+    ok = await tier.write(key_of(i), h)
+    pool.table.release(h)
+    pool.table.evict(pool.num_pages)  # a small pool: keep it empty
+    return ok, data
+
+
+async def read_page(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
+    """The payload of page ``key_of(i)`` read back from ``tier``, or None when the read failed."""
+    into = reserve(pool, key_of(i))
+    ok = await tier.read(key_of(i), into)
+    data = payload(pool, into) if ok else None
+    pool.table.abort(into)
+    return data
 
 
 def reserve(pool: PagePool, key: PageKey) -> PageHandle:
@@ -90,14 +130,44 @@ def seed_of(key: PageKey) -> int:
     return int.from_bytes(key[:8], "little") % (2**31)
 
 
+async def write_acked(tier: DiskTier, pool: PagePool, key: PageKey, conn: Any) -> None:
+    """Write ``key``'s page (seed :func:`seed_of`), drop it from the pool and, once the tier
+    acknowledged it, send ``("stored", key)`` to the parent (what a crash child streams)."""
+    h = fill(pool, key, seed_of(key))
+    ok = await tier.write(key, h)
+    pool.table.release(h)
+    pool.table.discard(key)
+    if ok:
+        conn.send(("stored", key))
+
+
+@contextlib.contextmanager
+def sigkilled_child(target: Callable[..., None], *args: object) -> Iterator[Connection]:
+    """Spawn ``target(*args, conn)`` (a writer process) and yield the receiving end of its pipe. On
+    exit SIGKILL it (writes in flight: temporary files may stay behind), reap it and remove the
+    shared memory its pool never unlinks; then check that the kill ended it, not a fault of its own."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        yield parent
+    finally:
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        parent.close()
+        for path in glob.glob(f"/dev/shm/aiokv-{proc.pid}-*"):  # a SIGKILLed pool never unlinks it
+            os.unlink(path)
+    assert proc.exitcode == -signal.SIGKILL
+
+
 def crash_child(directory: str, backend: str, capacity_files: int, conn: Any) -> None:
     """Stream page writes forever (4 in flight), reporting each acknowledged key; killed by the parent.
 
     With a budget of ``capacity_files`` files most writes recycle an evicted file, so kills land in
     the middle of overwrites too."""
-    import asyncio
-
-    from aiokv.storage import DiskTier
 
     async def main() -> None:
         layout = small_layout()
@@ -106,20 +176,9 @@ def crash_child(directory: str, backend: str, capacity_files: int, conn: Any) ->
         capacity = capacity_files * (layout.page_bytes + 4096)
         async with DiskTier(config(Path(directory), DiskBackend(backend), capacity), layout, pool) as tier:
             conn.send(("ready", tier.statistics().temp_files_removed))
-            i = 0
-
-            async def one(key: PageKey) -> None:
-                h = fill(pool, key, seed_of(key))
-                ok = await tier.write(key, h)
-                pool.table.release(h)
-                pool.table.discard(key)
-                if ok:
-                    conn.send(("stored", key))
-
             while True:
                 keys = [os.urandom(16) for _ in range(4)]
-                await asyncio.gather(*(one(k) for k in keys))
-                i += 4
+                await asyncio.gather(*(write_acked(tier, pool, k, conn) for k in keys))
 
     asyncio.run(main())
 
@@ -128,9 +187,6 @@ def holder_child(directory: str, backend: str, capacity_files: int, count: int, 
     """Hold a tier on ``directory`` (another engine process): write ``count`` pages (key_of(i, 7),
     seed i), report ``("ready", read_only)``; then on ``("write", n)`` write ``n`` more pages and
     report ``"written"``, until told ``"close"``."""
-    import asyncio
-
-    from aiokv.storage import DiskTier
 
     async def main() -> None:
         layout = small_layout()

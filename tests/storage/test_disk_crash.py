@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import glob
-import multiprocessing
-import os
 import random
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from disk_helpers import (
     payload,
     reserve,
     seed_of,
+    sigkilled_child,
     temp_files,
 )
 
@@ -33,31 +30,15 @@ from aiokv.storage import DiskTier
 ROUNDS = 21
 
 
-def _remove_child_segments(pid: int) -> None:
-    # A SIGKILLed pool never unlinks its shared memory.
-    for path in glob.glob(f"/dev/shm/aiokv-{pid}-*"):
-        os.unlink(path)
-
-
 def _round(directory: Path, backend: str, capacity_files: int, acks: int) -> tuple[set[PageKey], int]:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=crash_child, args=(str(directory), backend, capacity_files, child), daemon=True)
-    proc.start()
-    child.close()
     acked: set[PageKey] = set()
-    try:
-        kind, removed = parent.recv()
+    # Killed with writes in flight: up to 4 temp files left behind.
+    with sigkilled_child(crash_child, str(directory), backend, capacity_files) as conn:
+        kind, removed = conn.recv()
         assert kind == "ready"
         while len(acked) < acks:
-            kind, key = parent.recv()
+            kind, key = conn.recv()
             acked.add(key)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)  # with writes in flight: up to 4 temp files left behind
-        proc.join()
-        parent.close()
-        _remove_child_segments(proc.pid)
-    assert proc.exitcode == -signal.SIGKILL
     return acked, removed
 
 

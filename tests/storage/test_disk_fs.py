@@ -9,7 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, reserve, temp_files
+from disk_helpers import (
+    BIG,
+    PER_FILE,
+    assert_clean,
+    config,
+    fill,
+    key_of,
+    page_files,
+    payload,
+    read_page,
+    ready_pool,
+    reserve,
+    temp_files,
+    write_page,
+)
 from fs_helpers import eio_directory, fill_up, loop_ext4, remount, use_up_inodes
 
 from aiokv.layout import KVLayout
@@ -17,35 +31,11 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind, ReadOnly
 from aiokv.storage.pagefile import HEADER_BYTES
 
-BIG = KVLayout.mha(4, 4, 128, torch.float16, page_tokens=64)  # 256 KiB pages: a small ext4 fills fast
-PER_FILE = HEADER_BYTES + BIG.page_bytes
-
 
 @pytest.fixture
 def big_pool() -> Iterator[PagePool]:
-    pool = PagePool.create(BIG, 8 * BIG.page_bytes, register_cuda=False, workers=1)
-    pool.wait_ready_blocking()
-    try:
+    with ready_pool(BIG, 8) as pool:
         yield pool
-    finally:
-        pool.close()
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torch.Tensor]:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    ok = await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.evict(pool.num_pages)  # the pool holds 8 pages: keep it empty
-    return ok, data
-
-
-async def _read(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
-    into = reserve(pool, key_of(i))
-    ok = await tier.read(key_of(i), into)
-    data = payload(pool, into) if ok else None
-    pool.table.abort(into)
-    return data
 
 
 def _exists(path: str) -> bool:
@@ -76,13 +66,13 @@ async def test_full_file_system_keeps_taking_new_pages(tmp_path: Path, backend: 
         stored: dict[int, torch.Tensor] = {}
         async with DiskTier(cfg, BIG, big_pool) as tier:
             for i in range(10):
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok
             # Another program fills the disk, leaving less than one page file: a buffered write
             # there is short (counted as ENOSPC, not EIO), a direct one fails outright.
             fill_up(mount / "ballast", leave=PER_FILE // 2)
             for i in range(10, 40):
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok, f"page {i} did not reach the full disk"
             stats = tier.statistics()
             assert stats.errors[ErrorKind.ENOSPC] >= 1
@@ -91,16 +81,16 @@ async def test_full_file_system_keeps_taking_new_pages(tmp_path: Path, backend: 
             assert stats.effective_capacity_bytes < 12 * PER_FILE
             assert not tier.contains(key_of(0))
             for i in (38, 39):
-                got = await _read(tier, big_pool, i)
+                got = await read_page(tier, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
         async with DiskTier(cfg, BIG, big_pool) as again:  # a restart over the full disk
             assert again.statistics().effective_capacity_bytes <= again.statistics().bytes_stored
             for i in range(40, 50):
-                ok, stored[i] = await _write(again, big_pool, i)
+                ok, stored[i] = await write_page(again, big_pool, i)
                 assert ok, f"page {i} did not reach the full disk after a restart"
             for i in (48, 49):
-                got = await _read(again, big_pool, i)
+                got = await read_page(again, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
             pages = again.statistics().pages
@@ -123,27 +113,27 @@ async def test_read_only_file_system_serves_its_pages(tmp_path: Path, backend: D
         stored: dict[int, torch.Tensor] = {}
         async with DiskTier(cfg, BIG, big_pool) as tier:
             for i in range(6):
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok
             remount(mount, "ro")  # under a running tier: the next write meets EROFS
-            ok, _ = await _write(tier, big_pool, 6)
+            ok, _ = await write_page(tier, big_pool, 6)
             assert not ok
             assert tier.read_only is ReadOnly.FILE_SYSTEM
-            ok, _ = await _write(tier, big_pool, 7)  # refused without touching the disk
+            ok, _ = await write_page(tier, big_pool, 7)  # refused without touching the disk
             assert not ok
             stats = tier.statistics()
             assert (stats.errors[ErrorKind.EPERM], stats.writes_refused, stats.pages) == (1, 1, 6)
-            got = await _read(tier, big_pool, 0)
+            got = await read_page(tier, big_pool, 0)
             assert got is not None
             assert torch.equal(got, stored[0])
         async with DiskTier(cfg, BIG, big_pool) as again:  # a start on the read-only mount
             stats = again.statistics()
             assert (stats.read_only, stats.pages) == (ReadOnly.FILE_SYSTEM, 6)
             for i in range(6):
-                got = await _read(again, big_pool, i)
+                got = await read_page(again, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
-            ok, _ = await _write(again, big_pool, 8)
+            ok, _ = await write_page(again, big_pool, 8)
             assert not ok
             assert again.statistics().writes_refused == 1
             assert sum(again.statistics().errors.values()) == 0
@@ -153,7 +143,7 @@ async def test_read_only_file_system_serves_its_pages(tmp_path: Path, backend: D
         _flip(path, HEADER_BYTES + 100)
         remount(mount, "ro")
         async with DiskTier(cfg, BIG, big_pool) as third:
-            assert await _read(third, big_pool, 3) is None
+            assert await read_page(third, big_pool, 3) is None
             assert (third.statistics().corrupt, third.contains(key_of(3))) == (1, False)
         assert _exists(path)
     assert_clean(big_pool)
@@ -186,7 +176,7 @@ async def test_no_free_inode_still_starts_serves_and_recycles(tmp_path: Path, ba
         stored: dict[int, torch.Tensor] = {}
         async with DiskTier(cfg, BIG, big_pool) as tier:
             for i in range(40):  # more pages than inodes: the inode count limits the tier
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok
             kept = [i for i in stored if tier.contains(key_of(i))]
             assert 5 < len(kept) < 40
@@ -196,11 +186,11 @@ async def test_no_free_inode_still_starts_serves_and_recycles(tmp_path: Path, ba
             assert again.read_only is None
             assert again.statistics().pages == len(kept)
             for i in kept:
-                got = await _read(again, big_pool, i)
+                got = await read_page(again, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
             for i in range(40, 45):  # new pages overwrite old files: no inode needed
-                ok, _ = await _write(again, big_pool, i)
+                ok, _ = await write_page(again, big_pool, i)
                 assert ok
             assert again.statistics().recycled >= 5
     assert_clean(big_pool)

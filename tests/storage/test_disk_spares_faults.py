@@ -4,9 +4,7 @@ remount, and a writer SIGKILLed with spares on disk (the restart removes them, n
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,16 +13,22 @@ import pytest
 import torch
 from disk_helpers import (
     BACKENDS,
+    BIG,
+    PER_FILE,
     assert_clean,
     config,
     fill,
-    key_of,
     page_files,
     payload,
+    read_page,
+    ready_pool,
     reserve,
     seed_of,
+    sigkilled_child,
     small_layout,
     temp_files,
+    write_acked,
+    write_page,
 )
 from fs_helpers import fill_up, loop_ext4, remount
 
@@ -32,11 +36,7 @@ from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind, ReadOnly
-from aiokv.storage.pagefile import HEADER_BYTES
 from aiokv.storage.spares import SPARE_PREFIX
-
-BIG = KVLayout.mha(4, 4, 128, torch.float16, page_tokens=64)  # 256 KiB pages: a small ext4 fills fast
-PER_FILE = HEADER_BYTES + BIG.page_bytes
 
 
 def spare_files(directory: Path) -> list[Path]:
@@ -51,29 +51,8 @@ async def stock_landed(tier: DiskTier) -> None:
 
 @pytest.fixture
 def big_pool() -> Iterator[PagePool]:
-    pool = PagePool.create(BIG, 8 * BIG.page_bytes, register_cuda=False, workers=1)
-    pool.wait_ready_blocking()
-    try:
+    with ready_pool(BIG, 8) as pool:
         yield pool
-    finally:
-        pool.close()
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torch.Tensor]:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    ok = await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.evict(pool.num_pages)
-    return ok, data
-
-
-async def _read(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
-    into = reserve(pool, key_of(i))
-    ok = await tier.read(key_of(i), into)
-    data = payload(pool, into) if ok else None
-    pool.table.abort(into)
-    return data
 
 
 @pytest.mark.root
@@ -90,7 +69,7 @@ async def test_full_file_system_stops_the_spares_and_writes_go_on(tmp_path: Path
             # allocated already, the next batch's fallocate fails.
             fill_up(mount / "ballast", leave=PER_FILE // 2)
             for i in range(12):
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok, f"page {i} did not reach the full disk"
             await stock_landed(tier)
             spares, stats = tier.spare_statistics(), tier.statistics()
@@ -103,7 +82,7 @@ async def test_full_file_system_stops_the_spares_and_writes_go_on(tmp_path: Path
             assert stats.bytes_stored == stats.pages * PER_FILE == tier._index.used
             assert spare_files(mount / "disk") == []  # the failed spare did not stay
             for i in (10, 11):
-                got = await _read(tier, big_pool, i)
+                got = await read_page(tier, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
             pages = stats.pages
@@ -122,17 +101,17 @@ async def test_read_only_file_system_leaves_spares_to_the_next_writable_start(
         async with DiskTier(cfg, BIG, big_pool, spare_files=4) as tier:
             await stock_landed(tier)
             for i in range(2):
-                ok, stored[i] = await _write(tier, big_pool, i)
+                ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok
             await stock_landed(tier)
             assert tier.spare_statistics().stock == 4
             remount(mount, "ro")
-            ok, _ = await _write(tier, big_pool, 2)  # takes a spare: its open for writing says EROFS
+            ok, _ = await write_page(tier, big_pool, 2)  # takes a spare: its open for writing says EROFS
             assert not ok
             assert tier.read_only is ReadOnly.FILE_SYSTEM
             assert tier.spare_statistics().not_taken == 1
             assert tier.statistics().errors[ErrorKind.EPERM] == 1  # EROFS
-            got = await _read(tier, big_pool, 1)  # still serves
+            got = await read_page(tier, big_pool, 1)  # still serves
             assert got is not None
             assert torch.equal(got, stored[1])
         assert len(spare_files(mount / "disk")) == 4  # nothing can be removed there
@@ -147,7 +126,7 @@ async def test_read_only_file_system_leaves_spares_to_the_next_writable_start(
             assert writable.statistics().pages == 2  # never indexed as pages
             assert spare_files(mount / "disk") == []
             for i in (0, 1):
-                got = await _read(writable, big_pool, i)
+                got = await read_page(writable, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
     assert_clean(big_pool)
@@ -162,17 +141,8 @@ def spare_child(directory: str, backend: str, idle: bool, conn: Any) -> None:
         pool = PagePool.create(layout, 16 * layout.page_bytes, register_cuda=False, workers=1)
         pool.wait_ready_blocking()
         async with DiskTier(config(Path(directory), DiskBackend(backend)), layout, pool, spare_files=8) as tier:
-
-            async def one(key: PageKey) -> None:
-                h = fill(pool, key, seed_of(key))
-                ok = await tier.write(key, h)
-                pool.table.release(h)
-                pool.table.discard(key)
-                if ok:
-                    conn.send(("stored", key))
-
             for n in range(1 << 30):
-                await asyncio.gather(*(one(os.urandom(16)) for _ in range(4)))
+                await asyncio.gather(*(write_acked(tier, pool, os.urandom(16), conn) for _ in range(4)))
                 if idle and n == 1:
                     await stock_landed(tier)
                     conn.send(("idle", tier.spare_statistics().stock))
@@ -182,30 +152,17 @@ def spare_child(directory: str, backend: str, idle: bool, conn: Any) -> None:
 
 
 def _round(directory: Path, backend: str, idle: bool, acks: int) -> tuple[set[PageKey], int]:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=spare_child, args=(str(directory), backend, idle, child), daemon=True)
-    proc.start()
-    child.close()
     acked: set[PageKey] = set()
     stock = -1
-    try:
+    with sigkilled_child(spare_child, str(directory), backend, idle) as conn:
         while True:
-            kind, value = parent.recv()
+            kind, value = conn.recv()
             if kind == "idle":
                 stock = value
                 break
             acked.add(value)
             if not idle and len(acked) >= acks:
                 break
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
-        parent.close()
-        for name in os.listdir("/dev/shm"):  # a SIGKILLed pool never unlinks its shared memory
-            if name.startswith(f"aiokv-{proc.pid}-"):
-                os.unlink(f"/dev/shm/{name}")
-    assert proc.exitcode == -signal.SIGKILL
     return acked, stock
 
 
