@@ -12,15 +12,27 @@ for the parent's :class:`GPUTarget` through the JIT's own ``warmup`` with stand-
 Triton specializes exactly as the key says (checked, key by key), so the JIT computes the same
 cache key the parent's launch will. It reports ``ok <i>`` or ``fail <i> <why>`` per key, in order.
 
+*A restart with a warm cache starts no child.* Starting one costs 1.7-2.9 s (an interpreter importing
+Triton) before the first launch, also when Triton's cache holds every variant already. So the child
+lists each variant it compiled (or found) in a small file of its own under :data:`ENTRIES_DIR` in
+Triton's cache directory: the launch key, the :func:`fingerprint` of what else decides Triton's cache
+key (Triton's version and install, the target, ``_jit.py``'s source, Triton's environment), and the
+files of Triton's entry. :func:`cached_variants` reads them back (a few syscalls per variant, no
+compile, no Triton call) and the warm-up starts a child for the other variants only. A listing
+decides nothing about a launch: Triton still looks its entry up itself, so a stale one costs at worst
+a compile in the process (:func:`stale_entries` finds those afterwards: counted, and removed).
+
 Run as a script (``python precompile.py``, a request as JSON on stdin) it is the child.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import select
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +50,13 @@ STALL_S = 120.0
 _POLL_S = 0.05
 """How often a wait for the child looks at the caller's stop event."""
 
+ENTRIES_DIR = "aiokv-variants"
+"""Folder in Triton's cache directory where the child lists the variants it left there, a file each."""
+
+_ENTRY_FORMAT = 1
+_ENTRY_MAX_BYTES = 1 << 20
+"""A listing, or a group or metadata file of Triton's, larger than this is not one (read no further)."""
+
 
 class Precompile:
     """A child process compiling ``keys`` for ``target`` (a Triton ``GPUTarget``) into ``cache_dir``.
@@ -48,7 +67,9 @@ class Precompile:
     is in :attr:`failures`. The caller compiles what is missing itself, as without a child.
     """
 
-    def __init__(self, keys: Sequence[LaunchKey], target: Any, cache_dir: str) -> None:
+    def __init__(self, keys: Sequence[LaunchKey], target: Any, cache_dir: str,
+                 listing: dict[str, object] | None = None) -> None:
+        """``listing``: the parent's :func:`fingerprint`; the child then lists what it compiled."""
         from . import _jit
 
         self.keys = list(keys)
@@ -68,6 +89,7 @@ class Precompile:
             "jit_module": _jit.__name__,
             "sys_path": [p for p in sys.path if p],
             "keys": self.keys,  # tuples as JSON arrays: the child turns them back
+            "listing": listing,
         }
         env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
         env.pop("TRITON_INTERPRET", None)
@@ -170,6 +192,178 @@ class Precompile:
         self.close()
 
 
+# -- the listing of variants in Triton's cache -------------------------------------------------------
+
+
+def fingerprint(target: Any) -> dict[str, object]:
+    """What decides, besides a launch key, which entry of Triton's cache a launch of it loads: Triton's
+    version and install (its library's size and mtime: a reinstall changes them), the target
+    (``GPUTarget``), the kernels' source, Triton's environment (``TRITON_*`` but the cache directory,
+    and the variables Triton says invalidate its cache). JSON values only. Knobs a process sets in code
+    are not in it: :func:`stale_entries` finds what they change. Raises what an unexpected Triton raises."""
+    import triton
+    from triton._C import libtriton
+
+    from . import _jit
+
+    with open(_jit.__file__, "rb") as source:
+        digest = hashlib.sha256(source.read()).hexdigest()
+    library = os.stat(libtriton.__file__)
+    env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR"}
+    env.update(libtriton.get_cache_invalidating_env_vars())
+    return {
+        "format": _ENTRY_FORMAT,
+        "triton": str(triton.__version__),
+        "install": [library.st_size, library.st_mtime_ns],
+        "target": [str(target.backend), int(target.arch), int(target.warp_size)],
+        "source": digest,
+        "env": sorted([str(k), str(v)] for k, v in env.items()),
+    }
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _entry_path(cache_dir: str, listing: object, key: object) -> str:
+    name = hashlib.sha256(_canonical([listing, key]).encode()).hexdigest()[:40]
+    return os.path.join(cache_dir, ENTRIES_DIR, f"{name}.json")
+
+
+def _plain_name(name: object) -> bool:
+    """A file name within one folder (no separator, not ``.``/``..``): a listing names nothing elsewhere."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _read_small(path: str) -> bytes | None:
+    """A regular file's bytes, or None (absent, too large, or not a regular file: a symlink is not
+    followed and a FIFO or device never blocks, it is opened non-blocking and fstat'ed first)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _ENTRY_MAX_BYTES:
+            return None
+        return os.read(fd, _ENTRY_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _is_file(path: object) -> bool:
+    """A non-empty regular file."""
+    try:
+        info = os.stat(path) if isinstance(path, str) else None
+    except (OSError, ValueError):
+        return False
+    return info is not None and stat.S_ISREG(info.st_mode) and info.st_size > 0
+
+
+def _whole_group(group_file: str) -> dict[str, str] | None:
+    """The files of a Triton cache entry (name -> path, from its group file) when the entry is whole:
+    the group file reads as Triton writes it, each file it names is a non-empty regular file, and the
+    metadata (``.json``) is a JSON object. None otherwise: a launch would compile it, or fail on it."""
+    raw = _read_small(group_file)
+    if raw is None:
+        return None
+    try:
+        paths = json.loads(raw)["child_paths"]
+        if not isinstance(paths, dict) or not paths:
+            return None
+        for name, path in paths.items():
+            if not (isinstance(name, str) and _is_file(path)):
+                return None
+            if name.endswith(".json"):
+                metadata = _read_small(path)
+                if metadata is None or not isinstance(json.loads(metadata), dict):
+                    return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return dict(paths)
+
+
+def listed_variant(cache_dir: str, listing: dict[str, object], key: LaunchKey) -> str | None:
+    """The hash of Triton's entry for ``key`` when a child listed it under this fingerprint and the
+    entry is whole (:func:`_whole_group`, naming exactly the listed files: a cache hit for Triton);
+    None otherwise (no listing, another fingerprint or key in it, a malformed one, Triton's entry
+    partial or torn). Reads three small files, stats a few; never raises."""
+    raw = _read_small(_entry_path(cache_dir, listing, key))
+    if raw is None:
+        return None
+    try:
+        entry = json.loads(raw)
+        if _canonical(entry["fingerprint"]) != _canonical(listing) or _canonical(entry["key"]) != _canonical(key):
+            return None
+        triton_hash, folder, files = entry["hash"], entry["dir"], entry["files"]
+        if not (isinstance(triton_hash, str) and _plain_name(folder) and isinstance(files, list)
+                and all(_plain_name(f) for f in files)):
+            return None
+        metadata = [f for f in files if f.endswith(".json")]
+        if len(metadata) != 1:
+            return None
+        paths = _whole_group(os.path.join(cache_dir, folder, f"__grp__{metadata[0]}"))
+        if paths is None or sorted(paths) != sorted(files):
+            return None
+    except (ValueError, KeyError, TypeError):  # not JSON, or not the JSON a child writes
+        return None
+    return triton_hash
+
+
+def stale_entries(listed: dict[LaunchKey, str], device: int | None = None) -> list[LaunchKey] | None:
+    """Of the variants launched because they were listed (``listed``: key -> the entry's hash), those
+    whose launch in this process did not load that entry: this process keys them otherwise (a knob
+    set in code, another ptxas), so it compiled them itself. ``device``: only the kernels the JIT holds
+    for that device index. None: this Triton holds its kernels otherwise (nothing can be told)."""
+    from . import _jit
+
+    loaded: set[object] = set()
+    try:
+        for function in (_jit.gather_kernel, _jit.scatter_kernel):
+            caches = dict(function.device_caches)
+            for index, kept in caches.items():
+                if device is None or index == device:
+                    loaded.update(getattr(kernel, "hash", None) for kernel in list(kept[0].values()))
+    except (AttributeError, TypeError, LookupError, RuntimeError):
+        return None
+    return [key for key, triton_hash in listed.items() if triton_hash not in loaded]
+
+
+def forget(cache_dir: str, listing: dict[str, object], keys: Sequence[LaunchKey]) -> None:
+    """Remove the listings of ``keys`` (stale: the next start compiles them in a child again)."""
+    for key in keys:
+        with contextlib.suppress(OSError):
+            os.unlink(_entry_path(cache_dir, listing, key))
+
+
+def _list(cache_dir: str, listing: object, key: object, kernel: Any) -> None:
+    """The child: list ``key``'s entry (``kernel``: what the JIT's warmup returned, Triton's
+    ``CompiledKernel``). Nothing is listed when it is not what it looks like or cannot be written
+    (the variant is then compiled in a child again next time)."""
+    group, triton_hash = getattr(kernel, "metadata_group", None), getattr(kernel, "hash", None)
+    if not isinstance(group, dict) or not group or not isinstance(triton_hash, str):
+        return
+    folders = {os.path.dirname(str(path)) for path in group.values()}
+    if len(folders) != 1:
+        return
+    folder = folders.pop()
+    if os.path.realpath(os.path.dirname(folder)) != os.path.realpath(cache_dir):
+        return  # not an entry of this cache directory
+    entry = {"fingerprint": listing, "key": key, "hash": triton_hash, "dir": os.path.basename(folder),
+             "files": sorted(os.path.basename(str(path)) for path in group.values())}
+    path = _entry_path(cache_dir, listing, key)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "w") as out:
+            json.dump(entry, out)
+        os.replace(temporary, path)  # whole or absent: a reader never sees half of it
+    with contextlib.suppress(OSError):
+        os.unlink(temporary)
+
+
 # -- the child ------------------------------------------------------------------------------------
 
 
@@ -214,6 +408,20 @@ def _stand_in(spec: tuple[object, ...], specialize: Any, dtypes: dict[str, Any])
     raise ValueError(f"no stand-in argument is specialized as {spec}")
 
 
+def _whole_entries() -> type:
+    """The child's cache manager: Triton's file cache, but an entry whose group file is torn, names a
+    file that is gone or empty, or whose metadata is not JSON is a miss. Triton 3.6 returns such a group
+    (dropping the missing files) or raises on it, and its launch then fails (``KeyError: 'cubin'``) in
+    every process; a miss here compiles the variant again and rewrites the entry (atomically): repaired."""
+    from triton.runtime.cache import FileCacheManager
+
+    class WholeEntries(FileCacheManager):  # type: ignore[misc]
+        def get_group(self, filename: str) -> dict[str, str] | None:
+            return _whole_group(os.path.join(self.cache_dir, f"__grp__{filename}"))
+
+    return WholeEntries
+
+
 def _freeze(value: object) -> object:
     return tuple(_freeze(v) for v in value) if isinstance(value, list) else value
 
@@ -224,12 +432,15 @@ def _child_main() -> None:
     import importlib.util
 
     import triton.language as tl
+    from triton import knobs
     from triton._C.libtriton import native_specialize_impl
     from triton._utils import canonicalize_dtype
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.runtime import driver
 
     driver.set_active(_TargetOnly(GPUTarget(*request["target"])))
+    if knobs.cache.manager_class is None:  # Triton's file cache (not one the user configured)
+        knobs.cache.manager_class = _whole_entries()
     spec = importlib.util.spec_from_file_location(request["jit_module"], request["jit_file"])
     assert spec is not None and spec.loader is not None
     jit = importlib.util.module_from_spec(spec)
@@ -244,11 +455,15 @@ def _child_main() -> None:
     def specialize(arg: object) -> object:
         return tuple(native_specialize_impl(BaseBackend, arg, False, True, True))
 
-    for index, (name, specs, constexprs) in enumerate(request["keys"]):
+    listing, cache_dir = request.get("listing"), os.environ["TRITON_CACHE_DIR"]
+    for index, key in enumerate(request["keys"]):
+        name, specs, constexprs = key
         try:
             kernel = getattr(jit, f"{name}_kernel")
             args = [_stand_in(_freeze(s), specialize, dtypes) for s in specs]  # type: ignore[arg-type]
-            kernel.warmup(*args, grid=(1,), **dict(constexprs))
+            compiled = kernel.warmup(*args, grid=(1,), **dict(constexprs))
+            if listing is not None:
+                _list(cache_dir, listing, key, compiled)
             line = f"ok {index}"
         except Exception as exc:  # reported; the parent compiles this one itself
             line = f"fail {index} {type(exc).__name__}: {exc}".replace("\n", " ")[:1000]

@@ -20,7 +20,11 @@ event loop. :func:`warm_up` does that work beforehand, on the thread that calls 
    :meth:`CopyPlan.variant_signature` (a bounded table): a second cache does not enumerate again.
 2. *Compile apart* (CUDA): a helper process compiles the variants not yet loaded in this process
    into Triton's disk cache (:mod:`aiokv.kernels.precompile`): Triton's compile holds the GIL for
-   ~20 ms stretches, which stalled the event loop while the warm-up compiled on its thread.
+   ~20 ms stretches, which stalled the event loop while the warm-up compiled on its thread. Variants
+   an earlier helper listed there, under the same fingerprint and with Triton's entry whole, are left
+   out: a restart with a warm cache starts no helper (its start-up took 1.7-2.9 s before the first
+   launch). A listed variant whose launch here compiled after all is counted (``precompile_error``)
+   and its listing removed.
 3. *Launch* each variant not yet loaded in this process once, on the twins' scratch and a stream
    of its own (copies may run meanwhile), as soon as the helper has it: Triton then loads the
    binary from its disk cache (~2 ms of Python each) instead of compiling. A variant the helper
@@ -82,6 +86,8 @@ class WarmUp:
     """Variants a helper process compiled into Triton's disk cache before their launch here."""
     precompile_error: str | None = None
     """Why the helper process did not compile every variant (None: it did, or none was needed)."""
+    cached: int = 0
+    """Variants an earlier helper had left in Triton's disk cache (listed there): launched without a helper."""
 
 
 class _Stopped(Exception):
@@ -372,10 +378,16 @@ class _Launches:
             loaded = set(_loaded.get(str(self.device), ())) if self.compiled else set()
         self.launches = TwinLaunches(done=loaded)
         self.pending = [key for key in self.variants.keys if key not in loaded]
+        self.pending_set = set(self.pending)
         self.skipped = len(self.variants.keys) - len(self.pending)
         self.want_precompile = precompile and self.compiled and bool(self.pending)
         self.child: Precompile | None = None
-        self.child_index = {key: i for i, key in enumerate(self.pending)}
+        self.child_index: dict[LaunchKey, int] = {}
+        """The variants the helper compiles: their index in its keys."""
+        self.listed: dict[LaunchKey, str] = {}
+        """The variants found listed in Triton's cache: the hash of their entry there."""
+        self.listing: tuple[str, dict[str, object]] | None = None
+        """Triton's cache directory and this process's fingerprint (None: no helper wanted or possible)."""
         self.roles = _roles(mover)
         self.twins: dict[int, CopyPlan] = {}
         self.stream: torch.cuda.Stream | None = None
@@ -412,12 +424,15 @@ class _Launches:
         ready_variants, ready_s = ready_at or (launched, time.perf_counter() - self.began)
         child = self.child
         error = None if child is None else child.error or _failures(child.failures)
-        if child is None and self.want_precompile:
+        if child is None and self.want_precompile and len(self.listed) < len(self.pending):
             error = "the helper process was not started"
+        stale = self.stale() if not stopped else None
+        if stale is not None:
+            error = stale if error is None else f"{error}; {stale}"
         if error is not None and not stopped:
             log.warning("aiokv: kernel variants compiled in this process (%s): the event loop may stall", error)
         return WarmUp(launched, ready_variants, time.perf_counter() - self.began, ready_s, stopped, self.skipped,
-                      0 if child is None else child.ok, None if stopped else error)
+                      0 if child is None else child.ok, None if stopped else error, len(self.listed))
 
     def ready(self, ready: Callable[[], None]) -> tuple[int, float]:
         # Done on the device before copies go on: they may use what the warm-up built for the
@@ -428,25 +443,64 @@ class _Launches:
         return at
 
     def start_child(self) -> None:
-        from .precompile import Precompile
+        """Start the helper for the pending variants not listed in Triton's cache (none: no helper)."""
+        from . import precompile
 
         try:
             target, cache_dir = _compile_target()
         except Exception as exc:  # another Triton's API: compile here, as without a helper
             log.debug("aiokv: no helper process for the kernel compiles: %r", exc)
             return
-        self.child = Precompile(self.pending, target, cache_dir)
+        try:
+            listing = precompile.fingerprint(target)
+        except Exception as exc:  # another Triton's layout: a helper for every variant, unlisted
+            log.debug("aiokv: Triton's cache is not listed (%r): a helper compiles every variant", exc)
+        else:
+            self.listing = (cache_dir, listing)
+            since = time.perf_counter()
+            for key in self.pending:
+                if self.stop is not None and self.stop.is_set():
+                    raise _Stopped
+                if time.perf_counter() - since >= PACE_S:  # a few syscalls a key: let the loop in
+                    time.sleep(YIELD_S)
+                    since = time.perf_counter()
+                found = precompile.listed_variant(cache_dir, listing, key)
+                if found is not None:
+                    self.listed[key] = found
+        missing = [key for key in self.pending if key not in self.listed]
+        if missing:
+            self.child_index = {key: i for i, key in enumerate(missing)}
+            self.child = precompile.Precompile(missing, target, cache_dir,
+                                               None if self.listing is None else self.listing[1])
+
+    def stale(self) -> str | None:
+        """Count (and forget) listed variants this process compiled itself (see :func:`stale_entries`)."""
+        if not self.listed or self.listing is None:
+            return None
+        from . import precompile
+
+        launched = set(self.launches.launched)
+        listed = {key: value for key, value in self.listed.items() if key in launched}
+        index = self.device.index
+        if self.device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        stale = precompile.stale_entries(listed, index)
+        if not stale:
+            return None
+        precompile.forget(*self.listing, stale)
+        return f"{len(stale)} variant(s) listed in Triton's cache were compiled in this process (listing removed)"
 
     def launch(self, call: _Call) -> None:
         """``call`` on its plan's scratch twin, once the helper process compiled its new variants."""
         if self.stop is not None and self.stop.is_set():
             raise _Stopped
-        new = [key for key in call.keys if key in self.child_index and key not in self.launches.keys]
+        new = [key for key in call.keys if key in self.pending_set and key not in self.launches.keys]
         if not new:
             return  # loaded already: the twin would launch nothing
         if self.child is not None:
             for key in new:
-                self.child.wait(self.child_index[key], self.stop)
+                if key in self.child_index:
+                    self.child.wait(self.child_index[key], self.stop)
             if self.stop is not None and self.stop.is_set():
                 raise _Stopped
         plan, pages = self.roles[call.role]
