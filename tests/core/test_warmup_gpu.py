@@ -13,12 +13,17 @@ process with an empty ``TRITON_CACHE_DIR``, so every kernel variant really compi
   page-aligned variants themselves). Reported, not bounded: the warm-up compiles beside them.
 - ``control``: the warm-up stopped before its first launch (as before it existed): the copies
   compile their variants themselves, on the loop. It must compile some (else the check is moot).
+- ``restart``: ``warm`` again in a fresh process on the Triton cache a ``warm`` run filled: it must
+  start no compile helper (the variants are listed there) and compile nothing. Its ``wait_warm`` is
+  compared with the cold one and with a restart whose listings were removed (a helper starts and
+  finds every variant in Triton's cache: the warm restart before the listings).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +46,19 @@ import torch
 from aiokv import CacheConfig, KVCache, KVLayout
 
 mode, device = sys.argv[1], sys.argv[2]
+import subprocess
+helpers = []  # compile helpers this process started
+
+
+class CountedPopen(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        command = args[0] if args else kwargs.get("args", ())
+        if any(str(part).endswith("precompile.py") for part in command):  # not Triton's ptxas calls
+            helpers.append(command)
+        super().__init__(*args, **kwargs)
+
+
+subprocess.Popen = CountedPopen
 layout = KVLayout.mha(8, 8, 128, torch.bfloat16, page_tokens=16)
 KVCache.preload(device)
 import triton
@@ -84,13 +102,14 @@ async def main():
     async with cache:
         await cache.pool.wait_ready()
         out["start_stall_ms"] = probe.take()
-        if mode == "warm":
+        if mode in ("warm", "restart"):
             began = time.perf_counter()
             warm = await cache.wait_warm()
             out["wait_warm_s"] = round(time.perf_counter() - began, 3)
             out["warm_up"] = dataclasses.asdict(warm) if warm is not None else None
             out["stall_during_warm_up_ms"] = probe.take()
             out["compiled_in_process_while_warming"] = len(compiled_here)
+            out["helpers_started"] = len(helpers)
         before = compiled()
         tokens = list(range(8 * layout.page_tokens))
         slots = torch.arange(len(tokens))
@@ -137,9 +156,9 @@ asyncio.run(main())
 """
 
 
-def _run(mode: str, tmp: Path) -> dict[str, object]:
-    cache_dir = tmp / f"triton-{mode}"
-    cache_dir.mkdir()
+def _run(mode: str, tmp: Path, cache: str | None = None) -> dict[str, object]:
+    cache_dir = tmp / f"triton-{cache or mode}"
+    cache_dir.mkdir(exist_ok=True)
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", SCRIPT, mode, DEVICE], capture_output=True, text=True, timeout=400,
@@ -169,3 +188,26 @@ def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Pa
     assert warm["stall_during_warm_up_ms"] <= WARM_STALL_LIMIT_MS, f"the loop stalled while warming: {warm}"
     second = warm["second_warm_up"]
     assert isinstance(second, dict) and second["variants"] == 0 and second["skipped"] == summary["variants"], warm
+
+
+def test_a_restart_with_a_warm_triton_cache_starts_no_helper(tmp_path: Path) -> None:
+    from aiokv.kernels.precompile import ENTRIES_DIR
+
+    cold = _run("warm", tmp_path, cache="shared")
+    restart = _run("restart", tmp_path, cache="shared")
+    shutil.rmtree(tmp_path / "triton-shared" / ENTRIES_DIR)  # as before the listings: a helper starts
+    unlisted = _run("restart", tmp_path, cache="shared")
+    print(json.dumps({"wait_warm_s": {"cold": cold["wait_warm_s"], "restart": restart["wait_warm_s"],
+                                      "restart_with_helper": unlisted["wait_warm_s"]}}))
+    first, again, helped = cold["warm_up"], restart["warm_up"], unlisted["warm_up"]
+    assert isinstance(first, dict) and isinstance(again, dict) and isinstance(helped, dict)
+    assert first["precompiled"] == first["variants"] > 0 and cold["helpers_started"] == 1, cold
+    assert restart["helpers_started"] == 0, f"the restart started a compile helper: {restart}"
+    assert again["cached"] == again["variants"] == first["variants"] and again["precompiled"] == 0, restart
+    assert again["precompile_error"] is None and "precompile_failed" not in restart["errors"], restart  # type: ignore[operator]
+    assert restart["compiled_in_process_while_warming"] == 0 and restart["compiled_by_copies"] == 0, restart
+    assert isinstance(restart["stall_during_warm_up_ms"], float)
+    assert restart["stall_during_warm_up_ms"] <= WARM_STALL_LIMIT_MS, restart
+    assert unlisted["helpers_started"] == 1 and helped["cached"] == 0, unlisted  # the control
+    assert helped["precompiled"] == helped["variants"] == first["variants"], unlisted
+    assert restart["wait_warm_s"] < unlisted["wait_warm_s"], (restart, unlisted)  # type: ignore[operator]
