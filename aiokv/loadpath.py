@@ -30,6 +30,13 @@ from aiokv.transfers import Copy
 if TYPE_CHECKING:
     from aiokv.stream import LoadStream
 
+TURN_PAGES = 16
+"""A match of more full pages gives the loop a turn between hashing the prompt and taking its pages'
+references. Each is a few hundred microseconds of loop time for a 16K-token prompt (64 pages of
+256), in an engine step that often also settles the last stream and starts the next load: in one
+turn they added up to the longest loop callbacks while streaming (issue #10). TODO(lead): a
+``CacheConfig`` field."""
+
 
 @dataclass(frozen=True, slots=True)
 class Promotion:
@@ -62,6 +69,10 @@ class LoadPath(ManagerBase):
         """The longest prefix of full pages cached in the pool, then on disk (see ``KVCache.match``)."""
         pool, _ = self._running()
         keys = self.keys(tokens, salt)
+        if len(keys) > TURN_PAGES:
+            # Bounded host work per loop turn. Nothing is taken yet: a cancel here changes nothing.
+            await asyncio.sleep(0)
+            pool, _ = self._running()  # the close may have begun meanwhile
         self._lookups += 1
         handles: list[PageHandle] = []
         try:
