@@ -113,8 +113,10 @@ class LoadStream:
         self._front = match.tokens  # start of the lowest page launched so far
         self._front_moved: asyncio.Future[None] | None = None  # resolved when it moves (wait_front)
         self._promotions: dict[int, asyncio.Task[Promotion | NoPage]] = {}  # reads in flight, by page
-        config = manager.config
-        self._ahead = min(config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
+        # Disk reads in flight at most; worked out only for a match with disk pages (reading the
+        # config's disk view looks up DiskConfig's defaults when there is no disk tier).
+        self._ahead = 0 if not self._disk_pages else min(
+            manager.config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
         self._disk_started = time.perf_counter()
         self._measured: Callable[[], None] = lambda: None
         self._disk_landed = 0  # pages this stream read from disk so far (its own disk rate)
