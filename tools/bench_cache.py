@@ -611,8 +611,6 @@ async def stream_mode(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for hit in range(args.warm_hits + args.hits):
                 tokens, slots = token_sets[hit % prompts], slot_sets[hit % prompts]
-                if cuda:
-                    torch.cuda.synchronize()
                 longest[0] = step = 0.0
                 laps = Laps()
                 lap = laps.lap
