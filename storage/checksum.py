@@ -25,15 +25,18 @@ from .pagefile import payload_checksum
 
 log = logging.getLogger(__name__)
 
-INLINE_CHECKSUM_BYTES = 256 << 10
-"""Payloads up to this size are hashed on the loop (~25 us); larger ones in a checksum thread."""
+INLINE_CHECKSUM_BYTES = 1 << 20
+"""Payloads up to this size (a page read) are hashed on the loop (~0.1 ms for 1 MiB), larger ones
+in a checksum thread; the per-turn budget below bounds what one turn hashes. Was 256 KiB: a 1 MiB
+read then paid the hand-off (a queue put, the thread's wake-up, the GIL going back and forth, a
+second wake-up of the loop per page besides its CQE's), which cost more process CPU than the hash
+saved the loop: 0.47 -> 0.38 core-s/GB at queue depth 8 and 0.62 -> 0.53 at 32 for cold 1 MiB reads,
+0.31 -> 0.26 / 0.30 -> 0.29 cached (8 alternated rounds, 2 vCPUs, #14)."""
 
 INLINE_WRITE_CHECKSUM_BYTES = 1 << 20
 """The same for a page being written (hashed in the writer's own call, one page at a time): up to
-1 MiB (~0.1 ms of the loop) inline. The thread's hand-off — a queue put, the thread's wake-up,
-the GIL going back and forth, a wake-up of the loop — cost a recycled 1 MiB write ~30% of its CPU
-without the hash (0.31 -> 0.21 core-s/GB here). A read's hash runs in the completion drain, which
-may finish several pages at once: those stay with the thread above ``INLINE_CHECKSUM_BYTES``."""
+1 MiB (~0.1 ms of the loop) inline. The thread's hand-off cost a recycled 1 MiB write ~30% of its
+CPU without the hash (0.31 -> 0.21 core-s/GB here)."""
 
 INLINE_WRITE_BYTES_PER_TURN = 2 << 20
 """At most this many bytes (written and read pages alike) are hashed inline in one turn of the loop
