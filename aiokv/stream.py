@@ -29,6 +29,9 @@ together after ~300 ms on the H200, as long as the whole 8K prefill). A read the
 into before it lands, by the measured rates, is not started; a read the engine claimed into while
 it was in flight is not waited for (it lands in the pool in the background): the fronts meet
 without waiting on the disk.
+
+The copies the loader launched (one entry per copy), their per-layer readiness and how they settle
+live in :mod:`aiokv.streamcopies`; this module holds the engine's side and the loader.
 """
 
 from __future__ import annotations
