@@ -67,8 +67,11 @@ class StreamCopies:
     def fix(self) -> list[Copy]:
         """The copies once the loader is done (no more launches), worked out once."""
         if self._fixed is None:
-            self._fixed = [launch.copy for launch in self.launches]
-            self._cuda = any(c.event is not None for c in self._fixed)
+            fixed = [launch.copy for launch in self.launches]
+            # _cuda before _fixed: order_layer may run this on the engine's launching thread while
+            # the loop's wait_layer reads both (seeing _fixed set, it must see _cuda right).
+            self._cuda = any(c.event is not None for c in fixed)
+            self._fixed = fixed
         return self._fixed
 
     # -- layer readiness -----------------------------------------------------------------------
