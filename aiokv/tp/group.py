@@ -242,6 +242,10 @@ class RankGroup:
         link.fenced = True
         self._fenced += 1
         transport.write_eof()  # after what is buffered: specs already sent still arrive (and report)
+        # No longer attached for new work: a submit now fails NOT_ATTACHED before anything is sent
+        # (writing after the EOF raised in the middle of sending, with the spec already at the
+        # other ranks, and the caller's slots handed back under their copies).
+        self._notify()
 
     def _owing_pids(self) -> dict[int, int]:
         """Rank -> pid of the ranks that still owe a report."""
@@ -266,8 +270,8 @@ class RankGroup:
 
     @property
     def attached(self) -> frozenset[int]:
-        """Ranks whose worker is connected and has the pool mapped."""
-        return frozenset(r for r, conn in self._ranks.items() if conn.attached)
+        """Ranks whose worker is connected, has the pool mapped and is not fenced."""
+        return frozenset(r for r, conn in self._ranks.items() if conn.attached and not conn.fenced)
 
     @property
     def device_kind(self) -> str | None:
@@ -451,8 +455,9 @@ class RankGroup:
     def _send(self, job: Job) -> None:
         data = frame(FrameKind.SPEC, job.spec.to_bytes())
         for rank in self._writer_order if job.spec.direction is Direction.OFFLOAD else self._rank_order:
-            transport = self._ranks[rank].transport
-            if transport is None or transport.is_closing():
+            conn = self._ranks[rank]
+            transport = conn.transport
+            if transport is None or transport.is_closing() or conn.fenced:
                 self._jobs.report(job.id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
             else:
                 transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
