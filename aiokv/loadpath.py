@@ -25,7 +25,7 @@ from aiokv.keys import PageKey, Salt, Tokens
 from aiokv.managerbase import ManagerBase
 from aiokv.pagetable import PageHandle, PageState, ReserveOutcome, StaleHandleError
 from aiokv.results import LoadResult, Match, PrefetchResult, Tier
-from aiokv.transfers import Copy
+from aiokv.transfers import Copy, CopyWithdrawn
 
 if TYPE_CHECKING:
     from aiokv.stream import LoadStream
@@ -197,7 +197,11 @@ class LoadPath(ManagerBase):
         measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
         loaded = {Tier.POOL: 0, Tier.DISK: 0}
+        gave_up = False  # a copy the close withdrew before any rank ran it (TP: held for room)
         for (_, held, tier), outcome in zip(copies, outcomes, strict=True):
+            if isinstance(outcome, CopyWithdrawn):
+                gave_up = True
+                break
             if outcome is not None:
                 self.faults.record("copy_failed", f"load copy failed: {outcome!r}")
                 break
@@ -211,9 +215,12 @@ class LoadPath(ManagerBase):
         end = max((first + pool_loaded + disk_loaded) * t, from_token)
         self.count_loaded(pool_loaded, disk_loaded)
         launched_pages = sum(len(held) for _, held, _ in copies)
-        withdrawn = match.pages - first - launched_pages if cut else 0
+        if gave_up:  # the valid prefix ends at the withdrawn copy: the rest is withdrawn
+            withdrawn = match.pages - first - pool_loaded - disk_loaded
+        else:
+            withdrawn = match.pages - first - launched_pages if cut else 0
         self.withdraw(withdrawn)
-        if end < match.tokens and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
+        if end < match.tokens and not gave_up and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
             # Cut only by the close (every launched copy landed): withdrawn, not a fault.
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)

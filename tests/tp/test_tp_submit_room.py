@@ -229,12 +229,7 @@ async def test_a_call_cancelled_while_waiting_for_room_sends_nothing_more(tmp_pa
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("direction", [
-    "offload",
-    pytest.param("load", marks=pytest.mark.xfail(
-        strict=True, reason="aiokv/loadpath.py counts a copy withdrawn by the close as copy_failed and the load "
-        "as shortened (offloadpath and LoadStream count it withdrawn): not this change's file")),
-])
+@pytest.mark.parametrize("direction", ["offload", "load"])
 async def test_close_withdraws_specs_waiting_for_room_at_once(tmp_path: Path, direction: str) -> None:
     pages = 6
     tokens, source, target = _tokens(24000, pages), torch.arange(pages * T), torch.arange(40, 40 + pages * T)
