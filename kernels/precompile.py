@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -99,7 +100,9 @@ class Precompile:
                 raise OSError("no Python executable to run (sys.executable is empty)")
             self._child = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=self._stderr, env=env, close_fds=True,
+                # A session (and process group) of its own: Triton runs ptxas as its child, which
+                # killing the helper alone left running (and holding the output pipe open).
+                stderr=self._stderr, env=env, close_fds=True, start_new_session=True,
             )
             assert self._child.stdin is not None
             with self._child.stdin:
@@ -141,7 +144,10 @@ class Precompile:
         for raw in lines:
             status, _, rest = raw.decode(errors="replace").partition(" ")
             index_text, _, why = rest.partition(" ")
-            if status not in ("ok", "fail") or not index_text.isdigit() or int(index_text) != self.reported:
+            # ASCII digits only: str.isdigit() accepts "²", which int() refuses (a ValueError out
+            # of the warm-up instead of this fail).
+            if (status not in ("ok", "fail") or not (index_text.isascii() and index_text.isdigit())
+                    or int(index_text) != self.reported):
                 self._fail(f"the compile process wrote {raw[:200]!r}")
                 return
             if status == "ok":
@@ -175,8 +181,10 @@ class Precompile:
         """Kill the child if it still runs, reap it, release its pipes. Idempotent."""
         child, self._child = self._child, None
         if child is not None:
-            if child.poll() is None:
-                child.kill()
+            # The whole group: Triton's ptxas too. The group is the child's own (start_new_session),
+            # so this reaches nothing of ours, even once the child has exited.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             if child.stdout is not None:
                 child.stdout.close()
