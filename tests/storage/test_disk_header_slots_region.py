@@ -60,6 +60,29 @@ def _spy(io: UringPageIO) -> list[tuple[int, int]]:
     return used
 
 
+class _HoldAll:
+    """Holds a backend's ``start_*`` calls until ``count`` are waiting, then starts them all: every
+    I/O holds its header slot at once (slots are handed out from the top, so 120 of them reach
+    below the 8 MiB mark), instead of early ones finishing and handing their slots on."""
+
+    def __init__(self, io: UringPageIO, name: str, count: int) -> None:
+        self.real = getattr(io, name)
+        self.count = count
+        self.waiting: list[tuple[object, ...]] = []
+        self.all_in = asyncio.Event()
+        setattr(io, name, self)
+
+    def __call__(self, *args: object) -> None:
+        self.waiting.append(args)
+        if len(self.waiting) == self.count:
+            self.all_in.set()
+
+    async def release(self) -> None:
+        await asyncio.wait_for(self.all_in.wait(), 30)
+        for args in self.waiting:
+            self.real(*args)
+
+
 def _no_errors(tier: DiskTier) -> None:
     errors = {k: v for k, v in tier.statistics().errors.items() if v}
     assert not errors, errors
@@ -79,7 +102,10 @@ async def test_every_header_slot_is_in_the_registered_region(tmp_path: Path) -> 
             # All at once: the writes take header slots on both sides of the 8 MiB mark.
             handles = [fill(pool, key_of(i), i) for i in range(PAGES)]
             written = {i: payload(pool, h) for i, h in enumerate(handles)}
-            stored = await asyncio.gather(*(tier.write(key_of(i), h) for i, h in enumerate(handles)))
+            hold = _HoldAll(io, "start_publish", PAGES)
+            writes = asyncio.gather(*(tier.write(key_of(i), h) for i, h in enumerate(handles)))
+            await hold.release()
+            stored = await writes
             for h in handles:
                 pool.table.release(h)
             assert all(stored), tier.statistics().errors
@@ -101,7 +127,10 @@ async def test_every_header_slot_is_in_the_registered_region(tmp_path: Path) -> 
         try:
             used = _spy(io)
             handles = [reserve(pool, key_of(i)) for i in range(PAGES)]
-            read = await asyncio.gather(*(tier.read(key_of(i), h) for i, h in enumerate(handles)))
+            hold = _HoldAll(io, "start_load", PAGES)
+            reads = asyncio.gather(*(tier.read(key_of(i), h) for i, h in enumerate(handles)))
+            await hold.release()
+            read = await reads
             assert all(read), tier.statistics().errors
             assert min(slot for slot, _ in used) < 2048 <= max(slot for slot, _ in used)
             for i, h in enumerate(handles):
