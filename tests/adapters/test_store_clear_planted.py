@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-import aiokv.adapters.store as store_module
+import aiokv.adapters.storedirs as storedirs_module
 from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig, raw_layout
 from aiokv.storage.pagefile import PageFiles
 from aiokv.storage.safefiles import UnsafeDirectoryError
@@ -120,7 +120,7 @@ def test_clear_walking_past_a_directory_swapped_for_a_link_mid_way(
         fan = Path(files.path(key)).parent
         outside.mkdir()
         (outside / key.hex()).write_bytes(b"same name, outside")
-        real_open = store_module._open_below
+        real_open = storedirs_module._open_below
         swapped = threading.Event()
 
         def swap_then_open(dir_fd: int, name: str) -> Any:
@@ -130,7 +130,7 @@ def test_clear_walking_past_a_directory_swapped_for_a_link_mid_way(
                 fan.symlink_to(outside, target_is_directory=True)
             return real_open(dir_fd, name)
 
-        monkeypatch.setattr(store_module, "_open_below", swap_then_open)
+        monkeypatch.setattr(storedirs_module, "_open_below", swap_then_open)
         # The files are cleared; the fresh tier then refuses the link at its fan-out name (its own
         # check), and the store stays closed (writes refused, reads miss) rather than use it.
         with pytest.raises(UnsafeDirectoryError, match="not a directory"):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-import aiokv.adapters.store as store_module
+import aiokv.adapters.storedirs as storedirs_module
 import aiokv.storage.disk as disk_module
 from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig, fingerprint, raw_layout
 from aiokv.storage.config import ReadOnly
@@ -259,7 +259,7 @@ def test_a_store_directory_swapped_after_its_check_redirects_nothing(
     directory = store_dir(root)
     moved: list[Path] = []
     if moment == "after the store's check":
-        real_open = store_module._open_own_dir
+        real_open = storedirs_module._open_own_dir
 
         def open_then_swap(path: Path) -> int:
             fd = real_open(path)
@@ -267,7 +267,7 @@ def test_a_store_directory_swapped_after_its_check_redirects_nothing(
                 moved.append(_swap(path, outside))
             return fd
 
-        monkeypatch.setattr(store_module, "_open_own_dir", open_then_swap)
+        monkeypatch.setattr(storedirs_module, "_open_own_dir", open_then_swap)
     else:
         real_prepare = disk_module.prepare
 
