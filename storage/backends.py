@@ -311,9 +311,13 @@ class UringPageIO:
         self.direct = direct
         self.faults = FaultPlan(arm=self._arm_faults)
         self._cached = CachedOpen()
-        self.chain_reads = True
-        """Reads as one chain from the open (:meth:`_load_chain`); False once a read there answered
-        EAGAIN (a file system without non-blocking direct reads), or to force the checked way."""
+        self.chain_reads = False
+        """Reads as one chain from the open (:meth:`_load_chain`). Off: its STATX checks the *name*,
+        not the file its OPENAT opened, and a rename race inside the directory (RENAME_EXCHANGE in a
+        loop) made it approve our file while reading another owner's (review: 7 of 220 reads served
+        a forged page of uid 12345 as a hit; the checked way's fstat of the open fd: 0). Its CPU gain
+        measured 0-10% on cold reads. On again once the opened file itself can be checked
+        (IORING_OP_FIXED_FD_INSTALL + fstat, kernel 6.8). Turns itself off after an EAGAIN read."""
         self._uid = os.geteuid()
         self._pool = pool
         self._slots = slots
@@ -728,7 +732,9 @@ class UringPageIO:
         fails it (ELOOP), a socket too (ENXIO), and ``O_NONBLOCK`` opens a FIFO at once, which
         ``O_DIRECT`` then refuses (EINVAL), as it refuses devices. Only a regular file (or a block
         device, which only root can plant) is read. Its STATX (the chain cannot ``fstat``) must
-        say a regular file of our uid before the bytes count, as :func:`check_page_fd` requires;
+        say a regular file of our uid before the bytes count, as :func:`check_page_fd` requires —
+        but of the name, not of the opened file: a rename race in between defeats it, which is
+        why the chain is off by default (:attr:`chain_reads`);
         the caller verifies header and checksum after that. An EINVAL open (what it is needs a
         look: a FIFO, a device) and a file system answering EAGAIN to ``O_NONBLOCK`` reads (from
         then on, every read) go the checked way, :meth:`_load_checked`."""

@@ -109,6 +109,7 @@ async def chain_tier(disk_dir: Path, uring_backend: DiskBackend, layout: KVLayou
     # One I/O slot: every read uses the same fixed-file entry as the one before it.
     tier = DiskTier(config(disk_dir, uring_backend, queue_depth=1), layout, pool)
     await tier.start()
+    _io(tier).chain_reads = True  # off by default (its STATX checks the name, not the opened file)
     try:
         yield tier
     finally:
@@ -265,4 +266,23 @@ async def test_a_truncated_file_is_refused(chain_tier: DiskTier, pool: PagePool)
     stats = tier.statistics()
     assert (stats.misses, stats.corrupt) == (1, 1)
     await _load(tier, pool, 2, good)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_reads_check_the_opened_file_by_default(disk_dir: Path, uring_backend: DiskBackend,
+                                                      layout: KVLayout, pool: PagePool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The chain's STATX looks at the name: a rename race could make it approve another file than
+    # the one it opened. By default a read checks the descriptor it opened (fstat), never a name.
+    async with DiskTier(config(disk_dir, uring_backend, queue_depth=1), layout, pool) as tier:
+        assert not _io(tier).chain_reads
+        data = [await _store(tier, pool, i) for i in range(2)]
+        spy = _Spy(_io(tier), monkeypatch)
+        for i in range(2):
+            await _load(tier, pool, i, data[i])
+        assert spy.checks >= 2
+        from aiokv.storage import uring
+
+        assert not any(op == uring.OP_STATX for ops in spy.submits for op in ops)
     assert_clean(pool)
