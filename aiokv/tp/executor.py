@@ -23,7 +23,8 @@ engine's rank process (:mod:`aiokv.tp.layers`): CPU layers are marked as they la
 ``on_layers`` is told, from whatever thread copied them). CUDA copies leave one event per layer;
 on the STAGING path they are paced as in the single-process cache (``PageMover.start_layers``, fed
 on the bridge's copy thread, :mod:`aiokv.tp.paced`): layer ``l`` is ready for the engine once its
-event is queued, and ``on_layers`` is told once it completed.
+event is queued, and ``on_layers`` is told once it completed. A fence stops a paced load between
+two units (a CPU layered load between two layers): the layers never queued are never ready.
 
 An engine that carries specs over its own channel can use this class directly:
 ``report = await executor.execute(spec)`` on each rank, then send ``report`` back itself. To stop
@@ -39,6 +40,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -52,9 +54,12 @@ from aiokv.shm import ChunkResult, prepare_in_background
 
 from .config import TPConfig
 from .layers import LayerProgress, LayerTable
-from .paced import feed_layers, watch_landed
+from .paced import feed_layers, stopped_by_request, watch_landed
 from .specs import Direction, TransferSpec
 from .wire import RankStatus
+
+if TYPE_CHECKING:
+    from aiokv.kernels.mover import PacedLayers
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +141,8 @@ class RankExecutor:
         self._chunks: list[concurrent.futures.Future[ChunkResult]] = []
         self._tasks: set[asyncio.Task[RankReport]] = set()
         self._copies: set[asyncio.Future[RankReport]] = set()  # queued on the copy thread, not back yet
+        self._feeding: set[PacedLayers] = set()  # paced CUDA loads whose feed has not ended: fence() stops them
+        self._unmapped: asyncio.Future[None] | None = None  # the unmap, once aclose() began it
         if self._cuda:
             self._register_in_background()
 
@@ -281,7 +288,8 @@ class RankExecutor:
                     if paced is not None:
                         self.paced_loads += 1
                         fed = feed_layers(paced, progress, self._bridge, self._cuda_landed(spec.job_id))
-                        fed.add_done_callback(functools.partial(_copied, result))
+                        self._feeding.add(paced)
+                        fed.add_done_callback(functools.partial(self._fed, paced, result))
                         return
                     events = mover.load_layers(ids, slots, spec.skip_first)
                     assert events
@@ -301,6 +309,22 @@ class RankExecutor:
             return
         waited = self._bridge.wait(event, lane)
         waited.add_done_callback(functools.partial(_event_done, result))
+
+    def _fed(self, paced: PacedLayers, result: asyncio.Future[RankReport], fed: asyncio.Future[None]) -> None:
+        """A paced load's feed ended (every unit it queued is done on the GPU): report it.
+
+        Stopped by :meth:`fence` (nothing else stops the loads of an executor), it is the close's
+        doing, not a fault: WORKER_CLOSING. A launch fault or a CUDA error raised meanwhile is still
+        COPY_FAILED.
+        """
+        self._feeding.discard(paced)
+        if not result.done() and not fed.cancelled():
+            exc = fed.exception()
+            if exc is not None and stopped_by_request(paced, exc):
+                text = f"fenced: the load stopped between two units ({exc})"
+                result.set_result(RankReport(RankStatus.WORKER_CLOSING, text))
+                return
+        _copied(result, fed)
 
     def _cuda_landed(self, job_id: int) -> Callable[[int], None] | None:
         """Tells ``on_layers`` (on the loop) how many layers of a CUDA job completed on the GPU."""
@@ -358,26 +382,39 @@ class RankExecutor:
     def fence(self) -> None:
         """Start nothing more: later specs are refused (WORKER_CLOSING), CPU copies still queued on
         the copy thread are withdrawn (reported WORKER_CLOSING, no byte moved), a layered CPU load
-        stops after its current layer, and a CUDA spec still waiting for its pages' registration
-        is not launched. A copy already running (or queued on the GPU) ends as it would have: wait
-        for it with :meth:`drain`. Idempotent; call on the driving loop.
+        stops after its current layer, a paced CUDA load queues no further unit (one not fed yet
+        queues none; what it queued still completes on the GPU before it reports WORKER_CLOSING),
+        and a CUDA spec still waiting for its pages' registration is not launched. A stopped load's
+        layers never queued are never ready (the engine's waits for them return False). A copy
+        already running (or queued on the GPU) ends as it would have: wait for it with
+        :meth:`drain`. Idempotent; call on the driving loop.
         """
         self._closing = True
         for copy in list(self._copies):
             self._bridge.withdraw(copy)  # False for one running or over: it reports when it ends
+        for paced in self._feeding:
+            paced.stop()  # any thread; the feed checks it between two units
 
     # -- lifetime -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """:meth:`fence`, wait for copies in flight, stop registration, unmap. Idempotent."""
+        """:meth:`fence`, wait for copies in flight, stop registration, unmap. Idempotent: every call
+        returns once the pool is unmapped. Cancelled meanwhile (any number of times), it still runs
+        each step to its end, then raises the cancel: a cancel during the drain used to skip the
+        unmap (the pool stayed mapped), one during the unmap let a second call return before it.
+        """
+        from .worker import _Cancels  # worker.py imports this module: not at import time
+
         self.fence()
-        await self.drain()
+        cancels = _Cancels()
+        await cancels.outlast(self.drain())
         self.layers.close()
-        if self._mover is None:
-            return
-        # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
-        self._mover = None
-        await asyncio.to_thread(self._teardown)
+        if self._unmapped is None:
+            # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
+            self._mover = None
+            self._unmapped = asyncio.ensure_future(asyncio.to_thread(self._teardown))
+        await cancels.outlast(self._unmapped)
+        cancels.raise_if_cancelled()
 
     def _teardown(self) -> None:
         if self._registering is not None:

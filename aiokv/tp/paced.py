@@ -99,6 +99,27 @@ def feed_layers(
     return loop.create_task(settle())
 
 
+class StoppableLoad(Protocol):
+    """What :func:`stopped_by_request` needs of a :class:`~aiokv.kernels.mover.PacedLayers`."""
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop()`` was called."""
+        ...
+
+
+STOPPED = "layer-wise load stopped after "
+"""How ``PacedLayers.feed`` begins the ``RuntimeError`` it raises when stopped before its end."""
+
+
+def stopped_by_request(paced: StoppableLoad, exc: BaseException) -> bool:
+    """Whether the feed raised ``exc`` only because ``paced.stop()`` was called: the feed then
+    raises a plain ``RuntimeError`` (:data:`STOPPED`) once the GPU finished what it queued. A
+    launch fault or a CUDA error raised meanwhile wins over the stop: that is a fault, not a stop.
+    (The feed raises no type of its own; this is the one place that reads its message.)"""
+    return paced.stopped and type(exc) is RuntimeError and str(exc).startswith(STOPPED)
+
+
 def watch_landed(
     bridge: CompletionBridge, event: Any, layer: int, on_landed: Callable[[int], None] | None
 ) -> asyncio.Future[None]:

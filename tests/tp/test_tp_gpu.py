@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_p
 
 from aiokv import CacheConfig
 from aiokv.costs import RATES_FILE
+from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
-from aiokv.layout import KVLayout
+from aiokv.layout import KVBuffer, KVLayout
+from aiokv.pool import PagePool
 from aiokv.storage import DiskConfig
-from aiokv.tp import Direction, Job, RankGroup, TPCache, TPConfig
+from aiokv.tp import Direction, Job, RankExecutor, RankGroup, RankStatus, TPCache, TPConfig, TransferSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -228,3 +231,81 @@ async def test_cuda_ranks_label_the_learned_rates_cuda(tmp_path: Path, spawned: 
             await ranks.stop_all()
         doc = json.loads((tmp_path / "disk" / page_layout.fingerprint.hex() / RATES_FILE).read_bytes())
         assert doc["device"] == "cuda"
+
+
+def _stamp_when_done(event: torch.cuda.Event) -> float:
+    """On a thread: ``time.monotonic()`` once ``event`` completed on the GPU."""
+    event.synchronize()
+    return time.monotonic()
+
+
+@pytest.mark.asyncio
+async def test_cuda_rank_fence_stops_a_paced_load() -> None:
+    """``RankExecutor.fence()`` (a TP close fencing a rank that owes reports) stops a paced
+    layer-wise load between two units: it reports WORKER_CLOSING, the layers it never queued stay
+    untouched and the engine's waits for them return False, and its report comes once the few
+    units already queued are done, not after the whole load.
+
+    Regression: the fence did not reach a paced CUDA load; it ran to its end (reported OK) and the
+    close waited for all of it. The load is held at its start by ~0.2 s of GPU sleep on the engine's
+    stream (the load is ordered after it), so the fence lands while the feed waits on its window.
+    One unit per layer (160 pages fit one staging buffer of the default 4 pages x 128 layers / 3) of
+    160 copies (one per page: the executor's mover has ``run_pages`` 1): 20480 small copies in all,
+    tens of ms, against the 4 units (``pace_window``'s minimum) queued before the fence."""
+    layout = KVLayout.mha(128, 1, 64, torch.float16, page_tokens=16)
+    T, L, pages = layout.page_tokens, layout.num_layers, 160
+    pool = await new_pool(layout.for_tp(1), pages)
+    pool.pages.copy_(torch.randn(pool.pages.shape, generator=torch.Generator().manual_seed(21)).to(layout.dtype))
+    kv = torch.zeros((L, 2 * pages * T, layout.rows, layout.head_dim), dtype=layout.dtype, device="cuda")
+    engine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    bridge = CompletionBridge()
+    executor = RankExecutor(KVBuffer.wrap(layout, kv), PagePool.attach(pool.name, pool.layout), 1, bridge,
+                            TPConfig(pace_bytes=1), engine_stream=engine)
+    first, second = torch.arange(pages * T), torch.arange(pages * T, 2 * pages * T)
+
+    def spec(job: int, slots: torch.Tensor) -> TransferSpec:
+        return TransferSpec.build(job, Direction.LOAD, 1, T, range(pages), slots, layered=True)
+
+    try:
+        async with asyncio.timeout(60):
+            # Warm (registration, kernels), then the whole load, timed.
+            assert (await executor.execute(spec(1, first))).status is RankStatus.OK
+            start = time.monotonic()
+            assert (await executor.execute(spec(2, first))).status is RankStatus.OK
+            whole_s = time.monotonic() - start
+            assert executor.paced_loads == 2, "the load was not paced: nothing to stop"
+            torch.cuda.synchronize()
+            want = pool.pages.permute(1, 0, 2, 3, 4).reshape(L, pages * T, layout.rows, layout.head_dim)
+            assert torch.equal(kv[:, first].cpu(), want)
+
+            slept = torch.cuda.Event()
+            with torch.cuda.stream(engine):
+                torch.cuda._sleep(300_000_000)  # type: ignore[no-untyped-call]
+                slept.record(engine)
+            report = executor.execute(spec(3, second))
+            woke = asyncio.ensure_future(asyncio.to_thread(_stamp_when_done, slept))
+            progress = executor.layers.progress(3)
+            assert await progress.wait_async(0), "layer 0 was never queued"
+            assert not slept.query(), "the GPU sleep ended before the fence: lengthen it"
+            executor.fence()
+            done = await report
+            reported = time.monotonic()
+            await executor.drain()
+            after_s = reported - await woke
+        assert done.status is RankStatus.WORKER_CLOSING and done.text.startswith("fenced"), done
+        landed = progress.landed
+        assert 0 < landed < L, f"{landed} of {L} layers queued"
+        assert await progress.wait_async(landed) is False
+        assert await progress.wait_async(L - 1) is False
+        # Old code: the load ran to its end after the sleep (about whole_s) and reported OK.
+        figures = f"reported {after_s * 1e3:.1f} ms after the sleep; the whole load took {whole_s * 1e3:.1f} ms"
+        assert after_s < whole_s / 2, figures
+        torch.cuda.synchronize()
+        got = kv[:, second].cpu()
+        assert torch.equal(got[:landed], want[:landed]), "a queued layer is not bit-exact"
+        assert int(torch.count_nonzero(got[landed:])) == 0, "a layer never queued was written"
+    finally:
+        async with asyncio.timeout(60):
+            await executor.aclose()
+        await asyncio.to_thread(bridge.close)
+        await pool.aclose()
