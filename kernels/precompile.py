@@ -288,7 +288,7 @@ def _whole_group(group_file: str) -> dict[str, str] | None:
                 metadata = _read_small(path)
                 if metadata is None or not isinstance(json.loads(metadata), dict):
                     return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting: RecursionError
         return None
     return dict(paths)
 
@@ -315,7 +315,7 @@ def listed_variant(cache_dir: str, listing: dict[str, object], key: LaunchKey) -
         paths = _whole_group(os.path.join(cache_dir, folder, f"__grp__{metadata[0]}"))
         if paths is None or sorted(paths) != sorted(files):
             return None
-    except (ValueError, KeyError, TypeError):  # not JSON, or not the JSON a child writes
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, or not the JSON a child writes
         return None
     return triton_hash
 

@@ -464,7 +464,11 @@ class _Launches:
                 if time.perf_counter() - since >= PACE_S:  # a few syscalls a key: let the loop in
                     time.sleep(YIELD_S)
                     since = time.perf_counter()
-                found = precompile.listed_variant(cache_dir, listing, key)
+                try:
+                    found = precompile.listed_variant(cache_dir, listing, key)
+                except Exception as exc:  # never here by design: the helper compiles it, as unlisted
+                    log.debug("aiokv: the listing of %r could not be read: %r", key, exc)
+                    found = None
                 if found is not None:
                     self.listed[key] = found
         missing = [key for key in self.pending if key not in self.listed]

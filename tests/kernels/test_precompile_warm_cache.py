@@ -211,7 +211,7 @@ def test_a_listing_names_triton_s_own_entry(listed_cache: tuple[Path, list[Launc
 @pytest.mark.parametrize(
     "plant",
     ["other_target", "other_source", "other_key", "outside_dir", "file_elsewhere", "group_names_other_files",
-     "fifo", "symlink", "not_a_dict"],
+     "fifo", "symlink", "not_a_dict", "deep_listing", "deep_group"],
 )
 def test_a_planted_or_mismatched_listing_is_ignored(listed_cache: tuple[Path, list[LaunchKey]], plant: str) -> None:
     cache, keys = listed_cache
@@ -243,6 +243,11 @@ def test_a_planted_or_mismatched_listing_is_ignored(listed_cache: tuple[Path, li
         elif plant == "symlink":
             (path.parent / "real.json").write_bytes(saved)
             path.symlink_to(path.parent / "real.json")
+        elif plant == "deep_listing":  # json.loads raised RecursionError out of the warm-up
+            path.write_text("[" * 100000)
+        elif plant == "deep_group":
+            path.write_bytes(saved)
+            group_path.write_text('{"child_paths": ' + "[" * 100000)
         else:
             path.write_text(json.dumps([entry]))
         began = time.perf_counter()
