@@ -252,16 +252,22 @@ class LoadStream:
             await asyncio.shield(self._loader)
             outcomes = await self._copies.outcomes()
         except BaseException:
-            await self._abandon()
+            await self._abandon()  # a cancel during it: this call raises its own error anyway
             raise
         return self._settle(outcomes)
 
     async def aclose(self) -> None:
-        """Stop the load where it is (nothing more is launched) and release everything. Idempotent."""
+        """Stop the load where it is (nothing more is launched) and release everything. Idempotent.
+
+        Cancelled (or timed out), it still returns only when no copy touches the slots and every
+        page is released, then raises ``CancelledError``.
+        """
         if self._finished:
             return
         self._finished = True
-        await self._abandon()
+        cancelled = await self._abandon()
+        if cancelled is not None:
+            raise cancelled
 
     async def __aenter__(self) -> LoadStream:
         return self
@@ -438,20 +444,26 @@ class LoadStream:
             self._manager.adopt_promotion(task)
         self._promotions.clear()
 
-    async def _abandon(self) -> None:
-        """Stop launching, wait until no copy touches the slots, release every page."""
+    async def _abandon(self) -> asyncio.CancelledError | None:
+        """Stop launching, wait until no copy touches the slots, release every page.
+
+        Waits through cancellation (the engine reuses the slots once its call is over) and returns
+        the ``CancelledError`` that arrived meanwhile (None: none), for the caller to raise.
+        """
         self._stopping = True
         manager = self._manager
+        cancelled: asyncio.CancelledError | None = None
         if not self._loader.done():
             self._loader.cancel()
         while not self._loader.done():
             try:
                 await asyncio.wait({self._loader})
-            except asyncio.CancelledError:
-                continue
+            except asyncio.CancelledError as exc:
+                cancelled = exc
         if not self._loader.cancelled() and self._loader.exception() is not None:
             manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
-        await self._copies.quiesce()
+        during_quiesce = await self._copies.quiesce()
         for launch in self._copies.launches:
             manager.release_after(launch.copy.future, launch.handles)
         self._release_rest()
+        return during_quiesce if during_quiesce is not None else cancelled

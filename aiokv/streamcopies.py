@@ -152,9 +152,23 @@ class StreamCopies:
         """References held by the launched copies."""
         return [handle for launch in self.launches for handle in launch.handles]
 
-    async def quiesce(self) -> None:
-        """Return only when no copy still touches the engine's slots (also when cancelled again)."""
-        await self._transfers.quiesce(self.copies(), offload=False)
+    async def quiesce(self) -> asyncio.CancelledError | None:
+        """Return only when no copy still touches the engine's slots, also when cancelled meanwhile.
+
+        Returns the ``CancelledError`` that arrived during the wait (None: none), for the caller to
+        raise once it released everything: ``Transfers.quiesce`` waits through a cancel and leaves
+        the raising to its caller's own error, and ``aclose`` has none (review: it was lost).
+        """
+        # Its own task: the cancel reaches this wait, where it is kept, not the worker's (swallowed).
+        waiting = asyncio.ensure_future(self._transfers.quiesce(self.copies(), offload=False))
+        cancelled: asyncio.CancelledError | None = None
+        while not waiting.done():
+            try:
+                await asyncio.wait({waiting})
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        waiting.result()
+        return cancelled
 
 
 def _landed(done: asyncio.Future[bool] | asyncio.Future[None]) -> bool:

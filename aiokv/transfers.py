@@ -335,6 +335,7 @@ class LocalTransfers:
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
         """Return only when no copy of a failing or cancelled call still touches the caller's slots.
 
+        A cancel during the wait is waited through and not raised: the caller raises its own error.
         CPU: copies that have not started are withdrawn, the running one (one launch group at
         most) is awaited, also through further cancellations. CUDA: the engine's stream is made to
         wait on every copy's event (loads did at launch), so its later work, such as reusing the
@@ -374,7 +375,9 @@ class LocalTransfers:
             try:
                 _, pending = await asyncio.wait(pending)
             except asyncio.CancelledError:
-                continue  # cancelled again: still wait; the caller re-raises its own error
+                # Still wait. The caller raises its own error (load, offload); a caller without one
+                # keeps the cancel itself (StreamCopies.quiesce runs this in a task of its own).
+                continue
 
 
 def _withdrawn() -> Copy:
