@@ -47,6 +47,7 @@ from .wire import (
     Refuse,
     RefuseReason,
     Welcome,
+    Withdrawn,
     frame,
 )
 
@@ -378,7 +379,9 @@ class RankGroup:
     def withdraw(self, jobs: Iterable[Job]) -> int:
         """Withdraw those of ``jobs`` still held (:meth:`submit_queued`): none of them is ever sent,
         all before the queue moves on. Returns how many were; jobs sent or ended are left alone."""
-        withdrawn = sum(1 for job in jobs if self._jobs.withdraw(job))
+        ended = [job for job in jobs if self._jobs.withdraw(job)]
+        self._tell_withdrawn(ended)
+        withdrawn = len(ended)
         if withdrawn:
             self._queue = collections.deque(entry for entry in self._queue if not entry.done())
             self._schedule_pump()  # a withdrawn head may have stood before room
@@ -462,6 +465,21 @@ class RankGroup:
             else:
                 transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
 
+    def _tell_withdrawn(self, jobs: Iterable[Job]) -> None:
+        """Layered jobs ended unsent: their ids may be in a ``layered_load()`` the ranks' engines
+        wait on (a held job's id is), and they never arrive, so each target rank is told (in order
+        with the specs sent before): its waits for them end False instead of lasting until a later
+        job arrives, or forever on an idle group."""
+        for job in jobs:
+            if not job.spec.layered:
+                continue
+            data = frame(FrameKind.WITHDRAWN, Withdrawn(job.id).encode())
+            for rank in sorted(job.ranks):
+                conn = self._ranks.get(rank)
+                if conn is None or conn.fenced or conn.transport is None or conn.transport.is_closing():
+                    continue  # its session ends: every wait of it ends with it
+                conn.transport.write(data)
+
     def _room_freed(self) -> None:
         # Called by the job table inside its bookkeeping: send from a later callback, never here.
         if self._queue:
@@ -487,7 +505,8 @@ class RankGroup:
             if isinstance(head, Job):
                 failures = self._missing()
                 if failures:
-                    jobs.fail_held(head, failures)
+                    if jobs.fail_held(head, failures):
+                        self._tell_withdrawn([head])
                 else:
                     jobs.admit(head)
                     self._send(head)

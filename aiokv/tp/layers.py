@@ -132,6 +132,7 @@ class LayerTable:
         self._jobs: collections.OrderedDict[int, LayerProgress] = collections.OrderedDict()  # arrived
         self._waiting: dict[int, LayerProgress] = {}  # placeholders: asked for, not arrived
         self._highest = 0  # highest job id that arrived (any spec)
+        self._gone: collections.OrderedDict[int, None] = collections.OrderedDict()  # withdrawn, never sent
         self._closed = False
 
     def arrived(self, job_id: int, layered: bool) -> LayerProgress | None:
@@ -151,6 +152,18 @@ class LayerTable:
             placeholder.end()
         return progress
 
+    def withdrawn(self, job_id: int) -> None:
+        """Job ``job_id`` was withdrawn unsent (a WITHDRAWN frame): it never arrives, so its
+        placeholder ends now, and a later wait for it ends at once. Other placeholders stay: an
+        earlier job may still be held for room and arrive."""
+        with self._lock:
+            placeholder = self._waiting.pop(job_id, None)
+            self._gone[job_id] = None
+            while len(self._gone) > RETAINED_JOBS:
+                self._gone.popitem(last=False)
+        if placeholder is not None:
+            placeholder.end()
+
     def progress(self, job_id: int) -> LayerProgress:
         """The job's progress; a placeholder for one not arrived yet; an ended one for a job that
         arrived but was not layered here, or was forgotten (its layers are not known to be ready)."""
@@ -158,7 +171,7 @@ class LayerTable:
             progress = self._jobs.get(job_id) or self._waiting.get(job_id)
             if progress is None:
                 progress = LayerProgress(self.layers)
-                if job_id <= self._highest or self._closed:
+                if job_id <= self._highest or self._closed or job_id in self._gone:
                     progress.end()
                 else:
                     self._waiting[job_id] = progress

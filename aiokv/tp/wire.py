@@ -20,10 +20,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
-closes it only then: the manager reads a connection's end as "none of that rank's copies runs"."""
+closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
+5: WITHDRAWN frames: a layered job held for room and withdrawn unsent (its id was already in a
+``layered_load()``) ends the ranks' waits for it."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -32,6 +34,7 @@ _REFUSE = struct.Struct("<B")
 _ATTACHED = struct.Struct("<QB")
 _DONE = struct.Struct("<QB")
 _LAYERS = struct.Struct("<QI")
+_WITHDRAWN = struct.Struct("<Q")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 MAX_DEVICE_BYTES = 32
@@ -52,6 +55,7 @@ class FrameKind(enum.Enum):
     SPEC = 5
     DONE = 6
     LAYERS = 7
+    WITHDRAWN = 8
 
 
 _KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup per frame, not an Enum call
@@ -304,3 +308,19 @@ class Layers:
         if landed == 0:
             raise ProtocolError("layer report of 0 layers")
         return cls(job_id, landed)
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    """Manager -> worker: layered job ``job_id`` was withdrawn before it was sent (it waited for
+    room); it never arrives, so waits for its layers end (False)."""
+
+    job_id: int
+
+    def encode(self) -> bytes:
+        return _WITHDRAWN.pack(self.job_id)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Withdrawn:
+        (job_id,) = _fixed(_WITHDRAWN, payload, "withdrawal", exact=True)
+        return cls(job_id)

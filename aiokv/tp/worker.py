@@ -60,6 +60,7 @@ from .wire import (
     Refuse,
     RefuseReason,
     Welcome,
+    Withdrawn,
     frame,
 )
 
@@ -597,6 +598,9 @@ class _WorkerLink(asyncio.Protocol):
                     self._pause()
                     return
                 kind, payload = self._frames.popleft()
+                if kind is FrameKind.WITHDRAWN:  # in order with the specs around it
+                    executor.layers.withdrawn(Withdrawn.decode(payload).job_id)
+                    continue
                 if kind is not FrameKind.SPEC:
                     raise ProtocolError(f"expected a spec, got {kind.name}")
                 self._worker._run_spec(self, executor, payload)
