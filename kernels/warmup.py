@@ -49,12 +49,16 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+# Imported with this module (with the package, before an event loop runs), not at the first
+# warm-up: there it ran on the warm-up's thread under the loop, and compiling its source (no cached
+# bytecode: PYTHONDONTWRITEBYTECODE, a fresh tree) holds the GIL throughout: 8.6 ms on the CPU test
+# machine, 4.1 ms before the cache listings doubled the file. It imports the standard library only.
+from . import precompile as precompiler
 from .paths import TransferPath, interpreting
 
 if TYPE_CHECKING:
     from .launch import CopyPlan, LaunchKey
     from .mover import PageMover, _Lane
-    from .precompile import Precompile
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +385,7 @@ class _Launches:
         self.pending_set = set(self.pending)
         self.skipped = len(self.variants.keys) - len(self.pending)
         self.want_precompile = precompile and self.compiled and bool(self.pending)
-        self.child: Precompile | None = None
+        self.child: precompiler.Precompile | None = None
         self.child_index: dict[LaunchKey, int] = {}
         """The variants the helper compiles: their index in its keys."""
         self.listed: dict[LaunchKey, str] = {}
@@ -444,15 +448,13 @@ class _Launches:
 
     def start_child(self) -> None:
         """Start the helper for the pending variants not listed in Triton's cache (none: no helper)."""
-        from . import precompile
-
         try:
             target, cache_dir = _compile_target()
         except Exception as exc:  # another Triton's API: compile here, as without a helper
             log.debug("aiokv: no helper process for the kernel compiles: %r", exc)
             return
         try:
-            listing = precompile.fingerprint(target)
+            listing = precompiler.fingerprint(target)
         except Exception as exc:  # another Triton's layout: a helper for every variant, unlisted
             log.debug("aiokv: Triton's cache is not listed (%r): a helper compiles every variant", exc)
         else:
@@ -465,7 +467,7 @@ class _Launches:
                     time.sleep(YIELD_S)
                     since = time.perf_counter()
                 try:
-                    found = precompile.listed_variant(cache_dir, listing, key)
+                    found = precompiler.listed_variant(cache_dir, listing, key)
                 except Exception as exc:  # never here by design: the helper compiles it, as unlisted
                     log.debug("aiokv: the listing of %r could not be read: %r", key, exc)
                     found = None
@@ -474,24 +476,22 @@ class _Launches:
         missing = [key for key in self.pending if key not in self.listed]
         if missing:
             self.child_index = {key: i for i, key in enumerate(missing)}
-            self.child = precompile.Precompile(missing, target, cache_dir,
+            self.child = precompiler.Precompile(missing, target, cache_dir,
                                                None if self.listing is None else self.listing[1])
 
     def stale(self) -> str | None:
         """Count (and forget) listed variants this process compiled itself (see :func:`stale_entries`)."""
         if not self.listed or self.listing is None:
             return None
-        from . import precompile
-
         launched = set(self.launches.launched)
         listed = {key: value for key, value in self.listed.items() if key in launched}
         index = self.device.index
         if self.device.type == "cuda" and index is None:
             index = torch.cuda.current_device()
-        stale = precompile.stale_entries(listed, index)
+        stale = precompiler.stale_entries(listed, index)
         if not stale:
             return None
-        precompile.forget(*self.listing, stale)
+        precompiler.forget(*self.listing, stale)
         return f"{len(stale)} variant(s) listed in Triton's cache were compiled in this process (listing removed)"
 
     def launch(self, call: _Call) -> None:
