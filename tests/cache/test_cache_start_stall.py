@@ -197,10 +197,13 @@ async def main() -> None:
         theirs = max(0, runnable - last[1] - ours) / 1e9
         worst, raw = max(worst, now - due - theirs), max(raw, now - due)
         due, last, ticks = now + 0.001, (on_cpu, runnable, process), ticks + 1
+        if ticks >= 10 and not probing.done():
+            probing.set_result(None)
         handle = loop.call_at(due, tick)
     global handle
+    probing = loop.create_future()
     handle = loop.call_at(due, tick)
-    await asyncio.sleep(0.02)  # the probe's first ticks
+    await probing  # the probe's first ticks
     worst = raw = 0.0
     ticks = 0
     async with KVCache(config, layout, kv) as cache:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, config, make_kv, mover_of, prompt
+from loop_probes import until
 
 from aiokv import KVCache
 
@@ -50,8 +51,8 @@ async def test_stream_given_up_during_the_close_waits_for_its_copy(
         finishing = asyncio.ensure_future(stream.finish()) if how == "cancelled-finish" else None
         await asyncio.sleep(0)
         closing = asyncio.ensure_future(cache.aclose())
-        await asyncio.sleep(0.01)
-        assert cache._manager.closing and not ended
+        await until(lambda: cache._manager.closing)
+        assert not ended
         threading.Timer(0.2, release.set).start()  # the copy ends 0.2 s from now
         if finishing is None:
             await stream.aclose()
