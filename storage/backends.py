@@ -288,6 +288,19 @@ def _short_write(got: int, want: int) -> OSError:
     return OSError(errno.ENOSPC, f"short write ({got} of {want} bytes): file system full")
 
 
+
+def _bytes_read(results: list[int]) -> int | OSError:
+    """Bytes a read chain's transfers moved, or the error of the first that failed; a short read
+    broke the chain (the ops after it answer ECANCELED): the file is truncated, the sum says so."""
+    got = 0
+    for res in results:
+        if res == -errno.ECANCELED:
+            break
+        if res < 0:
+            return OSError(-res, os.strerror(-res))
+        got += res
+    return got
+
 class UringPageIO:
     """Page files through one io_uring; pool pages as fixed buffers when ``regions`` are given
     (from :func:`register_pool`: pool regions, then the header-slot region).
@@ -799,21 +812,14 @@ class UringPageIO:
         if unsafe is not None:
             done(unsafe)  # whatever the read did: its bytes never count
             return
-        got = 0
-        for res in results[2:-1]:
-            if res == -errno.EAGAIN:
-                # This file system answers O_NONBLOCK reads with EAGAIN: the checked way from now on.
-                self.chain_reads = False
-                log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
-                         "page files before reading them from now on")
-                self._load_checked(dir_fd, name, slot, page, done)
-                return
-            if res == -errno.ECANCELED:
-                break  # a short read broke the chain: the file is truncated
-            if res < 0:
-                done(OSError(-res, os.strerror(-res)))
-                return
-            got += res
+        got = _bytes_read(results[2:-1])
+        if isinstance(got, OSError) and got.errno == errno.EAGAIN:
+            # This file system answers O_NONBLOCK reads with EAGAIN: the checked way from now on.
+            self.chain_reads = False
+            log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
+                     "page files before reading them from now on")
+            self._load_checked(dir_fd, name, slot, page, done)
+            return
         done(got)
 
     def _load_checked(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
@@ -859,15 +865,7 @@ class UringPageIO:
         def read(results: list[int]) -> None:
             if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
                 self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
-            got = 0
-            for res in results[:-1]:
-                if res == -errno.ECANCELED:
-                    break  # a short read broke the chain: the file is truncated
-                if res < 0:
-                    done(OSError(-res, os.strerror(-res)))
-                    return
-                got += res
-            done(got)
+            done(_bytes_read(results[:-1]))
 
         self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=self._expect(ops))
 
