@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
 import torch
+from held_call import BOUND_S, Hold
 from loop_probes import until
 from tp_helpers import full_kv, new_pool
 
@@ -40,36 +39,6 @@ T = LAYOUT.page_tokens
 EPOCH = 1
 CONFIG = TPConfig(inline_copy_bytes=0)
 """Every CPU copy goes through the copy thread (none runs on the loop), where the test holds it."""
-BOUND_S = 60.0
-"""Upper bound of every wait (a hang fails the test instead of the suite)."""
-
-
-class Hold:
-    """Holds the first call of a real function on the thread that makes it until :meth:`release`."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.returned = threading.Event()
-        self._gate = threading.Event()
-
-    def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def held(*args: Any) -> Any:
-            first = not self.entered.is_set()
-            self.entered.set()
-            if first:
-                assert self._gate.wait(BOUND_S), "the test never released the held call"
-            try:
-                return call(*args)
-            finally:
-                self.returned.set()
-
-        return held
-
-    def release(self) -> None:
-        self._gate.set()
-
-    async def wait_entered(self) -> None:
-        assert await asyncio.to_thread(self.entered.wait, BOUND_S), "the held call was never made"
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from held_call import BOUND_S, Hold
 from loop_probes import until, waiting_in
 from tp_helpers import full_kv, new_pool
 from warmup_gate import WARM, warm_threads
@@ -44,37 +45,6 @@ LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
 T = LAYOUT.page_tokens
 CONFIG = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05, inline_copy_bytes=0)
 """Every CPU copy goes through the copy thread (none runs on the loop), where the test holds it."""
-BOUND_S = 60.0
-"""Upper bound of every wait (a hang fails the test instead of the suite)."""
-
-
-class Hold:
-    """Holds a real call on the thread that makes it: ``entered`` once it got there, ``returned``
-    once the real call is over; it waits for :meth:`release` (bounded)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.returned = threading.Event()
-        self._gate = threading.Event()
-
-    def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def held(*args: Any) -> Any:
-            first = not self.entered.is_set()
-            self.entered.set()
-            if first:
-                assert self._gate.wait(BOUND_S), "the test never released the held call"
-            try:
-                return call(*args)
-            finally:
-                self.returned.set()
-
-        return held
-
-    def release(self) -> None:
-        self._gate.set()
-
-    async def wait_entered(self) -> None:
-        assert await asyncio.to_thread(self.entered.wait, BOUND_S), "the held call was never made"
 
 
 @pytest.fixture
