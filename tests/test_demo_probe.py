@@ -47,6 +47,23 @@ def test_the_probe_sees_a_thread_that_holds_the_gil(long_switch_interval: float)
     assert probe.summary(busy_end + 10, busy_end + 11).samples == 0
 
 
+def test_a_busy_thread_counts_in_full_when_the_probe_reads_proc_every_sample(long_switch_interval: float) -> None:
+    # Regression (CI failure): the snapshot's file reads release the GIL, and waiting to get it back
+    # behind the busy thread went uncounted (busy fraction 0.07 here, 0.47 in CI where a snapshot
+    # fell in the busy span); a wait that ends after the span must still count its part.
+    with GilProbe(0.001, snapshot_every=1) as probe:
+        time.sleep(0.2)
+        busy_begin = time.perf_counter()
+        while time.perf_counter() - busy_begin < 0.3:
+            pass
+        busy_end = time.perf_counter()
+        time.sleep(0.1)  # the probe wakes after the span: its last wait straddles busy_end
+    busy = probe.summary(busy_begin, busy_end)
+    assert busy.busy_fraction > 0.8
+    idle = probe.summary(busy_end + 0.05, busy_end + 0.1)
+    assert idle.busy_fraction < 0.5
+
+
 def test_the_probe_refuses_a_bad_interval_and_a_second_start() -> None:
     with pytest.raises(ValueError, match="interval_s"):
         GilProbe(0.0)

@@ -79,17 +79,20 @@ class GilProbe:
     def _run(self) -> None:
         interval = self.interval_s
         n = 0
+        t = time.perf_counter()
         while not self._stop.is_set():
             if n % self.snapshot_every == 0:
                 snap = thread_run_times()
                 self._snap_times.append(time.perf_counter())
                 self._snaps.append(snap)
             n += 1
-            t = time.perf_counter()
             time.sleep(interval)
             now = time.perf_counter()
             self._times.append(now)  # list.append is atomic under the GIL: readers see a prefix
+            # From the previous wake-up, not from this sleep: the snapshot's file reads release the
+            # GIL, and waiting to get it back behind a busy thread is lag too (else it goes missing).
             self._lags.append(max(0.0, now - t - interval))
+            t = now
 
     def _span(self, begin: float, end: float) -> list[float]:
         times = self._times[: len(self._lags)]
@@ -117,7 +120,20 @@ class GilProbe:
         if not lags or end <= begin:
             return LagSummary(0, 0.0, 0.0, 0.0, 0.0)
         return LagSummary(len(lags), sum(lags) / len(lags), lags[min(len(lags) - 1, int(0.99 * len(lags)))],
-                          lags[-1], min(1.0, sum(lags) / (end - begin)))
+                          lags[-1], min(1.0, self._late_s(begin, end) / (end - begin)))
+
+    def _late_s(self, begin: float, end: float) -> float:
+        """Seconds of ``[begin, end]`` the probe spent late: each lag is the stretch ending at its
+        wake-up, clipped to the span, so a long wait that ends after ``end`` still counts its part."""
+        n = len(self._lags)
+        times, lags = self._times[:n], self._lags[:n]
+        late = 0.0
+        for i in range(bisect.bisect_left(times, begin), n):
+            wake = times[i]
+            late += max(0.0, min(wake, end) - max(wake - lags[i], begin))
+            if wake >= end:
+                break
+        return late
 
 
 _DIGITS = re.compile(r"\d+")
