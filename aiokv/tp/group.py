@@ -16,7 +16,6 @@ spec to eight ranks is dominated by such wake-ups; see ``tools/bench_specs.py``)
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import logging
@@ -33,6 +32,7 @@ from aiokv.layout import KVLayout, TPSlice
 from .config import TPConfig
 from .endpoint import Endpoint, clear_stale_socket, peer_credentials, private_directory, remove_endpoint
 from .jobs import Job, JobStatistics, JobTable, RankFailure
+from .room import RoomQueue
 from .specs import Direction, IntArrayLike, TransferSpec
 from .wire import (
     PROTOCOL_VERSION,
@@ -132,9 +132,7 @@ class RankGroup:
         self._server: asyncio.Server | None = None
         self._jobs = JobTable(self.config.max_jobs, on_room=self._room_freed)
         # Submissions waiting for room, in order: held jobs (submit_queued) and turns of submit().
-        self._queue: collections.deque[Job | asyncio.Future[None]] = collections.deque()
-        self._granted: asyncio.Future[None] | None = None  # a submit() given its turn, not yet resumed
-        self._pump_handle: asyncio.Handle | None = None
+        self._room = RoomQueue(self._jobs, self._send_held)
         self._ranks: dict[int, _RankLink] = {}  # claimed at hello, attached after ATTACHED
         self._links: set[_RankLink] = set()
         self._all_attached = asyncio.Event()
@@ -185,7 +183,7 @@ class RankGroup:
         """
         if self._close_task is None:
             self._closing = True
-            self._end_waits()  # nothing held is sent any more; waiting submissions end now
+            self._room.close()  # nothing held is sent any more; waiting submissions end now
             self._close_task = asyncio.get_running_loop().create_task(self._close())
         await asyncio.shield(self._close_task)
 
@@ -353,8 +351,8 @@ class RankGroup:
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
-        if self._queue or self._granted is not None:
-            raise asyncio.QueueFull(f"{len(self._queue)} submissions wait for room ahead of job {spec.job_id}")
+        if self._room.waiting:
+            raise asyncio.QueueFull(f"{self._room.waiting} submissions wait for room ahead of job {spec.job_id}")
         return self._send_new(spec, targets, layers)
 
     def submit_queued(self, spec: TransferSpec) -> Job:
@@ -370,22 +368,18 @@ class RankGroup:
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
-        if not self._queue and self._granted is None and self._jobs.in_flight < self._jobs.max_jobs:
+        if self._room.has_room():
             return self._send_new(spec, targets, layers)
         job = self._jobs.hold(spec, targets, layers)
-        self._queue.append(job)
+        self._room.hold(job)
         return job
 
     def withdraw(self, jobs: Iterable[Job]) -> int:
         """Withdraw those of ``jobs`` still held (:meth:`submit_queued`): none of them is ever sent,
         all before the queue moves on. Returns how many were; jobs sent or ended are left alone."""
-        ended = [job for job in jobs if self._jobs.withdraw(job)]
+        ended = self._room.withdraw(jobs)
         self._tell_withdrawn(ended)
-        withdrawn = len(ended)
-        if withdrawn:
-            self._queue = collections.deque(entry for entry in self._queue if not entry.done())
-            self._schedule_pump()  # a withdrawn head may have stood before room
-        return withdrawn
+        return len(ended)
 
     async def submit(self, spec: TransferSpec) -> Job:
         """:meth:`submit_nowait` after waiting for room among the ``max_jobs`` in flight, in turn
@@ -398,27 +392,11 @@ class RankGroup:
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
-        if not self._queue and self._granted is None and self._jobs.in_flight < self._jobs.max_jobs:
+        if self._room.has_room():
             return self._send_new(spec, targets, layers)
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(turn)
-        try:
-            await turn
-        except asyncio.CancelledError:
-            # Our turn came but we were cancelled before taking it: pass it on. Still queued: the
-            # cancellation cancelled ``turn`` with us; drop it now (it holds no spec).
-            if self._granted is turn:
-                self._granted = None
-                self._schedule_pump()
-            with contextlib.suppress(ValueError):
-                self._queue.remove(turn)
-            raise
-        if self._granted is turn:
-            self._granted = None
-        if self._closing:  # woken by the close: never sent
+        if not await self._room.wait_turn():  # woken by the close: never sent
             return self._jobs.withdrawn_job(spec, targets, layers)
-        self._schedule_pump()  # those behind us: after our spec is sent, in order
-        return self._send_new(spec, targets, layers)
+        return self._send_new(spec, targets, layers)  # at once: those behind us move after it
 
     @property
     def closing(self) -> bool:
@@ -481,47 +459,19 @@ class RankGroup:
                 conn.transport.write(data)
 
     def _room_freed(self) -> None:
-        # Called by the job table inside its bookkeeping: send from a later callback, never here.
-        if self._queue:
-            self._schedule_pump()
+        # The job table's on_room (it exists before the queue that takes it).
+        self._room.room_freed()
 
-    def _schedule_pump(self) -> None:
-        if self._pump_handle is None and self._queue:
-            self._pump_handle = asyncio.get_running_loop().call_soon(self._pump)
-
-    def _pump(self) -> None:
-        """Send held jobs and wake waiting submissions in order while there is room; a woken
-        submission sends its own spec (then pumps again), so nothing overtakes it."""
-        self._pump_handle = None
-        jobs = self._jobs
-        while self._queue and self._granted is None and not self._closing:
-            head = self._queue[0]
-            if head.done():  # withdrawn, or a cancelled submission
-                self._queue.popleft()
-                continue
-            if jobs.in_flight >= jobs.max_jobs:
-                return
-            self._queue.popleft()
-            if isinstance(head, Job):
-                failures = self._missing()
-                if failures:
-                    if jobs.fail_held(head, failures):
-                        self._tell_withdrawn([head])
-                else:
-                    jobs.admit(head)
-                    self._send(head)
-            else:
-                self._granted = head
-                head.set_result(None)
-
-    def _end_waits(self) -> None:
-        """The close's first step: held jobs are withdrawn, waiting submissions woken (withdrawn)."""
-        queue, self._queue = self._queue, collections.deque()
-        for entry in queue:
-            if isinstance(entry, Job):
-                self._jobs.withdraw(entry)
-            elif not entry.done():
-                entry.set_result(None)
+    def _send_held(self, job: Job) -> None:
+        """A held job's turn came (room is reserved for it): send it, or fail it unsent when ranks
+        are missing, as :meth:`submit_nowait` would."""
+        failures = self._missing()
+        if failures:
+            if self._jobs.fail_held(job, failures):
+                self._tell_withdrawn([job])
+        else:
+            self._jobs.admit(job)
+            self._send(job)
 
     @property
     def jobs(self) -> JobTable:
@@ -542,7 +492,7 @@ class RankGroup:
             disconnects=self._disconnects,
             link_errors=self._link_errors,
             jobs=self._jobs.statistics(),
-            waiting=len(self._queue) + (self._granted is not None),
+            waiting=self._room.waiting,
             fenced=self._fenced,
         )
 
