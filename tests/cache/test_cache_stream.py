@@ -320,22 +320,31 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
 @pytest.mark.parametrize("path", ["load", "stream"])
 async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     # The issue's rule (#10): slot indices are validated once per call (range, duplicates: a pass
-    # over the indices and a bitmap or sort), at the public edge; the launches below trust them.
+    # over the indices and a bitmap or sort), at the public edge; the launches below trust them
+    # (the kernels' own check never runs).
     import aiokv.kernels.checks as checks
+    import aiokv.slots as edge
 
     n = 6 * T
     tokens = prompt(76, n)
     calls = [0]
-    real: Callable[..., Any] = checks.check_slot_range
+    below = [0]
+    real: Callable[..., Any] = edge.check_values
+    kernels_check: Callable[..., Any] = checks.check_slot_range
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return real(*args, **kwargs)
 
+    def counted_below(*args: Any, **kwargs: Any) -> Any:
+        below[0] += 1
+        return kernels_check(*args, **kwargs)
+
     async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, make_kv(76)) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
-        monkeypatch.setattr(checks, "check_slot_range", counted)
+        monkeypatch.setattr(edge, "check_values", counted)
+        monkeypatch.setattr(checks, "check_slot_range", counted_below)
         match = await cache.match(tokens)
         assert match.pool_pages == 6  # six launch groups of one page
         target = torch.arange(100, 100 + n)
@@ -345,7 +354,7 @@ async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: p
         else:
             async with await cache.start_load(match, target) as stream:
                 assert (await stream.finish()).loaded_from == 0
-        assert calls[0] == 1
+        assert calls[0] == 1 and below[0] == 0
         await assert_quiescent(cache)
 
 
