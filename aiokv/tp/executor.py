@@ -133,8 +133,6 @@ class RankExecutor:
         self._slot_bytes = layout.num_layers * kv.rows_local * layout.head_dim * layout.itemsize
         self._idle = asyncio.Event()
         self._idle.set()
-        self._room = asyncio.Event()
-        self._room.set()
         self._closing = False
         self._pages_per_chunk = max(1, self.config.register_chunk_bytes // kv.layout.page_bytes)
         self._registering: concurrent.futures.ThreadPoolExecutor | None = None
@@ -182,8 +180,6 @@ class RankExecutor:
         result: asyncio.Future[RankReport] = loop.create_future()
         self._in_flight += 1
         self._idle.clear()
-        if self._in_flight >= self.config.worker_max_inflight:
-            self._room.clear()
         result.add_done_callback(self._finished)
         progress = self.layers.arrived(spec.job_id, spec.layered)
         if progress is not None:
@@ -364,16 +360,8 @@ class RankExecutor:
 
     def _finished(self, _: asyncio.Future[RankReport]) -> None:
         self._in_flight -= 1
-        if self._in_flight < self.config.worker_max_inflight:
-            self._room.set()
         if self._in_flight == 0:
             self._idle.set()
-
-    async def wait_room(self) -> None:
-        """Wait until fewer than ``worker_max_inflight`` specs are in flight."""
-        while self._in_flight >= self.config.worker_max_inflight:
-            self._room.clear()
-            await self._room.wait()
 
     async def drain(self) -> None:
         """Wait until every started spec has reported."""

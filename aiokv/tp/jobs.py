@@ -172,8 +172,6 @@ class JobTable:
         self._jobs: dict[int, _Entry] = {}
         self._held: dict[int, Job] = {}
         self._by_rank: dict[int, set[int]] = collections.defaultdict(set)
-        self._room = asyncio.Event()
-        self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._submitted = 0
@@ -268,8 +266,6 @@ class JobTable:
         for rank in job.ranks:
             self._by_rank[rank].add(job.id)
         self._idle.clear()
-        if len(self._jobs) >= self.max_jobs:
-            self._room.clear()
 
     @staticmethod
     def _end_unsent(job: Job, outcome: JobOutcome) -> None:
@@ -387,7 +383,6 @@ class JobTable:
         else:
             self._failed += 1
         entry.job._future.set_result(outcome)
-        self._room.set()
         if not self._jobs:
             self._idle.set()
         if self._on_room is not None:
@@ -404,12 +399,6 @@ class JobTable:
     def held(self) -> int:
         """Jobs waiting for room (held, not sent)."""
         return len(self._held)
-
-    async def wait_room(self) -> None:
-        """Wait until fewer than ``max_jobs`` jobs are in flight."""
-        while len(self._jobs) >= self.max_jobs:
-            self._room.clear()
-            await self._room.wait()
 
     async def wait_idle(self) -> None:
         """Wait until no job is in flight."""
