@@ -52,6 +52,7 @@ from aiokv.layout import KVBuffer
 from aiokv.pool import PageMemory
 from aiokv.shm import ChunkResult, prepare_in_background
 
+from .cancels import Cancels
 from .config import TPConfig
 from .layers import LayerProgress, LayerTable
 from .paced import feed_layers, stopped_by_request, watch_landed
@@ -391,10 +392,8 @@ class RankExecutor:
         each step to its end, then raises the cancel: a cancel during the drain used to skip the
         unmap (the pool stayed mapped), one during the unmap let a second call return before it.
         """
-        from .worker import _Cancels  # worker.py imports this module: not at import time
-
         self.fence()
-        cancels = _Cancels()
+        cancels = Cancels()
         await cancels.outlast(self.drain())
         self.layers.close()
         if self._unmapped is None:

@@ -42,6 +42,7 @@ from aiokv.kernels.warmup import WarmUp
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pool import PagePool
 
+from .cancels import Cancels
 from .config import TPConfig
 from .executor import RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
@@ -205,7 +206,7 @@ class RankWorker:
                             await self._stop.wait()
         finally:
             bridge, self._bridge = self._bridge, None
-            cancels = _Cancels()
+            cancels = Cancels()
             try:
                 await cancels.outlast(asyncio.to_thread(bridge.close))  # joins its threads: off the loop
             finally:
@@ -243,7 +244,7 @@ class RankWorker:
                 # again meanwhile (a second aclose, or run() cancelled then aclose): the cancel is
                 # raised once the mapping is gone.
                 executor.fence()
-                cancels = _Cancels()
+                cancels = Cancels()
                 await cancels.outlast(executor.drain())
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
@@ -277,7 +278,7 @@ class RankWorker:
 
     async def _attach(self, welcome: Welcome, link: _WorkerLink) -> RankExecutor:
         assert self._bridge is not None
-        cancels = _Cancels()
+        cancels = Cancels()
         try:
             # A cancel (aclose, the handshake's timeout) does not abandon the thread mapping the
             # pool: the mapping it returns would stay in this process for good.
@@ -463,39 +464,6 @@ class RankWorker:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-class _Cancels:
-    """Runs the steps of a teardown to their end even when its task is cancelled meanwhile, and
-    remembers the cancel: :meth:`raise_if_cancelled` raises it after the last step. (A cancel
-    lands at whichever await runs: a step cut short left the link closing on a running copy, the
-    pool mapped or a warm-up thread unjoined.)"""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    async def outlast(self, step: Awaitable[T]) -> T:
-        """Await ``step`` to its end through any number of cancels; returns or raises what it does."""
-        future = asyncio.ensure_future(step)
-        while not future.done():
-            try:
-                await asyncio.wait({future})
-            except asyncio.CancelledError:
-                self.cancelled = True
-        return future.result()
-
-    async def settle(self, step: Awaitable[None]) -> None:
-        """Await ``step``, which itself runs to its end through a cancel and raises it after
-        (``RankWarmUp.aclose``), and remember that cancel instead. Awaited in this task: no task
-        of its own, and a probe of this task's await chain sees the step."""
-        try:
-            await step
-        except asyncio.CancelledError:
-            self.cancelled = True
-
-    def raise_if_cancelled(self) -> None:
-        if self.cancelled:
-            raise asyncio.CancelledError
 
 
 def _layer_reporter(link: _WorkerLink) -> Callable[[int, int], None]:
