@@ -1,0 +1,91 @@
+"""A consumer that cancels a TP job's layer future must not make the stream's ``wait_layer`` raise
+into the engine (the contract: a fault below the caller is a miss, never a crash of the engine's
+loop). The future is shared by the job, its copy and the stream, and an ``asyncio.wait_for`` on it
+that times out cancels it.
+
+A TP stream's copies carry no CUDA event (each rank orders its own stream), so even with CUDA ranks
+``wait_layer`` gathers the layer futures with ``return_exceptions``: the cancelled layer answers
+False, the other layers still answer True, ``finish()`` ends normally and no page reference leaks.
+The ranks are FakeRanks speaking raw frames and claiming a CUDA device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from test_group import FAST, LAYOUT, FakeRank, T
+
+from aiokv import CacheConfig
+from aiokv.tp import Direction, Job, TPCache, TransferSpec
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = CacheConfig(cpu_bytes=16 * LAYOUT.for_tp(2).page_bytes, namespace="cancelled-layer")
+    async with TPCache(config, LAYOUT, tp_size=2, num_slots=64, tp_config=FAST, directory=tmp_path / "s") as cache:
+        group = cache.group
+        jobs: list[Job] = []
+        real_submit = group.submit_queued
+
+        def submit_queued(spec: TransferSpec) -> Job:  # a spy: the real submit runs
+            job = real_submit(spec)
+            jobs.append(job)
+            return job
+
+        monkeypatch.setattr(group, "submit_queued", submit_queued)
+        ranks = [await FakeRank.connect(group, r, device="cuda") for r in range(2)]
+        loads: list[asyncio.Queue[TransferSpec]] = [asyncio.Queue(), asyncio.Queue()]
+
+        async def serve(r: int) -> None:
+            while True:
+                try:
+                    spec = await ranks[r].next_spec()
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                if spec.direction is Direction.OFFLOAD:
+                    ranks[r].report(spec.job_id)
+                else:
+                    loads[r].put_nowait(spec)  # reported by the test
+
+        servers = [asyncio.ensure_future(serve(r)) for r in range(2)]
+        try:
+            await cache.wait_ranks()
+            assert group.device_kind == "cuda"
+            tokens = list(range(2 * T))
+            assert (await cache.offload(tokens, torch.arange(2 * T))).stored == 2
+
+            stream = cache.start_load(await cache.match(tokens), torch.arange(16, 16 + 2 * T), layered=True)
+            await stream.launched()
+            (job,) = [j for j in jobs if j.spec.direction is Direction.LOAD]
+            assert stream.layered_load().jobs == (job.id,)
+            specs = [await asyncio.wait_for(q.get(), 10) for q in loads]
+            assert {s.job_id for s in specs} == {job.id}
+
+            waiting = asyncio.ensure_future(stream.wait_layer(0))  # the engine, before layer 0
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            with pytest.raises(TimeoutError):  # a consumer's bounded wait on the shared future
+                await asyncio.wait_for(job.layer_futures[0], 0.01)
+            assert job.layer_futures[0].cancelled()
+
+            assert await asyncio.wait_for(waiting, 10) is False  # raised CancelledError if gathered plainly
+            for r in ranks:
+                r.report(job.id)  # every rank's whole part landed
+            outcome = await asyncio.wait_for(job, 10)
+            assert outcome.ok
+            for layer in range(1, LAYOUT.num_layers):
+                assert await stream.wait_layer(layer) is True
+            assert await stream.wait_layer(0) is False  # asked again: still an answer, not an error
+            result = await stream.finish()
+            assert result.tokens == 2 * T
+            assert cache.manager.pool.table.statistics().referenced == 0  # every reference given back
+        finally:
+            for s in servers:
+                s.cancel()
+            for r in ranks:
+                await r.close()
