@@ -79,6 +79,10 @@ class StreamCopies:
     async def wait_layer(self, layer: int) -> bool:
         """:meth:`LoadStream.wait_layer` once the loader is done (``layer`` already checked)."""
         copies = self.fix()
+        for c in copies:
+            # A layer reported already resolves now; one not yet is handed over when it is (the
+            # copy thread wakes the loop only for layers waited on).
+            c.want_layer(layer)
         if self._cuda:
             # Only layers not queued yet are awaited: an engine waits on every layer in turn.
             queued = [c.layer_futures[layer] for c in copies

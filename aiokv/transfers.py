@@ -9,6 +9,7 @@ tensor-parallel group run theirs in their own processes (:mod:`aiokv.tp`).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ class Copy:
     layer_events: tuple[torch.cuda.Event, ...] = ()
     """CUDA, layer by layer: event ``l`` completes once layers ``0..l`` landed."""
     layer_futures: tuple[asyncio.Future[bool], ...] = ()
-    """CPU, layer by layer: future ``l`` resolves True once layer ``l`` landed (False: it never will)."""
+    """CPU, layer by layer: future ``l`` resolves True once layer ``l`` landed (False: it never will);
+    with a :attr:`handover`, only once wanted (:meth:`want_layer`), or at the end."""
     ordered: bool = True
     """Whether the engine's stream was made to wait on the whole copy at launch."""
     paced: PacedLayers | None = None
@@ -48,6 +50,75 @@ class Copy:
     launch: PacedLaunch | None = None
     """CUDA, a paced whole-page copy: launched only once earlier copies drained (``event`` is
     then ``launch.event``; before that nothing of it is on the GPU and it can be withdrawn)."""
+    handover: LayerHandover | None = None
+    """Where the copy thread reports ``layer_futures``' outcomes: they resolve once awaited through
+    :meth:`want_layer` (at once when reported already), at the last layer, or when the copy ends;
+    None: they resolve as reported (a TP job's)."""
+
+    def want_layer(self, layer: int) -> None:
+        """On the loop, before awaiting ``layer_futures[layer]``: have it resolved as soon as it is
+        reported (now, with no loop turn, when it was)."""
+        if self.handover is not None:
+            self.handover.want(layer)
+
+
+class LayerHandover:
+    """A layer-wise copy's per-layer outcomes, reported by the thread that copies (or queues) the
+    layers and handed to the loop only when someone waits for one.
+
+    A layer's future used to be posted to the loop as each layer landed: a wake-up per layer
+    (~32 per streaming hit, each the self-pipe, a hand-over and the GIL taken from the loop) while
+    the engine usually asks for a layer long after it landed. Now the thread records the outcome;
+    a loop-side :meth:`want` of a reported layer resolves it on the spot, one of a layer not yet
+    reported makes the thread post when that layer (and every one before it) is reported. The last
+    layer is always posted (a paced load's quiesce waits for it), and :meth:`settle` resolves
+    every future left once the copy is over.
+    """
+
+    __slots__ = ("_bridge", "_futures", "_lock", "_posted", "_results", "_through", "_wants")
+
+    def __init__(self, bridge: CompletionBridge, futures: tuple[asyncio.Future[bool], ...]) -> None:
+        self._bridge = bridge
+        self._futures = futures
+        self._results: list[bool | None] = [None] * len(futures)
+        self._through = 0  # layers [0, _through) are reported
+        self._posted = 0  # layers [0, _posted) are resolved or on their way to the loop
+        self._wants: set[int] = set()  # layers awaited on the loop, not reported yet
+        self._lock = threading.Lock()
+
+    def report(self, layer: int, outcome: bool) -> None:
+        """From the copying thread: layer ``layer`` landed (queued on CUDA) or, False, never will."""
+        with self._lock:
+            self._results[layer] = outcome
+            results, through = self._results, self._through
+            while through < len(results) and results[through] is not None:
+                through += 1
+            self._through = through
+            if through < len(results) and not any(w < through for w in self._wants):
+                return  # nobody waits on these yet: no wake-up
+            self._wants = {w for w in self._wants if w >= through}
+            start, self._posted = self._posted, max(self._posted, through)
+        for index in range(start, through):
+            self._bridge.resolve_threadsafe(self._futures[index], results[index])  # one wake-up for the batch
+
+    def want(self, layer: int) -> None:
+        """On the loop: ``layer``'s future is about to be awaited."""
+        with self._lock:
+            if layer >= self._through:
+                self._wants.add(layer)
+                return
+            start, self._posted = self._posted, max(self._posted, self._through)
+            stop = self._posted
+        for index in range(start, stop):
+            _resolve_layer(self._futures[index], self._results[index] is True)
+
+    def settle(self) -> None:
+        """On the loop, once the copy is over: every future left resolves with its layer's outcome
+        (False where none was reported: it never lands)."""
+        with self._lock:
+            self._posted = len(self._futures)
+        for future, outcome in zip(self._futures, self._results, strict=True):
+            _resolve_layer(future, outcome is True)
 
 
 class CopyWithdrawn(RuntimeError):
@@ -287,31 +358,29 @@ class LocalTransfers:
             assert events is not None
             return Copy(self._bridge.wait(events[-1], Lane.LOAD), events[-1], tuple(events), ordered=False)
         layers = tuple(loop.create_future() for _ in range(mover.kv.layout.num_layers))
+        handover = LayerHandover(self._bridge, layers)
 
         def landed(layer: int) -> None:
-            # Through the bridge's batched hand-over: layers landing close together wake the loop once.
-            self._bridge.resolve_threadsafe(layers[layer], True)
+            handover.report(layer, True)  # wakes the loop only for a layer it waits on
 
         future = self._bridge.run_cpu(lambda: _call(mover.load_layers, page_ids, slots, skip, landed, checked=True))
 
         def settled(_: asyncio.Future[None]) -> None:
-            for layer in layers:  # withdrawn or failed: what did not land never will
-                _resolve_layer(layer, False)
+            handover.settle()  # withdrawn or failed: what did not land never will
 
         future.add_done_callback(settled)
-        return Copy(future, layer_futures=layers)
+        return Copy(future, layer_futures=layers, handover=handover)
 
     def _feed(self, paced: PacedLayers, loop: asyncio.AbstractEventLoop) -> Copy:
         """Queue a paced layer-wise load on the copy thread (idle on CUDA): it issues the units a few
         ahead of the GPU and resolves layer ``l``'s future as layer ``l``'s event is queued."""
         layers = tuple(loop.create_future() for _ in paced.events)
-
-        def issued(layer: int, queued: bool) -> None:
-            # One loop wake-up per batch of layers queued, not one per layer; a closed loop: dropped.
-            self._bridge.resolve_threadsafe(layers[layer], queued)
+        # The loop is woken for a layer only once it waits on it (and for the last one, which
+        # quiesce waits for); a closed loop: dropped.
+        handover = LayerHandover(self._bridge, layers)
 
         try:
-            future = self._bridge.run_cpu(lambda: paced.feed(issued))
+            future = self._bridge.run_cpu(lambda: paced.feed(handover.report))
         except Exception as exc:  # the bridge is closed: nothing was queued
             paced.discard()
             return failed_copy(exc)
@@ -319,11 +388,11 @@ class LocalTransfers:
         def settled(done: asyncio.Future[None]) -> None:
             if done.cancelled():
                 paced.discard()  # withdrawn before it ran (a no-op once it ran)
-            for layer in layers:  # what was not queued never will be
-                _resolve_layer(layer, False)
+            handover.settle()  # what was not queued never will be
 
         future.add_done_callback(settled)
-        return Copy(future, paced.events[-1], tuple(paced.events), layers, ordered=False, paced=paced)
+        return Copy(future, paced.events[-1], tuple(paced.events), layers, ordered=False, paced=paced,
+                    handover=handover)
 
     def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
         if not self._cuda:
