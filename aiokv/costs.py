@@ -17,6 +17,7 @@ it atomically (a fresh owner-only temporary file, then ``rename``), never throug
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -27,9 +28,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+FIT_MIN_SAMPLES = 3
+"""Observations a meter needs before it splits its time into a fixed part and a per-unit part."""
+FIT_MIN_SPREAD = 0.1
+"""Least spread of the observed amounts (standard deviation over mean) for that split: calls of one
+size cannot tell a fixed cost from a slower rate."""
+FIXED_MAX_S = 10.0
+"""Largest fixed cost (and spread) a meter keeps or a rates file may hold, in seconds."""
+MARGIN_FRACTION = 0.05
+"""Stated part of the margin: a load or split expected to gain less than this fraction of the
+recompute time (besides the measured spreads) is not worth its risk; recompute instead."""
+
 
 class RateMeter:
-    """An exponentially weighted moving average of a rate (amount per second).
+    """An exponentially weighted moving average of a rate (amount per second), and of the line
+    ``seconds = fixed + amount / marginal`` through the same observations.
+
+    ``rate`` is the moving average of amount/seconds per call (what is saved as the rate). Calls of
+    different sizes (a claim of a page and one of a chunk; a load of 5 pages and one of 31) also
+    tell a fixed cost per call (time to the first delivered byte, a launch's set-up) from the
+    marginal rate: a weighted least-squares line over the moving moments of (amount, seconds),
+    used by :meth:`seconds` once :data:`FIT_MIN_SAMPLES` calls of spread sizes were seen (or a
+    saved line was restored). ``spread`` is the moving average of how far each call's time lay from
+    what the meter predicted for it before it was folded: the margin of an estimate.
 
     ``samples`` counts the observations folded in (a restored meter keeps its count); ``listener``
     is called after each fold (the cache schedules saving the rates).
@@ -42,31 +63,210 @@ class RateMeter:
         self.samples = 0
         """Observations folded in so far (restored ones included)."""
         self.listener: Callable[[], None] | None = None
+        self._moments: tuple[float, float, float, float] | None = None  # means of x, y, x², xy
+        self._fitted = 0  # observations in the moments (not restored ones)
+        self._restored_line: tuple[float, float] | None = None  # (fixed s, marginal rate) from a file
+        self._spread: float | None = None
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
-        if amount <= 0 or seconds <= 0:
+        if amount <= 0 or seconds <= 0 or not math.isfinite(amount) or not math.isfinite(seconds):
             return
+        predicted = self.seconds(amount)
+        if predicted is not None:
+            error = min(abs(seconds - predicted), FIXED_MAX_S)
+            self._spread = error if self._spread is None else self._ewma(self._spread, error)
         rate = amount / seconds
-        self._rate = rate if self._rate is None else (1 - self._weight) * self._rate + self._weight * rate
+        self._rate = rate if self._rate is None else self._ewma(self._rate, rate)
+        sample = (amount, seconds, amount * amount, amount * seconds)
+        old = self._moments
+        self._moments = sample if old is None else (
+            self._ewma(old[0], sample[0]), self._ewma(old[1], sample[1]),
+            self._ewma(old[2], sample[2]), self._ewma(old[3], sample[3]))
+        self._fitted += 1
         self.samples += 1
         if self.listener is not None:
             self.listener()
 
-    def restore(self, rate: float, samples: int) -> None:
-        """Take a saved state (already checked and clamped): the moving average goes on from it."""
+    def _ewma(self, old: float, new: float) -> float:
+        return (1 - self._weight) * old + self._weight * new
+
+    def restore(self, rate: float, samples: int, saved: SavedFit | None = None) -> None:
+        """Take a saved state (already checked and clamped): the moving averages go on from it.
+        ``saved``: the fixed cost, marginal rate and spread saved with the rate (version 2 files)."""
         self._rate = rate
         self.samples = samples
+        if saved is not None:
+            self._spread = saved.spread
+            if saved.fixed is not None and saved.marginal is not None:
+                self._restored_line = (saved.fixed, saved.marginal)
 
     def reset(self) -> None:
         """Back to the state it was built with: what it measured belongs to another device."""
         self._rate = self._initial
         self.samples = 0
+        self._moments = None
+        self._fitted = 0
+        self._restored_line = None
+        self._spread = None
 
     @property
     def rate(self) -> float | None:
         """The current estimate, or None before the first observation."""
         return self._rate
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed seconds, marginal rate)`` of the calls seen, or None while it cannot be told.
+
+        The least-squares line through the moving moments, its fixed part clipped to
+        ``[0, FIXED_MAX_S]`` and the line kept through the mean call (a negative fixed part is
+        noise: the calls then scale with their size). None before :data:`FIT_MIN_SAMPLES` calls
+        of spread sizes, or when the time does not grow with the amount; a restored line then.
+        """
+        m = self._moments
+        if m is not None and self._fitted >= FIT_MIN_SAMPLES:
+            mx, my, mxx, mxy = m
+            var = mxx - mx * mx
+            if var > (FIT_MIN_SPREAD * mx) ** 2:
+                slope = (mxy - mx * my) / var
+                if slope > 0:
+                    # Below my: the slope is positive. Clipped, the line still passes the mean call.
+                    fixed = min(max(my - slope * mx, 0.0), FIXED_MAX_S)
+                    return fixed, mx / (my - fixed)
+        return self._restored_line
+
+    @property
+    def fixed(self) -> float:
+        """Seconds every call pays whatever its size (0 while :meth:`line` cannot tell)."""
+        line = self.line()
+        return 0.0 if line is None else line[0]
+
+    @property
+    def marginal(self) -> float | None:
+        """Amount per second beyond the fixed part (:attr:`rate` while :meth:`line` cannot tell)."""
+        line = self.line()
+        return self._rate if line is None else line[1]
+
+    @property
+    def spread(self) -> float:
+        """Moving average of the gap between each call's time and its prediction, in seconds (0: none yet)."""
+        return 0.0 if self._spread is None else self._spread
+
+    def seconds(self, amount: float) -> float | None:
+        """Predicted seconds of a call moving ``amount`` (0 for nothing); None before any rate."""
+        marginal = self.marginal
+        if marginal is None:
+            return None
+        return 0.0 if amount <= 0 else self.fixed + amount / marginal
+
+    def saved_fit(self) -> SavedFit | None:
+        """What :func:`encode_rates` keeps besides the rate (None: nothing yet)."""
+        line = self.line()
+        if line is None and self._spread is None:
+            return None
+        return SavedFit(None if line is None else line[0], None if line is None else line[1], self.spread)
+
+
+@dataclass(frozen=True)
+class SavedFit:
+    """A meter's line and spread as saved: ``fixed`` seconds and ``marginal`` rate (both or neither)."""
+
+    fixed: float | None
+    marginal: float | None
+    spread: float
+
+
+@dataclass(frozen=True)
+class PageCosts:
+    """Per-page and per-call costs of one match (seconds), from which every plan is priced.
+
+    Pages ``[0, pool_pages)`` are in the pool, ``[pool_pages, pool_pages + disk_pages)`` on disk.
+    A load from the back of pages ``[k, P)`` takes :attr:`load_fixed` plus ``copy`` per page plus
+    ``read`` per disk page; computing ``[0, k)`` in claims takes ``claim_fixed`` plus ``compute``
+    per page; recomputing all of it in the engine's own prefill pass ``compute`` per page (that
+    pass's fixed cost is paid with or without the cache).
+    """
+
+    copy: float
+    read: float
+    compute: float
+    copy_fixed: float
+    """A load's copies: set-up before the first page lands (pool meter's fixed part)."""
+    read_fixed: float
+    """A load's disk reads: latency of the first read beyond its bytes (disk meter's fixed part)."""
+    claim_fixed: float
+    """The claims of a split: the engine's per-call prefill cost (prefill meter's fixed part)."""
+    pool_pages: int
+    disk_pages: int
+    page_tokens: int
+    copy_spread: float = 0.0
+    read_spread: float = 0.0
+    claim_spread: float = 0.0
+
+    @property
+    def pages(self) -> int:
+        return self.pool_pages + self.disk_pages
+
+    @property
+    def load_fixed(self) -> float:
+        """Fixed cost of a load of any pages from the back (the last page is a disk page if any is)."""
+        return self.copy_fixed + (self.read_fixed if self.disk_pages else 0.0)
+
+    def load(self, k: int) -> float:
+        """Loading pages ``[k, P)`` from the back (0 for none)."""
+        n = self.pages - k
+        if n <= 0:
+            return 0.0
+        disk = min(n, self.disk_pages)
+        return self.load_fixed + n * self.copy + disk * self.read
+
+    def ready(self, k: int) -> float:
+        """When the prefix is in with the fronts meeting at page ``k``: compute ``[0, k)``, load the rest."""
+        if k >= self.pages:
+            return self.pages * self.compute  # no load: the engine's own pass, no claims
+        compute = 0.0 if k <= 0 else self.claim_fixed + k * self.compute
+        return max(compute, self.load(k))
+
+    def best_split(self) -> int:
+        """The page where the fronts should meet (the least k of the least :meth:`ready`), in O(1).
+
+        On ``[1, P-1]`` ``ready`` is the max of an increasing line (the claims) and a decreasing
+        two-piece line (the load: disk pages, then pool pages), so its least value over integers
+        lies next to where they cross. The ends (load all, recompute all) are priced apart.
+        """
+        p = self.pages
+        candidates = {0, p}
+        if p >= 2:
+            c, a, b = self.compute, self.copy, self.read
+            pool, disk = self.pool_pages, self.disk_pages
+            base = self.load_fixed - self.claim_fixed
+            # On the disk piece (k >= pool): claim_fixed + k c = load_fixed + (P - k)(a + b).
+            x = (base + p * (a + b)) / (c + a + b) if disk and c + a + b > 0 else -math.inf
+            if x < pool:  # on the pool piece: claim_fixed + k c = load_fixed + disk (a + b) + (pool - k) a
+                x = (base + disk * (a + b) + pool * a) / (c + a) if c + a > 0 else math.inf
+            x = min(max(x, 1.0), p - 1.0)
+            candidates |= {math.floor(x), math.ceil(x)}
+        return min(sorted(candidates), key=self.ready)
+
+    def suffix(self, first: int) -> PageCosts:
+        """The costs of pages ``[first, P)`` alone (the engine holds the others)."""
+        first = min(max(first, 0), self.pages)
+        pool = max(self.pool_pages - first, 0)
+        return dataclasses.replace(self, pool_pages=pool, disk_pages=self.pages - first - pool)
+
+    def estimate(self) -> LoadEstimate:
+        """The :class:`LoadEstimate` of these pages (every cost known)."""
+        p, disk = self.pages, self.disk_pages
+        k = self.best_split()
+        claims = 0 < k < p
+        recompute = p * self.compute
+        margin = (MARGIN_FRACTION * recompute + self.copy_spread + (self.read_spread if disk else 0.0)
+                  + (self.claim_spread if claims else 0.0))
+        overhead = (self.load_fixed if k < p else 0.0) + (self.claim_fixed if claims else 0.0)
+        return LoadEstimate(
+            0.0 if p == 0 else self.copy_fixed + p * self.copy,
+            0.0 if disk == 0 else self.read_fixed + disk * self.read,
+            recompute, k * self.page_tokens, self.ready(k), overhead, margin, self)
 
 
 @dataclass(frozen=True)
@@ -74,13 +274,21 @@ class LoadEstimate:
     """What loading a match would cost, by the rates measured so far (None: not known yet)."""
 
     pool_seconds: float | None
-    """Copying its pool pages into the KV buffer."""
+    """Copying its pool pages into the KV buffer (the copies' fixed cost included)."""
     disk_seconds: float | None
-    """Reading its disk pages into the pool (before they are copied)."""
+    """Reading its disk pages into the pool (before they are copied; the first read's latency included)."""
     recompute_seconds: float | None
     """Prefilling its tokens instead."""
     split_token: int | None
     """Where a compute-or-load split is expected to meet: compute ``[0, split)``, load the rest."""
+    split_seconds: float | None = None
+    """When the prefix is expected in with that split (fixed costs included)."""
+    overhead_seconds: float = 0.0
+    """Fixed costs in that split (the load's first-byte latency and set-up, the claims' per-call cost)."""
+    margin_seconds: float = 0.0
+    """Gain a load or split must beat: :data:`MARGIN_FRACTION` of recomputing plus the meters' spreads."""
+    costs: PageCosts | None = None
+    """The per-page costs behind it (None while a rate is unknown), to price part of the match."""
 
     @property
     def load_seconds(self) -> float | None:
@@ -91,19 +299,29 @@ class LoadEstimate:
 
     @property
     def worth_loading(self) -> bool | None:
-        """Whether a plain load is expected to beat recomputing (None: not known yet).
+        """Whether a plain load is expected to beat recomputing by more than the margin (None: not known yet).
 
-        False as soon as one known part alone (the disk reads, say) takes as long as recomputing,
-        even while the other's rate is unknown: aiokv never picks a load it expects to lose.
+        False as soon as one known part alone (the disk reads, say) takes as long as recomputing
+        less the margin, even while the other's rate is unknown: aiokv never picks a load it expects
+        to lose.
         """
         compute = self.recompute_seconds
         if compute is None:
             return None
+        bar = compute - self.margin_seconds
         known = [part for part in (self.pool_seconds, self.disk_seconds) if part is not None]
-        if any(part >= compute for part in known):
+        if any(part >= bar for part in known):
             return False
         load = self.load_seconds
-        return None if load is None else load < compute
+        return None if load is None else load < bar
+
+    @property
+    def split_pays(self) -> bool | None:
+        """Whether the best split (a plain load included: split 0) beats recomputing by more than
+        the margin (None: not known yet). False: recompute instead."""
+        if self.split_seconds is None or self.recompute_seconds is None:
+            return None
+        return self.split_seconds < self.recompute_seconds - self.margin_seconds
 
 
 class CostModel:
@@ -126,33 +344,41 @@ class CostModel:
         for meter in self.meters().values():
             meter.reset()
 
+    def restore(self, saved: SavedRates, keep: Callable[[str], bool] = lambda name: False) -> None:
+        """Take what :func:`decode_rates` accepted, except the meters ``keep`` names."""
+        meters = self.meters()
+        for name, (rate, samples) in saved.rates.items():
+            if not keep(name):
+                meters[name].restore(rate, samples, saved.fits.get(name))
+
     def estimate(self, pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: int) -> LoadEstimate:
-        """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages."""
-        pool_rate, disk_rate, prefill = self.pool.rate, self.disk.rate, self.prefill.rate
+        """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages.
+
+        Each tier's time is its fixed cost per call plus its bytes at the marginal rate
+        (:meth:`RateMeter.line`; the average rate while the meter cannot tell them apart).
+        """
+        pool, disk, prefill = self.pool, self.disk, self.prefill
         pages = pool_pages + disk_pages
-        copy = None if pool_rate is None else pages * page_bytes / pool_rate
-        read = 0.0 if disk_pages == 0 else None if disk_rate is None else disk_pages * page_bytes / disk_rate
-        recompute = None if prefill is None else pages * page_tokens / prefill
-        split = None
+        copy = pool.seconds(pages * page_bytes)
+        read = 0.0 if disk_pages == 0 else disk.seconds(disk_pages * page_bytes)
+        compute_rate = prefill.marginal
+        recompute = None if compute_rate is None else pages * page_tokens / compute_rate
+        pool_rate, disk_rate = pool.marginal, disk.marginal
         # Pages reaching disk: their reads bound the load whatever the copies cost, so an unknown
         # copy rate counts as free there (the split is then the latest the load can meet).
-        copy_known = copy if copy is not None else 0.0 if disk_pages else None
-        if pages and prefill is not None and copy_known is not None and read is not None:
-            # Loading runs from the back, computing from the front: with the fronts meeting at page
-            # k the prefix is ready after max(time to compute [0, k), time to load [k, P)).
-            compute_page = page_tokens / prefill
-            per_pool = copy_known / pages
-            per_disk = read / disk_pages + per_pool if disk_pages else per_pool
-            best_k, best = pages, pages * compute_page
-            load = 0.0
-            for k in range(pages - 1, -1, -1):
-                load += per_disk if k >= pool_pages else per_pool
-                ready = max(k * compute_page, load)
-                if ready <= best:
-                    best_k, best = k, ready
-            k = best_k
-            split = k * page_tokens
-        return LoadEstimate(copy, read, recompute, split)
+        if not pages or compute_rate is None or read is None or (pool_rate is None and not disk_pages):
+            return LoadEstimate(copy, read, recompute, None)
+        costs = PageCosts(
+            copy=0.0 if pool_rate is None else page_bytes / pool_rate,
+            read=0.0 if disk_rate is None else page_bytes / disk_rate,
+            compute=page_tokens / compute_rate,
+            copy_fixed=0.0 if pool_rate is None else pool.fixed,
+            read_fixed=disk.fixed if disk_pages else 0.0,
+            claim_fixed=prefill.fixed,
+            pool_pages=pool_pages, disk_pages=disk_pages, page_tokens=page_tokens,
+            copy_spread=pool.spread, read_spread=disk.spread, claim_spread=prefill.spread,
+        )
+        return dataclasses.replace(costs.estimate(), pool_seconds=copy)
 
 
 # -- the rates across restarts --------------------------------------------------------------------
@@ -162,7 +388,9 @@ RATES_FILE = ".rates"
 RATES_TEMP = ".rates.tmp"
 """Written, then renamed over :data:`RATES_FILE`; only the directory's lock holder writes."""
 RATES_FORMAT = "aiokv-rates"
-RATES_VERSION = 1
+RATES_VERSION = 2
+"""Written; version 1 files (rates only, before the fixed costs and spreads) are still read."""
+RATES_VERSIONS_READ = (1, 2)
 RATES_MAX_BYTES = 4096
 """A rates file is a few hundred bytes; anything larger is not ours and is not read."""
 RATE_BOUNDS: dict[str, tuple[float, float]] = {
@@ -186,18 +414,31 @@ class RatesFileError(ValueError):
 
 @dataclass(frozen=True)
 class SavedRates:
-    """What :func:`decode_rates` accepted: ``(rate, samples)`` by meter name, clamped."""
+    """What :func:`decode_rates` accepted: ``(rate, samples)`` by meter name, clamped, and each
+    meter's fixed cost, marginal rate and spread where the file has them (version 2)."""
 
     rates: dict[str, tuple[float, int]]
     clamped: tuple[str, ...]
-    """Names of the rates that lay outside :data:`RATE_BOUNDS`."""
+    """Names of the rates that lay outside :data:`RATE_BOUNDS` (a fixed cost, marginal rate or spread
+    outside ``[0, FIXED_MAX_S]`` / :data:`RATE_BOUNDS` counts as its meter's)."""
+    fits: dict[str, SavedFit] = dataclasses.field(default_factory=dict)
 
 
 def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
-    """The rates file's bytes: the known meters' rates and sample counts, with the layout
-    fingerprint (hex) and the device kind they were measured on."""
-    rates = {name: {"rate": meter.rate, "samples": meter.samples}
-             for name, meter in costs.meters().items() if meter.rate is not None}
+    """The rates file's bytes: the known meters' rates and sample counts (with their fixed costs,
+    marginal rates and spreads where known), the layout fingerprint (hex) and the device kind they
+    were measured on."""
+    rates: dict[str, dict[str, float | int]] = {}
+    for name, meter in costs.meters().items():
+        if meter.rate is None:
+            continue
+        entry: dict[str, float | int] = {"rate": meter.rate, "samples": meter.samples}
+        fit = meter.saved_fit()
+        if fit is not None:
+            entry["spread"] = fit.spread
+            if fit.fixed is not None and fit.marginal is not None:
+                entry["fixed"], entry["marginal"] = fit.fixed, fit.marginal
+        rates[name] = entry
     doc = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout, "device": device, "rates": rates}
     data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
     if len(data) > RATES_MAX_BYTES:
@@ -208,9 +449,10 @@ def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
 def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
     """Parse and check a rates file written by :func:`encode_rates` for ``layout`` on ``device``.
 
-    Raises :class:`RatesFileError` for anything else, whatever the bytes (and nothing else: the
-    file is only a hint, and one that raised otherwise would fail every start). Rates outside
-    :data:`RATE_BOUNDS` are clamped, sample counts to ``[1, MAX_SAMPLES]``.
+    Reads :data:`RATES_VERSIONS_READ`. Raises :class:`RatesFileError` for anything else, whatever
+    the bytes (and nothing else: the file is only a hint, and one that raised otherwise would fail
+    every start). Rates and marginal rates outside :data:`RATE_BOUNDS` are clamped, fixed costs and
+    spreads to ``[0, FIXED_MAX_S]``, sample counts to ``[1, MAX_SAMPLES]``.
     """
     if len(data) > RATES_MAX_BYTES:
         raise RatesFileError("oversize", f"{len(data)} bytes")
@@ -221,8 +463,9 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
         raise RatesFileError("corrupt", f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != RATES_FORMAT:
         raise RatesFileError("corrupt", "not an aiokv rates file")
-    if doc.get("version") != RATES_VERSION:
-        raise RatesFileError("version", f"version {_shown(doc.get('version'))}, this aiokv reads {RATES_VERSION}")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in RATES_VERSIONS_READ:
+        raise RatesFileError("version", f"version {_shown(version)}, this aiokv reads {RATES_VERSIONS_READ}")
     if doc.get("layout") != layout:
         raise RatesFileError("foreign-layout", f"written for layout {_shown(doc.get('layout'))}")
     if doc.get("device") != device:
@@ -232,20 +475,49 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
     if not isinstance(entries, dict) or not set(entries) <= set(RATE_BOUNDS):
         raise RatesFileError("corrupt", "bad rates table")
     rates: dict[str, tuple[float, int]] = {}
+    fits: dict[str, SavedFit] = {}
     clamped: list[str] = []
     for name, entry in entries.items():
-        rate = entry.get("rate") if isinstance(entry, dict) else None
-        samples = entry.get("samples") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not set(entry) <= set(_ENTRY_KEYS[version]):
+            raise RatesFileError("corrupt", f"{name}: bad entry")
+        rate, samples = entry.get("rate"), entry.get("samples")
         value = _finite(rate)
         if value is None:
             raise RatesFileError("corrupt", f"{name}: rate {_shown(rate)} is no finite number")
         if isinstance(samples, bool) or not isinstance(samples, int):
             raise RatesFileError("corrupt", f"{name}: samples {_shown(samples)} is no int")
         low, high = RATE_BOUNDS[name]
-        if not low <= value <= high:
-            clamped.append(name)
+        out = not low <= value <= high
         rates[name] = (min(max(value, low), high), min(max(samples, 1), MAX_SAMPLES))
-    return SavedRates(rates, tuple(clamped))
+        if "spread" in entry:
+            spread = _bounded(name, "spread", entry["spread"], 0.0, FIXED_MAX_S)
+            line = ("fixed" in entry, "marginal" in entry)
+            if line[0] != line[1]:
+                raise RatesFileError("corrupt", f"{name}: a fixed cost without a marginal rate or the reverse")
+            fixed = marginal = None
+            if line[0]:
+                fixed = _bounded(name, "fixed", entry["fixed"], 0.0, FIXED_MAX_S)
+                marginal = _bounded(name, "marginal", entry["marginal"], low, high)
+            out = out or any(v[1] for v in (spread, fixed, marginal) if v is not None)
+            fits[name] = SavedFit(None if fixed is None else fixed[0], None if marginal is None else marginal[0],
+                                  spread[0])
+        elif {"fixed", "marginal"} & set(entry):
+            raise RatesFileError("corrupt", f"{name}: a fixed cost without its spread")
+        if out:
+            clamped.append(name)
+    return SavedRates(rates, tuple(clamped), fits)
+
+
+_ENTRY_KEYS = {1: ("rate", "samples"), 2: ("rate", "samples", "fixed", "marginal", "spread")}
+"""The keys an entry of each version may hold."""
+
+
+def _bounded(name: str, key: str, raw: object, low: float, high: float) -> tuple[float, bool]:
+    """A saved value clamped to ``[low, high]``, and whether it was outside; corrupt unless finite."""
+    value = _finite(raw)
+    if value is None:
+        raise RatesFileError("corrupt", f"{name}: {key} {_shown(raw)} is no finite number")
+    return min(max(value, low), high), not low <= value <= high
 
 
 def _no_constant(name: str) -> float:

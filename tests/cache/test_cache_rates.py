@@ -27,6 +27,8 @@ from aiokv.costs import (
     RATES_FILE,
     RATES_MAX_BYTES,
     RATES_TEMP,
+    RATES_VERSION,
+    RATES_VERSIONS_READ,
     CostModel,
     RateMeter,
     RatesFileError,
@@ -131,7 +133,7 @@ def _plant_truncated(d: Path) -> None:
 
 def _plant_version(d: Path) -> None:
     doc = json.loads(_valid_file())
-    doc["version"] = 2
+    doc["version"] = max(RATES_VERSIONS_READ) + 1  # a later aiokv's file
     (d / RATES_FILE).write_text(json.dumps(doc))
 
 
@@ -331,7 +333,7 @@ def test_decode_says_why_a_file_is_refused() -> None:
     cases = {
         b"[1, 2]": "corrupt",
         good[:-3]: "corrupt",
-        good.replace(b'"version": 1', b'"version": 7'): "version",
+        good.replace(f'"version": {RATES_VERSION}'.encode(), b'"version": 7'): "version",
         _valid_file(layout="ab" * 16): "foreign-layout",
         _valid_file(device=OTHER_KIND): "foreign-device",
         good.replace(b'"samples": 3', b'"samples": true'): "corrupt",
