@@ -99,7 +99,7 @@ class LayerHandover:
             self._wants = {w for w in self._wants if w >= through}
             start, self._posted = self._posted, max(self._posted, through)
         for index in range(start, through):
-            self._bridge.resolve_threadsafe(self._futures[index], results[index])  # one wake-up for the batch
+            self._bridge.resolve_threadsafe(self._futures[index], results[index] is True)  # one wake-up for the batch
 
     def want(self, layer: int) -> None:
         """On the loop: ``layer``'s future is about to be awaited."""
