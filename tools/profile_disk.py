@@ -21,7 +21,14 @@ The unprofiled run ends with the baseline of issue #14: the same io_uring engine
 reading, one op per page into one O_DIRECT file; each tier phase's process CPU is shown as a ratio
 to it (writes to its write, reads to its read).
 
-Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``.
+``--turns-ms T`` adds one more run (tier and raw engine) with the loop's turns timed
+(:class:`TurnSampler`): per phase the turn-length and CPU-per-turn percentiles, and for turns longer
+than T ms the callbacks that ran in them by name, with the turn's split into the loop thread's CPU,
+its run-queue wait (``/proc/<tid>/schedstat``: runnable, not running) and the rest (asleep in a
+syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (A/B).
+
+Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
+loop turns only: ``... --page-mib 4 --depth 32 --repeats 0 --no-profile --turns-ms 1``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import resource
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,10 +57,13 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.backends import UringPageIO
 from aiokv.storage.pagefile import HEADER_BYTES
 from aiokv.storage.uring import UringEngine
 
 GB = 1e9
+ASYNC_DATA: bool | None = None
+"""``--async-data``: force the engine's ``async_data`` on or off (None: the tier's own choice)."""
 PHASES = ("write new", "read new", "write recycled", "read recycled")
 
 
@@ -71,6 +82,137 @@ class Phase:
 
     def per_gb(self, seconds: float) -> float:
         return seconds / (self.nbytes / GB)
+
+
+class TurnSampler:
+    """Times every turn of the loop and every callback in it, to name what holds the loop long.
+
+    A turn is the span from one return of the selector's poll to the next call of it (the loop's
+    own work: timers, ready callbacks). Each callback (``Handle._run``) is timed; a turn longer than
+    ``long_s`` keeps its callbacks (by name) and garbage-collector pauses, and its CPU time on the
+    loop thread (a turn much longer in wall time than in CPU was preempted or blocked in a syscall).
+    Installed for the duration of a phase; costs two clock reads per callback."""
+
+    def __init__(self, long_s: float = 1e-3) -> None:
+        self.long_s = long_s
+        self.turns: list[float] = []
+        self.turn_cpu: list[float] = []
+        """The loop thread's CPU seconds per turn: what the code holds it for (wall less waits)."""
+        self.long: list[tuple[float, float, float, list[tuple[float, str]]]] = []
+        """(wall s, CPU s, run-queue wait s, [(callback s, name)]) of each long turn: the rest of
+        the wall time the thread slept (blocked in a syscall or on the GIL)."""
+        self.by_name: dict[str, list[float]] = {}
+        """Per callback name: [calls in long turns, seconds in long turns, longest single run]."""
+        self._calls: list[tuple[float, object]] = []
+        self._t0 = 0.0
+        self._c0 = 0.0
+        self._w0 = 0.0
+        self._gc_t = 0.0
+        self._undo: list[Callable[[], None]] = []
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        selector = loop._selector  # type: ignore[attr-defined]
+        select = selector.select
+        run = asyncio.events.Handle._run
+        calls = self._calls
+        clock, cpu = time.perf_counter, time.thread_time
+
+        stat_fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+
+        def waited() -> float:
+            # Seconds this thread spent runnable but not running (the kernel's run-queue wait).
+            return int(os.pread(stat_fd, 64, 0).split()[1]) / 1e9
+
+        def timed_select(timeout: float | None = None) -> object:
+            self._end_turn(clock(), cpu(), waited())
+            try:
+                return select(timeout)
+            finally:
+                self._t0, self._c0, self._w0 = clock(), cpu(), waited()
+                calls.clear()
+
+        def timed_run(handle: asyncio.Handle) -> None:
+            t = clock()
+            try:
+                run(handle)
+            finally:
+                calls.append((clock() - t, handle))
+
+        def gc_pause(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                self._gc_t = clock()
+            else:
+                calls.append((clock() - self._gc_t, f"gc gen {info.get('generation')}"))
+
+        selector.select = timed_select
+        asyncio.events.Handle._run = timed_run  # type: ignore[method-assign,assignment]
+        gc.callbacks.append(gc_pause)
+        self._t0, self._c0, self._w0 = clock(), cpu(), waited()
+
+        def undo() -> None:
+            os.close(stat_fd)
+            selector.select = select
+            asyncio.events.Handle._run = run  # type: ignore[method-assign]
+            gc.callbacks.remove(gc_pause)
+        self._undo.append(undo)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _end_turn(self, now: float, now_cpu: float, now_waited: float) -> None:
+        wall = now - self._t0
+        self.turns.append(wall)
+        self.turn_cpu.append(now_cpu - self._c0)
+        if wall < self.long_s:
+            return
+        named = sorted(((s, callback_name(h)) for s, h in self._calls), reverse=True)
+        self.long.append((wall, now_cpu - self._c0, now_waited - self._w0, named))
+        for s, name in named:
+            entry = self.by_name.setdefault(name, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += s
+            entry[2] = max(entry[2], s)
+
+    def report(self, top: int) -> str:
+        if not self.turns:
+            return "  no turns"
+        ordered = sorted(self.turns)
+        def q(f: float) -> float:
+            return ordered[min(len(ordered) - 1, int(f * len(ordered)))] * 1e3
+        long_wall = sum(t[0] for t in self.long)
+        long_cpu = sum(t[1] for t in self.long)
+        long_wait = sum(t[2] for t in self.long)
+        lines = [f"  turns {len(ordered)}: p50 {q(0.5):.3f} p99 {q(0.99):.3f} max {ordered[-1] * 1e3:.2f} ms; "
+                 f"{len(self.long)} over {self.long_s * 1e3:.1f} ms (wall {long_wall * 1e3:.1f} ms: loop-thread "
+                 f"CPU {long_cpu * 1e3:.1f}, run-queue wait {long_wait * 1e3:.1f}, asleep "
+                 f"{(long_wall - long_cpu - long_wait) * 1e3:.1f})"]
+        cpu = sorted(self.turn_cpu)
+        def qc(f: float) -> float:
+            return cpu[min(len(cpu) - 1, int(f * len(cpu)))] * 1e3
+        lines.append(f"  CPU per turn: p50 {qc(0.5):.3f} p99 {qc(0.99):.3f} max {cpu[-1] * 1e3:.2f} ms")
+        lines.append(f"  {'calls':>6} {'sum ms':>8} {'max ms':>7}  callback (in long turns)")
+        for name, (n, s, m) in sorted(self.by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"  {int(n):6d} {s * 1e3:8.2f} {m * 1e3:7.3f}  {name}")
+        lines.append("  longest turns (wall/CPU/run-queue wait ms: top callbacks ms)")
+        for wall, c, w, named in sorted(self.long, key=lambda t: -t[0])[:5]:
+            parts = ", ".join(f"{name} {s * 1e3:.2f}" for s, name in named[:4])
+            lines.append(f"    {wall * 1e3:6.2f}/{c * 1e3:5.2f}/{w * 1e3:5.2f}: {len(named)} callbacks; {parts}")
+        return "\n".join(lines)
+
+
+def callback_name(handle: object) -> str:
+    """A readable name for what a handle ran: the function, or the coroutine a task step ran."""
+    if isinstance(handle, str):
+        return handle
+    callback = getattr(handle, "_callback", None)
+    while isinstance(callback, functools.partial):
+        callback = callback.func
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        coro = owner.get_coro()
+        return f"task {getattr(coro, '__qualname__', type(coro).__name__)}"
+    return getattr(callback, "__qualname__", None) or type(callback).__name__
 
 
 def rusage(who: int) -> tuple[float, float]:
@@ -127,9 +269,10 @@ async def bounded(count: int, depth: int, one: Callable[[int], Awaitable[None]])
 
 
 async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, total_mib: int,
-              profiles: dict[str, cProfile.Profile] | None) -> tuple[list[Phase], str]:
+              profiles: dict[str, cProfile.Profile] | None,
+              turns: dict[str, TurnSampler] | None = None) -> tuple[list[Phase], str]:
     """The four phases against a fresh tier in ``directory``; ``profiles`` (by "write"/"read")
-    collect the loop thread's profile when given."""
+    collect the loop thread's profile when given, ``turns`` (by phase name) its turns."""
     layout = layout_for(page_mib)
     pb = layout.page_bytes
     count = max(depth, total_mib // page_mib)
@@ -140,6 +283,9 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
     phases: list[Phase] = []
     dropped = ""
     async with DiskTier(config, layout, pool) as tier:
+        io = tier.backend
+        if ASYNC_DATA is not None and isinstance(io, UringPageIO):
+            io.engine.async_data = ASYNC_DATA
         for first in (1, count + 1):
             keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
             held = fill_pool(pool)
@@ -162,14 +308,16 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
                     dropped = await asyncio.to_thread(drop_caches, directory)
                 prof = None if profiles is None else profiles[kind]
                 hashed = tier.checksum_seconds
-                phases.append(await measured(PHASES[len(phases)], count * pb,
-                                             functools.partial(bounded, count, depth, one), prof))
+                name = PHASES[len(phases)]
+                phases.append(await measured(name, count * pb, functools.partial(bounded, count, depth, one), prof,
+                                             None if turns is None else turns[name]))
                 phases[-1].hash_s = tier.checksum_seconds - hashed
     pool.close()
     return phases, dropped
 
 
-async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int) -> list[Phase]:
+async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
+                     turns: dict[str, TurnSampler] | None = None) -> list[Phase]:
     """The baseline: the same io_uring engine moving the pool's pages to and from one O_DIRECT file,
     one op per page (registered buffers; no header, checksum, index or page file)."""
     layout = layout_for(page_mib)
@@ -197,8 +345,9 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int)
                 assert await op(fd, base + page * pb, pb, i * pb, None, regions[page * pb // per_region]) == pb
 
             try:
-                phases.append(await measured(f"raw {'write' if write else 'read'}", count * pb,
-                                             lambda: bounded(count, depth, one), None))
+                name = f"raw {'write' if write else 'read'}"
+                phases.append(await measured(name, count * pb, lambda: bounded(count, depth, one), None,
+                                             None if turns is None else turns[name]))
             finally:
                 os.close(fd)
     finally:
@@ -208,9 +357,11 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int)
 
 
 async def measured(name: str, nbytes: int, job: Callable[[], Awaitable[None]],
-                   prof: cProfile.Profile | None) -> Phase:
-    """Run ``job`` on the loop thread, under ``prof`` when given; its wall time and CPU."""
+                   prof: cProfile.Profile | None, turns: TurnSampler | None = None) -> Phase:
+    """Run ``job`` on the loop thread, under ``prof`` and ``turns`` when given; its wall time and CPU."""
     gc.collect()
+    if turns is not None:
+        turns.install(asyncio.get_running_loop())
     t_user, t_sys = rusage(resource.RUSAGE_THREAD)
     p_user, p_sys = rusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
@@ -219,6 +370,8 @@ async def measured(name: str, nbytes: int, job: Callable[[], Awaitable[None]],
     await job()
     if prof is not None:
         prof.disable()
+    if turns is not None:
+        turns.uninstall()
     wall = time.perf_counter() - t0
     t_user2, t_sys2 = rusage(resource.RUSAGE_THREAD)
     p_user2, p_sys2 = rusage(resource.RUSAGE_SELF)
@@ -293,8 +446,23 @@ async def main_async(args: argparse.Namespace) -> int:
             phases += await raw_engine(directory, args.page_mib, depth, args.total_mib)
             await asyncio.to_thread(shutil.rmtree, directory)
             rounds.append(phases)
-        print(f"{head}: CPU, unprofiled, median of {args.repeats} (reads after {dropped})")
-        print_cpu([median_phase([r[i] for r in rounds]) for i in range(len(rounds[0]))])
+        if rounds:
+            print(f"{head}: CPU, unprofiled, median of {args.repeats} (reads after {dropped})")
+            print_cpu([median_phase([r[i] for r in rounds]) for i in range(len(rounds[0]))])
+        if args.turns_ms:
+            # Turns of the loop, timed (no profiler: its overhead would make every turn long).
+            samplers = {name: TurnSampler(args.turns_ms / 1e3) for name in (*PHASES, "raw write", "raw read")}
+            directory = await fresh(args.dir / f"{name}-turns")
+            await run(directory, backend, args.page_mib, depth, args.total_mib, None, samplers)
+            await asyncio.to_thread(shutil.rmtree, directory)
+            directory = await fresh(args.dir / f"{name}-turns-raw")
+            await raw_engine(directory, args.page_mib, depth, args.total_mib, samplers)
+            await asyncio.to_thread(shutil.rmtree, directory)
+            for phase, sampler in samplers.items():
+                print(f"{head}: loop turns, {phase}")
+                print(sampler.report(args.top))
+        if args.no_profile:
+            continue
         # Profiled: the loop thread's CPU clock, so time blocked in epoll or io_uring_enter is not
         # counted as the loop's cost.
         profiles = {kind: cProfile.Profile(time.thread_time) for kind in ("write", "read")}
@@ -321,9 +489,16 @@ def main() -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes per phase")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3, help="unprofiled rounds (medians)")
+    parser.add_argument("--turns-ms", type=float, default=0.0, help="also time the loop's turns in one more "
+                        "run and name the callbacks of turns longer than this (ms; 0: off)")
+    parser.add_argument("--async-data", choices=["auto", "on", "off"], default="auto",
+                        help="page ops through io-wq (IOSQE_ASYNC): the tier's choice, or forced")
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     args = parser.parse_args()
-    if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 1 or min(args.depth) < 1:
+    if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 0 or min(args.depth) < 1:
         parser.error("sizes, depths and --top must be positive (--total-mib >= --page-mib)")
+    global ASYNC_DATA
+    ASYNC_DATA = None if args.async_data == "auto" else args.async_data == "on"
     return asyncio.run(main_async(args))
 
 
