@@ -147,9 +147,7 @@ class ManagerBase:
     def _release_handles(self, handles: Sequence[PageHandle]) -> None:
         if self._pool is None:
             return
-        for handle in handles:
-            if not handle.released:
-                self._pool.table.release(handle)
+        self._pool.table.release_all(handles, skip_released=True)
 
     # -- in-flight work -------------------------------------------------------------------------
 
@@ -185,12 +183,13 @@ class ManagerBase:
         def finish() -> None:
             if not future.cancelled():
                 future.exception()  # retrieved: a failed abandoned copy is only counted
+            if commit is None:
+                pool.table.release_all(handles, skip_released=True)
+                return
             for handle in handles:
                 if handle.released:
                     continue
-                if commit is None:
-                    pool.table.release(handle)
-                elif commit:
+                if commit:
                     pool.table.commit(handle)
                 else:
                     pool.table.abort(handle)

@@ -286,6 +286,40 @@ class PageTable:
             if self._reclaimable is not None:
                 self._wake_reclaimable()
 
+    def release_all(self, handles: Iterable[PageHandle], *, skip_released: bool = False) -> None:
+        """:meth:`release` of each handle in turn, the same checks and outcome (one that raises
+        leaves the earlier ones released), in one call: a load gives back 64 pages at once, and
+        the loop paid a call, a check and the reclaim wake-up per page. ``skip_released``: a
+        handle released already (earlier in ``handles`` too) is passed over instead of raising."""
+        state, refs, generation, index = self._state, self._refs, self._generation, self._index
+        prev, nxt, head = self._prev, self._next, self._head
+        onto_lru = False
+        try:
+            for handle in handles:
+                if handle._released:
+                    if skip_released:
+                        continue
+                    raise StaleHandleError(f"{handle!r} was already released")
+                page = handle.page
+                key = handle.key
+                if generation[page] != handle.generation or index[key[0]].get(key) != page:
+                    raise StaleHandleError(f"{handle!r} refers to a recycled page")
+                if state[page] == _RESERVED:
+                    raise StaleHandleError(f"{handle!r} is a reservation: commit or abort it")
+                handle._released = True
+                count = refs[page] - 1
+                refs[page] = count
+                if count == 0:  # onto the LRU, most recent (inlined _link_last)
+                    last = prev[head]
+                    nxt[last] = page
+                    prev[page] = last
+                    nxt[page] = head
+                    prev[head] = page
+                    onto_lru = True
+        finally:
+            if onto_lru and self._reclaimable is not None:
+                self._wake_reclaimable()
+
     def retain(self, handle: PageHandle) -> PageHandle:
         """A second, independent reference on the page of a live handle."""
         page = self.check(handle)
