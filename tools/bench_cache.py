@@ -31,7 +31,8 @@ prompt), 32 layers: CPU time of the loop thread (``time.thread_time``) per hit a
 the CPU time of the longest single loop callback of each hit (what a loop lag is made of).
 ``--device cpu`` (the default without a GPU): a CPU KV buffer with one 16-wide head, the copies
 on the copy thread (Python-driven index copies, ~0.5 s a hit on 2 cores: they land untimed before
-the ``wait_layer`` calls are timed); ``cuda``: the 8B shape, timed as an engine calls it.
+the ``wait_layer`` calls are timed; the loop's CPU while they land, the layers' hand-over, is
+reported apart); ``cuda``: the 8B shape, timed as an engine calls it.
 ``--token-list`` passes the token ids as a list of ints (what many engines hold) instead of an
 int64 array. ``--against REV`` alternates with revision REV's package as in loop mode.
 
@@ -586,6 +587,7 @@ async def stream_mode(args: argparse.Namespace) -> dict[str, Any]:
     kv = torch.randn(layout.num_layers, num_slots, layout.rows, layout.head_dim, dtype=layout.dtype, device=device)
     config = CacheConfig(cpu_bytes=(prompts * args.pages + 8) * layout.page_bytes, disk_dir=None, namespace="bench")
     phases: dict[str, list[float]] = {name: [] for name in STREAM_PHASES}
+    landing: list[float] = []  # CPU: the loop's time while the copies land (untimed in the hit)
     hits: list[float] = []
     steps: list[float] = []
     longest = [0.0]
@@ -644,6 +646,8 @@ async def stream_mode(args: argparse.Namespace) -> dict[str, Any]:
                 if hit >= args.warm_hits:
                     for name in STREAM_PHASES:
                         phases[name].append(laps.spent[name])
+                    if not cuda:
+                        landing.append(laps.spent["landing"])
                     hits.append(sum(laps.spent[name] for name in STREAM_PHASES))
                     steps.append(longest[0] if cuda else max(step, longest[0]))
         finally:
@@ -657,6 +661,7 @@ async def stream_mode(args: argparse.Namespace) -> dict[str, Any]:
         "longest_step_us_p50": statistics.median(steps) * 1e6,
         "longest_step_us_p90": pct(steps, 0.9) * 1e6,
         "phase_cpu_us_p50": {name: statistics.median(v) * 1e6 for name, v in phases.items()},
+        "landing_cpu_us_p50": statistics.median(landing) * 1e6 if landing else None,
     }
 
 
@@ -753,6 +758,11 @@ def main() -> int:
             cur = statistics.median(r["phase_cpu_us_p50"][name] for r in result["runs"]["current"])
             old = statistics.median(r["phase_cpu_us_p50"][name] for r in result["runs"][args.against])
             print(f"  {name:<11} current {cur:7.0f}  {args.against} {old:7.0f}  ratio {cur / max(old, 1e-9):.2f}")
+        if all(r.get("landing_cpu_us_p50") is not None for runs in result["runs"].values() for r in runs):
+            cur = statistics.median(r["landing_cpu_us_p50"] for r in result["runs"]["current"])
+            old = statistics.median(r["landing_cpu_us_p50"] for r in result["runs"][args.against])
+            print(f"loop CPU while the copies land (untimed in the hit; the layers' wake-ups): current {cur:.0f} us, "
+                  f"{args.against} {old:.0f} us, ratio {cur / max(old, 1e-9):.2f}")
     elif args.mode == "stream":
         result = asyncio.run(stream_mode(args))
         print(f"{result['layout']}, {result['pages']} pages, {result['hits']} hits"
@@ -760,6 +770,8 @@ def main() -> int:
               f"p50 {result['hit_cpu_us_p50']:.0f} us, p90 {result['hit_cpu_us_p90']:.0f} us; longest loop step "
               f"p50 {result['longest_step_us_p50']:.0f} us, p90 {result['longest_step_us_p90']:.0f} us")
         print("  per call (p50): " + ", ".join(f"{k} {v:.0f} us" for k, v in result["phase_cpu_us_p50"].items()))
+        if result["landing_cpu_us_p50"] is not None:
+            print(f"  loop CPU while the copies land (untimed above): p50 {result['landing_cpu_us_p50']:.0f} us")
     elif args.mode == "loop" and args.against:
         result = loop_against(args)
         for field, what in (("loop_cpu_us_p50", "loop CPU"), ("longest_step_us_p50", "longest loop step")):
