@@ -131,7 +131,7 @@ def test_meter_splits_calls_into_a_fixed_cost_and_a_marginal_rate() -> None:
     ys: list[float] = []
     # A disk read: 40 ms to the first byte, then 2 GB/s; 1 to 31 pages of 32 MiB, 3% noise.
     for _ in range(40):
-        x = rng.randint(1, 31) * 32 * MIB
+        x = float(rng.randint(1, 31) * 32 * MIB)
         y = (0.040 + x / 2e9) * rng.uniform(0.97, 1.03)
         meter.update(x, y)
         xs.append(x)
@@ -144,7 +144,7 @@ def test_meter_splits_calls_into_a_fixed_cost_and_a_marginal_rate() -> None:
     assert meter.fixed == pytest.approx(0.040, abs=0.015)  # near the truth despite the noise
     assert meter.seconds(5 * 32 * MIB) == pytest.approx(intercept + slope * 5 * 32 * MIB, rel=1e-6)
     # The average rate is still the moving average of amount/seconds (what version 1 saved).
-    rate = None
+    rate: float | None = None
     for x, y in zip(xs, ys, strict=True):
         rate = x / y if rate is None else 0.7 * rate + 0.3 * x / y
     assert meter.rate == pytest.approx(rate, rel=1e-12)
@@ -172,16 +172,17 @@ def test_meter_tells_no_fixed_cost_from_calls_of_one_size_or_too_few() -> None:
         same.update(1000.0, y)  # one size: a fixed cost and a slower rate look alike
     assert same.line() is None and same.fixed == 0.0 and same.marginal == same.rate
     few = RateMeter()
-    for x in range(1, FIT_MIN_SAMPLES):
-        few.update(x * 1000.0, 0.05 + x * 0.01)
+    for i in range(1, FIT_MIN_SAMPLES):
+        few.update(i * 1000.0, 0.05 + i * 0.01)
     assert few.line() is None
     shrinking = RateMeter()  # more bytes in less time: no line, the average rate stands
-    for x, y in ((1000.0, 0.3), (2000.0, 0.2), (4000.0, 0.1), (8000.0, 0.05)):
-        shrinking.update(x, y)
-    assert shrinking.line() is None and shrinking.seconds(1000.0) == pytest.approx(1000.0 / shrinking.rate)
+    for amount, seconds in ((1000.0, 0.3), (2000.0, 0.2), (4000.0, 0.1), (8000.0, 0.05)):
+        shrinking.update(amount, seconds)
+    assert shrinking.line() is None and shrinking.rate is not None
+    assert shrinking.seconds(1000.0) == pytest.approx(1000.0 / shrinking.rate)
     negative = RateMeter()  # a line below the origin is noise: calls scale with their size
-    for x, y in ((1000.0, 0.009), (2000.0, 0.02), (4000.0, 0.041), (8000.0, 0.083)):
-        negative.update(x, y)
+    for amount, seconds in ((1000.0, 0.009), (2000.0, 0.02), (4000.0, 0.041), (8000.0, 0.083)):
+        negative.update(amount, seconds)
     line = negative.line()
     assert line is not None and line[0] == 0.0
     for bad in ((0.0, 1.0), (1.0, 0.0), (math.nan, 1.0), (1.0, math.inf), (-5.0, 1.0)):
@@ -209,6 +210,7 @@ def test_a_split_whose_gain_is_within_its_overhead_recomputes() -> None:
         model = h200_8k_model(latency)
         est = model.estimate(26, 5, page_tokens, page_bytes)
         assert est.costs is not None and est.recompute_seconds is not None and est.split_seconds is not None
+        assert est.split_token is not None
         c = est.costs
         assert c.read_fixed == pytest.approx(latency, abs=1e-6)  # noise-free calls: the line is exact
         assert c.claim_fixed == pytest.approx(0.003, rel=1e-6)

@@ -507,6 +507,7 @@ async def run_ttft(
                                           serve(cache, path, f"trace{n}", "pool", prompt))
                 row["pool_hit_tokens"] = r.pool_tokens
                 row["pool_claimed_tokens"] = r.claimed_tokens
+                row["pool_declined_tokens"] = r.declined_tokens
                 logits["pool"] = first_logits(r)
                 _, disk_cfg = _layout_and_config(cfg, pages, disk_dir, 2 * pages, path)
                 for _ in range(repeats):
@@ -517,6 +518,8 @@ async def run_ttft(
                 row["disk_hit_tokens"] = r.disk_tokens
                 row["disk_pool_tokens"] = r.pool_tokens
                 row["disk_claimed_tokens"] = r.claimed_tokens
+                row["disk_declined_tokens"] = r.declined_tokens
+                row["disk_plan"], row["disk_plan_prices"] = r.plan, r.plan_prices
                 logits["disk"] = first_logits(r)
                 row["pool_s"], row["disk_s"] = _median(times["pool"]), _median(times["disk"])
                 row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
@@ -531,7 +534,8 @@ async def run_ttft(
                     f"{row['pool_s'] * 1e3:.1f} ms ({row['pool_vs_floor']:.2f}x floor "
                     f"{row['pool_floor_s'] * 1e3:.1f}); disk {row['disk_s'] * 1e3:.1f} ms "
                     f"({row['disk_vs_bound']:.2f}x bound {row['disk_bound_s'] * 1e3:.1f}); hits "
-                    f"pool={row['pool_hit_tokens']} disk={row['disk_hit_tokens']}",
+                    f"pool={row['pool_hit_tokens']} disk={row['disk_hit_tokens']}; declined "
+                    f"pool={row['pool_declined_tokens']} disk={row['disk_declined_tokens']}",
                     file=sys.stderr,
                 )
             shutil.rmtree(disk_dir, ignore_errors=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import enum
 import hashlib
 import random
@@ -100,36 +101,107 @@ class ClaimPolicy(enum.Enum):
     """When a claiming ``LoadPath`` actually claims."""
 
     AUTO = "auto"
-    """Only when the cost model expects it to pay (:func:`claim_pays`); while its rates are unknown,
-    for hits that reach disk."""
+    """Only when the cost model expects it to pay (:func:`plan_hit`); while its rates are unknown,
+    for hits that reach disk. A hit the model expects no gain from (fixed costs and margin
+    included) is recomputed, its match released unloaded."""
     ALWAYS = "always"
-    """Chunk after chunk until the fronts meet (Cake's dynamic split), whatever the rates."""
+    """Chunk after chunk until the fronts meet (Cake's dynamic split), whatever the rates; every
+    hit is loaded or split, never declined."""
+
+
+class HitPlan(enum.Enum):
+    """What the serving loop does with a cache hit (:func:`plan_hit`)."""
+
+    RECOMPUTE = "recompute"
+    """Neither a load nor a split is expected to beat recomputing by the cost model's margin."""
+    LOAD = "load"
+    """Leave the whole match to the load."""
+    SPLIT = "split"
+    """Claim the front while the load brings the back."""
+
+
+def plan_hit(
+    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
+    disk: bool,
+) -> HitPlan:
+    """Recompute, load, or split a hit, by the cost model's prices (fixed costs included).
+
+    ``estimate`` covers the whole match; ``share`` is the fraction still to bring in (the rest is in
+    the GPU prefix); ``tail_tokens`` follow the match; ``disk``: some of it is read from disk. With
+    the suffix's recompute time R, load time L (first-byte latency and set-up included), best split
+    S (claims' per-call cost included; the model's meeting page) and tail prefill T: recomputing
+    takes R + T, loading max(L, T) layer-wise or L + T, splitting S + T. Recompute unless the better
+    of the other two gains more than the estimate's margin (:data:`aiokv.costs.MARGIN_FRACTION` of R
+    plus the meters' spreads): aiokv never picks a load it expects to lose. While a rate is unknown,
+    load, and claim for disk hits only: the pool is a memory copy, far faster than any prefill, and
+    a claim made before the loader's first turn would keep a short pool hit from ever teaching the
+    cost model the pool's rate.
+    """
+    prices = hit_prices(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
+                        page_tokens=page_tokens, layered=layered)
+    if prices is None:
+        load_s, compute_s = estimate.load_seconds, estimate.recompute_seconds
+        if load_s is None or compute_s is None or load_s <= 0 or compute_s <= 0 or match_tokens <= 0:
+            return HitPlan.SPLIT if disk else HitPlan.LOAD
+        # An estimate without its per-page costs (built by hand): the rates alone, never declined.
+        return HitPlan.SPLIT if _claim_pays_by_rates(
+            load_s * share, compute_s * share, compute_s / match_tokens, tail_tokens, page_tokens, layered) \
+            else HitPlan.LOAD
+    if prices.recompute - min(prices.load, prices.split) <= prices.margin:
+        return HitPlan.RECOMPUTE
+    return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
+
+
+@dataclass(frozen=True)
+class HitPrices:
+    """Expected seconds until the first token's prefill is done, per plan (:func:`hit_prices`)."""
+
+    recompute: float
+    load: float
+    split: float
+    margin: float
+    """Gain a load or split must beat to be chosen."""
+    overhead: float
+    """Fixed costs priced into the best split (first-byte latency, set-up, claims' per-call cost)."""
+
+
+def hit_prices(
+    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool
+) -> HitPrices | None:
+    """The prices :func:`plan_hit` compares; None while a rate is unknown (no per-page costs)."""
+    costs = estimate.costs
+    if costs is None or match_tokens <= 0:
+        return None
+    pages = match_tokens // page_tokens
+    suffix = costs.suffix(pages - round(share * pages))
+    part = suffix.estimate()
+    if part.recompute_seconds is None or part.split_seconds is None:
+        return None
+    # The average prefill rate underestimates a tail that attends over a long prefix: this errs
+    # towards loading or splitting, whose gains grow with the prefix.
+    tail = tail_tokens * costs.compute / page_tokens
+    whole = suffix.load(0)  # the stream's walk from the back, no claims (a split meeting at page 0)
+    load = max(whole, tail) if layered else whole + tail
+    return HitPrices(part.recompute_seconds + tail, load, part.split_seconds + tail, part.margin_seconds,
+                     part.overhead_seconds)
 
 
 def claim_pays(
     estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
     disk: bool,
 ) -> bool:
-    """Whether computing part of the matched prefix should beat leaving all of it to the load.
+    """Whether computing part of the matched prefix should beat leaving all of it to the load
+    (:func:`plan_hit` says split)."""
+    return plan_hit(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
+                    page_tokens=page_tokens, layered=layered, disk=disk) is HitPlan.SPLIT
 
-    ``estimate`` covers the whole match; ``share`` is the fraction still to bring in (the rest is in
-    the GPU prefix); ``tail_tokens`` follow the match; ``disk``: some of it is read from disk. With
-    load time L, recompute time R and tail prefill T, the fronts meet near L·R/(L+R), later by half
-    a page's compute on average (claims are whole pages) and never before one page is computed; the
-    tail follows. Without claims the tail overlaps the load layer by layer (ready near max(L, T)) or
-    follows it (L + T). So claiming loses layer-wise with a load shorter than about the tail (a pool
-    hit on a GPU) and wherever the load is far faster than recomputing. While a rate is unknown,
-    claim for disk hits only: the pool is a memory copy, far faster than any prefill, and a claim
-    made before the loader's first turn would keep a short pool hit from ever teaching the cost
-    model the pool's rate.
-    """
-    load, compute = estimate.load_seconds, estimate.recompute_seconds
-    if load is None or compute is None or load <= 0 or compute <= 0 or match_tokens <= 0:
-        return disk
-    load, recompute = load * share, compute * share
-    per_token = compute / match_tokens
-    # The average prefill rate underestimates a tail that attends over a long prefix: this errs
-    # towards claiming, the choice that is never much worse than recomputing.
+
+def _claim_pays_by_rates(
+    load: float, recompute: float, per_token: float, tail_tokens: int, page_tokens: int, layered: bool
+) -> bool:
+    """Claims by the rates alone: the fronts meet near L·R/(L+R), later by half a page's compute on
+    average (claims are whole pages) and never before one page is computed; the tail follows.
+    Without claims the tail overlaps the load layer by layer (max(L, T)) or follows it (L + T)."""
     tail = tail_tokens * per_token
     page = page_tokens * per_token
     meet = max(page, load * recompute / (load + recompute) + page / 2)
@@ -329,6 +401,9 @@ class RequestResult:
     disk_tokens: int = 0
     computed_tokens: int = 0
     claimed_tokens: int = 0  # matched, but computed by the engine itself (compute-or-load split)
+    declined_tokens: int = 0  # matched, but recomputed: the cost model expected no gain from the cache
+    plan: str = ""  # HitPlan of a streamed hit ("": none, or the claim policy forced the split)
+    plan_prices: dict[str, float] = field(default_factory=dict)  # its HitPrices (seconds), when priced
     lost_tokens: int = 0  # matched but not loaded (a lower tier failed)
     prefetched_pages: int = 0  # promoted disk -> pool by prefetch while the request waited
     match_s: float = 0.0
@@ -547,6 +622,9 @@ class ServingLoop(abc.ABC):
         async with m:  # releases the match when it is not loaded (load consumes it)
             if m.tokens <= start:
                 return start
+            if self.claim is ClaimPolicy.AUTO and not self._worth_loading(m, start):
+                res.declined_tokens = m.tokens - start  # the match is released unloaded
+                return start
             t = time.perf_counter()
             # Returns once the copies are complete (and our stream is ordered after them); a sync
             # here would block the loop on another request's prefill running on the same stream.
@@ -557,6 +635,15 @@ class ServingLoop(abc.ABC):
         res.disk_tokens = loaded.disk_pages * self.page
         res.lost_tokens = m.tokens - end
         return end
+
+    def _worth_loading(self, m: Match, start: int) -> bool:
+        """Whether loading ``m`` from ``start`` is expected to beat recomputing it by the cost
+        model's margin (True while a rate is unknown: loading is how it is learned)."""
+        assert self.cache is not None
+        estimate = self.cache.estimate(m)
+        costs = estimate.costs
+        verdict = estimate.worth_loading if costs is None else costs.suffix(start // self.page).estimate().worth_loading
+        return verdict is not False
 
     async def _open_stream(
         self, res: RequestResult, prompt: list[int], usable: int, slots: torch.Tensor, start: int
@@ -570,13 +657,20 @@ class ServingLoop(abc.ABC):
             if m.tokens <= start:
                 return None
             layered = self.load_path.layered_for(m.disk_pages > 0)
-            claim = self.load_path.claims and (
-                self.claim is ClaimPolicy.ALWAYS
-                or claim_pays(
-                    self.cache.estimate(m), share=(m.tokens - start) / m.tokens, tail_tokens=len(prompt) - m.tokens,
-                    match_tokens=m.tokens, page_tokens=self.page, layered=layered, disk=m.disk_pages > 0,
-                )
-            )
+            estimate = self.cache.estimate(m)
+            share, tail = (m.tokens - start) / m.tokens, len(prompt) - m.tokens
+            prices = hit_prices(estimate, share=share, tail_tokens=tail, match_tokens=m.tokens,
+                                page_tokens=self.page, layered=layered)
+            if prices is not None:
+                res.plan_prices = dataclasses.asdict(prices)
+            plan = HitPlan.SPLIT if self.claim is ClaimPolicy.ALWAYS else plan_hit(
+                estimate, share=share, tail_tokens=tail, match_tokens=m.tokens, page_tokens=self.page,
+                layered=layered, disk=m.disk_pages > 0)
+            res.plan = plan.value
+            if plan is HitPlan.RECOMPUTE:
+                res.declined_tokens = m.tokens - start  # the match is released unloaded
+                return None
+            claim = self.load_path.claims and plan is HitPlan.SPLIT
             started = time.perf_counter()
             stream = await self._start_stream(m, slots[start : m.tokens], start, layered)
         return _Stream(stream, m.tokens, claim, layered, started)

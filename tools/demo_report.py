@@ -201,6 +201,7 @@ def summarize(
         "pool_tokens": total(cached, "pool_tokens"),
         "disk_tokens": total(cached, "disk_tokens"),
         "claimed_tokens": total(cached, "claimed_tokens"),
+        "declined_tokens": total(cached, "declined_tokens"),
         "lost_tokens": total(cached, "lost_tokens"),
         "prefetched_pages": total(cached, "prefetched_pages"),
         "computed_tokens": total(cached, "computed_tokens"),
@@ -251,6 +252,7 @@ def format_table(summary: Mapping[str, Any], stats: Any, oracle: OracleReport) -
         row("  served from CPU pool", f"{s['pool_tokens']} ({100 * s['pool_tokens'] / p:.0f}%)"),
         row("  served from disk", f"{s['disk_tokens']} ({100 * s['disk_tokens'] / p:.0f}%)"),
         row("  matched, computed by the split", s["claimed_tokens"]),
+        row("  matched, recomputed (no gain expected)", s["declined_tokens"]),
         row("  matched, load failed", s["lost_tokens"]),
         row("pages prefetched disk->pool", s["prefetched_pages"]),
         row("prefill tokens computed", s["computed_tokens"], s["computed_tokens_scratch"]),
@@ -344,7 +346,8 @@ def plot(path: Path, cached: Sequence[RequestResult], scratch: Sequence[RequestR
         ("CPU pool", lambda r: r.pool_tokens, "#9467bd"),
         ("disk", lambda r: r.disk_tokens, "#8c564b"),
         ("cached, computed by the split", lambda r: r.claimed_tokens, "#17becf"),
-        ("computed", lambda r: r.computed_tokens - r.claimed_tokens, "#1f77b4"),
+        ("cached, recomputed (no gain expected)", lambda r: r.declined_tokens, "#bcbd22"),
+        ("computed", lambda r: r.computed_tokens - r.claimed_tokens - r.declined_tokens, "#1f77b4"),
     ]
     bottom = [0.0] * len(order)
     for label, get, color in parts:
@@ -368,27 +371,29 @@ def format_ttft(rows: Sequence[Mapping[str, Any]]) -> str:
         f"  disk tier: {r0['disk_backend']}, O_DIRECT={r0['disk_direct_io']}",
         "  pool hits; floor = max(memcpy of the loaded bytes, tail prefill alone) + one layer's share of the tail",
         f"  {'prompt':>7} {'path':>13} {'recompute':>10} {'loaded':>9} {'memcpy':>8} {'tail':>8} {'floor':>8}"
-        f" {'pool hit':>9} {'/floor':>7} {'speedup':>8} {'claimed':>8} {'hit tok':>8}",
+        f" {'pool hit':>9} {'/floor':>7} {'speedup':>8} {'claimed':>8} {'declined':>8} {'hit tok':>8}",
     ]
     for r in rows:
         lines.append(
             f"  {r['prompt_tokens']:>7} {r['load_path']:>13} {r['recompute_s'] * 1e3:>8.1f}ms"
             f" {r['loaded_bytes'] / 2**20:>6.1f}MiB {r['memcpy_s'] * 1e3:>6.1f}ms {r['tail_s'] * 1e3:>6.1f}ms"
             f" {r['pool_floor_s'] * 1e3:>6.1f}ms {r['pool_s'] * 1e3:>7.1f}ms {r['pool_vs_floor']:>6.2f}x"
-            f" {r['pool_speedup']:>7.1f}x {r['pool_claimed_tokens']:>8} {r['pool_hit_tokens']:>8}"
+            f" {r['pool_speedup']:>7.1f}x {r['pool_claimed_tokens']:>8} {r.get('pool_declined_tokens', 0):>8}"
+            f" {r['pool_hit_tokens']:>8}"
         )
     lines += [
         "  disk hits (restarted cache, empty pool); bound = 1 / (1/recompute + 1/disk-only load)",
         f"  {'prompt':>7} {'path':>13} {'recompute':>10} {'disk-only':>10} {'bound':>9} {'disk hit':>9}"
-        f" {'/bound':>7} {'speedup':>8} {'claimed':>8} {'hit tok':>8} {'max|dlogit|':>12}",
+        f" {'/bound':>7} {'speedup':>8} {'claimed':>8} {'declined':>8} {'hit tok':>8} {'max|dlogit|':>12}",
     ]
     for r in rows:
         lines.append(
             f"  {r['prompt_tokens']:>7} {r['load_path']:>13} {r['recompute_s'] * 1e3:>8.1f}ms"
             f" {r['disk_only_s'] * 1e3:>8.1f}ms {r['disk_bound_s'] * 1e3:>7.1f}ms {r['disk_s'] * 1e3:>7.1f}ms"
             f" {r['disk_vs_bound']:>6.2f}x {r['disk_speedup']:>7.2f}x {r['disk_claimed_tokens']:>8}"
+            f" {r.get('disk_declined_tokens', 0):>8}"
             f" {r['disk_hit_tokens'] + r['disk_pool_tokens']:>8} {r['max_abs_logit_diff']:>12.3g}"
         )
-    lines.append("  claimed: prefix tokens the engine computed itself (compute-or-load split); "
-                 "speedup: recompute / hit")
+    lines.append("  claimed: prefix tokens the engine computed itself (compute-or-load split); declined: "
+                 "matched tokens recomputed because the cost model expected no gain; speedup: recompute / hit")
     return "\n".join(lines)

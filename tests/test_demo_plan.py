@@ -1,0 +1,108 @@
+"""The demo's choice per hit (#10): recompute, load or split, by prices with fixed costs included,
+checked against a brute-force scan of every meeting page over H200-like measured calls."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from demo_engine import HitPlan, claim_pays, hit_prices, plan_hit
+
+from aiokv.costs import MARGIN_FRACTION, CostModel, PageCosts
+
+MIB = 1 << 20
+PAGE_TOKENS, PAGE_BYTES = 256, 32 * MIB
+
+
+def measured(read_latency: float, claim_cost: float, disk_bps: float = 1.5e9) -> CostModel:
+    """A model fed calls of several sizes as the cache feeds it (8B shape: 32 MiB pages of 256
+    tokens; pinned copies ~52 GB/s, prefill ~26K tokens/s)."""
+    model = CostModel()
+    for pages in (1, 5, 31, 12, 31, 3, 8):
+        model.pool.update(pages * PAGE_BYTES, 0.0005 + pages * PAGE_BYTES / 52e9)
+        model.disk.update(pages * PAGE_BYTES, read_latency + pages * PAGE_BYTES / disk_bps)
+        model.prefill.update(pages * PAGE_TOKENS, claim_cost + pages * PAGE_TOKENS / 26_000)
+    return model
+
+
+def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, float, float, float]:
+    """Recompute, load, best split (+ tail) and margin, page by page."""
+    p = costs.pages
+    compute = costs.compute
+    load_fixed = costs.copy_fixed + (costs.read_fixed if costs.disk_pages else 0.0)
+
+    def load(k: int) -> float:
+        return 0.0 if k >= p else load_fixed + sum(
+            costs.copy + (costs.read if page >= costs.pool_pages else 0.0) for page in range(k, p))
+
+    def ready(k: int) -> float:
+        if k == p:
+            return p * compute
+        return max(0.0 if k == 0 else costs.claim_fixed + k * compute, load(k))
+
+    times = [ready(k) for k in range(p + 1)]
+    best = min(range(p + 1), key=lambda k: (times[k], k))
+    tail = tail_tokens * compute / costs.page_tokens
+    margin = MARGIN_FRACTION * p * compute + costs.copy_spread + (costs.read_spread if costs.disk_pages else 0.0) + (
+        costs.claim_spread if 0 < best < p else 0.0)
+    whole = load(0)
+    return p * compute + tail, (max(whole, tail) if layered else whole + tail), times[best] + tail, margin
+
+
+@pytest.mark.parametrize(("pool", "disk"), [(26, 5), (0, 31), (31, 0), (40, 24)])
+def test_plan_recomputes_exactly_when_no_plan_gains_more_than_the_margin(pool: int, disk: int) -> None:
+    plans = set()
+    for latency, claim_cost, layered in itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02),
+                                                          (False, True)):
+        plans |= _check_plan(measured(latency, claim_cost), pool, disk, layered)
+    if disk:  # the grid covers both sides of the rule (a pool hit, a memory copy, always pays here)
+        assert HitPlan.RECOMPUTE in plans and HitPlan.SPLIT in plans
+
+
+def _check_plan(model: CostModel, pool: int, disk: int, layered: bool) -> set[HitPlan]:
+    plans = set()
+    est = model.estimate(pool, disk, PAGE_TOKENS, PAGE_BYTES)
+    assert est.costs is not None
+    tokens, tail = (pool + disk) * PAGE_TOKENS, PAGE_TOKENS
+    for first in (0, pool // 2):
+        share = ((pool + disk) - first) / (pool + disk)
+        prices = hit_prices(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
+                            layered=layered)
+        recompute, load, split, margin = brute(est.costs.suffix(first), tail, layered)
+        assert prices is not None
+        assert (prices.recompute, prices.load, prices.split, prices.margin) == pytest.approx(
+            (recompute, load, split, margin), rel=1e-9)
+        plan = plan_hit(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
+                        layered=layered, disk=disk > 0)
+        if recompute - min(load, split) <= margin:
+            assert plan is HitPlan.RECOMPUTE
+        else:
+            assert plan is (HitPlan.SPLIT if split < load else HitPlan.LOAD)
+        assert claim_pays(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
+                          layered=layered, disk=disk > 0) is (plan is HitPlan.SPLIT)
+        plans.add(plan)
+    return plans
+
+
+def test_the_8k_disk_hit_of_stop_22_recomputes_once_its_latency_is_measured() -> None:
+    # Stop 22, call 1: 26 pool + 5 disk pages; recompute ~310 ms; the split came in 5% slower.
+    # A slow first read (stream readahead of 2 pages: ~0.25 s for the 5 pages) and 3 ms per claim.
+    slow = measured(0.25, 0.003, disk_bps=0.6e9).estimate(26, 5, PAGE_TOKENS, PAGE_BYTES)
+    fast = measured(0.0, 0.003).estimate(26, 5, PAGE_TOKENS, PAGE_BYTES)
+    args = {"share": 1.0, "tail_tokens": PAGE_TOKENS, "match_tokens": 31 * PAGE_TOKENS, "page_tokens": PAGE_TOKENS,
+            "layered": False, "disk": True}
+    assert plan_hit(slow, **args) is HitPlan.RECOMPUTE  # type: ignore[arg-type]
+    assert plan_hit(fast, **args) is HitPlan.SPLIT  # type: ignore[arg-type]
+
+
+def test_unknown_rates_load_and_claim_for_disk_only() -> None:
+    unknown = CostModel().estimate(26, 5, PAGE_TOKENS, PAGE_BYTES)
+    args = {"share": 1.0, "tail_tokens": PAGE_TOKENS, "match_tokens": 31 * PAGE_TOKENS, "page_tokens": PAGE_TOKENS,
+            "layered": True}
+    assert plan_hit(unknown, **args, disk=True) is HitPlan.SPLIT  # type: ignore[arg-type]
+    assert plan_hit(unknown, **args, disk=False) is HitPlan.LOAD  # type: ignore[arg-type]
