@@ -58,65 +58,65 @@ class Copy:
     def want_layer(self, layer: int) -> None:
         """On the loop, before awaiting ``layer_futures[layer]``: have it resolved as soon as it is
         reported (now, with no loop turn, when it was)."""
-        if self.handover is not None:
+        if self.handover is not None and not self.layer_futures[layer].done():
             self.handover.want(layer)
 
 
 class LayerHandover:
     """A layer-wise copy's per-layer outcomes, reported by the thread that copies (or queues) the
-    layers and handed to the loop only when someone waits for one.
+    layers and handed to the loop only for a layer someone waits on.
 
     A layer's future used to be posted to the loop as each layer landed: a wake-up per layer
     (~32 per streaming hit, each the self-pipe, a hand-over and the GIL taken from the loop) while
-    the engine usually asks for a layer long after it landed. Now the thread records the outcome;
-    a loop-side :meth:`want` of a reported layer resolves it on the spot, one of a layer not yet
-    reported makes the thread post when that layer (and every one before it) is reported. The last
-    layer is always posted (a paced load's quiesce waits for it), and :meth:`settle` resolves
-    every future left once the copy is over.
+    the engine usually asks for a layer after it landed. Now the thread records each outcome. A
+    loop-side :meth:`want` of a reported layer resolves every reported layer on the spot (no loop
+    turn); of a layer not reported yet, it has the thread post that one future when it is (with
+    every layer before it). The last layer's future is always posted (a paced load's quiesce
+    waits for it); :meth:`settle` resolves every future left once the copy is over.
     """
 
-    __slots__ = ("_bridge", "_futures", "_lock", "_posted", "_results", "_through", "_wants")
+    __slots__ = ("_bridge", "_futures", "_lock", "_resolved", "_results", "_through", "_wants")
 
     def __init__(self, bridge: CompletionBridge, futures: tuple[asyncio.Future[bool], ...]) -> None:
         self._bridge = bridge
         self._futures = futures
         self._results: list[bool | None] = [None] * len(futures)
         self._through = 0  # layers [0, _through) are reported
-        self._posted = 0  # layers [0, _posted) are resolved or on their way to the loop
+        self._resolved = 0  # layers [0, _resolved) were resolved on the loop by want()
         self._wants: set[int] = set()  # layers awaited on the loop, not reported yet
         self._lock = threading.Lock()
 
     def report(self, layer: int, outcome: bool) -> None:
         """From the copying thread: layer ``layer`` landed (queued on CUDA) or, False, never will."""
         with self._lock:
-            self._results[layer] = outcome
-            results, through = self._results, self._through
-            while through < len(results) and results[through] is not None:
+            results = self._results
+            results[layer] = outcome
+            last = len(results)
+            before = through = self._through
+            while through < last and results[through] is not None:
                 through += 1
             self._through = through
-            if through < len(results) and not any(w < through for w in self._wants):
-                return  # nobody waits on these yet: no wake-up
-            self._wants = {w for w in self._wants if w >= through}
-            start, self._posted = self._posted, max(self._posted, through)
-        for index in range(start, through):
-            self._bridge.resolve_threadsafe(self._futures[index], results[index] is True)  # one wake-up for the batch
+            due = {w for w in self._wants if w < through}
+            self._wants -= due
+            if before < through == last:
+                due.add(last - 1)  # every layer is reported: the last one's future goes now
+        for index in due:  # usually one future: one wake-up, whatever the layers reported before it
+            self._bridge.resolve_threadsafe(self._futures[index], results[index] is True)
 
     def want(self, layer: int) -> None:
         """On the loop: ``layer``'s future is about to be awaited."""
         with self._lock:
-            if layer >= self._through:
+            through = self._through
+            if layer >= through:
                 self._wants.add(layer)
                 return
-            start, self._posted = self._posted, max(self._posted, self._through)
-            stop = self._posted
-        for index in range(start, stop):
+            start, self._resolved = self._resolved, max(self._resolved, through)
+        for index in range(start, through):
             _resolve_layer(self._futures[index], self._results[index] is True)
 
     def settle(self) -> None:
         """On the loop, once the copy is over: every future left resolves with its layer's outcome
         (False where none was reported: it never lands)."""
-        with self._lock:
-            self._posted = len(self._futures)
         for future, outcome in zip(self._futures, self._results, strict=True):
             _resolve_layer(future, outcome is True)
 
