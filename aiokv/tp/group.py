@@ -459,7 +459,7 @@ class RankGroup:
                 conn.transport.write(data)
 
     def _room_freed(self) -> None:
-        # The job table's on_room (it exists before the queue that takes it).
+        # The job table's on_room: the table is made first (the queue takes it), so it calls through here.
         self._room.room_freed()
 
     def _send_held(self, job: Job) -> None:
