@@ -111,6 +111,31 @@ async def test_a_restarted_cache_plans_the_split_of_the_warmed_one(tmp_path: Pat
         await assert_quiescent(restarted)
 
 
+@pytest.mark.xfail(strict=True, reason="needs CacheManager._restore_rates to pass saved.fits to the meters "
+                   "(CostModel.restore); manager.py is not the cost model helper's file")
+@pytest.mark.asyncio
+async def test_a_restarted_cache_keeps_the_fixed_costs_it_learned(tmp_path: Path) -> None:
+    tokens = prompt(5, N)
+    await _fill_disk(tmp_path, tokens)
+    async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, make_kv(2)) as warm:
+        await warm.pool.wait_ready()
+        costs = warm.manager.costs
+        for pages in (1, 4, 12, 2, 8):  # calls of spread sizes: a 30 ms first read, 5 ms per claim
+            costs.disk.update(pages * PAGE, 0.030 + pages * 0.010)
+            costs.pool.update(pages * PAGE, 0.0002 + pages * 0.001)
+            warm.note_prefill(pages * T, 0.005 + pages * 0.004)
+        lines = {name: (m.line(), m.spread) for name, m in costs.meters().items()}
+        warm_estimate, _ = await _plan(warm, tokens)
+    assert all(line is not None for line, _ in lines.values())
+    assert warm_estimate.costs is not None and warm_estimate.costs.read_fixed == pytest.approx(0.030)
+    async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, make_kv(3)) as restarted:
+        await restarted.pool.wait_ready()
+        assert {name: (m.line(), m.spread) for name, m in restarted.manager.costs.meters().items()} == lines
+        estimate, _ = await _plan(restarted, tokens)
+        assert estimate == warm_estimate
+        await assert_quiescent(restarted)
+
+
 @pytest.mark.asyncio
 async def test_without_a_file_the_first_hit_has_no_plan_as_before(tmp_path: Path) -> None:
     tokens = prompt(2, N)
