@@ -65,7 +65,6 @@ class RateMeter:
         self.listener: Callable[[], None] | None = None
         self._moments: tuple[float, float, float, float] | None = None  # means of x, y, x², xy
         self._fitted = 0  # observations in the moments (not restored ones)
-        self._restored_line: tuple[float, float] | None = None  # (fixed s, marginal rate) from a file
         self._spread: float | None = None
 
     def update(self, amount: float, seconds: float) -> None:
@@ -93,13 +92,14 @@ class RateMeter:
 
     def restore(self, rate: float, samples: int, saved: SavedFit | None = None) -> None:
         """Take a saved state (already checked and clamped): the moving averages go on from it.
-        ``saved``: the fixed cost, marginal rate and spread saved with the rate (version 2 files)."""
+        ``saved``: the line's moments and the spread saved with the rate (version 2 files), so a
+        line forms across restarts from calls that each process saw few of."""
         self._rate = rate
         self.samples = samples
         if saved is not None:
             self._spread = saved.spread
-            if saved.fixed is not None and saved.marginal is not None:
-                self._restored_line = (saved.fixed, saved.marginal)
+            if saved.moments is not None:
+                self._moments, self._fitted = saved.moments, saved.fitted
 
     def reset(self) -> None:
         """Back to the state it was built with: what it measured belongs to another device."""
@@ -107,7 +107,6 @@ class RateMeter:
         self.samples = 0
         self._moments = None
         self._fitted = 0
-        self._restored_line = None
         self._spread = None
 
     @property
@@ -121,7 +120,7 @@ class RateMeter:
         The least-squares line through the moving moments, its fixed part clipped to
         ``[0, FIXED_MAX_S]`` and the line kept through the mean call (a negative fixed part is
         noise: the calls then scale with their size). None before :data:`FIT_MIN_SAMPLES` calls
-        of spread sizes, or when the time does not grow with the amount; a restored line then.
+        of spread sizes (restored ones included), or when the time does not grow with the amount.
         """
         m = self._moments
         if m is not None and self._fitted >= FIT_MIN_SAMPLES:
@@ -133,7 +132,7 @@ class RateMeter:
                     # Below my: the slope is positive. Clipped, the line still passes the mean call.
                     fixed = min(max(my - slope * mx, 0.0), FIXED_MAX_S)
                     return fixed, mx / (my - fixed)
-        return self._restored_line
+        return None
 
     @property
     def fixed(self) -> float:
@@ -161,19 +160,19 @@ class RateMeter:
 
     def saved_fit(self) -> SavedFit | None:
         """What :func:`encode_rates` keeps besides the rate (None: nothing yet)."""
-        line = self.line()
-        if line is None and self._spread is None:
+        if self._moments is None and self._spread is None:
             return None
-        return SavedFit(None if line is None else line[0], None if line is None else line[1], self.spread)
+        return SavedFit(self._moments, self._fitted, self._spread)
 
 
 @dataclass(frozen=True)
 class SavedFit:
-    """A meter's line and spread as saved: ``fixed`` seconds and ``marginal`` rate (both or neither)."""
+    """A meter's line state as saved: the moving means of amount, seconds, amount² and
+    amount·seconds over ``fitted`` calls (None: no call yet), and the spread (None: none yet)."""
 
-    fixed: float | None
-    marginal: float | None
-    spread: float
+    moments: tuple[float, float, float, float] | None
+    fitted: int
+    spread: float | None
 
 
 @dataclass(frozen=True)
@@ -415,12 +414,12 @@ class RatesFileError(ValueError):
 @dataclass(frozen=True)
 class SavedRates:
     """What :func:`decode_rates` accepted: ``(rate, samples)`` by meter name, clamped, and each
-    meter's fixed cost, marginal rate and spread where the file has them (version 2)."""
+    meter's line moments and spread where the file has them (version 2)."""
 
     rates: dict[str, tuple[float, int]]
     clamped: tuple[str, ...]
-    """Names of the rates that lay outside :data:`RATE_BOUNDS` (a fixed cost, marginal rate or spread
-    outside ``[0, FIXED_MAX_S]`` / :data:`RATE_BOUNDS` counts as its meter's)."""
+    """Names of the rates that lay outside :data:`RATE_BOUNDS` (a spread outside ``[0, FIXED_MAX_S]``
+    counts as its meter's)."""
     fits: dict[str, SavedFit] = dataclasses.field(default_factory=dict)
 
 
@@ -428,16 +427,16 @@ def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
     """The rates file's bytes: the known meters' rates and sample counts (with their fixed costs,
     marginal rates and spreads where known), the layout fingerprint (hex) and the device kind they
     were measured on."""
-    rates: dict[str, dict[str, float | int]] = {}
+    rates: dict[str, dict[str, float | int | list[float]]] = {}
     for name, meter in costs.meters().items():
         if meter.rate is None:
             continue
-        entry: dict[str, float | int] = {"rate": meter.rate, "samples": meter.samples}
+        entry: dict[str, float | int | list[float]] = {"rate": meter.rate, "samples": meter.samples}
         fit = meter.saved_fit()
-        if fit is not None:
+        if fit is not None and fit.spread is not None:
             entry["spread"] = fit.spread
-            if fit.fixed is not None and fit.marginal is not None:
-                entry["fixed"], entry["marginal"] = fit.fixed, fit.marginal
+        if fit is not None and fit.moments is not None:
+            entry["moments"], entry["fitted"] = list(fit.moments), fit.fitted
         rates[name] = entry
     doc = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout, "device": device, "rates": rates}
     data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
@@ -451,8 +450,8 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
 
     Reads :data:`RATES_VERSIONS_READ`. Raises :class:`RatesFileError` for anything else, whatever
     the bytes (and nothing else: the file is only a hint, and one that raised otherwise would fail
-    every start). Rates and marginal rates outside :data:`RATE_BOUNDS` are clamped, fixed costs and
-    spreads to ``[0, FIXED_MAX_S]``, sample counts to ``[1, MAX_SAMPLES]``.
+    every start). Rates outside :data:`RATE_BOUNDS` are clamped, spreads to ``[0, FIXED_MAX_S]``,
+    sample counts to ``[1, MAX_SAMPLES]``; a line's moments no calls could have produced are corrupt.
     """
     if len(data) > RATES_MAX_BYTES:
         raise RatesFileError("oversize", f"{len(data)} bytes")
@@ -489,27 +488,47 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
         low, high = RATE_BOUNDS[name]
         out = not low <= value <= high
         rates[name] = (min(max(value, low), high), min(max(samples, 1), MAX_SAMPLES))
+        spread = None
         if "spread" in entry:
-            spread = _bounded(name, "spread", entry["spread"], 0.0, FIXED_MAX_S)
-            line = ("fixed" in entry, "marginal" in entry)
-            if line[0] != line[1]:
-                raise RatesFileError("corrupt", f"{name}: a fixed cost without a marginal rate or the reverse")
-            fixed = marginal = None
-            if line[0]:
-                fixed = _bounded(name, "fixed", entry["fixed"], 0.0, FIXED_MAX_S)
-                marginal = _bounded(name, "marginal", entry["marginal"], low, high)
-            out = out or any(v[1] for v in (spread, fixed, marginal) if v is not None)
-            fits[name] = SavedFit(None if fixed is None else fixed[0], None if marginal is None else marginal[0],
-                                  spread[0])
-        elif {"fixed", "marginal"} & set(entry):
-            raise RatesFileError("corrupt", f"{name}: a fixed cost without its spread")
+            spread, spread_out = _bounded(name, "spread", entry["spread"], 0.0, FIXED_MAX_S)
+            out = out or spread_out
+        if ("moments" in entry) != ("fitted" in entry):
+            raise RatesFileError("corrupt", f"{name}: moments without their count or the reverse")
+        moments, fitted = None, 0
+        if "moments" in entry:
+            moments = _moments(name, entry["moments"])
+            fitted = entry["fitted"]
+            if isinstance(fitted, bool) or not isinstance(fitted, int):
+                raise RatesFileError("corrupt", f"{name}: fitted {_shown(fitted)} is no int")
+            fitted = min(max(fitted, 1), MAX_SAMPLES)
+        if spread is not None or moments is not None:
+            fits[name] = SavedFit(moments, fitted, spread)
         if out:
             clamped.append(name)
     return SavedRates(rates, tuple(clamped), fits)
 
 
-_ENTRY_KEYS = {1: ("rate", "samples"), 2: ("rate", "samples", "fixed", "marginal", "spread")}
+_ENTRY_KEYS = {1: ("rate", "samples"), 2: ("rate", "samples", "spread", "moments", "fitted")}
 """The keys an entry of each version may hold."""
+
+
+MOMENT_BOUNDS = (1e15, 3600.0)
+"""Largest mean amount (bytes or tokens) and mean call time (seconds) a saved line may hold."""
+
+
+def _moments(name: str, raw: object) -> tuple[float, float, float, float]:
+    """Saved moving moments (mean x, y, x², xy) that some calls could have produced; corrupt otherwise:
+    means in ``(0, MOMENT_BOUNDS]``, E[x²] >= E[x]² (up to rounding), E[x²] and E[xy] positive and
+    within what those bounds allow (the line drawn from them is clipped as a learned one is)."""
+    values = [_finite(v) for v in raw] if isinstance(raw, list) and len(raw) == 4 else None
+    if values is None or any(v is None for v in values):
+        raise RatesFileError("corrupt", f"{name}: moments {_shown(raw)} are not four finite numbers")
+    mx, my, mxx, mxy = (float(v) for v in values if v is not None)
+    max_x, max_y = MOMENT_BOUNDS
+    if not (0 < mx <= max_x and 0 < my <= max_y and mx * mx * (1 - 1e-9) <= mxx <= max_x * max_x
+            and 0 < mxy <= max_x * max_y):
+        raise RatesFileError("corrupt", f"{name}: moments {_shown(raw)} no calls could have produced")
+    return mx, my, mxx, mxy
 
 
 def _bounded(name: str, key: str, raw: object, low: float, high: float) -> tuple[float, bool]:

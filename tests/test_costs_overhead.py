@@ -20,7 +20,6 @@ from aiokv.costs import (
     FIT_MIN_SAMPLES,
     FIXED_MAX_S,
     MARGIN_FRACTION,
-    RATE_BOUNDS,
     RATES_FORMAT,
     CostModel,
     PageCosts,
@@ -238,11 +237,11 @@ def test_suffix_prices_only_the_pages_the_engine_lacks() -> None:
         assert part.estimate().split_seconds == pytest.approx(min(times), rel=1e-9)
 
 
-def test_rates_file_keeps_the_fixed_costs_and_spreads_and_reads_version_1() -> None:
+def test_rates_file_keeps_the_line_and_spread_and_reads_version_1() -> None:
     model = h200_8k_model(0.08)
     data = encode_rates(model, LAYOUT, DEVICE)
     doc = json.loads(data)
-    assert doc["version"] == 2 and set(doc["rates"]["disk"]) == {"rate", "samples", "fixed", "marginal", "spread"}
+    assert doc["version"] == 2 and set(doc["rates"]["disk"]) == {"rate", "samples", "spread", "moments", "fitted"}
     saved = decode_rates(data, LAYOUT, DEVICE)
     restarted = CostModel()
     restarted.restore(saved)
@@ -251,6 +250,15 @@ def test_rates_file_keeps_the_fixed_costs_and_spreads_and_reads_version_1() -> N
         assert again.rate == meter.rate and again.samples == meter.samples
         assert again.line() == meter.line() and again.spread == meter.spread
     assert restarted.estimate(26, 5, 256, 32 * MIB) == model.estimate(26, 5, 256, 32 * MIB)
+    # The line goes on across restarts: a process that saw one call of each size still has one.
+    first, second = CostModel(), CostModel()
+    first.disk.update(31 * 32 * MIB, 0.08 + 31 * 32 * MIB / 1.5e9)
+    first.disk.update(31 * 32 * MIB, 0.08 + 31 * 32 * MIB / 1.5e9)
+    second.restore(decode_rates(encode_rates(first, LAYOUT, DEVICE), LAYOUT, DEVICE))
+    assert second.disk.line() is None
+    second.disk.update(5 * 32 * MIB, 0.08 + 5 * 32 * MIB / 1.5e9)
+    line = second.disk.line()
+    assert line is not None and line[0] == pytest.approx(0.08, rel=1e-6) and line[1] == pytest.approx(1.5e9)
     # A version 1 file (rates only): read as before, no line.
     v1 = json.dumps({"format": RATES_FORMAT, "version": 1, "layout": LAYOUT, "device": DEVICE,
                      "rates": {"disk": {"rate": 1.5e9, "samples": 4}}}).encode()
@@ -270,21 +278,30 @@ def _entry(**fields: object) -> bytes:
                        "rates": {"disk": {"rate": 1e9, "samples": 3, **fields}}}).encode()
 
 
-def test_rates_file_fixed_costs_are_validated_and_clamped() -> None:
-    high = RATE_BOUNDS["disk"][1]
-    clamped = decode_rates(_entry(fixed=-1.0, marginal=high * 10, spread=FIXED_MAX_S * 3), LAYOUT, DEVICE)
+def test_rates_file_lines_are_validated_and_clamped() -> None:
+    good = [32 * MIB, 0.05, (32 * MIB) ** 2 * 1.5, 32 * MIB * 0.05 * 1.2]
+    ok = decode_rates(_entry(moments=good, fitted=9, spread=0.01), LAYOUT, DEVICE)
+    fit = ok.fits["disk"]
+    assert ok.clamped == () and fit.moments == tuple(good) and fit.fitted == 9 and fit.spread == 0.01
+    clamped = decode_rates(_entry(moments=good, fitted=10**9, spread=FIXED_MAX_S * 3), LAYOUT, DEVICE)
     assert clamped.clamped == ("disk",)
-    fit = clamped.fits["disk"]
-    assert (fit.fixed, fit.marginal, fit.spread) == (0.0, high, FIXED_MAX_S)
+    assert clamped.fits["disk"].spread == FIXED_MAX_S and clamped.fits["disk"].fitted == 1_000_000
+    assert decode_rates(_entry(moments=good, fitted=0), LAYOUT, DEVICE).fits["disk"].fitted == 1
     spread_only = decode_rates(_entry(spread=0.01), LAYOUT, DEVICE)
-    assert spread_only.clamped == () and spread_only.fits["disk"].fixed is None
+    assert spread_only.clamped == () and spread_only.fits["disk"].moments is None
     corrupt = [
-        _entry(fixed=0.01, spread=0.01),  # a fixed cost without its marginal rate
-        _entry(marginal=1e9, spread=0.01),
-        _entry(fixed=0.01, marginal=1e9),  # without its spread
-        _entry(fixed=math.inf, marginal=1e9, spread=0.0).replace(b"Infinity", b"1e999"),
-        _entry(fixed="0.1", marginal=1e9, spread=0.0),
+        _entry(moments=good),  # without its count
+        _entry(fitted=3),
+        _entry(moments=good[:3], fitted=3),
+        _entry(moments=[*good[:3], "1"], fitted=3),
+        _entry(moments=[good[0], good[1], good[0] ** 2 * 0.5, good[3]], fitted=3),  # E[x²] < E[x]²
+        _entry(moments=[-good[0], *good[1:]], fitted=3),
+        _entry(moments=[good[0], 1e6, *good[2:]], fitted=3),  # a mean call of 11 days
+        _entry(moments=[*good[:3], 0.0], fitted=3),
+        _entry(moments=good, fitted=2.5),
+        _entry(moments=good, fitted=True),
         _entry(spread=True),
+        _entry(spread=-0.0).replace(b"-0.0", b"NaN"),
         _entry(latency=0.1),  # a key no version has
         json.dumps({"format": RATES_FORMAT, "version": 1, "layout": LAYOUT, "device": DEVICE,  # v1 had no line
                     "rates": {"disk": {"rate": 1e9, "samples": 3, "spread": 0.0}}}).encode(),
