@@ -38,6 +38,7 @@ from aiokv.kernels.mover import PageMover
 from aiokv.kernels.warmup import WarmUp, warm_up
 from aiokv.keys import Salt, Tokens, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
+from aiokv.loadpath import TURN_PAGES
 from aiokv.manager import CacheManager
 from aiokv.pool import run_in_new_thread
 from aiokv.results import LoadResult, Match, OffloadResult
@@ -370,13 +371,18 @@ class KVCache(CacheFacade):
     async def _before_load(self, match: Match, slots: torch.Tensor, count: int) -> torch.Tensor:
         """The checked host slots of a load of ``match``, once the kernels are warm.
 
-        The manager takes ``match`` only after these awaits (the slots' read-back on CUDA, the
-        warm-up): a load cancelled here, or one that finds the cache closing when they end,
-        releases it (consumed, as by a cancelled load), else its pool pages stay referenced.
-        Bad slots raise with the match still the caller's (nothing changes).
+        The manager takes ``match`` only after these awaits (the slots' read-back on CUDA, a loop
+        turn after checking a long call's slots, the warm-up): a load cancelled here, or one that
+        finds the cache closing when they end, releases it (consumed, as by a cancelled load), else
+        its pool pages stay referenced. Bad slots raise with the match still the caller's (nothing
+        changes).
         """
         try:
             host = await self._slots.check(slots, count)
+            if count > TURN_PAGES * self.layout.page_tokens:
+                # Bounded host work per loop turn: the engine's step that took the match's pages
+                # and checked the slots does not also start the load (16K tokens: ~0.5 ms in one).
+                await asyncio.sleep(0)
             await self._kernels_ready()
             if self._close_task is not None:  # the close began meanwhile: nothing more is launched
                 raise RuntimeError("the cache is closed")
