@@ -225,6 +225,11 @@ class _StagedLayers:
     units: list[LayerUnit]
 
 
+class PacedLoadStopped(RuntimeError):
+    """:meth:`PacedLayers.feed` ended early because :meth:`PacedLayers.stop` was called (what it
+    queued has completed); any other exception out of ``feed`` is a launch or CUDA fault."""
+
+
 class PacedLayers:
     """A layer-wise STAGING load whose units a thread queues a few at a time (:meth:`feed`).
 
@@ -316,7 +321,7 @@ class PacedLayers:
                 issued = feed_paced(len(plan.units), self.window, issue, lambda k: scattered[k].synchronize(),
                                     self._stop.is_set)
                 if issued < len(plan.units):
-                    error = RuntimeError(f"layer-wise load stopped after {issued} of {len(plan.units)} units")
+                    error = PacedLoadStopped(f"layer-wise load stopped after {issued} of {len(plan.units)} units")
             except BaseException as exc:  # a launch fault: what was queued still completes
                 error = exc
             finally:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from aiokv.cuda import CompletionBridge, Lane
+from aiokv.kernels.mover import PacedLoadStopped
 
 from .layers import LayerProgress
 
@@ -108,16 +109,11 @@ class StoppableLoad(Protocol):
         ...
 
 
-STOPPED = "layer-wise load stopped after "
-"""How ``PacedLayers.feed`` begins the ``RuntimeError`` it raises when stopped before its end."""
-
-
 def stopped_by_request(paced: StoppableLoad, exc: BaseException) -> bool:
     """Whether the feed raised ``exc`` only because ``paced.stop()`` was called: the feed then
-    raises a plain ``RuntimeError`` (:data:`STOPPED`) once the GPU finished what it queued. A
-    launch fault or a CUDA error raised meanwhile wins over the stop: that is a fault, not a stop.
-    (The feed raises no type of its own; this is the one place that reads its message.)"""
-    return paced.stopped and type(exc) is RuntimeError and str(exc).startswith(STOPPED)
+    raises :class:`~aiokv.kernels.mover.PacedLoadStopped` once the GPU finished what it queued. A
+    launch fault or a CUDA error raised meanwhile wins over the stop: that is a fault, not a stop."""
+    return paced.stopped and isinstance(exc, PacedLoadStopped)
 
 
 def watch_landed(
