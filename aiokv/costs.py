@@ -181,9 +181,9 @@ class PageCosts:
 
     Pages ``[0, pool_pages)`` are in the pool, ``[pool_pages, pool_pages + disk_pages)`` on disk.
     A load from the back of pages ``[k, P)`` takes :attr:`load_fixed` plus ``copy`` per page plus
-    ``read`` per disk page; computing ``[0, k)`` in claims takes ``claim_fixed`` plus ``compute``
-    per page; recomputing all of it in the engine's own prefill pass ``compute`` per page (that
-    pass's fixed cost is paid with or without the cache).
+    ``read`` per disk page; computing ``[0, k)`` in claims takes ``claim_fixed`` per claim plus
+    ``compute`` per page; recomputing all of it in the engine's own prefill pass ``compute`` per
+    page (that pass's fixed cost is paid with or without the cache).
     """
 
     copy: float
@@ -194,13 +194,16 @@ class PageCosts:
     read_fixed: float
     """A load's disk reads: latency of the first read beyond its bytes (disk meter's fixed part)."""
     claim_fixed: float
-    """The claims of a split: the engine's per-call prefill cost (prefill meter's fixed part)."""
+    """A claim of a split: the engine's per-call prefill cost (prefill meter's fixed part)."""
     pool_pages: int
     disk_pages: int
     page_tokens: int
     copy_spread: float = 0.0
     read_spread: float = 0.0
     claim_spread: float = 0.0
+    claim_pages: int = 0
+    """Pages the engine claims per call at most (its prefill chunk); 0: all in one claim. Computing
+    k pages then takes ``(k + n - 1) / n`` claims, a line at or above ``ceil(k / n)``."""
 
     @property
     def pages(self) -> int:
@@ -219,11 +222,19 @@ class PageCosts:
         disk = min(n, self.disk_pages)
         return self.load_fixed + n * self.copy + disk * self.read
 
+    def _claims_line(self) -> tuple[float, float]:
+        """Computing k > 0 pages in claims: ``base + k * slope`` seconds."""
+        n = self.claim_pages
+        if n <= 0:
+            return self.claim_fixed, self.compute
+        return self.claim_fixed * (1 - 1 / n), self.compute + self.claim_fixed / n
+
     def ready(self, k: int) -> float:
         """When the prefix is in with the fronts meeting at page ``k``: compute ``[0, k)``, load the rest."""
         if k >= self.pages:
             return self.pages * self.compute  # no load: the engine's own pass, no claims
-        compute = 0.0 if k <= 0 else self.claim_fixed + k * self.compute
+        base, slope = self._claims_line()
+        compute = 0.0 if k <= 0 else base + k * slope
         return max(compute, self.load(k))
 
     def best_split(self) -> int:
@@ -236,12 +247,13 @@ class PageCosts:
         p = self.pages
         candidates = {0, p}
         if p >= 2:
-            c, a, b = self.compute, self.copy, self.read
+            claims_base, c = self._claims_line()
+            a, b = self.copy, self.read
             pool, disk = self.pool_pages, self.disk_pages
-            base = self.load_fixed - self.claim_fixed
-            # On the disk piece (k >= pool): claim_fixed + k c = load_fixed + (P - k)(a + b).
+            base = self.load_fixed - claims_base
+            # On the disk piece (k >= pool): claims_base + k c = load_fixed + (P - k)(a + b).
             x = (base + p * (a + b)) / (c + a + b) if disk and c + a + b > 0 else -math.inf
-            if x < pool:  # on the pool piece: claim_fixed + k c = load_fixed + disk (a + b) + (pool - k) a
+            if x < pool:  # on the pool piece: claims_base + k c = load_fixed + disk (a + b) + (pool - k) a
                 x = (base + disk * (a + b) + pool * a) / (c + a) if c + a > 0 else math.inf
             x = min(max(x, 1.0), p - 1.0)
             candidates |= {math.floor(x), math.ceil(x)}
@@ -261,7 +273,8 @@ class PageCosts:
         recompute = p * self.compute
         margin = (MARGIN_FRACTION * recompute + self.copy_spread + (self.read_spread if disk else 0.0)
                   + (self.claim_spread if claims else 0.0))
-        overhead = (self.load_fixed if k < p else 0.0) + (self.claim_fixed if claims else 0.0)
+        claims_base, slope = self._claims_line()
+        overhead = (self.load_fixed if k < p else 0.0) + (claims_base + k * (slope - self.compute) if claims else 0.0)
         return LoadEstimate(
             0.0 if p == 0 else self.copy_fixed + p * self.copy,
             0.0 if disk == 0 else self.read_fixed + disk * self.read,

@@ -62,7 +62,8 @@ def brute_ready(c: PageCosts, k: int) -> float:
     load = c.copy_fixed + (c.read_fixed if c.disk_pages else 0.0)
     for page in range(k, p):
         load += c.copy + (c.read if page >= c.pool_pages else 0.0)
-    computed = 0.0 if k == 0 else c.claim_fixed + k * c.compute
+    claims = 1 if c.claim_pages == 0 else (k + c.claim_pages - 1) / c.claim_pages
+    computed = 0.0 if k == 0 else c.claim_fixed * claims + k * c.compute
     return max(computed, load)
 
 
@@ -98,6 +99,7 @@ costs_strategy = st.builds(
     copy=st.floats(0.0, 1.0), read=st.floats(0.0, 1.0), compute=st.floats(1e-6, 1.0),
     copy_fixed=st.floats(0.0, 5.0), read_fixed=st.floats(0.0, 5.0), claim_fixed=st.floats(0.0, 5.0),
     pool_pages=st.integers(0, 200), disk_pages=st.integers(0, 200), page_tokens=st.just(16),
+    claim_pages=st.integers(0, 16),
 )
 
 

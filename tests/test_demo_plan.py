@@ -3,6 +3,7 @@ checked against a brute-force scan of every meeting page over H200-like measured
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, flo
     def ready(k: int) -> float:
         if k == p:
             return p * compute
-        return max(0.0 if k == 0 else costs.claim_fixed + k * compute, load(k))
+        claims = 1 if costs.claim_pages == 0 else (k + costs.claim_pages - 1) / costs.claim_pages
+        return max(0.0 if k == 0 else costs.claim_fixed * claims + k * compute, load(k))
 
     times = [ready(k) for k in range(p + 1)]
     best = min(range(p + 1), key=lambda k: (times[k], k))
@@ -57,14 +59,14 @@ def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, flo
 @pytest.mark.parametrize(("pool", "disk"), [(26, 5), (0, 31), (31, 0), (40, 24)])
 def test_plan_recomputes_exactly_when_no_plan_gains_more_than_the_margin(pool: int, disk: int) -> None:
     plans = set()
-    for latency, claim_cost, layered in itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02),
-                                                          (False, True)):
-        plans |= _check_plan(measured(latency, claim_cost), pool, disk, layered)
+    grid = itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02), (False, True), (0, 256, 2048))
+    for latency, claim_cost, layered, chunk in grid:
+        plans |= _check_plan(measured(latency, claim_cost), pool, disk, layered, chunk)
     if disk:  # the grid covers both sides of the rule (a pool hit, a memory copy, always pays here)
         assert HitPlan.RECOMPUTE in plans and HitPlan.SPLIT in plans
 
 
-def _check_plan(model: CostModel, pool: int, disk: int, layered: bool) -> set[HitPlan]:
+def _check_plan(model: CostModel, pool: int, disk: int, layered: bool, chunk: int) -> set[HitPlan]:
     plans = set()
     est = model.estimate(pool, disk, PAGE_TOKENS, PAGE_BYTES)
     assert est.costs is not None
@@ -72,19 +74,20 @@ def _check_plan(model: CostModel, pool: int, disk: int, layered: bool) -> set[Hi
     for first in (0, pool // 2):
         share = ((pool + disk) - first) / (pool + disk)
         prices = hit_prices(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
-                            layered=layered)
-        recompute, load, split, margin = brute(est.costs.suffix(first), tail, layered)
+                            layered=layered, claim_tokens=chunk)
+        part = dataclasses.replace(est.costs.suffix(first), claim_pages=chunk // PAGE_TOKENS)
+        recompute, load, split, margin = brute(part, tail, layered)
         assert prices is not None
         assert (prices.recompute, prices.load, prices.split, prices.margin) == pytest.approx(
             (recompute, load, split, margin), rel=1e-9)
         plan = plan_hit(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
-                        layered=layered, disk=disk > 0)
+                        layered=layered, disk=disk > 0, claim_tokens=chunk)
         if recompute - min(load, split) <= margin:
             assert plan is HitPlan.RECOMPUTE
         else:
             assert plan is (HitPlan.SPLIT if split < load else HitPlan.LOAD)
         assert claim_pays(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
-                          layered=layered, disk=disk > 0) is (plan is HitPlan.SPLIT)
+                          layered=layered, disk=disk > 0, claim_tokens=chunk) is (plan is HitPlan.SPLIT)
         plans.add(plan)
     return plans
 

@@ -122,7 +122,7 @@ class HitPlan(enum.Enum):
 
 def plan_hit(
     estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
-    disk: bool,
+    disk: bool, claim_tokens: int = 0,
 ) -> HitPlan:
     """Recompute, load, or split a hit, by the cost model's prices (fixed costs included).
 
@@ -132,13 +132,14 @@ def plan_hit(
     S (claims' per-call cost included; the model's meeting page) and tail prefill T: recomputing
     takes R + T, loading max(L, T) layer-wise or L + T, splitting S + T. Recompute unless the better
     of the other two gains more than the estimate's margin (:data:`aiokv.costs.MARGIN_FRACTION` of R
-    plus the meters' spreads): aiokv never picks a load it expects to lose. While a rate is unknown,
-    load, and claim for disk hits only: the pool is a memory copy, far faster than any prefill, and
-    a claim made before the loader's first turn would keep a short pool hit from ever teaching the
-    cost model the pool's rate.
+    plus the meters' spreads): aiokv never picks a load it expects to lose. ``claim_tokens``: the
+    most the engine claims per call (its chunk; 0: one claim), each paying the prefill's fixed cost.
+    While a rate is unknown, load, and claim for disk hits only: the pool is a memory copy, far
+    faster than any prefill, and a claim made before the loader's first turn would keep a short pool
+    hit from ever teaching the cost model the pool's rate.
     """
     prices = hit_prices(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
-                        page_tokens=page_tokens, layered=layered)
+                        page_tokens=page_tokens, layered=layered, claim_tokens=claim_tokens)
     if prices is None:
         load_s, compute_s = estimate.load_seconds, estimate.recompute_seconds
         if load_s is None or compute_s is None or load_s <= 0 or compute_s <= 0 or match_tokens <= 0:
@@ -166,14 +167,15 @@ class HitPrices:
 
 
 def hit_prices(
-    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool
+    estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
+    claim_tokens: int = 0,
 ) -> HitPrices | None:
     """The prices :func:`plan_hit` compares; None while a rate is unknown (no per-page costs)."""
     costs = estimate.costs
     if costs is None or match_tokens <= 0:
         return None
     pages = match_tokens // page_tokens
-    suffix = costs.suffix(pages - round(share * pages))
+    suffix = dataclasses.replace(costs.suffix(pages - round(share * pages)), claim_pages=claim_tokens // page_tokens)
     part = suffix.estimate()
     if part.recompute_seconds is None or part.split_seconds is None:
         return None
@@ -188,12 +190,12 @@ def hit_prices(
 
 def claim_pays(
     estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
-    disk: bool,
+    disk: bool, claim_tokens: int = 0,
 ) -> bool:
     """Whether computing part of the matched prefix should beat leaving all of it to the load
     (:func:`plan_hit` says split)."""
     return plan_hit(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
-                    page_tokens=page_tokens, layered=layered, disk=disk) is HitPlan.SPLIT
+                    page_tokens=page_tokens, layered=layered, disk=disk, claim_tokens=claim_tokens) is HitPlan.SPLIT
 
 
 def _claim_pays_by_rates(
@@ -659,13 +661,14 @@ class ServingLoop(abc.ABC):
             layered = self.load_path.layered_for(m.disk_pages > 0)
             estimate = self.cache.estimate(m)
             share, tail = (m.tokens - start) / m.tokens, len(prompt) - m.tokens
+            # Claims are at most a chunk (claim_size), each a prefill call with its fixed cost.
             prices = hit_prices(estimate, share=share, tail_tokens=tail, match_tokens=m.tokens,
-                                page_tokens=self.page, layered=layered)
+                                page_tokens=self.page, layered=layered, claim_tokens=self.chunk_tokens)
             if prices is not None:
                 res.plan_prices = dataclasses.asdict(prices)
             plan = HitPlan.SPLIT if self.claim is ClaimPolicy.ALWAYS else plan_hit(
                 estimate, share=share, tail_tokens=tail, match_tokens=m.tokens, page_tokens=self.page,
-                layered=layered, disk=m.disk_pages > 0)
+                layered=layered, disk=m.disk_pages > 0, claim_tokens=self.chunk_tokens)
             res.plan = plan.value
             if plan is HitPlan.RECOMPUTE:
                 res.declined_tokens = m.tokens - start  # the match is released unloaded
