@@ -66,6 +66,8 @@ class RateMeter:
         self._moments: tuple[float, float, float, float] | None = None  # means of x, y, x², xy
         self._fitted = 0  # observations in the moments (not restored ones)
         self._spread: float | None = None
+        self._line: tuple[float, float] | None = None  # line() as of the last change (when _line_ok)
+        self._line_ok = False
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
@@ -83,6 +85,7 @@ class RateMeter:
             self._ewma(old[0], sample[0]), self._ewma(old[1], sample[1]),
             self._ewma(old[2], sample[2]), self._ewma(old[3], sample[3]))
         self._fitted += 1
+        self._line_ok = False
         self.samples += 1
         if self.listener is not None:
             self.listener()
@@ -100,6 +103,7 @@ class RateMeter:
             self._spread = saved.spread
             if saved.moments is not None:
                 self._moments, self._fitted = saved.moments, saved.fitted
+        self._line_ok = False
 
     def reset(self) -> None:
         """Back to the state it was built with: what it measured belongs to another device."""
@@ -107,6 +111,7 @@ class RateMeter:
         self.samples = 0
         self._moments = None
         self._fitted = 0
+        self._line_ok = False
         self._spread = None
 
     @property
@@ -122,6 +127,11 @@ class RateMeter:
         noise: the calls then scale with their size). None before :data:`FIT_MIN_SAMPLES` calls
         of spread sizes (restored ones included), or when the time does not grow with the amount.
         """
+        if not self._line_ok:
+            self._line, self._line_ok = self._fit(), True
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
         m = self._moments
         if m is not None and self._fitted >= FIT_MIN_SAMPLES:
             mx, my, mxx, mxy = m
@@ -245,7 +255,8 @@ class PageCosts:
         lies next to where they cross. The ends (load all, recompute all) are priced apart.
         """
         p = self.pages
-        candidates = {0, p}
+        best_k, best = p, self.ready(p)
+        candidates = [0]
         if p >= 2:
             claims_base, c = self._claims_line()
             a, b = self.copy, self.read
@@ -256,8 +267,12 @@ class PageCosts:
             if x < pool:  # on the pool piece: claims_base + k c = load_fixed + disk (a + b) + (pool - k) a
                 x = (base + disk * (a + b) + pool * a) / (c + a) if c + a > 0 else math.inf
             x = min(max(x, 1.0), p - 1.0)
-            candidates |= {math.floor(x), math.ceil(x)}
-        return min(sorted(candidates), key=self.ready)
+            candidates += [math.ceil(x), math.floor(x)]
+        for k in candidates:  # ties: the least k (the most loaded)
+            ready = self.ready(k)
+            if ready < best or (ready == best and k < best_k):
+                best_k, best = k, ready
+        return best_k
 
     def suffix(self, first: int) -> PageCosts:
         """The costs of pages ``[first, P)`` alone (the engine holds the others)."""
@@ -265,10 +280,12 @@ class PageCosts:
         pool = max(self.pool_pages - first, 0)
         return dataclasses.replace(self, pool_pages=pool, disk_pages=self.pages - first - pool)
 
-    def estimate(self) -> LoadEstimate:
-        """The :class:`LoadEstimate` of these pages (every cost known)."""
+    def estimate(self, pool_seconds: float | None = 0.0) -> LoadEstimate:
+        """The :class:`LoadEstimate` of these pages (``pool_seconds``: None when the copy rate is
+        unknown and counted free, else priced here)."""
         p, disk = self.pages, self.disk_pages
         k = self.best_split()
+        ready = self.ready(k)
         claims = 0 < k < p
         recompute = p * self.compute
         margin = (MARGIN_FRACTION * recompute + self.copy_spread + (self.read_spread if disk else 0.0)
@@ -276,9 +293,9 @@ class PageCosts:
         claims_base, slope = self._claims_line()
         overhead = (self.load_fixed if k < p else 0.0) + (claims_base + k * (slope - self.compute) if claims else 0.0)
         return LoadEstimate(
-            0.0 if p == 0 else self.copy_fixed + p * self.copy,
+            None if pool_seconds is None else 0.0 if p == 0 else self.copy_fixed + p * self.copy,
             0.0 if disk == 0 else self.read_fixed + disk * self.read,
-            recompute, k * self.page_tokens, self.ready(k), overhead, margin, self)
+            recompute, k * self.page_tokens, ready, overhead, margin, self)
 
 
 @dataclass(frozen=True)
@@ -390,7 +407,7 @@ class CostModel:
             pool_pages=pool_pages, disk_pages=disk_pages, page_tokens=page_tokens,
             copy_spread=pool.spread, read_spread=disk.spread, claim_spread=prefill.spread,
         )
-        return dataclasses.replace(costs.estimate(), pool_seconds=copy)
+        return costs.estimate(None if copy is None else 0.0)
 
 
 # -- the rates across restarts --------------------------------------------------------------------
