@@ -268,6 +268,20 @@ class PageTable:
             raise StaleHandleError(f"{handle!r} refers to a recycled page")
         return page
 
+    def pages_of(self, handles: Iterable[PageHandle]) -> list[int]:
+        """:meth:`check` of each handle, in one call (a load launches 64 pages at once)."""
+        generation, index = self._generation, self._index
+        pages = []
+        for handle in handles:
+            if handle._released:
+                raise StaleHandleError(f"{handle!r} was already released")
+            page = handle.page
+            key = handle.key
+            if generation[page] != handle.generation or index[key[0]].get(key) != page:
+                raise StaleHandleError(f"{handle!r} refers to a recycled page")
+            pages.append(page)
+        return pages
+
     def release(self, handle: PageHandle) -> None:
         """Give back one reference. A RESERVED page's reserver must commit or abort instead."""
         page = self.check(handle)

@@ -362,7 +362,7 @@ class LoadStream:
                 handles = [self._pool.pop(p) for p in range(low, page + 1)]
                 slots, skip = self._slots_of(low, page)
                 launch = transfers.load_layers if self._layered else transfers.load
-                copy = launch([table.check(h) for h in handles], slots, skip)
+                copy = launch(table.pages_of(handles), slots, skip)
                 pool_started = pool_started or time.perf_counter()
                 self._copies.add(low, copy, handles, Tier.POOL)
                 self._advance(self._start_of(low))

@@ -1,5 +1,6 @@
-"""Page references go back to the table in one call per batch (issue #10: a 64-page streaming hit
-made 64 ``PageTable.release`` calls on the loop), with exactly the outcome of one call per page."""
+"""Page references are checked and go back to the table in one call per batch (issue #10: a 64-page
+streaming hit made 64 ``PageTable.check`` and 64 ``PageTable.release`` calls on the loop), with
+exactly the outcome of one call per page."""
 
 from __future__ import annotations
 
@@ -65,6 +66,22 @@ def test_release_all_raises_at_a_stale_handle_like_release_would() -> None:
     assert table.statistics().referenced == 0
 
 
+def test_pages_of_checks_each_handle_as_check_does() -> None:
+    table, keys = _table_with(6)
+    handles = [table.acquire(k) for k in keys]
+    assert all(h is not None for h in handles)
+    live = [h for h in handles if h is not None]
+    assert table.pages_of(live) == [table.check(h) for h in live]
+    table.release(live[2])
+    with pytest.raises(StaleHandleError, match="already released"):
+        table.pages_of(live)
+    forged = PageHandle(live[3].page, live[3].generation + 1, keys[3])
+    with pytest.raises(StaleHandleError, match="recycled"):
+        table.pages_of([live[0], forged])
+    table.release_all(live, skip_released=True)
+    table.check_invariants()
+
+
 @pytest.mark.asyncio
 async def test_a_streaming_hit_gives_its_pages_back_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     t = LAYOUT.page_tokens
@@ -78,6 +95,12 @@ async def test_a_streaming_hit_gives_its_pages_back_in_one_call(monkeypatch: pyt
         singles[0] += 1
         real_release(self, handle)
 
+    real_check = PageTable.check
+
+    def check(self: PageTable, handle: PageHandle) -> int:
+        singles[0] += 1
+        return real_check(self, handle)
+
     def release_all(self: PageTable, handles: list[PageHandle], *, skip_released: bool = False) -> None:
         handles = list(handles)
         batches.append(len(handles))
@@ -87,6 +110,7 @@ async def test_a_streaming_hit_gives_its_pages_back_in_one_call(monkeypatch: pyt
         await cache.pool.wait_ready()
         assert (await cache.offload(tokens, torch.arange(n))).stored == 12
         monkeypatch.setattr(PageTable, "release", release)
+        monkeypatch.setattr(PageTable, "check", check)
         monkeypatch.setattr(PageTable, "release_all", release_all)
         for layered in (False, True):
             singles[0] = 0
@@ -96,6 +120,6 @@ async def test_a_streaming_hit_gives_its_pages_back_in_one_call(monkeypatch: pyt
                 assert stream.claim(2 * t) == 2 * t
                 result = await stream.finish()
             assert result.loaded_from == 2 * t and result.pool_pages == 10
-            assert singles[0] == 0  # before: one call per page (12)
+            assert singles[0] == 0  # before: one check and one release per page
             assert sum(batches) == 12 and len(batches) <= 4, batches
         await assert_quiescent(cache)
