@@ -134,7 +134,8 @@ class CacheConfig:
     """Pages whose copies are launched per event-loop turn; bounds the loop's stall on long transfers."""
 
     pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes."""
+    """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes (raised so that a
+    pool has at most ``aiokv.pool.MAX_CHUNKS`` chunks)."""
 
     pool_workers: int = DEFAULT_WORKERS
     """Threads that prepare pool chunks in the background."""

@@ -1,0 +1,83 @@
+"""A pool of very many chunks: chunk completions reach the loop in batches, not one wake-up per
+chunk, and a pool is prepared in at most ``MAX_CHUNKS`` chunks (a tiny ``chunk_bytes`` was taken
+as given: 16,384 chunks stalled the loop for 3 s at start)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+import aiokv.pool
+from aiokv.layout import KVLayout
+from aiokv.pool import MAX_CHUNKS, PagePool
+
+SMALL = KVLayout.mha(1, 1, 16, torch.bfloat16, page_tokens=8)  # 4 KiB pages
+
+
+def _run_counted(coro_fn: Callable[[], Coroutine[Any, Any, None]], calls: list[int]) -> None:
+    """Runs ``coro_fn()`` on a fresh asyncio loop counting ``call_soon_threadsafe`` (a thread waking it)."""
+    class Loop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, *args: object, **kwargs: object) -> asyncio.Handle:  # type: ignore[override]
+            calls[0] += 1
+            return super().call_soon_threadsafe(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop = Loop()
+    try:
+        loop.run_until_complete(coro_fn())
+    finally:
+        loop.close()
+
+
+def test_chunk_completions_wake_the_loop_a_few_times_not_once_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiokv.pool, "MAX_CHUNKS", 1 << 20)  # 2,048 chunks of one page each, as asked
+    calls = [0]
+    stats: list[aiokv.pool.PoolStatistics] = []
+    waits: list[int] = []
+
+    async def main() -> None:
+        pool = await PagePool.open(SMALL, 2048 * SMALL.page_bytes, register_cuda=False, chunk_bytes=SMALL.page_bytes)
+        try:
+            before = calls[0]
+            await pool.wait_ready()
+            waits.append(calls[0] - before)
+            stats.append(pool.statistics())
+            assert pool.ready
+            # Every page is usable: the runs of neighbouring chunks were handed over whole.
+            assert pool.table.statistics().free == 2048
+        finally:
+            await pool.aclose()
+
+    _run_counted(main, calls)
+    assert stats[0].chunks_total == stats[0].chunks_ready == 2048 and stats[0].chunks_failed == 0
+    # One wake-up for the creation thread's result, one for wait_usable, one for wait_ready, a few for
+    # the loop's own executor; it was one per chunk per waiter (4,096+).
+    assert calls[0] < 20, calls[0]
+    assert waits[0] <= 1
+
+
+def test_a_tiny_chunk_size_is_raised_to_at_most_max_chunks() -> None:
+    pages = 4 * MAX_CHUNKS + 3
+    with PagePool.create(SMALL, pages * SMALL.page_bytes, register_cuda=False, chunk_bytes=SMALL.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        stats = pool.statistics()
+        assert stats.chunks_total <= MAX_CHUNKS
+        assert pool.chunk_pages == 5  # ceil(pages / MAX_CHUNKS)
+        assert stats.chunks_ready == stats.chunks_total and pool.table.statistics().free == pages
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_wait_is_not_woken_and_later_waits_still_end() -> None:
+    pool = await PagePool.open(SMALL, 256 * SMALL.page_bytes, register_cuda=False, chunk_bytes=SMALL.page_bytes)
+    try:
+        waiting = asyncio.ensure_future(pool.wait_ready())
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await pool.wait_ready()
+        assert pool.ready and pool._waiters == []
+    finally:
+        await pool.aclose()
