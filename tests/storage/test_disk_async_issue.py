@@ -44,7 +44,7 @@ async def test_page_ops_go_async_from_64_mib_in_flight(tmp_path: Path, backend: 
             assert written
             got = await read_page(tier, pool, 1)
             assert got is not None and torch.equal(got, want)
-            marked = page_ops_marked(tier._io.engine)  # type: ignore[union-attr]
+            marked = page_ops_marked(tier._io.engine)  # type: ignore[union-attr,unused-ignore]
     # The write's and the read's header and page ops (one vectored op each way without fixed buffers).
     assert len(marked) >= 2
     # 4 MiB x 16 = 64 MiB in flight: async (inline before); 4 MiB x 8 = 32 MiB: inline, as before.
