@@ -261,7 +261,7 @@ class CacheManager(LoadPath, OffloadPath):
                 continue  # the engine's own figure wins over a learned one
             if meters[name].samples:
                 continue  # measured here since the start: newer than the file
-            meters[name].restore(rate, samples)
+            meters[name].restore(rate, samples, saved.fits.get(name))
         if saved.clamped:
             self.faults.record("rates_clamped", f"saved rates out of bounds, clamped: {', '.join(saved.clamped)}",
                                len(saved.clamped))

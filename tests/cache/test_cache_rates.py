@@ -111,8 +111,6 @@ async def test_a_restarted_cache_plans_the_split_of_the_warmed_one(tmp_path: Pat
         await assert_quiescent(restarted)
 
 
-@pytest.mark.xfail(strict=True, reason="needs CacheManager._restore_rates to pass saved.fits to the meters "
-                   "(CostModel.restore); manager.py is not the cost model helper's file")
 @pytest.mark.asyncio
 async def test_a_restarted_cache_keeps_the_fixed_costs_it_learned(tmp_path: Path) -> None:
     tokens = prompt(5, N)
