@@ -304,6 +304,8 @@ class KVBuffer:
             )
         tensors = k_layers + v_layers
         device = tensors[0].device
+        if device.type not in ("cpu", "cuda"):  # e.g. meta (no storage): every copy would fail
+            raise ValueError(f"KV buffer is on {device}: aiokv copies between the pool and CPU or CUDA memory")
         num_slots = tensors[0].shape[0]
         for index, t in enumerate(tensors):
             where = f"layer tensor {index}" if form is not BufferForm.STACKED else "KV buffer"

@@ -125,3 +125,15 @@ def test_tensor_parallel_slices() -> None:
     assert rank.is_partial and rank.rows_local == 4
     with pytest.raises(ValueError, match="rows"):
         KVBuffer.wrap(LAYOUT, torch.zeros(3, 20, 8, 8, dtype=torch.float16), TPSlice.of(LAYOUT, 1, 2))
+
+
+@pytest.mark.parametrize("form", ["stacked", "per_layer", "split"])
+def test_a_buffer_without_storage_is_refused_at_wrap(form: str) -> None:
+    # Regression (adversarial run): a meta-device buffer was accepted and every offload then
+    # failed below the caller (counted copy_failed); it is the caller's mistake, refused at once.
+    layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+    kv = torch.zeros(2, 16, 4, 8, dtype=torch.float16, device="meta")
+    arg: object = {"stacked": kv, "per_layer": list(kv.unbind(0)),
+                   "split": ([t[:, :2] for t in kv.unbind(0)], [t[:, 2:] for t in kv.unbind(0)])}[form]
+    with pytest.raises(ValueError, match="meta"):
+        KVBuffer.wrap(layout, arg)  # type: ignore[arg-type]
