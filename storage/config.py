@@ -124,11 +124,24 @@ class DiskConfig:
             check_disk_setting(f.name, getattr(self, f.name), f"DiskConfig.{f.name}")
 
 
-def _check_int(value: object, label: str, least: int) -> None:
+def _check_int(value: object, label: str, least: int, most: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")
     if value < least:
         raise ValueError(f"{label} must be {'positive' if least else '>= 0'}, got {value}")
+    if most is not None and value > most:
+        raise ValueError(f"{label} must be at most {most}, got {value}")
+
+
+MAX_QUEUE_DEPTH = 4096
+"""Page I/Os in flight: each holds a header slot, iovecs and up to 6 SQEs made at start (on the
+loop); io_uring rings hold at most 32,768 SQEs. A depth of 2**20 was accepted and stalled the loop
+7 s building them (2**31: a minute and 13 GB)."""
+MAX_RING_ENTRIES = 32768
+"""The kernel's limit on an io_uring's SQ entries (IORING_MAX_ENTRIES)."""
+MAX_WORKERS = 1024
+"""Threads of the THREADS backend, concurrent write-behind writes."""
+MAX_WRITE_BEHIND_DEPTH = 1 << 20
 
 
 def _check_bool(value: object, label: str, optional: bool) -> None:
@@ -162,11 +175,11 @@ _CHECKS: dict[str, Callable[[object, str], None]] = {
     "capacity_bytes": functools.partial(_check_int, least=1),
     "backend": _check_backend,
     "direct_io": functools.partial(_check_bool, optional=True),
-    "queue_depth": functools.partial(_check_int, least=1),
-    "write_behind_depth": functools.partial(_check_int, least=1),
-    "write_behind_workers": functools.partial(_check_int, least=1),
-    "threads": functools.partial(_check_int, least=1),
-    "ring_entries": functools.partial(_check_int, least=1),
+    "queue_depth": functools.partial(_check_int, least=1, most=MAX_QUEUE_DEPTH),
+    "write_behind_depth": functools.partial(_check_int, least=1, most=MAX_WRITE_BEHIND_DEPTH),
+    "write_behind_workers": functools.partial(_check_int, least=1, most=MAX_WORKERS),
+    "threads": functools.partial(_check_int, least=1, most=MAX_WORKERS),
+    "ring_entries": functools.partial(_check_int, least=1, most=MAX_RING_ENTRIES),
     "sync_writes": functools.partial(_check_bool, optional=False),
     "recycle_files": functools.partial(_check_bool, optional=False),
     "drain_on_close": functools.partial(_check_bool, optional=False),

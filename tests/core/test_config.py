@@ -208,6 +208,18 @@ def test_every_disk_setting_is_validated(tmp_path: Path, name: str) -> None:
             DiskConfig(**{**good, name: -1})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("name", "most"), [("queue_depth", 4096), ("ring_entries", 32768), ("threads", 1024),
+                                          ("write_behind_workers", 1024), ("write_behind_depth", 1 << 20)])
+def test_sizes_beyond_what_the_tier_can_build_are_refused(tmp_path: Path, name: str, most: int) -> None:
+    # Regression (adversarial run): queue_depth=2**20 was accepted and the tier's start built a
+    # header slot, iovecs and SQEs per entry on the loop (7 s; 2**31: a minute and 13 GB).
+    assert getattr(DiskConfig(directory=tmp_path, **{name: most}), name) == most
+    with pytest.raises(ValueError, match=f"DiskConfig.{name} must be at most {most}"):
+        DiskConfig(directory=tmp_path, **{name: most + 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"DiskConfig.{name} must be at most"):
+        DiskConfig(directory=tmp_path, **{name: 2**31})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("short", sorted(DISK_SHORTCUTS))
 def test_a_bad_shortcut_names_itself(tmp_path: Path, short: str) -> None:
     extra = {} if short == "disk_dir" else {"disk_dir": tmp_path}
