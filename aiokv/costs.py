@@ -33,6 +33,8 @@ FIT_MIN_SAMPLES = 3
 FIT_MIN_SPREAD = 0.1
 """Least spread of the observed amounts (standard deviation over mean) for that split: calls of one
 size cannot tell a fixed cost from a slower rate."""
+MIN_CALL_S = 1e-9
+"""Shortest call time a meter takes (a nanosecond): below it, amount/seconds says nothing."""
 FIXED_MAX_S = 10.0
 """Largest fixed cost (and spread) a meter keeps or a rates file may hold, in seconds."""
 MARGIN_FRACTION = 0.05
@@ -71,7 +73,10 @@ class RateMeter:
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
-        if amount <= 0 or seconds <= 0 or not math.isfinite(amount) or not math.isfinite(seconds):
+        # Beyond MOMENT_BOUNDS (a PB, an hour) the moments' squares and products could overflow
+        # and every later estimate with them: such a call tells nothing real either.
+        max_amount, max_seconds = MOMENT_BOUNDS
+        if not (0 < amount <= max_amount and MIN_CALL_S <= seconds <= max_seconds):  # (NaN fails too)
             return
         predicted = self.seconds(amount)
         if predicted is not None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import abc
+import math
 from types import TracebackType
 from typing import Self
 
-from aiokv.costs import LoadEstimate
+from aiokv.costs import RATE_BOUNDS, LoadEstimate
 from aiokv.keys import PageKey, Salt, Tokens
 from aiokv.manager import CacheManager
 from aiokv.pool import PagePool
@@ -85,7 +86,23 @@ class CacheFacade(abc.ABC):
         return self._manager.estimate(match)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
-        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` (feeds the cost model)."""
+        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` (feeds the cost model).
+
+        Raises ``TypeError`` unless ``tokens`` is an int and ``seconds`` a number, ``ValueError``
+        for no tokens, a time that is not positive and finite, or a rate outside what a rates file
+        may hold (``RATE_BOUNDS["prefill"]``); nothing is folded in then.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
+        if not 0 < tokens <= 1 << 53:  # (beyond, tokens / seconds may not fit a float)
+            raise ValueError(f"tokens must be positive and at most 2**53, got {tokens}")
+        if not (0 < seconds < math.inf):
+            raise ValueError(f"seconds must be positive and finite, got {seconds!r}")
+        low, high = RATE_BOUNDS["prefill"]
+        if not low <= tokens / seconds <= high:
+            raise ValueError(f"{tokens} tokens in {seconds!r} s is outside [{low:g}, {high:g}] tokens/s")
         self._manager.costs.prefill.update(tokens, seconds)
 
     def stats(self) -> CacheStatistics:

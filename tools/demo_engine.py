@@ -865,7 +865,7 @@ class Engine(ServingLoop):
         return await self.kv_cache.start_load(match, slots, from_token=start, layered=layered)
 
     def _note_prefill(self, tokens: int, seconds: float) -> None:
-        if self.kv_cache is not None and tokens > 0:
+        if self.kv_cache is not None and tokens > 0 and seconds > 0:
             self.kv_cache.note_prefill(tokens, seconds)
 
     async def _prefill(
