@@ -123,9 +123,15 @@ class SlotValidator:
         # streaming load's) use these validated values unchecked, whatever the caller does to its buffer.
         host = host.to(torch.int64, copy=host is slots)
         if count:
-            if self._seen is None:
-                self._seen = np.zeros(self.kv.num_slots, np.bool_)
-            check_values(host, self.kv.num_slots, self._seen, name)  # range and duplicates, once per call
+            # Taken for the check and put back after: a check from another thread meanwhile (outside
+            # the one-loop contract, but then never a wrong verdict) gets None and makes its own marks.
+            seen, self._seen = self._seen, None
+            if seen is None:
+                seen = np.zeros(self.kv.num_slots, np.bool_)
+            try:
+                check_values(host, self.kv.num_slots, seen, name)  # range and duplicates, once per call
+            finally:
+                self._seen = seen
         return host
 
     async def _to_host(self, slots: torch.Tensor) -> torch.Tensor:

@@ -90,3 +90,52 @@ def test_check_values_without_a_scratch_and_with_one_agree() -> None:
                 ok = False
             assert ok == expect_ok, (trial, values.tolist())
         assert not seen.any()
+
+
+def test_checks_from_two_threads_never_share_the_bitmap() -> None:
+    # Outside the one-loop contract, but a verdict must never be wrong: a validator checked from two
+    # threads (each with its own loop) let duplicated slots pass and refused distinct ones while
+    # both marked the one bitmap (numpy releases the GIL there).
+    import asyncio
+    import threading
+    import time
+
+    from aiokv.cuda import CompletionBridge
+    from aiokv.layout import KVBuffer
+    from aiokv.slots import SlotValidator
+
+    slots, n = 1 << 18, 50_000
+    kv = KVBuffer.wrap(LAYOUT, torch.zeros(LAYOUT.num_layers, slots, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype))
+    bridge = CompletionBridge()
+    validator = SlotValidator(kv, bridge, lambda f, c: None)
+    good = torch.arange(n, dtype=torch.int64)
+    dup = torch.arange(n, dtype=torch.int64)
+    dup[1] = 0
+    wrong = {"good": 0, "dup": 0}
+    checks = {"good": 0, "dup": 0}
+    stop = time.monotonic() + 3
+
+    def run(name: str, tensor: torch.Tensor, should_pass: bool) -> None:
+        async def go() -> None:
+            while time.monotonic() < stop:
+                try:
+                    await validator.check(tensor, n)
+                    passed = True
+                except ValueError:
+                    passed = False
+                checks[name] += 1
+                wrong[name] += passed != should_pass
+
+        asyncio.run(go())
+
+    threads = [threading.Thread(target=run, args=("good", good, True)),
+               threading.Thread(target=run, args=("dup", dup, False))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        bridge.close()
+    assert checks["good"] > 0 and checks["dup"] > 0
+    assert wrong == {"good": 0, "dup": 0}, (wrong, checks)
