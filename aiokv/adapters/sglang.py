@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -257,6 +258,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read each page into its host-pool slots; per key, True when it arrived verified."""
+        _check_keys(keys)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
@@ -265,6 +267,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Write each page from its host-pool slots; per key, True when stored."""
+        _check_keys(keys)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
@@ -279,6 +282,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         last ``len(transfer.keys)`` pages before a stop point). ``BLOCK_GROUPS`` raises
         ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). A pool never
         registered holds nothing."""
+        _check_keys(keys)
         transfers = list(pool_transfers or [])
         kv = self._kv()
         if kv is None or not keys:
@@ -348,7 +352,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 continue
             try:
                 move = self._moves(pool, host, keys, transfer.host_indices, write)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 log.error("aiokv backend: %s: %s", name, exc)
                 results[name] = [False] * len(keys)
                 continue
@@ -364,6 +368,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         """Read ``key`` into ``target_location`` (a page tensor) and return it; None on a miss."""
         if target_location is None:
             return None
+        _check_keys([key])
         page = _flat_bytes(target_location)
         kv = self._kv(page.numel())
         assert kv is not None
@@ -374,16 +379,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         if not keys or target_locations is None:
             return [None] * len(keys)
-        pages = [_flat_bytes(t) for t in target_locations]
-        kv = self._kv(pages[0].numel())
-        assert kv is not None
+        targets = list(target_locations)
+        kv, pages = self._plain_pages(keys, targets, write=False)
         ok = self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=False)[0]
-        return [t if hit else None for t, hit in zip(target_locations, ok, strict=True)]
+        return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Store the page tensor ``value`` under ``key``."""
         if value is None:
             return False
+        _check_keys([key])
         page = _flat_bytes(value)
         kv = self._kv(page.numel())
         assert kv is not None
@@ -393,16 +398,34 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                   target_sizes: Any = None) -> bool:
         if not keys or values is None:
             return not keys
-        pages = [_flat_bytes(v) for v in values]
+        kv, pages = self._plain_pages(keys, list(values), write=True)
+        return all(self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=True)[0])
+
+    def _plain_pages(self, keys: list[str], tensors: list[Any], write: bool) -> tuple[_Pool, list[torch.Tensor]]:
+        """The byte views of a plain batch's page tensors, every one checked before anything moves:
+        str keys, one contiguous CPU tensor of the store's page size per key, and for a read no two
+        targets sharing memory (two reads into one page race and fail verification)."""
+        _check_keys(keys)
+        if len(tensors) != len(keys):
+            raise ValueError(f"{len(tensors)} page tensors for {len(keys)} keys")
+        pages = [_flat_bytes(t) for t in tensors]
+        sizes = {p.numel() for p in pages}
+        if len(sizes) != 1:
+            raise ValueError(f"pages of different sizes in one batch: {sorted(sizes)} bytes")
         kv = self._kv(pages[0].numel())
         assert kv is not None
-        return all(self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=True)[0])
+        if not write:
+            spans = sorted((p.data_ptr(), p.data_ptr() + p.numel()) for p in pages)
+            if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(spans)):
+                raise ValueError("two read targets share memory")
+        return kv, pages
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading ``keys`` have page files (SGLang's prefix semantics)."""
+        _check_keys(keys)
         kv = self._kv()
         if kv is None or not keys:
             return 0
@@ -470,16 +493,15 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
                write: bool) -> _Move:
-        """What moves for ``keys`` at ``host_indices`` of ``host`` (``ValueError`` for an index count
-        that is not ``len(keys)`` pages)."""
-        page_tokens = int(host.page_size) or 1
-        if host_indices is None or host_indices.numel() != len(keys) * page_tokens:
-            got = 0 if host_indices is None else host_indices.numel()
-            raise ValueError(f"{got} host indices for {len(keys)} pages of {page_tokens} tokens")
+        """What moves for ``keys`` at ``host_indices`` of ``host`` (``TypeError``/``ValueError`` for
+        indices that are not ``len(keys)`` whole pages of the pool, see :func:`_page_starts`, before
+        anything moves)."""
+        _check_keys(keys)
+        firsts = _page_starts(host, len(keys), host_indices, write)
         store = _opened(pool)
         if pool.in_place:
+            assert host_indices is not None
             return _Move(store, keys, _pages_in_place(host, len(keys), host_indices))
-        firsts = [int(host_indices[i * page_tokens]) for i in range(len(keys))]
         if write:
             return _Move(store, keys, [[_flat_bytes(host.get_data_page(i, flat=True))] for i in firsts])
         pages = [[_flat_bytes(host.get_dummy_flat_data_page())] for _ in firsts]
@@ -570,12 +592,79 @@ def _host_regions(host: Any) -> list[memoryview]:
     return regions
 
 
+def _check_keys(keys: Sequence[object]) -> None:
+    """``TypeError`` unless every key is a ``str``, ``ValueError`` for one that is not valid UTF-8
+    (a lone surrogate): keys become file keys through their UTF-8 bytes."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a list of str, not one string")
+    for key in keys:
+        if not isinstance(key, str):
+            raise TypeError(f"keys must be str, not {type(key).__name__}")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"key {key!r} is not valid UTF-8: {exc.reason}") from None
+
+
+def _page_starts(host: Any, count: int, host_indices: object, write: bool) -> list[int]:
+    """The first host index of each of ``count`` pages at ``host_indices``, checked against SGLang's
+    contract (its host pools allocate whole pages of ``page_size`` slots at page-aligned starts, and
+    ``get_page_buffer_meta`` / ``get_data_page`` use each page's first index unchecked): an integer
+    tensor of ``count * page_size`` indices, each page a run of consecutive indices starting at a
+    multiple of ``page_size`` inside the pool, and for a read no page named twice (two reads into
+    one slot race and fail verification). ``TypeError``/``ValueError`` otherwise."""
+    page_tokens = int(getattr(host, "logical_page_size", host.page_size)) or 1
+    slots = int(getattr(host, "logical_size", host.size))
+    if not isinstance(host_indices, torch.Tensor):
+        raise TypeError(f"host indices must be a tensor, not {type(host_indices).__name__}")
+    dtype = host_indices.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"host indices must be an integer tensor, not {dtype}")
+    if host_indices.numel() != count * page_tokens:
+        raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {page_tokens} tokens")
+    pages = host_indices.detach().reshape(count, page_tokens).to("cpu", torch.int64)
+    starts = pages[:, 0]
+    if count and (int(starts.min()) < 0 or int(starts.max()) > slots - page_tokens):
+        raise ValueError(f"host indices outside the host pool's {slots} slots")
+    if bool((starts % page_tokens != 0).any()):
+        raise ValueError(f"host pages must start at a multiple of the page size ({page_tokens})")
+    if not torch.equal(pages, starts[:, None] + torch.arange(page_tokens)):
+        raise ValueError(f"each host page must be {page_tokens} consecutive indices")
+    firsts = [int(s) for s in starts.tolist()]
+    if not write and len(set(firsts)) != len(firsts):
+        raise ValueError("a read names one host page twice")
+    return firsts
+
+
+def _pool_extents(host: Any) -> list[tuple[int, int]]:
+    """(start, end) addresses of the host pool's CPU buffers, over their whole storage."""
+    extents = []
+    for name in _POOL_BUFFERS:
+        buffers = getattr(host, name, None)
+        for tensor in (list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                storage = tensor.untyped_storage()
+                extents.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    return extents
+
+
+_POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer",
+                 "temporal_buffer", "conv_buffer")
+"""Attributes of SGLang's host pools holding the memory ``get_page_buffer_meta`` points into."""
+
+
 def _pages_in_place(host: Any, count: int, host_indices: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Per page, ``uint8`` tensors over its buffers in the host pool's memory (no copy)."""
+    """Per page, ``uint8`` tensors over its buffers in the host pool's memory (no copy).
+    ``ValueError`` when SGLang's (unchecked) pointers name memory outside the pool's buffers."""
     ptrs, sizes = host.get_page_buffer_meta(host_indices)
     per_page = len(ptrs) // max(1, count)
-    if per_page * count != len(ptrs):
+    if per_page * count != len(ptrs) or len(sizes) != len(ptrs):
         raise ValueError(f"{len(ptrs)} buffers do not split into {count} pages")
+    extents = _pool_extents(host)
+    for p, s in zip(ptrs, sizes, strict=True):
+        start, end = int(p), int(p) + int(s)
+        if int(s) <= 0 or not any(lo <= start and end <= hi for lo, hi in extents):
+            raise ValueError(f"host page buffer at {start:#x} (+{int(s)}) is outside the host pool's memory")
     return [[_memory(int(p), int(s)) for p, s in zip(ptrs[i * per_page : (i + 1) * per_page],
                                                     sizes[i * per_page : (i + 1) * per_page], strict=True)]
             for i in range(count)]
