@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -229,8 +230,10 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT/MISS from the loop's verdict; RETRY while it is being looked up (never blocks). MISS
-        for everything once the loop thread died."""
-        if self._reap():
+        for everything once the loop thread died or the tier shut down. ``TypeError`` for a key that
+        is not ``bytes`` (nothing changed)."""
+        _check_key(key)
+        if self._shut or self._reap():
             return LookupResult.MISS
         self._take_answers()
         req_id = req_context.req_id
@@ -252,9 +255,19 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if self._shut or self._reap():
             return
         if self._queued:
-            keys, self._queued = self._queued, []
+            queued, self._queued = self._queued, []
             store = self._store
-            page_keys = [store.key(key) for key in keys]
+            keys, page_keys = [], []
+            for key in queued:  # lookup() checked them; a key that still fails alone is a MISS
+                try:
+                    page_keys.append(store.key(key))
+                except Exception:
+                    log.exception("aiokv tier: key %r has no page key; a miss", key)
+                    self._asked.discard(key)
+                    if key in self._wanted:
+                        self._verdicts[key] = False
+                    continue
+                keys.append(key)
 
             def look_up() -> None:
                 try:
@@ -299,16 +312,23 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         """Queue writing the job's chunks (pinned by vLLM until the job is reported). No system call:
         the loop picks the job up at its next poll, or when ``on_schedule_end`` wakes it."""
         pairs, job_id = self._pairs(job_metadata), job_metadata.job_id
+        if pairs is None:
+            return
         self._start(job_id, lambda: self._store_job(job_id, pairs))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Queue reading the job's chunks into the primary slots vLLM allocated (as ``submit_store``)."""
-        pairs, job_id = self._pairs(job_metadata), job_metadata.job_id
+        pairs, job_id = self._pairs(job_metadata, load=True), job_metadata.job_id
+        if pairs is None:
+            return
         self._start(job_id, lambda: self._load_job(job_id, pairs))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark the keys' page files most recently used (LRU), those on disk; queued for the loop
         like a job (no system call), picked up at its next poll."""
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
         if self._shut or not keys or self._reap():
             return
         store, mirror = self._store, self._mirror
@@ -351,6 +371,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def has_pending_work(self) -> bool:
         """True while a job is not reported yet or a lookup is queued or unanswered."""
+        if self._shut:  # lookups are answered MISS; only jobs failed at submit remain to report
+            return bool(self._unreported)
         self._reap()
         return bool(self._unreported or self._lookups_out or self._queued)
 
@@ -436,14 +458,30 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _pairs(self, job: TransferJob) -> list[tuple[OffloadKey, int]]:
+    def _pairs(self, job: TransferJob, load: bool = False) -> list[tuple[OffloadKey, int]] | None:
+        """The job's (key, chunk) pairs, checked before anything is queued: ``bytes`` keys, integer
+        chunk ids (a float was truncated), one per key, inside the region, and for a load no chunk
+        named twice (two reads into one chunk race, and the loser's valid page file was counted
+        corrupt and deleted). ``TypeError``/``ValueError`` otherwise. None after shutdown: the job
+        is reported failed (the region is gone), as a job the loop can no longer run."""
         keys = list(job.keys)
-        chunks = [int(c) for c in job.chunk_ids]
+        for key in keys:
+            _check_key(key)
+        ids = np.asarray(job.chunk_ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TypeError(f"job {job.job_id}: chunk ids must be integers, not {ids.dtype}")
+        chunks = [int(c) for c in ids.reshape(-1).tolist()]
         if len(keys) != len(chunks):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(chunks)} chunk ids")
+        if self._shut:
+            self._start(job.job_id, _never)
+            return None
         bad = [c for c in chunks if not 0 <= c < self._region.shape[0]]
         if bad:
             raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
+        if load and len(set(chunks)) != len(chunks):
+            twice = sorted({c for c in chunks if chunks.count(c) > 1})
+            raise ValueError(f"job {job.job_id}: a load names chunk ids {twice[:4]} more than once")
         return list(zip(keys, chunks, strict=True))
 
     def _start(self, job_id: int, job: Callable[[], Coroutine[Any, Any, _Outcome]]) -> None:
@@ -554,6 +592,15 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             for key in gone:
                 self._mirror.pop(store.key(key), None)
         return _Outcome(result, failed=failed, gone=gone)
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, bytes):
+        raise TypeError(f"offload keys must be bytes, not {type(key).__name__}")
+
+
+async def _never() -> _Outcome:
+    raise RuntimeError("a job after shutdown is never run")
 
 
 def _move_to_end(mirror: collections.OrderedDict[bytes, OffloadKey], page_keys: Iterable[bytes]) -> None:
