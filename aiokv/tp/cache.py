@@ -17,12 +17,16 @@ each rank's heads are one contiguous block of every page, which it copies whole 
 copy engines' rate); the page format is in the fingerprint that keys and page files carry. Slots
 are the scheduler's host indices, the same on every rank. A rank that fails, dies or is not attached
 fails the transfer: an offload then stores nothing of it and a load is shortened (to a miss);
-nothing partial is ever served.
+nothing partial is ever served. Each call is admitted for the rank processes attached when it
+begins: a rank restarted during the call (a spec held for room, a later offload round, a stream's
+later launch) fails the call's remaining transfers instead of reading or writing the new process's
+buffer, which holds its new engine's state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import torch
@@ -186,7 +190,8 @@ class TPCache(CacheFacade):
         """
         count = self._manager.check_load(match, from_token)
         host = check_host_slots(slots, count, self.num_slots)
-        return await self._manager.load(match, host, from_token)
+        with self._admitted():  # its copies go only to the rank processes attached now
+            return await self._manager.load(match, host, from_token)
 
     def start_load(
         self, match: Match, slots: torch.Tensor, *, from_token: int = 0, layered: bool = False
@@ -205,7 +210,8 @@ class TPCache(CacheFacade):
         host = check_host_slots(slots, count, self.num_slots)
         self._manager.check_running()
         assert self._transfers is not None  # running implies started
-        return TPLoadStream(self._manager, self._transfers, match, host, from_token, layered)
+        with self._transfers.admitted():  # its loader task, created here, keeps the ranks' sessions
+            return TPLoadStream(self._manager, self._transfers, match, host, from_token, layered)
 
     async def offload(self, tokens: Tokens, slots: torch.Tensor, *, salt: Salt = None) -> OffloadResult:
         """Every writer rank copies its heads of ``tokens``' full pages from ``slots`` into the pool.
@@ -216,7 +222,13 @@ class TPCache(CacheFacade):
         self._manager.check_running()
         ids = token_array(tokens)
         host = check_host_slots(slots, int(ids.size), self.num_slots)
-        return await self._manager.offload(ids, host, salt)
+        with self._admitted():  # every round's copies read only the rank processes attached now
+            return await self._manager.offload(ids, host, salt)
+
+    def _admitted(self) -> contextlib.AbstractContextManager[tuple[int, ...]]:
+        """The call's admission (:meth:`GroupTransfers.admitted`): the ranks' sessions now."""
+        assert self._transfers is not None  # checked running by the caller
+        return self._transfers.admitted()
 
     def group_statistics(self) -> GroupStatistics:
         """Ranks attached, connections and jobs of the rank group."""

@@ -5,7 +5,9 @@ exchange (protocol version, tp_size and layout fingerprint must match; the worke
 named in the reply and confirms its epoch), sends each submitted spec to the ranks that take part,
 and resolves the job through its :class:`~aiokv.tp.jobs.JobTable` once every rank is accounted for.
 A rank that disconnects (or dies: the kernel closes its socket) fails its part of every job it had
-in flight at once.
+in flight at once. Each attach starts a new session of its rank (:meth:`RankGroup.sessions`); a
+spec carries the sessions its call was admitted for and is sent only while its ranks are still in
+them, so a spec held for room (or a later round of the same call) never reaches a restarted rank.
 
 The group holds no engine tensors and moves no bytes; its loop only reads and writes small frames.
 Connections are asyncio protocols on the Unix socket rather than stream tasks: a completion is
@@ -22,7 +24,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -139,6 +141,10 @@ class RankGroup:
         self._on_all_attached = on_all_attached
         self._changed = asyncio.Event()
         self._next_job = 1
+        # Each attach starts a new session of its rank (a number never reused in this group): a
+        # call's jobs go only to the sessions it was admitted for (see sessions()).
+        self._last_session = 0
+        self._sessions: tuple[int, ...] = (0,) * tp_size
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
         self._accepted = self._refused = self._attach_failures = self._disconnects = self._link_errors = 0
@@ -286,6 +292,17 @@ class RankGroup:
         """True when every rank is attached (a submit can succeed)."""
         return self._all_attached.is_set()
 
+    def sessions(self) -> tuple[int, ...]:
+        """Per rank, the session of its attachment now (0: not attached, or fenced).
+
+        Every attach of a worker (a restarted rank process, or a live one re-attaching) starts a
+        new session; a session ends with its connection or its fence. Capture this when a call is
+        admitted and pass it with each of the call's specs (``submit*(spec, sessions=...)``): a
+        spec is then sent only while each of its ranks is still in the session it was admitted
+        for, never to a process that came after (its KV buffer holds its own engine's state).
+        """
+        return self._sessions
+
     async def wait_attached(self) -> None:
         """Wait until every rank is attached; raises ``RuntimeError`` once the group closes."""
         while not self._all_attached.is_set():
@@ -305,8 +322,10 @@ class RankGroup:
 
     def _notify(self) -> None:
         # One event per change: waiters wake, re-check and wait on the next one.
+        attached = self.attached
+        self._sessions = tuple(self._ranks[r].session if r in attached else 0 for r in self._rank_order)
         completed = False
-        if len(self.attached) == self.tp_size:
+        if len(attached) == self.tp_size:
             completed = not self._all_attached.is_set()
             self._all_attached.set()
         else:
@@ -337,40 +356,45 @@ class RankGroup:
             job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first, layered
         )
 
-    def submit_nowait(self, spec: TransferSpec) -> Job:
+    def submit_nowait(self, spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:
         """Send ``spec`` to its ranks (OFFLOAD: the writers; LOAD: all) and return its :class:`Job`.
 
         A layered spec's job has one readiness future per layer (:attr:`Job.layer_futures`).
         Without every rank attached, or once closing, the job is returned already failed
-        (NOT_ATTACHED / GROUP_CLOSED); nothing is sent. Raises ``asyncio.QueueFull`` when
+        (NOT_ATTACHED / GROUP_CLOSED); nothing is sent. ``sessions``: what :meth:`sessions` said
+        when the spec's call was admitted (None: now); a target rank in another session now (it
+        attached again since: RANK_LOST; it was not attached then: NOT_ATTACHED) fails the job
+        the same way, before any rank is sent anything. Raises ``asyncio.QueueFull`` when
         ``max_jobs`` jobs are in flight or others wait for room (:meth:`submit`,
         :meth:`submit_queued`: specs reach the ranks in the order they were submitted), and
-        ``ValueError`` for a spec of another pool, page size or page range, or a job id already
-        in flight.
+        ``ValueError`` for a spec of another pool, page size or page range, a job id already in
+        flight, or ``sessions`` not of one int per rank.
         """
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
+        admitted = self._admitted(sessions)
         if self._room.waiting:
             raise asyncio.QueueFull(f"{self._room.waiting} submissions wait for room ahead of job {spec.job_id}")
-        return self._send_new(spec, targets, layers)
+        return self._send_new(spec, targets, layers, admitted)
 
-    def submit_queued(self, spec: TransferSpec) -> Job:
+    def submit_queued(self, spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:
         """:meth:`submit_nowait` when there is room and nothing waits, else hold ``spec`` until room
         frees (in submission order) and send it then; returns its :class:`Job` at once.
 
         A held job's futures exist already (its layer futures too); it is sent only once earlier
         submissions were. :meth:`withdraw` ends it unsent. The group's close withdraws every held
         job at once: their outcome is ``withdrawn`` (nothing of them ran; not a failure). Ranks
-        missing when its turn comes fail it NOT_ATTACHED, as :meth:`submit_nowait` would.
-        Raises ``ValueError`` as :meth:`submit_nowait` does.
+        missing when its turn comes, or no longer in the ``sessions`` it was admitted for, fail
+        it unsent, as :meth:`submit_nowait` would. Raises ``ValueError`` as :meth:`submit_nowait` does.
         """
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
+        admitted = self._admitted(sessions)
         if self._room.has_room():
-            return self._send_new(spec, targets, layers)
-        job = self._jobs.hold(spec, targets, layers)
+            return self._send_new(spec, targets, layers, admitted)
+        job = self._jobs.hold(spec, targets, layers, admitted)
         self._room.hold(job)
         return job
 
@@ -381,9 +405,10 @@ class RankGroup:
         self._tell_withdrawn(ended)
         return len(ended)
 
-    async def submit(self, spec: TransferSpec) -> Job:
+    async def submit(self, spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:
         """:meth:`submit_nowait` after waiting for room among the ``max_jobs`` in flight, in turn
-        with other waiting submissions.
+        with other waiting submissions. ``sessions`` (None: now, before the wait) are checked when
+        the turn comes.
 
         Cancelled while it waits: nothing is sent and nothing of it is kept. The group's close
         ends the wait at once: the job returned is ``withdrawn`` (not sent, not a failure).
@@ -392,11 +417,12 @@ class RankGroup:
         if self._closing:
             return self._closed_job(spec)
         targets, layers = self._check_spec(spec)
+        admitted = self._admitted(sessions)
         if self._room.has_room():
-            return self._send_new(spec, targets, layers)
+            return self._send_new(spec, targets, layers, admitted)
         if not await self._room.wait_turn():  # woken by the close: never sent
             return self._jobs.withdrawn_job(spec, targets, layers)
-        return self._send_new(spec, targets, layers)  # at once: those behind us move after it
+        return self._send_new(spec, targets, layers, admitted)  # at once: those behind us move after it
 
     @property
     def closing(self) -> bool:
@@ -420,16 +446,44 @@ class RankGroup:
         targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
         return targets, self.layout.num_layers if spec.layered else 0
 
-    def _missing(self) -> list[RankFailure]:
-        """A failure per rank not attached (none while every rank is)."""
-        missing = self._all_ranks - self.attached if not self._all_attached.is_set() else frozenset()
-        return [RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in sorted(missing)]
+    def _admitted(self, sessions: Sequence[int] | None) -> tuple[int, ...]:
+        """``sessions`` checked (one non-negative int per rank), or the sessions now when None."""
+        if sessions is None:
+            return self._sessions
+        found = tuple(sessions)
+        if len(found) != self.tp_size or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in found):
+            raise ValueError(f"sessions must be {self.tp_size} non-negative ints (RankGroup.sessions()), "
+                             f"got {sessions!r}")
+        return found
 
-    def _send_new(self, spec: TransferSpec, targets: frozenset[int], layers: int) -> Job:
-        failures = self._missing()
+    def _unsendable(self, targets: frozenset[int], sessions: tuple[int, ...]) -> list[RankFailure]:
+        """Why a job admitted for ``sessions`` cannot be sent to ``targets`` now (empty: it can):
+        a failure per rank not attached, and per target attached in another session than the
+        one its call was admitted for (the process it was meant for is gone, or was not there)."""
+        now = self._sessions
+        if sessions == now and self._all_attached.is_set():
+            return []  # the usual case: one comparison per submit
+        missing = self._all_ranks - self.attached if not self._all_attached.is_set() else frozenset()
+        failures = {r: RankFailure(r, RankStatus.NOT_ATTACHED, f"rank {r} is not attached") for r in missing}
+        for rank in targets - missing:
+            if sessions and sessions[rank] != now[rank]:
+                pid = self._ranks[rank].pid
+                if sessions[rank] == 0:
+                    failures[rank] = RankFailure(
+                        rank, RankStatus.NOT_ATTACHED,
+                        f"rank {rank} was not attached when the call was admitted (now pid {pid})")
+                else:
+                    failures[rank] = RankFailure(
+                        rank, RankStatus.RANK_LOST,
+                        f"rank {rank} attached again (pid {pid}) since the call was admitted: the worker "
+                        "it was admitted for is gone")
+        return [failures[r] for r in sorted(failures)]
+
+    def _send_new(self, spec: TransferSpec, targets: frozenset[int], layers: int, sessions: tuple[int, ...]) -> Job:
+        failures = self._unsendable(targets, sessions)
         if failures:
             return self._jobs.failed_job(spec, failures, layers)
-        job = self._jobs.open(spec, targets, layers)
+        job = self._jobs.open(spec, targets, layers, sessions)
         self._send(job)
         return job
 
@@ -464,8 +518,8 @@ class RankGroup:
 
     def _send_held(self, job: Job) -> None:
         """A held job's turn came (room is reserved for it): send it, or fail it unsent when ranks
-        are missing, as :meth:`submit_nowait` would."""
-        failures = self._missing()
+        are missing or not in the sessions it was admitted for, as :meth:`submit_nowait` would."""
+        failures = self._unsendable(job.ranks, job.sessions)
         if failures:
             if self._jobs.fail_held(job, failures):
                 self._tell_withdrawn([job])
@@ -530,6 +584,8 @@ class RankGroup:
             return
         link.state = _LinkState.SERVING
         link.attached = True
+        self._last_session += 1
+        link.session = self._last_session
         link.stop_timer()
         log.info("rank group: rank %d attached (pid %d)", link.rank, link.pid)
         self._notify()
@@ -610,6 +666,7 @@ class _RankLink(asyncio.Protocol):
         self.parser = FrameParser(group.config.max_frame_bytes)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.fenced = False  # half-closed by the manager: the worker ends it once its copies are over
+        self.session = 0  # this attachment's session (RankGroup.sessions()), set once attached
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -56,7 +56,7 @@ class Job:
     (commit on ``ok``, else abort/release): that runs whether or not anyone still awaits.
     """
 
-    __slots__ = ("_future", "layer_futures", "ranks", "spec")
+    __slots__ = ("_future", "layer_futures", "ranks", "sessions", "spec")
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class Job:
         ranks: frozenset[int],
         future: asyncio.Future[JobOutcome],
         layer_futures: tuple[asyncio.Future[bool], ...] = (),
+        sessions: tuple[int, ...] = (),
     ) -> None:
         self.spec = spec
         self.ranks = ranks
@@ -73,6 +74,11 @@ class Job:
         """A layered spec: future ``l`` resolves True once every rank reported layer ``l`` landed (a
         LAYERS frame, or its whole part succeeded), False once the job ended without that; in layer
         order, each before the job itself. Empty for other specs."""
+        self.sessions = sessions
+        """Per rank, the attachment session the job was admitted for (``RankGroup.sessions()``
+        when its call began; 0: not attached then). A :class:`~aiokv.tp.RankGroup` sends the job
+        only to ranks still in those sessions (a held job's turn may come after a rank restarted).
+        Empty: not checked (a table driven by an engine's own channel)."""
 
     @property
     def id(self) -> int:
@@ -185,8 +191,11 @@ class JobTable:
 
     # -- opening --------------------------------------------------------------------------------
 
-    def open(self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0) -> Job:
-        """Track ``spec`` as sent to ``ranks``; a layered spec with readiness for ``layers`` layers.
+    def open(
+        self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0, sessions: tuple[int, ...] = ()
+    ) -> Job:
+        """Track ``spec`` as sent to ``ranks``; a layered spec with readiness for ``layers`` layers;
+        ``sessions``: see :attr:`Job.sessions`.
 
         Raises ``asyncio.QueueFull`` when ``max_jobs`` are in flight and ``ValueError`` when a job
         of the same id is in flight or held, ``ranks`` is empty or ``layers`` does not fit ``spec.layered``.
@@ -194,18 +203,20 @@ class JobTable:
         targets = self._check(spec, ranks, layers)
         if len(self._jobs) >= self.max_jobs:
             raise asyncio.QueueFull(f"{len(self._jobs)} jobs in flight (max_jobs={self.max_jobs})")
-        job = self._new_job(spec, targets, layers)
+        job = self._new_job(spec, targets, layers, sessions)
         self._submitted += 1
         self._track(job)
         return job
 
-    def hold(self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0) -> Job:
+    def hold(
+        self, spec: TransferSpec, ranks: Iterable[int], layers: int = 0, sessions: tuple[int, ...] = ()
+    ) -> Job:
         """A job for ``spec`` that waits for room, to be sent to ``ranks`` later (:meth:`admit`).
 
         Its futures exist at once (layer futures included); it is not in flight until admitted.
-        Raises ``ValueError`` as :meth:`open` does.
+        ``sessions``: see :attr:`Job.sessions`. Raises ``ValueError`` as :meth:`open` does.
         """
-        job = self._new_job(spec, self._check(spec, ranks, layers), layers)
+        job = self._new_job(spec, self._check(spec, ranks, layers), layers, sessions)
         self._submitted += 1
         self._queued += 1
         self._held[spec.job_id] = job
@@ -257,9 +268,9 @@ class JobTable:
         return targets
 
     @staticmethod
-    def _new_job(spec: TransferSpec, targets: frozenset[int], layers: int) -> Job:
+    def _new_job(spec: TransferSpec, targets: frozenset[int], layers: int, sessions: tuple[int, ...] = ()) -> Job:
         loop = asyncio.get_running_loop()
-        return Job(spec, targets, loop.create_future(), tuple(loop.create_future() for _ in range(layers)))
+        return Job(spec, targets, loop.create_future(), tuple(loop.create_future() for _ in range(layers)), sessions)
 
     def _track(self, job: Job) -> None:
         self._jobs[job.id] = _Entry(job)

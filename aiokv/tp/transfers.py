@@ -9,13 +9,22 @@ Beyond ``TPConfig.max_jobs`` jobs in flight a spec is held by the group and sent
 as room frees (:meth:`RankGroup.submit_queued`): a large load or offload waits for room instead of
 failing. A held spec is withdrawn when its call is cancelled (:meth:`GroupTransfers.quiesce`) or the
 group closes: nothing of it runs, and its copy raises :class:`~aiokv.transfers.CopyWithdrawn`.
+
+Every spec carries the ranks' attachment sessions of its *call* (:meth:`GroupTransfers.admitted`,
+entered by ``TPCache`` when a load, offload or stream begins): a spec sent later (held for room, a
+later round or launch group) goes only to the rank processes the call was admitted for. A rank
+restarted meanwhile fails it (RANK_LOST) before any rank is sent anything: the new process's KV
+buffer holds its own engine's state, so an offload would store those bytes under the call's keys
+and a load would overwrite them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -35,6 +44,16 @@ class TransferFailedError(RuntimeError):
         self.outcome = outcome
 
 
+_ADMITTED: contextvars.ContextVar[tuple[RankGroup, tuple[int, ...]] | None] = contextvars.ContextVar(
+    "aiokv_tp_admitted", default=None
+)
+"""The group and its ranks' sessions of the call running in this context (:meth:`GroupTransfers.admitted`).
+
+A context variable because the manager's paths (``CacheManager``'s load and offload rounds, a
+``LoadStream``'s loader task, created inside the call and copying its context) reach the transfers
+through the generic :class:`aiokv.transfers.Transfers` seam, which has no notion of a call."""
+
+
 class GroupTransfers:
     """Implements :class:`aiokv.transfers.Transfers` over a started :class:`RankGroup`."""
 
@@ -42,6 +61,18 @@ class GroupTransfers:
         self.group = group
         # Each copy's job, sent or held (the job drops its reference to the copy's future once done).
         self._jobs: weakref.WeakKeyDictionary[asyncio.Future[None], Job] = weakref.WeakKeyDictionary()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[tuple[int, ...]]:
+        """Admit one call: every copy launched in this context (and in tasks created in it, such as
+        a stream's loader) carries the ranks' sessions of now and is sent only to those sessions
+        (see the module docstring). Yields them. Enter it in the task that runs the call."""
+        sessions = self.group.sessions()
+        token = _ADMITTED.set((self.group, sessions))
+        try:
+            yield sessions
+        finally:
+            _ADMITTED.reset(token)
 
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         return self._submit(Direction.OFFLOAD, page_ids, slots, 0)
@@ -67,9 +98,12 @@ class GroupTransfers:
         group = self.group
         if group.closing:  # nothing is sent any more: withdrawn, as a held spec would be
             return failed_copy(CopyWithdrawn("the rank group is closing: spec not sent"))
+        admitted = _ADMITTED.get()
+        # A copy launched outside an admitted call (a direct user of this object) is admitted now.
+        sessions = admitted[1] if admitted is not None and admitted[0] is group else None
         try:
             # Sent now, or held (in launch order) until the jobs in flight leave room for it.
-            job = group.submit_queued(group.spec(direction, page_ids, slots, skip, layered))
+            job = group.submit_queued(group.spec(direction, page_ids, slots, skip, layered), sessions=sessions)
         except ValueError as exc:  # arguments were validated by the manager: a counted fault
             return failed_copy(exc)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
