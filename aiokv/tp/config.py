@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 from aiokv.kernels.mover import PACE_BYTES
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 
+from .wire import CONTROL_FRAME_BYTES
+
 
 @dataclass(frozen=True)
 class TPConfig:
@@ -22,7 +24,8 @@ class TPConfig:
     worker_max_inflight: int = 256
     """Specs one worker runs at once; beyond it the worker stops reading its socket (backpressure)."""
     max_frame_bytes: int = 64 << 20
-    """Largest frame either side accepts; a longer length prefix is a protocol error."""
+    """Largest frame either side accepts; a longer length prefix is a protocol error. At least
+    :data:`~aiokv.tp.wire.CONTROL_FRAME_BYTES` (the hello exchange's and reports' frames)."""
     handshake_timeout_s: float = 10.0
     """Seconds a connection has to finish the hello exchange (the worker's pool attach included)."""
     close_timeout_s: float = 30.0
@@ -54,5 +57,9 @@ class TPConfig:
                 raise ValueError(f"TPConfig.{field.name} must be finite, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"TPConfig.{field.name} must be an int, got {value!r}")
+        if self.max_frame_bytes < CONTROL_FRAME_BYTES:
+            # Every connection would end at its first frame and the workers reconnect forever.
+            raise ValueError(f"TPConfig.max_frame_bytes must be at least {CONTROL_FRAME_BYTES} (the protocol's "
+                             f"longest control frame: a WELCOME naming its pool), got {self.max_frame_bytes}")
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("TPConfig.reconnect_max_s must be >= reconnect_initial_s")

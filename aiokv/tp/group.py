@@ -367,8 +367,8 @@ class RankGroup:
         the same way, before any rank is sent anything. Raises ``asyncio.QueueFull`` when
         ``max_jobs`` jobs are in flight or others wait for room (:meth:`submit`,
         :meth:`submit_queued`: specs reach the ranks in the order they were submitted), and
-        ``ValueError`` for a spec of another pool, page size or page range, a job id already in
-        flight, or ``sessions`` not of one int per rank.
+        ``ValueError`` for a spec of another pool, page size or page range, one longer than
+        ``max_frame_bytes``, a job id already in flight, or ``sessions`` not of one int per rank.
         """
         if self._closing:
             return self._closed_job(spec)
@@ -443,6 +443,10 @@ class RankGroup:
             raise ValueError(f"spec pages hold {spec.page_tokens} tokens; the layout's hold {self.layout.page_tokens}")
         if int(spec.page_ids.max()) >= self.num_pages:
             raise ValueError(f"spec names page {int(spec.page_ids.max())}; the pool has {self.num_pages}")
+        if spec.encoded_bytes + 1 > self.config.max_frame_bytes:
+            # Sent, the ranks' parsers would end the link at it (and at the next such spec).
+            raise ValueError(f"spec of {spec.encoded_bytes} bytes does not fit a frame "
+                             f"(TPConfig.max_frame_bytes={self.config.max_frame_bytes})")
         targets = self.writers if spec.direction is Direction.OFFLOAD else self._all_ranks
         return targets, self.layout.num_layers if spec.layered else 0
 

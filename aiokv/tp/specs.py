@@ -209,6 +209,11 @@ class TransferSpec:
 
     # -- binary form ----------------------------------------------------------------------------
 
+    @property
+    def encoded_bytes(self) -> int:
+        """Length of :meth:`to_bytes`, without encoding."""
+        return _HEADER.size + self.page_ids.nbytes + self.slots.nbytes
+
     def to_bytes(self) -> bytes:
         """The compact binary form (see the module docstring)."""
         width = self.slots.dtype.itemsize

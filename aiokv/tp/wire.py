@@ -39,6 +39,11 @@ MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 MAX_DEVICE_BYTES = 32
 """Longest device kind a HELLO carries (``torch.device.type``: ``cpu``, ``cuda``, ...)."""
+CONTROL_FRAME_BYTES = 1 + max(s.size for s in (_HELLO, _WELCOME, _REFUSE, _ATTACHED, _DONE, _LAYERS, _WITHDRAWN)) \
+    + MAX_TEXT_BYTES
+"""The longest length prefix of any frame but SPEC (kind, fixed fields and the longest text: a
+WELCOME naming its pool). ``TPConfig.max_frame_bytes`` may not be below it: a link whose hello or
+welcome cannot pass would end in a protocol error at every reconnect, forever."""
 
 
 class ProtocolError(ValueError):
