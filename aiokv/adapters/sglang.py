@@ -649,8 +649,9 @@ def _pool_extents(host: Any) -> list[tuple[int, int]]:
 
 
 _POOL_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer",
-                 "temporal_buffer", "conv_buffer")
-"""Attributes of SGLang's host pools holding the memory ``get_page_buffer_meta`` points into."""
+                 "index_k_with_scale_buffer", "temporal_buffer", "conv_buffer", "_host_page_buffer_view")
+"""Attributes of SGLang 0.5.23's host pools holding the memory their ``get_page_buffer_meta``
+points into (MHA, MLA, DSA, Mamba, unified, MiniMax pools); a pool pointing elsewhere is refused."""
 
 
 def _pages_in_place(host: Any, count: int, host_indices: torch.Tensor) -> list[list[torch.Tensor]]:
