@@ -337,6 +337,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _batch_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
+        named = [str(t.name) for t in transfers]
+        if len(set(named)) != len(named):  # one answer per pool: two transfers of a pool would lose one
+            raise ValueError(f"one call names a pool twice: {sorted(n for n in set(named) if named.count(n) > 1)}")
+        for transfer in transfers:
+            _check_keys(list(transfer.keys or []))
         if self._kv() is None:
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
         names: list[str] = []

@@ -152,3 +152,21 @@ def test_keys_not_str_or_not_utf8_are_refused(tmp_path: Path, backends: list[Any
     with pytest.raises(TypeError):
         backend.batch_exists("abc")
     assert backend.batch_exists(["ok"]) == 0
+
+
+def test_v2_call_naming_a_pool_twice_is_refused(tmp_path: Path, backends: list[Any]) -> None:
+    """Before: both transfers ran and the answer kept only the second ({'kv': [True, False]})."""
+    pool = host_pool(4)
+    fill(pool, 0, seed=1)
+    backend = attach(backends, tmp_path, pool, interface_v1=True)
+    assert backend.batch_set_v1(["a"], indices([0])) == [True]
+    twice = [PoolTransfer(name=PoolName.KV, host_indices=indices([1]), keys=["a"]),
+             PoolTransfer(name=PoolName.KV, host_indices=indices([2]), keys=["b"])]
+    with pytest.raises(ValueError, match="twice"):
+        backend.batch_get_v2(twice)
+    with pytest.raises(ValueError, match="twice"):
+        backend.batch_set_v2(twice)
+    assert backend.batch_exists(["b"]) == 0
+    with pytest.raises(TypeError):
+        backend.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=indices([1]), keys=[7])])
+    assert backend.batch_get_v2([twice[0]]) == {"kv": [True]}
