@@ -35,6 +35,8 @@ FIT_MIN_SPREAD = 0.1
 size cannot tell a fixed cost from a slower rate."""
 MIN_CALL_S = 1e-9
 """Shortest call time a meter takes (a nanosecond): below it, amount/seconds says nothing."""
+FIT_MIN_GROWTH = 0.01
+"""Least part of the mean call's time that must scale with its amount for a line to be drawn."""
 FIXED_MAX_S = 10.0
 """Largest fixed cost (and spread) a meter keeps or a rates file may hold, in seconds."""
 MARGIN_FRACTION = 0.05
@@ -143,8 +145,11 @@ class RateMeter:
             var = mxx - mx * mx
             if var > (FIT_MIN_SPREAD * mx) ** 2:
                 slope = (mxy - mx * my) / var
-                if slope > 0:
-                    # Below my: the slope is positive. Clipped, the line still passes the mean call.
+                # The time must grow with the amount by more than rounding noise: calls of spread
+                # sizes that took equal times (times rounded to the ms) left a slope of ~1e-19,
+                # a fixed part equal to the mean time, and a division by zero on every later use.
+                if slope * mx > FIT_MIN_GROWTH * my:
+                    # Below my by at least that growth; clipped, the line still passes the mean call.
                     fixed = min(max(my - slope * mx, 0.0), FIXED_MAX_S)
                     return fixed, mx / (my - fixed)
         return None

@@ -94,20 +94,22 @@ class LoadStream:
     ) -> None:
         self._manager = manager
         self._layered = layered
-        keys, handles = match.take(manager)
         t = manager.layout.page_tokens
+        first = from_token // t
+        disk_pages = range(max(first, match.pool_pages), match.pages)
+        # Before the match is taken: nothing to give back if the estimate raised.
+        self.estimate: LoadEstimate = manager.costs.estimate(max(0, match.pool_pages - first), len(disk_pages), t,
+                                                             manager.layout.page_bytes)
+        """The cost model's view of this load (pages ``[from_token // page_tokens, match.pages)``) at its start."""
+        keys, handles = match.take(manager)
         self._t = t
         self.tokens = match.tokens
         self.from_token = from_token
-        first = from_token // t
         self._first = first
         self._keys = keys
         manager.release(handles[:first])
         self._pool = {page: handles[page] for page in range(first, match.pool_pages)}
-        self._disk_pages = range(max(first, match.pool_pages), match.pages)
-        self.estimate: LoadEstimate = manager.costs.estimate(len(self._pool), len(self._disk_pages), t,
-                                                             manager.layout.page_bytes)
-        """The cost model's view of this load (pages ``[from_token // page_tokens, match.pages)``) at its start."""
+        self._disk_pages = disk_pages
         split = self.estimate.split_token
         self.planned: int | None = None if split is None else max(from_token, first * t + split)
         """Where the fronts are expected to meet (a token; None while a rate is unknown)."""

@@ -72,3 +72,53 @@ async def test_estimates_and_streams_work_after_extreme_but_valid_reports(tmp_pa
         async with await cache.start_load(match, torch.arange(100, 100 + len(tokens))) as stream:
             await stream.finish()
         await assert_quiescent(cache)
+
+
+def test_calls_of_spread_sizes_with_equal_times_draw_no_line() -> None:
+    # Regression (review): times rounded to the ms left a slope of rounding noise, a fixed part
+    # equal to the mean time and a ZeroDivisionError on every later note_prefill/estimate/start_load.
+    from aiokv.costs import SavedFit
+
+    meter = RateMeter()
+    for amount in (256, 4096, 4096, 256, 512, 1024, 300, 5000):
+        meter.update(amount, 0.001)
+        predicted = meter.seconds(1000)
+        assert predicted is not None and math.isfinite(predicted)
+    assert meter.line() is None
+    # The same moments restored from a rates file (a crafted one passes its checks) are no line either.
+    restored = RateMeter()
+    restored.restore(1000.0, 3, SavedFit((1.0, 1.0, 1e30, 2.0), 3, None))
+    assert restored.line() is None and restored.seconds(10) is not None
+
+
+@pytest.mark.asyncio
+async def test_rounded_prefill_times_leave_estimates_and_streams_working() -> None:
+    tokens = prompt(4, 8 * T)
+    async with KVCache(config(None, pool_pages=16), LAYOUT, make_kv(4)) as cache:
+        await cache.offload(tokens, torch.arange(len(tokens)))
+        for n in (256, 4096, 4096, 256, 512):
+            cache.note_prefill(n, 0.001)
+        match = await cache.match(tokens)
+        assert math.isfinite(cache.estimate(match).recompute_seconds or 0.0)
+        async with await cache.start_load(match, torch.arange(100, 100 + match.tokens)) as stream:
+            await stream.finish()
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_start_load_whose_estimate_raises_takes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stream took the match's pages before the estimate: an estimate that raised leaked them.
+    tokens = prompt(5, 8 * T)
+    async with KVCache(config(None, pool_pages=16), LAYOUT, make_kv(5)) as cache:
+        await cache.offload(tokens, torch.arange(len(tokens)))
+        match = await cache.match(tokens)
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected estimate fault")
+
+        monkeypatch.setattr(cache._manager.costs, "estimate", broken)
+        with pytest.raises(RuntimeError, match="injected estimate fault"):
+            await cache.start_load(match, torch.arange(100, 100 + match.tokens))
+        match.release()
+        assert cache.stats().pool_referenced == 0
+        await assert_quiescent(cache)
