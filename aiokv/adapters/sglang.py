@@ -666,11 +666,18 @@ def _pages_in_place(host: Any, count: int, host_indices: torch.Tensor) -> list[l
     per_page = len(ptrs) // max(1, count)
     if per_page * count != len(ptrs) or len(sizes) != len(ptrs):
         raise ValueError(f"{len(ptrs)} buffers do not split into {count} pages")
-    extents = _pool_extents(host)
-    for p, s in zip(ptrs, sizes, strict=True):
-        start, end = int(p), int(p) + int(s)
-        if int(s) <= 0 or not any(lo <= start and end <= hi for lo, hi in extents):
-            raise ValueError(f"host page buffer at {start:#x} (+{int(s)}) is outside the host pool's memory")
+    # One vectorized check (layer_first pages are 2 * layers buffers each): user-space addresses
+    # fit int64.
+    starts = torch.tensor([int(p) for p in ptrs], dtype=torch.int64)
+    lengths = torch.tensor([int(s) for s in sizes], dtype=torch.int64)
+    inside = torch.zeros(len(ptrs), dtype=torch.bool)
+    for lo, hi in _pool_extents(host):
+        inside |= (starts >= lo) & (starts + lengths <= hi)
+    inside &= lengths > 0
+    if not bool(inside.all()):
+        first = int((~inside).nonzero()[0, 0])
+        raise ValueError(f"host page buffer at {int(starts[first]):#x} (+{int(lengths[first])}) is outside "
+                         "the host pool's memory")
     return [[_memory(int(p), int(s)) for p, s in zip(ptrs[i * per_page : (i + 1) * per_page],
                                                     sizes[i * per_page : (i + 1) * per_page], strict=True)]
             for i in range(count)]
