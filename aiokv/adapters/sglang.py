@@ -257,7 +257,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        """Read each page into its host-pool slots; per key, True when it arrived verified."""
+        """Read each page into its host-pool slots; per key, True when it arrived verified.
+        ``TypeError``/``ValueError``, nothing moved, for keys not str and for host indices that are
+        not whole pages of the pool, one per key, each named once (:func:`_page_starts`)."""
         _check_keys(keys)
         kv = self._kv()
         if kv is None or not keys:
@@ -266,7 +268,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        """Write each page from its host-pool slots; per key, True when stored."""
+        """Write each page from its host-pool slots; per key, True when stored (bad keys or indices
+        refused as in :meth:`batch_get_v1`)."""
         _check_keys(keys)
         kv = self._kv()
         if kv is None or not keys:
