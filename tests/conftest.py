@@ -11,11 +11,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from hypothesis import settings
 
 # Triton reads TRITON_INTERPRET when it is first imported, which any test importing aiokv may do
 # (aiokv.kernels): without a GPU the kernel tests run under the interpreter, so set it first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Property tests draw the same examples on every run (a seed per test), so the suite, and CI, is
+# green or red the same way each time; AIOKV_HYPOTHESIS_RANDOM=1 explores new examples instead.
+settings.register_profile("aiokv", derandomize=os.environ.get("AIOKV_HYPOTHESIS_RANDOM") != "1")
+settings.load_profile("aiokv")
 
 SHM_DIR = "/dev/shm"
 BOTH_LOOPS_DIRS = ("cache",)

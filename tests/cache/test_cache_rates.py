@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -499,7 +500,7 @@ async def test_measure_skips_cancelled_failed_and_missed_futures() -> None:
     for settle in ("cancel", "fail", "miss"):
         meter = RateMeter()
         futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(4)]
-        fold = CacheManager._measure(futures, 4, 0.0, meter, 4096, lambda f: f.result() is not None)
+        fold = CacheManager._measure(futures, 4, time.perf_counter(), meter, 4096, lambda f: f.result() is not None)
         for future in futures[:3]:
             future.set_result(True)
         if settle == "cancel":
@@ -514,7 +515,7 @@ async def test_measure_skips_cancelled_failed_and_missed_futures() -> None:
             futures[3].exception()
     meter = RateMeter()
     delivered = [loop.create_future() for _ in range(2)]
-    fold = CacheManager._measure(delivered, 2, 0.0, meter, 4096)
+    fold = CacheManager._measure(delivered, 2, time.perf_counter(), meter, 4096)
     for future in delivered:
         future.set_result(None)  # a copy's success
     fold()

@@ -230,7 +230,7 @@ async def test_a_rate_is_folded_before_the_call_that_awaited_the_copies_returns(
     loop = asyncio.get_running_loop()
     meter = RateMeter()
     copies = [loop.create_future() for _ in range(3)]
-    fold = CacheManager._measure(copies, 3, 0.0, meter, 4096)
+    fold = CacheManager._measure(copies, 3, time.perf_counter(), meter, 4096)
     fold()
     assert meter.rate is None  # not all done: nothing folded yet
     for copy in copies:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,8 +33,8 @@ async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_r
         jobs: list[Job] = []
         real_submit = group.submit_queued
 
-        def submit_queued(spec: TransferSpec) -> Job:  # a spy: the real submit runs
-            job = real_submit(spec)
+        def submit_queued(spec: TransferSpec, **kwargs: Any) -> Job:  # a spy: the real submit runs
+            job = real_submit(spec, **kwargs)
             jobs.append(job)
             return job
 
