@@ -39,11 +39,11 @@ T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_WORKERS = 4
+"""Preparation threads asked for (capped at one fewer than the process's CPUs)."""
 MAX_CHUNKS = 4096
 """A pool is prepared in at most this many chunks (a smaller ``chunk_bytes`` is raised to fit):
 each chunk is a task on the preparation threads, and tens of thousands of them held the GIL from
 the event loop's thread for hundreds of ms. 4,096 covers 1 TiB in the default 256 MiB chunks."""
-"""Preparation threads asked for (capped at one fewer than the process's CPUs)."""
 
 
 class PoolClosedError(RuntimeError):
@@ -274,6 +274,7 @@ class PagePool:
         # it waits for holds: a wrapper and a loop wake-up per chunk stalled the loop for seconds
         # with thousands of chunks (4,096 chunks: 1.3 s in one step).
         self._lock = threading.Lock()
+        self._finished_all = threading.Condition(self._lock)  # notified when the last chunk ends
         self._done: collections.deque[_ChunkOutcome] = collections.deque()
         self._finished = 0  # chunks whose preparation ended, counted on the threads (under _lock)
         self._any_usable = False  # one of them prepared without error (under _lock)
@@ -403,6 +404,8 @@ class PagePool:
         with self._lock:
             self._done.append(outcome)
             self._finished += 1
+            if self._finished == len(self._futures):
+                self._finished_all.notify_all()
             self._any_usable = self._any_usable or usable
             woken = [w for w in self._waiters if self._over(w.all_chunks)]
             if woken:
@@ -426,7 +429,9 @@ class PagePool:
         try:
             await waiter.future
         finally:
-            if not waiter.future.done():  # cancelled: stop waking it
+            # Cancelled (asyncio cancels the awaited future first, so it is done then too): stop
+            # waking it. A waiter woken meanwhile is no longer in the list.
+            if waiter.future.cancelled() or not waiter.future.done():
                 with self._lock:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
@@ -477,6 +482,9 @@ class PagePool:
         """Block until every chunk is prepared; for set-up code outside the event loop."""
         self._check_open()
         concurrent.futures.wait(self._futures)
+        # A future is done before its done-callbacks ran: wait for _chunk_done of every chunk too.
+        with self._finished_all:
+            self._finished_all.wait_for(lambda: self._finished == len(self._futures))
         self._absorb()
 
     @property

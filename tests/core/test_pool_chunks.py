@@ -5,6 +5,9 @@ as given: 16,384 chunks stalled the loop for 3 s at start)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 import aiokv.pool
 from aiokv.layout import KVLayout
 from aiokv.pool import MAX_CHUNKS, PagePool
+from aiokv.shm import ChunkResult, SharedSegment
 
 SMALL = KVLayout.mha(1, 1, 16, torch.bfloat16, page_tokens=8)  # 4 KiB pages
 
@@ -81,3 +85,46 @@ async def test_a_cancelled_wait_is_not_woken_and_later_waits_still_end() -> None
         assert pool.ready and pool._waiters == []
     finally:
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_waits_cancelled_while_waiting_leave_no_waiter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (review): asyncio cancels the awaited future first, so a wait cancelled mid-way
+    # looked "done" and stayed registered, woken later (one wake-up per cancelled wait).
+    gate = threading.Event()
+    real = SharedSegment.prepare_chunk
+
+    def held(self: SharedSegment, index: int, offset: int, length: int, register_cuda: bool) -> ChunkResult:
+        if index > 0:
+            assert gate.wait(30), "the test never released the chunks"
+        return real(self, index, offset, length, register_cuda)
+
+    monkeypatch.setattr(SharedSegment, "prepare_chunk", held)
+    pool = await PagePool.open(SMALL, 4 * SMALL.page_bytes, register_cuda=False, chunk_bytes=SMALL.page_bytes)
+    try:
+        for _ in range(20):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.001):
+                    await pool.wait_ready()
+        assert pool._waiters == []
+    finally:
+        gate.set()
+        await pool.wait_ready()
+        await pool.aclose()
+
+
+def test_wait_ready_blocking_counts_every_chunk_before_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (review): a future is done before its done-callbacks run, so waiting on the futures
+    # alone could return before the last chunk was queued for the page table (ready False, a page short).
+    real = PagePool._chunk_done
+
+    def late(self: PagePool, future: concurrent.futures.Future[ChunkResult]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)  # the callback of a chunk finished on a preparation thread runs late
+        real(self, future)
+
+    monkeypatch.setattr(PagePool, "_chunk_done", late)
+    with PagePool.create(SMALL, 8 * SMALL.page_bytes, register_cuda=False, chunk_bytes=SMALL.page_bytes) as pool:
+        pool.wait_ready_blocking()
+        assert pool.ready
+        assert pool.statistics().chunks_ready == 8 and pool.table.statistics().free == 8
