@@ -59,7 +59,7 @@ def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, flo
 @pytest.mark.parametrize(("pool", "disk"), [(26, 5), (0, 31), (31, 0), (40, 24)])
 def test_plan_recomputes_exactly_when_no_plan_gains_more_than_the_margin(pool: int, disk: int) -> None:
     plans = set()
-    grid = itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02), (False, True), (0, 256, 2048))
+    grid = itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02), (False, True), (0, 128, 256, 2048))
     for latency, claim_cost, layered, chunk in grid:
         plans |= _check_plan(measured(latency, claim_cost), pool, disk, layered, chunk)
     if disk:  # the grid covers both sides of the rule (a pool hit, a memory copy, always pays here)
@@ -75,7 +75,8 @@ def _check_plan(model: CostModel, pool: int, disk: int, layered: bool, chunk: in
         share = ((pool + disk) - first) / (pool + disk)
         prices = hit_prices(est, share=share, tail_tokens=tail, match_tokens=tokens, page_tokens=PAGE_TOKENS,
                             layered=layered, claim_tokens=chunk)
-        part = dataclasses.replace(est.costs.suffix(first), claim_pages=chunk // PAGE_TOKENS)
+        # Claims are whole pages: a chunk under a page claims one page per call.
+        part = dataclasses.replace(est.costs.suffix(first), claim_pages=max(1, chunk // PAGE_TOKENS) if chunk else 0)
         recompute, load, split, margin = brute(part, tail, layered)
         assert prices is not None
         assert (prices.recompute, prices.load, prices.split, prices.margin) == pytest.approx(

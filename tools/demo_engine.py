@@ -175,7 +175,9 @@ def hit_prices(
     if costs is None or match_tokens <= 0:
         return None
     pages = match_tokens // page_tokens
-    suffix = dataclasses.replace(costs.suffix(pages - round(share * pages)), claim_pages=claim_tokens // page_tokens)
+    # Claims are whole pages: a chunk smaller than a page still claims one (0 prices one claim in all).
+    claim_pages = max(1, claim_tokens // page_tokens) if claim_tokens > 0 else 0
+    suffix = dataclasses.replace(costs.suffix(pages - round(share * pages)), claim_pages=claim_pages)
     part = suffix.estimate()
     if part.recompute_seconds is None or part.split_seconds is None:
         return None
