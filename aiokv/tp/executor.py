@@ -49,7 +49,7 @@ import torch
 from aiokv.cuda import CompletionBridge, Lane
 from aiokv.kernels import PageMover, TransferPath
 from aiokv.layout import KVBuffer
-from aiokv.pool import PageMemory
+from aiokv.pool import MAX_CHUNKS, PageMemory
 from aiokv.shm import ChunkResult, prepare_in_background
 
 from .cancels import Cancels
@@ -135,7 +135,10 @@ class RankExecutor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
-        self._pages_per_chunk = max(1, self.config.register_chunk_bytes // kv.layout.page_bytes)
+        # At most MAX_CHUNKS registration chunks, as the pool itself (a tiny register_chunk_bytes
+        # would make tens of thousands of tasks holding the GIL from the rank's loop).
+        self._pages_per_chunk = max(1, self.config.register_chunk_bytes // kv.layout.page_bytes,
+                                    -(-self.memory.num_pages // MAX_CHUNKS))
         self._registering: concurrent.futures.ThreadPoolExecutor | None = None
         self._chunks: list[concurrent.futures.Future[ChunkResult]] = []
         self._tasks: set[asyncio.Task[RankReport]] = set()
