@@ -53,6 +53,16 @@ def _nothing(_: object) -> None:
     """Nothing to dispose of (a closed bridge, an import)."""
 
 
+def _build_mover(
+    kv: KVBuffer, pages: torch.Tensor, path: TransferPath, staging_pages: int, run_pages: int
+) -> PageMover:
+    """The cache's mover, on the calling thread with the KV buffer's device current (CUDA)."""
+    if kv.device.type != "cuda":
+        return PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
+    with torch.cuda.device(kv.device):
+        return PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
+
+
 def _transfer_path(cuda: bool, configured: TransferPath | None) -> TransferPath:
     """The path a cache uses: the configured one, else staging on CUDA and the torch reference on CPU."""
     return configured or (TransferPath.STAGING if cuda else TransferPath.REFERENCE)
@@ -174,8 +184,14 @@ class KVCache(CacheFacade):
                 f"a loop stall); call KVCache.preload({str(self.kv.device)!r}) before the event loop runs",
             )
             self._check_not_closing()
+        # Built on a thread: its CUDA streams and staging buffers took ~7 ms on an H200 host (a
+        # stream's creation alone), a loop stall. A mover a close made useless is simply dropped.
+        mover = await run_in_new_thread(
+            functools.partial(_build_mover, self.kv, pool.pages, path, cfg.staging_pages, pool.chunk_pages),
+            "aiokv-mover", _nothing,
+        )
+        self._check_not_closing()
         # No await from here on: the close (waiting for this start) sees all of it or none.
-        mover = PageMover(self.kv, pool.pages, path, cfg.staging_pages, run_pages=pool.chunk_pages)
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)
         if mover.effective_path is not TransferPath.REFERENCE:

@@ -373,3 +373,47 @@ def test_preload_of_a_cpu_device_imports_nothing_and_refuses_bad_arguments() -> 
     with pytest.raises(TypeError, match="transfer_path"):
         KVCache.preload("cpu", "direct")  # type: ignore[arg-type]
     assert aiokv.KVCache.preload is KVCache.preload
+
+
+@pytest.mark.asyncio
+async def test_the_copy_engine_is_built_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (H200): the start built its PageMover on the loop; creating its CUDA streams and
+    # staging took ~7 ms there (a faulthandler watchdog caught the loop in torch.cuda.Stream), the
+    # warm-up test's worst stall. A constructor made slow here stands in for that: the loop must go on.
+    import threading
+
+    import aiokv.cache as cache_module
+
+    built_on: list[threading.Thread] = []
+
+    class SlowMover(cache_module.PageMover):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built_on.append(threading.current_thread())
+            time.sleep(0.2)  # a blocking call, as the driver's stream creation
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache_module, "PageMover", SlowMover)
+    kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
+    config = CacheConfig(cpu_bytes=64 << 20, disk_dir=None, namespace="mover-thread")
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        nonlocal worst
+        while not stop.is_set():
+            began = loop.time()
+            await asyncio.sleep(0.001)
+            worst = max(worst, loop.time() - began - 0.001)
+
+    task = asyncio.create_task(probe())
+    try:
+        async with KVCache(config, LAYOUT, kv) as cache:
+            await cache.offload(list(range(16)), torch.arange(16))
+            async with await cache.match(list(range(16))) as match:
+                assert match.tokens == 16
+    finally:
+        stop.set()
+        await task
+    assert built_on and built_on[0] is not threading.main_thread(), built_on
+    assert worst < 0.1, f"the loop waited {worst * 1e3:.0f} ms for the mover's construction"

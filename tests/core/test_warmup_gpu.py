@@ -7,7 +7,8 @@ process with an empty ``TRITON_CACHE_DIR``, so every kernel variant really compi
   and a layer-wise load. They must add no compiled variant to Triton's cache and stall the loop
   less than :data:`STALL_LIMIT_MS` each (a loop-lag probe sleeping 1 ms at a time). While the
   warm-up runs (its helper process compiles, this process only loads what it compiled) the loop
-  stalls at most :data:`WARM_STALL_LIMIT_MS`, and this process compiles no variant itself. A second
+  stalls at most :data:`WARM_STALL_LIMIT_MS`, and this process compiles no variant itself (each
+  stall is counted after the probe's next turn, in the step that caused it). A second
   cache of the same layout, started after the first closed, launches nothing (all loaded already).
 - ``ready``: the same copies right after start, without ``wait_warm`` (they wait for the
   page-aligned variants themselves). Reported, not bounded: the warm-up compiles beside them.
@@ -75,15 +76,21 @@ def compiled():
 class Probe:
     # Largest delay of a 1 ms sleep beyond its 1 ms: the longest the loop was kept from running it.
     def __init__(self):
-        self.worst, self.running = 0.0, True
+        self.worst, self.running, self.turns = 0.0, True, 0
 
     async def run(self):
         while self.running:
             began = time.perf_counter()
             await asyncio.sleep(0.001)
             self.worst = max(self.worst, time.perf_counter() - began - 0.001)
+            self.turns += 1
 
-    def take(self):
+    async def take(self):
+        # After the probe's next full turn: a stall that just ended is counted in the step that
+        # caused it, not in the next one (the caller may resume before the probe wakes).
+        turns = self.turns
+        while self.turns < turns + 2:
+            await asyncio.sleep(0)
         worst, self.worst = self.worst, 0.0
         return round(worst * 1e3, 2)
 
@@ -95,19 +102,19 @@ async def main():
     probe = Probe()
     probing = asyncio.ensure_future(probe.run())
     await asyncio.sleep(0.05)
-    probe.take()
+    await probe.take()
     cache = KVCache(config, layout, kv)
     if mode == "control":
         cache._warm_stop.set()  # the warm-up stops before its first launch
     async with cache:
         await cache.pool.wait_ready()
-        out["start_stall_ms"] = probe.take()
+        out["start_stall_ms"] = await probe.take()
         if mode in ("warm", "restart"):
             began = time.perf_counter()
             warm = await cache.wait_warm()
             out["wait_warm_s"] = round(time.perf_counter() - began, 3)
             out["warm_up"] = dataclasses.asdict(warm) if warm is not None else None
-            out["stall_during_warm_up_ms"] = probe.take()
+            out["stall_during_warm_up_ms"] = await probe.take()
             out["compiled_in_process_while_warming"] = len(compiled_here)
             out["helpers_started"] = len(helpers)
         before = compiled()
@@ -119,7 +126,7 @@ async def main():
             began, count = time.perf_counter(), compiled()
             await coro
             seconds[name] = round(time.perf_counter() - began, 4)
-            stalls[name] = probe.take()
+            stalls[name] = await probe.take()
             compiles[name] = compiled() - count
 
         async def load(offset, from_token=0, layered=False):
@@ -146,7 +153,7 @@ async def main():
             warm = await second.wait_warm()
             out["second_wait_warm_s"] = round(time.perf_counter() - began, 4)
             out["second_warm_up"] = dataclasses.asdict(warm) if warm is not None else None
-            out["second_stall_ms"] = probe.take()
+            out["second_stall_ms"] = await probe.take()
     probe.running = False
     await probing
     print(json.dumps(out))
@@ -208,6 +215,9 @@ def test_a_restart_with_a_warm_triton_cache_starts_no_helper(tmp_path: Path) -> 
     assert restart["compiled_in_process_while_warming"] == 0 and restart["compiled_by_copies"] == 0, restart
     assert isinstance(restart["stall_during_warm_up_ms"], float)
     assert restart["stall_during_warm_up_ms"] <= WARM_STALL_LIMIT_MS, restart
+    # The start itself (constructor included): its copy engine is built off the loop (CUDA streams
+    # created on the loop stalled it ~7 ms, once counted as the warm-up's stall).
+    assert isinstance(restart["start_stall_ms"], float) and restart["start_stall_ms"] <= WARM_STALL_LIMIT_MS, restart
     assert unlisted["helpers_started"] == 1 and helped["cached"] == 0, unlisted  # the control
     assert helped["precompiled"] == helped["variants"] == first["variants"], unlisted
     assert restart["wait_warm_s"] < unlisted["wait_warm_s"], (restart, unlisted)  # type: ignore[operator]
