@@ -41,6 +41,7 @@ from .checks import (
     check_slots,
 )
 from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
+from .slotruns import RunCopy, memmove_runs, page_run_starts, run_copies, run_geometry
 
 if TYPE_CHECKING:
     from .launch import CopyPlan
@@ -359,6 +360,11 @@ class PageMover:
     Each copy checks its slots (range, duplicates: a pass over the indices) unless the caller says
     it did with ``checked=True``: ``KVCache`` checks them once per call at its public edge and
     launches a long transfer in many groups.
+
+    ``slot_runs`` (STAGING): an offload whose pages' slots are each one ascending run (CPU slots)
+    copies every page with one 2-D copy-engine memcpy straight from the KV buffer, no kernel and no
+    staging (:mod:`aiokv.kernels.slotruns`), where the buffer's shape allows it; other offloads
+    gather as before. :attr:`runs_offloaded` counts the pages it copied so.
     """
 
     def __init__(
@@ -368,6 +374,7 @@ class PageMover:
         path: TransferPath | None = None,
         staging_pages: int = DEFAULT_STAGING_PAGES,
         run_pages: int = 1,
+        slot_runs: bool = False,
     ) -> None:
         if not isinstance(kv, KVBuffer):
             raise ValueError(f"kv must be a KVBuffer (KVBuffer.wrap), got {type(kv).__name__}")
@@ -400,6 +407,13 @@ class PageMover:
         """Paced layer-wise loads still queuing units (their staging is in use: other loads go DIRECT)."""
         self._paced_lock = threading.Lock()
         staged = self.effective_path is TransferPath.STAGING
+        if not isinstance(slot_runs, bool):
+            raise ValueError(f"slot_runs must be a bool, got {slot_runs!r}")
+        # Off CUDA (Triton's interpreter) the same copies run with memmove; on CUDA they need the runtime.
+        self._runs = (run_geometry(kv, pages) if slot_runs and staged and (self._raw_memcpy or not self._cuda)
+                      else None)
+        self.runs_offloaded = 0
+        """Pages offloaded by run copies (``slot_runs``), not gathered."""
         lanes = min(2, staging_pages) if staged else 1
         shares = [staging_pages // lanes + (i < staging_pages % lanes) for i in range(lanes)]
         if not staged:
@@ -498,11 +512,31 @@ class PageMover:
             with self._on_side([lane], ready) as streams:
                 self._direct_plan().gather(self._index(slots, lane), self._index(ids, lane))
             return self._finish(streams)
+        if self._runs is not None and (starts := page_run_starts(slots, len(ids), tokens)) is not None:
+            event = self._offload_runs(run_copies(self._runs, starts, ids), ready)
+            self.runs_offloaded += len(ids)
+            return event
         chunks = self._chunks(len(ids), ids, skip_first=0, tokens=tokens)
         plan = self._deal(chunks, self._offload_lanes)
         with self._on_side([lane for lane, _ in plan], ready) as streams:
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._offload_chunk(lane, chunk, index)
+        return self._finish(streams)
+
+    def _offload_runs(self, copies: list[RunCopy], ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """The run copies, dealt round-robin to the offload lanes (a gap between two copies of one
+        stream is covered by the other's); one event after all of them. If queuing fails part-way,
+        the caller's stream waits for what was queued (it reads the slots) before the error propagates."""
+        lanes = self._offload_lanes[: len(copies)]
+        with self._ordered_on_failure(lanes), self._on_side(lanes, ready) as streams:
+            for i, lane in enumerate(lanes):
+                mine = copies[i :: len(lanes)]
+                if lane.stream is None:
+                    memmove_runs(mine)  # Triton's interpreter: host memory on both sides
+                    continue
+                with self._stream(lane):
+                    for c in mine:
+                        _cuda.memcpy2d_async(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height, lane.stream)
         return self._finish(streams)
 
     def load(

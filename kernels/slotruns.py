@@ -1,0 +1,133 @@
+"""Offload by the copy engine alone: a page whose slots are one ascending run is one 2-D memcpy.
+
+When a page's ``T`` slots are ``s, s+1, ..., s+T-1`` and a KV slot is exactly the page's token row
+(the segment covers the whole row on both sides), layer ``l`` of the page is one contiguous block on
+both sides: ``T`` slots from ``s`` in the KV buffer, ``T`` token rows in the page. With the layers
+evenly spaced (a stacked buffer; a per-layer list allocated in one piece), the whole page is one
+``cudaMemcpy2DAsync``: ``L`` rows of ``T * row`` bytes, source pitch the KV layer stride,
+destination pitch the page's. No kernel, no staging, no index upload: nothing competes for the SMs
+(two rank processes sharing a GPU time-slice the SMs between their contexts, not PCIe).
+
+:func:`run_geometry` says once per mover whether the buffer has that shape; :func:`page_run_starts`
+says per call whether every page's slots are a run; :func:`run_copies` makes the copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from aiokv.layout import KVBuffer
+
+from .segments import segments
+
+
+@dataclass(frozen=True)
+class RunCopy:
+    """``height`` rows of ``width`` bytes: row i from ``src + i * spitch`` to ``dst + i * dpitch``."""
+
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class RunSegment:
+    """One segment's part of every page run copy (addresses and strides in bytes)."""
+
+    kv_base: int
+    """Address of slot 0 of layer 0 (at the segment's KV column)."""
+    slot_bytes: int
+    """KV slot stride: slot ``s`` starts ``s * slot_bytes`` after slot 0."""
+    layer_step: int
+    """KV bytes from one layer's tensor to the next (the same for every layer)."""
+    page_col: int
+    """Byte offset of the segment in a page's token row."""
+    block: int
+    """Bytes of one layer of one page: ``T`` token rows."""
+
+
+@dataclass(frozen=True)
+class RunGeometry:
+    """What a mover needs to copy page runs of one KV buffer to one page tensor."""
+
+    segments: tuple[RunSegment, ...]
+    page_base: int
+    page_stride: int
+    """Bytes from page ``n`` to page ``n + 1`` of the page tensor."""
+    layer_stride: int
+    """Bytes from one layer to the next inside a page."""
+    layers: int
+
+
+def run_geometry(kv: KVBuffer, pages: torch.Tensor) -> RunGeometry | None:
+    """The run copies' geometry of ``kv`` against ``pages`` (``[N, L, T, rows, D]``, checked by the
+    mover), or None where a page's layer is not one block on both sides or the layers are not
+    evenly spaced (the mover then gathers)."""
+    layout = kv.layout
+    itemsize = layout.itemsize
+    row = layout.rows * layout.head_dim  # elements of a page's token row
+    if pages.stride(2) != row or layout.num_layers < 1:
+        return None
+    parts = []
+    for seg in segments(kv):
+        first = seg.layers[0]
+        slot = first.stride(0)
+        # The segment must be the whole KV slot and the whole page row: T slots, T rows, one block.
+        if seg.kv_col != 0 or seg.width != slot or seg.width != row:
+            return None
+        if any(t.stride(0) != slot for t in seg.layers):
+            return None
+        step = seg.layers[1].data_ptr() - first.data_ptr() if len(seg.layers) > 1 else 0
+        if any(t.data_ptr() != first.data_ptr() + i * step for i, t in enumerate(seg.layers)):
+            return None
+        block = layout.page_tokens * row * itemsize
+        if len(seg.layers) > 1 and step < block:  # a pitch below the row width: overlapping layers
+            return None
+        parts.append(RunSegment(first.data_ptr(), slot * itemsize, step or block, seg.page_col * itemsize, block))
+    return RunGeometry(
+        segments=tuple(parts),
+        page_base=pages.data_ptr(),
+        page_stride=pages.stride(0) * itemsize,
+        layer_stride=pages.stride(1) * itemsize,
+        layers=layout.num_layers,
+    )
+
+
+def page_run_starts(slots: torch.Tensor, count: int, tokens: int) -> list[int] | None:
+    """First slot of each of ``count`` pages when every page's ``tokens`` slots are one ascending
+    run (``s, s+1, ...``), else None. ``slots``: a checked 1-D CPU integer tensor of
+    ``count * tokens`` slots."""
+    if slots.is_cuda or slots.numel() != count * tokens:
+        return None
+    grid = slots.view(count, tokens).to(torch.int64)
+    first = grid[:, :1]
+    if not torch.equal(grid - first, torch.arange(tokens, dtype=torch.int64).expand(count, tokens)):
+        return None
+    return first.view(-1).tolist()
+
+
+def run_copies(geometry: RunGeometry, starts: list[int], page_ids: list[int]) -> list[RunCopy]:
+    """One 2-D copy per page and segment: page ``page_ids[i]`` gets the run from ``starts[i]``."""
+    copies = []
+    for start, page in zip(starts, page_ids, strict=True):
+        page_at = geometry.page_base + page * geometry.page_stride
+        for seg in geometry.segments:
+            copies.append(RunCopy(
+                dst=page_at + seg.page_col, dpitch=geometry.layer_stride,
+                src=seg.kv_base + start * seg.slot_bytes, spitch=seg.layer_step,
+                width=seg.block, height=geometry.layers,
+            ))
+    return copies
+
+
+def memmove_runs(copies: list[RunCopy]) -> None:
+    """Run ``copies`` with the CPU (a KV buffer and pages in host memory: Triton's interpreter)."""
+    for c in copies:
+        for i in range(c.height):
+            ctypes.memmove(c.dst + i * c.dpitch, c.src + i * c.spitch, c.width)
