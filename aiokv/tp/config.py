@@ -45,9 +45,17 @@ class TPConfig:
     inline_copy_bytes: int = 256 << 10
     """A CPU rank's copy of at most this many bytes runs on the worker's loop when none is queued on
     the copy thread (the hop there and back, two thread wake-ups, costs more); 0: always hop."""
+    offload_runs: bool = True
+    """A CUDA rank offloads each page whose slots are one ascending run with one 2-D copy-engine
+    memcpy straight from its KV buffer (``PageMover(slot_runs=True)``): no gather kernel, so rank
+    processes sharing a GPU do not time-slice its SMs for their offloads. False: always gather."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.offload_runs, bool):
+            raise ValueError(f"TPConfig.offload_runs must be a bool, got {self.offload_runs!r}")
         for field in fields(self):
+            if field.name == "offload_runs":
+                continue
             value = getattr(self, field.name)
             low_ok = field.name == "inline_copy_bytes" and value == 0
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (not value > 0 and not low_ok):

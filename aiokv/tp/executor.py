@@ -3,7 +3,8 @@
 It lives in the rank's process. A :class:`~aiokv.kernels.PageMover` over this rank's KV buffer
 (its head slice) and its part of every page of the attached pool moves the bytes (the pool is
 rank-major, ``KVLayout.for_tp``: the part is one contiguous block per page, so a CUDA rank uses the
-STAGING path, one copy-engine memcpy per page):
+STAGING path, one copy-engine memcpy per page; an offload page whose slots are one ascending run is
+copied straight from the KV buffer by one 2-D copy-engine memcpy, no kernel, ``TPConfig.offload_runs``):
 
 - CPU KV buffer: the copy runs on the :class:`~aiokv.cuda.CompletionBridge`'s copy thread (specs
   stay in order); a thread runner's private loop is itself the copy thread (``copy_on_loop``). A
@@ -123,7 +124,8 @@ class RankExecutor:
             raise ValueError(f"the pool holds {memory.layout.describe()}; rank {kv.tp.rank} of {kv.tp.size} "
                              f"needs {kv.layout.for_tp(kv.tp.size).describe()}")
         pages = memory.pages if memory.layout.parts == 1 else memory.pages[:, kv.tp.part]
-        self._mover: PageMover | None = PageMover(kv.rank_part(), pages, path)
+        self._mover: PageMover | None = PageMover(kv.rank_part(), pages, path, slot_runs=self.config.offload_runs)
+        self._runs_offloaded = 0  # the mover's count, kept once it is dropped
         self._in_flight = 0
         self.layered_loads = 0
         """Layered LOAD specs that reached this executor."""
@@ -171,6 +173,11 @@ class RankExecutor:
     def transfer_path(self) -> TransferPath | None:
         """The path this rank's copies take (STAGING on CUDA by default); None once closed."""
         return None if self._mover is None else self._mover.effective_path
+
+    @property
+    def runs_offloaded(self) -> int:
+        """Pages offloaded by run copies (``TPConfig.offload_runs``: one copy-engine memcpy each)."""
+        return self._runs_offloaded if self._mover is None else self._mover.runs_offloaded
 
     @property
     def registered_chunks(self) -> tuple[int, int]:
@@ -401,6 +408,8 @@ class RankExecutor:
         self.layers.close()
         if self._unmapped is None:
             # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
+            if self._mover is not None:
+                self._runs_offloaded = self._mover.runs_offloaded
             self._mover = None
             self._unmapped = asyncio.ensure_future(asyncio.to_thread(self._teardown))
         await cancels.outlast(self._unmapped)

@@ -116,6 +116,8 @@ class WorkerStatistics:
     """Of those, CUDA loads fed a few units at a time (``TPConfig.pace_bytes``)."""
     warm_up_failed: int = 0
     """Kernel warm-ups (one per session on a path that launches kernels) that raised."""
+    runs_offloaded: int = 0
+    """Pages of the current session offloaded by run copies (``TPConfig.offload_runs``), not gathered."""
 
 
 class RankWorker:
@@ -440,6 +442,7 @@ class RankWorker:
             layered_loads=executor.layered_loads if executor is not None else 0,
             paced_loads=executor.paced_loads if executor is not None else 0,
             warm_up_failed=self._warm_up_failed,
+            runs_offloaded=executor.runs_offloaded if executor is not None else 0,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
