@@ -60,7 +60,29 @@ def _build_mover(
     if kv.device.type != "cuda":
         return PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
     with torch.cuda.device(kv.device):
-        return PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
+        mover = PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
+    _warm_pinned_indices(max(kv.num_slots, len(pages)))
+    return mover
+
+
+PINNED_INDEX_CAP = 1 << 21
+"""Largest index (int64 elements, 16 MiB) whose pinned block the start allocates ahead."""
+
+
+def _warm_pinned_indices(most: int) -> None:
+    """Fill torch's pinned host allocator with one block of each size class an index of up to
+    ``most`` int64 elements uses (it rounds to powers of two and keeps freed blocks).
+
+    A copy stages its slot and page indices through a fresh pinned buffer (``PageMover._index``),
+    on the loop; a size class's first ``cudaHostAlloc`` held the loop 5-24 ms on an H200 host (the
+    process's first: 24 ms, caught by a faulthandler watchdog). Here it runs on the start's thread.
+    """
+    blocks = []
+    elements = 8
+    while elements < 2 * min(max(most, 1), PINNED_INDEX_CAP):
+        blocks.append(torch.empty(elements, dtype=torch.int64, pin_memory=True))
+        elements *= 2
+    del blocks  # back to the allocator's free lists, not to the driver
 
 
 def _transfer_path(cuda: bool, configured: TransferPath | None) -> TransferPath:
