@@ -43,7 +43,7 @@ lint: setup
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p aiokv
 
 test: lint engines
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 demo: setup
 	$(PY) tools/demo.py
