@@ -44,6 +44,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -59,6 +60,7 @@ from aiokv.tp import WorkerStatistics
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_engine import (
+    MODEL_THREAD_PREFIX,
     BlockTable,
     ClaimPolicy,
     Engine,
@@ -222,7 +224,8 @@ async def run_demo(cfg: DemoConfig, progress: bool = True) -> DemoOutcome:
     disk_dir = cfg.disk_dir
     if disk_dir is None and cfg.disk:
         tmp = disk_dir = Path(tempfile.mkdtemp(prefix="aiokv-demo-"))
-    probe = GilProbe() if cfg.probe_gil else None
+    # This coroutine runs on the event loop's thread: named so (the model runs on demo-model_#).
+    probe = GilProbe(labels={threading.get_native_id(): LOOP_THREAD}) if cfg.probe_gil else None
     try:
         layout, config = _layout_and_config(cfg, pool_pages, disk_dir if cfg.disk else None, disk_pages,
                                             cfg.load_path)
@@ -261,18 +264,45 @@ def _probe_summary(probe: GilProbe, runs: Runs) -> dict[str, Any]:
                      key=lambda r: r.ttft_s / max(base[r.name].ttft_s, 1e-9), reverse=True)[:3]
     out["slowest_threads"] = [
         {"request": r.name, "prefill_s": [r.prefill_s, base[r.name].prefill_s],
-         "extra_run_s": dict(sorted(((k, v - base[r.name].threads_s.get(k, 0.0)) for k, v in r.threads_s.items()),
-                                    key=lambda kv: -kv[1])[:5])}
+         "extra_run_s": dict(sorted(extra_run_s(r, base[r.name]).items(), key=lambda kv: -kv[1])[:5])}
         for r in slowest
     ]
-    misses = [(r.gil_lag_s, base[r.name].gil_lag_s) for r in runs.cached
-              if r.computed_tokens == r.prompt_tokens and r.name in base]
+    missed = [r for r in runs.cached if r.computed_tokens == r.prompt_tokens and r.name in base]
+    if missed:
+        # Per miss, on average: which threads ran more over its own prefill than from scratch.
+        totals: dict[str, float] = {}
+        for r in missed:
+            for k, v in extra_run_s(r, base[r.name]).items():
+                totals[k] = totals.get(k, 0.0) + v / len(missed)
+        out["miss_extra_run_s"] = dict(sorted(totals.items(), key=lambda kv: -abs(kv[1])))
+    misses = [(r.gil_lag_s, base[r.name].gil_lag_s) for r in missed]
     pairs = [(c, s) for c, s in misses if c is not None and s is not None]
     out["miss_prefill_lag_s"] = (
         {"requests": len(pairs), "cached": statistics.fmean(c for c, _ in pairs),
          "scratch": statistics.fmean(s for _, s in pairs)} if pairs else None
     )
     return out
+
+
+LOOP_THREAD = "demo-loop"
+"""The event loop's thread in ``--probe-gil``'s CPU per thread (it runs aiokv's and the demo's
+coroutines and callbacks; the model runs on ``demo-model_#``, aiokv's own threads are ``aiokv-*``)."""
+OWN_MODEL = "model thread (this request)"
+OTHER_MODEL = "model threads (other requests)"
+
+
+def extra_run_s(cached: RequestResult, scratch: RequestResult) -> dict[str, float]:
+    """CPU seconds each thread ran over ``cached``'s prefill minus over the same request's from
+    scratch (``threads_s``). The model threads' share is split: the request's own model work
+    (``model_cpu_s``, its prefill calls) apart from other requests' model work in the same span."""
+    names = cached.threads_s.keys() | scratch.threads_s.keys()
+    extra = {k: cached.threads_s.get(k, 0.0) - scratch.threads_s.get(k, 0.0) for k in names}
+    model = f"{MODEL_THREAD_PREFIX}_#"
+    if model in extra:
+        own = cached.model_cpu_s - scratch.model_cpu_s
+        extra[OWN_MODEL] = own
+        extra[OTHER_MODEL] = extra.pop(model) - own
+    return extra
 
 
 def probe_line(summary: dict[str, Any]) -> str | None:
@@ -291,6 +321,11 @@ def probe_line(summary: dict[str, Any]) -> str | None:
         + ", ".join(f"{k} {v:+.3f}" for k, v in x["extra_run_s"].items())
         for x in g.get("slowest_threads", [])
     )
+    per_miss = g.get("miss_extra_run_s")
+    if per_miss:
+        shown = [(k, v) for k, v in per_miss.items() if not k.endswith("(queued)")][:6]
+        slow = ("\n  misses' prefill, threads' extra CPU s per miss: " + ", ".join(f"{k} {v:+.3f}" for k, v in shown)
+                + slow)
     return f"GIL probe (wake-up lag of a 1 ms sleeper): {runs}{misses}{slow}"
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
+import contextvars
 import dataclasses
 import enum
 import hashlib
@@ -36,6 +38,28 @@ if TYPE_CHECKING:
     from aiokv.tp import WorkerStatistics
 
 _R = TypeVar("_R")
+
+MODEL_THREAD_PREFIX = "demo-model"
+"""Name of the threads the model runs on (``demo-model_0``, ...): ``--probe-gil`` reports CPU per
+thread name, and the default executor's ``asyncio_#`` read as the event loop's thread (it is not:
+the loop runs on the thread that called ``asyncio.run``)."""
+
+_model_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def model_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of model threads (named :data:`MODEL_THREAD_PREFIX`), made on first use."""
+    global _model_executor
+    if _model_executor is None:
+        _model_executor = concurrent.futures.ThreadPoolExecutor(thread_name_prefix=MODEL_THREAD_PREFIX)
+    return _model_executor
+
+
+async def on_model_thread(fn: Callable[..., _R], *args: object) -> _R:
+    """``asyncio.to_thread`` on a model thread (:func:`model_executor`), the context copied alike."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(model_executor(), context.run, fn, *args)
+
 
 LAYER_WAIT_S = 600.0
 """Bound of a CPU model thread's wait for one layer's copies (they finish in milliseconds)."""
@@ -892,7 +916,7 @@ class Engine(ServingLoop):
         # The model runs in a worker thread (torch releases the GIL), so the loop keeps serving
         # the cache's disk and copy completions, and the stream's loader, while a chunk computes.
         try:
-            return await asyncio.to_thread(self._counted, slots, self._on_device, self._prefill_sync, prompt, begin,
+            return await on_model_thread(self._counted, slots, self._on_device, self._prefill_sync, prompt, begin,
                                            end, slots, first, hook, paced)
         finally:
             if gate is not None:
@@ -973,7 +997,7 @@ class Engine(ServingLoop):
         return First(logits, int(logits.argmax().item()), queued)
 
     async def _decode(self, n: int, first: First, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-        return await asyncio.to_thread(self._counted, slots, self._on_device, self._decode_sync, n, first, slots)
+        return await on_model_thread(self._counted, slots, self._on_device, self._decode_sync, n, first, slots)
 
     def _decode_sync(self, n: int, first: First, host_slots: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
         slots = self._to_device(host_slots)

@@ -42,13 +42,16 @@ class GilProbe:
     over any span of ``time.perf_counter()`` seconds, once stopped or while running.
     """
 
-    def __init__(self, interval_s: float = 0.001, snapshot_every: int = 50) -> None:
+    def __init__(self, interval_s: float = 0.001, snapshot_every: int = 50,
+                 labels: dict[int, str] | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s!r}")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1, got {snapshot_every!r}")
         self.interval_s = interval_s
         self.snapshot_every = snapshot_every
+        self.labels = dict(labels or {})
+        """Thread names by native id that win over the threads' own (the demo names its loop thread)."""
         self._snap_times: list[float] = []
         self._snaps: list[dict[str, float]] = []
         self._times: list[float] = []  # wake-up times, increasing
@@ -82,7 +85,7 @@ class GilProbe:
         t = time.perf_counter()
         while not self._stop.is_set():
             if n % self.snapshot_every == 0:
-                snap = thread_run_times()
+                snap = thread_run_times(self.labels)
                 self._snap_times.append(time.perf_counter())
                 self._snaps.append(snap)
             n += 1
@@ -139,12 +142,14 @@ class GilProbe:
 _DIGITS = re.compile(r"\d+")
 
 
-def thread_run_times() -> dict[str, float]:
+def thread_run_times(labels: dict[int, str] | None = None) -> dict[str, float]:
     """Seconds each thread of this process has run on a CPU, summed by name (digits as ``#``, so a
     pool's workers add up), and under ``"<name> (queued)"`` the seconds it waited runnable for a
-    CPU; Python threads by their ``threading`` name, others by ``comm``. Threads
-    that ended drop out (a span's delta counts only threads alive at both ends). Empty off Linux."""
+    CPU; threads in ``labels`` (native id: name) by that name, other Python threads by their
+    ``threading`` name, the rest by ``comm``. Threads that ended drop out (a span's delta counts
+    only threads alive at both ends). Empty off Linux."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names.update(labels or {})
     out: dict[str, float] = {}
     try:
         tids = os.listdir("/proc/self/task")
