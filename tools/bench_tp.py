@@ -324,6 +324,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in names:
         rows[f"offload_{name}"], rows[f"load_{name}"] = [], []
     runs_pages: dict[str, int] = dict.fromkeys(names, 0)
+    small: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as sock_dir:
         async with TPCache(config, layout, tp_size=args.tp, num_slots=2 * n,
                            directory=Path(sock_dir) / "tp") as cache:
@@ -370,6 +371,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             rows[f"load_{name}"].append(time.perf_counter() - start)
                             assert loaded.tokens == n, loaded
                             exact &= all(await _ask_all(conns, "check", src, dst))
+                            cache.pool.table.evict(cache.pool.num_pages)
+                            for k in range(args.small_calls):  # one page each: the call's fixed cost shows
+                                first = 10**9 + (rep * args.small_calls + k) * t
+                                start = time.perf_counter()
+                                one = await cache.offload(list(range(first, first + t)), src[:t])
+                                small[name].append(time.perf_counter() - start)
+                                assert one.stored == 1, one
                             runs_pages[name] = max(runs_pages[name], min(await _ask_all(conns, "runs")))
                             cache.pool.table.evict(cache.pool.num_pages)
                         for direction in ("d2h", "h2d"):
@@ -395,6 +403,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "offload_vs_memcpy_before": med["memcpy_d2h_before"] / med[f"offload_{name}"],
             "load_vs_memcpy_before": med["memcpy_h2d_before"] / med[f"load_{name}"],
             "pages_by_runs_per_rank": runs_pages[name],
+            "one_page_offload_ms": statistics.median(small[name]) * 1e3 if small[name] else None,
+            "one_page_at_memcpy_ms": med["memcpy_d2h"] / args.pages * 1e3,
         } for name in names},
         loop_lag=lag.summary(),
         specs_per_rank=specs,
@@ -430,6 +440,8 @@ def main() -> None:
                    help="runs: every page's slots in order (what run copies take); random: a permutation (gathers)")
     p.add_argument("--stalls-ms", type=float, default=0.0,
                    help="sample the manager loop's stack whenever it stalls this long (0: off)")
+    p.add_argument("--small-calls", type=int, default=5,
+                   help="one-page offloads per rep and mode, timed apart: the per-call fixed cost")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     out = asyncio.run(run(args))
@@ -445,6 +457,9 @@ def main() -> None:
               f"({mode['offload_vs_memcpy_before']:.2f}x the baseline as before); "
               f"load {g['load_' + name]:.1f} GB/s: {mode['load_vs_memcpy']:.2f}x "
               f"({mode['load_vs_memcpy_before']:.2f}x); pages by run copies per rank: {mode['pages_by_runs_per_rank']}")
+        if mode["one_page_offload_ms"] is not None:
+            print(f"         a one-page offload (the call's fixed cost shows): {mode['one_page_offload_ms']:.3f} ms, "
+                  f"its bytes at the memcpy rate {mode['one_page_at_memcpy_ms']:.3f} ms")
     lag = out["loop_lag"]
     print(f"manager loop lag while streaming: p50 {lag['p50_ms']:.3f} ms, p99 {lag['p99_ms']:.3f} ms, "
           f"max {lag['max_ms']:.3f} ms")

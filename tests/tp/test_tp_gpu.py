@@ -113,6 +113,45 @@ async def test_cuda_ranks_offload_and_load_bit_exact(case: str, tmp_path: Path, 
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("runs", [True, False], ids=["run-copies", "gathers"])
+async def test_cuda_ranks_offload_run_pages_by_run_copies_bit_exact(
+    runs: bool, tmp_path: Path, spawned: list[RankProcesses]
+) -> None:
+    """Pages whose slots are runs (a run backwards across pages too): each rank copies its part with
+    one cudaMemcpy2DAsync per page (``TPConfig.offload_runs``), counted, and the pool pages are
+    bit-exact with the reference page; ``offload_runs=False`` gathers the same bytes."""
+    layout, tp = CASES["mha-tp2"]
+    T = layout.page_tokens
+    config = TPConfig(reconnect_initial_s=CONFIG.reconnect_initial_s, handshake_timeout_s=60.0, offload_runs=runs)
+    full = full_kv(layout, seed=13, slots=SLOTS)
+    runs_of = [range(5 * T, 6 * T), range(0, T), range(2 * T, 3 * T), range(9 * T + 7, 10 * T + 7)]
+    slots = torch.cat([torch.arange(r.start, r.stop) for r in runs_of])
+    pool = await new_pool(layout.for_tp(tp), PAGES)
+    try:
+        async with RankGroup(layout, tp, pool.name, pool.num_pages, config, tmp_path / "m") as group:
+            ranks = RankProcesses(group.address, layout, tp, 13, True, SLOTS, "cuda", config)
+            spawned.append(ranks)
+            ranks.start_all()
+            async with asyncio.timeout(180):
+                await group.wait_attached()
+            pool.pages.view(torch.uint8).fill_(0xA5)
+            handles = reserve(pool, [key(i) for i in range(4)])
+            pages = [h.page for h in handles]
+            jobs = [group.submit_nowait(group.spec(Direction.OFFLOAD, pages[i : i + 2], slots[i * T : (i + 2) * T]))
+                    for i in (0, 2)]
+            outcomes = [await job for job in jobs]
+            assert all(o.ok for o in outcomes), outcomes
+            for i, page in enumerate(pages):
+                want = expected_page(full, list(runs_of[i]), pool.layout)
+                assert torch.equal(pool.pages[page], want), f"page {i}"
+            for rank in range(tp):
+                assert (await ranks.ask(rank, "stats")).runs_offloaded == (4 if runs else 0)
+            await ranks.stop_all()
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.asyncio
 async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
     tmp_path: Path, spawned: list[RankProcesses]
 ) -> None:
