@@ -495,8 +495,9 @@ class PageMover:
         ``len(page_ids) * T`` distinct slots. CUDA: queued behind the caller's current stream, or
         behind ``ready`` when given (an event the caller recorded earlier: a launch deferred by
         pacing still copies what the engine had written by then); returns the event to await
-        before committing the pages. CPU: synchronous, returns None; so does a TP replica that
-        must not write (``tp.writer`` False), which moves nothing.
+        before committing the pages. If queuing fails part-way, the caller's current stream is made
+        to wait for what was queued before the error propagates. CPU: synchronous, returns None; so
+        does a TP replica that must not write (``tp.writer`` False), which moves nothing.
         """
         ids = self._check(slots, page_ids, checked)
         check_gather_counts(self.kv, slots, len(ids))
@@ -509,7 +510,7 @@ class PageMover:
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._offload_lanes[0]
-            with self._on_side([lane], ready) as streams:
+            with self._ordered_on_failure([lane]), self._on_side([lane], ready) as streams:
                 self._direct_plan().gather(self._index(slots, lane), self._index(ids, lane))
             return self._finish(streams)
         if self._runs is not None and (starts := page_run_starts(slots, len(ids), tokens)) is not None:
@@ -518,7 +519,8 @@ class PageMover:
             return event
         chunks = self._chunks(len(ids), ids, skip_first=0, tokens=tokens)
         plan = self._deal(chunks, self._offload_lanes)
-        with self._on_side([lane for lane, _ in plan], ready) as streams:
+        lanes = [lane for lane, _ in plan]
+        with self._ordered_on_failure(lanes), self._on_side(lanes, ready) as streams:
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._offload_chunk(lane, chunk, index)
         return self._finish(streams)

@@ -312,7 +312,13 @@ class RankExecutor:
                     if event is not None:
                         stream.wait_event(event)  # the engine's later kernels read what we wrote
         except Exception as exc:
-            result.set_result(_classify(exc))
+            # Failed part-way, the mover ordered the engine's stream after what it had queued: report
+            # once that is done. Reported at once, the manager aborted the pages (and reused the
+            # slots) while copies still wrote them: a reused page could take a late write.
+            queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            queued.record(stream)
+            failed = self._bridge.wait(queued, Lane.OFFLOAD if spec.direction is Direction.OFFLOAD else Lane.LOAD)
+            failed.add_done_callback(functools.partial(_failed_after_queued, result, _classify(exc)))
             return
         waited = self._bridge.wait(event, lane)
         waited.add_done_callback(functools.partial(_event_done, result))
@@ -445,6 +451,11 @@ def _copied(result: asyncio.Future[RankReport], copy: asyncio.Future[None]) -> N
         result.set_result(_classify(exc))
     else:
         result.set_result(RankReport(RankStatus.OK))
+
+
+def _failed_after_queued(result: asyncio.Future[RankReport], report: RankReport, _: asyncio.Future[None]) -> None:
+    if not result.done():
+        result.set_result(report)
 
 
 def _event_done(result: asyncio.Future[RankReport], waited: asyncio.Future[None]) -> None:
