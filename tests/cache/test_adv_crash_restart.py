@@ -54,17 +54,28 @@ def _config(directory: Path, backend: DiskBackend) -> Any:
 
 
 def writer_child(directory: str, backend: str, seed: int, conn: Any) -> None:
-    """Offload prompts forever (the pool holds 8 pages: most go to disk, then are evicted)."""
+    """Offload prompts (the pool holds 8 pages: most go to disk, then are evicted); every third
+    one, promote an earlier prompt back (prefetch, then load it and check it: a kill may land in a
+    promotion too). Reports ``"starting"``, ``"ready"``, each offload's index, ``("wrong", i)``."""
 
     async def main() -> None:
         kv = torch.zeros(LAYOUT.num_layers, SLOTS, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
         prompts = prompts_of(seed, 200)
+        conn.send("starting")
         async with KVCache(_config(Path(directory), DiskBackend(backend)), LAYOUT, kv) as cache:
             conn.send("ready")
             for index, tokens in enumerate(prompts):
                 slots = torch.arange(len(tokens))
                 kv[:, slots] = prefix_oracle(tokens)
                 await cache.offload(tokens, slots)
+                if index % 3 == 2:
+                    earlier = prompts[(index * 7) % index]
+                    await cache.prefetch(earlier)
+                    match = await cache.match(earlier)
+                    into = torch.arange(SLOTS // 2, SLOTS // 2 + match.tokens)
+                    got = await cache.load(match, into)
+                    if not torch.equal(kv[:, into[: got.tokens]], prefix_oracle(earlier[: got.tokens])):
+                        conn.send(("wrong", index))
                 conn.send(index)
             await cache.flush()
             conn.send("done")
@@ -77,8 +88,10 @@ def _segments_of(pid: int) -> list[str]:
     return glob.glob(f"/dev/shm/aiokv-{pid}-*")
 
 
-def _kill_round(directory: Path, backend: DiskBackend, seed: int, rng: random.Random) -> tuple[int, int]:
-    """Run a writer, SIGKILL it after a random number of offloads; returns (its pid, offloads seen)."""
+def _kill_round(directory: Path, backend: DiskBackend, seed: int, rng: random.Random,
+                in_start: bool) -> tuple[int, int]:
+    """Run a writer, SIGKILL it after a random number of offloads (``in_start``: during its start-up
+    over the last one's leftovers); returns (its pid, offloads seen)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=writer_child, args=(str(directory), backend.value, seed, child), daemon=True)
@@ -87,24 +100,35 @@ def _kill_round(directory: Path, backend: DiskBackend, seed: int, rng: random.Ra
     seen = 0
     try:
         assert parent.poll(60), "the writer never started"
-        assert parent.recv() == "ready"
-        stop = rng.randrange(5, 60)
-        deadline = time.monotonic() + 30
-        while seen < stop and time.monotonic() < deadline:
-            if parent.poll(0.5):
-                message = parent.recv()
-                if message == "done":
-                    break
-                seen += 1
-        time.sleep(rng.random() * 0.02)  # a random moment inside the next offload or write-behind
+        assert parent.recv() == "starting"
+        if in_start:
+            time.sleep(rng.random() * 0.1)
+        else:
+            assert parent.poll(60), "the writer never got ready"
+            assert parent.recv() == "ready"
+            stop = rng.randrange(5, 60)
+            deadline = time.monotonic() + 30
+            while seen < stop and time.monotonic() < deadline:
+                if parent.poll(0.5):
+                    message = parent.recv()
+                    if message == "done":
+                        break
+                    assert not isinstance(message, tuple), f"the writer loaded wrong KV: {message}"
+                    seen += 1
+            time.sleep(rng.random() * 0.02)  # a random moment inside the next offload or write-behind
     finally:
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
-        parent.close()
+        pid = _killed(proc, parent)
+    assert in_start or seen > 0
+    return pid, seen
+
+
+def _killed(proc: Any, conn: Any) -> int:
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    conn.close()
     assert proc.exitcode == -signal.SIGKILL
-    assert seen > 0
-    return proc.pid, seen
+    return int(proc.pid)
 
 
 async def _verify(directory: Path, backend: DiskBackend, seed: int, dead_pid: int) -> tuple[int, int]:
@@ -143,7 +167,8 @@ async def test_sigkilled_cache_restarts_serving_only_right_kv_and_reclaims_its_s
     total = 0
     for round_ in range(ROUNDS):
         seed = 50 + round_ % 2  # alternate: a later round overwrites and recycles an earlier one's files
-        pid, _seen = await asyncio.to_thread(_kill_round, tmp_path, backend, seed, rng)
+        in_start = round_ == 1  # killed while starting over the first round's leftovers
+        pid, _seen = await asyncio.to_thread(_kill_round, tmp_path, backend, seed, rng, in_start)
         loaded, wrong = await _verify(tmp_path, backend, seed, pid)
         assert wrong == 0, f"round {round_}: {wrong} prompts served wrong KV after a SIGKILL"
         total += loaded
