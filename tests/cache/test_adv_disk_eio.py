@@ -122,6 +122,7 @@ def _cfg(directory: Path) -> CacheConfig:
                        pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=1)
 
 
+@pytest.mark.root
 @pytest.mark.asyncio
 async def test_real_eio_on_one_page_file_stops_loads_streams_and_prefetch_at_it(tmp_path: Path) -> None:
     tokens = prompt(77, PAGES * T)

@@ -52,6 +52,7 @@ def _break_inodes(mount: Path, image: Path, device: str, inodes: list[int]) -> N
     subprocess.run(["mount", device, str(mount)], check=True)
 
 
+@pytest.mark.root
 @pytest.mark.asyncio
 async def test_restart_scan_over_corrupt_inodes_serves_the_rest(tmp_path: Path) -> None:
     tokens = prompt(55, PAGES * T)
