@@ -24,6 +24,7 @@ import math
 import os
 import reprlib
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,10 @@ FIXED_MAX_S = 10.0
 MARGIN_FRACTION = 0.05
 """Stated part of the margin: a load or split expected to gain less than this fraction of the
 recompute time (besides the measured spreads) is not worth its risk; recompute instead."""
+TRIAL_AFTER_S = 60.0
+"""A disk rate no read has refreshed for this long is stale: the next estimate with disk pages
+offers a trial (:attr:`LoadEstimate.trial`), then none for as long again. Without it, a disk once
+measured slow (a cold start, a busy device) had every later hit declined, so never measured again."""
 
 
 class RateMeter:
@@ -328,6 +333,11 @@ class LoadEstimate:
     """Gain a load or split must beat: :data:`MARGIN_FRACTION` of recomputing plus the meters' spreads."""
     costs: PageCosts | None = None
     """The per-page costs behind it (None while a rate is unknown), to price part of the match."""
+    trial: bool = False
+    """The disk rate is stale (:data:`TRIAL_AFTER_S` without a read): a split would re-measure it
+    at little risk (the engine computes from the front meanwhile, and the fronts meet wherever the
+    disk really is). :attr:`split_pays` then says None (not known); :attr:`worth_loading` keeps its
+    verdict, as a plain load could lose the whole difference."""
 
     @property
     def load_seconds(self) -> float | None:
@@ -357,8 +367,8 @@ class LoadEstimate:
     @property
     def split_pays(self) -> bool | None:
         """Whether the best split (a plain load included: split 0) beats recomputing by more than
-        the margin (None: not known yet). False: recompute instead."""
-        if self.split_seconds is None or self.recompute_seconds is None:
+        the margin (None: not known yet, or a :attr:`trial` is due). False: recompute instead."""
+        if self.split_seconds is None or self.recompute_seconds is None or self.trial:
             return None
         return self.split_seconds < self.recompute_seconds - self.margin_seconds
 
@@ -366,13 +376,16 @@ class LoadEstimate:
 class CostModel:
     """Per-tier delivered throughput and the engine's prefill rate, with estimates built on them."""
 
-    def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
+    def __init__(self, prefill_tokens_per_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = RateMeter()
         """Bytes per second copied from the pool into the KV buffer."""
         self.disk = RateMeter()
         """Bytes per second read from disk into the pool."""
         self.prefill = RateMeter(initial=prefill_tokens_per_s)
         """Tokens per second the engine prefills."""
+        self._clock = clock
+        self._disk_seen = (self.disk.samples, clock())
+        """The disk meter's sample count as last seen, and when it last changed or a trial was offered."""
 
     def meters(self) -> dict[str, RateMeter]:
         """The meters by the names they are saved under (the keys of :data:`RATE_BOUNDS`)."""
@@ -417,7 +430,21 @@ class CostModel:
             pool_pages=pool_pages, disk_pages=disk_pages, page_tokens=page_tokens,
             copy_spread=pool.spread, read_spread=disk.spread, claim_spread=prefill.spread,
         )
-        return costs.estimate(None if copy is None else 0.0)
+        estimate = costs.estimate(None if copy is None else 0.0)
+        return dataclasses.replace(estimate, trial=True) if disk_pages and self._trial_due() else estimate
+
+    def _trial_due(self) -> bool:
+        """Whether the disk rate went :data:`TRIAL_AFTER_S` without a read (then the next trial is
+        that long away again, whether the engine takes this one or not)."""
+        now = self._clock()
+        samples, since = self._disk_seen
+        if self.disk.samples != samples:
+            self._disk_seen = (self.disk.samples, now)
+            return False
+        if now - since < TRIAL_AFTER_S:
+            return False
+        self._disk_seen = (samples, now)
+        return True
 
 
 # -- the rates across restarts --------------------------------------------------------------------
