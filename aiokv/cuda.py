@@ -370,6 +370,9 @@ def _required_runtime() -> Any:
 def _check(lib: Any, err: int, what: str) -> None:
     """Raise ``RuntimeError`` with CUDA's message for a non-zero runtime error code."""
     if err != 0:
+        # The refused call also left its error as this thread's last one: cleared, or torch's next
+        # kernel-launch check (cudaGetLastError) would raise it as that launch's own failure.
+        lib.cudaGetLastError()
         message = lib.cudaGetErrorString(err) or b"?"
         raise RuntimeError(f"{what} failed: CUDA error {err} ({message.decode()})")
 
