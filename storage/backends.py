@@ -915,10 +915,13 @@ _Work = tuple[Callable[..., object], tuple[object, ...], asyncio.AbstractEventLo
 class ThreadPageIO:
     """Page files through ``os.pwritev``/``os.preadv`` in worker threads (io_uring refused).
 
-    Create with ``await ThreadPageIO.open(...)``: its ``threads`` workers (``aiokv-disk_<i>``) are
-    started from a thread of their own, so that the loop never waits in ``Thread.start`` (which
-    waits until the new thread runs: ms on a loaded machine, #11). Jobs go to the workers in the
-    order they were started, through one unbounded queue (the tier bounds what it has in flight)."""
+    Create with ``await ThreadPageIO.open(...)``: its workers are started from a thread of their
+    own, so that the loop never waits in ``Thread.start`` (which waits until the new thread runs: ms
+    on a loaded machine, #11). Reads and writes have ``threads`` workers each (``aiokv-disk_<i>``: the
+    first ``threads`` read), each kind fed in the order started through an unbounded queue of its
+    own (the tier bounds what it has in flight): a write stuck in the kernel (a frozen file system
+    blocks writes, not reads) never holds up a read (#11: one shared queue made a load wait 14 s,
+    until the thaw). Unlinks are writes."""
 
     kind = DiskBackend.THREADS
 
@@ -927,12 +930,15 @@ class ThreadPageIO:
         self.faults = FaultPlan()
         self._pool = pool
         self._slots = slots
-        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._reads: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         # Daemons, as the checksum threads: a tier never closed must not hold the interpreter's
         # exit (a write cut there leaves a temporary name or a torn file, as a crash does).
-        self._threads = [threading.Thread(target=self._work, name=f"aiokv-disk_{i}", daemon=True)
-                         for i in range(threads)]
-        self._started: list[threading.Thread] = []
+        # Readers first: ``aiokv-disk_<i>``, i < threads reads, the rest writes.
+        queues = [self._reads] * threads + [self._writes] * threads
+        self._threads = [(threading.Thread(target=self._work, args=(jobs,), name=f"aiokv-disk_{i}", daemon=True), jobs)
+                         for i, jobs in enumerate(queues)]
+        self._started: list[tuple[threading.Thread, queue.SimpleQueue[_Work | None]]] = []
         self._closed = False
         self._stopped: asyncio.Future[None] | None = None  # the join of the stopped workers
         self._jobs: set[asyncio.Future[object]] = set()
@@ -958,9 +964,9 @@ class ThreadPageIO:
         """In a thread of its own: start every worker, or none (those started are stopped and
         joined before the error goes to the caller)."""
         try:
-            for thread in self._threads:
+            for thread, jobs in self._threads:
                 thread.start()
-                self._started.append(thread)
+                self._started.append((thread, jobs))
         except BaseException:
             _join(self._stop_workers())
             raise
@@ -968,17 +974,18 @@ class ThreadPageIO:
     def _stop_workers(self) -> list[threading.Thread]:
         """Tell the started workers to stop once the queued jobs are done; returns them, to join."""
         started, self._started = self._started, []
-        for _ in started:
-            self._queue.put(None)
-        return started
+        for _, jobs in started:
+            jobs.put(None)
+        return [thread for thread, _ in started]
 
     def _stop_orphaned(self, _: None) -> None:
         # Workers started for a caller whose loop closed first: nobody will close this backend.
         self._stop_workers()
 
-    def _work(self) -> None:
-        """A worker: run jobs until told to stop, each outcome handed to its future on its loop."""
-        while (work := self._queue.get()) is not None:
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue[_Work | None]) -> None:
+        """A worker: run ``jobs`` until told to stop, each outcome handed to its future on its loop."""
+        while (work := jobs.get()) is not None:
             fn, args, loop, future = work
             result: object = None
             error: BaseException | None = None
@@ -998,12 +1005,12 @@ class ThreadPageIO:
         if err is not None:
             raise OSError(err, os.strerror(err))
 
-    def _start(self, fn: Callable[..., object], *args: object) -> asyncio.Future[object]:
+    def _start(self, fn: Callable[..., object], *args: object, read: bool = False) -> asyncio.Future[object]:
         if self._closed:
             raise RuntimeError("disk I/O threads are closed")
         loop = asyncio.get_running_loop()
         job: asyncio.Future[object] = loop.create_future()
-        self._queue.put((fn, args, loop, job))
+        (self._reads if read else self._writes).put((fn, args, loop, job))
         self._jobs.add(job)
         job.add_done_callback(self._jobs.discard)
         return job
@@ -1092,7 +1099,7 @@ class ThreadPageIO:
             finished)
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        job = self._start(self._load, dir_fd, name, slot, page)
+        job = self._start(self._load, dir_fd, name, slot, page, read=True)
         job.add_done_callback(lambda job: done(job.exception() or job.result()))  # type: ignore[arg-type]
 
     async def unlink(self, dir_fd: int, name: str) -> None:

@@ -90,7 +90,8 @@ class DiskConfig:
     write_behind_workers: int = 8
     """Concurrent writes draining the write-behind queue."""
     threads: int = 4
-    """Worker threads of the THREADS backend."""
+    """Worker threads of the THREADS backend, for reads and again for writes (a blocked write never
+    holds up a read)."""
     ring_entries: int = 128
     """SQ entries of the io_uring, raised to 6 x queue_depth (a page is a chain of up to 6 SQEs);
     the CQ has twice as many; more requests wait in a FIFO."""
