@@ -29,20 +29,14 @@ from .tierbase import TierBase
 class WritePath(TierBase):
     """Writes of the disk tier (see the module docstring); :class:`~.disk.DiskTier` calls them."""
 
-    def _write_owned(self, key: PageKey, ref: PageHandle) -> asyncio.Future[bool]:
-        """Start (or join) the write of ``key`` from ``ref`` and return the caller's own future of
-        its outcome; cancelling it leaves the job (and other writers of the key) alone.
-
-        Takes ownership of ``ref``: released by the job (or right here when nothing is to do). A
-        plain function, not a coroutine: the write-behind starts its writes without a task or a
-        coroutine step per page (it only adds a done-callback to this future)."""
+    async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
+        # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
         joined = self._join_write(key, ref, None)
         if isinstance(joined, bool):
             self._release(ref)
-            answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            answer.set_result(joined)
-            return answer
-        return joined[1]
+            return joined
+        # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
+        return await joined[1]
 
     def _join_write(self, key: PageKey, ref: PageHandle | None,
                     page: PageBuffer | None) -> bool | tuple[WriteJob, asyncio.Future[bool]]:
