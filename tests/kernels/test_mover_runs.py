@@ -162,7 +162,7 @@ def test_cuda_run_copies_bit_exact_after_the_callers_stream(tp_pool: PagePool, p
     event.synchronize()
     assert mover.runs_offloaded == 3
     want = torch.empty(pages.shape, dtype=pages.dtype).view(torch.uint8).fill_(POISON).view(pages.dtype)
-    host = KVBuffer.wrap(MHA, [t.cpu() for t in part.k_layers], part.tp) if per_layer else None
+    host = KVBuffer.wrap(part.layout, [t.cpu() for t in part.k_layers], part.tp) if per_layer else None
     reference_gather(host if host is not None else _host(part), slots, want, [1, 6, 9])
     assert same_bits(pages, want)
     assert same_bits(tp_pool.pages[:, 1], before[:, 1])
