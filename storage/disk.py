@@ -171,6 +171,9 @@ class DiskTier(WritePath, ReadPath):
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
+        if self._writable_again is not None:  # no more looks at a read-only file system
+            self._writable_again.cancel()
+            await asyncio.wait({self._writable_again})
         if self._queue is not None:
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
         while self._jobs or self._active:

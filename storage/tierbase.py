@@ -30,7 +30,7 @@ from .config import DiskConfig, ReadOnly
 from .faults import DiskFaults
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
-from .layoutdir import Prepared, free_space
+from .layoutdir import FreeSpace, Prepared, free_space
 from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
 from .spares import Made, Spare, SpareStock, make_spares
@@ -90,6 +90,11 @@ class TierBase:
         self._buffered_fallbacks = self._memory_unregistered = 0
         self._dir: Prepared | None = None
         self._read_only: ReadOnly | None = None
+        # While read-only after an EROFS answer: the look at the file system every
+        # ``free_space_recheck_s``, and the files that mode left behind (unlinked once writable).
+        self._writable_again: asyncio.Task[None] | None = None
+        self._unlink_when_writable: set[PageKey] = set()
+        self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
         # Spare files: the stock, the batch being made, the spare each write holds until its slot.
         self._spares = SpareStock(spare_files, config.free_space_recheck_s)
@@ -214,10 +219,55 @@ class TierBase:
         self._index.set_capacity(space, after_enospc)
 
     def _enter_read_only(self, reason: ReadOnly) -> None:
-        if self._read_only is None:
-            self._read_only = reason
-            log.warning("disk tier: %s became read-only (%s): serving its %d pages, refusing writes",
-                        self.files.layout_dir, reason.value, len(self._index))
+        """Refuse writes from now on. For a read-only file system (an EROFS answer, or statvfs),
+        look again every ``free_space_recheck_s`` and write again once it is writable (remounted
+        read-write), as a full disk is rechecked. (A read-only mode found at start stays: the
+        directory's lock and fan-out directories may be missing.)"""
+        if self._read_only is not None:
+            return
+        self._read_only = reason
+        log.warning("disk tier: %s became read-only (%s): serving its %d pages, refusing writes",
+                    self.files.layout_dir, reason.value, len(self._index))
+        if (reason is ReadOnly.FILE_SYSTEM and self._accepting and self._dir is not None
+                and self._dir.lock_fd is not None and self._writable_again is None):
+            self._writable_again = asyncio.get_running_loop().create_task(self._wait_writable())
+
+    async def _wait_writable(self) -> None:
+        """While read-only for the file system: a ``fstatvfs`` (on a thread of its own: it blocks
+        on a hung NFS) every ``free_space_recheck_s``; writes resume once ``ST_RDONLY`` is gone.
+        Ends with the tier's close (cancelled) or when writes resume."""
+        assert self._dir is not None
+        dir_fd = self._dir.dir_fd
+        try:
+            while self._read_only is ReadOnly.FILE_SYSTEM and self._accepting:
+                await asyncio.sleep(self.config.free_space_recheck_s)
+                if not self._accepting:
+                    return
+                self._space_checked = asyncio.get_running_loop().time()
+                try:
+                    space = await run_in_new_thread(functools.partial(free_space, dir_fd), "aiokv-statvfs",
+                                                    _nothing)
+                except OSError as exc:
+                    self._faults.count(exc, "statvfs")
+                    continue
+                if not space.read_only and self._accepting:
+                    self._leave_read_only(space)
+        finally:
+            self._writable_again = None
+
+    def _leave_read_only(self, space: FreeSpace) -> None:
+        """The file system is writable again: take writes, remove what read-only mode left behind."""
+        self._read_only = None
+        log.warning("disk tier: %s is writable again: writing pages again", self.files.layout_dir)
+        self._index.set_capacity(space, after_enospc=False)
+        keys = [key for key in self._unlink_when_writable if key not in self._index and key not in self._writing]
+        self._unlink_when_writable.clear()
+        self._remove_files(keys)
+        spares, self._spares_when_writable = self._spares_when_writable, []
+        for spare in spares:
+            self._unlink_spare(spare)
+        self._remove_files(self._index.evict_to(self._index.capacity))
+        self._refill_spares()
 
     # -- index and files ------------------------------------------------------------------------
 
@@ -252,6 +302,8 @@ class TierBase:
 
     def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
         if self._read_only is not None:
+            if self._writable_again is not None:  # unlinked if the file system becomes writable
+                self._unlink_when_writable.add(key)
             return None
         previous = self._moving.get(key)
 
@@ -347,7 +399,11 @@ class TierBase:
 
     def _unlink_spare(self, spare: Spare) -> None:
         """Unlink a spare's file that no stock or write holds any more (its room is not counted)."""
-        if self._read_only is not None or self._io is None:
+        if self._io is None:
+            return
+        if self._read_only is not None:
+            if self._writable_again is not None:
+                self._spares_when_writable.append(spare)
             return
 
         async def unlink() -> None:
