@@ -110,3 +110,24 @@ def test_unknown_rates_load_and_claim_for_disk_only() -> None:
             "layered": True}
     assert plan_hit(unknown, **args, disk=True) is HitPlan.SPLIT  # type: ignore[arg-type]
     assert plan_hit(unknown, **args, disk=False) is HitPlan.LOAD  # type: ignore[arg-type]
+
+
+def test_a_stale_disk_rate_splits_a_hit_it_would_recompute_once_per_period() -> None:
+    # A disk measured slow is declined (recompute); without a trial it would never be measured again.
+    from aiokv.costs import TRIAL_AFTER_S
+
+    now = [0.0]
+    model = CostModel(clock=lambda: now[0])
+    for pages in (1, 5, 31, 12, 31, 3, 8):
+        model.pool.update(pages * PAGE_BYTES, 0.0005 + pages * PAGE_BYTES / 52e9)
+        model.disk.update(pages * PAGE_BYTES, 0.12 + pages * PAGE_BYTES / 0.5e9)
+        model.prefill.update(pages * PAGE_TOKENS, 0.002 + pages * PAGE_TOKENS / 26_000)
+    args = dict(share=1.0, tail_tokens=256, match_tokens=31 * PAGE_TOKENS, page_tokens=PAGE_TOKENS, layered=False)
+    assert plan_hit(model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES), disk=True, **args) is HitPlan.RECOMPUTE
+    now[0] += TRIAL_AFTER_S
+    trial = model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES)
+    assert trial.trial and plan_hit(trial, disk=True, **args) is HitPlan.SPLIT
+    assert plan_hit(model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES), disk=True, **args) is HitPlan.RECOMPUTE
+    pool_only = model.estimate(31, 0, PAGE_TOKENS, PAGE_BYTES)  # no disk page: the flag changes nothing
+    flagged = dataclasses.replace(pool_only, trial=True)
+    assert plan_hit(flagged, disk=False, **args) is plan_hit(pool_only, disk=False, **args)

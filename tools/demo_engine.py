@@ -158,9 +158,10 @@ def plan_hit(
     of the other two gains more than the estimate's margin (:data:`aiokv.costs.MARGIN_FRACTION` of R
     plus the meters' spreads): aiokv never picks a load it expects to lose. ``claim_tokens``: the
     most the engine claims per call (its chunk; 0: one claim), each paying the prefill's fixed cost.
-    While a rate is unknown, load, and claim for disk hits only: the pool is a memory copy, far
-    faster than any prefill, and a claim made before the loader's first turn would keep a short pool
-    hit from ever teaching the cost model the pool's rate.
+    A disk hit whose estimate offers a trial (its rate went stale: :data:`aiokv.costs.TRIAL_AFTER_S`)
+    splits instead of recomputing. While a rate is unknown, load, and claim for disk hits only: the
+    pool is a memory copy, far faster than any prefill, and a claim made before the loader's first
+    turn would keep a short pool hit from ever teaching the cost model the pool's rate.
     """
     prices = hit_prices(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
                         page_tokens=page_tokens, layered=layered, claim_tokens=claim_tokens)
@@ -173,7 +174,9 @@ def plan_hit(
             load_s * share, compute_s * share, compute_s / match_tokens, tail_tokens, page_tokens, layered) \
             else HitPlan.LOAD
     if prices.recompute - min(prices.load, prices.split) <= prices.margin:
-        return HitPlan.RECOMPUTE
+        # A stale disk rate (estimate.trial): split anyway, which re-measures the disk at little
+        # risk; declined for good, a disk once measured slow would never be measured again.
+        return HitPlan.SPLIT if disk and estimate.trial else HitPlan.RECOMPUTE
     return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
 
 
