@@ -238,6 +238,17 @@ class AdvRanks:
             os.kill(old.proc.pid, signal.SIGKILL)
         self.dead.append(old)  # its pipe is closed once reaped (a reader thread may still be in recv)
 
+    async def stop(self, rank: int) -> None:
+        """Close rank ``rank``'s worker cleanly (mid-traffic: it runs nothing new, its running copies
+        end and report) and let its process exit; its generation ends at once, as for a kill."""
+        old = self.ranks.pop(rank)
+        self.generation[rank] += 1
+        reply = await old.ask(("stop",))
+        assert reply[0] == "stopped" and reply[1] is None, reply
+        await asyncio.to_thread(old.proc.join, 60)
+        assert old.proc.exitcode == 0, f"rank {rank} exited {old.proc.exitcode}"
+        old.ctrl.close()
+
     def generations(self) -> tuple[int, ...]:
         return tuple(self.generation)
 
@@ -392,12 +403,20 @@ class Soak:
         self.tally = Tally()
         self.slots = Slots(ranks.slots)
         self.stop = asyncio.Event()
+        self.target: int | None = None  # offloads to reach after the last restart
+        self.enough = asyncio.Event()
 
     async def run(self, clients: int, kills: int) -> None:
-        """``clients`` request loops until the killer made ``kills`` kills (all re-attached)."""
+        """``clients`` request loops until the killer made ``kills`` kills (all re-attached), then
+        some more requests with every rank attached."""
         tasks = [asyncio.create_task(self._client(self.seed * 1000 + i)) for i in range(clients)]
         try:
             await self._killer(kills)
+            # Traffic with every rank back, whatever the kills left time for (a slow restart of
+            # four ranks on two cores may take most of the run).
+            self.target = max(self.tally.offloads + 30, 60)
+            async with asyncio.timeout(CALL_S):
+                await self.enough.wait()
         finally:
             self.stop.set()
             async with asyncio.timeout(START_S):  # every request ends: no hang
@@ -428,9 +447,18 @@ class Soak:
         rng, ranks, cache = self.rng, self.ranks, self.cache
         while self.tally.kills < kills:
             await asyncio.sleep(rng.uniform(0.2, 1.5))
+            for _ in range(1000):  # a moment with transfers in flight (bounded: 5 s)
+                if cache.group_statistics().jobs.in_flight:
+                    break
+                await asyncio.sleep(0.005)
             victims = list(range(ranks.tp_size)) if rng.random() < 0.2 else [rng.randrange(ranks.tp_size)]
+            # At times the engine stops the rank's worker cleanly, mid-traffic (never the first time).
+            graceful = self.tally.kills > 0 and rng.random() < 0.25
             for victim in victims:
-                ranks.kill(victim)
+                if graceful:
+                    await ranks.stop(victim)
+                else:
+                    ranks.kill(victim)
                 self.tally.kills += 1
             async with asyncio.timeout(60):  # the group notices each death
                 while set(victims) & cache.group.attached:
@@ -463,6 +491,8 @@ class Soak:
                 await self._prefetch(rng)
             else:
                 await self._request(rng)
+            if self.target is not None and self.tally.offloads >= self.target:
+                self.enough.set()
 
     async def _prefetch(self, rng: random.Random) -> None:
         """A queued request's disk pages promoted into the pool (manager only; cancelled at times)."""
