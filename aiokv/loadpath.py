@@ -276,9 +276,15 @@ class LoadPath(ManagerBase):
         return LoadStream(self, match, slots, from_token, layered)
 
     def estimate(self, match: Match) -> LoadEstimate:
-        """What loading ``match`` would cost by the rates measured so far, and where a split meets."""
+        """What loading ``match`` would cost by the rates measured so far, and where a split meets.
+        ``TypeError`` for anything but a Match, ``ValueError`` for another cache's match or one
+        already loaded or released (``StaleHandleError``), as ``load`` raises for them."""
         if not isinstance(match, Match):
             raise TypeError(f"match must be a Match, got {type(match).__name__}")
+        if not match.belongs_to(self):
+            raise ValueError("this Match belongs to another KVCache")
+        if match.released:
+            raise StaleHandleError("this Match was already loaded or released")
         return self.costs.estimate(match.pool_pages, match.disk_pages, self.layout.page_tokens,
                                    self.layout.page_bytes)
 

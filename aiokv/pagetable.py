@@ -41,8 +41,10 @@ _FREE, _RESERVED, _READY = 0, 1, 2
 _STATES = (PageState.FREE, PageState.RESERVED, PageState.READY)
 
 
-class StaleHandleError(RuntimeError):
-    """A page handle was used after release, or its page was recycled."""
+class StaleHandleError(ValueError, RuntimeError):
+    """A page handle (or a :class:`~aiokv.results.Match`) was used after release, or its page was
+    recycled: a caller mistake, so a ``ValueError`` as every other; also a ``RuntimeError``, as it
+    was first, so that ``except RuntimeError`` keeps working."""
 
 
 class PageHandle:
