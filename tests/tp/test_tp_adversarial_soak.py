@@ -16,6 +16,7 @@ leaks (references, reservations, jobs, threads; /dev/shm through conftest).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -63,7 +64,8 @@ async def soak(tmp_path: Path, layout: KVLayout, tp: int, kills: int, seed: int,
         # returned while a rank still copied would let the next prompt's prefill meet a late copy.
         ranks = AdvRanks(cache.address, layout, tp, NUM_SLOTS, RANK_CONFIG, slow_s=0.05)
         ranks_left.append(ranks)
-        ranks.start_all()
+        ranks.start_all()  # (the first spawn starts multiprocessing's resource tracker: a pipe for good)
+        fds_before = _fds()
         async with asyncio.timeout(START_S):
             await cache.wait_ranks()
         run = Soak(cache, ranks, seed)
@@ -81,6 +83,17 @@ async def soak(tmp_path: Path, layout: KVLayout, tp: int, kills: int, seed: int,
         cache.pool.table.check_invariants()
         await ranks.stop_all()
     await no_threads_left(threads_before)
+    # Every rank connection, pipe and event fd of the killed and restarted ranks is closed.
+    assert _fds() <= fds_before, f"file descriptors left open: {sorted(_fds() - fds_before)}"
+
+
+def _fds() -> set[str]:
+    """This process's open file descriptors, each as its target (numbers are reused)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+    return out
 
 
 @pytest.mark.slow
