@@ -452,6 +452,8 @@ class Soak:
                     break
                 await asyncio.sleep(0.005)
             victims = list(range(ranks.tp_size)) if rng.random() < 0.2 else [rng.randrange(ranks.tp_size)]
+            if not self.tally.kills:
+                victims = [0]  # first a rank every transfer goes to (MLA: the only writer), mid-transfer
             # At times the engine stops the rank's worker cleanly, mid-traffic (never the first time).
             graceful = self.tally.kills > 0 and rng.random() < 0.25
             for victim in victims:
