@@ -136,8 +136,7 @@ class DiskTier(WritePath, ReadPath):
             log.warning("disk tier: %s is read-only here (%s): serving its %d pages, refusing writes",
                         self.files.layout_dir, self._read_only.value, len(self._index))
         self._queue = WriteBehind(self.config.write_behind_depth, self.config.write_behind_workers,
-                                  lambda key, handle: self._write_owned(key, self._retain(handle)),
-                                  self._release, lambda: self._faults.unexpected("write-behind"))
+                                  self._write_queued, self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
         self._refill_spares()
         log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
@@ -165,10 +164,57 @@ class DiskTier(WritePath, ReadPath):
         """Drain (or drop, per ``drain_on_close``) write-behind, wait for in-flight I/O, close the
         backend, release the directory's lock. Idempotent; a cancelled ``aclose`` keeps closing in
         the background."""
+        await asyncio.shield(self._begin_close())
+
+    async def close_within(self, seconds: float) -> bool:
+        """As :meth:`aclose`, waiting ``seconds`` at most: True when closed. Else (I/O stuck in the
+        kernel: a frozen or hung file system) False, and from then on pages still queued for
+        write-behind are dropped (counted in ``dropped``), not written; the close goes on in the
+        background and :attr:`io_ended` resolves once no I/O or thread of the tier touches pool
+        memory any more: free the pool only then. Raises ``TypeError``/``ValueError`` for a
+        ``seconds`` that is not a finite number >= 0. A cancelled call leaves the close running."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
+        if not 0 <= seconds < float("inf"):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
+        closing = self._begin_close()
+        done, _ = await asyncio.wait({closing}, timeout=seconds)
+        if done:
+            closing.result()  # raises what the close raised, as aclose does
+            return True
+        if not self._stuck:
+            self._stuck = True
+            if self._queue is not None:
+                # Drop what is queued now (the drain in progress would write it behind the stuck
+                # writes); counted once the stuck writes end and the queue's workers stop.
+                self._drop_queued = asyncio.ensure_future(self._queue.aclose(drain=False))
+            log.error("disk tier: I/O still stuck in the kernel after %.1f s at close (frozen or hung file system?): "
+                      "dropping queued pages; the pool must stay mapped until that I/O ends", seconds)
+        return False
+
+    @property
+    def io_ended(self) -> asyncio.Future[None]:
+        """Resolved once the close ended: no kernel request, worker or checksum thread of the tier
+        reads or writes pool memory any more (never resolved by a close that was cancelled or
+        failed part-way: then that is not known). ``RuntimeError`` before the close began."""
+        if self._io_ended is None:
+            raise RuntimeError("the disk tier's close has not begun")
+        return self._io_ended
+
+    def _begin_close(self) -> asyncio.Task[None]:
         if self._close_task is None:
             self._accepting = False
+            self._io_ended = asyncio.get_running_loop().create_future()
             self._close_task = asyncio.create_task(self._close())
-        await asyncio.shield(self._close_task)
+        return self._close_task
+
+    async def _write_queued(self, key: PageKey, handle: PageHandle) -> bool:
+        """A page the write-behind queue hands on: written, or dropped once the close gave up
+        waiting (:meth:`close_within`: the write would only wait behind the stuck ones)."""
+        if self._stuck:
+            self._dropped += 1
+            return False
+        return await self._write_owned(key, self._retain(handle))
 
     async def _close(self) -> None:
         if self._writable_again is not None:  # no more looks at a read-only file system
@@ -176,6 +222,8 @@ class DiskTier(WritePath, ReadPath):
             await asyncio.wait({self._writable_again})
         if self._queue is not None:
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
+        if self._drop_queued is not None:
+            self._dropped += await self._drop_queued
         while self._jobs or self._active:
             if self._active:
                 self._idle = asyncio.get_running_loop().create_future()
@@ -191,6 +239,8 @@ class DiskTier(WritePath, ReadPath):
             self._slots.close()
         if self._dir is not None:
             self._dir.close()
+        if self._io_ended is not None and not self._io_ended.done():
+            self._io_ended.set_result(None)
 
     @property
     def read_only(self) -> ReadOnly | None:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from disk_helpers import BIG, assert_clean, config, fill, key_of, ready_pool, write_page
 from fs_helpers import loop_ext4
 from test_adv_cache_fs import LAYOUT, SLOTS, cache_config, offload_all, oracle, prompts
 
 from aiokv import DiskBackend, KVCache
+from aiokv.storage import DiskTier
 
 THAW_S = 20.0
 READ_BOUND_S = 2.0
@@ -75,3 +77,68 @@ async def test_loads_of_disk_pages_never_wait_behind_writes_a_freeze_blocks(tmp_
         finally:
             watchdog.cancel()
             _thaw(mount)
+
+
+
+# -- a bounded close of the tier ------------------------------------------------------------------
+
+CLOSE_S = 1.0
+MARGIN_S = 1.5
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_healthy_tier_close_within_closes(tmp_path: Path, backend: DiskBackend) -> None:
+    with ready_pool(BIG, 8) as pool:
+        tier = DiskTier(config(tmp_path / "disk", backend), BIG, pool)
+        await tier.start()
+        ok, _ = await write_page(tier, pool, 0)
+        assert ok
+        assert await tier.close_within(CLOSE_S) is True
+        assert tier.io_ended.done()
+        with pytest.raises(ValueError, match="finite"):
+            await tier.close_within(-1.0)
+        assert_clean(pool)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_for_them(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    """Write-behind stuck in the kernel (frozen): ``close_within`` returns False after its bound and
+    drops the pages still queued (counted); ``io_ended`` stays pending until the thaw lets the stuck
+    writes end, then resolves, and those writes landed."""
+    if shutil.which("fsfreeze") is None:
+        pytest.skip("fsfreeze is not installed")
+    with ready_pool(BIG, 8) as pool, loop_ext4(tmp_path, 24) as mount:
+        cfg = config(mount / "disk", backend, min_free_bytes=0)  # 2 write-behind workers, 8 queued
+        tier = DiskTier(cfg, BIG, pool)
+        await tier.start()
+        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        try:
+            _freeze(mount)
+            watchdog.start()
+            for i in range(8):
+                assert tier.write_behind_nowait(key_of(i), fill(pool, key_of(i), i))
+            await asyncio.sleep(0.3)
+            assert tier.statistics().in_flight > 0, "no write is blocked: the freeze did not bite"
+            began = time.perf_counter()
+            closed = await tier.close_within(CLOSE_S)
+            took = time.perf_counter() - began
+            assert closed is False
+            assert took < CLOSE_S + MARGIN_S, f"close_within took {took:.1f} s"
+            assert not tier.io_ended.done()
+            await asyncio.sleep(0.3)
+            stats = tier.statistics()
+            assert stats.write_behind_queued == 0, stats  # dropped, not written behind the stuck ones
+            assert stats.in_flight > 0
+            _thaw(mount)
+            async with asyncio.timeout(THAW_S):
+                await asyncio.shield(tier.io_ended)
+            await tier.aclose()  # already closed: returns at once
+            stats = tier.statistics()
+            assert stats.writes > 0 and stats.dropped > 0 and stats.writes + stats.dropped == 8, stats
+        finally:
+            watchdog.cancel()
+            _thaw(mount)
+        assert_clean(pool)
