@@ -57,6 +57,11 @@ from .writepath import WritePath
 log = logging.getLogger(__name__)
 
 
+_STUCK: set[DiskTier] = set()
+"""Tiers whose close gave up waiting for I/O stuck in the kernel (:meth:`DiskTier.close_within`),
+until that I/O ended."""
+
+
 class DiskTier(WritePath, ReadPath):
     """Page files under ``config.directory`` for pages of ``pool`` (same layout).
 
@@ -184,6 +189,10 @@ class DiskTier(WritePath, ReadPath):
             return True
         if not self._stuck:
             self._stuck = True
+            # Held here until the stuck I/O ended: should every other reference go (the loop
+            # closed, the close task cancelled), the pool, header slots and ring of a request the
+            # kernel still holds must not be collected (unmapped) under it. Kept until exit then.
+            _STUCK.add(self)
             if self._queue is not None:
                 # Drop what is queued now (the drain in progress would write it behind the stuck
                 # writes); counted once the stuck writes end and the queue's workers stop.
@@ -241,6 +250,7 @@ class DiskTier(WritePath, ReadPath):
             self._dir.close()
         if self._io_ended is not None and not self._io_ended.done():
             self._io_ended.set_result(None)
+        _STUCK.discard(self)
 
     @property
     def read_only(self) -> ReadOnly | None:

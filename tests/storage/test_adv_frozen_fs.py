@@ -24,6 +24,7 @@ from test_adv_cache_fs import LAYOUT, SLOTS, cache_config, offload_all, oracle, 
 
 from aiokv import DiskBackend, KVCache
 from aiokv.storage import DiskTier
+from aiokv.storage import disk as disk_module
 
 THAW_S = 20.0
 READ_BOUND_S = 2.0
@@ -128,6 +129,7 @@ async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_fo
             assert closed is False
             assert took < CLOSE_S + MARGIN_S, f"close_within took {took:.1f} s"
             assert not tier.io_ended.done()
+            assert tier in disk_module._STUCK  # kept from collection (unmapping) whatever else drops it
             await asyncio.sleep(0.3)
             stats = tier.statistics()
             assert stats.write_behind_queued == 0, stats  # dropped, not written behind the stuck ones
@@ -135,6 +137,7 @@ async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_fo
             _thaw(mount)
             async with asyncio.timeout(THAW_S):
                 await asyncio.shield(tier.io_ended)
+            assert tier not in disk_module._STUCK
             await tier.aclose()  # already closed: returns at once
             stats = tier.statistics()
             assert stats.writes > 0 and stats.dropped > 0 and stats.writes + stats.dropped == 8, stats
