@@ -52,6 +52,11 @@ class RunSegment:
     """Bytes of one layer of one page: ``T`` token rows."""
 
 
+MAX_PITCH = 2**31 - 1
+"""Largest pitch ``cudaMemcpy2DAsync`` takes (``cudaDevAttrMaxPitch`` on every NVIDIA GPU so far):
+a stacked buffer's layer stride beyond it (a rank's layer over 2 GiB) gathers instead."""
+
+
 @dataclass(frozen=True)
 class RunGeometry:
     """What a mover needs to copy page runs of one KV buffer to one page tensor."""
@@ -88,6 +93,8 @@ def run_geometry(kv: KVBuffer, pages: torch.Tensor) -> RunGeometry | None:
             return None
         block = layout.page_tokens * row * itemsize
         if len(seg.layers) > 1 and step < block:  # a pitch below the row width: overlapping layers
+            return None
+        if step > MAX_PITCH:  # the runtime refuses it (cudaErrorInvalidPitchValue): gather instead
             return None
         parts.append(RunSegment(first.data_ptr(), slot * itemsize, step or block, seg.page_col * itemsize, block))
     return RunGeometry(

@@ -315,9 +315,16 @@ class RankExecutor:
             # Failed part-way, the mover ordered the engine's stream after what it had queued: report
             # once that is done. Reported at once, the manager aborted the pages (and reused the
             # slots) while copies still wrote them: a reused page could take a late write.
-            queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-            queued.record(stream)
-            failed = self._bridge.wait(queued, Lane.OFFLOAD if spec.direction is Direction.OFFLOAD else Lane.LOAD)
+            try:
+                queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                queued.record(stream)
+                failed = self._bridge.wait(queued, Lane.OFFLOAD if spec.direction is Direction.OFFLOAD else Lane.LOAD)
+            except Exception:
+                # The record failed too (a sticky CUDA error): nothing queued will run any more, and
+                # execute() must still report (else the close waits for this job for ever).
+                if not result.done():
+                    result.set_result(_classify(exc))
+                return
             failed.add_done_callback(functools.partial(_failed_after_queued, result, _classify(exc)))
             return
         waited = self._bridge.wait(event, lane)

@@ -171,3 +171,21 @@ def test_cuda_run_copies_bit_exact_after_the_callers_stream(tp_pool: PagePool, p
 def _host(part: KVBuffer) -> KVBuffer:
     stacked = torch.stack([t.cpu() for t in part.k_layers])
     return KVBuffer.wrap(part.layout, stacked, part.tp)
+
+
+def test_a_layer_stride_beyond_cudas_largest_pitch_gathers() -> None:
+    # Review: a stacked rank buffer whose layer is over 2 GiB gave run copies a source pitch the
+    # runtime refuses (cudaErrorInvalidPitchValue): every run page's offload failed. The buffer is
+    # never touched (lazily allocated), only its geometry is read.
+    from aiokv.kernels.slotruns import MAX_PITCH, run_geometry
+
+    layout = KVLayout.mha(2, 8, 128, torch.bfloat16, page_tokens=16)
+    tp = TPSlice.of(layout, 0, 2)
+    slots = MAX_PITCH // (2 * tp.local_heads * 128 * 2) + 16  # one layer: just over 2 GiB
+    kv = torch.empty((layout.num_layers, slots, 2 * tp.local_heads, 128), dtype=torch.bfloat16)
+    part = KVBuffer.wrap(layout, kv, tp).rank_part()
+    pages = torch.empty((4, *layout.for_tp(2).page_shape), dtype=torch.bfloat16)[:, tp.part]
+    assert run_geometry(part, pages) is None
+    fits = torch.empty((layout.num_layers, 1024, 2 * tp.local_heads, 128), dtype=torch.bfloat16)
+    small = KVBuffer.wrap(layout, fits, tp).rank_part()  # the same form within the limit
+    assert run_geometry(small, pages) is not None

@@ -72,3 +72,33 @@ async def test_a_launch_failing_part_way_reports_after_the_queued_copies(monkeyp
         await executor.aclose()
         await asyncio.to_thread(bridge.close)
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_launch_failing_with_a_sticky_error_still_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a sticky CUDA error every event record fails too: the failure path's own record must
+    not escape ``execute()`` (the job was never reported, and the close waited for it for ever)."""
+    pool = await new_pool(LAYOUT.for_tp(2), 4)
+    bridge = CompletionBridge()
+    full = full_kv(LAYOUT, 5, slots=64)
+    kv = KVBuffer.wrap(LAYOUT, rank_kv(full, LAYOUT, 0, 2).cuda(), TPSlice.of(LAYOUT, 0, 2))
+    engine = torch.cuda.Stream()
+    executor = RankExecutor(kv, PagePool.attach(pool.name, pool.layout), 1, bridge, TPConfig(), engine,
+                            TransferPath.STAGING)
+    try:
+        warm = executor.execute(TransferSpec.build(1, Direction.OFFLOAD, 1, T, [3], range(T)))
+        assert (await warm).status is RankStatus.OK
+
+        class StickyEvent(torch.cuda.Event):
+            def record(self, stream: torch.cuda.Stream | None = None) -> None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (stand-in)")
+
+        monkeypatch.setattr(torch.cuda, "Event", StickyEvent)
+        report = executor.execute(TransferSpec.build(2, Direction.OFFLOAD, 1, T, [0, 1], range(2 * T)))
+        done = await asyncio.wait_for(report, 10)
+        assert done.status is RankStatus.COPY_FAILED, done
+        monkeypatch.undo()
+    finally:
+        await asyncio.wait_for(executor.aclose(), 30)
+        await asyncio.to_thread(bridge.close)
+        await pool.aclose()
