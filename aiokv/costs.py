@@ -44,9 +44,9 @@ MARGIN_FRACTION = 0.05
 """Stated part of the margin: a load or split expected to gain less than this fraction of the
 recompute time (besides the measured spreads) is not worth its risk; recompute instead."""
 TRIAL_AFTER_S = 60.0
-"""A disk rate no read has refreshed for this long is stale: the next estimate with disk pages
-offers a trial (:attr:`LoadEstimate.trial`), then none for as long again. Without it, a disk once
-measured slow (a cold start, a busy device) had every later hit declined, so never measured again."""
+"""A disk rate no read has refreshed for this long is stale: estimates with disk pages offer a trial
+(:attr:`LoadEstimate.trial`) until a read comes back. Without it, a disk once measured slow (a cold
+start, a busy device) had every later hit declined, so never measured again."""
 
 
 class RateMeter:
@@ -434,17 +434,15 @@ class CostModel:
         return dataclasses.replace(estimate, trial=True) if disk_pages and self._trial_due() else estimate
 
     def _trial_due(self) -> bool:
-        """Whether the disk rate went :data:`TRIAL_AFTER_S` without a read (then the next trial is
-        that long away again, whether the engine takes this one or not)."""
+        """Whether the disk rate went :data:`TRIAL_AFTER_S` without a read. Asking takes nothing:
+        every estimate says so until a read refreshes the rate (an engine's own ``estimate`` call
+        to decide, or a stream's, must not use up the trial the engine would act on)."""
         now = self._clock()
         samples, since = self._disk_seen
         if self.disk.samples != samples:
             self._disk_seen = (self.disk.samples, now)
             return False
-        if now - since < TRIAL_AFTER_S:
-            return False
-        self._disk_seen = (samples, now)
-        return True
+        return now - since >= TRIAL_AFTER_S
 
 
 # -- the rates across restarts --------------------------------------------------------------------

@@ -26,7 +26,7 @@ def slow_disk_model(clock: Clock) -> CostModel:
     return model
 
 
-def test_a_declined_disk_is_offered_a_trial_once_per_period() -> None:
+def test_a_declined_disk_is_offered_a_trial_until_a_read_refreshes_it() -> None:
     clock = Clock()
     model = slow_disk_model(clock)
     est = model.estimate(0, 32, PAGE_TOKENS, PAGE_BYTES)
@@ -38,8 +38,11 @@ def test_a_declined_disk_is_offered_a_trial_once_per_period() -> None:
     assert trial.trial and trial.split_pays is None  # not known: the engine may split to re-measure
     assert trial.worth_loading is False  # a plain load could lose the whole difference: still refused
     assert (trial.split_token, trial.split_seconds) == (est.split_token, est.split_seconds)  # same prices
+    # Asking takes nothing: an engine's estimate to decide and a stream's own see the same trial.
+    assert model.estimate(0, 32, PAGE_TOKENS, PAGE_BYTES).trial
+    model.disk.update(10e6, 1.0)  # the trial's read came back
     again = model.estimate(0, 32, PAGE_TOKENS, PAGE_BYTES)
-    assert not again.trial and again.split_pays is False  # one trial per period, taken or not
+    assert not again.trial and again.split_pays is False
     clock.now += TRIAL_AFTER_S
     assert model.estimate(0, 32, PAGE_TOKENS, PAGE_BYTES).trial
 

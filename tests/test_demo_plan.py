@@ -112,7 +112,7 @@ def test_unknown_rates_load_and_claim_for_disk_only() -> None:
     assert plan_hit(unknown, **args, disk=False) is HitPlan.LOAD  # type: ignore[arg-type]
 
 
-def test_a_stale_disk_rate_splits_a_hit_it_would_recompute_once_per_period() -> None:
+def test_a_stale_disk_rate_splits_a_hit_it_would_recompute_where_the_path_claims() -> None:
     # A disk measured slow is declined (recompute); without a trial it would never be measured again.
     from aiokv.costs import TRIAL_AFTER_S
 
@@ -127,7 +127,8 @@ def test_a_stale_disk_rate_splits_a_hit_it_would_recompute_once_per_period() -> 
     now[0] += TRIAL_AFTER_S
     trial = model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES)
     assert trial.trial and plan_hit(trial, disk=True, **args) is HitPlan.SPLIT
-    assert plan_hit(model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES), disk=True, **args) is HitPlan.RECOMPUTE
+    # A path that never claims (layered, plain) would turn the split into a whole load: recompute.
+    assert plan_hit(trial, disk=True, claims=False, **args) is HitPlan.RECOMPUTE
     pool_only = model.estimate(31, 0, PAGE_TOKENS, PAGE_BYTES)  # no disk page: the flag changes nothing
     flagged = dataclasses.replace(pool_only, trial=True)
     assert plan_hit(flagged, disk=False, **args) is plan_hit(pool_only, disk=False, **args)

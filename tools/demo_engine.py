@@ -146,7 +146,7 @@ class HitPlan(enum.Enum):
 
 def plan_hit(
     estimate: LoadEstimate, *, share: float, tail_tokens: int, match_tokens: int, page_tokens: int, layered: bool,
-    disk: bool, claim_tokens: int = 0,
+    disk: bool, claim_tokens: int = 0, claims: bool = True,
 ) -> HitPlan:
     """Recompute, load, or split a hit, by the cost model's prices (fixed costs included).
 
@@ -159,9 +159,10 @@ def plan_hit(
     plus the meters' spreads): aiokv never picks a load it expects to lose. ``claim_tokens``: the
     most the engine claims per call (its chunk; 0: one claim), each paying the prefill's fixed cost.
     A disk hit whose estimate offers a trial (its rate went stale: :data:`aiokv.costs.TRIAL_AFTER_S`)
-    splits instead of recomputing. While a rate is unknown, load, and claim for disk hits only: the
-    pool is a memory copy, far faster than any prefill, and a claim made before the loader's first
-    turn would keep a short pool hit from ever teaching the cost model the pool's rate.
+    splits instead of recomputing where the path ``claims`` (without claims a split is a whole
+    load). While a rate is unknown, load, and claim for disk hits only: the pool is a memory copy,
+    far faster than any prefill, and a claim made before the loader's first turn would keep a short
+    pool hit from ever teaching the cost model the pool's rate.
     """
     prices = hit_prices(estimate, share=share, tail_tokens=tail_tokens, match_tokens=match_tokens,
                         page_tokens=page_tokens, layered=layered, claim_tokens=claim_tokens)
@@ -176,7 +177,7 @@ def plan_hit(
     if prices.recompute - min(prices.load, prices.split) <= prices.margin:
         # A stale disk rate (estimate.trial): split anyway, which re-measures the disk at little
         # risk; declined for good, a disk once measured slow would never be measured again.
-        return HitPlan.SPLIT if disk and estimate.trial else HitPlan.RECOMPUTE
+        return HitPlan.SPLIT if disk and claims and estimate.trial else HitPlan.RECOMPUTE
     return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
 
 
@@ -697,7 +698,8 @@ class ServingLoop(abc.ABC):
                 res.plan_prices = dataclasses.asdict(prices)
             plan = HitPlan.SPLIT if self.claim is ClaimPolicy.ALWAYS else plan_hit(
                 estimate, share=share, tail_tokens=tail, match_tokens=m.tokens, page_tokens=self.page,
-                layered=layered, disk=m.disk_pages > 0, claim_tokens=self.chunk_tokens)
+                layered=layered, disk=m.disk_pages > 0, claim_tokens=self.chunk_tokens,
+                claims=self.load_path.claims)
             res.plan = plan.value
             if plan is HitPlan.RECOMPUTE:
                 res.declined_tokens = m.tokens - start  # the match is released unloaded
