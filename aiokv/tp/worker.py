@@ -141,6 +141,16 @@ class RankWorker:
         engine_stream: torch.cuda.Stream | None = None,
         path: TransferPath | None = None,
     ) -> None:
+        # Checked before anything reads them: a str layout raised AttributeError, a dict config was
+        # accepted and failed inside run().
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if config is not None and not isinstance(config, TPConfig):
+            raise TypeError(f"config must be a TPConfig or None, got {type(config).__name__}")
+        if engine_stream is not None and not isinstance(engine_stream, torch.cuda.Stream):
+            raise TypeError(f"engine_stream must be a torch.cuda.Stream or None, got {type(engine_stream).__name__}")
+        if path is not None and not isinstance(path, TransferPath):
+            raise TypeError(f"path must be a TransferPath or None, got {type(path).__name__}")
         self.address = Path(address)
         self.tp = TPSlice.of(layout, rank, tp_size)
         self.layout = layout
