@@ -57,6 +57,12 @@ from .writepath import WritePath
 log = logging.getLogger(__name__)
 
 
+def _consume(task: asyncio.Future[None]) -> None:
+    """The outcome of a close nobody waits for any more (:meth:`DiskTier.close_within`)."""
+    if not task.cancelled():
+        task.exception()
+
+
 _STUCK: set[DiskTier] = set()
 """Tiers whose close gave up waiting for I/O stuck in the kernel (:meth:`DiskTier.close_within`),
 until that I/O ended."""
@@ -182,11 +188,14 @@ class DiskTier(WritePath, ReadPath):
             raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
         if not 0 <= seconds < float("inf"):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-        closing = self._begin_close()
+        # Through aclose (looked up on the instance): what wraps it wraps this close too.
+        closing = asyncio.ensure_future(self.aclose())
         done, _ = await asyncio.wait({closing}, timeout=seconds)
         if done:
             closing.result()  # raises what the close raised, as aclose does
             return True
+        closing.add_done_callback(_consume)  # its outcome is io_ended's: nobody awaits it
+        self._waiting_close = closing
         if not self._stuck:
             self._stuck = True
             # Held here until the stuck I/O ended: should every other reference go (the loop

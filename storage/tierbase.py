@@ -85,6 +85,7 @@ class TierBase:
         self._io_ended: asyncio.Future[None] | None = None  # see DiskTier.io_ended
         self._stuck = False  # DiskTier.close_within gave up waiting: queued pages are dropped
         self._drop_queued: asyncio.Future[int] | None = None  # that drop, ending with the queue
+        self._waiting_close: asyncio.Future[None] | None = None  # the aclose it stopped waiting for
         self._faults = DiskFaults(faults)
         self._corrupt_logged = False
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
