@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -132,6 +133,7 @@ class LoadStream:
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
         self._finished = False
+        self._loop = asyncio.get_running_loop()
         # Held for the stream's life: once the cache's close began, _running() raises, but a stream
         # given up or finished during the close must still wait for (or order after) its copies.
         self._transfers = manager.running_transfers()
@@ -273,6 +275,32 @@ class LoadStream:
 
     async def __aenter__(self) -> LoadStream:
         return self
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # A stream dropped without finish()/aclose() pinned its pool pages for good: warn, as for a
+        # dropped Match, and abandon it on its loop (its copies waited for, then every page given
+        # back), the close waiting for that. Only reached once the loader ended (it holds us).
+        if getattr(self, "_finished", True) or getattr(self, "_loader", None) is None:
+            return  # finished, closed, or its __init__ raised before it held anything
+        self._finished = True
+        _warn(f"unclosed {self!r}: call finish() or aclose() (or use `async with`)", ResourceWarning,
+              source=self, stacklevel=2)
+        if self._loop.is_closed():
+            return  # its pool is gone with it
+        try:
+            self._loop.call_soon_threadsafe(self._abandon_dropped)
+        except RuntimeError:
+            pass  # the loop closed meanwhile
+
+    def _abandon_dropped(self) -> None:
+        """On the loop: :meth:`_abandon` a dropped stream, tracked so that flush and close wait for it."""
+        abandon = asyncio.ensure_future(self._abandon())
+        # finish retrieves its outcome: a failure here is counted by _abandon, never left unread.
+        self._manager.track(abandon, lambda: None if abandon.cancelled() else abandon.exception())
+
+    def __repr__(self) -> str:
+        state = "finished" if self._finished else "open"
+        return f"LoadStream(tokens={self.tokens}, from_token={self.from_token}, front={self._front}, {state})"
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
