@@ -295,8 +295,12 @@ class LoadStream:
     def _abandon_dropped(self) -> None:
         """On the loop: :meth:`_abandon` a dropped stream, tracked so that flush and close wait for it."""
         abandon = asyncio.ensure_future(self._abandon())
-        # finish retrieves its outcome: a failure here is counted by _abandon, never left unread.
-        self._manager.track(abandon, lambda: None if abandon.cancelled() else abandon.exception())
+
+        def retrieve() -> None:  # a failure is counted by _abandon; read here, never left unread
+            if not abandon.cancelled():
+                abandon.exception()
+
+        self._manager.track(abandon, retrieve)
 
     def __repr__(self) -> str:
         state = "finished" if self._finished else "open"
