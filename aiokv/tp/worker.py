@@ -41,6 +41,7 @@ from aiokv.kernels import TransferPath
 from aiokv.kernels.warmup import WarmUp
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pool import PagePool
+from aiokv.reclaim import reclaim
 
 from .cancels import Cancels
 from .config import TPConfig
@@ -263,6 +264,9 @@ class RankWorker:
                 link.close()
                 await cancels.outlast(executor.aclose())
                 self._executor = None
+                # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
+                # left it; nothing else would reclaim it while the host stays quiet.
+                await cancels.outlast(asyncio.to_thread(_reclaim_left, welcome.pool_name))
                 cancels.raise_if_cancelled()
             return True
         finally:
@@ -635,6 +639,16 @@ class _WorkerLink(asyncio.Protocol):
                 # the copies in flight are over (the manager reads its end as "none of them runs").
                 transport.pause_reading()
         self._wake()
+
+
+def _reclaim_left(pool_name: str) -> None:
+    """Reclaim the segment a session left if nobody holds it and its creator is gone (never one a
+    live manager or another rank holds: :func:`aiokv.reclaim.reclaim`'s rules). Best effort."""
+    prefix = pool_name.lstrip("/").rsplit("-", 3)[0]
+    try:
+        reclaim(prefix)
+    except Exception as exc:  # a scan that fails leaves the segment to the next pool's start
+        log.debug("rank: reclaiming segments after leaving %s failed: %r", pool_name, exc)
 
 
 class RankWorkerThread:
