@@ -158,8 +158,12 @@ class CacheManager(LoadPath, OffloadPath):
     async def _close(self) -> None:
         if self._starting is not None:
             await self._starting  # a start in flight may still be opening the disk tier over the pool
+        loop = asyncio.get_running_loop()
+        # One bound for the whole close: background jobs, the rates file and the disk tier (whose
+        # writes can hang in the kernel for as long as a frozen or hung file system says).
+        deadline = loop.time() + self.config.close_timeout
         try:
-            async with asyncio.timeout(self.config.close_timeout):
+            async with asyncio.timeout_at(deadline):
                 while self._background:
                     # asyncio.wait, not gather: a timeout must not cancel the jobs' futures.
                     await asyncio.wait(set(self._background))
@@ -168,12 +172,16 @@ class CacheManager(LoadPath, OffloadPath):
         if self._disk is not None:
             # A failure here is counted, not raised: the close task's outcome is what every later
             # aclose() and close_pool() see, and the pool and bridge must still be freed after it.
-            try:
-                await self._save_rates()
-            except Exception as exc:
+            saving = asyncio.ensure_future(self._save_rates())
+            done, _ = await asyncio.wait({saving}, timeout=max(0.0, deadline - loop.time()))
+            if not done:  # its thread stays stuck in the kernel; it touches no pool memory
+                self.faults.record("rates_not_saved", "rates file still being written at close")
+            elif not saving.cancelled() and (exc := saving.exception()) is not None:
                 self.faults.record("rates_not_saved", f"rates not saved at close: {exc!r}")
             try:
-                await self._disk.aclose()
+                if not await self._disk.close_within(max(0.0, deadline - loop.time())):
+                    self.faults.record("close_timeout", "disk I/O stuck in the kernel at close: the pool stays "
+                                                        "mapped until it ends")
             except Exception as exc:
                 self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")
 
@@ -185,7 +193,12 @@ class CacheManager(LoadPath, OffloadPath):
         await self.aclose()
         self._transfers = None
         if self._pool is not None:
-            await self._pool.aclose()
+            disk = self._disk
+            if disk is not None and not disk.io_ended.done():
+                # I/O stuck in the kernel still reads or writes pool pages: unmapped once it ended.
+                self._pool.close_after(disk.io_ended)
+            else:
+                await self._pool.aclose()
 
     async def flush(self) -> None:
         """Wait until every page queued for disk so far is written (or dropped)."""

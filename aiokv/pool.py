@@ -288,6 +288,7 @@ class PagePool:
         self._closed = False  # no more pages or views handed out
         self._released = False  # memory unmapped and unlinked
         self._closing: asyncio.Task[None] | None = None
+        self._release_after: asyncio.Future[None] | None = None  # see close_after
         self.reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
         """Segments of dead processes that creating this pool unlinked (see :meth:`create`)."""
         self.reclaimed.set_result([])
@@ -557,9 +558,10 @@ class PagePool:
         return self._closed
 
     def close(self) -> None:
-        """Wait for chunk preparation, unregister, unmap and unlink. Idempotent."""
+        """Wait for chunk preparation, unregister, unmap and unlink. Idempotent. After
+        :meth:`close_after` the memory is freed only as it says."""
         self._closed = True
-        if self._released:
+        if self._released or self._release_after is not None:
             return
         self._released = True
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -579,11 +581,32 @@ class PagePool:
         """:meth:`close` without blocking the loop: chunks not started are dropped, running ones
         finish, then the memory is freed in a thread. Idempotent; every caller waits for the end."""
         self._closed = True
-        if self._released:
-            return
+        if self._released or self._release_after is not None:
+            return  # freed (or to be freed) as close_after says
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._release())
         await asyncio.shield(self._closing)
+
+    def close_after(self, io_ended: asyncio.Future[None]) -> None:
+        """Close now, free the memory once ``io_ended`` resolved: I/O stuck in the kernel (a disk
+        write on a frozen file system) may still read or write pool pages, and memory unmapped (or
+        mapped again for something else) under it would fault or be overwritten. Never freed when
+        ``io_ended`` is cancelled or fails: the mapping then stays until the process exits (the
+        segment's name too: its owner lock keeps others from reclaiming it meanwhile). Idempotent;
+        :meth:`aclose` and :meth:`close` then return at once."""
+        self._closed = True
+        if self._released or self._closing is not None or self._release_after is not None:
+            return
+        self._release_after = io_ended
+
+        def ended(done: asyncio.Future[None]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                log.error("page pool %s: stuck I/O never reported its end: its memory stays mapped until exit",
+                          self.memory.segment.name)
+                return
+            self._closing = asyncio.ensure_future(self._release())
+
+        io_ended.add_done_callback(ended)
 
     async def _release(self) -> None:
         for future in self._futures:
