@@ -212,7 +212,9 @@ class KVCache(CacheFacade):
             functools.partial(_build_mover, self.kv, pool.pages, path, cfg.staging_pages, pool.chunk_pages),
             "aiokv-mover", _nothing,
         )
-        self._check_not_closing()
+        if self._close_task is not None:
+            del mover  # not kept alive (its GPU staging and streams) by the raised error's traceback
+            self._check_not_closing()
         # No await from here on: the close (waiting for this start) sees all of it or none.
         self._transfers = LocalTransfers(mover, self._bridge, self.kv.device)
         self._manager.attach(self._transfers)

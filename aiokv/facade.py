@@ -82,7 +82,9 @@ class CacheFacade(abc.ABC):
 
     def estimate(self, match: Match) -> LoadEstimate:
         """What loading ``match`` would cost (pool copies, disk reads, recomputing) by the rates
-        measured so far, and where a compute-or-load split is expected to meet."""
+        measured so far, and where a compute-or-load split is expected to meet. Raises
+        ``ValueError`` for another cache's match, ``StaleHandleError`` (a ``ValueError``) for one
+        already loaded or released."""
         return self._manager.estimate(match)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from cache_helpers import LAYOUT, config, make_kv
 
 import aiokv.cache as cache_module
-from aiokv import KVCache, TransferPath
+from aiokv import CacheConfig, KVCache, KVLayout, TransferPath
 from aiokv.pool import PagePool
 
 STEPS = ["prestart", "manager", "imports"]
@@ -138,3 +139,37 @@ async def test_a_second_start_while_one_runs_raises_and_the_first_starts_the_cac
     finally:
         await cache.aclose()
     assert cache._manager.pool.closed
+
+
+@pytest.mark.asyncio
+async def test_a_close_during_the_movers_construction_keeps_no_mover_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review: the start raised on the close after building its mover, and the error's traceback kept
+    # _start's frame with the mover (on CUDA its GPU staging and streams) for as long as it was held.
+    from aiokv.kernels import PageMover
+
+    entered, proceed = threading.Event(), threading.Event()
+    real = cache_module._build_mover
+
+    def held_build(*args: Any, **kwargs: Any) -> PageMover:
+        entered.set()
+        proceed.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "_build_mover", held_build)
+    layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+    kv = torch.zeros(layout.num_layers, 64, layout.rows, layout.head_dim, dtype=layout.dtype)
+    cache = KVCache(CacheConfig(cpu_bytes=1 << 20, disk=None, namespace="start-close-mover"), layout, kv)
+    start = asyncio.ensure_future(cache.start())
+    assert await asyncio.to_thread(entered.wait, 30)
+    close = asyncio.ensure_future(cache.aclose())
+    await asyncio.sleep(0)  # the close begins (it waits for the start)
+    proceed.set()
+    with pytest.raises(RuntimeError, match="closed while it was starting") as raised:
+        await start
+    await close
+    movers = []
+    tb = raised.value.__traceback__
+    while tb is not None:
+        movers += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, PageMover)]
+        tb = tb.tb_next
+    assert not movers
