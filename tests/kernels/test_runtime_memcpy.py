@@ -20,6 +20,7 @@ class _RefusingRuntime:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int, int, int]] = []
+        self.cleared = 0
 
     def cudaMemcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> int:
         self.calls.append((dst, src, nbytes, kind, stream))
@@ -32,6 +33,11 @@ class _RefusingRuntime:
 
     def cudaGetErrorString(self, err: int) -> bytes:
         return b"invalid argument"
+
+    def cudaGetLastError(self) -> int:
+        """Reads and clears the thread's last error (the refused call's)."""
+        self.cleared += 1
+        return 1
 
 
 def test_a_refused_copy_raises_with_cudas_message(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,6 +53,7 @@ def test_a_refused_copy_raises_with_cudas_message(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match=r"cudaMemcpy2DAsync\(3 x 4096 bytes\) failed: CUDA error 1 \(invalid"):
         cuda.memcpy2d_async(8192, 4096, 16384, 1 << 20, 4096, 3, _Stream())  # type: ignore[arg-type]
     assert runtime.calls[1] == (8192, 16384, 3 * 4096, 4, 1234)
+    assert runtime.cleared == 2  # each refusal's error cleared: torch's next launch must not see it
 
 
 def test_prestart_starts_the_copy_thread_once_and_a_closed_bridge_starts_nothing() -> None:
