@@ -186,9 +186,11 @@ async def test_a_rank_killed_midway_shortens_the_load_and_claims_no_layer_it_lac
     readers.kill(1)
     await readers.reap(1)
     # Rank 1 never copies layer 1: no layer from 1 on may be reported ready, whatever rank 0 does.
-    readers.gates[0].release()
-    assert await stream.wait_layer(1) is False
-    _release(readers, layers)  # let rank 0 finish its part: the job ends when every rank is accounted for
+    # A layer is given up only once every rank is accounted for (rank 0 may still copy into the
+    # slots), so rank 0 is let through every layer first; waiting before that timed out the gate.
+    waits = [asyncio.create_task(stream.wait_layer(layer)) for layer in range(1, layers)]
+    _release(readers, layers)
+    assert [await wait for wait in waits] == [False] * (layers - 1)
     result = await stream.finish()
     assert result.loaded_tokens == 0 and result.pool_pages == 0, "a load missing a rank's heads was served"
     errors = cache.stats().errors
