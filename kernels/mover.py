@@ -16,6 +16,13 @@ pool page ``[L, T, rows, D]``) into one of a few staging buffers, and the scatte
 first load lane's) moves it into the KV buffer, then marks layer l ready. The copy engine waits
 for a scatter only to reuse its buffer, so PCIe stays busy; the buffers are carved out of the
 load lanes' staging (no extra GPU memory). See :func:`layer_schedule`.
+
+Where every page's slots are one ascending run and the buffer's shape allows it (``load_runs``,
+:mod:`aiokv.kernels.slotruns`), a layer-wise load skips staging and scatter: each unit is layer l of
+a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one
+``cudaMemcpy2DAsync`` per run of pages consecutive in both), its layer event recorded on the copy
+stream. A feeding thread then issues a few runtime calls per layer instead of a few per group plus a
+Triton launch (an engine's model thread shares the GIL with it).
 """
 
 from __future__ import annotations
@@ -41,7 +48,17 @@ from .checks import (
     check_slots,
 )
 from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
-from .slotruns import RunCopy, memmove_runs, page_run_starts, run_copies, run_geometry
+from .slotruns import (
+    LayerCopy,
+    RunCopy,
+    RunGeometry,
+    load_copies,
+    load_run_starts,
+    memmove_runs,
+    page_run_starts,
+    run_copies,
+    run_geometry,
+)
 
 if TYPE_CHECKING:
     from .launch import CopyPlan
@@ -60,6 +77,13 @@ feeding thread queues a unit only once the unit this many staged bytes earlier h
 one with the copy stream runs nothing queued after a load's copies until they are done. Queued all
 at once, a 32K-token hit (4 GiB) held the engine's tail prefill until the whole load had landed
 (H200: 137 ms against a floor of 79); paced, such a stream waits for at most this many bytes."""
+
+
+RUN_COPIES_PER_LAUNCH = 8
+"""A layer-wise load goes by run copies only if it issues at most this many more copies per layer
+than the staged path has units (each a Triton launch, ~4 stream/event calls and its slab copies): an
+estimate of host costs (a launch holds the GIL tens of µs, a ctypes 2-D copy a few µs without it),
+not a measurement. It bounds the per-page worst case (slots that are runs per page only)."""
 
 
 def pace_window(unit_bytes: int, pace_bytes: int = PACE_BYTES) -> int:
@@ -226,6 +250,17 @@ class _StagedLayers:
     units: list[LayerUnit]
 
 
+@dataclass(frozen=True)
+class _RunLayers:
+    """What a layer-wise load by run copies issues: per group of pages, the copies of one layer."""
+
+    copies: list[list[LayerCopy]]
+    units: list[LayerUnit]
+    """:func:`layer_schedule` with one buffer (``buffer`` and ``reuse`` mean nothing here)."""
+    unit_bytes: int
+    """Bytes of the largest unit (the pacing's measure)."""
+
+
 class PacedLoadStopped(RuntimeError):
     """:meth:`PacedLayers.feed` ended early because :meth:`PacedLayers.stop` was called (what it
     queued has completed); any other exception out of ``feed`` is a launch or CUDA fault."""
@@ -239,11 +274,13 @@ class PacedLayers:
     ``issued[l]`` is set: wait for that (``wait_issued``) before making a stream wait on it.
     """
 
-    def __init__(self, mover: PageMover, plan: _StagedLayers, window: int) -> None:
+    def __init__(self, mover: PageMover, plan: _StagedLayers | _RunLayers, window: int) -> None:
         layers = mover.kv.layout.num_layers
         self._mover = mover
         self._plan = plan
         self.window = window
+        self.by_runs = isinstance(plan, _RunLayers)
+        """The load goes by run copies (copy engine only), not through staging and scatters."""
         # Blocking: hosts wait on these (the bridge, a TP rank's landed-layer watch); the feeder
         # waits on its own unit events, which stay default.
         self.events = [_new_event(blocking=True) for _ in range(layers)]
@@ -304,16 +341,21 @@ class PacedLayers:
         scatter_stream = scatter_lane.stream
         assert scatter_stream is not None
         scattered = [_new_event() for _ in plan.units]
+        # A unit is done once its scatter is (staged), or its copies (runs: the copy stream alone).
+        done_stream = staging.copy_stream if isinstance(plan, _RunLayers) else scatter_stream
         error: BaseException | None = None
         with torch.cuda.device(mover.kv.device):
             try:
                 def issue(k: int) -> None:
                     unit = plan.units[k]
-                    mover._issue_unit(staging, plan, unit)
-                    scattered[k].record(scatter_stream)
+                    if isinstance(plan, _RunLayers):
+                        mover._issue_run_unit(plan, unit, done_stream)
+                    else:
+                        mover._issue_unit(staging, plan, unit)
+                    scattered[k].record(done_stream)
                     self.issued_units = k + 1
                     if unit.ends_layer:
-                        self.events[unit.layer].record(scatter_stream)
+                        self.events[unit.layer].record(done_stream)
                         self.queued[unit.layer] = True
                         self.issued[unit.layer].set()
                         if on_issued is not None:
@@ -365,6 +407,11 @@ class PageMover:
     copies every page with one 2-D copy-engine memcpy straight from the KV buffer, no kernel and no
     staging (:mod:`aiokv.kernels.slotruns`), where the buffer's shape allows it; other offloads
     gather as before. :attr:`runs_offloaded` counts the pages it copied so.
+
+    ``load_runs`` (STAGING, on by default): a layer-wise load (:meth:`load_layers`,
+    :meth:`start_layers`) whose pages' slots are each one ascending run goes by the copy engine alone
+    in the same way, layer by layer (module docstring), where the buffer's shape allows it and the
+    copies are few enough (:data:`RUN_COPIES_PER_LAUNCH`); :attr:`runs_loaded` counts its pages.
     """
 
     def __init__(
@@ -375,6 +422,7 @@ class PageMover:
         staging_pages: int = DEFAULT_STAGING_PAGES,
         run_pages: int = 1,
         slot_runs: bool = False,
+        load_runs: bool = True,
     ) -> None:
         if not isinstance(kv, KVBuffer):
             raise ValueError(f"kv must be a KVBuffer (KVBuffer.wrap), got {type(kv).__name__}")
@@ -409,11 +457,17 @@ class PageMover:
         staged = self.effective_path is TransferPath.STAGING
         if not isinstance(slot_runs, bool):
             raise ValueError(f"slot_runs must be a bool, got {slot_runs!r}")
+        if not isinstance(load_runs, bool):
+            raise ValueError(f"load_runs must be a bool, got {load_runs!r}")
         # Off CUDA (Triton's interpreter) the same copies run with memmove; on CUDA they need the runtime.
-        self._runs = (run_geometry(kv, pages) if slot_runs and staged and (self._raw_memcpy or not self._cuda)
-                      else None)
+        copyable = staged and (self._raw_memcpy or not self._cuda)
+        geometry = run_geometry(kv, pages) if (slot_runs or load_runs) and copyable else None
+        self._runs = geometry if slot_runs else None
+        self._load_runs: RunGeometry | None = geometry if load_runs else None
         self.runs_offloaded = 0
         """Pages offloaded by run copies (``slot_runs``), not gathered."""
+        self.runs_loaded = 0
+        """Pages of layer-wise loads planned as run copies (``load_runs``), not staged and scattered."""
         lanes = min(2, staging_pages) if staged else 1
         shares = [staging_pages // lanes + (i < staging_pages % lanes) for i in range(lanes)]
         if not staged:
@@ -646,10 +700,20 @@ class PageMover:
         if self.effective_path is not TransferPath.STAGING or staging is None or staging.copy_stream is None:
             return None
         lane = self._load_lanes[0]
+        runs = self._run_layers(staging, ids, slots, skip_first, pace_bytes)
+        plan: _StagedLayers | _RunLayers
         with self._on_side([lane]):
-            plan = self._staged_plan(staging, ids, slots, skip_first)
-        layout = self.kv.layout
-        unit_bytes = staging.capacity * layout.page_tokens * layout.rows * layout.head_dim * self.pages.element_size()
+            if runs is not None:
+                self._order_copies_after_loads(staging)
+                plan = runs
+                unit_bytes = runs.unit_bytes
+            else:
+                plan = self._staged_plan(staging, ids, slots, skip_first)
+                layout = self.kv.layout
+                unit_bytes = (staging.capacity * layout.page_tokens * layout.rows * layout.head_dim
+                              * self.pages.element_size())
+        if runs is not None:
+            self.runs_loaded += len(ids)
         with self._paced_lock:
             self._paced_active += 1
         return PacedLayers(self, plan, pace_window(unit_bytes, pace_bytes))
@@ -670,22 +734,100 @@ class PageMover:
         scatter_lane = self._load_lanes[0]
         groups = self._layer_chunks(ids, skip_first, staging.capacity, self.kv.layout.page_tokens)
         index = self._index(slots, scatter_lane)  # on the scatter stream, which alone reads it
-        copy_stream = staging.copy_stream
-        if copy_stream is not None:
-            # The buffers are the load lanes' staging: the first copy waits until every load queued
-            # on those lanes (layer-wise scatters included) has read it. The first lane already
-            # waits for the caller's stream, so this also orders the copies after the caller.
-            for other in self._load_lanes:
-                if other.stream is not None:
-                    mark = _new_event()
-                    mark.record(other.stream)
-                    copy_stream.wait_event(mark)
+        self._order_copies_after_loads(staging)
         return _StagedLayers(
             groups=groups,
             indices=[index[g.slot_begin : g.slot_end] for g in groups],
             runs=[slab_runs(group.ids, self.run_pages) for group in groups],  # the same for every layer
             units=layer_schedule(self.kv.layout.num_layers, len(groups), len(staging.buffers)),
         )
+
+    def _order_copies_after_loads(self, staging: _LayerStaging) -> None:
+        """The copy stream waits for everything queued on the load lanes. Staged: the buffers are
+        the load lanes' staging, the first copy waits until every load queued there (layer-wise
+        scatters included) has read it. Runs: the copies write KV slots an earlier load may still
+        write. The first lane already waits for the caller's stream, so this also orders the
+        copies after the caller. Runs inside :meth:`_on_side` of the first load lane."""
+        copy_stream = staging.copy_stream
+        if copy_stream is None:
+            return
+        for other in self._load_lanes:
+            if other.stream is not None:
+                mark = _new_event()
+                mark.record(other.stream)
+                copy_stream.wait_event(mark)
+
+    def _run_layers(
+        self, staging: _LayerStaging, ids: list[int], slots: torch.Tensor, skip_first: int, pace_bytes: int
+    ) -> _RunLayers | None:
+        """The run copies of a layer-wise load, or None where it stages (``load_runs`` off, a buffer
+        of another shape, CUDA slots, a page whose slots are not one run, too many copies).
+
+        A unit is one layer of a group of pages, at most ``pace_bytes / (LAYER_BUFFERS + 1)`` bytes:
+        a paced load keeps about ``pace_bytes`` queued, as the staged one does."""
+        geometry = self._load_runs
+        tokens = self.kv.layout.page_tokens
+        if geometry is None or (starts := load_run_starts(slots, len(ids), tokens, skip_first)) is None:
+            return None
+        page_layer = sum(seg.block for seg in geometry.segments)
+        capacity = max(1, pace_bytes // ((LAYER_BUFFERS + 1) * page_layer))
+        groups = layer_groups(len(ids), capacity)
+        copies = [
+            load_copies(geometry, starts[g.start : g.stop], ids[g.start : g.stop], tokens,
+                        skip_first if g.start == 0 else 0, self.run_pages)
+            for g in groups
+        ]
+        staged = layer_groups(len(ids), staging.capacity)
+        budget = sum(len(slab_runs(ids[g.start : g.stop], self.run_pages)) + RUN_COPIES_PER_LAUNCH for g in staged)
+        if sum(len(c) for c in copies) > budget:
+            return None
+        return _RunLayers(
+            copies=copies,
+            units=layer_schedule(self.kv.layout.num_layers, len(groups), 1),
+            unit_bytes=max(len(g) for g in groups) * page_layer,
+        )
+
+    def _issue_run_unit(self, plan: _RunLayers, unit: LayerUnit, stream: torch.cuda.Stream | None) -> None:
+        """Queue one unit's copies on ``stream`` (the copy stream; None: memmove, Triton's interpreter)."""
+        copies = plan.copies[unit.group]
+        if stream is None:
+            memmove_runs([c.at(unit.layer) for c in copies])
+            return
+        for c in copies:
+            r = c.at(unit.layer)
+            _cuda.memcpy2d_async(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height, stream)
+
+    def _load_layers_runs(
+        self,
+        staging: _LayerStaging,
+        plan: _RunLayers,
+        on_layer: Callable[[int], None] | None,
+        events: list[torch.cuda.Event],
+    ) -> None:
+        """A layer-wise load by run copies, all queued now on the copy stream (each layer's event
+        recorded after its copies); runs inside :meth:`_on_side` of the first load lane. Whatever
+        happens, the first lane (which the caller's stream waits for on failure, and later loads
+        order after) ends up waiting for every copy queued."""
+        copy_stream, lane = staging.copy_stream, self._load_lanes[0].stream
+        self._order_copies_after_loads(staging)
+        try:
+            for unit in plan.units:
+                self._issue_run_unit(plan, unit, copy_stream)
+                if unit.ends_layer:
+                    if copy_stream is not None:
+                        event = _new_event(blocking=True)  # the bridge's waiter may sleep on it
+                        event.record(copy_stream)
+                        events.append(event)
+                    elif on_layer is not None:
+                        on_layer(unit.layer)
+        finally:
+            if copy_stream is not None and lane is not None:
+                copies = _new_event()
+                copies.record(copy_stream)
+                lane.wait_event(copies)
+                ended = _new_event()
+                ended.record(lane)
+                self._layered_done = ended
 
     @staticmethod
     def _layer_chunks(ids: list[int], skip_first: int, capacity: int, tokens: int) -> list[_Chunk]:
@@ -710,9 +852,15 @@ class PageMover:
         streams: list[torch.cuda.Stream],
         events: list[torch.cuda.Event],
     ) -> None:
-        """The STAGING layer-wise pipeline; runs inside :meth:`_on_side` of the first load lane."""
+        """The STAGING layer-wise pipeline (or run copies where they serve); runs inside
+        :meth:`_on_side` of the first load lane."""
         staging = self._layered
         assert staging is not None
+        runs = self._run_layers(staging, ids, slots, skip_first, PACE_BYTES)
+        if runs is not None:
+            self.runs_loaded += len(ids)
+            self._load_layers_runs(staging, runs, on_layer, events)
+            return
         scatter_lane = self._load_lanes[0]
         copy_stream = staging.copy_stream
         plan = self._staged_plan(staging, ids, slots, skip_first)

@@ -138,3 +138,81 @@ def memmove_runs(copies: list[RunCopy]) -> None:
     for c in copies:
         for i in range(c.height):
             ctypes.memmove(c.dst + i * c.dpitch, c.src + i * c.spitch, c.width)
+
+
+# -- loads ------------------------------------------------------------------------------------------
+
+
+def load_run_starts(slots: torch.Tensor, count: int, tokens: int, skip_first: int) -> list[int] | None:
+    """Slot of each page's first loaded token row when every page's loaded slots are one ascending
+    run, else None. A load of ``count`` pages from token ``skip_first`` (``0 <= skip_first < tokens``)
+    has ``count * tokens - skip_first`` slots; page 0's run starts at its row ``skip_first``."""
+    if slots.is_cuda or count < 1 or not 0 <= skip_first < tokens or slots.numel() != count * tokens - skip_first:
+        return None
+    flat = slots.view(-1).to(torch.int64)
+    if skip_first:
+        # Page 0's skipped rows as the run's virtual start (never copied): one shape for the check.
+        lead = flat[:1] - skip_first + torch.arange(skip_first, dtype=torch.int64)
+        flat = torch.cat([lead, flat])
+    starts = page_run_starts(flat, count, tokens)
+    if starts is not None:
+        starts[0] += skip_first
+    return starts
+
+
+@dataclass(frozen=True)
+class LayerCopy:
+    """One copy of a layer-wise load by runs, at layer 0; layer ``l`` shifts the source by
+    ``l * src_step`` and the destination by ``l * dst_step``."""
+
+    copy: RunCopy
+    dst_step: int
+    src_step: int
+
+    def at(self, layer: int) -> RunCopy:
+        c = self.copy
+        return RunCopy(c.dst + layer * self.dst_step, c.dpitch, c.src + layer * self.src_step, c.spitch, c.width,
+                       c.height)
+
+
+def load_page_runs(
+    starts: list[int], page_ids: list[int], tokens: int, skip_first: int, run_pages: int
+) -> list[tuple[int, int]]:
+    """``(first page index, count)`` of the pages one 2-D copy loads: consecutive pages whose pool
+    pages are consecutive within one registration of ``run_pages`` (one host range per copy) and
+    whose slot runs follow each other. A partly needed page 0 (``skip_first``) copies fewer rows:
+    it is a run of its own."""
+    runs: list[tuple[int, int]] = []
+    for i, (start, page) in enumerate(zip(starts, page_ids, strict=True)):
+        if runs and not (i == 1 and skip_first):
+            first, count = runs[-1]
+            last = i - 1
+            if (page == page_ids[last] + 1 and page // run_pages == page_ids[first] // run_pages
+                    and start == starts[last] + tokens):
+                runs[-1] = (first, count + 1)
+                continue
+        runs.append((i, 1))
+    return runs
+
+
+def load_copies(
+    geometry: RunGeometry, starts: list[int], page_ids: list[int], tokens: int, skip_first: int, run_pages: int
+) -> list[LayerCopy]:
+    """The copies loading one layer of pool pages ``page_ids`` into the KV slot runs from ``starts``
+    (:func:`load_run_starts`): per segment, one per :func:`load_page_runs` run, ``height`` pages of
+    one block each (source pitch the pool's page stride, destination pitch the block)."""
+    if geometry.page_stride > MAX_PITCH:
+        run_pages = 1  # a pitch the runtime refuses: every page alone (its pitch is then unused)
+    copies = []
+    for first, count in load_page_runs(starts, page_ids, tokens, skip_first, run_pages):
+        skip = skip_first if first == 0 else 0
+        for seg in geometry.segments:
+            row = seg.block // tokens
+            copy = RunCopy(
+                dst=seg.kv_base + starts[first] * seg.slot_bytes, dpitch=seg.block,
+                src=geometry.page_base + page_ids[first] * geometry.page_stride + seg.page_col + skip * row,
+                spitch=geometry.page_stride if count > 1 else seg.block,
+                width=seg.block - skip * row, height=count,
+            )
+            copies.append(LayerCopy(copy, seg.layer_step, geometry.layer_stride))
+    return copies
