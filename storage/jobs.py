@@ -3,7 +3,8 @@
 A read or write of one page is a small object moved on by completion callbacks (checksum done,
 slot free, I/O completed) instead of a task per page: the loop runs no coroutine per page on the
 common paths. :class:`IOSlots` hands out the per-slot resources (header buffer, iovec pair,
-fixed-file entry) in FIFO order.
+fixed-file entry) in FIFO order, keeping a share of them for reads (writes hung in the kernel never
+hold them all).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +26,11 @@ from .memory import PageBuffer
 class Job:
     """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
 
-    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then")
+    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then", "ticket")
 
     def __init__(self) -> None:
         self.slot = -1
+        self.ticket = 0  # its place in the FIFO order of :class:`IOSlots`' queues while it waits
         self.holds_slot = False  # until :meth:`IOSlots.give_back`: once, on every path
         self.then: Callable[[Job, int], None] | None = None  # what runs once a slot is free
         self.ended = False
@@ -106,33 +109,76 @@ back is handed on within the same budget (a completion drain ending many pages w
 start as many in its turn)."""
 
 
+def reserved_for_reads(count: int) -> int:
+    """Slots of ``count`` that writes never take: a read waits behind at most ``count - reserved``
+    writes, however long they hang in the kernel (a frozen or stuck file system blocks writes, not
+    reads). None of one slot: the one slot serves both."""
+    return 0 if count < 2 else max(1, count // 8)
+
+
 class IOSlots:
-    """``count`` I/O slots (header buffer, iovec pair, fixed-file entry each), handed out FIFO."""
+    """``count`` I/O slots (header buffer, iovec pair, fixed-file entry each), handed out FIFO.
+
+    Writes (:class:`WriteJob`) hold at most ``write_limit`` of them at once, the rest are kept for
+    reads (and any other job): with write-behind workers at least the queue depth, writes hung in
+    the kernel held every slot and a load waited behind them until they ended. Reads and writes
+    wait in two queues; a slot goes to the older of their heads that may take it."""
 
     def __init__(self, count: int) -> None:
         self._free = list(range(count))
-        self._waiters: collections.deque[Job] = collections.deque()
+        self._reads: collections.deque[Job] = collections.deque()  # every job that is no write
+        self._writes: collections.deque[Job] = collections.deque()
+        self._tickets = itertools.count()  # FIFO order across both queues
         self._returned: collections.deque[int] = collections.deque()  # slots to hand on (see give_back)
         self._handing = False
         self.in_use = 0
+        self.writes_in_use = 0
+        self.write_limit = count - reserved_for_reads(count)
         self._turn_ends = 0.0  # starts from :meth:`take` stop at this time this turn (0: none yet)
         self._resume_due = False  # a :meth:`_next_turn` is scheduled
 
+    @property
+    def waiting(self) -> int:
+        """Jobs queued for a slot, reads and writes."""
+        return len(self._reads) + len(self._writes)
+
+    _waiters = waiting  # the tests' name of it (one queue before reads had their own)
+
     def take(self, job: Job, then: Callable[[Job, int], None]) -> None:
-        """``then(job, slot)`` with a slot (``job.slot``, held): at once when one is free and this
-        turn's start budget (:data:`START_TURN_S`) is not spent, else when one is given back or in
-        a later turn, in FIFO order. Give it back with :meth:`give_back`."""
-        if self._free and not self._waiters and self._may_start():
-            self.in_use += 1
-            job.slot, job.holds_slot = self._free.pop(), True
-            then(job, job.slot)
+        """``then(job, slot)`` with a slot (``job.slot``, held): at once when one is free to it and
+        this turn's start budget (:data:`START_TURN_S`) is not spent, else when one is given back or
+        in a later turn, in FIFO order (a write only while writes hold fewer than ``write_limit``).
+        Give it back with :meth:`give_back`."""
+        write = isinstance(job, WriteJob)
+        if (self._free and not self._next_due() and (not write or self.writes_in_use < self.write_limit)
+                and self._may_start()):
+            self._grant(job, self._free.pop(), then)
             return
         job.then = then
-        self._waiters.append(job)
-        if self._free and not self._resume_due:
+        job.ticket = next(self._tickets)
+        (self._writes if write else self._reads).append(job)
+        if self._free and self._next_due() and not self._resume_due:
             # Held back by the budget, not for want of a slot: the next turn starts it.
             self._resume_due = True
             asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _grant(self, job: Job, slot: int, then: Callable[[Job, int], None]) -> None:
+        self.in_use += 1
+        if isinstance(job, WriteJob):
+            self.writes_in_use += 1
+        job.slot, job.holds_slot = slot, True
+        then(job, slot)
+
+    def _next_due(self) -> bool:
+        """Whether a queued job may take a slot now (a read, or a write below ``write_limit``)."""
+        return bool(self._reads) or (bool(self._writes) and self.writes_in_use < self.write_limit)
+
+    def _pop_next(self) -> Job:
+        """The older of the two queues' heads that may take a slot (:meth:`_next_due` is True)."""
+        writes_may = bool(self._writes) and self.writes_in_use < self.write_limit
+        if self._reads and not (writes_may and self._writes[0].ticket < self._reads[0].ticket):
+            return self._reads.popleft()
+        return self._writes.popleft()
 
     def _may_start(self) -> bool:
         """Whether this turn's start budget has time left (the first start of a turn opens it)."""
@@ -151,7 +197,7 @@ class IOSlots:
         never nests another start)."""
         self._resume_due = False
         self._turn_ends = 0.0
-        if self._free and self._waiters:
+        if self._free and self._next_due():
             self._returned.extend(self._free)
             self._free.clear()
             self._hand_off()
@@ -166,6 +212,8 @@ class IOSlots:
             return
         job.holds_slot = False
         self.in_use -= 1
+        if isinstance(job, WriteJob):
+            self.writes_in_use -= 1
         self._returned.append(job.slot)
         self._hand_off()
 
@@ -177,8 +225,8 @@ class IOSlots:
         try:
             while self._returned:
                 slot = self._returned.popleft()
-                if not self._waiters:
-                    self._free.append(slot)
+                if not self._next_due():
+                    self._free.append(slot)  # nobody waits, or only writes at their limit
                     continue
                 if not self._may_start():
                     # This turn's start budget is spent: the waiter starts in the next turn.
@@ -187,12 +235,10 @@ class IOSlots:
                         self._resume_due = True
                         asyncio.get_running_loop().call_soon(self._next_turn)
                     continue
-                waiter = self._waiters.popleft()
+                waiter = self._pop_next()
                 then, waiter.then = waiter.then, None
                 assert then is not None
-                self.in_use += 1
-                waiter.slot, waiter.holds_slot = slot, True
-                then(waiter, slot)
+                self._grant(waiter, slot, then)
         finally:
             self._handing = False
             if self._returned:  # a ``then`` raised: the slots it left are handed on next turn
@@ -200,10 +246,7 @@ class IOSlots:
 
     def _hand_on(self) -> None:
         if self._returned and not self._handing:
-            job = Job()
-            job.slot, job.holds_slot = self._returned.popleft(), True
-            self.in_use += 1
-            self.give_back(job)
+            self._hand_off()
 
     def leave(self, job: Job) -> bool:
         """Take ``job`` out of the queue if it is still waiting for a slot; True then.
@@ -212,7 +255,7 @@ class IOSlots:
         number of a slot held before (a write retried after ENOSPC queues again)."""
         if job.then is None:
             return False
-        self._waiters.remove(job)
+        (self._writes if isinstance(job, WriteJob) else self._reads).remove(job)
         job.then = None
         return True
 
