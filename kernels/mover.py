@@ -463,6 +463,7 @@ class PageMover:
         copyable = staged and (self._raw_memcpy or not self._cuda)
         geometry = run_geometry(kv, pages) if (slot_runs or load_runs) and copyable else None
         self._runs = geometry if slot_runs else None
+        self._run_geometry = geometry
         self._load_runs: RunGeometry | None = geometry if load_runs else None
         self.runs_offloaded = 0
         """Pages offloaded by run copies (``slot_runs``), not gathered."""
@@ -530,6 +531,19 @@ class PageMover:
             copied=[_new_event() for _ in buffers] if self._cuda else [],
             freed=[_new_event() for _ in buffers] if self._cuda else [],
         )
+
+    @property
+    def load_runs(self) -> bool:
+        """Whether layer-wise loads may go by run copies (the buffer's shape allows it and
+        ``load_runs`` is on). Settable between loads (an A/B switch); on where the shape never allows
+        it stays False."""
+        return self._load_runs is not None
+
+    @load_runs.setter
+    def load_runs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"load_runs must be a bool, got {value!r}")
+        self._load_runs = self._run_geometry if value else None
 
     @property
     def staging_bytes(self) -> int:

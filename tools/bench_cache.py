@@ -38,6 +38,7 @@ int64 array. ``--against REV`` alternates with revision REV's package as in loop
 
     python tools/bench_cache.py --mode gpu --json out.json
     python tools/bench_cache.py --mode gpu --device cpu --pages 8 --prompts 2
+    python tools/bench_cache.py --mode gpu --layered --slots contiguous --load-runs-ab
     python tools/bench_cache.py --mode disk --dir /var/tmp/aiokv-bench
     python tools/bench_cache.py --mode loop --pages 256 --against HEAD~3 --rounds 4
     python tools/bench_cache.py --mode stream --against HEAD~3 --rounds 6
@@ -325,6 +326,24 @@ async def _stream_one(cache: KVCache, tokens: Any, slots: torch.Tensor, args: ar
     return {"claimed": result.claimed, "loaded_from": result.loaded_from, "tokens": result.tokens}
 
 
+def _draw_slots(args: argparse.Namespace, slots: int, count: int, page: int, device: str) -> torch.Tensor:
+    """``count`` destination slots of ``slots``: ``random`` (each token anywhere: the loads stage and
+    scatter), ``blocks`` (whole pages of an engine's block table, blocks shuffled: each page's slots
+    a run) or ``contiguous`` (blocks in order from a random block, as a fresh block table hands out:
+    one run; layer-wise loads go by run copies)."""
+    if args.slots == "random":
+        return torch.randperm(slots, device=device)[:count]
+    blocks = slots // page
+    need = -(-count // page)
+    if args.slots == "blocks":
+        chosen = torch.randperm(blocks)[:need]
+    else:
+        first = int(torch.randint(0, blocks - need + 1, ()).item())
+        chosen = torch.arange(first, first + need)
+    runs = (chosen[:, None] * page + torch.arange(page)[None, :]).reshape(-1)[:count]
+    return runs.to(device)
+
+
 async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -343,12 +362,16 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "device": str(device), "layout": layout.describe(), "pages_per_call": pages, "prompts": prompts,
         "gpu_slots": args.gpu_slots, "layered": args.layered, "claim_tokens": args.claim_tokens,
-        "compute_ms": args.compute_ms,
+        "compute_ms": args.compute_ms, "slots": args.slots, "load_runs_ab": args.load_runs_ab,
     }
     nbytes = pages * layout.payload_bytes
     results["memcpy_d2h_gbps"] = memcpy_gbps(nbytes, "d2h", 10, device)
     results["memcpy_h2d_gbps"] = memcpy_gbps(nbytes, "h2d", 10, device)
     slot_device = "cuda" if args.gpu_slots and cuda else "cpu"
+
+    def draw() -> torch.Tensor:
+        return _draw_slots(args, slots, tokens_per_prompt, layout.page_tokens, slot_device)
+
     async with KVCache(config, layout, kv) as cache:
         await cache.pool.wait_ready()
         # Token ids as an int64 array and slot indices on the CPU: what an engine's scheduler holds
@@ -356,22 +379,22 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
         token_sets = [torch.randint(0, 100_000, (tokens_per_prompt,)).numpy() for _ in range(prompts)]
         # Warm-up (Triton compilation, staging allocation, the streaming path once).
         warm = torch.randint(0, 100_000, (tokens_per_prompt,)).numpy()
-        await cache.offload(warm, torch.randperm(slots, device=slot_device)[:tokens_per_prompt])
+        await cache.offload(warm, draw())
         async with await cache.match(warm) as m:
-            await cache.load(m, torch.randperm(slots, device=slot_device)[:tokens_per_prompt])
-        await _stream_one(cache, warm, torch.randperm(slots, device=slot_device)[:tokens_per_prompt], args)
+            await cache.load(m, draw())
+        await _stream_one(cache, warm, draw(), args)
         with LoopLag() as lag:
             if cuda:
                 torch.cuda.synchronize()
             offload_times = []
             for tokens in token_sets:
-                src = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
+                src = draw()
                 start = time.perf_counter()
                 await cache.offload(tokens, src)
                 offload_times.append(time.perf_counter() - start)
             load_times = []
             for tokens in token_sets:
-                dst = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
+                dst = draw()
                 match = await cache.match(tokens)
                 start = time.perf_counter()
                 await cache.load(match, dst)
@@ -389,13 +412,21 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
         waiters = list(cache._bridge._threads)  # the cache's waiter threads (CUDA), none on a CPU buffer
         outcomes = []
         stream_times = []
+        # --load-runs-ab: hits alternate between layer-wise loads by run copies and staged ones.
+        mover = cache._transfers.mover if cache._transfers is not None else None
+        arms: dict[bool, list[float]] = {True: [], False: []}
+        runs_before = mover.runs_loaded if mover is not None else 0
         with LoopLag() as stream_lag, ThreadCPU(waiters) as waiter_cpu, LongSteps() as long_steps:
             for _ in range(args.stream_rounds):
-                for tokens in token_sets:
-                    dst = torch.randperm(slots, device=slot_device)[:tokens_per_prompt]
+                for i, tokens in enumerate(token_sets):
+                    use_runs = i % 2 == 0
+                    if args.load_runs_ab and mover is not None:
+                        mover.load_runs = use_runs
+                    dst = draw()
                     start = time.perf_counter()
                     outcomes.append(await _stream_one(cache, tokens, dst, args))
                     stream_times.append(time.perf_counter() - start)
+                    arms[use_runs].append(stream_times[-1])
             stop.set()
             bridge_streaming = await sampler if sampler is not None else None
         results["stream"] = {
@@ -405,7 +436,14 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
             "loop_lag": stream_lag.summary(), "bridge": bridge_streaming,
             "waiter_threads": len(waiters), "waiter_cpu_per_s": waiter_cpu.share,
             "long_steps": long_steps.summary(), "long_steps_over_0.5ms": len(long_steps.steps),
+            "runs_loaded_pages": (mover.runs_loaded if mover is not None else 0) - runs_before,
         }
+        if args.load_runs_ab and arms[True] and arms[False]:
+            runs_s, staged_s = statistics.median(arms[True]), statistics.median(arms[False])
+            results["stream"]["load_runs_ab"] = {
+                "runs_median_s": runs_s, "staged_median_s": staged_s, "runs_over_staged": runs_s / staged_s,
+                "hits_each": min(len(arms[True]), len(arms[False])),
+            }
     results["bridge_idle"] = await bridge_latency(args.bridge_samples) if cuda else None
     return results
 
@@ -729,6 +767,12 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="KV buffer device (gpu and stream modes; cpu: a small layout)")
     parser.add_argument("--layered", action="store_true", help="stream layer by layer (gpu mode)")
+    parser.add_argument("--slots", choices=["random", "blocks", "contiguous"], default="random",
+                        help="destination slots (gpu mode): random tokens, shuffled page blocks, or one run "
+                             "(contiguous: layer-wise loads go by run copies)")
+    parser.add_argument("--load-runs-ab", action="store_true",
+                        help="streaming hits alternate layer-wise loads by run copies and staged (gpu mode; "
+                             "with --slots contiguous and --layered; --prompts even)")
     parser.add_argument("--claim-tokens", type=int, default=2048,
                         help="tokens per claim while streaming (gpu and stream modes)")
     parser.add_argument("--compute-ms", type=float, default=2.0,
@@ -811,6 +855,11 @@ def main() -> int:
               f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
               f"threads burned " + ("? (per-thread CPU clocks do not work here)" if st["waiter_cpu_per_s"] is None
                                     else f"{st['waiter_cpu_per_s']:.2f} CPU s/s"))
+        print(f"slots {result['slots']}: {st['runs_loaded_pages']} pages loaded by run copies while streaming")
+        ab = st.get("load_runs_ab")
+        if ab is not None:
+            print(f"load runs A/B ({ab['hits_each']} hits each): runs {ab['runs_median_s'] * 1e3:.1f} ms, staged "
+                  f"{ab['staged_median_s'] * 1e3:.1f} ms, ratio runs/staged {ab['runs_over_staged']:.2f}")
         print(f"loop callbacks over 0.5 ms while streaming: {st['long_steps_over_0.5ms']}; longest:")
         for step in st["long_steps"][:5]:
             print(f"  {step['ms']:7.3f} ms  {step['callback']}")

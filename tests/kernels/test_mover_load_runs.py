@@ -294,3 +294,27 @@ def test_load_runs_must_be_a_bool() -> None:
     pages = torch.empty((2, *MHA.page_shape), dtype=MHA.dtype)
     with pytest.raises(ValueError, match="load_runs must be a bool"):
         PageMover(kv, pages, TransferPath.REFERENCE, load_runs=1)  # type: ignore[arg-type]
+
+
+@CPU_ONLY
+def test_load_runs_switched_off_and_on_between_loads(pool: PagePool) -> None:
+    """The A/B switch (tools/bench_cache.py --load-runs-ab): off stages the same load, on takes runs."""
+    _filled(pool, MHA, 10)
+    kv = _dense_kv(MHA, 0)
+    back, want = _poisoned_like(kv), _poisoned_like(kv)
+    ids, slots = [3, 4], _runs([0, T])
+    reference_scatter(want, pool.pages, slots, ids)
+    mover = PageMover(back, pool.pages, TransferPath.STAGING, 2)
+    assert mover.load_runs
+    mover.load_runs = False
+    mover.load_layers(ids, slots)
+    assert mover.runs_loaded == 0 and _all_equal(back, want)
+    mover.load_runs = True
+    mover.load_layers(ids, slots)
+    assert mover.runs_loaded == 2 and _all_equal(back, want)
+    with pytest.raises(ValueError, match="load_runs must be a bool"):
+        mover.load_runs = "yes"  # type: ignore[assignment]
+    padded = PageMover(_poisoned_like(kv, per_layer=True), pool.pages, TransferPath.REFERENCE)
+    assert not padded.load_runs  # REFERENCE never stages: nothing to switch on
+    padded.load_runs = True
+    assert not padded.load_runs

@@ -1,0 +1,195 @@
+"""Layer-wise loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages): bit-exact,
+the path taken, each layer's event alone guaranteeing its layer, paced and stopped part-way, ordered
+after the caller's stream. The CPU tests (memmove) are in ``test_mover_load_runs.py``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from kvcase import POISON, poisoned_pages, random_bits, same_bits
+
+from aiokv.kernels import PageMover, TransferPath, reference_gather, reference_scatter
+from aiokv.kernels import mover as mover_module
+from aiokv.layout import KVBuffer, KVLayout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LAYOUT = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=256)
+T = 256
+SLOTS = 4096
+Case = tuple[KVBuffer, torch.Tensor, list[int], torch.Tensor, KVBuffer]
+
+
+def _dense(seed: int) -> KVBuffer:
+    gen = torch.Generator().manual_seed(seed)
+    return KVBuffer.wrap(LAYOUT, random_bits((4, SLOTS, 16, 128), torch.bfloat16, gen).cuda())
+
+
+def _poisoned() -> KVBuffer:
+    return KVBuffer.wrap(LAYOUT, torch.full((4, SLOTS, 16 * 128 * 2), POISON, dtype=torch.uint8, device="cuda")
+                         .view(torch.bfloat16).view(4, SLOTS, 16, 128))
+
+
+def _case(seed: int, skip: int = 3) -> Case:
+    """10 pinned pool pages of random bits; slots: runs per page, pages 2-5 consecutive on both sides."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = poisoned_pages(LAYOUT, 12, torch.device("cpu")).pin_memory()
+    reference_gather(KVBuffer.wrap(LAYOUT, random_bits((4, 12 * T, 16, 128), torch.bfloat16, gen)),
+                     torch.arange(12 * T), pages, list(range(12)))
+    page_ids = [7, 0, 2, 3, 4, 5, 11, 9, 1, 10]
+    starts = [13 * T + 1, 15 * T, 0, T, 2 * T, 3 * T, 9 * T, 6 * T, 4 * T, 10 * T]
+    parts = [torch.arange(s, s + T) for s in starts]
+    parts[0] = parts[0][skip:]
+    slots = torch.cat(parts)
+    expect = _poisoned()
+    reference_scatter(expect, pages, slots, page_ids, skip_first=skip)
+    return _dense(seed), pages, page_ids, slots, expect
+
+
+def _layer_equal(a: KVBuffer, b: KVBuffer, layer: int) -> bool:
+    return same_bits(a.k_layers[layer], b.k_layers[layer])
+
+
+def _all_equal(a: KVBuffer, b: KVBuffer) -> bool:
+    return all(_layer_equal(a, b, layer) for layer in range(LAYOUT.num_layers))
+
+
+def _no_staging(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Staged units raise; returns a list that counts the 2-D copies queued."""
+    def no_staging(*_: object) -> None:
+        raise AssertionError("a load by runs issued a staged unit")
+
+    monkeypatch.setattr(PageMover, "_issue_unit", no_staging)
+    copies: list[int] = []
+    real = mover_module._cuda.memcpy2d_async
+
+    def counting(*args: object) -> None:
+        copies.append(1)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mover_module._cuda, "memcpy2d_async", counting)
+    return copies
+
+
+def test_paced_load_by_runs_is_bit_exact_after_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pages, page_ids, slots, expect = _case(31)
+    staged = _poisoned()
+    plain = PageMover(staged, pages, TransferPath.STAGING, 2, run_pages=12, load_runs=False)
+    paced_plain = plain.start_layers(page_ids, slots, 3)
+    assert paced_plain is not None and not paced_plain.by_runs
+    paced_plain.feed()
+    assert _all_equal(staged, expect)
+
+    copies = _no_staging(monkeypatch)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    engine = torch.cuda.Stream()
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(50_000_000)  # the caller's stream is busy, then writes the slots the load fills
+        back.k_layers[2][slots[-1].item()].fill_(0)
+        paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
+    assert paced is not None and paced.by_runs
+    assert mover.runs_loaded == len(page_ids)
+    issued: list[tuple[int, bool]] = []
+    thread = threading.Thread(target=paced.feed, args=(lambda layer, queued: issued.append((layer, queued)),))
+    thread.start()
+    for layer in range(LAYOUT.num_layers):
+        assert paced.wait_issued(layer, timeout=30)
+        torch.cuda.current_stream().wait_event(paced.events[layer])
+        torch.cuda.current_stream().synchronize()
+        assert _layer_equal(back, expect, layer), layer
+    thread.join(30)
+    assert issued == [(layer, True) for layer in range(LAYOUT.num_layers)]
+    # pace_bytes=1: one page a unit (10 a layer), so one copy per page and layer.
+    assert paced.issued_units == 10 * LAYOUT.num_layers
+    assert len(copies) == 10 * LAYOUT.num_layers
+    assert _all_equal(back, expect) and _all_equal(back, staged)
+    assert mover._paced_active == 0
+
+
+def test_paced_load_by_runs_merges_pages_consecutive_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pages, page_ids, slots, expect = _case(32)
+    copies = _no_staging(monkeypatch)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    paced = mover.start_layers(page_ids, slots, 3)  # the default pace: one unit a layer
+    assert paced is not None and paced.by_runs
+    paced.feed()
+    # Page 0 (partly needed) alone, pages 2-5 as one copy, the 5 others alone: 7 copies a layer.
+    assert paced.issued_units == LAYOUT.num_layers
+    assert len(copies) == 7 * LAYOUT.num_layers
+    assert _all_equal(back, expect)
+
+
+def test_paced_load_by_runs_stopped_part_way_orders_everything_it_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pages, page_ids, slots, expect = _case(33)
+    _no_staging(monkeypatch)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
+    assert paced is not None and paced.by_runs
+    reported: dict[int, bool] = {}
+
+    def on_issued(layer: int, queued: bool) -> None:
+        reported[layer] = queued
+        if layer == 0:
+            paced.stop()
+
+    with pytest.raises(RuntimeError, match="stopped after"):
+        paced.feed(on_issued)
+    assert all(flag.is_set() for flag in paced.issued)
+    assert reported == {layer: layer == 0 for layer in range(LAYOUT.num_layers)}
+    assert paced.queued == [layer == 0 for layer in range(LAYOUT.num_layers)]
+    assert paced.end.query() and paced.events[-1].query()
+    assert _layer_equal(back, expect, 0)
+    assert mover._paced_active == 0
+    again = mover.start_layers(page_ids, slots, 3)
+    assert again is not None and again.by_runs
+    again.feed()
+    assert _all_equal(back, expect)
+    # A whole-page (staged) load after it reuses the staging lanes, ordered after the paced end.
+    event = mover.load(page_ids, slots, 3)
+    assert event is not None
+    event.synchronize()
+    assert _all_equal(back, expect)
+
+
+def test_each_layer_event_of_a_load_by_runs_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the staged test in test_kernels_gpu.py: the copies of layers >= 1 are held back on the
+    # host; event 0 completes with layer 0 in place while nothing of the later layers was queued.
+    _, pages, page_ids, slots, expect = _case(34, skip=0)
+    real = PageMover._issue_run_unit
+    gate, layer1 = threading.Event(), threading.Event()
+
+    def held(self: PageMover, plan: object, unit: mover_module.LayerUnit, stream: torch.cuda.Stream | None) -> None:
+        if unit.layer >= 1 and not gate.is_set():
+            layer1.set()
+            assert gate.wait(60), "the test never released the later layers"
+        real(self, plan, unit, stream)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageMover, "_issue_run_unit", held)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    out: list[list[torch.cuda.Event] | None] = []
+    thread = threading.Thread(target=lambda: out.append(mover.load_layers(page_ids, slots)))
+    thread.start()
+    try:
+        assert layer1.wait(60)
+        # Layer 0's event exists only inside load_layers: wait for layer 0's copies via the copy stream.
+        staging = mover._layered
+        assert staging is not None and staging.copy_stream is not None
+        staging.copy_stream.synchronize()
+        assert _layer_equal(back, expect, 0)
+        assert not _layer_equal(back, expect, 1), "layer 1 landed although none of its copies was queued"
+    finally:
+        gate.set()
+        thread.join(60)
+    events = out[0]
+    assert events is not None and len(events) == LAYOUT.num_layers
+    assert mover.runs_loaded == len(page_ids)
+    for layer in range(LAYOUT.num_layers):
+        events[layer].synchronize()
+        assert _layer_equal(back, expect, layer), layer
+    assert _all_equal(back, expect)
