@@ -112,7 +112,7 @@ def page_run_starts(slots: torch.Tensor, count: int, tokens: int) -> list[int] |
     ``count * tokens`` slots."""
     if slots.is_cuda or slots.numel() != count * tokens:
         return None
-    grid = slots.view(count, tokens).to(torch.int64)
+    grid = slots.reshape(count, tokens).to(torch.int64)  # reshape: a strided view of the caller's
     first = grid[:, :1]
     if not torch.equal(grid - first, torch.arange(tokens, dtype=torch.int64).expand(count, tokens)):
         return None
@@ -149,7 +149,7 @@ def load_run_starts(slots: torch.Tensor, count: int, tokens: int, skip_first: in
     has ``count * tokens - skip_first`` slots; page 0's run starts at its row ``skip_first``."""
     if slots.is_cuda or count < 1 or not 0 <= skip_first < tokens or slots.numel() != count * tokens - skip_first:
         return None
-    flat = slots.view(-1).to(torch.int64)
+    flat = slots.reshape(-1).to(torch.int64)
     if skip_first:
         # Page 0's skipped rows as the run's virtual start (never copied): one shape for the check.
         lead = flat[:1] - skip_first + torch.arange(skip_first, dtype=torch.int64)

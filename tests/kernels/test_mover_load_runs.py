@@ -318,3 +318,9 @@ def test_load_runs_switched_off_and_on_between_loads(pool: PagePool) -> None:
     assert not padded.load_runs  # REFERENCE never stages: nothing to switch on
     padded.load_runs = True
     assert not padded.load_runs
+
+
+def test_load_run_starts_of_strided_slots() -> None:
+    # A caller's slots may be a strided view (every other element of a larger tensor).
+    wide = torch.stack([_runs([T, 5 * T], skip=2), torch.zeros(2 * T - 2, dtype=torch.int64)], dim=1).reshape(-1)
+    assert load_run_starts(wide[::2], 2, T, 2) == [T + 2, 5 * T]
