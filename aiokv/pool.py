@@ -608,6 +608,19 @@ class PagePool:
 
         io_ended.add_done_callback(ended)
 
+    async def wait_freed(self) -> None:
+        """Until the memory is freed after a close: at once after :meth:`close` / :meth:`aclose`;
+        after :meth:`close_after`, once its ``io_ended`` resolved and the memory was freed, or as
+        soon as ``io_ended`` is cancelled or fails (the memory then stays mapped until exit).
+        Raises ``RuntimeError`` before any close."""
+        if not self._closed:
+            raise RuntimeError("the page pool is not closed")
+        if self._release_after is not None:
+            # asyncio.wait's callback runs after close_after's (added first), which starts the release.
+            await asyncio.wait({self._release_after})
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+
     async def _release(self) -> None:
         for future in self._futures:
             future.cancel()  # succeeds only for chunks no thread has started

@@ -40,6 +40,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 import xxhash
 
+from aiokv.config import CacheConfig
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
@@ -68,6 +70,8 @@ _DISK_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DiskConfig)}
 DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
 """The disk tier's own default budget (one default per setting, defined in ``DiskConfig``)."""
 DEFAULT_QUEUE_DEPTH: int = _DISK_DEFAULTS["queue_depth"]
+DEFAULT_CLOSE_TIMEOUT: float = CacheConfig.close_timeout
+"""The cache's own close bound (one default per setting, defined in ``CacheConfig``)."""
 
 
 class Sharing(enum.Enum):
@@ -130,6 +134,10 @@ class StoreConfig:
     """Shared directories: least seconds between two rescans of a reader's index (each one a scan
     of the directory, in a worker thread), made when a lookup misses a page whose file exists, and
     between two looks for such files (on the reader's one check thread)."""
+    close_timeout: float = DEFAULT_CLOSE_TIMEOUT
+    """Seconds :meth:`PageFileStore.close` waits for disk I/O in flight; past it (writes hung in the
+    kernel: a frozen or hung file system) it returns, counted in ``close_timeouts``, and the staging
+    pool stays mapped (and the store's own thread runs) until that I/O ended."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -147,7 +155,7 @@ class StoreConfig:
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
         check_timing(self.poll_s, self.linger_s, self.idle_poll_s)
-        for name in ("writer_wait_s", "reader_refresh_s"):
+        for name in ("writer_wait_s", "reader_refresh_s", "close_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {value!r}")
@@ -164,10 +172,11 @@ class StoreConfig:
         """Build from an engine's JSON-like options: ``disk_dir``, ``disk_bytes``, ``namespace``,
         ``disk_backend`` (``auto``, ``uring_fixed``, ``uring``, ``threads``), ``direct_io``,
         ``queue_depth``, ``staging_pages``, ``poll_s``, ``linger_s``, ``idle_poll_s``, ``zero_copy``,
-        ``writer_wait_s``, ``reader_refresh_s``. Unknown names raise ``ValueError`` (a typo must not
+        ``writer_wait_s``, ``reader_refresh_s``, ``close_timeout``. Unknown names raise ``ValueError`` (a typo must not
         pass silently); wrong types raise ``TypeError``."""
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-                 "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s"}
+                 "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s",
+                 "close_timeout"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
@@ -201,6 +210,7 @@ class StoreConfig:
             zero_copy=zero_copy,
             writer_wait_s=_float_option(options, "writer_wait_s", default["writer_wait_s"]),
             reader_refresh_s=_float_option(options, "reader_refresh_s", default["reader_refresh_s"]),
+            close_timeout=_float_option(options, "close_timeout", default["close_timeout"]),
         )
 
 
@@ -294,6 +304,8 @@ class PageFileStore:
         """Pages moved straight between the engine's memory and their files (no staging copy)."""
         self.staged_pages = 0
         """Pages moved through a staging page."""
+        self.close_timeouts = 0
+        """Closes that returned after ``close_timeout`` with disk I/O still stuck in the kernel."""
         self._owns_thread = thread is None
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
@@ -634,13 +646,17 @@ class PageFileStore:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for I/O in flight, close the disk tier and the staging pool, stop the thread.
-        Idempotent; call from any thread but the store's."""
+        """Wait (up to ``close_timeout``) for I/O in flight, close the disk tier and the staging
+        pool, stop the thread. Disk I/O still stuck in the kernel then (a frozen or hung file
+        system) is counted in ``close_timeouts``; the staging pool it may read or write is freed,
+        and the store's own thread stopped, only once it ended. Idempotent; call from any thread
+        but the store's."""
         if self._closed:
             return
         self._closed = True
+        stuck: asyncio.Future[None] | None = None
         try:
-            self.thread.run(self._close())
+            stuck = self.thread.run(self._close())
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
@@ -648,7 +664,28 @@ class PageFileStore:
             if self._check is not None:
                 self._check.join()  # its layout directory descriptor closed
             if self._owns_thread:
-                self.thread.close()
+                if stuck is None:
+                    self.thread.close()
+                else:
+                    self._close_thread_after(stuck)
+
+    def _close_thread_after(self, io_ended: asyncio.Future[None]) -> None:
+        """Stop the store's own thread once the stuck I/O ended and the staging pool is freed: its
+        loop runs the tier's close to that end (a stopped loop would leave the pool mapped)."""
+        thread = self.thread
+
+        def stop(_: object) -> None:  # on the loop thread, which must not join itself
+            threading.Thread(target=thread.close, name="aiokv-store-stop", daemon=True).start()
+
+        try:
+            thread.submit(self._pool_freed(io_ended)).add_done_callback(stop)
+        except RuntimeError:  # LoopDied too: the loop ended meanwhile, nothing runs there any more
+            thread.close()
+
+    async def _pool_freed(self, io_ended: asyncio.Future[None]) -> None:
+        await asyncio.wait({io_ended})
+        if self._pool is not None:
+            await self._pool.wait_freed()
 
     async def _stop_registering(self) -> None:
         for task in self._registering:
@@ -656,16 +693,28 @@ class PageFileStore:
         if self._registering:
             await asyncio.wait(set(self._registering))
 
-    async def _close(self) -> None:
+    async def _close(self) -> asyncio.Future[None] | None:
+        """Close within ``close_timeout``; returns the tier's ``io_ended`` when its I/O is still
+        stuck in the kernel (the staging pool is freed once that resolved), else None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.close_timeout  # one bound for the whole close
+        stuck: asyncio.Future[None] | None = None
         try:
             await self._stop_registering()
-            if self._disk is not None:
-                await self._disk.aclose()
+            if self._disk is not None and not await self._disk.close_within(max(0.0, deadline - loop.time())):
+                self.close_timeouts += 1
+                stuck = self._disk.io_ended
+                log.error("aiokv store: disk I/O of %s still stuck in the kernel after close_timeout (%.1f s); "
+                          "the staging pool stays mapped until it ends", self.directory, self.config.close_timeout)
         finally:
             if self._check is not None:
                 self._check.stop()  # also when the loop dies: nobody may join it then
             if self._pool is not None:
-                await self._pool.aclose()
+                if stuck is not None:
+                    self._pool.close_after(stuck)  # the stuck I/O may still read or write its pages
+                else:
+                    await self._pool.aclose()
+        return stuck
 
     # -- internals ------------------------------------------------------------------------------
 
