@@ -80,10 +80,11 @@ at once, a 32K-token hit (4 GiB) held the engine's tail prefill until the whole 
 
 
 RUN_COPIES_PER_LAUNCH = 8
-"""A layer-wise load goes by run copies only if it issues at most this many more copies per layer
-than the staged path has units (each a Triton launch, ~4 stream/event calls and its slab copies): an
+"""A layer-wise load goes by run copies only if its copies per layer are at most the staged path's
+slab copies plus this many per staged unit (a unit: a Triton launch and ~4 stream/event calls): an
 estimate of host costs (a launch holds the GIL tens of µs, a ctypes 2-D copy a few µs without it),
-not a measurement. It bounds the per-page worst case (slots that are runs per page only)."""
+not a measurement. It bounds the worst case (slots that are runs per page only, pool pages in one
+run: one copy per page and layer against one slab copy per group)."""
 
 
 def pace_window(unit_bytes: int, pace_bytes: int = PACE_BYTES) -> int:
