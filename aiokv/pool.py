@@ -293,6 +293,12 @@ class PagePool:
         """Segments of dead processes that creating this pool unlinked (see :meth:`create`)."""
         self.reclaimed.set_result([])
 
+    async def wait_reclaimed(self) -> list[SegmentInfo]:
+        """Until the reclaim of dead processes' segments that creating this pool started (in a
+        thread beside it, see :meth:`create`) ended; returns the segments it unlinked, raises what
+        it raised. Cancelling the wait leaves the reclaim running."""
+        return await asyncio.shield(asyncio.wrap_future(self.reclaimed))
+
     @staticmethod
     def _check_arguments(layout: KVLayout, byte_budget: int, chunk_bytes: int) -> None:
         if not isinstance(layout, KVLayout):

@@ -28,6 +28,8 @@ from aiokv import DiskBackend, KVCache
 T = LAYOUT.page_tokens
 ROUNDS = 3
 SLOTS = 64 * T
+RECLAIM_S = 10.0
+"""Bound on the background reclaim of the dead writer's segment (unlinking it takes milliseconds)."""
 
 
 def prefix_oracle(tokens: list[int]) -> torch.Tensor:
@@ -149,10 +151,8 @@ async def _verify(directory: Path, backend: DiskBackend, seed: int, dead_pid: in
         errors = cache.stats().errors
         assert errors.get("disk_eio", 0) == 0, errors
         # The dead writer's pool segment is reclaimed by this start (in the background).
-        for _ in range(200):
-            if not _segments_of(dead_pid):
-                break
-            await asyncio.sleep(0.05)
+        async with asyncio.timeout(RECLAIM_S):
+            await cache.pool.wait_reclaimed()
         assert not _segments_of(dead_pid), "a SIGKILLed cache's /dev/shm segment was not reclaimed"
     return loaded, wrong
 

@@ -14,6 +14,7 @@ import glob
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from aiokv import KVCache
 
 T = LAYOUT.page_tokens
 TRIALS = 45
+JOIN_S = 2.0
 
 
 def _segments() -> list[str]:
@@ -101,9 +103,11 @@ async def test_start_and_close_at_random_turns_leave_nothing_behind(tmp_path: Pa
         with pytest.raises(RuntimeError):
             await cache.start()  # closed is final
         assert _segments() == [], f"trial {trial}: a closed cache left its shared memory"
-    for _ in range(100):  # threads end a moment after the close that joined them returns
-        if {t.ident for t in threading.enumerate()} <= threads_before:
-            break
-        await asyncio.sleep(0.02)
-    left = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    # Threads end a moment after the close that stopped them returns: joined, within one bound
+    # (a blocking join of the known threads; asyncio.to_thread would start the thread it checks for).
+    deadline = time.monotonic() + JOIN_S
+    new = [t for t in threading.enumerate() if t.ident not in threads_before]
+    for thread in new:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in new if t.is_alive()]
     assert not left, left
