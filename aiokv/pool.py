@@ -597,13 +597,15 @@ class PagePool:
         """Close now, free the memory once ``io_ended`` resolved: I/O stuck in the kernel (a disk
         write on a frozen file system) may still read or write pool pages, and memory unmapped (or
         mapped again for something else) under it would fault or be overwritten. Never freed when
-        ``io_ended`` is cancelled or fails: the mapping then stays until the process exits (the
-        segment's name too: its owner lock keeps others from reclaiming it meanwhile). Idempotent;
-        :meth:`aclose` and :meth:`close` then return at once."""
+        ``io_ended`` is cancelled or fails: the mapping then stays until the process exits. The
+        segment's name is removed at once (nobody attaches to a closed pool; a name left in
+        /dev/shm would outlive the process). Idempotent; :meth:`aclose` and :meth:`close` then
+        return at once."""
         self._closed = True
         if self._released or self._closing is not None or self._release_after is not None:
             return
         self._release_after = io_ended
+        self.memory.segment.unlink_name()
 
         def ended(done: asyncio.Future[None]) -> None:
             if done.cancelled() or done.exception() is not None:

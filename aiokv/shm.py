@@ -120,6 +120,7 @@ class SharedSegment:
         self.address = ctypes.addressof(probe)
         del probe  # the address stays valid for the life of the mapping
         self._closed = False
+        self._unlinked = not owner  # only the creator unlinks
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
@@ -197,6 +198,20 @@ class SharedSegment:
         except BaseException as exc:  # reported to the pool, which counts and logs it
             return ChunkResult(index, offset, length, False, exc)
 
+    def unlink_name(self) -> None:
+        """Remove the name now (the creator only; others: nothing), the mapping and the owner lock
+        staying until :meth:`close`: a pool closed while I/O stuck in the kernel may still use its
+        memory keeps the memory, never a name in /dev/shm (which would outlive the process if that
+        I/O never ends). Nobody can attach after this. Idempotent."""
+        with self._lock:
+            if self._unlinked:
+                return
+            self._unlinked = True
+        try:
+            _shm.shm_unlink(self.name)
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         """Unregister, unmap and (for the creator) unlink. Idempotent.
 
@@ -220,11 +235,7 @@ class SharedSegment:
             self._map.close()
         except BufferError:
             log.debug("segment %s still exported; unmapped when its last view is collected", self.name)
-        if self.owner:
-            try:
-                _shm.shm_unlink(self.name)
-            except FileNotFoundError:
-                pass
+        self.unlink_name()
         # Closing drops the owner lock: only after the unlink, so the name never looks abandoned.
         os.close(self._fd)
 
