@@ -836,6 +836,8 @@ def main() -> int:
                 json.dump(result, fh, indent=2)
         return 0
     else:
+        if args.mode == "gpu" and torch.device(args.device).type == "cuda":
+            KVCache.preload(args.device)  # imports and CUDA set-up before the loop runs, as an engine does
         result = asyncio.run(gpu_mode(args) if args.mode == "gpu" else disk_mode(args))
     if args.mode == "gpu":
         print(f"{result['layout']}, {result['pages_per_call']} pages per call")
