@@ -160,17 +160,21 @@ class HeaderSlots:
             self.iovecs[2 * i].len = HEADER_BYTES
         self.stats = (Statx * count)()
         self.stats_address = ctypes.addressof(self.stats)
-        self._paths = ctypes.create_string_buffer(count * PATH_BYTES)
+        # Two names per slot (a write chain's old and new name), written through a memoryview:
+        # a ctypes buffer allocated per name cost ~2 us a page and garbage for the collector.
+        self._paths = ctypes.create_string_buffer(2 * count * PATH_BYTES)
         self._paths_address = ctypes.addressof(self._paths)
+        self._paths_view = memoryview(self._paths).cast("B")
 
-    def path(self, slot: int, name: bytes) -> int | None:
-        """The address of ``slot``'s name buffer holding ``name`` NUL-terminated, or None when it
-        does not fit (then the caller allocates one)."""
-        if len(name) >= PATH_BYTES:
+    def path(self, slot: int, name: bytes, second: bool = False) -> int | None:
+        """The address of ``slot``'s first (or ``second``) name buffer holding ``name``
+        NUL-terminated, or None when it does not fit (then the caller allocates one)."""
+        size = len(name)
+        if size >= PATH_BYTES:
             return None
-        address = self._paths_address + slot * PATH_BYTES
-        ctypes.memmove(address, name + b"\0", len(name) + 1)
-        return address
+        at = (2 * slot + second) * PATH_BYTES
+        self._paths_view[at : at + size + 1] = name + b"\0"
+        return self._paths_address + at
 
     def iovec(self, slot: int, address: int, length: int) -> int:
         """The address of ``slot``'s iovec pair, its second entry set to ``[address, +length)``."""
@@ -183,6 +187,7 @@ class HeaderSlots:
         for view in self.views:
             view.release()
         self.views = []
+        self._paths_view.release()
         self.buffer.release()
         self._map.close()
 
@@ -581,6 +586,26 @@ class UringPageIO:
                       fixed_file=fixed_file),
         ]
 
+    def _moved(self, transfer: list[uring.SqeFields]) -> list[int]:
+        """What :meth:`_transfer`'s ops return when they succeed (bytes moved), as a new list: one
+        vectored op moves header and page, two fixed-buffer ops one each."""
+        if len(transfer) == 1:
+            return [HEADER_BYTES + self._page_bytes]
+        return [HEADER_BYTES, self._page_bytes]
+
+    def _names(self, slot: int, first: bytes, second: bytes | None) -> tuple[int, int, object]:
+        """Addresses of ``first`` and ``second`` (0 if None) NUL-terminated in ``slot``'s name
+        buffers (read by the kernel until the slot's chain completed: the slot is held until
+        then), and what to keep alive for a name too long for them (a buffer of its own)."""
+        slots = self._slots
+        a = slots.path(slot, first)
+        b = 0 if second is None else slots.path(slot, second, True)
+        if a is not None and b is not None:
+            return a, b, None
+        one = ctypes.create_string_buffer(first)
+        two = ctypes.create_string_buffer(second or b"")
+        return ctypes.addressof(one), 0 if second is None else ctypes.addressof(two), (one, two)
+
     def _submit(self, ops: list[uring.SqeFields], keep: object) -> asyncio.Future[list[int]]:
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self.engine.submit(ops, keep, None, future)
@@ -601,18 +626,20 @@ class UringPageIO:
         # so it needs no fstat check: open, write, close and rename go in one chain, through the
         # I/O slot's fixed-file entry (the fd does not exist before the chain runs). No O_CLOEXEC:
         # the kernel refuses it for a fixed-file slot (which no exec can inherit anyway).
-        tmp, fin = ctypes.create_string_buffer(temp.encode()), ctypes.create_string_buffer(final.encode())
+        tmp, fin, names = self._names(slot, temp.encode(), final.encode())
         direct = os.O_DIRECT if self.direct and page.aligned else 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct
-        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(tmp), 0o600, 0, flags, file_index=slot + 1),
-               *self._transfer(True, slot, True, slot, page)]
+        moves = self._transfer(True, slot, True, slot, page)
+        moved = self._moved(moves)
+        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, tmp, 0o600, 0, flags, file_index=slot + 1), *moves]
+        # What each op returns when it succeeds (the OPENAT into a fixed-file slot: 0).
+        expect = [0, *moved]
         if sync:
             ops.append(uring.sqe(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
+            expect.append(0)
         ops += [uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1),
-                uring.sqe(uring.OP_RENAMEAT, dir_fd, ctypes.addressof(tmp), dir_fd & 0xFFFFFFFF, ctypes.addressof(fin))]
-
-        # What each op returns when it succeeds (the OPENAT into a fixed-file slot: 0), computed once.
-        expect = self._expect(ops)
+                uring.sqe(uring.OP_RENAMEAT, dir_fd, tmp, dir_fd & 0xFFFFFFFF, fin)]
+        expect += (0, 0)
 
         def written(results: list[int]) -> None:
             if results == expect:
@@ -621,7 +648,7 @@ class UringPageIO:
             # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
             self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
 
-        self.engine.submit(ops, (tmp, fin, self._slots, self._pool, page.view), written, expect=expect)
+        self.engine.submit(ops, (names, self._slots, self._pool, page.view), written, expect=expect)
 
     def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
@@ -640,7 +667,7 @@ class UringPageIO:
         if fd is not None:
             self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, True)
             return
-        path = ctypes.create_string_buffer(name)
+        path, _, keep = self._names(slot, name, None)
 
         def opened(results: list[int]) -> None:
             fd = results[0]
@@ -649,7 +676,7 @@ class UringPageIO:
                 return
             self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, False)
 
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, ctypes.addressof(path), 0, 0, flags)], path, opened)
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, path, 0, 0, flags)], (keep, self._slots), opened)
 
     def _overwrite(self, fd: int, victim_dir: int, victim: str, name: bytes, dir_fd: int, final: str, slot: int,
                    page: PageBuffer, sync: bool, done: Recycled, now: bool) -> None:
@@ -666,13 +693,14 @@ class UringPageIO:
                 done(exc, False)
             return
         ops = self._transfer(True, fd, False, slot, page)
+        expect = self._moved(ops)
         if sync:
             ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
-        old, fin = ctypes.create_string_buffer(name), ctypes.create_string_buffer(final.encode())
+            expect.append(0)
+        old, fin, names = self._names(slot, name, final.encode())
         ops += [uring.sqe(uring.OP_CLOSE, fd),
-                uring.sqe(uring.OP_RENAMEAT, victim_dir, ctypes.addressof(old), dir_fd & 0xFFFFFFFF,
-                          ctypes.addressof(fin))]
-        expect = self._expect(ops)
+                uring.sqe(uring.OP_RENAMEAT, victim_dir, old, dir_fd & 0xFFFFFFFF, fin)]
+        expect += (0, 0)
 
         def written(results: list[int]) -> None:
             if results == expect:
@@ -682,7 +710,7 @@ class UringPageIO:
             self._cleanup(self._recycle_failed(ops, results, expect, victim_dir, victim, fd),
                           lambda exc: done(exc, True))
 
-        self.engine.submit(ops, (old, fin, self._slots, self._pool, page.view), written, expect=expect)
+        self.engine.submit(ops, (names, self._slots, self._pool, page.view), written, expect=expect)
 
     def _open_cached(self, dir_fd: int, name: bytes, flags: int) -> int | None:
         """An existing file opened on the loop where that needs no I/O, else None (open it through
@@ -759,13 +787,15 @@ class UringPageIO:
             buffer = ctypes.create_string_buffer(encoded)
             path, keep = ctypes.addressof(buffer), (buffer, keep)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
+        moves = self._transfer(False, slot, True, slot, page)
+        sizes = self._moved(moves)
         ops = [uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags, file_index=slot + 1),
                uring.sqe(uring.OP_STATX, dir_fd, path, STATX_NEEDED, slots.stats_address + slot * ctypes.sizeof(Statx),
                          AT_SYMLINK_NOFOLLOW),
-               *self._transfer(False, slot, True, slot, page),
+               *moves,
                uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)]
-        expect = self._expect(ops)
-        moved = sum(expect[2:-1])
+        expect = [0, 0, *sizes, 0]
+        moved = sum(sizes)
 
         def read(results: list[int]) -> None:
             if results == expect:
@@ -836,7 +866,7 @@ class UringPageIO:
         if fd is not None:
             self._read_file(fd, name, slot, page, done, True)
             return
-        path = ctypes.create_string_buffer(encoded)
+        path, _, keep = self._names(slot, encoded, None)
 
         def opened(results: list[int]) -> None:
             fd = results[0]
@@ -845,7 +875,7 @@ class UringPageIO:
                 return
             self._read_file(fd, name, slot, page, done, False)
 
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, ctypes.addressof(path), 0, 0, flags)], path, opened)
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags)], (keep, self._slots), opened)
 
     def _read_file(self, fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool) -> None:
         """Check the open ``fd`` of ``name``, then read header and page and close it in one chain.
@@ -860,14 +890,17 @@ class UringPageIO:
             else:
                 done(exc)
             return
-        ops = [*self._transfer(False, fd, False, slot, page), uring.sqe(uring.OP_CLOSE, fd)]
+        ops = self._transfer(False, fd, False, slot, page)
+        expect = self._moved(ops)
+        ops.append(uring.sqe(uring.OP_CLOSE, fd))
+        expect.append(0)
 
         def read(results: list[int]) -> None:
             if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
                 self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
             done(_bytes_read(results[:-1]))
 
-        self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=self._expect(ops))
+        self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=expect)
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
