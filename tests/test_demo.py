@@ -329,8 +329,12 @@ async def test_a_corrupt_disk_page_leaves_the_prefix_below_it_to_the_engine(tmp_
     async with KVCache(config, layout, kv) as cache:  # restarted: every hit comes from disk
         await cache.pool.wait_ready()
         served = await engine(cache).serve("served", "t", "x", 0, prompt)
-        assert cache.stats().errors["load_shortened"] == 1
+        shortened = cache.stats().errors.get("load_shortened", 0)
     usable = (n - 1) // page * page
+    if path.claims:  # the loader stopped at the corrupt page, or the engine's claims passed it first
+        assert shortened == 1 or (shortened == 0 and served.claimed_tokens >= 8 * page), (shortened, served)
+    else:
+        assert shortened == 1
     assert served.computed_tokens == n - served.disk_tokens
     assert served.disk_tokens + served.claimed_tokens + served.lost_tokens == usable
     if path.claims:  # the engine's claims may also have reached above the corrupt page first
