@@ -279,7 +279,8 @@ def _stamp_when_done(event: torch.cuda.Event) -> float:
 
 
 @pytest.mark.asyncio
-async def test_cuda_rank_fence_stops_a_paced_load() -> None:
+@pytest.mark.parametrize("load_runs", [False, True])
+async def test_cuda_rank_fence_stops_a_paced_load(load_runs: bool) -> None:
     """``RankExecutor.fence()`` (a TP close fencing a rank that owes reports) stops a paced
     layer-wise load between two units: it reports WORKER_CLOSING, the layers it never queued stay
     untouched and the engine's waits for them return False, and its report comes once the few
@@ -299,7 +300,12 @@ async def test_cuda_rank_fence_stops_a_paced_load() -> None:
     engine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     bridge = CompletionBridge()
     executor = RankExecutor(KVBuffer.wrap(layout, kv), PagePool.attach(pool.name, pool.layout), 1, bridge,
-                            TPConfig(pace_bytes=1), engine_stream=engine)
+                            TPConfig(pace_bytes=4 * pages * layout.page_bytes // L), engine_stream=engine)
+    # A pace of 4 layers: one unit per layer on either path, 4 queued ahead (pace_window's minimum).
+    # A smaller pace cuts a run-copy load into page groups, and no whole layer is queued while the
+    # GPU sleeps. Staged: the scatter kernels; runs (load_runs): cudaMemcpy2DAsync per page.
+    assert executor._mover is not None
+    executor._mover.load_runs = load_runs
     first, second = torch.arange(pages * T), torch.arange(pages * T, 2 * pages * T)
 
     def spec(job: int, slots: torch.Tensor) -> TransferSpec:
