@@ -857,7 +857,7 @@ def main() -> int:
               f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
               f"threads burned " + ("? (per-thread CPU clocks do not work here)" if st["waiter_cpu_per_s"] is None
                                     else f"{st['waiter_cpu_per_s']:.2f} CPU s/s"))
-        print(f"slots {result['slots']}: {st['runs_loaded_pages']} pages loaded by run copies while streaming")
+        print(f"slots {result['slots']}: {st['runs_loaded_pages']} pages planned as run copies while streaming")
         ab = st.get("load_runs_ab")
         if ab is not None:
             print(f"load runs A/B ({ab['hits_each']} hits each): runs {ab['runs_median_s'] * 1e3:.1f} ms, staged "

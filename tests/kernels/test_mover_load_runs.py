@@ -314,6 +314,13 @@ def test_load_runs_switched_off_and_on_between_loads(pool: PagePool) -> None:
     assert mover.runs_loaded == 2 and _all_equal(back, want)
     with pytest.raises(ValueError, match="load_runs must be a bool"):
         mover.load_runs = "yes"  # type: ignore[assignment]
+    # Built with both kinds of run copies off, switched on later (review: the switch was ignored).
+    off = PageMover(_poisoned_like(kv), pool.pages, TransferPath.STAGING, 2, load_runs=False)
+    assert not off.load_runs
+    off.load_runs = True
+    assert off.load_runs
+    off.load_layers(ids, slots)
+    assert off.runs_loaded == 2
     padded = PageMover(_poisoned_like(kv, per_layer=True), pool.pages, TransferPath.REFERENCE)
     assert not padded.load_runs  # REFERENCE never stages: nothing to switch on
     padded.load_runs = True
