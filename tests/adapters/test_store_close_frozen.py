@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ import torch
 from aiokv.adapters.store import PageFileStore, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
-from fs_helpers import loop_ext4
+from fs_helpers import freeze, loop_ext4, thaw
 
 PAGE = 8192
 STORES = 6
@@ -33,13 +32,6 @@ MARGIN_S = 1.5
 THAW_S = 15.0
 BOUND_S = 10.0
 
-
-def _freeze(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-f", str(mount)], check=True, capture_output=True)
-
-
-def _thaw(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-u", str(mount)], check=False, capture_output=True)
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -63,11 +55,11 @@ def test_store_close_keeps_close_timeout_while_writes_hang_and_frees_the_pool_af
         segment = store._pool.memory.segment if store._pool is not None else None
         assert segment is not None
         pages = [[torch.full((PAGE,), i, dtype=torch.uint8)] for i in range(STORES)]  # alive until the writes end
-        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
         stores: list[concurrent.futures.Future[bool]] = []
         try:
             assert store.thread.run(store.store(store.key(b"before"), pages[0]))
-            _freeze(mount)
+            freeze(mount)
             watchdog.start()
             stores = [store.thread.submit(store.store(store.key(b"k%d" % i), pages[i])) for i in range(STORES)]
             _wait_for(lambda: store.thread.call(lambda: store.statistics().in_flight).result() > 0,
@@ -79,7 +71,7 @@ def test_store_close_keeps_close_timeout_while_writes_hang_and_frees_the_pool_af
             assert store.close_timeouts == 1
             assert not segment.closed, "the staging pool was unmapped while writes stuck in the kernel may use it"
             assert not any(f.done() for f in stores), "a write ended: the freeze did not hold them"
-            _thaw(mount)
+            thaw(mount)
             for future in stores:
                 future.result(timeout=BOUND_S)  # the stuck writes end (stored or dropped)
             store.thread._thread.join(BOUND_S)  # the store's own thread stops once the pool is freed
@@ -89,7 +81,7 @@ def test_store_close_keeps_close_timeout_while_writes_hang_and_frees_the_pool_af
             assert store.close_timeouts == 1
         finally:
             watchdog.cancel()
-            _thaw(mount)
+            thaw(mount)
             store.close()
             store.thread.close()
 

@@ -66,6 +66,16 @@ def remount(mount: Path, mode: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def freeze(mount: Path) -> None:
+    """``fsfreeze -f``: writes to the file system block in the kernel until :func:`thaw`."""
+    subprocess.run(["fsfreeze", "-f", str(mount)], check=True, capture_output=True)
+
+
+def thaw(mount: Path) -> None:
+    """``fsfreeze -u`` (no error if it is not frozen: a test's clean-up may thaw twice)."""
+    subprocess.run(["fsfreeze", "-u", str(mount)], check=False, capture_output=True)
+
+
 def fill_up(path: Path, leave: int) -> None:
     """Fill the file system holding ``path`` with one file until ENOSPC, then give back ``leave``
     bytes: what another program filling the disk does."""

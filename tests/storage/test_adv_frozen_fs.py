@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from disk_helpers import BIG, assert_clean, config, fill, key_of, ready_pool, write_page
-from fs_helpers import loop_ext4
+from fs_helpers import freeze, loop_ext4, thaw
 from test_adv_cache_fs import LAYOUT, SLOTS, cache_config, offload_all, oracle, prompts
 
 from aiokv import DiskBackend, KVCache
@@ -29,13 +28,6 @@ from aiokv.storage import disk as disk_module
 THAW_S = 20.0
 READ_BOUND_S = 2.0
 
-
-def _freeze(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-f", str(mount)], check=True, capture_output=True)
-
-
-def _thaw(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-u", str(mount)], check=False, capture_output=True)
 
 
 @pytest.mark.root
@@ -51,7 +43,7 @@ async def test_loads_of_disk_pages_never_wait_behind_writes_a_freeze_blocks(tmp_
         cfg = cache_config(mount / "kv")
         assert cfg.disk is not None
         cfg = dataclasses.replace(cfg, disk=dataclasses.replace(cfg.disk, backend=backend))
-        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
         try:
             async with KVCache(cfg, LAYOUT, kv) as cache:
                 old = prompts(1, 10)
@@ -59,7 +51,7 @@ async def test_loads_of_disk_pages_never_wait_behind_writes_a_freeze_blocks(tmp_
                 await cache.flush()
                 await offload_all(cache, kv, prompts(3, 10))  # old's pages now on disk only
                 await cache.flush()
-                _freeze(mount)
+                freeze(mount)
                 watchdog.start()
                 await offload_all(cache, kv, prompts(2, 8))  # write-behind blocks in the kernel
                 await asyncio.sleep(0.5)
@@ -74,10 +66,10 @@ async def test_loads_of_disk_pages_never_wait_behind_writes_a_freeze_blocks(tmp_
                 assert took < READ_BOUND_S, f"a disk read waited {took:.1f} s behind writes blocked by the freeze"
                 assert result.tokens == match.tokens
                 assert torch.equal(kv[:, : result.tokens], oracle(old[0][: result.tokens]))
-                _thaw(mount)  # the close waits for the blocked writes (bounding it is another matter)
+                thaw(mount)  # the close waits for the blocked writes (bounding it is another matter)
         finally:
             watchdog.cancel()
-            _thaw(mount)
+            thaw(mount)
 
 
 
@@ -115,9 +107,9 @@ async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_fo
         cfg = config(mount / "disk", backend, min_free_bytes=0)  # 2 write-behind workers, 8 queued
         tier = DiskTier(cfg, BIG, pool)
         await tier.start()
-        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
         try:
-            _freeze(mount)
+            freeze(mount)
             watchdog.start()
             for i in range(8):
                 assert tier.write_behind_nowait(key_of(i), fill(pool, key_of(i), i))
@@ -134,7 +126,7 @@ async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_fo
             stats = tier.statistics()
             assert stats.write_behind_queued == 0, stats  # dropped, not written behind the stuck ones
             assert stats.in_flight > 0
-            _thaw(mount)
+            thaw(mount)
             async with asyncio.timeout(THAW_S):
                 await asyncio.shield(tier.io_ended)
             assert tier not in disk_module._STUCK
@@ -143,7 +135,7 @@ async def test_tier_close_within_returns_while_writes_hang_and_io_ended_waits_fo
             assert stats.writes > 0 and stats.dropped > 0 and stats.writes + stats.dropped == 8, stats
         finally:
             watchdog.cancel()
-            _thaw(mount)
+            thaw(mount)
         assert_clean(pool)
 
 
@@ -168,13 +160,13 @@ async def test_cache_aclose_keeps_close_timeout_on_a_frozen_disk_and_frees_the_p
         cfg = cache_config(mount / "kv")
         assert cfg.disk is not None
         cfg = dataclasses.replace(cfg, close_timeout=CACHE_CLOSE_S, disk=dataclasses.replace(cfg.disk, backend=backend))
-        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
         cache = KVCache(cfg, LAYOUT, kv)
         try:
             await cache.start()
             await offload_all(cache, kv, prompts(1, 10))
             await cache.flush()
-            _freeze(mount)
+            freeze(mount)
             watchdog.start()
             await offload_all(cache, kv, prompts(2, 8))  # write-behind blocks in the kernel
             await asyncio.sleep(0.5)
@@ -188,11 +180,11 @@ async def test_cache_aclose_keeps_close_timeout_on_a_frozen_disk_and_frees_the_p
             assert cache.stats().errors.get("close_timeout", 0) >= 1
             await asyncio.sleep(0.5)
             assert not segment.closed, "the pool was unmapped while writes stuck in the kernel may still read it"
-            _thaw(mount)
+            thaw(mount)
             async with asyncio.timeout(THAW_S):
                 while not segment.closed:  # noqa: ASYNC110 (freed by the end of the stuck I/O)
                     await asyncio.sleep(0.05)
         finally:
             watchdog.cancel()
-            _thaw(mount)
+            thaw(mount)
             await cache.aclose()

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from disk_helpers import BIG, config, fill, key_of
-from fs_helpers import loop_ext4
+from fs_helpers import freeze, loop_ext4, thaw
 
 from aiokv.pool import PagePool
 from aiokv.shm import SHM_DIR
@@ -29,13 +28,6 @@ CLOSE_S = 0.5
 BOUND_S = 10.0
 WRITES = 4
 
-
-def _freeze(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-f", str(mount)], check=True, capture_output=True)
-
-
-def _thaw(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-u", str(mount)], check=False, capture_output=True)
 
 
 def _named(name: str) -> bool:
@@ -55,9 +47,9 @@ async def test_pool_closed_after_stuck_io_drops_its_name_at_once_and_its_mapping
         with loop_ext4(tmp_path, 24) as mount:
             tier = DiskTier(config(mount / "disk", backend, min_free_bytes=0), BIG, pool)
             await tier.start()
-            watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+            watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
             try:
-                _freeze(mount)
+                freeze(mount)
                 watchdog.start()
                 for i in range(WRITES):
                     assert tier.write_behind_nowait(key_of(i), fill(pool, key_of(i), i))
@@ -69,14 +61,14 @@ async def test_pool_closed_after_stuck_io_drops_its_name_at_once_and_its_mapping
                 assert not _named(segment.name), "a closed pool's name stays while its I/O is stuck"
                 assert tier.statistics().in_flight > 0 and not tier.io_ended.done()
                 assert not segment.closed
-                _thaw(mount)
+                thaw(mount)
                 async with asyncio.timeout(BOUND_S):
                     await pool.wait_freed()
                 assert tier.io_ended.done() and segment.closed
                 assert not _named(segment.name)
             finally:
                 watchdog.cancel()
-                _thaw(mount)
+                thaw(mount)
                 await tier.aclose()
     finally:
         pool.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from disk_helpers import BIG, assert_clean, config, fill, key_of, payload, ready_pool, reserve, write_page
-from fs_helpers import loop_ext4
+from fs_helpers import freeze, loop_ext4, thaw
 
 from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage import jobs as jobs_module
@@ -32,13 +31,6 @@ READ_BOUND_S = 2.0
 QUEUE_DEPTH = 4
 WRITES = 8  # write-behind workers, and pages written behind: twice the queue depth
 
-
-def _freeze(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-f", str(mount)], check=True, capture_output=True)
-
-
-def _thaw(mount: Path) -> None:
-    subprocess.run(["fsfreeze", "-u", str(mount)], check=False, capture_output=True)
 
 
 def _write(i: int) -> WriteJob:
@@ -125,12 +117,12 @@ async def test_a_read_completes_while_writes_hang_on_a_frozen_disk_with_workers_
                      write_behind_depth=2 * WRITES, min_free_bytes=0)
         tier = DiskTier(cfg, BIG, pool)
         await tier.start()
-        watchdog = threading.Timer(THAW_S, _thaw, args=(mount,))
+        watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
         try:
             ok, want = await write_page(tier, pool, 0)  # on disk before the freeze
             assert ok
             asked = _count_write_takes(tier, WRITES)
-            _freeze(mount)
+            freeze(mount)
             watchdog.start()
             for i in range(1, WRITES + 1):
                 assert tier.write_behind_nowait(key_of(i), fill(pool, key_of(i), i))  # the tier's reference
@@ -154,13 +146,13 @@ async def test_a_read_completes_while_writes_hang_on_a_frozen_disk_with_workers_
             # Still true while the writes hang: only they hold slots, the read's went back.
             assert stats.in_flight == tier._io_slots.writes_in_use == tier._io_slots.write_limit, stats
             assert stats.writes == 1 and stats.hits == 1, stats
-            _thaw(mount)
+            thaw(mount)
             await tier.flush()
             stats = tier.statistics()
             assert stats.in_flight == 0 and stats.writes == 1 + WRITES, stats
             assert all(tier.contains(key_of(i)) for i in range(1, WRITES + 1))
         finally:
             watchdog.cancel()
-            _thaw(mount)
+            thaw(mount)
             await tier.aclose()
         assert_clean(pool)
