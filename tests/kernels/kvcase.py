@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from aiokv.kernels.launch import interpreting
 from aiokv.layout import BufferForm, KVBuffer, KVKind, KVLayout, TPSlice
+from aiokv.pool import PagePool
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ALL_DTYPES = [
@@ -20,6 +24,18 @@ ALL_DTYPES = [
 POISON = 0xA5
 SLOT_PAD = 8
 """Extra elements after each slot's rows: the slot stride is free, the kernels must honour it."""
+
+
+@contextlib.contextmanager
+def poisoned_pool(layout: KVLayout, pages: int, register_cuda: bool | None = None) -> Iterator[PagePool]:
+    """A ready pool of ``pages`` pages of ``layout``, every byte ``POISON``; closed on exit."""
+    pool = PagePool.create(layout, pages * layout.page_bytes, register_cuda=register_cuda)
+    pool.wait_ready_blocking()
+    pool.pages.view(torch.uint8).fill_(POISON)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 def triton_usable() -> bool:

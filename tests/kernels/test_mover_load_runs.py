@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kvcase import DEVICE, POISON, random_bits, same_bits, triton_usable
+from kvcase import DEVICE, POISON, poisoned_pool, random_bits, same_bits, triton_usable
 
 from aiokv.kernels import PageMover, TransferPath, reference_gather, reference_scatter
 from aiokv.kernels import mover as mover_module
@@ -53,13 +53,8 @@ def _all_equal(a: KVBuffer, b: KVBuffer) -> bool:
 
 @pytest.fixture
 def pool() -> Iterator[PagePool]:
-    pool = PagePool.create(MHA, 14 * MHA.page_bytes, register_cuda=None)
-    pool.wait_ready_blocking()
-    pool.pages.view(torch.uint8).fill_(POISON)
-    try:
+    with poisoned_pool(MHA, 14) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def _filled(pool: PagePool, layout: KVLayout, seed: int) -> None:

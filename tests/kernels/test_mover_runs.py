@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kvcase import DEVICE, POISON, full_kv, random_bits, rank_kv, same_bits, triton_usable
+from kvcase import DEVICE, POISON, full_kv, poisoned_pool, random_bits, rank_kv, same_bits, triton_usable
 
 from aiokv.kernels import PageMover, TransferPath, reference_gather
 from aiokv.kernels.slotruns import memmove_runs, page_run_starts, run_copies, run_geometry
@@ -32,13 +32,8 @@ def _dense_rank_kv(layout: KVLayout, full: torch.Tensor, tp: TPSlice, per_layer:
 
 @pytest.fixture
 def tp_pool() -> Iterator[PagePool]:
-    pool = PagePool.create(MHA.for_tp(2), 10 * MHA.page_bytes, register_cuda=None)
-    pool.wait_ready_blocking()
-    pool.pages.view(torch.uint8).fill_(POISON)
-    try:
+    with poisoned_pool(MHA.for_tp(2), 10 * MHA.page_bytes // MHA.for_tp(2).page_bytes) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def test_page_run_starts_needs_every_page_to_be_one_ascending_run() -> None:

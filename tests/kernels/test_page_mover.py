@@ -16,6 +16,7 @@ from kvcase import (
     kv_rows,
     page_tokens_rows,
     poisoned_pages,
+    poisoned_pool,
     rank_kv,
     rank_rows,
     triton_usable,
@@ -31,13 +32,8 @@ PATHS = [TransferPath.REFERENCE] + ([TransferPath.STAGING, TransferPath.DIRECT] 
 
 @pytest.fixture
 def pool() -> Iterator[PagePool]:
-    pool = PagePool.create(LAYOUT, 12 * LAYOUT.page_bytes)
-    pool.wait_ready_blocking()
-    pool.pages.view(torch.uint8).fill_(POISON)
-    try:
+    with poisoned_pool(LAYOUT, 12) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def _finish(event: torch.cuda.Event | None) -> None:
