@@ -352,7 +352,9 @@ def _smallest_like(value: int, multiple: int) -> int:
 
 
 def _index(values: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.int64).to(device=device, dtype=torch.int64)
+    # The kernels read an index as contiguous: a strided view (a column of a block table, slots[::2])
+    # would be read at the wrong elements, into the wrong slots or out of bounds.
+    return torch.as_tensor(values, dtype=torch.int64).to(device=device, dtype=torch.int64).contiguous()
 
 
 def gather(kv: KVBuffer, slots: torch.Tensor, pages: torch.Tensor, page_ids: PageIds | None = None) -> None:

@@ -1117,12 +1117,15 @@ class PageMover:
         copy on this stream is done, so the caller may reuse its tensor at once. A caller's CUDA
         tensor is marked as used by this stream so its memory outlives the copy.
         """
+        # contiguous(): the kernels read an index as contiguous; an int64 strided view (a column of a
+        # block table, slots[::2]) passed through as_tensor/to unchanged and was read at the wrong
+        # elements: wrong slots, or out of bounds (found by the property test).
         if lane.stream is None:
-            return torch.as_tensor(values, dtype=torch.int64).to(self.kv.device)
+            return torch.as_tensor(values, dtype=torch.int64).to(self.kv.device).contiguous()
         with torch.cuda.stream(lane.stream):
             if isinstance(values, torch.Tensor) and values.is_cuda:
                 values.record_stream(lane.stream)
-                return values.to(torch.int64)
+                return values.to(torch.int64).contiguous()
             host = torch.as_tensor(values, dtype=torch.int64)
             pinned = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
             pinned.copy_(host)

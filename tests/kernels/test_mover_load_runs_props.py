@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kvcase import DEVICE, POISON, random_bits, same_bits, triton_usable
 
-from aiokv.kernels import PageMover, TransferPath, reference_scatter
+from aiokv.kernels import PageMover, TransferPath, reference_gather, reference_scatter
 from aiokv.kernels import mover as mover_module
+from aiokv.kernels.launch import gather as launch_gather
+from aiokv.kernels.launch import scatter as launch_scatter
 from aiokv.kernels.mover import RUN_COPIES_PER_LAUNCH, layer_groups, slab_runs, split_layer_staging
 from aiokv.layout import KVBuffer, KVLayout
 from aiokv.pool import PagePool
@@ -223,10 +225,6 @@ def test_layer_wise_load_by_runs_matches_the_reference(case: Case, spies: dict[s
         assert all(same_bits(a, b) for a, b in zip(ref.k_layers, want, strict=True))
 
         copies = _model_copies(case)
-        if case.strided and case.slot_dtype is torch.int64 and copies is None:
-            # Known defect (test_staged_layer_wise_load_of_a_strided_int64_slot_view, xfail): the
-            # staged path ignores an int64 view's stride. The run copies are drawn with such views.
-            slots = slots.contiguous()
         event("path: " + ("staged" if copies is None else f"runs, {copies} copies a layer"))
         kv, layers, store, outside = _kv(layout, case)
         mover = PageMover(kv, pool.pages, TransferPath.STAGING, case.staging_pages, run_pages=case.run_pages)
@@ -258,18 +256,36 @@ def test_layer_wise_load_by_runs_matches_the_reference(case: Case, spies: dict[s
 
 
 @CPU_ONLY
-@pytest.mark.xfail(strict=True, reason="defect: the staged layer-wise load (load_runs off, or slots that "
-                   "are not runs) reads an int64 slot view as contiguous (PageMover._index keeps the view)")
-def test_staged_layer_wise_load_of_a_strided_int64_slot_view() -> None:
-    """Minimal case found by the property test: one page of 2 tokens, slots [0, 1] as every other
-    element of [0, 3, 1, 3]; the staged path writes token 1 to slot 3. int32 slots (converted, hence
-    contiguous) and the run copies are right."""
+@pytest.mark.parametrize("path", [TransferPath.STAGING, TransferPath.DIRECT])
+@pytest.mark.parametrize("operation", ["load_layers", "load", "offload", "one-shot scatter", "one-shot gather"])
+def test_a_strided_int64_slot_view_is_read_by_its_values(operation: str, path: TransferPath) -> None:
+    """Regression, found by the property test: the kernels read an index as contiguous, and an int64
+    view (every other element of [0, 3, 1, 3], i.e. slots [0, 1]) went to them as it was: token 1
+    landed in slot 3 (with other values, out of bounds: a heap corruption). int32 slots were
+    converted, hence contiguous, and the run copies honour the stride."""
     layout = KVLayout.mha(1, 1, 4, torch.float32, page_tokens=2)
     pages = torch.arange(2 * 16, dtype=torch.float32).view(2, *layout.page_shape)
     slots = torch.tensor([0, 3, 1, 3])[::2]
-    kv = KVBuffer.wrap(layout, torch.zeros((1, 4, 2, 4)))
-    want = KVBuffer.wrap(layout, torch.zeros((1, 4, 2, 4)))
-    reference_scatter(want, pages, slots.contiguous(), [1])
-    mover = PageMover(kv, pages, TransferPath.STAGING, 2, load_runs=False)
-    mover.load_layers([1], slots)
-    assert torch.equal(kv.k_layers[0], want.k_layers[0])
+    assert not slots.is_contiguous()
+    source = torch.arange(100, 100 + 4 * 2 * 4, dtype=torch.float32).view(1, 4, 2, 4)
+    kv = KVBuffer.wrap(layout, source.clone() if operation.endswith("gather") or operation == "offload"
+                       else torch.zeros((1, 4, 2, 4)))
+    if operation in ("offload", "one-shot gather"):
+        got = torch.zeros_like(pages)
+        want = torch.zeros_like(pages)
+        reference_gather(KVBuffer.wrap(layout, source.clone()), slots.contiguous(), want, [1])
+        if operation == "offload":
+            PageMover(kv, got, path, 2, load_runs=False).offload(slots, [1])
+        else:
+            launch_gather(kv, slots, got, [1])
+        assert torch.equal(got, want)
+        return
+    want_kv = KVBuffer.wrap(layout, torch.zeros((1, 4, 2, 4)))
+    reference_scatter(want_kv, pages, slots.contiguous(), [1])
+    if operation == "load_layers":
+        PageMover(kv, pages, path, 2, load_runs=False).load_layers([1], slots)
+    elif operation == "load":
+        PageMover(kv, pages, path, 2, load_runs=False).load([1], slots)
+    else:
+        launch_scatter(kv, pages, slots, [1])
+    assert torch.equal(kv.k_layers[0], want_kv.k_layers[0])
