@@ -142,8 +142,6 @@ class IOSlots:
         """Jobs queued for a slot, reads and writes."""
         return len(self._reads) + len(self._writes)
 
-    _waiters = waiting  # the tests' name of it (one queue before reads had their own)
-
     def take(self, job: Job, then: Callable[[Job, int], None]) -> None:
         """``then(job, slot)`` with a slot (``job.slot``, held): at once when one is free to it and
         this turn's start budget (:data:`START_TURN_S`) is not spent, else when one is given back or

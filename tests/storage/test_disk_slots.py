@@ -110,7 +110,7 @@ async def test_bug_while_queued_after_an_enospc_retry_leaves_the_queue(disk_dir:
         monkeypatch.setattr(tier._io_slots, "take", take)
         retry_gate.set()
         assert not await first  # ended on the bug while queued
-        assert not tier._io_slots._waiters  # it left the queue
+        assert tier._io_slots.waiting == 0  # it left the queue
         gate.set()
         assert await second
         await tier.flush()
