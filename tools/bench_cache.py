@@ -119,30 +119,48 @@ def _event(blocking: bool) -> torch.cuda.Event:
 
 
 class Watcher:
-    """One thread that busy-waits (GIL released) on spin events and stamps when each completed:
-    the reference the bridge's latency is measured from. Persistent: starting a thread per sample
-    would load the loop the measurement runs on."""
+    """One thread that launches each sample's GPU work and busy-waits (GIL released) on its spin
+    event, stamping when it completed: the reference the bridge's latency is measured from.
+    Persistent: a thread per sample would load the loop the measurement runs on. The launches run
+    here, not on the loop: a GPU sleep and two event records on the loop thread waited for the GIL
+    up to 2.8 ms per step on the H200, the benchmark's own share of the lag it reports."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, concurrent.futures.Future[float]] | None] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[_Sample | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="bench-watcher", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            event, stamp = item
-            event.synchronize()
+            stream, (event, spin), launched, stamp = item
+            try:
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]  # ~0.1 ms of GPU time
+                    event.record(stream)
+                    spin.record(stream)  # completes with ``event``
+            except Exception as exc:  # handed to the loop's sample, which raises it
+                launched.set_exception(exc)
+                stamp.set_exception(exc)
+                continue
+            launched.set_result(None)
+            spin.synchronize()
             stamp.set_result(time.perf_counter())
 
-    def watch(self, event: torch.cuda.Event) -> concurrent.futures.Future[float]:
+    def sample(self, stream: torch.cuda.Stream, events: tuple[torch.cuda.Event, torch.cuda.Event],
+               ) -> tuple[concurrent.futures.Future[None], concurrent.futures.Future[float]]:
+        """Launch one sample on the watcher's thread: (launched, completed-at) futures."""
+        launched: concurrent.futures.Future[None] = concurrent.futures.Future()
         stamp: concurrent.futures.Future[float] = concurrent.futures.Future()
-        self._queue.put((event, stamp))
-        return stamp
+        self._queue.put((stream, events, launched, stamp))
+        return launched, stamp
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+
+
+_Sample = tuple[torch.cuda.Stream, tuple[torch.cuda.Event, torch.cuda.Event],
+                concurrent.futures.Future[None], concurrent.futures.Future[float]]
 
 
 async def _bridge_sample(bridge: CompletionBridge, watcher: Watcher, stream: torch.cuda.Stream,
@@ -151,13 +169,9 @@ async def _bridge_sample(bridge: CompletionBridge, watcher: Watcher, stream: tor
     waits on (blocking-sync or not) and a spin event the watcher busy-waits on; created once per
     run and re-recorded (both completed before the next sample): creating events on the loop each
     sample added to the very lag the benchmark measures."""
-    event, spin = events
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(200_000)  # type: ignore[no-untyped-call]  # ~0.1 ms of GPU time
-        event.record(stream)
-        spin.record(stream)  # completes with ``event``
-    seen = watcher.watch(spin)
-    await bridge.wait(event, Lane.LOAD)
+    launched, seen = watcher.sample(stream, events)
+    await asyncio.wrap_future(launched)  # the bridge must see the event recorded, not a stale one
+    await bridge.wait(events[0], Lane.LOAD)
     resolved = time.perf_counter()
     return max(0.0, resolved - await asyncio.wrap_future(seen)) * 1e6
 
