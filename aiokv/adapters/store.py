@@ -137,7 +137,8 @@ class StoreConfig:
     close_timeout: float = DEFAULT_CLOSE_TIMEOUT
     """Seconds :meth:`PageFileStore.close` waits for disk I/O in flight; past it (writes hung in the
     kernel: a frozen or hung file system) it returns, counted in ``close_timeouts``, and the staging
-    pool stays mapped (and the store's own thread runs) until that I/O ended."""
+    pool stays mapped (and the store's own thread runs) until that I/O ended. Also the bound of
+    :meth:`PageFileStore.clear` (past it: False, counted in ``clear_timeouts``; the clear goes on)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
@@ -254,6 +255,38 @@ def _nothing(_: object) -> None:
     """Nothing to close for a caller that is gone."""
 
 
+def _ended(task: asyncio.Future[Any]) -> asyncio.Future[None]:
+    """Resolves (to None) once ``task`` is over, however it ended."""
+    ended: asyncio.Future[None] = task.get_loop().create_future()
+
+    def done(_: asyncio.Future[Any]) -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    task.add_done_callback(done)
+    return ended
+
+
+def _all_ended(futures: Sequence[asyncio.Future[Any]]) -> asyncio.Future[None]:
+    """Resolves once every one of ``futures`` (a tier's ``io_ended``...) resolved; fails at once when
+    one is cancelled or fails: when its I/O ended is then not known (``PagePool.close_after``)."""
+    ended: asyncio.Future[None] = futures[0].get_loop().create_future()
+    left = set(futures)
+
+    def done(future: asyncio.Future[Any]) -> None:
+        left.discard(future)
+        if ended.done():
+            return
+        if future.cancelled() or future.exception() is not None:
+            ended.set_exception(RuntimeError("the end of stuck disk I/O is not known"))
+        elif not left:
+            ended.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return ended
+
+
 def _yield_gil() -> None:
     """Let the engine's threads run: the loop thread shares the GIL with the engine's scheduler,
     and a thread waiting for the GIL otherwise waits out the switch interval (5 ms by default)."""
@@ -306,6 +339,12 @@ class PageFileStore:
         """Pages moved through a staging page."""
         self.close_timeouts = 0
         """Closes that returned after ``close_timeout`` with disk I/O still stuck in the kernel."""
+        self.clear_timeouts = 0
+        """Calls of :meth:`clear` that returned False after ``close_timeout`` with the clear still
+        running (disk I/O stuck in the kernel): it ends once that I/O did."""
+        self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
+        self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
+        self._retired: list[asyncio.Future[None]] = []  # io_ended of replaced tiers whose close gave up
         self._owns_thread = thread is None
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
@@ -492,7 +531,14 @@ class PageFileStore:
                 log.exception("aiokv store: rescanning %s failed; serving the index it had", self.directory)
                 return
             self.refreshes += 1
-            await old.aclose()
+            await self._retire(old)
+
+    async def _retire(self, old: DiskTier) -> None:
+        """Close ``old``, a tier the store replaced, waiting ``close_timeout`` at most: its I/O still
+        stuck in the kernel then (a hung file system) goes on, and the staging pool it may read or
+        write is freed only once that I/O ended (:meth:`_close`)."""
+        if not await old.close_within(self.config.close_timeout):
+            self._retired.append(old.io_ended)
 
     async def store(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
         """Write the page made of the ``page`` tensors (1-D ``uint8`` CPU, ``page_bytes`` in all) under
@@ -618,19 +664,59 @@ class PageFileStore:
         half-removed file). False, with the tier left as it was, when the directory is read-only
         here or held by another process (its owner alone deletes there); False with the tier
         restarted over what is left when the removal fails part-way (the index is rebuilt from the
-        files that remain)."""
+        files that remain). A reader (:attr:`Sharing.READER`) only rescans: the writer deletes.
+
+        Bounded by ``close_timeout``: a clear not over by then (disk I/O stuck in the kernel, a
+        frozen or hung file system) returns False, counted in ``clear_timeouts``, and goes on in the
+        background: the tier stays closed until the stuck I/O ended, then the files are deleted and
+        a fresh tier started. A ``clear()`` while one runs waits for that one (bounded alike) and
+        returns its outcome; a cancelled ``clear()`` leaves it running; :meth:`close` stops it.
+        Raises ``RuntimeError`` after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("page-file store is closed")
+        task = self._clear_task
+        if task is None or task.done():
+            task = self._clear_task = asyncio.get_running_loop().create_task(self._clear())
+            self._clear_orphaned = False
+            task.add_done_callback(self._cleared)
+        done, _ = await asyncio.wait({task}, timeout=self.config.close_timeout)
+        if not done:
+            self.clear_timeouts += 1
+            self._clear_orphaned = True
+            log.error("aiokv store: clearing %s is not over after close_timeout (%.1f s): disk I/O stuck in the "
+                      "kernel? It goes on in the background; writes are refused and reads miss until it ends",
+                      self.directory, self.config.close_timeout)
+            return False
+        return task.result()
+
+    def _cleared(self, task: asyncio.Task[bool]) -> None:
+        """The clear task's outcome, logged when its caller stopped waiting (else clear() returns it)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if not self._clear_orphaned:
+            return
+        if exc is not None:
+            log.error("aiokv store: clearing %s failed after close_timeout", self.directory, exc_info=exc)
+        else:
+            log.warning("aiokv store: clearing %s ended after close_timeout (%s)", self.directory,
+                        "cleared" if task.result() else "not cleared")
+
+    async def _clear(self) -> bool:
+        """:meth:`clear`'s work, in a task of the store's own (a caller's bound does not cut it)."""
         if self.sharing is Sharing.READER:
             # The writer deletes; a reader forgets what it indexed (and finds what is still there).
             self._refreshed = -math.inf
             await self._refresh()
             return True
-        async with self._clearing:  # a second clear() waits: two would each start a tier
+        async with self._clearing:  # a reader's rescan waits: two would each start a tier
             pool, disk = self._started()
             if disk.read_only is not None:
                 log.warning("aiokv store: not clearing %s: %s", self.directory, disk.read_only.value)
                 return False
             await self._stop_registering()
-            await disk.aclose()
+            await disk.aclose()  # shielded: a close() stopping this clear leaves it running (and bounds it)
             try:
                 clearing = functools.partial(clear_tree, self.directory, self._dir_identity)
                 removed = await run_in_new_thread(clearing, "aiokv-store-clear", _nothing)
@@ -698,12 +784,24 @@ class PageFileStore:
         stuck in the kernel (the staging pool is freed once that resolved), else None."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.close_timeout  # one bound for the whole close
+        # Tiers a rescan replaced whose close gave up, a clear still running, this tier's stuck I/O:
+        # the staging pool is freed once all of them ended.
+        pending: list[asyncio.Future[Any]] = [f for f in self._retired if not f.done()]
         stuck: asyncio.Future[None] | None = None
         try:
+            clearing = self._clear_task
+            if clearing is not None and not clearing.done():
+                clearing.cancel()  # stuck (else clear() would have ended it): its tier is closed below
+                await asyncio.wait({clearing}, timeout=max(0.0, deadline - loop.time()))
+                if not clearing.done():  # starting a fresh tier, its thread stuck in the file system
+                    pending.append(_ended(clearing))
             await self._stop_registering()
+            # Read after the clear ended: it may have started a fresh tier meanwhile.
             if self._disk is not None and not await self._disk.close_within(max(0.0, deadline - loop.time())):
+                pending.append(self._disk.io_ended)
+            if pending:
                 self.close_timeouts += 1
-                stuck = self._disk.io_ended
+                stuck = _all_ended(pending)
                 log.error("aiokv store: disk I/O of %s still stuck in the kernel after close_timeout (%.1f s); "
                           "the staging pool stays mapped until it ends", self.directory, self.config.close_timeout)
         finally:
@@ -712,6 +810,8 @@ class PageFileStore:
             if self._pool is not None:
                 if stuck is not None:
                     self._pool.close_after(stuck)  # the stuck I/O may still read or write its pages
+                elif pending:
+                    self._pool.close_after(_all_ended(pending))  # cancelled meanwhile: still not freed under it
                 else:
                     await self._pool.aclose()
         return stuck
