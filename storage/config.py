@@ -227,7 +227,11 @@ class DiskStatistics:
     write_behind_queued: int = 0
     """Pages waiting in the write-behind queue."""
     in_flight: int = 0
-    """Page reads and writes in progress."""
+    """Page reads and writes in progress (holding an I/O slot): ``reads_in_flight + writes_in_flight``."""
+    reads_in_flight: int = 0
+    """Page reads in progress (holding an I/O slot; those waiting for one are not counted)."""
+    writes_in_flight: int = 0
+    """Page writes in progress (holding an I/O slot; at most ``queue_depth`` minus the reads' share)."""
     evictions: int = 0
     """Files removed (or recycled) to make room."""
     recycled: int = 0

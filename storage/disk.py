@@ -433,6 +433,7 @@ class DiskTier(WritePath, ReadPath):
     def statistics(self) -> DiskStatistics:
         """A snapshot of contents, traffic, faults and queues."""
         io = self._io
+        slots = self._io_slots
         return DiskStatistics(
             backend=io.kind if io is not None else DiskBackend.AUTO,
             direct_io=io.direct if io is not None else False,
@@ -449,7 +450,9 @@ class DiskTier(WritePath, ReadPath):
             dropped=self._dropped,
             errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
-            in_flight=self._io_slots.in_use,
+            in_flight=slots.in_use,
+            reads_in_flight=slots.in_use - slots.writes_in_use,  # every job that is no write is a read
+            writes_in_flight=slots.writes_in_use,
             evictions=self._index.evictions,
             recycled=self._recycled,
             temp_files_removed=self._temp_removed,
