@@ -232,6 +232,11 @@ class PageIO(Protocol):
 
     async def unlink(self, dir_fd: int, name: str) -> None: ...
 
+    def call_next_turn(self, fn: Callable[[], None]) -> None:
+        """``fn()`` early in the loop's next turn, where the backend has a callback running then
+        anyway (the ring's submission), else as a loop callback of its own."""
+        ...
+
     async def register_memory(self, view: memoryview, address: int) -> bool:
         """Register ``[address, +len(view))`` (a caller's region) for I/O with fixed buffers; False
         when this backend cannot (no registered-buffer table, memlock, table full): plain buffers then.
@@ -905,6 +910,9 @@ class UringPageIO:
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
 
+    def call_next_turn(self, fn: Callable[[], None]) -> None:
+        self.engine.call_next_turn(fn)
+
     async def aclose(self) -> None:
         if self._registering is not None:
             # The ring must outlive the registration syscall (register_pool waits for it).
@@ -1137,6 +1145,9 @@ class ThreadPageIO:
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self._run(self._unlink, dir_fd, name)
+
+    def call_next_turn(self, fn: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_soon(fn)
 
     async def register_memory(self, view: memoryview, address: int) -> bool:
         return False  # no fixed buffers without io_uring: plain pwritev/preadv

@@ -122,20 +122,24 @@ class IOSlots:
     Writes (:class:`WriteJob`) hold at most ``write_limit`` of them at once, the rest are kept for
     reads (and any other job): with write-behind workers at least the queue depth, writes hung in
     the kernel held every slot and a load waited behind them until they ended. Reads and writes
-    wait in two queues; a slot goes to the older of their heads that may take it."""
+    wait in two queues; a slot goes to the older of their heads that may take it.
 
-    def __init__(self, count: int) -> None:
+    ``in_next_turn(fn)`` runs ``fn`` early in the loop's next turn (default: ``loop.call_soon``).
+    The tier passes its ring's submission callback, which runs in that turn anyway once a page
+    started: the start budget's reset then costs no loop callback of its own (#14)."""
+
+    def __init__(self, count: int, in_next_turn: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._free = list(range(count))
         self._reads: collections.deque[Job] = collections.deque()  # every job that is no write
         self._writes: collections.deque[Job] = collections.deque()
         self._tickets = itertools.count()  # FIFO order across both queues
-        self._returned: collections.deque[int] = collections.deque()  # slots to hand on (see give_back)
         self._handing = False
+        self._in_next_turn = in_next_turn
         self.in_use = 0
         self.writes_in_use = 0
         self.write_limit = count - reserved_for_reads(count)
-        self._turn_ends = 0.0  # starts from :meth:`take` stop at this time this turn (0: none yet)
-        self._resume_due = False  # a :meth:`_next_turn` is scheduled
+        self._turn_ends = 0.0  # starts stop at this time this turn (0: none started yet this turn)
+        self._turn_due = False  # a :meth:`_next_turn` is asked for
 
     @property
     def waiting(self) -> int:
@@ -155,10 +159,9 @@ class IOSlots:
         job.then = then
         job.ticket = next(self._tickets)
         (self._writes if write else self._reads).append(job)
-        if self._free and self._next_due() and not self._resume_due:
+        if self._free and self._next_due():
             # Held back by the budget, not for want of a slot: the next turn starts it.
-            self._resume_due = True
-            asyncio.get_running_loop().call_soon(self._next_turn)
+            self._wake_next_turn()
 
     def _grant(self, job: Job, slot: int, then: Callable[[Job, int], None]) -> None:
         self.in_use += 1
@@ -179,25 +182,30 @@ class IOSlots:
         return self._writes.popleft()
 
     def _may_start(self) -> bool:
-        """Whether this turn's start budget has time left (the first start of a turn opens it)."""
+        """Whether this turn's start budget has time left (the first start of a turn opens it and
+        asks for the next turn, which resets it)."""
         now = time.perf_counter()
         if not self._turn_ends:
             self._turn_ends = now + START_TURN_S
-            if not self._resume_due:
-                self._resume_due = True
-                asyncio.get_running_loop().call_soon(self._next_turn)
+            self._wake_next_turn()
             return True
         return now < self._turn_ends
 
+    def _wake_next_turn(self) -> None:
+        if not self._turn_due:
+            self._turn_due = True
+            if self._in_next_turn is None:
+                asyncio.get_running_loop().call_soon(self._next_turn)
+            else:
+                self._in_next_turn(self._next_turn)
+
     def _next_turn(self) -> None:
         """In the next turn: a fresh budget, spent on the waiters held back while slots are free
-        (through the hand-off loop of :meth:`give_back`: a start that fails and gives its slot back
-        never nests another start)."""
-        self._resume_due = False
+        (through the hand-off loop: a start that fails and gives its slot back never nests
+        another start)."""
+        self._turn_due = False
         self._turn_ends = 0.0
         if self._free and self._next_due():
-            self._returned.extend(self._free)
-            self._free.clear()
             self._hand_off()
 
     def give_back(self, job: Job) -> None:
@@ -212,39 +220,28 @@ class IOSlots:
         self.in_use -= 1
         if isinstance(job, WriteJob):
             self.writes_in_use -= 1
-        self._returned.append(job.slot)
-        self._hand_off()
+        self._free.append(job.slot)
+        if self._next_due():
+            self._hand_off()
 
     def _hand_off(self) -> None:
-        """Hand the returned slots on to waiters, in order, within this turn's start budget."""
+        """Hand free slots on to waiters, in order, within this turn's start budget; the rest wait
+        for the next turn. Each start costs one pass, however many slots are free."""
         if self._handing:
             return  # the hand-off running further up the stack passes it on
         self._handing = True
         try:
-            while self._returned:
-                slot = self._returned.popleft()
-                if not self._next_due():
-                    self._free.append(slot)  # nobody waits, or only writes at their limit
-                    continue
+            while self._free and self._next_due():
                 if not self._may_start():
-                    # This turn's start budget is spent: the waiter starts in the next turn.
-                    self._free.append(slot)
-                    if not self._resume_due:
-                        self._resume_due = True
-                        asyncio.get_running_loop().call_soon(self._next_turn)
-                    continue
+                    break  # this turn's start budget is spent: the next turn goes on
                 waiter = self._pop_next()
                 then, waiter.then = waiter.then, None
                 assert then is not None
-                self._grant(waiter, slot, then)
+                self._grant(waiter, self._free.pop(), then)
         finally:
             self._handing = False
-            if self._returned:  # a ``then`` raised: the slots it left are handed on next turn
-                asyncio.get_running_loop().call_soon(self._hand_on)
-
-    def _hand_on(self) -> None:
-        if self._returned and not self._handing:
-            self._hand_off()
+            if self._free and self._next_due():  # budget spent, or a ``then`` raised
+                self._wake_next_turn()
 
     def leave(self, job: Job) -> bool:
         """Take ``job`` out of the queue if it is still waiting for a slot; True then.

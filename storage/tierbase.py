@@ -14,7 +14,7 @@ import asyncio
 import errno
 import functools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from aiokv.faults import FaultLog
@@ -67,7 +67,7 @@ class TierBase:
         self._file_bytes = file_bytes(layout)
         self._io: PageIO | None = None
         self._slots: HeaderSlots | None = None
-        self._io_slots = IOSlots(config.queue_depth)
+        self._io_slots = IOSlots(config.queue_depth, self._in_next_turn)
         self._payload_bytes = layout.payload_bytes
         self._active = 0  # page jobs driven by callbacks, not yet ended
         self._idle: asyncio.Future[None] | None = None
@@ -177,6 +177,15 @@ class TierBase:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
         return task
+
+    def _in_next_turn(self, fn: Callable[[], None]) -> None:
+        """``fn()`` early in the loop's next turn: through the backend (the ring runs it in the
+        submission callback that a page's start scheduled anyway), or a loop callback before start."""
+        io = self._io
+        if io is None:
+            asyncio.get_running_loop().call_soon(fn)
+        else:
+            io.call_next_turn(fn)
 
     def _return_slot(self, job: Job) -> None:
         """Give ``job``'s I/O slot back if it still holds it (idempotent: every path may call it)."""

@@ -255,6 +255,7 @@ class UringEngine:
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
         self._chains: collections.deque[int] = collections.deque()  # SQEs per prepared chain, in order
         self._submit_scheduled = False
+        self._turn_calls: list[Callable[[], None]] = []  # see call_next_turn
         self._drain_due = False  # a _drain_again is scheduled (CQEs left over by a drain cut short)
         self.async_data = False
         """Issue page reads and writes from the kernel's io-wq workers (IOSQE_ASYNC), never inline in
@@ -457,8 +458,29 @@ class UringEngine:
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
 
+    def call_next_turn(self, fn: Callable[[], None]) -> None:
+        """``fn()`` early in the loop's next turn, from the submission callback (which runs then
+        anyway when something was prepared this turn: no loop callback of its own); SQEs that
+        ``fn`` prepares go out in that same submission. ``fn`` should not raise (a bug: logged)."""
+        self._turn_calls.append(fn)
+        if not self._submit_scheduled:
+            self._submit_scheduled = True
+            self._loop.call_soon(self._submit)
+
     def _submit(self) -> None:
+        calls = self._turn_calls
+        if calls:
+            # Still marked scheduled while they run: what they prepare goes out below.
+            self._turn_calls = []
+            for fn in calls:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("io_uring turn callback failed")
         self._submit_scheduled = False
+        if self._turn_calls:  # asked for again by the calls above: in the turn after this one
+            self._submit_scheduled = True
+            self._loop.call_soon(self._submit)
         if self._prepared == 0:
             return
         self._sq_tail.value = self._tail
@@ -481,7 +503,7 @@ class UringEngine:
         self._prepared -= taken
         if taken < count:
             self._chains.appendleft(count - taken)  # the kernel was short of resources: retry the rest
-        if self._prepared:
+        if self._prepared and not self._submit_scheduled:
             # Let other callbacks run, then submit the next batch.
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
