@@ -256,6 +256,8 @@ class _RunLayers:
     """What a layer-wise load by run copies issues: per group of pages, the copies of one layer."""
 
     copies: list[list[LayerCopy]]
+    pages: list[int]
+    """Per group: its page count (a group's pages are loaded once its last layer's copies are queued)."""
     units: list[LayerUnit]
     """:func:`layer_schedule` with one buffer (``buffer`` and ``reuse`` mean nothing here)."""
     unit_bytes: int
@@ -412,7 +414,8 @@ class PageMover:
     ``load_runs`` (STAGING, on by default): a layer-wise load (:meth:`load_layers`,
     :meth:`start_layers`) whose pages' slots are each one ascending run goes by the copy engine alone
     in the same way, layer by layer (module docstring), where the buffer's shape allows it and the
-    copies are few enough (:data:`RUN_COPIES_PER_LAUNCH`); :attr:`runs_loaded` counts its pages.
+    copies are few enough (:data:`RUN_COPIES_PER_LAUNCH`); :attr:`runs_loaded` counts the pages it
+    copied so.
     """
 
     def __init__(
@@ -470,7 +473,10 @@ class PageMover:
         self.runs_offloaded = 0
         """Pages offloaded by run copies (``slot_runs``), not gathered."""
         self.runs_loaded = 0
-        """Pages of layer-wise loads planned as run copies (``load_runs``), not staged and scattered."""
+        """Pages loaded by run copies (``load_runs``), not staged and scattered: counted once every copy
+        of the page (every layer) is queued, so a load that fails or stops part-way counts only the
+        pages it copied whole. Layer-wise loads count as their last layer is queued."""
+        self._count_lock = threading.Lock()  # a paced load's feeding thread counts too
         lanes = min(2, staging_pages) if staged else 1
         shares = [staging_pages // lanes + (i < staging_pages % lanes) for i in range(lanes)]
         if not staged:
@@ -728,8 +734,6 @@ class PageMover:
                 layout = self.kv.layout
                 unit_bytes = (staging.capacity * layout.page_tokens * layout.rows * layout.head_dim
                               * self.pages.element_size())
-        if runs is not None:
-            self.runs_loaded += len(ids)
         with self._paced_lock:
             self._paced_active += 1
         return PacedLayers(self, plan, pace_window(unit_bytes, pace_bytes))
@@ -799,19 +803,27 @@ class PageMover:
             return None
         return _RunLayers(
             copies=copies,
+            pages=[len(g) for g in groups],
             units=layer_schedule(self.kv.layout.num_layers, len(groups), 1),
             unit_bytes=max(len(g) for g in groups) * page_layer,
         )
 
     def _issue_run_unit(self, plan: _RunLayers, unit: LayerUnit, stream: torch.cuda.Stream | None) -> None:
-        """Queue one unit's copies on ``stream`` (the copy stream; None: memmove, Triton's interpreter)."""
+        """Queue one unit's copies on ``stream`` (the copy stream; None: memmove, Triton's interpreter);
+        a unit of the last layer completes its group's pages (:attr:`runs_loaded`)."""
         copies = plan.copies[unit.group]
         if stream is None:
             memmove_runs([c.at(unit.layer) for c in copies])
-            return
-        for c in copies:
-            r = c.at(unit.layer)
-            _cuda.memcpy2d_async(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height, stream)
+        else:
+            for c in copies:
+                r = c.at(unit.layer)
+                _cuda.memcpy2d_async(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height, stream)
+        if unit.layer == self.kv.layout.num_layers - 1:
+            self._count_runs_loaded(plan.pages[unit.group])
+
+    def _count_runs_loaded(self, pages: int) -> None:
+        with self._count_lock:
+            self.runs_loaded += pages
 
     def _load_layers_runs(
         self,
@@ -874,7 +886,6 @@ class PageMover:
         assert staging is not None
         runs = self._run_layers(staging, ids, slots, skip_first, PACE_BYTES)
         if runs is not None:
-            self.runs_loaded += len(ids)
             self._load_layers_runs(staging, runs, on_layer, events)
             return
         scatter_lane = self._load_lanes[0]

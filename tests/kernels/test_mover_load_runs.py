@@ -241,6 +241,41 @@ def test_a_copy_failing_part_way_raises_after_the_layers_before_it(
     assert _layer_equal(back, want, 0)
     untouched = torch.stack(list(back.k_layers))[1:].view(torch.uint8)
     assert bool((untouched == POISON).all())
+    assert mover.runs_loaded == 0  # no page was copied whole
+
+
+@CPU_ONLY
+def test_layer_wise_load_refused_part_way_counts_only_the_pages_it_copied(
+    pool: PagePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``runs_loaded`` counted a layer-wise load's pages when it was planned, so a load
+    refused part-way counted pages never copied. A pace of 1 byte makes every page a group; the
+    copy of the last layer's third group is refused: the two groups before it were copied whole."""
+    monkeypatch.setattr(mover_module, "PACE_BYTES", 1)
+    real = mover_module.memmove_runs
+    calls: list[int] = []
+    units = MHA.num_layers * 3
+
+    def refusing(batch: list[mover_module.RunCopy]) -> None:
+        calls.append(len(batch))
+        if len(calls) == units:
+            raise RuntimeError("cudaMemcpy2DAsync refused (injected)")
+        real(batch)
+
+    monkeypatch.setattr(mover_module, "memmove_runs", refusing)
+    _filled(pool, MHA, 11)
+    ids, slots = [1, 2, 3], _runs([0, T, 2 * T])
+    kv = _dense_kv(MHA, 0)
+    back = _poisoned_like(kv)
+    mover = PageMover(back, pool.pages, TransferPath.STAGING, 2)
+    with pytest.raises(RuntimeError, match="injected"):
+        mover.load_layers(ids, slots)
+    assert len(calls) == units  # one unit a page and layer: the fault came at the last one
+    assert mover.runs_loaded == 2
+    want = _poisoned_like(kv)
+    reference_scatter(want, pool.pages, slots[: 2 * T], ids[:2])
+    reference_scatter(want, pool.pages, slots[2 * T :], ids[2:], layers=range(MHA.num_layers - 1))
+    assert _all_equal(back, want)
 
 
 @CPU_ONLY

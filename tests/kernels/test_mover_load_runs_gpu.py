@@ -1,6 +1,7 @@
 """Layer-wise loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages): bit-exact,
-the path taken, each layer's event alone guaranteeing its layer, paced and stopped part-way, ordered
-after the caller's stream. The CPU tests (memmove) are in ``test_mover_load_runs.py``."""
+the path taken, each layer's event alone guaranteeing its layer, paced and stopped part-way, refused
+part-way (a real CUDA error) and counted, ordered after the caller's stream. The CPU tests (memmove)
+are in ``test_mover_load_runs.py``."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_paced_load_by_runs_is_bit_exact_after_the_callers_stream(monkeypatch: p
         back.k_layers[2][slots[-1].item()].fill_(0)
         paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
     assert paced is not None and paced.by_runs
-    assert mover.runs_loaded == len(page_ids)
+    assert mover.runs_loaded == 0  # counted as copied, not as planned
     issued: list[tuple[int, bool]] = []
     thread = threading.Thread(target=paced.feed, args=(lambda layer, queued: issued.append((layer, queued)),))
     thread.start()
@@ -107,6 +108,7 @@ def test_paced_load_by_runs_is_bit_exact_after_the_callers_stream(monkeypatch: p
     assert len(copies) == 10 * LAYOUT.num_layers
     assert _all_equal(back, expect) and _all_equal(back, staged)
     assert mover._paced_active == 0
+    assert mover.runs_loaded == len(page_ids)
 
 
 def test_paced_load_by_runs_merges_pages_consecutive_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,10 +147,12 @@ def test_paced_load_by_runs_stopped_part_way_orders_everything_it_queued(monkeyp
     assert paced.end.query() and paced.events[-1].query()
     assert _layer_equal(back, expect, 0)
     assert mover._paced_active == 0
+    assert mover.runs_loaded == 0, "a page of which only layer 0 was copied counted as loaded"
     again = mover.start_layers(page_ids, slots, 3)
     assert again is not None and again.by_runs
     again.feed()
     assert _all_equal(back, expect)
+    assert mover.runs_loaded == len(page_ids)
     # A whole-page (staged) load after it reuses the staging lanes, ordered after the paced end.
     event = mover.load(page_ids, slots, 3)
     assert event is not None
@@ -193,3 +197,41 @@ def test_each_layer_event_of_a_load_by_runs_alone_guarantees_its_layer(monkeypat
         events[layer].synchronize()
         assert _layer_equal(back, expect, layer), layer
     assert _all_equal(back, expect)
+
+
+def _refusing(monkeypatch: pytest.MonkeyPatch, at: int) -> list[int]:
+    """2-D copy number ``at`` (from 0) gets a destination pitch below its width: the runtime refuses
+    it (a real CUDA error). Returns the list the copies are counted in."""
+    real = mover_module._cuda.memcpy2d_async
+    calls: list[int] = []
+
+    def refusing(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
+                 stream: torch.cuda.Stream) -> None:
+        calls.append(height)
+        real(dst, 1 if len(calls) == at + 1 else dpitch, src, spitch, width, height, stream)
+
+    monkeypatch.setattr(mover_module._cuda, "memcpy2d_async", refusing)
+    return calls
+
+
+def test_paced_load_by_runs_refused_in_its_last_layer_counts_the_pages_copied_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pace of 1 byte: one page a unit, one copy a unit (10 a layer). The copy of the last layer's
+    # fifth page is refused: four pages were copied whole (the others lack their last layer).
+    _, pages, page_ids, slots, expect = _case(37)
+    _no_staging(monkeypatch)  # a staged unit fails the test
+    _refusing(monkeypatch, 10 * (LAYOUT.num_layers - 1) + 4)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    paced = mover.start_layers(page_ids, slots, 3, pace_bytes=1)
+    assert paced is not None and paced.by_runs
+    with pytest.raises(RuntimeError, match="cudaMemcpy2DAsync"):
+        paced.feed()
+    assert paced.end.query()
+    assert paced.queued == [layer < LAYOUT.num_layers - 1 for layer in range(LAYOUT.num_layers)]
+    assert mover.runs_loaded == 4
+    whole = slots[: 4 * T - 3]
+    for layer in range(LAYOUT.num_layers - 1):
+        assert _layer_equal(back, expect, layer), layer
+    assert same_bits(back.k_layers[-1][whole], expect.k_layers[-1][whole])
