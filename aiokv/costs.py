@@ -305,12 +305,16 @@ class PageCosts:
         recompute = p * self.compute
         margin = (MARGIN_FRACTION * recompute + self.copy_spread + (self.read_spread if disk else 0.0)
                   + (self.claim_spread if claims else 0.0))
+        # A split proper is not exposed to the load's rates: a slower read or copy only moves the
+        # meeting point back (the engine computes more), towards recomputing plus the claims' cost.
+        # Its margin is the stated fraction and the claims' own spread; a plain load keeps the whole.
+        split_margin = MARGIN_FRACTION * recompute + self.claim_spread if claims else margin
         claims_base, slope = self._claims_line()
         overhead = (self.load_fixed if k < p else 0.0) + (claims_base + k * (slope - self.compute) if claims else 0.0)
         return LoadEstimate(
             None if pool_seconds is None else 0.0 if p == 0 else self.copy_fixed + p * self.copy,
             0.0 if disk == 0 else self.read_fixed + disk * self.read,
-            recompute, k * self.page_tokens, ready, overhead, margin, self)
+            recompute, k * self.page_tokens, ready, overhead, margin, self, split_margin_seconds=split_margin)
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,11 @@ class LoadEstimate:
     at little risk (the engine computes from the front meanwhile, and the fronts meet wherever the
     disk really is). :attr:`split_pays` then says None (not known); :attr:`worth_loading` keeps its
     verdict, as a plain load could lose the whole difference."""
+    split_margin_seconds: float | None = None
+    """Gain a split proper (the engine claims a front, the load brings the back) must beat: the
+    stated fraction of recomputing and the claims' spread, without the load's spreads (a slower
+    load moves the meeting point, it cannot make the split lose more than the claims cost). None:
+    :attr:`margin_seconds`, as for a plain load."""
 
     @property
     def load_seconds(self) -> float | None:
@@ -365,12 +374,17 @@ class LoadEstimate:
         return None if load is None else load < bar
 
     @property
+    def split_margin(self) -> float:
+        """The margin :attr:`split_pays` applies (:attr:`split_margin_seconds`, else the whole one)."""
+        return self.margin_seconds if self.split_margin_seconds is None else self.split_margin_seconds
+
+    @property
     def split_pays(self) -> bool | None:
         """Whether the best split (a plain load included: split 0) beats recomputing by more than
         the margin (None: not known yet, or a :attr:`trial` is due). False: recompute instead."""
         if self.split_seconds is None or self.recompute_seconds is None or self.trial:
             return None
-        return self.split_seconds < self.recompute_seconds - self.margin_seconds
+        return self.split_seconds < self.recompute_seconds - self.split_margin
 
 
 class CostModel:

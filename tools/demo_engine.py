@@ -154,9 +154,11 @@ def plan_hit(
     the GPU prefix); ``tail_tokens`` follow the match; ``disk``: some of it is read from disk. With
     the suffix's recompute time R, load time L (first-byte latency and set-up included), best split
     S (claims' per-call cost included; the model's meeting page) and tail prefill T: recomputing
-    takes R + T, loading max(L, T) layer-wise or L + T, splitting S + T. Recompute unless the better
-    of the other two gains more than the estimate's margin (:data:`aiokv.costs.MARGIN_FRACTION` of R
-    plus the meters' spreads): aiokv never picks a load it expects to lose. ``claim_tokens``: the
+    takes R + T, loading max(L, T) layer-wise or L + T, splitting S + T. Recompute unless a load gains
+    more than the estimate's margin (:data:`aiokv.costs.MARGIN_FRACTION` of R plus the meters'
+    spreads) or a split more than its own (that fraction plus the claims' spread: a load slower than
+    its rates only moves the meeting point back); of two that pay, the faster: aiokv never picks a
+    load it expects to lose. ``claim_tokens``: the
     most the engine claims per call (its chunk; 0: one claim), each paying the prefill's fixed cost.
     A disk hit whose estimate offers a trial (its rate went stale: :data:`aiokv.costs.TRIAL_AFTER_S`)
     splits instead of recomputing where the path ``claims`` (without claims a split is a whole
@@ -174,11 +176,15 @@ def plan_hit(
         return HitPlan.SPLIT if _claim_pays_by_rates(
             load_s * share, compute_s * share, compute_s / match_tokens, tail_tokens, page_tokens, layered) \
             else HitPlan.LOAD
-    if prices.recompute - min(prices.load, prices.split) <= prices.margin:
+    load_pays = prices.recompute - prices.load > prices.margin
+    split_pays = prices.recompute - prices.split > prices.split_margin
+    if not (load_pays or split_pays):
         # A stale disk rate (estimate.trial): split anyway, which re-measures the disk at little
         # risk; declined for good, a disk once measured slow would never be measured again.
         return HitPlan.SPLIT if disk and claims and estimate.trial else HitPlan.RECOMPUTE
-    return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
+    if load_pays and split_pays:
+        return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
+    return HitPlan.SPLIT if split_pays else HitPlan.LOAD
 
 
 @dataclass(frozen=True)
@@ -189,7 +195,10 @@ class HitPrices:
     load: float
     split: float
     margin: float
-    """Gain a load or split must beat to be chosen."""
+    """Gain a load must beat to be chosen."""
+    split_margin: float
+    """Gain the split must beat (:attr:`aiokv.costs.LoadEstimate.split_margin`: without the load's
+    spreads where it claims, as a slower load only moves the meeting point)."""
     overhead: float
     """Fixed costs priced into the best split (first-byte latency, set-up, claims' per-call cost)."""
 
@@ -215,7 +224,7 @@ def hit_prices(
     whole = suffix.load(0)  # the stream's walk from the back, no claims (a split meeting at page 0)
     load = max(whole, tail) if layered else whole + tail
     return HitPrices(part.recompute_seconds + tail, load, part.split_seconds + tail, part.margin_seconds,
-                     part.overhead_seconds)
+                     part.split_margin, part.overhead_seconds)
 
 
 def claim_pays(
