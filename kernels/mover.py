@@ -465,9 +465,10 @@ class PageMover:
             raise ValueError(f"load_runs must be a bool, got {load_runs!r}")
         # Off CUDA (Triton's interpreter) the same copies run with memmove; on CUDA they need the runtime.
         copyable = staged and (self._raw_memcpy or not self._cuda)
-        # Worked out even with both off: load_runs may be switched on later (an A/B switch).
-        geometry = run_geometry(kv, pages) if copyable else None
-        self._runs = geometry if slot_runs else None
+        # Worked out even with both off: load_runs may be switched on later (an A/B switch). Loads can
+        # step layers by address (layer_pitch=False); an offload copies a whole page (pitch checked).
+        geometry = run_geometry(kv, pages, layer_pitch=False) if copyable else None
+        self._runs = geometry if slot_runs and geometry is not None and geometry.layer_pitch_fits else None
         self._run_geometry = geometry
         self._load_runs: RunGeometry | None = geometry if load_runs else None
         self.runs_offloaded = 0

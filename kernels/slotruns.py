@@ -10,6 +10,12 @@ destination pitch the page's. No kernel, no staging, no index upload: nothing co
 
 :func:`run_geometry` says once per mover whether the buffer has that shape; :func:`page_run_starts`
 says per call whether every page's slots are a run; :func:`run_copies` makes the copies.
+
+Pitches (``cudaMemcpy2DAsync`` refuses either over :data:`MAX_PITCH`): a whole page as one copy
+steps from layer to layer by a pitch, the KV layer step on the KV side and the page's layer stride on
+the pool side; a layer-wise load's copy steps from page to page by the pool's page stride and the
+block, and from layer to layer by address. So a KV buffer whose layers are over 2 GiB apart still
+loads by runs, layer by layer.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ class RunSegment:
 
 
 MAX_PITCH = 2**31 - 1
-"""Largest pitch ``cudaMemcpy2DAsync`` takes (``cudaDevAttrMaxPitch`` on every NVIDIA GPU so far):
-a stacked buffer's layer stride beyond it (a rank's layer over 2 GiB) gathers instead."""
+"""Largest pitch ``cudaMemcpy2DAsync`` takes (``cudaDevAttrMaxPitch`` on every NVIDIA GPU so far), for
+the source and the destination alike: a KV layer step beyond it (a rank's layer over 2 GiB) offloads
+by gathering and loads layer by layer (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,22 @@ class RunGeometry:
     """Bytes from one layer to the next inside a page."""
     layers: int
 
+    @property
+    def layer_pitch_fits(self) -> bool:
+        """A whole page can be one copy: the KV layer steps and the page's layer stride, its pitches,
+        are within :data:`MAX_PITCH`."""
+        return self.layer_stride <= MAX_PITCH and all(seg.layer_step <= MAX_PITCH for seg in self.segments)
 
-def run_geometry(kv: KVBuffer, pages: torch.Tensor) -> RunGeometry | None:
+
+def run_geometry(kv: KVBuffer, pages: torch.Tensor, *, layer_pitch: bool = True) -> RunGeometry | None:
     """The run copies' geometry of ``kv`` against ``pages`` (``[N, L, T, rows, D]``, checked by the
     mover), or None where a page's layer is not one block on both sides or the layers are not
-    evenly spaced (the mover then gathers)."""
+    evenly spaced (the mover then gathers).
+
+    ``layer_pitch``: the copies take a whole page at once (offloads), so the layers' distances are
+    pitches: None too where one is over :data:`MAX_PITCH` (the runtime refuses it with
+    ``cudaErrorInvalidPitchValue``). False for layer-wise loads, whose copies step layers by
+    address."""
     layout = kv.layout
     itemsize = layout.itemsize
     row = layout.rows * layout.head_dim  # elements of a page's token row
@@ -94,16 +112,17 @@ def run_geometry(kv: KVBuffer, pages: torch.Tensor) -> RunGeometry | None:
         block = layout.page_tokens * row * itemsize
         if len(seg.layers) > 1 and step < block:  # a pitch below the row width: overlapping layers
             return None
-        if step > MAX_PITCH:  # the runtime refuses it (cudaErrorInvalidPitchValue): gather instead
-            return None
         parts.append(RunSegment(first.data_ptr(), slot * itemsize, step or block, seg.page_col * itemsize, block))
-    return RunGeometry(
+    geometry = RunGeometry(
         segments=tuple(parts),
         page_base=pages.data_ptr(),
         page_stride=pages.stride(0) * itemsize,
         layer_stride=pages.stride(1) * itemsize,
         layers=layout.num_layers,
     )
+    if layer_pitch and not geometry.layer_pitch_fits:
+        return None
+    return geometry
 
 
 def page_run_starts(slots: torch.Tensor, count: int, tokens: int) -> list[int] | None:

@@ -1,7 +1,7 @@
 """Layer-wise loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages): bit-exact,
 the path taken, each layer's event alone guaranteeing its layer, paced and stopped part-way, refused
-part-way (a real CUDA error) and counted, ordered after the caller's stream. The CPU tests (memmove)
-are in ``test_mover_load_runs.py``."""
+part-way (a real CUDA error) and counted, ordered after the caller's stream, a KV layer step over the
+largest pitch. The CPU tests (memmove) are in ``test_mover_load_runs.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvcase import POISON, poisoned_pages, random_bits, same_bits
 
 from aiokv.kernels import PageMover, TransferPath, reference_gather, reference_scatter
 from aiokv.kernels import mover as mover_module
+from aiokv.kernels.slotruns import MAX_PITCH
 from aiokv.layout import KVBuffer, KVLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -235,3 +236,51 @@ def test_paced_load_by_runs_refused_in_its_last_layer_counts_the_pages_copied_wh
     for layer in range(LAYOUT.num_layers - 1):
         assert _layer_equal(back, expect, layer), layer
     assert same_bits(back.k_layers[-1][whole], expect.k_layers[-1][whole])
+
+
+def test_a_kv_layer_step_over_the_largest_pitch_loads_by_runs_layer_by_layer() -> None:
+    """Two layers 2 GiB + 64 KiB apart (4 GiB of GPU memory, never initialised): a whole page cannot
+    be one copy (the layer step would be a pitch, which the runtime refuses), but a layer-wise load
+    steps layers by address: by runs, bit-exact; before, it staged."""
+    layout = KVLayout.mha(2, 8, 128, torch.bfloat16, page_tokens=16)
+    tokens = 16
+    num_slots = MAX_PITCH // (16 * 128 * 2) + 16
+    big = torch.empty((2, num_slots, 16, 128), dtype=torch.bfloat16, device="cuda")
+    kv = KVBuffer.wrap(layout, big)
+    gen = torch.Generator().manual_seed(38)
+    pages = random_bits((6, *layout.page_shape), torch.bfloat16, gen).pin_memory()
+    used = big[:, : 16 * tokens]
+    used.view(torch.uint8).fill_(POISON)
+    want = used.cpu()
+    rows = pages.transpose(0, 1).reshape(2, -1, 16, 128)
+    mover = PageMover(kv, pages, TransferPath.STAGING, 2)
+    layered_ids, layered = [2, 3], torch.arange(10 * tokens, 12 * tokens)
+    events = mover.load_layers(layered_ids, layered)
+    assert events is not None
+    events[-1].synchronize()
+    want[:, layered] = torch.cat([rows[:, p * tokens : (p + 1) * tokens] for p in layered_ids], dim=1)
+    assert mover.runs_loaded == 2
+    assert same_bits(used, want)
+    del big, used
+
+
+def test_offload_of_a_kv_layer_step_over_the_largest_pitch_gathers() -> None:
+    """The same buffer offloads by the gather kernel (no run copy), bit-exact: its layer addresses
+    are over 2 GiB apart."""
+    layout = KVLayout.mha(2, 8, 128, torch.bfloat16, page_tokens=16)
+    num_slots = MAX_PITCH // (16 * 128 * 2) + 16
+    big = torch.empty((2, num_slots, 16, 128), dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(39)
+    big[:, : 64].copy_(random_bits((2, 64, 16, 128), torch.bfloat16, gen).cuda())
+    kv = KVBuffer.wrap(layout, big)
+    out = torch.zeros((4, *layout.page_shape), dtype=torch.bfloat16).pin_memory()
+    mover = PageMover(kv, out, TransferPath.STAGING, 2, slot_runs=True)
+    event = mover.offload(torch.arange(16, 48), [3, 0])
+    assert event is not None
+    event.synchronize()
+    assert mover.runs_offloaded == 0
+    small = KVBuffer.wrap(layout, big[:, : 64].cpu())
+    want = torch.zeros_like(out)
+    reference_gather(small, torch.arange(16, 48), want, [3, 0])
+    assert same_bits(out, want)
+    del big
