@@ -22,7 +22,9 @@ Where every page's slots are one ascending run and the buffer's shape allows it 
 a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one
 ``cudaMemcpy2DAsync`` per run of pages consecutive in both), its layer event recorded on the copy
 stream. A feeding thread then issues a few runtime calls per layer instead of a few per group plus a
-Triton launch (an engine's model thread shares the GIL with it).
+Triton launch (an engine's model thread shares the GIL with it). A whole-page load of such pages is
+run copies too, dealt over the load lanes: one per page (every layer) or one per layer of a run of
+pages, whichever is fewer (:func:`~aiokv.kernels.slotruns.whole_load_copies`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .checks import (
 from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
 from .slotruns import (
     LayerCopy,
+    PageCopies,
     RunCopy,
     RunGeometry,
     load_copies,
@@ -58,6 +61,7 @@ from .slotruns import (
     page_run_starts,
     run_copies,
     run_geometry,
+    whole_load_copies,
 )
 
 if TYPE_CHECKING:
@@ -84,7 +88,9 @@ RUN_COPIES_PER_LAUNCH = 8
 slab copies plus this many per staged unit (a unit: a Triton launch and ~4 stream/event calls): an
 estimate of host costs (a launch holds the GIL tens of µs, a ctypes 2-D copy a few µs without it),
 not a measurement. It bounds the worst case (slots that are runs per page only, pool pages in one
-run: one copy per page and layer against one slab copy per group)."""
+run: one copy per page and layer against one slab copy per group). A whole-page load likewise: its
+copies at most one per page (the staged memcpys) plus this many per staged chunk (a scatter launch);
+only copies by layer (a KV layer step over the largest pitch) can exceed that."""
 
 
 def pace_window(unit_bytes: int, pace_bytes: int = PACE_BYTES) -> int:
@@ -411,11 +417,10 @@ class PageMover:
     staging (:mod:`aiokv.kernels.slotruns`), where the buffer's shape allows it; other offloads
     gather as before. :attr:`runs_offloaded` counts the pages it copied so.
 
-    ``load_runs`` (STAGING, on by default): a layer-wise load (:meth:`load_layers`,
+    ``load_runs`` (STAGING, on by default): a load (:meth:`load`, :meth:`load_layers`,
     :meth:`start_layers`) whose pages' slots are each one ascending run goes by the copy engine alone
-    in the same way, layer by layer (module docstring), where the buffer's shape allows it and the
-    copies are few enough (:data:`RUN_COPIES_PER_LAUNCH`); :attr:`runs_loaded` counts the pages it
-    copied so.
+    in the same way (module docstring), where the buffer's shape allows it and the copies are few
+    enough (:data:`RUN_COPIES_PER_LAUNCH`); :attr:`runs_loaded` counts the pages it copied so.
     """
 
     def __init__(
@@ -543,7 +548,7 @@ class PageMover:
 
     @property
     def load_runs(self) -> bool:
-        """Whether layer-wise loads may go by run copies (the buffer's shape allows it and
+        """Whether loads may go by run copies (the buffer's shape allows it and
         ``load_runs`` is on). Settable between loads (an A/B switch); on where the shape never allows
         it stays False."""
         return self._load_runs is not None
@@ -626,6 +631,9 @@ class PageMover:
         ``len(slots) == len(page_ids) * T - skip_first``, ``0 <= skip_first < T``. CUDA: queued
         behind the caller's current stream; returns the completion event: make the compute stream
         wait on it, and keep the pool pages alive until it completes. CPU: synchronous, returns None.
+        Where every page's loaded slots are one ascending run (host slots), by run copies
+        (``load_runs``: no staging, no kernel). If queuing fails part-way, the caller's current
+        stream is made to wait for what was queued before the error propagates.
         """
         ids = self._check(slots, page_ids, checked)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
@@ -634,6 +642,11 @@ class PageMover:
             with self._on_side(self._load_lanes[:1]) as streams:
                 reference_scatter(self.kv, self.pages, slots, ids, skip_first, None, True)  # checked
             return self._finish(streams)
+        groups = self._whole_runs(ids, slots, skip_first)
+        if groups is not None:
+            # No staging used: while a paced load queues (its scatter stream is the first lane), only
+            # the last lane, as the direct reads below.
+            return self._load_runs_whole(groups, self._load_lanes[-1:] if self._paced_active else self._load_lanes)
         if self._paced_active:
             # A paced layer-wise load is still queuing into the staging: read the pool directly,
             # on the last lane (the first is that load's scatter stream).
@@ -650,14 +663,62 @@ class PageMover:
         plan = self._deal(chunks, self._load_lanes)
         lanes = [lane for lane, _ in plan]
         with self._ordered_on_failure(lanes), self._on_side(lanes) as streams:
-            if self._layered_done is not None:
-                # A layer-wise load used this staging; the first lane (its scatter stream) is
-                # ordered after it already, the others wait.
-                for lane in lanes[1:]:
-                    if lane.stream is not None:
-                        lane.stream.wait_event(self._layered_done)
+            self._after_layered(lanes)
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._load_chunk(lane, chunk, index)
+        return self._finish(streams)
+
+    def _after_layered(self, lanes: list[_Lane]) -> None:
+        """``lanes`` wait for the last layer-wise load's end: it used the staging and wrote KV slots.
+        The first load lane (its scatter stream, or where its copies were joined) is ordered after
+        it already."""
+        if self._layered_done is None:
+            return
+        for lane in lanes:
+            if lane is not self._load_lanes[0] and lane.stream is not None:
+                lane.stream.wait_event(self._layered_done)
+
+    def _whole_runs(self, ids: list[int], slots: torch.Tensor, skip_first: int) -> list[PageCopies] | None:
+        """The run copies of a whole-page load, or None where it stages (``load_runs`` off, a buffer of
+        another shape, CUDA slots, a page whose slots are not one run, too many copies)."""
+        geometry, tokens = self._load_runs, self.kv.layout.page_tokens
+        if geometry is None or (starts := load_run_starts(slots, len(ids), tokens, skip_first)) is None:
+            return None
+        groups = whole_load_copies(geometry, starts, ids, tokens, skip_first, self.run_pages)
+        budget = len(ids) + RUN_COPIES_PER_LAUNCH * self._staged_chunks(len(ids))
+        return groups if sum(len(g.copies) for g in groups) <= budget else None
+
+    def _staged_chunks(self, count: int) -> int:
+        """Chunks (scatter launches) of a staged whole-page load of ``count`` pages (:meth:`_deal`)."""
+        sizes = [0 if lane.staging is None else lane.staging.shape[0] for lane in self._load_lanes]
+        chunks = done = 0
+        while done < count:
+            done += max(1, sizes[chunks % len(sizes)])
+            chunks += 1
+        return chunks
+
+    def _load_runs_whole(self, groups: list[PageCopies], lanes: list[_Lane]) -> torch.cuda.Event | None:
+        """A whole-page load by run copies (:func:`whole_load_copies`), dealt round-robin to ``lanes``
+        in page order, behind the caller's stream; one event after all of them. If queuing fails
+        part-way, the caller's stream waits for what was queued (it writes the caller's slots)
+        before the error propagates; only the pages whose copies were all queued are counted."""
+        loaded = 0
+        with self._ordered_on_failure(lanes), self._on_side(lanes) as streams:
+            self._after_layered(lanes)
+            try:
+                turn = 0
+                for group in groups:
+                    if not streams:
+                        memmove_runs(group.copies)  # Triton's interpreter: host memory on both sides
+                    else:
+                        for c in group.copies:
+                            stream = lanes[turn % len(lanes)].stream
+                            assert stream is not None
+                            _cuda.memcpy2d_async(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height, stream)
+                            turn += 1
+                    loaded += group.pages
+            finally:
+                self._count_runs_loaded(loaded)
         return self._finish(streams)
 
     def load_layers(

@@ -11,11 +11,15 @@ destination pitch the page's. No kernel, no staging, no index upload: nothing co
 :func:`run_geometry` says once per mover whether the buffer has that shape; :func:`page_run_starts`
 says per call whether every page's slots are a run; :func:`run_copies` makes the copies.
 
+Loads copy the other way (:func:`load_run_starts`): layer-wise, one copy per layer of a run of pages
+(:func:`load_copies`); whole pages, either that for every layer or one copy per page as above
+(:func:`whole_load_copies`, the fewer copies).
+
 Pitches (``cudaMemcpy2DAsync`` refuses either over :data:`MAX_PITCH`): a whole page as one copy
-steps from layer to layer by a pitch, the KV layer step on the KV side and the page's layer stride on
-the pool side; a layer-wise load's copy steps from page to page by the pool's page stride and the
-block, and from layer to layer by address. So a KV buffer whose layers are over 2 GiB apart still
-loads by runs, layer by layer.
+steps from layer to layer by a pitch, the KV layer step on the KV side (an offload's source, a
+load's destination) and the page's layer stride on the pool side; a copy of one layer steps from page
+to page by the pool's page stride and the block, and from layer to layer by address. So a KV buffer
+whose layers are over 2 GiB apart still loads by runs, by layer.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class RunSegment:
 MAX_PITCH = 2**31 - 1
 """Largest pitch ``cudaMemcpy2DAsync`` takes (``cudaDevAttrMaxPitch`` on every NVIDIA GPU so far), for
 the source and the destination alike: a KV layer step beyond it (a rank's layer over 2 GiB) offloads
-by gathering and loads layer by layer (module docstring)."""
+by gathering and loads by layer (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,8 @@ def run_geometry(kv: KVBuffer, pages: torch.Tensor, *, layer_pitch: bool = True)
 
     ``layer_pitch``: the copies take a whole page at once (offloads), so the layers' distances are
     pitches: None too where one is over :data:`MAX_PITCH` (the runtime refuses it with
-    ``cudaErrorInvalidPitchValue``). False for layer-wise loads, whose copies step layers by
-    address."""
+    ``cudaErrorInvalidPitchValue``). False for loads, which check
+    :attr:`RunGeometry.layer_pitch_fits` themselves (they can copy layer by layer)."""
     layout = kv.layout
     itemsize = layout.itemsize
     row = layout.rows * layout.head_dim  # elements of a page's token row
@@ -220,11 +224,20 @@ def load_copies(
     """The copies loading one layer of pool pages ``page_ids`` into the KV slot runs from ``starts``
     (:func:`load_run_starts`): per segment, one per :func:`load_page_runs` run, ``height`` pages of
     one block each (source pitch the pool's page stride, destination pitch the block)."""
+    return [c for _, copies in _layer_copies_by_run(geometry, starts, page_ids, tokens, skip_first, run_pages)
+            for c in copies]
+
+
+def _layer_copies_by_run(
+    geometry: RunGeometry, starts: list[int], page_ids: list[int], tokens: int, skip_first: int, run_pages: int
+) -> list[tuple[int, list[LayerCopy]]]:
+    """:func:`load_copies` per :func:`load_page_runs` run, in page order, with the run's page count."""
     if geometry.page_stride > MAX_PITCH:
         run_pages = 1  # a pitch the runtime refuses: every page alone (its pitch is then unused)
-    copies = []
+    runs = []
     for first, count in load_page_runs(starts, page_ids, tokens, skip_first, run_pages):
         skip = skip_first if first == 0 else 0
+        copies = []
         for seg in geometry.segments:
             row = seg.block // tokens
             copy = RunCopy(
@@ -234,4 +247,43 @@ def load_copies(
                 width=seg.block - skip * row, height=count,
             )
             copies.append(LayerCopy(copy, seg.layer_step, geometry.layer_stride))
-    return copies
+        runs.append((count, copies))
+    return runs
+
+
+@dataclass(frozen=True)
+class PageCopies:
+    """Copies that together load ``pages`` consecutive pages of a call, every layer of them."""
+
+    pages: int
+    copies: list[RunCopy]
+
+
+def whole_load_copies(
+    geometry: RunGeometry, starts: list[int], page_ids: list[int], tokens: int, skip_first: int, run_pages: int
+) -> list[PageCopies]:
+    """The copies loading whole pool pages ``page_ids`` into the KV slot runs from ``starts``
+    (:func:`load_run_starts`), in page order, in the form with fewer copies (the first on a tie):
+
+    - by page (where :attr:`RunGeometry.layer_pitch_fits`): per page and segment one copy of ``L``
+      rows, a block each (source pitch the page's layer stride, destination pitch the KV layer step;
+      an offload's copy reversed);
+    - by layer: per :func:`load_page_runs` run and segment one copy per layer (:func:`load_copies`).
+    """
+    by_layer = [PageCopies(count, [c.at(layer) for c in copies for layer in range(geometry.layers)])
+                for count, copies in _layer_copies_by_run(geometry, starts, page_ids, tokens, skip_first, run_pages)]
+    if not geometry.layer_pitch_fits or sum(len(p.copies) for p in by_layer) < len(page_ids) * len(geometry.segments):
+        return by_layer
+    by_page = []
+    for i, (start, page) in enumerate(zip(starts, page_ids, strict=True)):
+        skip = skip_first if i == 0 else 0
+        copies = []
+        for seg in geometry.segments:
+            row = seg.block // tokens
+            copies.append(RunCopy(
+                dst=seg.kv_base + start * seg.slot_bytes, dpitch=seg.layer_step,
+                src=geometry.page_base + page * geometry.page_stride + seg.page_col + skip * row,
+                spitch=geometry.layer_stride, width=seg.block - skip * row, height=geometry.layers,
+            ))
+        by_page.append(PageCopies(1, copies))
+    return by_page

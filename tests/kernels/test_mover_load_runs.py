@@ -281,8 +281,8 @@ def test_layer_wise_load_refused_part_way_counts_only_the_pages_it_copied(
 @CPU_ONLY
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_tp_ranks_part_of_a_rank_major_pool_loads_by_runs(rank: int) -> None:
-    """A TP rank (rank-major pool, the rank's part of each page) loads its part by runs: bit-exact
-    with the reference scatter of that part."""
+    """A TP rank (rank-major pool, the rank's part of each page) loads its part by runs, layer-wise
+    and whole: bit-exact with the reference scatter of that part."""
     tp = TPSlice.of(MHA, rank, 3)
     pool = PagePool.create(MHA.for_tp(3), 8 * MHA.page_bytes, register_cuda=None)
     pool.wait_ready_blocking()
@@ -300,6 +300,12 @@ def test_a_tp_ranks_part_of_a_rank_major_pool_loads_by_runs(rank: int) -> None:
         mover.load_layers(ids, slots, 2)
         assert mover.runs_loaded == 3
         reference_scatter(want, pages, slots, ids, skip_first=2)
+        assert _all_equal(part, want)
+        # A whole-page load of the same part: one copy per page (every layer of the rank's part).
+        for layer in part.k_layers:
+            layer.view(torch.uint8).fill_(POISON)
+        mover.load(ids, slots, 2)
+        assert mover.runs_loaded == 6
         assert _all_equal(part, want)
     finally:
         pool.close()

@@ -1,7 +1,8 @@
-"""Layer-wise loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages): bit-exact,
-the path taken, each layer's event alone guaranteeing its layer, paced and stopped part-way, refused
-part-way (a real CUDA error) and counted, ordered after the caller's stream, a KV layer step over the
-largest pitch. The CPU tests (memmove) are in ``test_mover_load_runs.py``."""
+"""Loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages), layer-wise and whole:
+bit-exact, the path taken, each layer's event alone guaranteeing its layer, paced and stopped
+part-way, refused part-way (a real CUDA error) and counted, ordered after the caller's stream, a KV
+layer step over the largest pitch. The CPU tests (memmove) are in ``test_mover_load_runs.py`` and
+``test_mover_load_runs_whole.py``."""
 
 from __future__ import annotations
 
@@ -154,11 +155,12 @@ def test_paced_load_by_runs_stopped_part_way_orders_everything_it_queued(monkeyp
     again.feed()
     assert _all_equal(back, expect)
     assert mover.runs_loaded == len(page_ids)
-    # A whole-page (staged) load after it reuses the staging lanes, ordered after the paced end.
+    # A whole-page load after it (by runs too: lanes, not the copy stream), ordered after the paced end.
     event = mover.load(page_ids, slots, 3)
     assert event is not None
     event.synchronize()
     assert _all_equal(back, expect)
+    assert mover.runs_loaded == 2 * len(page_ids)
 
 
 def test_each_layer_event_of_a_load_by_runs_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,6 +217,75 @@ def _refusing(monkeypatch: pytest.MonkeyPatch, at: int) -> list[int]:
     return calls
 
 
+def _no_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_chunk(*_: object) -> None:
+        raise AssertionError("a whole-page load by runs staged a chunk")
+
+    monkeypatch.setattr(PageMover, "_load_chunk", no_chunk)
+
+
+def test_whole_load_by_runs_is_bit_exact_after_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, pages, page_ids, slots, expect = _case(35)
+    _no_chunks(monkeypatch)
+    copies = _no_staging(monkeypatch)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    engine = torch.cuda.Stream()
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(50_000_000)  # the caller's stream is busy, then writes a slot the load fills
+        back.k_layers[3][slots[-1].item()].fill_(0)
+        event = mover.load(page_ids, slots, 3)
+    assert event is not None
+    event.synchronize()
+    # By page (10 copies of 4 layers) rather than by layer (7 runs: 28 copies).
+    assert copies == [1] * 10
+    assert mover.runs_loaded == len(page_ids)
+    assert _all_equal(back, expect), "the load was overtaken by the caller's earlier write, or wrong"
+
+    # 8 pages consecutive in the pool and in slots: by layer, 4 copies of 8 pages (one a layer).
+    copies.clear()
+    ids, run = list(range(8)), torch.arange(T, 9 * T)
+    want = _poisoned()
+    reference_scatter(want, pages, run, ids)
+    again = _poisoned()
+    loader = PageMover(again, pages, TransferPath.STAGING, 2, run_pages=12)
+    event = loader.load(ids, run)
+    assert event is not None
+    event.synchronize()
+    assert len(copies) == LAYOUT.num_layers and loader.runs_loaded == 8
+    assert _all_equal(again, want)
+
+
+def test_whole_load_by_runs_refused_part_way_orders_the_caller_after_its_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The third page's copy is refused: the error propagates, the two pages queued before it are
+    counted and land, and the caller's stream is ordered after them (its write to one of their
+    slots, queued right after the failure, is not overwritten by the late copy)."""
+    _, pages, page_ids, slots, expect = _case(36)
+    _no_chunks(monkeypatch)
+    _refusing(monkeypatch, 2)
+    back = _poisoned()
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=12)
+    engine = torch.cuda.Stream()
+    last = slots[T - 3 - 1].item()  # page 0's last row: the end of its copy's last layer
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(50_000_000)  # the lanes wait for it, so the copies run after the failure
+        with pytest.raises(RuntimeError, match="cudaMemcpy2DAsync"):
+            mover.load(page_ids, slots, 3)
+        back.k_layers[3][last].fill_(0)
+    engine.synchronize()
+    assert mover.runs_loaded == 2
+    assert bool((back.k_layers[3][last] == 0).all()), "the caller's write was overtaken by the load"
+    done = slots[: 2 * T - 3]
+    for layer in range(LAYOUT.num_layers):
+        got, want = back.k_layers[layer].clone(), expect.k_layers[layer].clone()
+        if layer == 3:
+            want[last] = 0
+        assert same_bits(got[done], want[done]), layer
+        assert bool((got[slots[2 * T - 3 :]].view(torch.uint8) == POISON).all()), layer
+
+
 def test_paced_load_by_runs_refused_in_its_last_layer_counts_the_pages_copied_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -240,8 +311,9 @@ def test_paced_load_by_runs_refused_in_its_last_layer_counts_the_pages_copied_wh
 
 def test_a_kv_layer_step_over_the_largest_pitch_loads_by_runs_layer_by_layer() -> None:
     """Two layers 2 GiB + 64 KiB apart (4 GiB of GPU memory, never initialised): a whole page cannot
-    be one copy (the layer step would be a pitch, which the runtime refuses), but a layer-wise load
-    steps layers by address: by runs, bit-exact; before, it staged."""
+    be one copy (the layer step would be its destination pitch, which the runtime refuses), so the
+    whole load copies layer by layer; the layer-wise load too. Both by runs, bit-exact; before,
+    both staged."""
     layout = KVLayout.mha(2, 8, 128, torch.bfloat16, page_tokens=16)
     tokens = 16
     num_slots = MAX_PITCH // (16 * 128 * 2) + 16
@@ -260,6 +332,14 @@ def test_a_kv_layer_step_over_the_largest_pitch_loads_by_runs_layer_by_layer() -
     events[-1].synchronize()
     want[:, layered] = torch.cat([rows[:, p * tokens : (p + 1) * tokens] for p in layered_ids], dim=1)
     assert mover.runs_loaded == 2
+    assert same_bits(used, want)
+
+    ids, slots = [4, 1, 5], torch.cat([torch.arange(1, tokens), torch.arange(5 * tokens, 7 * tokens)])
+    event = mover.load(ids, slots, 1)
+    assert event is not None
+    event.synchronize()
+    want[:, slots] = torch.cat([rows[:, p * tokens : (p + 1) * tokens] for p in ids], dim=1)[:, 1:]
+    assert mover.runs_loaded == 5
     assert same_bits(used, want)
     del big, used
 

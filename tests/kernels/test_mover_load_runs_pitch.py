@@ -1,6 +1,6 @@
 """A KV buffer whose layers are over the largest pitch ``cudaMemcpy2DAsync`` takes (2**31-1 bytes)
 apart: its offloads gather (a whole page's copy would take the layer step as its source pitch), its
-layer-wise loads go by run copies (each copy's pitches are the pool's page stride and a block).
+loads go by run copies layer by layer (each copy's pitches are the pool's page stride and a block).
 CPU: memmove (Triton's interpreter) over a lazily allocated 4 GiB buffer, only the slots used touched;
 the GPU cases are in ``test_mover_load_runs_gpu.py``.
 """
@@ -24,9 +24,9 @@ def test_a_kv_layer_step_over_the_largest_pitch_loads_by_runs_layer_by_layer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A KV buffer whose layers are over 2 GiB apart: a whole page cannot be one copy (its layer
-    step would be a pitch, which cudaMemcpy2DAsync refuses), but a layer-wise load steps layers by
-    address, so it still goes by runs (it staged before), with every pitch in range; an offload
-    gathers. The buffer is allocated lazily: only the slots used are touched."""
+    step would be a pitch, which cudaMemcpy2DAsync refuses), but loads step layers by address, so
+    whole and layer-wise loads still go by runs (they staged before), with every pitch in range;
+    an offload gathers. The buffer is allocated lazily: only the slots used are touched."""
     layout = KVLayout.mha(2, 1, 8, torch.float32, page_tokens=4)
     tokens, row = layout.page_tokens, layout.rows * layout.head_dim * layout.itemsize
     num_slots = MAX_PITCH // row + 8
@@ -63,6 +63,15 @@ def test_a_kv_layer_step_over_the_largest_pitch_loads_by_runs_layer_by_layer(
     assert same_bits(used, want)
     assert mover.runs_loaded == 2
     assert len(seen) == 2 * layout.num_layers  # one copy a page and layer (run_pages 1: pages apart)
+    assert all(c.dpitch <= MAX_PITCH and c.spitch <= MAX_PITCH for c in seen)
+
+    seen.clear()
+    ids, slots = [4, 1, 5], torch.cat([torch.arange(1, tokens), torch.arange(5 * tokens, 7 * tokens)])
+    assert mover.load(ids, slots, 1) is None
+    loaded(ids, slots, 1)
+    assert same_bits(used, want)
+    # A whole load by layer: three runs (page 0 partly needed; pool pages 1 and 5 apart), 2 layers.
+    assert len(seen) == 3 * layout.num_layers and mover.runs_loaded == 5
     assert all(c.dpitch <= MAX_PITCH and c.spitch <= MAX_PITCH for c in seen)
 
     seen.clear()

@@ -1,4 +1,4 @@
-"""Property test of layer-wise loads by run copies (``PageMover.load_layers``, STAGING, ``load_runs``).
+"""Property tests of loads by run copies (``PageMover.load_layers`` and ``load``, STAGING, ``load_runs``).
 
 Random cases (layout, dtype, page size, layers, pool page ids, slot runs, ``skip_first``, slot dtype
 and stride, buffer form) against two oracles: :func:`reference_scatter` and a plain indexing model
@@ -6,7 +6,9 @@ of it. The path taken is predicted from the documented rule (``_run_layers``): r
 page's loaded slots are one ascending run, the layers are evenly spaced (:func:`run_geometry`) and
 the copies (one per run of pages consecutive in the pool, within one registration, and in slots;
 a partly needed page 0 alone) are no more than the staged copies plus
-:data:`RUN_COPIES_PER_LAUNCH` per staged group; else the staged pipeline.
+:data:`RUN_COPIES_PER_LAUNCH` per staged group; else the staged pipeline. A whole-page load takes
+runs by the same rule, in the form with fewer copies: one per page (every layer), or one per layer
+of each such run of pages.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def cases(draw: st.DrawFn, chain: bool = False) -> Case:
+    """``chain``: each page follows its predecessor in the pool and in slots 7 times in 8, not 1 in 2
+    (long runs of pages: whole loads then copy by layer)."""
+    follows = st.integers(0, 7).map(bool) if chain else st.booleans()
     mla = draw(st.booleans())
     tokens = draw(st.integers(2, 8))
     count = draw(st.integers(1, 8))
@@ -79,7 +84,7 @@ def cases(draw: st.DrawFn) -> Case:
     ids = [draw(st.integers(0, POOL_PAGES - 1))]
     for _ in range(count - 1):
         follow = ids[-1] + 1
-        if follow < POOL_PAGES and follow not in ids and draw(st.booleans()):
+        if follow < POOL_PAGES and follow not in ids and draw(follows):
             ids.append(follow)
         else:
             ids.append(draw(st.sampled_from([p for p in range(POOL_PAGES) if p not in ids])))
@@ -90,7 +95,7 @@ def cases(draw: st.DrawFn) -> Case:
     for i in range(count):
         follow = starts[-1] + tokens if starts else -1
         free = [s for s in range(num_slots - tokens + 1) if used.isdisjoint(range(s, s + tokens))]
-        start = follow if i and follow in free and draw(st.booleans()) else draw(st.sampled_from(free))
+        start = follow if i and follow in free and draw(follows) else draw(st.sampled_from(free))
         starts.append(start)
         used.update(range(start, start + tokens))
     skip = draw(st.integers(0, tokens - 1))
@@ -166,8 +171,9 @@ def _model(pages: torch.Tensor, layout: KVLayout, case: Case) -> list[torch.Tens
     return list(want.unbind(0))
 
 
-def _model_copies(case: Case) -> int | None:
-    """Copies per layer the rule predicts (one segment: a full-width row), None where it stages."""
+def _model_runs(case: Case) -> int | None:
+    """Runs of pages one copy per layer loads (consecutive in the pool, within one registration, and
+    in slots; a partly needed page 0 alone), None where the slots or the buffer allow no run copies."""
     if case.swap is not None or (case.form == "uneven" and case.layers >= 3):
         return None
     runs = 0
@@ -176,6 +182,14 @@ def _model_copies(case: Case) -> int | None:
                  and page // case.run_pages == case.ids[i - 1] // case.run_pages
                  and start == case.starts[i - 1] + case.tokens)
         runs += not joins
+    return runs
+
+
+def _model_copies(case: Case) -> int | None:
+    """Copies per layer the rule predicts (one segment: a full-width row), None where it stages."""
+    runs = _model_runs(case)
+    if runs is None:
+        return None
     _, capacity = split_layer_staging(case.staging_pages * case.layers)
     groups = layer_groups(len(case.ids), capacity)
     budget = sum(len(slab_runs(case.ids[g.start : g.stop], case.run_pages)) + RUN_COPIES_PER_LAUNCH
@@ -186,8 +200,8 @@ def _model_copies(case: Case) -> int | None:
 @pytest.fixture
 def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     """Counts of the run copies issued per call of memmove_runs and of staged units issued."""
-    seen: dict[str, list[int]] = {"runs": [], "staged": []}
-    real_runs, real_unit = mover_module.memmove_runs, PageMover._issue_unit
+    seen: dict[str, list[int]] = {"runs": [], "staged": [], "chunks": []}
+    real_runs, real_unit, real_chunk = mover_module.memmove_runs, PageMover._issue_unit, PageMover._load_chunk
 
     def runs(copies: list[mover_module.RunCopy]) -> None:
         seen["runs"].append(len(copies))
@@ -197,8 +211,13 @@ def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
         seen["staged"].append(1)
         real_unit(self, *args)  # type: ignore[arg-type]
 
+    def chunk(self: PageMover, *args: object) -> None:
+        seen["chunks"].append(1)
+        real_chunk(self, *args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(mover_module, "memmove_runs", runs)
     monkeypatch.setattr(PageMover, "_issue_unit", unit)
+    monkeypatch.setattr(PageMover, "_load_chunk", chunk)
     return seen
 
 
@@ -251,6 +270,48 @@ def test_layer_wise_load_by_runs_matches_the_reference(case: Case, spies: dict[s
             assert mover.runs_loaded == len(case.ids)
             assert spies["staged"] == []
             assert spies["runs"] == [copies] * case.layers
+    finally:
+        pool.close()
+
+
+@CPU_ONLY
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(case=st.one_of(cases(), cases(chain=True)))
+def test_whole_load_by_runs_matches_the_reference(case: Case, spies: dict[str, list[int]]) -> None:
+    """``load`` (whole pages): bit-exact with both oracles, guards and untouched slots poisoned,
+    the pool unchanged, the path and the copies the rule predicts, the pages counted."""
+    for seen in spies.values():
+        seen.clear()
+    layout = case.layout()
+    pool = PagePool.create(layout, POOL_PAGES * layout.page_bytes, register_cuda=None)
+    try:
+        pool.wait_ready_blocking()
+        gen = torch.Generator().manual_seed(len(case.ids) * 1000 + case.tokens + 1)
+        pool.pages.copy_(random_bits(tuple(pool.pages.shape), layout.dtype, gen))
+        before = pool.pages.clone()
+        slots = _slots(case)
+        ref, *_ = _kv(layout, case)
+        reference_scatter(ref, pool.pages, slots, case.ids, skip_first=case.skip)
+        want = _model(pool.pages, layout, case)
+        assert all(same_bits(a, b) for a, b in zip(ref.k_layers, want, strict=True))
+
+        runs = _model_runs(case)
+        count = len(case.ids)
+        # Fewer copies wins, by page on a tie: one of L rows per page, or L per run (one a layer).
+        groups = None if runs is None else [1] * count if count <= runs * case.layers else [case.layers] * runs
+        event("whole: " + ("staged" if groups is None else "by page" if groups == [1] * count else "by layer"))
+        kv, layers, store, outside = _kv(layout, case)
+        mover = PageMover(kv, pool.pages, TransferPath.STAGING, case.staging_pages, run_pages=case.run_pages)
+        assert mover.load(case.ids, slots, case.skip) is None
+        assert all(same_bits(a, b) for a, b in zip(layers, want, strict=True))
+        assert bool((store[outside].view(torch.uint8) == POISON).all())
+        assert torch.equal(pool.pages.view(torch.uint8), before.view(torch.uint8))
+        if groups is None:
+            assert mover.runs_loaded == 0 and spies["runs"] == [] and spies["chunks"]
+        else:
+            assert mover.runs_loaded == count and spies["chunks"] == []
+            assert spies["runs"] == groups
     finally:
         pool.close()
 
