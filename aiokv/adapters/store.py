@@ -344,7 +344,7 @@ class PageFileStore:
         running (disk I/O stuck in the kernel): it ends once that I/O did."""
         self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
         self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
-        self._retired: list[asyncio.Future[None]] = []  # io_ended of replaced tiers whose close gave up
+        self._retired: list[DiskTier] = []  # tiers a rescan replaced whose close did not end in time
         self._owns_thread = thread is None
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
@@ -537,8 +537,9 @@ class PageFileStore:
         """Close ``old``, a tier the store replaced, waiting ``close_timeout`` at most: its I/O still
         stuck in the kernel then (a hung file system) goes on, and the staging pool it may read or
         write is freed only once that I/O ended (:meth:`_close`)."""
-        if not await old.close_within(self.config.close_timeout):
-            self._retired.append(old.io_ended)
+        self._retired.append(old)  # first: a close() cancelling this still finds it
+        if await old.close_within(self.config.close_timeout):
+            self._retired.remove(old)
 
     async def store(self, key: PageKey, page: Sequence[torch.Tensor]) -> bool:
         """Write the page made of the ``page`` tensors (1-D ``uint8`` CPU, ``page_bytes`` in all) under
@@ -606,6 +607,8 @@ class PageFileStore:
             try:
                 if not await disk.read(key, handle):
                     return False
+                if pool.closed:
+                    return False  # the store closed while the read was stuck in the kernel: a miss
                 self._copy(pool, handle, page, into_staging=False)
                 return True
             finally:
@@ -784,21 +787,23 @@ class PageFileStore:
         stuck in the kernel (the staging pool is freed once that resolved), else None."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.close_timeout  # one bound for the whole close
-        # Tiers a rescan replaced whose close gave up, a clear still running, this tier's stuck I/O:
-        # the staging pool is freed once all of them ended.
-        pending: list[asyncio.Future[Any]] = [f for f in self._retired if not f.done()]
+        # A clear still running, this tier's and replaced tiers' stuck I/O: the staging pool is freed
+        # once all of them ended.
+        pending: list[asyncio.Future[Any]] = []
         stuck: asyncio.Future[None] | None = None
         try:
             clearing = self._clear_task
             if clearing is not None and not clearing.done():
-                clearing.cancel()  # stuck (else clear() would have ended it): its tier is closed below
+                clearing.cancel()  # stuck (else clear() would have ended it): its tiers are closed below
                 await asyncio.wait({clearing}, timeout=max(0.0, deadline - loop.time()))
                 if not clearing.done():  # starting a fresh tier, its thread stuck in the file system
                     pending.append(_ended(clearing))
             await self._stop_registering()
             # Read after the clear ended: it may have started a fresh tier meanwhile.
-            if self._disk is not None and not await self._disk.close_within(max(0.0, deadline - loop.time())):
-                pending.append(self._disk.io_ended)
+            tiers = [*self._retired, *([self._disk] if self._disk is not None else [])]
+            for tier in tiers:  # closed at once when closed already
+                if not await tier.close_within(max(0.0, deadline - loop.time())):
+                    pending.append(tier.io_ended)
             if pending:
                 self.close_timeouts += 1
                 stuck = _all_ended(pending)
