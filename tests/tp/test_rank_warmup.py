@@ -70,6 +70,8 @@ async def test_rank_copies_wait_for_the_warm_up_and_launch_only_its_variants(
     slots = torch.arange(5, 5 + 3 * T)
     async with _worker(group, kv) as worker:
         await group.wait_attached()
+        assert worker._executor is not None
+        worker._executor._mover.load_runs = False  # every load launches a kernel: the variants are checked
         await gate.held.wait()  # the session's warm-up is in its first launch
         offload = group.submit_nowait(group.spec(Direction.OFFLOAD, pages, slots))
         await until(lambda: waiting_in(worker._session_task, "until"))

@@ -189,6 +189,7 @@ async def test_a_second_aclose_while_a_copy_runs_still_joins_the_warm_up(
                 assert executor is not None and warm is not None
                 threads = warm_threads()
                 assert len(threads) == 1
+                executor._mover.load_runs = False  # the load launches the kernel the copy hold stops in
                 job = group.submit_nowait(group.spec(Direction.LOAD, [0], range(T)))
                 await copy_hold.wait_entered()
                 session = worker._session_task
