@@ -426,7 +426,7 @@ async def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
         waiters = list(cache._bridge._threads)  # the cache's waiter threads (CUDA), none on a CPU buffer
         outcomes = []
         stream_times = []
-        # --load-runs-ab: hits alternate between layer-wise loads by run copies and staged ones.
+        # --load-runs-ab: hits alternate between loads (layer-wise or whole) by run copies and staged ones.
         mover = cache._transfers.mover if cache._transfers is not None else None
         arms: dict[bool, list[float]] = {True: [], False: []}
         runs_before = mover.runs_loaded if mover is not None else 0
@@ -785,8 +785,9 @@ def main() -> int:
                         help="destination slots (gpu mode): random tokens, shuffled page blocks, or one run "
                              "(contiguous: layer-wise loads go by run copies)")
     parser.add_argument("--load-runs-ab", action="store_true",
-                        help="streaming hits alternate layer-wise loads by run copies and staged (gpu mode; "
-                             "with --slots contiguous and --layered; --prompts even)")
+                        help="streaming hits alternate loads by run copies and staged (gpu mode; "
+                             "--slots contiguous or blocks; layer-wise with --layered, whole loads without; "
+                             "--prompts even)")
     parser.add_argument("--claim-tokens", type=int, default=2048,
                         help="tokens per claim while streaming (gpu and stream modes)")
     parser.add_argument("--compute-ms", type=float, default=2.0,
@@ -871,7 +872,7 @@ def main() -> int:
               f"{lag['p99_ms']:.3f} ms (target 1.2), max {lag['max_ms']:.3f} ms; {st['waiter_threads']} waiter "
               f"threads burned " + ("? (per-thread CPU clocks do not work here)" if st["waiter_cpu_per_s"] is None
                                     else f"{st['waiter_cpu_per_s']:.2f} CPU s/s"))
-        print(f"slots {result['slots']}: {st['runs_loaded_pages']} pages planned as run copies while streaming")
+        print(f"slots {result['slots']}: {st['runs_loaded_pages']} pages copied by run copies while streaming")
         ab = st.get("load_runs_ab")
         if ab is not None:
             print(f"load runs A/B ({ab['hits_each']} hits each): runs {ab['runs_median_s'] * 1e3:.1f} ms, staged "
