@@ -312,11 +312,41 @@ class LocalTransfers:
         def start() -> tuple[asyncio.Future[None], torch.cuda.Event | None]:
             if bridge.closed:  # nothing may reach the GPU that no one would wait for
                 raise RuntimeError("completion bridge is closed")
-            event = mover.offload(slots, page_ids, ready, checked=True)
+            try:
+                event = mover.offload(slots, page_ids, ready, checked=True)
+            except Exception as exc:
+                # Failed part-way: gathers queued before the fault may still write the pool pages,
+                # which the manager aborts (and reuses) as soon as the copy fails. It fails once they
+                # ran; the pacer counts its bytes until then.
+                return self._failed_after_queued(exc, Lane.OFFLOAD)
             return bridge.wait(event, Lane.OFFLOAD), event
 
         entry = self.offloads.run(len(page_ids) * mover.pages[0].nbytes, start)
         return Copy(entry.future, entry.event, launch=entry)
+
+    def _failed_after_queued(
+        self, exc: Exception, lane: Lane
+    ) -> tuple[asyncio.Future[None], torch.cuda.Event | None]:
+        """A CUDA launch that raised part-way (``exc``): the mover made the current stream wait for
+        what it had queued before raising; a future that fails with ``exc`` only once that work is
+        done on the GPU (the TP executor reports such a failure the same way), and the event it
+        waits on. When not even that event can be recorded (a sticky CUDA error: nothing queued
+        runs any more), it fails at once."""
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            queued.record(torch.cuda.current_stream(self._device))
+            waited = self._bridge.wait(queued, lane)
+        except Exception:
+            failed.set_exception(exc)
+            return failed, None
+
+        def done(_: asyncio.Future[None]) -> None:
+            if not failed.done():
+                failed.set_exception(exc)
+
+        waited.add_done_callback(done)
+        return failed, queued
 
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         mover = self.mover
@@ -326,7 +356,10 @@ class LocalTransfers:
             return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip, checked=True)))
         try:
             event = mover.load(page_ids, slots, skip, checked=True)
-        except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+        except Exception as exc:
+            # A launch fault (arguments were validated): settles as a failed copy at once. Unlike an
+            # offload's, scatters queued before the fault only read pool pages and write slots past
+            # the loaded prefix, and the mover ordered the engine's stream after them.
             return failed_copy(exc)
         if event is not None:
             # Order the engine's stream after the copy on the GPU side; the host does not wait. No
