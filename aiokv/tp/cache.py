@@ -49,7 +49,8 @@ from .transfers import GroupTransfers
 class TPCache(CacheFacade):
     """Tiered KV cache shared by the ``tp_size`` ranks of one engine (see the module docstring).
 
-    ``num_slots``: token slots of each rank's KV buffer (the same on every rank). ``directory``:
+    ``num_slots``: token slots of each rank's KV buffer (the same on every rank; a rank whose buffer
+    has fewer is refused at attach: :class:`~aiokv.tp.WorkerRefusedError` there). ``directory``:
     where the workers' socket lives (a private 0700 directory; a fresh temporary one when None).
     Raises ``ValueError`` when ``tp_size`` and the layout's heads do not divide or ``config`` sets
     what only the ranks use (``transfer_path``, ``staging_pages``), ``TypeError`` for arguments of
@@ -125,7 +126,7 @@ class TPCache(CacheFacade):
             self._check_not_closing()
             group = RankGroup(
                 self.layout, self.tp_size, pool.name, pool.num_pages, config=self._tp_config,
-                directory=self._directory, on_all_attached=self._manager.set_device,
+                directory=self._directory, on_all_attached=self._manager.set_device, num_slots=self.num_slots,
             )
             await group.start()
             if self._close_task is not None:

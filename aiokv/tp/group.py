@@ -69,7 +69,8 @@ class GroupStatistics:
     refused: int
     """Hellos refused (wrong version, layout, tp_size or rank; rank taken; closing)."""
     attach_failures: int
-    """Workers that could not map the pool or confirmed another epoch."""
+    """Workers that could not map the pool, confirmed another epoch, or refused to attach (a KV
+    buffer with fewer slots than ``num_slots``)."""
     disconnects: int
     """Attached ranks that went away."""
     link_errors: int
@@ -93,8 +94,11 @@ class RankGroup:
 
     ``on_all_attached``: called on the loop, with :attr:`device_kind`, each time the last missing
     rank attaches (the ranks' device becomes known; a :class:`~aiokv.tp.TPCache` labels its rates
-    by it). Use as ``async with RankGroup(...) as group`` or :meth:`start` / :meth:`aclose`.
-    Raises ``ValueError`` when ``tp_size`` does not divide the layout's heads (or they it).
+    by it). ``num_slots``: the token slots specs address (a ``TPCache``'s ``num_slots``); a worker
+    whose KV buffer has fewer refuses to attach (counted in ``attach_failures``, its reason logged);
+    None: not stated. Use as ``async with RankGroup(...) as group`` or :meth:`start` / :meth:`aclose`.
+    Raises ``ValueError`` when ``tp_size`` does not divide the layout's heads (or they it), or for
+    a ``num_slots`` that is not a positive int.
     """
 
     def __init__(
@@ -107,8 +111,12 @@ class RankGroup:
         directory: str | os.PathLike[str] | None = None,
         epoch: int | None = None,
         on_all_attached: Callable[[str], None] | None = None,
+        num_slots: int | None = None,
     ) -> None:
         slices = [TPSlice.of(layout, rank, tp_size) for rank in range(tp_size)]
+        if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)
+                                      or not 0 < num_slots < 2**64):
+            raise ValueError(f"num_slots must be a positive int or None, got {num_slots!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if not isinstance(pool_name, str) or not pool_name.startswith("/"):
@@ -121,6 +129,8 @@ class RankGroup:
         self.tp_size = tp_size
         self.pool_name = pool_name
         self.num_pages = num_pages
+        self.num_slots = num_slots
+        """Token slots the specs address (every rank's KV buffer has at least as many); None: not stated."""
         self.config = config or TPConfig()
         self.epoch = epoch if epoch is not None else secrets.randbits(63) + 1
         self.writers = frozenset(s.rank for s in slices if s.writer)
@@ -573,7 +583,7 @@ class RankGroup:
         link.state = _LinkState.ATTACH
         welcome = Welcome(
             PROTOCOL_VERSION, self.tp_size, self.page_layout.fingerprint, self.epoch,
-            self.num_pages, self.page_layout.page_bytes, self.pool_name,
+            self.num_pages, self.page_layout.page_bytes, self.pool_name, self.num_slots or 0,
         )
         link.transport.write(frame(FrameKind.WELCOME, welcome.encode()))
 

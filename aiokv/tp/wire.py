@@ -4,8 +4,8 @@ Every frame is ``length u32 | kind u8 | payload`` (little-endian; ``length`` cou
 A session::
 
     worker  --HELLO(version, rank, tp_size, layout fingerprint, device kind)--> manager
-    worker  <--WELCOME(version, tp_size, fingerprint, pool epoch, name, pages)-- or REFUSE(reason, text)
-    worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name)
+    worker  <--WELCOME(version, tp_size, fingerprint, pool epoch, pages, slots, name)-- or REFUSE(reason, text)
+    worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name; not ok: refused or failed)
     worker  <--SPEC(TransferSpec bytes)--  ...  --DONE(job id, status, text)-->
             (a layered LOAD: --LAYERS(job id, layers landed)--> as layers land, before its DONE)
 
@@ -20,16 +20,17 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
 closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
 5: WITHDRAWN frames: a layered job held for room and withdrawn unsent (its id was already in a
-``layered_load()``) ends the ranks' waits for it."""
+``layered_load()``) ends the ranks' waits for it. 6: WELCOME carries the token slots the manager
+addresses; a worker whose KV buffer has fewer refuses to attach."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
-_WELCOME = struct.Struct("<HH16sQIQ")
+_WELCOME = struct.Struct("<HH16sQIQQ")
 _REFUSE = struct.Struct("<B")
 _ATTACHED = struct.Struct("<QB")
 _DONE = struct.Struct("<QB")
@@ -105,6 +106,8 @@ class RefuseReason(enum.Enum):
     """The group is closing (retried: a new manager may come)."""
     PEER = 7
     """The connecting process belongs to another user."""
+    SLOTS = 8
+    """(worker side) Its KV buffer has fewer token slots than the manager addresses."""
 
     @property
     def retry(self) -> bool:
@@ -214,7 +217,8 @@ class Hello:
 
 @dataclass(frozen=True)
 class Welcome:
-    """Manager -> worker: the pool to attach and the group's geometry."""
+    """Manager -> worker: the pool to attach and the group's geometry. ``num_slots``: the token slots
+    its specs address (every rank's KV buffer must have at least as many); 0: not stated."""
 
     version: int
     tp_size: int
@@ -223,16 +227,19 @@ class Welcome:
     num_pages: int
     page_bytes: int
     pool_name: str
+    num_slots: int = 0
 
     def encode(self) -> bytes:
-        head = _WELCOME.pack(self.version, self.tp_size, self.fingerprint, self.epoch, self.num_pages, self.page_bytes)
+        head = _WELCOME.pack(self.version, self.tp_size, self.fingerprint, self.epoch, self.num_pages, self.page_bytes,
+                             self.num_slots)
         return head + _text(self.pool_name)
 
     @classmethod
     def decode(cls, payload: bytes) -> Welcome:
-        version, tp_size, fingerprint, epoch, pages, page_bytes = _fixed(_WELCOME, payload, "welcome", exact=False)
+        version, tp_size, fingerprint, epoch, pages, page_bytes, slots = _fixed(_WELCOME, payload, "welcome",
+                                                                              exact=False)
         name = _decode_text(payload, _WELCOME.size)
-        return cls(version, tp_size, fingerprint, epoch, pages, page_bytes, name)
+        return cls(version, tp_size, fingerprint, epoch, pages, page_bytes, name, slots)
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,18 @@ _LINK_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ValueError, Timeou
 
 
 class WorkerRefusedError(RuntimeError):
-    """The manager refused this worker for good (wrong protocol version, layout, tp_size or rank)."""
+    """The manager refused this worker for good (wrong protocol version, layout, tp_size or rank), or
+    this worker refused the manager's pool (a KV buffer with fewer slots than the cache addresses)."""
 
     def __init__(self, reason: RefuseReason, text: str) -> None:
-        super().__init__(f"manager refused the worker ({reason.name}): {text}")
+        who = "the worker refused the manager's pool" if reason is RefuseReason.SLOTS else "manager refused the worker"
+        super().__init__(f"{who} ({reason.name}): {text}")
         self.reason = reason
+        self.text = text
+
+    def __reduce__(self) -> tuple[type[WorkerRefusedError], tuple[RefuseReason, str]]:
+        # Rank processes report it to their parent (multiprocessing pickles it): rebuilt from both parts.
+        return type(self), (self.reason, self.text)
 
 
 class _RetryLater(Exception):
@@ -290,6 +297,14 @@ class RankWorker:
             raise WorkerRefusedError(RefuseReason.TP_SIZE, f"manager has tp_size {welcome.tp_size}")
         if welcome.fingerprint != self.page_layout.fingerprint or welcome.page_bytes != self.page_layout.page_bytes:
             raise WorkerRefusedError(RefuseReason.LAYOUT, "manager's layout differs from this worker's")
+        if welcome.num_slots > self.kv.num_slots:
+            # Specs may name any slot below the manager's count: every copy touching the rest would
+            # fail (BAD_SPEC), each load a miss and each offload dropped. Refused before attaching;
+            # the manager is told why (its log, attach_failures), and this worker stops.
+            why = (f"rank {self.tp.rank}'s KV buffer has {self.kv.num_slots} token slots, fewer than the "
+                   f"{welcome.num_slots} the cache addresses (TPCache num_slots)")
+            link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
+            raise WorkerRefusedError(RefuseReason.SLOTS, why)
         return welcome
 
     async def _attach(self, welcome: Welcome, link: _WorkerLink) -> RankExecutor:
