@@ -1,0 +1,147 @@
+"""A stream closed by another task (the request aborted) while the engine's task is in a stream call.
+
+Found by ``test_split_oracle_props.py`` (helper-97): ``aclose()`` from a second task while the first is
+in ``finish()`` (or in its own ``aclose()``) returns at once, copies still writing the slots; and
+``launched()`` raises ``CancelledError`` in a task nobody cancelled when another task closes the
+stream. Minimal deterministic cases: the CPU copy is held on a gate, so it is provably in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+
+import aiokv.kernels.mover as mover_module
+from aiokv import KVCache
+from aiokv.kernels import reference_scatter
+
+T = LAYOUT.page_tokens
+cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread on a gate")
+
+
+@asynccontextmanager
+async def _held_copies(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[threading.Event, threading.Event]]:
+    """Copies into the KV buffer wait for the first event; the second is set once one is waiting."""
+    gate, entered = threading.Event(), threading.Event()
+    real: Callable[..., None] = reference_scatter
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        gate.wait(30)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(mover_module, "reference_scatter", held)
+    try:
+        yield gate, entered
+    finally:
+        gate.set()  # never leave the copy thread blocked, also when the test fails
+
+
+async def _until(done: threading.Event) -> None:
+    for _ in range(100_000):
+        if done.is_set():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the copy never started")
+
+
+@cpu_only
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="defect: LoadStream.aclose() returns at once while finish() runs in another "
+                   "task (it only checks _finished), so the copies still write the slots after aclose returned")
+async def test_aclose_from_another_task_during_finish_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv(1)
+    tokens = prompt(1, 4 * T)
+    async with KVCache(config(None), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(4 * T))
+        target = torch.arange(100, 100 + 4 * T)
+        kv[:, target] = 0
+        async with _held_copies(monkeypatch) as (gate, entered):
+            stream = await cache.start_load(await cache.match(tokens), target)
+            finishing = asyncio.ensure_future(stream.finish())  # the request's task
+            await _until(entered)  # its copy is in flight, held
+            closing = asyncio.ensure_future(stream.aclose())  # another task aborts the request
+            for _ in range(20):
+                await asyncio.sleep(0)
+            returned = closing.done()
+            gate.set()
+            await closing
+            await finishing
+        # aclose: "returns only when no copy touches the slots and every page is released".
+        assert not returned, "aclose() returned while finish()'s copy was still writing the slots"
+        await assert_quiescent(cache)
+
+
+@cpu_only
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="defect: a second LoadStream.aclose() (here __aexit__ of a cancelled task) "
+                   "while the first is still quiescing returns at once: the cancelled task ends, its copy in flight")
+async def test_cancelled_task_whose_stream_another_task_is_closing_ends_after_the_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kv = make_kv(2)
+    tokens = prompt(2, 4 * T)
+    async with KVCache(config(None), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(4 * T))
+        target = torch.arange(100, 100 + 4 * T)
+        kv[:, target] = 0
+        async with _held_copies(monkeypatch) as (gate, entered):
+            stream = await cache.start_load(await cache.match(tokens), target)
+
+            async def request() -> None:
+                async with stream:
+                    await asyncio.Event().wait()  # the engine computes something else meanwhile
+
+            task = asyncio.ensure_future(request())
+            await _until(entered)
+            closing = asyncio.ensure_future(stream.aclose())  # an abort: quiescing, held by the copy
+            await asyncio.sleep(0)
+            task.cancel()  # the request's own task is cancelled too: its __aexit__ calls aclose
+            for _ in range(20):
+                await asyncio.sleep(0)
+            ended_early = task.done()
+            gate.set()
+            await closing
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert not ended_early, "the cancelled task ended while a copy into its slots was still running"
+        await assert_quiescent(cache)
+
+
+@cpu_only
+@pytest.mark.asyncio
+@pytest.mark.xfail(strict=True, reason="defect: LoadStream.launched() shields the loader task, which another "
+                   "task's aclose() cancels: CancelledError in a task nobody cancelled (wait_front returns instead)")
+async def test_launched_returns_when_another_task_closes_the_stream(tmp_path: Path) -> None:
+    kv = make_kv(3)
+    tokens = prompt(3, 6 * T)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(6 * T))
+        await cache.flush()
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:  # restarted: the pages are on disk only
+        await cache.pool.wait_ready()
+        match = await cache.match(tokens)
+        assert match.disk_pages == 6
+        stream = await cache.start_load(match, torch.arange(100, 100 + 6 * T))
+        waiting = asyncio.ensure_future(stream.launched())  # the engine's task, before its tail prefill
+        front = asyncio.ensure_future(stream.wait_front(0))  # the same wait through wait_front
+        await asyncio.sleep(0)
+        await stream.aclose()  # another task aborts the request
+        assert await front == stream.front  # wait_front: returns where the load stopped
+        try:
+            got = await waiting
+        except asyncio.CancelledError:
+            got = None
+        assert got == stream.front, "launched() raised CancelledError in a task nobody cancelled"
+        await assert_quiescent(cache)
