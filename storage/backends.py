@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import queue
-import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -59,6 +58,9 @@ log = logging.getLogger(__name__)
 CHAIN_MAX = 7
 """SQEs one page may hold at once: its chain (open, header, page, fsync, close, rename), plus one
 unlink or rename of an evicted file."""
+
+CHAIN_READS = True
+"""Whether a cold O_DIRECT read is one chain from its open (:attr:`UringPageIO.chain_reads`)."""
 
 
 Published = Callable[[BaseException | None], None]
@@ -126,24 +128,14 @@ class FaultPlan:
         return None if err is None else -err
 
 
-class Statx(ctypes.Structure):
-    """``struct statx`` (256 bytes): the fields a read chain's STATX is checked on, then padding."""
-
-    _fields_ = [("mask", ctypes.c_uint32), ("blksize", ctypes.c_uint32), ("attributes", ctypes.c_uint64),
-                ("nlink", ctypes.c_uint32), ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
-                ("mode", ctypes.c_uint16), ("spare", ctypes.c_uint16), ("rest", ctypes.c_uint8 * 224)]
-
-
-STATX_NEEDED = 0x1 | 0x8  # STATX_TYPE | STATX_UID: what a page file is checked on
-AT_SYMLINK_NOFOLLOW = 0x100
 PATH_BYTES = 256
 """Per I/O slot, room for a page file's name (relative to its directory) and its terminating NUL."""
 
 
 class HeaderSlots:
     """Page-aligned 4096-byte buffers for headers (O_DIRECT needs aligned memory), one per I/O slot;
-    per slot a two-entry iovec (header, page) for vectored I/O, and a name buffer and a ``statx``
-    result for a read chain (kept here: the kernel writes them until the slot's chain completed)."""
+    per slot a two-entry iovec (header, page) for vectored I/O and two name buffers for its chains
+    (kept here: the kernel reads them until the slot's chain completed)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -158,8 +150,6 @@ class HeaderSlots:
         for i in range(count):
             self.iovecs[2 * i].base = self.address + i * HEADER_BYTES
             self.iovecs[2 * i].len = HEADER_BYTES
-        self.stats = (Statx * count)()
-        self.stats_address = ctypes.addressof(self.stats)
         # Two names per slot (a write chain's old and new name), written through a memoryview:
         # a ctypes buffer allocated per name cost ~2 us a page and garbage for the collector.
         self._paths = ctypes.create_string_buffer(2 * count * PATH_BYTES)
@@ -317,10 +307,11 @@ class UringPageIO:
 
     A new page file is one linked chain: OPENAT (``O_CREAT|O_EXCL|O_NOFOLLOW`` into the I/O slot's
     fixed-file entry: only a new regular file of ours can come out of it), header and page, [FSYNC],
-    CLOSE, RENAMEAT. A read with O_DIRECT is one chain too: OPENAT (``O_NOFOLLOW|O_NONBLOCK|
-    O_DIRECT``, refused for anything but a regular file) into the slot's fixed-file entry, STATX
-    (our regular file, checked before the bytes count), header and page, CLOSE (:meth:`_load_chain`).
-    The overwrite of a recycled file, and a read without O_DIRECT, open the existing name first
+    CLOSE, RENAMEAT. A cold O_DIRECT read (its name not in the kernel's lookup caches) is one chain
+    too: OPENAT (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``, refused for anything but a regular file) into
+    the slot's fixed-file entry, FIXED_FD_INSTALL, header and page, CLOSE; the installed fd is
+    ``fstat``-checked before the bytes count (:meth:`_load_chain`). The overwrite of a recycled
+    file, and other reads, open the existing name first
     (into a normal fd, ``fstat``-checked before any byte moves: on the loop where the name is in the
     kernel's lookup caches, else by an OPENAT through the ring), then one chain: header and page,
     CLOSE (and for an overwrite RENAMEAT to the new name). Header and page move in one vectored op
@@ -334,13 +325,12 @@ class UringPageIO:
         self.direct = direct
         self.faults = FaultPlan(arm=self._arm_faults)
         self._cached = CachedOpen()
-        self.chain_reads = False
-        """Reads as one chain from the open (:meth:`_load_chain`). Off: its STATX checks the *name*,
-        not the file its OPENAT opened, and a rename race inside the directory (RENAME_EXCHANGE in a
-        loop) made it approve our file while reading another owner's (review: 7 of 220 reads served
-        a forged page of uid 12345 as a hit; the checked way's fstat of the open fd: 0). Its CPU gain
-        measured 0-10% on cold reads. On again once the opened file itself can be checked
-        (IORING_OP_FIXED_FD_INSTALL + fstat, kernel 6.8). Turns itself off after an EAGAIN read."""
+        self.chain_reads = CHAIN_READS
+        """Cold O_DIRECT reads as one chain from the open (:meth:`_load_chain`), checked on the file
+        it opened (an installed fd's ``fstat``). An earlier chain checked a STATX of the *name*: a
+        rename race inside the directory (RENAME_EXCHANGE in a loop) made it approve our file while
+        it read another owner's (review: 7 of 220 reads served a forged page as a hit). Turns
+        itself off where the kernel cannot install fixed files (before 6.8) or after an EAGAIN read."""
         self._uid = os.geteuid()
         self._pool = pool
         self._slots = slots
@@ -765,26 +755,38 @@ class UringPageIO:
         return want
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        if self.chain_reads and self.direct and page.aligned:
-            self._load_chain(dir_fd, name, slot, page, done)
-        else:
-            self._load_checked(dir_fd, name, slot, page, done)
-
-    def _load_chain(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        """A read as one submission: OPENAT into the slot's fixed-file entry
-        (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``), STATX of the name (no follow), header and page, CLOSE.
-
-        The open is as safe as :meth:`_load_checked`'s without looking at the file first: a symlink
-        fails it (ELOOP), a socket too (ENXIO), and ``O_NONBLOCK`` opens a FIFO at once, which
-        ``O_DIRECT`` then refuses (EINVAL), as it refuses devices. Only a regular file (or a block
-        device, which only root can plant) is read. Its STATX (the chain cannot ``fstat``) must
-        say a regular file of our uid before the bytes count, as :func:`check_page_fd` requires —
-        but of the name, not of the opened file: a rename race in between defeats it, which is
-        why the chain is off by default (:attr:`chain_reads`);
-        the caller verifies header and checksum after that. An EINVAL open (what it is needs a
-        look: a FIFO, a device) and a file system answering EAGAIN to ``O_NONBLOCK`` reads (from
-        then on, every read) go the checked way, :meth:`_load_checked`."""
+        # Opened on the loop where that needs no I/O (the name in the kernel's lookup caches), then
+        # one chain; a cold name (after a cache drop, or never looked up) is one chain from its open.
         encoded = name.encode()
+        flags = os.O_RDONLY | OPEN_FLAGS
+        try:
+            fd = self._open_cached(dir_fd, encoded, flags)
+        except OSError as exc:
+            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
+            return
+        if fd is not None:
+            self._read_file(fd, name, slot, page, done, True)
+        elif self.chain_reads and self.direct and page.aligned:
+            self._load_chain(dir_fd, name, encoded, slot, page, done)
+        else:
+            self._open_then_read(dir_fd, name, encoded, slot, page, done)
+
+    def _load_chain(self, dir_fd: int, name: str, encoded: bytes, slot: int, page: PageBuffer,
+                    done: Loaded) -> None:
+        """A cold read as one submission: OPENAT into the slot's fixed-file entry
+        (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``), FIXED_FD_INSTALL (the opened file as a normal fd of
+        ours, its number reported), header and page, CLOSE of the entry. Then on the loop the
+        installed fd is ``fstat``-checked (:func:`check_page_fd`: a regular file of our uid) and
+        closed: the check looks at the file the chain opened and read, never at a name, so a rename
+        race in the directory cannot pass another file off (it could when a STATX of the name was
+        the check). The bytes count only after that check; the caller then verifies header and
+        checksum.
+
+        The open itself is as safe as the checked way's: a symlink fails it (ELOOP), a socket
+        too (ENXIO), and ``O_NONBLOCK`` opens a FIFO at once, which ``O_DIRECT`` then refuses
+        (EINVAL), as it refuses character devices. An EINVAL open (what it is needs a look), an
+        install the kernel does not know (before 6.8) and a file system answering EAGAIN to
+        ``O_NONBLOCK`` reads go the checked way (the last two: from then on, every read)."""
         slots = self._slots
         path = slots.path(slot, encoded)
         keep: object = (slots, self._pool, page.view)
@@ -795,57 +797,60 @@ class UringPageIO:
         moves = self._transfer(False, slot, True, slot, page)
         sizes = self._moved(moves)
         ops = [uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags, file_index=slot + 1),
-               uring.sqe(uring.OP_STATX, dir_fd, path, STATX_NEEDED, slots.stats_address + slot * ctypes.sizeof(Statx),
-                         AT_SYMLINK_NOFOLLOW),
+               uring.sqe(uring.OP_FIXED_FD_INSTALL, slot, fixed_file=True),
                *moves,
                uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)]
         expect = [0, 0, *sizes, 0]
         moved = sum(sizes)
 
         def read(results: list[int]) -> None:
-            if results == expect:
-                done(self._chain_checked(slot, name) or moved)
+            installed = results[1]
+            unsafe: OSError | None = None
+            if installed >= 0:
+                try:
+                    check_page_fd(installed, name, False)
+                except OSError as exc:
+                    unsafe = exc
+                finally:
+                    os.close(installed)
+            if unsafe is None and results[0] == 0 and results[2:] == expect[2:]:
+                done(moved)
                 return
-            if results[0] < 0:  # nothing was opened: nothing to close
-                self._chain_failed(results, dir_fd, name, slot, page, done)
-                return
-            if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE: closed first, as
-                # the slot's entry must be empty before the slot goes to another page's chain
+            if results[0] >= 0 and results[-1] == -errno.ECANCELED:
+                # A broken chain skipped its CLOSE: the entry is closed first, as it must be empty
+                # before the slot goes to another page's chain.
                 self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
-                                   lambda _: self._chain_failed(results, dir_fd, name, slot, page, done))
+                                   lambda _: self._chain_failed(results, unsafe, dir_fd, name, slot, page, done))
                 return
-            self._chain_failed(results, dir_fd, name, slot, page, done)
+            self._chain_failed(results, unsafe, dir_fd, name, slot, page, done)
 
-        self.engine.submit(ops, keep, read, expect=expect)
+        self.engine.submit(ops, keep, read, expect=expect, report=1)
 
-    def _chain_checked(self, slot: int, name: str) -> UnsafeFileError | None:
-        """What the read chain's STATX says of the file read: None for a regular file of ours."""
-        st = self._slots.stats[slot]
-        if st.mask & STATX_NEEDED != STATX_NEEDED:
-            return UnsafeFileError(errno.EPERM, f"{name}: the file system does not report its type and owner")
-        if not stat.S_ISREG(st.mode):
-            return UnsafeFileError(errno.EPERM, f"{name} is not a regular file (mode {st.mode:o}), not a page file")
-        if st.uid != self._uid:
-            return UnsafeFileError(errno.EPERM, f"{name} belongs to uid {st.uid}, not to uid {self._uid}")
-        return None
-
-    def _chain_failed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
-                      done: Loaded) -> None:
-        """A broken read chain (its file closed): the fault, or the checked way where the chain
-        cannot tell (an EINVAL open, an EAGAIN read)."""
-        opened, statted = results[0], results[1]
+    def _chain_failed(self, results: list[int], unsafe: OSError | None, dir_fd: int, name: str, slot: int,
+                      page: PageBuffer, done: Loaded) -> None:
+        """A broken or refused read chain (its fixed-file entry closed): the fault, or the checked
+        way where the chain cannot tell (an EINVAL open, no install, an EAGAIN read)."""
+        opened, installed = results[0], results[1]
+        if opened == -errno.ECANCELED or (opened >= 0 and installed < 0 and installed != -errno.ECANCELED):
+            # The kernel refused the chain: an op it does not know fails the whole chain at its
+            # submission (FIXED_FD_INSTALL before 6.8: nothing ran), or the install itself failed
+            # (its entry closed). The checked way, from now on.
+            self.chain_reads = False
+            log.info("disk tier: io_uring cannot install opened files here (%s): opening page files before "
+                     "reading them from now on", os.strerror(-installed if installed < 0 else -opened))
+            self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
+            return
         if opened < 0:
             if opened == -errno.EINVAL:
-                self._load_checked(dir_fd, name, slot, page, done)
+                self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
             else:
                 done(classify_open_error(OSError(-opened, os.strerror(-opened)), name))
             return
-        if statted < 0:
-            done(OSError(-statted, os.strerror(-statted)))  # ENOENT: removed behind our back
-            return
-        unsafe = self._chain_checked(slot, name)
         if unsafe is not None:
             done(unsafe)  # whatever the read did: its bytes never count
+            return
+        if installed < 0:
+            done(OSError(errno.EIO, f"read chain of {name} broke before its check: {results}"))
             return
         got = _bytes_read(results[2:-1])
         if isinstance(got, OSError) and got.errno == errno.EAGAIN:
@@ -853,24 +858,15 @@ class UringPageIO:
             self.chain_reads = False
             log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
                      "page files before reading them from now on")
-            self._load_checked(dir_fd, name, slot, page, done)
+            self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
             return
         done(got)
 
-    def _load_checked(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        # Opened into a normal fd (O_NONBLOCK: a FIFO must not block the open) and fstat-checked on
-        # the loop: at once where the name is in the kernel's lookup caches (openat2 RESOLVE_CACHED),
-        # else by an OPENAT through the ring first. Then one chain: header and page, CLOSE.
-        encoded = name.encode()
-        flags = os.O_RDONLY | OPEN_FLAGS
-        try:
-            fd = self._open_cached(dir_fd, encoded, flags)
-        except OSError as exc:
-            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
-            return
-        if fd is not None:
-            self._read_file(fd, name, slot, page, done, True)
-            return
+    def _open_then_read(self, dir_fd: int, name: str, encoded: bytes, slot: int, page: PageBuffer,
+                        done: Loaded) -> None:
+        """A cold read the checked way: an OPENAT through the ring into a normal fd (O_NONBLOCK: a
+        FIFO must not block the open), ``fstat``-checked on the loop, then one chain: header and
+        page, CLOSE."""
         path, _, keep = self._names(slot, encoded, None)
 
         def opened(results: list[int]) -> None:
@@ -880,7 +876,8 @@ class UringPageIO:
                 return
             self._read_file(fd, name, slot, page, done, False)
 
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags)], (keep, self._slots), opened)
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, os.O_RDONLY | OPEN_FLAGS)],
+                           (keep, self._slots), opened)
 
     def _read_file(self, fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool) -> None:
         """Check the open ``fd`` of ``name``, then read header and page and close it in one chain.

@@ -80,6 +80,8 @@ OP_READ = 22
 OP_WRITE = 23
 OP_RENAMEAT = 35
 OP_UNLINKAT = 36
+OP_FIXED_FD_INSTALL = 54
+"""Install a fixed file as a normal descriptor of this process (O_CLOEXEC), kernel 6.8."""
 
 SUBMIT_BATCH = 32
 """SQEs handed to one ``io_uring_enter`` (whole chains; a longer chain goes alone)."""
@@ -203,10 +205,11 @@ def sqe(opcode: int, fd: int = -1, addr: int = 0, length: int = 0, off: int = 0,
 
 
 class _Request:
-    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "results", "single", "skip")
+    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "report", "results", "single", "skip")
 
     def __init__(self, ops: list[SqeFields], future: asyncio.Future[Any] | None, callback: ChainDone | None,
-                 keep: object, injected: list[int | None] | None, single: bool, expect: list[int] | None) -> None:
+                 keep: object, injected: list[int | None] | None, single: bool, expect: list[int] | None,
+                 report: int = -1) -> None:
         self.ops = ops
         self.future = future
         self.callback = callback
@@ -218,6 +221,11 @@ class _Request:
         self.skip = expect is not None and len(ops) > 1
         self.results = list(expect) if expect is not None else [0] * len(ops)
         self.pending = len(ops)  # ops whose CQE has not arrived (silent successes included)
+        # ``report``: an op of a silent chain that posts its CQE on success too (its result, an fd,
+        # is not known in advance): -ECANCELED until it arrives (the chain broke before the op).
+        self.report = report if self.skip and 0 <= report < len(ops) - 1 else -1
+        if self.report >= 0:
+            self.results[self.report] = -errno.ECANCELED
 
 
 FaultHook = Callable[[int], int | None]
@@ -393,7 +401,8 @@ class UringEngine:
         return future
 
     def submit(self, ops: list[SqeFields], keep: object, callback: ChainDone | None,
-               future: asyncio.Future[list[int]] | None = None, expect: list[int] | None = None) -> None:
+               future: asyncio.Future[list[int]] | None = None, expect: list[int] | None = None,
+               report: int = -1) -> None:
         """As :meth:`chain`, without a future per chain: ``callback(results)`` runs on the loop from
         the completion drain (all chains completed by one eventfd wake-up are handled in one
         callback). Build ``ops`` with :func:`sqe`. ``callback`` must not raise (a bug: logged).
@@ -402,13 +411,19 @@ class UringEngine:
         can (:attr:`skip_success`), only the last op and failing ones post a CQE: a page's chain
         costs one completion instead of one per op. The results then hold ``expect`` for the ops
         that succeeded silently, the failure (a negative errno, or a short transfer) where one
-        broke the chain, and ``-ECANCELED`` for the ops after it, as always."""
+        broke the chain, and ``-ECANCELED`` for the ops after it, as always.
+
+        ``report``: the index of an op (not the last) whose result on success is not known in
+        advance (an installed fd): it posts its CQE all the same, its ``expect`` is ignored, and
+        its result is ``-ECANCELED`` when the chain broke before it. When it fails itself, the
+        ops after it report ``-ECANCELED`` through CQEs of their own, which the chain waits for."""
         if not 0 < len(ops) <= self.sq_entries:
             raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {len(ops)}")
-        self._enqueue(ops, keep, future, callback, False, expect if self.skip_success else None)
+        self._enqueue(ops, keep, future, callback, False, expect if self.skip_success else None, report)
 
     def _enqueue(self, ops: list[SqeFields], keep: object, future: asyncio.Future[Any] | None,
-                 callback: ChainDone | None, single: bool, expect: list[int] | None = None) -> None:
+                 callback: ChainDone | None, single: bool, expect: list[int] | None = None,
+                 report: int = -1) -> None:
         if self._closed:
             raise RuntimeError("io_uring engine is closed")
         injected: list[int | None] | None = None
@@ -425,7 +440,7 @@ class UringEngine:
                     broken = True
                     op = sqe(OP_READ)  # fd -1: fails with EBADF, breaking a chain like a real fault
                 fields.append(op)
-        request = _Request(fields, future, callback, keep, injected, single, expect)
+        request = _Request(fields, future, callback, keep, injected, single, expect, report)
         if self._ops_inflight + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
@@ -440,10 +455,11 @@ class UringEngine:
         self._inflight[rid] = request
         base = rid << self._index_bits
         linked = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS if request.skip else IOSQE_IO_LINK
+        report = request.report
         sqes, mask, tail, async_data = self._sqes, self._sq_mask, self._tail, self.async_data
         for index, fields in enumerate(ops):
-            # Every op but the last is linked to the next one.
-            flags = fields[1] | linked if index < last else fields[1]
+            # Every op but the last is linked to the next one (silently, but for the reporting op).
+            flags = fields[1] | (linked if index != report else IOSQE_IO_LINK) if index < last else fields[1]
             if async_data and fields[0] in DATA_OPS:
                 flags |= IOSQE_ASYNC
             _SQE.pack_into(sqes, (tail & mask) * 64, fields[0], flags, fields[2], fields[3], fields[4], fields[5],
@@ -566,7 +582,18 @@ class UringEngine:
             if injected is not None:
                 res = injected
         if request.skip:
-            if not self._skipped_done(request, index, res):
+            if index == request.report:
+                request.results[index] = res
+                if res >= 0:
+                    return  # its success reported: the chain goes on
+                # It failed and posted its CQE: so do the ops cancelled after it (no silent links),
+                # while the ops before it succeeded silently (none will post).
+                request.skip = False
+                request.pending -= index
+                self._ops_inflight -= index
+                if request.pending:
+                    return
+            elif not self._skipped_done(request, index, res):
                 return
             # The ops that stay silent will post nothing: their SQ/CQ room is free.
             self._ops_inflight -= request.pending

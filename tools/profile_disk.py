@@ -25,7 +25,8 @@ to it (writes to its write, reads to its read).
 (:class:`TurnSampler`): per phase the turn-length and CPU-per-turn percentiles, and for turns longer
 than T ms the callbacks that ran in them by name, with the turn's split into the loop thread's CPU,
 its run-queue wait (``/proc/<tid>/schedstat``: runnable, not running) and the rest (asleep in a
-syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (A/B).
+syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (A/B);
+``--chain-reads on|off`` cold reads as one chain from the open, or open first (A/B).
 
 Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
 loop turns only: ``... --page-mib 4 --depth 32 --repeats 0 --no-profile --turns-ms 1``.
@@ -63,6 +64,8 @@ from aiokv.storage.uring import UringEngine
 
 GB = 1e9
 ASYNC_DATA: bool | None = None
+CHAIN_READS: bool | None = None
+"""``--chain-reads``: force cold reads as one chain from the open on or off (None: the default)."""
 """``--async-data``: force the engine's ``async_data`` on or off (None: the tier's own choice)."""
 PHASES = ("write new", "read new", "write recycled", "read recycled")
 
@@ -286,6 +289,8 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
         io = tier.backend
         if ASYNC_DATA is not None and isinstance(io, UringPageIO):
             io.engine.async_data = ASYNC_DATA
+        if CHAIN_READS is not None and isinstance(io, UringPageIO):
+            io.chain_reads = CHAIN_READS
         for first in (1, count + 1):
             keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
             held = fill_pool(pool)
@@ -493,12 +498,15 @@ def main() -> int:
                         "run and name the callbacks of turns longer than this (ms; 0: off)")
     parser.add_argument("--async-data", choices=["auto", "on", "off"], default="auto",
                         help="page ops through io-wq (IOSQE_ASYNC): the tier's choice, or forced")
+    parser.add_argument("--chain-reads", choices=["auto", "on", "off"], default="auto",
+                        help="cold reads as one chain from the open (A/B): the default, or forced")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     args = parser.parse_args()
     if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 0 or min(args.depth) < 1:
         parser.error("sizes, depths and --top must be positive (--total-mib >= --page-mib)")
-    global ASYNC_DATA
+    global ASYNC_DATA, CHAIN_READS
     ASYNC_DATA = None if args.async_data == "auto" else args.async_data == "on"
+    CHAIN_READS = None if args.chain_reads == "auto" else args.chain_reads == "on"
     return asyncio.run(main_async(args))
 
 
