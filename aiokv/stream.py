@@ -133,6 +133,10 @@ class LoadStream:
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
         self._finished = False
+        # Resolved once the finish() or aclose() that ended the stream is through (no copy touches
+        # the slots, every page released): a later aclose() from another task waits for it.
+        self._ended: asyncio.Future[None] | None = None
+        self._closed_by_aclose = False
         self._loop = asyncio.get_running_loop()
         # Held for the stream's life: once the cache's close began, _running() raises, but a stream
         # given up or finished during the close must still wait for (or order after) its copies.
@@ -202,7 +206,12 @@ class LoadStream:
         After this the engine may prefill the uncached tail, waiting on each layer's readiness
         (:meth:`wait_layer` / :meth:`order_layer`) before that layer reads the prefix.
         """
-        await asyncio.shield(self._loader)
+        # Not shield(): another task's aclose() cancels the loader, and its cancellation must not
+        # reach this caller, whom nobody cancelled (the front stays where the loader left it).
+        if not self._loader.done():
+            await asyncio.wait({self._loader})
+        if not self._loader.cancelled() and (error := self._loader.exception()) is not None:
+            raise error
         return self._front
 
     async def wait_layer(self, layer: int) -> bool:
@@ -250,15 +259,21 @@ class LoadStream:
         a cancelled ``finish`` stops the load and returns only when no copy touches the slots.
         """
         if self._finished:
+            if self._closed_by_aclose:
+                raise RuntimeError("LoadStream.finish() after aclose(): the stream was closed")
             raise RuntimeError("LoadStream.finish() was already called")
         self._finished = True
+        self._ended = self._loop.create_future()
         try:
-            await asyncio.shield(self._loader)
-            outcomes = await self._copies.outcomes()
-        except BaseException:
-            await self._abandon()  # a cancel during it: this call raises its own error anyway
-            raise
-        return self._settle(outcomes)
+            try:
+                await asyncio.shield(self._loader)
+                outcomes = await self._copies.outcomes()
+            except BaseException:
+                await self._abandon()  # a cancel during it: this call raises its own error anyway
+                raise
+            return self._settle(outcomes)
+        finally:
+            _set_done(self._ended)
 
     async def aclose(self) -> None:
         """Stop the load where it is (nothing more is launched) and release everything. Idempotent.
@@ -267,9 +282,20 @@ class LoadStream:
         page is released, then raises ``CancelledError``.
         """
         if self._finished:
+            # Another task's finish() or aclose() is ending the stream: return only once it is
+            # through (copies may still write the slots until then), waiting through cancellation.
+            if self._ended is not None:
+                cancelled = await _wait_through(self._ended)
+                if cancelled is not None:
+                    raise cancelled
             return
         self._finished = True
-        cancelled = await self._abandon()
+        self._closed_by_aclose = True
+        self._ended = self._loop.create_future()
+        try:
+            cancelled = await self._abandon()
+        finally:
+            _set_done(self._ended)
         if cancelled is not None:
             raise cancelled
 
@@ -501,3 +527,20 @@ class LoadStream:
             manager.release_after(launch.copy.future, launch.handles)
         self._release_rest()
         return during_quiesce if during_quiesce is not None else cancelled
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _wait_through(future: asyncio.Future[None]) -> asyncio.CancelledError | None:
+    """Wait until ``future`` is done, also through cancellation of the caller (asyncio.wait never
+    cancels what it waits on); returns the cancellation that arrived meanwhile, if any."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    return cancelled

@@ -1,9 +1,10 @@
 """A stream closed by another task (the request aborted) while the engine's task is in a stream call.
 
-Found by ``test_split_oracle_props.py`` (helper-97): ``aclose()`` from a second task while the first is
-in ``finish()`` (or in its own ``aclose()``) returns at once, copies still writing the slots; and
-``launched()`` raises ``CancelledError`` in a task nobody cancelled when another task closes the
-stream. Minimal deterministic cases: the CPU copy is held on a gate, so it is provably in flight.
+Found by ``test_split_oracle_props.py`` (helper-97), fixed since: ``aclose()`` from a second task while
+the first is in ``finish()`` (or in its own ``aclose()``) returned at once, copies still writing the
+slots; and ``launched()`` raised ``CancelledError`` in a task nobody cancelled when another task
+closed the stream. Minimal deterministic cases: the CPU copy is held on a gate, so it is provably in
+flight.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ async def _until(done: threading.Event) -> None:
 
 @cpu_only
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="defect: LoadStream.aclose() returns at once while finish() runs in another "
-                   "task (it only checks _finished), so the copies still write the slots after aclose returned")
 async def test_aclose_from_another_task_during_finish_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = make_kv(1)
     tokens = prompt(1, 4 * T)
@@ -83,8 +82,6 @@ async def test_aclose_from_another_task_during_finish_waits_for_the_copies(monke
 
 @cpu_only
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="defect: a second LoadStream.aclose() (here __aexit__ of a cancelled task) "
-                   "while the first is still quiescing returns at once: the cancelled task ends, its copy in flight")
 async def test_cancelled_task_whose_stream_another_task_is_closing_ends_after_the_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -120,8 +117,6 @@ async def test_cancelled_task_whose_stream_another_task_is_closing_ends_after_th
 
 @cpu_only
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="defect: LoadStream.launched() shields the loader task, which another "
-                   "task's aclose() cancels: CancelledError in a task nobody cancelled (wait_front returns instead)")
 async def test_launched_returns_when_another_task_closes_the_stream(tmp_path: Path) -> None:
     kv = make_kv(3)
     tokens = prompt(3, 6 * T)

@@ -11,7 +11,8 @@ task is cancelled after some loop turns and whether another task aborts its stre
 some. One or two engines run at once (their prompts may share pages). Copies into the KV buffer run
 one at a time, each only once the test lets it (:class:`Throttle`), so layers land while the engine
 and the consumer watch. An abort never overlaps the engine's ``launched``/``finish``/``aclose``
-(a lock): those overlaps are defects pinned in ``test_split_concurrent_close.py`` (xfail).
+(a lock): those overlaps are the deterministic cases of ``test_split_concurrent_close.py`` (two
+defects this test found, fixed in ``LoadStream``).
 
 Oracle: each token's KV is a hash of its whole prefix, layer, row and column (:func:`oracle`), so a
 page served for the wrong prefix, a half-copied page or a late copy shows up. Checked: every claim
@@ -342,7 +343,7 @@ async def _engine(case: Case, cache: KVCache, root: Path, kv: torch.Tensor, run:
 
     ``launched``, ``finish`` and the closing ``aclose`` run under ``run.closing`` (a lock another
     task's abort takes too): a second ``aclose`` or one during ``finish``/``launched`` in another
-    task is the subject of the xfail tests below, not of this property."""
+    task is the subject of ``test_split_concurrent_close.py``, not of this property."""
     spec, slots, truth = run.spec, run.slots, run.truth
     t = case.page_tokens
     match = await cache.match(run.request)
@@ -388,7 +389,7 @@ async def _engine(case: Case, cache: KVCache, root: Path, kv: torch.Tensor, run:
                     assert torch.equal(got, truth[layer, front:n]), f"layer {layer} reported ready before it landed"
         async with run.closing:
             if run.aborted:
-                with pytest.raises(RuntimeError, match="already called"):
+                with pytest.raises(RuntimeError, match="after aclose"):
                     await stream.finish()
                 return
             run.result = await stream.finish()
