@@ -260,6 +260,10 @@ class LoadStream:
         """
         if self._finished:
             if self._closed_by_aclose:
+                # Another task's aclose() may still be quiescing: the caller learns of the close
+                # only once no copy touches the slots (then it may reuse them).
+                if self._ended is not None and (cancelled := await _wait_through(self._ended)) is not None:
+                    raise cancelled
                 raise RuntimeError("LoadStream.finish() after aclose(): the stream was closed")
             raise RuntimeError("LoadStream.finish() was already called")
         self._finished = True
@@ -285,6 +289,13 @@ class LoadStream:
             # Another task's finish() or aclose() is ending the stream: return only once it is
             # through (copies may still write the slots until then), waiting through cancellation.
             if self._ended is not None:
+                if not self._ended.done():
+                    # Stop the load where it is, as an aclose() of its own would: finish() then
+                    # settles what was launched (shortened) instead of waiting on a read that may
+                    # hang (a stuck file system), which this wait could not be bounded against.
+                    self._stopping = True
+                    if self._wake is not None and not self._wake.done():
+                        self._wake.set_result(None)
                 cancelled = await _wait_through(self._ended)
                 if cancelled is not None:
                     raise cancelled

@@ -140,3 +140,71 @@ async def test_launched_returns_when_another_task_closes_the_stream(tmp_path: Pa
             got = None
         assert got == stream.front, "launched() raised CancelledError in a task nobody cancelled"
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_aclose_during_finish_stops_a_load_waiting_on_a_stuck_read(tmp_path: Path) -> None:
+    # helper-98's review: the aclose() above waited for finish(), which waited on a disk read; with
+    # the read stuck (a hung file system) the abort hung too, and no timeout could end it (the wait
+    # goes through cancellation). An abort stops the load as its own aclose() would.
+    kv = make_kv(4)
+    tokens = prompt(4, 6 * T)
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(6 * T))
+        await cache.flush()
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:  # restarted: the pages are on disk only
+        await cache.pool.wait_ready()
+        manager = cache._manager
+        real = manager.promote
+        gate = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def stuck(key: Any) -> Any:  # a read held in the kernel until the gate opens
+            entered.set()
+            await gate.wait()
+            return await real(key)
+
+        manager.promote = stuck  # type: ignore[method-assign]
+        try:
+            stream = await cache.start_load(await cache.match(tokens), torch.arange(100, 100 + 6 * T))
+            finishing = asyncio.ensure_future(stream.finish())  # the request's task, no claim
+            await entered.wait()
+            async with asyncio.timeout(10):  # returns once the loader stopped, the read still stuck
+                await stream.aclose()  # the scheduler aborts the request
+            assert not gate.is_set()
+            result = await finishing  # finish() settles what was launched: nothing, the read never landed
+            assert result.loaded_from == result.tokens and result.disk_pages == 0
+            with pytest.raises(RuntimeError, match="already called"):
+                await stream.finish()
+        finally:
+            gate.set()  # the adopted read lands and is released
+        await assert_quiescent(cache)
+
+
+@cpu_only
+@pytest.mark.asyncio
+async def test_finish_after_another_tasks_aclose_waits_for_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # finish() while another task's aclose() quiesces raised RuntimeError at once, its copy still
+    # writing the slots (the caller would then reuse them): it raises only once the close is through.
+    kv = make_kv(5)
+    tokens = prompt(5, 4 * T)
+    async with KVCache(config(None), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(4 * T))
+        target = torch.arange(100, 100 + 4 * T)
+        async with _held_copies(monkeypatch) as (gate, entered):
+            stream = await cache.start_load(await cache.match(tokens), target)
+            await _until(entered)  # a copy in flight, held
+            closing = asyncio.ensure_future(stream.aclose())  # another task aborts the request
+            await asyncio.sleep(0)
+            finishing = asyncio.ensure_future(stream.finish())  # the request's task
+            for _ in range(20):
+                await asyncio.sleep(0)
+            raised_early = finishing.done()
+            gate.set()
+            await closing
+            with pytest.raises(RuntimeError, match="after aclose"):
+                await finishing
+        assert not raised_early, "finish() returned while the aborted copy still wrote the slots"
+        await assert_quiescent(cache)
