@@ -348,6 +348,20 @@ class LocalTransfers:
         waited.add_done_callback(done)
         return failed, queued
 
+    def _fence_failed_load(self) -> None:
+        """A CUDA load whose launch raised part-way is reported failed at once, but the copies it
+        queued still read pool pages until the GPU runs them (the mover ordered the current stream
+        after them): the bridge is handed their end, so that a close waits for them (the bridge
+        joins the events it holds) before the pool is unregistered and unmapped under them. A
+        sticky error records nothing: then nothing queued runs any more."""
+        try:
+            queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            queued.record(torch.cuda.current_stream(self._device))
+            waited = self._bridge.wait(queued, Lane.LOAD)
+        except Exception:
+            return
+        waited.add_done_callback(_retrieve)
+
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
         mover = self.mover
         if self.closing:
@@ -360,6 +374,7 @@ class LocalTransfers:
             # A launch fault (arguments were validated): settles as a failed copy at once. Unlike an
             # offload's, scatters queued before the fault only read pool pages and write slots past
             # the loaded prefix, and the mover ordered the engine's stream after them.
+            self._fence_failed_load()
             return failed_copy(exc)
         if event is not None:
             # Order the engine's stream after the copy on the GPU side; the host does not wait. No
@@ -387,6 +402,7 @@ class LocalTransfers:
             try:
                 events = mover.load_layers(page_ids, slots, skip, checked=True)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
+                self._fence_failed_load()
                 return failed_copy(exc)
             assert events is not None
             return Copy(self._bridge.wait(events[-1], Lane.LOAD), events[-1], tuple(events), ordered=False)
@@ -480,6 +496,12 @@ class LocalTransfers:
                 # Still wait. The caller raises its own error (load, offload); a caller without one
                 # keeps the cancel itself (StreamCopies.quiesce runs this in a task of its own).
                 continue
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Read a future's outcome nobody awaits (no "exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _withdrawn() -> Copy:

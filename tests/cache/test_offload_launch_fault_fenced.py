@@ -147,6 +147,55 @@ async def test_a_part_way_failed_launch_with_a_sticky_error_fails_at_once(fake_c
         await asyncio.to_thread(bridge.close)
 
 
+class PartWayLoadMover(PartWayMover):
+    """A load (whole or layer-wise) that queues its first group on a side lane, then fails to launch
+    the second; the caller's stream is ordered after the first (PageMover._ordered_on_failure)."""
+
+    def _queue_then_fail(self) -> None:
+        lane = FakeStream()
+        lane.queued.append(self.first_group)  # the first group's copies, still reading pool pages
+        queued = FakeEvent()
+        queued.record(lane)
+        self.current.wait_event(queued)
+        raise RuntimeError("launch of the second group refused")
+
+    def load(self, *_: Any, **__: Any) -> Any:
+        self._queue_then_fail()
+
+    def start_layers(self, *_: Any, **__: Any) -> None:
+        return None  # not paced: load_layers queues directly
+
+    def load_layers(self, *_: Any, **__: Any) -> Any:
+        self._queue_then_fail()
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layered"])
+@pytest.mark.asyncio
+async def test_a_part_way_failed_load_fails_at_once_but_the_close_waits_for_what_it_queued(
+    fake_cuda: FakeStream, layered: bool
+) -> None:
+    """helper-98's review: the load is reported failed at once (its queued copies only write slots
+    past the loaded prefix), but nothing waited for them: a close then unmapped the pool they still
+    read (a GPU fault in the engine's context). The bridge now holds their end and its close joins it."""
+    mover = PartWayLoadMover(fake_cuda)
+    bridge = CompletionBridge()
+    transfers = LocalTransfers(mover, bridge, torch.device("cuda"))  # type: ignore[arg-type]
+    try:
+        launch = transfers.load_layers if layered else transfers.load
+        copy = launch([0, 1], torch.arange(2 * T), 0)
+        await _turns()
+        assert copy.future.done() and isinstance(copy.future.exception(), RuntimeError)
+        closing = asyncio.ensure_future(asyncio.to_thread(bridge.close))
+        done, _ = await asyncio.wait({closing}, timeout=0.3)
+        assert not done, "the bridge closed (and the pool could go) while the failed load's copies still ran"
+        mover.first_group.set()
+        async with asyncio.timeout(BOUND_S):
+            await closing
+    finally:
+        mover.first_group.set()
+        await asyncio.to_thread(bridge.close)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs AIOKV_TEST_DEVICE=cuda")
 @pytest.mark.asyncio
