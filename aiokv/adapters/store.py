@@ -674,7 +674,7 @@ class PageFileStore:
         background: the tier stays closed until the stuck I/O ended, then the files are deleted and
         a fresh tier started. A ``clear()`` while one runs waits for that one (bounded alike) and
         returns its outcome; a cancelled ``clear()`` leaves it running; :meth:`close` stops it.
-        Raises ``RuntimeError`` after :meth:`close`.
+        Raises ``RuntimeError`` after :meth:`close`, and when a :meth:`close` stopped it meanwhile.
         """
         if self._closed:
             raise RuntimeError("page-file store is closed")
@@ -691,6 +691,8 @@ class PageFileStore:
                       "kernel? It goes on in the background; writes are refused and reads miss until it ends",
                       self.directory, self.config.close_timeout)
             return False
+        if task.cancelled():  # close() stopped it (nothing else cancels the store's own task)
+            raise RuntimeError("page-file store closed while clearing")
         return task.result()
 
     def _cleared(self, task: asyncio.Task[bool]) -> None:
