@@ -345,6 +345,7 @@ class PageFileStore:
         self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
         self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
         self._retired: list[DiskTier] = []  # tiers a rescan replaced whose close did not end in time
+        self._rescans: set[asyncio.Task[None]] = set()  # a reader's rescans in flight (close() stops them)
         self._owns_thread = thread is None
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
@@ -466,8 +467,11 @@ class PageFileStore:
     # -- on the loop ----------------------------------------------------------------------------
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Whether a page file is indexed for each key (a read still verifies it). Loop only."""
+        """Whether a page file is indexed for each key (a read still verifies it); after
+        :meth:`close` every key misses (as reads do). Loop only."""
         disk = self._started()[1]
+        if self._closed:
+            return [False] * len(keys)
         return [disk.contains(key) for key in keys]
 
     def touch(self, keys: Sequence[PageKey]) -> int:
@@ -477,12 +481,14 @@ class PageFileStore:
         return self._started()[1].touch(keys)
 
     def present_prefix(self, keys: Sequence[PageKey]) -> int:
-        """How many leading ``keys`` have page files. Loop only."""
-        return self._started()[1].keys_present_prefix(keys)
+        """How many leading ``keys`` have page files; 0 after :meth:`close`. Loop only."""
+        disk = self._started()[1]
+        return 0 if self._closed else disk.keys_present_prefix(keys)
 
     async def fresh_prefix(self, keys: Sequence[PageKey]) -> int:
         """:meth:`present_prefix`; a reader first rescans its directory when the first key missing
-        from its index has a file (the writer published it since), if ``reader_refresh_s`` passed."""
+        from its index has a file (the writer published it since), if ``reader_refresh_s`` passed.
+        A :meth:`close` meanwhile stops the rescan: every key then misses (0)."""
         count = self.present_prefix(keys)
         if count < len(keys) and await self._stale(keys[count : count + 1]):
             await self._refresh()
@@ -490,7 +496,8 @@ class PageFileStore:
         return count
 
     async def fresh_contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        """:meth:`contains`; a reader first rescans as :meth:`fresh_prefix` when a missing key has a file."""
+        """:meth:`contains`; a reader first rescans as :meth:`fresh_prefix` when a missing key has a
+        file. A :meth:`close` meanwhile stops the rescan: every key then misses."""
         found = self.contains(keys)
         missing = [key for key, there in zip(keys, found, strict=True) if not there]
         if missing and await self._stale(missing):
@@ -503,8 +510,8 @@ class PageFileStore:
         Looked for at most every ``reader_refresh_s`` (as rescans are made), on the reader's check
         worker (:class:`~aiokv.adapters.storedirs.ReaderCheck`): lookups that keep missing pages
         nobody published cost no system call in between, and the loop never waits on the directory."""
-        if self._check is None:
-            return False  # not a reader
+        if self._check is None or self._closed:
+            return False  # not a reader, or nothing to rescan any more
         files = self._started()[1].files
         now = asyncio.get_running_loop().time()
         if now - max(self._refreshed, self._checked) < self.config.reader_refresh_s:
@@ -518,20 +525,40 @@ class PageFileStore:
 
     async def _refresh(self) -> None:
         """Rebuild a reader's index: a new tier over the directory replaces the old one, which
-        finishes the reads in flight and closes. A rescan that fails keeps the old tier."""
-        async with self._clearing:
-            loop = asyncio.get_running_loop()
-            if loop.time() - self._refreshed < self.config.reader_refresh_s:
-                return  # another caller rescanned while this one waited
-            self._refreshed = loop.time()
-            pool, old = self._started()
-            try:
-                self._disk = await self._start_disk(pool)
-            except Exception:
-                log.exception("aiokv store: rescanning %s failed; serving the index it had", self.directory)
-                return
-            self.refreshes += 1
-            await self._retire(old)
+        finishes the reads in flight and closes. A rescan that fails keeps the old tier (logged).
+        The rescan runs in a task of the store's, which :meth:`close` stops (the caller's task is
+        not the store's to cancel); a cancelled caller leaves it running. None after close()."""
+        if self._closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._rescan())
+        self._rescans.add(task)
+        task.add_done_callback(self._rescans.discard)
+        await asyncio.wait({task})
+
+    async def _rescan(self) -> None:
+        """:meth:`_refresh`'s work; it never fails (failures are logged: the old tier serves)."""
+        try:
+            async with self._clearing:
+                loop = asyncio.get_running_loop()
+                if loop.time() - self._refreshed < self.config.reader_refresh_s:
+                    return  # another caller rescanned while this one waited
+                self._refreshed = loop.time()
+                pool, old = self._started()
+                try:
+                    disk = await self._start_disk(pool)
+                except Exception:
+                    log.exception("aiokv store: rescanning %s failed; serving the index it had", self.directory)
+                    return
+                if self._closed:
+                    # close() began while it started (and gave up waiting, or will close the old
+                    # tier): nobody else would close this one.
+                    await disk.aclose()
+                    return
+                self._disk = disk
+                self.refreshes += 1
+                await self._retire(old)
+        except Exception:
+            log.exception("aiokv store: rescanning %s failed", self.directory)
 
     async def _retire(self, old: DiskTier) -> None:
         """Close ``old``, a tier the store replaced, waiting ``close_timeout`` at most: its I/O still
@@ -729,7 +756,11 @@ class PageFileStore:
                 log.exception("aiokv store: clearing %s failed part-way", self.directory)
                 removed = False
             # If this raises, the closed tier stays: writes are refused and reads miss.
-            self._disk = await self._start_disk(pool)
+            fresh = await self._start_disk(pool)
+            if self._closed:  # close() began meanwhile: nobody else would close this tier
+                await fresh.aclose()
+                return removed
+            self._disk = fresh
             for region in self._regions:
                 self._register(region)
             return removed
@@ -737,11 +768,13 @@ class PageFileStore:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait (up to ``close_timeout``) for I/O in flight, close the disk tier and the staging
-        pool, stop the thread. Disk I/O still stuck in the kernel then (a frozen or hung file
-        system) is counted in ``close_timeouts``; the staging pool it may read or write is freed,
-        and the store's own thread stopped, only once it ended. Idempotent; call from any thread
-        but the store's."""
+        """Wait (up to ``close_timeout``) for I/O in flight, stop a :meth:`clear` or a reader's
+        rescan in flight, close the disk tier and the staging pool, stop the thread. Disk I/O
+        still stuck in the kernel then (a frozen or hung file system) is counted in
+        ``close_timeouts``; the staging pool it may read or write is freed, and the store's own
+        thread stopped, only once it ended. Afterwards (a shared loop thread still runs) lookups
+        and reads miss, writes are refused and :meth:`clear` raises ``RuntimeError``. Idempotent;
+        call from any thread but the store's."""
         if self._closed:
             return
         self._closed = True
@@ -794,14 +827,17 @@ class PageFileStore:
         pending: list[asyncio.Future[Any]] = []
         stuck: asyncio.Future[None] | None = None
         try:
-            clearing = self._clear_task
-            if clearing is not None and not clearing.done():
-                clearing.cancel()  # stuck (else clear() would have ended it): its tiers are closed below
-                await asyncio.wait({clearing}, timeout=max(0.0, deadline - loop.time()))
-                if not clearing.done():  # starting a fresh tier, its thread stuck in the file system
-                    pending.append(_ended(clearing))
+            # A clear still running (stuck, else clear() would have ended it) and a reader's rescans
+            # (in callers' stead): stopped, their tiers closed below.
+            stopping = [task for task in (self._clear_task, *self._rescans) if task is not None and not task.done()]
+            for task in stopping:
+                task.cancel()
+            if stopping:
+                await asyncio.wait(stopping, timeout=max(0.0, deadline - loop.time()))
+            # Starting a fresh tier, its thread stuck in the file system: the pool waits for it.
+            pending += [_ended(task) for task in stopping if not task.done()]
             await self._stop_registering()
-            # Read after the clear ended: it may have started a fresh tier meanwhile.
+            # Read after the clear and rescans ended: they may have started a fresh tier meanwhile.
             tiers = [*self._retired, *([self._disk] if self._disk is not None else [])]
             for tier in tiers:  # closed at once when closed already
                 if not await tier.close_within(max(0.0, deadline - loop.time())):
