@@ -24,6 +24,7 @@ from aiokv.adapters.store import PageFileStore, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import freeze, loop_ext4, thaw
+from store_helpers import wait_for
 
 PAGE = 8192
 CLOSE_S = 3.0  # wide: the close must land while clear() still waits for its task
@@ -33,12 +34,7 @@ BOUND_S = 10.0
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition()`` (state on the store's loop thread), at most BOUND_S."""
-    deadline = time.monotonic() + BOUND_S
-    pause = threading.Event()
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
-        pause.wait(0.01)
+    wait_for(condition, what, BOUND_S)
 
 
 def _page() -> list[torch.Tensor]:

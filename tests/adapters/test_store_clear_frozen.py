@@ -27,6 +27,7 @@ from aiokv.adapters.store import PageFileStore, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import freeze, loop_ext4, thaw
+from store_helpers import wait_for
 
 PAGE = 8192
 STORES = 6
@@ -39,12 +40,7 @@ pytestmark = pytest.mark.root
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition()`` (a kernel-side state with no event to wait on), at most BOUND_S."""
-    deadline = time.monotonic() + BOUND_S
-    pause = threading.Event()
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
-        pause.wait(0.01)
+    wait_for(condition, what, BOUND_S)
 
 
 def _page_files(store: PageFileStore) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from aiokv.adapters.store import PageFileStore, Sharing, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from gate_helpers import gated_ext4
+from store_helpers import wait_for
 
 PAGE = 8192
 CLOSE_S = 1.0
@@ -33,12 +33,7 @@ BOUND_S = 30.0
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition()`` (state on the store's loop thread), at most BOUND_S."""
-    deadline = time.monotonic() + BOUND_S
-    pause = threading.Event()
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {BOUND_S} s: {what}"
-        pause.wait(0.01)
+    wait_for(condition, what, BOUND_S)
 
 
 @pytest.mark.root
