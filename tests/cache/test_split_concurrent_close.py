@@ -115,17 +115,24 @@ async def test_cancelled_task_whose_stream_another_task_is_closing_ends_after_th
         await assert_quiescent(cache)
 
 
+@asynccontextmanager
+async def _on_disk_only(tmp_path: Path, kv: torch.Tensor, tokens: list[int]) -> AsyncIterator[KVCache]:
+    """A cache restarted over ``tokens``' pages written by an earlier one: on disk only, none in the pool."""
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(len(tokens)))
+        await cache.flush()
+    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        yield cache
+
+
 @cpu_only
 @pytest.mark.asyncio
 async def test_launched_returns_when_another_task_closes_the_stream(tmp_path: Path) -> None:
     kv = make_kv(3)
     tokens = prompt(3, 6 * T)
-    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(6 * T))
-        await cache.flush()
-    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:  # restarted: the pages are on disk only
-        await cache.pool.wait_ready()
+    async with _on_disk_only(tmp_path, kv, tokens) as cache:
         match = await cache.match(tokens)
         assert match.disk_pages == 6
         stream = await cache.start_load(match, torch.arange(100, 100 + 6 * T))
@@ -149,12 +156,7 @@ async def test_aclose_during_finish_stops_a_load_waiting_on_a_stuck_read(tmp_pat
     # goes through cancellation). An abort stops the load as its own aclose() would.
     kv = make_kv(4)
     tokens = prompt(4, 6 * T)
-    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(6 * T))
-        await cache.flush()
-    async with KVCache(config(tmp_path), LAYOUT, kv) as cache:  # restarted: the pages are on disk only
-        await cache.pool.wait_ready()
+    async with _on_disk_only(tmp_path, kv, tokens) as cache:
         manager = cache._manager
         real = manager.promote
         gate = asyncio.Event()
