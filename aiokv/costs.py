@@ -80,22 +80,17 @@ class RateMeter:
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
-        # Beyond MOMENT_BOUNDS (a PB, an hour) the moments' squares and products could overflow
-        # and every later estimate with them: such a call tells nothing real either.
-        max_amount, max_seconds = MOMENT_BOUNDS
-        if not (0 < amount <= max_amount and MIN_CALL_S <= seconds <= max_seconds):  # (NaN fails too)
-            return
-        predicted = self.seconds(amount)
+        if _informative(amount, seconds):
+            self._fold(amount, seconds, self.seconds(amount))
+
+    def _fold(self, amount: float, seconds: float, predicted: float | None) -> None:
+        """Fold in a checked observation whose time was ``predicted`` before it (None: no rate yet)."""
         if predicted is not None:
             error = min(abs(seconds - predicted), FIXED_MAX_S)
             self._spread = error if self._spread is None else self._ewma(self._spread, error)
         rate = amount / seconds
         self._rate = rate if self._rate is None else self._ewma(self._rate, rate)
-        sample = (amount, seconds, amount * amount, amount * seconds)
-        old = self._moments
-        self._moments = sample if old is None else (
-            self._ewma(old[0], sample[0]), self._ewma(old[1], sample[1]),
-            self._ewma(old[2], sample[2]), self._ewma(old[3], sample[3]))
+        self._moments = self._ewma_all(self._moments, (amount, seconds, amount * amount, amount * seconds))
         self._fitted += 1
         self._line_ok = False
         self.samples += 1
@@ -105,9 +100,16 @@ class RateMeter:
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self._weight) * old + self._weight * new
 
+    def _ewma_all(self, old: tuple[float, float, float, float] | None,
+                  new: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+        if old is None:
+            return new
+        return (self._ewma(old[0], new[0]), self._ewma(old[1], new[1]), self._ewma(old[2], new[2]),
+                self._ewma(old[3], new[3]))
+
     def restore(self, rate: float, samples: int, saved: SavedFit | None = None) -> None:
         """Take a saved state (already checked and clamped): the moving averages go on from it.
-        ``saved``: the line's moments and the spread saved with the rate (version 2 files), so a
+        ``saved``: the line's moments and the spread saved with the rate (version 3 files), so a
         line forms across restarts from calls that each process saw few of."""
         self._rate = rate
         self.samples = samples
@@ -190,14 +192,199 @@ class RateMeter:
         return SavedFit(self._moments, self._fitted, self._spread)
 
 
+def _informative(amount: float, seconds: float) -> bool:
+    """Whether a call of ``amount`` in ``seconds`` tells a meter something (NaN does not)."""
+    # Beyond MOMENT_BOUNDS (a PB, an hour) the moments' squares and products could overflow
+    # and every later estimate with them: such a call tells nothing real either.
+    max_amount, max_seconds = MOMENT_BOUNDS
+    return 0 < amount <= max_amount and MIN_CALL_S <= seconds <= max_seconds
+
+
 @dataclass(frozen=True)
 class SavedFit:
     """A meter's line state as saved: the moving means of amount, seconds, amount² and
-    amount·seconds over ``fitted`` calls (None: no call yet), and the spread (None: none yet)."""
+    amount·seconds over ``fitted`` calls (None: no call yet), and the spread (None: none yet);
+    for the prefill meter also the moving means of q, q², amount·q and q·seconds, with
+    q = tokens·(prefix + tokens/2) (``curve``; None: none)."""
 
     moments: tuple[float, float, float, float] | None
     fitted: int
     spread: float | None
+    curve: tuple[float, float, float, float] | None = None
+
+
+FIT_MIN_INDEPENDENCE = 1e-3
+"""Least part of the attention term's variance (over the calls' moving window) that the calls'
+sizes must leave unexplained (1 - correlation², after the fixed part is taken out where it can be)
+for the prefill meter to tell attention's quadratic cost from a per-token one."""
+
+
+FIT_MIN_ATTENTION = 1e-6
+"""Least part of the mean call's time the prefill meter's attention term must take to be told from
+rounding noise (calls that scale linearly leave a ``b`` of ~1e-24 s/token²)."""
+
+
+class PrefillMeter(RateMeter):
+    """The engine's prefill time, attention included: ``seconds = fixed + a·t + b·t·(p + t/2)``
+    for a call computing ``t`` tokens on top of a ``p``-token prefix already in the KV cache.
+
+    Attention makes each token's cost grow with its position: token i costs about ``a + b·i``,
+    so a call over positions ``[p, p + t)`` pays ``a·t + b·((p+t)² - p²)/2``, which is the
+    formula above; chunks of one prompt add up to ``a·n + b·n²/2`` whatever the chunking (plus
+    their per-call fixed costs). A rate of tokens per second cannot price a long prefix's
+    recompute from calls over short ones: on the H200 (8B shape) such a rate priced a 32K
+    recompute at 1.2 s while it took 2.0 s.
+
+    ``(fixed, a, b)`` is the weighted least-squares fit over moving moments of ``(t, q, seconds)``
+    with ``q = t·(p + t/2)`` (the same weights as :class:`RateMeter`'s line), constrained to
+    ``0 <= fixed <= FIXED_MAX_S``, ``a >= 0``, ``b >= 0``. Calls of one size cannot tell the fixed
+    part from ``a`` (it is then 0, as a rate is); calls whose ``q`` their size explains (one prefix,
+    or :data:`FIT_MIN_INDEPENDENCE`) cannot tell ``b``, nor can a fit whose best ``b`` is 0: then
+    the meter prices as :class:`RateMeter` does (its line, else its average rate), with ``b = 0``.
+    :meth:`line`, :attr:`fixed` and :attr:`marginal` keep describing that linear line;
+    :meth:`coefficients`, :meth:`seconds` and :meth:`compute_seconds` use the curve.
+    """
+
+    def __init__(self, weight: float = 0.3, initial: float | None = None) -> None:
+        super().__init__(weight, initial)
+        self._curve_moments: tuple[float, float, float, float] | None = None  # means of q, q², tq, qy
+        self._curve: tuple[float, float, float] | None = None  # curve() as of the last change
+        self._curve_ok = False
+
+    def update(self, amount: float, seconds: float, prefix: float = 0.0) -> None:
+        """Fold in a call of ``amount`` tokens on top of ``prefix`` tokens that took ``seconds``;
+        ignored when it carries no information (or a prefix outside ``[0, MOMENT_BOUNDS[0]]``)."""
+        if not (_informative(amount, seconds) and 0 <= prefix <= MOMENT_BOUNDS[0]):
+            return
+        predicted = self.seconds(amount, prefix)
+        q = amount * (prefix + amount / 2)
+        self._curve_moments = self._ewma_all(self._curve_moments, (q, q * q, amount * q, q * seconds))
+        self._curve_ok = False
+        self._fold(amount, seconds, predicted)  # (calls the listener last)
+
+    def restore(self, rate: float, samples: int, saved: SavedFit | None = None) -> None:
+        """As :meth:`RateMeter.restore`; moments saved without the curve's (a linear meter's) are
+        not taken: the two sets must describe the same calls."""
+        if saved is not None and saved.moments is not None and saved.curve is None:
+            saved = dataclasses.replace(saved, moments=None, fitted=0)
+        super().restore(rate, samples, saved)
+        if saved is not None and saved.curve is not None and saved.moments is not None:
+            self._curve_moments = saved.curve
+        self._curve_ok = False
+
+    def reset(self) -> None:
+        super().reset()
+        self._curve_moments = None
+        self._curve_ok = False
+
+    def saved_fit(self) -> SavedFit | None:
+        fit = super().saved_fit()
+        return None if fit is None else dataclasses.replace(fit, curve=self._curve_moments)
+
+    def curve(self) -> tuple[float, float, float] | None:
+        """``(fixed s, a s/token, b s/token²)`` with ``b > 0``, or None while the calls cannot
+        tell attention's quadratic term (:meth:`coefficients` then falls back to the line)."""
+        if not self._curve_ok:
+            self._curve, self._curve_ok = self._fit_curve(), True
+        return self._curve
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """``(fixed, a, b)`` the meter prices with: the curve, else the line (``b = 0``), else the
+        average rate (``fixed = b = 0``); None before any rate."""
+        curve = self.curve()
+        if curve is not None:
+            return curve
+        line = self.line()
+        if line is not None:
+            return line[0], 1 / line[1], 0.0
+        return None if self._rate is None else (0.0, 1 / self._rate, 0.0)
+
+    def seconds(self, amount: float, prefix: float = 0.0) -> float | None:
+        """Predicted seconds of one call computing ``amount`` tokens on top of ``prefix`` tokens
+        (0 for nothing); None before any rate."""
+        return self.compute_seconds(prefix, prefix + amount) if amount > 0 else (
+            None if self.coefficients() is None else 0.0)
+
+    def compute_seconds(self, start: float, end: float, calls: float = 1.0) -> float | None:
+        """Seconds to compute tokens ``[start, end)`` of a prompt (the earlier ones in the KV cache)
+        in ``calls`` calls, each paying the fixed part: ``calls·fixed + a·n + b·n·(start + end)/2``
+        with ``n = end - start``, whatever the chunking; 0 for nothing, None before any rate."""
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        n = end - start
+        if n <= 0:
+            return 0.0
+        fixed, a, b = coefficients
+        return calls * fixed + n * (a + b * (start + end) / 2)
+
+    def _fit_curve(self) -> tuple[float, float, float] | None:
+        m, c = self._moments, self._curve_moments
+        if m is None or c is None or self._fitted < FIT_MIN_SAMPLES:
+            return None
+        mt, my, mtt, mty = m
+        mq, mqq, mtq, mqy = c
+        # Features scaled by their means (u = t/E[t], v = q/E[q]): the normal equations' entries
+        # are then of order 1 whatever the units, so the thresholds below are relative.
+        uu, vv, uv = mtt / (mt * mt), mqq / (mq * mq), mtq / (mt * mq)
+        uy, vy = mty / mt, mqy / mq
+        var_u, var_v, cov = uu - 1, vv - 1, uv - 1
+        sized = var_u > FIT_MIN_SPREAD**2  # calls of spread sizes: a fixed part can be told
+        if sized:
+            told = var_u * var_v - cov * cov > FIT_MIN_INDEPENDENCE * var_u * var_v
+        else:
+            told = uu * vv - uv * uv > FIT_MIN_INDEPENDENCE * uu * vv
+        if not told:
+            return None
+        # Weighted least squares over (1, u, v) with bounds: the best of the solutions on each face
+        # of the box (fixed free, at 0 or at FIXED_MAX_S; a and b free or at 0). The objective
+        # drops the constant E[y²] (the moments do not keep it): it compares candidates only.
+        gram = ((1.0, 1.0, 1.0), (1.0, uu, uv), (1.0, uv, vv))
+        rhs = (my, uy, vy)
+        best: tuple[float, tuple[float, float, float]] | None = None
+        for fixed_at in ((None, 0.0, FIXED_MAX_S) if sized else (0.0,)):
+            for a_free, b_free in ((True, True), (True, False), (False, True), (False, False)):
+                theta = _bounded_solve(gram, rhs, (fixed_at, None if a_free else 0.0, None if b_free else 0.0))
+                if theta is None or not (0 <= theta[0] <= FIXED_MAX_S and theta[1] >= 0 and theta[2] >= 0):
+                    continue
+                cost = sum(theta[i] * gram[i][j] * theta[j] for i in range(3) for j in range(3)) - 2 * sum(
+                    theta[i] * rhs[i] for i in range(3))
+                if best is None or cost < best[0]:
+                    best = cost, theta
+        if best is None:
+            return None
+        fixed, alpha, beta = best[1]
+        # b clipped at 0 is the line's case. The curve must grow with the calls by more than rounding
+        # noise, and pass near the mean call (the fit's constraints may pull it off; a planted file's
+        # moments no calls produced may too): else the line prices.
+        if (beta <= FIT_MIN_ATTENTION * my or alpha + beta <= FIT_MIN_GROWTH * my
+                or not 0.5 * my <= fixed + alpha + beta <= 2 * my):
+            return None
+        return fixed, alpha / mt, beta / mq
+
+
+def _bounded_solve(gram: tuple[tuple[float, float, float], ...], rhs: tuple[float, float, float],
+                   held: tuple[float | None, float | None, float | None]) -> tuple[float, float, float] | None:
+    """The least-squares solution of ``gram·θ = rhs`` with the components ``held`` at their
+    values (None: free); None when the free part is singular (a relative pivot below 1e-12)."""
+    free = [i for i in range(3) if held[i] is None]
+    theta = [0.0 if h is None else h for h in held]
+    # The free rows of the normal equations, the held components moved to the right-hand side.
+    rows = [[gram[i][j] for j in free] + [rhs[i] - sum(gram[i][j] * theta[j] for j in range(3) if j not in free)]
+            for i in free]
+    n = len(free)
+    for col in range(n):  # Gaussian elimination with partial pivoting (at most 3x3)
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * max(1.0, abs(gram[free[col]][free[col]])):
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [x - factor * y for x, y in zip(rows[r], rows[col], strict=True)]
+    for col in reversed(range(n)):
+        value = rows[col][n] - sum(rows[col][j] * theta[free[j]] for j in range(col + 1, n))
+        theta[free[col]] = value / rows[col][col]
+    return theta[0], theta[1], theta[2]
 
 
 @dataclass(frozen=True)
@@ -207,8 +394,9 @@ class PageCosts:
     Pages ``[0, pool_pages)`` are in the pool, ``[pool_pages, pool_pages + disk_pages)`` on disk.
     A load from the back of pages ``[k, P)`` takes :attr:`load_fixed` plus ``copy`` per page plus
     ``read`` per disk page; computing ``[0, k)`` in claims takes ``claim_fixed`` per claim plus
-    ``compute`` per page; recomputing all of it in the engine's own prefill pass ``compute`` per
-    page (that pass's fixed cost is paid with or without the cache).
+    ``compute·k + attend·k²/2`` (attention: page i costs ``compute + attend·(i + 1/2)``, whatever
+    the chunking); recomputing all of it in the engine's own prefill pass
+    ``compute·P + attend·P²/2`` (that pass's fixed cost is paid with or without the cache).
     """
 
     copy: float
@@ -229,6 +417,9 @@ class PageCosts:
     claim_pages: int = 0
     """Pages the engine claims per call at most (its prefill chunk); 0: all in one claim. Computing
     k pages then takes ``(k + n - 1) / n`` claims, a line at or above ``ceil(k / n)``."""
+    attend: float = 0.0
+    """Attention's growth of a page's compute cost per page of prefix before it (the prefill
+    meter's ``b`` times page_tokens²); ``compute`` already includes the pages before page 0."""
 
     @property
     def pages(self) -> int:
@@ -254,33 +445,38 @@ class PageCosts:
             return self.claim_fixed, self.compute
         return self.claim_fixed * (1 - 1 / n), self.compute + self.claim_fixed / n
 
+    def compute_seconds(self, first: float, end: float) -> float:
+        """Computing pages ``[first, end)`` (fractions of a page allowed), per-call costs aside."""
+        n = end - first
+        return 0.0 if n <= 0 else n * (self.compute + self.attend * (first + end) / 2)
+
     def ready(self, k: int) -> float:
         """When the prefix is in with the fronts meeting at page ``k``: compute ``[0, k)``, load the rest."""
         if k >= self.pages:
-            return self.pages * self.compute  # no load: the engine's own pass, no claims
+            return self.compute_seconds(0, self.pages)  # no load: the engine's own pass, no claims
         base, slope = self._claims_line()
-        compute = 0.0 if k <= 0 else base + k * slope
+        compute = 0.0 if k <= 0 else base + k * (slope + self.attend * k / 2)
         return max(compute, self.load(k))
 
     def best_split(self) -> int:
         """The page where the fronts should meet (the least k of the least :meth:`ready`), in O(1).
 
-        On ``[1, P-1]`` ``ready`` is the max of an increasing line (the claims) and a decreasing
-        two-piece line (the load: disk pages, then pool pages), so its least value over integers
-        lies next to where they cross. The ends (load all, recompute all) are priced apart.
+        On ``[1, P-1]`` ``ready`` is the max of an increasing convex quadratic (the claims) and a
+        decreasing two-piece line (the load: disk pages, then pool pages), so its least value over
+        integers lies next to where they cross: on each piece one root of a quadratic. The ends
+        (load all, recompute all) are priced apart.
         """
         p = self.pages
         best_k, best = p, self.ready(p)
         candidates = [0]
         if p >= 2:
             claims_base, c = self._claims_line()
-            a, b = self.copy, self.read
+            a, b, h = self.copy, self.read, self.attend / 2
             pool, disk = self.pool_pages, self.disk_pages
-            base = self.load_fixed - claims_base
-            # On the disk piece (k >= pool): claims_base + k c = load_fixed + (P - k)(a + b).
-            x = (base + p * (a + b)) / (c + a + b) if disk and c + a + b > 0 else -math.inf
-            if x < pool:  # on the pool piece: claims_base + k c = load_fixed + disk (a + b) + (pool - k) a
-                x = (base + disk * (a + b) + pool * a) / (c + a) if c + a > 0 else math.inf
+            # On the disk piece (k >= pool): claims_base + k c + h k² = load_fixed + (P - k)(a + b).
+            x = _crossing(h, c + a + b, claims_base - self.load_fixed - p * (a + b)) if disk else -math.inf
+            if x < pool:  # on the pool piece: ... = load_fixed + disk (a + b) + (pool - k) a
+                x = _crossing(h, c + a, claims_base - self.load_fixed - disk * (a + b) - pool * a)
             x = min(max(x, 1.0), p - 1.0)
             candidates += [math.ceil(x), math.floor(x)]
         for k in candidates:  # ties: the least k (the most loaded)
@@ -290,10 +486,12 @@ class PageCosts:
         return best_k
 
     def suffix(self, first: int) -> PageCosts:
-        """The costs of pages ``[first, P)`` alone (the engine holds the others)."""
+        """The costs of pages ``[first, P)`` alone (the engine holds the others, which each of
+        these pages attends over)."""
         first = min(max(first, 0), self.pages)
         pool = max(self.pool_pages - first, 0)
-        return dataclasses.replace(self, pool_pages=pool, disk_pages=self.pages - first - pool)
+        return dataclasses.replace(self, pool_pages=pool, disk_pages=self.pages - first - pool,
+                                   compute=self.compute + self.attend * first)
 
     def estimate(self, pool_seconds: float | None = 0.0) -> LoadEstimate:
         """The :class:`LoadEstimate` of these pages (``pool_seconds``: None when the copy rate is
@@ -302,7 +500,7 @@ class PageCosts:
         k = self.best_split()
         ready = self.ready(k)
         claims = 0 < k < p
-        recompute = p * self.compute
+        recompute = self.compute_seconds(0, p)
         margin = (MARGIN_FRACTION * recompute + self.copy_spread + (self.read_spread if disk else 0.0)
                   + (self.claim_spread if claims else 0.0))
         # A split proper is not exposed to the load's rates: a slower read or copy only moves the
@@ -315,6 +513,20 @@ class PageCosts:
             None if pool_seconds is None else 0.0 if p == 0 else self.copy_fixed + p * self.copy,
             0.0 if disk == 0 else self.read_fixed + disk * self.read,
             recompute, k * self.page_tokens, ready, overhead, margin, self, split_margin_seconds=split_margin)
+
+
+def _crossing(h: float, slope: float, offset: float) -> float:
+    """The greater root of ``h x² + slope x + offset`` (``h, slope >= 0``): where an increasing
+    convex quadratic (the claims) meets a decreasing line (the load), their difference being that
+    polynomial. -inf when the claims lie above the line everywhere, inf when below everywhere."""
+    disc = slope * slope - 4 * h * offset
+    if disc < 0:
+        return -math.inf  # (h > 0 and offset > 0: above everywhere)
+    den = slope + math.sqrt(disc)
+    if den <= 0:  # slope = 0 and h·offset = 0: flat, or a double root at 0
+        return 0.0 if offset == 0 else -math.inf if offset > 0 else math.inf
+    # -2·offset / (slope + √disc): no cancellation, and -offset/slope as h -> 0 (the line's case).
+    return -2 * offset / den
 
 
 @dataclass(frozen=True)
@@ -395,8 +607,8 @@ class CostModel:
         """Bytes per second copied from the pool into the KV buffer."""
         self.disk = RateMeter()
         """Bytes per second read from disk into the pool."""
-        self.prefill = RateMeter(initial=prefill_tokens_per_s)
-        """Tokens per second the engine prefills."""
+        self.prefill = PrefillMeter(initial=prefill_tokens_per_s)
+        """The engine's prefill time by tokens and prefix (a configured rate is its prior)."""
         self._clock = clock
         self._disk_seen = (self.disk.samples, clock())
         """The disk meter's sample count as last seen, and when it last changed or a trial was offered."""
@@ -417,32 +629,38 @@ class CostModel:
             if not keep(name):
                 meters[name].restore(rate, samples, saved.fits.get(name))
 
-    def estimate(self, pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: int) -> LoadEstimate:
-        """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages.
+    def estimate(self, pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: int,
+                 prefix_tokens: int = 0) -> LoadEstimate:
+        """Costs of a prefix of ``pool_pages`` pool pages followed by ``disk_pages`` disk pages,
+        after ``prefix_tokens`` tokens the engine holds (which computing these pages attends over).
 
         Each tier's time is its fixed cost per call plus its bytes at the marginal rate
-        (:meth:`RateMeter.line`; the average rate while the meter cannot tell them apart).
+        (:meth:`RateMeter.line`; the average rate while the meter cannot tell them apart); the
+        prefill's is :meth:`PrefillMeter.coefficients`' curve.
         """
         pool, disk, prefill = self.pool, self.disk, self.prefill
         pages = pool_pages + disk_pages
         copy = pool.seconds(pages * page_bytes)
         read = 0.0 if disk_pages == 0 else disk.seconds(disk_pages * page_bytes)
-        compute_rate = prefill.marginal
-        recompute = None if compute_rate is None else pages * page_tokens / compute_rate
+        coefficients = prefill.coefficients()
+        recompute = prefill.compute_seconds(prefix_tokens, prefix_tokens + pages * page_tokens, calls=0)
         pool_rate, disk_rate = pool.marginal, disk.marginal
         # Pages reaching disk: their reads bound the load whatever the copies cost, so an unknown
         # copy rate counts as free there (the split is then the latest the load can meet).
-        if not pages or compute_rate is None or read is None or (pool_rate is None and not disk_pages):
+        if not pages or coefficients is None or read is None or (pool_rate is None and not disk_pages):
             return LoadEstimate(copy, read, recompute, None)
+        fixed, a, b = coefficients
         costs = PageCosts(
             copy=0.0 if pool_rate is None else page_bytes / pool_rate,
             read=0.0 if disk_rate is None else page_bytes / disk_rate,
-            compute=page_tokens / compute_rate,
+            # A page at page index i of these costs (a + b·(prefix + (i + 1/2)·T))·T.
+            compute=(a + b * prefix_tokens) * page_tokens,
             copy_fixed=0.0 if pool_rate is None else pool.fixed,
             read_fixed=disk.fixed if disk_pages else 0.0,
-            claim_fixed=prefill.fixed,
+            claim_fixed=fixed,
             pool_pages=pool_pages, disk_pages=disk_pages, page_tokens=page_tokens,
             copy_spread=pool.spread, read_spread=disk.spread, claim_spread=prefill.spread,
+            attend=b * page_tokens * page_tokens,
         )
         estimate = costs.estimate(None if copy is None else 0.0)
         return dataclasses.replace(estimate, trial=True) if disk_pages and self._trial_due() else estimate
@@ -466,9 +684,10 @@ RATES_FILE = ".rates"
 RATES_TEMP = ".rates.tmp"
 """Written, then renamed over :data:`RATES_FILE`; only the directory's lock holder writes."""
 RATES_FORMAT = "aiokv-rates"
-RATES_VERSION = 2
-"""Written; version 1 files (rates only, before the fixed costs and spreads) are still read."""
-RATES_VERSIONS_READ = (1, 2)
+RATES_VERSION = 3
+"""Written and read. Older files are refused (a hint only: the meters then start afresh): version
+2's prefill line was fitted without the calls' prefixes, so it underprices long prefixes."""
+RATES_VERSIONS_READ = (3,)
 RATES_MAX_BYTES = 4096
 """A rates file is a few hundred bytes; anything larger is not ours and is not read."""
 RATE_BOUNDS: dict[str, tuple[float, float]] = {
@@ -493,7 +712,7 @@ class RatesFileError(ValueError):
 @dataclass(frozen=True)
 class SavedRates:
     """What :func:`decode_rates` accepted: ``(rate, samples)`` by meter name, clamped, and each
-    meter's line moments and spread where the file has them (version 2)."""
+    meter's line moments and spread where the file has them (and the prefill curve's)."""
 
     rates: dict[str, tuple[float, int]]
     clamped: tuple[str, ...]
@@ -516,6 +735,8 @@ def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
             entry["spread"] = fit.spread
         if fit is not None and fit.moments is not None:
             entry["moments"], entry["fitted"] = list(fit.moments), fit.fitted
+            if fit.curve is not None:
+                entry["curve"] = list(fit.curve)
         rates[name] = entry
     doc = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout, "device": device, "rates": rates}
     data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
@@ -530,7 +751,8 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
     Reads :data:`RATES_VERSIONS_READ`. Raises :class:`RatesFileError` for anything else, whatever
     the bytes (and nothing else: the file is only a hint, and one that raised otherwise would fail
     every start). Rates outside :data:`RATE_BOUNDS` are clamped, spreads to ``[0, FIXED_MAX_S]``,
-    sample counts to ``[1, MAX_SAMPLES]``; a line's moments no calls could have produced are corrupt.
+    sample counts to ``[1, MAX_SAMPLES]``; a line's moments (or the prefill curve's) no calls could
+    have produced are corrupt, as is a curve anywhere but with the prefill meter's line moments.
     """
     if len(data) > RATES_MAX_BYTES:
         raise RatesFileError("oversize", f"{len(data)} bytes")
@@ -580,15 +802,20 @@ def decode_rates(data: bytes, layout: str, device: str) -> SavedRates:
             if isinstance(fitted, bool) or not isinstance(fitted, int):
                 raise RatesFileError("corrupt", f"{name}: fitted {_shown(fitted)} is no int")
             fitted = min(max(fitted, 1), MAX_SAMPLES)
+        curve = None
+        if "curve" in entry:
+            if name != "prefill" or moments is None:
+                raise RatesFileError("corrupt", f"{name}: a curve without the prefill meter's moments")
+            curve = _curve(name, entry["curve"], moments)
         if spread is not None or moments is not None:
-            fits[name] = SavedFit(moments, fitted, spread)
+            fits[name] = SavedFit(moments, fitted, spread, curve)
         if out:
             clamped.append(name)
     return SavedRates(rates, tuple(clamped), fits)
 
 
-_ENTRY_KEYS = {1: ("rate", "samples"), 2: ("rate", "samples", "spread", "moments", "fitted")}
-"""The keys an entry of each version may hold."""
+_ENTRY_KEYS = {3: ("rate", "samples", "spread", "moments", "fitted", "curve")}
+"""The keys an entry of each version read may hold."""
 
 
 MOMENT_BOUNDS = (1e15, 3600.0)
@@ -608,6 +835,24 @@ def _moments(name: str, raw: object) -> tuple[float, float, float, float]:
             and 0 < mxy <= max_x * max_y):
         raise RatesFileError("corrupt", f"{name}: moments {_shown(raw)} no calls could have produced")
     return mx, my, mxx, mxy
+
+
+def _curve(name: str, raw: object, moments: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+    """Saved moving means of q, q², t·q and q·seconds (q = t·(prefix + t/2) per call) that the calls
+    behind ``moments`` (means of t, seconds, t², t·seconds) could have produced; corrupt otherwise:
+    all positive and within what :data:`MOMENT_BOUNDS` allow (a prefix at most the largest amount),
+    E[q²] >= E[q]², E[t·q]² <= E[t²]·E[q²] and E[q] >= E[t²]/2 (each call's q >= t²/2), up to rounding."""
+    values = [_finite(v) for v in raw] if isinstance(raw, list) and len(raw) == 4 else None
+    if values is None or any(v is None for v in values):
+        raise RatesFileError("corrupt", f"{name}: curve {_shown(raw)} is not four finite numbers")
+    mq, mqq, mtq, mqy = (float(v) for v in values if v is not None)
+    max_x, max_y = MOMENT_BOUNDS
+    max_q = 1.5 * max_x * max_x
+    _, _, mtt, _ = moments
+    if not (0 < mq <= max_q and mq * mq * (1 - 1e-9) <= mqq <= max_q * max_q and 0 < mtq <= max_x * max_q
+            and 0 < mqy <= max_q * max_y and mtq * mtq <= mtt * mqq * (1 + 1e-9) and mq >= mtt / 2 * (1 - 1e-9)):
+        raise RatesFileError("corrupt", f"{name}: curve {_shown(raw)} no calls could have produced")
+    return mq, mqq, mtq, mqy
 
 
 def _bounded(name: str, key: str, raw: object, low: float, high: float) -> tuple[float, bool]:

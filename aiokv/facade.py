@@ -87,25 +87,31 @@ class CacheFacade(abc.ABC):
         already loaded or released."""
         return self._manager.estimate(match)
 
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` (feeds the cost model).
+    def note_prefill(self, tokens: int, seconds: float, prefix: int = 0) -> None:
+        """Report that the engine prefilled ``tokens`` tokens in ``seconds`` on top of ``prefix``
+        tokens already in its KV cache (which they attended over); feeds the cost model.
 
-        Raises ``TypeError`` unless ``tokens`` is an int and ``seconds`` a number, ``ValueError``
-        for no tokens, a time that is not positive and finite, or a rate outside what a rates file
-        may hold (``RATE_BOUNDS["prefill"]``); nothing is folded in then.
+        Raises ``TypeError`` unless ``tokens`` and ``prefix`` are ints and ``seconds`` a number,
+        ``ValueError`` for no tokens, a negative prefix, either beyond 2**53, a time that is not
+        positive and finite, or a rate outside what a rates file may hold
+        (``RATE_BOUNDS["prefill"]``); nothing is folded in then.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
+        if isinstance(prefix, bool) or not isinstance(prefix, int):
+            raise TypeError(f"prefix must be an int, got {type(prefix).__name__}")
         if not 0 < tokens <= 1 << 53:  # (beyond, tokens / seconds may not fit a float)
             raise ValueError(f"tokens must be positive and at most 2**53, got {tokens}")
+        if not 0 <= prefix <= 1 << 53:
+            raise ValueError(f"prefix must be at least 0 and at most 2**53, got {prefix}")
         if not (0 < seconds < math.inf):
             raise ValueError(f"seconds must be positive and finite, got {seconds!r}")
         low, high = RATE_BOUNDS["prefill"]
         if not low <= tokens / seconds <= high:
             raise ValueError(f"{tokens} tokens in {seconds!r} s is outside [{low:g}, {high:g}] tokens/s")
-        self._manager.costs.prefill.update(tokens, seconds)
+        self._manager.costs.prefill.update(tokens, seconds, prefix)
 
     def stats(self) -> CacheStatistics:
         """A frozen snapshot of the counters."""

@@ -100,7 +100,7 @@ class LoadStream:
         disk_pages = range(max(first, match.pool_pages), match.pages)
         # Before the match is taken: nothing to give back if the estimate raised.
         self.estimate: LoadEstimate = manager.costs.estimate(max(0, match.pool_pages - first), len(disk_pages), t,
-                                                             manager.layout.page_bytes)
+                                                             manager.layout.page_bytes, first * t)
         """The cost model's view of this load (pages ``[from_token // page_tokens, match.pages)``) at its start."""
         keys, handles = match.take(manager)
         self._t = t
@@ -191,7 +191,9 @@ class LoadStream:
             raise TypeError(f"end must be an int, got {type(end).__name__}")
         now = time.perf_counter()
         if self._last_claim_tokens:
-            self._manager.costs.prefill.update(self._last_claim_tokens, now - self._last_claim)
+            # It computed [claimed - tokens, claimed) on top of the tokens before it.
+            self._manager.costs.prefill.update(self._last_claim_tokens, now - self._last_claim,
+                                               self._claimed - self._last_claim_tokens)
         granted = max(self._claimed, min(end, self._front, self.tokens))
         self._last_claim_tokens, self._last_claim = granted - self._claimed, now
         self._claimed = granted

@@ -21,6 +21,7 @@ from aiokv.costs import (
     FIXED_MAX_S,
     MARGIN_FRACTION,
     RATES_FORMAT,
+    RATES_VERSION,
     CostModel,
     PageCosts,
     RateMeter,
@@ -54,16 +55,21 @@ def loop_split(pool_pages: int, disk_pages: int, page_tokens: int, page_bytes: i
     return best_k * page_tokens, best
 
 
+def brute_compute(c: PageCosts, k: int) -> float:
+    """Computing pages [0, k), page by page: page i attends over the i pages (and the prefix) before it."""
+    return sum(c.compute + c.attend * (i + 0.5) for i in range(k))
+
+
 def brute_ready(c: PageCosts, k: int) -> float:
     """The split's ready time at page k, written out page by page (no closed form)."""
     p = c.pool_pages + c.disk_pages
     if k == p:
-        return p * c.compute
+        return brute_compute(c, p)
     load = c.copy_fixed + (c.read_fixed if c.disk_pages else 0.0)
     for page in range(k, p):
         load += c.copy + (c.read if page >= c.pool_pages else 0.0)
     claims = 1 if c.claim_pages == 0 else (k + c.claim_pages - 1) / c.claim_pages
-    computed = 0.0 if k == 0 else c.claim_fixed * claims + k * c.compute
+    computed = 0.0 if k == 0 else c.claim_fixed * claims + brute_compute(c, k)
     return max(computed, load)
 
 
@@ -100,6 +106,9 @@ costs_strategy = st.builds(
     copy_fixed=st.floats(0.0, 5.0), read_fixed=st.floats(0.0, 5.0), claim_fixed=st.floats(0.0, 5.0),
     pool_pages=st.integers(0, 200), disk_pages=st.integers(0, 200), page_tokens=st.just(16),
     claim_pages=st.integers(0, 16),
+    # Attention's growth per page of prefix: none (the line), tiny (near the linear formula), up
+    # to where a page's attention dwarfs its linear cost.
+    attend=st.just(0.0) | st.floats(0.0, 1e-12) | st.floats(0.0, 0.05),
 )
 
 
@@ -245,11 +254,13 @@ def test_suffix_prices_only_the_pages_the_engine_lacks() -> None:
         assert part.estimate().split_seconds == pytest.approx(min(times), rel=1e-9)
 
 
-def test_rates_file_keeps_the_line_and_spread_and_reads_version_1() -> None:
+def test_rates_file_keeps_the_line_and_spread_and_refuses_older_versions() -> None:
     model = h200_8k_model(0.08)
     data = encode_rates(model, LAYOUT, DEVICE)
     doc = json.loads(data)
-    assert doc["version"] == 2 and set(doc["rates"]["disk"]) == {"rate", "samples", "spread", "moments", "fitted"}
+    assert doc["version"] == RATES_VERSION == 3
+    assert set(doc["rates"]["disk"]) == {"rate", "samples", "spread", "moments", "fitted"}
+    assert set(doc["rates"]["prefill"]) == {"rate", "samples", "spread", "moments", "fitted", "curve"}
     saved = decode_rates(data, LAYOUT, DEVICE)
     restarted = CostModel()
     restarted.restore(saved)
@@ -267,13 +278,19 @@ def test_rates_file_keeps_the_line_and_spread_and_reads_version_1() -> None:
     second.disk.update(5 * 32 * MIB, 0.08 + 5 * 32 * MIB / 1.5e9)
     line = second.disk.line()
     assert line is not None and line[0] == pytest.approx(0.08, rel=1e-6) and line[1] == pytest.approx(1.5e9)
-    # A version 1 file (rates only): read as before, no line.
-    v1 = json.dumps({"format": RATES_FORMAT, "version": 1, "layout": LAYOUT, "device": DEVICE,
-                     "rates": {"disk": {"rate": 1.5e9, "samples": 4}}}).encode()
-    old = decode_rates(v1, LAYOUT, DEVICE)
-    assert old.rates == {"disk": (1.5e9, 4)} and old.fits == {}
+    # Older files (version 2's prefill line ignored the calls' prefixes) are refused, as other
+    # versions are: the file is a hint, the meters start afresh. Rates only is still version 3.
+    for version in (1, 2):
+        old = json.dumps({"format": RATES_FORMAT, "version": version, "layout": LAYOUT, "device": DEVICE,
+                          "rates": {"disk": {"rate": 1.5e9, "samples": 4}}}).encode()
+        with pytest.raises(RatesFileError) as info:
+            decode_rates(old, LAYOUT, DEVICE)
+        assert info.value.reason == "version"
+    rates_only = decode_rates(json.dumps({"format": RATES_FORMAT, "version": 3, "layout": LAYOUT, "device": DEVICE,
+                                          "rates": {"disk": {"rate": 1.5e9, "samples": 4}}}).encode(), LAYOUT, DEVICE)
+    assert rates_only.rates == {"disk": (1.5e9, 4)} and rates_only.fits == {}
     fresh = CostModel()
-    fresh.restore(old, keep=lambda name: name == "prefill")
+    fresh.restore(rates_only, keep=lambda name: name == "prefill")
     assert fresh.disk.rate == 1.5e9 and fresh.disk.line() is None and fresh.disk.fixed == 0.0
     # A prefill rate the engine gave itself is kept.
     given_rate = CostModel(prefill_tokens_per_s=1234.0)
@@ -282,7 +299,7 @@ def test_rates_file_keeps_the_line_and_spread_and_reads_version_1() -> None:
 
 
 def _entry(**fields: object) -> bytes:
-    return json.dumps({"format": RATES_FORMAT, "version": 2, "layout": LAYOUT, "device": DEVICE,
+    return json.dumps({"format": RATES_FORMAT, "version": RATES_VERSION, "layout": LAYOUT, "device": DEVICE,
                        "rates": {"disk": {"rate": 1e9, "samples": 3, **fields}}}).encode()
 
 
@@ -311,15 +328,14 @@ def test_rates_file_lines_are_validated_and_clamped() -> None:
         _entry(spread=True),
         _entry(spread=-0.0).replace(b"-0.0", b"NaN"),
         _entry(latency=0.1),  # a key no version has
-        json.dumps({"format": RATES_FORMAT, "version": 1, "layout": LAYOUT, "device": DEVICE,  # v1 had no line
-                    "rates": {"disk": {"rate": 1e9, "samples": 3, "spread": 0.0}}}).encode(),
+        _entry(moments=good, fitted=3, curve=[1e15, 1e30, 1e30, 1e15]),  # a curve is the prefill meter's
     ]
     for data in corrupt:
         with pytest.raises(RatesFileError) as info:
             decode_rates(data, LAYOUT, DEVICE)
         assert info.value.reason == "corrupt", data
-    for version in (0, 3, True, "2"):
-        data = _entry().replace(b'"version": 2', b'"version": ' + json.dumps(version).encode())
+    for version in (0, 2, 4, True, "3"):
+        data = _entry().replace(b'"version": 3', b'"version": ' + json.dumps(version).encode())
         with pytest.raises(RatesFileError) as info:
             decode_rates(data, LAYOUT, DEVICE)
         assert info.value.reason == "version", data

@@ -20,21 +20,27 @@ MIB = 1 << 20
 PAGE_TOKENS, PAGE_BYTES = 256, 32 * MIB
 
 
-def measured(read_latency: float, claim_cost: float, disk_bps: float = 1.5e9) -> CostModel:
+def measured(read_latency: float, claim_cost: float, disk_bps: float = 1.5e9, attend: float = 0.0) -> CostModel:
     """A model fed calls of several sizes as the cache feeds it (8B shape: 32 MiB pages of 256
-    tokens; pinned copies ~52 GB/s, prefill ~26K tokens/s)."""
+    tokens; pinned copies ~52 GB/s, prefill ~26K tokens/s beyond ``attend`` s/token² of attention,
+    1.5e-9 on the H200, over the prefix each call computes on top of)."""
     model = CostModel()
-    for pages in (1, 5, 31, 12, 31, 3, 8):
+    for pages, prefix in ((1, 0), (5, 8), (31, 0), (12, 40), (31, 2), (3, 100), (8, 16)):
+        t, p = pages * PAGE_TOKENS, prefix * PAGE_TOKENS
         model.pool.update(pages * PAGE_BYTES, 0.0005 + pages * PAGE_BYTES / 52e9)
         model.disk.update(pages * PAGE_BYTES, read_latency + pages * PAGE_BYTES / disk_bps)
-        model.prefill.update(pages * PAGE_TOKENS, claim_cost + pages * PAGE_TOKENS / 26_000)
+        model.prefill.update(t, claim_cost + t / 26_000 + attend * t * (p + t / 2), p)
     return model
 
 
 def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, float, float, float, float]:
     """Recompute, load, best split (+ tail), the load's margin and the split's, page by page."""
     p = costs.pages
-    compute = costs.compute
+    t = costs.page_tokens
+
+    def compute(k: int) -> float:  # page i attends over the i pages before it (and the prefix)
+        return sum(costs.compute + costs.attend * (i + 0.5) for i in range(k))
+
     load_fixed = costs.copy_fixed + (costs.read_fixed if costs.disk_pages else 0.0)
 
     def load(k: int) -> float:
@@ -43,28 +49,33 @@ def brute(costs: PageCosts, tail_tokens: int, layered: bool) -> tuple[float, flo
 
     def ready(k: int) -> float:
         if k == p:
-            return p * compute
+            return compute(p)
         claims = 1 if costs.claim_pages == 0 else (k + costs.claim_pages - 1) / costs.claim_pages
-        return max(0.0 if k == 0 else costs.claim_fixed * claims + k * compute, load(k))
+        return max(0.0 if k == 0 else costs.claim_fixed * claims + compute(k), load(k))
 
     times = [ready(k) for k in range(p + 1)]
     best = min(range(p + 1), key=lambda k: (times[k], k))
-    tail = tail_tokens * compute / costs.page_tokens
+    # The tail's tokens one by one, each attending over the match and the tail before it.
+    tail = sum(costs.compute + costs.attend * (j + 0.5) / t for j in range(p * t, p * t + tail_tokens)) / t
     claims = 0 < best < p
-    margin = MARGIN_FRACTION * p * compute + costs.copy_spread + (costs.read_spread if costs.disk_pages else 0.0) + (
+    recompute = compute(p)
+    margin = MARGIN_FRACTION * recompute + costs.copy_spread + (costs.read_spread if costs.disk_pages else 0.0) + (
         costs.claim_spread if claims else 0.0)
     # A split proper is priced without the load's spreads: a slower load only moves where it meets.
-    split_margin = MARGIN_FRACTION * p * compute + costs.claim_spread if claims else margin
+    split_margin = MARGIN_FRACTION * recompute + costs.claim_spread if claims else margin
     whole = load(0)
-    return p * compute + tail, (max(whole, tail) if layered else whole + tail), times[best] + tail, margin, split_margin
+    return recompute + tail, (max(whole, tail) if layered else whole + tail), times[best] + tail, margin, split_margin
 
 
 @pytest.mark.parametrize(("pool", "disk"), [(26, 5), (0, 31), (31, 0), (40, 24)])
 def test_plan_recomputes_exactly_when_no_plan_gains_more_than_the_margin(pool: int, disk: int) -> None:
     plans = set()
-    grid = itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02), (False, True), (0, 128, 256, 2048))
-    for latency, claim_cost, layered, chunk in grid:
-        plans |= _check_plan(measured(latency, claim_cost), pool, disk, layered, chunk)
+    grid = itertools.product((0.0, 0.05, 0.12, 0.25, 0.5), (0.0, 0.003, 0.02), (False, True), (0, 128, 256, 2048),
+                             (0.0, 1.5e-9))
+    for latency, claim_cost, layered, chunk, attend in grid:
+        model = measured(latency, claim_cost, attend=attend)
+        assert (model.prefill.curve() is None) is (attend == 0.0)  # noise-free: b = 0 is the line's case
+        plans |= _check_plan(model, pool, disk, layered, chunk)
     if disk:  # the grid covers both sides of the rule (a pool hit, a memory copy, always pays here)
         assert HitPlan.RECOMPUTE in plans and HitPlan.SPLIT in plans
 

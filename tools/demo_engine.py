@@ -218,9 +218,8 @@ def hit_prices(
     part = suffix.estimate()
     if part.recompute_seconds is None or part.split_seconds is None:
         return None
-    # The average prefill rate underestimates a tail that attends over a long prefix: this errs
-    # towards loading or splitting, whose gains grow with the prefix.
-    tail = tail_tokens * costs.compute / page_tokens
+    # The tail attends over the whole match: priced after its pages.
+    tail = costs.compute_seconds(pages, pages + tail_tokens / page_tokens)
     whole = suffix.load(0)  # the stream's walk from the back, no claims (a split meeting at page 0)
     load = max(whole, tail) if layered else whole + tail
     return HitPrices(part.recompute_seconds + tail, load, part.split_seconds + tail, part.margin_seconds,
@@ -621,7 +620,7 @@ class ServingLoop(abc.ABC):
             if streaming is not None:
                 self._record_stream(res, streaming, start)
             elif self.cache is not None:
-                self._note_prefill(n - start, res.prefill_s)
+                self._note_prefill(n - start, res.prefill_s, start)
             res.computed_tokens = n - res.gpu_tokens - res.pool_tokens - res.disk_tokens
             if self.keep_logits:
                 res.logits = torch.stack(done.logits).cpu()
@@ -797,8 +796,9 @@ class ServingLoop(abc.ABC):
             previous, pos = pos, end
 
     @abc.abstractmethod
-    def _note_prefill(self, tokens: int, seconds: float) -> None:
-        """Tell the cache's cost model how fast this engine prefilled (where the cache takes it)."""
+    def _note_prefill(self, tokens: int, seconds: float, prefix: int) -> None:
+        """Tell the cache's cost model how long this engine took to prefill ``tokens`` tokens on
+        top of ``prefix`` tokens in its KV buffer (where the cache takes it)."""
 
     @abc.abstractmethod
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
@@ -904,9 +904,9 @@ class Engine(ServingLoop):
         assert self.kv_cache is not None
         return await self.kv_cache.start_load(match, slots, from_token=start, layered=layered)
 
-    def _note_prefill(self, tokens: int, seconds: float) -> None:
+    def _note_prefill(self, tokens: int, seconds: float, prefix: int) -> None:
         if self.kv_cache is not None and tokens > 0 and seconds > 0:
-            self.kv_cache.note_prefill(tokens, seconds)
+            self.kv_cache.note_prefill(tokens, seconds, prefix=prefix)
 
     async def _prefill(
         self,

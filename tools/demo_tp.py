@@ -502,7 +502,7 @@ class TPEngine(ServingLoop):
         self.ranks = ranks
         self.tp_cache = cache
 
-    def _note_prefill(self, tokens: int, seconds: float) -> None:
+    def _note_prefill(self, tokens: int, seconds: float, prefix: int) -> None:
         pass  # TPCache takes no prefill reports: its cost model learns the rate from claims
 
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
