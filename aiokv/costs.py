@@ -224,6 +224,13 @@ FIT_MIN_ATTENTION = 1e-6
 rounding noise (calls that scale linearly leave a ``b`` of ~1e-24 s/token²)."""
 
 
+PREFILL_WEIGHT = 0.1
+"""The prefill meter's moving-average weight: a longer memory than the tiers' (0.3), as a curve of
+three terms extrapolated to long prefixes needs more calls than a line (with 2% noise on the calls,
+a 32K recompute priced from calls over prefixes under 4K erred up to 13% at 0.3, 3% at 0.1), and an
+engine's prefill speed does not drift as a shared disk's does."""
+
+
 class PrefillMeter(RateMeter):
     """The engine's prefill time, attention included: ``seconds = fixed + a·t + b·t·(p + t/2)``
     for a call computing ``t`` tokens on top of a ``p``-token prefix already in the KV cache.
@@ -245,7 +252,7 @@ class PrefillMeter(RateMeter):
     :meth:`coefficients`, :meth:`seconds` and :meth:`compute_seconds` use the curve.
     """
 
-    def __init__(self, weight: float = 0.3, initial: float | None = None) -> None:
+    def __init__(self, weight: float = PREFILL_WEIGHT, initial: float | None = None) -> None:
         super().__init__(weight, initial)
         self._curve_moments: tuple[float, float, float, float] | None = None  # means of q, q², tq, qy
         self._curve: tuple[float, float, float] | None = None  # curve() as of the last change
