@@ -2,9 +2,14 @@
 
 Rates are moving averages (EWMA) of what whole calls achieved — bytes over the wall time of a
 load's pool copies, of its disk reads — so concurrency inside a call counts as it should. The
-engine's prefill rate is given in the config, reported by the engine, or learned from the claims
-of a :class:`aiokv.stream.LoadStream`. :meth:`CostModel.estimate` turns them into what a match
-would cost to load, to recompute, and where a compute-or-load split would meet.
+engine's prefill time is given in the config (a rate), reported by the engine, or learned from the
+claims of a :class:`aiokv.stream.LoadStream`. It is not linear in tokens: attention makes computing
+``t`` tokens on top of a ``p``-token prefix cost about ``fixed + a·t + b·t·(p + t/2)``, and a rate
+learned over short prefixes underprices a long prefix's recompute (1.2 s for 2.0 s at 32K on the
+H200), so :class:`PrefillMeter` fits that curve from each call's tokens, time and prefix.
+:meth:`CostModel.estimate` turns the meters into what a match would cost to load, to recompute,
+and where a compute-or-load split would meet (:class:`PageCosts`: the claims' cost is a convex
+quadratic in the pages computed, the load's a decreasing line).
 
 The rates outlive the process in the disk tier's layout directory (:data:`RATES_FILE`), so the
 first hit after a restart plans its split as a warmed cache would. The file is a hint, never

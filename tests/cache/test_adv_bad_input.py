@@ -116,7 +116,8 @@ async def test_malformed_input_is_refused_and_changes_nothing(tmp_path: Path) ->
             await refuses(f"load(match={bad!r})", lambda bad=bad: cache.load(bad, torch.arange(4)))
             await refuses(f"start_load(match={bad!r})", lambda bad=bad: cache.start_load(bad, torch.arange(4)))
         for args in [(0, 1.0), (-1, 1.0), (10, 0), (10, -1.0), (10, math.nan), (10, math.inf), (1.5, 1.0),
-                     (True, 1.0), (10, "1"), (10**20, 1e-9)]:
+                     (True, 1.0), (10, "1"), (10**20, 1e-9), (10, 1.0, -1), (10, 1.0, 2**53 + 1), (10, 1.0, 1.5),
+                     (10, 1.0, True), (10, 1.0, "0")]:
             await refuses(f"note_prefill{args}", lambda args=args: cache.note_prefill(*args))
 
         # A running stream's own entries.
