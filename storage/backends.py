@@ -62,6 +62,9 @@ unlink or rename of an evicted file."""
 CHAIN_READS = True
 """Whether a cold O_DIRECT read is one chain from its open (:attr:`UringPageIO.chain_reads`)."""
 
+WRITE_PAGE_FIRST = True
+"""Whether a write's fixed-buffer ops put the page before the header (:attr:`UringPageIO.page_first`)."""
+
 
 Published = Callable[[BaseException | None], None]
 """Completion of :meth:`PageIO.start_publish`: None when published, else the fault."""
@@ -316,7 +319,7 @@ class UringPageIO:
     kernel's lookup caches, else by an OPENAT through the ring), then one chain: header and page,
     CLOSE (and for an overwrite RENAMEAT to the new name). Header and page move in one vectored op
     (READV/WRITEV) with plain buffers, or as two fixed-buffer ops once the page's region is
-    registered."""
+    registered (a write: the page first, so a new file is extended once)."""
 
     def __init__(self, engine: uring.UringEngine, pool: PagePool, slots: HeaderSlots, direct: bool,
                  regions: list[list[uring.Region]] | None) -> None:
@@ -326,6 +329,7 @@ class UringPageIO:
         self.faults = FaultPlan(arm=self._arm_faults)
         self._cached = CachedOpen()
         self.chain_reads = CHAIN_READS
+        self.page_first = WRITE_PAGE_FIRST
         """Cold O_DIRECT reads as one chain from the open (:meth:`_load_chain`), checked on the file
         it opened (an installed fd's ``fstat``). An earlier chain checked a STATX of the *name*: a
         rename race inside the directory (RENAME_EXCHANGE in a loop) made it approve our file while
@@ -574,19 +578,22 @@ class UringPageIO:
             opcode = uring.OP_WRITEV if write else uring.OP_READV
             return [uring.sqe(opcode, fd, slots.iovec(slot, address, self._page_bytes), 2, 0, fixed_file=fixed_file)]
         opcode = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
-        return [
-            uring.sqe(opcode, fd, slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0,
-                      buf_index=self._slot_region.index, fixed_file=fixed_file),
-            uring.sqe(opcode, fd, address, self._page_bytes, HEADER_BYTES, buf_index=region.index,
-                      fixed_file=fixed_file),
-        ]
+        header = uring.sqe(opcode, fd, slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0,
+                           buf_index=self._slot_region.index, fixed_file=fixed_file)
+        body = uring.sqe(opcode, fd, address, self._page_bytes, HEADER_BYTES, buf_index=region.index,
+                         fixed_file=fixed_file)
+        # A write puts the page first: on ext4 an O_DIRECT write that extends the file runs
+        # synchronously, so header-then-page paid two such writes in a new file's chain; the page
+        # write extends it once, the header then fills the hole before it (the file is under its
+        # temporary name, or being overwritten, until the chain's rename either way).
+        return [body, header] if write and self.page_first else [header, body]
 
     def _moved(self, transfer: list[uring.SqeFields]) -> list[int]:
         """What :meth:`_transfer`'s ops return when they succeed (bytes moved), as a new list: one
-        vectored op moves header and page, two fixed-buffer ops one each."""
+        vectored op moves header and page, two fixed-buffer ops one each (in their order)."""
         if len(transfer) == 1:
             return [HEADER_BYTES + self._page_bytes]
-        return [HEADER_BYTES, self._page_bytes]
+        return [op[6] for op in transfer]
 
     def _names(self, slot: int, first: bytes, second: bytes | None) -> tuple[int, int, object]:
         """Addresses of ``first`` and ``second`` (0 if None) NUL-terminated in ``slot``'s name

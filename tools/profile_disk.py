@@ -26,7 +26,8 @@ to it (writes to its write, reads to its read).
 than T ms the callbacks that ran in them by name, with the turn's split into the loop thread's CPU,
 its run-queue wait (``/proc/<tid>/schedstat``: runnable, not running) and the rest (asleep in a
 syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (A/B);
-``--chain-reads on|off`` cold reads as one chain from the open, or open first (A/B).
+``--chain-reads on|off`` cold reads as one chain from the open, or open first (A/B);
+``--page-first on|off`` a write's page op before its header op, or after (A/B).
 
 Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
 loop turns only: ``... --page-mib 4 --depth 32 --repeats 0 --no-profile --turns-ms 1``.
@@ -65,6 +66,8 @@ from aiokv.storage.uring import UringEngine
 GB = 1e9
 ASYNC_DATA: bool | None = None
 CHAIN_READS: bool | None = None
+PAGE_FIRST: bool | None = None
+"""``--page-first``: force a write's page op before (on) or after (off) its header op."""
 """``--chain-reads``: force cold reads as one chain from the open on or off (None: the default)."""
 """``--async-data``: force the engine's ``async_data`` on or off (None: the tier's own choice)."""
 PHASES = ("write new", "read new", "write recycled", "read recycled")
@@ -291,6 +294,8 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
             io.engine.async_data = ASYNC_DATA
         if CHAIN_READS is not None and isinstance(io, UringPageIO):
             io.chain_reads = CHAIN_READS
+        if PAGE_FIRST is not None and isinstance(io, UringPageIO):
+            io.page_first = PAGE_FIRST
         for first in (1, count + 1):
             keys = [i.to_bytes(16, "little") for i in range(first, first + count)]
             held = fill_pool(pool)
@@ -500,13 +505,16 @@ def main() -> int:
                         help="page ops through io-wq (IOSQE_ASYNC): the tier's choice, or forced")
     parser.add_argument("--chain-reads", choices=["auto", "on", "off"], default="auto",
                         help="cold reads as one chain from the open (A/B): the default, or forced")
+    parser.add_argument("--page-first", choices=["auto", "on", "off"], default="auto",
+                        help="a write's page op before its header op (A/B): the default, or forced")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     args = parser.parse_args()
     if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 0 or min(args.depth) < 1:
         parser.error("sizes, depths and --top must be positive (--total-mib >= --page-mib)")
-    global ASYNC_DATA, CHAIN_READS
+    global ASYNC_DATA, CHAIN_READS, PAGE_FIRST
     ASYNC_DATA = None if args.async_data == "auto" else args.async_data == "on"
     CHAIN_READS = None if args.chain_reads == "auto" else args.chain_reads == "on"
+    PAGE_FIRST = None if args.page_first == "auto" else args.page_first == "on"
     return asyncio.run(main_async(args))
 
 
