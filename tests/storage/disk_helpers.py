@@ -82,6 +82,23 @@ async def write_page(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torc
     return ok, data
 
 
+async def stored_page(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
+    """:func:`write_page` that must succeed; returns the payload written."""
+    ok, data = await write_page(tier, pool, i)
+    assert ok, f"page {i} was not written"
+    return data
+
+
+def seed_payload(pool: PagePool, i: int, tag: int) -> torch.Tensor:
+    """The payload :func:`fill` writes with seed ``i`` (built in the pool under ``key_of(i, tag)``,
+    a key the test never stores, then dropped)."""
+    h = fill(pool, key_of(i, tag), i)
+    data = payload(pool, h)
+    pool.table.release(h)
+    pool.table.discard(key_of(i, tag))
+    return data
+
+
 async def read_page(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
     """The payload of page ``key_of(i)`` read back from ``tier``, or None when the read failed."""
     into = reserve(pool, key_of(i))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from disk_helpers import assert_clean, config, fill, is_root, key_of, payload, reserve
+from disk_helpers import assert_clean, config, is_root, key_of, payload, reserve, stored_page
 from fs_helpers import loop_ext4
 
 from aiokv.layout import KVLayout
@@ -46,14 +46,6 @@ async def cold_tier(request: pytest.FixtureRequest, tmp_path: Path, layout: KVLa
 def _exists(path: str) -> bool:
     return os.path.exists(path)
 
-
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    assert await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.discard(key_of(i))
-    return data
 
 
 def _copy(src: str, dst: str) -> None:
@@ -121,9 +113,9 @@ PLANTS: dict[str, tuple[Callable[[str, str], None], str]] = {
 async def test_a_planted_file_is_a_counted_miss_never_its_bytes(cold_tier: DiskTier, pool: PagePool,
                                                                 plant: str) -> None:
     tier = cold_tier
-    await _store(tier, pool, 1)
-    other = await _store(tier, pool, 2)
-    good = await _store(tier, pool, 3)
+    await stored_page(tier, pool, 1)
+    other = await stored_page(tier, pool, 2)
+    good = await stored_page(tier, pool, 3)
     target, source = tier.files.path(key_of(1)), tier.files.path(key_of(2))
     how, kind = PLANTS[plant]
     how(source, target)
@@ -158,8 +150,8 @@ async def test_a_hard_link_of_another_owners_valid_file_is_refused(cold_tier: Di
     if not is_root():
         pytest.skip("giving a file away needs root")
     tier = cold_tier
-    await _store(tier, pool, 1)
-    good = await _store(tier, pool, 2)
+    await stored_page(tier, pool, 1)
+    good = await stored_page(tier, pool, 2)
     target = tier.files.path(key_of(1))
     forged = os.path.join(os.path.dirname(os.path.dirname(target)), "forged")
     shutil.copyfile(target, forged)  # key 1's own valid bytes, but another owner's file

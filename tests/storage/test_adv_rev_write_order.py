@@ -22,9 +22,10 @@ from disk_helpers import (
     fill,
     key_of,
     page_files,
-    payload,
+    read_page,
     ready_pool,
-    reserve,
+    seed_payload,
+    stored_page,
     temp_files,
 )
 from fs_helpers import fill_up, loop_ext4
@@ -79,21 +80,6 @@ def _fail_write(io: UringPageIO, which: int, err: int) -> Callable[[], None]:
     return disarm
 
 
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    assert await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.discard(key_of(i))
-    return data
-
-
-async def _served(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
-    into = reserve(pool, key_of(i))
-    try:
-        return payload(pool, into) if await tier.read(key_of(i), into) else None
-    finally:
-        pool.table.abort(into)
 
 
 async def _restart_serves_only(directory: Path, layout: KVLayout, pool: PagePool,
@@ -101,9 +87,9 @@ async def _restart_serves_only(directory: Path, layout: KVLayout, pool: PagePool
     async with DiskTier(config(directory, DiskBackend.URING_FIXED), layout, pool) as again:
         for i in absent:
             assert not again.contains(key_of(i))
-            assert await _served(again, pool, i) is None
+            assert await read_page(again, pool, i) is None
         for i, data in want.items():
-            got = await _served(again, pool, i)
+            got = await read_page(again, pool, i)
             assert got is not None and torch.equal(got, data)
         assert again.statistics().corrupt == 0
 
@@ -120,7 +106,7 @@ async def test_a_failed_page_or_header_op_leaves_no_file(disk_dir: Path, layout:
     async with DiskTier(config(disk_dir, DiskBackend.URING_FIXED, capacity, enospc_retries=1), layout,
                         pool) as tier:
         io = await _registered(tier)
-        kept = {i: await _store(tier, pool, i) for i in (1, 2)}
+        kept = {i: await stored_page(tier, pool, i) for i in (1, 2)}
         disarm = _fail_write(io, which, err)
         h = fill(pool, key_of(3), 3)
         ok = await tier.write(key_of(3), h)
@@ -134,27 +120,19 @@ async def test_a_failed_page_or_header_op_leaves_no_file(disk_dir: Path, layout:
         assert not tier.contains(key_of(3))
         assert not _lexists(tier.files.path(key_of(3)))
         assert temp_files(disk_dir) == []
-        assert await _served(tier, pool, 3) is None
+        assert await read_page(tier, pool, 3) is None
         # The files still indexed are whole and right; what the failed write took over is gone.
         kept = {i: d for i, d in kept.items() if tier.contains(key_of(i))}
         for i, data in kept.items():
-            got = await _served(tier, pool, i)
+            got = await read_page(tier, pool, i)
             assert got is not None and torch.equal(got, data)
         assert len(page_files(disk_dir)) == len(kept)
         assert stats.bytes_stored == len(kept) * per_file
-        await _store(tier, pool, 4)  # writes again once the fault is gone
-        kept[4] = payload_of(pool, 4)
+        await stored_page(tier, pool, 4)  # writes again once the fault is gone
+        kept[4] = seed_payload(pool, 4, 9)
     await _restart_serves_only(disk_dir, layout, pool, kept, [3])
     assert_clean(pool)
 
-
-def payload_of(pool: PagePool, i: int) -> torch.Tensor:
-    """The payload :func:`fill` writes for key ``i`` (seed ``i``)."""
-    h = fill(pool, key_of(i, 9), i)
-    data = payload(pool, h)
-    pool.table.release(h)
-    pool.table.discard(key_of(i, 9))
-    return data
 
 
 @pytest.fixture
@@ -246,8 +224,8 @@ async def test_a_full_ext4_that_takes_the_page_but_not_the_header(tmp_path: Path
             assert tier.statistics().errors[ErrorKind.ENOSPC] == fails
             stored = {i: None for i in range(n + 1) if tier.contains(key_of(i))}
             for i in stored:
-                got = await _served(tier, big_pool, i)
-                assert got is not None and torch.equal(got, payload_of(big_pool, i))
+                got = await read_page(tier, big_pool, i)
+                assert got is not None and torch.equal(got, seed_payload(big_pool, i, 9))
         assert temp_files(mount / "disk") == []
         assert len(page_files(mount / "disk")) == len(stored)
     assert_clean(big_pool)
@@ -260,16 +238,16 @@ async def test_a_kill_between_the_ops_leaves_an_old_header_that_is_refused(disk_
     # Page first: a recycled file killed after (part of) its page op keeps the victim's header
     # (its key, its checksum) over the new page's bytes, under the victim's name.
     async with DiskTier(config(disk_dir, DiskBackend.URING_FIXED), layout, pool) as tier:
-        data = {i: await _store(tier, pool, i) for i in (0, 1)}
+        data = {i: await stored_page(tier, pool, i) for i in (0, 1)}
         paths = {i: Path(tier.files.path(key_of(i))) for i in (0, 1)}
     new = paths[1].read_bytes()[HEADER_BYTES:]
     size = len(new) if part == 1.0 else int(len(new) * part) if part < 1 else int(part)
     _write_at(paths[0], HEADER_BYTES, new[:size])
     async with DiskTier(config(disk_dir, DiskBackend.URING_FIXED), layout, pool) as tier:
-        assert await _served(tier, pool, 0) is None, "an old header over new bytes was served"
+        assert await read_page(tier, pool, 0) is None, "an old header over new bytes was served"
         assert tier.statistics().corrupt == 1
         assert not tier.contains(key_of(0))
-        got = await _served(tier, pool, 1)
+        got = await read_page(tier, pool, 1)
         assert got is not None and torch.equal(got, data[1])
     assert not paths[0].exists()
     assert_clean(pool)

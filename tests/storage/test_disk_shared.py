@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, holder_child, key_of, page_files, payload, reserve
+from disk_helpers import assert_clean, config, fill, holder_child, key_of, page_files, payload, reserve, seed_payload
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -24,14 +24,6 @@ FILES = 6  # the budget, in page files
 def _disk_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in page_files(directory))
 
-
-def _expected(pool: PagePool, i: int) -> torch.Tensor:
-    """The payload the holder wrote for key_of(i, 7)."""
-    h = fill(pool, key_of(i, 7), i)
-    data = payload(pool, h)
-    pool.table.release(h)
-    pool.table.discard(key_of(i, 7))
-    return data
 
 
 @pytest.mark.asyncio
@@ -61,7 +53,7 @@ async def test_second_process_on_a_directory_is_read_only_and_the_budget_holds(
             for i in range(2, FILES + 2):  # the holder's pages, verified bit for bit
                 into = reserve(pool, key_of(100 + i))
                 assert await second.read(key_of(i, 7), into)
-                assert torch.equal(payload(pool, into), _expected(pool, i))
+                assert torch.equal(payload(pool, into), seed_payload(pool, i, 7))
                 pool.table.abort(into)
             ours.send(("write", FILES))  # meanwhile the first one goes on writing
             assert await asyncio.to_thread(ours.recv) == "written"
