@@ -363,6 +363,11 @@ class PrefillMeter(RateMeter):
                     theta[i] * rhs[i] for i in range(3))
                 if best is None or cost < best[0]:
                     best = cost, theta
+                if a_free and b_free and (fixed_at is None or not sized):
+                    break  # the least over the whole box is feasible: every face's costs at least as much
+            else:
+                continue
+            break
         if best is None:
             return None
         fixed, alpha, beta = best[1]
