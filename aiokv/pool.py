@@ -589,6 +589,9 @@ class PagePool:
         self._closed = True
         if self._released or self._release_after is not None:
             return  # freed (or to be freed) as close_after says
+        # Now, not in the release task: a chunk queued behind a running one would otherwise start
+        # in the loop turn before that task first runs.
+        self._drop_queued_chunks()
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._release())
         await asyncio.shield(self._closing)
@@ -605,6 +608,7 @@ class PagePool:
         if self._released or self._closing is not None or self._release_after is not None:
             return
         self._release_after = io_ended
+        self._drop_queued_chunks()
         self.memory.segment.unlink_name()
 
         def ended(done: asyncio.Future[None]) -> None:
@@ -629,9 +633,12 @@ class PagePool:
         if self._closing is not None:
             await asyncio.shield(self._closing)
 
-    async def _release(self) -> None:
+    def _drop_queued_chunks(self) -> None:
         for future in self._futures:
             future.cancel()  # succeeds only for chunks no thread has started
+
+    async def _release(self) -> None:
+        self._drop_queued_chunks()
         await self._wait_chunks(all_chunks=True)  # the running ones
         # Unmapping and unlinking a large segment frees its pages (tens of ms per GiB): in one of the
         # preparation threads, which yield the CPU to the loop's thread.

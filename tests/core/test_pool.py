@@ -232,8 +232,14 @@ async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypat
     release = threading.Event()
     entered = asyncio.Event()
     real = os.posix_fallocate
+    second = threading.Event()
+    calls = 0
 
     def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            second.set()
         loop.call_soon_threadsafe(entered.set)
         release.wait(60)
         real(fd, offset, length)
@@ -247,11 +253,50 @@ async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypat
         pool.reserve([key(1)])
     assert not any(c.done() for c in closers)
     release.set()
+    # The loop stays blocked (on purpose) while the thread ends chunk 0 and looks for more: a
+    # queued chunk still startable once aclose returned control would be started now (regression:
+    # the queue was dropped only when the release task first ran, a loop turn later; CI lost the race).
+    assert not second.wait(0.5), "a chunk queued at aclose() was started after it"
     await asyncio.gather(*closers)
     assert pool.memory.segment.closed
     stats = pool.statistics()
     assert (stats.chunks_ready, stats.chunks_failed) == (1, 3)  # chunks no thread had started are dropped
     await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_close_after_drops_the_queued_chunks_at_once_and_frees_when_the_io_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    entered = asyncio.Event()
+    second = threading.Event()
+    real = os.posix_fallocate
+    calls = 0
+
+    def slow_fallocate(fd: int, offset: int, length: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            second.set()
+        loop.call_soon_threadsafe(entered.set)
+        release.wait(60)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
+    pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=LAYOUT.page_bytes, workers=1)
+    await entered.wait()
+    io_ended: asyncio.Future[None] = loop.create_future()
+    pool.close_after(io_ended)
+    release.set()
+    assert not second.wait(0.5), "a chunk queued at close_after() was started after it"
+    await asyncio.sleep(0.05)
+    assert not pool.memory.segment.closed  # the stuck I/O has not ended: the memory stays mapped
+    io_ended.set_result(None)
+    await pool.wait_freed()
+    assert pool.memory.segment.closed
+    stats = pool.statistics()
+    assert (stats.chunks_ready, stats.chunks_failed) == (1, 3)
 
 
 def test_run_in_background_uses_the_pools_threads_and_a_closed_pool_refuses() -> None:
