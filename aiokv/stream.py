@@ -377,22 +377,25 @@ class LoadStream:
         """Whether a read of ``page`` started now should land before the engine claims into the page
         (reaches its first token: from then on the loader may no longer launch it).
 
-        By the rates: this stream's own disk pace once a page landed (else the cost model's), the
-        engine's prefill rate. Always True until the engine claims (it may never: then the load must
-        bring every page) and while a rate is unknown.
+        By the rates: this stream's own disk pace once a page landed (else the cost model's), and
+        the engine's prefill time for the tokens between its claim and the page, attention included
+        (tokens deep in a long prompt cost more than the average call's: an average rate said the
+        engine arrives sooner than it does, and reads that would have landed were not started).
+        Always True until the engine claims (it may never: then the load must bring every page) and
+        while a rate is unknown.
         """
         if self._claimed <= self.from_token:
             return True
         costs = self._manager.costs
-        prefill = costs.prefill.rate
+        # One claim's fixed cost: the engine pays at least the one that reaches the page.
+        reached = costs.prefill.compute_seconds(self._claimed, self._start_of(page), calls=1)
         page_bytes = self._manager.layout.page_bytes
         elapsed = time.perf_counter() - self._disk_started
         disk = self._disk_landed * page_bytes / elapsed if self._disk_landed and elapsed > 0 else costs.disk.rate
-        if prefill is None or disk is None:
+        if reached is None or disk is None:
             return True
         # Reads already in flight land first (or share the device with this one until they do).
         lands = (len(self._promotions) + 1) * page_bytes / disk
-        reached = (self._start_of(page) - self._claimed) / prefill
         return lands < reached
 
     async def _read(self, page: int) -> asyncio.Task[Promotion | NoPage] | None:

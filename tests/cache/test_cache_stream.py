@@ -150,6 +150,41 @@ async def test_a_disk_read_must_land_before_the_engine_reaches_the_first_token_o
 
 
 @pytest.mark.asyncio
+async def test_whether_a_read_lands_in_time_prices_the_engines_tokens_with_attention(tmp_path: Path) -> None:
+    # Regression: the loader priced the engine's progress with the meter's average rate; tokens
+    # deep in a prompt cost more (attention), so the engine arrives later than that rate says and
+    # reads that would land were not started.
+    kv = make_kv(74)
+    n = 8 * T
+    tokens = prompt(74, n)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        cache.pool.table.evict(cache.pool.num_pages)
+        costs = cache.manager.costs
+        costs.disk.update(LAYOUT.page_bytes, 0.010)  # a page read takes 10 ms
+        # Token i costs a + b·i, b chosen so that tokens [2T, 4T) take 20 ms; the engine's calls
+        # seen so far were short ones at the front of prompts (fast on average).
+        a = 1e-6
+        b = (0.010 / T - a) / (3 * T)
+        for i in range(30):
+            t = (1, 2, 4)[i % 3] * T / 4
+            costs.prefill.update(t, a * t + b * t * t / 2, prefix=0)
+        average = costs.prefill.rate
+        assert average is not None and 2 * T / average < 0.010  # the average rate: reached in < 10 ms
+        reached = costs.prefill.compute_seconds(2 * T, 4 * T, calls=1)
+        assert reached is not None and reached == pytest.approx(0.020, rel=0.05)
+        match = await cache.match(tokens)
+        stream = await cache.start_load(match, torch.arange(50, 50 + n))
+        stream._claimed = 2 * T
+        assert stream._lands_in_time(4)  # 10 ms to land, ~20 ms until the engine gets there
+        assert not stream._lands_in_time(3)  # ~8 ms until the engine gets there: too late
+        await stream.aclose()
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
 async def test_a_corrupt_disk_page_shortens_the_loaded_suffix_and_the_engine_computes_the_rest(
     tmp_path: Path,
 ) -> None:
