@@ -7,10 +7,11 @@ import math
 from types import TracebackType
 from typing import Self
 
-from aiokv.costs import RATE_BOUNDS, LoadEstimate
+from aiokv.costs import LoadEstimate
 from aiokv.keys import PageKey, Salt, Tokens
 from aiokv.manager import CacheManager
 from aiokv.pool import PagePool
+from aiokv.rates_file import RATE_BOUNDS
 from aiokv.results import CacheStatistics, Match, PrefetchResult
 from aiokv.storage import DiskTier
 

@@ -25,17 +25,11 @@ import time
 from types import MappingProxyType
 
 from aiokv.config import CacheConfig
-from aiokv.costs import (
-    RatesFileError,
-    decode_rates,
-    encode_rates,
-    read_rates_file,
-    write_rates_file,
-)
 from aiokv.layout import KVLayout
 from aiokv.loadpath import LoadPath
 from aiokv.offloadpath import OffloadPath
 from aiokv.pool import PagePool, run_in_new_thread
+from aiokv.rates_file import RatesFileError, decode_rates, encode_rates, read_rates_file, write_rates_file
 from aiokv.results import CacheStatistics, Tier
 from aiokv.storage import DiskTier
 from aiokv.storage.faults import fault_name

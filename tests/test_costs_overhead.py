@@ -16,19 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv.costs import (
-    FIT_MIN_SAMPLES,
-    FIXED_MAX_S,
-    MARGIN_FRACTION,
-    RATES_FORMAT,
-    RATES_VERSION,
-    CostModel,
-    PageCosts,
-    RateMeter,
-    RatesFileError,
-    decode_rates,
-    encode_rates,
-)
+from aiokv.costs import FIT_MIN_SAMPLES, FIXED_MAX_S, MARGIN_FRACTION, CostModel, PageCosts, RateMeter
+from aiokv.rates_file import RATES_FORMAT, RATES_VERSION, RatesFileError, decode_rates, encode_rates
 
 LAYOUT, DEVICE = "ab" * 16, "cuda:NVIDIA H200"
 MIB = 1 << 20

@@ -17,7 +17,8 @@ import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import KVCache
-from aiokv.costs import RateMeter, decode_rates, read_rates_file
+from aiokv.costs import RateMeter
+from aiokv.rates_file import decode_rates, read_rates_file
 
 T = LAYOUT.page_tokens
 PAGES = 8

@@ -13,7 +13,7 @@ from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
 import aiokv.manager as manager_module
 from aiokv import KVCache
-from aiokv.costs import RATES_FILE, write_rates_file
+from aiokv.rates_file import RATES_FILE, write_rates_file
 from aiokv.storage import DiskTier
 
 T = LAYOUT.page_tokens

@@ -23,22 +23,21 @@ from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mov
 
 import aiokv.manager as manager_module
 from aiokv import KVCache
-from aiokv.costs import (
+from aiokv.costs import CostModel, RateMeter
+from aiokv.manager import CacheManager
+from aiokv.rates_file import (
     RATE_BOUNDS,
     RATES_FILE,
     RATES_MAX_BYTES,
     RATES_TEMP,
     RATES_VERSION,
     RATES_VERSIONS_READ,
-    CostModel,
-    RateMeter,
     RatesFileError,
     decode_rates,
     encode_rates,
     read_rates_file,
     write_rates_file,
 )
-from aiokv.manager import CacheManager
 
 T = LAYOUT.page_tokens
 N = 12 * T

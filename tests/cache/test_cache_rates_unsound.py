@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import KVCache
-from aiokv.costs import (
+from aiokv.rates_file import (
     RATES_FILE,
     RATES_FORMAT,
     RATES_MAX_BYTES,

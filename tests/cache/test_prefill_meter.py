@@ -19,18 +19,8 @@ import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import KVCache
-from aiokv.costs import (
-    FIXED_MAX_S,
-    PREFILL_WEIGHT,
-    RATES_VERSION,
-    CostModel,
-    PrefillMeter,
-    RateMeter,
-    RatesFileError,
-    SavedFit,
-    decode_rates,
-    encode_rates,
-)
+from aiokv.costs import FIXED_MAX_S, PREFILL_WEIGHT, CostModel, PrefillMeter, RateMeter, SavedFit
+from aiokv.rates_file import RATES_VERSION, RatesFileError, decode_rates, encode_rates
 
 FIXED, A, B = 0.002, 3e-5, 1.5e-9
 """The H200's 8B-shape prefill, about: 2 ms per call, 30 µs per token, 1.5 ns per token² of prefix."""

@@ -150,7 +150,7 @@ async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkey
     import threading
 
     import aiokv.manager as manager_module
-    from aiokv.costs import write_rates_file
+    from aiokv.rates_file import write_rates_file
 
     loop = asyncio.get_running_loop()
     entered: asyncio.Future[None] = loop.create_future()

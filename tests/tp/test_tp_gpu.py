@@ -19,11 +19,11 @@ import torch
 from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
 
 from aiokv import CacheConfig
-from aiokv.costs import RATES_FILE
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
 from aiokv.layout import KVBuffer, KVLayout
 from aiokv.pool import PagePool
+from aiokv.rates_file import RATES_FILE
 from aiokv.storage import DiskConfig
 from aiokv.tp import Direction, Job, RankExecutor, RankGroup, RankStatus, TPCache, TPConfig, TransferSpec
 

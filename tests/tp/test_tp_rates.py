@@ -23,8 +23,9 @@ import torch
 from tp_helpers import CONFIG, SLOTS, full_kv, rank_kv
 
 from aiokv import CacheConfig, KVLayout
-from aiokv.costs import RATE_BOUNDS, RATES_FILE, CostModel, encode_rates, write_rates_file
+from aiokv.costs import CostModel
 from aiokv.manager import CacheManager
+from aiokv.rates_file import RATE_BOUNDS, RATES_FILE, encode_rates, write_rates_file
 from aiokv.storage import DiskConfig
 from aiokv.tp import RankWorkerThread, TPCache
 from aiokv.tp.wire import PROTOCOL_VERSION, Attached, FrameKind, Hello, Welcome, frame, read_frame
