@@ -9,7 +9,7 @@ pacer keeps the copy's bytes in flight until then.
 Without a GPU the launch runs over a small model of CUDA streams and events (the mover's contract
 on a failed launch: the caller's current stream waits for what its lanes had queued before the
 error propagates), with the real completion bridge and pacer. The GPU test injects a real CUDA
-error (an invalid pitch on the second run copy) into a real offload.
+error (an invalid pitch on the second run copy) into a real offload by run copies.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
 
+import aiokv.cache
 import aiokv.cuda
 from aiokv import KVCache
 from aiokv.cuda import CompletionBridge
+from aiokv.kernels import PageMover
 from aiokv.transfers import LocalTransfers
 
 T = LAYOUT.page_tokens
@@ -209,6 +211,15 @@ async def test_a_real_offload_failing_part_way_reports_after_its_queued_copy(mon
         # The second run copy gets a pitch below its width: the runtime refuses it (a real CUDA error).
         real(dst, 1 if len(calls) == 2 else dpitch, src, spitch, width, height, stream)
 
+    class RunMover(PageMover):
+        """The cache's mover with offloads by run copies (``slot_runs``, off by default): the run
+        copies are the raw runtime calls a real CUDA error can be injected into. (The test had
+        assumed the cache's mover takes them: on the H200 no run copy was tried, 0 calls.)"""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, slot_runs=True, **kwargs)
+
+    monkeypatch.setattr(aiokv.cache, "PageMover", RunMover)
     kv = make_kv(71)
     n = 2 * T
     tokens = prompt(71, n)
@@ -229,5 +240,5 @@ async def test_a_real_offload_failing_part_way_reports_after_its_queued_copy(mon
         assert slept.query(), "the failure was reported before the copy it had queued ran"
         assert result.stored == 0
         assert cache.stats().errors.get("copy_failed", 0) >= 1
-        monkeypatch.undo()
+        monkeypatch.setattr(aiokv.cuda, "memcpy2d_async", real)
         await assert_quiescent(cache)
