@@ -487,10 +487,12 @@ async def test_payload_is_hashed_before_an_io_slot(disk_dir: Path, backend: Disk
         monkeypatch.setattr(tier.backend, "start_load", gated)
         assert tier._checksums is not None
         hashed: list[int] = []
+        hashing = asyncio.Event()
         start = tier._checksums.start
 
         def counting(view: memoryview, done: Any, writing: bool = False) -> None:
             hashed.append(len(view))
+            hashing.set()
             start(view, done, writing)
 
         monkeypatch.setattr(tier._checksums, "start", counting)
@@ -499,13 +501,15 @@ async def test_payload_is_hashed_before_an_io_slot(disk_dir: Path, backend: Disk
         try:
             await entered.wait()  # the only slot is busy
             writing = asyncio.create_task(tier.write(key_of(2), h))
-            for _ in range(5):
-                await asyncio.sleep(0)
+            # Until the hash starts (a bounded wait, not a count of loop turns: on the H200 host
+            # five turns were not always enough), while the slot stays held.
+            async with asyncio.timeout(10):
+                await hashing.wait()
             assert hashed == [layout.payload_bytes] and not writing.done()
         finally:
             gate.set()  # never leave the slot held: closing waits for it
         assert await reading and await writing
-        assert len(hashed) == 2  # and the read's verification
+        assert len(hashed) == 2, hashed  # and the read's verification
         pool.table.release(h)
         pool.table.abort(into)
     assert_clean(pool)
