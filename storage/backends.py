@@ -65,6 +65,11 @@ CHAIN_READS = True
 WRITE_PAGE_FIRST = True
 """Whether a write's fixed-buffer ops put the page before the header (:attr:`UringPageIO.page_first`)."""
 
+COLD_READ_STREAK = 32
+"""After a read whose name was not in the kernel's lookup caches (its ``openat2`` with
+``RESOLVE_CACHED`` answered EAGAIN), this many reads that can go as one chain from the open skip
+that look (cold names come in runs: after a cache drop, every one is). Then the loop looks again."""
+
 
 Published = Callable[[BaseException | None], None]
 """Completion of :meth:`PageIO.start_publish`: None when published, else the fault."""
@@ -329,6 +334,7 @@ class UringPageIO:
         self.faults = FaultPlan(arm=self._arm_faults)
         self._cached = CachedOpen()
         self.chain_reads = CHAIN_READS
+        self._cold_streak = 0  # reads left that skip the look on the loop (see start_load)
         self.page_first = WRITE_PAGE_FIRST
         """Cold O_DIRECT reads as one chain from the open (:meth:`_load_chain`), checked on the file
         it opened (an installed fd's ``fstat``). An earlier chain checked a STATX of the *name*: a
@@ -567,21 +573,26 @@ class UringPageIO:
 
     def _transfer(self, write: bool, fd: int, fixed_file: bool, slot: int, page: PageBuffer) -> list[uring.SqeFields]:
         """Header and page in one vectored op (plain buffers), or two fixed-buffer ops where the
-        page's region is registered (fixed buffers spare the kernel pinning the page per I/O)."""
+        page's region is registered (fixed buffers spare the kernel pinning the page per I/O).
+
+        The SQEs are tuples laid out as :func:`uring.sqe` builds them, written out here: this runs
+        once per page, and a call per op was a fifth of the chain's set-up (#14)."""
         address = page.address
         if self._base <= address < self._pool_end:
             region = self._page_region(address)
         else:
             region = self._external_region(address) if self._ext_regions else None
-        slots = self._slots
-        if region is None or self._slot_region is None:
+        flags = uring.IOSQE_FIXED_FILE if fixed_file else 0
+        pb = self._page_bytes
+        slot_region = self._slot_region
+        if region is None or slot_region is None:
             opcode = uring.OP_WRITEV if write else uring.OP_READV
-            return [uring.sqe(opcode, fd, slots.iovec(slot, address, self._page_bytes), 2, 0, fixed_file=fixed_file)]
+            iovec = self._slots.iovec(slot, address, pb)
+            return [(opcode, flags, 0, fd, 0, iovec, 2, 0, 0, 0, 0, 0, 0, 0)]
         opcode = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
-        header = uring.sqe(opcode, fd, slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0,
-                           buf_index=self._slot_region.index, fixed_file=fixed_file)
-        body = uring.sqe(opcode, fd, address, self._page_bytes, HEADER_BYTES, buf_index=region.index,
-                         fixed_file=fixed_file)
+        header = (opcode, flags, 0, fd, 0, self._slots.address + slot * HEADER_BYTES, HEADER_BYTES, 0, 0,
+                  slot_region.index, 0, 0, 0, 0)
+        body = (opcode, flags, 0, fd, HEADER_BYTES, address, pb, 0, 0, region.index, 0, 0, 0, 0)
         # A write puts the page first: on ext4 an O_DIRECT write that extends the file runs
         # synchronously, so header-then-page paid two such writes in a new file's chain; the page
         # write extends it once, the header then fills the hole before it (the file is under its
@@ -593,7 +604,7 @@ class UringPageIO:
         vectored op moves header and page, two fixed-buffer ops one each (in their order)."""
         if len(transfer) == 1:
             return [HEADER_BYTES + self._page_bytes]
-        return [op[6] for op in transfer]
+        return [transfer[0][6], transfer[1][6]]
 
     def _names(self, slot: int, first: bytes, second: bytes | None) -> tuple[int, int, object]:
         """Addresses of ``first`` and ``second`` (0 if None) NUL-terminated in ``slot``'s name
@@ -633,14 +644,16 @@ class UringPageIO:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct
         moves = self._transfer(True, slot, True, slot, page)
         moved = self._moved(moves)
-        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, tmp, 0o600, 0, flags, file_index=slot + 1), *moves]
+        # SQE tuples as uring.sqe lays them out (see _transfer): OPENAT into the fixed-file entry.
+        ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, tmp, 0o600, flags, 0, 0, 0, slot + 1, 0, 0), *moves]
         # What each op returns when it succeeds (the OPENAT into a fixed-file slot: 0).
         expect = [0, *moved]
         if sync:
             ops.append(uring.sqe(uring.OP_FSYNC, slot, op_flags=uring.IORING_FSYNC_DATASYNC, fixed_file=True))
             expect.append(0)
-        ops += [uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1),
-                uring.sqe(uring.OP_RENAMEAT, dir_fd, tmp, dir_fd & 0xFFFFFFFF, fin)]
+        # CLOSE of the entry, RENAMEAT (new dir fd in ``len``, new name in ``off``).
+        ops += [(uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0),
+                (uring.OP_RENAMEAT, 0, 0, dir_fd, fin, tmp, dir_fd & 0xFFFFFFFF, 0, 0, 0, 0, 0, 0, 0)]
         expect += (0, 0)
 
         def written(results: list[int]) -> None:
@@ -700,8 +713,9 @@ class UringPageIO:
             ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
             expect.append(0)
         old, fin, names = self._names(slot, name, final.encode())
-        ops += [uring.sqe(uring.OP_CLOSE, fd),
-                uring.sqe(uring.OP_RENAMEAT, victim_dir, old, dir_fd & 0xFFFFFFFF, fin)]
+        # CLOSE, RENAMEAT victim -> final (SQE tuples as uring.sqe lays them out: see _transfer).
+        ops += [(uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                (uring.OP_RENAMEAT, 0, 0, victim_dir, fin, old, dir_fd & 0xFFFFFFFF, 0, 0, 0, 0, 0, 0, 0)]
         expect += (0, 0)
 
         def written(results: list[int]) -> None:
@@ -765,15 +779,23 @@ class UringPageIO:
         # Opened on the loop where that needs no I/O (the name in the kernel's lookup caches), then
         # one chain; a cold name (after a cache drop, or never looked up) is one chain from its open.
         encoded = name.encode()
-        flags = os.O_RDONLY | OPEN_FLAGS
+        chain = self.chain_reads and self.direct and page.aligned
+        if chain and self._cold_streak:
+            # The last look on the loop found a cold name: the next reads go straight to the chain
+            # (as safe: it checks the file it opened), sparing a failed openat2 each (#14).
+            self._cold_streak -= 1
+            self._load_chain(dir_fd, name, encoded, slot, page, done)
+            return
         try:
-            fd = self._open_cached(dir_fd, encoded, flags)
+            fd = self._open_cached(dir_fd, encoded, os.O_RDONLY | OPEN_FLAGS)
         except OSError as exc:
             asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
             return
         if fd is not None:
             self._read_file(fd, name, slot, page, done, True)
-        elif self.chain_reads and self.direct and page.aligned:
+        elif chain:
+            if self._cached.available and self.engine.fault_hook is None:
+                self._cold_streak = COLD_READ_STREAK
             self._load_chain(dir_fd, name, encoded, slot, page, done)
         else:
             self._open_then_read(dir_fd, name, encoded, slot, page, done)
@@ -803,10 +825,12 @@ class UringPageIO:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
         moves = self._transfer(False, slot, True, slot, page)
         sizes = self._moved(moves)
-        ops = [uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, flags, file_index=slot + 1),
-               uring.sqe(uring.OP_FIXED_FD_INSTALL, slot, fixed_file=True),
+        # OPENAT into the entry, FIXED_FD_INSTALL, the transfer, CLOSE of the entry (SQE tuples as
+        # uring.sqe lays them out: see _transfer).
+        ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, path, 0, flags, 0, 0, 0, slot + 1, 0, 0),
+               (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                *moves,
-               uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)]
+               (uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0)]
         expect = [0, 0, *sizes, 0]
         moved = sum(sizes)
 
@@ -901,7 +925,7 @@ class UringPageIO:
             return
         ops = self._transfer(False, fd, False, slot, page)
         expect = self._moved(ops)
-        ops.append(uring.sqe(uring.OP_CLOSE, fd))
+        ops.append((uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))  # as uring.sqe(OP_CLOSE, fd)
         expect.append(0)
 
         def read(results: list[int]) -> None:

@@ -75,6 +75,11 @@ class Checksums:
         # Pages to hash on the loop, and whether the one callback per turn that hashes them is due.
         self._inline_jobs: list[tuple[memoryview, Done]] = []
         self._batch_scheduled = False
+        self.in_next_turn: Callable[[Callable[[], None]], None] | None = None
+        """Runs the turn's inline batch early in the loop's next turn (None: ``loop.call_soon``).
+        The disk tier passes its ring's submission callback, which runs then anyway while pages
+        move: the batch costs no loop callback of its own, and the writes it moves on have their
+        SQEs go out in that same submission (#14)."""
         threads = CHECKSUM_THREADS if threads is None else threads
         self.cpu_s = 0.0
         """CPU seconds spent hashing so far, inline and in the threads (benchmarks report the share)."""
@@ -108,7 +113,13 @@ class Checksums:
         self._inline_jobs.append((view, done))
         if not self._batch_scheduled:
             self._batch_scheduled = True
+            self._schedule_batch()
+
+    def _schedule_batch(self) -> None:
+        if self.in_next_turn is None:
             asyncio.get_running_loop().call_soon(self._hash_inline)
+        else:
+            self.in_next_turn(self._hash_inline)
 
     def _hash_inline(self) -> None:
         """On the loop, at most once per turn: hash the pages started inline since the last run,
@@ -125,7 +136,7 @@ class Checksums:
                 self._inline_jobs[:0] = jobs[n:]
                 if not self._batch_scheduled:
                     self._batch_scheduled = True
-                    asyncio.get_running_loop().call_soon(self._hash_inline)
+                    self._schedule_batch()
                 break
             size = len(view)
             if spent + size > budget:

@@ -36,7 +36,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from aiokv.keys import PageKey
+from aiokv.keys import KEY_BYTES, PageKey
 from aiokv.pagetable import PageHandle
 from aiokv.pool import run_in_new_thread
 
@@ -133,6 +133,7 @@ class DiskTier(WritePath, ReadPath):
         self._dir = prepared
         self._slots = slots
         self._checksums = checksums
+        checksums.in_next_turn = self._io.call_next_turn  # its inline batch in the ring's submission callback
         for fault, what in prepared.faults:
             self._faults.count(fault, what)
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
@@ -313,7 +314,8 @@ class DiskTier(WritePath, ReadPath):
         kind) or the tier is closing. Raises ``TypeError``/``ValueError`` for a wrong key or a
         stale/reserved handle, ``RuntimeError`` before :meth:`start`.
         """
-        check_key(key)
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            check_key(key)  # raises (a bytes subclass of the right length passes)
         ref = self._retain(handle)
         if not self._accepting:
             self._release(ref)
@@ -360,7 +362,8 @@ class DiskTier(WritePath, ReadPath):
         is not a live reservation. If cancelled with I/O in flight it waits for that I/O to finish
         before raising ``CancelledError``, so the caller may abort the page at once.
         """
-        check_key(key)
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            check_key(key)
         page = self._check_reserved(handle)
         memory = self.pool.memory
         return await self._read(key, PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes))

@@ -30,8 +30,8 @@ import itertools
 import os
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -45,6 +45,7 @@ TEMP_PREFIX = ".tmp-"
 _FIELDS = struct.Struct("<8sII16s16sQQQQQ")
 _SUM_OFFSET = _FIELDS.size - 8
 _ZEROS = bytes(HEADER_BYTES)
+_SUM = struct.Struct("<Q")
 
 
 class _TempNames:
@@ -84,9 +85,9 @@ class HeaderFault(enum.Enum):
     LENGTH = "payload or page length mismatch"
 
 
-@dataclass(frozen=True)
-class PageHeader:
-    """Decoded header fields."""
+class PageHeader(NamedTuple):
+    """Decoded header fields (a named tuple: built once per read, where a frozen dataclass's
+    ``__init__`` cost a call per field)."""
 
     fingerprint: bytes
     key: PageKey
@@ -108,7 +109,7 @@ def pack_header(into: memoryview, layout: KVLayout, key: PageKey, checksum: int)
     _FIELDS.pack_into(into, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, fingerprint, key, payload, page, checksum,
                       time.time_ns(), 0)
     total = xxhash.xxh3_64_intdigest(into[:HEADER_BYTES])
-    struct.pack_into("<Q", into, _SUM_OFFSET, total)
+    _SUM.pack_into(into, _SUM_OFFSET, total)
 
 
 def parse_header(data: memoryview, layout: KVLayout, key: PageKey) -> PageHeader | HeaderFault:

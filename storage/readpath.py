@@ -35,7 +35,7 @@ class ReadPath(TierBase):
         # waiting for a slot as its recycling victim (the overwrite could overlap the read).
         readers = self._index.readers
         readers[key] = readers.get(key, 0) + 1
-        self._job_started()
+        self._active += 1  # _job_started, inline
         self._io_slots.take(job, self._read_slot)
         try:
             return await job.result
@@ -51,7 +51,7 @@ class ReadPath(TierBase):
             self._io.start_load(*self._where(job.key), slot, job.page, functools.partial(self._read_loaded, job))
         except Exception:
             self._read_unreader(job.key)
-            self._return_slot(job)
+            self._io_slots.give_back(job)
             self._faults.unexpected("read")
             self._end_read(job, False)
 
@@ -70,16 +70,16 @@ class ReadPath(TierBase):
         self._read_unreader(key)
         try:
             if isinstance(got, BaseException):
-                self._return_slot(job)
+                self._io_slots.give_back(job)
                 self._read_fault(job, got)
                 return
             if got != self._file_bytes:
-                self._return_slot(job)
+                self._io_slots.give_back(job)
                 self._reject(key, generation, f"truncated ({got} of {self._file_bytes} bytes)")
                 self._end_read(job, False)
                 return
             header = parse_header(self._slots.views[job.slot], self.layout, key)
-            self._return_slot(job)  # the header is parsed: the slot may go on before the payload hash
+            self._io_slots.give_back(job)  # the header is parsed: the slot may go on before the payload hash
             if not isinstance(header, PageHeader):
                 self._reject(key, generation, header.value)
                 self._end_read(job, False)
@@ -87,7 +87,7 @@ class ReadPath(TierBase):
             job.checksum = header.checksum
             self._checksums.start(job.page.payload, functools.partial(self._read_hashed, job))
         except Exception:  # the slot back and the job ended on every path: later I/O must not hang
-            self._return_slot(job)
+            self._io_slots.give_back(job)
             self._faults.unexpected("read")
             if not job.ended:
                 self._end_read(job, False)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
-from aiokv.pagetable import PageHandle, StaleHandleError
+from aiokv.pagetable import PageHandle, PageState, StaleHandleError
 from aiokv.pool import PagePool, run_in_new_thread
 
 from .backends import HeaderSlots, PageIO
@@ -117,12 +117,30 @@ class TierBase:
         return check_ready(self.pool, handle)
 
     def _check_reserved(self, handle: PageHandle) -> int:
-        self._check_started()
-        return check_reserved(self.pool, handle)
+        if self._io is None or type(handle) is not PageHandle:
+            self._check_started()
+            return check_reserved(self.pool, handle)
+        table = self.pool.table
+        try:
+            page = table.check(handle)
+        except StaleHandleError:
+            return check_reserved(self.pool, handle)  # raises the caller's ValueError
+        if table.state_of(handle.key) is not PageState.RESERVED:
+            return check_reserved(self.pool, handle)
+        return page
 
     def _retain(self, handle: PageHandle) -> PageHandle:
-        self._check_ready(handle)
-        return self.pool.table.retain(handle)
+        """The job's own reference on the READY page of ``handle`` (the caller keeps its own).
+
+        One call on the common path (``retain`` checks the handle and the page's state itself);
+        a refusal goes through :meth:`_check_ready` for the caller's ``TypeError``/``ValueError``."""
+        if self._io is None or type(handle) is not PageHandle:
+            self._check_ready(handle)  # raises what a bad handle or a tier not started deserves
+        try:
+            return self.pool.table.retain(handle)
+        except StaleHandleError:
+            self._check_ready(handle)  # raises the caller's ValueError
+            raise
 
     def _release(self, handle: PageHandle) -> None:
         try:
@@ -152,8 +170,10 @@ class TierBase:
         if job.buffer is not None:
             return job.buffer
         assert job.ref is not None
-        page = self.pool.table.check(job.ref)
-        return PageBuffer(self.pool.memory.page_address(page), self.pool.memory.page_view(page), self._payload_bytes)
+        # The job's own reference (retained at the edge, released only by the job): live.
+        page = job.ref.page
+        memory = self.pool.memory
+        return PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes)
 
     def _where(self, key: PageKey) -> tuple[int, str]:
         """The directory descriptor and name of ``key``'s page file: its fan-out directory's, or the
@@ -161,7 +181,7 @@ class TierBase:
         assert self._dir is not None
         fanout = self._dir.fanout[key[0]]
         if fanout >= 0:
-            return fanout, self.files.name(key)
+            return fanout, key.hex()  # PageFiles.name, inline: once or twice per page
         return self._dir.dir_fd, self.files.rel(key)
 
     def _temp(self, key: PageKey) -> str:

@@ -54,7 +54,7 @@ class WritePath(TierBase):
         if job is None:
             job = self._writing[key] = WriteJob(key, ref, page)
             job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
-            self._job_started()
+            self._active += 1  # _job_started, inline
             self._start_write(job)
         else:
             if ref is not None:
@@ -254,7 +254,7 @@ class WritePath(TierBase):
             self._write_bug(job)
 
     def _written(self, job: WriteJob, error: BaseException | None) -> None:
-        self._return_slot(job)
+        self._io_slots.give_back(job)
         if error is not None:
             self._write_failed(job, error)
             return
@@ -265,7 +265,7 @@ class WritePath(TierBase):
 
     def _write_failed(self, job: WriteJob, error: BaseException | None) -> None:
         """A write that held room failed: the room goes back; ENOSPC tries again (bounded)."""
-        self._return_slot(job)
+        self._io_slots.give_back(job)
         self._give_room_back(job)
         try:
             self._victim_moved(job, True)  # a retry may pick another victim: this one's name is free
@@ -295,7 +295,7 @@ class WritePath(TierBase):
         back (it may still wait for a slot: it leaves the queue) and its victim's name freed (else
         a new write of that key, and ``aclose``, would wait for it forever)."""
         self._io_slots.leave(job)
-        self._return_slot(job)
+        self._io_slots.give_back(job)
         self._give_room_back(job)
         self._faults.unexpected("write")
         try:
