@@ -226,13 +226,14 @@ async def test_a_closed_pool_hands_out_nothing_and_is_never_reopened() -> None:
     assert pool.statistics().name == pool.name  # statistics stay readable
 
 
-@pytest.mark.asyncio
-async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+async def _pool_preparing_its_first_chunk(
+        monkeypatch: pytest.MonkeyPatch) -> tuple[PagePool, threading.Event, threading.Event]:
+    """A four-chunk pool with one preparation thread, held in chunk 0 until ``release`` is set
+    (chunks 1-3 queued behind it); ``second`` is set if a later chunk starts."""
     loop = asyncio.get_running_loop()
-    release = threading.Event()
+    release, second = threading.Event(), threading.Event()
     entered = asyncio.Event()
     real = os.posix_fallocate
-    second = threading.Event()
     calls = 0
 
     def slow_fallocate(fd: int, offset: int, length: int) -> None:
@@ -246,7 +247,13 @@ async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypat
 
     monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
     pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=LAYOUT.page_bytes, workers=1)
-    await entered.wait()  # chunk 0 is being prepared; chunks 1-3 wait for the thread
+    await entered.wait()
+    return pool, release, second
+
+
+@pytest.mark.asyncio
+async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, release, second = await _pool_preparing_its_first_chunk(monkeypatch)
     closers = [asyncio.ensure_future(pool.aclose()) for _ in range(2)]
     await asyncio.sleep(0)  # one turn: both closers started and wait for the running chunk
     with pytest.raises(PoolClosedError):
@@ -267,25 +274,8 @@ async def test_closing_refuses_new_work_at_once_and_every_closer_waits(monkeypat
 @pytest.mark.asyncio
 async def test_close_after_drops_the_queued_chunks_at_once_and_frees_when_the_io_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, release, second = await _pool_preparing_its_first_chunk(monkeypatch)
     loop = asyncio.get_running_loop()
-    release = threading.Event()
-    entered = asyncio.Event()
-    second = threading.Event()
-    real = os.posix_fallocate
-    calls = 0
-
-    def slow_fallocate(fd: int, offset: int, length: int) -> None:
-        nonlocal calls
-        calls += 1
-        if calls > 1:
-            second.set()
-        loop.call_soon_threadsafe(entered.set)
-        release.wait(60)
-        real(fd, offset, length)
-
-    monkeypatch.setattr(os, "posix_fallocate", slow_fallocate)
-    pool = PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes, chunk_bytes=LAYOUT.page_bytes, workers=1)
-    await entered.wait()
     io_ended: asyncio.Future[None] = loop.create_future()
     pool.close_after(io_ended)
     release.set()
