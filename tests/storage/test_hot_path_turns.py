@@ -16,21 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
+from disk_helpers import assert_clean, config, fill, key_of, payload, reserve, stored_page
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage import checksum as checksum_module
 from aiokv.storage.backends import COLD_READ_STREAK, UringPageIO
-
-
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    assert await tier.write(key_of(i), h)
-    pool.table.release(h)
-    return data
 
 
 async def _load(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
@@ -106,7 +98,7 @@ async def test_cold_names_skip_the_look_on_the_loop_and_planted_ones_are_refused
     try:
         io = tier.backend
         assert isinstance(io, UringPageIO) and io.direct and io.chain_reads
-        data = [await _store(tier, pool, i) for i in range(6)]
+        data = [await stored_page(tier, pool, i) for i in range(6)]
         looks: list[bytes] = []
 
         def cold(dir_fd: int, name: bytes, flags: int) -> int | None:
