@@ -153,21 +153,25 @@ class PageFiles:
         self.layout_dir = root / layout.fingerprint.hex()
 
     def name(self, key: PageKey) -> str:
-        """``<key hex>``: the final name relative to the fan-out directory ``key[0]``."""
-        return key.hex()
+        """``<key hex>``: the final name relative to the fan-out directory ``key[0]``.
+
+        ``bytes.hex``, never ``key.hex()``: a key may be a ``bytes`` subclass (callers' checks
+        accept one), whose own ``hex`` could name any path (``../..``): a read refusing that file
+        then deleted it, outside the cache (review of #14). Every name here is built so."""
+        return bytes.hex(key)
 
     def temp_name(self, key: PageKey) -> str:
         """A fresh temporary name for ``key``, relative to its fan-out directory."""
-        return f"{TEMP_PREFIX}{key.hex()}-{_TEMP.next()}"
+        return f"{TEMP_PREFIX}{bytes.hex(key)}-{_TEMP.next()}"
 
     def rel(self, key: PageKey) -> str:
         """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
-        name = key.hex()
+        name = bytes.hex(key)
         return f"{name[:2]}/{name}"
 
     def temp_rel(self, key: PageKey) -> str:
         """A fresh temporary name in the same directory as ``key``'s final name (relative)."""
-        name = key.hex()
+        name = bytes.hex(key)
         return f"{name[:2]}/{TEMP_PREFIX}{name}-{_TEMP.next()}"
 
     def path(self, key: PageKey) -> str:

@@ -181,7 +181,7 @@ class TierBase:
         assert self._dir is not None
         fanout = self._dir.fanout[key[0]]
         if fanout >= 0:
-            return fanout, key.hex()  # PageFiles.name, inline: once or twice per page
+            return fanout, bytes.hex(key)  # PageFiles.name, inline (bytes.hex: see there)
         return self._dir.dir_fd, self.files.rel(key)
 
     def _temp(self, key: PageKey) -> str:
