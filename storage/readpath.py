@@ -95,7 +95,7 @@ class ReadPath(TierBase):
     def _read_fault(self, job: ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
             self._forget(job.key, job.generation)  # removed behind our back
-        elif isinstance(exc, UnsafeFileError):  # planted: nothing was read through it
+        elif isinstance(exc, UnsafeFileError):  # planted: whatever a chain read into the page is never counted as read
             self._faults.count(exc, "read")
             if self._index.generation(job.key) == job.generation:
                 self._drop(job.key)
