@@ -15,6 +15,16 @@ def check_key(key: PageKey) -> None:
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
 
 
+def exact_key(key: PageKey) -> PageKey:
+    """``key`` checked and as exact ``bytes``: a subclass's own methods (``hex``, ``__eq__``,
+    ``__ne__``, ``__hash__``) then never run on the tier's paths, where they could name a file
+    outside the cache or pass another key's header off as this key's."""
+    if type(key) is bytes and len(key) == KEY_BYTES:
+        return key
+    check_key(key)
+    return bytes.fromhex(bytes.hex(key))  # bytes' own methods: nothing of the subclass runs
+
+
 def check_handle(pool: PagePool, handle: PageHandle) -> int:
     """The page id of a live handle of ``pool``."""
     if not isinstance(handle, PageHandle):

@@ -41,7 +41,7 @@ from aiokv.pagetable import PageHandle
 from aiokv.pool import run_in_new_thread
 
 from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
-from .checks import check_buffer, check_key
+from .checks import check_buffer, exact_key
 from .checksum import Checksums
 from .config import DiskBackend, DiskStatistics, ReadOnly
 from .jobs import wait_uncancelled
@@ -271,8 +271,7 @@ class DiskTier(WritePath, ReadPath):
 
     def contains(self, key: PageKey) -> bool:
         """Whether a page file for ``key`` is indexed (it may still fail verification on read)."""
-        check_key(key)
-        return key in self._index
+        return exact_key(key) in self._index
 
     def touch(self, keys: Iterable[PageKey]) -> int:
         """Mark the page files of ``keys`` most recently used, in order (the last one most recent);
@@ -286,8 +285,7 @@ class DiskTier(WritePath, ReadPath):
             wanted = list(keys)
         except TypeError:
             raise TypeError(f"keys must be an iterable of keys, got {type(keys).__name__}") from None
-        for key in wanted:
-            check_key(key)
+        wanted = [exact_key(key) for key in wanted]  # all checked before any is touched
         index = self._index
         touched = 0
         for key in wanted:
@@ -315,7 +313,7 @@ class DiskTier(WritePath, ReadPath):
         stale/reserved handle, ``RuntimeError`` before :meth:`start`.
         """
         if type(key) is not bytes or len(key) != KEY_BYTES:
-            check_key(key)  # raises (a bytes subclass of the right length passes)
+            key = exact_key(key)  # raises, or a subclass's bytes as exact bytes
         ref = self._retain(handle)
         if not self._accepting:
             self._release(ref)
@@ -331,7 +329,7 @@ class DiskTier(WritePath, ReadPath):
         ``CancelledError``. Raises ``TypeError``/``ValueError`` for a wrong key or buffer (nothing
         changed then), ``RuntimeError`` before :meth:`start`.
         """
-        check_key(key)
+        key = exact_key(key)
         self._check_started()
         page = self._external(buffer, writable=False)
         if not self._accepting:
@@ -363,7 +361,7 @@ class DiskTier(WritePath, ReadPath):
         before raising ``CancelledError``, so the caller may abort the page at once.
         """
         if type(key) is not bytes or len(key) != KEY_BYTES:
-            check_key(key)
+            key = exact_key(key)
         page = self._check_reserved(handle)
         memory = self.pool.memory
         return await self._read(key, PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes))
@@ -377,7 +375,7 @@ class DiskTier(WritePath, ReadPath):
         raising ``CancelledError``. Raises ``TypeError``/``ValueError`` for a wrong key or buffer
         (nothing read then), ``RuntimeError`` before :meth:`start`.
         """
-        check_key(key)
+        key = exact_key(key)
         self._check_started()
         page = self._external(buffer, writable=True)
         try:
@@ -389,7 +387,7 @@ class DiskTier(WritePath, ReadPath):
 
     async def delete(self, key: PageKey) -> None:
         """Remove ``key``'s page file (a write in flight for it is discarded when it lands)."""
-        check_key(key)
+        key = exact_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
         if key in self._index and self._io is not None:
@@ -404,7 +402,7 @@ class DiskTier(WritePath, ReadPath):
         the write completes or is dropped). False — ownership not taken — when the queue is full,
         the tier is not accepting work, or it is read-only (counted in ``writes_refused``; see
         :attr:`read_only`). Raises ``TypeError``/``ValueError`` for caller mistakes."""
-        check_key(key)
+        key = exact_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             return False
@@ -417,7 +415,7 @@ class DiskTier(WritePath, ReadPath):
         """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
         is taken only when this returns; a read-only tier refuses the write when the queue gets to
         it, counted). Raises ``RuntimeError`` when the tier is closed."""
-        check_key(key)
+        key = exact_key(key)
         self._check_ready(handle)
         if not self._accepting or self._queue is None:
             raise RuntimeError("disk tier is not accepting writes (not started or closing)")

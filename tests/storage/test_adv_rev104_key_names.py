@@ -70,3 +70,37 @@ async def test_a_bytes_subclass_key_never_names_a_file_outside_the_cache(
     assert names == {key_of(2).hex()}
     assert sorted(os.listdir(tmp_path)) == ["disk", "victim"]
     assert_clean(pool)
+
+
+class _EqualsAll(bytes):
+    """16 bytes; equal to (and never unequal to) anything, hashed as its bytes."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return bytes.__hash__(self)
+
+
+@pytest.mark.asyncio
+async def test_a_key_that_equals_everything_never_passes_another_keys_file_off(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    # The header check compares the file's key with the caller's: a subclass's own __ne__ ran
+    # there, so another key's file renamed over this key's name was served as this key's page.
+    # The tier now works on the key's bytes as exact bytes.
+    disk_dir = tmp_path / "disk"
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        for i in (1, 2):
+            h = fill(pool, key_of(i), i)
+            assert await tier.write(key_of(i), h)
+            pool.table.release(h)
+        pool.table.evict(pool.num_pages)
+        os.replace(tier.files.path(key_of(2)), tier.files.path(key_of(1)))  # key 2's file under key 1's name
+        into = reserve(pool, key_of(100))
+        assert not await tier.read(_EqualsAll(key_of(1)), into)  # a counted miss, not key 2's bytes
+        pool.table.abort(into)
+        assert tier.statistics().corrupt == 1
+    assert_clean(pool)
