@@ -143,9 +143,10 @@ def file_bytes(layout: KVLayout) -> int:
 class PageFiles:
     """Names of the page files of one layout under ``root``.
 
-    I/O uses names relative to the layout directory (``rel``, ``temp_rel``), resolved from a
-    descriptor of that directory checked at start, so a path component swapped later cannot
-    redirect it; ``path`` is the absolute name, for messages and tests.
+    I/O uses names relative to a fan-out directory (``name``, ``temp_name``), resolved from a
+    descriptor of that directory checked when opened, so a path component swapped later cannot
+    redirect it; ``rel`` is relative to the layout directory and ``path`` the absolute name, for
+    messages, tools and tests.
     """
 
     def __init__(self, root: Path, layout: KVLayout) -> None:
@@ -168,11 +169,6 @@ class PageFiles:
         """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
         name = bytes.hex(key)
         return f"{name[:2]}/{name}"
-
-    def temp_rel(self, key: PageKey) -> str:
-        """A fresh temporary name in the same directory as ``key``'s final name (relative)."""
-        name = bytes.hex(key)
-        return f"{name[:2]}/{TEMP_PREFIX}{name}-{_TEMP.next()}"
 
     def path(self, key: PageKey) -> str:
         """Absolute final name of ``key``'s page file."""

@@ -48,7 +48,14 @@ class ReadPath(TierBase):
         assert isinstance(job, ReadJob) and self._io is not None
         self._reads += 1
         try:
-            self._io.start_load(*self._where(job.key), slot, job.page, functools.partial(self._read_loaded, job))
+            where = self._where(job.key)
+        except OSError as exc:  # its fan-out directory cannot be opened (safely): a counted miss
+            self._read_unreader(job.key)
+            self._io_slots.give_back(job)
+            self._read_fault(job, exc)
+            return
+        try:
+            self._io.start_load(*where, slot, job.page, functools.partial(self._read_loaded, job))
         except Exception:
             self._read_unreader(job.key)
             self._io_slots.give_back(job)

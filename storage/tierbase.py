@@ -30,9 +30,10 @@ from .config import DiskConfig, ReadOnly
 from .faults import DiskFaults
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
-from .layoutdir import FreeSpace, Prepared, free_space
+from .layoutdir import FreeSpace, Prepared, free_space, open_private_subdir
 from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
+from .safefiles import UnsafeDirectoryError, UnsafeFileError
 from .spares import Made, Spare, SpareStock, make_spares
 from .writebehind import WriteBehind
 
@@ -176,19 +177,34 @@ class TierBase:
         return PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes)
 
     def _where(self, key: PageKey) -> tuple[int, str]:
-        """The directory descriptor and name of ``key``'s page file: its fan-out directory's, or the
-        layout directory's (with the fan-out prefix) where that could not be opened at start."""
+        """The descriptor of ``key``'s fan-out directory and the page file's name in it. A fan-out
+        directory that could not be opened at start is opened now, with the same checks; raises
+        ``OSError`` (``UnsafeFileError`` for a symlink or a directory not safely ours) when it
+        cannot be, which the callers count as a fault of that read or write. (Names were once
+        resolved through the layout directory then, ``xx/<key>``: ``O_NOFOLLOW`` guards only the
+        last component, so a symlink planted at ``xx`` led outside the cache.)"""
         assert self._dir is not None
         fanout = self._dir.fanout[key[0]]
-        if fanout >= 0:
-            return fanout, bytes.hex(key)  # PageFiles.name, inline (bytes.hex: see there)
-        return self._dir.dir_fd, self.files.rel(key)
+        if fanout < 0:
+            fanout = self._open_fanout(key[0])
+        return fanout, bytes.hex(key)  # PageFiles.name, inline (bytes.hex: see there)
+
+    def _open_fanout(self, index: int) -> int:
+        """Open fan-out directory ``index`` late (blocking, on the loop: a rare path after a fault)."""
+        assert self._dir is not None
+        name = f"{index:02x}"
+        try:
+            fd = open_private_subdir(self._dir.dir_fd, name, self.files.layout_dir / name, create=False)
+        except UnsafeDirectoryError as exc:
+            raise UnsafeFileError(exc.errno, str(exc)) from None
+        self._dir.fanout[index] = fd  # closed with the others (Prepared.close)
+        return fd
 
     def _temp(self, key: PageKey) -> str:
-        """A fresh temporary name beside ``key``'s final one, relative to :meth:`_where`'s directory:
-        start-up removes leftover temporaries only inside fan-out directories."""
-        assert self._dir is not None
-        return self.files.temp_name(key) if self._dir.fanout[key[0]] >= 0 else self.files.temp_rel(key)
+        """A fresh temporary name beside ``key``'s final one, in :meth:`_where`'s directory (called
+        after it: the fan-out directory is open)."""
+        assert self._dir is not None and self._dir.fanout[key[0]] >= 0
+        return self.files.temp_name(key)
 
     # -- jobs -----------------------------------------------------------------------------------
 
