@@ -284,7 +284,7 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     except OSError as exc:
         state.skipped += 1
         state.faults.append((exc, f"reading {shown}"))
-        os.close(fd)  # unreadable: its pages are served through the layout directory, or not at all
+        os.close(fd)  # unreadable: opened again (checked) when an operation needs it (DiskTier._where)
         return
     state.fanout[index] = fd
 
