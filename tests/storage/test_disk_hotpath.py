@@ -6,6 +6,7 @@ import asyncio
 import errno
 import logging
 import mmap
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -340,27 +341,30 @@ async def test_an_unexpected_error_in_a_read_callback_returns_its_slot(
 async def test_without_a_fanout_fd_the_temporary_goes_beside_the_final_name(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Regression: where a fan-out directory could not be opened at start, the final name is
-    # relative to the layout directory ("xx/<key>") but the temporary had no "xx/": it was created
-    # in the layout directory, where start-up never removes leftovers.
+    # Regression: where a fan-out directory could not be opened at start, the temporary was
+    # created in the layout directory (start-up never removes leftovers there). Such a directory is
+    # now opened when first needed, and both names are in it, relative to its descriptor.
     async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
         assert tier._dir is not None
         key = key_of(7)
+        os.close(tier._dir.fanout[key[0]])
         tier._dir.fanout[key[0]] = -1  # as if opening that fan-out directory had failed at start
-        published: list[tuple[str, str]] = []
+        published: list[tuple[int, str, str]] = []
         io = tier._io
         assert io is not None
         start = io.start_publish
 
         def recording(dir_fd: int, temp: str, final: str, *rest: Any) -> None:
-            published.append((temp, final))
+            published.append((dir_fd, temp, final))
             start(dir_fd, temp, final, *rest)
 
         monkeypatch.setattr(io, "start_publish", recording)
         h = fill(pool, key, 7)
         assert await tier.write(key, h)
         pool.table.release(h)
-        assert published and all(t.split("/")[0] == f.split("/")[0] == key.hex()[:2] for t, f in published)
+        fan = tier._dir.fanout[key[0]]
+        assert fan >= 0  # opened late
+        assert published and all(d == fan and "/" not in t and f == key.hex() for d, t, f in published)
     assert_clean(pool)
 
 
