@@ -108,6 +108,18 @@ async def read_page(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | No
     return data
 
 
+async def read_copy(tier: DiskTier, pool: PagePool, i: int, into_key: PageKey,
+                    timeout_s: float = 10.0) -> torch.Tensor | None:
+    """A copy of page ``key_of(i)``'s payload read into a page reserved under ``into_key`` (then
+    aborted), or None when the read failed; a read that blocks past ``timeout_s`` fails the test."""
+    into = reserve(pool, into_key)
+    try:
+        ok = await asyncio.wait_for(tier.read(key_of(i), into), timeout_s)
+        return payload(pool, into).clone() if ok else None
+    finally:
+        pool.table.abort(into)
+
+
 def reserve(pool: PagePool, key: PageKey) -> PageHandle:
     (res,) = pool.reserve([key])
     assert res.outcome is ReserveOutcome.RESERVED

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, is_root, key_of, payload, ready_pool, reserve, small_layout
+from disk_helpers import (
+    assert_clean,
+    config,
+    fill,
+    is_root,
+    key_of,
+    read_copy,
+    ready_pool,
+    small_layout,
+    stored_page,
+)
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -31,22 +41,8 @@ from aiokv.storage.backends import COLD_READ_STREAK, UringPageIO
 READ_TIMEOUT_S = 10.0  # a read of a FIFO that blocked would hang: fail instead
 
 
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    assert await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.evict(pool.num_pages)
-    return data
-
-
 async def _load(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
-    into = reserve(pool, key_of(5000 + i))
-    try:
-        ok = await asyncio.wait_for(tier.read(key_of(i), into), READ_TIMEOUT_S)
-        return payload(pool, into).clone() if ok else None
-    finally:
-        pool.table.abort(into)
+    return await read_copy(tier, pool, i, key_of(5000 + i), READ_TIMEOUT_S)
 
 
 class _Streak:
@@ -99,7 +95,7 @@ def _other_owner(name: str) -> None:
 @pytest.mark.asyncio
 async def test_planted_names_in_a_streak_are_counted_misses(tier: DiskTier, pool: PagePool, layout: KVLayout,
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = [await _store(tier, pool, i) for i in range(10)]
+    data = [await stored_page(tier, pool, i) for i in range(10)]
     streak = _Streak(tier, monkeypatch)
     # One cold name starts the streak; its read is right.
     got = await _load(tier, pool, 0)
@@ -153,7 +149,7 @@ async def test_planted_names_in_a_streak_are_counted_misses(tier: DiskTier, pool
 @pytest.mark.asyncio
 async def test_files_swapped_under_two_names_in_a_streak_never_serve_the_other_page(
         tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = await _store(tier, pool, 1), await _store(tier, pool, 2)
+    a, b = await stored_page(tier, pool, 1), await stored_page(tier, pool, 2)
     streak = _Streak(tier, monkeypatch)
     name_a, name_b = tier.files.path(key_of(1)), tier.files.path(key_of(2))
     spare = name_a + ".swap"
@@ -199,7 +195,7 @@ async def test_a_streak_read_of_a_name_unlinked_or_renamed_away_is_a_miss(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
         monkeypatch: pytest.MonkeyPatch) -> None:
     async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
-        data = [await _store(tier, pool, i) for i in range(4)]
+        data = [await stored_page(tier, pool, i) for i in range(4)]
         streak = _Streak(tier, monkeypatch)
         assert await _load(tier, pool, 0) is not None
         os.unlink(tier.files.path(key_of(1)))

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
+from disk_helpers import assert_clean, config, fill, key_of, payload, read_copy, stored_page
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -164,22 +164,8 @@ def _record(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> _Checker:
     return checker
 
 
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor:
-    h = fill(pool, key_of(i), i)
-    data = payload(pool, h)
-    assert await tier.write(key_of(i), h)
-    pool.table.release(h)
-    pool.table.evict(pool.num_pages)
-    return data
-
-
 async def _load(tier: DiskTier, pool: PagePool, i: int) -> torch.Tensor | None:
-    into = reserve(pool, key_of(7000 + i))
-    try:
-        ok = await asyncio.wait_for(tier.read(key_of(i), into), TIMEOUT_S)
-        return payload(pool, into).clone() if ok else None
-    finally:
-        pool.table.abort(into)
+    return await read_copy(tier, pool, i, key_of(7000 + i), TIMEOUT_S)
 
 
 @pytest.mark.asyncio
@@ -192,7 +178,7 @@ async def test_every_page_chain_sqe_says_what_it_must(disk_dir: Path, backend: D
         assert isinstance(io, UringPageIO)
         await io.wait_registered()
         checker = _record(tier, monkeypatch)
-        data = {i: await _store(tier, pool, i) for i in range(5)}  # 3 and 4 recycle 0 and 1's files
+        data = {i: await stored_page(tier, pool, i) for i in range(5)}  # 3 and 4 recycle 0 and 1's files
         assert tier.statistics().recycled >= 1
         for i in (2, 3):  # hot names: opened on the loop, one chain
             got = await _load(tier, pool, i)
