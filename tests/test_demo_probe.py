@@ -140,3 +140,13 @@ def test_the_json_gives_each_requests_scratch_prefill_beside_its_cached_one(
         assert 0 < r["launch_s"] <= r["prefill_s"]
         assert r["model_cpu_s"] > 0 and r["model_cpu_s_scratch"] > 0
     assert payload["summary"]["gil_probe"]["cached"]["samples"] > 0
+
+
+def test_a_wait_that_covers_the_whole_span_counts_it_busy_without_a_sample_in_it() -> None:
+    # Regression (full-suite failure): with many threads in the process, one snapshot behind the
+    # busy thread outlasted the span; no sample fell in it and the summary said 0% busy.
+    probe = GilProbe(0.001)
+    probe._times, probe._lags = [0.0, 1.0], [0.0, 0.9]  # woke at 1.0, late since 0.1
+    span = probe.summary(0.2, 0.5)
+    assert span.samples == 0 and span.busy_fraction == 1.0
+    assert probe.summary(0.0, 0.05).busy_fraction == 0.0

@@ -119,11 +119,16 @@ class GilProbe:
 
     def summary(self, begin: float, end: float) -> LagSummary:
         """:class:`LagSummary` of the samples in ``[begin, end]`` (zeros when there are none)."""
-        lags = sorted(self._span(begin, end))
-        if not lags or end <= begin:
+        if end <= begin:
             return LagSummary(0, 0.0, 0.0, 0.0, 0.0)
+        # Counted even with no sample in the span: one wait can cover all of it (a snapshot of a
+        # process with many threads, behind a busy thread, took longer than the span in a full run).
+        busy = min(1.0, self._late_s(begin, end) / (end - begin))
+        lags = sorted(self._span(begin, end))
+        if not lags:
+            return LagSummary(0, 0.0, 0.0, 0.0, busy)
         return LagSummary(len(lags), sum(lags) / len(lags), lags[min(len(lags) - 1, int(0.99 * len(lags)))],
-                          lags[-1], min(1.0, self._late_s(begin, end) / (end - begin)))
+                          lags[-1], busy)
 
     def _late_s(self, begin: float, end: float) -> float:
         """Seconds of ``[begin, end]`` the probe spent late: each lag is the stretch ending at its
