@@ -78,9 +78,7 @@ class WriteJob(Job):
     writes: ClassVar[bool] = True
 
     def __init__(self, key: PageKey, ref: PageHandle | None, buffer: PageBuffer | None) -> None:
-        # Job's fields set here, not through super().__init__(): two calls fewer per page.
-        self.slot, self.ticket, self.holds_slot, self.then = -1, 0, False, None
-        self.ended, self.ended_waiters = False, None
+        super().__init__()
         self.key = key
         self.ref = ref
         self.buffer = buffer
@@ -99,9 +97,7 @@ class ReadJob(Job):
     __slots__ = ("checksum", "generation", "key", "page", "result")
 
     def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool]) -> None:
-        # Job's fields set here, not through super().__init__(): two calls fewer per page.
-        self.slot, self.ticket, self.holds_slot, self.then = -1, 0, False, None
-        self.ended, self.ended_waiters = False, None
+        super().__init__()
         self.key = key
         self.page = page
         self.generation = generation
@@ -161,8 +157,8 @@ class IOSlots:
         in a later turn, in FIFO order (a write only while writes hold fewer than ``write_limit``).
         Give it back with :meth:`give_back`."""
         write = job.writes
-        if (self._free and not self._reads and not (self._writes and self.writes_in_use < self.write_limit)
-                and (not write or self.writes_in_use < self.write_limit) and self._may_start()):
+        if (self._free and not self._next_due() and (not write or self.writes_in_use < self.write_limit)
+                and self._may_start()):
             self._grant(job, self._free.pop(), then)
             return
         job.then = then
@@ -230,7 +226,7 @@ class IOSlots:
         if job.writes:
             self.writes_in_use -= 1
         self._free.append(job.slot)
-        if self._reads or (self._writes and self.writes_in_use < self.write_limit):  # _next_due, inline
+        if self._next_due():
             self._hand_off()
 
     def _hand_off(self) -> None:
