@@ -121,6 +121,18 @@ async def test_an_idle_engine_gets_everything_loaded_from_pool_and_disk(tmp_path
         await assert_quiescent(cache)
 
 
+async def _only_on_disk(cache: KVCache, tokens: list[int]) -> CostModel:
+    """Offload ``tokens`` (slots from 0), flush to disk, empty the pool: every page only on disk;
+    the disk meter says a page read takes 10 ms. Returns the cost model."""
+    await cache.pool.wait_ready()
+    await cache.offload(tokens, torch.arange(len(tokens)))
+    await cache.flush()
+    cache.pool.table.evict(cache.pool.num_pages)
+    costs = cache.manager.costs
+    costs.disk.update(LAYOUT.page_bytes, 0.010)
+    return costs
+
+
 @pytest.mark.asyncio
 async def test_a_disk_read_must_land_before_the_engine_reaches_the_first_token_of_its_page(tmp_path: Path) -> None:
     # Regression: the loader compared a read's landing with when the engine would reach the END of
@@ -129,12 +141,7 @@ async def test_a_disk_read_must_land_before_the_engine_reaches_the_first_token_o
     n = 8 * T
     tokens = prompt(73, n)
     async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(n))
-        await cache.flush()
-        cache.pool.table.evict(cache.pool.num_pages)  # every page only on disk
-        costs = cache.manager.costs
-        costs.disk.update(LAYOUT.page_bytes, 0.010)  # a page read takes 10 ms
+        costs = await _only_on_disk(cache, tokens)
         costs.prefill.update(T, 0.010)  # the engine computes a page in 10 ms
         match = await cache.match(tokens)
         assert match.disk_pages == 8
@@ -158,12 +165,7 @@ async def test_whether_a_read_lands_in_time_prices_the_engines_tokens_with_atten
     n = 8 * T
     tokens = prompt(74, n)
     async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(n))
-        await cache.flush()
-        cache.pool.table.evict(cache.pool.num_pages)
-        costs = cache.manager.costs
-        costs.disk.update(LAYOUT.page_bytes, 0.010)  # a page read takes 10 ms
+        costs = await _only_on_disk(cache, tokens)
         # Token i costs a + b·i, b chosen so that tokens [2T, 4T) take 20 ms; the engine's calls
         # seen so far were short ones at the front of prompts (fast on average).
         a = 1e-6
