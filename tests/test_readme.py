@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -57,8 +58,11 @@ def test_only_aiokv_is_installed_as_a_top_level_name() -> None:
 
     assert importlib.util.find_spec("aiokv.kernels") is not None
     assert importlib.util.find_spec("aiokv.storage") is not None
+    # Without PYTHONPATH: what the installation provides, not a source tree put on the path by hand
+    # (a run from a plain copy of the repository makes kernels/ and storage/ top-level on purpose).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     outside = subprocess.run(
         [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('kernels'), u.find_spec('storage'))"],
-        capture_output=True, text=True, cwd="/", check=True,
+        capture_output=True, text=True, cwd="/", check=True, env=env,
     )
     assert outside.stdout.strip() == "None None"
