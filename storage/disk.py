@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -383,6 +384,52 @@ class DiskTier(WritePath, ReadPath):
         finally:
             page.release()  # the job ended: nothing touches the buffer any more
 
+    async def read_many(self, keys: Sequence[PageKey], handles: Sequence[PageHandle]) -> list[bool]:
+        """:meth:`read` of each ``keys[i]`` into the RESERVED page of ``handles[i]``, as one batch.
+
+        Returns one bool per page, in order: True only when that page verified (False as
+        :meth:`read`'s: absent, corrupt — deleted and counted —, or an I/O fault; abort that
+        page's reservation). The pages are read concurrently (within ``queue_depth``) and the
+        call awaits one future for the batch, resolved when the last page ended: a batch costs
+        the loop one wake-up of the caller, not one per page. Raises ``TypeError``/``ValueError``
+        before anything changes for sequences of another type (a single key included) or
+        length, a key that is not 16 bytes, the same key or the same page twice, or a handle
+        that is not a live reservation; ``RuntimeError`` before :meth:`start`. If cancelled it
+        waits until no I/O (or checksum thread) touches any of the batch's pages any more before
+        raising ``CancelledError``, so the caller may abort all of them at once.
+        """
+        wanted = _batch_keys(keys, handles, "handles")
+        self._check_started()
+        ids = [self._check_reserved(handle) for handle in handles]  # all checked before any is read
+        if len(set(ids)) != len(ids):
+            raise ValueError("handles name the same pool page twice")
+        memory = self.pool.memory
+        payload = self._payload_bytes
+        pages = [PageBuffer(memory.page_address(page), memory.page_view(page), payload) for page in ids]
+        return await self._read_batch(wanted, pages)
+
+    async def read_many_into(self, keys: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        """:meth:`read_into` of each ``keys[i]`` into ``buffers[i]``, as one batch: as
+        :meth:`read_many`, with callers' buffers (each as :meth:`read_into` takes it; buffers
+        that overlap raise ``ValueError``). The caller keeps every buffer alive until this
+        returns; a cancelled call returns only once nothing writes into any of them."""
+        wanted = _batch_keys(keys, buffers, "buffers")
+        self._check_started()
+        page_bytes = self.layout.page_bytes
+        for buffer in buffers:  # all checked before any state changes (_external counts fallbacks)
+            if not isinstance(buffer, memoryview):
+                raise TypeError(f"buffer must be a memoryview, got {type(buffer).__name__}")
+            check_buffer(buffer, page_bytes, writable=True)
+        spans = sorted(_address(buffer) for buffer in buffers)
+        if any(b - a < page_bytes for a, b in itertools.pairwise(spans)):
+            raise ValueError("buffers overlap: two pages would be read into the same memory")
+        pages = [self._external(buffer, writable=True) for buffer in buffers]
+        try:
+            return await self._read_batch(wanted, pages)
+        finally:
+            for page in pages:
+                page.release()  # every job ended: nothing touches the buffers any more
+
     # -- delete ---------------------------------------------------------------------------------
 
     async def delete(self, key: PageKey) -> None:
@@ -559,3 +606,24 @@ async def _prepare_in_thread(work: Callable[[], Prepared]) -> Prepared:
         if not job.cancelled() and job.exception() is None:
             job.result().close()
         raise
+
+
+def _address(buffer: memoryview) -> int:
+    """The first byte's address of a checked caller's buffer (its byte view let go at once)."""
+    with buffer.cast("B") as view:
+        return buffer_address(view)
+
+
+def _batch_keys(keys: Sequence[PageKey], others: Sequence[object], what: str) -> list[PageKey]:
+    """``keys`` checked for a batch read against its ``others`` (handles or buffers): a sequence
+    (not a single key) of distinct 16-byte keys as exact bytes, as long as ``others``."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a sequence of keys, got {type(keys).__name__}")
+    if isinstance(others, (bytes, bytearray, memoryview, str)) or not isinstance(others, Sequence):
+        raise TypeError(f"{what} must be a sequence, got {type(others).__name__}")
+    if len(keys) != len(others):
+        raise ValueError(f"{len(keys)} keys for {len(others)} {what}")
+    wanted = [exact_key(key) for key in keys]
+    if len(set(wanted)) != len(wanted):
+        raise ValueError("the same key twice in one batch")
+    return wanted

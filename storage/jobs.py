@@ -92,17 +92,45 @@ class WriteJob(Job):
 
 
 class ReadJob(Job):
-    """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's future."""
+    """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's
+    future, or None for a page of a batch (``batch``, at ``index``: its outcome goes there)."""
 
-    __slots__ = ("checksum", "generation", "key", "page", "result")
+    __slots__ = ("batch", "checksum", "generation", "index", "key", "page", "result")
 
-    def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool]) -> None:
+    def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool] | None,
+                 batch: ReadBatch | None = None, index: int = 0) -> None:
         super().__init__()
         self.key = key
         self.page = page
         self.generation = generation
         self.result = result
         self.checksum = 0
+        self.batch = batch
+        self.index = index
+
+
+class ReadBatch:
+    """The pages of one ``read_many``: their outcomes (``oks``, False until a page verified) and one
+    future (``done``), resolved with ``oks`` once the last of its jobs ended. One future and one
+    wake-up of the caller per batch instead of one per page (#14)."""
+
+    __slots__ = ("done", "left", "oks")
+
+    def __init__(self, count: int, done: asyncio.Future[list[bool]]) -> None:
+        self.oks = [False] * count
+        self.done = done
+        self.left = 1  # a guard held while the batch's jobs start (one may end at once)
+
+    def ended(self, index: int, ok: bool) -> None:
+        """Page ``index``'s job ended with ``ok``; the batch's future resolves with the last one."""
+        self.oks[index] = ok
+        self.release()
+
+    def release(self) -> None:
+        """One job (or the start's guard) less; at none left the batch's future resolves."""
+        self.left -= 1
+        if not self.left and not self.done.done():
+            self.done.set_result(self.oks)
 
 
 START_TURN_S = 0.3e-3

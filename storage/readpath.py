@@ -14,7 +14,7 @@ import functools
 
 from aiokv.keys import PageKey
 
-from .jobs import Job, ReadJob
+from .jobs import Job, ReadBatch, ReadJob
 from .memory import PageBuffer
 from .pagefile import PageHeader, parse_header
 from .safefiles import UnsafeFileError
@@ -29,20 +29,54 @@ class ReadPath(TierBase):
         if generation is None or not self._accepting:
             self._misses += 1
             return False
-        self._index.touch(key)
         job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
-        # Counted from now, not from its slot: a write must not pick the file of a read still
-        # waiting for a slot as its recycling victim (the overwrite could overlap the read).
-        readers = self._index.readers
-        readers[key] = readers.get(key, 0) + 1
-        self._active += 1  # _job_started, inline
-        self._io_slots.take(job, self._read_slot)
+        self._launch_read(job)
+        assert job.result is not None
         try:
             return await job.result
         except asyncio.CancelledError:
             if not self._cancel_waiting(job):
                 await job.wait_ended()  # the kernel (or a thread) may still write into the page
             raise
+
+    async def _read_batch(self, keys: list[PageKey], pages: list[PageBuffer]) -> list[bool]:
+        """:meth:`_read` of each ``keys[i]`` into ``pages[i]`` (checked: distinct keys and pages),
+        awaiting one future for the whole batch: its jobs are moved on by completion callbacks
+        as single reads are, and the batch's future resolves when the last of them ended."""
+        loop = asyncio.get_running_loop()
+        batch = ReadBatch(len(keys), loop.create_future())
+        jobs: list[ReadJob] = []
+        accepting = self._accepting
+        index = self._index
+        for i, key in enumerate(keys):
+            generation = index.generation(key) if accepting else None
+            if generation is None:
+                self._misses += 1  # batch.oks[i] stays False
+                continue
+            job = ReadJob(key, pages[i], generation, None, batch, i)
+            batch.left += 1
+            jobs.append(job)
+            self._launch_read(job)  # may end the job at once (a fault): the guard keeps the batch open
+        batch.release()  # the guard: done now if every job ended already (or there was none)
+        try:
+            return await batch.done
+        except asyncio.CancelledError:
+            for job in jobs:  # those still waiting for a slot have touched nothing: they leave now
+                self._cancel_waiting(job)
+            for job in jobs:
+                await job.wait_ended()  # the kernel (or a thread) may still write into its page
+            raise
+
+    def _launch_read(self, job: ReadJob) -> None:
+        """Count ``job`` as a reader of its file and an active job, and queue it for an I/O slot."""
+        key = job.key
+        self._index.touch(key)
+        # Counted from now, not from its slot: a write must not pick the file of a read still
+        # waiting for a slot as its recycling victim (the overwrite could overlap the read).
+        readers = self._index.readers
+        readers[key] = readers.get(key, 0) + 1
+        self._active += 1  # _job_started, inline
+        self._io_slots.take(job, self._read_slot)
 
     def _read_slot(self, job: Job, slot: int) -> None:
         assert isinstance(job, ReadJob) and self._io is not None
@@ -133,7 +167,10 @@ class ReadPath(TierBase):
             self._hits += 1
         else:
             self._misses += 1
-        if not job.result.done():
+        batch = job.batch
+        if batch is not None:
+            batch.ended(job.index, ok)
+        elif job.result is not None and not job.result.done():
             job.result.set_result(ok)
         self._job_ended(job)
 
