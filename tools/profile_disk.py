@@ -27,7 +27,10 @@ than T ms the callbacks that ran in them by name, with the turn's split into the
 its run-queue wait (``/proc/<tid>/schedstat``: runnable, not running) and the rest (asleep in a
 syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (A/B);
 ``--chain-reads on|off`` cold reads as one chain from the open, or open first (A/B);
-``--page-first on|off`` a write's page op before its header op, or after (A/B).
+``--page-first on|off`` a write's page op before its header op, or after (A/B). ``--batch [N]``
+adds a third run to every unprofiled round: the tier reading in ``DiskTier.read_many`` batches of N
+pages (default: the queue depth), two batches in flight, writes as before (per-page vs batched
+alternated in one process, ratios to the same rounds' raw engine).
 
 Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
 loop turns only: ``... --page-mib 4 --depth 32 --repeats 0 --no-profile --turns-ms 1``.
@@ -71,6 +74,10 @@ PAGE_FIRST: bool | None = None
 """``--chain-reads``: force cold reads as one chain from the open on or off (None: the default)."""
 """``--async-data``: force the engine's ``async_data`` on or off (None: the tier's own choice)."""
 PHASES = ("write new", "read new", "write recycled", "read recycled")
+BATCHES_IN_FLIGHT = 2
+"""``--batch``: ``read_many`` calls in flight at once (two: the next batch's pages are queued for
+I/O slots while the last ones of the batch before end, so the device sees the queue depth
+throughout, as with one ``read`` per slot)."""
 
 
 @dataclass
@@ -276,9 +283,11 @@ async def bounded(count: int, depth: int, one: Callable[[int], Awaitable[None]])
 
 async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, total_mib: int,
               profiles: dict[str, cProfile.Profile] | None,
-              turns: dict[str, TurnSampler] | None = None) -> tuple[list[Phase], str]:
+              turns: dict[str, TurnSampler] | None = None, batch: int = 0) -> tuple[list[Phase], str]:
     """The four phases against a fresh tier in ``directory``; ``profiles`` (by "write"/"read")
-    collect the loop thread's profile when given, ``turns`` (by phase name) its turns."""
+    collect the loop thread's profile when given, ``turns`` (by phase name) its turns. ``batch``:
+    read in ``DiskTier.read_many`` batches of that many pages, :data:`BATCHES_IN_FLIGHT` at once
+    (0: one ``read`` per page, ``depth`` at once)."""
     layout = layout_for(page_mib)
     pb = layout.page_bytes
     count = max(depth, total_mib // page_mib)
@@ -310,7 +319,21 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
                 pool.table.abort(res.handle)
                 assert ok
 
+            async def read_batch(i: int, keys: list[bytes] = keys) -> None:
+                wanted = keys[i * batch : (i + 1) * batch]
+                handles = []
+                for res in pool.reserve(wanted):
+                    assert res.handle is not None
+                    handles.append(res.handle)
+                oks = await tier.read_many(wanted, handles)
+                for h in handles:
+                    pool.table.abort(h)
+                assert all(oks)
+
             for kind, one in (("write", write), ("read", read)):
+                drive = functools.partial(bounded, count, depth, one)
+                if kind == "read" and batch:
+                    drive = functools.partial(bounded, -(-count // batch), BATCHES_IN_FLIGHT, read_batch)
                 if kind == "read":
                     for h in held:
                         pool.table.release(h)
@@ -319,7 +342,7 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
                 prof = None if profiles is None else profiles[kind]
                 hashed = tier.checksum_seconds
                 name = PHASES[len(phases)]
-                phases.append(await measured(name, count * pb, functools.partial(bounded, count, depth, one), prof,
+                phases.append(await measured(name, count * pb, drive, prof,
                                              None if turns is None else turns[name]))
                 phases[-1].hash_s = tier.checksum_seconds - hashed
     pool.close()
@@ -446,19 +469,32 @@ async def main_async(args: argparse.Namespace) -> int:
         head = f"== {backend.value} page {args.page_mib} MiB qd {depth} {args.total_mib} MiB/phase"
         name = f"p{args.page_mib}-q{depth}"
         # Unprofiled: tier and raw engine alternated, ``--repeats`` rounds, medians per phase.
+        # With --batch a third run per round: the tier reading in read_many batches (same round's raw engine).
         rounds: list[list[Phase]] = []
+        batched: list[list[Phase]] = []
         dropped = ""
         for _ in range(args.repeats):
             directory = await fresh(args.dir / f"{name}-cpu")
             phases, dropped = await run(directory, backend, args.page_mib, depth, args.total_mib, None)
             await asyncio.to_thread(shutil.rmtree, directory)
             directory = await fresh(args.dir / f"{name}-raw")
-            phases += await raw_engine(directory, args.page_mib, depth, args.total_mib)
+            raw = await raw_engine(directory, args.page_mib, depth, args.total_mib)
             await asyncio.to_thread(shutil.rmtree, directory)
-            rounds.append(phases)
+            rounds.append(phases + raw)
+            if args.batch:
+                directory = await fresh(args.dir / f"{name}-batch")
+                phases, _ = await run(directory, backend, args.page_mib, depth, args.total_mib, None,
+                                      batch=depth if args.batch < 0 else args.batch)
+                await asyncio.to_thread(shutil.rmtree, directory)
+                batched.append(phases + raw)
         if rounds:
             print(f"{head}: CPU, unprofiled, median of {args.repeats} (reads after {dropped})")
             print_cpu([median_phase([r[i] for r in rounds]) for i in range(len(rounds[0]))])
+        if batched:
+            size = depth if args.batch < 0 else args.batch
+            print(f"{head}: CPU, reads in read_many batches of {size} ({BATCHES_IN_FLIGHT} in flight), "
+                  f"median of {args.repeats}, the same rounds' raw engine")
+            print_cpu([median_phase([r[i] for r in batched]) for i in range(len(batched[0]))])
         if args.turns_ms:
             # Turns of the loop, timed (no profiler: its overhead would make every turn long).
             samplers = {name: TurnSampler(args.turns_ms / 1e3) for name in (*PHASES, "raw write", "raw read")}
@@ -508,9 +544,15 @@ def main() -> int:
     parser.add_argument("--page-first", choices=["auto", "on", "off"], default="auto",
                         help="a write's page op before its header op (A/B): the default, or forced")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
+    parser.add_argument("--batch", type=int, nargs="?", const=-1, default=0,
+                        help="also, in every round, a tier run whose reads go in DiskTier.read_many batches of "
+                             "this many pages (no value: the queue depth), two batches in flight; printed next "
+                             "to the per-page rounds, ratios to the same rounds' raw engine")
     args = parser.parse_args()
     if args.page_mib < 1 or args.total_mib < args.page_mib or args.top < 1 or args.repeats < 0 or min(args.depth) < 1:
         parser.error("sizes, depths and --top must be positive (--total-mib >= --page-mib)")
+    if args.batch < -1 or args.batch > 32 or (args.batch < 0 and max(args.depth) > 32):
+        parser.error("--batch: 1 to 32 pages (two batches in flight from the tool's pool of 64 pages)")
     global ASYNC_DATA, CHAIN_READS, PAGE_FIRST
     ASYNC_DATA = None if args.async_data == "auto" else args.async_data == "on"
     CHAIN_READS = None if args.chain_reads == "auto" else args.chain_reads == "on"
