@@ -725,6 +725,13 @@ class _RankLink(asyncio.Protocol):
         except ProtocolError as exc:
             self.state = _LinkState.ENDED
             self.group._on_link_error(self, f"ProtocolError: {exc}")
+        except Exception as exc:
+            # A frame this side failed to handle (a bug, not the peer's): escaping, asyncio would
+            # abort the transport and the connection's end would fail the rank's jobs while its
+            # copies may still run. Fenced like a malformed frame instead.
+            log.error("rank group: handling a frame of rank %d failed", self.rank, exc_info=True)
+            self.state = _LinkState.ENDED
+            self.group._on_link_error(self, f"{type(exc).__name__}: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_timer()

@@ -328,7 +328,10 @@ class JobTable:
         """
         entry = self._jobs.get(job_id)
         layers = len(entry.job.layer_futures) if entry is not None else 0
-        if entry is None or rank not in entry.pending or not entry.landed[rank] < landed <= layers:
+        # A whole job has no per-rank counts (``landed`` is empty): a report for it is stray, never
+        # a KeyError (raised in the link's read callback, it aborted the link of a live rank and
+        # failed its jobs while its copies ran).
+        if entry is None or rank not in entry.pending or not entry.landed.get(rank, layers) < landed <= layers:
             self._stray += 1
             return False
         entry.landed[rank] = landed
