@@ -1,0 +1,118 @@
+"""Adversarial (review 107): a rank process that stalls (SIGSTOP) with a load in flight.
+
+A stopped rank may still write the load's slots once it runs again, so the load must not return
+while it is stopped, not even when the caller's ``asyncio.timeout`` expires (the cancellation
+waits for the rank's part). Checked with real processes: meanwhile the manager's loop serves
+other calls (``match``); SIGKILLing the stopped rank ends the load within a bound (the caller's
+TimeoutError, the fault counted, no reference or reservation left); SIGCONT of another stopped
+rank lets its load finish bit-exact; a restarted rank then loads every token bit-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from tp_helpers import CONFIG
+
+from aiokv import CacheConfig, KVLayout
+from aiokv.tp import RankStatus, TPCache
+
+LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+NUM_SLOTS = 128
+PAGES = 4
+BOUND_S = 20.0
+STALLED_S = 0.5
+"""How long a load with a stopped rank is watched not returning."""
+
+
+@pytest_asyncio.fixture
+async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
+    groups: list[AdvRanks] = []
+    yield groups
+    for ranks in groups:
+        for r in ranks.ranks.values():
+            if r.proc.pid is not None:
+                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped process cannot die of SIGKILL's reap
+        await ranks.kill_all()
+
+
+async def _store(cache: TPCache, ranks: AdvRanks, tokens: list[int]) -> None:
+    source = list(range(PAGES * T))
+    for rank in range(2):
+        await ranks.write(rank, source, rank_prefix_kv(LAYOUT, tokens, 0, rank, 2))
+    result = await cache.offload(tokens, idx(source))
+    assert (result.stored, result.dropped) == (PAGES, 0), result
+
+
+async def _check(ranks: AdvRanks, tokens: list[int], target: list[int]) -> None:
+    for rank in range(2):
+        got = await ranks.read(rank, target)
+        assert torch.equal(got, rank_prefix_kv(LAYOUT, tokens, 0, rank, 2)), f"rank {rank}: wrong KV"
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: Path,
+                                                                      ranks_left: list[AdvRanks]) -> None:
+    config = CacheConfig(cpu_bytes=32 * LAYOUT.page_bytes, disk=None, namespace="tp-adv-stall",
+                         pool_chunk_bytes=8 * LAYOUT.page_bytes)
+    async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
+                       directory=tmp_path / "sock") as cache:
+        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
+        ranks_left.append(ranks)
+        ranks.start_all()
+        async with asyncio.timeout(START_S):
+            await cache.wait_ranks()
+        tokens = list(range(1000, 1000 + PAGES * T))
+        await _store(cache, ranks, tokens)
+        target = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))
+
+        async def bounded_load(bound: float) -> None:
+            match = await cache.match(tokens)
+            assert match.tokens == PAGES * T
+            async with asyncio.timeout(bound):
+                await cache.load(match, idx(target))
+
+        for victim, ending in ((1, signal.SIGKILL), (0, signal.SIGCONT)):
+            pid = ranks.ranks[victim].proc.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            load = asyncio.create_task(bounded_load(0.05))
+            done, _ = await asyncio.wait({load}, timeout=STALLED_S)
+            assert not done, "a load returned while a stopped rank could still write its slots"
+            async with asyncio.timeout(5):
+                other = await cache.match(tokens)  # the loop still serves
+            assert other.tokens == PAGES * T
+            other.release()
+            if ending is signal.SIGKILL:
+                ranks.kill(victim)
+            else:
+                os.kill(pid, signal.SIGCONT)
+            async with asyncio.timeout(BOUND_S):
+                with pytest.raises(TimeoutError):
+                    await load
+            stats = cache.stats()
+            assert stats.pool_reserved == 0 and stats.pool_referenced == 0, stats
+            assert cache.group_statistics().jobs.in_flight == 0
+            if ending is signal.SIGKILL:
+                # Counted by the group (the cancelled load's own fault is not in stats().errors).
+                group = cache.group_statistics()
+                assert group.disconnects == 1 and group.jobs.rank_failures.get(RankStatus.RANK_LOST, 0) >= 1, group
+                await ranks.reap_dead()
+                ranks.start(victim)
+                async with asyncio.timeout(START_S):
+                    await cache.wait_ranks()
+            async with asyncio.timeout(BOUND_S):
+                await bounded_load(BOUND_S)
+            await _check(ranks, tokens, target)
+        await ranks.stop_all()
