@@ -243,7 +243,7 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
     expect = empty_like_kv(kv)
     reference_scatter(expect, pages, slots, page_ids)
     real_copy, real_done = PageMover._copy_unit, PageMover._layer_done
-    gate, layer0 = threading.Event(), threading.Event()
+    gate, layer0, holding = threading.Event(), threading.Event(), threading.Event()
     held: list[int] = []
     published: list[torch.cuda.Event] = []
 
@@ -251,6 +251,7 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
                   layer: int, stream: torch.cuda.Stream | None) -> None:
         if layer >= 1 and not gate.is_set():
             held.append(layer)
+            holding.set()
             assert gate.wait(60), "the test never released the later layers"
         real_copy(self, buffer, ids, runs, layer, stream)
 
@@ -276,11 +277,15 @@ def test_each_layer_event_alone_guarantees_its_layer(monkeypatch: pytest.MonkeyP
             failed.append(exc)
             gate.set()
             layer0.set()
+            holding.set()
 
     thread = threading.Thread(target=load)
     thread.start()
     try:
         assert layer0.wait(60) and not failed, failed
+        # The loading thread reaches layer 1's first copy after publishing layer 0: wait for it to
+        # be held there (checking at once raced with it: failed under 16 xdist workers on the H200).
+        assert holding.wait(60) and not failed, failed
         published[0].synchronize()
         assert held == [1], "the loading thread is not held before layer 1's first copy"
         assert _layer_equal(back, expect, 0)
