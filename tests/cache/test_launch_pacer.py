@@ -7,6 +7,7 @@ CUDA only (CPU copies run one at a time on the copy thread and are not paced).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -178,10 +179,13 @@ async def test_cancelled_paced_offload_withdraws_what_waits_and_stores_no_reused
         pacer.budget = LAYOUT.page_bytes
         # The GPU busy before the offload: its first copy (ordered after the engine's stream) cannot
         # land before the test cancels, so the rest queue behind it (tiny pages copy in microseconds).
-        torch.cuda._sleep(300_000_000)  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # ~1 s at the H200's clock
         task = asyncio.create_task(cache.offload(tokens, torch.arange(n)))
-        for _ in range(10_000):  # until launches are queued behind the first
-            if len(pacer.queue) >= 2:
+        # Until launches are queued behind the first: by time, not loop turns (10,000 turns of
+        # uvloop passed before the offload had queued them with 16 test processes on the host).
+        deadline = time.monotonic() + 0.5
+        for _ in range(100_000):
+            if len(pacer.queue) >= 2 or task.done() or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0)
         assert len(pacer.queue) >= 2
