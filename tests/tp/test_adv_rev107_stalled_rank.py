@@ -5,7 +5,8 @@ while it is stopped, not even when the caller's ``asyncio.timeout`` expires (the
 waits for the rank's part). Checked with real processes: meanwhile the manager's loop serves
 other calls (``match``); SIGKILLing the stopped rank ends the load within a bound (the caller's
 TimeoutError, the fault counted, no reference or reservation left); SIGCONT of another stopped
-rank lets its load finish bit-exact; a restarted rank then loads every token bit-exact.
+rank lets its load finish bit-exact; a restarted rank then loads every token bit-exact. A close
+with a stopped rank owing a report keeps the pool until the rank is killed, then ends and frees it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
+from aiokv.shm import SHM_DIR
 from aiokv.tp import RankStatus, TPCache
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
@@ -115,4 +117,25 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
             async with asyncio.timeout(BOUND_S):
                 await bounded_load(BOUND_S)
             await _check(ranks, tokens, target)
+        # The close with a stopped rank owing a report: a caller's bound ends the caller's wait,
+        # not the close, and the pool outlives it (the rank may still copy); once the rank is
+        # killed the close ends and the segment is gone.
+        pid = ranks.ranks[0].proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        load = asyncio.create_task(bounded_load(BOUND_S))
+        done, _ = await asyncio.wait({load}, timeout=STALLED_S)
+        assert not done
+        segment = cache.pool.name.lstrip("/")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(STALLED_S):
+                await cache.aclose()
+        assert segment in os.listdir(SHM_DIR), "the pool was freed while a stopped rank could still copy"
+        assert not load.done()
+        ranks.kill(0)
+        async with asyncio.timeout(BOUND_S):
+            await cache.aclose()
+            await asyncio.wait({load})
+        assert segment not in os.listdir(SHM_DIR)
+        assert load.exception() is None  # the load ended as a (counted) miss, not an error
         await ranks.stop_all()
