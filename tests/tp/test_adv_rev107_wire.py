@@ -190,3 +190,59 @@ async def test_a_frame_the_manager_fails_to_handle_fences_the_rank_not_aborts_it
     async with asyncio.timeout(BOUND_S):
         outcome = await job
     assert [(f.rank, f.status) for f in outcome.failures] == [(1, RankStatus.RANK_LOST)]
+
+
+VANISH_POINTS = ("hello sent", "welcome read", "attached sent", "spec read", "half a report", "layers sent")
+
+
+@pytest.mark.asyncio
+async def test_a_rank_that_vanishes_at_any_point_frees_its_rank_and_fails_only_its_part(group: RankGroup) -> None:
+    # Rank 0 stays; rank 1's connection ends (reset, no flush) at each point of its session in turn,
+    # then a fresh rank 1 attaches: a vanished rank never holds its rank number, and a job sent to it
+    # fails for that rank only, once, when its connection ends.
+    steady = await Rank.attach(group, 0)
+    try:
+        for point in VANISH_POINTS:
+            reader, writer = await asyncio.open_unix_connection(os.fspath(group.address))
+            hello = Hello(PROTOCOL_VERSION, 1, 2, group.page_layout.fingerprint, "cpu")
+            writer.write(frame(FrameKind.HELLO, hello.encode()))
+            job = None
+            if point != "hello sent":
+                kind, payload = await read_frame(reader, 1 << 20)
+                assert kind is FrameKind.WELCOME, (point, kind)
+                if point != "welcome read":
+                    writer.write(frame(FrameKind.ATTACHED, Attached(Welcome.decode(payload).epoch, True).encode()))
+                    async with asyncio.timeout(BOUND_S):
+                        await group.wait_attached()
+                    if point != "attached sent":
+                        job = group.submit_nowait(group.spec(Direction.LOAD, [1], range(T), layered=True))
+                        vanishing = Rank(reader, writer)
+                        await vanishing.next_spec()
+                        await steady.next_spec()
+                        steady.done(job.id)
+                        if point == "half a report":
+                            writer.write(frame(FrameKind.DONE, Done(job.id, RankStatus.OK).encode())[:6])
+                        elif point == "layers sent":
+                            writer.write(frame(FrameKind.LAYERS, Layers(job.id, 1).encode()))
+                        await writer.drain()
+            writer.transport.abort()
+            if job is not None:
+                async with asyncio.timeout(BOUND_S):
+                    outcome = await job
+                assert [(f.rank, f.status) for f in outcome.failures] == [(1, RankStatus.RANK_LOST)], point
+                landed = 1 if point == "layers sent" else 0  # both ranks had layer 0 before rank 1 vanished
+                want = [True] * landed + [False] * (LAYOUT.num_layers - landed)
+                assert [f.result() for f in job.layer_futures] == want, point
+            # A fresh rank 1 takes the rank (within the bound: the vanished one is noticed).
+            async with asyncio.timeout(BOUND_S):
+                while 1 in group._ranks:  # noqa: ASYNC110 (the claim ends with the connection's end)
+                    await asyncio.sleep(0.005)
+            fresh = await Rank.attach(group, 1)
+            async with asyncio.timeout(BOUND_S):
+                await group.wait_attached()
+            await fresh.close()
+            async with asyncio.timeout(BOUND_S):
+                while 1 in group._ranks:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+    finally:
+        await steady.close()
