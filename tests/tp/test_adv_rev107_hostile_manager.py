@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import struct
 from collections.abc import AsyncIterator, Iterator
@@ -116,6 +117,17 @@ def planted(kind: str, target: str) -> Iterator[str]:
         os.unlink(path)
 
 
+def held(name: str) -> tuple[int, int]:
+    """How many mappings and descriptors of segment ``name`` this process has."""
+    with open("/proc/self/maps") as maps:
+        mapped = sum(1 for line in maps if line.rstrip().endswith(SHM_DIR + name))
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fds += os.readlink(f"/proc/self/fd/{fd}") == SHM_DIR + name
+    return mapped, fds
+
+
 def spec(direction: Direction, pages: list[int], slots: list[int], epoch: int = EPOCH, job: int = 1,
          page_tokens: int = T, skip: int = 0) -> bytes:
     return frame(FrameKind.SPEC, TransferSpec.build(job, direction, epoch, page_tokens, pages, slots, skip).to_bytes())
@@ -125,10 +137,12 @@ def spec(direction: Direction, pages: list[int], slots: list[int], epoch: int = 
 async def test_bad_specs_change_no_byte_and_bad_frames_end_only_the_session(tmp_path: Path, pool: PagePool) -> None:
     kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
     kv_before, pool_before = kv.clone(), pool.pages.clone()
+    held_before = held(pool.name)
     async with FakeManager(tmp_path / "mgr") as manager, \
             RankWorker(manager.address, 0, 2, LAYOUT, kv, FAST) as worker:
         reader, writer, attached = await manager.welcome(pool.name)
         assert attached.ok and attached.epoch == EPOCH, attached
+        assert held(pool.name)[0] == held_before[0] + 1  # the worker's own mapping
         hostile = [
             (spec(Direction.OFFLOAD, [NUM_PAGES], list(range(T))), RankStatus.BAD_SPEC),
             (spec(Direction.OFFLOAD, [0, 2**32 - 1], list(range(2 * T))), RankStatus.BAD_SPEC),
@@ -167,12 +181,15 @@ async def test_bad_specs_change_no_byte_and_bad_frames_end_only_the_session(tmp_
             assert attached.ok
         assert worker.statistics().link_errors == 4 and worker.statistics().sessions == 5
     assert torch.equal(pool.pages, pool_before)
+    gc.collect()
+    assert held(pool.name) == held_before, "the worker's sessions left a mapping or descriptor of the pool"
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("bad", ["link", "fifo", "size", "path", "none"])
 async def test_a_welcome_naming_no_pool_of_the_manager_is_refused(tmp_path: Path, pool: PagePool, bad: str) -> None:
     kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
+    held_before = held(pool.name)
     with contextlib.ExitStack() as stack:
         name, pages = pool.name, NUM_PAGES
         if bad in ("link", "fifo"):
@@ -191,3 +208,5 @@ async def test_a_welcome_naming_no_pool_of_the_manager_is_refused(tmp_path: Path
             _, _, attached = await manager.welcome(pool.name)
             assert attached.ok
             assert worker.statistics().sessions == 1
+        gc.collect()
+        assert held(pool.name) == held_before
