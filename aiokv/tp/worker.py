@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from aiokv.reclaim import reclaim
 
 from .cancels import Cancels
 from .config import TPConfig
+from .endpoint import peer_credentials
 from .executor import RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
 from .rankwarm import RankWarmUp
@@ -93,6 +95,10 @@ class _RetryLater(Exception):
 
 class _AttachFailed(Exception):
     """The pool named in the welcome could not be mapped."""
+
+
+class _Stranger(Exception):
+    """The process listening at the address belongs to another user (retried: ours may come back)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,7 @@ class RankWorker:
                 except WorkerRefusedError as exc:
                     self._error = exc
                     raise
-                except (_RetryLater, _AttachFailed, *_LINK_ERRORS) as exc:
+                except (_RetryLater, _AttachFailed, _Stranger, *_LINK_ERRORS) as exc:
                     self._link_errors += 1
                     log.warning("rank %d: session ended: %s: %s", self.tp.rank, type(exc).__name__, exc)
                 finally:
@@ -237,10 +243,11 @@ class RankWorker:
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool."""
         loop = asyncio.get_running_loop()
-        _, link = await loop.create_unix_connection(
+        transport, link = await loop.create_unix_connection(
             lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address)
         )
         try:
+            _check_manager(transport)
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 welcome = await self._hello(link)
                 executor = await self._attach(welcome, link)
@@ -654,6 +661,21 @@ class _WorkerLink(asyncio.Protocol):
                 # the copies in flight are over (the manager reads its end as "none of them runs").
                 transport.pause_reading()
         self._wake()
+
+
+def _check_manager(transport: asyncio.BaseTransport) -> None:
+    """Raise :class:`_Stranger` unless the peer is a process of this user (or root), before a byte
+    is sent: the manager checks its workers the same way. A closed cache removes the directory it
+    made while its workers keep reconnecting to the path; another user who then listened there got
+    this rank's hello and could name the pool it attached and have it run specs (the engine's KV
+    copied into that user's memory, or that user's bytes into the engine's KV)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return  # a transport without a socket (tests' fakes)
+    pid, uid = peer_credentials(cast(socket.socket, sock))
+    if uid not in (os.getuid(), 0):
+        raise _Stranger(f"the process listening at the manager's address (pid {pid}) belongs to uid {uid}, "
+                        f"not to this user ({os.getuid()}): nothing sent")
 
 
 def _reclaim_left(pool_name: str) -> None:
