@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import multiprocessing
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ import pytest
 import torch
 import xxhash
 from cache_helpers import LAYOUT, assert_quiescent, config, prompt
+from child_procs import fork_context
 
 from aiokv import DiskBackend, KVCache
 
@@ -94,7 +94,7 @@ def _kill_round(directory: Path, backend: DiskBackend, seed: int, rng: random.Ra
                 in_start: bool) -> tuple[int, int]:
     """Run a writer, SIGKILL it after a random number of offloads (``in_start``: during its start-up
     over the last one's leftovers); returns (its pid, offloads seen)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=writer_child, args=(str(directory), backend.value, seed, child), daemon=True)
     proc.start()

@@ -8,7 +8,6 @@ names are recycled for other keys. Every byte it serves must be the prefix oracl
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config
+from child_procs import fork_context
 from test_adv_crash_restart import SLOTS, prefix_oracle, prompts_of
 
 from aiokv import KVCache
@@ -31,7 +31,9 @@ def _config(directory: Path) -> Any:
 
 
 def busy_writer(directory: str, conn: Any) -> None:
-    """Offload prompt sets seed 0, 1, ... forever, reporting each finished set."""
+    """Offload prompt sets seed 0, 1, ... forever, reporting each finished set; from the second
+    set on, each starts when the reader says so (a set per reader round: writing beside the
+    reader's loads, never hundreds of sets ahead of them)."""
 
     async def main() -> None:
         kv = torch.zeros(LAYOUT.num_layers, SLOTS, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
@@ -45,6 +47,7 @@ def busy_writer(directory: str, conn: Any) -> None:
                 await cache.flush()
                 conn.send(seed)
                 seed += 1
+                await asyncio.to_thread(conn.recv)  # the reader's next round began
 
     asyncio.run(main())
 
@@ -52,8 +55,8 @@ def busy_writer(directory: str, conn: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_read_only_peer_never_serves_a_recycled_file(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
+    ctx = fork_context()
+    parent, child = ctx.Pipe()
     proc = ctx.Process(target=busy_writer, args=(str(tmp_path), child), daemon=True)
     proc.start()
     child.close()
@@ -66,6 +69,10 @@ async def test_read_only_peer_never_serves_a_recycled_file(tmp_path: Path) -> No
             assert reader.disk is not None and reader.disk.read_only is not None  # the writer holds the lock
             deadline = time.monotonic() + 8
             while time.monotonic() < deadline:
+                # The writer writes (and recycles) a set while this round loads: unpaced, it ran
+                # so far ahead on a loaded host that every file of the reader's start-up snapshot
+                # was recycled before its first read, and nothing was served at all (0, 405).
+                parent.send("go")
                 for i, tokens in enumerate(prompts_of(SEEDS + rounds % 4, 20)):
                     kv.zero_()
                     way = (i + rounds) % 3
@@ -84,7 +91,7 @@ async def test_read_only_peer_never_serves_a_recycled_file(tmp_path: Path) -> No
                         f"round {rounds}, prompt {i}: a read-only peer served wrong KV")
                     served += high - low
                 rounds += 1
-                while parent.poll():  # the writer is still writing (and recycling)
+                while parent.poll():  # the sets the writer finished
                     parent.recv()
             await assert_quiescent(reader)
             assert reader.disk.statistics().pages > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import multiprocessing
 import os
 import signal
 import threading
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_procs import fork_context
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -170,25 +170,12 @@ async def write_acked(tier: DiskTier, pool: PagePool, key: PageKey, conn: Any) -
         conn.send(("stored", key))
 
 
-def _crash_context() -> multiprocessing.context.BaseContext:
-    """Crash children fork from a server that has imported these helpers (torch, aiokv) once: a
-    spawned child spent seconds importing them per kill round (~2.5 s here, ~12 s with CUDA torch
-    on a 16-way loaded GPU host, where the 21-round crash test took 269 s). Forking from that server
-    is as clean as a spawn for the child (no threads, no CUDA, no pool of the test's process).
-    Installed modules only: Python 3.11's fork server ignores the parent's sys.path, so this test
-    folder's modules fail to import there (silently) and each child imports them itself, quickly
-    once their dependencies are in."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "pytest", "aiokv.pool", "aiokv.storage"])
-    return ctx
-
-
 @contextlib.contextmanager
 def sigkilled_child(target: Callable[..., None], *args: object) -> Iterator[Connection]:
     """Spawn ``target(*args, conn)`` (a writer process) and yield the receiving end of its pipe. On
     exit SIGKILL it (writes in flight: temporary files may stay behind), reap it and remove the
     shared memory its pool never unlinks; then check that the kill ended it, not a fault of its own."""
-    ctx = _crash_context()
+    ctx = fork_context()  # a spawn per kill round re-imported torch
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
     proc.start()

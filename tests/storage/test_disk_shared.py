@@ -5,12 +5,12 @@ together they never exceed the budget."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from child_procs import fork_context
 from disk_helpers import assert_clean, config, fill, holder_child, key_of, page_files, payload, reserve, seed_payload
 
 from aiokv.layout import KVLayout
@@ -32,7 +32,7 @@ async def test_second_process_on_a_directory_is_read_only_and_the_budget_holds(
     # Regression: two processes each kept their own budget for the same files and together used
     # 1.8x of it. Now the first takes the directory's lock; the second serves, refuses writes.
     capacity = FILES * (HEADER_BYTES + layout.page_bytes)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()
     ours, theirs = ctx.Pipe()
     holder = ctx.Process(target=holder_child, args=(str(disk_dir), backend.value, FILES, FILES + 2, theirs),
                          daemon=True)
