@@ -1,8 +1,9 @@
 """`LoadPath`: how the manager serves a hit: match, load, disk promotions and prefetch.
 
 A match takes references on the pool's prefix and counts the disk's; a load copies pool pages at
-once and reads disk pages into freshly reserved pool pages (promotions), copying each as it lands;
-prefetch promotes without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
+once and reads disk pages into freshly reserved pool pages (promotions, in read groups of one
+``DiskTier.read_many`` batch each), copying each group's pages as the group lands; prefetch
+promotes (in the same groups) without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
 the same promotions through the public members it needs (:meth:`LoadPath.promote`,
 :meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.measure_pool_copies`, and the base's
 ``running_transfers``, ``release``, ``release_after``, ``closing``, ``withdraw``, ``count_loaded``).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from aiokv.results import LoadResult, Match, PrefetchResult, Tier
 from aiokv.transfers import Copy, CopyWithdrawn
 
 if TYPE_CHECKING:
+    from aiokv.storage import DiskTier
     from aiokv.stream import LoadStream
 
 TURN_PAGES = 16
@@ -36,6 +38,21 @@ references. Each is a few hundred microseconds of loop time for a 16K-token prom
 256), in an engine step that often also settles the last stream and starts the next load: in one
 turn they added up to the longest loop callbacks while streaming (issue #10). TODO(lead): a
 ``CacheConfig`` field."""
+
+
+READ_GROUP_BYTES = 16 << 20
+"""A load's or prefetch's disk pages are read in groups of about this many bytes (at least one
+page, at most :data:`READ_GROUP_PAGES`), each group one ``DiskTier.read_many`` batch awaited by
+one task: per page the loop ran two tasks and two shields (the promotion and its read) and one
+wake-up each (#14). A load copies a group's pages once the whole group landed, so larger groups
+delay its first and last copies by the rest of their group. TODO(lead): a ``CacheConfig`` field."""
+READ_GROUP_PAGES = 32
+"""At most this many pages in one read group (16 MiB of small pages)."""
+
+
+def read_group_pages(page_bytes: int) -> int:
+    """Pages in one read group (:data:`READ_GROUP_BYTES`) for pages of ``page_bytes`` bytes."""
+    return max(1, min(READ_GROUP_PAGES, READ_GROUP_BYTES // page_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +144,8 @@ class LoadPath(ManagerBase):
         self._release_handles(handles[:first])
         pool_part = handles[first:]
         copies: list[tuple[Copy, list[PageHandle], Tier]] = []
-        promotions: list[asyncio.Task[Promotion | NoPage]] = []
+        promotions: list[asyncio.Task[list[Promotion | NoPage]]] = []  # one per read group, in order
+        landed: list[PageHandle] = []  # promoted pages of the group being launched, not yet in a copy
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
@@ -152,36 +170,37 @@ class LoadPath(ManagerBase):
             if self._closed:
                 cut = True  # no disk reads either
             else:
-                promotions = [asyncio.ensure_future(self._promote(key)) for key in keys[disk_start : match.pages]]
+                promotions = self._promote_groups(keys[disk_start : match.pages])
             if promotions:
-                # Only the pages these promotions read count (one already in the pool took no disk
-                # time); a miss folds nothing: a failed read fails fast.
-                tasks = list(promotions)
-
-                def read() -> int:
-                    return sum(1 for task in tasks if isinstance(p := task.result(), Promotion) and p.read)
-
-                self._measure(list(tasks), read, time.perf_counter(), self.costs.disk, self.layout.page_bytes,
-                              lambda f: isinstance(f.result(), Promotion))
-            for offset, task in enumerate(promotions):
-                # Shielded: a cancelled load still lets the page land in the pool (released later).
-                promoted = await asyncio.shield(task)
+                self._measure_promotions(promotions)
+            page = disk_start
+            stop = False
+            for task in promotions:
+                # Shielded: a cancelled load still lets the pages land in the pool (released later).
+                promoted_group = await asyncio.shield(task)
                 consumed += 1
-                if not isinstance(promoted, Promotion):
-                    cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
+                landed = [p.handle for p in promoted_group if isinstance(p, Promotion)]
+                for promoted in promoted_group:
+                    if not isinstance(promoted, Promotion):
+                        cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
+                        stop = True
+                        break
+                    if self._closed:
+                        cut = stop = True
+                        break
+                    handle = promoted.handle
+                    page_skip = skip if page == first else 0
+                    lo = page * t + page_skip - from_token
+                    hi = (page + 1) * t - from_token
+                    copies.append(
+                        (transfers.load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
+                    )
+                    landed.remove(handle)
+                    page += 1
+                self._release_handles(landed)  # past a miss or the close's start: not copied
+                landed = []
+                if stop:
                     break
-                handle = promoted.handle
-                if self._closed:
-                    self._release_handles([handle])
-                    cut = True
-                    break
-                page = disk_start + offset
-                page_skip = skip if page == first else 0
-                lo = page * t + page_skip - from_token
-                hi = (page + 1) * t - from_token
-                copies.append(
-                    (transfers.load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
-                )
             outcomes = await asyncio.shield(
                 asyncio.gather(*(c.future for c, _, _ in copies), return_exceptions=True)
             )
@@ -189,10 +208,11 @@ class LoadPath(ManagerBase):
             # Nothing may still write the caller's slots once we raise (the engine reuses them).
             await transfers.quiesce([c for c, _, _ in copies], offload=False)
             self._release_handles(pool_part)
+            self._release_handles(landed)
             for copy, held, _ in copies:
                 self._after(copy.future, held, commit=None)
             for task in promotions[consumed:]:
-                self._adopt(task)
+                self._adopt_group(task)
             raise
         measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
@@ -210,7 +230,7 @@ class LoadPath(ManagerBase):
         for _, held, _ in copies:
             self._release_handles(held)
         for task in promotions[consumed:]:
-            self._adopt(task)
+            self._adopt_group(task)
         pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
         end = max((first + pool_loaded + disk_loaded) * t, from_token)
         self.count_loaded(pool_loaded, disk_loaded)
@@ -305,7 +325,75 @@ class LoadPath(ManagerBase):
 
         self.track(task, finish)
 
+    def _adopt_group(self, task: asyncio.Future[list[Promotion | NoPage]]) -> None:
+        """:meth:`_adopt` for a read group's task (:meth:`_promote_group`): every reference it brings is dropped."""
+
+        def finish() -> None:
+            if not task.cancelled() and task.exception() is None:
+                self._release_handles([p.handle for p in task.result() if isinstance(p, Promotion)])
+
+        self.track(task, finish)
+
+    def _measure_promotions(self, tasks: list[asyncio.Task[list[Promotion | NoPage]]]) -> None:
+        """Fold the disk pages these read groups read into the disk rate (:meth:`_measure`): only
+        pages they read count (one already in the pool took no disk time); a miss folds nothing
+        (a failed read fails fast)."""
+
+        def read() -> int:
+            return sum(1 for task in tasks for p in task.result() if isinstance(p, Promotion) and p.read)
+
+        def delivered(task: asyncio.Future[Any]) -> bool:
+            return all(isinstance(p, Promotion) for p in task.result())
+
+        self._measure(list(tasks), read, time.perf_counter(), self.costs.disk, self.layout.page_bytes, delivered)
+
     # -- disk promotions ------------------------------------------------------------------------
+
+    def _promote_groups(self, keys: Sequence[PageKey]) -> list[asyncio.Task[list[Promotion | NoPage]]]:
+        """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started."""
+        n = read_group_pages(self.layout.page_bytes)
+        return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]))) for i in range(0, len(keys), n)]
+
+    async def _promote_group(self, keys: list[PageKey]) -> list[Promotion | NoPage]:
+        """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
+        read in one ``DiskTier.read_many`` batch; a page in the pool or being brought in, or one
+        that found no room, then goes :meth:`_promote`'s way. If cancelled, the batch's pages are
+        settled when its read ends (:meth:`_read_batch`) and the references taken are dropped."""
+        pool, disk = self.pool, self._disk
+        outcomes = pool.reserve(keys)
+        got: list[Promotion | NoPage | None] = [None] * len(keys)
+        batch = [(i, r.handle) for i, r in enumerate(outcomes)
+                 if r.outcome is ReserveOutcome.RESERVED and r.handle is not None]
+        if batch:
+            handles = [handle for _, handle in batch]
+            if disk is None:  # not reached by callers (they promote only pages on disk): nothing to read
+                for handle in handles:
+                    pool.table.abort(handle)
+                return [NoPage.MISS] * len(keys)
+            oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
+            for (i, handle), ok in zip(batch, oks, strict=True):
+                got[i] = self._read_into_pool(handle, ok)
+        try:
+            for i, key in enumerate(keys):
+                if got[i] is None:
+                    got[i] = await self._promote(key)
+        except BaseException:
+            self._release_handles([p.handle for p in got if isinstance(p, Promotion)])
+            raise
+        return [p if p is not None else NoPage.MISS for p in got]
+
+    async def _read_batch(self, disk: DiskTier, keys: list[PageKey], handles: list[PageHandle]) -> list[bool]:
+        """``disk.read_many(keys, handles)``, shielded; an unexpected failure reads as misses. If
+        cancelled, the batch's pages are settled once its read ends: the kernel may still be
+        writing into them, so they are freed only then."""
+        read = asyncio.ensure_future(disk.read_many(keys, handles))
+        try:
+            return await asyncio.shield(read)
+        except asyncio.CancelledError:
+            self.track(read, lambda: self._settle_reads(read, handles))
+            raise
+        except Exception:
+            return [False] * len(handles)
 
     async def promote(self, key: PageKey) -> Promotion | NoPage:
         """Bring the disk page ``key`` into the pool: a :class:`Promotion` holding a reference the
@@ -347,6 +435,12 @@ class LoadPath(ManagerBase):
             raise
         except Exception:
             ok = False
+        return self._read_into_pool(handle, ok)
+
+    def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
+        """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or
+        abort it (a miss, counted)."""
+        pool = self.pool
         if not ok:
             pool.table.abort(handle)
             self.faults.record("disk_read_failed", "a disk page could not be read back (see disk statistics)")
@@ -366,9 +460,18 @@ class LoadPath(ManagerBase):
         handle = table.acquire(key)
         return NoPage.MISS if handle is None else Promotion(handle, read=False)
 
+    def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
+        """A batch read abandoned by a cancelled caller finished: keep each page that verified."""
+        oks = read.result() if not read.cancelled() and read.exception() is None else [False] * len(handles)
+        for handle, ok in zip(handles, oks, strict=True):
+            self._settle_page(handle, ok)
+
     def _settle_read(self, read: asyncio.Future[bool], handle: PageHandle) -> None:
         """A read abandoned by a cancelled caller finished: keep the page if it verified."""
-        ok = not read.cancelled() and read.exception() is None and read.result()
+        self._settle_page(handle, not read.cancelled() and read.exception() is None and read.result())
+
+    def _settle_page(self, handle: PageHandle, ok: bool) -> None:
+        """Commit (``ok``) or abort an abandoned read's reserved page, unless the close freed it."""
         if handle.released:
             return
         if ok:
@@ -392,13 +495,14 @@ class LoadPath(ManagerBase):
         if self._disk is None or in_pool == len(keys):
             return PrefetchResult(in_pool, 0)
         count = self._disk.keys_present_prefix(keys[in_pool:])
-        tasks = [asyncio.ensure_future(self._promote(key)) for key in keys[in_pool : in_pool + count]]
+        tasks = self._promote_groups(keys[in_pool : in_pool + count])
         try:
-            promotions = await asyncio.shield(asyncio.gather(*tasks))
+            groups = await asyncio.shield(asyncio.gather(*tasks))
         except asyncio.CancelledError:
             for task in tasks:
-                self._adopt(task)
+                self._adopt_group(task)
             raise
+        promotions = [p for group in groups for p in group]
         promoted = 0
         for promotion in promotions:
             if not isinstance(promotion, Promotion):

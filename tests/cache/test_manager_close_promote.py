@@ -179,19 +179,19 @@ async def test_a_load_whose_disk_reads_land_after_the_close_began_withdraws_thei
         await cache.pool.wait_ready()
         disk = cache.disk
         assert disk is not None
-        real_read = disk.read
+        real_read = disk.read_many  # a load reads its disk pages in batches
         read: list[bool] = []
         all_read = asyncio.Event()
 
-        async def landed_late(*args: Any) -> bool:  # the real read, its result held back
-            ok = await real_read(*args)
-            read.append(ok)
+        async def landed_late(*args: Any) -> list[bool]:  # the real reads, their results held back
+            oks = await real_read(*args)
+            read.extend(oks)
             if len(read) == PAGES:
                 all_read.set()
             await gate.wait()
-            return ok
+            return oks
 
-        monkeypatch.setattr(disk, "read", landed_late)
+        monkeypatch.setattr(disk, "read_many", landed_late)
         disk_closed = _pause_after_disk_close(monkeypatch, disk, go_on)
         match = await cache.match(on_disk)
         assert match.disk_pages == PAGES

@@ -1,0 +1,204 @@
+"""A load's and a prefetch's disk pages are read in `DiskTier.read_many` batches, one per read group
+(#14), with the per-page guarantees of the single reads they replaced: bytes exact, a bad page ends
+the valid prefix there, and a cancelled load never leaves a read running into pool pages it freed.
+Real caches over real page files (the threads backend and io_uring)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+from aiokv.loadpath import read_group_pages
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.storage import DiskConfig, DiskTier
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+GROUP = read_group_pages(LAYOUT.page_bytes)
+PAGES = GROUP + 5  # two read groups, the second short
+N = PAGES * T
+POOL_PAGES = 2 * PAGES + 8
+BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
+
+
+def _config(root: Path, backend: DiskBackend) -> CacheConfig:
+    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend)
+    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
+                       pool_chunk_bytes=4 * LAYOUT.page_bytes)
+
+
+def _kv(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 4 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+
+
+def _tokens(seed: int) -> list[int]:
+    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
+    """Every page of ``tokens`` (slots ``[0, N)`` of ``kv``) on disk; the pool that held them closes."""
+    async with KVCache(_config(root, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(N))
+        await cache.flush()
+
+
+def _count_batches(disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of the read_many batches ``disk`` is asked for; a single read fails the test."""
+    sizes: list[int] = []
+    real = disk.read_many
+
+    async def counted(keys: Any, handles: Any) -> list[bool]:
+        sizes.append(len(keys))
+        return await real(keys, handles)
+
+    async def no_single_read(*_: Any) -> bool:
+        raise AssertionError("a page was read on its own")
+
+    monkeypatch.setattr(disk, "read_many", counted)
+    monkeypatch.setattr(disk, "read", no_single_read)
+    return sizes
+
+
+async def _quiescent(cache: KVCache) -> None:
+    await cache.flush()
+    cache.pool.table.check_invariants()
+    stats = cache.stats()
+    assert (stats.pool_reserved, stats.pool_referenced, stats.background_jobs) == (0, 0, 0), stats
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_a_load_reads_one_batch_per_group_bit_exact(tmp_path: Path, backend: DiskBackend,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _kv(1)
+    tokens = _tokens(1)
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(2)
+    async with KVCache(_config(tmp_path, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        assert cache.disk is not None
+        sizes = _count_batches(cache.disk, monkeypatch)
+        match = await cache.match(tokens)
+        assert match.disk_pages == PAGES
+        target = torch.arange(N + T + 1, 2 * N)
+        result = await cache.load(match, target, from_token=T + 1)  # skips a page and a token
+        assert (result.tokens, result.disk_pages) == (N, PAGES - 1)
+        assert sizes == [GROUP, PAGES - 1 - GROUP]
+        assert torch.equal(kv[:, target], source[:, T + 1 : N])
+        assert cache.stats().pages_promoted == PAGES - 1
+        await _quiescent(cache)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_a_corrupt_page_in_a_group_ends_the_valid_prefix_there(tmp_path: Path, backend: DiskBackend) -> None:
+    """A page file corrupted on disk (a payload byte flipped): the load stops at that page, the
+    pages before it are exact, and every reference the groups took is let go."""
+    source = _kv(3)
+    tokens = _tokens(3)
+    await _on_disk(tmp_path, backend, tokens, source)
+    bad = 7
+    kv = _kv(4)
+    async with KVCache(_config(tmp_path, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        assert cache.disk is not None
+        _flip_payload(cache.disk.files.path(cache.keys(tokens)[bad]))
+        match = await cache.match(tokens)
+        target = torch.arange(N, 2 * N)
+        result = await cache.load(match, target)
+        assert (result.tokens, result.disk_pages) == (bad * T, bad)
+        assert torch.equal(kv[:, target[: bad * T]], source[:, : bad * T])
+        stats = cache.stats()
+        assert stats.errors["disk_read_failed"] == 1 and stats.errors["load_shortened"] == 1
+        assert cache.disk.statistics().corrupt == 1
+        await _quiescent(cache)
+
+
+def _flip_payload(path: str) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, 4096 + 5)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), 4096 + 5)
+    finally:
+        os.close(fd)
+
+
+def _take_free_pages(cache: KVCache, tag: int, fill: int) -> list[PageHandle]:
+    """Reserve every page the pool will give (free, or evictable) and fill it with ``fill``."""
+    pool = cache.pool
+    taken: list[PageHandle] = []
+    for i in range(POOL_PAGES):
+        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
+        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
+            break
+        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
+        taken.append(res.handle)
+    return taken
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_a_cancelled_load_never_frees_a_page_a_read_still_writes(tmp_path: Path, backend: DiskBackend) -> None:
+    """Cancel a load after 0, 1, 2, ... loop turns until one completes: right after each cancel
+    every pool page the pool will hand out is taken and overwritten; once all abandoned reads
+    ended none of them changed (a page under a read is still reserved by its group), and the
+    cache is quiescent."""
+    source = _kv(5)
+    tokens = _tokens(5)
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(6)
+    async with KVCache(_config(tmp_path, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        pool = cache.pool
+        step = 0
+        while True:
+            assert step < 2000, "the load never completed"
+            for key in cache.keys(tokens):  # every page from disk again
+                pool.table.discard(key)
+            match = await cache.match(tokens)
+            task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
+            for _ in range(step):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                fill = 1 + step % 250
+                taken = _take_free_pages(cache, step % 256, fill)
+                await cache.flush()  # every abandoned read and copy ended
+                for h in taken:
+                    assert bytes(pool.memory.page_view(pool.table.check(h))) == bytes([fill]) * LAYOUT.page_bytes
+                    pool.table.abort(h)
+                await _quiescent(cache)
+                step += 1
+                continue
+            assert result.tokens == N
+            assert torch.equal(kv[:, N : 2 * N], source[:, :N])
+            break
+        assert step > 0
+        await _quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_prefetch_reads_one_batch_per_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _kv(7)
+    tokens = _tokens(7)
+    await _on_disk(tmp_path, DiskBackend.AUTO, tokens, source)
+    async with KVCache(_config(tmp_path, DiskBackend.AUTO), LAYOUT, _kv(8)) as cache:
+        await cache.pool.wait_ready()
+        assert cache.disk is not None
+        sizes = _count_batches(cache.disk, monkeypatch)
+        fetched = await cache.prefetch(tokens)
+        assert (fetched.pool_pages, fetched.promoted) == (0, PAGES)
+        assert sizes == [GROUP, PAGES - GROUP]
+        again = await cache.prefetch(tokens)  # all in the pool now: nothing read
+        assert (again.pool_pages, again.promoted, len(sizes)) == (PAGES, 0, 2)
+        await _quiescent(cache)
