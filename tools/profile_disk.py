@@ -30,7 +30,11 @@ syscall). ``--async-data on|off`` forces the engine's IOSQE_ASYNC for page ops (
 ``--page-first on|off`` a write's page op before its header op, or after (A/B). ``--batch [N]``
 adds a third run to every unprofiled round: the tier reading in ``DiskTier.read_many`` batches of N
 pages (default: the queue depth), two batches in flight, writes as before (per-page vs batched
-alternated in one process, ratios to the same rounds' raw engine).
+alternated in one process, ratios to the same rounds' raw engine); the profiled run then reads
+in batches too. ``--load`` times
+``KVCache.load`` of the same pages from disk through the cache (a fresh cache per round, page cache
+dropped), its reads one page a group or in read groups (``aiokv.loadpath.READ_GROUP_BYTES``),
+alternated.
 
 Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
 loop turns only: ``... --page-mib 4 --depth 32 --repeats 0 --no-profile --turns-ms 1``.
@@ -58,9 +62,11 @@ from pathlib import Path
 
 import torch
 
+from aiokv import CacheConfig, KVCache, loadpath
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
+from aiokv.results import Match
 from aiokv.storage import DiskBackend, DiskConfig, DiskTier
 from aiokv.storage.backends import UringPageIO
 from aiokv.storage.pagefile import HEADER_BYTES
@@ -389,6 +395,54 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
     return phases
 
 
+async def load_rounds(directory: Path, backend: DiskBackend, page_mib: int, depth: int, total_mib: int,
+                      repeats: int) -> dict[str, list[Phase]]:
+    """``--load``: ``KVCache.load`` of a prefix whose pages are all on disk (a fresh cache, its pool
+    empty, page cache dropped), its disk pages read in groups (``aiokv.loadpath.READ_GROUP_BYTES``,
+    one ``read_many`` each) or one page a group; alternated ``repeats`` times. Process CPU of the
+    whole load: reads, promotions, the copies into a CPU KV buffer."""
+    layout = layout_for(page_mib)
+    count = max(depth, total_mib // page_mib)
+    tokens = list(range(1, count * layout.page_tokens + 1))
+    slots = torch.arange(len(tokens))
+    kv = torch.zeros(layout.num_layers, len(tokens), layout.rows, layout.head_dim, dtype=layout.dtype)
+    kv.view(torch.uint8).copy_(torch.randint(0, 256, kv.view(torch.uint8).shape, dtype=torch.uint8,
+                                             generator=torch.Generator().manual_seed(0)))
+    disk = DiskConfig(directory=directory, capacity_bytes=2 * count * (layout.page_bytes + HEADER_BYTES),
+                      backend=backend, queue_depth=depth, threads=depth)
+
+    def cache() -> KVCache:
+        return KVCache(CacheConfig(cpu_bytes=(count + 8) * layout.page_bytes, disk=disk, namespace="profile"),
+                       layout, kv)
+
+    async with cache() as writer:
+        await writer.pool.wait_ready()
+        await writer.offload(tokens, slots)
+        await writer.flush()
+    grouped = loadpath.READ_GROUP_BYTES
+    out: dict[str, list[Phase]] = {"load per page": [], "load in groups": []}
+    try:
+        for _ in range(repeats):
+            for name, group_bytes in (("load per page", 0), ("load in groups", grouped)):
+                loadpath.READ_GROUP_BYTES = group_bytes
+                async with cache() as reader:
+                    await reader.pool.wait_ready()
+                    assert reader.disk is not None
+                    await reader.disk.wait_registered()
+                    await asyncio.to_thread(drop_caches, directory)
+                    match = await reader.match(tokens)
+                    assert match.disk_pages == count, (match.disk_pages, count)
+
+                    async def load(reader: KVCache = reader, match: Match = match) -> None:
+                        result = await reader.load(match, slots)
+                        assert result.disk_pages == count
+
+                    out[name].append(await measured(name, count * layout.page_bytes, load, None))
+    finally:
+        loadpath.READ_GROUP_BYTES = grouped
+    return out
+
+
 async def measured(name: str, nbytes: int, job: Callable[[], Awaitable[None]],
                    prof: cProfile.Profile | None, turns: TurnSampler | None = None) -> Phase:
     """Run ``job`` on the loop thread, under ``prof`` and ``turns`` when given; its wall time and CPU."""
@@ -507,13 +561,24 @@ async def main_async(args: argparse.Namespace) -> int:
             for phase, sampler in samplers.items():
                 print(f"{head}: loop turns, {phase}")
                 print(sampler.report(args.top))
+        if args.load:
+            directory = await fresh(args.dir / f"{name}-load")
+            loads = await load_rounds(directory, backend, args.page_mib, depth, args.total_mib, args.repeats)
+            await asyncio.to_thread(shutil.rmtree, directory)
+            print(f"{head}: KVCache.load from disk, per page vs read groups alternated, median of {args.repeats}")
+            print(f"  {'phase':<15} {'GB/s':>6} {'loop':>7} {'process':>8}   (core-s/GB)")
+            for runs in loads.values():
+                p = median_phase(runs)
+                print(f"  {p.name:<15} {p.nbytes / p.wall_s / GB:6.2f} {p.per_gb(p.loop_user_s + p.loop_sys_s):7.3f} "
+                      f"{p.per_gb(p.proc_s):8.3f}")
         if args.no_profile:
             continue
         # Profiled: the loop thread's CPU clock, so time blocked in epoll or io_uring_enter is not
         # counted as the loop's cost.
         profiles = {kind: cProfile.Profile(time.thread_time) for kind in ("write", "read")}
         directory = await fresh(args.dir / f"{name}-prof")
-        await run(directory, backend, args.page_mib, depth, args.total_mib, profiles)
+        await run(directory, backend, args.page_mib, depth, args.total_mib, profiles,
+                  batch=0 if not args.batch else depth if args.batch < 0 else args.batch)
         await asyncio.to_thread(shutil.rmtree, directory)
         for kind, prof in profiles.items():
             for sort in ("cumulative", "tottime"):
@@ -544,6 +609,9 @@ def main() -> int:
     parser.add_argument("--page-first", choices=["auto", "on", "off"], default="auto",
                         help="a write's page op before its header op (A/B): the default, or forced")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
+    parser.add_argument("--load", action="store_true",
+                        help="also time KVCache.load of the pages from disk, its reads per page or in read groups "
+                             "(alternated, --repeats rounds)")
     parser.add_argument("--batch", type=int, nargs="?", const=-1, default=0,
                         help="also, in every round, a tier run whose reads go in DiskTier.read_many batches of "
                              "this many pages (no value: the queue depth), two batches in flight; printed next "
