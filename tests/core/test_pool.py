@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import stat
 import threading
 
 import pytest
 import torch
+from child_procs import fork_context
 
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageState, ReserveOutcome, StaleHandleError
@@ -57,7 +57,7 @@ def test_another_process_attaches_and_writes_a_page() -> None:
     with PagePool.create(LAYOUT, 4 * LAYOUT.page_bytes) as pool:
         pool.wait_ready_blocking()
         pool.pages.zero_()
-        proc = multiprocessing.get_context("spawn").Process(target=_attach_and_write, args=(pool.name, 2, 3.5))
+        proc = fork_context().Process(target=_attach_and_write, args=(pool.name, 2, 3.5))
         proc.start()
         proc.join(60)
         assert proc.exitcode == 0

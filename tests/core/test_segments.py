@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from child_procs import fork_context
 
 import aiokv.shm
 from aiokv.layout import KVLayout
@@ -23,7 +24,7 @@ from aiokv.segments import SegmentState, main, reclaim, reclaimable_bytes, scan
 from aiokv.shm import SHM_DIR, SharedSegment, process_start_ticks
 
 LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
-SPAWN = multiprocessing.get_context("spawn")
+CHILDREN = fork_context()
 
 
 @pytest.fixture
@@ -69,9 +70,9 @@ def _create_pool_and_wait(
 
 
 def _spawn_owner(prefix: str) -> tuple[multiprocessing.process.BaseProcess, str, multiprocessing.synchronize.Event]:
-    names: multiprocessing.queues.Queue[str] = SPAWN.Queue()
-    stop = SPAWN.Event()
-    child = SPAWN.Process(target=_create_pool_and_wait, args=(prefix, names, stop))
+    names: multiprocessing.queues.Queue[str] = CHILDREN.Queue()
+    stop = CHILDREN.Event()
+    child = CHILDREN.Process(target=_create_pool_and_wait, args=(prefix, names, stop))
     child.start()
     return child, names.get(timeout=120), stop
 

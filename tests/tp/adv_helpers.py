@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from child_procs import fork_context
 from tp_helpers import rank_kv, shm_mappings
 
 from aiokv.layout import KVLayout
@@ -207,7 +208,7 @@ class AdvRanks:
         self.address, self.layout, self.tp_size, self.slots, self.config = address, layout, tp_size, slots, config
         self.slow_s = slow_s
         """Each rank copy sleeps up to this long first (0: copies run at full speed)."""
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = fork_context()
         self.ranks: dict[int, Rank] = {}
         self.generation = [0] * tp_size
         self.dead: list[Rank] = []

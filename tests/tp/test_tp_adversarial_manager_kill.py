@@ -23,6 +23,7 @@ import pytest
 import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from child_procs import fork_context
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -101,7 +102,7 @@ def _state(name: str) -> SegmentState | None:
 @pytest.mark.asyncio
 async def test_a_killed_manager_is_replaced_and_live_ranks_serve_the_new_one(tmp_path: Path,
                                                                              procs_left: list[object]) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()
     parent, child = ctx.Pipe()
     sock, disk = tmp_path / "sock", tmp_path / "disk"
     manager = ctx.Process(target=manager_main, args=(child, os.fspath(disk), os.fspath(sock)), daemon=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import os
 import signal
 from pathlib import Path
 
 import pytest
 from adv_helpers import START_S, AdvRanks, rank_prefix_kv
+from child_procs import fork_context
 from test_tp_adversarial_manager_kill import (
     LAYOUT,
     NUM_SLOTS,
@@ -43,7 +43,7 @@ __all__ = ["procs_left"]
 async def test_a_killed_managers_segment_is_reclaimed_once_its_ranks_let_it_go(
     tmp_path: Path, procs_left: list[object]
 ) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()
     parent, child = ctx.Pipe()
     sock, disk = tmp_path / "sock", tmp_path / "disk"
     manager = ctx.Process(target=manager_main, args=(child, os.fspath(disk), os.fspath(sock)), daemon=True)

@@ -11,12 +11,12 @@ counts it in ``attach_failures``, and the other ranks (and a proper replacement)
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from child_procs import fork_context
 from short_rank import refused_rank_main
 from tp_helpers import CONFIG, SLOTS, RankProcesses, full_kv, new_pool, rank_kv
 
@@ -90,7 +90,7 @@ async def test_a_rank_process_with_fewer_slots_is_refused_and_the_group_serves_w
     target = torch.arange(n)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = fork_context()
         parent, child = ctx.Pipe(duplex=False)
         short = ctx.Process(target=refused_rank_main, args=(child, cache.address, 0, 2, LAYOUT, SLOTS // 2, CONFIG),
                             daemon=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from child_procs import fork_context
 
 from aiokv.layout import KVKind, KVLayout, TPSlice
 from aiokv.pagetable import PageHandle, ReserveOutcome
@@ -215,7 +216,7 @@ class RankProcesses:
         self.tp_size = tp_size
         self.seed = seed
         self.fill = fill
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = fork_context()  # CUDA-free server: ranks on a GPU initialise CUDA themselves
         self.procs: dict[int, BaseProcess] = {}
         self.ctrl: dict[int, multiprocessing.connection.Connection] = {}
         self.gates: dict[int, Any] = {r: self._ctx.Semaphore(0) for r in range(tp_size)} if gated else {}
