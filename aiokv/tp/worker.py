@@ -205,9 +205,11 @@ class RankWorker:
         self._bridge = CompletionBridge()
         delay = 0.0
         try:
+            loop = asyncio.get_running_loop()
             while not self._closing:
                 attached = False
-                self._session_task = asyncio.get_running_loop().create_task(self._session())
+                began = loop.time()
+                self._session_task = loop.create_task(self._session())
                 try:
                     attached = await self._session_task
                 except asyncio.CancelledError:
@@ -224,8 +226,13 @@ class RankWorker:
                     log.warning("rank %d: session ended: %s: %s", self.tp.rank, type(exc).__name__, exc)
                 finally:
                     self._session_task = None
-                delay = 0.0 if attached else min(max(2 * delay, self.config.reconnect_initial_s),
-                                                 self.config.reconnect_max_s)
+                # At once after a session that lasted (a manager restarted); backing off after one
+                # that attached and ended at once, as after a failed one: a manager (or whoever
+                # listens there) that accepts and drops every session would have the rank map the
+                # pool and scan /dev/shm in a tight loop.
+                lasted = attached and loop.time() - began >= self.config.reconnect_max_s
+                delay = 0.0 if lasted else min(max(2 * delay, self.config.reconnect_initial_s),
+                                               self.config.reconnect_max_s)
                 if delay and not self._closing:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(delay):
