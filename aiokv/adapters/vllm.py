@@ -180,8 +180,16 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             from vllm.v1.kv_offload.base import Locality
 
             self.locality = Locality(locality)
+        events_on = enable_kv_events and bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        if enable_kv_events and not events_on:
+            log.warning("aiokv tier: enable_kv_events is set but vLLM's KV cache events are off")
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         self._chunk_bytes = self.block_size_bytes
+        # Checked before the store starts: a view the rows cannot be cut from failed only once the
+        # store had started, and the failed tier kept its thread, staging pool and directory lock.
+        if not primary_kv_view.c_contiguous or primary_kv_view.nbytes != num_chunks * self._chunk_bytes:
+            raise ValueError(f"primary_kv_view must be C-contiguous rows of {self._chunk_bytes} bytes (its stride), "
+                             f"got shape {primary_kv_view.shape}, strides {primary_kv_view.strides}")
         # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
         # mapped while anything exports it, and the exception's frames would keep these alive).
         self._store = PageFileStore(config, "vllm", spec_facts(offloading_spec, self._chunk_bytes), self._chunk_bytes)
@@ -218,12 +226,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         # orders them (a store, a load attempt and a touch make a page the most recent in both),
         # so that pages it evicts are found at the front. Loop only.
         self._mirror: collections.OrderedDict[bytes, OffloadKey] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self._events = []
-                self._mirror = collections.OrderedDict()
-            else:
-                log.warning("aiokv tier: enable_kv_events is set but vLLM's KV cache events are off")
+        if events_on:
+            self._events = []
+            self._mirror = collections.OrderedDict()
         log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
 
     # -- lookups --------------------------------------------------------------------------------
