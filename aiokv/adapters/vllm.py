@@ -282,8 +282,12 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                     hits = [False] * len(keys)
                 self._answers.append(list(zip(keys, hits, strict=True)))
 
+            try:
+                store.thread.post_call(look_up)
+            except LoopDied:  # died since the check: the keys stay asked, and _reap answers them MISS
+                self._reap()
+                return
             self._lookups_out += 1
-            store.thread.post_call(look_up)
         if self._store.config.idle_poll_s == 0:
             self._store.thread.wake()
 
@@ -344,7 +348,10 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             if mirror is not None:
                 _move_to_end(mirror, page_keys)
 
-        store.thread.post_call(touch)
+        try:
+            store.thread.post_call(touch)
+        except LoopDied:  # died since the check: nothing left to touch (reads miss from now on)
+            self._reap()
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs finished since the last call (never blocks). A load that got some of its keys
@@ -434,7 +441,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             self._snapshot_asked = False
         if not self._snapshot_asked:
             store, snapshots = self._store, self._snapshots
-            store.thread.post_call(lambda: snapshots.append(store.statistics()))
+            try:
+                store.thread.post_call(lambda: snapshots.append(store.statistics()))
+            except LoopDied:  # died since the check: no more figures
+                self._reap()
+                return None
             self._snapshot_asked = True
         if latest is None:
             return None
