@@ -25,7 +25,7 @@ from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
 from aiokv.results import Tier
 from aiokv.storage import DiskTier
-from aiokv.transfers import Transfers
+from aiokv.transfers import CopyWithdrawn, Transfers
 
 log = logging.getLogger("aiokv.cache")
 
@@ -172,7 +172,7 @@ class ManagerBase:
 
     def release_after(self, future: asyncio.Future[None], handles: list[PageHandle]) -> None:
         """Release the references ``handles`` once ``future`` (a load copy its caller abandoned,
-        possibly still running) completes; a failure of it is retrieved, never raised.
+        possibly still running) completes; a failure of it is counted (``copy_failed``), never raised.
         ``flush``/``aclose`` wait for it (:meth:`track`)."""
         self._after(future, handles, commit=None)
 
@@ -181,8 +181,11 @@ class ManagerBase:
         pool = self.pool
 
         def finish() -> None:
-            if not future.cancelled():
-                future.exception()  # retrieved: a failed abandoned copy is only counted
+            error = None if future.cancelled() else future.exception()
+            if error is not None and not isinstance(error, CopyWithdrawn):
+                # A fault as for a caller that waits (the close withdrawing a copy is not one):
+                # nothing else looks at how an abandoned copy ended.
+                self.faults.record("copy_failed", f"a copy its caller abandoned failed: {error!r}")
             if commit is None:
                 pool.table.release_all(handles, skip_released=True)
                 return
