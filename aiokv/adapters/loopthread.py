@@ -355,6 +355,14 @@ class LoopThread:
                 raise LoopDied(f"aiokv loop thread died: {exc!r}") from exc
             raise
 
+    def wait_answered(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every future :meth:`submit` / :meth:`call` handed out
+        so far is answered (from any thread but the loop's); True when they all are. Lets an owner
+        stop the loop only once the calls other threads wait on have ended: :meth:`close` cancels
+        what still runs, and their callers get ``CancelledError`` instead of an answer."""
+        _, pending = concurrent.futures.wait(list(self._waiting), timeout=timeout)
+        return not pending
+
     def close(self) -> None:
         """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
         posted work never picked up is dropped (coroutines closed unstarted). After the loop died

@@ -29,6 +29,7 @@ MLA pages carry no TP rank: the ranks share their directory, one writing, all re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import dataclasses
 import itertools
@@ -57,7 +58,7 @@ _KV = "kv"  # SGLang's PoolName.KV
 
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _STORE_KEYS = ("disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
-               "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s")
+               "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s", "close_timeout")
 
 
 def _memory(address: int, size: int) -> torch.Tensor:
@@ -105,8 +106,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     ``StorageBackendFactory`` for the ``dynamic`` backend.
 
     Options in the extra config besides the factory's: ``disk_dir``, ``disk_bytes``, ``namespace``,
-    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages``, ``zero_copy``, and for MLA
-    with TP > 1 ``writer_wait_s`` / ``reader_refresh_s`` (see the README and ``StoreConfig``).
+    ``disk_backend``, ``direct_io``, ``queue_depth``, ``staging_pages``, ``zero_copy``,
+    ``close_timeout`` (the bound of :meth:`close` and :meth:`clear` on disk I/O stuck in the
+    kernel, 30 s), and for MLA with TP > 1 ``writer_wait_s`` / ``reader_refresh_s`` (see the
+    README and ``StoreConfig``).
 
     MLA with TP > 1: MLA pages are the same on every rank, so every rank's backend serves one
     directory; SGLang's storage writer (``is_storage_writer``) writes it, the others read it and
@@ -475,15 +478,22 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._close_pools()
 
     def _close_pools(self) -> None:
+        stores = [pool.store for pool in self._pools.values() if pool.store is not None]
         try:
-            for pool in self._pools.values():
-                if pool.store is not None:
-                    pool.store.close()
+            for store in stores:
+                store.close()
         finally:
             self._pools.clear()
-            if self._thread is not None:
-                self._thread.close()
-                self._thread = None
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                if any(store.io_stuck for store in stores):
+                    _stop_after_io(thread, stores)
+                else:
+                    # Calls of other threads still in flight end at once on the closed stores (reads
+                    # miss, writes are refused): let them answer before the loop stops, which would
+                    # cancel them under their callers.
+                    thread.wait_answered(self.config.close_timeout)
+                    thread.close()
 
     def statistics(self, pool: str = _KV) -> Mapping[str, object]:
         """The disk tier's statistics of one pool's files (for tests and tools); empty before they opened."""
@@ -540,6 +550,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         except LoopDied:
             log.error("aiokv backend: the loop thread died; every transfer fails")
             return [[False] * len(move.keys) for move in moves]
+        except concurrent.futures.CancelledError:  # close() stopped the loop under it (its I/O ended first)
+            log.error("aiokv backend: closed during a transfer; it fails")
+            return [[False] * len(move.keys) for move in moves]
         for move, ok in zip(moves, results, strict=True):
             if move.flat_targets is None:
                 continue
@@ -547,6 +560,24 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 if hit:
                     move.host.set_from_flat_data_page(index, page[0])
         return results
+
+
+def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
+    """Stop the pools' loop thread once the disk I/O their closes left stuck in the kernel ended
+    (a hung file system) and their staging pools are freed, without waiting for that here: joining
+    it kept :meth:`AiokvHiCacheStorage.close` waiting for as long as the disk hung, past
+    ``close_timeout``. A call still waiting on such I/O gets its answer once it ended."""
+
+    async def settled() -> None:
+        await asyncio.gather(*(store.wait_io_settled() for store in stores))
+
+    def stop(_: object) -> None:  # on the loop thread, which must not join itself
+        threading.Thread(target=thread.close, name="aiokv-sglang-stop", daemon=True).start()
+
+    try:
+        thread.submit(settled()).add_done_callback(stop)
+    except RuntimeError:  # LoopDied too: it ended meanwhile, nothing runs there any more
+        thread.close()
 
 
 def _opened(pool: _Pool) -> PageFileStore:

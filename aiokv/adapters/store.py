@@ -343,6 +343,7 @@ class PageFileStore:
         """Calls of :meth:`clear` that returned False after ``close_timeout`` with the clear still
         running (disk I/O stuck in the kernel): it ends once that I/O did."""
         self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
+        self._stuck_io: asyncio.Future[None] | None = None  # close() left disk I/O stuck: resolves when it ended
         self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
         self._retired: list[DiskTier] = []  # tiers a rescan replaced whose close did not end in time
         self._rescans: set[asyncio.Task[None]] = set()  # a reader's rescans in flight (close() stops them)
@@ -780,7 +781,7 @@ class PageFileStore:
         self._closed = True
         stuck: asyncio.Future[None] | None = None
         try:
-            stuck = self.thread.run(self._close())
+            stuck = self._stuck_io = self.thread.run(self._close())
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
@@ -810,6 +811,20 @@ class PageFileStore:
         await asyncio.wait({io_ended})
         if self._pool is not None:
             await self._pool.wait_freed()
+
+    @property
+    def io_stuck(self) -> bool:
+        """True when :meth:`close` returned with disk I/O still stuck in the kernel (see
+        :meth:`wait_io_settled`)."""
+        return self._stuck_io is not None
+
+    async def wait_io_settled(self) -> None:
+        """After :meth:`close`: wait until no disk I/O of this store touches memory any more and its
+        staging pool is freed (at once unless the close left I/O stuck). The owner of a shared loop
+        thread stops it only then: a loop stopped earlier cancels the stuck work, whose close then
+        never frees the pool. Loop only."""
+        if self._stuck_io is not None:
+            await self._pool_freed(self._stuck_io)
 
     async def _stop_registering(self) -> None:
         for task in self._registering:
