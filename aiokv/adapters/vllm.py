@@ -137,7 +137,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     pages stored, pages a load found gone, and pages evicted for room; only where vLLM publishes
     KV events),
     ``zero_copy`` (default true: chunks move straight between vLLM's region, registered with
-    io_uring, and their files; false: through staging pages). Raises
+    io_uring, and their files; false: through staging pages), ``close_timeout`` (30 s: how long
+    :meth:`shutdown` waits for transfers in flight before it raises). Raises
     ``TypeError``/``ValueError`` for a wrong option and ``OSError`` when the directory cannot be used.
     """
 
@@ -163,6 +164,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         locality: str | None = None,
         enable_kv_events: bool = False,
         zero_copy: bool = _DEFAULT["zero_copy"],
+        close_timeout: float = _DEFAULT["close_timeout"],
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(enable_kv_events, bool):
@@ -170,7 +172,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         options: dict[str, object] = {"namespace": namespace, "disk_backend": disk_backend,
                                       "direct_io": direct_io, "queue_depth": queue_depth,
                                       "staging_pages": staging_pages, "poll_s": poll_s, "linger_s": linger_s,
-                                      "idle_poll_s": idle_poll_s, "zero_copy": zero_copy}
+                                      "idle_poll_s": idle_poll_s, "zero_copy": zero_copy,
+                                      "close_timeout": close_timeout}
         if disk_dir is not None:
             options["disk_dir"] = disk_dir
         if disk_bytes is not None:
@@ -402,10 +405,25 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def shutdown(self) -> None:
         """Drain, close the disk tier and its thread, and let go of vLLM's region (vLLM unmaps it
-        next and keeps it mapped while anything still exports it). Idempotent."""
+        next and keeps it mapped while anything still exports it). Idempotent.
+
+        The drain waits ``close_timeout`` at most: transfers still in flight then (disk I/O stuck in
+        the kernel: a hung file system) may still read or write vLLM's region, so this raises
+        ``RuntimeError`` holding on to it, and vLLM, whose shutdown re-raises a tier's failure, keeps
+        the region mapped (its contract for a tier that failed to shut down). Call again once they
+        ended. A dead loop thread's work is waited for as by :meth:`drain_jobs`."""
         if self._shut:
             return
-        self.drain_jobs()
+        if not self._reap(wait=True):
+            try:
+                self._store.thread.quiesce(self._store.config.close_timeout)
+            except LoopDied:
+                self._reap(wait=True)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"aiokv tier: transfers of vLLM's region still in flight after close_timeout "
+                    f"({self._store.config.close_timeout} s): disk I/O stuck in the kernel? The region must stay "
+                    "mapped until they end; shut the tier down again then") from None
         self._shut = True
         self._store.close()
         self._region = torch.empty(0, dtype=torch.uint8)
