@@ -173,6 +173,13 @@ class LoopThread:
         was running has ended (cancelled), and hand-overs raise ``LoopDied``."""
         return self.died is not None and not self._thread.is_alive()
 
+    def wait_ended(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a loop that died to finish ending (its work cancelled:
+        a cancelled transfer waits for its I/O); True once its thread is gone. From any thread but
+        the loop's."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def add_finalizer(self, finalizer: Callable[[], Coroutine[Any, Any, object]]) -> None:
         """Run ``finalizer()`` on the loop, after the work in flight was cancelled, if the loop
         ever ends without :meth:`close` (e.g. close a disk tier whose owner can no longer reach it)."""

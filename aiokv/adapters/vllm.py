@@ -411,23 +411,31 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         the kernel: a hung file system) may still read or write vLLM's region, so this raises
         ``RuntimeError`` holding on to it, and vLLM, whose shutdown re-raises a tier's failure, keeps
         the region mapped (its contract for a tier that failed to shut down). Call again once they
-        ended. A dead loop thread's work is waited for as by :meth:`drain_jobs`."""
+        ended. A loop thread that died is waited for as long (its end cancels the transfers in
+        flight, each waiting for its I/O), then its jobs are reported failed."""
         if self._shut:
             return
-        if not self._reap(wait=True):
+        thread, bound = self._store.thread, self._store.config.close_timeout
+        if thread.died is None:
             try:
-                self._store.thread.quiesce(self._store.config.close_timeout)
+                thread.quiesce(bound)
             except LoopDied:
-                self._reap(wait=True)
+                pass  # died meanwhile: waited for below
             except TimeoutError:
-                raise RuntimeError(
-                    f"aiokv tier: transfers of vLLM's region still in flight after close_timeout "
-                    f"({self._store.config.close_timeout} s): disk I/O stuck in the kernel? The region must stay "
-                    "mapped until they end; shut the tier down again then") from None
+                raise self._still_moving("transfers of vLLM's region are still in flight") from None
+        if thread.died is not None:
+            if not thread.wait_ended(bound):
+                raise self._still_moving("the loop thread that died is still cancelling transfers of vLLM's region")
+            self._reap(wait=True)  # answers for its jobs
         self._shut = True
         self._store.close()
         self._region = torch.empty(0, dtype=torch.uint8)
         self._bytes_view.release()
+
+    def _still_moving(self, what: str) -> RuntimeError:
+        return RuntimeError(f"aiokv tier: {what} after close_timeout ({self._store.config.close_timeout} s): disk "
+                            "I/O stuck in the kernel? The region must stay mapped until it ends; shut the tier down "
+                            "again then")
 
     def config_info(self) -> ConfigInfoMapping:
         return {"aiokv_namespace": self._store.config.namespace, "aiokv_dir": str(self._store.directory)}

@@ -110,3 +110,63 @@ def test_close_timeout_is_an_option_of_both_engines(tmp_path: Path) -> None:
         assert backend.config.close_timeout == 2.5
     finally:
         backend.close()
+
+
+def _die() -> None:
+    raise SystemExit("injected: the loop thread ends")
+
+
+@pytest.mark.root
+def test_shutdown_after_the_loop_died_with_a_read_held_keeps_its_bound(tmp_path: Path) -> None:
+    """The loop thread dies (a SystemExit let out on it) while a promotion's read is held in the
+    kernel: its end cancels the job, which waits for the read before it lets go of vLLM's chunk.
+    vLLM's shutdown joined that dying thread without a bound; now it raises after close_timeout,
+    holding the region, and goes through once the read ended."""
+    with gated_ext4(tmp_path, 320) as (mount, gate):
+        manager = make_manager(mount / "kv", cpu_chunks=8, options={"close_timeout": CLOSE_S, "direct_io": True})
+        tier = tier_of(manager)
+        thread = tier._store.thread
+        done = threading.Event()
+        outcome: list[BaseException | None] = []
+        try:
+            keys = keys_of("held", 2)
+            store(manager, "r1", keys, [1, 2])
+            store(manager, "r2", keys_of("evictor", 8), range(100, 108))
+            ctx = ReqContext(req_id="r3")
+            with manager.lock:
+                manager.on_new_request(ctx)
+                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
+            step(manager)
+            with manager.lock:
+                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 2
+            gate.hold()
+            with manager.lock:
+                manager.on_schedule_end(STEP)
+            gate.wait_held()
+            thread.loop.call_soon_threadsafe(_die)
+            pause, deadline = threading.Event(), time.monotonic() + BOUND_S
+            while thread.died is None:  # set as the loop ends, before its work is cancelled
+                assert time.monotonic() < deadline, "the loop did not die"
+                pause.wait(0.001)
+
+            def shut() -> None:
+                try:
+                    manager.shutdown()
+                    outcome.append(None)
+                except BaseException as exc:
+                    outcome.append(exc)
+                finally:
+                    done.set()
+
+            threading.Thread(target=shut, name="vllm-shutdown", daemon=True).start()
+            assert done.wait(CLOSE_S + MARGIN_S), "vLLM's shutdown hangs on a dying loop whose read is held"
+            (error,) = outcome
+            assert isinstance(error, RuntimeError), error
+            assert tier._bytes_view.nbytes == 8 * CHUNK_BYTES  # still held: the read may land in it
+            gate.release()
+            thread._thread.join(BOUND_S)
+            assert thread.dead
+        finally:
+            gate.release()
+            done.wait(BOUND_S)
+            manager.shutdown()
