@@ -486,7 +486,13 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._pools.clear()
             thread, self._thread = self._thread, None
             if thread is not None:
-                if any(store.io_stuck for store in stores):
+                if thread.died is not None:
+                    # Its end cancels the calls in flight, each waiting for its I/O (a hung file
+                    # system), and closes the stores (finalizers): it ends by itself; joined only
+                    # within the bound (close() waited for as long as the disk hung).
+                    if thread.wait_ended(self.config.close_timeout):
+                        thread.close()
+                elif any(store.io_stuck for store in stores):
                     _stop_after_io(thread, stores)
                 else:
                     # Calls of other threads still in flight end at once on the closed stores (reads

@@ -134,3 +134,51 @@ def _get(backend: Any) -> Any:
         return backend.batch_get_v1(["a", "b"], sglang_helpers.indices([4, 5]))
     except BaseException as exc:  # what reached SGLang's thread
         return exc
+
+
+def _die() -> None:
+    raise SystemExit("injected: the loop thread ends")
+
+
+@pytest.mark.root
+def test_close_after_the_loop_died_with_a_read_held_keeps_close_timeout(tmp_path: Path) -> None:
+    """The loop thread dies (a SystemExit let out on it) while a ``batch_get_v1`` read is held in the
+    kernel: its end waits for that read. ``close()`` then joined the dying thread without a bound;
+    now it returns after ``close_timeout`` and the thread ends by itself once the read did. The
+    waiting call answers False for each key, only after its read ended."""
+    h = sglang_helpers
+    with gated_ext4(tmp_path, 320) as (mount, gate):
+        pool = h.host_pool(8)
+        h.fill(pool, 0, seed=5)
+        h.fill(pool, 1, seed=6)
+        made: list[Any] = []
+        backend = h.attach(made, mount / "kv", pool, True, options={"close_timeout": CLOSE_S, "direct_io": True})
+        answers: list[Any] = []
+        reading = threading.Thread(target=lambda: answers.append(_get(backend)), name="sglang-prefetch", daemon=True)
+        try:
+            assert backend.batch_set_v1(["a", "b"], h.indices([0, 1])) == [True, True]
+            loop_thread = backend._loop()
+            gate.hold()
+            reading.start()
+            gate.wait_held()
+            loop_thread.loop.call_soon_threadsafe(_die)
+            pause, deadline = threading.Event(), time.monotonic() + BOUND_S
+            while loop_thread.died is None:
+                assert time.monotonic() < deadline, "the loop did not die"
+                pause.wait(0.001)
+            began = time.monotonic()
+            closing = threading.Thread(target=backend.close, name="sglang-detach", daemon=True)
+            closing.start()
+            closing.join(CLOSE_S + MARGIN_S)
+            assert not closing.is_alive(), "close() hangs on a dying loop whose read is held in the kernel"
+            assert time.monotonic() - began < CLOSE_S + MARGIN_S
+            assert reading.is_alive(), "the call returned while its read may still land in the host pool"
+            gate.release()
+            reading.join(BOUND_S)
+            assert loop_thread.wait_ended(BOUND_S)
+            assert answers == [[False, False]]
+        finally:
+            gate.release()
+            if reading.ident is not None:
+                reading.join(BOUND_S)
+            backend.close()
