@@ -779,6 +779,7 @@ class PageFileStore:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self.config.close_timeout
         stuck: asyncio.Future[None] | None = None
         try:
             stuck = self._stuck_io = self.thread.run(self._close())
@@ -786,8 +787,11 @@ class PageFileStore:
             pass  # the dying thread closed them (finalizer)
         finally:
             self._regions.clear()  # the engine's memory is its own again
-            if self._check is not None:
-                self._check.join()  # its layout directory descriptor closed
+            # Its layout directory descriptor closed; a look stuck in the kernel (a hung file
+            # system) is not waited for past the bound: it only looks, and ends by itself.
+            if self._check is not None and not self._check.join(max(0.0, deadline - time.monotonic())):
+                log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
+                          "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread:
                 if stuck is None:
                     self.thread.close()

@@ -228,10 +228,13 @@ class ReaderCheck:
                 self._stopped = True
                 self._jobs.put(None)
 
-    def join(self) -> None:
-        """:meth:`stop`, then wait for the worker to end (its jobs are a few system calls each)."""
+    def join(self, timeout: float | None = None) -> bool:
+        """:meth:`stop`, then wait for the worker to end (its jobs are a few system calls each), up to
+        ``timeout`` seconds (None: no bound); True once it ended. A worker stuck in the kernel (a
+        hung file system) ends by itself when its look returns, closing its descriptor then."""
         self.stop()
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _put(self, job: Callable[[], None]) -> bool:
         with self._lock:
