@@ -8,6 +8,7 @@ live manager still answers on is an error.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -15,6 +16,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 SOCKET_NAME = "manager.sock"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
@@ -98,6 +100,20 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     return pid, uid
+
+
+def transport_peer(transport: asyncio.BaseTransport) -> tuple[int, int]:
+    """:func:`peer_credentials` of a transport's socket; ``(0, this user)`` for a transport without
+    one (tests' fakes)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0, os.getuid()
+    return peer_credentials(cast(socket.socket, sock))
+
+
+def trusted_peer(uid: int) -> bool:
+    """The rule both ends apply before anything is sent: the peer is this user or root."""
+    return uid in (os.getuid(), 0)
 
 
 def remove_endpoint(endpoint: Endpoint, inode: int | None) -> None:

@@ -23,7 +23,6 @@ import enum
 import logging
 import os
 import secrets
-import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import cast
 from aiokv.layout import KVLayout, TPSlice
 
 from .config import TPConfig
-from .endpoint import Endpoint, clear_stale_socket, peer_credentials, private_directory, remove_endpoint
+from .endpoint import Endpoint, clear_stale_socket, private_directory, remove_endpoint, transport_peer, trusted_peer
 from .jobs import Job, JobStatistics, JobTable, RankFailure
 from .room import RoomQueue
 from .specs import Direction, IntArrayLike, TransferSpec
@@ -568,7 +567,7 @@ class RankGroup:
 
     def _on_hello(self, link: _RankLink, hello: Hello) -> None:
         assert link.transport is not None
-        link.pid, uid = _peer(link.transport)
+        link.pid, uid = transport_peer(link.transport)
         refusal = self._check_hello(hello, uid)
         if refusal is not None:
             self._refused += 1
@@ -618,7 +617,7 @@ class RankGroup:
             link.transport.abort()
 
     def _check_hello(self, hello: Hello, uid: int) -> Refuse | None:
-        if uid not in (os.getuid(), 0):
+        if not trusted_peer(uid):
             return Refuse(RefuseReason.PEER, f"peer uid {uid} is not this manager's user")
         if hello.version != PROTOCOL_VERSION:
             return Refuse(
@@ -741,9 +740,3 @@ class _RankLink(asyncio.Protocol):
         self.group._drop(self)
         self.closed.set_result(None)
 
-
-def _peer(transport: asyncio.BaseTransport) -> tuple[int, int]:
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0, os.getuid()  # a transport without a socket (tests' fakes): same user
-    return peer_credentials(cast(socket.socket, sock))

@@ -28,7 +28,6 @@ import contextlib
 import functools
 import logging
 import os
-import socket
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from aiokv.reclaim import reclaim
 
 from .cancels import Cancels
 from .config import TPConfig
-from .endpoint import peer_credentials
+from .endpoint import transport_peer, trusted_peer
 from .executor import RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
 from .rankwarm import RankWarmUp
@@ -676,11 +675,8 @@ def _check_manager(transport: asyncio.BaseTransport) -> None:
     made while its workers keep reconnecting to the path; another user who then listened there got
     this rank's hello and could name the pool it attached and have it run specs (the engine's KV
     copied into that user's memory, or that user's bytes into the engine's KV)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return  # a transport without a socket (tests' fakes)
-    pid, uid = peer_credentials(cast(socket.socket, sock))
-    if uid not in (os.getuid(), 0):
+    pid, uid = transport_peer(transport)
+    if not trusted_peer(uid):
         raise _Stranger(f"the process listening at the manager's address (pid {pid}) belongs to uid {uid}, "
                         f"not to this user ({os.getuid()}): nothing sent")
 
