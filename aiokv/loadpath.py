@@ -212,7 +212,7 @@ class LoadPath(ManagerBase):
             for copy, held, _ in copies:
                 self._after(copy.future, held, commit=None)
             for task in promotions[consumed:]:
-                self._adopt_group(task)
+                self._adopt(task)
             raise
         measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
@@ -230,7 +230,7 @@ class LoadPath(ManagerBase):
         for _, held, _ in copies:
             self._release_handles(held)
         for task in promotions[consumed:]:
-            self._adopt_group(task)
+            self._adopt(task)
         pool_loaded, disk_loaded = loaded[Tier.POOL], loaded[Tier.DISK]
         end = max((first + pool_loaded + disk_loaded) * t, from_token)
         self.count_loaded(pool_loaded, disk_loaded)
@@ -314,23 +314,15 @@ class LoadPath(ManagerBase):
         ``flush``/``aclose`` wait for it."""
         self._adopt(task)
 
-    def _adopt(self, task: asyncio.Future[Promotion | NoPage]) -> None:
-        """Let a promotion nobody waits for finish in the background, then drop its reference."""
+    def _adopt(self, task: asyncio.Future[Promotion | NoPage] | asyncio.Future[list[Promotion | NoPage]]) -> None:
+        """Let a promotion (or a read group's, :meth:`_promote_group`) nobody waits for finish in
+        the background, then drop every reference it brought."""
 
         def finish() -> None:
             if not task.cancelled() and task.exception() is None:
-                promoted = task.result()
-                if isinstance(promoted, Promotion):
-                    self._release_handles([promoted.handle])
-
-        self.track(task, finish)
-
-    def _adopt_group(self, task: asyncio.Future[list[Promotion | NoPage]]) -> None:
-        """:meth:`_adopt` for a read group's task (:meth:`_promote_group`): every reference it brings is dropped."""
-
-        def finish() -> None:
-            if not task.cancelled() and task.exception() is None:
-                self._release_handles([p.handle for p in task.result() if isinstance(p, Promotion)])
+                result = task.result()
+                promoted = result if isinstance(result, list) else [result]
+                self._release_handles([p.handle for p in promoted if isinstance(p, Promotion)])
 
         self.track(task, finish)
 
@@ -500,7 +492,7 @@ class LoadPath(ManagerBase):
             groups = await asyncio.shield(asyncio.gather(*tasks))
         except asyncio.CancelledError:
             for task in tasks:
-                self._adopt_group(task)
+                self._adopt(task)
             raise
         promotions = [p for group in groups for p in group]
         promoted = 0
