@@ -6,10 +6,6 @@ fail, and the tier still shuts down within a bound. Root only (a loop-mounted ex
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
-import struct
 import sys
 import time
 from pathlib import Path
@@ -26,26 +22,13 @@ from vllm_helpers import CHUNK_BYTES, keys_of, make_manager, on_disk, step, stor
 from aiokv.storage import ErrorKind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
-from fs_helpers import loop_ext4
+from fs_helpers import loop_ext4, shut_down_ext4
 
 pytestmark = pytest.mark.root
 
-EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
-EXT4_GOING_FLAGS_NOLOGFLUSH = 0x2
 SHUTDOWN_BOUND_S = 10.0
 
 
-def _shut_down(mount: Path) -> None:
-    """Every later operation on the file system fails with EIO."""
-    fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
-    except OSError as exc:
-        if exc.errno in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EPERM):
-            pytest.skip(f"ext4 shutdown not possible here: {exc}")
-        raise
-    finally:
-        os.close(fd)
 
 
 def _region(manager: object) -> list[bytes]:
@@ -86,7 +69,7 @@ def test_vllm_promotions_over_a_disk_failing_with_eio_fail_and_change_no_other_c
             step(manager)
             with manager.lock:  # vLLM reserves CPU chunks for the promotion
                 assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 3
-            _shut_down(mount)
+            shut_down_ext4(mount)
             before = _region(manager)
             step(manager)  # submit_load, drained: every read fails with EIO
             with manager.lock:
@@ -125,7 +108,7 @@ def test_sglang_reads_over_a_disk_failing_with_eio_miss_and_change_no_other_page
             keys = ["a", "b", "c"]
             assert backend.batch_set_v1(keys, sglang_helpers.indices([0, 1, 2])) == [True] * 3
             assert backend.batch_exists(keys) == 3
-            _shut_down(mount)
+            shut_down_ext4(mount)
             before = [sglang_helpers.page(pool, p) for p in range(8)]
             assert backend.batch_get_v1(keys, sglang_helpers.indices([4, 5, 6])) == [False] * 3
             after = [sglang_helpers.page(pool, p) for p in range(8)]

@@ -5,16 +5,13 @@ slot's fixed-file entry is left empty for the next chain."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 from disk_helpers import assert_clean, config, fill, key_of, payload, reserve
-from fs_helpers import loop_ext4
+from fs_helpers import loop_ext4, shut_down_ext4
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -22,21 +19,8 @@ from aiokv.storage import DiskBackend, DiskTier, ErrorKind
 from aiokv.storage.backends import UringPageIO
 
 URING = [DiskBackend.URING_FIXED, DiskBackend.URING]
-EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
-EXT4_GOING_FLAGS_NOLOGFLUSH = 0x2
 
 
-def _shutdown(mount: Path) -> None:
-    """Every later operation on the file system fails with EIO (what a dying disk looks like)."""
-    fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
-    except OSError as exc:
-        if exc.errno in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EPERM):
-            pytest.skip(f"ext4 shutdown not possible here: {exc}")
-        raise
-    finally:
-        os.close(fd)
 
 
 def _cold(tier: DiskTier) -> UringPageIO:
@@ -66,7 +50,7 @@ async def test_a_real_eio_is_a_counted_miss(tmp_path: Path, backend: DiskBackend
                 h = fill(pool, key_of(i), i)
                 assert await tier.write(key_of(i), h)
                 pool.table.release(h)
-            _shutdown(mount)
+            shut_down_ext4(mount)
             for i in range(3):
                 ok, _ = await _load(tier, pool, i)
                 assert not ok
