@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,26 @@ MARGIN_S = 3.0
 BOUND_S = 30.0
 
 
+def _hold_a_promotion(manager: Any, gate: Any) -> tuple[list[Any], Any]:
+    """Two chunks stored, pushed out of vLLM's CPU tier, looked up again: their promotion's reads
+    reach the gated file system and wait there. Returns their keys and the request context."""
+    keys = keys_of("held", 2)
+    store(manager, "r1", keys, [1, 2])
+    store(manager, "r2", keys_of("evictor", 8), range(100, 108))  # the CPU tier forgets keys
+    ctx = ReqContext(req_id="r3")
+    with manager.lock:
+        manager.on_new_request(ctx)
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
+    step(manager)
+    with manager.lock:
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 2
+    gate.hold()
+    with manager.lock:
+        manager.on_schedule_end(STEP)  # submit_load: the reads reach the gate and wait there
+    gate.wait_held()
+    return keys, ctx
+
+
 @pytest.mark.root
 def test_shutdown_with_a_promotion_held_in_the_kernel_keeps_its_bound_and_the_region(tmp_path: Path) -> None:
     with gated_ext4(tmp_path, 320) as (mount, gate):  # room above the tier's 256 MiB free-space floor
@@ -39,20 +60,7 @@ def test_shutdown_with_a_promotion_held_in_the_kernel_keeps_its_bound_and_the_re
         done = threading.Event()
         outcome: list[BaseException | None] = []
         try:
-            keys = keys_of("held", 2)
-            store(manager, "r1", keys, [1, 2])
-            store(manager, "r2", keys_of("evictor", 8), range(100, 108))  # the CPU tier forgets keys
-            ctx = ReqContext(req_id="r3")
-            with manager.lock:
-                manager.on_new_request(ctx)
-                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
-            step(manager)
-            with manager.lock:
-                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 2
-            gate.hold()
-            with manager.lock:
-                manager.on_schedule_end(STEP)  # submit_load: the reads reach the gate and wait there
-            gate.wait_held()
+            keys, ctx = _hold_a_promotion(manager, gate)
 
             def shut() -> None:
                 try:
@@ -129,20 +137,7 @@ def test_shutdown_after_the_loop_died_with_a_read_held_keeps_its_bound(tmp_path:
         done = threading.Event()
         outcome: list[BaseException | None] = []
         try:
-            keys = keys_of("held", 2)
-            store(manager, "r1", keys, [1, 2])
-            store(manager, "r2", keys_of("evictor", 8), range(100, 108))
-            ctx = ReqContext(req_id="r3")
-            with manager.lock:
-                manager.on_new_request(ctx)
-                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
-            step(manager)
-            with manager.lock:
-                assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 2
-            gate.hold()
-            with manager.lock:
-                manager.on_schedule_end(STEP)
-            gate.wait_held()
+            _hold_a_promotion(manager, gate)
             thread.loop.call_soon_threadsafe(_die)
             pause, deadline = threading.Event(), time.monotonic() + BOUND_S
             while thread.died is None:  # set as the loop ends, before its work is cancelled
