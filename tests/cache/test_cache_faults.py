@@ -235,11 +235,12 @@ async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatc
         real = mover.load
         calls = {"n": 0}
 
-        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> None:
+        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("copy engine fault (injected)")
-            real(page_ids, slots, skip, **kwargs)
+            # The CUDA event of the copy goes back: without it the load thinks the copy landed.
+            return real(page_ids, slots, skip, **kwargs)
 
         monkeypatch.setattr(mover, "load", second_group_fails)
         kv.zero_()

@@ -446,11 +446,12 @@ async def test_a_load_with_a_failed_copy_folds_no_pool_rate(tmp_path: Path, monk
         real = mover.load
         calls = {"n": 0}
 
-        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> None:
+        def second_group_fails(page_ids: list[int], slots: torch.Tensor, skip: int = 0, **kwargs: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("copy engine fault (injected)")
-            real(page_ids, slots, skip, **kwargs)
+            # The CUDA event of the copy goes back: without it the load thinks the copy landed.
+            return real(page_ids, slots, skip, **kwargs)
 
         monkeypatch.setattr(mover, "load", second_group_fails)
         loaded = await cache.load(await cache.match(tokens), torch.arange(100, 100 + 6 * T))

@@ -175,6 +175,9 @@ async def test_cancelled_paced_offload_withdraws_what_waits_and_stores_no_reused
     tokens = prompt(62, n)
     async with KVCache(config(None, pool_pages=32, launch_pages=1), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
+        # Warm first: an offload waits for the warm-up, whose own GPU work would queue behind the
+        # sleep below (nothing reached the pacer within 0.5 s on the H200 without this).
+        await cache.wait_warm()
         pacer = cache._transfers.offloads  # type: ignore[union-attr]
         pacer.budget = LAYOUT.page_bytes
         # The GPU busy before the offload: its first copy (ordered after the engine's stream) cannot
