@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ def long_switch_interval() -> Iterator[float]:
         sys.setswitchinterval(before)
 
 
+@pytest.mark.timing
 def test_the_probe_sees_a_thread_that_holds_the_gil(long_switch_interval: float) -> None:
     with GilProbe(0.001) as probe:
         idle_begin = time.perf_counter()
@@ -47,6 +49,32 @@ def test_the_probe_sees_a_thread_that_holds_the_gil(long_switch_interval: float)
     assert probe.summary(busy_end + 10, busy_end + 11).samples == 0
 
 
+@pytest.mark.timing
+def test_an_idle_process_with_many_threads_reads_idle_when_the_probe_reads_proc_every_sample(
+        long_switch_interval: float) -> None:
+    # Regression (GPU suite): in a process with hundreds of threads a snapshot reads two files per
+    # thread, milliseconds of the probe's own CPU, and that was counted as another thread's hold
+    # (busy fraction 0.81 over an idle span with 300 threads; 0.54-0.76 on the GPU host).
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(300)]
+    for thread in threads:
+        thread.start()
+    try:
+        with GilProbe(0.001, snapshot_every=1) as probe:
+            time.sleep(0.3)
+            begin = time.perf_counter()
+            time.sleep(0.1)
+            end = time.perf_counter()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    idle = probe.summary(begin, end)
+    assert idle.samples > 10
+    assert idle.busy_fraction < 0.3
+
+
+@pytest.mark.timing
 def test_a_busy_thread_counts_in_full_when_the_probe_reads_proc_every_sample(long_switch_interval: float) -> None:
     # Regression (CI failure): the snapshot's file reads release the GIL, and waiting to get it back
     # behind the busy thread went uncounted (busy fraction 0.07 here, 0.47 in CI where a snapshot

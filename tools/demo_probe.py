@@ -83,6 +83,7 @@ class GilProbe:
         interval = self.interval_s
         n = 0
         t = time.perf_counter()
+        cpu = time.thread_time()
         while not self._stop.is_set():
             if n % self.snapshot_every == 0:
                 snap = thread_run_times(self.labels)
@@ -94,8 +95,11 @@ class GilProbe:
             self._times.append(now)  # list.append is atomic under the GIL: readers see a prefix
             # From the previous wake-up, not from this sleep: the snapshot's file reads release the
             # GIL, and waiting to get it back behind a busy thread is lag too (else it goes missing).
-            self._lags.append(max(0.0, now - t - interval))
-            t = now
+            # The probe's own CPU time (the snapshot reads a file per thread: ms in a process with
+            # a hundred threads) is not another thread's hold.
+            own = time.thread_time() - cpu
+            self._lags.append(max(0.0, now - t - interval - own))
+            t, cpu = now, time.thread_time()
 
     def _span(self, begin: float, end: float) -> list[float]:
         times = self._times[: len(self._lags)]
