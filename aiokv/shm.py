@@ -324,7 +324,10 @@ def prepare_in_background(
     filled no faster than 1 and stalled the loop 4-5 ms instead of 1), and at lower priority
     (:data:`PREPARE_NICE`).
     """
-    threads = max(1, min(workers, _cpus() - 1))
+    # No more threads than chunks: the executor starts a thread on the submitting thread when none
+    # is idle, so spare capacity made a later submit from the loop (run_in_background, the close)
+    # start one there and wait until it ran (seen on a 16-core host while a chunk was preparing).
+    threads = max(1, min(workers, _cpus() - 1, len(chunks)))
     executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=threads, thread_name_prefix="aiokv-pool", initializer=lower_thread_priority
     )

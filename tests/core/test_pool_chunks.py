@@ -128,3 +128,45 @@ def test_wait_ready_blocking_counts_every_chunk_before_it_returns(monkeypatch: p
         pool.wait_ready_blocking()
         assert pool.ready
         assert pool.statistics().chunks_ready == 8 and pool.table.statistics().free == 8
+
+
+@pytest.mark.asyncio
+async def test_background_work_submitted_from_the_loop_starts_no_thread_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression (GPU host, 16 CPUs): a one-chunk pool's executor allowed 15 threads; a job handed
+    # to it from the loop while the chunk's thread was busy started a second thread on the loop's
+    # thread, which waits there until the new thread runs (ms under load).
+    import aiokv.shm
+
+    monkeypatch.setattr(aiokv.shm, "_cpus", lambda: 16)
+    gate, entered = threading.Event(), threading.Event()
+    real = SharedSegment.prepare_chunk
+
+    def held(self: SharedSegment, index: int, offset: int, length: int, register_cuda: bool) -> ChunkResult:
+        entered.set()
+        assert gate.wait(30), "the test never released the chunk"
+        return real(self, index, offset, length, register_cuda)
+
+    monkeypatch.setattr(SharedSegment, "prepare_chunk", held)
+    # create, not open: open returns only once the first (here the only) chunk is ready.
+    pool = await asyncio.to_thread(PagePool.create, SMALL, 4 * SMALL.page_bytes, register_cuda=False)
+    loop_thread = threading.get_ident()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if threading.get_ident() == loop_thread:
+            started.append(self.name)
+        real_start(self)
+
+    try:
+        assert entered.wait(30)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        job = pool.run_in_background(lambda: threading.current_thread().name)
+        assert started == [], started
+        gate.set()
+        assert (await asyncio.wrap_future(job)).startswith("aiokv-pool")
+    finally:
+        gate.set()
+        await pool.wait_ready()
+        await pool.aclose()
+    assert started == [], started
