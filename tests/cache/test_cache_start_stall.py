@@ -65,6 +65,7 @@ async def _start_and_write(directory: Path, gib: float) -> float:
     return max(lags)
 
 
+@pytest.mark.timing
 @pytest.mark.asyncio
 @pytest.mark.slow
 async def test_start_with_the_disk_tier_does_not_stall_the_loop(tmp_path: Path) -> None:
@@ -230,6 +231,7 @@ discounted 1.8-17.9 ms, half under it. A start blocked 20 ms on the loop stalls 
 FIRST_START_TRIES = 8
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_a_processs_first_start_does_not_stall_the_loop(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}

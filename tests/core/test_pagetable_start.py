@@ -54,6 +54,7 @@ def test_add_usable_of_a_chunk_costs_the_same_in_a_small_and_a_large_table() -> 
     assert worst_add(MANY_PAGES) == worst_add(4 * CHUNK_PAGES) == 1  # one run per chunk, whatever the size
 
 
+@pytest.mark.timing
 @pytest.mark.asyncio
 async def test_open_of_a_262k_page_pool_with_gc_on_does_not_stall_the_loop() -> None:
     assert gc.isenabled()

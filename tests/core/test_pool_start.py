@@ -231,6 +231,7 @@ for 1M pages) in its thread, each holding the GIL: 10.2-19.6 ms to usable, best 
 3.1-28 ms, best 3.1 (the 12-28 ms ones are the load's: the idle loop stalled up to 4 ms too)."""
 
 
+@pytest.mark.timing
 def test_a_processs_first_open_does_not_stall_the_loop() -> None:
     # Regression (#11, first start): measured in fresh processes, as the engine's first start is
     # (the costs were one-time). Each cause also has a deterministic test here and in

@@ -362,6 +362,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_compiling_in_the_helper_keeps_the_loop_s_stalls_short(tmp_path: Path) -> None:
     variants, _ = variants_of(_mover())
