@@ -21,6 +21,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -130,22 +131,50 @@ async def _finish(cleanup: Awaitable[None]) -> None:
     await asyncio.wait([task])
 
 
+RECLAIM_SETTLE_S = 5.0
+"""How long a start keeps retrying segments whose creator is gone but whose lock is still held. A
+SIGKILLed process's mappings, and with them its lock, can outlive its reaping while a driver lets go
+of its memory (on the H200 host the killed creator of a CUDA-registered pool still held it when the
+restarted cache scanned, and no longer a moment later: the restart reclaimed nothing). A worker
+still attached to a dead creator's pool holds it past this; the next start reclaims it."""
+
+RECLAIM_RETRY_S = 0.25
+"""Pause between those retries."""
+
+
+def _held_by_the_dead(segments: list[SegmentInfo]) -> bool:
+    return any(s.state is SegmentState.LIVE and not s.creator_alive for s in segments)
+
+
 def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[SegmentInfo]]:
     """Unlink dead processes' segments: now if a segment of ``size`` bytes needs their memory, else
-    in a thread beside the new pool's preparation (so a large leftover never delays start-up)."""
+    in a thread beside the new pool's preparation (so a large leftover never delays start-up). That
+    thread retries, for up to :data:`RECLAIM_SETTLE_S`, segments whose creator is gone but which are
+    still held."""
     reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
-    if not any(s.state is SegmentState.DEAD for s in scan(prefix)):
+    found = scan(prefix)
+    dead, held = any(s.state is SegmentState.DEAD for s in found), _held_by_the_dead(found)
+    if not dead and not held:
         reclaimed.set_result([])
         return reclaimed
-    free = shm.shm_free_bytes()
-    if free is None or free < size:
-        reclaimed.set_result(reclaim(prefix))
-        return reclaimed
+    first: list[SegmentInfo] | None = None
+    if dead:
+        free = shm.shm_free_bytes()
+        if free is None or free < size:
+            first = reclaim(prefix)
+            if not held:
+                reclaimed.set_result(first)
+                return reclaimed
 
     def run() -> None:
         shm.lower_thread_priority()
         try:
-            reclaimed.set_result(reclaim(prefix))
+            removed = reclaim(prefix) if first is None else first
+            deadline = time.monotonic() + RECLAIM_SETTLE_S
+            while time.monotonic() < deadline and _held_by_the_dead(scan(prefix)):
+                time.sleep(RECLAIM_RETRY_S)
+                removed += reclaim(prefix)
+            reclaimed.set_result(removed)
         except BaseException as exc:  # reclaim() logs per segment; anything else ends here
             reclaimed.set_exception(exc)
 

@@ -11,6 +11,8 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -218,3 +220,43 @@ def test_leftovers_are_reclaimed_first_when_the_pool_needs_their_memory(
     with PagePool.create(LAYOUT, LAYOUT.page_bytes, name_prefix=prefix) as pool:
         assert leftover_at_create == [False]  # unlinked before the new segment was made
         assert [SHM_DIR + s.name for s in pool.reclaimed.result()] == [seg]
+
+
+def test_a_dead_creators_segment_still_held_for_a_moment_is_reclaimed_once_let_go(prefix: str) -> None:
+    # Regression (H200 host): a SIGKILLed creator's CUDA-registered pool stayed locked for a moment
+    # after the creator was reaped (its mappings outlived it while the driver let go); the restarted
+    # cache's one scan found it held and reclaimed nothing. Here an attachment stands for that late
+    # holder and lets go 0.5 s after the new pool started: the start's reclaim retries and gets it.
+    child, name, _ = _spawn_owner(prefix)
+    late_holder = PagePool.attach(name, LAYOUT)
+    os.kill(child.pid or 0, signal.SIGKILL)
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    timer = threading.Timer(0.5, late_holder.close)
+    timer.start()
+    try:
+        with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes, name_prefix=prefix, register_cuda=False) as pool:
+            assert [s.name for s in pool.reclaimed.result(timeout=60)] == [name]
+            assert not os.path.exists(SHM_DIR + name)
+    finally:
+        timer.join()
+        late_holder.close()
+
+
+def test_a_segment_held_past_the_settle_time_is_left_for_the_next_start(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker still attached to a dead creator's pool: the start's retries end, nothing is unlinked.
+    import aiokv.pool
+
+    monkeypatch.setattr(aiokv.pool, "RECLAIM_SETTLE_S", 0.6)
+    child, name, _ = _spawn_owner(prefix)
+    attached = PagePool.attach(name, LAYOUT)
+    try:
+        os.kill(child.pid or 0, signal.SIGKILL)
+        child.join(60)
+        started = time.monotonic()
+        with PagePool.create(LAYOUT, 2 * LAYOUT.page_bytes, name_prefix=prefix, register_cuda=False) as pool:
+            assert pool.reclaimed.result(timeout=60) == []
+            assert 0.5 < time.monotonic() - started < 30
+            assert os.path.exists(SHM_DIR + name)
+    finally:
+        attached.close()
