@@ -243,7 +243,8 @@ def test_a_dead_creators_segment_still_held_for_a_moment_is_reclaimed_once_let_g
         late_holder.close()
 
 
-def test_a_segment_held_past_the_settle_time_is_left_for_the_next_start(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_segment_held_past_the_settle_time_is_left_for_the_next_start(
+        prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A worker still attached to a dead creator's pool: the start's retries end, nothing is unlinked.
     import aiokv.pool
 
