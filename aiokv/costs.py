@@ -41,6 +41,19 @@ TRIAL_AFTER_S = 60.0
 """A disk rate no read has refreshed for this long is stale: estimates with disk pages offer a trial
 (:attr:`LoadEstimate.trial`) until a read comes back. Without it, a disk once measured slow (a cold
 start, a busy device) had every later hit declined, so never measured again."""
+TRIAL_SAMPLES = 8
+"""Observations a disk meter needs, since it started (restored ones included) or since its last jump
+(:data:`JUMP_RATIO`), before estimates with disk pages stop offering a trial. Fewer, its line can
+rest on one call of another size: on the H200 a cold first 8K split, beside three plain loads of
+one size, made a 0.18 s fixed part, and every later hit recomputed, never measured again. The
+moving average (weight 0.3) leaves the first call 0.7^7 ≈ 0.08 of the moments by the 8th, a jump
+0.3·0.7^7 ≈ 0.025. So at most 7 trial loads after a start, kept across restarts by the rates
+file's count, and 7 after each jump."""
+JUMP_RATIO = 2.0
+"""A call slower than this times the meter's prediction for it is a jump (a busy device, a stall):
+the count of :data:`TRIAL_SAMPLES` starts again from it. A disk that really became slower stops
+jumping once its prediction catches up (each jump lifts the level by about a third or more), so
+its trials end; a steady disk, fast or slow, has none after its first 7 calls."""
 
 
 class RateMeter:
@@ -71,6 +84,7 @@ class RateMeter:
         self._spread: float | None = None
         self._line: tuple[float, float] | None = None  # line() as of the last change (when _line_ok)
         self._line_ok = False
+        self._jumped_at = 0  # samples before the last jump was folded (0: none since the start)
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
@@ -82,6 +96,8 @@ class RateMeter:
         if predicted is not None:
             error = min(abs(seconds - predicted), FIXED_MAX_S)
             self._spread = error if self._spread is None else self._ewma(self._spread, error)
+            if seconds > JUMP_RATIO * predicted:
+                self._jumped_at = self.samples
         rate = amount / seconds
         self._rate = rate if self._rate is None else self._ewma(self._rate, rate)
         self._moments = self._ewma_all(self._moments, (amount, seconds, amount * amount, amount * seconds))
@@ -107,6 +123,7 @@ class RateMeter:
         line forms across restarts from calls that each process saw few of."""
         self._rate = rate
         self.samples = samples
+        self._jumped_at = 0  # not saved: a restored meter is judged by its count alone
         if saved is not None:
             self._spread = saved.spread
             if saved.moments is not None:
@@ -121,6 +138,13 @@ class RateMeter:
         self._fitted = 0
         self._line_ok = False
         self._spread = None
+        self._jumped_at = 0
+
+    @property
+    def settled(self) -> int:
+        """Observations folded since the meter started (restored ones included) or since its last
+        jump, that one included: a call slower than :data:`JUMP_RATIO` times its prediction."""
+        return self.samples - self._jumped_at
 
     @property
     def rate(self) -> float | None:
@@ -575,10 +599,13 @@ class LoadEstimate:
     costs: PageCosts | None = None
     """The per-page costs behind it (None while a rate is unknown), to price part of the match."""
     trial: bool = False
-    """The disk rate is stale (:data:`TRIAL_AFTER_S` without a read): a split would re-measure it
-    at little risk (the engine computes from the front meanwhile, and the fronts meet wherever the
-    disk really is). :attr:`split_pays` then says None (not known); :attr:`worth_loading` keeps its
-    verdict, as a plain load could lose the whole difference."""
+    """The disk meter is no basis yet for declining a split: fewer than :data:`TRIAL_SAMPLES`
+    observations since its start or a jump (:attr:`RateMeter.settled`), or stale
+    (:data:`TRIAL_AFTER_S` without a read). A split re-measures it at little risk (the engine
+    computes from the front meanwhile, and the fronts meet wherever the disk really is: at worst
+    recomputing plus the split's fixed costs).
+    :attr:`split_pays` then says None (not known); :attr:`worth_loading` keeps its verdict, as a
+    plain load could lose the whole difference."""
     split_margin_seconds: float | None = None
     """Gain a split proper (the engine claims a front, the load brings the back) must beat: the
     stated fraction of recomputing and the claims' spread, without the load's spreads (a slower
@@ -692,12 +719,17 @@ class CostModel:
         return dataclasses.replace(estimate, trial=True) if disk_pages and self._trial_due() else estimate
 
     def _trial_due(self) -> bool:
-        """Whether the disk rate went :data:`TRIAL_AFTER_S` without a read. Asking takes nothing:
-        every estimate says so until a read refreshes the rate (an engine's own ``estimate`` call
-        to decide, or a stream's, must not use up the trial the engine would act on)."""
+        """Whether the disk meter is no basis yet for declining a split: unsettled (fewer than
+        :data:`TRIAL_SAMPLES` observations since its start or its last jump) or stale
+        (:data:`TRIAL_AFTER_S` without a read). Asking takes nothing: every estimate
+        says so until reads change it (an engine's own ``estimate`` call to decide, or a stream's,
+        must not use up the trial the engine would act on)."""
         now = self._clock()
+        disk = self.disk
         samples, since = self._disk_seen
-        if self.disk.samples != samples:
-            self._disk_seen = (self.disk.samples, now)
-            return False
-        return now - since >= TRIAL_AFTER_S
+        if disk.samples != samples:
+            self._disk_seen = (disk.samples, now)
+            stale = False
+        else:
+            stale = now - since >= TRIAL_AFTER_S
+        return stale or disk.settled < TRIAL_SAMPLES

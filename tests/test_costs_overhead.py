@@ -195,10 +195,11 @@ def test_meter_tells_no_fixed_cost_from_calls_of_one_size_or_too_few() -> None:
 def h200_8k_model(read_latency: float) -> CostModel:
     """The 8B shape's 8K disk hit (call 1 of stop 22): 31 pages of 256 tokens, 32 MiB each, recompute
     ~310 ms, pinned memcpy ~19 ms for the hit; disk reads at 1.5 GB/s after ``read_latency``; a claim
-    call costs 3 ms beyond its tokens."""
+    call costs 3 ms beyond its tokens. Eight calls: a meter with fewer is young and offers a trial
+    (:data:`aiokv.costs.TRIAL_SAMPLES`)."""
     page = 32 * MIB
     model = CostModel()
-    for pages in (1, 5, 31, 12, 31, 3):
+    for pages in (1, 5, 31, 12, 31, 3, 8, 20):
         model.pool.update(pages * page, 0.0005 + pages * page / 52e9)
         model.disk.update(pages * page, read_latency + pages * page / 1.5e9)
         model.prefill.update(pages * 256, 0.003 + pages * 256 / 26_000)

@@ -23,9 +23,10 @@ PAGE_TOKENS, PAGE_BYTES = 256, 32 * MIB
 def measured(read_latency: float, claim_cost: float, disk_bps: float = 1.5e9, attend: float = 0.0) -> CostModel:
     """A model fed calls of several sizes as the cache feeds it (8B shape: 32 MiB pages of 256
     tokens; pinned copies ~52 GB/s, prefill ~26K tokens/s beyond ``attend`` s/token² of attention,
-    1.5e-9 on the H200, over the prefix each call computes on top of)."""
+    1.5e-9 on the H200, over the prefix each call computes on top of). Eight calls: a meter with
+    fewer is young and offers a trial (:data:`aiokv.costs.TRIAL_SAMPLES`)."""
     model = CostModel()
-    for pages, prefix in ((1, 0), (5, 8), (31, 0), (12, 40), (31, 2), (3, 100), (8, 16)):
+    for pages, prefix in ((1, 0), (5, 8), (31, 0), (12, 40), (31, 2), (3, 100), (8, 16), (20, 4)):
         t, p = pages * PAGE_TOKENS, prefix * PAGE_TOKENS
         model.pool.update(pages * PAGE_BYTES, 0.0005 + pages * PAGE_BYTES / 52e9)
         model.disk.update(pages * PAGE_BYTES, read_latency + pages * PAGE_BYTES / disk_bps)
@@ -135,7 +136,7 @@ def test_a_stale_disk_rate_splits_a_hit_it_would_recompute_where_the_path_claims
 
     now = [0.0]
     model = CostModel(clock=lambda: now[0])
-    for pages in (1, 5, 31, 12, 31, 3, 8):
+    for pages in (1, 5, 31, 12, 31, 3, 8, 20):  # enough calls not to be young (TRIAL_SAMPLES)
         model.pool.update(pages * PAGE_BYTES, 0.0005 + pages * PAGE_BYTES / 52e9)
         model.disk.update(pages * PAGE_BYTES, 0.12 + pages * PAGE_BYTES / 0.5e9)
         model.prefill.update(pages * PAGE_TOKENS, 0.002 + pages * PAGE_TOKENS / 26_000)
