@@ -160,7 +160,7 @@ def plan_hit(
     its rates only moves the meeting point back); of two that pay, the faster: aiokv never picks a
     load it expects to lose. ``claim_tokens``: the
     most the engine claims per call (its chunk; 0: one claim), each paying the prefill's fixed cost.
-    A disk hit whose estimate offers a trial (its rate went stale: :data:`aiokv.costs.TRIAL_AFTER_S`)
+    A disk hit whose estimate offers a trial (:attr:`aiokv.costs.LoadEstimate.trial`: disk meter unsettled or stale)
     splits instead of recomputing where the path ``claims`` (without claims a split is a whole
     load). While a rate is unknown, load, and claim for disk hits only: the pool is a memory copy,
     far faster than any prefill, and a claim made before the loader's first turn would keep a short
@@ -179,8 +179,8 @@ def plan_hit(
     load_pays = prices.recompute - prices.load > prices.margin
     split_pays = prices.recompute - prices.split > prices.split_margin
     if not (load_pays or split_pays):
-        # A stale disk rate (estimate.trial): split anyway, which re-measures the disk at little
-        # risk; declined for good, a disk once measured slow would never be measured again.
+        # An unsettled or stale disk meter (estimate.trial): split anyway, which re-measures the
+        # disk at little risk; declined for good, a disk once slow would never be measured again.
         return HitPlan.SPLIT if disk and claims and estimate.trial else HitPlan.RECOMPUTE
     if load_pays and split_pays:
         return HitPlan.SPLIT if prices.split < prices.load else HitPlan.LOAD
