@@ -175,3 +175,21 @@ def test_a_noisy_disk_still_splits_a_hit_whose_split_gains_beyond_the_claims_spr
     assert prices.split_margin < gain <= prices.margin
     assert plan_hit(est, **args) is HitPlan.SPLIT  # type: ignore[arg-type]
     assert est.split_pays is True
+
+
+def test_a_disk_meter_with_few_calls_splits_a_hit_its_prices_decline_where_the_path_claims() -> None:
+    # Stop 29, H200 8K from disk: three plain disk-only loads of the whole prefix and a cold first split
+    # (12 pages in 0.6 s) priced a large fixed part; the demo recomputed both later repeats.
+    from aiokv.costs import TRIAL_SAMPLES
+
+    model = measured(0.0, 0.003)
+    model.disk.reset()
+    for _ in range(3):
+        model.disk.update(31 * PAGE_BYTES, 0.01 + 31 * PAGE_BYTES / 1.3e9)
+    model.disk.update(12 * PAGE_BYTES, 0.6)
+    assert model.disk.samples < TRIAL_SAMPLES
+    est = model.estimate(0, 31, PAGE_TOKENS, PAGE_BYTES)
+    args = dict(share=1.0, tail_tokens=256, match_tokens=31 * PAGE_TOKENS, page_tokens=PAGE_TOKENS, layered=False)
+    assert plan_hit(dataclasses.replace(est, trial=False), disk=True, **args) is HitPlan.RECOMPUTE  # the prices
+    assert est.trial and plan_hit(est, disk=True, **args) is HitPlan.SPLIT
+    assert plan_hit(est, disk=True, claims=False, **args) is HitPlan.RECOMPUTE  # a whole load could lose it all
