@@ -317,7 +317,7 @@ class UringPageIO:
     fixed-file entry: only a new regular file of ours can come out of it), header and page, [FSYNC],
     CLOSE, RENAMEAT. A cold O_DIRECT read (its name not in the kernel's lookup caches) is one chain
     too: OPENAT (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``, refused for anything but a regular file) into
-    the slot's fixed-file entry, FIXED_FD_INSTALL, header and page, CLOSE; the installed fd is
+    the slot's fixed-file entry, header and page, FIXED_FD_INSTALL, CLOSE; the installed fd is
     ``fstat``-checked before the bytes count (:meth:`_load_chain`). The overwrite of a recycled
     file, and other reads, open the existing name first
     (into a normal fd, ``fstat``-checked before any byte moves: on the loop where the name is in the
@@ -803,19 +803,25 @@ class UringPageIO:
     def _load_chain(self, dir_fd: int, name: str, encoded: bytes, slot: int, page: PageBuffer,
                     done: Loaded) -> None:
         """A cold read as one submission: OPENAT into the slot's fixed-file entry
-        (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``), FIXED_FD_INSTALL (the opened file as a normal fd of
-        ours, its number reported), header and page, CLOSE of the entry. Then on the loop the
+        (``O_NOFOLLOW|O_NONBLOCK|O_DIRECT``), header and page, FIXED_FD_INSTALL (the opened file as
+        a normal fd of ours, its number reported), CLOSE of the entry. Then on the loop the
         installed fd is ``fstat``-checked (:func:`check_page_fd`: a regular file of our uid) and
         closed: the check looks at the file the chain opened and read, never at a name, so a rename
         race in the directory cannot pass another file off (it could when a STATX of the name was
         the check). The bytes count only after that check; the caller then verifies header and
-        checksum.
+        checksum. The install comes after the transfer so that its CQE (it reports: the fd's
+        number is not known in advance) and the CLOSE's post together: one wake-up of the loop per
+        page; installed first, its CQE woke the loop once more while the page was still being read
+        (#14).
 
         The open itself is as safe as the checked way's: a symlink fails it (ELOOP), a socket
         too (ENXIO), and ``O_NONBLOCK`` opens a FIFO at once, which ``O_DIRECT`` then refuses
         (EINVAL), as it refuses character devices. An EINVAL open (what it is needs a look), an
         install the kernel does not know (before 6.8) and a file system answering EAGAIN to
-        ``O_NONBLOCK`` reads go the checked way (the last two: from then on, every read)."""
+        ``O_NONBLOCK`` reads go the checked way (the last two: from then on, every read). So does
+        a short transfer (the chain broke before its install: what was read is not looked at),
+        where the checked way tells a truncated page file of ours from anything else; an errno from
+        the transfer is the read's fault (a counted miss; no byte counts)."""
         slots = self._slots
         path = slots.path(slot, encoded)
         keep: object = (slots, self._pool, page.view)
@@ -825,50 +831,50 @@ class UringPageIO:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
         moves = self._transfer(False, slot, True, slot, page)
         sizes = self._moved(moves)
-        # OPENAT into the entry, FIXED_FD_INSTALL, the transfer, CLOSE of the entry (SQE tuples as
+        # OPENAT into the entry, the transfer, FIXED_FD_INSTALL, CLOSE of the entry (SQE tuples as
         # uring.sqe lays them out: see _transfer).
         ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, path, 0, flags, 0, 0, 0, slot + 1, 0, 0),
-               (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                *moves,
+               (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
                (uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0)]
-        expect = [0, 0, *sizes, 0]
+        expect = [0, *sizes, 0, 0]
         moved = sum(sizes)
 
         def read(results: list[int]) -> None:
-            installed = results[1]
-            unsafe: OSError | None = None
-            if installed >= 0:
+            installed = results[-2]
+            if installed >= 0:  # every op before it succeeded: the whole page was read
                 try:
                     check_page_fd(installed, name, False)
                 except OSError as exc:
-                    unsafe = exc
+                    done(exc)  # whatever the read did: its bytes never count
+                    return
                 finally:
                     os.close(installed)
-            if unsafe is None and results[0] == 0 and results[2:] == expect[2:]:
                 done(moved)
                 return
             if results[0] >= 0 and results[-1] == -errno.ECANCELED:
                 # A broken chain skipped its CLOSE: the entry is closed first, as it must be empty
                 # before the slot goes to another page's chain.
                 self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
-                                   lambda _: self._chain_failed(results, unsafe, dir_fd, name, slot, page, done))
+                                   lambda _: self._chain_failed(results, dir_fd, name, slot, page, done))
                 return
-            self._chain_failed(results, unsafe, dir_fd, name, slot, page, done)
+            self._chain_failed(results, dir_fd, name, slot, page, done)
 
-        self.engine.submit(ops, keep, read, expect=expect, report=1)
+        self.engine.submit(ops, keep, read, expect=expect, report=len(ops) - 2)
 
-    def _chain_failed(self, results: list[int], unsafe: OSError | None, dir_fd: int, name: str, slot: int,
-                      page: PageBuffer, done: Loaded) -> None:
-        """A broken or refused read chain (its fixed-file entry closed): the fault, or the checked
-        way where the chain cannot tell (an EINVAL open, no install, an EAGAIN read)."""
-        opened, installed = results[0], results[1]
-        if opened == -errno.ECANCELED or (opened >= 0 and installed < 0 and installed != -errno.ECANCELED):
+    def _chain_failed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
+                      done: Loaded) -> None:
+        """A broken or refused read chain whose install did not run (its fixed-file entry closed):
+        the fault, or the checked way where the chain cannot tell (an EINVAL open, no install, an
+        EAGAIN read, a short read)."""
+        opened, installed = results[0], results[-2]
+        if opened == -errno.ECANCELED or installed != -errno.ECANCELED:
             # The kernel refused the chain: an op it does not know fails the whole chain at its
             # submission (FIXED_FD_INSTALL before 6.8: nothing ran), or the install itself failed
             # (its entry closed). The checked way, from now on.
             self.chain_reads = False
             log.info("disk tier: io_uring cannot install opened files here (%s): opening page files before "
-                     "reading them from now on", os.strerror(-installed if installed < 0 else -opened))
+                     "reading them from now on", os.strerror(-installed if opened >= 0 else -opened))
             self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
             return
         if opened < 0:
@@ -877,21 +883,18 @@ class UringPageIO:
             else:
                 done(classify_open_error(OSError(-opened, os.strerror(-opened)), name))
             return
-        if unsafe is not None:
-            done(unsafe)  # whatever the read did: its bytes never count
-            return
-        if installed < 0:
-            done(OSError(errno.EIO, f"read chain of {name} broke before its check: {results}"))
-            return
-        got = _bytes_read(results[2:-1])
-        if isinstance(got, OSError) and got.errno == errno.EAGAIN:
+        got = _bytes_read(results[1:-2])
+        if isinstance(got, OSError):
+            if got.errno != errno.EAGAIN:
+                done(got)  # an I/O fault: a counted miss, whatever the file (none of its bytes count)
+                return
             # This file system answers O_NONBLOCK reads with EAGAIN: the checked way from now on.
             self.chain_reads = False
             log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
                      "page files before reading them from now on")
-            self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
-            return
-        done(got)
+        # A short read (or EAGAIN): the checked way opens the name again, looks at the file, then
+        # reads it (a truncated page file of ours is refused then, anything else is not ours).
+        self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
 
     def _open_then_read(self, dir_fd: int, name: str, encoded: bytes, slot: int, page: PageBuffer,
                         done: Loaded) -> None:

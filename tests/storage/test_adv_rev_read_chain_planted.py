@@ -1,5 +1,5 @@
-"""Planted files under a page's name, read by the cold chain (OPENAT, FIXED_FD_INSTALL, header and
-page, CLOSE, then the installed fd's fstat) on a real loop-mounted ext4: another key's valid page
+"""Planted files under a page's name, read by the cold chain (OPENAT, header and page, FIXED_FD_INSTALL,
+CLOSE, then the installed fd's fstat) on a real loop-mounted ext4: another key's valid page
 file copied, hard-linked or renamed there, a file of the right key with another page's bytes after
 its header, an oversized file whose first bytes are another key's page, a zero-length file, a
 header alone, a directory, a hard link of another owner's valid file. Each read is a counted miss

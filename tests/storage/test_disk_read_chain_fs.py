@@ -1,4 +1,4 @@
-"""Real faults under the cold-read chain (OPENAT, FIXED_FD_INSTALL, header and page, CLOSE) on a
+"""Real faults under the cold-read chain (OPENAT, header and page, FIXED_FD_INSTALL, CLOSE) on a
 real ext4: an EIO (the file system shut down: ``EXT4_IOC_SHUTDOWN``, no device mapper needed) and a
 short read (a file truncated behind the tier's back) are counted misses, never wrong bytes, and the
 slot's fixed-file entry is left empty for the next chain."""
