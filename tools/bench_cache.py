@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,9 @@ class Watcher:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if callable(item):
+                item()  # a thread -> loop wake-up sample (:meth:`wake`)
+                continue
             stream, (event, spin), launched, stamp = item
             try:
                 with torch.cuda.stream(stream):
@@ -154,13 +158,24 @@ class Watcher:
         self._queue.put((stream, events, launched, stamp))
         return launched, stamp
 
+    def wake(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[float]) -> None:
+        """From this thread, after ~0.1 ms (the loop asleep by then): stamp, then resolve ``future``
+        with the stamp through ``call_soon_threadsafe``, the bridge's own hand-over without CUDA."""
+        def sample() -> None:
+            time.sleep(0.0001)
+            stamp = time.perf_counter()
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(stamp))
+
+        self._queue.put(sample)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
 
 
-_Sample = tuple[torch.cuda.Stream, tuple[torch.cuda.Event, torch.cuda.Event],
-                concurrent.futures.Future[None], concurrent.futures.Future[float]]
+_Sample = (tuple[torch.cuda.Stream, tuple[torch.cuda.Event, torch.cuda.Event],
+                 concurrent.futures.Future[None], concurrent.futures.Future[float]]
+           | Callable[[], None])
 
 
 async def _bridge_sample(bridge: CompletionBridge, watcher: Watcher, stream: torch.cuda.Stream,
@@ -183,26 +198,40 @@ def _latency_summary(latencies: list[float]) -> dict[str, float]:
             "max_us": max(latencies)}
 
 
+async def _wake_sample(watcher: Watcher) -> float:
+    """One thread -> loop wake-up (``call_soon_threadsafe`` to the awaiting coroutine), in microseconds."""
+    future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    watcher.wake(asyncio.get_running_loop(), future)
+    stamp = await future
+    return max(0.0, time.perf_counter() - stamp) * 1e6
+
+
 async def bridge_latency(samples: int, stop: asyncio.Event | None = None) -> dict[str, dict[str, float]]:
     """GPU completion -> future resolution on a bridge of its own, spin and blocking-sync events
-    alternated: ``samples`` of them, or (``stop``) until ``stop`` is set."""
+    alternated: ``samples`` of them, or (``stop``) until ``stop`` is set; between them, the baseline
+    of the same run: a thread waking the loop with no CUDA in the way (``thread_wake``), the part of
+    the bridge's latency that is the loop thread's own wake-up."""
     bridge = CompletionBridge()
     bridge.prestart(True)
     watcher = Watcher()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     latencies: dict[bool, list[float]] = {False: [], True: []}
+    wakes: list[float] = []
     events = {blocking: (_event(blocking), _event(False)) for blocking in (False, True)}
     try:
         i = 0
         while (i < samples) if stop is None else not stop.is_set():
             blocking = bool(i % 2)
             latencies[blocking].append(await _bridge_sample(bridge, watcher, stream, events[blocking]))
+            if blocking:
+                wakes.append(await _wake_sample(watcher))
             i += 1
     finally:
         await asyncio.to_thread(watcher.close)
         await asyncio.to_thread(bridge.close)
     return {"spin_events": _latency_summary(latencies[False]),
-            "blocking_events": _latency_summary(latencies[True])}
+            "blocking_events": _latency_summary(latencies[True]),
+            "thread_wake": _latency_summary(wakes)}
 
 
 def memcpy_gbps(nbytes: int, direction: str, repeat: int, device: torch.device) -> float:
@@ -883,7 +912,9 @@ def main() -> int:
         for name, b in (("while streaming", st["bridge"]), ("idle", result["bridge_idle"])):
             for kind, summary in (b or {}).items():
                 if summary.get("samples"):
-                    print(f"CUDA event -> future {name}, {kind}: p50 {summary['p50_us']:.1f} us, p99 "
+                    what = ("thread -> loop wake-up baseline" if kind == "thread_wake"
+                            else f"CUDA event -> future {name}, {kind}")
+                    print(f"{what}: p50 {summary['p50_us']:.1f} us, p99 "
                           f"{summary['p99_us']:.1f} us (target 200), max {summary['max_us']:.1f} us "
                           f"({summary['samples']} samples)")
     elif args.mode == "disk":
