@@ -42,6 +42,7 @@ def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
     return demo.config_from_args(demo.parse_args(args))
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_tiny_demo_matches_from_scratch_and_uses_every_tier(tmp_path: Path) -> None:
     out = await demo.run_demo(tiny_config(tmp_path), progress=False)
@@ -69,6 +70,7 @@ async def test_tiny_demo_with_prefetch_and_bfloat16_stays_exact(tmp_path: Path) 
     assert out.summary["computed_tokens"] < out.summary["computed_tokens_scratch"]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path: Path) -> None:
     """--tp 2: heads split over two spawned rank processes; the pool serves both ranks, bit-exact."""
@@ -90,6 +92,7 @@ async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path:
     assert not multiprocessing.active_children()  # every rank process was joined
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -263,6 +266,7 @@ def test_ttft_mode_serves_the_prefix_from_pool_and_disk_beside_floors(
     assert rows[0]["pool_claimed_tokens"] == rows[0]["disk_claimed_tokens"] == 0  # plain never claims
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_split_path_is_bit_exact_with_tokens_from_pool_disk_and_the_engine(tmp_path: Path) -> None:
     """--claim always: the engine computes the front of every streamed hit, the cache loads the back."""
@@ -281,6 +285,7 @@ async def test_split_path_is_bit_exact_with_tokens_from_pool_disk_and_the_engine
     assert 0 <= s["slower_requests"] <= s["compared_ttft"] == len(out.cached)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_oracle_catches_wrong_bytes_served_by_a_layered_stream(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -124,6 +124,7 @@ def test_no_disk_is_refused_beside_a_disk_setting(tmp_path: Path) -> None:
             demo.main(["--preset", "tiny", "--no-disk", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("when", ["open", "after"])
 async def test_the_scratch_run_can_follow_or_share_the_cache_and_still_compares_like_for_like(
@@ -153,6 +154,7 @@ def test_the_scratch_run_moves_only_in_one_process() -> None:
         demo.main(["--preset", "tiny", "--tp", "2", "--scratch-run", "after"])
 
 
+@pytest.mark.slow
 def test_the_json_gives_each_requests_scratch_prefill_beside_its_cached_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

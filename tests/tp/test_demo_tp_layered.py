@@ -23,6 +23,8 @@ from aiokv.stream import LoadStream
 from aiokv.tp import RankStatus
 from aiokv.tp.cache import TPCache
 
+pytestmark = pytest.mark.slow  # the longest test on the GPU host: started first under xdist
+
 
 def _config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
     # One request at a time, write-behind settled after each (as tests/test_demo.py does).

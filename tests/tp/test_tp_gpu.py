@@ -29,6 +29,7 @@ from aiokv.tp import Direction, Job, RankExecutor, RankGroup, RankStatus, TPCach
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
