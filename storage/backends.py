@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -579,7 +580,11 @@ class UringPageIO:
         once per page, and a call per op was a fifth of the chain's set-up (#14)."""
         address = page.address
         if self._base <= address < self._pool_end:
-            region = self._page_region(address)
+            # _page_region, inline (once per page): regions are adopted in address order.
+            at = bisect.bisect_right(self._starts, address) - 1
+            region = self._pool_regions[at] if at >= 0 else None
+            if region is not None and address >= region.address + region.length:
+                region = None
         else:
             region = self._external_region(address) if self._ext_regions else None
         flags = uring.IOSQE_FIXED_FILE if fixed_file else 0
@@ -830,21 +835,31 @@ class UringPageIO:
             path, keep = ctypes.addressof(buffer), (buffer, keep)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
         moves = self._transfer(False, slot, True, slot, page)
-        sizes = self._moved(moves)
         # OPENAT into the entry, the transfer, FIXED_FD_INSTALL, CLOSE of the entry (SQE tuples as
-        # uring.sqe lays them out: see _transfer).
-        ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, path, 0, flags, 0, 0, 0, slot + 1, 0, 0),
-               *moves,
-               (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
-               (uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0)]
-        expect = [0, *sizes, 0, 0]
-        moved = sum(sizes)
+        # uring.sqe lays them out: see _transfer); what each returns on success (_moved, inline).
+        if len(moves) == 1:
+            ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, path, 0, flags, 0, 0, 0, slot + 1, 0, 0), moves[0],
+                   (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                   (uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0)]
+            moved = HEADER_BYTES + self._page_bytes
+            expect = [0, moved, 0, 0]
+        else:
+            first, second = moves
+            ops = [(uring.OP_OPENAT, 0, 0, dir_fd, 0, path, 0, flags, 0, 0, 0, slot + 1, 0, 0), first, second,
+                   (uring.OP_FIXED_FD_INSTALL, uring.IOSQE_FIXED_FILE, 0, slot, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                   (uring.OP_CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, slot + 1, 0, 0)]
+            expect = [0, first[6], second[6], 0, 0]
+            moved = first[6] + second[6]
+        uid = self._uid
 
         def read(results: list[int]) -> None:
             installed = results[-2]
             if installed >= 0:  # every op before it succeeded: the whole page was read
                 try:
-                    check_page_fd(installed, name, False)
+                    # check_page_fd's test, inline (once per page); it raises what a refusal says.
+                    st = os.fstat(installed)
+                    if st.st_mode & 0o170000 != stat.S_IFREG or st.st_uid != uid:
+                        check_page_fd(installed, name, False)
                 except OSError as exc:
                     done(exc)  # whatever the read did: its bytes never count
                     return

@@ -108,7 +108,12 @@ class ReadPath(TierBase):
     def _read_loaded(self, job: ReadJob, got: int | BaseException) -> None:
         assert self._slots is not None and self._checksums is not None
         key, generation = job.key, job.generation
-        self._read_unreader(key)
+        readers = self._index.readers  # _read_unreader, inline (once per page)
+        count = readers.get(key, 0) - 1
+        if count:
+            readers[key] = count
+        else:
+            del readers[key]
         try:
             if isinstance(got, BaseException):
                 self._io_slots.give_back(job)

@@ -416,8 +416,15 @@ class UringEngine:
         advance (an installed fd): it posts its CQE all the same, its ``expect`` is ignored, and
         its result is ``-ECANCELED`` when the chain broke before it. When it fails itself, the
         ops after it report ``-ECANCELED`` through CQEs of their own, which the chain waits for."""
-        if not 0 < len(ops) <= self.sq_entries:
-            raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {len(ops)}")
+        count = len(ops)
+        if not 0 < count <= self.sq_entries:
+            raise ValueError(f"a chain has 1 to {self.sq_entries} ops, got {count}")
+        if self.fault_hook is None and not self._closed and not self._waiting \
+                and self._ops_inflight + count <= self.sq_entries:
+            # The common case, without _enqueue's call (once per page): room in the ring, no fault plan.
+            self._prepare(_Request(ops, future, callback, keep, None, False, expect if self.skip_success else None,
+                                   report))
+            return
         self._enqueue(ops, keep, future, callback, False, expect if self.skip_success else None, report)
 
     def _enqueue(self, ops: list[SqeFields], keep: object, future: asyncio.Future[Any] | None,
@@ -585,7 +592,9 @@ class UringEngine:
             if injected is not None:
                 res = injected
         if request.skip:
-            if index == request.report:
+            if index == len(request.ops) - 1:
+                request.results[index] = res  # the last op: it always reports, and ends the chain
+            elif index == request.report:
                 request.results[index] = res
                 if res >= 0:
                     return  # its success reported: the chain goes on
