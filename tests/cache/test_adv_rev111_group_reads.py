@@ -1,0 +1,194 @@
+"""Adversarial review 111: a load's and a prefetch's read groups (one ``DiskTier.read_many`` per
+~16 MiB, a task per group) under cancellation at every loop turn, mixed with what makes a group
+leave its batch path: pages already in the pool inside a group (PRESENT), pages another call is
+bringing in (PENDING, a concurrent prefetch), and a pool with too little room (EXHAUSTED).
+
+After every cancel every pool page the pool hands out is taken and overwritten at once; once the
+abandoned reads ended none of them changed, the cache is quiescent (no reference, reservation or
+background job left) and a full load of the prompt is bit-exact against the source (so no page a
+group committed to the pool holds wrong KV). Real page files, both the threads and io_uring backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import assert_quiescent
+
+from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+from aiokv.loadpath import read_group_pages
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.storage import DiskConfig
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+GROUP = read_group_pages(LAYOUT.page_bytes)
+PAGES = GROUP + 7  # two read groups, the second short
+N = PAGES * T
+POOL_PAGES = PAGES + 12
+BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
+BOUND_S = 30.0
+
+
+def _config(root: Path, backend: DiskBackend) -> CacheConfig:
+    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend)
+    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
+                       pool_chunk_bytes=4 * LAYOUT.page_bytes, offload_wait=0.01)
+
+
+def _kv(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 4 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+
+
+def _tokens(seed: int) -> list[int]:
+    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
+    async with KVCache(_config(root, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(N))
+        await cache.flush()
+
+
+def _take(cache: KVCache, tag: int, fill: int, most: int) -> list[PageHandle]:
+    """Reserve up to ``most`` pages the pool will give (free or evictable), each filled with ``fill``."""
+    pool = cache.pool
+    taken: list[PageHandle] = []
+    for i in range(most):
+        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
+        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
+            break
+        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
+        taken.append(res.handle)
+    return taken
+
+
+def _unchanged(cache: KVCache, taken: list[PageHandle], fill: int) -> None:
+    pool = cache.pool
+    for handle in taken:
+        assert bytes(pool.memory.page_view(pool.table.check(handle))) == bytes([fill]) * LAYOUT.page_bytes
+        pool.table.abort(handle)
+
+
+async def _exact_from_scratch(cache: KVCache, tokens: list[int], source: torch.Tensor, kv: torch.Tensor) -> None:
+    """A full load of ``tokens`` (pool pages and disk pages alike) is bit-exact."""
+    match = await cache.match(tokens)
+    target = torch.arange(2 * N, 3 * N)
+    result = await cache.load(match, target)
+    assert result.tokens == N, (result, cache.stats().errors)
+    assert torch.equal(kv[:, target], source[:, :N])
+
+
+def _scene(cache: KVCache, tokens: list[int], scene: int) -> list[PageHandle]:
+    """Set the pool up for one attempt: every page of ``tokens`` out of the pool, then per scene
+    some of them back in the middle of the first group (PRESENT), or the pool short of room
+    (returns the pages holding it)."""
+    pool = cache.pool
+    for key in cache.keys(tokens):
+        pool.table.discard(key)
+    if scene == 1:
+        return []  # pages put back by the caller's prefetch (below)
+    if scene == 3:
+        return _take(cache, 0xA0, 0x5A, POOL_PAGES - GROUP // 2)  # room for half a group
+    return []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_cancel_a_load_at_every_turn_with_present_pending_and_exhausted_pages(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    source = _kv(11)
+    tokens = _tokens(11)
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(12)
+    async with KVCache(_config(tmp_path, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        pool = cache.pool
+        completed = [0, 0, 0, 0]
+        step = 0
+        while min(completed) < 1:
+            assert step < 1200, f"a load never completed: {completed}"
+            scene = step % 4
+            turns = step // 4
+            holding = _scene(cache, tokens, scene)
+            if scene == 1:  # pages 3..6 of the first group in the pool, unreferenced
+                partial = tokens[: 7 * T]
+                await cache.prefetch(partial)
+                for key in cache.keys(partial)[:3]:
+                    assert pool.table.discard(key)
+            match = await cache.match(tokens)
+            assert match.pool_pages == 0 and match.disk_pages == PAGES
+            other = asyncio.create_task(cache.prefetch(tokens)) if scene == 2 else None
+            task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N - 1), from_token=1))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                fill = 1 + step % 250
+                taken = _take(cache, step % 256, fill, POOL_PAGES)
+                async with asyncio.timeout(BOUND_S):
+                    if other is not None:
+                        await other
+                    await cache.flush()  # every abandoned read and copy ended
+                _unchanged(cache, taken, fill)
+            else:
+                completed[scene] += 1
+                loaded = result.tokens - 1
+                assert result.tokens >= 1 + (GROUP // 2 - 1) * T if scene == 3 else result.tokens == N, result
+                assert torch.equal(kv[:, N : N + loaded], source[:, 1 : result.tokens])
+                if other is not None:
+                    async with asyncio.timeout(BOUND_S):
+                        await other
+            _unchanged(cache, holding, 0x5A)
+            await assert_quiescent(cache)
+            if turns % 8 == 0:
+                await _exact_from_scratch(cache, tokens, source, kv)
+                await assert_quiescent(cache)
+            step += 1
+        errors = {name for name, count in cache.stats().errors.items() if count}
+        assert errors <= {"pool_exhausted", "load_shortened"}, errors
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_cancel_a_prefetch_at_every_turn(tmp_path: Path, backend: DiskBackend) -> None:
+    source = _kv(13)
+    tokens = _tokens(13)
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(14)
+    async with KVCache(_config(tmp_path, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        step = 0
+        while True:
+            assert step < 600, "the prefetch never completed"
+            _scene(cache, tokens, 0)
+            task = asyncio.create_task(cache.prefetch(tokens))
+            for _ in range(step):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                fetched = await task
+            except asyncio.CancelledError:
+                fill = 1 + step % 250
+                taken = _take(cache, step % 256, fill, POOL_PAGES)
+                async with asyncio.timeout(BOUND_S):
+                    await cache.flush()
+                _unchanged(cache, taken, fill)
+                await assert_quiescent(cache)
+                if step % 8 == 0:
+                    await _exact_from_scratch(cache, tokens, source, kv)
+                    await assert_quiescent(cache)
+                step += 1
+                continue
+            assert (fetched.pool_pages, fetched.promoted) == (0, PAGES)
+            break
+        await _exact_from_scratch(cache, tokens, source, kv)
+        await assert_quiescent(cache)
+        assert not any(cache.stats().errors.values()), cache.stats().errors

@@ -1,0 +1,203 @@
+"""Adversarial review 111: a load's read groups while their reads are held in the kernel.
+
+The page files live on an ext4 whose block device stops answering on command (``gate_helpers``: a
+loop device over a FUSE file whose reads are held), read with O_DIRECT so every read reaches it.
+With a load's first group held there: a cancel returns at once and the pages under the held reads
+stay reserved (every free pool page is taken and overwritten right after; none changed once the
+reads ended); the ext4 shut down under the held reads (EIO on everything later) degrades to a
+shorter, exact load with counted faults; the cache's close keeps its bound and the load returns
+once the reads end, counting its pages withdrawn. Root only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import assert_quiescent
+
+from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+from aiokv.loadpath import read_group_pages
+from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.storage import DiskConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
+from fs_helpers import shut_down_ext4
+from gate_helpers import GateControl, gated_ext4
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+GROUP = read_group_pages(LAYOUT.page_bytes)
+PAGES = GROUP + 7
+N = PAGES * T
+POOL_PAGES = 2 * PAGES + 8
+BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
+CLOSE_S = 1.0
+BOUND_S = 30.0
+
+
+def _config(root: Path, backend: DiskBackend) -> CacheConfig:
+    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend,
+                      direct_io=True, min_free_bytes=1 << 20, queue_depth=4)
+    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
+                       pool_chunk_bytes=4 * LAYOUT.page_bytes, close_timeout=CLOSE_S)
+
+
+def _kv(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 3 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+
+
+def _tokens(seed: int) -> list[int]:
+    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
+    async with KVCache(_config(root, backend), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(N))
+        await cache.flush()
+
+
+async def _held(gate: GateControl) -> None:
+    """Until a read waits at the gate (polled in a thread: the gate's state is the kernel's)."""
+    await asyncio.to_thread(gate.wait_held)
+
+
+def _take(cache: KVCache, fill: int) -> list[PageHandle]:
+    pool = cache.pool
+    taken: list[PageHandle] = []
+    for i in range(POOL_PAGES):
+        (res,) = pool.reserve([bytes([0xEE, 0x11]) + i.to_bytes(14, "little")])
+        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
+            break
+        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
+        taken.append(res.handle)
+    return taken
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_a_load_cancelled_with_its_group_held_returns_at_once_and_frees_nothing_under_it(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    with gated_ext4(tmp_path, 64) as (mount, gate):
+        source, tokens = _kv(21), _tokens(21)
+        await _on_disk(mount / "kv", backend, tokens, source)
+        kv = _kv(22)
+        async with KVCache(_config(mount / "kv", backend), LAYOUT, kv) as cache:
+            await cache.pool.wait_ready()
+            pool = cache.pool
+            try:
+                match = await cache.match(tokens)
+                assert match.disk_pages == PAGES
+                gate.hold()
+                task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
+                await _held(gate)
+                began = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    async with asyncio.timeout(BOUND_S):
+                        await task
+                assert time.monotonic() - began < 1.0, "a cancelled load waited for reads held in the kernel"
+                taken = _take(cache, 0x77)
+                assert len(taken) == POOL_PAGES - PAGES  # every page of both groups stayed reserved
+            finally:
+                gate.release()
+            async with asyncio.timeout(BOUND_S):
+                await cache.flush()
+            for handle in taken:
+                assert bytes(pool.memory.page_view(pool.table.check(handle))) == b"\x77" * LAYOUT.page_bytes
+                pool.table.abort(handle)
+            await assert_quiescent(cache)
+            match = await cache.match(tokens)
+            result = await cache.load(match, torch.arange(2 * N, 3 * N))
+            assert result.tokens == N
+            assert torch.equal(kv[:, 2 * N : 3 * N], source[:, :N])
+            await assert_quiescent(cache)
+            assert not any(cache.stats().errors.values()), cache.stats().errors
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_the_file_system_shut_down_under_held_group_reads_shortens_the_load_exactly(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    with gated_ext4(tmp_path, 64) as (mount, gate):
+        source, tokens = _kv(23), _tokens(23)
+        await _on_disk(mount / "kv", backend, tokens, source)
+        kv = _kv(24)
+        before = kv.clone()
+        async with KVCache(_config(mount / "kv", backend), LAYOUT, kv) as cache:
+            await cache.pool.wait_ready()
+            try:
+                match = await cache.match(tokens)
+                gate.hold()
+                task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
+                await _held(gate)
+                # The shutdown waits for the held I/O: from a thread, the gate opened behind it.
+                # Reads the kernel took before it lands may still succeed; every later one: EIO.
+                shutting = asyncio.ensure_future(asyncio.to_thread(shut_down_ext4, mount))
+            finally:
+                gate.release()
+            async with asyncio.timeout(BOUND_S):
+                await shutting
+                result = await task
+            loaded = result.tokens
+            assert torch.equal(kv[:, N : N + loaded], source[:, :loaded])
+            assert torch.equal(kv[:, N + loaded : 2 * N], before[:, N + loaded : 2 * N])
+            stats = cache.stats()
+            if loaded < N:
+                assert stats.errors["disk_read_failed"] >= 1 and stats.errors["load_shortened"] == 1, stats.errors
+            await assert_quiescent(cache)
+            match = await cache.match(tokens)  # the pool keeps what was read; nothing after it is served
+            again = await cache.load(match, torch.arange(2 * N, 3 * N))
+            assert torch.equal(kv[:, 2 * N : 2 * N + again.tokens], source[:, : again.tokens])
+            await assert_quiescent(cache)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_the_close_with_group_reads_held_keeps_its_bound_and_the_load_withdraws(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    with gated_ext4(tmp_path, 64) as (mount, gate):
+        source, tokens = _kv(25), _tokens(25)
+        await _on_disk(mount / "kv", backend, tokens, source)
+        kv = _kv(26)
+        before = kv.clone()
+        cache = KVCache(_config(mount / "kv", backend), LAYOUT, kv)
+        await cache.start()
+        task: asyncio.Task[object] | None = None
+        try:
+            await cache.pool.wait_ready()
+            match = await cache.match(tokens)
+            gate.hold()
+            task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
+            await _held(gate)
+            began = time.monotonic()
+            async with asyncio.timeout(BOUND_S):
+                await cache.aclose()
+            took = time.monotonic() - began
+            assert took < CLOSE_S + 3.0, f"the close waited {took:.1f} s for reads held in the kernel"
+        finally:
+            gate.release()
+        assert task is not None
+        async with asyncio.timeout(BOUND_S):
+            result = await task
+            disk = cache.disk
+            assert disk is not None
+            await disk.io_ended  # the close goes on in the background until the held reads ended
+            await cache.pool.wait_freed()
+        stats = cache.stats()
+        table = cache.pool.table.statistics()
+        assert (table.reserved, table.referenced) == (0, 0), table
+        assert torch.equal(kv[:, N : N + result.tokens], source[:, : result.tokens])
+        assert torch.equal(kv[:, N + result.tokens : 2 * N], before[:, N + result.tokens : 2 * N])
+        faults = {name for name, count in stats.errors.items() if count}
+        assert faults <= {"close_timeout"}, stats.errors
+        assert stats.pages_withdrawn == PAGES - result.tokens // T, stats
