@@ -348,24 +348,31 @@ class LoadPath(ManagerBase):
 
     async def _promote_group(self, keys: list[PageKey]) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
-        read in one ``DiskTier.read_many`` batch; a page in the pool or being brought in, or one
-        that found no room, then goes :meth:`_promote`'s way. If cancelled, the batch's pages are
+        read in one ``DiskTier.read_many`` batch, a page in the pool is held at once; one being
+        brought in, or one that found no room, then goes :meth:`_promote`'s way. If cancelled, the batch's pages are
         settled when its read ends (:meth:`_read_batch`) and the references taken are dropped."""
         pool, disk = self.pool, self._disk
         outcomes = pool.reserve(keys)
-        got: list[Promotion | NoPage | None] = [None] * len(keys)
         batch = [(i, r.handle) for i, r in enumerate(outcomes)
                  if r.outcome is ReserveOutcome.RESERVED and r.handle is not None]
-        if batch:
-            handles = [handle for _, handle in batch]
-            if disk is None:  # not reached by callers (they promote only pages on disk): nothing to read
-                for handle in handles:
-                    pool.table.abort(handle)
-                return [NoPage.MISS] * len(keys)
-            oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
-            for (i, handle), ok in zip(batch, oks, strict=True):
-                got[i] = self._read_into_pool(handle, ok)
+        if disk is None:  # not reached by callers (they promote only pages on disk): nothing to read
+            for _, handle in batch:
+                pool.table.abort(handle)
+            return [NoPage.MISS] * len(keys)
+        got: list[Promotion | NoPage | None] = [None] * len(keys)
+        for i, r in enumerate(outcomes):
+            if r.outcome is ReserveOutcome.PRESENT:
+                # Held now, as a single promotion holds it: unreferenced while the batch reads,
+                # the pool's pressure could evict it and the load would stop there (review 111).
+                held = pool.table.acquire(keys[i])
+                if held is not None:
+                    got[i] = Promotion(held, read=False)
         try:
+            if batch:
+                handles = [handle for _, handle in batch]
+                oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
+                for (i, handle), ok in zip(batch, oks, strict=True):
+                    got[i] = self._read_into_pool(handle, ok)
             for i, key in enumerate(keys):
                 if got[i] is None:
                     got[i] = await self._promote(key)
