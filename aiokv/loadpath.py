@@ -348,9 +348,10 @@ class LoadPath(ManagerBase):
 
     async def _promote_group(self, keys: list[PageKey]) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
-        read in one ``DiskTier.read_many`` batch, a page in the pool is held at once; one being
-        brought in, or one that found no room, then goes :meth:`_promote`'s way. If cancelled, the batch's pages are
-        settled when its read ends (:meth:`_read_batch`) and the references taken are dropped."""
+        read in one ``DiskTier.read_many`` batch, a page in the pool is held at once, one another
+        call brings in as soon as it lands; one that found no room then goes :meth:`_promote`'s
+        way. If cancelled, the batch's pages are settled when its read ends (:meth:`_read_batch`)
+        and the references taken (or still to come) are dropped."""
         pool, disk = self.pool, self._disk
         outcomes = pool.reserve(keys)
         batch = [(i, r.handle) for i, r in enumerate(outcomes)
@@ -360,13 +361,17 @@ class LoadPath(ManagerBase):
                 pool.table.abort(handle)
             return [NoPage.MISS] * len(keys)
         got: list[Promotion | NoPage | None] = [None] * len(keys)
+        # Pages in the pool are held now, those another call brings in as soon as they land, as a
+        # single promotion holds them: left alone until the batch ended, the pool's pressure could
+        # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
+        landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
         for i, r in enumerate(outcomes):
             if r.outcome is ReserveOutcome.PRESENT:
-                # Held now, as a single promotion holds it: unreferenced while the batch reads,
-                # the pool's pressure could evict it and the load would stop there (review 111).
                 held = pool.table.acquire(keys[i])
                 if held is not None:
                     got[i] = Promotion(held, read=False)
+            elif r.outcome is ReserveOutcome.PENDING:
+                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome))
         try:
             if batch:
                 handles = [handle for _, handle in batch]
@@ -374,9 +379,14 @@ class LoadPath(ManagerBase):
                 for (i, handle), ok in zip(batch, oks, strict=True):
                     got[i] = self._read_into_pool(handle, ok)
             for i, key in enumerate(keys):
-                if got[i] is None:
+                if i in landing:
+                    got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
+                    del landing[i]
+                elif got[i] is None:
                     got[i] = await self._promote(key)
         except BaseException:
+            for wait in landing.values():
+                self._adopt(wait)  # its reference, once it has one, is dropped
             self._release_handles([p.handle for p in got if isinstance(p, Promotion)])
             raise
         return [p if p is not None else NoPage.MISS for p in got]

@@ -100,3 +100,61 @@ async def test_a_pool_page_inside_a_read_group_is_not_lost_to_eviction_while_the
         assert not errors, errors
         assert disk.statistics().reads - reads_before == PAGES - 1  # the page in the pool was not read again
         await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_page_another_call_brings_in_inside_a_read_group_is_held_once_it_lands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a page another call is reading when the group starts (PENDING): it was
+    looked at again only after the group's batch, by when the other call (a prefetch) had
+    committed and let go of it and the pool's pressure had evicted it."""
+    source = _kv(43)
+    tokens = torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(43)).tolist()
+    async with KVCache(_config(tmp_path), LAYOUT, source) as writer:
+        await writer.pool.wait_ready()
+        await writer.offload(tokens, torch.arange(N))
+        await writer.flush()
+    kv = _kv(44)
+    async with KVCache(_config(tmp_path), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        pool, disk = cache.pool, cache.disk
+        assert disk is not None
+        await cache.prefetch(tokens[: IN_POOL * T])  # pages before IN_POOL in the pool
+        match = await cache.match(tokens)
+        assert (match.pool_pages, match.disk_pages) == (IN_POOL, PAGES - IN_POOL)
+
+        real = disk.read_many
+        held = {1: asyncio.Event(), GROUP - 1: asyncio.Event()}  # by batch size: the prefetch's, the group's
+        go_on = {1: asyncio.Event(), GROUP - 1: asyncio.Event()}
+
+        async def hold(keys: Any, handles: Any) -> list[bool]:  # the real reads, their outcome held back
+            oks = await real(keys, handles)
+            if len(oks) in held:
+                held[len(oks)].set()
+                await go_on[len(oks)].wait()
+            return oks
+
+        monkeypatch.setattr(disk, "read_many", hold)
+        async with asyncio.timeout(BOUND_S):
+            prefetch = asyncio.create_task(cache.prefetch(tokens[: (IN_POOL + 1) * T]))  # reads page IN_POOL
+            await held[1].wait()
+            load = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
+            await held[GROUP - 1].wait()  # the load's first group read the rest of its pages
+            go_on[1].set()
+            assert (await prefetch).promoted == 1  # page IN_POOL committed, and let go by the prefetch
+        others: list[PageHandle] = []
+        for i in range(POOL_PAGES):  # another request takes every page the pool will give
+            (res,) = pool.reserve([bytes([0xEE, 0x43]) + i.to_bytes(14, "little")])
+            if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
+                break
+            others.append(res.handle)
+        go_on[GROUP - 1].set()
+        async with asyncio.timeout(BOUND_S):
+            result = await load
+        for handle in others:
+            pool.table.abort(handle)
+        errors = {name: count for name, count in cache.stats().errors.items() if count}
+        assert result.tokens == N, (result, errors)
+        assert torch.equal(kv[:, N : 2 * N], source[:, :N])
+        assert not errors, errors
+        await assert_quiescent(cache)
