@@ -378,12 +378,17 @@ class LoadPath(ManagerBase):
                 oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
                 for (i, handle), ok in zip(batch, oks, strict=True):
                     got[i] = self._read_into_pool(handle, ok)
+            missed = False
             for i, key in enumerate(keys):
                 if i in landing:
                     got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
                     del landing[i]
                 elif got[i] is None:
-                    got[i] = await self._promote(key)
+                    # The prefix ends at a page that found no room (or failed): the group's later
+                    # pages without room are misses at once, not one wait for room each (those
+                    # waits ran one after another; single promotions waited together: review 111).
+                    got[i] = NoPage.MISS if missed else await self._promote(key)
+                    missed = got[i] is NoPage.MISS
         except BaseException:
             for wait in landing.values():
                 self._adopt(wait)  # its reference, once it has one, is dropped

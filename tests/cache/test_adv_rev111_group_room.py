@@ -1,0 +1,86 @@
+"""A read group's pages that found no room wait for it together, not one after another.
+
+Right after start the pool may still be preparing chunks; a disk promotion that finds no room
+waits (``offload_wait`` at most) for the next chunk. Single promotions waited concurrently, so a
+load found its prefix's end after one ``offload_wait``. A read group handed its pages without room
+to :meth:`LoadPath._promote` one after another after its batch: each waited ``offload_wait`` in
+turn, and the load, which copies a group only once it ended, took that many times longer (31 pages
+of a group: 31 x 5 s with the default). Review 111; real page files, the pool's later chunks held
+in their preparation (``SharedSegment.prepare_chunk``) until the test ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import DEVICE
+
+from aiokv import CacheConfig, KVCache, KVLayout
+from aiokv.loadpath import read_group_pages
+from aiokv.shm import ChunkResult, SharedSegment
+from aiokv.storage import DiskConfig
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+GROUP = read_group_pages(LAYOUT.page_bytes)
+PAGES = GROUP + 7
+N = PAGES * T
+CHUNK_PAGES = 8
+WAIT_S = 0.4
+BOUND_S = 30.0
+
+
+def _config(root: Path, pool_pages: int) -> CacheConfig:
+    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096))
+    return CacheConfig(cpu_bytes=pool_pages * LAYOUT.page_bytes, disk=disk, namespace="test-model",
+                       pool_chunk_bytes=CHUNK_PAGES * LAYOUT.page_bytes, offload_wait=WAIT_S)
+
+
+def _kv(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 2 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+
+
+@pytest.mark.timing
+@pytest.mark.asyncio
+async def test_pages_without_room_in_a_group_wait_for_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _kv(51)
+    tokens = torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(51)).tolist()
+    async with KVCache(_config(tmp_path, 2 * PAGES), LAYOUT, source) as writer:
+        await writer.pool.wait_ready()
+        await writer.offload(tokens, torch.arange(N))
+        await writer.flush()
+    release = threading.Event()
+    real = SharedSegment.prepare_chunk
+
+    def held(self: SharedSegment, index: int, offset: int, length: int, register_cuda: bool) -> ChunkResult:
+        if index > 0:
+            release.wait(BOUND_S)
+        return real(self, index, offset, length, register_cuda)
+
+    monkeypatch.setattr(SharedSegment, "prepare_chunk", held)
+    kv = _kv(52).to(DEVICE)
+    cache = KVCache(_config(tmp_path, 6 * CHUNK_PAGES), LAYOUT, kv)
+    try:
+        await cache.start()
+        assert not cache.pool.ready  # only the first chunk is usable
+        match = await cache.match(tokens)
+        assert (match.pool_pages, match.disk_pages) == (0, PAGES)
+        began = time.perf_counter()
+        async with asyncio.timeout(BOUND_S):
+            result = await cache.load(match, torch.arange(N, 2 * N))
+        took = time.perf_counter() - began
+        assert result.tokens == CHUNK_PAGES * T, result  # the first chunk's pages, then no room
+        assert torch.equal(kv[:, N : N + result.tokens].cpu(), source[:, : result.tokens])
+        assert cache.stats().errors["pool_exhausted"] >= 1
+        # One offload_wait (and the reads); it took one per page without room in the group.
+        assert took < 3 * WAIT_S, f"the load took {took:.1f} s for an offload_wait of {WAIT_S} s"
+    finally:
+        release.set()
+        async with asyncio.timeout(BOUND_S):
+            await cache.aclose()
