@@ -111,6 +111,12 @@ async def test_cancelled_finish_at_the_meeting_point_leaves_no_copy_pending(
         gate, started = asyncio.Event(), [0]
         _gate_reads(monkeypatch, cache, gate, started)
         target = torch.arange(20, 20 + n)
+        if DEVICE.type == "cuda":
+            # The copies (ordered after this stream) stay pending on the GPU until the cancel: tiny
+            # pages otherwise land before finish() first waits, and it returns at once (the H200
+            # once: DID NOT RAISE CancelledError).
+            await cache.wait_warm()
+            torch.cuda._sleep(400_000_000)  # type: ignore[no-untyped-call]  # ~0.2 s
         stream = await cache.start_load(await cache.match(tokens), target)
         gate.set()  # the back pages land and are launched
         async with asyncio.timeout(BOUND_S):
