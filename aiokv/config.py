@@ -23,6 +23,11 @@ from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 from aiokv.shm import shm_free_bytes
 from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
 
+DEFAULT_READ_GROUP_BYTES = 16 << 20
+"""Default of :attr:`CacheConfig.read_group_bytes`."""
+DEFAULT_STREAM_READAHEAD_BYTES = 128 << 20
+"""Default of :attr:`CacheConfig.stream_readahead_bytes`."""
+
 __all__ = ["DISK_SHORTCUTS", "Admission", "CacheConfig", "default_cpu_bytes", "default_disk", "default_disk_dir"]
 
 log = logging.getLogger(__name__)
@@ -156,6 +161,20 @@ class CacheConfig:
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""
 
+    read_group_bytes: int = DEFAULT_READ_GROUP_BYTES
+    """A load's or prefetch's disk pages are read in groups of about this many bytes (at least one
+    page, at most 32 pages), each group one ``DiskTier.read_many`` batch: per page the loop ran two
+    tasks and two shields and a wake-up each (#14). A load copies a group's pages once the whole
+    group landed, so larger groups delay its first and last copies by the rest of their group."""
+
+    stream_readahead_bytes: int = DEFAULT_STREAM_READAHEAD_BYTES
+    """Disk bytes a :class:`~aiokv.stream.LoadStream` keeps in flight ahead of its front (at least 2
+    pages, at most the disk queue depth). Too few starve the device: with 32 MiB pages (an 8B
+    model's 256 tokens) 32 MiB meant 2 reads in flight, and the H200 host's disk delivered 37 ms a
+    page inside an 8K split against 17.6 ms in a plain load's deep queue; too many delay the first
+    page and waste the reads the engine overtakes (sixteen 32 MiB reads landed together after ~300
+    ms there). A disk that needs a deeper queue (network storage) wants more."""
+
     def __init__(
         self,
         *,
@@ -174,6 +193,8 @@ class CacheConfig:
         prefill_tokens_per_s: float | None = _UNSET,
         offload_wait: float = _UNSET,
         close_timeout: float = _UNSET,
+        read_group_bytes: int = _UNSET,
+        stream_readahead_bytes: int = _UNSET,
         disk_dir: str | os.PathLike[str] | None = _UNSET,
         disk_bytes: int = _UNSET,
         disk_backend: DiskBackend = _UNSET,
@@ -240,7 +261,7 @@ class CacheConfig:
     def _check(self) -> None:
         """Validate the cache's own fields (the disk tier's are DiskConfig's to check)."""
         for name in ("cpu_bytes", "seen_window", "staging_pages", "launch_pages", "pool_chunk_bytes",
-                     "pool_workers", "tp_size"):
+                     "pool_workers", "tp_size", "read_group_bytes", "stream_readahead_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")

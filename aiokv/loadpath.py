@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aiokv.config import DEFAULT_READ_GROUP_BYTES
 from aiokv.costs import LoadEstimate, RateMeter
 from aiokv.keys import PageKey, Salt, Tokens
 from aiokv.managerbase import ManagerBase
@@ -40,19 +41,14 @@ turn they added up to the longest loop callbacks while streaming (issue #10). TO
 ``CacheConfig`` field."""
 
 
-READ_GROUP_BYTES = 16 << 20
-"""A load's or prefetch's disk pages are read in groups of about this many bytes (at least one
-page, at most :data:`READ_GROUP_PAGES`), each group one ``DiskTier.read_many`` batch awaited by
-one task: per page the loop ran two tasks and two shields (the promotion and its read) and one
-wake-up each (#14). A load copies a group's pages once the whole group landed, so larger groups
-delay its first and last copies by the rest of their group. TODO(lead): a ``CacheConfig`` field."""
 READ_GROUP_PAGES = 32
-"""At most this many pages in one read group (16 MiB of small pages)."""
+"""At most this many pages in one read group (``CacheConfig.read_group_bytes``; 16 MiB of small pages)."""
 
 
-def read_group_pages(page_bytes: int) -> int:
-    """Pages in one read group (:data:`READ_GROUP_BYTES`) for pages of ``page_bytes`` bytes."""
-    return max(1, min(READ_GROUP_PAGES, READ_GROUP_BYTES // page_bytes))
+def read_group_pages(page_bytes: int, group_bytes: int = DEFAULT_READ_GROUP_BYTES) -> int:
+    """Pages in one read group of about ``group_bytes`` (``CacheConfig.read_group_bytes``) for pages
+    of ``page_bytes`` bytes: at least one, at most :data:`READ_GROUP_PAGES`."""
+    return max(1, min(READ_GROUP_PAGES, group_bytes // page_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +339,7 @@ class LoadPath(ManagerBase):
 
     def _promote_groups(self, keys: Sequence[PageKey]) -> list[asyncio.Task[list[Promotion | NoPage]]]:
         """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started."""
-        n = read_group_pages(self.layout.page_bytes)
+        n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
         return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]))) for i in range(0, len(keys), n)]
 
     async def _promote_group(self, keys: list[PageKey]) -> list[Promotion | NoPage]:

@@ -23,7 +23,7 @@ directory), so the first hit after one has its plan too. An engine that claims s
 it cannot tell the paces apart may claim up to ``planned`` in whole chunks at once (a chunk
 prefills faster than pages one by one), then go on a page at a time until the fronts meet.
 
-Disk pages are read from the back a few at a time (:data:`READAHEAD_BYTES`), so they land one by
+Disk pages are read from the back a few at a time (``CacheConfig.stream_readahead_bytes``), so they land one by
 one rather than in a burst (concurrent reads share the device: sixteen 32 MiB reads in flight landed
 together after ~300 ms on the H200, as long as the whole 8K prefill). A read the engine will claim
 into before it lands, by the measured rates, is not started; a read the engine claimed into while
@@ -52,14 +52,6 @@ from aiokv.pagetable import PageHandle
 from aiokv.results import Match, Tier
 from aiokv.streamcopies import StreamCopies
 from aiokv.transfers import Copy
-
-READAHEAD_BYTES = 128 << 20
-"""Disk bytes a stream keeps in flight ahead of its front (at least 2 pages, at most the disk queue
-depth). Too few starve the device: with 32 MiB pages (the 8B shape) 32 MiB meant 2 reads in flight,
-and the H200 host's disk delivered 37 ms a page inside an 8K split against 17.6 ms in a plain
-load's deep queue (the split 1.33x its bound); too many delay the first page and waste the reads
-the engine overtakes (sixteen 32 MiB reads landed together after ~300 ms there).
-TODO(lead): a ``CacheConfig`` field."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +117,8 @@ class LoadStream:
         # Disk reads in flight at most; worked out only for a match with disk pages (reading the
         # config's disk view looks up DiskConfig's defaults when there is no disk tier).
         self._ahead = 0 if not self._disk_pages else min(
-            manager.config.disk_queue_depth, max(2, READAHEAD_BYTES // manager.layout.page_bytes))
+            manager.config.disk_queue_depth,
+            max(2, manager.config.stream_readahead_bytes // manager.layout.page_bytes))
         self._disk_started = time.perf_counter()
         self._measured: Callable[[], None] = lambda: None
         self._disk_landed = 0  # pages this stream read from disk so far (its own disk rate)

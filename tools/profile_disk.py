@@ -33,7 +33,7 @@ pages (default: the queue depth), two batches in flight, writes as before (per-p
 alternated in one process, ratios to the same rounds' raw engine); the profiled run then reads
 in batches too. ``--load`` times
 ``KVCache.load`` of the same pages from disk through the cache (a fresh cache per round, page cache
-dropped), its reads one page a group or in read groups (``aiokv.loadpath.READ_GROUP_BYTES``),
+dropped), its reads one page a group or in read groups (``CacheConfig.read_group_bytes``),
 alternated.
 
 Usage: ``python tools/profile_disk.py --dir /var/tmp/aiokv-prof --page-mib 1 --depth 8 32``;
@@ -62,7 +62,8 @@ from pathlib import Path
 
 import torch
 
-from aiokv import CacheConfig, KVCache, loadpath
+from aiokv import CacheConfig, KVCache
+from aiokv.config import DEFAULT_READ_GROUP_BYTES
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
@@ -398,7 +399,7 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
 async def load_rounds(directory: Path, backend: DiskBackend, page_mib: int, depth: int, total_mib: int,
                       repeats: int) -> dict[str, list[Phase]]:
     """``--load``: ``KVCache.load`` of a prefix whose pages are all on disk (a fresh cache, its pool
-    empty, page cache dropped), its disk pages read in groups (``aiokv.loadpath.READ_GROUP_BYTES``,
+    empty, page cache dropped), its disk pages read in groups (``CacheConfig.read_group_bytes``,
     one ``read_many`` each) or one page a group; alternated ``repeats`` times. Process CPU of the
     whole load: reads, promotions, the copies into a CPU KV buffer."""
     layout = layout_for(page_mib)
@@ -411,35 +412,31 @@ async def load_rounds(directory: Path, backend: DiskBackend, page_mib: int, dept
     disk = DiskConfig(directory=directory, capacity_bytes=2 * count * (layout.page_bytes + HEADER_BYTES),
                       backend=backend, queue_depth=depth, threads=depth)
 
-    def cache() -> KVCache:
-        return KVCache(CacheConfig(cpu_bytes=(count + 8) * layout.page_bytes, disk=disk, namespace="profile"),
-                       layout, kv)
+    def cache(group_bytes: int = DEFAULT_READ_GROUP_BYTES) -> KVCache:
+        return KVCache(CacheConfig(cpu_bytes=(count + 8) * layout.page_bytes, disk=disk, namespace="profile",
+                                   read_group_bytes=group_bytes), layout, kv)
 
     async with cache() as writer:
         await writer.pool.wait_ready()
         await writer.offload(tokens, slots)
         await writer.flush()
-    grouped = loadpath.READ_GROUP_BYTES
     out: dict[str, list[Phase]] = {"load per page": [], "load in groups": []}
-    try:
-        for _ in range(repeats):
-            for name, group_bytes in (("load per page", 0), ("load in groups", grouped)):
-                loadpath.READ_GROUP_BYTES = group_bytes
-                async with cache() as reader:
-                    await reader.pool.wait_ready()
-                    assert reader.disk is not None
-                    await reader.disk.wait_registered()
-                    await asyncio.to_thread(drop_caches, directory)
-                    match = await reader.match(tokens)
-                    assert match.disk_pages == count, (match.disk_pages, count)
+    for _ in range(repeats):
+        # One page a group: a group of 1 byte rounds up to one page.
+        for name, group_bytes in (("load per page", 1), ("load in groups", DEFAULT_READ_GROUP_BYTES)):
+            async with cache(group_bytes) as reader:
+                await reader.pool.wait_ready()
+                assert reader.disk is not None
+                await reader.disk.wait_registered()
+                await asyncio.to_thread(drop_caches, directory)
+                match = await reader.match(tokens)
+                assert match.disk_pages == count, (match.disk_pages, count)
 
-                    async def load(reader: KVCache = reader, match: Match = match) -> None:
-                        result = await reader.load(match, slots)
-                        assert result.disk_pages == count
+                async def load(reader: KVCache = reader, match: Match = match) -> None:
+                    result = await reader.load(match, slots)
+                    assert result.disk_pages == count
 
-                    out[name].append(await measured(name, count * layout.page_bytes, load, None))
-    finally:
-        loadpath.READ_GROUP_BYTES = grouped
+                out[name].append(await measured(name, count * layout.page_bytes, load, None))
     return out
 
 

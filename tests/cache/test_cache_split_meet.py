@@ -185,15 +185,13 @@ async def test_reads_ahead_are_bounded_in_bytes_and_go_from_the_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Sixteen 32 MiB reads in flight landed together after ~300 ms on the H200 (they share the
-    # device), as long as the whole 8K prefill: the stream keeps READAHEAD_BYTES in flight instead.
-    import aiokv.stream as stream_module
-
-    monkeypatch.setattr(stream_module, "READAHEAD_BYTES", 3 * LAYOUT.page_bytes)
+    # device), as long as the whole 8K prefill: the stream keeps stream_readahead_bytes in flight.
     n = 10 * T
     tokens = prompt(97, n)
     source = await _fill_disk(tmp_path, tokens)
     kv = make_kv(98)
-    async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, kv) as cache:
+    async with KVCache(config(tmp_path, pool_pages=32, stream_readahead_bytes=3 * LAYOUT.page_bytes),
+                       LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         disk = cache.disk
         assert disk is not None

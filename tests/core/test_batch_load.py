@@ -6,6 +6,7 @@ Real caches over real page files (the threads backend and io_uring)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,29 @@ async def test_a_load_reads_one_batch_per_group_bit_exact(tmp_path: Path, backen
         assert sizes == [GROUP, PAGES - 1 - GROUP]
         assert torch.equal(kv[:, target], source[:, T + 1 : N])
         assert cache.stats().pages_promoted == PAGES - 1
+        await _quiescent(cache)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("group_pages", [1, 3])
+async def test_read_group_bytes_sets_the_pages_of_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               group_pages: int) -> None:
+    """``CacheConfig.read_group_bytes``: groups of that many bytes' worth of pages (1 byte: one page)."""
+    source = _kv(11)
+    tokens = _tokens(11)
+    backend = DiskBackend.THREADS
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(12)
+    group_bytes = 1 if group_pages == 1 else group_pages * LAYOUT.page_bytes + LAYOUT.page_bytes // 2
+    config = dataclasses.replace(_config(tmp_path, backend), read_group_bytes=group_bytes)
+    async with KVCache(config, LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        assert cache.disk is not None
+        sizes = _count_batches(cache.disk, monkeypatch)
+        result = await cache.load(await cache.match(tokens), torch.arange(N))
+        assert result.disk_pages == PAGES
+        assert sizes == [group_pages] * (PAGES // group_pages) + ([PAGES % group_pages] if PAGES % group_pages else [])
+        assert torch.equal(kv[:, :N], source[:, :N])
         await _quiescent(cache)
 
 
