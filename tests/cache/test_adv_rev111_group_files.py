@@ -18,14 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import assert_quiescent
+from group_helpers import GROUP, LAYOUT, T, group_config, random_kv, random_tokens
 
-from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
-from aiokv.loadpath import read_group_pages
-from aiokv.storage import DiskConfig
+from aiokv import CacheConfig, DiskBackend, KVCache
 
-LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
-GROUP = read_group_pages(LAYOUT.page_bytes)
 PAGES = GROUP + 7
 N = PAGES * T
 POOL_PAGES = 2 * PAGES + 8
@@ -34,18 +30,15 @@ BOUND_S = 30.0
 
 
 def _config(root: Path, backend: DiskBackend) -> CacheConfig:
-    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend)
-    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
-                       pool_chunk_bytes=4 * LAYOUT.page_bytes)
+    return group_config(root, PAGES, POOL_PAGES, backend)
 
 
 def _kv(seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.num_layers, 3 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+    return random_kv(seed, 3 * N)
 
 
 def _tokens(seed: int) -> list[int]:
-    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_tokens(seed, N)
 
 
 def _truncate(path: str, _: str, __: Path) -> None:

@@ -18,15 +18,11 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import assert_quiescent
+from group_helpers import GROUP, LAYOUT, T, group_config, random_kv
 
-from aiokv import CacheConfig, KVCache, KVLayout
-from aiokv.loadpath import read_group_pages
+from aiokv import CacheConfig, KVCache
 from aiokv.pagetable import PageHandle, ReserveOutcome
-from aiokv.storage import DiskConfig
 
-LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
-GROUP = read_group_pages(LAYOUT.page_bytes)
 PAGES = GROUP + 7
 N = PAGES * T
 POOL_PAGES = PAGES + 12
@@ -35,14 +31,11 @@ BOUND_S = 30.0
 
 
 def _config(root: Path) -> CacheConfig:
-    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096))
-    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
-                       pool_chunk_bytes=4 * LAYOUT.page_bytes)
+    return group_config(root, PAGES, POOL_PAGES)
 
 
 def _kv(seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.num_layers, 2 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+    return random_kv(seed, 2 * N)
 
 
 @pytest.mark.asyncio

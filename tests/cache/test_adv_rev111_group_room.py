@@ -19,15 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import DEVICE
+from group_helpers import GROUP, LAYOUT, T, group_config, random_kv
 
-from aiokv import CacheConfig, KVCache, KVLayout
-from aiokv.loadpath import read_group_pages
+from aiokv import CacheConfig, KVCache
 from aiokv.shm import ChunkResult, SharedSegment
-from aiokv.storage import DiskConfig
 
-LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
-GROUP = read_group_pages(LAYOUT.page_bytes)
 PAGES = GROUP + 7
 N = PAGES * T
 CHUNK_PAGES = 8
@@ -36,14 +32,11 @@ BOUND_S = 30.0
 
 
 def _config(root: Path, pool_pages: int) -> CacheConfig:
-    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096))
-    return CacheConfig(cpu_bytes=pool_pages * LAYOUT.page_bytes, disk=disk, namespace="test-model",
-                       pool_chunk_bytes=CHUNK_PAGES * LAYOUT.page_bytes, offload_wait=WAIT_S)
+    return group_config(root, PAGES, pool_pages, chunk_pages=CHUNK_PAGES, offload_wait=WAIT_S)
 
 
 def _kv(seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.num_layers, 2 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+    return random_kv(seed, 2 * N)
 
 
 @pytest.mark.timing

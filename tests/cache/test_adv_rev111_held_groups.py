@@ -19,19 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import assert_quiescent
+from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
 
-from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
-from aiokv.loadpath import read_group_pages
+from aiokv import CacheConfig, DiskBackend, KVCache
 from aiokv.pagetable import PageHandle, ReserveOutcome
-from aiokv.storage import DiskConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import shut_down_ext4
 from gate_helpers import GateControl, gated_ext4
 
-LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
-GROUP = read_group_pages(LAYOUT.page_bytes)
 PAGES = GROUP + 7
 N = PAGES * T
 POOL_PAGES = 2 * PAGES + 8
@@ -41,26 +37,20 @@ BOUND_S = 30.0
 
 
 def _config(root: Path, backend: DiskBackend) -> CacheConfig:
-    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend,
-                      direct_io=True, min_free_bytes=1 << 20, queue_depth=4)
-    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
-                       pool_chunk_bytes=4 * LAYOUT.page_bytes, close_timeout=CLOSE_S)
+    return group_config(root, PAGES, POOL_PAGES, backend, close_timeout=CLOSE_S,
+                        disk={"direct_io": True, "min_free_bytes": 1 << 20, "queue_depth": 4})
 
 
 def _kv(seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.num_layers, 3 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+    return random_kv(seed, 3 * N)
 
 
 def _tokens(seed: int) -> list[int]:
-    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_tokens(seed, N)
 
 
 async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
-    async with KVCache(_config(root, backend), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(N))
-        await cache.flush()
+    await put_on_disk(_config(root, backend), tokens, kv)
 
 
 async def _held(gate: GateControl) -> None:

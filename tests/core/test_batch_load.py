@@ -13,15 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
 
-from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
-from aiokv.loadpath import read_group_pages
+from aiokv import CacheConfig, DiskBackend, KVCache
 from aiokv.pagetable import PageHandle, ReserveOutcome
-from aiokv.storage import DiskConfig, DiskTier
+from aiokv.storage import DiskTier
 
-LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
-GROUP = read_group_pages(LAYOUT.page_bytes)
 PAGES = GROUP + 5  # two read groups, the second short
 N = PAGES * T
 POOL_PAGES = 2 * PAGES + 8
@@ -29,26 +26,19 @@ BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
 
 
 def _config(root: Path, backend: DiskBackend) -> CacheConfig:
-    disk = DiskConfig(directory=root, capacity_bytes=4 * PAGES * (LAYOUT.page_bytes + 4096), backend=backend)
-    return CacheConfig(cpu_bytes=POOL_PAGES * LAYOUT.page_bytes, disk=disk, namespace="test-model",
-                       pool_chunk_bytes=4 * LAYOUT.page_bytes)
+    return group_config(root, PAGES, POOL_PAGES, backend)
 
 
 def _kv(seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.num_layers, 4 * N, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+    return random_kv(seed, 4 * N)
 
 
 def _tokens(seed: int) -> list[int]:
-    return torch.randint(0, 50_000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_tokens(seed, N)
 
 
 async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
-    """Every page of ``tokens`` (slots ``[0, N)`` of ``kv``) on disk; the pool that held them closes."""
-    async with KVCache(_config(root, backend), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(N))
-        await cache.flush()
+    await put_on_disk(_config(root, backend), tokens, kv)
 
 
 def _count_batches(disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:

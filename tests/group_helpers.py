@@ -1,0 +1,47 @@
+"""Set-up shared by the read-group tests (tests/core/test_batch_load.py, tests/cache/test_adv_rev111_*):
+a small MHA layout whose read groups hold 32 pages, random KV and prompts, and prompts put on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
+from aiokv.loadpath import read_group_pages
+from aiokv.storage import DiskConfig
+
+LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
+T = LAYOUT.page_tokens
+GROUP = read_group_pages(LAYOUT.page_bytes)
+"""Pages in one read group of LAYOUT's pages (the default read_group_bytes)."""
+
+
+def group_config(root: Path, pages: int, pool_pages: int, backend: DiskBackend = DiskBackend.AUTO, *,
+                 chunk_pages: int = 4, disk: dict[str, Any] | None = None, **cache: Any) -> CacheConfig:
+    """A cache of ``pool_pages`` pool pages over a disk tier at ``root`` with room for ``4 * pages``
+    page files; ``disk``: more DiskConfig settings, ``cache``: more CacheConfig settings."""
+    tier = DiskConfig(directory=root, capacity_bytes=4 * pages * (LAYOUT.page_bytes + 4096), backend=backend,
+                      **(disk or {}))
+    return CacheConfig(cpu_bytes=pool_pages * LAYOUT.page_bytes, disk=tier, namespace="test-model",
+                       pool_chunk_bytes=chunk_pages * LAYOUT.page_bytes, **cache)
+
+
+def random_kv(seed: int, slots: int) -> torch.Tensor:
+    """A KV buffer of ``slots`` slots of LAYOUT, random by ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, slots, LAYOUT.rows, LAYOUT.head_dim, generator=gen).to(LAYOUT.dtype)
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def put_on_disk(config: CacheConfig, tokens: list[int], kv: torch.Tensor) -> None:
+    """Every page of ``tokens`` (slots ``[0, len(tokens))`` of ``kv``) on disk; the pool that held
+    them closes."""
+    async with KVCache(config, LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(len(tokens)))
+        await cache.flush()
