@@ -237,7 +237,14 @@ class LoopThread:
         """Make a parked loop poll now if work is queued (one system call); else nothing."""
         if self._parked and self._inbox and not self._closed and self.died is None:
             self._parked = False
-            self._loop.call_soon_threadsafe(self._poll)
+            try:
+                self._loop.call_soon_threadsafe(self._poll)
+            except RuntimeError:
+                # The loop died or was closed after the checks above: its end has dropped or
+                # answered what was queued, and later hand-overs raise; nothing reaches the caller
+                # (an engine's thread) from here.
+                if not self._loop.is_closed():
+                    raise
 
     def quiesce(self, timeout: float | None = None) -> None:
         """Block until everything posted so far has run and every posted coroutine finished

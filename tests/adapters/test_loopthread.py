@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import gc
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,5 +266,42 @@ def test_a_long_quiesce_says_what_it_waits_for(monkeypatch: pytest.MonkeyPatch,
             waiting.join(10)
         assert not waiting.is_alive()
         assert "outer (test_loopthread.py" in caplog.text and "-> inner (test_loopthread.py" in caplog.text
+    finally:
+        thread.close()
+
+
+def test_a_wake_racing_the_loop_s_death_raises_nothing_into_the_engine_thread() -> None:
+    """Regression (the window review 108 named): wake() found the loop parked and alive, then the
+    loop died and closed before its call_soon_threadsafe, which raised RuntimeError('Event loop is
+    closed') into the engine's thread (vLLM's scheduler). Forced here: the loop really dies (a
+    SystemExit out of a callback) and its thread ends right after wake()'s checks."""
+
+    class Racing(LoopThread):
+        race = False
+
+        @property  # type: ignore[override]
+        def _parked(self) -> bool:
+            return bool(self.__dict__["parked_flag"])
+
+        @_parked.setter
+        def _parked(self, value: bool) -> None:
+            if self.race and not value and threading.current_thread() is threading.main_thread():
+                self.race = False  # wake() passed its checks: the loop dies and closes now
+                self.loop.call_soon_threadsafe(_die)
+                assert self.wait_ended(10)
+            self.__dict__["parked_flag"] = value
+
+    thread = Racing("aiokv-test", poll_s=0.001, linger_s=0.0)
+    try:
+        deadline = time.monotonic() + 10
+        while not thread.parked and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert thread.parked
+        thread.post_call(lambda: None)
+        thread.race = True
+        thread.wake()  # must not raise
+        assert thread.dead and isinstance(thread.died, LoopDied)
+        with pytest.raises(LoopDied):
+            thread.post_call(lambda: None)
     finally:
         thread.close()
