@@ -100,13 +100,23 @@ class DiskTier(WritePath, ReadPath):
         Raises ``TypeError``/``ValueError`` for a ``directory_fd`` that is not an open descriptor
         (nothing started), ``UnsafeDirectoryError`` (an ``OSError``) for a directory that is not
         safely ours, ``OSError`` when a forced backend (or forced O_DIRECT) cannot work here or the
-        directory cannot be created; ``RuntimeError`` when started twice. A directory that cannot be
-        written (read-only file system, locked by another cache) is no error: the tier starts
-        read-only.
+        directory cannot be created; ``RuntimeError`` when started twice (or while a start is in
+        flight), and when :meth:`aclose` ran while it started: the close waits for the start, then
+        closes what it made. A directory that cannot be written (read-only file system, locked by
+        another cache) is no error: the tier starts read-only.
         """
-        if self._dir is not None or self._close_task is not None:
+        if self._dir is not None or self._close_task is not None or (
+                self._starting is not None and not self._starting.done()):
             raise RuntimeError("disk tier already started")
         owned = [] if directory_fd is None else [_duplicate_directory_fd(directory_fd)]
+        # An aclose() from now on waits for this start to end, then closes what it made.
+        starting = self._starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._start(owned)
+        finally:
+            starting.set_result(None)
+
+    async def _start(self, owned: list[int]) -> None:
         # Its threads start in the thread that prepares the directory: Thread.start waits until the
         # new thread runs, which held the loop for ms on a loaded machine (#11).
         checksums = Checksums(start=False)
@@ -120,6 +130,8 @@ class DiskTier(WritePath, ReadPath):
                 log.error("%s", exc.strerror)
             raise
         try:
+            if self._close_task is not None:  # aclose() ran meanwhile: no backend for a closing tier
+                raise RuntimeError("the disk tier was closed while it was starting")
             direct = self._choose_direct(prepared.direct)
             slots = HeaderSlots(self.config.queue_depth)
             try:
@@ -143,6 +155,11 @@ class DiskTier(WritePath, ReadPath):
         self._read_only = prepared.read_only
         self._index.set_capacity(prepared.space, after_enospc=False)
         self._space_checked = asyncio.get_running_loop().time()
+        if self._close_task is not None:
+            # aclose() ran while the backend opened: it waits for this start, then closes the
+            # backend, threads and lock assigned above (before, the start went on after the close
+            # had ended and kept them open).
+            raise RuntimeError("the disk tier was closed while it was starting")
         if self._read_only is None:
             self._remove_files(self._index.evict_to(self._index.capacity))
         else:
@@ -237,6 +254,8 @@ class DiskTier(WritePath, ReadPath):
         return await self._write_owned(key, self._retain(handle))
 
     async def _close(self) -> None:
+        if self._starting is not None:
+            await asyncio.wait({self._starting})  # a start in flight may still be opening the backend
         if self._writable_again is not None:  # no more looks at a read-only file system
             self._writable_again.cancel()
             await asyncio.wait({self._writable_again})

@@ -83,6 +83,7 @@ class TierBase:
         self._queue: WriteBehind | None = None
         self._accepting = False
         self._close_task: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None  # DiskTier.start in flight, or ended
         self._io_ended: asyncio.Future[None] | None = None  # see DiskTier.io_ended
         self._stuck = False  # DiskTier.close_within gave up waiting: queued pages are dropped
         self._drop_queued: asyncio.Future[int] | None = None  # that drop, ending with the queue
