@@ -276,7 +276,11 @@ class UringEngine:
         self.submit_max_s = 0.0
         self.skip_success = bool(params.features & IORING_FEAT_CQE_SKIP)
         """The kernel can leave out the CQEs of linked ops that succeed (5.17): see :meth:`submit`."""
-        loop.add_reader(self._efd, self._on_eventfd)
+        try:
+            loop.add_reader(self._efd, self._on_eventfd)
+        except BaseException:  # (a closed loop): the ring, its maps and the eventfd must not leak
+            self._unmap()
+            raise
 
     @classmethod
     def open(cls, entries: int) -> UringEngine:

@@ -204,3 +204,17 @@ async def test_a_close_at_any_turn_of_the_start_leaves_nothing_open(
         pytest.fail("the start never ended before the close")
     assert during >= 1  # a close landed during the start at least once
     assert_clean(pool)
+
+
+def test_a_ring_that_cannot_watch_its_loop_closes_itself() -> None:
+    # Review 112 by reading: UringEngine registered its eventfd with the loop outside the guard of
+    # the set-up, so a refusal there (a loop already closed) left the ring, its maps and the eventfd
+    # open. Forced with a real closed loop.
+    from aiokv.storage.uring import UringEngine
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    before = _rings()
+    with pytest.raises(RuntimeError, match="closed"):
+        UringEngine(loop, 8)
+    assert _rings() == before
