@@ -508,7 +508,9 @@ class LoadPath(ManagerBase):
         tasks = self._promote_groups(keys[in_pool : in_pool + count])
         try:
             groups = await asyncio.shield(asyncio.gather(*tasks))
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or a group raised: the others go on in the background and drop what they
+            # bring (before, only a cancel adopted them; a raise left their references for good).
             for task in tasks:
                 self._adopt(task)
             raise

@@ -216,3 +216,30 @@ async def test_a_prefetch_reads_one_batch_per_group(tmp_path: Path, monkeypatch:
         again = await cache.prefetch(tokens)  # all in the pool now: nothing read
         assert (again.pool_pages, again.promoted, len(sizes)) == (PAGES, 0, 2)
         await _quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_prefetch_whose_group_raises_leaves_no_reference_behind(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 111 by reading: a prefetch adopted its other groups only when cancelled; a group that
+    raised anything else left the references the others took for good (pages never evictable)."""
+    from aiokv.loadpath import LoadPath
+
+    source = _kv(13)
+    tokens = _tokens(13)
+    await _on_disk(tmp_path, DiskBackend.THREADS, tokens, source)
+    real = LoadPath._promote_group
+    calls = [0]
+
+    async def second_raises(self: LoadPath, keys: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("an unexpected failure in a read group (injected)")
+        return await real(self, keys)
+
+    monkeypatch.setattr(LoadPath, "_promote_group", second_raises)
+    async with KVCache(_config(tmp_path, DiskBackend.THREADS), LAYOUT, _kv(14)) as cache:
+        await cache.pool.wait_ready()
+        with pytest.raises(RuntimeError, match="injected"):
+            await cache.prefetch(tokens)
+        await _quiescent(cache)  # the first group's pages were read and released
