@@ -24,7 +24,7 @@ import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
-from aiokv import CacheConfig, KVLayout
+from aiokv import CacheConfig, KVLayout, LoadResult
 from aiokv.shm import SHM_DIR
 from aiokv.tp import RankStatus, TPCache
 
@@ -79,19 +79,27 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
         await _store(cache, ranks, tokens)
         target = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))
 
-        async def bounded_load(bound: float) -> None:
+        async def bounded_load(bound: float) -> LoadResult:
             match = await cache.match(tokens)
             assert match.tokens == PAGES * T
             async with asyncio.timeout(bound):
-                await cache.load(match, idx(target))
+                return await cache.load(match, idx(target))
+
+        def ended(load: asyncio.Task[LoadResult]) -> str:
+            """What a load that ended while a rank was stopped returned (for the failure message)."""
+            outcome = load.exception() or load.result()
+            return f"a load returned while a stopped rank could still write its slots: {outcome!r}; " \
+                   f"{cache.group_statistics()}"
 
         for victim, ending in ((1, signal.SIGKILL), (0, signal.SIGCONT)):
             pid = ranks.ranks[victim].proc.pid
             assert pid is not None
+            async with asyncio.timeout(START_S):
+                await cache.wait_ranks()  # both attached: a rank not attached makes the load a miss at once
             os.kill(pid, signal.SIGSTOP)
             load = asyncio.create_task(bounded_load(0.05))
             done, _ = await asyncio.wait({load}, timeout=STALLED_S)
-            assert not done, "a load returned while a stopped rank could still write its slots"
+            assert not done, ended(load)
             async with asyncio.timeout(5):
                 other = await cache.match(tokens)  # the loop still serves
             assert other.tokens == PAGES * T
@@ -122,10 +130,12 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
         # killed the close ends and the segment is gone.
         pid = ranks.ranks[0].proc.pid
         assert pid is not None
+        async with asyncio.timeout(START_S):
+            await cache.wait_ranks()
         os.kill(pid, signal.SIGSTOP)
         load = asyncio.create_task(bounded_load(BOUND_S))
         done, _ = await asyncio.wait({load}, timeout=STALLED_S)
-        assert not done
+        assert not done, ended(load)  # it ended once (result not kept then): a link down would explain it
         segment = cache.pool.name.lstrip("/")
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(STALLED_S):
