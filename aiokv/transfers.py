@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from aiokv.kernels import PageMover
     from aiokv.kernels.mover import PacedLayers
 
+Mark = torch.cuda.Event | None
+"""A point in the engine's queued work (:meth:`Transfers.mark`) that a load is ordered after."""
+
 
 @dataclass(frozen=True, slots=True)
 class Copy:
@@ -249,12 +252,19 @@ class Transfers(Protocol):
         """Gather ``slots`` (``len(page_ids) * page_tokens`` of them) into the pages ``page_ids``."""
         ...
 
-    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
-        """Scatter tokens ``[skip, ...)`` of the concatenated pages into ``slots``."""
+    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
+        """Scatter tokens ``[skip, ...)`` of the concatenated pages into ``slots``: behind the engine's
+        work queued so far, or only behind ``after`` (a :meth:`mark`) when what it queued since
+        never touches ``slots``."""
         ...
 
-    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         """:meth:`load` layer by layer, with per-layer readiness where the worker can give it."""
+        ...
+
+    def mark(self) -> Mark:
+        """The engine's work queued so far, for ``after`` (CUDA: an event on the current stream;
+        None where copies are not ordered on this process's streams)."""
         ...
 
     def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
@@ -362,14 +372,21 @@ class LocalTransfers:
             return
         waited.add_done_callback(_retrieve)
 
-    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def mark(self) -> Mark:
+        if not self._cuda:
+            return None
+        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark.record(torch.cuda.current_stream(self._device))
+        return mark
+
+    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         mover = self.mover
         if self.closing:
             return _withdrawn()
         if not self._cuda:
             return Copy(self._bridge.run_cpu(lambda: _call(mover.load, page_ids, slots, skip, checked=True)))
         try:
-            event = mover.load(page_ids, slots, skip, checked=True)
+            event = mover.load(page_ids, slots, skip, checked=True, after=after)
         except Exception as exc:
             # A launch fault (arguments were validated): settles as a failed copy at once. Unlike an
             # offload's, scatters queued before the fault only read pool pages and write slots past
@@ -382,7 +399,7 @@ class LocalTransfers:
             torch.cuda.current_stream(self._device).wait_event(event)
         return Copy(self._bridge.wait(event, Lane.LOAD), event)
 
-    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         """A load copied layer 0 of every page first, then layer 1, ... with readiness per layer.
 
         CUDA: the engine's stream is NOT made to wait here; the caller orders it per layer (and
@@ -394,13 +411,13 @@ class LocalTransfers:
         loop = asyncio.get_running_loop()
         if self._cuda:
             try:
-                paced = mover.start_layers(page_ids, slots, skip, checked=True)
+                paced = mover.start_layers(page_ids, slots, skip, checked=True, after=after)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
                 return failed_copy(exc)
             if paced is not None:
                 return self._feed(paced, loop)
             try:
-                events = mover.load_layers(page_ids, slots, skip, checked=True)
+                events = mover.load_layers(page_ids, slots, skip, checked=True, after=after)
             except Exception as exc:  # a launch fault (arguments were validated): settles as a failed copy
                 self._fence_failed_load()
                 return failed_copy(exc)

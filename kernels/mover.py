@@ -624,13 +624,16 @@ class PageMover:
         return self._finish(streams)
 
     def load(
-        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, *, checked: bool = False
+        self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, *, checked: bool = False,
+        after: torch.cuda.Event | None = None,
     ) -> torch.cuda.Event | None:
         """Tokens ``[skip_first, len(page_ids)*T)`` of the concatenated pool pages -> ``slots``.
 
         ``len(slots) == len(page_ids) * T - skip_first``, ``0 <= skip_first < T``. CUDA: queued
-        behind the caller's current stream; returns the completion event: make the compute stream
-        wait on it, and keep the pool pages alive until it completes. CPU: synchronous, returns None.
+        behind the caller's current stream (or behind ``after``, an event recorded on it earlier,
+        where the work queued since never touches ``slots``); returns the completion event: make
+        the compute stream wait on it, and keep the pool pages alive until it completes. CPU:
+        synchronous, returns None.
         Where every page's loaded slots are one ascending run (host slots), by run copies
         (``load_runs``: no staging, no kernel). If queuing fails part-way, the caller's current
         stream is made to wait for what was queued before the error propagates.
@@ -639,30 +642,31 @@ class PageMover:
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
         tokens = self.kv.layout.page_tokens
         if self.effective_path is TransferPath.REFERENCE:
-            with self._on_side(self._load_lanes[:1]) as streams:
+            with self._on_side(self._load_lanes[:1], after) as streams:
                 reference_scatter(self.kv, self.pages, slots, ids, skip_first, None, True)  # checked
             return self._finish(streams)
         groups = self._whole_runs(ids, slots, skip_first)
         if groups is not None:
             # No staging used: while a paced load queues (its scatter stream is the first lane), only
             # the last lane, as the direct reads below.
-            return self._load_runs_whole(groups, self._load_lanes[-1:] if self._paced_active else self._load_lanes)
+            lanes = self._load_lanes[-1:] if self._paced_active else self._load_lanes
+            return self._load_runs_whole(groups, lanes, after)
         if self._paced_active:
             # A paced layer-wise load is still queuing into the staging: read the pool directly,
             # on the last lane (the first is that load's scatter stream).
             lane = self._load_lanes[-1]
-            with self._on_side([lane]) as streams:
+            with self._on_side([lane], after) as streams:
                 self._direct_plan().scatter(self._index(ids, lane), self._index(slots, lane), skip_first)
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._load_lanes[0]
-            with self._on_side([lane]) as streams:
+            with self._on_side([lane], after) as streams:
                 self._direct_plan().scatter(self._index(ids, lane), self._index(slots, lane), skip_first)
             return self._finish(streams)
         chunks = self._chunks(len(ids), ids, skip_first=skip_first, tokens=tokens)
         plan = self._deal(chunks, self._load_lanes)
         lanes = [lane for lane, _ in plan]
-        with self._ordered_on_failure(lanes), self._on_side(lanes) as streams:
+        with self._ordered_on_failure(lanes), self._on_side(lanes, after) as streams:
             self._after_layered(lanes)
             for lane, chunk, index in self._issue_order(plan, slots):
                 self._load_chunk(lane, chunk, index)
@@ -697,13 +701,15 @@ class PageMover:
             chunks += 1
         return chunks
 
-    def _load_runs_whole(self, groups: list[PageCopies], lanes: list[_Lane]) -> torch.cuda.Event | None:
+    def _load_runs_whole(
+        self, groups: list[PageCopies], lanes: list[_Lane], after: torch.cuda.Event | None = None
+    ) -> torch.cuda.Event | None:
         """A whole-page load by run copies (:func:`whole_load_copies`), dealt round-robin to ``lanes``
         in page order, behind the caller's stream; one event after all of them. If queuing fails
         part-way, the caller's stream waits for what was queued (it writes the caller's slots)
         before the error propagates; only the pages whose copies were all queued are counted."""
         loaded = 0
-        with self._ordered_on_failure(lanes), self._on_side(lanes) as streams:
+        with self._ordered_on_failure(lanes), self._on_side(lanes, after) as streams:
             self._after_layered(lanes)
             try:
                 turn = 0
@@ -729,13 +735,14 @@ class PageMover:
         on_layer: Callable[[int], None] | None = None,
         *,
         checked: bool = False,
+        after: torch.cuda.Event | None = None,
     ) -> list[torch.cuda.Event] | None:
         """:meth:`load`, layer by layer: layer 0 of every page first, then layer 1, ...
 
-        CUDA: queued behind the caller's current stream on side streams; returns one event per
-        layer (event ``l`` completes once layers ``0..l`` are in the KV buffer; the last one ends
-        the whole load). The caller's stream is NOT made to wait: wait on event ``l`` before
-        reading layer ``l``. STAGING pipelines the layer slabs' copies and the scatters over two
+        CUDA: queued behind the caller's current stream (or ``after``, as in :meth:`load`) on side
+        streams; returns one event per layer (event ``l`` completes once layers ``0..l`` are in the
+        KV buffer; the last one ends the whole load). The caller's stream is NOT made to wait: wait
+        on event ``l`` before reading layer ``l``. STAGING pipelines the layer slabs' copies and the scatters over two
         streams (module docstring). CPU: synchronous, calls ``on_layer(l)`` as each layer lands,
         returns None. If queuing fails part-way, the caller's stream is made to wait for what was
         queued before the error propagates.
@@ -748,7 +755,7 @@ class PageMover:
         lane = self._load_lanes[0]
         if self._paced_active and path is TransferPath.STAGING:
             path, lane = TransferPath.DIRECT, self._load_lanes[-1]  # as in load()
-        with self._ordered_on_failure([lane]), self._on_side([lane]) as streams:
+        with self._ordered_on_failure([lane]), self._on_side([lane], after) as streams:
             if path is TransferPath.REFERENCE:
                 for layer in range(layers):
                     reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1),
@@ -765,11 +772,12 @@ class PageMover:
 
     def start_layers(
         self, page_ids: Sequence[int], slots: torch.Tensor, skip_first: int = 0, pace_bytes: int = PACE_BYTES,
-        *, checked: bool = False,
+        *, checked: bool = False, after: torch.cuda.Event | None = None,
     ) -> PacedLayers | None:
         """:meth:`load_layers` queued a few units at a time by a thread of the caller's (STAGING on CUDA).
 
-        Checks the arguments and orders the load after the caller's current stream now; nothing is
+        Checks the arguments and orders the load after the caller's current stream now (or after
+        ``after``, as in :meth:`load`); nothing is
         copied until the returned load's :meth:`PacedLayers.feed` runs (once, on any thread). Each
         stream sharing a hardware queue with the copy stream then waits for at most ``pace_bytes``
         of queued copies (see :data:`PACE_BYTES`), not for the whole load. None where this mover does
@@ -786,7 +794,7 @@ class PageMover:
         lane = self._load_lanes[0]
         runs = self._run_layers(staging, ids, slots, skip_first, pace_bytes)
         plan: _StagedLayers | _RunLayers
-        with self._on_side([lane]):
+        with self._on_side([lane], after):
             if runs is not None:
                 self._order_copies_after_loads(staging)
                 plan = runs

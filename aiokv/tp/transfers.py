@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from aiokv.transfers import Copy, CopyWithdrawn, failed_copy
+from aiokv.transfers import Copy, CopyWithdrawn, Mark, failed_copy
 
 from .group import RankGroup
 from .jobs import Job, JobOutcome
@@ -77,10 +77,13 @@ class GroupTransfers:
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         return self._submit(Direction.OFFLOAD, page_ids, slots, 0)
 
-    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def mark(self) -> Mark:
+        return None  # each rank orders its copies on its own streams
+
+    def load(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         return self._submit(Direction.LOAD, page_ids, slots, skip)
 
-    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def load_layers(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         """A layered LOAD spec: each rank copies layer by layer. The copy's ``layer_futures`` resolve
         as every rank reports a layer landed (CPU ranks report each; a CUDA rank's layers resolve
         with its whole part, its own stream waits per layer: ``RankWorker.wait_layer``)."""

@@ -22,7 +22,7 @@ from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt
 
 from aiokv import KVCache
 from aiokv.pagetable import PageState
-from aiokv.transfers import Copy, CopyWithdrawn, LaunchPacer, LocalTransfers
+from aiokv.transfers import Copy, CopyWithdrawn, LaunchPacer, LocalTransfers, Mark
 
 T = LAYOUT.page_tokens
 cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread on a gate")
@@ -172,11 +172,11 @@ async def test_a_load_in_flight_launches_nothing_once_the_close_began(how: str) 
     closing: list[asyncio.Future[None]] = []
     original = transfers.load
 
-    def load(page_ids: list[int], slots: torch.Tensor, skip: int) -> Copy:
+    def load(page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         launched.append(cache._manager._closed)
         if len(launched) == 3:
             closing.append(asyncio.ensure_future(cache.aclose()))
-        return original(page_ids, slots, skip)
+        return original(page_ids, slots, skip, after)
 
     transfers.load = load  # type: ignore[method-assign]
     target = torch.arange(100, 100 + n * T)
