@@ -30,6 +30,9 @@ FIT_MIN_SPREAD = 0.1
 size cannot tell a fixed cost from a slower rate."""
 MIN_CALL_S = 1e-9
 """Shortest call time a meter takes (a nanosecond): below it, amount/seconds says nothing."""
+MIN_CALL_AMOUNT = 1.0
+"""Least amount a call a meter takes moves: a byte or a token. A saved line's mean amount below it
+came from no calls; one of 1e-300 priced a page at inf and every estimate raised (review 114)."""
 FIT_MIN_GROWTH = 0.01
 """Least part of the mean call's time that must scale with its amount for a line to be drawn."""
 FIXED_MAX_S = 10.0
@@ -220,7 +223,7 @@ def _informative(amount: float, seconds: float) -> bool:
     # Beyond MOMENT_BOUNDS (a PB, an hour) the moments' squares and products could overflow
     # and every later estimate with them: such a call tells nothing real either.
     max_amount, max_seconds = MOMENT_BOUNDS
-    return 0 < amount <= max_amount and MIN_CALL_S <= seconds <= max_seconds
+    return MIN_CALL_AMOUNT <= amount <= max_amount and MIN_CALL_S <= seconds <= max_seconds
 
 
 @dataclass(frozen=True)

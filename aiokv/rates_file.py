@@ -20,7 +20,7 @@ import reprlib
 import stat
 from pathlib import Path
 
-from aiokv.costs import FIXED_MAX_S, MOMENT_BOUNDS, CostModel, SavedFit, SavedRates
+from aiokv.costs import FIXED_MAX_S, MIN_CALL_AMOUNT, MIN_CALL_S, MOMENT_BOUNDS, CostModel, SavedFit, SavedRates
 
 RATES_FILE = ".rates"
 """In the disk tier's layout directory (a dot name: no page file, and tools listing pages skip it)."""
@@ -151,14 +151,17 @@ _ENTRY_KEYS = {3: ("rate", "samples", "spread", "moments", "fitted", "curve")}
 
 def _moments(name: str, raw: object) -> tuple[float, float, float, float]:
     """Saved moving moments (mean x, y, x², xy) that some calls could have produced; corrupt otherwise:
-    means in ``(0, MOMENT_BOUNDS]``, E[x²] >= E[x]² (up to rounding), E[x²] and E[xy] positive and
-    within what those bounds allow (the line drawn from them is clipped as a learned one is)."""
+    means in ``[MIN_CALL_AMOUNT, MOMENT_BOUNDS[0]]`` and ``[MIN_CALL_S, MOMENT_BOUNDS[1]]`` (every
+    call a meter takes lies there; far below, a line's marginal rate priced a page at inf and the
+    estimates raised), E[x²] >= E[x]² (up to rounding), E[x²] and E[xy] positive and within what
+    those bounds allow (the line drawn from them is clipped as a learned one is)."""
     values = [_finite(v) for v in raw] if isinstance(raw, list) and len(raw) == 4 else None
     if values is None or any(v is None for v in values):
         raise RatesFileError("corrupt", f"{name}: moments {_shown(raw)} are not four finite numbers")
     mx, my, mxx, mxy = (float(v) for v in values if v is not None)
     max_x, max_y = MOMENT_BOUNDS
-    if not (0 < mx <= max_x and 0 < my <= max_y and mx * mx * (1 - 1e-9) <= mxx <= max_x * max_x
+    low_x, low_y = MIN_CALL_AMOUNT * (1 - 1e-9), MIN_CALL_S * (1 - 1e-9)  # (moving means: up to rounding)
+    if not (low_x <= mx <= max_x and low_y <= my <= max_y and mx * mx * (1 - 1e-9) <= mxx <= max_x * max_x
             and 0 < mxy <= max_x * max_y):
         raise RatesFileError("corrupt", f"{name}: moments {_shown(raw)} no calls could have produced")
     return mx, my, mxx, mxy
