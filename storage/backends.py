@@ -236,6 +236,12 @@ class PageIO(Protocol):
         anyway (the ring's submission), else as a loop callback of its own."""
         ...
 
+    def thread_waker(self, deliver: Callable[[float], None]) -> Callable[[], bool] | None:
+        """A function other threads call to have ``deliver(deadline)`` run on the loop through the
+        backend's own wake-up (the ring's eventfd: one wake-up for completions and the threads'
+        results), or None where it has none. It returns False once it cannot wake the loop."""
+        ...
+
     async def register_memory(self, view: memoryview, address: int) -> bool:
         """Register ``[address, +len(view))`` (a caller's region) for I/O with fixed buffers; False
         when this backend cannot (no registered-buffer table, memlock, table full): plain buffers then.
@@ -959,6 +965,10 @@ class UringPageIO:
     def call_next_turn(self, fn: Callable[[], None]) -> None:
         self.engine.call_next_turn(fn)
 
+    def thread_waker(self, deliver: Callable[[float], None]) -> Callable[[], bool] | None:
+        self.engine.on_wake = deliver
+        return self.engine.wake_threadsafe
+
     async def aclose(self) -> None:
         if self._registering is not None:
             # The ring must outlive the registration syscall (register_pool waits for it).
@@ -1194,6 +1204,9 @@ class ThreadPageIO:
 
     def call_next_turn(self, fn: Callable[[], None]) -> None:
         asyncio.get_running_loop().call_soon(fn)
+
+    def thread_waker(self, deliver: Callable[[float], None]) -> Callable[[], bool] | None:
+        return None  # the threads' results wake the loop through call_soon_threadsafe
 
     async def register_memory(self, view: memoryview, address: int) -> bool:
         return False  # no fixed buffers without io_uring: plain pwritev/preadv

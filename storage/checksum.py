@@ -87,11 +87,21 @@ class Checksums:
         self._results: collections.deque[tuple[Done, int | BaseException]] = collections.deque()
         self._lock = threading.Lock()
         self._wake_pending = False  # a _deliver is scheduled on the loop and has not taken the results yet
+        self._waker: Callable[[], bool] | None = None  # see wake_through
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]
         self._joined: asyncio.Future[None] | None = None  # the join of the stopped threads, once aclose ran
         if start:
             self.start_threads()
+
+    def wake_through(self, wake: Callable[[], bool] | None) -> None:
+        """Have the threads announce results with ``wake()`` (called in a thread; False when it
+        cannot wake the loop any more) instead of ``loop.call_soon_threadsafe``; its owner then
+        calls :meth:`deliver` on the loop after each wake-up. The disk tier passes its ring's
+        eventfd: one wake-up serves completions and hashes alike, where each batch of hashes cost
+        a socket write, a wake-up, two ``recv`` and a turn of the loop of its own (#14). None:
+        back to ``call_soon_threadsafe``."""
+        self._waker = wake
 
     def start_threads(self) -> None:
         """Start the threads (``start=False``: from a thread other than the loop's — ``Thread.start``
@@ -197,20 +207,36 @@ class Checksums:
                 self._results.append((done, value))
                 wake, self._wake_pending = not self._wake_pending, True
             if wake:
+                waker = self._waker
                 try:
-                    loop.call_soon_threadsafe(self._deliver)
-                except RuntimeError:  # the loop is closed: nobody waits any more
-                    log.debug("checksum finished after its loop closed")
+                    woken = waker is not None and waker()
+                except Exception:  # (its eventfd refused the write): this thread must live on
+                    log.exception("checksum wake-up failed; waking the loop through call_soon_threadsafe")
+                    woken = False
+                if not woken:  # no waker, or its ring is closing: the loop's own wake-up
+                    try:
+                        loop.call_soon_threadsafe(self._deliver)
+                    except RuntimeError:  # the loop is closed: nobody waits any more
+                        log.debug("checksum finished after its loop closed")
             # Not held while waiting for the next job: the view may be a caller's memory it unmaps.
             del job, view, done
 
-    def _deliver(self) -> None:
-        """On the loop: every result finished since the last wake-up, in order."""
+    def deliver(self, deadline: float) -> None:
+        """On the loop, from the owner of :meth:`wake_through`'s wake-up: the results finished so
+        far (none: nothing to do), until ``deadline`` (``time.perf_counter()``; at least one: the
+        rest in the next turn)."""
+        if self._results:  # read without the lock: a result appended after this wakes the loop again
+            self._deliver(deadline)
+
+    def _deliver(self, deadline: float | None = None) -> None:
+        """On the loop: every result finished since the last wake-up, in order, for at most
+        ``DELIVER_TURN_S`` (or until ``deadline``)."""
         with self._lock:
             results = list(self._results)
             self._results.clear()
             self._wake_pending = False
-        deadline = time.perf_counter() + DELIVER_TURN_S
+        if deadline is None:
+            deadline = time.perf_counter() + DELIVER_TURN_S
         for n, (done, value) in enumerate(results):
             if n and time.perf_counter() > deadline:
                 # The rest in the next turn, ahead of whatever the threads finish meanwhile.

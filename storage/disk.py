@@ -147,6 +147,7 @@ class DiskTier(WritePath, ReadPath):
         self._slots = slots
         self._checksums = checksums
         checksums.in_next_turn = self._io.call_next_turn  # its inline batch in the ring's submission callback
+        checksums.wake_through(self._io.thread_waker(checksums.deliver))  # the threads' results: the ring's wake-up
         for fault, what in prepared.faults:
             self._faults.count(fault, what)
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed

@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -240,6 +241,10 @@ class UringEngine:
         params = _Params()
         params.flags = IORING_SETUP_CLAMP
         self._loop = loop
+        # Held while a thread writes the eventfd and while it stops being watched or is closed:
+        # a write after the close could land in whatever file took its number since.
+        self._wake_lock = threading.Lock()
+        self._wakeable = False  # see wake_threadsafe
         self._fd = io_uring_setup(entries, params)
         self._efd = -1
         try:
@@ -276,11 +281,17 @@ class UringEngine:
         self.submit_max_s = 0.0
         self.skip_success = bool(params.features & IORING_FEAT_CQE_SKIP)
         """The kernel can leave out the CQEs of linked ops that succeed (5.17): see :meth:`submit`."""
+        self.on_wake: Callable[[float], None] | None = None
+        """Runs on the loop after each wake-up's completion drain, with the drain's deadline
+        (``time.perf_counter()``): what other threads announced with :meth:`wake_threadsafe`
+        (the checksum threads' results). Should not raise (a bug: logged)."""
+        self._drain_deadline = 0.0
         try:
             loop.add_reader(self._efd, self._on_eventfd)
         except BaseException:  # (a closed loop): the ring, its maps and the eventfd must not leak
             self._unmap()
             raise
+        self._wakeable = True
 
     @classmethod
     def open(cls, entries: int) -> UringEngine:
@@ -310,7 +321,20 @@ class UringEngine:
         del array
         self._tail = self._sq_tail.value
 
+    def wake_threadsafe(self) -> bool:
+        """From any thread: wake the loop through the ring's eventfd, so that :attr:`on_wake` runs
+        in its next turn (with the drain of whatever completed meanwhile: one wake-up for both).
+        False once the engine is closing (nothing watches the eventfd any more): then the caller
+        wakes the loop its own way."""
+        with self._wake_lock:
+            if not self._wakeable:
+                return False
+            os.eventfd_write(self._efd, 1)
+        return True
+
     def _unmap(self) -> None:
+        with self._wake_lock:
+            self._wakeable = False
         for name in ("_sq_tail", "_sq_head", "_cq_head", "_cq_tail"):
             if hasattr(self, name):
                 delattr(self, name)  # drop ctypes views first: they export the mmaps
@@ -555,11 +579,17 @@ class UringEngine:
         except BlockingIOError:
             pass
         self._drain()
+        hook = self.on_wake
+        if hook is not None:
+            try:
+                hook(self._drain_deadline)  # what is left of the drain's time (at least one result)
+            except Exception:
+                log.exception("io_uring wake-up hook failed")
 
     def _drain(self) -> None:
         head = self._cq_head.value
         tail = self._cq_tail.value
-        deadline = time.perf_counter() + DRAIN_TURN_S
+        deadline = self._drain_deadline = time.perf_counter() + DRAIN_TURN_S
         while head != tail:
             user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
             head = (head + 1) & 0xFFFFFFFF
@@ -711,7 +741,15 @@ class UringEngine:
                 except asyncio.CancelledError:
                     # Unmapping with I/O in flight would let the kernel write into freed memory.
                     cancelled = True
+        with self._wake_lock:  # threads wake the loop their own way from now on
+            self._wakeable = False
         self._loop.remove_reader(self._efd)
+        hook = self.on_wake
+        if hook is not None:  # announced through the eventfd before it stopped being watched
+            try:
+                hook(time.perf_counter() + DRAIN_TURN_S)
+            except Exception:
+                log.exception("io_uring wake-up hook failed")
         self._unmap()
         if cancelled:
             raise asyncio.CancelledError
