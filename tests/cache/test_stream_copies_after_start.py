@@ -69,9 +69,12 @@ async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chu
         # The engine claims the first page and queues its "compute": a long kernel, then its writes.
         assert stream.claim(T) == T
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        kv[:, on_device[:T]] = MARK
+        # index_fill_: the scalar is a kernel argument (kv[...] = MARK copies it to the device from
+        # pageable memory, which blocked the host until the sleep ended).
+        kv.index_fill_(1, on_device[:T], MARK)
         chunk_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         chunk_done.record()
+        assert not chunk_done.query(), "the host waited for the sleep: the test would not test the order"
         gate.set()  # the reads land now: their copies are launched behind the queued chunk
         async with asyncio.timeout(BOUND_S):
             result = await stream.finish()
@@ -99,8 +102,11 @@ async def test_copies_still_wait_for_the_work_queued_before_the_stream_began(tmp
         target = torch.arange(40, 40 + n)
         on_device = target.to(DEVICE)
         torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
-        kv[:, on_device] = MARK
+        kv.index_fill_(1, on_device, MARK)  # no host sync (see above): queued behind the sleep
+        queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        queued.record()
         stream = await cache.start_load(await cache.match(tokens), target)
+        assert not queued.query(), "the host waited for the sleep: the test would not test the order"
         async with asyncio.timeout(BOUND_S):
             result = await stream.finish()
         assert result.loaded_from == 0
