@@ -136,7 +136,8 @@ RECLAIM_SETTLE_S = 5.0
 SIGKILLed process's mappings, and with them its lock, can outlive its reaping while a driver lets go
 of its memory (on the H200 host the killed creator of a CUDA-registered pool still held it when the
 restarted cache scanned, and no longer a moment later: the restart reclaimed nothing). A worker
-still attached to a dead creator's pool holds it past this; the next start reclaims it."""
+still attached to a dead creator's pool holds it past this; the next start reclaims it. A start
+that needs such a segment's memory waits this long for it in its creating thread (not the loop)."""
 
 RECLAIM_RETRY_S = 0.25
 """Pause between those retries."""
@@ -146,11 +147,19 @@ def _held_by_the_dead(segments: list[SegmentInfo]) -> bool:
     return any(s.state is SegmentState.LIVE and not s.creator_alive for s in segments)
 
 
+def _held_bytes(segments: list[SegmentInfo]) -> int:
+    """Bytes of the segments whose creator is gone but which some process still holds."""
+    return sum(s.size for s in segments if s.state is SegmentState.LIVE and not s.creator_alive)
+
+
 def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[SegmentInfo]]:
     """Unlink dead processes' segments: now if a segment of ``size`` bytes needs their memory, else
     in a thread beside the new pool's preparation (so a large leftover never delays start-up). That
     thread retries, for up to :data:`RECLAIM_SETTLE_S`, segments whose creator is gone but which are
-    still held."""
+    still held. When this pool needs the memory such a segment holds, the caller's thread waits for
+    it (up to :data:`RECLAIM_SETTLE_S`): without it the start failed at once for want of room that
+    was about to be freed (a TP manager restarted right after a crash, its ranks still finishing a
+    copy in the dead one's pool; the H200's driver letting go of a killed creator's memory)."""
     reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
     found = scan(prefix)
     dead, held = any(s.state is SegmentState.DEAD for s in found), _held_by_the_dead(found)
@@ -158,13 +167,25 @@ def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[Segme
         reclaimed.set_result([])
         return reclaimed
     first: list[SegmentInfo] | None = None
-    if dead:
+    free = shm.shm_free_bytes()
+    if dead and (free is None or free < size):
+        first = reclaim(prefix)
         free = shm.shm_free_bytes()
-        if free is None or free < size:
-            first = reclaim(prefix)
-            if not held:
-                reclaimed.set_result(first)
-                return reclaimed
+    if held and free is not None and free < size:
+        # Wait only while the held segments could make the room (another pid namespace's live
+        # pool also looks held by the dead: with too little beside it, fail now, as before).
+        first = [] if first is None else first
+        deadline = time.monotonic() + RECLAIM_SETTLE_S
+        while held and free is not None and size <= free + _held_bytes(found) and free < size:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(RECLAIM_RETRY_S)
+            first += reclaim(prefix)
+            found = scan(prefix)
+            held, free = _held_by_the_dead(found), shm.shm_free_bytes()
+    if first is not None and not held:
+        reclaimed.set_result(first)
+        return reclaimed
 
     def run() -> None:
         shm.lower_thread_priority()
