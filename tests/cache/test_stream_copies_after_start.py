@@ -9,9 +9,7 @@ on the CPU copies run on the copy thread and there is no stream to order after.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,59 +25,35 @@ SLEEP_CYCLES = 2_000_000_000  # ~1 s of one GPU thread spinning (400M cycles too
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA stream ordering")
 
 
-async def _fill_disk(path: Path, tokens: list[int]) -> torch.Tensor:
-    """Store ``tokens``' pages on disk (the cache then closes: the pool is gone); the source KV."""
-    kv = make_kv(90)
-    async with KVCache(config(path, pool_pages=32), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.offload(tokens, torch.arange(len(tokens)))
-        await cache.flush()
-    return kv
-
-
-def _gate_reads(monkeypatch: pytest.MonkeyPatch, cache: KVCache, gate: asyncio.Event) -> None:
-    """Hold every disk read of ``cache`` until ``gate`` opens (its copy launches only then)."""
-    disk = cache.disk
-    assert disk is not None
-    real: Callable[..., Awaitable[bool]] = disk.read
-
-    async def held(*args: Any) -> bool:
-        await gate.wait()
-        return await real(*args)
-
-    monkeypatch.setattr(disk, "read", held)
-
-
 @pytest.mark.asyncio
-async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chunks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chunks() -> None:
     n = 4 * T
     tokens = prompt(95, n)
-    source = await _fill_disk(tmp_path, tokens)
     kv = make_kv(96)
-    async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=32, launch_pages=1), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.wait_warm()
-        gate = asyncio.Event()
-        _gate_reads(monkeypatch, cache, gate)
-        target = torch.arange(20, 20 + n)
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        source = kv[:, :n].clone()
+        target = torch.arange(40, 40 + n)
         on_device = target.to(DEVICE)  # before the sleep: a pageable copy would wait for it
+        torch.cuda.synchronize()
         stream = await cache.start_load(await cache.match(tokens), target)
-        # The engine claims the first page and queues its "compute": a long kernel, then its writes.
+        # No await until the chunk is queued: the loader launches its first copy after it. The
+        # engine claims the first page and queues its "compute": a long kernel, then its writes.
         assert stream.claim(T) == T
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         # index_fill_: the scalar is a kernel argument (kv[...] = MARK copies it to the device from
-        # pageable memory, which blocked the host until the sleep ended).
+        # pageable memory, which blocks the host until the sleep ends).
         kv.index_fill_(1, on_device[:T], MARK)
         chunk_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         chunk_done.record()
         assert not chunk_done.query(), "the host waited for the sleep: the test would not test the order"
-        gate.set()  # the reads land now: their copies are launched behind the queued chunk
         async with asyncio.timeout(BOUND_S):
             result = await stream.finish()
         assert not chunk_done.query(), "the stream's copies waited for a chunk queued after its start"
-        assert result.loaded_from == T and result.disk_pages == n // T - 1
+        assert result.loaded_from == T and result.pool_pages == n // T - 1
         torch.cuda.synchronize()
         # The engine's stream is still ordered after the copies, and the claimed page is its own.
         assert torch.equal(kv[:, on_device[T:]], source[:, T:n])
