@@ -44,6 +44,11 @@ def _nothing(_: object) -> None:
 RATES_SAVE_INTERVAL_S = 30.0
 """The learned rates are saved at most this often while they change (and at close).
 TODO(lead): a ``CacheConfig`` field."""
+RATES_READ_WAIT_S = 1.0
+"""How long a start waits for the saved rates (a few hundred bytes: milliseconds). A read held
+longer in the kernel (a hung device, a stuck network file system) goes on in the background and
+restores the rates once it ends, counted ``rates_late``: the start must not hang on a hint (it
+did, for as long as the device did: review 114)."""
 
 
 class CacheManager(LoadPath, OffloadPath):
@@ -129,7 +134,12 @@ class CacheManager(LoadPath, OffloadPath):
             else:
                 if self._closed:  # the close waited for this start: it closes the tier, then the pool goes
                     raise RuntimeError("the cache was closed while it was starting")
-                await self._restore_rates(disk)
+                restoring = self._restore_in_background(disk)
+                # asyncio.wait: a read stuck past the bound (or this start cancelled) goes on, tracked.
+                done, _ = await asyncio.wait({restoring}, timeout=RATES_READ_WAIT_S)
+                if not done:
+                    self.faults.record("rates_late", f"the saved rates in {disk.files.layout_dir} were not read within "
+                                                     f"{RATES_READ_WAIT_S} s: the start goes on without them")
         return self._pool
 
     def attach(self, transfers: Transfers) -> None:
@@ -232,14 +242,20 @@ class CacheManager(LoadPath, OffloadPath):
         self.device_kind = kind
         disk = self._disk
         if disk is not None:
-            task = asyncio.ensure_future(self._restore_rates(disk))
+            self._restore_in_background(disk)
 
-            def settled() -> None:
-                error = None if task.cancelled() else task.exception()
-                if error is not None:
-                    self.faults.record("rates_ignored", f"reading the saved rates failed: {error!r}")
+    def _restore_in_background(self, disk: DiskTier) -> asyncio.Future[None]:
+        """:meth:`_restore_rates` as a job ``flush``/``aclose`` wait for (the close within its
+        bound: a read stuck in the kernel touches no pool memory); a failure is counted."""
+        task = asyncio.ensure_future(self._restore_rates(disk))
 
-            self.track(task, settled)
+        def settled() -> None:
+            error = None if task.cancelled() else task.exception()
+            if error is not None:
+                self.faults.record("rates_ignored", f"reading the saved rates failed: {error!r}")
+
+        self.track(task, settled)
+        return task
 
     async def _restore_rates(self, disk: DiskTier) -> None:
         """Take the rates a previous cache saved in ``disk``'s layout directory, when they are
