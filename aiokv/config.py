@@ -156,7 +156,9 @@ class CacheConfig:
 
     offload_wait: float = 5.0
     """Seconds an offload may wait, each time the pool is full, for write-behind to free pages
-    before it drops the rest of its pages (counted as pool_exhausted)."""
+    before it drops the rest of its pages (counted as pool_exhausted). Also the most a ``match``
+    waits in all for pages another call is still writing into the pool; then it stops at them
+    (a shorter hit, counted as match_wait_expired)."""
 
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""

@@ -88,12 +88,27 @@ class LoadPath(ManagerBase):
             pool, _ = self._running()  # the close may have begun meanwhile
         self._lookups += 1
         handles: list[PageHandle] = []
+        # A page another call is writing is waited for (its commit is a copy away), but for at most
+        # offload_wait in all: a writer that is stopped (a TP rank under SIGSTOP, a stuck driver
+        # call) held every lookup of a prompt sharing its pages for as long (review 114). A match
+        # touches no caller memory: stopping at the page costs only a shorter hit.
+        deadline: float | None = None
         try:
             for key in keys:
                 handle = pool.table.acquire(key)
                 reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
-                if reserved and await pool.table.wait_committed(key):
-                    handle = pool.table.acquire(key)
+                if reserved:
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + self.config.offload_wait if deadline is None else deadline
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            committed = await pool.table.wait_committed(key)
+                    except TimeoutError:
+                        self.faults.record("match_wait_expired", "a match stopped at a page another call "
+                                           "was still writing after offload_wait")
+                        committed = False
+                    if committed:
+                        handle = pool.table.acquire(key)
                 if handle is None:
                     break
                 handles.append(handle)
