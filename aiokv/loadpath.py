@@ -93,6 +93,7 @@ class LoadPath(ManagerBase):
         # call) held every lookup of a prompt sharing its pages for as long (review 114). A match
         # touches no caller memory: stopping at the page costs only a shorter hit.
         deadline: float | None = None
+        expired = False
         try:
             for key in keys:
                 handle = pool.table.acquire(key)
@@ -106,7 +107,7 @@ class LoadPath(ManagerBase):
                     except TimeoutError:
                         self.faults.record("match_wait_expired", "a match stopped at a page another call "
                                            "was still writing after offload_wait")
-                        committed = False
+                        committed, expired = False, True
                     if committed:
                         handle = pool.table.acquire(key)
                 if handle is None:
@@ -116,7 +117,10 @@ class LoadPath(ManagerBase):
             self._release_handles(handles)
             raise
         disk_pages = 0
-        if self._disk is not None and len(handles) < len(keys):
+        # Not past a page still being written either, though it may be on disk (evicted, offloaded
+        # again by the writer that is stuck): its load would promote it, find the writer's
+        # reservation and wait for that commit without bound (review 115).
+        if self._disk is not None and len(handles) < len(keys) and not expired:
             disk_pages = self._disk.keys_present_prefix(keys[len(handles) :])
         self._note_seen(keys)
         t = self.layout.page_tokens
