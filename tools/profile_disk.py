@@ -19,7 +19,9 @@ its own directory:
 
 The unprofiled run ends with the baseline of issue #14: the same io_uring engine writing, then
 reading, one op per page into one O_DIRECT file; each tier phase's process CPU is shown as a ratio
-to it (writes to its write, reads to its read).
+to it (writes to its write, reads to its read). Where the tier issues page ops through io-wq
+(``issue_async``: queue depth x page >= 64 MiB, a bound on the loop's stalls in ``io_uring_enter``),
+the raw engine runs once more that way too (``raw ... io-wq``) and the tier's ratios to it follow.
 
 ``--turns-ms T`` adds one more run (tier and raw engine) with the loop's turns timed
 (:class:`TurnSampler`): per phase the turn-length and CPU-per-turn percentiles, and for turns longer
@@ -69,7 +71,7 @@ from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
 from aiokv.results import Match
 from aiokv.storage import DiskBackend, DiskConfig, DiskTier
-from aiokv.storage.backends import UringPageIO
+from aiokv.storage.backends import UringPageIO, issue_async
 from aiokv.storage.pagefile import HEADER_BYTES
 from aiokv.storage.uring import UringEngine
 
@@ -357,9 +359,11 @@ async def run(directory: Path, backend: DiskBackend, page_mib: int, depth: int, 
 
 
 async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
-                     turns: dict[str, TurnSampler] | None = None) -> list[Phase]:
+                     turns: dict[str, TurnSampler] | None = None, async_data: bool = False) -> list[Phase]:
     """The baseline: the same io_uring engine moving the pool's pages to and from one O_DIRECT file,
-    one op per page (registered buffers; no header, checksum, index or page file)."""
+    one op per page (registered buffers; no header, checksum, index or page file). ``async_data``:
+    its ops through io-wq (IOSQE_ASYNC) as the tier issues them at this page size and depth
+    (phases named ``raw write io-wq``/``raw read io-wq``)."""
     layout = layout_for(page_mib)
     pb = layout.page_bytes
     count = max(depth, total_mib // page_mib)
@@ -370,6 +374,7 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
     await asyncio.to_thread(directory.mkdir, parents=True)
     path = directory / "raw"
     engine = UringEngine.open(max(depth, 8))
+    engine.async_data = async_data
     (regions,) = engine.register_buffers([(pool.memory.segment.address, pool.num_pages * pb, pb)])
     base, per_region = pool.memory.segment.address, regions[0].length
     phases: list[Phase] = []
@@ -385,7 +390,7 @@ async def raw_engine(directory: Path, page_mib: int, depth: int, total_mib: int,
                 assert await op(fd, base + page * pb, pb, i * pb, None, regions[page * pb // per_region]) == pb
 
             try:
-                name = f"raw {'write' if write else 'read'}"
+                name = f"raw {'write' if write else 'read'}{' io-wq' if async_data else ''}"
                 phases.append(await measured(name, count * pb, lambda: bounded(count, depth, one), None,
                                              None if turns is None else turns[name]))
             finally:
@@ -502,13 +507,19 @@ def median_phase(runs: list[Phase]) -> Phase:
 
 
 def print_cpu(phases: list[Phase]) -> None:
+    by_name = {p.name: p for p in phases}
+    iowq = "raw read io-wq" in by_name
     print(f"  {'phase':<15} {'GB/s':>6} {'loop usr':>9} {'loop sys':>9} {'loop':>7} {'process':>8}"
-          f" {'xxh3':>6}   (core-s/GB; process / raw engine's, with and without xxh3)")
-    raw = {"write": phases[-2], "read": phases[-1]}
+          f" {'xxh3':>6}   (core-s/GB; process / raw engine's, with and without xxh3"
+          f"{'; then / the raw engine through io-wq, as the tier issues' if iowq else ''})")
     for p in phases:
-        base = raw["read" if "read" in p.name else "write"]
+        kind = "read" if "read" in p.name else "write"
+        base = by_name[f"raw {kind}"]
         ratio = "" if p.name.startswith("raw") else (
             f"   {p.proc_s / base.proc_s:4.1f}x / {(p.proc_s - p.hash_s) / base.proc_s:4.1f}x")
+        if ratio and iowq:
+            base = by_name[f"raw {kind} io-wq"]
+            ratio += f"   {p.proc_s / base.proc_s:4.1f}x / {(p.proc_s - p.hash_s) / base.proc_s:4.1f}x"
         print(f"  {p.name:<15} {p.nbytes / p.wall_s / GB:6.2f} {p.per_gb(p.loop_user_s):9.3f} "
               f"{p.per_gb(p.loop_sys_s):9.3f} {p.per_gb(p.loop_user_s + p.loop_sys_s):7.3f} "
               f"{p.per_gb(p.proc_s):8.3f} {p.per_gb(p.hash_s):6.3f}{ratio}")
@@ -531,6 +542,11 @@ async def main_async(args: argparse.Namespace) -> int:
             directory = await fresh(args.dir / f"{name}-raw")
             raw = await raw_engine(directory, args.page_mib, depth, args.total_mib)
             await asyncio.to_thread(shutil.rmtree, directory)
+            if ASYNC_DATA if ASYNC_DATA is not None else issue_async(args.page_mib << 20, depth):
+                # The tier issues page ops through io-wq here (a lag bound): the raw engine so too.
+                directory = await fresh(args.dir / f"{name}-raw-iowq")
+                raw += await raw_engine(directory, args.page_mib, depth, args.total_mib, async_data=True)
+                await asyncio.to_thread(shutil.rmtree, directory)
             rounds.append(phases + raw)
             if args.batch:
                 directory = await fresh(args.dir / f"{name}-batch")
