@@ -156,9 +156,14 @@ class CacheConfig:
 
     offload_wait: float = 5.0
     """Seconds an offload may wait, each time the pool is full, for write-behind to free pages
-    before it drops the rest of its pages (counted as pool_exhausted). Also the most a ``match``
-    waits in all for pages another call is still writing into the pool; then it stops at them
-    (a shorter hit, counted as match_wait_expired)."""
+    before it drops the rest of its pages (counted as pool_exhausted)."""
+
+    commit_wait: float = 5.0
+    """Seconds a ``match`` waits in all for pages another call is still writing into the pool (an
+    offload, a promotion from disk), and a load's or stream's promotion for such a page; then it
+    stops there (a shorter hit or load, counted as commit_wait_expired; not counted when 0, which
+    never waits). A commit is a copy away; a writer that is stopped (a SIGSTOPped TP rank, a stuck
+    driver call) held every lookup sharing its pages for as long (reviews 114, 115)."""
 
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""
@@ -194,6 +199,7 @@ class CacheConfig:
         tp_size: int = _UNSET,
         prefill_tokens_per_s: float | None = _UNSET,
         offload_wait: float = _UNSET,
+        commit_wait: float = _UNSET,
         close_timeout: float = _UNSET,
         read_group_bytes: int = _UNSET,
         stream_readahead_bytes: int = _UNSET,
@@ -284,7 +290,7 @@ class CacheConfig:
             _check_number("prefill_tokens_per_s", rate)
             if not rate > 0:
                 raise ValueError(f"CacheConfig.prefill_tokens_per_s must be None or positive, got {rate}")
-        for name in ("offload_wait", "close_timeout"):
+        for name in ("offload_wait", "commit_wait", "close_timeout"):
             value = getattr(self, name)
             _check_number(name, value)
             if not value >= 0:  # NaN fails too

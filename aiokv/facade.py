@@ -65,8 +65,8 @@ class CacheFacade(abc.ABC):
         """The longest prefix of full pages cached in the pool, then on disk.
 
         Waits for pages another call is writing into the pool right now rather than stopping at
-        them, for at most ``CacheConfig.offload_wait`` in all; then the match ends there (a shorter
-        hit, counted ``match_wait_expired``). Raises ``TypeError``/``ValueError`` for bad tokens or salt.
+        them, for at most ``CacheConfig.commit_wait`` in all; then the match ends there (a shorter
+        hit, counted ``commit_wait_expired``). Raises ``TypeError``/``ValueError`` for bad tokens or salt.
         """
         return await self._manager.match(tokens, salt)
 

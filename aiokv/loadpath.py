@@ -89,7 +89,7 @@ class LoadPath(ManagerBase):
         self._lookups += 1
         handles: list[PageHandle] = []
         # A page another call is writing is waited for (its commit is a copy away), but for at most
-        # offload_wait in all: a writer that is stopped (a TP rank under SIGSTOP, a stuck driver
+        # commit_wait in all: a writer that is stopped (a TP rank under SIGSTOP, a stuck driver
         # call) held every lookup of a prompt sharing its pages for as long (review 114). A match
         # touches no caller memory: stopping at the page costs only a shorter hit.
         deadline: float | None = None
@@ -99,15 +99,9 @@ class LoadPath(ManagerBase):
                 handle = pool.table.acquire(key)
                 reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
                 if reserved:
-                    loop = asyncio.get_running_loop()
-                    deadline = loop.time() + self.config.offload_wait if deadline is None else deadline
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            committed = await pool.table.wait_committed(key)
-                    except TimeoutError:
-                        self.faults.record("match_wait_expired", "a match stopped at a page another call "
-                                           "was still writing after offload_wait")
-                        committed, expired = False, True
+                    deadline = self._commit_deadline() if deadline is None else deadline
+                    committed = await self._wait_committed(key, deadline, "a match")
+                    expired = not committed and pool.table.state_of(key) is PageState.RESERVED
                     if committed:
                         handle = pool.table.acquire(key)
                 if handle is None:
@@ -482,12 +476,31 @@ class LoadPath(ManagerBase):
 
     async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | NoPage:
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
-        (PENDING: wait for its commit); nothing was read by this call. A miss when it is gone."""
+        (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
+        there; review 115); nothing was read by this call. A miss when it is gone."""
         table = self.pool.table
-        if outcome is ReserveOutcome.PENDING and not await table.wait_committed(key):
+        if outcome is ReserveOutcome.PENDING and not await self._wait_committed(
+                key, self._commit_deadline(), "a load"):
             return NoPage.MISS
         handle = table.acquire(key)
         return NoPage.MISS if handle is None else Promotion(handle, read=False)
+
+    def _commit_deadline(self) -> float:
+        """The loop time until which a call waits for other calls' commits (``commit_wait``)."""
+        return asyncio.get_running_loop().time() + self.config.commit_wait
+
+    async def _wait_committed(self, key: PageKey, deadline: float, who: str) -> bool:
+        """Whether the page another call is writing under ``key`` was committed by ``deadline``
+        (False: aborted, or still being written then; counted ``commit_wait_expired`` unless the
+        bound is 0, which never waits). A cancel leaves the page and its other waiters alone."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.pool.table.wait_committed(key)
+        except TimeoutError:
+            if self.config.commit_wait > 0:
+                self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
+                                   "writing into the pool after commit_wait")
+            return False
 
     def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
         """A batch read abandoned by a cancelled caller finished: keep each page that verified."""

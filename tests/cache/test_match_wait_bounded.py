@@ -1,6 +1,6 @@
 """``match`` waits for pages another call is still writing into the pool, but for at most
-``offload_wait`` in all: then it stops at them (a shorter hit, never wrong KV), counted as
-``match_wait_expired``. Before, a writer that never finished (a stopped TP rank: review 114's
+``commit_wait`` in all: then it stops at them (a shorter hit, never wrong KV), counted as
+``commit_wait_expired``. Before, a writer that never finished (a stopped TP rank: review 114's
 ``tests/tp/test_adv_rev114_match_stopped_writer.py``) held every lookup sharing its pages.
 
 CPU only: the offload's copy is held on the copy thread (on CUDA the mover runs on the loop).
@@ -60,10 +60,10 @@ async def _offload_held(
 
 
 @pytest.mark.asyncio
-async def test_a_match_stops_at_pages_still_written_after_offload_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_match_stops_at_pages_still_written_after_commit_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = prompt(61, PAGES * T)
     kv = make_kv(62)
-    async with KVCache(config(None, pool_pages=8, offload_wait=0.3), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=8, commit_wait=0.3), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         hold, offload = await _offload_held(cache, monkeypatch, tokens)
         try:
@@ -73,12 +73,12 @@ async def test_a_match_stops_at_pages_still_written_after_offload_wait(monkeypat
             waited = time.perf_counter() - started
             assert match.tokens == 0  # the first page is not committed: nothing served from it
             assert 0.25 <= waited < 5.0, waited
-            assert cache.stats().errors["match_wait_expired"] == 1
+            assert cache.stats().errors["commit_wait_expired"] == 1
             match.release()
             # A second lookup waits its own bound, counted again.
             async with asyncio.timeout(BOUND_S):
                 (await cache.match(tokens)).release()
-            assert cache.stats().errors["match_wait_expired"] == 2
+            assert cache.stats().errors["commit_wait_expired"] == 2
         finally:
             hold.release()
         async with asyncio.timeout(BOUND_S):
@@ -97,7 +97,7 @@ async def test_a_match_stops_at_pages_still_written_after_offload_wait(monkeypat
 async def test_a_match_still_waits_for_a_commit_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = prompt(63, PAGES * T)
     kv = make_kv(64)
-    async with KVCache(config(None, pool_pages=8, offload_wait=5.0), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=8, commit_wait=5.0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         hold, offload = await _offload_held(cache, monkeypatch, tokens)
         loop = asyncio.get_running_loop()
@@ -105,7 +105,7 @@ async def test_a_match_still_waits_for_a_commit_within_the_bound(monkeypatch: py
         async with asyncio.timeout(BOUND_S):
             match = await cache.match(tokens)
         assert match.tokens == PAGES * T  # waited for the commit: the whole hit
-        assert cache.stats().errors.get("match_wait_expired", 0) == 0
+        assert cache.stats().errors.get("commit_wait_expired", 0) == 0
         match.release()
         await offload
         await assert_quiescent(cache)

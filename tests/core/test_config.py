@@ -245,6 +245,8 @@ def test_a_bad_shortcut_names_itself(tmp_path: Path, short: str) -> None:
         ({"prefill_tokens_per_s": "fast"}, TypeError, "prefill_tokens_per_s"),
         ({"prefill_tokens_per_s": 0.0}, ValueError, "prefill_tokens_per_s"),
         ({"offload_wait": float("nan")}, ValueError, "offload_wait"),
+        ({"commit_wait": -0.5}, ValueError, "commit_wait"),
+        ({"commit_wait": "1"}, TypeError, "commit_wait"),
         ({"close_timeout": True}, TypeError, "close_timeout"),
         ({"close_timeout": -1}, ValueError, "close_timeout"),
         ({"disk": "/tmp"}, TypeError, "disk"),

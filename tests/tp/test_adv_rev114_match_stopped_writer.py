@@ -6,8 +6,8 @@ rather than stopping at them. In a TP group the writer is a rank process: one th
 as long as it is stopped, and every ``match`` of a prompt sharing them waits as long: the
 scheduler's lookups of those prompts hang. The offload itself must wait (the rank may still read
 the engine's slots), but a match touches no caller memory: stopping at the page (a shorter hit,
-never wrong KV) after a bound would cost only speed. Now a match waits at most ``offload_wait``
-in all, then stops there (counted ``match_wait_expired``); it failed (TimeoutError) before.
+never wrong KV) after a bound would cost only speed. Now a match waits at most ``commit_wait``
+in all, then stops there (counted ``commit_wait_expired``); it failed (TimeoutError) before.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ NUM_SLOTS = 64
 PAGES = 4
 OFFLOAD_WAIT_S = 0.5
 BOUND_S = 3.0
-"""A match must answer within this (a generous multiple of offload_wait, the cache's own bound on
+"""A match must answer within this (a generous multiple of commit_wait, the cache's own bound on
 waiting for pages), whatever a rank does."""
 
 
@@ -54,7 +54,8 @@ async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
 async def test_a_match_answers_while_the_rank_writing_its_pages_is_stopped(
         tmp_path: Path, ranks_left: list[AdvRanks]) -> None:
     config = CacheConfig(cpu_bytes=16 * LAYOUT.page_bytes, disk=None, namespace="tp-adv-114-match",
-                         pool_chunk_bytes=8 * LAYOUT.page_bytes, offload_wait=OFFLOAD_WAIT_S)
+                         pool_chunk_bytes=8 * LAYOUT.page_bytes, offload_wait=OFFLOAD_WAIT_S,
+                         commit_wait=OFFLOAD_WAIT_S)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
         ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
@@ -82,7 +83,7 @@ async def test_a_match_answers_while_the_rank_writing_its_pages_is_stopped(
             finally:
                 assert not offload.done(), "the offload returned while a rank could still read its slots"
             assert match.tokens < PAGES * T  # stopped at the pages not committed: never wrong KV
-            assert cache.stats().errors["match_wait_expired"] == 1
+            assert cache.stats().errors["commit_wait_expired"] == 1
             match.release()
         finally:
             os.kill(pid, signal.SIGCONT)
