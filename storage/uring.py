@@ -245,6 +245,7 @@ class UringEngine:
         # a write after the close could land in whatever file took its number since.
         self._wake_lock = threading.Lock()
         self._wakeable = False  # see wake_threadsafe
+        self._announced = False  # a thread woke the loop for on_wake since it last ran
         self._fd = io_uring_setup(entries, params)
         self._efd = -1
         try:
@@ -329,6 +330,7 @@ class UringEngine:
         with self._wake_lock:
             if not self._wakeable:
                 return False
+            self._announced = True
             os.eventfd_write(self._efd, 1)
         return True
 
@@ -579,8 +581,11 @@ class UringEngine:
         except BlockingIOError:
             pass
         self._drain()
+        # Only after a thread's wake-up (a flag, not a call, on the completions' own wake-ups); one
+        # that comes after this check wrote the eventfd again: the next wake-up runs the hook.
         hook = self.on_wake
-        if hook is not None:
+        if self._announced and hook is not None:
+            self._announced = False
             try:
                 hook(self._drain_deadline)  # what is left of the drain's time (at least one result)
             except Exception:
