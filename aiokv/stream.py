@@ -97,6 +97,14 @@ class LoadStream:
         self.estimate: LoadEstimate = manager.costs.estimate(max(0, match.pool_pages - first), len(disk_pages), t,
                                                              manager.layout.page_bytes, first * t)
         """The cost model's view of this load (pages ``[from_token // page_tokens, match.pages)``) at its start."""
+        # Before the match is taken too: either may raise (a close begun, a sticky CUDA error), and
+        # after the take nothing would give the match's pages back (review 115).
+        transfers = manager.running_transfers()
+        # The engine's work queued before the stream: its copies are ordered after this, not after
+        # the claimed chunks the engine queues meanwhile (those never touch the loaded slots): a
+        # copy launched behind a queued chunk landed only once the chunk ran, and finish() waited
+        # for it (~40 ms at the meeting point of an 8K split on the H200).
+        after = transfers.mark()
         keys, handles = match.take(manager)
         self._t = t
         self.tokens = match.tokens
@@ -136,12 +144,8 @@ class LoadStream:
         self._loop = asyncio.get_running_loop()
         # Held for the stream's life: once the cache's close began, _running() raises, but a stream
         # given up or finished during the close must still wait for (or order after) its copies.
-        self._transfers = manager.running_transfers()
-        # The engine's work queued before the stream: its copies are ordered after this, not after
-        # the claimed chunks the engine queues meanwhile (those never touch the loaded slots): a
-        # copy launched behind a queued chunk landed only once the chunk ran, and finish() waited
-        # for it (~40 ms at the meeting point of an 8K split on the H200).
-        self._after = self._transfers.mark()
+        self._transfers = transfers
+        self._after = after
         self._copies = StreamCopies(self._transfers, match.pages - 1)
         self._loader = asyncio.create_task(self._run())
 

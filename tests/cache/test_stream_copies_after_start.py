@@ -2,8 +2,8 @@
 chunks the engine claims and queues while the stream runs (those never touch the loaded slots).
 
 Ordered behind every queued chunk, a copy launched at the meeting point of an 8K split on the H200
-ran only once the chunks queued before it had, and ``finish()`` waited ~40 ms for it. CUDA only:
-on the CPU copies run on the copy thread and there is no stream to order after.
+ran only once the chunks queued before it had, and ``finish()`` waited ~40 ms for it. The ordering
+tests are CUDA only: on the CPU copies run on the copy thread and there is no stream to order after.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ MARK = 7.0
 BOUND_S = 10.0
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of one GPU thread spinning (400M cycles took ~0.2 s on the H200)
 
-pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA stream ordering")
+cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA stream ordering")
 
 
+@cuda_only
 @pytest.mark.asyncio
 async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chunks() -> None:
     n = 4 * T
@@ -60,6 +61,7 @@ async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chu
         assert bool((kv[:, on_device[:T]] == MARK).all())
 
 
+@cuda_only
 @pytest.mark.asyncio
 async def test_copies_still_wait_for_the_work_queued_before_the_stream_began(tmp_path: Path) -> None:
     # A kernel queued before start_load that writes the slots (a previous owner's, say) runs first:
@@ -86,3 +88,34 @@ async def test_copies_still_wait_for_the_work_queued_before_the_stream_began(tmp
         assert result.loaded_from == 0
         torch.cuda.synchronize()
         assert torch.equal(kv[:, on_device], source), "a copy ran before the work queued ahead of the stream"
+
+
+@pytest.mark.asyncio
+async def test_a_mark_that_raises_leaves_the_match_with_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review 115: the mark was recorded after the match was taken; a CUDA error there (a sticky
+    # one) left the match's pool pages referenced for good. Now it is recorded before the take:
+    # start_load raises with the match still the caller's, who releases it.
+    n = 4 * T
+    tokens = prompt(99, n)
+    kv = make_kv(100)
+    async with KVCache(config(None, pool_pages=32), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.offload(tokens, torch.arange(n))
+        await cache.flush()
+        transfers = cache._transfers
+        assert transfers is not None
+
+        def broken() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+        monkeypatch.setattr(transfers, "mark", broken)
+        match = await cache.match(tokens)
+        assert match.tokens == n
+        with pytest.raises(RuntimeError, match="injected"):
+            await cache.start_load(match, torch.arange(40, 40 + n))
+        assert cache.stats().pool_referenced == n // T
+        match.release()
+        assert cache.stats().pool_referenced == 0
+        monkeypatch.undo()
+        loaded = await (await cache.start_load(await cache.match(tokens), torch.arange(40, 40 + n))).finish()
+        assert loaded.loaded_from == 0
