@@ -63,7 +63,9 @@ def test_an_idle_process_with_many_threads_reads_idle_when_the_probe_reads_proc_
         with GilProbe(0.001, snapshot_every=1) as probe:
             time.sleep(0.3)
             begin = time.perf_counter()
-            time.sleep(0.1)
+            # 0.3 s: a snapshot of 300 threads takes ~10 ms on a loaded 2-core host, and a 0.1 s
+            # span held exactly 10 samples there (a full run with two helpers testing alongside).
+            time.sleep(0.3)
             end = time.perf_counter()
     finally:
         stop.set()
