@@ -24,13 +24,13 @@ class Hold:
         self._gate = threading.Event()
 
     def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def held(*args: Any) -> Any:
+        def held(*args: Any, **kwargs: Any) -> Any:
             first = not self.entered.is_set()
             self.entered.set()
             if first:
                 assert self._gate.wait(BOUND_S), "the test never released the held call"
             try:
-                return call(*args)
+                return call(*args, **kwargs)
             finally:
                 self.returned.set()
 

@@ -9,14 +9,12 @@ CPU only: the offload's copy is held on the copy thread (on CUDA the mover runs 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
+from held_call import Hold
 
 from aiokv import KVCache, OffloadResult
 
@@ -25,25 +23,6 @@ PAGES = 3
 BOUND_S = 10.0
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread")
-
-
-class Hold:
-    """Holds the mover's offload on the copy thread until released (bounded)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self._gate = threading.Event()
-
-    def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def held(*args: Any, **kwargs: Any) -> Any:
-            self.entered.set()
-            assert self._gate.wait(BOUND_S), "the test never released the held copy"
-            return call(*args, **kwargs)
-
-        return held
-
-    def release(self) -> None:
-        self._gate.set()
 
 
 async def _offload_held(
