@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import gc
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -276,6 +275,8 @@ def test_a_wake_racing_the_loop_s_death_raises_nothing_into_the_engine_thread() 
     closed') into the engine's thread (vLLM's scheduler). Forced here: the loop really dies (a
     SystemExit out of a callback) and its thread ends right after wake()'s checks."""
 
+    parked = threading.Event()  # set by the loop thread as it parks (no polling of the flag)
+
     class Racing(LoopThread):
         race = False
 
@@ -290,12 +291,12 @@ def test_a_wake_racing_the_loop_s_death_raises_nothing_into_the_engine_thread() 
                 self.loop.call_soon_threadsafe(_die)
                 assert self.wait_ended(10)
             self.__dict__["parked_flag"] = value
+            if value:
+                parked.set()
 
     thread = Racing("aiokv-test", poll_s=0.001, linger_s=0.0)
     try:
-        deadline = time.monotonic() + 10
-        while not thread.parked and time.monotonic() < deadline:
-            time.sleep(0.001)
+        assert parked.wait(10)
         assert thread.parked
         thread.post_call(lambda: None)
         thread.race = True
