@@ -293,6 +293,14 @@ class AdvRanks:
             self.kill(rank)
         await self.reap_dead()
 
+    async def continue_and_kill_all(self) -> None:
+        """:meth:`kill_all` after a SIGCONT to each rank: a test that stopped one may have failed
+        before continuing it, and a stopped process is not reaped after SIGKILL until continued."""
+        for r in self.ranks.values():
+            if r.proc.pid is not None:
+                os.kill(r.proc.pid, signal.SIGCONT)
+        await self.kill_all()
+
 
 # -- the soak: many engine requests against kills and cancels ---------------------------------------
 

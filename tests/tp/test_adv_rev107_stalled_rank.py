@@ -42,10 +42,7 @@ async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
     groups: list[AdvRanks] = []
     yield groups
     for ranks in groups:
-        for r in ranks.ranks.values():
-            if r.proc.pid is not None:
-                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped process cannot die of SIGKILL's reap
-        await ranks.kill_all()
+        await ranks.continue_and_kill_all()
 
 
 async def _store(cache: TPCache, ranks: AdvRanks, tokens: list[int]) -> None:

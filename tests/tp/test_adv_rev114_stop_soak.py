@@ -39,10 +39,7 @@ async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
     groups: list[AdvRanks] = []
     yield groups
     for ranks in groups:
-        for r in ranks.ranks.values():
-            if r.proc.pid is not None:
-                os.kill(r.proc.pid, signal.SIGCONT)
-        await ranks.kill_all()
+        await ranks.continue_and_kill_all()
 
 
 class StopSoak(Soak):
