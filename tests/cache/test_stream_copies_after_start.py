@@ -25,6 +25,14 @@ SLEEP_CYCLES = 2_000_000_000  # ~1 s of one GPU thread spinning (400M cycles too
 cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA stream ordering")
 
 
+def load_module(kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Launch the engine's "writes" once before the sleep: a kernel's first launch in a process
+    loads its module (CUDA lazy loading), which waits for the device to go idle — on the H200 the
+    first ``index_fill_`` after the sleep blocked the host ~1 s, so the test could not test the order."""
+    kv.index_fill_(1, slots, -MARK)  # not the mark: the engine's own write must still land last
+    torch.cuda.synchronize()
+
+
 @cuda_only
 @pytest.mark.asyncio
 async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chunks() -> None:
@@ -39,7 +47,7 @@ async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chu
         source = kv[:, :n].clone()
         target = torch.arange(40, 40 + n)
         on_device = target.to(DEVICE)  # before the sleep: a pageable copy would wait for it
-        torch.cuda.synchronize()
+        load_module(kv, on_device[:T])
         stream = await cache.start_load(await cache.match(tokens), target)
         # No await until the chunk is queued: the loader launches its first copy after it. The
         # engine claims the first page and queues its "compute": a long kernel, then its writes.
@@ -77,6 +85,7 @@ async def test_copies_still_wait_for_the_work_queued_before_the_stream_began(tmp
         source = kv[:, :n].clone()
         target = torch.arange(40, 40 + n)
         on_device = target.to(DEVICE)
+        load_module(kv, on_device)
         torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
         kv.index_fill_(1, on_device, MARK)  # no host sync (see above): queued behind the sleep
         queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
