@@ -11,15 +11,18 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from aiokv import pool as _pool
 from aiokv.kernels import TransferPath
 from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
+from aiokv.reclaim import SegmentInfo, SegmentState, scan
 from aiokv.shm import shm_free_bytes
 from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
 
@@ -73,16 +76,48 @@ def _ram_bytes() -> int:
 
 
 def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
-    """A quarter of RAM, at most 64 GiB, and at most 80% of the free shared memory."""
-    budget = min(int(_ram_bytes() * fraction), cap)
-    shm = shm_free_bytes()
-    if shm is not None:
-        # Segments of killed processes are reclaimed when a pool is created: count them as free.
-        # (Imported here: a module-level import would make `python -m aiokv.segments` warn.)
-        from aiokv.segments import reclaimable_bytes
+    """A quarter of RAM, at most 64 GiB, and at most 80% of the shared memory a pool could get.
 
-        budget = min(budget, int((shm + reclaimable_bytes()) * 0.8))
+    That is the free shared memory plus the segments of dead creators (a pool's start reclaims
+    them). A dead creator's segment still held (mapped by a live process: a TP rank finishing a
+    copy, a driver letting go, right after a crash) counts once it is let go: when it could raise
+    the budget, this waits for that, up to :data:`aiokv.pool.RECLAIM_SETTLE_S` (in the caller's
+    thread), as the pool's start would. One still held then (another pid namespace's live pool
+    looks the same) is not counted, and not waited for again by this process.
+    """
+    budget = min(int(_ram_bytes() * fraction), cap)
+    if shm_free_bytes() is not None:
+        budget = min(budget, int(_shm_obtainable(int(budget / 0.8) + 1) * 0.8))
     return max(budget, 0)
+
+
+_outlasted: set[str] = set()
+"""Segments held by the dead that outlasted a whole wait of :func:`_shm_obtainable` here."""
+
+
+def _shm_obtainable(wanted: int) -> int:
+    """Free shared memory plus what reclaiming would free, once the dead creators' segments still
+    held are let go (waited for only while they could bring the total up to ``wanted``)."""
+    def count() -> tuple[int, list[SegmentInfo]]:
+        found = scan()
+        dead = sum(s.size for s in found if s.state is SegmentState.DEAD)
+        held = [s for s in found
+                if s.state is SegmentState.LIVE and not s.creator_alive and s.name not in _outlasted]
+        return (shm_free_bytes() or 0) + dead, held
+
+    # Before review 117 a held one was never counted: a budget taken right after a crash came out
+    # smaller than one taken a moment later, while the pool's start waits for such segments anyway.
+    obtainable, held = count()
+    if not held or obtainable >= wanted:
+        return obtainable
+    deadline = time.monotonic() + _pool.RECLAIM_SETTLE_S
+    while held and time.monotonic() < deadline:
+        time.sleep(min(_pool.RECLAIM_RETRY_S, max(0.0, deadline - time.monotonic())))
+        obtainable, held = count()
+        if obtainable >= wanted:
+            return obtainable
+    _outlasted.update(s.name for s in held)
+    return obtainable
 
 
 def default_disk() -> DiskConfig | None:
