@@ -45,6 +45,10 @@ class TPConfig:
     inline_copy_bytes: int = 256 << 10
     """A CPU rank's copy of at most this many bytes runs on the worker's loop when none is queued on
     the copy thread (the hop there and back, two thread wake-ups, costs more); 0: always hop."""
+    stream_marks: int = 256
+    """Load streams' marks a rank keeps (the newest; on CUDA one event each, recorded on the engine's
+    stream when the stream began): a spec of a stream whose mark is gone is ordered after the
+    engine's stream at its launch instead, as it was before marks (later, never unordered)."""
     offload_runs: bool = True
     """A CUDA rank offloads each page whose slots are one ascending run with one 2-D copy-engine
     memcpy straight from its KV buffer (``PageMover(slot_runs=True)``): no gather kernel, so rank

@@ -13,7 +13,14 @@ copied straight from the KV buffer by one 2-D copy-engine memcpy, no kernel, ``T
   of an async runner took 2.5x a thread runner's on the H200 host, the difference being that hop).
 - CUDA KV buffer: the copy is launched on the mover's own side streams, ordered after the engine's
   stream by an event; a LOAD also makes the engine's stream wait for the copy, so the engine's later
-  kernels see the bytes (a layered LOAD does not: the engine waits per layer, see below).
+  kernels see the bytes (a layered LOAD does not: the engine waits per layer, see below). The event
+  is recorded at the copy's launch, except for a LOAD of a load stream (``spec.stream``): that one
+  is ordered after the stream's *mark*, an event recorded on the engine's stream when the rank
+  learnt that the stream began (:meth:`RankExecutor.begin_stream`, at the manager's STREAM_BEGINS
+  frame), so it does not wait for the chunks the engine queued since (a split's claimed chunks,
+  which never touch the loaded slots). A stream whose mark this rank lacks (its record raised, it
+  was dropped as old, or it was never announced) has its copies ordered at their launch, as
+  before marks: later, never unordered.
   Completion comes through the bridge's waiter threads (no polling). The attached mapping is
   registered with CUDA (pinned + mapped) chunk by chunk in background threads; a spec waits for the
   chunks of its pages only.
@@ -36,6 +43,7 @@ scheduler must not count a spec failed and reuse its slots before the rank's rep
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -147,6 +155,17 @@ class RankExecutor:
         self._copies: set[asyncio.Future[RankReport]] = set()  # queued on the copy thread, not back yet
         self._feeding: set[PacedLayers] = set()  # paced CUDA loads whose feed has not ended: fence() stops them
         self._unmapped: asyncio.Future[None] | None = None  # the unmap, once aclose() began it
+        # Load streams' marks by stream id, oldest first (at most TPConfig.stream_marks): on CUDA an
+        # event on the engine's stream recorded when the stream began; None off CUDA (no stream).
+        self._marks: collections.OrderedDict[int, torch.cuda.Event | None] = collections.OrderedDict()
+        self.stream_marks = 0
+        """Load streams whose mark this executor recorded."""
+        self.stream_marks_failed = 0
+        """Load streams whose mark could not be recorded (a CUDA error): their copies are ordered
+        after the engine's stream at their launch."""
+        self.stream_marks_missed = 0
+        """LOAD specs naming a stream whose mark is not held here (its record failed, it was dropped
+        as old, or the stream was never announced): ordered after the engine's stream at launch."""
         if self._cuda:
             self._register_in_background()
 
@@ -185,6 +204,53 @@ class RankExecutor:
         ready = sum(1 for f in self._chunks if f.done() and f.result().error is None)
         return ready, len(self._chunks)
 
+    def begin_stream(self, stream: int) -> None:
+        """Load stream ``stream`` began: record its mark now (CUDA: an event on the engine's stream).
+
+        Call when the rank learns of the stream (the worker does, as it reads the manager's
+        STREAM_BEGINS frame), before any of the stream's specs is executed. The mark covers all the
+        engine queued on its stream so far; the stream's LOAD specs are ordered after it, not after
+        what the engine queues later. Never raises: a mark that cannot be recorded (a CUDA error) is
+        counted and logged, and the stream's copies are then ordered at their launch (as without a
+        mark); if the error is sticky, their launch fails and they report COPY_FAILED (the manager
+        shortens the load and releases its pages). Ignored once fenced.
+        """
+        if self._closing:
+            return
+        try:
+            mark = self._record_mark()
+        except Exception as exc:
+            self.stream_marks_failed += 1
+            log.warning("rank %d: the mark of load stream %d failed (its copies are ordered at their launch): %r",
+                        self.kv.tp.rank, stream, exc)
+            self._marks.pop(stream, None)
+            return
+        self.stream_marks += 1
+        self._marks[stream] = mark
+        self._marks.move_to_end(stream)
+        while len(self._marks) > self.config.stream_marks:
+            self._marks.popitem(last=False)
+
+    def _record_mark(self) -> torch.cuda.Event | None:
+        """An event after everything the engine queued on its stream so far (None off CUDA)."""
+        if not self._cuda:
+            return None
+        assert self._engine_stream is not None
+        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark.record(self._engine_stream)
+        return mark
+
+    def _after(self, spec: TransferSpec) -> torch.cuda.Event | None:
+        """What a LOAD spec's copy is ordered after: its stream's mark, or None (the engine's
+        stream at the copy's launch) for a spec of no stream or of a stream whose mark is not held."""
+        if not spec.stream:
+            return None
+        try:
+            return self._marks[spec.stream]
+        except KeyError:
+            self.stream_marks_missed += 1
+            return None
+
     def execute(self, spec: TransferSpec) -> asyncio.Future[RankReport]:
         """Start ``spec``; the future resolves with this rank's report when its copy is over. Never raises."""
         loop = asyncio.get_running_loop()
@@ -197,13 +263,15 @@ class RankExecutor:
             self.layered_loads += 1
             result.add_done_callback(lambda _: progress.end())
         early = self._precheck(spec)
+        # Looked up now, in the order specs arrive: a mark dropped later (as old) still orders this copy.
+        after = self._after(spec) if early is None and spec.direction is Direction.LOAD else None
         if early is not None:
             result.set_result(early)
         elif not self._cuda and (self._copy_on_loop or self._inline(spec)):
-            result.set_result(self._copy_on_thread(spec, progress))
+            result.set_result(self._copy_on_thread(spec, progress, after))
         elif not self._cuda:
             self._queued += 1
-            copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec, progress))
+            copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec, progress, after))
             self._copies.add(copy)
             copy.add_done_callback(self._dequeued)
             copy.add_done_callback(functools.partial(_forward, result))
@@ -212,12 +280,12 @@ class RankExecutor:
             if waiting is None:
                 result.set_result(RankReport(RankStatus.NOT_REGISTERED, "a page lies in a chunk CUDA refused"))
             elif waiting:
-                task = loop.create_task(self._launch_when_registered(spec, waiting, progress))
+                task = loop.create_task(self._launch_when_registered(spec, waiting, progress, after))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(functools.partial(_forward, result))
             else:
-                self._launch_cuda(spec, result, progress)
+                self._launch_cuda(spec, result, progress, after)
         return result
 
     def _precheck(self, spec: TransferSpec) -> RankReport | None:
@@ -245,8 +313,11 @@ class RankExecutor:
         self._queued -= 1
         self._copies.discard(copy)
 
-    def _copy_on_thread(self, spec: TransferSpec, progress: LayerProgress | None = None) -> RankReport:
-        """The CPU copy, on the bridge's copy thread (or inline, see :meth:`_inline`); never raises."""
+    def _copy_on_thread(
+        self, spec: TransferSpec, progress: LayerProgress | None = None, after: torch.cuda.Event | None = None
+    ) -> RankReport:
+        """The CPU copy, on the bridge's copy thread (or inline, see :meth:`_inline`); never raises.
+        ``after`` (a LOAD's mark) is handed to the mover, which has no stream to order here."""
         mover = self._mover
         assert mover is not None  # dropped only after every copy is over
         try:
@@ -255,9 +326,10 @@ class RankExecutor:
             if spec.direction is Direction.OFFLOAD:
                 mover.offload(slots, ids)
             elif progress is not None:
-                mover.load_layers(ids, slots, spec.skip_first, functools.partial(self._landed, spec.job_id, progress))
+                mover.load_layers(ids, slots, spec.skip_first, functools.partial(self._landed, spec.job_id, progress),
+                                  after=after)
             else:
-                mover.load(ids, slots, spec.skip_first)
+                mover.load(ids, slots, spec.skip_first, after=after)
         except _Fenced:
             return RankReport(RankStatus.WORKER_CLOSING, "fenced: the load stopped between two layers")
         except Exception as exc:
@@ -277,8 +349,12 @@ class RankExecutor:
             raise _Fenced
 
     def _launch_cuda(
-        self, spec: TransferSpec, result: asyncio.Future[RankReport], progress: LayerProgress | None = None
+        self, spec: TransferSpec, result: asyncio.Future[RankReport], progress: LayerProgress | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> None:
+        """Queue ``spec``'s copy; a LOAD behind ``after`` (its stream's mark) when given, else behind
+        the engine's stream now. A LOAD still makes the engine's stream wait for it (layered: per
+        layer, ``wait_layer``) before anything the engine queues from now on reads the slots."""
         mover, stream = self._mover, self._engine_stream
         assert mover is not None and stream is not None
         try:
@@ -291,14 +367,14 @@ class RankExecutor:
                     lane = Lane.OFFLOAD
                 elif progress is not None:
                     # The engine's stream is not made to wait: it waits per layer (wait_layer).
-                    paced = mover.start_layers(ids, slots, spec.skip_first, self.config.pace_bytes)
+                    paced = mover.start_layers(ids, slots, spec.skip_first, self.config.pace_bytes, after=after)
                     if paced is not None:
                         self.paced_loads += 1
                         fed = feed_layers(paced, progress, self._bridge, self._cuda_landed(spec.job_id))
                         self._feeding.add(paced)
                         fed.add_done_callback(functools.partial(self._fed, paced, result))
                         return
-                    events = mover.load_layers(ids, slots, spec.skip_first)
+                    events = mover.load_layers(ids, slots, spec.skip_first, after=after)
                     assert events
                     progress.launch(events)  # all queued at once (DIRECT, REFERENCE)
                     report = self._cuda_landed(spec.job_id)
@@ -307,7 +383,7 @@ class RankExecutor:
                             watch_landed(self._bridge, queued, layer, report)
                     event, lane = events[-1], Lane.LOAD
                 else:
-                    event = mover.load(ids, slots, spec.skip_first)
+                    event = mover.load(ids, slots, spec.skip_first, after=after)
                     lane = Lane.LOAD
                     if event is not None:
                         stream.wait_event(event)  # the engine's later kernels read what we wrote
@@ -356,6 +432,7 @@ class RankExecutor:
         spec: TransferSpec,
         waiting: list[concurrent.futures.Future[ChunkResult]],
         progress: LayerProgress | None,
+        after: torch.cuda.Event | None,
     ) -> RankReport:
         for chunk in waiting:
             # Shielded: cancelling an asyncio wrapper would cancel the registration work too.
@@ -365,7 +442,7 @@ class RankExecutor:
         if self._closing:
             return RankReport(RankStatus.WORKER_CLOSING, "the worker is closing")
         inner: asyncio.Future[RankReport] = asyncio.get_running_loop().create_future()
-        self._launch_cuda(spec, inner, progress)
+        self._launch_cuda(spec, inner, progress, after)
         return await inner
 
     def _unregistered(self, page_ids: npt.NDArray[np.uint32]) -> list[concurrent.futures.Future[ChunkResult]] | None:
@@ -419,6 +496,7 @@ class RankExecutor:
         cancels = Cancels()
         await cancels.outlast(self.drain())
         self.layers.close()
+        self._marks.clear()
         if self._unmapped is None:
             # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
             if self._mover is not None:

@@ -47,6 +47,7 @@ from .wire import (
     RankStatus,
     Refuse,
     RefuseReason,
+    StreamBegins,
     Welcome,
     Withdrawn,
     frame,
@@ -150,6 +151,7 @@ class RankGroup:
         self._on_all_attached = on_all_attached
         self._changed = asyncio.Event()
         self._next_job = 1
+        self._next_stream = 1  # load stream ids (begin_stream), never reused in this group
         # Each attach starts a new session of its rank (a number never reused in this group): a
         # call's jobs go only to the sessions it was admitted for (see sessions()).
         self._last_session = 0
@@ -357,13 +359,38 @@ class RankGroup:
         slots: IntArrayLike,
         skip_first: int = 0,
         layered: bool = False,
+        stream: int = 0,
     ) -> TransferSpec:
-        """A spec for this group's pool with the next job id (see :meth:`TransferSpec.build`)."""
+        """A spec for this group's pool with the next job id (see :meth:`TransferSpec.build`).
+        ``stream``: a LOAD's load stream (:meth:`begin_stream`), 0 for none."""
         job_id = self._next_job
         self._next_job += 1
         return TransferSpec.build(
-            job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first, layered
+            job_id, direction, self.epoch, self.layout.page_tokens, page_ids, slots, skip_first, layered, stream
         )
+
+    def begin_stream(self) -> int:
+        """A load stream begins: returns its id (for its LOAD specs, :meth:`spec`) and tells every
+        attached rank now (a STREAM_BEGINS frame, ahead of any spec of the stream on its link).
+
+        Each rank records its *mark* on its engine's stream when it reads the frame: the stream's
+        copies there are ordered after that mark, so after everything the rank's engine had queued
+        by then, and so after all it queued before this call. A rank that is not attached now gets
+        nothing: the stream's specs (admitted for the sessions of now) never reach a later session
+        of it. Returns 0 and sends nothing once the group is closing (nothing more is sent at all).
+        """
+        if self._closing:
+            return 0
+        stream = self._next_stream
+        self._next_stream += 1
+        data = frame(FrameKind.STREAM_BEGINS, StreamBegins(stream).encode())
+        for rank in self._rank_order:
+            conn = self._ranks.get(rank)
+            if conn is None or not conn.attached or conn.fenced or conn.transport is None \
+                    or conn.transport.is_closing():
+                continue
+            conn.transport.write(data)  # buffered: never blocks (eight bytes per stream)
+        return stream
 
     def submit_nowait(self, spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:
         """Send ``spec`` to its ranks (OFFLOAD: the writers; LOAD: all) and return its :class:`Job`.
@@ -450,6 +477,8 @@ class RankGroup:
             raise ValueError(f"spec epoch {spec.epoch:#x} is not this group's pool epoch {self.epoch:#x}")
         if spec.page_tokens != self.layout.page_tokens:
             raise ValueError(f"spec pages hold {spec.page_tokens} tokens; the layout's hold {self.layout.page_tokens}")
+        if spec.stream >= self._next_stream:
+            raise ValueError(f"spec names load stream {spec.stream}, which this group never began")
         if int(spec.page_ids.max()) >= self.num_pages:
             raise ValueError(f"spec names page {int(spec.page_ids.max())}; the pool has {self.num_pages}")
         if spec.encoded_bytes + 1 > self.config.max_frame_bytes:

@@ -7,9 +7,13 @@ picklable and has a compact binary form, little-endian::
 
     header  magic b"AKVS" | version u8 | direction u8 | slot width u8 (4 or 8) | flags u8
             | job id u64 | pool epoch u64 | page_tokens u32 | skip_first u32 | pages u32 | slots u32
+            [| stream u64, only with the STREAM flag]
     body    page ids uint32 x pages | slots int32/int64 x slots
 
-``flags`` bit 0: LAYERED (a LOAD copied layer by layer, with readiness per layer); other bits are 0.
+``flags`` bit 0: LAYERED (a LOAD copied layer by layer, with readiness per layer); bit 2: STREAM (a
+LOAD of a load stream: the stream's id follows the fixed header, and each rank orders the copy after
+the mark it recorded when that stream began, ``wire.StreamBegins``); other bits are 0. Version 2
+added the STREAM flag; a spec of another version is refused.
 
 :meth:`TransferSpec.from_bytes` accepts any bytes and raises ``ValueError`` for anything that is not
 one well-formed spec (never another exception).
@@ -28,13 +32,16 @@ import numpy.typing as npt
 import torch
 
 SPEC_MAGIC = b"AKVS"
-SPEC_VERSION = 1
+SPEC_VERSION = 2
 _HEADER = struct.Struct("<4sBBBBQQIIII")
+_STREAM = struct.Struct("<Q")
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 _SLOT_DTYPES: dict[int, np.dtype[Any]] = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _PAGE_DTYPE = np.dtype("<u4")
 _FLAG_LAYERED = 1
+_FLAG_STREAM = 4  # bit 1 is left unused
+_FLAGS = _FLAG_LAYERED | _FLAG_STREAM
 
 IntArrayLike = Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor
 """Integers as a sequence, a 1-D numpy array or a 1-D host tensor."""
@@ -99,7 +106,10 @@ class TransferSpec:
     ``0 <= skip_first < T`` (a partly needed first page). ``epoch`` names the pool the pages belong
     to: a worker attached to another pool refuses the spec. ``layered`` (LOAD only): the rank copies
     layer 0 of every page, then layer 1, ... and reports each layer as it lands (see
-    :class:`LayeredLoad`). Arrays are read-only.
+    :class:`LayeredLoad`). ``stream`` (LOAD only): the id of the load stream the spec belongs to
+    (``RankGroup.begin_stream``); each rank orders the copy after the mark it recorded on its
+    engine's stream when that stream began, instead of after the engine's stream at the copy's
+    launch; 0: no stream. Arrays are read-only.
 
     Build with :meth:`build` (converts and validates); the constructor validates already typed values
     and raises ``ValueError`` naming the field.
@@ -113,12 +123,14 @@ class TransferSpec:
     slots: npt.NDArray[np.signedinteger[Any]]
     skip_first: int = 0
     layered: bool = False
+    stream: int = 0
 
     def __post_init__(self) -> None:
         _u("job_id", self.job_id, _U64_MAX)
         _u("epoch", self.epoch, _U64_MAX)
         _u("page_tokens", self.page_tokens, _U32_MAX)
         _u("skip_first", self.skip_first, _U32_MAX)
+        _u("stream", self.stream, _U64_MAX)
         if not isinstance(self.direction, Direction):
             raise ValueError(f"direction must be a Direction, got {self.direction!r}")
         if not isinstance(self.layered, bool):
@@ -141,6 +153,8 @@ class TransferSpec:
             raise ValueError("page_tokens must be positive")
         if self.layered and self.direction is not Direction.LOAD:
             raise ValueError("only a LOAD spec is layered (an OFFLOAD gathers whole pages)")
+        if self.stream and self.direction is not Direction.LOAD:
+            raise ValueError("only a LOAD spec belongs to a load stream (an OFFLOAD is ordered at its launch)")
         if pages.size == 0 or slots.size == 0:
             raise ValueError("a spec moves at least one page and one slot")
         lowest = _lowest(slots)
@@ -172,6 +186,7 @@ class TransferSpec:
         slots: IntArrayLike,
         skip_first: int = 0,
         layered: bool = False,
+        stream: int = 0,
     ) -> TransferSpec:
         """A spec from any integer sequences, arrays or host tensors (copied; int32 slots stay int32)."""
         pages = _as_numpy("page_ids", page_ids)
@@ -193,6 +208,7 @@ class TransferSpec:
             _frozen(slot_array),
             skip_first,
             layered,
+            stream,
         )
 
     # -- derived --------------------------------------------------------------------------------
@@ -212,17 +228,19 @@ class TransferSpec:
     @property
     def encoded_bytes(self) -> int:
         """Length of :meth:`to_bytes`, without encoding."""
-        return _HEADER.size + self.page_ids.nbytes + self.slots.nbytes
+        extra = _STREAM.size if self.stream else 0
+        return _HEADER.size + extra + self.page_ids.nbytes + self.slots.nbytes
 
     def to_bytes(self) -> bytes:
         """The compact binary form (see the module docstring)."""
         width = self.slots.dtype.itemsize
+        flags = (_FLAG_LAYERED if self.layered else 0) | (_FLAG_STREAM if self.stream else 0)
         header = _HEADER.pack(
             SPEC_MAGIC,
             SPEC_VERSION,
             self.direction.value,
             width,
-            _FLAG_LAYERED if self.layered else 0,
+            flags,
             self.job_id,
             self.epoch,
             self.page_tokens,
@@ -230,7 +248,8 @@ class TransferSpec:
             self.page_ids.size,
             self.slots.size,
         )
-        return b"".join((header, self.page_ids.tobytes(), self.slots.tobytes()))
+        stream = _STREAM.pack(self.stream) if self.stream else b""
+        return b"".join((header, stream, self.page_ids.tobytes(), self.slots.tobytes()))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> TransferSpec:
@@ -246,7 +265,7 @@ class TransferSpec:
             raise ValueError(f"not a transfer spec (magic {magic!r})")
         if version != SPEC_VERSION:
             raise ValueError(f"transfer spec version {version} is not supported (this side speaks {SPEC_VERSION})")
-        if flags & ~_FLAG_LAYERED:
+        if flags & ~_FLAGS:
             raise ValueError(f"transfer spec has unknown flags {flags:#x}")
         try:
             kind = Direction(direction)
@@ -255,19 +274,25 @@ class TransferSpec:
         slot_dtype = _SLOT_DTYPES.get(width)
         if slot_dtype is None:
             raise ValueError(f"transfer spec has slot width {width}; 4 or 8 expected")
-        expect = _HEADER.size + n_pages * _PAGE_DTYPE.itemsize + n_slots * width
+        body = _HEADER.size + (_STREAM.size if flags & _FLAG_STREAM else 0)
+        expect = body + n_pages * _PAGE_DTYPE.itemsize + n_slots * width
         if len(data) != expect:
             what = "truncated" if len(data) < expect else "trailing bytes after"
             raise ValueError(f"{what} transfer spec: {len(data)} bytes, header says {expect}")
-        pages = np.frombuffer(data, _PAGE_DTYPE, n_pages, _HEADER.size)
-        slots = np.frombuffer(data, slot_dtype, n_slots, _HEADER.size + n_pages * _PAGE_DTYPE.itemsize)
+        stream = 0
+        if flags & _FLAG_STREAM:
+            (stream,) = _STREAM.unpack_from(data, _HEADER.size)
+            if stream == 0:
+                raise ValueError("transfer spec has the STREAM flag and stream id 0")
+        pages = np.frombuffer(data, _PAGE_DTYPE, n_pages, body)
+        slots = np.frombuffer(data, slot_dtype, n_slots, body + n_pages * _PAGE_DTYPE.itemsize)
         # The header's formats and the read-only views fix every type: only the values are checked
         # (on a rank the full constructor's checks were a third of a spec round trip's decode).
         spec = object.__new__(cls)
         for name, value in (
             ("job_id", job_id), ("direction", kind), ("epoch", epoch), ("page_tokens", page_tokens),
             ("page_ids", pages), ("slots", slots), ("skip_first", skip_first),
-            ("layered", bool(flags & _FLAG_LAYERED)),
+            ("layered", bool(flags & _FLAG_LAYERED)), ("stream", stream),
         ):
             object.__setattr__(spec, name, value)
         spec._check_values()
@@ -283,8 +308,9 @@ class TransferSpec:
         if not isinstance(other, TransferSpec):
             return NotImplemented
         return (
-            (self.job_id, self.direction, self.epoch, self.page_tokens, self.skip_first, self.layered)
-            == (other.job_id, other.direction, other.epoch, other.page_tokens, other.skip_first, other.layered)
+            (self.job_id, self.direction, self.epoch, self.page_tokens, self.skip_first, self.layered, self.stream)
+            == (other.job_id, other.direction, other.epoch, other.page_tokens, other.skip_first, other.layered,
+                other.stream)
             and self.slots.dtype == other.slots.dtype
             and np.array_equal(self.page_ids, other.page_ids)
             and np.array_equal(self.slots, other.slots)
@@ -297,7 +323,7 @@ class TransferSpec:
         return (
             f"TransferSpec(job={self.job_id}, {self.direction.name}, epoch={self.epoch:#x}, "
             f"pages={self.num_pages}, tokens={self.num_tokens}, skip_first={self.skip_first}"
-            f"{', layered' if self.layered else ''})"
+            f"{', layered' if self.layered else ''}{f', stream={self.stream}' if self.stream else ''})"
         )
 
 

@@ -1,5 +1,14 @@
 """`TPLoadStream`: a :class:`~aiokv.stream.LoadStream` whose copies run on the ranks of a TP group.
 
+Ordering on a CUDA rank: as the stream begins, every attached rank is told (a STREAM_BEGINS frame,
+sent by ``start_load`` itself) and records a *mark* on its engine's stream when it reads it; the
+stream's copies on that rank are ordered after the mark, not after the engine's stream at each
+copy's launch. So they wait for everything the rank's engine had queued when it read the frame
+(all it queued before ``start_load``, and whatever it queued in the short time until the read), and
+not for the chunks it queues later (a split's claimed chunks, which must not touch the loaded
+slots, as in one process). The engine's stream still waits on each copy (at its launch; layered:
+per layer, ``wait_layer``) before its later kernels can read the slots.
+
 Layer by layer (``TPCache.start_load(..., layered=True)``) each rank copies layer 0 of every page,
 then layer 1, ... Readiness lives on both sides:
 
@@ -50,7 +59,10 @@ class TPLoadStream(LoadStream):
         self._group_transfers = transfers
         self.layered = layered
         """Whether the ranks copy layer by layer."""
-        super().__init__(manager, match, slots, from_token, layered)
+        # The base class's mark() begins the stream on the ranks (each records its own mark then),
+        # and the loader task it creates carries the stream's id into every LOAD spec it launches.
+        with transfers.streaming():
+            super().__init__(manager, match, slots, from_token, layered)
 
     def layered_load(self) -> LayeredLoad:
         """The pool epoch and the job ids of this stream's copies, for the ranks' ``wait_layer``.

@@ -16,6 +16,12 @@ later round or launch group) goes only to the rank processes the call was admitt
 restarted meanwhile fails it (RANK_LOST) before any rank is sent anything: the new process's KV
 buffer holds its own engine's state, so an offload would store those bytes under the call's keys
 and a load would overwrite them.
+
+A load stream's copies (:class:`~aiokv.tp.TPLoadStream`) carry the stream's id: :meth:`mark`,
+called by the stream as it begins, has the group tell every rank (``RankGroup.begin_stream``), and
+each rank orders those copies after the mark it recorded on its engine's stream then, not after its
+engine's stream at each copy's launch (the chunks a split's engine queued meanwhile never touch the
+loaded slots; ordered behind them, the copies landed only once those chunks had run).
 """
 
 from __future__ import annotations
@@ -54,6 +60,25 @@ A context variable because the manager's paths (``CacheManager``'s load and offl
 through the generic :class:`aiokv.transfers.Transfers` seam, which has no notion of a call."""
 
 
+class _StreamScope:
+    """The load stream being built in this context (:meth:`GroupTransfers.streaming`): its id, once
+    :meth:`GroupTransfers.mark` began it. Mutable and shared: the stream's loader task, created
+    while the scope is entered, copies the context and so sees the id set by ``mark``."""
+
+    __slots__ = ("group", "stream")
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.stream = 0
+
+
+_STREAM: contextvars.ContextVar[_StreamScope | None] = contextvars.ContextVar("aiokv_tp_stream", default=None)
+"""The stream whose copies are launched in this context (a ``TPLoadStream``'s loader), if any.
+
+A context variable for the reason ``_ADMITTED`` is one: ``LoadStream`` reaches the transfers through
+the generic seam, whose ``Mark`` is a CUDA event of this process (a rank's mark lives in the rank)."""
+
+
 class GroupTransfers:
     """Implements :class:`aiokv.transfers.Transfers` over a started :class:`RankGroup`."""
 
@@ -74,11 +99,29 @@ class GroupTransfers:
         finally:
             _ADMITTED.reset(token)
 
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Build a load stream in this context: its :meth:`mark` begins a stream on the ranks, and the
+        LOAD copies its loader task (created inside) launches carry the stream's id. Enter it only
+        around the stream's construction (``TPLoadStream`` does): the caller's later calls are not
+        the stream's."""
+        token = _STREAM.set(_StreamScope(self.group))
+        try:
+            yield
+        finally:
+            _STREAM.reset(token)
+
     def offload(self, slots: torch.Tensor, page_ids: list[int]) -> Copy:
         return self._submit(Direction.OFFLOAD, page_ids, slots, 0)
 
     def mark(self) -> Mark:
-        return None  # each rank orders its copies on its own streams
+        """Inside :meth:`streaming`: begin the stream on the ranks (``RankGroup.begin_stream``;
+        each rank records its own mark on its engine's stream as it reads that). Returns None: no
+        event of this process orders a rank's copies. Outside a stream's construction, nothing."""
+        scope = _STREAM.get()
+        if scope is not None and scope.group is self.group and not scope.stream:
+            scope.stream = self.group.begin_stream()
+        return None
 
     def load(self, page_ids: list[int], slots: torch.Tensor, skip: int, after: Mark = None) -> Copy:
         return self._submit(Direction.LOAD, page_ids, slots, skip)
@@ -104,9 +147,13 @@ class GroupTransfers:
         admitted = _ADMITTED.get()
         # A copy launched outside an admitted call (a direct user of this object) is admitted now.
         sessions = admitted[1] if admitted is not None and admitted[0] is group else None
+        scope = _STREAM.get()
+        # A load stream's copy: each rank orders it after the mark it recorded when the stream began.
+        stream = scope.stream if scope is not None and scope.group is group and direction is Direction.LOAD else 0
         try:
             # Sent now, or held (in launch order) until the jobs in flight leave room for it.
-            job = group.submit_queued(group.spec(direction, page_ids, slots, skip, layered), sessions=sessions)
+            spec = group.spec(direction, page_ids, slots, skip, layered, stream)
+            job = group.submit_queued(spec, sessions=sessions)
         except ValueError as exc:  # arguments were validated by the manager: a counted fault
             return failed_copy(exc)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -8,6 +8,8 @@ A session::
     worker  --ATTACHED(epoch, ok, text)-->          (after mapping the pool by name; not ok: refused or failed)
     worker  <--SPEC(TransferSpec bytes)--  ...  --DONE(job id, status, text)-->
             (a layered LOAD: --LAYERS(job id, layers landed)--> as layers land, before its DONE)
+    worker  <--STREAM_BEGINS(stream id)--   (a load stream began: the rank records its mark now;
+                                             that stream's LOAD specs name the id and follow it)
 
 Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 """
@@ -20,13 +22,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
 closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
 5: WITHDRAWN frames: a layered job held for room and withdrawn unsent (its id was already in a
 ``layered_load()``) ends the ranks' waits for it. 6: WELCOME carries the token slots the manager
-addresses; a worker whose KV buffer has fewer refuses to attach."""
+addresses; a worker whose KV buffer has fewer refuses to attach. 7: STREAM_BEGINS frames, and specs
+of version 2 (a LOAD of a load stream names the stream: the rank orders its copy after the mark it
+recorded when it read that stream's STREAM_BEGINS)."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -36,11 +40,13 @@ _ATTACHED = struct.Struct("<QB")
 _DONE = struct.Struct("<QB")
 _LAYERS = struct.Struct("<QI")
 _WITHDRAWN = struct.Struct("<Q")
+_STREAM_BEGINS = struct.Struct("<Q")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 MAX_DEVICE_BYTES = 32
 """Longest device kind a HELLO carries (``torch.device.type``: ``cpu``, ``cuda``, ...)."""
-CONTROL_FRAME_BYTES = 1 + max(s.size for s in (_HELLO, _WELCOME, _REFUSE, _ATTACHED, _DONE, _LAYERS, _WITHDRAWN)) \
+CONTROL_FRAME_BYTES = 1 + max(s.size for s in (_HELLO, _WELCOME, _REFUSE, _ATTACHED, _DONE, _LAYERS, _WITHDRAWN,
+                                             _STREAM_BEGINS)) \
     + MAX_TEXT_BYTES
 """The longest length prefix of any frame but SPEC (kind, fixed fields and the longest text: a
 WELCOME naming its pool). ``TPConfig.max_frame_bytes`` may not be below it: a link whose hello or
@@ -62,6 +68,7 @@ class FrameKind(enum.Enum):
     DONE = 6
     LAYERS = 7
     WITHDRAWN = 8
+    STREAM_BEGINS = 9
 
 
 _KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup per frame, not an Enum call
@@ -336,3 +343,22 @@ class Withdrawn:
     def decode(cls, payload: bytes) -> Withdrawn:
         (job_id,) = _fixed(_WITHDRAWN, payload, "withdrawal", exact=True)
         return cls(job_id)
+
+
+@dataclass(frozen=True)
+class StreamBegins:
+    """Manager -> worker: load stream ``stream`` began (``TPCache.start_load``). The rank records a
+    mark on its engine's stream when it reads this; the stream's LOAD specs (``TransferSpec.stream``)
+    are ordered after that mark. Ids start at 1 and are never reused by one manager."""
+
+    stream: int
+
+    def encode(self) -> bytes:
+        return _STREAM_BEGINS.pack(self.stream)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> StreamBegins:
+        (stream,) = _fixed(_STREAM_BEGINS, payload, "stream start", exact=True)
+        if stream == 0:
+            raise ProtocolError("stream start of stream 0 (ids start at 1)")
+        return cls(stream)

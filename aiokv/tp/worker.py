@@ -62,6 +62,7 @@ from .wire import (
     RankStatus,
     Refuse,
     RefuseReason,
+    StreamBegins,
     Welcome,
     Withdrawn,
     frame,
@@ -131,6 +132,14 @@ class WorkerStatistics:
     """Kernel warm-ups (one per session on a path that launches kernels) that raised."""
     runs_offloaded: int = 0
     """Pages of the current session offloaded by run copies (``TPConfig.offload_runs``), not gathered."""
+    stream_marks: int = 0
+    """Load streams of the current session whose mark this rank recorded (at their STREAM_BEGINS)."""
+    stream_marks_failed: int = 0
+    """Of the current session, load streams whose mark could not be recorded (a CUDA error): their
+    copies were ordered after the engine's stream at their launch."""
+    stream_marks_missed: int = 0
+    """LOAD specs of the current session naming a stream whose mark this rank did not hold (failed,
+    dropped as old, or never announced): ordered after the engine's stream at their launch."""
 
 
 class RankWorker:
@@ -485,6 +494,9 @@ class RankWorker:
             paced_loads=executor.paced_loads if executor is not None else 0,
             warm_up_failed=self._warm_up_failed,
             runs_offloaded=executor.runs_offloaded if executor is not None else 0,
+            stream_marks=executor.stream_marks if executor is not None else 0,
+            stream_marks_failed=executor.stream_marks_failed if executor is not None else 0,
+            stream_marks_missed=executor.stream_marks_missed if executor is not None else 0,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -551,8 +563,16 @@ class _WorkerLink(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._end is not None:
             return
+        executor = self._executor
         try:
-            self._frames.extend(self._parser.feed(data))
+            for kind, payload in self._parser.feed(data):
+                if kind is FrameKind.STREAM_BEGINS and executor is not None:
+                    # At once, even while specs wait in the queue for room: the mark then covers the
+                    # least of the engine's work queued after the stream began (any time from the
+                    # frame's arrival on covers all queued before it; its specs come after it).
+                    executor.begin_stream(StreamBegins.decode(payload).stream)
+                else:
+                    self._frames.append((kind, payload))
         except ProtocolError as exc:
             self._ended(exc)
             return
@@ -613,6 +633,9 @@ class _WorkerLink(asyncio.Protocol):
                 kind, payload = self._frames.popleft()
                 if kind is FrameKind.WITHDRAWN:  # in order with the specs around it
                     executor.layers.withdrawn(Withdrawn.decode(payload).job_id)
+                    continue
+                if kind is FrameKind.STREAM_BEGINS:  # one that arrived before serving began
+                    executor.begin_stream(StreamBegins.decode(payload).stream)
                     continue
                 if kind is not FrameKind.SPEC:
                     raise ProtocolError(f"expected a spec, got {kind.name}")
