@@ -75,6 +75,8 @@ class FakeRank:
 
     async def next_spec(self) -> TransferSpec:
         kind, payload = await read_frame(self.reader, 1 << 20)
+        while kind is FrameKind.STREAM_BEGINS:  # a load stream's start (protocol 7): no reply owed
+            kind, payload = await read_frame(self.reader, 1 << 20)
         assert kind is FrameKind.SPEC
         return TransferSpec.from_bytes(payload)
 

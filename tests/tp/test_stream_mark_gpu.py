@@ -89,13 +89,22 @@ async def ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
                 await asyncio.to_thread(runner.close, BOUND_S)
 
 
+def load_module(kvs: list[torch.Tensor], slots: torch.Tensor) -> None:
+    """Launch the engine's "writes" once before the sleep: a kernel's first launch in a process
+    loads its module (CUDA lazy loading), which waits for the device to go idle; after the sleep it
+    blocked the host ~1 s on the H200 (tests/cache/test_stream_copies_after_start.py)."""
+    for kv in kvs:
+        kv.index_fill_(1, slots, -MARK)  # not the mark: the engine's own write must still land last
+    torch.cuda.synchronize()
+
+
 @pytest.mark.asyncio
 async def test_a_rank_s_copies_do_not_wait_for_chunks_its_engine_queued_after_the_stream_began(ranks: Ranks) -> None:
     cache, engine = ranks.cache, ranks.engine
     sources = [kv[:, :N].clone() for kv in ranks.kv]
     target = torch.arange(40, 40 + N)
     on_device = target.cuda()  # before the sleep: a pageable copy would wait for it
-    torch.cuda.synchronize()
+    load_module(ranks.kv, on_device[:T])
     stream = cache.start_load(await cache.match(ranks.tokens), target)
     # No await until the chunk is queued: the loader sends no spec before it. The ranks read the
     # stream's start on their own threads meanwhile; wait (blocking this loop) until both recorded
@@ -136,7 +145,7 @@ async def test_a_rank_s_copies_still_wait_for_its_engine_s_work_queued_before_th
     sources = [kv[:, :N].clone() for kv in ranks.kv]
     target = torch.arange(40, 40 + N)
     on_device = target.cuda()
-    torch.cuda.synchronize()
+    load_module(ranks.kv, on_device)
     with torch.cuda.stream(engine):
         torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
         for kv in ranks.kv:
