@@ -142,7 +142,11 @@ class SlotValidator:
             self._control_stream = torch.cuda.Stream(slots.device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(self._control_stream):
             self._control_stream.wait_event(ready)
-            host.copy_(slots, non_blocking=True)
+            # Contiguous on the device first: torch's copy of a strided CUDA tensor into pinned
+            # memory blocked the host (here: the loop) until the engine's queued work ended (~0.5 s
+            # behind a 0.5 s kernel on the H200, eager module loading or lazy alike). The gather
+            # runs on the control stream, after ``ready``; its memory belongs to that stream.
+            host.copy_(slots if slots.is_contiguous() else slots.contiguous(), non_blocking=True)
             # Blocking: the control lane's waiter sleeps on it (the read-back may wait behind the
             # engine's whole stream) instead of spinning a core that the loop thread needs.
             done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
