@@ -58,6 +58,9 @@ the count of :data:`TRIAL_SAMPLES` starts again from it. A disk that really beca
 jumping once its prediction catches up (each jump lifts the level by about a third or more), so
 its trials end; a steady disk, fast or slow, has none after its first 7 calls."""
 
+BOOT_CLOCK: int = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+"""The clock of :attr:`RateMeter.folded_ns`: one for every process of a boot, never set back."""
+
 
 class RateMeter:
     """An exponentially weighted moving average of a rate (amount per second), and of the line
@@ -88,6 +91,9 @@ class RateMeter:
         self._line: tuple[float, float] | None = None  # line() as of the last change (when _line_ok)
         self._line_ok = False
         self._jumped_at = 0  # samples before the last jump was folded (0: none since the start)
+        self.folded_ns: int | None = None
+        """``CLOCK_BOOTTIME`` (ns, system-wide) of the last observation folded in; None when none was
+        since the start or a reset (restored rates keep it): how new a save of the meter is."""
 
     def update(self, amount: float, seconds: float) -> None:
         """Fold in one observation; ignored when it carries no information."""
@@ -107,6 +113,7 @@ class RateMeter:
         self._fitted += 1
         self._line_ok = False
         self.samples += 1
+        self.folded_ns = time.clock_gettime_ns(BOOT_CLOCK)
         if self.listener is not None:
             self.listener()
 
@@ -142,6 +149,7 @@ class RateMeter:
         self._line_ok = False
         self._spread = None
         self._jumped_at = 0
+        self.folded_ns = None
 
     @property
     def settled(self) -> int:
@@ -672,6 +680,13 @@ class CostModel:
         """The meters by the names they are saved under (the keys of
         :data:`aiokv.rates_file.RATE_BOUNDS`)."""
         return {"pool": self.pool, "disk": self.disk, "prefill": self.prefill}
+
+    def folded_ns(self) -> int | None:
+        """``CLOCK_BOOTTIME`` (ns) of the last observation any meter folded in (None: none since the
+        start or a reset). A cache saves its rates only after a fold, so a later cache's saved
+        rates always hold a later one: how a late save is told from a newer file."""
+        folded = [m.folded_ns for m in self.meters().values() if m.folded_ns is not None]
+        return max(folded, default=None)
 
     def reset(self) -> None:
         """Forget every measurement (the configured prefill rate stays)."""

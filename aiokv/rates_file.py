@@ -8,24 +8,47 @@ others may write), and :func:`decode_rates` one of another format, version, layo
 or with a value that is no finite number; rates outside :data:`RATE_BOUNDS` are clamped (into the
 :class:`aiokv.costs.SavedRates` the cost model restores). :func:`write_rates_file` replaces it
 atomically (a fresh owner-only temporary file, then ``rename``), never through a symlink.
+
+Only the directory's lock holder saves, but a save's thread can be held in the kernel (a frozen or
+hung file system) past its cache's close, and by then a later cache may hold the directory and
+have saved its own rates. So each file carries when its newest measurement was taken
+(``measured``: the boot and ``CLOCK_BOOTTIME``, :meth:`aiokv.costs.CostModel.folded_ns`; a cache
+saves only after a measurement, so a later holder's file holds a later one), and a save renames
+only under an exclusive ``flock`` of the layout directory, after checking that the file in place
+was not measured later than its own: a late save is dropped, never replaces a newer holder's file
+(review 117). The data is written to an unnamed file (``O_TMPFILE``) that gets a name of its own
+only under that lock, just before the rename (where the file system has no ``O_TMPFILE``: a named
+one from the start); the holder removes those names of dead processes.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import functools
 import json
+import logging
 import math
 import os
+import re
 import reprlib
+import secrets
 import stat
+import time
 from pathlib import Path
 
 from aiokv.costs import FIXED_MAX_S, MIN_CALL_AMOUNT, MIN_CALL_S, MOMENT_BOUNDS, CostModel, SavedFit, SavedRates
+from aiokv.shm import process_start_ticks
+
+log = logging.getLogger("aiokv.cache")
 
 RATES_FILE = ".rates"
 """In the disk tier's layout directory (a dot name: no page file, and tools listing pages skip it)."""
 RATES_TEMP = ".rates.tmp"
-"""Written, then renamed over :data:`RATES_FILE`; only the directory's lock holder writes."""
+"""Prefix of the temporary files written, then renamed over :data:`RATES_FILE`
+(``.rates.tmp.<pid>-<start ticks>-<random>``; this very name is an older version's)."""
+RATES_LOCK_WAIT_S = 2.0
+"""How long a save waits for another's rename (held in the kernel) before it gives up (``OSError``)."""
 RATES_FORMAT = "aiokv-rates"
 RATES_VERSION = 3
 """Written and read. Older files are refused (a hint only: the meters then start afresh): version
@@ -54,8 +77,9 @@ class RatesFileError(ValueError):
 
 def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
     """The rates file's bytes: the known meters' rates and sample counts (with their fixed costs,
-    marginal rates and spreads where known), the layout fingerprint (hex) and the device kind they
-    were measured on."""
+    marginal rates and spreads where known), the layout fingerprint (hex), the device kind they
+    were measured on and when the newest measurement was taken (where one was: not for rates only
+    restored)."""
     rates: dict[str, dict[str, float | int | list[float]]] = {}
     for name, meter in costs.meters().items():
         if meter.rate is None:
@@ -69,7 +93,11 @@ def encode_rates(costs: CostModel, layout: str, device: str) -> bytes:
             if fit.curve is not None:
                 entry["curve"] = list(fit.curve)
         rates[name] = entry
-    doc = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout, "device": device, "rates": rates}
+    doc: dict[str, object] = {"format": RATES_FORMAT, "version": RATES_VERSION, "layout": layout,
+                              "device": device, "rates": rates}
+    folded, boot = costs.folded_ns(), _boot()
+    if folded is not None and boot is not None:
+        doc["measured"] = [boot, folded]  # (read by write_rates_file only: older versions ignore it)
     data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
     if len(data) > RATES_MAX_BYTES:
         raise ValueError(f"rates file of {len(data)} bytes exceeds {RATES_MAX_BYTES}")
@@ -233,68 +261,186 @@ def read_rates_file(directory: Path) -> bytes | None:
     """
     dir_fd = _open_dir(directory)
     try:
-        try:
-            fd = os.open(RATES_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                raise RatesFileError("planted", f"{directory / RATES_FILE}: {exc.strerror}") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise RatesFileError("planted", f"{directory / RATES_FILE} is not a regular file")
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                raise RatesFileError("unsafe", f"{directory / RATES_FILE} is another user's or others may write it")
-            if st.st_size > RATES_MAX_BYTES:
-                raise RatesFileError("oversize", f"{directory / RATES_FILE} holds {st.st_size} bytes")
-            chunks: list[bytes] = []
-            size = 0
-            while size <= RATES_MAX_BYTES and (chunk := os.read(fd, RATES_MAX_BYTES + 1 - size)):
-                chunks.append(chunk)
-                size += len(chunk)
-            if size > RATES_MAX_BYTES:  # it grew since the fstat
-                raise RatesFileError("oversize", f"{directory / RATES_FILE} holds more than {RATES_MAX_BYTES} bytes")
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+        return _read_at(dir_fd, directory)
     finally:
         os.close(dir_fd)
 
 
-def write_rates_file(directory: Path, data: bytes) -> None:
-    """Replace the rates file in ``directory`` with ``data`` atomically. Blocking: run in a thread.
+def _read_at(dir_fd: int, directory: Path) -> bytes | None:
+    """:func:`read_rates_file` in the opened directory ``dir_fd``."""
+    try:
+        fd = os.open(RATES_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise RatesFileError("planted", f"{directory / RATES_FILE}: {exc.strerror}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RatesFileError("planted", f"{directory / RATES_FILE} is not a regular file")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise RatesFileError("unsafe", f"{directory / RATES_FILE} is another user's or others may write it")
+        if st.st_size > RATES_MAX_BYTES:
+            raise RatesFileError("oversize", f"{directory / RATES_FILE} holds {st.st_size} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= RATES_MAX_BYTES and (chunk := os.read(fd, RATES_MAX_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > RATES_MAX_BYTES:  # it grew since the fstat
+            raise RatesFileError("oversize", f"{directory / RATES_FILE} holds more than {RATES_MAX_BYTES} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
-    A fresh owner-only temporary file (``O_CREAT | O_EXCL | O_NOFOLLOW``: whatever is planted under
-    its name is removed, never followed), then ``rename`` over :data:`RATES_FILE` (which replaces a
-    symlink there, never writes through it). Not fsynced: after a crash the file may be stale or
-    torn, and a torn one is refused when read. Raises ``OSError``; leaves no temporary file.
+
+def write_rates_file(directory: Path, data: bytes) -> bool:
+    """Replace the rates file in ``directory`` with ``data`` atomically, unless the file in place
+    holds a later measurement than ``data`` (then False: a save that ended after its cache's close,
+    the directory held and saved by a later cache meanwhile). Blocking: run in a thread.
+
+    An owner-only unnamed file (``O_TMPFILE``; else a fresh name of its own, ``O_CREAT | O_EXCL |
+    O_NOFOLLOW``), then, under an exclusive ``flock`` of the directory (waited for up to
+    :data:`RATES_LOCK_WAIT_S`), the check, a name of its own and a ``rename`` over
+    :data:`RATES_FILE` (which replaces a symlink there, never writes through it). Not fsynced:
+    after a crash the file may be stale or torn, and a torn one is refused when read. Raises
+    ``OSError`` (``BlockingIOError`` when another save's rename held the lock too long); leaves no
+    temporary file.
     """
     if len(data) > RATES_MAX_BYTES:
         raise ValueError(f"rates file of {len(data)} bytes exceeds {RATES_MAX_BYTES}")
+    mine = _measured(data)
     dir_fd = _open_dir(directory)
+    temp: str | None = None
     try:
+        fd = _open_unnamed(dir_fd)
+        if fd is None:
+            temp = _temp_name()
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
         try:
-            os.unlink(RATES_TEMP, dir_fd=dir_fd)  # a leftover of a crash (or a planted name)
-        except FileNotFoundError:
-            pass
-        fd = os.open(RATES_TEMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dir_fd)
-        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            # Held from the check to the rename: a later save checks only once this one landed.
+            _lock(dir_fd, directory)
+            _remove_leftovers(dir_fd, keep=temp)
             try:
-                os.fchmod(fd, 0o600)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.rename(RATES_TEMP, RATES_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(RATES_TEMP, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
+                there = _measured(_read_at(dir_fd, directory) or b"")
+            except (RatesFileError, OSError):
+                there = None  # unreadable or planted: not a newer save (the rename decides)
+            if _later(there, mine):
+                log.warning("aiokv: the rates file in %s holds a later cache's rates: a late save dropped",
+                            directory)
+                return False
+            if temp is None:
+                temp = _temp_name()
+                os.link(f"/proc/self/fd/{fd}", temp, dst_dir_fd=dir_fd, follow_symlinks=True)
+        finally:
+            os.close(fd)
+        os.rename(temp, RATES_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        temp = None
     finally:
-        os.close(dir_fd)
+        try:
+            if temp is not None:
+                os.unlink(temp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)  # drops the lock
+    return True
+
+
+def _open_unnamed(dir_fd: int) -> int | None:
+    """An unnamed owner-only file in the directory (``O_TMPFILE``), to be linked in later; None
+    where the file system or kernel has none (or no ``/proc`` to link it through)."""
+    if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+
+
+_TEMP_NAME = re.compile(re.escape(RATES_TEMP) + r"\.(\d+)-(\d+)-[0-9a-f]{16}")
+
+
+def _temp_name() -> str:
+    """A temporary file name no other save uses: this process (pid, start ticks), then random."""
+    pid = os.getpid()
+    return f"{RATES_TEMP}.{pid}-{process_start_ticks(pid) or 0}-{secrets.token_hex(8)}"
+
+
+def _remove_leftovers(dir_fd: int, keep: str | None) -> None:
+    """Unlink the temporary files of saves that cannot end any more: those of dead processes (and
+    the older versions' fixed name). A live process's may be a save still on its way (its own
+    check drops it); another pid namespace's looks dead: that save then fails, and is counted."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        if name == keep or not name.startswith(RATES_TEMP):
+            continue
+        m = _TEMP_NAME.fullmatch(name)
+        if m is not None and process_start_ticks(int(m[1])) == int(m[2]):
+            continue
+        if m is None and name != RATES_TEMP:
+            continue  # not a name we make
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass  # a directory planted there, or gone meanwhile
+
+
+def _lock(dir_fd: int, directory: Path) -> None:
+    """Exclusive ``flock`` of the directory, waited for up to :data:`RATES_LOCK_WAIT_S`. Where
+    the file system has no ``flock`` (some network ones), the check alone is left."""
+    deadline = time.monotonic() + RATES_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise BlockingIOError(errno.EWOULDBLOCK, f"another save of the rates in {directory} is held "
+                                                         f"past {RATES_LOCK_WAIT_S} s") from None
+            time.sleep(0.005)  # a rename in flight: milliseconds unless held in the kernel
+        except OSError as exc:
+            if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            return
+
+
+@functools.cache
+def _boot() -> str | None:
+    """This boot's id: ``CLOCK_BOOTTIME`` readings of two boots cannot be compared."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _measured(data: bytes) -> tuple[str, int] | None:
+    """The ``measured`` stamp of a rates file's bytes; None when it has none (an older version's,
+    rates only restored, or not a rates file)."""
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    stamp = doc.get("measured") if isinstance(doc, dict) else None
+    if (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[0], str)
+            and isinstance(stamp[1], int) and not isinstance(stamp[1], bool)):
+        return stamp[0], stamp[1]
+    return None
+
+
+def _later(there: tuple[str, int] | None, mine: tuple[str, int] | None) -> bool:
+    """Whether the file in place (``there``) holds a later measurement than ``mine`` (one boot's only)."""
+    return there is not None and mine is not None and there[0] == mine[0] and there[1] > mine[1]
