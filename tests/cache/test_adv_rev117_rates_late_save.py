@@ -15,6 +15,7 @@ The rules are also checked directly (which file is later, leftovers of dead writ
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fcntl
 import json
 import os
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import pytest
 from cache_helpers import DEVICE, LAYOUT, make_kv
+from held_call import Hold
 
-from aiokv import CacheConfig, KVCache
+from aiokv import CacheConfig, KVCache, rates_file
 from aiokv.costs import CostModel
 from aiokv.rates_file import RATES_FILE, RATES_TEMP, decode_rates, encode_rates, write_rates_file
 from aiokv.storage import DiskConfig
@@ -196,6 +198,34 @@ def test_leftovers_of_dead_writers_go_and_a_live_writers_stays(tmp_path: Path) -
     assert write_rates_file(tmp_path, _learned(B_SECONDS))
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {RATES_FILE, me, f"{RATES_TEMP}-not-ours"}, left
+
+
+def test_a_save_whose_rename_is_held_keeps_the_next_save_out_until_it_lands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A's check passed (nothing later in place), then its rename is held. Were B's save to land
+    # meanwhile, A's rename would replace it: B waits for the directory's lock, gives up (counted
+    # by the cache: rates_not_saved, kept dirty) and saves once A landed.
+    older, newer = _learned(A_SECONDS), _learned(B_SECONDS)
+    hold = Hold()
+    monkeypatch.setattr(os, "rename", hold.wrap(os.rename))  # only the first call (A's) is held
+    monkeypatch.setattr(rates_file, "RATES_LOCK_WAIT_S", 0.2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        late = pool.submit(write_rates_file, tmp_path, older)
+        assert hold.entered.wait(BOUND_S)
+        try:
+            try:
+                saved = write_rates_file(tmp_path, newer)
+            except BlockingIOError:
+                saved = False
+        finally:
+            hold.release()
+        assert late.result(timeout=BOUND_S)
+    if saved:  # without the lock: B landed, then A's rename replaced it
+        assert (tmp_path / RATES_FILE).read_bytes() == newer, "a late rename replaced a later save"
+    assert not saved and (tmp_path / RATES_FILE).read_bytes() == older
+    assert write_rates_file(tmp_path, newer)
+    assert (tmp_path / RATES_FILE).read_bytes() == newer
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RATES_FILE]
 
 
 # -- cache A, in its own process ------------------------------------------------------------------
