@@ -225,7 +225,10 @@ class RankExecutor:
                         self.kv.tp.rank, stream, exc)
             self._marks.pop(stream, None)
             return
-        self.stream_marks += 1
+        # A stream announced again (only a faulty manager does that) takes the newer mark (it
+        # covers more of the engine's work) and is still one stream.
+        if stream not in self._marks:
+            self.stream_marks += 1
         self._marks[stream] = mark
         self._marks.move_to_end(stream)
         while len(self._marks) > self.config.stream_marks:

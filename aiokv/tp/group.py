@@ -53,6 +53,9 @@ from .wire import (
     frame,
 )
 
+_STREAM_ID_MAX = 2**64 - 1
+"""The last load stream id (a u64 on the wire, ``StreamBegins``)."""
+
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -377,9 +380,12 @@ class RankGroup:
         copies there are ordered after that mark, so after everything the rank's engine had queued
         by then, and so after all it queued before this call. A rank that is not attached now gets
         nothing: the stream's specs (admitted for the sessions of now) never reach a later session
-        of it. Returns 0 and sends nothing once the group is closing (nothing more is sent at all).
+        of it. Returns 0 and sends nothing once the group is closing (nothing more is sent at all),
+        or once the ids ran out (``2**64 - 1`` streams): the stream's copies are then ordered at
+        their launch, as a stream no rank holds a mark of (before, the id's encoding raised
+        ``struct.error`` out of ``start_load``).
         """
-        if self._closing:
+        if self._closing or self._next_stream > _STREAM_ID_MAX:
             return 0
         stream = self._next_stream
         self._next_stream += 1
@@ -389,7 +395,7 @@ class RankGroup:
             if conn is None or not conn.attached or conn.fenced or conn.transport is None \
                     or conn.transport.is_closing():
                 continue
-            conn.transport.write(data)  # buffered: never blocks (eight bytes per stream)
+            conn.transport.write(data)  # buffered: never blocks (a 13-byte frame per stream)
         return stream
 
     def submit_nowait(self, spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:
