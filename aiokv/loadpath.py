@@ -374,13 +374,14 @@ class LoadPath(ManagerBase):
         # single promotion holds them: left alone until the batch ended, the pool's pressure could
         # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
         landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
+        expired: list[bool] = []  # the batch's waits stop together: one commit_wait_expired (review 117)
         for i, r in enumerate(outcomes):
             if r.outcome is ReserveOutcome.PRESENT:
                 held = pool.table.acquire(keys[i])
                 if held is not None:
                     got[i] = Promotion(held, read=False)
             elif r.outcome is ReserveOutcome.PENDING:
-                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome))
+                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, expired))
         try:
             if batch:
                 handles = [handle for _, handle in batch]
@@ -474,13 +475,15 @@ class LoadPath(ManagerBase):
         assert kept is not None  # keep=True always returns the reference
         return Promotion(kept, read=True)
 
-    async def _already_in(self, key: PageKey, outcome: ReserveOutcome) -> Promotion | NoPage:
+    async def _already_in(self, key: PageKey, outcome: ReserveOutcome,
+                          expired: list[bool] | None = None) -> Promotion | NoPage:
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
         (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
-        there; review 115); nothing was read by this call. A miss when it is gone."""
+        there; review 115); nothing was read by this call. A miss when it is gone. ``expired``:
+        shared by waits of one call, which count one expiry between them."""
         table = self.pool.table
         if outcome is ReserveOutcome.PENDING and not await self._wait_committed(
-                key, self._commit_deadline(), "a load"):
+                key, self._commit_deadline(), "a load", expired):
             return NoPage.MISS
         handle = table.acquire(key)
         return NoPage.MISS if handle is None else Promotion(handle, read=False)
@@ -489,14 +492,20 @@ class LoadPath(ManagerBase):
         """The loop time until which a call waits for other calls' commits (``commit_wait``)."""
         return asyncio.get_running_loop().time() + self.config.commit_wait
 
-    async def _wait_committed(self, key: PageKey, deadline: float, who: str) -> bool:
+    async def _wait_committed(self, key: PageKey, deadline: float, who: str,
+                              expired: list[bool] | None = None) -> bool:
         """Whether the page another call is writing under ``key`` was committed by ``deadline``
         (False: aborted, or still being written then; counted ``commit_wait_expired`` unless the
-        bound is 0, which never waits). A cancel leaves the page and its other waiters alone."""
+        bound is 0, which never waits, or ``expired`` says another wait of the same call counted
+        it). A cancel leaves the page and its other waiters alone."""
         try:
             async with asyncio.timeout_at(deadline):
                 return await self.pool.table.wait_committed(key)
         except TimeoutError:
+            if expired is not None:
+                if expired:
+                    return False
+                expired.append(True)
             if self.config.commit_wait > 0:
                 self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
                                    "writing into the pool after commit_wait")

@@ -8,9 +8,8 @@ copy is held on the copy thread (as a SIGSTOPped TP rank holds it). Checked, wit
   writer is let go, nothing left referenced;
 - a load or a match cancelled while it waits for the held writer raises ``CancelledError`` and
   leaves no reference or reservation behind (the writer's pages commit later, whole);
-- finding (strict xfail): such a load stops once but counts ``commit_wait_expired`` once per page
-  it found being written (3 here), where a match that stops counts 1: the counter says three calls
-  stopped. The count is ``LoadPath._wait_committed``'s, per promotion (``aiokv/loadpath.py``).
+- such a load stops once and counts ``commit_wait_expired`` once, as a match that stops does (it
+  counted once per page it found being written, 3 here, until the batch's waits shared one count).
 
 CPU only: the copy thread is held (on CUDA the mover runs on the loop).
 """
@@ -71,8 +70,6 @@ async def test_a_load_behind_a_held_writer_waits_commit_wait_in_all(tmp_path: Pa
 
 
 @pytest.mark.asyncio
-@pytest.mark.xfail(strict=True, reason="review 117: a load counts commit_wait_expired once per page it found "
-                   "being written (LoadPath._wait_committed per promotion), not once per stop as a match does")
 async def test_a_load_stopped_once_by_a_held_writer_counts_one_expiry(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     async def check(cache: KVCache, load: asyncio.Task[object]) -> None:
