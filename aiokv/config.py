@@ -8,6 +8,7 @@ that fill the nested config and read-only views of it, never a second copy.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import os
@@ -82,8 +83,9 @@ def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
     them). A dead creator's segment still held (mapped by a live process: a TP rank finishing a
     copy, a driver letting go, right after a crash) counts once it is let go: when it could raise
     the budget, this waits for that, up to :data:`aiokv.pool.RECLAIM_SETTLE_S` (in the caller's
-    thread), as the pool's start would. One still held then (another pid namespace's live pool
-    looks the same) is not counted, and not waited for again by this process.
+    thread), as the pool's start would; never on a thread running an event loop, where such
+    segments are not counted. One still held then (another pid namespace's live pool looks the
+    same) is not counted, and not waited for again by this process.
     """
     budget = min(int(_ram_bytes() * fraction), cap)
     if shm_free_bytes() is not None:
@@ -108,7 +110,9 @@ def _shm_obtainable(wanted: int) -> int:
     # Before review 117 a held one was never counted: a budget taken right after a crash came out
     # smaller than one taken a moment later, while the pool's start waits for such segments anyway.
     obtainable, held = count()
-    if not held or obtainable >= wanted:
+    if not held or obtainable >= wanted or _on_event_loop():
+        # On a loop's thread (``CacheConfig()`` or ``KVCache(None)`` in a coroutine) a wait of
+        # up to RECLAIM_SETTLE_S would stall the loop: the held segments are not counted there.
         return obtainable
     deadline = time.monotonic() + _pool.RECLAIM_SETTLE_S
     while held and time.monotonic() < deadline:
@@ -118,6 +122,14 @@ def _shm_obtainable(wanted: int) -> int:
             return obtainable
     _outlasted.update(s.name for s in held)
     return obtainable
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def default_disk() -> DiskConfig | None:

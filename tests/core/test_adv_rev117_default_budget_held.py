@@ -79,6 +79,16 @@ def test_a_dead_creators_pool_held_for_good_is_not_promised_and_waited_for_once(
 
 
 @needs_namespace
+def test_a_budget_taken_on_an_event_loop_never_waits_for_a_held_pool() -> None:
+    # CacheConfig() (or KVCache(None)) built in a coroutine takes the default on the loop's thread:
+    # a wait there for a held dead pool stalled the loop up to RECLAIM_SETTLE_S (5 s by default).
+    report = _in_private_shm("on_loop")
+    assert report["loop_s"] < 0.5, report
+    assert report["loop"] <= 0.8 * (SHM_MIB - 4) * MIB + 4096, report  # the held pool not counted
+    assert SETTLE_S - 0.3 < report["first_s"] < SETTLE_S + 3.0, report  # off the loop it still waits
+
+
+@needs_namespace
 def test_a_live_creators_pool_is_neither_counted_nor_waited_for() -> None:
     report = _in_private_shm("live")
     assert report["first_s"] < 0.5, report
@@ -142,6 +152,13 @@ def _scenario(kind: str) -> dict[str, object]:
         letting_go.join()
         report["later"], _ = _timed(budget)
         start = int(report["early"])  # type: ignore[call-overload]
+    elif kind == "on_loop":
+        async def on_loop() -> int:
+            return budget()
+
+        report["loop"], report["loop_s"] = _timed(lambda: asyncio.run(on_loop()))
+        report["first"], report["first_s"] = _timed(budget)
+        start = int(report["loop"])  # type: ignore[call-overload]
     else:
         report["tiny"], report["tiny_s"] = _timed(lambda: budget(1e-6))
         report["first"], report["first_s"] = _timed(budget)
