@@ -51,6 +51,11 @@ def _layout_dir(root: Path) -> Path:
     return root / FINGERPRINT
 
 
+def _temps(directory: Path) -> list[str]:
+    """Temporary rates files left in ``directory`` (named ``RATES_TEMP`` + a per-save suffix)."""
+    return [p.name for p in directory.iterdir() if p.name.startswith(RATES_TEMP)]
+
+
 def _teach(cache: KVCache) -> None:
     """Rates a warmed cache would have learned: a page read in 10 ms, copied in 1 ms, computed in 4 ms."""
     costs = cache.manager.costs
@@ -101,7 +106,7 @@ async def test_a_restarted_cache_plans_the_split_of_the_warmed_one(tmp_path: Pat
     saved = _layout_dir(tmp_path) / RATES_FILE
     st = saved.lstat()
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
-    assert not (_layout_dir(tmp_path) / RATES_TEMP).exists()
+    assert not _temps(_layout_dir(tmp_path))
     async with KVCache(config(tmp_path, pool_pages=32), LAYOUT, make_kv(3)) as restarted:
         await restarted.pool.wait_ready()
         assert {name: (m.rate, m.samples) for name, m in restarted.manager.costs.meters().items()} == rates
@@ -229,7 +234,7 @@ async def test_a_file_that_is_not_ours_or_not_sound_is_ignored_and_counted(tmp_p
             _teach(cache)  # something to save at close: it replaces what was planted where it can
     saved = _layout_dir(tmp_path) / RATES_FILE
     if plant == "directory":
-        assert saved.is_dir() and not (_layout_dir(tmp_path) / RATES_TEMP).exists()  # not replaced, no leftover
+        assert saved.is_dir() and not _temps(_layout_dir(tmp_path))  # not replaced, no leftover
         return
     assert stat.S_ISREG(saved.lstat().st_mode) and stat.S_IMODE(saved.lstat().st_mode) == 0o600
     assert decode_rates(saved.read_bytes(), FINGERPRINT, KIND).rates["disk"][0] == pytest.approx(PAGE / 0.010)
@@ -336,7 +341,7 @@ async def test_a_name_planted_at_the_temporary_file_is_removed_never_written_thr
         _teach(cache)
     assert victim.read_bytes() == b"keep me"
     saved = _layout_dir(tmp_path / "root") / RATES_FILE
-    assert stat.S_ISREG(saved.lstat().st_mode) and not (_layout_dir(tmp_path / "root") / RATES_TEMP).exists()
+    assert stat.S_ISREG(saved.lstat().st_mode) and not _temps(_layout_dir(tmp_path / "root"))
 
 
 @pytest.mark.asyncio
@@ -347,7 +352,7 @@ async def test_a_failed_save_is_counted(tmp_path: Path) -> None:
         _teach(cache)
         await cache.flush()
         assert cache.stats().errors["rates_not_saved"] >= 1
-    assert not (_layout_dir(tmp_path) / RATES_TEMP).exists()
+    assert not _temps(_layout_dir(tmp_path))
 
 
 def test_decode_says_why_a_file_is_refused() -> None:
@@ -380,7 +385,7 @@ def test_read_refuses_a_layout_directory_reached_through_a_symlink(tmp_path: Pat
     for call in calls:
         with pytest.raises(NotADirectoryError):  # O_DIRECTORY | O_NOFOLLOW on a symlink: ENOTDIR
             call()
-    assert not (real / RATES_TEMP).exists() and (real / RATES_FILE).read_bytes() == _valid_file()
+    assert not _temps(real) and (real / RATES_FILE).read_bytes() == _valid_file()
 
 
 async def _gate_reads(cache: KVCache, monkeypatch: pytest.MonkeyPatch, gate: asyncio.Event) -> list[int]:
