@@ -194,8 +194,7 @@ async def test_a_rank_restarted_after_the_stream_began_is_sent_nothing_of_it(
         async with asyncio.timeout(START_S):
             # The new process attached (a new session of rank 1) before the first spec is sent.
             while cache.group.sessions()[victim] in (0, sessions_before[victim]):
-                await cache.wait_ranks()
-                await asyncio.sleep(0.01)
+                await cache.group.wait_change()
 
     faulted = _before_first_spec(monkeypatch, restart)
     stream = cache.start_load(await cache.match(TOKENS), idx(TARGET))
