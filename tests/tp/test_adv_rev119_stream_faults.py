@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -216,4 +217,87 @@ async def test_a_rank_restarted_after_the_stream_began_is_sent_nothing_of_it(
     for rank in range(2):
         assert await setup.target_is(rank, whole=True), f"rank {rank}: wrong KV"
     assert await setup.marks(victim) == (1, 0, 0) and await setup.marks(0) == (2, 0, 0)
+    setup.clean()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_streams_begun_behind_a_stopped_rank_s_full_socket_all_land_once_it_runs(
+    tmp_path: Path, ranks_left: list[AdvRanks]
+) -> None:
+    # Rank 1 is stopped while STREAMS streams begin: their STREAM_BEGINS frames and specs fill its
+    # socket (the manager's send buffer made small) and then the manager's write buffer. Once the
+    # rank runs again it reads them in order, far more streams than the marks it keeps
+    # (stream_marks=4) and with few specs at once (worker_max_inflight=2): every stream ends whole,
+    # bit-exact, no link error, each stream marked once on each rank.
+    streams = 60
+    rank_config = dataclasses.replace(CONFIG, inline_copy_bytes=0, stream_marks=4, worker_max_inflight=2)
+    config = CacheConfig(cpu_bytes=32 * LAYOUT.page_bytes, disk=None, namespace="tp-adv-119-full",
+                         pool_chunk_bytes=8 * LAYOUT.page_bytes)
+    async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
+                       directory=tmp_path / "sock") as cache:
+        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, rank_config)
+        ranks_left.append(ranks)
+        ranks.start_all()
+        async with asyncio.timeout(START_S):
+            await cache.wait_ranks()
+        setup = Setup(cache, ranks)
+        for rank in range(2):
+            await ranks.write(rank, SOURCE, rank_prefix_kv(LAYOUT, TOKENS, 0, rank, 2))
+        assert (await cache.offload(TOKENS, idx(SOURCE))).stored == PAGES
+        await setup.zero_target()
+        transport = cache.group._ranks[1].transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        pid = ranks.ranks[1].proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            began = [cache.start_load(await cache.match(TOKENS), idx(TARGET)) for _ in range(streams)]
+            finishing = [asyncio.create_task(s.finish()) for s in began]
+            done, _ = await asyncio.wait(finishing, timeout=STOPPED_S)
+            assert not done, "a stream ended while rank 1 was stopped"
+            assert transport.get_write_buffer_size() > 0, "the socket never filled: nothing tested"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        async with asyncio.timeout(BOUND_S):
+            results = await asyncio.gather(*finishing)
+        assert all(r.loaded_tokens == PAGES * T for r in results), results
+        for rank in range(2):
+            assert await setup.target_is(rank, whole=True), f"rank {rank}: wrong KV"
+            stats = await ranks.ask(rank, ("stats",))
+            assert (stats.stream_marks, stats.stream_marks_failed, stats.link_errors) == (streams, 0, 0), stats
+            assert stats.sessions == 1, stats
+            # All the frames came before the specs: most streams' marks were dropped as old by then
+            # (168 of 180 LOAD specs here), their copies ordered at launch: counted, still exact.
+            assert stats.stream_marks_missed > streams, stats
+        setup.clean()
+        await ranks.stop_all()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_stream_closed_right_after_it_began_sends_no_spec_and_leaves_nothing(setup: Setup) -> None:
+    # start_load wrote STREAM_BEGINS; the stream is closed before its loader's first turn, so no
+    # spec of it is ever sent: each rank holds a mark nothing uses, nothing is referenced, and the
+    # next stream loads whole.
+    cache, ranks = setup.cache, setup.ranks
+    await setup.zero_target()
+    specs = [(await ranks.ask(rank, ("stats",))).specs for rank in range(2)]
+    stream = cache.start_load(await cache.match(TOKENS), idx(TARGET))
+    async with asyncio.timeout(BOUND_S):
+        await stream.aclose()
+    setup.clean()
+    for rank in range(2):
+        await _until_marked(setup, rank, 1)
+        stats = await ranks.ask(rank, ("stats",))
+        assert stats.specs == specs[rank] and stats.stream_marks_missed == 0, stats
+        assert await setup.target_is(rank, whole=False), f"rank {rank}: a byte of the closed stream landed"
+    stream = cache.start_load(await cache.match(TOKENS), idx(TARGET))
+    async with asyncio.timeout(BOUND_S):
+        assert (await stream.finish()).loaded_tokens == PAGES * T
+    for rank in range(2):
+        assert await setup.target_is(rank, whole=True), f"rank {rank}: wrong KV"
+        assert await setup.marks(rank) == (2, 0, 0)
     setup.clean()
