@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ PAGES = 3
 SOURCE = list(range(PAGES * T))
 TARGET = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))
 MAX_TURNS = 400
+MOST_TURNS = 1_000_000
 RANK_CONFIG = dataclasses.replace(CONFIG, inline_copy_bytes=0)  # copies on the ranks' copy threads
 
 
@@ -86,7 +87,7 @@ async def sweep(s: Setup, name: str, call: Callable[[int], Awaitable[Any]], slot
     """Cancel ``call(k)`` after k loop turns, k = 0, 1, ... until it finishes first; returns how many
     times it was cancelled."""
     cancelled = 0
-    for k in range(MAX_TURNS):
+    for k in _turns():
         task = asyncio.ensure_future(call(k))
         for _ in range(k):
             await asyncio.sleep(0)
@@ -107,7 +108,18 @@ async def sweep(s: Setup, name: str, call: Callable[[int], Awaitable[Any]], slot
         assert stats.pool_reserved == 0 and stats.pool_referenced == 0, (name, k, stats)
         if finished:
             return cancelled
-    raise AssertionError(f"{name} never finished in {MAX_TURNS} turns")
+    raise AssertionError(f"{name} never finished in {MOST_TURNS} turns")
+
+
+def _turns() -> Iterator[int]:
+    """Every k up to MAX_TURNS, then ever fewer (x1.5) up to MOST_TURNS: the ranks are other
+    processes, and on a loaded host 400 turns of the loop could pass before they answered once
+    (the sweep failed about half the runs on 2 busy cores)."""
+    yield from range(MAX_TURNS)
+    k = float(MAX_TURNS)
+    while k < MOST_TURNS:
+        k *= 1.5
+        yield int(k)
 
 
 async def loads_exact(s: Setup, tokens: list[int]) -> None:
