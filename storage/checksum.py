@@ -22,6 +22,7 @@ from aiokv.pool import run_in_new_thread
 
 from .memory import wait_uncancelled
 from .pagefile import payload_checksum
+from .uring import TURNS
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,12 @@ class Checksums:
         # Pages to hash on the loop, and whether the one callback per turn that hashes them is due.
         self._inline_jobs: list[tuple[memoryview, Done]] = []
         self._batch_scheduled = False
+        # TURNS.stamp of the wake-up at whose end a batch was last asked for (one there a wake-up).
+        self._batch_stamp = -1
+        # The bytes hashed inline in the turn of wake-up ``_epoch`` (TURNS.stamp): a batch run from a
+        # queued callback counts against the next wake-up's turn (it may be the same turn).
+        self._epoch = -1
+        self._epoch_spent = 0
         self.in_next_turn: Callable[[Callable[[], None]], None] | None = None
         """Runs the turn's inline batch early in the loop's next turn (None: ``loop.call_soon``).
         The disk tier passes its ring's submission callback, which runs then anyway while pages
@@ -126,7 +133,13 @@ class Checksums:
             self._schedule_batch()
 
     def _schedule_batch(self) -> None:
-        if self.in_next_turn is None:
+        # Started inside a ring's wake-up (a read's completion): hashed at that wake-up's end, in
+        # its turn, not in a turn of its own after it (#14); once a wake-up (a page started by that
+        # batch's callbacks waits for the next turn, as before).
+        turns = TURNS
+        if turns.waking and self._batch_stamp != turns.stamp and turns.call_after_wake(self._hash_inline):
+            self._batch_stamp = turns.stamp
+        elif self.in_next_turn is None:
             asyncio.get_running_loop().call_soon(self._hash_inline)
         else:
             self.in_next_turn(self._hash_inline)
@@ -137,9 +150,16 @@ class Checksums:
         self._batch_scheduled = False
         jobs, self._inline_jobs = self._inline_jobs, []
         budget = self._turn_budget
-        spent = 0
+        turns = TURNS
+        if turns.waking:  # at a ring wake-up's end: within what is left of its drain's time
+            epoch = turns.stamp
+            spent = self._epoch_spent if self._epoch == epoch else 0  # after a queued batch of this turn
+            deadline = turns.deadline
+        else:  # from a queued callback: ahead of the next wake-up, maybe in its turn
+            epoch = turns.stamp + 1
+            spent = 0  # a queued callback runs once a turn: the previous one ran in an earlier turn
+            deadline = time.perf_counter() + DELIVER_TURN_S
         hashing = 0.0
-        deadline = time.perf_counter() + DELIVER_TURN_S
         for n, (view, done) in enumerate(jobs):
             if n and time.perf_counter() > deadline:
                 # The callbacks took this turn's time: the rest wait for the next turn (not the thread).
@@ -163,6 +183,7 @@ class Checksums:
                 done(value)
             except Exception:  # a bug in a caller's callback: the others still get theirs
                 log.exception("checksum callback failed")
+        self._epoch, self._epoch_spent = epoch, spent
         self.cpu_s += hashing
 
     async def checksum(self, view: memoryview) -> int:

@@ -21,6 +21,7 @@ from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .memory import PageBuffer
+from .uring import TURNS
 
 
 class Job:
@@ -159,7 +160,13 @@ class IOSlots:
 
     ``in_next_turn(fn)`` runs ``fn`` early in the loop's next turn (default: ``loop.call_soon``).
     The tier passes its ring's submission callback, which runs in that turn anyway once a page
-    started: the start budget's reset then costs no loop callback of its own (#14)."""
+    started: the start budget's reset then costs no loop callback of its own (#14).
+
+    A budget opened inside a ring's wake-up callback asks for no reset: it ends with that callback
+    (:data:`~.uring.TURNS`), so that callback starts the next pages and submits them in the turn it
+    drained the completions, with nothing queued for the next turn. (After a wake-up callback, in
+    its turn, only other descriptors' callbacks and due timers run, which start no pages in the
+    tier; were one to, it would open a second budget in that turn.)"""
 
     def __init__(self, count: int, in_next_turn: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._free = list(range(count))
@@ -173,6 +180,7 @@ class IOSlots:
         self.write_limit = count - reserved_for_reads(count)
         self._turn_ends = 0.0  # starts stop at this time this turn (0: none started yet this turn)
         self._turn_due = False  # a :meth:`_next_turn` is asked for
+        self._turn_stamp = -1  # TURNS.stamp of the wake-up that opened the budget (-1: opened outside one)
 
     @property
     def waiting(self) -> int:
@@ -215,14 +223,20 @@ class IOSlots:
         return self._writes.popleft()
 
     def _may_start(self) -> bool:
-        """Whether this turn's start budget has time left (the first start of a turn opens it and
-        asks for the next turn, which resets it)."""
+        """Whether this turn's start budget has time left. The first start of a turn opens it:
+        inside a ring's wake-up, for that wake-up's callback; elsewhere asking for the next turn,
+        which resets it."""
         now = time.perf_counter()
-        if not self._turn_ends:
-            self._turn_ends = now + START_TURN_S
+        stamp = self._turn_stamp
+        if self._turn_ends and (stamp < 0 or stamp == TURNS.stamp):
+            return now < self._turn_ends
+        self._turn_ends = now + START_TURN_S
+        if TURNS.waking:
+            self._turn_stamp = TURNS.stamp
+        else:
+            self._turn_stamp = -1
             self._wake_next_turn()
-            return True
-        return now < self._turn_ends
+        return True
 
     def _wake_next_turn(self) -> None:
         if not self._turn_due:

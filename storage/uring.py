@@ -234,6 +234,40 @@ goes through the ring as a READ of fd -1 (no side effect; it fails, so a chain b
 would on a real fault) and completes with the injected result."""
 
 
+class LoopTurns(threading.local):
+    """The loop's turns as this thread's rings see them, for the disk tier's per-turn budgets
+    (asyncio counts no turns). One per thread (a loop runs on one thread at a time).
+
+    ``stamp`` advances when a ring's wake-up callback starts (one per ring per turn, right after
+    the loop's poll) and again when it ends: what is keyed on the stamp seen during one lasts for
+    that callback only. ``waking`` is True while one runs. What is asked for with
+    :meth:`call_after_wake` during one runs at its end, in the same turn, before the ring submits
+    what the wake-up prepared: work that would otherwise need a turn of its own (#14).
+
+    A wake-up callback runs after the turn's queued callbacks (the callers' task steps among them);
+    after it, in the same turn, only other ready file descriptors' callbacks and due timers."""
+
+    def __init__(self) -> None:
+        self.stamp = 0
+        self.waking = False
+        self.deadline = 0.0
+        """While ``waking``: when the wake-up's drain time ends (``time.perf_counter()``); the
+        calls at its end keep within it (at least one step each)."""
+        self.after_wake: list[Callable[[], None]] = []
+
+    def call_after_wake(self, fn: Callable[[], None]) -> bool:
+        """``fn()`` at the end of the ring wake-up callback running now (before its submission);
+        False, and nothing asked, when none runs. ``fn`` should not raise (a bug: logged)."""
+        if not self.waking:
+            return False
+        self.after_wake.append(fn)
+        return True
+
+
+TURNS = LoopTurns()
+"""This thread's :class:`LoopTurns` (its attributes are per thread)."""
+
+
 class UringEngine:
     """One io_uring bound to the running loop. Create with :meth:`open` inside the loop."""
 
@@ -270,6 +304,7 @@ class UringEngine:
         self._submit_scheduled = False
         self._turn_calls: list[Callable[[], None]] = []  # see call_next_turn
         self._drain_due = False  # a _drain_again is scheduled (CQEs left over by a drain cut short)
+        self._waking = False  # in _on_eventfd: what is prepared goes out at its end, no _submit queued
         self.async_data = False
         """Issue page reads and writes from the kernel's io-wq workers (IOSQE_ASYNC), never inline in
         ``io_uring_enter``: an O_DIRECT op issued inline blocks the submitting thread once the
@@ -506,7 +541,7 @@ class UringEngine:
         self._ops_inflight += last + 1
         self._prepared += last + 1
         self._chains.append(last + 1)
-        if not self._submit_scheduled:
+        if not self._submit_scheduled and not self._waking:
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
 
@@ -533,8 +568,12 @@ class UringEngine:
         if self._turn_calls:  # asked for again by the calls above: in the turn after this one
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
-        if self._prepared == 0:
-            return
+        if self._prepared:
+            self._enter()
+
+    def _enter(self) -> None:
+        """Hand the kernel the next batch of prepared chains (one ``io_uring_enter``); the rest in
+        a later turn."""
         self._sq_tail.value = self._tail
         # Whole chains only (a split chain would lose its links), about SUBMIT_BATCH SQEs per call:
         # the kernel issues direct I/O inline, so one huge submit would stall the loop.
@@ -576,20 +615,53 @@ class UringEngine:
         self._chains.clear()
 
     def _on_eventfd(self) -> None:
-        try:  # not contextlib.suppress: three calls more on every wake-up
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
-        self._drain()
-        # Only after a thread's wake-up (a flag, not a call, on the completions' own wake-ups); one
-        # that comes after this check wrote the eventfd again: the next wake-up runs the hook.
-        hook = self.on_wake
-        if self._announced and hook is not None:
-            self._announced = False
-            try:
-                hook(self._drain_deadline)  # what is left of the drain's time (at least one result)
-            except Exception:
-                log.exception("io_uring wake-up hook failed")
+        """The wake-up: drain the completions, deliver what threads announced, run what those asked
+        for at the wake-up's end (:meth:`LoopTurns.call_after_wake`), then submit what all of it
+        prepared (the next pages' SQEs), all in this one turn. Before, those SQEs and the turn's
+        inline hashes went out from a submission callback queued for the next turn: two turns of
+        the loop per page, each an epoll call and ~20 calls of asyncio's own (#14)."""
+        turns = TURNS
+        turns.stamp += 1  # a new turn for the budgets keyed on wake-ups (IOSlots, Checksums)
+        turns.waking = self._waking = True
+        try:
+            try:  # not contextlib.suppress: three calls more on every wake-up
+                os.eventfd_read(self._efd)
+            except BlockingIOError:
+                pass
+            self._drain()
+            # Only after a thread's wake-up (a flag, not a call, on the completions' own wake-ups); one
+            # that comes after this check wrote the eventfd again: the next wake-up runs the hook.
+            hook = self.on_wake
+            if self._announced and hook is not None:
+                self._announced = False
+                try:
+                    hook(self._drain_deadline)  # what is left of the drain's time (at least one result)
+                except Exception:
+                    log.exception("io_uring wake-up hook failed")
+            calls = turns.after_wake
+            if calls:
+                turns.after_wake = []
+                # Within the drain's time only: a drain that used it up leaves them to the next turn
+                # (a turn's work stays bounded by one drain and one round of these calls).
+                turns.deadline = self._drain_deadline
+                late = time.perf_counter() > self._drain_deadline
+                for fn in calls:
+                    if late:
+                        self.call_next_turn(fn)
+                        continue
+                    try:
+                        fn()
+                    except Exception:
+                        log.exception("io_uring wake-up call failed")
+        finally:
+            turns.waking = self._waking = False
+            turns.stamp += 1  # budgets opened in this wake-up end with it
+            if turns.after_wake:  # asked for by the calls above (or left by a failure): the next turn
+                calls, turns.after_wake = turns.after_wake, []
+                for fn in calls:
+                    self.call_next_turn(fn)
+            if self._prepared:  # nothing queued a submission for them (even if a bug raised above)
+                self._enter()
 
     def _drain(self) -> None:
         head = self._cq_head.value

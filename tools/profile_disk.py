@@ -13,7 +13,8 @@ its own directory:
 - under cProfile on the loop thread only (Python 3.11's profiler hooks the thread that enables it):
   the top ``--top`` entries by cumulative time and by own time, per phase kind (writes, reads),
   timed with the thread's CPU clock (``time.thread_time``): waits in epoll are not counted; then
-  the own time summed per source file.
+  the own time summed per source file, and per page: Python calls, turns of the loop, ring
+  wake-ups and queued ring submissions.
   Profiling inflates the loop thread's time, so its CPU figures are not printed. The loop thread
   also runs this driver (``profile_disk.py``, the pool's reserve/abort per read): listed as such.
 
@@ -492,6 +493,20 @@ def by_file(prof: cProfile.Profile, n: int) -> str:
     return "\n".join(lines)
 
 
+def per_page(prof: cProfile.Profile, pages: int) -> str:
+    """Python calls, turns of the loop (``_run_once``), ring wake-ups (``_on_eventfd``) and queued
+    ring submissions (``_submit``) per page: what the turn count of #14 is about."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    calls = 0
+    named = {"_run_once": 0, "_on_eventfd": 0, "_submit": 0}
+    for (filename, _, name), (_, count, _, _, _) in stats.items():
+        calls += count
+        if name in named and os.path.basename(filename) in ("base_events.py", "uring.py"):
+            named[name] += count
+    return (f"  per page ({pages} pages): {calls / pages:.1f} calls, {named['_run_once'] / pages:.2f} turns, "
+            f"{named['_on_eventfd'] / pages:.2f} ring wake-ups, {named['_submit'] / pages:.2f} queued submissions")
+
+
 async def fresh(directory: Path) -> Path:
     """``directory``, removed first if a killed run left it."""
     await asyncio.to_thread(shutil.rmtree, directory, True)
@@ -599,6 +614,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 print(top(prof, sort, args.top))
             print(f"{head}: loop thread, {kind}s, own time by file")
             print(by_file(prof, args.top))
+            print(per_page(prof, 2 * max(depth, args.total_mib // args.page_mib)))  # new and recycled
         sys.stdout.flush()
     return 0
 
