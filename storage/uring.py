@@ -608,11 +608,19 @@ class UringEngine:
         pending = (self._tail - consumed) & 0xFFFFFFFF
         # The SQEs nobody took are still in the ring, with their user_data.
         untaken = [_SQE.unpack_from(self._sqes, ((consumed + i) & self._sq_mask) * 64)[8] for i in range(pending)]
-        for user_data in untaken:
-            self._complete(user_data, -(exc.errno or errno.EIO))
+        # The ring forgets them before their callbacks run: what those prepare (a chain's follow-up,
+        # the next page on a freed slot) lands after ``consumed`` and must survive this reset.
         self._tail = consumed
         self._prepared = 0
         self._chains.clear()
+        for user_data in untaken:
+            self._complete(user_data, -(exc.errno or errno.EIO))
+        # Their room is free: the requests waiting for it go in now (no completion may be left to
+        # drain, the other place that prepares them).
+        while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
+            self._prepare(self._waiting.popleft())
+        if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
+            self._idle.set_result(None)
 
     def _on_eventfd(self) -> None:
         """The wake-up: drain the completions, deliver what threads announced, run what those asked
