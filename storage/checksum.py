@@ -168,13 +168,15 @@ class Checksums:
                     self._batch_scheduled = True
                     self._schedule_batch()
                 break
-            size = len(view)
-            if spent + size > budget:
-                self._jobs.put((view, asyncio.get_running_loop(), done))
-                continue
-            spent += size
             t0 = time.thread_time()
             try:
+                # len() inside: a released view raises there already, and must fail its own page
+                # only (raising out of the batch lost the pages after it: their reads never ended).
+                size = len(view)
+                if spent + size > budget:
+                    self._jobs.put((view, asyncio.get_running_loop(), done))
+                    continue
+                spent += size
                 value: int | BaseException = payload_checksum(view)
             except Exception as exc:  # a released view: a bug, reported to the caller
                 value = exc
