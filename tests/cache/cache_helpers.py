@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -64,3 +66,13 @@ def mover_of(cache: KVCache) -> PageMover:
     transfers = cache._transfers
     assert transfers is not None, "the cache is not started"
     return transfers.mover
+
+
+async def record_loop_gaps(gaps: list[float]) -> None:
+    """Until cancelled: append each gap between this loop's 1 ms ticks (a stall shows as a long one)."""
+    last = time.perf_counter()
+    while True:
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now

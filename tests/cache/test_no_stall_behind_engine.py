@@ -11,13 +11,12 @@ CUDA only; the paths run in order in one process, so most of them are their proc
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt, record_loop_gaps
 
 from aiokv import KVCache
 from aiokv.kernels import TransferPath
@@ -28,19 +27,11 @@ SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of one GPU thread spinning on the H200
 MOST_GAP_S = 0.1
 
 
-async def _ticker(gaps: list[float]) -> None:
-    last = time.perf_counter()
-    while True:
-        await asyncio.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-
 
 async def _behind_engine(name: str, op: Callable[[], Awaitable[object]], stalls: dict[str, float]) -> None:
     torch.cuda.synchronize()
     gaps: list[float] = []
-    ticker = asyncio.create_task(_ticker(gaps))
+    ticker = asyncio.create_task(record_loop_gaps(gaps))
     await asyncio.sleep(0.01)
     gaps.clear()
     torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]

@@ -9,11 +9,10 @@ kernel of the engine's (every other slot form and path stayed under 5 ms). CUDA 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, config, make_kv, prompt, record_loop_gaps
 
 from aiokv import KVCache
 
@@ -21,14 +20,6 @@ T = LAYOUT.page_tokens
 SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of one GPU thread spinning on the H200
 MOST_GAP_S = 0.2
 
-
-async def _ticker(gaps: list[float]) -> None:
-    last = time.perf_counter()
-    while True:
-        await asyncio.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA slot read-back")
@@ -53,7 +44,7 @@ async def test_strided_cuda_slots_do_not_stall_the_loop_behind_the_engine() -> N
         kv[:, 40:40 + 2 * n].zero_()
         torch.cuda.synchronize()
         gaps: list[float] = []
-        ticker = asyncio.create_task(_ticker(gaps))
+        ticker = asyncio.create_task(record_loop_gaps(gaps))
         await asyncio.sleep(0.01)
         gaps.clear()
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # the engine's queued work
