@@ -15,11 +15,9 @@ import asyncio
 import dataclasses
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -35,14 +33,6 @@ PAGES = 4
 BOUND_S = 20.0
 STALLED_S = 0.5
 """How long a load with a stopped rank is watched not returning."""
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
 
 
 async def _store(cache: TPCache, ranks: AdvRanks, tokens: list[int]) -> None:

@@ -16,11 +16,9 @@ import asyncio
 import dataclasses
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -36,14 +34,6 @@ OFFLOAD_WAIT_S = 0.5
 BOUND_S = 3.0
 """A match must answer within this (a generous multiple of commit_wait, the cache's own bound on
 waiting for pages), whatever a rank does."""
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
 
 
 @pytest.mark.slow

@@ -16,11 +16,9 @@ import dataclasses
 import os
 import random
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import CALL_S, START_S, AdvRanks, Soak
 from tp_helpers import CONFIG
@@ -32,14 +30,6 @@ LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 NUM_SLOTS = 512
 STOPS = 5
 SEED = int(os.environ.get("AIOKV_ADV_SEED", "114"))
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
 
 
 class StopSoak(Soak):

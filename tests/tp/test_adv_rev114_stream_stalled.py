@@ -14,11 +14,10 @@ import asyncio
 import dataclasses
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -37,14 +36,6 @@ STALLED_S = 0.4
 
 class EngineGaveUp(Exception):
     """Raised inside ``async with stream`` (the engine's step failed)."""
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
 
 
 async def _finish_bounded(stream: TPLoadStream) -> object:

@@ -16,11 +16,9 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -39,14 +37,6 @@ POOL = 8
 WAIT_S = 0.5
 BOUND_S = 4.0
 """A load or match must answer within this whatever the stopped rank does (commit_wait is WAIT_S)."""
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
 
 
 def _config(disk: Path) -> CacheConfig:

@@ -44,14 +44,6 @@ SOURCE = list(range(PAGES * T))
 TARGET = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))
 
 
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.continue_and_kill_all()
-
-
 @dataclasses.dataclass
 class Setup:
     cache: TPCache

@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -40,14 +38,6 @@ def _config(disk: Path) -> CacheConfig:
     return CacheConfig(cpu_bytes=64 * LAYOUT.page_bytes, namespace="tp-adv-close",
                        pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, close_timeout=20.0,
                        disk=DiskConfig(directory=disk, capacity_bytes=400 * (LAYOUT.page_bytes + 4096)))
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.kill_all()
 
 
 def _prompt(i: int) -> list[int]:

@@ -19,11 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, Soak, aiokv_threads, no_threads_left
 from tp_helpers import CONFIG
@@ -44,14 +42,6 @@ def _config(layout: KVLayout, disk: Path) -> CacheConfig:
     return CacheConfig(cpu_bytes=40 * layout.page_bytes, namespace="tp-adv-soak",
                        pool_chunk_bytes=8 * layout.page_bytes, launch_pages=1, offload_wait=0.5, close_timeout=20.0,
                        disk=DiskConfig(directory=disk, capacity_bytes=400 * (layout.page_bytes + 4096)))
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.kill_all()
 
 
 async def soak(tmp_path: Path, layout: KVLayout, tp: int, kills: int, seed: int, max_jobs: int,

@@ -15,11 +15,9 @@ import contextlib
 import dataclasses
 import random
 import struct
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
@@ -33,14 +31,6 @@ T = LAYOUT.page_tokens
 NUM_SLOTS = 256
 HANDSHAKE_S = 1.0
 PAGES = 4
-
-
-@pytest_asyncio.fixture
-async def ranks_left() -> AsyncIterator[list[AdvRanks]]:
-    groups: list[AdvRanks] = []
-    yield groups
-    for ranks in groups:
-        await ranks.kill_all()
 
 
 async def _cut_off(payload: bytes, address: str) -> bool:
