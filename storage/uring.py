@@ -675,18 +675,28 @@ class UringEngine:
         head = self._cq_head.value
         tail = self._cq_tail.value
         deadline = self._drain_deadline = time.perf_counter() + DRAIN_TURN_S
-        while head != tail:
-            user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
-            head = (head + 1) & 0xFFFFFFFF
-            self._complete(user_data, res)
-            if tail == head:
-                tail = self._cq_tail.value
-            elif time.perf_counter() > deadline:
-                # The eventfd will not fire again for CQEs already posted: drain them next turn.
-                if not self._drain_due:
-                    self._drain_due = True
-                    self._loop.call_soon(self._drain_again)
-                break
+        try:
+            while head != tail:
+                user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
+                head = (head + 1) & 0xFFFFFFFF
+                self._complete(user_data, res)
+                if tail == head:
+                    tail = self._cq_tail.value
+                elif time.perf_counter() > deadline:
+                    # The eventfd will not fire again for CQEs already posted: drain them next turn.
+                    if not self._drain_due:
+                        self._drain_due = True
+                        self._loop.call_soon(self._drain_again)
+                    break
+        except BaseException:
+            # A callback let a BaseException through (``_complete`` guards Exception only): what was
+            # handled stays consumed (handled twice, a chain's silent ops would count twice), and the
+            # rest is drained next turn (no wake-up comes for CQEs already posted).
+            self._cq_head.value = head
+            if not self._drain_due:
+                self._drain_due = True
+                self._loop.call_soon(self._drain_again)
+            raise
         self._cq_head.value = head
         while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
             self._prepare(self._waiting.popleft())
