@@ -13,36 +13,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
+from private_shm import SCENARIO, needs_namespace, run_in_private_shm
 
-SCENARIO = "--scenario"
 MIB = 1 << 20
-HERE = Path(__file__).parent
 
 
-def _can_unshare() -> bool:
-    import shutil
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (a private /dev/shm)")
+@needs_namespace
 def test_killed_writers_restart_in_a_tight_shm_and_serve_only_right_kv(tmp_path: Path) -> None:
-    script = (f"mount -t tmpfs -o size=11m tmpfs /dev/shm && "
-              f"exec {sys.executable} {__file__} {SCENARIO} {tmp_path / 'disk'}")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])})
-    assert done.returncode == 0, done.stderr[-4000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_in_private_shm(__file__, 11, str(tmp_path / "disk"), timeout=240)
     assert report["wrong"] == 0, report
     assert report["loaded"] > 0, report  # the restarts served pages from disk
     assert report["sibling_intact"], report

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-import pytest
+from private_shm import SCENARIO, needs_namespace, run_in_private_shm
 
-SCENARIO = "--scenario"
 MIB = 1 << 20
 SHM_MIB = 12
 SETTLE_S = 1.0
@@ -34,24 +31,7 @@ SETTLE_S = 1.0
 
 def _in_private_shm(kind: str) -> dict[str, Any]:
     """Run this file's scenario in a new mount namespace over a small /dev/shm; its JSON report."""
-    script = (f"mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm && "
-              f"exec {sys.executable} {__file__} {SCENARIO} {kind}")
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
-
-
-def _can_unshare() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-needs_namespace = pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (a private /dev/shm)")
+    return run_in_private_shm(__file__, SHM_MIB, kind)
 
 
 @needs_namespace

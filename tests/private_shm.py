@@ -1,0 +1,43 @@
+"""Run a test file's scenario as root in a mount namespace of its own over a small /dev/shm (a
+real tmpfs: space is really short there, nothing mocked); tests skip where that is not possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCENARIO = "--scenario"
+"""The argument a test file's ``__main__`` takes to run its scenario inside the namespace."""
+
+
+def can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+needs_namespace = pytest.mark.skipif(not can_unshare(), reason="needs root and unshare -m (a private /dev/shm)")
+
+
+def run_in_private_shm(test_file: str, shm_mib: int, *args: str, timeout: float = 120) -> dict[str, Any]:
+    """Run ``python test_file --scenario args...`` over a ``shm_mib`` MiB /dev/shm of its own; the
+    JSON report its last line of output holds. Its imports see this process's ``sys.path`` (the
+    test's directory and ``tests/`` first)."""
+    here = Path(test_file).parent
+    script = (f"mount -t tmpfs -o size={shm_mib}m tmpfs /dev/shm && "
+              f"exec {sys.executable} {test_file} {SCENARIO} {' '.join(args)}")
+    path = os.pathsep.join([str(here), str(here.parent), *sys.path])
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
