@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from child_procs import fork_context
-from tp_helpers import rank_kv, shm_mappings
+from tp_helpers import CONFIG, rank_kv, shm_mappings
 
 from aiokv.layout import KVLayout
 from aiokv.results import Match
@@ -607,3 +607,17 @@ async def no_threads_left(before: set[str]) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"threads left after close: {aiokv_threads() - before}")
+
+
+async def attach_ranks(cache: TPCache, ranks_left: list[AdvRanks], layout: KVLayout, slots: int,
+                       config: TPConfig | None = None, tp_size: int = 2) -> AdvRanks:
+    """Start ``tp_size`` rank processes for ``cache`` and wait until all attached; they go into
+    ``ranks_left`` (the fixture resumes and kills them at the test's end). ``config``: by default
+    the tests' rank config with every copy on the ranks' copy threads (none inline)."""
+    config = dataclasses.replace(CONFIG, inline_copy_bytes=0) if config is None else config
+    ranks = AdvRanks(cache.address, layout, tp_size, slots, config)
+    ranks_left.append(ranks)
+    ranks.start_all()
+    async with asyncio.timeout(START_S):
+        await cache.wait_ranks()
+    return ranks

@@ -12,14 +12,13 @@ with a stopped rank owing a report keeps the pool until the rank is killed, then
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout, LoadResult
@@ -57,11 +56,7 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
                          pool_chunk_bytes=8 * LAYOUT.page_bytes)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
-        ranks_left.append(ranks)
-        ranks.start_all()
-        async with asyncio.timeout(START_S):
-            await cache.wait_ranks()
+        ranks = await attach_ranks(cache, ranks_left, LAYOUT, NUM_SLOTS)
         tokens = list(range(1000, 1000 + PAGES * T))
         await _store(cache, ranks, tokens)
         target = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))

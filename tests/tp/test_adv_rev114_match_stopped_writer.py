@@ -13,14 +13,13 @@ in all, then stops there (counted ``commit_wait_expired``); it failed (TimeoutEr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -45,11 +44,7 @@ async def test_a_match_answers_while_the_rank_writing_its_pages_is_stopped(
                          commit_wait=OFFLOAD_WAIT_S)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
-        ranks_left.append(ranks)
-        ranks.start_all()
-        async with asyncio.timeout(START_S):
-            await cache.wait_ranks()
+        ranks = await attach_ranks(cache, ranks_left, LAYOUT, NUM_SLOTS)
         tokens = list(range(3000, 3000 + PAGES * T))
         source = list(range(PAGES * T))
         for rank in range(2):

@@ -11,7 +11,6 @@ its slots bit-exact by the prefix oracle). A restarted rank then loads every tok
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -107,11 +106,7 @@ async def test_no_way_out_of_a_stream_returns_while_a_rank_is_stopped(tmp_path: 
                          pool_chunk_bytes=8 * LAYOUT.page_bytes)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
-        ranks_left.append(ranks)
-        ranks.start_all()
-        async with asyncio.timeout(START_S):
-            await cache.wait_ranks()
+        ranks = await attach_ranks(cache, ranks_left, LAYOUT, NUM_SLOTS)
         tokens = list(range(2000, 2000 + PAGES * T))
         source = list(range(PAGES * T))
         for rank in range(2):

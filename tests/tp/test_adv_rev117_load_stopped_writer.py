@@ -12,7 +12,6 @@ the rank is stopped answers within the bound and serves nothing from the held pa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -51,11 +50,7 @@ async def test_a_load_behind_a_stopped_ranks_offload_is_bounded_and_never_wrong(
         tmp_path: Path, ranks_left: list[AdvRanks]) -> None:
     async with TPCache(_config(tmp_path / "disk"), LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
-        ranks_left.append(ranks)
-        ranks.start_all()
-        async with asyncio.timeout(START_S):
-            await cache.wait_ranks()
+        ranks = await attach_ranks(cache, ranks_left, LAYOUT, NUM_SLOTS)
         await cache.pool.wait_ready()
         tokens = list(range(5000, 5000 + PAGES * T))
         source = list(range(PAGES * T))

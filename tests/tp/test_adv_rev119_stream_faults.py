@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -75,11 +75,7 @@ async def setup(tmp_path: Path, ranks_left: list[AdvRanks]) -> AsyncIterator[Set
                          pool_chunk_bytes=8 * LAYOUT.page_bytes)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
-        ranks = AdvRanks(cache.address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0))
-        ranks_left.append(ranks)
-        ranks.start_all()
-        async with asyncio.timeout(START_S):
-            await cache.wait_ranks()
+        ranks = await attach_ranks(cache, ranks_left, LAYOUT, NUM_SLOTS)
         for rank in range(2):
             await ranks.write(rank, SOURCE, rank_prefix_kv(LAYOUT, TOKENS, 0, rank, 2))
         assert (await cache.offload(TOKENS, idx(SOURCE))).stored == PAGES
