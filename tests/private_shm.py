@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +42,27 @@ def run_in_private_shm(test_file: str, shm_mib: int, *args: str, timeout: float 
     assert done.returncode == 0, done.stderr[-4000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return report
+
+
+def fork_pool_creator(layout: Any, size: int) -> tuple[BaseProcess, str]:
+    """A forked process that creates a pool of ``size`` bytes (one chunk, no CUDA) and sleeps: the
+    process and its segment's name (kill it to leave a dead creator's segment behind)."""
+    import asyncio
+    import multiprocessing
+
+    from aiokv.pool import PagePool
+
+    ctx = multiprocessing.get_context("fork")
+    names = ctx.Queue()
+
+    def creator() -> None:
+        async def main() -> None:
+            pool = await PagePool.open(layout, size, register_cuda=False, chunk_bytes=size)
+            names.put(pool.name)
+            await asyncio.sleep(3600)
+
+        asyncio.run(main())
+
+    proc = ctx.Process(target=creator, daemon=True)
+    proc.start()
+    return proc, names.get(timeout=60)

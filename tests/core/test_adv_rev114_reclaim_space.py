@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from private_shm import SCENARIO, needs_namespace, run_in_private_shm
+from private_shm import SCENARIO, fork_pool_creator, needs_namespace, run_in_private_shm
 
 MIB = 1 << 20
 
@@ -54,7 +54,6 @@ def test_a_live_pool_it_cannot_reclaim_still_fails_at_once_and_clearly() -> None
 
 
 def _scenario(kind: str) -> dict[str, object]:
-    import multiprocessing
 
     import torch
 
@@ -64,20 +63,7 @@ def _scenario(kind: str) -> dict[str, object]:
 
     layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
     budget = 4 * MIB // layout.page_bytes * layout.page_bytes
-    ctx = multiprocessing.get_context("fork")
-    names = ctx.Queue()
-
-    def creator() -> None:
-        async def main() -> None:
-            pool = await PagePool.open(layout, budget, register_cuda=False, chunk_bytes=budget)
-            names.put(pool.name)
-            await asyncio.sleep(3600)
-
-        asyncio.run(main())
-
-    proc = ctx.Process(target=creator, daemon=True)
-    proc.start()
-    old = names.get(timeout=60)
+    proc, old = fork_pool_creator(layout, budget)
     late = None
     if kind == "held":
         late = PagePool.attach(old, layout)  # the late holder

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from private_shm import SCENARIO, needs_namespace, run_in_private_shm
+from private_shm import SCENARIO, fork_pool_creator, needs_namespace, run_in_private_shm
 
 MIB = 1 << 20
 SHM_MIB = 12
@@ -87,7 +87,6 @@ def _timed(call: Any) -> tuple[int, float]:
 
 def _scenario(kind: str) -> dict[str, object]:
     import asyncio
-    import multiprocessing
 
     import torch
 
@@ -100,20 +99,7 @@ def _scenario(kind: str) -> dict[str, object]:
     pool_module.RECLAIM_SETTLE_S = SETTLE_S
     layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
     size = 4 * MIB // layout.page_bytes * layout.page_bytes
-    ctx = multiprocessing.get_context("fork")
-    names = ctx.Queue()
-
-    def creator() -> None:
-        async def main() -> None:
-            pool = await PagePool.open(layout, size, register_cuda=False, chunk_bytes=size)
-            names.put(pool.name)
-            await asyncio.sleep(3600)
-
-        asyncio.run(main())
-
-    proc = ctx.Process(target=creator, daemon=True)
-    proc.start()
-    old = names.get(timeout=60)
+    proc, old = fork_pool_creator(layout, size)
     report: dict[str, object] = {"old": old}
 
     def budget(fraction: float = 1.0) -> int:
