@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from adv_helpers import AdvRanks
-from test_tp_adversarial_soak import SEED, ranks_left, soak
+from test_tp_adversarial_soak import SEED, soak
 
 from aiokv import KVLayout
-
-__all__ = ["ranks_left"]  # the fixture
 
 
 @pytest.mark.slow
