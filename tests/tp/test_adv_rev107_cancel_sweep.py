@@ -84,11 +84,12 @@ async def sentinel_stays(s: Setup, slots: list[int], what: str) -> None:
 
 
 async def sweep(s: Setup, name: str, call: Callable[[int], Awaitable[Any]], slots: list[int]) -> int:
-    """Cancel ``call(k)`` after k loop turns, k = 0, 1, ... until it finishes first; returns how many
+    """Cancel the i-th ``call(i)`` after k loop turns, k = 0, 1, ... (``_turns``) until it finishes
+    first (i counts the calls: a prompt index, never past MAX_TURNS + 24); returns how many
     times it was cancelled."""
     cancelled = 0
-    for k in _turns():
-        task = asyncio.ensure_future(call(k))
+    for i, k in enumerate(_turns()):
+        task = asyncio.ensure_future(call(i))
         for _ in range(k):
             await asyncio.sleep(0)
         finished = task.done()
@@ -134,7 +135,7 @@ async def loads_exact(s: Setup, tokens: list[int]) -> None:
 @pytest.mark.asyncio
 async def test_every_call_cancelled_at_every_turn_leaves_no_copy_running(setup: Setup) -> None:
     s, cache = setup, setup.cache
-    prompts = [[10_000 * (k + 1) + j for j in range(PAGES * T)] for k in range(MAX_TURNS)]
+    prompts = [[10_000 * (k + 1) + j for j in range(PAGES * T)] for k in range(MAX_TURNS + 24)]
 
     async def offload(k: int) -> None:
         prefill(s, prompts[k])
