@@ -102,11 +102,18 @@ def _shm_obtainable(wanted: int) -> int:
     held are let go (waited for only while they could bring the total up to ``wanted``)."""
     def count() -> tuple[int, list[SegmentInfo]]:
         found = scan()
-        dead = sum(s.size for s in found if s.state is SegmentState.DEAD)
+        # The memory a dead pool holds, not its size (sparse after a crash mid-preparation; a hard
+        # link keeps it): counting sizes promised a budget /dev/shm could not hold (review 122).
+        dead = sum(s.frees for s in found if s.state is SegmentState.DEAD)
         held = [s for s in found
                 if s.state is SegmentState.LIVE and not s.creator_alive and s.name not in _outlasted]
         return (shm_free_bytes() or 0) + dead, held
 
+    free = shm_free_bytes() or 0
+    if free >= wanted:
+        # Room enough without reclaiming: no scan (an open, fstat and lock per entry, ~45 us each:
+        # thousands of entries named like segments stalled a loop building CacheConfig() 0.2 s).
+        return free
     # Before review 117 a held one was never counted: a budget taken right after a crash came out
     # smaller than one taken a moment later, while the pool's start waits for such segments anyway.
     obtainable, held = count()

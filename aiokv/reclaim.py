@@ -70,6 +70,11 @@ class SegmentInfo:
     state: SegmentState
     creator_alive: bool
     """The creator (pid and, for current names, start time) is a live process of this pid namespace."""
+    frees: int = 0
+    """Memory (bytes) that unlinking this name gives back: the blocks the file holds, not ``size``
+    (a creator killed between sizing its segment and preparing it leaves a sparse file: a 1 GiB
+    segment holding 1 MiB once made the default budget promise 1 GiB), and 0 while another name
+    (a hard link) keeps the file."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -156,7 +161,8 @@ def _classify(
     alive = _creator_alive(pid, start)
 
     def info(state: SegmentState) -> SegmentInfo:
-        return SegmentInfo("/" + filename, st.st_size, st.st_uid, pid, state, alive)
+        frees = st.st_blocks * 512 if st.st_nlink == 1 else 0
+        return SegmentInfo("/" + filename, st.st_size, st.st_uid, pid, state, alive, frees)
 
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         return info(SegmentState.FOREIGN), False
@@ -213,8 +219,9 @@ def scan(prefix: str = SHM_NAME_PREFIX) -> list[SegmentInfo]:
 
 
 def reclaimable_bytes(prefix: str = SHM_NAME_PREFIX) -> int:
-    """Bytes that :func:`reclaim` would free now: count them as free when sizing a pool."""
-    return sum(s.size for s in scan(prefix) if s.state is SegmentState.DEAD)
+    """Bytes that :func:`reclaim` would free now: count them as free when sizing a pool (the
+    memory the segments hold, :attr:`SegmentInfo.frees`, not their sizes)."""
+    return sum(s.frees for s in scan(prefix) if s.state is SegmentState.DEAD)
 
 
 def reclaim(prefix: str = SHM_NAME_PREFIX, *, legacy: bool = False) -> list[SegmentInfo]:
