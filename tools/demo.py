@@ -403,6 +403,26 @@ async def _traced_hit(path: Path, hit: Awaitable[RequestResult]) -> None:
     print(f"trace of a pool hit (TTFT {r.ttft_s * 1e3:.1f} ms under the profiler): {path}", file=sys.stderr)
 
 
+async def _tail_alone(timer: Engine, prompt: list[int], usable: int, slots: torch.Tensor) -> float:
+    """Seconds of the prefill of ``prompt[usable:]`` alone, the prefix's K/V already in ``slots``."""
+    _sync(timer.kv.device)
+    t = time.perf_counter()
+    await timer._prefill(prompt, usable, len(prompt), slots, first=True)
+    return time.perf_counter() - t
+
+
+async def _disk_only(config: CacheConfig, layout: KVLayout, kv: torch.Tensor,
+                     prefix: list[int]) -> tuple[float, int, Any]:
+    """Seconds of ``match`` + plain ``load`` of ``prefix`` from disk into a new cache (an empty pool,
+    as after a restart), nothing computed; the tokens loaded and the disk tier's statistics."""
+    async with KVCache(config, layout, kv) as cache:
+        await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
+        t = time.perf_counter()
+        m = await cache.match(prefix, salt="disk")
+        loaded = await cache.load(m, torch.arange(m.tokens))
+        return time.perf_counter() - t, loaded.tokens, cache.stats().disk
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
@@ -455,6 +475,8 @@ async def run_ttft(
     timed hits. Disk: a cache with a disk tier is filled, flushed and closed; each repeat serves
     from a new cache on the same directory (an empty pool and no learned rates, as after a
     restart). Set-up (pool creation, filling) is not timed; each figure is the median of ``repeats``.
+    ``tail`` and ``disk_only`` are measured per path, each repeat right before the hit it bounds
+    (host speed drifts within a run); ``recompute`` and ``memcpy`` once per length.
     ``trace_dir``: after the timed pool hits, one more (untimed) under ``torch.profiler``, written as
     a Chrome trace ``pool<n>-<path>.json`` there: where the hit's time goes, stream by stream.
     """
@@ -488,21 +510,18 @@ async def run_ttft(
             prompt = torch.randint(0, cfg.model.vocab, (n,), generator=gen).tolist()
             pages = cfg.pool_pages or -(-n // page) + 1
             usable = (n - 1) // page * page  # what a hit can cover: at least one token is computed
-            base: dict[str, list[float]] = {"recompute": [], "tail": [], "disk_only": []}
+            base: dict[str, list[float]] = {"recompute": []}
             logits: dict[str, torch.Tensor] = {}
             for _ in range(repeats):
                 r = await serve(None, LoadPath.PLAIN, f"recompute{n}", "recompute", prompt)
                 base["recompute"].append(r.ttft_s)
                 logits["recompute"] = first_logits(r)
             # The recompute left the prompt's K/V in slots [0, n) (a fresh block table hands out
-            # blocks in order): the tail prefill alone reads the prefix in place.
+            # blocks in order), and every hit below writes the same bytes there: the tail prefill
+            # alone reads the prefix in place.
             slots = BlockTable(blocks, page, False).slots(list(range(blocks)), n, torch.device("cpu"))
             timer = engine(None, LoadPath.PLAIN)
-            for _ in range(repeats):
-                _sync(device)
-                t = time.perf_counter()
-                await timer._prefill(prompt, usable, n, slots, first=True)
-                base["tail"].append(time.perf_counter() - t)
+
             layout, _ = _layout_and_config(cfg, pages, None, 0)
             loaded_bytes = usable // page * layout.payload_bytes
             memcpy_s = _memcpy_seconds(loaded_bytes, device, repeats)
@@ -512,46 +531,48 @@ async def run_ttft(
                 await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                 await serve(cache, LoadPath.PLAIN, f"fill{n}", "disk", prompt)
                 await cache.flush()  # every page on disk before the pool goes away
-            host_slots = torch.arange(usable)
-            for _ in range(repeats):
-                async with KVCache(with_disk, layout, kv) as cache:
-                    await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
-                    t = time.perf_counter()
-                    m = await cache.match(prompt[:usable], salt="disk")
-                    loaded = await cache.load(m, host_slots[: m.tokens])
-                    base["disk_only"].append(time.perf_counter() - t)
-                    disk_stats = cache.stats().disk
-            med = {k: _median(v) for k, v in base.items()}
+
+            recompute_s = _median(base["recompute"])
             layers = cfg.model.num_layers
             shared: dict[str, Any] = {
-                "prompt_tokens": n, "recompute_s": med["recompute"], "tail_s": med["tail"], "memcpy_s": memcpy_s,
-                "loaded_bytes": loaded_bytes, "disk_only_s": med["disk_only"],
-                "disk_only_tokens": loaded.tokens,
-                # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
-                "disk_backend": str(getattr(disk_stats, "backend", None)),
-                "disk_direct_io": getattr(disk_stats, "direct_io", None),
-                "pool_floor_s": max(memcpy_s, med["tail"]) + med["tail"] / layers,
-                "disk_bound_s": 1.0 / (1.0 / med["recompute"] + 1.0 / med["disk_only"]),
+                "prompt_tokens": n, "recompute_s": recompute_s, "memcpy_s": memcpy_s, "loaded_bytes": loaded_bytes,
             }
             for path in paths:
                 row: dict[str, Any] = dict(shared, load_path=path.value, claim=cfg.claim.value)
                 row["transfer_path"] = str(cfg.transfer_path_for(path))
                 runs: dict[str, list[RequestResult]] = {"pool": [], "disk": []}
+                # Each hit is timed right after its own baseline (the tail alone before a pool hit, a
+                # disk-only load before a disk hit): the host's speed drifts by tens of percent within
+                # a minute on the H200's VM (the tail alone took 24-45 ms at 8K between processes),
+                # and a floor measured a minute before its hit made the ratio follow the drift.
+                tails: list[float] = []
+                disk_only_s: list[float] = []
                 _, pool_cfg = _layout_and_config(cfg, pages, None, 0, path)
                 async with KVCache(pool_cfg, layout, kv) as cache:
                     await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                     await serve(cache, path, f"fill{n}", "pool", prompt)
                     await serve(cache, path, f"warm{n}", "pool", prompt)
                     for _ in range(repeats):
+                        tails.append(await _tail_alone(timer, prompt, usable, slots))
                         runs["pool"].append(await serve(cache, path, f"pool{n}", "pool", prompt))
                     if trace_dir is not None:
                         await _traced_hit(trace_dir / f"pool{n}-{path.value}.json",
                                           serve(cache, path, f"trace{n}", "pool", prompt))
                 _, disk_cfg = _layout_and_config(cfg, pages, disk_dir, 2 * pages, path)
                 for _ in range(repeats):
+                    seconds, disk_only_tokens, disk_stats = await _disk_only(with_disk, layout, kv, prompt[:usable])
+                    disk_only_s.append(seconds)
                     async with KVCache(disk_cfg, layout, kv) as cache:
                         await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                         runs["disk"].append(await serve(cache, path, f"disk{n}", "disk", prompt))
+                tail_s, row["disk_only_s"] = _median(tails), _median(disk_only_s)
+                row["tail_s"], row["tail_runs"], row["disk_only_runs"] = tail_s, tails, disk_only_s
+                row["disk_only_tokens"] = disk_only_tokens
+                # Buffered I/O (no O_DIRECT, e.g. on tmpfs) would read from the page cache, not the device.
+                row["disk_backend"] = str(getattr(disk_stats, "backend", None))
+                row["disk_direct_io"] = getattr(disk_stats, "direct_io", None)
+                row["pool_floor_s"] = max(memcpy_s, tail_s) + tail_s / layers
+                row["disk_bound_s"] = 1.0 / (1.0 / recompute_s + 1.0 / row["disk_only_s"])
                 # What served the run at the median, not the last: repeats may plan differently (a
                 # fresh cache learns the rates again), and the last run's plan beside the median
                 # time labelled a 32K split as declined on the H200.
