@@ -46,6 +46,14 @@ INLINE_WRITE_BYTES_PER_TURN = 2 << 20
 inline hashes of a turn run in one callback: a per-call budget reset by a callback of the next turn
 let one turn hash up to twice the budget (the pages started before the reset ran, then after it)."""
 
+INLINE_HASH_WINDOW_S = 1e-3
+"""A batch's inline bytes stay charged against a later batch's budget for up to this long,
+decreasing linearly (the budget refills at ``INLINE_WRITE_BYTES_PER_TURN`` per window): what the
+budget protects is the loop's lag (~1 ms per turn), so "bytes hashed inline in the last ms" is the
+quantity that counts. asyncio counts no turns, and a callback per turn to end a charge costs what
+#14 removed: keyed on the wake-up counter alone, a caller's batch charged whichever ring wake-up
+came next, turns later, and sent its reads' pages to the thread for nothing."""
+
 DELIVER_TURN_S = 0.5e-3
 """Callbacks of finished hashes run in one turn of the loop for at most this long (the rest in the
 next turn): at queue depth 32 the thread's results for up to 30 pages came back in one wake-up, and
@@ -78,10 +86,14 @@ class Checksums:
         self._batch_scheduled = False
         # TURNS.stamp of the wake-up at whose end a batch was last asked for (one there a wake-up).
         self._batch_stamp = -1
-        # The bytes hashed inline in the turn of wake-up ``_epoch`` (TURNS.stamp): a batch run from a
-        # queued callback counts against the next wake-up's turn (it may be the same turn).
+        # The bytes the last batch hashed inline (``_charge``, at ``perf_counter()`` ``_charged_at``),
+        # charged against a batch at the end of wake-up ``_epoch`` (TURNS.stamp) less what the window
+        # let expire since: a batch run from a queued callback charges the next wake-up (in the same
+        # turn when its CQEs were there before the turn's poll), a wake-up's batch its own wake-up.
+        self._window_s = INLINE_HASH_WINDOW_S
         self._epoch = -1
-        self._epoch_spent = 0
+        self._charge = 0
+        self._charged_at = 0.0
         self.in_next_turn: Callable[[Callable[[], None]], None] | None = None
         """Runs the turn's inline batch early in the loop's next turn (None: ``loop.call_soon``).
         The disk tier passes its ring's submission callback, which runs then anyway while pages
@@ -153,12 +165,18 @@ class Checksums:
         turns = TURNS
         if turns.waking:  # at a ring wake-up's end: within what is left of its drain's time
             epoch = turns.stamp
-            spent = self._epoch_spent if self._epoch == epoch else 0  # after a queued batch of this turn
+            spent = 0
+            if self._epoch == epoch:  # a queued batch ran ahead of this wake-up (maybe turns ago)
+                # What is left of its charge: all of it in the same turn, none a window later. One
+                # clock read, only after such a batch (the wake-ups alone read none).
+                expired = (time.perf_counter() - self._charged_at) * budget / self._window_s
+                spent = max(0, self._charge - int(expired))
             deadline = turns.deadline
         else:  # from a queued callback: ahead of the next wake-up, maybe in its turn
             epoch = turns.stamp + 1
             spent = 0  # a queued callback runs once a turn: the previous one ran in an earlier turn
             deadline = time.perf_counter() + DELIVER_TURN_S
+        charged = spent
         hashing = 0.0
         for n, (view, done) in enumerate(jobs):
             if n and time.perf_counter() > deadline:
@@ -185,7 +203,8 @@ class Checksums:
                 done(value)
             except Exception:  # a bug in a caller's callback: the others still get theirs
                 log.exception("checksum callback failed")
-        self._epoch, self._epoch_spent = epoch, spent
+        if spent > charged:  # hashed some: charged from now (one clock read per batch that hashed)
+            self._epoch, self._charge, self._charged_at = epoch, spent, time.perf_counter()
         self.cpu_s += hashing
 
     async def checksum(self, view: memoryview) -> int:

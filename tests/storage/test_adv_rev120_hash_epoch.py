@@ -1,10 +1,10 @@
-"""The inline hash budget of a queued batch (a caller's turn: writes being hashed) is charged to
-"the next wake-up", whenever that comes: a ring wake-up turns later, in a turn that hashed nothing
-yet, still starts with the queued batch's bytes spent and sends its reads' pages to the checksum
-thread (a hand-off per page, and the thread's latency, for nothing). The budget is per turn of the
-loop; the counter only knows wake-ups, not turns (asyncio counts none). Left open: a zero-cost way
-to expire the charge at the turn's end is not at hand (an expiry through the ring's next-turn calls
-costs a loop callback per write turn, the thing #14 removed)."""
+"""The inline hash budget of a queued batch (a caller's turn: writes being hashed) was charged to
+"the next wake-up", whenever that came: a ring wake-up turns later, in a turn that hashed nothing
+yet, still started with the queued batch's bytes spent and sent its reads' pages to the checksum
+thread (a hand-off per page, and the thread's latency, for nothing). The counter only knows
+wake-ups, not turns (asyncio counts none), and a callback per turn to end the charge costs what #14
+removed: the charge now expires with time instead (``checksum.INLINE_HASH_WINDOW_S``: all of it in
+the same turn, none a window later). Found by review 120 (strict xfail), fixed by helper-121."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from aiokv.storage.checksum import Checksums
 from aiokv.storage.uring import OP_NOP, UringEngine, sqe
 
 
-@pytest.mark.xfail(strict=True, reason="a queued batch's bytes are charged to the next wake-up in whatever turn it "
-                                       "comes (helper-120; see the module docstring)")
 @pytest.mark.asyncio
 async def test_a_wake_up_turns_after_a_queued_batch_has_the_whole_budget() -> None:
     page = 64 << 10
@@ -36,7 +34,8 @@ async def test_a_wake_up_turns_after_a_queued_batch_has_the_whole_budget() -> No
         checksums.start(views[1], got.append, writing=True)
         for _ in range(10):  # the queued batch (the whole budget), then turns without a wake-up
             await asyncio.sleep(0)
-        assert len(got) == 2
+        assert len(got) == 2 and checksums._jobs.qsize() == 0
+        await asyncio.sleep(checksums._window_s)  # and a window of time: the charge has expired
 
         def completed(_results: list[int]) -> None:  # a read's completion, turns later
             checksums.start(views[2], lambda value: (got.append(value), read_hashed.set_result(None)))
