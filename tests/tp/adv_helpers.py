@@ -345,6 +345,29 @@ class Slots:
             self.changed.notify_all()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
+async def stop_process(pid: int, bound_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` only queues the
+    signal: the thread it wakes must run before the others are told to stop, and on a loaded host
+    (16 pytest workers on the H200 host) a rank went on serving a load sent after its SIGSTOP."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + bound_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped {bound_s} s after SIGSTOP")
+        await asyncio.sleep(0.001)
+
+
 def idx(slots: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(slots), dtype=torch.int64)
 

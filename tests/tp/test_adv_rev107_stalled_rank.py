@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout, LoadResult
@@ -78,7 +78,7 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
             assert pid is not None
             async with asyncio.timeout(START_S):
                 await cache.wait_ranks()  # both attached: a rank not attached makes the load a miss at once
-            os.kill(pid, signal.SIGSTOP)
+            await stop_process(pid)
             load = asyncio.create_task(bounded_load(0.05))
             done, _ = await asyncio.wait({load}, timeout=STALLED_S)
             assert not done, ended(load)
@@ -114,7 +114,7 @@ async def test_a_stopped_rank_holds_its_load_until_it_dies_or_resumes(tmp_path: 
         assert pid is not None
         async with asyncio.timeout(START_S):
             await cache.wait_ranks()
-        os.kill(pid, signal.SIGSTOP)
+        await stop_process(pid)
         load = asyncio.create_task(bounded_load(BOUND_S))
         done, _ = await asyncio.wait({load}, timeout=STALLED_S)
         assert not done, ended(load)  # it ended once (result not kept then): a link down would explain it

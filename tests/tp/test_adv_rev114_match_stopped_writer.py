@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv
+from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -51,7 +51,7 @@ async def test_a_match_answers_while_the_rank_writing_its_pages_is_stopped(
             await ranks.write(rank, source, rank_prefix_kv(LAYOUT, tokens, 0, rank, 2))
         pid = ranks.ranks[1].proc.pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        await stop_process(pid)
         try:
             offload = asyncio.create_task(cache.offload(tokens, idx(source)))
             for _ in range(200):  # its pages reserved, their copies sent to the ranks

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import CALL_S, START_S, AdvRanks, Soak
+from adv_helpers import CALL_S, START_S, AdvRanks, Soak, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -49,7 +49,7 @@ class StopSoak(Soak):
                     await asyncio.sleep(0.005)
                 pid = self.ranks.ranks[rng.randrange(self.ranks.tp_size)].proc.pid
                 assert pid is not None
-                os.kill(pid, signal.SIGSTOP)
+                await stop_process(pid)
                 try:
                     await asyncio.sleep(rng.uniform(0.05, 0.4))
                     async with asyncio.timeout(2):  # the manager's loop still serves (a prompt

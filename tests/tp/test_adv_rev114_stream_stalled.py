@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -127,7 +127,7 @@ async def test_no_way_out_of_a_stream_returns_while_a_rank_is_stopped(tmp_path: 
                 await cache.wait_ranks()
             pid = ranks.ranks[victim].proc.pid
             assert pid is not None
-            os.kill(pid, signal.SIGSTOP)
+            await stop_process(pid)
             try:
                 await _leave_while_stopped(cache, ranks, way, layered, leave, tokens, target, victim, ending, pid)
             except BaseException:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv
+from adv_helpers import AdvRanks, attach_ranks, idx, rank_prefix_kv, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -70,7 +70,7 @@ async def test_a_load_behind_a_stopped_ranks_offload_is_bounded_and_never_wrong(
 
         pid = ranks.ranks[1].proc.pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        await stop_process(pid)
         try:
             offload = asyncio.create_task(cache.offload(tokens, idx(source)))
             for _ in range(300):  # its pages reserved, their copies sent to the ranks

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv
+from adv_helpers import START_S, AdvRanks, attach_ranks, idx, rank_prefix_kv, stop_process
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -120,7 +120,7 @@ async def test_a_rank_stopped_after_the_stream_began_holds_the_stream_until_cont
 
     async def stop() -> None:
         await _until_marked(setup, victim, 1)
-        os.kill(pid, signal.SIGSTOP)
+        await stop_process(pid)
 
     faulted = _before_first_spec(monkeypatch, stop)
     stream = cache.start_load(await cache.match(TOKENS), idx(TARGET))
@@ -240,7 +240,7 @@ async def test_streams_begun_behind_a_stopped_rank_s_full_socket_all_land_once_i
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         pid = ranks.ranks[1].proc.pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        await stop_process(pid)
         try:
             began = [cache.start_load(await cache.match(TOKENS), idx(TARGET)) for _ in range(streams)]
             finishing = [asyncio.create_task(s.finish()) for s in began]
