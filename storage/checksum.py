@@ -178,34 +178,50 @@ class Checksums:
             deadline = time.perf_counter() + DELIVER_TURN_S
         charged = spent
         hashing = 0.0
-        for n, (view, done) in enumerate(jobs):
-            if n and time.perf_counter() > deadline:
-                # The callbacks took this turn's time: the rest wait for the next turn (not the thread).
-                self._inline_jobs[:0] = jobs[n:]
-                if not self._batch_scheduled:
-                    self._batch_scheduled = True
-                    self._schedule_batch()
-                break
-            t0 = time.thread_time()
-            try:
-                # len() inside: a released view raises there already, and must fail its own page
-                # only (raising out of the batch lost the pages after it: their reads never ended).
-                size = len(view)
-                if spent + size > budget:
-                    self._jobs.put((view, asyncio.get_running_loop(), done))
-                    continue
-                spent += size
-                value: int | BaseException = payload_checksum(view)
-            except Exception as exc:  # a released view: a bug, reported to the caller
-                value = exc
-            hashing += time.thread_time() - t0
-            try:
-                done(value)
-            except Exception:  # a bug in a caller's callback: the others still get theirs
-                log.exception("checksum callback failed")
-        if spent > charged:  # hashed some: charged from now (one clock read per batch that hashed)
-            self._epoch, self._charge, self._charged_at = epoch, spent, time.perf_counter()
-        self.cpu_s += hashing
+        handed = 0  # the jobs handed on: to the thread, or to their ``done`` (called or running)
+        try:
+            for n, (view, done) in enumerate(jobs):
+                if n and time.perf_counter() > deadline:
+                    # The callbacks took this turn's time: the rest wait for the next turn (not the thread).
+                    handed = len(jobs)
+                    self._inline_jobs[:0] = jobs[n:]
+                    if not self._batch_scheduled:
+                        self._batch_scheduled = True
+                        self._schedule_batch()
+                    break
+                t0 = time.thread_time()
+                try:
+                    # len() inside: a released view raises there already, and must fail its own page
+                    # only (raising out of the batch lost the pages after it: their reads never ended).
+                    size = len(view)
+                    if spent + size > budget:
+                        handed = n + 1
+                        self._jobs.put((view, asyncio.get_running_loop(), done))
+                        continue
+                    spent += size
+                    value: int | BaseException = payload_checksum(view)
+                except Exception as exc:  # a released view: a bug, reported to the caller
+                    value = exc
+                hashing += time.thread_time() - t0
+                handed = n + 1
+                try:
+                    done(value)
+                except Exception:  # a bug in a caller's callback: the others still get theirs
+                    log.exception("checksum callback failed")
+        except BaseException:
+            # A signal's KeyboardInterrupt (most likely while a page is hashed: the GIL is released
+            # then) or a callback's BaseException: the pages not handed on yet wait for the next
+            # turn (the loop's next run); before, they were forgotten and their reads and writes
+            # never ended.
+            self._inline_jobs[:0] = jobs[handed:]
+            if self._inline_jobs and not self._batch_scheduled:
+                self._batch_scheduled = True
+                self._schedule_batch()
+            raise
+        finally:
+            if spent > charged:  # hashed some: charged from now (one clock read per batch that hashed)
+                self._epoch, self._charge, self._charged_at = epoch, spent, time.perf_counter()
+            self.cpu_s += hashing
 
     async def checksum(self, view: memoryview) -> int:
         """``view``'s checksum (inline or in a thread); keeps ``view`` until the hash is done, even

@@ -559,11 +559,22 @@ class UringEngine:
         if calls:
             # Still marked scheduled while they run: what they prepare goes out below.
             self._turn_calls = []
-            for fn in calls:
-                try:
-                    fn()
-                except Exception:
-                    log.exception("io_uring turn callback failed")
+            ran = 0
+            try:
+                for fn in calls:
+                    ran += 1
+                    try:
+                        fn()
+                    except Exception:
+                        log.exception("io_uring turn callback failed")
+            except BaseException:
+                # A signal's KeyboardInterrupt (or a bug's BaseException) out of one: the calls
+                # after it and this submission run in the next turn, the loop's next run (before,
+                # the flag stayed set with nothing queued: no submission and no turn call ran ever
+                # again, and what was prepared waited for an unrelated wake-up, aclose with it).
+                self._turn_calls[:0] = calls[ran:]
+                self._loop.call_soon(self._submit)
+                raise
         self._submit_scheduled = False
         if self._turn_calls:  # asked for again by the calls above: in the turn after this one
             self._submit_scheduled = True
@@ -589,6 +600,20 @@ class UringEngine:
             else:
                 self._fail_prepared(exc)
                 return
+        except BaseException:
+            # A signal's KeyboardInterrupt raised as the call returned (it may block in the kernel
+            # for ms): the SQ head says what the kernel took (only this call moves it), and the
+            # rest go out next turn. Before, the count stayed prepared: taken, the loop entered the
+            # kernel with nothing to submit every turn for ever; not taken, their chains were
+            # forgotten and as many of the next SQEs never went out (their callers and aclose hung).
+            taken = (self._sq_head.value - (self._tail - self._prepared)) & 0xFFFFFFFF
+            self._prepared -= taken
+            if taken < count:
+                self._chains.appendleft(count - taken)
+            if self._prepared and not self._submit_scheduled:
+                self._submit_scheduled = True
+                self._loop.call_soon(self._submit)
+            raise
         self.submits += 1
         spent = time.perf_counter() - t0
         if spent > self.submit_max_s:
@@ -653,14 +678,22 @@ class UringEngine:
                 # (a turn's work stays bounded by one drain and one round of these calls).
                 turns.deadline = self._drain_deadline
                 late = time.perf_counter() > self._drain_deadline
-                for fn in calls:
-                    if late:
-                        self.call_next_turn(fn)
-                        continue
-                    try:
-                        fn()
-                    except Exception:
-                        log.exception("io_uring wake-up call failed")
+                ran = 0
+                try:
+                    for fn in calls:
+                        ran += 1
+                        if late:
+                            self.call_next_turn(fn)
+                            continue
+                        try:
+                            fn()
+                        except Exception:
+                            log.exception("io_uring wake-up call failed")
+                except BaseException:
+                    # (a signal's KeyboardInterrupt): the calls after it in the next turn (below),
+                    # not forgotten (a page's hash batch among them: its read never ended).
+                    turns.after_wake[:0] = calls[ran:]
+                    raise
         finally:
             turns.waking = self._waking = False
             turns.stamp += 1  # budgets opened in this wake-up end with it
