@@ -35,6 +35,11 @@ from aiokv.stream import LoadStream
 from aiokv.tp import RankStatus
 from aiokv.tp.cache import TPCache
 
+# TP runs decode 2 tokens, not 8: each step is a round trip through both ranks (the GPU host spent
+# 100-110 s on each of these runs, the longest tests there after the TP layered ones); 2 tokens
+# still decode over loaded KV.
+TP_SHORT = ("--gen-tokens", "2")
+
 
 def tiny_config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
     # One request at a time and write-behind settled after each: which tier serves what does not
@@ -75,7 +80,7 @@ async def test_tiny_demo_with_prefetch_and_bfloat16_stays_exact(tmp_path: Path) 
 @pytest.mark.asyncio
 async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path: Path) -> None:
     """--tp 2: heads split over two spawned rank processes; the pool serves both ranks, bit-exact."""
-    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2"), progress=False)
+    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", *TP_SHORT), progress=False)
     assert out.oracle.mismatches == ()
     assert out.oracle.logits_bit_exact
     assert out.oracle.compared == len(out.scratch) > 10
@@ -111,7 +116,7 @@ async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
 
     monkeypatch.setattr(TPCache, "start_load", corrupting_start_load)
     # Two tenants: with one, the only pool page hit sits in front of disk pages and the split computes it.
-    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", "--tenants", "2"), progress=False)
+    out = await demo.run_demo(tiny_config(tmp_path, "--tp", "2", "--tenants", "2", *TP_SHORT), progress=False)
     assert out.summary["pool_tokens"] > 0
     assert out.oracle.mismatches
     loaded = {r.name for r in out.cached if r.pool_tokens + r.disk_tokens}

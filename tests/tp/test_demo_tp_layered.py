@@ -27,9 +27,11 @@ pytestmark = pytest.mark.slow  # the longest test on the GPU host: started first
 
 
 def _config(tmp_path: Path, *flags: str) -> demo.DemoConfig:
-    # One request at a time, write-behind settled after each (as tests/test_demo.py does).
+    # One request at a time, write-behind settled after each (as tests/test_demo.py does). Two
+    # decoded tokens, not 8: every step is a round trip through both ranks (2-3x the development
+    # VM's time on the GPU host, 180 s for the whole run), and 2 still decode over loaded KV.
     args = ["--preset", "tiny", "--disk-dir", str(tmp_path / "disk"), "--concurrency", "1", "--settle", "--tp", "2",
-            *flags]
+            "--gen-tokens", "2", *flags]
     return demo.config_from_args(demo.parse_args(args))
 
 
