@@ -37,7 +37,16 @@ import stat
 import time
 from pathlib import Path
 
-from aiokv.costs import FIXED_MAX_S, MIN_CALL_AMOUNT, MIN_CALL_S, MOMENT_BOUNDS, CostModel, SavedFit, SavedRates
+from aiokv.costs import (
+    BOOT_CLOCK,
+    FIXED_MAX_S,
+    MIN_CALL_AMOUNT,
+    MIN_CALL_S,
+    MOMENT_BOUNDS,
+    CostModel,
+    SavedFit,
+    SavedRates,
+)
 from aiokv.shm import process_start_ticks
 
 log = logging.getLogger("aiokv.cache")
@@ -429,12 +438,14 @@ def _boot() -> str | None:
 
 def _measured(data: bytes) -> tuple[str, int] | None:
     """The ``measured`` stamp of a rates file's bytes; None when it has none (an older version's,
-    rates only restored, or not a rates file)."""
+    rates only restored, or not a rates file: a torn or foreign file's stamp decides nothing)."""
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    stamp = doc.get("measured") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or doc.get("format") != RATES_FORMAT:
+        return None
+    stamp = doc.get("measured")
     if (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[0], str)
             and isinstance(stamp[1], int) and not isinstance(stamp[1], bool)):
         return stamp[0], stamp[1]
@@ -442,5 +453,9 @@ def _measured(data: bytes) -> tuple[str, int] | None:
 
 
 def _later(there: tuple[str, int] | None, mine: tuple[str, int] | None) -> bool:
-    """Whether the file in place (``there``) holds a later measurement than ``mine`` (one boot's only)."""
-    return there is not None and mine is not None and there[0] == mine[0] and there[1] > mine[1]
+    """Whether the file in place (``there``) holds a later measurement than ``mine`` (one boot's
+    only). A stamp ahead of this process's boot clock is no measurement it could be late for (a
+    writer in a time namespace whose clock is ahead, a forged file): honoured, it kept every save
+    out until a reboot (review 122)."""
+    return (there is not None and mine is not None and there[0] == mine[0]
+            and mine[1] < there[1] <= time.clock_gettime_ns(BOOT_CLOCK))
