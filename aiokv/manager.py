@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from types import MappingProxyType
 
@@ -87,6 +88,9 @@ class CacheManager(LoadPath, OffloadPath):
         self._rates_saved_at: float | None = None  # time.monotonic() of the last save started
         self._rates_lock = asyncio.Lock()  # one write of the file at a time
         self._rates_task: asyncio.Task[None] | None = None  # the last save started in the background
+        # Reads and saves of the rates file in the background (also in _background): the close
+        # does not wait for them before it closes the tier (they touch no page and no pool memory).
+        self._rates_jobs: set[asyncio.Future[None]] = set()
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -168,22 +172,33 @@ class CacheManager(LoadPath, OffloadPath):
         deadline = loop.time() + self.config.close_timeout
         try:
             async with asyncio.timeout_at(deadline):
-                while self._background:
+                # Every job but the rates file's (one held, up to RATES_LOCK_WAIT_S behind another
+                # process's flock, took the bound from the tier's close, review 122).
+                while len(self._background) > len(self._rates_jobs):
                     # asyncio.wait, not gather: a timeout must not cancel the jobs' futures.
-                    await asyncio.wait(set(self._background))
+                    await asyncio.wait(set(self._background), return_when=asyncio.FIRST_COMPLETED)
         except TimeoutError:
             self.faults.record("close_timeout", f"{len(self._background)} background jobs still running at close")
         if self._disk is not None:
             # A failure here is counted, not raised: the close task's outcome is what every later
             # aclose() and close_pool() see, and the pool and bridge must still be freed after it.
-            saving = asyncio.ensure_future(self._save_rates())
+            # The save and the tier's close run side by side, each within the bound: a save held
+            # (the directory's flock kept by a stopped process: RATES_LOCK_WAIT_S) once used it all
+            # up, and the tier, given 0 s, dropped its queued pages as if its I/O were stuck
+            # (review 122). The save writes through its own descriptor of the tier's directory.
+            try:
+                held: int | None = self._disk.layout_dir_fd()
+            except (OSError, RuntimeError):
+                held = None  # the save tries again itself, and counts what it meets
+            saving = asyncio.ensure_future(self._save_rates(held))
+            closing = asyncio.ensure_future(self._disk.close_within(max(0.0, deadline - loop.time())))
             done, _ = await asyncio.wait({saving}, timeout=max(0.0, deadline - loop.time()))
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
                 self.faults.record("rates_not_saved", "rates file still being written at close")
             elif not saving.cancelled() and (exc := saving.exception()) is not None:
                 self.faults.record("rates_not_saved", f"rates not saved at close: {exc!r}")
             try:
-                if not await self._disk.close_within(max(0.0, deadline - loop.time())):
+                if not await closing:
                     self.faults.record("close_timeout", "disk I/O stuck in the kernel at close: the pool stays "
                                                         "mapped until it ends")
             except Exception as exc:
@@ -248,6 +263,7 @@ class CacheManager(LoadPath, OffloadPath):
         """:meth:`_restore_rates` as a job ``flush``/``aclose`` wait for (the close within its
         bound: a read stuck in the kernel touches no pool memory); a failure is counted."""
         task = asyncio.ensure_future(self._restore_rates(disk))
+        self._rates_job(task)
 
         def settled() -> None:
             error = None if task.cancelled() else task.exception()
@@ -269,11 +285,14 @@ class CacheManager(LoadPath, OffloadPath):
             try:
                 # A thread the loop does not wait to start (to_thread's first call would start the
                 # default executor's thread on the loop).
-                data = await run_in_new_thread(functools.partial(read_rates_file, where), "aiokv-rates", _nothing)
+                # Through the tier's own descriptor: the directory's name may lead elsewhere now.
+                held = disk.layout_dir_fd()
+                data = await run_in_new_thread(functools.partial(read_rates_file, where, held), "aiokv-rates",
+                                               _nothing)
                 if data is None:
                     return  # a first start
                 saved = decode_rates(data, self.layout.fingerprint.hex(), kind)
-            except (RatesFileError, OSError) as exc:
+            except (RatesFileError, OSError, RuntimeError) as exc:  # RuntimeError: the tier closed
                 self.faults.record("rates_ignored", f"saved rates in {where} not used ({exc})")
                 return
         if self.device_kind != kind:
@@ -288,6 +307,12 @@ class CacheManager(LoadPath, OffloadPath):
         if saved.clamped:
             self.faults.record("rates_clamped", f"saved rates out of bounds, clamped: {', '.join(saved.clamped)}",
                                len(saved.clamped))
+
+    def _rates_job(self, task: asyncio.Future[None]) -> None:
+        """Count ``task`` among the rates file's background jobs until it ends (registered before
+        :meth:`track`: both callbacks run in the same turn, so the close's count stays true)."""
+        self._rates_jobs.add(task)
+        task.add_done_callback(self._rates_jobs.discard)
 
     def _rates_due(self) -> bool:
         saved = self._rates_saved_at
@@ -307,6 +332,7 @@ class CacheManager(LoadPath, OffloadPath):
     def _start_rates_save(self) -> None:
         self._rates_saved_at = time.monotonic()  # one save started per interval
         task = self._rates_task = asyncio.ensure_future(self._save_rates())
+        self._rates_job(task)
 
         def settled() -> None:
             error = None if task.cancelled() else task.exception()
@@ -315,22 +341,32 @@ class CacheManager(LoadPath, OffloadPath):
 
         self.track(task, settled)  # flush/aclose wait for it
 
-    async def _save_rates(self) -> None:
+    async def _save_rates(self, held: int | None = None) -> None:
         """Write the rates file off the loop when they changed since the last save; only the
-        directory's lock holder writes. A failed write is counted."""
-        async with self._rates_lock:
-            disk, kind = self._disk, self.device_kind
-            if disk is None or disk.read_only is not None or not self._rates_dirty or kind is None:
-                return  # kind None: measured before the workers said which device they copy on
-            data = encode_rates(self.costs, self.layout.fingerprint.hex(), kind)
-            self._rates_dirty = False
-            self._rates_saved_at = time.monotonic()
-            try:
-                await run_in_new_thread(functools.partial(write_rates_file, disk.files.layout_dir, data),
-                                        "aiokv-rates", _nothing)
-            except OSError as exc:
-                self._rates_dirty = True
-                self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")
+        directory's lock holder writes. A failed write is counted. ``held``: a descriptor of the
+        tier's directory (:meth:`DiskTier.layout_dir_fd`, taken before its close began) that this
+        call owns."""
+        try:
+            async with self._rates_lock:
+                disk, kind = self._disk, self.device_kind
+                if disk is None or disk.read_only is not None or not self._rates_dirty or kind is None:
+                    return  # kind None: measured before the workers said which device they copy on
+                data = encode_rates(self.costs, self.layout.fingerprint.hex(), kind)
+                self._rates_dirty = False
+                self._rates_saved_at = time.monotonic()
+                try:
+                    # Into the directory the tier uses, never wherever its name leads now (review 122:
+                    # the root renamed away and a link put there had the rates written outside it).
+                    fd = disk.layout_dir_fd() if held is None else held
+                    held = None  # write_rates_file closes it
+                    await run_in_new_thread(functools.partial(write_rates_file, disk.files.layout_dir, data, fd),
+                                            "aiokv-rates", _nothing)
+                except (OSError, RuntimeError) as exc:  # RuntimeError: the tier closed
+                    self._rates_dirty = True
+                    self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")
+        finally:
+            if held is not None:
+                os.close(held)
 
     # -- statistics -----------------------------------------------------------------------------
 

@@ -251,24 +251,34 @@ def _shown(value: object) -> str:
     return reprlib.repr(value)
 
 
-def _open_dir(directory: Path) -> int:
-    """The layout directory, never through a symlink at its own name, and ours."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_dir(directory: Path, held: int | None) -> int:
+    """The layout directory, and ours: a descriptor of its own (for the ``flock``) opened through
+    ``held`` (a descriptor of it that this call closes: the disk tier's, the directory it uses
+    whatever its name leads to now) when given, else by name, never through a symlink at its own."""
+    if held is None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    else:
+        try:
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=held)
+        finally:
+            os.close(held)
     if os.fstat(fd).st_uid != os.geteuid():
         os.close(fd)
         raise RatesFileError("unsafe", f"{directory} is not this user's directory")
     return fd
 
 
-def read_rates_file(directory: Path) -> bytes | None:
+def read_rates_file(directory: Path, held: int | None = None) -> bytes | None:
     """The rates file's bytes in ``directory``; None when there is none. Blocking: run in a thread.
 
-    Opened with ``O_NOFOLLOW | O_NONBLOCK`` (a planted symlink fails, a FIFO never blocks), then
-    required to be a regular file of ours that others cannot write, of at most
+    ``held``: a descriptor of the directory to use instead of its name (closed here; see
+    :meth:`aiokv.storage.DiskTier.layout_dir_fd`). The file is opened with ``O_NOFOLLOW |
+    O_NONBLOCK`` (a planted symlink fails, a FIFO never blocks), then required to be a regular
+    file of ours that others cannot write, of at most
     :data:`RATES_MAX_BYTES`. Raises :class:`RatesFileError` for what is not ours, ``OSError``
     when the directory or the file cannot be read.
     """
-    dir_fd = _open_dir(directory)
+    dir_fd = _open_dir(directory, held)
     try:
         return _read_at(dir_fd, directory)
     finally:
@@ -305,10 +315,11 @@ def _read_at(dir_fd: int, directory: Path) -> bytes | None:
         os.close(fd)
 
 
-def write_rates_file(directory: Path, data: bytes) -> bool:
+def write_rates_file(directory: Path, data: bytes, held: int | None = None) -> bool:
     """Replace the rates file in ``directory`` with ``data`` atomically, unless the file in place
     holds a later measurement than ``data`` (then False: a save that ended after its cache's close,
     the directory held and saved by a later cache meanwhile). Blocking: run in a thread.
+    ``held``: a descriptor of the directory to use instead of its name (closed here).
 
     An owner-only unnamed file (``O_TMPFILE``; else a fresh name of its own, ``O_CREAT | O_EXCL |
     O_NOFOLLOW``), then, under an exclusive ``flock`` of the directory (waited for up to
@@ -319,9 +330,11 @@ def write_rates_file(directory: Path, data: bytes) -> bool:
     temporary file.
     """
     if len(data) > RATES_MAX_BYTES:
+        if held is not None:
+            os.close(held)
         raise ValueError(f"rates file of {len(data)} bytes exceeds {RATES_MAX_BYTES}")
     mine = _measured(data)
-    dir_fd = _open_dir(directory)
+    dir_fd = _open_dir(directory, held)
     temp: str | None = None
     try:
         fd = _open_unnamed(dir_fd)

@@ -288,6 +288,17 @@ class DiskTier(WritePath, ReadPath):
         """Why writes are refused (read-only file system, directory locked by another cache...), or None."""
         return self._read_only
 
+    def layout_dir_fd(self) -> int:
+        """A duplicate of the descriptor of the layout directory this tier uses (the caller closes
+        it), to reach files beside the pages (the rates file) without looking the directory up by
+        name again: after the start the name may lead elsewhere (the root renamed away and a link
+        put in its place; a root the caller gave as a descriptor), while the tier keeps its own.
+        Raises ``RuntimeError`` before the start and after the close."""
+        fd = -1 if self._dir is None else self._dir.dir_fd
+        if fd < 0:
+            raise RuntimeError("the disk tier holds no directory (not started, or closed)")
+        return os.dup(fd)
+
     # -- lookups --------------------------------------------------------------------------------
 
     def contains(self, key: PageKey) -> bool:

@@ -92,10 +92,10 @@ def _hold_rates_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Future[
     entered: asyncio.Future[None] = loop.create_future()
     release = threading.Event()
 
-    def held(directory: Path, data: bytes) -> None:
+    def held(directory: Path, data: bytes, fd: int | None = None) -> bool:
         loop.call_soon_threadsafe(lambda: entered.done() or entered.set_result(None))
         assert release.wait(30), "the test never released the rates write"
-        write_rates_file(directory, data)
+        return write_rates_file(directory, data, fd)
 
     monkeypatch.setattr(manager_module, "write_rates_file", held)
     return entered, release

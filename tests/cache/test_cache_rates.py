@@ -283,9 +283,9 @@ def _spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the thread of every rates write (the real write still runs)."""
     threads: list[int] = []
 
-    def spied(directory: Path, data: bytes) -> None:
+    def spied(directory: Path, data: bytes, held: int | None = None) -> bool:
         threads.append(threading.get_ident())
-        write_rates_file(directory, data)
+        return write_rates_file(directory, data, held)
 
     monkeypatch.setattr(manager_module, "write_rates_file", spied)
     return threads

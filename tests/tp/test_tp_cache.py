@@ -156,10 +156,10 @@ async def test_a_cancelled_close_finishes_without_a_retry(tmp_path: Path, monkey
     entered: asyncio.Future[None] = loop.create_future()
     release = threading.Event()
 
-    def held(directory: Path, data: bytes) -> None:
+    def held(directory: Path, data: bytes, fd: int | None = None) -> bool:
         loop.call_soon_threadsafe(lambda: entered.done() or entered.set_result(None))
         assert release.wait(30), "the test never released the rates write"
-        write_rates_file(directory, data)
+        return write_rates_file(directory, data, fd)
 
     monkeypatch.setattr(manager_module, "write_rates_file", held)
     cache = TPCache(_config(MHA, tmp_path), MHA, tp_size=2, num_slots=SLOTS, tp_config=CONFIG)
