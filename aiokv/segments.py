@@ -53,12 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             creator = "creator alive" if seg.creator_alive else "creator gone"
             print(f"{seg.name:<48} {_gib(seg.size):>12} {seg.uid:>6} {seg.pid:>8}  {seg.state.value} ({creator})")
         dead = [s for s in segments if s.state is SegmentState.DEAD]
-        print(f"{len(segments)} segments, {len(dead)} reclaimable ({_gib(sum(s.size for s in dead))})")
+        # The memory they hold (a sparse or hard-linked one frees less than its size).
+        print(f"{len(segments)} segments, {len(dead)} reclaimable ({_gib(sum(s.frees for s in dead))})")
         return 0
     removed = reclaim(args.prefix, legacy=args.legacy)
     for seg in removed:
         print(f"removed {seg.name} ({_gib(seg.size)}, {seg.state.value}, pid {seg.pid})")
-    print(f"{len(removed)} segments removed, {_gib(sum(s.size for s in removed))} freed")
+    print(f"{len(removed)} segments removed, {_gib(sum(s.frees for s in removed))} freed")
     return 0
 
 

@@ -42,6 +42,8 @@ def test_a_sparse_dead_pool_counts_what_it_holds_and_the_budget_starts() -> None
     assert report["budget"] > 0.8 * 15 * MIB, report  # the 4 MiB it held counted
     assert report["error"] is None, report  # and a pool of that budget starts
     assert report["reclaimed"] == [report["old"]], report
+    # The operators' listing says what a clean frees: 4 MiB, not the 12 MiB size.
+    assert report["listed"] == "1 segments, 1 reclaimable (4.0 MiB)", report  # before: 12.0 MiB
 
 
 @needs_namespace
@@ -178,9 +180,12 @@ def _budget(cap: int = 1 << 40) -> int:
 
 def _scenario(kind: str) -> dict[str, object]:
     import asyncio
+    import contextlib
+    import io
     import shutil
 
     from aiokv import pool as pool_module
+    from aiokv import segments
     from aiokv.shm import SHM_DIR
 
     pool_module.RECLAIM_SETTLE_S = 0.5
@@ -188,6 +193,10 @@ def _scenario(kind: str) -> dict[str, object]:
     pid, ticks = _dead_creator()
     if kind == "sparse":
         report["old"] = _killed_mid_preparation(12 * MIB, 4 * MIB)
+        listed = io.StringIO()
+        with contextlib.redirect_stdout(listed):
+            segments.main(["list"])
+        report["listed"] = listed.getvalue().splitlines()[-1]
     elif kind in ("linked_out", "linked_twice"):
         old = _killed_mid_preparation(4 * MIB, 4 * MIB)
         other = f"{SHM_DIR}/kept-by-an-operator" if kind == "linked_out" else \
