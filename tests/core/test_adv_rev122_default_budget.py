@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 from private_shm import SCENARIO, needs_namespace, run_in_private_shm
 
 MIB = 1 << 20
@@ -82,6 +83,15 @@ def test_thousands_of_entries_cost_a_loop_nothing_when_there_is_room() -> None:
     # A tight budget still scans them all, and counts the dead ones' blocks.
     assert report["tight"] <= 0.8 * 64 * MIB + 4096, report
     assert report["tight"] > 0.8 * (64 - 4) * MIB, report
+
+
+@needs_namespace
+@pytest.mark.xfail(strict=True, reason="review 122, left: where /dev/shm is short of the budget, a budget "
+                   "taken on a loop's thread still scans every entry named like a segment (~45 us each: "
+                   "5000 stall the loop ~0.2 s)")
+def test_thousands_of_entries_cost_a_loop_little_when_there_is_no_room() -> None:
+    report = _run("many", 64)
+    assert report["tight_loop_s"] < 0.05, report
 
 
 @needs_namespace
@@ -234,6 +244,13 @@ def _scenario(kind: str) -> dict[str, object]:
 
         report["roomy"], report["loop_s"] = asyncio.run(on_loop())
         report["tight"] = _budget()
+
+        async def tight_on_loop() -> float:
+            started = time.monotonic()
+            _budget()
+            return time.monotonic() - started
+
+        report["tight_loop_s"] = asyncio.run(tight_on_loop())
         return report
     elif kind == "churn":
         stop = threading.Event()
