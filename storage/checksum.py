@@ -158,28 +158,35 @@ class Checksums:
 
     def _hash_inline(self) -> None:
         """On the loop, at most once per turn: hash the pages started inline since the last run,
-        up to the turn's budget; the rest go to the thread. Each ``done`` runs here."""
-        self._batch_scheduled = False
-        jobs, self._inline_jobs = self._inline_jobs, []
-        budget = self._turn_budget
-        turns = TURNS
-        if turns.waking:  # at a ring wake-up's end: within what is left of its drain's time
-            epoch = turns.stamp
-            spent = 0
-            if self._epoch == epoch:  # a queued batch ran ahead of this wake-up (maybe turns ago)
-                # What is left of its charge: all of it in the same turn, none a window later. One
-                # clock read, only after such a batch (the wake-ups alone read none).
-                expired = (time.perf_counter() - self._charged_at) * budget / self._window_s
-                spent = max(0, self._charge - int(expired))
-            deadline = turns.deadline
-        else:  # from a queued callback: ahead of the next wake-up, maybe in its turn
-            epoch = turns.stamp + 1
-            spent = 0  # a queued callback runs once a turn: the previous one ran in an earlier turn
-            deadline = time.perf_counter() + DELIVER_TURN_S
-        charged = spent
-        hashing = 0.0
+        up to the turn's budget; the rest go to the thread. Each ``done`` runs here. A drain: run
+        again (after an interrupt), it hashes what is left, each page once."""
+        jobs: list[tuple[memoryview, Done]] = []
         handed = 0  # the jobs handed on: to the thread, or to their ``done`` (called or running)
+        epoch = self._epoch
+        spent = charged = 0
+        hashing = 0.0
         try:
+            # Inside the try from the first line: a signal's KeyboardInterrupt is raised at the next
+            # call (a clock read below); the jobs are taken only after the last call before the loop,
+            # so an interrupt before then leaves them queued, and one after it re-queues the rest.
+            self._batch_scheduled = False
+            loop = asyncio.get_running_loop()  # before the loop: a job is put without a call before it
+            budget = self._turn_budget
+            turns = TURNS
+            if turns.waking:  # at a ring wake-up's end: within what is left of its drain's time
+                epoch = turns.stamp
+                if self._epoch == epoch:  # a queued batch ran ahead of this wake-up (maybe turns ago)
+                    # What is left of its charge: all of it in the same turn, none a window later. One
+                    # clock read, only after such a batch (the wake-ups alone read none).
+                    expired = (time.perf_counter() - self._charged_at) * budget / self._window_s
+                    spent = max(0, self._charge - int(expired))
+                deadline = turns.deadline
+            else:  # from a queued callback: ahead of the next wake-up, maybe in its turn
+                epoch = turns.stamp + 1
+                # spent = 0: a queued callback runs once a turn: the previous one ran in an earlier turn
+                deadline = time.perf_counter() + DELIVER_TURN_S
+            charged = spent
+            jobs, self._inline_jobs = self._inline_jobs, []
             for n, (view, done) in enumerate(jobs):
                 if n and time.perf_counter() > deadline:
                     # The callbacks took this turn's time: the rest wait for the next turn (not the thread).
@@ -195,15 +202,17 @@ class Checksums:
                     # only (raising out of the batch lost the pages after it: their reads never ended).
                     size = len(view)
                     if spent + size > budget:
+                        # Counted handed before the put, with no call between them: an interrupt
+                        # raised as the put returns neither loses the page nor hashes it twice.
                         handed = n + 1
-                        self._jobs.put((view, asyncio.get_running_loop(), done))
+                        self._jobs.put((view, loop, done))
                         continue
                     spent += size
                     value: int | BaseException = payload_checksum(view)
                 except Exception as exc:  # a released view: a bug, reported to the caller
                     value = exc
                 hashing += time.thread_time() - t0
-                handed = n + 1
+                handed = n + 1  # before the call: a callback is never called twice
                 try:
                     done(value)
                 except Exception:  # a bug in a caller's callback: the others still get theirs
@@ -293,21 +302,36 @@ class Checksums:
             results = list(self._results)
             self._results.clear()
             self._wake_pending = False
-        if deadline is None:
-            deadline = time.perf_counter() + DELIVER_TURN_S
-        for n, (done, value) in enumerate(results):
-            if n and time.perf_counter() > deadline:
-                # The rest in the next turn, ahead of whatever the threads finish meanwhile.
-                with self._lock:
-                    self._results.extendleft(reversed(results[n:]))
-                    wake, self._wake_pending = not self._wake_pending, True
-                if wake:
-                    asyncio.get_running_loop().call_soon(self._deliver)
-                return
-            try:
-                done(value)
-            except Exception:  # a bug in a caller's callback: the others still get theirs
-                log.exception("checksum callback failed")
+        handed = 0  # results whose ``done`` was called (or is running): never called twice
+        try:
+            if deadline is None:
+                deadline = time.perf_counter() + DELIVER_TURN_S
+            for n, (done, value) in enumerate(results):
+                if n and time.perf_counter() > deadline:
+                    break  # the rest in the next turn, ahead of whatever the threads finish meanwhile
+                handed = n + 1
+                try:
+                    done(value)
+                except Exception:  # a bug in a caller's callback: the others still get theirs
+                    log.exception("checksum callback failed")
+        except BaseException:
+            # A signal's KeyboardInterrupt (a clock read, a callback) or a callback's BaseException:
+            # the results not handed on yet are delivered in the next turn (the loop's next run);
+            # before, they were dropped and their pages' reads and writes never ended.
+            self._deliver_later(results[handed:])
+            raise
+        self._deliver_later(results[handed:])
+
+    def _deliver_later(self, results: list[tuple[Done, int | BaseException]]) -> None:
+        """Put ``results`` back ahead of the others and have them delivered in the next turn."""
+        if not results:
+            return
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._results.extendleft(reversed(results))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:  # else a thread's wake-up is under way: its delivery takes these too
+            loop.call_soon(self._deliver)
 
     async def aclose(self) -> None:
         """Stop the threads once the queued hashes are done and wait until they have ended.

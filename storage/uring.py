@@ -27,6 +27,7 @@ import asyncio
 import collections
 import ctypes
 import ctypes.util
+import dis
 import errno
 import logging
 import mmap
@@ -34,6 +35,7 @@ import os
 import struct
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -257,7 +259,8 @@ class LoopTurns(threading.local):
 
     def call_after_wake(self, fn: Callable[[], None]) -> bool:
         """``fn()`` at the end of the ring wake-up callback running now (before its submission);
-        False, and nothing asked, when none runs. ``fn`` should not raise (a bug: logged)."""
+        False, and nothing asked, when none runs. ``fn`` should not raise (a bug: logged); it is
+        a drain (safe to call again): a KeyboardInterrupt out of it runs it again next turn."""
         if not self.waking:
             return False
         self.after_wake.append(fn)
@@ -266,6 +269,29 @@ class LoopTurns(threading.local):
 
 TURNS = LoopTurns()
 """This thread's :class:`LoopTurns` (its attributes are per thread)."""
+
+_RESUME = dis.opmap.get("RESUME", -1)
+
+
+def not_started(fn: Callable[[], None], exc: BaseException) -> bool:
+    """Whether ``exc``, caught by the caller of ``fn`` (a Python function or bound method), left
+    ``fn`` before its first instruction ran: Python raises a signal's KeyboardInterrupt at the
+    first check for pending signals, which is a function's entry too; a turn call dropped there
+    never ran (a hash batch's flag then stayed set and no page was hashed inline ever again).
+    Its frame then shows it at its entry (``RESUME``), or is absent (a profile hook raised at its
+    ``call`` event). False for a call that ran part of its body (never run twice: its own guard
+    hands on what it did not do) and for a C callable (no frame to tell)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    tb = exc.__traceback__
+    if not isinstance(code, types.CodeType) or tb is None or _RESUME < 0:
+        return False
+    entry: int = code.co_code[::2].find(bytes([_RESUME])) * 2  # RESUME's offset (after MAKE_CELL & co.)
+    tb = tb.tb_next  # the caller's frame is first
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return tb.tb_lasti <= entry
+        tb = tb.tb_next
+    return True
 
 
 class UringEngine:
@@ -548,7 +574,8 @@ class UringEngine:
     def call_next_turn(self, fn: Callable[[], None]) -> None:
         """``fn()`` early in the loop's next turn, from the submission callback (which runs then
         anyway when something was prepared this turn: no loop callback of its own); SQEs that
-        ``fn`` prepares go out in that same submission. ``fn`` should not raise (a bug: logged)."""
+        ``fn`` prepares go out in that same submission. ``fn`` should not raise (a bug: logged).
+        ``fn`` is a drain (safe to call again): a KeyboardInterrupt out of it runs it again."""
         self._turn_calls.append(fn)
         if not self._submit_scheduled:
             self._submit_scheduled = True
@@ -567,12 +594,13 @@ class UringEngine:
                         fn()
                     except Exception:
                         log.exception("io_uring turn callback failed")
-            except BaseException:
+            except BaseException as exc:
                 # A signal's KeyboardInterrupt (or a bug's BaseException) out of one: the calls
                 # after it and this submission run in the next turn, the loop's next run (before,
                 # the flag stayed set with nothing queued: no submission and no turn call ran ever
                 # again, and what was prepared waited for an unrelated wake-up, aclose with it).
-                self._turn_calls[:0] = calls[ran:]
+                # The interrupted one too if it never started (see not_started).
+                self._turn_calls[:0] = calls[ran - 1 if not_started(calls[ran - 1], exc) else ran :]
                 self._loop.call_soon(self._submit)
                 raise
         self._submit_scheduled = False
@@ -614,13 +642,16 @@ class UringEngine:
                 self._submit_scheduled = True
                 self._loop.call_soon(self._submit)
             raise
+        # Counted before any call: a signal's KeyboardInterrupt is raised at the next one (the
+        # clock read below); taken but still counted prepared, the loop entered the kernel with
+        # nothing to submit every turn for ever.
+        self._prepared -= taken
+        if taken < count:
+            self._chains.appendleft(count - taken)  # the kernel was short of resources: retry the rest
         self.submits += 1
         spent = time.perf_counter() - t0
         if spent > self.submit_max_s:
             self.submit_max_s = spent
-        self._prepared -= taken
-        if taken < count:
-            self._chains.appendleft(count - taken)  # the kernel was short of resources: retry the rest
         if self._prepared and not self._submit_scheduled:
             # Let other callbacks run, then submit the next batch.
             self._submit_scheduled = True
@@ -677,23 +708,31 @@ class UringEngine:
                 # Within the drain's time only: a drain that used it up leaves them to the next turn
                 # (a turn's work stays bounded by one drain and one round of these calls).
                 turns.deadline = self._drain_deadline
-                late = time.perf_counter() > self._drain_deadline
                 ran = 0
                 try:
-                    for fn in calls:
+                    if time.perf_counter() > self._drain_deadline:
+                        turns.after_wake[:0] = calls  # all of them in the next turn (below)
+                        ran = len(calls)
+                    for fn in calls[ran:]:
                         ran += 1
-                        if late:
-                            self.call_next_turn(fn)
-                            continue
                         try:
                             fn()
                         except Exception:
                             log.exception("io_uring wake-up call failed")
-                except BaseException:
+                except BaseException as exc:
                     # (a signal's KeyboardInterrupt): the calls after it in the next turn (below),
-                    # not forgotten (a page's hash batch among them: its read never ended).
-                    turns.after_wake[:0] = calls[ran:]
+                    # not forgotten (a page's hash batch among them: its read never ended), and the
+                    # interrupted one too if it never started (see not_started).
+                    if ran:
+                        turns.after_wake[:0] = calls[ran - 1 if not_started(calls[ran - 1], exc) else ran :]
                     raise
+        except BaseException:
+            # (a signal's KeyboardInterrupt) anywhere above, the eventfd read before the drain ended
+            # (its clock read, a callback): no wake-up comes for the CQEs already posted, so they
+            # are drained in the next turn; before, their requests waited for an unrelated
+            # completion (for ever when none was in flight: callers and aclose hung).
+            self._drain_later()
+            raise
         finally:
             turns.waking = self._waking = False
             turns.stamp += 1  # budgets opened in this wake-up end with it
@@ -736,10 +775,20 @@ class UringEngine:
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
 
+    def _drain_later(self) -> None:
+        """The CQEs posted now are drained in the next turn (no wake-up comes for them)."""
+        if not self._drain_due:
+            self._drain_due = True
+            self._loop.call_soon(self._drain_again)
+
     def _drain_again(self) -> None:
         self._drain_due = False
         if self._efd >= 0:  # not unmapped by aclose meanwhile (another drain took the rest)
-            self._drain()
+            try:
+                self._drain()
+            except BaseException:  # (an interrupt before the drain's own guard): next turn again
+                self._drain_later()
+                raise
 
     def _complete(self, user_data: int, res: int) -> None:
         rid = user_data >> self._index_bits
