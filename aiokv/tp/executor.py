@@ -16,11 +16,14 @@ copied straight from the KV buffer by one 2-D copy-engine memcpy, no kernel, ``T
   kernels see the bytes (a layered LOAD does not: the engine waits per layer, see below). The event
   is recorded at the copy's launch, except for a LOAD of a load stream (``spec.stream``): that one
   is ordered after the stream's *mark*, an event recorded on the engine's stream when the rank
-  learnt that the stream began (:meth:`RankExecutor.begin_stream`, at the manager's STREAM_BEGINS
-  frame), so it does not wait for the chunks the engine queued since (a split's claimed chunks,
-  which never touch the loaded slots). A stream whose mark this rank lacks (its record raised, it
-  was dropped as old, or it was never announced) has its copies ordered at their launch, as
-  before marks: later, never unordered.
+  learnt that the stream began, so it does not wait for the chunks the engine queued since (a
+  split's claimed chunks, which never touch the loaded slots). The rank learns it twice, and the
+  first mark recorded is kept: at the engine's own announcement (:meth:`RankExecutor.announce_stream`,
+  from the engine's thread at the start of the step that carries the stream's id, before that
+  step's kernels) or at the manager's STREAM_BEGINS frame (:meth:`RankExecutor.begin_stream`, the
+  fallback for engines that do not announce). A stream whose mark this rank lacks (its record
+  raised, it was dropped as old, or it was never begun here) has its copies ordered at their
+  launch, as before marks: later, never unordered.
   Completion comes through the bridge's waiter threads (no polling). The attached mapping is
   registered with CUDA (pinned + mapped) chunk by chunk in background threads; a spec waits for the
   chunks of its pages only.
@@ -45,8 +48,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import enum
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -72,6 +77,33 @@ if TYPE_CHECKING:
     from aiokv.kernels.mover import PacedLayers
 
 log = logging.getLogger(__name__)
+
+
+class Announced(enum.Enum):
+    """What :meth:`RankExecutor.announce_stream` did with an engine's announcement."""
+
+    RECORDED = "recorded"
+    """The mark was recorded now: the stream's copies are ordered after it."""
+    HELD = "held"
+    """A mark of the stream was held already (its frame was read first, or it was announced
+    before): that earlier one is kept."""
+    STALE = "stale"
+    """The stream's frame was read here and its mark is gone (dropped as old, or its record
+    failed): nothing to improve, its copies are ordered at their launch."""
+    AHEAD = "ahead"
+    """More than ``TPConfig.stream_marks`` ids past the newest stream begun here: no stream the
+    manager began (ignored; a mark recorded before its stream began would not cover the work the
+    engine queues until then)."""
+    CLOSING = "closing"
+    """The executor is fenced: it starts nothing more."""
+    FAILED = "failed"
+    """The record raised (a CUDA error): the frame's mark is the fallback."""
+
+
+@dataclass(frozen=True)
+class _Mark:
+    event: torch.cuda.Event | None  # None off CUDA (no stream to order)
+    announced: bool  # recorded at the engine's announcement, not at the manager's frame
 
 
 @dataclass(frozen=True)
@@ -157,7 +189,12 @@ class RankExecutor:
         self._unmapped: asyncio.Future[None] | None = None  # the unmap, once aclose() began it
         # Load streams' marks by stream id, oldest first (at most TPConfig.stream_marks): on CUDA an
         # event on the engine's stream recorded when the stream began; None off CUDA (no stream).
-        self._marks: collections.OrderedDict[int, torch.cuda.Event | None] = collections.OrderedDict()
+        # The lock: the engine announces streams from its own thread (announce_stream) while the
+        # driving loop reads frames and executes specs; each takes it to look up, record and insert
+        # a mark in one step, so the first mark recorded is the one kept and a spec sees it whole.
+        self._marks: collections.OrderedDict[int, _Mark] = collections.OrderedDict()
+        self._marks_lock = threading.Lock()
+        self._newest_begun = 0  # the newest stream whose STREAM_BEGINS this executor read
         self.stream_marks = 0
         """Load streams whose mark this executor recorded."""
         self.stream_marks_failed = 0
@@ -166,6 +203,8 @@ class RankExecutor:
         self.stream_marks_missed = 0
         """LOAD specs naming a stream whose mark is not held here (its record failed, it was dropped
         as old, or the stream was never announced): ordered after the engine's stream at launch."""
+        self.stream_marks_announced = 0
+        """Of :attr:`stream_marks`, marks recorded at the engine's announcement (before the frame)."""
         if self._cuda:
             self._register_in_background()
 
@@ -208,25 +247,79 @@ class RankExecutor:
         """Load stream ``stream`` began: record its mark now (CUDA: an event on the engine's stream).
 
         Call when the rank learns of the stream (the worker does, as it reads the manager's
-        STREAM_BEGINS frame), before any of the stream's specs is executed. The mark covers all the
-        engine queued on its stream so far; the stream's LOAD specs are ordered after it, not after
-        what the engine queues later. Never raises: a mark that cannot be recorded (a CUDA error) is
+        STREAM_BEGINS frame), before any of the stream's specs is executed, on the driving loop.
+        The mark covers all the engine queued on its stream so far; the stream's LOAD specs are
+        ordered after it, not after what the engine queues later. A mark the engine announced
+        first (:meth:`announce_stream`) is kept instead: recorded earlier, it covers less of the
+        engine's later work. Never raises: a mark that cannot be recorded (a CUDA error) is
         counted and logged, and the stream's copies are then ordered at their launch (as without a
         mark); if the error is sticky, their launch fails and they report COPY_FAILED (the manager
         shortens the load and releases its pages). Ignored once fenced.
         """
-        if self._closing:
-            return
-        try:
-            mark = self._record_mark()
-        except Exception as exc:
-            self.stream_marks_failed += 1
-            log.warning("rank %d: the mark of load stream %d failed (its copies are ordered at their launch): %r",
-                        self.kv.tp.rank, stream, exc)
-            self._marks.pop(stream, None)
-            return
-        # A stream announced again (only a faulty manager does that) takes the newer mark (it
-        # covers more of the engine's work) and is still one stream.
+        with self._marks_lock:
+            if self._closing:
+                return
+            self._newest_begun = max(self._newest_begun, stream)
+            held = self._marks.get(stream)
+            if held is not None and held.announced:
+                return  # the engine's announcement came first: its earlier mark stays
+            try:
+                event = self._record_mark()
+            except Exception as exc:
+                self.stream_marks_failed += 1
+                log.warning("rank %d: the mark of load stream %d failed (its copies are ordered at their launch): "
+                            "%r", self.kv.tp.rank, stream, exc)
+                self._marks.pop(stream, None)
+                return
+            # A stream begun again (only a faulty manager does that) takes the newer mark (it
+            # covers more of the engine's work) and is still one stream.
+            self._insert(stream, _Mark(event, False))
+
+    def announce_stream(self, stream: int) -> Announced:
+        """The engine announces load stream ``stream`` (``TPLoadStream.stream_id``, carried in its
+        own step message) at the start of that step, before it queues the step's kernels: record
+        the stream's mark now if none is held. Callable from any thread (the engine's), also while
+        the loop runs specs; ``stream`` must be a validated id > 0 of this executor's pool epoch
+        (:meth:`RankWorker.begin_stream` checks). Never raises; returns what it did.
+
+        Why the earlier of the two marks is the one to keep: each covers everything the engine
+        queued before ``start_load`` (the frame is written by ``start_load`` and read later; the
+        announcing step is sent after ``start_load`` returned, so the engine's earlier steps are
+        queued before it), which is what the copies must land after. Past that, a mark only adds
+        the engine's later work (the chunks it queued since, which a split's copies must not wait
+        for): the earlier one adds less. So an announcement after the frame was read is ignored
+        (HELD), and a frame read after the announcement keeps it.
+
+        A spec of the stream executed before this call takes the frame's mark (the frame precedes
+        its specs on the link), never none; a mark is looked up, recorded and inserted under one
+        lock, so no spec sees a half-made one. An id more than ``TPConfig.stream_marks`` past the
+        newest stream begun here is refused (AHEAD): recorded before its stream began, a mark would
+        miss the engine's work queued until then. Ids below it that were never begun cannot be told
+        from ones whose frame is still in flight: announcing only ids of streams the scheduler
+        started is the engine's part.
+        """
+        with self._marks_lock:
+            if self._closing:
+                return Announced.CLOSING
+            held = self._marks.get(stream)
+            if held is not None:
+                return Announced.HELD
+            if stream <= self._newest_begun:
+                return Announced.STALE  # its frame was read: the mark failed or was dropped as old
+            if stream > self._newest_begun + self.config.stream_marks:
+                return Announced.AHEAD
+            try:
+                event = self._record_mark()
+            except Exception as exc:
+                log.warning("rank %d: the announced mark of load stream %d failed (its frame's mark is the "
+                            "fallback): %r", self.kv.tp.rank, stream, exc)
+                return Announced.FAILED
+            self._insert(stream, _Mark(event, True))
+            self.stream_marks_announced += 1
+            return Announced.RECORDED
+
+    def _insert(self, stream: int, mark: _Mark) -> None:
+        """Hold ``mark`` for ``stream`` (under the lock), dropping the oldest beyond the bound."""
         if stream not in self._marks:
             self.stream_marks += 1
         self._marks[stream] = mark
@@ -248,11 +341,12 @@ class RankExecutor:
         stream at the copy's launch) for a spec of no stream or of a stream whose mark is not held."""
         if not spec.stream:
             return None
-        try:
-            return self._marks[spec.stream]
-        except KeyError:
-            self.stream_marks_missed += 1
-            return None
+        with self._marks_lock:
+            held = self._marks.get(spec.stream)
+            if held is None:
+                self.stream_marks_missed += 1
+                return None
+            return held.event
 
     def execute(self, spec: TransferSpec) -> asyncio.Future[RankReport]:
         """Start ``spec``; the future resolves with this rank's report when its copy is over. Never raises."""
@@ -481,7 +575,8 @@ class RankExecutor:
         already running (or queued on the GPU) ends as it would have: wait for it with
         :meth:`drain`. Idempotent; call on the driving loop.
         """
-        self._closing = True
+        with self._marks_lock:  # an announcement racing this records nothing after it
+            self._closing = True
         for copy in list(self._copies):
             self._bridge.withdraw(copy)  # False for one running or over: it reports when it ends
         for paced in self._feeding:
@@ -499,7 +594,8 @@ class RankExecutor:
         cancels = Cancels()
         await cancels.outlast(self.drain())
         self.layers.close()
-        self._marks.clear()
+        with self._marks_lock:
+            self._marks.clear()
         if self._unmapped is None:
             # Nothing may still view the mapping when it is unmapped: drop the mover's page tensors first.
             if self._mover is not None:

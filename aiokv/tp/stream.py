@@ -9,6 +9,16 @@ not for the chunks it queues later (a split's claimed chunks, which must not tou
 slots, as in one process). The engine's stream still waits on each copy (at its launch; layered:
 per layer, ``wait_layer``) before its later kernels can read the slots.
 
+An engine can make the mark exact: it puts ``stream.stream_id`` and ``stream.epoch`` in its next
+step message, and each rank calls ``RankWorker.begin_stream(stream_id, epoch)`` (or
+``RankWorkerThread.begin_stream``) at the start of that step, before queuing its kernels. The mark
+is recorded then, on the engine's thread; the earlier of it and the frame's is kept::
+
+    stream = cache.start_load(match, slots)                        # scheduler
+    send_step(chunk, stream=(stream.stream_id, stream.epoch))      # the engine's own channel
+    ...                                                            # rank r, as the step begins:
+    worker.begin_stream(*step.stream)                              #   then queue its kernels
+
 Layer by layer (``TPCache.start_load(..., layered=True)``) each rank copies layer 0 of every page,
 then layer 1, ... Readiness lives on both sides:
 
@@ -37,6 +47,7 @@ from aiokv.results import Match
 from aiokv.stream import LoadStream
 
 from .specs import LayeredLoad
+from .transfers import _STREAM
 
 if TYPE_CHECKING:
     from aiokv.manager import CacheManager
@@ -63,6 +74,28 @@ class TPLoadStream(LoadStream):
         # and the loader task it creates carries the stream's id into every LOAD spec it launches.
         with transfers.streaming():
             super().__init__(manager, match, slots, from_token, layered)
+            scope = _STREAM.get()
+            assert scope is not None  # set by streaming() for this construction
+            self._stream_id = scope.stream  # numbered by the base class's mark()
+        self._epoch = transfers.group.epoch
+
+    @property
+    def stream_id(self) -> int:
+        """This stream's id in its rank group (> 0), for the engine's step message: each rank's
+        ``RankWorker.begin_stream(stream_id, epoch)`` records its mark at the start of that step.
+
+        0 when the stream has no id: it began while the group was closing, or after the group ran
+        out of ids (``2**64 - 1`` streams); its copies are then ordered at their launch on every
+        rank, and announcing it does nothing. Ids are unique within a group only: announce them
+        with :attr:`epoch`.
+        """
+        return self._stream_id
+
+    @property
+    def epoch(self) -> int:
+        """The pool epoch of the rank group this stream runs on (what ranks check an announced
+        :attr:`stream_id` against: another manager numbers its streams from 1 again)."""
+        return self._epoch
 
     def layered_load(self) -> LayeredLoad:
         """The pool epoch and the job ids of this stream's copies, for the ranks' ``wait_layer``.

@@ -46,7 +46,7 @@ from aiokv.reclaim import reclaim
 from .cancels import Cancels
 from .config import TPConfig
 from .endpoint import transport_peer, trusted_peer
-from .executor import RankExecutor, RankReport
+from .executor import Announced, RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
 from .rankwarm import RankWarmUp
 from .specs import LayeredLoad, TransferSpec
@@ -133,13 +133,24 @@ class WorkerStatistics:
     runs_offloaded: int = 0
     """Pages of the current session offloaded by run copies (``TPConfig.offload_runs``), not gathered."""
     stream_marks: int = 0
-    """Load streams of the current session whose mark this rank recorded (at their STREAM_BEGINS)."""
+    """Load streams of the current session whose mark this rank recorded (at the engine's
+    announcement, :meth:`RankWorker.begin_stream`, or at their STREAM_BEGINS frame)."""
     stream_marks_failed: int = 0
     """Of the current session, load streams whose mark could not be recorded (a CUDA error): their
     copies were ordered after the engine's stream at their launch."""
     stream_marks_missed: int = 0
     """LOAD specs of the current session naming a stream whose mark this rank did not hold (failed,
     dropped as old, or never announced): ordered after the engine's stream at their launch."""
+    stream_marks_announced: int = 0
+    """Of ``stream_marks``, marks recorded at the engine's announcement (:meth:`RankWorker.begin_stream`),
+    before the rank read the stream's frame."""
+    stream_announces_held: int = 0
+    """Announcements (since the worker started) that found the stream's mark held already (its
+    frame read first, or announced before): the earlier mark was kept."""
+    stream_announces_ignored: int = 0
+    """Announcements (since the worker started) that recorded nothing: another pool's epoch or no
+    pool attached, a stream whose frame was read and whose mark is gone, an id too far ahead of the
+    streams begun here, a closing worker, or a record that raised."""
 
 
 class RankWorker:
@@ -201,6 +212,8 @@ class RankWorker:
         self._warm_up_failed = 0
         self._warm: RankWarmUp | None = None  # the current session's kernel warm-up
         self._reports: collections.Counter[RankStatus] = collections.Counter()
+        self._announces: collections.Counter[Announced] = collections.Counter()
+        self._announces_lock = threading.Lock()  # begin_stream is called from the engine's threads
 
     # -- running --------------------------------------------------------------------------------
 
@@ -403,6 +416,52 @@ class RankWorker:
             log.warning("rank %d: job %d: %s %s", self.tp.rank, job_id, result.status.name, result.text)
         link.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
 
+    # -- load streams ---------------------------------------------------------------------------
+
+    def begin_stream(self, stream_id: int, epoch: int) -> bool:
+        """The engine announces a load stream: record this rank's mark for it now.
+
+        ``stream_id``, ``epoch``: ``TPLoadStream.stream_id`` and ``TPLoadStream.epoch`` of the
+        scheduler's stream, carried in the engine's own step message. Call from the rank's engine
+        thread (any thread; also on the worker's loop) at the start of the step that carries them,
+        before queuing that step's kernels: on CUDA the mark is an event recorded on the engine's
+        stream right then, and the stream's copies on this rank are ordered after it, so they wait
+        for the engine's steps sent before ``start_load`` and not for the chunks it queues from now
+        on. Without the call the rank records its mark when its worker reads the stream's
+        STREAM_BEGINS frame, which also covers the chunks the engine queued until that read. When
+        both exist, the earlier-recorded mark is kept (see ``RankExecutor.announce_stream``).
+
+        Returns True when this call's mark is the one the stream's copies follow; False when it
+        recorded nothing (counted in :meth:`statistics`): the stream's mark was held already (its
+        frame was read first), the epoch is not the attached pool's (a stream of another manager;
+        ids are per pool) or no pool is attached, the stream's frame was read and its mark is gone,
+        the id is more than ``TPConfig.stream_marks`` past the newest stream begun here, the
+        session is closing, or the record raised. None of these leaves a copy unordered: the frame's
+        mark, or the engine's stream at each copy's launch, orders them. ``stream_id`` 0 (a stream
+        without an id: ``TPLoadStream.stream_id`` documents when) is a no-op returning False, not
+        counted. CPU ranks record no event (copies run in spec order) but take the call. Raises
+        ``TypeError`` for a non-int argument and ``ValueError`` for one outside ``[0, 2**64)``
+        (``epoch``: ``(0, 2**64)``).
+        """
+        if isinstance(stream_id, bool) or not isinstance(stream_id, int):
+            raise TypeError(f"stream_id must be an int, got {type(stream_id).__name__}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
+        if not 0 <= stream_id < 2**64:
+            raise ValueError(f"stream_id must be in [0, 2**64), got {stream_id}")
+        if not 0 < epoch < 2**64:
+            raise ValueError(f"epoch must be in (0, 2**64), got {epoch}")
+        if stream_id == 0:
+            return False
+        executor = self._executor  # read once: the loop may end the session meanwhile
+        if executor is None or executor.epoch != epoch:
+            outcome = Announced.STALE
+        else:
+            outcome = executor.announce_stream(stream_id)
+        with self._announces_lock:
+            self._announces[outcome] += 1
+        return outcome is Announced.RECORDED
+
     # -- layer-wise loads -----------------------------------------------------------------------
 
     def _layer_progress(self, load: LayeredLoad, layer: int) -> list[LayerProgress] | None:
@@ -475,6 +534,8 @@ class RankWorker:
     def statistics(self) -> WorkerStatistics:
         """State and counts (call on the worker's loop)."""
         executor = self._executor
+        with self._announces_lock:
+            announces = self._announces.copy()
         return WorkerStatistics(
             rank=self.tp.rank,
             tp_size=self.tp.size,
@@ -497,6 +558,10 @@ class RankWorker:
             stream_marks=executor.stream_marks if executor is not None else 0,
             stream_marks_failed=executor.stream_marks_failed if executor is not None else 0,
             stream_marks_missed=executor.stream_marks_missed if executor is not None else 0,
+            stream_marks_announced=executor.stream_marks_announced if executor is not None else 0,
+            stream_announces_held=announces[Announced.HELD],
+            stream_announces_ignored=sum(announces.values()) - announces[Announced.RECORDED]
+            - announces[Announced.HELD],
         )
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -796,6 +861,12 @@ class RankWorkerThread:
         if ok:
             worker._order_layer(progress, layer)
         return ok
+
+    def begin_stream(self, stream_id: int, epoch: int) -> bool:
+        """:meth:`RankWorker.begin_stream`, called directly from the engine's thread (it does not go
+        through the worker's loop: the mark is recorded on the calling thread, right then). Works
+        after :meth:`close` too (returns False, counted)."""
+        return self.worker.begin_stream(stream_id, epoch)
 
     def statistics(self) -> WorkerStatistics:
         """The worker's statistics, read on its loop."""

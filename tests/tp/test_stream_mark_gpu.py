@@ -10,11 +10,18 @@ engine queued before it (and so everything queued before ``start_load``), and no
 The manager and two CUDA ranks (thread runners) share this process and the GPU; the test is the
 engine of both ranks, on one non-default engine stream (a mark recorded on the wrong stream, the
 worker thread's default one, would miss the engine's work). Skipped without CUDA.
+
+The engine's announcement (``RankWorker.begin_stream``, the last tests): ranks on this test's loop
+read the frame only when the loop turns, as a rank whose runner shares the engine's loop does, so a
+chunk the engine queues between ``start_load`` and that read is covered by the frame's mark. The
+engine announces the stream before queuing its chunk: the mark is recorded then, and the copies do
+not wait for the chunk (without the announcement they do: the control test).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ import torch
 from tp_helpers import CONFIG, full_kv, rank_kv
 
 from aiokv import CacheConfig, KVLayout
-from aiokv.tp import RankExecutor, RankWorkerThread, TPCache
+from aiokv.tp import RankExecutor, RankWorker, RankWorkerThread, TPCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -163,3 +170,133 @@ async def test_a_rank_s_copies_still_wait_for_its_engine_s_work_queued_before_th
     for runner in ranks.runners:  # ordered by the mark, not at launch (which would also cover the fill)
         stats = await asyncio.to_thread(runner.statistics)
         assert (stats.stream_marks, stats.stream_marks_failed, stats.stream_marks_missed) == (1, 0, 0), stats
+
+
+# -- the engine's announcement ---------------------------------------------------------------------
+
+
+@dataclass
+class LoopRanks:
+    cache: TPCache
+    kv: list[torch.Tensor]
+    workers: list[RankWorker]
+    """Both ranks' workers, on this test's loop: they read a frame only when the loop turns."""
+    engine: torch.cuda.Stream
+    tokens: list[int]
+
+
+@pytest_asyncio.fixture
+async def loop_ranks(tmp_path: Path) -> AsyncIterator[LoopRanks]:
+    engine = torch.cuda.Stream()
+    kv = [rank_kv(full_kv(LAYOUT, 43, SLOTS), LAYOUT, r, TP).cuda() for r in range(TP)]
+    config = CacheConfig(cpu_bytes=32 * LAYOUT.for_tp(TP).page_bytes, disk=None, namespace="tp-stream-announce-gpu",
+                         launch_pages=1)
+    async with TPCache(config, LAYOUT, tp_size=TP, num_slots=SLOTS, tp_config=CONFIG,
+                       directory=tmp_path / "sock") as cache, contextlib.AsyncExitStack() as stack:
+        workers = [await stack.enter_async_context(
+                       RankWorker(cache.address, r, TP, LAYOUT, kv[r], CONFIG, engine_stream=engine))
+                   for r in range(TP)]
+        async with asyncio.timeout(BOUND_S):
+            await cache.wait_ranks()
+            for worker in workers:
+                await worker.wait_warm()
+        tokens = list(range(5000, 5000 + N))
+        assert (await cache.offload(tokens, torch.arange(N))).stored == N // T  # registers the pool too
+        torch.cuda.synchronize()
+        yield LoopRanks(cache, kv, workers, engine, tokens)
+        assert cache.stats().pool_referenced == 0
+
+
+async def _claimed_chunk_then_finish(ranks: LoopRanks, announce: bool) -> bool:
+    """Start a stream; announce it on every rank (or not); queue a long chunk (a sleep, then the
+    claimed first page's write) on the engine's stream before any await, so before the ranks read
+    the frame; finish the stream. Returns whether the chunk was done when ``finish`` returned;
+    checks the bytes."""
+    cache, engine = ranks.cache, ranks.engine
+    sources = [kv[:, :N].clone() for kv in ranks.kv]
+    target = torch.arange(40, 40 + N)
+    on_device = target.cuda()  # before the sleep: a pageable copy would wait for it
+    load_module(ranks.kv, on_device[:T])
+    stream = cache.start_load(await cache.match(ranks.tokens), target)
+    assert stream.stream_id > 0
+    if announce:
+        # The engine's step carrying the stream begins: each rank records its mark now, on the
+        # engine's stream, before the chunk below is queued.
+        for worker in ranks.workers:
+            assert worker.begin_stream(stream.stream_id, stream.epoch) is True
+    assert stream.claim(T) == T
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        for kv in ranks.kv:
+            kv.index_fill_(1, on_device[:T], MARK)  # the scalar is a kernel argument: no host sync
+        chunk_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        chunk_done.record(engine)
+    assert not chunk_done.query(), "the host waited for the sleep: the test would not test the order"
+    async with asyncio.timeout(BOUND_S):
+        result = await stream.finish()  # the ranks read the frame (and the specs) from here on
+    waited = chunk_done.query()
+    assert result.loaded_from == T and result.pool_pages == N // T - 1, result
+    torch.cuda.synchronize()
+    for rank, kv in enumerate(ranks.kv):
+        assert torch.equal(kv[:, on_device[T:]], sources[rank][:, T:N]), f"rank {rank}"
+        assert bool((kv[:, on_device[:T]] == MARK).all()), f"rank {rank}"
+    return waited
+
+
+@pytest.mark.asyncio
+async def test_an_announced_mark_keeps_a_rank_s_copies_from_waiting_for_a_chunk_queued_before_the_frame_was_read(
+    loop_ranks: LoopRanks,
+) -> None:
+    waited = await _claimed_chunk_then_finish(loop_ranks, announce=True)
+    assert not waited, "a rank's copies waited for a chunk its engine queued after it announced the stream"
+    for worker in loop_ranks.workers:
+        s = worker.statistics()
+        assert (s.stream_marks, s.stream_marks_announced, s.stream_marks_failed, s.stream_marks_missed,
+                s.stream_announces_held, s.stream_announces_ignored) == (1, 1, 0, 0, 0, 0), s
+
+
+@pytest.mark.asyncio
+async def test_without_the_announcement_the_frame_s_mark_covers_a_chunk_queued_before_the_read(
+    loop_ranks: LoopRanks,
+) -> None:
+    # The control of the test above (what the announcement fixes): the same chunk, no
+    # announcement; the frame is read once the chunk is queued, so the mark covers it and the
+    # copies (and finish) wait for it.
+    waited = await _claimed_chunk_then_finish(loop_ranks, announce=False)
+    assert waited, "the copies did not wait for the chunk: the test above would prove nothing"
+    for worker in loop_ranks.workers:
+        s = worker.statistics()
+        assert (s.stream_marks, s.stream_marks_announced, s.stream_marks_missed) == (1, 0, 0), s
+
+
+@pytest.mark.asyncio
+async def test_an_announced_mark_still_orders_a_rank_s_copies_after_its_engine_s_work_queued_before(
+    loop_ranks: LoopRanks,
+) -> None:
+    # A kernel queued on the engine's stream before start_load that writes the slots runs first:
+    # the loaded bytes land after it. A mark recorded on another stream (the calling thread's
+    # current one) or none at all would let them land first.
+    cache, engine = loop_ranks.cache, loop_ranks.engine
+    sources = [kv[:, :N].clone() for kv in loop_ranks.kv]
+    target = torch.arange(40, 40 + N)
+    on_device = target.cuda()
+    load_module(loop_ranks.kv, on_device)
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(SLEEP_CYCLES // 4)  # type: ignore[no-untyped-call]
+        for kv in loop_ranks.kv:
+            kv.index_fill_(1, on_device, MARK)
+        queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        queued.record(engine)
+    stream = cache.start_load(await cache.match(loop_ranks.tokens), target)
+    for worker in loop_ranks.workers:
+        assert worker.begin_stream(stream.stream_id, stream.epoch) is True
+    assert not queued.query(), "the host waited for the sleep: the test would not test the order"
+    async with asyncio.timeout(BOUND_S):
+        result = await stream.finish()
+    assert result.loaded_from == 0, result
+    torch.cuda.synchronize()
+    for rank, kv in enumerate(loop_ranks.kv):
+        assert torch.equal(kv[:, on_device], sources[rank]), f"rank {rank}: a copy ran before the engine's earlier work"
+    for worker in loop_ranks.workers:
+        s = worker.statistics()
+        assert (s.stream_marks, s.stream_marks_announced, s.stream_marks_missed) == (1, 1, 0), s
