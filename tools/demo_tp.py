@@ -25,6 +25,11 @@ tail's steps; each rank calls ``RankWorkerThread.wait_layer(load, l)`` just befo
 attention (CPU: until the layer's bytes are in its buffer; CUDA: its stream waits on the layer's
 event), so the tail's projections overlap the rest of the load on every rank.
 
+Every streamed hit is announced to the ranks in the engine's own channel: the next ``Step`` after
+``start_load`` carries the stream's ``(stream_id, epoch)``, and each rank calls
+``RankWorkerThread.begin_stream`` before running that step, so its copies are ordered after the
+work of the steps sent before ``start_load`` and not after the chunks computed since.
+
 Why gloo: it runs on CPU tensors in every torch build, needs no GPU per rank, and its summation order
 is fixed, so two runs under the same split are bit-exact (the oracle's requirement). On CUDA the
 ranks share one GPU (NCCL refuses two ranks on one device) and the partial sums make a round trip
@@ -114,6 +119,7 @@ class Step:
     slots: np.ndarray  # int64 [start + M], host slot of every position so far
     logits: bool  # rank 0 returns the last position's logits
     load: LayeredLoad | None = None  # a layer-wise load each layer's attention waits for (its copies)
+    streams: tuple[tuple[int, int], ...] = ()  # (stream_id, epoch) of load streams begun since the last step
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,11 @@ def _serve_rank(spec: RankSpec, commands: Connection, replies: Connection) -> No
 def _step(
     rank: int, model: LlamaModel, kv: torch.Tensor, step: Step, worker: RankWorkerThread, timeout_s: float
 ) -> StepDone:
+    for stream_id, epoch in step.streams:
+        # Before any of the step's kernels (its input copies included): the rank's copies of the
+        # stream are ordered after this point on the stream the model runs on, so after every
+        # earlier step (all sent before start_load) and not after this step's chunk or later ones.
+        worker.begin_stream(stream_id, epoch)
     tokens = torch.from_numpy(step.tokens).to(model.device)
     slots = torch.from_numpy(step.slots).to(model.device)
     hook = None if step.load is None else _LayerWait(worker, step.load, timeout_s)
@@ -299,6 +310,7 @@ class TPRanks:
         self._closed = False
         self._steps: dict[int, _Pending] = {}
         self._seq = itertools.count()
+        self._begun: list[tuple[int, int]] = []  # streams to announce in the next step (begin_stream)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.pids: tuple[int, ...] = ()
         self.workers: tuple[WorkerStatistics, ...] = ()
@@ -400,6 +412,17 @@ class TPRanks:
                 if not pending.done.done():
                     pending.done.set_exception(error)
 
+    def stream_began(self, stream: TPLoadStream) -> None:
+        """Announce ``stream`` to every rank in the next step sent (whichever request's it is).
+
+        The earliest step that may carry it: it is sent after ``start_load`` returned, so each rank
+        runs it after every step sent before (their work is what the stream's copies must follow),
+        and the earlier a rank records its mark, the fewer of its later chunks the copies wait for.
+        A stream without an id (0) is not announced.
+        """
+        if stream.stream_id:
+            self._begun.append((stream.stream_id, stream.epoch))
+
     async def step(
         self, tokens: Sequence[int], start: int, slots: torch.Tensor, logits: bool, load: LayeredLoad | None = None
     ) -> torch.Tensor | None:
@@ -420,7 +443,8 @@ class TPRanks:
         seq = next(self._seq)
         pending = _Pending(self._loop.create_future(), set(range(self.tp_size)))
         self._steps[seq] = pending
-        message = Step(seq, np.asarray(tokens, dtype=np.int64), start, slots.numpy(), logits, load)
+        streams, self._begun = tuple(self._begun), []
+        message = Step(seq, np.asarray(tokens, dtype=np.int64), start, slots.numpy(), logits, load, streams)
         for rank, r in enumerate(self._ranks):
             try:
                 r.commands.send(message)  # small, and the rank is idle between steps: no long block
@@ -512,7 +536,9 @@ class TPEngine(ServingLoop):
 
     async def _start_stream(self, match: Match, slots: torch.Tensor, start: int, layered: bool) -> LoadStream:
         assert self.tp_cache is not None
-        return self.tp_cache.start_load(match, slots, from_token=start, layered=layered)
+        stream = self.tp_cache.start_load(match, slots, from_token=start, layered=layered)
+        self.ranks.stream_began(stream)  # the next step carries its id: each rank marks it then
+        return stream
 
     async def _prefill(
         self,
