@@ -84,14 +84,18 @@ def default_cpu_bytes(fraction: float = 0.25, cap: int = 64 * GiB) -> int:
     copy, a driver letting go, right after a crash) counts once it is let go: when it could raise
     the budget, this waits for that, up to :data:`aiokv.pool.RECLAIM_SETTLE_S` (in the caller's
     thread), as the pool's start would; never on a thread running an event loop, where such
-    segments are not counted. One still held then (another pid namespace's live pool looks the
-    same) is not counted, and not waited for again by this process.
+    segments are not counted, and where the segments are examined at all (no room without them),
+    for at most :data:`LOOP_SCAN_S`. One still held then (another pid namespace's live pool looks
+    the same) is not counted, and not waited for again by this process.
     """
     budget = min(int(_ram_bytes() * fraction), cap)
     if shm_free_bytes() is not None:
         budget = min(budget, int(_shm_obtainable(int(budget / 0.8) + 1) * 0.8))
     return max(budget, 0)
 
+
+LOOP_SCAN_S = 0.002
+"""How long :func:`default_cpu_bytes` examines shared-memory segments on an event loop's thread."""
 
 _outlasted: set[str] = set()
 """Segments held by the dead that outlasted a whole wait of :func:`_shm_obtainable` here."""
@@ -100,8 +104,13 @@ _outlasted: set[str] = set()
 def _shm_obtainable(wanted: int) -> int:
     """Free shared memory plus what reclaiming would free, once the dead creators' segments still
     held are let go (waited for only while they could bring the total up to ``wanted``)."""
+    on_loop = _on_event_loop()
+
     def count() -> tuple[int, list[SegmentInfo]]:
-        found = scan()
+        # On a loop's thread the scan stops after LOOP_SCAN_S: thousands of entries named like
+        # segments (another user's, planted) stalled the loop ~0.2 s (review 122); what is left
+        # unexamined is not counted (a smaller budget, never a larger one).
+        found = scan(deadline=time.monotonic() + LOOP_SCAN_S if on_loop else None)
         # The memory a dead pool holds, not its size (sparse after a crash mid-preparation; a hard
         # link keeps it): counting sizes promised a budget /dev/shm could not hold (review 122).
         dead = sum(s.frees for s in found if s.state is SegmentState.DEAD)
@@ -117,7 +126,7 @@ def _shm_obtainable(wanted: int) -> int:
     # Before review 117 a held one was never counted: a budget taken right after a crash came out
     # smaller than one taken a moment later, while the pool's start waits for such segments anyway.
     obtainable, held = count()
-    if not held or obtainable >= wanted or _on_event_loop():
+    if not held or obtainable >= wanted or on_loop:
         # On a loop's thread (``CacheConfig()`` or ``KVCache(None)`` in a coroutine) a wait of
         # up to RECLAIM_SETTLE_S would stall the loop: the held segments are not counted there.
         return obtainable
