@@ -148,8 +148,11 @@ def _held_by_the_dead(segments: list[SegmentInfo]) -> bool:
 
 
 def _held_bytes(segments: list[SegmentInfo]) -> int:
-    """Bytes of the segments whose creator is gone but which some process still holds."""
-    return sum(s.size for s in segments if s.state is SegmentState.LIVE and not s.creator_alive)
+    """Memory that the segments whose creator is gone but which some process still holds give back
+    once let go: the blocks they hold, not their sizes (a creator killed mid-preparation leaves a
+    sparse one: a start waited RECLAIM_SETTLE_S for room its 12 MiB size promised and its 1 MiB of
+    blocks could never make)."""
+    return sum(s.frees for s in segments if s.state is SegmentState.LIVE and not s.creator_alive)
 
 
 def _reclaim_for(size: int, prefix: str) -> concurrent.futures.Future[list[SegmentInfo]]:
