@@ -66,3 +66,52 @@ def fork_pool_creator(layout: Any, size: int) -> tuple[BaseProcess, str]:
     proc = ctx.Process(target=creator, daemon=True)
     proc.start()
     return proc, names.get(timeout=60)
+
+
+def killed_mid_preparation(size: int, prepared: int) -> str:
+    """A forked creator makes a segment of ``size`` bytes through aiokv, touches its first
+    ``prepared`` bytes (as a prepared chunk is) and is SIGKILLed: its segment's name (sparse past
+    ``prepared``)."""
+    import multiprocessing
+    import signal
+    import time
+
+    from aiokv.shm import SharedSegment
+
+    ctx = multiprocessing.get_context("fork")
+    names = ctx.Queue()
+
+    def creator() -> None:
+        seg = SharedSegment.create(size)
+        seg.buffer[:prepared] = b"\1" * prepared
+        names.put(seg.name)
+        time.sleep(3600)
+
+    proc = ctx.Process(target=creator, daemon=True)
+    proc.start()
+    name: str = names.get(timeout=60)
+    os.kill(proc.pid or 0, signal.SIGKILL)
+    proc.join(30)
+    return name
+
+
+def start_pool(layout: Any, size: int, chunk_bytes: int = 4 << 20) -> tuple[str | None, list[str]]:
+    """Open (then close) a pool of ``size`` bytes, rounded down to pages, in a loop of its own: the
+    name of the error its start raised (a ``SegmentSpaceError``) or None, and the segments its
+    start reclaimed."""
+    import asyncio
+
+    from aiokv.pool import PagePool
+    from aiokv.shm import SegmentSpaceError
+
+    async def start() -> tuple[str | None, list[str]]:
+        try:
+            pool = await PagePool.open(layout, size // layout.page_bytes * layout.page_bytes,
+                                       register_cuda=False, chunk_bytes=chunk_bytes)
+        except SegmentSpaceError as exc:
+            return type(exc).__name__, []
+        reclaimed = [s.name for s in await pool.wait_reclaimed()]
+        await pool.aclose()
+        return None, reclaimed
+
+    return asyncio.run(start())

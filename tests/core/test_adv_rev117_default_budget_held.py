@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from private_shm import SCENARIO, fork_pool_creator, needs_namespace, run_in_private_shm
+from private_shm import SCENARIO, fork_pool_creator, needs_namespace, run_in_private_shm, start_pool
 
 MIB = 1 << 20
 SHM_MIB = 12
@@ -94,7 +94,7 @@ def _scenario(kind: str) -> dict[str, object]:
     from aiokv import pool as pool_module
     from aiokv.config import default_cpu_bytes
     from aiokv.pool import PagePool
-    from aiokv.shm import SHM_DIR, SegmentSpaceError
+    from aiokv.shm import SHM_DIR
 
     pool_module.RECLAIM_SETTLE_S = SETTLE_S
     layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
@@ -131,17 +131,7 @@ def _scenario(kind: str) -> dict[str, object]:
         report["second"], report["second_s"] = _timed(budget)
         start = int(report["first"])  # type: ignore[call-overload]
 
-    async def restart() -> tuple[str | None, list[str]]:
-        try:
-            pool = await PagePool.open(layout, start // layout.page_bytes * layout.page_bytes,
-                                       register_cuda=False, chunk_bytes=4 * MIB)
-        except SegmentSpaceError as exc:
-            return type(exc).__name__, []
-        reclaimed = [s.name for s in await pool.wait_reclaimed()]
-        await pool.aclose()
-        return None, reclaimed
-
-    report["error"], report["reclaimed"] = asyncio.run(restart())
+    report["error"], report["reclaimed"] = start_pool(layout, start)
     report["old_present"] = os.path.exists(SHM_DIR + old)
     if late is not None:
         late.close()

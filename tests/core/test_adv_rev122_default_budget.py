@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from private_shm import SCENARIO, needs_namespace, run_in_private_shm
+from private_shm import SCENARIO, killed_mid_preparation, needs_namespace, run_in_private_shm, start_pool
 
 MIB = 1 << 20
 
@@ -130,54 +130,13 @@ def _plant(name: str, size: int, written: int = 0, mode: int = 0o600) -> str:
     return path
 
 
-def _killed_mid_preparation(size: int, prepared: int) -> str:
-    """A forked creator makes a segment of ``size`` bytes through aiokv, touches its first
-    ``prepared`` bytes (as a prepared chunk is) and is SIGKILLed: its segment's name."""
-    import multiprocessing
-    import signal
-
-    from aiokv.shm import SharedSegment
-
-    ctx = multiprocessing.get_context("fork")
-    names = ctx.Queue()
-
-    def creator() -> None:
-        seg = SharedSegment.create(size)
-        seg.buffer[:prepared] = b"\1" * prepared
-        names.put(seg.name)
-        time.sleep(3600)
-
-    proc = ctx.Process(target=creator, daemon=True)
-    proc.start()
-    name: str = names.get(timeout=60)
-    os.kill(proc.pid or 0, signal.SIGKILL)
-    proc.join(30)
-    return name
-
-
 def _start_pool(budget: int) -> tuple[str | None, list[str]]:
     """Open a pool of ``budget`` bytes (the restart the budget was taken for)."""
-    import asyncio
-
     import torch
 
     from aiokv import KVLayout
-    from aiokv.pool import PagePool
-    from aiokv.shm import SegmentSpaceError
 
-    layout = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
-
-    async def restart() -> tuple[str | None, list[str]]:
-        try:
-            pool = await PagePool.open(layout, budget // layout.page_bytes * layout.page_bytes,
-                                       register_cuda=False, chunk_bytes=4 * MIB)
-        except SegmentSpaceError as exc:
-            return type(exc).__name__, []
-        reclaimed = [s.name for s in await pool.wait_reclaimed()]
-        await pool.aclose()
-        return None, reclaimed
-
-    return asyncio.run(restart())
+    return start_pool(KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4), budget)
 
 
 def _budget(cap: int = 1 << 40) -> int:
@@ -200,13 +159,13 @@ def _scenario(kind: str) -> dict[str, object]:
     report: dict[str, object] = {}
     pid, ticks = _dead_creator()
     if kind == "sparse":
-        report["old"] = _killed_mid_preparation(12 * MIB, 4 * MIB)
+        report["old"] = killed_mid_preparation(12 * MIB, 4 * MIB)
         listed = io.StringIO()
         with contextlib.redirect_stdout(listed):
             segments.main(["list"])
         report["listed"] = listed.getvalue().splitlines()[-1]
     elif kind in ("linked_out", "linked_twice"):
-        old = _killed_mid_preparation(4 * MIB, 4 * MIB)
+        old = killed_mid_preparation(4 * MIB, 4 * MIB)
         other = f"{SHM_DIR}/kept-by-an-operator" if kind == "linked_out" else \
             f"{SHM_DIR}/aiokv-{pid}-{ticks}-{'ab' * 8}"
         os.link(SHM_DIR + old, other)
@@ -233,7 +192,7 @@ def _scenario(kind: str) -> dict[str, object]:
         for i in range(5000):  # another user's, never ours to count
             path = _plant(f"/aiokv-{pid}-{ticks}-{i:016x}", 4096)
             os.chown(path, 65534, 65534)
-        _killed_mid_preparation(8 * MIB, 4 * MIB)
+        killed_mid_preparation(8 * MIB, 4 * MIB)
 
         async def on_loop() -> tuple[int, float]:
             started = time.monotonic()

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from private_shm import SCENARIO, needs_namespace, run_in_private_shm
+from private_shm import SCENARIO, killed_mid_preparation, needs_namespace, run_in_private_shm
 
 MIB = 1 << 20
 SETTLE_S = 3.0
@@ -27,31 +27,6 @@ def test_a_start_does_not_wait_for_a_held_sparse_segment_that_cannot_make_the_ro
     report = run_in_private_shm(__file__, 16)
     assert report["error"] == "SegmentSpaceError", report
     assert report["waited_s"] < SETTLE_S / 2, report  # before: the whole RECLAIM_SETTLE_S
-
-
-def _killed_mid_preparation(size: int, prepared: int) -> str:
-    """A forked creator makes a segment of ``size`` bytes, touches its first ``prepared`` bytes and
-    is SIGKILLed: the segment's name."""
-    import multiprocessing
-    import signal
-
-    from aiokv.shm import SharedSegment
-
-    ctx = multiprocessing.get_context("fork")
-    names = ctx.Queue()
-
-    def creator() -> None:
-        seg = SharedSegment.create(size)
-        seg.buffer[:prepared] = b"\1" * prepared
-        names.put(seg.name)
-        time.sleep(3600)
-
-    proc = ctx.Process(target=creator, daemon=True)
-    proc.start()
-    name: str = names.get(timeout=60)
-    os.kill(proc.pid or 0, signal.SIGKILL)
-    proc.join(30)
-    return name
 
 
 def _scenario() -> dict[str, Any]:
@@ -65,7 +40,7 @@ def _scenario() -> dict[str, Any]:
     from aiokv.shm import SHM_DIR, SegmentSpaceError
 
     pool_module.RECLAIM_SETTLE_S = SETTLE_S
-    name = _killed_mid_preparation(12 * MIB, 1 * MIB)  # first: a creator checks its size fits
+    name = killed_mid_preparation(12 * MIB, 1 * MIB)  # first: a creator checks its size fits
     fd = os.open(SHM_DIR + "/operators-file", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     os.posix_fallocate(fd, 0, 8 * MIB)
     os.close(fd)
