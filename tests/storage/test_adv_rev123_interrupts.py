@@ -10,41 +10,21 @@ function's entry, before its first line) or ``c_call`` event of the place named.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import mmap
 import signal
 import sys
 import time
 import types
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import pytest
+from interrupt_helpers import idle_turns, open_engine, page_views, private_loop, run
 
 from aiokv.storage import uring as uring_module
 from aiokv.storage.checksum import Checksums
 from aiokv.storage.pagefile import payload_checksum
-from aiokv.storage.uring import OP_NOP, UringEngine, sqe
+from aiokv.storage.uring import OP_NOP, sqe
 
-T = TypeVar("T")
 PAGE = 16 << 10
-
-
-@contextlib.contextmanager
-def private_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    loop = asyncio.new_event_loop()
-    try:
-        yield loop
-    finally:
-        sys.setprofile(None)
-        loop.close()
-        signal.signal(signal.SIGINT, previous)
-
-
-def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """Bounded: a hang (the bug) fails instead of waiting for pytest's timeout."""
-    return loop.run_until_complete(asyncio.wait_for(coro, 5))
 
 
 def interrupt_at(event: str, name: str, caller: str | None = None) -> list[bool]:
@@ -66,30 +46,6 @@ def interrupt_at(event: str, name: str, caller: str | None = None) -> list[bool]
 
     sys.setprofile(hook)
     return armed
-
-
-async def idle_turns(count: int = 5) -> None:
-    for _ in range(count):
-        await asyncio.sleep(0)
-
-
-async def open_engine() -> UringEngine:
-    return UringEngine.open(8)
-
-
-@contextlib.contextmanager
-def pages(count: int) -> Iterator[list[memoryview]]:
-    data = mmap.mmap(-1, count * PAGE)
-    data.write(bytes(range(256)) * (count * PAGE // 256))
-    whole = memoryview(data)
-    views = [whole[i * PAGE : (i + 1) * PAGE] for i in range(count)]
-    try:
-        yield views
-    finally:
-        for view in views:
-            view.release()
-        whole.release()
-        data.close()
 
 
 def test_an_interrupt_at_the_clock_read_after_io_uring_enter_leaves_nothing_prepared(
@@ -137,7 +93,7 @@ def test_a_hash_batch_interrupted_at_its_entry_runs_in_the_next_turn(path: str) 
     # The batch (Checksums._hash_inline) is a turn call of the ring's submission, or a call at a
     # wake-up's end (a read's completion started the hash). Before: a0549c3 counted it as run; its
     # flag stayed set and no page was hashed inline ever again (every later read and write hung).
-    with private_loop() as loop, pages(2) as views:
+    with private_loop() as loop, page_views(2, PAGE) as views:
         engine = run(loop, open_engine())
         checksums = Checksums(inline_bytes=PAGE, threads=1, start=False)  # no thread: all inline
         checksums.in_next_turn = engine.call_next_turn
@@ -176,7 +132,7 @@ def test_a_hash_batch_interrupted_at_its_entry_runs_in_the_next_turn(path: str) 
 def test_a_hash_batch_interrupted_before_a_page_goes_to_the_thread_keeps_that_page() -> None:
     # Over the turn's budget a page goes to the thread; the interrupt came at the loop lookup just
     # before the put, once the page was counted handed on. Before: that page was never hashed.
-    with private_loop() as loop, pages(2) as views:
+    with private_loop() as loop, page_views(2, PAGE) as views:
         checksums = Checksums(inline_bytes=PAGE, threads=1, start=False)  # the thread's queue stays
         checksums._turn_budget = PAGE  # one page inline per batch, the second to the thread
         got: list[int | BaseException] = []

@@ -6,13 +6,13 @@ wake-up later (none after a window): asyncio counts no turns, so time ends the c
 from __future__ import annotations
 
 import asyncio
-import mmap
 import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from interrupt_helpers import page_views
 
 from aiokv.storage import checksum as checksum_module
 from aiokv.storage.checksum import Checksums
@@ -23,16 +23,8 @@ PAGE = 64 << 10
 
 @pytest.fixture
 def views() -> Iterator[list[memoryview]]:
-    data = mmap.mmap(-1, 4 * PAGE)
-    whole = memoryview(data)
-    pages = [whole[i * PAGE : (i + 1) * PAGE] for i in range(4)]
-    try:
+    with page_views(4, PAGE, fill=False) as pages:
         yield pages
-    finally:
-        for view in pages:
-            view.release()
-        whole.release()
-        data.close()
 
 
 @pytest.mark.asyncio

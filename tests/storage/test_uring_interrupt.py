@@ -10,13 +10,10 @@ leave ``asyncio.run`` in an application."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import mmap
-import signal
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import pytest
+from interrupt_helpers import idle_turns, interrupt, open_engine, page_views, private_loop, run, wait
 
 from aiokv.storage import checksum as checksum_module
 from aiokv.storage import uring as uring_module
@@ -24,34 +21,7 @@ from aiokv.storage.checksum import Checksums
 from aiokv.storage.pagefile import payload_checksum
 from aiokv.storage.uring import OP_NOP, TURNS, UringEngine, sqe
 
-T = TypeVar("T")
 PAGE = 64 << 10
-
-
-def interrupt() -> None:
-    """A real SIGINT to this process: Python's handler raises KeyboardInterrupt here, in this thread."""
-    signal.raise_signal(signal.SIGINT)
-
-
-@contextlib.contextmanager
-def private_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    loop = asyncio.new_event_loop()
-    try:
-        yield loop
-    finally:
-        loop.close()
-        signal.signal(signal.SIGINT, previous)
-
-
-def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """``coro`` on ``loop``, bounded: a hang (the bug) fails instead of waiting for pytest's timeout."""
-    return loop.run_until_complete(asyncio.wait_for(coro, 5))
-
-
-async def turns(count: int = 5) -> None:
-    for _ in range(count):
-        await asyncio.sleep(0)
 
 
 def assert_idle(engine: UringEngine) -> None:
@@ -78,7 +48,7 @@ def test_a_turn_call_interrupted_leaves_the_calls_after_it_and_the_submission() 
         assert not task.done()
         assert run(loop, wait(task)) == 0
         assert after == ["next"]
-        run(loop, turns())
+        run(loop, idle_turns())
         assert_idle(engine)
         run(loop, engine.aclose())
 
@@ -118,7 +88,7 @@ def test_an_interrupt_as_io_uring_enter_returns(took: bool, monkeypatch: pytest.
 
         assert run(loop, then()) == (0, 0)
         submits = engine.submits
-        run(loop, turns())
+        run(loop, idle_turns())
         assert engine.submits == submits, "the loop enters the kernel with nothing to submit"
         assert_idle(engine)
         run(loop, engine.aclose())
@@ -147,7 +117,7 @@ def test_a_wake_up_call_interrupted_leaves_the_calls_after_it() -> None:
             loop.run_until_complete(task)
         assert not TURNS.waking and not TURNS.after_wake
         run(loop, wait(task))
-        run(loop, turns())
+        run(loop, idle_turns())
         assert after == ["after"]
         assert_idle(engine)
         run(loop, engine.aclose())
@@ -158,10 +128,6 @@ def test_an_inline_hash_batch_interrupted_hashes_the_rest_next_turn(
         where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The signal comes while a page is hashed (the GIL is released then) or in a page's callback.
     # Before: the pages after it in the batch were forgotten (their reads and writes never ended).
-    data = mmap.mmap(-1, 3 * PAGE)
-    data.write(bytes(range(256)) * (3 * PAGE // 256))
-    whole = memoryview(data)
-    views = [whole[i * PAGE : (i + 1) * PAGE] for i in range(3)]
     armed = [True]
     real = checksum_module.payload_checksum
 
@@ -183,34 +149,20 @@ def test_an_inline_hash_batch_interrupted_hashes_the_rest_next_turn(
                 interrupt()
         return done
 
-    try:
-        with private_loop() as loop:
-            checksums = Checksums(inline_bytes=PAGE, threads=1, start=False)  # no thread: all inline
-            checksums._turn_budget = 3 * PAGE
+    with private_loop() as loop, page_views(3, PAGE) as views:
+        checksums = Checksums(inline_bytes=PAGE, threads=1, start=False)  # no thread: all inline
+        checksums._turn_budget = 3 * PAGE
 
-            async def scenario() -> None:
-                for i, view in enumerate(views):
-                    checksums.start(view, done_for(i))
-                await turns()
+        async def scenario() -> None:
+            for i, view in enumerate(views):
+                checksums.start(view, done_for(i))
+            await idle_turns()
 
-            task = loop.create_task(scenario())
-            with pytest.raises(KeyboardInterrupt):
-                loop.run_until_complete(task)
-            assert not armed
-            run(loop, wait(task))
-            assert got == {i: [payload_checksum(views[i])] for i in range(3)}, "a page's checksum lost or doubled"
-            assert checksums._jobs.qsize() == 0 and not checksums._inline_jobs
-            checksums.close_nowait()
-    finally:
-        for view in views:
-            view.release()
-        whole.release()
-        data.close()
-
-
-async def open_engine() -> UringEngine:
-    return UringEngine.open(8)
-
-
-async def wait(future: asyncio.Future[T]) -> T:
-    return await future
+        task = loop.create_task(scenario())
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(task)
+        assert not armed
+        run(loop, wait(task))
+        assert got == {i: [payload_checksum(views[i])] for i in range(3)}, "a page's checksum lost or doubled"
+        assert checksums._jobs.qsize() == 0 and not checksums._inline_jobs
+        checksums.close_nowait()
