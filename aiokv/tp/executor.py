@@ -96,6 +96,9 @@ class Announced(enum.Enum):
     engine queues until then)."""
     CLOSING = "closing"
     """The executor is fenced: it starts nothing more."""
+    UNTRUSTED = "untrusted"
+    """This session's epoch named another pool in an earlier session of the worker (two groups
+    given one epoch): an id may name the earlier group's stream, so only frames mark streams."""
     FAILED = "failed"
     """The record raised (a CUDA error): the frame's mark is the fallback."""
 
@@ -128,7 +131,9 @@ class RankExecutor:
     ``copy_on_loop``: run CPU copies on the driving loop itself; only for a loop that is a thread
     of the worker's own (:class:`~aiokv.tp.RankWorkerThread`), never an engine's or a manager's.
     ``on_layers(job_id, landed)``: called, from the thread that copied them, as layers of a layered
-    CPU load land (the worker sends LAYERS frames).
+    CPU load land (the worker sends LAYERS frames). ``newest_stream``: the newest stream of this
+    epoch whose frame an earlier session read (:meth:`announce_stream` treats ids up to it as
+    begun); ``announcements``: False refuses every announcement (UNTRUSTED), see the worker.
     One event loop drives it; :meth:`aclose` waits for copies in flight, then unmaps the pool.
     """
 
@@ -143,6 +148,8 @@ class RankExecutor:
         path: TransferPath | None = None,
         copy_on_loop: bool = False,
         on_layers: Callable[[int, int], None] | None = None,
+        newest_stream: int = 0,
+        announcements: bool = True,
     ) -> None:
         self.kv = kv
         self.memory = memory
@@ -194,7 +201,10 @@ class RankExecutor:
         # a mark in one step, so the first mark recorded is the one kept and a spec sees it whole.
         self._marks: collections.OrderedDict[int, _Mark] = collections.OrderedDict()
         self._marks_lock = threading.Lock()
-        self._newest_begun = 0  # the newest stream whose STREAM_BEGINS this executor read
+        # The newest stream whose STREAM_BEGINS was read, by this executor or (same epoch) by an
+        # earlier session of its worker: an announced id up to it is not a stream about to begin.
+        self._newest_begun = newest_stream
+        self._announcements = announcements
         self.stream_marks = 0
         """Load streams whose mark this executor recorded."""
         self.stream_marks_failed = 0
@@ -296,7 +306,8 @@ class RankExecutor:
         newest stream begun here is refused (AHEAD): recorded before its stream began, a mark would
         miss the engine's work queued until then. Ids below it that were never begun cannot be told
         from ones whose frame is still in flight: announcing only ids of streams the scheduler
-        started is the engine's part.
+        started is the engine's part. The worker seeds ``newest_stream`` with what earlier sessions
+        of the epoch read, and refuses all (UNTRUSTED) when the epoch had another pool before.
         """
         with self._marks_lock:
             if self._closing:
@@ -306,6 +317,8 @@ class RankExecutor:
                 return Announced.HELD
             if stream <= self._newest_begun:
                 return Announced.STALE  # its frame was read: the mark failed or was dropped as old
+            if not self._announcements:
+                return Announced.UNTRUSTED
             if stream > self._newest_begun + self.config.stream_marks:
                 return Announced.AHEAD
             try:
@@ -317,6 +330,13 @@ class RankExecutor:
             self._insert(stream, _Mark(event, True))
             self.stream_marks_announced += 1
             return Announced.RECORDED
+
+    @property
+    def newest_stream(self) -> int:
+        """The newest stream id whose STREAM_BEGINS this executor (or, as ``newest_stream``, an
+        earlier session) read; 0 for none."""
+        with self._marks_lock:
+            return self._newest_begun
 
     def _insert(self, stream: int, mark: _Mark) -> None:
         """Hold ``mark`` for ``stream`` (under the lock), dropping the oldest beyond the bound."""

@@ -149,8 +149,9 @@ class WorkerStatistics:
     frame read first, or announced before): the earlier mark was kept."""
     stream_announces_ignored: int = 0
     """Announcements (since the worker started) that recorded nothing: another pool's epoch or no
-    pool attached, a stream whose frame was read and whose mark is gone, an id too far ahead of the
-    streams begun here, a closing worker, or a record that raised."""
+    pool attached, a stream whose frame was read and whose mark is gone (or, same epoch, read by an
+    earlier session), an id too far ahead of the streams begun here, a session whose epoch an
+    earlier pool had (another group: ids may be its), a closing worker, or a record that raised."""
 
 
 class RankWorker:
@@ -214,6 +215,12 @@ class RankWorker:
         self._reports: collections.Counter[RankStatus] = collections.Counter()
         self._announces: collections.Counter[Announced] = collections.Counter()
         self._announces_lock = threading.Lock()  # begin_stream is called from the engine's threads
+        # Per pool epoch of the recent sessions: the pool attached last with it and the newest
+        # stream whose frame a session of it read. Ids restart at 1 in every group and RankGroup
+        # takes an epoch from its caller, so two groups can share one: an announcement of the
+        # earlier group's stream (a step still in the engine's queue) was recorded as the mark of
+        # the later group's stream of that id before that stream began (review 125).
+        self._epochs: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()
 
     # -- running --------------------------------------------------------------------------------
 
@@ -298,7 +305,8 @@ class RankWorker:
                 # mapping is dropped. Every step runs to its end even if the session is cancelled
                 # again meanwhile (a second aclose, or run() cancelled then aclose): the cancel is
                 # raised once the mapping is gone.
-                executor.fence()
+                executor.fence()  # no frame moves newest_stream from here on
+                self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
                 cancels = Cancels()
                 await cancels.outlast(executor.drain())
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
@@ -355,10 +363,22 @@ class RankWorker:
             try:
                 if memory.num_pages != welcome.num_pages:
                     raise ValueError(f"segment holds {memory.num_pages} pages, the manager says {welcome.num_pages}")
+                # Ids up to the newest frame an earlier session of this epoch read are not streams
+                # about to begin (the same group re-attached: begun already; another group given
+                # the same epoch: maybe the earlier group's). An epoch last attached with another
+                # pool is surely another group: no announcement of this session is trusted.
+                seen = self._epochs.get(welcome.epoch)
+                trusted = seen is None or seen[0] == welcome.pool_name
+                if not trusted:
+                    log.warning("rank %d: pool %s has the epoch %#x of an earlier pool (%s): the engine's "
+                                "announcements are ignored in this session", self.tp.rank, welcome.pool_name,
+                                welcome.epoch, seen[0] if seen is not None else "")
                 executor = RankExecutor(
                     self.kv, memory, welcome.epoch, self._bridge, self.config, self._engine_stream, self._path,
-                    self._copy_on_loop, _layer_reporter(link),
+                    self._copy_on_loop, _layer_reporter(link), newest_stream=0 if seen is None else seen[1],
+                    announcements=trusted,
                 )
+                self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
             except BaseException:
                 memory.close()
                 raise
@@ -418,6 +438,16 @@ class RankWorker:
 
     # -- load streams ---------------------------------------------------------------------------
 
+    _EPOCHS_KEPT = 64  # recent epochs remembered (a session each at most; a flapping manager's are few)
+
+    def _remember_epoch(self, epoch: int, pool_name: str, newest: int) -> None:
+        """Keep ``epoch``'s pool and the newest stream any session of it read (never lowered)."""
+        seen = self._epochs.get(epoch)
+        self._epochs[epoch] = (pool_name, max(newest, 0 if seen is None else seen[1]))
+        self._epochs.move_to_end(epoch)
+        while len(self._epochs) > self._EPOCHS_KEPT:
+            self._epochs.popitem(last=False)
+
     def begin_stream(self, stream_id: int, epoch: int) -> bool:
         """The engine announces a load stream: record this rank's mark for it now.
 
@@ -436,8 +466,11 @@ class RankWorker:
         frame was read first), the epoch is not the attached pool's (a stream of another manager;
         ids are per pool) or no pool is attached, the stream's frame was read and its mark is gone,
         the id is more than ``TPConfig.stream_marks`` past the newest stream begun here, the
-        session is closing, or the record raised. None of these leaves a copy unordered: the frame's
-        mark, or the engine's stream at each copy's launch, orders them. ``stream_id`` 0 (a stream
+        session is closing, or the record raised. Two groups given one epoch (``RankGroup(epoch=)``)
+        number streams from 1 each: ids up to the newest frame a session of that epoch read are
+        refused, and so is every announcement of a session whose epoch an earlier pool had. None of
+        these leaves a copy unordered: the frame's mark, or the engine's stream at each copy's
+        launch, orders them. ``stream_id`` 0 (a stream
         without an id: ``TPLoadStream.stream_id`` documents when) is a no-op returning False, not
         counted. CPU ranks record no event (copies run in spec order) but take the call. Raises
         ``TypeError`` for a non-int argument and ``ValueError`` for one outside ``[0, 2**64)``
