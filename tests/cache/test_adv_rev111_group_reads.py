@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import assert_quiescent
+from cancel_points import most_attempts, pause
 from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
 
 from aiokv import CacheConfig, DiskBackend, KVCache
@@ -27,6 +28,9 @@ N = PAGES * T
 POOL_PAGES = PAGES + 12
 BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
 BOUND_S = 30.0
+DENSE = 48
+"""Attempts counted in loop turns (cancel_points.pause); then growing sleeps: a load takes one to
+a few thousand turns of an idle loop here, depending on the machine's load."""
 
 
 def _config(root: Path, backend: DiskBackend) -> CacheConfig:
@@ -43,12 +47,6 @@ def _tokens(seed: int) -> list[int]:
 
 async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torch.Tensor) -> None:
     await put_on_disk(_config(root, backend), tokens, kv)
-
-
-def _turns(attempt: int) -> int:
-    """Loop turns before the ``attempt``-th cancel: every count up to 48, then growing by a sixth
-    (a load takes one to a few thousand turns here, depending on the machine's load)."""
-    return attempt if attempt <= 48 else int(48 * (7 / 6) ** (attempt - 48))
 
 
 def _take(cache: KVCache, tag: int, fill: int, most: int) -> list[PageHandle]:
@@ -108,9 +106,8 @@ async def test_cancel_a_load_at_every_turn_with_present_pending_and_exhausted_pa
         completed = [0, 0, 0, 0]
         step = 0
         while min(completed) < 1:
-            assert step < 4 * 120, f"a load never completed: {completed}"
+            assert step < 4 * most_attempts(DENSE), f"a load never completed: {completed}"
             scene = step % 4
-            turns = _turns(step // 4)
             holding = _scene(cache, tokens, scene)
             if scene == 1:  # pages 3..6 of the first group in the pool, unreferenced
                 partial = tokens[: 7 * T]
@@ -121,8 +118,7 @@ async def test_cancel_a_load_at_every_turn_with_present_pending_and_exhausted_pa
             assert match.pool_pages == 0 and match.disk_pages == PAGES
             other = asyncio.create_task(cache.prefetch(tokens)) if scene == 2 else None
             task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N - 1), from_token=1))
-            for _ in range(turns):
-                await asyncio.sleep(0)
+            await pause(step // 4, DENSE)
             task.cancel()
             try:
                 result = await task
@@ -163,11 +159,10 @@ async def test_cancel_a_prefetch_at_every_turn(tmp_path: Path, backend: DiskBack
         await cache.pool.wait_ready()
         step = 0
         while True:
-            assert step < 120, "the prefetch never completed"
+            assert step < most_attempts(DENSE), "the prefetch never completed"
             _scene(cache, tokens, 0)
             task = asyncio.create_task(cache.prefetch(tokens))
-            for _ in range(_turns(step)):
-                await asyncio.sleep(0)
+            await pause(step, DENSE)
             task.cancel()
             try:
                 fetched = await task
@@ -205,15 +200,14 @@ async def test_cancel_a_load_and_a_stream_of_the_same_prompt_at_every_turn(
         await cache.pool.wait_ready()
         step = 0
         while True:
-            assert step < 120, "the load never completed"
+            assert step < most_attempts(DENSE), "the load never completed"
             _scene(cache, tokens, 0)
             first, second = await cache.match(tokens), await cache.match(tokens)
             stream = await cache.start_load(second, torch.arange(2 * N, 3 * N))
             assert stream.claim(N // 2) >= 0
             load = asyncio.create_task(cache.load(first, torch.arange(N, 2 * N)))
             finish = asyncio.create_task(stream.finish())
-            for _ in range(_turns(step)):
-                await asyncio.sleep(0)
+            await pause(step, DENSE)
             load.cancel()
             finish.cancel()
             outcomes = await asyncio.gather(load, finish, return_exceptions=True)

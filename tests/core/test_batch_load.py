@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from cancel_points import most_attempts, pause
 from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
 
 from aiokv import CacheConfig, DiskBackend, KVCache
@@ -23,6 +24,8 @@ PAGES = GROUP + 5  # two read groups, the second short
 N = PAGES * T
 POOL_PAGES = 2 * PAGES + 8
 BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.THREADS]
+DENSE = 300
+"""The cancelled-load sweep's attempts counted in loop turns (cancel_points.pause), then growing sleeps."""
 
 
 def _config(root: Path, backend: DiskBackend) -> CacheConfig:
@@ -161,10 +164,10 @@ def _take_free_pages(cache: KVCache, tag: int, fill: int) -> list[PageHandle]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
 async def test_a_cancelled_load_never_frees_a_page_a_read_still_writes(tmp_path: Path, backend: DiskBackend) -> None:
-    """Cancel a load after 0, 1, 2, ... loop turns until one completes: right after each cancel
-    every pool page the pool will hand out is taken and overwritten; once all abandoned reads
-    ended none of them changed (a page under a read is still reserved by its group), and the
-    cache is quiescent."""
+    """Cancel a load after 0, 1, 2, ... loop turns, then ever longer sleeps, until one completes
+    (cancel_points.pause): right after each cancel every pool page the pool will hand out is
+    taken and overwritten; once all abandoned reads ended none of them changed (a page under a
+    read is still reserved by its group), and the cache is quiescent."""
     source = _kv(5)
     tokens = _tokens(5)
     await _on_disk(tmp_path, backend, tokens, source)
@@ -174,16 +177,12 @@ async def test_a_cancelled_load_never_frees_a_page_a_read_still_writes(tmp_path:
         pool = cache.pool
         step = 0
         while True:
-            assert step < 2030, "the load never completed"
+            assert step < most_attempts(DENSE), "the load never completed"
             for key in cache.keys(tokens):  # every page from disk again
                 pool.table.discard(key)
             match = await cache.match(tokens)
             task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
-            # Every step up to 2000 turns, then ever more (x1.25, ~1.6e6 turns at the end): the
-            # reads run in the kernel or in threads, and when the disk is slow 2000 turns of an
-            # idle loop (~20 ms) pass before one load could end (failed so on this VM).
-            for _ in range(step if step < 2000 else int(2000 * 1.25 ** (step - 2000))):
-                await asyncio.sleep(0)
+            await pause(step, DENSE)
             task.cancel()
             try:
                 result = await task

@@ -2,11 +2,11 @@
 
 Two real rank workers (async runner) on the test's loop copy on their copy threads. Each call —
 ``offload``, ``load``, ``prefetch``, ``match``, and a stream's ``finish``/``aclose`` (plain and
-layered) — is started and cancelled after k loop turns, for every k until the call finishes
-first. Right after a cancelled call returns: no job of it is in flight or held (no rank still
-copies into or out of the caller's slots), and a sentinel written into its slots on both ranks
-is never overwritten later. At the end nothing is referenced or reserved, and everything that
-matches loads bit-exact on both ranks (the prefix oracle).
+layered) — is started and cancelled after k loop turns, for every k up to DENSE, then after ever
+longer sleeps, until the call finishes first. Right after a cancelled call returns: no job of it
+is in flight or held (no rank still copies into or out of the caller's slots), and a sentinel
+written into its slots on both ranks is never overwritten later. At the end nothing is referenced
+or reserved, and everything that matches loads bit-exact on both ranks (the prefix oracle).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 import torch
 from adv_helpers import idx, rank_prefix_kv
+from cancel_points import most_attempts, pause
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -33,8 +34,10 @@ NUM_SLOTS = 96
 PAGES = 3
 SOURCE = list(range(PAGES * T))
 TARGET = list(range(NUM_SLOTS - PAGES * T, NUM_SLOTS))
-MAX_TURNS = 400
-MOST_TURNS = 1_000_000
+DENSE = 200
+"""Attempts counted in loop turns (cancel_points.pause), then growing sleeps: the workers' copy
+threads and the ranks' answers need the GIL, which a loop spinning through turns keeps."""
+ATTEMPTS = most_attempts(DENSE)
 RANK_CONFIG = dataclasses.replace(CONFIG, inline_copy_bytes=0)  # copies on the ranks' copy threads
 
 
@@ -84,43 +87,31 @@ async def sentinel_stays(s: Setup, slots: list[int], what: str) -> None:
 
 
 async def sweep(s: Setup, name: str, call: Callable[[int], Awaitable[Any]], slots: list[int]) -> int:
-    """Cancel the i-th ``call(i)`` after k loop turns, k = 0, 1, ... (``_turns``) until it finishes
-    first (i counts the calls: a prompt index, never past MAX_TURNS + 24); returns how many
-    times it was cancelled."""
+    """Cancel the i-th ``call(i)`` after i loop turns, then ever longer sleeps
+    (``cancel_points.pause``), until it finishes first (i counts the calls: a prompt index, never
+    past ATTEMPTS); returns how many times it was cancelled."""
     cancelled = 0
-    for i, k in enumerate(_turns()):
+    for i in range(ATTEMPTS):
         task = asyncio.ensure_future(call(i))
-        for _ in range(k):
-            await asyncio.sleep(0)
+        waited = await pause(i, DENSE)
         finished = task.done()
         task.cancel()
         try:
             async with asyncio.timeout(10):
                 await asyncio.wait({task})
         except TimeoutError:
-            raise AssertionError(f"{name}: cancelled after {k} turns, it did not return in 10 s") from None
+            raise AssertionError(f"{name}: cancelled after {waited}, it did not return in 10 s") from None
         if task.cancelled():
             cancelled += 1
         else:
             task.result()  # no other error
-        nothing_in_flight(s, f"{name} at turn {k}")
-        await sentinel_stays(s, slots, f"{name} at turn {k}")
+        nothing_in_flight(s, f"{name} after {waited}")
+        await sentinel_stays(s, slots, f"{name} after {waited}")
         stats = s.cache.stats()
-        assert stats.pool_reserved == 0 and stats.pool_referenced == 0, (name, k, stats)
+        assert stats.pool_reserved == 0 and stats.pool_referenced == 0, (name, waited, stats)
         if finished:
             return cancelled
-    raise AssertionError(f"{name} never finished in {MOST_TURNS} turns")
-
-
-def _turns() -> Iterator[int]:
-    """Every k up to MAX_TURNS, then ever fewer (x1.5) up to MOST_TURNS: the ranks are other
-    processes, and on a loaded host 400 turns of the loop could pass before they answered once
-    (the sweep failed about half the runs on 2 busy cores)."""
-    yield from range(MAX_TURNS)
-    k = float(MAX_TURNS)
-    while k < MOST_TURNS:
-        k *= 1.5
-        yield int(k)
+    raise AssertionError(f"{name} never finished in {ATTEMPTS} attempts")
 
 
 async def loads_exact(s: Setup, tokens: list[int]) -> None:
@@ -135,7 +126,7 @@ async def loads_exact(s: Setup, tokens: list[int]) -> None:
 @pytest.mark.asyncio
 async def test_every_call_cancelled_at_every_turn_leaves_no_copy_running(setup: Setup) -> None:
     s, cache = setup, setup.cache
-    prompts = [[10_000 * (k + 1) + j for j in range(PAGES * T)] for k in range(MAX_TURNS + 24)]
+    prompts = [[10_000 * (k + 1) + j for j in range(PAGES * T)] for k in range(ATTEMPTS)]
 
     async def offload(k: int) -> None:
         prefill(s, prompts[k])
