@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from hard_stop import pytest_runtest_protocol  # noqa: F401 (the hook, registered by its name here)
 from hypothesis import settings
 
 # Triton reads TRITON_INTERPRET when it is first imported, which any test importing aiokv may do

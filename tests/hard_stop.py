@@ -1,0 +1,95 @@
+"""A hard stop for a test that hangs past pytest-timeout: print every thread's stack, end the run.
+
+pytest-timeout's signal method raises inside the test, which ends most hangs and lets the run go
+on. It cannot end one stuck in C without returning to the interpreter, nor one whose clean-up
+hangs after the raise (a loop's close joining a thread that waits forever): CI then ran to its
+hard limit and printed nothing of where. One watching thread times each test, from setup to
+teardown; HARD_STOP_MARGIN_S past the test's timeout it prints which test, every thread's stack,
+and exits the process (status 3), so the run ends with the hang's location as the last thing it
+printed.
+
+``tests/conftest.py`` imports the hook; ``-p hard_stop`` loads it into another pytest run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Generator
+
+import pytest
+
+HARD_STOP_MARGIN_S = float(os.environ.get("AIOKV_HARD_STOP_MARGIN_S", "120"))
+UNBOUNDED_TIMEOUT_S = 900.0
+"""The limit used for a test with no pytest-timeout limit (timeout 0)."""
+EXIT_STATUS = 3
+
+
+def _timeout_s(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    given = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    value = float(given or 0)
+    return value if value > 0 else UNBOUNDED_TIMEOUT_S
+
+
+def _stop(item: pytest.Item, limit_s: float) -> None:
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)  # the real stderr back, for what follows
+    stream = sys.stderr
+    stream.write(f"\n\nhard stop: {item.nodeid} still running {limit_s:.0f} s after it started "
+                 f"(pytest-timeout did not end it); every thread's stack:\n")
+    stream.flush()
+    faulthandler.dump_traceback(file=stream, all_threads=True)
+    stream.flush()
+    os._exit(EXIT_STATUS)
+
+
+class _Watch:
+    """One thread for the whole run (tests that count threads see it before and after alike),
+    armed with each test's deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: tuple[pytest.Item, float, float] | None = None  # item, limit, deadline
+        self._thread: threading.Thread | None = None
+
+    def arm(self, item: pytest.Item, limit_s: float) -> None:
+        with self._cond:
+            self._armed = (item, limit_s, time.monotonic() + limit_s)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pytest-hard-stop", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._armed is None:
+                    self._cond.wait()
+                    continue
+                item, limit_s, deadline = self._armed
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _stop(item, limit_s)
+                self._cond.wait(left)
+
+
+_WATCH = _Watch()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    _WATCH.arm(item, _timeout_s(item) + HARD_STOP_MARGIN_S)
+    try:
+        yield
+    finally:
+        _WATCH.disarm()

@@ -1,0 +1,65 @@
+"""The hard stop (tests/hard_stop.py) ends a run whose test outlives pytest-timeout, and only then."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hard_stop
+
+TESTS = Path(__file__).resolve().parent
+
+HANGS = '''
+import time
+
+def test_hangs_past_its_timeout():
+    while True:  # swallows pytest-timeout's raise, as a clean-up stuck after it would
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass
+
+def test_never_runs():
+    pass
+'''
+
+TIMES_OUT = '''
+import time
+
+def test_times_out():
+    time.sleep(60)
+
+def test_runs_after_it():
+    pass
+'''
+
+
+def _run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 1\n")
+    (tmp_path / "test_case.py").write_text(body)
+    env = dict(os.environ, PYTHONPATH=str(TESTS), AIOKV_HARD_STOP_MARGIN_S="2")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "hard_stop", "-p", "no:cacheprovider", "-q",
+                           "-rA", "test_case.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return done, time.monotonic() - start
+
+
+def test_a_test_that_outlives_its_timeout_ends_the_run_with_every_threads_stack(tmp_path: Path) -> None:
+    done, took = _run(tmp_path, HANGS)
+    out = done.stdout + done.stderr
+    assert done.returncode == hard_stop.EXIT_STATUS, out
+    assert "hard stop: test_case.py::test_hangs_past_its_timeout still running 3 s" in out, out
+    assert "test_hangs_past_its_timeout" in out.split("every thread's stack:", 1)[1], out  # the stack
+    assert "test_never_runs" not in out
+    assert took < 60, took
+
+
+def test_a_timeout_that_ends_its_test_lets_the_run_go_on(tmp_path: Path) -> None:
+    done, _ = _run(tmp_path, TIMES_OUT)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out  # one failed test, no hard stop
+    assert "hard stop" not in out
+    assert "PASSED test_case.py::test_runs_after_it" in out, out
