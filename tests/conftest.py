@@ -13,6 +13,7 @@ import pytest_asyncio
 import torch
 from hard_stop import pytest_runtest_protocol  # noqa: F401 (the hook, registered by its name here)
 from hypothesis import settings
+from loop_probes import cancel_within
 
 # Triton reads TRITON_INTERPRET when it is first imported, which any test importing aiokv may do
 # (aiokv.kernels): without a GPU the kernel tests run under the interpreter, so set it first.
@@ -26,6 +27,7 @@ settings.load_profile("aiokv")
 
 SHM_DIR = "/dev/shm"
 BOTH_LOOPS_DIRS = ("cache",)
+HYGIENE_CANCEL_S = 30.0
 """Test folders whose async tests run under the default loop and under uvloop."""
 
 
@@ -97,10 +99,8 @@ async def loop_hygiene() -> AsyncIterator[None]:
         gc.collect()
         me = asyncio.current_task()
         pending = [t for t in asyncio.all_tasks(loop) if t is not me and not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        stuck = await cancel_within(pending, HYGIENE_CANCEL_S)
+        assert not stuck, f"tasks left pending ignored their cancel for {HYGIENE_CANCEL_S} s: {stuck}"
         assert not pending, f"test left tasks pending: {pending}"
         assert not errors, f"unhandled exceptions in the event loop: {errors}"
     finally:

@@ -6,7 +6,7 @@ Importable from every test folder (``tests/`` is on ``sys.path`` through ``tests
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 
@@ -29,3 +29,18 @@ async def until(condition: Callable[[], bool], turns: int = 10_000) -> None:
             return
         await asyncio.sleep(0)
     raise AssertionError("condition not reached")
+
+
+async def cancel_within(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
+    """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; returns those still running
+    (a task that ignores its cancel, waiting on a future nobody resolves, is reported instead of
+    hanging the caller). The ended ones' exceptions are retrieved."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    done, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in done:
+        if not task.cancelled():
+            task.exception()
+    return stuck

@@ -1,0 +1,54 @@
+"""tests/loop_probes.py's cancel_within: the bound that keeps the suite's task hygiene from hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from loop_probes import cancel_within
+
+
+async def _ignores_cancel(never: asyncio.Future[None]) -> None:
+    while True:
+        try:
+            await asyncio.shield(never)
+            return
+        except asyncio.CancelledError:
+            continue
+
+
+async def _sleeps() -> None:
+    await asyncio.sleep(3600)
+
+
+@pytest.mark.asyncio
+async def test_a_task_that_ignores_its_cancel_is_reported_within_the_bound() -> None:
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    stubborn = asyncio.create_task(_ignores_cancel(never))
+    plain = asyncio.create_task(_sleeps())
+    await asyncio.sleep(0)
+    start = time.monotonic()
+    stuck = await cancel_within([stubborn, plain], 0.2)
+    assert 0.2 <= time.monotonic() - start < 5
+    assert stuck == {stubborn}
+    assert plain.cancelled()
+    never.set_result(None)  # let it end, for the suite's own hygiene
+    await stubborn
+
+
+@pytest.mark.asyncio
+async def test_tasks_that_end_on_their_cancel_return_at_once_with_their_errors_retrieved() -> None:
+    async def raises_on_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RuntimeError("ended badly") from None
+
+    tasks = [asyncio.create_task(raises_on_cancel()) for _ in range(3)]
+    await asyncio.sleep(0)
+    start = time.monotonic()
+    assert await cancel_within(tasks, 30) == set()
+    assert time.monotonic() - start < 1
+    assert all(isinstance(t.exception(), RuntimeError) for t in tasks)
+    assert await cancel_within([], 30) == set()
