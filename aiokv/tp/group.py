@@ -86,12 +86,20 @@ class GroupStatistics:
     with jobs in flight (told to run nothing new; their reports or their end were waited for)."""
 
 
+def draw_epoch() -> int:
+    """A new group's epoch: 63 random bits, never 0 (two groups share one with probability 2**-63;
+    the workers refuse what they can of a shared one anyway, see ``RankWorker.begin_stream``)."""
+    return secrets.randbits(63) + 1
+
+
 class RankGroup:
     """Manager side of one TP group: ``tp_size`` workers, one pool, every in-flight job.
 
     ``layout``: the model's layout; the pool holds pages of :attr:`page_layout` (rank-major parts).
     ``pool_name``/``num_pages``: the pool workers attach (``PagePool.name``, ``PagePool.num_pages``);
-    ``epoch`` names it in every spec (random when None). ``directory``: where to listen, created 0700
+    :attr:`epoch` names this group in every spec and stream id: drawn at random for every group, never
+    the caller's (stream and job ids restart at 1 in each group, so two groups sharing an epoch
+    let a stale id of one name the other's: review 125). ``directory``: where to listen, created 0700
     (a fresh temporary directory when None); workers connect to :attr:`address`. A group restarted
     on the same directory listens at the same address, and live workers re-attach to its new pool.
 
@@ -112,7 +120,6 @@ class RankGroup:
         num_pages: int,
         config: TPConfig | None = None,
         directory: str | os.PathLike[str] | None = None,
-        epoch: int | None = None,
         on_all_attached: Callable[[str], None] | None = None,
         num_slots: int | None = None,
     ) -> None:
@@ -124,8 +131,6 @@ class RankGroup:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if not isinstance(pool_name, str) or not pool_name.startswith("/"):
             raise ValueError(f"pool_name must be a shared-memory name starting with '/', got {pool_name!r}")
-        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch < 2**64):
-            raise ValueError(f"epoch must be an int in (0, 2**64), got {epoch!r}")
         self.layout = layout
         self.page_layout = layout.for_tp(tp_size)
         """The pool's page format: one rank-major part per head slice (``layout.for_tp(tp_size)``)."""
@@ -135,7 +140,7 @@ class RankGroup:
         self.num_slots = num_slots
         """Token slots the specs address (every rank's KV buffer has at least as many); None: not stated."""
         self.config = config or TPConfig()
-        self.epoch = epoch if epoch is not None else secrets.randbits(63) + 1
+        self.epoch = draw_epoch()
         self.writers = frozenset(s.rank for s in slices if s.writer)
         """Ranks that write pages: OFFLOAD specs go to these only (MLA: rank 0; one replica per head)."""
         self._all_ranks = frozenset(range(tp_size))

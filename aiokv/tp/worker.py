@@ -466,8 +466,8 @@ class RankWorker:
         frame was read first), the epoch is not the attached pool's (a stream of another manager;
         ids are per pool) or no pool is attached, the stream's frame was read and its mark is gone,
         the id is more than ``TPConfig.stream_marks`` past the newest stream begun here, the
-        session is closing, or the record raised. Two groups given one epoch (``RankGroup(epoch=)``)
-        number streams from 1 each: ids up to the newest frame a session of that epoch read are
+        session is closing, or the record raised. Every group draws its own random epoch; should two
+        share one anyway (each numbers streams from 1): ids up to the newest frame a session of that epoch read are
         refused, and so is every announcement of a session whose epoch an earlier pool had. None of
         these leaves a copy unordered: the frame's mark, or the engine's stream at each copy's
         launch, orders them. ``stream_id`` 0 (a stream

@@ -2,12 +2,14 @@
 of an earlier manager must never become the mark of a later manager's stream with the same id.
 
 Stream ids restart at 1 in each ``RankGroup``; the announcement's epoch is what tells them apart.
-``RankGroup(epoch=...)`` is public, so two groups can share an epoch (one restarted with the same
-epoch, over the same pool or a new one). A step carrying an old group's id that reaches the rank's
-engine after its worker re-attached to the new group was recorded as a mark of the *new* group's
-stream of that id, before that stream began: the new stream's copies were then ordered after a
-point that misses the engine's work queued between the stale announcement and ``start_load`` (on
-a GPU, a copy into slots the engine still read or wrote). CPU ranks record no event: each mark is
+``RankGroup(epoch=...)`` was public, so two groups could share an epoch (one restarted with the
+same epoch, over the same pool or a new one). A step carrying an old group's id that reaches the
+rank's engine after its worker re-attached to the new group was recorded as a mark of the *new*
+group's stream of that id, before that stream began: the new stream's copies were then ordered
+after a point that misses the engine's work queued between the stale announcement and
+``start_load`` (on a GPU, a copy into slots the engine still read or wrote). Now every group draws
+its own epoch (``draw_epoch``); the tests force a collision by patching it, to hold the workers'
+own defence, and run once with drawn epochs. CPU ranks record no event: each mark is
 a stand-in naming who recorded it, and the test checks which one the new stream's copy gets.
 
 Real pieces: a real socket per group, a ``RankWorkerThread`` (its own thread and loop) that really
@@ -33,6 +35,7 @@ from aiokv.pool import PagePool
 from aiokv.tp import Direction, RankExecutor, RankGroup, RankStatus, RankWorkerThread
 from aiokv.tp.endpoint import SOCKET_NAME
 from aiokv.tp.executor import Announced
+from aiokv.tp.group import draw_epoch
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 T = LAYOUT.page_tokens
@@ -93,13 +96,17 @@ async def _load(group: RankGroup, stream: int) -> None:
     assert outcome.ok, outcome
 
 
-async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pools: list[PagePool]) -> tuple[Spy, Any, bool]:
+async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pools: list[PagePool],
+               collide: bool = True) -> tuple[Spy, Any, bool]:
     spy = Spy(monkeypatch)
+    if collide:
+        monkeypatch.setattr("aiokv.tp.group.draw_epoch", lambda: EPOCH)
     kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
     directory = tmp_path / "mgr"
     first, second = pools[0], pools[-1]
     with RankWorkerThread(directory / SOCKET_NAME, 0, 1, LAYOUT, kv, CONFIG) as thread:
-        async with RankGroup(LAYOUT, 1, first.name, first.num_pages, CONFIG, directory, epoch=EPOCH) as old:
+        async with RankGroup(LAYOUT, 1, first.name, first.num_pages, CONFIG, directory) as old:
+            epoch = old.epoch
             assert thread.worker.address == old.address
             async with asyncio.timeout(BOUND_S):
                 await old.wait_attached()
@@ -108,11 +115,12 @@ async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pools: list[Page
             for stream in streams:
                 await _load(old, stream)
         # The old group is gone; a step of it carrying stream 2 is still in the engine's queue.
-        async with RankGroup(LAYOUT, 1, second.name, second.num_pages, CONFIG, directory, epoch=EPOCH) as new:
+        async with RankGroup(LAYOUT, 1, second.name, second.num_pages, CONFIG, directory) as new:
+            assert (new.epoch == epoch) is collide
             async with asyncio.timeout(BOUND_S):
                 await new.wait_attached()
             await _until(lambda: thread.worker.statistics().sessions == 2)
-            stale = thread.begin_stream(2, EPOCH)  # the old group's stream 2, announced late
+            stale = thread.begin_stream(2, epoch)  # the old group's stream 2, announced late
             # The new group begins its own streams 1 and 2, much later than that announcement.
             assert [new.begin_stream(), new.begin_stream()] == [1, 2]
             await _load(new, 2)
@@ -121,13 +129,14 @@ async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pools: list[Page
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("collide", [True, False], ids=["forced-collision", "drawn"])
 @pytest.mark.parametrize("same_pool", [True, False], ids=["same-pool", "new-pool"])
 async def test_a_stale_announcement_never_marks_a_later_group_s_stream_of_the_same_epoch_and_id(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same_pool: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same_pool: bool, collide: bool
 ) -> None:
     pools = [await new_pool(LAYOUT, 8)] + ([] if same_pool else [await new_pool(LAYOUT, 8)])
     try:
-        spy, stats, stale = await _run(tmp_path, monkeypatch, pools)
+        spy, stats, stale = await _run(tmp_path, monkeypatch, pools, collide)
     finally:
         for pool in pools:
             await pool.aclose()
@@ -152,13 +161,14 @@ async def test_hostile_announcements_from_an_engine_thread_raise_in_that_thread_
     import numpy as np
 
     spy = Spy(monkeypatch)
+    monkeypatch.setattr("aiokv.tp.group.draw_epoch", lambda: EPOCH)
     pool = await new_pool(LAYOUT, 8)
     kv = torch.zeros(LAYOUT.num_layers, 64, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
     directory = tmp_path / "mgr"
     calls = 0
     try:
         with RankWorkerThread(directory / SOCKET_NAME, 0, 1, LAYOUT, kv, CONFIG) as thread:
-            async with RankGroup(LAYOUT, 1, pool.name, pool.num_pages, CONFIG, directory, epoch=EPOCH) as group:
+            async with RankGroup(LAYOUT, 1, pool.name, pool.num_pages, CONFIG, directory) as group:
                 async with asyncio.timeout(BOUND_S):
                     await group.wait_attached()
 
@@ -195,3 +205,11 @@ async def test_hostile_announcements_from_an_engine_thread_raise_in_that_thread_
                 assert (stats.link_errors, set(stats.reports)) == (0, {RankStatus.OK}), stats
     finally:
         await pool.aclose()
+
+
+def test_every_group_draws_its_own_epoch_and_the_caller_cannot_choose_one() -> None:
+    epochs = {RankGroup(LAYOUT, 1, "/aiokv-never-started", 4).epoch for _ in range(64)}
+    assert len(epochs) == 64 and all(0 < e < 2**63 + 1 for e in epochs)
+    assert all(0 < draw_epoch() <= 2**63 for _ in range(1000))
+    with pytest.raises(TypeError):
+        RankGroup(LAYOUT, 1, "/aiokv-never-started", 4, epoch=EPOCH)  # type: ignore[call-arg]
