@@ -22,7 +22,9 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
+from pathlib import Path
 from types import MappingProxyType
 
 from aiokv.config import CacheConfig
@@ -41,6 +43,34 @@ log = logging.getLogger("aiokv.cache")
 
 def _nothing(_: object) -> None:
     """A thread's result nobody takes any more (the rates read or write of a cancelled call)."""
+
+
+class _FdHandoff:
+    """A descriptor handed to a thread that may never run: the thread takes it, or the caller
+    closes it once its wait ended (a thread that could not start, ``RuntimeError``, took nothing;
+    the descriptor leaked before). Whichever comes first wins, under a lock."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is None:
+            raise RuntimeError("the rates save was given up before its thread ran")
+        return fd
+
+    def close_untaken(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _write_rates_handed(directory: Path, data: bytes, handoff: _FdHandoff) -> bool:
+    return write_rates_file(directory, data, handoff.take())
+
 
 RATES_SAVE_INTERVAL_S = 30.0
 """The learned rates are saved at most this often while they change (and at close).
@@ -354,16 +384,20 @@ class CacheManager(LoadPath, OffloadPath):
                 data = encode_rates(self.costs, self.layout.fingerprint.hex(), kind)
                 self._rates_dirty = False
                 self._rates_saved_at = time.monotonic()
+                handoff: _FdHandoff | None = None
                 try:
                     # Into the directory the tier uses, never wherever its name leads now (review 122:
                     # the root renamed away and a link put there had the rates written outside it).
-                    fd = disk.layout_dir_fd() if held is None else held
-                    held = None  # write_rates_file closes it
-                    await run_in_new_thread(functools.partial(write_rates_file, disk.files.layout_dir, data, fd),
-                                            "aiokv-rates", _nothing)
-                except (OSError, RuntimeError) as exc:  # RuntimeError: the tier closed
+                    handoff = _FdHandoff(disk.layout_dir_fd() if held is None else held)
+                    held = None  # the handoff owns it now
+                    await run_in_new_thread(functools.partial(_write_rates_handed, disk.files.layout_dir, data,
+                                                              handoff), "aiokv-rates", _nothing)
+                except (OSError, RuntimeError) as exc:  # RuntimeError: the tier closed, or no thread left
                     self._rates_dirty = True
                     self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")
+                finally:
+                    if handoff is not None:
+                        handoff.close_untaken()  # its thread never ran: could not start, or not yet
         finally:
             if held is not None:
                 os.close(held)

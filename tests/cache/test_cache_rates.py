@@ -525,3 +525,51 @@ async def test_measure_skips_cancelled_failed_and_missed_futures() -> None:
         future.set_result(None)  # a copy's success
     fold()
     assert meter.samples == 1 and meter.rate is not None
+
+
+def _fds_into(directory: Path) -> list[str]:
+    """This process's descriptors open on ``directory`` itself."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == str(directory):
+                found.append(name)
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor)
+    return found
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["flush", "close"])
+async def test_a_save_whose_thread_cannot_start_is_counted_and_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    # The interpreter's own error when no thread can be made, raised for the save's thread only:
+    # the descriptor of the layout directory handed to it was left open (one per failed save).
+    monkeypatch.setattr(manager_module, "RATES_SAVE_INTERVAL_S", 0.0)
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "aiokv-rates":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    directory = _layout_dir(tmp_path)
+    async with KVCache(config(tmp_path), LAYOUT, make_kv(12)) as cache:
+        await cache.pool.wait_ready()
+        before = _fds_into(directory)
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        cache.note_prefill(T, 0.004)
+        if when == "flush":
+            for _ in range(3):
+                await cache.flush()
+                cache.note_prefill(T, 0.003)
+            assert cache.stats().errors["rates_not_saved"] >= 3
+            assert _fds_into(directory) == before, "a failed save left its descriptor open"
+            monkeypatch.setattr(threading.Thread, "start", start)
+            await cache.flush()  # threads again: the save goes through
+            assert (directory / RATES_FILE).exists()
+    assert cache.stats().errors["rates_not_saved"] >= 1
+    assert (directory / RATES_FILE).exists() is (when == "flush")
+    assert _fds_into(directory) == []
+    assert not _temps(directory)
