@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cancel_points import most_attempts, pause
 from disk_helpers import assert_clean, config
 
 import aiokv.storage.disk as disk_module
@@ -171,24 +172,23 @@ async def test_a_second_start_while_the_first_runs_is_refused(
     assert_clean(pool)
 
 
-def _turns(attempt: int) -> int:
-    """Loop turns before the ``attempt``-th close: every count up to 16, then growing by a quarter."""
-    return attempt if attempt <= 16 else int(16 * 1.25 ** (attempt - 16))
+DENSE = 16
+"""Closes requested after 0..15 loop turns, then after ever longer sleeps (cancel_points.pause)."""
 
 
 @pytest.mark.asyncio
 async def test_a_close_at_any_turn_of_the_start_leaves_nothing_open(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
-    """The close requested after every number of loop turns into the start, until the start ends
-    before it: each time, once both ended, nothing of the tier is open."""
+    """The close requested after every number of loop turns into the start up to DENSE, then after
+    ever longer sleeps, until the start ends before it: each time, once both ended, nothing of the
+    tier is open."""
     directory = tmp_path / "cache"
     rings, threads = _rings(), _tier_threads()
     during = 0
-    for attempt in range(80):
+    for attempt in range(most_attempts(DENSE)):
         tier = DiskTier(config(directory, backend), layout, pool)
         start = asyncio.create_task(tier.start())
-        for _ in range(_turns(attempt)):
-            await asyncio.sleep(0)
+        await pause(attempt, DENSE)
         started = start.done()
         await tier.aclose()
         outcome = (await asyncio.gather(start, return_exceptions=True))[0]

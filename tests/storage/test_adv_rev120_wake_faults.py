@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from cancel_points import most_attempts, pause
 from disk_helpers import assert_clean, config, key_of, payload, reserve, spin, stored_page
 
 from aiokv.layout import KVLayout
@@ -27,6 +28,8 @@ from aiokv.storage import checksum as checksum_module
 
 URING = [DiskBackend.URING_FIXED, DiskBackend.URING]
 PAGES = 16
+DENSE = 300
+"""Cancel sweeps: attempts counted in loop turns, then growing sleeps (cancel_points.pause)."""
 CORRUPT = (3, 7, 12)
 TRUNCATED = 9
 REMOVED = 5
@@ -134,10 +137,10 @@ async def test_cancel_at_every_step_with_faults_and_a_slow_checksum_thread(tier:
     step = 0
     cancelled = 0
     while True:
-        assert step < 400, "the batch never completed"
+        assert step < most_attempts(DENSE), "the batch never completed"
         handles = reserve_all(pool, 2000 + 20 * step)
         task = asyncio.create_task(tier.read_many(keys, handles))
-        await spin(step if step < 300 else int(300 * 1.5 ** (step - 300)))
+        await pause(step, DENSE)
         task.cancel()
         try:
             oks = await asyncio.wait_for(asyncio.shield(task), 30)

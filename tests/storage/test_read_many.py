@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cancel_points import most_attempts, pause
 from disk_helpers import assert_clean, config, fill, gated, key_of, payload, reserve, spin, stored_page
 
 from aiokv.layout import KVLayout
@@ -23,6 +24,8 @@ from aiokv.storage.backends import IOOp
 from aiokv.storage.pagefile import HEADER_BYTES
 
 SENTINEL = 0x5A
+DENSE = 300
+"""Cancel sweeps: attempts counted in loop turns, then growing sleeps (cancel_points.pause)."""
 
 
 def _reserve_all(pool: PagePool, first: int, count: int) -> list[PageHandle]:
@@ -166,13 +169,13 @@ async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
     cancelled = 0
     step = 0
     while True:
-        assert step < 320, "the batch never completed"
+        assert step < most_attempts(DENSE), "the batch never completed"
         handles = _reserve_all(pool, 1000 + 20 * step, len(keys))
         task = asyncio.create_task(tier.read_many(keys, handles))
-        # Every step up to 300 turns, then ever more (x1.5, ~1e6 turns at the end): the threads
-        # backend's reads run on other threads, which a loaded host may not schedule within 500
-        # turns (the test failed so on 2 busy cores).
-        await spin(step if step < 300 else int(300 * 1.5 ** (step - 300)))
+        # Every step up to DENSE turns, then ever longer sleeps: the threads backend's reads run on
+        # other threads, which a loaded host may not schedule within 500 turns (the test failed so
+        # on 2 busy cores), and a loop spinning through turns starves them of the GIL.
+        await pause(step, DENSE)
         task.cancel()
         try:
             oks = await task
