@@ -8,10 +8,10 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
+import hard_stop
 import pytest
 import pytest_asyncio
 import torch
-from hard_stop import pytest_runtest_protocol  # noqa: F401 (the hook, registered by its name here)
 from hypothesis import settings
 from loop_probes import cancel_within
 
@@ -29,6 +29,12 @@ SHM_DIR = "/dev/shm"
 BOTH_LOOPS_DIRS = ("cache",)
 HYGIENE_CANCEL_S = 30.0
 """Test folders whose async tests run under the default loop and under uvloop."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The hard stop (tests/hard_stop.py) watches every test and the end of the run."""
+    if not config.pluginmanager.is_registered(hard_stop):
+        config.pluginmanager.register(hard_stop, "aiokv-hard-stop")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,8 @@ teardown; HARD_STOP_MARGIN_S past the test's timeout it prints which test, every
 and exits the process (status 3), so the run ends with the hang's location as the last thing it
 printed.
 
-``tests/conftest.py`` imports the hook; ``-p hard_stop`` loads it into another pytest run.
+``tests/conftest.py`` registers this module as a plugin; ``-p hard_stop`` loads it into another
+pytest run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import pytest
 HARD_STOP_MARGIN_S = float(os.environ.get("AIOKV_HARD_STOP_MARGIN_S", "120"))
 UNBOUNDED_TIMEOUT_S = 900.0
 """The limit used for a test with no pytest-timeout limit (timeout 0)."""
+EXIT_LIMIT_S = float(os.environ.get("AIOKV_HARD_STOP_EXIT_S", "600"))
+"""How long the process may take to exit once the run ended (pytest's removal of old temporary
+directories runs then: 57 s once here, with 1.5 GB of them)."""
 EXIT_STATUS = 3
 
 
@@ -35,13 +39,12 @@ def _timeout_s(item: pytest.Item) -> float:
     return value if value > 0 else UNBOUNDED_TIMEOUT_S
 
 
-def _stop(item: pytest.Item, limit_s: float) -> None:
-    capture = item.config.pluginmanager.getplugin("capturemanager")
+def _stop(config: pytest.Config, what: str) -> None:
+    capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.suspend_global_capture(in_=True)  # the real stderr back, for what follows
     stream = sys.stderr
-    stream.write(f"\n\nhard stop: {item.nodeid} still running {limit_s:.0f} s after it started "
-                 f"(pytest-timeout did not end it); every thread's stack:\n")
+    stream.write(f"\n\nhard stop: {what}; every thread's stack:\n")
     stream.flush()
     faulthandler.dump_traceback(file=stream, all_threads=True)
     stream.flush()
@@ -50,16 +53,16 @@ def _stop(item: pytest.Item, limit_s: float) -> None:
 
 class _Watch:
     """One thread for the whole run (tests that count threads see it before and after alike),
-    armed with each test's deadline."""
+    armed with each test's deadline, then with the end of the run's."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._armed: tuple[pytest.Item, float, float] | None = None  # item, limit, deadline
+        self._armed: tuple[pytest.Config, str, float] | None = None  # config, what, deadline
         self._thread: threading.Thread | None = None
 
-    def arm(self, item: pytest.Item, limit_s: float) -> None:
+    def arm(self, config: pytest.Config, what: str, limit_s: float) -> None:
         with self._cond:
-            self._armed = (item, limit_s, time.monotonic() + limit_s)
+            self._armed = (config, what, time.monotonic() + limit_s)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pytest-hard-stop", daemon=True)
                 self._thread.start()
@@ -76,10 +79,10 @@ class _Watch:
                 if self._armed is None:
                     self._cond.wait()
                     continue
-                item, limit_s, deadline = self._armed
+                config, what, deadline = self._armed
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _stop(item, limit_s)
+                    _stop(config, what)
                 self._cond.wait(left)
 
 
@@ -88,8 +91,18 @@ _WATCH = _Watch()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    _WATCH.arm(item, _timeout_s(item) + HARD_STOP_MARGIN_S)
+    limit_s = _timeout_s(item) + HARD_STOP_MARGIN_S
+    _WATCH.arm(item.config, f"{item.nodeid} still running {limit_s:.0f} s after it started (pytest-timeout "
+                            "did not end it)", limit_s)
     try:
         yield
     finally:
         _WATCH.disarm()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's end is watched too: the interpreter's exit joins every non-daemon thread, and one
+    a test left stuck (a close waiting on the kernel) held the process after its summary."""
+    _WATCH.arm(config, f"the process still running {EXIT_LIMIT_S:.0f} s after the run ended (a thread "
+                       "left running keeps the interpreter from exiting)", EXIT_LIMIT_S)

@@ -37,10 +37,18 @@ def test_runs_after_it():
 '''
 
 
+STUCK_AT_EXIT = '''
+import threading
+
+def test_leaves_a_thread_stuck():
+    threading.Thread(target=threading.Event().wait, name="stuck-for-good").start()  # not a daemon
+'''
+
+
 def _run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], float]:
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 1\n")
     (tmp_path / "test_case.py").write_text(body)
-    env = dict(os.environ, PYTHONPATH=str(TESTS), AIOKV_HARD_STOP_MARGIN_S="2")
+    env = dict(os.environ, PYTHONPATH=str(TESTS), AIOKV_HARD_STOP_MARGIN_S="2", AIOKV_HARD_STOP_EXIT_S="2")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "hard_stop", "-p", "no:cacheprovider", "-q",
                            "-rA", "test_case.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -63,3 +71,13 @@ def test_a_timeout_that_ends_its_test_lets_the_run_go_on(tmp_path: Path) -> None
     assert done.returncode == 1, out  # one failed test, no hard stop
     assert "hard stop" not in out
     assert "PASSED test_case.py::test_runs_after_it" in out, out
+
+
+def test_a_thread_left_running_cannot_hold_the_process_after_the_run(tmp_path: Path) -> None:
+    done, took = _run(tmp_path, STUCK_AT_EXIT)
+    out = done.stdout + done.stderr
+    assert "1 passed" in out, out
+    assert done.returncode == hard_stop.EXIT_STATUS, out
+    assert "hard stop: the process still running 2 s after the run ended" in out, out
+    assert "stuck-for-good" in out or "wait" in out.split("every thread's stack:", 1)[1], out
+    assert took < 60, took
