@@ -31,6 +31,26 @@ async def until(condition: Callable[[], bool], turns: int = 10_000) -> None:
     raise AssertionError("condition not reached")
 
 
+THREAD_FAST_TURNS = 64
+THREAD_POLL_S = 0.001
+
+
+async def until_thread(condition: Callable[[], bool], what: str = "condition", timeout_s: float = 30.0) -> None:
+    """Until ``condition()`` holds where a thread makes it hold (a copy thread entering a copy):
+    a few loop turns, then 1 ms sleeps up to ``timeout_s`` (``AssertionError``). Counting turns
+    alone failed under load: a loop spinning through ``sleep(0)`` keeps the GIL from the thread
+    (10,000 turns passed with the copy thread not yet in its copy, in a full run beside other work)."""
+    for _ in range(THREAD_FAST_TURNS):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        await asyncio.sleep(THREAD_POLL_S)
+
+
 async def cancel_within(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; returns those still running
     (a task that ignores its cancel, waiting on a future nobody resolves, is reported instead of

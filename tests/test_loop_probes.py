@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from loop_probes import cancel_within
+from loop_probes import cancel_within, until_thread
 
 
 async def _ignores_cancel(never: asyncio.Future[None]) -> None:
@@ -52,3 +52,16 @@ async def test_tasks_that_end_on_their_cancel_return_at_once_with_their_errors_r
     assert time.monotonic() - start < 1
     assert all(isinstance(t.exception(), RuntimeError) for t in tasks)
     assert await cancel_within([], 30) == set()
+
+
+@pytest.mark.asyncio
+async def test_until_thread_sees_what_a_thread_sets_beside_a_spinning_loop_and_bounds_the_wait() -> None:
+    import threading
+
+    flag = threading.Event()
+    threading.Timer(0.05, flag.set).start()
+    start = time.monotonic()
+    await until_thread(flag.is_set, "the timer's flag")
+    assert time.monotonic() - start < 5
+    with pytest.raises(AssertionError, match=r"never set not reached in 0\.1 s"):
+        await until_thread(lambda: False, "never set", timeout_s=0.1)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import xxhash
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
+from loop_probes import until_thread
 
 from aiokv import KVCache
 
@@ -29,15 +30,6 @@ cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="the copy thread exis
 async def _turns(n: int) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
-
-
-async def _until(predicate: Callable[[], bool], limit: int = 10_000) -> None:
-    """Yield to the loop until ``predicate`` holds (the copy thread reports through it)."""
-    for _ in range(limit):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 @cpu_only
@@ -110,7 +102,7 @@ async def test_cancelled_call_waits_for_its_running_copy(call: str, monkeypatch:
         else:
             task = asyncio.create_task(cache.offload(tokens, target))
         try:
-            await _until(entered.is_set)
+            await until_thread(entered.is_set, "the copy thread entered the copy")
             task.cancel()
             await _turns(20)
             assert not task.done(), "the call returned while its copy was still running"

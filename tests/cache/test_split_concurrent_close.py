@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from loop_probes import until_thread
 
 import aiokv.kernels.mover as mover_module
 from aiokv import KVCache
@@ -46,14 +47,6 @@ async def _held_copies(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[t
         gate.set()  # never leave the copy thread blocked, also when the test fails
 
 
-async def _until(done: threading.Event) -> None:
-    for _ in range(100_000):
-        if done.is_set():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the copy never started")
-
-
 @cpu_only
 @pytest.mark.asyncio
 async def test_aclose_from_another_task_during_finish_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,7 +60,7 @@ async def test_aclose_from_another_task_during_finish_waits_for_the_copies(monke
         async with _held_copies(monkeypatch) as (gate, entered):
             stream = await cache.start_load(await cache.match(tokens), target)
             finishing = asyncio.ensure_future(stream.finish())  # the request's task
-            await _until(entered)  # its copy is in flight, held
+            await until_thread(entered.is_set, "the copy started")  # its copy is in flight, held
             closing = asyncio.ensure_future(stream.aclose())  # another task aborts the request
             for _ in range(20):
                 await asyncio.sleep(0)
@@ -100,7 +93,7 @@ async def test_cancelled_task_whose_stream_another_task_is_closing_ends_after_th
                     await asyncio.Event().wait()  # the engine computes something else meanwhile
 
             task = asyncio.ensure_future(request())
-            await _until(entered)
+            await until_thread(entered.is_set, "the copy started")
             closing = asyncio.ensure_future(stream.aclose())  # an abort: quiescing, held by the copy
             await asyncio.sleep(0)
             task.cancel()  # the request's own task is cancelled too: its __aexit__ calls aclose
@@ -197,7 +190,7 @@ async def test_finish_after_another_tasks_aclose_waits_for_its_copies(monkeypatc
         target = torch.arange(100, 100 + 4 * T)
         async with _held_copies(monkeypatch) as (gate, entered):
             stream = await cache.start_load(await cache.match(tokens), target)
-            await _until(entered)  # a copy in flight, held
+            await until_thread(entered.is_set, "the copy started")  # a copy in flight, held
             closing = asyncio.ensure_future(stream.aclose())  # another task aborts the request
             await asyncio.sleep(0)
             finishing = asyncio.ensure_future(stream.finish())  # the request's task
