@@ -1,6 +1,7 @@
 """The demo over a really slow disk tier (#10): a disk hit the cost model expects to lose is never
 loaded (recomputed by a path without claims, split as a trial by one with them while the disk meter
-is unsettled: the engine computes it all and waits for no read), and the oracle stays bit-exact.
+is unsettled: the engine computes it from the front and waits for no read; only the pages that arrive
+from the back before it meets them are loaded), and the oracle stays bit-exact.
 
 The disk tier lives on an ext4 loop device whose reads this process may issue only at a fixed rate
 (a cgroup v1 ``blkio.throttle.read_bps_device`` limit: the kernel delays the bios; O_DIRECT reads
@@ -58,9 +59,16 @@ def test_a_disk_hit_slower_than_recomputing_is_recomputed(tmp_path: Path, capsys
     auto = next(row for row in rows if row["load_path"] == "auto")
     # A path that claims splits instead, as a trial: each repeat is a restarted cache whose disk
     # meter has fewer than aiokv.costs.TRIAL_SAMPLES reads (a split re-measures at little risk). The
-    # engine computed every matched token meanwhile: no read of the throttled disk was waited for.
+    # engine computes from the front while the throttled reads arrive from the back: only pages that
+    # arrived before the claims met them are loaded (none when the engine computes a page in ~1 ms,
+    # one to three on a slower CI machine where it takes ~6 ms), never more than the throttle let
+    # through in the hit's time, and every matched token is either claimed or loaded.
     assert auto["disk_plan"] == "split", auto
-    assert auto["disk_claimed_tokens"] == usable and auto["disk_declined_tokens"] == 0, auto
+    assert auto["disk_declined_tokens"] == 0, auto
+    assert auto["disk_claimed_tokens"] + auto["disk_hit_tokens"] == usable, auto
+    through = int(auto["disk_s"] * READ_BPS // PAGE_BYTES) + 1  # + 1: a read already under way
+    assert auto["disk_hit_tokens"] <= through * PAGE, auto
+    assert auto["disk_claimed_tokens"] >= usable // 2, auto  # the engine computed most of it
     prices = auto["disk_plan_prices"]
     # Neither pays: the load against its margin, the split against its own (the claims' spread only).
     assert prices["recompute"] - prices["load"] <= prices["margin"]
