@@ -22,6 +22,7 @@ from typing import Any
 from aiokv import pool as _pool
 from aiokv.kernels import TransferPath
 from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
+from aiokv.launches import DEFAULT_LAUNCH_BYTES, DEFAULT_LAUNCH_TURN_S
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 from aiokv.reclaim import SegmentInfo, SegmentState, scan
 from aiokv.shm import shm_free_bytes
@@ -199,7 +200,18 @@ class CacheConfig:
     """Pages of GPU staging buffer per direction (staging path)."""
 
     launch_pages: int = 2
-    """Pages whose copies are launched per event-loop turn; bounds the loop's stall on long transfers."""
+    """Pages whose copies are launched per event-loop turn at least; bounds the loop's stall on long
+    transfers. A group grows past it while the loop's measured host time per page lets the group
+    fit ``launch_turn_s`` and its bytes fit ``launch_bytes`` (small pages: fewer turns)."""
+
+    launch_bytes: int = DEFAULT_LAUNCH_BYTES
+    """At most this many page bytes per launch group once it grows past ``launch_pages`` (64 MiB:
+    an 8B model's two 32 MiB pages, what ``launch_pages`` gave it). Larger groups are fewer turns
+    and fewer copy-thread hand-overs, but a cancelled call waits for its launched groups."""
+
+    launch_turn_s: float = DEFAULT_LAUNCH_TURN_S
+    """Loop seconds a launch group may take (validation, launches, bookkeeping; measured per group,
+    a moving estimate per page); 0 keeps every group at ``launch_pages``."""
 
     pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes (raised so that a
@@ -256,6 +268,8 @@ class CacheConfig:
         transfer_path: TransferPath | None = _UNSET,
         staging_pages: int = _UNSET,
         launch_pages: int = _UNSET,
+        launch_bytes: int = _UNSET,
+        launch_turn_s: float = _UNSET,
         pool_chunk_bytes: int = _UNSET,
         pool_workers: int = _UNSET,
         tp_rank: int = _UNSET,
@@ -331,7 +345,7 @@ class CacheConfig:
 
     def _check(self) -> None:
         """Validate the cache's own fields (the disk tier's are DiskConfig's to check)."""
-        for name in ("cpu_bytes", "seen_window", "staging_pages", "launch_pages", "pool_chunk_bytes",
+        for name in ("cpu_bytes", "seen_window", "staging_pages", "launch_pages", "launch_bytes", "pool_chunk_bytes",
                      "pool_workers", "tp_size", "read_group_bytes", "stream_readahead_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -353,7 +367,7 @@ class CacheConfig:
             _check_number("prefill_tokens_per_s", rate)
             if not rate > 0:
                 raise ValueError(f"CacheConfig.prefill_tokens_per_s must be None or positive, got {rate}")
-        for name in ("offload_wait", "commit_wait", "close_timeout"):
+        for name in ("offload_wait", "commit_wait", "close_timeout", "launch_turn_s"):
             value = getattr(self, name)
             _check_number(name, value)
             if not value >= 0:  # NaN fails too

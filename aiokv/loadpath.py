@@ -159,7 +159,7 @@ class LoadPath(ManagerBase):
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
         try:
-            group = self.config.launch_pages
+            sizer = self.load_launches
             launched = 0
             while pool_part:
                 await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
@@ -168,12 +168,15 @@ class LoadPath(ManagerBase):
                     # launched so far (a CUDA copy launched after its bridge closed had no waiter).
                     cut = True
                     break
+                turn = time.perf_counter()
+                group = sizer.pages()
                 part, pool_part = pool_part[:group], pool_part[group:]
                 lo = 0 if launched == 0 else launched * t - skip
                 hi = (launched + len(part)) * t - skip
                 ids = [pool.table.check(h) for h in part]
                 copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
                 launched += len(part)
+                sizer.record(len(part), time.perf_counter() - turn)
             measured = self.measure_pool_copies([c.future for c, _, _ in copies], launched, started)
             disk_start = max(first, match.pool_pages)
             if self._closed:

@@ -20,6 +20,7 @@ from aiokv.config import Admission, CacheConfig
 from aiokv.costs import CostModel
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
+from aiokv.launches import LaunchSizer
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
@@ -59,6 +60,11 @@ class ManagerBase:
         self._bytes: Counter[str] = Counter()
         self._stored = self._skipped = self._dropped = self._promoted = 0
         self._withdrawn = 0  # pages a call did not copy because the close began first (not a fault)
+        # Launch groups, sized by the loop time each kind's groups took (aiokv/launches.py).
+        self.load_launches = LaunchSizer(config.launch_pages, config.launch_bytes, config.launch_turn_s,
+                                         layout.page_bytes)
+        self.offload_launches = LaunchSizer(config.launch_pages, config.launch_bytes, config.launch_turn_s,
+                                            layout.page_bytes)
 
     # -- state ----------------------------------------------------------------------------------
 

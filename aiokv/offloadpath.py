@@ -9,6 +9,7 @@ pages the write-behind still holds it waits for room and goes on in rounds. Mixe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import torch
@@ -95,11 +96,12 @@ class OffloadPath(ManagerBase):
         handles = [h for _, h in new]
         index = torch.tensor([i for i, _ in new], dtype=torch.long)
         chosen = slots.view(len(keys), t).index_select(0, index).reshape(-1)
-        group = self.config.launch_pages
+        sizer = self.offload_launches
         copies: list[tuple[Copy, list[PageHandle]]] = []
         unlaunched: list[PageHandle] = []
         try:
-            for begin in range(0, len(handles), group):
+            begin = 0
+            while begin < len(handles):
                 # Bounded host work per loop turn: validation above, then each group's launches.
                 await asyncio.sleep(0)
                 if self._closed:
@@ -107,9 +109,12 @@ class OffloadPath(ManagerBase):
                     # withdraws what waits); the close frees the pool once launched copies ended.
                     unlaunched = handles[begin:]
                     break
-                part = handles[begin : begin + group]
+                turn = time.perf_counter()
+                part = handles[begin : begin + sizer.pages()]
                 copies.append((transfers.offload(chosen[begin * t : (begin + len(part)) * t], [h.page for h in part]),
                                part))
+                begin += len(part)
+                sizer.record(len(part), time.perf_counter() - turn)
             outcomes = await asyncio.shield(asyncio.gather(*(c.future for c, _ in copies), return_exceptions=True))
         except BaseException:
             # Cancelled (or a launch refused its arguments): the slots may be reused as soon as we

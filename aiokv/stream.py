@@ -425,7 +425,8 @@ class LoadStream:
         transfers = self._transfers
         # Layer by layer, all pool pages go in one launch: the worker then copies layer 0 of every
         # page before layer 1 (launch groups would each run all their layers before the next).
-        group = len(self._pool) if self._layered else manager.config.launch_pages
+        everything = len(self._pool)
+        sizer = None if self._layered else manager.load_launches
         table = manager.pool.table
         page = self.tokens // self._t - 1
         pool_started: float | None = None
@@ -439,11 +440,15 @@ class LoadStream:
             if page in self._pool:
                 # The pool pages not launched are [first, page] (launches run from the back): as
                 # many as one launch takes, none the engine claimed into.
+                turn = time.perf_counter()
+                group = everything if sizer is None else sizer.pages()
                 low = max(page - group + 1, self._first_unclaimed())
                 handles = [self._pool.pop(p) for p in range(low, page + 1)]
                 slots, skip = self._slots_of(low, page)
                 launch = transfers.load_layers if self._layered else transfers.load
                 copy = launch(table.pages_of(handles), slots, skip, self._after)
+                if sizer is not None:
+                    sizer.record(len(handles), time.perf_counter() - turn)
                 pool_started = pool_started or time.perf_counter()
                 self._copies.add(low, copy, handles, Tier.POOL)
                 self._advance(self._start_of(low))

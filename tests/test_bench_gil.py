@@ -45,7 +45,7 @@ def test_the_spinner_really_holds_the_gil() -> None:
         return n
 
     idle = turns(0.2)
-    with bench_gil._spinning(1):
+    with bench_gil.spinning(1):
         busy = turns(0.2)
     assert busy * 5 < idle, (busy, idle)
 

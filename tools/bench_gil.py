@@ -43,7 +43,7 @@ def _layout(page_kib: int) -> KVLayout:
 
 
 @contextmanager
-def _spinning(threads: int) -> Iterator[None]:
+def spinning(threads: int) -> Iterator[None]:
     """``threads`` threads running pure Python (they hold the GIL until the interpreter takes it)."""
     stop = threading.Event()
 
@@ -98,7 +98,7 @@ async def _bench(args: argparse.Namespace, backend: DiskBackend, root: Path) -> 
         await _one(cache, tokens, slots, from_disk=True)  # warm: files opened once, pool pages back
         for _ in range(args.repeats):
             for mode in ("idle", "busy"):
-                with _spinning(args.spinners if mode == "busy" else 0):
+                with spinning(args.spinners if mode == "busy" else 0):
                     times[f"disk {mode}"].append(await _one(cache, tokens, slots, from_disk=True))
                     times[f"pool {mode}"].append(await _one(cache, tokens, slots, from_disk=False))
         if not torch.equal(kv[:, n:], kv[:, :n]):

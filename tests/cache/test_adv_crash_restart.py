@@ -54,7 +54,7 @@ def prompts_of(seed: int, count: int) -> list[list[int]]:
 
 
 def _config(directory: Path, backend: DiskBackend) -> Any:
-    return config(directory, pool_pages=8, disk_pages=40, backend=backend, launch_pages=1)
+    return config(directory, pool_pages=8, disk_pages=40, backend=backend, launch_pages=1, launch_turn_s=0)
 
 
 def writer_child(directory: str, backend: str, seed: int, conn: Any) -> None:

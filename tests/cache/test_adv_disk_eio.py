@@ -119,7 +119,7 @@ def _choose_cut(layout: list[list[tuple[int, int]]], floor: int) -> tuple[int, s
 def _cfg(directory: Path) -> CacheConfig:
     tier = DiskConfig(directory=directory, capacity_bytes=200 * (LAYOUT.page_bytes + 4096), min_free_bytes=0)
     return CacheConfig(cpu_bytes=16 * LAYOUT.page_bytes, disk=tier, namespace="test-model",
-                       pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=1)
+                       pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=1, launch_turn_s=0)
 
 
 @pytest.mark.root

@@ -83,7 +83,7 @@ async def test_page_file_replaced_between_match_and_read(tmp_path: Path, backend
     tokens = prompt(31, PAGES * T)
     oracle = prefix_oracle(tokens)
     kv = torch.zeros(LAYOUT.num_layers, SLOTS, LAYOUT.rows, LAYOUT.head_dim, dtype=LAYOUT.dtype)
-    cfg = config(disk, pool_pages=16, disk_pages=64, backend=backend, launch_pages=1)
+    cfg = config(disk, pool_pages=16, disk_pages=64, backend=backend, launch_pages=1, launch_turn_s=0)
     async with KVCache(cfg, LAYOUT, kv) as cache:
         kv[:, : PAGES * T] = oracle
         await cache.offload(tokens, torch.arange(PAGES * T))

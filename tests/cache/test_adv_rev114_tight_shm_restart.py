@@ -55,7 +55,8 @@ def _scenario(disk: str) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
 
     def config() -> CacheConfig:
-        return CacheConfig(cpu_bytes=budget, namespace="test-model", pool_chunk_bytes=budget // 4, launch_pages=1,
+        return CacheConfig(cpu_bytes=budget, namespace="test-model", pool_chunk_bytes=budget // 4,
+                           launch_pages=1, launch_turn_s=0,
                            disk=DiskConfig(directory=Path(disk), capacity_bytes=200 * (LAYOUT.page_bytes + 4096),
                                            min_free_bytes=0))
 

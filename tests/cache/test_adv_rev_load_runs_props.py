@@ -176,7 +176,7 @@ async def _example(case: Case, root: Path) -> None:
         await writer.flush()
     decoys = 2 * case.pages + 4
     cfg = config(root, pool_pages=case.pages + decoys + 4, disk_pages=case.pages + 8, layout=layout,
-                 transfer_path=TransferPath.STAGING, launch_pages=case.launch_pages)
+                 transfer_path=TransferPath.STAGING, launch_pages=case.launch_pages, launch_turn_s=0)
     async with KVCache(cfg, layout, kv) as cache:
         await cache.pool.wait_ready()
         kept = _fragment(cache, rng, decoys)

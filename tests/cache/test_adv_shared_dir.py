@@ -27,7 +27,7 @@ SEEDS = 60
 
 
 def _config(directory: Path) -> Any:
-    return config(directory, pool_pages=8, disk_pages=40, launch_pages=1)
+    return config(directory, pool_pages=8, disk_pages=40, launch_pages=1, launch_turn_s=0)
 
 
 def busy_writer(directory: str, conn: Any) -> None:

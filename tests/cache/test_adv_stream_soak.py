@@ -50,7 +50,8 @@ async def test_soak_streams_prefetch_and_cancellation_never_serve_wrong_kv(
     wrong: list[str] = []
     counts = {"done": 0, "cancelled": 0, "streamed": 0, "loaded": 0, "prefetched": 0}
 
-    async with KVCache(config(tmp_path, pool_pages=24, disk_pages=64, launch_pages=1), LAYOUT, kv) as cache:
+    cfg = config(tmp_path, pool_pages=24, disk_pages=64, launch_pages=1, launch_turn_s=0)
+    async with KVCache(cfg, LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         mover = mover_of(cache)
         for name in ("load", "offload"):

@@ -265,7 +265,7 @@ async def test_long_transfers_are_launched_in_groups(tmp_path: Path) -> None:
     kv = make_kv(16)
     original = kv.clone()
     tokens = prompt(16, 11 * T)
-    async with KVCache(config(None, pool_pages=16, launch_pages=3), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=3, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         assert (await cache.offload(tokens, torch.arange(11 * T))).stored == 11
         kv.zero_()

@@ -39,7 +39,7 @@ async def test_cancelled_load_never_writes_the_slots_after_cancellation() -> Non
     # had already reused; the next offload stored the old prompt's KV under the new prompt's keys.
     kv = make_kv(40)
     tokens = prompt(40, 8 * T)
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(8 * T))
         target = torch.arange(100, 100 + 8 * T)
@@ -79,7 +79,7 @@ async def test_cancelled_call_waits_for_its_running_copy(call: str, monkeypatch:
     # (raising CancelledError) only after it finished, never while it still touches the slots.
     kv = make_kv(42)
     tokens = prompt(42, 4 * T)
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         if call == "load":
             await cache.offload(tokens, torch.arange(4 * T))
@@ -122,7 +122,7 @@ async def test_cancelled_offload_stores_nothing_and_is_ordered_before_reuse() ->
     # the engine's next writes to the slots cannot race the gather; on the CPU nothing is pending.
     kv = make_kv(43)
     tokens = prompt(43, 6 * T)
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         task = asyncio.create_task(cache.offload(tokens, torch.arange(6 * T)))
         await _turns(2)
@@ -174,7 +174,8 @@ async def test_soak_random_cancellation_with_reused_slots_never_serves_wrong_kv(
     wrong: list[str] = []
     counts = {"done": 0, "cancelled": 0, "loaded_tokens": 0}
 
-    async with KVCache(config(tmp_path, pool_pages=10, disk_pages=30, launch_pages=1), LAYOUT, kv) as cache:
+    cfg = config(tmp_path, pool_pages=10, disk_pages=30, launch_pages=1, launch_turn_s=0)
+    async with KVCache(cfg, LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         if DEVICE.type == "cpu":
             # A slow copy device: each copy runs several times over (copies are idempotent), so

@@ -84,7 +84,7 @@ async def test_close_counts_waiting_paced_offloads_as_withdrawn_and_frees_their_
     kv = make_kv(70)
     n = 6
     tokens = prompt(70, n * T)
-    cache = KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv)
+    cache = KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     gate = threading.Event()
     try:
@@ -121,7 +121,7 @@ async def test_an_offload_in_flight_launches_nothing_once_the_close_began() -> N
     kv = make_kv(71)
     n = 8
     tokens = prompt(71, n * T)
-    cache = KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv)
+    cache = KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     await cache.pool.wait_ready()
     transfers = cache._transfers
@@ -162,7 +162,7 @@ async def test_a_load_in_flight_launches_nothing_once_the_close_began(how: str) 
     kv = make_kv(72)
     n = 8
     tokens = prompt(72, n * T)
-    cache = KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv)
+    cache = KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     await cache.pool.wait_ready()
     await cache.offload(tokens, torch.arange(n * T))
@@ -210,7 +210,7 @@ async def test_an_offload_landing_after_the_disk_tier_closed_is_not_a_full_queue
     # write_behind_full ("write-behind queue full") for each page, a fault that never happened.
     kv = make_kv(73)
     tokens = prompt(73, 2 * T)
-    cache = KVCache(config(tmp_path, pool_pages=16, launch_pages=2), LAYOUT, kv)
+    cache = KVCache(config(tmp_path, pool_pages=16, launch_pages=2, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     gate = threading.Event()
     try:

@@ -228,7 +228,7 @@ async def test_failed_load_copy_shortens_the_load(monkeypatch: pytest.MonkeyPatc
     kv = make_kv(28)
     original = kv.clone()
     tokens = prompt(28, 6 * T)
-    async with KVCache(config(None, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(None, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(6 * T))
         mover = mover_of(cache)

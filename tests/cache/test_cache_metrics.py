@@ -41,7 +41,7 @@ async def test_every_page_counter_is_exported_withdrawn_included() -> None:
     assert "pages_withdrawn" in PAGE_COUNTERS
     n = 8
     tokens = prompt(81, n * T)
-    cache = KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, make_kv(81))
+    cache = KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, make_kv(81))
     await cache.start()
     registry = CollectorRegistry()
     register(cache, registry, name="closing")

@@ -444,7 +444,7 @@ async def test_a_load_with_a_failed_copy_folds_no_pool_rate(tmp_path: Path, monk
     # Regression: the pool rate counted every launched page once all copies were done, the failed
     # ones included (a fast failure: an inflated rate, then saved in the rates file).
     tokens = prompt(60, 6 * T)
-    async with KVCache(config(tmp_path, launch_pages=2), LAYOUT, make_kv(60)) as cache:
+    async with KVCache(config(tmp_path, launch_pages=2, launch_turn_s=0), LAYOUT, make_kv(60)) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(6 * T))
         mover = mover_of(cache)
@@ -475,7 +475,7 @@ async def test_a_cancelled_load_folds_no_pool_rate(tmp_path: Path) -> None:
     # Regression: a cancelled load's withdrawn copies (never started) were counted as moved pages
     # once they were all done: 8 groups' bytes folded for the one group that ran.
     tokens = prompt(61, 8 * T)
-    async with KVCache(config(tmp_path, launch_pages=1), LAYOUT, make_kv(61)) as cache:
+    async with KVCache(config(tmp_path, launch_pages=1, launch_turn_s=0), LAYOUT, make_kv(61)) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(8 * T))
         await cache.flush()

@@ -68,7 +68,7 @@ async def test_split_covers_the_prefix_once_and_never_writes_claimed_tokens(
     original = kv.clone()
     n = 12 * T
     tokens = prompt(70, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         if DEVICE.type == "cpu":
@@ -218,7 +218,7 @@ async def test_cancelled_finish_leaves_no_copy_and_no_reference(monkeypatch: pyt
     kv = make_kv(73)
     n = 10 * T
     tokens = prompt(73, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         if DEVICE.type == "cpu":
@@ -308,7 +308,7 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
     original = kv.clone()
     n = 6 * T
     tokens = prompt(75, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         real: Callable[..., Any] = mover_module.reference_scatter
@@ -377,7 +377,7 @@ async def test_slots_are_checked_once_per_call_at_the_public_edge(monkeypatch: p
         below[0] += 1
         return kernels_check(*args, **kwargs)
 
-    async with KVCache(config(None, pool_pages=16, launch_pages=1), LAYOUT, make_kv(76)) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=1, launch_turn_s=0), LAYOUT, make_kv(76)) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         monkeypatch.setattr(edge, "check_values", counted)

@@ -143,7 +143,7 @@ async def test_paced_offload_is_bit_exact_and_keeps_the_budget() -> None:
     kv = make_kv(61)
     n = 12 * T
     tokens = prompt(61, n)
-    async with KVCache(config(None, pool_pages=32, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=32, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         pacer = cache._transfers.offloads  # type: ignore[union-attr]
         pacer.budget = 2 * LAYOUT.page_bytes
@@ -173,7 +173,7 @@ async def test_cancelled_paced_offload_withdraws_what_waits_and_stores_no_reused
     original = kv.clone()
     n = 16 * T
     tokens = prompt(62, n)
-    async with KVCache(config(None, pool_pages=32, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=32, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         # Warm first: an offload waits for the warm-up, whose own GPU work would queue behind the
         # sleep below (nothing reached the pacer within 0.5 s on the H200 without this).

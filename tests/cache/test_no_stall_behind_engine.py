@@ -72,7 +72,7 @@ async def test_no_public_path_stalls_the_loop_behind_the_engine(tmp_path: Path) 
         await stream.finish()
 
     disk = tmp_path / "disk"
-    async with KVCache(config(disk, pool_pages=64, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(disk, pool_pages=64, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.wait_started()
         await _behind_engine("offload cpu int64", lambda: cache.offload(prompts[0], a), stalls)
         await _behind_engine("load cpu int64", lambda: load(cache, 0, a + 100), stalls)
@@ -88,12 +88,12 @@ async def test_no_public_path_stalls_the_loop_behind_the_engine(tmp_path: Path) 
         await _behind_engine("layered stream cpu", lambda: split(cache, 2, a + 140, True), stalls)
         await _behind_engine("load from_token", lambda: load(cache, 3, torch.arange(N - T) + 160, T), stalls)
         await _behind_engine("flush", cache.flush, stalls)
-    async with KVCache(config(disk, pool_pages=64, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(disk, pool_pages=64, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.wait_started()  # restarted: an empty pool, the pages on disk
         await _behind_engine("load from disk", lambda: load(cache, 0, a + 180), stalls)
         await _behind_engine("split from disk", lambda: split(cache, 1, a + 200, False), stalls)
         await _behind_engine("layered from disk", lambda: split(cache, 2, a + 220, True), stalls)
-    direct = config(disk, pool_pages=64, launch_pages=2, transfer_path=TransferPath.DIRECT)
+    direct = config(disk, pool_pages=64, launch_pages=2, launch_turn_s=0, transfer_path=TransferPath.DIRECT)
     async with KVCache(direct, LAYOUT, kv) as cache:
         await cache.wait_started()
         await _behind_engine("direct: load from disk", lambda: load(cache, 0, a + 180), stalls)

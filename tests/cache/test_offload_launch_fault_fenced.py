@@ -223,7 +223,7 @@ async def test_a_real_offload_failing_part_way_reports_after_its_queued_copy(mon
     kv = make_kv(71)
     n = 2 * T
     tokens = prompt(71, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.wait_started()
         monkeypatch.setattr(aiokv.cuda, "memcpy2d_async", second_fails)
         engine = torch.cuda.current_stream(DEVICE)

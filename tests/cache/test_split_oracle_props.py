@@ -566,7 +566,8 @@ async def _example(case: Case, monkeypatch: pytest.MonkeyPatch, root: Path) -> N
     truths = [oracle(list(p), layout) for p in case.prompts]
     await _setup(case, layout, root, kv, truths)
     on_disk = sum(case.on_disk) + 2 * sum(case.in_pool)
-    cfg = config(root, pool_pages=case.pool_pages, layout=layout, launch_pages=case.launch_pages, offload_wait=0.1,
+    cfg = config(root, pool_pages=case.pool_pages, layout=layout, launch_pages=case.launch_pages,
+                 launch_turn_s=0, offload_wait=0.1,
                  disk_pages=on_disk + 32 * longest if case.disk_slack is None else on_disk + case.disk_slack + 1)
     async with KVCache(cfg, layout, kv) as cache:
         await cache.pool.wait_ready()

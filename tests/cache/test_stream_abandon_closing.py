@@ -25,7 +25,7 @@ async def test_stream_given_up_during_the_close_waits_for_its_copy(
     how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv = make_kv(0)
-    cache = KVCache(config(None, pool_pages=16, launch_pages=8), LAYOUT, kv)
+    cache = KVCache(config(None, pool_pages=16, launch_pages=8, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     closing: asyncio.Future[None] | None = None
     try:

@@ -48,7 +48,7 @@ async def held_stream(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Held]:
     tokens = prompt(7, 4 * T)
     target = torch.arange(100, 100 + len(tokens))
     kv[:, target] = 0
-    cache = KVCache(config(None, pool_pages=16, launch_pages=8), LAYOUT, kv)
+    cache = KVCache(config(None, pool_pages=16, launch_pages=8, launch_turn_s=0), LAYOUT, kv)
     await cache.start()
     release = threading.Event()
     try:

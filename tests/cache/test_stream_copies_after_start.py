@@ -39,7 +39,7 @@ async def test_copies_launched_while_the_engine_computes_do_not_wait_for_its_chu
     n = 4 * T
     tokens = prompt(95, n)
     kv = make_kv(96)
-    async with KVCache(config(None, pool_pages=32, launch_pages=1), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=32, launch_pages=1, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.wait_warm()
         await cache.offload(tokens, torch.arange(n))

@@ -37,7 +37,7 @@ async def test_a_launch_takes_every_page_the_engine_did_not_claim_into(
     kv = make_kv(90)
     original = kv.clone()
     tokens = prompt(90, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=launch_pages), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=launch_pages, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         target = torch.arange(100, 100 + n - from_token)
@@ -68,7 +68,7 @@ async def test_a_failed_copy_in_the_middle_ends_the_loaded_suffix_and_is_counted
     kv = make_kv(91)
     original = kv.clone()
     tokens = prompt(91, n)
-    async with KVCache(config(None, pool_pages=16, launch_pages=2), LAYOUT, kv) as cache:
+    async with KVCache(config(None, pool_pages=16, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
         mover = mover_of(cache)

@@ -71,7 +71,8 @@ class StopSoak(Soak):
 async def test_stopped_ranks_never_let_a_call_return_under_their_copies(tmp_path: Path,
                                                                         ranks_left: list[AdvRanks]) -> None:
     config = CacheConfig(cpu_bytes=40 * LAYOUT.page_bytes, namespace="tp-adv-114-stop",
-                         pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, offload_wait=0.5, disk=None)
+                         pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, launch_turn_s=0,
+                         offload_wait=0.5, disk=None)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
         # Copies of up to 20 ms on the ranks' copy threads: a stop lands inside one often.

@@ -74,7 +74,7 @@ async def ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
     engine = torch.cuda.Stream()
     kv = [rank_kv(full_kv(LAYOUT, 41, SLOTS), LAYOUT, r, TP).cuda() for r in range(TP)]
     config = CacheConfig(cpu_bytes=32 * LAYOUT.for_tp(TP).page_bytes, disk=None, namespace="tp-stream-mark-gpu",
-                         launch_pages=1)
+                         launch_pages=1, launch_turn_s=0)
     async with TPCache(config, LAYOUT, tp_size=TP, num_slots=SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache:
         runners = [RankWorkerThread(cache.address, r, TP, LAYOUT, kv[r], CONFIG, engine_stream=engine)
@@ -190,7 +190,7 @@ async def loop_ranks(tmp_path: Path) -> AsyncIterator[LoopRanks]:
     engine = torch.cuda.Stream()
     kv = [rank_kv(full_kv(LAYOUT, 43, SLOTS), LAYOUT, r, TP).cuda() for r in range(TP)]
     config = CacheConfig(cpu_bytes=32 * LAYOUT.for_tp(TP).page_bytes, disk=None, namespace="tp-stream-announce-gpu",
-                         launch_pages=1)
+                         launch_pages=1, launch_turn_s=0)
     async with TPCache(config, LAYOUT, tp_size=TP, num_slots=SLOTS, tp_config=CONFIG,
                        directory=tmp_path / "sock") as cache, contextlib.AsyncExitStack() as stack:
         workers = [await stack.enter_async_context(

@@ -36,7 +36,7 @@ NUM_SLOTS = 3 * PROMPTS * PAGES * T  # each prompt's own slots, then a load targ
 
 def _config(disk: Path) -> CacheConfig:
     return CacheConfig(cpu_bytes=64 * LAYOUT.page_bytes, namespace="tp-adv-close",
-                       pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, close_timeout=20.0,
+                       pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, launch_turn_s=0, close_timeout=20.0,
                        disk=DiskConfig(directory=disk, capacity_bytes=400 * (LAYOUT.page_bytes + 4096)))
 
 

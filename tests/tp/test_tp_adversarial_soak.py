@@ -40,7 +40,8 @@ RANK_CONFIG = dataclasses.replace(CONFIG, inline_copy_bytes=0)
 def _config(layout: KVLayout, disk: Path) -> CacheConfig:
     # A pool of 40 pages against ~100 distinct pages: eviction to disk and promotions from it.
     return CacheConfig(cpu_bytes=40 * layout.page_bytes, namespace="tp-adv-soak",
-                       pool_chunk_bytes=8 * layout.page_bytes, launch_pages=1, offload_wait=0.5, close_timeout=20.0,
+                       pool_chunk_bytes=8 * layout.page_bytes, launch_pages=1, launch_turn_s=0,
+                       offload_wait=0.5, close_timeout=20.0,
                        disk=DiskConfig(directory=disk, capacity_bytes=400 * (layout.page_bytes + 4096)))
 
 

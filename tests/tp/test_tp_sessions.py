@@ -66,7 +66,7 @@ class RestartableRanks(HeldRanks):
 
 def _cache(tmp_path: Path) -> TPCache:
     config = CacheConfig(cpu_bytes=32 * LAYOUT.page_bytes, disk=None, namespace="tp-sessions",
-                         pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=1)
+                         pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=1, launch_turn_s=0)
     return TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=dataclasses.replace(CONFIG, max_jobs=1),
                    directory=tmp_path / "sock")
 

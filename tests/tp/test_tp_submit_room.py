@@ -43,7 +43,7 @@ START_S = 120.0
 
 def _cache(tmp_path: Path, max_jobs: int = MAX_JOBS, launch_pages: int = 1) -> TPCache:
     config = CacheConfig(cpu_bytes=32 * LAYOUT.page_bytes, disk=None, namespace="tp-room",
-                         pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=launch_pages)
+                         pool_chunk_bytes=4 * LAYOUT.page_bytes, launch_pages=launch_pages, launch_turn_s=0)
     return TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=dataclasses.replace(CONFIG, max_jobs=max_jobs),
                    directory=tmp_path / "sock")
 

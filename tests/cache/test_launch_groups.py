@@ -1,0 +1,143 @@
+"""Launch groups of a real cache: small pages go in fewer, larger groups where the loop launches them
+fast; groups whose launches hold the loop stay at ``launch_pages``; ``launch_bytes`` caps them.
+
+Regression (nineteenth session): groups were ``launch_pages`` pages whatever the page size, so a
+hit of small pages was one loop turn and, on the CPU, one copy-thread round trip per two pages (a
+39-page CPU pool hit of 64 KiB pages: 34.6-39.0 ms in groups of 2, 5.7-7.6 ms in one group).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from cache_helpers import LAYOUT, SLOTS, assert_quiescent, config, make_kv, prompt
+
+from aiokv import KVCache
+from aiokv.transfers import Copy
+
+T = LAYOUT.page_tokens
+PAGES = 32
+
+
+def _counting(cache: KVCache, name: str, stall_s: float = 0.0) -> list[int]:
+    """Pages per ``transfers.<name>`` call from now on; each call holds the loop ``stall_s`` a page."""
+    transfers = cache._transfers
+    assert transfers is not None
+    original: Callable[..., Copy] = getattr(transfers, name)
+    sizes: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Copy:
+        ids = args[1] if name == "offload" else args[0]
+        sizes.append(len(ids))
+        if stall_s:
+            end = time.perf_counter() + stall_s * len(ids)
+            while time.perf_counter() < end:  # the loop thread's own work, as a slow launch wrapper
+                pass
+        return original(*args, **kwargs)
+
+    setattr(transfers, name, counted)
+    return sizes
+
+
+async def _offload_and_hit(cache: KVCache, kv: torch.Tensor, seed: int) -> tuple[list[int], list[int]]:
+    """Offload a prompt, then load it back into fresh slots: the pages per offload and per load group."""
+    n = PAGES * T
+    tokens = prompt(seed, n)
+    offloads = _counting(cache, "offload")
+    stored = await cache.offload(tokens, torch.arange(n))
+    assert stored.stored == PAGES
+    loads = _counting(cache, "load")
+    match = await cache.match(tokens)
+    target = torch.arange(SLOTS - n, SLOTS)
+    loaded = await cache.load(match, target)
+    assert loaded.tokens == n
+    assert torch.equal(kv[:, target.to(kv.device)], kv[:, :n])  # bit-exact, whatever the grouping
+    return offloads, loads
+
+
+@pytest.mark.asyncio
+async def test_fast_launches_go_in_fewer_groups_than_launch_pages_would_give() -> None:
+    kv = make_kv(91)
+    async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.wait_warm()
+        # First pass: the sizers learn the loop's time per page (a first launch may be slow).
+        await _offload_and_hit(cache, kv, 91)
+        kv[:, : PAGES * T] = make_kv(92)[:, : PAGES * T]
+        offloads, loads = await _offload_and_hit(cache, kv, 92)
+        assert sum(offloads) == sum(loads) == PAGES
+        assert min(offloads[:-1] + loads[:-1], default=2) >= 2  # never below the floor
+        # Groups of 2 were 16 calls each way; a CPU launch hands pages over in microseconds.
+        assert len(loads) < PAGES // 2 and len(offloads) < PAGES // 2, (offloads, loads)
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_launches_that_hold_the_loop_stay_at_launch_pages() -> None:
+    kv = make_kv(93)
+    async with KVCache(config(None, pool_pages=2 * PAGES, launch_pages=2), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.wait_warm()
+        transfers = cache._transfers
+        assert transfers is not None
+        # 0.4 ms of loop time per page launched: above the 250 us turn budget even for one page.
+        _counting(cache, "offload", stall_s=400e-6)
+        _counting(cache, "load", stall_s=400e-6)
+        await _offload_and_hit(cache, kv, 93)
+        kv[:, : PAGES * T] = make_kv(94)[:, : PAGES * T]
+        offloads, loads = await _offload_and_hit(cache, kv, 94)
+        assert offloads == [2] * (PAGES // 2) and loads == [2] * (PAGES // 2)
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_launch_bytes_cap_a_group() -> None:
+    kv = make_kv(95)
+    cap = 5
+    cfg = config(None, pool_pages=2 * PAGES, launch_pages=2, launch_bytes=cap * LAYOUT.page_bytes)
+    async with KVCache(cfg, LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.wait_warm()
+        await _offload_and_hit(cache, kv, 95)
+        kv[:, : PAGES * T] = make_kv(96)[:, : PAGES * T]
+        offloads, loads = await _offload_and_hit(cache, kv, 96)
+        assert max(offloads) <= cap and max(loads) <= cap
+        assert max(offloads) == cap and max(loads) == cap  # they did grow past the floor
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_no_turn_budget_keeps_groups_at_launch_pages() -> None:
+    kv = make_kv(97)
+    async with KVCache(config(None, pool_pages=2 * PAGES, launch_pages=3, launch_turn_s=0), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await _offload_and_hit(cache, kv, 97)
+        kv[:, : PAGES * T] = make_kv(98)[:, : PAGES * T]
+        offloads, loads = await _offload_and_hit(cache, kv, 98)
+        assert offloads == loads == [3] * (PAGES // 3) + [PAGES % 3]
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_a_split_launches_pool_pages_from_the_back_in_grown_groups() -> None:
+    kv = make_kv(99)
+    async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.wait_warm()
+        await _offload_and_hit(cache, kv, 99)  # the sizers learn
+        n = PAGES * T
+        tokens = prompt(100, n)
+        kv[:, :n] = make_kv(100)[:, :n]
+        await cache.offload(tokens, torch.arange(n))
+        loads = _counting(cache, "load")
+        target = torch.arange(SLOTS - n, SLOTS)
+        async with await cache.start_load(await cache.match(tokens), target) as stream:
+            result = await stream.finish()  # the engine claims nothing: the loader takes it all
+        assert (result.loaded_from, result.pool_pages) == (0, PAGES)
+        assert sum(loads) == PAGES and len(loads) < PAGES // 2, loads
+        assert torch.equal(kv[:, target.to(kv.device)], kv[:, :n])
+        await assert_quiescent(cache)
