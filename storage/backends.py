@@ -53,6 +53,7 @@ from .safefiles import (
     open_page_file,
     ready_for_io,
 )
+from .uring import not_started
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,14 @@ Loaded = Callable[[int | BaseException], None]
 
 def _ignore(_results: list[int]) -> None:
     """Completion of a request whose result nobody needs (a CLOSE the broken chain skipped)."""
+
+
+def _fault_later(done: Callable[..., None], *rest: object) -> None:
+    """``done(EINTR fault, *rest)`` in the next turn: a start or a completion that a signal's
+    KeyboardInterrupt left before its I/O went to the kernel (nothing touches the slot or the page
+    then), or before it surely called ``done``. The disk tier's steps run once: a second
+    completion is ignored, so whoever cannot tell whether ``done`` ran delivers this."""
+    asyncio.get_running_loop().call_soon(done, InterruptedError(errno.EINTR, "interrupted by a signal"), *rest)
 
 
 class IOOp(enum.Enum):
@@ -198,7 +207,13 @@ class PageIO(Protocol):
     no path walk per operation). Every open goes through
     :mod:`.safefiles`: ``O_NOFOLLOW|O_NONBLOCK``, then a regular file of ours, or
     :class:`~aiokv.storage.safefiles.UnsafeFileError`. Callers are the tier's own job tasks, which
-    are never cancelled (a cancelled caller of the tier is shielded from them)."""
+    are never cancelled (a cancelled caller of the tier is shielded from them).
+
+    A KeyboardInterrupt (a signal, raised by Python at a function's entry or as a call returns)
+    that leaves a ``start_*`` it had entered, or a completion of theirs, never loses the job: its
+    ``done`` runs anyway, at least once — with the outcome, or an ``InterruptedError`` when the I/O
+    never went to the kernel (and no descriptor is left open). Its caller tells an interrupt at the
+    entry (``uring.not_started``: nothing started) and ignores a second ``done``."""
 
     kind: DiskBackend
     direct: bool
@@ -646,6 +661,15 @@ class UringPageIO:
 
     def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       done: Published) -> None:
+        try:
+            self._publish_chain(dir_fd, temp, final, slot, page, sync, done)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt: the ring took nothing)
+                _fault_later(done)
+            raise
+
+    def _publish_chain(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
+                       done: Published) -> None:
         # A fresh O_EXCL|O_NOFOLLOW create can only make a new regular file of ours with one link,
         # so it needs no fstat check: open, write, close and rename go in one chain, through the
         # I/O slot's fixed-file entry (the fd does not exist before the chain runs). No O_CLOEXEC:
@@ -668,11 +692,19 @@ class UringPageIO:
         expect += (0, 0)
 
         def written(results: list[int]) -> None:
-            if results == expect:
-                done(None)
-                return
-            # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
-            self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
+            try:
+                if results == expect:
+                    done(None)
+                    return
+                # A fault: rare, so its clean-up (skipped CLOSE, temp unlink) may take a coroutine.
+                self._cleanup(self._publish_failed(ops, results, dir_fd, temp, slot), done)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                    if results == expect:
+                        asyncio.get_running_loop().call_soon(done, None)
+                    elif not_started(self._cleanup, exc):
+                        _fault_later(done)
+                raise
 
         self.engine.submit(ops, (names, self._slots, self._pool, page.view), written, expect=expect)
 
@@ -683,61 +715,96 @@ class UringPageIO:
         # the kernel's lookup caches (openat2 RESOLVE_CACHED, a few microseconds, no I/O), else by
         # an OPENAT through the ring first. Then one chain: header and page, [FSYNC], CLOSE,
         # RENAMEAT victim -> final.
-        name = victim.encode()
-        flags = os.O_WRONLY | OPEN_FLAGS
+        fd = -1  # opened here, until _overwrite has it (from its start)
         try:
-            fd = self._open_cached(victim_dir, name, flags)
-        except OSError as exc:
-            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, victim), False)
-            return
-        if fd is not None:
-            self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, True)
-            return
-        path, _, keep = self._names(slot, name, None)
-
-        def opened(results: list[int]) -> None:
-            fd = results[0]
-            if fd < 0:
-                done(classify_open_error(OSError(-fd, os.strerror(-fd)), victim), False)
+            name = victim.encode()
+            flags = os.O_WRONLY | OPEN_FLAGS
+            try:
+                opened_now = self._open_cached(victim_dir, name, flags)
+            except OSError as exc:
+                asyncio.get_running_loop().call_soon(done, classify_open_error(exc, victim), False)
                 return
-            self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, False)
+            if opened_now is not None:
+                fd = opened_now
+                self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, True)
+                return
+            path, _, keep = self._names(slot, name, None)
 
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, path, 0, 0, flags)], (keep, self._slots), opened)
+            def opened(results: list[int]) -> None:
+                fd = results[0]
+                try:
+                    if fd < 0:
+                        done(classify_open_error(OSError(-fd, os.strerror(-fd)), victim), False)
+                        return
+                    self._overwrite(fd, victim_dir, victim, name, dir_fd, final, slot, page, sync, done, False)
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                        if fd >= 0 and not_started(self._overwrite, exc):
+                            os.close(fd)
+                        _fault_later(done, False)
+                    raise
+
+            self.engine.submit([uring.sqe(uring.OP_OPENAT, victim_dir, path, 0, 0, flags)], (keep, self._slots),
+                               opened)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt: the ring took nothing)
+                if fd >= 0 and not_started(self._overwrite, exc):
+                    os.close(fd)
+                _fault_later(done, False)
+            raise
 
     def _overwrite(self, fd: int, victim_dir: int, victim: str, name: bytes, dir_fd: int, final: str, slot: int,
                    page: PageBuffer, sync: bool, done: Recycled, now: bool) -> None:
         """Check the victim's open ``fd``, then write it and rename it to ``final`` in one chain.
-        ``now``: called from inside :meth:`start_recycle` (``done`` must then wait for the loop)."""
+        ``now``: called from inside :meth:`start_recycle` (``done`` must then wait for the loop).
+        Owns ``fd`` from its start: closed unless its chain took it (also after an interrupt)."""
+        owned = fd
         try:
-            check_page_fd(fd, victim, True)
-            ready_for_io(fd, self.direct and page.aligned, os.O_WRONLY | OPEN_FLAGS)
-        except Exception as exc:
-            os.close(fd)  # nothing was written through it
-            if now:
-                asyncio.get_running_loop().call_soon(done, exc, False)
-            else:
-                done(exc, False)
-            return
-        ops = self._transfer(True, fd, False, slot, page)
-        expect = self._moved(ops)
-        if sync:
-            ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
-            expect.append(0)
-        old, fin, names = self._names(slot, name, final.encode())
-        # CLOSE, RENAMEAT victim -> final (SQE tuples as uring.sqe lays them out: see _transfer).
-        ops += [(uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
-                (uring.OP_RENAMEAT, 0, 0, victim_dir, fin, old, dir_fd & 0xFFFFFFFF, 0, 0, 0, 0, 0, 0, 0)]
-        expect += (0, 0)
-
-        def written(results: list[int]) -> None:
-            if results == expect:
-                done(None, True)
+            try:
+                check_page_fd(fd, victim, True)
+                ready_for_io(fd, self.direct and page.aligned, os.O_WRONLY | OPEN_FLAGS)
+            except Exception as exc:
+                owned = -1
+                os.close(fd)  # nothing was written through it
+                if now:
+                    asyncio.get_running_loop().call_soon(done, exc, False)
+                else:
+                    done(exc, False)
                 return
-            # A fault after the take-over: the victim's name holds a torn file, removed before ``done``.
-            self._cleanup(self._recycle_failed(ops, results, expect, victim_dir, victim, fd),
-                          lambda exc: done(exc, True))
+            ops = self._transfer(True, fd, False, slot, page)
+            expect = self._moved(ops)
+            if sync:
+                ops.append(uring.sqe(uring.OP_FSYNC, fd, op_flags=uring.IORING_FSYNC_DATASYNC))
+                expect.append(0)
+            old, fin, names = self._names(slot, name, final.encode())
+            # CLOSE, RENAMEAT victim -> final (SQE tuples as uring.sqe lays them out: see _transfer).
+            ops += [(uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                    (uring.OP_RENAMEAT, 0, 0, victim_dir, fin, old, dir_fd & 0xFFFFFFFF, 0, 0, 0, 0, 0, 0, 0)]
+            expect += (0, 0)
 
-        self.engine.submit(ops, (names, self._slots, self._pool, page.view), written, expect=expect)
+            def written(results: list[int]) -> None:
+                try:
+                    if results == expect:
+                        done(None, True)
+                        return
+                    # A fault after the take-over: the victim's name holds a torn file, removed before ``done``.
+                    self._cleanup(self._recycle_failed(ops, results, expect, victim_dir, victim, fd),
+                                  functools.partial(_taken, done))
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                        if results == expect:
+                            asyncio.get_running_loop().call_soon(done, None, True)
+                        elif not_started(self._cleanup, exc):
+                            _fault_later(done, True)
+                    raise
+
+            self.engine.submit(ops, (names, self._slots, self._pool, page.view), written, expect=expect)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt: the ring took nothing)
+                if owned >= 0:
+                    os.close(owned)
+                _fault_later(done, False)
+            raise
 
     def _open_cached(self, dir_fd: int, name: bytes, flags: int) -> int | None:
         """An existing file opened on the loop where that needs no I/O, else None (open it through
@@ -747,9 +814,21 @@ class UringPageIO:
         return self._cached.open(dir_fd, name, flags)
 
     def _cleanup(self, job: Coroutine[Any, Any, None], done: Published) -> None:
-        """Run a failed chain's clean-up coroutine (it raises the fault it met), then ``done(fault)``."""
-        task = asyncio.ensure_future(job)
-        task.add_done_callback(functools.partial(_cleaned_up, done=done))
+        """Run a failed chain's clean-up coroutine (it raises the fault it met), then ``done(fault)``
+        (once this started, also after an interrupt: a callback added twice calls ``done`` twice,
+        which the tier ignores)."""
+        task = None
+        try:
+            task = asyncio.ensure_future(job)
+            task.add_done_callback(functools.partial(_cleaned_up, done=done))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                if task is None:
+                    job.close()
+                    _fault_later(done)
+                else:
+                    task.add_done_callback(functools.partial(_cleaned_up, done=done))
+            raise
 
     async def _publish_failed(self, ops: list[uring.SqeFields], results: list[int], dir_fd: int, temp: str,
                               slot: int) -> None:
@@ -789,27 +868,38 @@ class UringPageIO:
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
         # Opened on the loop where that needs no I/O (the name in the kernel's lookup caches), then
         # one chain; a cold name (after a cache drop, or never looked up) is one chain from its open.
-        encoded = name.encode()
-        chain = self.chain_reads and self.direct and page.aligned
-        if chain and self._cold_streak:
-            # The last look on the loop found a cold name: the next reads go straight to the chain
-            # (as safe: it checks the file it opened), sparing a failed openat2 each (#14).
-            self._cold_streak -= 1
-            self._load_chain(dir_fd, name, encoded, slot, page, done)
-            return
+        fd = -1  # opened here, until _read_file has it (from its start)
         try:
-            fd = self._open_cached(dir_fd, encoded, os.O_RDONLY | OPEN_FLAGS)
-        except OSError as exc:
-            asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
-            return
-        if fd is not None:
-            self._read_file(fd, name, slot, page, done, True)
-        elif chain:
-            if self._cached.available and self.engine.fault_hook is None:
-                self._cold_streak = COLD_READ_STREAK
-            self._load_chain(dir_fd, name, encoded, slot, page, done)
-        else:
-            self._open_then_read(dir_fd, name, encoded, slot, page, done)
+            encoded = name.encode()
+            chain = self.chain_reads and self.direct and page.aligned
+            if chain and self._cold_streak:
+                # The last look on the loop found a cold name: the next reads go straight to the chain
+                # (as safe: it checks the file it opened), sparing a failed openat2 each (#14).
+                self._cold_streak -= 1
+                self._load_chain(dir_fd, name, encoded, slot, page, done)
+                return
+            try:
+                opened = self._open_cached(dir_fd, encoded, os.O_RDONLY | OPEN_FLAGS)
+            except OSError as exc:
+                asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
+                return
+            if opened is not None:
+                fd = opened
+                self._read_file(fd, name, slot, page, done, True)
+            elif chain:
+                if self._cached.available and self.engine.fault_hook is None:
+                    self._cold_streak = COLD_READ_STREAK
+                self._load_chain(dir_fd, name, encoded, slot, page, done)
+            else:
+                self._open_then_read(dir_fd, name, encoded, slot, page, done)
+        except BaseException as exc:
+            # (a signal's KeyboardInterrupt) before the ring took the read: every chain's submit
+            # is the last call of its path (and a submit that raises took nothing).
+            if not isinstance(exc, Exception):
+                if fd >= 0 and not_started(self._read_file, exc):
+                    os.close(fd)
+                _fault_later(done)
+            raise
 
     def _load_chain(self, dir_fd: int, name: str, encoded: bytes, slot: int, page: PageBuffer,
                     done: Loaded) -> None:
@@ -859,29 +949,43 @@ class UringPageIO:
         uid = self._uid
 
         def read(results: list[int]) -> None:
-            installed = results[-2]
-            if installed >= 0:  # every op before it succeeded: the whole page was read
-                try:
-                    # check_page_fd's test, inline (once per page); it raises what a refusal says.
-                    st = os.fstat(installed)
-                    if st.st_mode & 0o170000 != stat.S_IFREG or st.st_uid != uid:
-                        check_page_fd(installed, name, False)
-                except OSError as exc:
-                    done(exc)  # whatever the read did: its bytes never count
+            try:
+                installed = results[-2]
+                if installed >= 0:  # every op before it succeeded: the whole page was read
+                    try:
+                        # check_page_fd's test, inline (once per page); it raises what a refusal says.
+                        st = os.fstat(installed)
+                        if st.st_mode & 0o170000 != stat.S_IFREG or st.st_uid != uid:
+                            check_page_fd(installed, name, False)
+                    except OSError as exc:
+                        done(exc)  # whatever the read did: its bytes never count
+                        return
+                    finally:
+                        os.close(installed)
+                    done(moved)
                     return
-                finally:
-                    os.close(installed)
-                done(moved)
-                return
-            if results[0] >= 0 and results[-1] == -errno.ECANCELED:
-                # A broken chain skipped its CLOSE: the entry is closed first, as it must be empty
-                # before the slot goes to another page's chain.
-                self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
-                                   lambda _: self._chain_failed(results, dir_fd, name, slot, page, done))
-                return
-            self._chain_failed(results, dir_fd, name, slot, page, done)
+                if results[0] >= 0 and results[-1] == -errno.ECANCELED:
+                    # A broken chain skipped its CLOSE: the entry is closed first, as it must be empty
+                    # before the slot goes to another page's chain.
+                    self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
+                                       functools.partial(self._entry_closed, results, dir_fd, name, slot, page, done))
+                    return
+                self._chain_failed(results, dir_fd, name, slot, page, done)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): done ignores a second call
+                    _fault_later(done)
+                raise
 
         self.engine.submit(ops, keep, read, expect=expect, report=len(ops) - 2)
+
+    def _entry_closed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
+                      done: Loaded, _closed: list[int]) -> None:
+        try:
+            self._chain_failed(results, dir_fd, name, slot, page, done)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): done ignores a second call
+                _fault_later(done)
+            raise
 
     def _chain_failed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
                       done: Loaded) -> None:
@@ -926,38 +1030,64 @@ class UringPageIO:
 
         def opened(results: list[int]) -> None:
             fd = results[0]
-            if fd < 0:
-                done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
-                return
-            self._read_file(fd, name, slot, page, done, False)
+            try:
+                if fd < 0:
+                    done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
+                    return
+                self._read_file(fd, name, slot, page, done, False)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                    if fd >= 0 and not_started(self._read_file, exc):
+                        os.close(fd)
+                    _fault_later(done)
+                raise
 
         self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, os.O_RDONLY | OPEN_FLAGS)],
                            (keep, self._slots), opened)
 
     def _read_file(self, fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool) -> None:
         """Check the open ``fd`` of ``name``, then read header and page and close it in one chain.
-        ``now``: called from inside :meth:`start_load` (``done`` must then wait for the loop)."""
+        ``now``: called from inside :meth:`start_load` (``done`` must then wait for the loop).
+        Owns ``fd`` from its start: closed unless its chain took it (also after an interrupt)."""
+        owned = fd
         try:
-            check_page_fd(fd, name, False)
-            ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
-        except Exception as exc:
-            os.close(fd)  # nothing was read through it
-            if now:
-                asyncio.get_running_loop().call_soon(done, exc)
-            else:
-                done(exc)
-            return
-        ops = self._transfer(False, fd, False, slot, page)
-        expect = self._moved(ops)
-        ops.append((uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))  # as uring.sqe(OP_CLOSE, fd)
-        expect.append(0)
+            try:
+                check_page_fd(fd, name, False)
+                ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
+            except Exception as exc:
+                owned = -1
+                os.close(fd)  # nothing was read through it
+                if now:
+                    asyncio.get_running_loop().call_soon(done, exc)
+                else:
+                    done(exc)
+                return
+            ops = self._transfer(False, fd, False, slot, page)
+            expect = self._moved(ops)
+            ops.append((uring.OP_CLOSE, 0, 0, fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))  # as uring.sqe(OP_CLOSE, fd)
+            expect.append(0)
 
-        def read(results: list[int]) -> None:
-            if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
-                self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
-            done(_bytes_read(results[:-1]))
+            def read(results: list[int]) -> None:
+                try:
+                    if results[-1] == -errno.ECANCELED:  # a broken chain skipped its CLOSE
+                        try:
+                            self.engine.submit([uring.sqe(uring.OP_CLOSE, fd)], None, _ignore)
+                        except BaseException:
+                            os.close(fd)  # (a signal's KeyboardInterrupt: the ring took nothing)
+                            raise
+                    done(_bytes_read(results[:-1]))
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): done ignores a second call
+                        _fault_later(done)
+                    raise
 
-        self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=expect)
+            self.engine.submit(ops, (self._slots, self._pool, page.view), read, expect=expect)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt: the ring took nothing)
+                if owned >= 0:
+                    os.close(owned)
+                _fault_later(done)
+            raise
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self.engine.unlinkat(name.encode(), dir_fd=dir_fd)
@@ -988,13 +1118,26 @@ def _keep_registered(_: None) -> None:
     """A caller's region registered after its loop closed: the ring drops it when it closes."""
 
 
+def _taken(done: Recycled, error: BaseException | None) -> None:
+    """A recycle's ``done`` after its victim was taken over."""
+    done(error, True)
+
+
 def _cleaned_up(task: asyncio.Task[None], done: Published) -> None:
     # A cancelled clean-up (its loop is going away) is a failed write too: ``task.exception()``
     # would raise, ``done`` would never run and the page's job would never end.
-    if task.cancelled():
-        done(OSError(errno.ECANCELED, "write clean-up cancelled"))
-    else:
-        done(task.exception() or OSError(errno.EIO, "write chain failed"))
+    try:
+        if task.cancelled():
+            error: BaseException = OSError(errno.ECANCELED, "write clean-up cancelled")
+        else:
+            error = task.exception() or OSError(errno.EIO, "write chain failed")
+            if not isinstance(error, Exception):  # a signal's KeyboardInterrupt cut it short
+                error = InterruptedError(errno.EINTR, "write clean-up interrupted by a signal")
+        done(error)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt) again next turn: done ignores a second call
+            asyncio.get_running_loop().call_soon(_cleaned_up, task, done)
+        raise
 
 
 class _NotTaken(Exception):
@@ -1107,10 +1250,36 @@ class ThreadPageIO:
             raise RuntimeError("disk I/O threads are closed")
         loop = asyncio.get_running_loop()
         job: asyncio.Future[object] = loop.create_future()
-        (self._reads if read else self._writes).put((fn, args, loop, job))
-        self._jobs.add(job)
+        # Its removal added before it is counted: a signal's KeyboardInterrupt as a call returns
+        # never leaves a job counted for ever (aclose would wait on it again every turn).
         job.add_done_callback(self._jobs.discard)
+        self._jobs.add(job)
+        (self._reads if read else self._writes).put((fn, args, loop, job))
         return job
+
+    def _begin(self, fn: Callable[..., object], args: tuple[object, ...], read: bool,
+               finished: Callable[[asyncio.Future[object]], None], fault: Callable[[], None]) -> None:
+        """Queue ``fn(*args)`` for a worker; ``finished(job)`` on the loop with its outcome. Once
+        this started, a KeyboardInterrupt (a signal) never loses it: queued, it finishes as usual;
+        not queued yet, ``fault()`` is called (it reports the interrupt in the next turn)."""
+        queued = False
+        job: asyncio.Future[object] | None = None
+        try:
+            if self._closed:
+                raise RuntimeError("disk I/O threads are closed")
+            loop = asyncio.get_running_loop()
+            job = loop.create_future()
+            job.add_done_callback(finished)
+            job.add_done_callback(self._jobs.discard)
+            self._jobs.add(job)
+            queued = True  # no call before the put: an interrupt raised as it returns finds this set
+            (self._reads if read else self._writes).put((fn, args, loop, job))
+        except BaseException as exc:
+            if not queued and not isinstance(exc, Exception):
+                if job is not None:
+                    self._jobs.discard(job)  # never settled: aclose must not wait for it
+                fault()
+            raise
 
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
@@ -1180,24 +1349,32 @@ class ThreadPageIO:
 
     def start_publish(self, dir_fd: int, temp: str, final: str, slot: int, page: PageBuffer, sync: bool,
                       done: Published) -> None:
-        job = self._start(self._publish, dir_fd, temp, final, slot, page, sync)
-        job.add_done_callback(lambda job: done(job.exception()))
+        try:
+            self._begin(self._publish, (dir_fd, temp, final, slot, page, sync), False,
+                        functools.partial(_published, done), functools.partial(_fault_later, done))
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(self._begin, exc):  # (a signal's KeyboardInterrupt)
+                _fault_later(done)
+            raise
 
     def start_recycle(self, victim_dir: int, victim: str, dir_fd: int, final: str, slot: int,
                       page: PageBuffer, sync: bool, done: Recycled) -> None:
-        def finished(job: asyncio.Future[object]) -> None:
-            exc = job.exception()
-            if isinstance(exc, _NotTaken):
-                done(exc.error, False)
-            else:
-                done(exc, True)
-
-        self._start(self._recycle, victim_dir, victim, dir_fd, final, slot, page, sync).add_done_callback(
-            finished)
+        try:
+            self._begin(self._recycle, (victim_dir, victim, dir_fd, final, slot, page, sync), False,
+                        functools.partial(_recycled, done), functools.partial(_fault_later, done, False))
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(self._begin, exc):  # (a signal's KeyboardInterrupt)
+                _fault_later(done, False)
+            raise
 
     def start_load(self, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded) -> None:
-        job = self._start(self._load, dir_fd, name, slot, page, read=True)
-        job.add_done_callback(lambda job: done(job.exception() or job.result()))  # type: ignore[arg-type]
+        try:
+            self._begin(self._load, (dir_fd, name, slot, page), True, functools.partial(_loaded, done),
+                        functools.partial(_fault_later, done))
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(self._begin, exc):  # (a signal's KeyboardInterrupt)
+                _fault_later(done)
+            raise
 
     async def unlink(self, dir_fd: int, name: str) -> None:
         await self._run(self._unlink, dir_fd, name)
@@ -1239,12 +1416,52 @@ class ThreadPageIO:
 
 def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
     """On the loop: a worker's outcome into its job's future (unless the job was cancelled)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    try:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt) again next turn: idempotent
+            asyncio.get_running_loop().call_soon(_settle, future, result, error)
+        raise
+
+
+def _loaded(done: Loaded, job: asyncio.Future[object]) -> None:
+    """A worker's load ended: ``done`` with the bytes read or the fault. After an interrupt (a
+    signal's KeyboardInterrupt) this runs again in the next turn: ``done`` ignores a second call."""
+    try:
+        done(job.exception() or job.result())  # type: ignore[arg-type]
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            asyncio.get_running_loop().call_soon(_loaded, done, job)
+        raise
+
+
+def _published(done: Published, job: asyncio.Future[object]) -> None:
+    """A worker's publish ended (as :func:`_loaded`)."""
+    try:
+        done(job.exception())
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            asyncio.get_running_loop().call_soon(_published, done, job)
+        raise
+
+
+def _recycled(done: Recycled, job: asyncio.Future[object]) -> None:
+    """A worker's recycle ended: not taken over, or taken (as :func:`_loaded`)."""
+    try:
+        exc = job.exception()
+        if isinstance(exc, _NotTaken):
+            done(exc.error, False)
+        else:
+            done(exc, True)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            asyncio.get_running_loop().call_soon(_recycled, done, job)
+        raise
 
 
 def _join(threads: list[threading.Thread]) -> None:

@@ -22,7 +22,7 @@ from aiokv.pool import run_in_new_thread
 
 from .memory import wait_uncancelled
 from .pagefile import payload_checksum
-from .uring import TURNS
+from .uring import TURNS, not_started
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +134,33 @@ class Checksums:
 
         Inline hashes run in one callback per turn of the loop (scheduled by the first of them), so
         the turn's budget (``INLINE_WRITE_BYTES_PER_TURN``) holds whatever callbacks started them
-        and in which order; the pages past it go to the thread."""
-        size = len(view)
-        if size > (self._inline_write if writing else self._inline):
-            self._jobs.put((view, asyncio.get_running_loop(), done))
-            return
-        self._inline_jobs.append((view, done))
-        if not self._batch_scheduled:
-            self._batch_scheduled = True
-            self._schedule_batch()
+        and in which order; the pages past it go to the thread.
+
+        Once this started, ``done`` runs even if a KeyboardInterrupt (a signal) leaves it: a page
+        not handed on yet is hashed inline in the next turn, and a batch maybe left unscheduled
+        is scheduled (a second run of one does nothing)."""
+        handed = False
+        try:
+            size = len(view)
+            if size > (self._inline_write if writing else self._inline):
+                loop = asyncio.get_running_loop()
+                handed = True  # no call before the put: an interrupt raised as it returns finds this set
+                self._jobs.put((view, loop, done))
+                return
+            handed = True
+            self._inline_jobs.append((view, done))
+            if not self._batch_scheduled:
+                self._schedule_batch()
+                self._batch_scheduled = True  # asked for first: an interrupt in between asks again
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                raise
+            if not handed:
+                self._inline_jobs.append((view, done))
+            if self._inline_jobs:
+                asyncio.get_running_loop().call_soon(self._hash_inline)
+                self._batch_scheduled = True
+            raise
 
     def _schedule_batch(self) -> None:
         # Started inside a ring's wake-up (a read's completion): hashed at that wake-up's end, in
@@ -162,6 +180,7 @@ class Checksums:
         again (after an interrupt), it hashes what is left, each page once."""
         jobs: list[tuple[memoryview, Done]] = []
         handed = 0  # the jobs handed on: to the thread, or to their ``done`` (called or running)
+        calling: Done | None = None  # the ``done`` being called
         epoch = self._epoch
         spent = charged = 0
         hashing = 0.0
@@ -193,8 +212,8 @@ class Checksums:
                     handed = len(jobs)
                     self._inline_jobs[:0] = jobs[n:]
                     if not self._batch_scheduled:
-                        self._batch_scheduled = True
                         self._schedule_batch()
+                        self._batch_scheduled = True  # asked for first: an interrupt in between asks again
                     break
                 t0 = time.thread_time()
                 try:
@@ -212,16 +231,20 @@ class Checksums:
                 except Exception as exc:  # a released view: a bug, reported to the caller
                     value = exc
                 hashing += time.thread_time() - t0
-                handed = n + 1  # before the call: a callback is never called twice
+                handed = n + 1  # before the call: a callback that started is never called twice
+                calling = done
                 try:
                     done(value)
                 except Exception:  # a bug in a caller's callback: the others still get theirs
                     log.exception("checksum callback failed")
-        except BaseException:
+                calling = None
+        except BaseException as exc:
             # A signal's KeyboardInterrupt (most likely while a page is hashed: the GIL is released
             # then) or a callback's BaseException: the pages not handed on yet wait for the next
             # turn (the loop's next run); before, they were forgotten and their reads and writes
-            # never ended.
+            # never ended. A callback interrupted at its entry never ran: its page waits too.
+            if calling is not None and not_started(calling, exc):
+                handed -= 1
             self._inline_jobs[:0] = jobs[handed:]
             if self._inline_jobs and not self._batch_scheduled:
                 self._batch_scheduled = True
@@ -303,6 +326,7 @@ class Checksums:
             self._results.clear()
             self._wake_pending = False
         handed = 0  # results whose ``done`` was called (or is running): never called twice
+        calling: Done | None = None  # the ``done`` being called
         try:
             if deadline is None:
                 deadline = time.perf_counter() + DELIVER_TURN_S
@@ -310,14 +334,19 @@ class Checksums:
                 if n and time.perf_counter() > deadline:
                     break  # the rest in the next turn, ahead of whatever the threads finish meanwhile
                 handed = n + 1
+                calling = done
                 try:
                     done(value)
                 except Exception:  # a bug in a caller's callback: the others still get theirs
                     log.exception("checksum callback failed")
-        except BaseException:
+                calling = None
+        except BaseException as exc:
             # A signal's KeyboardInterrupt (a clock read, a callback) or a callback's BaseException:
             # the results not handed on yet are delivered in the next turn (the loop's next run);
-            # before, they were dropped and their pages' reads and writes never ended.
+            # before, they were dropped and their pages' reads and writes never ended. A callback
+            # interrupted at its entry never ran: delivered again.
+            if calling is not None and not_started(calling, exc):
+                handed -= 1
             self._deliver_later(results[handed:])
             raise
         self._deliver_later(results[handed:])

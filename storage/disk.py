@@ -52,6 +52,7 @@ from .pagefile import PageFiles
 from .readpath import ReadPath
 from .safefiles import UnsafeDirectoryError
 from .spares import SpareStatistics
+from .uring import not_started
 from .writebehind import WriteBehind
 from .writepath import WritePath
 
@@ -252,7 +253,13 @@ class DiskTier(WritePath, ReadPath):
         if self._stuck:
             self._dropped += 1
             return False
-        return await self._write_owned(key, self._retain(handle))
+        ref = self._retain(handle)
+        try:
+            return await self._write_owned(key, ref)
+        except BaseException as exc:
+            if not isinstance(exc, Exception | asyncio.CancelledError) and not_started(self._write_owned, exc):
+                self._release(ref)  # (a signal's KeyboardInterrupt at the write's entry: never taken)
+            raise
 
     async def _close(self) -> None:
         if self._starting is not None:
@@ -350,7 +357,12 @@ class DiskTier(WritePath, ReadPath):
         if not self._accepting:
             self._release(ref)
             return self._refuse()
-        return await self._write_owned(key, ref)
+        try:
+            return await self._write_owned(key, ref)
+        except BaseException as exc:
+            if not isinstance(exc, Exception | asyncio.CancelledError) and not_started(self._write_owned, exc):
+                self._release(ref)  # (a signal's KeyboardInterrupt at the write's entry: never taken)
+            raise
 
     async def write_from(self, key: PageKey, buffer: memoryview) -> bool:
         """Store the ``layout.page_bytes`` bytes of ``buffer`` (C-contiguous, e.g. a page of an

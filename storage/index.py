@@ -7,6 +7,7 @@ the room held by spare files (:mod:`.spares`, ``spares`` of them).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -113,9 +114,13 @@ class PageIndex:
         if recycle and self.used + size > self.capacity:
             victim = self._recyclable()
             if victim is not None:
+                evicted = self.evict_to(self.capacity, keep=victim)
+                # The victim leaves the index last, with no call before the return (a signal's
+                # KeyboardInterrupt comes at calls): its file and room pass to the caller, or it
+                # stays indexed (before, an interrupt at the eviction's entry lost its room).
                 del self._entries[victim]
                 self.evictions += 1
-                return victim, self.evict_to(self.capacity)
+                return victim, evicted
         evicted = self.evict_to(self.capacity - size)
         if self.used + size > self.capacity:
             return None
@@ -132,11 +137,16 @@ class PageIndex:
                 return key
         return None
 
-    def evict_to(self, limit: int) -> list[PageKey]:
-        """Remove least recently used keys until ``used <= limit``; the caller removes their files."""
+    def evict_to(self, limit: int, keep: PageKey | None = None) -> list[PageKey]:
+        """Remove least recently used keys (never ``keep``) until ``used <= limit``; the caller
+        removes their files."""
         evicted = []
         while self.used > limit and self._entries:
             key = next(iter(self._entries))
+            if key == keep:
+                key = next(itertools.islice(self._entries, 1, None), keep)
+                if key == keep:
+                    break
             self.evictions += 1
             self.remove(key)
             evicted.append(key)

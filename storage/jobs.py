@@ -5,6 +5,11 @@ slot free, I/O completed) instead of a task per page: the loop runs no coroutine
 common paths. :class:`IOSlots` hands out the per-slot resources (header buffer, iovec pair,
 fixed-file entry) in FIFO order, keeping a share of them for reads (writes hung in the kernel never
 hold them all).
+
+A KeyboardInterrupt (a signal, raised by Python in the loop's thread at a function's entry or as a
+call returns) never loses a job: a completion delivered to a job runs only if the job waits for it
+(:attr:`Job.step`), so whoever cannot tell whether its call of one ran delivers it again; a job
+handed to :meth:`IOSlots.take` is either queued or has its start running, which settles it.
 """
 
 from __future__ import annotations
@@ -21,13 +26,24 @@ from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .memory import PageBuffer
-from .uring import TURNS
+from .uring import TURNS, not_started
+
+LOADED = 1
+""":attr:`Job.step` of a read whose load the backend has (its completion is awaited)."""
+HASHED = 2
+"""... of a job whose payload the checksums have."""
+WRITTEN = 3
+"""... of a write whose file the backend has."""
+ROOM = 4
+"""... of a write that waits for room (spare files being made, or unlinks after ENOSPC)."""
+WAITING = 5
+"""... of a write whose task (a free-space look, a rename or unlink of its key) has it."""
 
 
 class Job:
     """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
 
-    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "then", "ticket")
+    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "step", "then", "ticket")
 
     writes: ClassVar[bool] = False
     """A :class:`WriteJob` (read as an attribute on the hot path, not as an ``isinstance`` call)."""
@@ -39,9 +55,19 @@ class Job:
         self.then: Callable[[Job, int], None] | None = None  # what runs once a slot is free
         self.ended = False
         self.ended_waiters: list[asyncio.Future[None]] | None = None
+        self.step = 0
+        """The completion the job waits for (:data:`LOADED`, :data:`HASHED`, :data:`WRITTEN`; 0:
+        none). A completion runs only for the step awaited and clears it first: delivered twice
+        (after an interrupt its deliverer cannot tell whether its call ran) it runs once."""
 
     def end(self) -> None:
+        """Mark the job ended and wake those waiting for it (the tier counts the end itself:
+        :meth:`~.tierbase.TierBase._job_ended`)."""
         self.ended = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Resolve the futures of those waiting for the end (idempotent: run again after an interrupt)."""
         for waiter in self.ended_waiters or ():
             if not waiter.done():
                 waiter.set_result(None)
@@ -96,7 +122,7 @@ class ReadJob(Job):
     """A read into the caller's reserved pool page or buffer (``page``); ``result`` is the caller's
     future, or None for a page of a batch (``batch``, at ``index``: its outcome goes there)."""
 
-    __slots__ = ("batch", "checksum", "generation", "index", "key", "page", "result")
+    __slots__ = ("batch", "checksum", "generation", "index", "key", "page", "reading", "result")
 
     def __init__(self, key: PageKey, page: PageBuffer, generation: int, result: asyncio.Future[bool] | None,
                  batch: ReadBatch | None = None, index: int = 0) -> None:
@@ -108,6 +134,7 @@ class ReadJob(Job):
         self.checksum = 0
         self.batch = batch
         self.index = index
+        self.reading = False  # counted as a reader of its file (PageIndex.readers) until loaded
 
 
 class ReadBatch:
@@ -121,11 +148,6 @@ class ReadBatch:
         self.oks = [False] * count
         self.done = done
         self.left = 1  # a guard held while the batch's jobs start (one may end at once)
-
-    def ended(self, index: int, ok: bool) -> None:
-        """Page ``index``'s job ended with ``ok``; the batch's future resolves with the last one."""
-        self.oks[index] = ok
-        self.release()
 
     def release(self) -> None:
         """One job (or the start's guard) less; at none left the batch's future resolves."""
@@ -191,60 +213,111 @@ class IOSlots:
         """``then(job, slot)`` with a slot (``job.slot``, held): at once when one is free to it and
         this turn's start budget (:data:`START_TURN_S`) is not spent, else when one is given back or
         in a later turn, in FIFO order (a write only while writes hold fewer than ``write_limit``).
-        Give it back with :meth:`give_back`."""
+        Give it back with :meth:`give_back`. A KeyboardInterrupt out of here leaves ``job`` queued
+        or its ``then`` running (which settles it then), never neither."""
         write = job.writes
-        if (self._free and not self._next_due() and (not write or self.writes_in_use < self.write_limit)
-                and self._may_start()):
-            self._grant(job, self._free.pop(), then)
-            return
-        job.then = then
-        job.ticket = next(self._tickets)
-        (self._writes if write else self._reads).append(job)
-        if self._free and self._next_due():
-            # Held back by the budget, not for want of a slot: the next turn starts it.
-            self._wake_next_turn()
+        try:
+            if (self._free and not self._next_due() and (not write or self.writes_in_use < self.write_limit)
+                    and self._may_start()):
+                self._start(job, then)
+                return
+            job.then = then
+            job.ticket = next(self._tickets)
+            (self._writes if write else self._reads).append(job)
+            if self._free and self._next_due():
+                # Held back by the budget, not for want of a slot: the next turn starts it.
+                self._wake_next_turn()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                if not_started(self._start, exc) and not job.holds_slot and not self._queued(job):
+                    # A signal's KeyboardInterrupt before the job was queued or granted a slot (a
+                    # grant whose ``then`` never ran is queued again by _start): queued now.
+                    job.then = then
+                    job.ticket = next(self._tickets)
+                    (self._writes if write else self._reads).append(job)
+                if self._free and self._next_due():  # (maybe never asked for: asked again)
+                    self._wake_next_turn()
+            raise
 
-    def _grant(self, job: Job, slot: int, then: Callable[[Job, int], None]) -> None:
+    def _start(self, job: Job, then: Callable[[Job, int], None]) -> None:
+        """Grant ``job`` a free slot and run ``then(job, slot)``. From the slot's pop to ``then``'s
+        entry there is no call (Python raises a signal's exception at calls): a KeyboardInterrupt at
+        that entry gives the slot back and queues the job again at the head of its queue."""
+        free = self._free
+        slot = free[-1]
+        del free[-1]
         self.in_use += 1
         if job.writes:
             self.writes_in_use += 1
         job.slot, job.holds_slot = slot, True
-        then(job, slot)
+        try:
+            then(job, slot)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(then, exc):
+                self._give_slot(job)
+                job.then = then
+                (self._writes if job.writes else self._reads).appendleft(job)
+                self._wake_next_turn()
+            raise
+
+    def _queued(self, job: Job) -> bool:
+        return job.then is not None and self.waits(job)
+
+    def waits(self, job: Job) -> bool:
+        """Whether ``job`` is in a queue (a scan: for the paths after an interrupt only)."""
+        return job in (self._writes if job.writes else self._reads)
 
     def _next_due(self) -> bool:
         """Whether a queued job may take a slot now (a read, or a write below ``write_limit``)."""
         return bool(self._reads) or (bool(self._writes) and self.writes_in_use < self.write_limit)
 
-    def _pop_next(self) -> Job:
-        """The older of the two queues' heads that may take a slot (:meth:`_next_due` is True)."""
-        writes_may = bool(self._writes) and self.writes_in_use < self.write_limit
-        if self._reads and not (writes_may and self._writes[0].ticket < self._reads[0].ticket):
-            return self._reads.popleft()
-        return self._writes.popleft()
+    def _start_next(self) -> None:
+        """The older of the two queues' heads that may take a slot (:meth:`_next_due` is True) takes
+        a free one and starts. From its removal from the queue to :meth:`_start`'s entry there is
+        no call; an interrupt at that entry puts it back at the head."""
+        reads, writes = self._reads, self._writes
+        if reads and not (writes and self.writes_in_use < self.write_limit and writes[0].ticket < reads[0].ticket):
+            queue = reads
+        else:
+            queue = writes
+        job = queue[0]
+        del queue[0]
+        then = job.then
+        job.then = None
+        assert then is not None
+        try:
+            self._start(job, then)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(self._start, exc):
+                job.then = then
+                queue.appendleft(job)
+            raise
 
     def _may_start(self) -> bool:
         """Whether this turn's start budget has time left. The first start of a turn opens it:
         inside a ring's wake-up, for that wake-up's callback; elsewhere asking for the next turn,
-        which resets it."""
+        which resets it (asked for before the budget opens: an interrupt in between leaves none
+        open that no next turn would reset)."""
         now = time.perf_counter()
         stamp = self._turn_stamp
         if self._turn_ends and (stamp < 0 or stamp == TURNS.stamp):
             return now < self._turn_ends
-        self._turn_ends = now + START_TURN_S
         if TURNS.waking:
-            self._turn_stamp = TURNS.stamp
+            self._turn_stamp, self._turn_ends = TURNS.stamp, now + START_TURN_S
         else:
-            self._turn_stamp = -1
             self._wake_next_turn()
+            self._turn_stamp, self._turn_ends = -1, now + START_TURN_S
         return True
 
     def _wake_next_turn(self) -> None:
+        # Flagged once asked for: an interrupt in between asks again later (a second _next_turn
+        # does nothing), never leaves the flag set with nothing asked.
         if not self._turn_due:
-            self._turn_due = True
             if self._in_next_turn is None:
                 asyncio.get_running_loop().call_soon(self._next_turn)
             else:
                 self._in_next_turn(self._next_turn)
+            self._turn_due = True
 
     def _next_turn(self) -> None:
         """In the next turn: a fresh budget, spent on the waiters held back while slots are free
@@ -252,8 +325,13 @@ class IOSlots:
         another start)."""
         self._turn_due = False
         self._turn_ends = 0.0
-        if self._free and self._next_due():
-            self._hand_off()
+        try:
+            if self._free and self._next_due():
+                self._hand_off()
+        except BaseException:
+            if self._free and self._next_due():  # interrupted before the hand-off: the next turn
+                self._wake_next_turn()
+            raise
 
     def give_back(self, job: Job) -> None:
         """Give ``job``'s slot back if it still holds it (idempotent: every path may call it).
@@ -263,13 +341,22 @@ class IOSlots:
         nested call, so the stack stays flat however many waiters fail in a row."""
         if not job.holds_slot:
             return
+        self._give_slot(job)
+        try:
+            if self._next_due():
+                self._hand_off()
+        except BaseException:
+            if self._free and self._next_due():  # interrupted before the hand-off: the next turn
+                self._wake_next_turn()
+            raise
+
+    def _give_slot(self, job: Job) -> None:
+        # No call before the append (whose return is where an interrupt can come: the slot is back).
         job.holds_slot = False
         self.in_use -= 1
         if job.writes:
             self.writes_in_use -= 1
         self._free.append(job.slot)
-        if self._next_due():
-            self._hand_off()
 
     def _hand_off(self) -> None:
         """Hand free slots on to waiters, in order, within this turn's start budget; the rest wait
@@ -281,10 +368,7 @@ class IOSlots:
             while self._free and self._next_due():
                 if not self._may_start():
                     break  # this turn's start budget is spent: the next turn goes on
-                waiter = self._pop_next()
-                then, waiter.then = waiter.then, None
-                assert then is not None
-                self._grant(waiter, self._free.pop(), then)
+                self._start_next()
         finally:
             self._handing = False
             if self._free and self._next_due():  # budget spent, or a ``then`` raised
@@ -297,7 +381,9 @@ class IOSlots:
         number of a slot held before (a write retried after ENOSPC queues again)."""
         if job.then is None:
             return False
-        (self._writes if job.writes else self._reads).remove(job)
+        queue = self._writes if job.writes else self._reads
+        if job in queue:  # (not after an interrupt raised as the removal below returned)
+            queue.remove(job)
         job.then = None
         return True
 

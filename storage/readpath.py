@@ -5,6 +5,10 @@ the header (the slot goes back), then the payload's checksum (inline or on the c
 A file that fails verification is refused (:meth:`TierBase._reject`); every path ends the job
 exactly once (:meth:`ReadPath._end_read`), and a cancelled caller waits for that end while the
 kernel or a thread may still write into its page.
+
+A KeyboardInterrupt (a signal) raised in a step of the job ends the job as a counted fault
+(:meth:`ReadPath._read_settle`) unless the step had handed it on (the backend's load or the
+checksum started: they deliver their completion, at least once), and the interrupt goes on.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import functools
 
 from aiokv.keys import PageKey
 
-from .jobs import Job, ReadBatch, ReadJob
+from .jobs import HASHED, LOADED, Job, ReadBatch, ReadJob
 from .memory import PageBuffer
 from .pagefile import PageHeader, parse_header
 from .safefiles import UnsafeFileError
 from .tierbase import TierBase
+from .uring import not_started
 
 
 class ReadPath(TierBase):
@@ -30,7 +35,13 @@ class ReadPath(TierBase):
             self._misses += 1
             return False
         job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
-        self._launch_read(job)
+        try:
+            self._launch_read(job)
+        except BaseException:
+            # (a signal's KeyboardInterrupt: this caller is gone) a job still waiting for a slot
+            # has touched nothing: it leaves (one already reading ends by itself).
+            self._cancel_waiting(job)
+            raise
         assert job.result is not None
         try:
             return await job.result
@@ -48,15 +59,22 @@ class ReadPath(TierBase):
         jobs: list[ReadJob] = []
         accepting = self._accepting
         index = self._index
-        for i, key in enumerate(keys):
-            generation = index.generation(key) if accepting else None
-            if generation is None:
-                self._misses += 1  # batch.oks[i] stays False
-                continue
-            job = ReadJob(key, pages[i], generation, None, batch, i)
-            batch.left += 1
-            jobs.append(job)
-            self._launch_read(job)  # may end the job at once (a fault): the guard keeps the batch open
+        try:
+            for i, key in enumerate(keys):
+                generation = index.generation(key) if accepting else None
+                if generation is None:
+                    self._misses += 1  # batch.oks[i] stays False
+                    continue
+                job = ReadJob(key, pages[i], generation, None, batch, i)
+                batch.left += 1
+                jobs.append(job)
+                self._launch_read(job)  # may end the job at once (a fault): the guard keeps the batch open
+        except BaseException:
+            # (a signal's KeyboardInterrupt: this caller is gone) the jobs still waiting for a slot
+            # have touched nothing: they leave (those already reading end by themselves).
+            for job in jobs:
+                self._cancel_waiting(job)
+            raise
         batch.release()  # the guard: done now if every job ended already (or there was none)
         try:
             return await batch.done
@@ -70,51 +88,93 @@ class ReadPath(TierBase):
     def _launch_read(self, job: ReadJob) -> None:
         """Count ``job`` as a reader of its file and an active job, and queue it for an I/O slot."""
         key = job.key
-        self._index.touch(key)
-        # Counted from now, not from its slot: a write must not pick the file of a read still
-        # waiting for a slot as its recycling victim (the overwrite could overlap the read).
-        readers = self._index.readers
-        readers[key] = readers.get(key, 0) + 1
-        self._active += 1  # _job_started, inline
-        self._io_slots.take(job, self._read_slot)
+        counted = False
+        try:
+            self._index.touch(key)
+            # Counted from now, not from its slot: a write must not pick the file of a read still
+            # waiting for a slot as its recycling victim (the overwrite could overlap the read).
+            readers = self._index.readers
+            readers[key] = readers.get(key, 0) + 1
+            job.reading = True
+            self._active += 1  # _job_started, inline
+            counted = True  # (no call since the count: a signal's exception comes at calls)
+            self._io_slots.take(job, self._read_slot)
+        except BaseException as exc:
+            if counted and not isinstance(exc, Exception) and not_started(self._io_slots.take, exc):
+                self._read_settle(job)  # counted, never queued
+            raise
 
     def _read_slot(self, job: Job, slot: int) -> None:
-        assert isinstance(job, ReadJob) and self._io is not None
-        self._reads += 1
         try:
-            where = self._where(job.key)
-        except OSError as exc:  # its fan-out directory cannot be opened (safely): a counted miss
-            self._read_unreader(job.key)
-            self._io_slots.give_back(job)
-            self._read_fault(job, exc)
-            return
-        try:
-            self._io.start_load(*where, slot, job.page, functools.partial(self._read_loaded, job))
+            assert isinstance(job, ReadJob) and self._io is not None
+            self._reads += 1
+            try:
+                dir_fd, name = self._where(job.key)
+            except OSError as exc:  # its fan-out directory cannot be opened (safely): a counted miss
+                self._read_unreader(job)
+                self._io_slots.give_back(job)
+                self._read_fault(job, exc)
+                return
+            start = self._io.start_load
+            job.step = LOADED
+            # A plain call (no *args): Python checks for signals as a call it does not inline returns,
+            # and an interrupt after a load was handed over must not look like one before it.
+            start(dir_fd, name, slot, job.page, functools.partial(self._read_loaded, job))
         except Exception:
-            self._read_unreader(job.key)
+            assert isinstance(job, ReadJob)
+            job.step = 0
+            self._read_unreader(job)
             self._io_slots.give_back(job)
             self._faults.unexpected("read")
             self._end_read(job, False)
+        except BaseException as exc:
+            # (a signal's KeyboardInterrupt) before the load was handed to the backend: ends here.
+            # A load that started delivers its completion (at least once): nothing to do here.
+            if isinstance(job, ReadJob) and (job.step != LOADED or not_started(start, exc)):
+                self._read_settle(job)
+            raise
 
-    def _read_unreader(self, key: PageKey) -> None:
-        """The read of ``key`` no longer needs its file (loaded, failed, or left the slot queue)."""
+    def _read_unreader(self, job: ReadJob) -> None:
+        """The read of ``job`` no longer needs its file (loaded, failed, or left the slot queue);
+        once: the count changes and ``reading`` clears with no call between (an interrupt comes at
+        the lookup before both)."""
+        if not job.reading:
+            return
+        key = job.key
         readers = self._index.readers
         count = readers.get(key, 0) - 1
         if count:
             readers[key] = count
         else:
             del readers[key]
+        job.reading = False
+
+    def _read_settle(self, job: ReadJob) -> None:
+        """End ``job`` after an interrupt left it between steps (no completion awaited): whatever it
+        holds goes back (reader count, slot) and it ends as a counted fault; an end the interrupt
+        cut short only wakes what is left. Idempotent."""
+        job.step = 0
+        self._read_unreader(job)
+        self._io_slots.give_back(job)
+        if not job.ended:
+            self._count_interrupt("read")
+        self._end_read(job, False)
 
     def _read_loaded(self, job: ReadJob, got: int | BaseException) -> None:
+        if job.step != LOADED:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
         assert self._slots is not None and self._checksums is not None
         key, generation = job.key, job.generation
-        readers = self._index.readers  # _read_unreader, inline (once per page)
-        count = readers.get(key, 0) - 1
-        if count:
-            readers[key] = count
-        else:
-            del readers[key]
         try:
+            if job.reading:  # _read_unreader, inline (once per page)
+                readers = self._index.readers
+                count = readers.get(key, 0) - 1
+                if count:
+                    readers[key] = count
+                else:
+                    del readers[key]
+                job.reading = False
             if isinstance(got, BaseException):
                 self._io_slots.give_back(job)
                 self._read_fault(job, got)
@@ -131,12 +191,21 @@ class ReadPath(TierBase):
                 self._end_read(job, False)
                 return
             job.checksum = header.checksum
-            self._checksums.start(job.page.payload, functools.partial(self._read_hashed, job))
+            payload = job.page.payload
+            job.step = HASHED
+            self._checksums.start(payload, functools.partial(self._read_hashed, job))
         except Exception:  # the slot back and the job ended on every path: later I/O must not hang
+            job.step = 0
             self._io_slots.give_back(job)
             self._faults.unexpected("read")
             if not job.ended:
                 self._end_read(job, False)
+        except BaseException as exc:
+            # (a signal's KeyboardInterrupt) before the hash started: ends here (a hash that started
+            # delivers its result, at least once).
+            if job.step != HASHED or not_started(self._checksums.start, exc):
+                self._read_settle(job)
+            raise
 
     def _read_fault(self, job: ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
@@ -152,9 +221,15 @@ class ReadPath(TierBase):
         self._end_read(job, False)
 
     def _read_hashed(self, job: ReadJob, checksum: int | BaseException) -> None:
+        if job.step != HASHED:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
         try:
             if isinstance(checksum, BaseException):
-                self._faults.unexpected("read")
+                if isinstance(checksum, OSError):  # the hash was interrupted before it started
+                    self._faults.count(checksum, "read")
+                else:
+                    self._faults.unexpected("read")
                 self._end_read(job, False)
             elif checksum != job.checksum:
                 self._reject(job.key, job.generation, "payload checksum mismatch")
@@ -166,24 +241,47 @@ class ReadPath(TierBase):
             self._faults.unexpected("read")
             if not job.ended:
                 self._end_read(job, False)
+        except BaseException:
+            self._read_settle(job)  # (a signal's KeyboardInterrupt): ended, or its end's wake-ups done
+            raise
 
     def _end_read(self, job: ReadJob, ok: bool) -> None:
-        if ok:
-            self._hits += 1
-        else:
-            self._misses += 1
+        """``job`` ends with ``ok``: its caller told, counted and the tier's count of jobs down,
+        once. The counts change in one block without a call (a signal's exception comes at calls)
+        and the wake-ups after it are idempotent: a guard that ends the job again after an
+        interrupt only wakes what is left (a caller told True before is not told again)."""
+        result = job.result
+        if result is not None and not result.done():
+            result.set_result(ok)
         batch = job.batch
-        if batch is not None:
-            batch.ended(job.index, ok)
-        elif job.result is not None and not job.result.done():
-            job.result.set_result(ok)
-        self._job_ended(job)
+        if not job.ended:
+            if ok:
+                self._hits += 1
+            else:
+                self._misses += 1
+            if batch is not None:
+                batch.oks[job.index] = ok
+                batch.left -= 1
+            job.ended = True
+            self._active -= 1
+        if batch is not None and not batch.left and not batch.done.done():
+            batch.done.set_result(batch.oks)
+        self._job_ended(job)  # (ended: wakes those waiting for the end, and the close)
 
     def _cancel_waiting(self, job: ReadJob) -> bool:
         """A cancelled read still waiting for a slot ends at once (nothing was read); True then."""
-        if job.ended or not self._io_slots.leave(job):
-            return job.ended
-        self._read_unreader(job.key)
-        self._misses += 1
-        self._job_ended(job)
-        return True
+        if job.ended:
+            return True
+        try:
+            if not self._io_slots.leave(job):
+                return False
+            self._read_unreader(job)
+            self._end_read(job, False)
+            return True
+        except BaseException as exc:
+            # (a signal's KeyboardInterrupt) out of the queue but not ended: ended now.
+            if (not isinstance(exc, Exception) and not job.ended and not job.step and not job.holds_slot
+                    and not self._io_slots.waits(job)):
+                job.then = None
+                self._read_settle(job)
+            raise

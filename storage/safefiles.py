@@ -124,18 +124,35 @@ class CachedOpen:
         self._how = _OpenHow(0, 0, RESOLVE_CACHED)
         self._how_ref = ctypes.byref(self._how)
         self._size = ctypes.sizeof(_OpenHow)
-        self._syscall = _libc.syscall
+        # The call's result goes into ``_got`` from C (its restype, called with the C int): Python
+        # raises a signal's KeyboardInterrupt as a call returns, and a result only on the stack
+        # then is dropped: an fd opened but never closed. A function object of its own, as the
+        # restype is per object; one thread opens through an instance (the loop's).
+        self._got: list[int] = []
+        self._syscall = _libc["syscall"]
+        self._syscall.restype = self._got.append
 
     def open(self, dir_fd: int, name: bytes, flags: int) -> int | None:
         """The fd of ``name`` (relative to ``dir_fd``) opened with ``flags``, or None when opening it
         would need I/O (or ``openat2`` is unavailable here). Raises ``OSError`` as ``openat``
-        would (a planted name: see :func:`classify_open_error`)."""
+        would (a planted name: see :func:`classify_open_error`). A KeyboardInterrupt (a signal)
+        out of here leaves nothing open."""
         if not self.available:
             return None
         self._how.flags = flags
-        fd = self._syscall(_SYS_OPENAT2, dir_fd, name, self._how_ref, self._size)
+        got = self._got
+        try:
+            self._syscall(_SYS_OPENAT2, dir_fd, name, self._how_ref, self._size)
+            fd = got[0]  # taken out of ``got`` with no call between: the caller has it
+            del got[0]
+        except BaseException:
+            for leftover in got:  # (an interrupt as the call returned)
+                if leftover >= 0:
+                    os.close(leftover)
+            got.clear()
+            raise
         if fd >= 0:
-            return int(fd)
+            return fd
         err = ctypes.get_errno()
         if err == errno.EAGAIN:
             return None

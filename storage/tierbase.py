@@ -210,9 +210,16 @@ class TierBase:
     # -- jobs -----------------------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """``coro`` in a task the close waits for."""
         task = asyncio.create_task(coro)
-        self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
+        try:
+            self._jobs.add(task)
+            task.add_done_callback(self._jobs.discard)
+        except BaseException:
+            # (a signal's KeyboardInterrupt as a call returned): never left in ``_jobs`` for ever
+            # (the close would wait on it again every turn); a second discard does nothing.
+            task.add_done_callback(self._jobs.discard)
+            raise
         return task
 
     def _in_next_turn(self, fn: Callable[[], None]) -> None:
@@ -232,10 +239,19 @@ class TierBase:
         self._active += 1
 
     def _job_ended(self, job: Job) -> None:
-        job.end()
-        self._active -= 1
+        """``job`` ended: the tier's count of jobs down once (``ended`` set with it, no call between:
+        a signal's exception comes at calls), then those waiting for it woken. Idempotent: a job's
+        guard ends it again after an interrupt, which only wakes what is left."""
+        if not job.ended:
+            job.ended = True
+            self._active -= 1
+        job.wake()
         if not self._active and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
+
+    def _count_interrupt(self, what: str) -> None:
+        """A job ended by an interrupt (a signal's KeyboardInterrupt left it between steps): a fault."""
+        self._faults.count(InterruptedError(errno.EINTR, "interrupted by a signal"), what)
 
     # -- free space -----------------------------------------------------------------------------
 
@@ -375,7 +391,14 @@ class TierBase:
 
         task = self._spawn(unlink())
         self._moving[key] = task
+        # Also once the task ended: one a signal's KeyboardInterrupt ended at its start never ran
+        # its ``finally`` (a new write of the key would wait on it for ever).
+        task.add_done_callback(functools.partial(self._unlink_ended, key))
         return task
+
+    def _unlink_ended(self, key: PageKey, task: asyncio.Task[None]) -> None:
+        if self._moving.get(key) is task:
+            del self._moving[key]
 
     def _remove_files(self, keys: list[PageKey]) -> list[asyncio.Task[None]]:
         """Unlink the files of keys evicted from the index (nothing when read-only)."""
@@ -432,7 +455,9 @@ class TierBase:
         spare = self._spares.take()
         if spare is None:
             return False
-        self._index.spare_taken()
+        # One block without a call (where a signal's exception comes): the spare passes to the job
+        # with its room, or stays the stock's (PageIndex.spare_taken, inline).
+        self._index.spares -= 1
         self._spare_of[job] = spare
         job.holds_room = True
         self._refill_spares()

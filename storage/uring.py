@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import dis
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -273,14 +274,22 @@ TURNS = LoopTurns()
 _RESUME = dis.opmap.get("RESUME", -1)
 
 
-def not_started(fn: Callable[[], None], exc: BaseException) -> bool:
+def not_started(fn: Callable[..., object], exc: BaseException) -> bool:
     """Whether ``exc``, caught by the caller of ``fn`` (a Python function or bound method), left
     ``fn`` before its first instruction ran: Python raises a signal's KeyboardInterrupt at the
     first check for pending signals, which is a function's entry too; a turn call dropped there
     never ran (a hash batch's flag then stayed set and no page was hashed inline ever again).
     Its frame then shows it at its entry (``RESUME``), or is absent (a profile hook raised at its
     ``call`` event). False for a call that ran part of its body (never run twice: its own guard
-    hands on what it did not do) and for a C callable (no frame to tell)."""
+    hands on what it did not do) and for a C callable (no frame to tell).
+
+    Sound for a call Python inlines (a plain call of a function or bound method, no ``*args``):
+    nothing checks for signals as it returns. A ``functools.partial`` is looked through, but its
+    call is not inlined: the check as it returns raises with the function's frame gone, which
+    reads as not started, so what is called through one must ignore a second call (the disk
+    tier's page-job steps do: :attr:`~.jobs.Job.step`)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     tb = exc.__traceback__
     if not isinstance(code, types.CodeType) or tb is None or _RESUME < 0:
@@ -541,15 +550,24 @@ class UringEngine:
         if self._ops_inflight + len(fields) <= self.sq_entries and not self._waiting:
             self._prepare(request)
         else:
-            self._waiting.append(request)
+            self._waiting += (request,)  # not append: no call (where a signal's exception comes) after it
 
     def _prepare(self, request: _Request) -> None:
-        # A chain's SQEs go into the ring together: a submit never splits them.
+        """Write ``request``'s SQEs into the ring (a chain's together: a submit never splits them).
+
+        All or nothing under a signal's KeyboardInterrupt, which Python raises at calls: the
+        submission is asked for first (an interrupt after it leaves a submission with nothing new),
+        the SQEs are written past the tail, and the request is counted in a block without a call.
+        So a :meth:`submit` that raises handed the ring nothing (its callback never runs) and one
+        that returned will complete (before, an interrupt after the request was registered left it
+        in flight for ever, and one at the scheduling's entry left the flag set with nothing
+        scheduled: no submission ever again)."""
         ops = request.ops
         last = len(ops) - 1
+        if not self._submit_scheduled and not self._waking:
+            self._loop.call_soon(self._submit)
+            self._submit_scheduled = True
         rid = self._next_id
-        self._next_id += 1
-        self._inflight[rid] = request
         base = rid << self._index_bits
         linked = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS if request.skip else IOSQE_IO_LINK
         report = request.report
@@ -563,23 +581,24 @@ class UringEngine:
                            fields[6], fields[7], base + index, fields[9], fields[10], fields[11], fields[12],
                            fields[13])
             tail = (tail + 1) & 0xFFFFFFFF
+        self._next_id = rid + 1
+        self._inflight[rid] = request
         self._tail = tail
         self._ops_inflight += last + 1
         self._prepared += last + 1
-        self._chains.append(last + 1)
-        if not self._submit_scheduled and not self._waking:
-            self._submit_scheduled = True
-            self._loop.call_soon(self._submit)
+        self._chains += (last + 1,)  # not append: no call after the count
 
     def call_next_turn(self, fn: Callable[[], None]) -> None:
         """``fn()`` early in the loop's next turn, from the submission callback (which runs then
         anyway when something was prepared this turn: no loop callback of its own); SQEs that
         ``fn`` prepares go out in that same submission. ``fn`` should not raise (a bug: logged).
-        ``fn`` is a drain (safe to call again): a KeyboardInterrupt out of it runs it again."""
-        self._turn_calls.append(fn)
+        ``fn`` is a drain (safe to call again): a KeyboardInterrupt out of it runs it again.
+        The submission is asked for before ``fn`` is added (with no call after: a signal's
+        exception comes at calls), so neither is left without the other."""
         if not self._submit_scheduled:
-            self._submit_scheduled = True
             self._loop.call_soon(self._submit)
+            self._submit_scheduled = True
+        self._turn_calls += (fn,)
 
     def _submit(self) -> None:
         calls = self._turn_calls
@@ -673,10 +692,17 @@ class UringEngine:
             self._complete(user_data, -(exc.errno or errno.EIO))
         # Their room is free: the requests waiting for it go in now (no completion may be left to
         # drain, the other place that prepares them).
-        while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
-            self._prepare(self._waiting.popleft())
+        self._prepare_waiting()
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
+
+    def _prepare_waiting(self) -> None:
+        """Prepare the requests that waited for room in the ring, in order, while it has room. One
+        leaves the queue only once prepared (no call between: an interrupt never loses one)."""
+        waiting = self._waiting
+        while waiting and self._ops_inflight + len(waiting[0].ops) <= self.sq_entries:
+            self._prepare(waiting[0])
+            del waiting[0]
 
     def _on_eventfd(self) -> None:
         """The wake-up: drain the completions, deliver what threads announced, run what those asked
@@ -695,13 +721,8 @@ class UringEngine:
             self._drain()
             # Only after a thread's wake-up (a flag, not a call, on the completions' own wake-ups); one
             # that comes after this check wrote the eventfd again: the next wake-up runs the hook.
-            hook = self.on_wake
-            if self._announced and hook is not None:
-                self._announced = False
-                try:
-                    hook(self._drain_deadline)  # what is left of the drain's time (at least one result)
-                except Exception:
-                    log.exception("io_uring wake-up hook failed")
+            if self._announced:
+                self._run_hook()
             calls = turns.after_wake
             if calls:
                 turns.after_wake = []
@@ -770,8 +791,7 @@ class UringEngine:
                 self._loop.call_soon(self._drain_again)
             raise
         self._cq_head.value = head
-        while self._waiting and self._ops_inflight + len(self._waiting[0].ops) <= self.sq_entries:
-            self._prepare(self._waiting.popleft())
+        self._prepare_waiting()
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)
 
@@ -781,11 +801,34 @@ class UringEngine:
             self._drain_due = True
             self._loop.call_soon(self._drain_again)
 
+    def _run_hook(self) -> None:
+        """The wake-up hook (:attr:`on_wake`: the threads' results), once per announcement, within
+        what is left of the drain's time (at least one result). One a signal's KeyboardInterrupt
+        stopped at its entry runs at the next drain (the threads write no other wake-up until their
+        results are taken)."""
+        hook = self.on_wake
+        if hook is None:
+            return
+        self._announced = False
+        try:
+            hook(self._drain_deadline)
+        except Exception:
+            log.exception("io_uring wake-up hook failed")
+        except BaseException as exc:
+            if not_started(hook, exc):
+                self._announced = True
+            raise
+
     def _drain_again(self) -> None:
         self._drain_due = False
         if self._efd >= 0:  # not unmapped by aclose meanwhile (another drain took the rest)
             try:
                 self._drain()
+                # A wake-up cut short (an interrupt in a completion's callback) before its hook ran:
+                # the threads announced results with that eventfd write and write no other until
+                # they are taken (before, a checksum thread's results waited for ever).
+                if self._announced:
+                    self._run_hook()
             except BaseException:  # (an interrupt before the drain's own guard): next turn again
                 self._drain_later()
                 raise
@@ -826,11 +869,19 @@ class UringEngine:
             if request.pending:
                 return
         del self._inflight[rid]
-        if request.callback is not None:
+        callback = request.callback
+        if callback is not None:
             try:
-                request.callback(request.results)
+                callback(request.results)
             except Exception:
                 log.exception("io_uring completion callback failed")
+            except BaseException as exc:
+                # A signal's KeyboardInterrupt at the callback's entry: it never ran (its CQE is
+                # consumed), so it runs in the next turn; one that ran part of its body hands on
+                # what it did not do itself (before, its request was forgotten: a page's job hung).
+                if not_started(callback, exc):
+                    self._loop.call_soon(callback, request.results)
+                raise
             return
         future = request.future
         if future is None or future.done():

@@ -6,6 +6,11 @@ slot and publishes: a spare file or a recycled one (overwritten under its own na
 new file (temporary name, renamed). Only the rare waits — a rename or unlink of the key in flight,
 a due free-space check, an ENOSPC retry — take a coroutine. Every path ends the job exactly once
 (:meth:`WritePath._end_write`).
+
+A KeyboardInterrupt (a signal) raised in a step of the job ends it as a counted fault
+(:meth:`WritePath._write_settle`) unless the step had handed it on — a completion it waits for
+(:attr:`~.jobs.Job.step`: the checksum, the backend, a refill or its retry task) or the slot queue —
+and the interrupt goes on.
 """
 
 from __future__ import annotations
@@ -18,64 +23,109 @@ from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .config import ReadOnly
-from .jobs import Job, WriteJob
+from .jobs import HASHED, ROOM, WAITING, WRITTEN, Job, WriteJob
 from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
 from .spares import Made, Spare
 from .tierbase import TierBase
+from .uring import not_started
 
 
 class WritePath(TierBase):
     """Writes of the disk tier (see the module docstring); :class:`~.disk.DiskTier` calls them."""
 
     async def _write_owned(self, key: PageKey, ref: PageHandle) -> bool:
-        # Takes ownership of ``ref``: released by the job (or right here when nothing is to do).
-        joined = self._join_write(key, ref, None)
+        # Takes ownership of ``ref``: released by the job (or by _join_write when nothing is to do).
+        try:
+            joined = self._join_write(key, ref, None)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not_started(self._join_write, exc):
+                self._release(ref)  # (a signal's KeyboardInterrupt before the write took it)
+            raise
         if isinstance(joined, bool):
-            self._release(ref)
             return joined
         # The caller's own future: cancelling it leaves the job (and other writers of the key) alone.
         return await joined[1]
 
     def _join_write(self, key: PageKey, ref: PageHandle | None,
                     page: PageBuffer | None) -> bool | tuple[WriteJob, asyncio.Future[bool]]:
-        """Start a write of ``key`` from ``ref`` (taken by the job) or ``page``, or join the one in
-        flight; the job and this caller's future, or the answer when there is nothing to write
-        (``ref`` is then still the caller's)."""
-        if key in self._index:
-            self._index.touch(key)
-            return True
-        if self._read_only is not None:
-            self._writes_refused += 1
-            return False
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        job = self._writing.get(key)
-        if job is None:
-            job = self._writing[key] = WriteJob(key, ref, page)
-            job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
-            self._active += 1  # _job_started, inline
-            self._start_write(job)
-        else:
-            if ref is not None:
-                self._release(ref)
-            job.waiters.append(waiter)
-        return job, waiter
+        """Start a write of ``key`` from ``ref`` or ``page``, or join the one in flight; the job and
+        this caller's future, or the answer when there is nothing to write. ``ref`` is taken from
+        the call's start: the job's, or released here (also after an interrupt)."""
+        owned = ref
+        job: WriteJob | None = None
+        created = False
+        try:
+            if key in self._index:
+                self._index.touch(key)
+                if ref is not None:
+                    self._release(ref)
+                    owned = None  # (released: an inline return, no call before this)
+                return True
+            if self._read_only is not None:
+                self._writes_refused += 1
+                if ref is not None:
+                    self._release(ref)
+                    owned = None
+                return False
+            waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            job = self._writing.get(key)
+            if job is None:
+                job = WriteJob(key, ref, page)
+                job.waiters.append(waiter)  # before the start: a write dropped for room ends right there
+                # Registered, counted and given the reference in one block without a call (a
+                # signal's exception comes at calls).
+                self._writing[key] = job
+                self._active += 1  # _job_started, inline
+                owned = None
+                created = True
+                self._start_write(job)
+            else:
+                job.waiters.append(waiter)
+                if ref is not None:
+                    self._release(ref)
+                    owned = None
+            return job, waiter
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                if owned is not None:
+                    self._release(owned)
+                elif created and job is not None and not_started(self._start_write, exc):
+                    self._write_settle(job)
+            raise
 
     def _start_write(self, job: WriteJob) -> None:
         """Hash the payload first (holding no I/O slot or room meanwhile), then claim room, take a
         slot and publish, all moved on by completion callbacks. Only the rare waits — a rename or
         unlink of the key in flight, a due free-space check, an ENOSPC retry — take a coroutine."""
         assert self._checksums is not None
+        start = self._checksums.start
         try:
             job.page = self._source(job)
-            self._checksums.start(job.page.payload, functools.partial(self._write_hashed, job), writing=True)
+            payload = job.page.payload
+            done = functools.partial(self._write_hashed, job)
+            job.step = HASHED
+            start(payload, done, writing=True)
         except Exception:
+            job.step = 0
             self._write_bug(job)
+        except BaseException as exc:
+            if job.step == HASHED and not_started(start, exc):
+                job.step = 0
+            self._write_rescue(job)
+            raise
 
     def _write_hashed(self, job: WriteJob, checksum: int | BaseException) -> None:
+        if job.step != HASHED:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
         try:
             if isinstance(checksum, BaseException):
+                if isinstance(checksum, OSError):  # the hash was interrupted before it started
+                    self._faults.count(checksum, "write")
+                    self._end_write(job, False)
+                    return
                 raise checksum
             job.checksum = checksum
             if job.key in self._moving or self._space_recheck_due():
@@ -84,10 +134,14 @@ class WritePath(TierBase):
                 self._claim(job)
         except Exception:
             self._write_bug(job)
+        except BaseException:
+            self._write_rescue(job)
+            raise
 
     async def _write_later(self, job: WriteJob, refresh: bool) -> None:
         """Look at the free space again (``refresh``: the file system just said it is full), wait
         for a rename or unlink of the key in flight, then go on by callbacks."""
+        job.step = 0  # the task has the job (at its start: an interrupt before, and _write_later_done ends it)
         try:
             if refresh:
                 await self._refresh_space(after_enospc=True)
@@ -100,58 +154,107 @@ class WritePath(TierBase):
             self._claim(job)
         except Exception:
             self._write_bug(job)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):  # (a signal's KeyboardInterrupt)
+                self._write_rescue(job)
+            raise
 
     def _spawn_write_later(self, job: WriteJob, refresh: bool) -> None:
-        task = self._spawn(self._write_later(job, refresh))
-        task.add_done_callback(functools.partial(self._write_later_done, job))
+        """:meth:`_write_later` in a task of its own, which has the job (:data:`~.jobs.WAITING`)."""
+        coro = self._write_later(job, refresh)
+        done = functools.partial(self._write_later_done, job)
+        job.step = WAITING
+        task: asyncio.Task[None] | None = None
+        try:
+            task = self._spawn(coro)
+            task.add_done_callback(done)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
+                if task is not None:
+                    task.add_done_callback(done)  # maybe twice: it ends the job once
+                elif not_started(self._spawn, exc):
+                    job.step = 0  # never spawned: the caller's guard ends the job
+                    coro.close()
+            raise
 
     def _write_later_done(self, job: WriteJob, task: asyncio.Task[None]) -> None:
         # Cancelled (its loop is going away; maybe before its first step) or a BaseException: the
         # job holds no room or slot while it awaits (both are taken in ``_claim``, which never
-        # awaits), so it ends unstored; its callers and ``aclose`` wait for that end.
-        if not job.ended and (task.cancelled() or task.exception() is not None):
-            self._end_write(job, False)
+        # awaits), so it ends unstored unless the task handed it on before (an interrupt in
+        # ``_claim``, which settles or hands it on itself); its callers and ``aclose`` wait for that end.
+        try:
+            if job.ended or not (task.cancelled() or task.exception() is not None):
+                return
+            if job.step == WAITING:
+                job.step = 0  # it never started
+            if not job.step and not self._io_slots.waits(job):
+                self._end_write(job, False)
+        except BaseException:
+            # (a signal's KeyboardInterrupt) looked at again in the next turn (idempotent)
+            asyncio.get_running_loop().call_soon(self._write_later_done, job, task)
+            raise
 
     def _claim(self, job: WriteJob) -> None:
         """Room for the file (a spare file, or evicting least recently used files, or recycling
         one), then a slot."""
-        if self._read_only is not None:  # became read-only meanwhile
-            self._writes_refused += 1
-            self._end_write(job, False)
+        try:
+            if self._read_only is not None:  # became read-only meanwhile
+                self._writes_refused += 1
+                self._end_write(job, False)
+                return
+            if self._take_spare(job):
+                self._io_slots.take(job, self._write_slot)
+                return
+            index, refill = self._index, self._refill
+            if refill is not None and index.used + index.file_bytes > index.capacity:
+                # The only free room is held by spares being made: take one of them when they land
+                # rather than evict a page (they are made into free room, never at a page's cost).
+                done = functools.partial(self._claim_after_refill, job)
+                job.step = ROOM  # no call before the callback's: an interrupt after it finds it added
+                refill.add_done_callback(done)
+                return
+            claim = self._index.claim(self.config.recycle_files)
+            if claim is None:
+                self._dropped += 1
+                self._end_write(job, False)
+                return
+            job.holds_room = True
+            job.victim, evicted = claim
+            if job.victim is not None:
+                # Out of the index from now on: a new write of the victim's key must wait until the
+                # recycle left the name (it may wait for a slot first), not publish a file it overwrites.
+                job.moved = asyncio.get_running_loop().create_future()
+                self._moving[job.victim] = job.moved
+            unlinks = self._remove_files(evicted)
+            if job.attempt and unlinks:
+                # A retry after ENOSPC needs the space they free (they never raise).
+                freed = asyncio.gather(*unlinks, return_exceptions=True)
+                done = functools.partial(self._claim_after_unlinks, job)
+                job.step = ROOM
+                freed.add_done_callback(done)
+            else:
+                self._io_slots.take(job, self._write_slot)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._write_rescue(job)
+            raise
+
+    def _claim_after_unlinks(self, job: WriteJob, _: asyncio.Future[list[object]]) -> None:
+        if job.step != ROOM:
             return
-        if self._take_spare(job):
+        job.step = 0
+        try:
             self._io_slots.take(job, self._write_slot)
-            return
-        index, refill = self._index, self._refill
-        if refill is not None and index.used + index.file_bytes > index.capacity:
-            # The only free room is held by spares being made: take one of them when they land
-            # rather than evict a page (they are made into free room, never at a page's cost).
-            refill.add_done_callback(functools.partial(self._claim_after_refill, job))
-            return
-        claim = self._index.claim(self.config.recycle_files)
-        if claim is None:
-            self._dropped += 1
-            self._end_write(job, False)
-            return
-        job.holds_room = True
-        job.victim, evicted = claim
-        if job.victim is not None:
-            # Out of the index from now on: a new write of the victim's key must wait until the
-            # recycle left the name (it may wait for a slot first), not publish a file it overwrites.
-            job.moved = asyncio.get_running_loop().create_future()
-            self._moving[job.victim] = job.moved
-        unlinks = self._remove_files(evicted)
-        if job.attempt and unlinks:
-            # A retry after ENOSPC needs the space they free (they never raise).
-            freed = asyncio.gather(*unlinks, return_exceptions=True)
-            freed.add_done_callback(lambda _: self._io_slots.take(job, self._write_slot))
-        else:
-            self._io_slots.take(job, self._write_slot)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._write_rescue(job)
+            raise
 
     def _claim_after_refill(self, job: WriteJob, _: asyncio.Future[Made]) -> None:
         # After the batch's own callback put its spares into stock (callbacks run in order).
-        if job.ended:
+        if job.step != ROOM:
             return
+        job.step = 0
         try:
             if job.key in self._moving:
                 self._spawn_write_later(job, refresh=False)
@@ -159,53 +262,86 @@ class WritePath(TierBase):
                 self._claim(job)
         except Exception:
             self._write_bug(job)
+        except BaseException:
+            self._write_rescue(job)
+            raise
 
     def _write_slot(self, job: Job, slot: int) -> None:
-        assert isinstance(job, WriteJob) and self._slots is not None and self._io is not None
+        start: object = None
+        # The backend's start is a plain call (no *args): Python checks for signals as a call it
+        # does not inline returns, and an interrupt after the write was handed over must not look
+        # like one before it (not_started below).
         try:
-            assert job.page is not None
+            assert isinstance(job, WriteJob)
+            io = self._io
+            assert job.page is not None and self._slots is not None and io is not None
             pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
             dir_fd, final = self._where(job.key)
+            sync = self.config.sync_writes
             spare = self._spare_of.get(job)
             if spare is not None:
                 # As a recycled file: overwritten under its own name, then renamed to ``final``.
-                self._io.start_recycle(spare.dir_fd, spare.name, dir_fd, final, slot, job.page,
-                                       self.config.sync_writes, functools.partial(self._spare_done, job, spare))
+                done = functools.partial(self._spare_done, job, spare)
+                start = recycle = io.start_recycle
+                job.step = WRITTEN
+                recycle(spare.dir_fd, spare.name, dir_fd, final, slot, job.page, sync, done)
                 del self._spare_of[job]  # the backend's now (it removes the name on a fault)
                 return
             if job.victim is None:
-                self._io.start_publish(dir_fd, self._temp(job.key), final, slot, job.page, self.config.sync_writes,
-                                       functools.partial(self._written, job))
+                temp = self._temp(job.key)
+                written = functools.partial(self._written, job)
+                start = publish = io.start_publish
+                job.step = WRITTEN
+                publish(dir_fd, temp, final, slot, job.page, sync, written)
                 return
             # The victim's file is overwritten under its name, then renamed to ``final``: a new
             # write of the victim's key waits (on ``job.moved``, set by ``_claim``) until it left the name.
-            self._io.start_recycle(*self._where(job.victim), dir_fd, final, slot, job.page,
-                                   self.config.sync_writes, functools.partial(self._recycled_done, job))
+            victim_dir, victim = self._where(job.victim)
+            done = functools.partial(self._recycled_done, job)
+            start = recycle = io.start_recycle
+            job.step = WRITTEN
+            recycle(victim_dir, victim, dir_fd, final, slot, job.page, sync, done)
         except Exception:
+            assert isinstance(job, WriteJob)
+            job.step = 0
             self._write_failed(job, None)  # frees the victim's name (its file unlinked: never taken)
+        except BaseException as exc:
+            if not isinstance(job, WriteJob):
+                raise
+            if job.step == WRITTEN and not not_started(start, exc):  # type: ignore[arg-type]
+                self._spare_of.pop(job, None)  # the backend has the write (and a spare's name)
+            else:
+                job.step = 0
+                self._write_settle(job)
+            raise
 
     def _victim_moved(self, job: WriteJob, unlink: bool = False) -> None:
         """The victim's name is free for a new write of its key (idempotent: every exit calls it).
         ``unlink``: the recycle ended without taking the file over, so it is removed first (out of
         the index already); the unlink registers before ``moved`` resolves, so a writer woken by it
-        waits for the unlink too."""
+        waits for the unlink too. ``moved`` is forgotten last: a run cut short by an interrupt is
+        run again whole (a second unlink of the name finds nothing, or waits for the first)."""
         moved = job.moved
         if moved is None:
             return
-        job.moved = None
         victim = job.victim
         assert victim is not None
         try:
             if unlink:
                 self._unlink_later(victim)
         finally:
-            moved.set_result(None)
+            if not moved.done():
+                moved.set_result(None)
             if self._moving.get(victim) is moved:
                 del self._moving[victim]
+            job.moved = None
 
     def _recycled_done(self, job: WriteJob, error: BaseException | None, taken: bool) -> None:
         """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
         instead), not ours (counted, unlinked, a new file instead) or a fault."""
+        if job.step != WRITTEN:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
         try:
             victim = job.victim
             assert victim is not None and self._io is not None and job.page is not None
@@ -221,7 +357,7 @@ class WritePath(TierBase):
                 self._unlink_later(victim)  # out of the index already: do not orphan its file
             self._victim_moved(job)
             if error is None or taken:
-                self._written(job, error)
+                self._publish_done(job, error)
                 return
             if not isinstance(error, (UnsafeFileError, FileNotFoundError)):
                 self._write_failed(job, error)
@@ -230,15 +366,21 @@ class WritePath(TierBase):
             self._write_slot(job, job.slot)  # still holding the slot: a new file in its place
         except Exception:
             self._write_bug(job)
+        except BaseException:
+            self._write_rescue(job)
+            raise
 
     def _spare_done(self, job: WriteJob, spare: Spare, error: BaseException | None, taken: bool) -> None:
         """The spare was taken over (``taken``) and written, or not taken: then the job writes a
         new file in its place (still holding its slot and the spare's room); a name that still
         holds something is unlinked (never followed), a fault counted."""
+        if job.step != WRITTEN:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
         try:
             if taken:
                 self._spares.taken += 1
-                self._written(job, error)
+                self._publish_done(job, error)
                 return
             self._spares.not_taken += 1
             if isinstance(error, OSError) and error.errno == errno.EROFS:
@@ -252,8 +394,22 @@ class WritePath(TierBase):
             self._write_slot(job, job.slot)
         except Exception:
             self._write_bug(job)
+        except BaseException:
+            self._write_rescue(job)
+            raise
 
     def _written(self, job: WriteJob, error: BaseException | None) -> None:
+        """A new file published (``error`` None) or not: the backend's completion."""
+        if job.step != WRITTEN:
+            return  # delivered again after an interrupt (its deliverer could not tell): it ran
+        job.step = 0
+        try:
+            self._publish_done(job, error)
+        except BaseException:
+            self._write_rescue(job)
+            raise
+
+    def _publish_done(self, job: WriteJob, error: BaseException | None) -> None:
         self._io_slots.give_back(job)
         if error is not None:
             self._write_failed(job, error)
@@ -281,14 +437,16 @@ class WritePath(TierBase):
             self._end_write(job, False)
 
     def _give_room_back(self, job: WriteJob) -> None:
-        """The room ``job`` claimed goes back, if it still holds it (idempotent), and a spare it
-        took but never handed to the backend is removed."""
-        spare = self._spare_of.pop(job, None)
+        """The room ``job`` claimed goes back, if it still holds it, and a spare it took but never
+        handed to the backend is removed. Idempotent, and each part is undone after it is done
+        (no call between): run again after an interrupt, it finishes what is left."""
+        spare = self._spare_of.get(job)
         if spare is not None:
             self._unlink_spare(spare)
+            del self._spare_of[job]
         if job.holds_room:
-            job.holds_room = False
             self._index.give_back()
+            job.holds_room = False
 
     def _write_bug(self, job: WriteJob) -> None:
         """An unexpected failure (a bug): counted and logged; the job ends, its room and slot given
@@ -305,6 +463,23 @@ class WritePath(TierBase):
         if not job.ended:
             self._end_write(job, False)
 
+    def _write_rescue(self, job: WriteJob) -> None:
+        """After an interrupt (a signal's KeyboardInterrupt) in one of ``job``'s steps: ended now
+        unless something still has it — a completion it waits for (``step``) or the slot queue
+        (a slot it holds was given back or handed on by the step that had it)."""
+        if not job.step and not self._io_slots.waits(job):
+            self._write_settle(job)
+
+    def _write_settle(self, job: WriteJob) -> None:
+        """End ``job`` after an interrupt left it between steps: its slot and room go back, its
+        victim's name is freed, it ends unstored as a counted fault; an end the interrupt cut short
+        only finishes what is left. Idempotent."""
+        job.step = 0
+        self._io_slots.give_back(job)
+        if not job.ended:
+            self._count_interrupt("write")
+        self._end_write(job, False)
+
     def _count_write_fault(self, exc: OSError) -> bool:
         """Count a write's fault; True when it is the file system saying it is full."""
         self._faults.count(exc, "write")
@@ -313,16 +488,23 @@ class WritePath(TierBase):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
     def _end_write(self, job: WriteJob, stored: bool) -> None:
+        """``job`` ends, stored or not: its reference released, its room the file's or given back,
+        its callers told, the tier's count of jobs down. Run again after an interrupt (with
+        ``stored`` False), it finishes what is left: each part is marked done with no call after
+        it (a signal's exception comes at calls), and a file already indexed stays."""
         key = job.key
-        if job.ref is not None:
-            self._release(job.ref)
-        self._writing.pop(key, None)
+        ref = job.ref
+        if ref is not None:
+            self._release(ref)
+            job.ref = None
+        if self._writing.get(key) is job:
+            del self._writing[key]
         if stored and key in self._delete_after_write:
             stored = False
             self._unlink_later(key)
-        if stored:
-            job.holds_room = False  # the file's now
+        if stored and job.holds_room:
             self._index.add(key)
+            job.holds_room = False  # the file's now
             self._writes += 1
             self._bytes_written += self._file_bytes
         self._give_room_back(job)
