@@ -53,7 +53,8 @@ class LaunchSizer:
             return self._floor
         if per_page <= 0:  # a clock too coarse to see the group: the byte ceiling bounds it
             return self._ceiling
-        return max(self._floor, min(self._ceiling, int(self._turn_s / per_page)))
+        fit = self._turn_s / per_page
+        return self._ceiling if fit >= self._ceiling else max(self._floor, int(fit))  # (an infinite budget too)
 
     def record(self, pages: int, seconds: float) -> None:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""

@@ -54,6 +54,13 @@ def test_zero_turn_budget_keeps_the_floor() -> None:
     assert sizer.pages() == 2
 
 
+def test_an_infinite_turn_budget_is_the_byte_ceiling() -> None:
+    sizer = LaunchSizer(2, 40 * 4096, math.inf, 4096)
+    sizer.record(2, 1e-3)
+    assert sizer.pages() == 40
+    assert CacheConfig(disk=None, launch_turn_s=math.inf).launch_turn_s == math.inf
+
+
 def test_a_clock_that_saw_nothing_gives_the_byte_ceiling() -> None:
     sizer = LaunchSizer(2, 40 * 4096, 250e-6, 4096)
     sizer.record(2, 0.0)
