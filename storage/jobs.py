@@ -8,8 +8,9 @@ hold them all).
 
 A KeyboardInterrupt (a signal, raised by Python in the loop's thread at a function's entry or as a
 call returns) never loses a job: a completion delivered to a job runs only if the job waits for it
-(:attr:`Job.step`), so whoever cannot tell whether its call of one ran delivers it again; a job
-handed to :meth:`IOSlots.take` is either queued or has its start running, which settles it.
+(:attr:`Job.step`, the number of the hand-off it came from), so whoever cannot tell whether its call
+of one ran delivers it again; a job handed to :meth:`IOSlots.take` is either queued or has its start
+running, which settles it.
 """
 
 from __future__ import annotations
@@ -28,22 +29,11 @@ from aiokv.pagetable import PageHandle
 from .memory import PageBuffer
 from .uring import TURNS, not_started
 
-LOADED = 1
-""":attr:`Job.step` of a read whose load the backend has (its completion is awaited)."""
-HASHED = 2
-"""... of a job whose payload the checksums have."""
-WRITTEN = 3
-"""... of a write whose file the backend has."""
-ROOM = 4
-"""... of a write that waits for room (spare files being made, or unlinks after ENOSPC)."""
-WAITING = 5
-"""... of a write whose task (a free-space look, a rename or unlink of its key) has it."""
-
 
 class Job:
     """A page's I/O driven by completion callbacks: who waits for its end, and its I/O slot."""
 
-    __slots__ = ("ended", "ended_waiters", "holds_slot", "slot", "step", "then", "ticket")
+    __slots__ = ("ended", "ended_waiters", "handoffs", "holds_slot", "slot", "step", "then", "ticket")
 
     writes: ClassVar[bool] = False
     """A :class:`WriteJob` (read as an attribute on the hot path, not as an ``isinstance`` call)."""
@@ -56,9 +46,15 @@ class Job:
         self.ended = False
         self.ended_waiters: list[asyncio.Future[None]] | None = None
         self.step = 0
-        """The completion the job waits for (:data:`LOADED`, :data:`HASHED`, :data:`WRITTEN`; 0:
-        none). A completion runs only for the step awaited and clears it first: delivered twice
-        (after an interrupt its deliverer cannot tell whether its call ran) it runs once."""
+        """The hand-off whose completion the job waits for (its number; 0: none): the backend's
+        load or write, the checksums, a refill of spare files or unlinks, a task of its own. Each
+        hand-off takes the next number (``step = job.step = job.handoffs = job.handoffs + 1``,
+        no call) and its completion carries it: one runs only for the hand-off awaited and clears
+        ``step`` first, so one delivered twice (after an interrupt its deliverer cannot tell
+        whether its call ran) runs once, also after the job moved on to a later hand-off of the
+        same kind (a recycle not taken goes on to a new file's publish at once: a kind, not a
+        number, let the stale completion run as the publish's)."""
+        self.handoffs = 0
 
     def end(self) -> None:
         """Mark the job ended and wake those waiting for it (the tier counts the end itself:

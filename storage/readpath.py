@@ -18,7 +18,7 @@ import functools
 
 from aiokv.keys import PageKey
 
-from .jobs import HASHED, LOADED, Job, ReadBatch, ReadJob
+from .jobs import Job, ReadBatch, ReadJob
 from .memory import PageBuffer
 from .pagefile import PageHeader, parse_header
 from .safefiles import UnsafeFileError
@@ -105,6 +105,7 @@ class ReadPath(TierBase):
             raise
 
     def _read_slot(self, job: Job, slot: int) -> None:
+        step = -1  # the load's hand-off (none yet: ``start`` is set once it is)
         try:
             assert isinstance(job, ReadJob) and self._io is not None
             self._reads += 1
@@ -116,10 +117,10 @@ class ReadPath(TierBase):
                 self._read_fault(job, exc)
                 return
             start = self._io.start_load
-            job.step = LOADED
+            step = job.step = job.handoffs = job.handoffs + 1
             # A plain call (no *args): Python checks for signals as a call it does not inline returns,
             # and an interrupt after a load was handed over must not look like one before it.
-            start(dir_fd, name, slot, job.page, functools.partial(self._read_loaded, job))
+            start(dir_fd, name, slot, job.page, functools.partial(self._read_loaded, job, step))
         except Exception:
             assert isinstance(job, ReadJob)
             job.step = 0
@@ -130,7 +131,7 @@ class ReadPath(TierBase):
         except BaseException as exc:
             # (a signal's KeyboardInterrupt) before the load was handed to the backend: ends here.
             # A load that started delivers its completion (at least once): nothing to do here.
-            if isinstance(job, ReadJob) and (job.step != LOADED or not_started(start, exc)):
+            if isinstance(job, ReadJob) and (job.step != step or not_started(start, exc)):
                 self._read_settle(job)
             raise
 
@@ -160,10 +161,11 @@ class ReadPath(TierBase):
             self._count_interrupt("read")
         self._end_read(job, False)
 
-    def _read_loaded(self, job: ReadJob, got: int | BaseException) -> None:
-        if job.step != LOADED:
+    def _read_loaded(self, job: ReadJob, step: int, got: int | BaseException) -> None:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
+        hashed = -1  # the hash's hand-off (none yet)
         assert self._slots is not None and self._checksums is not None
         key, generation = job.key, job.generation
         try:
@@ -192,8 +194,8 @@ class ReadPath(TierBase):
                 return
             job.checksum = header.checksum
             payload = job.page.payload
-            job.step = HASHED
-            self._checksums.start(payload, functools.partial(self._read_hashed, job))
+            hashed = job.step = job.handoffs = job.handoffs + 1
+            self._checksums.start(payload, functools.partial(self._read_hashed, job, hashed))
         except Exception:  # the slot back and the job ended on every path: later I/O must not hang
             job.step = 0
             self._io_slots.give_back(job)
@@ -203,7 +205,7 @@ class ReadPath(TierBase):
         except BaseException as exc:
             # (a signal's KeyboardInterrupt) before the hash started: ends here (a hash that started
             # delivers its result, at least once).
-            if job.step != HASHED or not_started(self._checksums.start, exc):
+            if job.step != hashed or not_started(self._checksums.start, exc):
                 self._read_settle(job)
             raise
 
@@ -220,8 +222,8 @@ class ReadPath(TierBase):
             self._faults.unexpected("read")
         self._end_read(job, False)
 
-    def _read_hashed(self, job: ReadJob, checksum: int | BaseException) -> None:
-        if job.step != HASHED:
+    def _read_hashed(self, job: ReadJob, step: int, checksum: int | BaseException) -> None:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:

@@ -23,7 +23,7 @@ from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .config import ReadOnly
-from .jobs import HASHED, ROOM, WAITING, WRITTEN, Job, WriteJob
+from .jobs import Job, WriteJob
 from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
@@ -101,23 +101,23 @@ class WritePath(TierBase):
         unlink of the key in flight, a due free-space check, an ENOSPC retry — take a coroutine."""
         assert self._checksums is not None
         start = self._checksums.start
+        step = -1  # the hash's hand-off (none yet)
         try:
             job.page = self._source(job)
             payload = job.page.payload
-            done = functools.partial(self._write_hashed, job)
-            job.step = HASHED
-            start(payload, done, writing=True)
+            step = job.step = job.handoffs = job.handoffs + 1
+            start(payload, functools.partial(self._write_hashed, job, step), writing=True)
         except Exception:
             job.step = 0
             self._write_bug(job)
         except BaseException as exc:
-            if job.step == HASHED and not_started(start, exc):
+            if job.step == step and not_started(start, exc):
                 job.step = 0
             self._write_rescue(job)
             raise
 
-    def _write_hashed(self, job: WriteJob, checksum: int | BaseException) -> None:
-        if job.step != HASHED:
+    def _write_hashed(self, job: WriteJob, step: int, checksum: int | BaseException) -> None:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
@@ -160,10 +160,11 @@ class WritePath(TierBase):
             raise
 
     def _spawn_write_later(self, job: WriteJob, refresh: bool) -> None:
-        """:meth:`_write_later` in a task of its own, which has the job (:data:`~.jobs.WAITING`)."""
+        """:meth:`_write_later` in a task of its own, which has the job (a hand-off until it starts)."""
         coro = self._write_later(job, refresh)
-        done = functools.partial(self._write_later_done, job)
-        job.step = WAITING
+        step = job.handoffs + 1
+        done = functools.partial(self._write_later_done, job, step)
+        job.step = job.handoffs = step  # after the partial's call, where an interrupt may come
         task: asyncio.Task[None] | None = None
         try:
             task = self._spawn(coro)
@@ -177,7 +178,7 @@ class WritePath(TierBase):
                     coro.close()
             raise
 
-    def _write_later_done(self, job: WriteJob, task: asyncio.Task[None]) -> None:
+    def _write_later_done(self, job: WriteJob, step: int, task: asyncio.Task[None]) -> None:
         # Cancelled (its loop is going away; maybe before its first step) or a BaseException: the
         # job holds no room or slot while it awaits (both are taken in ``_claim``, which never
         # awaits), so it ends unstored unless the task handed it on before (an interrupt in
@@ -185,13 +186,13 @@ class WritePath(TierBase):
         try:
             if job.ended or not (task.cancelled() or task.exception() is not None):
                 return
-            if job.step == WAITING:
+            if job.step == step:
                 job.step = 0  # it never started
             if not job.step and not self._io_slots.waits(job):
                 self._end_write(job, False)
         except BaseException:
             # (a signal's KeyboardInterrupt) looked at again in the next turn (idempotent)
-            asyncio.get_running_loop().call_soon(self._write_later_done, job, task)
+            asyncio.get_running_loop().call_soon(self._write_later_done, job, step, task)
             raise
 
     def _claim(self, job: WriteJob) -> None:
@@ -209,8 +210,9 @@ class WritePath(TierBase):
             if refill is not None and index.used + index.file_bytes > index.capacity:
                 # The only free room is held by spares being made: take one of them when they land
                 # rather than evict a page (they are made into free room, never at a page's cost).
-                done = functools.partial(self._claim_after_refill, job)
-                job.step = ROOM  # no call before the callback's: an interrupt after it finds it added
+                step = job.handoffs + 1
+                done = functools.partial(self._claim_after_refill, job, step)
+                job.step = job.handoffs = step  # no call before the callback's: an interrupt after it finds it added
                 refill.add_done_callback(done)
                 return
             claim = self._index.claim(self.config.recycle_files)
@@ -229,8 +231,9 @@ class WritePath(TierBase):
             if job.attempt and unlinks:
                 # A retry after ENOSPC needs the space they free (they never raise).
                 freed = asyncio.gather(*unlinks, return_exceptions=True)
-                done = functools.partial(self._claim_after_unlinks, job)
-                job.step = ROOM
+                step = job.handoffs + 1
+                done = functools.partial(self._claim_after_unlinks, job, step)
+                job.step = job.handoffs = step
                 freed.add_done_callback(done)
             else:
                 self._io_slots.take(job, self._write_slot)
@@ -239,8 +242,8 @@ class WritePath(TierBase):
                 self._write_rescue(job)
             raise
 
-    def _claim_after_unlinks(self, job: WriteJob, _: asyncio.Future[list[object]]) -> None:
-        if job.step != ROOM:
+    def _claim_after_unlinks(self, job: WriteJob, step: int, _: asyncio.Future[list[object]]) -> None:
+        if job.step != step:
             return
         job.step = 0
         try:
@@ -250,9 +253,9 @@ class WritePath(TierBase):
                 self._write_rescue(job)
             raise
 
-    def _claim_after_refill(self, job: WriteJob, _: asyncio.Future[Made]) -> None:
+    def _claim_after_refill(self, job: WriteJob, step: int, _: asyncio.Future[Made]) -> None:
         # After the batch's own callback put its spares into stock (callbacks run in order).
-        if job.step != ROOM:
+        if job.step != step:
             return
         job.step = 0
         try:
@@ -268,6 +271,7 @@ class WritePath(TierBase):
 
     def _write_slot(self, job: Job, slot: int) -> None:
         start: object = None
+        step = -1  # the write's hand-off (none yet)
         # The backend's start is a plain call (no *args): Python checks for signals as a call it
         # does not inline returns, and an interrupt after the write was handed over must not look
         # like one before it (not_started below).
@@ -281,25 +285,25 @@ class WritePath(TierBase):
             spare = self._spare_of.get(job)
             if spare is not None:
                 # As a recycled file: overwritten under its own name, then renamed to ``final``.
-                done = functools.partial(self._spare_done, job, spare)
                 start = recycle = io.start_recycle
-                job.step = WRITTEN
+                step = job.step = job.handoffs = job.handoffs + 1
+                done = functools.partial(self._spare_done, job, step, spare)
                 recycle(spare.dir_fd, spare.name, dir_fd, final, slot, job.page, sync, done)
                 del self._spare_of[job]  # the backend's now (it removes the name on a fault)
                 return
             if job.victim is None:
                 temp = self._temp(job.key)
-                written = functools.partial(self._written, job)
                 start = publish = io.start_publish
-                job.step = WRITTEN
+                step = job.step = job.handoffs = job.handoffs + 1
+                written = functools.partial(self._written, job, step)
                 publish(dir_fd, temp, final, slot, job.page, sync, written)
                 return
             # The victim's file is overwritten under its name, then renamed to ``final``: a new
             # write of the victim's key waits (on ``job.moved``, set by ``_claim``) until it left the name.
             victim_dir, victim = self._where(job.victim)
-            done = functools.partial(self._recycled_done, job)
             start = recycle = io.start_recycle
-            job.step = WRITTEN
+            step = job.step = job.handoffs = job.handoffs + 1
+            done = functools.partial(self._recycled_done, job, step)
             recycle(victim_dir, victim, dir_fd, final, slot, job.page, sync, done)
         except Exception:
             assert isinstance(job, WriteJob)
@@ -308,7 +312,7 @@ class WritePath(TierBase):
         except BaseException as exc:
             if not isinstance(job, WriteJob):
                 raise
-            if job.step == WRITTEN and not not_started(start, exc):  # type: ignore[arg-type]
+            if job.step == step and not not_started(start, exc):  # type: ignore[arg-type]
                 self._spare_of.pop(job, None)  # the backend has the write (and a spare's name)
             else:
                 job.step = 0
@@ -336,10 +340,10 @@ class WritePath(TierBase):
                 del self._moving[victim]
             job.moved = None
 
-    def _recycled_done(self, job: WriteJob, error: BaseException | None, taken: bool) -> None:
+    def _recycled_done(self, job: WriteJob, step: int, error: BaseException | None, taken: bool) -> None:
         """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
         instead), not ours (counted, unlinked, a new file instead) or a fault."""
-        if job.step != WRITTEN:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
@@ -370,11 +374,12 @@ class WritePath(TierBase):
             self._write_rescue(job)
             raise
 
-    def _spare_done(self, job: WriteJob, spare: Spare, error: BaseException | None, taken: bool) -> None:
+    def _spare_done(self, job: WriteJob, step: int, spare: Spare, error: BaseException | None,
+                    taken: bool) -> None:
         """The spare was taken over (``taken``) and written, or not taken: then the job writes a
         new file in its place (still holding its slot and the spare's room); a name that still
         holds something is unlinked (never followed), a fault counted."""
-        if job.step != WRITTEN:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
@@ -398,9 +403,9 @@ class WritePath(TierBase):
             self._write_rescue(job)
             raise
 
-    def _written(self, job: WriteJob, error: BaseException | None) -> None:
+    def _written(self, job: WriteJob, step: int, error: BaseException | None) -> None:
         """A new file published (``error`` None) or not: the backend's completion."""
-        if job.step != WRITTEN:
+        if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:

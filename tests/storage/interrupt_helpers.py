@@ -167,17 +167,21 @@ class SignalPoints:
 
 
 class SignalAfterCall:
-    """A real SIGINT raised as the call of ``self.<attr>(...)`` in ``code`` returns, the first time
-    (its result dropped, as Python's check for signals after a call drops it): for a callable the
-    profile hook does not report (a ctypes function). Traces ``code``'s opcodes (``sys.settrace``)."""
+    """A real SIGINT raised as the call of ``self.<attr>(...)`` (or of a local or free variable
+    named ``attr``: a ``done`` callback) in ``code`` returns, the first time (its result dropped,
+    as Python's check for signals after a call drops it): for a callable the profile hook does not
+    report (a ctypes function, a ``functools.partial``); only where ``when(frame)`` holds, if
+    given (the frame of ``code`` as the call returned). Traces ``code``'s opcodes (``sys.settrace``)."""
 
-    def __init__(self, code: types.CodeType, attr: str) -> None:
+    def __init__(self, code: types.CodeType, attr: str,
+                 when: Callable[[types.FrameType], bool] | None = None) -> None:
         self.code = code
+        self.when = when
         instructions = list(dis.get_instructions(code))
-        load = next(i for i, ins in enumerate(instructions)
-                    if ins.argval == attr and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"))
-        call = next(i for i in range(load, len(instructions)) if instructions[i].opname == "CALL")
-        self.after = instructions[call + 1].offset
+        loads = ("LOAD_ATTR", "LOAD_METHOD", "LOAD_FAST", "LOAD_DEREF")
+        self.after = next(after for i, ins in enumerate(instructions)
+                          if ins.argval == attr and ins.opname in loads
+                          and (after := _after_call(instructions, i)) is not None)
         self.fired: str | None = None
 
     def __enter__(self) -> SignalAfterCall:
@@ -194,12 +198,26 @@ class SignalAfterCall:
         return self._local
 
     def _local(self, frame: types.FrameType, event: str, arg: object) -> Callable[..., object] | None:
-        if event == "opcode" and frame.f_lasti == self.after and self.fired is None:
+        if (event == "opcode" and frame.f_lasti == self.after and self.fired is None
+                and (self.when is None or self.when(frame))):
             self.fired = f"return of the call at offset {self.after} in {self.code.co_qualname}"
             sys.settrace(None)
             frame.f_trace_opcodes = False
             signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
         return self._local
+
+
+def _after_call(instructions: list[dis.Instruction], load: int) -> int | None:
+    """The offset of the instruction after the call of what ``instructions[load]`` loads (not a
+    call nested in its arguments: the first CALL that leaves the stack below the loaded callable),
+    or None when something else consumes it (a test of it, a store)."""
+    depth = 0
+    for at in range(load, len(instructions)):
+        ins = instructions[at]
+        depth += dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None, jump=False)
+        if depth <= 0:
+            return instructions[at + 1].offset if ins.opname == "CALL" else None
+    return None
 
 
 def _matches(where: tuple[str, str, str | None], point: tuple[str, str, str]) -> bool:
