@@ -967,8 +967,20 @@ class UringPageIO:
                 if results[0] >= 0 and results[-1] == -errno.ECANCELED:
                     # A broken chain skipped its CLOSE: the entry is closed first, as it must be empty
                     # before the slot goes to another page's chain.
-                    self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None,
-                                       functools.partial(self._entry_closed, results, dir_fd, name, slot, page, done))
+
+                    def closed(_: list[int]) -> None:
+                        # A function, not a ``functools.partial``: the ring runs a callback again
+                        # only when it never started, which it cannot tell for a partial (whose
+                        # call's return is where an interrupt comes after it ran: a second read
+                        # the checked way went into the slot and page after the read's end).
+                        try:
+                            self._chain_failed(results, dir_fd, name, slot, page, done)
+                        except BaseException as exc:
+                            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): once, at most
+                                _fault_later(done)
+                            raise
+
+                    self.engine.submit([uring.sqe(uring.OP_CLOSE, 0, file_index=slot + 1)], None, closed)
                     return
                 self._chain_failed(results, dir_fd, name, slot, page, done)
             except BaseException as exc:
@@ -977,15 +989,6 @@ class UringPageIO:
                 raise
 
         self.engine.submit(ops, keep, read, expect=expect, report=len(ops) - 2)
-
-    def _entry_closed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
-                      done: Loaded, _closed: list[int]) -> None:
-        try:
-            self._chain_failed(results, dir_fd, name, slot, page, done)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): done ignores a second call
-                _fault_later(done)
-            raise
 
     def _chain_failed(self, results: list[int], dir_fd: int, name: str, slot: int, page: PageBuffer,
                       done: Loaded) -> None:
