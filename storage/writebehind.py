@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
+from .uring import not_started
+
 log = logging.getLogger(__name__)
 
 
@@ -63,12 +65,51 @@ class WriteBehind:
         return dropped
 
     async def _worker(self) -> None:
-        while True:
-            key, handle = await self._queue.get()
+        """Write what is queued, each page's reference released and the queue told once it is done.
+
+        A KeyboardInterrupt (a signal) in a write ends this task, as asyncio ends a task then (the
+        loop stops): the page it had is finished here (its write, holding a reference of its own,
+        goes on or settled itself) and a new worker takes this one's place. Before, the worker was
+        gone: once each had met one, queued pages stayed queued and ``join`` (``flush``, the
+        draining close) hung."""
+        taken: list[object] | None = None
+        try:
+            while True:
+                key, handle = await self._queue.get()
+                taken = [handle, 0]  # no call since the get: see _finish
+                try:
+                    await self._write(key, handle)
+                except Exception:
+                    self._on_error()
+                self._finish(taken)
+                taken = None
+        except BaseException as exc:
+            if taken is not None:
+                self._finish(taken)  # (cancelled: the loop is going away; or interrupted)
+            if not isinstance(exc, Exception | asyncio.CancelledError):  # (a signal's KeyboardInterrupt)
+                self._workers.append(asyncio.get_running_loop().create_task(self._worker()))
+            raise
+
+    def _finish(self, taken: list[object]) -> None:
+        """A page a worker took is done: its reference released, then the queue told. ``taken`` is
+        ``[handle, parts done]``; run again after an interrupt it does what is left, each part once
+        (a part an interrupt left at its entry is done again)."""
+        if taken[1] == 0:
+            handle = taken[0]
+            assert isinstance(handle, PageHandle)
             try:
-                await self._write(key, handle)
-            except Exception:
-                self._on_error()
-            finally:
                 self._release(handle)
-                self._queue.task_done()
+            except BaseException as exc:
+                if not not_started(self._release, exc):
+                    taken[1] = 1
+                raise
+            taken[1] = 1
+        if taken[1] == 1:
+            done = self._queue.task_done
+            try:
+                done()
+            except BaseException as exc:
+                if not not_started(done, exc):
+                    taken[1] = 2
+                raise
+            taken[1] = 2

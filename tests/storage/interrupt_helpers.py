@@ -114,7 +114,7 @@ class SignalPoints:
     at the ``fire_at``-th such point (0-based; None: counts them only), counting only the points
     ``where`` names, if given: ``(event, name, caller)`` with event ``"call"`` (name: the function's
     qualified name, or ``"*.x"`` for any ``x`` method) or ``"return"`` (name: the C function's),
-    and caller the qualified name of the function it is called from (None: any).
+    and caller the qualified name of the function it is called from (``"a|b"``: either; None: any).
 
     Left out, as asyncio's own: the entry of a function called by one of asyncio's handles (the
     handle is dropped then, whatever the function) unless it is a coroutine starting (its task ends
@@ -222,7 +222,7 @@ def _after_call(instructions: list[dis.Instruction], load: int) -> int | None:
 
 def _matches(where: tuple[str, str, str | None], point: tuple[str, str, str]) -> bool:
     event, name, caller = where
-    if event != point[0] or (caller is not None and caller != point[2]):
+    if event != point[0] or (caller is not None and point[2] not in caller.split("|")):
         return False
     return point[1].endswith(name[1:]) if name.startswith("*.") else point[1] == name
 
