@@ -208,7 +208,8 @@ def sqe(opcode: int, fd: int = -1, addr: int = 0, length: int = 0, off: int = 0,
 
 
 class _Request:
-    __slots__ = ("callback", "future", "injected", "keep", "ops", "pending", "report", "results", "single", "skip")
+    __slots__ = ("callback", "future", "injected", "keep", "last", "ops", "pending", "report", "results", "single",
+                 "skip")
 
     def __init__(self, ops: list[SqeFields], future: asyncio.Future[Any] | None, callback: ChainDone | None,
                  keep: object, injected: list[int | None] | None, single: bool, expect: list[int] | None,
@@ -224,6 +225,7 @@ class _Request:
         self.skip = expect is not None and len(ops) > 1
         self.results = list(expect) if expect is not None else [0] * len(ops)
         self.pending = len(ops)  # ops whose CQE has not arrived (silent successes included)
+        self.last = len(ops) - 1  # (read by _complete, which must call nothing before a CQE is consumed)
         # ``report``: an op of a silent chain that posts its CQE on success too (its result, an fd,
         # is not known in advance): -ECANCELED until it arrives (the chain broke before the op).
         self.report = report if self.skip and 0 <= report < len(ops) - 1 else -1
@@ -274,7 +276,7 @@ TURNS = LoopTurns()
 _RESUME = dis.opmap.get("RESUME", -1)
 
 
-def not_started(fn: Callable[..., object], exc: BaseException) -> bool:
+def not_started(fn: Callable[..., object] | None, exc: BaseException) -> bool:
     """Whether ``exc``, caught by the caller of ``fn`` (a Python function or bound method), left
     ``fn`` before its first instruction ran: Python raises a signal's KeyboardInterrupt at the
     first check for pending signals, which is a function's entry too; a turn call dropped there
@@ -335,7 +337,10 @@ class UringEngine:
         self._ops_inflight = 0  # SQEs prepared or submitted whose CQE may still come
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
-        self._chains: collections.deque[int] = collections.deque()  # SQEs per prepared chain, in order
+        # SQEs per prepared chain not yet taken by the kernel, in order: replaced whole (one store)
+        # once the kernel took some, so a KeyboardInterrupt never leaves it half updated.
+        self._chains: list[int] = []
+        self._cqe_taken = True  # see _drain
         self._submit_scheduled = False
         self._turn_calls: list[Callable[[], None]] = []  # see call_next_turn
         self._drain_due = False  # a _drain_again is scheduled (CQEs left over by a drain cut short)
@@ -586,7 +591,7 @@ class UringEngine:
         self._tail = tail
         self._ops_inflight += last + 1
         self._prepared += last + 1
-        self._chains += (last + 1,)  # not append: no call after the count
+        self._chains += (last + 1,)  # not append: no call after the count (list += tuple: none either)
 
     def call_next_turn(self, fn: Callable[[], None]) -> None:
         """``fn()`` early in the loop's next turn, from the submission callback (which runs then
@@ -624,49 +629,65 @@ class UringEngine:
                 raise
         self._submit_scheduled = False
         if self._turn_calls:  # asked for again by the calls above: in the turn after this one
-            self._submit_scheduled = True
             self._loop.call_soon(self._submit)
+            self._submit_scheduled = True  # asked for first: an interrupt in between leaves it unset
         if self._prepared:
-            self._enter()
+            try:
+                self._enter()
+            except BaseException:
+                self._submit_later()  # (a signal's KeyboardInterrupt, maybe at its entry)
+                raise
+
+    def _submit_later(self) -> None:
+        """Prepared SQEs a submission left (a KeyboardInterrupt in :meth:`_enter`, or at its entry):
+        submitted in the next turn, not when something else happens to be prepared."""
+        if self._prepared and not self._submit_scheduled:
+            self._loop.call_soon(self._submit)
+            self._submit_scheduled = True
 
     def _enter(self) -> None:
         """Hand the kernel the next batch of prepared chains (one ``io_uring_enter``); the rest in
-        a later turn."""
-        self._sq_tail.value = self._tail
-        # Whole chains only (a split chain would lose its links), about SUBMIT_BATCH SQEs per call:
-        # the kernel issues direct I/O inline, so one huge submit would stall the loop.
-        count = 0
-        while self._chains and (count == 0 or count + self._chains[0] <= SUBMIT_BATCH):
-            count += self._chains.popleft()
-        t0 = time.perf_counter()  # not loop.time(): a Python method, twice per turn
+        a later turn.
+
+        A KeyboardInterrupt (a signal, raised by Python at calls) loses nothing: what the kernel
+        took is accounted once, in a block without a call (``_prepared`` and the chains left,
+        replaced whole), from the call's answer or else from the SQ head, which only this call
+        moves; its callers then ask for a submission of what is left. Before, an interrupt as a
+        chain's count was popped lost it (as many SQEs never went out: their callers and aclose
+        hung), and one before the call, or at this method's entry, left the prepared SQEs
+        waiting for an unrelated submission."""
         try:
-            taken = io_uring_enter(self._fd, count)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
+            self._sq_tail.value = self._tail
+            # Whole chains only (a split chain would lose its links), about SUBMIT_BATCH SQEs per call:
+            # the kernel issues direct I/O inline, so one huge submit would stall the loop.
+            chains = self._chains
+            count = end = 0
+            n = len(chains)
+            while end < n and (count == 0 or count + chains[end] <= SUBMIT_BATCH):
+                count += chains[end]
+                end += 1
+            t0 = time.perf_counter()  # not loop.time(): a Python method, twice per turn
+            try:
+                taken = io_uring_enter(self._fd, count)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
+                    self._fail_prepared(exc)
+                    return
                 taken = 0
+            if taken == count:  # the common case, accounted inline: no call until it is
+                self._chains = chains[end:]
+                self._prepared -= taken
             else:
-                self._fail_prepared(exc)
-                return
+                self._took(taken)  # the kernel was short of resources: the rest goes out later
         except BaseException:
-            # A signal's KeyboardInterrupt raised as the call returned (it may block in the kernel
-            # for ms): the SQ head says what the kernel took (only this call moves it), and the
-            # rest go out next turn. Before, the count stayed prepared: taken, the loop entered the
-            # kernel with nothing to submit every turn for ever; not taken, their chains were
-            # forgotten and as many of the next SQEs never went out (their callers and aclose hung).
+            # (a signal's KeyboardInterrupt) maybe as io_uring_enter returned (it may block in the
+            # kernel for ms): the SQ head says what the kernel took and we did not account yet
+            # (0 when the interrupt came before the call, or after the accounting above). The
+            # callers ask for a submission of the rest (:meth:`_submit_later`).
             taken = (self._sq_head.value - (self._tail - self._prepared)) & 0xFFFFFFFF
-            self._prepared -= taken
-            if taken < count:
-                self._chains.appendleft(count - taken)
-            if self._prepared and not self._submit_scheduled:
-                self._submit_scheduled = True
-                self._loop.call_soon(self._submit)
+            if taken:
+                self._took(taken)
             raise
-        # Counted before any call: a signal's KeyboardInterrupt is raised at the next one (the
-        # clock read below); taken but still counted prepared, the loop entered the kernel with
-        # nothing to submit every turn for ever.
-        self._prepared -= taken
-        if taken < count:
-            self._chains.appendleft(count - taken)  # the kernel was short of resources: retry the rest
         self.submits += 1
         spent = time.perf_counter() - t0
         if spent > self.submit_max_s:
@@ -675,6 +696,22 @@ class UringEngine:
             # Let other callbacks run, then submit the next batch.
             self._submit_scheduled = True
             self._loop.call_soon(self._submit)
+
+    def _took(self, taken: int) -> None:
+        """The kernel took ``taken`` more prepared SQEs (from the oldest chain on): ``_prepared``
+        and the chains left follow, computed first and changed with no call after (a chain it took
+        part of goes out whole later: its rest counted as one)."""
+        chains = self._chains
+        done = 0
+        left = taken
+        while done < len(chains) and chains[done] <= left:
+            left -= chains[done]
+            done += 1
+        rest = chains[done:]
+        if left and rest:
+            rest[0] -= left
+        self._chains = rest
+        self._prepared -= taken
 
     def _fail_prepared(self, exc: OSError) -> None:
         # Unreachable in practice (EBADF/EFAULT on a broken ring): fail the requests nobody took.
@@ -687,7 +724,7 @@ class UringEngine:
         # the next page on a freed slot) lands after ``consumed`` and must survive this reset.
         self._tail = consumed
         self._prepared = 0
-        self._chains.clear()
+        self._chains = []
         for user_data in untaken:
             self._complete(user_data, -(exc.errno or errno.EIO))
         # Their room is free: the requests waiting for it go in now (no completion may be left to
@@ -732,8 +769,8 @@ class UringEngine:
                 ran = 0
                 try:
                     if time.perf_counter() > self._drain_deadline:
+                        ran = len(calls)  # (before they are queued: an interrupt at len's return finds ran 0)
                         turns.after_wake[:0] = calls  # all of them in the next turn (below)
-                        ran = len(calls)
                     for fn in calls[ran:]:
                         ran += 1
                         try:
@@ -743,9 +780,10 @@ class UringEngine:
                 except BaseException as exc:
                     # (a signal's KeyboardInterrupt): the calls after it in the next turn (below),
                     # not forgotten (a page's hash batch among them: its read never ended), and the
-                    # interrupted one too if it never started (see not_started).
-                    if ran:
-                        turns.after_wake[:0] = calls[ran - 1 if not_started(calls[ran - 1], exc) else ran :]
+                    # interrupted one too if it never started (see not_started); all of them when
+                    # the clock read before the first was interrupted (before, none of them).
+                    first = ran - 1 if ran and not_started(calls[ran - 1], exc) else ran
+                    turns.after_wake[:0] = calls[first:]
                     raise
         except BaseException:
             # (a signal's KeyboardInterrupt) anywhere above, the eventfd read before the drain ended
@@ -758,20 +796,39 @@ class UringEngine:
             turns.waking = self._waking = False
             turns.stamp += 1  # budgets opened in this wake-up end with it
             if turns.after_wake:  # asked for by the calls above (or left by a failure): the next turn
-                calls, turns.after_wake = turns.after_wake, []
-                for fn in calls:
-                    self.call_next_turn(fn)
+                # call_next_turn of each, inline: the submission asked for first, then the calls
+                # moved over in one block without a call (an interrupt at a call per call lost the
+                # calls after it: a page's hash batch, and every inline hash after it).
+                if not self._submit_scheduled:
+                    self._loop.call_soon(self._submit)
+                    self._submit_scheduled = True
+                self._turn_calls += turns.after_wake
+                turns.after_wake = []
             if self._prepared:  # nothing queued a submission for them (even if a bug raised above)
-                self._enter()
+                try:
+                    self._enter()
+                except BaseException:
+                    self._submit_later()  # (a signal's KeyboardInterrupt, maybe at its entry)
+                    raise
 
     def _drain(self) -> None:
+        """Handle the CQEs posted, for at most ``DRAIN_TURN_S`` (the rest next turn).
+
+        Each CQE is handled at least once and consumed once under a KeyboardInterrupt (a signal,
+        raised by Python at calls): :meth:`_complete` consumes it in a block without a call right
+        after its lookup (``_cqe_taken``), so an interrupt at its entry or lookup leaves the CQE
+        to be read again next turn, and one later finds it consumed (before, an interrupt at
+        ``_complete``'s entry, or at a call of its before the request was updated, lost the CQE:
+        its page's job never ended)."""
         head = self._cq_head.value
         tail = self._cq_tail.value
         deadline = self._drain_deadline = time.perf_counter() + DRAIN_TURN_S
+        self._cqe_taken = True
         try:
             while head != tail:
                 user_data, res, _flags = _CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
                 head = (head + 1) & 0xFFFFFFFF
+                self._cqe_taken = False
                 self._complete(user_data, res)
                 if tail == head:
                     tail = self._cq_tail.value
@@ -782,9 +839,12 @@ class UringEngine:
                         self._loop.call_soon(self._drain_again)
                     break
         except BaseException:
-            # A callback let a BaseException through (``_complete`` guards Exception only): what was
-            # handled stays consumed (handled twice, a chain's silent ops would count twice), and the
-            # rest is drained next turn (no wake-up comes for CQEs already posted).
+            # A callback let a BaseException through (``_complete`` guards Exception only), or a
+            # signal's KeyboardInterrupt: what was consumed stays consumed (handled twice, a
+            # chain's silent ops would count twice), a CQE not yet consumed is read again, and
+            # the rest is drained next turn (no wake-up comes for CQEs already posted).
+            if not self._cqe_taken:
+                head = (head - 1) & 0xFFFFFFFF
             self._cq_head.value = head
             if not self._drain_due:
                 self._drain_due = True
@@ -834,8 +894,13 @@ class UringEngine:
                 raise
 
     def _complete(self, user_data: int, res: int) -> None:
+        """One CQE: its request updated, and once all of a chain's ops are in, its callback run (or
+        its future resolved). The CQE is consumed (``_cqe_taken``) right after the lookup, and all
+        up to the callback runs without a call (a signal's KeyboardInterrupt comes at calls): an
+        interrupt comes before the CQE counts (``_drain`` reads it again) or at the callback."""
         rid = user_data >> self._index_bits
         request = self._inflight.get(rid)
+        self._cqe_taken = True
         if request is None:
             return  # a CQE of a chain already completed (its silent ops were counted done)
         index = user_data & self._index_mask
@@ -846,10 +911,12 @@ class UringEngine:
             if injected is not None:
                 res = injected
         if request.skip:
-            if index == len(request.ops) - 1:
-                request.results[index] = res  # the last op: it always reports, and ends the chain
+            last = request.last
+            results = request.results
+            if index == last:
+                results[index] = res  # the last op: it always reports, and ends the chain
             elif index == request.report:
-                request.results[index] = res
+                results[index] = res
                 if res >= 0:
                     return  # its success reported: the chain goes on
                 # It failed and posted its CQE: so do the ops cancelled after it (no silent links),
@@ -859,8 +926,16 @@ class UringEngine:
                 self._ops_inflight -= index
                 if request.pending:
                     return
-            elif not self._skipped_done(request, index, res):
-                return
+            else:
+                # Whether a chain whose successful ops post no CQE is complete. The last op always
+                # reports unless an earlier one failed: a failing op (a negative errno, or a short
+                # transfer) posts its CQE and the kernel then cancels the rest of the chain silently
+                # (``REQ_F_SKIP_LINK_CQES``), so their results are ``-ECANCELED`` without a CQE. The
+                # chain leaves the in-flight table then: a late CQE of one of its ops is ignored.
+                if res == results[index]:
+                    return  # a success reported after all: the chain goes on
+                results[index] = res
+                results[index + 1 :] = [-errno.ECANCELED] * (last - index)
             # The ops that stay silent will post nothing: their SQ/CQ room is free.
             self._ops_inflight -= request.pending
             request.pending = 0
@@ -879,6 +954,7 @@ class UringEngine:
                 # A signal's KeyboardInterrupt at the callback's entry: it never ran (its CQE is
                 # consumed), so it runs in the next turn; one that ran part of its body hands on
                 # what it did not do itself (before, its request was forgotten: a page's job hung).
+                # Callbacks are functions Python inlines (no functools.partial: see not_started).
                 if not_started(callback, exc):
                     self._loop.call_soon(callback, request.results)
                 raise
@@ -892,20 +968,6 @@ class UringEngine:
             future.set_exception(OSError(-res, os.strerror(-res)))
         else:
             future.set_result(res)
-
-    def _skipped_done(self, request: _Request, index: int, res: int) -> bool:
-        """Whether a chain whose successful ops post no CQE is complete. The last op always reports
-        unless an earlier one failed: a failing op (a negative errno, or a short transfer) posts its
-        CQE and the kernel then cancels the rest of the chain silently (``REQ_F_SKIP_LINK_CQES``),
-        so their results are ``-ECANCELED`` without a CQE. The chain leaves the in-flight table
-        then: a late CQE of one of its ops is ignored."""
-        last = len(request.ops) - 1
-        if index < last and res == request.results[index]:
-            return False  # a success reported after all: the chain goes on
-        request.results[index] = res
-        if index < last:
-            request.results[index + 1 :] = [-errno.ECANCELED] * (last - index)
-        return True
 
     def read(self, fd: int, address: int, length: int, offset: int, keep: object,
              region: Region | None = None) -> asyncio.Future[int]:

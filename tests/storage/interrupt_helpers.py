@@ -400,12 +400,15 @@ class JobsScenario:
         if tasks:
             await asyncio.wait(tasks)
         tier = self.tier
-        while tier._active or tier._jobs:  # jobs of a caller the interrupt ended may still run
-            if tier._active:  # as the tier's close waits for them
+        # Jobs of a caller the interrupt ended may still run: waited for as the tier's close does.
+        while tier._active or tier._jobs or tier._refill is not None:
+            if tier._active:
                 tier._idle = asyncio.get_running_loop().create_future()
                 await tier._idle
             if tier._jobs:
                 await asyncio.wait(set(tier._jobs))
+            if tier._refill is not None:  # a batch of spare files being made (its descriptors open)
+                await asyncio.wait({tier._refill})
 
     def state(self) -> str:
         tier = self.tier
