@@ -105,7 +105,7 @@ class Checksums:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._results: collections.deque[tuple[Done, int | BaseException]] = collections.deque()
         self._lock = threading.Lock()
-        self._wake_pending = False  # a _deliver is scheduled on the loop and has not taken the results yet
+        self._wake_pending = False  # a _deliver is scheduled on the loop and has not delivered every result yet
         self._waker: Callable[[], bool] | None = None  # see wake_through
         self._threads = [threading.Thread(target=self._run, name=f"aiokv-checksum-{i}", daemon=True)
                          for i in range(threads)]
@@ -316,51 +316,59 @@ class Checksums:
         far (none: nothing to do), until ``deadline`` (``time.perf_counter()``; at least one: the
         rest in the next turn)."""
         if self._results:  # read without the lock: a result appended after this wakes the loop again
-            self._deliver(deadline)
+            try:
+                self._deliver(deadline)
+            except BaseException:
+                # (a signal's KeyboardInterrupt, maybe at its entry: the threads write no other
+                # wake-up until their results are delivered) the rest in the next turn
+                asyncio.get_running_loop().call_soon(self._deliver)
+                raise
 
     def _deliver(self, deadline: float | None = None) -> None:
-        """On the loop: every result finished since the last wake-up, in order, for at most
-        ``DELIVER_TURN_S`` (or until ``deadline``)."""
-        with self._lock:
-            results = list(self._results)
-            self._results.clear()
-            self._wake_pending = False
-        handed = 0  # results whose ``done`` was called (or is running): never called twice
-        calling: Done | None = None  # the ``done`` being called
+        """On the loop: every result finished so far, in order, for at most ``DELIVER_TURN_S`` (or
+        until ``deadline``), the rest in the next turn (``_wake_pending`` stays set until the
+        queue is empty: the threads write no wake-up meanwhile).
+
+        A drain, under a KeyboardInterrupt (a signal, raised by Python at calls) too: a result
+        leaves the queue as its ``done`` is called; one an interrupt left popped but not handed
+        on, or at its ``done``'s entry (``not_started``), goes back to the head, and the rest are
+        delivered in the next turn. A ``done`` that started is not called again (but for a
+        ``functools.partial``, whose start cannot be told: the disk tier's steps ignore a second
+        result). Before, the results were taken out of the queue together first: an interrupt
+        as they were taken, or at this method's entry from the ring's hook, lost them (their
+        pages' jobs never ended)."""
+        results = self._results
+        taking = 0  # 1: a result popped, not handed on yet; 2: its ``done`` called
+        done: Done | None = None
+        value: int | BaseException = 0
         try:
             if deadline is None:
                 deadline = time.perf_counter() + DELIVER_TURN_S
-            for n, (done, value) in enumerate(results):
+            n = 0
+            while True:
+                if not results:
+                    with self._lock:  # a thread that appends after this wakes the loop again
+                        if not results:
+                            self._wake_pending = False
+                            return
                 if n and time.perf_counter() > deadline:
                     break  # the rest in the next turn, ahead of whatever the threads finish meanwhile
-                handed = n + 1
-                calling = done
+                done, value = results[0]
+                n += 1
+                taking = 1
+                results.popleft()
+                taking = 2
                 try:
                     done(value)
                 except Exception:  # a bug in a caller's callback: the others still get theirs
                     log.exception("checksum callback failed")
-                calling = None
+                taking = 0
         except BaseException as exc:
-            # A signal's KeyboardInterrupt (a clock read, a callback) or a callback's BaseException:
-            # the results not handed on yet are delivered in the next turn (the loop's next run);
-            # before, they were dropped and their pages' reads and writes never ended. A callback
-            # interrupted at its entry never ran: delivered again.
-            if calling is not None and not_started(calling, exc):
-                handed -= 1
-            self._deliver_later(results[handed:])
+            if taking == 1 or (taking == 2 and not_started(done, exc)):
+                results.appendleft((done, value))  # type: ignore[arg-type]
+            asyncio.get_running_loop().call_soon(self._deliver)  # (a signal's KeyboardInterrupt)
             raise
-        self._deliver_later(results[handed:])
-
-    def _deliver_later(self, results: list[tuple[Done, int | BaseException]]) -> None:
-        """Put ``results`` back ahead of the others and have them delivered in the next turn."""
-        if not results:
-            return
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            self._results.extendleft(reversed(results))
-            wake, self._wake_pending = not self._wake_pending, True
-        if wake:  # else a thread's wake-up is under way: its delivery takes these too
-            loop.call_soon(self._deliver)
+        asyncio.get_running_loop().call_soon(self._deliver)  # the rest, next turn (still pending)
 
     async def aclose(self) -> None:
         """Stop the threads once the queued hashes are done and wait until they have ended.

@@ -1,14 +1,15 @@
 """A KeyboardInterrupt (a real SIGINT, raised by Python's own handler in the loop thread) inside the
-ring's own drain and submission (``storage/uring.py``) loses no page job: the loop's next run (the
-application's cleanup) ends every caller, gives back every I/O slot, reader count and pool
-reference, leaves no descriptor open and never serves a wrong byte
-(:class:`~interrupt_helpers.JobsScenario`).
+ring's own drain and submission (``storage/uring.py``) and the checksum threads' deliveries
+(``storage/checksum.py``) loses no page job: the loop's next run (the application's cleanup) ends
+every caller, gives back every I/O slot, reader count and pool reference, leaves no descriptor open
+and never serves a wrong byte (:class:`~interrupt_helpers.JobsScenario`).
 
 Before the fix a sweep over this code hung 14-16 of 40 scenarios of 10 rounds: an interrupt at
 ``_complete``'s entry or at a call of its before the request was updated lost the CQE it had
 consumed; one as a chain's count was popped in ``_enter``, or at its clock read, lost the count or
 left the prepared SQEs unsubmitted; one at a wake-up's clock read before its end-of-wake-up calls,
-or as it moved them on one by one, lost them (a hash batch: every inline hash after it waited)."""
+or as it moved them on one by one, lost them (a hash batch: every inline hash after it waited); and
+the checksum deliveries lost the results they had taken out of the queue together."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ from interrupt_helpers import (
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, uring
+from aiokv.storage import DiskBackend, checksum, uring
 
-RING_FILES = {module.__file__ for module in (uring,) if module.__file__ is not None}
-"""The ring's engine's code, beside the page-job code."""
+RING_FILES = {module.__file__ for module in (uring, checksum) if module.__file__ is not None}
+"""The ring's engine and the checksums' code, beside the page-job code."""
 
 URING = [DiskBackend.URING_FIXED, DiskBackend.URING]
 
@@ -46,6 +47,9 @@ POINTS: list[tuple[str, tuple[str, str, str | None], Variant]] = [
     ("enter-clock-return", ("return", "perf_counter", "UringEngine._enter"), "plain"),
     # A wake-up's clock read before the calls asked for at its end (the reads' inline hash batch).
     ("wake-calls-clock-return", ("return", "perf_counter", "UringEngine._on_eventfd"), "plain"),
+    # The checksum thread's results delivered from the ring's wake-up hook.
+    ("deliver-entry", ("call", "Checksums._deliver", "Checksums.deliver"), "thread-hashes"),
+    ("deliver-lock-return", ("return", "__exit__", "Checksums._deliver"), "thread-hashes"),
 ]
 
 
@@ -106,7 +110,7 @@ ROUNDS = 12
 def test_random_sigints_in_the_ring_and_the_page_jobs_lose_nothing(tmp_path: Path, backend: DiskBackend,
                                                                    layout: KVLayout, pool: PagePool,
                                                                    variant: Variant) -> None:
-    # As test_sigint_page_jobs_sweep, with the ring's code among the points.
+    # As test_sigint_page_jobs_sweep, with the ring's and the checksums' code among the points.
     if variant == "ring-opens" and backend is DiskBackend.THREADS:
         pytest.skip("the threads backend opens in its workers")
     rng = random.Random(f"ring-{backend.value}-{variant}")
