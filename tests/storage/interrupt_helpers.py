@@ -22,6 +22,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import pytest
 from disk_helpers import config
 
 from aiokv.keys import PageKey
@@ -436,3 +437,25 @@ class JobsScenario:
             chunk = keys[start : start + 8]
             run(self.loop, self._read_many(chunk, [key_of(8, start + i) for i in range(len(chunk))]))
             self._release_pages()
+
+
+def random_sigint_sweep(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+                        variant: Variant, files: set[str], seed: str, rounds: int) -> None:
+    """``rounds`` rounds of a :class:`JobsScenario`, each with a real SIGINT at a point of ``files``
+    drawn (seeded by ``seed``) from those a first, uninterrupted round reaches; then every caller
+    ended, every page checked against its oracle and read back, and no descriptor left open."""
+    if variant == "ring-opens" and backend is DiskBackend.THREADS:
+        pytest.skip("the threads backend opens in its workers")
+    rng = random.Random(seed)
+    before = open_fds()
+    with private_loop() as loop:
+        scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, variant)
+        scenario.start()
+        reached = scenario.round(SignalPoints(files)).seen  # the points a round reaches (later ones vary a little)
+        for _ in range(rounds):
+            scenario.round(SignalPoints(files, rng.randrange(reached)))
+        assert scenario.interrupted >= rounds // 2, "most rounds should reach their point"
+        scenario.check_all()
+        assert scenario.hits, "no page was ever read back: the oracle checked nothing"
+        scenario.close()
+    assert open_fds() <= before, "descriptors left open after the close"

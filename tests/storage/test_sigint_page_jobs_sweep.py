@@ -10,11 +10,10 @@ SIGINT landing anywhere hung 1 in 15-45 rounds (the ring's own code too, then)."
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-from interrupt_helpers import PAGE_JOB_FILES, JobsScenario, SignalPoints, Variant, open_fds, private_loop
+from interrupt_helpers import PAGE_JOB_FILES, Variant, random_sigint_sweep
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -28,18 +27,5 @@ ROUNDS = 12
 def test_random_sigints_in_read_and_write_batches_lose_nothing(tmp_path: Path, backend: DiskBackend,
                                                                layout: KVLayout, pool: PagePool,
                                                                variant: Variant) -> None:
-    if variant == "ring-opens" and backend is DiskBackend.THREADS:
-        pytest.skip("the threads backend opens in its workers")
-    rng = random.Random(f"{backend.value}-{variant}")
-    before = open_fds()
-    with private_loop() as loop:
-        scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, variant)
-        scenario.start()
-        reached = scenario.round().seen  # the points a round reaches (the next rounds' vary a little)
-        for _ in range(ROUNDS):
-            scenario.round(SignalPoints(PAGE_JOB_FILES, rng.randrange(reached)))
-        assert scenario.interrupted >= ROUNDS // 2, "most rounds should reach their point"
-        scenario.check_all()
-        assert scenario.hits, "no page was ever read back: the oracle checked nothing"
-        scenario.close()
-    assert open_fds() <= before, "descriptors left open after the close"
+    random_sigint_sweep(tmp_path, backend, layout, pool, variant, PAGE_JOB_FILES, f"{backend.value}-{variant}",
+                        ROUNDS)

@@ -14,7 +14,6 @@ the checksum deliveries lost the results they had taken out of the queue togethe
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from interrupt_helpers import (
     open_engine,
     open_fds,
     private_loop,
+    random_sigint_sweep,
     run,
 )
 
@@ -111,20 +111,6 @@ def test_random_sigints_in_the_ring_and_the_page_jobs_lose_nothing(tmp_path: Pat
                                                                    layout: KVLayout, pool: PagePool,
                                                                    variant: Variant) -> None:
     # As test_sigint_page_jobs_sweep, with the ring's and the checksums' code among the points.
-    if variant == "ring-opens" and backend is DiskBackend.THREADS:
-        pytest.skip("the threads backend opens in its workers")
-    rng = random.Random(f"ring-{backend.value}-{variant}")
-    files = PAGE_JOB_FILES | RING_FILES
-    before = open_fds()
-    with private_loop() as loop:
-        scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, variant)
-        scenario.start()
-        reached = scenario.round(SignalPoints(files)).seen  # the points a round reaches (later ones vary a little)
-        for _ in range(ROUNDS):
-            scenario.round(SignalPoints(files, rng.randrange(reached)))
-        assert scenario.interrupted >= ROUNDS // 2, "most rounds should reach their point"
-        scenario.check_all()
-        assert scenario.hits, "no page was ever read back: the oracle checked nothing"
-        scenario.close()
-    assert open_fds() <= before
+    random_sigint_sweep(tmp_path, backend, layout, pool, variant, PAGE_JOB_FILES | RING_FILES,
+                        f"ring-{backend.value}-{variant}", ROUNDS)
 
