@@ -24,7 +24,7 @@ import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool, PoolClosedError, run_in_new_thread
@@ -56,6 +56,8 @@ from .safefiles import (
 from .uring import not_started
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
 
 CHAIN_MAX = 7
 """SQEs one page may hold at once: its chain (open, header, page, fsync, close, rename), plus one
@@ -1417,54 +1419,55 @@ class ThreadPageIO:
             raise
 
 
+def _again_after_interrupt(callback: Callable[P, None]) -> Callable[P, None]:
+    """``callback`` (run on the loop, its consumers ignoring a second call) run again in the next
+    turn when a signal's KeyboardInterrupt (any BaseException not an Exception) leaves it; the
+    interrupt goes on. A worker's outcome is then delivered at least once, never lost."""
+
+    @functools.wraps(callback)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            callback(*args, **kwargs)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                asyncio.get_running_loop().call_soon(functools.partial(run, *args, **kwargs))
+            raise
+
+    return run
+
+
+@_again_after_interrupt
 def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
     """On the loop: a worker's outcome into its job's future (unless the job was cancelled)."""
-    try:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except BaseException as exc:
-        if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt) again next turn: idempotent
-            asyncio.get_running_loop().call_soon(_settle, future, result, error)
-        raise
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
+@_again_after_interrupt
 def _loaded(done: Loaded, job: asyncio.Future[object]) -> None:
-    """A worker's load ended: ``done`` with the bytes read or the fault. After an interrupt (a
-    signal's KeyboardInterrupt) this runs again in the next turn: ``done`` ignores a second call."""
-    try:
-        done(job.exception() or job.result())  # type: ignore[arg-type]
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            asyncio.get_running_loop().call_soon(_loaded, done, job)
-        raise
+    """A worker's load ended: ``done`` with the bytes read or the fault (``done`` ignores a second
+    call: see :func:`_again_after_interrupt`)."""
+    done(job.exception() or job.result())  # type: ignore[arg-type]
 
 
+@_again_after_interrupt
 def _published(done: Published, job: asyncio.Future[object]) -> None:
     """A worker's publish ended (as :func:`_loaded`)."""
-    try:
-        done(job.exception())
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            asyncio.get_running_loop().call_soon(_published, done, job)
-        raise
+    done(job.exception())
 
 
+@_again_after_interrupt
 def _recycled(done: Recycled, job: asyncio.Future[object]) -> None:
     """A worker's recycle ended: not taken over, or taken (as :func:`_loaded`)."""
-    try:
-        exc = job.exception()
-        if isinstance(exc, _NotTaken):
-            done(exc.error, False)
-        else:
-            done(exc, True)
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            asyncio.get_running_loop().call_soon(_recycled, done, job)
-        raise
+    exc = job.exception()
+    if isinstance(exc, _NotTaken):
+        done(exc.error, False)
+    else:
+        done(exc, True)
 
 
 def _join(threads: list[threading.Thread]) -> None:

@@ -69,7 +69,7 @@ def test_a_recycle_not_taken_delivered_twice_runs_once(tmp_path: Path, backend: 
         for i in range(STORED):
             assert run(loop, _write(tier, pool, i))
         if backend is DiskBackend.THREADS:
-            point = SignalAfterCall(backends._recycled.__code__, "done")  # the worker's outcome delivered
+            point = SignalAfterCall(backends._recycled.__wrapped__.__code__, "done")  # the worker's outcome delivered
         else:
             # Opens through the ring: the victim's ENOENT comes to ``opened``, which calls ``done``.
             io = tier.backend
