@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from cancel_points import most_attempts, pause
 from disk_helpers import assert_clean, fill, gated, key_of, payload, reserve, spin
 
 from aiokv.pool import PagePool
@@ -61,21 +62,27 @@ async def test_cancelled_write_returns_at_once_and_finishes_in_background(
     assert_clean(pool)
 
 
+DENSE = 64
+"""Attempts counted in loop turns before the sleeps."""
+
+
 @pytest.mark.asyncio
 async def test_cancel_at_every_step(tier: DiskTier, pool: PagePool) -> None:
-    """Cancel after 0, 1, 2, ... loop iterations until the operations complete uncancelled."""
+    """Cancel after 0, 1, 2, ... loop turns, then after growing sleeps (cancel_points.pause: a loop
+    spinning through turns starves the threads backend's workers of the GIL), until the operations
+    complete uncancelled."""
     stored = fill(pool, key_of(0), 0)
     assert await tier.write(key_of(0), stored)
     pool.table.release(stored)
     finished_read = finished_write = False
     step = 0
     while not (finished_read and finished_write):
-        assert step < 500, "operations never completed"
+        assert step < most_attempts(DENSE), "operations never completed"
         h = fill(pool, key_of(1000 + step), step)
         into = reserve(pool, key_of(2000 + step))
         write = asyncio.create_task(tier.write(key_of(1000 + step), h))
         read = asyncio.create_task(tier.read(key_of(0), into))
-        await spin(step)
+        await pause(step, DENSE)
         write.cancel()
         read.cancel()
         for task, is_read in ((write, False), (read, True)):
