@@ -8,13 +8,15 @@ hit of small pages was one loop turn and, on the CPU, one copy-thread round trip
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, SLOTS, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, SLOTS, assert_quiescent, config, make_kv, prompt
 
 from aiokv import KVCache
 from aiokv.transfers import Copy
@@ -23,8 +25,9 @@ T = LAYOUT.page_tokens
 PAGES = 32
 
 
-def _counting(cache: KVCache, name: str, stall_s: float = 0.0) -> list[int]:
-    """Pages per ``transfers.<name>`` call from now on; each call holds the loop ``stall_s`` a page."""
+def _counting(cache: KVCache, name: str, stall_s: float = 0.0, launched: asyncio.Event | None = None) -> list[int]:
+    """Pages per ``transfers.<name>`` call from now on; each call holds the loop ``stall_s`` a page
+    and sets ``launched``."""
     transfers = cache._transfers
     assert transfers is not None
     original: Callable[..., Copy] = getattr(transfers, name)
@@ -37,7 +40,10 @@ def _counting(cache: KVCache, name: str, stall_s: float = 0.0) -> list[int]:
             end = time.perf_counter() + stall_s * len(ids)
             while time.perf_counter() < end:  # the loop thread's own work, as a slow launch wrapper
                 pass
-        return original(*args, **kwargs)
+        copy = original(*args, **kwargs)
+        if launched is not None:
+            launched.set()
+        return copy
 
     setattr(transfers, name, counted)
     return sizes
@@ -59,16 +65,26 @@ async def _offload_and_hit(cache: KVCache, kv: torch.Tensor, seed: int) -> tuple
     return offloads, loads
 
 
+async def _learned(cache: KVCache, kv: torch.Tensor, seed: int) -> None:
+    """The pool ready and warm, and a first offload and hit for the sizers to learn the loop's time
+    per page (a first launch may be slow)."""
+    await cache.pool.wait_ready()
+    await cache.wait_warm()
+    await _offload_and_hit(cache, kv, seed)
+    kv[:, : PAGES * T] = make_kv(seed + 1)[:, : PAGES * T]  # another prompt's KV in the same slots
+
+
+async def _after_learning(cache: KVCache, kv: torch.Tensor, seed: int) -> tuple[list[int], list[int]]:
+    """The pages per offload and per load group of a second offload and hit, once learned."""
+    await _learned(cache, kv, seed)
+    return await _offload_and_hit(cache, kv, seed + 1)
+
+
 @pytest.mark.asyncio
 async def test_fast_launches_go_in_fewer_groups_than_launch_pages_would_give() -> None:
     kv = make_kv(91)
     async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.wait_warm()
-        # First pass: the sizers learn the loop's time per page (a first launch may be slow).
-        await _offload_and_hit(cache, kv, 91)
-        kv[:, : PAGES * T] = make_kv(92)[:, : PAGES * T]
-        offloads, loads = await _offload_and_hit(cache, kv, 92)
+        offloads, loads = await _after_learning(cache, kv, 91)
         assert sum(offloads) == sum(loads) == PAGES
         assert min(offloads[:-1] + loads[:-1], default=2) >= 2  # never below the floor
         # Groups of 2 were 16 calls each way; a CPU launch hands pages over in microseconds.
@@ -80,16 +96,10 @@ async def test_fast_launches_go_in_fewer_groups_than_launch_pages_would_give() -
 async def test_launches_that_hold_the_loop_stay_at_launch_pages() -> None:
     kv = make_kv(93)
     async with KVCache(config(None, pool_pages=2 * PAGES, launch_pages=2), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.wait_warm()
-        transfers = cache._transfers
-        assert transfers is not None
         # 0.4 ms of loop time per page launched: above the 250 us turn budget even for one page.
         _counting(cache, "offload", stall_s=400e-6)
         _counting(cache, "load", stall_s=400e-6)
-        await _offload_and_hit(cache, kv, 93)
-        kv[:, : PAGES * T] = make_kv(94)[:, : PAGES * T]
-        offloads, loads = await _offload_and_hit(cache, kv, 94)
+        offloads, loads = await _after_learning(cache, kv, 93)
         assert offloads == [2] * (PAGES // 2) and loads == [2] * (PAGES // 2)
         await assert_quiescent(cache)
 
@@ -100,11 +110,7 @@ async def test_launch_bytes_cap_a_group() -> None:
     cap = 5
     cfg = config(None, pool_pages=2 * PAGES, launch_pages=2, launch_bytes=cap * LAYOUT.page_bytes)
     async with KVCache(cfg, LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.wait_warm()
-        await _offload_and_hit(cache, kv, 95)
-        kv[:, : PAGES * T] = make_kv(96)[:, : PAGES * T]
-        offloads, loads = await _offload_and_hit(cache, kv, 96)
+        offloads, loads = await _after_learning(cache, kv, 95)
         assert max(offloads) <= cap and max(loads) <= cap
         assert max(offloads) == cap and max(loads) == cap  # they did grow past the floor
         await assert_quiescent(cache)
@@ -114,10 +120,7 @@ async def test_launch_bytes_cap_a_group() -> None:
 async def test_no_turn_budget_keeps_groups_at_launch_pages() -> None:
     kv = make_kv(97)
     async with KVCache(config(None, pool_pages=2 * PAGES, launch_pages=3, launch_turn_s=0), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await _offload_and_hit(cache, kv, 97)
-        kv[:, : PAGES * T] = make_kv(98)[:, : PAGES * T]
-        offloads, loads = await _offload_and_hit(cache, kv, 98)
+        offloads, loads = await _after_learning(cache, kv, 97)
         assert offloads == loads == [3] * (PAGES // 3) + [PAGES % 3]
         await assert_quiescent(cache)
 
@@ -126,12 +129,9 @@ async def test_no_turn_budget_keeps_groups_at_launch_pages() -> None:
 async def test_a_split_launches_pool_pages_from_the_back_in_grown_groups() -> None:
     kv = make_kv(99)
     async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
-        await cache.pool.wait_ready()
-        await cache.wait_warm()
-        await _offload_and_hit(cache, kv, 99)  # the sizers learn
+        await _learned(cache, kv, 99)
         n = PAGES * T
         tokens = prompt(100, n)
-        kv[:, :n] = make_kv(100)[:, :n]
         await cache.offload(tokens, torch.arange(n))
         loads = _counting(cache, "load")
         target = torch.arange(SLOTS - n, SLOTS)
@@ -140,4 +140,37 @@ async def test_a_split_launches_pool_pages_from_the_back_in_grown_groups() -> No
         assert (result.loaded_from, result.pool_pages) == (0, PAGES)
         assert sum(loads) == PAGES and len(loads) < PAGES // 2, loads
         assert torch.equal(kv[:, target.to(kv.device)], kv[:, :n])
+        await assert_quiescent(cache)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread")
+@pytest.mark.asyncio
+async def test_a_load_cancelled_with_grown_groups_writes_no_slot_after_its_cancellation() -> None:
+    # The invariant under grown groups: once a cancelled load raised, none of its copies (several
+    # pages each now) still writes the caller's slots.
+    kv = make_kv(101)
+    async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
+        await _learned(cache, kv, 101)
+        n = PAGES * T
+        tokens = prompt(102, n)
+        await cache.offload(tokens, torch.arange(n))
+        launched = asyncio.Event()
+        loads = _counting(cache, "load", launched=launched)
+        target = torch.arange(SLOTS - n, SLOTS)
+        kv[:, target] = 0
+        gate = threading.Event()
+        blocker = cache._bridge.run_cpu(gate.wait)  # the copy thread busy with someone else's copy
+        task = asyncio.create_task(cache.load(await cache.match(tokens), target))
+        try:
+            await launched.wait()  # the load launched a group (queued behind the blocker)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after_cancel = kv[:, target].clone()
+        finally:
+            gate.set()  # never leave the copy thread blocked, also when the test fails
+        await blocker
+        await cache.flush()
+        assert max(loads) > 2, loads  # grown past launch_pages
+        assert torch.equal(kv[:, target], after_cancel), "a copy wrote the slots after CancelledError"
         await assert_quiescent(cache)
