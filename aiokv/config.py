@@ -201,8 +201,9 @@ class CacheConfig:
 
     launch_pages: int = 2
     """Pages whose copies are launched per event-loop turn at least; bounds the loop's stall on long
-    transfers. A group grows past it while the loop's measured host time per page lets the group
-    fit ``launch_turn_s`` and its bytes fit ``launch_bytes`` (small pages: fewer turns)."""
+    transfers. A group grows past it while the loop time its pages add to the group's fixed launch
+    cost (both measured) fits ``launch_turn_s`` and its bytes fit ``launch_bytes`` (small pages:
+    fewer turns; ``aiokv.launches``)."""
 
     launch_bytes: int = DEFAULT_LAUNCH_BYTES
     """At most this many page bytes per launch group once it grows past ``launch_pages`` (64 MiB:
@@ -210,8 +211,9 @@ class CacheConfig:
     and fewer copy-thread hand-overs, but a cancelled call waits for its launched groups."""
 
     launch_turn_s: float = DEFAULT_LAUNCH_TURN_S
-    """Loop seconds a launch group may take (validation, launches, bookkeeping; measured per group,
-    a moving estimate per page); 0 keeps every group at ``launch_pages``."""
+    """Loop seconds a launch group's pages may add to its fixed cost (validation, launches,
+    bookkeeping, measured per group and fitted as a fixed cost plus a cost per page); 0 keeps every
+    group at ``launch_pages``."""
 
     pool_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Pool memory is prepared (and CUDA-registered) in chunks of this many bytes (raised so that a

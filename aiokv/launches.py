@@ -6,9 +6,19 @@ model's 32 MiB pages), a hit of small pages is many turns: a 16-token block of a
 2 MiB, so a 32K-token hit was 1,024 groups, and on the CPU each group is also a round trip to the
 copy thread (a CPU pool hit of 39 pages of 64 KiB took 34.6-39.0 ms in groups of 2 and 5.7-7.6 ms
 in one group; docs/measurements.md). :class:`LaunchSizer` grows a group beyond ``launch_pages``
-while the loop's measured host time per page lets it fit ``launch_turn_s`` and its bytes fit
-``launch_bytes``: the loop's stall per turn stays bounded by what it measured, on any device, and
-a group is never smaller than ``launch_pages``.
+while the loop time its pages add fits ``launch_turn_s`` and its bytes fit ``launch_bytes``; a
+group is never smaller than ``launch_pages``.
+
+A group's loop time is a fixed cost (the launch wrappers, an event, the bookkeeping) plus a cost
+per page (validation, index building). On the H200 the fixed cost is most of it: ~200 us a load
+group whatever its size, ~20 us more a page (``tools/bench_launch.py --group-costs``), so a
+budget on the time per page (the first version) kept every GPU group at the floor. The sizer
+learns the fixed cost from groups of different sizes (the intercept of a moving least-squares
+line of loop time against pages) and bounds what grows with the group: the newest group's time
+less the fixed cost, per page, times the pages, within ``launch_turn_s``. Until a fixed cost is
+known, and whenever the bound allows more, a group grows by at most what one turn's budget gives
+were all of the newest group's time per page: a wrong estimate costs one group at most
+``launch_turn_s`` more than the last, and a slower newest group shrinks the next at once.
 """
 
 from __future__ import annotations
@@ -17,26 +27,32 @@ DEFAULT_LAUNCH_BYTES = 64 << 20
 """``CacheConfig.launch_bytes``: an 8B model's two 32 MiB pages, what ``launch_pages`` gave it."""
 
 DEFAULT_LAUNCH_TURN_S = 250e-6
-"""``CacheConfig.launch_turn_s``: a fifth of the loop-lag budget (p99 1.2 ms). On the H200 a group
-of two 32 MiB pages took ~0.5 ms of launch wrappers (docs/measurements.md), so GPU groups of such
-pages stay at ``launch_pages``; a CPU group hands its pages to the copy thread in microseconds."""
+"""``CacheConfig.launch_turn_s``: the loop time a group's pages may add to its fixed launch cost,
+a fifth of the loop-lag budget (p99 1.2 ms). A CPU group hands its pages to the copy thread in
+microseconds; an H200 load group of 2 MiB pages costs ~200 us plus ~20 us a page, so it grows to
+about 12 pages a turn (~0.45 ms of the loop) instead of 2 (~0.24 ms a turn, six times the turns)."""
 
 EWMA_WEIGHT = 0.5
-"""Weight of the newest group in the moving estimate of host seconds per page: a slow group (a
-first launch that compiles, a GIL hand-over in the middle) shrinks the next groups at once and is
+"""Weight of the newest group in the moving sums the line is fitted to: a slow group (a first
+launch that compiles, a GIL hand-over in the middle) shrinks the next groups at once and is
 forgotten within a few groups."""
+
+MIN_SPREAD = 0.1
+"""The groups' sizes must spread by this share of their mean (standard deviation) for the fixed
+cost to be read from them (the line's intercept); else the last one read is kept."""
 
 
 class LaunchSizer:
     """Pages per launch group for one kind of transfer (loads or offloads) of one manager.
 
     ``min_pages`` is the floor (``launch_pages``); ``max_bytes // page_bytes`` the ceiling (at least
-    the floor); ``turn_s`` the host time a group may take on the loop (0: groups stay at the floor).
-    Used from the loop thread only: :meth:`pages` before a group's launch, :meth:`record` after it
-    with the loop time the group took (validation, the launch call, the bookkeeping).
+    the floor); ``turn_s`` the loop time a group's pages may add to its fixed cost (0: groups stay
+    at the floor). Used from the loop thread only: :meth:`pages` before a group's launch,
+    :meth:`record` after it with the loop time the group took (validation, the launch call, the
+    bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_floor", "_per_page", "_turn_s")
+    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_sums", "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -44,29 +60,62 @@ class LaunchSizer:
         self._floor = min_pages
         self._ceiling = max(min_pages, max_bytes // page_bytes)
         self._turn_s = turn_s
-        self._per_page: float | None = None  # nothing measured yet: the floor
+        self._last: tuple[int, float, bool] | None = None  # the newest group: pages, seconds (capped), stalled
+        self._fixed: float | None = None  # a group's fixed loop time, once groups of several sizes gave it
+        # Moving means of pages, seconds, pages², pages × seconds (the line's least squares).
+        self._sums: list[float] | None = None
 
     def pages(self) -> int:
         """How many pages the next group launches."""
-        per_page = self._per_page
-        if per_page is None or self._turn_s <= 0:
+        last = self._last
+        if last is None or self._turn_s <= 0:
             return self._floor
-        if per_page <= 0:  # a clock too coarse to see the group: the byte ceiling bounds it
+        pages, seconds, stalled = last
+        if stalled:
+            return self._floor
+        if seconds <= 0:  # a clock too coarse to see the group: the byte ceiling bounds it
             return self._ceiling
-        fit = self._turn_s / per_page
-        return self._ceiling if fit >= self._ceiling else max(self._floor, int(fit))  # (an infinite budget too)
+        # Growth of at most one turn's budget over the newest group, were all of its time per page
+        # (infinite for an infinite budget); and, once the fixed cost is known, the budget's bound.
+        best = pages + self._turn_s * pages / seconds
+        if self._fixed is not None:
+            per_page = self.per_page_s
+            assert per_page is not None
+            if per_page > 0:
+                best = min(best, self._turn_s / per_page)
+        return self._ceiling if best >= self._ceiling else max(self._floor, int(best))
 
     def record(self, pages: int, seconds: float) -> None:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
         if pages <= 0:
             return
         # Capped at a whole turn's budget per page: one stalled group (a compile, a page fault
-        # storm) sends the next groups to the floor, and a few fast ones bring them back.
-        sample = min(max(seconds, 0.0) / pages, self._turn_s)
-        current = self._per_page
-        self._per_page = sample if current is None else current + EWMA_WEIGHT * (sample - current)
+        # storm, a GIL hand-over) sends the next groups to the floor, and a few fast ones bring them
+        # back. It says nothing of the fixed cost: kept out of the line.
+        stalled = seconds >= self._turn_s * pages
+        seconds = min(max(seconds, 0.0), self._turn_s * pages)
+        self._last = (pages, seconds, stalled)
+        if stalled:
+            return
+        sample = (float(pages), seconds, float(pages * pages), pages * seconds)
+        sums = self._sums
+        if sums is None:
+            self._sums = sums = list(sample)
+        else:
+            for i, value in enumerate(sample):
+                sums[i] += EWMA_WEIGHT * (value - sums[i])
+        mean_pages, mean_seconds, mean_squares, mean_products = sums
+        spread = mean_squares - mean_pages * mean_pages
+        if spread > (MIN_SPREAD * mean_pages) ** 2:
+            slope = (mean_products - mean_pages * mean_seconds) / spread
+            self._fixed = max(0.0, mean_seconds - slope * mean_pages)
 
     @property
     def per_page_s(self) -> float | None:
-        """The moving estimate of loop seconds per page launched (None before the first group)."""
-        return self._per_page
+        """The loop seconds each page of the newest group added to its fixed cost (all of its time
+        per page while no fixed cost is known; None before the first group)."""
+        last = self._last
+        if last is None:
+            return None
+        pages, seconds, _ = last
+        return max(0.0, seconds - (self._fixed or 0.0)) / pages

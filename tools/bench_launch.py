@@ -14,6 +14,11 @@ interval, so fewer groups are fewer waits). On a CUDA device (``--device cuda``)
     python tools/bench_launch.py --page-kib 64 2048 --pages 39 --repeats 8
     python tools/bench_launch.py --spinners 1
     python tools/bench_launch.py --device cuda --page-kib 2048 32768 --pages 64
+
+``--group-costs 1 2 4 8 16`` instead times the loop's host time per launch group at each fixed
+group size (``launch_pages`` = that size, ``launch_turn_s=0``), loads and offloads apart, as the
+sizer records it (validation, the launch call, bookkeeping): a group's fixed cost and its cost per
+page, what ``LaunchSizer`` bases the group size on.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import LoopLag  # the tools' own 1 ms lateness probe
 from bench_gil import spinning  # threads of pure Python beside the calls (an engine's busy thread)
 
-from aiokv import CacheConfig, KVCache, KVLayout
+from aiokv import CacheConfig, KVCache, KVLayout, launches
 from aiokv.transfers import Copy
 
 VARIANTS = ("pages", "budget")
@@ -166,6 +171,54 @@ async def _page_size(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
     return out
 
 
+async def _group_costs(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
+    """Median loop seconds per launch group at each fixed group size, loads and offloads apart."""
+    layout = _layout(page_kib)
+    device = torch.device(args.device)
+    n = args.pages * layout.page_tokens
+    gen = torch.Generator().manual_seed(page_kib)
+    kv = torch.randn(layout.num_layers, 2 * n, layout.rows, layout.head_dim, generator=gen).to(layout.dtype).to(device)
+    slots = torch.arange(n, 2 * n)
+    samples: dict[int, dict[str, list[float]]] = {}
+    original = launches.LaunchSizer.record
+    kind: list[str] = ["offload"]
+
+    def recorded(sizer: launches.LaunchSizer, pages: int, seconds: float) -> None:
+        samples[size][kind[0]].append(seconds)
+        original(sizer, pages, seconds)
+
+    launches.LaunchSizer.record = recorded  # type: ignore[method-assign]
+    try:
+        for size in args.group_costs:
+            samples[size] = {"offload": [], "load": []}
+            config = CacheConfig(cpu_bytes=(args.pages + 8) * layout.page_bytes, disk=None, launch_pages=size,
+                                 launch_turn_s=0.0, launch_bytes=max(size, 1) * layout.page_bytes,
+                                 namespace=f"bench-launch-costs-{size}")
+            async with KVCache(config, layout, kv) as cache:
+                await cache.pool.wait_ready()
+                await cache.wait_warm()
+                for round_ in range(args.repeats + 1):
+                    tokens = torch.randint(0, 50_000, (n,), generator=gen).tolist()
+                    if round_ == 0:  # first launches compile and fault pages in: not timed
+                        launches.LaunchSizer.record = original  # type: ignore[method-assign]
+                    kind[0] = "offload"
+                    stored = await cache.offload(tokens, torch.arange(n))
+                    kind[0] = "load"
+                    loaded = await cache.load(await cache.match(tokens), slots)
+                    launches.LaunchSizer.record = recorded  # type: ignore[method-assign]
+                    if stored.stored != args.pages or loaded.tokens != n or not torch.equal(kv[:, n:], kv[:, :n]):
+                        raise RuntimeError(f"groups of {size}: stored {stored.stored}, loaded {loaded.tokens} "
+                                           "or the loaded KV differs")
+                    for key in cache.keys(tokens):
+                        cache.pool.table.discard(key)
+    finally:
+        launches.LaunchSizer.record = original  # type: ignore[method-assign]
+    out: dict[str, Any] = {"page_kib": page_kib, "sizes": {}}
+    for size, by_kind in samples.items():
+        out["sizes"][size] = {k: statistics.median(v) * 1e6 for k, v in by_kind.items() if v}
+    return out
+
+
 class _Null:
     def __enter__(self) -> None:
         return None
@@ -182,10 +235,27 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--spinners", type=int, default=0,
                         help="threads running pure Python beside the timed calls (they hold the GIL)")
+    parser.add_argument("--group-costs", type=int, nargs="+", default=None, metavar="PAGES",
+                        help="time the loop's host time per group at these fixed group sizes instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.pages <= 0 or args.repeats <= 0:
         parser.error("--pages and --repeats must be positive")
+    if args.group_costs is not None:
+        if any(size <= 0 for size in args.group_costs):
+            parser.error("--group-costs sizes must be positive")
+        costs = [asyncio.run(_group_costs(args, kib)) for kib in args.page_kib]
+        print(f"loop host time per launch group (us, median of the groups of {args.repeats} rounds); "
+              f"{args.pages} pages, device {args.device}")
+        print(f"{'page':>8} {'group':>6} {'load':>9} {'per page':>9} {'offload':>9} {'per page':>9}")
+        for c in costs:
+            for size, t in c["sizes"].items():
+                load, off = t.get("load", float("nan")), t.get("offload", float("nan"))
+                print(f"{c['page_kib']:>5}KiB {size:>6} {load:>9.1f} {load / size:>9.1f} "
+                      f"{off:>9.1f} {off / size:>9.1f}")
+        if args.json is not None:
+            args.json.write_text(json.dumps(costs, indent=2))
+        return
     results = [asyncio.run(_page_size(args, kib)) for kib in args.page_kib]
     print(f"launch groups: turn budget (default) vs launch_pages alone; {args.pages} pages, device {args.device}, "
           f"medians of {args.repeats} alternated rounds, {args.spinners} GIL-holding threads beside")

@@ -1,9 +1,12 @@
-"""LaunchSizer: launch groups grow past ``launch_pages`` while the loop time per page fits the turn's
-budget and the bytes fit ``launch_bytes``; never below the floor; a slow group shrinks them at once."""
+"""LaunchSizer: launch groups grow past ``launch_pages`` while the loop time their pages add fits the
+turn's budget and the bytes fit ``launch_bytes``; never below the floor; a slow group shrinks them
+at once; a group's fixed cost (most of a GPU launch's) does not keep them at the floor."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -20,9 +23,9 @@ def test_nothing_measured_is_the_floor() -> None:
 
 def test_fast_groups_grow_to_what_fits_the_turn() -> None:
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
-    sizer.record(2, 20e-6)  # 10 us a page
-    assert sizer.pages() == 25
-    sizer.record(25, 250e-6)
+    sizer.record(2, 20e-6)  # 10 us a page, or 20 us of fixed cost: unknown from one size
+    assert sizer.pages() == 27  # growth by one turn's budget, were it all per page
+    sizer.record(27, 270e-6)  # all per page: no fixed cost
     assert sizer.pages() == 25
 
 
@@ -39,6 +42,8 @@ def test_bytes_cap_the_group() -> None:
 def test_slow_groups_never_go_below_the_floor_and_recover() -> None:
     sizer = LaunchSizer(3, 1 << 40, 250e-6, 4096)
     sizer.record(3, 30e-6)
+    assert sizer.pages() == 28
+    sizer.record(28, 280e-6)
     assert sizer.pages() == 25
     sizer.record(25, 0.5)  # a compile or a stall in the middle: capped at a turn's budget a page
     assert sizer.per_page_s is not None and sizer.per_page_s <= 250e-6
@@ -88,3 +93,55 @@ def test_config_defaults() -> None:
     config = CacheConfig(disk=None)
     assert config.launch_bytes == 64 * MiB and config.launch_turn_s == 250e-6
     assert CacheConfig(disk=None, launch_turn_s=0).launch_turn_s == 0
+
+
+def _run(sizer: LaunchSizer, cost: Callable[[int], float], groups: int) -> list[tuple[int, float]]:
+    """``groups`` groups sized by ``sizer`` whose loop time is ``cost(pages)``: (pages, seconds) each."""
+    seen = []
+    for _ in range(groups):
+        pages = sizer.pages()
+        seconds = cost(pages)
+        sizer.record(pages, seconds)
+        seen.append((pages, seconds))
+    return seen
+
+
+def test_a_fixed_cost_per_group_does_not_keep_groups_at_the_floor() -> None:
+    # The H200's load groups (bench_launch --group-costs, 2 MiB pages): ~200 us whatever the size,
+    # ~20 us more a page. Per page, two pages cost 120 us: the first sizer kept every group at 2.
+    turn = 250e-6
+
+    def cost(pages: int) -> float:
+        return 200e-6 + 20e-6 * pages
+
+    sizer = LaunchSizer(2, 1 << 40, turn, 2 << 20)
+    seen = _run(sizer, cost, 12)
+    assert 10 <= seen[-1][0] <= 13, seen  # pages x 20 us within the 250 us budget: 12
+    for (_, before), (_, after) in itertools.pairwise(seen):
+        assert after <= before + turn + 1e-12, seen  # each step adds at most a turn's budget
+
+
+def test_time_all_per_page_grows_to_what_fits_the_turn_and_stays() -> None:
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run(sizer, lambda pages: 10e-6 * pages, 10)
+    assert [p for p, _ in seen] == [2, 27] + [25] * 8
+
+
+def test_a_cost_that_does_not_grow_with_pages_reaches_the_ceiling_a_turn_at_a_time() -> None:
+    turn = 250e-6
+    sizer = LaunchSizer(2, 64 * 4096, turn, 4096)
+    seen = _run(sizer, lambda pages: 300e-6, 12)
+    assert seen[-1][0] == 64, seen
+    for (before, seconds), (after, _) in itertools.pairwise(seen):
+        # Were the newest group's 300 us all per page, the next adds at most a turn's budget.
+        assert after <= before + turn * before / seconds + 1e-9, seen
+
+
+def test_a_stall_in_a_grown_group_sends_the_next_to_the_floor_whatever_the_fixed_cost() -> None:
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    _run(sizer, lambda pages: 200e-6 + 20e-6 * pages, 10)
+    assert sizer.pages() > 8
+    sizer.record(sizer.pages(), 0.05)  # a GIL hand-over or a compile in the middle of a group
+    assert sizer.pages() == 2
+    seen = _run(sizer, lambda pages: 200e-6 + 20e-6 * pages, 10)
+    assert seen[-1][0] > 8  # and it grows back
