@@ -23,6 +23,17 @@ from .segments import segments
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+CHUNK_BYTES = 2 << 20
+"""Bytes of one layer's rows that one ``index_select`` gathers at most (whole pages, at least one).
+A launch group of many large pages gathered at once made temporaries past glibc's largest mmap
+threshold (32 MiB): fresh pages, faulted in on every copy (a CPU pool hit of 39 pages of 2 MiB in
+two groups took 3.5x the time it took in 20; ``tools/bench_launch.py``). Chunks this size stay in
+the allocator's heap and in cache."""
+
+
+def _pages_per_chunk(tokens: int, width: int, element_size: int) -> int:
+    return max(1, CHUNK_BYTES // (tokens * width * element_size))
+
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
     """Same-size integer view: copies stay bit-exact and float8 needs no index kernels of its own."""
@@ -74,16 +85,20 @@ def reference_gather(
     rows = _token_rows(pages)
     start = _run_start(index)
     for seg in segments(kv):
+        chunk = _pages_per_chunk(tokens, seg.width, pages.element_size())
         for layer, tensor in enumerate(seg.layers):
             flat = _as_int(tensor).reshape(tensor.shape[0], -1)
-            # One run of consecutive slots is a slice: no index_select copy.
-            picked = flat.index_select(0, index) if start is None else flat[start : start + index.numel()]
-            picked = picked[:, seg.kv_col : seg.kv_col + seg.width].reshape(count, tokens, seg.width)
             dst = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
-            if count == 1:
-                dst[ids[0]].copy_(picked[0])
-            else:
-                dst.index_copy_(0, dst_index, picked.to(pages.device))
+            for lo in range(0, count, chunk):
+                hi = min(count, lo + chunk)
+                # One run of consecutive slots is a slice: no index_select copy.
+                picked = (flat.index_select(0, index[lo * tokens : hi * tokens]) if start is None
+                          else flat[start + lo * tokens : start + hi * tokens])
+                picked = picked[:, seg.kv_col : seg.kv_col + seg.width].reshape(hi - lo, tokens, seg.width)
+                if hi - lo == 1:
+                    dst[ids[lo]].copy_(picked[0])
+                else:
+                    dst.index_copy_(0, dst_index[lo:hi], picked.to(pages.device))
 
 
 def reference_scatter(
@@ -119,16 +134,22 @@ def reference_scatter(
     rows = _token_rows(pages)
     start = _run_start(index)
     for seg in segments(kv):
+        chunk = _pages_per_chunk(tokens, seg.width, pages.element_size())
         for layer, tensor in enumerate(seg.layers):
             if wanted is not None and layer not in wanted:
                 continue
             src = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
-            if count == 1:  # one page: a view of it, no index_select copy
-                picked = src[ids[0]][skip_first:]
-            else:
-                picked = src.index_select(0, src_index).reshape(count * tokens, seg.width)[skip_first:]
             dst = _as_int(tensor).view(tensor.shape[0], -1)[:, seg.kv_col : seg.kv_col + seg.width]
-            if start is not None:  # one run of consecutive slots: a slice copy
-                dst[start : start + index.numel()].copy_(picked)
-            else:
-                dst.index_copy_(0, index, picked.to(kv.device))
+            for lo in range(0, count, chunk):
+                hi = min(count, lo + chunk)
+                if hi - lo == 1:  # one page: a view of it, no index_select copy
+                    picked = src[ids[lo]]
+                else:
+                    picked = src.index_select(0, src_index[lo:hi]).reshape((hi - lo) * tokens, seg.width)
+                # Tokens [skip_first, ...) of the pages: slot positions [a, b) of this chunk.
+                a, b = max(0, lo * tokens - skip_first), hi * tokens - skip_first
+                picked = picked[skip_first:] if lo == 0 else picked
+                if start is not None:  # one run of consecutive slots: a slice copy
+                    dst[start + a : start + b].copy_(picked)
+                else:
+                    dst.index_copy_(0, index[a:b], picked.to(kv.device))

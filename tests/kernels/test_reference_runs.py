@@ -42,3 +42,43 @@ def test_gather_and_scatter_match_a_loop(kind: str, pages: int, skip: int) -> No
         assert torch.equal(target[:, slot], pool[ids[i // 4], :, i % 4])
     written = set(dest.tolist())
     assert all(torch.all(target[:, s] == 0) for s in range(40) if s not in written)
+
+
+@pytest.mark.parametrize("kind", ["run", "random"])
+@pytest.mark.parametrize("chunk_pages", [1, 2, 5])
+def test_large_groups_copy_in_bounded_chunks_and_match_a_loop(kind: str, chunk_pages: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: a launch group of many large pages gathered every page of a layer in one
+    # index_select, a temporary past glibc's mmap threshold faulted in on every copy (a CPU pool hit
+    # of 39 pages of 2 MiB in two groups took 3.5x the time of 20 groups). Now at most CHUNK_BYTES.
+    from aiokv.kernels import reference
+
+    page_layer_bytes = LAYOUT.page_tokens * LAYOUT.rows * LAYOUT.head_dim * 2  # one layer of one page, K and V
+    monkeypatch.setattr(reference, "CHUNK_BYTES", chunk_pages * page_layer_bytes)
+    selected: list[int] = []
+    index_select = torch.Tensor.index_select
+
+    def counted(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        out = index_select(self, dim, index)
+        selected.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "index_select", counted)
+    kv = torch.randn(2, 40, 4, 8).half()
+    pool = torch.full((9, *LAYOUT.page_shape), -1.0).half()
+    ids = [8, 0, 3, 5, 1, 7, 2]
+    slots = _slots(kind, len(ids) * 4)
+    reference_gather(KVBuffer.wrap(LAYOUT, kv), slots, pool, ids)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(pool[ids[i // 4], :, i % 4], kv[:, slot])
+    assert max(selected, default=0) <= chunk_pages * 4  # token rows of at most a chunk's pages
+    selected.clear()
+    target = torch.zeros_like(kv)
+    dest = _slots(kind, len(ids) * 4 - 3)
+    reference_scatter(KVBuffer.wrap(LAYOUT, target), pool, dest, ids, 3)
+    for j, slot in enumerate(dest.tolist()):
+        i = j + 3
+        assert torch.equal(target[:, slot], pool[ids[i // 4], :, i % 4])
+    assert all(torch.all(target[:, s] == 0) for s in range(40) if s not in set(dest.tolist()))
+    assert max(selected, default=0) <= chunk_pages  # pages of at most one chunk (one page: a view)
+    assert selected or chunk_pages == 1
