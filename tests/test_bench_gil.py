@@ -25,11 +25,13 @@ def _args(tmp_path: Path) -> argparse.Namespace:
 
 @pytest.mark.parametrize("backend", [DiskBackend.THREADS, DiskBackend.URING_FIXED], ids=lambda b: b.value)
 def test_every_hit_is_timed_idle_and_busy_and_checked_bit_exact(tmp_path: Path, backend: DiskBackend) -> None:
-    before = threading.active_count()
     times = asyncio.run(bench_gil._bench(_args(tmp_path), backend, tmp_path))
     assert sorted(times) == ["disk busy", "disk idle", "pool busy", "pool idle"]
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
-    assert threading.active_count() <= before + 1  # the spinners joined (a pool thread may linger)
+    # The spinners joined. (Counting every thread failed under xdist on a 16-core host: threads of
+    # the caches' pools and disk tiers may still be ending as asyncio.run returns.)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("engine-spin-")]
+    assert not left, left
 
 
 def test_the_spinner_really_holds_the_gil() -> None:

@@ -184,13 +184,46 @@ class SignalAfterCall:
                           if ins.argval == attr and ins.opname in loads
                           and (after := _after_call(instructions, i)) is not None)
         self.fired: str | None = None
+        self._tool: int | None = None
 
     def __enter__(self) -> SignalAfterCall:
-        sys.settrace(self._global)
+        if _MONITORING is None:
+            sys.settrace(self._global)
+            return self
+        # Python 3.12+: opcode tracing that ``sys.settrace`` turns on in a frame's call event is not
+        # in force for the first call of the code (the trace saw no opcode of it: a point on the
+        # first call was never reached); ``sys.monitoring``'s instruction events of the code are.
+        monitoring = _MONITORING
+        self._tool = next(i for i in range(6) if monitoring.get_tool(i) is None)
+        monitoring.use_tool_id(self._tool, "aiokv tests: SignalAfterCall")
+        monitoring.register_callback(self._tool, monitoring.events.INSTRUCTION, self._instruction)
+        monitoring.set_local_events(self._tool, self.code, monitoring.events.INSTRUCTION)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.settrace(None)
+        if _MONITORING is None:
+            sys.settrace(None)
+            return
+        self._stop()
+
+    def _stop(self) -> None:
+        monitoring = _MONITORING
+        if monitoring is not None and self._tool is not None:
+            monitoring.set_local_events(self._tool, self.code, 0)
+            monitoring.register_callback(self._tool, monitoring.events.INSTRUCTION, None)
+            monitoring.free_tool_id(self._tool)
+            self._tool = None
+
+    def _instruction(self, code: types.CodeType, offset: int) -> object:
+        if offset != self.after or self.fired is not None:
+            return None
+        frame = sys._getframe(1)  # the frame of ``code`` (the callback runs on its behalf)
+        if self.when is not None and not self.when(frame):
+            return None
+        self.fired = f"return of the call at offset {self.after} in {self.code.co_qualname}"
+        self._stop()
+        signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+        return None
 
     def _global(self, frame: types.FrameType, event: str, arg: object) -> Callable[..., object] | None:
         if frame.f_code is not self.code or self.fired is not None:
@@ -206,6 +239,10 @@ class SignalAfterCall:
             frame.f_trace_opcodes = False
             signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
         return self._local
+
+
+_MONITORING: Any = getattr(sys, "monitoring", None)
+"""``sys.monitoring`` where Python has it (3.12+), else None (``SignalAfterCall`` traces instead)."""
 
 
 def _after_call(instructions: list[dis.Instruction], load: int) -> int | None:

@@ -10,6 +10,7 @@ descriptor it had opened."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -77,10 +78,17 @@ def interrupted_at(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool:
         # Room for 14 files, 12 written at the start: the round's writes make new files, then recycle.
         scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, capacity=14, stored=12)
         scenario.start()
-        scenario.round(points)
-        assert points.fired is not None, "the point was never reached"
-        assert scenario.interrupted == 1
-        scenario.round()
-        scenario.check_all()
-        scenario.close()
+        closed = False
+        try:
+            scenario.round(points)
+            assert points.fired is not None, "the point was never reached"
+            assert scenario.interrupted == 1
+            scenario.round()
+            scenario.check_all()
+            scenario.close()
+            closed = True
+        finally:
+            if not closed:  # a failed check: close anyway, so that the next tests start clean
+                with contextlib.suppress(BaseException):
+                    scenario.close()
     assert open_fds() <= before, "descriptors left open after the close"
