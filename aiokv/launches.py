@@ -17,11 +17,14 @@ learns the fixed cost from groups of different sizes (the intercept of a moving 
 line of loop time against pages) and bounds what grows with the group: the newest group's time
 less the fixed cost, per page, times the pages, within ``launch_turn_s``. Until a fixed cost is
 known, and whenever the bound allows more, a group grows by at most what one turn's budget gives
-were all of the newest group's time per page: a wrong estimate costs one group at most
-``launch_turn_s`` more than the last, and a slower newest group shrinks the next at once.
+were all of the newest group's time per page (to the nearest page): a wrong estimate costs one
+group about ``launch_turn_s`` more than the last, and a slower newest group shrinks the next at
+once.
 """
 
 from __future__ import annotations
+
+import math
 
 DEFAULT_LAUNCH_BYTES = 64 << 20
 """``CacheConfig.launch_bytes``: an 8B model's two 32 MiB pages, what ``launch_pages`` gave it."""
@@ -78,6 +81,8 @@ class LaunchSizer:
         # Growth of at most one turn's budget over the newest group, were all of its time per page
         # (infinite for an infinite budget); and, once the fixed cost is known, the budget's bound.
         best = pages + self._turn_s * pages / seconds
+        if math.isfinite(best):
+            best = math.floor(best + 0.5)  # to the nearest page: 2.96 pages is a step of one
         if self._fixed is not None:
             per_page = self.per_page_s
             assert per_page is not None
@@ -89,11 +94,12 @@ class LaunchSizer:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
         if pages <= 0:
             return
-        # Capped at a whole turn's budget per page: one stalled group (a compile, a page fault
-        # storm, a GIL hand-over) sends the next groups to the floor, and a few fast ones bring them
-        # back. It says nothing of the fixed cost: kept out of the line.
-        stalled = seconds >= self._turn_s * pages
-        seconds = min(max(seconds, 0.0), self._turn_s * pages)
+        # A group past the fixed cost (a turn's budget while it is unknown) plus a turn's budget a
+        # page is a stall (a compile, a page fault storm, a GIL hand-over): it sends the next
+        # groups to the floor, a few fast ones bring them back, and it says nothing of the line.
+        limit = self._turn_s * pages + (self._turn_s if self._fixed is None else self._fixed)
+        stalled = seconds >= limit
+        seconds = min(max(seconds, 0.0), limit)
         self._last = (pages, seconds, stalled)
         if stalled:
             return

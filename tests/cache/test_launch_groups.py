@@ -108,7 +108,9 @@ async def test_launches_that_hold_the_loop_stay_at_launch_pages() -> None:
 async def test_launch_bytes_cap_a_group() -> None:
     kv = make_kv(95)
     cap = 5
-    cfg = config(None, pool_pages=2 * PAGES, launch_pages=2, launch_bytes=cap * LAYOUT.page_bytes)
+    # A turn budget no launch reaches (1 s): the bytes alone bound the groups, on any device (the
+    # H200's offload groups cost ~70 us a page, so 250 us would keep them at 3).
+    cfg = config(None, pool_pages=2 * PAGES, launch_pages=2, launch_bytes=cap * LAYOUT.page_bytes, launch_turn_s=1.0)
     async with KVCache(cfg, LAYOUT, kv) as cache:
         offloads, loads = await _after_learning(cache, kv, 95)
         assert max(offloads) <= cap and max(loads) <= cap

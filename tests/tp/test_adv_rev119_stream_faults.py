@@ -257,9 +257,10 @@ async def test_streams_begun_behind_a_stopped_rank_s_full_socket_all_land_once_i
             stats = await ranks.ask(rank, ("stats",))
             assert (stats.stream_marks, stats.stream_marks_failed, stats.link_errors) == (streams, 0, 0), stats
             assert stats.sessions == 1, stats
-            # All the frames came before the specs: most streams' marks were dropped as old by then
-            # (168 of 180 LOAD specs here), their copies ordered at launch: counted, still exact.
-            assert stats.stream_marks_missed > streams, stats
+            # All the frames came before the specs: all but the newest stream_marks streams' marks
+            # were dropped as old by then (168 of 180 LOAD specs in review 119; a stream sends fewer
+            # specs where launch groups grow), their copies ordered at launch: counted, still exact.
+            assert stats.stream_marks_missed >= streams - rank_config.stream_marks, stats
         setup.clean()
         await ranks.stop_all()
 
