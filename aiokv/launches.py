@@ -94,12 +94,17 @@ class LaunchSizer:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
         if pages <= 0:
             return
-        # A group past the fixed cost (a turn's budget while it is unknown) plus a turn's budget a
-        # page is a stall (a compile, a page fault storm, a GIL hand-over): it sends the next
-        # groups to the floor, a few fast ones bring them back, and it says nothing of the line.
-        limit = self._turn_s * pages + (self._turn_s if self._fixed is None else self._fixed)
-        stalled = seconds >= limit
-        seconds = min(max(seconds, 0.0), limit)
+        # Once the fixed cost is known, a group past it plus a turn's budget a page is a stall (a
+        # compile, a page fault storm, a GIL hand-over): it sends the next groups to the floor, a few
+        # fast ones bring them back, and it says nothing of the line. Before, a slow group only
+        # keeps the next from growing (its step is small): a GPU's first groups, ~0.4 ms of fixed
+        # cost on a busy host, are no stall.
+        seconds = max(seconds, 0.0)
+        stalled = False
+        if self._fixed is not None:
+            limit = self._fixed + self._turn_s * pages
+            stalled = seconds >= limit
+            seconds = min(seconds, limit)
         self._last = (pages, seconds, stalled)
         if stalled:
             return
@@ -114,7 +119,9 @@ class LaunchSizer:
         spread = mean_squares - mean_pages * mean_pages
         if spread > (MIN_SPREAD * mean_pages) ** 2:
             slope = (mean_products - mean_pages * mean_seconds) / spread
-            self._fixed = max(0.0, mean_seconds - slope * mean_pages)
+            # Never above the newest group's whole time (an outlier in the line, a compile, can
+            # put the intercept anywhere).
+            self._fixed = min(max(0.0, mean_seconds - slope * mean_pages), seconds)
 
     @property
     def per_page_s(self) -> float | None:

@@ -153,3 +153,18 @@ def test_a_step_rounds_to_the_nearest_page() -> None:
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
     seen = _run(sizer, lambda pages: 380e-6 + 70e-6 * pages, 8)
     assert [p for p, _ in seen][1:] == [3] * 7, seen
+
+
+def test_a_busy_gpu_host_s_first_groups_are_no_stall() -> None:
+    # The H200's offload groups with 16 test processes beside them: ~0.7 ms of fixed cost. Taken
+    # for stalls (past a turn's budget a page) they kept every group at the floor.
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run(sizer, lambda pages: 680e-6 + 70e-6 * pages, 8)
+    assert [p for p, _ in seen][1:] == [3] * 7, seen
+
+
+def test_time_all_per_page_past_the_budget_probes_once_then_keeps_the_floor() -> None:
+    # 400 us a page, no fixed cost: one group one page larger tells the two apart, then the floor.
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run(sizer, lambda pages: 400e-6 * pages, 10)
+    assert [p for p, _ in seen] == [2, 3] + [2] * 8, seen
