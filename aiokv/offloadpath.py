@@ -111,10 +111,14 @@ class OffloadPath(ManagerBase):
                     break
                 turn = time.perf_counter()
                 part = handles[begin : begin + sizer.pages()]
-                copies.append((transfers.offload(chosen[begin * t : (begin + len(part)) * t], [h.page for h in part]),
-                               part))
+                copy = transfers.offload(chosen[begin * t : (begin + len(part)) * t], [h.page for h in part])
+                copies.append((copy, part))
                 begin += len(part)
-                sizer.record(len(part), time.perf_counter() - turn)
+                if copy.launch is None or copy.launch.launched:
+                    # (A paced CUDA copy that was only queued took tens of µs: its launch, the
+                    # same host work, comes later from a completion callback. Learned from, such
+                    # samples grew groups whose deferred launches then held the loop.)
+                    sizer.record(len(part), time.perf_counter() - turn)
             outcomes = await asyncio.shield(asyncio.gather(*(c.future for c, _ in copies), return_exceptions=True))
         except BaseException:
             # Cancelled (or a launch refused its arguments): the slots may be reused as soon as we

@@ -9,6 +9,7 @@ hit of small pages was one loop turn and, on the CPU, one copy-thread round trip
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -181,4 +182,37 @@ async def test_a_load_cancelled_with_grown_groups_writes_no_slot_after_its_cance
         await cache.flush()
         assert max(loads) > 2, loads  # grown past launch_pages
         assert torch.equal(kv[:, target], after_cancel), "a copy wrote the slots after CancelledError"
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
+async def test_offload_groups_a_pacer_only_queued_are_not_learned_from() -> None:
+    # CUDA offloads are paced: a group past the pacer's bytes is only queued (tens of us) and
+    # launched later, the same host work, from a completion callback. Here every other group is
+    # "queued" (fast, its Copy's launch not launched) and the launched ones hold the loop 400 us a
+    # page: learned from, the queued ones grew the groups (whose deferred launches then held the
+    # loop); now only launched groups count, and they keep the floor.
+    from aiokv.transfers import PacedLaunch
+
+    kv = make_kv(103)
+    async with KVCache(config(None, pool_pages=2 * PAGES, launch_pages=2), LAYOUT, kv) as cache:
+        transfers = cache._transfers
+        assert transfers is not None
+        original: Callable[..., Copy] = transfers.offload
+        sizes: list[int] = []
+
+        def paced(slots: torch.Tensor, page_ids: list[int]) -> Copy:
+            sizes.append(len(page_ids))
+            copy = original(slots, page_ids)
+            if len(sizes) % 2:
+                return dataclasses.replace(copy, launch=PacedLaunch(lambda: (copy.future, None), 0, copy.future))
+            end = time.perf_counter() + 400e-6 * len(page_ids)
+            while time.perf_counter() < end:
+                pass
+            return copy
+
+        transfers.offload = paced  # type: ignore[method-assign]
+        await _after_learning(cache, kv, 103)
+        # One probe a page past the floor tells 400 us a page from a fixed cost (test_launches).
+        assert max(sizes) <= 3 and sizes[-4:] == [2] * 4, sizes
         await assert_quiescent(cache)
