@@ -28,7 +28,22 @@ def test_both_variants_are_timed_and_grouped() -> None:
     assert out["hit_ratio"] > 0 and out["offload_ratio"] > 0
 
 
+def test_group_costs_time_each_fixed_size_both_ways() -> None:
+    args = argparse.Namespace(pages=6, repeats=2, device="cpu", group_costs=[1, 3])
+    out = asyncio.run(bench_launch._group_costs(args, 16))
+    assert out["page_kib"] == 16 and sorted(out["sizes"]) == [1, 3]
+    for times in out["sizes"].values():
+        assert sorted(times) == ["load", "offload"] and all(t > 0 for t in times.values())
+
+
+def test_group_costs_leave_the_sizer_as_it_was() -> None:
+    record = bench_launch.launches.LaunchSizer.record
+    asyncio.run(bench_launch._group_costs(argparse.Namespace(pages=2, repeats=1, device="cpu", group_costs=[2]), 16))
+    assert bench_launch.launches.LaunchSizer.record is record
+
+
 def test_bad_arguments_are_refused() -> None:
-    done = subprocess.run([sys.executable, str(TOOLS / "bench_launch.py"), "--repeats", "0"], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2 and "must be positive" in done.stderr
+    for bad in (["--repeats", "0"], ["--group-costs", "0"]):
+        done = subprocess.run([sys.executable, str(TOOLS / "bench_launch.py"), *bad], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and "must be positive" in done.stderr, (bad, done.stderr)

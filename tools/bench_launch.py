@@ -97,12 +97,20 @@ def _count_groups(cache: KVCache) -> dict[str, int]:
     return counts
 
 
-async def _page_size(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
+def _setup(args: argparse.Namespace, page_kib: int
+           ) -> tuple[KVLayout, torch.device, int, torch.Generator, torch.Tensor]:
+    """The layout, device, tokens of ``args.pages`` pages, a seeded generator and a KV buffer of
+    twice those tokens (the first half offloaded, loaded back into the second)."""
     layout = _layout(page_kib)
     device = torch.device(args.device)
     n = args.pages * layout.page_tokens
     gen = torch.Generator().manual_seed(page_kib)
     kv = torch.randn(layout.num_layers, 2 * n, layout.rows, layout.head_dim, generator=gen).to(layout.dtype).to(device)
+    return layout, device, n, gen, kv
+
+
+async def _page_size(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
+    layout, device, n, gen, kv = _setup(args, page_kib)
     prompts = [torch.randint(0, 50_000, (n,), generator=gen).tolist() for _ in range(args.repeats + 1)]
     caches: dict[str, KVCache] = {}
     counts: dict[str, dict[str, int]] = {}
@@ -173,11 +181,7 @@ async def _page_size(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
 
 async def _group_costs(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
     """Median loop seconds per launch group at each fixed group size, loads and offloads apart."""
-    layout = _layout(page_kib)
-    device = torch.device(args.device)
-    n = args.pages * layout.page_tokens
-    gen = torch.Generator().manual_seed(page_kib)
-    kv = torch.randn(layout.num_layers, 2 * n, layout.rows, layout.head_dim, generator=gen).to(layout.dtype).to(device)
+    layout, _, n, gen, kv = _setup(args, page_kib)
     slots = torch.arange(n, 2 * n)
     samples: dict[int, dict[str, list[float]]] = {}
     original = launches.LaunchSizer.record
