@@ -55,7 +55,7 @@ class LaunchSizer:
     bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_sums", "_turn_s")
+    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_slope", "_sums", "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -67,6 +67,7 @@ class LaunchSizer:
         self._fixed: float | None = None  # a group's fixed loop time, once groups of several sizes gave it
         # Moving means of pages, seconds, pages², pages × seconds (the line's least squares).
         self._sums: list[float] | None = None
+        self._slope = 0.0  # the line's seconds per page, with the fixed cost
 
     def pages(self) -> int:
         """How many pages the next group launches."""
@@ -83,6 +84,10 @@ class LaunchSizer:
         best = pages + self._turn_s * pages / seconds
         if math.isfinite(best):
             best = math.floor(best + 0.5)  # to the nearest page: 2.96 pages is a step of one
+            if self._fixed is not None or pages <= self._floor:
+                # At least a page: a fixed cost past two turns' budget is no reason to stay put (the
+                # bound below keeps a costly page out; at the floor, one larger group measures it).
+                best = max(best, pages + 1)
         if self._fixed is not None:
             per_page = self.per_page_s
             assert per_page is not None
@@ -99,11 +104,18 @@ class LaunchSizer:
         # fast ones bring them back, and it says nothing of the line. Before, a slow group only
         # keeps the next from growing (its step is small): a GPU's first groups, ~0.4 ms of fixed
         # cost on a busy host, are no stall.
+        if not math.isfinite(seconds):  # no measurement (NaN) or no end (inf): a stall, not a sample
+            self._last = (pages, (self._fixed or 0.0) + self._turn_s * pages, True)
+            return
         seconds = max(seconds, 0.0)
         stalled = False
         if self._fixed is not None:
             limit = self._fixed + self._turn_s * pages
             stalled = seconds >= limit
+            if stalled and pages <= self._floor and seconds >= limit + self._slope * pages:
+                # Past the line itself at the floor, where no group can shrink: the fixed cost rose
+                # (a busy host) and every group would be a stall; relearn it.
+                self._fixed = self._sums = None
             seconds = min(seconds, limit)
         self._last = (pages, seconds, stalled)
         if stalled:
@@ -119,9 +131,14 @@ class LaunchSizer:
         spread = mean_squares - mean_pages * mean_pages
         if spread > (MIN_SPREAD * mean_pages) ** 2:
             slope = (mean_products - mean_pages * mean_seconds) / spread
-            # Never above the newest group's whole time (an outlier in the line, a compile, can
-            # put the intercept anywhere).
-            self._fixed = min(max(0.0, mean_seconds - slope * mean_pages), seconds)
+            fixed = max(0.0, mean_seconds - slope * mean_pages)
+            if fixed > seconds:
+                # A fixed cost above the newest group's whole time: an old outlier (a first launch
+                # that compiled) bent the line. Taken, pages looked free and groups stayed far past
+                # the budget for good; the line starts over from the newest group.
+                self._sums = list(sample)
+            else:
+                self._fixed, self._slope = fixed, max(0.0, slope)
 
     @property
     def per_page_s(self) -> float | None:

@@ -168,3 +168,64 @@ def test_time_all_per_page_past_the_budget_probes_once_then_keeps_the_floor() ->
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
     seen = _run(sizer, lambda pages: 400e-6 * pages, 10)
     assert [p for p, _ in seen] == [2, 3] + [2] * 8, seen
+
+
+
+# Review 128: a slow first group, NaN and inf times, a fixed cost past two turns, a fixed cost
+# that rises once learned. Each failed before its fix.
+
+def _run_k(sizer: LaunchSizer, cost: Callable[[int, int], float], groups: int) -> list[int]:
+    """As ``_run``, with the group's number passed to ``cost`` (a cost that changes over time)."""
+    seen = []
+    for k in range(groups):
+        pages = sizer.pages()
+        sizer.record(pages, cost(k, pages))
+        seen.append(pages)
+    return seen
+
+
+def _h200(k: int, pages: int) -> float:
+    return 200e-6 + 20e-6 * pages
+
+
+@pytest.mark.parametrize("first", [5e-3, 0.1, 3.0])
+def test_one_slow_first_group_does_not_lock_groups_past_the_budget(first: float) -> None:
+    # 2 MiB pages, 64 MiB: ceiling 32; 12 x 20 us fit 250 us. A first group that compiled made the
+    # line's intercept its whole time: pages looked free, every group 32 pages (840 us) for good.
+    sizer = LaunchSizer(2, 64 * MiB, 250e-6, 2 * MiB)
+    sizer.record(2, first)
+    seen = _run_k(sizer, _h200, 200)
+    assert 10 <= seen[-1] <= 13, seen[-10:]
+
+
+def test_one_compile_does_not_lock_per_page_groups_past_the_budget() -> None:
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    sizer.record(2, 3.0)
+    seen = _run_k(sizer, lambda k, pages: 50e-6 * pages, 300)
+    assert seen[-1] * 50e-6 <= 300e-6, seen[-10:]  # 5 pages fit 250 us (one more by rounding)
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf])
+def test_a_time_that_is_not_a_number_is_a_stall_and_spoils_nothing(seconds: float) -> None:
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 2 * MiB)
+    sizer.record(2, seconds)
+    assert sizer.pages() == 2  # NaN raised ValueError here before
+    seen = _run_k(sizer, _h200, 100)
+    assert 10 <= seen[-1] <= 13, seen[-10:]  # inf had made the sums NaN for good
+
+
+@pytest.mark.parametrize(("floor", "cost"), [(2, lambda k, pages: 1.2e-3),
+                                             (1, lambda k, pages: 600e-6 + 10e-6 * pages)])
+def test_a_fixed_cost_past_two_turns_does_not_keep_the_floor(floor: int, cost: Callable[[int, int], float]) -> None:
+    # The step (a turn's budget over the newest group, were it all per page) rounded to no page.
+    sizer = LaunchSizer(floor, 1 << 40, 250e-6, 4096)
+    seen = _run_k(sizer, cost, 40)
+    assert seen[-1] > floor, seen
+
+
+def test_a_fixed_cost_that_rises_once_learned_is_relearned() -> None:
+    # Learned at 200 us + 20 us a page (groups of 12), then the host gets busy: 1 ms more a group.
+    # Every floor group was a stall, and a stall never reached the line: the floor for good.
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run_k(sizer, lambda k, pages: 200e-6 + (1e-3 if k >= 15 else 0) + 20e-6 * pages, 80)
+    assert seen[14] == 12 and seen[-1] >= 10, seen
