@@ -55,7 +55,7 @@ class LaunchSizer:
     bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_slope", "_sums", "_turn_s")
+    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_rises", "_slope", "_sums", "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -68,6 +68,7 @@ class LaunchSizer:
         # Moving means of pages, seconds, pages², pages × seconds (the line's least squares).
         self._sums: list[float] | None = None
         self._slope = 0.0  # the line's seconds per page, with the fixed cost
+        self._rises = 0  # floor groups in a row past the line itself (see record)
 
     def pages(self) -> int:
         """How many pages the next group launches."""
@@ -113,9 +114,15 @@ class LaunchSizer:
             limit = self._fixed + self._turn_s * pages
             stalled = seconds >= limit
             if stalled and pages <= self._floor and seconds >= limit + self._slope * pages:
-                # Past the line itself at the floor, where no group can shrink: the fixed cost rose
-                # (a busy host) and every group would be a stall; relearn it.
-                self._fixed = self._sums = None
+                # Past the line itself at the floor, where no group can shrink, twice in a row: the
+                # fixed cost rose (a busy host) and every group would be a stall; relearn it. (Once
+                # is a spike: relearning on it made a group past the budget, a probe, for nothing.)
+                self._rises += 1
+                if self._rises >= 2:
+                    self._fixed = self._sums = None
+                    self._rises = 0
+            else:
+                self._rises = 0
             seconds = min(seconds, limit)
         self._last = (pages, seconds, stalled)
         if stalled:

@@ -229,3 +229,11 @@ def test_a_fixed_cost_that_rises_once_learned_is_relearned() -> None:
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
     seen = _run_k(sizer, lambda k, pages: 200e-6 + (1e-3 if k >= 15 else 0) + 20e-6 * pages, 80)
     assert seen[14] == 12 and seen[-1] >= 10, seen
+
+
+def test_one_spike_at_the_floor_does_not_relearn_the_fixed_cost() -> None:
+    # 400 us a page, past the budget: the floor. A spike of one group (a GIL hand-over) looked like
+    # a risen fixed cost: relearned, then a probe group past the budget (seen on the H200).
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run_k(sizer, lambda k, pages: 250e-6 + 400e-6 * pages + (1e-3 if k in (20, 40) else 0), 60)
+    assert seen[:2] == [2, 3] and seen[2:] == [2] * 58, seen
