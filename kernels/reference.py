@@ -85,9 +85,10 @@ def reference_gather(
     rows = _token_rows(pages)
     start = _run_start(index)
     for seg in segments(kv):
-        chunk = _pages_per_chunk(tokens, seg.width, pages.element_size())
         for layer, tensor in enumerate(seg.layers):
             flat = _as_int(tensor).reshape(tensor.shape[0], -1)
+            # index_select takes whole rows of the buffer (every segment's columns), then slices.
+            chunk = _pages_per_chunk(tokens, flat.shape[1] if start is None else seg.width, flat.element_size())
             dst = rows[:, layer, :, seg.page_col : seg.page_col + seg.width]
             for lo in range(0, count, chunk):
                 hi = min(count, lo + chunk)
