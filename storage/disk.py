@@ -261,6 +261,15 @@ class DiskTier(WritePath, ReadPath):
                 self._release(ref)  # (a signal's KeyboardInterrupt at the write's entry: never taken)
             raise
 
+    async def _until_idle(self) -> None:
+        """Until no operation is active and no page job runs (those of callers that ended too)."""
+        while self._jobs or self._active:
+            if self._active:
+                self._idle = asyncio.get_running_loop().create_future()
+                await self._idle
+            if self._jobs:
+                await asyncio.wait(set(self._jobs))
+
     async def _close(self) -> None:
         if self._starting is not None:
             await asyncio.wait({self._starting})  # a start in flight may still be opening the backend
@@ -271,12 +280,7 @@ class DiskTier(WritePath, ReadPath):
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
         if self._drop_queued is not None:
             self._dropped += await self._drop_queued
-        while self._jobs or self._active:
-            if self._active:
-                self._idle = asyncio.get_running_loop().create_future()
-                await self._idle
-            if self._jobs:
-                await asyncio.wait(set(self._jobs))
+        await self._until_idle()
         await self._close_spares()
         if self._io is not None:
             await self._io.aclose()

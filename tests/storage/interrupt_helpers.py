@@ -440,11 +440,7 @@ class JobsScenario:
         tier = self.tier
         # Jobs of a caller the interrupt ended may still run: waited for as the tier's close does.
         while tier._active or tier._jobs or tier._refill is not None:
-            if tier._active:
-                tier._idle = asyncio.get_running_loop().create_future()
-                await tier._idle
-            if tier._jobs:
-                await asyncio.wait(set(tier._jobs))
+            await tier._until_idle()
             if tier._refill is not None:  # a batch of spare files being made (its descriptors open)
                 await asyncio.wait({tier._refill})
 

@@ -17,7 +17,6 @@ the read had given back."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import types
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import config, fill, key_of
+from disk_helpers import config, key_of, stored_page, write_page
 from interrupt_helpers import SignalAfterCall, open_fds, private_loop, run
 
 from aiokv.keys import PageKey
@@ -43,23 +42,6 @@ def _nested(code: types.CodeType, name: str) -> types.CodeType:
     return next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
 
 
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    held = fill(pool, key_of(i), i)
-    try:
-        return await tier.write(key_of(i), held)
-    finally:
-        pool.table.release(held)
-
-
-async def _settled(tier: DiskTier) -> None:
-    while tier._active or tier._jobs:
-        if tier._active:
-            tier._idle = asyncio.get_running_loop().create_future()
-            await tier._idle
-        if tier._jobs:
-            await asyncio.wait(set(tier._jobs))
-
-
 def test_a_recycle_not_taken_delivered_twice_runs_once(tmp_path: Path, backend: DiskBackend, layout: KVLayout,
                                                        pool: PagePool) -> None:
     before = open_fds()
@@ -67,7 +49,7 @@ def test_a_recycle_not_taken_delivered_twice_runs_once(tmp_path: Path, backend: 
         tier = DiskTier(config(tmp_path / "disk", backend, capacity=STORED * file_bytes(layout)), layout, pool)
         run(loop, tier.start())
         for i in range(STORED):
-            assert run(loop, _write(tier, pool, i))
+            run(loop, stored_page(tier, pool, i))
         if backend is DiskBackend.THREADS:
             point = SignalAfterCall(backends._recycled.__wrapped__.__code__, "done")  # the worker's outcome delivered
         else:
@@ -77,15 +59,15 @@ def test_a_recycle_not_taken_delivered_twice_runs_once(tmp_path: Path, backend: 
             io._cached.available = False
             point = SignalAfterCall(_nested(backends.UringPageIO.start_recycle.__code__, "opened"), "done")
         os.unlink(tier.files.path(key_of(0)))  # the next write's victim (least recently used) is gone
-        task = loop.create_task(_write(tier, pool, 100))
+        task = loop.create_task(write_page(tier, pool, 100))
         with point:
             try:
                 loop.run_until_complete(task)
             except KeyboardInterrupt:
                 pass
         assert point.fired is not None, "the recycle's done was never called"
-        assert run(loop, task), "the write was published, but its caller was told it was not"
-        run(loop, _settled(tier))
+        assert run(loop, task)[0], "the write was published, but its caller was told it was not"
+        run(loop, tier._until_idle())
         assert tier.contains(key_of(100)) and os.path.exists(tier.files.path(key_of(100)))
         errors = tier.statistics().errors
         assert errors.get(ErrorKind.OTHER, 0) == 0, f"a stale completion ran as a bug: {errors}"
@@ -125,7 +107,7 @@ def test_a_broken_read_chain_is_read_again_once(tmp_path: Path, backend: DiskBac
         run(loop, tier.start())
         io = tier.backend
         assert isinstance(io, backends.UringPageIO) and io.chain_reads, "no read chains here"
-        assert run(loop, _write(tier, pool, 0))
+        run(loop, stored_page(tier, pool, 0))
         io._cached.available = False  # a cold name: the read is one chain from its open
         os.truncate(tier.files.path(key_of(0)), file_bytes(layout) - 4096)
 
@@ -157,7 +139,7 @@ def test_a_broken_read_chain_is_read_again_once(tmp_path: Path, backend: DiskBac
         assert reads_again == [bytes.hex(key_of(0))], "the read went the checked way twice"
         assert not in_flight, "the ring still opened or read for the read when it returned"
         pool.table.abort(handle)
-        run(loop, _settled(tier))
+        run(loop, tier._until_idle())
         assert tier._io_slots.in_use == 0
         run(loop, tier.aclose())
     assert open_fds() <= before
