@@ -76,8 +76,10 @@ async def write_page(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torc
     """Write page ``key_of(i)`` (seed ``i``) and empty the pool again; returns (written, its payload)."""
     h = fill(pool, key_of(i), i)
     data = payload(pool, h)
-    ok = await tier.write(key_of(i), h)
-    pool.table.release(h)
+    try:
+        ok = await tier.write(key_of(i), h)
+    finally:
+        pool.table.release(h)  # also when the write raised (a signal's KeyboardInterrupt)
     pool.table.evict(pool.num_pages)  # a small pool: keep it empty
     return ok, data
 

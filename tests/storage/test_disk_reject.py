@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, fill, key_of, reserve
+from disk_helpers import assert_clean, config, key_of, reserve, stored_page
 from fs_helpers import loop_ext4, remount
 
 from aiokv.layout import KVLayout
@@ -26,12 +26,6 @@ def _flip_payload_byte(path: Path) -> None:
         os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 1, HEADER_BYTES + 100)), HEADER_BYTES + 100)
     finally:
         os.close(fd)
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> None:
-    handle = fill(pool, key_of(i), i)
-    assert await tier.write(key_of(i), handle)
-    pool.table.release(handle)
 
 
 async def _read(tier: DiskTier, pool: PagePool, i: int) -> bool:
@@ -60,7 +54,7 @@ async def test_a_corrupt_file_is_logged_as_deleted_or_kept_by_what_happens(
     caplog.set_level(logging.WARNING, logger=LOGGER)
     async with DiskTier(config(disk_dir, backend), layout, pool) as owner:
         for i in range(2):
-            await _write(owner, pool, i)
+            await stored_page(owner, pool, i)
         paths = [Path(owner.files.path(key_of(i))) for i in range(2)]
         for path in paths:
             _flip_payload_byte(path)
@@ -88,7 +82,7 @@ async def test_a_corrupt_file_on_a_read_only_mount_is_logged_as_kept(
     with loop_ext4(tmp_path, 16) as mount:
         cfg = config(mount / "disk", DiskBackend.THREADS, min_free_bytes=0)
         async with DiskTier(cfg, layout, pool) as tier:
-            await _write(tier, pool, 0)
+            await stored_page(tier, pool, 0)
             path = Path(tier.files.path(key_of(0)))
         _flip_payload_byte(path)
         remount(mount, "ro")

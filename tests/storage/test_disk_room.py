@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import assert_clean, config, fill, key_of
+from disk_helpers import assert_clean, config, stored_page, write_page
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -18,14 +18,6 @@ from aiokv.storage.pagefile import file_bytes
 def _consistent(tier: DiskTier, layout: KVLayout) -> None:
     stats = tier.statistics()
     assert stats.bytes_stored == stats.pages * file_bytes(layout), stats
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    held = fill(pool, key_of(i), i)
-    try:
-        return await tier.write(key_of(i), held)
-    finally:
-        pool.table.release(held)
 
 
 def _once(real: Any) -> Any:
@@ -50,11 +42,11 @@ async def test_claim_failing_after_room_gives_it_back(tier: DiskTier, pool: Page
         raise RuntimeError("injected bug")
 
     monkeypatch.setattr(tier._io_slots, "take", take)
-    assert not await _write(tier, pool, 1)
+    assert not (await write_page(tier, pool, 1))[0]
     _consistent(tier, layout)
     assert tier.statistics().bytes_stored == 0
     monkeypatch.undo()
-    assert await _write(tier, pool, 2)
+    await stored_page(tier, pool, 2)
     _consistent(tier, layout)
     assert tier.statistics().in_flight == 0
     assert_clean(pool)
@@ -68,16 +60,16 @@ async def test_recycle_failing_unexpectedly_gives_room_back(disk_dir: Path, back
     # completion (``_recycled_done``) raises unexpectedly.
     async with DiskTier(config(disk_dir, backend, capacity=2 * file_bytes(layout), recycle_files=True),
                         layout, pool) as tier:
-        assert await _write(tier, pool, 1)
-        assert await _write(tier, pool, 2)
+        await stored_page(tier, pool, 1)
+        await stored_page(tier, pool, 2)
         _consistent(tier, layout)
         monkeypatch.setattr(tier, "_victim_moved", _once(tier._victim_moved))
-        assert not await _write(tier, pool, 3)
+        assert not (await write_page(tier, pool, 3))[0]
         _consistent(tier, layout)
         monkeypatch.undo()
         # The full capacity is still there: two more pages fit.
-        assert await _write(tier, pool, 4)
-        assert await _write(tier, pool, 5)
+        await stored_page(tier, pool, 4)
+        await stored_page(tier, pool, 5)
         assert tier.statistics().pages == 2
         _consistent(tier, layout)
     assert_clean(pool)
