@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
@@ -66,6 +70,29 @@ def mover_of(cache: KVCache) -> PageMover:
     transfers = cache._transfers
     assert transfers is not None, "the cache is not started"
     return transfers.mover
+
+
+async def cancel_behind_a_busy_copy_thread(cache: KVCache, kv: torch.Tensor, target: torch.Tensor,
+                                           load: Coroutine[Any, Any, object],
+                                           launched: Callable[[], Awaitable[object]]) -> torch.Tensor:
+    """``load`` run as a task while the CPU copy thread is held by someone else's copy, cancelled
+    once ``launched()`` returned (it must raise CancelledError); returns ``kv[:, target]`` as it was
+    at its CancelledError. The copy thread is let go (also when the test fails), its copy awaited
+    and the cache flushed before it returns: compare the slots now with what it returned."""
+    gate = threading.Event()
+    blocker = cache._bridge.run_cpu(gate.wait)
+    task = asyncio.create_task(load)
+    try:
+        await launched()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after_cancel = kv[:, target].clone()
+    finally:
+        gate.set()  # never leave the copy thread blocked
+    await blocker
+    await cache.flush()
+    return after_cancel
 
 
 async def record_loop_gaps(gaps: list[float]) -> None:

@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, mover_of, prompt
+from cache_helpers import (
+    DEVICE,
+    LAYOUT,
+    assert_quiescent,
+    cancel_behind_a_busy_copy_thread,
+    config,
+    make_kv,
+    mover_of,
+    prompt,
+)
 from loop_probes import until_thread
 
 from aiokv import KVCache
@@ -44,20 +53,10 @@ async def test_cancelled_load_never_writes_the_slots_after_cancellation() -> Non
         await cache.offload(tokens, torch.arange(8 * T))
         target = torch.arange(100, 100 + 8 * T)
         kv[:, target] = 0
-        gate = threading.Event()
-        blocker = cache._bridge.run_cpu(gate.wait)  # the copy thread is busy with someone else's copy
         match = await cache.match(tokens)
-        task = asyncio.create_task(cache.load(match, target))
-        try:
-            await _turns(2)  # the load has queued some of its copies behind the blocker
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            after_cancel = kv[:, target].clone()
-        finally:
-            gate.set()  # never leave the copy thread blocked, also when the test fails
-        await blocker
-        await cache.flush()
+        # Cancelled once it queued some of its copies behind the blocked copy thread (2 turns).
+        after_cancel = await cancel_behind_a_busy_copy_thread(cache, kv, target, cache.load(match, target),
+                                                              lambda: _turns(2))
         assert torch.equal(kv[:, target], after_cancel), "a copy wrote the slots after CancelledError"
         # The engine reuses the slots for another prompt: its offload stores what it wrote.
         other = prompt(41, 8 * T)

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, SLOTS, assert_quiescent, config, make_kv, prompt
+from cache_helpers import (
+    DEVICE,
+    LAYOUT,
+    SLOTS,
+    assert_quiescent,
+    cancel_behind_a_busy_copy_thread,
+    config,
+    make_kv,
+    prompt,
+)
 
 from aiokv import KVCache
 from aiokv.transfers import Copy
@@ -173,19 +181,9 @@ async def test_a_load_cancelled_with_grown_groups_writes_no_slot_after_its_cance
         loads = _counting(cache, "load", launched=launched)
         target = torch.arange(SLOTS - n, SLOTS)
         kv[:, target] = 0
-        gate = threading.Event()
-        blocker = cache._bridge.run_cpu(gate.wait)  # the copy thread busy with someone else's copy
-        task = asyncio.create_task(cache.load(await cache.match(tokens), target))
-        try:
-            await launched.wait()  # the load launched a group (queued behind the blocker)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            after_cancel = kv[:, target].clone()
-        finally:
-            gate.set()  # never leave the copy thread blocked, also when the test fails
-        await blocker
-        await cache.flush()
+        # Cancelled once it launched a group (queued behind the blocked copy thread).
+        after_cancel = await cancel_behind_a_busy_copy_thread(
+            cache, kv, target, cache.load(await cache.match(tokens), target), launched.wait)
         assert max(loads) > 2, loads  # grown past launch_pages
         assert torch.equal(kv[:, target], after_cancel), "a copy wrote the slots after CancelledError"
         await assert_quiescent(cache)
