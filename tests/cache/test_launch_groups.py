@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -219,4 +220,60 @@ async def test_offload_groups_a_pacer_only_queued_are_not_learned_from() -> None
         await _after_learning(cache, kv, 103)
         # One probe a page past the floor tells 400 us a page from a fixed cost (test_launches).
         assert max(sizes) <= 3 and sizes[-4:] == [2] * 4, sizes
+        await assert_quiescent(cache)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread")
+@pytest.mark.asyncio
+async def test_an_offload_cancelled_with_grown_groups_stores_nothing_read_after_its_cancellation() -> None:
+    # The invariant for the other direction: once a cancelled offload raised, none of its copies
+    # (several pages each) still reads the caller's slots. The engine overwrites them at once; no
+    # page of the prompt may then hold what it wrote.
+    kv = make_kv(105)
+    async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
+        await _learned(cache, kv, 105)
+        n = PAGES * T
+        tokens = prompt(106, n)
+        source = torch.arange(n)
+        original = kv[:, source].clone()
+        launched = asyncio.Event()
+        offloads = _counting(cache, "offload", launched=launched)
+        transfers = cache._transfers
+        assert transfers is not None
+        counted: Callable[..., Copy] = transfers.offload
+        copies: list[Copy] = []
+
+        def kept(*args: Any) -> Copy:
+            copies.append(counted(*args))
+            return copies[-1]
+
+        transfers.offload = kept  # type: ignore[method-assign]
+        gate = threading.Event()
+        blocker = cache._bridge.run_cpu(gate.wait)  # the copy thread busy with someone else's copy
+        task = asyncio.create_task(cache.offload(tokens, source))
+        try:
+            await launched.wait()  # a group launched (queued behind the blocker)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # None of its copies is still to run: each was withdrawn or had ended.
+            assert copies and all(c.future.done() for c in copies), "a copy out of the slots is still pending"
+            kv[:, source] = 7.0  # the engine reuses the slots the moment the call raised
+        finally:
+            gate.set()  # never leave the copy thread blocked, also when the test fails
+        await blocker
+        await cache.flush()
+        assert max(offloads) > 2, offloads  # grown past launch_pages
+        target = torch.arange(SLOTS - n, SLOTS)
+        match = await cache.match(tokens)
+        if match.tokens:  # pages whose copies ended before the CancelledError may stay stored
+            loaded = await cache.load(match, target[: match.tokens])
+            got = kv[:, target[: loaded.tokens].to(kv.device)]
+            assert torch.equal(got, original[:, : loaded.tokens]), "a page holds bytes written after CancelledError"
+        # Nothing of the cancelled call is left held: the prompt offloads and loads back whole.
+        kv[:, source] = original
+        again = await cache.offload(tokens, source)
+        assert again.stored + again.skipped == PAGES, again
+        loaded = await cache.load(await cache.match(tokens), target)
+        assert loaded.tokens == n and torch.equal(kv[:, target.to(kv.device)], original)
         await assert_quiescent(cache)
