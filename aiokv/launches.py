@@ -19,7 +19,8 @@ less the fixed cost, per page, times the pages, within ``launch_turn_s``. Until 
 known, and whenever the bound allows more, a group grows by at most what one turn's budget gives
 were all of the newest group's time per page (to the nearest page): a wrong estimate costs one
 group about ``launch_turn_s`` more than the last, and a slower newest group shrinks the next at
-once.
+once (a stall, or the budget's bound, once the fixed cost is known; before, a group past the floor
+that would not grow goes back to it).
 """
 
 from __future__ import annotations
@@ -84,11 +85,20 @@ class LaunchSizer:
         # (infinite for an infinite budget); and, once the fixed cost is known, the budget's bound.
         best = pages + self._turn_s * pages / seconds
         if math.isfinite(best):
-            best = math.floor(best + 0.5)  # to the nearest page: 2.96 pages is a step of one
             if self._fixed is not None or pages <= self._floor:
+                best = math.floor(best + 0.5)  # to the nearest page: 2.96 pages is a step of one
                 # At least a page: a fixed cost past two turns' budget is no reason to stay put (the
                 # bound below keeps a costly page out; at the floor, one larger group measures it).
                 best = max(best, pages + 1)
+            else:
+                # Past the floor with no fixed cost known (none read yet: the probes' line was noise,
+                # or sizes a page apart did not spread enough to read one): grow only by whole pages
+                # that fit were all of the time per page, else back to the floor, which is safe and
+                # spreads the sizes for the line. Rounded up and kept, noise crept groups a page at a
+                # time past the budget for good (to 2,175 pages of 400 us each, simulated).
+                best = math.floor(best)
+                if best <= pages:
+                    return self._floor
         if self._fixed is not None:
             per_page = self.per_page_s
             assert per_page is not None

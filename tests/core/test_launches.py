@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Callable
 
 import pytest
@@ -237,3 +238,24 @@ def test_one_spike_at_the_floor_does_not_relearn_the_fixed_cost() -> None:
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
     seen = _run_k(sizer, lambda k, pages: 250e-6 + 400e-6 * pages + (1e-3 if k in (20, 40) else 0), 60)
     assert seen[:2] == [2, 3] and seen[2:] == [2] * 58, seen
+
+
+def test_a_probe_whose_line_noise_spoiled_goes_back_to_the_floor() -> None:
+    # 400 us a page (past the budget) on a loaded host whose fixed cost jumps: the floor group
+    # 1.2 ms of it, the probe one page larger 0.4 ms. The two made a line with a negative slope,
+    # thrown away; with no fixed cost known and a step that rounds to no page, the probe's size was
+    # kept for good (3 pages, 1.6 ms of the loop a group: the H200 under 16 test processes).
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run_k(sizer, lambda k, pages: (1.2e-3 if k == 0 else 400e-6) + 400e-6 * pages, 20)
+    assert seen[:2] == [2, 3] and seen[2:] == [2] * 18, seen
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_noise_never_creeps_costly_groups_past_the_budget(seed: int) -> None:
+    # 0.8 ms a group and 400 us a page (past the budget: the floor is right) under lognormal noise
+    # (sigma 0.5). Past the floor with no fixed cost read (sizes a page apart spread too little for
+    # the line), a step rounded up to a page each group crept seed 1's groups to 430 pages.
+    rng = random.Random(seed)
+    sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
+    seen = _run_k(sizer, lambda k, pages: (800e-6 + 400e-6 * pages) * rng.lognormvariate(0, 0.5), 600)
+    assert max(seen) <= 8, (max(seen), seen[-10:])
