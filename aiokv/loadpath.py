@@ -192,23 +192,33 @@ class LoadPath(ManagerBase):
                 promoted_group = await asyncio.shield(task)
                 consumed += 1
                 landed = [p.handle for p in promoted_group if isinstance(p, Promotion)]
+                run: list[PageHandle] = []  # the group's pages up to its first miss, in order
                 for promoted in promoted_group:
                     if not isinstance(promoted, Promotion):
                         cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
                         stop = True
                         break
+                    run.append(promoted.handle)
+                # The run in launch groups, as the pool part (one copy a page was a copy-thread round
+                # trip, or a GPU launch's fixed cost, a page: each a GIL hand-over beside an engine
+                # thread that runs Python).
+                while run:
                     if self._closed:
                         cut = stop = True
                         break
-                    handle = promoted.handle
+                    turn = time.perf_counter()
+                    group = sizer.pages()
+                    part, run = run[:group], run[group:]
                     page_skip = skip if page == first else 0
                     lo = page * t + page_skip - from_token
-                    hi = (page + 1) * t - from_token
-                    copies.append(
-                        (transfers.load([pool.table.check(handle)], slots[lo:hi], page_skip), [handle], Tier.DISK)
-                    )
-                    landed.remove(handle)
-                    page += 1
+                    hi = (page + len(part)) * t - from_token
+                    ids = [pool.table.check(h) for h in part]
+                    copies.append((transfers.load(ids, slots[lo:hi], page_skip), part, Tier.DISK))
+                    landed = landed[len(part):]  # the run is landed's head: these are in a copy now
+                    page += len(part)
+                    sizer.record(len(part), time.perf_counter() - turn)
+                    if run:
+                        await asyncio.sleep(0)  # bounded host work per loop turn, as above
                 self._release_handles(landed)  # past a miss or the close's start: not copied
                 landed = []
                 if stop:

@@ -32,6 +32,7 @@ from test_split_oracle_props import POISON, oracle
 from aiokv import KVCache, KVLayout
 from aiokv.kernels import TransferPath
 from aiokv.kernels.paths import interpreting
+from aiokv.loadpath import read_group_pages
 from aiokv.pagetable import PageHandle
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(),
@@ -121,9 +122,9 @@ def _slot_map(case: Case, rng: random.Random, total: int) -> list[int]:
 
 
 def _expected_runs(case: Case, slots: list[int]) -> int:
-    """Pages the mover must copy by runs: each ``load`` call (a launch group of pool pages, or one
-    disk page) goes by runs when every page's loaded slots are one ascending run (the stacked
-    buffer's geometry allows it and one copy per page stays within the budget)."""
+    """Pages the mover must copy by runs: each ``load`` call (a launch group of pool pages, or of
+    disk pages within one read group) goes by runs when every page's loaded slots are one ascending
+    run (the stacked buffer's geometry allows it and one copy per page stays within the budget)."""
     t, first = case.page_tokens, case.from_token
     runs = []
     for p in range(first // t, case.pages):
@@ -133,7 +134,11 @@ def _expected_runs(case: Case, slots: list[int]) -> int:
             runs.append(all(b == a + 1 for a, b in itertools.pairwise(page)))
     pooled = max(0, case.pool_pages - first // t)
     calls = [runs[i : min(i + case.launch_pages, pooled)] for i in range(0, pooled, case.launch_pages)]
-    calls += [[r] for r in runs[pooled:]]
+    layout = KVLayout.mha(case.layers, case.heads, case.head_dim, case.dtype, page_tokens=t)
+    read_group = read_group_pages(layout.page_bytes)
+    disk = runs[pooled:]
+    for group in (disk[g : g + read_group] for g in range(0, len(disk), read_group)):
+        calls += [group[i : i + case.launch_pages] for i in range(0, len(group), case.launch_pages)]
     return sum(len(call) for call in calls if all(call))
 
 

@@ -92,6 +92,43 @@ async def test_a_load_reads_one_batch_per_group_bit_exact(tmp_path: Path, backen
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
+async def test_a_read_groups_pages_are_copied_in_launch_groups_not_one_a_page(
+        tmp_path: Path, backend: DiskBackend) -> None:
+    """Regression: every disk page was its own copy (a copy-thread round trip, or a GPU launch's
+    fixed cost, each a GIL hand-over beside an engine thread running Python: a 39-page disk hit of
+    64 KiB pages took 2.8-3.5 s beside one on the 2-vCPU VM, 0.2-0.4 s now; tools/bench_gil.py).
+    A read group's pages now go in launch groups (here ``launch_pages`` 3, no growth), bit-exact."""
+    source = _kv(21)
+    tokens = _tokens(21)
+    await _on_disk(tmp_path, backend, tokens, source)
+    kv = _kv(22)
+    config = dataclasses.replace(_config(tmp_path, backend), launch_pages=3, launch_turn_s=0.0)
+    async with KVCache(config, LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        transfers = cache._transfers
+        assert transfers is not None
+        sizes: list[int] = []
+        real = transfers.load
+
+        def counted(ids: Any, *args: Any, **kwargs: Any) -> Any:
+            sizes.append(len(ids))
+            return real(ids, *args, **kwargs)
+
+        transfers.load = counted  # type: ignore[method-assign]
+        match = await cache.match(tokens)
+        target = torch.arange(N + T + 1, 2 * N)
+        result = await cache.load(match, target, from_token=T + 1)  # skips a page and a token
+        assert (result.tokens, result.disk_pages) == (N, PAGES - 1)
+        want: list[int] = []
+        for group in (GROUP, PAGES - 1 - GROUP):  # the read groups, from the first page loaded
+            want += [3] * (group // 3) + ([group % 3] if group % 3 else [])
+        assert sizes == want
+        assert torch.equal(kv[:, target], source[:, T + 1 : N])
+        await _quiescent(cache)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("group_pages", [1, 3])
 async def test_read_group_bytes_sets_the_pages_of_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                group_pages: int) -> None:
