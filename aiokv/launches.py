@@ -20,7 +20,9 @@ known, and whenever the bound allows more, a group grows by at most what one tur
 were all of the newest group's time per page (to the nearest page): a wrong estimate costs one
 group about ``launch_turn_s`` more than the last, and a slower newest group shrinks the next at
 once (a stall, or the budget's bound, once the fixed cost is known; before, a group past the floor
-that would not grow goes back to it).
+that would not grow goes back to it). Every :data:`PROBE_EVERY`-th group is of another size, so
+that the line keeps seeing spread sizes: a line bent by a spike, or a fixed cost that moved under
+groups of one size, is refitted from it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ MIN_SPREAD = 0.1
 """The groups' sizes must spread by this share of their mean (standard deviation) for the fixed
 cost to be read from them (the line's intercept); else the last one read is kept."""
 
+LINE_OFF = 2.0
+"""A stall (a group past the fixed cost plus a turn's budget a page) that took less than the line's
+prediction for it divided by this is a sample of the line all the same: the line is off."""
+
+PROBE_EVERY = 16
+"""Every this many groups, one of another size: the floor for groups past it, one page more for
+groups at it (within the byte cap). Groups of one size say nothing new about the line: a spike
+that bent it (a fixed cost read as 0) kept every later group at the floor, and a fixed cost that
+fell slowly under grown groups kept them growing to ~9 turns' budget (review 129). A probe's time
+refits the line only; the group after it is sized from the one before it. It costs one group in
+this many a page past the budget, or one short group."""
+
 
 class LaunchSizer:
     """Pages per launch group for one kind of transfer (loads or offloads) of one manager.
@@ -56,7 +70,7 @@ class LaunchSizer:
     bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_fixed", "_floor", "_last", "_rises", "_slope", "_sums", "_turn_s")
+    __slots__ = ("_ceiling", "_fixed", "_floor", "_groups", "_last", "_rises", "_slope", "_sums", "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -70,12 +84,20 @@ class LaunchSizer:
         self._sums: list[float] | None = None
         self._slope = 0.0  # the line's seconds per page, with the fixed cost
         self._rises = 0  # floor groups in a row past the line itself (see record)
+        self._groups = 0  # groups recorded (every PROBE_EVERY-th is a probe)
 
     def pages(self) -> int:
         """How many pages the next group launches."""
         last = self._last
         if last is None or self._turn_s <= 0:
             return self._floor
+        size = self._size(last)
+        if self._groups % PROBE_EVERY == PROBE_EVERY - 1:
+            return self._floor if size > self._floor else min(self._floor + 1, self._ceiling)
+        return size
+
+    def _size(self, last: tuple[int, float, bool]) -> int:
+        """The group size the newest group and the line give (no probe)."""
         pages, seconds, stalled = last
         if stalled:
             return self._floor
@@ -110,18 +132,24 @@ class LaunchSizer:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
         if pages <= 0:
             return
+        # A probe (see pages) refits the line; the next group is sized from the group before it.
+        probe = self._last is not None and self._turn_s > 0 and self._groups % PROBE_EVERY == PROBE_EVERY - 1
+        self._groups += 1
         # Once the fixed cost is known, a group past it plus a turn's budget a page is a stall (a
         # compile, a page fault storm, a GIL hand-over): it sends the next groups to the floor, a few
         # fast ones bring them back, and it says nothing of the line. Before, a slow group only
         # keeps the next from growing (its step is small): a GPU's first groups, ~0.4 ms of fixed
         # cost on a busy host, are no stall.
         if not math.isfinite(seconds):  # no measurement (NaN) or no end (inf): a stall, not a sample
-            self._last = (pages, (self._fixed or 0.0) + self._turn_s * pages, True)
+            if not probe:
+                self._last = (pages, (self._fixed or 0.0) + self._turn_s * pages, True)
             return
         seconds = max(seconds, 0.0)
         stalled = False
+        sample_s = seconds  # what the line learns from this group (a learned stall uncapped)
         if self._fixed is not None:
             limit = self._fixed + self._turn_s * pages
+            line = self._fixed + self._slope * pages
             stalled = seconds >= limit
             if stalled and pages <= self._floor and seconds >= limit + self._slope * pages:
                 # Past the line itself at the floor, where no group can shrink, twice in a row: the
@@ -133,10 +161,19 @@ class LaunchSizer:
                     self._rises = 0
             else:
                 self._rises = 0
+            # A stall sends the next group to the floor and is no sample, unless it took less than
+            # half what the line predicts: then the line is off, not the group. (Where pages cost
+            # more than the budget every floor group is a stall; learning from none, a line a spike
+            # had bent, a fixed cost read as 0 and pages dear, never came straight, review 129.)
+            learned = not stalled or seconds * LINE_OFF < line
             seconds = min(seconds, limit)
-        self._last = (pages, seconds, stalled)
-        if stalled:
-            return
+            if not learned:
+                if not probe:
+                    self._last = (pages, seconds, stalled)
+                return
+        if not probe:
+            self._last = (pages, seconds, stalled)
+        seconds = sample_s
         sample = (float(pages), seconds, float(pages * pages), pages * seconds)
         sums = self._sums
         if sums is None:
