@@ -70,7 +70,8 @@ class LaunchSizer:
     bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_fixed", "_floor", "_groups", "_last", "_rises", "_slope", "_sums", "_turn_s")
+    __slots__ = ("_ceiling", "_fixed", "_floor", "_groups", "_last", "_probe_out", "_rises", "_slope", "_sums",
+                 "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -84,15 +85,22 @@ class LaunchSizer:
         self._sums: list[float] | None = None
         self._slope = 0.0  # the line's seconds per page, with the fixed cost
         self._rises = 0  # floor groups in a row past the line itself (see record)
-        self._groups = 0  # groups recorded (every PROBE_EVERY-th is a probe)
+        self._groups = 0  # groups sized by pages() (every PROBE_EVERY-th is a probe)
+        self._probe_out = False  # the last pages() gave a probe: the next record() is its time
 
     def pages(self) -> int:
         """How many pages the next group launches."""
+        # Counted here, not in record: a paced CUDA offload queues groups it never records (it
+        # times only launched ones), and a count moved by record alone kept every queued group of
+        # such an offload the probe's size (review 130).
+        self._groups += 1
         last = self._last
         if last is None or self._turn_s <= 0:
+            self._probe_out = False
             return self._floor
         size = self._size(last)
-        if self._groups % PROBE_EVERY == PROBE_EVERY - 1:
+        self._probe_out = self._groups % PROBE_EVERY == 0
+        if self._probe_out:
             return self._floor if size > self._floor else min(self._floor + 1, self._ceiling)
         return size
 
@@ -132,9 +140,9 @@ class LaunchSizer:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
         if pages <= 0:
             return
-        # A probe (see pages) refits the line; the next group is sized from the group before it.
-        probe = self._last is not None and self._turn_s > 0 and self._groups % PROBE_EVERY == PROBE_EVERY - 1
-        self._groups += 1
+        # A probe (the last pages() gave one) refits the line; the next group is sized from the
+        # group before it.
+        probe, self._probe_out = self._probe_out, False
         # Once the fixed cost is known, a group past it plus a turn's budget a page is a stall (a
         # compile, a page fault storm, a GIL hand-over): it sends the next groups to the floor, a few
         # fast ones bring them back, and it says nothing of the line. Before, a slow group only

@@ -298,3 +298,16 @@ def test_a_fixed_cost_that_falls_slowly_does_not_grow_groups_far_past_the_budget
     sizer = LaunchSizer(2, 1 << 40, 250e-6, 4096)
     seen = _run_k(sizer, lambda k, pages: max(1e-3, 4e-3 - 3e-3 * max(0, k - 50) / 100) + 20e-6 * pages, 300)
     assert max(seen) * 20e-6 <= 4 * 250e-6, (max(seen), seen[40:160:10])
+
+
+def test_groups_sized_but_not_recorded_are_not_all_probes() -> None:
+    # Review 130: a paced CUDA offload sizes groups it queues but records only launched ones. The
+    # probe was picked by a count only record() moved: once at the probe's turn, every queued group
+    # of that offload was the probe's size (the floor) instead of the learned 12 pages.
+    sizer = LaunchSizer(2, 64 * MiB, 250e-6, 2 * MiB)
+    for _ in range(PROBE_EVERY - 1):
+        pages = sizer.pages()
+        sizer.record(pages, _h200(0, pages))
+    deferred = [sizer.pages() for _ in range(50)]
+    assert deferred.count(2) <= 50 // PROBE_EVERY + 1, deferred
+    assert deferred.count(12) >= 40, deferred
