@@ -158,8 +158,16 @@ class LoadPath(ManagerBase):
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         started = time.perf_counter()
+        sizer = self.load_launches
+
+        def launch(part: list[PageHandle], page: int, tier: Tier, turn: float) -> None:
+            """One launch group: ``part``, pages ``page..`` of the match, into their slots."""
+            page_skip = skip if page == first else 0
+            lo, hi = page * t + page_skip - from_token, (page + len(part)) * t - from_token
+            copies.append((transfers.load(pool.table.pages_of(part), slots[lo:hi], page_skip), part, tier))
+            sizer.record(len(part), time.perf_counter() - turn)
+
         try:
-            sizer = self.load_launches
             launched = 0
             while pool_part:
                 await asyncio.sleep(0)  # bounded host work per loop turn (validation, then launches)
@@ -171,12 +179,8 @@ class LoadPath(ManagerBase):
                 turn = time.perf_counter()
                 group = sizer.pages()
                 part, pool_part = pool_part[:group], pool_part[group:]
-                lo = 0 if launched == 0 else launched * t - skip
-                hi = (launched + len(part)) * t - skip
-                ids = [pool.table.check(h) for h in part]
-                copies.append((transfers.load(ids, slots[lo:hi], skip if launched == 0 else 0), part, Tier.POOL))
+                launch(part, first + launched, Tier.POOL, turn)
                 launched += len(part)
-                sizer.record(len(part), time.perf_counter() - turn)
             measured = self.measure_pool_copies([c.future for c, _, _ in copies], launched, started)
             disk_start = max(first, match.pool_pages)
             if self._closed:
@@ -209,14 +213,9 @@ class LoadPath(ManagerBase):
                     turn = time.perf_counter()
                     group = sizer.pages()
                     part, run = run[:group], run[group:]
-                    page_skip = skip if page == first else 0
-                    lo = page * t + page_skip - from_token
-                    hi = (page + len(part)) * t - from_token
-                    ids = [pool.table.check(h) for h in part]
-                    copies.append((transfers.load(ids, slots[lo:hi], page_skip), part, Tier.DISK))
+                    launch(part, page, Tier.DISK, turn)
                     landed = landed[len(part):]  # the run is landed's head: these are in a copy now
                     page += len(part)
-                    sizer.record(len(part), time.perf_counter() - turn)
                     if run:
                         await asyncio.sleep(0)  # bounded host work per loop turn, as above
                 self._release_handles(landed)  # past a miss or the close's start: not copied
