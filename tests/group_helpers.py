@@ -10,6 +10,7 @@ import torch
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
 from aiokv.loadpath import read_group_pages
+from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.storage import DiskConfig
 
 LAYOUT = KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4)
@@ -45,3 +46,17 @@ async def put_on_disk(config: CacheConfig, tokens: list[int], kv: torch.Tensor) 
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(len(tokens)))
         await cache.flush()
+
+
+def take_free_pages(cache: KVCache, most: int, tag: int, fill: int) -> list[PageHandle]:
+    """Reserve up to ``most`` pages the pool will give (free, or evictable) and fill each with the
+    byte ``fill``: a copy still running after a cancel into a page freed too early would show."""
+    pool = cache.pool
+    taken: list[PageHandle] = []
+    for i in range(most):
+        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
+        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
+            break
+        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
+        taken.append(res.handle)
+    return taken

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import assert_quiescent, mover_of
-from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
+from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens, take_free_pages
 
 from aiokv import CacheConfig, DiskBackend, KVCache
-from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.pagetable import PageHandle
 
 PAGES = GROUP + 9  # 41 pages: with up to 2 pooled, >= two read groups
 N = PAGES * T
@@ -36,18 +36,6 @@ def _config(root: Path, backend: DiskBackend = DiskBackend.THREADS, **extra: Any
     extra.setdefault("launch_pages", 3)
     extra.setdefault("launch_turn_s", 0.0)
     return dataclasses.replace(cfg, **extra)
-
-
-def _take(cache: KVCache, tag: int, fill: int) -> list[PageHandle]:
-    pool = cache.pool
-    taken: list[PageHandle] = []
-    for i in range(POOL_PAGES):
-        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
-        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
-            break
-        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
-        taken.append(res.handle)
-    return taken
 
 
 def _unchanged(cache: KVCache, taken: list[PageHandle], fill: int) -> None:
@@ -284,7 +272,7 @@ async def test_cancel_right_after_each_launch(tmp_path: Path, monkeypatch: pytes
             result = await tasks[0]
         except asyncio.CancelledError:
             snap = kv.clone()
-            taken = _take(cache, 1, 0x33)
+            taken = take_free_pages(cache, POOL_PAGES, 1, 0x33)
             await cache._bridge.run_cpu(lambda: None)  # copies stay in order: every one queued has run
             await cache.flush()
             assert torch.equal(kv, snap), "a copy wrote the slots after the cancelled load returned"

@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 import torch
 from cancel_points import most_attempts, pause
-from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
+from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens, take_free_pages
 
 from aiokv import CacheConfig, DiskBackend, KVCache
-from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.storage import DiskTier
 
 PAGES = GROUP + 5  # two read groups, the second short
@@ -185,19 +184,6 @@ def _flip_payload(path: str) -> None:
         os.close(fd)
 
 
-def _take_free_pages(cache: KVCache, tag: int, fill: int) -> list[PageHandle]:
-    """Reserve every page the pool will give (free, or evictable) and fill it with ``fill``."""
-    pool = cache.pool
-    taken: list[PageHandle] = []
-    for i in range(POOL_PAGES):
-        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
-        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
-            break
-        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
-        taken.append(res.handle)
-    return taken
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", BACKENDS, ids=[b.value for b in BACKENDS])
 async def test_a_cancelled_load_never_frees_a_page_a_read_still_writes(tmp_path: Path, backend: DiskBackend) -> None:
@@ -225,7 +211,7 @@ async def test_a_cancelled_load_never_frees_a_page_a_read_still_writes(tmp_path:
                 result = await task
             except asyncio.CancelledError:
                 fill = 1 + step % 250
-                taken = _take_free_pages(cache, step % 256, fill)
+                taken = take_free_pages(cache, POOL_PAGES, step % 256, fill)
                 await cache.flush()  # every abandoned read and copy ended
                 for h in taken:
                     assert bytes(pool.memory.page_view(pool.table.check(h))) == bytes([fill]) * LAYOUT.page_bytes
