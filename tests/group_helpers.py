@@ -60,3 +60,11 @@ def take_free_pages(cache: KVCache, most: int, tag: int, fill: int) -> list[Page
         pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
         taken.append(res.handle)
     return taken
+
+
+def pages_unchanged(cache: KVCache, taken: list[PageHandle], fill: int) -> None:
+    """Each page :func:`take_free_pages` filled still holds ``fill`` only; then given back."""
+    pool = cache.pool
+    for handle in taken:
+        assert bytes(pool.memory.page_view(pool.table.check(handle))) == bytes([fill]) * LAYOUT.page_bytes
+        pool.table.abort(handle)

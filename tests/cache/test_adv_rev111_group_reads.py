@@ -18,10 +18,20 @@ import pytest
 import torch
 from cache_helpers import assert_quiescent
 from cancel_points import most_attempts, pause
-from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
+from group_helpers import (
+    GROUP,
+    LAYOUT,
+    T,
+    group_config,
+    pages_unchanged,
+    put_on_disk,
+    random_kv,
+    random_tokens,
+    take_free_pages,
+)
 
 from aiokv import CacheConfig, DiskBackend, KVCache
-from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.pagetable import PageHandle
 
 PAGES = GROUP + 7  # two read groups, the second short
 N = PAGES * T
@@ -49,26 +59,6 @@ async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torc
     await put_on_disk(_config(root, backend), tokens, kv)
 
 
-def _take(cache: KVCache, tag: int, fill: int, most: int) -> list[PageHandle]:
-    """Reserve up to ``most`` pages the pool will give (free or evictable), each filled with ``fill``."""
-    pool = cache.pool
-    taken: list[PageHandle] = []
-    for i in range(most):
-        (res,) = pool.reserve([bytes([0xEE, tag]) + i.to_bytes(14, "little")])
-        if res.outcome is not ReserveOutcome.RESERVED or res.handle is None:
-            break
-        pool.memory.page_view(pool.table.check(res.handle))[:] = bytes([fill]) * LAYOUT.page_bytes
-        taken.append(res.handle)
-    return taken
-
-
-def _unchanged(cache: KVCache, taken: list[PageHandle], fill: int) -> None:
-    pool = cache.pool
-    for handle in taken:
-        assert bytes(pool.memory.page_view(pool.table.check(handle))) == bytes([fill]) * LAYOUT.page_bytes
-        pool.table.abort(handle)
-
-
 async def _exact_from_scratch(cache: KVCache, tokens: list[int], source: torch.Tensor, kv: torch.Tensor) -> None:
     """A full load of ``tokens`` (pool pages and disk pages alike) is bit-exact."""
     match = await cache.match(tokens)
@@ -88,7 +78,7 @@ def _scene(cache: KVCache, tokens: list[int], scene: int) -> list[PageHandle]:
     if scene == 1:
         return []  # pages put back by the caller's prefetch (below)
     if scene == 3:
-        return _take(cache, 0xA0, 0x5A, POOL_PAGES - GROUP // 2)  # room for half a group
+        return take_free_pages(cache, POOL_PAGES - GROUP // 2, 0xA0, 0x5A)  # room for half a group
     return []
 
 
@@ -124,12 +114,12 @@ async def test_cancel_a_load_at_every_turn_with_present_pending_and_exhausted_pa
                 result = await task
             except asyncio.CancelledError:
                 fill = 1 + step % 250
-                taken = _take(cache, step % 256, fill, POOL_PAGES)
+                taken = take_free_pages(cache, POOL_PAGES, step % 256, fill)
                 async with asyncio.timeout(BOUND_S):
                     if other is not None:
                         await other
                     await cache.flush()  # every abandoned read and copy ended
-                _unchanged(cache, taken, fill)
+                pages_unchanged(cache, taken, fill)
             else:
                 completed[scene] += 1
                 loaded = result.tokens - 1
@@ -138,7 +128,7 @@ async def test_cancel_a_load_at_every_turn_with_present_pending_and_exhausted_pa
                 if other is not None:
                     async with asyncio.timeout(BOUND_S):
                         await other
-            _unchanged(cache, holding, 0x5A)
+            pages_unchanged(cache, holding, 0x5A)
             await assert_quiescent(cache)
             if step % 32 < 4:
                 await _exact_from_scratch(cache, tokens, source, kv)
@@ -168,10 +158,10 @@ async def test_cancel_a_prefetch_at_every_turn(tmp_path: Path, backend: DiskBack
                 fetched = await task
             except asyncio.CancelledError:
                 fill = 1 + step % 250
-                taken = _take(cache, step % 256, fill, POOL_PAGES)
+                taken = take_free_pages(cache, POOL_PAGES, step % 256, fill)
                 async with asyncio.timeout(BOUND_S):
                     await cache.flush()
-                _unchanged(cache, taken, fill)
+                pages_unchanged(cache, taken, fill)
                 await assert_quiescent(cache)
                 if step % 8 == 0:
                     await _exact_from_scratch(cache, tokens, source, kv)
@@ -214,10 +204,10 @@ async def test_cancel_a_load_and_a_stream_of_the_same_prompt_at_every_turn(
             async with asyncio.timeout(BOUND_S):
                 await stream.aclose()
             fill = 1 + step % 250
-            taken = _take(cache, step % 256, fill, POOL_PAGES)
+            taken = take_free_pages(cache, POOL_PAGES, step % 256, fill)
             async with asyncio.timeout(BOUND_S):
                 await cache.flush()
-            _unchanged(cache, taken, fill)
+            pages_unchanged(cache, taken, fill)
             await assert_quiescent(cache)
             loaded, streamed = outcomes
             if not isinstance(streamed, BaseException):  # the stream's loaded suffix is exact

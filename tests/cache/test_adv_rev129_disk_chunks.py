@@ -20,10 +20,19 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import assert_quiescent, mover_of
-from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens, take_free_pages
+from group_helpers import (
+    GROUP,
+    LAYOUT,
+    T,
+    group_config,
+    pages_unchanged,
+    put_on_disk,
+    random_kv,
+    random_tokens,
+    take_free_pages,
+)
 
 from aiokv import CacheConfig, DiskBackend, KVCache
-from aiokv.pagetable import PageHandle
 
 PAGES = GROUP + 9  # 41 pages: with up to 2 pooled, >= two read groups
 N = PAGES * T
@@ -36,13 +45,6 @@ def _config(root: Path, backend: DiskBackend = DiskBackend.THREADS, **extra: Any
     extra.setdefault("launch_pages", 3)
     extra.setdefault("launch_turn_s", 0.0)
     return dataclasses.replace(cfg, **extra)
-
-
-def _unchanged(cache: KVCache, taken: list[PageHandle], fill: int) -> None:
-    pool = cache.pool
-    for handle in taken:
-        assert bytes(pool.memory.page_view(pool.table.check(handle))) == bytes([fill]) * LAYOUT.page_bytes
-        pool.table.abort(handle)
 
 
 async def _setup(cache: KVCache, tokens: list[int], pooled: int) -> None:
@@ -276,7 +278,7 @@ async def test_cancel_right_after_each_launch(tmp_path: Path, monkeypatch: pytes
             await cache._bridge.run_cpu(lambda: None)  # copies stay in order: every one queued has run
             await cache.flush()
             assert torch.equal(kv, snap), "a copy wrote the slots after the cancelled load returned"
-            _unchanged(cache, taken, 0x33)
+            pages_unchanged(cache, taken, 0x33)
         else:
             assert len(sizes) < at_call and result.tokens == N
             pytest.skip("fewer launches")
