@@ -23,6 +23,15 @@ once (a stall, or the budget's bound, once the fixed cost is known; before, a gr
 that would not grow goes back to it). Every :data:`PROBE_EVERY`-th group is of another size, so
 that the line keeps seeing spread sizes: a line bent by a spike, or a fixed cost that moved under
 groups of one size, is refitted from it.
+
+Where the fixed cost is large and noisy (0.7-2 ms a group, 5-10% noise, on a busy GPU host) sizes
+a page apart cannot show a cost of 5-20 us a page, and the line kept such groups at the floor. A
+probe from the floor is therefore weighed against the floor groups' moving mean time: when all of
+its pages fit the budget with the floor groups' noise (their mean deviation) added, the next
+probe's span doubles and comes a few groups later, and the probe's size is held: no later group
+is smaller but a stall, until groups at it cost past the budget on average (or one of them four
+times past it). A dear probe shrinks the span to what a turn's budget gives at its cost a page.
+``tools/sim_launches.py`` simulates it.
 """
 
 from __future__ import annotations
@@ -52,12 +61,23 @@ LINE_OFF = 2.0
 prediction for it divided by this is a sample of the line all the same: the line is off."""
 
 PROBE_EVERY = 16
-"""Every this many groups, one of another size: the floor for groups past it, one page more for
-groups at it (within the byte cap). Groups of one size say nothing new about the line: a spike
-that bent it (a fixed cost read as 0) kept every later group at the floor, and a fixed cost that
-fell slowly under grown groups kept them growing to ~9 turns' budget (review 129). A probe's time
-refits the line only; the group after it is sized from the one before it. It costs one group in
-this many a page past the budget, or one short group."""
+"""Every this many groups, one of another size: the floor for groups past the probes' span, else an
+upward probe, the floor and the span (one page at first; within the byte cap). Groups of one size
+say nothing new about the line: a spike that bent it (a fixed cost read as 0) kept every later
+group at the floor, and a fixed cost that fell slowly under grown groups kept them growing to ~9
+turns' budget (review 129). A probe's time refits the line only, and the group after it is sized
+from the one before it, unless an upward probe showed its pages cheap (``LaunchSizer._weigh``).
+It costs one group in this many a span past the budget, or one short group."""
+
+BASE_WEIGHT = 0.25
+"""Weight of the newest floor group in the moving mean of floor groups' time (and of their
+deviation from it) that upward probes are weighed against, and of the newest group at or past the
+held size in its moving cost per page: averaged over a few groups, as one group's noise is not."""
+
+HOLD_PROBE_EVERY = PROBE_EVERY // 4
+"""After an upward probe that showed its pages cheap, the next probe comes this many groups later:
+each such probe doubles the span (1, 2, 4, ... pages past the floor), so a regime where 50 pages
+fit is reached in a few dozen groups instead of a few hundred."""
 
 
 class LaunchSizer:
@@ -70,8 +90,8 @@ class LaunchSizer:
     bookkeeping).
     """
 
-    __slots__ = ("_ceiling", "_fixed", "_floor", "_groups", "_last", "_probe_out", "_rises", "_slope", "_sums",
-                 "_turn_s")
+    __slots__ = ("_base", "_ceiling", "_dev", "_extra_probe", "_fixed", "_floor", "_groups", "_held", "_held_cost",
+                 "_last", "_probe_out", "_rises", "_slope", "_span", "_sums", "_turn_s")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -87,6 +107,13 @@ class LaunchSizer:
         self._rises = 0  # floor groups in a row past the line itself (see record)
         self._groups = 0  # groups sized by pages() (every PROBE_EVERY-th is a probe)
         self._probe_out = False  # the last pages() gave a probe: the next record() is its time
+        self._extra_probe = 0  # the number of a group to probe besides every PROBE_EVERY-th (0: none)
+        self._span = 1  # pages an upward probe (one from the floor) adds to the floor
+        self._base: float | None = None  # moving mean of floor groups' seconds
+        self._dev = 0.0  # moving mean of their absolute deviation from it (the groups' noise)
+        self._held = min_pages  # a size an upward probe showed cheap: no group below it but a stall
+        self._held_cost = 0.0  # moving mean of groups at the held size or past it: seconds past the
+        # floor's mean per page past the floor
 
     def pages(self) -> int:
         """How many pages the next group launches."""
@@ -99,9 +126,10 @@ class LaunchSizer:
             self._probe_out = False
             return self._floor
         size = self._size(last)
-        self._probe_out = self._groups % PROBE_EVERY == 0
+        self._probe_out = self._groups % PROBE_EVERY == 0 or self._groups == self._extra_probe
         if self._probe_out:
-            return self._floor if size > self._floor else min(self._floor + 1, self._ceiling)
+            up = min(self._floor + self._span, self._ceiling)
+            return up if size < up else self._floor
         return size
 
     def _size(self, last: tuple[int, float, bool]) -> int:
@@ -134,7 +162,7 @@ class LaunchSizer:
             assert per_page is not None
             if per_page > 0:
                 best = min(best, self._turn_s / per_page)
-        return self._ceiling if best >= self._ceiling else max(self._floor, int(best))
+        return self._ceiling if best >= self._ceiling else max(self._held, int(best))
 
     def record(self, pages: int, seconds: float) -> None:
         """Fold a group of ``pages`` that held the loop ``seconds`` into the estimate."""
@@ -153,6 +181,7 @@ class LaunchSizer:
                 self._last = (pages, (self._fixed or 0.0) + self._turn_s * pages, True)
             return
         seconds = max(seconds, 0.0)
+        cheap = self._weigh(pages, seconds, probe)
         stalled = False
         sample_s = seconds  # what the line learns from this group (a learned stall uncapped)
         if self._fixed is not None:
@@ -173,7 +202,7 @@ class LaunchSizer:
             # half what the line predicts: then the line is off, not the group. (Where pages cost
             # more than the budget every floor group is a stall; learning from none, a line a spike
             # had bent, a fixed cost read as 0 and pages dear, never came straight, review 129.)
-            learned = not stalled or seconds * LINE_OFF < line
+            learned = not stalled or seconds * LINE_OFF < line or cheap  # (a line a spike bent)
             seconds = min(seconds, limit)
             if not learned:
                 if not probe:
@@ -181,6 +210,8 @@ class LaunchSizer:
                 return
         if not probe:
             self._last = (pages, seconds, stalled)
+        elif cheap:  # the probe's size was shown to fit: the next group grows from it
+            self._last = (pages, sample_s, False)
         seconds = sample_s
         sample = (float(pages), seconds, float(pages * pages), pages * seconds)
         sums = self._sums
@@ -201,6 +232,49 @@ class LaunchSizer:
                 self._sums = list(sample)
             else:
                 self._fixed, self._slope = fixed, max(0.0, slope)
+
+    def _weigh(self, pages: int, seconds: float, probe: bool) -> bool:
+        """Weigh a group against the floor groups' mean time; True for an upward probe whose pages
+        fit the turn's budget beyond the floor groups' noise (the held size grows to it)."""
+        floor = self._floor
+        base = self._base
+        if pages == floor:
+            if base is None:
+                self._base = seconds
+            else:
+                self._base = base + BASE_WEIGHT * (seconds - base)
+                self._dev += BASE_WEIGHT * (abs(seconds - base) - self._dev)
+            return False
+        if base is None or pages < floor:  # a transfer's last pages: no size to weigh
+            return False
+        # Seconds each page past the floor added to the floor groups' mean.
+        cost = max(0.0, seconds - base) / (pages - floor)
+        if not probe:
+            if pages >= self._held > floor:
+                # The held size stays while the groups at it fit the budget on average; one group
+                # far past it (pages dearer now, a new regime) takes it down at once.
+                self._held_cost += BASE_WEIGHT * (cost - self._held_cost)
+                if cost * self._held > 4 * self._turn_s:
+                    self._held = max(floor, min(self._held, int(self._turn_s / cost)))
+                elif self._held_cost * self._held > self._turn_s:
+                    self._held = max(floor, min(self._held, int(self._turn_s / self._held_cost)))
+                    self._span = max(1, min(self._span, self._held - floor))
+            return False
+        # An upward probe. Its pages are cheap if, with the floor groups' noise added to what they
+        # added, all of them fit the budget; believed only where that noise is within a turn's
+        # budget (under more, one probe's luck held sizes of dear pages: 1.7% of groups past 4
+        # turns' budget against 1.5%, simulated, tools/sim_launches.py).
+        excess = seconds - base
+        if self._dev <= self._turn_s and (excess + self._dev) * pages <= self._turn_s * (pages - floor):
+            self._extra_probe = self._groups + HOLD_PROBE_EVERY
+            self._span = max(1, min(2 * self._span, self._ceiling - floor))
+            if pages > self._held:
+                self._held, self._held_cost = pages, cost
+            return True
+        if excess > self._turn_s:
+            # Dear: the next upward probe adds what a turn's budget gives at this cost a page.
+            self._span = max(1, min(self._span, int(self._span * self._turn_s / excess)))
+        return False
 
     @property
     def per_page_s(self) -> float | None:
