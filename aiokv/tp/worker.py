@@ -291,6 +291,9 @@ class RankWorker:
             self._epoch, self._pool_name = welcome.epoch, welcome.pool_name
             self._sessions += 1
             self._notify()
+            # Only now the manager learns of the attach: an engine that announces a stream once the
+            # group is attached (RankWorker.begin_stream) finds this session's executor, not None.
+            link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
             log.info("rank %d: attached pool %s (epoch %#x)", self.tp.rank, welcome.pool_name, welcome.epoch)
             try:
                 await self._serve(link, executor, warm)
@@ -387,8 +390,7 @@ class RankWorker:
             why = f"{type(exc).__name__}: {exc}"
             link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, False, why).encode()))
             raise _AttachFailed(f"pool {welcome.pool_name}: {why}") from exc
-        link.write(frame(FrameKind.ATTACHED, Attached(welcome.epoch, True).encode()))
-        return executor
+        return executor  # the caller writes ATTACHED once the session's state is set
 
     async def _serve(self, link: _WorkerLink, executor: RankExecutor, warm: RankWarmUp) -> None:
         """Run specs until the manager closes the connection (frames are handled in the link's read
