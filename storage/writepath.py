@@ -280,9 +280,17 @@ class WritePath(TierBase):
             io = self._io
             assert job.page is not None and self._slots is not None and io is not None
             pack_header(self._slots.views[slot], self.layout, job.key, job.checksum)
-            dir_fd, final = self._where(job.key)
-            sync = self.config.sync_writes
             spare = self._spare_of.get(job)
+            try:
+                dir_fd, final = self._where(job.key)
+                victim_at = None if job.victim is None or spare is not None else self._where(job.victim)
+            except OSError as exc:
+                # A fan-out directory (the page's or its victim's) that cannot be opened (safely)
+                # now: a counted fault of this write, as a read counts it (ENOENT: deleted; a
+                # symlink planted there: UNSAFE), not a bug's traceback per write.
+                self._write_failed(job, exc)
+                return
+            sync = self.config.sync_writes
             if spare is not None:
                 # As a recycled file: overwritten under its own name, then renamed to ``final``.
                 start = recycle = io.start_recycle
@@ -300,7 +308,8 @@ class WritePath(TierBase):
                 return
             # The victim's file is overwritten under its name, then renamed to ``final``: a new
             # write of the victim's key waits (on ``job.moved``, set by ``_claim``) until it left the name.
-            victim_dir, victim = self._where(job.victim)
+            assert victim_at is not None
+            victim_dir, victim = victim_at
             start = recycle = io.start_recycle
             step = job.step = job.handoffs = job.handoffs + 1
             done = functools.partial(self._recycled_done, job, step)
