@@ -123,7 +123,14 @@ async def test_launches_that_hold_the_loop_stay_at_launch_pages() -> None:
         _counting(cache, "offload", stall_s=400e-6)
         _counting(cache, "load", stall_s=400e-6)
         offloads, loads = await _after_learning(cache, kv, 93)
-        assert offloads == [2] * (PAGES // 2) and loads == [2] * (PAGES // 2)
+        for sizes in (offloads, loads):
+            # At the floor but the sizer's probe (one page more, one group in PROBE_EVERY). Where the
+            # probe falls depends on how many groups the learning run took, which the host's
+            # preemptions move (a group of 3 in it before the line is known): exact lists of 2 failed
+            # on a loaded host whenever the probe left the run's last group.
+            assert sum(sizes) == PAGES, (offloads, loads)
+            past = [s for s in sizes if s > 2]
+            assert len(past) <= -(-len(sizes) // PROBE_EVERY) and set(past) <= {3}, (offloads, loads)
         await assert_quiescent(cache)
 
 
