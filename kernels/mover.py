@@ -49,6 +49,7 @@ from .checks import (
     check_scatter_counts,
     check_slots,
 )
+from .hostcopy import HostScatter
 from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
 from .slotruns import (
     LayerCopy,
@@ -463,6 +464,9 @@ class PageMover:
         self._paced_active = 0
         """Paced layer-wise loads still queuing units (their staging is in use: other loads go DIRECT)."""
         self._paced_lock = threading.Lock()
+        self._host: HostScatter | None = None
+        if self.effective_path is TransferPath.REFERENCE and not self._cuda and pages.device.type == "cpu":
+            self._host = HostScatter(kv, pages)  # a few torch calls a load (each lets the GIL go)
         staged = self.effective_path is TransferPath.STAGING
         if not isinstance(slot_runs, bool):
             raise ValueError(f"slot_runs must be a bool, got {slot_runs!r}")
@@ -641,6 +645,9 @@ class PageMover:
         ids = self._check(slots, page_ids, checked)
         check_scatter_counts(self.kv, slots, len(ids), skip_first)
         tokens = self.kv.layout.page_tokens
+        if self._host is not None and not slots.is_cuda:
+            self._host.load(ids, slots, skip_first)
+            return None
         if self.effective_path is TransferPath.REFERENCE:
             with self._on_side(self._load_lanes[:1], after) as streams:
                 reference_scatter(self.kv, self.pages, slots, ids, skip_first, None, True)  # checked
@@ -757,9 +764,13 @@ class PageMover:
             path, lane = TransferPath.DIRECT, self._load_lanes[-1]  # as in load()
         with self._ordered_on_failure([lane]), self._on_side([lane], after) as streams:
             if path is TransferPath.REFERENCE:
+                host = self._host if not slots.is_cuda else None
                 for layer in range(layers):
-                    reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1),
-                                      True)  # checked
+                    if host is not None:
+                        host.load(ids, slots, skip_first, range(layer, layer + 1))
+                    else:
+                        reference_scatter(self.kv, self.pages, slots, ids, skip_first, range(layer, layer + 1),
+                                          True)  # checked
                     self._layer_done(streams, events, on_layer, layer)
             elif path is TransferPath.DIRECT:
                 page_index, slot_index = self._index(ids, lane), self._index(slots, lane)

@@ -311,7 +311,7 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
     async with KVCache(config(None, pool_pages=16, launch_pages=2, launch_turn_s=0), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         await cache.offload(tokens, torch.arange(n))
-        real: Callable[..., Any] = mover_module.reference_scatter
+        real: Callable[..., Any] = mover_module.HostScatter.load
         # Layer l + 1 is copied only once the consumer has checked layer l: readiness can then be
         # proven to come before the next layer lands, deterministically.
         gates = [threading.Event() for _ in range(LAYOUT.num_layers)]
@@ -325,7 +325,7 @@ async def test_layer_readiness_is_honoured_with_slow_copies(monkeypatch: pytest.
             real(*args, **kwargs)
 
         if DEVICE.type == "cpu":
-            monkeypatch.setattr(mover_module, "reference_scatter", gated)
+            monkeypatch.setattr(mover_module.HostScatter, "load", gated)
         target = torch.arange(80, 80 + n - 1)
         kv[:, target.to(DEVICE)] = 0
         stream = await cache.start_load(await cache.match(tokens), target, from_token=1, layered=True)

@@ -21,9 +21,8 @@ import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
 from loop_probes import until_thread
 
-import aiokv.kernels.mover as mover_module
 from aiokv import KVCache
-from aiokv.kernels import reference_scatter
+from aiokv.kernels.hostcopy import HostScatter
 
 T = LAYOUT.page_tokens
 cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread on a gate")
@@ -33,14 +32,14 @@ cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy t
 async def _held_copies(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[threading.Event, threading.Event]]:
     """Copies into the KV buffer wait for the first event; the second is set once one is waiting."""
     gate, entered = threading.Event(), threading.Event()
-    real: Callable[..., None] = reference_scatter
+    real: Callable[..., None] = HostScatter.load
 
     def held(*args: Any, **kwargs: Any) -> None:
         entered.set()
         gate.wait(30)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(mover_module, "reference_scatter", held)
+    monkeypatch.setattr(HostScatter, "load", held)
     try:
         yield gate, entered
     finally:

@@ -48,9 +48,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_cache_faults import _flip_payload_byte
 
-import aiokv.kernels.mover as mover_module
 from aiokv import KVCache, KVLayout
-from aiokv.kernels import reference_scatter
+from aiokv.kernels.hostcopy import HostScatter
 from aiokv.keys import PageKey
 from aiokv.results import Tier
 from aiokv.storage.backends import IOOp
@@ -90,7 +89,7 @@ def oracle(tokens: list[int], layout: KVLayout) -> torch.Tensor:
 
 
 class Throttle:
-    """Copies into the KV buffer (``reference_scatter``, on the copy thread) wait for a permit each;
+    """Copies into the KV buffer (``HostScatter.load``, on the copy thread) wait for a permit each;
     :meth:`pump` hands out one permit at a time while a task runs, so at most one copy (one layer of
     a layer-wise load) lands between two looks of the loop. Optionally the ``fail_at``-th copy
     raises (a copy fault): before copying anything, or after copying (``fail_late``)."""
@@ -126,6 +125,14 @@ class Throttle:
                 raise RuntimeError("injected copy fault (after copying)")
         finally:
             self._loop.call_soon_threadsafe(self._wake)
+
+    def as_method(self) -> Callable[..., None]:
+        """:meth:`scatter` as a plain function, to stand in for a method (its instance is the first argument)."""
+
+        def scatter(*args: Any, **kwargs: Any) -> None:
+            self.scatter(*args, **kwargs)
+
+        return scatter
 
     def _wake(self) -> None:
         if self._landed is not None and not self._landed.done():
@@ -591,8 +598,8 @@ async def _example(case: Case, monkeypatch: pytest.MonkeyPatch, root: Path) -> N
         errors_before, loaded_before = dict(stats.errors), dict(stats.loaded_tokens)
         side: list[asyncio.Future[Any]] = []
         with monkeypatch.context() as patch:
-            throttle = Throttle(reference_scatter, case.copy_fault, case.fail_late)
-            patch.setattr(mover_module, "reference_scatter", throttle.scatter)
+            throttle = Throttle(HostScatter.load, case.copy_fault, case.fail_late)
+            patch.setattr(HostScatter, "load", throttle.as_method())
             if not case.throttled:
                 throttle.open()
             tasks = [asyncio.ensure_future(_engine(case, cache, root, kv, run, i == 0, side))

@@ -132,7 +132,7 @@ def _slow_copies(slow_s: float) -> None:
         return slow_copy
 
     mover.reference_gather = slowed(mover.reference_gather)  # type: ignore[assignment]
-    mover.reference_scatter = slowed(mover.reference_scatter)  # type: ignore[assignment]
+    mover.HostScatter.load = slowed(mover.HostScatter.load)  # type: ignore[method-assign]
 
 
 def adv_rank_main(

@@ -50,7 +50,7 @@ def _hold(held: Held) -> None:
         return held_copy
 
     mover.reference_gather = wrap(mover.reference_gather)  # type: ignore[assignment]
-    mover.reference_scatter = wrap(mover.reference_scatter)  # type: ignore[assignment]
+    mover.HostScatter.load = wrap(mover.HostScatter.load)  # type: ignore[method-assign]
 
 
 def held_rank_main(

@@ -29,7 +29,6 @@ from tp_helpers import full_kv, new_pool
 
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import mover as mover_module
-from aiokv.kernels.reference import reference_scatter
 from aiokv.layout import KVBuffer, KVLayout
 from aiokv.pool import PageMemory, PagePool
 from aiokv.tp import Direction, RankExecutor, RankStatus, TPConfig, TransferSpec
@@ -93,7 +92,7 @@ async def _cancel(task: asyncio.Future[None]) -> None:
 async def test_aclose_cancelled_twice_while_a_copy_runs_still_unmaps_the_pool(
     pool: PagePool, bridge: CompletionBridge, hold: Hold, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mover_module, "reference_scatter", hold.wrap(reference_scatter))
+    monkeypatch.setattr(mover_module.HostScatter, "load", hold.wrap(mover_module.HostScatter.load))
     baseline = mappings(pool.name)
     executor = _executor(pool, bridge)
     assert mappings(pool.name) > baseline, "the probe does not see the executor's mapping"

@@ -312,13 +312,13 @@ async def test_a_full_worker_stops_reading_and_resumes_when_a_spec_ends(
     from aiokv.kernels import mover
 
     gate = threading.Semaphore(0)
-    scatter = mover.reference_scatter
+    scatter = mover.HostScatter.load
 
     def gated(*args: Any) -> None:
         assert gate.acquire(timeout=60)
         scatter(*args)
 
-    monkeypatch.setattr(mover, "reference_scatter", gated)  # every layer of a layered copy waits
+    monkeypatch.setattr(mover.HostScatter, "load", gated)  # every layer of a layered copy waits
     config = TPConfig(reconnect_initial_s=0.001, reconnect_max_s=0.05, worker_max_inflight=2)
     pool = await new_pool(LAYOUT.for_tp(2), 8)
     full = full_kv(LAYOUT, SEED)

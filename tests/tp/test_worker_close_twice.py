@@ -34,7 +34,6 @@ from aiokv.kernels import TransferPath
 from aiokv.kernels import mover as mover_module
 from aiokv.kernels.launch import LaunchKey, record_launches
 from aiokv.kernels.paths import interpreting
-from aiokv.kernels.reference import reference_scatter
 from aiokv.kernels.warmup import warm_up as real_warm_up
 from aiokv.layout import KVLayout
 from aiokv.pool import PageMemory, PagePool
@@ -116,7 +115,7 @@ async def test_a_second_cancel_while_a_copy_runs_still_unmaps_the_pool(
     pool: PagePool, group: RankGroup, holds: Callable[[], Hold], monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     copy = holds()
-    monkeypatch.setattr(mover_module, "reference_scatter", copy.wrap(reference_scatter))
+    monkeypatch.setattr(mover_module.HostScatter, "load", copy.wrap(mover_module.HostScatter.load))
     baseline = mappings(pool.name)
     worker = _worker(group, TransferPath.REFERENCE)
     run = asyncio.ensure_future(worker.run())

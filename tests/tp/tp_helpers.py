@@ -134,19 +134,17 @@ def rank_main(
 
 
 def _gate_layers(gate: Any) -> None:
-    """Make each layer of a layered CPU copy wait for ``gate`` (the REFERENCE path's per-layer call)."""
-    from aiokv.kernels import mover
+    """Make each layer of a layered CPU copy wait for ``gate`` (the CPU path's per-layer call)."""
+    from aiokv.kernels.hostcopy import HostScatter
 
-    scatter = mover.reference_scatter
+    scatter = HostScatter.load
 
-    def gated(
-        kv: Any, pages: Any, slots: Any, ids: Any = None, skip: int = 0, layers: range | None = None, *rest: Any
-    ) -> None:
+    def gated(host: Any, ids: Any, slots: Any, skip: int = 0, layers: range | None = None, *rest: Any) -> None:
         if layers is not None and len(layers) == 1:
             assert gate.acquire(timeout=120), "the test never let this layer land"
-        scatter(kv, pages, slots, ids, skip, layers, *rest)  # rest: whatever later arguments it takes
+        scatter(host, ids, slots, skip, layers, *rest)  # rest: whatever later arguments it takes
 
-    mover.reference_scatter = gated  # type: ignore[assignment]
+    HostScatter.load = gated  # type: ignore[method-assign]
 
 
 async def _async_rank(
