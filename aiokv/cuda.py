@@ -60,7 +60,7 @@ class _Inbox:
         # so two of them never both schedule a drain for the same batch.
         self._lock = threading.Lock()
 
-    def post(self, futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    def post(self, futures: list[asyncio.Future[Any]], error: BaseException | None) -> None:
         """From a waiter thread: ``futures`` completed (the last one with ``error``, if any)."""
         with self._lock:
             self._futures.extend(futures)
@@ -220,11 +220,15 @@ class CompletionBridge:
             if event is None:
                 future.set_result(None)
             else:
-                inbox = self._inbox
-                if inbox is None or inbox.loop is not loop:
-                    inbox = self._inbox = _Inbox(loop)
-                self._lane(lane).put((event, inbox, future))
+                self._lane(lane).put((event, self._inbox_for(loop), future))
         return future
+
+    def _inbox_for(self, loop: asyncio.AbstractEventLoop) -> _Inbox:
+        """The inbox of ``loop`` (a new one replaces another loop's); call under ``_lock``."""
+        inbox = self._inbox
+        if inbox is None or inbox.loop is not loop:
+            inbox = self._inbox = _Inbox(loop)
+        return inbox
 
     def resolve_threadsafe(self, future: asyncio.Future[T], value: T) -> None:
         """From any thread: resolve ``future`` with ``value`` on its loop (unless it is done by
@@ -235,16 +239,16 @@ class CompletionBridge:
         inbox = self._inbox
         if inbox is None or inbox.loop is not loop:
             with self._lock:
-                inbox = self._inbox
-                if inbox is None or inbox.loop is not loop:
-                    inbox = self._inbox = _Inbox(loop)
+                inbox = self._inbox_for(loop)
         inbox.post_value(future, value)
 
     def run_cpu(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run a CPU copy on the copy thread (copies stay in submission order).
 
         Cancelling the returned future does NOT stop the copy: use :meth:`withdraw`, which tells
-        whether the copy can still run.
+        whether the copy can still run. Outcomes reach the loop through the inbox, as event
+        completions do: copies ending before the loop took the first one's wake-up go with it (one
+        self-pipe write, one loop wake-up, one GIL hand-over to the loop for all of them).
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
@@ -252,27 +256,24 @@ class CompletionBridge:
             if self._closed:
                 raise RuntimeError("completion bridge is closed")
             job = self._cpu_executor().submit(fn)
+            inbox = self._inbox_for(loop)
         self._cpu_jobs[future] = job
+        future.add_done_callback(self._forget_cpu)
 
         def done(_: concurrent.futures.Future[T]) -> None:
-            try:
-                loop.call_soon_threadsafe(self._settle_cpu, future, job)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting any more
+            if job.cancelled():
+                return  # withdrawn: withdraw() cancelled the future itself
+            error = job.exception()
+            if error is None:
+                inbox.post_value(future, job.result())
+            else:
+                inbox.post([future], error)
 
         job.add_done_callback(done)
         return future
 
-    def _settle_cpu(self, future: asyncio.Future[T], job: concurrent.futures.Future[T]) -> None:
+    def _forget_cpu(self, future: asyncio.Future[Any]) -> None:
         self._cpu_jobs.pop(future, None)
-        if future.done():
-            return
-        if job.cancelled():
-            future.cancel()
-        elif (error := job.exception()) is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(job.result())
 
     def withdraw(self, future: asyncio.Future[Any]) -> bool:
         """Stop a CPU copy from :meth:`run_cpu` that has not started; True when it never runs.

@@ -249,3 +249,38 @@ def test_value_settled_after_its_loop_closed_is_dropped() -> None:
 
     assert asyncio.run(later()) is True
     bridge.close()
+
+
+@pytest.mark.asyncio
+async def test_cpu_copies_ending_together_cost_one_wakeup(bridge: CompletionBridge) -> None:
+    # A load's launch groups queued on the copy thread end one after another while the loop waits:
+    # their outcomes go through the inbox, one self-pipe write (a loop wake-up, the GIL handed to the
+    # loop) for those that ended before the loop drained. A failed copy raises in its own future,
+    # a withdrawn one never runs. Fails on the per-copy call_soon_threadsafe (7 calls: the withdrawn one too).
+    loop = asyncio.get_running_loop()
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def failing() -> None:
+        raise RuntimeError("injected copy fault")
+
+    calls = _count_handovers(loop)
+    try:
+        held = bridge.run_cpu(lambda: gate.wait(10))
+        copies = [bridge.run_cpu(lambda i=i: ran.append(i)) for i in range(4)]  # type: ignore[misc]
+        failed = bridge.run_cpu(failing)
+        withdrawn = bridge.run_cpu(lambda: ran.append(-1))
+        assert bridge.withdraw(withdrawn) and withdrawn.cancelled()
+        gate.set()
+        _block_loop_until(lambda: all(job.done() for job in bridge._cpu_jobs.values()))
+        assert not any(f.done() for f in [held, *copies, failed])  # only the loop resolves them
+        done, _ = await asyncio.wait([held, *copies, failed], timeout=10)
+    finally:
+        _restore(loop)
+    assert len(done) == 6 and ran == [0, 1, 2, 3]
+    assert held.result() is True and all(f.result() is None for f in copies)
+    with pytest.raises(RuntimeError, match="injected copy fault"):
+        failed.result()
+    if calls is not None:
+        assert calls[0] == 1, calls
+    assert not bridge._cpu_jobs  # every entry dropped once its future was done
