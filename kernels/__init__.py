@@ -1,8 +1,9 @@
 """Byte movers between the engine's KV buffer (token-slot indexed) and pool pages.
 
 ``gather``/``scatter`` are Triton kernels behind typed launch wrappers; ``reference_gather`` /
-``reference_scatter`` do the same in plain torch (CPU KV buffers, test oracle); :class:`PageMover`
-runs whole-page offloads and loads on side CUDA streams through a :class:`TransferPath`;
+``reference_scatter`` do the same in plain torch (CPU offloads, test oracle; CPU loads go by
+``hostcopy.HostScatter``); :class:`PageMover` runs whole-page offloads and loads on side CUDA
+streams through a :class:`TransferPath`;
 :func:`warm_up` compiles and launches, once, every kernel variant a mover's copies use.
 
 Triton is imported with the first use of a mover or kernel, not with ``import aiokv``.

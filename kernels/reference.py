@@ -1,7 +1,8 @@
 """Plain-torch gather/scatter (``index_select`` / ``index_copy_``).
 
-The only path for a KV buffer in CPU memory, and the oracle of the kernel tests. Works across
-devices (GPU KV buffer, CPU pages): data crosses with ``Tensor.to``, synchronously.
+The offload path for a KV buffer in CPU memory (loads go through :mod:`aiokv.kernels.hostcopy`, a
+few calls a launch group), and the oracle of the kernel tests. Works across devices (GPU KV buffer,
+CPU pages): data crosses with ``Tensor.to``, synchronously.
 """
 
 from __future__ import annotations
