@@ -30,7 +30,9 @@ probe from the floor is therefore weighed against the floor groups' moving mean 
 its pages fit the budget with the floor groups' noise (their mean deviation) added, the next
 probe's span doubles and comes a few groups later, and the probe's size is held: no later group
 is smaller but a stall, until groups at it cost past the budget on average (or one of them four
-times past it). A dear probe shrinks the span to what a turn's budget gives at its cost a page.
+times past it, which also cuts the span to what four turns give at its cost). A dear probe shrinks
+the span to what a turn's budget gives at its cost a page. The floor groups' mean is kept current
+(:data:`REFRESH_EVERY`): a fixed cost that fell left it high, and held dear pages for good.
 ``tools/sim_launches.py`` simulates it.
 """
 
@@ -74,6 +76,14 @@ BASE_WEIGHT = 0.25
 deviation from it) that upward probes are weighed against, and of the newest group at or past the
 held size in its moving cost per page: averaged over a few groups, as one group's noise is not."""
 
+REFRESH_EVERY = 2 * PROBE_EVERY
+"""After this many groups past the floor recorded since the last floor group, the next group is
+at the floor (a probe; asked again until one is recorded): the held size and upward probes are
+weighed against the floor groups' mean time, which floor groups alone move. With every probe
+upward (a span past the held size) none came, a fixed cost that fell left the mean high, the held
+groups' pages looked free, and 10 pages of 120 us (4.8 turns' budget) stayed for good (simulated);
+under a paced offload, floor probes it queued and never recorded left it so for 50 groups."""
+
 HOLD_PROBE_EVERY = PROBE_EVERY // 4
 """After an upward probe that showed its pages cheap, the next probe comes this many groups later:
 each such probe doubles the span (1, 2, 4, ... pages past the floor), so a regime where 50 pages
@@ -91,7 +101,7 @@ class LaunchSizer:
     """
 
     __slots__ = ("_base", "_ceiling", "_dev", "_extra_probe", "_fixed", "_floor", "_groups", "_held", "_held_cost",
-                 "_last", "_probe_out", "_rises", "_slope", "_span", "_sums", "_turn_s")
+                 "_last", "_probe_out", "_rises", "_slope", "_span", "_sums", "_turn_s", "_unfloored")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -108,6 +118,7 @@ class LaunchSizer:
         self._groups = 0  # groups sized by pages() (every PROBE_EVERY-th is a probe)
         self._probe_out = False  # the last pages() gave a probe: the next record() is its time
         self._extra_probe = 0  # the number of a group to probe besides every PROBE_EVERY-th (0: none)
+        self._unfloored = 0  # groups past the floor recorded since the last floor group
         self._span = 1  # pages an upward probe (one from the floor) adds to the floor
         self._base: float | None = None  # moving mean of floor groups' seconds
         self._dev = 0.0  # moving mean of their absolute deviation from it (the groups' noise)
@@ -124,6 +135,10 @@ class LaunchSizer:
         last = self._last
         if last is None or self._turn_s <= 0:
             self._probe_out = False
+            return self._floor
+        if self._unfloored >= REFRESH_EVERY:
+            # A floor group is owed (REFRESH_EVERY): a probe, until one is recorded.
+            self._probe_out = True
             return self._floor
         size = self._size(last)
         self._probe_out = self._groups % PROBE_EVERY == 0 or self._groups == self._extra_probe
@@ -239,13 +254,25 @@ class LaunchSizer:
         floor = self._floor
         base = self._base
         if pages == floor:
-            if base is None:
+            self._unfloored = 0
+            if base is None or seconds < base - self._turn_s - 2 * self._dev:
+                # (Faster than the mean by more than a turn's budget beyond the noise: the fixed
+                # cost fell, and weighed against the old mean the held groups' pages look free.)
                 self._base = seconds
             else:
                 self._base = base + BASE_WEIGHT * (seconds - base)
                 self._dev += BASE_WEIGHT * (abs(seconds - base) - self._dev)
             return False
-        if base is None or pages < floor:  # a transfer's last pages: no size to weigh
+        if pages < floor:  # a transfer's last pages: no size to weigh
+            return False
+        self._unfloored += 1
+        if base is None:
+            return False
+        if seconds < base - self._turn_s - 2 * self._dev:
+            # More pages than the floor, faster than the floor groups by more than a turn's budget
+            # beyond their noise: their mean is old (the fixed cost fell). No evidence either way;
+            # the next group measures the floor.
+            self._unfloored = REFRESH_EVERY
             return False
         # Seconds each page past the floor added to the floor groups' mean.
         cost = max(0.0, seconds - base) / (pages - floor)
@@ -256,6 +283,10 @@ class LaunchSizer:
                 self._held_cost += BASE_WEIGHT * (cost - self._held_cost)
                 if cost * self._held > 4 * self._turn_s:
                     self._held = max(floor, min(self._held, int(self._turn_s / cost)))
+                    # The span within what four turns' budget gives at this cost: left as it was,
+                    # the next upward probe (a few groups later) took up to twice the old held
+                    # size of the dearer pages (116 pages of 400 us, 185 turns' budget, simulated).
+                    self._span = max(1, min(self._span, int(4 * self._turn_s / cost)))
                 elif self._held_cost * self._held > self._turn_s:
                     self._held = max(floor, min(self._held, int(self._turn_s / self._held_cost)))
                     self._span = max(1, min(self._span, self._held - floor))
@@ -268,8 +299,8 @@ class LaunchSizer:
         if self._dev <= self._turn_s and (excess + self._dev) * pages <= self._turn_s * (pages - floor):
             self._extra_probe = self._groups + HOLD_PROBE_EVERY
             self._span = max(1, min(2 * self._span, self._ceiling - floor))
-            if pages > self._held:
-                self._held, self._held_cost = pages, cost
+            if pages > self._held:  # (within the ceiling: a group recorded larger than asked)
+                self._held, self._held_cost = min(pages, self._ceiling), cost
             return True
         if excess > self._turn_s:
             # Dear: the next upward probe adds what a turn's budget gives at this cost a page.

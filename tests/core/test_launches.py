@@ -360,3 +360,72 @@ def test_a_probe_cut_below_the_floor_is_no_upward_probe() -> None:
     sizer.record(1, 435e-6)
     seen = _run_k(sizer, lambda k, pages: 35e-6 + 400e-6 * pages, 3 * PROBE_EVERY)
     assert max(seen) <= 3 and seen.count(3) <= 3, seen
+
+
+# Review of d674a13 (helper-133): the held size and the probes' span on simulated clocks. Each
+# failed before its fix; e29173f (no held size, probes a page past the floor) passed them.
+
+def _regimes(seed: int, first: tuple[float, float, float], then: tuple[float, float, float], switch: int,
+             groups: int, recorded: float = 1.0, floor: int = 2) -> list[tuple[int, float]]:
+    """Groups under the regime ``first`` (fixed s, s a page, lognormal sigma) until group ``switch``,
+    then ``then``: (pages, the seconds its pages took) of each group from the switch on. With
+    ``recorded`` < 1, that share of the groups is recorded (a paced offload's queued ones are not)."""
+    rng = random.Random(seed)
+    sizer = LaunchSizer(floor, 1 << 40, 250e-6, 4096)
+    seen = []
+    for k in range(groups):
+        fixed, per_page, sigma = first if k < switch else then
+        pages = sizer.pages()
+        seconds = (fixed + per_page * pages) * rng.lognormvariate(0, sigma)
+        if rng.random() < recorded:
+            sizer.record(pages, seconds)
+        if k >= switch:
+            seen.append((pages, per_page * pages))
+    return seen
+
+
+@pytest.mark.parametrize(("first", "then", "recorded", "floor"), [
+    ((2e-3, 60e-6, 0.0), (200e-6, 120e-6, 0.0), 1.0, 2),  # 10 pages of 120 us held for good
+    ((2e-3, 20e-6, 0.0), (700e-6, 400e-6, 0.0), 1.0, 1),  # floor 1: 2 pages of 400 us for good
+    ((2e-3, 5e-6, 0.0), (50e-6, 120e-6, 0.1), 0.5, 2),  # a paced offload: 20% of groups past 4 turns
+    ((2e-3, 1e-6, 0.1), (0.0, 120e-6, 0.1), 1.0, 2),
+    ((2e-3, 1e-6, 0.1), (700e-6, 120e-6, 0.0), 0.5, 2),  # probes faster than the old floor held 10
+])
+def test_a_fixed_cost_that_falls_does_not_hold_dear_pages(first: tuple[float, float, float],
+                                                          then: tuple[float, float, float], recorded: float,
+                                                          floor: int) -> None:
+    # The held size is weighed against the floor groups' mean time, which only floor groups move.
+    # Past a held size whose span is larger, every probe was upward and no group was at the floor:
+    # a fixed cost that fell left that mean high, the held groups' pages looked free (faster than
+    # the old floor groups) and groups of 10 pages of 120 us (4.8 turns' budget) stayed for good.
+    past = 0
+    groups = 0
+    for seed in range(6):
+        seen = _regimes(seed, first, then, 300, 700, recorded, floor)[100:]
+        groups += len(seen)
+        past += sum(pages > floor and took > 4 * 250e-6 for pages, took in seen)
+        assert max(took for _, took in seen) <= 8 * 250e-6, (seed, seen)
+    assert past <= 0.01 * groups, past
+
+
+def test_a_held_size_taken_down_takes_the_probes_span_down() -> None:
+    # Pages 80 times dearer under a noisy 2 ms fixed cost: a group at the held size far past the
+    # budget took the held size to the floor but left the probes' span (up to 114 pages), and the
+    # next upward probe (4 groups later) took 116 pages of 400 us, 46 ms of the loop (185 turns).
+    worst = 0.0
+    for seed in range(20):
+        seen = _regimes(seed, (2e-3, 5e-6, 0.1), (2e-3, 400e-6, 0.1), 400, 700)
+        # (The first group past the floor after the change is sized before it: one of the first two.)
+        worst = max(worst, *(took for _, took in seen[2:]))
+    assert worst <= 8 * 250e-6, worst / 250e-6
+
+
+def test_a_held_size_never_passes_the_byte_ceiling() -> None:
+    # record() is told the pages a group had, not what pages() asked: a caller's own group of 30
+    # pages recorded after an upward probe (record() without its pages(), the probe unrecorded),
+    # as fast as the floor groups, was held, and every later group was 30 pages over a 4-page cap.
+    sizer = LaunchSizer(2, 4 * 4096, 250e-6, 4096)
+    seen = _run_k(sizer, lambda k, pages: 400e-6 * pages, PROBE_EVERY - 1)
+    assert seen[-1] == 2 and sizer.pages() == 3  # the probe
+    sizer.record(30, 800e-6)
+    assert max(_run_k(sizer, lambda k, pages: 100e-6 * pages, 3 * PROBE_EVERY)) <= 4
