@@ -43,6 +43,7 @@ from .memory import (
     update_in_batches,
     wait_uncancelled,
 )
+from .outcomes import Outcomes, again_after_interrupt
 from .pagefile import HEADER_BYTES
 from .safefiles import (
     OPEN_FLAGS,
@@ -1153,7 +1154,7 @@ class _NotTaken(Exception):
         self.error = error
 
 
-_Work = tuple[Callable[..., object], tuple[object, ...], asyncio.AbstractEventLoop, asyncio.Future[object]]
+_Work = tuple[Callable[..., object], tuple[object, ...], Outcomes, asyncio.Future[object]]
 """A job of :class:`ThreadPageIO`'s workers: a function, its arguments, and where its outcome goes."""
 
 
@@ -1166,7 +1167,8 @@ class ThreadPageIO:
     first ``threads`` read), each kind fed in the order started through an unbounded queue of its
     own (the tier bounds what it has in flight): a write stuck in the kernel (a frozen file system
     blocks writes, not reads) never holds up a read (#11: one shared queue made a load wait 14 s,
-    until the thaw). Unlinks are writes."""
+    until the thaw). Unlinks are writes. Outcomes reach the loop through :class:`~.outcomes.Outcomes`:
+    jobs ending before the loop drained the first one's share its wake-up."""
 
     kind = DiskBackend.THREADS
 
@@ -1187,6 +1189,14 @@ class ThreadPageIO:
         self._closed = False
         self._stopped: asyncio.Future[None] | None = None  # the join of the stopped workers
         self._jobs: set[asyncio.Future[object]] = set()
+        self._outcomes: Outcomes | None = None  # the running loop's (a new loop gets its own)
+
+    def outcomes(self, loop: asyncio.AbstractEventLoop) -> Outcomes:
+        """Where the workers post the outcomes of jobs started on ``loop``."""
+        outcomes = self._outcomes
+        if outcomes is None or outcomes.loop is not loop:
+            outcomes = self._outcomes = Outcomes(loop)
+        return outcomes
 
     @classmethod
     async def open(cls, pool: PagePool, slots: HeaderSlots, direct: bool, threads: int) -> ThreadPageIO:
@@ -1231,17 +1241,15 @@ class ThreadPageIO:
     def _work(jobs: queue.SimpleQueue[_Work | None]) -> None:
         """A worker: run ``jobs`` until told to stop, each outcome handed to its future on its loop."""
         while (work := jobs.get()) is not None:
-            fn, args, loop, future = work
+            fn, args, outcomes, future = work
             result: object = None
             error: BaseException | None = None
             try:
                 result = fn(*args)
             except BaseException as exc:  # handed to the job's future, as an executor does
                 error = exc
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                log.debug("disk I/O finished after its loop closed")
+            # Outcomes ending before the loop drained the first share its wake-up (outcomes.py).
+            outcomes.post(future, result, error)
             # Not held while waiting for the next job: its page may be a caller's memory it unmaps.
             del work, fn, args, future, result, error
 
@@ -1259,7 +1267,7 @@ class ThreadPageIO:
         # never leaves a job counted for ever (aclose would wait on it again every turn).
         job.add_done_callback(self._jobs.discard)
         self._jobs.add(job)
-        (self._reads if read else self._writes).put((fn, args, loop, job))
+        (self._reads if read else self._writes).put((fn, args, self.outcomes(loop), job))
         return job
 
     def _begin(self, fn: Callable[..., object], args: tuple[object, ...], read: bool,
@@ -1277,8 +1285,9 @@ class ThreadPageIO:
             job.add_done_callback(finished)
             job.add_done_callback(self._jobs.discard)
             self._jobs.add(job)
+            outcomes = self.outcomes(loop)
             queued = True  # no call before the put: an interrupt raised as it returns finds this set
-            (self._reads if read else self._writes).put((fn, args, loop, job))
+            (self._reads if read else self._writes).put((fn, args, outcomes, job))
         except BaseException as exc:
             if not queued and not isinstance(exc, Exception):
                 if job is not None:
@@ -1419,48 +1428,20 @@ class ThreadPageIO:
             raise
 
 
-def _again_after_interrupt(callback: Callable[P, None]) -> Callable[P, None]:
-    """``callback`` (run on the loop, its consumers ignoring a second call) run again in the next
-    turn when a signal's KeyboardInterrupt (any BaseException not an Exception) leaves it; the
-    interrupt goes on. A worker's outcome is then delivered at least once, never lost."""
-
-    @functools.wraps(callback)
-    def run(*args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            callback(*args, **kwargs)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                asyncio.get_running_loop().call_soon(functools.partial(run, *args, **kwargs))
-            raise
-
-    return run
-
-
-@_again_after_interrupt
-def _settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
-    """On the loop: a worker's outcome into its job's future (unless the job was cancelled)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-@_again_after_interrupt
+@again_after_interrupt
 def _loaded(done: Loaded, job: asyncio.Future[object]) -> None:
     """A worker's load ended: ``done`` with the bytes read or the fault (``done`` ignores a second
-    call: see :func:`_again_after_interrupt`)."""
+    call: see :func:`~.outcomes.again_after_interrupt`)."""
     done(job.exception() or job.result())  # type: ignore[arg-type]
 
 
-@_again_after_interrupt
+@again_after_interrupt
 def _published(done: Published, job: asyncio.Future[object]) -> None:
     """A worker's publish ended (as :func:`_loaded`)."""
     done(job.exception())
 
 
-@_again_after_interrupt
+@again_after_interrupt
 def _recycled(done: Recycled, job: asyncio.Future[object]) -> None:
     """A worker's recycle ended: not taken over, or taken (as :func:`_loaded`)."""
     exc = job.exception()

@@ -92,7 +92,9 @@ def open_page_file(name: str, flags: int, dir_fd: int, write: bool, direct: bool
         raise classify_open_error(exc, name) from None
     try:
         check_page_fd(fd, name, write)
-        ready_for_io(fd, direct)
+        # The flags it was opened with: no F_GETFL (a syscall, a GIL release, per page file).
+        # F_SETFL changes only its own flags (O_NONBLOCK, O_DIRECT, ...): the others passed are ignored.
+        ready_for_io(fd, direct, flags | OPEN_FLAGS)
     except BaseException:
         os.close(fd)
         raise
