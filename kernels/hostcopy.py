@@ -105,21 +105,42 @@ class HostScatter:
         """Tokens ``[skip_first, len(page_ids) * T)`` of the concatenated pool pages ``page_ids`` ->
         ``slots`` (a 1-D CPU integer tensor, checked by the caller), in ``layers`` (None: all).
 
-        A partial first page is copied alone; then, per segment, one copy per run of pool pages
-        consecutive in the pool and run of consecutive slots; pages spread over more runs than that
-        saves are gathered into a temporary first (chunks of :data:`CHUNK_BYTES`, one call each).
+        A partial first page is a piece of its own; then one piece per run of pool pages consecutive
+        in the pool and run of consecutive slots (pages spread over more runs than that saves are
+        gathered into a temporary first, chunks of :data:`CHUNK_BYTES`, one call each). One copy per
+        segment and piece (and layer, where the layers are not one view), in the reference's order:
+        segment, layer, piece.
         """
         tokens = self._tokens
         values = slots.tolist()  # no torch call: the slots' runs are found in Python
+        pieces: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         if skip_first:
             head = tokens - skip_first
-            self._pages(page_ids[:1], values[:head], slots[:head], skip_first, layers)
+            self._pieces(pieces, page_ids[:1], values[:head], slots[:head], skip_first, layers)
             page_ids, values, slots = page_ids[1:], values[head:], slots[head:]
         if page_ids:
-            self._pages(page_ids, values, slots, 0, layers)
+            self._pieces(pieces, page_ids, values, slots, 0, layers)
+        # Segment by segment, layer by layer, as the reference: where the engine's layers (or its K
+        # and V) overlap in memory, the same one ends there (the reference's last), whatever the runs.
+        first = 0 if layers is None else layers.start
+        for side in self._sides:
+            cols = [(src if side.whole else src[..., side.page_col : side.page_col + side.width], start, at)
+                    for src, start, at in pieces]
+            stacked = side.stacked
+            if stacked is not None:
+                for src, start, at in cols:
+                    self._copy_layers(stacked, first, src, start, at)
+                continue
+            for i in range(cols[0][0].shape[1]):
+                dst = side.layers[first + i].unsqueeze(0)
+                for src, start, at in cols:
+                    self._copy_layers(dst, 0, src[:, i : i + 1], start, at)
 
-    def _pages(self, ids: list[int], values: list[int], slots: torch.Tensor, skip: int, layers: range | None) -> None:
-        """Tokens ``[skip, T)`` of each page ``ids`` (``skip`` only with one page) -> ``slots``."""
+    def _pieces(self, out: list[tuple[torch.Tensor, int, torch.Tensor | None]], ids: list[int], values: list[int],
+                slots: torch.Tensor, skip: int, layers: range | None) -> None:
+        """Tokens ``[skip, T)`` of each page ``ids`` (``skip`` only with one page) -> ``slots``, as
+        ``(pages [count, L', T', cols], first slot of a run, or None, slots [count, T'] or None)``
+        appended to ``out``."""
         per_page = self._tokens - skip
         rows = self._rows
         if layers is not None or skip:
@@ -141,22 +162,7 @@ class HostScatter:
             at = None if run else slots[a:b].reshape(count, per_page)
             if at is not None and at.dtype != torch.int64:
                 at = at.to(torch.int64)
-            for side in self._sides:
-                cols = src if side.whole else src[..., side.page_col : side.page_col + side.width]
-                self._copy(side, cols, part[0], at, layers)
-
-    def _copy(self, side: _Side, src: torch.Tensor, start: int, at: torch.Tensor | None, layers: range | None
-              ) -> None:
-        """``src`` (``[count, L', T', width]``) -> the segment's slots of ``layers`` (None: all): the
-        run from ``start``, or ``at`` (``[count, T']``) where they are not one run. One call for all
-        those layers where they are one view, else one a layer."""
-        stacked = side.stacked
-        if stacked is not None:
-            self._copy_layers(stacked, 0 if layers is None else layers.start, src, start, at)
-            return
-        first = 0 if layers is None else layers.start
-        for i in range(src.shape[1]):
-            self._copy_layers(side.layers[first + i].unsqueeze(0), 0, src[:, i : i + 1], start, at)
+            out.append((src, part[0], at))
 
     def _copy_layers(self, dst: torch.Tensor, layer: int, src: torch.Tensor, start: int, at: torch.Tensor | None
                      ) -> None:
