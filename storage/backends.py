@@ -881,14 +881,26 @@ class UringPageIO:
                 self._cold_streak -= 1
                 self._load_chain(dir_fd, name, encoded, slot, page, done)
                 return
+            # Where a chain could read it, opened with O_DIRECT at once: the file then needs no
+            # fcntl before its read (one GIL release less a page on the loop), and it stays
+            # O_NONBLOCK, as a chain's file does. O_DIRECT refuses a FIFO or character device
+            # (EINVAL, after an O_NONBLOCK open that cannot block): opened again without it, the
+            # check below tells what it is.
+            flags = os.O_RDONLY | OPEN_FLAGS | os.O_DIRECT if chain else os.O_RDONLY | OPEN_FLAGS
             try:
-                opened = self._open_cached(dir_fd, encoded, os.O_RDONLY | OPEN_FLAGS)
+                try:
+                    opened = self._open_cached(dir_fd, encoded, flags)
+                except OSError as exc:
+                    if not (chain and exc.errno == errno.EINVAL):
+                        raise
+                    flags = os.O_RDONLY | OPEN_FLAGS
+                    opened = self._open_cached(dir_fd, encoded, flags)
             except OSError as exc:
                 asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
                 return
             if opened is not None:
                 fd = opened
-                self._read_file(fd, name, slot, page, done, True)
+                self._read_file(fd, dir_fd, name, slot, page, done, True, flags)
             elif chain:
                 if self._cached.available and self.engine.fault_hook is None:
                     self._cold_streak = COLD_READ_STREAK
@@ -1040,7 +1052,7 @@ class UringPageIO:
                 if fd < 0:
                     done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
                     return
-                self._read_file(fd, name, slot, page, done, False)
+                self._read_file(fd, dir_fd, name, slot, page, done, False, os.O_RDONLY | OPEN_FLAGS)
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
                     if fd >= 0 and not_started(self._read_file, exc):
@@ -1051,15 +1063,21 @@ class UringPageIO:
         self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, os.O_RDONLY | OPEN_FLAGS)],
                            (keep, self._slots), opened)
 
-    def _read_file(self, fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool) -> None:
-        """Check the open ``fd`` of ``name``, then read header and page and close it in one chain.
+    def _read_file(self, fd: int, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool,
+                   flags: int) -> None:
+        """Check the open ``fd`` of ``name`` (in ``dir_fd``), then read header and page and close it in one chain.
         ``now``: called from inside :meth:`start_load` (``done`` must then wait for the loop).
+        ``flags``: those it was opened with; opened with O_DIRECT, it stays O_NONBLOCK (no fcntl),
+        as a chain's file does, and a file system answering such reads with EAGAIN sends this read
+        and every later one the checked way (as :meth:`_chain_failed`).
         Owns ``fd`` from its start: closed unless its chain took it (also after an interrupt)."""
         owned = fd
+        kept_nonblock = bool(flags & os.O_DIRECT)
         try:
             try:
                 check_page_fd(fd, name, False)
-                ready_for_io(fd, self.direct and page.aligned, os.O_RDONLY | OPEN_FLAGS)
+                if not kept_nonblock:
+                    ready_for_io(fd, self.direct and page.aligned, flags)
             except Exception as exc:
                 owned = -1
                 os.close(fd)  # nothing was read through it
@@ -1081,6 +1099,14 @@ class UringPageIO:
                         except BaseException:
                             os.close(fd)  # (a signal's KeyboardInterrupt: the ring took nothing)
                             raise
+                    if kept_nonblock and -errno.EAGAIN in results[:-1]:
+                        # This file system answers O_NONBLOCK reads with EAGAIN: the checked way
+                        # (its file's O_NONBLOCK cleared) now and from now on; no byte counted.
+                        self.chain_reads = False
+                        log.info("disk tier: io_uring reads of O_NONBLOCK files answer EAGAIN here: opening "
+                                 "page files before reading them from now on")
+                        self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
+                        return
                     done(_bytes_read(results[:-1]))
                 except BaseException as exc:
                     if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt): done ignores a second call
