@@ -8,7 +8,9 @@ counts those takes for real: a small preloaded library wraps ``pthread_cond_sign
 on its ``cond`` for one), and a profile hook on every thread attributes each take to the innermost C
 call that made it (takes outside any C call, such as freeing a temporary tensor, count only in the
 thread's total). With ``--spin`` the hits run beside a spinning thread and the time each thread
-waited for the GIL is reported too. The set-up is ``bench_gil``'s (``--pages`` pages of
+waited for the GIL is reported too. Each hit also sums the takes attributed to C calls per thread
+(the disk threads' syscalls among them) and counts the loop's polls that took the GIL back (its
+wake-ups, about). The set-up is ``bench_gil``'s (``--pages`` pages of
 ``--page-kib`` KiB offloaded, then loaded from disk and from the pool, each ``--repeats`` times).
 Needs a C compiler (``cc``) and glibc; Linux only.
 
@@ -158,6 +160,13 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
                       f"{loop1[0] - loop0[0]:4d} (waited {(loop1[1] - loop0[1]) / 1e6:6.1f} ms), copy thread "
                       f"{copy1[0] - copy0[0]:4d}"
                       f" (waited {(copy1[1] - copy0[1]) / 1e6:6.1f} ms)")
+                threads: collections.Counter[str] = collections.Counter()
+                for (thread, _), takes in counter.by_call.items():
+                    threads[thread] += takes
+                wakes = counter.by_call[("MainThread", "epoll.epoll.poll")]
+                print("    attributed takes by thread: "
+                      + ", ".join(f"{thread} {takes}" for thread, takes in threads.most_common())
+                      + f"; the loop's polls that returned after a wait: {wakes}")
                 for (thread, call), takes in counter.by_call.most_common(args.top):
                     print(f"    {takes:5d}  {thread:12} {call}")
 
