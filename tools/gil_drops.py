@@ -9,8 +9,8 @@ on its ``cond`` for one), and a profile hook on every thread attributes each tak
 call that made it (takes outside any C call, such as freeing a temporary tensor, count only in the
 thread's total). With ``--spin`` the hits run beside a spinning thread and the time each thread
 waited for the GIL is reported too. Each hit also sums the takes attributed to C calls per thread
-(the disk threads' syscalls among them) and counts the loop's polls that took the GIL back (its
-wake-ups, about). The set-up is ``bench_gil``'s (``--pages`` pages of
+(the disk threads' syscalls among them) and counts the loop's epoll calls (one a turn of the
+loop, each a GIL take). The set-up is ``bench_gil``'s (``--pages`` pages of
 ``--page-kib`` KiB offloaded, then loaded from disk and from the pool, each ``--repeats`` times).
 Needs a C compiler (``cc``) and glibc; Linux only.
 
@@ -166,7 +166,7 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
                 wakes = counter.by_call[("MainThread", "epoll.epoll.poll")]
                 print("    attributed takes by thread: "
                       + ", ".join(f"{thread} {takes}" for thread, takes in threads.most_common())
-                      + f"; the loop's polls that returned after a wait: {wakes}")
+                      + f"; the loop's epoll calls (one a loop turn, each a take): {wakes}")
                 for (thread, call), takes in counter.by_call.most_common(args.top):
                     print(f"    {takes:5d}  {thread:12} {call}")
 
