@@ -107,6 +107,11 @@ class _Inbox:
             if error is None:
                 future.set_result(values.get(future) if values else None)
             else:
+                if type(error) is StopIteration:
+                    # A future refuses it (TypeError): raised here, it would drop the rest of the
+                    # batch, whose futures would never resolve. As PEP 479 does in a generator.
+                    cause, error = error, RuntimeError("a copy raised StopIteration")
+                    error.__cause__ = cause
                 future.set_exception(error)
 
 
@@ -273,16 +278,23 @@ class CompletionBridge:
         return future
 
     def _forget_cpu(self, future: asyncio.Future[Any]) -> None:
-        self._cpu_jobs.pop(future, None)
+        # Resolved by its copy's outcome (the copy is over), or withdrawn (withdraw() dropped it).
+        # One its caller cancelled keeps its job: withdraw() must still stop the copy, or say that
+        # it may run (dropped here, withdraw() answered True for a copy that then ran).
+        if not future.cancelled():
+            self._cpu_jobs.pop(future, None)
 
     def withdraw(self, future: asyncio.Future[Any]) -> bool:
         """Stop a CPU copy from :meth:`run_cpu` that has not started; True when it never runs.
 
-        False means the copy is running or over: its future resolves when it is over.
+        False means the copy is running or over: its future resolves when it is over (unless its
+        caller cancelled it).
         """
         job = self._cpu_jobs.get(future)
-        if job is None or not job.cancel():
-            return future.cancelled()
+        if job is None:
+            return future.cancelled()  # withdrawn before (a copy's own outcome drops it: over)
+        if not job.cancel():
+            return False
         self._cpu_jobs.pop(future, None)
         future.cancel()
         return True
