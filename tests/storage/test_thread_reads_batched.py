@@ -104,9 +104,10 @@ async def test_reads_ending_while_the_loop_is_held_wake_it_once(thread_tier: Dis
         assert await batch == [True] * PAGES
         for handle, data in zip(handles, datas, strict=True):
             assert torch.equal(payload(pool, handle), data)
-        # Before: one wake-up per page (6); now the reads that ended meanwhile share one (a worker
-        # that posted after the drain began wakes it once more: at most one per worker).
-        assert 1 <= len(wakes) <= 2, wakes
+        # Before: one wake-up per page (6); now the reads that ended meanwhile share one. Each of
+        # the 2 workers may post its last outcome after a drain began (the count is taken before
+        # the post): at most one more wake-up each.
+        assert 1 <= len(wakes) <= 3, wakes
     finally:
         for handle in handles:
             pool.table.abort(handle)
