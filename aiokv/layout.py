@@ -263,7 +263,8 @@ class KVBuffer:
         ``kv`` is one tensor ``[L, S, rows, D]``, a list of L tensors ``[S, rows, D]``, or a tuple
         ``(k_list, v_list)`` of L tensors ``[S, H, D]`` each, where rows/H count this rank's heads.
         Raises ``TypeError`` for a wrong container or dtype and ``ValueError`` for wrong shapes,
-        devices, strides, layer or head counts.
+        devices, strides (rows not contiguous, or slots sharing bytes: an expanded tensor), layer
+        or head counts.
         """
         if layout.parts != 1:
             raise ValueError("describe a KV buffer with the model's layout; rank-major page layouts are for pools")
@@ -326,6 +327,13 @@ class KVBuffer:
                 raise ValueError(
                     f"{where} must have contiguous rows (strides [*, {layout.head_dim}, 1]), "
                     f"got strides {t.stride()}"
+                )
+            if num_slots > 1 and t.stride(0) < expect_rows * layout.head_dim:
+                # Slots that share bytes (an expanded tensor: stride 0): a load into one slot would
+                # change others the caller did not name.
+                raise ValueError(
+                    f"{where}'s slots overlap (slot stride {t.stride(0)} < {expect_rows * layout.head_dim} "
+                    "elements of a slot): each slot needs its own memory"
                 )
         if num_slots == 0:
             raise ValueError("KV buffer has no slots")

@@ -101,6 +101,11 @@ def test_buffer_forms() -> None:
         ([torch.zeros(20, 8, 8, dtype=torch.float16)] * 2, ValueError, "layer tensors"),
         ([torch.zeros(20, 8, 8, dtype=torch.float16)] * 2 + [torch.zeros(21, 8, 8, dtype=torch.float16)],
          ValueError, "slots"),
+        # Slots sharing bytes: a load into one would change slots the caller did not name.
+        (torch.zeros(3, 1, 8, 8, dtype=torch.float16).expand(3, 20, 8, 8), ValueError, "slots overlap"),
+        ([torch.zeros(1, 8, 8, dtype=torch.float16).expand(20, 8, 8) for _ in range(3)], ValueError, "slots overlap"),
+        (torch.zeros(3 * 20 * 64, dtype=torch.float16).as_strided((3, 20, 8, 8), (20 * 64, 32, 8, 1)), ValueError,
+         "slots overlap"),
         ("kv", TypeError, "kv must be"),
         ([1, 2, 3], TypeError, "not a tensor"),
     ],
