@@ -137,8 +137,8 @@ class CachedOpen:
     def open(self, dir_fd: int, name: bytes, flags: int) -> int | None:
         """The fd of ``name`` (relative to ``dir_fd``) opened with ``flags``, or None when opening it
         would need I/O (or ``openat2`` is unavailable here). Raises ``OSError`` as ``openat``
-        would (a planted name: see :func:`classify_open_error`). A KeyboardInterrupt (a signal)
-        out of here leaves nothing open."""
+        would (a planted name: see :func:`classify_open_error`; EINVAL with ``O_DIRECT`` in
+        ``flags``: the file refuses it). A KeyboardInterrupt (a signal) out of here leaves nothing open."""
         if not self.available:
             return None
         self._how.flags = flags
@@ -158,9 +158,15 @@ class CachedOpen:
         err = ctypes.get_errno()
         if err == errno.EAGAIN:
             return None
+        if err == errno.EINVAL and flags & os.O_DIRECT:
+            # The file refuses O_DIRECT (a FIFO, a device, a directory: the open ran, then failed),
+            # which says nothing about openat2 here: the caller opens it again without O_DIRECT (an
+            # openat2 without RESOLVE_CACHED answers EINVAL to that too, and is turned off then).
+            # Taken for a missing openat2, one planted FIFO turned the loop's opens off for good.
+            raise OSError(err, os.strerror(err))
         if err in (errno.ENOSYS, errno.EINVAL, errno.E2BIG):
             # No openat2, or no RESOLVE_CACHED (EINVAL before 5.12): the ring opens every file
-            # from now on. (Our callers pass no flags openat2 could refuse with EINVAL.)
+            # from now on. (Our callers pass no other flags openat2 could refuse with EINVAL.)
             self.available = False
             return None
         raise OSError(err, os.strerror(err))
