@@ -22,6 +22,9 @@ _KINDS = {
     errno.ENOSPC: ErrorKind.ENOSPC, errno.EDQUOT: ErrorKind.ENOSPC, errno.EIO: ErrorKind.EIO,
     errno.EPERM: ErrorKind.EPERM, errno.EACCES: ErrorKind.EPERM, errno.EROFS: ErrorKind.EPERM,
     errno.ELOOP: ErrorKind.UNSAFE,  # O_NOFOLLOW met a symlink
+    # A directory where a page file's name should be (planted: the tier makes none there): the
+    # unlink of a refused name and a rename onto it answer EISDIR.
+    errno.EISDIR: ErrorKind.UNSAFE,
 }
 
 
