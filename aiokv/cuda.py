@@ -107,7 +107,7 @@ class _Inbox:
             if error is None:
                 future.set_result(values.get(future) if values else None)
             else:
-                if type(error) is StopIteration:
+                if isinstance(error, StopIteration):  # subclasses too: a future refuses them all
                     # A future refuses it (TypeError): raised here, it would drop the rest of the
                     # batch, whose futures would never resolve. As PEP 479 does in a generator.
                     cause, error = error, RuntimeError("a copy raised StopIteration")

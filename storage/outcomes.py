@@ -49,6 +49,11 @@ def settle(future: asyncio.Future[object], result: object, error: BaseException 
     if future.done():
         return
     if error is not None:
+        if isinstance(error, StopIteration):
+            # A future refuses it (TypeError): raised out of the drain, it would leave the rest of
+            # the batch unsettled for good. As PEP 479 does in a generator.
+            cause, error = error, RuntimeError("a disk job raised StopIteration")
+            error.__cause__ = cause
         future.set_exception(error)
     else:
         future.set_result(result)

@@ -93,8 +93,15 @@ async def test_withdraw_of_a_cancelled_future_whose_copy_runs_says_it_may_run(br
     assert bridge.withdraw(copy) is False  # over: still not "never ran"
 
 
+class _Stop(StopIteration):
+    pass
+
+
+@pytest.mark.parametrize("stop", [StopIteration, _Stop], ids=["StopIteration", "subclass"])
 @pytest.mark.asyncio
-async def test_a_copy_raising_stop_iteration_strands_no_other_outcome(bridge: CompletionBridge) -> None:
+async def test_a_copy_raising_stop_iteration_strands_no_other_outcome(
+    bridge: CompletionBridge, stop: type[StopIteration]
+) -> None:
     # asyncio futures refuse StopIteration (TypeError in set_exception). Posted in one batch with
     # other copies' outcomes, it raised out of the inbox's drain and every outcome after it in that
     # batch was dropped: their futures never resolved (a hang). Each copy must settle; the failing
@@ -102,7 +109,7 @@ async def test_a_copy_raising_stop_iteration_strands_no_other_outcome(bridge: Co
     gate = threading.Event()
 
     def stops() -> None:
-        raise StopIteration
+        raise stop  # a subclass too: a future refuses every StopIteration
 
     blocker = bridge.run_cpu(lambda: gate.wait(10))
     failing = bridge.run_cpu(stops)
