@@ -49,7 +49,7 @@ from .checks import (
     check_scatter_counts,
     check_slots,
 )
-from .hostcopy import HostScatter
+from .hostcopy import HostGather, HostScatter
 from .paths import DEFAULT_STAGING_PAGES, TransferPath, interpreting
 from .slotruns import (
     LayerCopy,
@@ -465,8 +465,11 @@ class PageMover:
         """Paced layer-wise loads still queuing units (their staging is in use: other loads go DIRECT)."""
         self._paced_lock = threading.Lock()
         self._host: HostScatter | None = None
+        self._host_gather: HostGather | None = None
         if self.effective_path is TransferPath.REFERENCE and not self._cuda and pages.device.type == "cpu":
-            self._host = HostScatter(kv, pages)  # a few torch calls a load (each lets the GIL go)
+            # A few torch calls a launch group (each lets the GIL go), not the reference's per layer.
+            self._host = HostScatter(kv, pages)
+            self._host_gather = HostGather(kv, pages)
         staged = self.effective_path is TransferPath.STAGING
         if not isinstance(slot_runs, bool):
             raise ValueError(f"slot_runs must be a bool, got {slot_runs!r}")
@@ -590,6 +593,9 @@ class PageMover:
         if not self.kv.tp.writer:
             return None
         tokens = self.kv.layout.page_tokens
+        if self._host_gather is not None and not slots.is_cuda:
+            self._host_gather.offload(slots, ids)
+            return None
         if self.effective_path is TransferPath.REFERENCE:
             with self._on_side(self._offload_lanes[:1], ready) as streams:
                 reference_gather(self.kv, slots, self.pages, ids, True)  # checked

@@ -117,7 +117,7 @@ def _serve(command: Any, kv: torch.Tensor, stats: Any) -> Any:
 
 
 def _slow_copies(slow_s: float) -> None:
-    """Each CPU copy of this process (the REFERENCE gather/scatter inside the rank's mover) first
+    """Each CPU copy of this process (HostGather.offload or HostScatter.load in the rank's mover) first
     sleeps up to ``slow_s`` (one in ten 4 ``slow_s`` longer): a copy still running when its call
     returned, or landing late into slots given to another prompt, gets a window wide enough to show."""
     from aiokv.kernels import mover
@@ -131,7 +131,7 @@ def _slow_copies(slow_s: float) -> None:
 
         return slow_copy
 
-    mover.reference_gather = slowed(mover.reference_gather)  # type: ignore[assignment]
+    mover.HostGather.offload = slowed(mover.HostGather.offload)  # type: ignore[method-assign]
     mover.HostScatter.load = slowed(mover.HostScatter.load)  # type: ignore[method-assign]
 
 

@@ -1,5 +1,5 @@
 """Rank processes whose copies the test holds: the real worker in a real process, each CPU copy
-(the REFERENCE gather/scatter inside the rank's mover) waiting for the test before it moves a byte.
+(HostGather.offload or HostScatter.load inside the rank's mover) waiting for the test before it moves a byte.
 
 Importable by spawned children (tests/tp is on their ``sys.path``).
 """
@@ -49,7 +49,7 @@ def _hold(held: Held) -> None:
 
         return held_copy
 
-    mover.reference_gather = wrap(mover.reference_gather)  # type: ignore[assignment]
+    mover.HostGather.offload = wrap(mover.HostGather.offload)  # type: ignore[method-assign]
     mover.HostScatter.load = wrap(mover.HostScatter.load)  # type: ignore[method-assign]
 
 
