@@ -20,9 +20,11 @@ def test_every_hit_reports_its_threads_takes(tmp_path: Path) -> None:
          "--top", "3", "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240, check=True,
     ).stdout
-    hits = re.findall(r"^(\w+) +(pool|disk) .* loop thread +(\d+) .* copy thread +(\d+) ", out, re.MULTILINE)
+    hits = re.findall(r"^(\w+) +(pool|disk|offload) .* loop thread +(\d+) .* copy thread +(\d+) ", out,
+                      re.MULTILINE)
     assert sorted((backend, tier) for backend, tier, _, _ in hits) == [
-        ("threads", "disk"), ("threads", "pool"), ("uring_fixed", "disk"), ("uring_fixed", "pool")], out
-    # Every hit copies on the copy thread (a torch op lets the GIL go) after the loop woke it.
+        ("threads", "disk"), ("threads", "offload"), ("threads", "pool"),
+        ("uring_fixed", "disk"), ("uring_fixed", "offload"), ("uring_fixed", "pool")], out
+    # Every hit and offload copies on the copy thread (a torch op lets the GIL go) after the loop woke it.
     assert all(int(loop) > 0 and int(copy) > 0 for _, _, loop, copy in hits), out
     assert "aiokv-copy" in out, out  # takes attributed to the copy thread's C calls

@@ -11,8 +11,10 @@ thread's total). With ``--spin`` the hits run beside a spinning thread and the t
 waited for the GIL is reported too. Each hit also sums the takes attributed to C calls per thread
 (the disk threads' syscalls among them) and counts the loop's epoll calls (one a turn of the
 loop, each a GIL take). The set-up is ``bench_gil``'s (``--pages`` pages of
-``--page-kib`` KiB offloaded, then loaded from disk and from the pool, each ``--repeats`` times).
-Needs a C compiler (``cc``) and glibc; Linux only.
+``--page-kib`` KiB offloaded, then loaded from disk and from the pool, each ``--repeats`` times);
+each repeat first offloads ``--pages`` pages of a fresh prompt (the ``offload`` rows: the copy
+thread's takes are the pool's gathers), dropped from the pool after it. Needs a C compiler
+(``cc``) and glibc; Linux only.
 
     python tools/gil_drops.py --dir /var/tmp
     python tools/gil_drops.py --dir /var/tmp --spin --top 8
@@ -130,8 +132,9 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
     gen = torch.Generator().manual_seed(7)
     kv = torch.randn(layout.num_layers, 2 * n, layout.rows, layout.head_dim, generator=gen).to(layout.dtype)
     tokens = torch.randint(0, 50_000, (n,), generator=gen).tolist()
-    disk = DiskConfig(directory=root, capacity_bytes=4 * args.pages * (layout.page_bytes + 4096), backend=backend)
-    config = CacheConfig(cpu_bytes=(args.pages + 8) * layout.page_bytes, disk=disk, namespace="gil-drops",
+    disk = DiskConfig(directory=root, capacity_bytes=(4 + args.repeats) * args.pages * (layout.page_bytes + 4096),
+                      backend=backend)
+    config = CacheConfig(cpu_bytes=(2 * args.pages + 8) * layout.page_bytes, disk=disk, namespace="gil-drops",
                          pool_chunk_bytes=4 * layout.page_bytes)
     async with KVCache(config, layout, kv) as cache:
         await cache.pool.wait_ready()
@@ -140,7 +143,8 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
         slots = torch.arange(n, 2 * n)
         bridge = cache._bridge  # the copy thread's counters are read by a copy of their own
         for _ in range(args.repeats):
-            for tier in ("disk", "pool"):
+            fresh = torch.randint(0, 50_000, (n,), generator=gen).tolist()
+            for tier in ("offload", "disk", "pool"):
                 if tier == "disk":
                     for key in cache.keys(tokens):
                         cache.pool.table.discard(key)
@@ -151,12 +155,21 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
                     counter.by_call.clear()
                     counter.on = True
                     start = time.perf_counter()
-                    await cache.load(match, slots)
+                    if tier == "offload":
+                        stored = (await cache.offload(fresh, slots)).stored
+                    else:
+                        await cache.load(match, slots)
                     took = time.perf_counter() - start
                     counter.on = False
                     loop1 = counter.snapshot()
                     copy1 = await bridge.run_cpu(counter.snapshot)
-                print(f"{backend.value:12} {tier:5} {took * 1e3:8.2f} ms  GIL takes: loop thread "
+                if tier == "offload":
+                    if stored != args.pages:
+                        sys.exit(f"gil_drops: the offload stored {stored} of {args.pages} pages")
+                    await cache.flush()  # its disk writes, before the hits are counted
+                    for key in cache.keys(fresh):
+                        cache.pool.table.discard(key)
+                print(f"{backend.value:12} {tier:7} {took * 1e3:8.2f} ms  GIL takes: loop thread "
                       f"{loop1[0] - loop0[0]:4d} (waited {(loop1[1] - loop0[1]) / 1e6:6.1f} ms), copy thread "
                       f"{copy1[0] - copy0[0]:4d}"
                       f" (waited {(copy1[1] - copy0[1]) / 1e6:6.1f} ms)")
