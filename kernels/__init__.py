@@ -1,8 +1,8 @@
 """Byte movers between the engine's KV buffer (token-slot indexed) and pool pages.
 
 ``gather``/``scatter`` are Triton kernels behind typed launch wrappers; ``reference_gather`` /
-``reference_scatter`` do the same in plain torch (CPU offloads, test oracle; CPU loads go by
-``hostcopy.HostScatter``); :class:`PageMover` runs whole-page offloads and loads on side CUDA
+``reference_scatter`` do the same in plain torch (the test oracle; a CPU buffer's offloads and loads
+go by ``hostcopy.HostGather`` / ``HostScatter``); :class:`PageMover` runs whole-page offloads and loads on side CUDA
 streams through a :class:`TransferPath`;
 :func:`warm_up` compiles and launches, once, every kernel variant a mover's copies use.
 

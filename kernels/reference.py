@@ -1,8 +1,9 @@
 """Plain-torch gather/scatter (``index_select`` / ``index_copy_``).
 
-The offload path for a KV buffer in CPU memory (loads go through :mod:`aiokv.kernels.hostcopy`, a
-few calls a launch group), and the oracle of the kernel tests. Works across devices (GPU KV buffer,
-CPU pages): data crosses with ``Tensor.to``, synchronously.
+The oracle of the kernel tests (a KV buffer in CPU memory offloads and loads through
+:mod:`aiokv.kernels.hostcopy`, a few calls a launch group; its offloads come here only where the
+pool's pages overlap). Works across devices (GPU KV buffer, CPU pages): data crosses with
+``Tensor.to``, synchronously.
 """
 
 from __future__ import annotations
