@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -135,7 +136,8 @@ async def _page_size(args: argparse.Namespace, page_kib: int) -> dict[str, Any]:
             for variant in order:
                 cache, count = caches[variant], counts[variant]
                 timed = round_ > 0
-                with (steps[variant] if timed else _Null(), lags[variant] if timed else _Null(),
+                null = contextlib.nullcontext()
+                with (steps[variant] if timed else null, lags[variant] if timed else null,
                       spinning(args.spinners if timed else 0)):
                     before = dict(count)
                     start = time.perf_counter()
@@ -222,13 +224,6 @@ async def _group_costs(args: argparse.Namespace, page_kib: int) -> dict[str, Any
         out["sizes"][size] = {k: statistics.median(v) * 1e6 for k, v in by_kind.items() if v}
     return out
 
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:

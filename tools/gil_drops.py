@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import ctypes
 import os
 import shutil
@@ -149,7 +150,7 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
                     for key in cache.keys(tokens):
                         cache.pool.table.discard(key)
                 match = await cache.match(tokens)
-                with bench_gil.spinning(1) if args.spin else _nothing():
+                with bench_gil.spinning(1) if args.spin else contextlib.nullcontext():
                     copy0 = await bridge.run_cpu(counter.snapshot)
                     loop0 = counter.snapshot()
                     counter.by_call.clear()
@@ -183,13 +184,6 @@ async def _run(args: argparse.Namespace, backend: Any, root: Path, counter: _Cou
                 for (thread, call), takes in counter.by_call.most_common(args.top):
                     print(f"    {takes:5d}  {thread:12} {call}")
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:

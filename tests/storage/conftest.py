@@ -12,6 +12,7 @@ from disk_helpers import BACKENDS, config, small_layout
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage.backends import UringPageIO
 
 
 @pytest.fixture
@@ -49,3 +50,20 @@ async def tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: Pag
         yield t
     finally:
         await t.aclose()
+
+
+URING = [DiskBackend.URING_FIXED, DiskBackend.URING]
+
+
+@pytest_asyncio.fixture(params=URING, ids=[b.value for b in URING])
+async def warm_tier(request: pytest.FixtureRequest, disk_dir: Path, layout: KVLayout,
+                    pool: PagePool) -> AsyncIterator[DiskTier]:
+    """A started io_uring tier whose reads of cached names open on the loop (the warm path)."""
+    tier = DiskTier(config(disk_dir, request.param), layout, pool)
+    await tier.start()
+    io = tier.backend
+    assert isinstance(io, UringPageIO) and io.direct and io.chain_reads and io._cached.available
+    try:
+        yield tier
+    finally:
+        await tier.aclose()

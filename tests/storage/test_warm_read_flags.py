@@ -10,33 +10,14 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
-from disk_helpers import assert_clean, config, key_of, read_page, stored_page
+from disk_helpers import assert_clean, key_of, read_page, stored_page
 
-from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ErrorKind, uring
+from aiokv.storage import DiskTier, ErrorKind, uring
 from aiokv.storage.backends import UringPageIO
-
-URING = [DiskBackend.URING_FIXED, DiskBackend.URING]
-
-
-@pytest_asyncio.fixture(params=URING, ids=[b.value for b in URING])
-async def warm_tier(request: pytest.FixtureRequest, disk_dir: Path, layout: KVLayout,
-                    pool: PagePool) -> AsyncIterator[DiskTier]:
-    tier = DiskTier(config(disk_dir, request.param), layout, pool)
-    await tier.start()
-    io = tier.backend
-    assert isinstance(io, UringPageIO) and io.direct and io.chain_reads and io._cached.available
-    try:
-        yield tier
-    finally:
-        await tier.aclose()
 
 
 def _loop_fcntls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
