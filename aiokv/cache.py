@@ -60,7 +60,10 @@ def _build_mover(
     if kv.device.type != "cuda":
         return PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
     with torch.cuda.device(kv.device):
-        mover = PageMover(kv, pages, path, staging_pages, run_pages=run_pages)
+        # Offloads of pages whose slots are one run each go by one copy-engine memcpy a page, as a
+        # TP rank's do (TPConfig.offload_runs): on the H200 a group of 8-16 such pages held the
+        # loop ~0.5x as long as the gather (an index upload and a kernel launch a staging chunk).
+        mover = PageMover(kv, pages, path, staging_pages, run_pages=run_pages, slot_runs=True)
     _warm_pinned_indices(max(kv.num_slots, len(pages)))
     return mover
 

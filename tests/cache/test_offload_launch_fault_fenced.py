@@ -26,7 +26,6 @@ import aiokv.cache
 import aiokv.cuda
 from aiokv import KVCache
 from aiokv.cuda import CompletionBridge
-from aiokv.kernels import PageMover
 from aiokv.transfers import LocalTransfers
 
 T = LAYOUT.page_tokens
@@ -211,15 +210,8 @@ async def test_a_real_offload_failing_part_way_reports_after_its_queued_copy(mon
         # The second run copy gets a pitch below its width: the runtime refuses it (a real CUDA error).
         real(dst, 1 if len(calls) == 2 else dpitch, src, spitch, width, height, stream)
 
-    class RunMover(PageMover):
-        """The cache's mover with offloads by run copies (``slot_runs``, off by default): the run
-        copies are the raw runtime calls a real CUDA error can be injected into. (The test had
-        assumed the cache's mover takes them: on the H200 no run copy was tried, 0 calls.)"""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, slot_runs=True, **kwargs)
-
-    monkeypatch.setattr(aiokv.cache, "PageMover", RunMover)
+    # The cache's mover offloads run-slotted pages by run copies (``_build_mover``: slot_runs):
+    # the raw runtime calls a real CUDA error can be injected into.
     kv = make_kv(71)
     n = 2 * T
     tokens = prompt(71, n)
