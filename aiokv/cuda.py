@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .storage.outcomes import future_error
+
 T = TypeVar("T")
 
 
@@ -107,12 +109,7 @@ class _Inbox:
             if error is None:
                 future.set_result(values.get(future) if values else None)
             else:
-                if isinstance(error, StopIteration):  # subclasses too: a future refuses them all
-                    # A future refuses it (TypeError): raised here, it would drop the rest of the
-                    # batch, whose futures would never resolve. As PEP 479 does in a generator.
-                    cause, error = error, RuntimeError("a copy raised StopIteration")
-                    error.__cause__ = cause
-                future.set_exception(error)
+                future.set_exception(future_error(error))  # (a StopIteration would end the drain)
 
 
 _Item = tuple[torch.cuda.Event, _Inbox, "asyncio.Future[None]"] | None

@@ -43,18 +43,25 @@ def again_after_interrupt(callback: Callable[P, None]) -> Callable[P, None]:
     return run
 
 
+def future_error(error: BaseException) -> BaseException:
+    """``error`` as a future can take it: a future refuses a ``StopIteration`` (or a subclass) with
+    ``TypeError``, which, raised out of a drain, would leave the rest of its batch unsettled for
+    good; it becomes a ``RuntimeError`` caused by it, as PEP 479 does in a generator. (Also used by
+    ``aiokv/cuda.py``'s inbox.)"""
+    if not isinstance(error, StopIteration):
+        return error
+    wrapped = RuntimeError(f"a job raised {type(error).__name__}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def settle(future: asyncio.Future[object], result: object, error: BaseException | None) -> None:
     """On the loop: a worker's outcome into its job's future (unless the job was cancelled, or it
     was settled already: a second call does nothing)."""
     if future.done():
         return
     if error is not None:
-        if isinstance(error, StopIteration):
-            # A future refuses it (TypeError): raised out of the drain, it would leave the rest of
-            # the batch unsettled for good. As PEP 479 does in a generator.
-            cause, error = error, RuntimeError("a disk job raised StopIteration")
-            error.__cause__ = cause
-        future.set_exception(error)
+        future.set_exception(future_error(error))
     else:
         future.set_result(result)
 
