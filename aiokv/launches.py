@@ -32,7 +32,9 @@ probe's span doubles and comes a few groups later, and the probe's size is held:
 is smaller but a stall, until groups at it cost past the budget on average (or one of them four
 times past it, which also cuts the span to what four turns give at its cost). A dear probe shrinks
 the span to what a turn's budget gives at its cost a page. The floor groups' mean is kept current
-(:data:`REFRESH_EVERY`): a fixed cost that fell left it high, and held dear pages for good.
+(:data:`REFRESH_EVERY`): a fixed cost that fell left it high, and held dear pages for good. Two
+floor groups in a row past the line relearn the fixed cost; where the line's pages were dear, the
+relearned line's second size is the periodic probe's, not a group of dear pages at once.
 ``tools/sim_launches.py`` simulates it.
 """
 
@@ -101,7 +103,7 @@ class LaunchSizer:
     """
 
     __slots__ = ("_base", "_ceiling", "_dev", "_extra_probe", "_fixed", "_floor", "_groups", "_held", "_held_cost",
-                 "_last", "_probe_out", "_rises", "_slope", "_span", "_sums", "_turn_s", "_unfloored")
+                 "_last", "_probe_out", "_relearn", "_rises", "_slope", "_span", "_sums", "_turn_s", "_unfloored")
 
     def __init__(self, min_pages: int, max_bytes: int, turn_s: float, page_bytes: int) -> None:
         if min_pages <= 0 or max_bytes <= 0 or page_bytes <= 0 or not turn_s >= 0:
@@ -115,6 +117,7 @@ class LaunchSizer:
         self._sums: list[float] | None = None
         self._slope = 0.0  # the line's seconds per page, with the fixed cost
         self._rises = 0  # floor groups in a row past the line itself (see record)
+        self._relearn = False  # the line was dropped on a rise: its second size waits for a probe
         self._groups = 0  # groups sized by pages() (every PROBE_EVERY-th is a probe)
         self._probe_out = False  # the last pages() gave a probe: the next record() is its time
         self._extra_probe = 0  # the number of a group to probe besides every PROBE_EVERY-th (0: none)
@@ -143,7 +146,9 @@ class LaunchSizer:
         size = self._size(last)
         self._probe_out = self._groups % PROBE_EVERY == 0 or self._groups == self._extra_probe
         if self._probe_out:
-            up = min(self._floor + self._span, self._ceiling)
+            # (Relearning, a page past the floor: the span was learned under the old fixed cost, and
+            # a probe of it took 116 pages of 400 us once pages had turned dear.)
+            up = min(self._floor + (1 if self._relearn else self._span), self._ceiling)
             return up if size < up else self._floor
         return size
 
@@ -158,6 +163,14 @@ class LaunchSizer:
         # (infinite for an infinite budget); and, once the fixed cost is known, the budget's bound.
         best = pages + self._turn_s * pages / seconds
         if math.isfinite(best):
+            if self._relearn and self._fixed is None:
+                # Relearning dear pages after a rise: the periodic probe gives the line its second
+                # size. A group a page past the floor right away cost one extra group of dear pages
+                # per relearn, and on a host whose preemptions put two floor groups in a row past
+                # the line (45% of them 3-10 ms late: two spinners beside the suite on two cores)
+                # that was one group in nine past the floor, not one in PROBE_EVERY (a launch-group
+                # test failed on the H200 under 14 test processes; tools/sim_launches.py, busy).
+                return self._floor
             if self._fixed is not None or pages <= self._floor:
                 best = math.floor(best + 0.5)  # to the nearest page: 2.96 pages is a step of one
                 # At least a page: a fixed cost past two turns' budget is no reason to stay put (the
@@ -196,7 +209,10 @@ class LaunchSizer:
                 self._last = (pages, (self._fixed or 0.0) + self._turn_s * pages, True)
             return
         seconds = max(seconds, 0.0)
-        cheap = self._weigh(pages, seconds, probe)
+        # (A relearning probe refits the line only: weighed as an upward probe, noise past a turn's
+        # budget showed its dear page cheap and doubled the span, and the next probe took 6 pages
+        # of 400 us.)
+        cheap = self._weigh(pages, seconds, probe and not self._relearn)
         stalled = False
         sample_s = seconds  # what the line learns from this group (a learned stall uncapped)
         if self._fixed is not None:
@@ -209,6 +225,10 @@ class LaunchSizer:
                 # is a spike: relearning on it made a group past the budget, a probe, for nothing.)
                 self._rises += 1
                 if self._rises >= 2:
+                    # Where the line's pages were dear (past a turn's budget each), a group a page
+                    # past the floor could not have grown groups under the old fixed cost and will
+                    # not under a higher one: the line's second size waits for the periodic probe.
+                    self._relearn = self._slope > self._turn_s
                     self._fixed = self._sums = None
                     self._rises = 0
             else:
@@ -247,6 +267,7 @@ class LaunchSizer:
                 self._sums = list(sample)
             else:
                 self._fixed, self._slope = fixed, max(0.0, slope)
+                self._relearn = False
 
     def _weigh(self, pages: int, seconds: float, probe: bool) -> bool:
         """Weigh a group against the floor groups' mean time; True for an upward probe whose pages

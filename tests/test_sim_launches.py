@@ -20,6 +20,9 @@ def test_the_figures_are_seeded_and_in_range() -> None:
     assert sim_launches.run(4, 400, LaunchSizer) == first  # no wall clock
     regimes = first["regimes"]
     assert 0 <= regimes["cheap_stuck"] <= 1 and 0 <= regimes["over_4_turns"] <= 1 and regimes["worst_turns"] >= 0
+    busy = first["busy"]
+    assert all(0 <= busy[f"spikes {rate} past_floor"] <= 1 for rate in sim_launches.BUSY_SPIKES)
+    assert busy["rise mean_pages"] >= sim_launches.FLOOR
     for name in sim_launches.MODELS:
         assert sorted(first[name]) == sorted(str(sigma) for sigma in sim_launches.MODEL_SIGMAS)
         for figures in first[name].values():

@@ -10,6 +10,12 @@ Two parts, each seeded (no wall clock; the same run prints the same figures):
   budget, ``launch_turn_s``, the loop time the pages may add to the fixed cost, whatever the fixed
   cost is); ``over_4_turns``, the share of groups above the floor whose pages took more than four
   turns' budget; probes count as groups.
+- **Busy host**: dear pages (400 us each, past a turn's budget: every group belongs at the floor)
+  under preemption spikes of 3-10 ms in 10% / 25% / 45% of the groups (two spinning threads beside
+  the test suite on two cores gave 45%): ``past_floor``, the share of groups above the floor (the
+  probes alone are one in ``PROBE_EVERY``); and a host that turns busy for good (the H200's fixed
+  cost 0.2 -> 1.5 ms at group 300, 20 us a page): ``mean_pages`` from group 400 on (the fixed cost
+  relearned, groups grow back).
 - **Models**: the H200 load groups (200 us + 20 us a page, ``tools/bench_launch.py
   --group-costs``; 12 pages fit) and the CPU's (20 us + 5 us a page; 50 fit), lognormal noise
   0.1 / 0.25 / 0.5: mean group size and the share of groups whose pages took more than two turns.
@@ -116,8 +122,44 @@ def model(fixed: float, per_page: float, sigma: float, seeds: int, groups: int,
     return {"mean_pages": statistics.mean(sizes), "over_2_turns": over / len(sizes)}
 
 
+BUSY_SPIKES = (0.1, 0.25, 0.45)
+
+
+def busy(seeds: int, groups: int, sizer_class: SizerClass) -> dict[str, float]:
+    """The busy-host counts (see the module's docstring)."""
+    out: dict[str, float] = {}
+    for rate in BUSY_SPIKES:
+        past = total = 0
+        for seed in range(seeds):
+            rng = random.Random(seed * 13 + 5)
+            sizer = sizer_class(FLOOR, MAX_BYTES, TURN_S, PAGE_BYTES)
+            for k in range(groups):
+                pages = sizer.pages()
+                seconds = (20e-6 + 400e-6 * pages) * rng.lognormvariate(0, 0.05)
+                if rng.random() < rate:
+                    seconds += rng.uniform(3e-3, 10e-3)
+                sizer.record(pages, seconds)
+                if k >= SETTLE:
+                    total += 1
+                    past += pages > FLOOR
+        out[f"spikes {rate} past_floor"] = past / max(total, 1)
+    sizes: list[int] = []
+    for seed in range(seeds):
+        rng = random.Random(seed * 17 + 3)
+        sizer = sizer_class(FLOOR, MAX_BYTES, TURN_S, PAGE_BYTES)
+        for k in range(max(groups, 800)):
+            fixed = 200e-6 if k < 300 else 1.5e-3
+            pages = sizer.pages()
+            sizer.record(pages, (fixed + 20e-6 * pages) * rng.lognormvariate(0, 0.1))
+            if k >= 400:
+                sizes.append(pages)
+    out["rise mean_pages"] = statistics.mean(sizes)
+    return out
+
+
 def run(seeds: int, groups: int, sizer_class: SizerClass) -> dict[str, Any]:
-    out: dict[str, Any] = {"regimes": regimes(seeds, groups, sizer_class)}
+    out: dict[str, Any] = {"regimes": regimes(seeds, groups, sizer_class),
+                           "busy": busy(max(1, seeds // 10), groups, sizer_class)}
     for name, (fixed, per_page) in MODELS.items():
         out[name] = {str(sigma): model(fixed, per_page, sigma, max(1, seeds // 15), groups, sizer_class)
                      for sigma in MODEL_SIGMAS}
@@ -143,6 +185,7 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, float
     """(label, {variant: value}) for every figure."""
     first = next(iter(results.values()))
     rows = [(f"regimes {key}", {v: r["regimes"][key] for v, r in results.items()}) for key in first["regimes"]]
+    rows += [(f"busy {key}", {v: r["busy"][key] for v, r in results.items()}) for key in first["busy"]]
     for name in MODELS:
         for sigma in first[name]:
             for key in first[name][sigma]:
