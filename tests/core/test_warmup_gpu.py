@@ -119,7 +119,11 @@ async def main():
             out["helpers_started"] = len(helpers)
         before = compiled()
         tokens = list(range(8 * layout.page_tokens))
-        slots = torch.arange(len(tokens))
+        # Spread slots, none next to another: pages whose slots are one run go by run copies (no
+        # kernel since f45d2fa), and with consecutive slots the control compiled nothing at all.
+        spread = torch.randperm(4096, generator=torch.Generator().manual_seed(7))
+        n = len(tokens)
+        slots = spread[:n]
         stalls, compiles, seconds = {}, {}, {}
 
         async def step(name, coro):
@@ -129,20 +133,20 @@ async def main():
             stalls[name] = await probe.take()
             compiles[name] = compiled() - count
 
-        async def load(offset, from_token=0, layered=False):
+        async def load(block, from_token=0, layered=False):
             match = await cache.match(tokens)
+            target = spread[block * n : (block + 1) * n][from_token:]
             if layered:
-                stream = await cache.start_load(match, slots[from_token:] + offset, from_token=from_token,
-                                                layered=True)
+                stream = await cache.start_load(match, target, from_token=from_token, layered=True)
                 await stream.finish()
             else:
-                await cache.load(match, slots[from_token:] + offset, from_token=from_token)
+                await cache.load(match, target, from_token=from_token)
 
         await step("offload", cache.offload(tokens, slots))
-        await step("load", load(1024))
-        await step("load_mid_page", load(2048, from_token=5))
-        await step("layered", load(3072, layered=True))
-        await step("layered_mid_page", load(3072, from_token=9, layered=True))
+        await step("load", load(1))
+        await step("load_mid_page", load(2, from_token=5))
+        await step("layered", load(3, layered=True))
+        await step("layered_mid_page", load(3, from_token=9, layered=True))
         torch.cuda.synchronize()
         out.update(stalls_ms=stalls, compiled=compiles, seconds=seconds, compiled_by_copies=compiled() - before)
         out["errors"] = dict(cache.stats().errors)

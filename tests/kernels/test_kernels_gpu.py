@@ -41,9 +41,9 @@ def real(request: pytest.FixtureRequest) -> Iterator[tuple[KVLayout, PagePool]]:
 
 
 def _random_kv(layout: KVLayout, seed: int) -> KVBuffer:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator("cuda").manual_seed(seed)
     shape = (layout.num_layers, SLOTS, layout.rows, layout.head_dim)
-    return KVBuffer.wrap(layout, random_bits(shape, layout.dtype, gen).cuda())
+    return KVBuffer.wrap(layout, random_bits(shape, layout.dtype, gen))
 
 
 @pytest.mark.parametrize("path", list(TransferPath), ids=lambda p: p.value)
