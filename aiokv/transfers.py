@@ -267,8 +267,10 @@ class Transfers(Protocol):
         None where copies are not ordered on this process's streams)."""
         ...
 
-    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
-        """Make the engine's stream wait (on the GPU) for ``events`` of this worker's copies."""
+    def order_after(self, events: Sequence[torch.cuda.Event], seen: set[tuple[int, int]] | None = None) -> None:
+        """Make the engine's stream wait (on the GPU) for ``events`` of this worker's copies.
+        ``seen``: (stream, event) pairs ordered already, skipped and added to (the caller keeps the
+        events alive and never records them again while it holds the set)."""
         ...
 
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
@@ -460,12 +462,20 @@ class LocalTransfers:
         return Copy(future, paced.events[-1], tuple(paced.events), layers, ordered=False, paced=paced,
                     handover=handover)
 
-    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+    def order_after(self, events: Sequence[torch.cuda.Event], seen: set[tuple[int, int]] | None = None) -> None:
         if not self._cuda:
             return
         stream = torch.cuda.current_stream(self._device)
+        if seen is None:
+            for event in events:
+                stream.wait_event(event)
+            return
+        key = stream.cuda_stream
         for event in events:
-            stream.wait_event(event)
+            pair = (key, id(event))
+            if pair not in seen:
+                stream.wait_event(event)
+                seen.add(pair)
 
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:
         """Return only when no copy of a failing or cancelled call still touches the caller's slots.

@@ -174,7 +174,7 @@ class GroupTransfers:
             self._jobs[future] = job
         return Copy(future, layer_futures=job.layer_futures)
 
-    def order_after(self, events: Sequence[torch.cuda.Event]) -> None:
+    def order_after(self, events: Sequence[torch.cuda.Event], seen: set[tuple[int, int]] | None = None) -> None:
         """Nothing to order here: each rank orders its own stream after its copies."""
 
     async def quiesce(self, copies: Sequence[Copy], *, offload: bool) -> None:

@@ -22,7 +22,7 @@ class _Transfers:
     def __init__(self) -> None:
         self.ordered_after: list[list[object]] = []
 
-    def order_after(self, events: list[object]) -> None:
+    def order_after(self, events: list[object], seen: set[tuple[int, int]] | None = None) -> None:
         self.ordered_after.append(list(events))
 
 
