@@ -20,6 +20,13 @@ from loop_probes import cancel_within
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist every worker's torch ran CPU ops on one thread per core: 16 workers on the
+# H200 host's 16 cores ran up to 256 (load ~55), and the GPU suite was CPU-bound (the real-shape
+# kernel tests alone 1,100 CPU-s). A worker gets its share of the cores; a plain run keeps torch's.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # Property tests draw the same examples on every run (a seed per test), so the suite, and CI, is
 # green or red the same way each time; AIOKV_HYPOTHESIS_RANDOM=1 explores new examples instead.
 settings.register_profile("aiokv", derandomize=os.environ.get("AIOKV_HYPOTHESIS_RANDOM") != "1")

@@ -65,6 +65,20 @@ KVCache.preload(device)
 import triton
 from aiokv.kernels import _jit
 
+import gc
+
+gc_pauses = []  # seconds of each collection: a full one after torch's and Triton's imports is ~0.1 s
+_gc_began = [0.0]
+
+
+def _gc_timed(phase, info):
+    if phase == "start":
+        _gc_began[0] = time.perf_counter()
+    else:
+        gc_pauses.append(time.perf_counter() - _gc_began[0])
+
+
+gc.callbacks.append(_gc_timed)
 compiled_here = []  # variants this process compiled itself (not found in Triton's disk cache)
 triton.knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled_here.append(1)
 
@@ -124,14 +138,15 @@ async def main():
         spread = torch.randperm(4096, generator=torch.Generator().manual_seed(7))
         n = len(tokens)
         slots = spread[:n]
-        stalls, compiles, seconds = {}, {}, {}
+        stalls, compiles, seconds, collected = {}, {}, {}, {}
 
         async def step(name, coro):
-            began, count = time.perf_counter(), compiled()
+            began, count, pauses = time.perf_counter(), compiled(), len(gc_pauses)
             await coro
             seconds[name] = round(time.perf_counter() - began, 4)
             stalls[name] = await probe.take()
             compiles[name] = compiled() - count
+            collected[name] = round(sum(gc_pauses[pauses:]) * 1e3, 2)
 
         async def load(block, from_token=0, layered=False):
             match = await cache.match(tokens)
@@ -148,7 +163,8 @@ async def main():
         await step("layered", load(3, layered=True))
         await step("layered_mid_page", load(3, from_token=9, layered=True))
         torch.cuda.synchronize()
-        out.update(stalls_ms=stalls, compiled=compiles, seconds=seconds, compiled_by_copies=compiled() - before)
+        out.update(stalls_ms=stalls, compiled=compiles, seconds=seconds, compiled_by_copies=compiled() - before,
+                   gc_ms=collected)
         out["errors"] = dict(cache.stats().errors)
     if mode == "warm":
         second = KVCache(config, layout, kv)
@@ -188,9 +204,13 @@ def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Pa
     assert isinstance(control["compiled_by_copies"], int) and control["compiled_by_copies"] > 0, control
     assert warm["warm_up"] is not None and not warm["warm_up"]["stopped"], warm  # type: ignore[index]
     assert warm["compiled_by_copies"] == 0, f"copies compiled variants the warm-up missed: {warm}"
-    stalls = warm["stalls_ms"]
-    assert isinstance(stalls, dict)
-    assert max(stalls.values()) < STALL_LIMIT_MS, f"first copies stalled the loop: {warm} (control: {control})"
+    stalls, collected = warm["stalls_ms"], warm["gc_ms"]
+    assert isinstance(stalls, dict) and isinstance(collected, dict)
+    # Less the garbage collector's pauses in the same step: a full collection of this process
+    # (torch and Triton imported) stalled a step 68 ms on the H200 host with nothing compiled, and
+    # any Python code of the engine's can set one off; what the bound is for is compiling.
+    own = {name: stall - collected[name] for name, stall in stalls.items()}
+    assert max(own.values()) < STALL_LIMIT_MS, f"first copies stalled the loop: {warm} (control: {control})"
     assert "warm_up_failed" not in warm["errors"] and "warm_up_failed" not in ready["errors"]  # type: ignore[operator]
     summary = warm["warm_up"]
     assert isinstance(summary, dict) and summary["precompile_error"] is None, summary
