@@ -92,6 +92,18 @@ SUBMIT_BATCH = 32
 DATA_OPS = frozenset({OP_READV, OP_WRITEV, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE})
 """Ops that move page bytes (see :attr:`UringEngine.async_data`)."""
 
+LOUD_TRANSFERS = True
+"""In a chain whose successful ops post no CQE, a transfer (``DATA_OPS``) posts its own all the
+same, unless the op right after it posts one (the reporting op, or the chain's last: it runs in
+the same task work). Read at each chain's preparation; False: silent, as before (A/B runs).
+
+An O_DIRECT transfer completes in the loop thread's task work, which the kernel runs by waking
+the thread out of the loop's ``epoll_wait`` (EINTR). Silent, nothing was ready after it, and
+CPython's ``epoll.poll`` slept again for the remaining timeout rounded up to a whole ms: a loop
+asleep for a timer due in 0.2 ms woke 1.5-2 ms later (#14: at 1 MiB pages ~0.3 such wake-ups a
+page, 45% of them with nothing posted). Posted, the retried poll returns at once with the
+ring's eventfd ready."""
+
 DRAIN_TURN_S = 0.5e-3
 """Completions handled in one turn of the loop are cut off after this long (the rest in the next
 turn): 32 pages completing at once ran every page's completion work in one callback, which held
@@ -512,10 +524,11 @@ class UringEngine:
         callback). Build ``ops`` with :func:`sqe`. ``callback`` must not raise (a bug: logged).
 
         ``expect``: each op's result on success (bytes for a transfer, else 0). Where the kernel
-        can (:attr:`skip_success`), only the last op and failing ones post a CQE: a page's chain
-        costs one completion instead of one per op. The results then hold ``expect`` for the ops
-        that succeeded silently, the failure (a negative errno, or a short transfer) where one
-        broke the chain, and ``-ECANCELED`` for the ops after it, as always.
+        can (:attr:`skip_success`), only the last op, the transfers (:data:`LOUD_TRANSFERS`: but
+        one right before the last or the reporting op) and failing ones post a CQE: a page's chain
+        costs one to three completions instead of one per op. The results then hold ``expect`` for
+        the ops that succeeded silently, the failure (a negative errno, or a short transfer) where
+        one broke the chain, and ``-ECANCELED`` for the ops after it, as always.
 
         ``report``: the index of an op (not the last) whose result on success is not known in
         advance (an installed fd): it posts its CQE all the same, its ``expect`` is ignored, and
@@ -576,11 +589,20 @@ class UringEngine:
         base = rid << self._index_bits
         linked = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS if request.skip else IOSQE_IO_LINK
         report = request.report
+        injected = request.injected
+        loud_transfers = LOUD_TRANSFERS
         sqes, mask, tail, async_data = self._sqes, self._sq_mask, self._tail, self.async_data
         for index, fields in enumerate(ops):
-            # Every op but the last is linked to the next one (silently, but for the reporting op).
-            flags = fields[1] | (linked if index != report else IOSQE_IO_LINK) if index < last else fields[1]
-            if async_data and fields[0] in DATA_OPS:
+            flags = fields[1]
+            data = fields[0] in DATA_OPS
+            if index < last:
+                # Every op but the last is linked to the next one, silently but for the reporting
+                # op and the transfers (see LOUD_TRANSFERS), unless the op after the transfer posts
+                # (the reporting op, the last: in the same task work) or it stands for an injected fault.
+                loud = index == report or (loud_transfers and data and index + 1 != report and index + 1 != last
+                                           and (injected is None or injected[index] is None))
+                flags |= IOSQE_IO_LINK if loud else linked
+            if async_data and data:
                 flags |= IOSQE_ASYNC
             _SQE.pack_into(sqes, (tail & mask) * 64, fields[0], flags, fields[2], fields[3], fields[4], fields[5],
                            fields[6], fields[7], base + index, fields[9], fields[10], fields[11], fields[12],
@@ -920,10 +942,12 @@ class UringEngine:
                 if res >= 0:
                     return  # its success reported: the chain goes on
                 # It failed and posted its CQE: so do the ops cancelled after it (no silent links),
-                # while the ops before it succeeded silently (none will post).
+                # while the ops before it succeeded, silently but for the transfers, whose CQEs came
+                # first (LOUD_TRANSFERS): the ones still counted pending will post nothing.
                 request.skip = False
-                request.pending -= index
-                self._ops_inflight -= index
+                silent = request.pending - (request.last - index)
+                request.pending -= silent
+                self._ops_inflight -= silent
                 if request.pending:
                     return
             else:
