@@ -73,7 +73,9 @@ async def test_a_fenced_rank_gets_no_new_spec_and_nothing_is_sent(pool: PagePool
 
 @pytest.mark.asyncio
 async def test_a_load_after_a_fence_is_a_counted_miss_and_leaks_nothing(tmp_path: Path) -> None:
-    config = CacheConfig(cpu_bytes=16 * LAYOUT.for_tp(2).page_bytes, namespace="fenced")
+    # A disk tier of its own (the shared default directory held the pages after a first run, so the
+    # write-behind below ran only then).
+    config = CacheConfig(cpu_bytes=16 * LAYOUT.for_tp(2).page_bytes, namespace="fenced", disk_dir=tmp_path / "disk")
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=64, tp_config=FAST, directory=tmp_path / "s") as cache:
         ranks = [await FakeRank.connect(cache.group, r) for r in range(2)]
         await cache.wait_ranks()
@@ -113,6 +115,9 @@ async def test_a_load_after_a_fence_is_a_counted_miss_and_leaks_nothing(tmp_path
 
             await ranks[1].close()  # the fenced rank ends: what it owed fails
             assert (await asyncio.wait_for(first, 10)).tokens == 0
+            # The offload's pages are queued for disk: the write-behind holds a reference on each
+            # until its write ends (review 141), which flush() waits for.
+            await cache.flush()
             assert cache.manager.pool.table.statistics().referenced == 0  # no reference leaked
         finally:
             for s in servers:

@@ -7,6 +7,10 @@ A TP stream's copies carry no CUDA event (each rank orders its own stream), so e
 ``wait_layer`` gathers the layer futures with ``return_exceptions``: the cancelled layer answers
 False, the other layers still answer True, ``finish()`` ends normally and no page reference leaks.
 The ranks are FakeRanks speaking raw frames and claiming a CUDA device.
+
+The offload queues both pages for the disk tier's write-behind, which holds a reference on each
+until its write ends: the test flushes before counting references (review 141: on a loaded host a
+write was still in flight at ``finish()``; ``test_adv_rev141_stream_ref_leak.py`` holds the writes).
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from aiokv.tp import Direction, Job, TPCache, TransferSpec
 async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_raise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = CacheConfig(cpu_bytes=16 * LAYOUT.for_tp(2).page_bytes, namespace="cancelled-layer")
+    # A disk tier of its own: under the shared default directory the pages were on disk from an
+    # earlier run (no write-behind then), so the write-behind, and the flush below, ran only on a
+    # machine's first run.
+    config = CacheConfig(cpu_bytes=16 * LAYOUT.for_tp(2).page_bytes, namespace="cancelled-layer",
+                         disk_dir=tmp_path / "disk")
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=64, tp_config=FAST, directory=tmp_path / "s") as cache:
         group = cache.group
         jobs: list[Job] = []
@@ -84,6 +92,9 @@ async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_r
             assert await stream.wait_layer(0) is False  # asked again: still an answer, not an error
             result = await stream.finish()
             assert result.tokens == 2 * T
+            # The stream gave its references back in finish(); the write-behind holds one on each
+            # page until its disk write ends, which only flush() waits for.
+            await cache.flush()
             assert cache.manager.pool.table.statistics().referenced == 0  # every reference given back
         finally:
             for s in servers:
