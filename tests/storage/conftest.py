@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,6 +15,19 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.backends import UringPageIO
+
+
+@pytest.fixture
+def buffer() -> Iterator[tuple[mmap.mmap, int]]:
+    """1 MiB of anonymous memory and its address, for raw ring ops."""
+    m = mmap.mmap(-1, 1 << 20)
+    probe = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(probe)
+    del probe
+    try:
+        yield m, address
+    finally:
+        m.close()
 
 
 @pytest.fixture

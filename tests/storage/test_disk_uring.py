@@ -7,7 +7,7 @@ import ctypes
 import errno
 import mmap
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -35,17 +35,6 @@ async def engine() -> AsyncIterator[UringEngine]:
     finally:
         await e.aclose()
 
-
-@pytest.fixture
-def buffer() -> Iterator[tuple[mmap.mmap, int]]:
-    m = mmap.mmap(-1, 1 << 20)
-    probe = ctypes.c_char.from_buffer(m)
-    address = ctypes.addressof(probe)
-    del probe
-    try:
-        yield m, address
-    finally:
-        m.close()
 
 
 @pytest.fixture

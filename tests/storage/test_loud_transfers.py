@@ -15,7 +15,7 @@ import ctypes
 import errno
 import mmap
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -37,17 +37,6 @@ async def engine() -> AsyncIterator[UringEngine]:
     finally:
         await e.aclose()
 
-
-@pytest.fixture
-def buffer() -> Iterator[tuple[mmap.mmap, int]]:
-    m = mmap.mmap(-1, 1 << 16)
-    probe = ctypes.c_char.from_buffer(m)
-    address = ctypes.addressof(probe)
-    del probe
-    try:
-        yield m, address
-    finally:
-        m.close()
 
 
 class Counted:

@@ -16,17 +16,17 @@ and nothing else; once the writes end (``flush()``) no reference is left.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from test_group import FAST, LAYOUT, FakeRank, T
+from stream_ranks import stream_ranks
+from test_group import FAST, LAYOUT, T
 
 from aiokv import CacheConfig
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
-from aiokv.tp import Direction, Job, TPCache, TransferSpec
+from aiokv.tp import Direction, TPCache
 
 
 @pytest.mark.asyncio
@@ -50,31 +50,8 @@ async def test_the_write_behind_holds_the_pages_after_finish_until_its_writes_en
             return await real_write(key, ref)
 
         monkeypatch.setattr(disk, "_write_owned", held_write)
-        group = cache.group
-        jobs: list[Job] = []
-        real_submit = group.submit_queued
-
-        def submit_queued(spec: TransferSpec, sessions: Sequence[int] | None = None) -> Job:  # a spy
-            job = real_submit(spec, sessions=sessions)
-            jobs.append(job)
-            return job
-
-        monkeypatch.setattr(group, "submit_queued", submit_queued)
-        ranks = [await FakeRank.connect(group, r, device="cuda") for r in range(2)]
-        loads: list[asyncio.Queue[TransferSpec]] = [asyncio.Queue(), asyncio.Queue()]
-
-        async def serve(r: int) -> None:
-            while True:
-                try:
-                    spec = await ranks[r].next_spec()
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                if spec.direction is Direction.OFFLOAD:
-                    ranks[r].report(spec.job_id)
-                else:
-                    loads[r].put_nowait(spec)  # reported by the test
-
-        servers = [asyncio.ensure_future(serve(r)) for r in range(2)]
+        served = await stream_ranks(cache.group, monkeypatch)
+        jobs, ranks, loads = served.jobs, served.ranks, served.loads
         try:
             await cache.wait_ranks()
             tokens = list(range(2 * T))
@@ -109,7 +86,4 @@ async def test_the_write_behind_holds_the_pages_after_finish_until_its_writes_en
             table.check_invariants()
         finally:
             writes_go.set()
-            for s in servers:
-                s.cancel()
-            for r in ranks:
-                await r.close()
+            await served.close()

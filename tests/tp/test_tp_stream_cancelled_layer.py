@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from test_group import FAST, LAYOUT, FakeRank, T
+from stream_ranks import stream_ranks
+from test_group import FAST, LAYOUT, T
 
 from aiokv import CacheConfig
-from aiokv.tp import Direction, Job, TPCache, TransferSpec
+from aiokv.tp import Direction, TPCache
 
 
 @pytest.mark.asyncio
@@ -38,30 +38,8 @@ async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_r
                          disk_dir=tmp_path / "disk")
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=64, tp_config=FAST, directory=tmp_path / "s") as cache:
         group = cache.group
-        jobs: list[Job] = []
-        real_submit = group.submit_queued
-
-        def submit_queued(spec: TransferSpec, **kwargs: Any) -> Job:  # a spy: the real submit runs
-            job = real_submit(spec, **kwargs)
-            jobs.append(job)
-            return job
-
-        monkeypatch.setattr(group, "submit_queued", submit_queued)
-        ranks = [await FakeRank.connect(group, r, device="cuda") for r in range(2)]
-        loads: list[asyncio.Queue[TransferSpec]] = [asyncio.Queue(), asyncio.Queue()]
-
-        async def serve(r: int) -> None:
-            while True:
-                try:
-                    spec = await ranks[r].next_spec()
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                if spec.direction is Direction.OFFLOAD:
-                    ranks[r].report(spec.job_id)
-                else:
-                    loads[r].put_nowait(spec)  # reported by the test
-
-        servers = [asyncio.ensure_future(serve(r)) for r in range(2)]
+        served = await stream_ranks(group, monkeypatch)
+        jobs, ranks, loads = served.jobs, served.ranks, served.loads
         try:
             await cache.wait_ranks()
             assert group.device_kind == "cuda"
@@ -97,7 +75,4 @@ async def test_a_consumer_cancelling_a_layer_future_makes_wait_layer_false_not_r
             await cache.flush()
             assert cache.manager.pool.table.statistics().referenced == 0  # every reference given back
         finally:
-            for s in servers:
-                s.cancel()
-            for r in ranks:
-                await r.close()
+            await served.close()
