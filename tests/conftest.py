@@ -87,6 +87,15 @@ def _segments() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
+def own_default_disk_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CacheConfig``'s default disk tier ($XDG_CACHE_HOME/aiokv) under a directory of the test's
+    own, which spawned ranks inherit. Under the user's ``~/.cache/aiokv`` tests shared pages across
+    tests and runs: a TP stream test checked its pool references before the offload's write-behind
+    ended, which it did only on a machine's first run, when nothing was on disk yet (helper-141)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+@pytest.fixture(autouse=True)
 def no_leftover_segments() -> Iterator[None]:
     """Every pool a test creates is closed (and its segment unlinked) by the end of the test."""
     before = _segments()
