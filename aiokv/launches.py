@@ -163,7 +163,7 @@ class LaunchSizer:
         # (infinite for an infinite budget); and, once the fixed cost is known, the budget's bound.
         best = pages + self._turn_s * pages / seconds
         if math.isfinite(best):
-            if self._relearn and self._fixed is None:
+            if self._relearn:  # (set only with the fixed cost dropped, cleared once one is read)
                 # Relearning dear pages after a rise: the periodic probe gives the line its second
                 # size. A group a page past the floor right away cost one extra group of dear pages
                 # per relearn, and on a host whose preemptions put two floor groups in a row past
