@@ -98,9 +98,17 @@ async def test_close_while_busy_then_live_ranks_serve_a_new_cache(tmp_path: Path
         # Half the prompts cached before the storm, so the storm has loads to run too.
         for i in range(0, PROMPTS, 2):
             assert (await first.offload(_prompt(i), _slots(i))).stored == PAGES
-        calls = [asyncio.create_task(_busy_call(first, c % PROMPTS, c, rng)) for c in range(2 * PROMPTS)]
-        for _ in range(rng.randrange(0, 30)):
-            await asyncio.sleep(0)  # a random moment into the storm
+        calls: list[asyncio.Task[tuple[int, torch.Tensor, int, int]]] = []
+        for _storm in range(5):
+            storm = [asyncio.create_task(_busy_call(first, c % PROMPTS, c, rng)) for c in range(2 * PROMPTS)]
+            calls += storm
+            for _ in range(rng.randrange(0, 30)):  # a random moment into the storm...
+                if sum(not call.done() for call in storm) <= len(storm) // 2:
+                    break  # ...but while it still runs (a fast host ended every call in 30 turns)
+                await asyncio.sleep(0)
+            if not all(call.done() for call in storm):
+                break
+            await asyncio.gather(*storm)  # all ended in one turn: a new storm (their slots are free)
         busy = sum(not call.done() for call in calls)
         assert busy, "every call ended before the close: the close was not tested while busy"
         loop = asyncio.get_running_loop()
