@@ -1,8 +1,8 @@
-"""The demo under tensor parallelism: a scheduler process and one spawned process per TP rank.
+"""The demo under tensor parallelism: a scheduler process and one process per TP rank (started by a forkserver).
 
 Who runs where (as in vLLM's MultiprocExecutor or SGLang's TP workers)::
 
-    scheduler process (asyncio loop)                  rank process r = 0..N-1 (multiprocessing 'spawn')
+    scheduler process (asyncio loop)                  rank process r = 0..N-1 (multiprocessing 'forkserver')
       sessions, BlockTable, sampling (argmax)           LlamaModel shard: heads and MLP columns of rank r
       TPCache: one pool, page table, disk tier          KV buffer [L, S, 2 * H_kv / N, D]: its heads only
       TPRanks: a command pipe and a reply pipe  -->     runs each Step (prefill chunk or decode token),
@@ -277,7 +277,7 @@ class _Rank:
 
 
 class TPRanks:
-    """``tp_size`` spawned rank processes driven step by step from the scheduler's event loop.
+    """``tp_size`` rank processes (forkserver children) driven step by step from the scheduler's event loop.
 
     Commands go down one pipe per rank; replies come back on another, read by one thread per rank
     that hands them to the loop (the loop never blocks on a pipe). ``async with`` starts the ranks
