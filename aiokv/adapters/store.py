@@ -846,6 +846,12 @@ class PageFileStore:
         pending: list[asyncio.Future[Any]] = []
         stuck: asyncio.Future[None] | None = None
         try:
+            if self._check is not None:
+                # A lookup waiting on a staleness check stuck in the kernel answers now (a miss):
+                # else it held close() another close_timeout and was then cancelled under the
+                # engine's thread (concurrent.futures.CancelledError out of batch_exists).
+                self._check.stop()
+                self._check.abandon()
             # A clear still running (stuck, else clear() would have ended it) and a reader's rescans
             # (in callers' stead): stopped, their tiers closed below.
             stopping = [task for task in (self._clear_task, *self._rescans) if task is not None and not task.done()]

@@ -193,6 +193,7 @@ class ReaderCheck:
         self._lock = threading.Lock()  # a job is never queued behind the stop
         self._stopped = False
         self._fd: int | None = None  # the worker's: touched only by its jobs
+        self._unanswered: set[asyncio.Future[bool]] = set()  # checks' futures not settled yet (loop only)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -218,7 +219,19 @@ class ReaderCheck:
 
         if not self._put(run):
             future.set_result(False)
+        else:
+            self._unanswered.add(future)
+            future.add_done_callback(self._unanswered.discard)
         return future
+
+    def abandon(self) -> None:
+        """Answer every check not answered yet False, at once (loop only; the store's close): a look
+        stuck in the kernel (a hung file system) must not hold its caller (an engine's lookup) past
+        the close, which then cancelled it under the engine's thread. The look ends by itself; its
+        late answer is dropped."""
+        for future in list(self._unanswered):
+            if not future.done():
+                future.set_result(False)
 
     def stop(self) -> None:
         """Let the worker end once the jobs queued are done, closing its descriptor. Idempotent;
@@ -264,7 +277,7 @@ def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[bool], foun
 
 
 def _settle(future: asyncio.Future[bool], found: bool, error: BaseException | None) -> None:
-    if future.cancelled():
+    if future.done():  # cancelled by its caller, or answered by abandon()
         return
     if error is not None:
         future.set_exception(error)
