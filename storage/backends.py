@@ -75,6 +75,10 @@ COLD_READ_STREAK = 32
 ``RESOLVE_CACHED`` answered EAGAIN), this many reads that can go as one chain from the open skip
 that look (cold names come in runs: after a cache drop, every one is). Then the loop looks again."""
 
+_INSTALL_WANTS_ROOM = frozenset({-errno.EMFILE, -errno.ENFILE, -errno.ENOMEM})
+"""What a cold chain's FIXED_FD_INSTALL answers when no descriptor can be made now (the process's
+or the system's limit, memory): a fault of that read, not a kernel that cannot install files."""
+
 
 Published = Callable[[BaseException | None], None]
 """Completion of :meth:`PageIO.start_publish`: None when published, else the fault."""
@@ -1011,10 +1015,16 @@ class UringPageIO:
         the fault, or the checked way where the chain cannot tell (an EINVAL open, no install, an
         EAGAIN read, a short read)."""
         opened, installed = results[0], results[-2]
+        if opened >= 0 and installed in _INSTALL_WANTS_ROOM:
+            # The install found no free descriptor (the process's limit, for now): this read alone
+            # goes the checked way. Taken for "cannot install here", one moment at the limit sent
+            # every later cold read through an OPENAT round trip and a look on the loop for good.
+            self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
+            return
         if opened == -errno.ECANCELED or installed != -errno.ECANCELED:
             # The kernel refused the chain: an op it does not know fails the whole chain at its
             # submission (FIXED_FD_INSTALL before 6.8: nothing ran), or the install itself failed
-            # (its entry closed). The checked way, from now on.
+            # (its entry closed) for a reason that lasts. The checked way, from now on.
             self.chain_reads = False
             log.info("disk tier: io_uring cannot install opened files here (%s): opening page files before "
                      "reading them from now on", os.strerror(-installed if opened >= 0 else -opened))
