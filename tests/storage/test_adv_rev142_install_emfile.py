@@ -71,6 +71,15 @@ def no_free_descriptor() -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+async def _entries(io: UringPageIO) -> list[int]:
+    """CLOSE of each I/O slot's fixed-file entry: EBADF where it is empty, 0 where a file was left."""
+    out = []
+    for slot in range(DEPTH):
+        async with asyncio.timeout(5):
+            out += await io.engine.chain([Op(OP_CLOSE, 0, file_index=slot + 1)], None)
+    return out
+
+
 def opcodes(io: UringPageIO) -> list[int]:
     """The opcodes the tier's ring is handed from now on, in order."""
     seen: list[int] = []
@@ -103,6 +112,10 @@ async def test_an_install_without_a_free_descriptor_leaves_chain_reads_on(
     assert sum(after.errors.values()) == sum(before.errors.values()) + 1
     assert io.chain_reads  # before the fix: False, for good
     assert cold_tier.contains(key_of(1))  # a fault of the read, not of the file
+    # The install failed after a transfer that posted its CQE (registered buffers): the chain
+    # waited for its CLOSE's -ECANCELED and closed the entry (bff17ed's accounting; before it,
+    # the CLOSE read as a success and the entry was left holding the file).
+    assert await _entries(io) == [-errno.EBADF] * DEPTH
     seen.clear()
     into = reserve(pool, key_of(1))
     async with asyncio.timeout(10):
@@ -111,7 +124,5 @@ async def test_an_install_without_a_free_descriptor_leaves_chain_reads_on(
     pool.table.abort(into)
     assert seen[0] == uring.OP_OPENAT and uring.OP_FIXED_FD_INSTALL in seen  # the chain from its open
     assert io.engine.in_flight == 0 and cold_tier.statistics().in_flight == 0
-    for slot in range(DEPTH):  # every fixed-file entry left empty
-        async with asyncio.timeout(5):
-            assert await io.engine.chain([Op(OP_CLOSE, 0, file_index=slot + 1)], None) == [-errno.EBADF]
+    assert await _entries(io) == [-errno.EBADF] * DEPTH
     assert_clean(pool)
