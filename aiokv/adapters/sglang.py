@@ -160,9 +160,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         """SGLang registered every pool it has now: open their page files (``disk_bytes`` shared)."""
         self._open_all()
 
-    def _kv_facts(self, pool: Any) -> dict[str, object]:
+    def _kv_facts(self, pool: Any, name: str = _KV) -> dict[str, object]:
         c = self.storage_config
-        return {
+        facts: dict[str, object] = {
             "model": c.model_name,
             # MLA pages are the same on every TP rank; other pages hold the rank's heads only.
             "tp": None if c.is_mla_model else (c.tp_rank, c.tp_size),
@@ -178,10 +178,20 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             "page_tokens": getattr(pool, "page_size", None),
             "interface": "v1" if self.interface_v1 else "plain",
         }
+        if getattr(pool, "dtype", None) == torch.uint8:
+            # SGLang keeps fp8 and fp4 KV as bytes (store_dtype): fp8_e4m3 and fp8_e5m2 pages have the
+            # same dtype and size here, so the KV cache dtype SGLang resolved must name them.
+            facts["kv_cache_dtype"] = _kv_cache_dtype(draft=name.startswith("draft"))
+        temporal = getattr(pool, "temporal_dtype", None)
+        if temporal is not None and temporal != getattr(pool, "dtype", None):
+            # A Mamba pool's dtype is its conv state's; its SSM state's (float16 or bfloat16, the
+            # same size) decides what the rest of the page means.
+            facts["state_dtype"] = str(temporal)
+        return facts
 
     def _extra_facts(self, name: str, host: Any, in_place: bool) -> dict[str, object]:
         c = self.storage_config
-        facts = self._kv_facts(host)
+        facts = self._kv_facts(host, name)
         # As SGLang's own file backend: Mamba state is sharded by TP rank even beside replicated MLA KV.
         facts["tp"] = (c.tp_rank, c.tp_size) if not c.is_mla_model or name == "mamba" else None
         facts["interface"] = "v2-in-place" if in_place else "v2-flat"
@@ -584,6 +594,22 @@ def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
         thread.submit(settled()).add_done_callback(stop)
     except RuntimeError:  # LoopDied too: it ended meanwhile, nothing runs there any more
         thread.close()
+
+
+def _kv_cache_dtype(draft: bool) -> str | None:
+    """The KV cache dtype SGLang's scheduler process runs with (``--kv-cache-dtype``: ``auto``,
+    ``fp8_e4m3``, ``fp8_e5m2``...; a draft pool's ``--speculative-draft-kv-cache-dtype`` where set),
+    as its memory pools read it (the runtime context's model bag); None where SGLang has not
+    published it (a backend made outside its scheduler: tests, tools)."""
+    try:
+        from sglang.srt import runtime_context
+
+        value = runtime_context.get_model().kv_cache_dtype
+        if draft:
+            value = runtime_context.get_spec().speculative_draft_kv_cache_dtype or value
+    except Exception:  # not published (ValueError), or an SGLang without these bags
+        return None
+    return None if value is None else str(value)
 
 
 def _opened(pool: _Pool) -> PageFileStore:
