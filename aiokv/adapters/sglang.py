@@ -178,6 +178,12 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             "page_tokens": getattr(pool, "page_size", None),
             "interface": "v1" if self.interface_v1 else "plain",
         }
+        replica = _dp_replica()
+        if replica is not None:
+            # Plain DP (no DP attention): each replica is a scheduler of its own whose storage config
+            # says dp_rank 0, so replicas' ranks had one identity; in one directory the first to start
+            # held the lock and the others ran read-only, storing nothing.
+            facts["dp_replica"] = replica
         if getattr(pool, "dtype", None) == torch.uint8:
             # SGLang keeps fp8 and fp4 KV as bytes (store_dtype): fp8_e4m3 and fp8_e5m2 pages have the
             # same dtype and size here, so the KV cache dtype SGLang resolved must name them.
@@ -594,6 +600,19 @@ def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
         thread.submit(settled()).add_done_callback(stop)
     except RuntimeError:  # LoopDied too: it ended meanwhile, nothing runs there any more
         thread.close()
+
+
+def _dp_replica() -> int | None:
+    """The data-parallel replica this scheduler process serves (SGLang's ``dp_rank`` of its launch,
+    one per scheduler under its DP controller), or None: no DP controller, or not published (a
+    backend made outside SGLang's scheduler: tests, tools)."""
+    try:
+        from sglang.srt import runtime_context
+
+        value = runtime_context.get_parallel().dp_rank
+    except Exception:  # not published (ValueError, RuntimeError), or an SGLang without it
+        return None
+    return None if value is None else int(value)
 
 
 def _kv_cache_dtype(draft: bool) -> str | None:

@@ -106,7 +106,7 @@ def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
     """What decides the meaning of a chunk's bytes, from vLLM's normalized ``OffloadingConfig``."""
     config = offloading_spec.config
     model, cache, parallel = config.model, config.cache, config.parallel
-    return {
+    facts: dict[str, object] = {
         "model": model.name,
         "dtype": model.dtype,
         "chunk_bytes": chunk_bytes,
@@ -123,6 +123,12 @@ def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
         "canonical_layout": config.canonical_layout,
         "kv_cache_layout": config.kv_cache_layout,
     }
+    if parallel.data_parallel_size > 1:
+        # Each DP replica is an engine of its own with a tier of its own: one directory each (in a
+        # shared one the first to start held the lock and the others ran read-only, their index
+        # frozen at start: they stored nothing and never saw the first one's new pages).
+        facts["data_parallel_index"] = parallel.data_parallel_index
+    return facts
 
 
 class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped for mypy here
