@@ -184,10 +184,17 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             # says dp_rank 0, so replicas' ranks had one identity; in one directory the first to start
             # held the lock and the others ran read-only, storing nothing.
             facts["dp_replica"] = replica
+        path, revision, kv_cache_dtype = _published_model(draft=name.startswith("draft"))
+        if path is not None and path != c.model_name:
+            # SGLang's model_name is --served-model-name, an alias an operator may move to another
+            # checkpoint of the same geometry (a fine-tune): the model it loads must count.
+            facts["model_path"] = path
+        if revision is not None:
+            facts["revision"] = revision
         if getattr(pool, "dtype", None) == torch.uint8:
             # SGLang keeps fp8 and fp4 KV as bytes (store_dtype): fp8_e4m3 and fp8_e5m2 pages have the
             # same dtype and size here, so the KV cache dtype SGLang resolved must name them.
-            facts["kv_cache_dtype"] = _kv_cache_dtype(draft=name.startswith("draft"))
+            facts["kv_cache_dtype"] = kv_cache_dtype
         temporal = getattr(pool, "temporal_dtype", None)
         if temporal is not None and temporal != getattr(pool, "dtype", None):
             # A Mamba pool's dtype is its conv state's; its SSM state's (float16 or bfloat16, the
@@ -615,19 +622,29 @@ def _dp_replica() -> int | None:
     return None if value is None else int(value)
 
 
-def _kv_cache_dtype(draft: bool) -> str | None:
-    """The KV cache dtype SGLang's scheduler process runs with (``--kv-cache-dtype``: ``auto``,
-    ``fp8_e4m3``, ``fp8_e5m2``...; a draft pool's ``--speculative-draft-kv-cache-dtype`` where set),
-    as its memory pools read it (the runtime context's model bag); None where SGLang has not
-    published it (a backend made outside its scheduler: tests, tools)."""
+def _published_model(draft: bool) -> tuple[str | None, str | None, str | None]:
+    """(model path, revision, KV cache dtype) of what SGLang's scheduler process serves, as its
+    runtime context publishes them (``--model-path``, ``--revision``, ``--kv-cache-dtype``: ``auto``,
+    ``fp8_e4m3``...); a draft pool's are the draft model's (``--speculative-draft-model-path``...)
+    where set. None each where SGLang has not published them (a backend made outside its
+    scheduler: tests, tools)."""
     try:
         from sglang.srt import runtime_context
 
-        value = runtime_context.get_model().kv_cache_dtype
-        if draft:
-            value = runtime_context.get_spec().speculative_draft_kv_cache_dtype or value
+        model: Any = runtime_context.get_model()
+        spec: Any = runtime_context.get_spec() if draft else None
     except Exception:  # not published (ValueError), or an SGLang without these bags
-        return None
+        return None, None, None
+    path, revision = getattr(model, "model_path", None), getattr(model, "revision", None)
+    kv_cache_dtype = getattr(model, "kv_cache_dtype", None)
+    if getattr(spec, "speculative_draft_model_path", None) is not None:
+        path = spec.speculative_draft_model_path
+        revision = getattr(spec, "speculative_draft_model_revision", None)
+    kv_cache_dtype = getattr(spec, "speculative_draft_kv_cache_dtype", None) or kv_cache_dtype
+    return _text(path), _text(revision), _text(kv_cache_dtype)
+
+
+def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
