@@ -184,13 +184,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             # says dp_rank 0, so replicas' ranks had one identity; in one directory the first to start
             # held the lock and the others ran read-only, storing nothing.
             facts["dp_replica"] = replica
-        path, revision, kv_cache_dtype = _published_model(draft=name.startswith("draft"))
+        published = _published_model(draft=name.startswith("draft"))
+        path = published.pop("model_path", None)
         if path is not None and path != c.model_name:
             # SGLang's model_name is --served-model-name, an alias an operator may move to another
             # checkpoint of the same geometry (a fine-tune): the model it loads must count.
             facts["model_path"] = path
-        if revision is not None:
-            facts["revision"] = revision
+        kv_cache_dtype = published.pop("kv_cache_dtype", None)
+        facts.update(published)  # revision, config overrides (RoPE...), fp8 KV scales: where given
         if getattr(pool, "dtype", None) == torch.uint8:
             # SGLang keeps fp8 and fp4 KV as bytes (store_dtype): fp8_e4m3 and fp8_e5m2 pages have the
             # same dtype and size here, so the KV cache dtype SGLang resolved must name them.
@@ -622,30 +623,34 @@ def _dp_replica() -> int | None:
     return None if value is None else int(value)
 
 
-def _published_model(draft: bool) -> tuple[str | None, str | None, str | None]:
-    """(model path, revision, KV cache dtype) of what SGLang's scheduler process serves, as its
-    runtime context publishes them (``--model-path``, ``--revision``, ``--kv-cache-dtype``: ``auto``,
-    ``fp8_e4m3``...); a draft pool's are the draft model's (``--speculative-draft-model-path``...)
-    where set. None each where SGLang has not published them (a backend made outside its
-    scheduler: tests, tools)."""
+def _published_model(draft: bool) -> dict[str, str]:
+    """What SGLang's scheduler process serves, as its runtime context publishes it, by fact name:
+    ``model_path`` (``--model-path``), ``kv_cache_dtype`` (``--kv-cache-dtype``: ``auto``,
+    ``fp8_e4m3``...), and where given ``revision``, ``model_overrides``
+    (``--json-model-override-args``: RoPE scaling and the like change every stored K) and
+    ``kv_scales`` (``--quantization-param-path``: fp8 KV scales). A draft pool's model, revision
+    and KV cache dtype are the draft model's (``--speculative-draft-model-path``...) where set.
+    Empty where SGLang has not published them (a backend made outside its scheduler: tests, tools)."""
     try:
         from sglang.srt import runtime_context
 
         model: Any = runtime_context.get_model()
         spec: Any = runtime_context.get_spec() if draft else None
     except Exception:  # not published (ValueError), or an SGLang without these bags
-        return None, None, None
-    path, revision = getattr(model, "model_path", None), getattr(model, "revision", None)
-    kv_cache_dtype = getattr(model, "kv_cache_dtype", None)
+        return {}
+    found = {
+        "model_path": getattr(model, "model_path", None),
+        "revision": getattr(model, "revision", None),
+        "kv_cache_dtype": getattr(model, "kv_cache_dtype", None),
+        "model_overrides": getattr(model, "json_model_override_args", None),
+        "kv_scales": getattr(model, "quantization_param_path", None),
+    }
     if getattr(spec, "speculative_draft_model_path", None) is not None:
-        path = spec.speculative_draft_model_path
-        revision = getattr(spec, "speculative_draft_model_revision", None)
-    kv_cache_dtype = getattr(spec, "speculative_draft_kv_cache_dtype", None) or kv_cache_dtype
-    return _text(path), _text(revision), _text(kv_cache_dtype)
-
-
-def _text(value: object) -> str | None:
-    return None if value is None else str(value)
+        found["model_path"] = spec.speculative_draft_model_path
+        found["revision"] = getattr(spec, "speculative_draft_model_revision", None)
+    found["kv_cache_dtype"] = getattr(spec, "speculative_draft_kv_cache_dtype", None) or found["kv_cache_dtype"]
+    # Defaults count as absent: a run with none of them keeps the identity it had.
+    return {name: str(value) for name, value in found.items() if value not in (None, "", "{}")}
 
 
 def _opened(pool: _Pool) -> PageFileStore:
