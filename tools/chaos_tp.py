@@ -115,6 +115,10 @@ adv.check_slots = check_slots
 # -- rank processes whose engine waits on a layered load's layers -------------------------------------
 
 
+LAYER_WAIT_S = 20.0
+"""Bound on a rank engine's wait for one layer (a stop of its own process lasts 7 s at most)."""
+
+
 def layer_rank_main(ctrl: Any, address: str, rank: int, tp_size: int, layout: KVLayout, slots: int, threaded: bool,
                     config: Any, slow_s: float = 0.0) -> None:
     """``adv_helpers.adv_rank_main`` plus ``("layers", load, slots)``: per layer, the engine's wait
@@ -135,7 +139,13 @@ def layer_rank_main(ctrl: Any, address: str, rank: int, tp_size: int, layout: KV
                 command = ctrl.recv()
                 if command[0] == "layers":
                     _, load, at = command
-                    ctrl.send([(runner.wait_layer(load, i, CALL_S), layer(at, i)) for i in range(layout.num_layers)])
+                    replies: Any = []
+                    try:
+                        for i in range(layout.num_layers):
+                            replies.append((runner.wait_layer(load, i, LAYER_WAIT_S), layer(at, i)))
+                    except TimeoutError:
+                        replies = ("hang", len(replies))
+                    ctrl.send(replies)
                     continue
                 reply = adv._serve(command, kv, runner.statistics)
                 if reply is None:
@@ -151,11 +161,14 @@ def layer_rank_main(ctrl: Any, address: str, rank: int, tp_size: int, layout: KV
                 command = await asyncio.to_thread(ctrl.recv)
                 if command[0] == "layers":
                     _, load, at = command
-                    replies = []
-                    for i in range(layout.num_layers):
-                        async with asyncio.timeout(CALL_S):
-                            ok = await worker.wait_layer(load, i)
-                        replies.append((ok, layer(at, i)))
+                    replies: Any = []
+                    try:
+                        for i in range(layout.num_layers):
+                            async with asyncio.timeout(LAYER_WAIT_S):
+                                ok = await worker.wait_layer(load, i)
+                            replies.append((ok, layer(at, i)))
+                    except TimeoutError:
+                        replies = ("hang", len(replies))
                     await asyncio.to_thread(ctrl.send, replies)
                     continue
                 reply = adv._serve(command, kv, worker.statistics)
@@ -185,9 +198,10 @@ class LayerRanks(AdvRanks):
 
 
 async def rank_layers(ranks: AdvRanks, stream: Any, slots: Sequence[int], low: int, high: int,
-                      gens: tuple[int, ...]) -> dict[int, list[tuple[bool, Any]]]:
+                      gens: tuple[int, ...], hung: list[str]) -> dict[int, list[tuple[bool, Any]]]:
     """Each rank's engine waits on every layer of ``stream`` and reads that layer at ``slots[low:high]``
-    right after its wait; per rank that lived through it, ``[(ready, raw layer), ...]``."""
+    right after its wait; per rank that lived through it, ``[(ready, raw layer), ...]``. A wait
+    past :data:`LAYER_WAIT_S` goes to ``hung``."""
     load = stream.layered_load()
     out: dict[int, list[tuple[bool, Any]]] = {}
 
@@ -198,7 +212,11 @@ async def rank_layers(ranks: AdvRanks, stream: Any, slots: Sequence[int], low: i
             replies = await ranks.ask(rank, ("layers", load, list(slots[low:high])))
         except (RankGone, KeyError):
             return
-        if ranks.generation[rank] == gens[rank]:
+        if ranks.generation[rank] != gens[rank]:
+            return
+        if replies[0] == "hang":
+            hung.append(f"rank {rank}'s engine wait for layer {replies[1]} of {load} lasted {LAYER_WAIT_S} s")
+        else:
             out[rank] = replies
 
     await asyncio.gather(*(one(r) for r in range(ranks.tp_size)))
@@ -383,7 +401,7 @@ class ChaosSoak(Soak):
                     claimed = stream.claim(first)
                     async with asyncio.timeout(CALL_S):
                         await stream.launched()
-                    seen = await rank_layers(ranks, stream, slots, first, match.tokens, gens)
+                    seen = await rank_layers(ranks, stream, slots, first, match.tokens, gens, tally.wrong)
                 else:
                     claimed = stream.claim(rng.randrange(first, match.tokens + 1))
                 await prefill(ranks, tokens, salt, slots, first, claimed)
@@ -529,8 +547,10 @@ async def _one_seed(seed: int, faults: int, clients: int, verbose: bool, escaped
         try:
             await cache.start()
             # Copies on the ranks' copy threads, slowed at times, or inline on their loops (small ones).
-            ranks = LayerRanks(cache.address, layout, 2, NUM_SLOTS, rng.choice([RANK_CONFIG, CONFIG]),
-                               slow_s=rng.choice([0.0, 0.02, 0.05]))
+            # At times a rank reads one spec at a time (the rest wait in its socket: paused reading).
+            rank_config = dataclasses.replace(rng.choice([RANK_CONFIG, CONFIG]),
+                                              worker_max_inflight=rng.choice([1, 2, 256]))
+            ranks = LayerRanks(cache.address, layout, 2, NUM_SLOTS, rank_config, slow_s=rng.choice([0.0, 0.02, 0.05]))
             ranks.start_all()
             async with asyncio.timeout(START_S):
                 await cache.wait_ranks()
@@ -666,6 +686,13 @@ async def manager_seed(seed: int, kills: int, verbose: bool = False) -> SeedResu
                                               adv.rank_prefix_kv(MGR_LAYOUT, _mgr_prompt(i), 0, rank, 2))
                 parent.send("go")
                 await asyncio.sleep(rng.uniform(0.0, 1.5))
+                if rng.random() < 0.3:
+                    # The manager stopped a while (its ranks wait; nothing times out), then on again.
+                    assert manager.pid is not None
+                    await stop_process(manager.pid)
+                    await asyncio.sleep(rng.uniform(0.1, 2.0))
+                    os.kill(manager.pid, signal.SIGCONT)
+                    await asyncio.sleep(rng.uniform(0.0, 0.5))
                 if stopped is None and rng.random() < 0.3:
                     # A rank stopped (mid-copy, maybe) when its manager dies, continued once a later
                     # manager runs: it finishes into the dead pool and must re-attach cleanly.
