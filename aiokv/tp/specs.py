@@ -335,9 +335,15 @@ class LayeredLoad:
 
     epoch: int
     jobs: tuple[int, ...]
+    unsent: bool = False
+    """Some copy of the stream failed before it was sent (a rank missing at admission, the group
+    closing): its layers never land, so every rank's ``wait_layer`` answers False (after the sent
+    copies' layer, as for a copy that failed on the rank)."""
 
     def __post_init__(self) -> None:
         _u("epoch", self.epoch, _U64_MAX)
+        if not isinstance(self.unsent, bool):
+            raise ValueError(f"unsent must be a bool, got {type(self.unsent).__name__}")
         if not isinstance(self.jobs, tuple):
             raise ValueError(f"jobs must be a tuple of job ids, got {type(self.jobs).__name__}")
         for job in self.jobs:

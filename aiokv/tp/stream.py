@@ -101,12 +101,15 @@ class TPLoadStream(LoadStream):
         """The pool epoch and the job ids of this stream's copies, for the ranks' ``wait_layer``.
 
         Call after :meth:`launched` (the set of copies is fixed then). Copies that failed before
-        they were sent are left out (their layers never land; ``finish`` counts them). Raises
+        they were sent are left out (their layers never land; ``finish`` counts them) and mark the
+        value ``unsent``: the ranks' ``wait_layer`` then answers False (it answered True for every
+        layer of a stream none of whose copies was sent, a rank missing at its start). Raises
         ``RuntimeError`` before ``launched()`` or for a stream that is not layered.
         """
         if not self.layered:
             raise RuntimeError("layered_load() of a stream started without layered=True")
         if not self._loader.done():
             raise RuntimeError("layered_load() before launched(): the set of copies is not fixed yet")
-        jobs = (self._group_transfers.job_id(copy) for _, copy, _, _ in self._unique_copies())
-        return LayeredLoad(self._group_transfers.group.epoch, tuple(sorted(j for j in jobs if j is not None)))
+        ids = [self._group_transfers.job_id(copy) for _, copy, _, _ in self._unique_copies()]
+        jobs = tuple(sorted(j for j in ids if j is not None))
+        return LayeredLoad(self._group_transfers.group.epoch, jobs, unsent=len(jobs) < len(ids))

@@ -525,8 +525,9 @@ class RankWorker:
         the engine. CPU: waits for the bytes (the spec may not even have arrived yet). CUDA: waits
         until the layer's copies are queued (a paced load queues them as the GPU gets through the
         earlier ones), then makes the engine's stream wait for the layer on the GPU (no host wait
-        for the bytes). Returns False when a copy failed or can no longer deliver
-        the layer (the worker detached, the pool is another one): the engine must not rely on it
+        for the bytes). Returns False when a copy failed (on a rank, or before it was sent:
+        ``load.unsent``) or can no longer deliver the layer (the worker detached, the pool is
+        another one): the engine must not rely on it
         (the scheduler's ``finish()`` then reports the load shortened). Bound it with
         ``asyncio.timeout``. Raises ``TypeError``/``ValueError`` for bad arguments.
         """
@@ -536,7 +537,7 @@ class RankWorker:
         ok = await wait_all_async(progress, layer)
         if ok:
             self._order_layer(progress, layer)
-        return ok
+        return ok and not load.unsent
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -895,7 +896,7 @@ class RankWorkerThread:
         ok = wait_all(progress, layer, timeout)
         if ok:
             worker._order_layer(progress, layer)
-        return ok
+        return ok and not load.unsent
 
     def begin_stream(self, stream_id: int, epoch: int) -> bool:
         """:meth:`RankWorker.begin_stream`, called directly from the engine's thread (it does not go
