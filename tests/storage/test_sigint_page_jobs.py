@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 from disk_helpers import BACKENDS
-from interrupt_helpers import PAGE_JOB_FILES, JobsScenario, SignalAfterCall, SignalPoints, open_fds, private_loop
+from interrupt_helpers import (
+    PAGE_JOB_FILES,
+    JobsScenario,
+    SignalAfterCall,
+    SignalPoints,
+    open_fds,
+    private_loop,
+    settled_fds,
+)
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -73,7 +81,7 @@ def interrupted_at(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool:
     """A round of reads and writes with one SIGINT at ``points``' point, then one with none on the
     same tier (every slot there, nothing hangs), then every page read back, the close, and no
     descriptor left open."""
-    before = open_fds()
+    before = settled_fds(pool)
     with private_loop() as loop:
         # Room for 14 files, 12 written at the start: the round's writes make new files, then recycle.
         scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, capacity=14, stored=12)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from disk_helpers import config, key_of, stored_page, write_page
-from interrupt_helpers import SignalAfterCall, open_fds, private_loop, run
+from interrupt_helpers import SignalAfterCall, open_fds, private_loop, run, settled_fds
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -44,7 +44,7 @@ def _nested(code: types.CodeType, name: str) -> types.CodeType:
 
 def test_a_recycle_not_taken_delivered_twice_runs_once(tmp_path: Path, backend: DiskBackend, layout: KVLayout,
                                                        pool: PagePool) -> None:
-    before = open_fds()
+    before = settled_fds(pool)
     with private_loop() as loop:
         tier = DiskTier(config(tmp_path / "disk", backend, capacity=STORED * file_bytes(layout)), layout, pool)
         run(loop, tier.start())
@@ -101,7 +101,7 @@ def test_a_broken_read_chain_is_read_again_once(tmp_path: Path, backend: DiskBac
         checked_way(io, dir_fd, name, *rest)
 
     monkeypatch.setattr(backends.UringPageIO, "_open_then_read", counted)
-    before = open_fds()
+    before = settled_fds(pool)
     with private_loop() as loop:
         tier = DiskTier(config(tmp_path / "disk", backend), layout, pool)
         run(loop, tier.start())

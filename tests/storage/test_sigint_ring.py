@@ -28,6 +28,7 @@ from interrupt_helpers import (
     private_loop,
     random_sigint_sweep,
     run,
+    settled_fds,
 )
 
 from aiokv.layout import KVLayout
@@ -58,7 +59,7 @@ POINTS: list[tuple[str, tuple[str, str, str | None], Variant]] = [
 def test_an_interrupt_in_the_ring_loses_no_page_job(tmp_path: Path, backend: DiskBackend, layout: KVLayout,
                                                    pool: PagePool, where: tuple[str, str, str | None],
                                                    variant: Variant) -> None:
-    before = open_fds()
+    before = settled_fds(pool)
     with private_loop() as loop:
         scenario = JobsScenario(loop, tmp_path / "disk", backend, layout, pool, variant, capacity=14, stored=12)
         scenario.start()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from disk_helpers import config, fill, key_of
-from interrupt_helpers import PAGE_JOB_FILES, SignalPoints, open_fds, private_loop, run
+from interrupt_helpers import PAGE_JOB_FILES, SignalPoints, open_fds, private_loop, run, settled_fds
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -30,7 +30,7 @@ POINTS = [
 def test_an_interrupt_in_a_write_behind_worker_loses_no_worker(tmp_path: Path, backend: DiskBackend,
                                                               layout: KVLayout, pool: PagePool,
                                                               where: tuple[str, str, str | None]) -> None:
-    before = open_fds()
+    before = settled_fds(pool)
     with private_loop() as loop:
         tier = DiskTier(config(tmp_path / "disk", backend, write_behind_workers=1), layout, pool)
         run(loop, tier.start())
