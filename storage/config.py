@@ -93,8 +93,9 @@ class DiskConfig:
     """Worker threads of the THREADS backend, for reads and again for writes (a blocked write never
     holds up a read)."""
     ring_entries: int = 128
-    """SQ entries of the io_uring, raised to 6 x queue_depth (a page is a chain of up to 6 SQEs);
-    the CQ has twice as many; more requests wait in a FIFO."""
+    """SQ entries of the io_uring, raised to 7 x queue_depth (``CHAIN_MAX``: a page's chain of up to
+    6 SQEs plus an evicted file's unlink or rename); the CQ has twice as many; more requests wait in
+    a FIFO."""
     sync_writes: bool = False
     """fdatasync each page file before publishing it. Off: a process crash never loses an
     acknowledged page (the page cache survives it), and a power-loss torn page fails its checksum."""
