@@ -2,10 +2,12 @@
 
 A match takes references on the pool's prefix and counts the disk's; a load copies pool pages at
 once and reads disk pages into freshly reserved pool pages (promotions, in read groups of one
-``DiskTier.read_many`` batch each), copying each group's pages as the group lands; prefetch
-promotes (in the same groups) without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
+``DiskTier.read_many`` batch each), copying each group's pages as the group lands, in windows when
+they do not all fit (its copies' pages given back before the next window); prefetch promotes (in
+the same groups) without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
 the same promotions through the public members it needs (:meth:`LoadPath.promote`,
-:meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.measure_pool_copies`, and the base's
+:meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.wait_for_load_room`, :attr:`LoadPath.loads_running`,
+:meth:`LoadPath.measure_pool_copies`, and the base's
 ``running_transfers``, ``release``, ``release_after``, ``closing``, ``withdraw``, ``count_loaded``).
 Mixed into :class:`aiokv.manager.CacheManager`; the state is :class:`aiokv.managerbase.ManagerBase`'s.
 """
@@ -71,10 +73,18 @@ class NoPage(enum.Enum):
     WITHDRAWN = "withdrawn"
     """The cache's close began while the promotion waited for room: nothing was read. Not a fault;
     a load or stream counts its pages ``pages_withdrawn``."""
+    FULL = "full"
+    """No room in the pool now, for a caller that frees room itself (``windowed``: a load whose
+    own copies hold pool pages): not counted, nothing waited for; the caller waits for its copies,
+    gives their pages back and promotes the page again."""
 
 
 class LoadPath(ManagerBase):
     """Match, load, disk promotions and prefetch of the manager (see the module docstring)."""
+
+    loads_running: int = 0
+    """Loads and streams of this manager in flight: a load that holds no pool page and finds none
+    free waits for room only while another one runs (its pages come back when its copies end)."""
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -167,6 +177,7 @@ class LoadPath(ManagerBase):
             copies.append((transfers.load(pool.table.pages_of(part), slots[lo:hi], page_skip), part, tier))
             sizer.record(len(part), time.perf_counter() - turn)
 
+        self.loads_running += 1
         try:
             launched = 0
             while pool_part:
@@ -182,45 +193,71 @@ class LoadPath(ManagerBase):
                 launch(part, first + launched, Tier.POOL, turn)
                 launched += len(part)
             measured = self.measure_pool_copies([c.future for c, _, _ in copies], launched, started)
-            disk_start = max(first, match.pool_pages)
-            if self._closed:
-                cut = True  # no disk reads either
-            else:
-                promotions = self._promote_groups(keys[disk_start : match.pages])
-            if promotions:
+            page = max(first, match.pool_pages)
+            freed = 0  # copies[:freed] are over and gave their pages back (a window ended)
+            # The disk part in windows: promote what fits (all of it, when it fits), copy it; where
+            # the pool is full, wait for this load's copies, give their pages back and promote the
+            # rest. A load larger than the pool was cut short there (its promotions all reserved
+            # at once and kept their pages until its copies ended).
+            while page < match.pages:
+                if self._closed:
+                    cut = True  # no disk reads either
+                    break
+                promotions = self._promote_groups(keys[page : match.pages], windowed=True)
+                consumed = 0
                 self._measure_promotions(promotions)
-            page = disk_start
-            stop = False
-            for task in promotions:
-                # Shielded: a cancelled load still lets the pages land in the pool (released later).
-                promoted_group = await asyncio.shield(task)
-                consumed += 1
-                landed = [p.handle for p in promoted_group if isinstance(p, Promotion)]
-                run: list[PageHandle] = []  # the group's pages up to its first miss, in order
-                for promoted in promoted_group:
-                    if not isinstance(promoted, Promotion):
-                        cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
-                        stop = True
+                stop = full = False
+                for task in promotions:
+                    # Shielded: a cancelled load still lets the pages land in the pool (released later).
+                    promoted_group = await asyncio.shield(task)
+                    consumed += 1
+                    landed = [p.handle for p in promoted_group if isinstance(p, Promotion)]
+                    run: list[PageHandle] = []  # the group's pages up to its first miss, in order
+                    for promoted in promoted_group:
+                        if not isinstance(promoted, Promotion):
+                            full = promoted is NoPage.FULL
+                            cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
+                            stop = True
+                            break
+                        run.append(promoted.handle)
+                    # The run in launch groups, as the pool part (one copy a page was a copy-thread
+                    # round trip, or a GPU launch's fixed cost, a page: each a GIL hand-over beside an
+                    # engine thread that runs Python).
+                    while run:
+                        if self._closed:
+                            cut = stop = True
+                            full = False
+                            break
+                        turn = time.perf_counter()
+                        group = sizer.pages()
+                        part, run = run[:group], run[group:]
+                        launch(part, page, Tier.DISK, turn)
+                        landed = landed[len(part):]  # the run is landed's head: these are in a copy now
+                        page += len(part)
+                        if run:
+                            await asyncio.sleep(0)  # bounded host work per loop turn, as above
+                    self._release_handles(landed)  # past a miss or the close's start: not copied
+                    landed = []
+                    if stop:
                         break
-                    run.append(promoted.handle)
-                # The run in launch groups, as the pool part (one copy a page was a copy-thread round
-                # trip, or a GPU launch's fixed cost, a page: each a GIL hand-over beside an engine
-                # thread that runs Python).
-                while run:
-                    if self._closed:
-                        cut = stop = True
-                        break
-                    turn = time.perf_counter()
-                    group = sizer.pages()
-                    part, run = run[:group], run[group:]
-                    launch(part, page, Tier.DISK, turn)
-                    landed = landed[len(part):]  # the run is landed's head: these are in a copy now
-                    page += len(part)
-                    if run:
-                        await asyncio.sleep(0)  # bounded host work per loop turn, as above
-                self._release_handles(landed)  # past a miss or the close's start: not copied
-                landed = []
-                if stop:
+                for task in promotions[consumed:]:
+                    self._adopt(task)  # past the window's end: they land and are given back
+                promotions, consumed = [], 0
+                if not full:
+                    break  # all of it, or a miss (counted where it happened), or the close
+                # Room for the next window: this load's copies hold pool pages until they end.
+                window = copies[freed:]
+                if window:
+                    ended = await asyncio.shield(
+                        asyncio.gather(*(c.future for c, _, _ in window), return_exceptions=True))
+                    for _, held, _ in window:
+                        self._release_handles(held)  # evictable now, unless another caller holds them
+                    freed = len(copies)
+                    if any(outcome is not None for outcome in ended):
+                        break  # the prefix ends at that copy (settled below): nothing more is worth reading
+                elif not await self._wait_for_load_room():
+                    # This load holds nothing, and nothing came free in time: others hold the pool.
+                    self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
                     break
             outcomes = await asyncio.shield(
                 asyncio.gather(*(c.future for c, _, _ in copies), return_exceptions=True)
@@ -235,6 +272,8 @@ class LoadPath(ManagerBase):
             for task in promotions[consumed:]:
                 self._adopt(task)
             raise
+        finally:
+            self.loads_running -= 1
         measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
         loaded = {Tier.POOL: 0, Tier.DISK: 0}
@@ -362,17 +401,22 @@ class LoadPath(ManagerBase):
 
     # -- disk promotions ------------------------------------------------------------------------
 
-    def _promote_groups(self, keys: Sequence[PageKey]) -> list[asyncio.Task[list[Promotion | NoPage]]]:
-        """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started."""
+    def _promote_groups(self, keys: Sequence[PageKey], windowed: bool = False,
+                        ) -> list[asyncio.Task[list[Promotion | NoPage]]]:
+        """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started
+        (``windowed``: as :meth:`_promote`)."""
         n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
-        return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]))) for i in range(0, len(keys), n)]
+        groups = [list(keys[i : i + n]) for i in range(0, len(keys), n)]
+        if windowed:
+            return [asyncio.ensure_future(self._promote_group(group, windowed=True)) for group in groups]
+        return [asyncio.ensure_future(self._promote_group(group)) for group in groups]  # its one-argument form
 
-    async def _promote_group(self, keys: list[PageKey]) -> list[Promotion | NoPage]:
+    async def _promote_group(self, keys: list[PageKey], windowed: bool = False) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
         read in one ``DiskTier.read_many`` batch, a page in the pool is held at once, one another
         call brings in as soon as it lands; one that found no room then goes :meth:`_promote`'s
-        way. If cancelled, the batch's pages are settled when its read ends (:meth:`_read_batch`)
-        and the references taken (or still to come) are dropped."""
+        way (``windowed``: as :meth:`_promote`). If cancelled, the batch's pages are settled when
+        its read ends (:meth:`_read_batch`) and the references taken (or still to come) are dropped."""
         pool, disk = self.pool, self._disk
         outcomes = pool.reserve(keys)
         batch = [(i, r.handle) for i, r in enumerate(outcomes)
@@ -400,7 +444,7 @@ class LoadPath(ManagerBase):
                 oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
                 for (i, handle), ok in zip(batch, oks, strict=True):
                     got[i] = self._read_into_pool(handle, ok)
-            missed = False
+            missed: NoPage | None = None
             for i, key in enumerate(keys):
                 if i in landing:
                     got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
@@ -409,8 +453,11 @@ class LoadPath(ManagerBase):
                     # The prefix ends at a page that found no room (or failed): the group's later
                     # pages without room are misses at once, not one wait for room each (those
                     # waits ran one after another; single promotions waited together: review 111).
-                    got[i] = NoPage.MISS if missed else await self._promote(key)
-                    missed = got[i] is NoPage.MISS
+                    # After a FULL they are FULL too: the caller promotes them again.
+                    promoted = missed if missed is not None else await self._promote(key, windowed)
+                    got[i] = promoted
+                    if promoted is NoPage.MISS or promoted is NoPage.FULL:
+                        missed = promoted
         except BaseException:
             for wait in landing.values():
                 self._adopt(wait)  # its reference, once it has one, is dropped
@@ -431,22 +478,31 @@ class LoadPath(ManagerBase):
         except Exception:
             return [False] * len(handles)
 
-    async def promote(self, key: PageKey) -> Promotion | NoPage:
+    async def promote(self, key: PageKey, windowed: bool = False) -> Promotion | NoPage:
         """Bring the disk page ``key`` into the pool: a :class:`Promotion` holding a reference the
         caller releases (:meth:`release`), or why not (:class:`NoPage`: a miss, counted; or
         withdrawn by the close while it waited for room, which the caller counts with
-        :meth:`withdraw`). A caller that stops waiting hands the task to :meth:`adopt_promotion`."""
-        return await self._promote(key)
+        :meth:`withdraw`; ``windowed``: :attr:`NoPage.FULL` when there is no room now, for a
+        caller that frees room itself, then :meth:`wait_for_load_room` when it holds nothing).
+        A caller that stops waiting hands the task to :meth:`adopt_promotion`."""
+        return await self._promote(key, windowed)
 
-    async def _promote(self, key: PageKey) -> Promotion | NoPage:
+    async def wait_for_load_room(self) -> bool:
+        """:meth:`_wait_for_load_room`, for a stream that holds no pool page and found none free."""
+        return await self._wait_for_load_room()
+
+    async def _promote(self, key: PageKey, windowed: bool = False) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
         call read it (not when it was in the pool or another call's read brought it); else why not
-        (:class:`NoPage`: a miss, counted here, or withdrawn by the close while it waited)."""
+        (:class:`NoPage`: a miss, counted here, or withdrawn by the close while it waited).
+        ``windowed``: no room is :attr:`NoPage.FULL` at once (the caller frees room itself)."""
         pool = self.pool
         disk = self._disk
         (res,) = pool.reserve([key])
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
             return await self._already_in(key, res.outcome)
+        if windowed and res.outcome is ReserveOutcome.EXHAUSTED:
+            return NoPage.FULL
         # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
         # a load's own promotions hold their pages until its copies end, so that could not help).
         while res.outcome is ReserveOutcome.EXHAUSTED and disk is not None and await self._wait_for_room(disk_io=False):
@@ -472,6 +528,30 @@ class LoadPath(ManagerBase):
         except Exception:
             ok = False
         return self._read_into_pool(handle, ok)
+
+    async def _wait_for_load_room(self) -> bool:
+        """A load that holds no pool page found none free: True at once if there is room now, else
+        wait (``offload_wait`` at most) until a page may be free, as :meth:`_wait_for_room` (chunks,
+        disk I/O), or, while another load or stream runs or background work (promotions adopted
+        past a window, abandoned copies) is pending, until a page is given back (two loads that each
+        filled half the pool make progress one after the other). False when none of that can free a
+        page, or none came."""
+        pool = self.pool
+        if pool.table.has_room():
+            return True
+        if self.loads_running <= 1 and not self._background:
+            return await self._wait_for_room()
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(pool.table.wait_reclaimable()),
+                                            asyncio.ensure_future(self._close_began.wait())]
+        if not pool.ready:
+            waits.append(asyncio.ensure_future(pool.wait_ready()))
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        return bool(done)
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or

@@ -526,6 +526,11 @@ class PageTable:
 
     # -- eviction -------------------------------------------------------------------------------
 
+    def has_room(self) -> bool:
+        """Whether :meth:`reserve` of one new key would get a page now (a free one, or an
+        unreferenced READY page to evict)."""
+        return bool(self._recycled) or bool(self._fresh_starts) or self._next[self._head] != self._head
+
     def evict(self, count: int) -> list[PageKey]:
         """Evict up to ``count`` least recently used unreferenced READY pages; returns their keys."""
         keys: list[PageKey] = []

@@ -130,6 +130,7 @@ class LoadStream:
         self._disk_started = time.perf_counter()
         self._measured: Callable[[], None] = lambda: None
         self._disk_landed = 0  # pages this stream read from disk so far (its own disk rate)
+        self._returned = 0  # launches whose pages were given back early (_make_room), in launch order
         self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
         self._failed_at: int | None = None  # a disk page that could not be promoted
@@ -148,6 +149,12 @@ class LoadStream:
         self._after = after
         self._copies = StreamCopies(self._transfers, match.pages - 1)
         self._loader = asyncio.create_task(self._run())
+        # While the loader runs, a load that finds the pool full waits for room (its pages come back).
+        manager.loads_running += 1
+        self._loader.add_done_callback(lambda _: self._loaded_out())
+
+    def _loaded_out(self) -> None:
+        self._manager.loads_running -= 1
 
     # -- the engine's side ----------------------------------------------------------------------
 
@@ -376,7 +383,7 @@ class LoadStream:
                 continue
             if self._start_of(lower) < self._claimed or not self._lands_in_time(lower):
                 return
-            self._promotions[lower] = asyncio.ensure_future(self._manager.promote(self._keys[lower]))
+            self._promotions[lower] = asyncio.ensure_future(self._manager.promote(self._keys[lower], windowed=True))
 
     def _lands_in_time(self, page: int) -> bool:
         """Whether a read of ``page`` started now should land before the engine claims into the page
@@ -462,6 +469,15 @@ class LoadStream:
                 break  # the engine claimed into the page while it was read: the fronts met
             del self._promotions[page]  # after the await: a cancelled loader leaves it to _release_rest
             promotion = read.result()
+            if promotion is NoPage.FULL:
+                # The pool is full: give back what this stream no longer needs, or wait for its
+                # copies to end, then read the page again (a stream larger than the pool was cut
+                # short here, its copies keeping their pages until the end).
+                if await self._make_room():
+                    continue
+                manager.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
+                self._failed_at = page
+                break
             if promotion is NoPage.WITHDRAWN:
                 self._cut_at = page  # the close ended the read's wait for room: nothing was read
                 break
@@ -492,6 +508,33 @@ class LoadStream:
             pool = [launch for launch in self._copies.launches if launch.tier is Tier.POOL]
             self._measured = manager.measure_pool_copies([launch.copy.future for launch in pool],
                                                          sum(len(launch.handles) for launch in pool), pool_started)
+
+    async def _make_room(self) -> bool:
+        """The next page found the pool full: give back the pages of the reads ahead (landed ones at
+        once; running ones when they land, adopted: the pages stay cached and are read again from
+        the pool if still there), then those of its copies, oldest first, waiting for each to end,
+        until the pool has room; with none left, wait for room as a load holding nothing does
+        (bounded). True: there may be room, try again (only once room was seen, or the wait for it
+        ended early: a page given back that another caller still holds frees nothing, and a retry
+        on it alone would spin)."""
+        manager = self._manager
+        for task in self._promotions.values():
+            if not task.done():
+                manager.adopt_promotion(task)
+            elif not task.cancelled() and task.exception() is None and isinstance(promoted := task.result(), Promotion):
+                manager.release([promoted.handle])
+            # else: done without a page (FULL too), nothing to give back
+        self._promotions.clear()
+        table = manager.pool.table
+        launches = self._copies.launches
+        while not table.has_room() and self._returned < len(launches):
+            launch = launches[self._returned]
+            if not launch.copy.future.done():
+                # Not cancelled by a cancelled loader: _abandon quiesces the copies.
+                await asyncio.wait({launch.copy.future})
+            manager.release(launch.handles)  # copied: evictable now, unless another caller holds them
+            self._returned += 1
+        return table.has_room() or await manager.wait_for_load_room()
 
     def _first_unclaimed(self) -> int:
         """The lowest page the engine has not claimed into (``_start_of(page) >= _claimed``)."""

@@ -7,6 +7,10 @@ to :meth:`LoadPath._promote` one after another after its batch: each waited ``of
 turn, and the load, which copies a group only once it ended, took that many times longer (31 pages
 of a group: 31 x 5 s with the default). Review 111; real page files, the pool's later chunks held
 in their preparation (``SharedSegment.prepare_chunk``) until the test ends.
+
+Since helper-148 a load's disk pages pass through the pool in windows: the first chunk's pages are
+the first window, given back once copied, and the rest follow through them. The load is whole and
+waits for no chunk at all (it stopped after the first chunk's pages, after one ``offload_wait``).
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ async def test_pages_without_room_in_a_group_wait_for_it_once(tmp_path: Path, mo
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(match, torch.arange(N, 2 * N))
         took = time.perf_counter() - began
-        assert result.tokens == CHUNK_PAGES * T, result  # the first chunk's pages, then no room
-        assert torch.equal(kv[:, N : N + result.tokens].cpu(), source[:, : result.tokens])
-        assert cache.stats().errors["pool_exhausted"] >= 1
-        # One offload_wait (and the reads); it took one per page without room in the group.
+        assert result.tokens == N, result  # through the first chunk's pages, window by window
+        assert torch.equal(kv[:, N : 2 * N].cpu(), source[:, :N])
+        assert cache.stats().errors.get("pool_exhausted", 0) == 0, cache.stats().errors
+        # No offload_wait (windows wait for their own copies); it took one per page without room in
+        # the group, then one in all.
         assert took < 3 * WAIT_S, f"the load took {took:.1f} s for an offload_wait of {WAIT_S} s"
     finally:
         release.set()

@@ -154,10 +154,10 @@ async def test_aclose_during_finish_stops_a_load_waiting_on_a_stuck_read(tmp_pat
         gate = asyncio.Event()
         entered = asyncio.Event()
 
-        async def stuck(key: Any) -> Any:  # a read held in the kernel until the gate opens
+        async def stuck(key: Any, windowed: bool = False) -> Any:  # a read held in the kernel until the gate opens
             entered.set()
             await gate.wait()
-            return await real(key)
+            return await real(key, windowed)
 
         manager.promote = stuck  # type: ignore[method-assign]
         try:
