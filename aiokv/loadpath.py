@@ -541,17 +541,10 @@ class LoadPath(ManagerBase):
             return True
         if self.loads_running <= 1 and not self._background:
             return await self._wait_for_room()
-        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(pool.table.wait_reclaimable()),
-                                            asyncio.ensure_future(self._close_began.wait())]
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(pool.table.wait_reclaimable())]
         if not pool.ready:
             waits.append(asyncio.ensure_future(pool.wait_ready()))
-        try:
-            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waits:
-                waiter.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        return bool(done)
+        return await self._first_of(waits)
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or

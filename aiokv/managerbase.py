@@ -223,6 +223,11 @@ class ManagerBase:
                 waits.append(asyncio.ensure_future(pool.table.wait_reclaimable()))
         if not waits:
             return False
+        return await self._first_of(waits)
+
+    async def _first_of(self, waits: list[asyncio.Future[Any]]) -> bool:
+        """Wait (``offload_wait`` at most) for the first of ``waits`` or the close's start; True when
+        one came. Every wait is cancelled and reaped before the return."""
         waits.append(asyncio.ensure_future(self._close_began.wait()))
         try:
             done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
