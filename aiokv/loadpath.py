@@ -406,10 +406,8 @@ class LoadPath(ManagerBase):
         """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started
         (``windowed``: as :meth:`_promote`)."""
         n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
-        groups = [list(keys[i : i + n]) for i in range(0, len(keys), n)]
-        if windowed:
-            return [asyncio.ensure_future(self._promote_group(group, windowed=True)) for group in groups]
-        return [asyncio.ensure_future(self._promote_group(group)) for group in groups]  # its one-argument form
+        return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed))
+                for i in range(0, len(keys), n)]
 
     async def _promote_group(self, keys: list[PageKey], windowed: bool = False) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are

@@ -256,11 +256,11 @@ async def test_a_prefetch_whose_group_raises_leaves_no_reference_behind(tmp_path
     real = LoadPath._promote_group
     calls = [0]
 
-    async def second_raises(self: LoadPath, keys: Any) -> Any:
+    async def second_raises(self: LoadPath, keys: Any, windowed: bool = False) -> Any:
         calls[0] += 1
         if calls[0] == 2:
             raise RuntimeError("an unexpected failure in a read group (injected)")
-        return await real(self, keys)
+        return await real(self, keys, windowed)
 
     monkeypatch.setattr(LoadPath, "_promote_group", second_raises)
     async with KVCache(_config(tmp_path, DiskBackend.THREADS), LAYOUT, _kv(14)) as cache:
