@@ -23,7 +23,8 @@ once parked (``idle_poll_s=0``: ``on_schedule_end`` wakes it instead, one system
 
 Chunk ``c`` of vLLM's shared CPU region is row ``c`` of ``primary_kv_view``. Keys: vLLM's offload
 key (block hash, which mixes its cache salt, LoRA and multimodal hashes, plus the KV group) under
-aiokv's seed of the model identity (model, dtype, chunk geometry, parallel layout) and namespace.
+aiokv's seed of the model identity (model, dtype, chunk geometry, parallel layout, and from the
+engine's ``VllmConfig`` revision, overrides, online quantization...: :mod:`.vllmidentity`) and namespace.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from aiokv.storage import DiskStatistics
 
 from .loopthread import LoopDied
 from .store import PageFileStore, StoreConfig
+from .vllmidentity import engine_config, spec_facts
 
 _DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
 
@@ -100,35 +102,6 @@ class _Outcome:
     tier; KV events)."""
     evicted: list[OffloadKey] = dataclasses.field(default_factory=list)
     """Keys this tier stored whose files the disk tier has removed since (evicted for room; KV events)."""
-
-
-def spec_facts(offloading_spec: Any, chunk_bytes: int) -> dict[str, object]:
-    """What decides the meaning of a chunk's bytes, from vLLM's normalized ``OffloadingConfig``."""
-    config = offloading_spec.config
-    model, cache, parallel = config.model, config.cache, config.parallel
-    facts: dict[str, object] = {
-        "model": model.name,
-        "dtype": model.dtype,
-        "chunk_bytes": chunk_bytes,
-        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-        "groups": tuple(
-            (g.group_id, g.tokens_per_block, g.sliding_window_size_in_chunks, tuple(g.layer_names))
-            for g in config.groups
-        ),
-        "tokens_per_hash": cache.tokens_per_hash,
-        "blocks_per_chunk": cache.blocks_per_chunk,
-        "parallel": (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size,
-                     parallel.dcp_size, parallel.is_parallelism_agnostic),
-        "replicated_layout": config.replicated_layout,
-        "canonical_layout": config.canonical_layout,
-        "kv_cache_layout": config.kv_cache_layout,
-    }
-    if parallel.data_parallel_size > 1:
-        # Each DP replica is an engine of its own with a tier of its own: one directory each (in a
-        # shared one the first to start held the lock and the others ran read-only, their index
-        # frozen at start: they stored nothing and never saw the first one's new pages).
-        facts["data_parallel_index"] = parallel.data_parallel_index
-    return facts
 
 
 class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped for mypy here
@@ -201,7 +174,13 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                              f"got shape {primary_kv_view.shape}, strides {primary_kv_view.strides}")
         # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
         # mapped while anything exports it, and the exception's frames would keep these alive).
-        self._store = PageFileStore(config, "vllm", spec_facts(offloading_spec, self._chunk_bytes), self._chunk_bytes)
+        vllm_config = engine_config(offloading_spec)
+        if vllm_config is None:
+            log.warning("aiokv tier: vLLM's VllmConfig was not found where the tier was built; the page identity "
+                        "names only the offloading config (model path, KV dtype, geometry, parallel layout): give "
+                        "each revision, hf_overrides or quantization of one model path a namespace of its own")
+        facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
+        self._store = PageFileStore(config, "vllm", facts, self._chunk_bytes)
         # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
         self._bytes_view = primary_kv_view.cast("B")
         self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
