@@ -112,6 +112,10 @@ class DiskConfig:
     """Least seconds between two free-space checks while the file system limits the tier."""
     enospc_retries: int = 2
     """Times a write that met ENOSPC evicts least recently used files and tries again."""
+    follow_interval_s: float = 2.0
+    """While another cache holds the directory (``ReadOnly.LOCKED``): seconds between two looks at
+    it (on a thread): page files it stored since become hits, files gone are dropped, and once it
+    let the lock go this tier takes it and writes. 0: the index found at start stays as it is."""
 
     def __post_init__(self) -> None:
         directory = self.directory
@@ -158,6 +162,17 @@ def _check_seconds(value: object, label: str) -> None:
         raise ValueError(f"{label} must be >= 0, got {value}")
 
 
+MAX_FOLLOW_INTERVAL_S = 86400.0
+"""A look at a locked directory at least once a day (a larger value is surely a unit mistake)."""
+
+
+def _check_interval(value: object, label: str) -> None:
+    _check_seconds(value, label)
+    assert isinstance(value, (int, float))
+    if value > MAX_FOLLOW_INTERVAL_S:
+        raise ValueError(f"{label} must be at most {MAX_FOLLOW_INTERVAL_S:g} seconds (0 turns it off), got {value}")
+
+
 def _check_directory(value: object, label: str) -> None:
     if not isinstance(value, Path):
         raise TypeError(f"{label} must be a path (str or os.PathLike), got {type(value).__name__}")
@@ -188,6 +203,7 @@ _CHECKS: dict[str, Callable[[object, str], None]] = {
     "min_free_bytes": functools.partial(_check_int, least=0),
     "free_space_recheck_s": _check_seconds,
     "enospc_retries": functools.partial(_check_int, least=0),
+    "follow_interval_s": _check_interval,
 }
 
 
@@ -251,3 +267,11 @@ class DiskStatistics:
     """``write_from``/``read_into`` calls whose buffer is not 4096-aligned: buffered I/O instead of O_DIRECT."""
     memory_unregistered: int = 0
     """``register_memory`` calls that could not register the region: plain buffers there."""
+    follow_looks: int = 0
+    """Looks at the directory while another cache held it (``follow_interval_s``), each ended."""
+    followed_in: int = 0
+    """Page files that cache stored since this one started, indexed by those looks."""
+    followed_out: int = 0
+    """Indexed page files those looks found gone (evicted or recycled by the other cache)."""
+    took_over: int = 0
+    """Times this tier took the directory's lock from a cache that let it go and began writing."""

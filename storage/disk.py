@@ -45,6 +45,7 @@ from .backends import HeaderSlots, PageIO, describe_layout_io, open_backend
 from .checks import check_buffer, exact_key
 from .checksum import Checksums
 from .config import DiskBackend, DiskStatistics, ReadOnly
+from .followpath import FollowPath
 from .jobs import wait_uncancelled
 from .layoutdir import Prepared, prepare
 from .memory import PageBuffer, buffer_address
@@ -70,7 +71,7 @@ _STUCK: set[DiskTier] = set()
 until that I/O ended."""
 
 
-class DiskTier(WritePath, ReadPath):
+class DiskTier(WritePath, ReadPath, FollowPath):
     """Page files under ``config.directory`` for pages of ``pool`` (same layout).
 
     Construction is cheap; :meth:`start` (or ``async with``) opens the backend and rebuilds the
@@ -122,7 +123,8 @@ class DiskTier(WritePath, ReadPath):
         # new thread runs, which held the loop for ms on a loaded machine (#11).
         checksums = Checksums(start=False)
         try:
-            prepared = await _prepare_in_thread(functools.partial(_start_then_prepare, checksums, self.files, owned))
+            prepared = await _prepare_in_thread(functools.partial(_start_then_prepare, checksums, self.files, owned,
+                                                                  self.config.follow_interval_s > 0))
         except BaseException as exc:
             for fd in owned:  # the thread never ran (it takes the descriptor over when it does)
                 os.close(fd)
@@ -170,6 +172,8 @@ class DiskTier(WritePath, ReadPath):
         self._queue = WriteBehind(self.config.write_behind_depth, self.config.write_behind_workers,
                                   self._write_queued, self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
+        self._start_following(prepared.seed)
+        prepared.seed = None  # the looks' now
         self._refill_spares()
         log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
                  describe_layout_io(self.layout, self._io), len(self._index), self._temp_removed, self._skipped)
@@ -273,6 +277,7 @@ class DiskTier(WritePath, ReadPath):
     async def _close(self) -> None:
         if self._starting is not None:
             await asyncio.wait({self._starting})  # a start in flight may still be opening the backend
+        await self._stop_following()  # its look's thread ended before any descriptor is closed
         if self._writable_again is not None:  # no more looks at a read-only file system
             self._writable_again.cancel()
             await asyncio.wait({self._writable_again})
@@ -557,6 +562,10 @@ class DiskTier(WritePath, ReadPath):
             skipped_at_scan=self._skipped,
             buffered_fallbacks=self._buffered_fallbacks,
             memory_unregistered=self._memory_unregistered,
+            follow_looks=self._follow_looks,
+            followed_in=self._followed_in,
+            followed_out=self._followed_out,
+            took_over=self._took_over,
         )
 
     def spare_statistics(self) -> SpareStatistics:
@@ -626,9 +635,10 @@ def _duplicate_directory_fd(fd: int) -> int:
         raise ValueError(f"directory_fd {fd} is not an open file descriptor ({exc.strerror})") from None
 
 
-def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int]) -> Prepared:
+def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int], follow: bool) -> Prepared:
     """In a worker thread: start the checksum threads, then :func:`prepare` the directory (from the
-    descriptor in ``owned``, taken over here, or by its path when ``owned`` is empty)."""
+    descriptor in ``owned``, taken over here, or by its path when ``owned`` is empty; ``follow``:
+    keep what a locked directory's scan listed)."""
     root_fd = owned.pop() if owned else None
     try:
         checksums.start_threads()
@@ -636,7 +646,7 @@ def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int]
         if root_fd is not None:
             os.close(root_fd)
         raise
-    return prepare(files, root_fd)
+    return prepare(files, root_fd, follow)
 
 
 async def _prepare_in_thread(work: Callable[[], Prepared]) -> Prepared:

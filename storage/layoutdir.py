@@ -20,6 +20,10 @@ system). In order:
    read (EIO) is skipped and counted, as is a file that cannot be examined. Leftover temporary
    files and spare files (:mod:`.spares`; a crash leaves them, maybe torn) are removed only by the
    lock holder (for anyone else they may be writes in flight), and counted as temporary files.
+
+:func:`list_fanout` is that scan of one fan-out directory; the looks of a tier that follows a
+directory another cache holds (:mod:`.follow`) list through it too, and a start that finds the
+directory locked keeps what it listed (:class:`FollowSeed`) for them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +49,46 @@ log = logging.getLogger("aiokv.storage.disk")
 LOCK_NAME = ".lock"
 FANOUT = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+SETTLE_NS = 1_000_000_000
+"""A directory changed less than this before a listing is listed again at the next look, changed or
+not: file systems stamp changes with a coarse clock, so an entry made just after the listing may
+leave the directory's times as the listing saw them."""
+
+DirStamp = tuple[int, int]
+"""A directory's ``(st_mtime_ns, st_ctime_ns)``: an entry made, renamed or removed changes it."""
+
+
+def dir_stamp(st: os.stat_result) -> DirStamp | None:
+    """``st``'s stamp, or None when it is too recent to tell later changes by (:data:`SETTLE_NS`)."""
+    stamp = (st.st_mtime_ns, st.st_ctime_ns)
+    return stamp if time.time_ns() - max(stamp) >= SETTLE_NS else None
+
+
+@dataclass
+class FollowSeed:
+    """What a start that found the directory locked listed, for the looks that follow it: per
+    fan-out directory the inode number of every key-named entry (None: not listed whole) and its
+    stamp taken before the listing (None: list it again); the layout directory's stamp."""
+
+    entries: list[dict[PageKey, int] | None] = field(default_factory=lambda: [None] * FANOUT)
+    stamps: list[DirStamp | None] = field(default_factory=lambda: [None] * FANOUT)
+    layout_stamp: DirStamp | None = None
+
+
+@dataclass
+class FanoutListing:
+    """One listing of a fan-out directory (:func:`list_fanout`)."""
+
+    entries: dict[PageKey, int] = field(default_factory=dict)
+    """Inode number of every key-named entry listed (page files, and what was refused)."""
+    found: list[tuple[int, PageKey]] = field(default_factory=list)
+    """``(mtime ns, key)`` of the page files among them that ``known`` did not name (all without it)."""
+    complete: bool = True
+    """False when the listing failed part-way (its fault is recorded): ``entries`` is a part."""
+    examined: bool = True
+    """False when an entry could not be examined (EACCES, EIO: recorded): it is not in ``entries``."""
+    temp_removed: int = 0
+    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,8 +121,8 @@ class Prepared:
     direct: bool | None
     """Whether O_DIRECT opens work here; None when nothing could be probed."""
     space: FreeSpace
-    found: list[tuple[float, PageKey]] = field(default_factory=list)
-    """``(mtime, key)`` of every page file, oldest first."""
+    found: list[tuple[int, PageKey]] = field(default_factory=list)
+    """``(mtime ns, key)`` of every page file, oldest first."""
     temp_removed: int = 0
     skipped: int = 0
     """Fan-out directories and files that could not be examined."""
@@ -87,22 +132,30 @@ class Prepared:
     """Checked descriptors of the fan-out directories (-1: absent or unreadable at start): page
     files are opened, renamed and unlinked relative to them, so no operation walks a path (after a
     cache drop every walk through the fan-out directory was a lookup of its own)."""
+    seed: FollowSeed | None = None
+    """Kept when asked for and the directory was locked: what the follow looks start from."""
+    retired: list[int] = field(default_factory=list)
+    """Fan-out descriptors no longer used (their name leads elsewhere now, or the directory is
+    gone), kept open until the close: an operation in flight may still name a file through one."""
 
     def close(self) -> None:
-        for fd in (*self.fanout, self.lock_fd, self.dir_fd):
+        for fd in (*self.fanout, *self.retired, self.lock_fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
         self.fanout = [-1] * FANOUT
+        self.retired = []
         self.lock_fd = None
         self.dir_fd = -1
 
 
-def prepare(files: PageFiles, root_fd: int | None = None) -> Prepared:
+def prepare(files: PageFiles, root_fd: int | None = None, follow: bool = False) -> Prepared:
     """Check (and create) the directories, take the lock, probe, scan. Blocking: run in a thread.
 
     ``root_fd``: a descriptor of ``files.root`` that the caller opened and checked (then the root
     is never opened by its path: a name swapped meanwhile cannot redirect anything); ``prepare``
     takes it over and closes it. None: the root is created (0700) and opened by its path.
+    ``follow``: when another cache holds the directory, keep what the scan listed
+    (:attr:`Prepared.seed`) for the looks that follow it.
 
     Raises :class:`UnsafeDirectoryError` for a directory that is not safely ours, ``OSError`` when
     the layout directory neither exists nor can be created."""
@@ -115,13 +168,13 @@ def prepare(files: PageFiles, root_fd: int | None = None) -> Prepared:
     finally:
         os.close(root_fd)
     try:
-        return _prepare_layout(dir_fd, files.layout_dir)
+        return _prepare_layout(dir_fd, files.layout_dir, follow)
     except BaseException:
         os.close(dir_fd)
         raise
 
 
-def _prepare_layout(dir_fd: int, shown: Path) -> Prepared:
+def _prepare_layout(dir_fd: int, shown: Path, follow: bool) -> Prepared:
     faults: list[tuple[OSError, str]] = []
     lock_fd, read_only = _take_lock(dir_fd, shown, faults)
     try:
@@ -131,6 +184,8 @@ def _prepare_layout(dir_fd: int, shown: Path) -> Prepared:
         if read_only is None and not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd, effective_ids=True):
             read_only = ReadOnly.NOT_WRITABLE
         state = Prepared(dir_fd, lock_fd, read_only, None, space, faults=faults)
+        if follow and read_only is ReadOnly.LOCKED:
+            state.seed = FollowSeed(layout_stamp=dir_stamp(os.fstat(dir_fd)))
     except BaseException:
         if lock_fd is not None:
             os.close(lock_fd)
@@ -254,49 +309,87 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
         state.skipped += 1
         state.faults.append((exc, f"opening {shown}"))
         return
-    euid = os.geteuid()
+    seed = state.seed
     try:
-        with os.scandir(fd) as entries:
-            for entry in entries:  # getdents may fail midway: the entries listed so far stay indexed
-                if entry.name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
-                    if state.read_only is None:
-                        _remove_temp(state, fd, entry.name, shown)
-                    continue
-                if len(entry.name) != 2 * KEY_BYTES:
-                    continue
-                try:
-                    key = bytes.fromhex(entry.name)
-                    st = entry.stat(follow_symlinks=False)
-                except ValueError:
-                    continue
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    state.skipped += 1
-                    state.faults.append((exc, f"examining {shown / entry.name}"))
-                    continue
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
-                    state.skipped += 1
-                    state.faults.append((UnsafeFileError(errno.EPERM, f"{shown / entry.name} is not our regular "
-                                                                      "file"), "scanning"))
-                    continue
-                state.found.append((st.st_mtime, key))
-    except OSError as exc:
+        stamp = dir_stamp(os.fstat(fd)) if seed is not None else None  # before the listing
+        listing = list_fanout(fd, shown, state.read_only is None, None, state.faults)
+    except BaseException:
+        os.close(fd)
+        raise
+    state.found += listing.found
+    state.temp_removed += listing.temp_removed
+    state.skipped += listing.skipped
+    if not listing.complete:
         state.skipped += 1
-        state.faults.append((exc, f"reading {shown}"))
         os.close(fd)  # unreadable: opened again (checked) when an operation needs it (DiskTier._where)
         return
+    if seed is not None:
+        seed.entries[index], seed.stamps[index] = listing.entries, stamp
     state.fanout[index] = fd
 
 
-def _remove_temp(state: Prepared, fd: int, name: str, shown: Path) -> None:
+def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, int] | None,
+                faults: list[tuple[OSError, str]]) -> FanoutListing:
+    """List the fan-out directory ``fd`` (shown as ``shown``): page files are regular files of ours
+    named by a key; anything else with a key name is skipped and recorded as UNSAFE, a file that
+    cannot be examined is skipped and recorded; names that are no key's are never indexed.
+    ``remove_temps`` (the lock holder only): temporary and spare files are unlinked. ``known``: the
+    inode numbers a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
+    same name and inode is neither examined again nor reported in ``found``. A failure part-way
+    (getdents: EIO) is recorded and ends the listing (``complete`` False). Blocking."""
+    listing = FanoutListing()
+    entries, found = listing.entries, listing.found
+    euid = os.geteuid()
+    try:
+        with os.scandir(fd) as scan:
+            for entry in scan:  # getdents may fail midway: the entries listed so far stay
+                name = entry.name
+                if name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
+                    if remove_temps:
+                        listing.temp_removed += _remove_temp(fd, name, shown, faults)
+                    continue
+                if len(name) != 2 * KEY_BYTES:
+                    continue
+                try:
+                    key = bytes.fromhex(name)
+                except ValueError:
+                    continue
+                inode = entry.inode()
+                if known is not None and known.get(key) == inode:
+                    entries[key] = inode  # the same file as before: nothing new
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    listing.skipped += 1
+                    listing.examined = False
+                    faults.append((exc, f"examining {shown / name}"))
+                    continue
+                entries[key] = inode
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
+                    listing.skipped += 1
+                    faults.append((UnsafeFileError(errno.EPERM, f"{shown / name} is not our regular file"),
+                                   "scanning"))
+                    continue
+                found.append((st.st_mtime_ns, key))
+    except OSError as exc:
+        listing.complete = False
+        faults.append((exc, f"reading {shown}"))
+    return listing
+
+
+def _remove_temp(fd: int, name: str, shown: Path, faults: list[tuple[OSError, str]]) -> int:
+    """Unlink a leftover temporary or spare file: 1 when removed."""
     try:
         os.unlink(name, dir_fd=fd)
-        state.temp_removed += 1
+        return 1
     except FileNotFoundError:
         pass
     except OSError as exc:
-        state.faults.append((exc, f"removing {shown / name}"))
+        faults.append((exc, f"removing {shown / name}"))
+    return 0
 
 
 def _probe_direct(state: Prepared) -> bool | None:

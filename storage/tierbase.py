@@ -28,6 +28,7 @@ from .checks import check_buffer, check_ready, check_reserved
 from .checksum import Checksums
 from .config import DiskConfig, ReadOnly
 from .faults import DiskFaults
+from .follow import FollowState
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
 from .layoutdir import FreeSpace, Prepared, free_space, open_private_subdir
@@ -102,6 +103,13 @@ class TierBase:
         self._unlink_when_writable: set[PageKey] = set()
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
+        # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
+        self._follow_state: FollowState | None = None
+        self._follow_task: asyncio.Task[None] | None = None
+        self._follow_looks = self._followed_in = self._followed_out = self._took_over = 0
+        self._follow_started = 0  # looks started (tests wait for one started after a change)
+        self._follow_wake: asyncio.Future[None] | None = None  # ends the pause before the next look
+        self._follow_now = False  # the next look without a pause
         # Spare files: the stock, the batch being made, the spare each write holds until its slot.
         self._spares = SpareStock(spare_files, config.free_space_recheck_s)
         self._refill: asyncio.Future[Made] | None = None
@@ -368,7 +376,10 @@ class TierBase:
 
     def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
         if self._read_only is not None:
-            if self._writable_again is not None:  # unlinked if the file system becomes writable
+            # Unlinked if the file system becomes writable, or once this tier takes the directory
+            # over from the cache that holds it (:mod:`.followpath`).
+            if self._writable_again is not None or (
+                    self._read_only is ReadOnly.LOCKED and self._follow_task is not None):
                 self._unlink_when_writable.add(key)
             return None
         previous = self._moving.get(key)

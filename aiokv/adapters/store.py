@@ -427,6 +427,10 @@ class PageFileStore:
                             backend=self.config.backend,
                             direct_io=self.config.direct_io,
                             queue_depth=self.config.queue_depth,
+                            # A reader never takes the lock (nor follows: its own rescans do), or it
+                            # could become the writer of a directory its writer restarts into.
+                            follow_interval_s=0 if self.sharing is Sharing.READER else
+                            _DISK_DEFAULTS["follow_interval_s"],
                         ),
                         self.layout,
                         pool,

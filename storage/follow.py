@@ -1,0 +1,315 @@
+"""Following a layout directory that another cache holds: the looks, run on a thread.
+
+A tier that started read-only because another cache holds the directory's lock
+(``ReadOnly.LOCKED``) looks at the directory every ``DiskConfig.follow_interval_s``
+(:mod:`.followpath` on the loop; :func:`look` here, on a thread of its own). Page files are
+immutable and named by their content's key, so what the writer stored since is safe to serve:
+reads verify header and checksum as always.
+
+A look is cheap when little changed: a fan-out directory is listed again only when its
+modification or change time differs from the stamp taken before its last listing (or that stamp
+was too recent to tell: :data:`~.layoutdir.SETTLE_NS`), and an entry whose name and inode number
+the last listing saw is not examined again. The listing is the start-up scan's
+(:func:`~.layoutdir.list_fanout`: names, types, owner; temporary and spare files never indexed).
+What the look finds is reported (:class:`Look`) and the loop applies it: files new since (or
+replaced: another inode under the name) are added, files gone are dropped. A directory whose
+listing failed (EIO, EACCES...) reports nothing this time, is recorded, and is listed again at the
+next look (an entry that could not be examined fails its directory's listing the same way).
+
+Each look first tries the directory's lock (non-blocking ``flock`` on ``.lock``, opened without
+following a link and checked as a page file is). Once the writer let it go (its ``aclose``, or its
+death: the kernel drops the lock with the process), the look holds it and scans every fan-out
+directory as a start does under the lock (missing fan-out directories created, leftover temporary
+and spare files of a dead writer removed, free space taken); the loop then switches the tier to
+writing. A look that cannot finish that scan (a fan-out directory that is not safely ours) lets the
+lock go again and reports the fault.
+
+Nothing is named through a path: fan-out directories are listed through the descriptors the tier
+holds; one that is opened late (absent or unreadable at start) is opened by
+:func:`~.layoutdir.open_private_subdir` (no symlink, ours, 0700). When the layout directory changed,
+each fan-out name is checked to still lead to the directory its descriptor is: one replaced (a
+symlink, a file, another directory) or removed is retired (its pages dropped; the tier stops using
+the descriptor, which stays open until the close), so nothing is ever written outside the cache
+through it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokv.keys import PageKey
+
+from .config import ReadOnly
+from .layoutdir import (
+    FANOUT,
+    LOCK_NAME,
+    DirStamp,
+    FollowSeed,
+    FreeSpace,
+    dir_stamp,
+    free_space,
+    list_fanout,
+    open_private_subdir,
+)
+from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd, classify_open_error
+
+
+class FollowState:
+    """What the looks know of the directory. Owned by the look in progress (one at a time, on its
+    thread); the loop only creates it and sets :attr:`stop`."""
+
+    def __init__(self, seed: FollowSeed) -> None:
+        self.entries: list[dict[PageKey, int] | None] = seed.entries
+        self.stamps: list[DirStamp | None] = seed.stamps
+        self.layout_stamp = seed.layout_stamp
+        self.retry: set[int] = {index for index, known in enumerate(seed.entries) if known is None}
+        """Fan-out directories without a descriptor whose last open or listing failed (at first:
+        every one the start could not list): tried again at every look (until found absent)."""
+        self.stop = threading.Event()
+        """Set by the tier's close: the look in progress ends after the directory it is at."""
+
+
+@dataclass
+class Look:
+    """What one look found, for the loop to apply (:meth:`close` what it does not take over)."""
+
+    added: list[tuple[int, PageKey]] = field(default_factory=list)
+    """``(mtime ns, key)`` of page files new since the last look (or under a new inode)."""
+    removed: list[PageKey] = field(default_factory=list)
+    """Keys whose files are gone."""
+    opened: dict[int, int] = field(default_factory=dict)
+    """Fan-out directories the look opened (index -> checked descriptor): the tier's from now on."""
+    retired: list[tuple[int, int]] = field(default_factory=list)
+    """``(index, descriptor)`` of fan-out directories whose name no longer leads to them."""
+    faults: list[tuple[OSError, str]] = field(default_factory=list)
+    lock_fd: int | None = None
+    """The directory's lock, when the look took it: the tier writes from now on."""
+    space: FreeSpace | None = None
+    """With the lock: the file system's room."""
+    read_only: ReadOnly | None = None
+    """With the lock: why the tier still may not write (a read-only file system...), or None."""
+    temp_removed: int = 0
+
+    def close(self) -> None:
+        """Close the descriptors the tier did not take (all of them for a look nobody applies)."""
+        for fd in self.opened.values():
+            os.close(fd)
+        self.opened = {}
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # lets the lock go
+            self.lock_fd = None
+
+
+def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path) -> Look:
+    """One look at the layout directory ``dir_fd`` (shown as ``shown``) whose fan-out descriptors
+    are ``fanout`` (a copy of the tier's; -1: none). Blocking: run on a thread. Faults are
+    reported in :attr:`Look.faults`, never raised."""
+    result = Look()
+    try:
+        result.lock_fd = _try_lock(dir_fd, shown, result.faults)
+        if result.lock_fd is None:
+            _follow(state, result, dir_fd, fanout, shown)
+        elif not _take_over(state, result, dir_fd, fanout, shown):
+            os.close(result.lock_fd)
+            result.lock_fd = None
+    except BaseException:
+        result.close()
+        raise
+    return result
+
+
+def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> int | None:
+    """The directory's lock if nobody holds it now, else None. Never creates the lock file (the
+    writer made it) and never blocks."""
+    name = shown / LOCK_NAME
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None  # no lock file (the directory is gone?): nothing to take
+    except OSError as exc:
+        faults.append((classify_open_error(exc, str(name)), "opening the lock file"))
+        return None
+    try:
+        check_page_fd(fd, str(name), write=False)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # The name must still lead to the file locked: a lock on a file unlinked (or replaced)
+        # meanwhile would make a second writer beside the one holding the new one.
+        held, named = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+            os.close(fd)
+            return None
+    except BlockingIOError:
+        os.close(fd)  # the writer holds it
+        return None
+    except OSError as exc:
+        os.close(fd)
+        if not isinstance(exc, FileNotFoundError):
+            faults.append((exc, "taking the lock"))
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _follow(state: FollowState, result: Look, dir_fd: int, fanout: list[int], shown: Path) -> None:
+    """A look without the lock: the fan-out directories that changed, listed again."""
+    layout_changed = _layout_changed(state, result, dir_fd)
+    if layout_changed:
+        _check_names(state, result, dir_fd, fanout, shown)
+    retired = {index for index, _fd in result.retired}  # what is at their names now: at a later look
+    for index in range(FANOUT):
+        if state.stop.is_set():
+            return
+        fd = fanout[index]
+        if fd >= 0:
+            _relist(state, result, index, fd, shown, remove_temps=False, always=False)
+        elif (layout_changed and index not in retired) or index in state.retry:
+            fd = _open_late(state, result, dir_fd, index, shown, create=False)
+            if fd >= 0 and not _relist(state, result, index, fd, shown, remove_temps=False, always=True):
+                _drop_late(state, result, index)
+
+
+def _take_over(state: FollowState, result: Look, dir_fd: int, fanout: list[int], shown: Path) -> bool:
+    """With the lock held: every fan-out directory scanned as a start under the lock does. False
+    (the lock to be let go, the fault recorded) when one is not safely ours."""
+    try:
+        result.space = space = free_space(dir_fd)
+    except OSError as exc:
+        result.faults.append((exc, "statvfs"))
+        return False
+    if space.read_only:
+        result.read_only = ReadOnly.FILE_SYSTEM
+    elif not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd, effective_ids=True):
+        result.read_only = ReadOnly.NOT_WRITABLE
+    _layout_changed(state, result, dir_fd)
+    _check_names(state, result, dir_fd, fanout, shown)
+    writable = result.read_only is None
+    for index in range(FANOUT):
+        if state.stop.is_set():
+            return False
+        fd = fanout[index]
+        if fd >= 0:
+            _relist(state, result, index, fd, shown, remove_temps=writable, always=True)
+            continue
+        fd = _open_late(state, result, dir_fd, index, shown, create=writable)
+        if fd == -2:
+            return False  # not safely ours: a start would refuse the directory
+        if fd >= 0 and not _relist(state, result, index, fd, shown, remove_temps=writable, always=True):
+            _drop_late(state, result, index)
+    return True
+
+
+def _layout_changed(state: FollowState, result: Look, dir_fd: int) -> bool:
+    """Whether the layout directory changed since the last look (fan-out directories made,
+    renamed, removed); its new stamp is kept."""
+    try:
+        st = os.fstat(dir_fd)
+    except OSError as exc:
+        result.faults.append((exc, "examining the layout directory"))
+        return False
+    before, state.layout_stamp = state.layout_stamp, dir_stamp(st)
+    return before is None or before != (st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _check_names(state: FollowState, result: Look, dir_fd: int, fanout: list[int], shown: Path) -> None:
+    """Retire each fan-out descriptor whose name no longer leads to its directory."""
+    for index, fd in enumerate(fanout):
+        if fd < 0 or index in result.opened:
+            continue
+        name = f"{index:02x}"
+        try:
+            held = os.fstat(fd)
+            named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError as exc:
+            why: OSError = exc  # removed: its pages with it
+        except OSError as exc:
+            result.faults.append((exc, f"examining {shown / name}"))
+            continue
+        else:
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and held.st_nlink:
+                continue
+            why = UnsafeFileError(errno.EPERM, f"{shown / name} was replaced (no longer the directory listed)")
+        result.faults.append((why, "following the directory"))
+        _retire(state, result, index, fd)
+        fanout[index] = -1
+
+
+def _retire(state: FollowState, result: Look, index: int, fd: int) -> None:
+    known = state.entries[index]
+    if known:
+        result.removed += known
+    state.entries[index] = None
+    state.stamps[index] = None
+    result.retired.append((index, fd))
+
+
+def _open_late(state: FollowState, result: Look, dir_fd: int, index: int, shown: Path, create: bool) -> int:
+    """Fan-out directory ``index`` opened (checked) for the tier: its descriptor, -1 when it is
+    absent or cannot be opened now (recorded; tried again at the next look), -2 when it is not
+    safely ours (recorded)."""
+    name = f"{index:02x}"
+    try:
+        fd = open_private_subdir(dir_fd, name, shown / name, create=create)
+    except UnsafeDirectoryError as exc:
+        result.faults.append((UnsafeFileError(exc.errno, exc.strerror), f"opening {shown / name}"))
+        state.retry.discard(index)  # tried again once the layout directory changes
+        return -2
+    except FileNotFoundError:
+        state.retry.discard(index)
+        return -1
+    except OSError as exc:
+        result.faults.append((exc, f"opening {shown / name}"))
+        state.retry.add(index)
+        return -1
+    state.retry.discard(index)
+    result.opened[index] = fd
+    state.entries[index] = None  # listed whole, whatever a retired descriptor listed
+    state.stamps[index] = None
+    return fd
+
+
+def _drop_late(state: FollowState, result: Look, index: int) -> None:
+    """A fan-out directory opened by this look that could not be listed: closed again, and opened
+    anew at the next look (what made it unreadable may be gone by then: a mount over it, say)."""
+    os.close(result.opened.pop(index))
+    state.retry.add(index)
+
+
+def _relist(state: FollowState, result: Look, index: int, fd: int, shown: Path, remove_temps: bool,
+            always: bool) -> bool:
+    """List fan-out directory ``index`` again if it changed (``always``: in any case) and report
+    what is new and what is gone. False when the listing failed: nothing reported, the fault
+    recorded, and the directory listed again next time."""
+    name = shown / f"{index:02x}"
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        result.faults.append((exc, f"examining {name}"))
+        return False
+    if not st.st_nlink:  # removed (its files with it): listing it fails with ENOENT
+        result.faults.append((FileNotFoundError(errno.ENOENT, f"{name} was removed"), "following the directory"))
+        if index not in result.opened:
+            _retire(state, result, index, fd)
+        return False
+    stamp = (st.st_mtime_ns, st.st_ctime_ns)
+    if not always and state.stamps[index] == stamp:
+        return True
+    known = state.entries[index]
+    listing = list_fanout(fd, name, remove_temps, known or {}, result.faults)
+    result.temp_removed += listing.temp_removed
+    if not listing.complete or not listing.examined:
+        state.stamps[index] = None  # nothing from it this time: listed again at the next look
+        return False
+    result.added += listing.found
+    if known:
+        entries = listing.entries
+        result.removed += [key for key in known if key not in entries]
+    state.entries[index] = listing.entries
+    state.stamps[index] = dir_stamp(st)
+    return True

@@ -1,0 +1,182 @@
+"""The loop's side of following a directory another cache holds (see :mod:`.follow`).
+
+A tier that started ``ReadOnly.LOCKED`` with ``follow_interval_s`` > 0 runs one task that sleeps
+that long, runs a look on a thread of its own (:func:`aiokv.pool.run_in_new_thread`: the loop never
+waits for a thread to start or for the file system) and applies what it found: files gone out of
+the index, files new since into it (most recently used), at most :data:`APPLY_PER_TURN` keys per
+loop turn. Once a look took the lock, the tier switches to writing: the lock is the tier's,
+leftover temporary files are gone (the look removed them), the budget is taken from the file
+system, files refused while read-only are unlinked and the index is trimmed to the budget;
+``read_only`` becomes None and ``took_over`` counts it. Writes refused before stay refused: nothing
+was queued for later.
+
+The close sets the look's stop flag and cancels the task, which waits for the look's thread (it
+ends after the fan-out directory it is at) and closes what it opened, the lock included, before the
+tier's descriptors are closed: no thread or descriptor is left, and no look uses a descriptor
+number the close gave back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+from aiokv.keys import PageKey
+from aiokv.pool import run_in_new_thread
+
+from .config import ReadOnly
+from .follow import FollowState, Look, look
+from .jobs import wait_uncancelled
+from .layoutdir import FollowSeed
+from .tierbase import TierBase
+
+log = logging.getLogger("aiokv.storage.disk")
+
+APPLY_PER_TURN = 4096
+"""Index changes a look's result makes per loop turn (a directory of a million pages changes by at
+most this much between two turns)."""
+
+
+class FollowPath(TierBase):
+    """Following a locked directory (see the module docstring); :class:`~.disk.DiskTier` starts it."""
+
+    def _start_following(self, seed: FollowSeed | None) -> None:
+        """Follow the directory when the start found it locked and following is on."""
+        if seed is None or self._read_only is not ReadOnly.LOCKED or not self.config.follow_interval_s:
+            return
+        self._follow_state = FollowState(seed)
+        self._follow_task = asyncio.get_running_loop().create_task(self._follow(self._follow_state))
+
+    def _look_soon(self) -> None:
+        """The next look now rather than after ``follow_interval_s`` (after the one in progress, if
+        any: the next look starts after this call)."""
+        self._follow_now = True
+        wake = self._follow_wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _follow_pause(self, interval: float) -> None:
+        """``interval`` seconds, or less when :meth:`_look_soon` is called."""
+        if self._follow_now:
+            self._follow_now = False
+            return
+        loop = asyncio.get_running_loop()
+        wake = self._follow_wake = loop.create_future()
+        timer = loop.call_later(interval, _wake, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._follow_wake = None
+            self._follow_now = False
+
+    async def _stop_following(self) -> None:
+        """At close: stop the look in progress, wait for its thread, close what it opened."""
+        task = self._follow_task
+        if task is None:
+            return
+        assert self._follow_state is not None
+        self._follow_state.stop.set()
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
+            log.error("disk tier: following %s ended with %r", self.files.layout_dir, task.exception())
+
+    async def _follow(self, state: FollowState) -> None:
+        interval = self.config.follow_interval_s
+        while self._following():
+            await self._follow_pause(interval)
+            if not self._following():
+                return
+            assert self._dir is not None
+            self._follow_started += 1
+            work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir)
+            job = run_in_new_thread(work, "aiokv-disk-follow", Look.close)
+            try:
+                found = await asyncio.shield(job)
+            except asyncio.CancelledError:
+                state.stop.set()
+                await wait_uncancelled(job)  # its descriptors are the tier's: never closed under it
+                if not job.cancelled() and job.exception() is None:
+                    job.result().close()
+                raise
+            except Exception:  # a bug in the look: counted, and the next look tries again
+                self._faults.unexpected("a look at the directory")
+                continue
+            self._follow_looks += 1
+            try:
+                await self._apply_look(found)
+            except Exception:  # a bug in applying it: counted; the next look goes on from its state
+                self._faults.unexpected("applying a look at the directory")
+            finally:
+                found.close()  # what the tier did not take (all of it when cancelled: the lock too)
+
+    def _following(self) -> bool:
+        return self._accepting and self._read_only is ReadOnly.LOCKED
+
+    async def _apply_look(self, found: Look) -> None:
+        """Apply a look's result: faults counted, descriptors taken, the index changed in bounded
+        steps; with the lock, the switch to writing."""
+        prepared = self._dir
+        assert prepared is not None
+        for fault, what in found.faults:
+            self._faults.count(fault, what)
+        fanout = prepared.fanout
+        for index, fd in found.retired:
+            if fanout[index] == fd:
+                fanout[index] = -1  # reads of its keys are counted misses until it is opened again
+                prepared.retired.append(fd)  # an operation in flight may still name a file through it
+        for index in list(found.opened):
+            if fanout[index] < 0:
+                fanout[index] = found.opened.pop(index)
+        page_index = self._index
+        removed = found.removed
+        for start in range(0, len(removed), APPLY_PER_TURN):
+            if start:
+                await asyncio.sleep(0)
+                if not self._following():
+                    return
+            for key in removed[start : start + APPLY_PER_TURN]:
+                if key in page_index:
+                    page_index.remove(key)
+                    self._followed_out += 1
+        added = sorted(found.added)  # oldest first: the newest ends most recently used
+        for start in range(0, len(added), APPLY_PER_TURN):
+            await asyncio.sleep(0)
+            if not self._following():
+                return
+            for _mtime, key in added[start : start + APPLY_PER_TURN]:
+                if key not in page_index:
+                    page_index.add_found(key)
+                    self._followed_in += 1
+        if found.lock_fd is not None and self._following():
+            self._take_lock_over(found)
+
+    def _take_lock_over(self, found: Look) -> None:
+        """The writer let the directory go and the look took its lock: write from now on."""
+        assert self._dir is not None and found.space is not None
+        self._dir.lock_fd, found.lock_fd = found.lock_fd, None
+        self._temp_removed += found.temp_removed
+        self._took_over += 1
+        self._read_only = found.read_only
+        self._index.set_capacity(found.space, after_enospc=False)
+        self._space_checked = asyncio.get_running_loop().time()
+        if self._read_only is not None:
+            log.warning("disk tier: %s: took the directory over from the cache that held it, but it is read-only "
+                        "here (%s): serving its %d pages, refusing writes", self.files.layout_dir,
+                        self._read_only.value, len(self._index))
+            return
+        log.warning("disk tier: %s: the cache that held the directory let it go: this tier writes there now "
+                    "(%d pages indexed, %d temporary files removed)", self.files.layout_dir, len(self._index),
+                    found.temp_removed)
+        refused: list[PageKey] = [key for key in self._unlink_when_writable if key not in self._index]
+        self._unlink_when_writable.clear()
+        self._remove_files(refused)
+        self._remove_files(self._index.evict_to(self._index.capacity))
+        self._refill_spares()
+
+
+def _wake(wake: asyncio.Future[None]) -> None:
+    if not wake.done():
+        wake.set_result(None)
