@@ -79,7 +79,8 @@ class Sharing(enum.Enum):
 
     ALONE = "alone"
     """The directory is this process's: its tier takes the directory lock (if another cache holds
-    it, the tier serves what is there read-only)."""
+    it, the tier serves what is there read-only, follows that cache's new pages, and takes the
+    directory over once that cache lets it go: ``DiskConfig.follow_interval_s``)."""
     WRITER = "writer"
     """The one process that writes a directory other processes read: its tier waits (up to
     ``writer_wait_s``) for the lock while a reader is starting, then writes and evicts there."""

@@ -326,6 +326,35 @@ async def test_aclose_while_a_look_runs_leaves_no_thread_or_descriptor(
     assert_clean(pool)
 
 
+@pytest.mark.asyncio
+async def test_of_two_followers_one_takes_over_and_the_other_follows_it(
+        disk_dir: Path, layout: KVLayout, pool: PagePool) -> None:
+    backend = DiskBackend.URING
+    stored: Stored = {}
+    writer = DiskTier(follow_config(disk_dir, backend), layout, pool)
+    await writer.start()
+    try:
+        await _write(writer, pool, stored, 1, 0)
+        async with (started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as first,
+                    started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as second):
+            looks = {first: Looks(first), second: Looks(second)}
+            await writer.aclose()
+            await asyncio.gather(looks[first].next(), looks[second].next())  # both try the lock at once
+            winners = [tier for tier in (first, second) if tier.read_only is None]
+            assert len(winners) == 1, [t.statistics() for t in (first, second)]
+            (new_writer,) = winners
+            (other,) = [tier for tier in (first, second) if tier is not new_writer]
+            assert other.read_only is ReadOnly.LOCKED
+            await _write(new_writer, pool, stored, 2, 0, 1)
+            await looks[other].next()
+            assert other.read_only is ReadOnly.LOCKED and other.statistics().took_over == 0
+            await _served(other, pool, stored, 2, 0, 1)
+            await _served(other, pool, stored, 1, 0)
+    finally:
+        await writer.aclose()
+    assert_clean(pool)
+
+
 def test_follow_interval_is_validated(tmp_path: Path) -> None:
     for bad, error in (("2", TypeError), (True, TypeError), (None, TypeError), (-1, ValueError),
                        (float("nan"), ValueError), (float("inf"), ValueError), (86401, ValueError)):
