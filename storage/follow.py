@@ -78,8 +78,8 @@ class FollowState:
 class Look:
     """What one look found, for the loop to apply (:meth:`close` what it does not take over)."""
 
-    added: list[tuple[int, PageKey]] = field(default_factory=list)
-    """``(mtime ns, key)`` of page files new since the last look (or under a new inode)."""
+    added: list[PageKey] = field(default_factory=list)
+    """Keys of page files new since the last look (or under a new inode), oldest first."""
     removed: list[PageKey] = field(default_factory=list)
     """Keys whose files are gone."""
     opened: dict[int, int] = field(default_factory=dict)
@@ -110,13 +110,15 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path) -> Loo
     are ``fanout`` (a copy of the tier's; -1: none). Blocking: run on a thread. Faults are
     reported in :attr:`Look.faults`, never raised."""
     result = Look()
+    found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
     try:
         result.lock_fd = _try_lock(dir_fd, shown, result.faults)
         if result.lock_fd is None:
-            _follow(state, result, dir_fd, fanout, shown)
-        elif not _take_over(state, result, dir_fd, fanout, shown):
+            _follow(state, result, found, dir_fd, fanout, shown)
+        elif not _take_over(state, result, found, dir_fd, fanout, shown):
             os.close(result.lock_fd)
             result.lock_fd = None
+        result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
     except BaseException:
         result.close()
         raise
@@ -157,7 +159,8 @@ def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> in
     return fd
 
 
-def _follow(state: FollowState, result: Look, dir_fd: int, fanout: list[int], shown: Path) -> None:
+def _follow(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
+            shown: Path) -> None:
     """A look without the lock: the fan-out directories that changed, listed again."""
     layout_changed = _layout_changed(state, result, dir_fd)
     if layout_changed:
@@ -168,14 +171,15 @@ def _follow(state: FollowState, result: Look, dir_fd: int, fanout: list[int], sh
             return
         fd = fanout[index]
         if fd >= 0:
-            _relist(state, result, index, fd, shown, remove_temps=False, always=False)
+            _relist(state, result, found, index, fd, shown, remove_temps=False, always=False)
         elif (layout_changed and index not in retired) or index in state.retry:
             fd = _open_late(state, result, dir_fd, index, shown, create=False)
-            if fd >= 0 and not _relist(state, result, index, fd, shown, remove_temps=False, always=True):
+            if fd >= 0 and not _relist(state, result, found, index, fd, shown, remove_temps=False, always=True):
                 _drop_late(state, result, index)
 
 
-def _take_over(state: FollowState, result: Look, dir_fd: int, fanout: list[int], shown: Path) -> bool:
+def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
+               shown: Path) -> bool:
     """With the lock held: every fan-out directory scanned as a start under the lock does. False
     (the lock to be let go, the fault recorded) when one is not safely ours."""
     try:
@@ -195,12 +199,12 @@ def _take_over(state: FollowState, result: Look, dir_fd: int, fanout: list[int],
             return False
         fd = fanout[index]
         if fd >= 0:
-            _relist(state, result, index, fd, shown, remove_temps=writable, always=True)
+            _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True)
             continue
         fd = _open_late(state, result, dir_fd, index, shown, create=writable)
         if fd == -2:
             return False  # not safely ours: a start would refuse the directory
-        if fd >= 0 and not _relist(state, result, index, fd, shown, remove_temps=writable, always=True):
+        if fd >= 0 and not _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True):
             _drop_late(state, result, index)
     return True
 
@@ -281,8 +285,8 @@ def _drop_late(state: FollowState, result: Look, index: int) -> None:
     state.retry.add(index)
 
 
-def _relist(state: FollowState, result: Look, index: int, fd: int, shown: Path, remove_temps: bool,
-            always: bool) -> bool:
+def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: int, fd: int, shown: Path,
+            remove_temps: bool, always: bool) -> bool:
     """List fan-out directory ``index`` again if it changed (``always``: in any case) and report
     what is new and what is gone. False when the listing failed: nothing reported, the fault
     recorded, and the directory listed again next time."""
@@ -306,7 +310,7 @@ def _relist(state: FollowState, result: Look, index: int, fd: int, shown: Path, 
     if not listing.complete or not listing.examined:
         state.stamps[index] = None  # nothing from it this time: listed again at the next look
         return False
-    result.added += listing.found
+    found.update(listing.found)
     if known:
         entries = listing.entries
         result.removed += [key for key in known if key not in entries]

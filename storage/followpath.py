@@ -141,12 +141,12 @@ class FollowPath(TierBase):
                 if key in page_index:
                     page_index.remove(key)
                     self._followed_out += 1
-        added = sorted(found.added)  # oldest first: the newest ends most recently used
+        added = found.added  # oldest first: the newest ends most recently used
         for start in range(0, len(added), APPLY_PER_TURN):
             await asyncio.sleep(0)
             if not self._following():
                 return
-            for _mtime, key in added[start : start + APPLY_PER_TURN]:
+            for key in added[start : start + APPLY_PER_TURN]:
                 if key not in page_index:
                     page_index.add_found(key)
                     self._followed_in += 1
