@@ -79,6 +79,41 @@ def _gc_timed(phase, info):
 
 
 gc.callbacks.append(_gc_timed)
+
+import collections, threading
+
+samples = []  # (perf_counter, thread name, innermost frames) while a step runs: where a stall went
+sampling = threading.Event()
+
+
+def _sample():
+    names = {}
+    while True:
+        sampling.wait()
+        now = time.perf_counter()
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            if ident not in names:
+                names[ident] = next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+            parts = []
+            while frame is not None and len(parts) < 5:  # no source lines read: cheap under the GIL
+                parts.append(f"{frame.f_code.co_name}@{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}")
+                frame = frame.f_back
+            samples.append((now, names[ident], " < ".join(parts)))
+        time.sleep(0.001)
+
+
+threading.Thread(target=_sample, daemon=True, name="stall-sampler").start()
+
+
+def stall_stacks(began, ended):
+    # The most frequent stacks of each thread sampled in [began, ended): for a step that stalled.
+    by_thread = collections.defaultdict(collections.Counter)
+    for at, name, stack in samples:
+        if began <= at < ended:
+            by_thread[name][stack] += 1
+    return {name: counts.most_common(3) for name, counts in by_thread.items()}
 compiled_here = []  # variants this process compiled itself (not found in Triton's disk cache)
 triton.knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled_here.append(1)
 
@@ -142,9 +177,14 @@ async def main():
 
         async def step(name, coro):
             began, count, pauses = time.perf_counter(), compiled(), len(gc_pauses)
+            samples.clear()
+            sampling.set()
             await coro
             seconds[name] = round(time.perf_counter() - began, 4)
             stalls[name] = await probe.take()
+            sampling.clear()
+            if stalls[name] >= 10.0:  # STALL_LIMIT_MS: where the loop's thread and the others were
+                out.setdefault("stall_stacks", {})[name] = stall_stacks(began, time.perf_counter())
             compiles[name] = compiled() - count
             collected[name] = round(sum(gc_pauses[pauses:]) * 1e3, 2)
 
