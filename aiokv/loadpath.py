@@ -539,7 +539,7 @@ class LoadPath(ManagerBase):
             return True
         if self.loads_running <= 1 and not self._background:
             return await self._wait_for_room()
-        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(pool.table.wait_reclaimable())]
+        waits: list[asyncio.Future[Any]] = [pool.table.wait_reclaimable()]
         if not pool.ready:
             waits.append(asyncio.ensure_future(pool.wait_ready()))
         return await self._first_of(waits)

@@ -220,7 +220,7 @@ class ManagerBase:
         if disk is not None and disk_io:
             busy = disk.statistics()
             if busy.write_behind_queued or busy.in_flight:
-                waits.append(asyncio.ensure_future(pool.table.wait_reclaimable()))
+                waits.append(pool.table.wait_reclaimable())
         if not waits:
             return False
         return await self._first_of(waits)

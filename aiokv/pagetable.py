@@ -483,13 +483,16 @@ class PageTable:
         self._wake(page, False)
         self._wake_reclaimable()
 
-    async def wait_reclaimable(self) -> None:
-        """Wait until a page may have become free or evictable (a reference dropped, a reservation
-        aborted, a chunk became usable). Another caller may take it first: reserve again and see.
-        Cancelling the waiter never disturbs other waiters."""
+    def wait_reclaimable(self) -> asyncio.Future[None]:
+        """A future resolved once a page may have become free or evictable (a reference dropped, a
+        reservation aborted, a chunk became usable). Another caller may take it first: reserve again
+        and see. The wait is in place when this returns, not at the first await: a page given back
+        between a caller's look for room and its await still wakes it (a coroutine registered it
+        only at its task's first step, missed such a release and slept to the caller's bound).
+        Cancelling the returned future never disturbs other waiters."""
         if self._reclaimable is None or self._reclaimable.done():
             self._reclaimable = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._reclaimable)
+        return asyncio.shield(self._reclaimable)
 
     def _wake_reclaimable(self) -> None:
         waiter, self._reclaimable = self._reclaimable, None
