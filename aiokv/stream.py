@@ -48,7 +48,7 @@ import torch
 
 from aiokv.costs import LoadEstimate
 from aiokv.loadpath import LoadPath, NoPage, Promotion
-from aiokv.pagetable import PageHandle
+from aiokv.pagetable import PageHandle, PageState
 from aiokv.results import Match, Tier
 from aiokv.streamcopies import StreamCopies
 from aiokv.transfers import Copy
@@ -473,7 +473,7 @@ class LoadStream:
                 # The pool is full: give back what this stream no longer needs, or wait for its
                 # copies to end, then read the page again (a stream larger than the pool was cut
                 # short here, its copies keeping their pages until the end).
-                if await self._make_room():
+                if await self._make_room(page):
                     continue
                 manager.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
                 self._failed_at = page
@@ -509,15 +509,21 @@ class LoadStream:
             self._measured = manager.measure_pool_copies([launch.copy.future for launch in pool],
                                                          sum(len(launch.handles) for launch in pool), pool_started)
 
-    async def _make_room(self) -> bool:
-        """The next page found the pool full: give back the pages of the reads ahead (landed ones at
-        once; running ones when they land, adopted: the pages stay cached and are read again from
-        the pool if still there), then those of its copies, oldest first, waiting for each to end,
-        until the pool has room; with none left, wait for room as a load holding nothing does
+    async def _make_room(self, page: int) -> bool:
+        """The read of ``page`` found the pool full: give back the pages of the reads ahead (landed
+        ones at once; running ones when they land, adopted: the pages stay cached and are read again
+        from the pool if still there), then those of its copies, oldest first, waiting for each to
+        end, until the pool has room; with none left, wait for room as a load holding nothing does
         (bounded). True: there may be room, try again (only once room was seen, or the wait for it
         ended early: a page given back that another caller still holds frees nothing, and a retry
-        on it alone would spin)."""
+        on it alone would spin), or ``page`` is in the pool now (another caller brought it in since
+        the read, maybe one ahead, found it full: it is taken as it is, no room needed; two streams
+        of one hit cut the one behind short there, ``pool_exhausted``, the page in the pool)."""
         manager = self._manager
+        table = manager.pool.table
+        key = self._keys[page]
+        if table.state_of(key) is not PageState.FREE:
+            return True
         for task in self._promotions.values():
             if not task.done():
                 manager.adopt_promotion(task)
@@ -525,7 +531,6 @@ class LoadStream:
                 manager.release([promoted.handle])
             # else: done without a page (FULL too), nothing to give back
         self._promotions.clear()
-        table = manager.pool.table
         launches = self._copies.launches
         while not table.has_room() and self._returned < len(launches):
             launch = launches[self._returned]
@@ -534,7 +539,8 @@ class LoadStream:
                 await asyncio.wait({launch.copy.future})
             manager.release(launch.handles)  # copied: evictable now, unless another caller holds them
             self._returned += 1
-        return table.has_room() or await manager.wait_for_load_room()
+        return (table.has_room() or table.state_of(key) is not PageState.FREE
+                or await manager.wait_for_load_room())
 
     def _first_unclaimed(self) -> int:
         """The lowest page the engine has not claimed into (``_start_of(page) >= _claimed``)."""
