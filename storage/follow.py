@@ -73,6 +73,15 @@ class FollowState:
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
 
+    def forget(self, keys: set[PageKey]) -> None:
+        """Between two looks (on the loop): the next look examines ``keys``' names again, as new,
+        whatever inode it knew there (the tier found their files gone: a file made since under the
+        same inode number is another file)."""
+        for key in keys:
+            known = self.entries[key[0]]  # a key's fan-out directory is its first byte
+            if known is not None and known.pop(key, None) is not None:
+                self.stamps[key[0]] = None
+
 
 @dataclass
 class Look:

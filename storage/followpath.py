@@ -91,6 +91,8 @@ class FollowPath(TierBase):
                 return
             assert self._dir is not None
             self._follow_started += 1
+            state.forget(self._follow_forgotten)  # no look runs now: the state is the loop's
+            self._follow_forgotten.clear()
             work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir)
             job = run_in_new_thread(work, "aiokv-disk-follow", Look.close)
             try:

@@ -110,6 +110,9 @@ class TierBase:
         self._follow_started = 0  # looks started (tests wait for one started after a change)
         self._follow_wake: asyncio.Future[None] | None = None  # ends the pause before the next look
         self._follow_now = False  # the next look without a pause
+        # Keys whose file a read found gone while following: the next look examines their names
+        # again (:meth:`.follow.FollowState.forget`).
+        self._follow_forgotten: set[PageKey] = set()
         # Spare files: the stock, the batch being made, the spare each write holds until its slot.
         self._spares = SpareStock(spare_files, config.free_space_recheck_s)
         self._refill: asyncio.Future[Made] | None = None
@@ -346,7 +349,13 @@ class TierBase:
     # -- index and files ------------------------------------------------------------------------
 
     def _forget(self, key: PageKey, generation: int) -> None:
-        self._index.forget(key, generation)
+        """``key``'s file of ``generation`` was gone when read: out of the index. While following
+        another cache, the next look examines the name again whatever inode it knew there: that
+        cache may have stored the key anew under the same inode number (ext4 reuses a freed one at
+        once), which the look would take for the file it knew and never index again."""
+        if (self._index.forget(key, generation) and self._read_only is ReadOnly.LOCKED
+                and self._follow_task is not None):
+            self._follow_forgotten.add(key)
 
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         """A page file that failed verification: counted, out of the index, deleted unless the tier
