@@ -114,7 +114,8 @@ def model_facts(vllm_config: VllmConfig, cp: bool = False) -> dict[str, object]:
     quantized_kv = str(cache.cache_dtype) not in _UNQUANTIZED_KV
     skipped = list(cache.kv_cache_dtype_skip_layers) if quantized_kv else []
     if skipped:
-        facts["kv_skip_layers"] = tuple(str(s) for s in skipped)
+        # A set to vLLM (membership tests only): order and repeats of the list change no byte.
+        facts["kv_skip_layers"] = tuple(sorted({str(s) for s in skipped}))
     mamba = (str(cache.mamba_cache_dtype), str(cache.mamba_ssm_cache_dtype)) if _has_state(model) else None
     if mamba is not None and mamba != ("auto", "auto"):
         facts["mamba_dtypes"] = mamba
@@ -134,8 +135,8 @@ def model_facts(vllm_config: VllmConfig, cp: bool = False) -> dict[str, object]:
 
 def engine_config(offloading_spec: Any) -> VllmConfig | None:
     """The ``VllmConfig`` of the engine whose connector built ``offloading_spec``: the current one
-    (``set_current_vllm_config``) or one in the callers' frames (vLLM 0.33: the connector
-    scheduler's), where its engine id and model are the spec's. None when there is none (a spec
+    (``set_current_vllm_config``) or one in vLLM's frames among the callers (vLLM 0.33: the
+    connector scheduler's), where its engine id and model are the spec's. None when there is none (a spec
     built outside vLLM's connector: tests, tools, another engine's set-up)."""
     config = offloading_spec.config
 
@@ -154,10 +155,15 @@ def engine_config(offloading_spec: Any) -> VllmConfig | None:
         for _ in range(CALLER_FRAMES):
             if frame is None:
                 break
-            for value in frame.f_locals.values():
-                if ours(value):
-                    found: VllmConfig = value
-                    return found
+            # Only vLLM's own frames are read: before Python 3.13 reading ``f_locals`` leaves a
+            # snapshot on the frame that keeps every local it saw alive until the frame returns,
+            # even one its code deletes or rebinds meanwhile (a caller's model or buffers, when a
+            # tier is built outside vLLM's connector and the walk reaches the caller's frames).
+            if frame.f_globals.get("__name__", "").startswith("vllm."):
+                for value in frame.f_locals.values():
+                    if ours(value):
+                        found: VllmConfig = value
+                        return found
             frame = frame.f_back
     finally:
         del frame  # a frame kept here would keep every caller's locals alive
