@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -147,14 +148,38 @@ class LoadStream:
         # given up or finished during the close must still wait for (or order after) its copies.
         self._transfers = transfers
         self._after = after
-        self._copies = StreamCopies(self._transfers, match.pages - 1)
+        # A copy that delivered gives its pages back as it ends, not at finish(). Its future holds
+        # the stream weakly: a stream dropped with copies in flight is collected (and abandoned) now.
+        this = weakref.ref(self)
+
+        def gave_back() -> None:
+            if (stream := this()) is not None:
+                stream._gave_back()
+
+        self._copies = StreamCopies(self._transfers, match.pages - 1, manager.release, gave_back)
         self._loader = asyncio.create_task(self._run())
-        # While the loader runs, a load that finds the pool full waits for room (its pages come back).
+        # While the loader runs or the stream holds pool pages, a load that finds the pool full
+        # waits for room (its pages come back as its copies end) rather than stopping at once.
         manager.loads_running += 1
-        self._loader.add_done_callback(lambda _: self._loaded_out())
+        self._counted = True
+        self._loader.add_done_callback(self._loader_ended)
+
+    def _loader_ended(self, _: asyncio.Task[None]) -> None:
+        """Nothing more is launched: the pages never launched (the engine claimed into them) and the
+        reads ahead go back now, not at finish(); nothing will copy them."""
+        self._release_rest()
+        self._gave_back()
+
+    def _gave_back(self) -> None:
+        """Once the loader ended and every copy gave its pages back, the stream holds nothing."""
+        if self._loader.done() and not self._copies.holding:
+            self._loaded_out()
 
     def _loaded_out(self) -> None:
-        self._manager.loads_running -= 1
+        """The stream holds no pool page any more (or it ended): it no longer counts as running."""
+        if self._counted:
+            self._counted = False
+            self._manager.loads_running -= 1
 
     # -- the engine's side ----------------------------------------------------------------------
 
@@ -568,6 +593,7 @@ class LoadStream:
         manager.withdraw(withdrawn)
         if self._failed_at is not None or settled.first_error is not None:
             manager.faults.record("load_shortened", "a stream load stopped at a fault; the engine computes the rest")
+        self._loaded_out()  # every page given back (a failed copy's too)
         return StreamResult(self.tokens, self.from_token, self._claimed, loaded_from,
                             settled.pool_pages, settled.disk_pages)
 
@@ -601,6 +627,7 @@ class LoadStream:
         for launch in self._copies.launches:
             manager.release_after(launch.copy.future, launch.handles)
         self._release_rest()
+        self._loaded_out()  # what is still held goes back with background work, which loads wait for
         return during_quiesce if during_quiesce is not None else cancelled
 
 

@@ -10,6 +10,8 @@ giving up walk one entry per copy: a 64-page layer-wise load is one entry, not 6
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiokv.pagetable import PageHandle
@@ -25,7 +27,8 @@ class Launch:
     high: int
     copy: Copy
     handles: list[PageHandle]
-    """References on the copied pool pages: released once the copy is over."""
+    """References on the copied pool pages: given back as soon as the copy delivered (a failed or
+    withdrawn one's at ``finish``/``aclose``)."""
     tier: Tier
     """Where the pages were: the pool, or the disk (read into the pool first)."""
 
@@ -47,12 +50,22 @@ class Settled:
 
 
 class StreamCopies:
-    """The launches of one stream, latest (lowest pages) last; ``last_page`` is the match's."""
+    """The launches of one stream, latest (lowest pages) last; ``last_page`` is the match's.
 
-    def __init__(self, transfers: Transfers, last_page: int) -> None:
+    ``give_back`` (the manager's ``release``): a copy that delivered gives its pages back as it
+    ends, then ``gave_back`` is called (None: pages are only given back by the stream's end).
+    """
+
+    def __init__(self, transfers: Transfers, last_page: int,
+                 give_back: Callable[[Sequence[PageHandle]], None] | None = None,
+                 gave_back: Callable[[], None] | None = None) -> None:
         self._transfers = transfers
         self._last_page = last_page
         self.launches: list[Launch] = []
+        self._give_back = give_back
+        self._gave_back = gave_back
+        self.holding = 0
+        """Launches whose pages this stream still holds: copies not over yet, or that failed."""
         self._fixed: list[Copy] | None = None
         self._cuda = False
         # (engine stream, event) pairs the engine's streams were ordered after: an engine waits on
@@ -62,7 +75,27 @@ class StreamCopies:
 
     def add(self, low: int, copy: Copy, handles: list[PageHandle], tier: Tier) -> None:
         """Record a copy of pages ``[low, low + len(handles))``, launched below every earlier one."""
-        self.launches.append(Launch(low, low + len(handles) - 1, copy, handles, tier))
+        launch = Launch(low, low + len(handles) - 1, copy, handles, tier)
+        self.launches.append(launch)
+        if self._give_back is not None:
+            self.holding += 1
+            copy.future.add_done_callback(functools.partial(self._ended, launch))
+
+    def _ended(self, launch: Launch, future: asyncio.Future[None]) -> None:
+        """``launch``'s copy is over. Delivered, nothing reads its pool pages any more (CPU: the copy
+        thread is done with it; CUDA: its end event completed, seen by the bridge's waiter, a paced
+        load's feed after its ``end``; TP: every rank reported it, a CUDA rank once its event
+        completed): its pages go back now, cached and evictable, not at ``finish`` (the engine
+        prefills its tail meanwhile, and a load finding the pool full stopped). Its outcome is kept
+        in ``future`` for ``settle``. A failed or withdrawn copy keeps them until the stream's end,
+        as before (a launch fault may leave queued scatters reading them)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        assert self._give_back is not None
+        self._give_back(launch.handles)
+        self.holding -= 1
+        if self._gave_back is not None:
+            self._gave_back()
 
     def copies(self) -> list[Copy]:
         """The copies launched so far (one per launch), in launch order."""
