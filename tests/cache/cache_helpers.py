@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -103,3 +104,33 @@ async def record_loop_gaps(gaps: list[float]) -> None:
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
+
+
+def slow_host_copies(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Loads' copies on the copy thread take a short random while (0, 0.5 or 2 ms), so cancels and
+    faults land while they run (a CPU KV buffer; a GPU's copies are queued on its streams: no-op)."""
+    if DEVICE.type != "cpu":
+        return
+    from aiokv.kernels.hostcopy import HostScatter
+
+    pace = random.Random(seed)
+    real = HostScatter.load
+
+    def copy(*args: Any, **kwargs: Any) -> None:
+        time.sleep(pace.choice([0, 0.0005, 0.002]))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(HostScatter, "load", copy)
+
+
+class CopyThreadGate:
+    """Holds the cache's copy thread: the copies queued behind it wait until :meth:`open` (a test
+    must always open it)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self._event = threading.Event()
+        self.blocker = cache._bridge.run_cpu(self._event.wait)
+
+    async def open(self) -> None:
+        self._event.set()
+        await self.blocker

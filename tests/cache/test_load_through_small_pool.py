@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt, slow_host_copies
 
 from aiokv import KVCache
-from aiokv.kernels.hostcopy import HostScatter
 
 T = LAYOUT.page_tokens
 POISON = 100.0
@@ -176,21 +174,6 @@ async def test_a_pool_held_by_others_still_ends_the_load_after_a_bounded_wait(tm
         await cache.aclose()
 
 
-def _slow_copies(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """Copies on the copy thread take a short random while, so a cancel lands while they run (a CPU
-    KV buffer; a GPU's copies are queued on its streams, cancelled at the same random turns)."""
-    if DEVICE.type != "cpu":
-        return
-    pace = random.Random(seed)
-    real = HostScatter.load
-
-    def copy(*args: Any, **kwargs: Any) -> None:
-        time.sleep(pace.choice([0, 0.0005, 0.002]))
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(HostScatter, "load", copy)
-
-
 async def _turns(n: int) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -250,7 +233,7 @@ async def test_a_hit_through_a_small_pool_loads_whole_or_cancels_cleanly(
     source = make_kv(89)
     tokens = prompt(89, 8 * T)
     await _write(tmp_path, source, [tokens])
-    _slow_copies(monkeypatch, 89)
+    slow_host_copies(monkeypatch, 89)
     kv = make_kv(90)
     rng = random.Random(89)
     cache = await _small(tmp_path, kv, 3, launch_pages=1)

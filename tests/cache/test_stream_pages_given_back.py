@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
 
 from aiokv import KVCache
-from aiokv.kernels.hostcopy import HostScatter
 from aiokv.stream import LoadStream
 from aiokv.transfers import failed_copy
 
@@ -85,18 +82,6 @@ async def _second(cache: KVCache, how: str, tokens: list[int]) -> int:
 
 def _errors(cache: KVCache) -> dict[str, int]:
     return {k: v for k, v in cache.stats().errors.items() if v}
-
-
-class _Gate:
-    """Holds the copy thread: the copies queued behind it wait until :meth:`open` (always opened)."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self._event = threading.Event()
-        self.blocker = cache._bridge.run_cpu(self._event.wait)
-
-    async def open(self) -> None:
-        self._event.set()
-        await self.blocker
 
 
 async def _copies_over(stream: LoadStream) -> None:
@@ -172,7 +157,7 @@ async def test_a_load_waits_for_a_streams_copies_still_running(
         kv[:, TA] = POISON
         kv[:, TB] = POISON
         waiting = _watch_room_waits(cache)
-        gate = _Gate(cache)
+        gate = CopyThreadGate(cache)
         stream = await cache.start_load(match, TA, layered=layered)
         try:
             async with asyncio.timeout(BOUND_S):
@@ -295,18 +280,6 @@ async def test_a_failed_copy_keeps_its_pages_until_finish(tmp_path: Path, monkey
         await cache.aclose()
 
 
-def _slow_copies(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """Copies on the copy thread take a short random while, so cancels land while they run."""
-    pace = random.Random(seed)
-    real = HostScatter.load
-
-    def copy(*args: Any, **kwargs: Any) -> None:
-        time.sleep(pace.choice([0, 0.0005, 0.002]))
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(HostScatter, "load", copy)
-
-
 async def _turns(n: int) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -322,7 +295,7 @@ async def test_a_stream_and_a_load_cancelled_at_random_points(
     What was not cancelled loads whole (the stream: its unclaimed suffix), bit-exact; a cancelled
     one writes nothing after its ``CancelledError``; no reference, reservation or job is left."""
     cache, kv, source, a, b = await _setup(tmp_path, offload_wait=BOUND_S)
-    _slow_copies(monkeypatch, seed)
+    slow_host_copies(monkeypatch, seed)
     rng = random.Random(seed)
     checked = cancelled = 0
     try:

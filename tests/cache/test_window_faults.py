@@ -28,15 +28,13 @@ import asyncio
 import errno
 import os
 import random
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
 
 from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostScatter
@@ -197,18 +195,6 @@ def _copy_fault(monkeypatch: pytest.MonkeyPatch, cache: KVCache, kv: torch.Tenso
     return failed
 
 
-def _slow_copies(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """Copies take a short random while: the load waits for its window's copies when they fail."""
-    pace = random.Random(seed)
-    real = HostScatter.load
-
-    def copy(*args: Any, **kwargs: Any) -> None:
-        time.sleep(pace.choice([0, 0.0005, 0.002]))
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(HostScatter, "load", copy)
-
-
 # -- plain loads ----------------------------------------------------------------------------------
 
 
@@ -221,7 +207,7 @@ async def test_a_disk_fault_in_a_window_shortens_the_load_there(
     source = make_kv(61)
     tokens = prompt(61, PAGES * T)
     await _write(tmp_path, source, tokens)
-    _slow_copies(monkeypatch, page)
+    slow_host_copies(monkeypatch, page)
     kv = make_kv(62)
     cache = await _small(tmp_path, kv)
     try:
@@ -282,7 +268,7 @@ async def test_a_copy_fault_in_a_window_shortens_the_load_there(
     tokens = prompt(63, PAGES * T)
     await _write(tmp_path, source, tokens)
     if slow:
-        _slow_copies(monkeypatch, page)
+        slow_host_copies(monkeypatch, page)
     kv = make_kv(64)
     cache = await _small(tmp_path, kv)
     try:
@@ -344,7 +330,7 @@ async def test_a_disk_fault_in_a_streams_window_ends_its_suffix_there(
     source = make_kv(65)
     tokens = prompt(65, PAGES * T)
     await _write(tmp_path, source, tokens)
-    _slow_copies(monkeypatch, page)
+    slow_host_copies(monkeypatch, page)
     kv = make_kv(66)
     cache = await _small(tmp_path, kv)
     try:
@@ -387,7 +373,7 @@ async def test_a_copy_fault_in_a_streams_window_ends_its_suffix_there(
     source = make_kv(67)
     tokens = prompt(67, PAGES * T)
     await _write(tmp_path, source, tokens)
-    _slow_copies(monkeypatch, page)
+    slow_host_copies(monkeypatch, page)
     kv = make_kv(68)
     cache = await _small(tmp_path, kv)
     try:
@@ -463,18 +449,6 @@ async def test_a_disk_fault_in_a_prefetch_ends_its_count_there(
 
 
 # -- cancellation and the cache's close between windows -------------------------------------------
-
-
-class _Gate:
-    """Holds the copy thread: the copies queued behind it wait until :meth:`open` (always opened)."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self._event = threading.Event()
-        self.blocker = cache._bridge.run_cpu(self._event.wait)
-
-    async def open(self) -> None:
-        self._event.set()
-        await self.blocker
 
 
 def _watch_full(cache: KVCache) -> asyncio.Event:
@@ -556,7 +530,7 @@ async def test_a_load_stopped_while_it_waits_for_its_windows_copies(
         match = await cache.match(tokens)
         target = _target()
         kv[:, target] = POISON
-        gate = _Gate(cache)
+        gate = CopyThreadGate(cache)
         try:
             task = asyncio.ensure_future(_run(cache, how, match, target))
             async with asyncio.timeout(BOUND_S):
@@ -647,7 +621,7 @@ async def test_a_load_stopped_or_faulted_while_it_waits_for_room(
         ta, tb = _target()[: 6 * T], torch.arange(150, 150 + 6 * T)
         kv[:, ta] = POISON
         kv[:, tb] = POISON
-        gate = _Gate(cache)
+        gate = CopyThreadGate(cache)
         try:
             first = asyncio.ensure_future(_run(cache, holder, ma, ta))
             async with asyncio.timeout(BOUND_S):
@@ -738,7 +712,7 @@ async def test_two_callers_over_one_hit_with_faults_and_cancels(
         for tokens in hits:
             await writer.offload(tokens, torch.arange(PAGES * T))
         await writer.flush()
-    _slow_copies(monkeypatch, seed)
+    slow_host_copies(monkeypatch, seed)
     kv = make_kv(76)
     cache = await _small(tmp_path, kv, offload_wait=BOUND_S)
     targets = [torch.arange(BASE + i * PAGES * T, BASE + (i + 1) * PAGES * T) for i in range(2)]
@@ -878,7 +852,7 @@ async def test_a_page_given_back_as_a_load_begins_to_wait_for_room_wakes_it(
         ta, tb = torch.arange(BASE, BASE + 6 * T), torch.arange(150, 150 + 6 * T)
         kv[:, ta] = POISON
         kv[:, tb] = POISON
-        gate = _Gate(cache)
+        gate = CopyThreadGate(cache)
         try:
             first = asyncio.ensure_future(cache.load(ma, ta))
             async with asyncio.timeout(BOUND_S):
