@@ -112,7 +112,8 @@ class LoadStream:
         self.from_token = from_token
         self._first = first
         self._keys = keys
-        manager.release(handles[:first])
+        if first:
+            manager.release(handles[:first])
         self._pool = {page: handles[page] for page in range(first, match.pool_pages)}
         self._disk_pages = disk_pages
         split = self.estimate.split_token
@@ -583,7 +584,8 @@ class LoadStream:
             manager.faults.record("copy_failed", f"stream load copy failed: {settled.first_error!r}")
         # The loaded suffix must be contiguous up to match.tokens.
         loaded_from = self.tokens if settled.loaded_from is None else self._start_of(settled.loaded_from)
-        manager.release(self._copies.handles())  # one call: 64 pages, not 64 calls
+        if held := self._copies.handles():  # one call: 64 pages, not 64 calls
+            manager.release(held)
         self._release_rest()
         manager.count_loaded(settled.pool_pages, settled.disk_pages)
         withdrawn = settled.withdrawn_pages
@@ -599,8 +601,9 @@ class LoadStream:
 
     def _release_rest(self) -> None:
         """Pages never launched go back; promotions still running are adopted (released when done)."""
-        self._manager.release(list(self._pool.values()))
-        self._pool.clear()
+        if self._pool:
+            self._manager.release(list(self._pool.values()))
+            self._pool.clear()
         for task in self._promotions.values():
             self._manager.adopt_promotion(task)
         self._promotions.clear()

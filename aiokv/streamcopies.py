@@ -66,6 +66,7 @@ class StreamCopies:
         self._gave_back = gave_back
         self.holding = 0
         """Launches whose pages this stream still holds: copies not over yet, or that failed."""
+        self._given_back: set[int] = set()  # ids of the launches whose pages went back as they ended
         self._fixed: list[Copy] | None = None
         self._cuda = False
         # (engine stream, event) pairs the engine's streams were ordered after: an engine waits on
@@ -93,6 +94,7 @@ class StreamCopies:
             return
         assert self._give_back is not None
         self._give_back(launch.handles)
+        self._given_back.add(id(launch))
         self.holding -= 1
         if self._gave_back is not None:
             self._gave_back()
@@ -190,8 +192,9 @@ class StreamCopies:
         return Settled(loaded_from, counted[Tier.POOL], counted[Tier.DISK], withdrawn, first_error)
 
     def handles(self) -> list[PageHandle]:
-        """References held by the launched copies."""
-        return [handle for launch in self.launches for handle in launch.handles]
+        """References the launched copies still hold (not those given back as their copy ended)."""
+        given = self._given_back
+        return [handle for launch in self.launches if id(launch) not in given for handle in launch.handles]
 
     async def quiesce(self) -> asyncio.CancelledError | None:
         """Return only when no copy still touches the engine's slots, also when cancelled meanwhile.
