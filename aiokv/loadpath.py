@@ -413,8 +413,11 @@ class LoadPath(ManagerBase):
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
         read in one ``DiskTier.read_many`` batch, a page in the pool is held at once, one another
         call brings in as soon as it lands; one that found no room then goes :meth:`_promote`'s
-        way (``windowed``: as :meth:`_promote`). If cancelled, the batch's pages are settled when
-        its read ends (:meth:`_read_batch`) and the references taken (or still to come) are dropped."""
+        way (``windowed``: as :meth:`_promote`). Past a page whose read failed nothing more is read
+        or waited for (those pages are :attr:`NoPage.MISS`, not counted again), for a load
+        (``windowed``) always, for a prefetch once the tier dropped that page. If cancelled, the
+        batch's pages are settled when its read ends (:meth:`_read_batch`) and the references
+        taken (or still to come) are dropped."""
         pool, disk = self.pool, self._disk
         outcomes = pool.reserve(keys)
         batch = [(i, r.handle) for i, r in enumerate(outcomes)
@@ -437,14 +440,28 @@ class LoadPath(ManagerBase):
             elif r.outcome is ReserveOutcome.PENDING:
                 landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, expired))
         try:
+            failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
                 handles = [handle for _, handle in batch]
                 oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
                 for (i, handle), ok in zip(batch, oks, strict=True):
                     got[i] = self._read_into_pool(handle, ok)
+                    if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
+                        failed = i
             missed: NoPage | None = None
             for i, key in enumerate(keys):
-                if i in landing:
+                if i > failed:
+                    # Past a failed read (the batch's other pages were read beside it): a load's
+                    # prefix ends there, so its later pages are neither read (one that found no
+                    # room when the failed page's abort freed one was) nor waited for. A prefetch
+                    # goes on while the failed page stays on disk (an EIO): a load reads it again
+                    # and finds the rest in the pool; past a page the tier dropped, no match
+                    # reaches them. Not counted: the failed page was.
+                    if i in landing:
+                        self._adopt(landing.pop(i))
+                    if got[i] is None:
+                        got[i] = NoPage.MISS
+                elif i in landing:
                     got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
                     del landing[i]
                 elif got[i] is None:

@@ -37,6 +37,7 @@ live in :mod:`aiokv.streamcopies`; this module holds the engine's side and the l
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import warnings
 import weakref
@@ -135,6 +136,12 @@ class LoadStream:
         self._returned = 0  # launches whose pages were given back early (_make_room), in launch order
         self._wake: asyncio.Future[None] | None = None  # the loader waits on a read; a claim wakes it
         self._stopping = False
+        # A launched copy failed: the loaded suffix ends above it, and every later launch (a lower
+        # page) would be copied, and read from disk, for nothing.
+        self._copy_failed = False
+        # The highest page whose read failed (a miss, counted), a read ahead included: the suffix
+        # ends above it, so neither it (counted again) nor a page below it is read.
+        self._read_failed: int | None = None
         self._failed_at: int | None = None  # a disk page that could not be promoted
         self._cut_at: int | None = None  # the highest page not launched because the cache's close began
         self._last_claim = time.perf_counter()
@@ -157,7 +164,12 @@ class LoadStream:
             if (stream := this()) is not None:
                 stream._gave_back()
 
-        self._copies = StreamCopies(self._transfers, match.pages - 1, manager.release, gave_back)
+        def failed() -> None:
+            if (stream := this()) is not None:
+                stream._copy_ended_badly()
+
+        self._this = this
+        self._copies = StreamCopies(self._transfers, match.pages - 1, manager.release, gave_back, failed)
         self._loader = asyncio.create_task(self._run())
         # While the loader runs or the stream holds pool pages, a load that finds the pool full
         # waits for room (its pages come back as its copies end) rather than stopping at once.
@@ -175,6 +187,20 @@ class LoadStream:
         """Once the loader ended and every copy gave its pages back, the stream holds nothing."""
         if self._loader.done() and not self._copies.holding:
             self._loaded_out()
+
+    def _copy_ended_badly(self) -> None:
+        """A launched copy failed: the loader launches nothing more (nor waits on a read); the
+        pages it would have launched and its reads ahead go back as it ends."""
+        self._copy_failed = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _read_ended(self, page: int, read: asyncio.Future[Promotion | NoPage]) -> None:
+        """A read of ``page`` ended (also one given up by :meth:`_make_room`): a miss ends the
+        suffix above ``page``."""
+        if (not read.cancelled() and read.exception() is None and read.result() is NoPage.MISS
+                and (self._read_failed is None or page > self._read_failed)):
+            self._read_failed = page
 
     def _loaded_out(self) -> None:
         """The stream holds no pool page any more (or it ended): it no longer counts as running."""
@@ -401,15 +427,20 @@ class LoadStream:
 
     def _promote_ahead(self, page: int) -> None:
         """Start disk reads for ``page`` and the pages below it, back to front, while fewer than the
-        read-ahead are in flight; none for a page claimed, or one the engine will claim first."""
+        read-ahead are in flight; none for a page claimed, or one the engine will claim first, nor
+        at or below a page whose read failed (the suffix ends above it)."""
         for lower in range(page, self._disk_pages.start - 1, -1):
             if len(self._promotions) >= self._ahead:
+                return
+            if self._read_failed is not None and lower <= self._read_failed:
                 return
             if lower in self._promotions:
                 continue
             if self._start_of(lower) < self._claimed or not self._lands_in_time(lower):
                 return
-            self._promotions[lower] = asyncio.ensure_future(self._manager.promote(self._keys[lower], windowed=True))
+            read = asyncio.ensure_future(self._manager.promote(self._keys[lower], windowed=True))
+            read.add_done_callback(functools.partial(_read_ended, self._this, lower))
+            self._promotions[lower] = read
 
     def _lands_in_time(self, page: int) -> bool:
         """Whether a read of ``page`` started now should land before the engine claims into the page
@@ -441,7 +472,7 @@ class LoadStream:
         stops): the read is then not waited for; ``_release_rest`` adopts it."""
         task = self._promotions[page]
         while not task.done():
-            if self._stopping or self._start_of(page) < self._claimed:
+            if self._stopping or self._copy_failed or self._start_of(page) < self._claimed:
                 return None
             wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._wake = wake
@@ -465,7 +496,12 @@ class LoadStream:
         pool_started: float | None = None
         while page >= self._first and not self._stopping and self._start_of(page) >= self._claimed:
             await asyncio.sleep(0)  # bounded host work per loop turn; the engine claims meanwhile
-            if self._stopping or self._start_of(page) < self._claimed:
+            if self._stopping or self._copy_failed or self._start_of(page) < self._claimed:
+                break
+            if self._read_failed is not None and page <= self._read_failed:
+                # Its read failed (counted) while read ahead, maybe given up since by _make_room:
+                # the suffix ends above it; it is not read again (nor counted again).
+                self._failed_at = page
                 break
             if manager.closing:
                 self._cut_at = page  # the close began: nothing more is launched (withdrawn, not a fault)
@@ -518,8 +554,8 @@ class LoadStream:
             # Only a page this stream read counts for the disk's pace: one already in the pool (or
             # read by another call) landed at once, and would inflate the rate saved across restarts.
             self._disk_landed += promotion.read
-            if self._stopping or self._start_of(page) < self._claimed:
-                manager.release([promoted])  # the engine got here first: the page stays cached
+            if self._stopping or self._copy_failed or self._start_of(page) < self._claimed:
+                manager.release([promoted])  # the engine got here first (or a copy failed): it stays cached
                 break
             slots, skip = self._slots_of(page, page)
             launch = transfers.load_layers if self._layered else transfers.load
@@ -550,10 +586,12 @@ class LoadStream:
         key = self._keys[page]
         if table.state_of(key) is not PageState.FREE:
             return True
-        for task in self._promotions.values():
+        for lower, task in self._promotions.items():
             if not task.done():
-                manager.adopt_promotion(task)
-            elif not task.cancelled() and task.exception() is None and isinstance(promoted := task.result(), Promotion):
+                manager.adopt_promotion(task)  # should it fail, its callback still ends the suffix
+                continue
+            self._read_ended(lower, task)  # a miss ends the suffix (its callback may not have run yet)
+            if not task.cancelled() and task.exception() is None and isinstance(promoted := task.result(), Promotion):
                 manager.release([promoted.handle])
             # else: done without a page (FULL too), nothing to give back
         self._promotions.clear()
@@ -632,6 +670,12 @@ class LoadStream:
         self._release_rest()
         self._loaded_out()  # what is still held goes back with background work, which loads wait for
         return during_quiesce if during_quiesce is not None else cancelled
+
+
+def _read_ended(stream: weakref.ref[LoadStream], page: int, read: asyncio.Future[Promotion | NoPage]) -> None:
+    """A read ahead ended; held weakly: a dropped stream's adopted reads do not keep it."""
+    if (alive := stream()) is not None:
+        alive._read_ended(page, read)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -54,16 +54,20 @@ class StreamCopies:
 
     ``give_back`` (the manager's ``release``): a copy that delivered gives its pages back as it
     ends, then ``gave_back`` is called (None: pages are only given back by the stream's end).
+    ``failed`` is called when a copy fails (not one the close withdrew): the loaded suffix ends
+    above it, so the stream launches nothing more.
     """
 
     def __init__(self, transfers: Transfers, last_page: int,
                  give_back: Callable[[Sequence[PageHandle]], None] | None = None,
-                 gave_back: Callable[[], None] | None = None) -> None:
+                 gave_back: Callable[[], None] | None = None,
+                 failed: Callable[[], None] | None = None) -> None:
         self._transfers = transfers
         self._last_page = last_page
         self.launches: list[Launch] = []
         self._give_back = give_back
         self._gave_back = gave_back
+        self._failed = failed
         self.holding = 0
         """Launches whose pages this stream still holds: copies not over yet, or that failed."""
         self._given_back: set[int] = set()  # ids of the launches whose pages went back as they ended
@@ -80,6 +84,7 @@ class StreamCopies:
         self.launches.append(launch)
         if self._give_back is not None:
             self.holding += 1
+        if self._give_back is not None or self._failed is not None:
             copy.future.add_done_callback(functools.partial(self._ended, launch))
 
     def _ended(self, launch: Launch, future: asyncio.Future[None]) -> None:
@@ -89,10 +94,15 @@ class StreamCopies:
         completed): its pages go back now, cached and evictable, not at ``finish`` (the engine
         prefills its tail meanwhile, and a load finding the pool full stopped). Its outcome is kept
         in ``future`` for ``settle``. A failed or withdrawn copy keeps them until the stream's end,
-        as before (a launch fault may leave queued scatters reading them)."""
-        if future.cancelled() or future.exception() is not None:
+        as before (a launch fault may leave queued scatters reading them); a failure (not a
+        withdrawal: the close stops the loader itself) is reported to ``failed``."""
+        if future.cancelled() or (error := future.exception()) is not None:
+            if (self._failed is not None and not future.cancelled()
+                    and not isinstance(error, CopyWithdrawn)):
+                self._failed()
             return
-        assert self._give_back is not None
+        if self._give_back is None:
+            return
         self._give_back(launch.handles)
         self._given_back.add(id(launch))
         self.holding -= 1
