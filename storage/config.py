@@ -236,7 +236,9 @@ class DiskStatistics:
     misses: int
     """Reads that returned False: absent, corrupt or failed."""
     corrupt: int
-    """Files refused by header or checksum checks (each deleted)."""
+    """Files refused by header or checksum checks (each deleted; kept by a read-only tier). While
+    following another cache, only files that did not change since they were indexed (the next
+    look tells: ``follow_raced`` counts the others)."""
     dropped: int
     """Writes dropped for capacity, a full write-behind queue at close, or a closed tier."""
     errors: dict[ErrorKind, int] = field(default_factory=dict)
@@ -275,3 +277,6 @@ class DiskStatistics:
     """Indexed page files those looks found gone (evicted or recycled by the other cache)."""
     took_over: int = 0
     """Times this tier took the directory's lock from a cache that let it go and began writing."""
+    follow_raced: int = 0
+    """Reads refused while following whose file had changed since it was indexed (the other cache
+    recycled, replaced or removed it under the read): misses, not corruption."""

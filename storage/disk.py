@@ -566,6 +566,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             followed_in=self._followed_in,
             followed_out=self._followed_out,
             took_over=self._took_over,
+            follow_raced=self._follow_raced,
         )
 
     def spare_statistics(self) -> SpareStatistics:

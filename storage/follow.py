@@ -16,6 +16,14 @@ replaced: another inode under the name) are added, files gone are dropped. A dir
 listing failed (EIO, EACCES...) reports nothing this time, is recorded, and is listed again at the
 next look (an entry that could not be examined fails its directory's listing the same way).
 
+A read refused by header or checksum while following is told apart by the next look: the
+file's identity as listed (inode number and change time, :func:`~.layoutdir.file_identity`) against
+the file under the name now. Changed (the writer recycled, replaced or removed it under the read):
+no corruption, and a page file there now is indexed again. Unchanged (for
+:data:`~.layoutdir.SETTLE_NS`): corrupt, and examined again only when its directory is listed
+again, indexed again once its identity changed (the writer stored the key anew, under the same
+inode number too).
+
 Each look first tries the directory's lock (non-blocking ``flock`` on ``.lock``, opened without
 following a link and checked as a page file is). Once the writer let it go (its ``aclose``, or its
 death: the kernel drops the lock with the process), the look holds it and scans every fan-out
@@ -38,7 +46,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,10 +58,12 @@ from .config import ReadOnly
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
+    SETTLE_NS,
     DirStamp,
     FollowSeed,
     FreeSpace,
     dir_stamp,
+    file_identity,
     free_space,
     list_fanout,
     open_private_subdir,
@@ -70,6 +82,15 @@ class FollowState:
         self.retry: set[int] = {index for index, known in enumerate(seed.entries) if known is None}
         """Fan-out directories without a descriptor whose last open or listing failed (at first:
         every one the start could not list): tried again at every look (until found absent)."""
+        self.refused: dict[PageKey, int] = {}
+        """Keys whose file a read refused (header, checksum, size) since the looks last told why,
+        with how many reads: the next look tells a file that changed under the reads (the writer
+        recycled, replaced or removed it) from one that is corrupt (:func:`_tell_refused`)."""
+        self.corrupt: dict[int, set[PageKey]] = {}
+        """Per fan-out directory, keys whose refused file had not changed since it was indexed:
+        examined again (one ``stat`` each) only when a look lists their directory again, and
+        indexed again once their file's identity changed (the writer stored the key anew, maybe
+        under the same inode number)."""
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
 
@@ -81,6 +102,17 @@ class FollowState:
             known = self.entries[key[0]]  # a key's fan-out directory is its first byte
             if known is not None and known.pop(key, None) is not None:
                 self.stamps[key[0]] = None
+
+    def refuse(self, refused: dict[PageKey, int]) -> None:
+        """Between two looks (on the loop): reads refused ``refused``'s files (key -> reads); the
+        next look tells why (:attr:`refused`)."""
+        mine = self.refused
+        for key, reads in refused.items():
+            mine[key] = mine.get(key, 0) + reads
+
+    def undecided(self) -> int:
+        """Refused reads no look could tell about yet (their directory could not be listed)."""
+        return sum(self.refused.values())
 
 
 @dataclass
@@ -103,6 +135,14 @@ class Look:
     read_only: ReadOnly | None = None
     """With the lock: why the tier still may not write (a read-only file system...), or None."""
     temp_removed: int = 0
+    raced: int = 0
+    """Refused reads of files that changed since they were indexed (recycled, replaced, removed
+    under the read): no corruption; a file now under the name is in :attr:`added`."""
+    corrupt: dict[PageKey, int] = field(default_factory=dict)
+    """Refused reads (per key) of files unchanged since they were indexed: corrupt."""
+    writable: bool = False
+    """A look of a tier holding the lock on a directory it could not write (``held``): it may
+    now, and the look scanned it as a take-over does (the tier writes from now on)."""
 
     def close(self) -> None:
         """Close the descriptors the tier did not take (all of them for a look nobody applies)."""
@@ -114,19 +154,28 @@ class Look:
             self.lock_fd = None
 
 
-def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path) -> Look:
+def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: bool = False) -> Look:
     """One look at the layout directory ``dir_fd`` (shown as ``shown``) whose fan-out descriptors
-    are ``fanout`` (a copy of the tier's; -1: none). Blocking: run on a thread. Faults are
-    reported in :attr:`Look.faults`, never raised."""
+    are ``fanout`` (a copy of the tier's; -1: none). ``held``: the tier holds the lock already (it
+    took the directory over where it may not write: a read-only file system...): the look only
+    asks whether it may write now, and then scans as a take-over does. Blocking: run on a thread.
+    Faults are reported in :attr:`Look.faults`, never raised."""
     result = Look()
     found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
+    indexed = _indexed(state)
     try:
-        result.lock_fd = _try_lock(dir_fd, shown, result.faults)
-        if result.lock_fd is None:
-            _follow(state, result, found, dir_fd, fanout, shown)
-        elif not _take_over(state, result, found, dir_fd, fanout, shown):
-            os.close(result.lock_fd)
-            result.lock_fd = None
+        if held:
+            if _may_write(result, dir_fd) and result.read_only is None:
+                result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
+        else:
+            result.lock_fd = _try_lock(dir_fd, shown, result.faults)
+            if result.lock_fd is None:
+                _follow(state, result, found, dir_fd, fanout, shown)
+            elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):
+                os.close(result.lock_fd)
+                result.lock_fd = None
+        if not state.stop.is_set():
+            _tell_refused(state, result, found, indexed, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
     except BaseException:
         result.close()
@@ -187,10 +236,9 @@ def _follow(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd:
                 _drop_late(state, result, index)
 
 
-def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
-               shown: Path) -> bool:
-    """With the lock held: every fan-out directory scanned as a start under the lock does. False
-    (the lock to be let go, the fault recorded) when one is not safely ours."""
+def _may_write(result: Look, dir_fd: int) -> bool:
+    """With the lock held: the file system's room and why the tier may not write there
+    (:attr:`Look.read_only`, as a start decides it). False (recorded) when statvfs failed."""
     try:
         result.space = space = free_space(dir_fd)
     except OSError as exc:
@@ -200,6 +248,14 @@ def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_
         result.read_only = ReadOnly.FILE_SYSTEM
     elif not os.access(".", os.W_OK | os.X_OK, dir_fd=dir_fd, effective_ids=True):
         result.read_only = ReadOnly.NOT_WRITABLE
+    return True
+
+
+def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
+               shown: Path) -> bool:
+    """With the lock held (:func:`_may_write` asked): every fan-out directory scanned as a start
+    under the lock does. False (the lock to be let go, the fault recorded) when one is not safely
+    ours."""
     _layout_changed(state, result, dir_fd)
     _check_names(state, result, dir_fd, fanout, shown)
     writable = result.read_only is None
@@ -320,9 +376,102 @@ def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: 
         state.stamps[index] = None  # nothing from it this time: listed again at the next look
         return False
     found.update(listing.found)
+    entries = listing.entries
     if known:
-        entries = listing.entries
         result.removed += [key for key in known if key not in entries]
-    state.entries[index] = listing.entries
+    state.entries[index] = entries
     state.stamps[index] = dir_stamp(st)
+    if index in state.corrupt:
+        _recheck_corrupt(state, result, found, index, fd, name)
+    return True
+
+
+def _recheck_corrupt(state: FollowState, result: Look, found: dict[PageKey, int], index: int, fd: int,
+                     shown: Path) -> None:
+    """After a listing of fan-out directory ``index``: a corrupt file's key is indexed again once
+    the file under its name is another (the writer stored the key anew: under the same inode
+    number too, as ext4 hands a freed one to the next file made), and forgotten once its name is
+    gone."""
+    corrupt = state.corrupt[index]
+    entries = state.entries[index]
+    assert entries is not None
+    for key in list(corrupt):
+        before = entries.get(key)
+        if before is None or key in found:  # gone, or another inode: the listing reported it
+            corrupt.discard(key)
+        elif _examine(state, result, found, index, key, before, fd, shown) is not False:
+            corrupt.discard(key)  # another file now (or none), or not examined: as a new one
+    if not corrupt:
+        del state.corrupt[index]
+
+
+def _indexed(state: FollowState) -> dict[PageKey, int | None]:
+    """Before a look's listings: the identity each refused key's file had when it was indexed (None:
+    not known, the read found its file gone meanwhile, or its directory was never listed whole)."""
+    indexed: dict[PageKey, int | None] = {}
+    for key in state.refused:
+        entries = state.entries[key[0]]
+        indexed[key] = entries.get(key) if entries is not None else None
+    return indexed
+
+
+def _tell_refused(state: FollowState, result: Look, found: dict[PageKey, int], indexed: dict[PageKey, int | None],
+                  fanout: list[int], shown: Path) -> None:
+    """For each key a read refused since the last look (after the listings; ``indexed``: its
+    file's identity before them): its file changed since it was indexed — recycled, replaced or
+    removed under the read: counted :attr:`Look.raced`, and the file under its name now (if
+    any) indexed again — or it did not, and has not for :data:`~.layoutdir.SETTLE_NS`: corrupt
+    (:attr:`Look.corrupt`, kept in :attr:`FollowState.corrupt`). A key whose directory could not
+    be listed, or whose file changed less than that before, waits for a later look."""
+    for key, reads in list(state.refused.items()):
+        index = key[0]
+        entries, fd = state.entries[index], fanout[index]
+        if fd >= 0 and entries is None:
+            continue  # its directory could not be listed: at a later look
+        del state.refused[key]
+        before = indexed.get(key)
+        if fd < 0 or entries is None or before is None or entries.get(key) != before:
+            # Its directory is gone, or its file was not the one indexed (or this look's listing
+            # found another there, or none, and reported it).
+            result.raced += reads
+            continue
+        changed = _examine(state, result, found, index, key, before, fd, shown / f"{index:02x}")
+        if changed is None or (not changed and time.time_ns() - (before >> 64) < SETTLE_NS):
+            # Not examined (recorded), or changed too lately to tell: a write within one tick of a
+            # coarse clock leaves the change time as it was, and the writer renames a recycled file
+            # away at once. At a later look.
+            state.refused[key] = reads
+        elif changed:
+            result.raced += reads
+        else:
+            result.corrupt[key] = reads
+            state.corrupt.setdefault(index, set()).add(key)
+
+
+def _examine(state: FollowState, result: Look, found: dict[PageKey, int], index: int, key: PageKey, before: int,
+             fd: int, shown: Path) -> bool | None:
+    """Whether the file under ``key``'s name in fan-out directory ``index`` (descriptor ``fd``) is
+    another than the one of identity ``before``: True (what the looks know updated: a page file of
+    ours is put in ``found``, to be indexed again; anything else, and a file made there later, is
+    examined by the next listing as new), False, or None when it cannot be examined (recorded)."""
+    name = bytes.hex(key)
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        result.faults.append((exc, f"examining {shown / name}"))
+        return None
+    entries = state.entries[index]
+    assert entries is not None
+    if st is not None:
+        now = file_identity(st.st_ino, st)
+        if now == before:
+            return False
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            entries[key] = now
+            found[key] = st.st_mtime_ns
+            return True
+    entries.pop(key, None)
+    state.stamps[index] = None  # listed again at the next look, whatever its times
     return True

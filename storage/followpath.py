@@ -8,7 +8,13 @@ loop turn. Once a look took the lock, the tier switches to writing: the lock is 
 leftover temporary files are gone (the look removed them), the budget is taken from the file
 system, files refused while read-only are unlinked and the index is trimmed to the budget;
 ``read_only`` becomes None and ``took_over`` counts it. Writes refused before stay refused: nothing
-was queued for later.
+was queued for later. Where the file system is read-only (or the directory not writable for us),
+the tier keeps the lock and serves, and the looks go on, each asking whether it may write now; once
+it may, the look scans as a take-over does and the tier switches then.
+
+While following, a read refused by header or checksum is not counted at once: the writer may have
+recycled the file under it. The next look tells (:func:`.follow.look`): ``follow_raced`` for a file
+that changed since it was indexed, ``corrupt`` for one that did not.
 
 The close sets the look's stop flag and cancels the task, which waits for the look's thread (it
 ends after the fan-out directory it is at) and closes what it opened, the lock included, before the
@@ -41,10 +47,23 @@ most this much between two turns)."""
 class FollowPath(TierBase):
     """Following a locked directory (see the module docstring); :class:`~.disk.DiskTier` starts it."""
 
+    # The following's own state beside :class:`TierBase`'s: defaults until a start follows.
+    _follow_raced = 0
+    """Refused reads of files that changed under them while following (``DiskStatistics.follow_raced``)."""
+    _follow_held = False
+    """This tier took the directory over where it may not write (a read-only file system...): it
+    holds the lock and looks every ``follow_interval_s`` whether it may write now."""
+    _follow_corrupt_logged = False
+    """Whether the first file the looks found corrupt was logged."""
+    _follow_refused: dict[PageKey, int]
+    """Keys whose file a read refused while following (-> reads), for the next look to tell why
+    (:meth:`.follow.FollowState.refuse`); made by :meth:`_start_following`."""
+
     def _start_following(self, seed: FollowSeed | None) -> None:
         """Follow the directory when the start found it locked and following is on."""
         if seed is None or self._read_only is not ReadOnly.LOCKED or not self.config.follow_interval_s:
             return
+        self._follow_refused = {}
         self._follow_state = FollowState(seed)
         self._follow_task = asyncio.get_running_loop().create_task(self._follow(self._follow_state))
 
@@ -82,6 +101,54 @@ class FollowPath(TierBase):
         await asyncio.wait({task})
         if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
             log.error("disk tier: following %s ended with %r", self.files.layout_dir, task.exception())
+        self._count_undecided()
+
+    def _count_undecided(self) -> None:
+        """Refused reads no look told about (the following ends: at the close, or the tier writes
+        now and no writer may change its files): counted ``corrupt``, as a tier that does not
+        follow counts them."""
+        self._corrupt += self._follow_state.undecided() if self._follow_state is not None else 0
+        self._corrupt += sum(self._follow_refused.values())
+        self._follow_refused.clear()
+        if self._follow_state is not None:
+            self._follow_state.refused.clear()
+
+    # -- reads refused while following ----------------------------------------------------------
+
+    def _telling_refusals(self) -> bool:
+        """Whether a refused read is for a look to tell about: while following a writer that may
+        recycle or replace a file under the read."""
+        return self._accepting and self._read_only is ReadOnly.LOCKED and self._follow_task is not None
+
+    def _reject(self, key: PageKey, generation: int, why: str) -> None:
+        """:meth:`TierBase._reject`, except while following: the writer may have recycled the file
+        under the read (its overwrite under the old name, before the rename) or replaced it, which
+        is no corruption. The file is out of the index and kept (not served) as there; whether it
+        is counted ``corrupt`` (unchanged since it was indexed) or ``follow_raced`` (changed) the
+        next look tells (:func:`.follow.look`), and indexes again what is under the name now."""
+        if not self._telling_refusals():
+            super()._reject(key, generation, why)
+            return
+        refused = self._follow_refused
+        refused[key] = refused.get(key, 0) + 1
+        now = self._index.generation(key)
+        if now == generation:
+            self._drop(key)
+        if not self._corrupt_logged:  # the first refusal, as TierBase logs it
+            self._corrupt_logged = True
+            fate = ("a newer file of the key replaced it meanwhile" if now is not None and now != generation else
+                    f"kept, as the tier is read-only ({ReadOnly.LOCKED.value}), but no longer served; the next look "
+                    "tells a file the other cache recycled under the read from a corrupt one")
+            log.warning("disk tier: refusing page file %s: %s (%s; further ones counted only)", self.files.path(key),
+                        why, fate)
+
+    def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+        """:meth:`TierBase._unlink_later`; while this tier holds the directory but may not write
+        there (``_follow_held``), the file is unlinked once it may."""
+        if self._follow_held and self._read_only is not None:
+            self._unlink_when_writable.add(key)
+            return None
+        return super()._unlink_later(key)
 
     async def _follow(self, state: FollowState) -> None:
         interval = self.config.follow_interval_s
@@ -93,7 +160,10 @@ class FollowPath(TierBase):
             self._follow_started += 1
             state.forget(self._follow_forgotten)  # no look runs now: the state is the loop's
             self._follow_forgotten.clear()
-            work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir)
+            state.refuse(self._follow_refused)
+            self._follow_refused.clear()
+            work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir,
+                                     self._follow_held)
             job = run_in_new_thread(work, "aiokv-disk-follow", Look.close)
             try:
                 found = await asyncio.shield(job)
@@ -115,7 +185,10 @@ class FollowPath(TierBase):
                 found.close()  # what the tier did not take (all of it when cancelled: the lock too)
 
     def _following(self) -> bool:
-        return self._accepting and self._read_only is ReadOnly.LOCKED
+        """Whether the looks go on: another cache holds the directory, or this one took it over
+        where it may not write yet."""
+        return self._accepting and (self._read_only is ReadOnly.LOCKED or
+                                    (self._follow_held and self._read_only is not None))
 
     async def _apply_look(self, found: Look) -> None:
         """Apply a look's result: faults counted, descriptors taken, the index changed in bounded
@@ -124,6 +197,7 @@ class FollowPath(TierBase):
         assert prepared is not None
         for fault, what in found.faults:
             self._faults.count(fault, what)
+        self._count_told(found)
         fanout = prepared.fanout
         for index, fd in found.retired:
             if fanout[index] == fd:
@@ -152,26 +226,49 @@ class FollowPath(TierBase):
                 if key not in page_index:
                     page_index.add_found(key)
                     self._followed_in += 1
-        if found.lock_fd is not None and self._following():
+        if (found.lock_fd is not None or found.writable) and self._following():
             self._take_lock_over(found)
 
+    def _count_told(self, found: Look) -> None:
+        """Count what a look told of the refused reads (``corrupt`` or ``follow_raced``)."""
+        self._follow_raced += found.raced
+        if not found.corrupt:
+            return
+        self._corrupt += sum(found.corrupt.values())
+        if not self._follow_corrupt_logged:
+            self._follow_corrupt_logged = True
+            log.warning("disk tier: page file %s is corrupt: it failed its checks and did not change since it was "
+                        "indexed (kept, as the tier is read-only (%s); further ones counted only)",
+                        self.files.path(next(iter(found.corrupt))), ReadOnly.LOCKED.value)
+
     def _take_lock_over(self, found: Look) -> None:
-        """The writer let the directory go and the look took its lock: write from now on."""
+        """The writer let the directory go and the look took its lock (or this tier held it and
+        may write there now): write from now on. Where it may not write yet (a read-only file
+        system...), it holds the lock, and the looks go on asking whether it may."""
         assert self._dir is not None and found.space is not None
-        self._dir.lock_fd, found.lock_fd = found.lock_fd, None
+        if found.lock_fd is not None:
+            self._dir.lock_fd, found.lock_fd = found.lock_fd, None
+            self._took_over += 1
+            self._count_undecided()  # refused since the look began: no writer changes files now
         self._temp_removed += found.temp_removed
-        self._took_over += 1
         self._read_only = found.read_only
         self._index.set_capacity(found.space, after_enospc=False)
         self._space_checked = asyncio.get_running_loop().time()
         if self._read_only is not None:
+            self._follow_held = True
             log.warning("disk tier: %s: took the directory over from the cache that held it, but it is read-only "
-                        "here (%s): serving its %d pages, refusing writes", self.files.layout_dir,
-                        self._read_only.value, len(self._index))
+                        "here (%s): serving its %d pages, refusing writes; looking again every %g s",
+                        self.files.layout_dir, self._read_only.value, len(self._index),
+                        self.config.follow_interval_s)
             return
-        log.warning("disk tier: %s: the cache that held the directory let it go: this tier writes there now "
-                    "(%d pages indexed, %d temporary files removed)", self.files.layout_dir, len(self._index),
-                    found.temp_removed)
+        if self._follow_held:
+            self._follow_held = False
+            log.warning("disk tier: %s is writable again: this tier writes there now (%d pages indexed, "
+                        "%d temporary files removed)", self.files.layout_dir, len(self._index), found.temp_removed)
+        else:
+            log.warning("disk tier: %s: the cache that held the directory let it go: this tier writes there now "
+                        "(%d pages indexed, %d temporary files removed)", self.files.layout_dir, len(self._index),
+                        found.temp_removed)
         refused: list[PageKey] = [key for key in self._unlink_when_writable if key not in self._index]
         self._unlink_when_writable.clear()
         self._remove_files(refused)

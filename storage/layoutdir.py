@@ -57,6 +57,18 @@ leave the directory's times as the listing saw them."""
 DirStamp = tuple[int, int]
 """A directory's ``(st_mtime_ns, st_ctime_ns)``: an entry made, renamed or removed changes it."""
 
+INODE_BITS = (1 << 64) - 1
+"""The inode number's part of a :func:`file_identity`."""
+
+
+def file_identity(inode: int, st: os.stat_result) -> int:
+    """The file ``st`` (its inode number ``inode``) as one int: its change time (ns) above its inode
+    number. A file made under a freed inode number, a write, a rename or a link count change give
+    another value (up to the file system's clock: two changes within one tick of a coarse clock may
+    look alike). One int, not a tuple: nothing the cyclic GC tracks, for every entry of a followed
+    directory."""
+    return st.st_ctime_ns << 64 | inode
+
 
 def dir_stamp(st: os.stat_result) -> DirStamp | None:
     """``st``'s stamp, or None when it is too recent to tell later changes by (:data:`SETTLE_NS`)."""
@@ -67,8 +79,9 @@ def dir_stamp(st: os.stat_result) -> DirStamp | None:
 @dataclass
 class FollowSeed:
     """What a start that found the directory locked listed, for the looks that follow it: per
-    fan-out directory the inode number of every key-named entry (None: not listed whole) and its
-    stamp taken before the listing (None: list it again); the layout directory's stamp."""
+    fan-out directory the :func:`file_identity` of every key-named entry as examined (None: not
+    listed whole) and its stamp taken before the listing (None: list it again); the layout
+    directory's stamp."""
 
     entries: list[dict[PageKey, int] | None] = field(default_factory=lambda: [None] * FANOUT)
     stamps: list[DirStamp | None] = field(default_factory=lambda: [None] * FANOUT)
@@ -80,7 +93,8 @@ class FanoutListing:
     """One listing of a fan-out directory (:func:`list_fanout`)."""
 
     entries: dict[PageKey, int] = field(default_factory=dict)
-    """Inode number of every key-named entry listed (page files, and what was refused)."""
+    """:func:`file_identity` of every key-named entry listed (page files, and what was refused):
+    as examined now, or as ``known`` had it for an entry under the same inode number."""
     found: dict[PageKey, int] = field(default_factory=dict)
     """Key -> mtime (ns) of the page files among them that ``known`` did not name (all without
     it). A dict of bytes and ints: nothing the cyclic GC tracks (a list of 60,000 tuples made
@@ -336,8 +350,8 @@ def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, i
     named by a key; anything else with a key name is skipped and recorded as UNSAFE, a file that
     cannot be examined is skipped and recorded; names that are no key's are never indexed.
     ``remove_temps`` (the lock holder only): temporary and spare files are unlinked. ``known``: the
-    inode numbers a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
-    same name and inode is neither examined again nor reported in ``found``. A failure part-way
+    identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
+    same name and inode number is neither examined again nor reported in ``found``. A failure part-way
     (getdents: EIO) is recorded and ends the listing (``complete`` False). Blocking."""
     listing = FanoutListing()
     entries, found = listing.entries, listing.found
@@ -357,9 +371,11 @@ def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, i
                 except ValueError:
                     continue
                 inode = entry.inode()
-                if known is not None and known.get(key) == inode:
-                    entries[key] = inode  # the same file as before: nothing new
-                    continue
+                if known is not None:
+                    before = known.get(key)
+                    if before is not None and before & INODE_BITS == inode:
+                        entries[key] = before  # the same file as before: nothing new
+                        continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -369,7 +385,7 @@ def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, i
                     listing.examined = False
                     faults.append((exc, f"examining {shown / name}"))
                     continue
-                entries[key] = inode
+                entries[key] = file_identity(inode, st)
                 if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
                     listing.skipped += 1
                     faults.append((UnsafeFileError(errno.EPERM, f"{shown / name} is not our regular file"),

@@ -149,6 +149,61 @@ def stuck_writer_child(directory: str, stored_before: int, conn: Connection) -> 
     asyncio.run(main())
 
 
+def recycling_writer_child(directory: str, conn: Connection) -> None:
+    """A writer (threads backend) whose budget holds 3 page files: stores pages 0, 1, 2
+    (``key_of(i, WRITER_TAG)``, seed ``i``) and sends ``"ready"``. On ``("recycle", i)`` it stores
+    page ``i``, which recycles the least recently used file (page 0's: overwritten under its name,
+    then renamed to page ``i``'s), and holds that rename until told: sends ``"held"`` once the
+    file under page 0's name holds page ``i``'s bytes, renames on ``"go"`` and answers
+    ``("written", ok, recycled)``. ``"close"``: closes, answers ``"closed"``."""
+
+    async def main() -> None:
+        layout = small_layout()
+        pool = PagePool.create(layout, 16 * layout.page_bytes, register_cuda=False, workers=1)
+        loop = asyncio.get_running_loop()
+        real, go, hold = os.rename, threading.Event(), [False]
+        held: asyncio.Future[None] = loop.create_future()
+
+        def rename(*args: Any, **kwargs: Any) -> None:
+            if hold[0]:  # the tier's worker thread, its overwrite done
+                hold[0] = False
+                loop.call_soon_threadsafe(held.set_result, None)
+                go.wait(60)
+            real(*args, **kwargs)
+
+        os.rename = rename  # the threads backend's publish and recycle rename through os.rename
+        try:
+            pool.wait_ready_blocking()
+            capacity = 3 * (layout.page_bytes + 4096)
+            async with started(DiskTier(config(Path(directory), DiskBackend.THREADS, capacity), layout, pool)) as tier:
+
+                async def store(i: int) -> bool:
+                    key = key_of(i, WRITER_TAG)
+                    handle = fill(pool, key, i)
+                    try:
+                        return await tier.write(key, handle)
+                    finally:
+                        pool.table.release(handle)
+                        pool.table.discard(key)
+
+                for i in range(3):
+                    assert await store(i)
+                conn.send("ready")
+                while (message := await asyncio.to_thread(conn.recv)) != "close":
+                    hold[0] = True
+                    write = asyncio.ensure_future(store(message[1]))
+                    await held
+                    conn.send("held")
+                    assert await asyncio.to_thread(conn.recv) == "go"
+                    go.set()
+                    conn.send(("written", await write, tier.statistics().recycled))
+            conn.send("closed")
+        finally:
+            pool.close()
+
+    asyncio.run(main())
+
+
 @contextlib.contextmanager
 def child(target: Callable[..., None], *args: object) -> Iterator[tuple[Connection, Any]]:
     """``target(*args, conn)`` in a process of its own; yields the parent's end of the pipe and the

@@ -58,7 +58,9 @@ async def test_a_corrupt_file_is_logged_as_deleted_or_kept_by_what_happens(
         paths = [Path(owner.files.path(key_of(i))) for i in range(2)]
         for path in paths:
             _flip_payload_byte(path)
-        async with DiskTier(config(disk_dir, backend), layout, pool) as peer:
+        # Not following (follow_interval_s 0): it counts the refusal at once; a follower's looks
+        # first tell a corrupt file from one recycled under the read (test_follow_refused.py).
+        async with DiskTier(config(disk_dir, backend, follow_interval_s=0), layout, pool) as peer:
             assert peer.read_only is ReadOnly.LOCKED
             assert not await _read(peer, pool, 0)
             (said,) = _refusals(caplog)
