@@ -77,6 +77,27 @@ async def main():
                 pass
             else:
                 raise AssertionError(f"bad slots accepted: {bad}")
+        await cache.flush()
+    # A restart over the same directory: its pages come from disk (reads, checksums, promotion).
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.load(await cache.match(tokens[:4]), torch.arange(8, 12))  # the first disk read may warm up
+        match = await call("match_disk", cache.match(tokens))
+        assert match.tokens == n, match
+        await call("load_disk", cache.load(match, spread[5 * n : 6 * n]))
+        await cache.offload(list(range(2000, 2000 + n)), spread[6 * n : 7 * n])
+        await cache.flush()
+    async with KVCache(config, layout, kv) as cache:
+        await cache.pool.wait_ready()
+        await cache.load(await cache.match(tokens[:4]), torch.arange(8, 12))
+        stream = await call("start_load_disk", cache.start_load(await cache.match(list(range(2000, 2000 + n))),
+                                                              spread[7 * n : 8 * n], layered=True))
+        watching.set()
+        current[0] = "claim"
+        stream.claim(2 * layout.page_tokens)  # the engine computes the first two pages itself
+        watching.clear()
+        result = await call("stream_disk", stream.finish())
+        assert result.tokens == n, result
     return imports
 
 
