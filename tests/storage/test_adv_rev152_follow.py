@@ -176,7 +176,8 @@ async def _chaos_round(seed: int, backend: DiskBackend, directory: Path) -> str:
             finally:
                 await follower.aclose()
         return (f"seed {seed} {backend.value} {mode} files {capacity_files}: served {served[0]}, "
-                f"corrupt {stats.corrupt}, errors {[(k.value, n) for k, n in stats.errors.items() if n]}, "
+                f"corrupt {stats.corrupt}, follow_raced {stats.follow_raced}, "
+                f"errors {[(k.value, n) for k, n in stats.errors.items() if n]}, "
                 f"in {stats.followed_in} out {stats.followed_out} looks {stats.follow_looks}")
     finally:
         pool.close()
