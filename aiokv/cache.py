@@ -36,7 +36,7 @@ from aiokv.facade import CacheFacade
 from aiokv.kernels import TransferPath
 from aiokv.kernels.mover import PageMover
 from aiokv.kernels.warmup import WarmUp, warm_up
-from aiokv.keys import Salt, Tokens, token_array, tp_part
+from aiokv.keys import Salt, Tokens, check_salt, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.loadpath import TURN_PAGES
 from aiokv.manager import CacheManager
@@ -448,6 +448,7 @@ class KVCache(CacheFacade):
         """
         self._manager.check_running()
         ids = token_array(tokens)
+        check_salt(salt)
         host = await self._slots.check(slots, int(ids.size))
         await self._kernels_ready()
         return await self._manager.offload(ids, host, salt)

@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import Self
 
 from aiokv.costs import LoadEstimate
-from aiokv.keys import PageKey, Salt, Tokens
+from aiokv.keys import PageKey, Salt, Tokens, check_salt
 from aiokv.manager import CacheManager
 from aiokv.pool import PagePool
 from aiokv.rates_file import RATE_BOUNDS
@@ -59,6 +59,7 @@ class CacheFacade(abc.ABC):
 
     def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
         """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
+        check_salt(salt)
         return self._manager.keys(tokens, salt)
 
     async def match(self, tokens: Tokens, salt: Salt = None) -> Match:
@@ -68,14 +69,17 @@ class CacheFacade(abc.ABC):
         them, for at most ``CacheConfig.commit_wait`` in all; then the match ends there (a shorter
         hit, counted ``commit_wait_expired``). Raises ``TypeError``/``ValueError`` for bad tokens or salt.
         """
+        check_salt(salt)  # before the manager looks it up among its seeds (an unhashable salt)
         return await self._manager.match(tokens, salt)
 
     async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
         """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool.
 
         For requests waiting in a queue; the GPU is not touched. Faults stop the promotion at the
-        first page that failed (counted, never raised).
+        first page that failed (counted, never raised). Raises ``TypeError``/``ValueError`` for bad
+        tokens or salt.
         """
+        check_salt(salt)
         return await self._manager.prefetch(tokens, salt)
 
     async def flush(self) -> None:

@@ -36,6 +36,29 @@ Salt = str | bytes | None
 """Per-request salt that isolates tenants; ``None`` is the shared namespace."""
 
 
+_TORCH_INTEGERS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                             torch.uint16, torch.uint32, torch.uint64})
+"""Tensor dtypes token ids may have."""
+
+SALT_TYPES = (str, bytes, type(None))
+"""What a salt may be (checked at the public edge before the salt is looked up in a cache of seeds)."""
+
+
+def check_salt(salt: object) -> None:
+    """Raise ``TypeError`` unless ``salt`` is a str, bytes or None (a cheap type check: a salt's
+    text is encoded, and a lone surrogate refused, only when its seed is made)."""
+    if not isinstance(salt, SALT_TYPES):
+        raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
+
+
+def encoded(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; ``ValueError`` naming ``what`` for text that has none (a lone surrogate)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} must be encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
+
+
 def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None, part: bytes = b"") -> bytes:
     """16-byte seed from the layout fingerprint, the model namespace, the salt and the page part.
 
@@ -48,12 +71,12 @@ def namespace_seed(layout: KVLayout, namespace: str, salt: Salt = None, part: by
     if salt is None:
         salt_bytes, salt_tag = b"", b"n"
     elif isinstance(salt, str):
-        salt_bytes, salt_tag = salt.encode("utf-8"), b"s"
+        salt_bytes, salt_tag = encoded(salt, "salt"), b"s"
     elif isinstance(salt, (bytes, bytearray)):
         salt_bytes, salt_tag = bytes(salt), b"b"
     else:
         raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
-    ns = namespace.encode("utf-8")
+    ns = encoded(namespace, "namespace")
     # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
     material = b"".join(
         (
@@ -90,13 +113,19 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
     ``ValueError`` for negative ids, ids >= 2**63, or more than one dimension.
     """
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+        if tokens.is_nested or tokens.layout is not torch.strided:
+            # (a sparse tensor's numpy() raised torch's TypeError, a nested one's shape a RuntimeError)
+            raise TypeError(f"token ids must be a dense (strided) tensor, got layout {tokens.layout}"
+                            f"{' (nested)' if tokens.is_nested else ''}")
+        if tokens.dtype not in _TORCH_INTEGERS:  # quantized dtypes are neither float nor complex
             raise TypeError(f"token ids must be integers, got a tensor of {tokens.dtype}")
         if tokens.dim() != 1:
             raise ValueError(f"token ids must be 1-D, got a tensor of shape {tuple(tokens.shape)}")
         if tokens.device.type == "meta":
             raise ValueError("token ids are on the meta device: they hold no values")
-        values: npt.NDArray[np.integer] = tokens.detach().to("cpu", torch.int64).numpy()
+        host = tokens.detach().to("cpu")
+        # uint64 as it is: through int64, ids >= 2**63 wrapped round and were refused as negative.
+        values: npt.NDArray[np.integer] = (host if host.dtype == torch.uint64 else host.to(torch.int64)).numpy()
     elif isinstance(tokens, np.ndarray):
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"token ids must be integers, got a numpy array of {tokens.dtype}")

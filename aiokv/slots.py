@@ -27,6 +27,10 @@ def check_form(slots: object, count: int, name: str = "slots") -> torch.Tensor:
     """Type, dtype, shape and count of a slot tensor (values are checked separately)."""
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D integer torch tensor, got {type(slots).__name__}")
+    if slots.is_nested or slots.layout is not torch.strided:
+        # (a sparse tensor's numpy() raised torch's TypeError, a nested one's shape a RuntimeError)
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {slots.layout}"
+                        f"{' (nested)' if slots.is_nested else ''}")
     if slots.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
     if slots.dim() != 1:
