@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -22,8 +23,10 @@ from typing import Any
 from aiokv import pool as _pool
 from aiokv.kernels import TransferPath
 from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
+from aiokv.keys import encoded
 from aiokv.launches import DEFAULT_LAUNCH_BYTES, DEFAULT_LAUNCH_TURN_S
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
+from aiokv.rates_file import RATE_BOUNDS
 from aiokv.reclaim import SegmentInfo, SegmentState, scan
 from aiokv.shm import shm_free_bytes
 from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
@@ -229,7 +232,8 @@ class CacheConfig:
     """Tensor-parallel world size (each rank moves its own slice of every page's heads)."""
 
     prefill_tokens_per_s: float | None = None
-    """The engine's prefill rate, if known (else learned from stream loads and ``note_prefill``)."""
+    """The engine's prefill rate, if known (else learned from stream loads and ``note_prefill``);
+    within ``aiokv.rates_file.RATE_BOUNDS["prefill"]`` (1 to 1e9 tokens/s), as ``note_prefill``."""
 
     offload_wait: float = 5.0
     """Seconds an offload may wait, each time the pool is full, for write-behind to free pages
@@ -243,7 +247,8 @@ class CacheConfig:
     driver call) held every lookup sharing its pages for as long (reviews 114, 115)."""
 
     close_timeout: float = 30.0
-    """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them."""
+    """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them
+    (finite, as ``offload_wait`` and ``commit_wait``)."""
 
     read_group_bytes: int = DEFAULT_READ_GROUP_BYTES
     """A load's or prefetch's disk pages are read in groups of about this many bytes (at least one
@@ -360,25 +365,37 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         if not isinstance(self.namespace, str):
             raise TypeError(f"CacheConfig.namespace must be a str, got {type(self.namespace).__name__}")
+        encoded(self.namespace, "CacheConfig.namespace")  # keyed as UTF-8: a lone surrogate failed every call
         if self.transfer_path is not None and not isinstance(self.transfer_path, TransferPath):
             raise TypeError(f"CacheConfig.transfer_path must be a TransferPath or None, got {self.transfer_path!r}")
         if not isinstance(self.admission, Admission):
             raise TypeError(f"CacheConfig.admission must be an Admission, got {self.admission!r}")
         rate = self.prefill_tokens_per_s
         if rate is not None:
-            _check_number("prefill_tokens_per_s", rate)
-            if not rate > 0:
-                raise ValueError(f"CacheConfig.prefill_tokens_per_s must be None or positive, got {rate}")
+            low, high = RATE_BOUNDS["prefill"]
+            if not low <= _number("prefill_tokens_per_s", rate) <= high:  # NaN fails too
+                # As note_prefill refuses: inf made every recompute free and the rates file unsavable.
+                raise ValueError(f"CacheConfig.prefill_tokens_per_s must be None or in [{low:g}, {high:g}] tokens/s, "
+                                 f"got {rate}")
         for name in ("offload_wait", "commit_wait", "close_timeout", "launch_turn_s"):
-            value = getattr(self, name)
-            _check_number(name, value)
+            value = _number(name, getattr(self, name))
             if not value >= 0:  # NaN fails too
                 raise ValueError(f"CacheConfig.{name} must be a non-negative number of seconds, got {value}")
+            if name != "launch_turn_s" and value == math.inf:
+                # Waits are bounded (an infinite close_timeout failed the disk tier's close).
+                raise ValueError(f"CacheConfig.{name} must be a finite number of seconds, got {value}")
 
 
-def _check_number(name: str, value: object) -> None:
+def _number(name: str, value: object) -> float:
+    """``value`` as a float; ``TypeError`` unless it is an int or a float (not a bool), ``ValueError``
+    for an int too large for a float (it raised ``OverflowError`` where it was added to a clock)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"CacheConfig.{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        bits = value.bit_length() if isinstance(value, int) else 0
+        raise ValueError(f"CacheConfig.{name} is too large for a float, got an int of {bits} bits") from None
 
 
 def _shortcut_value(short: str, value: object) -> object:
