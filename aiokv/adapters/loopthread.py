@@ -66,15 +66,27 @@ class LoopDied(RuntimeError):
     """The loop thread ended without being closed; what it was running was cancelled."""
 
 
+def finite_seconds(value: object, name: str) -> float:
+    """``value`` as a float: ``TypeError`` unless it is an int or float (not a bool), ``ValueError``
+    unless it is finite (an int too large for a float included: ``math.isfinite`` raised
+    ``OverflowError`` on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return seconds
+
+
 def check_timing(poll_s: float, linger_s: float, idle_poll_s: float) -> None:
     """Refuse polling settings a loop cannot run with: ``TypeError`` for a non-number, ``ValueError``
     unless ``poll_s > 0``, ``linger_s >= 0`` and ``idle_poll_s >= 0``, all finite (an infinite poll
     would leave posted work waiting for ever)."""
     for name, value in (("poll_s", poll_s), ("linger_s", linger_s), ("idle_poll_s", idle_poll_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value!r}")
+        finite_seconds(value, name)
     if not poll_s > 0 or not linger_s >= 0 or not idle_poll_s >= 0:
         raise ValueError(f"poll_s must be > 0, linger_s and idle_poll_s >= 0, got {poll_s}, {linger_s}, {idle_poll_s}")
 

@@ -51,17 +51,17 @@ import torch
 import xxhash
 
 from aiokv.config import CacheConfig
-from aiokv.keys import PageKey
+from aiokv.keys import PageKey, encoded
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
-from aiokv.storage.config import ReadOnly
+from aiokv.storage.config import MAX_QUEUE_DEPTH, ReadOnly
 from aiokv.storage.config import default_disk_dir as _storage_default_dir
 from aiokv.storage.pagefile import PageFiles, file_bytes
 from aiokv.storage.safefiles import UnsafeDirectoryError
 
-from .loopthread import LoopDied, LoopThread, check_timing
+from .loopthread import LoopDied, LoopThread, check_timing, finite_seconds
 from .storedirs import ReaderCheck, clear_tree, close_dirs, dir_identity, open_dirs
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,13 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.directory, Path):
             raise TypeError(f"directory must be a pathlib.Path, got {type(self.directory).__name__}")
+        if str(self.directory) in ("", ".") or "\0" in str(self.directory):
+            # Path("") is the working directory (an unset variable would put page files there);
+            # a NUL byte failed only when the store opened, as os's "embedded null byte".
+            raise ValueError(f"directory must be a non-empty path without NUL bytes, got {str(self.directory)!r}")
         if not isinstance(self.namespace, str):
             raise TypeError(f"namespace must be a str, got {type(self.namespace).__name__}")
+        encoded(self.namespace, "namespace")  # keyed as UTF-8: a lone surrogate failed at the first page
         if not isinstance(self.backend, DiskBackend):
             raise TypeError(f"backend must be a DiskBackend, got {self.backend!r}")
         if not isinstance(self.zero_copy, bool):
@@ -156,13 +161,17 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
+        if self.queue_depth > MAX_QUEUE_DEPTH:
+            # The disk tier's own bound, refused here rather than when the store opens its files.
+            raise ValueError(f"queue_depth must be at most {MAX_QUEUE_DEPTH}, got {self.queue_depth}")
         check_timing(self.poll_s, self.linger_s, self.idle_poll_s)
         for name in ("writer_wait_s", "reader_refresh_s", "close_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+            value = finite_seconds(getattr(self, name), name)
+            # At most what a thread's wait takes: close() joins a reader's check thread for up to
+            # close_timeout, and a longer timeout raised OverflowError there.
+            if not 0 <= value <= threading.TIMEOUT_MAX:
+                raise ValueError(f"{name} must be finite, >= 0 and at most {threading.TIMEOUT_MAX:g} s, "
+                                 f"got {getattr(self, name)!r}")
 
     @property
     def pages_in_staging(self) -> int:
@@ -179,15 +188,22 @@ class StoreConfig:
         known = {"disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
                  "poll_s", "linger_s", "idle_poll_s", "zero_copy", "writer_wait_s", "reader_refresh_s",
                  "close_timeout"}
-        unknown = sorted(set(options) - known)
+        if not isinstance(options, Mapping):
+            raise TypeError(f"aiokv options must be a mapping of names to values, got {type(options).__name__}")
+        unknown = sorted(map(repr, set(options) - known))  # repr: names of mixed types sort too
         if unknown:
-            raise ValueError(f"unknown aiokv options {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown aiokv options [{', '.join(unknown)}]; known: {sorted(known)}")
         disk_dir = options.get("disk_dir")
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
             raise TypeError(f"disk_dir must be a path, got {type(disk_dir).__name__}")
+        if disk_dir == "":
+            raise ValueError("disk_dir is an empty path (it would be the working directory)")
         backend = options.get("disk_backend", DiskBackend.AUTO.value)
         if not isinstance(backend, str):
             raise TypeError(f"disk_backend must be a str, got {type(backend).__name__}")
+        backends = [b.value for b in DiskBackend]
+        if backend not in backends:
+            raise ValueError(f"disk_backend must be one of {backends}, got {backend!r}")
         direct_io = options.get("direct_io")
         if direct_io is not None and not isinstance(direct_io, bool):
             raise TypeError(f"direct_io must be a bool or null, got {direct_io!r}")
@@ -225,9 +241,7 @@ def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
 
 def _float_option(options: Mapping[str, object], name: str, default: float) -> float:
     value = options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    return finite_seconds(value, name)
 
 
 def fingerprint(engine: str, facts: Mapping[str, object]) -> bytes:
