@@ -19,7 +19,7 @@ from typing import Any
 from aiokv.config import Admission, CacheConfig
 from aiokv.costs import CostModel
 from aiokv.faults import FaultLog
-from aiokv.keys import PageKey, Salt, Tokens, namespace_seed, page_keys
+from aiokv.keys import PageKey, Salt, Tokens, check_salt, namespace_seed, page_keys
 from aiokv.launches import LaunchSizer
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle
@@ -126,7 +126,10 @@ class ManagerBase:
     # -- keys -----------------------------------------------------------------------------------
 
     def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
-        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
+        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``.
+        Raises ``TypeError`` for a salt not str/bytes/None (before the seed cache: an unhashable one
+        raised "unhashable type" there, naming no argument)."""
+        check_salt(salt)
         seed = self._seeds.get(salt)
         if seed is None:
             seed = namespace_seed(self.layout, self.config.namespace, salt, self._part)

@@ -166,11 +166,18 @@ MAX_FOLLOW_INTERVAL_S = 86400.0
 """A look at a locked directory at least once a day (a larger value is surely a unit mistake)."""
 
 
+MIN_FOLLOW_INTERVAL_S = 0.001
+"""Least seconds between two looks when following is on: 1e-300 would have the follow thread list
+the directory without pause."""
+
+
 def _check_interval(value: object, label: str) -> None:
     _check_seconds(value, label)
     assert isinstance(value, (int, float))
     if value > MAX_FOLLOW_INTERVAL_S:
         raise ValueError(f"{label} must be at most {MAX_FOLLOW_INTERVAL_S:g} seconds (0 turns it off), got {value}")
+    if 0 < value < MIN_FOLLOW_INTERVAL_S:
+        raise ValueError(f"{label} must be 0 (off) or at least {MIN_FOLLOW_INTERVAL_S:g} seconds, got {value}")
 
 
 def _check_directory(value: object, label: str) -> None:
@@ -178,6 +185,8 @@ def _check_directory(value: object, label: str) -> None:
         raise TypeError(f"{label} must be a path (str or os.PathLike), got {type(value).__name__}")
     if str(value) in ("", "."):
         raise ValueError(f"{label} must be a non-empty path, got {str(value)!r}")
+    if "\x00" in str(value):  # else refused by the first system call, at start, naming no setting
+        raise ValueError(f"{label} must not contain a NUL character, got {str(value)!r}")
 
 
 def _check_backend(value: object, label: str) -> None:
