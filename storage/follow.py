@@ -19,10 +19,14 @@ next look (an entry that could not be examined fails its directory's listing the
 A read refused by header or checksum while following is told apart by the next look: the
 file's identity as listed (inode number and change time, :func:`~.layoutdir.file_identity`) against
 the file under the name now. Changed (the writer recycled, replaced or removed it under the read):
-no corruption, and a page file there now is indexed again. Unchanged (for
-:data:`~.layoutdir.SETTLE_NS`): corrupt, and examined again only when its directory is listed
-again, indexed again once its identity changed (the writer stored the key anew, under the same
-inode number too).
+no corruption, and a page file there now is indexed again. Unchanged: corrupt only when that
+identity was recorded at least :data:`~.layoutdir.SETTLE_NS` after the file's change time (then
+any later change shows a later change time); a corrupt file is examined again only when its
+directory is listed again, indexed again once its identity changed (the writer stored the key
+anew, under the same inode number too). An identity recorded earlier (or when, unknown) cannot tell
+a change and its undoing within one tick of a coarse clock (the writer recycling the file away
+under the read and back): it is recorded again, and the key indexed again, so that its next
+refusal decides (a corrupt file is read twice, not once).
 
 Each look first tries the directory's lock (non-blocking ``flock`` on ``.lock``, opened without
 following a link and checked as a page file is). Once the writer let it go (its ``aclose``, or its
@@ -91,6 +95,12 @@ class FollowState:
         examined again (one ``stat`` each) only when a look lists their directory again, and
         indexed again once their file's identity changed (the writer stored the key anew, maybe
         under the same inode number)."""
+        self.vouched: dict[int, dict[PageKey, int]] = {}
+        """Per fan-out directory, refused keys indexed again with the identity their file had when
+        a look recorded it at least :data:`~.layoutdir.SETTLE_NS` after its change time (any change
+        since shows a later change time): their next refusal, the identity unchanged, is
+        ``corrupt``. Only keys refused once (the entries stay one int per key); dropped once the
+        key is refused again, or its directory's listing finds another identity."""
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
 
@@ -102,6 +112,9 @@ class FollowState:
             known = self.entries[key[0]]  # a key's fan-out directory is its first byte
             if known is not None and known.pop(key, None) is not None:
                 self.stamps[key[0]] = None
+            vouched = self.vouched.get(key[0])
+            if vouched is not None:
+                vouched.pop(key, None)
 
     def refuse(self, refused: dict[PageKey, int]) -> None:
         """Between two looks (on the loop): reads refused ``refused``'s files (key -> reads); the
@@ -315,6 +328,7 @@ def _retire(state: FollowState, result: Look, index: int, fd: int) -> None:
         result.removed += known
     state.entries[index] = None
     state.stamps[index] = None
+    state.vouched.pop(index, None)
     result.retired.append((index, fd))
 
 
@@ -383,6 +397,12 @@ def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: 
     state.stamps[index] = dir_stamp(st)
     if index in state.corrupt:
         _recheck_corrupt(state, result, found, index, fd, name)
+    vouched = state.vouched.get(index)
+    if vouched is not None:
+        for key in [key for key, identity in vouched.items() if entries.get(key) != identity]:
+            del vouched[key]  # another file under the name now (or none): what was vouched is moot
+        if not vouched:
+            del state.vouched[index]
     return True
 
 
@@ -420,32 +440,57 @@ def _tell_refused(state: FollowState, result: Look, found: dict[PageKey, int], i
     """For each key a read refused since the last look (after the listings; ``indexed``: its
     file's identity before them): its file changed since it was indexed — recycled, replaced or
     removed under the read: counted :attr:`Look.raced`, and the file under its name now (if
-    any) indexed again — or it did not, and has not for :data:`~.layoutdir.SETTLE_NS`: corrupt
-    (:attr:`Look.corrupt`, kept in :attr:`FollowState.corrupt`). A key whose directory could not
-    be listed, or whose file changed less than that before, waits for a later look."""
+    any) indexed again — or it did not. Unchanged, and that identity was recorded at least
+    :data:`~.layoutdir.SETTLE_NS` after the file's change time (:attr:`FollowState.vouched`):
+    corrupt (:attr:`Look.corrupt`, kept in :attr:`FollowState.corrupt`). Unchanged, but recorded
+    earlier (or when, unknown: a listing's): the file may have changed and changed back within
+    one tick of a coarse clock under the read, so the identity is recorded again (vouched for
+    now) and the key indexed again (in :attr:`Look.added`), the read counted neither way: its
+    next refusal decides. A key whose directory could not be listed, or whose file changed less
+    than that before, waits for a later look (one ``stat`` a look, no read)."""
     for key, reads in list(state.refused.items()):
         index = key[0]
         entries, fd = state.entries[index], fanout[index]
         if fd >= 0 and entries is None:
             continue  # its directory could not be listed: at a later look
         del state.refused[key]
+        vouched = state.vouched.get(index, {})
         before = indexed.get(key)
         if fd < 0 or entries is None or before is None or entries.get(key) != before:
             # Its directory is gone, or its file was not the one indexed (or this look's listing
             # found another there, or none, and reported it).
             result.raced += reads
-            continue
-        changed = _examine(state, result, found, index, key, before, fd, shown / f"{index:02x}")
-        if changed is None or (not changed and time.time_ns() - (before >> 64) < SETTLE_NS):
-            # Not examined (recorded), or changed too lately to tell: a write within one tick of a
-            # coarse clock leaves the change time as it was, and the writer renames a recycled file
-            # away at once. At a later look.
-            state.refused[key] = reads
-        elif changed:
-            result.raced += reads
+            vouched.pop(key, None)
         else:
-            result.corrupt[key] = reads
-            state.corrupt.setdefault(index, set()).add(key)
+            _tell_unchanged(state, result, found, key, reads, before, vouched, fd, shown)
+        if not vouched:
+            state.vouched.pop(index, None)
+
+
+def _tell_unchanged(state: FollowState, result: Look, found: dict[PageKey, int], key: PageKey, reads: int,
+                    before: int, vouched: dict[PageKey, int], fd: int, shown: Path) -> None:
+    """:func:`_tell_refused` for a key whose file the listings found as indexed (identity
+    ``before``; ``vouched``: its directory's :attr:`FollowState.vouched`, maybe a new dict)."""
+    index = key[0]
+    now = time.time_ns()  # before the stat: a change after it shows a later change time
+    changed = _examine(state, result, found, index, key, before, fd, shown / f"{index:02x}")
+    if changed is None or (not changed and now - (before >> 64) < SETTLE_NS):
+        # Not examined (recorded), or changed too lately to tell: a write within one tick of a
+        # coarse clock leaves the change time as it was, and the writer renames a recycled file
+        # away at once. At a later look.
+        state.refused[key] = reads
+    elif changed:
+        result.raced += reads
+        vouched.pop(key, None)
+    elif vouched.pop(key, None) == before:
+        result.corrupt[key] = reads
+        state.corrupt.setdefault(index, set()).add(key)
+    else:
+        # The same identity, recorded now at least SETTLE_NS after its change time: any change
+        # from now on shows. Indexed again (ordered by its change time: mtime is not at hand).
+        vouched[key] = before
+        state.vouched[index] = vouched
+        found[key] = before >> 64
 
 
 def _examine(state: FollowState, result: Look, found: dict[PageKey, int], index: int, key: PageKey, before: int,

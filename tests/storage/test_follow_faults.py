@@ -227,8 +227,13 @@ async def test_planted_files_are_skipped_once_and_a_hard_link_is_refused_on_read
             for i in (10, 11, 13):
                 assert await _read(follower, pool, i, 9) is None  # no hang on the FIFO: never opened
             assert await _read(follower, pool, 12, 9) is None  # its header names page 1: refused, kept
-            # The looks tell why: the file has not changed since it was indexed (once that is a
-            # second old: a write within a tick of a coarse clock leaves the times as they were).
+            # The looks tell why: the file has not changed since it was indexed. Its identity was
+            # recorded within a second of its change time (a change and its undoing within one tick
+            # of a coarse clock would not show): recorded again, indexed again, counted neither way;
+            # its second refusal is counted corrupt.
+            await looks.until(lambda: follower.contains(key_of(12, 9)))
+            assert (follower.statistics().corrupt, follower.statistics().follow_raced) == (0, 0)
+            assert await _read(follower, pool, 12, 9) is None
             await looks.until(lambda: follower.statistics().corrupt == 1)
             stats = follower.statistics()
             assert (stats.corrupt, stats.follow_raced) == (1, 0) and (fan / key_of(12, 9).hex()).exists()
