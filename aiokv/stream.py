@@ -289,9 +289,9 @@ class LoadStream:
         the engine computes what it lacks). With a layer-wise stream (``layered=True``) layer l is ready before later
         layers; otherwise when the whole copy is.
         """
+        self._check_layer(layer)  # first: a bad argument is a TypeError/ValueError whenever it comes
         if self._loader.done() is False:
             raise RuntimeError("wait_layer() before launched(): the set of copies is not fixed yet")
-        self._check_layer(layer)
         return await self._copies.wait_layer(layer)
 
     def order_layer(self, layer: int) -> bool:

@@ -260,6 +260,27 @@ async def test_stream_arguments_are_checked_before_anything_changes() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_bad_layer_is_refused_as_such_while_the_loader_still_runs() -> None:
+    # Regression (helper-158's fuzz): wait_layer checked "before launched()" first, so a bad layer
+    # given while the loader ran was a RuntimeError, not the TypeError/ValueError of a bad argument.
+    async with KVCache(config(None, pool_pages=8), LAYOUT, make_kv(75)) as cache:
+        await cache.pool.wait_ready()
+        tokens = prompt(75, 6 * T)
+        await cache.offload(tokens, torch.arange(6 * T))
+        stream = await cache.start_load(await cache.match(tokens), torch.arange(6 * T), layered=True)
+        assert not stream._loader.done()  # six pages: the loader yields a loop turn per page
+        for bad, error in (("0", TypeError), (None, TypeError), (True, TypeError), (-1, ValueError),
+                           (LAYOUT.num_layers, ValueError)):
+            with pytest.raises(error, match="layer"):
+                await stream.wait_layer(bad)  # type: ignore[arg-type]
+        assert not stream._loader.done()
+        with pytest.raises(RuntimeError, match="before launched"):
+            await stream.wait_layer(0)  # a good layer, too early: still refused
+        assert (await stream.finish()).tokens == 6 * T
+        await assert_quiescent(cache)
+
+
+@pytest.mark.asyncio
 async def test_a_rate_is_folded_before_the_call_that_awaited_the_copies_returns() -> None:
     # Regression: the pool rate was folded in a done-callback of a gather of the copies, which
     # could still be queued when finish() returned (seen on CUDA: estimate() right after a stream
