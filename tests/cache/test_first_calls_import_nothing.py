@@ -10,18 +10,21 @@ uses, in a fresh process (the test session has imported everything already).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from cache_helpers import DEVICE
 
 SCRIPT = r"""
 import asyncio, json, sys, threading, traceback
 import torch
 from aiokv import CacheConfig, KVCache, KVLayout
 
-disk_dir = sys.argv[1]
+disk_dir, device = sys.argv[1], sys.argv[2]
 layout = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=4)
-KVCache.preload("cpu")
+KVCache.preload(device)
 watching = threading.Event()
 imports = []  # (call, module, thread, innermost frames) of every import while a call runs
 current = ["start"]
@@ -37,7 +40,7 @@ sys.addaudithook(hook)
 
 
 async def main():
-    kv = torch.randn(layout.num_layers, 4096, layout.rows, layout.head_dim).to(layout.dtype)
+    kv = torch.randn(layout.num_layers, 4096, layout.rows, layout.head_dim).to(layout.dtype).to(device)
     config = CacheConfig(cpu_bytes=64 * layout.page_bytes, disk_dir=disk_dir, disk_bytes=1 << 30, namespace="imports")
     tokens = list(range(8 * layout.page_tokens))
     n = len(tokens)
@@ -54,6 +57,7 @@ async def main():
 
     async with KVCache(config, layout, kv) as cache:
         await cache.pool.wait_ready()
+        await cache.wait_warm()  # CUDA: the kernels' variants compiled or loaded (none on the CPU)
         await cache.offload(tokens[:4], torch.arange(4))  # the first call of each kind may warm up
         await cache.load(await cache.match(tokens[:4]), torch.arange(8, 12))
         await cache.flush()
@@ -106,8 +110,12 @@ print(json.dumps(asyncio.run(main())))
 
 
 def test_no_call_of_a_started_cache_imports_a_module(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "disk")], capture_output=True, text=True,
-                         timeout=300)
+    # The engine's device (AIOKV_TEST_DEVICE=cuda on a GPU machine: the copies' CUDA paths).
+    env = {**os.environ}
+    if DEVICE.type == "cuda":
+        env.pop("TRITON_INTERPRET", None)  # real kernels, as an engine runs them
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "disk"), str(DEVICE)], capture_output=True,
+                         text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     imports = json.loads(run.stdout.splitlines()[-1])
     assert imports == [], "\n".join(f"{call}: {module} on {thread} at {' < '.join(reversed(frames))}"
