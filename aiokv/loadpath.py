@@ -6,8 +6,8 @@ once and reads disk pages into freshly reserved pool pages (promotions, in read 
 they do not all fit (its copies' pages given back before the next window); prefetch promotes (in
 the same groups) without copying. :class:`aiokv.stream.LoadStream` (the compute-or-load split) uses
 the same promotions through the public members it needs (:meth:`LoadPath.promote`,
-:meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.wait_for_load_room`, :attr:`LoadPath.loads_running`,
-:meth:`LoadPath.measure_pool_copies`, and the base's
+:meth:`LoadPath.adopt_promotion`, :meth:`LoadPath.wait_for_load_room`, :meth:`LoadPath.load_began`,
+:meth:`LoadPath.load_ended`, :meth:`LoadPath.measure_pool_copies`, and the base's
 ``running_transfers``, ``release``, ``release_after``, ``closing``, ``withdraw``, ``count_loaded``).
 Mixed into :class:`aiokv.manager.CacheManager`; the state is :class:`aiokv.managerbase.ManagerBase`'s.
 """
@@ -83,8 +83,19 @@ class LoadPath(ManagerBase):
     """Match, load, disk promotions and prefetch of the manager (see the module docstring)."""
 
     loads_running: int = 0
-    """Loads and streams of this manager in flight: a load that holds no pool page and finds none
-    free waits for room only while another one runs (its pages come back when its copies end)."""
+    """Loads and streams of this manager in flight (:meth:`load_began`, :meth:`load_ended`): a load
+    that holds no pool page and finds none free waits for room only while another one runs that is
+    not waiting for room itself (its pages come back when its copies end)."""
+
+    def load_began(self) -> None:
+        """A load or stream began: it counts in :attr:`loads_running` until :meth:`load_ended`."""
+        self.loads_running += 1
+
+    def load_ended(self) -> None:
+        """A load or stream stopped counting in :attr:`loads_running` (it holds no page any more):
+        the callers waiting for room look again (they may all be waiting on each other now)."""
+        self.loads_running -= 1
+        self._wake_room_waiters()
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -177,7 +188,7 @@ class LoadPath(ManagerBase):
             copies.append((transfers.load(pool.table.pages_of(part), slots[lo:hi], page_skip), part, tier))
             sizer.record(len(part), time.perf_counter() - turn)
 
-        self.loads_running += 1
+        self.load_began()
         try:
             launched = 0
             while pool_part:
@@ -273,7 +284,7 @@ class LoadPath(ManagerBase):
                 self._adopt(task)
             raise
         finally:
-            self.loads_running -= 1
+            self.load_ended()
         measured()
         # The valid prefix ends at the first copy that failed (a copy error is a fault, not a raise).
         loaded = {Tier.POOL: 0, Tier.DISK: 0}
@@ -502,9 +513,19 @@ class LoadPath(ManagerBase):
         A caller that stops waiting hands the task to :meth:`adopt_promotion`."""
         return await self._promote(key, windowed)
 
-    async def wait_for_load_room(self) -> bool:
-        """:meth:`_wait_for_load_room`, for a stream that holds no pool page and found none free."""
-        return await self._wait_for_load_room()
+    async def wait_for_load_room(self, holding: bool = False) -> bool:
+        """:meth:`_wait_for_load_room`, for a stream that found no page free and gave back every
+        page it could. ``holding``: it still holds pool pages it gives back if it gives up (its
+        pages not launched yet, below the page it reads); when every load and stream waits for room
+        and nothing in flight frees a page, such a caller gives up first (False at once)."""
+        if not holding:
+            return await self._wait_for_load_room()
+        task = asyncio.current_task()
+        self._room_holders.add(task)
+        try:
+            return await self._wait_for_load_room()
+        finally:
+            self._room_holders.discard(task)
 
     async def _promote(self, key: PageKey, windowed: bool = False) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
@@ -545,21 +566,58 @@ class LoadPath(ManagerBase):
         return self._read_into_pool(handle, ok)
 
     async def _wait_for_load_room(self) -> bool:
-        """A load that holds no pool page found none free: True at once if there is room now, else
-        wait (``offload_wait`` at most) until a page may be free, as :meth:`_wait_for_room` (chunks,
-        disk I/O), or, while another load or stream runs or background work (promotions adopted
-        past a window, abandoned copies) is pending, until a page is given back (two loads that each
-        filled half the pool make progress one after the other). False when none of that can free a
-        page, or none came."""
+        """A load or stream that gave back every page it could found none free: True once there is
+        room (at once if there is now), or once the close began (the caller looks at
+        :attr:`closing`); False after ``offload_wait``, or at once when nothing can free a page.
+
+        A page may come free while a chunk is being prepared, disk I/O runs (a read, the
+        write-behind), background work is pending (promotions adopted past a window, abandoned
+        copies), or another load or stream runs that is not waiting for room itself: its pages come
+        back when its copies end (two loads that each filled half the pool make progress one after
+        the other). When none of that holds, every page not free is held by callers waiting for room
+        (or by the engine): they waited for each other until ``offload_wait`` (review 159). Then a
+        caller that holds pool pages (:meth:`wait_for_load_room` with ``holding``) gives up, its
+        pages go back as it ends and the others look again; with none holding any, this one gives
+        up. The state is looked at again whenever one of those may have changed (a page given
+        back, a chunk ready, a load or stream ended or began to wait, the background emptied)."""
         pool = self.pool
         if pool.table.has_room():
             return True
-        if self.loads_running <= 1 and not self._background:
-            return await self._wait_for_room()
-        waits: list[asyncio.Future[Any]] = [pool.table.wait_reclaimable()]
-        if not pool.ready:
-            waits.append(asyncio.ensure_future(pool.wait_ready()))
-        return await self._first_of(waits)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.offload_wait
+        holding = asyncio.current_task() in self._room_holders
+        self._room_waiters += 1
+        self._wake_room_waiters()  # one more caller that frees nothing while it waits
+        try:
+            while True:
+                if self._closed:
+                    return True
+                if pool.table.has_room():
+                    return True
+                if self._nothing_frees_room() and (holding or not self._room_holders):
+                    return False
+                # Both registered now, before any await: nothing between the look and the wait is missed.
+                waits: list[asyncio.Future[Any]] = [pool.table.wait_reclaimable(), self._wait_room_changed()]
+                if not pool.ready:
+                    waits.append(asyncio.ensure_future(pool.wait_ready()))
+                left = deadline - loop.time()
+                if left <= 0 or not await self._first_of(waits, left):
+                    return False
+        finally:
+            self._room_waiters -= 1
+
+    def _nothing_frees_room(self) -> bool:
+        """Whether nothing in flight can free a pool page: every load and stream running waits for
+        room (:meth:`_wait_for_load_room`), no background work is pending, every chunk is usable
+        and the disk tier neither reads nor writes."""
+        if self.loads_running > self._room_waiters or self._background or not self.pool.ready:
+            return False
+        disk = self._disk
+        if disk is not None:
+            busy = disk.statistics()
+            if busy.write_behind_queued or busy.in_flight:
+                return False
+        return True
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or

@@ -51,6 +51,12 @@ class ManagerBase:
         self._seen: OrderedDict[PageKey, None] = OrderedDict()
         self._closed = False
         self._close_began = asyncio.Event()  # set with _closed: ends every wait for room (_begin_close)
+        # Loads and streams waiting for room now (LoadPath._wait_for_load_room), and the tasks of
+        # those among them that hold pool pages they give back if they give up (a stream's pages
+        # not launched yet); resolved when fewer callers may give a page back (_wake_room_waiters).
+        self._room_waiters = 0
+        self._room_holders: set[asyncio.Task[Any] | None] = set()
+        self._room_changed: asyncio.Future[None] | None = None
         self.faults = FaultLog(log)
         self.costs = CostModel(config.prefill_tokens_per_s)
         self._lookups = 0
@@ -176,6 +182,8 @@ class ManagerBase:
                 self._background.discard(done)
                 if not done.done():
                     done.set_result(None)
+                if not self._background:
+                    self._wake_room_waiters()  # nothing in the background frees a page any more
 
         future.add_done_callback(settle)
 
@@ -228,14 +236,29 @@ class ManagerBase:
             return False
         return await self._first_of(waits)
 
-    async def _first_of(self, waits: list[asyncio.Future[Any]]) -> bool:
-        """Wait (``offload_wait`` at most) for the first of ``waits`` or the close's start; True when
-        one came. Every wait is cancelled and reaped before the return."""
+    async def _first_of(self, waits: list[asyncio.Future[Any]], bound: float | None = None) -> bool:
+        """Wait (``bound`` seconds, ``offload_wait`` when None) for the first of ``waits`` or the
+        close's start; True when one came. Every wait is cancelled and reaped before the return."""
         waits.append(asyncio.ensure_future(self._close_began.wait()))
         try:
-            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=self.config.offload_wait if bound is None else bound,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waits:
                 waiter.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
         return bool(done)
+
+    def _wait_room_changed(self) -> asyncio.Future[None]:
+        """A future resolved once fewer callers may give a pool page back (a load or stream stopped
+        running or began to wait for room, the background work ended): waiters for room look
+        again. In place when this returns (as ``PageTable.wait_reclaimable``); cancelling it never
+        disturbs other waiters."""
+        if self._room_changed is None or self._room_changed.done():
+            self._room_changed = asyncio.get_running_loop().create_future()
+        return asyncio.shield(self._room_changed)
+
+    def _wake_room_waiters(self) -> None:
+        waiter, self._room_changed = self._room_changed, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

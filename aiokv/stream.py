@@ -173,7 +173,7 @@ class LoadStream:
         self._loader = asyncio.create_task(self._run())
         # While the loader runs or the stream holds pool pages, a load that finds the pool full
         # waits for room (its pages come back as its copies end) rather than stopping at once.
-        manager.loads_running += 1
+        manager.load_began()
         self._counted = True
         self._loader.add_done_callback(self._loader_ended)
 
@@ -206,7 +206,7 @@ class LoadStream:
         """The stream holds no pool page any more (or it ended): it no longer counts as running."""
         if self._counted:
             self._counted = False
-            self._manager.loads_running -= 1
+            self._manager.load_ended()
 
     # -- the engine's side ----------------------------------------------------------------------
 
@@ -576,9 +576,11 @@ class LoadStream:
         ones at once; running ones when they land, adopted: the pages stay cached and are read again
         from the pool if still there), then those of its copies, oldest first, waiting for each to
         end, until the pool has room; with none left, wait for room as a load holding nothing does
-        (bounded). True: there may be room, try again (only once room was seen, or the wait for it
-        ended early: a page given back that another caller still holds frees nothing, and a retry
-        on it alone would spin), or ``page`` is in the pool now (another caller brought it in since
+        (bounded), save that the pool pages it has not launched yet make it the first to give up
+        when every caller waits for room on the others' pages (review 159). True: there may be
+        room, try again (only once room was seen, or the wait for it ended early: a page given back
+        that another caller still holds frees nothing, and a retry on it alone would spin), or
+        ``page`` is in the pool now (another caller brought it in since
         the read, maybe one ahead, found it full: it is taken as it is, no room needed; two streams
         of one hit cut the one behind short there, ``pool_exhausted``, the page in the pool)."""
         manager = self._manager
@@ -603,8 +605,10 @@ class LoadStream:
                 await asyncio.wait({launch.copy.future})
             manager.release(launch.handles)  # copied: evictable now, unless another caller holds them
             self._returned += 1
+        # Its pool pages not launched yet (below this page) are all it holds now: when every caller
+        # waits for room on the others', it is the one to give up (its pages go back as it ends).
         return (table.has_room() or table.state_of(key) is not PageState.FREE
-                or await manager.wait_for_load_room())
+                or await manager.wait_for_load_room(holding=bool(self._pool)))
 
     def _first_unclaimed(self) -> int:
         """The lowest page the engine has not claimed into (``_start_of(page) >= _claimed``)."""
