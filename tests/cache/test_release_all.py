@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
 
 from aiokv import KVCache
 from aiokv.pagetable import PageHandle, PageTable, StaleHandleError
@@ -119,7 +119,12 @@ async def test_a_streaming_hit_gives_its_pages_back_in_one_call(monkeypatch: pyt
                                               layered=layered) as stream:
                 assert stream.claim(2 * t) == 2 * t
                 result = await stream.finish()
+                launches = len(stream._copies.launches)
             assert result.loaded_from == 2 * t and result.pool_pages == 10
             assert singles[0] == 0  # before: one check and one release per page
-            assert sum(batches) == 12 and len(batches) <= 4, batches
+            # One batch per copy at most (a copy's pages go back as it ends: 1d87ac9; on CUDA when
+            # the bridge sees its end event, so copies ending apart give back apart: [2, 3, 2, 4, 1]
+            # on an H100), plus the claimed pages and finish's; on the CPU the copies end together.
+            most = 4 if DEVICE.type == "cpu" else launches + 2
+            assert sum(batches) == 12 and len(batches) <= most, (batches, launches)
         await assert_quiescent(cache)
