@@ -118,7 +118,14 @@ async def test_a_close_during_a_promotions_wait_for_room_withdraws_its_pages(
             waiting.set()
             return await real_wait(disk_io=disk_io)
 
+        real_load_wait = manager._wait_for_load_room
+
+        async def wait_for_load_room() -> bool:  # a load's or stream's wait (62ee642: its own loop)
+            waiting.set()
+            return await real_load_wait()
+
         monkeypatch.setattr(manager, "_wait_for_room", wait_for_room)
+        monkeypatch.setattr(manager, "_wait_for_load_room", wait_for_load_room)
         disk_closed = _pause_after_disk_close(monkeypatch, disk, go_on)
         target = torch.arange(100, 100 + PAGES * T)
         before = kv[:, target.to(DEVICE)].clone()
