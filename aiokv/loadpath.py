@@ -600,6 +600,12 @@ class LoadPath(ManagerBase):
                 waits: list[asyncio.Future[Any]] = [pool.table.wait_reclaimable(), self._wait_room_changed()]
                 if not pool.ready:
                     waits.append(asyncio.ensure_future(pool.wait_ready()))
+                disk = self._disk
+                if disk is not None and self._disk_writes(disk):
+                    # The write-behind's end gives its references back, but a page another caller
+                    # still holds (the engine's match, a waiting stream) goes onto no LRU and wakes
+                    # nobody: without this the waiters slept to offload_wait once the disk was idle.
+                    waits.append(asyncio.ensure_future(disk.flush()))
                 left = deadline - loop.time()
                 if left <= 0 or not await self._first_of(waits, left):
                     return False
@@ -610,14 +616,24 @@ class LoadPath(ManagerBase):
         """Whether nothing in flight can free a pool page: every load and stream running waits for
         room (:meth:`_wait_for_load_room`), no background work is pending, every chunk is usable
         and the disk tier neither reads nor writes."""
-        if self.loads_running > self._room_waiters or self._background or not self.pool.ready:
+        pool = self.pool
+        if self.loads_running > self._room_waiters or self._background or not pool.ready:
             return False
         disk = self._disk
         if disk is not None:
             busy = disk.statistics()
             if busy.write_behind_queued or busy.in_flight:
                 return False
-        return True
+        # A reservation in flight (an offload's copy, a TP rank's) is committed onto the LRU or
+        # into the write-behind, or aborted: it frees a page as a copy does (two loads gave up at
+        # once beside an offload still copying, where they had waited for its pages before 62ee642).
+        return not pool.table.statistics().reserved
+
+    @staticmethod
+    def _disk_writes(disk: DiskTier) -> bool:
+        """Whether ``disk``'s write-behind holds pages: queued, or being written."""
+        busy = disk.statistics()
+        return bool(busy.write_behind_queued or busy.writes_in_flight)
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or
