@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
 from child_procs import fork_context
 from disk_helpers import config, fill, key_of, payload, reserve, seed_payload, small_layout
 
@@ -332,3 +333,27 @@ def unprivileged_follower_child(directory: str, backend: str, conn: Connection) 
             pool.close()
 
     asyncio.run(main())
+
+
+async def store_page(tier: DiskTier, pool: PagePool, i: int, tag: int = WRITER_TAG) -> bool:
+    """Write seed ``i``'s page under ``key_of(i, tag)`` through ``tier``; whether it was stored."""
+    key = key_of(i, tag)
+    handle = fill(pool, key, i)
+    try:
+        return await tier.write(key, handle)
+    finally:
+        pool.table.release(handle)
+        pool.table.discard(key)
+
+
+async def read_back(tier: DiskTier, pool: PagePool, i: int, tag: int = WRITER_TAG) -> bool:
+    """Whether ``key_of(i, tag)`` reads back as seed ``i``'s page bit for bit (other bytes fail the
+    test; a miss: False)."""
+    into = reserve(pool, key_of(900 + i, 99))
+    try:
+        ok = await tier.read(key_of(i, tag), into)
+        if ok:
+            assert torch.equal(payload(pool, into), seed_payload(pool, i, 98)), f"page {i} served other bytes"
+        return ok
+    finally:
+        pool.table.abort(into)

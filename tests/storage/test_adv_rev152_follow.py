@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from disk_helpers import config, fill, key_of, page_files, payload, reserve, seed_payload, small_layout
-from follow_helpers import Looks, child, follow_config, follow_threads, open_fds, receive
+from follow_helpers import Looks, child, follow_config, follow_threads, open_fds, read_back, receive, store_page
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -200,7 +200,7 @@ async def _within_budget(seed: int, follower: DiskTier, pool: PagePool, director
     assert on_disk <= set(follower._index), f"seed {seed}: page files on disk the new writer does not index"
     assert stats.bytes_stored <= stats.effective_capacity_bytes
     for i in range(KEYS, KEYS + 2 * capacity_files):
-        await _store(follower, pool, i)
+        assert await store_page(follower, pool, i, TAG)
     await _unlinks_done(follower)
     on_disk = _disk_keys(directory)
     assert len(on_disk) <= capacity_files, (len(on_disk), capacity_files)
@@ -215,28 +215,6 @@ async def _after_close(seed: int, directory: Path, backend: DiskBackend, layout:
         assert fresh.read_only is None, f"seed {seed}: the closed follower kept the lock"
         assert _disk_keys(directory) == set(fresh._index)
     return f"seed {seed} {backend.value} close"
-
-
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> None:
-    key = key_of(i, TAG)
-    handle = fill(pool, key, i)
-    try:
-        assert await tier.write(key, handle)
-    finally:
-        pool.table.release(handle)
-        pool.table.discard(key)
-
-
-async def _read_back(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    """Whether ``key_of(i, TAG)`` reads back as seed ``i`` (wrong bytes fail the test; a miss: False)."""
-    into = reserve(pool, key_of(900 + i, 99))
-    try:
-        ok = await tier.read(key_of(i, TAG), into)
-        if ok:
-            assert torch.equal(payload(pool, into), seed_payload(pool, i, 98)), f"page {i} served other bytes"
-        return ok
-    finally:
-        pool.table.abort(into)
 
 
 @pytest.mark.asyncio
@@ -254,7 +232,7 @@ async def test_page_gone_when_read_then_back_under_its_inode_is_followed_and_tak
     await writer.start()
     try:
         for i in range(3):
-            await _store(writer, pool, i)
+            assert await store_page(writer, pool, i, TAG)
         follower = DiskTier(follow_config(disk_dir, backend), layout, pool)
         await follower.start()
         try:
@@ -266,15 +244,15 @@ async def test_page_gone_when_read_then_back_under_its_inode_is_followed_and_tak
                 os.rename(path, path.with_name("parked"))
             else:
                 await writer.delete(key_of(1, TAG))
-            assert not await _read_back(follower, pool, 1)  # gone: a plain miss
+            assert not await read_back(follower, pool, 1, TAG)  # gone: a plain miss
             if how == "renamed":
                 os.rename(path.with_name("parked"), path)
             else:
-                await _store(writer, pool, 1)
+                assert await store_page(writer, pool, 1, TAG)
             reused = os.stat(path).st_ino == inode
             await looks.next()
             assert follower.contains(key_of(1, TAG)), f"not followed (same inode: {reused})"
-            assert await _read_back(follower, pool, 1)
+            assert await read_back(follower, pool, 1, TAG)
             await writer.aclose()
             await looks.until(lambda: follower.statistics().took_over == 1)
             assert _disk_keys(disk_dir) == set(follower._index) == {key_of(i, TAG) for i in range(3)}

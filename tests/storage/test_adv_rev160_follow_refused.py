@@ -38,9 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve, seed_payload
-from follow_helpers import WRITER_TAG, Looks, follow_config, follow_threads, open_fds, started
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import WRITER_TAG, Looks, follow_config, follow_threads, open_fds, read_back, started, store_page
 from fs_helpers import remount
 from test_adv_cache_fs import remount_read_only
 
@@ -52,28 +51,6 @@ from aiokv.storage.pagefile import HEADER_BYTES
 ROUNDS = int(os.environ.get("REV160_ROUNDS", "3"))
 """Rounds of the ``ro``/``rw`` flipping drive (each a seed)."""
 BOUND_S = 15.0
-
-
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    key = key_of(i, WRITER_TAG)
-    handle = fill(pool, key, i)
-    try:
-        return await tier.write(key, handle)
-    finally:
-        pool.table.release(handle)
-        pool.table.discard(key)
-
-
-async def _read_back(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    """Whether page ``i`` reads back bit for bit (other bytes fail the test; a miss: False)."""
-    into = reserve(pool, key_of(900 + i, 99))
-    try:
-        ok = await tier.read(key_of(i, WRITER_TAG), into)
-        if ok:
-            assert torch.equal(payload(pool, into), seed_payload(pool, i, 98)), f"page {i} served other bytes"
-        return ok
-    finally:
-        pool.table.abort(into)
 
 
 def _flip(path: Path, at: int = HEADER_BYTES + 7) -> None:
@@ -149,7 +126,7 @@ async def test_a_corrupt_file_changed_before_every_look_is_read_once_a_look_and_
     read no more."""
     async with started(DiskTier(config(disk_dir, backend), layout, pool)) as writer:
         for i in range(3):
-            assert await _store(writer, pool, i)
+            assert await store_page(writer, pool, i)
         path = Path(writer.files.path(key_of(1, WRITER_TAG)))
         _flip(path)
         async with started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as follower:
@@ -157,7 +134,7 @@ async def test_a_corrupt_file_changed_before_every_look_is_read_once_a_look_and_
             looks_turns = 12
             for turn in range(looks_turns):
                 for _ in range(3):  # three reads between two looks: one reaches the disk
-                    assert not await _read_back(follower, pool, 1)
+                    assert not await read_back(follower, pool, 1)
                 os.chmod(path, 0o400 if turn % 2 else 0o600)
                 await looks.next()
                 assert follower.contains(key_of(1, WRITER_TAG)), f"turn {turn}: not indexed again after a change"
@@ -167,16 +144,16 @@ async def test_a_corrupt_file_changed_before_every_look_is_read_once_a_look_and_
             # Left alone: refused once more, then found unchanged (after a second) — but its identity
             # was recorded by the last look, within a second of its change time: recorded again
             # and indexed again, counted neither way; refused a last time, and counted corrupt.
-            assert not await _read_back(follower, pool, 1)
+            assert not await read_back(follower, pool, 1)
             await looks.until(lambda: follower.contains(key_of(1, WRITER_TAG)))
             stats = follower.statistics()
             assert (stats.corrupt, stats.follow_raced, stats.reads) == (0, looks_turns, looks_turns + 1), stats
-            assert not await _read_back(follower, pool, 1)
+            assert not await read_back(follower, pool, 1)
             await looks.until(lambda: follower.statistics().corrupt == 1)
             for _ in range(3):
                 await looks.next()
                 assert not follower.contains(key_of(1, WRITER_TAG))
-            assert await _read_back(follower, pool, 0) and await _read_back(follower, pool, 2)
+            assert await read_back(follower, pool, 0) and await read_back(follower, pool, 2)
             stats = follower.statistics()
             assert (stats.corrupt, stats.follow_raced, stats.reads) == (1, looks_turns, looks_turns + 4), stats
             assert not any(stats.errors.values()), stats
@@ -201,7 +178,7 @@ async def test_a_refused_keys_directory_replaced_by_a_symlink_outside_is_never_f
     await writer.start()
     try:
         for i in range(3):
-            assert await _store(writer, pool, i)
+            assert await store_page(writer, pool, i)
         good = Path(writer.files.path(key_of(1, WRITER_TAG)))
         fanout = good.parent
         async with started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as follower:
@@ -210,7 +187,7 @@ async def test_a_refused_keys_directory_replaced_by_a_symlink_outside_is_never_f
             for p in fanout.iterdir():
                 shutil.copy2(p, outside / p.name)  # valid copies, outside the cache
             _flip(good)
-            assert not await _read_back(follower, pool, 1)
+            assert not await read_back(follower, pool, 1)
             os.rename(fanout, disk_dir.parent / "moved")
             os.symlink(outside, fanout)
             if writer_closes:
@@ -221,7 +198,7 @@ async def test_a_refused_keys_directory_replaced_by_a_symlink_outside_is_never_f
                 assert follower.read_only is not None, "took over a directory with a symlinked fan-out name"
                 for i in range(3):
                     assert not follower.contains(key_of(i, WRITER_TAG)), f"page {i} indexed through the symlink"
-                    assert not await _read_back(follower, pool, i)
+                    assert not await read_back(follower, pool, i)
             stats = follower.statistics()
             assert (stats.corrupt, stats.follow_raced) == (0, 1), stats
             assert stats.bytes_read == 0, stats
@@ -253,7 +230,7 @@ async def test_a_file_changed_and_back_within_one_coarse_tick_under_the_read_is_
         disk_dir = mount / "disk"
         async with started(DiskTier(config(disk_dir, backend, min_free_bytes=0), layout, pool)) as writer:
             for i in range(3):
-                assert await _store(writer, pool, i)
+                assert await store_page(writer, pool, i)
             other = _read(Path(writer.files.path(key_of(2, WRITER_TAG))))
             async with started(DiskTier(follow_config(disk_dir, backend, min_free_bytes=0), layout, pool)) as follower:
                 looks = Looks(follower)
@@ -261,14 +238,14 @@ async def test_a_file_changed_and_back_within_one_coarse_tick_under_the_read_is_
                     # At the start of a second: a new page stored and indexed by a look, then its
                     # file changed and back before the second ends.
                     await asyncio.sleep(1 - time.time() % 1 + 0.02)  # the clock's tick is the event
-                    assert await _store(writer, pool, page)
+                    assert await store_page(writer, pool, page)
                     await looks.next()
                     assert follower.contains(key_of(page, WRITER_TAG))
                     path = Path(writer.files.path(key_of(page, WRITER_TAG)))
                     stamp = os.stat(path).st_ctime_ns
                     mine = _read(path)
                     _write(path, other)  # the recycle's overwrite: page 2's bytes under this name
-                    refused = not await _read_back(follower, pool, page)
+                    refused = not await read_back(follower, pool, page)
                     parked = path.with_name("parked")
                     os.rename(path, parked)  # renamed away, recycled back: the page's own bytes again
                     fd = os.open(parked, os.O_WRONLY)
@@ -287,7 +264,7 @@ async def test_a_file_changed_and_back_within_one_coarse_tick_under_the_read_is_
                 await looks.until(lambda: not state.refused and not follower._follow_refused)
                 await looks.next()
                 stats = follower.statistics()
-                served = await _read_back(follower, pool, page)
+                served = await read_back(follower, pool, page)
                 assert stats.corrupt == 0 and served, (stats, served)
         assert_clean(pool)
 
@@ -316,7 +293,7 @@ async def test_two_followers_take_over_a_flipping_file_system_one_writer_at_most
         try:
             async with started(DiskTier(config(disk_dir, backend, min_free_bytes=0), layout, pool)) as writer:
                 for i in range(3):
-                    assert await _store(writer, pool, i)
+                    assert await store_page(writer, pool, i)
                 for f in followers:
                     await f.start()
                     assert f.read_only is ReadOnly.LOCKED
@@ -337,19 +314,19 @@ async def test_two_followers_take_over_a_flipping_file_system_one_writer_at_most
                 else:
                     await remount_read_only(mount)
                 for _ in range(rng.randrange(4)):
-                    writes += await _store(holder, pool, 10 + writes)
-                    assert not await _store(other, pool, 50)
+                    writes += await store_page(holder, pool, 10 + writes)
+                    assert not await store_page(other, pool, 50)
                     assert [f.read_only is None for f in followers].count(True) <= 1, "two writers"
             await asyncio.to_thread(remount, mount, "rw")
             async with asyncio.timeout(BOUND_S):
-                while not await _store(holder, pool, 10 + writes):  # noqa: ASYNC110 (its own timer)
+                while not await store_page(holder, pool, 10 + writes):  # noqa: ASYNC110 (its own timer)
                     await asyncio.sleep(0.01)
             writes += 1
             assert other.read_only is ReadOnly.LOCKED
             await looks[followers.index(other)].until(lambda: other.contains(key_of(10 + writes - 1, WRITER_TAG)))
-            assert await _read_back(other, pool, 10 + writes - 1)
+            assert await read_back(other, pool, 10 + writes - 1)
             for i in range(3):
-                assert await _read_back(holder, pool, i) and await _read_back(other, pool, i)
+                assert await read_back(holder, pool, i) and await read_back(other, pool, i)
             for f in followers:
                 kinds = {k.value: n for k, n in f.statistics().errors.items() if n}
                 assert not kinds.get("unexpected"), kinds

@@ -13,9 +13,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve, seed_payload
-from follow_helpers import WRITER_TAG, Looks, follow_config, started
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import WRITER_TAG, Looks, follow_config, read_back, started, store_page
 from fs_helpers import loop_ext4, remount
 from test_adv_cache_fs import remount_read_only
 
@@ -26,28 +25,6 @@ from aiokv.storage.pagefile import HEADER_BYTES
 
 INTERVAL_S = 0.1
 BOUND_S = 10.0
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    key = key_of(i, WRITER_TAG)
-    handle = fill(pool, key, i)
-    try:
-        return await tier.write(key, handle)
-    finally:
-        pool.table.release(handle)
-        pool.table.discard(key)
-
-
-async def _read_back(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    """Whether page ``i`` reads back bit for bit (other bytes fail the test; a miss: False)."""
-    into = reserve(pool, key_of(900 + i, 99))
-    try:
-        ok = await tier.read(key_of(i, WRITER_TAG), into)
-        if ok:
-            assert torch.equal(payload(pool, into), seed_payload(pool, i, 98)), f"page {i} served other bytes"
-        return ok
-    finally:
-        pool.table.abort(into)
 
 
 def _exists(path: Path) -> bool:
@@ -78,7 +55,7 @@ async def test_a_take_over_onto_a_read_only_file_system_writes_once_it_is_read_w
         try:
             async with started(DiskTier(config(disk_dir, backend, min_free_bytes=0), layout, pool)) as writer:
                 for i in range(3):
-                    assert await _write(writer, pool, i)
+                    assert await store_page(writer, pool, i)
                 corrupt = Path(writer.files.path(key_of(2, WRITER_TAG)))
                 _flip_a_payload_byte(corrupt)
                 temp = corrupt.parent / f".tmp-{key_of(5, WRITER_TAG).hex()}-0123456789abcdef0"
@@ -88,8 +65,8 @@ async def test_a_take_over_onto_a_read_only_file_system_writes_once_it_is_read_w
             looks = Looks(follower)
             await looks.until(lambda: follower.statistics().took_over == 1, BOUND_S)
             assert follower.read_only is ReadOnly.FILE_SYSTEM
-            assert not await _write(follower, pool, 3)  # refused
-            assert not await _read_back(follower, pool, 2)  # refused (corrupt): kept, nothing may go
+            assert not await store_page(follower, pool, 3)  # refused
+            assert not await read_back(follower, pool, 2)  # refused (corrupt): kept, nothing may go
             for _ in range(3):  # the looks go on, and see it still read-only
                 await looks.next()
                 assert follower.read_only is ReadOnly.FILE_SYSTEM
@@ -100,10 +77,10 @@ async def test_a_take_over_onto_a_read_only_file_system_writes_once_it_is_read_w
             await _unlinks_done(follower)
             assert not _exists(temp), "the dead writer's temporary file stayed"
             assert not _exists(corrupt), "the file refused while read-only stayed"
-            assert await _write(follower, pool, 3), "no page reached the disk after remount,rw"
+            assert await store_page(follower, pool, 3), "no page reached the disk after remount,rw"
             assert _exists(Path(follower.files.path(key_of(3, WRITER_TAG))))
             for i in (0, 1, 3):
-                assert await _read_back(follower, pool, i)
+                assert await read_back(follower, pool, i)
             stats = follower.statistics()
             assert (stats.took_over, stats.corrupt, stats.temp_files_removed, stats.pages) == (1, 1, 1, 3), stats
             assert not any(stats.errors.values()), stats
@@ -125,20 +102,20 @@ async def test_erofs_after_a_take_over_ends_with_remount_read_write(
                                           free_space_recheck_s=INTERVAL_S), layout, pool)
         try:
             async with started(DiskTier(config(disk_dir, backend, min_free_bytes=0), layout, pool)) as writer:
-                assert await _write(writer, pool, 0)
+                assert await store_page(writer, pool, 0)
                 await follower.start()
             looks = Looks(follower)
             await looks.until(lambda: follower.statistics().took_over == 1, BOUND_S)
             assert follower.read_only is None
             await remount_read_only(mount)
-            assert not await _write(follower, pool, 1)  # EROFS
+            assert not await store_page(follower, pool, 1)  # EROFS
             assert follower.read_only is ReadOnly.FILE_SYSTEM
             await asyncio.to_thread(remount, mount, "rw")
             async with asyncio.timeout(BOUND_S):
                 while follower.read_only is not None:  # noqa: ASYNC110 (rechecked on its own timer)
                     await asyncio.sleep(INTERVAL_S / 4)
-            assert await _write(follower, pool, 2)
-            assert await _read_back(follower, pool, 0) and await _read_back(follower, pool, 2)
+            assert await store_page(follower, pool, 2)
+            assert await read_back(follower, pool, 0) and await read_back(follower, pool, 2)
         finally:
             await follower.aclose()
         assert_clean(pool)

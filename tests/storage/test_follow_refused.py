@@ -20,36 +20,23 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, reserve, seed_payload
-from follow_helpers import WRITER_TAG, Looks, child, follow_config, receive, recycling_writer_child, started
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import (
+    WRITER_TAG,
+    Looks,
+    child,
+    follow_config,
+    read_back,
+    receive,
+    recycling_writer_child,
+    started,
+    store_page,
+)
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 from aiokv.storage.pagefile import HEADER_BYTES
-
-
-async def _store(tier: DiskTier, pool: PagePool, i: int) -> None:
-    key = key_of(i, WRITER_TAG)
-    handle = fill(pool, key, i)
-    try:
-        assert await tier.write(key, handle)
-    finally:
-        pool.table.release(handle)
-        pool.table.discard(key)
-
-
-async def _read_back(tier: DiskTier, pool: PagePool, i: int) -> bool:
-    """Whether page ``i`` reads back bit for bit (other bytes fail the test; a miss: False)."""
-    into = reserve(pool, key_of(900 + i, 99))
-    try:
-        ok = await tier.read(key_of(i, WRITER_TAG), into)
-        if ok:
-            assert torch.equal(payload(pool, into), seed_payload(pool, i, 98)), f"page {i} served other bytes"
-        return ok
-    finally:
-        pool.table.abort(into)
 
 
 def _exists(path: Path) -> bool:
@@ -76,13 +63,13 @@ async def test_a_refused_key_stored_again_under_its_inode_number_is_followed(
     refusal cannot be told: its identity was recorded within a second of its change time)."""
     async with started(DiskTier(config(disk_dir, backend), layout, pool)) as writer:
         for i in range(3):
-            await _store(writer, pool, i)
+            assert await store_page(writer, pool, i)
         path = Path(writer.files.path(key_of(1, WRITER_TAG)))
         _corrupt(path)
         async with started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as follower:
             looks = Looks(follower)
             assert follower.read_only is ReadOnly.LOCKED and follower.contains(key_of(1, WRITER_TAG))
-            assert not await _read_back(follower, pool, 1)  # refused: out of the index, kept
+            assert not await read_back(follower, pool, 1)  # refused: out of the index, kept
             assert not follower.contains(key_of(1, WRITER_TAG)) and _exists(path)
             if when == "after_it_was_found_corrupt":
                 # Unchanged since indexed, but its identity was recorded within a second of its
@@ -90,20 +77,20 @@ async def test_a_refused_key_stored_again_under_its_inode_number_is_followed(
                 # indexed again, counted neither way; its second refusal is counted corrupt.
                 await looks.until(lambda: follower.contains(key_of(1, WRITER_TAG)))
                 assert (follower.statistics().corrupt, follower.statistics().follow_raced) == (0, 0)
-                assert not await _read_back(follower, pool, 1)
+                assert not await read_back(follower, pool, 1)
                 await looks.until(lambda: follower.statistics().corrupt == 1)
                 reads = follower.statistics().reads
                 for _ in range(3):  # nothing changed: never indexed (read) again
                     await looks.next()
-                    assert not await _read_back(follower, pool, 1)
+                    assert not await read_back(follower, pool, 1)
                 assert (follower.statistics().reads, follower.statistics().corrupt) == (reads, 1)
             inode = os.stat(path).st_ino
             await writer.delete(key_of(1, WRITER_TAG))
-            await _store(writer, pool, 1)
+            assert await store_page(writer, pool, 1)
             reused = os.stat(path).st_ino == inode
             await looks.next()
             assert follower.contains(key_of(1, WRITER_TAG)), f"not followed (same inode number: {reused})"
-            assert await _read_back(follower, pool, 1)
+            assert await read_back(follower, pool, 1)
             stats = follower.statistics()
             # Before the look, the file changed under the read (the look cannot tell a corrupt one
             # replaced from a recycled one): no corruption counted.
@@ -129,7 +116,7 @@ async def test_a_file_recycled_under_the_read_counts_follow_raced_not_corrupt(
             conn.send(("recycle", 3))
             assert await receive(conn) == "held"
             caplog.set_level(logging.WARNING, logger="aiokv.storage.disk")
-            assert not await _read_back(follower, pool, 0)  # page 3's bytes under page 0's name
+            assert not await read_back(follower, pool, 0)  # page 3's bytes under page 0's name
             (said,) = [r.getMessage() for r in caplog.records if "refusing page file" in r.getMessage()]
             assert "kept, as the tier is read-only (held by another cache)" in said and "deleted" not in said
             await looks.next()  # mid-recycle: the file changed since it was indexed
@@ -139,8 +126,8 @@ async def test_a_file_recycled_under_the_read_counts_follow_raced_not_corrupt(
             stats = follower.statistics()
             assert (stats.corrupt, stats.follow_raced) == (0, 1), stats
             assert not any(stats.errors.values()), stats
-            assert not await _read_back(follower, pool, 0)
-            assert await _read_back(follower, pool, 3) and await _read_back(follower, pool, 1)
+            assert not await read_back(follower, pool, 0)
+            assert await read_back(follower, pool, 3) and await read_back(follower, pool, 1)
             conn.send("close")
             assert await receive(conn) == "closed"
     assert_clean(pool)
