@@ -604,6 +604,9 @@ class LoadStream:
                 # Not cancelled by a cancelled loader: _abandon quiesces the copies.
                 await asyncio.wait({launch.copy.future})
             manager.release(launch.handles)  # copied: evictable now, unless another caller holds them
+            # Failed too: it no longer holds them, and must not keep the stream counted as running
+            # once the loader ends (review 163).
+            self._copies.returned(launch)
             self._returned += 1
         # Its pool pages not launched yet (below this page) are all it holds now: when every caller
         # waits for room on the others', it is the one to give up (its pages go back as it ends).

@@ -28,7 +28,7 @@ class Launch:
     copy: Copy
     handles: list[PageHandle]
     """References on the copied pool pages: given back as soon as the copy delivered (a failed or
-    withdrawn one's at ``finish``/``aclose``)."""
+    withdrawn one's at ``finish``/``aclose``, or once over when the stream needs room)."""
     tier: Tier
     """Where the pages were: the pool, or the disk (read into the pool first)."""
 
@@ -70,7 +70,7 @@ class StreamCopies:
         self._failed = failed
         self.holding = 0
         """Launches whose pages this stream still holds: copies not over yet, or that failed."""
-        self._given_back: set[int] = set()  # ids of the launches whose pages went back as they ended
+        self._given_back: set[int] = set()  # ids of the launches whose pages went back (see returned)
         self._fixed: list[Copy] | None = None
         self._cuda = False
         # (engine stream, event) pairs the engine's streams were ordered after: an engine waits on
@@ -93,21 +93,33 @@ class StreamCopies:
         load's feed after its ``end``; TP: every rank reported it, a CUDA rank once its event
         completed): its pages go back now, cached and evictable, not at ``finish`` (the engine
         prefills its tail meanwhile, and a load finding the pool full stopped). Its outcome is kept
-        in ``future`` for ``settle``. A failed or withdrawn copy keeps them until the stream's end,
-        as before (a launch fault may leave queued scatters reading them); a failure (not a
-        withdrawal: the close stops the loader itself) is reported to ``failed``."""
+        in ``future`` for ``settle``. A failed or withdrawn copy keeps them until the stream's end
+        (or until it needs room: :meth:`returned`), as before (a launch fault may leave queued
+        scatters reading them); a failure (not a withdrawal: the close stops the loader itself) is
+        reported to ``failed``. A launch the stream already gave back is not given back again."""
         if future.cancelled() or (error := future.exception()) is not None:
             if (self._failed is not None and not future.cancelled()
                     and not isinstance(error, CopyWithdrawn)):
                 self._failed()
             return
-        if self._give_back is None:
-            return
+        if self._give_back is None or id(launch) in self._given_back:
+            return  # the stream gave its pages back already (:meth:`returned`)
         self._give_back(launch.handles)
-        self._given_back.add(id(launch))
-        self.holding -= 1
+        self.returned(launch)
         if self._gave_back is not None:
             self._gave_back()
+
+    def returned(self, launch: Launch) -> None:
+        """``launch``'s copy is over and its pages went back (the stream gave them back itself to
+        make room, a failed copy's included): it no longer counts in ``holding``, and ``handles``
+        leaves it out. Idempotent: a launch is uncounted once (review 163: a failed launch given back
+        by ``_make_room`` still counted, and the stream ran on in ``loads_running`` after its loader
+        ended, holding nothing, until ``finish``)."""
+        if id(launch) in self._given_back:
+            return
+        self._given_back.add(id(launch))
+        if self._give_back is not None:
+            self.holding -= 1
 
     def copies(self) -> list[Copy]:
         """The copies launched so far (one per launch), in launch order."""
@@ -202,7 +214,8 @@ class StreamCopies:
         return Settled(loaded_from, counted[Tier.POOL], counted[Tier.DISK], withdrawn, first_error)
 
     def handles(self) -> list[PageHandle]:
-        """References the launched copies still hold (not those given back as their copy ended)."""
+        """References the launched copies still hold (not those given back as their copy ended, nor
+        those the stream gave back to make room)."""
         given = self._given_back
         return [handle for launch in self.launches if id(launch) not in given for handle in launch.handles]
 

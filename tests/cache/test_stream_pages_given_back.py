@@ -8,7 +8,8 @@ running and stopped at once (``pool_exhausted``, nothing loaded). Now a copy tha
 its pages back when it ends (they stay cached, evictable), the pages the loader never launched go
 back when it ends, and the stream counts as running while it still holds any: a load finding the
 pool full waits (``offload_wait`` at most) for them rather than stopping. A copy that failed keeps
-its pages until ``finish()``/``aclose()``, as before; ``finish()`` reports exactly what landed.
+its pages until ``finish()``/``aclose()``, as before (or until the stream gives them back to make
+room: it then holds nothing once its loader ended); ``finish()`` reports exactly what landed.
 
 Real page files on disk, bit-exact checks, a small pool; the engine's KV buffer on the CPU (the
 poison checks read it directly), the copy thread held on a gate or slowed where a test needs copies
@@ -27,6 +28,7 @@ import torch
 from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
 
 from aiokv import KVCache
+from aiokv.kernels.hostcopy import HostScatter
 from aiokv.stream import LoadStream
 from aiokv.transfers import failed_copy
 
@@ -280,6 +282,85 @@ async def test_a_failed_copy_keeps_its_pages_until_finish(tmp_path: Path, monkey
         assert "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
     finally:
+        await cache.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layered"])
+async def test_a_failed_copy_given_back_for_room_ends_the_streams_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layered: bool,
+) -> None:
+    """Review 163: B's pages held leave one pool page free; the stream reads A's page 3 into it and
+    launches its copy (held on the copy thread), page 2's read finds the pool full, and
+    ``_make_room`` waits for that copy, which fails on the copy thread, and gives its page back. The
+    loader then ends holding nothing: the stream no longer counts in ``loads_running`` (it did until
+    ``finish``, the failed launch still counted as holding, and a load needing room waited for it)."""
+    cache, kv, source, a, b = await _setup(tmp_path, offload_wait=BOUND_S)
+    first_slot = int(TA[3 * T])
+    failed: list[int] = []
+    real_scatter = HostScatter.load
+
+    def scatter(self: HostScatter, page_ids: list[int], slots: torch.Tensor, skip_first: int = 0,
+                layers: range | None = None) -> None:
+        if int(slots[0]) == first_slot:
+            failed.append(3)
+            raise RuntimeError("copy engine fault (injected)")
+        real_scatter(self, page_ids, slots, skip_first, layers)
+
+    monkeypatch.setattr(HostScatter, "load", scatter)
+    real_make_room = LoadStream._make_room
+    making_room = asyncio.Event()
+
+    async def make_room(self: LoadStream, page: int) -> bool:
+        making_room.set()
+        return await real_make_room(self, page)
+
+    monkeypatch.setattr(LoadStream, "_make_room", make_room)
+    manager = cache._manager
+    held_b: Any = None
+    try:
+        cache.pool.table.evict(cache.pool.num_pages)
+        kv[:, TA] = POISON
+        kv[:, TB] = POISON
+        async with asyncio.timeout(BOUND_S):
+            assert await _second(cache, "load", b) == B_PAGES * T, _errors(cache)
+            held_b = await cache.match(b)  # B's pages referenced: one pool page left free
+            assert held_b.pool_pages == B_PAGES
+            match = await cache.match(a)
+            assert (match.pool_pages, match.disk_pages) == (0, A_PAGES), match
+        gate = CopyThreadGate(cache)
+        stream = await cache.start_load(match, TA, layered=layered)
+        try:
+            async with asyncio.timeout(BOUND_S):
+                await making_room.wait()
+            (launch,) = stream._copies.launches  # page 3's copy, held on the copy thread
+            assert (launch.low, launch.high) == (3, 3)
+            assert not launch.copy.future.done() and not cache.pool.table.has_room()
+        finally:
+            await gate.open()
+        async with asyncio.timeout(BOUND_S):
+            try:
+                assert await stream.launched() == 3 * T
+                assert failed == [3]
+                assert manager.loads_running == 0, "the stream still counts as running, holding nothing"
+                assert stream._copies.holding == 0
+                assert cache.stats().pool_referenced == B_PAGES
+            finally:
+                result = await stream.finish()
+        assert stream._copies.holding == 0
+        held_b.release()
+        held_b = None
+        assert (result.loaded_from, result.loaded_tokens) == (A_PAGES * T, 0), result  # nothing above the fault
+        assert bool((kv[:, TA[: 3 * T]] == POISON).all()), "a page below the failed copy was copied"
+        assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
+        errors = _errors(cache)
+        assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
+        assert "pool_exhausted" not in errors, errors
+        assert manager.loads_running == 0
+        await assert_quiescent(cache)
+    finally:
+        if held_b is not None:
+            held_b.release()
         await cache.aclose()
 
 
