@@ -378,4 +378,6 @@ async def test_early_given_back_pages_are_never_reused_under_a_copy(
 ) -> None:
     probe = CopyProbe(seed, monkeypatch)
     counts = await run_seed(seed, tmp_path / "disk", int(os.environ.get("AIOKV_REV155_ROUNDS", "12")), probe)
-    assert counts.get("stream loaded", 0) > 0 and counts["copies probed"] > 0, counts
+    # Not vacuous: copies ran under the probe. (A seed may draw no stream that loads anything, all
+    # cancelled, dropped or cut short: seed 57, whose copies are loads' and prefetches'.)
+    assert counts["copies probed"] > 0, counts
