@@ -28,19 +28,16 @@ file costs one more read).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import shutil
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import WRITER_TAG, Looks, follow_config, follow_threads, open_fds, read_back, started, store_page
-from fs_helpers import remount
+from fs_helpers import loop_ext4, remount
 from test_adv_cache_fs import remount_read_only
 
 from aiokv.layout import KVLayout
@@ -62,54 +59,12 @@ def _flip(path: Path, at: int = HEADER_BYTES + 7) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def _read(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _read(path: Path) -> bytes:  # plain functions: the async rules keep blocking I/O out of coroutines
+    return path.read_bytes()
 
 
 def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, check=False)
-
-
-@contextlib.contextmanager
-def _coarse_ext4(tmp: Path) -> Iterator[Path]:
-    """A loop-mounted ext4 whose inodes are 128 bytes: no room for the extra timestamp fields, so
-    every change time is a whole second."""
-    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None or shutil.which("losetup") is None:
-        pytest.skip("needs root, mkfs.ext4 and losetup")
-    image, mount = tmp / "coarse.img", tmp / "coarse"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(32 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-I", "128", str(image)], check=True, capture_output=True)
-    attach = _run("losetup", "--find", "--show", str(image))
-    if attach.returncode != 0:
-        pytest.skip(f"no loop device here: {attach.stderr.strip()}")
-    device = attach.stdout.strip()
-    try:
-        done = _run("mount", device, str(mount))
-        if done.returncode != 0:
-            pytest.skip(f"mounting a loop device is not possible here: {done.stderr.strip()}")
-        try:
-            yield mount
-        finally:
-            if _run("umount", str(mount)).returncode != 0:
-                _run("umount", "-l", str(mount))
-    finally:
-        _run("losetup", "-d", device)
-
-
-@contextlib.contextmanager
-def _loop_ext4(tmp: Path) -> Iterator[Path]:
-    from fs_helpers import loop_ext4
-
-    with loop_ext4(tmp, 24) as mount:
-        yield mount
+    path.write_bytes(data)
 
 
 # -- a corrupt file something keeps changing --------------------------------------------------
@@ -226,7 +181,7 @@ async def test_a_file_changed_and_back_within_one_coarse_tick_under_the_read_is_
     (and unlinked at the take-over). Now the look records the identity again (a second after its
     change time), indexes the key again and counts the read neither way; the page is served."""
     backend = DiskBackend.THREADS
-    with _coarse_ext4(tmp_path) as mount:
+    with loop_ext4(tmp_path, 32, inode_bytes=128) as mount:
         disk_dir = mount / "disk"
         async with started(DiskTier(config(disk_dir, backend, min_free_bytes=0), layout, pool)) as writer:
             for i in range(3):
@@ -286,7 +241,7 @@ async def test_two_followers_take_over_a_flipping_file_system_one_writer_at_most
     rng = random.Random(seed)
     backend = [DiskBackend.THREADS, DiskBackend.URING, DiskBackend.URING_FIXED][seed % 3]
     fds = open_fds()
-    with _loop_ext4(tmp_path) as mount:
+    with loop_ext4(tmp_path, 24) as mount:
         disk_dir = mount / "disk"
         conf = follow_config(disk_dir, backend, interval=0.005, min_free_bytes=0, free_space_recheck_s=0.01)
         followers = [DiskTier(conf, layout, pool) for _ in range(2)]
