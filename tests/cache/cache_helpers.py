@@ -134,3 +134,8 @@ class CopyThreadGate:
     async def open(self) -> None:
         self._event.set()
         await self.blocker
+
+
+def errors_of(cache: KVCache) -> dict[str, int]:
+    """The fault counters of ``cache`` that are not zero (kind -> count)."""
+    return {kind: n for kind, n in cache.stats().errors.items() if n}

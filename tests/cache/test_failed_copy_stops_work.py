@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, errors_of, make_kv, prompt
+from test_window_faults import BASE, PAGES, POISON, _page_is, _poisoned, _target
 
 from aiokv import KVCache
 from aiokv.keys import PageKey
@@ -37,9 +38,6 @@ from aiokv.storage.backends import IOOp
 from aiokv.transfers import failed_copy
 
 T = LAYOUT.page_tokens
-PAGES = 8
-BASE = 40
-POISON = 100.0
 BOUND_S = 30.0
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: poison checks read it directly")
@@ -60,26 +58,6 @@ async def _cache(root: Path, kv: torch.Tensor, pool_pages: int, **extra: object)
     await cache.start()
     await cache.pool.wait_ready()
     return cache
-
-
-def _target() -> torch.Tensor:
-    return torch.arange(BASE, BASE + PAGES * T)
-
-
-def _slots_of(page: int) -> torch.Tensor:
-    return torch.arange(BASE + page * T, BASE + (page + 1) * T)
-
-
-def _page_is(kv: torch.Tensor, source: torch.Tensor, page: int) -> bool:
-    return torch.equal(kv[:, _slots_of(page)], source[:, page * T : (page + 1) * T])
-
-
-def _poisoned(kv: torch.Tensor, page: int) -> bool:
-    return bool((kv[:, _slots_of(page)] == POISON).all())
-
-
-def _errors(cache: KVCache) -> dict[str, int]:
-    return {k: v for k, v in cache.stats().errors.items() if v}
 
 
 def _reads(cache: KVCache) -> int:
@@ -175,13 +153,13 @@ async def test_a_streams_failed_copy_stops_its_later_launches_and_reads(
                 # page (kept until finish) and page 7's, if its copy still runs, are referenced.
                 assert cache.stats().pool_referenced <= 2, cache.stats()
                 result = await stream.finish()
-        assert result.loaded_from == 7 * T and result.loaded_tokens == T, (result, _errors(cache))
+        assert result.loaded_from == 7 * T and result.loaded_tokens == T, (result, errors_of(cache))
         assert launched == [7, 6], launched
         if tier == "disk":
             assert _reads(cache) - reads <= 3, (_reads(cache) - reads, "pages read for a suffix of one")
         assert _page_is(kv, source, 7)
         assert all(_poisoned(kv, p) for p in range(7)), "a page below the failed copy was written"
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "disk_read_failed" not in errors and "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
@@ -216,11 +194,11 @@ async def test_a_failed_read_ends_a_loads_reads_in_its_group(
         kv[:, target] = POISON
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(match, target)
-        assert result.tokens == page * T, (result, _errors(cache))
+        assert result.tokens == page * T, (result, errors_of(cache))
         assert _reads(cache) - reads == 3, (_reads(cache) - reads, "pages read past the failed one")
         assert all(_page_is(kv, source, p) for p in range(page))
         assert all(_poisoned(kv, p) for p in range(page, PAGES))
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
@@ -245,9 +223,9 @@ async def test_a_prefetch_reads_nothing_past_a_page_the_tier_dropped(tmp_path: P
         reads = _reads(cache)
         async with asyncio.timeout(BOUND_S):
             fetched = await cache.prefetch(tokens)
-        assert fetched.promoted == page, (fetched, _errors(cache))
+        assert fetched.promoted == page, (fetched, errors_of(cache))
         assert _reads(cache) - reads == 3, (_reads(cache) - reads, "pages read past the dropped one")
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed") == 1 and "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
         match = await cache.match(tokens)
@@ -317,10 +295,10 @@ async def test_a_failed_read_ahead_given_up_for_room_counts_once(
             await gate.open()
         assert outcomes[4][0] is NoPage.FULL and outcomes[3][0] is NoPage.MISS, outcomes  # the scenario
         assert len(outcomes[3]) == 1, ("page 3 read again after its read ahead failed", outcomes)
-        assert result.loaded_from == 4 * T, (result, _errors(cache))
+        assert result.loaded_from == 4 * T, (result, errors_of(cache))
         assert all(_page_is(kv, source, p) for p in range(4, PAGES))
         assert all(_poisoned(kv, p) for p in range(4))
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed") == 1, errors
         assert errors.get("disk_eio", 0) == (kind == "eio-always"), errors
         assert errors.get("load_shortened") == 1 and "pool_exhausted" not in errors, errors

@@ -25,7 +25,17 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
+from cache_helpers import (
+    DEVICE,
+    LAYOUT,
+    CopyThreadGate,
+    assert_quiescent,
+    config,
+    errors_of,
+    make_kv,
+    prompt,
+    slow_host_copies,
+)
 
 from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostScatter
@@ -82,10 +92,6 @@ async def _second(cache: KVCache, how: str, tokens: list[int]) -> int:
         return (await stream.finish()).loaded_tokens
 
 
-def _errors(cache: KVCache) -> dict[str, int]:
-    return {k: v for k, v in cache.stats().errors.items() if v}
-
-
 async def _copies_over(stream: LoadStream) -> None:
     """Until every copy the stream launched is over (the engine does not wait for that)."""
     await asyncio.wait({launch.copy.future for launch in stream._copies.launches})
@@ -132,12 +138,12 @@ async def test_a_load_after_a_streams_copies_ended_gets_their_pages(
                     loaded_b = await _second(cache, second, b)
                 finally:
                     result = await stream.finish()
-            assert loaded_b == B_PAGES * T, (loaded_b, _errors(cache))
+            assert loaded_b == B_PAGES * T, (loaded_b, errors_of(cache))
             assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
             pool_pages, disk_pages = (A_PAGES, 0) if tier == "pool" else (0, A_PAGES)
             assert (result.loaded_from, result.pool_pages, result.disk_pages) == (0, pool_pages, disk_pages), result
             assert torch.equal(kv[:, TA], source[:, : A_PAGES * T])
-            assert not _errors(cache), _errors(cache)
+            assert not errors_of(cache), errors_of(cache)
             await assert_quiescent(cache)
     finally:
         await cache.aclose()
@@ -174,11 +180,11 @@ async def test_a_load_waits_for_a_streams_copies_still_running(
                 loaded_b = await task
             finally:
                 result = await stream.finish()
-        assert loaded_b == B_PAGES * T, (loaded_b, _errors(cache))
+        assert loaded_b == B_PAGES * T, (loaded_b, errors_of(cache))
         assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
         assert (result.loaded_from, result.loaded_tokens) == (0, A_PAGES * T), result
         assert torch.equal(kv[:, TA], source[:, : A_PAGES * T])
-        assert not _errors(cache), _errors(cache)
+        assert not errors_of(cache), errors_of(cache)
         await assert_quiescent(cache)
     finally:
         await cache.aclose()
@@ -207,12 +213,12 @@ async def test_the_pages_the_engine_claimed_go_back_when_the_loader_ends(tmp_pat
                 loaded_b = await _second(cache, "load", b)
             finally:
                 result = await stream.finish()
-        assert loaded_b == B_PAGES * T, (loaded_b, _errors(cache))
+        assert loaded_b == B_PAGES * T, (loaded_b, errors_of(cache))
         assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
         assert (result.claimed, result.loaded_from, result.pool_pages) == (2 * T, 2 * T, 2), result
         assert torch.equal(kv[:, TA[2 * T :]], source[:, 2 * T : A_PAGES * T])
         assert bool((kv[:, TA[: 2 * T]] == POISON).all()), "the stream wrote slots the engine claimed"
-        assert not _errors(cache), _errors(cache)
+        assert not errors_of(cache), errors_of(cache)
         await assert_quiescent(cache)
     finally:
         await cache.aclose()
@@ -260,7 +266,7 @@ async def test_a_failed_copy_keeps_its_pages_until_finish(tmp_path: Path, monkey
                 await _copies_over(stream)
                 assert cache.stats().pool_referenced == 1  # the failed copy's page alone
                 # B needs 3 pages: 3 are evictable, so it loads at once; the engine then pins them.
-                assert await _second(cache, "load", b) == B_PAGES * T, _errors(cache)
+                assert await _second(cache, "load", b) == B_PAGES * T, errors_of(cache)
                 held_b = await cache.match(b)
                 assert held_b.pool_pages == B_PAGES
                 # A's first page again: it needs the page the failed copy holds.
@@ -271,13 +277,13 @@ async def test_a_failed_copy_keeps_its_pages_until_finish(tmp_path: Path, monkey
                 assert not task.done(), "the load stopped instead of waiting for the stream's end"
             finally:
                 result = await stream.finish()
-            assert (await task).tokens == T, _errors(cache)
+            assert (await task).tokens == T, errors_of(cache)
         held_b.release()
         assert torch.equal(kv[:, torch.arange(200, 200 + T)], source[:, :T])
         assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
         assert (result.loaded_from, result.disk_pages) == (2 * T, 2), result
         assert torch.equal(kv[:, TA[2 * T :]], source[:, 2 * T : A_PAGES * T])
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
@@ -323,7 +329,7 @@ async def test_a_failed_copy_given_back_for_room_ends_the_streams_run(
         kv[:, TA] = POISON
         kv[:, TB] = POISON
         async with asyncio.timeout(BOUND_S):
-            assert await _second(cache, "load", b) == B_PAGES * T, _errors(cache)
+            assert await _second(cache, "load", b) == B_PAGES * T, errors_of(cache)
             held_b = await cache.match(b)  # B's pages referenced: one pool page left free
             assert held_b.pool_pages == B_PAGES
             match = await cache.match(a)
@@ -353,7 +359,7 @@ async def test_a_failed_copy_given_back_for_room_ends_the_streams_run(
         assert (result.loaded_from, result.loaded_tokens) == (A_PAGES * T, 0), result  # nothing above the fault
         assert bool((kv[:, TA[: 3 * T]] == POISON).all()), "a page below the failed copy was copied"
         assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors, errors
         assert manager.loads_running == 0
@@ -430,10 +436,10 @@ async def test_a_stream_and_a_load_cancelled_at_random_points(
             if tasks[1].cancelled():
                 assert bool((kv[:, TB] == POISON).all()), "a load copy wrote the slots after its cancel"
             else:
-                assert outcomes[1] == B_PAGES * T, (outcomes[1], _errors(cache))
+                assert outcomes[1] == B_PAGES * T, (outcomes[1], errors_of(cache))
                 assert torch.equal(kv[:, TB], source[:, A_PAGES * T : (A_PAGES + B_PAGES) * T])
                 checked += 1
-            assert not _errors(cache), _errors(cache)
+            assert not errors_of(cache), errors_of(cache)
         assert checked and cancelled, (checked, cancelled)
     finally:
         await cache.aclose()

@@ -34,7 +34,17 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
+from cache_helpers import (
+    DEVICE,
+    LAYOUT,
+    CopyThreadGate,
+    assert_quiescent,
+    config,
+    errors_of,
+    make_kv,
+    prompt,
+    slow_host_copies,
+)
 
 from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostScatter
@@ -100,10 +110,6 @@ def _page_is(kv: torch.Tensor, source: torch.Tensor, page: int) -> bool:
 
 def _poisoned(kv: torch.Tensor, page: int) -> bool:
     return bool((kv[:, _slots_of(page)] == POISON).all())
-
-
-def _errors(cache: KVCache) -> dict[str, int]:
-    return {k: v for k, v in cache.stats().errors.items() if v}
 
 
 # -- faults ---------------------------------------------------------------------------------------
@@ -219,13 +225,13 @@ async def test_a_disk_fault_in_a_window_shortens_the_load_there(
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(match, target)
         assert (result.tokens, result.disk_pages, result.pool_pages) == (page * T, page, 0), \
-            (result, _errors(cache))
+            (result, errors_of(cache))
         for p in range(PAGES):
             if p < page:
                 assert _page_is(kv, source, p), f"page {p} reported loaded holds other bytes"
             else:
                 assert _poisoned(kv, p), f"page {p}, at or past the failed page {page}, was written"
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors and "copy_failed" not in errors, errors
         assert errors.get("disk_eio", 0) == (kind == "eio"), errors
@@ -239,7 +245,7 @@ async def test_a_disk_fault_in_a_window_shortens_the_load_there(
         kv[:, target] = POISON
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(again, target[: again.tokens])
-        assert result.tokens == expected * T, (result, _errors(cache))
+        assert result.tokens == expected * T, (result, errors_of(cache))
         assert all(_page_is(kv, source, p) for p in range(expected))
         await assert_quiescent(cache)
     finally:
@@ -283,7 +289,7 @@ async def test_a_copy_fault_in_a_window_shortens_the_load_there(
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(match, target)
         assert failed == [page]
-        assert (result.tokens, result.pool_pages) == (page * T, min(page, pooled)), (result, _errors(cache))
+        assert (result.tokens, result.pool_pages) == (page * T, min(page, pooled)), (result, errors_of(cache))
         after = kv[:, target].clone()
         window = _window_of(page)
         for p in range(PAGES):
@@ -293,7 +299,7 @@ async def test_a_copy_fault_in_a_window_shortens_the_load_there(
                 assert _poisoned(kv, p), f"page {p}, in a window after the failed copy's, was written"
             elif p > page:  # launched in the failed copy's window before its failure was known
                 assert _page_is(kv, source, p) or _poisoned(kv, p), f"page {p} holds other bytes"
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors and "disk_read_failed" not in errors, errors
         # Nothing past the failed copy's window was read from disk.
@@ -342,14 +348,14 @@ async def test_a_disk_fault_in_a_streams_window_ends_its_suffix_there(
         async with asyncio.timeout(BOUND_S):
             result, layers = await _stream(cache, match, target, layered)
         assert (result.loaded_from, result.disk_pages, result.claimed) == ((page + 1) * T, PAGES - 1 - page, 0), \
-            (result, _errors(cache))
+            (result, errors_of(cache))
         assert all(layers), layers  # every launched copy landed
         for p in range(PAGES):
             if p > page:
                 assert _page_is(kv, source, p), f"page {p} reported loaded holds other bytes"
             else:
                 assert _poisoned(kv, p), f"page {p}, at or below the failed page {page}, was written"
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors and "copy_failed" not in errors, errors
         assert errors.get("disk_eio", 0) == (kind == "eio"), errors
@@ -385,7 +391,7 @@ async def test_a_copy_fault_in_a_streams_window_ends_its_suffix_there(
             result, layers = await _stream(cache, match, target, layered)
         assert failed == [page]
         assert (result.loaded_from, result.disk_pages) == ((page + 1) * T, PAGES - 1 - page), \
-            (result, _errors(cache))
+            (result, errors_of(cache))
         landed = [kind == "torn" and layered and at < layer for at in range(LAYOUT.num_layers)]
         assert layers == landed, (layers, landed)
         after = kv[:, target].clone()
@@ -394,7 +400,7 @@ async def test_a_copy_fault_in_a_streams_window_ends_its_suffix_there(
                 assert _page_is(kv, source, p), f"page {p} reported loaded holds other bytes"
             elif p < page:
                 assert _page_is(kv, source, p) or _poisoned(kv, p), f"page {p} holds other bytes"
-        errors = _errors(cache)
+        errors = errors_of(cache)
         assert errors.get("copy_failed") == 1 and errors.get("load_shortened") == 1, errors
         assert "pool_exhausted" not in errors and "disk_read_failed" not in errors, errors
         assert sum(cache.stats().loaded_tokens.values()) == (PAGES - 1 - page) * T
@@ -427,8 +433,8 @@ async def test_a_disk_fault_in_a_prefetch_ends_its_count_there(
         async with asyncio.timeout(BOUND_S):
             fetched = await cache.prefetch(tokens)
         reached = page < pool_pages  # a small pool stops where it is full (prefetch keeps that limit)
-        assert (fetched.pool_pages, fetched.promoted) == (0, min(page, pool_pages)), (fetched, _errors(cache))
-        errors = _errors(cache)
+        assert (fetched.pool_pages, fetched.promoted) == (0, min(page, pool_pages)), (fetched, errors_of(cache))
+        errors = errors_of(cache)
         assert errors.get("disk_read_failed", 0) == reached, errors
         assert "load_shortened" not in errors and "copy_failed" not in errors, errors
         await assert_quiescent(cache)
@@ -440,7 +446,7 @@ async def test_a_disk_fault_in_a_prefetch_ends_its_count_there(
         kv[:, target] = POISON
         async with asyncio.timeout(BOUND_S):
             result = await cache.load(match, target[: match.tokens])
-        assert result.tokens == (match.tokens if reached else page * T), (result, _errors(cache))
+        assert result.tokens == (match.tokens if reached else page * T), (result, errors_of(cache))
         assert all(_page_is(kv, source, p) for p in range(result.tokens // T))
         assert all(_poisoned(kv, p) for p in range(result.tokens // T, PAGES))
         await assert_quiescent(cache)
@@ -553,13 +559,13 @@ async def test_a_load_stopped_while_it_waits_for_its_windows_copies(
             await assert_quiescent(cache)
             assert torch.equal(kv[:, target], at_cancel), "a copy wrote the slots after the CancelledError"
             assert all(_poisoned(kv, p) for p in range(PAGES))  # its copies never ran
-            errors = _errors(cache)
+            errors = errors_of(cache)
             assert not errors, errors
             again = await cache.match(tokens)
             async with asyncio.timeout(BOUND_S):
                 result = await _run(cache, how, again, target)
             loaded = result.tokens if how == "load" else result[0].loaded_tokens
-            assert loaded == PAGES * T, (result, _errors(cache))
+            assert loaded == PAGES * T, (result, errors_of(cache))
             assert torch.equal(kv[:, target], source[:, : PAGES * T])
             await assert_quiescent(cache)
             return
@@ -665,15 +671,15 @@ async def test_a_load_stopped_or_faulted_while_it_waits_for_room(
         if stop == "cancel":
             assert (low, high) == (0, 6), got
             assert bool((kv[:, tb] == POISON).all()), "the cancelled load wrote its slots"
-            assert not _errors(cache), _errors(cache)
+            assert not errors_of(cache), errors_of(cache)
         else:
             # Shortened at its fault (a load: the pages before it; a stream: those above it).
             assert (low, high) == ((0, fault_page) if holder == "load" else (fault_page + 1, 6)), got
             async with asyncio.timeout(BOUND_S):
                 rb = await second
-            assert rb.tokens == 6 * T, (rb, _errors(cache))
+            assert rb.tokens == 6 * T, (rb, errors_of(cache))
             assert torch.equal(kv[:, tb], source[:, 6 * T : 12 * T])
-            errors = _errors(cache)
+            errors = errors_of(cache)
             assert errors.get("load_shortened") == 1 and "pool_exhausted" not in errors, errors
         await assert_quiescent(cache)
     finally:
@@ -748,7 +754,7 @@ async def test_two_callers_over_one_hit_with_faults_and_cancels(
                         assert right or bool((got == POISON).all()), \
                             f"seed {seed}: {how} page {p} holds other bytes ({kind} at {page})"
             await assert_quiescent(cache)
-        assert "pool_exhausted" not in _errors(cache), _errors(cache)
+        assert "pool_exhausted" not in errors_of(cache), errors_of(cache)
     finally:
         await cache.aclose()
 
@@ -878,12 +884,12 @@ async def test_a_page_given_back_as_a_load_begins_to_wait_for_room_wakes_it(
             await gate.open()
         async with asyncio.timeout(BOUND_S):
             ra, rb = await first, await second
-        assert ra.tokens == 6 * T, (ra, _errors(cache))
+        assert ra.tokens == 6 * T, (ra, errors_of(cache))
         loaded_b = rb.tokens if waiter == "load" else rb[0].loaded_tokens
-        assert loaded_b == 6 * T, (rb, _errors(cache))
+        assert loaded_b == 6 * T, (rb, errors_of(cache))
         assert torch.equal(kv[:, ta], source[:, T : 7 * T])
         assert torch.equal(kv[:, tb], source[:, 7 * T : 13 * T])
-        assert not _errors(cache), _errors(cache)
+        assert not errors_of(cache), errors_of(cache)
         await assert_quiescent(cache)
     finally:
         await cache.aclose()
@@ -937,10 +943,10 @@ async def test_a_stream_takes_a_page_brought_in_since_its_read_found_the_pool_fu
         async with asyncio.timeout(BOUND_S):
             result, layers = await _stream(cache, match, target, layered)
         assert answers[0] is NoPage.FULL, answers  # the read met the pool full, as set up
-        assert (result.loaded_from, result.disk_pages) == (0, 1), (result, _errors(cache))
+        assert (result.loaded_from, result.disk_pages) == (0, 1), (result, errors_of(cache))
         assert all(layers), layers
         assert torch.equal(kv[:, target], source[:, POOL * T : (POOL + 1) * T])
-        assert not _errors(cache), _errors(cache)
+        assert not errors_of(cache), errors_of(cache)
         for match_held in held:
             match_held.release()
         held.clear()
@@ -979,9 +985,9 @@ async def test_two_callers_of_one_hit_through_a_small_pool_both_load_it_whole(
                                                  for how, m, t in zip(hows, matches, targets, strict=True)))
             for how, target, result in zip(hows, targets, results, strict=True):
                 loaded = result.tokens if how == "load" else result[0].loaded_tokens
-                assert loaded == pages * T, (how, result, _errors(cache))
+                assert loaded == pages * T, (how, result, errors_of(cache))
                 assert torch.equal(kv[:, target], source[:, : pages * T])
-            assert not _errors(cache), _errors(cache)
+            assert not errors_of(cache), errors_of(cache)
             await assert_quiescent(cache)
     finally:
         await cache.aclose()
