@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.process
 
 PRELOAD = ["torch", "pytest", "aiokv.pool", "aiokv.storage"]
 
@@ -22,3 +23,14 @@ def fork_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def end_child(proc: multiprocessing.process.BaseProcess, timeout: float | None = None) -> None:
+    """SIGKILL ``proc`` unless it has ended, then reap it (within ``timeout``).
+
+    Not ``if proc.is_alive(): os.kill(proc.pid, SIGKILL)``: a fork-server child that exited is
+    reaped by the server, which writes its status to the parent a moment later; in between
+    ``is_alive()`` is still true and the kill fails with ProcessLookupError (a CI run failed so).
+    ``Process.kill`` sends nothing once the status is known and tolerates a pid already gone."""
+    proc.kill()
+    proc.join(timeout)

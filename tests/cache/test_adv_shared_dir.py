@@ -8,8 +8,6 @@ names are recycled for other keys. Every byte it serves must be the prefix oracl
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config
-from child_procs import fork_context
+from child_procs import end_child, fork_context
 from test_adv_crash_restart import SLOTS, prefix_oracle, prompts_of
 
 from aiokv import KVCache
@@ -97,8 +95,6 @@ async def test_read_only_peer_never_serves_a_recycled_file(tmp_path: Path) -> No
             assert reader.disk.statistics().pages > 0
         assert proc.is_alive(), "the writer died"
     finally:
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        end_child(proc)
         parent.close()
     assert served > 0 and rounds > 1, (served, rounds)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from child_procs import fork_context
+from child_procs import end_child, fork_context
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -185,9 +185,7 @@ def sigkilled_child(target: Callable[..., None], *args: object) -> Iterator[Conn
     try:
         yield parent
     finally:
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        end_child(proc)
         parent.close()
         for path in glob.glob(f"/dev/shm/aiokv-{proc.pid}-*"):  # a SIGKILLed pool never unlinks it
             # Another pool's reclaim (a later test's start, its background thread) may get there first.

@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import glob
 import os
-import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from child_procs import fork_context
+from child_procs import end_child, fork_context
 from disk_helpers import config, fill, key_of, payload, reserve, seed_payload, small_layout
 
 from aiokv.pool import PagePool
@@ -218,10 +217,7 @@ def child(target: Callable[..., None], *args: object) -> Iterator[tuple[Connecti
     try:
         yield parent, proc
     finally:
-        if proc.is_alive():
-            assert proc.pid is not None
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        end_child(proc)
         parent.close()
         for path in glob.glob(f"/dev/shm/aiokv-{proc.pid}-*"):  # a killed pool never unlinks its segment
             with contextlib.suppress(FileNotFoundError):

@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 import torch
 from adv_helpers import START_S, AdvRanks, idx, rank_prefix_kv
-from child_procs import fork_context
+from child_procs import end_child, fork_context
 from tp_helpers import CONFIG
 
 from aiokv import CacheConfig, KVLayout
@@ -87,10 +87,8 @@ async def procs_left() -> AsyncIterator[list[object]]:
     for item in left:
         if isinstance(item, AdvRanks):
             await item.kill_all()
-        elif isinstance(item, multiprocessing.process.BaseProcess) and item.is_alive():
-            assert item.pid is not None
-            os.kill(item.pid, signal.SIGKILL)
-            await asyncio.to_thread(item.join, 30)
+        elif isinstance(item, multiprocessing.process.BaseProcess):
+            await asyncio.to_thread(end_child, item, 30)
 
 
 def _state(name: str) -> SegmentState | None:
