@@ -289,3 +289,9 @@ class DiskStatistics:
     follow_raced: int = 0
     """Reads refused while following whose file had changed since it was indexed (the other cache
     recycled, replaced or removed it under the read): misses, not corruption."""
+    lock_retaken: int = 0
+    """Times this tier, writing, found ``.lock`` removed or replaced and took the file there now
+    (still the only writer; checked every ``follow_interval_s``)."""
+    lock_lost: int = 0
+    """Times this tier, writing, found ``.lock`` replaced and held by another cache: it stopped
+    writing and evicting and follows that cache (``read_only`` ``LOCKED``)."""

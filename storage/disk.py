@@ -174,6 +174,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         self._accepting = True
         self._start_following(prepared.seed)
         prepared.seed = None  # the looks' now
+        if prepared.lock_fd is not None:
+            self._start_watching()
         self._refill_spares()
         log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
                  describe_layout_io(self.layout, self._io), len(self._index), self._temp_removed, self._skipped)
@@ -278,6 +280,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if self._starting is not None:
             await asyncio.wait({self._starting})  # a start in flight may still be opening the backend
         await self._stop_following()  # its look's thread ended before any descriptor is closed
+        await self._stop_watching()  # so did the lock check's
         if self._writable_again is not None:  # no more looks at a read-only file system
             self._writable_again.cancel()
             await asyncio.wait({self._writable_again})
@@ -567,6 +570,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             followed_out=self._followed_out,
             took_over=self._took_over,
             follow_raced=self._follow_raced,
+            lock_retaken=self._lock_retaken,
+            lock_lost=self._lock_lost,
         )
 
     def spare_statistics(self) -> SpareStatistics:

@@ -70,6 +70,7 @@ from .layoutdir import (
     file_identity,
     free_space,
     list_fanout,
+    lock_named,
     open_private_subdir,
 )
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd, classify_open_error
@@ -212,8 +213,7 @@ def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> in
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # The name must still lead to the file locked: a lock on a file unlinked (or replaced)
         # meanwhile would make a second writer beside the one holding the new one.
-        held, named = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
-        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+        if not lock_named(fd, dir_fd):
             os.close(fd)
             return None
     except BlockingIOError:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 
 from aiokv.keys import PageKey
 from aiokv.pool import run_in_new_thread
@@ -35,6 +36,7 @@ from .config import ReadOnly
 from .follow import FollowState, Look, look
 from .jobs import wait_uncancelled
 from .layoutdir import FollowSeed
+from .lockwatch import LockCheck, LockState, check_lock
 from .tierbase import TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
@@ -70,25 +72,7 @@ class FollowPath(TierBase):
     def _look_soon(self) -> None:
         """The next look now rather than after ``follow_interval_s`` (after the one in progress, if
         any: the next look starts after this call)."""
-        self._follow_now = True
-        wake = self._follow_wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    async def _follow_pause(self, interval: float) -> None:
-        """``interval`` seconds, or less when :meth:`_look_soon` is called."""
-        if self._follow_now:
-            self._follow_now = False
-            return
-        loop = asyncio.get_running_loop()
-        wake = self._follow_wake = loop.create_future()
-        timer = loop.call_later(interval, _wake, wake)
-        try:
-            await wake
-        finally:
-            timer.cancel()
-            self._follow_wake = None
-            self._follow_now = False
+        self._follow_ticker.soon()
 
     async def _stop_following(self) -> None:
         """At close: stop the look in progress, wait for its thread, close what it opened."""
@@ -153,7 +137,7 @@ class FollowPath(TierBase):
     async def _follow(self, state: FollowState) -> None:
         interval = self.config.follow_interval_s
         while self._following():
-            await self._follow_pause(interval)
+            await self._follow_ticker.wait(interval)
             if not self._following():
                 return
             assert self._dir is not None
@@ -254,6 +238,7 @@ class FollowPath(TierBase):
         self._read_only = found.read_only
         self._index.set_capacity(found.space, after_enospc=False)
         self._space_checked = asyncio.get_running_loop().time()
+        self._start_watching()
         if self._read_only is not None:
             self._follow_held = True
             log.warning("disk tier: %s: took the directory over from the cache that held it, but it is read-only "
@@ -275,7 +260,93 @@ class FollowPath(TierBase):
         self._remove_files(self._index.evict_to(self._index.capacity))
         self._refill_spares()
 
+    # -- the writer's lock: its name checked (:mod:`.lockwatch`) -------------------------------
 
-def _wake(wake: asyncio.Future[None]) -> None:
-    if not wake.done():
-        wake.set_result(None)
+    def _start_watching(self) -> None:
+        """While this tier holds the directory's lock: check every ``follow_interval_s`` (0: never)
+        that ``.lock`` still names the file it holds."""
+        task = self._watch_task
+        if self.config.follow_interval_s and self._accepting and (task is None or task.done()):
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+
+    def _check_lock_soon(self) -> None:
+        """The next check of the lock now rather than after ``follow_interval_s``."""
+        self._watch_ticker.soon()
+
+    def _watching(self) -> bool:
+        return self._accepting and self._dir is not None and self._dir.lock_fd is not None
+
+    async def _watch(self) -> None:
+        while self._watching():
+            await self._watch_ticker.wait(self.config.follow_interval_s)
+            if not self._watching():
+                return
+            assert self._dir is not None and self._dir.lock_fd is not None
+            work = functools.partial(check_lock, self._dir.dir_fd, self._dir.lock_fd, self.files.layout_dir)
+            job = run_in_new_thread(work, "aiokv-disk-lock", LockCheck.close)
+            try:
+                found = await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await wait_uncancelled(job)  # it uses the tier's descriptors: never closed under it
+                if not job.cancelled() and job.exception() is None:
+                    job.result().close()
+                raise
+            except Exception:  # a bug in the check: counted, and the next one tries again
+                self._faults.unexpected("a check of the directory's lock")
+                continue
+            try:
+                self._apply_lock_check(found)
+            except Exception:
+                self._faults.unexpected("applying a check of the directory's lock")
+            finally:
+                found.close()  # a new lock the tier did not take
+
+    async def _stop_watching(self) -> None:
+        """At close: stop the checks, wait for the one in progress and close what it took."""
+        task = self._watch_task
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
+            log.error("disk tier: checking the lock of %s ended with %r", self.files.layout_dir, task.exception())
+
+    def _apply_lock_check(self, found: LockCheck) -> None:
+        """A check's outcome: a fault counted; a new lock taken (the old one let go); a lock held by
+        another cache: this tier stops writing and follows it."""
+        prepared = self._dir
+        assert prepared is not None
+        if found.fault is not None:
+            self._faults.count(*found.fault)
+        if not self._watching():
+            return  # closing: the close lets the lock go
+        assert prepared.lock_fd is not None
+        if found.state is LockState.RETAKEN:
+            assert found.fd is not None
+            old, prepared.lock_fd, found.fd = prepared.lock_fd, found.fd, None
+            os.close(old)  # an unlinked file nobody else can lock through its name
+            self._lock_retaken += 1
+            log.warning("disk tier: %s was removed or replaced under this cache, which held it: took the file there "
+                        "now (still the only cache writing there)", self.files.layout_dir / ".lock")
+        elif found.state is LockState.LOST:
+            self._lose_lock()
+
+    def _lose_lock(self) -> None:
+        """``.lock`` was replaced and another cache holds the file there now: it writes and evicts
+        by its budget. This tier stops (refuses writes, unlinks nothing: ``ReadOnly.LOCKED``) and
+        follows it, as a tier that started read-only does, taking over once it lets go."""
+        prepared = self._dir
+        assert prepared is not None and prepared.lock_fd is not None
+        os.close(prepared.lock_fd)
+        prepared.lock_fd = None
+        self._lock_lost += 1
+        # Spare files are this tier's own (in nobody's index): unlinked while it still may.
+        self._remove_spares(self._spares.drain())
+        self._read_only = ReadOnly.LOCKED
+        self._follow_held = False  # a look still in progress asks for the lock again, not for writing
+        log.warning("disk tier: %s was replaced under this cache, and another cache holds the new one: it writes "
+                    "there now; this cache stops writing and evicting and follows it (%d pages indexed)",
+                    self.files.layout_dir / ".lock", len(self._index))
+        task = self._follow_task
+        if task is None or task.done():
+            self._start_following(FollowSeed())

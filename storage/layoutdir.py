@@ -12,7 +12,9 @@ system). In order:
    fixed, raises :class:`UnsafeDirectoryError` and the tier does not start.
 2. ``<layout dir>/.lock`` is taken with a non-blocking ``flock``: one cache writes and evicts in a
    directory at a time, so its byte budget holds however many processes share the directory. A
-   second cache finds it locked and runs read-only, serving what is there.
+   second cache finds it locked and runs read-only, serving what is there. Once locked, the name
+   must still lead to the file locked (else it was replaced meanwhile: opened again, up to
+   :data:`LOCK_TRIES` times); the writer checks that name from then on (:mod:`.lockwatch`).
 3. Read-only also when the file system is mounted read-only or the directory is not writable.
 4. O_DIRECT is probed by opening an existing file (the lock file, else a page file) — creating a
    probe file is the last resort, so a full or read-only file system can still be probed.
@@ -278,30 +280,54 @@ def open_private_subdir(parent_fd: int, name: str, shown: Path, create: bool) ->
     return fd
 
 
+LOCK_TRIES = 3
+"""Times a start opens ``.lock`` again when the name led to another file once its ``flock`` was
+taken (replaced meanwhile); then it starts read-only, the fault recorded."""
+
+
 def _take_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> tuple[int | None, ReadOnly | None]:
     lock_name = shown / LOCK_NAME
+    for _ in range(LOCK_TRIES):
+        try:
+            # Read-only: flock needs no write access, and a file open for writing would make a later
+            # ``mount -o remount,ro`` fail with EBUSY. An existing file opens on a read-only mount too.
+            fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            _refuse_planted(exc, lock_name)
+            if exc.errno != errno.EROFS:
+                faults.append((exc, f"creating {lock_name}"))
+            return None, ReadOnly.FILE_SYSTEM if exc.errno == errno.EROFS else ReadOnly.NOT_WRITABLE
+        try:
+            check_page_fd(fd, str(lock_name), write=False)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The file locked may no longer be the lock (replaced between the open and the flock,
+            # its holder gone): another cache may hold the file the name leads to now.
+            if lock_named(fd, dir_fd):
+                return fd, None
+        except BlockingIOError:
+            os.close(fd)
+            return None, ReadOnly.LOCKED
+        except UnsafeFileError as exc:
+            os.close(fd)
+            raise UnsafeDirectoryError(exc.errno, f"disk tier: {exc.strerror}: refusing to use {shown}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the name leads elsewhere now: that file is the lock
+    faults.append((OSError(errno.EAGAIN, f"{lock_name} was replaced {LOCK_TRIES} times while locking it"),
+                   "taking the lock"))
+    return None, ReadOnly.LOCKED
+
+
+def lock_named(fd: int, dir_fd: int) -> bool:
+    """Whether ``.lock`` in the directory ``dir_fd`` still names the file open as ``fd`` (the name
+    not followed). Raises ``OSError`` when either cannot be examined (not for a name gone: False)."""
+    held = os.fstat(fd)
     try:
-        # Read-only: flock needs no write access, and a file open for writing would make a later
-        # ``mount -o remount,ro`` fail with EBUSY. An existing file opens on a read-only mount too.
-        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
-    except OSError as exc:
-        _refuse_planted(exc, lock_name)
-        if exc.errno != errno.EROFS:
-            faults.append((exc, f"creating {lock_name}"))
-        return None, ReadOnly.FILE_SYSTEM if exc.errno == errno.EROFS else ReadOnly.NOT_WRITABLE
-    try:
-        check_page_fd(fd, str(lock_name), write=False)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None, ReadOnly.LOCKED
-    except UnsafeFileError as exc:
-        os.close(fd)
-        raise UnsafeDirectoryError(exc.errno, f"disk tier: {exc.strerror}: refusing to use {shown}") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, None
+        named = os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 def _refuse_planted(exc: OSError, name: Path) -> None:

@@ -108,8 +108,11 @@ class TierBase:
         self._follow_task: asyncio.Task[None] | None = None
         self._follow_looks = self._followed_in = self._followed_out = self._took_over = 0
         self._follow_started = 0  # looks started (tests wait for one started after a change)
-        self._follow_wake: asyncio.Future[None] | None = None  # ends the pause before the next look
-        self._follow_now = False  # the next look without a pause
+        self._follow_ticker = Ticker()  # the pause before the next look
+        # While this tier holds the lock: the check of its name every follow_interval_s (:mod:`.lockwatch`).
+        self._watch_task: asyncio.Task[None] | None = None
+        self._watch_ticker = Ticker()
+        self._lock_retaken = self._lock_lost = 0
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()
@@ -327,7 +330,8 @@ class TierBase:
                 except OSError as exc:
                     self._faults.count(exc, "statvfs")
                     continue
-                if not space.read_only and self._accepting:
+                # Still FILE_SYSTEM: a lock found lost meanwhile made it LOCKED (:mod:`.followpath`).
+                if not space.read_only and self._accepting and self._read_only is ReadOnly.FILE_SYSTEM:
                     self._leave_read_only(space)
         finally:
             self._writable_again = None
@@ -530,3 +534,37 @@ def _orphan_spares(_: Made) -> None:
 
 def _nothing(_: object) -> None:
     """Nothing to close for a caller that is gone."""
+
+
+class Ticker:
+    """A pause of a periodic task: ``interval`` seconds, or less once :meth:`soon` is called."""
+
+    def __init__(self) -> None:
+        self._wake: asyncio.Future[None] | None = None
+        self._now = False
+
+    def soon(self) -> None:
+        """The next pause ends now (the one in progress, else the next one is skipped)."""
+        self._now = True
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def wait(self, interval: float) -> None:
+        if self._now:
+            self._now = False
+            return
+        loop = asyncio.get_running_loop()
+        wake = self._wake = loop.create_future()
+        timer = loop.call_later(interval, _wake, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._wake = None
+            self._now = False
+
+
+def _wake(wake: asyncio.Future[None]) -> None:
+    if not wake.done():
+        wake.set_result(None)

@@ -1,0 +1,89 @@
+"""The writer's check of its lock's name, run on a thread every ``DiskConfig.follow_interval_s``.
+
+The writer holds a ``flock`` on the inode ``<layout dir>/.lock`` named when it took it. Once that
+name is unlinked or replaced (an operator's ``rm``, a cleanup script, ``mv``), the lock protects
+nothing: a cache starting there, or a follower's look, opens the file under the name now, locks it
+and writes too. :func:`check_lock` asks whether the name still leads to the held file; if not, it
+takes the name again as a start does (opened, created if gone, checked as a page file, non-blocking
+``flock``, the name verified to lead to the file locked):
+
+- taken: the tier holds the new file and lets the old one go: still the only writer;
+- held by another cache: that cache writes now (it started, or took over, on the new file): the
+  tier stops writing and follows it (:mod:`.followpath`);
+- a symlink, FIFO or another non-regular file planted there: refused as at start (never followed or
+  locked); nobody can lock through it, so the tier goes on writing and checks again next time.
+
+A file system fault (EIO, EACCES) is recorded and changes nothing: checked again next time.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .layoutdir import LOCK_NAME, lock_named
+from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
+
+
+class LockState(enum.Enum):
+    """What a check found of the lock's name."""
+
+    HELD = "held"
+    """The name leads to the file the tier holds."""
+    RETAKEN = "retaken"
+    """Gone or replaced, and the tier took the file under it now (:attr:`LockCheck.fd`)."""
+    LOST = "lost"
+    """Replaced, and another cache holds the file under it now: that cache writes."""
+    UNKNOWN = "unknown"
+    """Could not be told or taken (the fault recorded): as before, checked again next time."""
+
+
+@dataclass
+class LockCheck:
+    """One check's outcome, for the loop to apply (:meth:`close` what it does not take over)."""
+
+    state: LockState
+    fd: int | None = None
+    """:attr:`LockState.RETAKEN`: the new lock, held."""
+    fault: tuple[OSError, str] | None = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def check_lock(dir_fd: int, lock_fd: int, shown: Path) -> LockCheck:
+    """Whether ``.lock`` in the layout directory ``dir_fd`` (shown as ``shown``) still names the file
+    locked as ``lock_fd``; if not, the name taken again. Blocking: run on a thread. Faults are
+    reported, never raised."""
+    try:
+        if lock_named(lock_fd, dir_fd):
+            return LockCheck(LockState.HELD)
+    except OSError as exc:
+        return LockCheck(LockState.UNKNOWN, fault=(exc, "examining the lock file"))
+    name = shown / LOCK_NAME
+    try:
+        # Created if gone (as a start does): a follower never creates it, and would never take over.
+        fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        return LockCheck(LockState.UNKNOWN, fault=(classify_open_error(exc, str(name)), "taking the lock again"))
+    try:
+        check_page_fd(fd, str(name), write=False)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not lock_named(fd, dir_fd):  # replaced again meanwhile: the next check tells
+            os.close(fd)
+            return LockCheck(LockState.UNKNOWN)
+    except BlockingIOError:
+        os.close(fd)
+        return LockCheck(LockState.LOST)
+    except OSError as exc:  # UnsafeFileError (a planted file) among them
+        os.close(fd)
+        return LockCheck(LockState.UNKNOWN, fault=(exc, "taking the lock again"))
+    except BaseException:
+        os.close(fd)
+        raise
+    return LockCheck(LockState.RETAKEN, fd)
