@@ -115,7 +115,9 @@ class DiskConfig:
     follow_interval_s: float = 2.0
     """While another cache holds the directory (``ReadOnly.LOCKED``): seconds between two looks at
     it (on a thread): page files it stored since become hits, files gone are dropped, and once it
-    let the lock go this tier takes it and writes. 0: the index found at start stays as it is."""
+    let the lock go this tier takes it and writes. While this tier writes: seconds between checks
+    that ``.lock`` still names the file it holds (:mod:`.lockwatch`). 0: the index found at start
+    stays as it is, and the lock's name is never checked."""
 
     def __post_init__(self) -> None:
         directory = self.directory

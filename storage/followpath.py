@@ -16,6 +16,11 @@ While following, a read refused by header or checksum is not counted at once: th
 recycled the file under it. The next look tells (:func:`.follow.look`): ``follow_raced`` for a file
 that changed since it was indexed, ``corrupt`` for one that did not.
 
+While the tier holds the lock, a second task checks every ``follow_interval_s`` (on a thread:
+:mod:`.lockwatch`) that ``.lock`` still names the file it holds: removed or replaced, the name is
+taken again (``lock_retaken``), or, where another cache holds the new file, the tier stops writing
+and follows it (``ReadOnly.LOCKED``, ``lock_lost``) until that cache lets go.
+
 The close sets the look's stop flag and cancels the task, which waits for the look's thread (it
 ends after the fan-out directory it is at) and closes what it opened, the lock included, before the
 tier's descriptors are closed: no thread or descriptor is left, and no look uses a descriptor
