@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import cast
 
+import numpy as np
 import torch
 import xxhash
 
@@ -337,6 +338,18 @@ class KVBuffer:
                 )
         if num_slots == 0:
             raise ValueError("KV buffer has no slots")
+        shared = _first_shared(tensors)
+        if shared is not None:
+            first, second = shared
+            if form is BufferForm.STACKED:
+                what = f"layers {first} and {second} of the KV buffer share memory (an expanded layer dimension?)"
+            elif form is BufferForm.SPLIT_KV:
+                names = [f"{'KV'[i // layout.num_layers]} of layer {i % layout.num_layers}" for i in shared]
+                what = f"{names[0]} and {names[1]} share memory"
+            else:
+                what = f"layer tensors {first} and {second} share memory"
+            # A load into one would change the other: the engine would read another layer's KV.
+            raise ValueError(f"{what}: each layer (and K and V) needs its own memory")
         return cls(layout, form, tp, k_layers, v_layers, num_slots, device)
 
     @staticmethod
@@ -371,3 +384,50 @@ class KVBuffer:
     def is_partial(self) -> bool:
         """True when this rank holds only part of each page's rows (tensor parallelism)."""
         return self.rows_local != self.layout.rows
+
+
+def _first_shared(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The first pair of ``tensors`` (indices) whose slots share a byte, else None.
+
+    Each tensor is ``[S, rows, D]`` with contiguous rows: S blocks of ``rows * D`` elements, one per
+    slot, ``stride(0)`` apart and not overlapping each other (checked by the caller). K and V views
+    of one ``[S, 2, H, D]`` tensor interleave without sharing: the check is per block, not per span.
+    Only pairs whose spans meet are compared (an engine's usual separate allocations cost a sort)."""
+    spans: list[tuple[int, int, int]] = []
+    for index, t in enumerate(tensors):
+        size = t.element_size()
+        start = t.data_ptr()
+        block = t.shape[1] * t.shape[2] * size
+        spans.append((start, start + (t.shape[0] - 1) * t.stride(0) * size + block, index))
+    spans.sort()
+    for position, (_start, end, index) in enumerate(spans):
+        for other_start, _other_end, other in spans[position + 1:]:
+            if other_start >= end:
+                break
+            if _blocks_meet(tensors[index], tensors[other]):
+                return min(index, other), max(index, other)
+    return None
+
+
+def _blocks_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a slot block of ``a`` and one of ``b`` share a byte (see :func:`_first_shared`)."""
+    size_a, size_b = a.element_size(), b.element_size()
+    len_a, len_b = a.shape[1] * a.shape[2] * size_a, b.shape[1] * b.shape[2] * size_b
+    slots = a.shape[0]
+    step_a, step_b = a.stride(0) * size_a, b.stride(0) * size_b
+    offset = b.data_ptr() - a.data_ptr()
+    if slots == 1:
+        return -len_b < offset < len_a
+    if step_a == step_b:
+        # Block i of a and block j of b meet iff -len_b < offset + k * step < len_a, k = j - i in
+        # (-slots, slots); the distance grows with k, so only the first k past -len_b can.
+        k = max(-(slots - 1), (-len_b - offset) // step_a + 1)
+        return k <= slots - 1 and offset + k * step_a < len_a
+    # Different slot strides (rare): each block of b against the block of a starting at or before it.
+    starts_a = np.arange(slots, dtype=np.int64) * step_a
+    starts_b = offset + np.arange(slots, dtype=np.int64) * step_b
+    before = np.searchsorted(starts_a, starts_b, side="right") - 1
+    hit_before = (before >= 0) & (starts_b < starts_a[np.maximum(before, 0)] + len_a)
+    after = np.minimum(before + 1, slots - 1)
+    hit_after = (before + 1 < slots) & (starts_a[after] < starts_b + len_b)
+    return bool(np.any(hit_before | hit_after))
