@@ -127,6 +127,10 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.uint64]:
         # uint64 as it is: through int64, ids >= 2**63 wrapped round and were refused as negative.
         values: npt.NDArray[np.integer] = (host if host.dtype == torch.uint64 else host.to(torch.int64)).numpy()
     elif isinstance(tokens, np.ndarray):
+        masked = sys.modules.get("numpy.ma")  # not imported (a stall on a first call): none can exist
+        if masked is not None and isinstance(tokens, masked.MaskedArray):
+            # Its values under the mask are hashed as they are: the key would not be the prompt's.
+            raise TypeError("token ids must not be a masked array: pass the ids of the prompt only")
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"token ids must be integers, got a numpy array of {tokens.dtype}")
         if tokens.ndim != 1:

@@ -111,6 +111,14 @@ def test_a_strided_tensor_and_a_big_list_give_the_defined_bytes() -> None:
     assert token_array(wide).tobytes() == _definition((tokens + tokens)[::2])
 
 
+@pytest.mark.parametrize("mask", [[False, True, False], [False, False, False]])
+def test_a_masked_token_array_is_refused(mask: list[bool]) -> None:
+    # Regression: the ids under the mask were hashed as they are, a key of another prompt.
+    tokens = np.ma.MaskedArray(np.array([4, 5, 6]), mask=mask)
+    with pytest.raises(TypeError, match="masked array"):
+        token_array(tokens)
+
+
 def test_bad_token_lists_leave_the_list_unchanged() -> None:
     tokens = [4, 5, -6]
     with pytest.raises(ValueError, match="non-negative"):
