@@ -83,17 +83,19 @@ class LoadPath(ManagerBase):
     """Match, load, disk promotions and prefetch of the manager (see the module docstring)."""
 
     loads_running: int = 0
-    """Loads and streams of this manager in flight (:meth:`load_began`, :meth:`load_ended`): a load
-    that holds no pool page and finds none free waits for room only while another one runs that is
-    not waiting for room itself (its pages come back when its copies end)."""
+    """Loads, streams and prefetches of this manager in flight (:meth:`load_began`,
+    :meth:`load_ended`): a load that holds no pool page and finds none free waits for room only
+    while another one runs that is not waiting for room itself (its pages come back when its
+    copies end, a prefetch's once its reads ended)."""
 
     def load_began(self) -> None:
-        """A load or stream began: it counts in :attr:`loads_running` until :meth:`load_ended`."""
+        """A load, stream or prefetch began: it counts in :attr:`loads_running` until :meth:`load_ended`."""
         self.loads_running += 1
 
     def load_ended(self) -> None:
-        """A load or stream stopped counting in :attr:`loads_running` (it holds no page any more):
-        the callers waiting for room look again (they may all be waiting on each other now)."""
+        """A load, stream or prefetch stopped counting in :attr:`loads_running` (it holds no page
+        any more): the callers waiting for room look again (they may all be waiting on each other
+        now)."""
         self.loads_running -= 1
         self._wake_room_waiters()
 
@@ -572,10 +574,11 @@ class LoadPath(ManagerBase):
 
         A page may come free while a chunk is being prepared, disk I/O runs (a read, the
         write-behind), background work is pending (promotions adopted past a window, abandoned
-        copies), or another load or stream runs that is not waiting for room itself: its pages come
-        back when its copies end (two loads that each filled half the pool make progress one after
-        the other). When none of that holds, every page not free is held by callers waiting for room
-        (or by the engine): they waited for each other until ``offload_wait`` (review 159). Then a
+        copies), or another load, stream or prefetch runs that is not waiting for room itself: its
+        pages come back when its copies (a prefetch's reads) end (two loads that each filled half
+        the pool make progress one after the other). When none of that holds, every page not free
+        is held by callers waiting for room (or by the engine): they waited for each other until
+        ``offload_wait`` (review 159). Then a
         caller that holds pool pages (:meth:`wait_for_load_room` with ``holding``) gives up, its
         pages go back as it ends and the others look again; with none holding any, this one gives
         up. The state is looked at again whenever one of those may have changed (a page given
@@ -720,16 +723,26 @@ class LoadPath(ManagerBase):
         if self._disk is None or in_pool == len(keys):
             return PrefetchResult(in_pool, 0)
         count = self._disk.keys_present_prefix(keys[in_pool:])
-        tasks = self._promote_groups(keys[in_pool : in_pool + count])
+        # Counted as a load running until its pages went back: between its reads' end and its
+        # release (the gather, the shield: a few loop turns) it holds pages that come back while
+        # the disk is idle and nothing is reserved, and a load waiting for room that looked then
+        # gave up (pool_exhausted) a moment before they went onto the LRU. It never waits for room
+        # loads hold itself (only for chunks being prepared), so they never wait on each other.
+        self.load_began()
         try:
-            groups = await asyncio.shield(asyncio.gather(*tasks))
-        except BaseException:
-            # Cancelled, or a group raised: the others go on in the background and drop what they
-            # bring (before, only a cancel adopted them; a raise left their references for good).
-            for task in tasks:
-                self._adopt(task)
-            raise
-        promotions = [p for group in groups for p in group]
+            tasks = self._promote_groups(keys[in_pool : in_pool + count])
+            try:
+                groups = await asyncio.shield(asyncio.gather(*tasks))
+            except BaseException:
+                # Cancelled, or a group raised: the others go on in the background and drop what they
+                # bring (before, only a cancel adopted them; a raise left their references for good).
+                for task in tasks:
+                    self._adopt(task)
+                raise
+            promotions = [p for group in groups for p in group]
+            self._release_handles([p.handle for p in promotions if isinstance(p, Promotion)])
+        finally:
+            self.load_ended()  # its pages are evictable (or in the background's hands): waiters look again
         promoted = 0
         for promotion in promotions:
             if not isinstance(promotion, Promotion):
@@ -738,5 +751,4 @@ class LoadPath(ManagerBase):
         withdrawn = sum(1 for p in promotions if p is NoPage.WITHDRAWN)
         if withdrawn:
             self.withdraw(withdrawn)  # pages the close kept this prefetch from reading, as load counts them
-        self._release_handles([p.handle for p in promotions if isinstance(p, Promotion)])
         return PrefetchResult(in_pool, promoted)
