@@ -34,7 +34,8 @@ death: the kernel drops the lock with the process), the look holds it and scans 
 directory as a start does under the lock (missing fan-out directories created, leftover temporary
 and spare files of a dead writer removed, free space taken); the loop then switches the tier to
 writing. A look that cannot finish that scan (a fan-out directory that is not safely ours) lets the
-lock go again and reports the fault.
+lock go again and reports the fault. A ``.lock`` gone is made again (not locked then): its writer,
+still running, takes it at its next check; else the next look takes it.
 
 Nothing is named through a path: fan-out directories are listed through the descriptors the tier
 holds; one that is opened late (absent or unreadable at start) is opened by
@@ -198,13 +199,15 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
 
 
 def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> int | None:
-    """The directory's lock if nobody holds it now, else None. Never creates the lock file (the
-    writer made it) and never blocks."""
+    """The directory's lock if nobody holds it now, else None. Never blocks. A ``.lock`` gone is
+    made again, not taken: the writer, should it live, takes it at its next check
+    (:mod:`.lockwatch`); a writer that closed or died since cannot, and the next look takes it."""
     name = shown / LOCK_NAME
     try:
         fd = os.open(LOCK_NAME, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        return None  # no lock file (the directory is gone?): nothing to take
+        _make_lock(dir_fd, name, faults)
+        return None
     except OSError as exc:
         faults.append((classify_open_error(exc, str(name)), "opening the lock file"))
         return None
@@ -228,6 +231,18 @@ def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> in
         os.close(fd)
         raise
     return fd
+
+
+def _make_lock(dir_fd: int, name: Path, faults: list[tuple[OSError, str]]) -> None:
+    """``.lock`` was removed (``rm``, a cleanup script) and its writer closed or died before its
+    check made it again: without the file no follower would ever take the directory over."""
+    try:
+        os.close(os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd))
+    except OSError as exc:
+        # Made meanwhile (by the writer's check, a start), or not ours to make (a read-only file
+        # system, a directory not writable for us, the directory itself gone): nothing to take.
+        if exc.errno not in (errno.EEXIST, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT):
+            faults.append((classify_open_error(exc, str(name)), "making the lock file again"))
 
 
 def _follow(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],

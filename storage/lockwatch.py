@@ -67,7 +67,7 @@ def check_lock(dir_fd: int, lock_fd: int, shown: Path) -> LockCheck:
         return LockCheck(LockState.UNKNOWN, fault=(exc, "examining the lock file"))
     name = shown / LOCK_NAME
     try:
-        # Created if gone (as a start does): a follower never creates it, and would never take over.
+        # Created if gone (as a start does); a follower makes it only to take it at its next look.
         fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         return LockCheck(LockState.UNKNOWN, fault=(classify_open_error(exc, str(name)), "taking the lock again"))
