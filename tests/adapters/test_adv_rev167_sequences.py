@@ -111,6 +111,8 @@ class Drive:
         self.loaded = self.load_failures = self.stored_ok = 0
         self.failed_loads: list[bytes] = []
         self.stored_keys: set[bytes] = set()
+        self.damaged_before = 0
+        """Page files damaged under an earlier tier of the directory."""
         self.counted: dict[str, float] = {}
         """Counter increases get_stats reported, by metric and label."""
         for chunk in range(CHUNKS):
@@ -468,7 +470,8 @@ def check_counters(d: Drive, faults: Faults) -> None:
         print(f"\njobs {len(d.jobs)} loaded {d.loaded} load failures {d.load_failures} stored {d.stored_ok} "
               f"damaged {len(faults.damaged)} unlinked {faults.unlinked}: { {k: stats[k] for k in shown} }")
     damaged_reads = sum(d.tier._store.key(key).hex() in faults.damaged for key in d.failed_loads)
-    assert stats["corrupt"] <= damaged_reads, (stats, faults, damaged_reads)
+    # A tier started over files damaged under an earlier one may refuse them at its start-up scan.
+    assert stats["corrupt"] <= damaged_reads + d.damaged_before, (stats, faults, damaged_reads)
     if not faults.ext4:  # a file unlinked or cut behind the tier may fail its recycling
         assert sum(stats["errors"].values()) <= len(faults.damaged) + faults.unlinked, (stats, faults)
 
@@ -549,6 +552,7 @@ def test_random_call_sequences_over_a_full_read_only_and_failing_ext4(tmp_path: 
             second = make_manager(mount, options=options, cpu_chunks=CHUNKS, kv_events=True)
             try:
                 e = Drive(second, rng, universe, submitted, next_job=d.next_job)
+                e.damaged_before = len(faults.damaged)
                 run_rounds(e, faults, ROUNDS // 2, remount_rw_at=ROUNDS // 4)
                 e.finish()
                 check_counters(e, faults)
@@ -567,12 +571,12 @@ def test_random_call_sequences_over_a_full_read_only_and_failing_ext4(tmp_path: 
             third.shutdown()
 
 
-def test_random_call_sequences_without_faults_keep_every_page(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", seeds([7, 8]))
+def test_random_call_sequences_without_faults_keep_every_page(tmp_path: Path, seed: int) -> None:
     """Within the disk budget and with no fault, every key a store reported loads back."""
-    rng = random.Random(7)
-    universe = [make_offload_key(f"clean-{i}".encode().ljust(32, b"."), 0) for i in range(KEYS)]
-    submitted: set[bytes] = set()
-    options = {"disk_bytes": 4 * KEYS * page_file_bytes(CHUNK_BYTES)}
+    rng = random.Random(seed)
+    universe, submitted = universe_of(f"clean-{seed}"), set[bytes]()
+    options = {**options_of(seed, rng), "disk_bytes": 4 * KEYS * page_file_bytes(CHUNK_BYTES)}
     manager = make_manager(tmp_path, options=options, cpu_chunks=CHUNKS, kv_events=True)
     try:
         d = Drive(manager, rng, universe, submitted, next_job=1)
