@@ -372,6 +372,7 @@ async def test_lock_faults_leave_one_writer_and_right_bytes(
             await asyncio.sleep(2 * INTERVAL_S)  # a check and a look later (time passing, not a wait for an event)
             states = await rig.one_writer()
             assert rig.changes_seen() <= rig.name_changes, (rig.changes_seen(), rig.name_changes, rig.done)
+            print(f"rev168 seed {seed}: {rig.done} name changes {rig.name_changes} seen {rig.changes_seen()}")
 
             # The writer alone stores, evicting by its budget; every cache serves right bytes.
             writer_slot = states.index(None)
