@@ -354,4 +354,19 @@ class FollowPath(TierBase):
                     self.files.layout_dir / ".lock", len(self._index))
         task = self._follow_task
         if task is None or task.done():
-            self._start_following(FollowSeed())
+            self._start_following(self._seed_from_index(prepared.fanout))
+
+    def _seed_from_index(self, fanout: list[int]) -> FollowSeed:
+        """The first look's knowledge for a tier that wrote until now: every indexed key under an
+        identity no file has (inode 0), so the look examines each name once and reports the keys
+        whose files are gone (the new writer evicted them). An empty seed only ever added keys:
+        the evicted ones stayed indexed."""
+        seed = FollowSeed()
+        for index, fd in enumerate(fanout):
+            if fd >= 0:
+                seed.entries[index] = {}  # listed at the first look (no stamp), as a start's are
+        for key in self._index:
+            known = seed.entries[key[0]]  # a key's fan-out directory is its first byte
+            if known is not None:
+                known[key] = 0
+        return seed
