@@ -125,9 +125,9 @@ class FollowState:
         for key, reads in refused.items():
             mine[key] = mine.get(key, 0) + reads
 
-    def undecided(self) -> int:
-        """Refused reads no look could tell about yet (their directory could not be listed)."""
-        return sum(self.refused.values())
+    def undecided(self) -> set[PageKey]:
+        """Keys of refused reads no look could tell about yet (their directory could not be listed)."""
+        return set(self.refused)
 
 
 @dataclass

@@ -95,9 +95,9 @@ class FollowPath(TierBase):
     def _count_undecided(self) -> None:
         """Refused reads no look told about (the following ends: at the close, or the tier writes
         now and no writer may change its files): counted ``corrupt``, as a tier that does not
-        follow counts them."""
-        self._corrupt += self._follow_state.undecided() if self._follow_state is not None else 0
-        self._corrupt += sum(self._follow_refused.values())
+        follow counts them (once a file, as it does)."""
+        undecided = self._follow_state.undecided() if self._follow_state is not None else set()
+        self._corrupt += len(undecided | self._follow_refused.keys())
         self._follow_refused.clear()
         if self._follow_state is not None:
             self._follow_state.refused.clear()
@@ -223,7 +223,7 @@ class FollowPath(TierBase):
         self._follow_raced += found.raced
         if not found.corrupt:
             return
-        self._corrupt += sum(found.corrupt.values())
+        self._corrupt += len(found.corrupt)  # files: concurrent reads of one were each a refusal
         if not self._follow_corrupt_logged:
             self._follow_corrupt_logged = True
             log.warning("disk tier: page file %s is corrupt: it failed its checks and did not change since it was "

@@ -364,10 +364,11 @@ class TierBase:
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         """A page file that failed verification: counted, out of the index, deleted unless the tier
         is read-only (another cache may own it, or nothing may be deleted here). The first one is
-        logged, saying which of these happened."""
-        self._corrupt += 1
+        logged, saying which of these happened. Counted once a file: by the read that takes it out
+        of the index (concurrent reads of one damaged file counted each, review 167)."""
         now = self._index.generation(key)
         if now == generation:
+            self._corrupt += 1
             self._drop(key)
         if not self._corrupt_logged:
             self._corrupt_logged = True

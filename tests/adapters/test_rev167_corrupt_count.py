@@ -24,8 +24,6 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_helpers import STEP, keys_of, make_manager, on_disk, page_files, store, tier_of
 
 
-@pytest.mark.xfail(strict=True, reason="storage/tierbase.py _reject counts every failed read of a file, also "
-                                       "reads that find it already out of the index (not local to adapters/)")
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "staged"])
 def test_one_damaged_file_read_by_three_loads_is_one_corrupt_page(
         tmp_path: Path, managers: list[TieringOffloadingManager], zero_copy: bool) -> None:
