@@ -625,7 +625,7 @@ class LoadPath(ManagerBase):
         disk = self._disk
         if disk is not None:
             busy = disk.statistics()
-            if busy.write_behind_queued or busy.in_flight:
+            if busy.write_behind_queued or busy.write_behind_writing or busy.in_flight:
                 return False
         # A reservation in flight (an offload's copy, a TP rank's) is committed onto the LRU or
         # into the write-behind, or aborted: it frees a page as a copy does (two loads gave up at
@@ -636,7 +636,7 @@ class LoadPath(ManagerBase):
     def _disk_writes(disk: DiskTier) -> bool:
         """Whether ``disk``'s write-behind holds pages: queued, or being written."""
         busy = disk.statistics()
-        return bool(busy.write_behind_queued or busy.writes_in_flight)
+        return bool(busy.write_behind_queued or busy.write_behind_writing or busy.writes_in_flight)
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or

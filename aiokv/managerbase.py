@@ -230,7 +230,7 @@ class ManagerBase:
             waits.append(asyncio.ensure_future(pool.wait_ready()))
         if disk is not None and disk_io:
             busy = disk.statistics()
-            if busy.write_behind_queued or busy.in_flight:
+            if busy.write_behind_queued or busy.write_behind_writing or busy.in_flight:
                 waits.append(pool.table.wait_reclaimable())
         if not waits:
             return False

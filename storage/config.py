@@ -256,6 +256,9 @@ class DiskStatistics:
     """I/O faults by kind."""
     write_behind_queued: int = 0
     """Pages waiting in the write-behind queue."""
+    write_behind_writing: int = 0
+    """Pages a write-behind worker took from the queue and has not released yet (waiting for an I/O
+    slot, being written): with :attr:`write_behind_queued`, every page the write-behind holds."""
     in_flight: int = 0
     """Page reads and writes in progress (holding an I/O slot): ``reads_in_flight + writes_in_flight``."""
     reads_in_flight: int = 0

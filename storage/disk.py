@@ -553,6 +553,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             dropped=self._dropped,
             errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
+            write_behind_writing=self._queue.writing if self._queue is not None else 0,
             in_flight=slots.in_use,
             reads_in_flight=slots.in_use - slots.writes_in_use,  # every job that is no write is a read
             writes_in_flight=slots.writes_in_use,

@@ -27,6 +27,11 @@ class WriteBehind:
         self._write = write
         self._release = release
         self._on_error = on_error
+        self.writing = 0
+        """Pages a worker took from the queue and has not released yet: waiting for an I/O slot,
+        being written, or done. They are in neither :meth:`qsize` nor the tier's I/O slots until the
+        write holds one, yet their references come back: a caller waiting for pool room must count
+        them (review 166: loads gave up for room in that gap)."""
         self._workers = [asyncio.create_task(self._worker()) for _ in range(workers)]
 
     def put_nowait(self, key: PageKey, handle: PageHandle) -> bool:
@@ -77,6 +82,7 @@ class WriteBehind:
             while True:
                 key, handle = await self._queue.get()
                 taken = [handle, 0]  # no call since the get: see _finish
+                self.writing += 1
                 try:
                     await self._write(key, handle)
                 except Exception:
@@ -102,8 +108,10 @@ class WriteBehind:
             except BaseException as exc:
                 if not not_started(self._release, exc):
                     taken[1] = 1
+                    self.writing -= 1
                 raise
             taken[1] = 1
+            self.writing -= 1
         if taken[1] == 1:
             done = self._queue.task_done
             try:
