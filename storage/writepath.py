@@ -351,25 +351,32 @@ class WritePath(TierBase):
 
     def _recycled_done(self, job: WriteJob, step: int, error: BaseException | None, taken: bool) -> None:
         """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
-        instead), not ours (counted, unlinked, a new file instead) or a fault."""
+        instead), not ours (counted, unlinked, a new file instead) or a fault. Taken but gone by
+        the rename (unlinked behind the tier after the open): a new file instead, nothing counted."""
         if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
             victim = job.victim
             assert victim is not None and self._io is not None and job.page is not None
+            # ENOENT after the take-over is the rename's (writes, fsync and close never answer
+            # it): the victim's name was unlinked under the overwrite, which wrote an orphaned
+            # inode (the backend closed it). Not this write's fault: its page goes into a new file,
+            # as when the open finds no file. (Its new fan-out directory removed answers ENOENT
+            # too: the new file's create then fails, counted.)
+            gone = isinstance(error, FileNotFoundError)
             # An unlink of the victim's name registers in ``_moving`` before ``moved`` resolves: a
             # writer of the victim's key woken by it then finds the unlink and waits for it too.
-            if taken:
+            if taken and not gone:
                 self._recycled += 1
             elif isinstance(error, UnsafeFileError):
                 self._faults.count(error, "recycle")
                 self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
-            elif (error is not None and not isinstance(error, FileNotFoundError)
+            elif (error is not None and not gone
                   and not (isinstance(error, OSError) and error.errno == errno.EROFS)):
                 self._unlink_later(victim)  # out of the index already: do not orphan its file
             self._victim_moved(job)
-            if error is None or taken:
+            if error is None or (taken and not gone):
                 self._publish_done(job, error)
                 return
             if not isinstance(error, (UnsafeFileError, FileNotFoundError)):
@@ -392,7 +399,9 @@ class WritePath(TierBase):
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
-            if taken:
+            # Taken but ENOENT: the spare's name was unlinked under the overwrite (see
+            # _recycled_done): not taken after all, a new file instead, nothing counted.
+            if taken and not isinstance(error, FileNotFoundError):
                 self._spares.taken += 1
                 self._publish_done(job, error)
                 return
