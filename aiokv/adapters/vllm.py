@@ -370,10 +370,14 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             yield from events
 
     def has_pending_work(self) -> bool:
-        """True while a job is not reported yet or a lookup is queued or unanswered."""
+        """True while a job is not reported yet or a lookup is queued or unanswered. No system
+        call, no wait: it takes the answers the loop left, as ``lookup`` does."""
         if self._shut:  # lookups are answered MISS; only jobs failed at submit remain to report
             return bool(self._unreported)
         self._reap()
+        # An answer already in counts as taken: vLLM steps the engine while this is True, and
+        # answers a drain (or the idle loop) left would otherwise cost one more, empty, step.
+        self._take_answers()
         return bool(self._unreported or self._lookups_out or self._queued)
 
     def drain_jobs(self) -> None:
