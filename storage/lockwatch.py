@@ -13,12 +13,17 @@ takes the name again as a start does (opened, created if gone, checked as a page
 - a symlink, FIFO or another non-regular file planted there: refused as at start (never followed or
   locked); nobody can lock through it, so the tier goes on writing and checks again next time.
 
-A file system fault (EIO, EACCES) is recorded and changes nothing: checked again next time.
+Gone and not ours to make again now (a read-only file system, a directory we may not write:
+EROFS, EACCES, EPERM) is no fault, as for a follower making it (:mod:`.follow`): nobody can make
+and lock a file there either, so the tier goes on writing and checks again next time (once the file
+system is writable, that check makes and takes the file). Any other file system fault (EIO) is
+recorded and changes nothing: checked again next time.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import os
 from dataclasses import dataclass
@@ -26,6 +31,10 @@ from pathlib import Path
 
 from .layoutdir import LOCK_NAME, lock_named
 from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
+
+_NOT_OURS_TO_MAKE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+"""What creating ``.lock`` answers where it is gone and may not be made again now (a read-only file
+system, a directory we may not write)."""
 
 
 class LockState(enum.Enum):
@@ -70,6 +79,10 @@ def check_lock(dir_fd: int, lock_fd: int, shown: Path) -> LockCheck:
         # Created if gone (as a start does); a follower makes it only to take it at its next look.
         fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_CREAT | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
     except OSError as exc:
+        if exc.errno in _NOT_OURS_TO_MAKE:
+            # Not a fault (before, one was counted at every check, for as long as it lasted): no
+            # cache of ours can make the file and lock it to write beside this one meanwhile.
+            return LockCheck(LockState.UNKNOWN)
         return LockCheck(LockState.UNKNOWN, fault=(classify_open_error(exc, str(name)), "taking the lock again"))
     try:
         check_page_fd(fd, str(name), write=False)
