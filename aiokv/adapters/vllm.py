@@ -193,7 +193,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._verdicts: dict[OffloadKey, bool] = {}
         self._wanted: dict[OffloadKey, set[str]] = {}
         self._req_keys: dict[str, set[OffloadKey]] = {}
-        self._queued: list[OffloadKey] = []
+        # Keys to post at the step end, in order (a dict: a key whose last asker finished first is
+        # dropped from it, unposted).
+        self._queued: dict[OffloadKey, None] = {}
         self._asked: set[OffloadKey] = set()
         # The loop appends to these deques and vLLM's thread pops them: no lock, no future, so no
         # call here ever waits for the loop thread or lets it take the GIL.
@@ -236,7 +238,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if verdict is None:
             if key not in self._asked:
                 self._asked.add(key)
-                self._queued.append(key)
+                self._queued[key] = None
             return LookupResult.RETRY
         return LookupResult.HIT if verdict else LookupResult.MISS
 
@@ -248,7 +250,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if self._shut or self._reap():
             return
         if self._queued:
-            queued, self._queued = self._queued, []
+            queued, self._queued = list(self._queued), {}
             store = self._store
             keys, page_keys = [], []
             for key in queued:  # lookup() checked them; a key that still fails alone is a MISS
@@ -292,7 +294,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Forget the request's verdicts (a later request looks its keys up afresh)."""
+        """Forget the request's verdicts (a later request looks its keys up afresh) and its lookups
+        not posted yet that no other request asks about."""
         req_id = req_context.req_id
         for key in self._req_keys.pop(req_id, ()):
             users = self._wanted.get(key)
@@ -302,6 +305,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             if not users:
                 del self._wanted[key]
                 self._verdicts.pop(key, None)
+                if key in self._queued:  # not posted yet: no one would take the answer vLLM stepped for
+                    del self._queued[key]
+                    self._asked.discard(key)
 
     # -- jobs -----------------------------------------------------------------------------------
 

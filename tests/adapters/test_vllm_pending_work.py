@@ -88,3 +88,33 @@ def test_has_pending_work_hands_nothing_to_the_loop(
     assert touched == []
     assert thread.pending() == 0
     _finish(manager, ctx, keys)
+
+
+def test_no_pending_work_for_a_lookup_whose_only_asker_finished_before_the_step_end(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """A request that asked and then finished (aborted) within one step: its keys, not posted yet,
+    were still posted at the step end and kept the engine stepping until the loop answered them,
+    answers nobody took. A later request asks afresh."""
+    manager, ctx, keys = _asked(tmp_path, managers)  # r1's four lookups are out
+    tier_of(manager).drain_jobs()
+    late, other = ReqContext(req_id="r2"), ReqContext(req_id="r3")
+    extra = keys_of("late", 2)
+    with manager.lock:
+        assert not manager.has_pending_work()
+        manager.on_new_request(late)
+        manager.on_new_request(other)
+        assert [manager.lookup(k, late) for k in extra] == [LookupResult.RETRY] * 2
+        assert manager.lookup(extra[1], other) == LookupResult.RETRY  # r3 still wants this one
+        manager.on_request_finished(late)
+        assert manager.has_pending_work()  # extra[1], for r3
+        manager.on_request_finished(other)
+        assert not manager.has_pending_work()
+        manager.on_schedule_end(STEP)
+        assert not manager.has_pending_work()  # nothing was posted
+    again = ReqContext(req_id="r4")
+    with manager.lock:
+        manager.on_new_request(again)
+    assert lookup_all(manager, extra, again) == [LookupResult.MISS] * 2
+    with manager.lock:
+        manager.on_request_finished(again)
+    _finish(manager, ctx, keys)
