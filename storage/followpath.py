@@ -120,6 +120,7 @@ class FollowPath(TierBase):
             return
         refused = self._follow_refused
         refused[key] = refused.get(key, 0) + 1
+        self._refused.add(generation)  # a look or the end of following counts it: a late read never
         now = self._index.generation(key)
         if now == generation:
             self._drop(key)

@@ -91,6 +91,11 @@ class TierBase:
         self._waiting_close: asyncio.Future[None] | None = None  # the aclose it stopped waiting for
         self._faults = DiskFaults(faults)
         self._corrupt_logged = False
+        self._refused: set[int] = set()
+        """Generations of page files a read refused (counted ``corrupt`` once each) while reads may
+        still be in flight: a concurrent read of the same file refusing it later counts nothing, one
+        that finds it taken out of the index by a delete, an eviction or a newer file counts it.
+        Emptied whenever no page job is active."""
         self._reads = self._writes = self._bytes_read = self._bytes_written = 0
         self._hits = self._misses = self._corrupt = self._dropped = 0
         self._temp_removed = self._skipped = self._writes_refused = 0
@@ -260,8 +265,10 @@ class TierBase:
             job.ended = True
             self._active -= 1
         job.wake()
-        if not self._active and self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
+        if not self._active:
+            self._refused.clear()  # no read of a refused file left in flight
+            if self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
 
     def _count_interrupt(self, what: str) -> None:
         """A job ended by an interrupt (a signal's KeyboardInterrupt left it between steps): a fault."""
@@ -364,11 +371,16 @@ class TierBase:
     def _reject(self, key: PageKey, generation: int, why: str) -> None:
         """A page file that failed verification: counted, out of the index, deleted unless the tier
         is read-only (another cache may own it, or nothing may be deleted here). The first one is
-        logged, saying which of these happened. Counted once a file: by the read that takes it out
-        of the index (concurrent reads of one damaged file counted each, review 167)."""
+        logged, saying which of these happened. Counted once a file (its generation): concurrent
+        reads of one damaged file counted each (review 167); a file a read refused after a delete,
+        an eviction or a newer file took it out of the index counted nothing (review 172)."""
         now = self._index.generation(key)
-        if now == generation:
+        if generation not in self._refused:
+            # Also when out of the index already by another path (deleted, evicted, replaced under
+            # the read): before, such a refused file counted nothing (only the read that dropped it).
+            self._refused.add(generation)
             self._corrupt += 1
+        if now == generation:
             self._drop(key)
         if not self._corrupt_logged:
             self._corrupt_logged = True
