@@ -260,8 +260,14 @@ class FollowPath(TierBase):
             log.warning("disk tier: %s: the cache that held the directory let it go: this tier writes there now "
                         "(%d pages indexed, %d temporary files removed)", self.files.layout_dir, len(self._index),
                         found.temp_removed)
-        refused: list[PageKey] = [key for key in self._unlink_when_writable if key not in self._index]
+        # Keys whose file a read found gone after this look began (its forget step done): a file now
+        # under such a name is one no look examined (ext4 hands the freed inode number to the key's
+        # next file, which the look took for the one it knew), else left on disk outside the index
+        # and the budget, never evicted. Unlinked, as refused files are.
+        gone = self._unlink_when_writable | self._follow_forgotten
+        refused: list[PageKey] = [key for key in gone if key not in self._index]
         self._unlink_when_writable.clear()
+        self._follow_forgotten.clear()
         self._remove_files(refused)
         self._remove_files(self._index.evict_to(self._index.capacity))
         self._refill_spares()

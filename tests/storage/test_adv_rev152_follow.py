@@ -20,6 +20,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from follow_helpers import Looks, child, follow_config, follow_threads, open_fds
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly, followpath
 from aiokv.storage.pagefile import HEADER_BYTES
 
 TAG = 7
@@ -256,6 +257,60 @@ async def test_page_gone_when_read_then_back_under_its_inode_is_followed_and_tak
             await writer.aclose()
             await looks.until(lambda: follower.statistics().took_over == 1)
             assert _disk_keys(disk_dir) == set(follower._index) == {key_of(i, TAG) for i in range(3)}
+            stats = follower.statistics()
+            assert stats.corrupt == 0 and not any(stats.errors.values()), stats
+        finally:
+            await follower.aclose()
+    finally:
+        await writer.aclose()
+
+
+@pytest.mark.asyncio
+async def test_page_gone_when_read_during_the_take_over_look_then_back_leaves_no_file_outside_the_index(
+        disk_dir: Path, backend: DiskBackend, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the read that finds K's file gone lands after the look that takes the
+    directory over began (it asked the looks to examine K's name again before they started): that
+    look knew K's name and inode, took the file back under them for the one it had seen, and the
+    take-over left it on disk outside the new writer's index and budget, never evicted. A miss the
+    chaos drive's readers meet there when the loop runs late (the read's completion applied after
+    the look started) left that file behind. The take-over now unlinks such names."""
+    layout = small_layout()
+    writer = DiskTier(config(disk_dir, backend), layout, pool)
+    await writer.start()
+    try:
+        for i in range(3):
+            assert await store_page(writer, pool, i, TAG)
+        follower = DiskTier(follow_config(disk_dir, backend), layout, pool)
+        await follower.start()
+        try:
+            looks = Looks(follower)
+            assert follower.read_only is ReadOnly.LOCKED and follower.contains(key_of(1, TAG))
+            path = Path(writer.files.path(key_of(1, TAG)))
+            await writer.aclose()  # the lock is free: the next look takes the directory over
+            entered, go, real = threading.Event(), threading.Event(), followpath.look
+
+            def held(*args: object) -> object:  # the look's thread, its forget step done
+                entered.set()
+                go.wait(30)
+                return real(*args)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(followpath, "look", held)
+            take_over = asyncio.ensure_future(looks.next())
+            try:
+                assert await asyncio.to_thread(entered.wait, 30)
+                os.rename(path, path.with_name("parked"))
+                assert not await read_back(follower, pool, 1, TAG)  # gone: a plain miss
+                os.rename(path.with_name("parked"), path)  # back under its inode, before the listing
+            finally:
+                go.set()
+                await take_over
+            assert follower.statistics().took_over == 1 and follower.read_only is None
+            await _unlinks_done(follower)
+            assert _disk_keys(disk_dir) <= set(follower._index), "a page file the new writer does not index"
+            for i in range(3, 6):
+                assert await store_page(follower, pool, i, TAG)
+            await _unlinks_done(follower)
+            assert _disk_keys(disk_dir) == set(follower._index)
             stats = follower.statistics()
             assert stats.corrupt == 0 and not any(stats.errors.values()), stats
         finally:
