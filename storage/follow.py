@@ -68,6 +68,7 @@ from .layoutdir import (
     FollowSeed,
     FreeSpace,
     dir_stamp,
+    fanout_gone,
     file_identity,
     free_space,
     list_fanout,
@@ -319,19 +320,13 @@ def _check_names(state: FollowState, result: Look, dir_fd: int, fanout: list[int
     for index, fd in enumerate(fanout):
         if fd < 0 or index in result.opened:
             continue
-        name = f"{index:02x}"
         try:
-            held = os.fstat(fd)
-            named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError as exc:
-            why: OSError = exc  # removed: its pages with it
+            why = fanout_gone(dir_fd, index, fd, shown)  # removed (its pages with it) or replaced
         except OSError as exc:
-            result.faults.append((exc, f"examining {shown / name}"))
+            result.faults.append((exc, f"examining {shown / f'{index:02x}'}"))
             continue
-        else:
-            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and held.st_nlink:
-                continue
-            why = UnsafeFileError(errno.EPERM, f"{shown / name} was replaced (no longer the directory listed)")
+        if why is None:
+            continue
         result.faults.append((why, "following the directory"))
         _retire(state, result, index, fd)
         fanout[index] = -1

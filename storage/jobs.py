@@ -93,10 +93,11 @@ class WriteJob(Job):
     ``checksum``: of the payload, taken before any slot or room; ``victim``: the evicted key whose
     file it recycles, or None (a new file); ``attempt``: ENOSPC retries so far; ``moved``: resolved
     once the victim's file left its name (a new write of the victim waits for it); ``holds_room``:
-    room claimed in the index and not yet given back or taken by the file."""
+    room claimed in the index and not yet given back or taken by the file; ``remade``: its new file
+    was tried again once after an ENOENT (its fan-out directory removed under it)."""
 
-    __slots__ = ("attempt", "buffer", "checksum", "holds_room", "key", "moved", "page", "ref", "victim",
-                 "waiters")
+    __slots__ = ("attempt", "buffer", "checksum", "holds_room", "key", "moved", "page", "ref", "remade",
+                 "victim", "waiters")
 
     writes: ClassVar[bool] = True
 
@@ -111,6 +112,7 @@ class WriteJob(Job):
         self.moved: asyncio.Future[None] | None = None
         self.attempt = 0
         self.holds_room = False
+        self.remade = False
         self.waiters: list[asyncio.Future[bool]] = []
 
 

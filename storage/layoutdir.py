@@ -330,6 +330,23 @@ def lock_named(fd: int, dir_fd: int) -> bool:
     return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
+def fanout_gone(dir_fd: int, index: int, fd: int, shown: Path) -> OSError | None:
+    """Why the descriptor ``fd`` of fan-out directory ``index`` (in the layout directory ``dir_fd``,
+    shown as ``shown``) no longer serves: removed (``FileNotFoundError``: its files with it) or its
+    name replaced (``UnsafeFileError``: a symlink, a file, another directory); None while the name
+    still leads to it. A follower's look and the writer's write that met ENOENT ask this. Raises
+    ``OSError`` when either cannot be examined."""
+    name = f"{index:02x}"
+    held = os.fstat(fd)
+    try:
+        named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError as exc:
+        return exc
+    if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and held.st_nlink:
+        return None
+    return UnsafeFileError(errno.EPERM, f"{shown / name} was replaced (no longer the directory listed)")
+
+
 def _refuse_planted(exc: OSError, name: Path) -> None:
     if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
         raise UnsafeDirectoryError(exc.errno, f"disk tier: {name} is not a regular file: refusing to use "

@@ -18,6 +18,7 @@ import functools
 
 from aiokv.keys import PageKey
 
+from .config import ReadOnly
 from .jobs import Job, ReadBatch, ReadJob
 from .memory import PageBuffer
 from .pagefile import PageHeader, parse_header
@@ -212,6 +213,10 @@ class ReadPath(TierBase):
     def _read_fault(self, job: ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
             self._forget(job.key, job.generation)  # removed behind our back
+            if self._read_only is not ReadOnly.LOCKED:  # (a follower's looks tell it)
+                # With its directory (``rm -rf``)? Then its other keys leave the index at once, not
+                # one miss each, and writes of them store again rather than find them present.
+                self._fanout_gone(job.key[0])
         elif isinstance(exc, UnsafeFileError):  # planted: whatever a chain read into the page is never counted as read
             self._faults.count(exc, "read")
             if self._index.generation(job.key) == job.generation:

@@ -169,6 +169,13 @@ class SpareStock:
             self.failed += 1
             self.retry_at = now + self.backoff_s
 
+    def drop_in(self, dir_fd: int) -> list[Spare]:
+        """Take the spares in the directory ``dir_fd`` out of stock (it was removed or replaced)."""
+        out = [spare for spare in self._stock if spare.dir_fd == dir_fd]
+        if out:
+            self._stock = collections.deque(spare for spare in self._stock if spare.dir_fd != dir_fd)
+        return out
+
     def drain(self) -> list[Spare]:
         """Take every spare out of stock (the tier removes them)."""
         out = list(self._stock)

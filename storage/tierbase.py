@@ -31,7 +31,7 @@ from .faults import DiskFaults
 from .follow import FollowState
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
-from .layoutdir import FreeSpace, Prepared, free_space, open_private_subdir
+from .layoutdir import FreeSpace, Prepared, fanout_gone, free_space, open_private_subdir
 from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
 from .safefiles import UnsafeDirectoryError, UnsafeFileError
@@ -210,15 +210,50 @@ class TierBase:
         return fanout, bytes.hex(key)  # PageFiles.name, inline (bytes.hex: see there)
 
     def _open_fanout(self, index: int) -> int:
-        """Open fan-out directory ``index`` late (blocking, on the loop: a rare path after a fault)."""
+        """Open fan-out directory ``index`` late (blocking, on the loop: a rare path after a fault),
+        made again (0700) when the tier writes: one removed under it (:meth:`_fanout_gone`)."""
         assert self._dir is not None
         name = f"{index:02x}"
         try:
-            fd = open_private_subdir(self._dir.dir_fd, name, self.files.layout_dir / name, create=False)
+            fd = open_private_subdir(self._dir.dir_fd, name, self.files.layout_dir / name,
+                                     create=self._read_only is None)
         except UnsafeDirectoryError as exc:
             raise UnsafeFileError(exc.errno, str(exc)) from None
         self._dir.fanout[index] = fd  # closed with the others (Prepared.close)
         return fd
+
+    def _fanout_gone(self, index: int) -> bool:
+        """After an ENOENT of a write or a read in fan-out directory ``index``: whether the
+        descriptor the tier holds leads to a directory removed (an operator's ``find -empty
+        -delete``, ``rm -rf``, a cleanup script) or no longer under its name. If so it is retired
+        as a follower retires one (:func:`~.follow._check_names`): kept open until the close (an
+        operation in flight may still name a file through it), its keys out of the index (their
+        files went with it, or are out of reach of the name), its spares out of stock; the next
+        :meth:`_where` opens the name again with the start's checks (made again when the tier
+        writes; a symlink or a file there refused, ``UNSAFE``). Blocking calls on the loop, only
+        after such a fault: the happy path pays nothing."""
+        prepared = self._dir
+        assert prepared is not None
+        fd = prepared.fanout[index]
+        if fd < 0:
+            return False
+        try:
+            why = fanout_gone(prepared.dir_fd, index, fd, self.files.layout_dir)
+        except OSError as exc:
+            self._faults.count(exc, "examining a fan-out directory")
+            return False
+        if why is None:
+            return False
+        prepared.fanout[index] = -1  # before anything that calls: never used again
+        prepared.retired.append(fd)
+        dropped = [key for key in self._index if key[0] == index]  # a key's fan-out is its first byte
+        for key in dropped:
+            self._index.remove(key)
+        self._remove_spares(self._spares.drop_in(fd))
+        log.warning("disk tier: %s was removed or replaced under this cache (%s): %d pages indexed there are "
+                    "gone; opening the name again", self.files.layout_dir / f"{index:02x}", why.strerror,
+                    len(dropped))
+        return True
 
     def _temp(self, key: PageKey) -> str:
         """A fresh temporary name beside ``key``'s final one, in :meth:`_where`'s directory (called

@@ -372,9 +372,12 @@ class WritePath(TierBase):
             elif isinstance(error, UnsafeFileError):
                 self._faults.count(error, "recycle")
                 self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
-            elif (error is not None and not gone
+            elif (error is not None and (taken or not gone)
                   and not (isinstance(error, OSError) and error.errno == errno.EROFS)):
-                self._unlink_later(victim)  # out of the index already: do not orphan its file
+                # Out of the index already: do not orphan its file. (Taken and ENOENT: the name
+                # unlinked, or the new name's directory removed, the victim's file left holding the
+                # page: unlinked, ENOENT ignored.)
+                self._unlink_later(victim)
             self._victim_moved(job)
             if error is None or (taken and not gone):
                 self._publish_done(job, error)
@@ -414,6 +417,10 @@ class WritePath(TierBase):
             if not isinstance(error, FileNotFoundError):
                 self._faults.count(error, "spare")
                 self._unlink_spare(spare)
+            elif taken:
+                # The rename's ENOENT: the spare's name unlinked, or the page's directory removed
+                # (then the spare still holds the page under its name): unlinked, ENOENT ignored.
+                self._unlink_spare(spare)
             self._write_slot(job, job.slot)
         except Exception:
             self._write_bug(job)
@@ -427,7 +434,19 @@ class WritePath(TierBase):
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
         try:
+            if isinstance(error, FileNotFoundError) and not job.remade:
+                # The create or the rename in the page's fan-out directory: removed under the tier
+                # (a cleanup's ``find -empty -delete``) and every later write of its keys failed.
+                # Its descriptor is retired if so, and the write tried once more (bounded), still
+                # holding its slot and room: into the directory opened (made) again, or refused
+                # there (a symlink or a file in its place: UNSAFE), counted then.
+                job.remade = True
+                self._fanout_gone(job.key[0])
+                self._write_slot(job, job.slot)
+                return
             self._publish_done(job, error)
+        except Exception:
+            self._write_bug(job)
         except BaseException:
             self._write_rescue(job)
             raise
