@@ -317,7 +317,12 @@ async def test_eio_overwrites_of_recycled_files_serve_nothing_torn(tmp_path: Pat
             new = [payload(pool, h) for h in handles]
             async with asyncio.timeout(BOUND_S):
                 got = await asyncio.gather(*(tier.write(key_of(100 + j), h) for j, h in enumerate(handles)))
-            assert got == [False] * n  # every victim's overwrite met the bad blocks
+            # Each write recycles a victim, whose overwrite meets the bad blocks, unless an earlier
+            # write's failure already took its victim out of the index: then there is room and the
+            # write makes a new file on good blocks (the threads backend on a loaded machine ends a
+            # write before the last one claims: [False, False, False, True] once). The first claim
+            # always recycles. What is served is checked below either way.
+            assert got.count(False) >= 1, got
             for h in handles:
                 pool.table.release(h)
             pool.table.evict(pool.num_pages)
