@@ -41,7 +41,7 @@ from .config import ReadOnly
 from .follow import FollowState, Look, look
 from .jobs import wait_uncancelled
 from .layoutdir import FollowSeed
-from .lockwatch import LockCheck, LockState, check_lock
+from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
 from .tierbase import TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
@@ -293,8 +293,12 @@ class FollowPath(TierBase):
             await self._watch_ticker.wait(self.config.follow_interval_s)
             if not self._watching():
                 return
-            assert self._dir is not None and self._dir.lock_fd is not None
-            work = functools.partial(check_lock, self._dir.dir_fd, self._dir.lock_fd, self.files.layout_dir)
+            prepared = self._dir
+            assert prepared is not None and prepared.lock_fd is not None
+            # A copy of the fan-out descriptors: the loop may retire or open some meanwhile (a
+            # retired one stays open until the close, which waits for this check).
+            work = functools.partial(check_writer, prepared.dir_fd, prepared.lock_fd, list(prepared.fanout),
+                                     self._layout_stamp, self.files.layout_dir)
             job = run_in_new_thread(work, "aiokv-disk-lock", LockCheck.close)
             try:
                 found = await asyncio.shield(job)
@@ -324,12 +328,15 @@ class FollowPath(TierBase):
             log.error("disk tier: checking the lock of %s ended with %r", self.files.layout_dir, task.exception())
 
     def _apply_lock_check(self, found: LockCheck) -> None:
-        """A check's outcome: a fault counted; a new lock taken (the old one let go); a lock held by
-        another cache: this tier stops writing and follows it."""
+        """A check's outcome: a fault counted; fan-out directories whose name no longer leads to
+        them retired; a new lock taken (the old one let go); a lock held by another cache: this
+        tier stops writing and follows it."""
         prepared = self._dir
         assert prepared is not None
         if found.fault is not None:
             self._faults.count(*found.fault)
+        if found.fanouts is not None:
+            self._apply_fanout_check(found.fanouts)
         if not self._watching():
             return  # closing: the close lets the lock go
         assert prepared.lock_fd is not None
@@ -342,6 +349,22 @@ class FollowPath(TierBase):
                         "now (still the only cache writing there)", self.files.layout_dir / ".lock")
         elif found.state is LockState.LOST:
             self._lose_lock()
+
+    def _apply_fanout_check(self, found: FanoutCheck) -> None:
+        """Retire each fan-out descriptor the check found no longer named (moved away whole,
+        removed, replaced), as an ENOENT of a write does (:meth:`_retire_fanout`) — unless the
+        loop retired it meanwhile. Writes of its keys go under the name from then on: nothing
+        lands in a directory moved out of the cache after this check."""
+        for fault in found.faults:
+            self._faults.count(*fault)
+        self._layout_stamp = found.stamp
+        prepared = self._dir
+        assert prepared is not None
+        if not self._watching():
+            return  # closing: nothing written any more
+        for index, fd, why in found.gone:
+            if prepared.fanout[index] == fd:
+                self._retire_fanout(index, why)
 
     def _lose_lock(self) -> None:
         """``.lock`` was replaced and another cache holds the file there now: it writes and evicts

@@ -18,6 +18,15 @@ EROFS, EACCES, EPERM) is no fault, as for a follower making it (:mod:`.follow`):
 and lock a file there either, so the tier goes on writing and checks again next time (once the file
 system is writable, that check makes and takes the file). Any other file system fault (EIO) is
 recorded and changes nothing: checked again next time.
+
+The same check looks at the fan-out directories (:func:`check_fanouts`): the tier writes through a
+descriptor of each, which a directory moved away whole (``mv 3a /elsewhere``, or to another name
+inside) still leads to: writes through it would land outside the cache; and a directory removed
+with its files (``rm -rf 3a``) fails no write of a key still indexed (found stored, nothing
+written). One ``fstat`` of the layout directory per check; only when its stamp changed since the
+last check (or was too recent to tell a change by) is each name checked against its descriptor
+(:func:`~.layoutdir.fanout_gone`, the follower's check), and the tier retires those that no longer
+lead to it.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ import enum
 import errno
 import fcntl
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .layoutdir import LOCK_NAME, lock_named
+from .layoutdir import LOCK_NAME, DirStamp, dir_stamp, fanout_gone, lock_named
 from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
 
 _NOT_OURS_TO_MAKE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
@@ -58,11 +68,69 @@ class LockCheck:
     fd: int | None = None
     """:attr:`LockState.RETAKEN`: the new lock, held."""
     fault: tuple[OSError, str] | None = None
+    fanouts: FanoutCheck | None = None
+    """The fan-out directories' check made with it (:func:`check_writer`)."""
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+@dataclass
+class FanoutCheck:
+    """What a check found of the fan-out names, for the loop to apply."""
+
+    stamp: DirStamp | None
+    """The layout directory's stamp, taken before the names were examined, for the next check
+    (None: examine them all again then: too recent to tell a later change by, or a fault)."""
+    gone: list[tuple[int, int, OSError]] = field(default_factory=list)
+    """``(index, descriptor, why)`` of each fan-out descriptor whose name no longer leads to it:
+    removed (``FileNotFoundError``) or moved or replaced (``UnsafeFileError``)."""
+    faults: list[tuple[OSError, str]] = field(default_factory=list)
+
+
+def check_writer(dir_fd: int, lock_fd: int, fanout: Sequence[int], stamp: DirStamp | None,
+                 shown: Path) -> LockCheck:
+    """The writer's periodic check: the lock (:func:`check_lock`) and the fan-out names
+    (:func:`check_fanouts`). Blocking: run on a thread. Faults are reported, never raised."""
+    found = check_lock(dir_fd, lock_fd, shown)
+    try:
+        found.fanouts = check_fanouts(dir_fd, fanout, stamp, shown)
+    except BaseException:
+        found.close()
+        raise
+    return found
+
+
+def check_fanouts(dir_fd: int, fanout: Sequence[int], stamp: DirStamp | None, shown: Path) -> FanoutCheck:
+    """Whether the fan-out descriptors ``fanout`` (-1: none held) still lead to the directories
+    named ``00``..``ff`` in the layout directory ``dir_fd`` (shown as ``shown``): one ``fstat``,
+    and a ``stat`` of each name only when the layout directory's stamp differs from ``stamp`` (the
+    last check's) or that was None. Renaming, removing or making a fan-out directory changes the
+    layout directory's times; a stamp is kept only once it is :data:`~.layoutdir.SETTLE_NS` old,
+    so a change within a coarse clock's tick of it is still told. Blocking: run on a thread.
+    Faults are reported, never raised."""
+    try:
+        st = os.fstat(dir_fd)
+    except OSError as exc:
+        return FanoutCheck(None, faults=[(exc, "examining the layout directory")])
+    now = dir_stamp(st)  # before the names: a change while they are examined shows next time
+    if stamp is not None and stamp == (st.st_mtime_ns, st.st_ctime_ns):
+        return FanoutCheck(now)
+    found = FanoutCheck(now)
+    for index, fd in enumerate(fanout):
+        if fd < 0:
+            continue  # none held: opened (checked) when an operation first needs it
+        try:
+            why = fanout_gone(dir_fd, index, fd, shown)
+        except OSError as exc:
+            found.faults.append((exc, f"examining {shown / f'{index:02x}'}"))
+            found.stamp = None  # this one examined again at the next check
+            continue
+        if why is not None:
+            found.gone.append((index, fd, why))
+    return found
 
 
 def check_lock(dir_fd: int, lock_fd: int, shown: Path) -> LockCheck:

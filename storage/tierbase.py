@@ -31,7 +31,7 @@ from .faults import DiskFaults
 from .follow import FollowState
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
-from .layoutdir import FreeSpace, Prepared, fanout_gone, free_space, open_private_subdir
+from .layoutdir import DirStamp, FreeSpace, Prepared, fanout_gone, free_space, open_private_subdir
 from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
 from .safefiles import UnsafeDirectoryError, UnsafeFileError
@@ -118,6 +118,8 @@ class TierBase:
         self._watch_task: asyncio.Task[None] | None = None
         self._watch_ticker = Ticker()
         self._lock_retaken = self._lock_lost = 0
+        # The layout directory's stamp at the last check of the fan-out names (None: check them all).
+        self._layout_stamp: DirStamp | None = None
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()
@@ -225,13 +227,10 @@ class TierBase:
     def _fanout_gone(self, index: int) -> bool:
         """After an ENOENT of a write or a read in fan-out directory ``index``: whether the
         descriptor the tier holds leads to a directory removed (an operator's ``find -empty
-        -delete``, ``rm -rf``, a cleanup script) or no longer under its name. If so it is retired
-        as a follower retires one (:func:`~.follow._check_names`): kept open until the close (an
-        operation in flight may still name a file through it), its keys out of the index (their
-        files went with it, or are out of reach of the name), its spares out of stock; the next
-        :meth:`_where` opens the name again with the start's checks (made again when the tier
-        writes; a symlink or a file there refused, ``UNSAFE``). Blocking calls on the loop, only
-        after such a fault: the happy path pays nothing."""
+        -delete``, ``rm -rf``, a cleanup script) or no longer under its name; if so it is retired
+        (:meth:`_retire_fanout`). Blocking calls on the loop, only after such a fault: the happy
+        path pays nothing. (The writer's periodic check asks the same on its thread:
+        :mod:`.lockwatch`.)"""
         prepared = self._dir
         assert prepared is not None
         fd = prepared.fanout[index]
@@ -244,16 +243,29 @@ class TierBase:
             return False
         if why is None:
             return False
+        self._retire_fanout(index, why)
+        return True
+
+    def _retire_fanout(self, index: int, why: OSError) -> None:
+        """The descriptor of fan-out directory ``index`` no longer leads to the directory under its
+        name (``why``): retired as a follower retires one (:func:`~.follow._check_names`): kept
+        open until the close (an operation in flight may still name a file through it), its keys
+        out of the index (their files went with it, or are out of reach of the name), its spares
+        out of stock; the next :meth:`_where` opens the name again with the start's checks (made
+        again when the tier writes; a symlink or a file there refused, ``UNSAFE``)."""
+        prepared = self._dir
+        assert prepared is not None
+        fd = prepared.fanout[index]
+        assert fd >= 0
         prepared.fanout[index] = -1  # before anything that calls: never used again
         prepared.retired.append(fd)
         dropped = [key for key in self._index if key[0] == index]  # a key's fan-out is its first byte
         for key in dropped:
             self._index.remove(key)
         self._remove_spares(self._spares.drop_in(fd))
-        log.warning("disk tier: %s was removed or replaced under this cache (%s): %d pages indexed there are "
-                    "gone; opening the name again", self.files.layout_dir / f"{index:02x}", why.strerror,
+        log.warning("disk tier: %s was removed, moved or replaced under this cache (%s): %d pages indexed there "
+                    "are gone; opening the name again", self.files.layout_dir / f"{index:02x}", why.strerror,
                     len(dropped))
-        return True
 
     def _temp(self, key: PageKey) -> str:
         """A fresh temporary name beside ``key``'s final one, in :meth:`_where`'s directory (called
