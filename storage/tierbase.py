@@ -1,10 +1,11 @@
 """`TierBase`: the disk tier's state and the bookkeeping its read and write jobs share.
 
-Plain synchronous code on the owning loop (a few coroutines await a thread or an unlink): caller
-checks and page references, where a key's file is (directory descriptor and name), the jobs'
-accounting (I/O slots, the count :meth:`DiskTier.aclose` waits on), the budget in force against the
-file system's free space, the index with the unlinks that follow it, and the stock of spare
-files (:mod:`.spares`) that new pages are written into. The job state machines
+Plain synchronous code on the owning loop (a few coroutines await a thread or an unlink): where a
+key's file is (directory descriptor and name; a fan-out directory removed, moved or replaced
+retired and opened again), the jobs' accounting (I/O slots, the count :meth:`DiskTier.aclose`
+waits on), the budget in force against the file system's free space, the index with the unlinks
+that follow it, and the stock of spare files (:mod:`.spares`) that new pages are written into. The
+caller checks and page references are its base's (:mod:`.tieredge`). The job state machines
 build on it (:mod:`.writepath`, :mod:`.readpath`); :class:`~.disk.DiskTier` is the public shell.
 """
 
@@ -20,11 +21,9 @@ from typing import Any, TypeVar
 from aiokv.faults import FaultLog
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
-from aiokv.pagetable import PageHandle, PageState, StaleHandleError
 from aiokv.pool import PagePool, run_in_new_thread
 
 from .backends import HeaderSlots, PageIO
-from .checks import check_buffer, check_ready, check_reserved
 from .checksum import Checksums
 from .config import DiskConfig, ReadOnly
 from .faults import DiskFaults
@@ -32,17 +31,18 @@ from .follow import FollowState
 from .index import PageIndex
 from .jobs import IOSlots, Job, WriteJob, wait_uncancelled
 from .layoutdir import DirStamp, FreeSpace, Prepared, fanout_gone, free_space, open_private_subdir
-from .memory import PageBuffer, buffer_address
 from .pagefile import PageFiles, file_bytes
 from .safefiles import UnsafeDirectoryError, UnsafeFileError
 from .spares import Made, Spare, SpareStock, make_spares
+from .ticker import Ticker
+from .tieredge import TierEdge
 from .writebehind import WriteBehind
 
 log = logging.getLogger("aiokv.storage.disk")  # one logger for the tier, whichever file logs
 T = TypeVar("T")
 
 
-class TierBase:
+class TierBase(TierEdge):
     """The state of a :class:`~.disk.DiskTier` (constructed through it) and the internals its
     read and write paths share. Not used on its own."""
 
@@ -129,74 +129,7 @@ class TierBase:
         self._spare_of: dict[WriteJob, Spare] = {}
         self._spare_fault_logged = False
 
-    # -- caller checks and page references ------------------------------------------------------
-
-    def _check_started(self) -> None:
-        if self._io is None and self._close_task is None:
-            raise RuntimeError("disk tier not started: call start() or use async with")
-
-    def _check_ready(self, handle: PageHandle) -> int:
-        self._check_started()
-        return check_ready(self.pool, handle)
-
-    def _check_reserved(self, handle: PageHandle) -> int:
-        if self._io is None or type(handle) is not PageHandle:
-            self._check_started()
-            return check_reserved(self.pool, handle)
-        table = self.pool.table
-        try:
-            page = table.check(handle)
-        except StaleHandleError:
-            return check_reserved(self.pool, handle)  # raises the caller's ValueError
-        if table.state_of(handle.key) is not PageState.RESERVED:
-            return check_reserved(self.pool, handle)
-        return page
-
-    def _retain(self, handle: PageHandle) -> PageHandle:
-        """The job's own reference on the READY page of ``handle`` (the caller keeps its own).
-
-        One call on the common path (``retain`` checks the handle and the page's state itself);
-        a refusal goes through :meth:`_check_ready` for the caller's ``TypeError``/``ValueError``."""
-        if self._io is None or type(handle) is not PageHandle:
-            self._check_ready(handle)  # raises what a bad handle or a tier not started deserves
-        try:
-            return self.pool.table.retain(handle)
-        except StaleHandleError:
-            self._check_ready(handle)  # raises the caller's ValueError
-            raise
-
-    def _release(self, handle: PageHandle) -> None:
-        try:
-            self.pool.table.release(handle)
-        except StaleHandleError:
-            log.exception("disk tier: page reference already released")
-
-    def _refuse(self) -> bool:
-        self._dropped += 1
-        return False
-
-    # -- page memory and file names -------------------------------------------------------------
-
-    def _external(self, buffer: memoryview, writable: bool) -> PageBuffer:
-        """A caller's page buffer, checked (``TypeError``/``ValueError`` before any state change)."""
-        if not isinstance(buffer, memoryview):
-            raise TypeError(f"buffer must be a memoryview, got {type(buffer).__name__}")
-        check_buffer(buffer, self.layout.page_bytes, writable)
-        view = buffer.cast("B")
-        page = PageBuffer(buffer_address(view), view, self._payload_bytes)
-        if not page.aligned and self._io is not None and self._io.direct:
-            self._buffered_fallbacks += 1  # O_DIRECT needs aligned memory: this one goes buffered
-        return page
-
-    def _source(self, job: WriteJob) -> PageBuffer:
-        """Where ``job``'s bytes are: the caller's buffer, or its pool page (checked: still live)."""
-        if job.buffer is not None:
-            return job.buffer
-        assert job.ref is not None
-        # The job's own reference (retained at the edge, released only by the job): live.
-        page = job.ref.page
-        memory = self.pool.memory
-        return PageBuffer(memory.page_address(page), memory.page_view(page), self._payload_bytes)
+    # -- file names and fan-out directories ------------------------------------------------------
 
     def _where(self, key: PageKey) -> tuple[int, str]:
         """The descriptor of ``key``'s fan-out directory and the page file's name in it. A fan-out
@@ -594,37 +527,3 @@ def _orphan_spares(_: Made) -> None:
 
 def _nothing(_: object) -> None:
     """Nothing to close for a caller that is gone."""
-
-
-class Ticker:
-    """A pause of a periodic task: ``interval`` seconds, or less once :meth:`soon` is called."""
-
-    def __init__(self) -> None:
-        self._wake: asyncio.Future[None] | None = None
-        self._now = False
-
-    def soon(self) -> None:
-        """The next pause ends now (the one in progress, else the next one is skipped)."""
-        self._now = True
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    async def wait(self, interval: float) -> None:
-        if self._now:
-            self._now = False
-            return
-        loop = asyncio.get_running_loop()
-        wake = self._wake = loop.create_future()
-        timer = loop.call_later(interval, _wake, wake)
-        try:
-            await wake
-        finally:
-            timer.cancel()
-            self._wake = None
-            self._now = False
-
-
-def _wake(wake: asyncio.Future[None]) -> None:
-    if not wake.done():
-        wake.set_result(None)

@@ -30,7 +30,19 @@ from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, backends, disk, index, jobs, readpath, safefiles, tierbase, writepath
+from aiokv.storage import (
+    DiskBackend,
+    DiskTier,
+    backends,
+    disk,
+    index,
+    jobs,
+    readpath,
+    safefiles,
+    tierbase,
+    tieredge,
+    writepath,
+)
 from aiokv.storage.pagefile import file_bytes
 from aiokv.storage.uring import UringEngine
 
@@ -266,8 +278,8 @@ def _matches(where: tuple[str, str, str | None], point: tuple[str, str, str]) ->
     return point[1].endswith(name[1:]) if name.startswith("*.") else point[1] == name
 
 
-PAGE_JOB_FILES = {module.__file__ for module in (jobs, readpath, writepath, tierbase, backends, safefiles, index,
-                                                 disk) if module.__file__ is not None}
+PAGE_JOB_FILES = {module.__file__ for module in (jobs, readpath, writepath, tierbase, tieredge, backends, safefiles,
+                                                 index, disk) if module.__file__ is not None}
 """The page-job code: the tier's jobs and I/O slots, its shell, its index, the byte movers and what
 they call to open and check files (not the ring's or the checksums' own code, nor asyncio's)."""
 

@@ -22,7 +22,7 @@ POINTS = [
     ("write-queued-entry", ("call", "DiskTier._write_queued", None)),
     ("join-write-entry", ("call", "WritePath._join_write", None)),
     # The worker's release of the queue's reference (in _worker itself before the fix).
-    ("worker-release-entry", ("call", "TierBase._release", "WriteBehind._finish|WriteBehind._worker")),
+    ("worker-release-entry", ("call", "TierEdge._release", "WriteBehind._finish|WriteBehind._worker")),
 ]
 
 
