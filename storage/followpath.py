@@ -279,6 +279,7 @@ class FollowPath(TierBase):
         that ``.lock`` still names the file it holds."""
         task = self._watch_task
         if self.config.follow_interval_s and self._accepting and (task is None or task.done()):
+            self._layout_stamp = None  # the first check examines every fan-out name
             self._watch_task = asyncio.get_running_loop().create_task(self._watch())
 
     def _check_lock_soon(self) -> None:
@@ -299,6 +300,7 @@ class FollowPath(TierBase):
             # retired one stays open until the close, which waits for this check).
             work = functools.partial(check_writer, prepared.dir_fd, prepared.lock_fd, list(prepared.fanout),
                                      self._layout_stamp, self.files.layout_dir)
+            opens = self._fanout_opens
             job = run_in_new_thread(work, "aiokv-disk-lock", LockCheck.close)
             try:
                 found = await asyncio.shield(job)
@@ -310,6 +312,10 @@ class FollowPath(TierBase):
             except Exception:  # a bug in the check: counted, and the next one tries again
                 self._faults.unexpected("a check of the directory's lock")
                 continue
+            if found.fanouts is not None and self._fanout_opens != opens:
+                # A fan-out directory opened on the loop after the copy (not examined), maybe just
+                # before a move the stamp taken shows: every name examined again at the next check.
+                found.fanouts.stamp = None
             try:
                 self._apply_lock_check(found)
             except Exception:

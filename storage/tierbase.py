@@ -118,8 +118,10 @@ class TierBase(TierEdge):
         self._watch_task: asyncio.Task[None] | None = None
         self._watch_ticker = Ticker()
         self._lock_retaken = self._lock_lost = 0
-        # The layout directory's stamp at the last check of the fan-out names (None: check them all).
+        # The layout directory's stamp at the last check of the fan-out names (None: check them all),
+        # and the fan-out directories opened on the loop so far (:meth:`_open_fanout`).
         self._layout_stamp: DirStamp | None = None
+        self._fanout_opens = 0
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()
@@ -155,6 +157,7 @@ class TierBase(TierEdge):
         except UnsafeDirectoryError as exc:
             raise UnsafeFileError(exc.errno, str(exc)) from None
         self._dir.fanout[index] = fd  # closed with the others (Prepared.close)
+        self._fanout_opens += 1
         return fd
 
     def _fanout_gone(self, index: int) -> bool:
