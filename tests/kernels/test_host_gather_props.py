@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvcase import ALL_DTYPES
-from test_adv_rev137_hostcopy import STYLES, Geometry, _build, _bytes, _random_storages, geometries
+from test_adv_rev137_hostcopy import STYLES, Geometry, _build, _bytes, _random_storages, geometries, refused_aliasing
 
 from aiokv.kernels import PageMover, reference_gather
 from aiokv.kernels import hostcopy as hostcopy_module
@@ -112,6 +112,8 @@ def offloads(draw: st.DrawFn, g: Geometry) -> tuple[list[int], torch.Tensor]:
 
 
 def _case(g: Geometry, ids: list[int], slots: torch.Tensor, seed: int, chunk_bytes: int | None = None) -> None:
+    if refused_aliasing(g):
+        return
     gen = torch.Generator().manual_seed(seed)
     engine = _random_storages(g, gen)
     before, pages = _pool(g, gen)

@@ -105,22 +105,6 @@ def test_a_tp_rank_and_mla_copy_only_their_rows(form: BufferForm, rank: int) -> 
         assert all(same_bits(a, b) for a, b in zip(kv_tensors(got), kv_tensors(expected), strict=True))
 
 
-def test_overlapping_layers_copy_one_layer_at_a_time() -> None:
-    # Layers 1 element apart overlap: one call over all of them would write the same memory twice in
-    # an undefined order. Copied one layer at a time, as the reference does, the last layer wins.
-    layout = KVLayout.mha(2, 1, 4, torch.float32, page_tokens=2)
-    store = torch.zeros(10 * 8 + 1)
-    layers = [store[i : i + 80].view(10, 2, 4) for i in range(2)]
-    kv, expected_kv = KVBuffer.wrap(layout, layers), KVBuffer.wrap(layout, [t.clone() for t in layers])
-    expected_store = torch.zeros(10 * 8 + 1)
-    expected_kv = KVBuffer.wrap(layout, [expected_store[i : i + 80].view(10, 2, 4) for i in range(2)])
-    pages = torch.randn(3, *layout.page_shape)
-    slots = torch.tensor([1, 4, 7, 9])
-    reference_scatter(expected_kv, pages, slots, [2, 0], 0, None, True)
-    HostScatter(kv, pages).load([2, 0], slots, 0)
-    assert torch.equal(store, expected_store)
-
-
 @pytest.mark.parametrize("num_layers", [2, 32])
 @pytest.mark.parametrize("kind", ["run", "spread"])
 def test_a_launch_group_is_one_copying_call_whatever_the_layers(num_layers: int, kind: str) -> None:
