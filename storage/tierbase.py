@@ -458,6 +458,11 @@ class TierBase(TierEdge):
             made = Made([], OSError(errno.EIO, "spare batch failed"))
         self._spares.landed(made, now)
         self._index.release_spares(planned - len(made.spares))
+        if self._dir is not None and self._dir.retired:
+            # A fan-out directory retired while the batch ran (moved out of the cache, removed):
+            # its spares never serve (a page written into a file outside the cache): unlinked.
+            for fd in {spare.dir_fd for spare in made.spares} & set(self._dir.retired):
+                self._remove_spares(self._spares.drop_in(fd))
         error = made.error
         if error is not None:
             if not self._spare_fault_logged:
