@@ -33,6 +33,8 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiokv.keys import PageKey
 from aiokv.pool import run_in_new_thread
@@ -45,6 +47,8 @@ from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
 from .tierbase import TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
+
+T = TypeVar("T")
 
 APPLY_PER_TURN = 4096
 """Index changes a look's result makes per loop turn (a directory of a million pages changes by at
@@ -86,11 +90,36 @@ class FollowPath(TierBase):
             return
         assert self._follow_state is not None
         self._follow_state.stop.set()
+        await self._stop_task(task, "following")
+        self._count_undecided()
+
+    async def _stop_task(self, task: asyncio.Task[None], what: str) -> None:
+        """Cancel ``task`` (the looks or the lock checks) and wait for it: its thread ends first."""
         task.cancel()
         await asyncio.wait({task})
         if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
-            log.error("disk tier: following %s ended with %r", self.files.layout_dir, task.exception())
-        self._count_undecided()
+            log.error("disk tier: %s %s ended with %r", what, self.files.layout_dir, task.exception())
+
+    async def _on_thread(self, work: Callable[[], T], name: str, close: Callable[[T], None], what: str,
+                         stop: Callable[[], None] | None = None) -> T | None:
+        """``work`` (a look or a lock check) on a thread of its own, so the loop never waits for the
+        file system. A cancel (the close) calls ``stop`` (the look ends after the directory it is
+        at), waits for the thread — it uses the tier's descriptors, never closed under it — and
+        closes what it returned. None when it raised: a bug, counted as ``what``; the next one
+        tries again."""
+        job = run_in_new_thread(work, name, close)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            if stop is not None:
+                stop()
+            await wait_uncancelled(job)
+            if not job.cancelled() and job.exception() is None:
+                close(job.result())
+            raise
+        except Exception:
+            self._faults.unexpected(what)
+            return None
 
     def _count_undecided(self) -> None:
         """Refused reads no look told about (the following ends: at the close, or the tier writes
@@ -154,17 +183,9 @@ class FollowPath(TierBase):
             self._follow_refused.clear()
             work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir,
                                      self._follow_held)
-            job = run_in_new_thread(work, "aiokv-disk-follow", Look.close)
-            try:
-                found = await asyncio.shield(job)
-            except asyncio.CancelledError:
-                state.stop.set()
-                await wait_uncancelled(job)  # its descriptors are the tier's: never closed under it
-                if not job.cancelled() and job.exception() is None:
-                    job.result().close()
-                raise
-            except Exception:  # a bug in the look: counted, and the next look tries again
-                self._faults.unexpected("a look at the directory")
+            found = await self._on_thread(work, "aiokv-disk-follow", Look.close, "a look at the directory",
+                                          state.stop.set)
+            if found is None:
                 continue
             self._follow_looks += 1
             try:
@@ -301,16 +322,8 @@ class FollowPath(TierBase):
             work = functools.partial(check_writer, prepared.dir_fd, prepared.lock_fd, list(prepared.fanout),
                                      self._layout_stamp, self.files.layout_dir)
             opens = self._fanout_opens
-            job = run_in_new_thread(work, "aiokv-disk-lock", LockCheck.close)
-            try:
-                found = await asyncio.shield(job)
-            except asyncio.CancelledError:
-                await wait_uncancelled(job)  # it uses the tier's descriptors: never closed under it
-                if not job.cancelled() and job.exception() is None:
-                    job.result().close()
-                raise
-            except Exception:  # a bug in the check: counted, and the next one tries again
-                self._faults.unexpected("a check of the directory's lock")
+            found = await self._on_thread(work, "aiokv-disk-lock", LockCheck.close, "a check of the directory's lock")
+            if found is None:
                 continue
             if found.fanouts is not None and self._fanout_opens != opens:
                 # A fan-out directory opened on the loop after the copy (not examined), maybe just
@@ -326,12 +339,8 @@ class FollowPath(TierBase):
     async def _stop_watching(self) -> None:
         """At close: stop the checks, wait for the one in progress and close what it took."""
         task = self._watch_task
-        if task is None:
-            return
-        task.cancel()
-        await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
-            log.error("disk tier: checking the lock of %s ended with %r", self.files.layout_dir, task.exception())
+        if task is not None:
+            await self._stop_task(task, "checking the lock of")
 
     def _apply_lock_check(self, found: LockCheck) -> None:
         """A check's outcome: a fault counted; fan-out directories whose name no longer leads to
