@@ -371,7 +371,7 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     seed = state.seed
     try:
         stamp = dir_stamp(os.fstat(fd)) if seed is not None else None  # before the listing
-        listing = list_fanout(fd, shown, state.read_only is None, None, state.faults)
+        listing = list_fanout(fd, index, shown, state.read_only is None, None, state.faults)
     except BaseException:
         os.close(fd)
         raise
@@ -387,10 +387,11 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     state.fanout[index] = fd
 
 
-def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, int] | None,
+def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dict[PageKey, int] | None,
                 faults: list[tuple[OSError, str]]) -> FanoutListing:
-    """List the fan-out directory ``fd`` (shown as ``shown``): page files are regular files of ours
-    named by a key; anything else with a key name is skipped and recorded as UNSAFE, a file that
+    """List the fan-out directory ``fd`` (number ``index``, shown as ``shown``): page files are
+    regular files of ours named by a key whose first byte is ``index`` (a key named in another
+    directory, moved there with its directory, is never read there: not indexed); anything else with a key name is skipped and recorded as UNSAFE, a file that
     cannot be examined is skipped and recorded; names that are no key's are never indexed.
     ``remove_temps`` (the lock holder only): temporary and spare files are unlinked. ``known``: the
     identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
@@ -412,6 +413,8 @@ def list_fanout(fd: int, shown: Path, remove_temps: bool, known: dict[PageKey, i
                 try:
                     key = bytes.fromhex(name)
                 except ValueError:
+                    continue
+                if key[0] != index:
                     continue
                 inode = entry.inode()
                 if known is not None:
