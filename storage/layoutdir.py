@@ -391,8 +391,9 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
                 faults: list[tuple[OSError, str]]) -> FanoutListing:
     """List the fan-out directory ``fd`` (number ``index``, shown as ``shown``): page files are
     regular files of ours named by a key whose first byte is ``index`` (a key named in another
-    directory, moved there with its directory, is never read there: not indexed); anything else with a key name is skipped and recorded as UNSAFE, a file that
-    cannot be examined is skipped and recorded; names that are no key's are never indexed.
+    directory, moved there with its directory, is never read there: not indexed); anything else
+    with a key name is skipped and recorded as UNSAFE, a file that cannot be examined is skipped
+    and recorded; names that are no key's are never indexed.
     ``remove_temps`` (the lock holder only): temporary and spare files are unlinked. ``known``: the
     identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
     same name and inode number is neither examined again nor reported in ``found``. A failure part-way
