@@ -21,44 +21,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, fill, key_of, page_files, payload
+from disk_helpers import assert_clean, key_of, page_files
 from follow_helpers import follow_config, started
+from test_fanout_removed import TAG, _fanout, _read, _write
 from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
 
-TAG = 0x3A
-"""The fan-out directory the tests move (``3a``): the first byte of ``key_of(i, TAG)``."""
-
-
-async def _write(tier: DiskTier, pool: PagePool, i: int, tag: int = TAG) -> tuple[bool, torch.Tensor]:
-    h = fill(pool, key_of(i, tag), i)
-    data = payload(pool, h)
-    try:
-        ok = await tier.write(key_of(i, tag), h)
-    finally:
-        pool.table.release(h)
-    pool.table.evict(pool.num_pages)
-    return ok, data
-
-
-async def _read(tier: DiskTier, pool: PagePool, i: int, tag: int = TAG) -> torch.Tensor | None:
-    h = pool.reserve([key_of(i, 0xEE)])[0].handle
-    assert h is not None
-    ok = await tier.read(key_of(i, tag), h)
-    data = payload(pool, h) if ok else None
-    pool.table.abort(h)
-    return data
-
 
 def _names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
-
-
-def _fanout(tier: DiskTier) -> Path:
-    return tier.files.layout_dir / f"{TAG:02x}"
 
 
 def _no_faults(tier: DiskTier) -> None:
