@@ -51,6 +51,18 @@ async def until_thread(condition: Callable[[], bool], what: str = "condition", t
         await asyncio.sleep(THREAD_POLL_S)
 
 
+async def until_spin(condition: Callable[[], bool], what: str = "condition", timeout_s: float = 30.0) -> None:
+    """Until ``condition()`` holds, checked at every loop turn (``sleep(0)``), where the first turn
+    it holds matters (a window a later step must land in) and a thread makes it hold: bounded in
+    seconds, not turns. A bound of 2,000 turns failed in CI: under load the read threads, starved of
+    the GIL by the spinning loop, took longer than 2,000 turns to end their reads."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        await asyncio.sleep(0)
+
+
 async def cancel_within(tasks: Collection[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; returns those still running
     (a task that ignores its cancel, waiting on a future nobody resolves, is reported instead of

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, make_kv, prompt, slow_host_copies
+from loop_probes import until_spin
 
 from aiokv import DiskBackend, KVCache
 
@@ -38,17 +39,17 @@ T = LAYOUT.page_tokens
 WAIT_S = 30.0
 """``offload_wait``: a missed wake-up shows as a wait this long."""
 SHORT_S = 2.0
+SPIN_S = 30.0
+"""Seconds a test waits for a state at most (then it fails)."""
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: results read it directly")
 
 
-async def _turns(until: Any, limit: int = 2000) -> None:
-    """Yield loop turns until ``until()`` (a few thousand at most: then fail)."""
-    for _ in range(limit):
-        if until():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the state never came")
+async def _turns(until: Any) -> None:
+    """Yield loop turns until ``until()``, checked at each turn (the first turn it holds is the
+    window a later step lands in); fails after :data:`SPIN_S` seconds. Threads make these states
+    hold (disk reads), so the bound is in seconds: 2,000 turns were not enough under load in CI."""
+    await until_spin(until, "the state", SPIN_S)
 
 
 async def _store(tmp_path: Path, tokens: list[int], source: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, prompt
+from loop_probes import until_spin
 
 from aiokv import DiskBackend, KVCache
 
@@ -37,19 +38,17 @@ POOL = 4
 WAIT_S = 30.0
 """``offload_wait``: a wait nothing ends shows as one this long."""
 SHORT_S = 2.0
-TURNS = 2000
-"""Loop turns a test waits for a state at most (then it fails)."""
+SPIN_S = 30.0
+"""Seconds a test waits for a state at most (then it fails)."""
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: results read it directly")
 
 
 async def _turns(until: Any) -> None:
-    """Yield loop turns until ``until()`` (at most :data:`TURNS`: then fail)."""
-    for _ in range(TURNS):
-        if until():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the state never came")
+    """Yield loop turns until ``until()``, checked at each turn (the first turn it holds is the
+    window a later step lands in); fails after :data:`SPIN_S` seconds. Threads make these states
+    hold (disk reads), so the bound is in seconds: 2,000 turns were not enough under load in CI."""
+    await until_spin(until, "the state", SPIN_S)
 
 
 async def _store(tmp_path: Path, source: torch.Tensor, *prompts: list[int]) -> None:
