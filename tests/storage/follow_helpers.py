@@ -8,7 +8,9 @@ import contextlib
 import ctypes
 import glob
 import os
+import sys
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -49,9 +51,21 @@ class Looks:
         """A look that starts after this call, applied (one in progress first ends)."""
         want = self.tier._follow_started + 1
         self.tier._look_soon()
-        async with asyncio.timeout(limit_s), self.changed:
-            await self.changed.wait_for(lambda: self.applied >= want or self.tier._follow_task is None
-                                        or self.tier._follow_task.done())
+        try:
+            async with asyncio.timeout(limit_s), self.changed:
+                await self.changed.wait_for(lambda: self.applied >= want or self.tier._follow_task is None
+                                            or self.tier._follow_task.done())
+        except TimeoutError as exc:
+            raise AssertionError(f"no look applied in {limit_s} s: {self._where()}") from exc
+
+    def _where(self) -> str:
+        """Where the looks are (for a timeout's message): counts, and the look threads' stacks."""
+        frames = sys._current_frames()
+        stacks = ["".join(traceback.format_stack(frames[t.ident]))
+                  for t in threading.enumerate() if t.name.startswith("aiokv-disk-follow") and t.ident in frames]
+        return (f"started {self.tier._follow_started}, applied {self.applied}, looks "
+                f"{self.tier.statistics().follow_looks}, task {self.tier._follow_task}; look threads:\n"
+                + "\n".join(stacks))
 
     async def until(self, predicate: Callable[[], bool], limit_s: float = 30.0, force: bool = True) -> None:
         """Until ``predicate()`` holds after a look (``force``: each look asked for at once; else

@@ -39,6 +39,11 @@ TAG = 7
 KEYS = 40
 """Key space of the chaos writer: small, so that evicted keys are stored again (recycled names)."""
 WRITER_FILES = 12
+MISS_PAUSE_S = 0.001
+"""A reader's pause after a miss, as an engine's next request comes later. Readers that missed in
+a pure ``sleep(0)`` spin kept the loop thread holding the GIL: each system call of the look's
+thread then waited up to the 5 ms switch interval for it back, and a look (256 fan-out
+directories) took 5-50 s: a stopkill round timed out in CI (``docs/design.md``, follower looks)."""
 
 
 def chaos_writer(directory: str, backend: str, seed: int, conn: Connection) -> None:
@@ -131,13 +136,14 @@ async def _chaos_round(seed: int, backend: DiskBackend, directory: Path) -> str:
                     while not stop.is_set():
                         i = pick.randrange(KEYS)
                         into = reserve(pool, key_of(1000 + r, 99))
+                        hit = False
                         try:
-                            if await follower.read(key_of(i, TAG), into):
+                            if hit := await follower.read(key_of(i, TAG), into):
                                 served[0] += 1
                                 assert torch.equal(payload(pool, into), oracle(i)), f"seed {seed}: page {i} wrong bytes"
                         finally:
                             pool.table.abort(into)
-                        await asyncio.sleep(0)
+                        await asyncio.sleep(0 if hit else MISS_PAUSE_S)
 
                 readers = [asyncio.create_task(reader(r)) for r in range(3)]
                 assert await receive(conn) == "warm"
