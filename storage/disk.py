@@ -492,6 +492,9 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         key = exact_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
+        listing = self._listing.get(key[0])
+        if listing is not None:
+            listing.add(key)  # a fan-out directory being listed: the file it finds is not indexed
         if key in self._index and self._io is not None:
             unlink = self._drop(key)
             if unlink is not None:

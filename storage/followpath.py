@@ -42,7 +42,7 @@ from aiokv.pool import run_in_new_thread
 from .config import ReadOnly
 from .follow import FollowState, Look, look
 from .jobs import wait_uncancelled
-from .layoutdir import FollowSeed
+from .layoutdir import FanoutListing, FollowSeed, list_fanout
 from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
 from .tierbase import TierBase
 
@@ -381,6 +381,65 @@ class FollowPath(TierBase):
             if prepared.fanout[index] == fd:
                 self._retire_fanout(index, why)
 
+    # -- fan-out directories opened late: listed as a start lists them -------------------------
+
+    def _list_opened(self, index: int, fd: int) -> None:
+        """Fan-out directory ``index`` was opened late as ``fd`` by the writer: one put back in
+        place of a retired one (moved back, a backup restored) or unreadable at start may hold page
+        files. Listed on a thread (never on the loop: it may be large) as a start lists one; then
+        :meth:`_index_listed`."""
+        self._listing.setdefault(index, set())  # shared with a listing of a descriptor retired since
+        self._listings[index] = self._listings.get(index, 0) + 1
+        self._spawn(self._index_opened(index, fd))
+
+    async def _index_opened(self, index: int, fd: int) -> None:
+        faults: list[tuple[OSError, str]] = []
+        files = self.files
+        remove = self._read_only is None
+        # Temporary and spare files of this tier may be its writes in flight (a directory moved
+        # back holds those issued before the move); any other is a leftover, removed as at start.
+        work = functools.partial(list_fanout, fd, index, files.layout_dir / f"{index:02x}", remove, None, faults,
+                                 lambda name: files.own_temp(name) or self._spares.named(name))
+        try:
+            listing = await self._on_thread(work, "aiokv-disk-list", _nothing, "listing a fan-out directory")
+            for fault, what in faults:
+                self._faults.count(fault, what)
+            if listing is not None:
+                self._index_listed(index, fd, listing)
+        finally:
+            left = self._listings.pop(index) - 1
+            if left:
+                self._listings[index] = left
+            else:
+                del self._listing[index]
+
+    def _index_listed(self, index: int, fd: int, listing: FanoutListing) -> None:
+        """Index the page files a listing of a fan-out directory opened late found, as the least
+        recently used (oldest first), and trim the index to the budget: counted and evicted like
+        any other. Skipped: keys indexed, being written or moved meanwhile, and all of it when the
+        descriptor was retired again or the tier no longer writes; a file of a key unlinked or
+        deleted while the listing ran is unlinked (it may have been listed before its unlink)."""
+        prepared = self._dir
+        assert prepared is not None
+        self._temp_removed += listing.temp_removed
+        self._skipped += listing.skipped + (not listing.complete)
+        if not self._accepting or prepared.fanout[index] != fd or prepared.lock_fd is None:
+            return
+        gone = self._listing.get(index, set())
+        page_index, writing, moving = self._index, self._writing, self._moving
+        found = sorted((mtime, key) for key, mtime in listing.found.items())
+        fresh = [key for _mtime, key in found if key not in page_index and key not in writing and key not in moving]
+        indexed = [key for key in fresh if key not in gone]
+        page_index.add_least_recent(indexed)
+        for key in fresh:
+            if key in gone:
+                self._unlink_later(key)
+        if self._read_only is None:
+            self._remove_files(page_index.evict_to(page_index.capacity))
+        if indexed:
+            log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
+                        "used", self.files.layout_dir / f"{index:02x}", len(indexed))
+
     def _lose_lock(self) -> None:
         """``.lock`` was replaced and another cache holds the file there now: it writes and evicts
         by its budget. This tier stops (refuses writes, unlinks nothing: ``ReadOnly.LOCKED``) and
@@ -415,3 +474,7 @@ class FollowPath(TierBase):
             if known is not None:
                 known[key] = 0
         return seed
+
+
+def _nothing(_: object) -> None:
+    """A listing has nothing to close."""

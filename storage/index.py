@@ -66,6 +66,16 @@ class PageIndex:
         self.used += self.file_bytes
         self.add(key)
 
+    def add_least_recent(self, keys: list[PageKey]) -> None:
+        """Index files found after start (oldest first) as the least recently used, before every
+        indexed file, and count their room (the caller trims the index to the budget)."""
+        entries = self._entries
+        for key in reversed(keys):
+            self._generation += 1
+            entries[key] = self._generation
+            entries.move_to_end(key, last=False)
+            self.used += self.file_bytes
+
     def remove(self, key: PageKey) -> None:
         """Out of the index, its room given back."""
         del self._entries[key]

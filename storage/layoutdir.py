@@ -36,6 +36,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -388,13 +389,14 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
 
 
 def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dict[PageKey, int] | None,
-                faults: list[tuple[OSError, str]]) -> FanoutListing:
+                faults: list[tuple[OSError, str]], keep: Callable[[str], bool] | None = None) -> FanoutListing:
     """List the fan-out directory ``fd`` (number ``index``, shown as ``shown``): page files are
     regular files of ours named by a key whose first byte is ``index`` (a key named in another
     directory, moved there with its directory, is never read there: not indexed); anything else
     with a key name is skipped and recorded as UNSAFE, a file that cannot be examined is skipped
     and recorded; names that are no key's are never indexed.
-    ``remove_temps`` (the lock holder only): temporary and spare files are unlinked. ``known``: the
+    ``remove_temps`` (the lock holder only): temporary and spare files are unlinked, but for those
+    ``keep`` names (this tier's own, maybe in flight, in a directory listed while it writes). ``known``: the
     identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
     same name and inode number is neither examined again nor reported in ``found``. A failure part-way
     (getdents: EIO) is recorded and ends the listing (``complete`` False). Blocking."""
@@ -406,7 +408,7 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
             for entry in scan:  # getdents may fail midway: the entries listed so far stay
                 name = entry.name
                 if name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
-                    if remove_temps:
+                    if remove_temps and (keep is None or not keep(name)):
                         listing.temp_removed += _remove_temp(fd, name, shown, faults)
                     continue
                 if len(name) != 2 * KEY_BYTES:

@@ -168,6 +168,11 @@ class PageFiles:
         """A fresh temporary name for ``key``, relative to its fan-out directory."""
         return f"{TEMP_PREFIX}{bytes.hex(key)}-{_TEMP.next()}"
 
+    @staticmethod
+    def own_temp(name: str) -> bool:
+        """Whether ``name`` is a temporary name this process made (a write of it may be in flight)."""
+        return name.startswith(TEMP_PREFIX) and name.rpartition("-")[2].startswith(_TEMP.tag)
+
     def rel(self, key: PageKey) -> str:
         """``<fan-out>/<key hex>``: the final name relative to the layout directory."""
         name = bytes.hex(key)

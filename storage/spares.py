@@ -169,6 +169,10 @@ class SpareStock:
             self.failed += 1
             self.retry_at = now + self.backoff_s
 
+    def named(self, name: str) -> bool:
+        """Whether ``name`` is a spare file's name of this stock (in it, or being made)."""
+        return name.startswith(f"{SPARE_PREFIX}{self._tag}")
+
     def drop_in(self, dir_fd: int) -> list[Spare]:
         """Take the spares in the directory ``dir_fd`` out of stock (it was removed or replaced)."""
         out = [spare for spare in self._stock if spare.dir_fd == dir_fd]

@@ -122,6 +122,10 @@ class TierBase(TierEdge):
         # and the fan-out directories opened on the loop so far (:meth:`_open_fanout`).
         self._layout_stamp: DirStamp | None = None
         self._fanout_opens = 0
+        # Fan-out directories opened late being listed (:meth:`_list_opened`) -> the keys there
+        # whose file was unlinked or deleted meanwhile (never indexed from that listing).
+        self._listing: dict[int, set[PageKey]] = {}
+        self._listings: dict[int, int] = {}  # listings in flight per fan-out directory
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()
@@ -158,7 +162,16 @@ class TierBase(TierEdge):
             raise UnsafeFileError(exc.errno, str(exc)) from None
         self._dir.fanout[index] = fd  # closed with the others (Prepared.close)
         self._fanout_opens += 1
+        if self._dir.lock_fd is not None:
+            # Not made just now: put back (moved back, restored) or unreadable at start; its files
+            # are indexed as a start's scan would (a follower's looks list what they open).
+            self._list_opened(index, fd)
         return fd
+
+    def _list_opened(self, index: int, fd: int) -> None:
+        """List fan-out directory ``index`` opened late as ``fd`` (on a thread) and index its page
+        files: :meth:`.followpath.FollowPath._list_opened`."""
+        raise NotImplementedError
 
     def _fanout_gone(self, index: int) -> bool:
         """After an ENOENT of a write or a read in fan-out directory ``index``: whether the
@@ -384,6 +397,9 @@ class TierBase(TierEdge):
         return self._unlink_later(key)
 
     def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+        listing = self._listing.get(key[0])
+        if listing is not None:
+            listing.add(key)  # a listing in flight may have seen the file: not indexed from it
         if self._read_only is not None:
             # Unlinked if the file system becomes writable, or once this tier takes the directory
             # over from the cache that holds it (:mod:`.followpath`).
