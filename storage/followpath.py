@@ -161,13 +161,14 @@ class FollowPath(TierBase):
             log.warning("disk tier: refusing page file %s: %s (%s; further ones counted only)", self.files.path(key),
                         why, fate)
 
-    def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+    def _unlink_later(self, key: PageKey, at: tuple[int, str] | None = None) -> asyncio.Task[None] | None:
         """:meth:`TierBase._unlink_later`; while this tier holds the directory but may not write
         there (``_follow_held``), the file is unlinked once it may."""
         if self._follow_held and self._read_only is not None:
-            self._unlink_when_writable.add(key)
+            if at is None:
+                self._unlink_when_writable.add(key)
             return None
-        return super()._unlink_later(key)
+        return super()._unlink_later(key, at)
 
     async def _follow(self, state: FollowState) -> None:
         interval = self.config.follow_interval_s

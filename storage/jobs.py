@@ -94,9 +94,10 @@ class WriteJob(Job):
     file it recycles, or None (a new file); ``attempt``: ENOSPC retries so far; ``moved``: resolved
     once the victim's file left its name (a new write of the victim waits for it); ``holds_room``:
     room claimed in the index and not yet given back or taken by the file; ``remade``: its new file
-    was tried again once after an ENOENT (its fan-out directory removed under it)."""
+    was tried again once after an ENOENT (its fan-out directory removed under it); ``dir_fd``: the
+    fan-out directory descriptor its file was handed to the backend in (-1: not yet)."""
 
-    __slots__ = ("attempt", "buffer", "checksum", "holds_room", "key", "moved", "page", "ref", "remade",
+    __slots__ = ("attempt", "buffer", "checksum", "dir_fd", "holds_room", "key", "moved", "page", "ref", "remade",
                  "victim", "waiters")
 
     writes: ClassVar[bool] = True
@@ -113,6 +114,7 @@ class WriteJob(Job):
         self.attempt = 0
         self.holds_room = False
         self.remade = False
+        self.dir_fd = -1
         self.waiters: list[asyncio.Future[bool]] = []
 
 

@@ -396,11 +396,16 @@ class TierBase(TierEdge):
         self._index.remove(key)
         return self._unlink_later(key)
 
-    def _unlink_later(self, key: PageKey) -> asyncio.Task[None] | None:
+    def _unlink_later(self, key: PageKey, at: tuple[int, str] | None = None) -> asyncio.Task[None] | None:
+        """Unlink ``key``'s file (out of the index already) in a task a new write of the key waits
+        for; ``at``: in that directory descriptor and name (a retired fan-out directory's) rather
+        than under the key's name now. Read-only: nothing (unlinked once writable, but ``at``)."""
         listing = self._listing.get(key[0])
         if listing is not None:
             listing.add(key)  # a listing in flight may have seen the file: not indexed from it
         if self._read_only is not None:
+            if at is not None:
+                return None
             # Unlinked if the file system becomes writable, or once this tier takes the directory
             # over from the cache that holds it (:mod:`.followpath`).
             if self._writable_again is not None or (
@@ -414,7 +419,7 @@ class TierBase(TierEdge):
                 if previous is not None:
                     await asyncio.wait({previous})
                 assert self._io is not None
-                await self._io.unlink(*self._where(key))
+                await self._io.unlink(*(at or self._where(key)))
             except FileNotFoundError:
                 pass
             except OSError as exc:

@@ -284,6 +284,7 @@ class WritePath(TierBase):
             try:
                 dir_fd, final = self._where(job.key)
                 victim_at = None if job.victim is None or spare is not None else self._where(job.victim)
+                job.dir_fd = dir_fd
             except OSError as exc:
                 # A fan-out directory (the page's or its victim's) that cannot be opened (safely)
                 # now: a counted fault of this write, as a read counts it (ENOENT: deleted; a
@@ -457,6 +458,16 @@ class WritePath(TierBase):
             self._write_failed(job, error)
             return
         try:
+            prepared = self._dir
+            assert prepared is not None
+            if prepared.fanout[job.key[0]] != job.dir_fd:
+                # Its fan-out directory was retired while the backend wrote (moved out of the cache
+                # or replaced: the writer's check): the file is in that directory, not under the
+                # name. Not indexed (before: indexed until its first read missed), and removed from
+                # there (nothing left outside the cache); not a fault of the write.
+                self._unlink_later(job.key, (job.dir_fd, self.files.name(job.key)))
+                self._end_write(job, False)
+                return
             self._end_write(job, True)
         except Exception:  # never left unended: its caller and close() wait for the end
             self._write_bug(job)
