@@ -31,6 +31,10 @@ from .spares import Made, Spare
 from .tierbase import TierBase
 from .uring import not_started
 
+_NO_NEW_FILE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+"""Faults of a recycle's victim that fail the write rather than send it to a new file: read-only
+(the tier switches), or the file system full (evict and retry, bounded)."""
+
 
 class WritePath(TierBase):
     """Writes of the disk tier (see the module docstring); :class:`~.disk.DiskTier` calls them."""
@@ -352,8 +356,9 @@ class WritePath(TierBase):
 
     def _recycled_done(self, job: WriteJob, step: int, error: BaseException | None, taken: bool) -> None:
         """The victim's file was taken over (``taken``) and written, or not taken: gone (a new file
-        instead), not ours (counted, unlinked, a new file instead) or a fault. Taken but gone by
-        the rename (unlinked behind the tier after the open): a new file instead, nothing counted."""
+        instead), not ours (counted, unlinked, a new file instead) or a fault of its open (EACCES,
+        EIO: the same; EROFS, ENOSPC fail the write). Taken but gone by the rename (unlinked
+        behind the tier after the open): a new file instead, nothing counted."""
         if job.step != step:
             return  # delivered again after an interrupt (its deliverer could not tell): it ran
         job.step = 0
@@ -383,9 +388,13 @@ class WritePath(TierBase):
             if error is None or (taken and not gone):
                 self._publish_done(job, error)
                 return
-            if not isinstance(error, (UnsafeFileError, FileNotFoundError)):
+            if not isinstance(error, OSError) or error.errno in _NO_NEW_FILE:
                 self._write_failed(job, error)
                 return
+            if not isinstance(error, (UnsafeFileError, FileNotFoundError)):
+                # The victim's open failed (EACCES: made 0000 under the tier; EIO): counted, the
+                # victim unlinked above, and the page goes into a new file (before: the write failed).
+                self._faults.count(error, "recycle")
             job.victim = None
             self._write_slot(job, job.slot)  # still holding the slot: a new file in its place
         except Exception:
