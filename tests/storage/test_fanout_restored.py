@@ -7,8 +7,8 @@ indexed (never served) nor counted in the budget (never evicted: the tier's file
 for good) until the next start. Now a fan-out directory the writer opens late is listed on a
 thread as a start lists it (files not ours refused and counted, leftover temporary and spare files
 of other processes removed), its pages indexed as the least recently used and the index trimmed to
-the budget. Real renames, copies and removals, every backend; the checks run when the test asks
-(``LockChecks``).
+the budget; so is one unreadable at start (a real EIO: ``fuse_eio.py``). Real renames, copies and
+removals, every backend; the checks run when the test asks (``LockChecks``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, key_of, page_files
+from disk_helpers import assert_clean, config, key_of, page_files
 from follow_helpers import follow_config, started
+from fs_helpers import eio_directory
 from test_fanout_removed import TAG, _fanout, _read, _write
 from test_lock_replaced import LockChecks
 
@@ -154,4 +155,34 @@ async def test_a_fan_out_directory_put_back_is_checked_as_a_start_checks_it(
         errors = tier.statistics().errors
         assert errors[ErrorKind.UNSAFE] == 1 and sum(errors.values()) == 1, errors
         assert tier.statistics().pages == 2
+    assert_clean(pool)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_fan_out_directory_unreadable_at_start_is_listed_once_opened(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """A real EIO listing ``3a`` at start (``fuse_eio.py`` mounted over it): skipped, its pages not
+    indexed. Once readable (unmounted) and opened by a write, its pages are indexed and served
+    (before: not until the next start)."""
+    stored = {}
+    async with DiskTier(config(disk_dir, backend), layout, pool) as tier:
+        for i in range(3):
+            ok, stored[i] = await _write(tier, pool, i)
+            assert ok
+    with eio_directory(disk_dir / layout.fingerprint.hex() / f"{TAG:02x}"):
+        again = DiskTier(config(disk_dir, backend), layout, pool)
+        await again.start()
+    try:
+        assert again.statistics().skipped_at_scan == 1 and not again.contains(key_of(0, TAG))
+        ok, stored[10] = await _write(again, pool, 10)  # the name opened now: the directory itself
+        assert ok
+        await _settled(again)
+        assert all(again.contains(key_of(i, TAG)) for i in stored)
+        for i, data in stored.items():
+            got = await _read(again, pool, i)
+            assert got is not None and torch.equal(got, data), i
+        assert again.statistics().pages == 4
+    finally:
+        await again.aclose()
     assert_clean(pool)
