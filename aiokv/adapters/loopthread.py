@@ -33,6 +33,7 @@ import logging
 import math
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -122,6 +123,8 @@ class LoopThread:
         self._closed = False
 
     def _main(self) -> None:
+        # Nothing but ``self`` is bound here: this frame is in the traceback of the death ``died``
+        # keeps for the life of the owner, and what its locals held stayed alive with it.
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._started.set)
         self._loop.call_soon(self._park)
@@ -130,24 +133,38 @@ class LoopThread:
             if not self._closed:
                 raise LoopDied("the loop was stopped without LoopThread.close()")
         except BaseException as exc:  # the thread ends here; callers learn it through `died`
-            died = exc if isinstance(exc, LoopDied) else LoopDied(f"aiokv loop thread died: {exc!r}")
-            if died is not exc:
-                died.__cause__ = exc
-            self.died = died
-            log.critical("aiokv loop thread %s died (%r); its work in flight is cancelled",
-                         self._thread.name, exc)
+            self._record_death(exc)
         finally:
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            self._run_to_end(asyncio.gather(*pending, return_exceptions=True))
-            if self.died is not None:
-                self._finalize()
-            self._run_to_end(self._loop.shutdown_asyncgens())
-            self._loop.close()
-            if self.died is not None:
-                self._fail_waiting()
-                self._drop_inbox()
+            self._end()
+
+    def _record_death(self, exc: BaseException) -> None:
+        """Log the death with its traceback, then keep it in ``died`` without what its frames
+        held: their locals (a cancelled transfer's view of a caller's memory, reached through the
+        loop's frames) stayed alive as long as ``died``, and a caller's memory they reach could
+        never be unmapped (vLLM keeps a region mapped while anything exports it)."""
+        log.critical("aiokv loop thread %s died (%r); its work in flight is cancelled",
+                     self._thread.name, exc, exc_info=exc)
+        traceback.clear_frames(exc.__traceback__)  # this thread's frames still running are skipped
+        died = exc if isinstance(exc, LoopDied) else LoopDied(f"aiokv loop thread died: {exc!r}")
+        if died is not exc:
+            died.__cause__ = exc
+        self.died = died
+
+    def _end(self) -> None:
+        """The thread's end: cancel the work in flight, run the finalizers after a death, close the
+        loop, answer the callers still waiting."""
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._run_to_end(asyncio.gather(*pending, return_exceptions=True))
+        del pending  # the cancelled work (and what its frames hold) goes now, not with this frame
+        if self.died is not None:
+            self._finalize()
+        self._run_to_end(self._loop.shutdown_asyncgens())
+        self._loop.close()
+        if self.died is not None:
+            self._fail_waiting()
+            self._drop_inbox()
 
     def _run_to_end(self, work: Awaitable[object]) -> None:
         """Run ``work`` on the (no longer running) loop to its end, even if a ``stop()`` scheduled
@@ -199,7 +216,7 @@ class LoopThread:
 
     def _check_running(self) -> None:
         if self.died is not None:
-            raise self.died
+            raise _died_error(self.died)
         if self._closed:
             raise RuntimeError("loop thread is closed")
 
@@ -404,9 +421,19 @@ class LoopThread:
         self._drop_inbox()
 
 
-def _fail(future: concurrent.futures.Future[Any], error: BaseException | None) -> None:
+def _died_error(died: BaseException | None) -> LoopDied:
+    """A ``LoopDied`` of one caller's own, caused by the death ``died``: a raise adds the raiser's
+    frames to the exception's traceback, and raising ``died`` itself (or failing every waiter with
+    it) kept each caller's frames, and what they held, alive as long as the thread's owner kept
+    ``died``."""
+    error = LoopDied(str(died) if died is not None else "aiokv loop thread died")
+    error.__cause__ = died
+    return error
+
+
+def _fail(future: concurrent.futures.Future[Any], died: BaseException | None) -> None:
     if not future.done():
         try:
-            future.set_exception(error if error is not None else LoopDied("aiokv loop thread died"))
+            future.set_exception(_died_error(died))
         except concurrent.futures.InvalidStateError:  # answered meanwhile
             pass
