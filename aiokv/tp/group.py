@@ -155,6 +155,9 @@ class RankGroup:
         self._room = RoomQueue(self._jobs, self._send_held)
         self._ranks: dict[int, _RankLink] = {}  # claimed at hello, attached after ATTACHED
         self._links: set[_RankLink] = set()
+        # Ranks whose connection ended while they owed reports and whose process still lives (a
+        # third party shut the socket down): held until that process exits or says hello again.
+        self._orphans: set[_RankLink] = set()
         self._all_attached = asyncio.Event()
         self._on_all_attached = on_all_attached
         self._changed = asyncio.Event()
@@ -213,8 +216,8 @@ class RankGroup:
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        # Listening goes on until no job is in flight (every hello is refused, CLOSING): the hello
+        # of an orphaned rank's process is what tells its copies are over (see _orphan).
         if not await self._wait_idle():
             self._fence_all()
             while not await self._wait_idle():
@@ -223,9 +226,13 @@ class RankGroup:
                     "(the slots and pages of those jobs are theirs until then)",
                     self._owing_pids(), self._jobs.in_flight,
                 )
+        if self._server is not None:
+            self._server.close()
         # Every part was reported or ended with its connection: nothing is left to fail but a part
         # of no connection at all (a safety net; none is expected).
         self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
+        for link in list(self._orphans):
+            self._orphan_ended(link)
         links = list(self._links)
         for link in links:
             if link.transport is not None:
@@ -608,6 +615,11 @@ class RankGroup:
     def _on_hello(self, link: _RankLink, hello: Hello) -> None:
         assert link.transport is not None
         link.pid, uid = transport_peer(link.transport)
+        held = self._ranks.get(hello.rank) if trusted_peer(uid) else None
+        if held is not None and held in self._orphans and held.pid == link.pid:
+            # The orphan's own process begins a new session: a worker runs its sessions one at a
+            # time and ends one only once its copies are over (RankWorker._session drains first).
+            self._orphan_ended(held)
         refusal = self._check_hello(hello, uid)
         if refusal is not None:
             self._refused += 1
@@ -618,6 +630,7 @@ class RankGroup:
             return
         link.rank = hello.rank
         link.device = hello.device
+        link.watch_process()
         self._ranks[hello.rank] = link  # claimed: a second hello for this rank is refused
         link.state = _LinkState.ATTACH
         welcome = Welcome(
@@ -680,10 +693,54 @@ class RankGroup:
             return Refuse(RefuseReason.RANK_TAKEN, f"rank {hello.rank} is already connected")
         return None
 
-    def _drop(self, link: _RankLink) -> None:
+    def _drop(self, link: _RankLink, serving: bool) -> None:
+        """``link``'s connection ended; ``serving``: it was serving then (not refused, not ended
+        by a frame this side could not take)."""
         self._links.discard(link)
         if link.rank < 0 or self._ranks.get(link.rank) is not link:
+            link.unwatch_process()
             return
+        if serving and link.attached and link.rank in self._jobs.owing_ranks() and self._orphan(link):
+            return
+        self._settle_drop(link)
+
+    def _orphan(self, link: _RankLink) -> bool:
+        """Hold ``link``'s unreported parts if its process still lives; True when held.
+
+        A worker ends its connection only once none of its copies runs, and a dead process's copies
+        died with it; but a live worker's connection may end under it (a third party shut the
+        socket down: ``ss -K``, a tool holding a copy of the descriptor). Its copies then still
+        run: failing its jobs now handed their slots and pages back under them (the engine reused
+        the slots, the rank's copy landed in them after the load returned). Held until the process
+        exits or says hello again (its worker's session ended: drained first); meanwhile the rank
+        counts as not attached and its number stays taken. Without a process handle (a worker in
+        this process, a peer in another pid namespace, no pidfd): not held, as before."""
+        if link.pidfd is None:
+            return False
+        try:
+            asyncio.get_running_loop().add_reader(link.pidfd, self._orphan_ended, link)
+        except (OSError, ValueError, NotImplementedError, RuntimeError):
+            return False
+        self._orphans.add(link)
+        link.fenced = True  # not attached for new work from now on
+        log.warning("rank group: the connection of rank %d (pid %d) ended while it owed reports and its process "
+                    "lives; its jobs stay in flight until that process exits or attaches again", link.rank, link.pid)
+        self._notify()
+        return True
+
+    def _orphan_ended(self, link: _RankLink) -> None:
+        """An orphaned rank's process exited or began a new session: its copies are over."""
+        if link not in self._orphans:
+            return
+        self._orphans.discard(link)
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(cast(int, link.pidfd))
+        if self._ranks.get(link.rank) is link:
+            self._settle_drop(link)
+        link.unwatch_process()
+
+    def _settle_drop(self, link: _RankLink) -> None:
+        link.unwatch_process()
         del self._ranks[link.rank]
         if link.attached:
             self._disconnects += 1
@@ -720,7 +777,19 @@ class _RankLink(asyncio.Protocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.fenced = False  # half-closed by the manager: the worker ends it once its copies are over
         self.session = 0  # this attachment's session (RankGroup.sessions()), set once attached
+        self.pidfd: int | None = None  # the peer process (at hello), to tell its exit from a severed socket
         self._timer: asyncio.TimerHandle | None = None
+
+    def watch_process(self) -> None:
+        """Open a pidfd of the peer process (:attr:`pid`); none for this process, pid 0, or without pidfds."""
+        if self.pidfd is None and 0 < self.pid != os.getpid() and hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self.pidfd = os.pidfd_open(self.pid)
+
+    def unwatch_process(self) -> None:
+        pidfd, self.pidfd = self.pidfd, None
+        if pidfd is not None:
+            os.close(pidfd)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -774,9 +843,10 @@ class _RankLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_timer()
+        serving = self.state is _LinkState.SERVING
         self.state = _LinkState.ENDED
         if exc is not None:
             log.debug("rank group: connection of rank %d ended: %r", self.rank, exc)  # e.g. reset by a killed rank
-        self.group._drop(self)
+        self.group._drop(self, serving)
         self.closed.set_result(None)
 

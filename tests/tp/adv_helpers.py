@@ -345,6 +345,37 @@ class Slots:
             self.changed.notify_all()
 
 
+_SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (the unified syscall table)
+
+
+def sever_socket(pid: int, address: str) -> int:
+    """A third party shuts down process ``pid``'s connection(s) to the Unix socket at ``address``
+    (``shutdown(SHUT_RDWR)`` on a copy of its descriptor, taken with ``pidfd_getfd``: what ``ss -K``
+    or a tool holding the descriptor does). The process lives on and is not told. Returns how many
+    connections were shut; needs ptrace rights over ``pid`` (a child of this process, or root)."""
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    shut = 0
+    pidfd = os.pidfd_open(pid)
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+            fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
+            if fd < 0:
+                continue  # closed meanwhile
+            with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
+                if sock.family == socket.AF_UNIX and sock.getpeername() == address:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+    finally:
+        os.close(pidfd)
+    return shut
+
+
 def _all_threads_stopped(pid: int) -> bool:
     states = []
     for task in os.listdir(f"/proc/{pid}/task"):
