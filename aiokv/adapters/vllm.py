@@ -198,8 +198,10 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._queued: dict[OffloadKey, None] = {}
         self._asked: set[OffloadKey] = set()
         # The loop appends to these deques and vLLM's thread pops them: no lock, no future, so no
-        # call here ever waits for the loop thread or lets it take the GIL.
-        self._answers: collections.deque[_Answer] = collections.deque()
+        # call here ever waits for the loop thread or lets it take the GIL. Answers: (a posted
+        # lookup's, or a store's keys now on disk), in the order the loop made them, so that a
+        # lookup answered before a store completed does not undo the store's HIT.
+        self._answers: collections.deque[tuple[bool, _Answer]] = collections.deque()
         self._lookups_out = 0
         # Jobs: posted to the loop without waking it; each reports (result, keys that failed).
         self._finished: collections.deque[_Outcome] = collections.deque()
@@ -270,7 +272,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 except Exception:
                     log.exception("aiokv tier: lookup failed; treating the keys as misses")
                     hits = [False] * len(keys)
-                self._answers.append(list(zip(keys, hits, strict=True)))
+                self._answers.append((True, list(zip(keys, hits, strict=True))))
 
             try:
                 store.thread.post_call(look_up)
@@ -282,11 +284,16 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             self._store.thread.wake()
 
     def _take_answers(self) -> None:
+        """Verdicts from the loop's answers, in its order: a posted lookup's (the key is no longer
+        out), and a completed store's HITs (a MISS cached for a key some request still asks about
+        would be stale: a lost hit)."""
         while self._answers:
-            answers = self._answers.popleft()
-            self._lookups_out -= 1
+            posted, answers = self._answers.popleft()
+            if posted:
+                self._lookups_out -= 1
             for key, hit in answers:
-                self._asked.discard(key)
+                if posted:
+                    self._asked.discard(key)
                 if key in self._wanted:
                     self._verdicts[key] = hit
 
@@ -376,15 +383,18 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             yield from events
 
     def has_pending_work(self) -> bool:
-        """True while a job is not reported yet or a lookup is queued or unanswered. No system
-        call, no wait: it takes the answers the loop left, as ``lookup`` does."""
+        """True while a job is not reported yet or a lookup some request still asks about is queued
+        or unanswered (one whose askers all finished would only keep vLLM stepping, empty steps,
+        for an answer nobody takes). No system call, no wait: it takes the answers the loop left,
+        as ``lookup`` does."""
         if self._shut:  # lookups are answered MISS; only jobs failed at submit remain to report
             return bool(self._unreported)
         self._reap()
         # An answer already in counts as taken: vLLM steps the engine while this is True, and
         # answers a drain (or the idle loop) left would otherwise cost one more, empty, step.
         self._take_answers()
-        return bool(self._unreported or self._lookups_out or self._queued)
+        # Queued keys are all asked about; a posted one may have lost its askers.
+        return bool(self._unreported or self._queued or any(key in self._wanted for key in self._asked))
 
     def drain_jobs(self) -> None:
         """Block until every submitted job and posted lookup completed, whether or not
@@ -581,6 +591,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                                     return_exceptions=True)
         stored = [key for (key, _), ok in zip(pairs, done, strict=True) if ok is True]
         _log_errors(done)
+        if stored:  # verdicts HIT from here on, after the lookups the loop answered before
+            self._answers.append((False, [(key, True) for key in stored]))
         result = JobResult(job_id=job_id, success=len(stored) == len(pairs), transfer_time=time.monotonic() - start,
                            transfer_bytes=len(stored) * self._chunk_bytes)
         evicted: list[OffloadKey] = []

@@ -10,8 +10,8 @@ The oracle (a model of which keys are on disk and which requests live, checked a
 - a HIT only for a key on disk (nothing is evicted or damaged here: once on disk, always);
 - a MISS never for a key that was on disk before its run of overlapping askers began (the tier
   keeps a verdict while some request asks about the key; a new run asks afresh);
-- ``has_pending_work`` False only when no job is unreported and no lookup is out: a drain then
-  reports no job and no answer;
+- ``has_pending_work`` False only when no job is unreported and no lookup a live request asks
+  about is out: a drain then reports no job and no answer anyone takes;
 - at the end, every request finished: ``has_pending_work`` goes False within ``SETTLE_STEPS``
   step ends, nothing is left in the tier's lookup books, and every job was reported exactly once
   (vLLM's manager asserts an unknown job);
@@ -181,11 +181,14 @@ class Drive:
             busy = self.tier.has_pending_work()
         if busy:
             return
-        # False: no job unreported, no lookup out. A drain then brings no job and no answer.
+        # False: no job unreported, no lookup out that a live request asks about. A drain then
+        # brings no job and no answer anyone takes (a lookup out for requests that all finished
+        # does not count: its answer would only keep vLLM stepping).
         self.tier.drain_jobs()
         with self.m.lock:
             jobs = list(self.tier.get_finished_jobs())
-            answers = len(self.tier._answers)
+            answers = sum(key in self.tier._wanted for posted, batch in self.tier._answers if posted
+                          for key, _ in batch)
         assert jobs == [] and answers == 0, f"op {self.op}: has_pending_work False with {jobs} / {answers} out"
 
     def die(self) -> None:
