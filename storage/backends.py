@@ -267,7 +267,9 @@ class PageIO(Protocol):
     async def register_memory(self, view: memoryview, address: int) -> bool:
         """Register ``[address, +len(view))`` (a caller's region) for I/O with fixed buffers; False
         when this backend cannot (no registered-buffer table, memlock, table full): plain buffers then.
-        The kernel holds the pages pinned until :meth:`aclose`."""
+        The kernel holds the pages pinned until :meth:`aclose`. ``view`` (the tier's own) is kept
+        until then where something was pinned, else released before this returns or raises: a
+        cancelled call's frames outlive it in its traceback, and so would the caller's export."""
         ...
 
     async def aclose(self) -> None: ...
@@ -527,6 +529,7 @@ class UringPageIO:
             start += stride
         first = self._table.take(len(bounds))
         if first is None:
+            view.release()
             return False
         regions = [uring.Region(first + i, a, n) for i, (a, n) in enumerate(bounds)]
         done: list[uring.Region] = []
@@ -568,6 +571,8 @@ class UringPageIO:
                 self._ext_regions.insert(at, region)
             if done:
                 self._ext_views.append(view)
+            else:
+                view.release()
         error = job.exception()
         if error is not None:
             if not isinstance(error, OSError):
@@ -1436,7 +1441,8 @@ class ThreadPageIO:
         return None  # the threads' results wake the loop through call_soon_threadsafe
 
     async def register_memory(self, view: memoryview, address: int) -> bool:
-        return False  # no fixed buffers without io_uring: plain pwritev/preadv
+        view.release()  # not kept: no fixed buffers without io_uring (plain pwritev/preadv)
+        return False
 
     async def aclose(self) -> None:
         """Wait for the jobs started, then stop the workers and wait until they have ended (joined
