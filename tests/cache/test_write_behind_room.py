@@ -97,7 +97,7 @@ async def test_write_behind_writing_counts_a_page_until_its_write_ends(
         disk = cache.disk
         assert disk is not None
         assert (await cache.offload(prompt(421, T), torch.arange(T))).stored == 1
-        await _turns(lambda: disk.statistics().writes_in_flight == 1, limit=200_000)
+        await _turns(lambda: disk.statistics().writes_in_flight == 1)
         assert disk.statistics().write_behind_writing == 1
         gate.set()
         await cache.flush()
