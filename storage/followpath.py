@@ -381,6 +381,14 @@ class FollowPath(TierBase):
         for index, fd, why in found.gone:
             if prepared.fanout[index] == fd:
                 self._retire_fanout(index, why)
+        for index in found.back:
+            if prepared.fanout[index] < 0:
+                # Put back (moved back, restored) or made again: opened now, checked, and listed
+                # (its page files indexed and counted) rather than at the next operation in it.
+                try:
+                    self._open_fanout(index)
+                except OSError as exc:
+                    self._faults.count(exc, f"opening {self.files.layout_dir / f'{index:02x}'}")
 
     # -- fan-out directories opened late: listed as a start lists them -------------------------
 

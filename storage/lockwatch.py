@@ -26,7 +26,8 @@ with its files (``rm -rf 3a``) fails no write of a key still indexed (found stor
 written). One ``fstat`` of the layout directory per check; only when its stamp changed since the
 last check (or was too recent to tell a change by) is each name checked against its descriptor
 (:func:`~.layoutdir.fanout_gone`, the follower's check), and the tier retires those that no longer
-lead to it.
+lead to it; a name without a descriptor (retired, or just found replaced) that leads to a directory
+again (moved back, a backup restored) is opened, and so listed, by the loop.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import enum
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +89,10 @@ class FanoutCheck:
     gone: list[tuple[int, int, OSError]] = field(default_factory=list)
     """``(index, descriptor, why)`` of each fan-out descriptor whose name no longer leads to it:
     removed (``FileNotFoundError``) or moved or replaced (``UnsafeFileError``)."""
+    back: list[int] = field(default_factory=list)
+    """Fan-out names without a descriptor held (retired, unreadable at start), or just found
+    replaced, that lead to a directory now (put back, restored, made again): the loop opens them,
+    checked, which lists them (:meth:`~.followpath.FollowPath._list_opened`)."""
     faults: list[tuple[OSError, str]] = field(default_factory=list)
 
 
@@ -120,16 +126,20 @@ def check_fanouts(dir_fd: int, fanout: Sequence[int], stamp: DirStamp | None, sh
         return FanoutCheck(now)
     found = FanoutCheck(now)
     for index, fd in enumerate(fanout):
-        if fd < 0:
-            continue  # none held: opened (checked) when an operation first needs it
+        name = f"{index:02x}"
         try:
-            why = fanout_gone(dir_fd, index, fd, shown)
+            if fd >= 0:
+                why = fanout_gone(dir_fd, index, fd, shown)
+                if why is None:
+                    continue
+                found.gone.append((index, fd, why))
+            if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                found.back.append(index)
+        except FileNotFoundError:
+            continue  # none there: made (checked) when an operation first needs it
         except OSError as exc:
-            found.faults.append((exc, f"examining {shown / f'{index:02x}'}"))
+            found.faults.append((exc, f"examining {shown / name}"))
             found.stamp = None  # this one examined again at the next check
-            continue
-        if why is not None:
-            found.gone.append((index, fd, why))
     return found
 
 

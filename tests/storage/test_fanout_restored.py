@@ -186,3 +186,32 @@ async def test_a_fan_out_directory_unreadable_at_start_is_listed_once_opened(
     finally:
         await again.aclose()
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["moved", "restored"])
+async def test_a_fan_out_directory_put_back_is_listed_at_the_next_check(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, how: str) -> None:
+    """Put back with no operation in it since: the writer's next check opens and lists it, so its
+    pages are served and counted without waiting for a write of one of its keys."""
+    disk_dir = tmp_path / "disk"
+    async with started(DiskTier(follow_config(disk_dir, backend), layout, pool)) as tier:
+        checks = LockChecks(tier)
+        stored = {}
+        for i in range(3):
+            ok, stored[i] = await _write(tier, pool, i)
+            assert ok
+        fan, away = _fanout(tier), tmp_path / "elsewhere"
+        _put_away(fan, away, how)
+        await checks.next()
+        assert tier.statistics().pages == 0
+        os.rename(away, fan)
+        await checks.next()
+        await _settled(tier)
+        assert all(tier.contains(key_of(i, TAG)) for i in stored)
+        for i, data in stored.items():
+            got = await _read(tier, pool, i)
+            assert got is not None and torch.equal(got, data), i
+        assert tier.statistics().pages == 3
+        _no_faults(tier)
+    assert_clean(pool)
