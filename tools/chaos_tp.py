@@ -5,11 +5,14 @@ Each seed (default mode) starts a `TPCache` (pool of 16 or 40 pages, disk tier; 
 rank or MLA; `max_jobs` 1, 6 or 64) and two rank processes (one thread runner, one async runner;
 copies inline or on their copy threads, slowed at times), then runs the test soak's clients (match,
 plain / from-token / streamed / layered loads, prefill, offload, prefetch; a third cancelled at
-random moments) while a fault injector, at moments drawn from the seed (uniform, not only while
-transfers are in flight), does one of: SIGKILL a rank or both (at times again while it restarts),
-SIGSTOP one or both for 10 ms-3 s then SIGCONT, or SIGSTOP then SIGKILL while stopped. The cache
-is then closed: under the clients' traffic, or after it with a rank stopped briefly or past the
-close's fence, killed, stopped then killed, or restarted and stopped while it attaches. A second
+random moments, and at times right as a rank's report is read) while a fault injector, at moments
+drawn from the seed (uniform, not only while transfers are in flight), does one of: SIGKILL a rank
+or both (at times again, or SIGSTOPped a while, as it restarts: connecting, attaching or registering
+the pool), SIGSTOP one or both for 10 ms-3 s then SIGCONT, SIGSTOP then SIGKILL while stopped, or
+shut a live rank's socket down as a third party would (``ss -K``; the process lives on and keeps
+its buffer, so every oracle still holds for it). The cache is then closed: under the clients'
+traffic, or after it with a rank stopped briefly or past the close's fence, killed, stopped then
+killed, restarted and stopped while it attaches, or its socket shut down. A second
 `TPCache` on the same socket and disk directories must get the live ranks back and serve every
 document from disk bit-exact. ``--manager-kills N`` instead SIGKILLs N managers in turn (child
 processes offloading and loading; a rank stopped across one at times) over the same directories
@@ -56,7 +59,17 @@ sys.path[:0] = [str(ROOT / "tests" / "tp"), str(ROOT / "tests")]
 
 import adv_helpers as adv  # noqa: E402
 import torch  # noqa: E402
-from adv_helpers import CALL_S, START_S, AdvRanks, RankGone, Soak, idx, prefill, stop_process  # noqa: E402
+from adv_helpers import (  # noqa: E402
+    CALL_S,
+    START_S,
+    AdvRanks,
+    RankGone,
+    Soak,
+    idx,
+    prefill,
+    sever_socket,
+    stop_process,
+)
 from child_procs import fork_context  # noqa: E402
 from tp_helpers import CONFIG, rank_kv  # noqa: E402
 
@@ -110,6 +123,41 @@ async def check_slots(ranks: AdvRanks, tokens: Sequence[int], salt: str | None, 
 
 # The soak's methods call the module's check: use the per-rank one.
 adv.check_slots = check_slots
+
+_CALLS: set[asyncio.Task[Any]] = set()
+"""The clients' cache calls in flight (those ``maybe_cancelled`` runs): a rank's report may cancel one."""
+_maybe_cancelled = adv.maybe_cancelled
+
+
+async def _tracked_maybe_cancelled(rng: random.Random, call: Any, tally: adv.Tally) -> Any:
+    task = asyncio.ensure_future(call)
+    _CALLS.add(task)
+    task.add_done_callback(_CALLS.discard)
+    return await _maybe_cancelled(rng, task, tally)
+
+
+adv.maybe_cancelled = _tracked_maybe_cancelled
+
+
+def cancel_on_reports(cache: TPCache, rng: random.Random, faults: Faults, rate: float = 0.03) -> None:
+    """At ``rate`` of the ranks' reports (DONE frames, read by the group), cancel a client's call in
+    flight right then: just before the report resolves its job, or just after (its done-callbacks
+    scheduled, not run). The call's clean-up then meets a job ending under it."""
+    table = cache.group.jobs
+    report = table.report
+
+    def reporting(job_id: int, rank: int, status: Any, text: str = "") -> bool:
+        victim = rng.choice(sorted(_CALLS, key=id)) if _CALLS and rng.random() < rate else None
+        before = rng.random() < 0.5
+        if victim is not None and before:
+            victim.cancel()
+        found = report(job_id, rank, status, text)
+        if victim is not None and not before:
+            victim.cancel()
+        faults.report_cancels += victim is not None
+        return found
+
+    table.report = reporting  # type: ignore[method-assign]
 
 
 # -- rank processes whose engine waits on a layered load's layers -------------------------------------
@@ -246,6 +294,12 @@ class Faults:
     stops: int = 0
     stop_kills: int = 0
     busy: int = 0
+    severs: int = 0
+    """Rank sockets shut down by a third party (the process lives on, unaware)."""
+    start_stops: int = 0
+    """Restarted ranks SIGSTOPped while they connect or attach."""
+    report_cancels: int = 0
+    """Client calls cancelled as a rank's report was read."""
     layer_checks: int = 0
     """(rank, layer) pairs a rank's engine wait reported ready and the oracle checked."""
     log: list[str] = dataclasses.field(default_factory=list)
@@ -304,8 +358,11 @@ class ChaosSoak(Soak):
                     await asyncio.sleep(0.005)
             else:
                 await asyncio.sleep(rng.uniform(0.0, 0.05))
-            kind = rng.choice(["kill", "kill", "stop", "stop", "stopkill", "both", "stopboth"])
+            kind = rng.choice(["kill", "kill", "stop", "stop", "stopkill", "both", "stopboth", "sever", "sever"])
             victim = rng.randrange(ranks.tp_size)
+            if kind == "sever":
+                await self._sever(victim)
+                continue
             if kind in ("stop", "stopboth"):
                 stopped = list(range(ranks.tp_size)) if kind == "stopboth" else [victim]
                 pids = [ranks.ranks[v].proc.pid for v in stopped]
@@ -347,7 +404,19 @@ class ChaosSoak(Soak):
             await asyncio.sleep(rng.choice([0.0, rng.uniform(0.0, 0.5)]))  # traffic with a rank missing
             for v in victims:
                 ranks.start(v)
-            if rng.random() < 0.25:
+            if rng.random() < 0.2:
+                # Stopped while it starts (connecting, attaching or registering the pool), then on again.
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
+                v = victims[0]
+                pid = ranks.ranks[v].proc.pid
+                assert pid is not None
+                hold = rng.uniform(0.05, 1.5)
+                self.note(f"stop rank {v} while it starts for {hold:.3f} s")
+                await stop_process(pid)
+                await asyncio.sleep(hold)
+                os.kill(pid, signal.SIGCONT)
+                self.faults.start_stops += 1
+            elif rng.random() < 0.3:
                 # Killed again while it starts (connecting or attaching the pool).
                 await asyncio.sleep(rng.uniform(0.0, 0.3))
                 v = victims[0]
@@ -362,6 +431,48 @@ class ChaosSoak(Soak):
             async with asyncio.timeout(START_S):
                 await cache.wait_ranks()
             await ranks.reap_dead()
+
+    async def _sever(self, victim: int) -> None:
+        """A third party shuts rank ``victim``'s socket down; its process lives on (its buffer is
+        still the engine's: every oracle still holds for it), drains and attaches again."""
+        cache = self.cache
+        pid = self.ranks.ranks[victim].proc.pid
+        assert pid is not None
+        for _ in range(400):  # mostly while it owes reports (bounded: 2 s)
+            if victim in cache.group.jobs.owing_ranks():
+                break
+            await asyncio.sleep(0.005)
+        session = cache.group.sessions()[victim]
+        # At times stopped across the shutdown (a stall, a swap): the copy it runs lands a while
+        # later, once the engine's clients may have reused what the manager handed back.
+        stall = self.rng.choice([0.0, self.rng.uniform(0.05, 0.5)])
+        if stall:
+            await stop_process(pid)
+        try:
+            shut = sever_socket(pid, os.fspath(cache.address))
+            self.note(f"sever rank {victim}'s socket (session {session}, {shut} shut, stopped {stall:.3f} s)")
+            if shut:
+                async with asyncio.timeout(60):  # the group notices
+                    while cache.group.sessions()[victim] == session:
+                        await cache.group.wait_change()
+                await asyncio.sleep(stall)
+        finally:
+            if stall:
+                os.kill(pid, signal.SIGCONT)
+        if not shut:
+            return  # between sessions
+        self.faults.severs += 1
+        # The prefix oracles miss a late copy that lands the bytes the engine wrote anyway; this
+        # does not. In that order: copies of the ended session start nothing after the shutdown,
+        # so one running now ran when the manager was asked, its report unsent (never sendable).
+        owing = victim in cache.group.jobs.owing_ranks()
+        with contextlib.suppress(RankGone):
+            stats = await self.ranks.ask(victim, ("stats",))
+            if not owing and not stats.attached and stats.in_flight:
+                self.tally.wrong.append(f"rank {victim}'s socket shut down: the manager let go of its jobs while "
+                                        f"it still ran {stats.in_flight} copies of them")
+        async with asyncio.timeout(START_S):
+            await cache.wait_ranks()
 
     async def _load(self, tokens: list[int], salt: str | None, slots: list[int], match: Match,
                     rng: random.Random, gens: tuple[int, ...]) -> int:
@@ -433,7 +544,8 @@ def own_segments() -> set[str]:
 async def close_with_fault(cache: TPCache, ranks: AdvRanks, rng: random.Random, soak: ChaosSoak,
                            fault: str) -> None:
     """Close the cache, at times with a rank stopped (continued later: briefly, or past the close's
-    fence), killed during the close, stopped then killed, or restarted and stopped mid-attach."""
+    fence), killed during the close, stopped then killed, restarted and stopped mid-attach, or with
+    its socket shut down by a third party (the process lives on)."""
     if fault == "none":
         async with asyncio.timeout(CALL_S):
             await cache.aclose()
@@ -447,9 +559,13 @@ async def close_with_fault(cache: TPCache, ranks: AdvRanks, rng: random.Random, 
         await asyncio.sleep(rng.uniform(0.0, 0.3))
     pid = ranks.ranks[victim].proc.pid
     assert pid is not None
+    address = os.fspath(cache.address)
     closing = asyncio.ensure_future(cache.aclose())
     await asyncio.sleep(rng.uniform(0.0, 0.05))
-    if fault in ("stop", "stop_long", "attach", "stop_kill"):
+    if fault == "sever":
+        soak.note(f"sever rank {victim}'s socket during the close")
+        sever_socket(pid, address)
+    elif fault in ("stop", "stop_long", "attach", "stop_kill"):
         hold = {"stop": rng.uniform(0.0, 1.0), "stop_long": rng.uniform(5.5, 7.0), "attach": rng.uniform(0.5, 2.0),
                 "stop_kill": rng.uniform(0.0, 2.0)}[fault]
         soak.note(f"{fault}: stop rank {victim} during the close for {hold:.3f} s")
@@ -480,7 +596,7 @@ async def after_traffic(cache: TPCache, ranks: AdvRanks, rng: random.Random, soa
     if group.jobs.in_flight or group.waiting:
         failures.append(f"jobs left: {group}")
     cache.pool.table.check_invariants()
-    fault = rng.choice(["none", "none", "stop", "stop_long", "kill", "stop_kill", "attach"])
+    fault = rng.choice(["none", "none", "stop", "stop_long", "kill", "stop_kill", "attach", "sever"])
     await close_with_fault(cache, ranks, rng, soak, fault)
 
 
@@ -555,6 +671,7 @@ async def _one_seed(seed: int, faults: int, clients: int, verbose: bool, escaped
             async with asyncio.timeout(START_S):
                 await cache.wait_ranks()
             soak = ChaosSoak(cache, ranks, seed)
+            cancel_on_reports(cache, random.Random(seed ^ 0x5E9), soak.faults)
             close_midway = rng.random() < 0.25
             failures.extend(f"a client raised: {e}" for e in await soak.chaos_run(clients, faults, close_midway))
             if close_midway:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -352,7 +353,8 @@ def sever_socket(pid: int, address: str) -> int:
     """A third party shuts down process ``pid``'s connection(s) to the Unix socket at ``address``
     (``shutdown(SHUT_RDWR)`` on a copy of its descriptor, taken with ``pidfd_getfd``: what ``ss -K``
     or a tool holding the descriptor does). The process lives on and is not told. Returns how many
-    connections were shut; needs ptrace rights over ``pid`` (a child of this process, or root)."""
+    connections were shut. Raises ``PermissionError`` without ptrace rights over ``pid`` (root has them;
+a fork server's children are not this process's descendants under Yama's ptrace_scope 1)."""
     import ctypes
     import socket
 
@@ -366,6 +368,8 @@ def sever_socket(pid: int, address: str) -> int:
                     continue
             fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, int(name), 0)
             if fd < 0:
+                if ctypes.get_errno() == errno.EPERM:
+                    raise PermissionError(f"no ptrace rights over pid {pid} (pidfd_getfd)")
                 continue  # closed meanwhile
             with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
                 if sock.family == socket.AF_UNIX and sock.getpeername() == address:

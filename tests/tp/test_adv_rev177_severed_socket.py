@@ -71,7 +71,11 @@ async def test_a_severed_rank_holds_its_jobs_until_its_copies_are_over(tmp_path:
         call.add_done_callback(lambda _: finished_at.append(held.finished_copies()))
         pid = ranks.procs[1].pid
         assert pid is not None
-        assert sever_socket(pid, os.fspath(cache.address)) == 1
+        try:
+            shut = sever_socket(pid, os.fspath(cache.address))
+        except PermissionError as exc:
+            pytest.skip(f"cannot take the rank's socket: {exc}")
+        assert shut == 1
         async with asyncio.timeout(BOUND_S):
             while 1 in cache.group.attached:
                 await cache.group.wait_change()
