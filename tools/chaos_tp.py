@@ -15,7 +15,8 @@ traffic, or after it with a rank stopped briefly or past the close's fence, kill
 killed, restarted and stopped while it attaches, or its socket shut down. A second
 `TPCache` on the same socket and disk directories must get the live ranks back and serve every
 document from disk bit-exact. ``--manager-kills N`` instead SIGKILLs N managers in turn (child
-processes offloading and loading; a rank stopped across one at times) over the same directories
+processes offloading and loading; a rank stopped across one at times; at times one killed while the
+live ranks attach its pool) over the same directories
 and live ranks, then serves every prompt from one here.
 
 Oracles (every KV value is a hash of its whole prefix, salt, layer, row and lane: adv_helpers):
@@ -773,6 +774,8 @@ async def manager_seed(seed: int, kills: int, verbose: bool = False) -> SeedResu
     disk directories, the same live ranks re-attaching to each; then one here serves every prompt:
     what it loads is bit-exact on both ranks, and the ranks map only its pool."""
     rng = random.Random(seed ^ 0x3A9A)
+    early = random.Random(seed ^ 0xEA71)  # kills as the ranks attach (apart: rng's draws as before)
+    early_kills = 0
     failures: list[str] = []
     tally = adv.Tally()
     ctx = fork_context()
@@ -801,6 +804,16 @@ async def manager_seed(seed: int, kills: int, verbose: bool = False) -> SeedResu
                         for rank in range(2):
                             await ranks.write(rank, _mgr_slots(i),
                                               adv.rank_prefix_kv(MGR_LAYOUT, _mgr_prompt(i), 0, rank, 2))
+                if k and early.random() < 0.3:
+                    # Killed while the live ranks attach its pool (before any traffic): they must
+                    # let go of it and attach the next one.
+                    await asyncio.sleep(early.uniform(0.0, 0.2))
+                    assert manager.pid is not None
+                    os.kill(manager.pid, signal.SIGKILL)
+                    await asyncio.to_thread(manager.join, 30)
+                    parent.close()
+                    early_kills += 1
+                    continue
                 parent.send("go")
                 await asyncio.sleep(rng.uniform(0.0, 1.5))
                 if rng.random() < 0.3:
@@ -859,7 +872,7 @@ async def manager_seed(seed: int, kills: int, verbose: bool = False) -> SeedResu
                     await ranks.continue_and_kill_all()
     failures.extend(tally.wrong[:20])
     if verbose or failures:
-        print(f"manager seed {seed}: {tally}")
+        print(f"manager seed {seed}: {tally}, {early_kills} managers killed as the ranks attached")
     left = own_segments() - before
     # The killed managers' pools: their ranks let go of them (and reclaim them) as they re-attach.
     left |= {name for name in os.listdir("/dev/shm") for m in managers if name.startswith(f"aiokv-{m.pid}-")}
