@@ -23,6 +23,7 @@ from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage.backends import UringPageIO
 from aiokv.storage.pagefile import HEADER_BYTES
 
 BACKENDS = [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS]
@@ -292,3 +293,15 @@ def thread_starts_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(threading.Thread, "start", recording_start)
     return started
 
+
+async def uring_tier(disk_dir: Path, layout: KVLayout, pool: PagePool) -> tuple[DiskTier, UringPageIO]:
+    """A started tier on io_uring (``AUTO``) whose pool registration is over; skips the test where
+    io_uring is refused (the tier closed)."""
+    tier = DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool)
+    await tier.start()
+    io = tier.backend
+    if not isinstance(io, UringPageIO):
+        await tier.aclose()
+        pytest.skip("io_uring refused here: nothing is registered")
+    await io.wait_registered()
+    return tier, io

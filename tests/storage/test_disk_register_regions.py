@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
+from disk_helpers import assert_clean, key_of, uring_tier
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -88,13 +88,7 @@ class Spy:
 
 
 async def _registered(disk_dir: Path, layout: KVLayout, pool: PagePool) -> tuple[DiskTier, UringPageIO]:
-    tier = DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool)
-    await tier.start()
-    io = tier.backend
-    if not isinstance(io, UringPageIO):
-        await tier.aclose()
-        pytest.skip("io_uring refused here: nothing is registered")
-    await io.wait_registered()
+    tier, io = await uring_tier(disk_dir, layout, pool)
     if io.kind is not DiskBackend.URING_FIXED:
         await tier.aclose()
         pytest.skip("fixed buffers cannot be registered here")

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disk_helpers import config
+from disk_helpers import uring_tier
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, backends
-from aiokv.storage.backends import UringPageIO
+from aiokv.storage import backends
 
 REGION_BYTES = 1 << 20
 
@@ -42,17 +41,6 @@ class _Paused:
         yield from self.real(engine, regions, stop, prepare)
 
 
-async def _uring_tier(disk_dir: Path, layout: KVLayout, pool: PagePool) -> tuple[DiskTier, UringPageIO]:
-    tier = DiskTier(config(disk_dir, DiskBackend.AUTO), layout, pool)
-    await tier.start()
-    io = tier.backend
-    if not isinstance(io, UringPageIO):
-        await tier.aclose()
-        pytest.skip("io_uring refused here: nothing is registered")
-    await io.wait_registered()
-    return tier, io
-
-
 def _unmaps(region: mmap.mmap) -> bool:
     try:
         region.close()
@@ -64,7 +52,7 @@ def _unmaps(region: mmap.mmap) -> bool:
 @pytest.mark.asyncio
 async def test_a_registration_cancelled_before_any_piece_leaves_no_export(
         disk_dir: Path, layout: KVLayout, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
-    tier, io = await _uring_tier(disk_dir, layout, pool)
+    tier, io = await uring_tier(disk_dir, layout, pool)
     region = mmap.mmap(-1, REGION_BYTES)
     paused = _Paused(backends.update_in_batches, asyncio.get_running_loop())
     monkeypatch.setattr(backends, "update_in_batches", paused)
