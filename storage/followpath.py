@@ -91,6 +91,7 @@ class FollowPath(TierBase):
         assert self._follow_state is not None
         self._follow_state.stop.set()
         await self._stop_task(task, "following")
+        self._follow_state.close_ring()  # the looks' io_uring (.follow): no look runs now
         self._count_undecided()
 
     async def _stop_task(self, task: asyncio.Task[None], what: str) -> None:
@@ -443,6 +444,9 @@ class FollowPath(TierBase):
         for key in fresh:
             if key in gone:
                 self._unlink_later(key)
+        # A key being written keeps its state: its file here is replaced if the write stores it,
+        # else unlinked when the write ends (:meth:`.writepath.WritePath._end_write`).
+        self._listed_under_write.update(key for key in listing.found if key in writing and key not in page_index)
         if self._read_only is None:
             self._remove_files(page_index.evict_to(page_index.capacity))
         if indexed:

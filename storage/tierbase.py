@@ -126,6 +126,9 @@ class TierBase(TierEdge):
         # whose file was unlinked or deleted meanwhile (never indexed from that listing).
         self._listing: dict[int, set[PageKey]] = {}
         self._listings: dict[int, int] = {}  # listings in flight per fan-out directory
+        # Keys such a listing found a file of while a write of theirs was in flight (left to it):
+        # a write that ends unstored unlinks that file (else on disk, outside the index and budget).
+        self._listed_under_write: set[PageKey] = set()
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()

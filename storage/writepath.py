@@ -344,6 +344,9 @@ class WritePath(TierBase):
             return
         victim = job.victim
         assert victim is not None
+        listing = self._listing.get(victim[0])
+        if listing is not None:
+            listing.add(victim)  # a listing in flight may have seen its file under the old name
         try:
             if unlink:
                 self._unlink_later(victim)
@@ -564,6 +567,10 @@ class WritePath(TierBase):
         if stored and key in self._delete_after_write:
             stored = False
             self._unlink_later(key)
+        if key in self._listed_under_write:
+            self._listed_under_write.discard(key)
+            if not stored and key not in self._index:
+                self._unlink_later(key)  # the file a listing left to this write (02f53ee)
         if stored and job.holds_room:
             self._index.add(key)
             job.holds_room = False  # the file's now
