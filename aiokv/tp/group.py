@@ -630,7 +630,7 @@ class RankGroup:
             return
         link.rank = hello.rank
         link.device = hello.device
-        link.watch_process()
+        link.watch_process(self._process_exited)
         self._ranks[hello.rank] = link  # claimed: a second hello for this rank is refused
         link.state = _LinkState.ATTACH
         welcome = Welcome(
@@ -704,6 +704,21 @@ class RankGroup:
             return
         self._settle_drop(link)
 
+    def _process_exited(self, link: _RankLink) -> None:
+        """``link``'s peer process exited (its pidfd is readable): none of its copies runs any more.
+
+        Its connection may outlive it: another process holding a copy of its socket (a child it
+        forked without exec, a tool that took the descriptor) kept it open, and the rank's jobs
+        waited for reports that never came (a load or offload hung, and the close with it)."""
+        link.exited = True
+        link.unwatch_process()
+        if link in self._orphans:
+            self._orphan_ended(link)
+        elif link.transport is not None and not link.transport.is_closing():
+            log.warning("rank group: rank %d (pid %d) exited with its connection still open (another process "
+                        "holds its socket)", link.rank, link.pid)
+            link.transport.abort()  # its end settles what it owes (see _drop)
+
     def _orphan(self, link: _RankLink) -> bool:
         """Hold ``link``'s unreported parts if its process still lives; True when held.
 
@@ -715,11 +730,7 @@ class RankGroup:
         exits or says hello again (its worker's session ended: drained first); meanwhile the rank
         counts as not attached and its number stays taken. Without a process handle (a worker in
         this process, a peer in another pid namespace, no pidfd): not held, as before."""
-        if link.pidfd is None:
-            return False
-        try:
-            asyncio.get_running_loop().add_reader(link.pidfd, self._orphan_ended, link)
-        except (OSError, ValueError, NotImplementedError, RuntimeError):
+        if link.pidfd is None or link.exited:
             return False
         self._orphans.add(link)
         link.fenced = True  # not attached for new work from now on
@@ -733,8 +744,6 @@ class RankGroup:
         if link not in self._orphans:
             return
         self._orphans.discard(link)
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(cast(int, link.pidfd))
         if self._ranks.get(link.rank) is link:
             self._settle_drop(link)
         link.unwatch_process()
@@ -778,17 +787,29 @@ class _RankLink(asyncio.Protocol):
         self.fenced = False  # half-closed by the manager: the worker ends it once its copies are over
         self.session = 0  # this attachment's session (RankGroup.sessions()), set once attached
         self.pidfd: int | None = None  # the peer process (at hello), to tell its exit from a severed socket
+        self.exited = False  # the peer process exited (its pidfd became readable)
         self._timer: asyncio.TimerHandle | None = None
 
-    def watch_process(self) -> None:
-        """Open a pidfd of the peer process (:attr:`pid`); none for this process, pid 0, or without pidfds."""
-        if self.pidfd is None and 0 < self.pid != os.getpid() and hasattr(os, "pidfd_open"):
-            with contextlib.suppress(OSError):
-                self.pidfd = os.pidfd_open(self.pid)
+    def watch_process(self, exited: Callable[[_RankLink], None]) -> None:
+        """Call ``exited(self)`` on the loop when the peer process (:attr:`pid`) exits, through a
+        pidfd; nothing for this process, pid 0, or without pidfds (:attr:`pidfd` stays None)."""
+        if self.pidfd is not None or not 0 < self.pid != os.getpid() or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            return
+        try:
+            asyncio.get_running_loop().add_reader(pidfd, exited, self)
+        except (OSError, ValueError, NotImplementedError, RuntimeError):
+            os.close(pidfd)
+            return
+        self.pidfd = pidfd
 
     def unwatch_process(self) -> None:
         pidfd, self.pidfd = self.pidfd, None
         if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
             os.close(pidfd)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -349,17 +349,17 @@ class Slots:
 _SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (the unified syscall table)
 
 
-def sever_socket(pid: int, address: str) -> int:
-    """A third party shuts down process ``pid``'s connection(s) to the Unix socket at ``address``
-    (``shutdown(SHUT_RDWR)`` on a copy of its descriptor, taken with ``pidfd_getfd``: what ``ss -K``
-    or a tool holding the descriptor does). The process lives on and is not told. Returns how many
-    connections were shut. Raises ``PermissionError`` without ptrace rights over ``pid`` (root has them;
-a fork server's children are not this process's descendants under Yama's ptrace_scope 1)."""
+def socket_copies(pid: int, address: str) -> list[Any]:
+    """Copies (``socket.socket``, this process's descriptors; the caller closes them) of process
+    ``pid``'s connections to the Unix socket at ``address``, taken with ``pidfd_getfd``: what a child
+    forked without exec, or a tool holding the descriptor, has. Raises ``PermissionError`` without
+    ptrace rights over ``pid`` (root has them; a fork server's children are not this process's
+    descendants under Yama's ptrace_scope 1)."""
     import ctypes
     import socket
 
     libc = ctypes.CDLL(None, use_errno=True)
-    shut = 0
+    found: list[Any] = []
     pidfd = os.pidfd_open(pid)
     try:
         for name in os.listdir(f"/proc/{pid}/fd"):
@@ -371,13 +371,31 @@ a fork server's children are not this process's descendants under Yama's ptrace_
                 if ctypes.get_errno() == errno.EPERM:
                     raise PermissionError(f"no ptrace rights over pid {pid} (pidfd_getfd)")
                 continue  # closed meanwhile
-            with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
-                if sock.family == socket.AF_UNIX and sock.getpeername() == address:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    shut += 1
+            sock = socket.socket(fileno=fd)
+            try:
+                ours = sock.family == socket.AF_UNIX and sock.getpeername() == address
+            except OSError:
+                ours = False
+            if ours:
+                found.append(sock)
+            else:
+                sock.close()
     finally:
         os.close(pidfd)
-    return shut
+    return found
+
+
+def sever_socket(pid: int, address: str) -> int:
+    """A third party shuts down process ``pid``'s connection(s) to the Unix socket at ``address``
+    (``shutdown(SHUT_RDWR)`` on a copy of its descriptor: what ``ss -K`` does). The process lives on
+    and is not told. Returns how many connections were shut; raises as :func:`socket_copies`."""
+    import socket
+
+    copies = socket_copies(pid, address)
+    for sock in copies:
+        with sock, contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    return len(copies)
 
 
 def _all_threads_stopped(pid: int) -> bool:
