@@ -734,8 +734,8 @@ class RankGroup:
             return False
         self._orphans.add(link)
         link.fenced = True  # not attached for new work from now on
-        log.warning("rank group: the connection of rank %d (pid %d) ended while it owed reports and its process "
-                    "lives; its jobs stay in flight until that process exits or attaches again", link.rank, link.pid)
+        log.info("rank group: the connection of rank %d (pid %d) ended while it owed reports; its jobs stay in "
+                 "flight until that process exits or attaches again", link.rank, link.pid)
         self._notify()
         return True
 
