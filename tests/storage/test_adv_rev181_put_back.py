@@ -22,6 +22,7 @@ import errno
 import os
 import random
 import re
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +197,229 @@ async def test_a_write_in_flight_at_the_listing_that_fails_leaves_no_file_uninde
             await _settled(tier)
             assert _indexed(tier) == _on_disk(tier.files.layout_dir), tier.statistics()
     assert_clean(pool)
+
+
+TAGS = (0x3A, 0x3B)
+"""The fan-out directories the seeded drive moves out and puts back."""
+KEYS = 8
+"""Keys per fan-out directory (two more untouched ones take writes too)."""
+STRANGER = 54321
+"""Another user's uid (files of another owner are never indexed)."""
+
+
+class _PutBacks:
+    """Real moves of the fan-out directories ``TAGS`` out of the cache and back, one seeded step at
+    a time (on a thread): ``mv`` out, ``mv`` back (over a directory the tier made again meanwhile),
+    a backup copied out and the directory removed, a backup copied back, out and back twice with no
+    check between, and entries planted in a directory before it goes back."""
+
+    def __init__(self, rng: random.Random, layout_dir: Path, outside: Path, page: int) -> None:
+        self.rng, self.layout_dir, self.outside, self.page = rng, layout_dir, outside, page
+        self.away: list[Path] = []  # directories out of the cache, each to be put back maybe
+        self.targets: dict[Path, bytes] = {}  # files outside the cache planted as links: never changed
+        self.n = 0
+
+    def _plant(self, into: Path, tag: int) -> None:
+        """A symlink, a hard link to a file outside the cache, another user's file, a page of
+        another fan-out's key, leftover temporary and spare files of another process."""
+        n = self.n
+        target = self.outside / f"target{n}"
+        target.write_bytes(b"t" * self.page)
+        self.targets[target] = b"t" * self.page
+        what = self.rng.choice(["symlink", "hardlink", "stranger", "foreign", "leftovers"])
+        name = into / bytes.hex(key_of(100 + n, tag))
+        if what == "symlink":
+            os.symlink(target, name)
+        elif what == "hardlink":
+            os.link(target, name)
+        elif what == "stranger":
+            name.write_bytes(b"s" * self.page)
+            os.chown(name, STRANGER, STRANGER)
+        elif what == "foreign":
+            (into / bytes.hex(key_of(100 + n, OTHER))).write_bytes(b"f" * self.page)
+        else:
+            (into / f".tmp-{bytes.hex(key_of(100 + n, tag))}-00000000000000ff{n}").write_bytes(b"")
+            (into / f".spare-00000000000000ff{n}").write_bytes(b"")
+
+    def step(self) -> str:
+        self.n += 1
+        tag = self.rng.choice(TAGS)
+        name = self.layout_dir / f"{tag:02x}"
+        op = self.rng.choice(["mv_out", "backup", "mv_back", "mv_back", "twice", "plant_back"])
+        try:
+            if op == "mv_out":
+                to = self.outside / f"m{self.n}-{tag:02x}"
+                os.rename(name, to)
+                self.away.append(to)
+            elif op == "backup":  # taken of the directory moved aside, which is then removed
+                aside, to = self.outside / f"x{self.n}", self.outside / f"b{self.n}-{tag:02x}"
+                os.rename(name, aside)
+                shutil.copytree(aside, to, symlinks=True)
+                shutil.rmtree(aside, ignore_errors=True)  # (a write in flight may land meanwhile)
+                self.away.append(to)
+            elif op in ("mv_back", "plant_back") and self.away:
+                back = self.away.pop(self.rng.randrange(len(self.away)))
+                name = self.layout_dir / back.name[-2:]
+                if op == "plant_back":
+                    self._plant(back, int(back.name[-2:], 16))
+                if name.is_dir():  # made again by the tier meanwhile: moved aside whole, removed
+                    aside = self.outside / f"x{self.n}"
+                    os.rename(name, aside)
+                    shutil.rmtree(aside, ignore_errors=True)
+                os.rename(back, name)
+            elif op == "twice":  # out and back, twice, between two checks
+                for i in range(2):
+                    to = self.outside / f"t{self.n}-{i}"
+                    os.rename(name, to)
+                    os.rename(to, name)
+        except OSError as exc:
+            return f"{op}: {exc.strerror}"
+        return op
+
+
+def _outside_keys(directory: Path) -> set[str]:
+    """Names under ``directory`` that a write of ours makes: page files and temporary files (not
+    the entries :meth:`_PutBacks._plant` made, keys 100 and up)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return set()
+    return {name for name in names if (found := HEX.search(name)) is not None and found.start() in (0, 5)
+            and int.from_bytes(bytes.fromhex(found.group())[1:], "little") < 100}
+
+
+def _owned_on_disk(layout_dir: Path) -> set[str]:
+    """:func:`_on_disk`, but only our files (another user's is never indexed)."""
+    uid = os.geteuid()
+    return {name for name in _on_disk(layout_dir)
+            if (layout_dir / name[:2] / name).lstat().st_uid == uid}
+
+
+async def _drive(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, seed: int,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(seed)
+    size = layout.page_bytes
+    disk_dir, outside = tmp_path / "disk", tmp_path / "outside"
+    outside.mkdir()
+    keys = [key_of(i, tag) for tag in (*TAGS, OTHER, OTHER + 1) for i in range(KEYS)]
+    bad: list[str] = []
+    real = followpath.list_fanout
+    delays = random.Random(seed + 1)
+    lock = threading.Lock()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # listings take a while, so the loop acts meanwhile
+        with lock:
+            pause, then = delays.random() * 0.05, delays.random() * 0.05
+        threading.Event().wait(pause)
+        listing = real(*args, **kwargs)
+        threading.Event().wait(then)  # what it saw may change meanwhile
+        return listing
+
+    monkeypatch.setattr(followpath, "list_fanout", slow)
+    damage: _PutBacks | None = None
+    for rnd in range(2):
+        fds = _fds()
+        capacity = 12 * file_bytes(layout)
+        tier = DiskTier(config(disk_dir, backend, capacity, follow_interval_s=3600.0), layout, pool,
+                        spare_files=rng.choice([0, 4]))
+        await tier.start()
+        if damage is None:
+            damage = _PutBacks(rng, tier.files.layout_dir, outside, size)
+        checks = LockChecks(tier)
+        stop = asyncio.Event()
+        closing = {"now": False}
+        retired_at: dict[Path, set[str]] = {}  # a directory outside at a check -> its names then
+
+        async def worker(wrng: random.Random, tier: DiskTier = tier, stop: asyncio.Event = stop,
+                         closing: dict[str, bool] = closing) -> None:
+            buf = bytearray(size)
+            while not stop.is_set():
+                key = wrng.choice(keys)
+                op = wrng.random()
+                try:
+                    if op < 0.45:
+                        await tier.write_from(key, memoryview(_bytes_of(key, size)))
+                    elif op < 0.85:
+                        if await tier.read_into(key, memoryview(buf)) and buf != _bytes_of(key, size):
+                            bad.append(f"read of {key.hex()} not bit-exact")
+                    elif op < 0.95:
+                        await tier.delete(key)
+                    else:
+                        tier.touch([key])
+                except RuntimeError:
+                    if not closing["now"]:
+                        raise
+                    return
+                await asyncio.sleep(0)  # a turn for the others (no synchronisation rests on it)
+
+        workers = [asyncio.create_task(worker(random.Random(seed * 100 + rnd * 10 + w))) for w in range(2)]
+        try:
+            async with asyncio.timeout(60):
+                for _ in range(14):
+                    await asyncio.to_thread(damage.step)
+                    if rng.random() < 0.75:
+                        await checks.next()
+                        for away in damage.away:
+                            if away not in retired_at and away.exists():
+                                retired_at[away] = _outside_keys(away)
+                    index = tier._index
+                    if index.used > index.capacity:
+                        bad.append(f"round {rnd}: used {index.used} over capacity {index.capacity}")
+                if rnd == 1:  # closed under the workers, listings maybe in flight
+                    closing["now"] = True
+                    await tier.aclose()
+                stop.set()
+                await asyncio.gather(*workers)
+                if rnd == 0:
+                    await tier.flush()
+                    await checks.next()  # directories put back since the last check: opened, listed
+                    await _settled(tier)
+                    indexed, there = _indexed(tier), _owned_on_disk(tier.files.layout_dir)
+                    if indexed != there:  # before any read: a read of a key without its file drops it
+                        bad.append(f"round {rnd}: indexed, no file {sorted(indexed - there)}; file, not indexed "
+                                   f"{sorted(there - indexed)}")
+                    buf = bytearray(size)
+                    for key in list(tier._index):
+                        if await tier.read_into(key, memoryview(buf)):
+                            if buf != _bytes_of(key, size):
+                                bad.append(f"{key.hex()} not bit-exact at quiescence")
+                        elif tier.contains(key):
+                            bad.append(f"{key.hex()} still indexed after its read missed")
+                    await _settled(tier)
+                    indexed, there = _indexed(tier), _owned_on_disk(tier.files.layout_dir)
+                    if indexed != there:
+                        bad.append(f"round {rnd}: indexed, no file {sorted(indexed - there)}; file, not indexed "
+                                   f"{sorted(there - indexed)}")
+                    index = tier._index
+                    if index.used > index.capacity or tier.statistics().bytes_stored > capacity:
+                        bad.append(f"round {rnd}: over budget {index.used} > {index.capacity}")
+                    await tier.aclose()
+        finally:
+            stop.set()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await tier.aclose()
+        assert _fds() == fds, "descriptors left open after the close"
+        listing_threads = [t.name for t in threading.enumerate() if t.name.startswith("aiokv-disk-list")]
+        assert not listing_threads, listing_threads
+        for away, before in retired_at.items():
+            if away.exists():
+                new = _outside_keys(away) - before
+                if new:
+                    bad.append(f"round {rnd}: written into {away.name} after the check that retired it: {sorted(new)}")
+        for target, content in damage.targets.items():
+            if target.read_bytes() != content:
+                bad.append(f"{target} changed")
+            if target.is_dir():
+                bad.append(f"{target} became a directory")
+    assert not bad, bad
+    pool.table.evict(pool.num_pages)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_put_back_under_load(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+                                   seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    await _drive(tmp_path, backend, layout, pool, seed, monkeypatch)
