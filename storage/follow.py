@@ -44,6 +44,14 @@ each fan-out name is checked to still lead to the directory its descriptor is: o
 symlink, a file, another directory) or removed is retired (its pages dropped; the tier stops using
 the descriptor, which stays open until the close), so nothing is ever written outside the cache
 through it.
+
+The 256 ``fstat``s of a look go to the kernel as one batch (:mod:`.statxring`: ``statx`` on each
+descriptor through one ``io_uring_enter``) on a ring the looks keep (:attr:`FollowState.ring`,
+made by the first look, closed by the look that takes the directory over and at the tier's
+close). Each system call releases the GIL, and beside threads running Python taking it back waits
+up to the switch interval: one wait a look rather than 256. Where io_uring or its STATX op is
+refused (an old kernel, a seccomp filter, another architecture) the looks ``fstat`` each
+directory, as they do the directories a look opens late; what a look finds is the same either way.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiokv.keys import PageKey
 
@@ -76,6 +85,16 @@ from .layoutdir import (
     open_private_subdir,
 )
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd, classify_open_error
+
+if TYPE_CHECKING:
+    from .statxring import StatxRefused, StatxRing
+
+BATCHED_STATX = True
+"""The looks examine the fan-out directories in one io_uring batch (see above); False: one
+``fstat`` each, as before (A/B runs: ``tools/bench_follow_look.py --stat``). Read at each look."""
+
+Stats = dict[int, os.stat_result | OSError]
+"""A batch's results by descriptor: what ``os.fstat`` returned, or raised."""
 
 
 class FollowState:
@@ -106,6 +125,18 @@ class FollowState:
         key is refused again, or its directory's listing finds another identity."""
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
+        self.ring: StatxRing | None = None
+        """The looks' io_uring for their ``statx`` batches: made by the first look that batches,
+        closed by :meth:`close_ring` (no look runs then)."""
+        self.statx_refused: StatxRefused | None = None
+        """Why the looks ``fstat`` each directory (io_uring or STATX refused here), or None."""
+
+    def close_ring(self) -> None:
+        """Close the looks' ring (idempotent): by the look that took the directory over, and at the
+        tier's close once no look runs. A later look makes another."""
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
 
     def forget(self, keys: set[PageKey]) -> None:
         """Between two looks (on the loop): the next look examines ``keys``' names again, as new,
@@ -193,6 +224,8 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         if not state.stop.is_set():
             _tell_refused(state, result, found, indexed, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
+        if result.lock_fd is not None or result.writable:
+            state.close_ring()  # the tier writes from now on (a later look, if any, makes another)
     except BaseException:
         result.close()
         raise
@@ -253,12 +286,13 @@ def _follow(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd:
     if layout_changed:
         _check_names(state, result, dir_fd, fanout, shown)
     retired = {index for index, _fd in result.retired}  # what is at their names now: at a later look
+    stats = _stat_batch(state, fanout)
     for index in range(FANOUT):
         if state.stop.is_set():
             return
         fd = fanout[index]
         if fd >= 0:
-            _relist(state, result, found, index, fd, shown, remove_temps=False, always=False)
+            _relist(state, result, found, index, fd, shown, remove_temps=False, always=False, stats=stats)
         elif (layout_changed and index not in retired) or index in state.retry:
             fd = _open_late(state, result, dir_fd, index, shown, create=False)
             if fd >= 0 and not _relist(state, result, found, index, fd, shown, remove_temps=False, always=True):
@@ -288,12 +322,13 @@ def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_
     _layout_changed(state, result, dir_fd)
     _check_names(state, result, dir_fd, fanout, shown)
     writable = result.read_only is None
+    stats = _stat_batch(state, fanout)
     for index in range(FANOUT):
         if state.stop.is_set():
             return False
         fd = fanout[index]
         if fd >= 0:
-            _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True)
+            _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True, stats=stats)
             continue
         fd = _open_late(state, result, dir_fd, index, shown, create=writable)
         if fd == -2:
@@ -374,14 +409,41 @@ def _drop_late(state: FollowState, result: Look, index: int) -> None:
     state.retry.add(index)
 
 
+def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
+    """``os.fstat`` of each descriptor of ``fanout`` (-1: none) in one io_uring batch
+    (:data:`BATCHED_STATX`), or None: each to be ``fstat``ed (refused here: recorded in
+    :attr:`FollowState.statx_refused`, for good; or the ring could not be made now)."""
+    fds = [fd for fd in fanout if fd >= 0]
+    if not BATCHED_STATX or state.statx_refused is not None or not fds:
+        return None
+    from .statxring import StatxRefused, open_ring  # the io_uring module loads when first used
+
+    try:
+        if state.ring is None:
+            state.ring = open_ring(FANOUT)
+        return dict(zip(fds, state.ring.stat_fds(fds), strict=True))
+    except StatxRefused as exc:
+        state.statx_refused = exc
+    except OSError as exc:
+        if state.ring is None:
+            return None  # no ring now (EMFILE, ENOMEM...): fstat this time, a ring at the next look
+        state.statx_refused = StatxRefused(exc.errno or 0, f"io_uring_enter failed ({exc})")  # never expected
+    state.close_ring()
+    return None
+
+
 def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: int, fd: int, shown: Path,
-            remove_temps: bool, always: bool) -> bool:
+            remove_temps: bool, always: bool, stats: Stats | None = None) -> bool:
     """List fan-out directory ``index`` again if it changed (``always``: in any case) and report
-    what is new and what is gone. False when the listing failed: nothing reported, the fault
-    recorded, and the directory listed again next time."""
+    what is new and what is gone (``stats``: its descriptor examined already, see
+    :func:`_stat_batch`). False when the listing failed: nothing reported, the fault recorded, and
+    the directory listed again next time."""
     name = shown / f"{index:02x}"
     try:
-        st = os.fstat(fd)
+        examined = stats.get(fd) if stats is not None else None
+        if isinstance(examined, OSError):
+            raise examined
+        st = examined if examined is not None else os.fstat(fd)
     except OSError as exc:
         result.faults.append((exc, f"examining {name}"))
         return False

@@ -1,0 +1,225 @@
+"""Many ``stat``s in one system call: a small io_uring of ``IORING_OP_STATX`` for one thread at a time.
+
+A look at a followed directory (:mod:`.follow`) examines each of the 256 fan-out directories. One
+``os.fstat`` each is 256 system calls, and each releases the GIL: beside threads that run Python,
+taking it back waits up to the switch interval (5 ms) each time. Here the ``statx`` of every
+descriptor goes into one submission, submitted and waited for in one ``io_uring_enter``
+(``IORING_ENTER_GETEVENTS``, ``min_complete`` the whole batch): about one GIL wait a batch.
+
+The values are those ``fstat`` gives (``statx`` with ``AT_EMPTY_PATH`` on the descriptor, default
+sync, the basic fields: the same ``getattr`` of the inode), returned as ``os.stat_result``; a
+descriptor whose ``statx`` failed gets the ``OSError`` ``fstat`` would raise (its errno).
+
+Refusal: io_uring setup refused (EPERM under a seccomp filter or ``io_uring_disabled``, ENOSYS,
+EINVAL: old kernels), or ``IORING_OP_STATX`` unknown to the kernel (EINVAL in its completion, before
+5.6), or refused for this file (EOPNOTSUPP, EPERM): :class:`StatxRefused`, and the caller examines
+its descriptors with ``os.fstat`` (for good, after setup or the op was refused). The kernel reads
+SQEs in ``io_uring_enter`` on the calling thread, and CQ head and tail are aligned 32-bit stores
+(x86-64 TSO, as :mod:`.uring`): elsewhere :func:`open_ring` refuses.
+
+The kernel writes each result into this ring's buffers from its io-wq workers: every batch waits
+for all its completions before it returns, and a ring whose wait failed part-way (a bug: never
+expected) keeps its buffers alive for the life of the process rather than free them under the
+kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import struct
+from collections.abc import Sequence
+
+from . import uring
+
+IORING_ENTER_GETEVENTS = 1
+AT_EMPTY_PATH = 0x1000
+AT_SYMLINK_NOFOLLOW = 0x100
+STATX_BASIC_STATS = 0x7FF
+STATX_SIZE = 256
+"""Bytes of a ``struct statx``."""
+
+# struct statx: mask, (blksize, attributes), nlink, uid, gid, mode, (spare), ino, size, (blocks,
+# attributes_mask, atime: sec, nsec; btime), ctime, mtime, (rdev), dev major, minor.
+_STATX = struct.Struct("<I4x8xIIIH2xQQ16xqI4x16xqI4xqI4x8xII")
+
+REFUSED_ERRNOS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM})
+"""Errors of io_uring setup, or of a STATX completion, that mean: not here (use ``os.fstat``)."""
+
+_ABANDONED: list[object] = []
+"""Buffers of rings whose wait failed with requests maybe in flight: never freed (see above)."""
+
+NS = 1_000_000_000
+
+
+class StatxRefused(Exception):
+    """io_uring or its STATX op is refused here: examine with ``os.fstat`` (``errno``: the refusal's)."""
+
+    def __init__(self, err: int, what: str) -> None:
+        super().__init__(f"{what}: {os.strerror(err)}")
+        self.errno = err
+
+
+def open_ring(entries: int) -> StatxRing:
+    """A ring for batches of up to ``entries`` (more go in several submissions). Raises
+    :class:`StatxRefused` where io_uring is refused, or the memory ordering this module assumes
+    is not the machine's."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise StatxRefused(errno.EOPNOTSUPP, f"io_uring statx batches on {platform.machine()}")
+    try:
+        return StatxRing(entries)
+    except OSError as exc:
+        if exc.errno in REFUSED_ERRNOS or exc.errno == errno.ENOMEM:
+            raise StatxRefused(exc.errno or errno.EINVAL, "io_uring setup") from exc
+        raise
+
+
+class StatxRing:
+    """One io_uring for ``statx`` batches, used by one thread at a time; :meth:`close` it."""
+
+    def __init__(self, entries: int) -> None:
+        params = uring._Params()
+        params.flags = uring.IORING_SETUP_CLAMP
+        self._fd = uring.io_uring_setup(entries, params)
+        try:
+            self._map(params)
+        except BaseException:
+            self.close()
+            raise
+        self._bufs = ctypes.create_string_buffer(STATX_SIZE * self.entries)
+        self._bufs_addr = ctypes.addressof(self._bufs)
+        self._empty = ctypes.create_string_buffer(b"")
+        self._empty_addr = ctypes.addressof(self._empty)
+        self.batches = 0
+        """Batches waited for (one ``io_uring_enter`` each, more only after a signal)."""
+
+    def _map(self, p: uring._Params) -> None:
+        self.entries = p.sq_entries
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self._sq = mmap.mmap(self._fd, p.sq_off.array + p.sq_entries * 4, flags, prot,
+                             offset=uring.IORING_OFF_SQ_RING)
+        self._cq = mmap.mmap(self._fd, p.cq_off.cqes + p.cq_entries * 16, flags, prot,
+                             offset=uring.IORING_OFF_CQ_RING)
+        self._sqes = mmap.mmap(self._fd, p.sq_entries * 64, flags, prot, offset=uring.IORING_OFF_SQES)
+        self._sq_tail = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.tail)
+        self._sq_head = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.head)
+        self._sq_mask = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.ring_mask).value
+        self._cq_head = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.head)
+        self._cq_tail = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.tail)
+        self._cq_mask = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.ring_mask).value
+        self._cqes_off = p.cq_off.cqes
+        array = (ctypes.c_uint32 * p.sq_entries).from_buffer(self._sq, p.sq_off.array)
+        for i in range(p.sq_entries):
+            array[i] = i  # slot i of the ring is SQE i
+        del array
+
+    def close(self) -> None:
+        """Unmap and close the ring (idempotent). No batch is in flight: each waits for its own."""
+        for name in ("_sq_tail", "_sq_head", "_cq_head", "_cq_tail"):
+            if hasattr(self, name):
+                delattr(self, name)  # the ctypes views export the maps: dropped first
+        for name in ("_sq", "_cq", "_sqes"):
+            m = getattr(self, name, None)
+            if m is not None:
+                m.close()
+                delattr(self, name)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def stat_fds(self, fds: Sequence[int]) -> list[os.stat_result | OSError]:
+        """``os.fstat`` of each of ``fds``, in as few system calls as the ring's size allows: a
+        result or the error ``fstat`` would have raised, in order. Raises :class:`StatxRefused`
+        (the ring closed: use ``os.fstat`` from now on)."""
+        return self._batches([(fd, self._empty_addr) for fd in fds], AT_EMPTY_PATH, None)
+
+    def stat_names(self, dir_fd: int, names: Sequence[str]) -> list[os.stat_result | OSError]:
+        """``os.stat(name, dir_fd=dir_fd, follow_symlinks=False)`` of each of ``names``, batched as
+        :meth:`stat_fds`."""
+        paths = [ctypes.create_string_buffer(os.fsencode(name)) for name in names]
+        return self._batches([(dir_fd, ctypes.addressof(path)) for path in paths], AT_SYMLINK_NOFOLLOW, paths)
+
+    def _batches(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
+        """``keep``: what the paths' addresses point into (kept alive with the buffers should a
+        wait fail)."""
+        if self._fd < 0:
+            raise StatxRefused(errno.EBADF, "the statx ring was closed")
+        results: list[os.stat_result | OSError] = []
+        for start in range(0, len(targets), self.entries):
+            results += self._batch(targets[start : start + self.entries], flags, keep)
+        return results
+
+    def _batch(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
+        count = len(targets)
+        sqes, tail, mask = self._sqes, self._sq_tail.value, self._sq_mask
+        for i, (fd, path) in enumerate(targets):
+            uring._SQE.pack_into(sqes, ((tail + i) & mask) * 64, uring.OP_STATX, 0, 0, fd,
+                                 self._bufs_addr + i * STATX_SIZE, path, STATX_BASIC_STATS, flags, i, 0, 0, 0, 0, 0)
+        self._sq_tail.value = tail + count  # after the SQEs: the kernel reads them in io_uring_enter
+        res = [0] * count
+        done = 0
+        while done < count:
+            to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
+            try:
+                _enter(self._fd, to_submit, count - done)
+            except InterruptedError:
+                pass  # a signal: what completed is drained, the rest waited for again
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
+                    continue
+                _ABANDONED.append((self._bufs, self._empty, keep))
+                self.close()
+                raise
+            done += self._drain(res)
+        self.batches += 1
+        out: list[os.stat_result | OSError] = []
+        refused = 0
+        for i, result in enumerate(res):
+            if result < 0:
+                if -result in REFUSED_ERRNOS:
+                    refused = -result
+                out.append(OSError(-result, os.strerror(-result)))
+            else:
+                out.append(_stat_result(self._bufs, i * STATX_SIZE))
+        if refused:
+            self.close()
+            raise StatxRefused(refused, "io_uring statx")
+        return out
+
+    def _drain(self, res: list[int]) -> int:
+        head, tail = self._cq_head.value, self._cq_tail.value
+        taken = 0
+        while head != tail:
+            user_data, result, _flags = uring._CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
+            res[user_data] = result
+            head = (head + 1) & 0xFFFFFFFF
+            taken += 1
+        self._cq_head.value = head  # after reading the CQEs: the kernel may reuse their slots then
+        return taken
+
+
+def _enter(fd: int, to_submit: int, min_complete: int) -> int:
+    """``io_uring_enter`` submitting ``to_submit`` SQEs and waiting for ``min_complete`` CQEs (the
+    kernel skips the wait when it took fewer SQEs than asked: nothing waits for what was not
+    submitted)."""
+    return uring._check(uring._libc.syscall(uring.SYS_IO_URING_ENTER, fd, ctypes.c_uint(to_submit),
+                                            ctypes.c_uint(min_complete), ctypes.c_uint(IORING_ENTER_GETEVENTS),
+                                            None, 0))
+
+
+def _stat_result(buf: ctypes.Array[ctypes.c_char], offset: int) -> os.stat_result:
+    """The ``struct statx`` at ``offset`` of ``buf`` as ``os.fstat`` reports it."""
+    (_mask, nlink, uid, gid, mode, ino, size, a_sec, a_nsec, c_sec, c_nsec, m_sec, m_nsec, dev_major,
+     dev_minor) = _STATX.unpack_from(buf, offset)
+    atime, mtime, ctime = a_sec * NS + a_nsec, m_sec * NS + m_nsec, c_sec * NS + c_nsec
+    return os.stat_result((mode, ino, os.makedev(dev_major, dev_minor), nlink, uid, gid, size, a_sec, m_sec, c_sec,
+                           a_sec + a_nsec * 1e-9, m_sec + m_nsec * 1e-9,
+                           c_sec + c_nsec * 1e-9, atime, mtime, ctime))
