@@ -3,16 +3,24 @@ idle, beside threads that run Python all the time (an engine's scheduler), and b
 loop kept busy (tasks matching prompts nobody stored, one after another), as ratios.
 
 A cache that finds its disk directory held by another cache follows it: every
-``follow_interval_s`` a thread of its own (``aiokv-disk-follow``) ``fstat``s each of the 256
-fan-out directories and lists those that changed (``storage/follow.py``). Each of those system calls
-releases the GIL; beside a thread running Python, taking it back waits up to the switch interval
-(``sys.getswitchinterval()``, 5 ms), so a look costs about one interval per system call. This puts
+``follow_interval_s`` a thread of its own (``aiokv-disk-follow``) examines each of the 256
+fan-out directories (one io_uring ``statx`` batch, or an ``fstat`` each) and lists those that
+changed (``storage/follow.py``). Each system call releases the GIL; beside a thread running Python,
+taking it back may wait up to the switch interval (``sys.getswitchinterval()``, 5 ms). This puts
 ``--pages`` pages on disk from a writer process (which keeps the directory), starts a follower here,
-and times ``--repeats`` looks of each kind, alternated idle / busy per round: ``steady`` (nothing
-changed: the ``fstat``s only) and ``changed`` (the writer stored ``--changed`` pages into as many
-fan-out directories since the last look: those are listed again). The busy loop is the costly
-neighbour: its thread drops and takes the GIL back at every turn (each ``epoll_wait``), so the
-look's thread, which wants it back after each of its system calls, waits for the forced switch.
+and times ``--repeats`` looks of each kind, alternated idle / busy per round: ``changed`` (the
+writer stored ``--changed`` pages into as many fan-out directories since the last look: those are
+listed again), ``steady`` (the look right after: nothing new, but those directories are listed
+once more, their times being under ``SETTLE_NS`` old) and ``settled`` (a look once the writer's
+last store is ``SETTLE_NS`` old: the lock's calls and the 256 ``fstat``s, or the one ``statx``
+batch, only). Each time runs from asking for the look to its result applied on the loop (the
+look's thread started, the loop woken). The busy loop is the costly neighbour: its thread drops
+and takes the GIL back at every turn (each ``epoll_wait``), so the look's thread, which wants it
+back after each of its system calls, waits for the forced switch.
+
+``--stat``: how a look examines the fan-out directories: ``statx`` (one io_uring batch, the
+default of ``storage/follow.py``), ``fstat`` (one system call each, as before), or ``both``
+(default: each measured in the same run, with the fstat/statx ratio of the medians).
 
     python tools/bench_follow_look.py
     python tools/bench_follow_look.py --pages 2000 --repeats 5 --dir /var/tmp
@@ -40,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gil import spinning
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
-from aiokv.storage import DiskConfig, DiskTier, ReadOnly
+from aiokv.storage import DiskConfig, DiskTier, ReadOnly, follow
+from aiokv.storage.layoutdir import SETTLE_NS
 
 NAMESPACE = "bench-follow"
 LAYOUT = KVLayout.mha(2, 2, 64, torch.float16, page_tokens=16)  # 8 KiB pages: the look costs per file, not per byte
@@ -83,6 +92,7 @@ async def _writer(root: Path, pages: int, backend: DiskBackend) -> None:
 
 
 MODES = ("idle", "python", "loop")
+KINDS = ("steady", "changed", "settled")
 
 
 @contextlib.asynccontextmanager
@@ -135,7 +145,7 @@ async def _bench(args: argparse.Namespace, backend: DiskBackend, root: Path) -> 
     # Started once, before anything is timed: its blocking start costs the loop nothing measured.
     writer = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     assert writer.stdin is not None and writer.stdout is not None
-    times: dict[str, list[float]] = {f"{kind} {mode}": [] for kind in ("steady", "changed") for mode in MODES}
+    times: dict[str, list[float]] = {f"{kind} {mode}": [] for kind in KINDS for mode in MODES}
     try:
         ready = writer.stdout.readline().split()
         if not ready or ready[0] != "ready":
@@ -158,6 +168,8 @@ async def _bench(args: argparse.Namespace, backend: DiskBackend, root: Path) -> 
                         async with _busy_loop(follower, args.spinners if mode == "loop" else 0):
                             times[f"changed {mode}"].append(await timer.look())
                             times[f"steady {mode}"].append(await timer.look())
+                            await asyncio.sleep(SETTLE_NS / 1e9)  # the writer's last changes settled
+                            times[f"settled {mode}"].append(await timer.look())
             if tier.statistics().pages < on_disk:
                 raise RuntimeError(f"the follower indexed {tier.statistics().pages} of the writer's {on_disk} pages")
         writer.stdin.write("exit\n")
@@ -179,6 +191,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the page files go (default: a temp dir)")
     parser.add_argument("--backend", choices=[b.value for b in DiskBackend], default=None,
                         help="one backend (default: threads and uring_fixed)")
+    parser.add_argument("--stat", choices=["statx", "fstat", "both"], default="both",
+                        help="how a look examines the fan-out directories (default: both, compared)")
     parser.add_argument("--json", type=Path, default=None, help="also write the times here")
     parser.add_argument("--writer", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,20 +204,28 @@ def main() -> None:
     backends = [DiskBackend(args.backend)] if args.backend else [DiskBackend.THREADS, DiskBackend.URING_FIXED]
     print(f"python {sys.version.split()[0]}, switch interval {sys.getswitchinterval() * 1e3:.1f} ms, "
           f"{args.pages} pages on disk, {args.changed} stored between looks, {args.spinners} spinning thread(s)")
-    print(f"{'backend':12} {'look':8} {'idle ms':>9} {'python ms':>10} {'loop ms':>9} {'python/idle':>12} "
-          f"{'loop/idle':>10}")
+    print(f"{'backend':12} {'stat':6} {'look':8} {'idle ms':>9} {'python ms':>10} {'loop ms':>9} "
+          f"{'python/idle':>12} {'loop/idle':>10}")
+    stats = ["fstat", "statx"] if args.stat == "both" else [args.stat]
     report: dict[str, dict[str, list[float]]] = {}
     for backend in backends:
-        root = Path(tempfile.mkdtemp(prefix="aiokv-bench-follow-", dir=args.dir))
-        try:
-            times = asyncio.run(_bench(args, backend, root))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        report[backend.value] = times
-        for kind in ("steady", "changed"):
-            idle, python, loop = (statistics.median(times[f"{kind} {mode}"]) for mode in MODES)
-            print(f"{backend.value:12} {kind:8} {idle * 1e3:9.2f} {python * 1e3:10.2f} {loop * 1e3:9.2f} "
-                  f"{python / idle:12.2f} {loop / idle:10.2f}")
+        for how in stats:
+            follow.BATCHED_STATX = how == "statx"
+            root = Path(tempfile.mkdtemp(prefix="aiokv-bench-follow-", dir=args.dir))
+            try:
+                times = asyncio.run(_bench(args, backend, root))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            report[f"{backend.value} {how}"] = times
+            for kind in KINDS:
+                idle, python, loop = (statistics.median(times[f"{kind} {mode}"]) for mode in MODES)
+                print(f"{backend.value:12} {how:6} {kind:8} {idle * 1e3:9.2f} {python * 1e3:10.2f} {loop * 1e3:9.2f} "
+                      f"{python / idle:12.2f} {loop / idle:10.2f}")
+        if len(stats) == 2:
+            for kind in KINDS:
+                ratios = [statistics.median(report[f"{backend.value} fstat"][f"{kind} {mode}"]) /
+                          statistics.median(report[f"{backend.value} statx"][f"{kind} {mode}"]) for mode in MODES]
+                print(f"{backend.value:12} {'fstat/statx':15} {kind:8}" + "".join(f" {r:9.2f}x" for r in ratios))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
 
