@@ -30,11 +30,13 @@ number the close gave back.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 from aiokv.keys import PageKey
 from aiokv.pool import run_in_new_thread
@@ -408,14 +410,14 @@ class FollowPath(TierBase):
         remove = self._read_only is None
         # Temporary and spare files of this tier may be its writes in flight (a directory moved
         # back holds those issued before the move); any other is a leftover, removed as at start.
-        work = functools.partial(list_fanout, fd, index, files.layout_dir / f"{index:02x}", remove, None, faults,
+        work = functools.partial(_list_in_order, fd, index, files.layout_dir / f"{index:02x}", remove, faults,
                                  lambda name: files.own_temp(name) or self._spares.named(name))
         try:
-            listing = await self._on_thread(work, "aiokv-disk-list", _nothing, "listing a fan-out directory")
+            listed = await self._on_thread(work, "aiokv-disk-list", _nothing, "listing a fan-out directory")
             for fault, what in faults:
                 self._faults.count(fault, what)
-            if listing is not None:
-                self._index_listed(index, fd, listing)
+            if listed is not None:
+                self._index_listed(index, fd, *listed)
         finally:
             left = self._listings.pop(index) - 1
             if left:
@@ -423,12 +425,14 @@ class FollowPath(TierBase):
             else:
                 del self._listing[index]
 
-    def _index_listed(self, index: int, fd: int, listing: FanoutListing) -> None:
-        """Index the page files a listing of a fan-out directory opened late found, as the least
-        recently used (oldest first), and trim the index to the budget: counted and evicted like
-        any other. Skipped: keys indexed, being written or moved meanwhile, and all of it when the
-        descriptor was retired again or the tier no longer writes; a file of a key unlinked or
-        deleted while the listing ran is unlinked (it may have been listed before its unlink)."""
+    def _index_listed(self, index: int, fd: int, listing: FanoutListing, order: list[PageKey]) -> None:
+        """Index the page files a listing of a fan-out directory opened late found (``order``:
+        their keys, oldest first), as the least recently used, within the budget: those beyond the
+        free room (the oldest) are never indexed, counted as evicted and unlinked on a thread
+        (:meth:`_unlink_listed`). Skipped: keys indexed, being written or moved meanwhile, and all
+        of it when the descriptor was retired again or the tier no longer writes; a file of a key
+        unlinked or deleted while the listing ran is unlinked (it may have been listed before its
+        unlink)."""
         prepared = self._dir
         assert prepared is not None
         self._temp_removed += listing.temp_removed
@@ -437,13 +441,21 @@ class FollowPath(TierBase):
             return
         gone = self._listing.get(index, set())
         page_index, writing, moving = self._index, self._writing, self._moving
-        found = sorted((mtime, key) for key, mtime in listing.found.items())
-        fresh = [key for _mtime, key in found if key not in page_index and key not in writing and key not in moving]
+        fresh = [key for key in order if key not in page_index and key not in writing and key not in moving]
         indexed = [key for key in fresh if key not in gone]
+        excess: list[PageKey] = []
+        if self._read_only is None:
+            # Indexed as the least recently used, the oldest would be evicted at once: one unlink
+            # task each held the loop for seconds (50,000 files put back: 3.4 s in one turn).
+            cut = max(0, len(indexed) - max(0, page_index.capacity - page_index.used) // page_index.file_bytes)
+            excess, indexed = indexed[:cut], indexed[cut:]
+            page_index.evictions += cut
         page_index.add_least_recent(indexed)
         for key in fresh:
             if key in gone:
                 self._unlink_later(key)
+        if excess:
+            self._unlink_listed(index, fd, excess)
         # A key being written keeps its state: its file here is replaced if the write stores it,
         # else unlinked when the write ends (:meth:`.writepath.WritePath._end_write`).
         self._listed_under_write.update(key for key in listing.found if key in writing and key not in page_index)
@@ -452,6 +464,30 @@ class FollowPath(TierBase):
         if indexed:
             log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
                         "used", self.files.layout_dir / f"{index:02x}", len(indexed))
+
+    def _unlink_listed(self, index: int, fd: int, keys: list[PageKey]) -> None:
+        """Unlink the files of ``keys`` (never indexed) in fan-out directory ``fd`` on a thread, in
+        one task: a new write of one of them waits for it, as for any unlink."""
+        job = run_in_new_thread(functools.partial(_unlink_all, fd, [bytes.hex(key) for key in keys]),
+                                "aiokv-disk-unlink", _nothing)
+        listing, moving = self._listing.get(index), self._moving
+        for key in keys:
+            moving[key] = job
+        if listing is not None:
+            listing.update(keys)  # another listing in flight may have seen them: not indexed from it
+        job.add_done_callback(functools.partial(_forget_moving, moving, keys))
+        self._spawn(self._unlinked_listed(job))
+
+    async def _unlinked_listed(self, job: asyncio.Future[list[OSError]]) -> None:
+        try:
+            faults = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await wait_uncancelled(job)  # (the close: the thread uses the tier's descriptor)
+            raise
+        for fault in faults:
+            self._faults.count(fault, "unlink")
+            if fault.errno == errno.EROFS:
+                self._enter_read_only(ReadOnly.FILE_SYSTEM)
 
     def _lose_lock(self) -> None:
         """``.lock`` was replaced and another cache holds the file there now: it writes and evicts
@@ -491,3 +527,32 @@ class FollowPath(TierBase):
 
 def _nothing(_: object) -> None:
     """A listing has nothing to close."""
+
+
+def _list_in_order(fd: int, index: int, shown: Path, remove: bool, faults: list[tuple[OSError, str]],
+                   keep: Callable[[str], bool]) -> tuple[FanoutListing, list[PageKey]]:
+    """:func:`~.layoutdir.list_fanout` of a fan-out directory opened late, and the keys it found,
+    oldest first (sorted here, not on the loop). Blocking."""
+    listing = list_fanout(fd, index, shown, remove, None, faults, keep)
+    return listing, [key for _mtime, key in sorted((mtime, key) for key, mtime in listing.found.items())]
+
+
+def _unlink_all(fd: int, names: list[str]) -> list[OSError]:
+    """Unlink ``names`` in directory ``fd`` (never following a symlink); the faults met but
+    ENOENT (each kind once: the rest would be the same). Blocking."""
+    faults: dict[int | None, OSError] = {}
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            faults.setdefault(exc.errno, exc)
+    return list(faults.values())
+
+
+def _forget_moving(moving: dict[PageKey, asyncio.Future[Any]], keys: list[PageKey],
+                   job: asyncio.Future[list[OSError]]) -> None:
+    for key in keys:
+        if moving.get(key) is job:
+            del moving[key]

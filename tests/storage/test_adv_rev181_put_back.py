@@ -199,6 +199,52 @@ async def test_a_write_in_flight_at_the_listing_that_fails_leaves_no_file_uninde
     assert_clean(pool)
 
 
+@pytest.mark.asyncio
+async def test_a_large_directory_put_back_over_the_budget_never_holds_the_loop(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """``3a`` put back holding 30,000 page files (empty: the listing looks at names and owners)
+    on a budget of 8. Before: all were indexed and then evicted in one turn of the loop, an unlink
+    task each: the loop stood still 1-3 s (50,000 files: 3.4 s); a ticker's gap now stays far
+    below that, and the files beyond the budget are gone."""
+    size = layout.page_bytes
+    cfg = config(tmp_path / "disk", backend, 8 * file_bytes(layout), follow_interval_s=3600.0)
+    async with started(DiskTier(cfg, layout, pool)) as tier:
+        checks = LockChecks(tier)
+        away = tmp_path / "elsewhere"
+        await _put_back(tier, checks, away, [], size)
+        fan = tier.files.layout_dir / f"{TAG:02x}"
+        os.rename(fan, away)
+        await checks.next()
+
+        def fill() -> None:
+            for i in range(30_000):
+                os.close(os.open(away / bytes.hex(key_of(i, TAG)), os.O_CREAT | os.O_WRONLY, 0o600))
+
+        await asyncio.to_thread(fill)
+        os.rename(away, fan)
+        worst = 0.0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal worst
+            loop = asyncio.get_running_loop()
+            last = loop.time()
+            while not stop.is_set():
+                await asyncio.sleep(0.001)  # (a measurement of the loop's gaps, no synchronisation)
+                now = loop.time()
+                worst, last = max(worst, now - last), now
+
+        ticking = asyncio.create_task(ticker())
+        await checks.next()  # opens 3a: listed
+        await _settled(tier)
+        stop.set()
+        await ticking
+        assert worst < 0.4, worst
+        assert _indexed(tier) == _on_disk(tier.files.layout_dir) and len(_indexed(tier)) == 8
+        assert tier.statistics().pages == 8
+    assert_clean(pool)
+
+
 TAGS = (0x3A, 0x3B)
 """The fan-out directories the seeded drive moves out and puts back."""
 KEYS = 8
