@@ -134,7 +134,9 @@ class RankExecutor:
     CPU load land (the worker sends LAYERS frames). ``newest_stream``: the newest stream of this
     epoch whose frame an earlier session read (:meth:`announce_stream` treats ids up to it as
     begun); ``announcements``: False refuses every announcement (UNTRUSTED), see the worker.
-    One event loop drives it; :meth:`aclose` waits for copies in flight, then unmaps the pool.
+    ``first_job``: the manager's first job id of this session (WELCOME): layer waits for earlier
+    ids end at once (their specs never come here). One event loop drives it; :meth:`aclose` waits
+    for copies in flight, then unmaps the pool.
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class RankExecutor:
         on_layers: Callable[[int, int], None] | None = None,
         newest_stream: int = 0,
         announcements: bool = True,
+        first_job: int = 0,
     ) -> None:
         self.kv = kv
         self.memory = memory
@@ -158,7 +161,7 @@ class RankExecutor:
         self._bridge = bridge
         self._copy_on_loop = copy_on_loop
         self._on_layers = on_layers
-        self.layers = LayerTable(epoch, kv.layout.num_layers)
+        self.layers = LayerTable(epoch, kv.layout.num_layers, first_job)
         """Progress of this session's layered loads, for the engine's per-layer waits."""
         self._cuda = kv.device.type == "cuda"
         if self._cuda and engine_stream is None:

@@ -635,7 +635,7 @@ class RankGroup:
         link.state = _LinkState.ATTACH
         welcome = Welcome(
             PROTOCOL_VERSION, self.tp_size, self.page_layout.fingerprint, self.epoch,
-            self.num_pages, self.page_layout.page_bytes, self.pool_name, self.num_slots or 0,
+            self.num_pages, self.page_layout.page_bytes, self.pool_name, self.num_slots or 0, self._next_job,
         )
         link.transport.write(frame(FrameKind.WELCOME, welcome.encode()))
 

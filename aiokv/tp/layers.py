@@ -125,13 +125,16 @@ def _resolve(future: asyncio.Future[bool], state: bool) -> None:
 class LayerTable:
     """The layered jobs of one attached session (one pool epoch), by job id. Thread-safe."""
 
-    def __init__(self, epoch: int, layers: int) -> None:
+    def __init__(self, epoch: int, layers: int, first_job: int = 0) -> None:
         self.epoch = epoch
         self.layers = layers
         self._lock = threading.Lock()
         self._jobs: collections.OrderedDict[int, LayerProgress] = collections.OrderedDict()  # arrived
         self._waiting: dict[int, LayerProgress] = {}  # placeholders: asked for, not arrived
-        self._highest = 0  # highest job id that arrived (any spec)
+        # Highest job id that arrived (any spec), or was issued before this session (``first_job``,
+        # the manager's WELCOME): a session of a rank attached again to the same pool never gets
+        # the specs of jobs issued before it, and no later spec may come to end a wait for them.
+        self._highest = max(0, first_job - 1)
         self._gone: collections.OrderedDict[int, None] = collections.OrderedDict()  # withdrawn, never sent
         self._closed = False
 

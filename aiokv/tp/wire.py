@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
 closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
@@ -30,11 +30,13 @@ closes it only then: the manager reads a connection's end as "none of that rank'
 ``layered_load()``) ends the ranks' waits for it. 6: WELCOME carries the token slots the manager
 addresses; a worker whose KV buffer has fewer refuses to attach. 7: STREAM_BEGINS frames, and specs
 of version 2 (a LOAD of a load stream names the stream: the rank orders its copy after the mark it
-recorded when it read that stream's STREAM_BEGINS)."""
+recorded when it read that stream's STREAM_BEGINS). 8: WELCOME carries the first job id of the
+session: a rank that attaches again to the same pool learns which job ids were issued before (their
+specs never reach the new session), so its engine's layer waits for them end at once."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
-_WELCOME = struct.Struct("<HH16sQIQQ")
+_WELCOME = struct.Struct("<HH16sQIQQQ")
 _REFUSE = struct.Struct("<B")
 _ATTACHED = struct.Struct("<QB")
 _DONE = struct.Struct("<QB")
@@ -235,18 +237,21 @@ class Welcome:
     page_bytes: int
     pool_name: str
     num_slots: int = 0
+    first_job: int = 0
+    """Job ids below this were issued before this session (0: none stated): their specs never reach
+    it, so the rank's waits for them end at once rather than for a later spec that may never come."""
 
     def encode(self) -> bytes:
         head = _WELCOME.pack(self.version, self.tp_size, self.fingerprint, self.epoch, self.num_pages, self.page_bytes,
-                             self.num_slots)
+                             self.num_slots, self.first_job)
         return head + _text(self.pool_name)
 
     @classmethod
     def decode(cls, payload: bytes) -> Welcome:
-        version, tp_size, fingerprint, epoch, pages, page_bytes, slots = _fixed(_WELCOME, payload, "welcome",
-                                                                              exact=False)
+        version, tp_size, fingerprint, epoch, pages, page_bytes, slots, first_job = _fixed(
+            _WELCOME, payload, "welcome", exact=False)
         name = _decode_text(payload, _WELCOME.size)
-        return cls(version, tp_size, fingerprint, epoch, pages, page_bytes, name, slots)
+        return cls(version, tp_size, fingerprint, epoch, pages, page_bytes, name, slots, first_job)
 
 
 @dataclass(frozen=True)

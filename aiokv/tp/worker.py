@@ -379,7 +379,7 @@ class RankWorker:
                 executor = RankExecutor(
                     self.kv, memory, welcome.epoch, self._bridge, self.config, self._engine_stream, self._path,
                     self._copy_on_loop, _layer_reporter(link), newest_stream=0 if seen is None else seen[1],
-                    announcements=trusted,
+                    announcements=trusted, first_job=welcome.first_job,
                 )
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
             except BaseException:

@@ -179,6 +179,8 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
             Hello.decode(Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16, device).encode())
     welcome = Welcome(1, 4, b"f" * 16, 2**63, 10, 4096, "/aiokv-1-abc")
     assert Welcome.decode(welcome.encode()) == welcome
+    later = Welcome(PROTOCOL_VERSION, 4, b"f" * 16, 5, 10, 4096, "/aiokv-1-abc", 64, 2**64 - 1)
+    assert Welcome.decode(later.encode()) == later  # a session's first job id travels whole
     refusal = Refuse(RefuseReason.LAYOUT, "x" * 2000)
     back = Refuse.decode(refusal.encode())
     assert back.reason is RefuseReason.LAYOUT and len(back.text) == 512

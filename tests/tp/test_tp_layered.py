@@ -285,6 +285,19 @@ async def test_rank_side_waits_for_jobs_not_arrived_and_fails_those_that_never_c
     assert LayeredLoad(5, (3,)).jobs == (3,)
 
 
+def test_rank_side_table_of_a_later_session_ends_waits_for_jobs_issued_before_it() -> None:
+    table = LayerTable(epoch=5, layers=2, first_job=10)  # the WELCOME's first job id of the session
+    assert table.progress(9).wait(0, timeout=0) is False  # issued before: its spec never comes here
+    assert table.progress(1).wait(1, timeout=0) is False
+    pending = table.progress(10)  # this session's first job: waits for its spec
+    with pytest.raises(TimeoutError):
+        pending.wait(0, timeout=0.01)
+    progress = table.arrived(10, layered=True)
+    assert progress is pending
+    progress.mark(2)
+    assert pending.wait(1, timeout=0) is True
+
+
 def test_rank_side_table_keeps_a_bounded_number_of_ended_jobs() -> None:
     table = LayerTable(epoch=1, layers=1)
     running = table.arrived(1, layered=True)
