@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aiokv.keys import PageKey
+from aiokv.keys import KEY_BYTES, PageKey
 from aiokv.pool import run_in_new_thread
 
 from .config import ReadOnly
@@ -46,6 +46,8 @@ from .follow import FollowState, Look, look
 from .jobs import wait_uncancelled
 from .layoutdir import FanoutListing, FollowSeed, list_fanout
 from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
+from .pagefile import TEMP_PREFIX
+from .spares import SPARE_PREFIX
 from .tierbase import TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
@@ -454,8 +456,12 @@ class FollowPath(TierBase):
         for key in fresh:
             if key in gone:
                 self._unlink_later(key)
-        if excess:
-            self._unlink_listed(index, fd, excess)
+        # This tier's own temporary and spare names no write, stock or batch holds: copies (a
+        # backup restored) or leftovers of writes ended meanwhile; removed as others' are.
+        stale = self._not_in_flight(fd, listing.kept)
+        self._temp_removed += len(stale)
+        if excess or stale:
+            self._unlink_listed(index, fd, excess, stale)
         # A key being written keeps its state: its file here is replaced if the write stores it,
         # else unlinked when the write ends (:meth:`.writepath.WritePath._end_write`).
         self._listed_under_write.update(key for key in listing.found if key in writing and key not in page_index)
@@ -465,10 +471,31 @@ class FollowPath(TierBase):
             log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
                         "used", self.files.layout_dir / f"{index:02x}", len(indexed))
 
-    def _unlink_listed(self, index: int, fd: int, keys: list[PageKey]) -> None:
-        """Unlink the files of ``keys`` (never indexed) in fan-out directory ``fd`` on a thread, in
-        one task: a new write of one of them waits for it, as for any unlink."""
-        job = run_in_new_thread(functools.partial(_unlink_all, fd, [bytes.hex(key) for key in keys]),
+    def _not_in_flight(self, fd: int, names: list[str]) -> list[str]:
+        """Of this tier's temporary and spare ``names`` in fan-out directory ``fd``, those no write
+        in flight (its key's), stock, write or batch of spares (any, while one is made) holds. One
+        the backend was handed meanwhile and that is removed is no fault: the write goes into a
+        new file (a spare), or its rename misses and it is tried once more (a temporary file)."""
+        spares = self._spares
+        held = {spare.name for spare in [*spares._stock, *self._spare_of.values()] if spare.dir_fd == fd}
+        stale = []
+        for name in names:
+            if name.startswith(SPARE_PREFIX):
+                if self._refill is None and name not in held:
+                    stale.append(name)
+                continue
+            try:
+                key = bytes.fromhex(name[len(TEMP_PREFIX):len(TEMP_PREFIX) + 2 * KEY_BYTES])
+            except ValueError:
+                key = b""
+            if key not in self._writing:
+                stale.append(name)
+        return stale
+
+    def _unlink_listed(self, index: int, fd: int, keys: list[PageKey], names: list[str]) -> None:
+        """Unlink the files of ``keys`` (never indexed) and ``names`` in fan-out directory ``fd`` on
+        a thread, in one task: a new write of one of the keys waits for it, as for any unlink."""
+        job = run_in_new_thread(functools.partial(_unlink_all, fd, [*(bytes.hex(key) for key in keys), *names]),
                                 "aiokv-disk-unlink", _nothing)
         listing, moving = self._listing.get(index), self._moving
         for key in keys:

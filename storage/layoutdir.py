@@ -108,6 +108,8 @@ class FanoutListing:
     """False when an entry could not be examined (EACCES, EIO: recorded): it is not in ``entries``."""
     temp_removed: int = 0
     skipped: int = 0
+    kept: list[str] = field(default_factory=list)
+    """Temporary and spare names ``keep`` spared (see :func:`list_fanout`)."""
 
 
 @dataclass(frozen=True)
@@ -396,7 +398,8 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
     with a key name is skipped and recorded as UNSAFE, a file that cannot be examined is skipped
     and recorded; names that are no key's are never indexed.
     ``remove_temps`` (the lock holder only): temporary and spare files are unlinked, but for those
-    ``keep`` names (this tier's own, maybe in flight, in a directory listed while it writes). ``known``: the
+    ``keep`` names (this tier's own, maybe in flight, in a directory listed while it writes: listed
+    in ``kept``). ``known``: the
     identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
     same name and inode number is neither examined again nor reported in ``found``. A failure part-way
     (getdents: EIO) is recorded and ends the listing (``complete`` False). Blocking."""
@@ -408,8 +411,11 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
             for entry in scan:  # getdents may fail midway: the entries listed so far stay
                 name = entry.name
                 if name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
-                    if remove_temps and (keep is None or not keep(name)):
-                        listing.temp_removed += _remove_temp(fd, name, shown, faults)
+                    if remove_temps:
+                        if keep is not None and keep(name):
+                            listing.kept.append(name)
+                        else:
+                            listing.temp_removed += _remove_temp(fd, name, shown, faults)
                     continue
                 if len(name) != 2 * KEY_BYTES:
                     continue

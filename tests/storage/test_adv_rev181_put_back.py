@@ -363,6 +363,7 @@ async def _drive(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: P
 
     monkeypatch.setattr(followpath, "list_fanout", slow)
     damage: _PutBacks | None = None
+    names = {f"{i:02x}" for i in range(256)}
     for rnd in range(2):
         fds = _fds()
         capacity = 12 * file_bytes(layout)
@@ -436,6 +437,12 @@ async def _drive(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: P
                     if indexed != there:
                         bad.append(f"round {rnd}: indexed, no file {sorted(indexed - there)}; file, not indexed "
                                    f"{sorted(there - indexed)}")
+                    if tier._refill is not None:
+                        async with asyncio.timeout(30):
+                            await asyncio.wait({tier._refill})
+                    spares = [p for p in tier.files.layout_dir.glob("*/.spare-*") if p.parent.name in names]
+                    if tier.spare_statistics().stock != len(spares):
+                        bad.append(f"round {rnd}: spare stock {tier.spare_statistics()} vs {len(spares)} files")
                     index = tier._index
                     if index.used > index.capacity or tier.statistics().bytes_stored > capacity:
                         bad.append(f"round {rnd}: over budget {index.used} > {index.capacity}")
@@ -469,3 +476,90 @@ async def _drive(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: P
 async def test_put_back_under_load(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
                                    seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     await _drive(tmp_path, backend, layout, pool, seed, monkeypatch)
+
+
+@pytest.mark.asyncio
+async def test_a_follower_sees_a_directory_put_back_and_takes_over_within_the_budget(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """A second cache follows the writer while ``3a`` (6 pages) goes out of the cache and back
+    onto a writer whose budget (8) is full of other pages: the follower serves what the writer
+    kept, bit for bit, never a page the writer evicted; after the writer closes it takes over with
+    its index equal to the page files there, within its budget."""
+    from follow_helpers import Looks
+
+    size = layout.page_bytes
+    disk_dir = tmp_path / "disk"
+    cfg = config(disk_dir, backend, 8 * file_bytes(layout), follow_interval_s=3600.0)
+    writer = DiskTier(cfg, layout, pool)
+    await writer.start()
+    try:
+        checks = LockChecks(writer)
+        keys = [key_of(i, TAG) for i in range(6)]
+        for key in keys:
+            assert await _write(writer, key, size)
+        async with started(DiskTier(cfg, layout, pool)) as follower:
+            assert follower.read_only is not None
+            looks = Looks(follower)
+            away = tmp_path / "elsewhere"
+            os.rename(writer.files.layout_dir / f"{TAG:02x}", away)
+            await checks.next()
+            await looks.next()
+            assert not any(follower.contains(key) for key in keys)
+            for i in range(6):
+                assert await _write(writer, key_of(i, OTHER), size)
+            os.rename(away, writer.files.layout_dir / f"{TAG:02x}")
+            await checks.next()
+            await _settled(writer)
+            assert _indexed(writer) == _on_disk(writer.files.layout_dir)
+            assert len(_indexed(writer)) == 8
+            await looks.next()
+            await looks.next()
+            buf = bytearray(size)
+            for key in [*keys, *(key_of(i, OTHER) for i in range(6))]:
+                if follower.contains(key):
+                    assert writer.contains(key), key.hex()
+                    assert await follower.read_into(key, memoryview(buf)) and buf == _bytes_of(key, size)
+            assert {bytes.hex(key) for key in follower._index} == _indexed(writer)
+            await writer.aclose()
+            await looks.until(lambda: follower.read_only is None)
+            await _settled(follower)
+            assert _indexed(follower) == _on_disk(follower.files.layout_dir)
+            assert follower._index.used <= follower._index.capacity
+    finally:
+        await writer.aclose()
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_copies_of_this_tiers_spare_files_restored_are_removed(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """A backup of ``00`` taken while it held spare files of this tier, ``00`` removed (a check
+    retires it: its spares leave the stock), the backup restored. The copies bear this tier's
+    spare names but no stock holds them. Before: the listing kept them as maybe in flight, so
+    they stayed (page-sized, outside the budget and the stock) until a restart."""
+    from aiokv.storage.spares import SPARE_PREFIX
+
+    size = layout.page_bytes
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
+    async with started(DiskTier(cfg, layout, pool, spare_files=2)) as tier:
+        checks = LockChecks(tier)
+        assert await _write(tier, key_of(0, 0x00), size)
+        if tier._refill is not None:
+            async with asyncio.timeout(30):
+                await asyncio.wait({tier._refill})
+        fan, backup = tier.files.layout_dir / "00", tmp_path / "backup"
+        assert any(name.startswith(SPARE_PREFIX) for name in os.listdir(fan)), os.listdir(fan)
+        shutil.copytree(fan, backup)
+        shutil.rmtree(fan)
+        await checks.next()
+        os.rename(backup, fan)
+        await checks.next()
+        await _settled(tier)
+        if tier._refill is not None:
+            async with asyncio.timeout(30):
+                await asyncio.wait({tier._refill})
+        layout_dir = tier.files.layout_dir
+        inside = [p for p in layout_dir.glob(f"*/{SPARE_PREFIX}*")]
+        assert tier.spare_statistics().stock == len(inside), (tier.spare_statistics(), inside)
+        assert tier.contains(key_of(0, 0x00))
+    assert_clean(pool)
