@@ -563,3 +563,72 @@ async def test_copies_of_this_tiers_spare_files_restored_are_removed(
         assert tier.spare_statistics().stock == len(inside), (tier.spare_statistics(), inside)
         assert tier.contains(key_of(0, 0x00))
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_close_while_a_listing_runs_waits_for_it_and_leaves_nothing(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier closed while the listing of ``3a`` put back is held on its thread: the close ends
+    only after the thread (which uses the tier's descriptor), indexes nothing from it, and leaves
+    no descriptor or thread; a restart serves the pages there."""
+    size = layout.page_bytes
+    fds = _fds()
+    with _gated_listing(monkeypatch) as (before, listed, after):
+        cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
+        tier = DiskTier(cfg, layout, pool)
+        await tier.start()
+        try:
+            checks = LockChecks(tier)
+            await _put_back(tier, checks, tmp_path / "elsewhere", [key_of(i, TAG) for i in range(3)], size)
+            await checks.next()  # opens 3a: its listing waits
+            before.set()
+            assert await asyncio.to_thread(listed.wait, 30.0)
+            closing = asyncio.create_task(tier.aclose())
+            done, _ = await asyncio.wait({closing}, timeout=0.2)
+            assert not done, "the close did not wait for the listing's thread"
+            after.set()
+            async with asyncio.timeout(30):
+                await closing
+            assert tier.statistics().pages == 0
+        finally:
+            after.set()
+            await tier.aclose()
+    assert _fds() == fds
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("aiokv-disk-list", "aiokv-disk-unlink"))]
+    async with started(DiskTier(cfg, layout, pool)) as again:
+        buf = bytearray(size)
+        for i in range(3):
+            assert await again.read_into(key_of(i, TAG), memoryview(buf)) and buf == _bytes_of(key_of(i, TAG), size)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_directory_moved_out_again_while_listed_is_neither_indexed_nor_touched(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``3a`` put back onto a full tier (so its listing would evict), then moved out of the cache
+    again while the listing is held: a check retires it; the listing ends. Nothing is indexed from
+    it, and nothing in it is written, unlinked or changed (it is outside the cache now)."""
+    size = layout.page_bytes
+    with _gated_listing(monkeypatch) as (before, listed, after):
+        cfg = config(tmp_path / "disk", backend, 4 * file_bytes(layout), follow_interval_s=3600.0)
+        async with started(DiskTier(cfg, layout, pool)) as tier:
+            checks = LockChecks(tier)
+            await _put_back(tier, checks, tmp_path / "elsewhere", [key_of(i, TAG) for i in range(3)], size)
+            for i in range(4):
+                assert await _write(tier, key_of(i, OTHER), size)
+            await checks.next()  # opens 3a: its listing waits
+            before.set()
+            assert await asyncio.to_thread(listed.wait, 30.0)
+            gone = tmp_path / "gone"
+            os.rename(tier.files.layout_dir / f"{TAG:02x}", gone)
+            await checks.next()
+            then = {name: (gone / name).read_bytes() for name in os.listdir(gone)}
+            after.set()
+            await _settled(tier)
+            assert not any(tier.contains(key_of(i, TAG)) for i in range(3))
+            assert {name: (gone / name).read_bytes() for name in os.listdir(gone)} == then
+            assert _indexed(tier) == _on_disk(tier.files.layout_dir)
+            assert tier.statistics().pages == 4
+    assert_clean(pool)
