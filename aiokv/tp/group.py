@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import logging
 import os
 import secrets
+import socket
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,9 @@ from .wire import (
 
 _STREAM_ID_MAX = 2**64 - 1
 """The last load stream id (a u64 on the wire, ``StreamBegins``)."""
+
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+"""A pidfd of a Unix socket's peer process, as it connected (Linux 6.5; 77 where Python lacks the name)."""
 
 log = logging.getLogger(__name__)
 
@@ -795,9 +801,14 @@ class _RankLink(asyncio.Protocol):
         pidfd; nothing for this process, pid 0, or without pidfds (:attr:`pidfd` stays None)."""
         if self.pidfd is not None or not 0 < self.pid != os.getpid() or not hasattr(os, "pidfd_open"):
             return
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except OSError:
+        pidfd = self._peer_pidfd()
+        if pidfd is None:
+            # The process that connected is gone (its pid may be another's already): whoever
+            # holds its socket now is not the worker that connected. Ended as when it exits later.
+            self.exited = True
+            asyncio.get_running_loop().call_soon(exited, self)
+            return
+        if pidfd < 0:
             return
         try:
             asyncio.get_running_loop().add_reader(pidfd, exited, self)
@@ -805,6 +816,24 @@ class _RankLink(asyncio.Protocol):
             os.close(pidfd)
             return
         self.pidfd = pidfd
+
+    def _peer_pidfd(self) -> int | None:
+        """A pidfd of the process that connected: ``SO_PEERPIDFD`` (Linux 6.5) names that process
+        itself, where ``pidfd_open`` of the pid ``SO_PEERCRED`` gave may open an unrelated process
+        that was given the pid after it exited (review 182: a rank's jobs then waited for that
+        stranger's exit). None: that process is gone; -1: no pidfd to be had."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None and sys.platform == "linux":
+            try:
+                return int(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD))
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    return None
+                # ENOPROTOOPT: a kernel before 6.5; the pid's pidfd then (exact unless it was reused).
+        try:
+            return os.pidfd_open(self.pid)
+        except OSError as exc:
+            return None if exc.errno == errno.ESRCH else -1
 
     def unwatch_process(self) -> None:
         pidfd, self.pidfd = self.pidfd, None
