@@ -419,7 +419,7 @@ def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
     from .statxring import StatxRefused, open_ring  # the io_uring module loads when first used
 
     try:
-        if state.ring is None:
+        if state.ring is None or state.ring.closed:  # closed: a batch ended by an exception (see statxring)
             state.ring = open_ring(FANOUT)
         return dict(zip(fds, state.ring.stat_fds(fds), strict=True))
     except StatxRefused as exc:

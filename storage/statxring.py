@@ -18,9 +18,10 @@ SQEs in ``io_uring_enter`` on the calling thread, and CQ head and tail are align
 (x86-64 TSO, as :mod:`.uring`): elsewhere :func:`open_ring` refuses.
 
 The kernel writes each result into this ring's buffers from its io-wq workers: every batch waits
-for all its completions before it returns, and a ring whose wait failed part-way (a bug: never
-expected) keeps its buffers alive for the life of the process rather than free them under the
-kernel.
+for all its completions before it returns, also when it raises (a signal handler's exception on
+the main thread: the rest is waited for, then it goes on), and a ring whose wait failed part-way
+(a bug: never expected) keeps its buffers alive for the life of the process rather than free them
+under the kernel.
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ class StatxRing:
             if m is not None:
                 m.close()
                 delattr(self, name)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     @property
     def closed(self) -> bool:
@@ -163,22 +164,24 @@ class StatxRing:
         for i, (fd, path) in enumerate(targets):
             uring._SQE.pack_into(sqes, ((tail + i) & mask) * 64, uring.OP_STATX, 0, 0, fd,
                                  self._bufs_addr + i * STATX_SIZE, path, STATX_BASIC_STATS, flags, i, 0, 0, 0, 0, 0)
-        self._sq_tail.value = tail + count  # after the SQEs: the kernel reads them in io_uring_enter
         res = [0] * count
-        done = 0
-        while done < count:
-            to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
-            try:
-                _enter(self._fd, to_submit, count - done)
-            except InterruptedError:
-                pass  # a signal: what completed is drained, the rest waited for again
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EBUSY, errno.EINTR):
-                    continue
-                _ABANDONED.append((self._bufs, self._empty, keep))
-                self.close()
-                raise
-            done += self._drain(res)
+        head = self._cq_head.value  # every earlier completion was reaped: this batch's come after it
+        try:
+            self._sq_tail.value = tail + count  # after the SQEs: the kernel reads them in io_uring_enter
+            done = 0
+            while done < count:
+                to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
+                try:
+                    _enter(self._fd, to_submit, count - done)
+                except InterruptedError:
+                    pass  # a signal: what completed is drained, the rest waited for again
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EBUSY):
+                        raise
+                done += self._drain(res)
+        except BaseException:
+            self._settle(tail, head, keep)
+            raise
         self.batches += 1
         out: list[os.stat_result | OSError] = []
         refused = 0
@@ -193,6 +196,29 @@ class StatxRing:
             self.close()
             raise StatxRefused(refused, "io_uring statx")
         return out
+
+    def _settle(self, tail: int, head: int, keep: object) -> None:
+        """After an exception in the batch whose SQEs start at SQ ``tail`` and completions at CQ
+        ``head`` (a signal handler's on the main thread, a failed wait): wait for what it submitted,
+        so that no buffer is written after it returns and no completion lands in the next batch.
+        Should that fail too, the buffers stay alive for good and the ring is closed."""
+        try:
+            published = (self._sq_tail.value - tail) & 0xFFFFFFFF  # 0 if raised before the store
+            while True:
+                cq_tail = self._cq_tail.value
+                self._cq_head.value = cq_tail  # this batch's: its results are not wanted
+                reaped = (cq_tail - head) & 0xFFFFFFFF
+                if reaped >= published:
+                    return
+                to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
+                try:
+                    _enter(self._fd, to_submit, published - reaped)
+                except InterruptedError:
+                    pass
+        except BaseException:
+            _ABANDONED.append((self._bufs, self._empty, keep))
+            self.close()
+            raise
 
     def _drain(self, res: list[int]) -> int:
         head, tail = self._cq_head.value, self._cq_tail.value
