@@ -164,6 +164,7 @@ class RankGroup:
         # Ranks whose connection ended while they owed reports and whose process still lives (a
         # third party shut the socket down): held until that process exits or says hello again.
         self._orphans: set[_RankLink] = set()
+        self._links_ended = False  # the close ended every connection: later ones end at once
         self._all_attached = asyncio.Event()
         self._on_all_attached = on_all_attached
         self._changed = asyncio.Event()
@@ -239,6 +240,10 @@ class RankGroup:
         self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
         for link in list(self._orphans):
             self._orphan_ended(link)
+        # A connection the listening socket accepted before it closed is made a few loop turns
+        # later (asyncio makes it in a task): made from now on, it is ended at once (it would be
+        # left open, never listed below).
+        self._links_ended = True
         links = list(self._links)
         for link in links:
             if link.transport is not None:
@@ -843,6 +848,10 @@ class _RankLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        if self.group._links_ended:
+            self.state = _LinkState.ENDED
+            self.transport.abort()
+            return
         self.group._links.add(self)
         self.group._accepted += 1
         loop = asyncio.get_running_loop()
