@@ -30,13 +30,12 @@ number the close gave back.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiokv.keys import KEY_BYTES, PageKey
 from aiokv.pool import run_in_new_thread
@@ -461,7 +460,7 @@ class FollowPath(TierBase):
         stale = self._not_in_flight(fd, listing.kept)
         self._temp_removed += len(stale)
         if excess or stale:
-            self._unlink_listed(index, fd, excess, stale)
+            self._unlink_listed(fd, excess, stale)
         # A key being written keeps its state: its file here is replaced if the write stores it,
         # else unlinked when the write ends (:meth:`.writepath.WritePath._end_write`).
         self._listed_under_write.update(key for key in listing.found if key in writing and key not in page_index)
@@ -492,29 +491,10 @@ class FollowPath(TierBase):
                 stale.append(name)
         return stale
 
-    def _unlink_listed(self, index: int, fd: int, keys: list[PageKey], names: list[str]) -> None:
+    def _unlink_listed(self, fd: int, keys: list[PageKey], names: list[str]) -> None:
         """Unlink the files of ``keys`` (never indexed) and ``names`` in fan-out directory ``fd`` on
         a thread, in one task: a new write of one of the keys waits for it, as for any unlink."""
-        job = run_in_new_thread(functools.partial(_unlink_all, fd, [*(bytes.hex(key) for key in keys), *names]),
-                                "aiokv-disk-unlink", _nothing)
-        listing, moving = self._listing.get(index), self._moving
-        for key in keys:
-            moving[key] = job
-        if listing is not None:
-            listing.update(keys)  # another listing in flight may have seen them: not indexed from it
-        job.add_done_callback(functools.partial(_forget_moving, moving, keys))
-        self._spawn(self._unlinked_listed(job))
-
-    async def _unlinked_listed(self, job: asyncio.Future[list[OSError]]) -> None:
-        try:
-            faults = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            await wait_uncancelled(job)  # (the close: the thread uses the tier's descriptor)
-            raise
-        for fault in faults:
-            self._faults.count(fault, "unlink")
-            if fault.errno == errno.EROFS:
-                self._enter_read_only(ReadOnly.FILE_SYSTEM)
+        self._unlink_in_thread([(fd, name) for name in [*(bytes.hex(key) for key in keys), *names]], keys)
 
     def _lose_lock(self) -> None:
         """``.lock`` was replaced and another cache holds the file there now: it writes and evicts
@@ -562,24 +542,3 @@ def _list_in_order(fd: int, index: int, shown: Path, remove: bool, faults: list[
     oldest first (sorted here, not on the loop). Blocking."""
     listing = list_fanout(fd, index, shown, remove, None, faults, keep)
     return listing, [key for _mtime, key in sorted((mtime, key) for key, mtime in listing.found.items())]
-
-
-def _unlink_all(fd: int, names: list[str]) -> list[OSError]:
-    """Unlink ``names`` in directory ``fd`` (never following a symlink); the faults met but
-    ENOENT (each kind once: the rest would be the same). Blocking."""
-    faults: dict[int | None, OSError] = {}
-    for name in names:
-        try:
-            os.unlink(name, dir_fd=fd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            faults.setdefault(exc.errno, exc)
-    return list(faults.values())
-
-
-def _forget_moving(moving: dict[PageKey, asyncio.Future[Any]], keys: list[PageKey],
-                   job: asyncio.Future[list[OSError]]) -> None:
-    for key in keys:
-        if moving.get(key) is job:
-            del moving[key]
