@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import started
+from test_adv_rev175_fanouts import _bytes_of, _fds
 from test_lock_replaced import LockChecks
 
 from aiokv.keys import PageKey
@@ -46,15 +47,6 @@ OTHER = 0x10
 """A fan-out directory left alone."""
 SEEDS = [int(s) for s in os.environ.get("AIOKV_REV181_SEEDS", "1,2").split(",") if s.strip()]
 HEX = re.compile(r"[0-9a-f]{32}")
-
-
-def _bytes_of(key: bytes, size: int) -> bytearray:
-    """The one content of ``key`` (a cache's pages never change under a key)."""
-    return bytearray(random.Random(key).randbytes(size))
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _on_disk(layout_dir: Path) -> set[str]:
