@@ -426,7 +426,7 @@ def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
         state.statx_refused = exc
     except OSError as exc:
         if state.ring is None:
-            return None  # no ring now (EMFILE, ENOMEM...): fstat this time, a ring at the next look
+            return None  # no ring now (EMFILE...): fstat this time, a ring at the next look (ENOMEM: refused)
         state.statx_refused = StatxRefused(exc.errno or 0, f"io_uring_enter failed ({exc})")  # never expected
     state.close_ring()
     return None

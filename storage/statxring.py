@@ -73,6 +73,7 @@ def open_ring(entries: int) -> StatxRing:
     try:
         return StatxRing(entries)
     except OSError as exc:
+        # ENOMEM: the locked-memory limit the ring counts against (older kernels), lasting: refused.
         if exc.errno in REFUSED_ERRNOS or exc.errno == errno.ENOMEM:
             raise StatxRefused(exc.errno or errno.EINVAL, "io_uring setup") from exc
         raise
