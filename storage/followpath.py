@@ -396,6 +396,15 @@ class FollowPath(TierBase):
 
     # -- fan-out directories opened late: listed as a start lists them -------------------------
 
+    def _open_fanout(self, index: int) -> int:
+        """:meth:`TierBase._open_fanout`; with the lock, the directory opened late (put back:
+        moved back, restored; or unreadable at start) is listed and its files indexed as a
+        start's scan would (a follower's looks list what they open)."""
+        fd = super()._open_fanout(index)
+        if self._dir is not None and self._dir.lock_fd is not None:
+            self._list_opened(index, fd)
+        return fd
+
     def _list_opened(self, index: int, fd: int) -> None:
         """Fan-out directory ``index`` was opened late as ``fd`` by the writer: one put back in
         place of a retired one (moved back, a backup restored) or unreadable at start may hold page

@@ -172,16 +172,7 @@ class TierBase(TierEdge):
             raise UnsafeFileError(exc.errno, str(exc)) from None
         self._dir.fanout[index] = fd  # closed with the others (Prepared.close)
         self._fanout_opens += 1
-        if self._dir.lock_fd is not None:
-            # Not made just now: put back (moved back, restored) or unreadable at start; its files
-            # are indexed as a start's scan would (a follower's looks list what they open).
-            self._list_opened(index, fd)
         return fd
-
-    def _list_opened(self, index: int, fd: int) -> None:
-        """List fan-out directory ``index`` opened late as ``fd`` (on a thread) and index its page
-        files: :meth:`.followpath.FollowPath._list_opened`."""
-        raise NotImplementedError
 
     def _fanout_gone(self, index: int) -> bool:
         """After an ENOENT of a write or a read in fan-out directory ``index``: whether the
