@@ -123,8 +123,10 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         # new thread runs, which held the loop for ms on a loaded machine (#11).
         checksums = Checksums(start=False)
         try:
-            prepared = await _prepare_in_thread(functools.partial(_start_then_prepare, checksums, self.files, owned,
-                                                                  self.config.follow_interval_s > 0))
+            # The scan stops once the close begins (the close waits for this start).
+            prepared = await _prepare_in_thread(functools.partial(
+                _start_then_prepare, checksums, self.files, owned, self.config.follow_interval_s > 0,
+                self._closing.is_set))
         except BaseException as exc:
             for fd in owned:  # the thread never ran (it takes the descriptor over when it does)
                 os.close(fd)
@@ -249,6 +251,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     def _begin_close(self) -> asyncio.Task[None]:
         if self._close_task is None:
             self._accepting = False
+            self._closing.set()
             self._io_ended = asyncio.get_running_loop().create_future()
             self._close_task = asyncio.create_task(self._close())
         return self._close_task
@@ -645,10 +648,11 @@ def _duplicate_directory_fd(fd: int) -> int:
         raise ValueError(f"directory_fd {fd} is not an open file descriptor ({exc.strerror})") from None
 
 
-def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int], follow: bool) -> Prepared:
+def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int], follow: bool,
+                        stop: Callable[[], bool]) -> Prepared:
     """In a worker thread: start the checksum threads, then :func:`prepare` the directory (from the
     descriptor in ``owned``, taken over here, or by its path when ``owned`` is empty; ``follow``:
-    keep what a locked directory's scan listed)."""
+    keep what a locked directory's scan listed; ``stop``: the scan ends once it is True)."""
     root_fd = owned.pop() if owned else None
     try:
         checksums.start_threads()
@@ -656,7 +660,7 @@ def _start_then_prepare(checksums: Checksums, files: PageFiles, owned: list[int]
         if root_fd is not None:
             os.close(root_fd)
         raise
-    return prepare(files, root_fd, follow)
+    return prepare(files, root_fd, follow, stop)
 
 
 async def _prepare_in_thread(work: Callable[[], Prepared]) -> Prepared:

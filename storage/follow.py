@@ -456,7 +456,7 @@ def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: 
     if not always and state.stamps[index] == stamp:
         return True
     known = state.entries[index]
-    listing = list_fanout(fd, index, name, remove_temps, known or {}, result.faults)
+    listing = list_fanout(fd, index, name, remove_temps, known or {}, result.faults, None, state.stop.is_set)
     result.temp_removed += listing.temp_removed
     if not listing.complete or not listing.examined:
         state.stamps[index] = None  # nothing from it this time: listed again at the next look

@@ -421,7 +421,7 @@ class FollowPath(TierBase):
         # Temporary and spare files of this tier may be its writes in flight (a directory moved
         # back holds those issued before the move); any other is a leftover, removed as at start.
         work = functools.partial(_list_in_order, fd, index, files.layout_dir / f"{index:02x}", remove, faults,
-                                 lambda name: files.own_temp(name) or self._spares.named(name))
+                                 lambda name: files.own_temp(name) or self._spares.named(name), self._closing.is_set)
         try:
             listed = await self._on_thread(work, "aiokv-disk-list", _nothing, "listing a fan-out directory")
             for fault, what in faults:
@@ -446,8 +446,8 @@ class FollowPath(TierBase):
         prepared = self._dir
         assert prepared is not None
         self._temp_removed += listing.temp_removed
-        self._skipped += listing.skipped + (not listing.complete)
-        if not self._accepting or prepared.fanout[index] != fd or prepared.lock_fd is None:
+        self._skipped += listing.skipped + (not listing.complete and not listing.stopped)
+        if not self._accepting or listing.stopped or prepared.fanout[index] != fd or prepared.lock_fd is None:
             return
         gone = self._listing.get(index, set())
         page_index, writing, moving = self._index, self._writing, self._moving
@@ -546,8 +546,11 @@ def _nothing(_: object) -> None:
 
 
 def _list_in_order(fd: int, index: int, shown: Path, remove: bool, faults: list[tuple[OSError, str]],
-                   keep: Callable[[str], bool]) -> tuple[FanoutListing, list[PageKey]]:
+                   keep: Callable[[str], bool], stop: Callable[[], bool]) -> tuple[FanoutListing, list[PageKey]]:
     """:func:`~.layoutdir.list_fanout` of a fan-out directory opened late, and the keys it found,
-    oldest first (sorted here, not on the loop). Blocking."""
-    listing = list_fanout(fd, index, shown, remove, None, faults, keep)
+    oldest first (sorted here, not on the loop); ``stop`` (the close) ends it at its next batch of
+    entries. Blocking."""
+    listing = list_fanout(fd, index, shown, remove, None, faults, keep, stop)
+    if listing.stopped:
+        return listing, []  # the tier is closing: nothing of it indexed
     return listing, [key for _mtime, key in sorted((mtime, key) for key, mtime in listing.found.items())]

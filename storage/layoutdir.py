@@ -60,6 +60,10 @@ leave the directory's times as the listing saw them."""
 DirStamp = tuple[int, int]
 """A directory's ``(st_mtime_ns, st_ctime_ns)``: an entry made, renamed or removed changes it."""
 
+STOP_EVERY = 64
+"""Entries a listing goes through between two looks at its stop flag (:func:`list_fanout`): a close
+ends the listing of a directory of 100,000 files after these, not after the whole directory."""
+
 INODE_BITS = (1 << 64) - 1
 """The inode number's part of a :func:`file_identity`."""
 
@@ -106,6 +110,9 @@ class FanoutListing:
     """False when the listing failed part-way (its fault is recorded): ``entries`` is a part."""
     examined: bool = True
     """False when an entry could not be examined (EACCES, EIO: recorded): it is not in ``entries``."""
+    stopped: bool = False
+    """True when its stop flag ended it part-way (``complete`` False, nothing recorded): the tier
+    is closing, or the start was cancelled."""
     temp_removed: int = 0
     skipped: int = 0
     kept: list[str] = field(default_factory=list)
@@ -158,6 +165,9 @@ class Prepared:
     retired: list[int] = field(default_factory=list)
     """Fan-out descriptors no longer used (their name leads elsewhere now, or the directory is
     gone), kept open until the close: an operation in flight may still name a file through one."""
+    stopped: bool = False
+    """The scan was stopped part-way (:func:`prepare`'s ``stop``): what it holds is a part, never
+    served (the tier is closing)."""
 
     def close(self) -> None:
         for fd in (*self.fanout, *self.retired, self.lock_fd, self.dir_fd):
@@ -169,14 +179,17 @@ class Prepared:
         self.dir_fd = -1
 
 
-def prepare(files: PageFiles, root_fd: int | None = None, follow: bool = False) -> Prepared:
+def prepare(files: PageFiles, root_fd: int | None = None, follow: bool = False,
+            stop: Callable[[], bool] | None = None) -> Prepared:
     """Check (and create) the directories, take the lock, probe, scan. Blocking: run in a thread.
 
     ``root_fd``: a descriptor of ``files.root`` that the caller opened and checked (then the root
     is never opened by its path: a name swapped meanwhile cannot redirect anything); ``prepare``
     takes it over and closes it. None: the root is created (0700) and opened by its path.
     ``follow``: when another cache holds the directory, keep what the scan listed
-    (:attr:`Prepared.seed`) for the looks that follow it.
+    (:attr:`Prepared.seed`) for the looks that follow it. ``stop``: asked between fan-out
+    directories and every :data:`STOP_EVERY` entries; once True the scan ends there
+    (:attr:`Prepared.stopped`: a part, for the caller to close, not to serve).
 
     Raises :class:`UnsafeDirectoryError` for a directory that is not safely ours, ``OSError`` when
     the layout directory neither exists nor can be created."""
@@ -189,13 +202,13 @@ def prepare(files: PageFiles, root_fd: int | None = None, follow: bool = False) 
     finally:
         os.close(root_fd)
     try:
-        return _prepare_layout(dir_fd, files.layout_dir, follow)
+        return _prepare_layout(dir_fd, files.layout_dir, follow, stop)
     except BaseException:
         os.close(dir_fd)
         raise
 
 
-def _prepare_layout(dir_fd: int, shown: Path, follow: bool) -> Prepared:
+def _prepare_layout(dir_fd: int, shown: Path, follow: bool, stop: Callable[[], bool] | None) -> Prepared:
     faults: list[tuple[OSError, str]] = []
     lock_fd, read_only = _take_lock(dir_fd, shown, faults)
     try:
@@ -213,7 +226,9 @@ def _prepare_layout(dir_fd: int, shown: Path, follow: bool) -> Prepared:
         raise
     try:
         for i in range(FANOUT):
-            _scan_fanout(state, i, shown)
+            if (stop is not None and stop()) or not _scan_fanout(state, i, shown, stop):
+                state.stopped = True
+                return state  # closing: neither sorted nor probed
         state.found.sort()
         state.direct = _probe_direct(state)
         return state
@@ -356,9 +371,9 @@ def _refuse_planted(exc: OSError, name: Path) -> None:
                                    f"{name.parent}") from None
 
 
-def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
+def _scan_fanout(state: Prepared, index: int, layout_dir: Path, stop: Callable[[], bool] | None) -> bool:
     """Index one fan-out directory and keep its descriptor; what cannot be read is skipped and
-    recorded, never fatal."""
+    recorded, never fatal. False when ``stop`` ended the listing (nothing of it kept)."""
     name = f"{index:02x}"
     shown = layout_dir / name
     try:
@@ -366,32 +381,37 @@ def _scan_fanout(state: Prepared, index: int, layout_dir: Path) -> None:
     except UnsafeDirectoryError:
         raise
     except FileNotFoundError:
-        return  # never created (a read-only start): nothing there
+        return True  # never created (a read-only start): nothing there
     except OSError as exc:
         state.skipped += 1
         state.faults.append((exc, f"opening {shown}"))
-        return
+        return True
     seed = state.seed
     try:
         stamp = dir_stamp(os.fstat(fd)) if seed is not None else None  # before the listing
-        listing = list_fanout(fd, index, shown, state.read_only is None, None, state.faults)
+        listing = list_fanout(fd, index, shown, state.read_only is None, None, state.faults, None, stop)
     except BaseException:
         os.close(fd)
         raise
+    if listing.stopped:
+        os.close(fd)
+        return False
     state.found += [(mtime, key) for key, mtime in listing.found.items()]
     state.temp_removed += listing.temp_removed
     state.skipped += listing.skipped
     if not listing.complete:
         state.skipped += 1
         os.close(fd)  # unreadable: opened again (checked) when an operation needs it (DiskTier._where)
-        return
+        return True
     if seed is not None:
         seed.entries[index], seed.stamps[index] = listing.entries, stamp
     state.fanout[index] = fd
+    return True
 
 
 def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dict[PageKey, int] | None,
-                faults: list[tuple[OSError, str]], keep: Callable[[str], bool] | None = None) -> FanoutListing:
+                faults: list[tuple[OSError, str]], keep: Callable[[str], bool] | None = None,
+                stop: Callable[[], bool] | None = None) -> FanoutListing:
     """List the fan-out directory ``fd`` (number ``index``, shown as ``shown``): page files are
     regular files of ours named by a key whose first byte is ``index`` (a key named in another
     directory, moved there with its directory, is never read there: not indexed); anything else
@@ -402,13 +422,19 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
     in ``kept``). ``known``: the
     identities a previous listing found (see :attr:`FanoutListing.entries`): an entry with the
     same name and inode number is neither examined again nor reported in ``found``. A failure part-way
-    (getdents: EIO) is recorded and ends the listing (``complete`` False). Blocking."""
+    (getdents: EIO) is recorded and ends the listing (``complete`` False). ``stop`` is asked every
+    :data:`STOP_EVERY` entries: True ends the listing there (``stopped``; nothing recorded), so a
+    close waits for one batch of a large or slow directory, not for all of it. Blocking."""
     listing = FanoutListing()
     entries, found = listing.entries, listing.found
     euid = os.geteuid()
     try:
         with os.scandir(fd) as scan:
-            for entry in scan:  # getdents may fail midway: the entries listed so far stay
+            for count, entry in enumerate(scan, 1):  # getdents may fail midway: the entries listed so far stay
+                if stop is not None and not count % STOP_EVERY and stop():
+                    listing.complete = False
+                    listing.stopped = True
+                    break
                 name = entry.name
                 if name.startswith((TEMP_PREFIX, SPARE_PREFIX)):
                     if remove_temps:

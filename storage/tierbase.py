@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -91,6 +92,9 @@ class TierBase(TierEdge):
         self._queue: WriteBehind | None = None
         self._accepting = False
         self._close_task: asyncio.Task[None] | None = None
+        # Set as the close begins: listings on threads (the start's, a fan-out directory's opened
+        # late) end at their next batch of entries rather than after the whole directory.
+        self._closing = threading.Event()
         self._starting: asyncio.Future[None] | None = None  # DiskTier.start in flight, or ended
         self._io_ended: asyncio.Future[None] | None = None  # see DiskTier.io_ended
         self._stuck = False  # DiskTier.close_within gave up waiting: queued pages are dropped
