@@ -300,3 +300,7 @@ class DiskStatistics:
     lock_lost: int = 0
     """Times this tier, writing, found ``.lock`` replaced and held by another cache: it stopped
     writing and evicting and follows that cache (``read_only`` ``LOCKED``)."""
+    listings_failed: int = 0
+    """Listings of a fan-out directory opened late (put back, or unreadable at start) that failed
+    part-way or could not examine an entry (faults in ``errors``): each such directory is listed
+    again at a later periodic check (``follow_interval_s``) until a listing completes."""

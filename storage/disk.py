@@ -579,6 +579,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             follow_raced=self._follow_raced,
             lock_retaken=self._lock_retaken,
             lock_lost=self._lock_lost,
+            listings_failed=self._listings_failed,
         )
 
     def spare_statistics(self) -> SpareStatistics:

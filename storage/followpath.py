@@ -57,6 +57,10 @@ APPLY_PER_TURN = 4096
 """Index changes a look's result makes per loop turn (a directory of a million pages changes by at
 most this much between two turns)."""
 
+RELIST_DOUBLINGS = 6
+"""A fan-out directory whose late listing keeps failing is listed again after 1, 2, 4, ... and at
+most 2 ** this periodic checks (a directory that fails for good is not listed at every check)."""
+
 
 class FollowPath(TierBase):
     """Following a locked directory (see the module docstring); :class:`~.disk.DiskTier` starts it."""
@@ -359,6 +363,7 @@ class FollowPath(TierBase):
             self._apply_fanout_check(found.fanouts)
         if not self._watching():
             return  # closing: the close lets the lock go
+        self._relist_due()
         assert prepared.lock_fd is not None
         if found.state is LockState.RETAKEN:
             assert found.fd is not None
@@ -426,7 +431,9 @@ class FollowPath(TierBase):
             listed = await self._on_thread(work, "aiokv-disk-list", _nothing, "listing a fan-out directory")
             for fault, what in faults:
                 self._faults.count(fault, what)
-            if listed is not None:
+            if listed is None:
+                self._listing_failed(index, fd)  # it raised (counted): listed again later
+            else:
                 self._index_listed(index, fd, *listed)
         finally:
             left = self._listings.pop(index) - 1
@@ -449,6 +456,13 @@ class FollowPath(TierBase):
         self._skipped += listing.skipped + (not listing.complete and not listing.stopped)
         if not self._accepting or listing.stopped or prepared.fanout[index] != fd or prepared.lock_fd is None:
             return
+        if listing.complete and listing.examined:
+            self._relist.pop(index, None)
+        else:
+            # What it listed is indexed below; the rest (after an EIO, an ENOMEM, an entry that
+            # could not be examined) is listed again at a later check, else it stayed on disk
+            # outside the index and the budget until a restart.
+            self._listing_failed(index, fd)
         gone = self._listing.get(index, set())
         page_index, writing, moving = self._index, self._writing, self._moving
         fresh = [key for key in order if key not in page_index and key not in writing and key not in moving]
@@ -478,6 +492,33 @@ class FollowPath(TierBase):
         if indexed:
             log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
                         "used", self.files.layout_dir / f"{index:02x}", len(indexed))
+
+    def _listing_failed(self, index: int, fd: int) -> None:
+        """The late listing of fan-out directory ``index`` (descriptor ``fd``, still in use) failed
+        part-way: counted, and listed again by :meth:`_relist_due` after 1, 2, 4, ... periodic
+        checks (at most ``2 ** RELIST_DOUBLINGS``)."""
+        prepared = self._dir
+        if not self._accepting or prepared is None or prepared.fanout[index] != fd or prepared.lock_fd is None:
+            return  # closing, retired meanwhile (a new open lists it), or no longer writing
+        self._listings_failed += 1
+        before = self._relist.get(index)
+        failures = before[1] + 1 if before is not None and before[0] == fd else 1
+        self._relist[index] = (fd, failures, (1 << min(failures - 1, RELIST_DOUBLINGS)) - 1)
+
+    def _relist_due(self) -> None:
+        """At the writer's periodic check: list again the fan-out directories whose late listing
+        failed and whose wait is over (:meth:`_listing_failed`)."""
+        prepared = self._dir
+        assert prepared is not None
+        for index, (fd, failures, wait) in list(self._relist.items()):
+            if prepared.fanout[index] != fd:
+                del self._relist[index]  # retired since: the name's next open lists it
+            elif index in self._listings:
+                continue  # a listing in flight
+            elif wait:
+                self._relist[index] = (fd, failures, wait - 1)
+            else:
+                self._list_opened(index, fd)
 
     def _not_in_flight(self, fd: int, names: list[str]) -> list[str]:
         """Of this tier's temporary and spare ``names`` in fan-out directory ``fd``, those no write
@@ -514,6 +555,7 @@ class FollowPath(TierBase):
         os.close(prepared.lock_fd)
         prepared.lock_fd = None
         self._lock_lost += 1
+        self._relist.clear()  # the looks list what they need: a take-over scans every directory
         # Spare files are this tier's own (in nobody's index): unlinked while it still may.
         self._remove_spares(self._spares.drain())
         self._read_only = ReadOnly.LOCKED

@@ -137,6 +137,10 @@ class TierBase(TierEdge):
         # whose file was unlinked or deleted meanwhile (never indexed from that listing).
         self._listing: dict[int, set[PageKey]] = {}
         self._listings: dict[int, int] = {}  # listings in flight per fan-out directory
+        # Fan-out directories whose late listing failed part-way -> (descriptor, failures, periodic
+        # checks to let pass before the next listing): listed again until one completes.
+        self._relist: dict[int, tuple[int, int, int]] = {}
+        self._listings_failed = 0
         # Keys such a listing found a file of while a write of theirs was in flight (left to it):
         # a write that ends unstored unlinks that file (else on disk, outside the index and budget).
         self._listed_under_write: set[PageKey] = set()
