@@ -491,17 +491,21 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     # -- delete ---------------------------------------------------------------------------------
 
     async def delete(self, key: PageKey) -> None:
-        """Remove ``key``'s page file (a write in flight for it is discarded when it lands)."""
+        """Remove ``key``'s page file (a write in flight for it is discarded when it lands). A file
+        of the key in a fan-out directory not listed whole (away, or its listing failed part-way)
+        is never served once that directory is listed (:meth:`_delete_unlisted`)."""
         key = exact_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
         listing = self._listing.get(key[0])
         if listing is not None:
             listing.add(key)  # a fan-out directory being listed: the file it finds is not indexed
-        if key in self._index and self._io is not None:
-            unlink = self._drop(key)
-            if unlink is not None:
-                await asyncio.shield(unlink)
+        if self._io is None:
+            return
+        unlink = self._drop(key) if key in self._index else (
+            None if key in self._writing else self._delete_unlisted(key))
+        if unlink is not None:
+            await asyncio.shield(unlink)
 
     # -- write-behind ---------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -56,6 +57,10 @@ T = TypeVar("T")
 APPLY_PER_TURN = 4096
 """Index changes a look's result makes per loop turn (a directory of a million pages changes by at
 most this much between two turns)."""
+
+DELETED_KEPT = 65536
+"""Keys deleted while their fan-out directory was away that the tier remembers (the oldest
+forgotten beyond: a file of such a key put back later is indexed as any other)."""
 
 RELIST_DOUBLINGS = 6
 """A fan-out directory whose late listing keeps failing is listed again after 1, 2, 4, ... and at
@@ -466,6 +471,12 @@ class FollowPath(TierBase):
         gone = self._listing.get(index, set())
         page_index, writing, moving = self._index, self._writing, self._moving
         fresh = [key for key in order if key not in page_index and key not in writing and key not in moving]
+        deleted = self._deleted_away
+        if deleted:
+            # Deleted by the caller while the directory was away: a file no newer than the delete
+            # is the one deleted (served, it would be a page the caller invalidated).
+            found = listing.found
+            gone = gone | {key for key in fresh if deleted.get(key, -1) >= found[key]}
         indexed = [key for key in fresh if key not in gone]
         excess: list[PageKey] = []
         if self._read_only is None:
@@ -492,6 +503,29 @@ class FollowPath(TierBase):
         if indexed:
             log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
                         "used", self.files.layout_dir / f"{index:02x}", len(indexed))
+
+    def _delete_unlisted(self, key: PageKey) -> asyncio.Task[None] | None:
+        """:meth:`~.disk.DiskTier.delete` of a key not indexed, not being written: its file may
+        lie where no listing has indexed it yet. In a fan-out directory without a descriptor (moved
+        away and retired, replaced, unreadable at start), one that may come back with it: the
+        delete is remembered (at most :data:`DELETED_KEPT` keys), and the listing of the directory
+        put back unlinks a file of the key no newer than the delete. In one whose late listing
+        failed part-way (listed again later): the same, and the name is unlinked now. Nothing while
+        the tier does not write (it deletes nothing)."""
+        prepared = self._dir
+        if prepared is None or prepared.lock_fd is None or self._read_only is not None:
+            return None
+        index = key[0]
+        fd = prepared.fanout[index]
+        if fd >= 0 and index not in self._relist:
+            return None  # listed whole: no file of the key outside the index
+        deleted = self._deleted_away
+        deleted.pop(key, None)  # most recent last: the oldest is forgotten first
+        deleted[key] = time.time_ns()  # file times come from the same clock, at most as late
+        if len(deleted) > DELETED_KEPT:
+            del deleted[next(iter(deleted))]
+        # Listed in part: unlinked now too (its name may lie where the listing failed: EIO again).
+        return self._unlink_later(key) if fd >= 0 else None
 
     def _listing_failed(self, index: int, fd: int) -> None:
         """The late listing of fan-out directory ``index`` (descriptor ``fd``, still in use) failed

@@ -141,6 +141,10 @@ class TierBase(TierEdge):
         # checks to let pass before the next listing): listed again until one completes.
         self._relist: dict[int, tuple[int, int, int]] = {}
         self._listings_failed = 0
+        # Keys the caller deleted while their fan-out directory had no descriptor (retired: moved
+        # away, replaced; unreadable at start) -> the time of the delete (ns): a file of theirs no
+        # newer that comes back with the directory is unlinked, not indexed (:mod:`.followpath`).
+        self._deleted_away: dict[PageKey, int] = {}
         # Keys such a listing found a file of while a write of theirs was in flight (left to it):
         # a write that ends unstored unlinks that file (else on disk, outside the index and budget).
         self._listed_under_write: set[PageKey] = set()
