@@ -21,14 +21,14 @@ The kernel writes each result into this ring's buffers from its io-wq workers: e
 for all its completions before it returns, also when it raises (a signal handler's exception on
 the main thread: the rest is waited for, then it goes on), and a ring whose wait failed part-way
 (a bug: never expected) keeps its buffers alive for the life of the process rather than free them
-under the kernel.
+under the kernel. So a ring may be dropped without :meth:`StatxRing.close`: its descriptor and maps
+(:class:`.uring.RingMaps`, shared with the engine's ring) are released when it is collected.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import platform
 import struct
@@ -80,58 +80,32 @@ def open_ring(entries: int) -> StatxRing:
 
 
 class StatxRing:
-    """One io_uring for ``statx`` batches, used by one thread at a time; :meth:`close` it."""
+    """One io_uring for ``statx`` batches, used by one thread at a time; :meth:`close` it (or drop
+    it: its descriptor and maps go when it is collected)."""
 
     def __init__(self, entries: int) -> None:
         params = uring._Params()
         params.flags = uring.IORING_SETUP_CLAMP
-        self._fd = uring.io_uring_setup(entries, params)
+        # Its descriptor and maps, released by close() or, dropped unclosed, by its finalizer: the
+        # ring is dropped between batches only (each waits for its own), or abandoned.
+        self._rings = uring.RingMaps(entries, params)
+        self._fd = self._rings.fd
         try:
-            self._map(params)
-        except BaseException:
+            self.entries = self._rings.sq_entries
+            self._bufs = ctypes.create_string_buffer(STATX_SIZE * self.entries)
+            self._bufs_addr = ctypes.addressof(self._bufs)
+            self._empty = ctypes.create_string_buffer(b"")
+            self._empty_addr = ctypes.addressof(self._empty)
+        except BaseException:  # (no memory for the buffers): nothing was submitted
             self.close()
             raise
-        self._bufs = ctypes.create_string_buffer(STATX_SIZE * self.entries)
-        self._bufs_addr = ctypes.addressof(self._bufs)
-        self._empty = ctypes.create_string_buffer(b"")
-        self._empty_addr = ctypes.addressof(self._empty)
         self.batches = 0
         """Batches waited for (one ``io_uring_enter`` each, more only after a signal)."""
 
-    def _map(self, p: uring._Params) -> None:
-        self.entries = p.sq_entries
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        self._sq = mmap.mmap(self._fd, p.sq_off.array + p.sq_entries * 4, flags, prot,
-                             offset=uring.IORING_OFF_SQ_RING)
-        self._cq = mmap.mmap(self._fd, p.cq_off.cqes + p.cq_entries * 16, flags, prot,
-                             offset=uring.IORING_OFF_CQ_RING)
-        self._sqes = mmap.mmap(self._fd, p.sq_entries * 64, flags, prot, offset=uring.IORING_OFF_SQES)
-        self._sq_tail = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.tail)
-        self._sq_head = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.head)
-        self._sq_mask = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.ring_mask).value
-        self._cq_head = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.head)
-        self._cq_tail = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.tail)
-        self._cq_mask = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.ring_mask).value
-        self._cqes_off = p.cq_off.cqes
-        array = (ctypes.c_uint32 * p.sq_entries).from_buffer(self._sq, p.sq_off.array)
-        for i in range(p.sq_entries):
-            array[i] = i  # slot i of the ring is SQE i
-        del array
-
     def close(self) -> None:
         """Unmap and close the ring (idempotent). No batch is in flight: each waits for its own."""
-        for name in ("_sq_tail", "_sq_head", "_cq_head", "_cq_tail"):
-            if hasattr(self, name):
-                delattr(self, name)  # the ctypes views export the maps: dropped first
-        for name in ("_sq", "_cq", "_sqes"):
-            m = getattr(self, name, None)
-            if m is not None:
-                m.close()
-                delattr(self, name)
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._fd = -1
+        self._rings.close()
 
     @property
     def closed(self) -> bool:
@@ -161,17 +135,18 @@ class StatxRing:
 
     def _batch(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
         count = len(targets)
-        sqes, tail, mask = self._sqes, self._sq_tail.value, self._sq_mask
+        rings = self._rings  # (no view of it kept: see uring.RingMaps)
+        sqes, tail, mask = rings.sqes, rings.sq_tail.value, rings.sq_mask
         for i, (fd, path) in enumerate(targets):
             uring._SQE.pack_into(sqes, ((tail + i) & mask) * 64, uring.OP_STATX, 0, 0, fd,
                                  self._bufs_addr + i * STATX_SIZE, path, STATX_BASIC_STATS, flags, i, 0, 0, 0, 0, 0)
         res = [0] * count
-        head = self._cq_head.value  # every earlier completion was reaped: this batch's come after it
+        head = rings.cq_head.value  # every earlier completion was reaped: this batch's come after it
         try:
-            self._sq_tail.value = tail + count  # after the SQEs: the kernel reads them in io_uring_enter
+            rings.sq_tail.value = tail + count  # after the SQEs: the kernel reads them in io_uring_enter
             done = 0
             while done < count:
-                to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
+                to_submit = (rings.sq_tail.value - rings.sq_head.value) & 0xFFFFFFFF
                 try:
                     _enter(self._fd, to_submit, count - done)
                 except InterruptedError:
@@ -203,15 +178,16 @@ class StatxRing:
         ``head`` (a signal handler's on the main thread, a failed wait): wait for what it submitted,
         so that no buffer is written after it returns and no completion lands in the next batch.
         Should that fail too, the buffers stay alive for good and the ring is closed."""
+        rings = self._rings
         try:
-            published = (self._sq_tail.value - tail) & 0xFFFFFFFF  # 0 if raised before the store
+            published = (rings.sq_tail.value - tail) & 0xFFFFFFFF  # 0 if raised before the store
             while True:
-                cq_tail = self._cq_tail.value
-                self._cq_head.value = cq_tail  # this batch's: its results are not wanted
+                cq_tail = rings.cq_tail.value
+                rings.cq_head.value = cq_tail  # this batch's: its results are not wanted
                 reaped = (cq_tail - head) & 0xFFFFFFFF
                 if reaped >= published:
                     return
-                to_submit = (self._sq_tail.value - self._sq_head.value) & 0xFFFFFFFF
+                to_submit = (rings.sq_tail.value - rings.sq_head.value) & 0xFFFFFFFF
                 try:
                     _enter(self._fd, to_submit, published - reaped)
                 except InterruptedError:
@@ -222,14 +198,15 @@ class StatxRing:
             raise
 
     def _drain(self, res: list[int]) -> int:
-        head, tail = self._cq_head.value, self._cq_tail.value
+        rings = self._rings
+        head, tail = rings.cq_head.value, rings.cq_tail.value
         taken = 0
         while head != tail:
-            user_data, result, _flags = uring._CQE.unpack_from(self._cq, self._cqes_off + (head & self._cq_mask) * 16)
+            user_data, result, _flags = uring._CQE.unpack_from(rings.cq, rings.cqes_off + (head & rings.cq_mask) * 16)
             res[user_data] = result
             head = (head + 1) & 0xFFFFFFFF
             taken += 1
-        self._cq_head.value = head  # after reading the CQEs: the kernel may reuse their slots then
+        rings.cq_head.value = head  # after reading the CQEs: the kernel may reuse their slots then
         return taken
 
 

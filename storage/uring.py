@@ -37,6 +37,7 @@ import struct
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +168,88 @@ def io_uring_enter(fd: int, to_submit: int) -> int:
 def io_uring_register(fd: int, opcode: int, arg: ctypes.c_void_p | None, nr: int) -> int:
     """``io_uring_register``; raises ``OSError`` (ENOMEM when memlock is too small for buffers)."""
     return _check(_libc.syscall(SYS_IO_URING_REGISTER, fd, ctypes.c_uint(opcode), arg, ctypes.c_uint(nr)))
+
+
+_U32S = struct.Struct("<I")
+
+
+def _close_cell(cell: list[int]) -> None:
+    fd, cell[0] = cell[0], -1
+    if fd >= 0:
+        os.close(fd)
+
+
+class RingMaps:
+    """One io_uring made with ``io_uring_setup`` (``params``: its flags in, filled in by the kernel)
+    and its three shared maps: the SQ ring, the CQ ring and the SQEs (``IORING_OFF_*``), with the
+    ctypes views of the head and tail words, which the rings' users read and store (x86-64 TSO:
+    see the module's note on ordering). The SQ index array is the identity (slot i is SQE i).
+
+    The views export the maps, so :meth:`close` drops them before unmapping: a user keeps no view
+    of its own (it reads ``maps.sq_tail`` and co.; the maps themselves and the plain values it may
+    keep). It owns the descriptor: :meth:`close` closes it, so does a failed setup, and so does a
+    finalizer when it is dropped unclosed (the maps then go with it). What the kernel may still
+    write (the users' buffers) is no business of it: a user closes it, or drops it, only with no
+    request in flight, or keeps those buffers for good. Raises ``OSError`` (the setup's, a map's)."""
+
+    sq: mmap.mmap
+    cq: mmap.mmap
+    sqes: mmap.mmap
+    sq_tail: ctypes.c_uint32
+    sq_head: ctypes.c_uint32
+    cq_head: ctypes.c_uint32
+    cq_tail: ctypes.c_uint32
+
+    def __init__(self, entries: int, params: _Params) -> None:
+        # The finalizer is made first and the descriptor stored into its cell in the statement of
+        # the setup: a signal handler's exception raised after it (Python runs handlers as calls
+        # return) finds it owned. Not one raised as ``io_uring_setup`` itself returns: that one
+        # leaks the descriptor (a window as long as the system call, ~0.1 ms for 256 entries).
+        cell = [-1]
+        self._close_fd = weakref.finalize(self, _close_cell, cell)
+        self._close_fd.atexit = False  # the process's exit closes it
+        try:
+            cell[0] = self.fd = io_uring_setup(entries, params)
+            self._map(params)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, p: _Params) -> None:
+        self.sq_entries = p.sq_entries
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self.sq = mmap.mmap(self.fd, p.sq_off.array + p.sq_entries * 4, flags, prot, offset=IORING_OFF_SQ_RING)
+        self.cq = mmap.mmap(self.fd, p.cq_off.cqes + p.cq_entries * 16, flags, prot, offset=IORING_OFF_CQ_RING)
+        self.sqes = mmap.mmap(self.fd, p.sq_entries * 64, flags, prot, offset=IORING_OFF_SQES)
+        # Read and written without a ctypes view: one that a traceback keeps (an exception raised
+        # here, a signal handler's) would keep exporting the map, and its close would fail.
+        (self.sq_mask,) = _U32S.unpack_from(self.sq, p.sq_off.ring_mask)
+        (self.cq_mask,) = _U32S.unpack_from(self.cq, p.cq_off.ring_mask)
+        self.cqes_off = p.cq_off.cqes
+        struct.pack_into(f"<{p.sq_entries}I", self.sq, p.sq_off.array, *range(p.sq_entries))
+        self.sq_tail = ctypes.c_uint32.from_buffer(self.sq, p.sq_off.tail)
+        self.sq_head = ctypes.c_uint32.from_buffer(self.sq, p.sq_off.head)
+        self.cq_head = ctypes.c_uint32.from_buffer(self.cq, p.cq_off.head)
+        self.cq_tail = ctypes.c_uint32.from_buffer(self.cq, p.cq_off.tail)
+
+    @property
+    def closed(self) -> bool:
+        return not self._close_fd.alive
+
+    def close(self) -> None:
+        """Drop the views, unmap and close the descriptor (idempotent). The descriptor is closed
+        even if an unmapping fails (a map the kernel keeps until it is unmapped)."""
+        try:
+            for name in ("sq_tail", "sq_head", "cq_head", "cq_tail"):
+                if hasattr(self, name):
+                    delattr(self, name)  # the views export the maps: dropped first
+            for name in ("sq", "cq", "sqes"):
+                m = getattr(self, name, None)
+                if m is not None:
+                    m.close()
+        finally:
+            self._close_fd()
 
 
 class _RsrcRegister(ctypes.Structure):
@@ -329,23 +412,10 @@ class UringEngine:
         self._wake_lock = threading.Lock()
         self._wakeable = False  # see wake_threadsafe
         self._announced = False  # a thread woke the loop for on_wake since it last ran
-        self._fd = io_uring_setup(entries, params)
-        self._efd = -1
-        try:
-            self._map_rings(params)
-            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            efd = ctypes.c_int32(self._efd)
-            efd_ptr = ctypes.cast(ctypes.byref(efd), ctypes.c_void_p)
-            io_uring_register(self._fd, IORING_REGISTER_EVENTFD, efd_ptr, 1)
-        except BaseException:
-            self._unmap()
-            raise
         self._next_id = 1
         # One entry per request (not per op): an op's user_data is its request's id shifted left by
         # ``_index_bits``, plus the op's index in the chain.
         self._inflight: dict[int, _Request] = {}
-        self._index_bits = max(1, self.sq_entries.bit_length())
-        self._index_mask = (1 << self._index_bits) - 1
         self._ops_inflight = 0  # SQEs prepared or submitted whose CQE may still come
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prepared = 0  # SQEs written to the ring but not yet taken by the kernel
@@ -367,47 +437,47 @@ class UringEngine:
         self.fault_hook: FaultHook | None = None
         self.submits = 0
         self.submit_max_s = 0.0
-        self.skip_success = bool(params.features & IORING_FEAT_CQE_SKIP)
-        """The kernel can leave out the CQEs of linked ops that succeed (5.17): see :meth:`submit`."""
         self.on_wake: Callable[[float], None] | None = None
         """Runs on the loop after each wake-up's completion drain, with the drain's deadline
         (``time.perf_counter()``): what other threads announced with :meth:`wake_threadsafe`
         (the checksum threads' results). Should not raise (a bug: logged)."""
         self._drain_deadline = 0.0
+        self._rings = RingMaps(entries, params)
+        self._fd = self._rings.fd
+        self._efd = -1
         try:
+            self._map_rings()
+            self._index_bits = max(1, self.sq_entries.bit_length())
+            self._index_mask = (1 << self._index_bits) - 1
+            self.skip_success = bool(params.features & IORING_FEAT_CQE_SKIP)
+            """The kernel can leave out the CQEs of linked ops that succeed (5.17): see :meth:`submit`."""
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            efd = ctypes.c_int32(self._efd)
+            efd_ptr = ctypes.cast(ctypes.byref(efd), ctypes.c_void_p)
+            io_uring_register(self._fd, IORING_REGISTER_EVENTFD, efd_ptr, 1)
             loop.add_reader(self._efd, self._on_eventfd)
-        except BaseException:  # (a closed loop): the ring, its maps and the eventfd must not leak
-            self._unmap()
+            self._wakeable = True
+        except BaseException:
+            # (a closed loop, a signal handler's exception): the ring, its maps and the eventfd
+            # must not leak, nor the loop watch the eventfd of an engine that was never made.
+            try:
+                if self._efd >= 0:
+                    loop.remove_reader(self._efd)
+            finally:
+                self._unmap()
             raise
-        self._wakeable = True
 
     @classmethod
     def open(cls, entries: int) -> UringEngine:
         """A ring of at least ``entries`` SQEs on the running loop; raises ``OSError`` if refused."""
         return cls(asyncio.get_running_loop(), entries)
 
-    def _map_rings(self, p: _Params) -> None:
-        self.sq_entries = p.sq_entries
-        sq_size = p.sq_off.array + p.sq_entries * 4
-        cq_size = p.cq_off.cqes + p.cq_entries * 16
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        self._sq = mmap.mmap(self._fd, sq_size, flags, prot, offset=IORING_OFF_SQ_RING)
-        self._cq = mmap.mmap(self._fd, cq_size, flags, prot, offset=IORING_OFF_CQ_RING)
-        self._sqes = mmap.mmap(self._fd, p.sq_entries * 64, flags, prot, offset=IORING_OFF_SQES)
-        self._sq_tail = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.tail)
-        self._sq_head = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.head)
-        self._sq_mask = ctypes.c_uint32.from_buffer(self._sq, p.sq_off.ring_mask).value
-        self._cq_head = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.head)
-        self._cq_tail = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.tail)
-        self._cq_mask = ctypes.c_uint32.from_buffer(self._cq, p.cq_off.ring_mask).value
-        self._cqes_off = p.cq_off.cqes
-        # Identity SQ index array: slot i of the ring is SQE i.
-        array = (ctypes.c_uint32 * p.sq_entries).from_buffer(self._sq, p.sq_off.array)
-        for i in range(p.sq_entries):
-            array[i] = i
-        del array
-        self._tail = self._sq_tail.value
+    def _map_rings(self) -> None:
+        rings = self._rings  # its views are read through it (see RingMaps)
+        self.sq_entries = rings.sq_entries
+        self._cq, self._sqes = rings.cq, rings.sqes
+        self._sq_mask, self._cq_mask, self._cqes_off = rings.sq_mask, rings.cq_mask, rings.cqes_off
+        self._tail = rings.sq_tail.value
 
     def wake_threadsafe(self) -> bool:
         """From any thread: wake the loop through the ring's eventfd, so that :attr:`on_wake` runs
@@ -424,17 +494,12 @@ class UringEngine:
     def _unmap(self) -> None:
         with self._wake_lock:
             self._wakeable = False
-        for name in ("_sq_tail", "_sq_head", "_cq_head", "_cq_tail"):
-            if hasattr(self, name):
-                delattr(self, name)  # drop ctypes views first: they export the mmaps
-        for name in ("_sq", "_cq", "_sqes"):
-            m = getattr(self, name, None)
-            if m is not None:
-                m.close()
-        if self._efd >= 0:
-            os.close(self._efd)
-            self._efd = -1
-        os.close(self._fd)
+        try:
+            self._rings.close()
+        finally:
+            if self._efd >= 0:
+                os.close(self._efd)
+                self._efd = -1
 
     # -- registered buffers ---------------------------------------------------------------------
 
@@ -679,7 +744,7 @@ class UringEngine:
         hung), and one before the call, or at this method's entry, left the prepared SQEs
         waiting for an unrelated submission."""
         try:
-            self._sq_tail.value = self._tail
+            self._rings.sq_tail.value = self._tail
             # Whole chains only (a split chain would lose its links), about SUBMIT_BATCH SQEs per call:
             # the kernel issues direct I/O inline, so one huge submit would stall the loop.
             chains = self._chains
@@ -706,7 +771,7 @@ class UringEngine:
             # kernel for ms): the SQ head says what the kernel took and we did not account yet
             # (0 when the interrupt came before the call, or after the accounting above). The
             # callers ask for a submission of the rest (:meth:`_submit_later`).
-            taken = (self._sq_head.value - (self._tail - self._prepared)) & 0xFFFFFFFF
+            taken = (self._rings.sq_head.value - (self._tail - self._prepared)) & 0xFFFFFFFF
             if taken:
                 self._took(taken)
             raise
@@ -738,7 +803,7 @@ class UringEngine:
     def _fail_prepared(self, exc: OSError) -> None:
         # Unreachable in practice (EBADF/EFAULT on a broken ring): fail the requests nobody took.
         log.error("io_uring_enter failed: %s", exc)
-        consumed = self._sq_head.value
+        consumed = self._rings.sq_head.value
         pending = (self._tail - consumed) & 0xFFFFFFFF
         # The SQEs nobody took are still in the ring, with their user_data.
         untaken = [_SQE.unpack_from(self._sqes, ((consumed + i) & self._sq_mask) * 64)[8] for i in range(pending)]
@@ -842,8 +907,9 @@ class UringEngine:
         to be read again next turn, and one later finds it consumed (before, an interrupt at
         ``_complete``'s entry, or at a call of its before the request was updated, lost the CQE:
         its page's job never ended)."""
-        head = self._cq_head.value
-        tail = self._cq_tail.value
+        rings = self._rings  # (no view of it kept: see RingMaps)
+        head = rings.cq_head.value
+        tail = rings.cq_tail.value
         deadline = self._drain_deadline = time.perf_counter() + DRAIN_TURN_S
         self._cqe_taken = True
         try:
@@ -853,7 +919,7 @@ class UringEngine:
                 self._cqe_taken = False
                 self._complete(user_data, res)
                 if tail == head:
-                    tail = self._cq_tail.value
+                    tail = rings.cq_tail.value
                 elif time.perf_counter() > deadline:
                     # The eventfd will not fire again for CQEs already posted: drain them next turn.
                     if not self._drain_due:
@@ -867,12 +933,12 @@ class UringEngine:
             # the rest is drained next turn (no wake-up comes for CQEs already posted).
             if not self._cqe_taken:
                 head = (head - 1) & 0xFFFFFFFF
-            self._cq_head.value = head
+            rings.cq_head.value = head
             if not self._drain_due:
                 self._drain_due = True
                 self._loop.call_soon(self._drain_again)
             raise
-        self._cq_head.value = head
+        rings.cq_head.value = head
         self._prepare_waiting()
         if self._idle is not None and not self._inflight and not self._waiting and not self._idle.done():
             self._idle.set_result(None)

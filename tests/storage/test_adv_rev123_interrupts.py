@@ -210,5 +210,5 @@ def test_a_wake_up_interrupted_before_its_drain_drains_in_the_next_turn() -> Non
         assert not armed
         assert run(loop, asyncio.shield(task)) == 0
         run(loop, idle_turns())
-        assert not engine._inflight and engine._cq_head.value == engine._cq_tail.value
+        assert not engine._inflight and engine._rings.cq_head.value == engine._rings.cq_tail.value
         run(loop, engine.aclose())
