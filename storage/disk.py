@@ -492,8 +492,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
 
     async def delete(self, key: PageKey) -> None:
         """Remove ``key``'s page file (a write in flight for it is discarded when it lands). A file
-        of the key in a fan-out directory not listed whole (away, or its listing failed part-way)
-        is never served once that directory is listed (:meth:`_delete_unlisted`)."""
+        of the key in a fan-out directory not listed whole (away, being listed, or its listing failed
+        part-way) is never served once that directory is listed (:meth:`_remember_delete`)."""
         key = exact_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
@@ -502,8 +502,15 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             listing.add(key)  # a fan-out directory being listed: the file it finds is not indexed
         if self._io is None:
             return
-        unlink = self._drop(key) if key in self._index else (
-            None if key in self._writing else self._delete_unlisted(key))
+        # Remembered whatever the key's state: indexed or being written (stored again since its
+        # directory went away), an old copy of its file may still come back (review 188).
+        part_listed = self._remember_delete(key)
+        if key in self._index:
+            unlink = self._drop(key)
+        elif part_listed and key not in self._writing:
+            unlink = self._unlink_later(key)  # its name may lie where the listing has not been
+        else:
+            unlink = None
         if unlink is not None:
             await asyncio.shield(unlink)
 

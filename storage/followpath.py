@@ -228,6 +228,7 @@ class FollowPath(TierBase):
             if fanout[index] == fd:
                 fanout[index] = -1  # reads of its keys are counted misses until it is opened again
                 prepared.retired.append(fd)  # an operation in flight may still name a file through it
+                self._fanouts_away.add(index)
         for index in list(found.opened):
             if fanout[index] < 0:
                 fanout[index] = found.opened.pop(index)
@@ -504,28 +505,30 @@ class FollowPath(TierBase):
             log.warning("disk tier: %s, opened again, holds %d page files not indexed: indexed as the least recently "
                         "used", self.files.layout_dir / f"{index:02x}", len(indexed))
 
-    def _delete_unlisted(self, key: PageKey) -> asyncio.Task[None] | None:
-        """:meth:`~.disk.DiskTier.delete` of a key not indexed, not being written: its file may
-        lie where no listing has indexed it yet. In a fan-out directory without a descriptor (moved
-        away and retired, replaced, unreadable at start), one that may come back with it: the
-        delete is remembered (at most :data:`DELETED_KEPT` keys), and the listing of the directory
-        put back unlinks a file of the key no newer than the delete. In one whose late listing
-        failed part-way (listed again later): the same, and the name is unlinked now. Nothing while
-        the tier does not write (it deletes nothing)."""
+    def _remember_delete(self, key: PageKey) -> bool:
+        """:meth:`~.disk.DiskTier.delete` of ``key``, while this tier holds the lock: where a file of
+        the key may lie that no listing indexed (its fan-out directory without a descriptor: moved
+        away and retired, replaced, unreadable at start; one retired before, whose copy may come
+        back; one being listed, or whose late listing failed part-way), the delete is remembered
+        with its time (at most :data:`DELETED_KEPT` keys), and the listing of that directory
+        unlinks a file of the key no newer than the delete rather than index it. Whatever the
+        key's state: indexed or being written (stored again after its directory went away), the
+        old copy is still the one deleted. True when the directory open now is listed only in part
+        (being listed, or listed again later): the caller unlinks the name now too."""
         prepared = self._dir
-        if prepared is None or prepared.lock_fd is None or self._read_only is not None:
-            return None
+        if prepared is None or prepared.lock_fd is None:
+            return False  # a follower deletes nothing: the writer's listings are its own
         index = key[0]
         fd = prepared.fanout[index]
-        if fd >= 0 and index not in self._relist:
-            return None  # listed whole: no file of the key outside the index
+        part_listed = fd >= 0 and (index in self._relist or index in self._listings)
+        if fd >= 0 and not part_listed and index not in self._fanouts_away:
+            return False  # listed whole, never away: no file of the key outside the index
         deleted = self._deleted_away
         deleted.pop(key, None)  # most recent last: the oldest is forgotten first
         deleted[key] = time.time_ns()  # file times come from the same clock, at most as late
         if len(deleted) > DELETED_KEPT:
             del deleted[next(iter(deleted))]
-        # Listed in part: unlinked now too (its name may lie where the listing failed: EIO again).
-        return self._unlink_later(key) if fd >= 0 else None
+        return part_listed
 
     def _listing_failed(self, index: int, fd: int) -> None:
         """The late listing of fan-out directory ``index`` (descriptor ``fd``, still in use) failed

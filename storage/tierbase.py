@@ -145,6 +145,9 @@ class TierBase(TierEdge):
         # away, replaced; unreadable at start) -> the time of the delete (ns): a file of theirs no
         # newer that comes back with the directory is unlinked, not indexed (:mod:`.followpath`).
         self._deleted_away: dict[PageKey, int] = {}
+        # Fan-out directories that had a descriptor retired (moved away, replaced): a copy of one may
+        # come back whenever, so a delete of a key there is remembered whatever the key's state then.
+        self._fanouts_away: set[int] = set()
         # Keys such a listing found a file of while a write of theirs was in flight (left to it):
         # a write that ends unstored unlinks that file (else on disk, outside the index and budget).
         self._listed_under_write: set[PageKey] = set()
@@ -221,6 +224,7 @@ class TierBase(TierEdge):
         assert fd >= 0
         prepared.fanout[index] = -1  # before anything that calls: never used again
         prepared.retired.append(fd)
+        self._fanouts_away.add(index)
         dropped = [key for key in self._index if key[0] == index]  # a key's fan-out is its first byte
         for key in dropped:
             self._index.remove(key)
