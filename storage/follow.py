@@ -418,15 +418,19 @@ def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
         return None
     from .statxring import StatxRefused, open_ring  # the io_uring module loads when first used
 
+    ring = state.ring
     try:
-        if state.ring is None or state.ring.closed:  # closed: a batch ended by an exception (see statxring)
-            state.ring = open_ring(FANOUT)
-        return dict(zip(fds, state.ring.stat_fds(fds), strict=True))
+        if ring is None or ring.closed:  # closed: a batch ended by an exception (see statxring)
+            state.ring = None  # (a closed ring is no ring: its setup's faults are the new one's)
+            try:
+                ring = open_ring(FANOUT)
+            except OSError:
+                return None  # no ring now (EMFILE...): fstat this time, a ring at the next look (ENOMEM: refused)
+            state.ring = ring
+        return dict(zip(fds, ring.stat_fds(fds), strict=True))
     except StatxRefused as exc:
         state.statx_refused = exc
     except OSError as exc:
-        if state.ring is None:
-            return None  # no ring now (EMFILE...): fstat this time, a ring at the next look (ENOMEM: refused)
         state.statx_refused = StatxRefused(exc.errno or 0, f"io_uring_enter failed ({exc})")  # never expected
     state.close_ring()
     return None
