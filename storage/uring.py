@@ -172,6 +172,10 @@ def io_uring_register(fd: int, opcode: int, arg: ctypes.c_void_p | None, nr: int
 
 _U32S = struct.Struct("<I")
 
+_ABANDONED: list[object] = []
+"""What the requests in flight of engines dropped unclosed named (their ``keep``): the kernel may
+still write it, so it is never freed."""
+
 
 def _close_cell(cell: list[int]) -> None:
     fd, cell[0] = cell[0], -1
@@ -492,14 +496,32 @@ class UringEngine:
         return True
 
     def _unmap(self) -> None:
+        """Close the ring (its maps, its descriptor) and the eventfd; idempotent. No number is kept
+        once its file is closed (each is let go before the close: a signal's exception after it
+        finds nothing to close twice), so a later :meth:`register_buffers` and co. fail (fd -1:
+        EBADF, or EINVAL where the kernel has blind registrations) rather than reach a file that
+        took the number since (another engine's ring)."""
         with self._wake_lock:
             self._wakeable = False
+        self._fd = -1  # RingMaps closes it
         try:
             self._rings.close()
         finally:
-            if self._efd >= 0:
-                os.close(self._efd)
-                self._efd = -1
+            efd, self._efd = self._efd, -1
+            if efd >= 0:
+                os.close(efd)
+
+    def __del__(self, _close: Callable[[int], None] = os.close, _kept: list[object] = _ABANDONED) -> None:
+        # Dropped without aclose() (its loop closed under it): the ring goes with its maps'
+        # finalizer, which does not stop a transfer in progress, so what the requests in flight
+        # name stays alive for good. No thread writes the eventfd now: each holds the engine
+        # (wake_threadsafe). (Defaults bound at definition: it may run as the interpreter ends.)
+        inflight: dict[int, _Request] | None = getattr(self, "_inflight", None)
+        if inflight:
+            _kept.append([request.keep for request in inflight.values()])
+        efd, self._efd = getattr(self, "_efd", -1), -1
+        if efd >= 0:
+            _close(efd)
 
     # -- registered buffers ---------------------------------------------------------------------
 
@@ -1108,28 +1130,32 @@ class UringEngine:
         return self._ops_inflight + len(self._waiting)
 
     async def aclose(self) -> None:
-        """Wait for every completion (the kernel must be done with our memory), then close. Idempotent."""
-        if self._closed:
-            return
+        """Wait for every completion (the kernel must be done with our memory), then close.
+        Idempotent, and a call that an exception ended part-way (a signal's KeyboardInterrupt) is
+        finished by the next one: it waits and closes what is left (before, the next returned at
+        once, with requests in flight and the ring and eventfd open). Concurrent calls all wait."""
         self._closed = True
         cancelled = False
         if self._inflight or self._waiting:
-            self._idle = self._loop.create_future()
-            while not self._idle.done():
+            idle = self._idle
+            if idle is None or idle.done():
+                idle = self._idle = self._loop.create_future()
+            while not idle.done():
                 try:
-                    await asyncio.shield(self._idle)
+                    await asyncio.shield(idle)
                 except asyncio.CancelledError:
                     # Unmapping with I/O in flight would let the kernel write into freed memory.
                     cancelled = True
-        with self._wake_lock:  # threads wake the loop their own way from now on
-            self._wakeable = False
-        self._loop.remove_reader(self._efd)
-        hook = self.on_wake
-        if hook is not None:  # announced through the eventfd before it stopped being watched
-            try:
-                hook(time.perf_counter() + DRAIN_TURN_S)
-            except Exception:
-                log.exception("io_uring wake-up hook failed")
+        if self._efd >= 0:
+            with self._wake_lock:  # threads wake the loop their own way from now on
+                self._wakeable = False
+            self._loop.remove_reader(self._efd)
+            hook = self.on_wake
+            if hook is not None:  # announced through the eventfd before it stopped being watched
+                try:
+                    hook(time.perf_counter() + DRAIN_TURN_S)
+                except Exception:
+                    log.exception("io_uring wake-up hook failed")
         self._unmap()
         if cancelled:
             raise asyncio.CancelledError
