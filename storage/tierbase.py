@@ -49,6 +49,11 @@ BULK_UNLINK_KEYS = 64
 start over a lowered budget (20,000 files over one of 100) held the loop 0.73 s making and running
 a task per file."""
 
+STORED_SINCE_DELETE = 1 << 80
+"""Added to a remembered delete's time (:data:`~.followpath.DELETED_KEPT`) once the tier stored the key
+again: only then may a file of the key newer than the delete be its page (before, every file of
+the key is the one deleted, whatever its time: a copy with fresh times, a wall clock stepped back)."""
+
 
 class TierBase(TierEdge):
     """The state of a :class:`~.disk.DiskTier` (constructed through it) and the internals its
@@ -141,9 +146,10 @@ class TierBase(TierEdge):
         # checks to let pass before the next listing): listed again until one completes.
         self._relist: dict[int, tuple[int, int, int]] = {}
         self._listings_failed = 0
-        # Keys the caller deleted while their fan-out directory had no descriptor (retired: moved
-        # away, replaced; unreadable at start) -> the time of the delete (ns): a file of theirs no
-        # newer that comes back with the directory is unlinked, not indexed (:mod:`.followpath`).
+        # Keys the caller deleted while a file of theirs may lie where no listing indexed it (see
+        # FollowPath._remember_delete) -> the time of the delete (ns), or STORED_SINCE_DELETE added
+        # to it once this tier stored the key again: a file of theirs that comes back with the
+        # directory is unlinked, not indexed, unless the key was stored since and the file is newer.
         self._deleted_away: dict[PageKey, int] = {}
         # Fan-out directories that had a descriptor retired (moved away, replaced): a copy of one may
         # come back whenever, so a delete of a key there is remembered whatever the key's state then.

@@ -28,7 +28,7 @@ from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
 from .spares import Made, Spare
-from .tierbase import TierBase
+from .tierbase import STORED_SINCE_DELETE, TierBase
 from .uring import not_started
 
 _NO_NEW_FILE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT})
@@ -574,6 +574,9 @@ class WritePath(TierBase):
         if stored and job.holds_room:
             self._index.add(key)
             job.holds_room = False  # the file's now
+            deleted = self._deleted_away
+            if deleted and (when := deleted.get(key, STORED_SINCE_DELETE)) < STORED_SINCE_DELETE:
+                deleted[key] = when + STORED_SINCE_DELETE  # a newer file of the key may be this one
             self._writes += 1
             self._bytes_written += self._file_bytes
         self._give_room_back(job)

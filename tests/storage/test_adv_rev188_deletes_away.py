@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,4 +167,42 @@ async def test_a_key_deleted_while_a_failing_listing_runs_stays_deleted(
             assert not (fan / victim.hex()).exists()
             assert _indexed(tier) == _on_disk(layout_dir)
             assert len(tier._index) == FILES - 1
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_key_deleted_while_away_stays_deleted_in_a_copy_with_fresh_times(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """The directory comes back as a copy whose files got new times (``cp`` without ``-p``, or a
+    wall clock stepped back between the page's write and the delete): its deleted key's file looks
+    newer than the delete. This tier never stored the key after the delete, so that file is the
+    deleted page whatever its time. Before: indexed and served. A key stored after its delete is
+    still served from such a copy."""
+    size = layout.page_bytes
+    keys = [key_of(i, TAG) for i in range(4)]
+    deleted, restored, kept = keys[0], keys[1], keys[2:]
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
+    async with started(DiskTier(cfg, layout, pool)) as tier:
+        checks = LockChecks(tier)
+        for key in keys:
+            assert await tier.write_from(key, memoryview(_bytes_of(key, size)))
+        fan, away = tier.files.layout_dir / f"{TAG:02x}", tmp_path / "away"
+        os.rename(fan, away)
+        await checks.next()  # retired
+        await tier.delete(deleted)
+        await tier.delete(restored)
+        assert await tier.write_from(restored, memoryview(_bytes_of(restored, size)))  # into 3a made again
+        await _settled(tier)
+        copy = tmp_path / "copy"
+        shutil.copytree(away, copy, copy_function=shutil.copyfile)  # new files: times of now
+        os.rename(fan, tmp_path / "made-again")  # holds the restored key's file
+        os.rename(copy, fan)
+        await checks.next()  # the copy opened and listed
+        await _settled(tier)
+        assert not tier.contains(deleted), "the deleted key was indexed from a copy"
+        assert not await _served(tier, deleted, size), "a deleted page was served"
+        assert not (fan / deleted.hex()).exists()
+        for key in [restored, *kept]:
+            assert await _served(tier, key, size)
+        assert _indexed(tier) == _on_disk(tier.files.layout_dir)
     assert_clean(pool)
