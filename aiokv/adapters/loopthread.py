@@ -153,18 +153,21 @@ class LoopThread:
     def _end(self) -> None:
         """The thread's end: cancel the work in flight, run the finalizers after a death, close the
         loop, answer the callers still waiting."""
-        pending = asyncio.all_tasks(self._loop)
-        for task in pending:
-            task.cancel()
-        self._run_to_end(asyncio.gather(*pending, return_exceptions=True))
-        del pending  # the cancelled work (and what its frames hold) goes now, not with this frame
-        if self.died is not None:
-            self._finalize()
-        self._run_to_end(self._loop.shutdown_asyncgens())
-        self._loop.close()
-        if self.died is not None:
-            self._fail_waiting()
-            self._drop_inbox()
+        try:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._run_to_end(asyncio.gather(*pending, return_exceptions=True))
+            del pending  # the cancelled work (and what its frames hold) goes now, not with this frame
+            if self.died is not None:
+                self._finalize()
+            self._run_to_end(self._loop.shutdown_asyncgens())
+            self._loop.close()
+        finally:
+            # Even if the end itself failed: a caller left waiting would wait for good.
+            if self.died is not None:
+                self._fail_waiting()
+                self._drop_inbox()
 
     def _run_to_end(self, work: Awaitable[object]) -> None:
         """Run ``work`` on the (no longer running) loop to its end, even if a ``stop()`` scheduled
@@ -174,9 +177,15 @@ class LoopThread:
             try:
                 self._loop.run_until_complete(future)
                 return
-            except RuntimeError:
+            except BaseException as exc:
                 if future.done():
                     raise
+                # A stop() scheduled meanwhile (RuntimeError), or a callback queued before the
+                # death raising again (a second SystemExit): the end goes on, else the work in
+                # flight is never cancelled, the loop never closed and its callers never answered.
+                if not isinstance(exc, RuntimeError):
+                    log.error("aiokv loop: %r raised while the loop thread %s ended; ending it anyway",
+                              exc, self._thread.name)
 
     def _finalize(self) -> None:
         for finalizer in self._finalizers:
@@ -350,17 +359,31 @@ class LoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop now (wakes it); returns at once. Raises ``RuntimeError`` once
-        closed, ``LoopDied`` once the loop died; the future fails with ``LoopDied`` if it dies first."""
+        closed, ``LoopDied`` once the loop died; the future fails with ``LoopDied`` if it dies before
+        ``coro`` ended (once ``coro`` ended: its work cancelled)."""
         if self._closed or self.died is not None:
             coro.close()
             self._check_running()
+        answer = self._answer(coro)
         try:
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            future = asyncio.run_coroutine_threadsafe(answer, self._loop)
         except RuntimeError:  # the loop closed as it died, after the check
-            coro.close()
+            answer.close()  # closes ``coro`` too
             self._check_running()
             raise
         return self._track(future)
+
+    async def _answer(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, whose cancellation by the loop's death (its end cancels the work in flight and
+        waits for it) reaches the caller as ``LoopDied``, as for work the loop never started: the
+        adapters catch ``LoopDied``, and a ``CancelledError`` reached the engine's thread. A
+        :meth:`close` leaves the ``CancelledError`` (see :meth:`wait_answered`)."""
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self.died is not None:
+                raise _died_error(self.died) from None
+            raise
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run the plain function ``fn`` on the loop now (wakes it); returns at once. Raises
@@ -386,7 +409,9 @@ class LoopThread:
         return future
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for its result (from any thread but the loop's)."""
+        """Run ``coro`` on the loop and wait for its result (from any thread but the loop's). Raises
+        ``LoopDied`` if the loop died before or while it ran (once ``coro`` ended: its work
+        cancelled), ``CancelledError`` if a :meth:`close` cancelled it."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("LoopThread.run called from its own loop: it would deadlock")

@@ -532,8 +532,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         return list(zip(keys, chunks, strict=True))
 
     def _start(self, job_id: int, job: Callable[[], Coroutine[Any, Any, _Outcome]]) -> None:
+        # Reap before the job is ours to answer: a reap meeting the death answers every unreported
+        # job, and this one was then answered twice (vLLM asserts on the second).
+        alive = not self._shut and not self._reap()
         self._unreported.add(job_id)
-        if not self._shut and not self._reap():
+        if alive:
             try:
                 self._store.thread.post(self._report(job_id, job))
                 return
