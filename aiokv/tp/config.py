@@ -27,7 +27,8 @@ class TPConfig:
     """Largest frame either side accepts; a longer length prefix is a protocol error. At least
     :data:`~aiokv.tp.wire.CONTROL_FRAME_BYTES` (the hello exchange's and reports' frames)."""
     handshake_timeout_s: float = 10.0
-    """Seconds a connection has to finish the hello exchange (the worker's pool attach included)."""
+    """Seconds a connection has to finish the hello exchange (the worker's pool attach included),
+    and a worker's close waits at most for the manager to end the link after its CLOSED frame."""
     close_timeout_s: float = 30.0
     """Seconds ``RankGroup.aclose`` waits for jobs in flight before fencing the ranks still copying
     (it then waits for their reports, warning every ``close_timeout_s``)."""

@@ -4,10 +4,13 @@ It listens on a Unix-domain socket in a private directory, admits one worker per
 exchange (protocol version, tp_size and layout fingerprint must match; the worker attaches the pool
 named in the reply and confirms its epoch), sends each submitted spec to the ranks that take part,
 and resolves the job through its :class:`~aiokv.tp.jobs.JobTable` once every rank is accounted for.
-A rank that disconnects (or dies: the kernel closes its socket) fails its part of every job it had
-in flight at once. Each attach starts a new session of its rank (:meth:`RankGroup.sessions`); a
-spec carries the sessions its call was admitted for and is sent only while its ranks are still in
-them, so a spec held for room (or a later round of the same call) never reaches a restarted rank.
+A rank that dies fails its part of every job it had in flight (RANK_LOST); a worker that ends its
+session says so first (a CLOSED frame after its last report) and what it never took fails at once
+(WORKER_CLOSING); a connection that just ends under a live process holds the rank's jobs until that
+process exits or says hello again (its copies may still run). Each attach starts a new session of
+its rank (:meth:`RankGroup.sessions`); a spec carries the sessions its call was admitted for and
+is sent only while its ranks are still in them, so a spec held for room (or a later round of the
+same call) never reaches a restarted rank.
 
 The group holds no engine tensors and moves no bytes; its loop only reads and writes small frames.
 Connections are asyncio protocols on the Unix socket rather than stream tasks: a completion is
@@ -41,6 +44,7 @@ from .specs import Direction, IntArrayLike, TransferSpec
 from .wire import (
     PROTOCOL_VERSION,
     Attached,
+    Closed,
     Done,
     FrameKind,
     FrameParser,
@@ -90,6 +94,9 @@ class GroupStatistics:
     fenced: int = 0
     """Ranks fenced: still owing reports at close after ``close_timeout_s``, or whose link broke
     with jobs in flight (told to run nothing new; their reports or their end were waited for)."""
+    worker_closes: int = 0
+    """Attached ranks whose worker ended its session with a CLOSED frame (its engine closed it, or
+    at a fence): the jobs sent to them that they never took failed WORKER_CLOSING at once."""
 
 
 def draw_epoch() -> int:
@@ -178,6 +185,7 @@ class RankGroup:
         self._close_task: asyncio.Task[None] | None = None
         self._accepted = self._refused = self._attach_failures = self._disconnects = self._link_errors = 0
         self._fenced = 0
+        self._worker_closes = 0
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -209,7 +217,8 @@ class RankGroup:
 
         Fencing a rank half-closes its connection: the worker runs nothing new (copies queued on
         its copy thread are withdrawn and reported WORKER_CLOSING, a layered CPU load stops at its
-        next layer), reports the copies that were running once they end, and closes its end. A job
+        next layer), reports the copies that were running once they end, says CLOSED (what it never
+        took fails WORKER_CLOSING) and closes its end. A job
         therefore ends only when every rank reported or its connection ended (a worker closes it
         only once none of its copies runs; a dead rank's copies died with it): when this returns,
         no rank copies into or out of the memory of any job of this group, and the pool may be
@@ -619,6 +628,7 @@ class RankGroup:
             jobs=self._jobs.statistics(),
             waiting=self._room.waiting,
             fenced=self._fenced,
+            worker_closes=self._worker_closes,
         )
 
     # -- connections ----------------------------------------------------------------------------
@@ -666,6 +676,27 @@ class RankGroup:
         link.stop_timer()
         log.info("rank group: rank %d attached (pid %d)", link.rank, link.pid)
         self._notify()
+
+    def _on_closed(self, link: _RankLink, closed: Closed) -> None:
+        """The worker ended its session: it took no spec after job ``closed.last_job``, reported
+        every one it took (those DONE frames came before this one) and runs nothing more. What the
+        rank still owes was sent after that and never run: failed now, and the link ended without
+        holding the rank (a connection that just ends is held while its process lives, see
+        :meth:`_orphan`; this one said its copies are over)."""
+        taken = sorted(job for job in self._jobs.owed_by(link.rank) if job <= closed.last_job)
+        if taken:
+            # It took these and never reported them: its word that nothing runs cannot be checked.
+            # Left to the connection's end, as without the frame.
+            log.warning("rank group: rank %d (pid %d) closed after job %d without reporting jobs %s it took; "
+                        "its connection's end decides", link.rank, link.pid, closed.last_job, taken[:8])
+            return
+        self._worker_closes += 1
+        link.state = _LinkState.ENDED  # its later frames are not taken
+        log.info("rank group: rank %d (pid %d) closed its worker after job %d", link.rank, link.pid, closed.last_job)
+        self._settle_drop(link, RankStatus.WORKER_CLOSING,
+                          f"rank {link.rank} (pid {link.pid}) closed its worker before it took the job")
+        if link.transport is not None:
+            link.transport.abort()  # the worker waits for this end before it closes its own
 
     def _on_link_error(self, link: _RankLink, why: str) -> None:
         self._link_errors += 1
@@ -740,7 +771,8 @@ class RankGroup:
         the slots, the rank's copy landed in them after the load returned). Held until the process
         exits or says hello again (its worker's session ended: drained first); meanwhile the rank
         counts as not attached and its number stays taken. Without a process handle (a worker in
-        this process, a peer in another pid namespace, no pidfd): not held, as before."""
+        this process, a peer in another pid namespace, no pidfd): not held, as before. A worker
+        that ends its session itself says so first (:meth:`_on_closed`): such a link never gets here."""
         if link.pidfd is None or link.exited:
             return False
         self._orphans.add(link)
@@ -759,12 +791,13 @@ class RankGroup:
             self._settle_drop(link)
         link.unwatch_process()
 
-    def _settle_drop(self, link: _RankLink) -> None:
+    def _settle_drop(self, link: _RankLink, status: RankStatus = RankStatus.RANK_LOST, text: str = "") -> None:
+        """``link`` is gone: free its rank and fail what it owes (``status``, ``text``)."""
         link.unwatch_process()
         del self._ranks[link.rank]
         if link.attached:
             self._disconnects += 1
-            failed = self._jobs.rank_lost(link.rank, RankStatus.RANK_LOST, f"rank {link.rank} (pid {link.pid}) lost")
+            failed = self._jobs.rank_lost(link.rank, status, text or f"rank {link.rank} (pid {link.pid}) lost")
             if not self._closing:
                 level = logging.WARNING if failed else logging.INFO
                 log.log(level, "rank group: rank %d (pid %d) detached; %d jobs failed", link.rank, link.pid, failed)
@@ -883,6 +916,8 @@ class _RankLink(asyncio.Protocol):
                 elif self.state is _LinkState.SERVING and kind is FrameKind.LAYERS:
                     layers = Layers.decode(payload)
                     self.group._jobs.report_layers(layers.job_id, self.rank, layers.landed)
+                elif self.state is _LinkState.SERVING and kind is FrameKind.CLOSED:
+                    self.group._on_closed(self, Closed.decode(payload))
                 elif self.state is _LinkState.HELLO and kind is FrameKind.HELLO:
                     self.group._on_hello(self, Hello.decode(payload))
                 elif self.state is _LinkState.ATTACH and kind is FrameKind.ATTACHED:

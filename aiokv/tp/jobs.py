@@ -369,6 +369,10 @@ class JobTable:
         """Ranks that still owe a report for some job in flight."""
         return frozenset(rank for rank, ids in self._by_rank.items() if ids)
 
+    def owed_by(self, rank: int) -> frozenset[int]:
+        """Ids of the jobs in flight that ``rank`` still owes a report."""
+        return frozenset(self._by_rank.get(rank, ()))
+
     def pending_ranks(self, job_id: int) -> frozenset[int]:
         """Ranks that still owe ``job_id`` a report (empty when it is not in flight)."""
         entry = self._jobs.get(job_id)

@@ -10,6 +10,9 @@ A session::
             (a layered LOAD: --LAYERS(job id, layers landed)--> as layers land, before its DONE)
     worker  <--STREAM_BEGINS(stream id)--   (a load stream began: the rank records its mark now;
                                              that stream's LOAD specs name the id and follow it)
+    worker  --CLOSED(last job id taken)-->  (its engine closed it, or the manager fenced it: it took
+                                             no spec after that job, every one it took reported
+                                             before this frame, and none of its copies runs)
 
 Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 """
@@ -22,7 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
 closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
@@ -32,7 +35,11 @@ addresses; a worker whose KV buffer has fewer refuses to attach. 7: STREAM_BEGIN
 of version 2 (a LOAD of a load stream names the stream: the rank orders its copy after the mark it
 recorded when it read that stream's STREAM_BEGINS). 8: WELCOME carries the first job id of the
 session: a rank that attaches again to the same pool learns which job ids were issued before (their
-specs never reach the new session), so its engine's layer waits for them end at once."""
+specs never reach the new session), so its engine's layer waits for them end at once. 9: CLOSED frames:
+a worker that ends its session itself (its engine closed it) or at a fence says, after the last
+report of the copies it ran, the last job it took; the manager fails what it sent after that
+(WORKER_CLOSING) at once rather than hold the rank until its process exits, as it must for a
+connection that just ends (a third party may have cut it under running copies)."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -43,12 +50,13 @@ _DONE = struct.Struct("<QB")
 _LAYERS = struct.Struct("<QI")
 _WITHDRAWN = struct.Struct("<Q")
 _STREAM_BEGINS = struct.Struct("<Q")
+_CLOSED = struct.Struct("<Q")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 MAX_DEVICE_BYTES = 32
 """Longest device kind a HELLO carries (``torch.device.type``: ``cpu``, ``cuda``, ...)."""
 CONTROL_FRAME_BYTES = 1 + max(s.size for s in (_HELLO, _WELCOME, _REFUSE, _ATTACHED, _DONE, _LAYERS, _WITHDRAWN,
-                                             _STREAM_BEGINS)) \
+                                             _STREAM_BEGINS, _CLOSED)) \
     + MAX_TEXT_BYTES
 """The longest length prefix of any frame but SPEC (kind, fixed fields and the longest text: a
 WELCOME naming its pool). ``TPConfig.max_frame_bytes`` may not be below it: a link whose hello or
@@ -71,6 +79,7 @@ class FrameKind(enum.Enum):
     LAYERS = 7
     WITHDRAWN = 8
     STREAM_BEGINS = 9
+    CLOSED = 10
 
 
 _KINDS = {kind.value: kind for kind in FrameKind}  # a dict lookup per frame, not an Enum call
@@ -367,3 +376,21 @@ class StreamBegins:
         if stream == 0:
             raise ProtocolError("stream start of stream 0 (ids start at 1)")
         return cls(stream)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """Worker -> manager, its session's last frame: the worker took no spec after job ``last_job``
+    (0: none) and runs nothing more; every spec it took reported (DONE) before this frame, and none
+    of its copies still runs. Specs arrive in job-id order, so the rank owes nothing up to
+    ``last_job``, and what it owes after was never run: the manager fails it at once."""
+
+    last_job: int
+
+    def encode(self) -> bytes:
+        return _CLOSED.pack(self.last_job)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Closed:
+        (last_job,) = _fixed(_CLOSED, payload, "close report", exact=True)
+        return cls(last_job)

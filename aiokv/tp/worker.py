@@ -5,11 +5,14 @@ this rank's heads only. A session: connect to the manager's socket, hello (versi
 layout fingerprint), map the pool named in the reply (:meth:`PagePool.attach`), confirm its epoch,
 then run specs through a :class:`~aiokv.tp.executor.RankExecutor` and report each completion.
 
-When the manager goes away or fences the link (EOF), the worker stops reading, starts nothing new
-(copies queued on its copy thread are withdrawn and reported ``WORKER_CLOSING``), lets the copies
-running finish and report, and only then closes its end: the manager takes a connection's end to
-mean no copy of that session still runs (protocol 4). It then drops the old mapping and reconnects
-with a bounded backoff; the next hello names the new pool.
+When the manager goes away or fences the link (EOF), or the engine closes the worker, the worker
+takes no spec more, starts nothing new (copies queued on its copy thread are withdrawn and reported
+``WORKER_CLOSING``), lets the copies running finish and report, then says CLOSED (the last job it
+took: the manager fails what it sent after that at once, protocol 9) and only then closes its end
+(closed by its engine, once the manager ended the link too, ``handshake_timeout_s`` at most). A
+connection that ends without CLOSED tells the manager only that no copy of the session runs any
+more if the process is gone: it holds a live one's jobs (protocol 4). The worker then drops the old
+mapping and reconnects with a bounded backoff; the next hello names the new pool.
 
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
@@ -53,6 +56,7 @@ from .specs import LayeredLoad, TransferSpec
 from .wire import (
     PROTOCOL_VERSION,
     Attached,
+    Closed,
     Done,
     FrameKind,
     FrameParser,
@@ -301,19 +305,26 @@ class RankWorker:
                 self._epoch = self._pool_name = None
                 self._notify()
                 warm.stop()
-                # Fenced: nothing new starts (queued copies are withdrawn). The copies running end
-                # and their reports go out while the socket is still open; only then is it closed:
-                # the manager takes its end to mean none of this session's copies runs any more
-                # (it fails what is unreported and the engine may reuse those slots). Then the
-                # mapping is dropped. Every step runs to its end even if the session is cancelled
-                # again meanwhile (a second aclose, or run() cancelled then aclose): the cancel is
-                # raised once the mapping is gone.
+                # No spec read from now on runs, nothing new starts (queued copies are withdrawn).
+                # The copies running end and their reports go out while the socket is still open;
+                # then CLOSED names the last spec taken (the manager fails what came after: never
+                # run) and only then is the socket closed. Without that frame the manager takes the
+                # end to mean none of this session's copies runs only once the process is gone.
+                # Then the mapping is dropped. Every step runs to its end even if the session is
+                # cancelled again meanwhile (a second aclose, or run() cancelled then aclose): the
+                # cancel is raised once the mapping is gone.
+                link.stop_taking()
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
                 cancels = Cancels()
                 await cancels.outlast(executor.drain())
+                manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
+                if manager_writes:
+                    # The manager may still be writing specs: closed now, the socket would fail its
+                    # next write before it read CLOSED (and it would hold this rank as cut off).
+                    await cancels.outlast(link.wait_peer_end(self.config.handshake_timeout_s))
                 link.close()
                 await cancels.outlast(executor.aclose())
                 self._executor = None
@@ -423,6 +434,7 @@ class RankWorker:
         """One SPEC frame, in the read callback. Raises ``ValueError`` for a malformed spec."""
         spec = TransferSpec.from_bytes(payload)
         self._specs += 1
+        link.took(spec.job_id)
         report = executor.execute(spec)
         if report.done():  # refused at once, or copied on this loop: no extra loop turn
             self._report(link, spec.job_id, report)
@@ -437,6 +449,7 @@ class RankWorker:
         if result.status is not RankStatus.OK:
             log.warning("rank %d: job %d: %s %s", self.tp.rank, job_id, result.status.name, result.text)
         link.write(frame(FrameKind.DONE, Done(job_id, result.status, result.text).encode()))
+        link.reported()
 
     # -- load streams ---------------------------------------------------------------------------
 
@@ -603,8 +616,11 @@ class RankWorker:
     # -- lifetime -------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Stop: start nothing new (queued copies are withdrawn and reported ``WORKER_CLOSING``), let
-        the copies running finish and report, unmap the pool, end :meth:`run`. Idempotent."""
+        """Stop: take no spec more and start nothing new (queued copies are withdrawn and reported
+        ``WORKER_CLOSING``), let the copies running finish and report, tell the manager (a CLOSED
+        frame: the specs it sent that were not taken fail ``WORKER_CLOSING`` there at once), wait
+        for it to end the link (``TPConfig.handshake_timeout_s`` at most), unmap the pool, end
+        :meth:`run`. Idempotent."""
         self._closing = True
         self._stop.set()
         if self._session_task is not None:
@@ -655,6 +671,10 @@ class _WorkerLink(asyncio.Protocol):
         self._changed: asyncio.Future[None] | None = None  # wakes read() / wait_ended()
         self._end: BaseException | None = None  # what ended the link, once it ended
         self._paused = False
+        self._taking = True  # SPEC frames run; False once the session ends (stop_taking)
+        self._last_taken = 0  # the job id of the last spec run in this session (0: none)
+        self._unreported = 0  # specs run whose DONE is not written yet
+        self._said_closed = False  # CLOSED written: nothing more is
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -662,8 +682,8 @@ class _WorkerLink(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._end is not None:
-            return
+        if self._end is not None or not self._taking:
+            return  # after stop_taking: read (the manager's end must be seen) and dropped
         executor = self._executor
         try:
             for kind, payload in self._parser.feed(data):
@@ -693,7 +713,8 @@ class _WorkerLink(asyncio.Protocol):
     # -- the session's side ---------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
+        # After CLOSED nothing is written (a late LAYERS frame; the write side may be shut down).
+        if self._transport is not None and not self._transport.is_closing() and not self._said_closed:
             self._transport.write(data)  # buffered: never blocks
 
     async def read(self) -> tuple[FrameKind, bytes]:
@@ -727,7 +748,7 @@ class _WorkerLink(asyncio.Protocol):
         executor = self._executor
         assert executor is not None
         try:
-            while self._frames and self._end is None:
+            while self._frames and self._end is None and self._taking:
                 if executor.in_flight >= self._worker.config.worker_max_inflight:
                     self._pause()
                     return
@@ -759,13 +780,64 @@ class _WorkerLink(asyncio.Protocol):
 
     def room(self) -> None:
         """A spec ended: run what waits and read again once there is room."""
-        if not self._paused or self._executor is None or self._end is not None:
+        if not self._paused or self._executor is None or self._end is not None or not self._taking:
             return
         self._pump()
         if self._executor.in_flight < self._worker.config.worker_max_inflight and self._transport is not None:
             self._paused = False
             if not self._transport.is_closing():
                 self._transport.resume_reading()
+
+    def took(self, job_id: int) -> None:
+        """The spec of ``job_id`` runs now (its DONE is owed: :meth:`reported`)."""
+        self._last_taken = job_id
+        self._unreported += 1
+
+    def reported(self) -> None:
+        """A DONE frame was written for a spec :meth:`took`."""
+        self._unreported -= 1
+
+    def stop_taking(self) -> None:
+        """The session ends: no spec runs from now on (frames queued or read later are dropped:
+        never run, the manager fails them at :meth:`say_closed`)."""
+        self._taking = False
+        self._frames.clear()
+
+    def say_closed(self) -> bool:
+        """Write CLOSED (the last job taken) after :meth:`stop_taking` and the drain: every spec
+        taken reported and no copy runs. Returns True when the manager may still write (it has not
+        ended its side): then this side's writing is shut down and reading goes on, so its end is
+        seen (:meth:`wait_peer_end`). Nothing is written on a link broken by a bad frame (the
+        manager cannot be trusted to read it), one already closed, or while a DONE is owed."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._said_closed:
+            return False
+        if self._end is not None and not isinstance(self._end, asyncio.IncompleteReadError):
+            return False
+        if self._taking or self._unreported:
+            log.warning("rank %d: session ends with %d reports owed: not said closed",
+                        self._worker.tp.rank, self._unreported)
+            return False
+        transport.write(frame(FrameKind.CLOSED, Closed(self._last_taken).encode()))
+        self._said_closed = True
+        if self._end is not None:
+            return False  # the manager's EOF came first: it writes nothing more
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self._paused:
+            self._paused = False
+            transport.resume_reading()
+        return True
+
+    async def wait_peer_end(self, within_s: float) -> None:
+        """Wait until the manager ended its side (or the link broke), ``within_s`` seconds at most."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self._end is None:
+                    await self._wait()
+        except TimeoutError:
+            log.warning("rank %d: the manager did not end the link within %.1f s of CLOSED; closing it",
+                        self._worker.tp.rank, within_s)
 
     def close(self) -> None:
         if self._transport is not None:

@@ -184,8 +184,8 @@ async def test_refusals_are_clear(pool: PagePool, group: RankGroup) -> None:
     kv4 = rank_kv(full_kv(LAYOUT, 1), LAYOUT, 0, 4)
     with pytest.raises(WorkerRefusedError, match="tp_size 4"):
         await RankWorker(group.address, 0, 4, LAYOUT, kv4, FAST).run()
-    old = await FakeRank.connect(group, 0, version=9)
-    expect = f"worker speaks protocol 9, this manager speaks {PROTOCOL_VERSION}"
+    old = await FakeRank.connect(group, 0, version=PROTOCOL_VERSION + 1)
+    expect = f"worker speaks protocol {PROTOCOL_VERSION + 1}, this manager speaks {PROTOCOL_VERSION}"
     assert old.reply == Refuse(RefuseReason.VERSION, expect)
     await old.close()
     out_of_range = await FakeRank.connect(group, 5)

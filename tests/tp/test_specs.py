@@ -17,6 +17,7 @@ from aiokv.tp.specs import Direction, LayeredLoad, TransferSpec
 from aiokv.tp.wire import (
     PROTOCOL_VERSION,
     Attached,
+    Closed,
     Done,
     Hello,
     Layers,
@@ -173,7 +174,8 @@ def test_build_validates_counts_and_values() -> None:
 def test_wire_messages_round_trip_and_refuse_garbage() -> None:
     hello = Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16, "cuda")
     assert Hello.decode(hello.encode()) == hello
-    assert Hello.decode(Hello(9, 0, 0, b"", "").encode()[:6]).version == 9  # another version: parsed for the refusal
+    other = PROTOCOL_VERSION + 1
+    assert Hello.decode(Hello(other, 0, 0, b"", "").encode()[:6]).version == other  # parsed for the refusal
     for device in ["", "CUDA", "cu da", "cuda:0", "x" * 33, "é"]:  # a hello names a device kind, nothing else
         with pytest.raises(ProtocolError, match="device kind"):
             Hello.decode(Hello(PROTOCOL_VERSION, 3, 4, b"f" * 16, device).encode())
@@ -187,6 +189,8 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
     assert Attached.decode(Attached(5, True).encode()) == Attached(5, True)
     assert Done.decode(Done(7, RankStatus.COPY_FAILED, "é").encode()) == Done(7, RankStatus.COPY_FAILED, "é")
     assert Layers.decode(Layers(7, 3).encode()) == Layers(7, 3)
+    for last in (0, 7, 2**64 - 1):  # 0: the worker took no spec
+        assert Closed.decode(Closed(last).encode()) == Closed(last)
     for decode, raw in [
         (Hello.decode, b"nope"),
         (Welcome.decode, b"\0" * 5),
@@ -197,6 +201,8 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
         (Done.decode, struct.pack("<QB", 1, 0) + b"\xff"),
         (Layers.decode, struct.pack("<QI", 1, 0)),
         (Layers.decode, struct.pack("<QI", 1, 2) + b"\0"),
+        (Closed.decode, struct.pack("<I", 1)),
+        (Closed.decode, struct.pack("<Q", 1) + b"\0"),
     ]:
         with pytest.raises(ProtocolError):
             decode(raw)
