@@ -94,6 +94,10 @@ class GroupStatistics:
     fenced: int = 0
     """Ranks fenced: still owing reports at close after ``close_timeout_s``, or whose link broke
     with jobs in flight (told to run nothing new; their reports or their end were waited for)."""
+    held_ranks: int = 0
+    """Ranks held now: their connection ended without the worker's CLOSED frame while they owed
+    reports, and their process lives (a third party cut the socket; their copies may still run).
+    Their jobs stay in flight and their numbers taken until the process exits or says hello again."""
     worker_closes: int = 0
     """Attached ranks whose worker ended its session with a CLOSED frame (its engine closed it, or
     at a fence): the jobs sent to them that they never took failed WORKER_CLOSING at once."""
@@ -628,6 +632,7 @@ class RankGroup:
             jobs=self._jobs.statistics(),
             waiting=self._room.waiting,
             fenced=self._fenced,
+            held_ranks=len(self._orphans),
             worker_closes=self._worker_closes,
         )
 

@@ -112,14 +112,14 @@ async def test_a_worker_closed_mid_copy_reports_it_then_fails_what_it_never_took
         await _detached(cache, 1)  # before, with the socket kept: attached for good
         stats = cache.group.statistics()
         assert stats.jobs.in_flight == 0 and stats.jobs.rank_failures == {RankStatus.WORKER_CLOSING: 1}, stats.jobs
-        assert stats.worker_closes == 1, stats
+        assert stats.worker_closes == 1 and stats.held_ranks == 0, stats
         third: asyncio.Task[Any] = asyncio.create_task(cache.offload(_tokens(5000), torch.arange(2 * T, 3 * T)))
         calls.append(third)
         await until_thread(lambda: cache.group.jobs.statistics().submitted == 3, "the third offload sent", BOUND_S)
         if socket_kept:
             assert await ranks.ask(1, "drop socket") == "dropped"
         assert (await _ended(third, NOTICE_S, "the third offload")).stored == 0  # before: held till rank 1 exited
-        assert cache.group.jobs.in_flight == 0
+        assert cache.group.jobs.in_flight == 0 and cache.group.statistics().held_ranks == 0
         assert ranks.procs[1].is_alive()
     finally:
         held.release(8)  # never leave a rank held when the test fails
@@ -146,7 +146,7 @@ async def test_a_thread_runner_closed_with_its_socket_kept_is_let_go(cache: TPCa
         assert (await _ended(call, NOTICE_S, "the offload after the close")).stored == 0
         assert 0 not in cache.group.attached
         stats = cache.group.statistics()
-        assert stats.worker_closes == 1 and stats.jobs.in_flight == 0, stats
+        assert stats.worker_closes == 1 and stats.held_ranks == 0 and stats.jobs.in_flight == 0, stats
         assert ranks.procs[0].is_alive()
     finally:
         await ranks.kill_all()
