@@ -580,6 +580,7 @@ class RankGroup:
                 self._jobs.report(job.id, rank, RankStatus.RANK_LOST, f"rank {rank}'s connection is closing")
             else:
                 transport.write(data)  # buffered: never blocks; bounded by max_jobs frames per rank
+                conn.specs_sent += 1
 
     def _tell_withdrawn(self, jobs: Iterable[Job]) -> None:
         """Layered jobs ended unsent: their ids may be in a ``layered_load()`` the ranks' engines
@@ -683,17 +684,21 @@ class RankGroup:
         self._notify()
 
     def _on_closed(self, link: _RankLink, closed: Closed) -> None:
-        """The worker ended its session: it took no spec after job ``closed.last_job``, reported
-        every one it took (those DONE frames came before this one) and runs nothing more. What the
-        rank still owes was sent after that and never run: failed now, and the link ended without
+        """The worker ended its session: it took the first ``closed.taken`` specs written on the link
+        and none after, reported every one it took (those DONE frames came before this one) and
+        runs nothing more. What the rank still owes was written after those and never run (checked:
+        as many jobs as specs written after them): failed now, and the link ended without
         holding the rank (a connection that just ends is held while its process lives, see
         :meth:`_orphan`; this one said its copies are over)."""
-        taken = sorted(job for job in self._jobs.owed_by(link.rank) if job <= closed.last_job)
-        if taken:
-            # It took these and never reported them: its word that nothing runs cannot be checked.
-            # Left to the connection's end, as without the frame.
-            log.warning("rank group: rank %d (pid %d) closed after job %d without reporting jobs %s it took; "
-                        "its connection's end decides", link.rank, link.pid, closed.last_job, taken[:8])
+        owed = self._jobs.owed_by(link.rank)
+        if closed.taken > link.specs_sent or len(owed) != link.specs_sent - closed.taken:
+            # What it owes is not what it says it never took (it took some and never reported
+            # them, or counts otherwise): its word that nothing runs cannot be checked. Left to the
+            # connection's end, as without the frame. Told by the order specs were written, not by
+            # job id: ids follow the order specs were built, not sent (review 191).
+            log.warning("rank group: rank %d (pid %d) closed having taken %d of the %d specs sent (the last job "
+                        "%d) while it owes %d jobs; its connection's end decides", link.rank, link.pid,
+                        closed.taken, link.specs_sent, closed.last_job, len(owed))
             return
         self._worker_closes += 1
         link.state = _LinkState.ENDED  # its later frames are not taken
@@ -835,6 +840,7 @@ class _RankLink(asyncio.Protocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.fenced = False  # half-closed by the manager: the worker ends it once its copies are over
         self.session = 0  # this attachment's session (RankGroup.sessions()), set once attached
+        self.specs_sent = 0  # SPEC frames written (a CLOSED says how many of the first it took)
         self.pidfd: int | None = None  # the peer process (at hello), to tell its exit from a severed socket
         self.exited = False  # the peer process exited (its pidfd became readable)
         self._timer: asyncio.TimerHandle | None = None

@@ -10,9 +10,10 @@ A session::
             (a layered LOAD: --LAYERS(job id, layers landed)--> as layers land, before its DONE)
     worker  <--STREAM_BEGINS(stream id)--   (a load stream began: the rank records its mark now;
                                              that stream's LOAD specs name the id and follow it)
-    worker  --CLOSED(last job id taken)-->  (its engine closed it, or the manager fenced it: it took
-                                             no spec after that job, every one it took reported
-                                             before this frame, and none of its copies runs)
+    worker  --CLOSED(last job id taken, specs taken)-->  (its engine closed it, or the manager fenced
+                                             it: it took the first ``specs taken`` SPEC frames of
+                                             the session and none after, reported every one before
+                                             this frame, and none of its copies runs)
 
 Decoders raise :class:`ProtocolError` (a ``ValueError``) for anything malformed.
 """
@@ -25,7 +26,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """2: layered LOAD specs and LAYERS frames. 3: HELLO carries the rank's device kind. 4: a worker
 keeps its end open after the manager's EOF (a fence) until its copies are over and reported, and
 closes it only then: the manager reads a connection's end as "none of that rank's copies runs".
@@ -39,7 +40,9 @@ specs never reach the new session), so its engine's layer waits for them end at 
 a worker that ends its session itself (its engine closed it) or at a fence says, after the last
 report of the copies it ran, the last job it took; the manager fails what it sent after that
 (WORKER_CLOSING) at once rather than hold the rank until its process exits, as it must for a
-connection that just ends (a third party may have cut it under running copies)."""
+connection that just ends (a third party may have cut it under running copies). 10: CLOSED also
+carries how many SPEC frames the session took: the manager tells what was never run by the order it
+wrote specs in, not by job id (ids follow the order specs were built, not sent: review 191)."""
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
@@ -50,7 +53,7 @@ _DONE = struct.Struct("<QB")
 _LAYERS = struct.Struct("<QI")
 _WITHDRAWN = struct.Struct("<Q")
 _STREAM_BEGINS = struct.Struct("<Q")
-_CLOSED = struct.Struct("<Q")
+_CLOSED = struct.Struct("<QQ")
 MAX_TEXT_BYTES = 512
 """Longest error text a frame carries (longer texts are cut)."""
 MAX_DEVICE_BYTES = 32
@@ -380,17 +383,19 @@ class StreamBegins:
 
 @dataclass(frozen=True)
 class Closed:
-    """Worker -> manager, its session's last frame: the worker took no spec after job ``last_job``
-    (0: none) and runs nothing more; every spec it took reported (DONE) before this frame, and none
-    of its copies still runs. Specs arrive in job-id order, so the rank owes nothing up to
-    ``last_job``, and what it owes after was never run: the manager fails it at once."""
+    """Worker -> manager, its session's last frame: the worker took the first ``taken`` SPEC frames
+    of the session (the last of them job ``last_job``; 0: none) and none after, every one it took
+    reported (DONE) before this frame, and none of its copies still runs. The manager fails at once
+    what the rank owes if that is exactly the specs it wrote after the first ``taken`` (a link
+    delivers them in the order written; job ids need not follow it)."""
 
     last_job: int
+    taken: int
 
     def encode(self) -> bytes:
-        return _CLOSED.pack(self.last_job)
+        return _CLOSED.pack(self.last_job, self.taken)
 
     @classmethod
     def decode(cls, payload: bytes) -> Closed:
-        (last_job,) = _fixed(_CLOSED, payload, "close report", exact=True)
-        return cls(last_job)
+        last_job, taken = _fixed(_CLOSED, payload, "close report", exact=True)
+        return cls(last_job, taken)

@@ -673,6 +673,7 @@ class _WorkerLink(asyncio.Protocol):
         self._paused = False
         self._taking = True  # SPEC frames run; False once the session ends (stop_taking)
         self._last_taken = 0  # the job id of the last spec run in this session (0: none)
+        self._taken = 0  # SPEC frames run in this session (the manager counts those it wrote)
         self._unreported = 0  # specs run whose DONE is not written yet
         self._said_closed = False  # CLOSED written: nothing more is
 
@@ -791,6 +792,7 @@ class _WorkerLink(asyncio.Protocol):
     def took(self, job_id: int) -> None:
         """The spec of ``job_id`` runs now (its DONE is owed: :meth:`reported`)."""
         self._last_taken = job_id
+        self._taken += 1
         self._unreported += 1
 
     def reported(self) -> None:
@@ -818,7 +820,7 @@ class _WorkerLink(asyncio.Protocol):
             log.warning("rank %d: session ends with %d reports owed: not said closed",
                         self._worker.tp.rank, self._unreported)
             return False
-        transport.write(frame(FrameKind.CLOSED, Closed(self._last_taken).encode()))
+        transport.write(frame(FrameKind.CLOSED, Closed(self._last_taken, self._taken).encode()))
         self._said_closed = True
         if self._end is not None:
             return False  # the manager's EOF came first: it writes nothing more

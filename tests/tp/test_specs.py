@@ -189,8 +189,10 @@ def test_wire_messages_round_trip_and_refuse_garbage() -> None:
     assert Attached.decode(Attached(5, True).encode()) == Attached(5, True)
     assert Done.decode(Done(7, RankStatus.COPY_FAILED, "é").encode()) == Done(7, RankStatus.COPY_FAILED, "é")
     assert Layers.decode(Layers(7, 3).encode()) == Layers(7, 3)
-    for last in (0, 7, 2**64 - 1):  # 0: the worker took no spec
-        assert Closed.decode(Closed(last).encode()) == Closed(last)
+    for last, taken in ((0, 0), (7, 3), (2**64 - 1, 2**64 - 1)):  # 0: the worker took no spec
+        assert Closed.decode(Closed(last, taken).encode()) == Closed(last, taken)
+    with pytest.raises(ProtocolError):
+        Closed.decode(struct.pack("<Q", 7))  # protocol 9's frame: no count of the specs taken
     for decode, raw in [
         (Hello.decode, b"nope"),
         (Welcome.decode, b"\0" * 5),
