@@ -112,6 +112,7 @@ class LoopThread:
         self._tasks: set[asyncio.Task[object]] = set()
         self._waiting: set[concurrent.futures.Future[Any]] = set()  # callers of submit/call not answered yet
         self._finalizers: list[Callable[[], Coroutine[Any, Any, object]]] = []
+        self._ending = False  # the thread's end began (_end): posted work is no longer taken
         self.died: BaseException | None = None
         """Why the loop ended without :meth:`close` (None while it runs or after a close)."""
         self._last_work = 0.0
@@ -153,6 +154,7 @@ class LoopThread:
     def _end(self) -> None:
         """The thread's end: cancel the work in flight, run the finalizers after a death, close the
         loop, answer the callers still waiting."""
+        self._ending = True
         try:
             pending = asyncio.all_tasks(self._loop)
             for task in pending:
@@ -255,6 +257,10 @@ class LoopThread:
             work.close()
             self._check_running()
         self._inbox.append(work)
+        if self._closed or self.died is not None:
+            # Ended since the check: its end may have dropped the inbox already, and nothing takes
+            # it any more. Closed unstarted, as the end would have (its owner answers for it).
+            self._drop_inbox()
 
     def post_call(self, fn: Callable[[], object]) -> None:
         """Queue the plain function ``fn`` for the loop's next poll (as :meth:`post`)."""
@@ -301,6 +307,11 @@ class LoopThread:
             self._take_inbox()
 
     def _take_inbox(self) -> bool:
+        if self._ending:
+            # The end cancels what runs and drops what was posted: a poll still queued (run while
+            # the end waits for the cancelled work) must not start posted work after its snapshot,
+            # work that would then run on unawaited (its I/O into the caller's memory included).
+            return False
         took = False
         while True:
             try:

@@ -10,12 +10,18 @@
 - A caller waiting in ``run`` while the loop died got ``CancelledError`` (the death cancels the
   coroutine) instead of ``LoopDied``: the adapters catch ``LoopDied``, so the error reached the
   engine's thread (SGLang's lookups, vLLM's drain).
+- A poll queued behind the death (a wake-up, a poll timer) ran while the end waited for the
+  cancelled work and started posted work after the end's snapshot: it ran on, never cancelled or
+  awaited, and the loop closed under it (a vLLM promotion's read into a chunk vLLM was told had
+  failed). Work posted as the loop ended, after its end had dropped the inbox, stayed there unclosed.
 
 The deaths are real: a callback lets ``SystemExit`` out on the loop thread."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import gc
 import threading
 from pathlib import Path
 from typing import Any
@@ -82,6 +88,55 @@ def test_a_second_death_during_the_end_still_answers_every_caller() -> None:
                 future.result(BOUND_S)
         assert late.result(BOUND_S) == 1
         assert thread.wait_ended(BOUND_S) and thread.loop.is_closed()
+    finally:
+        thread.close()
+
+
+def test_posted_work_is_never_started_by_a_poll_queued_behind_the_death() -> None:
+    thread = LoopThread("rev190")
+    started: list[str] = []
+
+    async def work() -> None:
+        started.append("started")
+        await asyncio.sleep(0.2)
+        started.append("finished")
+
+    def die_then_poll() -> None:  # on the loop: the death, then a poll (as wake() queues one)
+        thread.loop.call_soon(_die)
+        thread.post(work())
+        thread.loop.call_soon(thread._poll)
+
+    try:
+        thread.loop.call_soon_threadsafe(die_then_poll)
+        assert thread.wait_ended(BOUND_S) and thread.loop.is_closed()
+        gc.collect()  # a coroutine left unclosed would warn (an error here) when collected
+        assert started == []
+        assert thread.pending() == 0
+    finally:
+        thread.close()
+
+
+def test_work_posted_as_the_loop_ends_is_closed_not_left_behind() -> None:
+    thread = LoopThread("rev190")
+    closed: list[bool] = []
+
+    class DyingInbox(collections.deque[Any]):
+        def append(self, item: Any) -> None:  # the death lands between post's check and its append
+            if not closed:
+                closed.append(False)
+                thread.loop.call_soon_threadsafe(_die)
+                assert thread.wait_ended(BOUND_S)
+            super().append(item)
+
+    async def work() -> None:
+        raise AssertionError("never started")
+
+    thread._inbox = DyingInbox(thread._inbox)
+    try:
+        coro = work()
+        thread.post(coro)  # passed the check while alive: no LoopDied, the owner answers for it
+        assert thread.pending() == 0
+        assert coro.cr_frame is None  # closed unstarted, not left in the inbox for good
     finally:
         thread.close()
 
