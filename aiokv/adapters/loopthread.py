@@ -389,6 +389,14 @@ class LoopThread:
         waits for it) reaches the caller as ``LoopDied``, as for work the loop never started: the
         adapters catch ``LoopDied``, and a ``CancelledError`` reached the engine's thread. A
         :meth:`close` leaves the ``CancelledError`` (see :meth:`wait_answered`)."""
+        if self._ending:
+            # Started behind the death or the close (its start was queued after the end took its
+            # snapshot of the work to cancel): it would run on unawaited, never cancelled, and the
+            # loop close under it (a copy into the engine's memory after the caller was answered).
+            coro.close()
+            if self.died is not None:
+                raise _died_error(self.died)
+            raise asyncio.CancelledError
         try:
             return await coro
         except asyncio.CancelledError:

@@ -1,0 +1,126 @@
+"""Review 192 of the loop thread's end (72678f2, 4d850b5): work handed over just before a death.
+
+- A ``submit`` that passed its check while the loop was alive (blocked in a callback) queued its
+  start behind the death: the end's snapshot of the tasks to cancel was taken before it existed,
+  so the coroutine started afterwards (while the end ran the loop for its finalizers or async
+  generators), was never cancelled or awaited, and the loop closed under it, while its caller was
+  answered ``LoopDied`` (a copy into the engine's memory still in flight after the engine was told
+  it ended).
+- A ``quiesce`` so queued (vLLM's ``drain_jobs``) started after the end's snapshot, found posted
+  work refused (``_take_inbox`` refuses once ending) and nothing running, and returned normally:
+  the drain said every posted job had run while the end dropped them unstarted.
+- A caller's own ``future.cancel()`` stays ``CancelledError`` (``_answer`` turns only the death's
+  cancellation into ``LoopDied``): a check.
+
+The deaths are real: a callback lets ``SystemExit`` out on the loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from aiokv.adapters.loopthread import LoopDied, LoopThread
+
+BOUND_S = 10.0
+
+
+def _hold_then_die(thread: LoopThread) -> threading.Event:
+    """Block the loop thread in a callback until the returned event is set, then let
+    ``SystemExit`` out of it (the loop dies); returns once the loop is blocked."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(BOUND_S)
+        raise SystemExit("injected: the loop thread ends")
+
+    thread.loop.call_soon_threadsafe(hold)
+    assert held.wait(BOUND_S), "the loop never ran the callback"
+    return release
+
+
+def test_work_submitted_just_before_a_death_never_runs_past_the_end() -> None:
+    thread = LoopThread("rev192-submit")
+    started, ended = threading.Event(), threading.Event()
+
+    async def copy() -> int:  # stands for a transfer into the engine's memory
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+        return 1
+
+    release = _hold_then_die(thread)
+    future = thread.submit(copy())  # the loop is alive (blocked): the check passes, the start queues
+    release.set()
+    assert thread.wait_ended(BOUND_S), "the dying loop never ended"
+    with pytest.raises(LoopDied):
+        future.result(BOUND_S)
+    # Told LoopDied: the copy never started, or ended (its cleanup ran) before the loop closed.
+    assert not started.is_set() or ended.is_set(), "the submitted copy ran on past the loop's end, never cancelled"
+    thread.close()
+
+
+def test_a_quiesce_queued_behind_a_death_does_not_report_posted_work_done() -> None:
+    thread = LoopThread("rev192-quiesce")
+    ran = threading.Event()
+
+    async def job() -> None:
+        ran.set()
+
+    release = _hold_then_die(thread)
+    thread.post(job())  # posted while the loop is blocked: never picked up before the death
+    outcome: list[object] = []
+
+    def drain() -> None:
+        try:
+            thread.quiesce(BOUND_S)
+            outcome.append("returned")
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+
+    drainer = threading.Thread(target=drain, name="rev192-drain")
+    drainer.start()
+    deadline = time.monotonic() + BOUND_S
+    while thread.wait_answered(0.01):  # until quiesce's submit is handed over (bounded)
+        assert time.monotonic() < deadline, "quiesce never submitted"
+    release.set()
+    drainer.join(BOUND_S)
+    assert not drainer.is_alive(), "quiesce hung"
+    assert thread.wait_ended(BOUND_S)
+    assert not ran.is_set()
+    assert len(outcome) == 1 and isinstance(outcome[0], LoopDied), (
+        f"quiesce said the posted job ran, yet it was dropped unstarted: {outcome!r}")
+    assert thread.pending() == 0
+    thread.close()
+
+
+def test_a_callers_own_cancel_stays_cancelled_error() -> None:
+    thread = LoopThread("rev192-cancel")
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def held() -> int:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 1
+
+    try:
+        future = thread.submit(held())
+        assert started.wait(BOUND_S)
+        assert future.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(BOUND_S)
+        assert cancelled.wait(BOUND_S), "the caller's cancel never reached the coroutine"
+        assert thread.died is None
+        assert thread.wait_answered(BOUND_S)
+    finally:
+        thread.close()
