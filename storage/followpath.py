@@ -476,10 +476,10 @@ class FollowPath(TierBase):
         if deleted:
             # Deleted by the caller while the directory was away: a file of the key is the one
             # deleted (served, it would be a page the caller invalidated), whatever its time (a copy
-            # restored without its times, a wall clock stepped back); once the tier stored the key
-            # again, a file newer than the delete may be that store's.
-            found = listing.found
-            gone = gone | {key for key in fresh if key in deleted and _deleted_file(deleted[key], found[key])}
+            # restored without its times or with new ones, a wall clock stepped back), unless it is
+            # the very file this tier stored since the delete, moved back with its directory.
+            entries = listing.entries
+            gone = gone | {key for key in fresh if key in deleted and _deleted_file(deleted[key], entries[key])}
         indexed = [key for key in fresh if key not in gone]
         excess: list[PageKey] = []
         if self._read_only is None:
@@ -513,8 +513,8 @@ class FollowPath(TierBase):
         away and retired, replaced, unreadable at start; one retired before, whose copy may come
         back; one being listed, or whose late listing failed part-way), the delete is remembered
         with its time (at most :data:`DELETED_KEPT` keys), and the listing of that directory
-        unlinks a file of the key rather than index it (once the key is stored again, only one
-        no newer than the delete: :data:`STORED_SINCE_DELETE`). Whatever the
+        unlinks a file of the key rather than index it (once the key is stored again, any file but
+        that store's: :data:`STORED_SINCE_DELETE`). Whatever the
         key's state: indexed or being written (stored again after its directory went away), the
         old copy is still the one deleted. True when the directory open now is listed only in part
         (being listed, or listed again later): the caller unlinks the name now too."""
@@ -627,10 +627,11 @@ def _nothing(_: object) -> None:
     """A listing has nothing to close."""
 
 
-def _deleted_file(remembered: int, mtime: int) -> bool:
+def _deleted_file(remembered: int, identity: int) -> bool:
     """Whether a file of a key whose delete was remembered as ``remembered`` (see
-    :data:`STORED_SINCE_DELETE`), last modified at ``mtime`` (ns), is the page deleted."""
-    return remembered < STORED_SINCE_DELETE or remembered - STORED_SINCE_DELETE >= mtime
+    :data:`STORED_SINCE_DELETE`), listed as ``identity`` (:func:`~.layoutdir.file_identity`), is
+    the page deleted: any file but the one this tier stored since."""
+    return remembered - STORED_SINCE_DELETE != identity
 
 
 def _list_in_order(fd: int, index: int, shown: Path, remove: bool, faults: list[tuple[OSError, str]],

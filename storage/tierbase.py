@@ -49,10 +49,13 @@ BULK_UNLINK_KEYS = 64
 start over a lowered budget (20,000 files over one of 100) held the loop 0.73 s making and running
 a task per file."""
 
-STORED_SINCE_DELETE = 1 << 80
-"""Added to a remembered delete's time (:data:`~.followpath.DELETED_KEPT`) once the tier stored the key
-again: only then may a file of the key newer than the delete be its page (before, every file of
-the key is the one deleted, whatever its time: a copy with fresh times, a wall clock stepped back)."""
+STORED_SINCE_DELETE = 1 << 128
+"""A remembered delete (:data:`~.followpath.DELETED_KEPT`) at or above this: the tier stored the key
+again, and the value less this is that store's file (:func:`~.layoutdir.file_identity`: inode
+number and change time, above any time of a delete). A listing takes only that file, moved with its
+directory, for the key's page; any other file of the key (the old one, a copy of it with new times)
+is the one deleted. Below it: the time of the delete (ns), and every file of the key is the one
+deleted, whatever its time (a copy with fresh times, a wall clock stepped back)."""
 
 
 class TierBase(TierEdge):
@@ -147,9 +150,9 @@ class TierBase(TierEdge):
         self._relist: dict[int, tuple[int, int, int]] = {}
         self._listings_failed = 0
         # Keys the caller deleted while a file of theirs may lie where no listing indexed it (see
-        # FollowPath._remember_delete) -> the time of the delete (ns), or STORED_SINCE_DELETE added
-        # to it once this tier stored the key again: a file of theirs that comes back with the
-        # directory is unlinked, not indexed, unless the key was stored since and the file is newer.
+        # FollowPath._remember_delete) -> the time of the delete (ns), or STORED_SINCE_DELETE plus
+        # the identity of the file this tier stored since: a file of theirs that comes back with the
+        # directory is unlinked, not indexed, unless it is that file (moved with its directory).
         self._deleted_away: dict[PageKey, int] = {}
         # Fan-out directories that had a descriptor retired (moved away, replaced): a copy of one may
         # come back whenever, so a delete of a key there is remembered whatever the key's state then.

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import os
 
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .config import ReadOnly
 from .jobs import Job, WriteJob
+from .layoutdir import file_identity
 from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
@@ -552,6 +554,23 @@ class WritePath(TierBase):
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
+    def _stored_since_delete(self, key: PageKey) -> None:
+        """``key``, whose delete is remembered, was stored (its file published under its name):
+        remember that file (:data:`STORED_SINCE_DELETE`), the only one of the key a later listing
+        takes for its page. Not by time: a copy of the deleted page made after the delete (``cp``
+        without ``-p``) is newer than it. One ``stat`` on the loop, of a name just published (in
+        the lookup caches), for such keys only; where it fails, every file of the key stays the one
+        deleted (a miss at worst)."""
+        prepared = self._dir
+        fd = -1 if prepared is None else prepared.fanout[key[0]]
+        if fd < 0:
+            return
+        try:
+            st = os.stat(key.hex(), dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return
+        self._deleted_away[key] = STORED_SINCE_DELETE + file_identity(st.st_ino, st)
+
     def _end_write(self, job: WriteJob, stored: bool) -> None:
         """``job`` ends, stored or not: its reference released, its room the file's or given back,
         its callers told, the tier's count of jobs down. Run again after an interrupt (with
@@ -574,9 +593,8 @@ class WritePath(TierBase):
         if stored and job.holds_room:
             self._index.add(key)
             job.holds_room = False  # the file's now
-            deleted = self._deleted_away
-            if deleted and (when := deleted.get(key, STORED_SINCE_DELETE)) < STORED_SINCE_DELETE:
-                deleted[key] = when + STORED_SINCE_DELETE  # a newer file of the key may be this one
+            if key in self._deleted_away:
+                self._stored_since_delete(key)
             self._writes += 1
             self._bytes_written += self._file_bytes
         self._give_room_back(job)
