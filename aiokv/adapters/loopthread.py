@@ -407,11 +407,19 @@ class LoopThread:
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run the plain function ``fn`` on the loop now (wakes it); returns at once. Raises
         ``RuntimeError`` once closed, ``LoopDied`` once the loop died; the future fails with
-        ``LoopDied`` if it dies before running ``fn``."""
+        ``LoopDied`` if it dies before running ``fn`` (is cancelled if a :meth:`close` ends it first)."""
         self._check_running()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
+            if self._ending:
+                # Queued behind the death or the close: run after the end's snapshot, work ``fn``
+                # starts (a region's registration) would run on uncancelled, the loop closed under it.
+                if self.died is not None:
+                    _fail(future, self.died)
+                else:
+                    future.cancel()
+                return
             if not future.set_running_or_notify_cancel():
                 return
             try:

@@ -124,3 +124,34 @@ def test_a_callers_own_cancel_stays_cancelled_error() -> None:
         assert thread.wait_answered(BOUND_S)
     finally:
         thread.close()
+
+
+def test_a_call_queued_behind_a_death_does_not_run_on_the_ending_loop() -> None:
+    # A plain function may start work of its own (the store's register_memory starts the
+    # registration of the engine's region as a task): run during the end, after its snapshot, that
+    # work ran on uncancelled; and the caller got an answer from a loop that had died.
+    thread = LoopThread("rev192-call")
+    ran = threading.Event()
+    started, ended = threading.Event(), threading.Event()
+
+    async def pin() -> None:  # stands for the region's registration
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+
+    def register() -> int:
+        ran.set()
+        asyncio.get_running_loop().create_task(pin())
+        return 1
+
+    release = _hold_then_die(thread)
+    future = thread.call(register)  # the loop is alive (blocked): the check passes, the run queues
+    release.set()
+    assert thread.wait_ended(BOUND_S), "the dying loop never ended"
+    assert not started.is_set() or ended.is_set(), "work the call started ran on past the loop's end"
+    assert not ran.is_set(), "the call ran on a loop that had died"
+    with pytest.raises(LoopDied):
+        future.result(BOUND_S)
+    thread.close()
