@@ -478,8 +478,9 @@ class FollowPath(TierBase):
             # deleted (served, it would be a page the caller invalidated), whatever its time (a copy
             # restored without its times or with new ones, a wall clock stepped back), unless it is
             # the very file this tier stored since the delete, moved back with its directory.
-            entries = listing.entries
-            gone = gone | {key for key in fresh if key in deleted and _deleted_file(deleted[key], entries[key])}
+            entries, found = listing.entries, listing.found
+            gone = gone | {key for key in fresh
+                           if key in deleted and _deleted_file(deleted[key], entries[key], found[key])}
         indexed = [key for key in fresh if key not in gone]
         excess: list[PageKey] = []
         if self._read_only is None:
@@ -596,6 +597,13 @@ class FollowPath(TierBase):
         prepared.lock_fd = None
         self._lock_lost += 1
         self._relist.clear()  # the looks list what they need: a take-over scans every directory
+        # The other writer's stores are unknown here: a file of a key this tier deleted that is
+        # newer than the delete may be one of them (a page to serve once this tier takes over:
+        # unlinked before, review 193); one no newer is still the page deleted.
+        deleted = self._deleted_away
+        for key, when in deleted.items():
+            if 0 <= when < STORED_SINCE_DELETE:
+                deleted[key] = -1 - when
         # Spare files are this tier's own (in nobody's index): unlinked while it still may.
         self._remove_spares(self._spares.drain())
         self._read_only = ReadOnly.LOCKED
@@ -627,10 +635,14 @@ def _nothing(_: object) -> None:
     """A listing has nothing to close."""
 
 
-def _deleted_file(remembered: int, identity: int) -> bool:
+def _deleted_file(remembered: int, identity: int, mtime: int) -> bool:
     """Whether a file of a key whose delete was remembered as ``remembered`` (see
-    :data:`STORED_SINCE_DELETE`), listed as ``identity`` (:func:`~.layoutdir.file_identity`), is
-    the page deleted: any file but the one this tier stored since."""
+    :data:`STORED_SINCE_DELETE`), listed as ``identity`` (:func:`~.layoutdir.file_identity`), last
+    modified at ``mtime`` (ns), is the page deleted: any file but the one this tier stored since;
+    for a delete from before another writer held the lock (negative: ``-1 -`` its time), a file no
+    newer than the delete."""
+    if remembered < 0:
+        return -1 - remembered >= mtime
     return remembered - STORED_SINCE_DELETE != identity
 
 

@@ -152,7 +152,8 @@ class TierBase(TierEdge):
         # Keys the caller deleted while a file of theirs may lie where no listing indexed it (see
         # FollowPath._remember_delete) -> the time of the delete (ns), or STORED_SINCE_DELETE plus
         # the identity of the file this tier stored since: a file of theirs that comes back with the
-        # directory is unlinked, not indexed, unless it is that file (moved with its directory).
+        # directory is unlinked, not indexed, unless it is that file (moved with its directory);
+        # -1 less the time of a delete from before another writer held the lock: a file no newer.
         self._deleted_away: dict[PageKey, int] = {}
         # Fan-out directories that had a descriptor retired (moved away, replaced): a copy of one may
         # come back whenever, so a delete of a key there is remembered whatever the key's state then.
