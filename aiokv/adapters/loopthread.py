@@ -263,9 +263,12 @@ class LoopThread:
             self._drop_inbox()
 
     def post_call(self, fn: Callable[[], object]) -> None:
-        """Queue the plain function ``fn`` for the loop's next poll (as :meth:`post`)."""
+        """Queue the plain function ``fn`` for the loop's next poll (as :meth:`post`: dropped
+        unrun if the loop ended as it was queued)."""
         self._check_running()
         self._inbox.append(fn)
+        if self._closed or self.died is not None:
+            self._drop_inbox()  # ended since the check: nothing takes it any more (see post)
 
     @property
     def parked(self) -> bool:

@@ -9,6 +9,10 @@
 - A ``quiesce`` so queued (vLLM's ``drain_jobs``) started after the end's snapshot, found posted
   work refused (``_take_inbox`` refuses once ending) and nothing running, and returned normally:
   the drain said every posted job had run while the end dropped them unstarted.
+- A ``call`` so queued ran its function on the ending loop: work it started (the store's
+  ``register_memory`` starts a task) ran on uncancelled, and the caller got an answer.
+- ``post_call`` had no check after its append (``post`` has): a function appended after the end
+  dropped the inbox stayed there for good.
 - A caller's own ``future.cancel()`` stays ``CancelledError`` (``_answer`` turns only the death's
   cancellation into ``LoopDied``): a check.
 
@@ -20,6 +24,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -155,3 +160,50 @@ def test_a_call_queued_behind_a_death_does_not_run_on_the_ending_loop() -> None:
     with pytest.raises(LoopDied):
         future.result(BOUND_S)
     thread.close()
+
+
+def test_a_function_posted_as_the_loop_ends_is_dropped_not_left_behind() -> None:
+    # post_call's check passed while the loop was alive; its append came after the end had dropped
+    # the inbox. The interleaving is forced with a tracer on the posting thread (the death is real).
+    import inspect
+    import sys
+
+    thread = LoopThread("rev192-post-call")
+    lines, first = inspect.getsourcelines(LoopThread.post_call)
+    append_line = first + next(i for i, line in enumerate(lines) if "self._inbox.append(fn)" in line)
+    at_append, go = threading.Event(), threading.Event()
+    ran = threading.Event()
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        if frame.f_code is not LoopThread.post_call.__code__:
+            return None
+
+        def local(frame: Any, event: str, arg: object) -> Any:
+            if event == "line" and frame.f_lineno == append_line:
+                at_append.set()
+                go.wait(BOUND_S)
+            return local
+        return local
+
+    def poster() -> None:
+        sys.settrace(tracer)
+        try:
+            thread.post_call(ran.set)
+        finally:
+            sys.settrace(None)
+
+    posting = threading.Thread(target=poster, name="rev192-poster")
+    posting.start()
+    assert at_append.wait(BOUND_S), "post_call never reached its append"
+    thread.loop.call_soon_threadsafe(_die)
+    assert thread.wait_ended(BOUND_S), "the dying loop never ended"
+    go.set()
+    posting.join(BOUND_S)
+    assert not posting.is_alive()
+    assert not ran.is_set()
+    assert thread.pending() == 0, "a function posted as the loop ended was left in the inbox for good"
+    thread.close()
+
+
+def _die() -> None:
+    raise SystemExit("injected: the loop thread ends")
