@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -59,8 +60,15 @@ APPLY_PER_TURN = 4096
 most this much between two turns)."""
 
 DELETED_KEPT = 65536
-"""Keys deleted while their fan-out directory was away that the tier remembers (the oldest
-forgotten beyond: a file of such a key put back later is indexed as any other)."""
+"""Keys deleted while their fan-out directory was away that the tier remembers one by one (beyond,
+the oldest goes into :data:`FORGOTTEN_BITS`)."""
+
+FORGOTTEN_BITS = 1 << 23
+"""Bits (1 MiB, made at the first delete forgotten) of the filter that keeps deletes beyond
+:data:`DELETED_KEPT`: a listing unlinks a file of a key the filter may hold (two bits of the key's
+hash) that is no newer than the last delete forgotten in its fan-out directory. No growth; a false
+positive (about 1 in 4,000 pages listed after 65,536 deletes forgotten, 1 in 22 after a million)
+is a miss, never stale data."""
 
 RELIST_DOUBLINGS = 6
 """A fan-out directory whose late listing keeps failing is listed again after 1, 2, 4, ... and at
@@ -481,6 +489,10 @@ class FollowPath(TierBase):
             entries, found = listing.entries, listing.found
             gone = gone | {key for key in fresh
                            if key in deleted and _deleted_file(deleted[key], entries[key], found[key])}
+        if self._forgotten_before.get(index) is not None:
+            # Deletes beyond DELETED_KEPT (review 193: such a page came back, stale).
+            found = listing.found
+            gone = gone | {key for key in fresh if key not in deleted and self._maybe_forgotten(key, found[key])}
         indexed = [key for key in fresh if key not in gone]
         excess: list[PageKey] = []
         if self._read_only is None:
@@ -529,10 +541,33 @@ class FollowPath(TierBase):
             return False  # listed whole, never away: no file of the key outside the index
         deleted = self._deleted_away
         deleted.pop(key, None)  # most recent last: the oldest is forgotten first
-        deleted[key] = time.time_ns()  # file times come from the same clock, at most as late
+        now = time.time_ns()
+        deleted[key] = now  # file times come from the same clock, at most as late
         if len(deleted) > DELETED_KEPT:
-            del deleted[next(iter(deleted))]
+            oldest = next(iter(deleted))
+            self._forget_delete(oldest, deleted.pop(oldest), now)
         return part_listed
+
+    def _forget_delete(self, key: PageKey, remembered: int, now: int) -> None:
+        """A delete beyond :data:`DELETED_KEPT`, remembered as ``remembered``: into the filter
+        (:data:`FORGOTTEN_BITS`), its time a bound for its fan-out directory (``now`` where the
+        tier stored the key since: that delete's time is no longer known)."""
+        when = -1 - remembered if remembered < 0 else remembered if remembered < STORED_SINCE_DELETE else now
+        bits = self._forgotten
+        if bits is None:
+            bits = self._forgotten = bytearray(FORGOTTEN_BITS // 8)
+        for bit in _filter_bits(key):
+            bits[bit >> 3] |= 1 << (bit & 7)
+        index = key[0]
+        self._forgotten_before[index] = max(self._forgotten_before.get(index, when), when)
+
+    def _maybe_forgotten(self, key: PageKey, mtime: int) -> bool:
+        """Whether a file of ``key`` last modified at ``mtime`` (ns) may be the page of a delete
+        forgotten beyond :data:`DELETED_KEPT` (:meth:`_forget_delete`)."""
+        bits = self._forgotten
+        before = self._forgotten_before.get(key[0])
+        return (bits is not None and before is not None and mtime <= before
+                and all(bits[bit >> 3] >> (bit & 7) & 1 for bit in _filter_bits(key)))
 
     def _listing_failed(self, index: int, fd: int) -> None:
         """The late listing of fan-out directory ``index`` (descriptor ``fd``, still in use) failed
@@ -633,6 +668,13 @@ class FollowPath(TierBase):
 
 def _nothing(_: object) -> None:
     """A listing has nothing to close."""
+
+
+def _filter_bits(key: PageKey) -> tuple[int, int]:
+    """The two bits of :data:`FORGOTTEN_BITS` that stand for ``key`` (keys are not always uniform
+    hashes: hashed again)."""
+    mixed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return mixed % FORGOTTEN_BITS, (mixed >> 32) % FORGOTTEN_BITS
 
 
 def _deleted_file(remembered: int, identity: int, mtime: int) -> bool:

@@ -155,6 +155,10 @@ class TierBase(TierEdge):
         # directory is unlinked, not indexed, unless it is that file (moved with its directory);
         # -1 less the time of a delete from before another writer held the lock: a file no newer.
         self._deleted_away: dict[PageKey, int] = {}
+        # Deletes beyond DELETED_KEPT (FollowPath._forget_delete): a filter of bits (made at the
+        # first) and, per fan-out directory, the time of the last one forgotten there.
+        self._forgotten: bytearray | None = None
+        self._forgotten_before: dict[int, int] = {}
         # Fan-out directories that had a descriptor retired (moved away, replaced): a copy of one may
         # come back whenever, so a delete of a key there is remembered whatever the key's state then.
         self._fanouts_away: set[int] = set()
