@@ -49,7 +49,7 @@ from .layoutdir import FanoutListing, FollowSeed, list_fanout
 from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
 from .pagefile import TEMP_PREFIX
 from .spares import SPARE_PREFIX
-from .tierbase import STORED_SINCE_DELETE, TierBase
+from .tierbase import DELETE_TIME_BITS, STORED_SINCE_DELETE, TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
 
@@ -541,18 +541,16 @@ class FollowPath(TierBase):
             return False  # listed whole, never away: no file of the key outside the index
         deleted = self._deleted_away
         deleted.pop(key, None)  # most recent last: the oldest is forgotten first
-        now = time.time_ns()
-        deleted[key] = now  # file times come from the same clock, at most as late
+        deleted[key] = time.time_ns()  # file times come from the same clock, at most as late
         if len(deleted) > DELETED_KEPT:
             oldest = next(iter(deleted))
-            self._forget_delete(oldest, deleted.pop(oldest), now)
+            self._forget_delete(oldest, deleted.pop(oldest))
         return part_listed
 
-    def _forget_delete(self, key: PageKey, remembered: int, now: int) -> None:
+    def _forget_delete(self, key: PageKey, remembered: int) -> None:
         """A delete beyond :data:`DELETED_KEPT`, remembered as ``remembered``: into the filter
-        (:data:`FORGOTTEN_BITS`), its time a bound for its fan-out directory (``now`` where the
-        tier stored the key since: that delete's time is no longer known)."""
-        when = -1 - remembered if remembered < 0 else remembered if remembered < STORED_SINCE_DELETE else now
+        (:data:`FORGOTTEN_BITS`), its time a bound for its fan-out directory."""
+        when = -1 - remembered if remembered < 0 else remembered & DELETE_TIME_BITS
         bits = self._forgotten
         if bits is None:
             bits = self._forgotten = bytearray(FORGOTTEN_BITS // 8)
@@ -635,10 +633,12 @@ class FollowPath(TierBase):
         # The other writer's stores are unknown here: a file of a key this tier deleted that is
         # newer than the delete may be one of them (a page to serve once this tier takes over:
         # unlinked before, review 193); one no newer is still the page deleted.
+        # So is a file other than the one this tier stored since (the other writer may have
+        # deleted and stored the key again).
         deleted = self._deleted_away
         for key, when in deleted.items():
-            if 0 <= when < STORED_SINCE_DELETE:
-                deleted[key] = -1 - when
+            if when >= 0:
+                deleted[key] = -1 - (when & DELETE_TIME_BITS if when >= STORED_SINCE_DELETE else when)
         # Spare files are this tier's own (in nobody's index): unlinked while it still may.
         self._remove_spares(self._spares.drain())
         self._read_only = ReadOnly.LOCKED
@@ -681,11 +681,11 @@ def _deleted_file(remembered: int, identity: int, mtime: int) -> bool:
     """Whether a file of a key whose delete was remembered as ``remembered`` (see
     :data:`STORED_SINCE_DELETE`), listed as ``identity`` (:func:`~.layoutdir.file_identity`), last
     modified at ``mtime`` (ns), is the page deleted: any file but the one this tier stored since;
-    for a delete from before another writer held the lock (negative: ``-1 -`` its time), a file no
-    newer than the delete."""
+    for a delete from before another writer held the lock (negative: ``-1 -`` its time), any file
+    no newer than the delete."""
     if remembered < 0:
         return -1 - remembered >= mtime
-    return remembered - STORED_SINCE_DELETE != identity
+    return (remembered - STORED_SINCE_DELETE) >> 64 != identity
 
 
 def _list_in_order(fd: int, index: int, shown: Path, remove: bool, faults: list[tuple[OSError, str]],

@@ -49,13 +49,17 @@ BULK_UNLINK_KEYS = 64
 start over a lowered budget (20,000 files over one of 100) held the loop 0.73 s making and running
 a task per file."""
 
-STORED_SINCE_DELETE = 1 << 128
+STORED_SINCE_DELETE = 1 << 192
 """A remembered delete (:data:`~.followpath.DELETED_KEPT`) at or above this: the tier stored the key
 again, and the value less this is that store's file (:func:`~.layoutdir.file_identity`: inode
-number and change time, above any time of a delete). A listing takes only that file, moved with its
-directory, for the key's page; any other file of the key (the old one, a copy of it with new times)
-is the one deleted. Below it: the time of the delete (ns), and every file of the key is the one
-deleted, whatever its time (a copy with fresh times, a wall clock stepped back)."""
+number and change time) above 64 bits, the time of the delete (ns) below them. A listing takes
+only that file, moved with its directory, for the key's page; any other file of the key (the old
+one, a copy of it with new times) is the one deleted. Below it: the time of the delete, and every
+file of the key is the one deleted, whatever its time (a copy with fresh times, a wall clock
+stepped back)."""
+
+DELETE_TIME_BITS = (1 << 64) - 1
+"""The time of the delete in a remembered delete at or above :data:`STORED_SINCE_DELETE`."""
 
 
 class TierBase(TierEdge):
@@ -151,9 +155,10 @@ class TierBase(TierEdge):
         self._listings_failed = 0
         # Keys the caller deleted while a file of theirs may lie where no listing indexed it (see
         # FollowPath._remember_delete) -> the time of the delete (ns), or STORED_SINCE_DELETE plus
-        # the identity of the file this tier stored since: a file of theirs that comes back with the
-        # directory is unlinked, not indexed, unless it is that file (moved with its directory);
-        # -1 less the time of a delete from before another writer held the lock: a file no newer.
+        # the identity of the file this tier stored since (and the time): a file of theirs that
+        # comes back with the directory is unlinked, not indexed, unless it is that file (moved
+        # with its directory); -1 less the time of a delete from before another writer held the
+        # lock: a file no newer.
         self._deleted_away: dict[PageKey, int] = {}
         # Deletes beyond DELETED_KEPT (FollowPath._forget_delete): a filter of bits (made at the
         # first) and, per fan-out directory, the time of the last one forgotten there.

@@ -30,7 +30,7 @@ from .memory import PageBuffer
 from .pagefile import pack_header
 from .safefiles import UnsafeFileError
 from .spares import Made, Spare
-from .tierbase import STORED_SINCE_DELETE, TierBase
+from .tierbase import DELETE_TIME_BITS, STORED_SINCE_DELETE, TierBase
 from .uring import not_started
 
 _NO_NEW_FILE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT})
@@ -569,7 +569,10 @@ class WritePath(TierBase):
             st = os.stat(key.hex(), dir_fd=fd, follow_symlinks=False)
         except OSError:
             return
-        self._deleted_away[key] = STORED_SINCE_DELETE + file_identity(st.st_ino, st)
+        deleted = self._deleted_away
+        when = deleted[key]
+        when = -1 - when if when < 0 else when & DELETE_TIME_BITS  # ... if stored since already
+        deleted[key] = STORED_SINCE_DELETE + (file_identity(st.st_ino, st) << 64 | when)
 
     def _end_write(self, job: WriteJob, stored: bool) -> None:
         """``job`` ends, stored or not: its reference released, its room the file's or given back,

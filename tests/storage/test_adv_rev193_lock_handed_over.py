@@ -81,3 +81,50 @@ async def test_a_page_the_other_writer_stored_after_a_delete_survives_the_take_o
         assert await _served(a, keys[2], size)
         assert _indexed(a) == _on_disk(a.files.layout_dir)
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_page_the_other_writer_stored_again_survives_a_delete_this_tier_stored_after(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """A deletes the key while its directory is away and stores it again (only that file is then
+    the key's page); B, writing meanwhile, deletes and stores it once more. Before: A, back as
+    the writer, unlinked B's file at the directory's listing (not the file A stored)."""
+    size = layout.page_bytes
+    keys = [key_of(i, TAG) for i in range(2)]
+    victim = keys[0]
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
+    async with started(DiskTier(cfg, layout, pool)) as a:
+        checks = LockChecks(a)
+        for key in keys:
+            assert await a.write_from(key, memoryview(_bytes_of(key, size)))
+        fan = a.files.layout_dir / f"{TAG:02x}"
+        os.rename(fan, tmp_path / "away")
+        await checks.next()  # retired
+        await a.delete(victim)  # remembered
+        assert await a.write_from(victim, memoryview(_bytes_of(victim, size)))  # into the one made again
+        os.unlink(a.files.layout_dir / ".lock")
+        async with started(DiskTier(cfg, layout, pool)) as b:
+            looks = Looks(a)
+            await checks.next()
+            assert a.read_only is ReadOnly.LOCKED
+            await b.delete(victim)
+            assert await b.write_from(victim, memoryview(_bytes_of(victim, size)))  # B's own file now
+        await looks.next()  # A takes over
+        assert a.read_only is None and a.contains(victim)
+        os.rename(fan, tmp_path / "moved")
+        await checks.next()  # retired
+        os.rename(tmp_path / "moved", fan)
+        await checks.next()  # opened and listed
+        await _settled(tier=a)
+        assert (fan / victim.hex()).exists(), "the page the other writer stored was unlinked"
+        assert await _served(a, victim, size)
+        # The old directory (the page deleted, older than the delete) still does not bring it back.
+        os.rename(fan, tmp_path / "moved")
+        await checks.next()
+        os.rename(tmp_path / "away", fan)
+        await checks.next()
+        await _settled(tier=a)
+        assert not a.contains(victim) and not (fan / victim.hex()).exists()
+        assert await _served(a, keys[1], size)
+        assert _indexed(a) == _on_disk(a.files.layout_dir)
+    assert_clean(pool)
