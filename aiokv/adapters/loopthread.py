@@ -111,6 +111,9 @@ class LoopThread:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[object]] = set()
         self._waiting: set[concurrent.futures.Future[Any]] = set()  # callers of submit/call not answered yet
+        # submit's coroutines (its _answer, the caller's) by future until answered: closed if the
+        # loop closes without starting them
+        self._coros: dict[concurrent.futures.Future[Any], tuple[Coroutine[Any, Any, Any], ...]] = {}
         self._finalizers: list[Callable[[], Coroutine[Any, Any, object]]] = []
         self._ending = False  # the thread's end began (_end): posted work is no longer taken
         self.died: BaseException | None = None
@@ -166,9 +169,10 @@ class LoopThread:
             self._run_to_end(self._loop.shutdown_asyncgens())
             self._loop.close()
         finally:
-            # Even if the end itself failed: a caller left waiting would wait for good.
+            # Even if the end itself failed: a caller left waiting would wait for good (after a
+            # close too: a start queued after the end's last run was dropped with the loop).
+            self._answer_left()
             if self.died is not None:
-                self._fail_waiting()
                 self._drop_inbox()
 
     def _run_to_end(self, work: Awaitable[object]) -> None:
@@ -196,10 +200,17 @@ class LoopThread:
             except BaseException:  # one failing finalizer must not skip the others
                 log.exception("aiokv loop: finalizer raised while the loop thread ended")
 
-    def _fail_waiting(self) -> None:
+    def _answer_left(self) -> None:
+        """Answer every caller still waiting: ``LoopDied`` after a death, cancelled after a close;
+        once the loop is closed, their coroutines it never ran are closed (never awaited)."""
         for future in list(self._waiting):
-            _fail(future, self.died)
-        self._waiting.clear()
+            if self._loop.is_closed():
+                for coro in self._coros.pop(future, ()):  # pop: one thread closes them
+                    coro.close()
+            if self.died is not None:
+                _fail(future, self.died)
+            else:
+                future.cancel()
 
     def _drop_inbox(self) -> None:
         while self._inbox:
@@ -231,15 +242,22 @@ class LoopThread:
         if self._closed:
             raise RuntimeError("loop thread is closed")
 
-    def _track(self, future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
-        """Keep ``future`` until answered, so a dying loop fails it instead of leaving its caller
-        waiting. Added before the check: either the dying thread's sweep sees it, or this check
-        sees ``died`` (set before the sweep)."""
+    def _track(self, future: concurrent.futures.Future[T],
+               coros: tuple[Coroutine[Any, Any, Any], ...] = ()) -> concurrent.futures.Future[T]:
+        """Keep ``future`` until answered, so a loop that ends fails (or cancels) it instead of
+        leaving its caller waiting. Added before the check: either the ending thread's sweep sees
+        it, or this check sees ``died`` or the closed loop (each set before the sweep)."""
         self._waiting.add(future)
-        future.add_done_callback(self._waiting.discard)
-        if self.died is not None:
-            _fail(future, self.died)
+        if coros:
+            self._coros[future] = coros
+        future.add_done_callback(self._untrack)
+        if self.died is not None or self._loop.is_closed():
+            self._answer_left()
         return future
+
+    def _untrack(self, future: concurrent.futures.Future[Any]) -> None:
+        self._waiting.discard(future)
+        self._coros.pop(future, None)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -385,7 +403,7 @@ class LoopThread:
             answer.close()  # closes ``coro`` too
             self._check_running()
             raise
-        return self._track(future)
+        return self._track(future, (answer, coro))
 
     async def _answer(self, coro: Coroutine[Any, Any, T]) -> T:
         """``coro``, whose cancellation by the loop's death (its end cancels the work in flight and

@@ -13,6 +13,10 @@
   ``register_memory`` starts a task) ran on uncancelled, and the caller got an answer.
 - ``post_call`` had no check after its append (``post`` has): a function appended after the end
   dropped the inbox stayed there for good.
+- A ``submit`` that passed its check before a :meth:`close`, its start queued after the end's last
+  run of the loop and before the loop closed (which drops what is queued): nothing answered its
+  future (the end answers waiting callers only after a death), and a ``run`` caller (an SGLang
+  lookup racing the backend's close) waited for good.
 - A caller's own ``future.cancel()`` stays ``CancelledError`` (``_answer`` turns only the death's
   cancellation into ``LoopDied``): a check.
 
@@ -207,3 +211,72 @@ def test_a_function_posted_as_the_loop_ends_is_dropped_not_left_behind() -> None
 
 def _die() -> None:
     raise SystemExit("injected: the loop thread ends")
+
+
+def _pause_at(code: Any, needle: str, reached: threading.Event, go: threading.Event) -> Any:
+    """A tracer (for ``sys.settrace``) pausing the thread at the line of ``code`` holding
+    ``needle`` until ``go`` is set."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(code)
+    line_no = first + next(i for i, line in enumerate(lines) if needle in line)
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        if frame.f_code is not code.__code__:
+            return None
+
+        def local(frame: Any, event: str, arg: object) -> Any:
+            if event == "line" and frame.f_lineno == line_no:
+                reached.set()
+                go.wait(BOUND_S)
+            return local
+        return local
+    return tracer
+
+
+def test_a_submit_racing_a_close_is_answered_not_left_waiting() -> None:
+    # submit's check passed before the close; its start was queued after the end's last run of
+    # the loop and before the loop closed (which drops what is queued): nothing answered the future,
+    # and a run() caller (an SGLang lookup racing the backend's close) waited for good. The two
+    # interleavings are forced with tracers on the submitting thread and the loop thread.
+    import sys
+
+    thread = LoopThread("rev192-submit-close")
+    at_submit, submit_go = threading.Event(), threading.Event()
+    at_close, close_go = threading.Event(), threading.Event()
+    submit_tracer = _pause_at(LoopThread.submit, "asyncio.run_coroutine_threadsafe", at_submit, submit_go)
+    end_tracer = _pause_at(LoopThread._end, "self._loop.close()", at_close, close_go)
+    thread.loop.call_soon_threadsafe(sys.settrace, end_tracer)  # the loop thread's later frames (_end)
+    outcome: list[object] = []
+
+    async def look() -> int:
+        return 1
+
+    def caller() -> None:
+        sys.settrace(submit_tracer)
+        try:
+            future = thread.submit(look())
+        except BaseException as exc:  # refused: an outcome too
+            outcome.append(exc)
+            return
+        finally:
+            sys.settrace(None)
+        try:
+            outcome.append(future.result(BOUND_S))
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+
+    calling = threading.Thread(target=caller, name="rev192-caller")
+    calling.start()
+    assert at_submit.wait(BOUND_S), "submit never reached its hand-over"
+    closing = threading.Thread(target=thread.close, name="rev192-closer")
+    closing.start()
+    assert at_close.wait(BOUND_S), "the loop's end never reached its close"
+    submit_go.set()  # its start is queued now, on a loop about to close
+    calling.join(0.5)  # bounded: only so the hand-over is done before the loop closes
+    close_go.set()
+    closing.join(BOUND_S)
+    assert not closing.is_alive(), "close hung"
+    calling.join(BOUND_S)
+    assert not calling.is_alive(), "the caller still waits after close: its future was never answered"
+    assert len(outcome) == 1 and isinstance(outcome[0], (concurrent.futures.CancelledError, RuntimeError)), outcome
