@@ -336,6 +336,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         except LoopDied:
             log.error("aiokv backend: the loop thread died; every page misses")
             return PoolTransferResult(0, {}, [])
+        except concurrent.futures.CancelledError:  # close() ended the loop under it
+            log.error("aiokv backend: closed during a lookup; every page misses")
+            return PoolTransferResult(0, {}, [])
         hits: dict[str, int] = {_KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer, exists in zip(transfers, present, strict=True):
@@ -471,6 +474,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         except LoopDied:
             log.error("aiokv backend: the loop thread died; every page misses")
             return 0
+        except concurrent.futures.CancelledError:  # close() ended the loop under it
+            log.error("aiokv backend: closed during a lookup; every page misses")
+            return 0
 
     def clear(self) -> bool:
         """Delete every page file of this backend's pools (this model, rank and layout; other
@@ -489,6 +495,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             done = self._loop().run(clear_all())
         except LoopDied:
             log.error("aiokv backend: the loop thread died; nothing was cleared")
+            return False
+        except concurrent.futures.CancelledError:  # close() ended the loop under it
+            log.error("aiokv backend: closed during clear(); not all was cleared")
             return False
         errors = [d for d in done if isinstance(d, BaseException)]
         if errors:
