@@ -200,10 +200,11 @@ class LoopThread:
             except BaseException:  # one failing finalizer must not skip the others
                 log.exception("aiokv loop: finalizer raised while the loop thread ended")
 
-    def _answer_left(self) -> None:
-        """Answer every caller still waiting: ``LoopDied`` after a death, cancelled after a close;
-        once the loop is closed, their coroutines it never ran are closed (never awaited)."""
-        for future in list(self._waiting):
+    def _answer_left(self, futures: list[concurrent.futures.Future[Any]] | None = None) -> None:
+        """Answer every caller still waiting (or those of ``futures``): ``LoopDied`` after a death,
+        cancelled after a close; once the loop is closed, their coroutines it never ran are closed
+        (never awaited)."""
+        for future in list(self._waiting) if futures is None else futures:
             if self._loop.is_closed():
                 for coro in self._coros.pop(future, ()):  # pop: one thread closes them
                     coro.close()
@@ -252,7 +253,7 @@ class LoopThread:
             self._coros[future] = coros
         future.add_done_callback(self._untrack)
         if self.died is not None or self._loop.is_closed():
-            self._answer_left()
+            self._answer_left([future])  # its own only: the end may still be cancelling the others
         return future
 
     def _untrack(self, future: concurrent.futures.Future[Any]) -> None:
@@ -400,7 +401,8 @@ class LoopThread:
         try:
             future = asyncio.run_coroutine_threadsafe(answer, self._loop)
         except RuntimeError:  # the loop closed as it died, after the check
-            answer.close()  # closes ``coro`` too
+            answer.close()  # unstarted: that does not close ``coro`` (never awaited: a warning)
+            coro.close()
             self._check_running()
             raise
         return self._track(future, (answer, coro))

@@ -280,3 +280,100 @@ def test_a_submit_racing_a_close_is_answered_not_left_waiting() -> None:
     calling.join(BOUND_S)
     assert not calling.is_alive(), "the caller still waits after close: its future was never answered"
     assert len(outcome) == 1 and isinstance(outcome[0], (concurrent.futures.CancelledError, RuntimeError)), outcome
+
+
+def test_a_submit_refused_by_a_loop_closed_after_its_check_closes_the_callers_coroutine() -> None:
+    # submit's check passed; the loop closed before its hand-over (which raised): it closed its
+    # own wrapper, unstarted, which does not close the caller's coroutine (never awaited: a
+    # RuntimeWarning at collection, an error under this suite's warning filters).
+    import sys
+
+    thread = LoopThread("rev192-submit-closed")
+    at_submit, submit_go = threading.Event(), threading.Event()
+    tracer = _pause_at(LoopThread.submit, "asyncio.run_coroutine_threadsafe", at_submit, submit_go)
+    outcome: list[object] = []
+
+    async def look() -> int:
+        return 1
+
+    coro = look()
+
+    def caller() -> None:
+        sys.settrace(tracer)
+        try:
+            thread.submit(coro)
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+        finally:
+            sys.settrace(None)
+
+    calling = threading.Thread(target=caller, name="rev192-caller")
+    calling.start()
+    try:
+        assert at_submit.wait(BOUND_S)
+        thread.close()  # the loop is closed now
+        submit_go.set()
+        calling.join(BOUND_S)
+        assert not calling.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+        assert coro.cr_frame is None, "the caller's coroutine was left unclosed (never awaited)"
+    finally:
+        submit_go.set()
+        coro.close()
+
+
+def test_a_submit_meeting_the_death_answers_only_itself_while_the_end_cancels_the_others() -> None:
+    # A caller answered LoopDied is told its work ended: another submit that saw the death (the
+    # hand-over done, its future not yet kept) must answer only its own future, not the callers
+    # whose cancelled work the end still waits for (a transfer's cleanup waiting for its I/O).
+    import sys
+
+    thread = LoopThread("rev192-track")
+    started, in_cleanup, cleanup_go = threading.Event(), threading.Event(), threading.Event()
+
+    async def transfer() -> int:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            in_cleanup.set()
+            cleanup_go.wait(BOUND_S)  # the cancelled transfer waits for its I/O
+        return 1
+
+    other = thread.submit(transfer())
+    assert started.wait(BOUND_S)
+    at_track, track_go = threading.Event(), threading.Event()
+    tracer = _pause_at(LoopThread.submit, "return self._track(future, (answer, coro))", at_track, track_go)
+    mine: list[object] = []
+
+    async def look() -> int:
+        return 1
+
+    def caller() -> None:
+        sys.settrace(tracer)
+        try:
+            mine.append(thread.submit(look()))
+        except BaseException as exc:  # refused: an outcome too
+            mine.append(exc)
+        finally:
+            sys.settrace(None)
+
+    calling = threading.Thread(target=caller, name="rev192-caller")
+    calling.start()
+    try:
+        assert at_track.wait(BOUND_S)
+        thread.loop.call_soon_threadsafe(_die)
+        assert in_cleanup.wait(BOUND_S), "the end never cancelled the transfer"
+        track_go.set()
+        calling.join(BOUND_S)
+        assert not calling.is_alive()
+        assert not other.done(), "a caller was answered while its cancelled transfer still ran"
+        cleanup_go.set()
+        with pytest.raises(LoopDied):
+            other.result(BOUND_S)
+        assert thread.wait_ended(BOUND_S)
+    finally:
+        track_go.set()
+        cleanup_go.set()
+        calling.join(BOUND_S)
+        thread.close()
