@@ -113,7 +113,9 @@ class LoopThread:
         self._waiting: set[concurrent.futures.Future[Any]] = set()  # callers of submit/call not answered yet
         # submit's coroutines (its _answer, the caller's) by future until answered: closed if the
         # loop closes without starting them
-        self._coros: dict[concurrent.futures.Future[Any], tuple[Coroutine[Any, Any, Any], ...]] = {}
+        # submit()'s hand-overs not started yet, by id of the caller's coroutine: _answer leaves at
+        # its start; once the loop is closed nothing starts them, and they are closed (never awaited).
+        self._unstarted: dict[int, tuple[Coroutine[Any, Any, Any], Coroutine[Any, Any, Any]]] = {}
         self._finalizers: list[Callable[[], Coroutine[Any, Any, object]]] = []
         self._ending = False  # the thread's end began (_end): posted work is no longer taken
         self.died: BaseException | None = None
@@ -202,16 +204,24 @@ class LoopThread:
 
     def _answer_left(self, futures: list[concurrent.futures.Future[Any]] | None = None) -> None:
         """Answer every caller still waiting (or those of ``futures``): ``LoopDied`` after a death,
-        cancelled after a close; once the loop is closed, their coroutines it never ran are closed
-        (never awaited)."""
+        cancelled after a close; once the loop is closed, the coroutines it never started are closed
+        (never awaited), whether or not their callers were answered before."""
+        if self._loop.is_closed():
+            self._close_unstarted()
         for future in list(self._waiting) if futures is None else futures:
-            if self._loop.is_closed():
-                for coro in self._coros.pop(future, ()):  # pop: one thread closes them
-                    coro.close()
             if self.died is not None:
                 _fail(future, self.died)
             else:
                 future.cancel()
+
+    def _close_unstarted(self) -> None:
+        while self._unstarted:
+            try:
+                _, (answer, coro) = self._unstarted.popitem()  # pop: one thread closes each
+            except KeyError:
+                return
+            answer.close()  # unstarted: that does not close ``coro``
+            coro.close()
 
     def _drop_inbox(self) -> None:
         while self._inbox:
@@ -243,22 +253,15 @@ class LoopThread:
         if self._closed:
             raise RuntimeError("loop thread is closed")
 
-    def _track(self, future: concurrent.futures.Future[T],
-               coros: tuple[Coroutine[Any, Any, Any], ...] = ()) -> concurrent.futures.Future[T]:
+    def _track(self, future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
         """Keep ``future`` until answered, so a loop that ends fails (or cancels) it instead of
         leaving its caller waiting. Added before the check: either the ending thread's sweep sees
         it, or this check sees ``died`` or the closed loop (each set before the sweep)."""
         self._waiting.add(future)
-        if coros:
-            self._coros[future] = coros
-        future.add_done_callback(self._untrack)
+        future.add_done_callback(self._waiting.discard)
         if self.died is not None or self._loop.is_closed():
             self._answer_left([future])  # its own only: the end may still be cancelling the others
         return future
-
-    def _untrack(self, future: concurrent.futures.Future[Any]) -> None:
-        self._waiting.discard(future)
-        self._coros.pop(future, None)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -398,20 +401,21 @@ class LoopThread:
             coro.close()
             self._check_running()
         answer = self._answer(coro)
+        self._unstarted[id(coro)] = (answer, coro)
         try:
             future = asyncio.run_coroutine_threadsafe(answer, self._loop)
         except RuntimeError:  # the loop closed as it died, after the check
-            answer.close()  # unstarted: that does not close ``coro`` (never awaited: a warning)
-            coro.close()
+            self._close_unstarted()
             self._check_running()
             raise
-        return self._track(future, (answer, coro))
+        return self._track(future)
 
     async def _answer(self, coro: Coroutine[Any, Any, T]) -> T:
         """``coro``, whose cancellation by the loop's death (its end cancels the work in flight and
         waits for it) reaches the caller as ``LoopDied``, as for work the loop never started: the
         adapters catch ``LoopDied``, and a ``CancelledError`` reached the engine's thread. A
         :meth:`close` leaves the ``CancelledError`` (see :meth:`wait_answered`)."""
+        self._unstarted.pop(id(coro), None)
         if self._ending:
             # Started behind the death or the close (its start was queued after the end took its
             # snapshot of the work to cancel): it would run on unawaited, never cancelled, and the

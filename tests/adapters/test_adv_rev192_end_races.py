@@ -343,7 +343,7 @@ def test_a_submit_meeting_the_death_answers_only_itself_while_the_end_cancels_th
     other = thread.submit(transfer())
     assert started.wait(BOUND_S)
     at_track, track_go = threading.Event(), threading.Event()
-    tracer = _pause_at(LoopThread.submit, "return self._track(future, (answer, coro))", at_track, track_go)
+    tracer = _pause_at(LoopThread.submit, "return self._track(future)", at_track, track_go)
     mine: list[object] = []
 
     async def look() -> int:
