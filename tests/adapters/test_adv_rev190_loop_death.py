@@ -98,7 +98,7 @@ def test_posted_work_is_never_started_by_a_poll_queued_behind_the_death() -> Non
 
     async def work() -> None:
         started.append("started")
-        await asyncio.sleep(0.2)
+        await asyncio.Event().wait()  # never set: this work must never start
         started.append("finished")
 
     def die_then_poll() -> None:  # on the loop: the death, then a poll (as wake() queues one)
