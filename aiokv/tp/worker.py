@@ -989,6 +989,10 @@ class RankWorkerThread:
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker (copies in flight finish first) and join the thread. Idempotent.
 
+        After CLOSED the worker waits for the manager to end the link (``handshake_timeout_s`` at
+        most), so do not call this on the thread running the manager's loop (a ``TPCache`` in this
+        process): from a coroutine there, ``await asyncio.to_thread(thread.close)``.
+
         Raises ``TimeoutError`` when the thread did not end within ``timeout`` seconds.
         """
         if self._loop is not None and self._stop is not None and self._thread.is_alive():

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from tp_helpers import CONFIG, full_kv, rank_kv
+from tp_helpers import CONFIG, full_kv, rank_kv, threads_off_loop
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.kernels import PageMover
@@ -159,44 +159,46 @@ async def test_a_stream_outlived_by_more_than_stream_marks_others_is_ordered_at_
     want = [k[:, :N].clone() for k in kv]
     other = torch.arange(0, N)  # the source slots: loading them back rewrites the same bytes
     few = dataclasses.replace(CONFIG, stream_marks=2)
-    async with TPCache(_config("tp-rev119-marks"), LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=few,
-                       directory=tmp_path / "sock") as cache:
-        with RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], few) as thread:
-            async with RankWorker(cache.address, 0, 2, LAYOUT, kv[0], few) as worker:
-                async with asyncio.timeout(BOUND_S):
-                    await cache.wait_ranks()
-                assert (await cache.offload(TOKENS, other)).stored == N // T
-                for k in kv:
-                    k[:, TARGET] = 0
-                # The long stream begins; before its loader sends anything, three others begin and end.
-                gate = asyncio.Event()
-                run = LoadStream._run
+    async with (
+        TPCache(_config("tp-rev119-marks"), LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=few,
+                directory=tmp_path / "sock") as cache,
+        threads_off_loop(RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], few)) as (thread,),
+        RankWorker(cache.address, 0, 2, LAYOUT, kv[0], few) as worker,
+    ):
+        async with asyncio.timeout(BOUND_S):
+            await cache.wait_ranks()
+        assert (await cache.offload(TOKENS, other)).stored == N // T
+        for k in kv:
+            k[:, TARGET] = 0
+        # The long stream begins; before its loader sends anything, three others begin and end.
+        gate = asyncio.Event()
+        run = LoadStream._run
 
-                async def held_run(self: LoadStream) -> None:
-                    if self is long_stream_holder[0]:
-                        await gate.wait()
-                    await run(self)
+        async def held_run(self: LoadStream) -> None:
+            if self is long_stream_holder[0]:
+                await gate.wait()
+            await run(self)
 
-                long_stream_holder: list[LoadStream | None] = [None]
-                monkeypatch.setattr(LoadStream, "_run", held_run)
-                long_stream = cache.start_load(await cache.match(TOKENS), TARGET)
-                long_stream_holder[0] = long_stream
-                for _ in range(3):
-                    short = cache.start_load(await cache.match(TOKENS), other)
-                    async with asyncio.timeout(BOUND_S):
-                        assert (await short.finish()).loaded_from == 0
-                gate.set()
-                async with asyncio.timeout(BOUND_S):
-                    result = await long_stream.finish()
-                assert result.loaded_from == 0 and result.tokens == N, result
-                for rank in range(2):
-                    assert torch.equal(kv[rank][:, TARGET], want[rank]), f"rank {rank}: wrong KV"
-                # Four streams marked; the long one's (stream 1) dropped as old before its copies
-                # ran: each of them ordered at its launch and counted, no other copy.
-                copies = sum(stream == 1 for _, stream, _ in spy.given) // 2
-                assert copies >= 1, spy.given
-                stats = [worker.statistics(), await asyncio.to_thread(thread.statistics)]
-                for s in stats:
-                    assert (s.stream_marks, s.stream_marks_failed, s.stream_marks_missed) == (4, 0, copies), s
+        long_stream_holder: list[LoadStream | None] = [None]
+        monkeypatch.setattr(LoadStream, "_run", held_run)
+        long_stream = cache.start_load(await cache.match(TOKENS), TARGET)
+        long_stream_holder[0] = long_stream
+        for _ in range(3):
+            short = cache.start_load(await cache.match(TOKENS), other)
+            async with asyncio.timeout(BOUND_S):
+                assert (await short.finish()).loaded_from == 0
+        gate.set()
+        async with asyncio.timeout(BOUND_S):
+            result = await long_stream.finish()
+        assert result.loaded_from == 0 and result.tokens == N, result
+        for rank in range(2):
+            assert torch.equal(kv[rank][:, TARGET], want[rank]), f"rank {rank}: wrong KV"
+        # Four streams marked; the long one's (stream 1) dropped as old before its copies
+        # ran: each of them ordered at its launch and counted, no other copy.
+        copies = sum(stream == 1 for _, stream, _ in spy.given) // 2
+        assert copies >= 1, spy.given
+        stats = [worker.statistics(), await asyncio.to_thread(thread.statistics)]
+        for s in stats:
+            assert (s.stream_marks, s.stream_marks_failed, s.stream_marks_missed) == (4, 0, copies), s
     spy.check()
     assert all((after is None) == (stream == 1) for _, stream, after in spy.given), spy.given

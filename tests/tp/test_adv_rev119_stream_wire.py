@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 import torch
 from test_adv_rev107_hostile_manager import BOUND_S, EPOCH, FAST, PAGES, SLOTS, FakeManager, done
-from tp_helpers import CONFIG, full_kv, new_pool, rank_kv
+from tp_helpers import CONFIG, full_kv, new_pool, rank_kv, threads_off_loop
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.pool import PagePool
@@ -81,32 +81,34 @@ async def test_a_group_whose_stream_ids_ran_out_still_starts_loads_ordered_at_la
                          pool_chunk_bytes=8 * LAYOUT.page_bytes)
     kv = [rank_kv(full_kv(LAYOUT, 23, SLOTS), LAYOUT, r, 2) for r in range(2)]
     want = [k[:, :N].clone() for k in kv]
-    async with TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=CONFIG,
-                       directory=tmp_path / "sock") as cache:
-        with RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG) as thread:
-            async with RankWorker(cache.address, 0, 2, LAYOUT, kv[0], CONFIG) as worker:
-                async with asyncio.timeout(BOUND_S):
-                    await cache.wait_ranks()
-                assert (await cache.offload(TOKENS, torch.arange(N))).stored == N // T
-                cache.group._next_stream = U64_MAX  # as after 2**64 - 2 streams
-                for round_ in range(2):
-                    for k in kv:
-                        k[:, TARGET] = 0
-                    # The last id there is, then none: start_load must not raise (before the fix,
-                    # the second round raised struct.error out of StreamBegins.encode).
-                    stream = cache.start_load(await cache.match(TOKENS), TARGET)
-                    async with asyncio.timeout(BOUND_S):
-                        result = await stream.finish()
-                    assert result.tokens == N and result.loaded_from == 0, (round_, result)
-                    for rank in range(2):
-                        assert torch.equal(kv[rank][:, TARGET], want[rank]), f"round {round_}: rank {rank}"
-                assert cache.group.begin_stream() == 0, "ids ran out: no stream id, no frame"
-                stats = [worker.statistics(), await asyncio.to_thread(thread.statistics)]
-                for s in stats:
-                    # One mark (the last id); the id-less stream's specs name no stream: not missed.
-                    assert (s.stream_marks, s.stream_marks_failed, s.stream_marks_missed) == (1, 0, 0), s
-                assert cache.group.jobs.in_flight == 0
-                assert cache.stats().pool_referenced == 0 and cache.stats().pool_reserved == 0
+    async with (
+        TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=CONFIG,
+                directory=tmp_path / "sock") as cache,
+        threads_off_loop(RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG)) as (thread,),
+        RankWorker(cache.address, 0, 2, LAYOUT, kv[0], CONFIG) as worker,
+    ):
+        async with asyncio.timeout(BOUND_S):
+            await cache.wait_ranks()
+        assert (await cache.offload(TOKENS, torch.arange(N))).stored == N // T
+        cache.group._next_stream = U64_MAX  # as after 2**64 - 2 streams
+        for round_ in range(2):
+            for k in kv:
+                k[:, TARGET] = 0
+            # The last id there is, then none: start_load must not raise (before the fix,
+            # the second round raised struct.error out of StreamBegins.encode).
+            stream = cache.start_load(await cache.match(TOKENS), TARGET)
+            async with asyncio.timeout(BOUND_S):
+                result = await stream.finish()
+            assert result.tokens == N and result.loaded_from == 0, (round_, result)
+            for rank in range(2):
+                assert torch.equal(kv[rank][:, TARGET], want[rank]), f"round {round_}: rank {rank}"
+        assert cache.group.begin_stream() == 0, "ids ran out: no stream id, no frame"
+        stats = [worker.statistics(), await asyncio.to_thread(thread.statistics)]
+        for s in stats:
+            # One mark (the last id); the id-less stream's specs name no stream: not missed.
+            assert (s.stream_marks, s.stream_marks_failed, s.stream_marks_missed) == (1, 0, 0), s
+        assert cache.group.jobs.in_flight == 0
+        assert cache.stats().pool_referenced == 0 and cache.stats().pool_reserved == 0
 
 
 @pytest.mark.asyncio
@@ -207,7 +209,7 @@ async def test_a_worker_that_sends_stream_begins_is_cut_off_and_real_ranks_load(
             after = cache.group_statistics()
             assert after.link_errors == before.link_errors + 1, (before, after)
             assert 1 not in after.attached, after
-            with RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG):
+            async with threads_off_loop(RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG)):
                 async with asyncio.timeout(BOUND_S):
                     await cache.wait_ranks()
                 assert (await cache.offload(TOKENS, torch.arange(N))).stored == N // T

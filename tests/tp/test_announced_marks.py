@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from tp_helpers import CONFIG, full_kv, new_pool, rank_kv
+from tp_helpers import CONFIG, full_kv, new_pool, rank_kv, threads_off_loop
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.cuda import CompletionBridge
@@ -142,17 +142,19 @@ class Ranks:
 async def ranks(tmp_path: Path) -> AsyncIterator[Ranks]:
     config = CacheConfig(cpu_bytes=32 * LAYOUT.page_bytes, disk=None, namespace="tp-announced-marks")
     kv = [rank_kv(full_kv(LAYOUT, SEED, SLOTS), LAYOUT, r, 2) for r in range(2)]
-    async with TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=CONFIG,
-                       directory=tmp_path / "sock") as cache:
-        with RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG) as thread:
-            async with RankWorker(cache.address, 0, 2, LAYOUT, kv[0], CONFIG) as worker:
-                async with asyncio.timeout(BOUND_S):
-                    await cache.wait_ranks()
-                assert (await cache.offload(TOKENS, torch.arange(N))).stored == N // T
-                yield Ranks(cache, kv, worker, thread)
-                assert cache.group.jobs.in_flight == 0, "a rank still copies"
-                stats = cache.stats()
-                assert stats.pool_reserved == 0 and stats.pool_referenced == 0, "references leaked"
+    async with (
+        TPCache(config, LAYOUT, tp_size=2, num_slots=SLOTS, tp_config=CONFIG,
+                directory=tmp_path / "sock") as cache,
+        threads_off_loop(RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG)) as (thread,),
+        RankWorker(cache.address, 0, 2, LAYOUT, kv[0], CONFIG) as worker,
+    ):
+        async with asyncio.timeout(BOUND_S):
+            await cache.wait_ranks()
+        assert (await cache.offload(TOKENS, torch.arange(N))).stored == N // T
+        yield Ranks(cache, kv, worker, thread)
+        assert cache.group.jobs.in_flight == 0, "a rank still copies"
+        stats = cache.stats()
+        assert stats.pool_reserved == 0 and stats.pool_referenced == 0, "references leaked"
 
 
 @pytest.mark.asyncio

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from tp_helpers import CONFIG, full_kv, rank_kv
+from tp_helpers import CONFIG, full_kv, rank_kv, threads_off_loop
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.tp import RankWorkerThread, TPCache
@@ -23,8 +23,8 @@ async def test_a_dropped_stream_releases_its_pages_and_warns(layered: bool) -> N
                          pool_chunk_bytes=8 * LAYOUT.page_bytes)
     async with TPCache(config, LAYOUT, tp_size=2, num_slots=96, tp_config=CONFIG) as cache:
         kv = [rank_kv(full_kv(LAYOUT, 1, 96), LAYOUT, r, 2) for r in range(2)]
-        with RankWorkerThread(cache.address, 0, 2, LAYOUT, kv[0], CONFIG), \
-                RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG):
+        async with threads_off_loop(RankWorkerThread(cache.address, 0, 2, LAYOUT, kv[0], CONFIG),
+                                    RankWorkerThread(cache.address, 1, 2, LAYOUT, kv[1], CONFIG)):
             async with asyncio.timeout(30):
                 await cache.wait_ranks()
             tokens = list(range(32))

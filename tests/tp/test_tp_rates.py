@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from tp_helpers import CONFIG, SLOTS, full_kv, rank_kv
+from tp_helpers import CONFIG, SLOTS, full_kv, rank_kv, threads_off_loop
 
 from aiokv import CacheConfig, KVLayout
 from aiokv.costs import CostModel
@@ -60,13 +60,12 @@ def _saved(root: Path) -> dict[str, object]:
     return doc
 
 
-@contextmanager
-def _cpu_ranks(cache: TPCache) -> Iterator[None]:
+@asynccontextmanager
+async def _cpu_ranks(cache: TPCache) -> AsyncIterator[None]:
     full = full_kv(LAYOUT, 5)
-    with ExitStack() as stack:
-        for rank in range(TP):
-            kv = rank_kv(full, LAYOUT, rank, TP)
-            stack.enter_context(RankWorkerThread(cache.address, rank, TP, LAYOUT, kv, CONFIG))
+    runners = [RankWorkerThread(cache.address, rank, TP, LAYOUT, rank_kv(full, LAYOUT, rank, TP), CONFIG)
+               for rank in range(TP)]
+    async with threads_off_loop(*runners):
         yield
 
 
@@ -89,7 +88,7 @@ async def test_cpu_ranks_learn_and_save_cpu_rates_and_never_take_cuda_ones(tmp_p
                        directory=tmp_path / "sock") as cache:
         manager = cache._manager
         assert manager.device_kind is None and manager.costs.pool.rate is None  # the ranks' device: unknown
-        with _cpu_ranks(cache):
+        async with _cpu_ranks(cache):
             await cache.wait_ranks()
             assert manager.device_kind == "cpu" and cache.group.device_kind == "cpu"
             await cache.flush()  # the saved rates are read in the background
@@ -104,13 +103,12 @@ async def test_cpu_ranks_learn_and_save_cpu_rates_and_never_take_cuda_ones(tmp_p
     assert doc["device"] == "cpu"
     # A restarted CPU group reads them back once its ranks are attached.
     async with TPCache(_config(tmp_path), LAYOUT, tp_size=TP, num_slots=SLOTS, tp_config=CONFIG,
-                       directory=tmp_path / "sock") as cache:
-        with _cpu_ranks(cache):
-            await cache.wait_ranks()
-            await cache.flush()
-            low, high = RATE_BOUNDS["pool"]  # tiny pages copy slower than a real rate's floor
-            assert cache._manager.costs.pool.rate == pytest.approx(min(max(learned, low), high))
-            assert "rates_ignored" not in cache.stats().errors
+                       directory=tmp_path / "sock") as cache, _cpu_ranks(cache):
+        await cache.wait_ranks()
+        await cache.flush()
+        low, high = RATE_BOUNDS["pool"]  # tiny pages copy slower than a real rate's floor
+        assert cache._manager.costs.pool.rate == pytest.approx(min(max(learned, low), high))
+        assert "rates_ignored" not in cache.stats().errors
 
 
 @pytest.mark.asyncio
@@ -151,7 +149,7 @@ async def test_ranks_on_another_device_forget_the_rates_of_the_first(tmp_path: P
             await writer.wait_closed()
         while cache.group.attached:
             await cache.group.wait_change()
-        with _cpu_ranks(cache):  # the same deployment restarted its ranks on CPU buffers
+        async with _cpu_ranks(cache):  # the same deployment restarted its ranks on CPU buffers
             await cache.wait_ranks()
             await cache.flush()
             assert manager.device_kind == "cpu"

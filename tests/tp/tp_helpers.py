@@ -8,7 +8,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,21 @@ from aiokv.tp import RankWorker, RankWorkerThread, TPConfig
 
 SLOTS = 96
 CONFIG = TPConfig(reconnect_initial_s=0.005, reconnect_max_s=0.2, handshake_timeout_s=30.0)
+
+
+@contextlib.asynccontextmanager
+async def threads_off_loop(*runners: RankWorkerThread) -> AsyncIterator[tuple[RankWorkerThread, ...]]:
+    """Start ``runners`` and close them off this loop (all at once): a worker's close waits, after
+    CLOSED, for the manager to end the link (``handshake_timeout_s`` at most), and a manager on this
+    loop must be free to. Closing them with ``with`` on the loop stalls each close that long."""
+    started: list[RankWorkerThread] = []
+    try:
+        for runner in runners:
+            runner.start()
+            started.append(runner)
+        yield runners
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(runner.close) for runner in started))
 
 
 def full_kv(layout: KVLayout, seed: int, slots: int = SLOTS) -> torch.Tensor:
