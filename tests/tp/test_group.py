@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from tp_helpers import expected_page, full_kv, key, new_pool, rank_kv, reserve
+from tp_helpers import expected_page, full_kv, key, new_pool, rank_kv, reserve, threads_off_loop
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -124,7 +124,7 @@ async def test_offload_then_load_with_both_runners(pool: PagePool, group: RankGr
     k0, k1 = rank_kv(full, LAYOUT, 0, 2), rank_kv(full, LAYOUT, 1, 2)
     handles = reserve(pool, [key(i) for i in range(3)])
     pages = [h.page for h in handles]
-    with RankWorkerThread(group.address, 1, 2, LAYOUT, k1, FAST) as thread_worker:
+    async with threads_off_loop(RankWorkerThread(group.address, 1, 2, LAYOUT, k1, FAST)) as (thread_worker,):
         async with RankWorker(group.address, 0, 2, LAYOUT, k0, FAST) as worker:
             await group.wait_attached()
             assert await worker.wait_attached() == group.epoch

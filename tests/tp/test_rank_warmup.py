@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 from loop_probes import until, waiting_in
-from tp_helpers import expected_page, full_kv, key, new_pool, reserve
+from tp_helpers import expected_page, full_kv, key, new_pool, reserve, threads_off_loop
 from warmup_gate import WARM, Gate, open_into_close, warm_threads, warmup_gates
 
 from aiokv.kernels import TransferPath
@@ -158,7 +158,8 @@ async def test_a_rank_without_kernels_starts_no_warm_up(pool: PagePool, group: R
 @pytest.mark.asyncio
 async def test_a_thread_runner_waits_for_its_warm_up(group: RankGroup) -> None:
     kv = full_kv(LAYOUT, 5, 64)
-    with RankWorkerThread(group.address, 0, 1, LAYOUT, kv, FAST, path=TransferPath.DIRECT) as runner:
+    runner = RankWorkerThread(group.address, 0, 1, LAYOUT, kv, FAST, path=TransferPath.DIRECT)
+    async with threads_off_loop(runner):
         await asyncio.to_thread(runner.wait_attached, 60)
         warm = await asyncio.to_thread(runner.wait_warm, 120)
         assert warm is not None and not warm.stopped and warm.variants > 0
