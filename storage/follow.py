@@ -168,6 +168,9 @@ class Look:
 
     added: list[PageKey] = field(default_factory=list)
     """Keys of page files new since the last look (or under a new inode), oldest first."""
+    mtimes: dict[PageKey, int] = field(default_factory=dict)
+    """The last modification time (ns) of each file of :attr:`added` (the loop leaves out one a
+    remembered delete names: :meth:`~.followpath.FollowPath._apply_look`)."""
     removed: list[PageKey] = field(default_factory=list)
     """Keys whose files are gone."""
     opened: dict[int, int] = field(default_factory=dict)
@@ -224,6 +227,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         if not state.stop.is_set():
             _tell_refused(state, result, found, indexed, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
+        result.mtimes = found
         if result.lock_fd is not None or result.writable:
             state.close_ring()  # the tier writes from now on (a later look, if any, makes another)
     except BaseException:

@@ -252,16 +252,35 @@ class FollowPath(TierBase):
                     page_index.remove(key)
                     self._followed_out += 1
         added = found.added  # oldest first: the newest ends most recently used
+        deletes = bool(self._deleted_away) or self._forgotten is not None
         for start in range(0, len(added), APPLY_PER_TURN):
             await asyncio.sleep(0)
             if not self._following():
                 return
             for key in added[start : start + APPLY_PER_TURN]:
-                if key not in page_index:
+                if key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
                     page_index.add_found(key)
                     self._followed_in += 1
         if (found.lock_fd is not None or found.writable) and self._following():
             self._take_lock_over(found)
+
+    def _looked_deleted(self, key: PageKey, mtime: int) -> bool:
+        """Whether the file of ``key`` a look found (last modified at ``mtime``, ns) is the page of a
+        delete this tier remembers (:meth:`_remember_delete`): then it is left out of the index and
+        unlinked once this tier may write. Review 194: a page deleted before the lock was lost (or
+        while following), its directory put back, was indexed by the looks and served again, also
+        after the take-over. No look runs now: its state (the file's identity) is the loop's."""
+        remembered = self._deleted_away.get(key)
+        if remembered is None:
+            if not self._maybe_forgotten(key, mtime):
+                return False
+        else:
+            state = self._follow_state
+            known = state.entries[key[0]] if state is not None else None
+            if not _deleted_file(remembered, known.get(key, 0) if known is not None else 0, mtime):
+                return False
+        self._unlink_when_writable.add(key)  # (a file of it the writer stores later is indexed: kept)
+        return True
 
     def _count_told(self, found: Look) -> None:
         """Count what a look told of the refused reads (``corrupt`` or ``follow_raced``)."""
@@ -532,20 +551,32 @@ class FollowPath(TierBase):
         old copy is still the one deleted. True when the directory open now is listed only in part
         (being listed, or listed again later): the caller unlinks the name now too."""
         prepared = self._dir
-        if prepared is None or prepared.lock_fd is None:
-            return False  # a follower deletes nothing: the writer's listings are its own
+        if prepared is None:
+            return False
+        if prepared.lock_fd is None:
+            # A follower unlinks nothing (the writer's listings are its own), but its looks list a
+            # directory put back again and would index the file it deleted (review 194): a file
+            # no newer than the delete is the page deleted (the writer may store the key again).
+            if self._read_only is ReadOnly.LOCKED and self._follow_task is not None:
+                self._remember(key, -1 - time.time_ns())
+            return False
         index = key[0]
         fd = prepared.fanout[index]
         part_listed = fd >= 0 and (index in self._relist or index in self._listings)
         if fd >= 0 and not part_listed and index not in self._fanouts_away:
             return False  # listed whole, never away: no file of the key outside the index
+        self._remember(key, time.time_ns())  # file times come from the same clock, at most as late
+        return part_listed
+
+    def _remember(self, key: PageKey, remembered: int) -> None:
+        """Remember the delete of ``key`` as ``remembered`` (:data:`STORED_SINCE_DELETE`), the oldest
+        beyond :data:`DELETED_KEPT` forgotten into the filter."""
         deleted = self._deleted_away
         deleted.pop(key, None)  # most recent last: the oldest is forgotten first
-        deleted[key] = time.time_ns()  # file times come from the same clock, at most as late
+        deleted[key] = remembered
         if len(deleted) > DELETED_KEPT:
             oldest = next(iter(deleted))
             self._forget_delete(oldest, deleted.pop(oldest))
-        return part_listed
 
     def _forget_delete(self, key: PageKey, remembered: int) -> None:
         """A delete beyond :data:`DELETED_KEPT`, remembered as ``remembered``: into the filter
