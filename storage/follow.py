@@ -193,6 +193,9 @@ class Look:
     writable: bool = False
     """A look of a tier holding the lock on a directory it could not write (``held``): it may
     now, and the look scanned it as a take-over does (the tier writes from now on)."""
+    unlisted: list[int] = field(default_factory=list)
+    """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
+    writes from now on looks no more, and lists them again at its periodic checks."""
 
     def close(self) -> None:
         """Close the descriptors the tier did not take (all of them for a look nobody applies)."""
@@ -332,7 +335,8 @@ def _take_over(state: FollowState, result: Look, found: dict[PageKey, int], dir_
             return False
         fd = fanout[index]
         if fd >= 0:
-            _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True, stats=stats)
+            if not _relist(state, result, found, index, fd, shown, remove_temps=writable, always=True, stats=stats):
+                result.unlisted.append(index)  # (nothing of it reported: its files are unknown)
             continue
         fd = _open_late(state, result, dir_fd, index, shown, create=writable)
         if fd == -2:
