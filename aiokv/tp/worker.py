@@ -93,6 +93,16 @@ class WorkerRefusedError(RuntimeError):
         return type(self), (self.reason, self.text)
 
 
+# The worker of each (manager's socket, rank) whose session runs in this process, from its connect
+# until its copies are over (review 196). A manager holds a rank whose connection ended under a live
+# process until that process says hello again, taking the hello to mean the old session drained (a
+# worker runs its sessions one at a time). A second worker of the rank in the same process (made
+# while the first still drained) said hello at once: the held jobs failed under the first worker's
+# running copies, which then landed in slots the engine had reused. It now waits for the first.
+_SESSIONS: dict[tuple[int, int, int], RankWorker] = {}
+_SESSIONS_LOCK = threading.Lock()  # workers of one process may run on different threads' loops
+
+
 class _RetryLater(Exception):
     """A refusal worth retrying (rank still held by a dying connection, manager closing)."""
 
@@ -280,7 +290,26 @@ class RankWorker:
             cancels.raise_if_cancelled()
 
     async def _session(self) -> bool:
-        """One connection; True when it got as far as attaching the pool."""
+        """One connection; True when it got as far as attaching the pool. Raises :class:`_RetryLater`
+        while another worker of this process runs a session of this rank at this address."""
+        # The socket itself, however it is named (a link, another path to its directory): a manager
+        # restarted there listens on another one, and holds nothing of the old one's sessions.
+        found = os.stat(self.address)  # FileNotFoundError: no manager listening, as from a connect
+        key = (found.st_dev, found.st_ino, self.tp.rank)
+        with _SESSIONS_LOCK:
+            other = _SESSIONS.get(key)
+            if other is not None and other is not self:
+                raise _RetryLater(f"another worker of rank {self.tp.rank} in this process is in a session with "
+                                  f"{self.address}: this one waits until its copies are over")
+            _SESSIONS[key] = self
+        try:
+            return await self._connected_session()
+        finally:
+            with _SESSIONS_LOCK:
+                if _SESSIONS.get(key) is self:
+                    del _SESSIONS[key]
+
+    async def _connected_session(self) -> bool:
         loop = asyncio.get_running_loop()
         transport, link = await loop.create_unix_connection(
             lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address)
