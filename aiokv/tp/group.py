@@ -916,6 +916,30 @@ class _RankLink(asyncio.Protocol):
         if not self.attached:
             self.group._on_link_error(self, "no hello/attach report within the handshake timeout")
 
+    def _read_left(self) -> None:
+        """Take the frames the peer wrote before the connection ended with an error, still unread.
+
+        A write that fails (EPIPE: the worker closed its socket) ends the connection before the loop
+        read what waits in it: a manager whose loop stalled past the worker's ``handshake_timeout_s``
+        and then sent a spec before polling lost the worker's CLOSED, and held the rank until its
+        process exited (review 196). Selector loops only: they close the socket after this callback
+        (another loop may have closed the descriptor already, its number given to another file)."""
+        transport = self.transport
+        if transport is None or not isinstance(asyncio.get_running_loop(), asyncio.SelectorEventLoop):
+            return
+        sock = transport.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        for _ in range(64):  # bounded: a socket's receive buffer holds a few hundred KiB at most
+            if fd < 0 or self.state is not _LinkState.SERVING:
+                return
+            try:
+                data = os.read(fd, 1 << 16)  # non-blocking (asyncio's socket): EAGAIN once drained
+            except OSError:
+                return
+            if not data:
+                return
+            self.data_received(data)
+
     def data_received(self, data: bytes) -> None:
         if self.ended:
             return  # refused, or broken and fenced: only the connection's end matters now
@@ -948,6 +972,8 @@ class _RankLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stop_timer()
+        if exc is not None and self.state is _LinkState.SERVING:
+            self._read_left()
         serving = self.state is _LinkState.SERVING
         self.state = _LinkState.ENDED
         if exc is not None:
