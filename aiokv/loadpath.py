@@ -451,7 +451,7 @@ class LoadPath(ManagerBase):
                 if held is not None:
                     got[i] = Promotion(held, read=False)
             elif r.outcome is ReserveOutcome.PENDING:
-                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, expired))
+                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, expired, windowed))
         try:
             failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
@@ -529,16 +529,17 @@ class LoadPath(ManagerBase):
         finally:
             self._room_holders.discard(task)
 
-    async def _promote(self, key: PageKey, windowed: bool = False) -> Promotion | NoPage:
+    async def _promote(self, key: PageKey, windowed: bool = False, again: bool = True) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
         call read it (not when it was in the pool or another call's read brought it); else why not
         (:class:`NoPage`: a miss, counted here, or withdrawn by the close while it waited).
-        ``windowed``: no room is :attr:`NoPage.FULL` at once (the caller frees room itself)."""
+        ``windowed``: no room is :attr:`NoPage.FULL` at once (the caller frees room itself).
+        ``again``: a page another call was bringing in and gave up is read by this one (once)."""
         pool = self.pool
         disk = self._disk
         (res,) = pool.reserve([key])
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
-            return await self._already_in(key, res.outcome)
+            return await self._already_in(key, res.outcome, windowed=windowed, again=again)
         if windowed and res.outcome is ReserveOutcome.EXHAUSTED:
             return NoPage.FULL
         # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
@@ -550,7 +551,7 @@ class LoadPath(ManagerBase):
                 return NoPage.WITHDRAWN
             (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
-            return await self._already_in(key, res.outcome)
+            return await self._already_in(key, res.outcome, windowed=windowed, again=again)
         if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
             self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
             return NoPage.MISS
@@ -653,14 +654,25 @@ class LoadPath(ManagerBase):
         return Promotion(kept, read=True)
 
     async def _already_in(self, key: PageKey, outcome: ReserveOutcome,
-                          expired: list[bool] | None = None) -> Promotion | NoPage:
+                          expired: list[bool] | None = None, windowed: bool = False,
+                          again: bool = True) -> Promotion | NoPage:
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
         (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
         there; review 115); nothing was read by this call. A miss when it is gone. ``expired``:
-        shared by waits of one call, which count one expiry between them."""
+        shared by waits of one call, which count one expiry between them.
+
+        A page the other call gave up (an offload cancelled or whose copy failed, another load's
+        read that failed: aborted) is promoted from disk by this call when the disk still holds
+        it, once (``again``; ``windowed`` as :meth:`_promote`): before, the abort was a miss, and a
+        load of pages all on disk stopped at the first one a cancelled offload had reserved,
+        counted ``load_shortened`` (review 195), where a match in its place goes on to the disk."""
         table = self.pool.table
         if outcome is ReserveOutcome.PENDING and not await self._wait_committed(
                 key, self._commit_deadline(), "a load", expired):
+            disk = self._disk
+            if (again and not self._closed and disk is not None and table.state_of(key) is PageState.FREE
+                    and disk.contains(key)):
+                return await self._promote(key, windowed, again=False)
             return NoPage.MISS
         handle = table.acquire(key)
         return NoPage.MISS if handle is None else Promotion(handle, read=False)
