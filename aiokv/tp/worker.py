@@ -222,6 +222,7 @@ class RankWorker:
         self._ended = asyncio.Event()
         self._run_started = False
         self._session_task: asyncio.Task[bool] | None = None
+        self._farewell_owed = False  # the last session may have left the rank held (see _farewell)
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
         self._warm_up_failed = 0
@@ -279,6 +280,8 @@ class RankWorker:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(delay):
                             await self._stop.wait()
+            if self._farewell_owed:
+                await self._farewell()
         finally:
             bridge, self._bridge = self._bridge, None
             cancels = Cancels()
@@ -308,6 +311,34 @@ class RankWorker:
             with _SESSIONS_LOCK:
                 if _SESSIONS.get(key) is self:
                     del _SESSIONS[key]
+
+    async def _farewell(self) -> None:
+        """Say hello once more, and close: the worker closes and its last session ended without its
+        CLOSED reaching the manager (a third party cut the socket). The manager then holds the rank
+        while this process lives (its copies might run) until the process says hello again, which a
+        closing worker never did: the rank's jobs, and the group's close, waited for good (review
+        196). Its copies are over now; the manager takes this hello for that and frees the rank.
+        Best effort, ``handshake_timeout_s`` at most; nothing if no manager listens there."""
+        self._farewell_owed = False
+        hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                found = os.stat(self.address)
+                key = (found.st_dev, found.st_ino, self.tp.rank)
+                with _SESSIONS_LOCK:
+                    if key in _SESSIONS:
+                        return  # another worker of the rank here: its own hello tells the manager
+                loop = asyncio.get_running_loop()
+                transport, link = await loop.create_unix_connection(
+                    lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address))
+                try:
+                    _check_manager(transport)
+                    link.write(frame(FrameKind.HELLO, hello.encode()))
+                    await link.read()  # WELCOME or REFUSE: the manager handled the hello
+                finally:
+                    transport.close()
+        except (_Stranger, *_LINK_ERRORS) as exc:
+            log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
 
     async def _connected_session(self) -> bool:
         loop = asyncio.get_running_loop()
@@ -360,6 +391,9 @@ class RankWorker:
                 # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
                 # left it; nothing else would reclaim it while the host stays quiet.
                 await cancels.outlast(asyncio.to_thread(_reclaim_left, welcome.pool_name))
+                # A CLOSED not written, or a link ended by an error (a write that failed: the socket
+                # cut; a manager gone without reading it): the manager may hold the rank.
+                self._farewell_owed = not link.said_closed or link.broken
                 cancels.raise_if_cancelled()
             return True
         finally:
@@ -705,6 +739,7 @@ class _WorkerLink(asyncio.Protocol):
         self._taken = 0  # SPEC frames run in this session (the manager counts those it wrote)
         self._unreported = 0  # specs run whose DONE is not written yet
         self._said_closed = False  # CLOSED written: nothing more is
+        self.broken = False  # the connection ended with an error (a failed write, a reset)
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -738,7 +773,13 @@ class _WorkerLink(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.broken = self.broken or exc is not None
         self._ended(exc if exc is not None else asyncio.IncompleteReadError(self._parser.pending, None))
+
+    @property
+    def said_closed(self) -> bool:
+        """Whether CLOSED was written (handed to the transport: it may still fail to go out)."""
+        return self._said_closed
 
     # -- the session's side ---------------------------------------------------------------------
 
