@@ -683,7 +683,8 @@ class RankWorker:
         ``WORKER_CLOSING``), let the copies running finish and report, tell the manager (a CLOSED
         frame: the specs it sent that were not taken fail ``WORKER_CLOSING`` there at once), wait
         for it to end the link (``TPConfig.handshake_timeout_s`` at most), unmap the pool, end
-        :meth:`run`. Idempotent."""
+        :meth:`run`. A last session whose CLOSED did not get through (its socket cut) is followed by
+        one more hello, so the manager frees the rank (``handshake_timeout_s`` more at most). Idempotent."""
         self._closing = True
         self._stop.set()
         if self._session_task is not None:
