@@ -10,6 +10,7 @@ directory. Oracle: a token's KV is a hash of its salt and whole prefix (``test_a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, errors_of
 from test_adv_rev195_cancel_sweep import GARBAGE, POISON, oracle, prompt
 
-from aiokv import KVCache
+from aiokv import KVCache, KVLayout
 
 T = LAYOUT.page_tokens
 PAGES = 6
@@ -115,3 +116,83 @@ async def test_a_load_waiting_on_a_cancelled_offloads_page_reads_it_from_disk(tm
         await assert_quiescent(cache)
         assert await _served(cache, kv, tokens, None) == PAGES * T
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layered", [False, True])
+async def test_a_streams_pages_survive_a_flood_of_offloads_while_its_copies_wait(
+    tmp_path: Path, layered: bool
+) -> None:
+    """A stream's copies wait on the copy thread while other prompts' offloads want the whole pool:
+    the pages the stream launched (and those it holds, not launched yet) are never evicted under
+    it; it delivers the oracle's bytes; the flood stores what fits and counts the rest."""
+    kv = _kv()
+    tokens = prompt(12)[:N]
+    others = [prompt(100 + i)[:N] for i in range(3)]
+    async with KVCache(config(tmp_path / "disk", pool_pages=PAGES + 2, offload_wait=0.05), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        await _offload(cache, kv, tokens, "s")
+        await cache.flush()
+        for key in cache.keys(tokens, "s")[PAGES // 2 :]:
+            assert cache.pool.table.discard(key)  # the back half from disk, the front half in the pool
+        match = await cache.match(tokens, "s")
+        assert (match.pool_pages, match.disk_pages) == (PAGES // 2, PAGES - PAGES // 2), match
+        target = _region(2)
+        gate = CopyThreadGate(cache)
+        try:
+            stream = await cache.start_load(match, target[: match.tokens], layered=layered)
+            async with asyncio.timeout(BOUND_S):
+                while stream.front > 0 and not stream._loader.done():
+                    await stream.wait_front(0)
+            # Their copies queue behind the stream's (one copy thread): they reserve what they can
+            # now, evicting whatever is evictable, and wait for room for the rest.
+            flood = [asyncio.ensure_future(_offload(cache, kv, other, None, region=3 + i))
+                     for i, other in enumerate(others)]
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert cache.stats().pool_reserved > 0
+        finally:
+            await gate.open()
+        async with asyncio.timeout(BOUND_S):
+            result = await stream.finish()
+            await asyncio.gather(*flood)
+        assert result.loaded_from == 0, (result, errors_of(cache))
+        assert torch.equal(kv[:, target[: match.tokens]], _truth(tokens, "s")[:, : match.tokens])
+        kv[:, target] = POISON
+        await assert_quiescent(cache)
+        assert bool((kv[:, target] == POISON).all())
+        assert await _served(cache, kv, tokens, "s") == PAGES * T
+        for other in others:
+            await _served(cache, kv, other, None)  # whatever was stored is the oracle's
+
+
+@pytest.mark.asyncio
+async def test_namespaces_salts_and_layouts_never_share_pages_over_one_disk(tmp_path: Path) -> None:
+    """One prompt stored under three namespaces' worth of tenants (no salt, a str salt, the same
+    bytes as a bytes salt) by a cache that then closes: a cache of the same namespace and layout
+    serves each tenant its own bytes (from disk); another namespace, or another layout over the
+    same directory, serves none of them."""
+    kv = _kv()
+    tokens = prompt(13)[:N]
+    salts: list[str | bytes | None] = [None, "t", b"t"]
+    root = tmp_path / "disk"
+    async with KVCache(config(root), LAYOUT, kv) as cache:
+        for salt in salts:
+            await _offload(cache, kv, tokens, salt)
+        await cache.flush()
+        assert cache.stats().pages_stored == 3 * PAGES  # three tenants: no page shared
+    async with KVCache(config(root), LAYOUT, kv) as cache:
+        for salt in salts:
+            assert await _served(cache, kv, tokens, salt) == PAGES * T
+        await assert_quiescent(cache)
+    other_ns = dataclasses.replace(config(root), namespace="another-model")
+    async with KVCache(other_ns, LAYOUT, kv) as cache:
+        for salt in salts:
+            match = await cache.match(tokens, salt)
+            assert match.tokens == 0, (salt, match)
+            match.release()
+    wider = KVLayout.mha(2, 2, 8, torch.bfloat16, page_tokens=T)  # same shape and bytes, another dtype
+    wide_kv = torch.zeros((wider.num_layers, SLOTS, wider.rows, wider.head_dim), dtype=wider.dtype)
+    async with KVCache(config(root, layout=wider), wider, wide_kv) as cache:
+        for salt in salts:
+            match = await cache.match(tokens, salt)
+            assert match.tokens == 0, (salt, match)
+            match.release()
