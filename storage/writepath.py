@@ -562,8 +562,11 @@ class WritePath(TierBase):
         the lookup caches), for such keys only; where it fails, every file of the key stays the one
         deleted (a miss at worst)."""
         prepared = self._dir
-        fd = -1 if prepared is None else prepared.fanout[key[0]]
+        fd = -1 if prepared is None or prepared.lock_fd is None else prepared.fanout[key[0]]
         if fd < 0:
+            # (No lock: a write in flight when it was lost ended now. The delete stays "a file no
+            # newer than it" (:meth:`~.followpath.FollowPath._lose_lock`): the other writer may store
+            # the key again, and its file must not count as the page deleted, review 194.)
             return
         try:
             st = os.stat(key.hex(), dir_fd=fd, follow_symlinks=False)
