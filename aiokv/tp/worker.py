@@ -318,7 +318,7 @@ class RankWorker:
         while this process lives (its copies might run) until the process says hello again, which a
         closing worker never did: the rank's jobs, and the group's close, waited for good (review
         196). Its copies are over now; the manager takes this hello for that and frees the rank.
-        Best effort, ``handshake_timeout_s`` at most; nothing if no manager listens there."""
+        Best effort (a connect, ``handshake_timeout_s`` at most); nothing if no manager listens there."""
         self._farewell_owed = False
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         try:
@@ -333,10 +333,11 @@ class RankWorker:
                     lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address))
                 try:
                     _check_manager(transport)
+                    # Not waiting for the reply (a manager that accepts and never answers would hold
+                    # the close): the manager reads the hello before the end that follows it.
                     link.write(frame(FrameKind.HELLO, hello.encode()))
-                    await link.read()  # WELCOME or REFUSE: the manager handled the hello
                 finally:
-                    transport.close()
+                    transport.close()  # after the hello is flushed
         except (_Stranger, *_LINK_ERRORS) as exc:
             log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
 
@@ -683,8 +684,9 @@ class RankWorker:
         ``WORKER_CLOSING``), let the copies running finish and report, tell the manager (a CLOSED
         frame: the specs it sent that were not taken fail ``WORKER_CLOSING`` there at once), wait
         for it to end the link (``TPConfig.handshake_timeout_s`` at most), unmap the pool, end
-        :meth:`run`. A last session whose CLOSED did not get through (its socket cut) is followed by
-        one more hello, so the manager frees the rank (``handshake_timeout_s`` more at most). Idempotent."""
+        :meth:`run`. A last session whose CLOSED may not have got through (its socket cut) is followed
+        by one more hello, so the manager frees the rank (a connect, ``handshake_timeout_s`` at most).
+        Idempotent."""
         self._closing = True
         self._stop.set()
         if self._session_task is not None:
