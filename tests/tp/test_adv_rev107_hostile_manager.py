@@ -28,7 +28,18 @@ from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.shm import SHM_DIR
 from aiokv.tp import Direction, RankStatus, RankWorker, TPConfig, TransferSpec
-from aiokv.tp.wire import PROTOCOL_VERSION, Attached, Done, FrameKind, Hello, Welcome, Withdrawn, frame, read_frame
+from aiokv.tp.wire import (
+    PROTOCOL_VERSION,
+    Attached,
+    Closed,
+    Done,
+    FrameKind,
+    Hello,
+    Welcome,
+    Withdrawn,
+    frame,
+    read_frame,
+)
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 PAGES = LAYOUT.for_tp(2)
@@ -49,10 +60,14 @@ class FakeManager:
         self.connections: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
         self.server: asyncio.Server | None = None
         self.writers: list[asyncio.StreamWriter] = []
+        self.links: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.closed_frames = 0
+        """CLOSED frames read by :meth:`end_at_closed`."""
 
     async def __aenter__(self) -> FakeManager:
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self.writers.append(writer)
+            self.links.append((reader, writer))
             await self.connections.put((reader, writer))
 
         self.server = await asyncio.start_unix_server(accept, os.fspath(self.address))
@@ -66,6 +81,33 @@ class FakeManager:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
         await self.server.wait_closed()
+
+    @contextlib.asynccontextmanager
+    async def worker(self, kv: torch.Tensor, config: TPConfig) -> AsyncIterator[RankWorker]:
+        """Rank 0's :class:`RankWorker` on this manager, closed at the exit as a real manager ends
+        it: each link is read up to the worker's CLOSED, then ended (:meth:`end_at_closed`). A
+        manager that never ends the link holds the worker's close ``handshake_timeout_s``
+        (``test_a_manager_that_never_ends_the_link_holds_the_close_for_the_bound_only``)."""
+        async with RankWorker(self.address, 0, 2, LAYOUT, kv, config) as worker:
+            try:
+                yield worker
+            finally:
+                closing = asyncio.ensure_future(worker.aclose())
+                await self.end_at_closed()
+                async with asyncio.timeout(BOUND_S):
+                    await closing
+
+    async def end_at_closed(self) -> None:
+        """End every link once the worker's CLOSED is read on it (or it ended), as a manager does."""
+        for reader, writer in self.links:
+            if writer.is_closing():
+                continue
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, ValueError):
+                async with asyncio.timeout(BOUND_S):
+                    while (await read_frame(reader, 1 << 20))[0] is not FrameKind.CLOSED:
+                        pass
+                    self.closed_frames += 1
+            writer.close()
 
     async def hello(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The worker's next connection, its hello read."""
@@ -138,8 +180,7 @@ async def test_bad_specs_change_no_byte_and_bad_frames_end_only_the_session(tmp_
     kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
     kv_before, pool_before = kv.clone(), pool.pages.clone()
     held_before = held(pool.name)
-    async with FakeManager(tmp_path / "mgr") as manager, \
-            RankWorker(manager.address, 0, 2, LAYOUT, kv, FAST) as worker:
+    async with FakeManager(tmp_path / "mgr") as manager, manager.worker(kv, FAST) as worker:
         reader, writer, attached = await manager.welcome(pool.name)
         assert attached.ok and attached.epoch == EPOCH, attached
         assert held(pool.name)[0] == held_before[0] + 1  # the worker's own mapping
@@ -180,6 +221,7 @@ async def test_bad_specs_change_no_byte_and_bad_frames_end_only_the_session(tmp_
             reader, writer, attached = await manager.welcome(pool.name)
             assert attached.ok
         assert worker.statistics().link_errors == 4 and worker.statistics().sessions == 5
+    assert manager.closed_frames == 1  # the last session, ended by the worker's close
     assert torch.equal(pool.pages, pool_before)
     gc.collect()
     assert held(pool.name) == held_before, "the worker's sessions left a mapping or descriptor of the pool"
@@ -200,8 +242,7 @@ async def test_a_welcome_naming_no_pool_of_the_manager_is_refused(tmp_path: Path
             name = "/../" + pool.name.lstrip("/")
         else:
             name = "/aiokv-rev107-no-such-pool"
-        async with FakeManager(tmp_path / "mgr") as manager, \
-                RankWorker(manager.address, 0, 2, LAYOUT, kv, FAST) as worker:
+        async with FakeManager(tmp_path / "mgr") as manager, manager.worker(kv, FAST) as worker:
             _, _, attached = await manager.welcome(name, pages)
             assert not attached.ok, attached
             # It tries again (a restarted manager may name a good pool) and attaches a good one.
@@ -210,3 +251,28 @@ async def test_a_welcome_naming_no_pool_of_the_manager_is_refused(tmp_path: Path
             assert worker.statistics().sessions == 1
         gc.collect()
         assert held(pool.name) == held_before
+
+
+@pytest.mark.asyncio
+async def test_a_manager_that_never_ends_the_link_holds_the_close_for_the_bound_only(
+        tmp_path: Path, pool: PagePool) -> None:
+    """The worker's close waits for the manager's end of the link ``handshake_timeout_s`` at most
+    (a spec it wrote meanwhile is failed on its side, not lost to a write error): a manager that
+    reads the CLOSED and never ends the link has the worker close its end once the bound passed."""
+    wait_s = 1.0
+    kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
+    async with FakeManager(tmp_path / "mgr") as manager, \
+            RankWorker(manager.address, 0, 2, LAYOUT, kv, TPConfig(handshake_timeout_s=wait_s)) as worker:
+        reader, _, attached = await manager.welcome(pool.name)
+        assert attached.ok, attached
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        closing = asyncio.ensure_future(worker.aclose())
+        async with asyncio.timeout(BOUND_S):
+            kind, payload = await read_frame(reader, 1 << 20)
+            assert kind is FrameKind.CLOSED and Closed.decode(payload) == Closed(0, 0), (kind, payload)
+            assert await reader.read() == b""  # its write side shut after the CLOSED
+            await closing  # the link never ended by the manager: the bound ends the wait
+        elapsed = loop.time() - began
+        assert wait_s <= elapsed < BOUND_S, elapsed
+        assert not worker.attached

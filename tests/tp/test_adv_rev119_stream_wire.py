@@ -119,8 +119,7 @@ async def test_stream_frames_from_a_hostile_manager_end_only_the_session(tmp_pat
     kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
     part = pool.pages[:, 0]  # rank 0's part of each page: [pages, L, T, rows/2, D]
     try:
-        async with FakeManager(tmp_path / "m") as manager, \
-                RankWorker(manager.address, 0, 2, LAYOUT, kv, FAST) as worker:
+        async with FakeManager(tmp_path / "m") as manager, manager.worker(kv, FAST) as worker:
             # A STREAM_BEGINS instead of the welcome: the handshake fails, the worker comes back.
             reader, writer = await manager.hello()
             writer.write(_begins(1))
