@@ -492,7 +492,11 @@ class FollowPath(TierBase):
         prepared = self._dir
         assert prepared is not None
         self._temp_removed += listing.temp_removed
-        self._skipped += listing.skipped + (not listing.complete and not listing.stopped)
+        before = self._relist.get(index)
+        if before is None or before[0] != fd:
+            # Not a listing again after a failure: one that keeps failing would count the same
+            # directory and entries at each (review 194; ``listings_failed`` counts the failures).
+            self._skipped += listing.skipped + (not listing.complete and not listing.stopped)
         if not self._accepting or listing.stopped or prepared.fanout[index] != fd or prepared.lock_fd is None:
             return
         if listing.complete and listing.examined:
