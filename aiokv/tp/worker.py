@@ -382,19 +382,21 @@ class RankWorker:
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
+                ended = True
                 if manager_writes:
                     # The manager may still be writing specs: closed now, the socket would fail its
                     # next write before it read CLOSED (and it would hold this rank as cut off).
-                    await cancels.outlast(link.wait_peer_end(self.config.handshake_timeout_s))
+                    ended = await cancels.outlast(link.wait_peer_end(self.config.handshake_timeout_s))
                 link.close()
                 await cancels.outlast(executor.aclose())
                 self._executor = None
                 # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
                 # left it; nothing else would reclaim it while the host stays quiet.
                 await cancels.outlast(asyncio.to_thread(_reclaim_left, welcome.pool_name))
-                # A CLOSED not written, or a link ended by an error (a write that failed: the socket
-                # cut; a manager gone without reading it): the manager may hold the rank.
-                self._farewell_owed = not link.said_closed or link.broken
+                # A CLOSED not written, a link ended by an error (a write that failed: the socket
+                # cut; a manager gone without reading it) or not ended by the manager in time (it
+                # may have found the CLOSED wanting): the manager may hold the rank.
+                self._farewell_owed = not link.said_closed or link.broken or not ended
                 cancels.raise_if_cancelled()
             return True
         finally:
@@ -904,8 +906,9 @@ class _WorkerLink(asyncio.Protocol):
             transport.resume_reading()
         return True
 
-    async def wait_peer_end(self, within_s: float) -> None:
-        """Wait until the manager ended its side (or the link broke), ``within_s`` seconds at most."""
+    async def wait_peer_end(self, within_s: float) -> bool:
+        """Wait until the manager ended its side (or the link broke), ``within_s`` seconds at most;
+        False when it did not."""
         try:
             async with asyncio.timeout(within_s):
                 while self._end is None:
@@ -913,6 +916,8 @@ class _WorkerLink(asyncio.Protocol):
         except TimeoutError:
             log.warning("rank %d: the manager did not end the link within %.1f s of CLOSED; closing it",
                         self._worker.tp.rank, within_s)
+            return False
+        return True
 
     def close(self) -> None:
         if self._transport is not None:
