@@ -301,7 +301,7 @@ class RankWorker:
         key = (found.st_dev, found.st_ino, self.tp.rank)
         with _SESSIONS_LOCK:
             other = _SESSIONS.get(key)
-            if other is not None and other is not self:
+            if other is not None and other is not self and other._in_session():
                 raise _RetryLater(f"another worker of rank {self.tp.rank} in this process is in a session with "
                                   f"{self.address}: this one waits until its copies are over")
             _SESSIONS[key] = self
@@ -311,6 +311,12 @@ class RankWorker:
             with _SESSIONS_LOCK:
                 if _SESSIONS.get(key) is self:
                     del _SESSIONS[key]
+
+    def _in_session(self) -> bool:
+        """Whether a session task of this worker runs (read from any thread: a stale entry of
+        ``_SESSIONS``, a session whose loop was closed under it, is not one)."""
+        task = self._session_task
+        return task is not None and not task.done() and not task.get_loop().is_closed()
 
     async def _farewell(self) -> None:
         """Say hello once more, and close: the worker closes and its last session ended without its
@@ -326,7 +332,8 @@ class RankWorker:
                 found = os.stat(self.address)
                 key = (found.st_dev, found.st_ino, self.tp.rank)
                 with _SESSIONS_LOCK:
-                    if key in _SESSIONS:
+                    other = _SESSIONS.get(key)
+                    if other is not None and other._in_session():
                         return  # another worker of the rank here: its own hello tells the manager
                 loop = asyncio.get_running_loop()
                 transport, link = await loop.create_unix_connection(
