@@ -1,7 +1,8 @@
 """Review 194: a seeded drive of remembered deletes. One fan-out directory is moved out of the
 cache, put back, copied with fresh times (``copyfile``) and with its times (``copy2``), under
 writes, deletes, reads, lock hand-overs to a second writer (``.lock`` unlinked, the other writer
-started, then closed: this tier takes over again) and deletes by the other writer.
+started, then closed: this tier takes over again), deletes and stores by the other writer and
+deletes by this tier while it follows; one seed in three with ``DELETED_KEPT`` at 2.
 
 Oracle: a key this tier deleted is never served by it until a store of the key (by either
 writer) ended after the delete; after quiescence, every page file of the writer's directory is
@@ -28,7 +29,7 @@ from test_lock_replaced import LockChecks
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly, followpath
 
 TAG = 0x3F
 KEYS = 6
@@ -52,9 +53,13 @@ def _past_file_clock(probe: Path) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_deleted_keys_stay_deleted(tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
-                                         seed: int) -> None:
+                                         seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     handovers = bool(seed % 2)
+    if seed % 3 == 0:
+        # Deletes beyond the few remembered one by one go into the filter (a copy with fresh times
+        # of such a page is indexed: a documented limit, so such seeds copy with times only).
+        monkeypatch.setattr(followpath, "DELETED_KEPT", 2)
     size = layout.page_bytes
     keys = [key_of(i, TAG) for i in range(KEYS)]
     cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
@@ -111,7 +116,7 @@ async def test_deleted_keys_stay_deleted(tmp_path: Path, backend: DiskBackend, l
                 # Fresh times only without hand-overs: after one, a copy with fresh times of a
                 # deleted page is indexed (a documented limit: newer than the delete, as the
                 # other writer's store of the key would be).
-                fresh = not handovers and rng.random() < 0.5
+                fresh = not handovers and seed % 3 and rng.random() < 0.5
                 shutil.copytree(src, dst, copy_function=shutil.copyfile if fresh else shutil.copy2)
                 stash.append(dst)
             elif op == "handover":
@@ -120,9 +125,13 @@ async def test_deleted_keys_stay_deleted(tmp_path: Path, backend: DiskBackend, l
                 async with started(DiskTier(cfg, layout, pool)) as b:
                     await checks.next()
                     assert a.read_only is ReadOnly.LOCKED, where()
-                    for _ in range(rng.randrange(3)):
+                    for _ in range(rng.randrange(4)):
                         other = rng.choice(keys)
-                        if rng.random() < 0.5:
+                        if rng.random() < 0.25:
+                            log.append(f"a-delete-following:{other[1]}")
+                            await a.delete(other)
+                            deleted.add(other)
+                        elif rng.random() < 0.5:
                             log.append(f"b-delete:{other[1]}")
                             await b.delete(other)
                         else:
