@@ -11,8 +11,11 @@ takes no spec more, starts nothing new (copies queued on its copy thread are wit
 took: the manager fails what it sent after that at once, protocol 9) and only then closes its end
 (closed by its engine, once the manager ended the link too, ``handshake_timeout_s`` at most). A
 connection that ends without CLOSED tells the manager only that no copy of the session runs any
-more if the process is gone: it holds a live one's jobs (protocol 4). The worker then drops the old
-mapping and reconnects with a bounded backoff; the next hello names the new pool.
+more if the process is gone: it holds a live one's jobs (protocol 4) until that process says hello
+again. The worker then drops the old mapping and reconnects with a bounded backoff; the next hello
+names the new pool. A worker closed after a session whose CLOSED may not have got through says that
+hello once more before it ends; and workers of one process run sessions of a rank with a manager
+one at a time, so a hello of this process always comes after its copies for that rank are over.
 
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
