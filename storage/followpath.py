@@ -559,7 +559,9 @@ class FollowPath(TierBase):
         that store's: :data:`STORED_SINCE_DELETE`). Whatever the
         key's state: indexed or being written (stored again after its directory went away), the
         old copy is still the one deleted. True when the directory open now is listed only in part
-        (being listed, or listed again later): the caller unlinks the name now too."""
+        (being listed, or listed again later): the caller unlinks the name now too. While following,
+        every delete is remembered as "a file no newer than it" (the writer keeps the file: a look
+        at the directory put back would index it again, :meth:`_looked_deleted`)."""
         prepared = self._dir
         if prepared is None:
             return False
