@@ -151,6 +151,7 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
     closer = rng.randrange(TP)
     kill = rng.random() < 0.25
     slow_s = rng.choice([0.0, 0.01, 0.03])
+    group_close = rng.random() < 0.3  # the manager's close too, fencing what still copies
     flat = pool.pages.view(torch.uint8).view(PAGES, -1)
     flat.fill_(SENTINEL)
     for page in range(JOBS, PAGES):  # load sources: bytes no slot holds
@@ -158,7 +159,8 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
         flat[page] = torch.randint(0, 256, (flat.shape[1],), generator=gen, dtype=torch.uint8)
     full = rank_kv(full_kv(MHA, seed, SLOTS), MHA, 0, 1)  # every head, for the expected pages
     ranks: _Ranks | None = None
-    async with RankGroup(MHA, TP, pool.name, PAGES, CONFIG, tmp_path / f"m{seed}") as group:
+    config = dataclasses.replace(CONFIG, close_timeout_s=0.02)
+    async with RankGroup(MHA, TP, pool.name, PAGES, config, tmp_path / f"m{seed}") as group:
         try:
             ranks = _Ranks(group.address, seed, slow_s)
             async with asyncio.timeout(120):
@@ -174,12 +176,16 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
             order = list(range(JOBS))
             rng.shuffle(order)
             close_at = rng.randrange(1, JOBS)
+            group_close_at = rng.randrange(close_at, JOBS + 1) if group_close else -1
+            closing: asyncio.Task[None] | None = None
             jobs: dict[int, Job] = {}
             killed = False
             unsent: set[int] = set()
             for n, i in enumerate(order):
                 if n == close_at:
                     ranks.ctrl[closer].send("close")
+                if n == group_close_at:
+                    closing = asyncio.create_task(group.aclose())
                 if n > close_at and kill and not killed and rng.random() < 0.3:
                     os.kill(ranks.procs[closer].pid, signal.SIGKILL)
                     killed = True
@@ -189,7 +195,12 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
                 if jobs and rng.random() < 0.3:  # let some of the earlier ones run first
                     some = rng.choice(list(jobs.values()))
                     await asyncio.wait({asyncio.ensure_future(some.wait())}, timeout=BOUND_S)
+            if group_close and closing is None:
+                closing = asyncio.create_task(group.aclose())
             outcomes = await _ended([jobs[i] for i in range(JOBS)], seed)
+            if closing is not None:
+                async with asyncio.timeout(BOUND_S):
+                    await closing
             if not killed:
                 reply = await ranks.recv(closer)
                 assert reply == ("closed", None), f"seed {seed}: {reply}"
@@ -197,9 +208,10 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
                 await asyncio.to_thread(ranks.procs[closer].join, BOUND_S)
             stats = group.statistics()
             assert stats.held_ranks == 0 and stats.jobs.in_flight == 0, f"seed {seed}: {stats}"
-            assert closer not in group.attached and (1 - closer) in group.attached, f"seed {seed}: {stats}"
-            if not killed:
-                assert stats.worker_closes == 1, f"seed {seed}: {stats}"
+            if not group_close:
+                assert closer not in group.attached and (1 - closer) in group.attached, f"seed {seed}: {stats}"
+                if not killed:
+                    assert stats.worker_closes == 1, f"seed {seed}: {stats}"
             buffers = {r: await ranks.dump(r) for r in range(TP) if not (killed and r == closer)}
             for i, outcome in enumerate(outcomes):
                 spec = specs[i]
@@ -232,7 +244,8 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
                             assert torch.equal(got, before), f"{what}: a failed part landed"
                         else:
                             assert torch.equal(got, landed), what
-            assert all(s in (RankStatus.WORKER_CLOSING, RankStatus.RANK_LOST, RankStatus.NOT_ATTACHED)
+            assert all(s in (RankStatus.WORKER_CLOSING, RankStatus.RANK_LOST, RankStatus.NOT_ATTACHED,
+                             RankStatus.GROUP_CLOSED)
                        for o in outcomes for s in (f.status for f in o.failures)), f"seed {seed}: {outcomes}"
         finally:
             if ranks is not None:
