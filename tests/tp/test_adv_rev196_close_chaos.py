@@ -208,6 +208,7 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
                 await asyncio.to_thread(ranks.procs[closer].join, BOUND_S)
             stats = group.statistics()
             assert stats.held_ranks == 0 and stats.jobs.in_flight == 0, f"seed {seed}: {stats}"
+            assert stats.jobs.stray_reports == 0, f"seed {seed}: {stats}"  # no report after a part ended
             if not group_close:
                 assert closer not in group.attached and (1 - closer) in group.attached, f"seed {seed}: {stats}"
                 if not killed:
