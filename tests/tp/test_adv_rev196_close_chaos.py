@@ -48,7 +48,9 @@ SLOTS = 2 * JOBS * T  # offload sources below JOBS * T, load targets above
 PAGES = 2 * JOBS
 BOUND_S = 60.0
 SENTINEL = 0x5A
-RANK_CONFIG = dataclasses.replace(CONFIG, inline_copy_bytes=0)  # async runner: copies on its copy thread
+# Async runner: copies on its copy thread. A closed worker waits 0.5 s at most for the manager's end
+# (a stalled manager's seeds block the manager's loop past it).
+RANK_CONFIG = dataclasses.replace(CONFIG, inline_copy_bytes=0, handshake_timeout_s=0.5)
 
 
 def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, rank: int, seed: int,
@@ -149,7 +151,8 @@ async def _ended(jobs: list[Job], seed: int) -> list[JobOutcome]:
 async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
     rng = random.Random(seed)
     closer = rng.randrange(TP)
-    kill = rng.random() < 0.25
+    stall = rng.random() < 0.2  # the manager's loop blocked through the worker's whole close
+    kill = not stall and rng.random() < 0.25
     slow_s = rng.choice([0.0, 0.01, 0.03])
     group_close = rng.random() < 0.3  # the manager's close too, fencing what still copies
     flat = pool.pages.view(torch.uint8).view(PAGES, -1)
@@ -180,10 +183,15 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
             closing: asyncio.Task[None] | None = None
             jobs: dict[int, Job] = {}
             killed = False
+            stalled_reply: Any = None
             unsent: set[int] = set()
             for n, i in enumerate(order):
                 if n == close_at:
                     ranks.ctrl[closer].send("close")
+                    if stall:  # blocked on the loop until the close ended: the next spec is written unread
+                        while stalled_reply is None or stalled_reply[0] == "started":
+                            assert ranks.ctrl[closer].poll(BOUND_S), f"seed {seed}: the close never ended"
+                            stalled_reply = ranks.ctrl[closer].recv()
                 if n == group_close_at:
                     closing = asyncio.create_task(group.aclose())
                 if n > close_at and kill and not killed and rng.random() < 0.3:
@@ -202,7 +210,7 @@ async def _one_round(tmp_path: Path, pool: PagePool, seed: int) -> None:
                 async with asyncio.timeout(BOUND_S):
                     await closing
             if not killed:
-                reply = await ranks.recv(closer)
+                reply = stalled_reply if stall else await ranks.recv(closer)
                 assert reply == ("closed", None), f"seed {seed}: {reply}"
             else:
                 await asyncio.to_thread(ranks.procs[closer].join, BOUND_S)
