@@ -416,6 +416,7 @@ class RankWorker:
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         link.write(frame(FrameKind.HELLO, hello.encode()))
         kind, payload = await link.read()
+        self._farewell_owed = False  # the manager handled a hello of this process since: holds nothing of ours
         if kind is FrameKind.REFUSE:
             refusal = Refuse.decode(payload)
             if refusal.reason.retry:
