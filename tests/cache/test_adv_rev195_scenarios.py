@@ -196,3 +196,34 @@ async def test_namespaces_salts_and_layouts_never_share_pages_over_one_disk(tmp_
             match = await cache.match(tokens, salt)
             assert match.tokens == 0, (salt, match)
             match.release()
+
+
+@pytest.mark.asyncio
+async def test_an_offload_cancelled_after_a_round_counts_the_pages_it_stored(tmp_path: Path) -> None:
+    """An offload larger than the pool goes in rounds; cancelled after its first round committed
+    (while it waits for room, or in the next round), the pages that round stored are in the pool
+    and served: ``pages_stored`` counts them. Before, the counters were folded only after the last
+    round: the stored pages went uncounted (``gpu_to_pool`` bytes counted, pages not)."""
+    kv = _kv()
+    tokens = prompt(14)[:N]
+    pool_pages = PAGES - 2
+    async with KVCache(config(tmp_path / "disk", pool_pages=pool_pages, offload_wait=5.0), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        source = _region(1)
+        kv[:, source] = _truth(tokens, None)
+        offload = asyncio.ensure_future(cache.offload(tokens, source))
+        async with asyncio.timeout(BOUND_S):
+            while cache.pool.table.statistics().commits < pool_pages:
+                await asyncio.sleep(0)
+        # The commits ran in the offload's own step, which went on to its wait for room (or to the
+        # next round's first turn) without a pause: it is suspended there now.
+        assert not offload.done()
+        offload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await offload
+        kv[:, source] = GARBAGE
+        await assert_quiescent(cache)
+        stats = cache.stats()
+        assert stats.pages_stored == pool_pages, stats
+        assert stats.bytes_moved["gpu_to_pool"] == pool_pages * LAYOUT.payload_bytes, stats
+        assert await _served(cache, kv, tokens, None) >= pool_pages * T
