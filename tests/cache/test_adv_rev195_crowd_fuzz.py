@@ -46,7 +46,7 @@ T = LAYOUT.page_tokens
 POISON = 100.0
 GARBAGE = -50.0
 MARK = -100.0
-BOUND_S = 30.0
+BOUND_S = float(os.environ.get("AIOKV_REV195_CROWD_BOUND", "30"))
 LONGEST = 20
 """Pages of the longest prompt: past TURN_PAGES (16), a match and a load give the loop a turn."""
 REGION = (LONGEST + 1) * T
@@ -299,8 +299,11 @@ async def run_seed(seed: int, root: Path, rounds: int, monkeypatch: pytest.Monke
     fired = _slow(monkeypatch, seed, faults)
     kv = torch.full((LAYOUT.num_layers, CALLERS * REGION, LAYOUT.rows, LAYOUT.head_dim), POISON, dtype=LAYOUT.dtype)
     pool_pages = rng.choice([4, 6, 8, 12])
-    cfg = config(root, pool_pages=pool_pages, disk_pages=rng.choice([24, 96]), offload_wait=0.05,
-                 commit_wait=rng.choice([0.0, 0.2]))
+    # Long waits (AIOKV_REV195_CROWD_WAIT seconds) make a wait that only a bound ends (callers
+    # waiting on each other for room or a commit) a timeout of the round rather than a slow one.
+    wait = float(os.environ.get("AIOKV_REV195_CROWD_WAIT", "0"))
+    cfg = config(root, pool_pages=pool_pages, disk_pages=rng.choice([24, 96]), offload_wait=wait or 0.05,
+                 commit_wait=wait or rng.choice([0.0, 0.2]))
     async with KVCache(cfg, LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         crowd = Crowd(seed, cache, kv, rng, faults > 0)
