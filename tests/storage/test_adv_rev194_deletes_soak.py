@@ -8,8 +8,9 @@ Oracle: a key this tier deleted is never served by it until a store of the key (
 writer) ended after the delete; after quiescence, every page file of the writer's directory is
 indexed by it (``AIOKV_REV194_SEEDS``, comma-separated, widens the seeds). Without hand-overs, half
 the copies get fresh times; with them (odd seeds), none do: after a hand-over a copy with fresh
-times of a deleted page is indexed (a documented limit). Seed 1 (and 30 of the odd seeds 1-79)
-failed before ee6ad0a: a page deleted before the lock loss, indexed by the looks."""
+times of a deleted page is indexed (a documented limit). Before review 194's fixes (ee6ad0a...
+574d923), seeds 1 and 3 failed on every backend, and 48 of the 60 runs of the odd seeds 1-39: a
+page deleted before the lock loss, or while following, indexed by the looks."""
 
 from __future__ import annotations
 
