@@ -38,9 +38,9 @@ from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostGather, HostScatter
 
 T = LAYOUT.page_tokens
-PAGES = 10
+PAGES = 17
 N = PAGES * T + 3  # a partial last page: never stored, never loaded
-POOL_PAGES = 7
+POOL_PAGES = 11
 SLOTS = 6 * N
 POISON = 100.0
 GARBAGE = -50.0
