@@ -252,11 +252,13 @@ class FollowPath(TierBase):
                     page_index.remove(key)
                     self._followed_out += 1
         added = found.added  # oldest first: the newest ends most recently used
-        deletes = bool(self._deleted_away) or self._forgotten is not None
         for start in range(0, len(added), APPLY_PER_TURN):
             await asyncio.sleep(0)
             if not self._following():
                 return
+            # Asked at each step: the caller may delete a key this look found between two steps (its
+            # first delete too), and that page must not be indexed (review 198).
+            deletes = bool(self._deleted_away) or self._forgotten is not None
             for key in added[start : start + APPLY_PER_TURN]:
                 if key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
                     page_index.add_found(key)
