@@ -35,7 +35,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -225,6 +225,7 @@ class RankWorker:
         self._ended = asyncio.Event()
         self._run_started = False
         self._session_task: asyncio.Task[bool] | None = None
+        self._claimant: asyncio.Task[object] | None = None  # the task holding this worker's _SESSIONS entry
         self._farewell_owed = False  # the last session may have left the rank held (see _farewell)
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
@@ -298,6 +299,13 @@ class RankWorker:
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool. Raises :class:`_RetryLater`
         while another worker of this process runs a session of this rank at this address."""
+        with self._claim():
+            return await self._connected_session()
+
+    @contextlib.contextmanager
+    def _claim(self) -> Iterator[None]:
+        """Hold this process's entry of (the manager's socket, this rank) for the current task: a
+        session, or the farewell hello. Raises :class:`_RetryLater` while another worker holds it."""
         # The socket itself, however it is named (a link, another path to its directory): a manager
         # restarted there listens on another one, and holds nothing of the old one's sessions.
         found = os.stat(self.address)  # FileNotFoundError: no manager listening, as from a connect
@@ -306,19 +314,20 @@ class RankWorker:
             other = _SESSIONS.get(key)
             if other is not None and other is not self and other._in_session():
                 raise _RetryLater(f"another worker of rank {self.tp.rank} in this process is in a session with "
-                                  f"{self.address}: this one waits until its copies are over")
+                                  f"{self.address} (or says its farewell): this one waits until its copies are over")
             _SESSIONS[key] = self
+            self._claimant = asyncio.current_task()
         try:
-            return await self._connected_session()
+            yield
         finally:
             with _SESSIONS_LOCK:
                 if _SESSIONS.get(key) is self:
                     del _SESSIONS[key]
 
     def _in_session(self) -> bool:
-        """Whether a session task of this worker runs (read from any thread: a stale entry of
-        ``_SESSIONS``, a session whose loop was closed under it, is not one)."""
-        task = self._session_task
+        """Whether the task holding this worker's entry runs (read from any thread: a stale entry of
+        ``_SESSIONS``, a task whose loop was closed under it, is not one)."""
+        task = self._claimant
         return task is not None and not task.done() and not task.get_loop().is_closed()
 
     async def _farewell(self) -> None:
@@ -331,25 +340,28 @@ class RankWorker:
         self._farewell_owed = False
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         try:
+            # The entry is held until the hello is out (review 197): a worker of the rank here that
+            # began a session after a mere check, and whose socket was then cut under its copies,
+            # had its hold ended by this late hello (same pid) while its copies ran: wrong KV.
             async with asyncio.timeout(self.config.handshake_timeout_s):
-                found = os.stat(self.address)
-                key = (found.st_dev, found.st_ino, self.tp.rank)
-                with _SESSIONS_LOCK:
-                    other = _SESSIONS.get(key)
-                    if other is not None and other._in_session():
-                        return  # another worker of the rank here: its own hello tells the manager
-                loop = asyncio.get_running_loop()
-                transport, link = await loop.create_unix_connection(
-                    lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address))
-                try:
-                    _check_manager(transport)
-                    # Not waiting for the reply (a manager that accepts and never answers would hold
-                    # the close): the manager reads the hello before the end that follows it.
-                    link.write(frame(FrameKind.HELLO, hello.encode()))
-                finally:
-                    transport.close()  # after the hello is flushed
+                with self._claim():
+                    await self._say_farewell(hello)
+        except _RetryLater:
+            pass  # another worker of the rank here is in a session: its own hello tells the manager
         except (_Stranger, *_LINK_ERRORS) as exc:
             log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
+
+    async def _say_farewell(self, hello: Hello) -> None:
+        loop = asyncio.get_running_loop()
+        transport, link = await loop.create_unix_connection(
+            lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address))
+        try:
+            _check_manager(transport)
+            # Not waiting for the reply (a manager that accepts and never answers would hold
+            # the close): the manager reads the hello before the end that follows it.
+            link.write(frame(FrameKind.HELLO, hello.encode()))
+        finally:
+            transport.close()  # after the hello is flushed
 
     async def _connected_session(self) -> bool:
         loop = asyncio.get_running_loop()
