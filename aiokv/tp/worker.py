@@ -106,6 +106,19 @@ _SESSIONS: dict[tuple[int, int, int], RankWorker] = {}
 _SESSIONS_LOCK = threading.Lock()  # workers of one process may run on different threads' loops
 
 
+def _forget_sessions() -> None:
+    """In a child forked without exec: the parent's sessions are not this process's (the manager
+    tells processes apart by pid), and their tasks never end here: an inherited entry kept every
+    worker of that rank made in the child waiting for good (review 197). The lock may have been
+    held by another thread of the parent at the fork."""
+    global _SESSIONS_LOCK
+    _SESSIONS.clear()
+    _SESSIONS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sessions)
+
+
 class _RetryLater(Exception):
     """A refusal worth retrying (rank still held by a dying connection, manager closing)."""
 
