@@ -331,11 +331,13 @@ class FollowPath(TierBase):
         # and the budget, never evicted. Unlinked, as refused files are.
         gone = self._unlink_when_writable | self._follow_forgotten
         unlisted = set(found.unlisted)
-        # A deleted key's name in a directory this look could not list may hold a page the other
-        # writer stored after the delete (review 198: unlinked here, a page lost): left to the
-        # listing again below, which asks the delete by the file's time (_index_listed).
+        fanout = self._dir.fanout
+        # A deleted key's name in a directory this look could not list (listed again below, or
+        # without a descriptor now: listed when opened) may hold a page the other writer stored
+        # after the delete (review 198: unlinked here, a page lost): left to that listing, which
+        # asks the delete by the file's time (_index_listed).
         refused: list[PageKey] = [key for key in gone if key not in self._index and not (
-            key[0] in unlisted and self._listing_asks_delete(key))]
+            (key[0] in unlisted or fanout[key[0]] < 0) and self._listing_asks_delete(key))]
         self._unlink_when_writable.clear()
         self._follow_forgotten.clear()
         self._remove_files(refused)

@@ -130,3 +130,56 @@ async def test_the_take_over_s_listing_again_unlinks_the_page_the_follower_delet
         finally:
             await b.aclose()
     assert_clean(pool)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_the_take_over_keeps_a_page_stored_after_the_follower_s_delete_in_a_directory_opened_not_listed(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """The same for a directory the take-over opened late (moved away and back while B followed:
+    its descriptor retired) whose listing failed: it is closed again (no descriptor), and the
+    take-over's unlink of the key's name opened it and unlinked the other writer's page."""
+    size = layout.page_bytes
+    victim = key_of(7, TAG)
+    with listing_ext4(tmp_path, 128) as fs:
+        cfg = config(fs.mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        async with started(DiskTier(cfg, layout, pool)) as a:
+            for i in range(FILES):
+                assert await a.write_from(key_of(i, TAG), memoryview(_bytes_of(key_of(i, TAG), size)))
+            b = DiskTier(cfg, layout, pool)
+            await b.start()
+            try:
+                looks = Looks(b)
+                await b.delete(victim)
+                await a.delete(victim)
+                _past_file_clock(fs.mount / "probe")
+                assert await a.write_from(victim, memoryview(_again(victim, size)))
+                layout_dir = a.files.layout_dir
+                fan = layout_dir / f"{TAG:02x}"
+                away = fs.mount / "away"
+                fan.rename(away)
+                await looks.next()  # B retires its descriptor
+                assert b._dir is not None and b._dir.fanout[TAG] < 0
+            except BaseException:
+                await b.aclose()
+                raise
+        try:
+            away.rename(fan)
+            fs.cold()
+            fs.bad_block(fan, BAD)
+            await looks.next()  # takes over: opens 3b, its listing fails
+            assert b.read_only is None and b.statistics().took_over == 1
+            assert b.statistics().errors[ErrorKind.EIO] >= 1
+            await _settled(b)
+            fs.good()
+            assert (fan / victim.hex()).exists(), "the take-over unlinked the page A stored after B's delete"
+            checks = LockChecks(b)
+            await checks.next()  # opens and lists 3b
+            await _settled(b)
+            assert b.contains(victim), "the page A stored after B's delete was not indexed"
+            buf = bytearray(size)
+            assert await b.read_into(victim, memoryview(buf)) and buf == _again(victim, size)
+            assert _indexed(b) == _on_disk(layout_dir)
+        finally:
+            await b.aclose()
+    assert_clean(pool)
