@@ -598,6 +598,17 @@ class FollowPath(TierBase):
         self._remember(key, time.time_ns())  # file times come from the same clock, at most as late
         return part_listed
 
+    def _write_discarded(self, key: PageKey) -> None:
+        """:meth:`TierBase._write_discarded`: while following (the lock lost with the write in
+        flight), the file stays until this tier may write, and the delete (remembered as "a file no
+        newer than it", or not at all when it came before the loss) did not name it: its data may
+        have landed after the delete, and the looks indexed and served it (review 198). Remembered
+        again now, after the file was published: no newer than this."""
+        prepared = self._dir
+        if (prepared is not None and prepared.lock_fd is None and self._read_only is ReadOnly.LOCKED
+                and self._follow_task is not None):
+            self._remember(key, -1 - time.time_ns())
+
     def _remember(self, key: PageKey, remembered: int) -> None:
         """Remember the delete of ``key`` as ``remembered`` (:data:`STORED_SINCE_DELETE`), the oldest
         beyond :data:`DELETED_KEPT` forgotten into the filter."""

@@ -432,6 +432,11 @@ class TierBase(TierEdge):
         self._index.remove(key)
         return self._unlink_later(key)
 
+    def _write_discarded(self, key: PageKey) -> None:
+        """A write of ``key`` deleted while in flight landed, its file published, and is discarded
+        (unlinked): nothing more here (:class:`~.followpath.FollowPath` remembers it while it
+        follows another writer and may not unlink yet)."""
+
     def _unlink_later(self, key: PageKey, at: tuple[int, str] | None = None) -> asyncio.Task[None] | None:
         """Unlink ``key``'s file (out of the index already) in a task a new write of the key waits
         for; ``at``: in that directory descriptor and name (a retired fan-out directory's) rather

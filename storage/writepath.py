@@ -592,6 +592,7 @@ class WritePath(TierBase):
         if stored and key in self._delete_after_write:
             stored = False
             self._unlink_later(key)
+            self._write_discarded(key)
         if key in self._listed_under_write:
             self._listed_under_write.discard(key)
             if not stored and key not in self._index:
