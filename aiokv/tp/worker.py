@@ -297,12 +297,15 @@ class RankWorker:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(delay):
                             await self._stop.wait()
-            if self._farewell_owed:
-                await self._farewell()
         finally:
             bridge, self._bridge = self._bridge, None
             cancels = Cancels()
             try:
+                # Also when run() itself was cancelled (an engine's task group torn down, not
+                # aclose): its session drained first, and the manager held the rank for good after
+                # a cut socket (review 197). Bounded (handshake_timeout_s); the cancel is raised after.
+                if self._farewell_owed:
+                    await cancels.outlast(self._farewell())
                 await cancels.outlast(asyncio.to_thread(bridge.close))  # joins its threads: off the loop
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
