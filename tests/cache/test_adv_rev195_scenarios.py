@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, errors_of
+from loop_probes import until_spin
 from test_adv_rev195_cancel_sweep import GARBAGE, POISON, oracle, prompt
 
 from aiokv import KVCache, KVLayout
@@ -212,9 +213,8 @@ async def test_an_offload_cancelled_after_a_round_counts_the_pages_it_stored(tmp
         source = _region(1)
         kv[:, source] = _truth(tokens, None)
         offload = asyncio.ensure_future(cache.offload(tokens, source))
-        async with asyncio.timeout(BOUND_S):
-            while cache.pool.table.statistics().commits < pool_pages:
-                await asyncio.sleep(0)
+        await until_spin(lambda: cache.pool.table.statistics().commits >= pool_pages, "the first round's commits",
+                         BOUND_S)
         # The commits ran in the offload's own step, which went on to its wait for room (or to the
         # next round's first turn) without a pause: it is suspended there now.
         assert not offload.done()
