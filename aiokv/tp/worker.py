@@ -13,9 +13,10 @@ took: the manager fails what it sent after that at once, protocol 9) and only th
 connection that ends without CLOSED tells the manager only that no copy of the session runs any
 more if the process is gone: it holds a live one's jobs (protocol 4) until that process says hello
 again. The worker then drops the old mapping and reconnects with a bounded backoff; the next hello
-names the new pool. A worker closed after a session whose CLOSED may not have got through says that
-hello once more before it ends; and workers of one process run sessions of a rank with a manager
-one at a time, so a hello of this process always comes after its copies for that rank are over.
+names the new pool. A worker that ends (closed, or its ``run()`` cancelled) after a session whose
+CLOSED may not have got through says that hello once more; and workers of one process run sessions
+of a rank with a manager, and such farewells, one at a time (a forked child starts with none), so a
+hello of this process always comes after its copies for that rank are over.
 
 Two runners: ``async with RankWorker(...)`` on the engine's own event loop, or
 :class:`RankWorkerThread` (its own thread and loop) for an engine whose model runner is synchronous.
@@ -258,7 +259,8 @@ class RankWorker:
 
     async def run(self) -> None:
         """Connect, serve and reconnect until :meth:`aclose`. Raises :class:`WorkerRefusedError` when
-        the manager refuses this worker for good."""
+        the manager refuses this worker for good. Cancelled, it ends as :meth:`aclose` does (the
+        session's copies drain, the farewell hello if owed) and then raises the cancel."""
         if self._run_started:
             raise RuntimeError("RankWorker.run() is already running (or ran)")
         self._run_started = True
