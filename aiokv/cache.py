@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from aiokv.config import CacheConfig
@@ -448,6 +449,11 @@ class KVCache(CacheFacade):
         """
         self._manager.check_running()
         ids = token_array(tokens)
+        if isinstance(tokens, (np.ndarray, torch.Tensor)):
+            # A copy of our own: the keys are hashed after the awaits below (a CUDA read-back of the
+            # slots, seconds of warm-up), and an engine that rewrites its token buffer meanwhile
+            # would have this KV stored under another prompt's keys.
+            ids = ids.copy()
         check_salt(salt)
         host = await self._slots.check(slots, int(ids.size))
         await self._kernels_ready()
