@@ -260,7 +260,12 @@ class FollowPath(TierBase):
             # first delete too), and that page must not be indexed (review 198).
             deletes = bool(self._deleted_away) or self._forgotten is not None
             for key in added[start : start + APPLY_PER_TURN]:
-                if key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
+                if key in self._writing:
+                    # This tier's own write, in flight when the lock was lost, published: its end
+                    # decides (a write deleted meanwhile is discarded then: indexed here, it was
+                    # served, review 198); its name examined again at the next look.
+                    self._follow_forgotten.add(key)
+                elif key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
                     page_index.add_found(key)
                     self._followed_in += 1
         if (found.lock_fd is not None or found.writable) and self._following():
@@ -336,8 +341,11 @@ class FollowPath(TierBase):
         # without a descriptor now: listed when opened) may hold a page the other writer stored
         # after the delete (review 198: unlinked here, a page lost): left to that listing, which
         # asks the delete by the file's time (_index_listed).
-        refused: list[PageKey] = [key for key in gone if key not in self._index and not (
+        refused: list[PageKey] = [key for key in gone if key not in self._index and key not in self._writing and not (
             (key[0] in unlisted or fanout[key[0]] < 0) and self._listing_asks_delete(key))]
+        # A write in flight since before the lock was lost: its end decides what its name holds (a
+        # file there is unlinked if it ends unstored), as for a key a listing finds being written.
+        self._listed_under_write.update(key for key in gone if key in self._writing)
         self._unlink_when_writable.clear()
         self._follow_forgotten.clear()
         self._remove_files(refused)
