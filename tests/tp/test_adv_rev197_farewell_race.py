@@ -32,7 +32,7 @@ import pytest_asyncio
 import torch
 from child_procs import end_child, fork_context
 from held_rank import Held, _hold
-from loop_probes import until_thread
+from loop_probes import until_spin, until_thread
 from tp_helpers import CONFIG
 
 from aiokv.layout import KVLayout
@@ -89,9 +89,8 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
         async def watch(before: set[int]) -> None:
             # Each loop turn: once the farewell's socket exists (connected in the step that made
             # it), the engine's loop blocks, before the step that writes the hello.
-            while not (new := _socket_inodes() - before):  # noqa: ASYNC110 (a probe of each loop turn)
-                await asyncio.sleep(0)
-            farewell.update(new)
+            await until_spin(lambda: bool(_socket_inodes() - before), "A's farewell connection", BOUND_S)
+            farewell.update(_socket_inodes() - before)  # no await since the check: the same turn
             connected.set()
             unblock.wait(BOUND_S)  # the engine's synchronous step
 
