@@ -277,17 +277,20 @@ class FollowPath(TierBase):
         unlinked once this tier may write. Review 194: a page deleted before the lock was lost (or
         while following), its directory put back, was indexed by the looks and served again, also
         after the take-over. No look runs now: its state (the file's identity) is the loop's."""
-        remembered = self._deleted_away.get(key)
-        if remembered is None:
-            if not self._maybe_forgotten(key, mtime):
-                return False
-        else:
-            state = self._follow_state
-            known = state.entries[key[0]] if state is not None else None
-            if not _deleted_file(remembered, known.get(key, 0) if known is not None else 0, mtime):
-                return False
+        if not self._found_deleted(key, mtime):
+            return False
         self._unlink_when_writable.add(key)  # (a file of it the writer stores later is indexed: kept)
         return True
+
+    def _found_deleted(self, key: PageKey, mtime: int) -> bool:
+        """:meth:`_looked_deleted`'s question alone: whether that file is the page of a delete this
+        tier remembers (one by one, or maybe in the filter)."""
+        remembered = self._deleted_away.get(key)
+        if remembered is None:
+            return self._maybe_forgotten(key, mtime)
+        state = self._follow_state
+        known = state.entries[key[0]] if state is not None else None
+        return _deleted_file(remembered, known.get(key, 0) if known is not None else 0, mtime)
 
     def _count_told(self, found: Look) -> None:
         """Count what a look told of the refused reads (``corrupt`` or ``follow_raced``)."""
@@ -344,8 +347,15 @@ class FollowPath(TierBase):
         refused: list[PageKey] = [key for key in gone if key not in self._index and key not in self._writing and not (
             (key[0] in unlisted or fanout[key[0]] < 0) and self._listing_asks_delete(key))]
         # A write in flight since before the lock was lost: its end decides what its name holds (a
-        # file there is unlinked if it ends unstored), as for a key a listing finds being written.
-        self._listed_under_write.update(key for key in gone if key in self._writing)
+        # file there is unlinked if it ends unstored), as for a key a listing finds being written;
+        # but a page this look found there (the other writer's, not one deleted) is indexed if the
+        # write ends unstored: it never published over it (review 199: unlinked, a page lost).
+        for key in gone:
+            if key in self._writing:
+                self._listed_under_write.add(key)
+                mtime = found.mtimes.get(key)
+                if mtime is not None and not self._found_deleted(key, mtime):
+                    self._found_under_write.add(key)
         self._unlink_when_writable.clear()
         self._follow_forgotten.clear()
         self._remove_files(refused)

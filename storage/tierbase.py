@@ -170,6 +170,11 @@ class TierBase(TierEdge):
         # Keys such a listing found a file of while a write of theirs was in flight (left to it):
         # a write that ends unstored unlinks that file (else on disk, outside the index and budget).
         self._listed_under_write: set[PageKey] = set()
+        # Of those, keys a take-over's scan found a page under (not a page deleted) while this
+        # tier's own write of theirs was in flight since before the lock was lost: a write that
+        # ends unstored (and not deleted) never published over it, and indexes it rather than
+        # unlinking it (review 199: the other writer's page was lost).
+        self._found_under_write: set[PageKey] = set()
         # Keys whose file a read found gone while following: the next look examines their names
         # again (:meth:`.follow.FollowState.forget`).
         self._follow_forgotten: set[PageKey] = set()

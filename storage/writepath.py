@@ -593,10 +593,17 @@ class WritePath(TierBase):
             stored = False
             self._unlink_later(key)
             self._write_discarded(key)
+        adopt = False
         if key in self._listed_under_write:
             self._listed_under_write.discard(key)
             if not stored and key not in self._index:
-                self._unlink_later(key)  # the file a listing left to this write (02f53ee)
+                if key in self._found_under_write and key not in self._delete_after_write:
+                    # A page a take-over's scan found (not one deleted) that this write, unstored,
+                    # never replaced: indexed below (review 199: unlinked, a page lost).
+                    adopt = True
+                else:
+                    self._unlink_later(key)  # the file a listing left to this write (02f53ee)
+        self._found_under_write.discard(key)
         if stored and job.holds_room:
             self._index.add(key)
             job.holds_room = False  # the file's now
@@ -605,6 +612,10 @@ class WritePath(TierBase):
             self._writes += 1
             self._bytes_written += self._file_bytes
         self._give_room_back(job)
+        if adopt and key not in self._index:
+            self._index.add_least_recent([key])
+            if self._read_only is None:
+                self._remove_files(self._index.evict_to(self._index.capacity))
         self._delete_after_write.discard(key)
         for waiter in job.waiters:
             if not waiter.done():
