@@ -621,10 +621,11 @@ class FollowPath(TierBase):
         flight), the file stays until this tier may write, and the delete (remembered as "a file no
         newer than it", or not at all when it came before the loss) did not name it: its data may
         have landed after the delete, and the looks indexed and served it (review 198). Remembered
-        again now, after the file was published: no newer than this."""
-        prepared = self._dir
-        if (prepared is not None and prepared.lock_fd is None and self._read_only is ReadOnly.LOCKED
-                and self._follow_task is not None):
+        again now, after the file was published: no newer than this. So too after a take-over where
+        this tier may not write yet (``_follow_held``, a read-only file system): the file is left
+        until it may, and the take-over's scan then found it newer than the delete (or no delete
+        remembered, the lock held at it) and indexed it (review 199: served, stale KV)."""
+        if self._dir is not None and self._follow_task is not None and self._following():
             self._remember(key, -1 - time.time_ns())
 
     def _remember(self, key: PageKey, remembered: int) -> None:
