@@ -306,7 +306,9 @@ class RankWorker:
                 # Also when run() itself was cancelled (an engine's task group torn down, not
                 # aclose): its session drained first, and the manager held the rank for good after
                 # a cut socket (review 197). Bounded (handshake_timeout_s); the cancel is raised after.
-                if self._farewell_owed:
+                with _SESSIONS_LOCK:  # a skipped farewell hands its debt over under it (_claim)
+                    owed = self._farewell_owed
+                if owed:
                     await cancels.outlast(self._farewell())
                 await cancels.outlast(asyncio.to_thread(bridge.close))  # joins its threads: off the loop
             finally:
@@ -317,13 +319,19 @@ class RankWorker:
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool. Raises :class:`_RetryLater`
         while another worker of this process runs a session of this rank at this address."""
-        with self._claim():
+        with self._claim(farewell=False):
             return await self._connected_session()
 
     @contextlib.contextmanager
-    def _claim(self) -> Iterator[None]:
+    def _claim(self, farewell: bool) -> Iterator[None]:
         """Hold this process's entry of (the manager's socket, this rank) for the current task: a
-        session, or the farewell hello. Raises :class:`_RetryLater` while another worker holds it."""
+        session, or the farewell hello. Raises :class:`_RetryLater` while another worker holds it;
+        a ``farewell`` refused so hands its debt to that worker (review 201): one that had claimed
+        the entry and was cancelled before its hello (a loop turn from it) said none, and the
+        manager held the rank for this process until it exited (its jobs, the group's close hung).
+        Its own hello, or its farewell at its end (its ``run()``'s finally reads the debt under the
+        lock, after its entry went), frees the rank; an extra one is harmless (the rank's entry is
+        held for it: no copy of this process runs for the rank)."""
         # The socket itself, however it is named (a link, another path to its directory): a manager
         # restarted there listens on another one, and holds nothing of the old one's sessions.
         found = os.stat(self.address)  # FileNotFoundError: no manager listening, as from a connect
@@ -331,6 +339,8 @@ class RankWorker:
         with _SESSIONS_LOCK:
             other = _SESSIONS.get(key)
             if other is not None and other is not self and other._in_session():
+                if farewell:
+                    other._farewell_owed = True
                 raise _RetryLater(f"another worker of rank {self.tp.rank} in this process is in a session with "
                                   f"{self.address} (or says its farewell): this one waits until its copies are over")
             _SESSIONS[key] = self
@@ -362,10 +372,10 @@ class RankWorker:
             # began a session after a mere check, and whose socket was then cut under its copies,
             # had its hold ended by this late hello (same pid) while its copies ran: wrong KV.
             async with asyncio.timeout(self.config.handshake_timeout_s):
-                with self._claim():
+                with self._claim(farewell=True):
                     await self._say_farewell(hello)
         except _RetryLater:
-            pass  # another worker of the rank here is in a session: its own hello tells the manager
+            pass  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
         except (_Stranger, *_LINK_ERRORS) as exc:
             log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
 
