@@ -252,6 +252,11 @@ class TierBase(TierEdge):
         dropped = [key for key in self._index if key[0] == index]  # a key's fan-out is its first byte
         for key in dropped:
             self._index.remove(key)
+        # A page a take-over found under a key's name, left to this tier's write in flight: that
+        # name now leads elsewhere (a copy put back may hold the page deleted): no longer indexed
+        # if the write ends unstored, but left to the listing of the name's next directory
+        # (review 200: indexed blind, the deleted page was served).
+        self._found_under_write.difference_update([key for key in self._found_under_write if key[0] == index])
         self._remove_spares(self._spares.drop_in(fd))
         log.warning("disk tier: %s was removed, moved or replaced under this cache (%s): %d pages indexed there "
                     "are gone; opening the name again", self.files.layout_dir / f"{index:02x}", why.strerror,
