@@ -252,6 +252,7 @@ class FollowPath(TierBase):
                     page_index.remove(key)
                     self._followed_out += 1
         added = found.added  # oldest first: the newest ends most recently used
+        left: set[PageKey] = set()  # keys left to this tier's own write in flight
         for start in range(0, len(added), APPLY_PER_TURN):
             await asyncio.sleep(0)
             if not self._following():
@@ -265,11 +266,12 @@ class FollowPath(TierBase):
                     # decides (a write deleted meanwhile is discarded then: indexed here, it was
                     # served, review 198); its name examined again at the next look.
                     self._follow_forgotten.add(key)
+                    left.add(key)
                 elif key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
                     page_index.add_found(key)
                     self._followed_in += 1
         if (found.lock_fd is not None or found.writable) and self._following():
-            self._take_lock_over(found)
+            self._take_lock_over(found, left)
 
     def _looked_deleted(self, key: PageKey, mtime: int) -> bool:
         """Whether the file of ``key`` a look found (last modified at ``mtime``, ns) is the page of a
@@ -304,7 +306,7 @@ class FollowPath(TierBase):
                         "indexed (kept, as the tier is read-only (%s); further ones counted only)",
                         self.files.path(next(iter(found.corrupt))), ReadOnly.LOCKED.value)
 
-    def _take_lock_over(self, found: Look) -> None:
+    def _take_lock_over(self, found: Look, left: set[PageKey]) -> None:
         """The writer let the directory go and the look took its lock (or this tier held it and
         may write there now): write from now on. Where it may not write yet (a read-only file
         system...), it holds the lock, and the looks go on asking whether it may."""
@@ -338,6 +340,16 @@ class FollowPath(TierBase):
         # next file, which the look took for the one it knew), else left on disk outside the index
         # and the budget, never evicted. Unlinked, as refused files are.
         gone = self._unlink_when_writable | self._follow_forgotten
+        # A key this look's apply left to its write (in flight then: its name examined again at
+        # the next look), whose write ended unstored between two of the apply's steps: the page
+        # the look found there was never replaced, and is indexed (review 200: refused below and
+        # unlinked, the other writer's page lost), unless the caller ever deleted the key.
+        kept = [key for key in left if key in gone and key not in self._index and key not in self._writing
+                and key not in self._deleted_away and (mtime := found.mtimes.get(key)) is not None
+                and not self._found_deleted(key, mtime)]
+        gone.difference_update(kept)
+        for key in kept:
+            self._index.add_found(key)  # most recently used: the caller just asked to store it
         unlisted = set(found.unlisted)
         fanout = self._dir.fanout
         # A deleted key's name in a directory this look could not list (listed again below, or
