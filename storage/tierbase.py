@@ -442,6 +442,12 @@ class TierBase(TierEdge):
         self._index.remove(key)
         return self._unlink_later(key)
 
+    def _found_still_kept(self, key: PageKey) -> bool:
+        """Whether the page a take-over found under ``key``'s name (left to a write that ended
+        unstored: ``_found_under_write``) may be indexed now (:class:`~.followpath.FollowPath` asks
+        the file there now against the deletes it remembers)."""
+        return True
+
     def _write_discarded(self, key: PageKey) -> None:
         """A write of ``key`` deleted while in flight landed, its file published, and is discarded
         (unlinked): nothing more here (:class:`~.followpath.FollowPath` remembers it while it

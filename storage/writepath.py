@@ -597,7 +597,8 @@ class WritePath(TierBase):
         if key in self._listed_under_write:
             self._listed_under_write.discard(key)
             if not stored and key not in self._index:
-                if key in self._found_under_write and key not in self._delete_after_write:
+                if (key in self._found_under_write and key not in self._delete_after_write
+                        and self._found_still_kept(key)):
                     # A page a take-over's scan found (not one deleted) that this write, unstored,
                     # never replaced: indexed below (review 199: unlinked, a page lost).
                     adopt = True
