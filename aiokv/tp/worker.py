@@ -428,7 +428,7 @@ class RankWorker:
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
                 cancels = Cancels()
-                await cancels.outlast(executor.drain())
+                await _outlast_again(cancels, executor.drain)
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
@@ -438,7 +438,7 @@ class RankWorker:
                     # next write before it read CLOSED (and it would hold this rank as cut off).
                     ended = await cancels.outlast(link.wait_peer_end(self.config.handshake_timeout_s))
                 link.close()
-                await cancels.outlast(executor.aclose())
+                await _outlast_again(cancels, executor.aclose)
                 self._executor = None
                 # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
                 # left it; nothing else would reclaim it while the host stays quiet.
@@ -994,6 +994,19 @@ class _WorkerLink(asyncio.Protocol):
                 # the copies in flight are over (the manager reads its end as "none of them runs").
                 transport.pause_reading()
         self._wake()
+
+
+async def _outlast_again(cancels: Cancels, step: Callable[[], Awaitable[T]]) -> T:
+    """``cancels.outlast(step())``, run again while it ends cancelled itself: a loop's shutdown
+    (``asyncio.run`` ending) cancels every task left, the step's own too. A drain cut so ended with
+    a copy still running, the rest of the teardown was skipped and the rank's entry let go: a second
+    worker of the rank here said hello and the manager failed the load while the copy ran (wrong KV,
+    review 201). Only for steps that may run again (a drain, an idempotent close)."""
+    while True:
+        try:
+            return await cancels.outlast(step())
+        except asyncio.CancelledError:
+            cancels.cancelled = True
 
 
 def _check_manager(transport: asyncio.BaseTransport) -> None:
