@@ -5,7 +5,10 @@ asyncio makes an accepted connection a few loop turns after the accept (in a tas
 session a close fence ended says hello again at once, and the group, which since review 177 listens
 until no job is in flight, accepted it and made it after its close had listed the links it ends:
 left open, its socket leaked (a ``ResourceWarning`` failed ``test_tp_close_fence`` in a loaded run).
-Here the making of one accepted connection is held until the close has ended, then let go."""
+Here the making of one accepted connection is held until the close has ended its links, then let go
+while the close still runs: from Python 3.12 on, ``Server.wait_closed`` (the close's last await) waits
+for every connection the server accepted, so the close ends only once that late one is ended too (a
+test that held the making until after the close hung there for good; 3.11 did not wait)."""
 
 from __future__ import annotations
 
@@ -46,13 +49,16 @@ async def test_a_connection_made_after_the_close_is_ended(tmp_path: Any, monkeyp
         await asyncio.get_running_loop().sock_connect(client, os.fspath(group.address))
         async with asyncio.timeout(10):
             await accepted.wait()  # accepted: its making is held
-        await group.aclose()
+        closing = asyncio.ensure_future(group.aclose())
+        await until(lambda: group._links_ended)  # the close ended every link it knew
         monkeypatch.setattr(group_module._RankLink, "connection_made", real)
         link, transport = held[0]
-        link.connection_made(transport)  # made now: after the close ended every link it knew
+        link.connection_made(transport)  # made now: after that
         await until(lambda: transport.get_extra_info("socket").fileno() == -1)  # closed on the loop
         assert transport.is_closing()
         assert link not in group._links
+        async with asyncio.timeout(10):
+            await closing  # 3.12: the server's wait_closed waited for this connection
     finally:
         client.close()
         await pool.aclose()
