@@ -12,6 +12,7 @@ import hard_stop
 import pytest
 import pytest_asyncio
 import torch
+import xdist_order
 from hypothesis import settings
 from loop_probes import cancel_within
 
@@ -45,13 +46,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n``) the tests marked ``slow`` start first: a long one handed out last
-    ran alone for two minutes at the end of the GPU host's parallel run (the order is otherwise
-    kept, the same in every worker)."""
+    """Under pytest-xdist (``-n``) each worker's first tests are its share of those marked ``slow``
+    (tests/xdist_order.py: a long one handed out last ran alone for minutes at the end of the GPU
+    host's parallel run). The order is the same in every worker; a plain run keeps the file order."""
     # The workers collect and order (the controller hands out indices): xdist does not give them
-    # its -n option, only this variable (checked on the H200: the sort did not happen by -n).
+    # its -n option, only these variables (checked on the H200: the sort did not happen by -n).
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        items[:] = xdist_order.deal(items, [xdist_order.slow_seconds(item) for item in items], _WORKERS)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], Any]]:
