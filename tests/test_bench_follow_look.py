@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_follow_look.py"
 
 
+@pytest.mark.slow(seconds=25)
 def test_it_times_each_look_kind_beside_each_neighbour_and_cleans_up(tmp_path: Path) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()

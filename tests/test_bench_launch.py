@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_launch
 
@@ -42,6 +44,7 @@ def test_group_costs_leave_the_sizer_as_it_was() -> None:
     assert bench_launch.launches.LaunchSizer.record is record
 
 
+@pytest.mark.slow(seconds=11)
 def test_bad_arguments_are_refused() -> None:
     for bad in (["--repeats", "0"], ["--group-costs", "0"]):
         done = subprocess.run([sys.executable, str(TOOLS / "bench_launch.py"), *bad], capture_output=True,

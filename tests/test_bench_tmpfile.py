@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_tmpfile import HEADER_BYTES, VARIANTS, check_files
 
@@ -67,6 +69,7 @@ def test_the_check_counts_truncated_and_foreign_files_as_partial(tmp_path: Path)
     assert check_files(tmp_path, UNIT, keyed=False) == (2, 1, 1)  # only the cut one is short
 
 
+@pytest.mark.slow(seconds=18)
 def test_killed_tmpfile_writers_leave_no_partial_final_file(tmp_path: Path) -> None:
     out = tmp_path / "crash.json"
     scratch = tmp_path / "scratch"

@@ -76,7 +76,7 @@ async def test_tiny_demo_with_prefetch_and_bfloat16_stays_exact(tmp_path: Path) 
     assert out.summary["computed_tokens"] < out.summary["computed_tokens_scratch"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 @pytest.mark.asyncio
 async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path: Path) -> None:
     """--tp 2: heads split over two spawned rank processes; the pool serves both ranks, bit-exact."""
@@ -98,7 +98,7 @@ async def test_tiny_demo_on_two_tp_rank_processes_matches_from_scratch(tmp_path:
     assert not multiprocessing.active_children()  # every rank process was joined
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 @pytest.mark.asyncio
 async def test_tp_oracle_catches_wrong_bytes_in_one_ranks_heads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

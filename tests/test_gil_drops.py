@@ -13,6 +13,7 @@ import pytest
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
+@pytest.mark.slow(seconds=13)
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
 def test_every_hit_reports_its_threads_takes(tmp_path: Path) -> None:
     out = subprocess.run(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import aiokv
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -18,6 +20,7 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 
 
+@pytest.mark.slow(seconds=10)
 def test_quick_start_runs() -> None:
     (block,) = _python_blocks()
     # A fresh interpreter: the block calls asyncio.run itself.

@@ -45,6 +45,7 @@ def test_the_demo_has_one_duration() -> None:
     assert len(durations) == 1, durations
 
 
+@pytest.mark.slow(seconds=30)
 def test_the_demo_flags_the_readme_names_exist() -> None:
     help_text = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo.py"), "--help"], capture_output=True, text=True, timeout=120,
@@ -66,6 +67,7 @@ def test_the_disk_directory_the_readme_names_is_the_default(tmp_path: Path, monk
     assert os.stat(tmp_path / "home" / ".cache" / "aiokv").st_mode & 0o077 == 0  # created 0700
 
 
+@pytest.mark.slow(seconds=12)
 def test_the_segment_tool_the_readme_names_runs() -> None:
     assert "python -m aiokv.segments list" in README and "python -m aiokv.segments clean" in README
     done = subprocess.run([sys.executable, "-m", "aiokv.segments", "list"], capture_output=True, text=True, timeout=60)

@@ -108,6 +108,7 @@ class _Child:
         return self.proc.wait(timeout=BOUND_S)
 
 
+@pytest.mark.slow(seconds=10)
 @pytest.mark.asyncio
 async def test_a_save_held_past_its_close_never_replaces_the_next_caches_rates(tmp_path: Path) -> None:
     with loop_ext4(tmp_path, 16) as mount:

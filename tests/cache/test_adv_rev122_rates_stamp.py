@@ -101,6 +101,7 @@ def test_a_later_file_of_this_clock_still_wins(tmp_path: Path) -> None:
     assert (tmp_path / RATES_FILE).read_bytes() == newer
 
 
+@pytest.mark.slow(seconds=14)
 @needs_time_namespace
 @pytest.mark.asyncio
 async def test_a_cache_after_an_ahead_of_time_save_saves_its_own_rates(tmp_path: Path) -> None:

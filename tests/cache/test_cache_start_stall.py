@@ -347,6 +347,7 @@ def _preload_run(mode: str) -> tuple[dict[str, list[object]], str]:
     return json.loads(run.stdout.splitlines()[-1]), run.stderr
 
 
+@pytest.mark.slow(seconds=16)
 def test_preload_imports_what_a_start_would_and_the_start_then_imports_nothing() -> None:
     # #11, first start on CUDA: start() imported Triton in a thread, 24-95 ms holding the GIL on an
     # H200 host (a loop stall). KVCache.preload imports it before the loop runs; a start without it

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cache_helpers import DEVICE
 
 SCRIPT = r"""
@@ -109,6 +110,7 @@ print(json.dumps(asyncio.run(main())))
 """
 
 
+@pytest.mark.slow(seconds=15)
 def test_no_call_of_a_started_cache_imports_a_module(tmp_path: Path) -> None:
     # The engine's device (AIOKV_TEST_DEVICE=cuda on a GPU machine: the copies' CUDA paths).
     env = {**os.environ}

@@ -95,6 +95,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow(seconds=10)
 @pytest.mark.parametrize(("layout", "form", "tp", "path", "staging"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_warm_up_launches_every_variant_the_real_copies_launch(
     layout: KVLayout, form: BufferForm, tp: tuple[int, int], path: TransferPath, staging: int
@@ -113,6 +114,7 @@ def test_warm_up_launches_every_variant_the_real_copies_launch(
     assert aligned <= ready, f"page-aligned variants not warm at on_ready: {sorted(aligned - ready, key=str)}"
 
 
+@pytest.mark.slow(seconds=17)
 def test_warm_up_of_a_kv_buffer_with_odd_addresses_matches_their_alignment() -> None:
     # A buffer starting 2 bytes into its storage: the plan moves 2-byte words and its KV pointer is
     # not 16-byte aligned; the twins' scratch must reproduce that (a 16-aligned scratch compiles
@@ -138,6 +140,7 @@ def test_skip_values_stand_for_every_skip() -> None:
         assert max(skip_values(tokens)) < tokens
 
 
+@pytest.mark.slow(seconds=11)
 def test_warm_up_runs_its_launches_and_touches_only_scratch() -> None:
     layout = MHA
     gen = torch.Generator().manual_seed(1)

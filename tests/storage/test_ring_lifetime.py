@@ -221,6 +221,7 @@ def _child(kind: str, limit: str) -> tuple[list[int], list[tuple[str, list[int]]
     return report["base"], [(outcome, counts) for outcome, counts in report["outcomes"]]
 
 
+@pytest.mark.slow(seconds=9)
 @pytest.mark.parametrize("kind", ["statx", "engine"])
 def test_setup_refused_for_lack_of_descriptors_leaks_nothing(kind: str) -> None:
     """``RLIMIT_NOFILE`` lowered step by step in a child: the setup fails with EMFILE at each of
@@ -234,6 +235,7 @@ def test_setup_refused_for_lack_of_descriptors_leaks_nothing(kind: str) -> None:
     assert all(counts == base for _outcome, counts in outcomes), outcomes
 
 
+@pytest.mark.slow(seconds=25)
 @pytest.mark.parametrize("kind", ["statx", "engine"])
 def test_setup_short_of_address_space_leaks_nothing(kind: str) -> None:
     """``RLIMIT_AS`` a little above what the child maps now, raised step by step: a map fails

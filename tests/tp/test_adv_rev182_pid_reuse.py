@@ -34,6 +34,7 @@ def _namespaces() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow(seconds=13)
 def test_a_reused_pid_of_the_connecting_process_is_not_watched(tmp_path: Path) -> None:
     release = tuple(int(part) for part in os.uname().release.split("-")[0].split(".")[:2])
     if release < (6, 5):

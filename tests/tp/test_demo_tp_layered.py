@@ -23,7 +23,7 @@ from aiokv.stream import LoadStream
 from aiokv.tp import RankStatus
 from aiokv.tp.cache import TPCache
 
-pytestmark = pytest.mark.slow  # the longest test on the GPU host: started first under xdist
+pytestmark = pytest.mark.slow(seconds=45)  # the longest tests on the GPU host: each starts a worker under xdist
 
 
 def _config(tmp_path: Path, *flags: str) -> demo.DemoConfig:

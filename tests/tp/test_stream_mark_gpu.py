@@ -105,6 +105,7 @@ def load_module(kvs: list[torch.Tensor], slots: torch.Tensor) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.slow(seconds=14)
 @pytest.mark.asyncio
 async def test_a_rank_s_copies_do_not_wait_for_chunks_its_engine_queued_after_the_stream_began(ranks: Ranks) -> None:
     cache, engine = ranks.cache, ranks.engine
@@ -243,6 +244,7 @@ async def _claimed_chunk_then_finish(ranks: LoopRanks, announce: bool) -> bool:
     return waited
 
 
+@pytest.mark.slow(seconds=19)
 @pytest.mark.asyncio
 async def test_an_announced_mark_keeps_a_rank_s_copies_from_waiting_for_a_chunk_queued_before_the_frame_was_read(
     loop_ranks: LoopRanks,

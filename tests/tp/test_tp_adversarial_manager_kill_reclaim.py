@@ -38,7 +38,7 @@ from aiokv.tp import TPCache
 __all__ = ["procs_left"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=24)
 @pytest.mark.asyncio
 async def test_a_killed_managers_segment_is_reclaimed_once_its_ranks_let_it_go(
     tmp_path: Path, procs_left: list[object]

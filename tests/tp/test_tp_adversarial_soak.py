@@ -91,7 +91,7 @@ def _fds() -> set[str]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.asyncio
 async def test_kills_cancels_and_slot_reuse_never_serve_a_wrong_byte(tmp_path: Path,
                                                                      ranks_left: list[AdvRanks]) -> None:

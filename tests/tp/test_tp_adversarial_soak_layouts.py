@@ -16,13 +16,13 @@ from test_tp_adversarial_soak import SEED, soak
 from aiokv import KVLayout
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.asyncio
 async def test_mla_soak(tmp_path: Path, ranks_left: list[AdvRanks]) -> None:
     await soak(tmp_path, KVLayout.mla(2, 16, torch.bfloat16, page_tokens=4), 2, 2, SEED + 1, 1024, ranks_left)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8)
 @pytest.mark.asyncio
 async def test_replicated_heads_tp4_soak(tmp_path: Path, ranks_left: list[AdvRanks]) -> None:
     await soak(tmp_path, KVLayout.mha(2, 2, 8, torch.float16, page_tokens=4), 4, 2, SEED + 2, 4, ranks_left)

@@ -40,6 +40,7 @@ async def _check_ranks(ranks: RankProcesses, layout: KVLayout, seed: int, source
         assert torch.equal(got[:, target], want), f"rank {rank} holds bytes that are not its heads"
 
 
+@pytest.mark.slow(seconds=14)
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("layout", "tp_size"), [(MHA, 2), (MHA, 4), (MLA, 2)], ids=["mha-tp2", "mha-tp4", "mla-tp2"])
 async def test_offload_then_fresh_ranks_load_their_heads_from_pool_and_disk(

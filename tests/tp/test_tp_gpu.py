@@ -29,7 +29,7 @@ from aiokv.tp import Direction, Job, RankExecutor, RankGroup, RankStatus, TPCach
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.slow,
+    pytest.mark.slow(seconds=12),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
