@@ -442,10 +442,12 @@ class KVCache(CacheFacade):
         """Copy the KV of the full pages of ``tokens`` (held in ``slots``) into the pool.
 
         ``slots``: 1-D integer tensor, one KV slot per token (``len(slots) == len(tokens)``).
-        Pages already cached or being written are skipped; the rest are gathered on a side stream
-        ordered after the current CUDA stream, committed, then queued for disk. Returns when the
-        engine may reuse the slots. Pool exhaustion and copy faults are counted, never raised;
-        bad arguments raise ``TypeError``/``ValueError`` before anything changes.
+        Pages already cached are skipped; the rest are gathered on a side stream ordered after the
+        current CUDA stream, committed, then queued for disk. A page another call is writing is
+        waited for (``commit_wait`` at most, in all) and copied by this call if that call gives it
+        up (cancelled, a failed copy). Returns when the engine may reuse the slots. Pool
+        exhaustion and copy faults are counted, never raised; bad arguments raise
+        ``TypeError``/``ValueError`` before anything changes.
         """
         self._manager.check_running()
         ids = token_array(tokens)

@@ -75,7 +75,9 @@ class CacheFacade(abc.ABC):
     async def prefetch(self, tokens: Tokens, *, salt: Salt = None) -> PrefetchResult:
         """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool.
 
-        For requests waiting in a queue; the GPU is not touched. Faults stop the promotion at the
+        For requests waiting in a queue; the GPU is not touched. Pages another call is writing
+        into the pool are waited for as :meth:`match` does (``commit_wait`` at most, in all), so
+        the result says what a match finds in the pool next. Faults stop the promotion at the
         first page that failed (counted, never raised). Raises ``TypeError``/``ValueError`` for bad
         tokens or salt.
         """

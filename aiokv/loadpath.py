@@ -677,29 +677,6 @@ class LoadPath(ManagerBase):
         handle = table.acquire(key)
         return NoPage.MISS if handle is None else Promotion(handle, read=False)
 
-    def _commit_deadline(self) -> float:
-        """The loop time until which a call waits for other calls' commits (``commit_wait``)."""
-        return asyncio.get_running_loop().time() + self.config.commit_wait
-
-    async def _wait_committed(self, key: PageKey, deadline: float, who: str,
-                              expired: list[bool] | None = None) -> bool:
-        """Whether the page another call is writing under ``key`` was committed by ``deadline``
-        (False: aborted, or still being written then; counted ``commit_wait_expired`` unless the
-        bound is 0, which never waits, or ``expired`` says another wait of the same call counted
-        it). A cancel leaves the page and its other waiters alone."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await self.pool.table.wait_committed(key)
-        except TimeoutError:
-            if expired is not None:
-                if expired:
-                    return False
-                expired.append(True)
-            if self.config.commit_wait > 0:
-                self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
-                                   "writing into the pool after commit_wait")
-            return False
-
     def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
         """A batch read abandoned by a cancelled caller finished: keep each page that verified."""
         oks = read.result() if not read.cancelled() and read.exception() is None else [False] * len(handles)
@@ -726,13 +703,25 @@ class LoadPath(ManagerBase):
         """Read the disk pages that follow the pool's prefix of ``tokens`` into the pool."""
         pool, _ = self._running()
         keys = self.keys(tokens, salt)
+        table = pool.table
         in_pool = 0
+        # A page another call is writing is waited for, as a match does (commit_wait at most, in
+        # all). It was counted in the pool and passed (review 202): when its writer then gave it
+        # up (an offload cancelled, a copy or read failed), the prefetch had reported a page that
+        # was not there and read nothing, and the load after it read the page from disk itself.
+        deadline: float | None = None
+        expired: list[bool] = []
         for key in keys:
             # Refresh pages already in the pool too: the request they wait for is coming.
-            if not pool.table.touch(key) and pool.table.state_of(key) is PageState.FREE:
-                break
+            if not table.touch(key):
+                if table.state_of(key) is not PageState.RESERVED:
+                    break
+                deadline = self._commit_deadline() if deadline is None else deadline
+                if not (await self._wait_committed(key, deadline, "a prefetch", expired) and table.touch(key)):
+                    break  # given up (read from disk below when it is there), or its writer is stopped
             in_pool += 1
-        if self._disk is None or in_pool == len(keys):
+        # Not past a page whose writer is stopped: its promotion would wait for the same writer.
+        if self._disk is None or in_pool == len(keys) or expired or self._closed:
             return PrefetchResult(in_pool, 0)
         count = self._disk.keys_present_prefix(keys[in_pool:])
         # Counted as a load running until its pages went back: between its reads' end and its

@@ -216,6 +216,31 @@ class ManagerBase:
 
         self.track(future, finish)
 
+    # -- pages other calls are writing ---------------------------------------------------------
+
+    def _commit_deadline(self) -> float:
+        """The loop time until which a call waits for other calls' commits (``commit_wait``)."""
+        return asyncio.get_running_loop().time() + self.config.commit_wait
+
+    async def _wait_committed(self, key: PageKey, deadline: float, who: str,
+                              expired: list[bool] | None = None) -> bool:
+        """Whether the page another call is writing under ``key`` was committed by ``deadline``
+        (False: aborted, or still being written then; counted ``commit_wait_expired`` unless the
+        bound is 0, which never waits, or ``expired`` says another wait of the same call counted
+        it). A cancel leaves the page and its other waiters alone."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.pool.table.wait_committed(key)
+        except TimeoutError:
+            if expired is not None:
+                if expired:
+                    return False
+                expired.append(True)
+            if self.config.commit_wait > 0:
+                self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
+                                   "writing into the pool after commit_wait")
+            return False
+
     # -- room in the pool -----------------------------------------------------------------------
 
     async def _wait_for_room(self, *, disk_io: bool = True) -> bool:

@@ -43,35 +43,53 @@ class OffloadPath(ManagerBase):
         if self.config.admission is Admission.SEEN_TWICE:
             admitted_before = {k for k in keys if k in self._seen}
         self._note_seen(keys)
-        t = self.layout.page_tokens
         stored = skipped = dropped = withdrawn = 0
-        start = 0
+        # Pages still to reserve, in order: the whole call at first (a range: its slots a slice).
+        todo: Sequence[int] = range(len(keys))
+        # Pages another call was writing when this one reserved them (PENDING, counted skipped):
+        # waited for once this call copied its own, and written by it if that call gives them up.
+        others: list[int] = []
+        deadline: float | None = None
+        expired: list[bool] = []  # the call's waits stop together: one commit_wait_expired
+        room = True  # False once a wait for room came to nothing: what still finds none is dropped
         try:
             # Rounds: store what the pool can take; when it is full of pages the write-behind still
             # holds, wait (bounded) for them to reach disk and go on, instead of dropping the rest.
-            while start < len(keys):
+            while todo or others:
+                if not todo:
+                    # Review 202: the second of two offloads of one prefix reported the first's
+                    # pages skipped at once; the first then cancelled (or its copy failed), neither
+                    # stored them, and the prefix was lost although this call returned success.
+                    deadline = self._commit_deadline() if deadline is None else deadline
+                    todo = await self._given_up(keys, others, deadline, expired)
+                    others = []
+                    skipped -= len(todo)  # counted again by the round that reserves them now
+                    continue
                 if self._closed:
                     # The close began between rounds: what still needed a copy is withdrawn (dropped,
                     # not a fault); pages in the pool or being written meanwhile would have been skipped.
                     state_of = self.pool.table.state_of
-                    held = sum(1 for key in keys[start:] if state_of(key) is not PageState.FREE)
+                    held = sum(1 for i in todo if state_of(keys[i]) is not PageState.FREE)
                     skipped += held
-                    withdrawn += len(keys) - start - held
-                    dropped += len(keys) - start - held
+                    withdrawn += len(todo) - held
+                    dropped += len(todo) - held
                     break
-                reservations = self.pool.reserve(keys[start:])
-                room = next((i for i, r in enumerate(reservations) if r.outcome is ReserveOutcome.EXHAUSTED),
-                            len(reservations))
-                counts = await self._store(keys[start : start + room], reservations[:room],
-                                           slots[start * t : (start + room) * t], admitted_before)
+                wanted = [keys[i] for i in todo]
+                reservations = self.pool.reserve(wanted)
+                fit = next((i for i, r in enumerate(reservations) if r.outcome is ReserveOutcome.EXHAUSTED),
+                           len(reservations))
+                others += [todo[i] for i, r in enumerate(reservations[:fit]) if r.outcome is ReserveOutcome.PENDING]
+                counts = await self._store(wanted[:fit], reservations[:fit], self._slots_of(slots, todo[:fit]),
+                                           admitted_before)
                 stored, skipped, dropped = stored + counts[0], skipped + counts[1], dropped + counts[2]
                 withdrawn += counts[3]
-                start += room
-                if start < len(keys) and not await self._wait_for_room():
-                    dropped += len(keys) - start
-                    self.faults.record("pool_exhausted", f"{len(keys) - start} pages not offloaded: the pool is full "
+                todo = todo[fit:]
+                if todo and not (room and await self._wait_for_room()):
+                    room = False
+                    dropped += len(todo)
+                    self.faults.record("pool_exhausted", f"{len(todo)} pages not offloaded: the pool is full "
                                        "of referenced pages")
-                    break
+                    todo = ()
         finally:
             # Also when cancelled (or failing) after a round: the pages earlier rounds stored are
             # in the pool and served, and must be counted (they went uncounted: review 195).
@@ -80,6 +98,34 @@ class OffloadPath(ManagerBase):
             self._dropped += dropped
             self.withdraw(withdrawn)
         return OffloadResult(stored, skipped, dropped)
+
+    def _slots_of(self, slots: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
+        """The host slots of ``pages`` (indices into the call's pages), in order: a slice for a run
+        of pages (every first round), else gathered."""
+        t = self.layout.page_tokens
+        if isinstance(pages, range) and pages.step == 1:
+            return slots[pages.start * t : pages.stop * t]
+        index = torch.tensor(list(pages), dtype=torch.long)
+        return slots[: slots.numel() // t * t].view(-1, t).index_select(0, index).reshape(-1)
+
+    async def _given_up(self, keys: Sequence[PageKey], others: list[int], deadline: float,
+                        expired: list[bool]) -> list[int]:
+        """Wait (until ``deadline``, loop time) for the pages ``others`` (indices into ``keys``)
+        that other calls were writing; returns those this call must reserve again: given up
+        (an offload cancelled or whose copy failed, a promotion's read that failed) or taken by a
+        third writer since (waited for in turn). A page committed is stored; one whose writer is
+        still at it past the deadline (a stopped TP rank, a stuck driver call) stays skipped,
+        counted ``commit_wait_expired`` once a call. A cancel leaves the pages and their writers
+        alone (this call has nothing in flight here)."""
+        loop = asyncio.get_running_loop()
+        state_of = self.pool.table.state_of
+        again: list[int] = []
+        for i in others:
+            if await self._wait_committed(keys[i], deadline, "an offload", expired):
+                continue
+            if state_of(keys[i]) is not PageState.RESERVED or loop.time() < deadline:
+                again.append(i)
+        return again
 
     async def _store(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation], slots: torch.Tensor,

@@ -138,7 +138,8 @@ class OffloadResult:
     stored: int
     """New pages copied into the pool."""
     skipped: int
-    """Pages already cached or being written by another call."""
+    """Pages already cached, or stored by another call that was writing them (or still writing
+    them after ``commit_wait``)."""
     dropped: int
     """Pages not stored: pool full of referenced pages, the copy failed, or the cache began closing
     before their copy was launched (withdrawn: see ``CacheStatistics.pages_withdrawn``)."""
