@@ -3,15 +3,24 @@
 A cancel lands at whichever await of a teardown runs; each step of a rank's close (drain the
 copies, join a warm-up, unmap the pool, close the bridge) must still run to its end, and the
 cancel propagate after the last one. Used by the worker's session and by the executor's close.
+
+A loop's shutdown (``asyncio.run`` ending) cancels every task left once, a step's own task too:
+:meth:`Cancels.finish` runs such a step anew (a task made after that pass is not cancelled by it),
+and :func:`in_thread` hands a thread's work over as a plain future, which no shutdown cancels.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+RUNS = 3
+"""Runs of a :meth:`Cancels.finish` step at most. A loop's shutdown cancels each task once (the
+step's second run is the one that matters); the bound keeps a loop that cancels every task over
+and over from running a step for ever."""
 
 
 class Cancels:
@@ -24,7 +33,8 @@ class Cancels:
         self.cancelled = False
 
     async def outlast(self, step: Awaitable[T]) -> T:
-        """Await ``step`` to its end through any number of cancels; returns or raises what it does."""
+        """Await ``step`` to its end through any number of cancels of this task; returns or raises
+        what it does (``CancelledError`` when the step's own task was cancelled: see :meth:`finish`)."""
         future = asyncio.ensure_future(step)
         while not future.done():
             try:
@@ -32,6 +42,23 @@ class Cancels:
             except asyncio.CancelledError:
                 self.cancelled = True
         return future.result()
+
+    async def finish(self, step: Callable[[], Awaitable[T]]) -> T:
+        """:meth:`outlast` of ``step()``, and ``step()`` run anew while it ends cancelled itself,
+        :data:`RUNS` runs at most (then its ``CancelledError`` is raised). A loop's shutdown
+        (``asyncio.run`` ending) cancels every task left, the step's own too: the step ended at once
+        and the teardown after it was skipped (reviews 201, 202: a drain over a copy still running,
+        the pool left mapped, the farewell not said, the bridge's threads left). Only for steps that
+        may run again (a drain, an idempotent close, a wait with its own deadline, a hello).
+        Anything else a step raises (``KeyboardInterrupt`` included) propagates at once."""
+        for run in range(1, RUNS + 1):
+            try:
+                return await self.outlast(step())
+            except asyncio.CancelledError:
+                self.cancelled = True
+                if run == RUNS:
+                    raise
+        raise AssertionError("unreachable")
 
     async def settle(self, step: Awaitable[None]) -> None:
         """Await ``step``, which itself runs to its end through a cancel and raises it after
@@ -45,3 +72,10 @@ class Cancels:
     def raise_if_cancelled(self) -> None:
         if self.cancelled:
             raise asyncio.CancelledError
+
+
+def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn()`` on the loop's default executor, as a plain future (no task): awaited through
+    :meth:`Cancels.outlast`, ``asyncio.to_thread`` ran in a task of its own, which a loop's shutdown
+    cancelled while the thread went on (an unmap or a reclaim still running, reported over)."""
+    return asyncio.get_running_loop().run_in_executor(None, fn)

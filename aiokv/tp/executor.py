@@ -66,7 +66,7 @@ from aiokv.layout import KVBuffer
 from aiokv.pool import MAX_CHUNKS, PageMemory
 from aiokv.shm import ChunkResult, prepare_in_background
 
-from .cancels import Cancels
+from .cancels import Cancels, in_thread
 from .config import TPConfig
 from .layers import LayerProgress, LayerTable
 from .paced import feed_layers, stopped_by_request, watch_landed
@@ -615,7 +615,7 @@ class RankExecutor:
         """
         self.fence()
         cancels = Cancels()
-        await cancels.outlast(self.drain())
+        await cancels.finish(self.drain)
         self.layers.close()
         with self._marks_lock:
             self._marks.clear()
@@ -624,7 +624,10 @@ class RankExecutor:
             if self._mover is not None:
                 self._runs_offloaded = self._mover.runs_offloaded
             self._mover = None
-            self._unmapped = asyncio.ensure_future(asyncio.to_thread(self._teardown))
+            # A plain future, no task: a loop's shutdown cancelled the task of a to_thread while
+            # the unmap went on, and every later call raised that cancel at once (review 202: the
+            # worker's teardown, running the close again, spun through asyncio.run's end for ever).
+            self._unmapped = in_thread(self._teardown)
         await cancels.outlast(self._unmapped)
         cancels.raise_if_cancelled()
 

@@ -88,16 +88,36 @@ def feed_layers(
         paced.discard()
         raise
 
-    async def settle() -> None:
-        try:
-            await fed
-        finally:
-            # Every watch() was queued on the loop before the feed's completion (same thread, in
-            # order): the LAYERS reports of what landed go out before the job's own report.
-            if landing:
-                await asyncio.wait(landing)
+    # A plain future settled by callbacks, not a task: a loop's shutdown (asyncio.run ending)
+    # cancelled that task while the feed still queued units on the GPU; the load reported
+    # COPY_FAILED, the worker's drain ended and the manager freed the slots under the copies
+    # (review 202). The drain now waits for the feed itself.
+    settled: asyncio.Future[None] = loop.create_future()
 
-    return loop.create_task(settle())
+    def settle(_: asyncio.Future[None]) -> None:
+        # Every watch() was queued on the loop before the feed's completion (same thread, in
+        # order): the LAYERS reports of what landed go out before the job's own report.
+        waiting = next((w for w in landing if not w.done()), None)
+        if waiting is not None:
+            waiting.add_done_callback(settle)
+        else:
+            # A turn later, as the task's end came: a caller woken by the last LAYERS report that
+            # then awaits the future finds it pending, and its done-callbacks (the job's report)
+            # run before that caller goes on (tests/tp/test_paced.py relies on it).
+            loop.call_soon(resolve)
+
+    def resolve() -> None:
+        if settled.done():
+            return
+        if fed.cancelled():
+            settled.cancel()
+        elif (exc := fed.exception()) is not None:
+            settled.set_exception(exc)
+        else:
+            settled.set_result(None)
+
+    fed.add_done_callback(settle)
+    return settled
 
 
 class StoppableLoad(Protocol):

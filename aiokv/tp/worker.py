@@ -50,7 +50,7 @@ from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.pool import PagePool
 from aiokv.reclaim import reclaim
 
-from .cancels import Cancels
+from .cancels import Cancels, in_thread
 from .config import TPConfig
 from .endpoint import transport_peer, trusted_peer
 from .executor import Announced, RankExecutor, RankReport
@@ -309,8 +309,10 @@ class RankWorker:
                 with _SESSIONS_LOCK:  # a skipped farewell hands its debt over under it (_claim)
                     owed = self._farewell_owed
                 if owed:
-                    await cancels.outlast(self._farewell())
-                await cancels.outlast(asyncio.to_thread(bridge.close))  # joins its threads: off the loop
+                    # Run again if a loop's shutdown cancels it (review 202): a farewell cut so left
+                    # the rank held by the manager, and the bridge's threads running.
+                    await cancels.finish(self._farewell)
+                await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
                 self._notify()
@@ -427,8 +429,10 @@ class RankWorker:
                 link.stop_taking()
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
+                # Steps that run in tasks of their own are run again if a loop's shutdown
+                # (asyncio.run ending) cancels those (Cancels.finish; reviews 201, 202).
                 cancels = Cancels()
-                await _outlast_again(cancels, executor.drain)
+                await cancels.finish(executor.drain)
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
@@ -436,13 +440,15 @@ class RankWorker:
                 if manager_writes:
                     # The manager may still be writing specs: closed now, the socket would fail its
                     # next write before it read CLOSED (and it would hold this rank as cut off).
-                    ended = await cancels.outlast(link.wait_peer_end(self.config.handshake_timeout_s))
+                    # One deadline for every run: a run again does not extend the wait.
+                    deadline = loop.time() + self.config.handshake_timeout_s
+                    ended = await cancels.finish(functools.partial(link.wait_peer_end, deadline))
                 link.close()
-                await _outlast_again(cancels, executor.aclose)
+                await cancels.finish(executor.aclose)
                 self._executor = None
                 # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
                 # left it; nothing else would reclaim it while the host stays quiet.
-                await cancels.outlast(asyncio.to_thread(_reclaim_left, welcome.pool_name))
+                await cancels.outlast(in_thread(functools.partial(_reclaim_left, welcome.pool_name)))
                 # A CLOSED not written, a link ended by an error (a write that failed: the socket
                 # cut; a manager gone without reading it) or not ended by the manager in time (it
                 # may have found the CLOSED wanting): the manager may hold the rank.
@@ -487,9 +493,10 @@ class RankWorker:
         try:
             # A cancel (aclose, the handshake's timeout) does not abandon the thread mapping the
             # pool: the mapping it returns would stay in this process for good.
-            memory = await cancels.outlast(asyncio.to_thread(PagePool.attach, welcome.pool_name, self.page_layout))
+            memory = await cancels.outlast(in_thread(functools.partial(PagePool.attach, welcome.pool_name,
+                                                                       self.page_layout)))
             if cancels.cancelled:
-                await cancels.outlast(asyncio.to_thread(memory.close))
+                await cancels.outlast(in_thread(memory.close))
                 cancels.raise_if_cancelled()
             try:
                 if memory.num_pages != welcome.num_pages:
@@ -957,16 +964,16 @@ class _WorkerLink(asyncio.Protocol):
             transport.resume_reading()
         return True
 
-    async def wait_peer_end(self, within_s: float) -> bool:
-        """Wait until the manager ended its side (or the link broke), ``within_s`` seconds at most;
-        False when it did not."""
+    async def wait_peer_end(self, deadline: float) -> bool:
+        """Wait until the manager ended its side (or the link broke), until the loop's time
+        ``deadline`` at most; False when it did not."""
         try:
-            async with asyncio.timeout(within_s):
+            async with asyncio.timeout_at(deadline):
                 while self._end is None:
                     await self._wait()
         except TimeoutError:
-            log.warning("rank %d: the manager did not end the link within %.1f s of CLOSED; closing it",
-                        self._worker.tp.rank, within_s)
+            log.warning("rank %d: the manager did not end the link in time after CLOSED; closing it",
+                        self._worker.tp.rank)
             return False
         return True
 
@@ -994,19 +1001,6 @@ class _WorkerLink(asyncio.Protocol):
                 # the copies in flight are over (the manager reads its end as "none of them runs").
                 transport.pause_reading()
         self._wake()
-
-
-async def _outlast_again(cancels: Cancels, step: Callable[[], Awaitable[T]]) -> T:
-    """``cancels.outlast(step())``, run again while it ends cancelled itself: a loop's shutdown
-    (``asyncio.run`` ending) cancels every task left, the step's own too. A drain cut so ended with
-    a copy still running, the rest of the teardown was skipped and the rank's entry let go: a second
-    worker of the rank here said hello and the manager failed the load while the copy ran (wrong KV,
-    review 201). Only for steps that may run again (a drain, an idempotent close)."""
-    while True:
-        try:
-            return await cancels.outlast(step())
-        except asyncio.CancelledError:
-            cancels.cancelled = True
 
 
 def _check_manager(transport: asyncio.BaseTransport) -> None:
