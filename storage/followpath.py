@@ -763,6 +763,11 @@ class FollowPath(TierBase):
         for key, when in deleted.items():
             if when >= 0:
                 deleted[key] = -1 - (when & DELETE_TIME_BITS if when >= STORED_SINCE_DELETE else when)
+        # What a take-over found under names left to this tier's writes is the directory as it was
+        # then: the new writer may remove or replace those pages. Forgotten, so a write ending
+        # unstored indexes nothing blind; the looks (and the next take-over) ask the name afresh
+        # (review 202: the page removed since, the key was indexed with no file under its name).
+        self._found_under_write.clear()
         # Spare files are this tier's own (in nobody's index): unlinked while it still may.
         self._remove_spares(self._spares.drain())
         self._read_only = ReadOnly.LOCKED

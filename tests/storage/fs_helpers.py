@@ -159,3 +159,17 @@ def eio_directory(target: Path) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@contextlib.contextmanager
+def bind_mount(source: Path, target: Path) -> Iterator[None]:
+    """``mount --bind source target`` (``target``: an existing directory), unmounted on exit: a
+    directory of another file system in place of one of the cache's, which can be frozen alone."""
+    _need_root("a bind mount")
+    done = _run("mount", "--bind", str(source), str(target))
+    if done.returncode != 0:
+        pytest.skip(f"a bind mount is not possible here: {done.stderr.strip()}")
+    try:
+        yield
+    finally:
+        _unmount(target)
