@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing.connection
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,8 @@ from aiokv.tp.wire import Hello
 
 BOUND_S = 60.0
 ENDED_S = 20.0  # asyncio.run's end after the step is let go (a teardown that spins never gets there)
-STEPS = ["peer_end", "unmap", "reclaim", "farewell"]
+STEPS = ["peer_end", "peer_end_never", "unmap", "reclaim", "farewell"]
+NEVER_S = 2.0  # handshake_timeout_s of the peer_end_never case: the manager never ends the link
 
 
 def _segment_held(name: str) -> list[str]:
@@ -105,6 +108,7 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
     entered, gate = threading.Event(), threading.Event()
     _hold_step(step, entered, gate)
     report: dict[str, Any] = {}
+    returned_at: list[float] = []
 
     async def first() -> None:
         worker = RankWorker(address, 0, 1, MHA, kv, config)
@@ -113,13 +117,14 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
         events["attached"].set()
         await asyncio.to_thread(events["go"].wait, BOUND_S)
         run.cancel()
-        if step == "peer_end":
+        if step.startswith("peer_end"):
             # CLOSED is out; the manager's loop is blocked by the test: the wait goes on.
             await until_spin(lambda: any(waiting_in(t, "wait_peer_end") for t in asyncio.all_tasks()),
                              "A's wait for the manager's end", BOUND_S)
         else:
             assert await asyncio.to_thread(entered.wait, BOUND_S), f"A's {step} never began"
         # Return: asyncio.run cancels every task left, the step's own among them.
+        returned_at.append(time.monotonic())
         events["returned"].set()
 
     def control() -> None:
@@ -154,6 +159,7 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
     ctrl.send(("started", os.getpid()))
     with contextlib.suppress(asyncio.CancelledError):
         asyncio.run(first())
+    report["after_return_s"] = time.monotonic() - returned_at[0] if returned_at else None
     report["held"] = _segment_held(pool_name)
     report["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokv-"))
     events["ended"].set()
@@ -179,7 +185,10 @@ async def test_a_loop_s_shutdown_does_not_cut_a_step_of_a_cancelled_worker_s_tea
     slots = list(range(T))
     async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, step,
+        config = RANK_CONFIG
+        if step == "peer_end_never":
+            config = dataclasses.replace(RANK_CONFIG, handshake_timeout_s=NEVER_S)
+        proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), config, held, step,
                                                     pool.name), daemon=True)
         proc.start()
         child.close()
@@ -210,15 +219,19 @@ async def test_a_loop_s_shutdown_does_not_cut_a_step_of_a_cancelled_worker_s_tea
                 assert await ask("go")
                 held.release()
                 assert await ask("returned"), f"A's {step} never began"
-            elif step == "peer_end":
-                # The manager's loop blocked from the cancel until A's main coroutine returned.
+            elif step.startswith("peer_end"):
+                # The manager's loop blocked from the cancel until A's main coroutine returned
+                # (peer_end_never: until asyncio.run ended there; the wait is bounded all the same).
                 assert ask_blocking("go")
                 assert ask_blocking("returned"), "A never waited for the manager's end"
             else:
                 assert await ask("go")
                 assert await ask("returned"), f"A's {step} never began"
-            report = await ask("ended", ENDED_S)
+            report = ask_blocking("ended") if step == "peer_end_never" else await ask("ended", ENDED_S)
             assert report is not None, f"asyncio.run did not end within {ENDED_S} s of A's {step} let go"
+            if step == "peer_end_never":
+                # One deadline for the wait's every run, then the farewell (a connect, not a reply).
+                assert report["after_return_s"] < NEVER_S + 5.0, report["after_return_s"]
             assert not report["held"], f"the pool is still mapped after asyncio.run ended: {report['held']}"
             assert not report["threads"], f"threads left after asyncio.run ended: {report['threads']}"
             # The manager frees the rank: CLOSED read, or the farewell hello.
