@@ -242,12 +242,18 @@ class FollowPath(TierBase):
                 fanout[index] = found.opened.pop(index)
         page_index = self._index
         removed = found.removed
+        # A key deleted here whose name the look found empty (or its directory retired) has no file
+        # left to unlink at the take-over: forgotten, so the set holds only names still on disk the
+        # looks know (a long-lived follower's grew by one key a delete, for ever). Should the page
+        # come back (its directory put back), the delete remembered names it again: _looked_deleted.
+        unlink = self._unlink_when_writable
         for start in range(0, len(removed), APPLY_PER_TURN):
             if start:
                 await asyncio.sleep(0)
                 if not self._following():
                     return
             for key in removed[start : start + APPLY_PER_TURN]:
+                unlink.discard(key)
                 if key in page_index:
                     page_index.remove(key)
                     self._followed_out += 1
@@ -270,6 +276,7 @@ class FollowPath(TierBase):
                 elif key not in page_index and not (deletes and self._looked_deleted(key, found.mtimes[key])):
                     page_index.add_found(key)
                     self._followed_in += 1
+                    unlink.discard(key)  # a newer page under the name: the one deleted is gone
         if (found.lock_fd is not None or found.writable) and self._following():
             self._take_lock_over(found, left)
 
