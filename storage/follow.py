@@ -123,6 +123,9 @@ class FollowState:
         since shows a later change time): their next refusal, the identity unchanged, is
         ``corrupt``. Only keys refused once (the entries stay one int per key); dropped once the
         key is refused again, or its directory's listing finds another identity."""
+        self.whole: dict[int, list[PageKey]] = {}
+        """Per fan-out directory, the keys whose names the look in progress examines whole when it
+        lists that directory (:func:`look`'s ``whole``), not by inode number alone."""
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
         self.ring: StatxRing | None = None
@@ -207,15 +210,24 @@ class Look:
             self.lock_fd = None
 
 
-def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: bool = False) -> Look:
+def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: bool = False,
+         whole: frozenset[PageKey] = frozenset()) -> Look:
     """One look at the layout directory ``dir_fd`` (shown as ``shown``) whose fan-out descriptors
     are ``fanout`` (a copy of the tier's; -1: none). ``held``: the tier holds the lock already (it
     took the directory over where it may not write: a read-only file system...): the look only
-    asks whether it may write now, and then scans as a take-over does. Blocking: run on a thread.
-    Faults are reported in :attr:`Look.faults`, never raised."""
+    asks whether it may write now, and then scans as a take-over does. ``whole``: keys whose names
+    are examined whole (one ``stat`` each: inode number and change time) whenever their directory
+    is listed, not taken for the file known by inode number alone (the tier's deletes while it
+    follows: the writer may store such a key anew under the freed inode number, ext4 hands it to
+    the next file made, and the look took that page for the one deleted: never indexed, unlinked
+    at the take-over, review 202). Blocking: run on a thread. Faults are reported in
+    :attr:`Look.faults`, never raised."""
     result = Look()
     found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
     indexed = _indexed(state)
+    state.whole = {}
+    for key in whole:
+        state.whole.setdefault(key[0], []).append(key)  # a key's fan-out directory is its first byte
     try:
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
@@ -483,6 +495,12 @@ def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: 
         result.removed += [key for key in known if key not in entries]
     state.entries[index] = entries
     state.stamps[index] = dir_stamp(st)
+    for key in state.whole.get(index, ()):
+        before = entries.get(key)
+        if before is not None and key not in listing.found:  # taken for the file known by its inode
+            _examine(state, result, found, index, key, before, fd, name)
+            if key not in entries:
+                result.removed.append(key)  # gone since the listing (or not a page file of ours)
     if index in state.corrupt:
         _recheck_corrupt(state, result, found, index, fd, name)
     vouched = state.vouched.get(index)

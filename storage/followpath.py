@@ -203,8 +203,9 @@ class FollowPath(TierBase):
             self._follow_forgotten.clear()
             state.refuse(self._follow_refused)
             self._follow_refused.clear()
+            # The names of keys deleted here are examined whole: see look's ``whole`` (review 202).
             work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir,
-                                     self._follow_held)
+                                     self._follow_held, frozenset(self._unlink_when_writable))
             found = await self._on_thread(work, "aiokv-disk-follow", Look.close, "a look at the directory",
                                           state.stop.set)
             if found is None:
