@@ -73,6 +73,11 @@ class NoPage(enum.Enum):
     WITHDRAWN = "withdrawn"
     """The cache's close began while the promotion waited for room: nothing was read. Not a fault;
     a load or stream counts its pages ``pages_withdrawn``."""
+    GONE = "gone"
+    """The disk tier no longer held the page when its read was to start: evicted for room since the
+    match counted it (or dropped for a fault counted where it was found). A plain miss, not a fault
+    (review 202: it was counted ``disk_read_failed``, the shortened load ``load_shortened``); the
+    tier counts the eviction (``DiskStatistics.evictions``) and the absent read (``misses``)."""
     FULL = "full"
     """No room in the pool now, for a caller that frees room itself (``windowed``: a load whose
     own copies hold pool pages): not counted, nothing waited for; the caller waits for its copies,
@@ -180,6 +185,7 @@ class LoadPath(ManagerBase):
         landed: list[PageHandle] = []  # promoted pages of the group being launched, not yet in a copy
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
+        gone_at: int | None = None  # the match's page the disk tier evicted before its read, if the load stopped there
         started = time.perf_counter()
         sizer = self.load_launches
 
@@ -228,6 +234,8 @@ class LoadPath(ManagerBase):
                     run: list[PageHandle] = []  # the group's pages up to its first miss, in order
                     for promoted in promoted_group:
                         if not isinstance(promoted, Promotion):
+                            if promoted is NoPage.GONE:
+                                gone_at = page + len(run)  # evicted since the match: not a fault
                             full = promoted is NoPage.FULL
                             cut = cut or promoted is NoPage.WITHDRAWN  # the close ended its wait: not a fault
                             stop = True
@@ -313,8 +321,10 @@ class LoadPath(ManagerBase):
         else:
             withdrawn = match.pages - first - launched_pages if cut else 0
         self.withdraw(withdrawn)
-        if end < match.tokens and not gave_up and not (withdrawn and pool_loaded + disk_loaded == launched_pages):
-            # Cut only by the close (every launched copy landed): withdrawn, not a fault.
+        if (end < match.tokens and not gave_up and not (withdrawn and pool_loaded + disk_loaded == launched_pages)
+                and not (gone_at is not None and end >= gone_at * t)):
+            # Cut only by the close (every launched copy landed): withdrawn, not a fault; stopped
+            # only at a page evicted from disk since the match: a miss for room, not a fault.
             self.faults.record("load_shortened", f"load stopped at token {end} of {match.tokens}")
         return LoadResult(end, match.tokens, from_token, pool_loaded, disk_loaded)
 
@@ -456,9 +466,11 @@ class LoadPath(ManagerBase):
             failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
                 handles = [handle for _, handle in batch]
+                # Evicted since the caller saw them: read anyway (the tier counts the misses).
+                gone = [not disk.contains(keys[i]) for i, _ in batch]
                 oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
-                for (i, handle), ok in zip(batch, oks, strict=True):
-                    got[i] = self._read_into_pool(handle, ok)
+                for (i, handle), ok, absent in zip(batch, oks, gone, strict=True):
+                    got[i] = self._landed_or_gone(handle, ok, absent)
                     if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
                         failed = i
             missed: NoPage | None = None
@@ -484,8 +496,8 @@ class LoadPath(ManagerBase):
                     # After a FULL they are FULL too: the caller promotes them again.
                     promoted = missed if missed is not None else await self._promote(key, windowed)
                     got[i] = promoted
-                    if promoted is NoPage.MISS or promoted is NoPage.FULL:
-                        missed = promoted
+                    if promoted is NoPage.MISS or promoted is NoPage.FULL or promoted is NoPage.GONE:
+                        missed = NoPage.MISS if promoted is NoPage.GONE else promoted
         except BaseException:
             for wait in landing.values():
                 self._adopt(wait)  # its reference, once it has one, is dropped
@@ -557,6 +569,7 @@ class LoadPath(ManagerBase):
             return NoPage.MISS
         handle = res.handle
         assert handle is not None
+        gone = not disk.contains(key)  # evicted since the caller saw it: read anyway (the tier counts the miss)
         read = asyncio.ensure_future(disk.read(key, handle))
         try:
             ok = await asyncio.shield(read)
@@ -566,7 +579,7 @@ class LoadPath(ManagerBase):
             raise
         except Exception:
             ok = False
-        return self._read_into_pool(handle, ok)
+        return self._landed_or_gone(handle, ok, gone)
 
     async def _wait_for_load_room(self) -> bool:
         """A load or stream that gave back every page it could found none free: True once there is
@@ -638,6 +651,15 @@ class LoadPath(ManagerBase):
         """Whether ``disk``'s write-behind holds pages: queued, or being written."""
         busy = disk.statistics()
         return bool(busy.write_behind_queued or busy.write_behind_writing or busy.writes_in_flight)
+
+    def _landed_or_gone(self, handle: PageHandle, ok: bool, gone: bool) -> Promotion | NoPage:
+        """:meth:`_read_into_pool`, but a read that missed a page the tier no longer held when it
+        was started (``gone``: evicted since the caller saw it) aborts the page as
+        :attr:`NoPage.GONE`, not a fault."""
+        if not ok and gone:
+            self.pool.table.abort(handle)
+            return NoPage.GONE
+        return self._read_into_pool(handle, ok)
 
     def _read_into_pool(self, handle: PageHandle, ok: bool) -> Promotion | NoPage:
         """A promotion's read of ``handle``'s reserved page ended: commit it (a reference kept) or

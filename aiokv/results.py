@@ -127,7 +127,9 @@ class LoadResult:
 
     @property
     def shortened(self) -> bool:
-        """True when a fault below stopped the load before ``requested``."""
+        """True when the load stopped before ``requested``: a fault below (counted in
+        ``stats().errors``), or a disk page the tier evicted for room since the match (not a
+        fault: ``stats().disk.evictions``)."""
         return self.tokens < self.requested
 
 

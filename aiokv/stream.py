@@ -143,6 +143,7 @@ class LoadStream:
         # ends above it, so neither it (counted again) nor a page below it is read.
         self._read_failed: int | None = None
         self._failed_at: int | None = None  # a disk page that could not be promoted
+        self._read_gone = False  # the read of _read_failed found its page evicted (NoPage.GONE)
         self._cut_at: int | None = None  # the highest page not launched because the cache's close began
         self._last_claim = time.perf_counter()
         self._last_claim_tokens = 0
@@ -198,9 +199,11 @@ class LoadStream:
     def _read_ended(self, page: int, read: asyncio.Future[Promotion | NoPage]) -> None:
         """A read of ``page`` ended (also one given up by :meth:`_make_room`): a miss ends the
         suffix above ``page``."""
-        if (not read.cancelled() and read.exception() is None and read.result() is NoPage.MISS
+        if (not read.cancelled() and read.exception() is None
+                and (read.result() is NoPage.MISS or read.result() is NoPage.GONE)
                 and (self._read_failed is None or page > self._read_failed)):
             self._read_failed = page
+            self._read_gone = read.result() is NoPage.GONE
 
     def _loaded_out(self) -> None:
         """The stream holds no pool page any more (or it ended): it no longer counts as running."""
@@ -500,8 +503,10 @@ class LoadStream:
                 break
             if self._read_failed is not None and page <= self._read_failed:
                 # Its read failed (counted) while read ahead, maybe given up since by _make_room:
-                # the suffix ends above it; it is not read again (nor counted again).
-                self._failed_at = page
+                # the suffix ends above it; it is not read again (nor counted again). A page the
+                # tier evicted since the match ends it too, as a miss, not a fault (review 202).
+                if not (self._read_gone and page == self._read_failed):
+                    self._failed_at = page
                 break
             if manager.closing:
                 self._cut_at = page  # the close began: nothing more is launched (withdrawn, not a fault)
@@ -543,6 +548,8 @@ class LoadStream:
             if promotion is NoPage.WITHDRAWN:
                 self._cut_at = page  # the close ended the read's wait for room: nothing was read
                 break
+            if promotion is NoPage.GONE:
+                break  # evicted from disk since the match: the suffix ends above it, not a fault
             if not isinstance(promotion, Promotion):
                 self._failed_at = page
                 break
