@@ -9,7 +9,8 @@ reads verify header and checksum as always.
 A look is cheap when little changed: a fan-out directory is listed again only when its
 modification or change time differs from the stamp taken before its last listing (or that stamp
 was too recent to tell: :data:`~.layoutdir.SETTLE_NS`), and an entry whose name and inode number
-the last listing saw is not examined again. The listing is the start-up scan's
+the last listing saw is not examined again (but the names of keys the tier deleted while following:
+:func:`look`'s ``whole``). The listing is the start-up scan's
 (:func:`~.layoutdir.list_fanout`: names, types, owner; temporary and spare files never indexed).
 What the look finds is reported (:class:`Look`) and the loop applies it: files new since (or
 replaced: another inode under the name) are added, files gone are dropped. A directory whose
