@@ -44,6 +44,7 @@ async def _behind_engine(name: str, op: Callable[[], Awaitable[object]], stalls:
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's queued GPU work")
+@pytest.mark.slow(seconds=10)
 @pytest.mark.timing
 @pytest.mark.asyncio
 async def test_no_public_path_stalls_the_loop_behind_the_engine(tmp_path: Path) -> None:

@@ -236,6 +236,7 @@ def _run(mode: str, tmp: Path, cache: str | None = None) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow(seconds=36)
 @pytest.mark.timing
 def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Path) -> None:
     warm = _run("warm", tmp_path)
@@ -263,6 +264,7 @@ def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Pa
     assert isinstance(second, dict) and second["variants"] == 0 and second["skipped"] == summary["variants"], warm
 
 
+@pytest.mark.slow(seconds=35)
 @pytest.mark.timing
 def test_a_restart_with_a_warm_triton_cache_starts_no_helper(tmp_path: Path) -> None:
     from aiokv.kernels.precompile import ENTRIES_DIR
