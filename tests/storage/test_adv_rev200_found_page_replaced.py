@@ -58,6 +58,9 @@ async def test_a_found_page_replaced_by_a_deleted_copy_before_the_write_fails_is
             await a.delete(victim)  # remembered: its file is away
             assert victim in a._deleted_away
             assert await a.write_from(other, memoryview(_bytes_of(other, size)))  # the name opened again
+            # Its listing of the reopened directory ends first: applied after b's store below (after
+            # the freeze), it unlinked b's page as deleted, blocked on the frozen fs until the thaw.
+            await _settled(a)
             os.unlink(a.files.layout_dir / ".lock")
             b = DiskTier(cfg, layout, pool)
             await b.start()
