@@ -128,7 +128,7 @@ class LoadPath(ManagerBase):
                 reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
                 if reserved:
                     deadline = self._commit_deadline() if deadline is None else deadline
-                    committed = await self._wait_committed(key, deadline, "a match")
+                    committed = await self._wait_written(key, deadline, "a match")
                     expired = not committed and pool.table.state_of(key) is PageState.RESERVED
                     if committed:
                         handle = pool.table.acquire(key)
@@ -689,7 +689,7 @@ class LoadPath(ManagerBase):
         load of pages all on disk stopped at the first one a cancelled offload had reserved,
         counted ``load_shortened`` (review 195), where a match in its place goes on to the disk."""
         table = self.pool.table
-        if outcome is ReserveOutcome.PENDING and not await self._wait_committed(
+        if outcome is ReserveOutcome.PENDING and not await self._wait_written(
                 key, self._commit_deadline(), "a load", expired):
             disk = self._disk
             if (again and not self._closed and disk is not None and table.state_of(key) is PageState.FREE
@@ -739,7 +739,7 @@ class LoadPath(ManagerBase):
                 if table.state_of(key) is not PageState.RESERVED:
                     break
                 deadline = self._commit_deadline() if deadline is None else deadline
-                if not (await self._wait_committed(key, deadline, "a prefetch", expired) and table.touch(key)):
+                if not (await self._wait_written(key, deadline, "a prefetch", expired) and table.touch(key)):
                     break  # given up (read from disk below when it is there), or its writer is stopped
             in_pool += 1
         # Not past a page whose writer is stopped: its promotion would wait for the same writer.

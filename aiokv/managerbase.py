@@ -22,7 +22,7 @@ from aiokv.faults import FaultLog
 from aiokv.keys import PageKey, Salt, Tokens, check_salt, namespace_seed, page_keys
 from aiokv.launches import LaunchSizer
 from aiokv.layout import KVLayout
-from aiokv.pagetable import PageHandle
+from aiokv.pagetable import PageHandle, PageState
 from aiokv.pool import PagePool
 from aiokv.results import Tier
 from aiokv.storage import DiskTier
@@ -240,6 +240,25 @@ class ManagerBase:
                 self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
                                    "writing into the pool after commit_wait")
             return False
+
+    async def _wait_written(self, key: PageKey, deadline: float, who: str,
+                            expired: list[bool] | None = None) -> bool:
+        """Wait (until ``deadline``) while other calls write the pool page of ``key``; True once it
+        is READY, False once nobody writes it (its writer gave it up: FREE) or after the deadline
+        (counted as :meth:`_wait_committed` says). A page given up and reserved again by a third
+        call before this one looked (another offload's copy, a read) is waited for in turn: taken
+        for a miss, it stopped a load (counted ``load_shortened``) or a match there although the
+        page was on its way (review 202). A cancel leaves the page and its writers alone."""
+        state_of = self.pool.table.state_of
+        loop = asyncio.get_running_loop()
+        while True:
+            if await self._wait_committed(key, deadline, who, expired):
+                return True
+            state = state_of(key)
+            if state is not PageState.RESERVED:
+                return state is PageState.READY
+            if loop.time() >= deadline:
+                return False
 
     # -- room in the pool -----------------------------------------------------------------------
 

@@ -111,19 +111,18 @@ class OffloadPath(ManagerBase):
     async def _given_up(self, keys: Sequence[PageKey], others: list[int], deadline: float,
                         expired: list[bool]) -> list[int]:
         """Wait (until ``deadline``, loop time) for the pages ``others`` (indices into ``keys``)
-        that other calls were writing; returns those this call must reserve again: given up
-        (an offload cancelled or whose copy failed, a promotion's read that failed) or taken by a
-        third writer since (waited for in turn). A page committed is stored; one whose writer is
-        still at it past the deadline (a stopped TP rank, a stuck driver call) stays skipped,
-        counted ``commit_wait_expired`` once a call. A cancel leaves the pages and their writers
-        alone (this call has nothing in flight here)."""
-        loop = asyncio.get_running_loop()
+        that other calls were writing; returns those given up (an offload cancelled or whose copy
+        failed, a read that failed; a third writer that took one over is waited for in turn),
+        which this call reserves again. A page committed is stored; one whose writer is still at
+        it past the deadline (a stopped TP rank, a stuck driver call) stays skipped, counted
+        ``commit_wait_expired`` once a call. A cancel leaves the pages and their writers alone
+        (this call has nothing in flight here)."""
         state_of = self.pool.table.state_of
         again: list[int] = []
         for i in others:
-            if await self._wait_committed(keys[i], deadline, "an offload", expired):
-                continue
-            if state_of(keys[i]) is not PageState.RESERVED or loop.time() < deadline:
+            # Not committed and FREE: given up; still RESERVED: written past the deadline, skipped.
+            if not await self._wait_written(keys[i], deadline, "an offload", expired) and state_of(
+                    keys[i]) is PageState.FREE:
                 again.append(i)
         return again
 
