@@ -186,6 +186,7 @@ class RankExecutor:
         self._slot_bytes = layout.num_layers * kv.rows_local * layout.head_dim * layout.itemsize
         self._idle = asyncio.Event()
         self._idle.set()
+        self._drained: list[asyncio.Future[None]] = []  # drained()'s futures, resolved at in_flight 0
         self._closing = False
         # At most MAX_CHUNKS registration chunks, as the pool itself (a tiny register_chunk_bytes
         # would make tens of thousands of tasks holding the GIL from the rank's loop).
@@ -583,10 +584,27 @@ class RankExecutor:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
+            waiting, self._drained = self._drained, []
+            for drained in waiting:
+                if not drained.done():
+                    drained.set_result(None)
 
     async def drain(self) -> None:
         """Wait until every started spec has reported."""
         await self._idle.wait()
+
+    def drained(self) -> asyncio.Future[None]:
+        """A plain future (no task) resolved once every started spec has reported: what a teardown
+        awaits through :meth:`Cancels.outlast`. No loop-wide cancel reaches it (a loop's shutdown,
+        an application's SIGTERM handler cancel tasks): a drain in a task of its own, run anew by
+        ``Cancels.finish`` at most ``RUNS`` times, ended under a running copy at the third such
+        cancel and the session let go of the rank (review 203: wrong KV). Call on the driving loop."""
+        drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._in_flight == 0:
+            drained.set_result(None)
+        else:
+            self._drained.append(drained)
+        return drained
 
     def fence(self) -> None:
         """Start nothing more: later specs are refused (WORKER_CLOSING), CPU copies still queued on
@@ -615,7 +633,7 @@ class RankExecutor:
         """
         self.fence()
         cancels = Cancels()
-        await cancels.finish(self.drain)
+        await cancels.outlast(self.drained())
         self.layers.close()
         with self._marks_lock:
             self._marks.clear()

@@ -429,10 +429,13 @@ class RankWorker:
                 link.stop_taking()
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
-                # Steps that run in tasks of their own are run again if a loop's shutdown
-                # (asyncio.run ending) cancels those (Cancels.finish; reviews 201, 202).
+                # No step here runs in a task of its own: a loop-wide cancel (asyncio.run ending,
+                # an application's SIGTERM handler) cuts such a task; run anew by Cancels.finish at
+                # most RUNS times, three such cancels cut the drain under a running copy (review
+                # 203: wrong KV). Plain futures, and coroutines awaited in this task through
+                # Cancels.outlast, outlast any number of cancels.
                 cancels = Cancels()
-                await cancels.finish(executor.drain)
+                await cancels.outlast(executor.drained())
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
@@ -440,11 +443,9 @@ class RankWorker:
                 if manager_writes:
                     # The manager may still be writing specs: closed now, the socket would fail its
                     # next write before it read CLOSED (and it would hold this rank as cut off).
-                    # One deadline for every run: a run again does not extend the wait.
-                    deadline = loop.time() + self.config.handshake_timeout_s
-                    ended = await cancels.finish(functools.partial(link.wait_peer_end, deadline))
+                    ended = await link.wait_peer_end(loop.time() + self.config.handshake_timeout_s, cancels)
                 link.close()
-                await cancels.finish(executor.aclose)
+                await cancels.settle(executor.aclose())  # runs each of its steps through cancels
                 self._executor = None
                 # A killed manager's segment: the new manager's start saw it held by us (LIVE) and
                 # left it; nothing else would reclaim it while the host stays quiet.
@@ -796,6 +797,7 @@ class _WorkerLink(asyncio.Protocol):
         self._executor: RankExecutor | None = None
         self._changed: asyncio.Future[None] | None = None  # wakes read() / wait_ended()
         self._end: BaseException | None = None  # what ended the link, once it ended
+        self._on_end: list[Callable[[], None]] = []  # called once it ended (wait_peer_end's futures)
         self._paused = False
         self._taking = True  # SPEC frames run; False once the session ends (stop_taking)
         self._last_taken = 0  # the job id of the last spec run in this session (0: none)
@@ -964,18 +966,29 @@ class _WorkerLink(asyncio.Protocol):
             transport.resume_reading()
         return True
 
-    async def wait_peer_end(self, deadline: float) -> bool:
+    async def wait_peer_end(self, deadline: float, cancels: Cancels) -> bool:
         """Wait until the manager ended its side (or the link broke), until the loop's time
-        ``deadline`` at most; False when it did not."""
+        ``deadline`` at most; False when it did not. Through any number of cancels (``cancels``
+        remembers them): the wait is a plain future with a timer, no task a loop-wide cancel cuts."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[bool] = loop.create_future()
+
+        def settle(value: bool) -> None:
+            if not ended.done():
+                ended.set_result(value)
+
+        timer = loop.call_at(deadline, settle, False)
+        self._on_end.append(functools.partial(settle, True))
         try:
-            async with asyncio.timeout_at(deadline):
-                while self._end is None:
-                    await self._wait()
-        except TimeoutError:
-            log.warning("rank %d: the manager did not end the link in time after CLOSED; closing it",
-                        self._worker.tp.rank)
-            return False
-        return True
+            if self._end is not None:
+                settle(True)
+            if not await cancels.outlast(ended):
+                log.warning("rank %d: the manager did not end the link in time after CLOSED; closing it",
+                            self._worker.tp.rank)
+                return False
+            return True
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         if self._transport is not None:
@@ -994,6 +1007,9 @@ class _WorkerLink(asyncio.Protocol):
     def _ended(self, exc: BaseException) -> None:
         if self._end is None:
             self._end = exc
+            on_end, self._on_end = self._on_end, []
+            for call in on_end:
+                call()
             transport = self._transport
             broken = not isinstance(exc, asyncio.IncompleteReadError)
             if broken and transport is not None and not transport.is_closing():
