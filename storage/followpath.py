@@ -617,7 +617,8 @@ class FollowPath(TierBase):
         old copy is still the one deleted. True when the directory open now is listed only in part
         (being listed, or listed again later): the caller unlinks the name now too. While following,
         every delete is remembered as "a file no newer than it" (the writer keeps the file: a look
-        at the directory put back would index it again, :meth:`_looked_deleted`)."""
+        at the directory put back would index it again, :meth:`_looked_deleted`); with the lock but
+        read-only, every delete too (the file stays: the lock may be lost before it is unlinked)."""
         prepared = self._dir
         if prepared is None:
             return False
@@ -631,8 +632,12 @@ class FollowPath(TierBase):
         index = key[0]
         fd = prepared.fanout[index]
         part_listed = fd >= 0 and (index in self._relist or index in self._listings)
-        if fd >= 0 and not part_listed and index not in self._fanouts_away:
-            return False  # listed whole, never away: no file of the key outside the index
+        # Read-only with the lock (an EROFS answer, a take-over held on a read-only file system):
+        # the file stays until the tier may unlink it. Should the lock be lost first, the looks
+        # (seeded from the index) find it as new, and only a delete remembered keeps it out
+        # (review 203: indexed and served after the loss, and left on disk by the take-over).
+        if fd >= 0 and not part_listed and index not in self._fanouts_away and self._read_only is None:
+            return False  # listed whole, never away, unlinked now: no file of the key outside the index
         self._remember(key, time.time_ns())  # file times come from the same clock, at most as late
         return part_listed
 
