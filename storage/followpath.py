@@ -278,7 +278,11 @@ class FollowPath(TierBase):
                     page_index.add_found(key)
                     self._followed_in += 1
                     unlink.discard(key)  # a newer page under the name: the one deleted is gone
-        if (found.lock_fd is not None or found.writable) and self._following():
+        # A held look's ``writable`` (it scanned as a take-over does) counts only while the tier
+        # still holds the lock: one lost while the look was on its thread (another cache holds
+        # ``.lock`` now) made the tier write without it beside that cache (review 203). Its
+        # listings are applied as any look's; the looks go on asking for the lock.
+        if (found.lock_fd is not None or (found.writable and self._follow_held)) and self._following():
             self._take_lock_over(found, left)
 
     def _looked_deleted(self, key: PageKey, mtime: int) -> bool:
