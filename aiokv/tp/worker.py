@@ -311,7 +311,12 @@ class RankWorker:
                 if owed:
                     # Run again if a loop's shutdown cancels it (review 202): a farewell cut so left
                     # the rank held by the manager, and the bridge's threads running.
-                    await cancels.finish(self._farewell)
+                    try:
+                        await cancels.finish(self._farewell)
+                    except asyncio.CancelledError:
+                        # Cut RUNS times (loop-wide cancels): lost, but cancels remembers the cancel
+                        # and the bridge still closes (review 203: its copy thread was left).
+                        pass
                 await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
