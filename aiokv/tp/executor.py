@@ -194,7 +194,7 @@ class RankExecutor:
                                     -(-self.memory.num_pages // MAX_CHUNKS))
         self._registering: concurrent.futures.ThreadPoolExecutor | None = None
         self._chunks: list[concurrent.futures.Future[ChunkResult]] = []
-        self._tasks: set[asyncio.Task[RankReport]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._copies: set[asyncio.Future[RankReport]] = set()  # queued on the copy thread, not back yet
         self._feeding: set[PacedLayers] = set()  # paced CUDA loads whose feed has not ended: fence() stops them
         self._unmapped: asyncio.Future[None] | None = None  # the unmap, once aclose() began it
@@ -401,10 +401,10 @@ class RankExecutor:
             if waiting is None:
                 result.set_result(RankReport(RankStatus.NOT_REGISTERED, "a page lies in a chunk CUDA refused"))
             elif waiting:
-                task = loop.create_task(self._launch_when_registered(spec, waiting, progress, after))
+                task = loop.create_task(self._launch_when_registered(spec, result, waiting, progress, after))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-                task.add_done_callback(functools.partial(_forward, result))
+                task.add_done_callback(functools.partial(_not_launched, result))
             else:
                 self._launch_cuda(spec, result, progress, after)
         return result
@@ -551,20 +551,26 @@ class RankExecutor:
     async def _launch_when_registered(
         self,
         spec: TransferSpec,
+        result: asyncio.Future[RankReport],
         waiting: list[concurrent.futures.Future[ChunkResult]],
         progress: LayerProgress | None,
         after: torch.cuda.Event | None,
-    ) -> RankReport:
+    ) -> None:
+        """Launch ``spec`` once its pages' chunks are registered; the copy settles ``result`` by
+        callback. Nothing is awaited after the launch: this task awaited the copy's report, and a
+        loop's shutdown (which cancels every task) cancelled that future with it, so the spec was
+        reported WORKER_CLOSING while its copy ran and the drain ended under it (review 203).
+        Cancelled before the launch, nothing was queued (:func:`_not_launched`)."""
         for chunk in waiting:
             # Shielded: cancelling an asyncio wrapper would cancel the registration work too.
             done = await asyncio.shield(asyncio.wrap_future(chunk))
             if done.error is not None:
-                return RankReport(RankStatus.NOT_REGISTERED, f"pool chunk {done.index}: {done.error}")
+                result.set_result(RankReport(RankStatus.NOT_REGISTERED, f"pool chunk {done.index}: {done.error}"))
+                return
         if self._closing:
-            return RankReport(RankStatus.WORKER_CLOSING, "the worker is closing")
-        inner: asyncio.Future[RankReport] = asyncio.get_running_loop().create_future()
-        self._launch_cuda(spec, inner, progress, after)
-        return await inner
+            result.set_result(RankReport(RankStatus.WORKER_CLOSING, "the worker is closing"))
+            return
+        self._launch_cuda(spec, result, progress, after)
 
     def _unregistered(self, page_ids: npt.NDArray[np.uint32]) -> list[concurrent.futures.Future[ChunkResult]] | None:
         """Chunk futures the pages still wait for; None when one of them failed to register."""
@@ -668,6 +674,17 @@ def _forward(result: asyncio.Future[RankReport], source: asyncio.Future[RankRepo
         result.set_result(_classify(exc))
     else:
         result.set_result(source.result())
+
+
+def _not_launched(result: asyncio.Future[RankReport], task: asyncio.Future[None]) -> None:
+    """``_launch_when_registered`` ended: report it only if it ended before launching (cancelled,
+    or failed); a launched copy settles ``result`` itself."""
+    if result.done():
+        return
+    if task.cancelled():  # a cancel lands only at an await, all before the launch
+        result.set_result(RankReport(RankStatus.WORKER_CLOSING, "cancelled before its launch: no byte moved"))
+    elif (exc := task.exception()) is not None:
+        result.set_result(_classify(exc))
 
 
 def _copied(result: asyncio.Future[RankReport], copy: asyncio.Future[None]) -> None:
