@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+import uvloop
 from child_procs import end_child, fork_context
 from held_rank import Held, _hold
 from loop_probes import until_spin, until_thread, waiting_in
@@ -49,6 +50,7 @@ from aiokv.tp import Direction, RankGroup, RankWorker, RankWorkerThread, TPConfi
 from aiokv.tp.wire import Hello
 
 BOUND_S = 60.0
+LOOPS = ["asyncio", "uvloop"]  # the rank's loop: asyncio.run or uvloop.run (the same shutdown: every task cancelled)
 SIGNALS = 2  # SIGTERMs before the main coroutine returns (asyncio.run's own pass makes the third)
 
 
@@ -64,7 +66,7 @@ def _awaited_step(task: asyncio.Task[Any] | None) -> object:
 
 
 def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config: TPConfig, held: Held,
-               step: str, pool_name: str) -> None:
+               step: str, pool_name: str, loop_kind: str) -> None:
     torch.set_num_threads(1)
     _hold(held)
     kv = torch.zeros(MHA.num_layers, SLOTS, MHA.rows, MHA.head_dim, dtype=MHA.dtype)
@@ -160,7 +162,10 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
     threading.Thread(target=control, daemon=True).start()
     ctrl.send(("started", os.getpid()))
     with contextlib.suppress(asyncio.CancelledError):
-        asyncio.run(first())
+        if loop_kind == "uvloop":
+            uvloop.run(first())
+        else:
+            asyncio.run(first())
     report["held"] = _segment_held(pool_name)
     report["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokv-"))
     events["ended"].set()
@@ -177,14 +182,15 @@ async def pool() -> AsyncIterator[PagePool]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("loop_kind", LOOPS)
 async def test_three_loop_wide_cancels_do_not_cut_the_wait_for_the_manager_s_end(
-        tmp_path: Path, pool: PagePool) -> None:
+        tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
     ctx = fork_context()
     held = Held(ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("q", 0))
     async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "peer_end",
-                                                    pool.name), daemon=True)
+                                                    pool.name, loop_kind), daemon=True)
         proc.start()
         child.close()
 
@@ -217,8 +223,9 @@ async def test_three_loop_wide_cancels_do_not_cut_the_wait_for_the_manager_s_end
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("loop_kind", LOOPS)
 async def test_three_loop_wide_cancels_do_not_cut_the_drain_of_a_cancelled_worker(
-        tmp_path: Path, pool: PagePool) -> None:
+        tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
     pool.pages[0] = 3.0  # the page the load brings
     ctx = fork_context()
     held = Held(ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("q", 0))
@@ -226,7 +233,7 @@ async def test_three_loop_wide_cancels_do_not_cut_the_drain_of_a_cancelled_worke
     async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "drain",
-                                                    pool.name), daemon=True)
+                                                    pool.name, loop_kind), daemon=True)
         proc.start()
         child.close()
 
@@ -270,8 +277,9 @@ async def test_three_loop_wide_cancels_do_not_cut_the_drain_of_a_cancelled_worke
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("loop_kind", LOOPS)
 async def test_three_loop_wide_cancels_of_the_farewell_still_close_the_bridge(
-        tmp_path: Path, pool: PagePool) -> None:
+        tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
     """The farewell (a connect) still runs in a task of its own, ``RUNS`` times at most: three
     loop-wide cancels lose it (left, see the report), but the bridge's close after it was skipped
     too: its copy thread stayed in the process after ``asyncio.run``."""
@@ -280,7 +288,7 @@ async def test_three_loop_wide_cancels_of_the_farewell_still_close_the_bridge(
     async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "farewell",
-                                                    pool.name), daemon=True)
+                                                    pool.name, loop_kind), daemon=True)
         proc.start()
         child.close()
 
