@@ -16,12 +16,10 @@ import asyncio
 import dataclasses
 import multiprocessing.connection
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 from adv_helpers import sever_socket
 from child_procs import end_child, fork_context
@@ -57,15 +55,6 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
             await asyncio.to_thread(ctrl.send, ("cancelled", run.cancelled()))
 
     asyncio.run(main())
-
-
-@pytest_asyncio.fixture
-async def pool() -> AsyncIterator[PagePool]:
-    layout = MHA.for_tp(1)
-    pool = PagePool.create(layout, 4 * layout.page_bytes, register_cuda=False)
-    await pool.wait_ready()
-    yield pool
-    await pool.aclose()
 
 
 @pytest.mark.asyncio

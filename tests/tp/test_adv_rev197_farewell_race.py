@@ -23,12 +23,10 @@ import multiprocessing.connection
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 from child_procs import end_child, fork_context
 from held_rank import Held, _hold
@@ -151,15 +149,6 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
             await done.wait()
 
     asyncio.run(main())
-
-
-@pytest_asyncio.fixture
-async def pool() -> AsyncIterator[PagePool]:
-    layout = MHA.for_tp(1)
-    pool = PagePool.create(layout, 4 * layout.page_bytes, register_cuda=False)
-    await pool.wait_ready()
-    yield pool
-    await pool.aclose()
 
 
 @pytest.mark.asyncio

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import select
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 from tp_helpers import CONFIG
 
@@ -59,15 +57,6 @@ def _child(address: str, go: int, out: int) -> None:
         os.write(out, f"child failed: {exc!r}".encode())
     finally:
         os._exit(0)
-
-
-@pytest_asyncio.fixture
-async def pool() -> AsyncIterator[PagePool]:
-    layout = MHA.for_tp(1)
-    pool = PagePool.create(layout, 4 * layout.page_bytes, register_cuda=False)
-    await pool.wait_ready()
-    yield pool
-    await pool.aclose()
 
 
 @pytest.mark.asyncio

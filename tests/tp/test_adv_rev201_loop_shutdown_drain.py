@@ -21,12 +21,10 @@ import contextlib
 import multiprocessing.connection
 import os
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 from child_procs import end_child, fork_context
 from held_rank import Held, _hold
@@ -93,15 +91,6 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
     with contextlib.suppress(asyncio.CancelledError):
         asyncio.run(first())
     events["end"].wait(BOUND_S * 4)
-
-
-@pytest_asyncio.fixture
-async def pool() -> AsyncIterator[PagePool]:
-    layout = MHA.for_tp(1)
-    pool = PagePool.create(layout, 4 * layout.page_bytes, register_cuda=False)
-    await pool.wait_ready()
-    yield pool
-    await pool.aclose()
 
 
 @pytest.mark.asyncio
