@@ -4,9 +4,12 @@ A cancel lands at whichever await of a teardown runs; each step of a rank's clos
 copies, join a warm-up, unmap the pool, close the bridge) must still run to its end, and the
 cancel propagate after the last one. Used by the worker's session and by the executor's close.
 
-A loop's shutdown (``asyncio.run`` ending) cancels every task left once, a step's own task too:
-:meth:`Cancels.finish` runs such a step anew (a task made after that pass is not cancelled by it),
-and :func:`in_thread` hands a thread's work over as a plain future, which no shutdown cancels.
+A loop's shutdown (``asyncio.run`` ending) cancels every task left once, a step's own task too,
+and so does an application's SIGTERM handler that cancels every task: a teardown step is a plain
+future (:func:`in_thread` for a thread's work, ``RankExecutor.drained``), or a coroutine awaited in
+the caller's own task, which :meth:`Cancels.outlast` keeps going through any number of cancels.
+:meth:`Cancels.finish` (a step's task run anew, ``RUNS`` times at most) is no longer used there:
+three loop-wide cancels exhausted it under a running copy (review 203).
 """
 
 from __future__ import annotations

@@ -309,14 +309,14 @@ class RankWorker:
                 with _SESSIONS_LOCK:  # a skipped farewell hands its debt over under it (_claim)
                     owed = self._farewell_owed
                 if owed:
-                    # Run again if a loop's shutdown cancels it (review 202): a farewell cut so left
-                    # the rank held by the manager, and the bridge's threads running.
+                    # A task of its own (a connect), which tries again through loop-wide cancels
+                    # within its deadline (review 202: a farewell cut so left the rank held).
                     try:
-                        await cancels.finish(self._farewell)
+                        await cancels.outlast(self._farewell())
                     except asyncio.CancelledError:
-                        # Cut RUNS times (loop-wide cancels): lost, but cancels remembers the cancel
-                        # and the bridge still closes (review 203: its copy thread was left).
-                        pass
+                        # Cut past its deadline: lost, but the cancel is kept and the bridge still
+                        # closes (review 203: its copy thread was left).
+                        cancels.cancelled = True
                 await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
@@ -374,17 +374,29 @@ class RankWorker:
         Best effort (a connect, ``handshake_timeout_s`` at most); nothing if no manager listens there."""
         self._farewell_owed = False
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
-        try:
-            # The entry is held until the hello is out (review 197): a worker of the rank here that
-            # began a session after a mere check, and whose socket was then cut under its copies,
-            # had its hold ended by this late hello (same pid) while its copies ran: wrong KV.
-            async with asyncio.timeout(self.config.handshake_timeout_s):
-                with self._claim(farewell=True):
-                    await self._say_farewell(hello)
-        except _RetryLater:
-            pass  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
-        except (_Stranger, *_LINK_ERRORS) as exc:
-            log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.handshake_timeout_s
+        while True:
+            try:
+                # The entry is held until the hello is out (review 197): a worker of the rank here
+                # that began a session after a mere check, and whose socket was then cut under its
+                # copies, had its hold ended by this late hello (same pid) while its copies ran.
+                async with asyncio.timeout_at(deadline):
+                    with self._claim(farewell=True):
+                        await self._say_farewell(hello)
+                return
+            except asyncio.CancelledError:
+                # This task is run()'s own (Cancels.outlast): only a loop-wide cancel reaches it (a
+                # loop's shutdown, an application's SIGTERM handler). Tried again within the one
+                # deadline: run anew RUNS times at most, three such cancels lost it and the manager
+                # held the rank while the process lived (review 203).
+                if loop.time() >= deadline:
+                    raise
+            except _RetryLater:
+                return  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
+            except (_Stranger, *_LINK_ERRORS) as exc:
+                log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
+                return
 
     async def _say_farewell(self, hello: Hello) -> None:
         loop = asyncio.get_running_loop()
