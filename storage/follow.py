@@ -50,9 +50,11 @@ The 256 ``fstat``s of a look go to the kernel as one batch (:mod:`.statxring`: `
 descriptor through one ``io_uring_enter``) on a ring the looks keep (:attr:`FollowState.ring`,
 made by the first look, closed by the look that takes the directory over and at the tier's
 close). Each system call releases the GIL, and beside threads running Python taking it back waits
-up to the switch interval: one wait a look rather than 256. Where io_uring or its STATX op is
-refused (an old kernel, a seccomp filter, another architecture) the looks ``fstat`` each
-directory, as they do the directories a look opens late; what a look finds is the same either way.
+up to the switch interval: one wait a look rather than 256. So are the names the look examines
+whole (:func:`look`'s ``whole``: ``statx`` by name, after the listings, 256 a batch; review 203).
+Where io_uring or its STATX op is refused (an old kernel, a seccomp filter, another architecture)
+the looks ``fstat`` each directory (and ``stat`` each name), as they do the directories a look
+opens late; what a look finds is the same either way.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,6 +130,9 @@ class FollowState:
         self.whole: dict[int, list[PageKey]] = {}
         """Per fan-out directory, the keys whose names the look in progress examines whole when it
         lists that directory (:func:`look`'s ``whole``), not by inode number alone."""
+        self.whole_due: list[tuple[int, int, PageKey, int]] = []
+        """``(index, descriptor, key, identity listed)`` of those names the look's listings found
+        as known: examined together once the listings are done (:func:`_examine_whole`)."""
         self.stop = threading.Event()
         """Set by the tier's close: the look in progress ends after the directory it is at."""
         self.ring: StatxRing | None = None
@@ -227,6 +233,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
     indexed = _indexed(state)
     state.whole = {}
+    state.whole_due = []
     for key in whole:
         state.whole.setdefault(key[0], []).append(key)  # a key's fan-out directory is its first byte
     try:
@@ -241,6 +248,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
                 os.close(result.lock_fd)
                 result.lock_fd = None
         if not state.stop.is_set():
+            _examine_whole(state, result, found, shown)
             _tell_refused(state, result, found, indexed, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
         result.mtimes = found
@@ -439,7 +447,18 @@ def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
     (:data:`BATCHED_STATX`), or None: each to be ``fstat``ed (refused here: recorded in
     :attr:`FollowState.statx_refused`, for good; or the ring could not be made now)."""
     fds = [fd for fd in fanout if fd >= 0]
-    if not BATCHED_STATX or state.statx_refused is not None or not fds:
+    if not fds:
+        return None
+    got = _batched(state, lambda ring: ring.stat_fds(fds))
+    return None if got is None else dict(zip(fds, got, strict=True))
+
+
+def _batched(state: FollowState, batch: Callable[[StatxRing], list[os.stat_result | OSError]]
+             ) -> list[os.stat_result | OSError] | None:
+    """``batch`` on the looks' ring (made now if there is none), or None: each to be examined
+    alone (:data:`BATCHED_STATX` off; refused here: recorded in :attr:`FollowState.statx_refused`,
+    for good; or the ring could not be made now)."""
+    if not BATCHED_STATX or state.statx_refused is not None:
         return None
     from .statxring import StatxRefused, open_ring  # the io_uring module loads when first used
 
@@ -452,13 +471,34 @@ def _stat_batch(state: FollowState, fanout: list[int]) -> Stats | None:
             except OSError:
                 return None  # no ring now (EMFILE...): fstat this time, a ring at the next look (ENOMEM: refused)
             state.ring = ring
-        return dict(zip(fds, ring.stat_fds(fds), strict=True))
+        return batch(ring)
     except StatxRefused as exc:
         state.statx_refused = exc
     except OSError as exc:
         state.statx_refused = StatxRefused(exc.errno or 0, f"io_uring_enter failed ({exc})")  # never expected
     state.close_ring()
     return None
+
+
+def _examine_whole(state: FollowState, result: Look, found: dict[PageKey, int], shown: Path) -> None:
+    """After the listings: each name of :attr:`FollowState.whole_due` examined whole (inode number
+    and change time, :func:`_examine`), all in ``statx`` batches on the looks' ring (one GIL wait
+    per batch: one ``stat`` each waited for the GIL after each, up to the switch interval beside a
+    busy loop, review 203), else one ``stat`` each. A key whose name is empty now (or holds no page
+    file of ours) is reported gone."""
+    due, state.whole_due = state.whole_due, []
+    if not due:
+        return
+    targets = [(fd, bytes.hex(key)) for _index, fd, key, _before in due]
+    stats: list[os.stat_result | OSError] | list[None] = _batched(state, lambda ring: ring.stat_at(targets)) or (
+        [None] * len(due))
+    for (index, fd, key, before), examined in zip(due, stats, strict=True):
+        entries = state.entries[index]
+        if entries is None or entries.get(key) != before or key in found:
+            continue  # examined since (a corrupt file's recheck), or its directory dropped
+        _examine(state, result, found, index, key, before, fd, shown / f"{index:02x}", examined)
+        if key not in entries:
+            result.removed.append(key)  # gone since the listing (or not a page file of ours)
 
 
 def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: int, fd: int, shown: Path,
@@ -499,9 +539,7 @@ def _relist(state: FollowState, result: Look, found: dict[PageKey, int], index: 
     for key in state.whole.get(index, ()):
         before = entries.get(key)
         if before is not None and key not in listing.found:  # taken for the file known by its inode
-            _examine(state, result, found, index, key, before, fd, name)
-            if key not in entries:
-                result.removed.append(key)  # gone since the listing (or not a page file of ours)
+            state.whole_due.append((index, fd, key, before))
     if index in state.corrupt:
         _recheck_corrupt(state, result, found, index, fd, name)
     vouched = state.vouched.get(index)
@@ -601,14 +639,17 @@ def _tell_unchanged(state: FollowState, result: Look, found: dict[PageKey, int],
 
 
 def _examine(state: FollowState, result: Look, found: dict[PageKey, int], index: int, key: PageKey, before: int,
-             fd: int, shown: Path) -> bool | None:
+             fd: int, shown: Path, examined: os.stat_result | OSError | None = None) -> bool | None:
     """Whether the file under ``key``'s name in fan-out directory ``index`` (descriptor ``fd``) is
     another than the one of identity ``before``: True (what the looks know updated: a page file of
     ours is put in ``found``, to be indexed again; anything else, and a file made there later, is
-    examined by the next listing as new), False, or None when it cannot be examined (recorded)."""
+    examined by the next listing as new), False, or None when it cannot be examined (recorded).
+    ``examined``: what a batch's ``statx`` of the name gave (None: ``stat`` it now)."""
     name = bytes.hex(key)
     try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if isinstance(examined, OSError):
+            raise examined
+        st = examined if examined is not None else os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         st = None
     except OSError as exc:

@@ -120,8 +120,15 @@ class StatxRing:
     def stat_names(self, dir_fd: int, names: Sequence[str]) -> list[os.stat_result | OSError]:
         """``os.stat(name, dir_fd=dir_fd, follow_symlinks=False)`` of each of ``names``, batched as
         :meth:`stat_fds`."""
-        paths = [ctypes.create_string_buffer(os.fsencode(name)) for name in names]
-        return self._batches([(dir_fd, ctypes.addressof(path)) for path in paths], AT_SYMLINK_NOFOLLOW, paths)
+        return self.stat_at([(dir_fd, name) for name in names])
+
+    def stat_at(self, targets: Sequence[tuple[int, str]]) -> list[os.stat_result | OSError]:
+        """``os.stat(name, dir_fd=dir_fd, follow_symlinks=False)`` of each ``(dir_fd, name)``
+        (names in several directories), batched as :meth:`stat_fds`."""
+        paths = [ctypes.create_string_buffer(os.fsencode(name)) for _dir_fd, name in targets]
+        return self._batches([(dir_fd, ctypes.addressof(path)) for (dir_fd, _name), path in zip(targets, paths,
+                                                                                                strict=True)],
+                             AT_SYMLINK_NOFOLLOW, paths)
 
     def _batches(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
         """``keep``: what the paths' addresses point into (kept alive with the buffers should a
