@@ -513,6 +513,15 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             unlink = None
         if unlink is not None:
             await asyncio.shield(unlink)
+            if self._read_only is not None and key not in self._index and key not in self._writing:
+                # Read-only since the unlink began: maybe its own EROFS (the file system remounted
+                # read-only since the last write), which left the file. Review 203: the delete was
+                # remembered nowhere (the tier was writable when it began), the page stayed on disk
+                # outside the index once writable again, and after a lost lock the looks served it.
+                # Remembered now (read-only: :meth:`_remember_delete` keeps it) and unlinked once
+                # writable; a file already gone costs an unlink that finds nothing.
+                self._remember_delete(key)
+                self._unlink_later(key)
 
     # -- write-behind ---------------------------------------------------------------------------
 
