@@ -72,7 +72,13 @@ class Looks:
         they come every ``follow_interval_s``). Raises TimeoutError after ``limit_s`` seconds."""
         async with asyncio.timeout(limit_s):
             while not predicate():
-                if force:
+                if self.tier._follow_task is None or self.tier._follow_task.done():
+                    # No look comes any more (the tier took over or stopped following), and next()
+                    # returns at once without yielding: this loop spun for good and the timeout,
+                    # a loop callback, never fired (a run hung in Looks(third).until). What is left
+                    # to make the predicate hold runs on the loop or a thread: poll it, bounded.
+                    await asyncio.sleep(0.001)
+                elif force:
                     await self.next(limit_s)
                 else:
                     async with self.changed:
