@@ -18,7 +18,13 @@ Oracles, aimed at one caller's cancel changing another's result on the same keys
   ``PageTable.on_evict``; the test's own discards count alike) while the disk tier did not keep
   it (its evictions or drops, a full write-behind: counted, so the test knows);
 - a round that counted no fault (nor a disk eviction: some seeds give the tier an 8-page budget,
-  so it evicts pages between a match and its load) has no completed load shorter than its match.
+  so it evicts pages between a match and its load) has no completed load shorter than its match;
+- no fault is counted but ``pool_exhausted`` and ``write_behind_full``, and ``disk_read_failed``
+  only in a round where the tier evicted and counted no fault of its own: a read that started
+  while its page was indexed and lost it to an eviction before it opened the file still counts
+  ``disk_read_failed`` (the tier's read says only False: a storage change, left by review 202).
+  The window before the read starts (``NoPage.GONE``) is covered by
+  ``test_adv_rev202_disk_evicted_after_match``, deterministically.
 
 ``AIOKV_REV202_FUZZ_SEEDS=a:b`` runs seeds ``[a, b)`` (default ``0:4``); ``AIOKV_REV202_FUZZ_ROUNDS``
 the rounds per seed (default 12).
@@ -75,6 +81,14 @@ class Fuzz:
         cache.pool.table.on_evict = self.evicted.add
         self.stored: list[list[int]] = []  # prompts (cut) of offloads that returned, nothing dropped
         self.short_loads: list[str] = []  # completed loads shorter than their match, this round
+        self.excused = 0  # disk_read_failed counts excused (see round)
+
+    def tier_faults(self) -> int:
+        """Faults the disk tier counted itself: its ``disk_*`` kinds and the files it refused."""
+        stats = self.cache.stats()
+        assert stats.disk is not None
+        tier = [n for kind, n in stats.errors.items() if kind.startswith("disk_") and kind != "disk_read_failed"]
+        return sum(tier) + stats.disk.corrupt
 
     def faults(self) -> int:
         """Faults counted so far but ``load_shortened`` (a shortened load's own count), with the
@@ -164,6 +178,8 @@ class Fuzz:
         disk = self.cache.disk
         assert disk is not None
         evictions_before = disk.statistics().evictions
+        read_failed_before = self.cache.stats().errors.get("disk_read_failed", 0)
+        tier_faults_before = self.tier_faults()
         self.short_loads = []
         callers = []
         for index in range(rng.randrange(3, CALLERS + 1)):
@@ -182,6 +198,14 @@ class Fuzz:
         if self.faults() == faults_before and disk.statistics().evictions == evictions_before:
             assert not self.short_loads, self.fail(f"loads shortened with no fault counted: {self.short_loads}; "
                                                    f"{disk.statistics()}")
+        read_failed = self.cache.stats().errors.get("disk_read_failed", 0) - read_failed_before
+        if read_failed and disk.statistics().evictions > evictions_before and self.tier_faults() == tier_faults_before:
+            # TODO(storage): a read that started while its page was indexed and lost it to an
+            # eviction before it opened the file misses (FileNotFoundError, no fault counted by
+            # the tier), and the cache cannot tell it from a fault: counted disk_read_failed (the
+            # window review 202 left; rare: 2 runs in 800). Excused only where the tier evicted
+            # and counted no fault in the round.
+            self.excused += read_failed
         await self.verify_stored()
         # Some pages leave the pool (those on disk): the next round reads them back.
         for tokens in self.prompts:
@@ -230,7 +254,10 @@ async def run_seed(seed: int, root: Path, rounds: int, monkeypatch: pytest.Monke
             await fuzz.round(number)
         # load_shortened: each round checked that a shortened load came with another fault.
         allowed = {"pool_exhausted", "write_behind_full", "load_shortened"}
-        errors = {kind for kind, n in cache.stats().errors.items() if n} - allowed
+        counted = cache.stats().errors
+        if counted.get("disk_read_failed", 0) == fuzz.excused:
+            allowed.add("disk_read_failed")
+        errors = {kind for kind, n in counted.items() if n} - allowed
         assert not errors, fuzz.fail(f"faults counted: {cache.stats().errors}")
 
 
