@@ -35,6 +35,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from aiokv.keys import KEY_BYTES, PageKey
@@ -292,6 +293,12 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if self._drop_queued is not None:
             self._dropped += await self._drop_queued
         await self._until_idle()
+        if self._dir is not None and self._dir.lock_fd is not None:
+            # Files whose unlink failed, a last time: a delete the tier could not carry out is
+            # remembered only in memory, and a restart would index and serve the page (review 204).
+            retries = self._retry_unlinks()
+            if retries:
+                await asyncio.wait(retries)
         await self._close_spares()
         if self._io is not None:
             await self._io.aclose()
@@ -522,6 +529,12 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                 # writable; a file already gone costs an unlink that finds nothing.
                 self._remember_delete(key)
                 self._unlink_later(key)
+            elif key in self._unlink_failed and key not in self._index and key not in self._writing:
+                # Its own unlink failed otherwise (EIO, EACCES, EBUSY): the page is still on disk,
+                # unlinked again later (TierBase._unlink_failed). Remembered as deleted meanwhile:
+                # a listing of its directory, or the looks after a lost lock, never index it
+                # (review 204: named nowhere before, a restart served it).
+                self._remember(key, time.time_ns())
 
     # -- write-behind ---------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from .layoutdir import FanoutListing, FollowSeed, file_identity, list_fanout
 from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
 from .pagefile import TEMP_PREFIX
 from .spares import SPARE_PREFIX
-from .tierbase import DELETE_TIME_BITS, STORED_SINCE_DELETE, TierBase
+from .tierbase import BULK_UNLINK_KEYS, DELETE_TIME_BITS, STORED_SINCE_DELETE, TierBase
 
 log = logging.getLogger("aiokv.storage.disk")
 
@@ -473,6 +473,10 @@ class FollowPath(TierBase):
                         "now (still the only cache writing there)", self.files.layout_dir / ".lock")
         elif found.state is LockState.LOST:
             self._lose_lock()
+            return
+        # Files whose unlink failed: the disk may answer again (review 204). A bounded batch a
+        # check: a disk failing for good costs the loop a few tasks an interval, not thousands.
+        self._retry_unlinks(BULK_UNLINK_KEYS)
 
     def _apply_fanout_check(self, found: FanoutCheck) -> None:
         """Retire each fan-out descriptor the check found no longer named (moved away whole,
@@ -771,6 +775,9 @@ class FollowPath(TierBase):
         prepared.lock_fd = None
         self._lock_lost += 1
         self._relist.clear()  # the looks list what they need: a take-over scans every directory
+        # Files whose unlink failed are the remembered deletes' now: a take-over unlinks a file no
+        # newer than its delete, and the name may hold the other writer's page by then.
+        self._unlink_failed.clear()
         # The other writer's stores are unknown here: a file of a key this tier deleted that is
         # newer than the delete may be one of them (a page to serve once this tier takes over:
         # unlinked before, review 193); one no newer is still the page deleted.

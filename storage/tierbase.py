@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -48,6 +49,10 @@ BULK_UNLINK_KEYS = 64
 """Files evicted at once from which one thread unlinks them all rather than a loop task each: a
 start over a lowered budget (20,000 files over one of 100) held the loop 0.73 s making and running
 a task per file."""
+
+UNLINK_RETRY_KEPT = 65536
+"""Files whose unlink failed (not EROFS) kept to unlink again (``TierBase._unlink_failed``: 16-byte
+keys, a few MiB at most); beyond, the oldest is forgotten (left on disk outside the index)."""
 
 STORED_SINCE_DELETE = 1 << 192
 """A remembered delete (:data:`~.followpath.DELETED_KEPT`) at or above this: the tier stored the key
@@ -129,6 +134,12 @@ class TierBase(TierEdge):
         # ``free_space_recheck_s``, and the files that mode left behind (unlinked once writable).
         self._writable_again: asyncio.Task[None] | None = None
         self._unlink_when_writable: set[PageKey] = set()
+        # Keys whose unlink failed with a fault other than EROFS (EIO from a failing disk, EACCES,
+        # EBUSY): the file is still there, outside the index (a delete's is remembered too). Review
+        # 204: named nowhere before, it stayed on disk for good and a restart served it. Unlinked
+        # again at each lock check, once writable again and at the close (the oldest first forgotten
+        # beyond UNLINK_RETRY_KEPT); a key stored again since is not (a newer page under the name).
+        self._unlink_failed: dict[PageKey, None] = {}
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
@@ -393,6 +404,7 @@ class TierBase(TierEdge):
         keys = [key for key in self._unlink_when_writable if key not in self._index and key not in self._writing]
         self._unlink_when_writable.clear()
         self._remove_files(keys)
+        self._retry_unlinks(BULK_UNLINK_KEYS)
         spares, self._spares_when_writable = self._spares_when_writable, []
         for spare in spares:
             self._unlink_spare(spare)
@@ -483,6 +495,8 @@ class TierBase(TierEdge):
                 self._faults.count(exc, "unlink")
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
+                elif at is None:
+                    self._unlink_again(key)
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
@@ -493,6 +507,27 @@ class TierBase(TierEdge):
         # its ``finally`` (a new write of the key would wait on it for ever).
         task.add_done_callback(functools.partial(self._unlink_ended, key))
         return task
+
+    def _unlink_again(self, key: PageKey) -> None:
+        """``key``'s unlink failed (not EROFS): its file is unlinked again later (``_unlink_failed``)."""
+        failed = self._unlink_failed
+        failed.pop(key, None)  # most recent last: the oldest is forgotten first
+        failed[key] = None
+        if len(failed) > UNLINK_RETRY_KEPT:
+            del failed[next(iter(failed))]
+
+    def _retry_unlinks(self, most: int | None = None) -> list[asyncio.Task[None]]:
+        """Unlink again the files whose unlink failed (the ``most`` oldest; None: all), but keys
+        indexed or being written since (a newer page under the name: the one deleted is gone).
+        Writable only; a fault again names the key again (counted each time)."""
+        failed = self._unlink_failed
+        if not failed or self._read_only is not None:
+            return []
+        taken = list(itertools.islice(failed, most))
+        for key in taken:
+            del failed[key]
+        keys = [key for key in taken if key not in self._index and key not in self._writing]
+        return [task for key in keys if (task := self._unlink_later(key)) is not None]
 
     def _unlink_ended(self, key: PageKey, task: asyncio.Task[None]) -> None:
         if self._moving.get(key) is task:

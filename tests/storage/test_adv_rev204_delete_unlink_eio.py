@@ -1,0 +1,104 @@
+"""Review 204: a delete whose own unlink fails with a fault other than EROFS (EIO from a failing
+disk here; EACCES, EBUSY alike) left the page on disk and named it nowhere: not in the index, not
+remembered as deleted, not queued for another unlink. Once the disk answered again nothing removed
+it, and a restart's scan indexed and served the page its caller had deleted.
+
+Real: an ext4 on a loop device over a FUSE file whose bytes holding the fan-out directory's block
+answer EIO (``test_adv_rev142_bad_blocks``' file system), the page cache dropped so the unlink's
+lookup reads that block for real; then the disk good again and a real restart of a tier over the
+same directory (after the tier's own lock check, or straight away: the close). A store of the key
+after the failed delete is kept: its page is the one served after the restart. Root only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import started
+from loop_probes import until_thread
+from test_adv_rev142_bad_blocks import bad_block_ext4, device_ranges
+from test_adv_rev175_fanouts import _bytes_of
+from test_adv_rev181_put_back import _settled
+from test_adv_rev188_deletes_away import _served
+from test_lock_replaced import LockChecks
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier
+
+TAG = 0x5A
+
+
+def _drop_caches() -> None:
+    """Written back, then the clean page cache and unused dentries dropped: the next lookup in the
+    fan-out directory reads its block from the device (the bad one)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _unlink_errno(path: Path) -> int:
+    """What a plain lookup of ``path`` answers now (0: found): the fault is real before the tier meets it."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+@pytest.mark.parametrize("then", ["lock_check", "close", "stored_again"])
+async def test_a_page_whose_unlink_met_eio_is_never_served_after_a_restart(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, then: str) -> None:
+    size = layout.page_bytes
+    victim, other = key_of(0, TAG), key_of(1, TAG)
+    with bad_block_ext4(tmp_path, 32) as (mount, bad):
+        # "close": no lock check before the restart; the close is what may still unlink it.
+        cfg = config(mount / "disk", backend, follow_interval_s=0.05 if then == "lock_check" else 3600.0,
+                     min_free_bytes=0)
+        async with started(DiskTier(cfg, layout, pool)) as a:
+            for key in (victim, other):
+                assert await a.write_from(key, memoryview(_bytes_of(key, size)))
+            await _settled(a)
+            fanout = a.files.layout_dir / f"{TAG:02x}"
+            page = fanout / victim.hex()
+            for start, end in device_ranges(str(fanout), 0, fanout.stat().st_size):  # its blocks
+                bad.bad("read", start, end)
+            errno_now = 0
+            for _ in range(10):  # a block the journal still held is dropped at the next round (2 here)
+                await asyncio.to_thread(_drop_caches)
+                errno_now = await asyncio.to_thread(_unlink_errno, page)
+                if errno_now:
+                    break
+            if errno_now == 0:
+                pytest.fail("the fan-out directory's block was still cached: no EIO to inject")
+            faults = a.statistics().errors
+            checks = LockChecks(a) if then == "lock_check" else None
+            await a.delete(victim)  # its unlink's lookup reads the bad block: EIO
+            assert a.statistics().errors != faults, "the unlink's EIO was not counted"
+            bad.good()
+            assert page.exists(), f"the unlink did not fail (errno {errno_now} before): nothing to test"
+            assert not a.contains(victim) and not await _served(a, victim, size)
+            if checks is not None:
+                await checks.next()  # the tier's own lock check comes while the disk answers again
+                await _settled(a)
+                await until_thread(lambda: not page.exists(), "the deleted page unlinked by the lock check")
+            if then == "stored_again":
+                # Stored again before the unlink was retried: the new page is the one under the
+                # name, and the retry at the close must leave it (served after the restart).
+                assert await a.write_from(victim, memoryview(_bytes_of(victim, size)))
+                assert a.contains(victim) and await _served(a, victim, size)
+        async with started(DiskTier(cfg, layout, pool)) as restarted:
+            if then == "stored_again":
+                assert await _served(restarted, victim, size), "the page stored after the delete was lost"
+            else:
+                assert not restarted.contains(victim), "a page its caller deleted was indexed by a restart"
+                assert not await _served(restarted, victim, size), \
+                    "a page its caller deleted was served after a restart"
+            assert await _served(restarted, other, size)
+        assert page.exists() == (then == "stored_again"), "a deleted page stayed on disk (or a new one was lost)"
+    assert_clean(pool)
