@@ -35,7 +35,6 @@ import functools
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 from aiokv.keys import KEY_BYTES, PageKey
@@ -529,12 +528,6 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                 # writable; a file already gone costs an unlink that finds nothing.
                 self._remember_delete(key)
                 self._unlink_later(key)
-            elif key in self._unlink_failed and key not in self._index and key not in self._writing:
-                # Its own unlink failed otherwise (EIO, EACCES, EBUSY): the page is still on disk,
-                # unlinked again later (TierBase._unlink_failed). Remembered as deleted meanwhile:
-                # a listing of its directory, or the looks after a lost lock, never index it
-                # (review 204: named nowhere before, a restart served it).
-                self._remember(key, time.time_ns())
 
     # -- write-behind ---------------------------------------------------------------------------
 

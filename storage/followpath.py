@@ -649,6 +649,16 @@ class FollowPath(TierBase):
         self._remember(key, time.time_ns())  # file times come from the same clock, at most as late
         return part_listed
 
+    def _unlink_failed_remembered(self, key: PageKey) -> None:
+        """:meth:`TierBase._unlink_failed_remembered`: with the lock, remembered as a delete (its
+        time now): a listing of its directory (moved away and back, listed again after a failure)
+        unlinks that file rather than index it, and after a lost lock the looks (seeded from the
+        index) leave it out and the take-over unlinks it. Review 204: a write deleted in flight whose
+        unlink at its end failed was remembered nowhere, and the looks served it after a loss."""
+        prepared = self._dir
+        if prepared is not None and prepared.lock_fd is not None:
+            self._remember(key, time.time_ns())
+
     def _found_still_kept(self, key: PageKey) -> bool:
         """:meth:`TierBase._found_still_kept`: the take-over asked the file it found against the
         deletes, but another file may lie under the name since (a copy of the page deleted restored
@@ -775,9 +785,6 @@ class FollowPath(TierBase):
         prepared.lock_fd = None
         self._lock_lost += 1
         self._relist.clear()  # the looks list what they need: a take-over scans every directory
-        # Files whose unlink failed are the remembered deletes' now: a take-over unlinks a file no
-        # newer than its delete, and the name may hold the other writer's page by then.
-        self._unlink_failed.clear()
         # The other writer's stores are unknown here: a file of a key this tier deleted that is
         # newer than the delete may be one of them (a page to serve once this tier takes over:
         # unlinked before, review 193); one no newer is still the page deleted.
@@ -787,6 +794,10 @@ class FollowPath(TierBase):
         for key, when in deleted.items():
             if when >= 0:
                 deleted[key] = -1 - (when & DELETE_TIME_BITS if when >= STORED_SINCE_DELETE else when)
+        # Files whose unlink failed (review 204) are remembered deletes (converted above): the
+        # take-over unlinks a file no newer than the failure; the name may hold the other writer's
+        # newer page by then.
+        self._unlink_failed.clear()
         # What a take-over found under names left to this tier's writes is the directory as it was
         # then: the new writer may remove or replace those pages. Forgotten, so a write ending
         # unstored indexes nothing blind; the looks (and the next take-over) ask the name afresh

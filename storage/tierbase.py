@@ -497,6 +497,7 @@ class TierBase(TierEdge):
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
                 elif at is None:
                     self._unlink_again(key)
+                    self._unlink_failed_remembered(key)
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
@@ -515,6 +516,10 @@ class TierBase(TierEdge):
         failed[key] = None
         if len(failed) > UNLINK_RETRY_KEPT:
             del failed[next(iter(failed))]
+
+    def _unlink_failed_remembered(self, key: PageKey) -> None:
+        """``key``'s unlink failed (not EROFS), its file still there: nothing more here
+        (:class:`~.followpath.FollowPath` remembers it as deleted, so no listing or look indexes it)."""
 
     def _retry_unlinks(self, most: int | None = None) -> list[asyncio.Task[None]]:
         """Unlink again the files whose unlink failed (the ``most`` oldest; None: all), but keys
