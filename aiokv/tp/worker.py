@@ -309,10 +309,10 @@ class RankWorker:
                 with _SESSIONS_LOCK:  # a skipped farewell hands its debt over under it (_claim)
                     owed = self._farewell_owed
                 if owed:
-                    # A task of its own (a connect), which tries again through loop-wide cancels
-                    # within its deadline (review 202: a farewell cut so left the rank held).
+                    # Each try a task of its own (a connect), tried again through loop-wide cancels
+                    # within one deadline (review 202: a farewell cut so left the rank held).
                     try:
-                        await cancels.outlast(self._farewell())
+                        await self._farewell(cancels)
                     except asyncio.CancelledError:
                         # Cut past its deadline: lost, but the cancel is kept and the bridge still
                         # closes (review 203: its copy thread was left).
@@ -365,38 +365,47 @@ class RankWorker:
         task = self._claimant
         return task is not None and not task.done() and not task.get_loop().is_closed()
 
-    async def _farewell(self) -> None:
+    async def _farewell(self, cancels: Cancels) -> None:
         """Say hello once more, and close: the worker closes and its last session ended without its
         CLOSED reaching the manager (a third party cut the socket). The manager then holds the rank
         while this process lives (its copies might run) until the process says hello again, which a
         closing worker never did: the rank's jobs, and the group's close, waited for good (review
         196). Its copies are over now; the manager takes this hello for that and frees the rank.
-        Best effort (a connect, ``handshake_timeout_s`` at most); nothing if no manager listens there."""
+        Best effort (a connect, ``handshake_timeout_s`` at most); nothing if no manager listens there.
+
+        Awaited in ``run()``'s own task, whose cancels ``cancels`` remembers; each try is a task of
+        its own. A loop-wide cancel (a loop's shutdown, an application's cancelling every task) that
+        cuts a try, or lands on the try's task before it began, has it made anew within the one
+        deadline, after which the cancel is raised. The loop of tries lived in that task itself: a
+        cancel landing before its first step (an application's shutdown step in the same loop turn)
+        ended it without running a line, and the farewell was lost (review 204)."""
         self._farewell_owed = False
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.handshake_timeout_s
         while True:
             try:
-                # The entry is held until the hello is out (review 197): a worker of the rank here
-                # that began a session after a mere check, and whose socket was then cut under its
-                # copies, had its hold ended by this late hello (same pid) while its copies ran.
-                async with asyncio.timeout_at(deadline):
-                    with self._claim(farewell=True):
-                        await self._say_farewell(hello)
+                await cancels.outlast(self._farewell_try(hello, deadline))
                 return
             except asyncio.CancelledError:
-                # This task is run()'s own (Cancels.outlast): only a loop-wide cancel reaches it (a
-                # loop's shutdown, an application's SIGTERM handler). Tried again within the one
-                # deadline: run anew RUNS times at most, three such cancels lost it and the manager
-                # held the rank while the process lived (review 203).
+                # Only a loop-wide cancel reaches the try's task: run anew RUNS times at most, three
+                # such cancels lost it and the manager held the rank while the process lived (review 203).
                 if loop.time() >= deadline:
                     raise
-            except _RetryLater:
-                return  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
-            except (_Stranger, *_LINK_ERRORS) as exc:
-                log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
-                return
+
+    async def _farewell_try(self, hello: Hello, deadline: float) -> None:
+        """One try of :meth:`_farewell` (a fresh task: its timeout's cancel is its own)."""
+        try:
+            # The entry is held until the hello is out (review 197): a worker of the rank here that
+            # began a session after a mere check, and whose socket was then cut under its copies,
+            # had its hold ended by this late hello (same pid) while its copies ran: wrong KV.
+            async with asyncio.timeout_at(deadline):
+                with self._claim(farewell=True):
+                    await self._say_farewell(hello)
+        except _RetryLater:
+            pass  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
+        except (_Stranger, *_LINK_ERRORS) as exc:
+            log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
 
     async def _say_farewell(self, hello: Hello) -> None:
         loop = asyncio.get_running_loop()
