@@ -493,11 +493,17 @@ class TierBase(TierEdge):
                 pass
             except OSError as exc:
                 self._faults.count(exc, "unlink")
+                if at is None:
+                    # The file stays, out of the index: remembered as deleted (no listing or look
+                    # indexes it) and unlinked again later. Review 204: named nowhere before (a
+                    # write deleted in flight, discarded at its end; an eviction), a restart served it.
+                    self._unlink_failed_remembered(key)
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
+                    if at is None:
+                        self._unlink_later(key)  # read-only now: named for the unlink once writable
                 elif at is None:
                     self._unlink_again(key)
-                    self._unlink_failed_remembered(key)
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
