@@ -106,7 +106,7 @@ class OffloadPath(ManagerBase):
         if isinstance(pages, range) and pages.step == 1:
             return slots[pages.start * t : pages.stop * t]
         index = torch.tensor(list(pages), dtype=torch.long)
-        return slots[: slots.numel() // t * t].view(-1, t).index_select(0, index).reshape(-1)
+        return slots[: slots.numel() // t * t].reshape(-1, t).index_select(0, index).reshape(-1)
 
     async def _given_up(self, keys: Sequence[PageKey], others: list[int], deadline: float,
                         expired: list[bool]) -> list[int]:
