@@ -135,7 +135,7 @@ class TierBase(TierEdge):
         self._writable_again: asyncio.Task[None] | None = None
         self._unlink_when_writable: set[PageKey] = set()
         # Keys whose unlink failed with a fault other than EROFS (EIO from a failing disk, EACCES,
-        # EBUSY): the file is still there, outside the index (a delete's is remembered too). Review
+        # EBUSY): the file is still there, outside the index (remembered as deleted too). Review
         # 204: named nowhere before, it stayed on disk for good and a restart served it. Unlinked
         # again at each lock check, once writable again and at the close (the oldest first forgotten
         # beyond UNLINK_RETRY_KEPT); a key stored again since is not (a newer page under the name).
@@ -524,7 +524,7 @@ class TierBase(TierEdge):
             del failed[next(iter(failed))]
 
     def _unlink_failed_remembered(self, key: PageKey) -> None:
-        """``key``'s unlink failed (not EROFS), its file still there: nothing more here
+        """``key``'s unlink failed (EROFS included), its file still there: nothing more here
         (:class:`~.followpath.FollowPath` remembers it as deleted, so no listing or look indexes it)."""
 
     def _retry_unlinks(self, most: int | None = None) -> list[asyncio.Task[None]]:
