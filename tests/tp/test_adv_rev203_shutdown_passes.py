@@ -25,31 +25,31 @@ one), each landing once the step waits afresh, then the main coroutine returns. 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing.connection
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
-import torch
-import uvloop
-from child_procs import end_child, fork_context
-from held_rank import Held, _hold
+from held_rank import Held
 from loop_probes import until_spin, until_thread, waiting_in
-from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, SLOTS, T, _sever
-from test_adv_rev202_loop_shutdown_teardown import _segment_held
+from shutdown_helpers import (
+    BOUND_S,
+    RankChild,
+    assert_no_copy_after_reuse,
+    new_held,
+    rank_child,
+    sever_under_held_copy,
+)
+from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, T
 from tp_helpers import CONFIG
 
 from aiokv.pool import PagePool
-from aiokv.tp import Direction, RankGroup, RankWorker, RankWorkerThread, TPConfig
+from aiokv.tp import RankGroup, RankWorker, TPConfig
 from aiokv.tp.wire import Hello
 
-BOUND_S = 60.0
 LOOPS = ["asyncio", "uvloop"]  # the rank's loop: asyncio.run or uvloop.run (the same shutdown: every task cancelled)
 SIGNALS = 2  # SIGTERMs before the main coroutine returns (asyncio.run's own pass makes the third)
 
@@ -67,11 +67,9 @@ def _awaited_step(task: asyncio.Task[Any] | None) -> object:
 
 def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config: TPConfig, held: Held,
                step: str, pool_name: str, loop_kind: str) -> None:
-    torch.set_num_threads(1)
-    _hold(held)
-    kv = torch.zeros(MHA.num_layers, SLOTS, MHA.rows, MHA.head_dim, dtype=MHA.dtype)
-    events = {name: threading.Event() for name in ("attached", "cancel", "returned", "ended", "end")}
-    report: dict[str, Any] = {}
+    child = RankChild(ctrl, address, config, held, waits=("attached", "returned"), sets=("cancel",),
+                      commands={"ended": lambda: dict(child.report) if child.events["ended"].wait(BOUND_S) else None})
+    events = child.events
     farewell_began = threading.Event()
     attempts = [0]  # of the farewell's connect
     if step == "farewell":
@@ -100,7 +98,7 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
             passes[0] += 1
 
         loop.add_signal_handler(signal.SIGTERM, cancel_all)
-        worker = RankWorker(address, 0, 1, MHA, kv, config)
+        worker = RankWorker(address, 0, 1, MHA, child.kv, config)
         run = loop.create_task(worker.run())
         await worker.wait_attached()
         events["attached"].set()
@@ -133,101 +131,27 @@ def _rank_main(ctrl: multiprocessing.connection.Connection, address: str, config
         # Return: asyncio.run cancels every task left, the third pass.
         events["returned"].set()
 
-    def control() -> None:
-        second: RankWorkerThread | None = None
-        try:
-            while True:
-                command = ctrl.recv()
-                reply: Any
-                if command in ("attached", "returned"):
-                    reply = events[command].wait(BOUND_S)
-                elif command == "cancel":
-                    events["cancel"].set()
-                    reply = True
-                elif command == "sever":
-                    reply = _sever(address, set())
-                elif command == "second":
-                    second = RankWorkerThread(address, 0, 1, MHA, kv, config)
-                    second.start()
-                    reply = "started"
-                elif command == "ended":
-                    reply = dict(report) if events["ended"].wait(BOUND_S) else None
-                elif command == "dump":
-                    reply = kv.numpy().copy()
-                elif isinstance(command, tuple) and command[0] == "write":
-                    _, at, value = command
-                    kv[:, at] = value
-                    reply = "written"
-                else:
-                    break
-                ctrl.send(reply)
-        finally:
-            if second is not None:
-                with contextlib.suppress(Exception):
-                    second.close(BOUND_S)
-            events["end"].set()
-
-    threading.Thread(target=control, daemon=True).start()
-    ctrl.send(("started", os.getpid()))
-    with contextlib.suppress(asyncio.CancelledError):
-        if loop_kind == "uvloop":
-            uvloop.run(first())
-        else:
-            asyncio.run(first())
-    report["held"] = _segment_held(pool_name)
-    report["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokv-"))
-    events["ended"].set()
-    events["end"].wait(BOUND_S * 4)
-
-
-@pytest_asyncio.fixture
-async def pool() -> AsyncIterator[PagePool]:
-    layout = MHA.for_tp(1)
-    pool = PagePool.create(layout, 4 * layout.page_bytes, register_cuda=False)
-    await pool.wait_ready()
-    yield pool
-    await pool.aclose()
+    child.start()
+    child.run(first, loop_kind)
+    child.finish(pool_name)
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("loop_kind", LOOPS)
 async def test_three_loop_wide_cancels_do_not_cut_the_wait_for_the_manager_s_end(
         tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
-    ctx = fork_context()
-    held = Held(ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("q", 0))
-    async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "peer_end",
-                                                    pool.name, loop_kind), daemon=True)
-        proc.start()
-        child.close()
-
-        def ask_blocking(command: object) -> Any:
-            """On this loop's thread: the manager's loop reads nothing meanwhile."""
-            parent.send(command)
-            assert parent.poll(BOUND_S), f"no reply to {command!r}"
-            return parent.recv()
-
-        try:
-            async with asyncio.timeout(BOUND_S * 2):
-                assert (await asyncio.to_thread(parent.recv))[0] == "started"
-                parent.send("attached")
-                assert await asyncio.to_thread(parent.recv)
-                await group.wait_attached()
-            # The manager's loop blocked from the cancel until A's main coroutine returned.
-            assert ask_blocking("cancel")
-            assert ask_blocking("returned"), "A's wait never went through the SIGTERMs"
-            parent.send("ended")
-            async with asyncio.timeout(BOUND_S + 5.0):
-                report = await asyncio.to_thread(parent.recv)
-            assert report is not None, "asyncio.run did not end"
-            assert not report["held"], f"the pool is still mapped after asyncio.run ended: {report['held']}"
-            assert not report["threads"], f"threads left after asyncio.run ended: {report['threads']}"
-            await until_thread(lambda: group.statistics().held_ranks == 0, "the manager freeing A's rank", 10.0)
-        finally:
-            with contextlib.suppress(Exception):
-                parent.send("end")
-            end_child(proc, 30)
+    held = new_held()
+    async with (RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group,
+                rank_child(group, held, _rank_main, os.fspath(group.address), RANK_CONFIG, held, "peer_end",
+                           pool.name, loop_kind) as link):
+        # The manager's loop blocked from the cancel until A's main coroutine returned.
+        assert link.ask_blocking("cancel")
+        assert link.ask_blocking("returned"), "A's wait never went through the SIGTERMs"
+        report = await link.ask("ended")
+        assert report is not None, "asyncio.run did not end"
+        assert not report["held"], f"the pool is still mapped after asyncio.run ended: {report['held']}"
+        assert not report["threads"], f"threads left after asyncio.run ended: {report['threads']}"
+        await until_thread(lambda: group.statistics().held_ranks == 0, "the manager freeing A's rank", 10.0)
 
 
 @pytest.mark.asyncio
@@ -235,53 +159,12 @@ async def test_three_loop_wide_cancels_do_not_cut_the_wait_for_the_manager_s_end
 async def test_three_loop_wide_cancels_do_not_cut_the_drain_of_a_cancelled_worker(
         tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
     pool.pages[0] = 3.0  # the page the load brings
-    ctx = fork_context()
-    held = Held(ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("q", 0))
-    slots = list(range(T))
-    async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "drain",
-                                                    pool.name, loop_kind), daemon=True)
-        proc.start()
-        child.close()
-
-        async def ask(command: object) -> Any:
-            parent.send(command)
-            async with asyncio.timeout(BOUND_S):
-                return await asyncio.to_thread(parent.recv)
-
-        try:
-            async with asyncio.timeout(BOUND_S * 2):
-                assert (await asyncio.to_thread(parent.recv))[0] == "started"
-                assert await ask("attached")
-                await group.wait_attached()
-            load = group.submit_nowait(group.spec(Direction.LOAD, [0], torch.tensor(slots)))
-            assert await asyncio.to_thread(held.entered.acquire, True, BOUND_S), "A's copy never began"
-            assert await ask("cancel")
-            assert await ask("returned"), "A's teardown never waited through the SIGTERMs"
-            assert await ask("second") == "started"
-            # A's copy still runs: no worker of this process may end the manager's view of it.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
-                    await asyncio.shield(load.wait())
-            reused = load.done()
-            if reused:  # the engine takes the slots back at once: its own KV goes there
-                assert await ask(("write", slots, -7.0)) == "written"
-            held.release()
-            async with asyncio.timeout(BOUND_S):
-                outcome = await load.wait()
-            await until_thread(lambda: held.finished_copies() == 1, "A's copy", BOUND_S)
-            if not reused:
-                assert await ask(("write", slots, -7.0)) == "written"
-            kv = torch.from_numpy(await ask("dump"))
-            assert bool((kv[:, slots] == -7.0).all()), (
-                f"the load ended ({outcome}) while A's copy ran (reused: {reused}); the copy landed after "
-                "the engine reused the slots")
-        finally:
-            held.release(8)
-            with contextlib.suppress(Exception):
-                parent.send("end")
-            end_child(proc, 30)
+    held = new_held()
+    async with (RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group,
+                rank_child(group, held, _rank_main, os.fspath(group.address), RANK_CONFIG, held, "drain",
+                           pool.name, loop_kind) as link):
+        await assert_no_copy_after_reuse(group, link, held, list(range(T)), "cancel",
+                                         "A's teardown never waited through the SIGTERMs")
 
 
 @pytest.mark.asyncio
@@ -292,41 +175,18 @@ async def test_three_loop_wide_cancels_do_not_lose_the_farewell(
     loop-wide cancels of its connect lost it (the manager held the rank while the process lived),
     and the bridge's close after it was skipped too (its copy thread stayed after ``asyncio.run``).
     It now tries again within its one deadline: the fourth connect says the hello."""
-    ctx = fork_context()
-    held = Held(ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("q", 0))
-    async with RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(child, os.fspath(group.address), RANK_CONFIG, held, "farewell",
-                                                    pool.name, loop_kind), daemon=True)
-        proc.start()
-        child.close()
-
-        async def ask(command: object) -> Any:
-            parent.send(command)
-            async with asyncio.timeout(BOUND_S + 5.0):
-                return await asyncio.to_thread(parent.recv)
-
-        try:
-            async with asyncio.timeout(BOUND_S * 2):
-                assert (await asyncio.to_thread(parent.recv))[0] == "started"
-                assert await ask("attached")
-                await group.wait_attached()
-            # The manager holds the rank for this process: its socket cut under a running copy.
-            group.submit_nowait(group.spec(Direction.LOAD, [0], torch.tensor(list(range(T)))))
-            assert await asyncio.to_thread(held.entered.acquire, True, BOUND_S), "A's copy never began"
-            assert await ask("sever") == 1
-            await until_thread(lambda: group.statistics().held_ranks == 1, "A's rank held", BOUND_S)
-            assert await ask("cancel")
-            held.release()
-            assert await ask("returned"), "A's farewell never went through the SIGTERMs"
-            report = await ask("ended")
-            assert report is not None, "asyncio.run did not end"
-            assert not report["held"], f"the pool is still mapped after asyncio.run ended: {report['held']}"
-            assert not report["threads"], f"threads left after asyncio.run ended: {report['threads']}"
-            # The farewell's hello frees the rank while the process lives on.
-            await until_thread(lambda: group.statistics().held_ranks == 0, "the manager freeing A's rank", 10.0)
-        finally:
-            held.release(8)
-            with contextlib.suppress(Exception):
-                parent.send("end")
-            end_child(proc, 30)
+    held = new_held()
+    async with (RankGroup(MHA, 1, pool.name, pool.num_pages, CONFIG, tmp_path / "m") as group,
+                rank_child(group, held, _rank_main, os.fspath(group.address), RANK_CONFIG, held, "farewell",
+                           pool.name, loop_kind) as link):
+        # The manager holds the rank for this process: its socket cut under a running copy.
+        await sever_under_held_copy(group, link, held, list(range(T)))
+        assert await link.ask("cancel")
+        held.release()
+        assert await link.ask("returned"), "A's farewell never went through the SIGTERMs"
+        report = await link.ask("ended")
+        assert report is not None, "asyncio.run did not end"
+        assert not report["held"], f"the pool is still mapped after asyncio.run ended: {report['held']}"
+        assert not report["threads"], f"threads left after asyncio.run ended: {report['threads']}"
+        # The farewell's hello frees the rank while the process lives on.
+        await until_thread(lambda: group.statistics().held_ranks == 0, "the manager freeing A's rank", 10.0)
