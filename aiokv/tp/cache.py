@@ -152,7 +152,11 @@ class TPCache(CacheFacade):
         re-attach to a new manager. The close runs once, in a task every call waits for: a cancelled
         ``aclose`` raises but the close goes on to the end (the pool is freed once the ranks are done).
         """
-        if self._close_task is None:
+        if self._close_task is None or self._close_task.cancelled():
+            # Run anew when a loop-wide cancel (an application's SIGTERM handler cancelling every
+            # task) ended the close's own task while it waited for the ranks: every later call
+            # raised that cancel at once and the pool was never freed (review 204). Each step of
+            # _close may run again (each close it awaits is idempotent).
             self._close_task = asyncio.ensure_future(self._close())
         await asyncio.shield(self._close_task)
 

@@ -232,6 +232,11 @@ class RankGroup:
         if self._close_task is None:
             self._closing = True
             self._room.close()  # nothing held is sent any more; waiting submissions end now
+        if self._close_task is None or self._close_task.cancelled():
+            # Run anew when a loop-wide cancel (an application's SIGTERM handler cancelling every
+            # task, a loop's shutdown) ended the close's own task: every later call raised that
+            # cancel at once, the ranks still copying, the socket left listening (review 204).
+            # Each step of _close may run again.
             self._close_task = asyncio.get_running_loop().create_task(self._close())
         await asyncio.shield(self._close_task)
 
