@@ -687,17 +687,23 @@ class LoadPath(ManagerBase):
         read that failed: aborted) is promoted from disk by this call when the disk still holds
         it, once (``again``; ``windowed`` as :meth:`_promote`): before, the abort was a miss, and a
         load of pages all on disk stopped at the first one a cancelled offload had reserved,
-        counted ``load_shortened`` (review 195), where a match in its place goes on to the disk."""
+        counted ``load_shortened`` (review 195), where a match in its place goes on to the disk. So
+        is a page committed and evicted for room before this call looked (review 204)."""
         table = self.pool.table
-        if outcome is ReserveOutcome.PENDING and not await self._wait_written(
+        handle = None
+        if outcome is not ReserveOutcome.PENDING or await self._wait_written(
                 key, self._commit_deadline(), "a load", expired):
-            disk = self._disk
-            if (again and not self._closed and disk is not None and table.state_of(key) is PageState.FREE
-                    and disk.contains(key)):
-                return await self._promote(key, windowed, again=False)
-            return NoPage.MISS
-        handle = table.acquire(key)
-        return NoPage.MISS if handle is None else Promotion(handle, read=False)
+            # Committed, but the waiter resumes loop hops later: a page committed with no reference
+            # (the disk held it already) may have been evicted for room meanwhile. Taken for a miss,
+            # the load stopped there with the page still on disk (review 204): read again below.
+            handle = table.acquire(key)
+        if handle is not None:
+            return Promotion(handle, read=False)
+        disk = self._disk
+        if (again and not self._closed and disk is not None and table.state_of(key) is PageState.FREE
+                and disk.contains(key)):
+            return await self._promote(key, windowed, again=False)
+        return NoPage.MISS
 
     def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
         """A batch read abandoned by a cancelled caller finished: keep each page that verified."""
