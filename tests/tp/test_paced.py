@@ -138,8 +138,11 @@ async def test_a_layer_is_ready_once_issued_and_reported_once_landed_in_order(br
     progress = LayerProgress(LAYOUT.num_layers)
     reports = Reports()
     fed = feed_layers(paced, progress, bridge, reports)
-    at_report: list[list[int]] = []
-    fed.add_done_callback(lambda _: at_report.append(list(reports.landed)))
+    # What had landed when the job's report came, taken by a done-callback: awaited through a
+    # future of its own (await fed on a done future returns without yielding, before its
+    # callbacks ran: at_report read empty once in a loaded run).
+    at_report: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+    fed.add_done_callback(lambda _: at_report.set_result(list(reports.landed)))
     # The events exist but nothing is queued: before the fix every layer read as ready here, and
     # the engine's stream would have waited on events never recorded (no wait at all on a GPU).
     assert len(progress.events) == LAYOUT.num_layers and progress.landed == 0
@@ -157,7 +160,7 @@ async def test_a_layer_is_ready_once_issued_and_reported_once_landed_in_order(br
         await reports.until(layer + 1)
         assert reports.landed == list(range(1, layer + 2))
     await fed
-    assert at_report == [list(range(1, LAYOUT.num_layers + 1))]  # every LAYERS before the job's report
+    assert await at_report == list(range(1, LAYOUT.num_layers + 1))  # every LAYERS before the job's report
     assert paced.fed == 1 and not paced.discarded
 
 
