@@ -688,15 +688,22 @@ class LoadPath(ManagerBase):
         it, once (``again``; ``windowed`` as :meth:`_promote`): before, the abort was a miss, and a
         load of pages all on disk stopped at the first one a cancelled offload had reserved,
         counted ``load_shortened`` (review 195), where a match in its place goes on to the disk. So
-        is a page committed and evicted for room before this call looked (review 204)."""
+        is a page committed and evicted for room before this call looked (review 204); one reserved
+        again by a third call meanwhile is waited for in turn, within the one deadline (review 205)."""
         table = self.pool.table
         handle = None
-        if outcome is not ReserveOutcome.PENDING or await self._wait_written(
-                key, self._commit_deadline(), "a load", expired):
+        deadline = self._commit_deadline()
+        if outcome is not ReserveOutcome.PENDING or await self._wait_written(key, deadline, "a load", expired):
             # Committed, but the waiter resumes loop hops later: a page committed with no reference
             # (the disk held it already) may have been evicted for room meanwhile. Taken for a miss,
             # the load stopped there with the page still on disk (review 204): read again below.
             handle = table.acquire(key)
+            # Evicted and reserved again by a third call before this one looked (another load's
+            # read of it, an offload): waited for in turn, within the one deadline. Taken for a
+            # miss (not FREE, so not read below), the load stopped there (review 205).
+            while (handle is None and table.state_of(key) is PageState.RESERVED
+                   and await self._wait_written(key, deadline, "a load", expired)):
+                handle = table.acquire(key)
         if handle is not None:
             return Promotion(handle, read=False)
         disk = self._disk
