@@ -1,0 +1,85 @@
+"""Review 205: 458e74a runs ``RankGroup._close`` anew when a loop-wide cancel ended its task; every
+step of the close may then run twice. A sweep of that cancel over the close's await points after
+the fenced rank's held copy is let go (its report coming in, the job's end, the links aborted and
+awaited, the server's close, the endpoint's removal): a later ``aclose()`` ends, the load ended with
+the rank's report (never before its copy finished), the socket is removed, the rank fenced once and
+counted disconnected once, and no job is left in flight.
+
+A real rank process per point (the held-copy worker of ``test_adv_rev201_loop_shutdown_drain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from cancel_points import most_attempts, pause
+from loop_probes import until_thread
+from shutdown_helpers import BOUND_S, held_load, new_held, rank_child
+from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, T
+from test_adv_rev201_loop_shutdown_drain import _rank_main
+from tp_helpers import CONFIG
+
+from aiokv.pool import PagePool
+from aiokv.tp import RankGroup
+
+CLOSE_S = 0.05  # close_timeout_s: the close fences the rank soon
+DENSE = 8  # loop turns first, then growing sleeps (cancel_points) between the release and the cancel
+
+
+def _cancel_every_task_but_mine() -> None:
+    """The application's SIGTERM handler."""
+    me = asyncio.current_task()
+    for task in asyncio.all_tasks():
+        if task is not me:
+            task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_loop_wide_cancel_at_each_point_of_the_group_s_close_after_the_report(
+        tmp_path: Path, pool: PagePool) -> None:
+    cut = 0
+    for attempt in range(most_attempts(DENSE)):
+        if await _one_point(tmp_path / f"m{attempt}", pool, attempt):
+            break
+        cut += 1
+    else:
+        raise AssertionError("the close never ended before the cancel: a hang")
+    assert cut >= DENSE, f"only {cut} points cut the close"
+
+
+async def _one_point(directory: Path, pool: PagePool, attempt: int) -> bool:
+    """The loop-wide cancel ``attempt`` (cancel_points) after the held copy was let go; True when
+    the close had ended by then."""
+    config = dataclasses.replace(CONFIG, close_timeout_s=CLOSE_S)
+    held = new_held()
+    group = RankGroup(MHA, 1, pool.name, pool.num_pages, config, directory)
+    await group.start()
+    address = group.address
+    async with rank_child(group, held, _rank_main, os.fspath(address), RANK_CONFIG, held):
+        load = await held_load(group, held, list(range(T)))
+        at_end: list[int] = []  # the rank's finished copies when the job ended
+        load.add_done_callback(lambda _: at_end.append(held.finished_copies()))
+        closing = asyncio.ensure_future(group.aclose())
+        await until_thread(lambda: group.statistics().fenced == 1, "the close fencing the rank", BOUND_S)
+        held.release()
+        waited = await pause(attempt, DENSE)
+        where = f"cancel {waited} after the held copy was let go"
+        ended_first = closing.done()
+        _cancel_every_task_but_mine()
+        await asyncio.wait({closing}, timeout=BOUND_S)
+        assert closing.done(), where
+        async with asyncio.timeout(BOUND_S):
+            await group.aclose()  # raised the loop-wide cancel at once when the close never ran anew
+        assert load.done(), f"{where}: the close ended with the job in flight"
+        assert at_end == [1], f"{where}: the job ended before the rank's copy did ({at_end})"
+        assert not await asyncio.to_thread(os.path.exists, address), f"{where}: the socket is left"
+        stats = group.statistics()
+        assert stats.fenced == 1, f"{where}: fenced {stats.fenced} times"
+        assert stats.disconnects <= 1, f"{where}: counted {stats.disconnects} disconnects"
+        assert group._jobs.in_flight == 0, f"{where}: jobs left in flight"
+        await group.aclose()  # again: at once
+    return ended_first
