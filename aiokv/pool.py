@@ -341,6 +341,7 @@ class PagePool:
         self._closed = False  # no more pages or views handed out
         self._released = False  # memory unmapped and unlinked
         self._closing: asyncio.Task[None] | None = None
+        self._unmap: concurrent.futures.Future[None] | None = None  # the release's memory.close, once submitted
         self._release_after: asyncio.Future[None] | None = None  # see close_after
         self.reclaimed: concurrent.futures.Future[list[SegmentInfo]] = concurrent.futures.Future()
         """Segments of dead processes that creating this pool unlinked (see :meth:`create`)."""
@@ -645,9 +646,15 @@ class PagePool:
         # Now, not in the release task: a chunk queued behind a running one would otherwise start
         # in the loop turn before that task first runs.
         self._drop_queued_chunks()
-        if self._closing is None:
+        await asyncio.shield(self._release_running())
+
+    def _release_running(self) -> asyncio.Future[None]:
+        """The release's task, started anew when a loop-wide cancel (an application's SIGTERM
+        handler cancelling every task, a loop's shutdown) ended it before the memory was freed:
+        every later aclose() raised that cancel at once and the segment was never freed."""
+        if self._closing is None or (self._closing.cancelled() and not self._released):
             self._closing = asyncio.ensure_future(self._release())
-        await asyncio.shield(self._closing)
+        return self._closing
 
     def close_after(self, io_ended: asyncio.Future[None]) -> None:
         """Close now, free the memory once ``io_ended`` resolved: I/O stuck in the kernel (a disk
@@ -684,7 +691,7 @@ class PagePool:
             # asyncio.wait's callback runs after close_after's (added first), which starts the release.
             await asyncio.wait({self._release_after})
         if self._closing is not None:
-            await asyncio.shield(self._closing)
+            await asyncio.shield(self._release_running())
 
     def _drop_queued_chunks(self) -> None:
         for future in self._futures:
@@ -695,7 +702,11 @@ class PagePool:
         await self._wait_chunks(all_chunks=True)  # the running ones
         # Unmapping and unlinking a large segment frees its pages (tens of ms per GiB): in one of the
         # preparation threads, which yield the CPU to the loop's thread.
-        await asyncio.wrap_future(self._executor.submit(self.memory.close))
+        if self._unmap is None or self._unmap.cancelled():
+            self._unmap = self._executor.submit(self.memory.close)
+        # Shielded: a cancel of this task would cancel the unmap still queued for a thread (a rerun
+        # awaits the same one; it never runs twice).
+        await asyncio.shield(asyncio.wrap_future(self._unmap))
         self._released = True
         self._executor.shutdown(wait=False)  # its threads are idle and exit by themselves
 
