@@ -186,12 +186,29 @@ class CacheManager(LoadPath, OffloadPath):
         Idempotent; a cancelled ``aclose`` keeps closing in the background and every later call
         waits for that close to end, so the disk tier (whose I/O may still use pool pages) is
         closed before anyone frees the pool. The worker (``transfers``) must be closed by its owner
-        after this returns, then the pool (:meth:`close_pool`).
+        after this returns, then the pool (:meth:`close_pool`). A close whose task a loop-wide
+        cancel ended is run anew by the next call.
         """
-        if self._close_task is None:
-            self._begin_close()
-            self._close_task = asyncio.get_running_loop().create_task(self._close())
-        await asyncio.shield(self._close_task)
+        me = asyncio.current_task()
+        cancels = me.cancelling() if me is not None else 0
+        while True:
+            if self._close_task is None:
+                self._begin_close()
+            if self._close_task is None or self._close_task.cancelled():
+                # Run anew when a loop-wide cancel (an application's SIGTERM handler cancelling
+                # every task, a loop's shutdown) ended the close's own task: every later call
+                # raised that cancel at once, the disk tier maybe left open and the pool never
+                # freed (review 205). Each step of _close may run again.
+                self._close_task = asyncio.get_running_loop().create_task(self._close())
+            task = self._close_task
+            try:
+                await asyncio.shield(task)
+                return
+            except asyncio.CancelledError:
+                # The caller's own cancel only stops its wait; the close's task ended cancelled
+                # while this call waited (this call not cancelled): run it anew.
+                if not task.cancelled() or me is None or me.cancelling() > cancels:
+                    raise
 
     async def _close(self) -> None:
         if self._starting is not None:

@@ -203,8 +203,19 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     async def aclose(self) -> None:
         """Drain (or drop, per ``drain_on_close``) write-behind, wait for in-flight I/O, close the
         backend, release the directory's lock. Idempotent; a cancelled ``aclose`` keeps closing in
-        the background."""
-        await asyncio.shield(self._begin_close())
+        the background; a close whose task a loop-wide cancel ended is run anew by the next call."""
+        me = asyncio.current_task()
+        cancels = me.cancelling() if me is not None else 0
+        while True:
+            task = self._begin_close()
+            try:
+                await asyncio.shield(task)
+                return
+            except asyncio.CancelledError:
+                # The caller's own cancel only stops its wait; the close's task ended cancelled
+                # (a loop-wide cancel) while this call waited: _begin_close runs it anew.
+                if not task.cancelled() or me is None or me.cancelling() > cancels:
+                    raise
 
     async def close_within(self, seconds: float) -> bool:
         """As :meth:`aclose`, waiting ``seconds`` at most: True when closed. Else (I/O stuck in the
@@ -253,6 +264,11 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             self._accepting = False
             self._closing.set()
             self._io_ended = asyncio.get_running_loop().create_future()
+        if self._close_task is None or self._close_task.cancelled():
+            # Anew when a loop-wide cancel (an application's SIGTERM handler cancelling every
+            # task, a loop's shutdown) ended the close's task: every later aclose()/close_within()
+            # raised that cancel at once, the lock held and the threads running (review 205).
+            # Each step of _close may run again.
             self._close_task = asyncio.create_task(self._close())
         return self._close_task
 
@@ -290,7 +306,11 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if self._queue is not None:
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
         if self._drop_queued is not None:
+            if self._drop_queued.cancelled():  # cut by a loop-wide cancel: drop what is left anew
+                assert self._queue is not None
+                self._drop_queued = asyncio.ensure_future(self._queue.aclose(drain=False))
             self._dropped += await self._drop_queued
+            self._drop_queued = None  # counted once, should this close run again
         await self._until_idle()
         if self._dir is not None and self._dir.lock_fd is not None:
             # Files whose unlink failed, a last time: a delete the tier could not carry out is

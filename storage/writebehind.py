@@ -63,6 +63,10 @@ class WriteBehind:
                 dropped += 1
                 self._release(handle)
                 self._queue.task_done()
+        if not self._queue.empty() or self.writing:
+            # Workers a loop-wide cancel ended (this close cut too, run again): new ones take
+            # their place, else join() waited for ever on what they left queued (review 205).
+            self._workers = [w if not w.done() else asyncio.create_task(self._worker()) for w in self._workers]
         await self._queue.join()
         for worker in self._workers:
             worker.cancel()
