@@ -25,7 +25,7 @@ from cache_helpers import LAYOUT, config, make_kv
 from loop_probes import until, until_thread, waiting_in
 from test_cache_lifetime import _directory_is_free, _hold_rates_writes
 
-from aiokv import KVCache
+from aiokv import DiskBackend, KVCache
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import freeze, loop_ext4, thaw
@@ -92,13 +92,17 @@ async def test_adv_rev205_cut_while_the_rates_are_saved(tmp_path: Path, monkeypa
 
 @pytest.mark.root
 @pytest.mark.asyncio
-async def test_adv_rev205_cut_while_the_disk_tier_closes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS],
+                         ids=lambda b: b.value)
+async def test_adv_rev205_cut_while_the_disk_tier_closes(tmp_path: Path, backend: DiskBackend) -> None:
     if shutil.which("fsfreeze") is None:
         pytest.skip("fsfreeze is not installed")
     kv = torch.zeros(FS_LAYOUT.num_layers, SLOTS, FS_LAYOUT.rows, FS_LAYOUT.head_dim, dtype=FS_LAYOUT.dtype)
     with loop_ext4(tmp_path, 24) as mount:
         root = mount / "kv"
-        cfg = dataclasses.replace(cache_config(root), close_timeout=BOUND_S)
+        cfg = cache_config(root)
+        assert cfg.disk is not None
+        cfg = dataclasses.replace(cfg, close_timeout=BOUND_S, disk=dataclasses.replace(cfg.disk, backend=backend))
         watchdog = threading.Timer(2 * BOUND_S, thaw, args=(mount,))  # nothing stays frozen on a failure
         cache = KVCache(cfg, FS_LAYOUT, kv)
         await cache.start()
