@@ -90,6 +90,33 @@ async def test_adv_rev205_cut_while_the_rates_are_saved(tmp_path: Path, monkeypa
                 await cache.aclose()
 
 
+@pytest.mark.asyncio
+async def test_adv_rev205_cut_while_a_background_job_runs(tmp_path: Path) -> None:
+    loop = asyncio.get_running_loop()
+    cache = KVCache(config(tmp_path, close_timeout=BOUND_S), LAYOUT, make_kv(207))
+    await cache.start()
+    job: asyncio.Future[None] = loop.create_future()  # a copy the close must wait for (a plain future:
+    cache.manager.track(job, lambda: None)              # a loop-wide cancel reaches tasks only)
+    held: asyncio.Future[None] = loop.create_future()
+
+    async def close_waits() -> None:
+        await until(lambda: waiting_in(cache.manager._close_task, "wait"), turns=100_000)
+        held.set_result(None)
+
+    watch = asyncio.ensure_future(close_waits())
+    try:
+        await _cut_then_close_again(cache, held, lambda: job.set_result(None), must_wait=True)
+        assert await _directory_is_free(tmp_path), "the disk tier's lock is still held"
+        await until_thread(lambda: not _aiokv_threads(), "no aiokv thread left", BOUND_S)
+    finally:
+        watch.cancel()
+        if not job.done():
+            job.set_result(None)
+        with contextlib.suppress(asyncio.CancelledError):  # before the fix: raised at once, left open
+            async with asyncio.timeout(BOUND_S):
+                await cache.aclose()
+
+
 @pytest.mark.root
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", [DiskBackend.URING_FIXED, DiskBackend.URING, DiskBackend.THREADS],
