@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from types import MappingProxyType
 
+from aiokv.closing import await_close
 from aiokv.config import CacheConfig
 from aiokv.layout import KVLayout
 from aiokv.loadpath import LoadPath
@@ -189,26 +190,16 @@ class CacheManager(LoadPath, OffloadPath):
         after this returns, then the pool (:meth:`close_pool`). A close whose task a loop-wide
         cancel ended is run anew by the next call.
         """
-        me = asyncio.current_task()
-        cancels = me.cancelling() if me is not None else 0
-        while True:
-            if self._close_task is None:
-                self._begin_close()
-            if self._close_task is None or self._close_task.cancelled():
-                # Run anew when a loop-wide cancel (an application's SIGTERM handler cancelling
-                # every task, a loop's shutdown) ended the close's own task: every later call
-                # raised that cancel at once, the disk tier maybe left open and the pool never
-                # freed (review 205). Each step of _close may run again.
-                self._close_task = asyncio.get_running_loop().create_task(self._close())
-            task = self._close_task
-            try:
-                await asyncio.shield(task)
-                return
-            except asyncio.CancelledError:
-                # The caller's own cancel only stops its wait; the close's task ended cancelled
-                # while this call waited (this call not cancelled): run it anew.
-                if not task.cancelled() or me is None or me.cancelling() > cancels:
-                    raise
+        await await_close(self._close_running)
+
+    def _close_running(self) -> asyncio.Future[None]:
+        if self._close_task is None:
+            self._begin_close()
+        if self._close_task is None or self._close_task.cancelled():
+            # Anew when a loop-wide cancel ended the close's own task (await_close): the disk tier
+            # maybe left open and the pool never freed (review 205). Each step of _close may run again.
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        return self._close_task
 
     async def _close(self) -> None:
         if self._starting is not None:

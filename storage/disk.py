@@ -37,6 +37,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 
+from aiokv.closing import await_close
 from aiokv.keys import KEY_BYTES, PageKey
 from aiokv.pagetable import PageHandle
 from aiokv.pool import run_in_new_thread
@@ -204,18 +205,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         """Drain (or drop, per ``drain_on_close``) write-behind, wait for in-flight I/O, close the
         backend, release the directory's lock. Idempotent; a cancelled ``aclose`` keeps closing in
         the background; a close whose task a loop-wide cancel ended is run anew by the next call."""
-        me = asyncio.current_task()
-        cancels = me.cancelling() if me is not None else 0
-        while True:
-            task = self._begin_close()
-            try:
-                await asyncio.shield(task)
-                return
-            except asyncio.CancelledError:
-                # The caller's own cancel only stops its wait; the close's task ended cancelled
-                # (a loop-wide cancel) while this call waited: _begin_close runs it anew.
-                if not task.cancelled() or me is None or me.cancelling() > cancels:
-                    raise
+        await await_close(self._begin_close)
 
     async def close_within(self, seconds: float) -> bool:
         """As :meth:`aclose`, waiting ``seconds`` at most: True when closed. Else (I/O stuck in the
