@@ -18,25 +18,12 @@ import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, CopyThreadGate, assert_quiescent, config, errors_of
 from loop_probes import until, waiting_in
-from test_adv_rev195_cancel_sweep import GARBAGE, POISON, oracle, prompt
+from test_adv_rev195_cancel_sweep import GARBAGE, oracle, prompt
+from test_adv_rev195_scenarios import BOUND_S, PAGES, N, T, _kv, _region
 
 from aiokv import KVCache
 
-T = LAYOUT.page_tokens
-PAGES = 6
-N = PAGES * T + 2
-SLOTS = 8 * N
-BOUND_S = 10.0
-
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread")
-
-
-def _kv() -> torch.Tensor:
-    return torch.full((LAYOUT.num_layers, SLOTS, LAYOUT.rows, LAYOUT.head_dim), POISON, dtype=LAYOUT.dtype)
-
-
-def _region(i: int, n: int = N) -> torch.Tensor:
-    return torch.arange(i * N, i * N + n)
 
 
 async def _offload(cache: KVCache, kv: torch.Tensor, tokens: list[int], region: int = 7) -> None:
