@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from cache_helpers import LAYOUT, make_kv
+from loop_probes import until_thread
 
 from aiokv import CacheConfig, KVCache
 from aiokv.rates_file import RATES_FILE, RATES_TEMP
@@ -79,11 +80,10 @@ async def test_a_save_under_a_file_system_fault_is_bounded_counted_and_never_tor
             return  # nothing on it can be read any more: what mattered was the bounded close
         if fault == "ro":
             remount(mount, "rw")
-        for _ in range(300):  # a write held by the freeze goes on once thawed: let it end
-            if not any(p.name.startswith(RATES_TEMP) for p in layout_dir.iterdir()):
-                break
-            await asyncio.sleep(0.01)
-        assert not any(p.name.startswith(RATES_TEMP) for p in layout_dir.iterdir()), "a temporary rates file was left"
+        # A write held by the freeze goes on once thawed, on its thread (the close no longer waits
+        # for it): until it ended and removed its temporary file, bounded.
+        await until_thread(lambda: not any(p.name.startswith(RATES_TEMP) for p in layout_dir.iterdir()),
+                           "a temporary rates file was left", timeout_s=3.0)
         made = _tree(mount) - before - {"filler"} - {f"lost+found/inode-{i}" for i in range(4096)}
         assert made <= {str((layout_dir / RATES_FILE).relative_to(mount))}, made
         now = (layout_dir / RATES_FILE).read_bytes()
