@@ -388,9 +388,8 @@ class RankWorker:
                 await cancels.outlast(self._farewell_try(hello, deadline))
                 return
             except asyncio.CancelledError:
-                # Only a loop-wide cancel reaches the try's task. Run anew three times at most (the
-                # removed Cancels.finish), three such cancels lost it and the manager held the rank
-                # while the process lived (review 203): each try is made anew until the deadline.
+                # Only a loop-wide cancel reaches the try's task: run anew RUNS times at most, three
+                # such cancels lost it and the manager held the rank while the process lived (review 203).
                 if loop.time() >= deadline:
                     raise
 
@@ -457,8 +456,8 @@ class RankWorker:
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
                 # No step here runs in a task of its own: a loop-wide cancel (asyncio.run ending,
-                # an application's SIGTERM handler) cuts such a task; run anew three times at most
-                # (the removed Cancels.finish), three such cancels cut the drain under a running copy (review
+                # an application's SIGTERM handler) cuts such a task; run anew by Cancels.finish at
+                # most RUNS times, three such cancels cut the drain under a running copy (review
                 # 203: wrong KV). Plain futures, and coroutines awaited in this task through
                 # Cancels.outlast, outlast any number of cancels.
                 cancels = Cancels()
