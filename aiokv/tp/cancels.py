@@ -8,8 +8,8 @@ A loop's shutdown (``asyncio.run`` ending) cancels every task left once, a step'
 and so does an application's SIGTERM handler that cancels every task: a teardown step is a plain
 future (:func:`in_thread` for a thread's work, ``RankExecutor.drained``), or a coroutine awaited in
 the caller's own task, which :meth:`Cancels.outlast` keeps going through any number of cancels.
-:meth:`Cancels.finish` (a step's task run anew, ``RUNS`` times at most) is no longer used there:
-three loop-wide cancels exhausted it under a running copy (review 203).
+A step's task run anew a bounded number of times (``Cancels.finish``, review 202) was exhausted by
+three loop-wide cancels under a running copy (review 203) and was removed.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
-
-RUNS = 3
-"""Runs of a :meth:`Cancels.finish` step at most. A loop's shutdown cancels each task once (the
-step's second run is the one that matters); the bound keeps a loop that cancels every task over
-and over from running a step for ever."""
 
 
 class Cancels:
@@ -37,7 +32,9 @@ class Cancels:
 
     async def outlast(self, step: Awaitable[T]) -> T:
         """Await ``step`` to its end through any number of cancels of this task; returns or raises
-        what it does (``CancelledError`` when the step's own task was cancelled: see :meth:`finish`)."""
+        what it does (``CancelledError`` when the step's own task was cancelled, as a loop-wide cancel
+        does to the task a coroutine step runs in: a step that must outlast those is a plain future,
+        or its caller makes it anew, as the farewell's tries are)."""
         future = asyncio.ensure_future(step)
         while not future.done():
             try:
@@ -45,23 +42,6 @@ class Cancels:
             except asyncio.CancelledError:
                 self.cancelled = True
         return future.result()
-
-    async def finish(self, step: Callable[[], Awaitable[T]]) -> T:
-        """:meth:`outlast` of ``step()``, and ``step()`` run anew while it ends cancelled itself,
-        :data:`RUNS` runs at most (then its ``CancelledError`` is raised). A loop's shutdown
-        (``asyncio.run`` ending) cancels every task left, the step's own too: the step ended at once
-        and the teardown after it was skipped (reviews 201, 202: a drain over a copy still running,
-        the pool left mapped, the farewell not said, the bridge's threads left). Only for steps that
-        may run again (a drain, an idempotent close, a wait with its own deadline, a hello).
-        Anything else a step raises (``KeyboardInterrupt`` included) propagates at once."""
-        for run in range(1, RUNS + 1):
-            try:
-                return await self.outlast(step())
-            except asyncio.CancelledError:
-                self.cancelled = True
-                if run == RUNS:
-                    raise
-        raise AssertionError("unreachable")
 
     async def settle(self, step: Awaitable[None]) -> None:
         """Await ``step``, which itself runs to its end through a cancel and raises it after

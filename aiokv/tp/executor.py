@@ -602,8 +602,8 @@ class RankExecutor:
     def drained(self) -> asyncio.Future[None]:
         """A plain future (no task) resolved once every started spec has reported: what a teardown
         awaits through :meth:`Cancels.outlast`. No loop-wide cancel reaches it (a loop's shutdown,
-        an application's SIGTERM handler cancel tasks): a drain in a task of its own, run anew by
-        ``Cancels.finish`` at most ``RUNS`` times, ended under a running copy at the third such
+        an application's SIGTERM handler cancel tasks): a drain in a task of its own, run anew three
+        times at most (the removed ``Cancels.finish``), ended under a running copy at the third such
         cancel and the session let go of the rank (review 203: wrong KV). Call on the driving loop."""
         drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._in_flight == 0:

@@ -388,8 +388,9 @@ class RankWorker:
                 await cancels.outlast(self._farewell_try(hello, deadline))
                 return
             except asyncio.CancelledError:
-                # Only a loop-wide cancel reaches the try's task: run anew RUNS times at most, three
-                # such cancels lost it and the manager held the rank while the process lived (review 203).
+                # Only a loop-wide cancel reaches the try's task: made anew until the deadline (run
+                # anew three times at most, the removed Cancels.finish, three such cancels lost it
+                # and the manager held the rank while the process lived: review 203).
                 if loop.time() >= deadline:
                     raise
 
@@ -456,9 +457,9 @@ class RankWorker:
                 executor.fence()  # no frame moves newest_stream from here on
                 self._remember_epoch(welcome.epoch, welcome.pool_name, executor.newest_stream)
                 # No step here runs in a task of its own: a loop-wide cancel (asyncio.run ending,
-                # an application's SIGTERM handler) cuts such a task; run anew by Cancels.finish at
-                # most RUNS times, three such cancels cut the drain under a running copy (review
-                # 203: wrong KV). Plain futures, and coroutines awaited in this task through
+                # an application's SIGTERM handler) cuts such a task; run anew three times at most
+                # (the removed Cancels.finish), three such cancels cut the drain under a running
+                # copy (review 203: wrong KV). Plain futures, and coroutines awaited in this task through
                 # Cancels.outlast, outlast any number of cancels.
                 cancels = Cancels()
                 await cancels.outlast(executor.drained())

@@ -8,8 +8,9 @@ feed still queued units writing them (wrong KV once the engine reused the slots)
 now a plain one, settled by callbacks, which the shutdown does not cancel.
 
 Without a GPU: the CPU stand-in of ``test_paced`` plays the feed (copying each layer for real when
-let), with the real ``CompletionBridge``; the drain is the worker's (``Cancels.finish`` over a wait
-for the load). The feed is let go only by the shutdown's cancel, so the shutdown lands mid-feed.
+let), with the real ``CompletionBridge``; the drain is the worker's (``Cancels.outlast`` over a plain
+future resolved when the load's future ends, as ``RankExecutor.drained`` is once the load reports).
+The feed is let go only by the shutdown's cancel, so the shutdown lands mid-feed.
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ def test_a_loop_s_shutdown_does_not_end_a_paced_load_while_its_feed_runs() -> No
         paced.gate.release()  # layer 0 is copied and issued; the feed then waits for the next release
         assert await asyncio.to_thread(progress.wait, 0, WAIT_S), "the feed never issued layer 0"
         started = asyncio.Event()
+        # The executor's drained(): a plain future (no task, so no loop-wide cancel reaches it)
+        # resolved when the load reports, i.e. when its future ends; the result is whether it ended
+        # cancelled (the load then reported COPY_FAILED).
+        reported: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fed.add_done_callback(lambda done: reported.done() or reported.set_result(done.cancelled()))
 
         async def drain() -> None:
-            await Cancels().finish(lambda: asyncio.wait({fed}))
-            seen.append((fed.cancelled(), layers_copied()))
+            cancelled = await Cancels().outlast(reported)
+            seen.append((cancelled, layers_copied()))
 
         async def watch() -> None:
             started.set()

@@ -1,8 +1,8 @@
 """Review 203: three loop-wide cancels in a row exhausted ``Cancels.finish`` on a worker's drain.
 
-``Cancels.finish`` (review 202) runs a teardown step anew when its own task ends cancelled, at most
-``RUNS`` = 3 times, then raises the cancel. The drain of a closing session was such a step (a task
-of its own). An application that cancels every task on SIGTERM (a common graceful-shutdown idiom),
+``Cancels.finish`` (review 202, since removed) ran a teardown step anew when its own task ended
+cancelled, three times at most, then raised the cancel. The drain of a closing session was such a
+step (a task of its own). An application that cancels every task on SIGTERM (a common graceful-shutdown idiom),
 signalled twice, and then ``asyncio.run`` ending, cancel every task left three times: the drain's
 third task ended cancelled, ``finish`` raised, the session skipped the rest of its teardown
 (no CLOSED, the pool left mapped) and let go of the rank's per-process entry while the copy still
@@ -171,7 +171,7 @@ async def test_three_loop_wide_cancels_do_not_cut_the_drain_of_a_cancelled_worke
 @pytest.mark.parametrize("loop_kind", LOOPS)
 async def test_three_loop_wide_cancels_do_not_lose_the_farewell(
         tmp_path: Path, pool: PagePool, loop_kind: str) -> None:
-    """The farewell (a connect, in a task of its own) ran anew ``RUNS`` times at most: three
+    """The farewell (a connect, in a task of its own) ran anew three times at most: three
     loop-wide cancels of its connect lost it (the manager held the rank while the process lived),
     and the bridge's close after it was skipped too (its copy thread stayed after ``asyncio.run``).
     It now tries again within its one deadline: the fourth connect says the hello."""
