@@ -159,6 +159,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         self._skipped, self._temp_removed = prepared.skipped, prepared.temp_removed
         for _mtime, key in prepared.found:
             self._index.add_found(key)
+        self._pending_deletes_found(prepared)
         self._read_only = prepared.read_only
         self._index.set_capacity(prepared.space, after_enospc=False)
         self._space_checked = asyncio.get_running_loop().time()
@@ -180,8 +181,26 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if prepared.lock_fd is not None:
             self._start_watching()
         self._refill_spares()
+        self._save_deletes_soon()  # the deletes the start carried out (or a damaged record) saved
         log.info("%s: %d pages indexed, %d temp files removed, %d entries unreadable",
                  describe_layout_io(self.layout, self._io), len(self._index), self._temp_removed, self._skipped)
+
+    def _pending_deletes_found(self, prepared: Prepared) -> None:
+        """The pending deletes the start's scan left (:func:`~.layoutdir.apply_deletes`: files not
+        indexed, not unlinked yet): with the lock, unlinked again as any failed unlink is
+        (remembered as deleted meanwhile); without it (another cache writes here, or none may),
+        remembered as deletes from before that writer: a file no newer is never indexed by the looks
+        nor a take-over."""
+        self._deletes_kept = dict(prepared.deletes)
+        self._deletes_dropped = set(prepared.deletes_done)
+        if prepared.deletes_changed:
+            self._deletes_version = 1  # unsaved: the lock holder saves it
+        for key, when in prepared.deletes.items():
+            if prepared.lock_fd is not None:
+                self._unlink_again(key)
+                self._unlink_failed_remembered(key)
+            else:
+                self._remember(key, -1 - when)
 
     def _choose_direct(self, supported: bool | None) -> bool:
         direct = self.config.direct_io

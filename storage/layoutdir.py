@@ -22,6 +22,8 @@ system). In order:
    read (EIO) is skipped and counted, as is a file that cannot be examined. Leftover temporary
    files and spare files (:mod:`.spares`; a crash leaves them, maybe torn) are removed only by the
    lock holder (for anyone else they may be writes in flight), and counted as temporary files.
+6. The pending-delete record (:mod:`.deletelog`) is honoured (:func:`apply_deletes`): pages
+   deleted whose unlink failed before a crash are not indexed, and the lock holder unlinks them.
 
 :func:`list_fanout` is that scan of one fan-out directory; the looks of a tier that follows a
 directory another cache holds (:mod:`.follow`) list through it too, and a start that finds the
@@ -43,6 +45,7 @@ from pathlib import Path
 from aiokv.keys import KEY_BYTES, PageKey
 
 from .config import ReadOnly
+from .deletelog import DELETES_NAME, load_deletes
 from .pagefile import TEMP_PREFIX, PageFiles
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
 from .spares import SPARE_PREFIX
@@ -168,6 +171,14 @@ class Prepared:
     stopped: bool = False
     """The scan was stopped part-way (:func:`prepare`'s ``stop``): what it holds is a part, never
     served (the tier is closing)."""
+    deletes: dict[PageKey, int] = field(default_factory=dict)
+    """Pending deletes (:mod:`.deletelog`) still to carry out: key -> time of the delete (ns). Their
+    files (no newer than that) are not in ``found``; the tier unlinks them when it may."""
+    deletes_changed: bool = False
+    """``deletes`` differs from the record on disk (deletes carried out, a damaged record): the
+    lock holder saves it."""
+    deletes_done: set[PageKey] = field(default_factory=set)
+    """Keys of the record whose delete the start carried out (or found stored again since)."""
 
     def close(self) -> None:
         for fd in (*self.fanout, *self.retired, self.lock_fd, self.dir_fd):
@@ -229,6 +240,7 @@ def _prepare_layout(dir_fd: int, shown: Path, follow: bool, stop: Callable[[], b
             if (stop is not None and stop()) or not _scan_fanout(state, i, shown, stop):
                 state.stopped = True
                 return state  # closing: neither sorted nor probed
+        apply_deletes(state, shown)
         state.found.sort()
         state.direct = _probe_direct(state)
         return state
@@ -237,6 +249,56 @@ def _prepare_layout(dir_fd: int, shown: Path, follow: bool, stop: Callable[[], b
             if fd is not None and fd >= 0:
                 os.close(fd)
         raise
+
+
+def apply_deletes(state: Prepared, shown: Path) -> None:
+    """Honour the pending-delete record (:mod:`.deletelog`) before anything is served: a file the
+    scan found of a key named there, no newer than its delete, leaves ``found``, and is unlinked
+    when this start holds the lock (the key forgotten once its file is gone; kept in
+    ``state.deletes`` while the unlink fails or cannot be tried). A key the scan did not find stays
+    named (its fan-out directory may be unreadable now): the tier's first retry finds it gone. A
+    record that cannot be read or is damaged names unknown deletes: every page found counts as
+    deleted (a miss for all rather than stale data; the lock holder unlinks them and saves a
+    record of what is left). Blocking: the start's thread."""
+    try:
+        records = load_deletes(state.dir_fd)
+    except OSError as exc:
+        state.faults.append((exc, f"reading {shown / DELETES_NAME}"))
+        log.error("disk tier: the pending-delete record %s cannot be trusted (%s): no page found there is served",
+                  shown / DELETES_NAME, exc.strerror)
+        now = time.time_ns()
+        records = {key: now for _mtime, key in state.found}
+        state.deletes_changed = True
+    if not records:
+        return
+    kept: dict[PageKey, int] = {}
+    found: list[tuple[int, PageKey]] = []
+    seen: set[PageKey] = set()
+    writer = state.read_only is None and state.lock_fd is not None
+    for mtime, key in state.found:
+        seen.add(key)
+        when = records.get(key)
+        if when is None or mtime > when:
+            found.append((mtime, key))  # no delete, or stored again since
+            continue
+        fd = state.fanout[key[0]]
+        if not writer or fd < 0:
+            kept[key] = when
+            continue
+        try:
+            os.unlink(key.hex(), dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            state.faults.append((exc, f"unlinking {shown / f'{key[0]:02x}' / key.hex()} (a pending delete)"))
+            kept[key] = when
+    for key, when in records.items():
+        if key not in seen:
+            kept[key] = when
+    state.found = found
+    state.deletes = kept
+    state.deletes_done = set(records).difference(kept)
+    state.deletes_changed = state.deletes_changed or kept != records
 
 
 def check_private_dir(fd: int, shown: Path) -> None:

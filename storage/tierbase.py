@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from aiokv.pool import PagePool, run_in_new_thread
 from .backends import HeaderSlots, PageIO
 from .checksum import Checksums
 from .config import DiskConfig, ReadOnly
+from .deletelog import update_deletes
 from .faults import DiskFaults
 from .follow import FollowState
 from .index import PageIndex
@@ -140,6 +142,16 @@ class TierBase(TierEdge):
         # again at each lock check, once writable again and at the close (the oldest first forgotten
         # beyond UNLINK_RETRY_KEPT); a key stored again since is not (a newer page under the name).
         self._unlink_failed: dict[PageKey, None] = {}
+        # The same deletes (any unlink that failed, EROFS included) as saved in the pending-delete
+        # record (:mod:`.deletelog`): key -> time of the delete (ns). Kept only in memory, a process
+        # killed before the retry succeeded left the file, and the next start served it. A key
+        # leaves once its file is gone (or replaced by a newer page); ``_deletes_dropped`` are
+        # those left since the last save. One save at a time (``_deletes_saving``), by the lock
+        # holder while writable; versions tell which changes are on disk.
+        self._deletes_kept: dict[PageKey, int] = {}
+        self._deletes_dropped: set[PageKey] = set()
+        self._deletes_version = self._deletes_saved = 0
+        self._deletes_saving: asyncio.Task[None] | None = None
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
@@ -484,29 +496,42 @@ class TierBase(TierEdge):
         previous = self._moving.get(key)
 
         async def unlink() -> None:
+            durable = False
             try:
                 if previous is not None:
                     await asyncio.wait({previous})
                 assert self._io is not None
                 await self._io.unlink(*(at or self._where(key)))
+                if at is None:
+                    self._delete_done(key)
             except FileNotFoundError:
-                pass
+                if at is None:
+                    self._delete_done(key)
             except OSError as exc:
-                self._faults.count(exc, "unlink")
+                if at is None and key in self._deletes_kept:
+                    pass  # a retry of a delete counted when it first failed (one fault a delete)
+                else:
+                    self._faults.count(exc, "unlink")
                 if at is None:
                     # The file stays, out of the index: remembered as deleted (no listing or look
                     # indexes it) and unlinked again later. Review 204: named nowhere before (a
                     # write deleted in flight, discarded at its end; an eviction), a restart served it.
                     self._unlink_failed_remembered(key)
+                    self._delete_pending(key)
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
                     if at is None:
                         self._unlink_later(key)  # read-only now: named for the unlink once writable
                 elif at is None:
                     self._unlink_again(key)
+                    durable = True
             finally:
                 if self._moving.get(key) is task:
                     del self._moving[key]
+            if durable:
+                # On disk before the delete returns: a crash from now on still never serves it
+                # (a new write of the key does not wait for this).
+                await self._deletes_durable()
 
         task = self._spawn(unlink())
         self._moving[key] = task
@@ -530,15 +555,91 @@ class TierBase(TierEdge):
     def _retry_unlinks(self, most: int | None = None) -> list[asyncio.Task[None]]:
         """Unlink again the files whose unlink failed (the ``most`` oldest; None: all), but keys
         indexed or being written since (a newer page under the name: the one deleted is gone).
-        Writable only; a fault again names the key again (counted each time)."""
+        Writable only; a fault again names the key again (counted once a delete, at its first
+        failure). A save of the pending-delete record that failed or waited is tried again."""
         failed = self._unlink_failed
-        if not failed or self._read_only is not None:
+        if self._read_only is not None:
             return []
+        if not failed:
+            saving = self._save_deletes_soon()
+            return [] if saving is None else [saving]
         taken = list(itertools.islice(failed, most))
         for key in taken:
             del failed[key]
-        keys = [key for key in taken if key not in self._index and key not in self._writing]
-        return [task for key in keys if (task := self._unlink_later(key)) is not None]
+        keys = []
+        for key in taken:
+            if key in self._index:
+                self._delete_done(key)  # a newer page renamed over the one deleted
+            elif key not in self._writing:
+                keys.append(key)
+        tasks = [task for key in keys if (task := self._unlink_later(key)) is not None]
+        saving = self._save_deletes_soon()
+        if saving is not None:
+            tasks.append(saving)
+        return tasks
+
+    # -- the pending-delete record (:mod:`.deletelog`) --------------------------------------------
+
+    def _delete_pending(self, key: PageKey) -> None:
+        """``key``'s unlink failed: named in the record (saved by :meth:`_deletes_durable` or the
+        next retry), with the time now: a file of the key no newer is the page deleted."""
+        self._deletes_kept[key] = time.time_ns()
+        self._deletes_dropped.discard(key)
+        self._deletes_version += 1
+
+    def _delete_done(self, key: PageKey) -> None:
+        """``key``'s file is gone (or a newer page replaced it): out of the record, saved soon."""
+        if self._deletes_kept.pop(key, None) is not None:
+            self._deletes_dropped.add(key)
+            self._deletes_version += 1
+            self._save_deletes_soon()
+
+    def _save_deletes_soon(self) -> asyncio.Task[None] | None:
+        """The save of the record in flight, or one started now if changes are unsaved and the tier
+        may write (the lock held, writable); None when nothing is saved."""
+        if self._deletes_saving is not None:
+            return self._deletes_saving
+        prepared = self._dir
+        if (self._deletes_saved >= self._deletes_version or prepared is None or prepared.lock_fd is None
+                or self._read_only is not None or self._io is None):
+            return None
+        self._deletes_saving = self._spawn(self._save_deletes(prepared.dir_fd))
+        return self._deletes_saving
+
+    async def _save_deletes(self, dir_fd: int) -> None:
+        """Save the record as it is now on a thread of its own (fsyncs block); a fault is counted
+        (EROFS: read-only) and the changes stay unsaved, tried again at the next retry."""
+        try:
+            version = self._deletes_version
+            kept, dropped = dict(self._deletes_kept), set(self._deletes_dropped)
+            job = run_in_new_thread(functools.partial(update_deletes, dir_fd, kept, dropped),
+                                    "aiokv-disk-deletes", _nothing)
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await wait_uncancelled(job)  # (the thread uses the tier's directory descriptor)
+                raise
+            except OSError as exc:
+                self._faults.count(exc, "saving the pending-delete record")
+                if exc.errno == errno.EROFS:
+                    self._enter_read_only(ReadOnly.FILE_SYSTEM)
+                return
+            self._deletes_saved = max(self._deletes_saved, version)
+            self._deletes_dropped.difference_update(dropped)
+        finally:
+            self._deletes_saving = None
+
+    async def _deletes_durable(self) -> None:
+        """Until the record on disk holds every change made before this call, or a save failed
+        (counted) or may not run (read-only, the lock lost): then the delete stays in memory."""
+        want = self._deletes_version
+        for _ in range(2):  # the save in flight may predate the change: the second one holds it
+            if self._deletes_saved >= want:
+                return
+            saving = self._save_deletes_soon()
+            if saving is None:
+                return
+            await asyncio.wait({saving})
 
     def _unlink_ended(self, key: PageKey, task: asyncio.Task[None]) -> None:
         if self._moving.get(key) is task:

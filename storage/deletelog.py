@@ -1,0 +1,145 @@
+"""The pending-delete record: deletes whose unlink failed, kept on disk so a restart honours them.
+
+A delete whose unlink failed (EIO from a failing disk, EACCES, EBUSY) leaves the page file on disk
+outside the index; the tier unlinks it again later (``TierBase._unlink_failed``). Kept only in
+memory, a process killed before that retry succeeded left the file, and the next start's scan
+indexed and served the page its caller had deleted. So the lock holder keeps such keys in
+``.deletes`` in the layout directory, each with the time of the delete (ns, the clock file times
+come from): a start does not index a file of a key named there that is no newer than that time,
+unlinks it when it holds the lock, and forgets the key once its file is gone (or newer: stored
+again since). A file stored within one granule of the file clock after the delete counts as the
+page deleted: a miss, never stale data.
+
+The record is replaced whole and atomically (written to ``.deletes.new``, fsynced, renamed over
+``.deletes``, the directory fsynced): a crash leaves the old record or the new one, never a torn
+one; an empty record is unlinked. Only the lock holder writes it (one process), one save at a
+time (the tier's). A record that cannot be read or fails its check is no record to trust: see
+:func:`load_deletes`' callers. Blocking functions: run on a thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+import struct
+
+from aiokv.keys import KEY_BYTES, PageKey
+
+DELETES_NAME = ".deletes"
+DELETES_TEMP = ".deletes.new"
+MAGIC = b"AIOKVDL1"
+_COUNT = struct.Struct("<Q")
+_RECORD = struct.Struct(f"<{KEY_BYTES}sQ")  # key, time of the delete (ns)
+_DIGEST_BYTES = 16
+MAX_RECORDS = 1 << 20
+"""More keys than the tier ever keeps (``UNLINK_RETRY_KEPT``): a larger count is a damaged record."""
+
+
+class DeletesCorrupt(OSError):
+    """``.deletes`` is not a record this code wrote (planted, damaged): its deletes are unknown."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(errno.EBADMSG, f"{DELETES_NAME}: {why}")
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+
+
+def encode(records: dict[PageKey, int]) -> bytes:
+    body = MAGIC + _COUNT.pack(len(records)) + b"".join(_RECORD.pack(key, when) for key, when in records.items())
+    return body + _digest(body)
+
+
+def decode(data: bytes) -> dict[PageKey, int]:
+    """The records of ``data``; raises :class:`DeletesCorrupt` for anything else."""
+    head = len(MAGIC) + _COUNT.size
+    if len(data) < head + _DIGEST_BYTES or not data.startswith(MAGIC):
+        raise DeletesCorrupt("not a pending-delete record")
+    (count,) = _COUNT.unpack_from(data, len(MAGIC))
+    if count > MAX_RECORDS or len(data) != head + count * _RECORD.size + _DIGEST_BYTES:
+        raise DeletesCorrupt("wrong length")
+    if _digest(data[:-_DIGEST_BYTES]) != data[-_DIGEST_BYTES:]:
+        raise DeletesCorrupt("checksum mismatch")
+    return {key: when for key, when in _RECORD.iter_unpack(data[head:-_DIGEST_BYTES])}
+
+
+def load_deletes(dir_fd: int) -> dict[PageKey, int]:
+    """The record in the layout directory ``dir_fd`` ({} when there is none). Opened without
+    following a symlink and without blocking on a FIFO; anything but a regular file of ours with one
+    link raises :class:`DeletesCorrupt`, as does a damaged record; a read fault raises ``OSError``."""
+    try:
+        fd = os.open(DELETES_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DeletesCorrupt("a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise DeletesCorrupt("not a regular file of ours")
+        limit = len(MAGIC) + _COUNT.size + MAX_RECORDS * _RECORD.size + _DIGEST_BYTES
+        if st.st_size > limit:
+            raise DeletesCorrupt("too large")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return decode(b"".join(chunks))
+    finally:
+        os.close(fd)
+
+
+def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:
+    """Replace the record in ``dir_fd`` with ``records`` atomically (unlinked when empty), durable
+    when this returns. Raises ``OSError`` (EROFS, ENOSPC, EIO...): then the old record stands."""
+    try:
+        os.unlink(DELETES_TEMP, dir_fd=dir_fd)  # a crash's leftover (never followed: unlink takes the name)
+    except FileNotFoundError:
+        pass
+    if not records:
+        try:
+            os.unlink(DELETES_NAME, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return
+        os.fsync(dir_fd)
+        return
+    fd = os.open(DELETES_TEMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=dir_fd)
+    try:
+        try:
+            data = memoryview(encode(records))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(DELETES_TEMP, DELETES_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(DELETES_TEMP, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dir_fd)
+
+
+def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey]) -> None:
+    """The record on disk less ``dropped``, with ``kept`` (newer times win), saved
+    (:func:`save_deletes`). Merged rather than replaced: a tier that took the directory over keeps
+    what the cache before it recorded. A damaged record is replaced by ``kept`` (its start-time
+    handling is :func:`~.layoutdir.apply_deletes`')."""
+    try:
+        on_disk = load_deletes(dir_fd)
+    except DeletesCorrupt:
+        on_disk = {}
+    merged = {key: when for key, when in on_disk.items() if key not in dropped}
+    merged.update(kept)
+    if merged != on_disk or not merged:
+        save_deletes(dir_fd, merged)
