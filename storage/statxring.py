@@ -12,8 +12,12 @@ descriptor whose ``statx`` failed gets the ``OSError`` ``fstat`` would raise (it
 
 Refusal: io_uring setup refused (EPERM under a seccomp filter or ``io_uring_disabled``, ENOSYS,
 EINVAL: old kernels), or ``IORING_OP_STATX`` unknown to the kernel (EINVAL in its completion, before
-5.6), or refused for this file (EOPNOTSUPP, EPERM): :class:`StatxRefused`, and the caller examines
-its descriptors with ``os.fstat`` (for good, after setup or the op was refused). The kernel reads
+5.6): :class:`StatxRefused`, and the caller examines its descriptors with ``os.fstat`` (for good,
+after setup or the op was refused). Such an errno in a completion is the op's refusal only while
+the ring has never given a result and the plain call gives one for that target; else it is that
+file's own outcome (a FUSE file system answering EPERM or EINVAL for one name), returned as its
+``OSError`` like any other (review 213: one such file closed the ring for good, and the looks
+went back to one ``fstat`` each). The kernel reads
 SQEs in ``io_uring_enter`` on the calling thread, and CQ head and tail are aligned 32-bit stores
 (x86-64 TSO, as :mod:`.uring`): elsewhere :func:`open_ring` refuses.
 
@@ -101,6 +105,8 @@ class StatxRing:
             raise
         self.batches = 0
         """Batches waited for (one ``io_uring_enter`` each, more only after a signal)."""
+        self.worked = False
+        """A completion gave a result: the op works here, and an errno is its file's outcome."""
 
     def close(self) -> None:
         """Unmap and close the ring (idempotent). No batch is in flight: each waits for its own."""
@@ -132,15 +138,30 @@ class StatxRing:
 
     def _batches(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
         """``keep``: what the paths' addresses point into (kept alive with the buffers should a
-        wait fail)."""
+        wait fail): for names, their buffers in the order of ``targets``."""
         if self._fd < 0:
             raise StatxRefused(errno.EBADF, "the statx ring was closed")
         results: list[os.stat_result | OSError] = []
         for start in range(0, len(targets), self.entries):
-            results += self._batch(targets[start : start + self.entries], flags, keep)
+            results += self._batch(targets[start : start + self.entries], flags, keep, start)
         return results
 
-    def _batch(self, targets: list[tuple[int, int]], flags: int, keep: object) -> list[os.stat_result | OSError]:
+    def _plain_errno(self, target: tuple[int, int], keep: object, index: int) -> int:
+        """What the plain call answers for ``target`` (number ``index`` of the call's): 0 for a
+        result, else its errno (``fstat`` of a descriptor, ``stat`` of a name, not following it)."""
+        fd, path = target
+        try:
+            if path == self._empty_addr:
+                os.fstat(fd)
+            else:
+                assert isinstance(keep, list)
+                os.stat(os.fsdecode(keep[index].value), dir_fd=fd, follow_symlinks=False)
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        return 0
+
+    def _batch(self, targets: list[tuple[int, int]], flags: int, keep: object,
+               first: int) -> list[os.stat_result | OSError]:
         count = len(targets)
         rings = self._rings  # (no view of it kept: see uring.RingMaps)
         sqes, tail, mask = rings.sqes, rings.sq_tail.value, rings.sq_mask
@@ -167,17 +188,23 @@ class StatxRing:
             raise
         self.batches += 1
         out: list[os.stat_result | OSError] = []
-        refused = 0
+        refused = -1
         for i, result in enumerate(res):
             if result < 0:
-                if -result in REFUSED_ERRNOS:
-                    refused = -result
+                if -result in REFUSED_ERRNOS and refused < 0:
+                    refused = i
                 out.append(OSError(-result, os.strerror(-result)))
             else:
+                self.worked = True
                 out.append(_stat_result(self._bufs, i * STATX_SIZE))
-        if refused:
-            self.close()
-            raise StatxRefused(refused, "io_uring statx")
+        if refused >= 0 and not self.worked:
+            # Never a result on this ring: the op itself may be refused (every completion EINVAL
+            # before 5.6), or this file answers so. The plain call tells: the same errno there is
+            # the file's; a result there is the op's refusal (os.fstat from now on).
+            err = -res[refused]
+            if self._plain_errno(targets[refused], keep, first + refused) != err:
+                self.close()
+                raise StatxRefused(err, "io_uring statx")
         return out
 
     def _settle(self, tail: int, head: int, keep: object) -> None:
