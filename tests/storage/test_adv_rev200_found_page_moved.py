@@ -16,108 +16,43 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import threading
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from fs_helpers import fill_up, freeze, loop_ext4, thaw
-from loop_probes import until_thread
-from test_adv_rev175_fanouts import _bytes_of
-from test_adv_rev181_put_back import _settled
-from test_adv_rev188_deletes_away import _served
-from test_adv_rev199_take_over_failed_write import _fill_rest
-from test_lock_replaced import LockChecks
+from disk_helpers import assert_clean, key_of
+from fs_helpers import loop_ext4
+from held_write import assert_deleted_page_gone, found_under_write, needs_fsfreeze
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.follow import look
+from aiokv.storage import DiskBackend
 from aiokv.storage.lockwatch import check_writer
 
 TAG = 0x5C
-THAW_S = 30.0
 
 
 @pytest.mark.root
 @pytest.mark.asyncio
 async def test_a_found_page_s_directory_replaced_before_the_write_fails_serves_no_deleted_page(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
-    if shutil.which("fsfreeze") is None:
-        pytest.skip("fsfreeze is not installed")
-    size = layout.page_bytes
-    victim, other = key_of(0, TAG), key_of(1, TAG)
+    needs_fsfreeze()
+    victim = key_of(0, TAG)
     with loop_ext4(tmp_path, 24) as mount:
-        cfg = config(mount / "disk", backend, capacity=64 * size, follow_interval_s=3600.0, min_free_bytes=0,
-                     enospc_retries=0, free_space_recheck_s=3600.0)
-        a = DiskTier(cfg, layout, pool)
-        await a.start()
-        try:
-            checks = LockChecks(a)
-            fan, away, newer = a.files.layout_dir / f"{TAG:02x}", mount / "away", mount / "newer"
-            assert await a.write_from(victim, memoryview(_bytes_of(victim, size)))  # the page deleted below
-            os.rename(fan, away)
-            await checks.next()  # retired
-            await a.delete(victim)  # remembered: its file is away
-            assert victim in a._deleted_away
-            assert await a.write_from(other, memoryview(_bytes_of(other, size)))  # the name opened again
-            # Its listing of the reopened directory ends first: applied after b's store below (after
-            # the freeze), it unlinked b's page as deleted, blocked on the frozen fs until the thaw.
-            await _settled(a)
-            os.unlink(a.files.layout_dir / ".lock")
-            b = DiskTier(cfg, layout, pool)
-            await b.start()
+        async with found_under_write(mount, backend, layout, pool, TAG, lambda fan: None) as scene:
+            a, fan, prepared = scene.a, scene.fan, scene.following.prepared
+            # Before the write's end runs on the loop (no await): the directory holding the
+            # other writer's page moved away, the one holding the page deleted put back, and
+            # A's own lock check retires the name's old descriptor.
+            os.rename(fan, mount / "newer")
+            os.rename(scene.away, fan)
+            assert prepared.lock_fd is not None
+            checked = check_writer(prepared.dir_fd, prepared.lock_fd, list(prepared.fanout), None,
+                                   a.files.layout_dir)
             try:
-                assert b.read_only is None
-                assert await b.write_from(victim, memoryview(_bytes_of(victim, size)))  # stored after the delete
-                fill_up(mount / "filler", 0)
-                _fill_rest(mount / "filler-rest")
-                watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
-                freeze(mount)
-                watchdog.start()
-                try:
-                    store = asyncio.ensure_future(a.write_from(victim, memoryview(_bytes_of(victim, size))))
-                    await until_thread(lambda: a.statistics().writes_in_flight > 0, "the write in flight")
-                    await checks.next()  # A loses the lock, its write still held in the kernel
-                    assert a.read_only is ReadOnly.LOCKED
-                    await asyncio.wait_for(b.aclose(), 10.0)
-                    state, prepared = a._follow_state, a._dir
-                    assert state is not None and prepared is not None
-                    found = look(state, prepared.dir_fd, list(prepared.fanout), a.files.layout_dir)  # reads only
-                    assert found.lock_fd is not None
-                    try:
-                        await a._apply_look(found)
-                    finally:
-                        found.close()
-                    assert a.read_only is None and a.statistics().took_over == 1
-                    assert victim in a._writing, "the write ended before the thaw"
-                    assert victim in a._found_under_write, "the take-over did not find the other writer's page"
-                finally:
-                    thaw(mount)
-                    watchdog.cancel()
-                # Before the write's end runs on the loop (no await): the directory holding the
-                # other writer's page moved away, the one holding the page deleted put back, and
-                # A's own lock check retires the name's old descriptor.
-                os.rename(fan, newer)
-                os.rename(away, fan)
-                assert prepared.lock_fd is not None
-                checked = check_writer(prepared.dir_fd, prepared.lock_fd, list(prepared.fanout), None,
-                                       a.files.layout_dir)
-                try:
-                    a._apply_lock_check(checked)
-                finally:
-                    checked.close()
-                assert TAG in a._fanouts_away, "the moved directory was not retired"
+                a._apply_lock_check(checked)
             finally:
-                await b.aclose()
-            assert not await asyncio.wait_for(store, 10.0), "the write was to fail (ENOSPC)"
-            await _settled(a)
-            served = await _served(a, victim, size)
-            await _settled(a)
-            assert not served, "the page the caller deleted (put back with its directory) was served"
-            assert not a.contains(victim), "the page the caller deleted was indexed"
-            assert not (fan / victim.hex()).exists(), "the page the caller deleted stayed on disk"
-        finally:
-            await a.aclose()
+                checked.close()
+            assert TAG in a._fanouts_away, "the moved directory was not retired"
+            assert not await asyncio.wait_for(scene.store, 10.0), "the write was to fail (ENOSPC)"
+            await assert_deleted_page_gone(a, victim, fan, "put back with its directory")
     assert_clean(pool)

@@ -17,29 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from fs_helpers import fill_up, freeze, loop_ext4, thaw
+from disk_helpers import assert_clean, key_of
+from fs_helpers import loop_ext4, thaw
+from held_write import fill, followed, full_fs_config, needs_fsfreeze, second_writer, write_held_over_loss, writer
 from loop_probes import until_thread
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
-from test_adv_rev199_take_over_failed_write import _fill_rest
-from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.follow import look
+from aiokv.storage import DiskBackend
 from aiokv.storage.followpath import APPLY_PER_TURN
 
 TAG = 0x5D
-THAW_S = 30.0
 
 
 @pytest.mark.root
@@ -50,43 +45,23 @@ async def test_a_write_ending_unstored_between_two_apply_steps_keeps_the_page_th
         monkeypatch: pytest.MonkeyPatch, deleted: bool) -> None:
     """``deleted``: A's caller deletes the victim while its write is in flight (before the thaw):
     the page under its name is then the one deleted (unlinked, never served)."""
-    if shutil.which("fsfreeze") is None:
-        pytest.skip("fsfreeze is not installed")
+    needs_fsfreeze()
     size = layout.page_bytes
     victim = key_of(0, TAG)
     with loop_ext4(tmp_path, 32, inodes=8192) as mount:
-        cfg = config(mount / "disk", backend, capacity=8192 * size, follow_interval_s=3600.0, min_free_bytes=0,
-                     enospc_retries=0, free_space_recheck_s=3600.0)
-        a = DiskTier(cfg, layout, pool)
-        await a.start()
-        try:
-            checks = LockChecks(a)
-            fan = a.files.layout_dir / f"{TAG:02x}"
-            os.unlink(a.files.layout_dir / ".lock")
-            b = DiskTier(cfg, layout, pool)
-            await b.start()
-            try:
-                assert b.read_only is None
+        cfg = full_fs_config(mount, backend, size, 8192)
+        async with writer(cfg, layout, pool, TAG) as (a, checks, fan):
+            async with second_writer(a, cfg, layout, pool) as b:
                 assert await b.write_from(victim, memoryview(_bytes_of(victim, size)))
                 newer = time.time_ns() + 60 * 1_000_000_000  # after the victim: the apply's second step
                 for i in range(1, APPLY_PER_TURN + 5):
                     name = fan / key_of(i, TAG).hex()
                     name.touch()
                     os.utime(name, ns=(newer, newer))
-                fill_up(mount / "filler", 0)
-                _fill_rest(mount / "filler-rest")
-                watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
-                freeze(mount)
-                watchdog.start()
-                try:
-                    store = asyncio.ensure_future(a.write_from(victim, memoryview(_bytes_of(victim, size))))
-                    await until_thread(lambda: a.statistics().writes_in_flight > 0, "the write in flight")
-                    await checks.next()  # A loses the lock, its write still held in the kernel
-                    assert a.read_only is ReadOnly.LOCKED
+                fill(mount)
+                async with write_held_over_loss(mount, a, checks, victim) as store:
                     await asyncio.wait_for(b.aclose(), 10.0)
-                    state, prepared = a._follow_state, a._dir
-                    assert state is not None and prepared is not None
-                    found = look(state, prepared.dir_fd, list(prepared.fanout), a.files.layout_dir)  # reads only
+                    found = followed(a).look()  # reads only
                     assert found.lock_fd is not None and found.added[0] == victim
                     assert len(found.added) > APPLY_PER_TURN
                     real_sleep = asyncio.sleep
@@ -111,11 +86,6 @@ async def test_a_write_ending_unstored_between_two_apply_steps_keeps_the_page_th
                         found.close()
                     assert gated, "the apply took one step (test set-up)"
                     assert a.read_only is None and a.statistics().took_over == 1
-                finally:
-                    thaw(mount)
-                    watchdog.cancel()
-            finally:
-                await b.aclose()
             assert not await asyncio.wait_for(store, 10.0), "the write was to fail (ENOSPC)"
             await _settled(a)
             if deleted:
@@ -126,6 +96,4 @@ async def test_a_write_ending_unstored_between_two_apply_steps_keeps_the_page_th
                 assert (fan / victim.hex()).exists(), "the other writer's page, found by the look, was unlinked"
                 assert a.contains(victim), "the other writer's page was not indexed"
                 assert await _served(a, victim, size)
-        finally:
-            await a.aclose()
     assert_clean(pool)
