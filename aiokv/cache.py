@@ -26,7 +26,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from aiokv.loadpath import TURN_PAGES
 from aiokv.manager import CacheManager
 from aiokv.pool import run_in_new_thread
 from aiokv.results import LoadResult, Match, OffloadResult
-from aiokv.slots import SlotValidator
+from aiokv.slots import SlotValidator, warm_read_back
 from aiokv.stream import LoadStream
 from aiokv.transfers import LocalTransfers
 
@@ -72,6 +72,13 @@ def _build_mover(
 
 PINNED_INDEX_CAP = 1 << 21
 """Largest index (int64 elements, 16 MiB) whose pinned block the start allocates ahead."""
+
+
+def _warm_up(mover: PageMover, stop: threading.Event, on_ready: Callable[[], None]) -> WarmUp:
+    """The warm-up thread: the read-back of strided CUDA slots, then the copy kernels' variants."""
+    if mover.kv.device.type == "cuda":
+        warm_read_back(mover.kv.device)
+    return warm_up(mover, stop, on_ready)
 
 
 def _warm_pinned_indices(most: int) -> None:
@@ -245,7 +252,7 @@ class KVCache(CacheFacade):
 
         self._warm_ready = ready
         self._warm = run_in_new_thread(
-            functools.partial(warm_up, mover, self._warm_stop, on_ready), "aiokv-warmup", _nothing
+            functools.partial(_warm_up, mover, self._warm_stop, on_ready), "aiokv-warmup", _nothing
         )
         self._warm.add_done_callback(self._warmed)
 

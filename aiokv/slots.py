@@ -40,6 +40,22 @@ def check_form(slots: object, count: int, name: str = "slots") -> torch.Tensor:
     return slots
 
 
+def warm_read_back(device: torch.device) -> None:
+    """Load the device kernels that :meth:`SlotValidator.check` launches for strided CUDA slots.
+
+    A strided slot tensor (a block table's column) is gathered on the device before its read-back,
+    by torch's copy kernel for its dtype. Under CUDA lazy loading a kernel's first launch in a
+    process loads it, which waits until the device is idle: the first load given such slots stalled
+    the loop for as long as the engine's queued work (508 ms behind a 0.5 s kernel on an H100).
+    Blocks the calling thread until its own stream is done: run it off the loop (the warm-up thread).
+    """
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        for dtype in (torch.int32, torch.int64):
+            torch.zeros(4, dtype=dtype, device=device)[::2].contiguous()
+    stream.synchronize()  # type: ignore[no-untyped-call]
+
+
 def check_host_slots(slots: object, count: int, num_slots: int, name: str = "slots") -> torch.Tensor:
     """Validate host slot indices of a KV buffer of ``num_slots`` slots; returns them as int64.
 
