@@ -379,6 +379,19 @@ class RankExecutor:
         self._in_flight += 1
         self._idle.clear()
         result.add_done_callback(self._finished)
+        try:
+            self._dispatch(spec, result)
+        except Exception as exc:
+            # Counted in flight above: a spec whose future never resolves kept drained() and the
+            # close waiting for good (review 212: the copy thread refusing it, its bridge closed or
+            # the interpreter shutting down). Nothing ran, or the launch path reported already.
+            if not result.done():
+                result.set_result(_classify(exc))
+        return result
+
+    def _dispatch(self, spec: TransferSpec, result: asyncio.Future[RankReport]) -> None:
+        """:meth:`execute`'s body after the count: start ``spec``'s copy, ``result`` its report."""
+        loop = asyncio.get_running_loop()
         progress = self.layers.arrived(spec.job_id, spec.layered)
         if progress is not None:
             self.layered_loads += 1
@@ -391,8 +404,8 @@ class RankExecutor:
         elif not self._cuda and (self._copy_on_loop or self._inline(spec)):
             result.set_result(self._copy_on_thread(spec, progress, after))
         elif not self._cuda:
-            self._queued += 1
             copy = self._bridge.run_cpu(functools.partial(self._copy_on_thread, spec, progress, after))
+            self._queued += 1  # after the bridge took it: a refused copy is never dequeued
             self._copies.add(copy)
             copy.add_done_callback(self._dequeued)
             copy.add_done_callback(functools.partial(_forward, result))
@@ -407,7 +420,6 @@ class RankExecutor:
                 task.add_done_callback(functools.partial(_not_launched, result))
             else:
                 self._launch_cuda(spec, result, progress, after)
-        return result
 
     def _precheck(self, spec: TransferSpec) -> RankReport | None:
         if self._closing or self._mover is None:
