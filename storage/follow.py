@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING
 from aiokv.keys import PageKey
 
 from .config import ReadOnly
+from .deletelog import DELETES_NAME, load_deletes
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
@@ -203,6 +204,9 @@ class Look:
     writable: bool = False
     """A look of a tier holding the lock on a directory it could not write (``held``): it may
     now, and the look scanned it as a take-over does (the tier writes from now on)."""
+    deletes: dict[PageKey, int] = field(default_factory=dict)
+    """The writer's pending-delete record as this look read it (:mod:`.deletelog`): key -> time of
+    a delete whose unlink failed (the file maybe still there). Empty when unreadable (a fault)."""
     unlisted: list[int] = field(default_factory=list)
     """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
     writes from now on looks no more, and lists them again at its periodic checks."""
@@ -237,6 +241,11 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     for key in whole:
         state.whole.setdefault(key[0], []).append(key)  # a key's fan-out directory is its first byte
     try:
+        # Before the listings: a delete recorded after this read is read by the next look.
+        try:
+            result.deletes = load_deletes(dir_fd)
+        except OSError as exc:
+            result.faults.append((exc, f"reading {shown / DELETES_NAME}"))
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)

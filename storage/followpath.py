@@ -232,6 +232,7 @@ class FollowPath(TierBase):
         for fault, what in found.faults:
             self._faults.count(fault, what)
         self._count_told(found)
+        self._apply_recorded_deletes(found.deletes)
         fanout = prepared.fanout
         for index, fd in found.retired:
             if fanout[index] == fd:
@@ -284,6 +285,28 @@ class FollowPath(TierBase):
         # listings are applied as any look's; the looks go on asking for the lock.
         if (found.lock_fd is not None or (found.writable and self._follow_held)) and self._following():
             self._take_lock_over(found, left)
+
+    def _apply_recorded_deletes(self, deletes: dict[PageKey, int]) -> None:
+        """The writer's pending-delete record as a look read it (:mod:`.deletelog`): deletes whose
+        unlink failed there, the file maybe still on disk. A page named there that this tier
+        indexed from a file changed no later than the delete leaves the index (unlinked once this
+        tier writes), and no file of the key no newer is indexed (remembered as a delete from
+        before this tier wrote). Review 213: a follower that had indexed the page kept serving it
+        (its file never changed), and after the writer's crash its take-over kept it too."""
+        if not deletes:
+            return
+        state = self._follow_state
+        for key, when in deletes.items():
+            remembered = self._deleted_away.get(key)
+            if remembered is None or (remembered < 0 and -1 - remembered < when):
+                self._remember(key, -1 - when)
+            if key in self._index:
+                entries = state.entries[key[0]] if state is not None else None
+                identity = entries.get(key) if entries is not None else None
+                if identity is None or identity >> 64 <= when:  # its change time: the file deleted
+                    self._index.remove(key)
+                    self._followed_out += 1
+                    self._unlink_when_writable.add(key)
 
     def _looked_deleted(self, key: PageKey, mtime: int) -> bool:
         """Whether the file of ``key`` a look found (last modified at ``mtime``, ns) is the page of a

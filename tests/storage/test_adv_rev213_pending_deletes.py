@@ -25,12 +25,13 @@ import os
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
 from child_procs import end_child, fork_context
 from disk_helpers import assert_clean, config, key_of, small_layout
-from follow_helpers import started
+from follow_helpers import Looks, started
 from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
@@ -39,7 +40,7 @@ from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 from aiokv.storage.deletelog import DELETES_NAME, load_deletes
 
 TAG = 0x5B
@@ -112,6 +113,14 @@ def deleting_child(directory: str, backend: str, then: str, conn: Connection) ->
     asyncio.run(main())
 
 
+_PROCS: dict[int, BaseProcess] = {}
+"""The process of each :func:`_killed_child` connection (by the connection's id)."""
+
+
+def conn_process(conn: Connection) -> BaseProcess:
+    return _PROCS[id(conn)]
+
+
 @contextlib.contextmanager
 def _killed_child(*args: object) -> Iterator[Connection]:
     """``deleting_child(*args, conn)`` in a process of its own; SIGKILLed and reaped on exit, its
@@ -121,10 +130,12 @@ def _killed_child(*args: object) -> Iterator[Connection]:
     proc = ctx.Process(target=deleting_child, args=(*args, theirs), daemon=True)
     proc.start()
     theirs.close()
+    _PROCS[id(ours)] = proc
     try:
         yield ours
     finally:
         end_child(proc, WAIT_S)
+        del _PROCS[id(ours)]
         ours.close()
         for path in glob.glob(f"/dev/shm/aiokv-{proc.pid}-*"):
             with contextlib.suppress(FileNotFoundError):
@@ -183,6 +194,45 @@ async def test_a_page_whose_unlink_failed_is_never_served_after_a_sigkill(
             await _settled(restarted)
         assert page.exists() == (then == "stored_again"), "the restart left the deleted page on disk"
         assert not (layout_dir / DELETES_NAME).exists(), "the record outlived the delete carried out"
+    assert_clean(pool)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_follower_drops_a_page_the_writer_could_not_unlink_and_its_take_over_removes_it(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """A follower (this process) indexed VICTIM from the writer's directory; the writer (a process
+    of its own) deletes it and the unlink meets EIO: the file never changes, so the follower's
+    looks kept it indexed and served it, and after the writer's SIGKILL its take-over kept it too.
+    The looks now read the writer's pending-delete record."""
+    size = layout.page_bytes
+    with bad_block_ext4(tmp_path, 32) as (mount, bad):
+        directory = mount / "disk"
+        cfg = config(directory, backend, follow_interval_s=3600.0, min_free_bytes=0)
+        with _killed_child(str(directory), backend.value, "killed") as conn:
+            assert await _receive(conn) == "written"
+            async with started(DiskTier(cfg, layout, pool)) as follower:
+                assert follower.read_only is ReadOnly.LOCKED
+                looks = Looks(follower)
+                assert await _served(follower, VICTIM, size), "the follower did not index the page"
+                fanout = follower.files.layout_dir / f"{TAG:02x}"
+                page = fanout / VICTIM.hex()
+                await asyncio.to_thread(_make_fanout_bad, bad, fanout, page)
+                conn.send("delete")
+                kind, counted, recorded = await _receive(conn)  # type: ignore[misc]
+                bad.good()
+                assert kind == "deleted" and counted and recorded and page.exists(), "the unlink did not fail"
+                await looks.next()
+                assert not follower.contains(VICTIM), "the follower kept a page its writer deleted indexed"
+                assert not await _served(follower, VICTIM, size), "the follower served a page its writer deleted"
+                assert await _served(follower, OTHER, size)
+                end_child(conn_process(conn), WAIT_S)  # SIGKILL: the follower takes the directory over
+                await looks.next()
+                assert follower.read_only is None, "the follower did not take the directory over"
+                assert not await _served(follower, VICTIM, size), "the take-over served a page deleted"
+                await _settled(follower)
+                assert not page.exists(), "the take-over left the page deleted on disk"
+                assert await _served(follower, OTHER, size)
     assert_clean(pool)
 
 
