@@ -140,6 +140,9 @@ class FollowState:
         """The looks' io_uring for their ``statx`` batches: made by the first look that batches,
         closed by :meth:`close_ring` (no look runs then)."""
         self.statx_refused: StatxRefused | None = None
+        self.deletes_unreadable = False
+        """The last look could not read the pending-delete record: the same fault is not counted
+        again at every look (a damaged record stays until its writer replaces it)."""
         """Why the looks ``fstat`` each directory (io_uring or STATX refused here), or None."""
 
     def close_ring(self) -> None:
@@ -244,8 +247,11 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         # Before the listings: a delete recorded after this read is read by the next look.
         try:
             result.deletes = load_deletes(dir_fd)
+            state.deletes_unreadable = False
         except OSError as exc:
-            result.faults.append((exc, f"reading {shown / DELETES_NAME}"))
+            if not state.deletes_unreadable:
+                result.faults.append((exc, f"reading {shown / DELETES_NAME}"))
+            state.deletes_unreadable = True
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)

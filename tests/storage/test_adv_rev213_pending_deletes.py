@@ -314,3 +314,23 @@ async def test_a_damaged_record_serves_no_page_it_may_name(
         assert await _served(tier, OTHER, size), "the page stored after the damaged record was lost"
         assert not tier.contains(VICTIM)
     assert_clean(pool)
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_record_while_following_counts_one_fault(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """The looks read the writer's record at each look: a damaged one (planted here) is counted
+    once, not once a look (the fault counter grew without bound), and the looks go on."""
+    size = layout.page_bytes
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
+    async with started(DiskTier(cfg, layout, pool)) as writer, started(DiskTier(cfg, layout, pool)) as follower:
+        assert follower.read_only is ReadOnly.LOCKED
+        looks = Looks(follower)
+        (writer.files.layout_dir / DELETES_NAME).write_bytes(b"AIOKVDL1" + os.urandom(64))
+        before = sum(follower.statistics().errors.values())
+        assert await writer.write_from(OTHER, memoryview(_bytes_of(OTHER, size)))
+        for _ in range(3):
+            await looks.next()
+        assert follower.contains(OTHER) and await _served(follower, OTHER, size), "the looks stopped following"
+        assert sum(follower.statistics().errors.values()) == before + 1, follower.statistics().errors
+    assert_clean(pool)
