@@ -15,10 +15,11 @@ Mixed into :class:`aiokv.manager.CacheManager`; the state is :class:`aiokv.manag
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,27 @@ class Promotion:
     """Whether this call read the page from disk. False: it was in the pool already, or another
     call's read brought it in; such a page cost this call no disk time and must not be counted as
     a disk read (it would inflate the learned disk rate, which is saved across restarts)."""
+
+
+@dataclass(slots=True)
+class CommitWaits:
+    """The waits of one call (a load, a prefetch) for pages other calls are writing into the pool:
+    ``commit_wait`` in all, one deadline from the call's first such wait on, and one
+    ``commit_wait_expired`` between them. Each wait took a fresh ``commit_wait`` (a promotion's,
+    a later read group's, a later window's): a prefetch whose wait for a page of the pool's
+    prefix ended late then waited a whole ``commit_wait`` again for a page past it whose writer
+    was stopped, about twice the bound in all (review 214)."""
+
+    deadline: float | None = None
+    """Loop time at which every wait of the call stops; None until its first wait."""
+    expired: list[bool] = field(default_factory=list)
+    """Non-empty once one of its waits expired and counted it (``ManagerBase._wait_committed``)."""
+
+
+_GROUP_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_group_waits", default=None)
+"""The :class:`CommitWaits` of the call whose read groups :meth:`LoadPath._promote_groups` starts:
+set in the context each group's task copies at its creation (``_promote_group`` keeps its
+signature: tests wrap it)."""
 
 
 class NoPage(enum.Enum):
@@ -209,6 +231,7 @@ class LoadPath(ManagerBase):
         consumed = 0
         cut = False  # the close began: nothing more was launched (the rest is withdrawn, not a fault)
         gone_at: int | None = None  # the match's page the disk tier evicted before its read, if the load stopped there
+        waits = CommitWaits()  # commit_wait in all, across read groups and windows
         started = time.perf_counter()
         sizer = self.load_launches
 
@@ -245,7 +268,7 @@ class LoadPath(ManagerBase):
                 if self._closed:
                     cut = True  # no disk reads either
                     break
-                promotions = self._promote_groups(keys[page : match.pages], windowed=True)
+                promotions = self._promote_groups(keys[page : match.pages], windowed=True, waits=waits)
                 consumed = 0
                 self._measure_promotions(promotions)
                 stop = full = False
@@ -447,13 +470,18 @@ class LoadPath(ManagerBase):
 
     # -- disk promotions ------------------------------------------------------------------------
 
-    def _promote_groups(self, keys: Sequence[PageKey], windowed: bool = False,
+    def _promote_groups(self, keys: Sequence[PageKey], windowed: bool = False, waits: CommitWaits | None = None,
                         ) -> list[asyncio.Task[list[Promotion | NoPage]]]:
         """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started
-        (``windowed``: as :meth:`_promote`)."""
+        (``windowed``: as :meth:`_promote`; ``waits``: the call's, shared by every group, else one
+        for each group)."""
         n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
-        return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed))
-                for i in range(0, len(keys), n)]
+        token = _GROUP_WAITS.set(waits)  # each task copies the context as it is created
+        try:
+            return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed))
+                    for i in range(0, len(keys), n)]
+        finally:
+            _GROUP_WAITS.reset(token)
 
     async def _promote_group(self, keys: list[PageKey], windowed: bool = False) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
@@ -477,14 +505,15 @@ class LoadPath(ManagerBase):
         # single promotion holds them: left alone until the batch ended, the pool's pressure could
         # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
         landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
-        expired: list[bool] = []  # the batch's waits stop together: one commit_wait_expired (review 117)
+        waits = _GROUP_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
         for i, r in enumerate(outcomes):
             if r.outcome is ReserveOutcome.PRESENT:
                 held = pool.table.acquire(keys[i])
                 if held is not None:
                     got[i] = Promotion(held, read=False)
             elif r.outcome is ReserveOutcome.PENDING:
-                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, expired, windowed))
+                # The call's waits stop together: one commit_wait_expired (reviews 117, 214).
+                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, waits, windowed))
         try:
             failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
@@ -522,7 +551,7 @@ class LoadPath(ManagerBase):
                     # pages without room are misses at once, not one wait for room each (those
                     # waits ran one after another; single promotions waited together: review 111).
                     # After a FULL they are FULL too: the caller promotes them again.
-                    promoted = missed if missed is not None else await self._promote(key, windowed)
+                    promoted = missed if missed is not None else await self._promote(key, windowed, waits=waits)
                     got[i] = promoted
                     if promoted is NoPage.MISS or promoted is NoPage.FULL or promoted is NoPage.GONE:
                         missed = NoPage.MISS if promoted is NoPage.GONE else promoted
@@ -546,14 +575,17 @@ class LoadPath(ManagerBase):
         except Exception:
             return [False] * len(handles)
 
-    async def promote(self, key: PageKey, windowed: bool = False) -> Promotion | NoPage:
+    async def promote(self, key: PageKey, windowed: bool = False,
+                      waits: CommitWaits | None = None) -> Promotion | NoPage:
         """Bring the disk page ``key`` into the pool: a :class:`Promotion` holding a reference the
         caller releases (:meth:`release`), or why not (:class:`NoPage`: a miss, counted; or
         withdrawn by the close while it waited for room, which the caller counts with
         :meth:`withdraw`; ``windowed``: :attr:`NoPage.FULL` when there is no room now, for a
         caller that frees room itself, then :meth:`wait_for_load_room` when it holds nothing).
-        A caller that stops waiting hands the task to :meth:`adopt_promotion`."""
-        return await self._promote(key, windowed)
+        A caller that stops waiting hands the task to :meth:`adopt_promotion`. ``waits``: the
+        caller's (:class:`CommitWaits`), when its promotions share one ``commit_wait``; None: this
+        promotion's own."""
+        return await self._promote(key, windowed, waits=waits)
 
     async def wait_for_load_room(self, holding: bool = False) -> bool:
         """:meth:`_wait_for_load_room`, for a stream that found no page free and gave back every
@@ -569,7 +601,8 @@ class LoadPath(ManagerBase):
         finally:
             self._room_holders.discard(task)
 
-    async def _promote(self, key: PageKey, windowed: bool = False, again: bool = True) -> Promotion | NoPage:
+    async def _promote(self, key: PageKey, windowed: bool = False, again: bool = True,
+                       waits: CommitWaits | None = None) -> Promotion | NoPage:
         """Bring ``key`` from disk into the pool and return a reference on it, saying whether this
         call read it (not when it was in the pool or another call's read brought it); else why not
         (:class:`NoPage`: a miss, counted here, or withdrawn by the close while it waited).
@@ -579,7 +612,7 @@ class LoadPath(ManagerBase):
         disk = self._disk
         (res,) = pool.reserve([key])
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
-            return await self._already_in(key, res.outcome, windowed=windowed, again=again)
+            return await self._already_in(key, res.outcome, waits, windowed=windowed, again=again)
         if windowed and res.outcome is ReserveOutcome.EXHAUSTED:
             return NoPage.FULL
         # Right after start the pool may still be preparing chunks: wait for them (not for disk I/O:
@@ -591,7 +624,7 @@ class LoadPath(ManagerBase):
                 return NoPage.WITHDRAWN
             (res,) = pool.reserve([key])  # a chunk became usable or a page was freed: try again
         if res.outcome in (ReserveOutcome.PRESENT, ReserveOutcome.PENDING):
-            return await self._already_in(key, res.outcome, windowed=windowed, again=again)
+            return await self._already_in(key, res.outcome, waits, windowed=windowed, again=again)
         if res.outcome is ReserveOutcome.EXHAUSTED or disk is None:
             self.faults.record("pool_exhausted", "no free or evictable pool page for a disk promotion")
             return NoPage.MISS
@@ -707,12 +740,13 @@ class LoadPath(ManagerBase):
         return Promotion(kept, read=True)
 
     async def _already_in(self, key: PageKey, outcome: ReserveOutcome,
-                          expired: list[bool] | None = None, windowed: bool = False,
+                          waits: CommitWaits | None = None, windowed: bool = False,
                           again: bool = True) -> Promotion | NoPage:
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
         (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
-        there; review 115); nothing was read by this call. A miss when it is gone. ``expired``:
-        shared by waits of one call, which count one expiry between them.
+        there; review 115); nothing was read by this call. A miss when it is gone. ``waits``: the
+        call's (:class:`CommitWaits`: one deadline and one expiry between its waits); None: this
+        promotion's own.
 
         A page the other call gave up (an offload cancelled or whose copy failed, another load's
         read that failed: aborted) is promoted from disk by this call when the disk still holds
@@ -723,7 +757,9 @@ class LoadPath(ManagerBase):
         again by a third call meanwhile is waited for in turn, within the one deadline (review 205)."""
         table = self.pool.table
         handle = None
-        deadline = self._commit_deadline()
+        waits = CommitWaits() if waits is None else waits
+        deadline = self._commit_wait_until(waits) if outcome is ReserveOutcome.PENDING else 0.0
+        expired = waits.expired
         if outcome is not ReserveOutcome.PENDING or await self._wait_written(key, deadline, "a load", expired):
             # Committed, but the waiter resumes loop hops later: a page committed with no reference
             # (the disk held it already) may have been evicted for room meanwhile. Taken for a miss,
@@ -733,15 +769,21 @@ class LoadPath(ManagerBase):
             # read of it, an offload): waited for in turn, within the one deadline. Taken for a
             # miss (not FREE, so not read below), the load stopped there (review 205).
             while (handle is None and table.state_of(key) is PageState.RESERVED
-                   and await self._wait_written(key, deadline, "a load", expired)):
+                   and await self._wait_written(key, self._commit_wait_until(waits), "a load", expired)):
                 handle = table.acquire(key)
         if handle is not None:
             return Promotion(handle, read=False)
         disk = self._disk
         if (again and not self._closed and disk is not None and table.state_of(key) is PageState.FREE
                 and disk.contains(key)):
-            return await self._promote(key, windowed, again=False)
+            return await self._promote(key, windowed, again=False, waits=waits)
         return NoPage.MISS
+
+    def _commit_wait_until(self, waits: CommitWaits) -> float:
+        """The deadline of the call's waits for other calls' commits: set by its first one."""
+        if waits.deadline is None:
+            waits.deadline = self._commit_deadline()
+        return waits.deadline
 
     def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
         """A batch read abandoned by a cancelled caller finished: keep each page that verified."""
@@ -775,14 +817,15 @@ class LoadPath(ManagerBase):
         # all). It was counted in the pool and passed (review 202): when its writer then gave it
         # up (an offload cancelled, a copy or read failed), the prefetch had reported a page that
         # was not there and read nothing, and the load after it read the page from disk itself.
-        deadline: float | None = None
-        expired: list[bool] = []
+        # The same bound holds for its promotions' waits (one deadline for the call: review 214).
+        waits = CommitWaits()
+        expired = waits.expired
         for key in keys:
             # Refresh pages already in the pool too: the request they wait for is coming.
             if not table.touch(key):
                 if table.state_of(key) is not PageState.RESERVED:
                     break
-                deadline = self._commit_deadline() if deadline is None else deadline
+                deadline = self._commit_wait_until(waits)
                 if not (await self._wait_written(key, deadline, "a prefetch", expired) and table.touch(key)):
                     break  # given up (read from disk below when it is there), or its writer is stopped
             in_pool += 1
@@ -797,7 +840,7 @@ class LoadPath(ManagerBase):
         # loads hold itself (only for chunks being prepared), so they never wait on each other.
         self.load_began()
         try:
-            tasks = self._promote_groups(keys[in_pool : in_pool + count])
+            tasks = self._promote_groups(keys[in_pool : in_pool + count], waits=waits)
             try:
                 groups = await asyncio.shield(asyncio.gather(*tasks))
             except BaseException:

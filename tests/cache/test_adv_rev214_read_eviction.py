@@ -43,18 +43,22 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: che
 
 class ReadGate:
     """Holds the backend's page loads (a read's open and read) until :meth:`open`: the reads are
-    launched and counted by the tier, but no file is opened yet."""
+    launched and counted by the tier, but no file is opened yet. ``limit``: only the first so many
+    are held, later ones go through."""
 
-    def __init__(self, disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, disk: DiskTier, monkeypatch: pytest.MonkeyPatch, limit: int | None = None) -> None:
         self.held: list[tuple[Any, ...]] = []
         self._closed = True
+        self._left = limit
         backend = disk.backend
         self._load: Callable[..., None] = backend.start_load
         monkeypatch.setattr(backend, "start_load", self._start_load)
 
     def _start_load(self, *args: Any) -> None:
-        if self._closed:
+        if self._closed and self._left != 0:
             self.held.append(args)
+            if self._left is not None:
+                self._left -= 1
         else:
             self._load(*args)
 
