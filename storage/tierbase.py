@@ -152,6 +152,7 @@ class TierBase(TierEdge):
         self._deletes_dropped: set[PageKey] = set()
         self._deletes_version = self._deletes_saved = 0
         self._deletes_saving: asyncio.Task[None] | None = None
+        self._deletes_save_failed = False  # counted once until a save succeeds (retried every check)
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
@@ -620,14 +621,20 @@ class TierBase(TierEdge):
                 await wait_uncancelled(job)  # (the thread uses the tier's directory descriptor)
                 raise
             except OSError as exc:
-                self._faults.count(exc, "saving the pending-delete record")
+                if not self._deletes_save_failed:
+                    self._deletes_save_failed = True
+                    self._faults.count(exc, "saving the pending-delete record")
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
                 return
             self._deletes_saved = max(self._deletes_saved, version)
+            self._deletes_save_failed = False
             self._deletes_dropped.difference_update(dropped)
         finally:
             self._deletes_saving = None
+        # Saved: changes made meanwhile (a retried unlink that succeeded) are saved now, not at the
+        # next retry (the close waits for that save too: a job of the tier's before this one ends).
+        self._save_deletes_soon()
 
     async def _deletes_durable(self) -> None:
         """Until the record on disk holds every change made before this call, or a save failed

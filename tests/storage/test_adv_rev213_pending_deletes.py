@@ -334,3 +334,67 @@ async def test_a_damaged_record_while_following_counts_one_fault(
         assert follower.contains(OTHER) and await _served(follower, OTHER, size), "the looks stopped following"
         assert sum(follower.statistics().errors.values()) == before + 1, follower.statistics().errors
     assert_clean(pool)
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until the file system is full (root: its reserve too)."""
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        try:  # the last partial block
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        os.fsync(f.fileno())
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_record_that_cannot_be_saved_counts_one_fault_and_is_saved_later(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    """The delete's unlink meets EIO and the file system is full (real ENOSPC): the record cannot
+    be saved either. Each lock check retries both: one fault each, not one a check; once the disk
+    answers and room is freed, the page is unlinked and nothing is left named."""
+    size = layout.page_bytes
+    with bad_block_ext4(tmp_path, 32) as (mount, bad):
+        cfg = config(mount / "disk", backend, follow_interval_s=0.05, min_free_bytes=0)
+        async with started(DiskTier(cfg, layout, pool)) as tier:
+            for key in (VICTIM, OTHER):
+                assert await tier.write_from(key, memoryview(_bytes_of(key, size)))
+            await _settled(tier)
+            filler = mount / "filler"
+            await asyncio.to_thread(_fill, filler)
+            fanout = tier.files.layout_dir / f"{TAG:02x}"
+            page = fanout / VICTIM.hex()
+            await asyncio.to_thread(_make_fanout_bad, bad, fanout, page)
+            checks = LockChecks(tier)
+            before = tier.statistics().errors
+            await tier.delete(VICTIM)
+            after = tier.statistics().errors
+            grown = {kind.value: after[kind] - before.get(kind, 0) for kind in after
+                     if after[kind] != before.get(kind, 0)}
+            assert grown == {"eio": 1, "enospc": 1}, f"not the faults injected: {grown}"
+            assert tier._deletes_saved < tier._deletes_version, "the record was saved on a full file system"
+            for _ in range(3):
+                await checks.next()
+                await _settled(tier)
+                await asyncio.to_thread(_drop_caches)
+            assert tier.statistics().errors == after, "the retries counted their faults again"
+            assert _lookup_errno(page) == errno.EIO, "the disk answered again: the retries did not all fail"
+            bad.good()
+            filler.unlink()
+            await asyncio.to_thread(_drop_caches)
+            await checks.next()
+            await _settled(tier)
+            assert not page.exists(), "the retry once the disk answered did not unlink the page"
+            assert not tier._deletes_kept and not (tier.files.layout_dir / DELETES_NAME).exists()
+        async with started(DiskTier(cfg, layout, pool)) as restarted:
+            assert not await _served(restarted, VICTIM, size) and await _served(restarted, OTHER, size)
+    assert_clean(pool)
