@@ -30,8 +30,9 @@ class Cancels:
     def __init__(self) -> None:
         self.cancelled = False
 
-    async def outlast(self, step: Awaitable[T]) -> T:
-        """Await ``step`` to its end through any number of cancels of this task; returns or raises
+    async def outlast(self, step: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
+        """Await ``step`` to its end through any number of cancels of this task, calling
+        ``on_cancel()`` at each (a step may bound itself from the first); returns or raises
         what it does (``CancelledError`` when the step's own task was cancelled, as a loop-wide cancel
         does to the task a coroutine step runs in: a step that must outlast those is a plain future,
         or its caller makes it anew, as the farewell's tries are)."""
@@ -41,6 +42,8 @@ class Cancels:
                 await asyncio.wait({future})
             except asyncio.CancelledError:
                 self.cancelled = True
+                if on_cancel is not None:
+                    on_cancel()
         return future.result()
 
     async def settle(self, step: Awaitable[None]) -> None:

@@ -32,6 +32,12 @@ class TPConfig:
     close_timeout_s: float = 30.0
     """Seconds ``RankGroup.aclose`` waits for jobs in flight before fencing the ranks still copying
     (it then waits for their reports, warning every ``close_timeout_s``)."""
+    abandon_copies_s: float = 30.0
+    """Seconds a worker's teardown still waits for its running copies once it is cancelled while
+    waiting for them (an application's shutdown: a SIGTERM handler cancelling every task, or
+    ``asyncio.run`` ending). Past it the copies are abandoned to the process's exit: no CLOSED, the
+    pool stays mapped, and no worker of this process says hello for the rank again, so the manager
+    holds the rank until the process exits (then its jobs fail: misses, never wrong KV)."""
     reconnect_initial_s: float = 0.01
     """First delay before a worker reconnects after a failed attempt; doubles on each failure."""
     reconnect_max_s: float = 1.0

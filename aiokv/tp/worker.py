@@ -183,6 +183,9 @@ class WorkerStatistics:
     pool attached, a stream whose frame was read and whose mark is gone (or, same epoch, read by an
     earlier session), an id too far ahead of the streams begun here, a session whose epoch an
     earlier pool had (another group: ids may be its), a closing worker, or a record that raised."""
+    copies_abandoned: int = 0
+    """Copies still running when a cancelled teardown stopped waiting for them
+    (``TPConfig.abandon_copies_s``): left to the process's exit."""
 
 
 class RankWorker:
@@ -241,6 +244,8 @@ class RankWorker:
         self._session_task: asyncio.Task[bool] | None = None
         self._claimant: asyncio.Task[object] | None = None  # the task holding this worker's _SESSIONS entry
         self._farewell_owed = False  # the last session may have left the rank held (see _farewell)
+        # Copies left running by a cancelled teardown (_drain): the rank's entry is kept for good.
+        self._copies_abandoned = 0
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
         self._warm_up_failed = 0
@@ -268,7 +273,7 @@ class RankWorker:
         delay = 0.0
         try:
             loop = asyncio.get_running_loop()
-            while not self._closing:
+            while not self._closing and not self._copies_abandoned:
                 attached = False
                 began = loop.time()
                 self._session_task = loop.create_task(self._session())
@@ -307,7 +312,7 @@ class RankWorker:
                 # aclose): its session drained first, and the manager held the rank for good after
                 # a cut socket (review 197). Bounded (handshake_timeout_s); the cancel is raised after.
                 with _SESSIONS_LOCK:  # a skipped farewell hands its debt over under it (_claim)
-                    owed = self._farewell_owed
+                    owed = self._farewell_owed and not self._copies_abandoned
                 if owed:
                     # Each try a task of its own (a connect), tried again through loop-wide cancels
                     # within one deadline (review 202: a farewell cut so left the rank held).
@@ -317,7 +322,8 @@ class RankWorker:
                         # Cut past its deadline: lost, but the cancel is kept and the bridge still
                         # closes (review 203: its copy thread was left).
                         cancels.cancelled = True
-                await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
+                if not self._copies_abandoned:  # else its copy thread may be in an abandoned copy
+                    await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
                 self._notify()
@@ -356,14 +362,46 @@ class RankWorker:
             yield
         finally:
             with _SESSIONS_LOCK:
-                if _SESSIONS.get(key) is self:
+                # Kept for good after abandoned copies: a hello of this process for the rank would
+                # have the manager free it under them.
+                if _SESSIONS.get(key) is self and not self._copies_abandoned:
                     del _SESSIONS[key]
 
     def _in_session(self) -> bool:
         """Whether the task holding this worker's entry runs (read from any thread: a stale entry of
         ``_SESSIONS``, a task whose loop was closed under it, is not one)."""
+        if self._copies_abandoned:
+            return True  # its copies may run past its loop's end (see _drain)
         task = self._claimant
         return task is not None and not task.done() and not task.get_loop().is_closed()
+
+    async def _drain(self, executor: RankExecutor, cancels: Cancels) -> bool:
+        """Wait until ``executor``'s started specs reported, through any number of cancels; False
+        once ``abandon_copies_s`` passed since the first cancel meanwhile with copies still running.
+        A copy hung for good (a wedged GPU or host copy) kept the teardown, and ``asyncio.run``,
+        waiting through every SIGTERM: the process never exited (review 212)."""
+        loop = asyncio.get_running_loop()
+        # A plain future awaited through Cancels.outlast, as every teardown step: True once drained,
+        # False when the bound armed by the first cancel passed first.
+        ended: asyncio.Future[bool] = loop.create_future()
+        timer: asyncio.TimerHandle | None = None
+
+        def end(drained: bool) -> None:
+            if not ended.done():
+                ended.set_result(drained)
+
+        def cancelled() -> None:
+            nonlocal timer
+            if timer is None:
+                timer = loop.call_later(self.config.abandon_copies_s, end, False)
+
+        executor.drained().add_done_callback(lambda _: end(True))
+
+        try:
+            return await cancels.outlast(ended, cancelled)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _farewell(self, cancels: Cancels) -> None:
         """Say hello once more, and close: the worker closes and its last session ended without its
@@ -462,7 +500,15 @@ class RankWorker:
                 # copy (review 203: wrong KV). Plain futures, and coroutines awaited in this task through
                 # Cancels.outlast, outlast any number of cancels.
                 cancels = Cancels()
-                await cancels.outlast(executor.drained())
+                if not await self._drain(executor, cancels):
+                    # Abandoned to the process's exit: no CLOSED (the manager holds the rank while
+                    # the process lives), the pool left mapped (a copy may write it), no farewell.
+                    self._copies_abandoned = executor.in_flight
+                    self._farewell_owed = False
+                    log.warning("rank %d: teardown cancelled again: %d copies still running are abandoned",
+                                self.tp.rank, executor.in_flight)
+                    link.close()
+                    raise asyncio.CancelledError
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
                 self._warm = None
@@ -763,6 +809,7 @@ class RankWorker:
             stream_announces_held=announces[Announced.HELD],
             stream_announces_ignored=sum(announces.values()) - announces[Announced.RECORDED]
             - announces[Announced.HELD],
+            copies_abandoned=self._copies_abandoned,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
