@@ -128,6 +128,10 @@ class _AttachFailed(Exception):
     """The pool named in the welcome could not be mapped."""
 
 
+class _FarewellNotSent(Exception):
+    """The farewell's connection ended with an error before its hello went out (a failed write)."""
+
+
 class _Stranger(Exception):
     """The process listening at the address belongs to another user (retried: ours may come back)."""
 
@@ -183,6 +187,9 @@ class WorkerStatistics:
     pool attached, a stream whose frame was read and whose mark is gone (or, same epoch, read by an
     earlier session), an id too far ahead of the streams begun here, a session whose epoch an
     earlier pool had (another group: ids may be its), a closing worker, or a record that raised."""
+    farewells_lost: int = 0
+    """Farewell hellos owed that did not go out within ``handshake_timeout_s`` (each failed write
+    is tried again until then): the manager holds the rank until this process exits."""
     copies_abandoned: int = 0
     """Copies still running when a cancelled teardown stopped waiting for them
     (``TPConfig.abandon_copies_s``): left to the process's exit."""
@@ -246,6 +253,7 @@ class RankWorker:
         self._farewell_owed = False  # the last session may have left the rank held (see _farewell)
         # Copies left running by a cancelled teardown (_drain): the rank's entry is kept for good.
         self._copies_abandoned = 0
+        self._farewells_lost = 0
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
         self._warm_up_failed = 0
@@ -421,10 +429,19 @@ class RankWorker:
         hello = Hello(PROTOCOL_VERSION, self.tp.rank, self.tp.size, self.page_layout.fingerprint, self.kv.device.type)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.handshake_timeout_s
+        failed = 0
         while True:
             try:
-                await cancels.outlast(self._farewell_try(hello, deadline))
-                return
+                if await cancels.outlast(self._farewell_try(hello, deadline, failed)):
+                    return
+                # Its hello did not go out (review 212: a failed write was taken for a farewell said,
+                # and the manager held the rank while the process lived): tried again until the deadline.
+                failed += 1
+                if loop.time() >= deadline:
+                    self._farewells_lost += 1
+                    log.warning("rank %d: the farewell hello did not reach the manager in %.1f s: it holds "
+                                "the rank until this process exits", self.tp.rank, self.config.handshake_timeout_s)
+                    return
             except asyncio.CancelledError:
                 # Only a loop-wide cancel reaches the try's task: made anew until the deadline (run
                 # anew three times at most, the removed Cancels.finish, three such cancels lost it
@@ -432,19 +449,29 @@ class RankWorker:
                 if loop.time() >= deadline:
                     raise
 
-    async def _farewell_try(self, hello: Hello, deadline: float) -> None:
-        """One try of :meth:`_farewell` (a fresh task: its timeout's cancel is its own)."""
+    async def _farewell_try(self, hello: Hello, deadline: float, failed: int) -> bool:
+        """One try of :meth:`_farewell` (a fresh task: its timeout's cancel is its own), after
+        ``failed`` tries whose hello did not go out (backing off as reconnects do). True when the
+        farewell is over (said, left to another worker, or no manager there to hold the rank); False
+        when its hello did not go out (a failed write, or the deadline passed)."""
         try:
             # The entry is held until the hello is out (review 197): a worker of the rank here that
             # began a session after a mere check, and whose socket was then cut under its copies,
             # had its hold ended by this late hello (same pid) while its copies ran: wrong KV.
             async with asyncio.timeout_at(deadline):
+                if failed:
+                    await asyncio.sleep(min(self.config.reconnect_initial_s * 2 ** (failed - 1),
+                                            self.config.reconnect_max_s))
                 with self._claim(farewell=True):
                     await self._say_farewell(hello)
         except _RetryLater:
             pass  # another worker of the rank here is in a session: its hello, or its farewell, tells the manager
+        except (_FarewellNotSent, TimeoutError) as exc:
+            log.info("rank %d: farewell not sent: %s: %s", self.tp.rank, type(exc).__name__, exc)
+            return False
         except (_Stranger, *_LINK_ERRORS) as exc:
             log.info("rank %d: no farewell to the manager: %s: %s", self.tp.rank, type(exc).__name__, exc)
+        return True
 
     async def _say_farewell(self, hello: Hello) -> None:
         loop = asyncio.get_running_loop()
@@ -457,6 +484,11 @@ class RankWorker:
             link.write(frame(FrameKind.HELLO, hello.encode()))
         finally:
             transport.close()  # after the hello is flushed
+        # The end of the close tells whether it was: a write that failed (the socket shut down by a
+        # third party) ends the connection with an error, and the manager never read the hello.
+        await link.wait_lost()
+        if link.broken:
+            raise _FarewellNotSent("the connection ended with an error before the hello went out")
 
     async def _connected_session(self) -> bool:
         loop = asyncio.get_running_loop()
@@ -810,6 +842,7 @@ class RankWorker:
             stream_announces_ignored=sum(announces.values()) - announces[Announced.RECORDED]
             - announces[Announced.HELD],
             copies_abandoned=self._copies_abandoned,
+            farewells_lost=self._farewells_lost,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -879,6 +912,8 @@ class _WorkerLink(asyncio.Protocol):
         self._unreported = 0  # specs run whose DONE is not written yet
         self._said_closed = False  # CLOSED written: nothing more is
         self.broken = False  # the connection ended with an error (a failed write, a reset)
+        self._lost: asyncio.Future[None] | None = None  # wait_lost()'s, resolved by connection_lost
+        self._was_lost = False
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -913,7 +948,18 @@ class _WorkerLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.broken = self.broken or exc is not None
+        self._was_lost = True
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
         self._ended(exc if exc is not None else asyncio.IncompleteReadError(self._parser.pending, None))
+
+    async def wait_lost(self) -> None:
+        """Wait until the transport is gone (``connection_lost``: after a close, the buffer flushed
+        or the connection broken)."""
+        if not self._was_lost:
+            if self._lost is None:
+                self._lost = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._lost)
 
     @property
     def said_closed(self) -> bool:
