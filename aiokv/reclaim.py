@@ -128,6 +128,23 @@ def _locked_exclusive(fd: int) -> bool:
     return True
 
 
+_MAPS_CHUNK = 64 * 1024  # bytes read at a time from a maps file: bounded memory whatever its size
+
+
+def _file_contains(path: str, needle: bytes) -> bool:
+    """True when the file at ``path`` holds ``needle``, read in bounded chunks (a process with many
+    mappings has a maps file of megabytes, and a whole-file read held it all at once per process)."""
+    keep = len(needle) - 1  # a needle cut by a chunk's end is found with the next chunk
+    with open(path, "rb", buffering=0) as f:
+        tail = b""
+        while chunk := f.read(_MAPS_CHUNK):
+            window = tail + chunk
+            if needle in window:
+                return True
+            tail = window[-keep:] if keep else b""
+    return False
+
+
 def _mapped_anywhere(filename: str) -> bool:
     """True when some process (that we may inspect) has ``SHM_DIR/filename`` open or mapped."""
     path = os.path.join(SHM_DIR, filename)
@@ -141,9 +158,8 @@ def _mapped_anywhere(filename: str) -> bool:
         if pid == me:
             continue  # our own descriptor is the one being examined
         try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                if needle in f.read():
-                    return True
+            if _file_contains(f"/proc/{pid}/maps", needle):
+                return True
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(path):
