@@ -80,22 +80,6 @@ class CommitWaits:
     """Non-empty once one of its waits expired and counted it (``ManagerBase._wait_committed``)."""
 
 
-def count_expiry_at_deadline(manager: ManagerBase, key: PageKey, who: str, expired: list[bool]) -> None:
-    """After ``ManagerBase._wait_written`` returned False: count ``commit_wait_expired`` (once a
-    call, as ``_wait_committed`` counts it) when the page is still being written and no wait of the
-    call counted an expiry. The wait returns False with the page RESERVED only past its deadline,
-    and did so uncounted when the page's writer gave it up and a third call reserved it again as
-    the deadline passed: the abort's wake-up ran before the timeout's callback, so the wait ended
-    without its TimeoutError and its loop stopped at the deadline (review 214). TODO(lead): this
-    belongs in ``_wait_written`` itself (managerbase.py, outside this change's files)."""
-    if expired or manager.pool.table.state_of(key) is not PageState.RESERVED:
-        return
-    expired.append(True)
-    if manager.config.commit_wait > 0:
-        manager.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
-                              "writing into the pool after commit_wait")
-
-
 _GROUP_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_group_waits", default=None)
 """The :class:`CommitWaits` of the call whose read groups :meth:`LoadPath._promote_groups` starts:
 set in the context each group's task copies at its creation (``_promote_group`` keeps its
@@ -189,7 +173,7 @@ class LoadPath(ManagerBase):
                 reserved = handle is None and pool.table.state_of(key) is PageState.RESERVED
                 if reserved:
                     deadline = self._commit_deadline() if deadline is None else deadline
-                    committed = await self._wait_writer(key, deadline, "a match", [])
+                    committed = await self._wait_written(key, deadline, "a match")
                     expired = not committed and pool.table.state_of(key) is PageState.RESERVED
                     if committed:
                         handle = pool.table.acquire(key)
@@ -776,7 +760,7 @@ class LoadPath(ManagerBase):
         waits = CommitWaits() if waits is None else waits
         deadline = self._commit_wait_until(waits) if outcome is ReserveOutcome.PENDING else 0.0
         expired = waits.expired
-        if outcome is not ReserveOutcome.PENDING or await self._wait_writer(key, deadline, "a load", expired):
+        if outcome is not ReserveOutcome.PENDING or await self._wait_written(key, deadline, "a load", expired):
             # Committed, but the waiter resumes loop hops later: a page committed with no reference
             # (the disk held it already) may have been evicted for room meanwhile. Taken for a miss,
             # the load stopped there with the page still on disk (review 204): read again below.
@@ -785,7 +769,7 @@ class LoadPath(ManagerBase):
             # read of it, an offload): waited for in turn, within the one deadline. Taken for a
             # miss (not FREE, so not read below), the load stopped there (review 205).
             while (handle is None and table.state_of(key) is PageState.RESERVED
-                   and await self._wait_writer(key, self._commit_wait_until(waits), "a load", expired)):
+                   and await self._wait_written(key, self._commit_wait_until(waits), "a load", expired)):
                 handle = table.acquire(key)
         if handle is not None:
             return Promotion(handle, read=False)
@@ -794,14 +778,6 @@ class LoadPath(ManagerBase):
                 and disk.contains(key)):
             return await self._promote(key, windowed, again=False, waits=waits)
         return NoPage.MISS
-
-    async def _wait_writer(self, key: PageKey, deadline: float, who: str, expired: list[bool]) -> bool:
-        """:meth:`_wait_written`, its expiry counted also where it ended at the deadline without
-        a timeout (:func:`count_expiry_at_deadline`)."""
-        if await self._wait_written(key, deadline, who, expired):
-            return True
-        count_expiry_at_deadline(self, key, who, expired)
-        return False
 
     def _commit_wait_until(self, waits: CommitWaits) -> float:
         """The deadline of the call's waits for other calls' commits: set by its first one."""
@@ -850,7 +826,7 @@ class LoadPath(ManagerBase):
                 if table.state_of(key) is not PageState.RESERVED:
                     break
                 deadline = self._commit_wait_until(waits)
-                if not (await self._wait_writer(key, deadline, "a prefetch", expired) and table.touch(key)):
+                if not (await self._wait_written(key, deadline, "a prefetch", expired) and table.touch(key)):
                     break  # given up (read from disk below when it is there), or its writer is stopped
             in_pool += 1
         # Not past a page whose writer is stopped: its promotion would wait for the same writer.

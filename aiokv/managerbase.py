@@ -232,14 +232,20 @@ class ManagerBase:
             async with asyncio.timeout_at(deadline):
                 return await self.pool.table.wait_committed(key)
         except TimeoutError:
-            if expired is not None:
-                if expired:
-                    return False
-                expired.append(True)
-            if self.config.commit_wait > 0:
-                self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
-                                   "writing into the pool after commit_wait")
+            self._count_expiry(who, expired)
             return False
+
+    def _count_expiry(self, who: str, expired: list[bool] | None) -> None:
+        """Count ``commit_wait_expired`` for a wait of ``who`` that stopped at its deadline: not
+        when the bound is 0 (it never waits) nor when ``expired`` says another wait of the same
+        call counted it (then marked)."""
+        if expired is not None:
+            if expired:
+                return
+            expired.append(True)
+        if self.config.commit_wait > 0:
+            self.faults.record("commit_wait_expired", f"{who} stopped at a page another call was still "
+                               "writing into the pool after commit_wait")
 
     async def _wait_written(self, key: PageKey, deadline: float, who: str,
                             expired: list[bool] | None = None) -> bool:
@@ -248,9 +254,14 @@ class ManagerBase:
         (counted as :meth:`_wait_committed` says). A page given up and reserved again by a third
         call before this one looked (another offload's copy, a read) is waited for in turn: taken
         for a miss, it stopped a load (counted ``load_shortened``) or a match there although the
-        page was on its way (review 202). A cancel leaves the page and its writers alone."""
+        page was on its way (review 202). A wait that ends at the deadline behind such a third
+        writer without its ``TimeoutError`` (the abort's wake-up ran before the timeout's callback)
+        is an expiry too, counted here once (review 214: it went uncounted). A cancel leaves the
+        page and its writers alone."""
         state_of = self.pool.table.state_of
         loop = asyncio.get_running_loop()
+        # This wait's own mark when the caller shares none: one count however it ends.
+        expired = [] if expired is None else expired
         while True:
             if await self._wait_committed(key, deadline, who, expired):
                 return True
@@ -258,6 +269,7 @@ class ManagerBase:
             if state is not PageState.RESERVED:
                 return state is PageState.READY
             if loop.time() >= deadline:
+                self._count_expiry(who, expired)  # not counted when _wait_committed's timeout was
                 return False
 
     # -- room in the pool -----------------------------------------------------------------------

@@ -16,7 +16,6 @@ import torch
 
 from aiokv.config import Admission
 from aiokv.keys import PageKey, Salt, Tokens
-from aiokv.loadpath import count_expiry_at_deadline
 from aiokv.managerbase import ManagerBase
 from aiokv.pagetable import PageHandle, PageState, Reservation, ReserveOutcome
 from aiokv.results import OffloadResult
@@ -122,10 +121,8 @@ class OffloadPath(ManagerBase):
         again: list[int] = []
         for i in others:
             # Not committed and FREE: given up; still RESERVED: written past the deadline, skipped.
-            if await self._wait_written(keys[i], deadline, "an offload", expired):
-                continue
-            count_expiry_at_deadline(self, keys[i], "an offload", expired)  # (review 214)
-            if state_of(keys[i]) is PageState.FREE:
+            if not await self._wait_written(keys[i], deadline, "an offload", expired) and state_of(
+                    keys[i]) is PageState.FREE:
                 again.append(i)
         return again
 
