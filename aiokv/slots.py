@@ -53,7 +53,7 @@ def warm_read_back(device: torch.device) -> None:
     with torch.cuda.stream(stream):
         for dtype in (torch.int32, torch.int64):
             torch.zeros(4, dtype=dtype, device=device)[::2].contiguous()
-    stream.synchronize()  # type: ignore[no-untyped-call]
+    stream.synchronize()
 
 
 def check_host_slots(slots: object, count: int, num_slots: int, name: str = "slots") -> torch.Tensor:
