@@ -78,6 +78,12 @@ class CommitWaits:
     """Loop time at which every wait of the call stops; None until its first wait."""
     expired: list[bool] = field(default_factory=list)
     """Non-empty once one of its waits expired and counted it (``ManagerBase._wait_committed``)."""
+    reading: set[PageKey] = field(default_factory=set)
+    """Pages the call's own promotions reserved and are reading now. A wait for one of them (a
+    later window meets a page its promotions adopted past the last window still read) is not a
+    wait for another call: it takes a fresh ``commit_wait``, not the call's deadline, which may
+    have passed by then (the window expired at once and the load stopped there for no fault:
+    review 217)."""
 
 
 _GROUP_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_group_waits", default=None)
@@ -506,6 +512,8 @@ class LoadPath(ManagerBase):
         # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
         landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
         waits = _GROUP_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
+        reading = [keys[i] for i, _ in batch]
+        waits.reading.update(reading)
         for i, r in enumerate(outcomes):
             if r.outcome is ReserveOutcome.PRESENT:
                 held = pool.table.acquire(keys[i])
@@ -521,7 +529,10 @@ class LoadPath(ManagerBase):
                 # Evicted since the caller saw them: read anyway (the tier counts the misses).
                 gone = [not disk.contains(keys[i]) for i, _ in batch]
                 marks = _tier_marks(disk)
-                oks = await self._read_batch(disk, [keys[i] for i, _ in batch], handles)
+                try:
+                    oks = await self._read_batch(disk, reading, handles)
+                finally:
+                    waits.reading.difference_update(reading)  # landed, aborted or left to settle
                 if not all(oks) and _evicted_since(disk, marks):
                     # Evicted while the batch was read (see _evicted_since): misses, not faults.
                     gone = [absent or (not ok and not disk.contains(keys[i]))
@@ -633,6 +644,8 @@ class LoadPath(ManagerBase):
         gone = not disk.contains(key)  # evicted since the caller saw it: read anyway (the tier counts the miss)
         marks = None if gone else _tier_marks(disk)
         read = asyncio.ensure_future(disk.read(key, handle))
+        if waits is not None:
+            waits.reading.add(key)  # the call's own read (see CommitWaits.reading)
         try:
             ok = await asyncio.shield(read)
         except asyncio.CancelledError:
@@ -641,6 +654,9 @@ class LoadPath(ManagerBase):
             raise
         except Exception:
             ok = False
+        finally:
+            if waits is not None:
+                waits.reading.discard(key)
         if not ok and marks is not None:
             gone = _evicted_since(disk, marks) and not disk.contains(key)
         return self._landed_or_gone(handle, ok, gone)
@@ -745,8 +761,9 @@ class LoadPath(ManagerBase):
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
         (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
         there; review 115); nothing was read by this call. A miss when it is gone. ``waits``: the
-        call's (:class:`CommitWaits`: one deadline and one expiry between its waits); None: this
-        promotion's own.
+        call's (:class:`CommitWaits`: one deadline and one expiry between its waits; a page its
+        own promotions are reading takes a fresh ``commit_wait``, :attr:`CommitWaits.reading`);
+        None: this promotion's own.
 
         A page the other call gave up (an offload cancelled or whose copy failed, another load's
         read that failed: aborted) is promoted from disk by this call when the disk still holds
@@ -758,7 +775,10 @@ class LoadPath(ManagerBase):
         table = self.pool.table
         handle = None
         waits = CommitWaits() if waits is None else waits
-        deadline = self._commit_wait_until(waits) if outcome is ReserveOutcome.PENDING else 0.0
+        deadline = 0.0
+        if outcome is ReserveOutcome.PENDING:
+            # The call's own read (a promotion adopted past a window): a fresh bound (review 217).
+            deadline = self._commit_deadline() if key in waits.reading else self._commit_wait_until(waits)
         expired = waits.expired
         if outcome is not ReserveOutcome.PENDING or await self._wait_written(key, deadline, "a load", expired):
             # Committed, but the waiter resumes loop hops later: a page committed with no reference
