@@ -67,7 +67,7 @@ class Promotion:
 
 @dataclass(slots=True)
 class CommitWaits:
-    """The waits of one call (a load, a prefetch) for pages other calls are writing into the pool:
+    """The waits of one call (a load, a prefetch, a stream) for pages other calls are writing into the pool:
     ``commit_wait`` in all, one deadline from the call's first such wait on, and one
     ``commit_wait_expired`` between them. Each wait took a fresh ``commit_wait`` (a promotion's,
     a later read group's, a later window's): a prefetch whose wait for a page of the pool's
@@ -86,10 +86,11 @@ class CommitWaits:
     review 217)."""
 
 
-_GROUP_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_group_waits", default=None)
-"""The :class:`CommitWaits` of the call whose read groups :meth:`LoadPath._promote_groups` starts:
-set in the context each group's task copies at its creation (``_promote_group`` keeps its
-signature: tests wrap it)."""
+_CALL_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_call_waits", default=None)
+"""The :class:`CommitWaits` of the call whose read groups :meth:`LoadPath._promote_groups` starts,
+or whose promotions :meth:`LoadPath.start_promotion` starts (a stream's): set only while the task
+is created, so only that task's context copy holds it (``_promote_group`` and ``promote`` keep
+their signatures: tests wrap them). Read only there: a task they spawn inherits it unread."""
 
 
 class NoPage(enum.Enum):
@@ -482,12 +483,12 @@ class LoadPath(ManagerBase):
         (``windowed``: as :meth:`_promote`; ``waits``: the call's, shared by every group, else one
         for each group)."""
         n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
-        token = _GROUP_WAITS.set(waits)  # each task copies the context as it is created
+        token = _CALL_WAITS.set(waits)  # each task copies the context as it is created
         try:
             return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed))
                     for i in range(0, len(keys), n)]
         finally:
-            _GROUP_WAITS.reset(token)
+            _CALL_WAITS.reset(token)
 
     async def _promote_group(self, keys: list[PageKey], windowed: bool = False) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
@@ -511,7 +512,7 @@ class LoadPath(ManagerBase):
         # single promotion holds them: left alone until the batch ended, the pool's pressure could
         # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
         landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
-        waits = _GROUP_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
+        waits = _CALL_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
         reading = [keys[i] for i, _ in batch]
         waits.reading.update(reading)
         for i, r in enumerate(outcomes):
@@ -594,9 +595,20 @@ class LoadPath(ManagerBase):
         :meth:`withdraw`; ``windowed``: :attr:`NoPage.FULL` when there is no room now, for a
         caller that frees room itself, then :meth:`wait_for_load_room` when it holds nothing).
         A caller that stops waiting hands the task to :meth:`adopt_promotion`. ``waits``: the
-        caller's (:class:`CommitWaits`), when its promotions share one ``commit_wait``; None: this
-        promotion's own."""
-        return await self._promote(key, windowed, waits=waits)
+        caller's (:class:`CommitWaits`), when its promotions share one ``commit_wait``; None: the
+        one :meth:`start_promotion` gave its task, else this promotion's own."""
+        return await self._promote(key, windowed, waits=_CALL_WAITS.get() if waits is None else waits)
+
+    def start_promotion(self, key: PageKey, windowed: bool, waits: CommitWaits) -> asyncio.Task[Promotion | NoPage]:
+        """:meth:`promote` of ``key`` in a task of its own, sharing ``waits`` (the caller's: a
+        stream's, one ``commit_wait`` for all its promotions' waits; review 217). Passed through
+        the task's context, not an argument: :meth:`promote` is called as ``promote(key,
+        windowed)``, which tests wrap."""
+        token = _CALL_WAITS.set(waits)  # the task copies the context as it is created
+        try:
+            return asyncio.ensure_future(self.promote(key, windowed))
+        finally:
+            _CALL_WAITS.reset(token)
 
     async def wait_for_load_room(self, holding: bool = False) -> bool:
         """:meth:`_wait_for_load_room`, for a stream that found no page free and gave back every

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from aiokv.costs import LoadEstimate
-from aiokv.loadpath import LoadPath, NoPage, Promotion
+from aiokv.loadpath import CommitWaits, LoadPath, NoPage, Promotion
 from aiokv.pagetable import PageHandle, PageState
 from aiokv.results import Match, Tier
 from aiokv.streamcopies import StreamCopies
@@ -125,6 +125,9 @@ class LoadStream:
         self._front = match.tokens  # start of the lowest page launched so far
         self._front_moved: asyncio.Future[None] | None = None  # resolved when it moves (wait_front)
         self._promotions: dict[int, asyncio.Task[Promotion | NoPage]] = {}  # reads in flight, by page
+        # commit_wait in all for the stream's waits on pages other calls write (review 217: each
+        # promotion took a fresh bound, the stream up to one a page in all).
+        self._waits = CommitWaits()
         # Disk reads in flight at most; worked out only for a match with disk pages (reading the
         # config's disk view looks up DiskConfig's defaults when there is no disk tier).
         self._ahead = 0 if not self._disk_pages else min(
@@ -441,7 +444,7 @@ class LoadStream:
                 continue
             if self._start_of(lower) < self._claimed or not self._lands_in_time(lower):
                 return
-            read = asyncio.ensure_future(self._manager.promote(self._keys[lower], windowed=True))
+            read = self._manager.start_promotion(self._keys[lower], True, self._waits)
             read.add_done_callback(functools.partial(_read_ended, self._this, lower))
             self._promotions[lower] = read
 
