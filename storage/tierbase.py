@@ -152,6 +152,9 @@ class TierBase(TierEdge):
         self._deletes_dropped: set[PageKey] = set()
         self._deletes_version = self._deletes_saved = 0
         self._deletes_saving: asyncio.Task[None] | None = None
+        # Keys whose unlink ``_retry_unlinks`` is starting (set only around that call): a retry's
+        # failure leaves the key's record entry as it is (review 218: each rewrote the record).
+        self._retrying: set[PageKey] = set()
         self._deletes_save_failed = False  # counted once until a save succeeds (retried every check)
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
@@ -495,6 +498,10 @@ class TierBase(TierEdge):
                 self._unlink_when_writable.add(key)
             return None
         previous = self._moving.get(key)
+        # A retry of a delete already named in the record (its fault counted, its time kept): its
+        # failure changes nothing there. Anything else failing is a new delete (a key stored again
+        # since, deleted again: counted, and named with the time now, which its newer file needs).
+        retry = at is None and key in self._retrying
 
         async def unlink() -> None:
             durable = False
@@ -509,16 +516,16 @@ class TierBase(TierEdge):
                 if at is None:
                     self._delete_done(key)
             except OSError as exc:
-                if at is None and key in self._deletes_kept:
-                    pass  # a retry of a delete counted when it first failed (one fault a delete)
-                else:
+                named = retry and key in self._deletes_kept
+                if not named:  # (a retry's failure was counted at its delete's: one fault a delete)
                     self._faults.count(exc, "unlink")
                 if at is None:
                     # The file stays, out of the index: remembered as deleted (no listing or look
                     # indexes it) and unlinked again later. Review 204: named nowhere before (a
                     # write deleted in flight, discarded at its end; an eviction), a restart served it.
                     self._unlink_failed_remembered(key)
-                    self._delete_pending(key)
+                    if not named:
+                        self._delete_pending(key)
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
                     if at is None:
@@ -573,7 +580,12 @@ class TierBase(TierEdge):
                 self._delete_done(key)  # a newer page renamed over the one deleted
             elif key not in self._writing:
                 keys.append(key)
-        tasks = [task for key in keys if (task := self._unlink_later(key)) is not None]
+        retrying = self._retrying
+        retrying.update(keys)
+        try:
+            tasks = [task for key in keys if (task := self._unlink_later(key)) is not None]
+        finally:
+            retrying.difference_update(keys)
         saving = self._save_deletes_soon()
         if saving is not None:
             tasks.append(saving)
