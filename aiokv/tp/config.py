@@ -36,8 +36,9 @@ class TPConfig:
     """Seconds a worker's teardown still waits for its running copies once it is cancelled while
     waiting for them (an application's shutdown: a SIGTERM handler cancelling every task, or
     ``asyncio.run`` ending). Past it the copies are abandoned to the process's exit: no CLOSED, the
-    pool stays mapped, and no worker of this process says hello for the rank again, so the manager
-    holds the rank until the process exits (then its jobs fail: misses, never wrong KV)."""
+    pool stays mapped, the connection stays open until they end, and no worker of this process
+    says hello for the rank again, so the manager holds the rank's jobs until the copies end or
+    the process exits (then they fail: misses, never wrong KV)."""
     reconnect_initial_s: float = 0.01
     """First delay before a worker reconnects after a failed attempt; doubles on each failure."""
     reconnect_max_s: float = 1.0

@@ -104,6 +104,8 @@ class WorkerRefusedError(RuntimeError):
 # while the first still drained) said hello at once: the held jobs failed under the first worker's
 # running copies, which then landed in slots the engine had reused. It now waits for the first.
 _SESSIONS: dict[tuple[int, int, int], RankWorker] = {}
+# Duplicates of the sockets of links whose copies a teardown abandoned (see _keep_open).
+_ABANDONED_SOCKETS: set[int] = set()
 _SESSIONS_LOCK = threading.Lock()  # workers of one process may run on different threads' loops
 
 
@@ -533,13 +535,14 @@ class RankWorker:
                 # Cancels.outlast, outlast any number of cancels.
                 cancels = Cancels()
                 if not await self._drain(executor, cancels):
-                    # Abandoned to the process's exit: no CLOSED (the manager holds the rank while
-                    # the process lives), the pool left mapped (a copy may write it), no farewell.
+                    # Abandoned to the process's exit: no CLOSED, the link left open (the manager
+                    # holds the rank's jobs while they run), the pool left mapped (a copy may write
+                    # it), no farewell.
                     self._copies_abandoned = executor.in_flight
                     self._farewell_owed = False
                     log.warning("rank %d: teardown cancelled again: %d copies still running are abandoned",
                                 self.tp.rank, executor.in_flight)
-                    link.close()
+                    _keep_open(link, executor)
                     raise asyncio.CancelledError
                 manager_writes = link.say_closed()
                 await cancels.settle(warm.aclose())  # it plans over the mover's view of the mapping
@@ -892,6 +895,27 @@ def _layer_reporter(link: _WorkerLink) -> Callable[[int, int], None]:
     return landed
 
 
+def _keep_open(link: _WorkerLink, executor: RankExecutor) -> None:
+    """Keep ``link``'s connection open while ``executor``'s abandoned copies run (review 216).
+
+    Its end tells the manager no copy of this session runs unless it watches this process (a
+    pidfd): a worker in the manager's own process, or one it cannot watch, had the job's slots and
+    pages handed back under the copies still writing them. A duplicate of its socket outlives the
+    loop (a transport collected at the loop's end closes its socket); both close once the copies
+    end while the loop runs (their reports go out first), else at the process's exit."""
+    fd = link.dup_socket()
+    if fd >= 0:
+        _ABANDONED_SOCKETS.add(fd)
+
+    def over(_: object) -> None:
+        link.close()
+        if fd >= 0:
+            _ABANDONED_SOCKETS.discard(fd)
+            os.close(fd)
+
+    executor.drained().add_done_callback(over)
+
+
 class _WorkerLink(asyncio.Protocol):
     """The worker's end of one connection. During the handshake frames queue for :meth:`read`;
     once serving, each SPEC frame runs in the read callback that received it."""
@@ -1113,6 +1137,17 @@ class _WorkerLink(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    def dup_socket(self) -> int:
+        """A duplicate of the connection's socket descriptor (-1: none is open)."""
+        transport = self._transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or sock.fileno() < 0:
+            return -1
+        try:
+            return os.dup(sock.fileno())
+        except OSError:
+            return -1
 
     def _wait(self) -> asyncio.Future[None]:
         if self._changed is None or self._changed.done():  # done: a cancelled waiter's
