@@ -23,7 +23,8 @@ system). In order:
    files and spare files (:mod:`.spares`; a crash leaves them, maybe torn) are removed only by the
    lock holder (for anyone else they may be writes in flight), and counted as temporary files.
 6. The pending-delete record (:mod:`.deletelog`) is honoured (:func:`apply_deletes`): pages
-   deleted whose unlink failed before a crash are not indexed, and the lock holder unlinks them.
+   deleted whose unlink failed before a crash are not indexed, and the lock holder unlinks them
+   (and the record's temporary file a crash left).
 
 :func:`list_fanout` is that scan of one fan-out directory; the looks of a tier that follows a
 directory another cache holds (:mod:`.follow`) list through it too, and a start that finds the
@@ -45,7 +46,7 @@ from pathlib import Path
 from aiokv.keys import KEY_BYTES, PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, load_deletes
+from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes
 from .pagefile import TEMP_PREFIX, PageFiles
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
 from .spares import SPARE_PREFIX
@@ -260,6 +261,17 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
     record that cannot be read or is damaged names unknown deletes: every page found counts as
     deleted (a miss for all rather than stale data; the lock holder unlinks them and saves a
     record of what is left). Blocking: the start's thread."""
+    writer = state.read_only is None and state.lock_fd is not None
+    if writer:
+        # A crash while the record was saved left its temporary file (review 218: it lay there
+        # until a later save): removed by the lock holder only, as any crash's temporary file.
+        try:
+            os.unlink(DELETES_TEMP, dir_fd=state.dir_fd)
+            state.temp_removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            state.faults.append((exc, f"removing {shown / DELETES_TEMP}"))
     try:
         records = load_deletes(state.dir_fd)
     except OSError as exc:
@@ -274,7 +286,6 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
     kept: dict[PageKey, int] = {}
     found: list[tuple[int, PageKey]] = []
     seen: set[PageKey] = set()
-    writer = state.read_only is None and state.lock_fd is not None
     for mtime, key in state.found:
         seen.add(key)
         when = records.get(key)
