@@ -67,23 +67,29 @@ class Promotion:
 
 @dataclass(slots=True)
 class CommitWaits:
-    """The waits of one call (a load, a prefetch, a stream) for pages other calls are writing into the pool:
-    ``commit_wait`` in all, one deadline from the call's first such wait on, and one
-    ``commit_wait_expired`` between them. Each wait took a fresh ``commit_wait`` (a promotion's,
-    a later read group's, a later window's): a prefetch whose wait for a page of the pool's
-    prefix ended late then waited a whole ``commit_wait`` again for a page past it whose writer
-    was stopped, about twice the bound in all (review 214)."""
+    """The waits of one call (a load, a prefetch, a stream) for pages other calls are writing into
+    the pool: ``commit_wait`` in all, and one ``commit_wait_expired`` between them
+    (:meth:`LoadPath._wait_call`). Each wait took a fresh ``commit_wait`` (a promotion's, a later
+    read group's, a later window's): a prefetch whose wait for a page of the pool's prefix ended
+    late then waited a whole ``commit_wait`` again for a page past it whose writer was stopped,
+    about twice the bound in all (review 214). The bound is the time spent waiting (while any wait
+    of the call runs), not a deadline from the first wait: that cut at once a wait that began
+    after it, in a call that lives long and waited little (a stream through a long prefill, a load
+    in many windows: review 217)."""
 
-    deadline: float | None = None
-    """Loop time at which every wait of the call stops; None until its first wait."""
+    spent: float = 0.0
+    """Loop seconds during which a wait of the call ran, up to the start of the current stretch."""
+    since: float = 0.0
+    """Loop time the current stretch of waits began (while ``running``)."""
+    running: int = 0
+    """Waits of the call running now (they wait together: the stretch counts once)."""
     expired: list[bool] = field(default_factory=list)
     """Non-empty once one of its waits expired and counted it (``ManagerBase._wait_committed``)."""
     reading: set[PageKey] = field(default_factory=set)
     """Pages the call's own promotions reserved and are reading now. A wait for one of them (a
     later window meets a page its promotions adopted past the last window still read) is not a
-    wait for another call: it takes a fresh ``commit_wait``, not the call's deadline, which may
-    have passed by then (the window expired at once and the load stopped there for no fault:
-    review 217)."""
+    wait for another call: it takes a fresh ``commit_wait`` and spends none of the call's (the
+    window expired at once and the load stopped there for no fault: review 217)."""
 
 
 _CALL_WAITS: contextvars.ContextVar[CommitWaits | None] = contextvars.ContextVar("aiokv_call_waits", default=None)
@@ -773,7 +779,7 @@ class LoadPath(ManagerBase):
         """A reference on ``key``, in the pool (PRESENT) or being brought in by another call
         (PENDING: wait for its commit, ``commit_wait`` at most: a miss then, as a match stops
         there; review 115); nothing was read by this call. A miss when it is gone. ``waits``: the
-        call's (:class:`CommitWaits`: one deadline and one expiry between its waits; a page its
+        call's (:class:`CommitWaits`: ``commit_wait`` in all and one expiry between its waits; a page its
         own promotions are reading takes a fresh ``commit_wait``, :attr:`CommitWaits.reading`);
         None: this promotion's own.
 
@@ -783,25 +789,20 @@ class LoadPath(ManagerBase):
         load of pages all on disk stopped at the first one a cancelled offload had reserved,
         counted ``load_shortened`` (review 195), where a match in its place goes on to the disk. So
         is a page committed and evicted for room before this call looked (review 204); one reserved
-        again by a third call meanwhile is waited for in turn, within the one deadline (review 205)."""
+        again by a third call meanwhile is waited for in turn, within the same bound (review 205)."""
         table = self.pool.table
         handle = None
         waits = CommitWaits() if waits is None else waits
-        deadline = 0.0
-        if outcome is ReserveOutcome.PENDING:
-            # The call's own read (a promotion adopted past a window): a fresh bound (review 217).
-            deadline = self._commit_deadline() if key in waits.reading else self._commit_wait_until(waits)
-        expired = waits.expired
-        if outcome is not ReserveOutcome.PENDING or await self._wait_written(key, deadline, "a load", expired):
+        if outcome is not ReserveOutcome.PENDING or await self._wait_call(key, waits, "a load"):
             # Committed, but the waiter resumes loop hops later: a page committed with no reference
             # (the disk held it already) may have been evicted for room meanwhile. Taken for a miss,
             # the load stopped there with the page still on disk (review 204): read again below.
             handle = table.acquire(key)
             # Evicted and reserved again by a third call before this one looked (another load's
-            # read of it, an offload): waited for in turn, within the one deadline. Taken for a
+            # read of it, an offload): waited for in turn, within the same bound. Taken for a
             # miss (not FREE, so not read below), the load stopped there (review 205).
             while (handle is None and table.state_of(key) is PageState.RESERVED
-                   and await self._wait_written(key, self._commit_wait_until(waits), "a load", expired)):
+                   and await self._wait_call(key, waits, "a load")):
                 handle = table.acquire(key)
         if handle is not None:
             return Promotion(handle, read=False)
@@ -811,11 +812,25 @@ class LoadPath(ManagerBase):
             return await self._promote(key, windowed, again=False, waits=waits)
         return NoPage.MISS
 
-    def _commit_wait_until(self, waits: CommitWaits) -> float:
-        """The deadline of the call's waits for other calls' commits: set by its first one."""
-        if waits.deadline is None:
-            waits.deadline = self._commit_deadline()
-        return waits.deadline
+    async def _wait_call(self, key: PageKey, waits: CommitWaits, who: str) -> bool:
+        """:meth:`_wait_written` for a wait of the call of ``waits``: within what is left of its
+        ``commit_wait`` (time spent while any of its waits ran; waits that run together spend it
+        together), one expiry counted between them. A page the call's own promotions are reading
+        (:attr:`CommitWaits.reading`) takes a fresh ``commit_wait`` and spends none of it."""
+        if key in waits.reading:
+            return await self._wait_written(key, self._commit_deadline(), who, waits.expired)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not waits.running:
+            waits.since = now
+        waits.running += 1
+        deadline = now + self.config.commit_wait - waits.spent - (now - waits.since)
+        try:
+            return await self._wait_written(key, deadline, who, waits.expired)
+        finally:
+            waits.running -= 1
+            if not waits.running:
+                waits.spent += loop.time() - waits.since
 
     def _settle_reads(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> None:
         """A batch read abandoned by a cancelled caller finished: keep each page that verified."""
@@ -849,7 +864,7 @@ class LoadPath(ManagerBase):
         # all). It was counted in the pool and passed (review 202): when its writer then gave it
         # up (an offload cancelled, a copy or read failed), the prefetch had reported a page that
         # was not there and read nothing, and the load after it read the page from disk itself.
-        # The same bound holds for its promotions' waits (one deadline for the call: review 214).
+        # The same bound holds for its promotions' waits (commit_wait for the call: reviews 214, 217).
         waits = CommitWaits()
         expired = waits.expired
         for key in keys:
@@ -857,8 +872,7 @@ class LoadPath(ManagerBase):
             if not table.touch(key):
                 if table.state_of(key) is not PageState.RESERVED:
                     break
-                deadline = self._commit_wait_until(waits)
-                if not (await self._wait_written(key, deadline, "a prefetch", expired) and table.touch(key)):
+                if not (await self._wait_call(key, waits, "a prefetch") and table.touch(key)):
                     break  # given up (read from disk below when it is there), or its writer is stopped
             in_pool += 1
         # Not past a page whose writer is stopped: its promotion would wait for the same writer.

@@ -7,7 +7,9 @@ an adopted promotion is still reading is PENDING, and the window waits for its c
 a window that met its own read after that deadline expired at once: the load stopped there
 (``commit_wait_expired``, ``load_shortened``) although only its own disk read was under way.
 Waiting for one's own read now takes a fresh ``commit_wait`` (as every wait did before review
-214); waits for other calls' pages keep the one deadline.
+214) and spends none of the call's; waits for other calls' pages share the call's
+``commit_wait``, now the time they spent (review 217's budget: see test_adv_rev217_wait_budget).
+Here the first wait spends all but ``SPARE_S`` of it, and the own read is held longer than that.
 
 Everything real but the first writer of page 4, a page-table reservation (as a TP rank's copy
 holds one) given up while the load waits for it: the load's promotion then reads page 4 itself,
@@ -40,6 +42,10 @@ FILLER = POOL - 3
 """Pages held by another prompt: 3 free, for pages 0-1 and page 4's first writer."""
 WAIT_S = 1.0
 """commit_wait."""
+SPARE_S = 0.1
+"""The call's commit_wait left when page 4's first writer gives it up."""
+HELD_S = 0.3
+"""How long the load's own read of page 4 is held once window 2 waits for it (more than SPARE_S)."""
 BOUND_S = 20.0
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="holds the CPU copy thread")
@@ -80,19 +86,23 @@ async def test_a_later_window_waits_for_its_own_read_past_the_calls_deadline(
             # Window 1: pages 0-1 read and in a copy (held), 2-3 found no room, page 4 waited for.
             await hold.wait_entered()
             await until(lambda: any(waiting_in(t, "wait_committed") for t in asyncio.all_tasks()))
-            deadline = loop.time() + WAIT_S  # the call's deadline is no later
-            # The writer gives page 4 up: the load's adopted promotion reads it (held).
+            deadline = loop.time() + WAIT_S  # the call's first wait ends no later
+            # The writer gives page 4 up late, most of the call's commit_wait spent: the load's
+            # adopted promotion reads it (held).
             gate = ReadGate(disk, monkeypatch, limit=1)
-            table.abort(first.handle)
+            given_up = asyncio.Event()
+            loop.call_at(deadline - SPARE_S, lambda: (table.abort(first.handle), given_up.set()))
+            await given_up.wait()
             await until_thread(lambda: bool(gate is not None and gate.held), "page 4's read")
             assert table.state_of(keys[4]) is PageState.RESERVED
-            # The bound is what this is about: past the call's deadline, window 1's copy ends.
+            # The bound is what this is about: past the first wait's deadline, window 1's copy ends.
             await asyncio.sleep(max(0.0, deadline - loop.time()) + 0.05)
             hold.release()
-            # Window 2 meets page 4, its own read's: it waits (before: expired at once, the load over).
+            # Window 2 meets page 4, its own read's: it waits (before: expired at once, or once the
+            # call's commit_wait left, SPARE_S, was spent; the load over).
             await until_thread(lambda: load.done() or any(
                 waiting_in(t, "wait_committed") for t in asyncio.all_tasks()), "window 2's wait")
-            gate.open()
+            loop.call_later(HELD_S, gate.open)  # a read slower than the call's commit_wait left
             async with asyncio.timeout(BOUND_S):
                 result = await load
         finally:
