@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ async def test_a_stream_waits_past_its_first_waits_deadline_when_it_waited_littl
         target = torch.arange(100, 100 + PAGES * T)
         gate = ReadGate(disk, monkeypatch, limit=1)
 
-        async def stream() -> object:
+        async def stream() -> Any:
             s = await cache.start_load(match, target)
             return await s.finish()
 
@@ -93,7 +94,7 @@ async def test_a_stream_waits_past_its_first_waits_deadline_when_it_waited_littl
                     table.abort(handle)
             if not task.done():
                 task.cancel()
-        assert result.loaded_tokens == PAGES * T, (result, errors_of(cache))  # type: ignore[attr-defined]
+        assert result.loaded_tokens == PAGES * T, (result, errors_of(cache))
         assert errors_of(cache) == {}, errors_of(cache)
         assert torch.equal(kv[:, target], kv[:, : PAGES * T])
         await assert_quiescent(cache)
