@@ -240,11 +240,12 @@ class CacheConfig:
     before it drops the rest of its pages (counted as pool_exhausted)."""
 
     commit_wait: float = 5.0
-    """Seconds a ``match`` waits in all for pages another call is still writing into the pool (an
-    offload, a promotion from disk), and a load's or stream's promotion for such a page; then it
-    stops there (a shorter hit or load, counted as commit_wait_expired; not counted when 0, which
-    never waits). A commit is a copy away; a writer that is stopped (a SIGSTOPped TP rank, a stuck
-    driver call) held every lookup sharing its pages for as long (reviews 114, 115)."""
+    """Seconds a call waits in all for pages another call is still writing into the pool (an
+    offload, a promotion from disk): a ``match``, and a load, prefetch or stream, whose waits share
+    one budget of time spent waiting (its waits for its own promotions' reads are not counted);
+    then it stops there (a shorter hit or load, counted as commit_wait_expired; not counted when 0,
+    which never waits). A commit is a copy away; a writer that is stopped (a SIGSTOPped TP rank, a
+    stuck driver call) held every lookup sharing its pages for as long (reviews 114, 115, 214, 217)."""
 
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them
