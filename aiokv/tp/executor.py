@@ -527,7 +527,8 @@ class RankExecutor:
             try:
                 queued = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 queued.record(stream)
-                failed = self._bridge.wait(queued, Lane.OFFLOAD if spec.direction is Direction.OFFLOAD else Lane.LOAD)
+                lane = Lane.OFFLOAD if spec.direction is Direction.OFFLOAD else Lane.LOAD
+                failed = _wait_event(self._bridge, queued, lane)
             except Exception:
                 # The record failed too (a sticky CUDA error): nothing queued will run any more, and
                 # execute() must still report (else the close waits for this job for ever).
@@ -536,7 +537,7 @@ class RankExecutor:
                 return
             failed.add_done_callback(functools.partial(_failed_after_queued, result, _classify(exc)))
             return
-        waited = self._bridge.wait(event, lane)
+        waited = _wait_event(self._bridge, event, lane)
         waited.add_done_callback(functools.partial(_event_done, result))
 
     def _fed(self, paced: PacedLayers, result: asyncio.Future[RankReport], fed: asyncio.Future[None]) -> None:
@@ -708,6 +709,48 @@ def _copied(result: asyncio.Future[RankReport], copy: asyncio.Future[None]) -> N
         result.set_result(_classify(exc))
     else:
         result.set_result(RankReport(RankStatus.OK))
+
+
+def _wait_event(bridge: CompletionBridge, event: torch.cuda.Event | None, lane: Lane) -> asyncio.Future[None]:
+    """``bridge.wait(event, lane)``; once the bridge is closed (a teardown, interpreter shutdown) a
+    thread of its own waits for ``event``. The copy is queued by then: a report before it ends (the
+    bridge's RuntimeError reported as COPY_FAILED, review 216) let the manager hand its slots and
+    pages to other work while the GPU still wrote them."""
+    try:
+        return bridge.wait(event, lane)
+    except RuntimeError:
+        pass
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    if event is None:
+        future.set_result(None)
+        return future
+
+    def settle(error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def wait() -> None:
+        error: BaseException | None = None
+        try:
+            event.synchronize()
+        except Exception as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    try:
+        threading.Thread(target=wait, name="aiokv-event-wait", daemon=True).start()
+    except RuntimeError:  # no new thread at interpreter shutdown: wait here (the loop is ending)
+        event.synchronize()
+        future.set_result(None)
+    return future
 
 
 def _failed_after_queued(result: asyncio.Future[RankReport], report: RankReport, _: asyncio.Future[None]) -> None:

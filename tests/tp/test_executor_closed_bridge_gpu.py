@@ -1,0 +1,71 @@
+"""Review 216: a CUDA rank whose completion bridge was closed after it queued a copy reports only
+once the copy is done.
+
+0a7c120 made ``RankExecutor.execute`` report the bridge's ``RuntimeError`` (closed: a teardown, or
+interpreter shutdown) as COPY_FAILED instead of letting it escape. On CUDA the copy is queued on the
+GPU before the bridge is asked to wait for its event: reported at once, the manager handed the slots
+(a load) or the pages (an offload) to other work while the GPU still wrote them. Behind 0.4 s of
+the engine's queued work, the report must wait for the copy, and say what it did.
+Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tp_helpers import full_kv, new_pool, rank_kv
+
+from aiokv.cuda import CompletionBridge
+from aiokv.kernels import TransferPath
+from aiokv.layout import KVBuffer, KVLayout, TPSlice
+from aiokv.pool import PagePool
+from aiokv.tp import Direction, RankExecutor, RankStatus, TPConfig, TransferSpec
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LAYOUT = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=16)
+T = LAYOUT.page_tokens
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("direction", [Direction.OFFLOAD, Direction.LOAD])
+async def test_a_copy_queued_before_the_bridge_closed_reports_after_it_ran(direction: Direction) -> None:
+    pool = await new_pool(LAYOUT.for_tp(2), 4)
+    bridge = CompletionBridge()
+    full = full_kv(LAYOUT, 7, slots=64)
+    kv = KVBuffer.wrap(LAYOUT, rank_kv(full, LAYOUT, 0, 2).cuda(), TPSlice.of(LAYOUT, 0, 2))
+    engine = torch.cuda.Stream()
+    executor = RankExecutor(kv, PagePool.attach(pool.name, pool.layout), 1, bridge, TPConfig(), engine,
+                            TransferPath.STAGING)
+    try:
+        warm = executor.execute(TransferSpec.build(1, Direction.OFFLOAD, 1, T, [0], range(T)))
+        assert (await warm).status is RankStatus.OK  # registered: later copies launch at once
+        await asyncio.to_thread(bridge.close)
+        if direction is Direction.LOAD:
+            spec = TransferSpec.build(2, Direction.LOAD, 1, T, [0], range(32, 32 + T))
+        else:
+            pool.pages[1].view(torch.uint8).fill_(0xA5)
+            spec = TransferSpec.build(2, Direction.OFFLOAD, 1, T, [1], range(T))
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(400_000_000)  # type: ignore[no-untyped-call]  # the engine's queued work
+        report = executor.execute(spec)
+        done = await report
+        # The copy runs after the engine's queued work: the report may not come before that ended.
+        assert engine.query(), f"reported ({done}) while the engine's work, and the copy behind it, still ran"
+        torch.cuda.synchronize()
+        assert done.status is RankStatus.OK, done
+        if direction is Direction.LOAD:
+            assert torch.equal(kv.k_layers[0][32:32 + T].cpu(), kv.k_layers[0][0:T].cpu())
+        else:
+            assert torch.equal(pool.pages[1], pool.pages[0])
+        assert executor.in_flight == 0
+    finally:
+        closing = asyncio.ensure_future(executor.aclose())
+        finished, _ = await asyncio.wait({closing}, timeout=10)
+        assert finished, "the executor's close did not end"
+        await pool.aclose()
