@@ -403,7 +403,9 @@ class RankWorker:
         def cancelled() -> None:
             nonlocal timer
             if timer is None:
-                timer = loop.call_later(self.config.abandon_copies_s, end, False)
+                # Drained by then unless copies still count: the copies' end and the bound may land
+                # in one turn of the loop, the bound's callback first (review 216).
+                timer = loop.call_later(self.config.abandon_copies_s, lambda: end(not executor.in_flight))
 
         executor.drained().add_done_callback(lambda _: end(True))
 
