@@ -15,10 +15,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from cache_helpers import DEVICE, LAYOUT, config, errors_of, make_kv, prompt
-from loop_probes import until, waiting_in
+import torch
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, prompt
+from loop_probes import until, until_thread, waiting_in
+from test_adv_rev214_read_eviction import ReadGate
 
-from aiokv import KVCache
+from aiokv import KVCache, loadpath
 from aiokv.loadpath import CommitWaits, LoadPath
 
 T = LAYOUT.page_tokens
@@ -86,3 +88,65 @@ async def test_a_cancelled_wait_beside_another_neither_stalls_nor_restarts_the_c
             for handle in writers:
                 if handle is not None and not handle.released:
                     table.abort(handle)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("call", ["load", "stream"])
+async def test_a_cancelled_call_leaves_no_wait_behind_and_its_adopted_wait_keeps_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """A load or stream cancelled while its reads are held and it waits for a stopped writer's
+    page: the adopted promotions end within ``commit_wait`` (the flush returns), the call's
+    ``reading`` is empty and no wait is counted running, one ``commit_wait_expired``."""
+    pages = 3
+    tokens = prompt(2192, pages * T)
+    kv = make_kv(2193)
+    made: list[CommitWaits] = []
+
+    def recorded() -> CommitWaits:
+        waits = CommitWaits()
+        made.append(waits)
+        return waits
+
+    async with KVCache(config(tmp_path / "disk", pool_pages=16, commit_wait=WAIT_S), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        table = cache.pool.table
+        keys = cache.keys(tokens)
+        assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
+        await cache.flush()
+        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        match = await cache.match(tokens)
+        assert (match.pool_pages, match.disk_pages) == (0, pages), match
+        (res,) = cache.pool.reserve(keys[-1:])  # the last page's writer: stopped for good
+        writer = res.handle
+        assert writer is not None, res
+        monkeypatch.setattr(loadpath, "CommitWaits", recorded)
+        gate = ReadGate(disk, monkeypatch)
+        target = torch.arange(100, 100 + pages * T)
+        if call == "load":
+            load = asyncio.create_task(cache.load(match, target))
+        else:
+            stream = await cache.start_load(match, target)
+            made.append(stream._waits)
+            load = asyncio.create_task(stream.finish())
+        try:
+            await until_thread(lambda: len(gate.held) >= 1, "a read")
+            await until(lambda: any(waiting_in(t, "wait_committed") for t in asyncio.all_tasks()))
+            load.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            gate.open()
+            async with asyncio.timeout(BOUND_S):
+                await cache.flush()  # the adopted promotions: over within commit_wait
+            assert made, made
+            for waits in made:
+                assert waits.reading == set() and waits.running == 0, waits
+            assert errors_of(cache) == {"commit_wait_expired": 1}, errors_of(cache)
+        finally:
+            gate.open()
+            if not writer.released:
+                table.abort(writer)
+            if not load.done():
+                load.cancel()
+        await assert_quiescent(cache)
