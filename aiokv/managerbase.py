@@ -232,6 +232,12 @@ class ManagerBase:
             async with asyncio.timeout_at(deadline):
                 return await self.pool.table.wait_committed(key)
         except TimeoutError:
+            # Committed or given up as the timeout fell due (its wake-up ran first, the timeout's
+            # cancel then reached the task): no expiry, the page is there or free (review 219: it
+            # was counted, and a prefetch read nothing past it).
+            state = self.pool.table.state_of(key)
+            if state is not PageState.RESERVED:
+                return state is PageState.READY
             self._count_expiry(who, expired)
             return False
 

@@ -22,6 +22,7 @@ from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import KVCache, loadpath
 from aiokv.loadpath import CommitWaits, LoadPath
+from aiokv.pagetable import PageState
 
 T = LAYOUT.page_tokens
 WAIT_S = 0.5
@@ -149,4 +150,62 @@ async def test_a_cancelled_call_leaves_no_wait_behind_and_its_adopted_wait_keeps
                 table.abort(writer)
             if not load.done():
                 load.cancel()
+        await assert_quiescent(cache)
+
+
+EARLY_S = 0.1
+"""How long before the wait's deadline the loop is held (an engine step), the writer committing at its end."""
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("call", ["match", "prefetch"])
+async def test_a_writer_that_commits_as_the_wait_times_out_is_no_expiry(tmp_path: Path, call: str) -> None:
+    """The page's writer commits at the end of a long callback (an engine step) that holds the loop
+    past the wait's deadline: the commit's wake-up and the timeout's callback run in the next turn,
+    the commit's first, so the wait ends in ``TimeoutError`` with the page READY. It was counted
+    ``commit_wait_expired`` (a fault, the call's one expiry) and a prefetch then read none of the
+    disk pages past it, though its wait returned the page committed."""
+    pages = 2
+    tokens = prompt(2194, pages * T)
+    async with KVCache(config(tmp_path / "disk", pool_pages=16, commit_wait=WAIT_S), LAYOUT, make_kv(2195)) as cache:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        table = cache.pool.table
+        keys = cache.keys(tokens)
+        assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
+        await cache.flush()
+        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        (res,) = cache.pool.reserve(keys[:1])
+        writer = res.handle
+        assert writer is not None, res
+        loop = asyncio.get_running_loop()
+        before = loop.time()
+        task = asyncio.create_task(cache.match(tokens) if call == "match" else cache.prefetch(tokens))
+        try:
+            await until(lambda: waiting_in(task, "wait_committed"))
+            after = loop.time()  # the wait's deadline lies in [before, after] + WAIT_S
+
+            def step_then_commit() -> None:
+                end = after + WAIT_S + 0.01
+                while loop.time() < end:
+                    pass  # an engine step holding the loop past the deadline
+                table.commit(writer)
+
+            loop.call_at(before + WAIT_S - EARLY_S, step_then_commit)
+            async with asyncio.timeout(BOUND_S):
+                result = await task
+        finally:
+            if not writer.released:
+                table.abort(writer)
+            if not task.done():
+                task.cancel()
+        assert table.state_of(keys[0]) is PageState.READY
+        errors = errors_of(cache)
+        if call == "match":
+            assert (result.pool_pages, result.disk_pages) == (1, 1), (result, errors)
+            result.release()
+        else:
+            assert (result.pool_pages, result.promoted) == (1, 1), (result, errors)
+        assert errors == {}, errors
         await assert_quiescent(cache)
