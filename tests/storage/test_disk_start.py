@@ -201,7 +201,9 @@ async def test_a_cancelled_start_closes_what_it_opened_and_releases_the_lock(
             await start
     finally:
         gate.set()
-    assert _fd_count() == count
+    # At most as many as before: another test's thread in this process may close its own meanwhile
+    # (2 fewer on a host running 16 test workers); the descriptors into the cache are checked exactly below.
+    assert _fd_count() <= count
     if caller_fd is not None:
         os.fstat(caller_fd)  # still the caller's, still open
         os.close(caller_fd)

@@ -23,7 +23,7 @@ from disk_helpers import assert_clean, config, key_of
 from follow_helpers import started
 from gate_helpers import BOUND_S
 from listing_fs import ListingFs, listing_ext4
-from loop_probes import until
+from loop_probes import until, until_thread
 from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
@@ -94,7 +94,9 @@ async def test_a_close_during_the_start_ends_its_listing(tmp_path: Path, backend
             starting.result()
         assert tier.statistics().pages == 0
         assert _fds() == fds
-        assert not _threads("aiokv-disk-start")
+        # The thread has handed its result over and is ending: a bounded wait for its end (on a
+        # host running 16 test workers it was still alive one line after the result arrived).
+        await until_thread(lambda: not _threads("aiokv-disk-start"), "the start's thread ending", BOUND_S)
         async with started(DiskTier(cfg, layout, pool)) as again:
             assert again.statistics().pages == FILES
     assert_clean(pool)

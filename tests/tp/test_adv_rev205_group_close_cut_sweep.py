@@ -45,6 +45,11 @@ def _cancel_every_task_but_mine() -> None:
             task.cancel()
 
 
+# The sweep cancels every task of the loop, asyncio's own too: a cancel that lands on the task
+# asyncio runs for an accepted connection (``_accept_connection2``, a rank reconnecting while the
+# close runs) before its first step leaves that socket unclosed (CPython 3.11 and 3.12; reproduced
+# without aiokv, review 216), and its ResourceWarning at collection is no leak of the library's.
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
 @pytest.mark.asyncio
 async def test_a_loop_wide_cancel_at_each_point_of_the_group_s_close_after_the_report(
         tmp_path: Path, pool: PagePool) -> None:
