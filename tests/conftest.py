@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(hard_stop, "aiokv-hard-stop")
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected: what is dealt is what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n``) each worker's first tests are its share of those marked ``slow``
     (tests/xdist_order.py: a long one handed out last ran alone for minutes at the end of the GPU

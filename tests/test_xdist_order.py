@@ -79,3 +79,15 @@ def test_the_marks_time_or_the_default() -> None:
     assert xdist_order.slow_seconds(_Item(None)) is None  # type: ignore[arg-type]
     assert xdist_order.slow_seconds(_Item(pytest.mark.slow.mark)) == xdist_order.DEFAULT_SLOW_S  # type: ignore[arg-type]
     assert xdist_order.slow_seconds(_Item(pytest.mark.slow(seconds=45).mark)) == 45.0  # type: ignore[arg-type]
+
+
+def test_the_deal_runs_after_the_marks_deselected(request: pytest.FixtureRequest) -> None:
+    """The deal orders what runs: dealt before ``-m`` deselected (conftest's hook first, as pluggy
+    calls the last registered first), a timing run's slow tests sat in one chunk, one after another
+    (the H100 host's ``-m timing -n 6``: both 36-40 s warm-up tests on one worker, 115 s)."""
+    impls = request.config.pluginmanager.hook.pytest_collection_modifyitems.get_hookimpls()
+    called = list(reversed(impls))  # pluggy's call order
+    ours = [i for i, impl in enumerate(called) if impl.function.__code__.co_filename.endswith("tests/conftest.py")]
+    marks = [i for i, impl in enumerate(called) if request.config.pluginmanager.get_name(impl.plugin) == "mark"]
+    assert len(ours) == 1 and len(marks) == 1, (ours, marks)
+    assert ours[0] > marks[0], "the slow tests are dealt before -m/-k deselect"
