@@ -103,6 +103,7 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA slot read-back")
+@pytest.mark.slow(seconds=9)
 @pytest.mark.timing
 def test_a_processs_first_strided_cuda_slots_do_not_stall_the_loop_after_start() -> None:
     """The gather of strided slots is the process's first launch of torch's copy kernel for their
