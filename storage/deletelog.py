@@ -24,6 +24,8 @@ import hashlib
 import os
 import stat
 import struct
+import time
+from collections.abc import Callable
 
 from aiokv.keys import KEY_BYTES, PageKey
 
@@ -94,6 +96,31 @@ def load_deletes(dir_fd: int) -> dict[PageKey, int]:
         return decode(b"".join(chunks))
     finally:
         os.close(fd)
+
+
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+"""Read faults that say nothing about the record (short of descriptors or memory, interrupted):
+the read is tried again (:func:`load_deletes_retrying`)."""
+RETRY_DELAYS_S = (0.01, 0.04, 0.16)
+"""Back-off before each further try: 0.21 s in all at most, on the start's thread."""
+
+
+def load_deletes_retrying(dir_fd: int, retrying: Callable[[OSError], None]) -> dict[PageKey, int]:
+    """:func:`load_deletes`, tried again after a short back-off (:data:`RETRY_DELAYS_S`) when it
+    fails with a passing fault (:data:`TRANSIENT_ERRNOS`; ``retrying`` is told each): such a fault
+    at a start once took every page on disk for deleted (review 220). Raises as
+    :func:`load_deletes` once the tries are spent, at once for any other fault. Blocking."""
+    for delay in RETRY_DELAYS_S:
+        try:
+            return load_deletes(dir_fd)
+        except DeletesCorrupt:
+            raise
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                raise
+            retrying(exc)
+        time.sleep(delay)
+    return load_deletes(dir_fd)
 
 
 def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:

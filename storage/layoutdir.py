@@ -46,7 +46,7 @@ from pathlib import Path
 from aiokv.keys import KEY_BYTES, PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes
+from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes_retrying
 from .pagefile import TEMP_PREFIX, PageFiles
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
 from .spares import SPARE_PREFIX
@@ -260,7 +260,9 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
     named (its fan-out directory may be unreadable now): the tier's first retry finds it gone. A
     record that cannot be read or is damaged names unknown deletes: every page found counts as
     deleted (a miss for all rather than stale data; the lock holder unlinks them and saves a
-    record of what is left). Blocking: the start's thread."""
+    record of what is left). A passing read fault (out of descriptors or memory:
+    :data:`~.deletelog.TRANSIENT_ERRNOS`) is first tried again for a fraction of a second
+    (:func:`~.deletelog.load_deletes_retrying`), each try counted. Blocking: the start's thread."""
     writer = state.read_only is None and state.lock_fd is not None
     if writer:
         # A crash while the record was saved left its temporary file (review 218: it lay there
@@ -272,8 +274,15 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
             pass
         except OSError as exc:
             state.faults.append((exc, f"removing {shown / DELETES_TEMP}"))
+    def retrying(exc: OSError) -> None:
+        # Short of descriptors or memory says nothing about the record: tried again, not taken
+        # for a damaged record (that unlinked every page on disk; review 220).
+        state.faults.append((exc, f"reading {shown / DELETES_NAME} (tried again)"))
+        log.warning("disk tier: reading the pending-delete record %s failed (%s): trying again",
+                    shown / DELETES_NAME, exc.strerror)
+
     try:
-        records = load_deletes(state.dir_fd)
+        records = load_deletes_retrying(state.dir_fd, retrying)
     except OSError as exc:
         state.faults.append((exc, f"reading {shown / DELETES_NAME}"))
         log.error("disk tier: the pending-delete record %s cannot be trusted (%s): no page found there is served",
