@@ -139,3 +139,25 @@ class CopyThreadGate:
 def errors_of(cache: KVCache) -> dict[str, int]:
     """The fault counters of ``cache`` that are not zero (kind -> count)."""
     return {kind: n for kind, n in cache.stats().errors.items() if n}
+
+
+async def on_disk_only(cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor) -> list[Any]:
+    """Offload ``tokens`` from ``slots`` and flush, then drop their pages from the pool: each is on
+    disk only. Returns their keys."""
+    disk = cache.disk
+    assert disk is not None
+    keys = cache.keys(tokens)
+    assert (await cache.offload(tokens, slots)).stored == len(keys)
+    await cache.flush()
+    assert all(disk.contains(k) and cache.pool.table.discard(k) for k in keys)  # on disk only
+    return keys
+
+
+def reserve_each(cache: KVCache, keys: list[Any]) -> list[Any]:
+    """A page-table reservation of each key (its writer, for a test): their handles, in order."""
+    writers = []
+    for key in keys:
+        (res,) = cache.pool.reserve([key])
+        assert res.handle is not None, res
+        writers.append(res.handle)
+    return writers

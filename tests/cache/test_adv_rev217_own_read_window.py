@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, mover_of, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, mover_of, on_disk_only, prompt
 from held_call import Hold
 from loop_probes import until, until_thread, waiting_in
 from test_adv_rev214_read_eviction import ReadGate
@@ -63,10 +63,7 @@ async def test_a_later_window_waits_for_its_own_read_past_the_calls_deadline(
         disk = cache.disk
         assert disk is not None
         table = cache.pool.table
-        keys = cache.keys(tokens)
-        assert (await cache.offload(tokens, torch.arange(PAGES * T))).stored == PAGES
-        await cache.flush()
-        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        keys = await on_disk_only(cache, tokens, torch.arange(PAGES * T))
         assert (await cache.offload(filler, torch.arange(100, 100 + FILLER * T))).stored == FILLER
         await cache.flush()
         held = await cache.match(filler)  # referenced: not evictable

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, assert_quiescent, config, errors_of, make_kv, prompt
+from cache_helpers import LAYOUT, assert_quiescent, config, errors_of, make_kv, on_disk_only, prompt, reserve_each
 
 from aiokv import KVCache
 from aiokv.pagetable import PageHandle
@@ -52,17 +52,10 @@ async def test_a_stream_waits_commit_wait_in_all_across_its_promotions(tmp_path:
         disk = cache.disk
         assert disk is not None
         table = cache.pool.table
-        keys = cache.keys(tokens)
-        assert (await cache.offload(tokens, torch.arange(PAGES * T))).stored == PAGES
-        await cache.flush()
-        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        keys = await on_disk_only(cache, tokens, torch.arange(PAGES * T))
         match = await cache.match(tokens)
         assert (match.pool_pages, match.disk_pages) == (0, PAGES), match
-        writers: list[PageHandle] = []
-        for key in keys:
-            (res,) = cache.pool.reserve([key])
-            assert res.handle is not None, res
-            writers.append(res.handle)
+        writers: list[PageHandle] = reserve_each(cache, keys)
         loop = asyncio.get_running_loop()
         target = torch.arange(100, 100 + PAGES * T)
 

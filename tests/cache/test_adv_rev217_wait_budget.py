@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import LAYOUT, assert_quiescent, config, errors_of, make_kv, prompt
+from cache_helpers import LAYOUT, assert_quiescent, config, errors_of, make_kv, on_disk_only, prompt, reserve_each
 from loop_probes import until, until_thread, waiting_in
 from test_adv_rev214_read_eviction import ReadGate
 
@@ -54,17 +54,10 @@ async def test_a_stream_waits_past_its_first_waits_deadline_when_it_waited_littl
         disk = cache.disk
         assert disk is not None
         table = cache.pool.table
-        keys = cache.keys(tokens)
-        assert (await cache.offload(tokens, torch.arange(PAGES * T))).stored == PAGES
-        await cache.flush()
-        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        keys = await on_disk_only(cache, tokens, torch.arange(PAGES * T))
         match = await cache.match(tokens)
         assert (match.pool_pages, match.disk_pages) == (0, PAGES), match
-        writers: list[PageHandle] = []
-        for key in keys:
-            (res,) = cache.pool.reserve([key])
-            assert res.handle is not None, res
-            writers.append(res.handle)
+        writers: list[PageHandle] = reserve_each(cache, keys)
         loop = asyncio.get_running_loop()
         target = torch.arange(100, 100 + PAGES * T)
         gate = ReadGate(disk, monkeypatch, limit=1)

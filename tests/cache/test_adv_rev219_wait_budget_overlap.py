@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, on_disk_only, prompt
 from loop_probes import until, until_thread, waiting_in
 from test_adv_rev214_read_eviction import ReadGate
 
@@ -113,10 +113,7 @@ async def test_a_cancelled_call_leaves_no_wait_behind_and_its_adopted_wait_keeps
         disk = cache.disk
         assert disk is not None
         table = cache.pool.table
-        keys = cache.keys(tokens)
-        assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
-        await cache.flush()
-        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        keys = await on_disk_only(cache, tokens, torch.arange(pages * T))
         match = await cache.match(tokens)
         assert (match.pool_pages, match.disk_pages) == (0, pages), match
         (res,) = cache.pool.reserve(keys[-1:])  # the last page's writer: stopped for good
@@ -172,10 +169,7 @@ async def test_a_writer_that_commits_as_the_wait_times_out_is_no_expiry(tmp_path
         disk = cache.disk
         assert disk is not None
         table = cache.pool.table
-        keys = cache.keys(tokens)
-        assert (await cache.offload(tokens, torch.arange(pages * T))).stored == pages
-        await cache.flush()
-        assert all(disk.contains(k) and table.discard(k) for k in keys)  # on disk only
+        keys = await on_disk_only(cache, tokens, torch.arange(pages * T))
         (res,) = cache.pool.reserve(keys[:1])
         writer = res.handle
         assert writer is not None, res
