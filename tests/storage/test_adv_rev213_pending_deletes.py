@@ -284,7 +284,7 @@ async def test_a_failed_delete_retried_at_every_lock_check_counts_one_fault(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("planted", ["garbage", "symlink"])
+@pytest.mark.parametrize("planted", ["garbage", "symlink", "fifo"])
 async def test_a_damaged_record_serves_no_page_it_may_name(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, planted: str) -> None:
     """A record that is not one the tier wrote (damaged, planted) names unknown deletes: a start
@@ -300,8 +300,10 @@ async def test_a_damaged_record_serves_no_page_it_may_name(
     target.write_bytes(b"not ours")
     if planted == "garbage":
         record.write_bytes(b"AIOKVDL1" + os.urandom(64))
-    else:
+    elif planted == "symlink":
         record.symlink_to(target)
+    else:
+        os.mkfifo(record)  # opened without O_NONBLOCK, the start's read waited for a writer for good
     async with started(DiskTier(cfg, layout, pool)) as tier:
         assert sum(tier.statistics().errors.values()) >= 1, "the damaged record was not counted"
         for key in (VICTIM, OTHER):
