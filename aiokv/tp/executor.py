@@ -52,7 +52,7 @@ import enum
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -509,11 +509,11 @@ class RankExecutor:
                         return
                     events = mover.load_layers(ids, slots, spec.skip_first, after=after)
                     assert events
+                    # Queued now, and the engine's stream was not made to wait for them: from here
+                    # nothing may reach the except path below, whose event on the engine's stream
+                    # does not cover these copies (a COPY_FAILED reported while they wrote slots).
                     progress.launch(events)  # all queued at once (DIRECT, REFERENCE)
-                    report = self._cuda_landed(spec.job_id)
-                    if report is not None:
-                        for layer, queued in enumerate(events):  # waited in order, before the last
-                            watch_landed(self._bridge, queued, layer, report)
+                    _watch_layers(self._bridge, events, self._cuda_landed(spec.job_id))
                     event, lane = events[-1], Lane.LOAD
                 else:
                     event = mover.load(ids, slots, spec.skip_first, after=after)
@@ -698,6 +698,21 @@ def _not_launched(result: asyncio.Future[RankReport], task: asyncio.Future[None]
         result.set_result(RankReport(RankStatus.WORKER_CLOSING, "cancelled before its launch: no byte moved"))
     elif (exc := task.exception()) is not None:
         result.set_result(_classify(exc))
+
+
+def _watch_layers(
+    bridge: CompletionBridge, events: Sequence[torch.cuda.Event], on_landed: Callable[[int], None] | None
+) -> None:
+    """Report each layer of a load queued at once as it lands (LAYERS frames), in order. A closed
+    bridge (a teardown) ends the watching: nobody reads LAYERS frames any more, and the job's own
+    report still waits for the last event (:func:`_wait_event`)."""
+    if on_landed is None:
+        return
+    for layer, queued in enumerate(events):  # waited in order, before the last
+        try:
+            watch_landed(bridge, queued, layer, on_landed)
+        except RuntimeError:
+            return
 
 
 def _copied(result: asyncio.Future[RankReport], copy: asyncio.Future[None]) -> None:

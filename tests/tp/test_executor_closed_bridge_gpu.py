@@ -69,3 +69,46 @@ async def test_a_copy_queued_before_the_bridge_closed_reports_after_it_ran(direc
         finished, _ = await asyncio.wait({closing}, timeout=10)
         assert finished, "the executor's close did not end"
         await pool.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", [TransferPath.DIRECT, TransferPath.REFERENCE])
+async def test_a_layered_load_queued_before_the_bridge_closed_reports_after_it_ran(path: TransferPath) -> None:
+    """A layered load that is not paced (DIRECT, REFERENCE) queues every layer at once on side
+    streams, and the engine's stream is not made to wait for them. Its per-layer watches (LAYERS
+    frames) asked the closed bridge, which raised: the launch's fault path then reported COPY_FAILED
+    behind an event on the engine's stream, which does not cover the side streams' copies, so the
+    manager could free the slots while the layers still landed in them. The report must be OK, come
+    after the copy, and the bytes must be there."""
+    pool = await new_pool(LAYOUT.for_tp(2), 4)
+    bridge = CompletionBridge()
+    full = full_kv(LAYOUT, 11, slots=64)
+    kv = KVBuffer.wrap(LAYOUT, rank_kv(full, LAYOUT, 0, 2).cuda(), TPSlice.of(LAYOUT, 0, 2))
+    engine = torch.cuda.Stream()
+    landed: list[tuple[int, int]] = []
+    executor = RankExecutor(kv, PagePool.attach(pool.name, pool.layout), 1, bridge, TPConfig(), engine, path,
+                            on_layers=lambda job, layers: landed.append((job, layers)))
+    try:
+        warm = executor.execute(TransferSpec.build(1, Direction.OFFLOAD, 1, T, [0], range(T)))
+        assert (await warm).status is RankStatus.OK
+        await asyncio.to_thread(bridge.close)
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(400_000_000)  # type: ignore[no-untyped-call]  # the engine's queued work
+        spec = TransferSpec.build(2, Direction.LOAD, 1, T, [0], range(32, 32 + T), layered=True)
+        done = await executor.execute(spec)
+        assert executor.paced_loads == 0, "the load was paced: this test is about loads queued at once"
+        assert executor.layered_loads == 1
+        assert engine.query(), f"reported ({done}) while the engine's work, and the copy behind it, still ran"
+        torch.cuda.synchronize()
+        assert done.status is RankStatus.OK, done
+        tensors = (*kv.k_layers, *kv.v_layers)  # v_layers is empty for the stacked form
+        assert len(tensors) >= LAYOUT.num_layers
+        for index, layer in enumerate(tensors):
+            assert torch.equal(layer[32:32 + T].cpu(), layer[0:T].cpu()), index
+        assert all(job == 2 for job, _ in landed)
+        assert executor.in_flight == 0
+    finally:
+        closing = asyncio.ensure_future(executor.aclose())
+        finished, _ = await asyncio.wait({closing}, timeout=10)
+        assert finished, "the executor's close did not end"
+        await pool.aclose()
