@@ -35,7 +35,11 @@ death: the kernel drops the lock with the process), the look holds it and scans 
 directory as a start does under the lock (missing fan-out directories created, leftover temporary
 and spare files of a dead writer removed, free space taken); the loop then switches the tier to
 writing. A look that cannot finish that scan (a fan-out directory that is not safely ours) lets the
-lock go again and reports the fault. A ``.lock`` gone is made again (not locked then): its writer,
+lock go again and reports the fault. With the lock the writer's pending-delete record
+(:mod:`.deletelog`) is final, and read then; one that cannot be read (EIO, damaged, a passing
+fault that outlasts the start's tries) names unknown deletes: as at a start, no page found there
+is served (:func:`_deletes_unknown`: the take-over unlinks them all), rather than a page the
+writer deleted (review 222). A ``.lock`` gone is made again (not locked then): its writer,
 still running, takes it at its next check; else the next look takes it.
 
 Nothing is named through a path: fan-out directories are listed through the descriptors the tier
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 import threading
@@ -73,7 +78,7 @@ from typing import TYPE_CHECKING
 from aiokv.keys import PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, load_deletes
+from .deletelog import DELETES_NAME, load_deletes, load_deletes_retrying
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
@@ -93,6 +98,8 @@ from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_
 
 if TYPE_CHECKING:
     from .statxring import StatxRefused, StatxRing
+
+log = logging.getLogger("aiokv.storage.disk")
 
 BATCHED_STATX = True
 """The looks examine the fan-out directories in one io_uring batch (see above); False: one
@@ -140,10 +147,10 @@ class FollowState:
         """The looks' io_uring for their ``statx`` batches: made by the first look that batches,
         closed by :meth:`close_ring` (no look runs then)."""
         self.statx_refused: StatxRefused | None = None
+        """Why the looks ``fstat`` each directory (io_uring or STATX refused here), or None."""
         self.deletes_unreadable = False
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
-        """Why the looks ``fstat`` each directory (io_uring or STATX refused here), or None."""
 
     def close_ring(self) -> None:
         """Close the looks' ring (idempotent): by the look that took the directory over, and at the
@@ -209,7 +216,9 @@ class Look:
     now, and the look scanned it as a take-over does (the tier writes from now on)."""
     deletes: dict[PageKey, int] = field(default_factory=dict)
     """The writer's pending-delete record as this look read it (:mod:`.deletelog`): key -> time of
-    a delete whose unlink failed (the file maybe still there). Empty when unreadable (a fault)."""
+    a delete whose unlink failed (the file maybe still there). Empty when unreadable (a fault),
+    but for a look that takes the directory over: then every key the looks know a file of, with
+    the time of the look (:func:`_deletes_unknown`)."""
     unlisted: list[int] = field(default_factory=list)
     """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
     writes from now on looks no more, and lists them again at its periodic checks."""
@@ -244,27 +253,25 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     for key in whole:
         state.whole.setdefault(key[0], []).append(key)  # a key's fan-out directory is its first byte
     try:
-        # Before the listings: a delete recorded after this read is read by the next look.
-        try:
-            result.deletes = load_deletes(dir_fd)
-            state.deletes_unreadable = False
-        except OSError as exc:
-            if not state.deletes_unreadable:
-                result.faults.append((exc, f"reading {shown / DELETES_NAME}"))
-            state.deletes_unreadable = True
+        if not held:
+            result.lock_fd = _try_lock(dir_fd, shown, result.faults)
+        # Before the listings: a delete recorded after this read is read by the next look. With the
+        # lock (taken now, or held) the record is final (only its holder writes it): read after
+        # taking it, a delete the writer recorded just before it let the lock go is read too.
+        unreadable = _read_deletes(state, result, dir_fd, shown, final=held or result.lock_fd is not None)
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
-        else:
-            result.lock_fd = _try_lock(dir_fd, shown, result.faults)
-            if result.lock_fd is None:
-                _follow(state, result, found, dir_fd, fanout, shown)
-            elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):
-                os.close(result.lock_fd)
-                result.lock_fd = None
+        elif result.lock_fd is None:
+            _follow(state, result, found, dir_fd, fanout, shown)
+        elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):
+            os.close(result.lock_fd)
+            result.lock_fd = None
         if not state.stop.is_set():
             _examine_whole(state, result, found, shown)
             _tell_refused(state, result, found, indexed, fanout, shown)
+        if unreadable is not None and (result.lock_fd is not None or result.writable):
+            _deletes_unknown(state, result, found, unreadable, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
         result.mtimes = found
         if result.lock_fd is not None or result.writable:
@@ -273,6 +280,51 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         result.close()
         raise
     return result
+
+
+def _read_deletes(state: FollowState, result: Look, dir_fd: int, shown: Path, final: bool) -> OSError | None:
+    """The writer's pending-delete record into :attr:`Look.deletes`; the fault when it cannot be
+    read (recorded once until a look reads it again). ``final`` (the look holds the lock): a passing
+    fault is tried again first, as a start does (:func:`~.deletelog.load_deletes_retrying`)."""
+    what = f"reading {shown / DELETES_NAME}"
+
+    def retrying(exc: OSError) -> None:
+        if not state.deletes_unreadable:
+            result.faults.append((exc, f"{what} (tried again)"))
+
+    try:
+        result.deletes = load_deletes_retrying(dir_fd, retrying) if final else load_deletes(dir_fd)
+    except OSError as exc:
+        if not state.deletes_unreadable:
+            result.faults.append((exc, what))
+        state.deletes_unreadable = True
+        return exc
+    state.deletes_unreadable = False
+    return None
+
+
+def _deletes_unknown(state: FollowState, result: Look, found: dict[PageKey, int], fault: OSError,
+                     shown: Path) -> None:
+    """A look that takes the directory over (or may write there now) where the record cannot be
+    read: its deletes are unknown, so, as at a start, no page on disk is served. Every key the looks
+    know a file of counts as deleted now (:attr:`Look.deletes`): the loop drops it from the index,
+    indexes none of them, and its take-over unlinks them. Review 222: the look took over with no
+    deletes at all, and kept serving a page the writer had deleted (its unlink failed: the file
+    still there, named in the record) for good. The fault is recorded (once for this look: counted
+    again when an earlier look counted it, the take-over's loss is another) and logged."""
+    what = f"reading {shown / DELETES_NAME} (the directory taken over: no page found there is served)"
+    result.faults = [(exc, what if exc is fault else told) for exc, told in result.faults]
+    if not any(exc is fault for exc, _told in result.faults):
+        result.faults.append((fault, what))
+    now = time.time_ns()  # after the listings: every file they found is no newer
+    keys: set[PageKey] = set(found)
+    for entries in state.entries:
+        if entries:
+            keys.update(entries)
+    result.deletes = dict.fromkeys(keys, now)
+    log.error("disk tier: the pending-delete record %s cannot be read (%s) as this tier takes the directory "
+              "over: none of the %d pages there is served (unlinked once it may write)", shown / DELETES_NAME,
+              fault.strerror, len(keys))
 
 
 def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> int | None:

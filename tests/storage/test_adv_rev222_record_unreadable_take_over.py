@@ -1,0 +1,200 @@
+"""Review 222: a follower's look reads the writer's pending-delete record (``.deletes``,
+:mod:`storage.deletelog`) before its listings; one it could not read (EIO, a damaged record) left
+the look's deletes empty, a fault counted, and the look went on. When that same look took the
+directory over (the writer closed or died), the take-over kept every page indexed, including one
+the writer had deleted whose unlink failed (the file still there, named only in the record): the
+new writer served that page for good (stale KV). A start treats such a record as naming unknown
+deletes (no page found is served); the take-over now reads the record once it holds the lock (then
+it is final) and, when it cannot, does the same.
+
+Real faults: the deleted page's file made immutable (``chattr +i``: the writer's unlink answers
+EPERM, for root too) so it stays on disk named in the record; the record then made unreadable for
+real: its block answering EIO (an ext4 on a loop device over a FUSE file,
+``test_adv_rev142_bad_blocks``, the page cache dropped), or a byte of it flipped on disk (it fails
+its checksum). The writer, a second tier over the directory, closes; the follower's real look takes
+the directory over. Root only (FUSE, loop device, chattr)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import Looks, started
+from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
+from test_adv_rev175_fanouts import _bytes_of
+from test_adv_rev181_put_back import _settled
+from test_adv_rev188_deletes_away import _served
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier, ErrorKind, ReadOnly
+from aiokv.storage import follow as follow_module
+from aiokv.storage.deletelog import DELETES_NAME, load_deletes
+
+TAG = 0x6E
+VICTIM, OTHER = key_of(0, TAG), key_of(1, TAG)
+
+
+def _exists(path: Path) -> bool:
+    return os.path.exists(path)
+
+
+def _chattr(flag: str, path: Path) -> None:
+    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"chattr {flag} not possible here: {done.stderr.strip()}")
+
+
+def _read_errno(layout_dir: Path) -> int:
+    """What reading the record answers now (0: read, and it names VICTIM)."""
+    fd = os.open(layout_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return 0 if VICTIM in load_deletes(fd) else -1
+    except OSError as exc:
+        return exc.errno or -1
+    finally:
+        os.close(fd)
+
+
+def _drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _make_unreadable(how: str, record: Path, bad: BadBlocks) -> None:
+    """The record, naming VICTIM, made unreadable for real: its blocks answer EIO, or its last byte
+    (its checksum's) is flipped on disk."""
+    if how == "damaged":
+        fd = os.open(record, os.O_RDWR)
+        try:
+            at = os.fstat(fd).st_size - 1
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert _read_errno(record.parent) == errno.EBADMSG, "the flipped byte left the record readable"
+        return
+    for start, end in device_ranges(str(record), 0, record.stat().st_size):
+        bad.bad("read", start, end)
+    for _ in range(10):  # a block the journal still held is dropped at a later round
+        _drop_caches()
+        if _read_errno(record.parent) == errno.EIO:
+            return
+    pytest.fail("the record's block was still cached: no EIO to inject")
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["eio", "damaged"])
+async def test_a_take_over_that_cannot_read_the_record_never_serves_a_page_it_names(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, how: str) -> None:
+    size = layout.page_bytes
+    page: Path | None = None
+    with bad_block_ext4(tmp_path, 32) as (mount, bad):
+        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+                for key in (VICTIM, OTHER):
+                    assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
+                await _settled(writer)
+                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+                assert follower.read_only is ReadOnly.LOCKED
+                looks = Looks(follower)
+                assert await _served(follower, VICTIM, size), "the follower did not index the page"
+                page = Path(writer.files.path(VICTIM))
+                other_page = Path(writer.files.path(OTHER))
+                record = writer.files.layout_dir / DELETES_NAME
+                _chattr("+i", page)
+                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
+                await _settled(writer)
+                assert _exists(page) and _read_errno(record.parent) == 0, "the unlink did not fail: no test"
+                await asyncio.to_thread(_make_unreadable, how, record, bad)
+                await writer.aclose()  # lets the lock go: the next look takes the directory over
+                errors = follower.statistics().errors
+                before = sum(errors.values())
+                await looks.next()
+                assert follower.read_only is None, "the follower did not take the directory over"
+                assert not follower.contains(VICTIM), \
+                    f"the take-over kept indexed a page its writer deleted (record {how})"
+                assert not await _served(follower, VICTIM, size), \
+                    f"the take-over served a page its writer deleted (record {how})"
+                after = follower.statistics().errors
+                assert sum(after.values()) > before, "the unreadable record was not counted"
+                if how == "eio":
+                    assert after.get(ErrorKind.EIO, 0) > errors.get(ErrorKind.EIO, 0), after
+                # As at a start: the deletes are unknown, so no page found there is served (the
+                # take-over unlinks them); what is stored from now on is.
+                assert not follower.contains(OTHER) and not await _served(follower, OTHER, size)
+                await _settled(follower)
+                assert not _exists(other_page), "the take-over left a page it does not serve on disk"
+                assert await follower.write_from(OTHER, memoryview(_bytes_of(OTHER, size)))
+                assert await _served(follower, OTHER, size)
+                bad.good()
+        finally:
+            if page is not None and _exists(page):
+                _chattr("-i", page)
+    assert_clean(pool)
+
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_delete_recorded_just_before_the_writer_lets_go_is_honoured_by_the_take_over(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look read the record before it tried the lock: a delete the writer recorded between the
+    two (then closed, or died) was unknown to the take-over, which kept the page indexed and served
+    it. With the lock the record is final: it is read then. The look is held (on its thread) just
+    before it tries the lock while the writer deletes for real (EPERM: the file stays) and closes."""
+    size = layout.page_bytes
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    paused, go = threading.Event(), threading.Event()
+    real_try_lock = follow_module._try_lock
+
+    def held_try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> int | None:
+        if not paused.is_set():
+            paused.set()
+            assert go.wait(30), "the test did not let the look go on"
+        return real_try_lock(dir_fd, shown, faults)
+
+    page: Path | None = None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+            for key in (VICTIM, OTHER):
+                assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
+            await _settled(writer)
+            follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+            assert follower.read_only is ReadOnly.LOCKED
+            looks = Looks(follower)
+            assert await _served(follower, VICTIM, size), "the follower did not index the page"
+            page = Path(writer.files.path(VICTIM))
+            monkeypatch.setattr(follow_module, "_try_lock", held_try_lock)
+            look = asyncio.create_task(looks.next())
+            try:
+                assert await asyncio.to_thread(paused.wait, 30), "no look came to the lock"
+                _chattr("+i", page)
+                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
+                await _settled(writer)
+                assert _exists(page) and _read_errno(page.parent.parent) == 0, "the unlink did not fail: no test"
+                await writer.aclose()
+            finally:
+                go.set()
+                await look
+            assert follower.read_only is None, "the follower did not take the directory over"
+            assert not follower.contains(VICTIM), "the take-over kept indexed a page deleted as the writer let go"
+            assert not await _served(follower, VICTIM, size), "the take-over served a page its writer deleted"
+            assert await _served(follower, OTHER, size), "the take-over lost a page nobody deleted"
+    finally:
+        if page is not None and _exists(page):
+            _chattr("-i", page)
+    assert_clean(pool)
