@@ -6,6 +6,7 @@ Importable from every test folder (``tests/`` is on ``sys.path`` through ``tests
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -51,15 +52,28 @@ async def until_thread(condition: Callable[[], bool], what: str = "condition", t
         await asyncio.sleep(THREAD_POLL_S)
 
 
-async def until_spin(condition: Callable[[], bool], what: str = "condition", timeout_s: float = 30.0) -> None:
+async def until_spin(condition: Callable[[], bool], what: str = "condition", timeout_s: float = 30.0,
+                     release_s: float = 0.0) -> None:
     """Until ``condition()`` holds, checked at every loop turn (``sleep(0)``), where the first turn
     it holds matters (a window a later step must land in) and a thread makes it hold: bounded in
     seconds, not turns. A bound of 2,000 turns failed in CI: under load the read threads, starved of
-    the GIL by the spinning loop, took longer than 2,000 turns to end their reads."""
+    the GIL by the spinning loop, took longer than 2,000 turns to end their reads.
+
+    ``release_s`` > 0: each turn the condition does not hold, the loop thread also sleeps that long
+    (``time.sleep``: the GIL released for that time, the loop blocked, so still one check a turn).
+    Without it the spin lets go of the GIL only inside the selector's zero-timeout poll, about a
+    microsecond a turn; a thread waiting for the GIL must wake and take it within that microsecond,
+    and CPython's forced switch never comes to its help (it is asked for only after a switch
+    interval in which nobody took the GIL, and the spin takes it again every turn). On a loaded host
+    the thread's wake-up can be slower than that window: a listing thread that takes the GIL back
+    after each of 4,100 stats had not ended after 30 s on a 16-core host (review 198's test). Use it
+    where a thread that takes the GIL often must make the condition hold."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"{what} not reached in {timeout_s} s")
+        if release_s > 0:
+            time.sleep(release_s)  # noqa: ASYNC251 (blocking on purpose: the GIL free for the thread, no turn skipped)
         await asyncio.sleep(0)
 
 

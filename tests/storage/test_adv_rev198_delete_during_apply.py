@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import Looks, started
-from loop_probes import until_spin
+from loop_probes import THREAD_POLL_S, until_spin
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev188_deletes_away import _served
 
@@ -52,7 +52,10 @@ async def test_a_delete_between_two_steps_of_an_apply_is_asked_by_the_next_step(
         first_step = a.statistics().followed_in
 
         async def delete_after_the_first_step() -> None:
-            await until_spin(lambda: a.statistics().followed_in > first_step, "the apply's first step")
+            # The look's thread stats 4,100 files before the first step: each turn lets go of the
+            # GIL for it (a plain spin left it a microsecond a turn: over 30 s on a loaded host).
+            await until_spin(lambda: a.statistics().followed_in > first_step, "the apply's first step",
+                             release_s=THREAD_POLL_S)
             assert not a.contains(victim), "the victim was applied in the first step (test set-up)"
             await a.delete(victim)
 
