@@ -597,7 +597,8 @@ class PageMover:
             self._host_gather.offload(slots, ids)
             return None
         if self.effective_path is TransferPath.REFERENCE:
-            with self._on_side(self._offload_lanes[:1], ready) as streams:
+            lanes = self._offload_lanes[:1]
+            with self._ordered_on_failure(lanes), self._on_side(lanes, ready) as streams:
                 reference_gather(self.kv, slots, self.pages, ids, True)  # checked
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
@@ -655,7 +656,8 @@ class PageMover:
             self._host.load(ids, slots, skip_first)
             return None
         if self.effective_path is TransferPath.REFERENCE:
-            with self._on_side(self._load_lanes[:1], after) as streams:
+            lanes = self._load_lanes[:1]
+            with self._ordered_on_failure(lanes), self._on_side(lanes, after) as streams:
                 reference_scatter(self.kv, self.pages, slots, ids, skip_first, None, True)  # checked
             return self._finish(streams)
         groups = self._whole_runs(ids, slots, skip_first)
@@ -668,12 +670,12 @@ class PageMover:
             # A paced layer-wise load is still queuing into the staging: read the pool directly,
             # on the last lane (the first is that load's scatter stream).
             lane = self._load_lanes[-1]
-            with self._on_side([lane], after) as streams:
+            with self._ordered_on_failure([lane]), self._on_side([lane], after) as streams:
                 self._direct_plan().scatter(self._index(ids, lane), self._index(slots, lane), skip_first)
             return self._finish(streams)
         if self.effective_path is TransferPath.DIRECT:
             lane = self._load_lanes[0]
-            with self._on_side([lane], after) as streams:
+            with self._ordered_on_failure([lane]), self._on_side([lane], after) as streams:
                 self._direct_plan().scatter(self._index(ids, lane), self._index(slots, lane), skip_first)
             return self._finish(streams)
         chunks = self._chunks(len(ids), ids, skip_first=skip_first, tokens=tokens)
