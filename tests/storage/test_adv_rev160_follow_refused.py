@@ -286,12 +286,17 @@ async def test_two_followers_take_over_a_flipping_file_system_one_writer_at_most
                 kinds = {k.value: n for k, n in f.statistics().errors.items() if n}
                 assert not kinds.get("unexpected"), kinds
 
-            # A third follower of the holder, closed at a random moment of its looks.
-            await holder.aclose()
-            await remount_read_only(mount)
+            # A third follower of the holder, closed at a random moment of its looks. Started while
+            # the holder holds the lock: started after the holder closed, it took the free lock at
+            # its start whenever the other's look had not yet (a start holds it, read-only, with no
+            # look and no take-over counted), and the wait below never ended (seeds 0 and 1 on a
+            # loaded 16-core host).
             third = DiskTier(conf, layout, pool)
             await third.start()
             try:
+                assert third.read_only is ReadOnly.LOCKED
+                await holder.aclose()
+                await remount_read_only(mount)
                 await Looks(third).until(lambda: third.statistics().took_over == 1 or other.statistics().took_over == 1,
                                          BOUND_S)
                 await asyncio.sleep(rng.uniform(0, 0.02))
