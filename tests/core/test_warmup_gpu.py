@@ -35,7 +35,19 @@ import torch
 DEVICE = os.environ.get("AIOKV_TEST_DEVICE", "cpu")
 STALL_LIMIT_MS = 10.0
 WARM_STALL_LIMIT_MS = 5.0
-"""Compiling on a thread of this process stalled the loop up to 23 ms (H200 host, 28 variants)."""
+"""Compiling on a thread of this process stalled the loop up to 23 ms (H200 host, 28 variants).
+Bounded above the same process's idle stall (``idle_stall_ms``): on a host whose other work
+delays a 1 ms sleep by several ms (16 xdist workers, 8.03 ms seen), 5 ms alone measured the host.
+A host noisier than :data:`IDLE_NOISE_LIMIT_MS` fails the test: it could not tell a compile."""
+IDLE_NOISE_LIMIT_MS = 15.0
+
+
+def _stall_bound(out: dict[str, object]) -> float:
+    """The warm-up stall bound for one run: :data:`WARM_STALL_LIMIT_MS` above its idle stall."""
+    idle = out["idle_stall_ms"]
+    assert isinstance(idle, float)
+    assert idle < IDLE_NOISE_LIMIT_MS, f"the host is too noisy to judge a stall ({idle} ms idle): {out}"
+    return WARM_STALL_LIMIT_MS + idle
 
 pytestmark = pytest.mark.skipif(
     not (DEVICE.startswith("cuda") and torch.cuda.is_available()), reason="GPU check: AIOKV_TEST_DEVICE=cuda"
@@ -47,6 +59,7 @@ import torch
 from aiokv import CacheConfig, KVCache, KVLayout
 
 mode, device = sys.argv[1], sys.argv[2]
+IDLE_S = 1.0
 import subprocess
 helpers = []  # compile helpers this process started
 
@@ -152,6 +165,10 @@ async def main():
     probing = asyncio.ensure_future(probe.run())
     await asyncio.sleep(0.05)
     await probe.take()
+    # The host's own noise, same process and probe, before any cache exists: the stall bounds are
+    # above it (a loaded host delayed a 1 ms sleep 8 ms with nothing of aiokv's running).
+    await asyncio.sleep(IDLE_S)
+    out["idle_stall_ms"] = await probe.take()
     cache = KVCache(config, layout, kv)
     if mode == "control":
         cache._warm_stop.set()  # the warm-up stops before its first launch
@@ -259,7 +276,7 @@ def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Pa
     assert summary["precompiled"] == summary["variants"] > 0, summary
     assert warm["compiled_in_process_while_warming"] == 0, f"this process compiled variants itself: {warm}"
     assert isinstance(warm["stall_during_warm_up_ms"], float)
-    assert warm["stall_during_warm_up_ms"] <= WARM_STALL_LIMIT_MS, f"the loop stalled while warming: {warm}"
+    assert warm["stall_during_warm_up_ms"] <= _stall_bound(warm), f"the loop stalled while warming: {warm}"
     second = warm["second_warm_up"]
     assert isinstance(second, dict) and second["variants"] == 0 and second["skipped"] == summary["variants"], warm
 
@@ -283,10 +300,10 @@ def test_a_restart_with_a_warm_triton_cache_starts_no_helper(tmp_path: Path) -> 
     assert again["precompile_error"] is None and "precompile_failed" not in restart["errors"], restart  # type: ignore[operator]
     assert restart["compiled_in_process_while_warming"] == 0 and restart["compiled_by_copies"] == 0, restart
     assert isinstance(restart["stall_during_warm_up_ms"], float)
-    assert restart["stall_during_warm_up_ms"] <= WARM_STALL_LIMIT_MS, restart
+    assert restart["stall_during_warm_up_ms"] <= _stall_bound(restart), restart
     # The start itself (constructor included): its copy engine is built off the loop (CUDA streams
     # created on the loop stalled it ~7 ms, once counted as the warm-up's stall).
-    assert isinstance(restart["start_stall_ms"], float) and restart["start_stall_ms"] <= WARM_STALL_LIMIT_MS, restart
+    assert isinstance(restart["start_stall_ms"], float) and restart["start_stall_ms"] <= _stall_bound(restart), restart
     assert unlisted["helpers_started"] == 1 and helped["cached"] == 0, unlisted  # the control
     assert helped["precompiled"] == helped["variants"] == first["variants"], unlisted
     assert restart["wait_warm_s"] < unlisted["wait_warm_s"], (restart, unlisted)  # type: ignore[operator]
