@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING
 from aiokv.keys import PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, load_deletes, load_deletes_retrying
+from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes, load_deletes_retrying, save_deletes
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
@@ -218,7 +218,8 @@ class Look:
     """The writer's pending-delete record as this look read it (:mod:`.deletelog`): key -> time of
     a delete whose unlink failed (the file maybe still there). Empty when unreadable (a fault),
     but for a look that takes the directory over: then every key the looks know a file of, with
-    the time of the look (:func:`_deletes_unknown`)."""
+    the time of the look (:func:`_deletes_unknown`), or, once it unlinked them and replaced the
+    record, those whose file is still there (:func:`_replace_record`)."""
     unlisted: list[int] = field(default_factory=list)
     """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
     writes from now on looks no more, and lists them again at its periodic checks."""
@@ -267,11 +268,15 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):
             os.close(result.lock_fd)
             result.lock_fd = None
+        elif result.read_only is None:
+            _remove_record_temp(result, dir_fd, shown)
         if not state.stop.is_set():
             _examine_whole(state, result, found, shown)
             _tell_refused(state, result, found, indexed, fanout, shown)
         if unreadable is not None and (result.lock_fd is not None or result.writable):
             _deletes_unknown(state, result, found, unreadable, shown)
+            if result.lock_fd is not None and result.read_only is None and not state.stop.is_set():
+                _replace_record(state, result, found, dir_fd, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
         result.mtimes = found
         if result.lock_fd is not None or result.writable:
@@ -325,6 +330,73 @@ def _deletes_unknown(state: FollowState, result: Look, found: dict[PageKey, int]
     log.error("disk tier: the pending-delete record %s cannot be read (%s) as this tier takes the directory "
               "over: none of the %d pages there is served (unlinked once it may write)", shown / DELETES_NAME,
               fault.strerror, len(keys))
+
+
+def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
+    """A take-over that may write removes the record's temporary file a crash of its writer left
+    while saving it, as a start under the lock does (:func:`~.layoutdir.apply_deletes`, review
+    218). Review 225: the take-over left it there (up to the record's size) until this tier's
+    first save of the record."""
+    try:
+        os.unlink(DELETES_TEMP, dir_fd=dir_fd)
+        result.temp_removed += 1
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        result.faults.append((exc, f"removing {shown / DELETES_TEMP}"))
+
+
+def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
+                    shown: Path) -> None:
+    """A take-over that could not read the record (:func:`_deletes_unknown`), holding the lock
+    this look took, and writable: as a start does (:func:`~.layoutdir.apply_deletes`), the pages
+    it does not serve are unlinked now, on this thread, and the record replaced by one naming
+    those whose unlink failed (or whose file changed since the listing), all with the time of the
+    look. Review 225: the take-over left the damaged record on disk, and every later start over
+    the directory took its deletes for unknown again: none of the pages the new writer stored was
+    served, all unlinked (the cache lost at each restart, until a failed unlink saved a record).
+    Only where every fan-out directory was listed whole: a file no listing saw may be a page
+    deleted, which only the damaged record still keeps from a start (the record stays then). In
+    that order: a crash before the save leaves the damaged record (no page served at the next
+    start), after it one naming every file still there. An unlink's fault is not recorded here: the
+    loop's take-over unlinks these keys again (the file stays: counted there, and named in the
+    record by the tier). A save's fault is recorded (the record stays as it was).
+
+    Saved, the look reports the keys unlinked as gone (:attr:`Look.removed`, applied in bounded
+    steps) and only those left named as deletes: each key of :attr:`Look.deletes` is remembered
+    on the loop in one step, and beyond ``DELETED_KEPT`` (65,536) that held the engine's loop for
+    seconds (140,000 pages: 1.2 s; a million: 40 s) where nothing is left to remember."""
+    if result.unlisted or any(fd < 0 and index not in result.opened for index, fd in enumerate(fanout)):
+        return
+    kept: dict[PageKey, int] = {}
+    for index, entries in enumerate(state.entries):
+        if state.stop.is_set():
+            return  # the tier closes: the record stays (what is left on disk is served by no start)
+        if not entries:
+            continue
+        fd = result.opened.get(index, fanout[index])
+        for key, identity in entries.items():
+            name = bytes.hex(key)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if file_identity(st.st_ino, st) != identity:  # another file since the listing: left named
+                    kept[key] = result.deletes[key]
+                    continue
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                kept[key] = result.deletes[key]
+    try:
+        save_deletes(dir_fd, kept)
+    except OSError as exc:
+        result.faults.append((exc, f"saving {shown / DELETES_NAME} (taken over)"))
+        return
+    state.deletes_unreadable = False
+    result.removed += [key for key in result.deletes if key not in kept]
+    result.deletes = kept
+    for key in [key for key in found if key not in kept]:
+        del found[key]  # unlinked; one still there stays found: the loop leaves it out and unlinks it
 
 
 def _try_lock(dir_fd: int, shown: Path, faults: list[tuple[OSError, str]]) -> int | None:
