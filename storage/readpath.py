@@ -9,6 +9,10 @@ kernel or a thread may still write into its page.
 A KeyboardInterrupt (a signal) raised in a step of the job ends the job as a counted fault
 (:meth:`ReadPath._read_settle`) unless the step had handed it on (the backend's load or the
 checksum started: they deliver their completion, at least once), and the interrupt goes on.
+
+A file gone at its open (ENOENT) is a miss either way; one whose page the tier itself took out of
+its index under the read (evicted, deleted) is counted ``_reads_evicted`` (review 222), one still
+indexed (unlinked behind the tier's back) is not: the cache counts that read failed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from .uring import not_started
 
 class ReadPath(TierBase):
     """Reads of the disk tier (see the module docstring); :class:`~.disk.DiskTier` calls them."""
+
+    _reads_evicted = 0
+    """Reads that found their file gone because the tier itself had taken the page out of its index
+    under them (evicted, deleted, replaced): misses, not faults (:meth:`DiskTier.read_marks`)."""
 
     async def _read(self, key: PageKey, page: PageBuffer) -> bool:
         generation = self._index.generation(key)
@@ -212,7 +220,18 @@ class ReadPath(TierBase):
 
     def _read_fault(self, job: ReadJob, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
-            self._forget(job.key, job.generation)  # removed behind our back
+            prepared = self._dir
+            if (self._index.generation(job.key) != job.generation and prepared is not None
+                    and prepared.fanout[job.key[0]] >= 0):
+                # The tier itself took the page out of its index under the read (evicted for room,
+                # deleted, replaced): its file went with it. A miss, not a fault (review 214). (Not
+                # when its fan-out directory was retired meanwhile: removed from outside.)
+                self._reads_evicted += 1
+                self._end_read(job, False)
+                return
+            # Still indexed: unlinked by someone else (another process, an operator, a bad clean-up):
+            # never readable again. Not ``_reads_evicted``: the cache counts the read failed.
+            self._forget(job.key, job.generation)
             if self._read_only is not ReadOnly.LOCKED:  # (a follower's looks tell it)
                 # With its directory (``rm -rf``)? Then its other keys leave the index at once, not
                 # one miss each, and writes of them store again rather than find them present.
