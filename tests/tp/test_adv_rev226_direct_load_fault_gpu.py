@@ -52,6 +52,11 @@ async def test_a_direct_load_refused_on_its_second_segment_reports_after_the_fir
     try:
         warm = executor.execute(TransferSpec.build(1, Direction.OFFLOAD, 1, T, [0], range(T)))
         assert (await warm).status is RankStatus.OK  # registered: the load launches at once
+        # Both scatter variants compiled now: the first load's JIT compile (seconds) outlasted the
+        # busy lane below, so the report came after the K scatter ran even without the fix.
+        first = executor.execute(TransferSpec.build(2, Direction.LOAD, 1, T, [0], range(48, 48 + T)))
+        assert (await first).status is RankStatus.OK
+        torch.cuda.synchronize()
         real = CopyPlan._run
         scatters: list[int] = []
 
@@ -70,7 +75,7 @@ async def test_a_direct_load_refused_on_its_second_segment_reports_after_the_fir
         assert lane is not None
         with torch.cuda.stream(lane):
             torch.cuda._sleep(400_000_000)  # type: ignore[no-untyped-call]  # the K scatter runs after this
-        done = await executor.execute(TransferSpec.build(2, Direction.LOAD, 1, T, [0], range(32, 32 + T)))
+        done = await executor.execute(TransferSpec.build(3, Direction.LOAD, 1, T, [0], range(32, 32 + T)))
         assert len(scatters) == 2, "both segments' scatters were tried"
         assert done.status is RankStatus.COPY_FAILED, done
         assert lane.query(), f"reported ({done}) while the K scatter it had queued was still to run"
