@@ -83,6 +83,7 @@ from .layoutdir import (
     FANOUT,
     LOCK_NAME,
     SETTLE_NS,
+    STOP_EVERY,
     DirStamp,
     FollowSeed,
     FreeSpace,
@@ -151,6 +152,10 @@ class FollowState:
         self.deletes_unreadable = False
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
+        self.lock_taken: tuple[int, int] | None = None
+        """``(st_dev, st_ino)`` of the lock file the last look that took the lock holds: a later
+        look of a tier that holds it (``held``) replaces a damaged record only while ``.lock``
+        still names that file (:func:`_lock_still_ours`)."""
 
     def close_ring(self) -> None:
         """Close the looks' ring (idempotent): by the look that took the directory over, and at the
@@ -256,6 +261,9 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     try:
         if not held:
             result.lock_fd = _try_lock(dir_fd, shown, result.faults)
+            if result.lock_fd is not None:
+                taken = os.fstat(result.lock_fd)
+                state.lock_taken = (taken.st_dev, taken.st_ino)
         # Before the listings: a delete recorded after this read is read by the next look. With the
         # lock (taken now, or held) the record is final (only its holder writes it): read after
         # taking it, a delete the writer recorded just before it let the lock go is read too.
@@ -263,6 +271,8 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
+                if result.writable and _lock_still_ours(state, result, dir_fd, shown):
+                    _remove_record_temp(result, dir_fd, shown)
         elif result.lock_fd is None:
             _follow(state, result, found, dir_fd, fanout, shown)
         elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):
@@ -275,7 +285,11 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
             _tell_refused(state, result, found, indexed, fanout, shown)
         if unreadable is not None and (result.lock_fd is not None or result.writable):
             _deletes_unknown(state, result, found, unreadable, shown)
-            if result.lock_fd is not None and result.read_only is None and not state.stop.is_set():
+            # A held look that may write now replaces it too (review 227: the damaged record stayed
+            # after a take-over on a read-only file system, and every later start lost the pages
+            # stored since), while the tier's lock is still the one it took.
+            if result.read_only is None and not state.stop.is_set() and (
+                    result.lock_fd is not None or _lock_still_ours(state, result, dir_fd, shown)):
                 _replace_record(state, result, found, dir_fd, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
         result.mtimes = found
@@ -332,6 +346,24 @@ def _deletes_unknown(state: FollowState, result: Look, found: dict[PageKey, int]
               fault.strerror, len(keys))
 
 
+def _lock_still_ours(state: FollowState, result: Look, dir_fd: int, shown: Path) -> bool:
+    """A held look (the tier took the lock at an earlier look, where it could not write): whether
+    ``.lock`` still names the file that look locked, so that no other cache writes here now (one
+    that took a ``.lock`` put in its place would; the tier's lock check tells it later). False, a
+    fault recorded where the name cannot be examined, when unknown (the tier took no lock through
+    a look: held since its start)."""
+    if state.lock_taken is None:
+        return False
+    try:
+        named = os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        result.faults.append((exc, f"examining {shown / LOCK_NAME}"))
+        return False
+    return (named.st_dev, named.st_ino) == state.lock_taken
+
+
 def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
     """A take-over that may write removes the record's temporary file a crash of its writer left
     while saving it, as a start under the lock does (:func:`~.layoutdir.apply_deletes`, review
@@ -349,10 +381,12 @@ def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
 def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],
                     shown: Path) -> None:
     """A take-over that could not read the record (:func:`_deletes_unknown`), holding the lock
-    this look took, and writable: as a start does (:func:`~.layoutdir.apply_deletes`), the pages
-    it does not serve are unlinked now, on this thread, and the record replaced by one naming
-    those whose unlink failed (or whose file changed since the listing), all with the time of the
-    look. Review 225: the take-over left the damaged record on disk, and every later start over
+    this look took (or a held look's, :func:`_lock_still_ours`), and writable: as a start does
+    (:func:`~.layoutdir.apply_deletes`), the pages it does not serve are unlinked now, on this
+    thread, and the record replaced by one naming those whose unlink failed (or whose file changed
+    since the listing), all with the time of the look; a name that holds no page of ours (a
+    symlink, a directory, another user's file) is left alone and not named, as a start does.
+    Review 225: the take-over left the damaged record on disk, and every later start over
     the directory took its deletes for unknown again: none of the pages the new writer stored was
     served, all unlinked (the cache lost at each restart, until a failed unlink saved a record).
     Only where every fan-out directory was listed whole: a file no listing saw may be a page
@@ -369,16 +403,25 @@ def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int],
     if result.unlisted or any(fd < 0 and index not in result.opened for index, fd in enumerate(fanout)):
         return
     kept: dict[PageKey, int] = {}
+    euid = os.geteuid()
     for index, entries in enumerate(state.entries):
-        if state.stop.is_set():
-            return  # the tier closes: the record stays (what is left on disk is served by no start)
         if not entries:
             continue
         fd = result.opened.get(index, fanout[index])
-        for key, identity in entries.items():
+        for count, (key, identity) in enumerate(entries.items()):
+            if count % STOP_EVERY == 0 and state.stop.is_set():
+                # The tier closes: the record stays (what is left on disk is served by no start).
+                # Asked within a directory too (review 227: a directory of many pages held the
+                # close until all were unlinked).
+                return
             name = bytes.hex(key)
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
+                    # No page of ours (a symlink, a directory, another user's file under a page's
+                    # name): a start leaves it, and names it in no record (review 227: unlinked
+                    # here, or, a directory, named in the record saved for good).
+                    continue
                 if file_identity(st.st_ino, st) != identity:  # another file since the listing: left named
                     kept[key] = result.deletes[key]
                     continue

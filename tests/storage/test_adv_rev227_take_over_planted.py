@@ -1,0 +1,96 @@
+"""Review 227: a take-over that cannot read the pending-delete record (review 225) unlinks, on its
+look's thread, the pages it does not serve, and saves a record naming those it could not unlink.
+It took every name its listings saw for a page: a symlink planted under a page's name, another
+user's file, a directory. A start (:func:`storage.layoutdir.apply_deletes`) and every other path of
+the tier leave such entries alone (counted when listed: not our regular file); the take-over
+unlinked the symlink and the other user's file, and named the directory (its unlink refused:
+EISDIR) in the record it saved, where every later start and save kept it, never counted.
+
+Real planted entries in the cache's own fan-out directory; the record planted damaged."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+from disk_helpers import assert_clean, config, key_of
+from follow_helpers import Looks, started
+from test_adv_rev175_fanouts import _bytes_of
+from test_adv_rev181_put_back import _settled
+from test_adv_rev188_deletes_away import _served
+from test_adv_rev222_record_unreadable_take_over import _exists
+
+from aiokv.layout import KVLayout
+from aiokv.pool import PagePool
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly
+from aiokv.storage.deletelog import DELETES_NAME, load_deletes
+
+TAG = 0x71
+PAGE, LINK, FOREIGN, DIRECTORY = (key_of(i, TAG) for i in range(4))
+OTHER_UID = 54321
+
+
+def _plant(link: Path, foreign: Path, directory: Path, outside: Path, size: int) -> None:
+    os.symlink(outside, link)
+    foreign.write_bytes(_bytes_of(FOREIGN, size))
+    os.chown(foreign, OTHER_UID, OTHER_UID)
+    directory.mkdir()
+
+
+def _left_alone(link: Path, foreign: Path, directory: Path, outside: Path) -> list[str]:
+    """What the take-over touched of the planted entries (nothing: an empty list)."""
+    touched = []
+    if outside.read_bytes() != b"not the cache's":
+        touched.append("the symlink's target outside the cache")
+    if not os.path.islink(link):
+        touched.append("the symlink planted under a page's name (unlinked)")
+    if not foreign.exists() or foreign.stat().st_uid != OTHER_UID:
+        touched.append("another user's file (unlinked)")
+    if not directory.is_dir():
+        touched.append("the directory")
+    return touched
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_take_over_replacing_a_damaged_record_leaves_entries_that_are_not_our_pages(
+        tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
+    size = layout.page_bytes
+    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the cache's")
+    async with contextlib.AsyncExitStack() as stack:
+        writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+        assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
+        await _settled(writer)
+        follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+        assert follower.read_only is ReadOnly.LOCKED
+        looks = Looks(follower)
+        link = Path(writer.files.path(LINK))
+        foreign = Path(writer.files.path(FOREIGN))
+        directory = Path(writer.files.path(DIRECTORY))
+        _plant(link, foreign, directory, outside, size)
+        record = writer.files.layout_dir / DELETES_NAME
+        record.write_bytes(b"not a pending-delete record, planted")
+        await writer.aclose()
+        await looks.next()
+        assert follower.read_only is None, "the follower did not take the directory over"
+        assert not _exists(Path(writer.files.path(PAGE))), "the take-over did not unlink the page it does not serve"
+        touched = _left_alone(link, foreign, directory, outside)
+        assert not touched, f"the take-over touched entries that are no page of ours: {touched}"
+        fd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            named = load_deletes(fd)
+        finally:
+            os.close(fd)
+        assert not {LINK, FOREIGN, DIRECTORY} & set(named), \
+            f"the saved record names entries that are no page of ours: {sorted(k.hex() for k in named)}"
+        assert not any(follower.contains(key) for key in (PAGE, LINK, FOREIGN, DIRECTORY))
+        assert not await _served(follower, FOREIGN, size)
+    # A start over the directory leaves them too (what the take-over now does, as a start).
+    async with started(DiskTier(cfg, layout, pool)) as restarted:
+        assert restarted.read_only is None
+        assert not _left_alone(link, foreign, directory, outside)
+    assert_clean(pool)
