@@ -141,9 +141,13 @@ def _evicted_since(disk: DiskTier, marks: ReadMarks) -> bool:
     else) is no such read: it stays ``disk_read_failed`` (review 222: it read as an eviction
     whenever the tier had evicted any page meanwhile, ``evictions`` being the mark then). Any fault
     counted meanwhile keeps a failed read counted, as before: the tier's read says only False, so
-    reads running together are told apart by these counts."""
+    reads running together are told apart by these counts. The counts are tier-wide (review 228):
+    any read that found its file gone from outside (``reads_unlinked``) over the window keeps a
+    failed read counted too, or one beside another page's eviction, a second read of the same
+    unlinked key, or a read of a fan-out directory removed and made again read as GONE."""
     now = disk.read_marks()
-    return now.reads_evicted > marks.reads_evicted and now.faults == marks.faults
+    return (now.reads_evicted > marks.reads_evicted and now.faults == marks.faults
+            and now.reads_unlinked == marks.reads_unlinked)
 
 
 class LoadPath(ManagerBase):

@@ -84,7 +84,12 @@ class ReadMarks(NamedTuple):
     reads_evicted: int
     """Reads that found their file gone because the tier itself had taken the page out of its index
     under them (evicted, deleted, replaced): misses, not faults. A file gone while its page is still
-    indexed (unlinked by someone else) is not counted here."""
+    indexed (unlinked by someone else) is not counted here. Tier-wide, and a read that finds its key
+    dropped by such an unlinked read (of the same key, or its fan-out directory's) counts here too:
+    ``reads_unlinked`` tells them apart over the same window."""
+    reads_unlinked: int = 0
+    """Reads that found their file gone while their page was still indexed, or in a fan-out
+    directory retired under them: removed from outside, a fault for the cache (review 228)."""
 
 
 _STUCK: set[DiskTier] = set()
@@ -664,7 +669,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         faults = self._corrupt + self._follow_raced
         for name in _FAULT_NAMES:
             faults += log[name]
-        return ReadMarks(self._index.evictions, faults, self._reads_evicted)
+        return ReadMarks(self._index.evictions, faults, self._reads_evicted, self._reads_unlinked)
 
     def spare_statistics(self) -> SpareStatistics:
         """A snapshot of the spare files (stock, made, taken, faults)."""

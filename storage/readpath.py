@@ -12,7 +12,8 @@ checksum started: they deliver their completion, at least once), and the interru
 
 A file gone at its open (ENOENT) is a miss either way; one whose page the tier itself took out of
 its index under the read (evicted, deleted) is counted ``_reads_evicted`` (review 222), one still
-indexed (unlinked behind the tier's back) is not: the cache counts that read failed.
+indexed (unlinked behind the tier's back) ``_reads_unlinked``: the cache counts that read failed, and
+any read whose window saw one (review 228: the counts are tier-wide).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class ReadPath(TierBase):
     _reads_evicted = 0
     """Reads that found their file gone because the tier itself had taken the page out of its index
     under them (evicted, deleted, replaced): misses, not faults (:meth:`DiskTier.read_marks`)."""
+
+    _reads_unlinked = 0
+    """Reads that found their file gone while their page was still indexed, or in a fan-out
+    directory retired meanwhile: removed from outside (:meth:`DiskTier.read_marks`). A read that
+    finds its key out of the index because such a read (of the same key, or of its directory)
+    dropped it meanwhile counts ``_reads_evicted``; this count, taken over the same window, tells
+    the cache that read apart (review 228)."""
 
     async def _read(self, key: PageKey, page: PageBuffer) -> bool:
         generation = self._index.generation(key)
@@ -231,6 +239,7 @@ class ReadPath(TierBase):
                 return
             # Still indexed: unlinked by someone else (another process, an operator, a bad clean-up):
             # never readable again. Not ``_reads_evicted``: the cache counts the read failed.
+            self._reads_unlinked += 1
             self._forget(job.key, job.generation)
             if self._read_only is not ReadOnly.LOCKED:  # (a follower's looks tell it)
                 # With its directory (``rm -rf``)? Then its other keys leave the index at once, not
