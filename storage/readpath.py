@@ -238,8 +238,13 @@ class ReadPath(TierBase):
                 self._end_read(job, False)
                 return
             # Still indexed: unlinked by someone else (another process, an operator, a bad clean-up):
-            # never readable again. Not ``_reads_evicted``: the cache counts the read failed.
-            self._reads_unlinked += 1
+            # never readable again. Not ``_reads_evicted``: the cache counts the read failed. But a
+            # follower's files are removed by the writer it follows (its evictions, deletes), which
+            # the next look would tell it: an eviction, no fault (docs/storage.md; review 228).
+            if self._read_only is ReadOnly.LOCKED:
+                self._reads_evicted += 1
+            else:
+                self._reads_unlinked += 1
             self._forget(job.key, job.generation)
             if self._read_only is not ReadOnly.LOCKED:  # (a follower's looks tell it)
                 # With its directory (``rm -rf``)? Then its other keys leave the index at once, not

@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 from disk_helpers import assert_clean, config, fill, key_of, reserve, stored_page
+from follow_helpers import WRITER_TAG, follow_config, started, store_page
 from loop_probes import until_thread
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.loadpath import _evicted_since, _tier_marks
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 from aiokv.storage.pagefile import HEADER_BYTES
 
 BOUND_S = 10.0
@@ -183,4 +184,36 @@ async def test_reads_of_a_fan_out_removed_and_made_again_are_no_eviction(
     assert tier.read_marks().reads_unlinked > marks.reads_unlinked, tier.read_marks()
     assert not _evicted_since(tier, marks), (marks, tier.read_marks())
     assert tier.contains(key_of(2, tag)) and not any(tier.contains(k) for k in keys)
+    assert_clean(pool)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("remover", ["evict", "delete"])
+async def test_a_followers_read_of_a_page_its_writer_removed_is_an_eviction(
+        disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, remover: str) -> None:
+    """A follower (``ReadOnly.LOCKED``) indexed a page its writer then evicted (2-page budget) or
+    deleted: the follower's read meets ENOENT with the page still in its index. docs/storage.md:
+    "evicted pages misses, no fault"; the cache counted it ``disk_read_failed`` (a fault)."""
+    capacity = 2 * (HEADER_BYTES + layout.page_bytes)
+    cfg = follow_config(disk_dir, backend, capacity, recycle_files=False)
+    async with started(DiskTier(cfg, layout, pool)) as writer:
+        for i in range(2):
+            assert await store_page(writer, pool, i)
+        async with started(DiskTier(cfg, layout, pool)) as follower:
+            assert follower.read_only is ReadOnly.LOCKED
+            key = key_of(0, WRITER_TAG)
+            assert follower.contains(key)
+            if remover == "evict":
+                assert await store_page(writer, pool, 2)  # the writer's budget: page 0 evicted
+                await until_thread(lambda: not os.path.exists(writer.files.path(key)), "the eviction's unlink")
+            else:
+                await writer.delete(key)
+            assert not os.path.exists(writer.files.path(key)) and follower.contains(key)  # noqa: ASYNC240
+            marks = _tier_marks(follower)
+            assert not await _read(follower, pool, key, 9)
+            assert _evicted_since(follower, marks), (marks, follower.read_marks())
+            assert follower.read_marks().faults == marks.faults
+            assert not follower.contains(key)
+            got = await _read(follower, pool, key_of(1, WRITER_TAG), 10)  # the other page still served
+            assert got
     assert_clean(pool)
