@@ -153,9 +153,13 @@ class FollowState:
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
         self.lock_taken: tuple[int, int] | None = None
-        """``(st_dev, st_ino)`` of the lock file the last look that took the lock holds: a later
-        look of a tier that holds it (``held``) replaces a damaged record only while ``.lock``
-        still names that file (:func:`_lock_still_ours`)."""
+        """``(st_dev, identity)`` of the lock file the last look that took the lock holds (its
+        :func:`~.layoutdir.file_identity`: inode number and change time): a later look of a tier
+        that holds it (``held``) replaces a damaged record only while ``.lock`` still names that
+        file (:func:`_lock_still_ours`). Review 229: the inode number alone, where the tier's lock
+        check had taken ``.lock`` again (removed from outside) and closed the file the look locked,
+        was handed by ext4 to another cache's new ``.lock``: the held look replaced that cache's
+        record while it held the directory (its pending deletes lost)."""
 
     def close_ring(self) -> None:
         """Close the looks' ring (idempotent): by the look that took the directory over, and at the
@@ -263,7 +267,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
             result.lock_fd = _try_lock(dir_fd, shown, result.faults)
             if result.lock_fd is not None:
                 taken = os.fstat(result.lock_fd)
-                state.lock_taken = (taken.st_dev, taken.st_ino)
+                state.lock_taken = (taken.st_dev, file_identity(taken.st_ino, taken))
         # Before the listings: a delete recorded after this read is read by the next look. With the
         # lock (taken now, or held) the record is final (only its holder writes it): read after
         # taking it, a delete the writer recorded just before it let the lock go is read too.
@@ -361,7 +365,8 @@ def _lock_still_ours(state: FollowState, result: Look, dir_fd: int, shown: Path)
     except OSError as exc:
         result.faults.append((exc, f"examining {shown / LOCK_NAME}"))
         return False
-    return (named.st_dev, named.st_ino) == state.lock_taken
+    # The change time too: a file made under the inode number freed since is another file.
+    return (named.st_dev, file_identity(named.st_ino, named)) == state.lock_taken
 
 
 def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
