@@ -45,12 +45,19 @@ class LoadGate:
     """Holds the backend's page loads (a read's open and read) until :meth:`open`: the read is
     launched and counted by the tier, its file not opened yet."""
 
-    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
         self.held: list[tuple[Any, ...]] = []
         self._closed = True
         backend = tier.backend
         self._load: Callable[..., None] = backend.start_load
         monkeypatch.setattr(backend, "start_load", self._start_load)
+        # Opened at the test's teardown too, before the tier fixture's close (a finalizer added
+        # later runs earlier), on the test's loop (the backend starts a load on the running loop):
+        # pytest-timeout's signal ends a slow test out of the loop, so the test's own
+        # ``finally: gate.open()`` never runs, and the close then waited for the held loads for
+        # ever (review 228: a run under load hung 580 s past the 300 s timeout).
+        loop = asyncio.get_running_loop()
+        request.addfinalizer(lambda: loop.is_closed() or loop.call_soon(self.open))
 
     def _start_load(self, *args: Any) -> None:
         if self._closed:
@@ -138,11 +145,11 @@ def _small_tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: Pa
 @pytest.mark.asyncio
 async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     # No recycling: a recycled file is never one a read has open, so only eviction reaches them.
     tier = _small_tier(disk_dir, backend, layout, pool, 2, recycle=False)
     await tier.start()
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     try:
         gate.open()
         for i in range(2):
@@ -175,9 +182,10 @@ async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
 
 @pytest.mark.asyncio
 async def test_a_page_deleted_under_a_held_read_is_no_fault(tier: DiskTier, pool: PagePool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           request: pytest.FixtureRequest) -> None:
     await stored_page(tier, pool, 0)
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     into = reserve(pool, key_of(0, tag=9))
     read = asyncio.create_task(tier.read(key_of(0), into))
     try:
@@ -222,7 +230,7 @@ async def test_read_marks_equal_the_statistics_after_reads_and_faults(
 
 @pytest.mark.asyncio
 async def test_reads_of_a_fan_out_directory_removed_from_outside_are_no_evictions(
-        tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """``rm -rf`` of a fan-out directory under two held reads: the first ENOENT retires the
     directory (its pages leave the index), the second finds its page out of the index already,
     but the tier did not evict it: neither read is ``reads_evicted``."""
@@ -235,7 +243,7 @@ async def test_reads_of_a_fan_out_directory_removed_from_outside_are_no_eviction
         finally:
             pool.table.release(handle)
         pool.table.evict(pool.num_pages)
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     into = [reserve(pool, key_of(i, tag=9)) for i in range(2)]
     read = asyncio.create_task(tier.read_many(keys, into))
     try:

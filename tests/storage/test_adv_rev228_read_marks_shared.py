@@ -40,12 +40,19 @@ BOUND_S = 10.0
 class LoadGate:
     """Holds the backend's page loads (a read's open and read) until :meth:`open`."""
 
-    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
         self.held: list[tuple[Any, ...]] = []
         self.closed = True
         backend = tier.backend
         self._load: Callable[..., None] = backend.start_load
         monkeypatch.setattr(backend, "start_load", self._start_load)
+        # Opened at the test's teardown too, before the tier fixture's close (a finalizer added
+        # later runs earlier), on the test's loop (the backend starts a load on the running loop):
+        # pytest-timeout's signal ends a slow test out of the loop, so the test's own
+        # ``finally: gate.open()`` never runs, and the close then waited for the held loads for
+        # ever (review 228: a run under load hung 580 s past the 300 s timeout).
+        loop = asyncio.get_running_loop()
+        request.addfinalizer(lambda: loop.is_closed() or loop.call_soon(self.open))
 
     def _start_load(self, *args: Any) -> None:
         if self.closed:
@@ -82,12 +89,12 @@ async def _read(tier: DiskTier, pool: PagePool, key: PageKey, tag: int) -> bool:
 @pytest.mark.parametrize("remover", ["evict", "delete"])
 async def test_an_unlinked_read_beside_another_pages_eviction_is_no_eviction(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
-        monkeypatch: pytest.MonkeyPatch, remover: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, remover: str) -> None:
     # A 2-page budget, no recycling (a recycled file is never one a read has open).
     capacity = 2 * (HEADER_BYTES + layout.page_bytes)
     tier = DiskTier(config(disk_dir, backend, capacity=capacity, recycle_files=False), layout, pool)
     await tier.start()
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     gate.open()
     try:
         unlinked, evicted = key_of(0), key_of(1)
@@ -129,11 +136,12 @@ async def test_an_unlinked_read_beside_another_pages_eviction_is_no_eviction(
 
 @pytest.mark.asyncio
 async def test_two_reads_of_one_unlinked_key_are_no_eviction(tier: DiskTier, pool: PagePool,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             request: pytest.FixtureRequest) -> None:
     """The first read's ENOENT forgets the key; the second then finds it out of the index, which
     the tier did not evict: the cache counts both failed, neither GONE."""
     await stored_page(tier, pool, 0)
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     marks = _tier_marks(tier)
     reads = [asyncio.create_task(_read(tier, pool, key_of(0), 9 + i)) for i in range(2)]
     try:
@@ -153,7 +161,7 @@ async def test_two_reads_of_one_unlinked_key_are_no_eviction(tier: DiskTier, poo
 
 @pytest.mark.asyncio
 async def test_reads_of_a_fan_out_removed_and_made_again_are_no_eviction(
-        tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tier: DiskTier, pool: PagePool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """``rm -rf`` of a fan-out directory under two held reads; the first read's ENOENT retires it,
     then a write of a third key of that directory makes it again before the second read opens:
     the second page left the index with the retired directory, not by an eviction."""
@@ -161,7 +169,7 @@ async def test_reads_of_a_fan_out_removed_and_made_again_are_no_eviction(
     keys = [key_of(i, tag) for i in range(2)]
     for key in keys:
         await _store(tier, pool, key)
-    gate = LoadGate(tier, monkeypatch)
+    gate = LoadGate(tier, monkeypatch, request)
     marks = _tier_marks(tier)
     reads = [asyncio.create_task(_read(tier, pool, key, 9)) for key in keys]
     try:
