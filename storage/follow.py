@@ -373,7 +373,15 @@ def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
     """A take-over that may write removes the record's temporary file a crash of its writer left
     while saving it, as a start under the lock does (:func:`~.layoutdir.apply_deletes`, review
     218). Review 225: the take-over left it there (up to the record's size) until this tier's
-    first save of the record."""
+    first save of the record. Looked up first: an unlink waits for a frozen file system even when
+    the name is not there (the write access is taken before the lookup), and the take-over look
+    is otherwise only reads (a look held 30 s behind ``fsfreeze`` for a file that did not exist)."""
+    try:
+        os.stat(DELETES_TEMP, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass  # the unlink below says what is wrong
     try:
         os.unlink(DELETES_TEMP, dir_fd=dir_fd)
         result.temp_removed += 1

@@ -155,7 +155,11 @@ async def take_over_under_write(a: DiskTier, b: DiskTier, key: PageKey, listed: 
     must have found ``key``'s file (B's page). Returns what the look was taken from."""
     await asyncio.wait_for(b.aclose(), 10.0)  # B lets the directory go
     following = followed(a)
+    began = time.monotonic()
     found = following.look()
+    # The look only reads: it never waits for the thaw (the watchdog's, THAW_S). A take-over that
+    # unlinked a `.deletes.new` that was not there waited for it, 30 s a test.
+    assert time.monotonic() - began < THAW_S / 3, "the take-over look waited for the frozen file system"
     assert found.lock_fd is not None
     if listed:
         assert key in found.added
