@@ -7,7 +7,8 @@ which layers, whether they are still zero) and a count at the end.
 
 Run several at once beside GPU load to reproduce the one failure seen on an H100 host (rank 1 not
 bit-exact after an OK report, 16 pytest workers sharing the GPU):
-``python tools/stress_tp_load.py --seconds 60 --seed N`` (``--device cpu`` checks the script).
+``python tools/stress_tp_load.py --seconds 60 --seed N`` (``--device cpu`` checks the script);
+``--fresh`` starts new readers for every load, so each is a first load beside the readers' warm-up.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from aiokv.layout import KVLayout  # noqa: E402
 from aiokv.tp import Direction, RankGroup, TPConfig  # noqa: E402
 
 
-async def stress(seconds: float, seed: int, device: str) -> int:
-    """Loads for ``seconds``; returns the number of rank-loads that were not bit-exact."""
+async def stress(seconds: float, seed: int, device: str, fresh: bool = False) -> int:
+    """Loads for ``seconds``; returns the number of rank-loads that were not bit-exact. ``fresh``: new
+    reader processes for every load, each load straight after they attached."""
     layout, tp = KVLayout.mha(4, 8, 128, torch.float16, page_tokens=16), 4
     tokens, num_slots, num_pages = layout.page_tokens, 256, 12
     config = TPConfig(reconnect_initial_s=CONFIG.reconnect_initial_s, register_chunk_bytes=2 * layout.page_bytes,
@@ -39,7 +41,8 @@ async def stress(seconds: float, seed: int, device: str) -> int:
     generator = torch.Generator().manual_seed(seed)
     slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(2))[: 8 * tokens]
     pool = await new_pool(layout.for_tp(tp), num_pages)
-    bad = rounds = 0
+    bad = rounds = fresh_rounds = 0
+    first = False
     try:
         with tempfile.TemporaryDirectory() as scratch:
             async with RankGroup(layout, tp, pool.name, pool.num_pages, config, Path(scratch) / "m") as group:
@@ -58,13 +61,16 @@ async def stress(seconds: float, seed: int, device: str) -> int:
                     want_page = expected_page(full, slots[i * tokens : (i + 1) * tokens].tolist(), pool.layout)
                     assert torch.equal(pool.pages[page], want_page), f"page {i} offloaded wrong"
                 await writers.stop_all()
-                readers = RankProcesses(group.address, layout, tp, 9, False, num_slots, device, config)
-                readers.start_all()
-                await group.wait_attached()
                 wants = [rank_kv(full, layout, rank, tp)[:, slots[1:]] for rank in range(tp)]
                 end = time.monotonic() + seconds
+                readers = None
                 while time.monotonic() < end:
-                    if rounds == 0:  # the test's own target first
+                    if readers is None:
+                        readers = RankProcesses(group.address, layout, tp, 9, False, num_slots, device, config)
+                        readers.start_all()
+                        await group.wait_attached()
+                        first = True  # straight after attach: the readers' warm-up may still run
+                    if first:  # the test's own target: every page, the first token skipped
                         target = torch.arange(num_slots - 1, num_slots - 8 * tokens, -1)
                     else:
                         target = torch.randperm(num_slots, generator=generator)[: 8 * tokens - 1]
@@ -83,13 +89,20 @@ async def stress(seconds: float, seed: int, device: str) -> int:
                         wrong = (got != wants[rank]).flatten(2).any(-1)  # [layers, target slots]
                         where = wrong.any(0).nonzero().flatten().tolist()
                         zero = bool((got[wrong] == 0).all())
-                        print(f"seed {seed} load {rounds} rank {rank}: {len(where)} of {len(target)} slots wrong, "
-                              f"layers {wrong.any(1).nonzero().flatten().tolist()}, first {where[:12]}, "
-                              f"pages {sorted({(p + 1) // tokens for p in where})}, all still zero: {zero}", flush=True)
-                await readers.stop_all()
+                        print(f"seed {seed} load {rounds} (fresh readers: {first}) rank {rank}: {len(where)} of "
+                              f"{len(target)} slots wrong, layers {wrong.any(1).nonzero().flatten().tolist()}, "
+                              f"first {where[:12]}, pages {sorted({(p + 1) // tokens for p in where})}, "
+                              f"all still zero: {zero}; stats {await readers.ask(rank, 'stats')}", flush=True)
+                    first = False
+                    if fresh:  # new readers for every load: each load is a first one
+                        await readers.stop_all()
+                        readers = None
+                        fresh_rounds += 1
+                if readers is not None:
+                    await readers.stop_all()
     finally:
         await pool.aclose()
-    print(f"seed {seed}: {rounds} loads, {bad} rank-loads not bit-exact", flush=True)
+    print(f"seed {seed}: {rounds} loads ({fresh_rounds} by fresh readers), {bad} rank-loads not bit-exact", flush=True)
     return bad
 
 
@@ -98,8 +111,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--fresh", action="store_true", help="new reader processes for every load")
     args = parser.parse_args()
-    sys.exit(1 if asyncio.run(stress(args.seconds, args.seed, args.device)) else 0)
+    sys.exit(1 if asyncio.run(stress(args.seconds, args.seed, args.device, args.fresh)) else 0)
 
 
 if __name__ == "__main__":
