@@ -135,6 +135,17 @@ def _observe(key: LaunchKey) -> bool:
     return launch
 
 
+_first_launched: set[tuple[object, LaunchKey]] = set()
+"""(device, variant) pairs whose first compiled launch in this process has returned."""
+_first_launch_locks: dict[tuple[object, LaunchKey], threading.Lock] = {}
+_first_launch_locks_guard = threading.Lock()
+
+
+def _first_launch_lock(variant: tuple[object, LaunchKey]) -> threading.Lock:
+    with _first_launch_locks_guard:
+        return _first_launch_locks.setdefault(variant, threading.Lock())
+
+
 _INTERPRETED = interpreting()
 """Fixed when Triton was imported (``_jit``'s decorators made interpreted functions or JIT ones)."""
 _interpreter_lock = threading.Lock()
@@ -285,17 +296,25 @@ class CopyPlan:
              constexprs: dict[str, object]) -> None:
         """The one launch point of both kernels (the warm-up's twins and :func:`record_launches` see
         exactly what a copy launches)."""
-        if self._once is not None or _records:
-            key = launch_key(name, args, constexprs)
-            if self._once is not None and (not self._once.claim(key) or not self._once.launch):
-                return
-            if _records and not _observe(key):
-                return
+        key = launch_key(name, args, constexprs)
+        if self._once is not None and (not self._once.claim(key) or not self._once.launch):
+            return
+        if _records and not _observe(key):
+            return
         if _INTERPRETED:
             with _interpreter_lock:
                 kernel[grid](*args, **constexprs)
-        else:
+        elif (variant := (self.kv.device, key)) in _first_launched:
             kernel[grid](*args, **constexprs)
+        else:
+            # A variant's first launch in the process loads its binary: Triton puts the kernel in
+            # its cache, sets its launcher, then loads the module with the GIL released, and only
+            # then sets the function handle. Another thread launching the same variant meanwhile
+            # finds it cached and launches with no function (a failed copy). The warm-up thread and
+            # the copy threads launch the same variants, so each variant's first launch goes alone.
+            with _first_launch_lock(variant):
+                kernel[grid](*args, **constexprs)
+                _first_launched.add(variant)
         if self._once is not None:
             self._once.launched.append(key)
 
