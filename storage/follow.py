@@ -152,14 +152,6 @@ class FollowState:
         self.deletes_unreadable = False
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
-        self.lock_taken: tuple[int, int] | None = None
-        """``(st_dev, identity)`` of the lock file the last look that took the lock holds (its
-        :func:`~.layoutdir.file_identity`: inode number and change time): a later look of a tier
-        that holds it (``held``) replaces a damaged record only while ``.lock`` still names that
-        file (:func:`_lock_still_ours`). Review 229: the inode number alone, where the tier's lock
-        check had taken ``.lock`` again (removed from outside) and closed the file the look locked,
-        was handed by ext4 to another cache's new ``.lock``: the held look replaced that cache's
-        record while it held the directory (its pending deletes lost)."""
 
     def close_ring(self) -> None:
         """Close the looks' ring (idempotent): by the look that took the directory over, and at the
@@ -244,7 +236,7 @@ class Look:
 
 
 def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: bool = False,
-         whole: frozenset[PageKey] = frozenset()) -> Look:
+         whole: frozenset[PageKey] = frozenset(), held_lock: int | None = None) -> Look:
     """One look at the layout directory ``dir_fd`` (shown as ``shown``) whose fan-out descriptors
     are ``fanout`` (a copy of the tier's; -1: none). ``held``: the tier holds the lock already (it
     took the directory over where it may not write: a read-only file system...): the look only
@@ -253,7 +245,10 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     is listed, not taken for the file known by inode number alone (the tier's deletes while it
     follows: the writer may store such a key anew under the freed inode number, ext4 hands it to
     the next file made, and the look took that page for the one deleted: never indexed, unlinked
-    at the take-over, review 202). Blocking: run on a thread. Faults are reported in
+    at the take-over, review 202). ``held_lock``: with ``held``, a duplicate of the descriptor of
+    the lock the tier holds now (the caller's, closed by it after the look; None: not at hand):
+    the look replaces a damaged record or removes its temporary file only while ``.lock`` names
+    that file (:func:`_lock_still_ours`). Blocking: run on a thread. Faults are reported in
     :attr:`Look.faults`, never raised."""
     result = Look()
     found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
@@ -265,9 +260,6 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     try:
         if not held:
             result.lock_fd = _try_lock(dir_fd, shown, result.faults)
-            if result.lock_fd is not None:
-                taken = os.fstat(result.lock_fd)
-                state.lock_taken = (taken.st_dev, file_identity(taken.st_ino, taken))
         # Before the listings: a delete recorded after this read is read by the next look. With the
         # lock (taken now, or held) the record is final (only its holder writes it): read after
         # taking it, a delete the writer recorded just before it let the lock go is read too.
@@ -275,7 +267,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
-                if result.writable and _lock_still_ours(state, result, dir_fd, shown):
+                if result.writable and _lock_still_ours(held_lock, result, dir_fd, shown):
                     _remove_record_temp(result, dir_fd, shown)
         elif result.lock_fd is None:
             _follow(state, result, found, dir_fd, fanout, shown)
@@ -293,7 +285,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
             # after a take-over on a read-only file system, and every later start lost the pages
             # stored since), while the tier's lock is still the one it took.
             if result.read_only is None and not state.stop.is_set() and (
-                    result.lock_fd is not None or _lock_still_ours(state, result, dir_fd, shown)):
+                    result.lock_fd is not None or _lock_still_ours(held_lock, result, dir_fd, shown)):
                 _replace_record(state, result, found, dir_fd, fanout, shown)
         result.added = sorted(found, key=found.__getitem__)  # oldest first, here rather than on the loop
         result.mtimes = found
@@ -350,23 +342,23 @@ def _deletes_unknown(state: FollowState, result: Look, found: dict[PageKey, int]
               fault.strerror, len(keys))
 
 
-def _lock_still_ours(state: FollowState, result: Look, dir_fd: int, shown: Path) -> bool:
+def _lock_still_ours(held_lock: int | None, result: Look, dir_fd: int, shown: Path) -> bool:
     """A held look (the tier took the lock at an earlier look, where it could not write): whether
-    ``.lock`` still names the file that look locked, so that no other cache writes here now (one
-    that took a ``.lock`` put in its place would; the tier's lock check tells it later). False, a
-    fault recorded where the name cannot be examined, when unknown (the tier took no lock through
-    a look: held since its start)."""
-    if state.lock_taken is None:
+    ``.lock`` still names the file the tier holds locked now (``held_lock``, a duplicate of its
+    descriptor: the file stays open, so its inode number cannot go to another file meanwhile), so
+    that no other cache writes here now (one that took a ``.lock`` put in its place would; the
+    tier's lock check tells it later). False, a fault recorded where the names cannot be examined,
+    when unknown (no descriptor at hand). Review 229 (of 4b00f54): the file the take-over's look
+    had locked was asked for, and once the tier's lock check had taken ``.lock`` again (removed
+    from outside, then made again) no held look ever replaced the damaged record: every later
+    start served none of the pages stored since."""
+    if held_lock is None:
         return False
     try:
-        named = os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
+        return lock_named(held_lock, dir_fd)
     except OSError as exc:
         result.faults.append((exc, f"examining {shown / LOCK_NAME}"))
         return False
-    # The change time too: a file made under the inode number freed since is another file.
-    return (named.st_dev, file_identity(named.st_ino, named)) == state.lock_taken
 
 
 def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:

@@ -204,10 +204,15 @@ class FollowPath(TierBase):
             state.refuse(self._follow_refused)
             self._follow_refused.clear()
             # The names of keys deleted here are examined whole: see look's ``whole`` (review 202).
-            work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir,
-                                     self._follow_held, frozenset(self._unlink_when_writable))
-            found = await self._on_thread(work, "aiokv-disk-follow", Look.close, "a look at the directory",
-                                          state.stop.set)
+            held_lock = self._dup_held_lock()
+            try:
+                work = functools.partial(look, state, self._dir.dir_fd, list(self._dir.fanout), self.files.layout_dir,
+                                         self._follow_held, frozenset(self._unlink_when_writable), held_lock)
+                found = await self._on_thread(work, "aiokv-disk-follow", Look.close, "a look at the directory",
+                                              state.stop.set)
+            finally:
+                if held_lock is not None:
+                    os.close(held_lock)  # the look's thread has ended (a cancel waits for it)
             if found is None:
                 continue
             self._follow_looks += 1
@@ -217,6 +222,22 @@ class FollowPath(TierBase):
                 self._faults.unexpected("applying a look at the directory")
             finally:
                 found.close()  # what the tier did not take (all of it when cancelled: the lock too)
+
+    def _dup_held_lock(self) -> int | None:
+        """For a held look (``_follow_held``): a duplicate of the lock's descriptor the tier holds
+        now, so that the look may replace a damaged record while ``.lock`` names that file
+        (:func:`.follow._lock_still_ours`); the loop may let that descriptor go meanwhile (a lock
+        check that took ``.lock`` again), the duplicate stays the look's. Review 229: the look
+        asked for the file the take-over had locked, and after a ``lock_retaken`` never replaced
+        the record. None (a fault counted where it cannot be made) when not held."""
+        prepared = self._dir
+        if not self._follow_held or prepared is None or prepared.lock_fd is None:
+            return None
+        try:
+            return os.dup(prepared.lock_fd)
+        except OSError as exc:  # EMFILE: a damaged record is left as it is by this look
+            self._faults.count(exc, "duplicating the lock's descriptor")
+            return None
 
     def _following(self) -> bool:
         """Whether the looks go on: another cache holds the directory, or this one took it over
