@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from load_gate import LoadGate
+from loop_probes import until_thread
 
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
 from aiokv.kernels import PageMover
@@ -161,3 +163,38 @@ def reserve_each(cache: KVCache, keys: list[Any]) -> list[Any]:
         assert res.handle is not None, res
         writers.append(res.handle)
     return writers
+
+
+async def held_read_call(cache: KVCache, monkeypatch: pytest.MonkeyPatch, call: str, tokens: list[int],
+                         target: torch.Tensor, pages: int) -> tuple[LoadGate, asyncio.Task[Any], int]:
+    """``call`` ("load", "prefetch" or "stream" into ``target``) of ``tokens``, whose ``pages`` pages
+    are all on disk only (a load or stream of a match that counted every page on disk), started with
+    the disk tier's page loads held (:class:`LoadGate`), once the reads it launches at once are held.
+    Returns the gate (the test opens it), the call's task and those reads: a stream reads back to
+    front, one promotion at a time (its read-ahead may launch the next one too)."""
+    disk = cache.disk
+    assert disk is not None
+    gate = LoadGate(disk, monkeypatch)
+    try:
+        if call == "prefetch":
+            task: asyncio.Task[Any] = asyncio.create_task(cache.prefetch(tokens))
+            reads = pages
+        else:
+            match = await cache.match(tokens)
+            assert (match.pool_pages, match.disk_pages) == (0, pages), match
+            if call == "load":
+                task = asyncio.create_task(cache.load(match, target))
+                reads = pages
+            else:
+
+                async def stream() -> Any:
+                    s = await cache.start_load(match, target)
+                    return await s.finish()
+
+                task = asyncio.create_task(stream())
+                reads = 1
+        await until_thread(lambda: len(gate.held) >= reads, "the reads' loads")
+    except BaseException:
+        gate.open()  # a failed start must not leave the cache's close waiting for held loads
+        raise
+    return gate, task, reads

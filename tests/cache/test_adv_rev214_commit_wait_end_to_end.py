@@ -25,8 +25,8 @@ import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, mover_of, prompt
 from held_call import Hold
+from load_gate import LoadGate
 from loop_probes import until_thread
-from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import KVCache
 from aiokv.pagetable import PageState
@@ -61,7 +61,7 @@ async def test_a_prefetch_waits_commit_wait_in_all_across_its_waits(tmp_path: Pa
         assert all(disk.contains(k) for k in keys)
         # Page 2's writer: a prefetch whose read of it is held (pages 0 and 1 in the pool).
         assert table.discard(keys[2])
-        gate = ReadGate(disk, monkeypatch, limit=1)
+        gate = LoadGate(disk, monkeypatch, limit=1)
         stuck = asyncio.create_task(cache.prefetch(tokens))
         hold = Hold()
         try:

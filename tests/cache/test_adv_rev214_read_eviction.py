@@ -20,62 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, held_read_call, prompt
+from load_gate import flip_payload
 from loop_probes import until_thread
 
 from aiokv import KVCache
-from aiokv.storage import DiskTier
-from aiokv.storage.pagefile import HEADER_BYTES
 
 T = LAYOUT.page_tokens
 PAGES = 2
 BOUND_S = 10.0
 SLOTS = 16 * PAGES * T
+TARGET = torch.arange(4 * PAGES * T, 5 * PAGES * T)
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: checks read it directly")
-
-
-class ReadGate:
-    """Holds the backend's page loads (a read's open and read) until :meth:`open`: the reads are
-    launched and counted by the tier, but no file is opened yet. ``limit``: only the first so many
-    are held, later ones go through."""
-
-    def __init__(self, disk: DiskTier, monkeypatch: pytest.MonkeyPatch, limit: int | None = None) -> None:
-        self.held: list[tuple[Any, ...]] = []
-        self._closed = True
-        self._left = limit
-        backend = disk.backend
-        self._load: Callable[..., None] = backend.start_load
-        monkeypatch.setattr(backend, "start_load", self._start_load)
-
-    def _start_load(self, *args: Any) -> None:
-        if self._closed and self._left != 0:
-            self.held.append(args)
-            if self._left is not None:
-                self._left -= 1
-        else:
-            self._load(*args)
-
-    def open(self) -> None:
-        self._closed = False
-        held, self.held = self.held, []
-        for args in held:
-            self._load(*args)
-
-
-def _flip_payload(path: str) -> None:
-    """The payload's first bytes flipped in place: the checksum refuses the file."""
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BYTES)
-        data = f.read(64)
-        f.seek(HEADER_BYTES)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _kv() -> torch.Tensor:
@@ -108,25 +69,6 @@ async def _evict(cache: KVCache, tokens: list[int], other: list[int]) -> None:
     await until_thread(lambda: not any(os.path.exists(p) for p in paths), "the evicted files' unlinks")
 
 
-async def _call(cache: KVCache, call: str, tokens: list[int]) -> tuple[asyncio.Task[Any], int]:
-    """``call`` of ``tokens`` started (a load or stream of a match that counted every page on disk,
-    or a prefetch); returns its task and the pages it must read."""
-    target = torch.arange(4 * PAGES * T, 5 * PAGES * T)
-    if call == "prefetch":
-        return asyncio.create_task(cache.prefetch(tokens)), PAGES
-    match = await cache.match(tokens)
-    assert (match.pool_pages, match.disk_pages) == (0, PAGES), match
-    if call == "load":
-        return asyncio.create_task(cache.load(match, target)), PAGES
-
-    async def stream() -> Any:
-        s = await cache.start_load(match, target)
-        return await s.finish()
-
-    # A stream reads back to front, read-ahead one page at a time (a single promotion each).
-    return asyncio.create_task(stream()), 1
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("call", ["load", "prefetch", "stream"])
 async def test_a_page_evicted_while_its_read_is_held_is_a_miss_not_a_fault(
@@ -138,9 +80,7 @@ async def test_a_page_evicted_while_its_read_is_held_is_a_miss_not_a_fault(
         disk = cache.disk
         assert disk is not None
         await _on_disk_only(cache, tokens)
-        gate = ReadGate(disk, monkeypatch)
-        task, reads = await _call(cache, call, tokens)
-        await until_thread(lambda: len(gate.held) >= reads, "the reads' loads")
+        gate, task, reads = await held_read_call(cache, monkeypatch, call, tokens, TARGET, PAGES)
         before = disk.statistics()
         await _evict(cache, tokens, other)
         gate.open()
@@ -171,10 +111,8 @@ async def test_a_page_corrupted_under_a_held_read_is_still_a_fault(tmp_path: Pat
         disk = cache.disk
         assert disk is not None
         await _on_disk_only(cache, tokens)
-        gate = ReadGate(disk, monkeypatch)
-        task, reads = await _call(cache, "load", tokens)
-        await until_thread(lambda: len(gate.held) >= reads, "the reads' loads")
-        _flip_payload(disk.files.path(cache.keys(tokens)[0]))
+        gate, task, _ = await held_read_call(cache, monkeypatch, "load", tokens, TARGET, PAGES)
+        flip_payload(disk.files.path(cache.keys(tokens)[0]))
         gate.open()
         async with asyncio.timeout(BOUND_S):
             result = await task

@@ -13,7 +13,7 @@ Here the first wait spends all but ``SPARE_S`` of it, and the own read is held l
 
 Everything real but the first writer of page 4, a page-table reservation (as a TP rank's copy
 holds one) given up while the load waits for it: the load's promotion then reads page 4 itself,
-that read held in front of the tier's backend (``ReadGate``) until the next window waits for it.
+that read held in front of the tier's backend (``LoadGate``) until the next window waits for it.
 The pool is 8 pages, 5 held by another prompt's match: window 1 reads pages 0-1, its copy held
 on the copy thread until the deadline has passed.
 
@@ -29,8 +29,8 @@ import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, mover_of, on_disk_only, prompt
 from held_call import Hold
+from load_gate import LoadGate
 from loop_probes import until, until_thread, waiting_in
-from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import KVCache
 from aiokv.pagetable import PageState
@@ -78,7 +78,7 @@ async def test_a_later_window_waits_for_its_own_read_past_the_calls_deadline(
         loop = asyncio.get_running_loop()
         target = torch.arange(140, 140 + PAGES * T)
         load = asyncio.create_task(cache.load(match, target))
-        gate: ReadGate | None = None
+        gate: LoadGate | None = None
         try:
             # Window 1: pages 0-1 read and in a copy (held), 2-3 found no room, page 4 waited for.
             await hold.wait_entered()
@@ -86,7 +86,7 @@ async def test_a_later_window_waits_for_its_own_read_past_the_calls_deadline(
             deadline = loop.time() + WAIT_S  # the call's first wait ends no later
             # The writer gives page 4 up late, most of the call's commit_wait spent: the load's
             # adopted promotion reads it (held).
-            gate = ReadGate(disk, monkeypatch, limit=1)
+            gate = LoadGate(disk, monkeypatch, limit=1)
             given_up = asyncio.Event()
             loop.call_at(deadline - SPARE_S, lambda: (table.abort(first.handle), given_up.set()))
             await given_up.wait()

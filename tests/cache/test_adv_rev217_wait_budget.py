@@ -10,7 +10,7 @@ and a shorter stream although every writer was quick. The bound is now the time 
 
 Page 1's and page 0's writers are page-table reservations (as a TP rank's copy holds one), each
 given up soon after the stream waits for it (the stream then reads the page itself); the stream's
-read of page 1 is held in front of the tier's backend (``ReadGate``) until the call's first wait
+read of page 1 is held in front of the tier's backend (``LoadGate``) until the call's first wait
 is more than ``commit_wait`` old, so its wait for page 0 begins after that.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, errors_of, make_kv, on_disk_only, prompt, reserve_each
+from load_gate import LoadGate
 from loop_probes import until, until_thread, waiting_in
-from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import KVCache
 from aiokv.pagetable import PageHandle
@@ -60,7 +60,7 @@ async def test_a_stream_waits_past_its_first_waits_deadline_when_it_waited_littl
         writers: list[PageHandle] = reserve_each(cache, keys)
         loop = asyncio.get_running_loop()
         target = torch.arange(100, 100 + PAGES * T)
-        gate = ReadGate(disk, monkeypatch, limit=1)
+        gate = LoadGate(disk, monkeypatch, limit=1)
 
         async def stream() -> Any:
             s = await cache.start_load(match, target)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, make_kv, on_disk_only, prompt
+from load_gate import LoadGate
 from loop_probes import until, until_thread, waiting_in
-from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import KVCache, loadpath
 from aiokv.loadpath import CommitWaits, LoadPath
@@ -120,7 +120,7 @@ async def test_a_cancelled_call_leaves_no_wait_behind_and_its_adopted_wait_keeps
         writer = res.handle
         assert writer is not None, res
         monkeypatch.setattr(loadpath, "CommitWaits", recorded)
-        gate = ReadGate(disk, monkeypatch)
+        gate = LoadGate(disk, monkeypatch)
         target = torch.arange(100, 100 + pages * T)
         if call == "load":
             load = asyncio.create_task(cache.load(match, target))

@@ -12,7 +12,7 @@ and io_uring backends.
 
 Everything real: a small disk budget, real page files, ``os.unlink`` of the page files' own
 paths, another prompt's write-behind evicting other pages, the read's load held in front of the
-backend (:class:`ReadGate`) until both happened.
+backend (:class:`LoadGate`) until both happened.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, prompt
+from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, errors_of, held_read_call, prompt
 from loop_probes import until_thread
-from test_adv_rev214_read_eviction import ReadGate
 
 from aiokv import DiskBackend, KVCache
 from aiokv.storage import DiskTier
@@ -60,23 +59,6 @@ async def _store(cache: KVCache, tokens: list[int], at: int, drop: bool) -> None
             assert cache.pool.table.discard(key)
 
 
-async def _call(cache: KVCache, call: str, tokens: list[int]) -> tuple[asyncio.Task[Any], int]:
-    """``call`` of ``tokens`` started; its task and the reads it launches at once."""
-    if call == "prefetch":
-        return asyncio.create_task(cache.prefetch(tokens)), PAGES
-    match = await cache.match(tokens)
-    assert (match.pool_pages, match.disk_pages) == (0, PAGES), match
-    if call == "load":
-        return asyncio.create_task(cache.load(match, TARGET)), PAGES
-
-    async def stream() -> Any:
-        s = await cache.start_load(match, TARGET)
-        return await s.finish()
-
-    # Back to front, one promotion at a time (the read-ahead may launch the next one too).
-    return asyncio.create_task(stream()), 1
-
-
 def _served(call: str, result: Any) -> int:
     if call == "prefetch":
         assert result.pool_pages == 0, result
@@ -107,10 +89,8 @@ async def test_a_file_unlinked_under_a_held_read_is_a_failed_read_even_beside_ev
         await _store(cache, tokens, 2 * PAGES * T, drop=True)
         keys = cache.keys(tokens)
         untouched = kv[:, TARGET].clone()
-        gate = ReadGate(disk, monkeypatch)
-        task, reads = await _call(cache, call, tokens)
+        gate, task, _ = await held_read_call(cache, monkeypatch, call, tokens, TARGET, PAGES)
         try:
-            await until_thread(lambda: len(gate.held) >= reads, "the reads' loads")
             before = disk.read_marks()
             for key in keys:
                 os.unlink(disk.files.path(key))  # behind the tier's back: still indexed
@@ -148,10 +128,8 @@ async def test_a_page_the_tier_evicts_under_a_held_read_is_gone_on_every_backend
         await _store(cache, tokens, 0, drop=True)
         keys = cache.keys(tokens)
         untouched = kv[:, TARGET].clone()
-        gate = ReadGate(disk, monkeypatch)
-        task, reads = await _call(cache, call, tokens)
+        gate, task, reads = await held_read_call(cache, monkeypatch, call, tokens, TARGET, PAGES)
         try:
-            await until_thread(lambda: len(gate.held) >= reads, "the reads' loads")
             before = disk.read_marks()
             await _evict_others(cache, disk, other, [])
             assert not any(disk.contains(k) for k in keys), "the budget did not evict the read pages"

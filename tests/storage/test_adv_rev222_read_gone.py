@@ -22,16 +22,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from disk_helpers import assert_clean, config, fill, key_of, payload, read_page, reserve, stored_page
+from load_gate import LoadGate, flip_payload
 from loop_probes import until_thread
 
 from aiokv.layout import KVLayout
+from aiokv.pagetable import PageHandle
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.config import DiskStatistics
@@ -39,46 +39,6 @@ from aiokv.storage.disk import ReadMarks
 from aiokv.storage.pagefile import HEADER_BYTES
 
 BOUND_S = 10.0
-
-
-class LoadGate:
-    """Holds the backend's page loads (a read's open and read) until :meth:`open`: the read is
-    launched and counted by the tier, its file not opened yet."""
-
-    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-        self.held: list[tuple[Any, ...]] = []
-        self._closed = True
-        backend = tier.backend
-        self._load: Callable[..., None] = backend.start_load
-        monkeypatch.setattr(backend, "start_load", self._start_load)
-        # Opened at the test's teardown too, before the tier fixture's close (a finalizer added
-        # later runs earlier), on the test's loop (the backend starts a load on the running loop):
-        # pytest-timeout's signal ends a slow test out of the loop, so the test's own
-        # ``finally: gate.open()`` never runs, and the close then waited for the held loads for
-        # ever (review 228: a run under load hung 580 s past the 300 s timeout).
-        loop = asyncio.get_running_loop()
-        request.addfinalizer(lambda: loop.is_closed() or loop.call_soon(self.open))
-
-    def _start_load(self, *args: Any) -> None:
-        if self._closed:
-            self.held.append(args)
-        else:
-            self._load(*args)
-
-    def open(self) -> None:
-        self._closed = False
-        held, self.held = self.held, []
-        for args in held:
-            self._load(*args)
-
-
-def _flip_payload(path: str) -> None:
-    """The payload's first bytes flipped in place: the checksum refuses the file."""
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BYTES)
-        data = f.read(64)
-        f.seek(HEADER_BYTES)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _faults(stats: DiskStatistics) -> int:
@@ -90,6 +50,15 @@ def _assert_marks_match(tier: DiskTier) -> ReadMarks:
     stats = tier.statistics()
     assert (marks.evictions, marks.faults) == (stats.evictions, _faults(stats)), (marks, stats)
     return marks
+
+
+async def _ended(read: asyncio.Task[list[bool]], pool: PagePool, into: list[PageHandle]) -> list[bool]:
+    """What a held batch read answered once let go (bounded), its pages aborted."""
+    async with asyncio.timeout(BOUND_S):
+        oks = await read
+    for handle in into:
+        pool.table.abort(handle)
+    return oks
 
 
 @pytest.mark.asyncio
@@ -154,7 +123,7 @@ async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
         gate.open()
         for i in range(2):
             await stored_page(tier, pool, i)
-        gate._closed = True
+        gate.closed = True
         keys = [key_of(0), key_of(1)]
         into = [reserve(pool, key_of(i, tag=9)) for i in range(2)]
         read = asyncio.create_task(tier.read_many(keys, into))
@@ -167,10 +136,7 @@ async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
         paths = [tier.files.path(k) for k in keys]
         await until_thread(lambda: not any(os.path.exists(p) for p in paths), "the evicted files' unlinks")
         gate.open()
-        async with asyncio.timeout(BOUND_S):
-            assert await read == [False, False]
-        for handle in into:
-            pool.table.abort(handle)
+        assert await _ended(read, pool, into) == [False, False]
         marks = _assert_marks_match(tier)
         assert marks.evictions >= 2 and marks.reads_evicted == 2, marks
         assert marks.faults == 0, tier.statistics().errors  # not a fault: the tier removed them
@@ -213,7 +179,7 @@ async def test_read_marks_equal_the_statistics_after_reads_and_faults(
             await stored_page(tier, pool, i)
         assert await read_page(tier, pool, 0) is not None
         _assert_marks_match(tier)
-        _flip_payload(tier.files.path(key_of(1)))  # refused (corrupt)
+        flip_payload(tier.files.path(key_of(1)))  # refused (corrupt)
         assert await read_page(tier, pool, 1) is None
         os.unlink(tier.files.path(key_of(2)))
         assert await read_page(tier, pool, 2) is None
@@ -251,10 +217,7 @@ async def test_reads_of_a_fan_out_directory_removed_from_outside_are_no_eviction
         shutil.rmtree(tier.files.layout_dir / f"{tag:02x}")  # from outside: `rm -rf 3a`
     finally:
         gate.open()
-    async with asyncio.timeout(BOUND_S):
-        assert await read == [False, False]
-    for handle in into:
-        pool.table.abort(handle)
+    assert await _ended(read, pool, into) == [False, False]
     marks = _assert_marks_match(tier)
     assert marks.reads_evicted == 0, marks
     assert not any(tier.contains(k) for k in keys)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from disk_helpers import assert_clean, config, fill, key_of, reserve, stored_page
 from follow_helpers import WRITER_TAG, follow_config, started, store_page
+from load_gate import LoadGate
 from loop_probes import until_thread
 
 from aiokv.keys import PageKey
@@ -35,36 +34,6 @@ from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 from aiokv.storage.pagefile import HEADER_BYTES
 
 BOUND_S = 10.0
-
-
-class LoadGate:
-    """Holds the backend's page loads (a read's open and read) until :meth:`open`."""
-
-    def __init__(self, tier: DiskTier, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-        self.held: list[tuple[Any, ...]] = []
-        self.closed = True
-        backend = tier.backend
-        self._load: Callable[..., None] = backend.start_load
-        monkeypatch.setattr(backend, "start_load", self._start_load)
-        # Opened at the test's teardown too, before the tier fixture's close (a finalizer added
-        # later runs earlier), on the test's loop (the backend starts a load on the running loop):
-        # pytest-timeout's signal ends a slow test out of the loop, so the test's own
-        # ``finally: gate.open()`` never runs, and the close then waited for the held loads for
-        # ever (review 228: a run under load hung 580 s past the 300 s timeout).
-        loop = asyncio.get_running_loop()
-        request.addfinalizer(lambda: loop.is_closed() or loop.call_soon(self.open))
-
-    def _start_load(self, *args: Any) -> None:
-        if self.closed:
-            self.held.append(args)
-        else:
-            self._load(*args)
-
-    def open(self) -> None:
-        self.closed = False
-        held, self.held = self.held, []
-        for args in held:
-            self._load(*args)
 
 
 async def _store(tier: DiskTier, pool: PagePool, key: PageKey) -> None:
@@ -178,7 +147,7 @@ async def test_reads_of_a_fan_out_removed_and_made_again_are_no_eviction(
         first, second = gate.held
         gate.held = [second]
         gate.closed = False
-        gate._load(*first)
+        gate.load(*first)
         async with asyncio.timeout(BOUND_S):
             assert not await reads[0]
         assert not any(tier.contains(k) for k in keys)  # the directory retired, its pages dropped
