@@ -14,8 +14,6 @@ only."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import started
 from gate_helpers import gated_ext4
+from take_over_helpers import chattr, exists
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 
@@ -34,16 +33,6 @@ from aiokv.storage.deletelog import DELETES_NAME
 TAG = 0x5C
 SHOW_S = 2.0
 """How long the close is given to end while the save is held: before the fix it ended at once."""
-
-
-def _exists(path: Path) -> bool:
-    return os.path.exists(path)
-
-
-def _chattr(flag: str, path: Path) -> None:
-    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"chattr {flag} not possible here: {done.stderr.strip()}")
 
 
 def _saving() -> bool:
@@ -68,12 +57,12 @@ async def test_the_close_waits_for_the_record_save_its_retried_unlink_started(
                 await _settled(a)
                 page = Path(a.files.path(victim))
                 record = a.files.layout_dir / DELETES_NAME
-                _chattr("+i", page)
+                chattr("+i", page)
                 try:
                     await a.delete(victim)  # EPERM: the file stays, named in the record
-                    assert _exists(page) and _exists(record), "the unlink did not fail: nothing to test"
+                    assert exists(page) and exists(record), "the unlink did not fail: nothing to test"
                 finally:
-                    _chattr("-i", page)
+                    chattr("-i", page)
                 faults = sum(a.statistics().errors.values())
                 gate.hold()
                 closing = asyncio.ensure_future(a.aclose())
@@ -85,8 +74,8 @@ async def test_the_close_waits_for_the_record_save_its_retried_unlink_started(
                 closing.result()
             assert saving_at_close == [False], \
                 "the close ended while the pending-delete record's save still ran on its thread"
-            assert not _exists(page), "the retried unlink at the close did not remove the page"
-            assert not _exists(record), "the record still names a delete carried out at the close"
+            assert not exists(page), "the retried unlink at the close did not remove the page"
+            assert not exists(record), "the record still names a delete carried out at the close"
             assert sum(tier.statistics().errors.values()) == faults, "the close's save met a fault"
         finally:
             gate.release()

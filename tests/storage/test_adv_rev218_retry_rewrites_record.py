@@ -12,12 +12,12 @@ test's own file system; the tier's own lock checks retry it."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import started
+from take_over_helpers import chattr, exists, mutable_again, record_deletes
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_lock_replaced import LockChecks
@@ -25,28 +25,10 @@ from test_lock_replaced import LockChecks
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
-from aiokv.storage.deletelog import DELETES_NAME, load_deletes
+from aiokv.storage.deletelog import DELETES_NAME
 
 TAG = 0x5D
 CHECKS = 3
-
-
-def _exists(path: Path) -> bool:
-    return os.path.exists(path)
-
-
-def _chattr(flag: str, path: Path) -> None:
-    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"chattr {flag} not possible here: {done.stderr.strip()}")
-
-
-def _record(directory: Path) -> dict[bytes, int]:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return dict(load_deletes(fd))
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.root
@@ -63,26 +45,25 @@ async def test_a_retry_that_fails_again_leaves_the_record_as_it_is(
             await _settled(a)
             page = Path(a.files.path(victim))
             record = a.files.layout_dir / DELETES_NAME
-            _chattr("+i", page)
+            chattr("+i", page)
             checks = LockChecks(a)
             await a.delete(victim)  # EPERM: the file stays, named in the record before this returns
             await _settled(a)
-            assert _exists(page) and _exists(record), "the unlink did not fail: nothing to test"
+            assert exists(page) and exists(record), "the unlink did not fail: nothing to test"
             faults = sum(a.statistics().errors.values())
-            first = os.stat(record).st_ino, _record(a.files.layout_dir)
+            first = os.stat(record).st_ino, record_deletes(a.files.layout_dir)
             assert set(first[1]) == {victim}
             for _ in range(CHECKS):
                 await checks.next()  # its retry fails again (EPERM)
                 await _settled(a)
-            assert _exists(page), "the retries unlinked an immutable file?"
-            now = os.stat(record).st_ino, _record(a.files.layout_dir)
+            assert exists(page), "the retries unlinked an immutable file?"
+            now = os.stat(record).st_ino, record_deletes(a.files.layout_dir)
             assert now == first, f"{CHECKS} failed retries rewrote the pending-delete record: {first} -> {now}"
             assert sum(a.statistics().errors.values()) == faults, "a retry that failed again was counted"
-            _chattr("-i", page)
+            chattr("-i", page)
             await checks.next()  # the disk answers: the retry unlinks it, and the record goes
             await _settled(a)
-            assert not _exists(page) and not _exists(record), "the retry did not carry the delete out"
+            assert not exists(page) and not exists(record), "the retry did not carry the delete out"
     finally:
-        if page is not None and _exists(page):
-            _chattr("-i", page)
+        mutable_again(page)
     assert_clean(pool)

@@ -20,13 +20,24 @@ import asyncio
 import contextlib
 import errno
 import os
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
+from disk_helpers import assert_clean, key_of
+from follow_helpers import Looks
+from take_over_helpers import chattr as _chattr  # noqa: F401 (test_adv_rev231_follow_record_unreadable imports it)
+from take_over_helpers import (
+    delete_left_on_disk,
+    exists,
+    flip_last_byte,
+    mutable_again,
+    record_errno,
+    take_over_config,
+    took_over,
+    writer_and_follower,
+)
+from take_over_helpers import exists as _exists  # noqa: F401 (test_adv_rev231_follow_record_unreadable imports it)
 from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
@@ -34,33 +45,17 @@ from test_adv_rev188_deletes_away import _served
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ErrorKind, ReadOnly
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier, ErrorKind, ReadOnly
 from aiokv.storage import follow as follow_module
-from aiokv.storage.deletelog import DELETES_NAME, load_deletes
+from aiokv.storage.deletelog import DELETES_NAME
 
 TAG = 0x6E
 VICTIM, OTHER = key_of(0, TAG), key_of(1, TAG)
 
 
-def _exists(path: Path) -> bool:
-    return os.path.exists(path)
-
-
-def _chattr(flag: str, path: Path) -> None:
-    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"chattr {flag} not possible here: {done.stderr.strip()}")
-
-
 def _read_errno(layout_dir: Path) -> int:
     """What reading the record answers now (0: read, and it names VICTIM)."""
-    fd = os.open(layout_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return 0 if VICTIM in load_deletes(fd) else -1
-    except OSError as exc:
-        return exc.errno or -1
-    finally:
-        os.close(fd)
+    return record_errno(layout_dir, naming=VICTIM)
 
 
 def _drop_caches() -> None:
@@ -73,13 +68,7 @@ def _make_unreadable(how: str, record: Path, bad: BadBlocks) -> None:
     """The record, naming VICTIM, made unreadable for real: its blocks answer EIO, or its last byte
     (its checksum's) is flipped on disk."""
     if how == "damaged":
-        fd = os.open(record, os.O_RDWR)
-        try:
-            at = os.fstat(fd).st_size - 1
-            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_last_byte(record)
         assert _read_errno(record.parent) == errno.EBADMSG, "the flipped byte left the record readable"
         return
     for start, end in device_ranges(str(record), 0, record.stat().st_size):
@@ -91,6 +80,15 @@ def _make_unreadable(how: str, record: Path, bad: BadBlocks) -> None:
     pytest.fail("the record's block was still cached: no EIO to inject")
 
 
+async def _follower_indexed(stack: contextlib.AsyncExitStack, cfg: DiskConfig, layout: KVLayout,
+                            pool: PagePool) -> tuple[DiskTier, DiskTier, Looks]:
+    """A writer that stored VICTIM and OTHER, and a follower that indexed VICTIM (its looks counted)."""
+    writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
+    assert follower.read_only is ReadOnly.LOCKED
+    assert await _served(follower, VICTIM, layout.page_bytes), "the follower did not index the page"
+    return writer, follower, looks
+
+
 @pytest.mark.root
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["eio", "damaged"])
@@ -99,30 +97,20 @@ async def test_a_take_over_that_cannot_read_the_record_never_serves_a_page_it_na
     size = layout.page_bytes
     page: Path | None = None
     with bad_block_ext4(tmp_path, 32) as (mount, bad):
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                for key in (VICTIM, OTHER):
-                    assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-                await _settled(writer)
-                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                assert follower.read_only is ReadOnly.LOCKED
-                looks = Looks(follower)
-                assert await _served(follower, VICTIM, size), "the follower did not index the page"
+                writer, follower, looks = await _follower_indexed(stack, cfg, layout, pool)
                 page = Path(writer.files.path(VICTIM))
                 other_page = Path(writer.files.path(OTHER))
                 record = writer.files.layout_dir / DELETES_NAME
-                _chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert _exists(page) and _read_errno(record.parent) == 0, "the unlink did not fail: no test"
+                await delete_left_on_disk(writer, VICTIM, page)  # EPERM: the file stays, named in the record
+                assert exists(page) and _read_errno(record.parent) == 0, "the unlink did not fail: no test"
                 await asyncio.to_thread(_make_unreadable, how, record, bad)
                 await writer.aclose()  # lets the lock go: the next look takes the directory over
                 errors = follower.statistics().errors
                 before = sum(errors.values())
-                await looks.next()
-                assert follower.read_only is None, "the follower did not take the directory over"
+                await took_over(looks)
                 assert not follower.contains(VICTIM), \
                     f"the take-over kept indexed a page its writer deleted (record {how})"
                 assert not await _served(follower, VICTIM, size), \
@@ -135,15 +123,13 @@ async def test_a_take_over_that_cannot_read_the_record_never_serves_a_page_it_na
                 # take-over unlinks them); what is stored from now on is.
                 assert not follower.contains(OTHER) and not await _served(follower, OTHER, size)
                 await _settled(follower)
-                assert not _exists(other_page), "the take-over left a page it does not serve on disk"
+                assert not exists(other_page), "the take-over left a page it does not serve on disk"
                 assert await follower.write_from(OTHER, memoryview(_bytes_of(OTHER, size)))
                 assert await _served(follower, OTHER, size)
                 bad.good()
         finally:
-            if page is not None and _exists(page):
-                _chattr("-i", page)
+            mutable_again(page)
     assert_clean(pool)
-
 
 
 @pytest.mark.root
@@ -156,7 +142,7 @@ async def test_a_delete_recorded_just_before_the_writer_lets_go_is_honoured_by_t
     it. With the lock the record is final: it is read then. The look is held (on its thread) just
     before it tries the lock while the writer deletes for real (EPERM: the file stays) and closes."""
     size = layout.page_bytes
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     paused, go = threading.Event(), threading.Event()
     real_try_lock = follow_module._try_lock
 
@@ -169,23 +155,14 @@ async def test_a_delete_recorded_just_before_the_writer_lets_go_is_honoured_by_t
     page: Path | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
-            writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-            for key in (VICTIM, OTHER):
-                assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-            await _settled(writer)
-            follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-            assert follower.read_only is ReadOnly.LOCKED
-            looks = Looks(follower)
-            assert await _served(follower, VICTIM, size), "the follower did not index the page"
+            writer, follower, looks = await _follower_indexed(stack, cfg, layout, pool)
             page = Path(writer.files.path(VICTIM))
             monkeypatch.setattr(follow_module, "_try_lock", held_try_lock)
             look = asyncio.create_task(looks.next())
             try:
                 assert await asyncio.to_thread(paused.wait, 30), "no look came to the lock"
-                _chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert _exists(page) and _read_errno(page.parent.parent) == 0, "the unlink did not fail: no test"
+                await delete_left_on_disk(writer, VICTIM, page)  # EPERM: the file stays, named in the record
+                assert exists(page) and _read_errno(page.parent.parent) == 0, "the unlink did not fail: no test"
                 await writer.aclose()
             finally:
                 go.set()
@@ -195,6 +172,5 @@ async def test_a_delete_recorded_just_before_the_writer_lets_go_is_honoured_by_t
             assert not await _served(follower, VICTIM, size), "the take-over served a page its writer deleted"
             assert await _served(follower, OTHER, size), "the take-over lost a page nobody deleted"
     finally:
-        if page is not None and _exists(page):
-            _chattr("-i", page)
+        mutable_again(page)
     assert_clean(pool)

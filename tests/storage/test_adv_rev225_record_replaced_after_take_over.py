@@ -18,46 +18,35 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
+from disk_helpers import assert_clean, key_of
 from follow_helpers import Looks, started
+from take_over_helpers import (
+    chattr,
+    delete_left_on_disk,
+    exists,
+    flip_last_byte,
+    mutable_again,
+    plant_damaged_record,
+    record_deletes,
+    record_errno,
+    take_over_config,
+    took_over,
+    writer_and_follower,
+)
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
-from test_adv_rev222_record_unreadable_take_over import _chattr, _exists
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.deletelog import DELETES_NAME, DELETES_TEMP, encode, load_deletes
+from aiokv.storage.deletelog import DELETES_NAME, DELETES_TEMP, encode
 
 TAG = 0x6F
 VICTIM, OTHER, LATER = key_of(0, TAG), key_of(1, TAG), key_of(2, TAG)
-
-
-def _record_errno(layout_dir: Path) -> int:
-    """What reading the record answers now (0: read)."""
-    fd = os.open(layout_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        load_deletes(fd)
-        return 0
-    except OSError as exc:
-        return exc.errno or -1
-    finally:
-        os.close(fd)
-
-
-def _flip_last_byte(record: Path) -> None:
-    fd = os.open(record, os.O_RDWR)
-    try:
-        at = os.fstat(fd).st_size - 1
-        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.root
@@ -65,36 +54,28 @@ def _flip_last_byte(record: Path) -> None:
 async def test_a_page_stored_after_a_take_over_of_a_damaged_record_survives_a_restart(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     size = layout.page_bytes
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     page: Path | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
-            writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-            for key in (VICTIM, OTHER):
-                assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-            await _settled(writer)
-            follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+            writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
             assert follower.read_only is ReadOnly.LOCKED
-            looks = Looks(follower)
             page = Path(writer.files.path(VICTIM))
             record = writer.files.layout_dir / DELETES_NAME
-            _chattr("+i", page)
-            await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-            await _settled(writer)
-            assert _exists(page) and _record_errno(record.parent) == 0, "the unlink did not fail: no test"
-            _flip_last_byte(record)
-            assert _record_errno(record.parent) == errno.EBADMSG, "the flipped byte left the record readable"
+            await delete_left_on_disk(writer, VICTIM, page)  # EPERM: the file stays, named in the record
+            assert exists(page) and record_errno(record.parent) == 0, "the unlink did not fail: no test"
+            flip_last_byte(record)
+            assert record_errno(record.parent) == errno.EBADMSG, "the flipped byte left the record readable"
             await writer.aclose()  # lets the lock go (its last retry fails: the record stays damaged)
-            assert _record_errno(record.parent) == errno.EBADMSG, "the writer's close replaced the record: no test"
-            _chattr("-i", page)  # the take-over's unlinks of the pages it does not serve succeed
-            await looks.next()
-            assert follower.read_only is None, "the follower did not take the directory over"
+            assert record_errno(record.parent) == errno.EBADMSG, "the writer's close replaced the record: no test"
+            chattr("-i", page)  # the take-over's unlinks of the pages it does not serve succeed
+            await took_over(looks)
             assert not follower.contains(VICTIM) and not follower.contains(OTHER)
             assert await follower.write_from(LATER, memoryview(_bytes_of(LATER, size)))
             await _settled(follower)
             assert await _served(follower, LATER, size)
             await follower.aclose()  # its last retry saves what is unsaved
-            assert _record_errno(record.parent) == 0, \
+            assert record_errno(record.parent) == 0, \
                 "the take-over left the damaged record on disk: the next start serves none of its pages"
         async with started(DiskTier(cfg, layout, pool)) as restarted:
             assert restarted.read_only is None
@@ -102,8 +83,7 @@ async def test_a_page_stored_after_a_take_over_of_a_damaged_record_survives_a_re
                 "a page the new writer stored after the take-over was lost at the restart"
             assert not await _served(restarted, VICTIM, size), "a deleted page was served after the restart"
     finally:
-        if page is not None and _exists(page):
-            _chattr("-i", page)
+        mutable_again(page)
     assert_clean(pool)
 
 
@@ -117,27 +97,20 @@ async def test_a_take_over_that_unlinked_the_pages_of_a_damaged_record_remembers
     planted record (not one this code wrote: it fails its check)."""
     size = layout.page_bytes
     keys = [key_of(i, TAG) for i in range(8)]
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     async with contextlib.AsyncExitStack() as stack:
-        writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-        for key in keys:
-            assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-        await _settled(writer)
-        follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+        writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, keys)
         assert follower.read_only is ReadOnly.LOCKED
-        looks = Looks(follower)
-        record = writer.files.layout_dir / DELETES_NAME
-        record.write_bytes(b"not a pending-delete record, planted")
+        record = plant_damaged_record(writer)
         await writer.aclose()
-        await looks.next()
-        assert follower.read_only is None, "the follower did not take the directory over"
+        await took_over(looks)
         assert not any(follower.contains(key) for key in keys)
         await _settled(follower)
-        assert not any(_exists(Path(follower.files.path(key))) for key in keys), "a page left on disk"
+        assert not any(exists(Path(follower.files.path(key))) for key in keys), "a page left on disk"
         remembered = [key for key in keys if key in follower._deleted_away]
         assert not remembered and follower._forgotten is None, \
             f"the loop remembered {len(remembered)} deletes of pages the take-over unlinked"
-        assert _record_errno(record.parent) == 0, "the planted record was left"
+        assert record_errno(record.parent) == 0, "the planted record was left"
         assert await follower.write_from(keys[0], memoryview(_bytes_of(keys[0], size)))
         assert await _served(follower, keys[0], size)
     assert_clean(pool)
@@ -150,7 +123,7 @@ async def test_a_take_over_removes_the_record_temp_file_its_writer_left(
     crash leaves it: a whole record, not renamed yet); a start under the lock removes it (review
     218), a take-over left it until its first save of the record. Now removed, and counted as a
     temporary file removed."""
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     async with contextlib.AsyncExitStack() as stack:
         writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
         follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
@@ -160,11 +133,10 @@ async def test_a_take_over_removes_the_record_temp_file_its_writer_left(
         temp.write_bytes(encode({VICTIM: 1}))
         await writer.aclose()
         removed = follower.statistics().temp_files_removed
-        await looks.next()
-        assert follower.read_only is None, "the follower did not take the directory over"
-        assert not _exists(temp), "the take-over left the record's temp file its writer's crash left"
+        await took_over(looks)
+        assert not exists(temp), "the take-over left the record's temp file its writer's crash left"
         assert follower.statistics().temp_files_removed == removed + 1
-        assert not _exists(temp.parent / DELETES_NAME), "the temp file was taken for the record"
+        assert not exists(temp.parent / DELETES_NAME), "the temp file was taken for the record"
     assert_clean(pool)
 
 
@@ -177,7 +149,7 @@ async def test_a_page_new_to_the_take_over_whose_unlink_fails_is_unlinked_once_i
     cannot unlink it either, names it in the record it saves, and leaves it out of the index; the
     tier unlinks it again once it can (here at its close), not only a later start."""
     size = layout.page_bytes
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     page: Path | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -190,27 +162,19 @@ async def test_a_page_new_to_the_take_over_whose_unlink_fails_is_unlinked_once_i
             await _settled(writer)
             page = Path(writer.files.path(VICTIM))
             record = writer.files.layout_dir / DELETES_NAME
-            _chattr("+i", page)
-            await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-            await _settled(writer)
-            assert _exists(page) and _record_errno(record.parent) == 0, "the unlink did not fail: no test"
-            _flip_last_byte(record)
+            await delete_left_on_disk(writer, VICTIM, page)  # EPERM: the file stays, named in the record
+            assert exists(page) and record_errno(record.parent) == 0, "the unlink did not fail: no test"
+            flip_last_byte(record)
             await writer.aclose()
-            assert _record_errno(record.parent) == errno.EBADMSG, "the writer's close replaced the record: no test"
-            await looks.next()
-            assert follower.read_only is None, "the follower did not take the directory over"
+            assert record_errno(record.parent) == errno.EBADMSG, "the writer's close replaced the record: no test"
+            await took_over(looks)
             assert not follower.contains(VICTIM) and not await _served(follower, VICTIM, size)
             await _settled(follower)
-            assert _exists(page), "the immutable page was unlinked: no test"
-            fd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                assert VICTIM in load_deletes(fd), "the record the take-over saved does not name the page left"
-            finally:
-                os.close(fd)
-            _chattr("-i", page)
+            assert exists(page), "the immutable page was unlinked: no test"
+            assert VICTIM in record_deletes(record.parent), "the record the take-over saved does not name the page left"
+            chattr("-i", page)
             await follower.aclose()  # its last retry of the unlinks that failed
-            assert not _exists(page), "the take-over never unlinked again a page it left on disk"
+            assert not exists(page), "the take-over never unlinked again a page it left on disk"
     finally:
-        if page is not None and _exists(page):
-            _chattr("-i", page)
+        mutable_again(page)
     assert_clean(pool)

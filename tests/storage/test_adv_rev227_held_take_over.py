@@ -15,9 +15,17 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
+from disk_helpers import assert_clean, key_of
+from follow_helpers import started
 from fs_helpers import loop_ext4, remount
+from take_over_helpers import (
+    PLANTED,
+    read_only_take_over,
+    record_errno,
+    take_over_config,
+    writable_again,
+    writer_and_follower,
+)
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
@@ -25,22 +33,10 @@ from test_adv_rev188_deletes_away import _served
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.deletelog import DELETES_NAME, load_deletes
 from aiokv.storage.layoutdir import LOCK_NAME
 
 TAG = 0x73
 PAGE, LATER = key_of(0, TAG), key_of(1, TAG)
-
-
-def _record_readable(layout_dir: Path) -> bool:
-    fd = os.open(layout_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        load_deletes(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.root
@@ -49,21 +45,12 @@ async def test_a_read_only_take_over_of_a_damaged_record_replaces_it_once_writab
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     size = layout.page_bytes
     with loop_ext4(tmp_path, 64) as mount:
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
-                await _settled(writer)
-                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+                writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (PAGE,))
                 assert follower.read_only is ReadOnly.LOCKED
-                looks = Looks(follower)
-                record = writer.files.layout_dir / DELETES_NAME
-                record.write_bytes(b"not a pending-delete record, planted")
-                await writer.aclose()
-                remount(mount, "ro")
-                await looks.next()
-                assert follower.read_only is ReadOnly.FILE_SYSTEM, "no read-only take-over: no test"
+                record = await read_only_take_over(mount, writer, looks)
                 assert not follower.contains(PAGE)
                 remount(mount, "rw")
                 await looks.next()
@@ -72,15 +59,14 @@ async def test_a_read_only_take_over_of_a_damaged_record_replaces_it_once_writab
                 await _settled(follower)
                 assert await _served(follower, LATER, size)
                 await follower.aclose()
-                assert _record_readable(record.parent), \
+                assert record_errno(record.parent) == 0, \
                     "the damaged record stayed: the next start serves none of the pages stored since"
             async with started(DiskTier(cfg, layout, pool)) as restarted:
                 assert restarted.read_only is None
                 assert await _served(restarted, LATER, size), "a page stored after the take-over was lost"
                 assert not await _served(restarted, PAGE, size)
         finally:
-            with contextlib.suppress(AssertionError):
-                remount(mount, "rw")
+            writable_again(mount)
     assert_clean(pool)
 
 
@@ -91,34 +77,22 @@ async def test_a_held_look_leaves_the_record_once_lock_names_another_file(
     """The held look replaces the record only while ``.lock`` names the file the tier locked: once
     another file is there (removed and made again, locked by another cache before the tier's lock
     check tells it), the record is that cache's to write. A real lock on the new ``.lock``."""
-    size = layout.page_bytes
     with loop_ext4(tmp_path, 64) as mount:
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         other: int | None = None
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
-                await _settled(writer)
-                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                looks = Looks(follower)
-                record = writer.files.layout_dir / DELETES_NAME
-                planted = b"not a pending-delete record, planted"
-                record.write_bytes(planted)
-                await writer.aclose()
-                remount(mount, "ro")
-                await looks.next()
-                assert follower.read_only is ReadOnly.FILE_SYSTEM, "no read-only take-over: no test"
+                writer, _, looks = await writer_and_follower(stack, cfg, layout, pool, (PAGE,))
+                record = await read_only_take_over(mount, writer, looks)
                 remount(mount, "rw")
                 other = _lock_anew(record.parent / LOCK_NAME)
                 await looks.next()
-                assert record.read_bytes() == planted, \
+                assert record.read_bytes() == PLANTED, \
                     "a held look replaced the record while another cache held the directory's lock"
         finally:
             if other is not None:
                 os.close(other)
-            with contextlib.suppress(AssertionError):
-                remount(mount, "rw")
+            writable_again(mount)
     assert_clean(pool)
 
 

@@ -15,17 +15,22 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
+from disk_helpers import assert_clean, key_of
+from follow_helpers import started
+from take_over_helpers import (
+    exists,
+    plant_damaged_record,
+    record_deletes,
+    take_over_config,
+    took_over,
+    writer_and_follower,
+)
 from test_adv_rev175_fanouts import _bytes_of
-from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
-from test_adv_rev222_record_unreadable_take_over import _exists
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.deletelog import DELETES_NAME, load_deletes
 
 TAG = 0x71
 PAGE, LINK, FOREIGN, DIRECTORY = (key_of(i, TAG) for i in range(4))
@@ -58,33 +63,23 @@ def _left_alone(link: Path, foreign: Path, directory: Path, outside: Path) -> li
 async def test_a_take_over_replacing_a_damaged_record_leaves_entries_that_are_not_our_pages(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     size = layout.page_bytes
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     outside = tmp_path / "outside"
     outside.write_bytes(b"not the cache's")
     async with contextlib.AsyncExitStack() as stack:
-        writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-        assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
-        await _settled(writer)
-        follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+        writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (PAGE,))
         assert follower.read_only is ReadOnly.LOCKED
-        looks = Looks(follower)
         link = Path(writer.files.path(LINK))
         foreign = Path(writer.files.path(FOREIGN))
         directory = Path(writer.files.path(DIRECTORY))
         _plant(link, foreign, directory, outside, size)
-        record = writer.files.layout_dir / DELETES_NAME
-        record.write_bytes(b"not a pending-delete record, planted")
+        record = plant_damaged_record(writer)
         await writer.aclose()
-        await looks.next()
-        assert follower.read_only is None, "the follower did not take the directory over"
-        assert not _exists(Path(writer.files.path(PAGE))), "the take-over did not unlink the page it does not serve"
+        await took_over(looks)
+        assert not exists(Path(writer.files.path(PAGE))), "the take-over did not unlink the page it does not serve"
         touched = _left_alone(link, foreign, directory, outside)
         assert not touched, f"the take-over touched entries that are no page of ours: {touched}"
-        fd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            named = load_deletes(fd)
-        finally:
-            os.close(fd)
+        named = record_deletes(record.parent)
         assert not {LINK, FOREIGN, DIRECTORY} & set(named), \
             f"the saved record names entries that are no page of ours: {sorted(k.hex() for k in named)}"
         assert not any(follower.contains(key) for key in (PAGE, LINK, FOREIGN, DIRECTORY))

@@ -19,22 +19,20 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
+from disk_helpers import assert_clean, key_of
+from follow_helpers import Looks
 from fs_helpers import loop_ext4, remount
-from test_adv_rev175_fanouts import _bytes_of
-from test_adv_rev181_put_back import _settled
+from take_over_helpers import PLANTED, read_only_take_over, take_over_config, writable_again, writer_and_follower
 from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier
 from aiokv.storage.deletelog import DELETES_NAME
 from aiokv.storage.layoutdir import LOCK_NAME
 
 TAG = 0x79
 PAGE, LATER = key_of(0, TAG), key_of(1, TAG)  # LATER: review 229's other test (left to the lead)
-PLANTED = b"not a pending-delete record, planted"
 TRIES = 256
 """Files made at most to meet the freed inode number again (ext4 hands out the lowest free one)."""
 
@@ -53,24 +51,15 @@ def _reuses_inodes(where: Path) -> None:
         pytest.skip("this file system does not hand a freed inode number out again: no test")
 
 
-async def _held_then_retaken(stack: contextlib.AsyncExitStack, mount: Path, cfg: object, layout: KVLayout,
+async def _held_then_retaken(stack: contextlib.AsyncExitStack, mount: Path, cfg: DiskConfig, layout: KVLayout,
                              pool: PagePool) -> tuple[DiskTier, Looks, Path, int]:
     """A follower that took the directory over on a read-only file system (the record damaged), the
     file system writable again, and ``.lock`` removed from outside and taken again by the tier's
     lock check before its next look. Returns the follower, its looks, the layout directory and the
     inode number of the lock file the take-over's look locked (closed now)."""
-    size = layout.page_bytes
-    writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))  # type: ignore[arg-type]
-    assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
-    await _settled(writer)
-    follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))  # type: ignore[arg-type]
-    looks = Looks(follower)
+    writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (PAGE,))
     layout_dir = writer.files.layout_dir
-    (layout_dir / DELETES_NAME).write_bytes(PLANTED)
-    await writer.aclose()
-    remount(mount, "ro")
-    await looks.next()
-    assert follower.read_only is ReadOnly.FILE_SYSTEM, "no read-only take-over: no test"
+    await read_only_take_over(mount, writer, looks)
     taken = os.stat(layout_dir / LOCK_NAME).st_ino
     remount(mount, "rw")
     checks = LockChecks(follower)
@@ -86,7 +75,7 @@ async def _held_then_retaken(stack: contextlib.AsyncExitStack, mount: Path, cfg:
 async def test_a_held_look_leaves_the_record_of_a_lock_that_reuses_the_freed_inode(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     with loop_ext4(tmp_path, 64) as mount:
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         other: int | None = None
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -118,6 +107,5 @@ async def test_a_held_look_leaves_the_record_of_a_lock_that_reuses_the_freed_ino
         finally:
             if other is not None:
                 os.close(other)
-            with contextlib.suppress(AssertionError):
-                remount(mount, "rw")
+            writable_again(mount)
     assert_clean(pool)

@@ -15,17 +15,22 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
-from test_adv_rev175_fanouts import _bytes_of
+from disk_helpers import assert_clean, key_of
+from follow_helpers import started
+from take_over_helpers import (
+    exists,
+    plant_damaged_record,
+    record_deletes,
+    take_over_config,
+    took_over,
+    writer_and_follower,
+)
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
-from test_adv_rev222_record_unreadable_take_over import _exists
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
-from aiokv.storage.deletelog import DELETES_NAME, load_deletes
 
 TAG = 0x7A
 PAGE = key_of(0, TAG)
@@ -35,33 +40,23 @@ PAGE = key_of(0, TAG)
 async def test_a_take_over_unlinks_only_its_own_name_of_a_page_hard_linked_from_outside(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     size = layout.page_bytes
-    cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+    cfg = take_over_config(tmp_path / "disk", backend)
     outside = tmp_path / "backup-of-a-page"
     async with contextlib.AsyncExitStack() as stack:
-        writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-        assert await writer.write_from(PAGE, memoryview(_bytes_of(PAGE, size)))
-        await _settled(writer)
-        follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
+        writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (PAGE,))
         assert follower.read_only is ReadOnly.LOCKED
-        looks = Looks(follower)
         page = Path(writer.files.path(PAGE))
         os.link(page, outside)
         kept = outside.read_bytes()
-        record = writer.files.layout_dir / DELETES_NAME
-        record.write_bytes(b"not a pending-delete record, planted")
+        record = plant_damaged_record(writer)
         await writer.aclose()
-        await looks.next()
-        assert follower.read_only is None, "the follower did not take the directory over"
+        await took_over(looks)
         await _settled(follower)  # the loop's unlinks of what the look left named
-        assert not _exists(page), "the take-over left the page it does not serve under the cache's name"
+        assert not exists(page), "the take-over left the page it does not serve under the cache's name"
         assert outside.read_bytes() == kept and outside.stat().st_nlink == 1, \
             "the take-over touched the file's name outside the cache"
-        fd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            named = load_deletes(fd)  # the damaged record replaced (it may name the key: see above)
-            assert set(named) <= {PAGE}, sorted(key.hex() for key in named)
-        finally:
-            os.close(fd)
+        named = record_deletes(record.parent)  # the damaged record replaced (it may name the key: see above)
+        assert set(named) <= {PAGE}, sorted(key.hex() for key in named)
         assert not follower.contains(PAGE)
         assert not await _served(follower, PAGE, size)
     async with started(DiskTier(cfg, layout, pool)) as restarted:
