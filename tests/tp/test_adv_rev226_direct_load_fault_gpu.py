@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from tp_helpers import full_kv, new_pool, rank_kv
+from tp_helpers import close_executor, full_kv, new_pool, rank_kv
 
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
@@ -80,8 +80,6 @@ async def test_a_direct_load_refused_on_its_second_segment_reports_after_the_fir
         assert done.status is RankStatus.COPY_FAILED, done
         assert lane.query(), f"reported ({done}) while the K scatter it had queued was still to run"
     finally:
-        closing = asyncio.ensure_future(executor.aclose())
-        finished, _ = await asyncio.wait({closing}, timeout=10)
-        assert finished, "the executor's close did not end"
+        await close_executor(executor)
         await asyncio.to_thread(bridge.close)
         await pool.aclose()

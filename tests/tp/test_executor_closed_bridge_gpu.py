@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 import torch
-from tp_helpers import full_kv, new_pool, rank_kv
+from tp_helpers import close_executor, full_kv, new_pool, rank_kv
 
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
@@ -65,9 +65,7 @@ async def test_a_copy_queued_before_the_bridge_closed_reports_after_it_ran(direc
             assert torch.equal(pool.pages[1][0], pool.pages[0][0])  # rank 0's part (rank-major pages)
         assert executor.in_flight == 0
     finally:
-        closing = asyncio.ensure_future(executor.aclose())
-        finished, _ = await asyncio.wait({closing}, timeout=10)
-        assert finished, "the executor's close did not end"
+        await close_executor(executor)
         await pool.aclose()
 
 
@@ -108,7 +106,5 @@ async def test_a_layered_load_queued_before_the_bridge_closed_reports_after_it_r
         assert all(job == 2 for job, _ in landed)
         assert executor.in_flight == 0
     finally:
-        closing = asyncio.ensure_future(executor.aclose())
-        finished, _ = await asyncio.wait({closing}, timeout=10)
-        assert finished, "the executor's close did not end"
+        await close_executor(executor)
         await pool.aclose()

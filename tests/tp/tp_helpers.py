@@ -19,7 +19,7 @@ from child_procs import fork_context
 from aiokv.layout import KVKind, KVLayout, TPSlice
 from aiokv.pagetable import PageHandle, ReserveOutcome
 from aiokv.pool import PagePool
-from aiokv.tp import RankWorker, RankWorkerThread, TPConfig
+from aiokv.tp import RankExecutor, RankWorker, RankWorkerThread, TPConfig
 
 SLOTS = 96
 CONFIG = TPConfig(reconnect_initial_s=0.005, reconnect_max_s=0.2, handshake_timeout_s=30.0)
@@ -38,6 +38,14 @@ async def threads_off_loop(*runners: RankWorkerThread) -> AsyncIterator[tuple[Ra
         yield runners
     finally:
         await asyncio.gather(*(asyncio.to_thread(runner.close) for runner in started))
+
+
+async def close_executor(executor: RankExecutor, bound_s: float = 10.0) -> None:
+    """``executor.aclose()``, which must end within ``bound_s`` seconds (a close that hangs fails the
+    test instead of holding it)."""
+    closing = asyncio.ensure_future(executor.aclose())
+    finished, _ = await asyncio.wait({closing}, timeout=bound_s)
+    assert finished, "the executor's close did not end"
 
 
 def full_kv(layout: KVLayout, seed: int, slots: int = SLOTS) -> torch.Tensor:
