@@ -289,6 +289,9 @@ class DiskStatistics:
     """Page files that cache stored since this one started, indexed by those looks."""
     followed_out: int = 0
     """Indexed page files those looks found gone (evicted or recycled by the other cache)."""
+    follow_withheld: int = 0
+    """Pages those looks stopped serving because the other cache's pending-delete record could not
+    be read (EIO, damaged: the pages it deleted unknown); indexed again once a look reads it."""
     took_over: int = 0
     """Times this tier took the directory's lock from a cache that let it go and began writing."""
     follow_raced: int = 0

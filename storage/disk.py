@@ -655,6 +655,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             follow_looks=self._follow_looks,
             followed_in=self._followed_in,
             followed_out=self._followed_out,
+            follow_withheld=self._follow_withheld,
             took_over=self._took_over,
             follow_raced=self._follow_raced,
             lock_retaken=self._lock_retaken,

@@ -39,8 +39,10 @@ lock go again and reports the fault. With the lock the writer's pending-delete r
 (:mod:`.deletelog`) is final, and read then; one that cannot be read (EIO, damaged, a passing
 fault that outlasts the start's tries) names unknown deletes: as at a start, no page found there
 is served (:func:`_deletes_unknown`: the take-over unlinks them all), rather than a page the
-writer deleted (review 222). A ``.lock`` gone is made again (not locked then): its writer,
-still running, takes it at its next check; else the next look takes it.
+writer deleted (review 222). A look without the lock that cannot read it withholds every page as
+well (:attr:`Look.withheld`: none served or indexed) until a look reads it again (review 231). A
+``.lock`` gone is made again (not locked then): its writer, still running, takes it at its next
+check; else the next look takes it.
 
 Nothing is named through a path: fan-out directories are listed through the descriptors the tier
 holds; one that is opened late (absent or unreadable at start) is opened by
@@ -78,7 +80,7 @@ from typing import TYPE_CHECKING
 from aiokv.keys import PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes, load_deletes_retrying, save_deletes
+from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes_retrying, save_deletes
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
@@ -152,6 +154,12 @@ class FollowState:
         self.deletes_unreadable = False
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
+        self.withholding = False
+        """A look without the lock could not read the record since one last did: its deletes are
+        unknown, so the tier serves none of the pages the looks know (:attr:`Look.withheld`). The
+        look that reads it again lists every directory whole and reports every file as found
+        anew (:func:`_find_all_anew`): indexed again unless the record (or a delete the tier
+        remembers) names it."""
 
     def close_ring(self) -> None:
         """Close the looks' ring (idempotent): by the look that took the directory over, and at the
@@ -221,6 +229,11 @@ class Look:
     but for a look that takes the directory over: then every key the looks know a file of, with
     the time of the look (:func:`_deletes_unknown`), or, once it unlinked them and replaced the
     record, those whose file is still there (:func:`_replace_record`)."""
+    withheld: bool = False
+    """A look without the lock that could not read the record (EIO, damaged: its deletes unknown):
+    as at a start, none of the pages the tier indexed is served, and none is indexed, until a look
+    reads it again (:attr:`FollowState.withholding`). Review 231: such looks went on indexing and
+    serving, a page the writer deleted (its unlink failed, named only in the record) included."""
     unlisted: list[int] = field(default_factory=list)
     """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
     writes from now on looks no more, and lists them again at its periodic checks."""
@@ -263,7 +276,11 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         # Before the listings: a delete recorded after this read is read by the next look. With the
         # lock (taken now, or held) the record is final (only its holder writes it): read after
         # taking it, a delete the writer recorded just before it let the lock go is read too.
-        unreadable = _read_deletes(state, result, dir_fd, shown, final=held or result.lock_fd is not None)
+        unreadable = _read_deletes(state, result, dir_fd, shown)
+        if unreadable is None and state.withholding:
+            _find_all_anew(state)  # the record reads again: every page found serves again (unless named)
+        elif unreadable is not None and not held and result.lock_fd is None:
+            state.withholding = result.withheld = True
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
@@ -297,10 +314,12 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     return result
 
 
-def _read_deletes(state: FollowState, result: Look, dir_fd: int, shown: Path, final: bool) -> OSError | None:
+def _read_deletes(state: FollowState, result: Look, dir_fd: int, shown: Path) -> OSError | None:
     """The writer's pending-delete record into :attr:`Look.deletes`; the fault when it cannot be
-    read (recorded once until a look reads it again). ``final`` (the look holds the lock): a passing
-    fault is tried again first, as a start does (:func:`~.deletelog.load_deletes_retrying`)."""
+    read (recorded once until a look reads it again). A passing fault is tried again first, as a
+    start does (:func:`~.deletelog.load_deletes_retrying`): by a look that holds the lock (the
+    record is final then), and by one that does not, which serves no page while it cannot read it
+    (:attr:`Look.withheld`: one EMFILE would withhold them all until the next look)."""
     what = f"reading {shown / DELETES_NAME}"
 
     def retrying(exc: OSError) -> None:
@@ -308,7 +327,7 @@ def _read_deletes(state: FollowState, result: Look, dir_fd: int, shown: Path, fi
             result.faults.append((exc, f"{what} (tried again)"))
 
     try:
-        result.deletes = load_deletes_retrying(dir_fd, retrying) if final else load_deletes(dir_fd)
+        result.deletes = load_deletes_retrying(dir_fd, retrying)
     except OSError as exc:
         if not state.deletes_unreadable:
             result.faults.append((exc, what))
@@ -316,6 +335,18 @@ def _read_deletes(state: FollowState, result: Look, dir_fd: int, shown: Path, fi
         return exc
     state.deletes_unreadable = False
     return None
+
+
+def _find_all_anew(state: FollowState) -> None:
+    """The record reads again after looks that withheld every page (:attr:`Look.withheld`): every
+    directory the looks listed is listed whole again with nothing known, so this look reports each
+    file there as found (the tier indexes those the record and its remembered deletes do not
+    name)."""
+    state.withholding = False
+    for index, entries in enumerate(state.entries):
+        if entries is not None:
+            state.entries[index] = {}
+            state.stamps[index] = None
 
 
 def _deletes_unknown(state: FollowState, result: Look, found: dict[PageKey, int], fault: OSError,

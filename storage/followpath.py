@@ -85,6 +85,11 @@ class FollowPath(TierBase):
     """This tier took the directory over where it may not write (a read-only file system...): it
     holds the lock and looks every ``follow_interval_s`` whether it may write now."""
     _follow_corrupt_logged = False
+    _follow_withheld = 0
+    """Indexed pages this follower stopped serving as a look could not read the writer's
+    pending-delete record (``DiskStatistics.follow_withheld``)."""
+    _follow_withholding = False
+    """The last look applied withheld every page (:attr:`.follow.Look.withheld`)."""
     """Whether the first file the looks found corrupt was logged."""
     _follow_refused: dict[PageKey, int]
     """Keys whose file a read refused while following (-> reads), for the next look to tell why
@@ -265,6 +270,7 @@ class FollowPath(TierBase):
                 fanout[index] = found.opened.pop(index)
         page_index = self._index
         removed = found.removed
+        withheld = self._withhold(found)
         # A key deleted here whose name the look found empty (or its directory retired) has no file
         # left to unlink at the take-over: forgotten, so the set holds only names still on disk the
         # looks know (a long-lived follower's grew by one key a delete, for ever). Should the page
@@ -280,7 +286,15 @@ class FollowPath(TierBase):
                 if key in page_index:
                     page_index.remove(key)
                     self._followed_out += 1
-        added = found.added  # oldest first: the newest ends most recently used
+        for start in range(0, len(withheld), APPLY_PER_TURN):
+            await asyncio.sleep(0)
+            if not self._following():
+                return
+            for key in withheld[start : start + APPLY_PER_TURN]:
+                if key in page_index:
+                    page_index.remove(key)
+                    self._follow_withheld += 1
+        added = [] if found.withheld else found.added  # oldest first: the newest ends most recently used
         left: set[PageKey] = set()  # keys left to this tier's own write in flight
         for start in range(0, len(added), APPLY_PER_TURN):
             await asyncio.sleep(0)
@@ -306,6 +320,25 @@ class FollowPath(TierBase):
         # listings are applied as any look's; the looks go on asking for the lock.
         if (found.lock_fd is not None or (found.writable and self._follow_held)) and self._following():
             self._take_lock_over(found, left)
+
+    def _withhold(self, found: Look) -> list[PageKey]:
+        """A look's :attr:`.follow.Look.withheld`: the keys indexed now, none of which is served
+        until a look reads the writer's pending-delete record again (logged when it begins and
+        ends)."""
+        withheld = found.withheld
+        if withheld == self._follow_withholding:
+            return list(self._index) if withheld else []
+        self._follow_withholding = withheld
+        if found.lock_fd is not None or found.writable:
+            return []  # a take-over: what it found is applied as any take-over's
+        if withheld:
+            log.error("disk tier: the pending-delete record %s of the cache that holds the directory cannot be read: "
+                      "none of the %d pages indexed is served until it reads again", self.files.layout_dir / ".deletes",
+                      len(self._index))
+            return list(self._index)
+        log.warning("disk tier: the pending-delete record %s reads again: the pages it does not name are served",
+                    self.files.layout_dir / ".deletes")
+        return []
 
     def _apply_recorded_deletes(self, deletes: dict[PageKey, int]) -> None:
         """The writer's pending-delete record as a look read it (:mod:`.deletelog`): deletes whose
