@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from child_procs import end_child, fork_context
+from load_gate import LoadGate
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -71,6 +72,33 @@ def ready_pool(layout: KVLayout, pages: int) -> Iterator[PagePool]:
         yield pool
     finally:
         pool.close()
+
+
+def small_tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, pages: int,
+               recycle: bool = True) -> DiskTier:
+    """A tier with a budget of ``pages`` page files (``recycle``: a full tier's write may
+    overwrite the least recently used file no read has open, instead of evicting)."""
+    capacity = pages * (HEADER_BYTES + layout.page_bytes)
+    return DiskTier(config(disk_dir, backend, capacity=capacity, recycle_files=recycle), layout, pool)
+
+
+@contextlib.asynccontextmanager
+async def gated_small_tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, pages: int,
+                           monkeypatch: pytest.MonkeyPatch,
+                           request: pytest.FixtureRequest) -> AsyncIterator[tuple[DiskTier, LoadGate]]:
+    """A started :func:`small_tier` of ``pages`` page files without recycling (a recycled file is
+    never one a read has open, so only eviction reaches them) and a :class:`LoadGate` in front of
+    its loads, open (set ``closed`` to hold the next ones). At exit the gate opens (a failed check
+    must not leave the close waiting for held loads) and the tier closes."""
+    tier = small_tier(disk_dir, backend, layout, pool, pages, recycle=False)
+    await tier.start()
+    gate = LoadGate(tier, monkeypatch, request)
+    gate.open()
+    try:
+        yield tier, gate
+    finally:
+        gate.open()
+        await tier.aclose()
 
 
 async def write_page(tier: DiskTier, pool: PagePool, i: int) -> tuple[bool, torch.Tensor]:

@@ -26,7 +26,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, payload, read_page, reserve, stored_page
+from disk_helpers import (
+    assert_clean,
+    fill,
+    gated_small_tier,
+    key_of,
+    payload,
+    read_page,
+    reserve,
+    small_tier,
+    stored_page,
+)
 from load_gate import LoadGate, flip_payload
 from loop_probes import until_thread
 
@@ -36,7 +46,6 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.config import DiskStatistics
 from aiokv.storage.disk import ReadMarks
-from aiokv.storage.pagefile import HEADER_BYTES
 
 BOUND_S = 10.0
 
@@ -103,24 +112,11 @@ async def test_a_batch_with_files_unlinked_from_outside_serves_the_rest(tier: Di
     assert_clean(pool)
 
 
-def _small_tier(disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool, pages: int,
-                recycle: bool = True) -> DiskTier:
-    """A tier with a budget of ``pages`` page files (``recycle``: a full tier's write may
-    overwrite the least recently used file no read has open, instead of evicting)."""
-    capacity = pages * (HEADER_BYTES + layout.page_bytes)
-    return DiskTier(config(disk_dir, backend, capacity=capacity, recycle_files=recycle), layout, pool)
-
-
 @pytest.mark.asyncio
 async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
         monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-    # No recycling: a recycled file is never one a read has open, so only eviction reaches them.
-    tier = _small_tier(disk_dir, backend, layout, pool, 2, recycle=False)
-    await tier.start()
-    gate = LoadGate(tier, monkeypatch, request)
-    try:
-        gate.open()
+    async with gated_small_tier(disk_dir, backend, layout, pool, 2, monkeypatch, request) as (tier, gate):
         for i in range(2):
             await stored_page(tier, pool, i)
         gate.closed = True
@@ -140,9 +136,6 @@ async def test_pages_the_tier_evicts_under_a_held_read_are_no_fault(
         marks = _assert_marks_match(tier)
         assert marks.evictions >= 2 and marks.reads_evicted == 2, marks
         assert marks.faults == 0, tier.statistics().errors  # not a fault: the tier removed them
-    finally:
-        gate.open()  # a failed check must not leave the close waiting for held loads
-        await tier.aclose()
     assert_clean(pool)
 
 
@@ -171,7 +164,7 @@ async def test_a_page_deleted_under_a_held_read_is_no_fault(tier: DiskTier, pool
 @pytest.mark.asyncio
 async def test_read_marks_equal_the_statistics_after_reads_and_faults(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
-    tier = _small_tier(disk_dir, backend, layout, pool, 4)
+    tier = small_tier(disk_dir, backend, layout, pool, 4)
     await tier.start()
     try:
         assert _assert_marks_match(tier) == ReadMarks(0, 0, 0)

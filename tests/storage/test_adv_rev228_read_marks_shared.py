@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, fill, key_of, reserve, stored_page
+from disk_helpers import assert_clean, fill, gated_small_tier, key_of, reserve, stored_page
 from follow_helpers import WRITER_TAG, follow_config, started, store_page
 from load_gate import LoadGate
 from loop_probes import until_thread
@@ -60,12 +60,7 @@ async def test_an_unlinked_read_beside_another_pages_eviction_is_no_eviction(
         disk_dir: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool,
         monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, remover: str) -> None:
     # A 2-page budget, no recycling (a recycled file is never one a read has open).
-    capacity = 2 * (HEADER_BYTES + layout.page_bytes)
-    tier = DiskTier(config(disk_dir, backend, capacity=capacity, recycle_files=False), layout, pool)
-    await tier.start()
-    gate = LoadGate(tier, monkeypatch, request)
-    gate.open()
-    try:
+    async with gated_small_tier(disk_dir, backend, layout, pool, 2, monkeypatch, request) as (tier, gate):
         unlinked, evicted = key_of(0), key_of(1)
         await stored_page(tier, pool, 1)
         await stored_page(tier, pool, 0)
@@ -97,9 +92,6 @@ async def test_an_unlinked_read_beside_another_pages_eviction_is_no_eviction(
         assert not _evicted_since(tier, marks_unlinked), (
             "an outside unlink read as an eviction of the tier", marks_unlinked, tier.read_marks())
         assert not tier.contains(unlinked)
-    finally:
-        gate.open()  # a failed check must not leave the close waiting for held loads
-        await tier.aclose()
     assert_clean(pool)
 
 
