@@ -57,6 +57,15 @@ def plant_damaged_record(writer: DiskTier) -> Path:
     return record
 
 
+async def planted_take_over(writer: DiskTier, looks: Looks) -> Path:
+    """``writer``'s record planted damaged and the writer closed: the next look takes the directory
+    over. Returns the record's path."""
+    record = plant_damaged_record(writer)
+    await writer.aclose()
+    await took_over(looks)
+    return record
+
+
 async def read_only_take_over(mount: Path, writer: DiskTier, looks: Looks) -> Path:
     """``writer``'s record planted damaged, the writer closed and ``mount`` remounted read-only: the
     next look takes the directory over read-only. Returns the record's path."""

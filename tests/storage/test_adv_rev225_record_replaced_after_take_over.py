@@ -29,7 +29,7 @@ from take_over_helpers import (
     exists,
     flip_last_byte,
     mutable_again,
-    plant_damaged_record,
+    planted_take_over,
     record_deletes,
     record_errno,
     take_over_config,
@@ -101,9 +101,7 @@ async def test_a_take_over_that_unlinked_the_pages_of_a_damaged_record_remembers
     async with contextlib.AsyncExitStack() as stack:
         writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, keys)
         assert follower.read_only is ReadOnly.LOCKED
-        record = plant_damaged_record(writer)
-        await writer.aclose()
-        await took_over(looks)
+        record = await planted_take_over(writer, looks)
         assert not any(follower.contains(key) for key in keys)
         await _settled(follower)
         assert not any(exists(Path(follower.files.path(key))) for key in keys), "a page left on disk"

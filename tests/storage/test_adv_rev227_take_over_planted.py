@@ -17,14 +17,7 @@ from pathlib import Path
 import pytest
 from disk_helpers import assert_clean, key_of
 from follow_helpers import started
-from take_over_helpers import (
-    exists,
-    plant_damaged_record,
-    record_deletes,
-    take_over_config,
-    took_over,
-    writer_and_follower,
-)
+from take_over_helpers import exists, planted_take_over, record_deletes, take_over_config, writer_and_follower
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev188_deletes_away import _served
 
@@ -73,9 +66,7 @@ async def test_a_take_over_replacing_a_damaged_record_leaves_entries_that_are_no
         foreign = Path(writer.files.path(FOREIGN))
         directory = Path(writer.files.path(DIRECTORY))
         _plant(link, foreign, directory, outside, size)
-        record = plant_damaged_record(writer)
-        await writer.aclose()
-        await took_over(looks)
+        record = await planted_take_over(writer, looks)
         assert not exists(Path(writer.files.path(PAGE))), "the take-over did not unlink the page it does not serve"
         touched = _left_alone(link, foreign, directory, outside)
         assert not touched, f"the take-over touched entries that are no page of ours: {touched}"

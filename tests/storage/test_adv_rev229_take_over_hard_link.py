@@ -17,14 +17,7 @@ from pathlib import Path
 import pytest
 from disk_helpers import assert_clean, key_of
 from follow_helpers import started
-from take_over_helpers import (
-    exists,
-    plant_damaged_record,
-    record_deletes,
-    take_over_config,
-    took_over,
-    writer_and_follower,
-)
+from take_over_helpers import exists, planted_take_over, record_deletes, take_over_config, writer_and_follower
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
 
@@ -48,9 +41,7 @@ async def test_a_take_over_unlinks_only_its_own_name_of_a_page_hard_linked_from_
         page = Path(writer.files.path(PAGE))
         os.link(page, outside)
         kept = outside.read_bytes()
-        record = plant_damaged_record(writer)
-        await writer.aclose()
-        await took_over(looks)
+        record = await planted_take_over(writer, looks)
         await _settled(follower)  # the loop's unlinks of what the look left named
         assert not exists(page), "the take-over left the page it does not serve under the cache's name"
         assert outside.read_bytes() == kept and outside.stat().st_nlink == 1, \
