@@ -15,21 +15,16 @@ import asyncio
 
 import pytest
 import torch
+from cuda_executor import CUDA_ONLY, LAYOUT, T
 from tp_helpers import close_executor, full_kv, new_pool, rank_kv
 
 from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
-from aiokv.layout import KVBuffer, KVLayout, TPSlice
+from aiokv.layout import KVBuffer, TPSlice
 from aiokv.pool import PagePool
 from aiokv.tp import Direction, RankExecutor, RankStatus, TPConfig, TransferSpec
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
-LAYOUT = KVLayout.mha(4, 8, 128, torch.bfloat16, page_tokens=16)
-T = LAYOUT.page_tokens
+pytestmark = CUDA_ONLY
 
 
 @pytest.mark.asyncio
