@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def take_over_config(directory: Path, backend: DiskBackend) -> DiskConfig:
 
 
 async def writer_and_follower(stack: contextlib.AsyncExitStack, cfg: DiskConfig, layout: KVLayout, pool: PagePool,
-                              keys: tuple[PageKey, ...] | list[PageKey]) -> tuple[DiskTier, DiskTier, Looks]:
+                              keys: Sequence[PageKey]) -> tuple[DiskTier, DiskTier, Looks]:
     """A writer over ``cfg``'s directory that stored ``keys`` (their :func:`_bytes_of`) and settled,
     then a second tier over it (a follower while the writer holds the lock) with its looks counted;
     both closed by ``stack``."""
