@@ -89,6 +89,8 @@ class FollowPath(TierBase):
     """Indexed pages this follower stopped serving as a look could not read the writer's
     pending-delete record (``DiskStatistics.follow_withheld``)."""
     _follow_withholding = False
+    _record_stamp: tuple[int, int, int, int] | None = None
+    """The pending-delete record's identity when the last lock check read it (:mod:`.lockwatch`)."""
     """The last look applied withheld every page (:attr:`.follow.Look.withheld`)."""
     """Whether the first file the looks found corrupt was logged."""
     _follow_refused: dict[PageKey, int]
@@ -486,6 +488,7 @@ class FollowPath(TierBase):
         task = self._watch_task
         if self.config.follow_interval_s and self._accepting and (task is None or task.done()):
             self._layout_stamp = None  # the first check examines every fan-out name
+            self._record_stamp = None  # and reads the pending-delete record
             self._watch_task = asyncio.get_running_loop().create_task(self._watch())
 
     def _check_lock_soon(self) -> None:
@@ -505,7 +508,7 @@ class FollowPath(TierBase):
             # A copy of the fan-out descriptors: the loop may retire or open some meanwhile (a
             # retired one stays open until the close, which waits for this check).
             work = functools.partial(check_writer, prepared.dir_fd, prepared.lock_fd, list(prepared.fanout),
-                                     self._layout_stamp, self.files.layout_dir)
+                                     self._layout_stamp, self.files.layout_dir, self._record_stamp)
             opens = self._fanout_opens
             found = await self._on_thread(work, "aiokv-disk-lock", LockCheck.close, "a check of the directory's lock")
             if found is None:
@@ -551,9 +554,36 @@ class FollowPath(TierBase):
         elif found.state is LockState.LOST:
             self._lose_lock()
             return
+        if found.record is not None:
+            self._record_stamp = found.record.stamp
+            self._apply_record_check(found.record.deletes)
         # Files whose unlink failed: the disk may answer again (review 204). A bounded batch a
         # check: a disk failing for good costs the loop a few tasks an interval, not thousands.
         self._retry_unlinks(BULK_UNLINK_KEYS)
+
+    def _apply_record_check(self, deletes: dict[PageKey, tuple[int, int | None]]) -> None:
+        """The pending-delete record as a lock check read it again (:func:`.lockwatch.check_record`):
+        a delete another cache saved after this tier read the record (a writer still running after
+        its ``.lock`` was replaced, until its own check tells it; review 225: this tier served
+        that page, stale KV). As at a start: a page indexed whose file is no newer than the delete
+        (or could not be examined) leaves the index and is unlinked (named in the record while the
+        unlink fails), and the delete is remembered as one from before this tier (a listing, and
+        the looks after a lost lock, leave such a file out). This tier's own deletes and its
+        writes in flight (their end publishes a newer file) are left as they are."""
+        dropped = 0
+        for key, (when, mtime) in deletes.items():
+            if key in self._deletes_kept:
+                continue  # this tier's own (its unlink failed): out of the index already
+            remembered = self._deleted_away.get(key)
+            if remembered is None or (remembered < 0 and -1 - remembered < when):
+                self._remember(key, -1 - when)
+            if key in self._index and key not in self._writing and (mtime is None or mtime <= when):
+                self._drop(key)
+                dropped += 1
+        if dropped:
+            log.warning("disk tier: %s names %d pages indexed here that another cache deleted after this one read "
+                        "it (its .lock was replaced under it while it wrote): no longer served, unlinked",
+                        self.files.layout_dir / ".deletes", dropped)
 
     def _apply_fanout_check(self, found: FanoutCheck) -> None:
         """Retire each fan-out descriptor the check found no longer named (moved away whole,

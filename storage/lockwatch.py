@@ -28,6 +28,17 @@ last check (or was too recent to tell a change by) is each name checked against 
 (:func:`~.layoutdir.fanout_gone`, the follower's check), and the tier retires those that no longer
 lead to it; a name without a descriptor (retired, or just found replaced) that leads to a directory
 again (moved back, a backup restored) is opened, and so listed, by the loop.
+
+And it reads the pending-delete record (:mod:`.deletelog`) again when it changed since the last
+check (:func:`check_record`: one ``stat`` when it did not): a writer still running after its
+``.lock`` was replaced may save a delete there after this tier's start or take-over read it (its
+unlink failed: the file still there), until its own next check tells it that it lost the lock
+(review 225). Nothing it does can make this tier read that save: a save checked against the lock
+name before it may still land after another cache took the new ``.lock`` and read the record, and
+one checked after it tells only the old writer. So the lock holder reads the record again, and a
+page it indexed from a file no newer than such a delete leaves its index
+(:meth:`~.followpath.FollowPath._apply_record_check`): served for at most one check interval after
+that save.
 """
 
 from __future__ import annotations
@@ -41,8 +52,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokv.keys import PageKey
+
+from .deletelog import DELETES_NAME, load_deletes
 from .layoutdir import LOCK_NAME, DirStamp, dir_stamp, fanout_gone, lock_named
 from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
+
+RecordStamp = tuple[int, int, int, int]
+"""The pending-delete record's ``(st_dev, st_ino, st_ctime_ns, st_size)``: it is replaced by a
+rename (another inode) at every save."""
 
 _NOT_OURS_TO_MAKE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 """What creating ``.lock`` answers where it is gone and may not be made again now (a read-only file
@@ -72,6 +90,8 @@ class LockCheck:
     fault: tuple[OSError, str] | None = None
     fanouts: FanoutCheck | None = None
     """The fan-out directories' check made with it (:func:`check_writer`)."""
+    record: RecordCheck | None = None
+    """The pending-delete record read again (:func:`check_record`), or None: unchanged, or not read."""
 
     def close(self) -> None:
         if self.fd is not None:
@@ -96,16 +116,66 @@ class FanoutCheck:
     faults: list[tuple[OSError, str]] = field(default_factory=list)
 
 
+@dataclass
+class RecordCheck:
+    """The pending-delete record as a check read it again."""
+
+    stamp: RecordStamp | None
+    """Its identity when read (None: there is none), for the next check."""
+    deletes: dict[PageKey, tuple[int, int | None]] = field(default_factory=dict)
+    """Key -> (time of the delete, ns; the modification time of the file under the key's name
+    now, or None: no page file there, or it could not be examined)."""
+
+
 def check_writer(dir_fd: int, lock_fd: int, fanout: Sequence[int], stamp: DirStamp | None,
-                 shown: Path) -> LockCheck:
-    """The writer's periodic check: the lock (:func:`check_lock`) and the fan-out names
-    (:func:`check_fanouts`). Blocking: run on a thread. Faults are reported, never raised."""
+                 shown: Path, record: RecordStamp | None = None) -> LockCheck:
+    """The writer's periodic check: the lock (:func:`check_lock`), the fan-out names
+    (:func:`check_fanouts`) and the pending-delete record if it changed since ``record`` (the last
+    check's :attr:`RecordCheck.stamp`; :func:`check_record`). Blocking: run on a thread. Faults
+    are reported, never raised."""
     found = check_lock(dir_fd, lock_fd, shown)
     try:
         found.fanouts = check_fanouts(dir_fd, fanout, stamp, shown)
+        if found.state is not LockState.LOST:  # (lost: this tier follows, and its looks read it)
+            found.record = check_record(dir_fd, fanout, record)
     except BaseException:
         found.close()
         raise
+    return found
+
+
+def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -> RecordCheck | None:
+    """The pending-delete record in the layout directory ``dir_fd``, when its identity differs from
+    ``seen`` (else None: one ``stat``), with the modification time of the file under each key's
+    name in the fan-out directories ``fanout`` (-1: none held). None too when it cannot be read
+    now (EIO, damaged: this tier's next save replaces a damaged one; tried again at the next
+    check, uncounted: the start and the looks count such a record). Blocking: run on a thread."""
+    try:
+        st = os.stat(DELETES_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None if seen is None else RecordCheck(None)
+    except OSError:
+        return None
+    now: RecordStamp = (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size)
+    if now == seen:
+        return None
+    try:
+        records = load_deletes(dir_fd)  # replaced since the stat: read again at the next check
+    except OSError:
+        return None
+    found = RecordCheck(now)
+    euid = os.geteuid()
+    for key, when in records.items():
+        fd = fanout[key[0]]  # a key's fan-out directory is its first byte
+        mtime: int | None = None
+        if fd >= 0:
+            try:
+                named = os.stat(key.hex(), dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(named.st_mode) and named.st_uid == euid:
+                    mtime = named.st_mtime_ns
+            except OSError:
+                pass  # none there, or not to be examined: nothing of it served (a miss at worst)
+        found.deletes[key] = (when, mtime)
     return found
 
 
