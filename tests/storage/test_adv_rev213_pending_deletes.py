@@ -322,7 +322,8 @@ async def test_a_damaged_record_serves_no_page_it_may_name(
 async def test_a_damaged_record_while_following_counts_one_fault(
         tmp_path: Path, backend: DiskBackend, layout: KVLayout, pool: PagePool) -> None:
     """The looks read the writer's record at each look: a damaged one (planted here) is counted
-    once, not once a look (the fault counter grew without bound), and the looks go on."""
+    once, not once a look (the fault counter grew without bound); while it is damaged the follower
+    serves nothing (its deletes unknown, review 231), and once it reads again the looks go on."""
     size = layout.page_bytes
     cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
     async with started(DiskTier(cfg, layout, pool)) as writer, started(DiskTier(cfg, layout, pool)) as follower:
@@ -333,6 +334,11 @@ async def test_a_damaged_record_while_following_counts_one_fault(
         assert await writer.write_from(OTHER, memoryview(_bytes_of(OTHER, size)))
         for _ in range(3):
             await looks.next()
+        assert not follower.contains(OTHER) and not await _served(follower, OTHER, size), \
+            "a follower served a page while its writer's record could not be read"
+        assert sum(follower.statistics().errors.values()) == before + 1, follower.statistics().errors
+        (writer.files.layout_dir / DELETES_NAME).unlink()  # no record: nothing deleted
+        await looks.next()
         assert follower.contains(OTHER) and await _served(follower, OTHER, size), "the looks stopped following"
         assert sum(follower.statistics().errors.values()) == before + 1, follower.statistics().errors
     assert_clean(pool)

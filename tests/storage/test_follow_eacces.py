@@ -52,7 +52,9 @@ async def test_eacces_during_looks_indexes_nothing_new_until_the_modes_are_back(
                 await _write(writer, pool, 5)
                 conn.send(("look", [(5, TAG)]))
                 pages, later, contains = await receive(conn)
-                assert (pages, contains) == (3, [False])
+                # .deletes cannot be read either (EACCES): its deletes unknown, the follower serves
+                # none of its pages until it reads again (review 231).
+                assert (pages, contains) == (0, [False])
                 assert later["eperm"] > errors["eperm"] and later["other"] == 0, later
             finally:
                 os.chmod(layout_dir, 0o700)
