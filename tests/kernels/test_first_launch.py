@@ -18,10 +18,13 @@ import pytest
 import torch
 
 from aiokv.kernels import launch
-from aiokv.kernels.launch import CopyPlan
+from aiokv.kernels.launch import CopyPlan, interpreting
 from aiokv.layout import KVBuffer, KVLayout
 
 LAYOUT = KVLayout.mha(2, 2, 16, torch.float16, page_tokens=4)
+DEVICE = torch.device("cpu" if interpreting() else "cuda")
+"""A plan needs a CUDA buffer unless the interpreter runs (the stand-in kernel launches nothing)."""
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA")
 
 
 class LazyKernel:
@@ -55,13 +58,14 @@ class LazyKernel:
 
 def _plan() -> CopyPlan:
     rows = 2 * LAYOUT.num_kv_heads
-    kv = KVBuffer.wrap(LAYOUT, torch.zeros(LAYOUT.num_layers, 16, rows, LAYOUT.head_dim, dtype=LAYOUT.dtype))
-    pages = torch.zeros(2, *LAYOUT.page_shape, dtype=LAYOUT.dtype)
+    kv = KVBuffer.wrap(LAYOUT, torch.zeros(LAYOUT.num_layers, 16, rows, LAYOUT.head_dim, dtype=LAYOUT.dtype,
+                                           device=DEVICE))
+    pages = torch.zeros(2, *LAYOUT.page_shape, dtype=LAYOUT.dtype, device=DEVICE)
     return CopyPlan(kv, pages)
 
 
 def _launch(plan: CopyPlan, kernel: LazyKernel, errors: list[BaseException]) -> None:
-    slots = torch.arange(4, dtype=torch.int64)
+    slots = torch.arange(4, dtype=torch.int64, device=DEVICE)
     try:
         plan._run(kernel, "scatter", (1, 1, 1), (slots, 4, 7), {"T": 4})
     except BaseException as error:  # the test reports it
