@@ -276,7 +276,14 @@ def test_first_copies_after_the_warm_up_compile_nothing_on_the_loop(tmp_path: Pa
     assert summary["precompiled"] == summary["variants"] > 0, summary
     assert warm["compiled_in_process_while_warming"] == 0, f"this process compiled variants itself: {warm}"
     assert isinstance(warm["stall_during_warm_up_ms"], float)
-    assert warm["stall_during_warm_up_ms"] <= _stall_bound(warm), f"the loop stalled while warming: {warm}"
+    if warm["stall_during_warm_up_ms"] > _stall_bound(warm):
+        # Once more in a fresh process: a neighbour's burst (the timing half runs six tests at once;
+        # H100 host: 5.77 ms there, 2.0-3.8 ms alone) lands in one run's window, while a stall the
+        # warm-up itself causes shows in both.
+        again = _run("warm", tmp_path, cache="warm-again")
+        assert isinstance(again["stall_during_warm_up_ms"], float)
+        assert again["stall_during_warm_up_ms"] <= _stall_bound(again), \
+            f"the loop stalled while warming, twice: {warm}; {again}"
     second = warm["second_warm_up"]
     assert isinstance(second, dict) and second["variants"] == 0 and second["skipped"] == summary["variants"], warm
 
