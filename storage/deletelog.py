@@ -157,11 +157,15 @@ def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:
     os.fsync(dir_fd)
 
 
-def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey]) -> None:
+def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey], replace: bool = False) -> None:
     """The record on disk less ``dropped``, with ``kept`` (newer times win), saved
     (:func:`save_deletes`). Merged rather than replaced: a tier that took the directory over keeps
     what the cache before it recorded. A damaged record is replaced by ``kept`` (its start-time
-    handling is :func:`~.layoutdir.apply_deletes`')."""
+    handling is :func:`~.layoutdir.apply_deletes`'), and so is any with ``replace``, unread (one
+    a take-over could not read, EIO too: its deletes were taken for unknown)."""
+    if replace:
+        save_deletes(dir_fd, kept)
+        return
     try:
         on_disk = load_deletes(dir_fd)
     except DeletesCorrupt:

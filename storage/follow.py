@@ -237,6 +237,11 @@ class Look:
     unlisted: list[int] = field(default_factory=list)
     """A take-over's fan-out directories (with a descriptor) whose listing failed: the tier that
     writes from now on looks no more, and lists them again at its periodic checks."""
+    record_unknown: bool = False
+    """A look that takes the directory over (or may write there now) could not read the record
+    (:func:`_deletes_unknown`) and did not replace it (:func:`_replace_record`: a directory not
+    listed whole, the save failed): the tier replaces it once it may
+    (:meth:`~.followpath.FollowPath._replace_unknown_record`)."""
 
     def close(self) -> None:
         """Close the descriptors the tier did not take (all of them for a look nobody applies)."""
@@ -298,6 +303,7 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
             _tell_refused(state, result, found, indexed, fanout, shown)
         if unreadable is not None and (result.lock_fd is not None or result.writable):
             _deletes_unknown(state, result, found, unreadable, shown)
+            result.record_unknown = True  # (until _replace_record saves one)
             # A held look that may write now replaces it too (review 227: the damaged record stayed
             # after a take-over on a read-only file system, and every later start lost the pages
             # stored since), while the tier's lock is still the one it took.
@@ -472,6 +478,7 @@ def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int],
         result.faults.append((exc, f"saving {shown / DELETES_NAME} (taken over)"))
         return
     state.deletes_unreadable = False
+    result.record_unknown = False
     result.removed += [key for key in result.deletes if key not in kept]
     result.deletes = kept
     for key in [key for key in found if key not in kept]:

@@ -85,14 +85,17 @@ class FollowPath(TierBase):
     """This tier took the directory over where it may not write (a read-only file system...): it
     holds the lock and looks every ``follow_interval_s`` whether it may write now."""
     _follow_corrupt_logged = False
+    """Whether the first file the looks found corrupt was logged."""
     _follow_withheld = 0
     """Indexed pages this follower stopped serving as a look could not read the writer's
     pending-delete record (``DiskStatistics.follow_withheld``)."""
     _follow_withholding = False
+    """The last look applied withheld every page (:attr:`.follow.Look.withheld`)."""
     _record_stamp: tuple[int, int, int, int] | None = None
     """The pending-delete record's identity when the last lock check read it (:mod:`.lockwatch`)."""
-    """The last look applied withheld every page (:attr:`.follow.Look.withheld`)."""
-    """Whether the first file the looks found corrupt was logged."""
+    _record_unknown: list[asyncio.Task[None]] | None = None
+    """A take-over could not read the pending-delete record nor replace it (:attr:`.follow.Look.record_unknown`):
+    the unlinks it started, which end before this tier replaces it (:meth:`_replace_unknown_record`)."""
     _follow_refused: dict[PageKey, int]
     """Keys whose file a read refused while following (-> reads), for the next look to tell why
     (:meth:`.follow.FollowState.refuse`); made by :meth:`_start_following`."""
@@ -461,15 +464,41 @@ class FollowPath(TierBase):
                     self._found_under_write.add(key)
         self._unlink_when_writable.clear()
         self._follow_forgotten.clear()
-        self._remove_files(refused)
-        self._remove_files(self._index.evict_to(self._index.capacity))
+        unlinks = self._remove_files(refused)
+        unlinks += self._remove_files(self._index.evict_to(self._index.capacity))
         # Directories the take-over could not list whole: listed again at the periodic checks
         # (review 194: before, at "the next look", which a writer never makes: the files the
         # looks had not seen stayed on disk outside the index and the budget until a restart).
         for index in found.unlisted:
             if (fd := self._dir.fanout[index]) >= 0:  # (else retired: its name's next open lists it)
                 self._listing_failed(index, fd)
+        if found.record_unknown:
+            self._record_unknown = unlinks
+            self._spawn(self._replace_unknown_after(unlinks))
         self._refill_spares()
+
+    async def _replace_unknown_after(self, unlinks: list[asyncio.Task[None]]) -> None:
+        if unlinks:
+            await asyncio.wait(unlinks)
+        self._replace_unknown_record()
+
+    def _replace_unknown_record(self) -> None:
+        """A take-over could not read the pending-delete record (EIO, damaged) and its look did not
+        replace it (:attr:`.follow.Look.record_unknown`: a fan-out directory not listed whole, the
+        save failed): replaced now by this tier's record, unread, once the take-over's unlinks
+        ended and no directory waits to be listed again (a file there no listing saw may be a page
+        the record names: it keeps it from a start until then). Asked when those unlinks end and at
+        each lock check; a failed save is tried again at the next. Review 232: nothing replaced it,
+        and the next start took its deletes for unknown: every page stored since was lost."""
+        unlinks = self._record_unknown
+        prepared = self._dir
+        if (unlinks is None or self._read_only is not None or prepared is None or prepared.lock_fd is None
+                or self._relist or self._listings or not all(task.done() for task in unlinks)):
+            return
+        self._record_unknown = None
+        self._deletes_replace = True
+        self._deletes_version += 1
+        self._save_deletes_soon()
 
     def _listing_asks_delete(self, key: PageKey) -> bool:
         """Whether a listing of ``key``'s fan-out directory would ask a delete of ``key`` this tier
@@ -557,6 +586,7 @@ class FollowPath(TierBase):
         if found.record is not None:
             self._record_stamp = found.record.stamp
             self._apply_record_check(found.record.deletes)
+        self._replace_unknown_record()
         # Files whose unlink failed: the disk may answer again (review 204). A bounded batch a
         # check: a disk failing for good costs the loop a few tasks an interval, not thousands.
         self._retry_unlinks(BULK_UNLINK_KEYS)
@@ -892,6 +922,8 @@ class FollowPath(TierBase):
         prepared.lock_fd = None
         self._lock_lost += 1
         self._relist.clear()  # the looks list what they need: a take-over scans every directory
+        self._record_unknown = None  # (its next take-over's look replaces it, or tells it cannot)
+        self._deletes_replace = False
         # The other writer's stores are unknown here: a file of a key this tier deleted that is
         # newer than the delete may be one of them (a page to serve once this tier takes over:
         # unlinked before, review 193); one no newer is still the page deleted.

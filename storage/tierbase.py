@@ -156,6 +156,9 @@ class TierBase(TierEdge):
         # failure leaves the key's record entry as it is (review 218: each rewrote the record).
         self._retrying: set[PageKey] = set()
         self._deletes_save_failed = False  # counted once until a save succeeds (retried every check)
+        # The next save replaces the record on disk unread (``update_deletes``' replace): set by a
+        # take-over that could not read it (:meth:`~.followpath.FollowPath._replace_unknown_record`).
+        self._deletes_replace = False
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
@@ -624,8 +627,8 @@ class TierBase(TierEdge):
         (EROFS: read-only) and the changes stay unsaved, tried again at the next retry."""
         try:
             version = self._deletes_version
-            kept, dropped = dict(self._deletes_kept), set(self._deletes_dropped)
-            job = run_in_new_thread(functools.partial(update_deletes, dir_fd, kept, dropped),
+            kept, dropped, replace = dict(self._deletes_kept), set(self._deletes_dropped), self._deletes_replace
+            job = run_in_new_thread(functools.partial(update_deletes, dir_fd, kept, dropped, replace),
                                     "aiokv-disk-deletes", _nothing)
             try:
                 await asyncio.shield(job)
@@ -641,6 +644,8 @@ class TierBase(TierEdge):
                 return
             self._deletes_saved = max(self._deletes_saved, version)
             self._deletes_save_failed = False
+            if replace:
+                self._deletes_replace = False
             self._deletes_dropped.difference_update(dropped)
         finally:
             self._deletes_saving = None
