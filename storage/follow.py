@@ -284,8 +284,6 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         unreadable = _read_deletes(state, result, dir_fd, shown)
         if unreadable is None and state.withholding:
             _find_all_anew(state)  # the record reads again: every page found serves again (unless named)
-        elif unreadable is not None and not held and result.lock_fd is None:
-            state.withholding = result.withheld = True
         if held:
             if _may_write(result, dir_fd) and result.read_only is None:
                 result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
@@ -298,6 +296,11 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
             result.lock_fd = None
         elif result.read_only is None:
             _remove_record_temp(result, dir_fd, shown)
+        if unreadable is not None and not held and result.lock_fd is None:
+            # Asked once the look knows whether the tier takes over: one that took the lock but not
+            # the directory (a fan-out name not safely ours) let it go, and follows on (review 232:
+            # it applied its scan with no deletes known, and the page the writer deleted was served).
+            state.withholding = result.withheld = True
         if not state.stop.is_set():
             _examine_whole(state, result, found, shown)
             _tell_refused(state, result, found, indexed, fanout, shown)
