@@ -35,9 +35,9 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -55,6 +55,8 @@ from .store import PageFileStore, Sharing, StoreConfig, open_thread, page_file_b
 log = logging.getLogger(__name__)
 
 _KV = "kv"  # SGLang's PoolName.KV
+
+T = TypeVar("T")
 
 _FACTORY_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 _STORE_KEYS = ("disk_dir", "disk_bytes", "namespace", "disk_backend", "direct_io", "queue_depth", "staging_pages",
@@ -122,6 +124,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     proportion to their page-file sizes (one pool: all of it); a pool registered later adds its
     share on top. The files open when SGLang says the pools are registered
     (``on_host_pools_registered``) or at the first call that needs them.
+
+    After :meth:`close` (and for a call racing it) every call misses: nothing read, nothing stored,
+    nothing cleared, counted in :attr:`closed_misses`; SGLang's controller may still ask from its
+    prefetch or backup thread while it detaches the backend.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -139,6 +145,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._weight_at_open = 0
         self._opening = threading.Lock()  # SGLang's prefetch and backup threads may both open it
         self._closed = False
+        self.closed_misses = 0
+        """Calls answered as misses because the backend was closed before or during them."""
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -215,12 +223,12 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _open_all(self, plain_page_bytes: int | None = None) -> bool:
         """Open every known pool's page files unless open; False when there is nothing to open yet
-        (no host pool registered and no plain page seen)."""
+        (no host pool registered and no plain page seen) or the backend is closed."""
         with self._opening:
             if self._pools:
                 return True
             if self._closed:
-                raise RuntimeError("aiokv backend is closed")
+                return False
             if self.mem_pool_host is None and plain_page_bytes is None:
                 return False
             shapes = []  # (name, host, page bytes, in place, buffers per page)
@@ -272,10 +280,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                              thread=self._thread, sharing=self._sharing(facts))
 
     def _kv(self, plain_page_bytes: int | None = None) -> _Pool | None:
-        """The KV pool, its files open; None before anything registered it."""
-        if not self._open_all(plain_page_bytes):
+        """The KV pool, its files open; None before anything registered it, and once the backend
+        is closed (counted: the caller answers a miss)."""
+        # .get: a close() on another thread may clear the pools once _open_all found them open.
+        kv = self._pools.get(_KV) if self._open_all(plain_page_bytes) else None
+        if kv is None:
+            if self._closed:
+                self._closed_miss()
             return None
-        kv = self._pools[_KV]
         if plain_page_bytes is not None and kv.page_bytes != plain_page_bytes:
             raise ValueError(f"pages of {plain_page_bytes} bytes, but this backend stores {kv.page_bytes}")
         return kv
@@ -314,15 +326,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         registered holds nothing."""
         _check_keys(keys)
         transfers = list(pool_transfers or [])
-        kv = self._kv()
-        if kv is None or not keys:
-            return PoolTransferResult(0, {}, [])
         for transfer in transfers:
             if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
                 raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
+        kv = self._kv()
+        if kv is None or not keys:
+            return PoolTransferResult(0, {}, [])
         kv_store = _opened(kv)
         kv_keys = [kv_store.key(k.encode("utf-8")) for k in keys]
-        stores = [self._pools[str(t.name)].store if str(t.name) in self._pools else None for t in transfers]
+        pools = [self._pools.get(str(t.name)) for t in transfers]  # .get: a close() may clear them meanwhile
+        stores = [None if p is None else p.store for p in pools]
         pool_keys = [None if s is None else [s.key(k.encode("utf-8")) for k in keys] for s in stores]
 
         async def look() -> tuple[int, list[list[bool]]]:
@@ -331,14 +344,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                        for s, pk in zip(stores, pool_keys, strict=True)]
             return kv_pages, present
 
-        try:
-            kv_pages, present = self._loop().run(look())
-        except LoopDied:
-            log.error("aiokv backend: the loop thread died; every page misses")
+        looked = self._on_loop(look(), "every page misses")
+        if looked is None:
             return PoolTransferResult(0, {}, [])
-        except concurrent.futures.CancelledError:  # close() ended the loop under it
-            log.error("aiokv backend: closed during a lookup; every page misses")
-            return PoolTransferResult(0, {}, [])
+        kv_pages, present = looked
         hits: dict[str, int] = {_KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer, exists in zip(transfers, present, strict=True):
@@ -409,7 +418,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         _check_keys([key])
         page = _flat_bytes(target_location)
         kv = self._kv(page.numel())
-        assert kv is not None
+        if kv is None:  # closed
+            return None
         ok = self._run([_Move(_opened(kv), [key], [[page]])], write=False)[0]
         return target_location if ok[0] else None
 
@@ -419,6 +429,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             return [None] * len(keys)
         targets = list(target_locations)
         kv, pages = self._plain_pages(keys, targets, write=False)
+        if kv is None:  # closed
+            return [None] * len(keys)
         ok = self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=False)[0]
         return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
@@ -429,7 +441,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         _check_keys([key])
         page = _flat_bytes(value)
         kv = self._kv(page.numel())
-        assert kv is not None
+        if kv is None:  # closed
+            return False
         return self._run([_Move(_opened(kv), [key], [[page]])], write=True)[0][0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
@@ -437,12 +450,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if not keys or values is None:
             return not keys
         kv, pages = self._plain_pages(keys, list(values), write=True)
+        if kv is None:  # closed
+            return False
         return all(self._run([_Move(_opened(kv), list(keys), [[p] for p in pages])], write=True)[0])
 
-    def _plain_pages(self, keys: list[str], tensors: list[Any], write: bool) -> tuple[_Pool, list[torch.Tensor]]:
-        """The byte views of a plain batch's page tensors, every one checked before anything moves:
-        str keys, one contiguous CPU tensor of the store's page size per key, and for a read no two
-        targets sharing memory (two reads into one page race and fail verification)."""
+    def _plain_pages(self, keys: list[str], tensors: list[Any],
+                     write: bool) -> tuple[_Pool | None, list[torch.Tensor]]:
+        """The KV pool (None once closed) and the byte views of a plain batch's page tensors, every
+        one checked before anything moves: str keys, one contiguous CPU tensor of the store's page
+        size per key, and for a read no two targets sharing memory (two reads into one page race
+        and fail verification)."""
         _check_keys(keys)
         if len(tensors) != len(keys):
             raise ValueError(f"{len(tensors)} page tensors for {len(keys)} keys")
@@ -450,13 +467,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         sizes = {p.numel() for p in pages}
         if len(sizes) != 1:
             raise ValueError(f"pages of different sizes in one batch: {sorted(sizes)} bytes")
-        kv = self._kv(pages[0].numel())
-        assert kv is not None
         if not write:
             spans = sorted((p.data_ptr(), p.data_ptr() + p.numel()) for p in pages)
             if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(spans)):
                 raise ValueError("two read targets share memory")
-        return kv, pages
+        return self._kv(pages[0].numel()), pages
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -469,14 +484,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             return 0
         store = _opened(kv)
         page_keys = [store.key(k.encode("utf-8")) for k in keys]
-        try:
-            return self._loop().run(store.fresh_prefix(page_keys))
-        except LoopDied:
-            log.error("aiokv backend: the loop thread died; every page misses")
-            return 0
-        except concurrent.futures.CancelledError:  # close() ended the loop under it
-            log.error("aiokv backend: closed during a lookup; every page misses")
-            return 0
+        found = self._on_loop(store.fresh_prefix(page_keys), "every page misses")
+        return 0 if found is None else found
 
     def clear(self) -> bool:
         """Delete every page file of this backend's pools (this model, rank and layout; other
@@ -484,20 +493,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         a pool's directory is read-only or held by another process, or removal failed part-way
         (logged). Transfers running meanwhile miss or are refused, never see removed bytes."""
         if self._kv() is None:
-            log.warning("aiokv backend: clear() before any host pool was registered: nothing known to clear")
+            if not self._closed:
+                log.warning("aiokv backend: clear() before any host pool was registered: nothing known to clear")
             return False
-        stores = [_opened(pool) for pool in self._pools.values()]
+        stores = [_opened(pool) for pool in list(self._pools.values())]  # a copy: a pool may open meanwhile
 
         async def clear_all() -> list[bool | BaseException]:
             return await asyncio.gather(*(s.clear() for s in stores), return_exceptions=True)
 
-        try:
-            done = self._loop().run(clear_all())
-        except LoopDied:
-            log.error("aiokv backend: the loop thread died; nothing was cleared")
-            return False
-        except concurrent.futures.CancelledError:  # close() ended the loop under it
-            log.error("aiokv backend: closed during clear(); not all was cleared")
+        done = self._on_loop(clear_all(), "not all was cleared")
+        if done is None:
             return False
         errors = [d for d in done if isinstance(d, BaseException)]
         if errors:
@@ -548,6 +553,34 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             raise RuntimeError("aiokv backend is closed")
         return self._thread
 
+    def _on_loop(self, coro: Coroutine[Any, Any, T], miss: str) -> T | None:
+        """Run ``coro`` on the pools' loop thread and wait for its result; None (logged: ``miss``
+        says what the caller's answer then means) when it cannot answer: the loop thread died, or
+        the backend was closed before or while it ran (counted in :attr:`closed_misses`; a close
+        ends the transfers in flight, their I/O first, before it answers)."""
+        thread = self._thread
+        try:
+            if thread is None:  # closed since the caller's pools were found open
+                coro.close()
+                raise RuntimeError("aiokv backend is closed")
+            return thread.run(coro)
+        except LoopDied:
+            log.error("aiokv backend: the loop thread died; %s", miss)
+        except concurrent.futures.CancelledError:  # close() stopped the loop under it
+            log.error("aiokv backend: closed during the call; %s", miss)
+            self._closed_miss()
+        except RuntimeError:
+            if not self._closed:
+                raise
+            self._closed_miss()  # the loop thread closed since the caller took it
+        return None
+
+    def _closed_miss(self) -> None:
+        """Count a call answered as a miss because the backend is closed (logged the first time)."""
+        self.closed_misses += 1
+        if self.closed_misses == 1:
+            log.warning("aiokv backend: called after close() (SGLang detaching it?); such calls miss, moving nothing")
+
     def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
                write: bool) -> _Move:
         """What moves for ``keys`` at ``host_indices`` of ``host`` (``TypeError``/``ValueError`` for
@@ -584,13 +617,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 log.error("aiokv backend: %d page transfers raised; first: %r", len(errors), errors[0])
             return [[d is True for d in group] for group in done]
 
-        try:
-            results = self._loop().run(run())
-        except LoopDied:
-            log.error("aiokv backend: the loop thread died; every transfer fails")
-            return [[False] * len(move.keys) for move in moves]
-        except concurrent.futures.CancelledError:  # close() stopped the loop under it (its I/O ended first)
-            log.error("aiokv backend: closed during a transfer; it fails")
+        results = self._on_loop(run(), "every transfer fails")
+        if results is None:
             return [[False] * len(move.keys) for move in moves]
         for move, ok in zip(moves, results, strict=True):
             if move.flat_targets is None:

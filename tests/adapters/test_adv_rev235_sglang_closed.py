@@ -1,0 +1,125 @@
+"""Review 235: SGLang's calls reaching a closed backend (its controller detaches the backend while,
+or just before, its prefetch or backup thread asks).
+
+Every call after ``close()`` raised ``RuntimeError("aiokv backend is closed")`` into SGLang's
+thread, and a call racing the close raised ``KeyError('kv')`` (its pools cleared between the open
+check and their use) or ``RuntimeError`` (the loop thread gone between the page checks and the
+transfer), where a closed cache must answer a miss, counted, with nothing moved. The races are
+forced by running ``close()`` inside the call at the point named (the close of SGLang's detaching
+thread landing there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sglang_helpers = pytest.importorskip("sglang_helpers")
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+
+
+def _backend(tmp_path: Path, backends: list[Any]) -> tuple[Any, Any]:
+    """A v1 backend over a host pool of 4 pages, pages 0 and 1 stored as p0 and p1."""
+    h = sglang_helpers
+    pool = h.host_pool(4)
+    backend = h.attach(backends, tmp_path / "kv", pool, True)
+    for index in range(4):
+        h.fill(pool, index, seed=index)
+    assert backend.batch_set_v1(["p0", "p1"], h.indices([0, 1])) == [True, True]
+    return backend, pool
+
+
+def _calls(backend: Any) -> dict[str, tuple[Callable[[], object], object]]:
+    """Each of SGLang's calls, and the miss it must answer once the backend is closed."""
+    h = sglang_helpers
+    page = torch.zeros_like(h.page(backend.mem_pool_host, 0))
+    kv = PoolTransfer(name=PoolName.KV, host_indices=h.indices([2, 3]), keys=["p0", "p1"])
+    return {
+        "batch_exists": (lambda: backend.batch_exists(["p0", "p1"]), 0),
+        "exists": (lambda: backend.exists("p0"), False),
+        "batch_get_v1": (lambda: backend.batch_get_v1(["p0", "p1"], h.indices([2, 3])), [False, False]),
+        "batch_set_v1": (lambda: backend.batch_set_v1(["n0"], h.indices([2])), [False]),
+        "batch_exists_v2": (lambda: backend.batch_exists_v2(["p0", "p1"], []).kv_hit_pages, 0),
+        "batch_get_v2": (lambda: backend.batch_get_v2([kv]), {"kv": [False, False]}),
+        "batch_set_v2": (lambda: backend.batch_set_v2([kv]), {"kv": [False, False]}),
+        "get": (lambda: backend.get("p0", page), None),
+        "batch_get": (lambda: backend.batch_get(["p0"], [page]), [None]),
+        "set": (lambda: backend.set("n1", page), False),
+        "batch_set": (lambda: backend.batch_set(["n2"], [page]), False),
+        "clear": (lambda: backend.clear(), False),
+    }
+
+
+def _snapshot(pool: Any) -> list[torch.Tensor]:
+    return [sglang_helpers.page(pool, index) for index in range(4)]
+
+
+def test_every_call_after_close_misses_and_moves_nothing(tmp_path: Path, backends: list[Any]) -> None:
+    backend, pool = _backend(tmp_path, backends)
+    before = _snapshot(pool)
+    backend.close()
+    calls = _calls(backend)
+    for name, (call, miss) in calls.items():
+        try:
+            got = call()
+        except Exception as exc:  # the outcome under test
+            pytest.fail(f"{name} after close() raised {exc!r} into SGLang's thread instead of missing")
+        assert got == miss, f"{name} after close() answered {got!r}, not a miss"
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True)), "a closed backend moved bytes"
+    assert backend.closed_misses == len(calls)
+    backend.on_host_pools_registered()  # opens nothing once closed
+    assert backend.statistics() == {}
+
+
+@pytest.mark.parametrize("name", ["batch_exists", "batch_get_v1", "batch_set_v1", "batch_exists_v2", "batch_get_v2",
+                                  "get", "batch_set", "clear"])
+def test_a_close_right_after_the_open_check_makes_the_call_miss(
+    tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The close lands after the call found the pools open (``_open_all``) and before it used them."""
+    backend, pool = _backend(tmp_path, backends)
+    before = _snapshot(pool)
+    real = backend._open_all
+
+    def open_then_closed(*args: Any) -> bool:
+        opened: bool = real(*args)
+        backend.close()
+        return opened
+
+    monkeypatch.setattr(backend, "_open_all", open_then_closed)
+    call, miss = _calls(backend)[name]
+    try:
+        got = call()
+    except Exception as exc:  # the outcome under test
+        pytest.fail(f"{name} racing close() raised {exc!r} into SGLang's thread instead of missing")
+    assert got == miss
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
+
+
+@pytest.mark.parametrize("name", ["batch_get_v1", "batch_set_v1", "batch_get_v2", "batch_set_v2"])
+def test_a_close_between_the_page_checks_and_the_transfer_makes_the_call_miss(
+    tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The close lands after the call checked its pages (``_moves``) and before it handed them to
+    the loop thread (gone by then)."""
+    backend, pool = _backend(tmp_path, backends)
+    before = _snapshot(pool)
+    real = backend._moves
+
+    def checked_then_closed(*args: Any, **kwargs: Any) -> Any:
+        move = real(*args, **kwargs)
+        backend.close()
+        return move
+
+    monkeypatch.setattr(backend, "_moves", checked_then_closed)
+    call, miss = _calls(backend)[name]
+    try:
+        got = call()
+    except Exception as exc:  # the outcome under test
+        pytest.fail(f"{name} racing close() raised {exc!r} into SGLang's thread instead of missing")
+    assert got == miss
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
+    assert backend.closed_misses == 1
