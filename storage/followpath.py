@@ -585,11 +585,31 @@ class FollowPath(TierBase):
             return
         if found.record is not None:
             self._record_stamp = found.record.stamp
-            self._apply_record_check(found.record.deletes)
+            if found.record.fault is not None:
+                self._replace_damaged_record(found.record.fault)
+            else:
+                self._apply_record_check(found.record.deletes)
         self._replace_unknown_record()
         # Files whose unlink failed: the disk may answer again (review 204). A bounded batch a
         # check: a disk failing for good costs the loop a few tasks an interval, not thousands.
         self._retry_unlinks(BULK_UNLINK_KEYS)
+
+    def _replace_damaged_record(self, fault: OSError) -> None:
+        """A lock check could not read the pending-delete record (damaged, EIO): replaced, unread,
+        by the one this tier keeps (every delete it names: loaded at its start, or named since its
+        take-over), once no fan-out directory waits to be listed again (a file there no listing
+        saw may be one it names) nor a take-over's record is still to replace
+        (:meth:`_replace_unknown_record`). Review 232: left for this tier's next save, which a tier
+        whose retried unlink keeps failing never made; its followers withheld every page for as
+        long as it ran, and its next start served none of them."""
+        if (self._deletes_replace or self._read_only is not None or self._relist or self._listings
+                or self._record_unknown is not None):
+            return
+        log.warning("disk tier: the pending-delete record %s cannot be read (%s): replaced by the one this cache keeps",
+                    self.files.layout_dir / ".deletes", fault.strerror)
+        self._deletes_replace = True
+        self._deletes_version += 1
+        self._save_deletes_soon()
 
     def _apply_record_check(self, deletes: dict[PageKey, tuple[int, int | None]]) -> None:
         """The pending-delete record as a lock check read it again (:func:`.lockwatch.check_record`):

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from aiokv.keys import PageKey
 
-from .deletelog import DELETES_NAME, load_deletes
+from .deletelog import DELETES_NAME, TRANSIENT_ERRNOS, load_deletes
 from .layoutdir import LOCK_NAME, DirStamp, dir_stamp, fanout_gone, lock_named
 from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
 
@@ -125,6 +125,10 @@ class RecordCheck:
     deletes: dict[PageKey, tuple[int, int | None]] = field(default_factory=dict)
     """Key -> (time of the delete, ns; the modification time of the file under the key's name
     now, or None: no page file there, or it could not be examined)."""
+    fault: OSError | None = None
+    """It could not be read (damaged, EIO; ``stamp`` then the last check's, so it is read again
+    at the next): the lock holder replaces it with the record it keeps
+    (:meth:`~.followpath.FollowPath._replace_damaged_record`)."""
 
 
 def check_writer(dir_fd: int, lock_fd: int, fanout: Sequence[int], stamp: DirStamp | None,
@@ -147,9 +151,12 @@ def check_writer(dir_fd: int, lock_fd: int, fanout: Sequence[int], stamp: DirSta
 def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -> RecordCheck | None:
     """The pending-delete record in the layout directory ``dir_fd``, when its identity differs from
     ``seen`` (else None: one ``stat``), with the modification time of the file under each key's
-    name in the fan-out directories ``fanout`` (-1: none held). None too when it cannot be read
-    now (EIO, damaged: this tier's next save replaces a damaged one; tried again at the next
-    check, uncounted: the start and the looks count such a record). Blocking: run on a thread."""
+    name in the fan-out directories ``fanout`` (-1: none held). One that cannot be read (EIO,
+    damaged) is reported by :attr:`RecordCheck.fault`, uncounted (the start and the looks count
+    such a record); None for a passing fault (out of descriptors or memory): tried again at the
+    next check. Review 232: a damaged record was left for the tier's next save, which a writer
+    whose retried unlink keeps failing never made, and its followers withheld every page (174d014)
+    for as long as it ran. Blocking: run on a thread."""
     try:
         st = os.stat(DELETES_NAME, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -161,8 +168,8 @@ def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -
         return None
     try:
         records = load_deletes(dir_fd)  # replaced since the stat: read again at the next check
-    except OSError:
-        return None
+    except OSError as exc:
+        return None if exc.errno in TRANSIENT_ERRNOS else RecordCheck(seen, fault=exc)
     found = RecordCheck(now)
     euid = os.geteuid()
     for key, when in records.items():
