@@ -172,6 +172,12 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if not primary_kv_view.c_contiguous or primary_kv_view.nbytes != num_chunks * self._chunk_bytes:
             raise ValueError(f"primary_kv_view must be C-contiguous rows of {self._chunk_bytes} bytes (its stride), "
                              f"got shape {primary_kv_view.shape}, strides {primary_kv_view.strides}")
+        # Also before the store: a view with no row failed cutting its rows, a read-only one making
+        # its tensor (a warning otherwise, and the first load's copy into it a crash), each once the
+        # store had started, whose thread and directory lock the failed tier then kept.
+        if not num_chunks or primary_kv_view.readonly:
+            raise ValueError(f"primary_kv_view must be writable and hold at least one chunk, got "
+                             f"{'a read-only view' if primary_kv_view.readonly else 'no chunk'}")
         # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
         # mapped while anything exports it, and the exception's frames would keep these alive).
         vllm_config = engine_config(offloading_spec)
@@ -181,14 +187,23 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                         "each revision, hf_overrides or quantization of one model path a namespace of its own")
         facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
         self._store = PageFileStore(config, "vllm", facts, self._chunk_bytes)
-        # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
-        self._bytes_view = primary_kv_view.cast("B")
-        self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
-        if config.zero_copy and not self._bytes_view.readonly and self._bytes_view.nbytes:
-            # Chunks move straight between the region and their files: register it as io_uring
-            # fixed buffers (pinning runs in the background; until then plain buffers).
-            store, region = self._store, self._bytes_view
-            store.thread.call(lambda: store.register_memory(region)).result()
+        try:
+            # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
+            self._bytes_view = primary_kv_view.cast("B")
+            self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
+            if config.zero_copy and self._bytes_view.nbytes:
+                # Chunks move straight between the region and their files: register it as io_uring
+                # fixed buffers (pinning runs in the background; until then plain buffers).
+                store, region = self._store, self._bytes_view
+                store.thread.call(lambda: store.register_memory(region)).result()
+        except BaseException:
+            # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
+            # process served read-only), no view of vLLM's region.
+            self._store.close()
+            self._region = torch.empty(0, dtype=torch.uint8)
+            if hasattr(self, "_bytes_view"):
+                self._bytes_view.release()
+            raise
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
         self._wanted: dict[OffloadKey, set[str]] = {}
