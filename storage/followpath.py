@@ -486,14 +486,14 @@ class FollowPath(TierBase):
         """A take-over could not read the pending-delete record (EIO, damaged) and its look did not
         replace it (:attr:`.follow.Look.record_unknown`: a fan-out directory not listed whole, the
         save failed): replaced now by this tier's record, unread, once the take-over's unlinks
-        ended and no directory waits to be listed again (a file there no listing saw may be a page
-        the record names: it keeps it from a start until then). Asked when those unlinks end and at
-        each lock check; a failed save is tried again at the next. Review 232: nothing replaced it,
-        and the next start took its deletes for unknown: every page stored since was lost."""
+        ended and every directory is listed (:meth:`_all_listed`: a file no listing saw may be a
+        page the record names, which it keeps from a start until then). Asked when those unlinks
+        end and at each lock check; a failed save is tried again at the next. Review 232: nothing
+        replaced it, and the next start took its deletes for unknown: every page stored since was
+        lost."""
         unlinks = self._record_unknown
-        prepared = self._dir
-        if (unlinks is None or self._read_only is not None or prepared is None or prepared.lock_fd is None
-                or self._relist or self._listings or not all(task.done() for task in unlinks)):
+        if (unlinks is None or self._read_only is not None or not self._all_listed()
+                or not all(task.done() for task in unlinks)):
             return
         self._record_unknown = None
         self._deletes_replace = True
@@ -594,15 +594,24 @@ class FollowPath(TierBase):
         # check: a disk failing for good costs the loop a few tasks an interval, not thousands.
         self._retry_unlinks(BULK_UNLINK_KEYS)
 
+    def _all_listed(self) -> bool:
+        """Whether this tier holds the lock and every fan-out directory has a descriptor and none
+        waits to be listed (again): no file lies where no listing of this tier saw it, so a
+        pending-delete record replaced unread loses no delete a page on disk still needs (as
+        :func:`.follow._replace_record` asks)."""
+        prepared = self._dir
+        return (prepared is not None and prepared.lock_fd is not None and not self._relist and not self._listings
+                and all(fd >= 0 for fd in prepared.fanout))
+
     def _replace_damaged_record(self, fault: OSError) -> None:
         """A lock check could not read the pending-delete record (damaged, EIO): replaced, unread,
         by the one this tier keeps (every delete it names: loaded at its start, or named since its
         take-over), once no fan-out directory waits to be listed again (a file there no listing
-        saw may be one it names) nor a take-over's record is still to replace
+        saw may be one it names; :meth:`_all_listed`) nor a take-over's record is still to replace
         (:meth:`_replace_unknown_record`). Review 232: left for this tier's next save, which a tier
         whose retried unlink keeps failing never made; its followers withheld every page for as
         long as it ran, and its next start served none of them."""
-        if (self._deletes_replace or self._read_only is not None or self._relist or self._listings
+        if (self._deletes_replace or self._read_only is not None or not self._all_listed()
                 or self._record_unknown is not None):
             return
         log.warning("disk tier: the pending-delete record %s cannot be read (%s): replaced by the one this cache keeps",
