@@ -809,11 +809,23 @@ class TierBase(TierEdge):
 
     async def _close_spares(self) -> None:
         """At close, once no write is left: wait for the batch in flight, then remove the stock."""
-        if self._refill is not None:
-            await wait_uncancelled(self._refill)
+        while (refill := self._refill) is not None:
+            # Until its callback (_spares_made) ran, not only until its future is done: one done
+            # with that callback still queued would put its spares into stock after the drain
+            # below, left on disk (a thread ending in the turn the close's last wait did).
+            # Callbacks run in the order added: this one after _spares_made.
+            landed = asyncio.get_running_loop().create_future()
+            refill.add_done_callback(functools.partial(_set_landed, landed))
+            await wait_uncancelled(landed)
         self._remove_spares(self._spares.drain())
         while self._jobs:
             await asyncio.wait(set(self._jobs))
+
+
+def _set_landed(landed: asyncio.Future[None], _: asyncio.Future[Made]) -> None:
+    """A batch's callback (:meth:`TierBase._spares_made`) ran: the close may drain the stock."""
+    if not landed.done():
+        landed.set_result(None)
 
 
 def _orphan_spares(_: Made) -> None:

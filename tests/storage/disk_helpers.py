@@ -151,6 +151,16 @@ async def read_copy(tier: DiskTier, pool: PagePool, i: int, into_key: PageKey,
         pool.table.abort(into)
 
 
+async def spares_landed(tier: DiskTier) -> None:
+    """Until the batch of spare files in flight (if any) has landed: its callback ran (its spares
+    in stock), not only its future done (that callback may still be queued then)."""
+    refill = tier._refill
+    if refill is not None:
+        landed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        refill.add_done_callback(lambda _: landed.done() or landed.set_result(None))  # after the tier's
+        await landed
+
+
 def reserve(pool: PagePool, key: PageKey) -> PageHandle:
     (res,) = pool.reserve([key])
     assert res.outcome is ReserveOutcome.RESERVED

@@ -26,6 +26,7 @@ from disk_helpers import (
     seed_of,
     sigkilled_child,
     small_layout,
+    spares_landed,
     temp_files,
     write_acked,
     write_page,
@@ -44,9 +45,7 @@ def spare_files(directory: Path) -> list[Path]:
 
 
 async def stock_landed(tier: DiskTier) -> None:
-    refill = tier._refill
-    if refill is not None:
-        await asyncio.wait({refill})
+    await spares_landed(tier)
 
 
 @pytest.fixture

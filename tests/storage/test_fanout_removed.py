@@ -15,7 +15,6 @@ backend.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import stat
@@ -23,7 +22,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, config, fill, key_of, page_files, payload, read_page, stored_page, write_page
+from disk_helpers import (
+    assert_clean,
+    config,
+    fill,
+    key_of,
+    page_files,
+    payload,
+    read_page,
+    spares_landed,
+    stored_page,
+    write_page,
+)
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -92,8 +102,7 @@ async def test_a_spare_taken_for_a_removed_fan_out_directory(disk_dir: Path, bac
                                                              layout: KVLayout, pool: PagePool) -> None:
     async with DiskTier(config(disk_dir, backend), layout, pool, spare_files=4) as tier:
         await stored_page(tier, pool, 1)  # a first write starts the stock
-        if tier._refill is not None:
-            await asyncio.wait({tier._refill})
+        await spares_landed(tier)
         assert tier.spare_statistics().stock == 4
         spares_before = tier.spare_statistics()
         fan = _fanout(tier)
@@ -109,8 +118,7 @@ async def test_a_spare_taken_for_a_removed_fan_out_directory(disk_dir: Path, bac
         # the spare counted not taken: never both taken and failed.
         assert spares.taken + spares.not_taken == spares_before.taken + spares_before.not_taken + 1, spares
         await tier.flush()
-        if tier._refill is not None:
-            await asyncio.wait({tier._refill})
+        await spares_landed(tier)
         # Every spare left is still in stock (none overwritten and left behind under its name).
         names = [p.name for p in page_files(tier.files.layout_dir) if p.name.startswith(".spare-")]
         assert len(names) == tier.spare_statistics().stock, (names, tier.spare_statistics())
