@@ -161,14 +161,17 @@ def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey],
     """The record on disk less ``dropped``, with ``kept`` (newer times win), saved
     (:func:`save_deletes`). Merged rather than replaced: a tier that took the directory over keeps
     what the cache before it recorded. A damaged record is replaced by ``kept`` (its start-time
-    handling is :func:`~.layoutdir.apply_deletes`'), and so is any with ``replace``, unread (one
-    a take-over could not read, EIO too: its deletes were taken for unknown)."""
-    if replace:
-        save_deletes(dir_fd, kept)
-        return
+    handling is :func:`~.layoutdir.apply_deletes`'), and with ``replace`` so is one that cannot be
+    read (EIO: the tier took its deletes for unknown); a passing fault (:data:`TRANSIENT_ERRNOS`)
+    raises, as any read fault without ``replace`` (the save is tried again later). One that reads
+    is merged even so: a cache that holds the directory now (the tier not told yet) keeps its own."""
     try:
         on_disk = load_deletes(dir_fd)
     except DeletesCorrupt:
+        on_disk = {}
+    except OSError as exc:
+        if not replace or exc.errno in TRANSIENT_ERRNOS:
+            raise
         on_disk = {}
     merged = {key: when for key, when in on_disk.items() if key not in dropped}
     merged.update(kept)

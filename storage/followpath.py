@@ -487,9 +487,10 @@ class FollowPath(TierBase):
     def _replace_unknown_record(self) -> None:
         """A take-over could not read the pending-delete record (EIO, damaged) and its look did not
         replace it (:attr:`.follow.Look.record_unknown`: a fan-out directory not listed whole, the
-        save failed): replaced now by this tier's record, unread, once the take-over's unlinks
-        ended and every directory is listed (:meth:`_all_listed`: a file no listing saw may be a
-        page the record names, which it keeps from a start until then). Asked when those unlinks
+        save failed): replaced now by this tier's record (where it still cannot be read: one that
+        reads is merged, as any save does), once the take-over's unlinks ended and every directory
+        is listed (:meth:`_all_listed`: a file no listing saw may be a page the record names, which
+        it keeps from a start until then). Asked when those unlinks
         end and at each lock check; a failed save is tried again at the next. Review 232: nothing
         replaced it, and the next start took its deletes for unknown: every page stored since was
         lost."""
@@ -608,13 +609,13 @@ class FollowPath(TierBase):
                 and all(fd >= 0 for fd in prepared.fanout))
 
     def _replace_damaged_record(self, fault: OSError) -> None:
-        """A lock check could not read the pending-delete record (damaged, EIO): replaced, unread,
-        by the one this tier keeps (every delete it names: loaded at its start, or named since its
-        take-over), once no fan-out directory waits to be listed again (a file there no listing
-        saw may be one it names; :meth:`_all_listed`) nor a take-over's record is still to replace
-        (:meth:`_replace_unknown_record`). Review 232: left for this tier's next save, which a tier
-        whose retried unlink keeps failing never made; its followers withheld every page for as
-        long as it ran, and its next start served none of them."""
+        """A lock check could not read the pending-delete record (damaged, EIO): replaced (where it
+        still cannot be read when saved) by the one this tier keeps (every delete it names: loaded
+        at its start, or named since its take-over), once no fan-out directory waits to be listed
+        again (a file there no listing saw may be one it names; :meth:`_all_listed`) nor a
+        take-over's record is still to replace (:meth:`_replace_unknown_record`). Review 232: left
+        for this tier's next save, which a tier whose retried unlink keeps failing never made; its
+        followers withheld every page for as long as it ran, and its next start served none."""
         if (self._deletes_replace or self._read_only is not None or not self._all_listed()
                 or self._record_unknown is not None):
             return

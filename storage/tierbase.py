@@ -156,8 +156,8 @@ class TierBase(TierEdge):
         # failure leaves the key's record entry as it is (review 218: each rewrote the record).
         self._retrying: set[PageKey] = set()
         self._deletes_save_failed = False  # counted once until a save succeeds (retried every check)
-        # The next save replaces the record on disk unread (``update_deletes``' replace): set by a
-        # take-over that could not read it (:meth:`~.followpath.FollowPath._replace_unknown_record`).
+        # The next save replaces the record on disk where it cannot be read, EIO too (``update_deletes``'
+        # replace): set where a take-over or a lock check could not read it (:mod:`.followpath`).
         self._deletes_replace = False
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
