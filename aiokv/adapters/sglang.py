@@ -388,12 +388,17 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
         names: list[str] = []
         moves: list[_Move] = []
+        closed_meanwhile = False
         for transfer in transfers:
             name, keys = str(transfer.name), list(transfer.keys or [])
             pool = self._pools.get(name)
             host = self._extra_hosts.get(name, pool.host if pool is not None else None)
             if pool is None or host is None or not keys:
-                if keys:
+                if keys and pool is None and self._closed:
+                    # A close() on another thread cleared the pools once _kv found them open: a
+                    # miss of the closed backend (counted below), not a pool never registered.
+                    closed_meanwhile = True
+                elif keys:
                     log.error("aiokv backend: pool %r is not registered", name)
                 results[name] = [False] * len(keys)
                 continue
@@ -405,6 +410,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 continue
             names.append(name)
             moves.append(move)
+        if closed_meanwhile and not moves:
+            self._closed_miss()  # (with moves left, _run's hand-over to the gone loop counts it)
         for name, done in zip(names, self._run(moves, write), strict=True):
             results[name] = done
         return results
