@@ -198,11 +198,16 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 store.thread.call(lambda: store.register_memory(region)).result()
         except BaseException:
             # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
-            # process served read-only), no view of vLLM's region.
-            self._store.close()
-            self._region = torch.empty(0, dtype=torch.uint8)
-            if hasattr(self, "_bytes_view"):
-                self._bytes_view.release()
+            # process served read-only), no view of vLLM's region. The view goes even if the close
+            # fails (the exception's frames keep this tier alive), and the start's error is raised.
+            try:
+                self._store.close()
+            except Exception:
+                log.exception("aiokv tier: closing the disk tier of a failed start failed")
+            finally:
+                self._region = torch.empty(0, dtype=torch.uint8)
+                if hasattr(self, "_bytes_view"):
+                    self._bytes_view.release()
             raise
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
