@@ -215,7 +215,12 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         indexed, not unlinked yet): with the lock, unlinked again as any failed unlink is
         (remembered as deleted meanwhile); without it (another cache writes here, or none may),
         remembered as deletes from before that writer: a file no newer is never indexed by the looks
-        nor a take-over."""
+        nor a take-over. A start that follows and could not read the record remembers none: its
+        looks withhold every page until one reads it (:attr:`.layoutdir.FollowSeed.withholding`;
+        review 232: every page found was remembered as deleted, and kept out of the index for as
+        long as the follower ran, also once the record read again)."""
+        if prepared.seed is not None and prepared.seed.withholding and self.config.follow_interval_s:
+            return
         self._deletes_kept = dict(prepared.deletes)
         self._deletes_dropped = set(prepared.deletes_done)
         if prepared.deletes_changed:

@@ -154,8 +154,8 @@ class FollowState:
         self.deletes_unreadable = False
         """The last look could not read the pending-delete record: the same fault is not counted
         again at every look (a damaged record stays until its writer replaces it)."""
-        self.withholding = False
-        """A look without the lock could not read the record since one last did: its deletes are
+        self.withholding = seed.withholding
+        """A look without the lock (or the start) could not read the record since one last did: its deletes are
         unknown, so the tier serves none of the pages the looks know (:attr:`Look.withheld`). The
         look that reads it again lists every directory whole and reports every file as found
         anew (:func:`_find_all_anew`): indexed again unless the record (or a delete the tier

@@ -97,6 +97,10 @@ class FollowSeed:
     entries: list[dict[PageKey, int] | None] = field(default_factory=lambda: [None] * FANOUT)
     stamps: list[DirStamp | None] = field(default_factory=lambda: [None] * FANOUT)
     layout_stamp: DirStamp | None = None
+    withholding: bool = False
+    """The start could not read the pending-delete record: the looks withhold every page until one
+    reads it (:attr:`.follow.FollowState.withholding`), rather than the pages found be remembered
+    as deleted for good (review 232)."""
 
 
 @dataclass
@@ -290,6 +294,11 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
         now = time.time_ns()
         records = {key: now for _mtime, key in state.found}
         state.deletes_changed = True
+        if state.seed is not None and state.lock_fd is None:
+            # A start that follows: nothing found is served (no deletes named below are
+            # remembered, :meth:`~.disk.DiskTier._pending_deletes_found`); its looks withhold
+            # until one reads the record, which then indexes what it does not name.
+            state.seed.withholding = True
     if not records:
         return
     kept: dict[PageKey, int] = {}
