@@ -16,6 +16,7 @@ from follow_helpers import Looks, started
 from fs_helpers import remount
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
+from test_adv_rev188_deletes_away import _served
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
@@ -43,6 +44,15 @@ async def writer_and_follower(stack: contextlib.AsyncExitStack, cfg: DiskConfig,
     await _settled(writer)
     follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
     return writer, follower, Looks(follower)
+
+
+async def follower_indexed(stack: contextlib.AsyncExitStack, cfg: DiskConfig, layout: KVLayout, pool: PagePool,
+                           keys: Sequence[PageKey]) -> tuple[DiskTier, DiskTier, Looks]:
+    """:func:`writer_and_follower`, checked: the second tier follows and serves ``keys[0]``."""
+    writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, keys)
+    assert follower.read_only is ReadOnly.LOCKED
+    assert await _served(follower, keys[0], layout.page_bytes), "the follower did not index the page"
+    return writer, follower, looks
 
 
 async def took_over(looks: Looks) -> None:
@@ -132,6 +142,12 @@ async def delete_left_on_disk(writer: DiskTier, key: PageKey, page: Path) -> Non
     chattr("+i", page)
     await writer.delete(key)
     await _settled(writer)
+
+
+async def delete_recorded(writer: DiskTier, key: PageKey, page: Path) -> None:
+    """:func:`delete_left_on_disk`, checked: the file stays and the record reads, naming ``key``."""
+    await delete_left_on_disk(writer, key, page)
+    assert exists(page) and record_errno(writer.files.layout_dir, key) == 0, "the unlink did not fail: no test"
 
 
 def mutable_again(page: Path | None) -> None:

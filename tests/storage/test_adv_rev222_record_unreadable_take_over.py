@@ -25,19 +25,16 @@ from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, key_of
-from follow_helpers import Looks
-from take_over_helpers import chattr as _chattr  # noqa: F401 (test_adv_rev231_follow_record_unreadable imports it)
 from take_over_helpers import (
     delete_left_on_disk,
     exists,
     flip_last_byte,
+    follower_indexed,
     mutable_again,
     record_errno,
     take_over_config,
     took_over,
-    writer_and_follower,
 )
-from take_over_helpers import exists as _exists  # noqa: F401 (test_adv_rev231_follow_record_unreadable imports it)
 from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
@@ -45,7 +42,7 @@ from test_adv_rev188_deletes_away import _served
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskConfig, DiskTier, ErrorKind, ReadOnly
+from aiokv.storage import DiskBackend, ErrorKind
 from aiokv.storage import follow as follow_module
 from aiokv.storage.deletelog import DELETES_NAME
 
@@ -80,15 +77,6 @@ def _make_unreadable(how: str, record: Path, bad: BadBlocks) -> None:
     pytest.fail("the record's block was still cached: no EIO to inject")
 
 
-async def _follower_indexed(stack: contextlib.AsyncExitStack, cfg: DiskConfig, layout: KVLayout,
-                            pool: PagePool) -> tuple[DiskTier, DiskTier, Looks]:
-    """A writer that stored VICTIM and OTHER, and a follower that indexed VICTIM (its looks counted)."""
-    writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
-    assert follower.read_only is ReadOnly.LOCKED
-    assert await _served(follower, VICTIM, layout.page_bytes), "the follower did not index the page"
-    return writer, follower, looks
-
-
 @pytest.mark.root
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["eio", "damaged"])
@@ -100,7 +88,7 @@ async def test_a_take_over_that_cannot_read_the_record_never_serves_a_page_it_na
         cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer, follower, looks = await _follower_indexed(stack, cfg, layout, pool)
+                writer, follower, looks = await follower_indexed(stack, cfg, layout, pool, (VICTIM, OTHER))
                 page = Path(writer.files.path(VICTIM))
                 other_page = Path(writer.files.path(OTHER))
                 record = writer.files.layout_dir / DELETES_NAME
@@ -155,7 +143,7 @@ async def test_a_delete_recorded_just_before_the_writer_lets_go_is_honoured_by_t
     page: Path | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
-            writer, follower, looks = await _follower_indexed(stack, cfg, layout, pool)
+            writer, follower, looks = await follower_indexed(stack, cfg, layout, pool, (VICTIM, OTHER))
             page = Path(writer.files.path(VICTIM))
             monkeypatch.setattr(follow_module, "_try_lock", held_try_lock)
             look = asyncio.create_task(looks.next())

@@ -19,43 +19,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from follow_helpers import Looks, started
+from disk_helpers import assert_clean, key_of
+from take_over_helpers import (
+    delete_left_on_disk,
+    delete_recorded,
+    exists,
+    flip_last_byte,
+    follower_indexed,
+    mutable_again,
+    take_over_config,
+    writer_and_follower,
+)
 from test_adv_rev142_bad_blocks import bad_block_ext4
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
-from test_adv_rev222_record_unreadable_take_over import (
-    OTHER,
-    VICTIM,
-    _chattr,
-    _drop_caches,
-    _exists,
-    _make_unreadable,
-    _read_errno,
-)
+from test_adv_rev222_record_unreadable_take_over import OTHER, VICTIM, _drop_caches, _make_unreadable, _read_errno
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ReadOnly
+from aiokv.storage import DiskBackend, ReadOnly
 from aiokv.storage.deletelog import DELETES_NAME
 
 LATER = key_of(2, 0x6E)
 """Stored by the writer while the record is unreadable."""
-
-
-def _flip_last_byte(record: Path) -> None:
-    fd = os.open(record, os.O_RDWR)
-    try:
-        at = os.fstat(fd).st_size - 1
-        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.root
@@ -66,23 +56,13 @@ async def test_a_follower_serves_no_page_while_the_record_cannot_be_read(
     size = layout.page_bytes
     page: Path | None = None
     with bad_block_ext4(tmp_path, 32) as (mount, bad):
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                for key in (VICTIM, OTHER):
-                    assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-                await _settled(writer)
-                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                assert follower.read_only is ReadOnly.LOCKED
-                looks = Looks(follower)
-                assert await _served(follower, VICTIM, size), "the follower did not index the page"
+                writer, follower, looks = await follower_indexed(stack, cfg, layout, pool, (VICTIM, OTHER))
                 page = Path(writer.files.path(VICTIM))
                 record = writer.files.layout_dir / DELETES_NAME
-                _chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert _exists(page) and _read_errno(record.parent) == 0, "the unlink did not fail: no test"
+                await delete_recorded(writer, VICTIM, page)  # EPERM: the file stays, named in the record
                 await asyncio.to_thread(_make_unreadable, how, record, bad)
                 assert await writer.write_from(LATER, memoryview(_bytes_of(LATER, size)))
                 await _settled(writer)
@@ -105,7 +85,7 @@ async def test_a_follower_serves_no_page_while_the_record_cannot_be_read(
                     bad.good()
                     await asyncio.to_thread(_drop_caches)
                 else:
-                    _flip_last_byte(record)  # back
+                    flip_last_byte(record)  # back
                 assert _read_errno(record.parent) == 0, "the record did not read again: no test"
                 await looks.next()
                 assert not await _served(follower, VICTIM, size), "the page the record names was served again"
@@ -114,8 +94,7 @@ async def test_a_follower_serves_no_page_while_the_record_cannot_be_read(
                 assert _read_errno(record.parent) != errno.EIO
         finally:
             bad.good()
-            if page is not None and _exists(page):
-                _chattr("-i", page)
+            mutable_again(page)
     assert_clean(pool)
 
 
@@ -131,25 +110,18 @@ async def test_a_take_over_after_withheld_looks_indexes_what_the_record_does_not
     size = layout.page_bytes
     page: Path | None = None
     with bad_block_ext4(tmp_path, 32) as (mount, bad):
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                for key in (VICTIM, OTHER):
-                    assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
-                await _settled(writer)
-                follower = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
-                looks = Looks(follower)
+                writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
                 page = Path(writer.files.path(VICTIM))
                 record = writer.files.layout_dir / DELETES_NAME
-                _chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert _exists(page), "the unlink did not fail: no test"
+                await delete_left_on_disk(writer, VICTIM, page)  # EPERM: the file stays, named in the record
+                assert exists(page), "the unlink did not fail: no test"
                 await asyncio.to_thread(_make_unreadable, "damaged", record, bad)
                 await looks.next()
                 assert follower.statistics().follow_withheld == 2, follower.statistics()
-                _flip_last_byte(record)
+                flip_last_byte(record)
                 assert _read_errno(record.parent) == 0
                 await writer.aclose()
                 await looks.next()
@@ -159,6 +131,5 @@ async def test_a_take_over_after_withheld_looks_indexes_what_the_record_does_not
                 assert not follower.contains(VICTIM) and not await _served(follower, VICTIM, size)
         finally:
             bad.good()
-            if page is not None and _exists(page):
-                _chattr("-i", page)
+            mutable_again(page)
     assert_clean(pool)

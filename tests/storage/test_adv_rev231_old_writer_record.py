@@ -22,9 +22,9 @@ import pytest
 from disk_helpers import assert_clean, config
 from follow_helpers import started
 from fs_helpers import loop_ext4
+from take_over_helpers import chattr, exists, mutable_again
 from test_adv_rev188_deletes_away import _served
 from test_adv_rev213_pending_deletes import OTHER, VICTIM, _killed_child, _on_disk, _receive
-from test_adv_rev222_record_unreadable_take_over import _chattr, _exists
 from test_lock_replaced import LockChecks
 
 from aiokv.layout import KVLayout
@@ -51,10 +51,10 @@ async def test_a_delete_the_old_writer_records_after_the_new_writer_started_is_h
                     assert new.read_only is None, "the new cache did not take the new .lock"
                     assert await _served(new, VICTIM, size)
                     page = layout_dir / f"{VICTIM[0]:02x}" / VICTIM.hex()
-                    _chattr("+i", page)
+                    chattr("+i", page)
                     conn.send("delete")  # the old writer's unlink fails: it saves the record after our start
                     _tag, _counted, kept = await _receive(conn)  # type: ignore[misc]
-                    assert kept and VICTIM in _on_disk(layout_dir) and _exists(page), "the unlink did not fail"
+                    assert kept and VICTIM in _on_disk(layout_dir) and exists(page), "the unlink did not fail"
                     checks = LockChecks(new)
                     await checks.next()
                     assert not new.contains(VICTIM) and not await _served(new, VICTIM, size), \
@@ -62,6 +62,5 @@ async def test_a_delete_the_old_writer_records_after_the_new_writer_started_is_h
                     assert await _served(new, OTHER, size), "a page nobody deleted was lost"
                     assert VICTIM in _on_disk(layout_dir), "the record no longer names the page still on disk"
         finally:
-            if page is not None and _exists(page):
-                _chattr("-i", page)
+            mutable_again(page)
     assert_clean(pool)

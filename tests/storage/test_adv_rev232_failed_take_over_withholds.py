@@ -19,10 +19,16 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
+from disk_helpers import assert_clean, key_of
 from fs_helpers import loop_ext4
-from take_over_helpers import chattr, exists, flip_last_byte, mutable_again, record_errno, writer_and_follower
-from test_adv_rev181_put_back import _settled
+from take_over_helpers import (
+    delete_recorded,
+    flip_last_byte,
+    follower_indexed,
+    mutable_again,
+    record_errno,
+    take_over_config,
+)
 from test_adv_rev188_deletes_away import _served
 
 from aiokv.layout import KVLayout
@@ -43,19 +49,14 @@ async def test_a_look_that_takes_the_lock_but_not_the_directory_withholds_while_
     size = layout.page_bytes
     page: Path | None = None
     with loop_ext4(tmp_path, 64) as mount:
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         outside = mount / "outside"
         try:
             async with contextlib.AsyncExitStack() as stack:
-                writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
-                assert follower.read_only is ReadOnly.LOCKED
-                assert await _served(follower, VICTIM, size), "the follower did not index the page"
+                writer, follower, looks = await follower_indexed(stack, cfg, layout, pool, (VICTIM, OTHER))
                 layout_dir = writer.files.layout_dir
                 page = Path(writer.files.path(VICTIM))
-                chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert exists(page) and record_errno(layout_dir, VICTIM) == 0, "the unlink did not fail: no test"
+                await delete_recorded(writer, VICTIM, page)  # EPERM: the file stays, named in the record
                 flip_last_byte(layout_dir / DELETES_NAME)
                 assert record_errno(layout_dir) == errno.EBADMSG
                 await writer.aclose()

@@ -18,12 +18,11 @@ import errno
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
+from disk_helpers import assert_clean, key_of
 from follow_helpers import Looks, started
 from fs_helpers import loop_ext4
-from take_over_helpers import chattr, exists, flip_last_byte, mutable_again, record_errno
+from take_over_helpers import delete_recorded, flip_last_byte, mutable_again, record_errno, take_over_config
 from test_adv_rev175_fanouts import _bytes_of
-from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
 
 from aiokv.layout import KVLayout
@@ -42,7 +41,7 @@ async def test_a_follower_started_while_the_record_was_unreadable_serves_once_it
     size = layout.page_bytes
     page: Path | None = None
     with loop_ext4(tmp_path, 64) as mount:
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 writer = await stack.enter_async_context(started(DiskTier(cfg, layout, pool)))
@@ -50,10 +49,7 @@ async def test_a_follower_started_while_the_record_was_unreadable_serves_once_it
                     assert await writer.write_from(key, memoryview(_bytes_of(key, size)))
                 layout_dir = writer.files.layout_dir
                 page = Path(writer.files.path(VICTIM))
-                chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert exists(page) and record_errno(layout_dir, VICTIM) == 0, "the unlink did not fail: no test"
+                await delete_recorded(writer, VICTIM, page)  # EPERM: the file stays, named in the record
                 record = layout_dir / DELETES_NAME
                 flip_last_byte(record)
                 assert record_errno(layout_dir) == errno.EBADMSG

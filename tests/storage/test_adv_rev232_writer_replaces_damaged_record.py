@@ -20,8 +20,15 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_clean, config, key_of
-from take_over_helpers import chattr, exists, mutable_again, record_errno, writer_and_follower
+from disk_helpers import assert_clean, key_of
+from take_over_helpers import (
+    delete_recorded,
+    exists,
+    mutable_again,
+    record_errno,
+    take_over_config,
+    writer_and_follower,
+)
 from test_adv_rev142_bad_blocks import bad_block_ext4
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
@@ -45,17 +52,14 @@ async def test_the_writer_replaces_its_damaged_record_and_the_follower_serves_ag
     size = layout.page_bytes
     page: Path | None = None
     with bad_block_ext4(tmp_path, 32) as (mount, bad):
-        cfg = config(mount / "disk", backend, follow_interval_s=3600.0, min_free_bytes=0)
+        cfg = take_over_config(mount / "disk", backend)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 writer, follower, looks = await writer_and_follower(stack, cfg, layout, pool, (VICTIM, OTHER))
                 assert follower.read_only is ReadOnly.LOCKED
                 layout_dir = writer.files.layout_dir
                 page = Path(writer.files.path(VICTIM))
-                chattr("+i", page)
-                await writer.delete(VICTIM)  # EPERM: the file stays, named in the record
-                await _settled(writer)
-                assert exists(page) and record_errno(layout_dir, VICTIM) == 0, "the unlink did not fail: no test"
+                await delete_recorded(writer, VICTIM, page)  # EPERM: the file stays, named in the record
                 await asyncio.to_thread(_make_unreadable, how, layout_dir / DELETES_NAME, bad)
                 await looks.next()
                 assert not follower.contains(OTHER), "the follower did not withhold: no test"
