@@ -7,7 +7,6 @@ served read-only. Now a view that is not C-contiguous rows is refused before any
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +16,23 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
 
-from vllm_helpers import CHUNK_BYTES, make_manager, tier_of
-
-from aiokv.adapters.vllm import AiokvTier
-
-
-def _tier_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "aiokv-vllm"}
+from vllm_helpers import CHUNK_BYTES, bare_tier, offloading_spec, tier_threads
 
 
 @pytest.fixture
 def spec(tmp_path: Path) -> Any:
-    """vLLM's real offloading spec (from a manager made and shut down elsewhere)."""
-    manager = make_manager(tmp_path / "spec-source")
-    spec = tier_of(manager)._offloading_spec
-    manager.shutdown()
-    return spec
-
-
-def _tier(spec: Any, view: memoryview, disk_dir: Path) -> AiokvTier:
-    return AiokvTier(spec, view, "aiokv", disk_dir=str(disk_dir), disk_bytes=64 * CHUNK_BYTES, queue_depth=4)
+    return offloading_spec(tmp_path / "spec-source")
 
 
 def test_a_region_view_with_strided_rows_is_refused_before_anything_starts(spec: Any, tmp_path: Path) -> None:
-    before = _tier_threads()
+    before = tier_threads()
     rows = np.zeros((4, 2 * CHUNK_BYTES), dtype=np.uint8)
     with pytest.raises(ValueError, match="C-contiguous rows"):
-        _tier(spec, memoryview(rows[:, :CHUNK_BYTES]), tmp_path / "cache")
-    assert _tier_threads() == before
+        bare_tier(spec, memoryview(rows[:, :CHUNK_BYTES]), tmp_path / "cache")
+    assert tier_threads() == before
     assert not (tmp_path / "cache").exists()  # nothing was created
     # Nothing holds the directory either: a tier started next over it writes.
-    again = _tier(spec, memoryview(np.zeros((4, 2 * CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
+    again = bare_tier(spec, memoryview(np.zeros((4, 2 * CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
     try:
         assert again.statistics()["read_only"] is None
     finally:

@@ -10,7 +10,6 @@ strided rows)."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +19,12 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
 
-from vllm_helpers import CHUNK_BYTES, make_manager, tier_of
-
-from aiokv.adapters.vllm import AiokvTier
-
-
-def _tier_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "aiokv-vllm"}
+from vllm_helpers import CHUNK_BYTES, bare_tier, offloading_spec, tier_threads
 
 
 @pytest.fixture
 def spec(tmp_path: Path) -> Any:
-    """vLLM's real offloading spec (from a manager made and shut down elsewhere)."""
-    manager = make_manager(tmp_path / "spec-source")
-    spec = tier_of(manager)._offloading_spec
-    manager.shutdown()
-    return spec
-
-
-def _tier(spec: Any, view: memoryview, disk_dir: Path) -> AiokvTier:
-    return AiokvTier(spec, view, "aiokv", disk_dir=str(disk_dir), disk_bytes=64 * CHUNK_BYTES, queue_depth=4)
+    return offloading_spec(tmp_path / "spec-source")
 
 
 def _read_only_rows(chunks: int) -> memoryview:
@@ -53,13 +38,13 @@ def _read_only_rows(chunks: int) -> memoryview:
 def test_an_unusable_region_view_is_refused_before_anything_starts(
     spec: Any, tmp_path: Path, kind: str, view: Any, refusal: str
 ) -> None:
-    before = _tier_threads()
+    before = tier_threads()
     with pytest.raises(ValueError, match=refusal):
-        _tier(spec, view(), tmp_path / "cache")
-    assert _tier_threads() == before, f"a tier refused for a {kind} view left its loop thread"
+        bare_tier(spec, view(), tmp_path / "cache")
+    assert tier_threads() == before, f"a tier refused for a {kind} view left its loop thread"
     assert not (tmp_path / "cache").exists()  # nothing was created
     # Nothing holds the directory either: a tier started next over it writes.
-    again = _tier(spec, memoryview(np.zeros((4, CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
+    again = bare_tier(spec, memoryview(np.zeros((4, CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
     try:
         assert again.statistics()["read_only"] is None
     finally:
@@ -77,14 +62,14 @@ def test_a_start_failing_after_the_store_started_holds_nothing(
         raise OSError("registration refused")
 
     monkeypatch.setattr(PageFileStore, "register_memory", refuse)
-    before = _tier_threads()
+    before = tier_threads()
     rows = np.zeros((4, CHUNK_BYTES), dtype=np.uint8)
     view = memoryview(rows)
     with pytest.raises(OSError, match="registration refused"):
-        _tier(spec, view, tmp_path / "cache")
-    assert _tier_threads() == before, "the failed tier left its loop thread"
+        bare_tier(spec, view, tmp_path / "cache")
+    assert tier_threads() == before, "the failed tier left its loop thread"
     monkeypatch.undo()
-    again = _tier(spec, memoryview(np.zeros((4, CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
+    again = bare_tier(spec, memoryview(np.zeros((4, CHUNK_BYTES), dtype=np.uint8)), tmp_path / "cache")
     try:
         assert again.statistics()["read_only"] is None, "the failed tier kept the directory's lock"
     finally:

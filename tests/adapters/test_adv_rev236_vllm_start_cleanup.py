@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,14 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
 
-from vllm_helpers import CHUNK_BYTES, make_manager, tier_of
+from vllm_helpers import CHUNK_BYTES, bare_tier, offloading_spec, tier_threads
 
 from aiokv.adapters.store import PageFileStore
-from aiokv.adapters.vllm import AiokvTier
 
 
 @pytest.fixture
 def spec(tmp_path: Path) -> Any:
-    manager = make_manager(tmp_path / "spec-source")
-    spec = tier_of(manager)._offloading_spec
-    manager.shutdown()
-    return spec
+    return offloading_spec(tmp_path / "spec-source")
 
 
 def test_a_failing_close_of_a_failed_start_still_releases_the_region(
@@ -48,17 +43,17 @@ def test_a_failing_close_of_a_failed_start_still_releases_the_region(
 
     monkeypatch.setattr(PageFileStore, "register_memory", refuse)
     monkeypatch.setattr(PageFileStore, "close", close_then_fail)
-    before = {t for t in threading.enumerate() if t.name == "aiokv-vllm"}
+    before = tier_threads()
     region = mmap.mmap(-1, 4 * CHUNK_BYTES)  # vLLM's region: a mapping it unmaps at shutdown
     view = memoryview(region).cast("B", (4, CHUNK_BYTES))
     # ``failed`` kept: as vLLM's handler keeps the exception, and with it the failed tier's frames.
     with caplog.at_level(logging.ERROR, logger="aiokv.adapters.vllm"), \
             pytest.raises(OSError, match=r"registration refused|close failed") as failed:
-        AiokvTier(spec, view, "aiokv", disk_dir=str(tmp_path / "cache"), disk_bytes=64 * CHUNK_BYTES, queue_depth=4)
+        bare_tier(spec, view, tmp_path / "cache")
     assert str(failed.value) == "registration refused", f"the start's error was replaced by {failed.value!r}"
     assert any("close failed" in r.getMessage() or (r.exc_info and "close failed" in str(r.exc_info[1]))
                for r in caplog.records), "the failing close was not logged"
-    assert {t for t in threading.enumerate() if t.name == "aiokv-vllm"} == before
+    assert tier_threads() == before
     view.release()
     region.close()  # BufferError while the failed tier still exported the region
     del failed

@@ -4,6 +4,7 @@ reading the primary (CPU) chunks where vLLM's GPU worker would."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,24 @@ def make_manager(disk_dir: Path, model: str = "test/model-a", namespace: str = "
     assert isinstance(manager, TieringOffloadingManager)
     assert isinstance(manager.secondary_tiers[0], AiokvTier)
     return manager
+
+
+def offloading_spec(source: Path) -> Any:
+    """vLLM's real offloading spec (from a manager over ``source``, made and shut down)."""
+    manager = make_manager(source)
+    spec = tier_of(manager)._offloading_spec
+    manager.shutdown()
+    return spec
+
+
+def bare_tier(spec: Any, view: memoryview, disk_dir: Path) -> AiokvTier:
+    """A tier made directly over ``view`` (vLLM's region), as vLLM's factory makes it."""
+    return AiokvTier(spec, view, "aiokv", disk_dir=str(disk_dir), disk_bytes=64 * CHUNK_BYTES, queue_depth=4)
+
+
+def tier_threads() -> set[threading.Thread]:
+    """The tiers' loop threads alive now."""
+    return {t for t in threading.enumerate() if t.name == "aiokv-vllm"}
 
 
 def tier_of(manager: TieringOffloadingManager) -> AiokvTier:
