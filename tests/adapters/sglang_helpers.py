@@ -153,6 +153,29 @@ def attach(made: list[Any], disk_dir: Path, pool: Any, interface_v1: bool, **kw:
     return backend
 
 
+def stored_backend(made: list[Any], disk_dir: Path) -> tuple[AiokvHiCacheStorage, Any]:
+    """A v1 backend over a host pool of 4 pages (each filled), pages 0 and 1 stored as p0 and p1."""
+    pool = host_pool(4)
+    backend = attach(made, disk_dir, pool, True)
+    for index in range(4):
+        fill(pool, index, seed=index)
+    assert backend.batch_set_v1(["p0", "p1"], indices([0, 1])) == [True, True]
+    return backend, pool
+
+
+def close_right_after(monkeypatch: pytest.MonkeyPatch, backend: AiokvHiCacheStorage, step: str) -> None:
+    """``backend.close()`` run inside a call right after its ``step`` (a method) answered: the close
+    of SGLang's detaching thread landing there."""
+    real = getattr(backend, step)
+
+    def then_closed(*args: Any, **kwargs: Any) -> Any:
+        answer = real(*args, **kwargs)
+        backend.close()
+        return answer
+
+    monkeypatch.setattr(backend, step, then_closed)
+
+
 def indices(pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 

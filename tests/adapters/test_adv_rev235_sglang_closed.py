@@ -21,15 +21,12 @@ sglang_helpers = pytest.importorskip("sglang_helpers")
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
 
 
-def _backend(tmp_path: Path, backends: list[Any]) -> tuple[Any, Any]:
-    """A v1 backend over a host pool of 4 pages, pages 0 and 1 stored as p0 and p1."""
-    h = sglang_helpers
-    pool = h.host_pool(4)
-    backend = h.attach(backends, tmp_path / "kv", pool, True)
-    for index in range(4):
-        h.fill(pool, index, seed=index)
-    assert backend.batch_set_v1(["p0", "p1"], h.indices([0, 1])) == [True, True]
-    return backend, pool
+def _answer(call: Callable[[], object], what: str) -> object:
+    """What ``call`` answers; raising into SGLang's thread fails the test."""
+    try:
+        return call()
+    except Exception as exc:  # the outcome under test
+        pytest.fail(f"{what} raised {exc!r} into SGLang's thread instead of missing")
 
 
 def _calls(backend: Any) -> dict[str, tuple[Callable[[], object], object]]:
@@ -58,15 +55,12 @@ def _snapshot(pool: Any) -> list[torch.Tensor]:
 
 
 def test_every_call_after_close_misses_and_moves_nothing(tmp_path: Path, backends: list[Any]) -> None:
-    backend, pool = _backend(tmp_path, backends)
+    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
     before = _snapshot(pool)
     backend.close()
     calls = _calls(backend)
     for name, (call, miss) in calls.items():
-        try:
-            got = call()
-        except Exception as exc:  # the outcome under test
-            pytest.fail(f"{name} after close() raised {exc!r} into SGLang's thread instead of missing")
+        got = _answer(call, f"{name} after close()")
         assert got == miss, f"{name} after close() answered {got!r}, not a miss"
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True)), "a closed backend moved bytes"
     assert backend.closed_misses == len(calls)
@@ -80,21 +74,11 @@ def test_a_close_right_after_the_open_check_makes_the_call_miss(
     tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """The close lands after the call found the pools open (``_open_all``) and before it used them."""
-    backend, pool = _backend(tmp_path, backends)
+    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
     before = _snapshot(pool)
-    real = backend._open_all
-
-    def open_then_closed(*args: Any) -> bool:
-        opened: bool = real(*args)
-        backend.close()
-        return opened
-
-    monkeypatch.setattr(backend, "_open_all", open_then_closed)
+    sglang_helpers.close_right_after(monkeypatch, backend, "_open_all")
     call, miss = _calls(backend)[name]
-    try:
-        got = call()
-    except Exception as exc:  # the outcome under test
-        pytest.fail(f"{name} racing close() raised {exc!r} into SGLang's thread instead of missing")
+    got = _answer(call, f"{name} racing close()")
     assert got == miss
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
 
@@ -105,21 +89,11 @@ def test_a_close_between_the_page_checks_and_the_transfer_makes_the_call_miss(
 ) -> None:
     """The close lands after the call checked its pages (``_moves``) and before it handed them to
     the loop thread (gone by then)."""
-    backend, pool = _backend(tmp_path, backends)
+    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
     before = _snapshot(pool)
-    real = backend._moves
-
-    def checked_then_closed(*args: Any, **kwargs: Any) -> Any:
-        move = real(*args, **kwargs)
-        backend.close()
-        return move
-
-    monkeypatch.setattr(backend, "_moves", checked_then_closed)
+    sglang_helpers.close_right_after(monkeypatch, backend, "_moves")
     call, miss = _calls(backend)[name]
-    try:
-        got = call()
-    except Exception as exc:  # the outcome under test
-        pytest.fail(f"{name} racing close() raised {exc!r} into SGLang's thread instead of missing")
+    got = _answer(call, f"{name} racing close()")
     assert got == miss
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
     assert backend.closed_misses == 1

@@ -24,19 +24,8 @@ def test_a_v2_transfer_racing_close_counts_its_miss(
     tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
     h = sglang_helpers
-    pool = h.host_pool(4)
-    backend = h.attach(backends, tmp_path / "kv", pool, True)
-    for index in range(4):
-        h.fill(pool, index, seed=index)
-    assert backend.batch_set_v1(["p0", "p1"], h.indices([0, 1])) == [True, True]
-    real = backend._kv
-
-    def kv_then_closed(*args: Any) -> Any:
-        kv = real(*args)
-        backend.close()
-        return kv
-
-    monkeypatch.setattr(backend, "_kv", kv_then_closed)
+    backend, _pool = h.stored_backend(backends, tmp_path / "kv")
+    h.close_right_after(monkeypatch, backend, "_kv")
     kv = PoolTransfer(name=PoolName.KV, host_indices=h.indices([2, 3]), keys=["p0", "p1"])
     with caplog.at_level(logging.ERROR, logger="aiokv.adapters.sglang"):
         got = getattr(backend, name)([kv])
