@@ -54,6 +54,19 @@ def _snapshot(pool: Any) -> list[torch.Tensor]:
     return [sglang_helpers.page(pool, index) for index in range(4)]
 
 
+def _racing_close(tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, step: str, name: str) -> Any:
+    """The call ``name`` with ``close()`` forced right after its ``step``, checked to answer its miss
+    and move nothing; returns the backend."""
+    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
+    before = _snapshot(pool)
+    sglang_helpers.close_right_after(monkeypatch, backend, step)
+    call, miss = _calls(backend)[name]
+    got = _answer(call, f"{name} racing close()")
+    assert got == miss
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
+    return backend
+
+
 def test_every_call_after_close_misses_and_moves_nothing(tmp_path: Path, backends: list[Any]) -> None:
     backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
     before = _snapshot(pool)
@@ -74,13 +87,7 @@ def test_a_close_right_after_the_open_check_makes_the_call_miss(
     tmp_path: Path, backends: list[Any], monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """The close lands after the call found the pools open (``_open_all``) and before it used them."""
-    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
-    before = _snapshot(pool)
-    sglang_helpers.close_right_after(monkeypatch, backend, "_open_all")
-    call, miss = _calls(backend)[name]
-    got = _answer(call, f"{name} racing close()")
-    assert got == miss
-    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
+    _racing_close(tmp_path, backends, monkeypatch, "_open_all", name)
 
 
 @pytest.mark.parametrize("name", ["batch_get_v1", "batch_set_v1", "batch_get_v2", "batch_set_v2"])
@@ -89,11 +96,4 @@ def test_a_close_between_the_page_checks_and_the_transfer_makes_the_call_miss(
 ) -> None:
     """The close lands after the call checked its pages (``_moves``) and before it handed them to
     the loop thread (gone by then)."""
-    backend, pool = sglang_helpers.stored_backend(backends, tmp_path / "kv")
-    before = _snapshot(pool)
-    sglang_helpers.close_right_after(monkeypatch, backend, "_moves")
-    call, miss = _calls(backend)[name]
-    got = _answer(call, f"{name} racing close()")
-    assert got == miss
-    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool), strict=True))
-    assert backend.closed_misses == 1
+    assert _racing_close(tmp_path, backends, monkeypatch, "_moves", name).closed_misses == 1
