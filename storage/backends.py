@@ -498,7 +498,11 @@ class UringPageIO:
         except asyncio.CancelledError:
             stop.set()
             if not work.cancel():  # not started yet (queued behind chunk preparation): nothing to wait for
-                await asyncio.wait({job})  # the ring must outlive the syscall using it
+                # The ring must outlive the syscall using it, even when cancelled again meanwhile (a
+                # loop-wide cancel cutting the close: before, the next close unmapped the ring under
+                # the thread, and its error was never retrieved). Nobody else takes its outcome.
+                job.add_done_callback(_registration_cut)
+                await wait_uncancelled(job)
             raise
         except OSError as exc:
             log.warning("disk tier: cannot register the pool as fixed buffers (%s; memlock, or a kernel "
@@ -1159,6 +1163,15 @@ class UringPageIO:
         for view in self._ext_views:  # unpinned with the ring: the caller may unmap its regions now
             view.release()
         self._ext_views.clear()
+
+
+def _registration_cut(job: asyncio.Future[None]) -> None:
+    """The pool's registration, stopped by the close, ended: its error is logged, not left unretrieved."""
+    error = None if job.cancelled() else job.exception()
+    if isinstance(error, OSError):
+        log.warning("disk tier: registering the pool as fixed buffers failed as the close stopped it: %s", error)
+    elif error is not None:
+        log.error("disk tier: registering the pool as fixed buffers ended with %r", error)
 
 
 def _keep_registered(_: None) -> None:
