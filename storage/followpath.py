@@ -499,6 +499,11 @@ class FollowPath(TierBase):
                 or not all(task.done() for task in unlinks)):
             return
         self._record_unknown = None
+        self._replace_record_soon()
+
+    def _replace_record_soon(self) -> None:
+        """Save this tier's record over the one on disk that could not be read (where it still
+        cannot be read when saved: :func:`.deletelog.update_deletes`' replace)."""
         self._deletes_replace = True
         self._deletes_version += 1
         self._save_deletes_soon()
@@ -621,9 +626,7 @@ class FollowPath(TierBase):
             return
         log.warning("disk tier: the pending-delete record %s cannot be read (%s): replaced by the one this cache keeps",
                     self.files.layout_dir / ".deletes", fault.strerror)
-        self._deletes_replace = True
-        self._deletes_version += 1
-        self._save_deletes_soon()
+        self._replace_record_soon()
 
     async def _apply_record_check(self, deletes: dict[PageKey, tuple[int, int | None]]) -> None:
         """The pending-delete record as a lock check read it again (:func:`.lockwatch.check_record`):
