@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -66,7 +67,26 @@ _STREAM_ID_MAX = 2**64 - 1
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 """A pidfd of a Unix socket's peer process, as it connected (Linux 6.5; 77 where Python lacks the name)."""
 
+ACCEPT_BACKLOG = 100
+"""The listening socket's backlog, and the most connections accepted in one loop turn."""
+ACCEPT_RETRY_S = 1.0
+"""After an accept failed (EMFILE, ENFILE, ENOBUFS, ENOMEM): how long the listener pauses before it
+accepts again (asyncio's own servers do the same)."""
+
 log = logging.getLogger(__name__)
+
+def _listen(path: str) -> socket.socket:
+    """A non-blocking Unix-domain stream socket listening at ``path``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.setblocking(False)
+        listener.bind(path)
+        listener.listen(ACCEPT_BACKLOG)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
 
 @dataclass(frozen=True)
 class GroupStatistics:
@@ -166,7 +186,13 @@ class RankGroup:
         self._directory = directory
         self._endpoint: Endpoint | None = None
         self._inode: int | None = None
-        self._server: asyncio.Server | None = None
+        # The listening socket and the accept loop are ours, not an asyncio.Server's: a connection
+        # a Server accepted in the loop turn before its close() makes its transport a turn later,
+        # when Server._attach's assert fails (CPython 3.11-3.13) and leaves the socket open for good
+        # (found as "unclosed transport" after a fence: a rank reconnecting as the close began).
+        self._listener: socket.socket | None = None
+        self._accept_retry: asyncio.TimerHandle | None = None
+        self._connecting: set[asyncio.Task[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]]] = set()
         self._jobs = JobTable(self.config.max_jobs, on_room=self._room_freed)
         # Submissions waiting for room, in order: held jobs (submit_queued) and turns of submit().
         self._room = RoomQueue(self._jobs, self._send_held)
@@ -195,17 +221,16 @@ class RankGroup:
 
     async def start(self) -> None:
         """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it."""
-        if self._server is not None or self._closing:
+        if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
         endpoint = private_directory(self._directory)
         try:
             clear_stale_socket(endpoint.socket_path)
-            loop = asyncio.get_running_loop()
-            self._server = await loop.create_unix_server(
-                lambda: _RankLink(self), path=os.fspath(endpoint.socket_path)
-            )
+            self._listener = _listen(os.fspath(endpoint.socket_path))
             self._inode = os.lstat(endpoint.socket_path).st_ino
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
         except BaseException:
+            self._stop_listening()
             remove_endpoint(endpoint, self._inode)
             raise
         self._endpoint = endpoint
@@ -251,16 +276,16 @@ class RankGroup:
                     "(the slots and pages of those jobs are theirs until then)",
                     self._owing_pids(), self._jobs.in_flight,
                 )
-        if self._server is not None:
-            self._server.close()
+        self._stop_listening()
         # Every part was reported or ended with its connection: nothing is left to fail but a part
         # of no connection at all (a safety net; none is expected).
         self._jobs.fail_all(RankStatus.GROUP_CLOSED, "the rank group closed with the job in flight")
         for link in list(self._orphans):
             self._orphan_ended(link)
-        # A connection the listening socket accepted before it closed is made a few loop turns
-        # later (asyncio makes it in a task): made from now on, it is ended at once (it would be
-        # left open, never listed below).
+        # A connection accepted before the listener closed is made a loop turn or two later (in a
+        # task, _connecting): made from now on, it is ended at once (it would be left open, never
+        # listed below). Those tasks are waited for: each ends once its transport is made, so
+        # every accepted socket is closed by the time this returns.
         self._links_ended = True
         links = list(self._links)
         for link in links:
@@ -268,8 +293,8 @@ class RankGroup:
                 link.transport.abort()  # no flush: a rank that stopped reading must not hold us
         if links:
             await asyncio.wait([link.closed for link in links])
-        if self._server is not None:
-            await self._server.wait_closed()
+        if self._connecting:
+            await asyncio.wait(set(self._connecting))
         if self._endpoint is not None:
             remove_endpoint(self._endpoint, self._inode)
         self._changed.set()
@@ -281,6 +306,71 @@ class RankGroup:
                 async with asyncio.timeout(self.config.close_timeout_s):
                     await self._jobs.wait_idle()
         return not self._jobs.in_flight
+
+    def _accept_ready(self) -> None:
+        """The listener is readable: accept what waits (``ACCEPT_BACKLOG`` at most this turn); each
+        connection's transport is made in a task (the loop's own way), tracked in ``_connecting``."""
+        listener = self._listener
+        if listener is None:
+            return
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPT_BACKLOG):
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                # Out of descriptors or memory: the listener stays readable, so pause rather than
+                # spin; what waits in the backlog is accepted after the pause.
+                log.warning("rank group: accepting a worker's connection failed (%r); pausing %.1f s",
+                            exc, ACCEPT_RETRY_S)
+                loop.remove_reader(listener.fileno())
+                self._accept_retry = loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+                return
+            links: list[_RankLink] = []
+
+            def protocol(links: list[_RankLink] = links) -> _RankLink:
+                links.append(_RankLink(self))
+                return links[-1]
+
+            try:
+                conn.setblocking(False)
+                task = loop.create_task(loop.connect_accepted_socket(protocol, conn))
+            except BaseException:
+                conn.close()
+                raise
+            self._connecting.add(task)
+            task.add_done_callback(functools.partial(self._connected, conn, links))
+
+    def _connected(
+        self, conn: socket.socket, links: list[_RankLink],
+        task: asyncio.Task[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]],
+    ) -> None:
+        """An accepted connection's transport is made, or its making ended without one."""
+        self._connecting.discard(task)
+        if links and links[0].transport is not None:
+            return  # the transport owns the socket (and closes it, however its making ended)
+        # No transport took it: cancelled before it began (a loop-wide cancel), or it failed.
+        conn.close()
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("rank group: making the transport of a worker's connection failed: %r", task.exception())
+
+    def _resume_accepting(self) -> None:
+        self._accept_retry = None
+        if self._listener is not None:
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
+
+    def _stop_listening(self) -> None:
+        """Accept nothing more and close the listener (idempotent): a worker connecting from now on
+        is refused by the kernel; connections accepted before are made (and ended) in their tasks."""
+        if self._accept_retry is not None:
+            self._accept_retry.cancel()
+            self._accept_retry = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(ValueError, OSError):  # not registered (a failed start, a pause)
+                asyncio.get_running_loop().remove_reader(listener.fileno())
+            listener.close()
 
     def _fence_all(self) -> None:
         owing = self._jobs.owing_ranks()
