@@ -106,3 +106,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     a test left stuck (a close waiting on the kernel) held the process after its summary."""
     _WATCH.arm(config, f"the process still running {EXIT_LIMIT_S:.0f} s after the run ended (a thread "
                        "left running keeps the interpreter from exiting)", EXIT_LIMIT_S)
+    # A crash in the interpreter's exit (CI once ended "Segmentation fault" after the summary, with
+    # nothing else printed: pytest's own fault handler is off by then) prints every thread's stack.
+    stderr = sys.__stderr__
+    if stderr is None:
+        return
+    faulthandler.enable(file=stderr, all_threads=True)
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokv") and t.is_alive())
+    if left:
+        stderr.write(f"\naiokv threads still running as the run ends: {left}\n")
