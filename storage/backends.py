@@ -567,6 +567,10 @@ class UringPageIO:
         job.add_done_callback(self._ext_jobs.pop)
         try:
             await wait_uncancelled(job, stop)
+        except asyncio.CancelledError:
+            # The thread's error is logged for a caller that is gone (it was never retrieved before).
+            _pinning_cut(job, length, address)
+            raise
         finally:
             # What was pinned is used, even by a cancelled caller: the kernel holds it either way.
             for region in done:
@@ -1172,6 +1176,16 @@ def _registration_cut(job: asyncio.Future[None]) -> None:
         log.warning("disk tier: registering the pool as fixed buffers failed as the close stopped it: %s", error)
     elif error is not None:
         log.error("disk tier: registering the pool as fixed buffers ended with %r", error)
+
+
+def _pinning_cut(job: asyncio.Future[None], length: int, address: int) -> None:
+    """A cancelled ``register_memory``'s thread ended: its error is logged, not left unretrieved."""
+    error = None if job.cancelled() else job.exception()
+    if isinstance(error, OSError):
+        log.warning("disk tier: cannot register %d bytes at %#x as fixed buffers (%s); plain buffers there",
+                    length, address, error)
+    elif error is not None:
+        log.error("disk tier: registering %d bytes at %#x as fixed buffers ended with %r", length, address, error)
 
 
 def _keep_registered(_: None) -> None:
