@@ -34,6 +34,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -542,12 +543,15 @@ class FollowPath(TierBase):
                 return
             prepared = self._dir
             assert prepared is not None and prepared.lock_fd is not None
+            # ``stop``: the close ends the record's examination (a name at a time) at its next batch.
+            stop = threading.Event()
             # A copy of the fan-out descriptors: the loop may retire or open some meanwhile (a
             # retired one stays open until the close, which waits for this check).
             work = functools.partial(check_writer, prepared.dir_fd, prepared.lock_fd, list(prepared.fanout),
-                                     self._layout_stamp, self.files.layout_dir, self._record_stamp)
+                                     self._layout_stamp, self.files.layout_dir, self._record_stamp, stop.is_set)
             opens = self._fanout_opens
-            found = await self._on_thread(work, "aiokv-disk-lock", LockCheck.close, "a check of the directory's lock")
+            found = await self._on_thread(work, "aiokv-disk-lock", LockCheck.close, "a check of the directory's lock",
+                                          stop.set)
             if found is None:
                 continue
             if found.fanouts is not None and self._fanout_opens != opens:

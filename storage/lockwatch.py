@@ -48,14 +48,14 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokv.keys import PageKey
 
 from .deletelog import DELETES_NAME, TRANSIENT_ERRNOS, load_deletes
-from .layoutdir import LOCK_NAME, DirStamp, dir_stamp, fanout_gone, lock_named
+from .layoutdir import LOCK_NAME, STOP_EVERY, DirStamp, dir_stamp, fanout_gone, lock_named
 from .safefiles import OPEN_FLAGS, check_page_fd, classify_open_error
 
 RecordStamp = tuple[int, int, int, int]
@@ -132,23 +132,24 @@ class RecordCheck:
 
 
 def check_writer(dir_fd: int, lock_fd: int, fanout: Sequence[int], stamp: DirStamp | None,
-                 shown: Path, record: RecordStamp | None = None) -> LockCheck:
+                 shown: Path, record: RecordStamp | None = None, stop: Callable[[], bool] | None = None) -> LockCheck:
     """The writer's periodic check: the lock (:func:`check_lock`), the fan-out names
     (:func:`check_fanouts`) and the pending-delete record if it changed since ``record`` (the last
-    check's :attr:`RecordCheck.stamp`; :func:`check_record`). Blocking: run on a thread. Faults
-    are reported, never raised."""
+    check's :attr:`RecordCheck.stamp`; :func:`check_record`, which asks ``stop``: the close).
+    Blocking: run on a thread. Faults are reported, never raised."""
     found = check_lock(dir_fd, lock_fd, shown)
     try:
         found.fanouts = check_fanouts(dir_fd, fanout, stamp, shown)
         if found.state is not LockState.LOST:  # (lost: this tier follows, and its looks read it)
-            found.record = check_record(dir_fd, fanout, record)
+            found.record = check_record(dir_fd, fanout, record, stop)
     except BaseException:
         found.close()
         raise
     return found
 
 
-def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -> RecordCheck | None:
+def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None,
+                 stop: Callable[[], bool] | None = None) -> RecordCheck | None:
     """The pending-delete record in the layout directory ``dir_fd``, when its identity differs from
     ``seen`` (else None: one ``stat``), with the modification time of the file under each key's
     name in the fan-out directories ``fanout`` (-1: none held). One that cannot be read (EIO,
@@ -156,7 +157,9 @@ def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -
     such a record); None for a passing fault (out of descriptors or memory): tried again at the
     next check. Review 232: a damaged record was left for the tier's next save, which a writer
     whose retried unlink keeps failing never made, and its followers withheld every page (174d014)
-    for as long as it ran. Blocking: run on a thread."""
+    for as long as it ran. ``stop`` is asked every :data:`~.layoutdir.STOP_EVERY` keys: True (the
+    tier closes) ends the check there, None returned (nothing applied), so a close waits for one
+    batch of names, not for a whole record. Blocking: run on a thread."""
     try:
         st = os.stat(DELETES_NAME, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -172,7 +175,12 @@ def check_record(dir_fd: int, fanout: Sequence[int], seen: RecordStamp | None) -
         return None if exc.errno in TRANSIENT_ERRNOS else RecordCheck(seen, fault=exc)
     found = RecordCheck(now)
     euid = os.geteuid()
-    for key, when in records.items():
+    for count, (key, when) in enumerate(records.items()):
+        if stop is not None and not count % STOP_EVERY and stop():
+            # The tier closes: read again at the next check, if any. Review 241: a record of many
+            # keys (up to MAX_RECORDS, a million: 3 s of stats on a warm local ext4, far longer on
+            # a slow one) held the close until every name was examined.
+            return None
         fd = fanout[key[0]]  # a key's fan-out directory is its first byte
         mtime: int | None = None
         if fd >= 0:
