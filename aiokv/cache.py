@@ -166,6 +166,7 @@ class KVCache(CacheFacade):
         self._slots = SlotValidator(self.kv, self._bridge, self._manager.track)
         self._transfers: LocalTransfers | None = None
         self._close_task: asyncio.Future[None] | None = None
+        self._bridge_closed: asyncio.Future[None] | None = None  # the close's join of the bridge's threads
         self._warm: asyncio.Future[WarmUp] | None = None
         """The warm-up thread's result (None: not started, or no kernels to warm)."""
         self._warm_ready: asyncio.Future[None] | None = None
@@ -389,10 +390,20 @@ class KVCache(CacheFacade):
                     # waits for those copies' events (the pool is not freed under them).
                     log.error("aiokv: offload copies still running after %.0f s at close",
                               self.config.close_timeout)
-            # Joins the bridge's threads: off the loop, on a thread the loop does not wait to start
-            # (to_thread's first call would start the default executor's thread here).
-            await run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
+            await self._close_bridge()
             await self._manager.close_pool()
+
+    async def _close_bridge(self) -> None:
+        """Join the bridge's threads: the last fence before the pool is freed (a copy whose load was
+        cancelled may still read or write pool pages on its copy thread). Off the loop, on a thread
+        the loop does not wait to start (to_thread's first call would start the default executor's
+        thread here). Shielded and kept: a close cut by a loop-wide cancel and run anew awaits the
+        same join (``bridge.close()`` returns at once the second time: the pool was freed under a
+        copy the first join still waited for)."""
+        joined = self._bridge_closed
+        if joined is None or (joined.done() and joined.exception() is not None):  # (no thread left: again)
+            joined = self._bridge_closed = run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
+        await asyncio.shield(joined)
 
     # -- the engine's calls ---------------------------------------------------------------------
 
