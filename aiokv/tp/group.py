@@ -349,11 +349,30 @@ class RankGroup:
         """An accepted connection's transport is made, or its making ended without one."""
         self._connecting.discard(task)
         if links and links[0].transport is not None:
-            return  # the transport owns the socket (and closes it, however its making ended)
+            # The transport owns the socket (and closes it, however its making ended).
+            if task.cancelled() or task.exception() is not None:
+                self._made_then_cut(links[0])
+            return
         # No transport took it: cancelled before it began (a loop-wide cancel), or it failed.
         conn.close()
         if not task.cancelled() and task.exception() is not None:
             log.warning("rank group: making the transport of a worker's connection failed: %r", task.exception())
+
+    def _made_then_cut(self, link: _RankLink) -> None:
+        """The link was made (``connection_made``), then its making ended without it (a loop-wide
+        cancel before the task's next step): the loop closed the transport. asyncio tells the link
+        (``connection_lost``, run by now or after the flush this abort cuts short); uvloop's
+        ``_close()`` never does, and an abort after it does nothing: the link would stay listed,
+        its ``closed`` never set, and the group's close wait for it for good (review 239). Its end
+        is settled here then, a turn later (after what the abort scheduled)."""
+        assert link.transport is not None
+        link.transport.abort()
+
+        def settle() -> None:
+            if not link.closed.done():
+                link.connection_lost(None)
+
+        asyncio.get_running_loop().call_soon(settle)
 
     def _resume_accepting(self) -> None:
         self._accept_retry = None
