@@ -282,6 +282,24 @@ def _ended(task: asyncio.Future[Any]) -> asyncio.Future[None]:
     return ended
 
 
+def _resolve_after(target: asyncio.Future[None], source: asyncio.Future[None] | None) -> None:
+    """Resolve ``target`` once ``source`` resolved (now when None); fail it when ``source`` is
+    cancelled or fails: when its I/O ended is then not known (``PagePool.close_after``)."""
+    if source is None:
+        target.set_result(None)
+        return
+
+    def done(_: asyncio.Future[None]) -> None:
+        if target.done():
+            return
+        if source.cancelled() or source.exception() is not None:
+            target.set_exception(RuntimeError("the end of stuck disk I/O is not known"))
+        else:
+            target.set_result(None)
+
+    source.add_done_callback(done)
+
+
 def _all_ended(futures: Sequence[asyncio.Future[Any]]) -> asyncio.Future[None]:
     """Resolves once every one of ``futures`` (a tier's ``io_ended``...) resolved; fails at once when
     one is cancelled or fails: when its I/O ended is then not known (``PagePool.close_after``)."""
@@ -359,6 +377,9 @@ class PageFileStore:
         running (disk I/O stuck in the kernel): it ends once that I/O did."""
         self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
         self._stuck_io: asyncio.Future[None] | None = None  # close() left disk I/O stuck: resolves when it ended
+        # A close cut before its tiers closed (the loop's end cancels every task): resolved by the run
+        # that closes them (the dying loop's finalizer), once the staging pool may be freed.
+        self._cut_close: asyncio.Future[None] | None = None
         self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
         self._retired: list[DiskTier] = []  # tiers a rescan replaced whose close did not end in time
         self._rescans: set[asyncio.Task[None]] = set()  # a reader's rescans in flight (close() stops them)
@@ -864,6 +885,7 @@ class PageFileStore:
         # once all of them ended.
         pending: list[asyncio.Future[Any]] = []
         stuck: asyncio.Future[None] | None = None
+        tiers_closed = False
         try:
             if self._check is not None:
                 # A lookup waiting on a staleness check stuck in the kernel answers now (a miss):
@@ -886,6 +908,7 @@ class PageFileStore:
             for tier in tiers:  # closed at once when closed already
                 if not await tier.close_within(max(0.0, deadline - loop.time())):
                     pending.append(tier.io_ended)
+            tiers_closed = True
             if pending:
                 self.close_timeouts += 1
                 stuck = _all_ended(pending)
@@ -895,12 +918,24 @@ class PageFileStore:
             if self._check is not None:
                 self._check.stop()  # also when the loop dies: nobody may join it then
             if self._pool is not None:
+                cut = self._cut_close
+                if not tiers_closed:
+                    # Cut before every tier closed (the loop's end cancels every task: a death, whose
+                    # finalizer runs this close again, or a shared loop thread's close): their I/O and
+                    # threads may still use the pool, freed once a later run closed them (else mapped
+                    # until exit). It was freed at once, under a tier still open.
+                    if cut is None or cut.done():
+                        cut = self._cut_close = loop.create_future()
+                    pending.append(cut)
+                elif cut is not None and not cut.done():
+                    _resolve_after(cut, stuck)  # this run closed what the cut one left: it frees the pool
                 if stuck is not None:
                     self._pool.close_after(stuck)  # the stuck I/O may still read or write its pages
                 elif pending:
                     self._pool.close_after(_all_ended(pending))  # cancelled meanwhile: still not freed under it
                 else:
                     await self._pool.aclose()
+                    await self._pool.wait_freed()  # (at once, unless a cut run's close_after frees it)
         return stuck
 
     # -- internals ------------------------------------------------------------------------------
