@@ -33,6 +33,7 @@ Everything runs on the loop of a :class:`LoopThread`; the methods taking corouti
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import errno
 import functools
@@ -815,14 +816,23 @@ class PageFileStore:
         ``close_timeouts``; the staging pool it may read or write is freed, and the store's own
         thread stopped, only once it ended. Afterwards (a shared loop thread still runs) lookups
         and reads miss, writes are refused and :meth:`clear` raises ``RuntimeError``. Idempotent;
-        call from any thread but the store's."""
+        call from any thread but the store's. An interrupt of the calling thread (``KeyboardInterrupt``
+        from a signal handler) is raised at once; the close goes on on the loop, and the store's own
+        thread is stopped once it ended."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + self.config.close_timeout
         stuck: asyncio.Future[None] | None = None
+        closing: concurrent.futures.Future[asyncio.Future[None] | None] | None = None
         try:
-            stuck = self._stuck_io = self.thread.run(self._close())
+            closing = self.thread.submit(self._close())
+            try:
+                stuck = self._stuck_io = closing.result()
+            except (SystemExit, KeyboardInterrupt) as exc:
+                if closing.done() and not closing.cancelled() and closing.exception() is exc:
+                    raise LoopDied(f"aiokv loop thread died: {exc!r}") from exc  # it ended the loop (as run())
+                raise  # this thread's own (a signal's handler): the close goes on, see below
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
@@ -833,10 +843,24 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread:
-                if stuck is None:
+                if closing is not None and not closing.done():
+                    # This thread was interrupted (a KeyboardInterrupt from a signal handler) while the
+                    # close ran: stopping the loop now cancelled it, the tier left open for good (its
+                    # threads, ring and lock; no finalizer runs after a close). It goes on to its end.
+                    closing.add_done_callback(self._close_thread_when_closed)
+                elif stuck is None:
                     self.thread.close()
                 else:
                     self._close_thread_after(stuck)
+
+    def _close_thread_when_closed(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
+        """Stop the store's own thread once the close a caller stopped waiting for ended (and the
+        staging pool is freed); on the loop thread, which must not join itself."""
+        stuck = self._stuck_io = None if closing.cancelled() or closing.exception() is not None else closing.result()
+        if stuck is None:
+            threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
+        else:
+            self._close_thread_after(stuck)
 
     def _close_thread_after(self, io_ended: asyncio.Future[None]) -> None:
         """Stop the store's own thread once the stuck I/O ended and the staging pool is freed: its
