@@ -223,6 +223,10 @@ class Look:
     writable: bool = False
     """A look of a tier holding the lock on a directory it could not write (``held``): it may
     now, and the look scanned it as a take-over does (the tier writes from now on)."""
+    lock_not_ours: bool = False
+    """A held look that may write now, where ``.lock`` does not name the lock the tier holds
+    (removed, or replaced: another cache may write there): no take-over; the loop asks its lock
+    check now, which takes ``.lock`` again or finds it lost."""
     deletes: dict[PageKey, int] = field(default_factory=dict)
     """The writer's pending-delete record as this look read it (:mod:`.deletelog`): key -> time of
     a delete whose unlink failed (the file maybe still there). Empty when unreadable (a fault),
@@ -265,8 +269,9 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
     the next file made, and the look took that page for the one deleted: never indexed, unlinked
     at the take-over, review 202). ``held_lock``: with ``held``, a duplicate of the descriptor of
     the lock the tier holds now (the caller's, closed by it after the look; None: not at hand):
-    the look replaces a damaged record or removes its temporary file only while ``.lock`` names
-    that file (:func:`_lock_still_ours`). Blocking: run on a thread. Faults are reported in
+    the look takes the directory over (scans as a take-over, reports ``writable``), replaces a
+    damaged record or removes its temporary file only while ``.lock`` names that file
+    (:func:`_lock_still_ours`). Blocking: run on a thread. Faults are reported in
     :attr:`Look.faults`, never raised."""
     result = Look()
     found: dict[PageKey, int] = {}  # key -> mtime (ns): nothing the cyclic GC tracks
@@ -285,10 +290,19 @@ def look(state: FollowState, dir_fd: int, fanout: list[int], shown: Path, held: 
         if unreadable is None and state.withholding:
             _find_all_anew(state)  # the record reads again: every page found serves again (unless named)
         if held:
+            # Scanned as a take-over (temporary files removed, fan-out directories made, then the
+            # tier writes) only while ``.lock`` names the lock the tier holds, asked before the
+            # scan: review 241, once ``.lock`` was replaced and another cache took the new one, the
+            # scan unlinked that writer's temporary file under its page write in flight and the
+            # tier wrote beside it until its lock check. Not ours: the lock check, asked now,
+            # tells (taken again, or lost: then it follows); asked again after the scan for the record.
             if _may_write(result, dir_fd) and result.read_only is None:
-                result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
-                if result.writable and _lock_still_ours(held_lock, result, dir_fd, shown):
-                    _remove_record_temp(result, dir_fd, shown)
+                if not _lock_still_ours(held_lock, result, dir_fd, shown):
+                    result.lock_not_ours = True
+                else:
+                    result.writable = _take_over(state, result, found, dir_fd, fanout, shown)
+                    if result.writable and _lock_still_ours(held_lock, result, dir_fd, shown):
+                        _remove_record_temp(result, dir_fd, shown)
         elif result.lock_fd is None:
             _follow(state, result, found, dir_fd, fanout, shown)
         elif not (_may_write(result, dir_fd) and _take_over(state, result, found, dir_fd, fanout, shown)):

@@ -328,6 +328,8 @@ class FollowPath(TierBase):
         # listings are applied as any look's; the looks go on asking for the lock.
         if (found.lock_fd is not None or (found.writable and self._follow_held)) and self._following():
             self._take_lock_over(found, left)
+        elif found.lock_not_ours and self._follow_held:
+            self._check_lock_soon()  # taken again (the next look takes over) or lost (this tier follows)
 
     def _withhold(self, found: Look) -> list[PageKey]:
         """A look's :attr:`.follow.Look.withheld`: the keys indexed now, none of which is served
@@ -590,6 +592,8 @@ class FollowPath(TierBase):
             old, prepared.lock_fd, found.fd = prepared.lock_fd, found.fd, None
             os.close(old)  # an unlinked file nobody else can lock through its name
             self._lock_retaken += 1
+            if self._follow_held:
+                self._look_soon()  # held: a look that found .lock not ours (review 241) takes over now
             log.warning("disk tier: %s was removed or replaced under this cache, which held it: took the file there "
                         "now (still the only cache writing there)", self.files.layout_dir / ".lock")
         elif found.state is LockState.LOST:
