@@ -523,6 +523,31 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._close_pools()
 
     def _close_pools(self) -> None:
+        """Close every pool's store, then stop their loop thread, on a thread of its own that this
+        one waits for: an interrupt of this thread (a ``KeyboardInterrupt`` from a signal handler,
+        Ctrl-C at shutdown) is raised at once and the close goes on to its end. Run here, the
+        interrupt left the stores after the one closing unclosed and stopped the loop under that
+        close (after ``close_timeout``): their disk tiers open for good (threads, ring, lock), their
+        staging pools mapped."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def close_all() -> None:
+            try:
+                self._close_pools_here()
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=close_all, name="aiokv-sglang-close", daemon=True).start()
+        try:
+            done.result()
+        except BaseException:
+            if not done.done():  # this thread's own interrupt: the close goes on, its failure logged
+                done.add_done_callback(_log_close_failure)
+            raise
+
+    def _close_pools_here(self) -> None:
         stores = [pool.store for pool in self._pools.values() if pool.store is not None]
         try:
             for store in stores:
@@ -634,6 +659,13 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 if hit:
                     move.host.set_from_flat_data_page(index, page[0])
         return results
+
+
+def _log_close_failure(done: concurrent.futures.Future[None]) -> None:
+    """Log how a close whose caller was interrupted failed (nobody else hears of it)."""
+    error = done.exception()
+    if error is not None:
+        log.error("aiokv backend: closing the pools failed after close() was interrupted", exc_info=error)
 
 
 def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
