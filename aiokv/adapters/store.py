@@ -73,6 +73,9 @@ DEFAULT_DISK_BYTES: int = _DISK_DEFAULTS["capacity_bytes"]
 DEFAULT_QUEUE_DEPTH: int = _DISK_DEFAULTS["queue_depth"]
 DEFAULT_CLOSE_TIMEOUT: float = CacheConfig.close_timeout
 """The cache's own close bound (one default per setting, defined in ``CacheConfig``)."""
+STUCK_REPORT_MIN_S = 1.0
+"""Least seconds between two warnings of a close waiting on work stuck in the kernel (they come every
+``close_timeout``; a ``close_timeout`` of 0 would log at every loop turn)."""
 
 
 class Sharing(enum.Enum):
@@ -895,10 +898,21 @@ class PageFileStore:
             await self._pool_freed(self._stuck_io)
 
     async def _stop_registering(self) -> None:
+        """Stop the registrations in the background and wait for them: a cancelled one waits for its
+        pinning thread (DiskTier.register_memory), which may still pin pages of the engine's region
+        or the staging pool (neither may be let go under it). A pin stuck in the kernel holds the
+        close (and a dying loop's finalizer) for as long: warned every ``close_timeout``, never silent."""
         for task in self._registering:
-            task.cancel()  # waits for its pinning thread (DiskTier.register_memory)
-        if self._registering:
-            await asyncio.wait(set(self._registering))
+            task.cancel()
+        report_s = max(self.config.close_timeout, STUCK_REPORT_MIN_S)
+        waited, pending = 0.0, set(self._registering)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=report_s)
+            if pending:
+                waited += report_s
+                log.warning("aiokv store: the close of %s has waited %.0f s for %d registration(s) of memory with "
+                            "the disk tier (a pinning thread stuck in the kernel?); it keeps waiting",
+                            self.directory, waited, len(pending))
 
     async def _close(self) -> asyncio.Future[None] | None:
         """Close within ``close_timeout``; returns the tier's ``io_ended`` when its I/O is still
