@@ -50,6 +50,10 @@ from aiokv.transfers import LocalTransfers
 
 log = logging.getLogger(__name__)
 
+_STUCK_REPORT_MIN_S = 1.0
+"""Least seconds between two warnings of a close waiting on a copy still running (they come every
+``close_timeout``; a ``close_timeout`` of 0 would log at every loop turn)."""
+
 
 def _nothing(_: object) -> None:
     """Nothing to dispose of (a closed bridge, an import)."""
@@ -352,8 +356,10 @@ class KVCache(CacheFacade):
     async def aclose(self) -> None:
         """Wait (up to ``close_timeout``) for background copies and write-behind, then free everything.
 
-        Idempotent. The close runs once, in a task every call waits for: a cancelled ``aclose``
-        raises ``CancelledError`` but the close goes on to the end (bridge, pool) without a retry.
+        A copy still running past it (a stopped GPU, a copy a cancelled load left on the copy
+        thread) is waited for without a bound, warned every ``close_timeout``: the pool is never
+        freed under it. Idempotent. The close runs once, in a task every call waits for: a cancelled
+        ``aclose`` raises ``CancelledError`` but the close goes on to the end (bridge, pool) without a retry.
         A close whose task a loop-wide cancel ended is run anew by the next call.
         """
         await await_close(self._close_running)
@@ -397,13 +403,23 @@ class KVCache(CacheFacade):
         """Join the bridge's threads: the last fence before the pool is freed (a copy whose load was
         cancelled may still read or write pool pages on its copy thread). Off the loop, on a thread
         the loop does not wait to start (to_thread's first call would start the default executor's
-        thread here). Shielded and kept: a close cut by a loop-wide cancel and run anew awaits the
-        same join (``bridge.close()`` returns at once the second time: the pool was freed under a
-        copy the first join still waited for)."""
+        thread here). Never cancelled (awaited through ``asyncio.wait``) and kept: a close cut by a
+        loop-wide cancel and run anew awaits the same join (``bridge.close()`` returns at once the
+        second time: the pool was freed under a copy the first join still waited for). Unbounded,
+        warned every ``close_timeout``."""
         joined = self._bridge_closed
         if joined is None or (joined.done() and joined.exception() is not None):  # (no thread left: again)
             joined = self._bridge_closed = run_in_new_thread(self._bridge.close, "aiokv-bridge-close", _nothing)
-        await asyncio.shield(joined)
+        # Unbounded (a copy cannot be stopped) but never silent: a stopped GPU held the close for good.
+        report_s = max(self.config.close_timeout, _STUCK_REPORT_MIN_S)
+        waited = 0.0
+        while not joined.done():
+            await asyncio.wait({joined}, timeout=report_s)  # a cancel of this close leaves the join running
+            if not joined.done():
+                waited += report_s
+                log.warning("aiokv: the close has waited %.0f s for the completion bridge's threads (a copy still "
+                            "running: a stopped GPU?); the pool is freed only after them", waited)
+        joined.result()
 
     # -- the engine's calls ---------------------------------------------------------------------
 
