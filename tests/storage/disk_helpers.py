@@ -161,6 +161,14 @@ async def spares_landed(tier: DiskTier) -> None:
         await landed
 
 
+async def no_spares_in_flight(tier: DiskTier) -> None:
+    """Until no batch of spare files is in flight: a landed batch short of the stock's target starts
+    the next one in its own callback, before a waiter of the first wakes (a listing of the spares on
+    disk then raced that batch's thread: 40 files against a stock of 32 once in a full run)."""
+    while tier._refill is not None:
+        await spares_landed(tier)
+
+
 def reserve(pool: PagePool, key: PageKey) -> PageHandle:
     (res,) = pool.reserve([key])
     assert res.outcome is ReserveOutcome.RESERVED

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from disk_helpers import assert_clean, key_of, page_files
+from disk_helpers import assert_clean, key_of, no_spares_in_flight, page_files
 from follow_helpers import follow_config, started
 from test_fanout_removed import TAG, _fanout, _read, _write
 from test_lock_replaced import LockChecks
@@ -126,8 +126,7 @@ async def test_spares_in_a_moved_fan_out_directory_leave_the_stock(
         for i in range(1, spares + 1):  # every spare in stock taken, and more
             assert (await _write(tier, pool, i, tag=0x00))[0]
         await tier.flush()
-        if tier._refill is not None:
-            await asyncio.wait({tier._refill})
+        await no_spares_in_flight(tier)
         inside = [p for p in page_files(tier.files.layout_dir) if p.name.startswith(".spare-")]
         assert len(inside) == tier.spare_statistics().stock, (inside, tier.spare_statistics())
         _no_faults(tier)
