@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 
 def wait_for(condition: Callable[[], bool], what: str, bound_s: float) -> None:
@@ -15,3 +16,24 @@ def wait_for(condition: Callable[[], bool], what: str, bound_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
         pause.wait(0.01)
+
+
+def hold_region_pinning(monkeypatch: Any, bound_s: float) -> tuple[threading.Event, threading.Event]:
+    """Hold the pinning of an engine's region (the ``aiokv-register-memory`` thread, in
+    ``update_in_batches``) until the test sets the returned gate; a staging pool's own registration
+    runs freely. Returns ``(entered, gate)``: ``entered`` is set once the pin is held."""
+    from aiokv.storage import backends
+
+    entered, gate = threading.Event(), threading.Event()
+    real = backends.update_in_batches
+
+    def held(engine: Any, regions: Sequence[Any], stop: threading.Event, prepare: Any) -> Iterator[list[Any]]:
+        if threading.current_thread().name != "aiokv-register-memory":
+            yield from real(engine, regions, stop, prepare)  # a staging pool's own registration
+            return
+        entered.set()
+        assert gate.wait(bound_s)  # pinning the region until the test lets it go on
+        yield from real(engine, regions, stop, prepare)
+
+    monkeypatch.setattr(backends, "update_in_batches", held)
+    return entered, gate

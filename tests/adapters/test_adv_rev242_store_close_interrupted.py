@@ -21,15 +21,12 @@ import mmap
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import wait_for
+from store_helpers import hold_region_pinning, wait_for
 
-import aiokv.storage.backends as backends
 from aiokv.adapters.store import PageFileStore, StoreConfig, page_file_bytes
 
 PAGE = 8192
@@ -47,18 +44,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 def test_an_interrupted_close_still_closes_the_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread only")
-    entered, gate = threading.Event(), threading.Event()
-    real = backends.update_in_batches
-
-    def held(engine: Any, regions: Sequence[Any], stop: threading.Event, prepare: Any) -> Iterator[list[Any]]:
-        if threading.current_thread().name != "aiokv-register-memory":
-            yield from real(engine, regions, stop, prepare)  # the staging pool's own registration
-            return
-        entered.set()
-        assert gate.wait(BOUND_S)  # pinning the engine's region until the test lets it go on
-        yield from real(engine, regions, stop, prepare)
-
-    monkeypatch.setattr(backends, "update_in_batches", held)
+    entered, gate = hold_region_pinning(monkeypatch, BOUND_S)
     config = StoreConfig(directory=tmp_path, capacity_bytes=8 * page_file_bytes(PAGE), queue_depth=2)
     store = PageFileStore(config, "test", {"model": "m"}, PAGE)
     thread = store.thread

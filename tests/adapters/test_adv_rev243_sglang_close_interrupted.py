@@ -19,20 +19,17 @@ import asyncio
 import gc
 import signal
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from loop_probes import waiting_in
-from store_helpers import wait_for
+from store_helpers import hold_region_pinning, wait_for
 
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make engines installs it)")
 sglang_helpers = pytest.importorskip("sglang_helpers")
-
-import aiokv.storage.backends as disk_backends  # noqa: E402
 
 BOUND_S = 30.0
 CLOSE_S = 2.0  # the bound the unfixed close waited for the held close before stopping the loop
@@ -64,18 +61,7 @@ def test_an_interrupted_close_closes_every_pool(tmp_path: Path, monkeypatch: pyt
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     h = sglang_helpers
-    entered, gate = threading.Event(), threading.Event()
-    real = disk_backends.update_in_batches
-
-    def held(engine: Any, regions: Sequence[Any], stop: threading.Event, prepare: Any) -> Iterator[list[Any]]:
-        if threading.current_thread().name != "aiokv-register-memory":
-            yield from real(engine, regions, stop, prepare)  # a staging pool's own registration
-            return
-        entered.set()
-        assert gate.wait(BOUND_S)  # pinning SGLang's host pool until the test lets it go on
-        yield from real(engine, regions, stop, prepare)
-
-    monkeypatch.setattr(disk_backends, "update_in_batches", held)
+    entered, gate = hold_region_pinning(monkeypatch, BOUND_S)
     kv, mamba = h.mla_pool(8), _mamba_pool(8)
     config = h.storage_config(tmp_path, True, mla=True, tp_size=1, options={"close_timeout": CLOSE_S})
     backend = StorageBackendFactory.create_backend("dynamic", config, kv)

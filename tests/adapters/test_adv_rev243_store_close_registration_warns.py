@@ -16,15 +16,12 @@ import gc
 import logging
 import mmap
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import wait_for
+from store_helpers import hold_region_pinning, wait_for
 
-import aiokv.storage.backends as backends
 from aiokv.adapters.store import PageFileStore, StoreConfig, page_file_bytes
 
 PAGE = 8192
@@ -34,18 +31,7 @@ CLOSE_S = 0.2
 
 def test_a_close_held_by_a_stuck_registration_warns_and_still_closes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    entered, gate = threading.Event(), threading.Event()
-    real = backends.update_in_batches
-
-    def held(engine: Any, regions: Sequence[Any], stop: threading.Event, prepare: Any) -> Iterator[list[Any]]:
-        if threading.current_thread().name != "aiokv-register-memory":
-            yield from real(engine, regions, stop, prepare)  # the staging pool's own registration
-            return
-        entered.set()
-        assert gate.wait(BOUND_S)  # pinning the engine's region until the test lets it go on
-        yield from real(engine, regions, stop, prepare)
-
-    monkeypatch.setattr(backends, "update_in_batches", held)
+    entered, gate = hold_region_pinning(monkeypatch, BOUND_S)
     caplog.set_level(logging.WARNING, logger="aiokv")
     config = StoreConfig(directory=tmp_path, capacity_bytes=8 * page_file_bytes(PAGE), queue_depth=2,
                          close_timeout=CLOSE_S)

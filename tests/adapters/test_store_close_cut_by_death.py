@@ -17,15 +17,12 @@ import gc
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import wait_for
+from store_helpers import hold_region_pinning, wait_for
 
-import aiokv.storage.backends as backends
 from aiokv.adapters.store import PageFileStore, StoreConfig, page_file_bytes
 
 PAGE = 8192
@@ -38,18 +35,7 @@ def _die() -> None:
 
 def test_a_death_cutting_the_close_frees_the_staging_pool_after_the_disk_tier(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entered, gate = threading.Event(), threading.Event()
-    real = backends.update_in_batches
-
-    def held(engine: Any, regions: Sequence[Any], stop: threading.Event, prepare: Any) -> Iterator[list[Any]]:
-        if threading.current_thread().name != "aiokv-register-memory":
-            yield from real(engine, regions, stop, prepare)  # the staging pool's own registration
-            return
-        entered.set()
-        assert gate.wait(BOUND_S)  # pinning the engine's region until the test lets it go on
-        yield from real(engine, regions, stop, prepare)
-
-    monkeypatch.setattr(backends, "update_in_batches", held)
+    entered, gate = hold_region_pinning(monkeypatch, BOUND_S)
     config = StoreConfig(directory=tmp_path, capacity_bytes=8 * page_file_bytes(PAGE), queue_depth=2)
     store = PageFileStore(config, "test", {"model": "m"}, PAGE)
     thread = store.thread
