@@ -21,7 +21,9 @@ import asyncio
 import contextlib
 import errno
 import glob
+import itertools
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -372,6 +374,20 @@ def _fill(path: Path) -> None:
         raise AssertionError("the file system kept finding room after each fsync")
 
 
+def _use_every_inode(directory: Path) -> None:
+    """Empty files in ``directory`` until the file system has no inode left (real ENOSPC). A full
+    data area alone did not always refuse the record's save: ext4 gives preallocated blocks back
+    (the filler's close, a locality group's) after the fill, and the CI run's save found room."""
+    directory.mkdir()
+    for n in itertools.count():
+        try:
+            os.close(os.open(directory / str(n), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return
+
+
 @pytest.mark.root
 @pytest.mark.asyncio
 async def test_a_record_that_cannot_be_saved_counts_one_fault_and_is_saved_later(
@@ -386,7 +402,9 @@ async def test_a_record_that_cannot_be_saved_counts_one_fault_and_is_saved_later
             for key in (VICTIM, OTHER):
                 assert await tier.write_from(key, memoryview(_bytes_of(key, size)))
             await _settled(tier)
-            filler = mount / "filler"
+            filler, empties = mount / "filler", mount / "empties"
+            filler.touch()  # its inode taken before there are none
+            await asyncio.to_thread(_use_every_inode, empties)
             await asyncio.to_thread(_fill, filler)
             fanout = tier.files.layout_dir / f"{TAG:02x}"
             page = fanout / VICTIM.hex()
@@ -407,6 +425,7 @@ async def test_a_record_that_cannot_be_saved_counts_one_fault_and_is_saved_later
             assert _lookup_errno(page) == errno.EIO, "the disk answered again: the retries did not all fail"
             bad.good()
             filler.unlink()
+            await asyncio.to_thread(shutil.rmtree, empties)
             await asyncio.to_thread(_drop_caches)
             await checks.next()
             await _settled(tier)
