@@ -59,7 +59,7 @@ class _FdHandoff:
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is None:
-            raise RuntimeError("the rates save was given up before its thread ran")
+            raise RuntimeError("the rates read or save was given up before its thread ran")
         return fd
 
     def close_untaken(self) -> None:
@@ -71,6 +71,10 @@ class _FdHandoff:
 
 def _write_rates_handed(directory: Path, data: bytes, handoff: _FdHandoff) -> bool:
     return write_rates_file(directory, data, handoff.take())
+
+
+def _read_rates_handed(directory: Path, handoff: _FdHandoff) -> bytes | None:
+    return read_rates_file(directory, handoff.take())
 
 
 RATES_SAVE_INTERVAL_S = 30.0
@@ -324,9 +328,14 @@ class CacheManager(LoadPath, OffloadPath):
                 # A thread the loop does not wait to start (to_thread's first call would start the
                 # default executor's thread on the loop).
                 # Through the tier's own descriptor: the directory's name may lead elsewhere now.
-                held = disk.layout_dir_fd()
-                data = await run_in_new_thread(functools.partial(read_rates_file, where, held), "aiokv-rates",
-                                               _nothing)
+                # Handed over: a thread that cannot start (RuntimeError) takes nothing, and the
+                # descriptor is closed here (it leaked before).
+                handoff = _FdHandoff(disk.layout_dir_fd())
+                try:
+                    data = await run_in_new_thread(functools.partial(_read_rates_handed, where, handoff),
+                                                   "aiokv-rates", _nothing)
+                finally:
+                    handoff.close_untaken()
                 if data is None:
                     return  # a first start
                 saved = decode_rates(data, self.layout.fingerprint.hex(), kind)

@@ -573,3 +573,25 @@ async def test_a_save_whose_thread_cannot_start_is_counted_and_leaks_no_descript
     assert (directory / RATES_FILE).exists() is (when == "flush")
     assert _fds_into(directory) == []
     assert not _temps(directory)
+
+
+@pytest.mark.asyncio
+async def test_a_read_whose_thread_cannot_start_is_counted_and_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The start's read of the saved rates, its thread refused as the interpreter refuses one when
+    # no thread can be made: the duplicated descriptor of the layout directory meant for that
+    # thread was left open (one per failed read; the save's twin above).
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "aiokv-rates":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    directory = _layout_dir(tmp_path)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    async with KVCache(config(tmp_path), LAYOUT, make_kv(12)) as cache:
+        await cache.pool.wait_ready()
+    assert cache.stats().errors["rates_ignored"] == 1
+    assert _fds_into(directory) == [], "the failed read left the directory's descriptor open"
