@@ -43,7 +43,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -384,6 +384,9 @@ class PageFileStore:
         # A close cut before its tiers closed (the loop's end cancels every task): resolved by the run
         # that closes them (the dying loop's finalizer), once the staging pool may be freed.
         self._cut_close: asyncio.Future[None] | None = None
+        # close()'s run on the loop until it ended (wait_closed): it goes on when an interrupt cut its
+        # caller short. Not kept after: a death's exception in it holds frames (views of the engine's memory).
+        self._closing: concurrent.futures.Future[asyncio.Future[None] | None] | None = None
         self._clear_orphaned = False  # its caller stopped waiting: its outcome is logged, not raised
         self._retired: list[DiskTier] = []  # tiers a rescan replaced whose close did not end in time
         self._rescans: set[asyncio.Task[None]] = set()  # a reader's rescans in flight (close() stops them)
@@ -829,7 +832,8 @@ class PageFileStore:
         stuck: asyncio.Future[None] | None = None
         closing: concurrent.futures.Future[asyncio.Future[None] | None] | None = None
         try:
-            closing = self.thread.submit(self._close())
+            closing = self._closing = self.thread.submit(self._close())
+            closing.add_done_callback(self._close_ended)
             try:
                 stuck = self._stuck_io = closing.result()
             except (SystemExit, KeyboardInterrupt) as exc:
@@ -855,6 +859,35 @@ class PageFileStore:
                     self.thread.close()
                 else:
                     self._close_thread_after(stuck)
+
+    def _close_ended(self, _: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
+        self._closing = None
+
+    def wait_closed(self, timeout: float | None) -> bool:
+        """After :meth:`close`: wait up to ``timeout`` seconds for its run on the loop to end (one whose
+        caller an interrupt cut short goes on there); True once it ended, when the tier no longer uses
+        the engine's registered memory (as when ``close()`` returns). Any thread but the store's."""
+        closing = self._closing
+        if closing is None:
+            return self._closed  # it ended, or none ran (close() found the loop dead: its finalizer closed)
+        concurrent.futures.wait((closing,), timeout)
+        return closing.done()
+
+    def when_closed(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once :meth:`close`'s run on the loop ended (see :meth:`wait_closed`): at once
+        when it has, else on the loop thread (``fn`` must not block; what it raises is logged)."""
+
+        def call(_: object) -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("aiokv store: a callback after the close of %s failed", self.directory)
+
+        closing = self._closing
+        if closing is None:
+            call(None)
+        else:
+            closing.add_done_callback(call)
 
     def _close_thread_when_closed(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
         """Stop the store's own thread once the close a caller stopped waiting for ended (and the

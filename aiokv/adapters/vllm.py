@@ -227,6 +227,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._finished: collections.deque[_Outcome] = collections.deque()
         self._unreported: set[int] = set()
         self._shut = False
+        self._released = False  # the view of vLLM's region let go (shutdown)
         self._dead = False  # the loop thread died and every job it held is answered for
         # Metrics: the loop leaves a statistics snapshot here when asked (get_stats, one step behind).
         self._snapshots: collections.deque[DiskStatistics] = collections.deque()
@@ -437,8 +438,19 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         ``RuntimeError`` holding on to it, and vLLM, whose shutdown re-raises a tier's failure, keeps
         the region mapped (its contract for a tier that failed to shut down). Call again once they
         ended. A loop thread that died is waited for as long (its end cancels the transfers in
-        flight, each waiting for its I/O), then its jobs are reported failed."""
+        flight, each waiting for its I/O), then its jobs are reported failed.
+
+        An interrupt of the calling thread during the disk tier's close (``KeyboardInterrupt`` from
+        a signal handler) is raised at once; the close goes on on the tier's loop, which may still
+        use the region (its registration with io_uring) until it ended: the region is let go then.
+        A later call waits ``close_timeout`` at most for that end (``RuntimeError`` holding on to
+        the region after it) and lets go of it."""
         if self._shut:
+            if not self._released:
+                # A shutdown interrupted in or after the store's close: finish it.
+                if not self._store.wait_closed(self._store.config.close_timeout):
+                    raise self._still_moving("the disk tier's close, its caller interrupted, is still running")
+                self._let_go()
             return
         thread, bound = self._store.thread, self._store.config.close_timeout
         if thread.died is None:
@@ -453,9 +465,21 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 raise self._still_moving("the loop thread that died is still cancelling transfers of vLLM's region")
             self._reap(wait=True)  # answers for its jobs
         self._shut = True
-        self._store.close()
+        try:
+            self._store.close()
+        except BaseException:
+            # Interrupted (the close goes on on the loop), or the close failed (it ended): the
+            # region is the tier's until its close ended; let go of it then, this call or not.
+            self._store.when_closed(self._let_go)
+            raise
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Release the view of vLLM's region (its tensor first: it exports the view). Idempotent;
+        from the engine's thread, or the store's loop thread once the store's close ended."""
         self._region = torch.empty(0, dtype=torch.uint8)
         self._bytes_view.release()
+        self._released = True
 
     def _still_moving(self, what: str) -> RuntimeError:
         return RuntimeError(f"aiokv tier: {what} after close_timeout ({self._store.config.close_timeout} s): disk "
