@@ -224,6 +224,10 @@ class RankGroup:
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
         endpoint = private_directory(self._directory)
+        # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
+        # failed before binding (another manager listening now) unlink that manager's socket, given
+        # the freed inode number (ext4 reuses it at once).
+        self._inode = None
         try:
             clear_stale_socket(endpoint.socket_path)
             self._listener = _listen(os.fspath(endpoint.socket_path))
@@ -232,6 +236,7 @@ class RankGroup:
         except BaseException:
             self._stop_listening()
             remove_endpoint(endpoint, self._inode)
+            self._inode = None
             raise
         self._endpoint = endpoint
         log.info(
