@@ -96,11 +96,12 @@ def test_an_interrupted_shutdown_lets_go_of_the_region_once_the_close_ended(
             tier.shutdown()
         helper.join(BOUND_S)
         view.release()  # vLLM's own view
-        assert not _unmaps(region), "let go while the close may still pin the region"
+        # The pin's own views export the region meanwhile; the tier's view must not go either.
+        assert not _unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
         if after == "second_shutdown_early":
             with pytest.raises(RuntimeError, match="still running"):
                 tier.shutdown()
-            assert not _unmaps(region), "let go while the close may still pin the region"
+            assert not _unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
         gate.set()
         if after == "loop":
             wait_for(lambda: _unmaps(region), "the region let go once the close ended", BOUND_S)
