@@ -866,18 +866,41 @@ class PageFileStore:
     def wait_closed(self, timeout: float | None) -> bool:
         """After :meth:`close`: wait up to ``timeout`` seconds for its run on the loop to end (one whose
         caller an interrupt cut short goes on there); True once it ended, when the tier no longer uses
-        the engine's registered memory (as when ``close()`` returns). Any thread but the store's."""
+        the engine's registered memory (as when ``close()`` returns; after a death of the loop thread,
+        once that thread ended: its finalizer closed the tiers). Any thread but the store's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         closing = self._closing
-        if closing is None:
-            return self._closed  # it ended, or none ran (close() found the loop dead: its finalizer closed)
-        concurrent.futures.wait((closing,), timeout)
-        return closing.done()
+        if closing is not None:
+            concurrent.futures.wait((closing,), timeout)
+            if not closing.done():
+                return False
+        elif not self._closed:
+            return False
+        if self.thread.died is not None:
+            # A death's end cancelled the close (its future failed) before its finalizer closed the
+            # tiers, which may still use the engine's memory: over once the dying thread ended.
+            return self._wait_thread_ended(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return True  # it ended, or none ran (close() found the loop dead: its finalizer closed)
 
     def when_closed(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` once :meth:`close`'s run on the loop ended (see :meth:`wait_closed`): at once
-        when it has, else on the loop thread (``fn`` must not block; what it raises is logged)."""
+        when it has, else on the loop thread (``fn`` must not block; what it raises is logged); after a
+        death of the loop thread, once that thread ended, on a thread of its own."""
 
         def call(_: object) -> None:
+            try:
+                if self.thread.died is not None and not self.thread.dead:
+                    # The death's end cut the close (its future failed) before its finalizer closed the
+                    # tiers, which may still use the engine's memory: called once the thread ended, on a
+                    # thread of its own (the loop's must not join itself, a caller's must not block).
+                    threading.Thread(target=after_death, name="aiokv-store-closed", daemon=True).start()
+                else:
+                    fn()
+            except Exception:
+                log.exception("aiokv store: a callback after the close of %s failed", self.directory)
+
+        def after_death() -> None:
+            self._wait_thread_ended(None)
             try:
                 fn()
             except Exception:
@@ -888,6 +911,14 @@ class PageFileStore:
             call(None)
         else:
             closing.add_done_callback(call)
+
+    def _wait_thread_ended(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: for good) for the loop thread's end; True once ended."""
+        if timeout is not None:
+            return self.thread.wait_ended(timeout)
+        while not self.thread.wait_ended(3600.0):
+            pass
+        return True
 
     def _close_thread_when_closed(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
         """Stop the store's own thread once the close a caller stopped waiting for ended (and the
