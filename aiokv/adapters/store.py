@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import errno
 import functools
@@ -272,6 +273,16 @@ def page_file_bytes(page_bytes: int) -> int:
 
 def _nothing(_: object) -> None:
     """Nothing to close for a caller that is gone."""
+
+
+def _settle_unstarted(closing: concurrent.futures.Future[Any], error: BaseException) -> None:
+    """Fail the close's future whose run never started on the loop (one that started answers it)."""
+    if closing.running() or closing.done():
+        return
+    try:
+        closing.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # answered meanwhile
+        pass
 
 
 def _ended(task: asyncio.Future[Any]) -> asyncio.Future[None]:
@@ -827,14 +838,24 @@ class PageFileStore:
         thread is stopped once it ended."""
         if self._closed:
             return
+        # The close's future is the store's, made before the close is marked begun: an interrupt of
+        # this thread landing before or in the hand-over to the loop leaves it pending (wait_closed and
+        # when_closed wait for it) and the hand-over is made again below (the loop runs the close once).
+        # Made only there, an interrupt before the hand-over left no close running: the tier open for
+        # good and counted as closed (the engine's memory let go under it).
+        if self._closing is None:
+            made: concurrent.futures.Future[asyncio.Future[None] | None] = concurrent.futures.Future()
+            made.add_done_callback(self._close_ended)
+            self._closing = made
+        closing = self._closing
         self._closed = True
         deadline = time.monotonic() + self.config.close_timeout
         stuck: asyncio.Future[None] | None = None
-        closing: concurrent.futures.Future[asyncio.Future[None] | None] | None = None
+        handed = False
         try:
-            closing = self._closing = self.thread.submit(self._close())
-            closing.add_done_callback(self._close_ended)
             try:
+                self._hand_over(closing)
+                handed = True
                 stuck = self._stuck_io = closing.result()
             except (SystemExit, KeyboardInterrupt) as exc:
                 if closing.done() and not closing.cancelled() and closing.exception() is exc:
@@ -843,6 +864,10 @@ class PageFileStore:
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
+            if not handed and not closing.done():
+                # Interrupted before or in the hand-over: made again (the loop runs the close once).
+                with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
+                    self._hand_over(closing)
             self._regions.clear()  # the engine's memory is its own again
             # Its layout directory descriptor closed; a look stuck in the kernel (a hung file
             # system) is not waited for past the bound: it only looks, and ends by itself.
@@ -850,10 +875,11 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread:
-                if closing is not None and not closing.done():
+                if not closing.done():
                     # This thread was interrupted (a KeyboardInterrupt from a signal handler) while the
-                    # close ran: stopping the loop now cancelled it, the tier left open for good (its
-                    # threads, ring and lock; no finalizer runs after a close). It goes on to its end.
+                    # close ran or was handed over: stopping the loop now cancelled it, the tier left open
+                    # for good (its threads, ring and lock; no finalizer runs after a close). It goes on
+                    # to its end.
                     closing.add_done_callback(self._close_thread_when_closed)
                 elif stuck is None:
                     self.thread.close()
@@ -862,6 +888,45 @@ class PageFileStore:
 
     def _close_ended(self, _: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
         self._closing = None
+
+    def _hand_over(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
+        """Run the close on the loop, its outcome set on ``closing`` (once, however often handed over).
+        Raises (and sets on ``closing``) ``LoopDied`` or ``RuntimeError`` when the loop died or closed."""
+        try:
+            handed = self.thread.submit(self._close_once(closing))
+        except RuntimeError as exc:  # LoopDied too: nothing runs on the loop any more
+            _settle_unstarted(closing, exc)
+            raise
+
+        def unstarted(future: concurrent.futures.Future[None]) -> None:
+            # Never started (the loop ended first): nothing else answers ``closing``.
+            if future.cancelled():
+                _settle_unstarted(closing, concurrent.futures.CancelledError())
+            elif (error := future.exception()) is not None:
+                _settle_unstarted(closing, error)
+
+        handed.add_done_callback(unstarted)
+
+    async def _close_once(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
+        """:meth:`_close`, its outcome set on ``closing`` (``LoopDied`` when a death's end cut it)."""
+        if closing.running() or closing.done():
+            return  # handed over again (its caller interrupted in the hand-over): it runs already
+        closing.set_running_or_notify_cancel()
+        try:
+            stuck = await self._close()
+        except asyncio.CancelledError:
+            died = self.thread.died
+            if died is None:  # a close of the shared loop thread cut it (its caller's future was cancelled)
+                closing.set_exception(concurrent.futures.CancelledError())
+            else:
+                error = LoopDied(f"aiokv loop thread died: {died!r}")
+                error.__cause__ = died
+                closing.set_exception(error)
+            raise
+        except BaseException as exc:
+            closing.set_exception(exc)
+            raise
+        closing.set_result(stuck)
 
     def wait_closed(self, timeout: float | None) -> bool:
         """After :meth:`close`: wait up to ``timeout`` seconds for its run on the loop to end (one whose

@@ -1,0 +1,117 @@
+"""Review 247: vLLM's thread interrupted (a ``KeyboardInterrupt`` from a signal handler) in the
+store's ``close()`` after it marked itself begun and before the hand-over of its close to the loop
+returned.
+
+No close ran then: ``close()`` stopped the store's loop (the disk tier left open for good: its
+ring with vLLM's region registered, its threads and lock), ``wait_closed`` answered True and the
+tier let go of vLLM's region at once, under that open disk tier. The close's future is now the
+store's, made before the close is marked begun, and an interrupted hand-over is made again: the
+close runs to its end on the loop, then the region is let go and the thread stopped.
+
+The interrupt is real (a signal to the thread in ``shutdown()``, its handler raising); the test
+chooses its moment: the hand-over (``LoopThread.submit``) waits on an event before or after it
+schedules. (Scheduled, the interrupt had ``close()`` stop the loop under the running close.)
+"""
+
+from __future__ import annotations
+
+import mmap
+import signal
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from store_helpers import wait_for
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
+                    reason="vLLM is not installed (make test installs requirements-engines.txt)")
+
+from vllm_helpers import CHUNK_BYTES, offloading_spec
+
+from aiokv.adapters.vllm import AiokvTier
+
+BOUND_S = 30.0
+
+
+class _Interrupted(BaseException):
+    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise _Interrupted
+
+
+def _unmaps(region: mmap.mmap) -> bool:
+    try:
+        region.close()
+    except BufferError:
+        return False
+    return True
+
+
+def _tier_closed(disk: Any) -> bool:
+    ended = disk._io_ended  # (io_ended raises before the close began)
+    return ended is not None and ended.done()
+
+
+@pytest.mark.parametrize("when", ["unscheduled", "scheduled"])
+def test_an_interrupt_in_the_hand_over_of_the_close_still_closes_the_disk_tier_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """``unscheduled``: the signal lands before the close was scheduled on the loop (the hand-over is
+    made again); ``scheduled``: after (the close runs, and runs once although handed over again)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run on the main thread only")
+    spec = offloading_spec(tmp_path / "spec-source")
+    region = mmap.mmap(-1, 4 * CHUNK_BYTES)  # vLLM's region: a mapping it unmaps after shutdown
+    view = memoryview(region).cast("B", (4, CHUNK_BYTES))
+    tier = AiokvTier(spec, view, "aiokv", disk_dir=str(tmp_path / "cache"), disk_bytes=64 * CHUNK_BYTES,
+                     queue_depth=4, close_timeout=BOUND_S)
+    store = tier._store
+    thread = store.thread
+    disk = store._disk
+    assert disk is not None
+    main = threading.get_ident()
+    real, waiting, held = thread.submit, threading.Event(), threading.Event()
+
+    def submit(coro: Coroutine[Any, Any, Any]) -> Any:
+        if waiting.is_set() or not coro.__qualname__.startswith("PageFileStore._close"):
+            return real(coro)
+        if when == "scheduled":
+            handed = real(coro)  # the close runs; the signal lands before its future is returned
+            waiting.set()
+            held.wait(BOUND_S)
+            return handed
+        waiting.set()
+        try:
+            held.wait(BOUND_S)  # the signal lands here, before the close is scheduled
+        except BaseException:
+            coro.close()
+            raise
+        return real(coro)
+
+    monkeypatch.setattr(thread, "submit", submit)
+
+    def interrupter() -> None:
+        assert waiting.wait(BOUND_S)
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
+    try:
+        helper.start()
+        with pytest.raises(_Interrupted):
+            tier.shutdown()
+        helper.join(BOUND_S)
+        view.release()  # vLLM's own view
+        wait_for(lambda: _tier_closed(disk), "the disk tier closed after the interrupted hand-over", BOUND_S)
+        wait_for(lambda: _unmaps(region), "the region let go once the close ended", BOUND_S)
+        thread._thread.join(BOUND_S)
+        assert not thread._thread.is_alive(), "the store's loop thread was never stopped"
+        tier.shutdown()  # returns at once
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        held.set()
+        helper.join(BOUND_S)
+        thread._thread.join(BOUND_S)
