@@ -20,6 +20,7 @@ import pytest
 import torch
 from cache_helpers import assert_quiescent
 from group_helpers import GROUP, LAYOUT, T, group_config, put_on_disk, random_kv, random_tokens
+from loop_probes import until_thread
 
 from aiokv import CacheConfig, DiskBackend, KVCache
 from aiokv.pagetable import PageHandle, ReserveOutcome
@@ -53,9 +54,14 @@ async def _on_disk(root: Path, backend: DiskBackend, tokens: list[int], kv: torc
     await put_on_disk(_config(root, backend), tokens, kv)
 
 
-async def _held(gate: GateControl) -> None:
-    """Until a read waits at the gate (polled in a thread: the gate's state is the kernel's)."""
+async def _held(gate: GateControl, cache: KVCache) -> None:
+    """Until a read waits at the gate (polled in a thread: the gate's state is the kernel's) and
+    the tier has a page read holding an I/O slot: the gate also holds the ext4's own I/O, so a
+    request held there alone did not say the load's read had begun (as 3799adc found for vLLM)."""
     await asyncio.to_thread(gate.wait_held)
+    disk = cache.disk
+    assert disk is not None
+    await until_thread(lambda: disk.statistics().reads_in_flight > 0, "a page read of the load in flight")
 
 
 def _take(cache: KVCache, fill: int) -> list[PageHandle]:
@@ -87,7 +93,7 @@ async def test_a_load_cancelled_with_its_group_held_returns_at_once_and_frees_no
                 assert match.disk_pages == PAGES
                 gate.hold()
                 task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
-                await _held(gate)
+                await _held(gate, cache)
                 began = time.monotonic()
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -128,7 +134,7 @@ async def test_the_file_system_shut_down_under_held_group_reads_shortens_the_loa
                 match = await cache.match(tokens)
                 gate.hold()
                 task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
-                await _held(gate)
+                await _held(gate, cache)
                 # The shutdown waits for the held I/O: from a thread, the gate opened behind it.
                 # Reads the kernel took before it lands may still succeed; every later one: EIO.
                 shutting = asyncio.ensure_future(asyncio.to_thread(shut_down_ext4, mount))
@@ -168,7 +174,7 @@ async def test_the_close_with_group_reads_held_keeps_its_bound_and_the_load_with
             match = await cache.match(tokens)
             gate.hold()
             task = asyncio.create_task(cache.load(match, torch.arange(N, 2 * N)))
-            await _held(gate)
+            await _held(gate, cache)
             began = time.monotonic()
             async with asyncio.timeout(BOUND_S):
                 await cache.aclose()
