@@ -843,11 +843,7 @@ class PageFileStore:
         # when_closed wait for it) and the hand-over is made again below (the loop runs the close once).
         # Made only there, an interrupt before the hand-over left no close running: the tier open for
         # good and counted as closed (the engine's memory let go under it).
-        if self._closing is None:
-            made: concurrent.futures.Future[asyncio.Future[None] | None] = concurrent.futures.Future()
-            made.add_done_callback(self._close_ended)
-            self._closing = made
-        closing = self._closing
+        closing = self._close_future()
         self._closed = True
         deadline = time.monotonic() + self.config.close_timeout
         stuck: asyncio.Future[None] | None = None
@@ -885,6 +881,15 @@ class PageFileStore:
                     self.thread.close()
                 else:
                     self._close_thread_after(stuck)
+
+    def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
+        """The future of the close to come or running (made once, before the close begins)."""
+        closing = self._closing
+        if closing is None:
+            closing = concurrent.futures.Future()
+            closing.add_done_callback(self._close_ended)
+            self._closing = closing
+        return closing
 
     def _close_ended(self, _: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
         self._closing = None
@@ -933,14 +938,14 @@ class PageFileStore:
         caller an interrupt cut short goes on there); True once it ended, when the tier no longer uses
         the engine's registered memory (as when ``close()`` returns; after a death of the loop thread,
         once that thread ended: its finalizer closed the tiers). Any thread but the store's."""
+        if not self._closed:
+            return False  # not begun (its caller interrupted before it began)
         deadline = None if timeout is None else time.monotonic() + timeout
         closing = self._closing
         if closing is not None:
             concurrent.futures.wait((closing,), timeout)
             if not closing.done():
                 return False
-        elif not self._closed:
-            return False
         if self.thread.died is not None:
             # A death's end cancelled the close (its future failed) before its finalizer closed the
             # tiers, which may still use the engine's memory: over once the dying thread ended.
@@ -948,9 +953,10 @@ class PageFileStore:
         return True  # it ended, or none ran (close() found the loop dead: its finalizer closed)
 
     def when_closed(self, fn: Callable[[], object]) -> None:
-        """Call ``fn()`` once :meth:`close`'s run on the loop ended (see :meth:`wait_closed`): at once
-        when it has, else on the loop thread (``fn`` must not block; what it raises is logged); after a
-        death of the loop thread, once that thread ended, on a thread of its own."""
+        """Call ``fn()`` once :meth:`close`'s run on the loop ended (see :meth:`wait_closed`; a close that
+        did not begin yet: once a later one ended): at once when it has, else on the loop thread (``fn``
+        must not block; what it raises is logged); after a death of the loop thread, once that thread
+        ended, on a thread of its own."""
 
         def call(_: object) -> None:
             try:
@@ -971,11 +977,11 @@ class PageFileStore:
             except Exception:
                 log.exception("aiokv store: a callback after the close of %s failed", self.directory)
 
-        closing = self._closing
-        if closing is None:
-            call(None)
+        if self._closing is None and self._closed:
+            call(None)  # it ended
         else:
-            closing.add_done_callback(call)
+            # Running, or not begun yet (its caller interrupted before it began): once a close ended.
+            self._close_future().add_done_callback(call)
 
     def _wait_thread_ended(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: for good) for the loop thread's end; True once ended."""

@@ -444,10 +444,13 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         a signal handler) is raised at once; the close goes on on the tier's loop, which may still
         use the region (its registration with io_uring) until it ended: the region is let go then.
         A later call waits ``close_timeout`` at most for that end (``RuntimeError`` holding on to
-        the region after it) and lets go of it."""
+        the region after it) and lets go of it; it closes the disk tier first when the interrupt came
+        before that close began (the region is held until then)."""
         if self._shut:
             if not self._released:
-                # A shutdown interrupted in or after the store's close: finish it.
+                # A shutdown interrupted in or after the store's close: finish it (and close the store if
+                # the interrupt came before its close began: at once otherwise).
+                self._store.close()
                 if not self._store.wait_closed(self._store.config.close_timeout):
                     raise self._still_moving("the disk tier's close, its caller interrupted, is still running")
                 self._let_go()
