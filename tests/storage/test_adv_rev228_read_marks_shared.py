@@ -74,11 +74,27 @@ async def test_an_unlinked_read_beside_another_pages_eviction_is_no_eviction(
         read_unlinked = asyncio.create_task(_read(tier, pool, unlinked, 10))
         await until_thread(lambda: len(gate.held) == 2, "the second read's load")
         os.unlink(tier.files.path(unlinked))  # from outside: still indexed
+        # The eviction's unlink is a task of its own that the write does not wait for: one that
+        # lands after the held read opened the file lets the read succeed (the page's own bytes,
+        # checked), and the eviction is not what this test examines. A full run had it so once;
+        # a few loop turns' delay before each unlink makes that order certain (the wait below
+        # then lets the read go only once the file is gone).
+        io = tier._io
+        assert io is not None
+        really_unlink = io.unlink
+
+        async def late_unlink(dir_fd: int, name: str) -> None:
+            for _ in range(20):
+                await asyncio.sleep(0)
+            await really_unlink(dir_fd, name)
+
+        monkeypatch.setattr(io, "unlink", late_unlink)
         if remover == "evict":
             await stored_page(tier, pool, 2)  # the budget: the tier evicts the LRU page, `evicted`
         else:
-            await tier.delete(evicted)
+            await tier.delete(evicted)  # (it waits for its unlink)
         assert not tier.contains(evicted) and tier.contains(unlinked)
+        await until_thread(lambda: not os.path.lexists(tier.files.path(evicted)), "the evicted page's unlink")
         gate.open()
         async with asyncio.timeout(BOUND_S):
             assert not await read_evicted
