@@ -25,6 +25,7 @@ from disk_helpers import (
     write_page,
 )
 from fs_helpers import eio_directory, fill_up, loop_ext4, remount, use_up_inodes
+from loop_probes import until_thread
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -53,11 +54,32 @@ def _flip(path: str, offset: int) -> None:
 # -- a full file system ----------------------------------------------------------------------
 
 
+def _late_eviction_unlinks(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each unlink the tier starts while its one write in flight is a first try lands once that
+    write ended or met ENOSPC (after the new file took its blocks); a retry's own unlinks, which
+    the retry waits for, and any other unlink go at once."""
+    io = tier._io
+    assert io is not None
+    really_unlink = io.unlink
+
+    def enospc() -> int:
+        return tier.statistics().errors[ErrorKind.ENOSPC]
+
+    async def late_unlink(dir_fd: int, name: str) -> None:
+        writing = list(tier._writing.values())
+        if len(writing) == 1 and writing[0].attempt == 0:
+            job, failed = writing[0], enospc()
+            await until_thread(lambda: job.ended or enospc() > failed, "the evicting write's end or ENOSPC")
+        await really_unlink(dir_fd, name)
+
+    monkeypatch.setattr(io, "unlink", late_unlink)
+
+
 @pytest.mark.root
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["direct", "buffered", "no-recycling"])
 async def test_full_file_system_keeps_taking_new_pages(tmp_path: Path, backend: DiskBackend, big_pool: PagePool,
-                                                       mode: str) -> None:
+                                                       mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Regression: once the file system filled, the tier (far under its 1 GiB budget) kept trying
     # to create files, so no new page reached the disk again, in this process or after a restart.
     with loop_ext4(tmp_path, 24) as mount:
@@ -71,6 +93,7 @@ async def test_full_file_system_keeps_taking_new_pages(tmp_path: Path, backend: 
             # Another program fills the disk, leaving less than one page file: a buffered write
             # there is short (counted as ENOSPC, not EIO), a direct one fails outright.
             fill_up(mount / "ballast", leave=PER_FILE // 2)
+            _late_eviction_unlinks(tier, monkeypatch)
             for i in range(10, 40):
                 ok, stored[i] = await write_page(tier, big_pool, i)
                 assert ok, f"page {i} did not reach the full disk"
@@ -84,6 +107,13 @@ async def test_full_file_system_keeps_taking_new_pages(tmp_path: Path, backend: 
                 got = await read_page(tier, big_pool, i)
                 assert got is not None
                 assert torch.equal(got, stored[i])
+        # A write's first try does not wait for the unlinks of the pages its budget evicted (a
+        # retry after ENOSPC does): one that lands after the new file took the blocks costs the
+        # write an ENOSPC and a second eviction, and the room it frees stays free (the capacity
+        # after ENOSPC is what is stored, until the next free-space check). The delay above makes
+        # that order certain (no-recycling: evictions unlink); the disk is full again here, as
+        # another program keeps it, so the restart below is over a full disk in either order.
+        fill_up(mount / "ballast-again", leave=PER_FILE // 2)
         async with DiskTier(cfg, BIG, big_pool) as again:  # a restart over the full disk
             assert again.statistics().effective_capacity_bytes <= again.statistics().bytes_stored
             for i in range(40, 50):
