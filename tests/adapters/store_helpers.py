@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,3 +38,38 @@ def hold_region_pinning(monkeypatch: Any, bound_s: float) -> tuple[threading.Eve
 
     monkeypatch.setattr(backends, "update_in_batches", held)
     return entered, gate
+
+
+# -- an interrupt of the engine's thread (a signal's handler raising) and what it must leave --------
+
+
+class Interrupted(BaseException):
+    """What :func:`raise_interrupted` raises (a ``KeyboardInterrupt`` of the tests' own)."""
+
+
+def raise_interrupted(_signum: int, _frame: object) -> None:
+    """A signal handler raising :class:`Interrupted` in the thread the signal was sent to."""
+    raise Interrupted
+
+
+def unmaps(region: mmap.mmap) -> bool:
+    """Whether the engine could unmap its region now (nothing exports it any more)."""
+    try:
+        region.close()
+    except BufferError:
+        return False
+    return True
+
+
+def released(view: memoryview) -> bool:
+    """Whether ``view`` was released."""
+    try:
+        return view.nbytes < 0  # raises once released
+    except ValueError:
+        return True
+
+
+def tier_closed(disk: Any) -> bool:
+    """Whether the disk tier's close ended (``io_ended`` raises before the close began)."""
+    ended = disk._io_ended
+    return ended is not None and ended.done()

@@ -25,20 +25,12 @@ from pathlib import Path
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import hold_region_pinning, wait_for
+from store_helpers import Interrupted, hold_region_pinning, raise_interrupted, wait_for
 
 from aiokv.adapters.store import PageFileStore, StoreConfig, page_file_bytes
 
 PAGE = 8192
 BOUND_S = 30.0
-
-
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
 
 
 def test_an_interrupted_close_still_closes_the_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +55,7 @@ def test_an_interrupted_close_still_closes_the_disk_tier(tmp_path: Path, monkeyp
         wait_for(lambda: returned.is_set() or thread._ending, "close() interrupted", BOUND_S)
         gate.set()
 
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
     try:
         thread.call(lambda: store.register_memory(memoryview(region))).result()
@@ -73,7 +65,7 @@ def test_an_interrupted_close_still_closes_the_disk_tier(tmp_path: Path, monkeyp
         assert pool is not None and disk is not None
         segment = f"/dev/shm/{pool.name.lstrip('/')}"
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             store.close()
         returned.set()
         helper.join(BOUND_S)

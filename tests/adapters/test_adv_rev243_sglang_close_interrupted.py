@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from loop_probes import waiting_in
-from store_helpers import hold_region_pinning, wait_for
+from store_helpers import Interrupted, hold_region_pinning, raise_interrupted, wait_for
 
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make engines installs it)")
@@ -33,14 +33,6 @@ sglang_helpers = pytest.importorskip("sglang_helpers")
 
 BOUND_S = 30.0
 CLOSE_S = 2.0  # the bound the unfixed close waited for the held close before stopping the loop
-
-
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
 
 
 def _mamba_pool(slots: int) -> Any:
@@ -68,7 +60,7 @@ def test_an_interrupted_close_closes_every_pool(tmp_path: Path, monkeypatch: pyt
     backends.append(backend)
     backend.register_mem_pool_host(kv)
     backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     returned = threading.Event()
     main = threading.get_ident()
     helper: threading.Thread | None = None
@@ -94,7 +86,7 @@ def test_an_interrupted_close_closes_every_pool(tmp_path: Path, monkeypatch: pyt
 
         helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             backend.close()
         returned.set()
         helper.join(BOUND_S)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import hold_region_pinning, wait_for
+from store_helpers import Interrupted, hold_region_pinning, raise_interrupted, unmaps, wait_for
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
@@ -38,26 +38,9 @@ BOUND_S = 30.0
 EARLY_CLOSE_S = 1.0  # close_timeout where a second shutdown comes while the close is still held
 
 
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
-
-
 @pytest.fixture
 def spec(tmp_path: Path) -> Any:
     return offloading_spec(tmp_path / "spec-source")
-
-
-def _unmaps(region: mmap.mmap) -> bool:
-    """Whether vLLM could unmap its region now (nothing exports it any more)."""
-    try:
-        region.close()
-    except BufferError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("after", ["loop", "second_shutdown", "second_shutdown_early"])
@@ -86,30 +69,30 @@ def test_an_interrupted_shutdown_lets_go_of_the_region_once_the_close_ended(
         wait_for(close_waits, "the close waiting for the registration", BOUND_S)
         signal.pthread_kill(main, signal.SIGUSR1)
 
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
     try:
         if not entered.wait(BOUND_S):
             pytest.skip("the disk tier did not register the region (no io_uring here)")
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             tier.shutdown()
         helper.join(BOUND_S)
         view.release()  # vLLM's own view
         # The pin's own views export the region meanwhile; the tier's view must not go either.
-        assert not _unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
+        assert not unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
         if after == "second_shutdown_early":
             with pytest.raises(RuntimeError, match="still running"):
                 tier.shutdown()
-            assert not _unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
+            assert not unmaps(region) and tier._bytes_view.nbytes, "let go while the close may still pin the region"
         gate.set()
         if after == "loop":
-            wait_for(lambda: _unmaps(region), "the region let go once the close ended", BOUND_S)
+            wait_for(lambda: unmaps(region), "the region let go once the close ended", BOUND_S)
         else:
             if after == "second_shutdown_early":
                 assert store.wait_closed(BOUND_S)  # its close_timeout is short
             tier.shutdown()  # waits for the close's end; before: returned at once, the region exported
-            assert _unmaps(region), "the region is still exported after a second shutdown"
+            assert unmaps(region), "the region is still exported after a second shutdown"
         tier.shutdown()  # returns at once
         thread._thread.join(BOUND_S)
         assert not thread._thread.is_alive(), "the store's loop thread was never stopped"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import wait_for
+from store_helpers import Interrupted, raise_interrupted, tier_closed, unmaps, wait_for
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
@@ -36,22 +36,6 @@ from aiokv.adapters.vllm import AiokvTier
 BOUND_S = 30.0
 
 
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
-
-
-def _unmaps(region: mmap.mmap) -> bool:
-    try:
-        region.close()
-    except BufferError:
-        return False
-    return True
-
-
 def _hold(held: threading.Event) -> None:
     """Wait for ``held`` in short waits: after another file's test, the signal sent while this thread
     waited in one long ``Event.wait`` ran its handler only once that wait timed out (30 s; cause
@@ -60,11 +44,6 @@ def _hold(held: threading.Event) -> None:
     deadline = time.monotonic() + BOUND_S
     while not held.wait(0.01) and time.monotonic() < deadline:
         pass
-
-
-def _tier_closed(disk: Any) -> bool:
-    ended = disk._io_ended  # (io_ended raises before the close began)
-    return ended is not None and ended.done()
 
 
 @pytest.mark.parametrize("when", ["unscheduled", "scheduled"])
@@ -108,16 +87,16 @@ def test_an_interrupt_in_the_hand_over_of_the_close_still_closes_the_disk_tier_f
         assert waiting.wait(BOUND_S)
         signal.pthread_kill(main, signal.SIGUSR1)
 
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
     try:
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             tier.shutdown()
         helper.join(BOUND_S)
         view.release()  # vLLM's own view
-        wait_for(lambda: _tier_closed(disk), "the disk tier closed after the interrupted hand-over", BOUND_S)
-        wait_for(lambda: _unmaps(region), "the region let go once the close ended", BOUND_S)
+        wait_for(lambda: tier_closed(disk), "the disk tier closed after the interrupted hand-over", BOUND_S)
+        wait_for(lambda: unmaps(region), "the region let go once the close ended", BOUND_S)
         thread._thread.join(BOUND_S)
         assert not thread._thread.is_alive(), "the store's loop thread was never stopped"
         tier.shutdown()  # returns at once

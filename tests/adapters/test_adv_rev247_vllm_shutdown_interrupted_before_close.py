@@ -17,9 +17,9 @@ import mmap
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
+from store_helpers import Interrupted, raise_interrupted, released, tier_closed, unmaps
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
@@ -29,34 +29,6 @@ from vllm_helpers import CHUNK_BYTES, offloading_spec
 from aiokv.adapters.vllm import AiokvTier
 
 BOUND_S = 30.0
-
-
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
-
-
-def _unmaps(region: mmap.mmap) -> bool:
-    try:
-        region.close()
-    except BufferError:
-        return False
-    return True
-
-
-def _released(view: memoryview) -> bool:
-    try:
-        return view.nbytes < 0  # raises once released
-    except ValueError:
-        return True
-
-
-def _tier_closed(disk: Any) -> bool:
-    ended = disk._io_ended  # (io_ended raises before the close began)
-    return ended is not None and ended.done()
 
 
 def test_an_interrupt_before_the_stores_close_began_holds_the_region_until_a_shutdown_closed_it(
@@ -87,20 +59,20 @@ def test_an_interrupt_before_the_stores_close_began_holds_the_region_until_a_shu
         assert waiting.wait(BOUND_S)
         signal.pthread_kill(main, signal.SIGUSR1)
 
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
     try:
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             tier.shutdown()
         helper.join(BOUND_S)
         view.release()  # vLLM's own view
-        assert not _tier_closed(disk) and thread._thread.is_alive()
-        assert not _released(tier._bytes_view), "let go of the region before the disk tier's close began"
-        assert not _unmaps(region)
+        assert not tier_closed(disk) and thread._thread.is_alive()
+        assert not released(tier._bytes_view), "let go of the region before the disk tier's close began"
+        assert not unmaps(region)
         tier.shutdown()  # closes the store now, then lets go
-        assert _tier_closed(disk), "the disk tier was never closed"
-        assert _unmaps(region), "the region is still exported after a second shutdown"
+        assert tier_closed(disk), "the disk tier was never closed"
+        assert unmaps(region), "the region is still exported after a second shutdown"
         thread._thread.join(BOUND_S)
         assert not thread._thread.is_alive(), "the store's loop thread was never stopped"
         tier.shutdown()  # returns at once

@@ -21,11 +21,10 @@ import mmap
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import hold_region_pinning, wait_for
+from store_helpers import Interrupted, hold_region_pinning, raise_interrupted, released, tier_closed, unmaps, wait_for
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
@@ -37,37 +36,8 @@ from aiokv.adapters.vllm import AiokvTier
 BOUND_S = 30.0
 
 
-class _Interrupted(BaseException):
-    """What the signal's handler raises (a ``KeyboardInterrupt`` of the test's own)."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise _Interrupted
-
-
 def _die() -> None:
     raise SystemExit("injected: the loop thread ends")
-
-
-def _unmaps(region: mmap.mmap) -> bool:
-    """Whether vLLM could unmap its region now (nothing exports it any more)."""
-    try:
-        region.close()
-    except BufferError:
-        return False
-    return True
-
-
-def _released(view: memoryview) -> bool:
-    try:
-        return view.nbytes < 0  # raises once released
-    except ValueError:
-        return True
-
-
-def _tier_closed(disk: Any) -> bool:
-    ended = disk._io_ended  # (io_ended raises before the close began)
-    return ended is not None and ended.done()
 
 
 @pytest.mark.parametrize("after", ["loop", "second_shutdown"])
@@ -96,13 +66,13 @@ def test_a_death_cutting_an_interrupted_shutdowns_close_lets_go_of_the_region_af
         wait_for(close_waits, "the close waiting for the registration", BOUND_S)
         signal.pthread_kill(main, signal.SIGUSR1)
 
-    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
     helper = threading.Thread(target=interrupter, name="test-interrupter", daemon=True)
     try:
         if not entered.wait(BOUND_S):
             pytest.skip("the disk tier did not register the region (no io_uring here)")
         helper.start()
-        with pytest.raises(_Interrupted):
+        with pytest.raises(Interrupted):
             tier.shutdown()
         helper.join(BOUND_S)
         view.release()  # vLLM's own view
@@ -114,19 +84,19 @@ def test_a_death_cutting_an_interrupted_shutdowns_close_lets_go_of_the_region_af
         assert cut.wait(BOUND_S), "the death did not cut the close"
         assert thread.died is not None and not thread.dead  # its end waits for the held pin
         disk = store._disk
-        assert disk is not None and not _tier_closed(disk), "the disk tier closed before the pin ended"
+        assert disk is not None and not tier_closed(disk), "the disk tier closed before the pin ended"
         # The disk tier is still open (the finalizer runs once the pin ended): the region is its.
-        assert not _released(tier._bytes_view), "let go of the region under the open disk tier"
-        assert not _unmaps(region)
+        assert not released(tier._bytes_view), "let go of the region under the open disk tier"
+        assert not unmaps(region)
         if after == "second_shutdown":
             assert not store.wait_closed(0.1), "the close counted as ended under the open disk tier"
         gate.set()
         if after == "loop":
-            wait_for(lambda: _unmaps(region), "the region let go once the dying thread ended", BOUND_S)
+            wait_for(lambda: unmaps(region), "the region let go once the dying thread ended", BOUND_S)
         else:
             tier.shutdown()  # waits for the dying thread's end
-            assert _unmaps(region), "the region is still exported after a second shutdown"
-        assert _tier_closed(disk), "the dying loop's finalizer did not close the disk tier"
+            assert unmaps(region), "the region is still exported after a second shutdown"
+        assert tier_closed(disk), "the dying loop's finalizer did not close the disk tier"
         tier.shutdown()  # returns at once
         assert thread.wait_ended(BOUND_S)
     finally:
