@@ -4,19 +4,33 @@ Only processes of the same user can reach a socket in such a directory; the mana
 each peer's uid (``SO_PEERCRED``). The path is stable for a given directory, so a restarted manager
 listens where its workers reconnect. A socket file left by a dead manager is removed; one that a
 live manager still answers on is an error.
+
+Managers starting in one directory take turns (:func:`start_lock`, an exclusive ``flock`` of the
+directory held from the probe of the old socket until the new one listens): a socket that is bound
+but not yet listening refuses a connection as a dead one does, and a second manager probing it then
+removed it and bound its own, leaving the first listening where nobody could reach it (both believed
+they owned the group). A stopping manager removes its socket's name before it closes the socket, the
+only time that name is known to be its own (review 249).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
 import os
 import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
+
+log = logging.getLogger(__name__)
 
 SOCKET_NAME = "manager.sock"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
@@ -73,8 +87,43 @@ def private_directory(directory: str | os.PathLike[str] | None) -> Endpoint:
     return endpoint
 
 
+_FLOCK_UNSUPPORTED = frozenset({errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+"""``flock`` errors of file systems that cannot lock the directory (NFS emulates ``flock`` with a
+write lock, which a directory opened for reading cannot take; a mount without a lock manager)."""
+
+
+@contextlib.contextmanager
+def start_lock(directory: Path) -> Iterator[None]:
+    """Hold the exclusive start lock of ``directory`` (its own ``flock``) for the block.
+
+    Raises ``RuntimeError`` at once while another manager holds it (it is starting there right now:
+    it will listen, or fail). Where the file system cannot lock, a warning and the block runs unlocked.
+    The lock ends with the descriptor, so a start that died holding it holds nothing."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another manager is starting in {directory}") from None
+        except OSError as exc:
+            if exc.errno not in _FLOCK_UNSUPPORTED:
+                raise
+            log.warning("cannot lock %s (%s): starting unlocked; two managers starting there at once "
+                        "may both believe they listen", directory, exc)
+        yield
+    finally:
+        os.close(fd)
+
+
+def socket_identity(info: os.stat_result) -> tuple[int, int]:
+    """``(st_dev, st_ino)``: which file a path named when it was looked at."""
+    return info.st_dev, info.st_ino
+
+
 def clear_stale_socket(path: Path) -> None:
-    """Remove a socket file nobody listens on; raise when a live listener answers or it is not ours."""
+    """Remove a socket file nobody listens on; raise when a live listener answers or it is not ours.
+
+    Call it under :func:`start_lock`: a socket bound but not yet listening answers as a dead one."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -86,13 +135,27 @@ def clear_stale_socket(path: Path) -> None:
     try:
         probe.connect(os.fspath(path))
     except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # a dead manager's socket
+        unlink_socket(path, socket_identity(info))  # a dead manager's socket, if still the one probed
         return
     except BlockingIOError:
         pass  # a live listener with a full backlog
     finally:
         probe.close()
     raise RuntimeError(f"another manager is listening on {path}")
+
+
+def unlink_socket(path: Path, identity: tuple[int, int] | None) -> None:
+    """Unlink ``path`` if it still names the file ``identity`` (:func:`socket_identity`); None: nothing.
+
+    Exact only while that file cannot be freed (its socket open, or under :func:`start_lock` for a
+    dead one): a freed inode's number is given to the next file made (ext4 does so at once)."""
+    if identity is None:
+        return
+    try:
+        if socket_identity(os.lstat(path)) == identity:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -116,14 +179,10 @@ def trusted_peer(uid: int) -> bool:
     return uid in (os.getuid(), 0)
 
 
-def remove_endpoint(endpoint: Endpoint, inode: int | None) -> None:
-    """Unlink the socket (only if it is still the one we bound, ``inode``) and a directory we created."""
-    path = endpoint.socket_path
-    try:
-        if inode is not None and os.lstat(path).st_ino == inode:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
+def remove_endpoint(endpoint: Endpoint, identity: tuple[int, int] | None) -> None:
+    """Unlink the socket (only if it is still the one we bound, ``identity``: see
+    :func:`unlink_socket`) and a directory we created."""
+    unlink_socket(endpoint.socket_path, identity)
     if endpoint.created:
         try:
             os.rmdir(endpoint.directory)

@@ -38,7 +38,17 @@ from typing import cast
 from aiokv.layout import KVLayout, TPSlice
 
 from .config import TPConfig
-from .endpoint import Endpoint, clear_stale_socket, private_directory, remove_endpoint, transport_peer, trusted_peer
+from .endpoint import (
+    Endpoint,
+    clear_stale_socket,
+    private_directory,
+    remove_endpoint,
+    socket_identity,
+    start_lock,
+    transport_peer,
+    trusted_peer,
+    unlink_socket,
+)
 from .jobs import Job, JobStatistics, JobTable, RankFailure
 from .room import RoomQueue
 from .specs import Direction, IntArrayLike, TransferSpec
@@ -185,7 +195,9 @@ class RankGroup:
         self._writer_order = tuple(sorted(self.writers))
         self._directory = directory
         self._endpoint: Endpoint | None = None
-        self._inode: int | None = None
+        # (st_dev, st_ino) of the socket file this start bound, while its listener is open: the
+        # only file the group ever unlinks (see _stop_listening).
+        self._socket_id: tuple[int, int] | None = None
         # The listening socket and the accept loop are ours, not an asyncio.Server's: a connection
         # a Server accepted in the loop turn before its close() makes its transport a turn later,
         # when Server._attach's assert fails (CPython 3.11-3.13) and leaves the socket open for good
@@ -227,18 +239,23 @@ class RankGroup:
         # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
         # failed before binding (another manager listening now) unlink that manager's socket, given
         # the freed inode number (ext4 reuses it at once).
-        self._inode = None
+        self._socket_id = None
+        self._endpoint = endpoint
         try:
-            clear_stale_socket(endpoint.socket_path)
-            self._listener = _listen(os.fspath(endpoint.socket_path))
-            self._inode = os.lstat(endpoint.socket_path).st_ino
+            # Probe, bind and listen under the directory's start lock: bound but not yet listening,
+            # our socket refuses a probe as a dead one does, and another manager starting there
+            # unlinked it and bound its own; this one then listened where no rank could reach it,
+            # and both believed they owned the group (review 249).
+            with start_lock(endpoint.directory):
+                clear_stale_socket(endpoint.socket_path)
+                self._listener = _listen(os.fspath(endpoint.socket_path))
+                self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
             asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
         except BaseException:
             self._stop_listening()
-            remove_endpoint(endpoint, self._inode)
-            self._inode = None
+            self._endpoint = None
+            remove_endpoint(endpoint, None)
             raise
-        self._endpoint = endpoint
         log.info(
             "rank group listening on %s: tp_size=%d, pool %s (epoch %#x, %d pages)",
             endpoint.socket_path, self.tp_size, self.pool_name, self.epoch, self.num_pages,
@@ -301,7 +318,7 @@ class RankGroup:
         if self._connecting:
             await asyncio.wait(set(self._connecting))
         if self._endpoint is not None:
-            remove_endpoint(self._endpoint, self._inode)
+            remove_endpoint(self._endpoint, None)  # the socket's name went with the listener
         self._changed.set()
 
     async def _wait_idle(self) -> bool:
@@ -392,6 +409,13 @@ class RankGroup:
             self._accept_retry = None
         listener, self._listener = self._listener, None
         if listener is not None:
+            # The name goes first, while the open listener holds its inode: once closed, the file
+            # is a dead manager's to one starting there, which removes it and binds a socket the
+            # file system may give the same inode number (ext4 does), and our unlink after the
+            # close then removed that live manager's socket (review 249).
+            if self._endpoint is not None:
+                unlink_socket(self._endpoint.socket_path, self._socket_id)
+            self._socket_id = None
             with contextlib.suppress(ValueError, OSError):  # not registered (a failed start, a pause)
                 asyncio.get_running_loop().remove_reader(listener.fileno())
             listener.close()
