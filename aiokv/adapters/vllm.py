@@ -204,10 +204,12 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 self._store.close()
             except Exception:
                 log.exception("aiokv tier: closing the disk tier of a failed start failed")
-            finally:
-                self._region = torch.empty(0, dtype=torch.uint8)
-                if hasattr(self, "_bytes_view"):
-                    self._bytes_view.release()
+            except BaseException:
+                # Interrupted (the close goes on on the loop, which may still pin the region for
+                # io_uring): let go once it ended, as shutdown() does. It was let go at once.
+                self._store.when_closed(self._let_go)
+                raise
+            self._let_go()
             raise
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
@@ -449,7 +451,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if self._shut:
             if not self._released:
                 # A shutdown interrupted in or after the store's close: finish it (and close the store if
-                # the interrupt came before its close began: at once otherwise).
+                # the interrupt came before its close began or was handed over to its loop: at once otherwise).
                 self._store.close()
                 if not self._store.wait_closed(self._store.config.close_timeout):
                     raise self._still_moving("the disk tier's close, its caller interrupted, is still running")
@@ -481,7 +483,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         """Release the view of vLLM's region (its tensor first: it exports the view). Idempotent;
         from the engine's thread, or the store's loop thread once the store's close ended."""
         self._region = torch.empty(0, dtype=torch.uint8)
-        self._bytes_view.release()
+        if hasattr(self, "_bytes_view"):  # a start that failed before it made the view has none
+            self._bytes_view.release()
         self._released = True
 
     def _still_moving(self, what: str) -> RuntimeError:
