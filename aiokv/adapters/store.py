@@ -285,6 +285,11 @@ def _settle_unstarted(closing: concurrent.futures.Future[Any], error: BaseExcept
         pass
 
 
+def _stuck_of(closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> asyncio.Future[None] | None:
+    """What a close that ended left stuck: its I/O's ``io_ended`` (None when nothing, or when it failed)."""
+    return None if closing.cancelled() or closing.exception() is not None else closing.result()
+
+
 def _ended(task: asyncio.Future[Any]) -> asyncio.Future[None]:
     """Resolves (to None) once ``task`` is over, however it ended."""
     ended: asyncio.Future[None] = task.get_loop().create_future()
@@ -837,22 +842,30 @@ class PageFileStore:
         from a signal handler) is raised at once; the close goes on on the loop, and the store's own
         thread is stopped once it ended."""
         if self._closed:
+            closing = self._closing
+            if closing is not None and not closing.running() and not closing.done():
+                # A close() interrupted again in the hand-over its finally made again may have left no
+                # close running: made again (the loop runs the close once). It returned at once, the
+                # tier open for good.
+                with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
+                    self._hand_over(closing)
             return
         # The close's future is the store's, made before the close is marked begun: an interrupt of
         # this thread landing before or in the hand-over to the loop leaves it pending (wait_closed and
-        # when_closed wait for it) and the hand-over is made again below (the loop runs the close once).
-        # Made only there, an interrupt before the hand-over left no close running: the tier open for
-        # good and counted as closed (the engine's memory let go under it).
+        # when_closed wait for it) and the hand-over is made again below (the loop runs the close once;
+        # a second interrupt there leaves it to a later close()). Made only there, an interrupt before
+        # the hand-over left no close running: the tier open for good and counted as closed (the
+        # engine's memory let go under it). The store's own thread is stopped once it ended (its future's
+        # callback: arranged however this call is cut short).
         closing = self._close_future()
         self._closed = True
         deadline = time.monotonic() + self.config.close_timeout
-        stuck: asyncio.Future[None] | None = None
         handed = False
         try:
             try:
                 self._hand_over(closing)
                 handed = True
-                stuck = self._stuck_io = closing.result()
+                self._stuck_io = closing.result()
             except (SystemExit, KeyboardInterrupt) as exc:
                 if closing.done() and not closing.cancelled() and closing.exception() is exc:
                     raise LoopDied(f"aiokv loop thread died: {exc!r}") from exc  # it ended the loop (as run())
@@ -870,24 +883,23 @@ class PageFileStore:
             if self._check is not None and not self._check.join(max(0.0, deadline - time.monotonic())):
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
-            if self._owns_thread:
-                if not closing.done():
-                    # This thread was interrupted (a KeyboardInterrupt from a signal handler) while the
-                    # close ran or was handed over: stopping the loop now cancelled it, the tier left open
-                    # for good (its threads, ring and lock; no finalizer runs after a close). It goes on
-                    # to its end.
-                    closing.add_done_callback(self._close_thread_when_closed)
-                elif stuck is None:
-                    self.thread.close()
-                else:
-                    self._close_thread_after(stuck)
+            if self._owns_thread and closing.done() and _stuck_of(closing) is None:
+                # The close's future stops the thread once the close ended (_close_future; after stuck
+                # I/O, once that ended): returned once it stopped. Never stopped from here: this thread
+                # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was handed
+                # over stopped the loop under it, the tier left open for good (its threads, ring and lock;
+                # no finalizer runs after a close).
+                self._wait_thread_ended(None)
 
     def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
-        """The future of the close to come or running (made once, before the close begins)."""
+        """The future of the close to come or running (made once, before the close begins); the store's
+        own thread is stopped once it ended."""
         closing = self._closing
         if closing is None:
             closing = concurrent.futures.Future()
             closing.add_done_callback(self._close_ended)
+            if self._owns_thread:
+                closing.add_done_callback(self._close_thread_when_closed)
             self._closing = closing
         return closing
 
@@ -992,9 +1004,10 @@ class PageFileStore:
         return True
 
     def _close_thread_when_closed(self, closing: concurrent.futures.Future[asyncio.Future[None] | None]) -> None:
-        """Stop the store's own thread once the close a caller stopped waiting for ended (and the
-        staging pool is freed); on the loop thread, which must not join itself."""
-        stuck = self._stuck_io = None if closing.cancelled() or closing.exception() is not None else closing.result()
+        """Stop the store's own thread once its close ended (after stuck I/O: once that ended and the
+        staging pool is freed): the callback of the close's future, on the thread that ended it (mostly
+        the loop's, which must not join itself), however the caller of close() was cut short."""
+        stuck = self._stuck_io = _stuck_of(closing)
         if stuck is None:
             threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
         else:
