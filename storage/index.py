@@ -34,6 +34,8 @@ class PageIndex:
         self.spares = 0
         """Files of room in ``used`` held by spare files (in stock or being made)."""
         self.evictions = 0
+        self._free_then = 0
+        self._used_then = 0
         self.readers: dict[PageKey, int] = {}
         """Reads in progress per key (absent: none): their files are not recycled. A plain dict: a
         Counter's missing-key and delete paths are Python calls, on every read and recycle."""
@@ -171,3 +173,14 @@ class PageIndex:
             room = min(room, space.files * self.file_bytes)
         capacity = min(self.budget, self.used + max(0, room))
         self.capacity = min(capacity, self.used) if after_enospc else capacity
+        free = space.bytes if space.files is None else min(space.bytes, space.files * self.file_bytes)
+        self._free_then = 0 if after_enospc else free
+        self._used_then = self.used
+
+    def free_bytes(self) -> int:
+        """Room the file system has free for page files, as far as the tier knows, in bytes (free
+        inodes count as a file's bytes each, as in :meth:`set_capacity`): what the last look found
+        (none after ENOSPC) less what ``used`` grew by since. Files it evicted count as freed here
+        once out of the index; the tier subtracts those whose unlink has not landed. Others' files
+        since the look are not seen (corrected at the next look, or the next ENOSPC)."""
+        return self._free_then + self._used_then - self.used

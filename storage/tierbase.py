@@ -161,6 +161,9 @@ class TierBase(TierEdge):
         self._deletes_replace = False
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
+        # Files evicted from the index (their room out of ``used``) whose unlink has not landed yet:
+        # their blocks are still taken (a write that needs them waits, :mod:`.writepath`).
+        self._unfreed_files = 0
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
         self._follow_state: FollowState | None = None
         self._follow_task: asyncio.Task[None] | None = None
@@ -674,7 +677,10 @@ class TierBase(TierEdge):
         (a start over a lowered budget) go to one thread, as :data:`BULK_UNLINK_KEYS` says."""
         fanout = self._dir.fanout if self._dir is not None else None
         if len(keys) < BULK_UNLINK_KEYS or self._read_only is not None or fanout is None:
-            return [task for key in keys if (task := self._unlink_later(key)) is not None]
+            tasks = [task for key in keys if (task := self._unlink_later(key)) is not None]
+            for task in tasks:
+                self._count_unfreed(task, 1)
+            return tasks
         # Keys with an unlink or move in flight wait for it, and a fan-out directory without a
         # descriptor is opened first: those one by one, as always.
         one_by_one = [key for key in keys if key in self._moving or fanout[key[0]] < 0]
@@ -682,9 +688,23 @@ class TierBase(TierEdge):
             alone = set(one_by_one)
             keys = [key for key in keys if key not in alone]
         tasks = [task for key in one_by_one if (task := self._unlink_later(key)) is not None]
+        for task in tasks:
+            self._count_unfreed(task, 1)
         if keys:
-            tasks.append(self._unlink_in_thread([(fanout[key[0]], self.files.name(key)) for key in keys], keys))
+            bulk = self._unlink_in_thread([(fanout[key[0]], self.files.name(key)) for key in keys], keys)
+            self._count_unfreed(bulk, len(keys))
+            tasks.append(bulk)
         return tasks
+
+    def _count_unfreed(self, task: asyncio.Task[None], files: int) -> None:
+        """``files`` evicted files unlinked by ``task``: in ``_unfreed_files`` until it ends (done or
+        failed: a failed unlink is not retried for room). The callback first: an interrupt between
+        the two leaves the count low, a write no more careful than before this count."""
+        task.add_done_callback(functools.partial(self._unfreed_landed, files))
+        self._unfreed_files += files
+
+    def _unfreed_landed(self, files: int, _: asyncio.Task[None]) -> None:
+        self._unfreed_files = max(0, self._unfreed_files - files)
 
     def _unlink_in_thread(self, names: list[tuple[int, str]], keys: list[PageKey]) -> asyncio.Task[None]:
         """Unlink ``names`` (directory descriptor, name) on a thread of its own, in one task; the

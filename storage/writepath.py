@@ -234,8 +234,11 @@ class WritePath(TierBase):
                 job.moved = asyncio.get_running_loop().create_future()
                 self._moving[job.victim] = job.moved
             unlinks = self._remove_files(evicted)
-            if job.attempt and unlinks:
-                # A retry after ENOSPC needs the space they free (they never raise).
+            if unlinks and (job.attempt or (job.victim is None and self._short_of_room())):
+                # The write needs the room they free (they never raise): a retry after ENOSPC, or a
+                # new file on a file system the tier knows nearly full (a recycle overwrites its
+                # victim's blocks). Else it goes at once: a budget-bounded tier on a roomy file
+                # system never waits for its unlinks.
                 freed = asyncio.gather(*unlinks, return_exceptions=True)
                 step = job.handoffs + 1
                 done = functools.partial(self._claim_after_unlinks, job, step)
@@ -247,6 +250,17 @@ class WritePath(TierBase):
             if not isinstance(exc, Exception):
                 self._write_rescue(job)
             raise
+
+    def _short_of_room(self) -> bool:
+        """Whether the file system, as far as the tier knows, would keep less than one file's bytes
+        free once this claim's file is written (in ``used`` already) if no unlink in flight of an
+        evicted file had landed. Then such an unlink landing after the new file took its blocks
+        would cost it an ENOSPC and a second eviction (a page lost), and the room it frees would
+        stay unused until the next free-space check. One file of margin: the estimate counts file
+        sizes, not blocks and metadata."""
+        index = self._index
+        size = index.file_bytes
+        return index.free_bytes() - self._unfreed_files * size < size
 
     def _claim_after_unlinks(self, job: WriteJob, step: int, _: asyncio.Future[list[object]]) -> None:
         if job.step != step:

@@ -34,10 +34,12 @@ def _unmount(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def loop_ext4(tmp: Path, size_mib: int, inodes: int | None = None, inode_bytes: int | None = None) -> Iterator[Path]:
+def loop_ext4(tmp: Path, size_mib: int, inodes: int | None = None, inode_bytes: int | None = None,
+              reserved_percent: int | None = None) -> Iterator[Path]:
     """A fresh ext4 of ``size_mib`` MiB (``inodes``: ``mkfs -N``; ``inode_bytes``: ``mkfs -I``, 128
-    leaves no room for the extra timestamp fields: every change time a whole second) mounted on a
-    loop device."""
+    leaves no room for the extra timestamp fields: every change time a whole second;
+    ``reserved_percent``: ``mkfs -m``, 0 where root, as the tests run, must see ENOSPC exactly where
+    ``statvfs``' available bytes end) mounted on a loop device."""
     _need_root("mounting a loop device")
     for tool in ("mkfs.ext4", "losetup", "mount", "umount"):
         if shutil.which(tool) is None:
@@ -47,7 +49,8 @@ def loop_ext4(tmp: Path, size_mib: int, inodes: int | None = None, inode_bytes: 
     with open(image, "wb") as f:
         f.truncate(size_mib << 20)
     mkfs = ["mkfs.ext4", "-q", "-F", *(["-N", str(inodes)] if inodes else []),
-            *(["-I", str(inode_bytes)] if inode_bytes else []), str(image)]
+            *(["-I", str(inode_bytes)] if inode_bytes else []),
+            *(["-m", str(reserved_percent)] if reserved_percent is not None else []), str(image)]
     subprocess.run(mkfs, check=True, capture_output=True)
     attach = _run("losetup", "--find", "--show", str(image))
     if attach.returncode != 0:
