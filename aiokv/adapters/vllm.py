@@ -178,39 +178,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if not num_chunks or primary_kv_view.readonly:
             raise ValueError(f"primary_kv_view must be writable and hold at least one chunk, got "
                              f"{'a read-only view' if primary_kv_view.readonly else 'no chunk'}")
-        # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
-        # mapped while anything exports it, and the exception's frames would keep these alive).
-        vllm_config = engine_config(offloading_spec)
-        if vllm_config is None:
-            log.warning("aiokv tier: vLLM's VllmConfig was not found where the tier was built; the page identity "
-                        "names only the offloading config (model path, KV dtype, geometry, parallel layout): give "
-                        "each revision, hf_overrides or quantization of one model path a namespace of its own")
-        facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
-        self._store = PageFileStore(config, "vllm", facts, self._chunk_bytes)
-        try:
-            # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
-            self._bytes_view = primary_kv_view.cast("B")
-            self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
-            if config.zero_copy and self._bytes_view.nbytes:
-                # Chunks move straight between the region and their files: register it as io_uring
-                # fixed buffers (pinning runs in the background; until then plain buffers).
-                store, region = self._store, self._bytes_view
-                store.thread.call(lambda: store.register_memory(region)).result()
-        except BaseException:
-            # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
-            # process served read-only), no view of vLLM's region. The view goes even if the close
-            # fails (the exception's frames keep this tier alive), and the start's error is raised.
-            try:
-                self._store.close()
-            except Exception:
-                log.exception("aiokv tier: closing the disk tier of a failed start failed")
-            except BaseException:
-                # Interrupted (the close goes on on the loop, which may still pin the region for
-                # io_uring): let go once it ended, as shutdown() does. It was let go at once.
-                self._store.when_closed(self._let_go)
-                raise
-            self._let_go()
-            raise
+        # The bookkeeping before the store: everything after the store's start is in the try below,
+        # whose cleanup closes it (an interrupt after that try left the disk tier open for good).
         # Lookups: verdicts of the loop, kept while a request still asks about the key.
         self._verdicts: dict[OffloadKey, bool] = {}
         self._wanted: dict[OffloadKey, set[str]] = {}
@@ -244,7 +213,40 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if events_on:
             self._events = []
             self._mirror = collections.OrderedDict()
-        log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
+        # The store first: if it cannot start, no view of vLLM's region is held (vLLM keeps a region
+        # mapped while anything exports it, and the exception's frames would keep these alive).
+        vllm_config = engine_config(offloading_spec)
+        if vllm_config is None:
+            log.warning("aiokv tier: vLLM's VllmConfig was not found where the tier was built; the page identity "
+                        "names only the offloading config (model path, KV dtype, geometry, parallel layout): give "
+                        "each revision, hf_overrides or quantization of one model path a namespace of its own")
+        facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
+        self._store = PageFileStore(config, "vllm", facts, self._chunk_bytes)
+        try:
+            # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
+            self._bytes_view = primary_kv_view.cast("B")
+            self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
+            if config.zero_copy and self._bytes_view.nbytes:
+                # Chunks move straight between the region and their files: register it as io_uring
+                # fixed buffers (pinning runs in the background; until then plain buffers).
+                store, region = self._store, self._bytes_view
+                store.thread.call(lambda: store.register_memory(region)).result()
+            log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
+        except BaseException:
+            # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
+            # process served read-only), no view of vLLM's region. The view goes even if the close
+            # fails (the exception's frames keep this tier alive), and the start's error is raised.
+            try:
+                self._store.close()
+            except Exception:
+                log.exception("aiokv tier: closing the disk tier of a failed start failed")
+            except BaseException:
+                # Interrupted (the close goes on on the loop, which may still pin the region for
+                # io_uring): let go once it ended, as shutdown() does. It was let go at once.
+                self._store.when_closed(self._let_go)
+                raise
+            self._let_go()
+            raise
 
     # -- lookups --------------------------------------------------------------------------------
 
