@@ -409,18 +409,22 @@ class PageFileStore:
         self._owns_thread = thread is None
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
+        self._closed = False
         self.thread = thread if thread is not None else open_thread(config, engine)
         try:
             self.thread.run(self._open())
         except BaseException:
+            if self._disk is not None:
+                # Opened: this thread was interrupted (a KeyboardInterrupt from a signal handler) once
+                # the open had ended. Closed as close() does: stopping the loop left the tier open for
+                # good (its threads, ring and lock; no finalizer runs after a close), the pool mapped.
+                self.close()
+                raise
             if self._check is not None:
                 self._check.join()
             if self._owns_thread:
                 self.thread.close()
             raise
-        # If the loop dies, the dying thread closes the tier and the staging pool (nothing else can).
-        self.thread.add_finalizer(self._close)
-        self._closed = False
 
     async def _open(self) -> None:
         pages = self.config.pages_in_staging
@@ -430,9 +434,12 @@ class PageFileStore:
         except BaseException:
             await pool.aclose()
             raise
-        self._pool, self._disk = pool, disk
         self._refreshed = asyncio.get_running_loop().time()
         self._slots = asyncio.Semaphore(pages)
+        # If the loop dies, the dying thread closes the tier and the staging pool (nothing else can).
+        # Added here with them, on the loop: the open's caller may be interrupted once it ended.
+        self.thread.add_finalizer(self._close)
+        self._pool, self._disk = pool, disk
 
     async def _start_disk(self, pool: PagePool) -> DiskTier:
         """A started tier over the directory, in the role of :attr:`sharing`."""
