@@ -847,7 +847,8 @@ class PageFileStore:
         and reads miss, writes are refused and :meth:`clear` raises ``RuntimeError``. Idempotent;
         call from any thread but the store's. An interrupt of the calling thread (``KeyboardInterrupt``
         from a signal handler) is raised at once; the close goes on on the loop, and the store's own
-        thread is stopped once it ended."""
+        thread is stopped once it ended (a second interrupt landing before the close reached the loop
+        leaves it to a later call, which hands it over again)."""
         if self._closed:
             closing = self._closing
             if closing is not None and not closing.running() and not closing.done():

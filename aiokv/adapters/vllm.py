@@ -449,7 +449,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         use the region (its registration with io_uring) until it ended: the region is let go then.
         A later call waits ``close_timeout`` at most for that end (``RuntimeError`` holding on to
         the region after it) and lets go of it; it closes the disk tier first when the interrupt came
-        before that close began (the region is held until then)."""
+        before that close began or reached the tier's loop (the region is held until then)."""
         if self._shut:
             if not self._released:
                 # A shutdown interrupted in or after the store's close: finish it (and close the store if
