@@ -892,12 +892,13 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread and closing.done() and _stuck_of(closing) is None:
-                # The close's future stops the thread once the close ended (_close_future; after stuck
-                # I/O, once that ended): returned once it stopped. Never stopped from here: this thread
-                # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was handed
-                # over stopped the loop under it, the tier left open for good (its threads, ring and lock;
-                # no finalizer runs after a close).
-                self._wait_thread_ended(None)
+                # The close ended: stopped here too (idempotent beside the close future's own stop, which
+                # may find no thread to start: a pids limit; waiting for that stop then hung for good).
+                # Never stopped from here before the close ended: this thread interrupted (a
+                # KeyboardInterrupt from a signal handler) while the close ran or was handed over stopped
+                # the loop under it, the tier left open for good (its threads, ring and lock; no finalizer
+                # runs after a close).
+                self.thread.close()
 
     def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
         """The future of the close to come or running (made once, before the close begins); the store's
@@ -1017,7 +1018,11 @@ class PageFileStore:
         the loop's, which must not join itself), however the caller of close() was cut short."""
         stuck = self._stuck_io = _stuck_of(closing)
         if stuck is None:
-            threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
+            try:
+                threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
+            except RuntimeError as exc:  # no thread may start (a pids limit): close()'s caller stops it
+                log.error("aiokv store: the loop thread of %s could not be stopped after its close (%s); "
+                          "close() stops it, an interrupted one left it running", self.directory, exc)
         else:
             self._close_thread_after(stuck)
 
