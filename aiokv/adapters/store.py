@@ -410,6 +410,7 @@ class PageFileStore:
         # A reader's staleness checks: one worker for the store's life, started here (off the loop).
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
         self._closed = False
+        self._abandoned = False  # the open's caller is gone: the open closes what it opened (loop only)
         self.thread = thread if thread is not None else open_thread(config, engine)
         try:
             self.thread.run(self._open())
@@ -420,6 +421,13 @@ class PageFileStore:
                 # good (its threads, ring and lock; no finalizer runs after a close), the pool mapped.
                 self.close()
                 raise
+            if not self._owns_thread:
+                # Interrupted while the open runs on a shared loop, which goes on running it (the
+                # store's own is stopped below, which cancels it): the open closes what it opened. It
+                # was left open for good, nobody holding the store (the loop's owner stops the loop
+                # once its calls answered: no finalizer runs after a close), the pool mapped.
+                with contextlib.suppress(RuntimeError):  # the loop closed or died: nothing runs there
+                    self.thread.submit(self._abandon_open())
             if self._check is not None:
                 self._check.join()
             if self._owns_thread:
@@ -440,6 +448,22 @@ class PageFileStore:
         # Added here with them, on the loop: the open's caller may be interrupted once it ended.
         self.thread.add_finalizer(self._close)
         self._pool, self._disk = pool, disk
+        if self._abandoned:
+            await self._close_abandoned()
+
+    async def _abandon_open(self) -> None:
+        """The open's caller is gone (interrupted): an open that ended is closed now, one still
+        running closes at its end (both on the loop: no race with that end)."""
+        self._abandoned = True
+        if self._disk is not None:
+            await self._close_abandoned()
+
+    async def _close_abandoned(self) -> None:
+        """Close a store nobody holds (its constructor's caller interrupted); its future answers
+        once closed, which the shared loop's owner waits for before it stops the loop."""
+        if not self._closed:
+            self._closed = True
+            await self._close_once(self._close_future())
 
     async def _start_disk(self, pool: PagePool) -> DiskTier:
         """A started tier over the directory, in the role of :attr:`sharing`."""
