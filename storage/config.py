@@ -107,9 +107,11 @@ class DiskConfig:
     min_free_bytes: int = 256 << 20
     """Free space left to others on the file system: the effective capacity is
     min(capacity_bytes, our files + free space - this), taken at start, on ENOSPC and (while below
-    capacity_bytes) again at most every ``free_space_recheck_s``."""
+    capacity_bytes, or while it knows the file system nearly full) again at most every
+    ``free_space_recheck_s``."""
     free_space_recheck_s: float = 1.0
-    """Least seconds between two free-space checks while the file system limits the tier."""
+    """Least seconds between two free-space checks while the file system limits the tier (or the
+    tier knows it nearly full: docs/storage.md, the file system's room)."""
     enospc_retries: int = 2
     """Times a write that met ENOSPC evicts least recently used files and tries again."""
     follow_interval_s: float = 2.0

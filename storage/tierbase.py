@@ -164,6 +164,12 @@ class TierBase(TierEdge):
         # Files evicted from the index (their room out of ``used``) whose unlink has not landed yet:
         # their blocks are still taken (a write that needs them waits, :mod:`.writepath`).
         self._unfreed_files = 0
+        # A first try waited for its unlinks because the estimate said the file system nearly full
+        # since the last look (:meth:`.WritePath._short_of_room`): the looks go on, as while the file
+        # system limits the tier below its budget. Review 253: a tier at its budget (a start over a
+        # full disk, an ENOSPC while other writes held the room) never looked again, and waited for
+        # its unlinks for good once others freed the disk.
+        self._short_seen = False
         # While another cache holds the directory: the looks that follow it (:mod:`.followpath`).
         self._follow_state: FollowState | None = None
         self._follow_task: asyncio.Task[None] | None = None
@@ -352,13 +358,14 @@ class TierBase(TierEdge):
     # -- free space -----------------------------------------------------------------------------
 
     def _space_recheck_due(self) -> bool:
-        return (self._index.capacity < self._index.budget and
+        return ((self._index.capacity < self._index.budget or self._short_seen) and
                 asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s)
 
     async def _recheck_space(self) -> None:
-        # While the file system limits the tier below its budget, look again now and then: others
-        # may have freed space.
-        if self._index.capacity >= self._index.budget:
+        # While the file system limits the tier below its budget, or once a first try waited for
+        # its unlinks on the estimate since the last look (``_short_seen``), look again now and
+        # then: others may have freed space.
+        if self._index.capacity >= self._index.budget and not self._short_seen:
             return
         if asyncio.get_running_loop().time() - self._space_checked >= self.config.free_space_recheck_s:
             await self._refresh_space(after_enospc=False)
@@ -366,6 +373,7 @@ class TierBase(TierEdge):
     async def _refresh_space(self, after_enospc: bool) -> None:
         assert self._dir is not None
         self._space_checked = asyncio.get_running_loop().time()
+        self._short_seen = False
         try:
             # A thread of its own: ``asyncio.to_thread``'s first call starts the default executor's
             # thread from the loop, which waits there until it runs.

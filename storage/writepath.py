@@ -260,7 +260,10 @@ class WritePath(TierBase):
         sizes, not blocks and metadata."""
         index = self._index
         size = index.file_bytes
-        return index.free_bytes() - self._unfreed_files * size < size
+        if index.free_bytes() - self._unfreed_files * size >= size:
+            return False
+        self._short_seen = True  # the free space looked at again when due (others may have freed some)
+        return True
 
     def _claim_after_unlinks(self, job: WriteJob, step: int, _: asyncio.Future[list[object]]) -> None:
         if job.step != step:
