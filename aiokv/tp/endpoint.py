@@ -10,7 +10,9 @@ directory held from the probe of the old socket until the new one listens): a so
 but not yet listening refuses a connection as a dead one does, and a second manager probing it then
 removed it and bound its own, leaving the first listening where nobody could reach it (both believed
 they owned the group). A stopping manager removes its socket's name before it closes the socket, the
-only time that name is known to be its own (review 249).
+only time that name is known to be its own (review 249). A directory the manager made goes as it
+stops only under that lock, and a child forked while a start holds the lock closes its copy
+(review 252).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import socket
 import stat
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,27 +95,100 @@ _FLOCK_UNSUPPORTED = frozenset({errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.E
 write lock, which a directory opened for reading cannot take; a mount without a lock manager)."""
 
 
+_START_TRIES = 8
+"""Times a start makes its directory anew when it was removed under it (by a stopping manager that
+made it) before giving up."""
+
+_fork_guard = threading.Lock()
+_held_locks: set[int] = set()
+"""Descriptors of this process's start locks while held: a child forked meanwhile closes its copies."""
+
+
+def _after_fork_in_child() -> None:
+    _fork_guard.release()
+    # A flock belongs to the open file description, which a forked child's copy of the descriptor
+    # shares: a child forked while a start held the lock (a worker forked by another thread,
+    # multiprocessing's fork; O_CLOEXEC acts only at an exec) held it for its whole life, and every
+    # later start there, the manager's restart included, was refused (review 252). Closing the copy
+    # drops the child's reference only (LOCK_UN would end the parent's lock).
+    for fd in _held_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+# The guard keeps a fork out of the moment a descriptor is open but not yet listed.
+os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
+                    after_in_child=_after_fork_in_child)
+
+
+def _open_directory(directory: Path) -> int:
+    """Open ``directory`` for its start lock; listed in ``_held_locks`` before a fork can copy it."""
+    with _fork_guard:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        _held_locks.add(fd)
+    return fd
+
+
+def _close_directory(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)  # ends the lock for any copy a fork made meanwhile, too
+    with _fork_guard:
+        _held_locks.discard(fd)
+        os.close(fd)
+
+
+def _lock_directory(fd: int, directory: Path, starting: bool = True) -> bool:
+    """Take the exclusive flock of ``fd`` without waiting: False while another holds it. Where the
+    file system cannot lock, True (unlocked; a warning when ``starting``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _FLOCK_UNSUPPORTED:
+            raise
+        if starting:
+            log.warning("cannot lock %s (%s): starting unlocked; two managers starting there at once "
+                        "may both believe they listen", directory, exc)
+    return True
+
+
+def _still_at(directory: Path, fd: int) -> bool:
+    """Whether ``directory`` still names the directory open as ``fd``."""
+    try:
+        return socket_identity(os.lstat(directory)) == socket_identity(os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
 @contextlib.contextmanager
-def start_lock(directory: Path) -> Iterator[None]:
-    """Hold the exclusive start lock of ``directory`` (its own ``flock``) for the block.
+def start_lock(directory: str | os.PathLike[str] | None) -> Iterator[Endpoint]:
+    """Make or check the private directory (:func:`private_directory`) and hold its exclusive start
+    lock (its own ``flock``) for the block, which gets the :class:`Endpoint`.
 
     Raises ``RuntimeError`` at once while another manager holds it (it is starting there right now:
     it will listen, or fail). Where the file system cannot lock, a warning and the block runs unlocked.
-    The lock ends with the descriptor, so a start that died holding it holds nothing."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
+    The lock ends with the descriptor, so a start that died holding it holds nothing; a child forked
+    meanwhile closes its copy. A directory removed before it was locked (a stopping manager that
+    made it, see :func:`remove_endpoint`) is made anew: the lock of a directory no longer at the
+    path kept no other start from the one there."""
+    for _ in range(_START_TRIES):
+        endpoint = private_directory(directory)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"another manager is starting in {directory}") from None
-        except OSError as exc:
-            if exc.errno not in _FLOCK_UNSUPPORTED:
-                raise
-            log.warning("cannot lock %s (%s): starting unlocked; two managers starting there at once "
-                        "may both believe they listen", directory, exc)
-        yield
-    finally:
-        os.close(fd)
+            fd = _open_directory(endpoint.directory)
+        except FileNotFoundError:
+            continue
+        try:
+            if not _lock_directory(fd, endpoint.directory):
+                # Not removed, even if this start made it: the other start probes and binds there.
+                raise RuntimeError(f"another manager is starting in {endpoint.directory}")
+            if _still_at(endpoint.directory, fd):
+                yield endpoint
+                return
+        finally:
+            _close_directory(fd)
+    raise RuntimeError(f"{directory} was removed {_START_TRIES} times as this manager started there")
 
 
 def socket_identity(info: os.stat_result) -> tuple[int, int]:
@@ -181,10 +257,22 @@ def trusted_peer(uid: int) -> bool:
 
 def remove_endpoint(endpoint: Endpoint, identity: tuple[int, int] | None) -> None:
     """Unlink the socket (only if it is still the one we bound, ``identity``: see
-    :func:`unlink_socket`) and a directory we created."""
+    :func:`unlink_socket`) and a directory we created, unless a manager is starting there.
+
+    The directory goes under its start lock: removed while another manager started there (probed,
+    about to bind), that one's bind failed ``FileNotFoundError`` (review 252). Held by another, the
+    directory is left to it; a start that opened it before the removal makes it anew."""
     unlink_socket(endpoint.socket_path, identity)
-    if endpoint.created:
-        try:
+    if not endpoint.created:
+        return
+    try:
+        fd = _open_directory(endpoint.directory)
+    except OSError:
+        return  # gone already, or no longer a directory: nothing of ours to remove
+    try:
+        if _lock_directory(fd, endpoint.directory, starting=False) and _still_at(endpoint.directory, fd):
             os.rmdir(endpoint.directory)
-        except OSError:
-            pass  # not empty: someone else put something there; leave it
+    except OSError:
+        pass  # not empty: someone else put something there; leave it
+    finally:
+        _close_directory(fd)

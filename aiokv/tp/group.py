@@ -41,7 +41,6 @@ from .config import TPConfig
 from .endpoint import (
     Endpoint,
     clear_stale_socket,
-    private_directory,
     remove_endpoint,
     socket_identity,
     start_lock,
@@ -235,26 +234,28 @@ class RankGroup:
         """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it."""
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
-        endpoint = private_directory(self._directory)
         # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
         # failed before binding (another manager listening now) unlink that manager's socket, given
         # the freed inode number (ext4 reuses it at once).
         self._socket_id = None
-        self._endpoint = endpoint
         try:
             # Probe, bind and listen under the directory's start lock: bound but not yet listening,
             # our socket refuses a probe as a dead one does, and another manager starting there
             # unlinked it and bound its own; this one then listened where no rank could reach it,
             # and both believed they owned the group (review 249).
-            with start_lock(endpoint.directory):
+            with start_lock(self._directory) as endpoint:
+                self._endpoint = endpoint
                 clear_stale_socket(endpoint.socket_path)
                 self._listener = _listen(os.fspath(endpoint.socket_path))
                 self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
             asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
         except BaseException:
             self._stop_listening()
-            self._endpoint = None
-            remove_endpoint(endpoint, None)
+            # None when the lock was refused: the directory is the other start's then, even if
+            # this one made it (removed, that start's bind failed; review 252).
+            failed, self._endpoint = self._endpoint, None
+            if failed is not None:
+                remove_endpoint(failed, None)
             raise
         log.info(
             "rank group listening on %s: tp_size=%d, pool %s (epoch %#x, %d pages)",
