@@ -231,7 +231,8 @@ class RankGroup:
     # -- lifetime -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it."""
+        """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it
+        or another is starting there right now (it holds the directory's start lock)."""
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
         # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
