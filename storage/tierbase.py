@@ -712,7 +712,12 @@ class TierBase(TierEdge):
         self._unfreed_files += files
 
     def _unfreed_landed(self, files: int, _: asyncio.Task[None]) -> None:
-        self._unfreed_files = max(0, self._unfreed_files - files)
+        # No call here (a signal's exception comes at calls; one at the entry drops the loop's
+        # handle, as for any callback). Review 253: a KeyboardInterrupt as ``max()`` returned dropped
+        # the decrement, and the count stayed high for good (first tries waiting for their unlinks
+        # where the room did not need it).
+        left = self._unfreed_files - files
+        self._unfreed_files = left if left > 0 else 0
 
     def _unlink_in_thread(self, names: list[tuple[int, str]], keys: list[PageKey]) -> asyncio.Task[None]:
         """Unlink ``names`` (directory descriptor, name) on a thread of its own, in one task; the
