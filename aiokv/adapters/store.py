@@ -916,13 +916,14 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread and closing.done() and _stuck_of(closing) is None:
-                # The close ended: stopped here too (idempotent beside the close future's own stop, which
-                # may find no thread to start: a pids limit; waiting for that stop then hung for good).
-                # Never stopped from here before the close ended: this thread interrupted (a
-                # KeyboardInterrupt from a signal handler) while the close ran or was handed over stopped
-                # the loop under it, the tier left open for good (its threads, ring and lock; no finalizer
-                # runs after a close).
+                # The close ended: stopped here too, then waited for (the close future's own stop may
+                # find no thread to start: a pids limit; waiting for that stop alone then hung for good;
+                # a LoopThread.close() racing that stop returns before the thread ended). Never stopped
+                # from here before the close ended: this thread interrupted (a KeyboardInterrupt from a
+                # signal handler) while the close ran or was handed over stopped the loop under it, the
+                # tier left open for good (its threads, ring and lock; no finalizer runs after a close).
                 self.thread.close()
+                self._wait_thread_ended(None)
 
     def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
         """The future of the close to come or running (made once, before the close begins); the store's
