@@ -263,6 +263,10 @@ class LoopThread:
             self._answer_left([future])  # its own only: the end may still be cancelling the others
         return future
 
+    def in_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop's own thread (where waiting for the loop deadlocks)."""
+        return threading.current_thread() is self._thread
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The loop (use only from coroutines running on it)."""

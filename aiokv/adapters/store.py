@@ -872,7 +872,8 @@ class PageFileStore:
         call from any thread but the store's. An interrupt of the calling thread (``KeyboardInterrupt``
         from a signal handler) is raised at once; the close goes on on the loop, and the store's own
         thread is stopped once it ended (a second interrupt landing before the close reached the loop
-        leaves it to a later call, which hands it over again)."""
+        leaves it to a later call, which hands it over again). ``RuntimeError`` on the store's loop
+        thread unless closed already (it would wait there for good for a close only that thread runs)."""
         if self._closed:
             closing = self._closing
             if closing is not None and not closing.running() and not closing.done():
@@ -882,6 +883,8 @@ class PageFileStore:
                 with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
                     self._hand_over(closing)
             return
+        if self.thread.in_loop_thread():
+            raise RuntimeError("PageFileStore.close called on its loop thread: it would deadlock")
         # The close's future is the store's, made before the close is marked begun: an interrupt of
         # this thread landing before or in the hand-over to the loop leaves it pending (wait_closed and
         # when_closed wait for it) and the hand-over is made again below (the loop runs the close once;
