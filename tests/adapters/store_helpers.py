@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -59,6 +62,38 @@ def unmaps(region: mmap.mmap) -> bool:
     except BufferError:
         return False
     return True
+
+
+def exporters(region: mmap.mmap, depth: int = 4) -> str:
+    """What still holds an export of ``region`` (for a failure's message): chains of referrers from
+    it (buffers, views, then their holders), up to ``depth`` steps; frames named by function."""
+    gc.collect()
+    own: set[int] = set()  # this helper's own frames and containers are no holders
+    frame = sys._getframe()
+    while frame is not None:
+        own.add(id(frame))
+        frame = frame.f_back
+    chains: list[str] = []
+    own.add(id(chains))
+
+    def name(obj: object) -> str:
+        if isinstance(obj, types.FrameType):
+            code = obj.f_code
+            return f"frame {code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{obj.f_lineno})"
+        return type(obj).__name__
+
+    def walk(obj: object, path: tuple[str, ...], left: int) -> None:
+        holders = [h for h in gc.get_referrers(obj) if id(h) not in own]
+        own.add(id(holders))
+        if left == 0 or not holders:
+            chains.append(" <- ".join(path))
+            return
+        for holder in holders[:6]:
+            own.add(id(holder))
+            walk(holder, (*path, name(holder)), left - 1)
+
+    walk(region, ("region",), depth)
+    return "; ".join(chains[:12]) or "nothing the collector sees"
 
 
 def released(view: memoryview) -> bool:

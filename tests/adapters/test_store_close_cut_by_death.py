@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from loop_probes import waiting_in
-from store_helpers import hold_region_pinning, wait_for
+from store_helpers import exporters, hold_region_pinning, unmaps, wait_for
 
 from aiokv.adapters.store import PageFileStore, StoreConfig, page_file_bytes
 
@@ -72,4 +72,7 @@ def test_a_death_cutting_the_close_frees_the_staging_pool_after_the_disk_tier(
         thread.wait_ended(BOUND_S)
         store.close()
     gc.collect()  # the cancelled registration's views, held in cycles of the death's frames
-    region.close()  # the tier's view of it went with the ring
+    # The tier's view of it went with the ring. (Once on an H100 host, Python 3.12, under -n 16:
+    # BufferError here; not reproduced on this VM. The message names what holds it if it recurs.)
+    if not unmaps(region):
+        pytest.fail(f"the region is still exported after the close: {exporters(region)}")

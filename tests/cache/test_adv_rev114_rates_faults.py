@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,9 +82,12 @@ async def test_a_save_under_a_file_system_fault_is_bounded_counted_and_never_tor
         if fault == "ro":
             remount(mount, "rw")
         # A write held by the freeze goes on once thawed, on its thread (the close no longer waits
-        # for it): until it ended and removed its temporary file, bounded.
-        await until_thread(lambda: not any(p.name.startswith(RATES_TEMP) for p in layout_dir.iterdir()),
-                           "a temporary rates file was left", timeout_s=3.0)
+        # for it): until that thread ended and its temporary file is gone, bounded. The thread first:
+        # held before it made the temporary file, it makes it only once thawed (the GPU host saw the
+        # file checked absent, then made).
+        await until_thread(lambda: not any(t.name == "aiokv-rates" for t in threading.enumerate())
+                           and not any(p.name.startswith(RATES_TEMP) for p in layout_dir.iterdir()),
+                           "a rates thread or a temporary rates file was left", timeout_s=10.0)
         made = _tree(mount) - before - {"filler"} - {f"lost+found/inode-{i}" for i in range(4096)}
         assert made <= {str((layout_dir / RATES_FILE).relative_to(mount))}, made
         now = (layout_dir / RATES_FILE).read_bytes()
