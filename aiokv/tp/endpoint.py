@@ -99,13 +99,19 @@ _START_TRIES = 8
 """Times a start makes its directory anew when it was removed under it (by a stopping manager that
 made it) before giving up."""
 
-_fork_guard = threading.Lock()
+# Reentrant: a signal handler that forks (a SIGCHLD handler respawning a worker by multiprocessing's
+# fork) may run in the thread holding it, inside _open_directory; a plain lock's acquire before that
+# fork then waited for that thread for good, a hang of the whole process (review 255).
+_fork_guard = threading.RLock()
 _held_locks: set[int] = set()
 """Descriptors of this process's start locks while held: a child forked meanwhile closes its copies."""
 
 
 def _after_fork_in_child() -> None:
-    _fork_guard.release()
+    global _fork_guard
+    # A new guard: the forking thread, the only one here, may hold the old one more than once (a
+    # fork in a signal handler inside the guard); a with block it returns to ends on the old one.
+    _fork_guard = threading.RLock()
     # A flock belongs to the open file description, which a forked child's copy of the descriptor
     # shares: a child forked while a start held the lock (a worker forked by another thread,
     # multiprocessing's fork; O_CLOEXEC acts only at an exec) held it for its whole life, and every
@@ -117,8 +123,16 @@ def _after_fork_in_child() -> None:
     _held_locks.clear()
 
 
+def _before_fork() -> None:
+    _fork_guard.acquire()  # the guard in force (a child has a new one): not bound at registration
+
+
+def _after_fork_in_parent() -> None:
+    _fork_guard.release()
+
+
 # The guard keeps a fork out of the moment a descriptor is open but not yet listed.
-os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 
 
