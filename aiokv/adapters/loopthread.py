@@ -224,8 +224,11 @@ class LoopThread:
             coro.close()
 
     def _drop_inbox(self) -> None:
-        while self._inbox:
-            work = self._inbox.popleft()
+        while True:
+            try:
+                work = self._inbox.popleft()
+            except IndexError:  # empty: two closers drop it at once (a look, then a pop, raised here)
+                return
             if not callable(work):
                 work.close()
 
