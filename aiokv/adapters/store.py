@@ -411,10 +411,17 @@ class PageFileStore:
         self._check = ReaderCheck(f"aiokv-{engine}-check") if sharing is Sharing.READER else None
         self._closed = False
         self._abandoned = False  # the open's caller is gone: the open closes what it opened (loop only)
+        self._open_task: asyncio.Task[Any] | None = None  # the open running on the loop (loop only)
         self.thread = thread if thread is not None else open_thread(config, engine)
         try:
             self.thread.run(self._open())
         except BaseException:
+            if self._owns_thread and self._disk is None:
+                # Decided on the loop, where the open runs: looked at here, an open ending before the
+                # stop below (this thread losing the GIL there) left the tier open for good under a
+                # loop stopped by a close (no finalizer runs), its lock held, the pool mapped.
+                with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # it died
+                    self.thread.call(self._cut_open).result()
             if self._disk is not None:
                 # Opened: this thread was interrupted (a KeyboardInterrupt from a signal handler) once
                 # the open had ended. Closed as close() does: stopping the loop left the tier open for
@@ -435,6 +442,9 @@ class PageFileStore:
             raise
 
     async def _open(self) -> None:
+        self._open_task = asyncio.current_task()
+        if self._abandoned:
+            return  # its caller is gone before it began: nothing to open, nothing to close
         pages = self.config.pages_in_staging
         pool = await PagePool.open(self.layout, pages * self.layout.page_bytes, register_cuda=False, workers=1)
         try:
@@ -448,8 +458,18 @@ class PageFileStore:
         # Added here with them, on the loop: the open's caller may be interrupted once it ended.
         self.thread.add_finalizer(self._close)
         self._pool, self._disk = pool, disk
+        self._open_task = None  # ended: nothing to cut (the done task is not kept for the store's life)
         if self._abandoned:
             await self._close_abandoned()
+
+    def _cut_open(self) -> None:
+        """The open's caller on the store's own loop is gone (interrupted), the open not ended: cut it
+        (loop only: it cannot end between this look and the cancel). Its cancellation frees what it
+        opened; an open that ended is closed by the caller, as close() does."""
+        if self._disk is None:
+            self._abandoned = True  # not begun yet: it opens nothing
+            if self._open_task is not None:
+                self._open_task.cancel()
 
     async def _abandon_open(self) -> None:
         """The open's caller is gone (interrupted): an open that ended is closed now, one still
