@@ -945,8 +945,18 @@ class PageFileStore:
                 # from here before the close ended: this thread interrupted (a KeyboardInterrupt from a
                 # signal handler) while the close ran or was handed over stopped the loop under it, the
                 # tier left open for good (its threads, ring and lock; no finalizer runs after a close).
-                self.thread.close()
-                self._wait_thread_ended(None)
+                if self.thread.died is None:
+                    self.thread.close()
+                    self._wait_thread_ended(None)
+                elif self._wait_thread_ended(max(0.0, deadline - time.monotonic())):
+                    self.thread.close()
+                else:
+                    # A death's end waits for the work it cancelled, its I/O stuck in the kernel (a hung
+                    # file system), then its finalizer closes the tier and frees the pool: it ends by
+                    # itself. Joined without a bound, close() (vLLM's shutdown) held until that I/O ended.
+                    log.error("aiokv store: the dying loop thread of %s is still ending after close_timeout "
+                              "(%.1f s): disk I/O stuck in the kernel; its finalizer closes the disk tier",
+                              self.directory, self.config.close_timeout)
 
     def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
         """The future of the close to come or running (made once, before the close begins); the store's
