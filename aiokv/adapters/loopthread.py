@@ -492,6 +492,15 @@ class LoopThread:
         _, pending = concurrent.futures.wait(list(self._waiting), timeout=timeout)
         return not pending
 
+    def close_from_loop(self) -> None:
+        """:meth:`close` from the loop's own thread, which cannot join itself: the loop stops after the
+        running callback and the thread ends as after a close (work posted and not picked up is dropped
+        now). For where no thread may start to call :meth:`close` (a pids limit reached)."""
+        if not self._closed and self.died is None:
+            self._closed = True
+            self._loop.stop()
+        self._drop_inbox()
+
     def close(self) -> None:
         """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
         posted work never picked up is dropped (coroutines closed unstarted). After the loop died

@@ -1076,11 +1076,7 @@ class PageFileStore:
         the loop's, which must not join itself), however the caller of close() was cut short."""
         stuck = self._stuck_io = _stuck_of(closing)
         if stuck is None:
-            try:
-                threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
-            except RuntimeError as exc:  # no thread may start (a pids limit): close()'s caller stops it
-                log.error("aiokv store: the loop thread of %s could not be stopped after its close (%s); "
-                          "close() stops it, an interrupted one left it running", self.directory, exc)
+            self._stop_thread()
         else:
             self._close_thread_after(stuck)
 
@@ -1089,13 +1085,27 @@ class PageFileStore:
         loop runs the tier's close to that end (a stopped loop would leave the pool mapped)."""
         thread = self.thread
 
-        def stop(_: object) -> None:  # on the loop thread, which must not join itself
-            threading.Thread(target=thread.close, name="aiokv-store-stop", daemon=True).start()
+        def stop(_: object) -> None:
+            self._stop_thread()
 
         try:
             thread.submit(self._pool_freed(io_ended)).add_done_callback(stop)
         except RuntimeError:  # LoopDied too: the loop ended meanwhile, nothing runs there any more
             thread.close()
+
+    def _stop_thread(self) -> None:
+        """Stop the store's own thread from a callback (mostly on the loop thread, which must not join
+        itself): on a thread of its own, else (none may start: a pids limit) the loop stops itself. The
+        refused start raised in the callback and the thread ran for good after the close."""
+        try:
+            threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
+        except RuntimeError as exc:
+            log.error("aiokv store: no thread could stop the loop thread of %s after its close (%s); it stops "
+                      "itself", self.directory, exc)
+            if self.thread.in_loop_thread():
+                self.thread.close_from_loop()
+            else:
+                self.thread.close()
 
     async def _pool_freed(self, io_ended: asyncio.Future[None]) -> None:
         await asyncio.wait({io_ended})
