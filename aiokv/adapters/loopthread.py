@@ -501,6 +501,22 @@ class LoopThread:
             self._loop.stop()
         self._drop_inbox()
 
+    def close_soon(self, name: str) -> RuntimeError | None:
+        """:meth:`close` from a callback (mostly on the loop's own thread, which cannot join itself) on a
+        thread named ``name``, not waited for. When none may start (a pids limit reached: ``RuntimeError``
+        "can't start new thread"; Python 3.12+ at interpreter shutdown), the loop stops itself
+        (:meth:`close_from_loop`; off the loop: :meth:`close` here) and that refusal is returned for the
+        caller to log (None when the thread started): raised in the callback, the loop ran for good."""
+        try:
+            threading.Thread(target=self.close, name=name, daemon=True).start()
+        except RuntimeError as exc:
+            if self.in_loop_thread():
+                self.close_from_loop()
+            else:
+                self.close()
+            return exc
+        return None
+
     def close(self) -> None:
         """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
         posted work never picked up is dropped (coroutines closed unstarted). After the loop died

@@ -528,7 +528,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         Ctrl-C at shutdown) is raised at once and the close goes on to its end. Run here, the
         interrupt left the stores after the one closing unclosed and stopped the loop under that
         close (after ``close_timeout``): their disk tiers open for good (threads, ring, lock), their
-        staging pools mapped."""
+        staging pools mapped. Where no thread may start (a pids limit), closed on this thread."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def close_all() -> None:
@@ -539,7 +539,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             else:
                 done.set_result(None)
 
-        threading.Thread(target=close_all, name="aiokv-sglang-close", daemon=True).start()
+        try:
+            threading.Thread(target=close_all, name="aiokv-sglang-close", daemon=True).start()
+        except RuntimeError as exc:
+            # No thread may start (a pids limit; Python 3.12+ at interpreter shutdown): closed here, an
+            # interrupt of this thread then cutting the close short. Raised, nothing was closed: the disk
+            # tiers open for good, the staging pools mapped, the loop thread running.
+            log.error("aiokv backend: no thread could start to close the pools (%s); closing them on the "
+                      "calling thread", exc)
+            self._close_pools_here()
+            return
         try:
             done.result()
         except BaseException:
@@ -678,7 +687,10 @@ def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
         await asyncio.gather(*(store.wait_io_settled() for store in stores))
 
     def stop(_: object) -> None:  # on the loop thread, which must not join itself
-        threading.Thread(target=thread.close, name="aiokv-sglang-stop", daemon=True).start()
+        refused = thread.close_soon("aiokv-sglang-stop")
+        if refused is not None:  # a pids limit: raised here, the loop ran for good after the close
+            log.error("aiokv backend: no thread could stop the pools' loop thread after their stuck I/O "
+                      "ended (%s); it stopped itself", refused)
 
     try:
         thread.submit(settled()).add_done_callback(stop)

@@ -1097,15 +1097,10 @@ class PageFileStore:
         """Stop the store's own thread from a callback (mostly on the loop thread, which must not join
         itself): on a thread of its own, else (none may start: a pids limit) the loop stops itself. The
         refused start raised in the callback and the thread ran for good after the close."""
-        try:
-            threading.Thread(target=self.thread.close, name="aiokv-store-stop", daemon=True).start()
-        except RuntimeError as exc:
-            log.error("aiokv store: no thread could stop the loop thread of %s after its close (%s); it stops "
-                      "itself", self.directory, exc)
-            if self.thread.in_loop_thread():
-                self.thread.close_from_loop()
-            else:
-                self.thread.close()
+        refused = self.thread.close_soon("aiokv-store-stop")
+        if refused is not None:
+            log.error("aiokv store: no thread could stop the loop thread of %s after its close (%s); it stopped "
+                      "itself", self.directory, refused)
 
     async def _pool_freed(self, io_ended: asyncio.Future[None]) -> None:
         await asyncio.wait({io_ended})
