@@ -82,3 +82,8 @@ def test_interrupt_keeps_the_unfreed_count(tmp_path: Path, backend: DiskBackend,
         fired.append(point)
     else:
         pytest.fail(f"more points than rounds: {fired}")
+    # Not vacuous (names drifted from CALLERS: no point fires, every round passes): the points meant
+    # were hit, the interrupt between the callback and the increment among them. _unfreed_landed makes
+    # no call since the fix, so no point there (before, 'return of max' in it fired, leaving 1).
+    assert {"TierBase._remove_files", "TierBase._count_unfreed"} <= {p.rsplit(" in ", 1)[-1] for p in fired}, fired
+    assert "return of add_done_callback in TierBase._count_unfreed" in fired, fired
