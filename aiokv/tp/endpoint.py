@@ -269,14 +269,13 @@ def trusted_peer(uid: int) -> bool:
     return uid in (os.getuid(), 0)
 
 
-def remove_endpoint(endpoint: Endpoint, identity: tuple[int, int] | None) -> None:
-    """Unlink the socket (only if it is still the one we bound, ``identity``: see
-    :func:`unlink_socket`) and a directory we created, unless a manager is starting there.
+def remove_endpoint(endpoint: Endpoint) -> None:
+    """Remove a directory we created, unless a manager is starting there. The socket's name is not
+    touched: its owner unlinks it with its listener (:func:`unlink_socket`).
 
     The directory goes under its start lock: removed while another manager started there (probed,
     about to bind), that one's bind failed ``FileNotFoundError`` (review 252). Held by another, the
     directory is left to it; a start that opened it before the removal makes it anew."""
-    unlink_socket(endpoint.socket_path, identity)
     if not endpoint.created:
         return
     try:

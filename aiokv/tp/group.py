@@ -256,7 +256,7 @@ class RankGroup:
             # this one made it (removed, that start's bind failed; review 252).
             failed, self._endpoint = self._endpoint, None
             if failed is not None:
-                remove_endpoint(failed, None)
+                remove_endpoint(failed)
             raise
         log.info(
             "rank group listening on %s: tp_size=%d, pool %s (epoch %#x, %d pages)",
@@ -320,7 +320,7 @@ class RankGroup:
         if self._connecting:
             await asyncio.wait(set(self._connecting))
         if self._endpoint is not None:
-            remove_endpoint(self._endpoint, None)  # the socket's name went with the listener
+            remove_endpoint(self._endpoint)  # the socket's name went with the listener
         self._changed.set()
 
     async def _wait_idle(self) -> bool:
