@@ -939,12 +939,15 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread and closing.done() and _stuck_of(closing) is None:
-                # The close ended: stopped here too, then waited for (the close future's own stop may
-                # find no thread to start: a pids limit; waiting for that stop alone then hung for good;
-                # a LoopThread.close() racing that stop returns before the thread ended). Never stopped
-                # from here before the close ended: this thread interrupted (a KeyboardInterrupt from a
-                # signal handler) while the close ran or was handed over stopped the loop under it, the
-                # tier left open for good (its threads, ring and lock; no finalizer runs after a close).
+                # The close ended: stopped here too, then waited for. The close future's callback stops
+                # it as well (an aiokv-store-stop thread, or the loop itself where none may start); this
+                # one is a guard for close() waiting without bound below: a callback that failed (its
+                # error logged and dropped by concurrent.futures) would leave the loop running and this
+                # wait hung for good. A LoopThread.close() racing that stop returns before the thread
+                # ended, hence the wait. Never stopped from here before the close ended: this thread
+                # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was
+                # handed over stopped the loop under it, the tier left open for good (its threads, ring
+                # and lock; no finalizer runs after a close).
                 if self.thread.died is None:
                     self.thread.close()
                     self._wait_thread_ended(None)
