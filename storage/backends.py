@@ -581,6 +581,7 @@ class UringPageIO:
                 self._ext_views.append(view)
             else:
                 view.release()
+            del view  # kept by the tier or released: not by this frame, which a traceback may keep
         error = job.exception()
         if error is not None:
             if not isinstance(error, OSError):

@@ -727,7 +727,14 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if self._io is None or not self._accepting:
             raise RuntimeError("disk tier is closing")
         view = buffer.cast("B")
-        if not await self._io.register_memory(view, buffer_address(view)):
+        try:
+            registered = await self._io.register_memory(view, buffer_address(view))
+        finally:
+            # Not kept in this frame: a traceback kept of a cancelled call (a loop's death cancels
+            # every task, and on Python 3.12 its gathers keep their tracebacks) would keep the
+            # caller's region exported after the close, and ``mmap.close`` would then fail.
+            del view, buffer
+        if not registered:
             self._memory_unregistered += 1
 
 
