@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import mmap
+import os
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 def wait_for(condition: Callable[[], bool], what: str, bound_s: float) -> None:
@@ -108,3 +113,32 @@ def tier_closed(disk: Any) -> bool:
     """Whether the disk tier's close ended (``io_ended`` raises before the close began)."""
     ended = disk._io_ended
     return ended is not None and ended.done()
+
+
+# -- the kernel refusing new threads (a pids limit reached) ----------------------------------------
+
+PIDS = Path("/sys/fs/cgroup/pids")
+"""The cgroup v1 pids controller: writing a thread's id to a group's ``tasks`` moves it there."""
+
+
+@contextlib.contextmanager
+def pids_limited(tag: str, bound_s: float) -> Iterator[Path]:
+    """A pids cgroup that admits no new task: a thread moved into it (``tasks``) can start no
+    thread (``RuntimeError: can't start new thread``). Skips without root or the v1 controller, or
+    where no group can be made (a read-only or delegated hierarchy: a container). On exit, threads
+    left there go back to the root group before the group is removed."""
+    if os.geteuid() != 0 or not (PIDS / "tasks").exists():
+        pytest.skip("needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids")
+    group = PIDS / f"aiokv-test-{tag}-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a pids cgroup: {exc}")
+    try:
+        (group / "pids.max").write_text("1")  # the moved thread alone
+        yield group
+    finally:
+        for tid in (group / "tasks").read_text().split():  # a failure left a thread there
+            (PIDS / "tasks").write_text(tid)
+        wait_for(lambda: not (group / "tasks").read_text().split(), "the test's cgroup empty", bound_s)
+        group.rmdir()

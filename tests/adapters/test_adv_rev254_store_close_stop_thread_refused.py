@@ -14,39 +14,24 @@ next ``clone`` of that thread.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from store_helpers import tier_closed, wait_for
+from store_helpers import pids_limited, tier_closed
 
 from aiokv.adapters.store import PageFileStore, StoreConfig
 
 BOUND_S = 10.0
 PAGE_BYTES = 8192
-PIDS = Path("/sys/fs/cgroup/pids")
 
 
 @pytest.fixture
 def limited() -> Iterator[Path]:
     """A pids cgroup that admits no new task: a thread moved into it can start no thread."""
-    if os.geteuid() != 0 or not (PIDS / "tasks").exists():
-        pytest.skip("needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids")
-    group = PIDS / f"aiokv-test-rev254-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:  # a read-only or delegated hierarchy (a container)
-        pytest.skip(f"cannot make a pids cgroup: {exc}")
-    try:
-        (group / "pids.max").write_text("1")  # the moved thread alone
+    with pids_limited("rev254", BOUND_S) as group:
         yield group
-    finally:
-        for tid in (group / "tasks").read_text().split():  # a failure left a thread there
-            (PIDS / "tasks").write_text(tid)
-        wait_for(lambda: not (group / "tasks").read_text().split(), "the test's cgroup empty", BOUND_S)
-        group.rmdir()
 
 
 def test_close_stops_its_loop_thread_when_no_thread_can_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

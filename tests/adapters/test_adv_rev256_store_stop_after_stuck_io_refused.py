@@ -13,7 +13,6 @@ loop thread moved into a pids cgroup (v1) at its limit once the pool was freed a
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import shutil
 import sys
 import threading
@@ -28,34 +27,20 @@ from aiokv.adapters.store import PageFileStore, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import freeze, loop_ext4, thaw
-from store_helpers import wait_for
+from store_helpers import PIDS, pids_limited, wait_for
 
 PAGE = 8192
 STORES = 4
 CLOSE_S = 1.0
 THAW_S = 15.0
 BOUND_S = 10.0
-PIDS = Path("/sys/fs/cgroup/pids")
 
 
 @pytest.fixture
 def limited() -> Iterator[Path]:
     """A pids cgroup that admits no new task: a thread moved into it can start no thread."""
-    if os.geteuid() != 0 or not (PIDS / "tasks").exists():
-        pytest.skip("needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids")
-    group = PIDS / f"aiokv-test-rev256-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:  # a read-only or delegated hierarchy (a container)
-        pytest.skip(f"cannot make a pids cgroup: {exc}")
-    try:
-        (group / "pids.max").write_text("1")  # the moved thread alone
+    with pids_limited("rev256", BOUND_S) as group:
         yield group
-    finally:
-        for tid in (group / "tasks").read_text().split():  # a failure left a thread there
-            (PIDS / "tasks").write_text(tid)
-        wait_for(lambda: not (group / "tasks").read_text().split(), "the test's cgroup empty", BOUND_S)
-        group.rmdir()
 
 
 @pytest.mark.root

@@ -15,7 +15,6 @@ mount frozen (``fsfreeze -f``) under writes in flight. Root only.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import tier_closed, wait_for
+from store_helpers import PIDS, pids_limited, tier_closed, wait_for
 
 from aiokv.adapters.store import PageFileStore
 
@@ -36,27 +35,13 @@ sglang_helpers = pytest.importorskip("sglang_helpers")
 CLOSE_S = 1.0
 THAW_S = 15.0
 BOUND_S = 10.0
-PIDS = Path("/sys/fs/cgroup/pids")
 
 
 @pytest.fixture
 def limited() -> Iterator[Path]:
     """A pids cgroup that admits no new task: a thread moved into it can start no thread."""
-    if os.geteuid() != 0 or not (PIDS / "tasks").exists():
-        pytest.skip("needs root and the cgroup v1 pids controller at /sys/fs/cgroup/pids")
-    group = PIDS / f"aiokv-test-rev257-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:  # a read-only or delegated hierarchy (a container)
-        pytest.skip(f"cannot make a pids cgroup: {exc}")
-    try:
-        (group / "pids.max").write_text("1")  # the moved thread alone
+    with pids_limited("rev257", BOUND_S) as group:
         yield group
-    finally:
-        for tid in (group / "tasks").read_text().split():  # a failure left a thread there
-            (PIDS / "tasks").write_text(tid)
-        wait_for(lambda: not (group / "tasks").read_text().split(), "the test's cgroup empty", BOUND_S)
-        group.rmdir()
 
 
 @pytest.mark.root
