@@ -118,6 +118,9 @@ class LoopThread:
         self._unstarted: dict[int, tuple[Coroutine[Any, Any, Any], Coroutine[Any, Any, Any]]] = {}
         self._finalizers: list[Callable[[], Coroutine[Any, Any, object]]] = []
         self._ending = False  # the thread's end began (_end): posted work is no longer taken
+        # when_ended's calls, made by the thread as its last act; None once it made them (later ones: at once).
+        self._after_end: list[Callable[[], object]] | None = []
+        self._after_end_lock = threading.Lock()
         self.died: BaseException | None = None
         """Why the loop ended without :meth:`close` (None while it runs or after a close)."""
         self._last_work = 0.0
@@ -141,7 +144,10 @@ class LoopThread:
         except BaseException as exc:  # the thread ends here; callers learn it through `died`
             self._record_death(exc)
         finally:
-            self._end()
+            try:
+                self._end()
+            finally:
+                self._call_after_end()
 
     def _record_death(self, exc: BaseException) -> None:
         """Log the death with its traceback, then keep it in ``died`` without what its frames
@@ -201,6 +207,26 @@ class LoopThread:
                 self._run_to_end(finalizer())
             except BaseException:  # one failing finalizer must not skip the others
                 log.exception("aiokv loop: finalizer raised while the loop thread ended")
+
+    def _call_after_end(self) -> None:
+        with self._after_end_lock:
+            calls, self._after_end = self._after_end or [], None
+        for fn in calls:
+            try:
+                fn()
+            except Exception:
+                log.exception("aiokv loop: a call after the end of loop thread %s raised", self._thread.name)
+
+    def when_ended(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the thread's end is over (after a :meth:`close` or a death: its work cancelled
+        and ended, the finalizers run, the loop closed): on that thread, as its last act (what ``fn`` raises
+        is logged), or now, on the caller's, when it is over already. ``fn`` must not block: the thread
+        (and :meth:`wait_ended`) waits for it. No thread is started for it (the kernel may refuse one)."""
+        with self._after_end_lock:
+            if self._after_end is not None:
+                self._after_end.append(fn)
+                return
+        fn()
 
     def _answer_left(self, futures: list[concurrent.futures.Future[Any]] | None = None) -> None:
         """Answer every caller still waiting (or those of ``futures``): ``LoopDied`` after a death,

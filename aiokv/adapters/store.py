@@ -1037,27 +1037,25 @@ class PageFileStore:
     def when_closed(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` once :meth:`close`'s run on the loop ended (see :meth:`wait_closed`; a close that
         did not begin yet: once a later one ended): at once when it has, else on the loop thread (``fn``
-        must not block; what it raises is logged); after a death of the loop thread, once that thread
-        ended, on a thread of its own."""
+        must not block; what it raises is logged); after a death of the loop thread, once that thread's
+        end is over (its finalizer closed the tiers): by that thread as its last act, or at once."""
 
-        def call(_: object) -> None:
-            try:
-                if self.thread.died is not None and not self.thread.dead:
-                    # The death's end cut the close (its future failed) before its finalizer closed the
-                    # tiers, which may still use the engine's memory: called once the thread ended, on a
-                    # thread of its own (the loop's must not join itself, a caller's must not block).
-                    threading.Thread(target=after_death, name="aiokv-store-closed", daemon=True).start()
-                else:
-                    fn()
-            except Exception:
-                log.exception("aiokv store: a callback after the close of %s failed", self.directory)
-
-        def after_death() -> None:
-            self._wait_thread_ended(None)
+        def guarded() -> None:
             try:
                 fn()
             except Exception:
                 log.exception("aiokv store: a callback after the close of %s failed", self.directory)
+
+        def call(_: object) -> None:
+            if self.thread.died is not None:
+                # The death's end cut the close (its future failed) before its finalizer closed the
+                # tiers, which may still use the engine's memory: called once that end is over, by the
+                # dying thread itself (the loop's must not join itself, a caller's must not block). A
+                # thread of its own for it was refused where no thread may start (a pids limit), and
+                # the callback never ran: vLLM's region held for good.
+                self.thread.when_ended(guarded)
+            else:
+                guarded()
 
         if self._closing is None and self._closed:
             call(None)  # it ended
