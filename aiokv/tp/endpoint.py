@@ -12,7 +12,9 @@ removed it and bound its own, leaving the first listening where nobody could rea
 they owned the group). A stopping manager removes its socket's name before it closes the socket, the
 only time that name is known to be its own (review 249). A directory the manager made goes as it
 stops only under that lock, and a child forked while a start holds the lock closes its copy
-(review 252).
+(review 252). A stop holds the lock shared, a start exclusive: a start that meets a stop's lock
+(:class:`ManagerStopping`) tries again in a moment, one that meets another start's is refused
+(review 262).
 """
 
 from __future__ import annotations
@@ -99,6 +101,19 @@ _START_TRIES = 8
 """Times a start makes its directory anew when it was removed under it (by a stopping manager that
 made it) before giving up."""
 
+STOP_WAIT_S = 1.0
+"""Seconds a start waits, in all, for stopping managers holding its directory's lock (each holds it
+for a few system calls: the removal of its directory) before it is refused."""
+
+STOP_RETRY_FIRST_S = 0.001
+"""The first pause of a start that met a stop's lock; each next one doubles, up to a tenth of
+:data:`STOP_WAIT_S`."""
+
+
+class ManagerStopping(RuntimeError):
+    """The directory's lock is held by a manager stopping there (removing the directory it made), not
+    by a start: a start may try again in a moment (:data:`STOP_WAIT_S`)."""
+
 # Reentrant: a signal handler that forks (a SIGCHLD handler respawning a worker by multiprocessing's
 # fork) may run in the thread holding it, inside _open_directory; a plain lock's acquire before that
 # fork then waited for that thread for good, a hang of the whole process (review 255).
@@ -153,10 +168,11 @@ def _close_directory(fd: int) -> None:
 
 
 def _lock_directory(fd: int, directory: Path, starting: bool = True) -> bool:
-    """Take the exclusive flock of ``fd`` without waiting: False while another holds it. Where the
-    file system cannot lock, True (unlocked; a warning when ``starting``)."""
+    """Take the flock of ``fd`` without waiting, exclusive for a start, shared for a stop (not
+    ``starting``): False while another holds it. Where the file system cannot lock, True (unlocked;
+    a warning when ``starting``)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if starting else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     except OSError as exc:
@@ -165,6 +181,16 @@ def _lock_directory(fd: int, directory: Path, starting: bool = True) -> bool:
         if starting:
             log.warning("cannot lock %s (%s): starting unlocked; two managers starting there at once "
                         "may both believe they listen", directory, exc)
+    return True
+
+
+def _held_by_stops(fd: int) -> bool:
+    """Whether the lock a start was refused is held shared only (by stopping managers): a shared
+    lock is granted then, and ends with ``fd``'s release. A start holds it exclusive."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return False
     return True
 
 
@@ -182,7 +208,9 @@ def start_lock(directory: str | os.PathLike[str] | None) -> Iterator[Endpoint]:
     lock (its own ``flock``) for the block, which gets the :class:`Endpoint`.
 
     Raises ``RuntimeError`` at once while another manager holds it (it is starting there right now:
-    it will listen, or fail). Where the file system cannot lock, a warning and the block runs unlocked.
+    it will listen, or fail), :class:`ManagerStopping` while stopping managers hold it (removing the
+    directory: try again in a moment). Where the file system cannot lock, a warning and the block
+    runs unlocked.
     The lock ends with the descriptor, so a start that died holding it holds nothing; a child forked
     meanwhile closes its copy. A directory removed before it was locked (a stopping manager that
     made it, see :func:`remove_endpoint`) is made anew: the lock of a directory no longer at the
@@ -195,6 +223,10 @@ def start_lock(directory: str | os.PathLike[str] | None) -> Iterator[Endpoint]:
             continue
         try:
             if not _lock_directory(fd, endpoint.directory):
+                # A stop holds it for its directory's removal, a few system calls: refused as a
+                # start, an engine restarting its manager right after a stop failed (review 262).
+                if _held_by_stops(fd):
+                    raise ManagerStopping(f"a manager is stopping in {endpoint.directory}")
                 # Not removed, even if this start made it: the other start probes and binds there.
                 raise RuntimeError(f"another manager is starting in {endpoint.directory}")
             if _still_at(endpoint.directory, fd):
@@ -274,8 +306,11 @@ def remove_endpoint(endpoint: Endpoint) -> None:
     touched: its owner unlinks it with its listener (:func:`unlink_socket`).
 
     The directory goes under its start lock: removed while another manager started there (probed,
-    about to bind), that one's bind failed ``FileNotFoundError`` (review 252). Held by another, the
-    directory is left to it; a start that opened it before the removal makes it anew."""
+    about to bind), that one's bind failed ``FileNotFoundError`` (review 252). Held by a start, the
+    directory is left to it, for good (a start that did not make it leaves it as it stops): harmless,
+    the next start reuses it. A start that opened it before the removal makes it anew. The lock is
+    taken shared: a start meeting it knows a stop holds it, and waits (review 262); stops need no
+    turns among themselves, only the manager that made a directory removing it."""
     if not endpoint.created:
         return
     try:

@@ -37,9 +37,11 @@ from typing import cast
 
 from aiokv.layout import KVLayout, TPSlice
 
+from . import endpoint as endpoint_module
 from .config import TPConfig
 from .endpoint import (
     Endpoint,
+    ManagerStopping,
     clear_stale_socket,
     remove_endpoint,
     socket_identity,
@@ -232,24 +234,33 @@ class RankGroup:
 
     async def start(self) -> None:
         """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it
-        or another is starting there right now (it holds the directory's start lock)."""
+        or another is starting there right now (it holds the directory's start lock). A manager
+        stopping there (removing its directory) is waited for, ``endpoint.STOP_WAIT_S`` at most."""
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
         # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
         # failed before binding (another manager listening now) unlink that manager's socket, given
         # the freed inode number (ext4 reuses it at once).
         self._socket_id = None
+        loop = asyncio.get_running_loop()
         try:
-            # Probe, bind and listen under the directory's start lock: bound but not yet listening,
-            # our socket refuses a probe as a dead one does, and another manager starting there
-            # unlinked it and bound its own; this one then listened where no rank could reach it,
-            # and both believed they owned the group (review 249).
-            with start_lock(self._directory) as endpoint:
-                self._endpoint = endpoint
-                clear_stale_socket(endpoint.socket_path)
-                self._listener = _listen(os.fspath(endpoint.socket_path))
-                self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
-            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept_ready)
+            # A manager stopping there holds the lock for its directory's removal, a few system
+            # calls: refused, an engine restarting its manager right after a stop failed (review
+            # 262). Waited for, bounded (a stop frozen there refuses this start in the end).
+            deadline = loop.time() + endpoint_module.STOP_WAIT_S
+            pause = endpoint_module.STOP_RETRY_FIRST_S
+            while True:
+                try:
+                    listener = self._listen_locked()
+                    break
+                except ManagerStopping:
+                    if loop.time() >= deadline:
+                        raise
+                await asyncio.sleep(pause)
+                if self._closing:  # the close ran meanwhile, finding nothing to close
+                    raise RuntimeError("RankGroup.aclose() was called as it started")
+                pause = min(2 * pause, endpoint_module.STOP_WAIT_S / 10)
+            loop.add_reader(listener.fileno(), self._accept_ready)
         except BaseException:
             self._stop_listening()
             # None when the lock was refused: the directory is the other start's then, even if
@@ -260,8 +271,20 @@ class RankGroup:
             raise
         log.info(
             "rank group listening on %s: tp_size=%d, pool %s (epoch %#x, %d pages)",
-            endpoint.socket_path, self.tp_size, self.pool_name, self.epoch, self.num_pages,
+            self.address, self.tp_size, self.pool_name, self.epoch, self.num_pages,
         )
+
+    def _listen_locked(self) -> socket.socket:
+        """Probe, bind and listen under the directory's start lock: bound but not yet listening, our
+        socket refuses a probe as a dead one does, and another manager starting there unlinked it
+        and bound its own; this one then listened where no rank could reach it, and both believed
+        they owned the group (review 249). Raises what :func:`start_lock` raises."""
+        with start_lock(self._directory) as endpoint:
+            self._endpoint = endpoint
+            clear_stale_socket(endpoint.socket_path)
+            self._listener = listener = _listen(os.fspath(endpoint.socket_path))
+            self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
+        return listener
 
     async def aclose(self) -> None:
         """Stop accepting, wait ``close_timeout_s`` for jobs in flight, fence the ranks that still
