@@ -122,6 +122,12 @@ class NoPage(enum.Enum):
     gives their pages back and promotes the page again."""
 
 
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Read the end of a future nobody awaits any more (no "exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _tier_marks(disk: DiskTier) -> ReadMarks:
     """The tier's counts of reads that met their page evicted under them, and of faults (refused
     files, I/O faults by kind, reads refused while following): taken before a read, for
@@ -895,13 +901,17 @@ class LoadPath(ManagerBase):
         self.load_began()
         try:
             tasks = self._promote_groups(keys[in_pool : in_pool + count], waits=waits)
+            gathered = asyncio.gather(*tasks)
             try:
-                groups = await asyncio.shield(asyncio.gather(*tasks))
+                groups = await asyncio.shield(gathered)
             except BaseException:
                 # Cancelled, or a group raised: the others go on in the background and drop what they
                 # bring (before, only a cancel adopted them; a raise left their references for good).
                 for task in tasks:
                     self._adopt(task)
+                # Nobody awaits the gather now: its end (a group cancelled too, by a loop-wide cancel,
+                # or raising) is read here, never logged as "exception was never retrieved".
+                gathered.add_done_callback(_read_outcome)
                 raise
             promotions = [p for group in groups for p in group]
             self._release_handles([p.handle for p in promotions if isinstance(p, Promotion)])
