@@ -141,6 +141,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self.mem_pool_host: Any = None
         self._extra_hosts: dict[str, Any] = {}  # registered by name (v2), in order
         self._pools: dict[str, _Pool] = {}  # opened: KV first
+        # Every store constructed, in order (those of pools not kept yet included): close() closes these.
+        self._stores: list[PageFileStore] = []
         self._thread: LoopThread | None = None
         self._weight_at_open = 0
         self._opening = threading.Lock()  # SGLang's prefetch and backup threads may both open it
@@ -276,8 +278,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         weight = page_file_bytes(page_bytes)
         share = max(weight, self.config.capacity_bytes * weight // max(weight, weight_total))
         assert self._thread is not None
-        return PageFileStore(dataclasses.replace(self.config, capacity_bytes=share), "sglang", facts, page_bytes,
-                             thread=self._thread, sharing=self._sharing(facts))
+        config = dataclasses.replace(self.config, capacity_bytes=share)
+        # Constructed into _stores by C code (list.extend over map), where no signal handler runs between
+        # the constructor's return and the append: returned to Python first, an interrupt (a
+        # KeyboardInterrupt from a signal handler, Ctrl-C at start-up) landing as the call returned, or
+        # before its pool was kept, left the store open (its tier, ring and directory lock, its staging
+        # pool mapped) and unknown to close(). A constructor that raised cleaned up after itself (an
+        # open cut short on the shared loop closes what it opened).
+        self._stores.extend(map(PageFileStore, [config], ["sglang"], [facts], [page_bytes], [self._thread],
+                                [self._sharing(facts)]))
+        return self._stores[-1]
 
     def _kv(self, plain_page_bytes: int | None = None) -> _Pool | None:
         """The KV pool, its files open; None before anything registered it, and once the backend
@@ -557,12 +567,13 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             raise
 
     def _close_pools_here(self) -> None:
-        stores = [pool.store for pool in self._pools.values() if pool.store is not None]
+        stores = list(self._stores)
         try:
             for store in stores:
                 store.close()
         finally:
             self._pools.clear()
+            self._stores.clear()
             thread, self._thread = self._thread, None
             if thread is not None:
                 if thread.died is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -221,8 +222,15 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                         "names only the offloading config (model path, KV dtype, geometry, parallel layout): give "
                         "each revision, hf_overrides or quantization of one model path a namespace of its own")
         facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
-        self._store = PageFileStore(config, "vllm", facts, self._chunk_bytes)
+        held: list[PageFileStore] = []
         try:
+            # Constructed into ``held`` by C code (list.extend over map), where no signal handler runs
+            # between the constructor's return and the append: assigned in Python, an interrupt (a
+            # KeyboardInterrupt from a signal handler, Ctrl-C at start-up) landing as the call returned
+            # left the store open (its thread, ring and directory lock) with nobody holding it. A
+            # constructor that raised cleaned up after itself (``held`` is then empty).
+            held.extend(map(PageFileStore, [config], ["vllm"], [facts], [self._chunk_bytes]))
+            self._store = held[0]
             # [num_chunks, chunk_bytes] uint8 over vLLM's region, no copy (rows are contiguous).
             self._bytes_view = primary_kv_view.cast("B")
             self._region = torch.frombuffer(self._bytes_view, dtype=torch.uint8).view(num_chunks, self._chunk_bytes)
@@ -236,16 +244,28 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
             # process served read-only), no view of vLLM's region. The view goes even if the close
             # fails (the exception's frames keep this tier alive), and the start's error is raised.
-            try:
-                self._store.close()
-            except Exception:
-                log.exception("aiokv tier: closing the disk tier of a failed start failed")
-            except BaseException:
-                # Interrupted (the close goes on on the loop, which may still pin the region for
-                # io_uring): let go once it ended, as shutdown() does. It was let go at once.
-                self._store.when_closed(self._let_go)
+            if not held:
+                self._let_go()  # no store: its constructor failed, and closed what it had opened
                 raise
-            self._let_go()
+            store = held[0]
+            try:
+                try:
+                    store.close()
+                except Exception:
+                    log.exception("aiokv tier: closing the disk tier of a failed start failed")
+                    self._let_go()
+                else:
+                    store.when_closed(self._let_go)  # at once: the close ended (a death's: once its end is over)
+            except BaseException:
+                # Interrupted (again: Ctrl-C pressed twice). The close goes on on the loop, which may still
+                # pin the region for io_uring: let go once it ended, as shutdown() does (it was let go at
+                # once). close() again hands the close over should the interrupt have landed before it
+                # reached the loop (it returns at once otherwise): nobody else calls it, and the tier was
+                # left open for good, its lock held, the region exported.
+                with contextlib.suppress(Exception):
+                    store.close()
+                store.when_closed(self._let_go)
+                raise
             raise
 
     # -- lookups --------------------------------------------------------------------------------
