@@ -284,7 +284,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         # KeyboardInterrupt from a signal handler, Ctrl-C at start-up) landing as the call returned, or
         # before its pool was kept, left the store open (its tier, ring and directory lock, its staging
         # pool mapped) and unknown to close(). A constructor that raised cleaned up after itself (an
-        # open cut short on the shared loop closes what it opened).
+        # open cut short on the shared loop closes what it opened: close() waits for that, see
+        # _close_pools_here).
         self._stores.extend(map(PageFileStore, [config], ["sglang"], [facts], [page_bytes], [self._thread],
                                 [self._sharing(facts)]))
         return self._stores[-1]
@@ -583,12 +584,18 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                     if thread.wait_ended(self.config.close_timeout):
                         thread.close()
                 elif any(store.io_stuck for store in stores):
-                    _stop_after_io(thread, stores)
+                    _stop_when_settled(thread, stores)
+                elif not thread.wait_answered(self.config.close_timeout) or _busy(thread):
+                    # Still running: an open whose caller an interrupt cut short (its store closes what
+                    # it opened, then answers), or the background close of the tier it opened, its
+                    # I/O stuck in the kernel (a frozen file system: that store's close returned after
+                    # close_timeout). The loop stops once they ended: stopped now, it cancelled them,
+                    # the tier left open for good (threads, ring, lock), its staging pool mapped.
+                    _stop_when_settled(thread, stores)
                 else:
                     # Calls of other threads still in flight end at once on the closed stores (reads
-                    # miss, writes are refused): let them answer before the loop stops, which would
+                    # miss, writes are refused): they answered before the loop stops, which would
                     # cancel them under their callers.
-                    thread.wait_answered(self.config.close_timeout)
                     thread.close()
 
     def statistics(self, pool: str = _KV) -> Mapping[str, object]:
@@ -688,14 +695,34 @@ def _log_close_failure(done: concurrent.futures.Future[None]) -> None:
         log.error("aiokv backend: closing the pools failed after close() was interrupted", exc_info=error)
 
 
-def _stop_after_io(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
+def _busy(thread: LoopThread) -> bool:
+    """Whether a task still runs on the pools' loop (none may be cancelled by its stop); True when
+    that cannot be asked (the loop died meanwhile: its end is then waited for as after stuck I/O)."""
+    try:
+        return thread.call(lambda: bool(asyncio.all_tasks(thread.loop))).result()
+    except (RuntimeError, concurrent.futures.CancelledError):  # LoopDied too
+        return True
+
+
+async def _others_ended() -> None:
+    """Until no task but the caller's runs on its loop (one that ends may start another: a stuck
+    I/O's end starts the release of the staging pool it used)."""
+    me = asyncio.current_task()
+    while others := asyncio.all_tasks() - {me}:
+        await asyncio.wait(others)
+
+
+def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
     """Stop the pools' loop thread once the disk I/O their closes left stuck in the kernel ended
-    (a hung file system) and their staging pools are freed, without waiting for that here: joining
-    it kept :meth:`AiokvHiCacheStorage.close` waiting for as long as the disk hung, past
-    ``close_timeout``. A call still waiting on such I/O gets its answer once it ended."""
+    (a hung file system), their staging pools are freed and nothing else runs on it (an open cut
+    short by an interrupt of its caller, closing what it opened: its close, too, may leave I/O
+    stuck), without waiting for that here: joining it kept :meth:`AiokvHiCacheStorage.close`
+    waiting for as long as the disk hung, past ``close_timeout``. A call still waiting on such I/O
+    gets its answer once it ended."""
 
     async def settled() -> None:
         await asyncio.gather(*(store.wait_io_settled() for store in stores))
+        await _others_ended()
 
     def stop(_: object) -> None:  # on the loop thread, which must not join itself
         refused = thread.close_soon("aiokv-sglang-stop")
