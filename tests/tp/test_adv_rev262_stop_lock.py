@@ -213,3 +213,29 @@ async def test_a_start_waiting_for_a_stop_can_be_closed_or_cancelled(
         await _reap(stopping)
         await asyncio.wait([start])
         await group.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_stop_frozen_holding_the_lock_refuses_the_start_after_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stopping process frozen at its rmdir (held there, as a SIGSTOP would): the wait is bounded.
+    monkeypatch.setattr(endpoint_module, "STOP_WAIT_S", 0.05)
+    directory = tmp_path / "mgr"
+    directory.mkdir(mode=0o700)
+    stopping = await _spawn(_STOPPING, directory)
+    group = _group(directory)
+    try:
+        with pytest.raises(endpoint_module.ManagerStopping, match="a manager is stopping"):
+            await group.start()
+        assert os.listdir(directory) == []  # nothing bound
+    finally:
+        await _reap(stopping)
+        await group.aclose()
+    # The stop died there: its lock went with it, and the directory it left is reused.
+    group = _group(directory)
+    await group.start()
+    try:
+        await _reachable(group)
+    finally:
+        await group.aclose()
