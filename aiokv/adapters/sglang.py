@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from .loopthread import LoopDied, LoopThread
-from .store import PageFileStore, Sharing, StoreConfig, open_thread, page_file_bytes
+from .store import STUCK_REPORT_MIN_S, PageFileStore, Sharing, StoreConfig, open_thread, page_file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -576,6 +576,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             self._pools.clear()
             self._stores.clear()
             thread, self._thread = self._thread, None
+            report_s = max(self.config.close_timeout, STUCK_REPORT_MIN_S)
             if thread is not None:
                 if thread.died is not None:
                     # Its end cancels the calls in flight, each waiting for its I/O (a hung file
@@ -584,14 +585,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                     if thread.wait_ended(self.config.close_timeout):
                         thread.close()
                 elif any(store.io_stuck for store in stores):
-                    _stop_when_settled(thread, stores)
+                    _stop_when_settled(thread, stores, report_s)
                 elif not thread.wait_answered(self.config.close_timeout) or _busy(thread):
                     # Still running: an open whose caller an interrupt cut short (its store closes what
                     # it opened, then answers), or the background close of the tier it opened, its
                     # I/O stuck in the kernel (a frozen file system: that store's close returned after
                     # close_timeout). The loop stops once they ended: stopped now, it cancelled them,
                     # the tier left open for good (threads, ring, lock), its staging pool mapped.
-                    _stop_when_settled(thread, stores)
+                    _stop_when_settled(thread, stores, report_s)
                 else:
                     # Calls of other threads still in flight end at once on the closed stores (reads
                     # miss, writes are refused): they answered before the loop stops, which would
@@ -704,25 +705,30 @@ def _busy(thread: LoopThread) -> bool:
         return True
 
 
-async def _others_ended() -> None:
+async def _others_ended(report_s: float) -> None:
     """Until no task but the caller's runs on its loop (one that ends may start another: a stuck
-    I/O's end starts the release of the staging pool it used)."""
+    I/O's end starts the release of the staging pool it used); warned every ``report_s``, never silent."""
     me = asyncio.current_task()
+    waited = 0.0
     while others := asyncio.all_tasks() - {me}:
-        await asyncio.wait(others)
+        _, pending = await asyncio.wait(others, timeout=report_s)
+        if pending:
+            waited += report_s
+            log.warning("aiokv backend: the pools' loop thread has waited %.0f s after close() for %d task(s) to end "
+                        "before it stops (disk I/O stuck in the kernel?); it keeps waiting", waited, len(pending))
 
 
-def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore]) -> None:
+def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore], report_s: float) -> None:
     """Stop the pools' loop thread once the disk I/O their closes left stuck in the kernel ended
     (a hung file system), their staging pools are freed and nothing else runs on it (an open cut
     short by an interrupt of its caller, closing what it opened: its close, too, may leave I/O
     stuck), without waiting for that here: joining it kept :meth:`AiokvHiCacheStorage.close`
     waiting for as long as the disk hung, past ``close_timeout``. A call still waiting on such I/O
-    gets its answer once it ended."""
+    gets its answer once it ended. What it still waits for is warned every ``report_s``."""
 
     async def settled() -> None:
         await asyncio.gather(*(store.wait_io_settled() for store in stores))
-        await _others_ended()
+        await _others_ended(report_s)
 
     def stop(_: object) -> None:  # on the loop thread, which must not join itself
         refused = thread.close_soon("aiokv-sglang-stop")

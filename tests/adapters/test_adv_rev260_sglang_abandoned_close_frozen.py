@@ -18,6 +18,7 @@ watchdog thaws after THAW_S. Root only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import shutil
 import signal
@@ -48,7 +49,7 @@ BOUND_S = 10.0
 
 @pytest.mark.root
 def test_the_loop_outlives_an_abandoned_opens_close_held_by_a_frozen_disk(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backends: list[Any]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backends: list[Any], caplog: pytest.LogCaptureFixture) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread only")
     if shutil.which("fsfreeze") is None:
@@ -98,6 +99,9 @@ def test_the_loop_outlives_an_abandoned_opens_close_held_by_a_frozen_disk(
             assert thread._thread.is_alive(), "the loop was stopped under the abandoned open's close (I/O stuck)"
             wait_for(lambda: store._closed, "the abandoned open closing what it opened", BOUND_S)
             assert not tier_closed(disk)
+            caplog.set_level(logging.WARNING, logger="aiokv.adapters.sglang")
+            wait_for(lambda: any("task(s) to end before it stops" in r.getMessage() for r in caplog.records),
+                     "the loop's stop warning of what it waits for", BOUND_S)
             thaw(mount)
             wait_for(lambda: tier_closed(disk), "the abandoned open's disk tier closed after the thaw", BOUND_S)
             wait_for(lambda: store._pool.memory.segment.closed, "its staging pool freed", BOUND_S)
