@@ -11,7 +11,8 @@ it died (an engine's restart: the stopping manager's directory removal and the n
 Oracles: every prompt a last manager serves from disk is bit-exact on both ranks (each KV value a
 hash of its whole prefix: adv_helpers); the offload sources (the lower slots) are never written; the
 ranks map only the last pool; no manager's pool segment is left in /dev/shm; every step bounded.
-``AIOKV_REV262_SEEDS`` (default "262 263") makes it a longer search.
+MHA (both ranks write) and MLA (rank 0 writes, both read). ``AIOKV_REV262_SEEDS`` (default "262") makes
+it a longer search.
 """
 
 from __future__ import annotations
@@ -36,23 +37,26 @@ from aiokv.results import Match
 from aiokv.storage import DiskConfig
 from aiokv.tp import TPCache
 
-LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
-T = LAYOUT.page_tokens
+LAYOUTS = {
+    "mha": KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4),  # both ranks write their heads
+    "mla": KVLayout.mla(2, 16, torch.float16, page_tokens=4),  # rank 0 writes, both read
+}
+T = 4
 PROMPTS = 12
 PAGES = 3
 LOWER = PROMPTS * PAGES * T  # offload sources below, load targets above
 NUM_SLOTS = 2 * LOWER
 MANAGERS = 4
 BOUND_S = 60.0
-SEEDS = [int(seed) for seed in os.environ.get("AIOKV_REV262_SEEDS", "262 263").split()]
+SEEDS = [int(seed) for seed in os.environ.get("AIOKV_REV262_SEEDS", "262").split()]
 
 
-def _config(disk: Path) -> CacheConfig:
+def _config(layout: KVLayout, disk: Path) -> CacheConfig:
     # 16 pool pages for 36 pages of prompts: offloads evict to disk, loads promote from it.
-    return CacheConfig(cpu_bytes=16 * LAYOUT.page_bytes, namespace="tp-adv-rev262",
-                       pool_chunk_bytes=8 * LAYOUT.page_bytes, launch_pages=1, launch_turn_s=0,
+    return CacheConfig(cpu_bytes=16 * layout.page_bytes, namespace="tp-adv-rev262",
+                       pool_chunk_bytes=8 * layout.page_bytes, launch_pages=1, launch_turn_s=0,
                        offload_wait=0.5, close_timeout=5.0,
-                       disk=DiskConfig(directory=disk, capacity_bytes=200 * (LAYOUT.page_bytes + 4096)))
+                       disk=DiskConfig(directory=disk, capacity_bytes=200 * (layout.page_bytes + 4096)))
 
 
 def _prompt(i: int) -> list[int]:
@@ -68,7 +72,7 @@ async def _streamed(cache: TPCache, match: Match, target: torch.Tensor, layered:
         stream.claim(rng.randrange(0, match.tokens + 1))  # the engine computes the head
         if layered:
             await stream.launched()
-            for layer in range(LAYOUT.num_layers):
+            for layer in range(cache.layout.num_layers):
                 await stream.wait_layer(layer)
         await stream.finish()
 
@@ -99,14 +103,16 @@ async def _client(cache: TPCache, rng: random.Random, upper: list[int]) -> None:
         await asyncio.sleep(0)
 
 
-def manager_main(ctrl: multiprocessing.connection.Connection, disk: str, sock: str, seed: int) -> None:
+def manager_main(ctrl: multiprocessing.connection.Connection, layout_name: str, disk: str, sock: str,
+                 seed: int) -> None:
     """A scheduler process: sends ``("address", path, pool)``; after ``"go"`` runs clients until
     ``"stop"``, then closes the cache under them, saying ``("closing", jobs in flight)`` and ``"closed"``."""
     torch.set_num_threads(1)
     rng = random.Random(seed)
+    layout = LAYOUTS[layout_name]
 
     async def main() -> None:
-        cache = TPCache(_config(Path(disk)), LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
+        cache = TPCache(_config(layout, Path(disk)), layout, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                         directory=sock)
         await cache.start()
         ctrl.send(("address", cache.address, cache.pool.name))
@@ -129,7 +135,7 @@ def manager_main(ctrl: multiprocessing.connection.Connection, disk: str, sock: s
 
 async def _prefill(ranks: AdvRanks, rank: int) -> None:
     for i in range(PROMPTS):
-        await ranks.write(rank, _slots(i), rank_prefix_kv(LAYOUT, _prompt(i), 0, rank, 2))
+        await ranks.write(rank, _slots(i), rank_prefix_kv(ranks.layout, _prompt(i), 0, rank, 2))
 
 
 async def _recv(conn: multiprocessing.connection.Connection) -> object:
@@ -139,8 +145,11 @@ async def _recv(conn: multiprocessing.connection.Connection) -> object:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: Path, layout_name: str,
+                                                                      seed: int) -> None:
     rng = random.Random(seed)
+    layout = LAYOUTS[layout_name]
     ctx = fork_context()
     sock, disk = tmp_path / "sock", tmp_path / "disk"
     managers: list[multiprocessing.process.BaseProcess] = []
@@ -150,8 +159,8 @@ async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: 
     try:
         for k in range(MANAGERS):
             parent, child = ctx.Pipe()
-            manager = ctx.Process(target=manager_main, args=(child, os.fspath(disk), os.fspath(sock), seed * 10 + k),
-                                  daemon=True)
+            manager = ctx.Process(target=manager_main, daemon=True,
+                                  args=(child, layout_name, os.fspath(disk), os.fspath(sock), seed * 10 + k))
             manager.start()
             managers.append(manager)
             child.close()
@@ -159,7 +168,7 @@ async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: 
             assert kind == "address"
             pools.append(pool)
             if ranks is None:
-                ranks = AdvRanks(address, LAYOUT, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0),
+                ranks = AdvRanks(address, layout, 2, NUM_SLOTS, dataclasses.replace(CONFIG, inline_copy_bytes=0),
                                  slow_s=0.01)
                 ranks.start_all()
                 for rank in range(2):
@@ -197,7 +206,7 @@ async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: 
             parent.close()
         assert ranks is not None
         assert closed_busy, "no close began with jobs in flight"
-        async with TPCache(_config(disk), LAYOUT, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
+        async with TPCache(_config(layout, disk), layout, tp_size=2, num_slots=NUM_SLOTS, tp_config=CONFIG,
                            directory=sock) as cache:
             async with asyncio.timeout(BOUND_S):
                 await cache.wait_ranks()
@@ -212,13 +221,13 @@ async def test_managers_stopped_or_killed_in_their_close_are_replaced(tmp_path: 
                 loaded += result.tokens
                 for rank in range(2):
                     got = await ranks.read(rank, target[: result.tokens])
-                    want = rank_prefix_kv(LAYOUT, _prompt(i), 0, rank, 2)[:, : result.tokens]
+                    want = rank_prefix_kv(layout, _prompt(i), 0, rank, 2)[:, : result.tokens]
                     assert torch.equal(got, want), f"prompt {i}: rank {rank} served wrong KV"
             assert loaded, "nothing came back from disk"
             for rank in range(2):  # the offload sources were never written by a load
                 for i in range(PROMPTS):
                     got = await ranks.read(rank, _slots(i))
-                    assert torch.equal(got, rank_prefix_kv(LAYOUT, _prompt(i), 0, rank, 2)), (rank, i)
+                    assert torch.equal(got, rank_prefix_kv(layout, _prompt(i), 0, rank, 2)), (rank, i)
             await ranks.stop_all()
         present = set(os.listdir("/dev/shm"))
         left = {p for p in pools if p.lstrip("/") in present}
