@@ -544,16 +544,20 @@ class LoopThread:
         return None
 
     def close(self) -> None:
-        """Stop the loop and join the thread. Idempotent; tasks still pending are cancelled and
-        posted work never picked up is dropped (coroutines closed unstarted). After the loop died
-        this only drops what was posted since."""
-        if not self._closed:
-            self._closed = True
-            if self.died is None:  # a dying loop ends by itself (a stop would cut its finalizers short)
-                try:
-                    self._loop.call_soon_threadsafe(self._loop.stop)
-                except RuntimeError:  # closed: it died meanwhile
-                    pass
+        """Stop the loop and join the thread (the first call; a later one asks for the stop again and
+        returns). Idempotent; tasks still pending are cancelled and posted work never picked up is
+        dropped (coroutines closed unstarted). After the loop died this only drops what was posted since."""
+        first = not self._closed
+        self._closed = True
+        if self.died is None:  # a dying loop ends by itself (a stop would cut its finalizers short)
+            # At each call: one interrupted (a KeyboardInterrupt from a signal handler) before its stop
+            # left the loop running for good, counted as closed. A stop more only turns the loop once
+            # more (the end's runs go on after it).
+            try:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            except RuntimeError:  # closed: it ended (or died) meanwhile
+                pass
+        if first:
             self._thread.join()
         self._drop_inbox()
 

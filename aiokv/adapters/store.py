@@ -416,30 +416,52 @@ class PageFileStore:
         try:
             self.thread.run(self._open())
         except BaseException:
-            if self._owns_thread and self._disk is None:
-                # Decided on the loop, where the open runs: looked at here, an open ending before the
-                # stop below (this thread losing the GIL there) left the tier open for good under a
-                # loop stopped by a close (no finalizer runs), its lock held, the pool mapped.
-                with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # it died
-                    self.thread.call(self._cut_open).result()
-            if self._disk is not None:
-                # Opened: this thread was interrupted (a KeyboardInterrupt from a signal handler) once
-                # the open had ended. Closed as close() does: stopping the loop left the tier open for
-                # good (its threads, ring and lock; no finalizer runs after a close), the pool mapped.
-                self.close()
-                raise
-            if not self._owns_thread:
-                # Interrupted while the open runs on a shared loop, which goes on running it (the
-                # store's own is stopped below, which cancels it): the open closes what it opened. It
-                # was left open for good, nobody holding the store (the loop's owner stops the loop
-                # once its calls answered: no finalizer runs after a close), the pool mapped.
-                with contextlib.suppress(RuntimeError):  # the loop closed or died: nothing runs there
-                    self.thread.submit(self._abandon_open())
-            if self._check is not None:
-                self._check.join()
-            if self._owns_thread:
-                self.thread.close()
+            self._clean_up_start()
             raise
+
+    def _clean_up_start(self) -> None:
+        """After a start cut short (its open failed, or this thread was interrupted: a KeyboardInterrupt
+        from a signal handler), close what it opened and stop the store's own thread. Another interrupt
+        landing in it (Ctrl-C pressed twice) makes the steps again (each may be made twice), then is
+        raised: it skipped the rest, the loop thread left running for good, or the disk tier open (its
+        threads, ring and lock) with nobody holding the store, the staging pool mapped."""
+        cut: BaseException | None = None
+        while True:
+            try:
+                self._clean_up_start_once()
+            except BaseException as exc:  # what a signal's handler raises (or a close's error): made again
+                cut = exc
+                continue
+            if cut is not None:
+                raise cut
+            return
+
+    def _clean_up_start_once(self) -> None:
+        if self._owns_thread and self._disk is None:
+            # Decided on the loop, where the open runs: looked at here, an open ending before the
+            # stop below (this thread losing the GIL there) left the tier open for good under a
+            # loop stopped by a close (no finalizer runs), its lock held, the pool mapped.
+            with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):  # it died
+                self.thread.run(self._cut_open())
+        if self._disk is not None:
+            # Opened: this thread was interrupted (a KeyboardInterrupt from a signal handler) once
+            # the open had ended. Closed as close() does: stopping the loop left the tier open for
+            # good (its threads, ring and lock; no finalizer runs after a close), the pool mapped.
+            # Made again, a close() that began hands the close over again if it never reached the loop.
+            self.close()
+            return
+        if not self._owns_thread:
+            # Interrupted while the open runs on a shared loop, which goes on running it (the
+            # store's own is stopped below, which cancels it): the open closes what it opened. It
+            # was left open for good, nobody holding the store (the loop's owner stops the loop
+            # once its calls answered: no finalizer runs after a close), the pool mapped.
+            with contextlib.suppress(RuntimeError):  # the loop closed or died: nothing runs there
+                self.thread.submit(self._abandon_open())
+        if self._check is not None:
+            self._check.join()
+        if self._owns_thread:
+            self.thread.close()
+            self._wait_thread_ended(None)  # a close() made again does not join
 
     async def _open(self) -> None:
         self._open_task = asyncio.current_task()
@@ -462,14 +484,20 @@ class PageFileStore:
         if self._abandoned:
             await self._close_abandoned()
 
-    def _cut_open(self) -> None:
+    async def _cut_open(self) -> None:
         """The open's caller on the store's own loop is gone (interrupted), the open not ended: cut it
-        (loop only: it cannot end between this look and the cancel). Its cancellation frees what it
-        opened; an open that ended is closed by the caller, as close() does."""
+        (loop only: it cannot end between this look and the cancel) and wait for its end. Its
+        cancellation frees what it opened; an open that ended is closed by the caller, as close()
+        does. Waited for: a loop stopped before that end cut the staging pool's release in turn (the
+        loop's end cancels every task), its segment left mapped and named until exit."""
         if self._disk is None:
-            self._abandoned = True  # not begun yet: it opens nothing
-            if self._open_task is not None:
-                self._open_task.cancel()
+            task = self._open_task
+            if not self._abandoned:  # once: cut again (a caller interrupted again), its cleanup was cut too
+                self._abandoned = True  # not begun yet: it opens nothing
+                if task is not None:
+                    task.cancel()
+            if task is not None:
+                await asyncio.wait({task})
 
     async def _abandon_open(self) -> None:
         """The open's caller is gone (interrupted): an open that ended is closed now, one still
