@@ -681,7 +681,15 @@ class LoadStream:
                 cancelled = exc
         if not self._loader.cancelled() and self._loader.exception() is not None:
             manager.faults.record("stream_failed", f"stream loader failed: {self._loader.exception()!r}")
-        during_quiesce = await self._copies.quiesce()
+        while True:
+            try:
+                during_quiesce = await self._copies.quiesce()
+                break
+            except asyncio.CancelledError as exc:
+                # A loop-wide cancel (a signal's handler cutting every task) ended quiesce's own task
+                # before its first step: nothing was withdrawn nor waited for. Once more: raising
+                # here returned with copies still queued into the slots, their pages never released.
+                cancelled = exc
         for launch in self._copies.launches:
             manager.release_after(launch.copy.future, launch.handles)
         self._release_rest()

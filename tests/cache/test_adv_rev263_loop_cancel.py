@@ -17,6 +17,7 @@ unhandled error (``loop_hygiene``), and the cache ends quiescent and closes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import os
 import random
@@ -36,6 +37,7 @@ from loop_probes import until_thread
 
 from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostGather, HostScatter
+from aiokv.storage import DiskTier
 
 T = LAYOUT.page_tokens
 PAGES = 9
@@ -170,6 +172,12 @@ async def _offload(scene: Scene, salt: str) -> Any:
     return await scene.cache.offload(scene.r, scene.source, salt=salt)
 
 
+def _settled(cache: KVCache, disk: DiskTier) -> bool:
+    """Nothing left in the background, no reservation, no disk I/O in flight."""
+    stats = cache.stats()
+    return stats.background_jobs == 0 and stats.pool_reserved == 0 and disk.statistics().in_flight == 0
+
+
 async def _open(disk: Path, kv: torch.Tensor) -> KVCache:
     cache = KVCache(config(disk, pool_pages=POOL_PAGES, disk_pages=64, offload_wait=0.2, commit_wait=1.0), LAYOUT, kv)
     await cache.start()
@@ -179,11 +187,13 @@ async def _open(disk: Path, kv: torch.Tensor) -> KVCache:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("cuts", [1, 3])
 async def test_a_loop_wide_cancel_mid_calls_leaves_no_copy_running_and_no_wrong_kv(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, cuts: int
 ) -> None:
     """Each attempt: a cache over the same directory, the four calls, the loop-wide cancel after a
-    growing wait, the slots poisoned, the close (the engine's shutdown after its SIGTERM handler);
+    growing wait (``cuts``: and again, twice, a few turns apart), the slots poisoned, the close
+    (the engine's shutdown after its SIGTERM handler);
     the next attempt's cache first serves every prompt whole, exactly, from what the disk kept."""
     slow_copies(monkeypatch, seed)
     kv = torch.full((LAYOUT.num_layers, SLOTS, LAYOUT.rows, LAYOUT.head_dim), POISON, dtype=LAYOUT.dtype)
@@ -216,6 +226,12 @@ async def test_a_loop_wide_cancel_mid_calls_leaves_no_copy_running_and_no_wrong_
             wait = await pause(attempt, DENSE)
             where = f"seed {seed} attempt {attempt} (cancel after {wait})"
             cancel_every_task_but_mine()
+            for cut in range(1, cuts):
+                # SIGTERM again: the cut calls' and the cache's clean-ups (waits through
+                # cancellation, quiesces) cut in their turn, a few turns later.
+                for _ in range((attempt + cut) % 4):
+                    await asyncio.sleep(0)
+                cancel_every_task_but_mine()
             async with asyncio.timeout(BOUND_S):
                 ends = await asyncio.gather(*calls.values(), return_exceptions=True)
             for name, end in zip(calls, ends, strict=True):
@@ -232,8 +248,7 @@ async def test_a_loop_wide_cancel_mid_calls_leaves_no_copy_running_and_no_wrong_
             # only the close writes what they left queued).
             disk = cache.disk
             assert disk is not None
-            await until_thread(lambda: cache.stats().background_jobs == 0 and cache.stats().pool_reserved == 0
-                               and disk.statistics().in_flight == 0, f"{where}: the cut calls' ends", BOUND_S)
+            await until_thread(functools.partial(_settled, cache, disk), f"{where}: the cut calls' ends", BOUND_S)
             left = cache.stats()
             behind = disk.statistics()
             assert left.pool_referenced <= behind.write_behind_queued + behind.write_behind_writing, (where, left)
