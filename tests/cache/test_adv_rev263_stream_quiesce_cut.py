@@ -90,3 +90,65 @@ async def test_a_cancel_burst_never_ends_a_streams_close_before_its_copies(
     finally:
         async with asyncio.timeout(BOUND_S):
             await cache.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("turns", range(0, 6))
+@pytest.mark.parametrize("call", ["load", "offload"])
+async def test_a_cancel_burst_never_ends_a_load_or_offload_before_its_copies(
+    tmp_path: Path, turns: int, call: str
+) -> None:
+    """The same burst over a plain load (its copies queued behind a held copy thread) and an offload
+    (its gathers likewise): once the call ended, its slots are the engine's. A late load copy would
+    write the poisoned target; a late gather would store the garbage written into the source, which
+    a load of the prompt afterwards shows."""
+    kv = torch.full((LAYOUT.num_layers, 4 * N, LAYOUT.rows, LAYOUT.head_dim), POISON, dtype=LAYOUT.dtype)
+    cache = KVCache(config(None, pool_pages=2 * PAGES, launch_pages=1), LAYOUT, kv)
+    await cache.start()
+    await cache.pool.wait_ready()
+    try:
+        tokens = prompt(264, N)
+        source = torch.arange(0, N)
+        truth = torch.randn(LAYOUT.num_layers, N, LAYOUT.rows, LAYOUT.head_dim).to(LAYOUT.dtype)
+        kv[:, source] = truth
+        target = torch.arange(N, 2 * N)
+        if call == "load":
+            assert (await cache.offload(tokens, source)).stored == PAGES
+            match = await cache.match(tokens)
+        gate = CopyThreadGate(cache)
+        try:
+            if call == "load":
+                task = asyncio.ensure_future(cache.load(match, target))
+            else:
+                task = asyncio.ensure_future(cache.offload(tokens, source))
+            cutter = asyncio.current_task()
+            await asyncio.sleep(0)  # the call began
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            for _ in range(BURST):
+                _cut_all_but({cutter})
+                await asyncio.sleep(0)
+            async with asyncio.timeout(BOUND_S):
+                outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+            assert not isinstance(outcome, BaseException) or isinstance(outcome, asyncio.CancelledError), outcome
+            # The engine reuses the slots once the call is over.
+            kv[:, target] = POISON
+            kv[:, source] = POISON
+        finally:
+            await gate.open()
+        async with asyncio.timeout(BOUND_S):
+            await cache._bridge.run_cpu(lambda: None)  # behind whatever was queued on the copy thread
+            await cache.flush()
+        changed = (kv[:, target] != POISON).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
+        assert not changed, f"slots {changed} written after the {call} ended ({outcome!r})"
+        async with asyncio.timeout(BOUND_S):
+            await assert_quiescent(cache)
+            again = await cache.match(tokens)
+            check = torch.arange(2 * N, 2 * N + again.tokens)
+            got = await cache.load(again, check)
+        assert torch.equal(kv[:, check[: got.tokens]], truth[:, : got.tokens]), "a page stored the engine's reuse"
+        if call == "load" or not isinstance(outcome, BaseException):
+            assert got.tokens == N, got
+    finally:
+        async with asyncio.timeout(BOUND_S):
+            await cache.aclose()
