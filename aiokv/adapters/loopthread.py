@@ -546,7 +546,11 @@ class LoopThread:
     def close(self) -> None:
         """Stop the loop and join the thread (the first call; a later one asks for the stop again and
         returns). Idempotent; tasks still pending are cancelled and posted work never picked up is
-        dropped (coroutines closed unstarted). After the loop died this only drops what was posted since."""
+        dropped (coroutines closed unstarted). After the loop died this only drops what was posted since.
+        On the loop's own thread (a callback, which cannot join its thread): :meth:`close_from_loop`."""
+        if self.in_loop_thread():
+            self.close_from_loop()
+            return
         first = not self._closed
         self._closed = True
         if self.died is None:  # a dying loop ends by itself (a stop would cut its finalizers short)

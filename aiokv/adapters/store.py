@@ -967,21 +967,13 @@ class PageFileStore:
                 log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
                           "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
             if self._owns_thread and closing.done() and _stuck_of(closing) is None:
-                # The close ended: stopped here too, then waited for. The close future's callback stops
-                # it as well (an aiokv-store-stop thread, or the loop itself where none may start); this
-                # one is a guard for close() waiting without bound below: a callback that failed (its
-                # error logged and dropped by concurrent.futures) would leave the loop running and this
-                # wait hung for good. A LoopThread.close() racing that stop returns before the thread
-                # ended, hence the wait. Never stopped from here before the close ended: this thread
+                # The close ended: its future's callback stopped the store's own thread (on the loop,
+                # which stops after it), waited for here. Never stopped from here: this thread
                 # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was
                 # handed over stopped the loop under it, the tier left open for good (its threads, ring
                 # and lock; no finalizer runs after a close).
-                if self.thread.died is None:
-                    self.thread.close()
-                    self._wait_thread_ended(None)
-                elif self._wait_thread_ended(max(0.0, deadline - time.monotonic())):
-                    self.thread.close()
-                else:
+                bound = None if self.thread.died is None else max(0.0, deadline - time.monotonic())
+                if not self._wait_thread_ended(bound):
                     # A death's end waits for the work it cancelled, its I/O stuck in the kernel (a hung
                     # file system), then its finalizer closes the tier and frees the pool: it ends by
                     # itself. Joined without a bound, close() (vLLM's shutdown) held until that I/O ended.
@@ -1123,13 +1115,11 @@ class PageFileStore:
             thread.close()
 
     def _stop_thread(self) -> None:
-        """Stop the store's own thread from a callback (mostly on the loop thread, which must not join
-        itself): on a thread of its own, else (none may start: a pids limit) the loop stops itself. The
-        refused start raised in the callback and the thread ran for good after the close."""
-        refused = self.thread.close_soon("aiokv-store-stop")
-        if refused is not None:
-            log.error("aiokv store: no thread could stop the loop thread of %s after its close (%s); it stopped "
-                      "itself", self.directory, refused)
+        """Stop the store's own thread from a callback, mostly on the loop thread (the loop then stops
+        after the callback: no thread to start, none to join; an aiokv-store-stop thread for it was
+        refused where no thread may start, a pids limit). A dying thread ends by itself."""
+        if self.thread.died is None:
+            self.thread.close()
 
     async def _pool_freed(self, io_ended: asyncio.Future[None]) -> None:
         await asyncio.wait({io_ended})
