@@ -342,7 +342,13 @@ class LoadStream:
         self._ended = self._loop.create_future()
         try:
             try:
-                await asyncio.shield(self._loader)
+                # Not shield(): a loader cut by a loop-wide cancel (a signal handler's, which this
+                # caller, run after it, escaped) must not raise CancelledError into a caller nobody
+                # cancelled; what it launched settles as a shortened load (as launched() answers).
+                if not self._loader.done():
+                    await asyncio.wait({self._loader})
+                if not self._loader.cancelled() and (error := self._loader.exception()) is not None:
+                    raise error
                 outcomes = await self._copies.outcomes()
             except BaseException:
                 await self._abandon()  # a cancel during it: this call raises its own error anyway
