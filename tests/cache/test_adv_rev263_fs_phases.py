@@ -236,3 +236,4 @@ async def test_random_cancelled_calls_through_fs_faults_serve_only_right_kv(tmp_
                 match.release()
             errors = {k: n for k, n in cache.stats().errors.items() if n}
             assert not errors.get("disk_eio") and not errors.get("disk_corrupt"), errors
+        assert set(os.listdir(mount)) == {"kv", "lost+found"}, "written outside the cache directory"

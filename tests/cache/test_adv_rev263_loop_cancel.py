@@ -262,6 +262,7 @@ async def test_a_loop_wide_cancel_mid_calls_leaves_no_copy_running_and_no_wrong_
             break
     else:
         raise AssertionError(f"seed {seed}: the calls never completed before the cancel")
+    assert os.listdir(tmp_path) == ["disk"], "written outside the cache directory"
     print(outcomes)
     assert outcomes.get("load cancelled", 0) and outcomes.get("offload cancelled", 0), outcomes
 
