@@ -54,6 +54,23 @@ class Endpoint:
         return self.directory / SOCKET_NAME
 
 
+def _make_or_find(path: Path) -> tuple[os.stat_result, bool]:
+    """``(os.lstat(path), whether this call made it)``: ``path`` made 0700, or found there.
+
+    A directory ``mkdir`` found (``EEXIST``) but gone by the ``lstat`` (removed meanwhile by the
+    stopping manager that made it) is made anew: that ``FileNotFoundError`` failed the start, a
+    false refusal of an engine restarting its manager right after a stop (review 262)."""
+    for _ in range(_START_TRIES):
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            created = False
+        with contextlib.suppress(FileNotFoundError):
+            return os.lstat(path), created
+    raise RuntimeError(f"{path} was removed {_START_TRIES} times as this manager started there")
+
+
 def private_directory(directory: str | os.PathLike[str] | None) -> Endpoint:
     """Create ``directory`` 0700 (a fresh temporary one for None), or check an existing one is private.
 
@@ -64,12 +81,7 @@ def private_directory(directory: str | os.PathLike[str] | None) -> Endpoint:
         endpoint = Endpoint(Path(tempfile.mkdtemp(prefix="aiokv-tp-")), True)  # mkdtemp makes it 0700
     else:
         path = Path(directory)
-        try:
-            os.mkdir(path, 0o700)
-            created = True
-        except FileExistsError:
-            created = False
-        info = os.lstat(path)
+        info, created = _make_or_find(path)
         if not stat.S_ISDIR(info.st_mode):
             raise PermissionError(f"{path} is not a directory (a symlink or a file): refusing to listen there")
         if info.st_uid != os.getuid():

@@ -19,16 +19,19 @@ inside it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import socket
 import stat
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from loop_probes import until, waiting_in
+from loop_probes import until, until_thread, waiting_in
 from tp_helpers import CONFIG
 
 from aiokv import KVLayout
@@ -62,7 +65,9 @@ print("removed" if not directory.exists() else "left", flush=True)
 # A manager's start that has probed the old socket and holds the lock, killed there.
 _STARTING = r"""
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 from aiokv.tp import endpoint
 
 with endpoint.start_lock(Path(sys.argv[1])) as found:
@@ -239,3 +244,49 @@ async def test_a_stop_frozen_holding_the_lock_refuses_the_start_after_the_bound(
         await _reachable(group)
     finally:
         await group.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_directory_removed_between_its_mkdir_and_its_check_is_made_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The start's mkdir met the stopping manager's directory (EEXIST); that manager removed it before
+    # the start looked at it (lstat): FileNotFoundError out of the start, a false refusal again
+    # (found by three processes starting and stopping managers in one directory in a loop).
+    directory = tmp_path / "mgr"
+    first = _group(directory)
+    await first.start()  # made by this manager: its stop removes it
+    held, release = threading.Event(), threading.Event()
+    lstat = os.lstat
+    starter = "rev262-starter"
+
+    def held_lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        mine = threading.current_thread().name.startswith(starter) and os.fspath(path) == os.fspath(directory)
+        if mine and not held.is_set():  # the first look: private_directory's, after its mkdir failed
+            held.set()
+            assert release.wait(30), "the test never let the start go on"
+        return lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", held_lstat)
+    second = _group(directory)
+
+    async def second_run() -> bool:
+        await second.start()
+        try:
+            await _reachable(second)
+            return second.address == directory / SOCKET_NAME
+        finally:
+            await second.aclose()
+
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=starter)
+    started = asyncio.get_running_loop().run_in_executor(executor, asyncio.run, second_run())
+    try:
+        await until_thread(held.is_set, "the start's look at the directory")
+        await first.aclose()
+        assert not directory.exists()  # nobody held its lock: it went
+        release.set()
+        assert await started  # before: FileNotFoundError from private_directory's lstat
+    finally:
+        release.set()
+        await asyncio.wait([started])
+        executor.shutdown()
