@@ -164,23 +164,27 @@ class PageIndex:
             evicted.append(key)
         return evicted
 
-    def set_capacity(self, space: FreeSpace, after_enospc: bool) -> None:
+    def set_capacity(self, space: FreeSpace, after_enospc: bool, pending: int = 0) -> None:
         """The budget in force: what is stored plus what the file system still offers (bytes less
         ``min_free_bytes``, and inodes), never above ``budget``; after ENOSPC never above what is
-        stored (the file system just said so, whatever statvfs counts)."""
+        stored (the file system just said so, whatever statvfs counts). ``pending``: the tier's new
+        files whose room was in ``used`` at the look but whose blocks it may not have seen taken
+        (writes in flight): off the free room :meth:`free_bytes` starts from (not off the budget in
+        force: docs/storage.md, the file system's room)."""
         room = space.bytes - self.min_free_bytes
         if space.files is not None:
             room = min(room, space.files * self.file_bytes)
         capacity = min(self.budget, self.used + max(0, room))
         self.capacity = min(capacity, self.used) if after_enospc else capacity
         free = space.bytes if space.files is None else min(space.bytes, space.files * self.file_bytes)
-        self._free_then = 0 if after_enospc else free
+        self._free_then = 0 if after_enospc else free - pending * self.file_bytes
         self._used_then = self.used
 
     def free_bytes(self) -> int:
         """Room the file system has free for page files, as far as the tier knows, in bytes (free
         inodes count as a file's bytes each, as in :meth:`set_capacity`): what the last look found
         (none after ENOSPC) less what ``used`` grew by since. Files it evicted count as freed here
-        once out of the index; the tier subtracts those whose unlink has not landed. Others' files
-        since the look are not seen (corrected at the next look, or the next ENOSPC)."""
+        once out of the index; the tier subtracts those whose unlink has not landed. The tier's
+        writes in flight at the look count as taken (``pending``). Others' files since the look are
+        not seen (corrected at the next look, or the next ENOSPC)."""
         return self._free_then + self._used_then - self.used

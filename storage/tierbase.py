@@ -161,7 +161,7 @@ class TierBase(TierEdge):
         self._deletes_replace = False
         self._spares_when_writable: list[Spare] = []
         self._space_checked = 0.0
-        # Files evicted from the index (their room out of ``used``) whose unlink has not landed yet:
+        # Files out of ``used`` (evicted, deleted, spares removed) whose unlink has not landed yet:
         # their blocks are still taken (a write that needs them waits, :mod:`.writepath`).
         self._unfreed_files = 0
         # A first try waited for its unlinks because the estimate said the file system nearly full
@@ -374,6 +374,7 @@ class TierBase(TierEdge):
         assert self._dir is not None
         self._space_checked = asyncio.get_running_loop().time()
         self._short_seen = False
+        stored = self._writes
         try:
             # A thread of its own: ``asyncio.to_thread``'s first call starts the default executor's
             # thread from the loop, which waits there until it runs.
@@ -385,8 +386,19 @@ class TierBase(TierEdge):
         if space.read_only:
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
         # Never below ``used``: spares keep their room (their blocks are allocated already), and
-        # the next writes take them first.
-        self._index.set_capacity(space, after_enospc)
+        # the next writes take them first. The writes stored while the look ran may have taken
+        # their blocks after it: pending too (each, whatever its file: a rare case, counted high).
+        self._index.set_capacity(space, after_enospc, self._new_files_pending() + self._writes - stored)
+
+    def _new_files_pending(self) -> int:
+        """Writes in flight holding room for a new file (no victim to overwrite): their room is in
+        ``used``, their blocks maybe not taken yet, so a look at the free space now counts them
+        free. Review 261: the estimate of the free room (:meth:`.WritePath._short_of_room`) counted
+        them twice, and a first try that evicted went at once where its unlink's blocks were
+        needed (an ENOSPC, a page evicted for the retry). Counted at a look only (no cost per
+        write); a spare's write counts too (its blocks are allocated: the estimate errs low). Not
+        the spares of a batch being made (their room in ``used``, their blocks maybe not: left)."""
+        return sum(1 for job in self._writing.values() if job.holds_room and job.victim is None)
 
     def _enter_read_only(self, reason: ReadOnly) -> None:
         """Refuse writes from now on. For a read-only file system (an EROFS answer, or statvfs),
@@ -430,7 +442,7 @@ class TierBase(TierEdge):
         """The file system is writable again: take writes, remove what read-only mode left behind."""
         self._read_only = None
         log.warning("disk tier: %s is writable again: writing pages again", self.files.layout_dir)
-        self._index.set_capacity(space, after_enospc=False)
+        self._index.set_capacity(space, after_enospc=False, pending=self._new_files_pending())
         keys = [key for key in self._unlink_when_writable if key not in self._index and key not in self._writing]
         self._unlink_when_writable.clear()
         self._remove_files(keys)
@@ -560,6 +572,11 @@ class TierBase(TierEdge):
         # Also once the task ended: one a signal's KeyboardInterrupt ended at its start never ran
         # its ``finally`` (a new write of the key would wait on it for ever).
         task.add_done_callback(functools.partial(self._unlink_ended, key))
+        # Every file unlinked here is out of ``used`` (or never in it): its blocks taken until the
+        # unlink lands. Review 261: only evictions' were counted, so a delete's (``delete``, a
+        # refused file, a write discarded) or a failed recycle's victim's unlink in flight left the
+        # estimate too hopeful by its file.
+        self._count_unfreed(task, 1)
         return task
 
     def _unlink_again(self, key: PageKey) -> None:
@@ -685,10 +702,8 @@ class TierBase(TierEdge):
         (a start over a lowered budget) go to one thread, as :data:`BULK_UNLINK_KEYS` says."""
         fanout = self._dir.fanout if self._dir is not None else None
         if len(keys) < BULK_UNLINK_KEYS or self._read_only is not None or fanout is None:
-            tasks = [task for key in keys if (task := self._unlink_later(key)) is not None]
-            for task in tasks:
-                self._count_unfreed(task, 1)
-            return tasks
+            # (each unlink counted in ``_unfreed_files`` by ``_unlink_later``)
+            return [task for key in keys if (task := self._unlink_later(key)) is not None]
         # Keys with an unlink or move in flight wait for it, and a fan-out directory without a
         # descriptor is opened first: those one by one, as always.
         one_by_one = [key for key in keys if key in self._moving or fanout[key[0]] < 0]
@@ -696,8 +711,6 @@ class TierBase(TierEdge):
             alone = set(one_by_one)
             keys = [key for key in keys if key not in alone]
         tasks = [task for key in one_by_one if (task := self._unlink_later(key)) is not None]
-        for task in tasks:
-            self._count_unfreed(task, 1)
         if keys:
             bulk = self._unlink_in_thread([(fanout[key[0]], self.files.name(key)) for key in keys], keys)
             self._count_unfreed(bulk, len(keys))
@@ -705,9 +718,10 @@ class TierBase(TierEdge):
         return tasks
 
     def _count_unfreed(self, task: asyncio.Task[None], files: int) -> None:
-        """``files`` evicted files unlinked by ``task``: in ``_unfreed_files`` until it ends (done or
-        failed: a failed unlink is not retried for room). The callback first: an interrupt between
-        the two leaves the count low, a write no more careful than before this count."""
+        """``files`` files out of ``used`` (evicted, deleted, a spare removed) unlinked by ``task``:
+        in ``_unfreed_files`` until it ends (done or failed: a failed unlink is not retried for
+        room). The callback first: an interrupt between the two leaves the count low, a write no
+        more careful than before this count."""
         task.add_done_callback(functools.partial(self._unfreed_landed, files))
         self._unfreed_files += files
 
@@ -817,14 +831,15 @@ class TierBase(TierEdge):
         for spare in spares:
             self._unlink_spare(spare)
 
-    def _unlink_spare(self, spare: Spare) -> None:
-        """Unlink a spare's file that no stock or write holds any more (its room is not counted)."""
+    def _unlink_spare(self, spare: Spare) -> asyncio.Task[None] | None:
+        """Unlink a spare's file that no stock or write holds any more (its room is not counted);
+        the unlink's task (it never raises), or None where none started."""
         if self._io is None:
-            return
+            return None
         if self._read_only is not None:
             if self._writable_again is not None:
                 self._spares_when_writable.append(spare)
-            return
+            return None
 
         async def unlink() -> None:
             assert self._io is not None
@@ -838,7 +853,9 @@ class TierBase(TierEdge):
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
 
-        self._spawn(unlink())
+        task = self._spawn(unlink())
+        self._count_unfreed(task, 1)  # its room is out of ``used`` (or a write's, which makes a new file)
+        return task
 
     async def _close_spares(self) -> None:
         """At close, once no write is left: wait for the batch in flight, then remove the stock."""

@@ -253,11 +253,13 @@ class WritePath(TierBase):
 
     def _short_of_room(self) -> bool:
         """Whether the file system, as far as the tier knows, would keep less than one file's bytes
-        free once this claim's file is written (in ``used`` already) if no unlink in flight of an
-        evicted file had landed. Then such an unlink landing after the new file took its blocks
-        would cost it an ENOSPC and a second eviction (a page lost), and the room it frees would
-        stay unused until the next free-space check. One file of margin: the estimate counts file
-        sizes, not blocks and metadata."""
+        free once this claim's file is written (in ``used`` already) if no unlink in flight of a
+        file out of ``used`` had landed (an eviction's, a delete's, a failed recycle's victim's),
+        and the tier's new files in flight at the last look took their blocks
+        (:meth:`~.index.PageIndex.free_bytes`). Then such an unlink landing after the new file took
+        its blocks would cost it an ENOSPC and a second eviction (a page lost), and the room it
+        frees would stay unused until the next free-space check. One file of margin: the estimate
+        counts file sizes, not blocks and metadata."""
         index = self._index
         size = index.file_bytes
         if index.free_bytes() - self._unfreed_files * size >= size:
@@ -395,17 +397,18 @@ class WritePath(TierBase):
             gone = isinstance(error, FileNotFoundError)
             # An unlink of the victim's name registers in ``_moving`` before ``moved`` resolves: a
             # writer of the victim's key woken by it then finds the unlink and waits for it too.
+            unlink = None
             if taken and not gone:
                 self._recycled += 1
             elif isinstance(error, UnsafeFileError):
                 self._faults.count(error, "recycle")
-                self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
+                unlink = self._unlink_later(victim)  # a planted name: removed (unlink never follows it)
             elif (error is not None and (taken or not gone)
                   and not (isinstance(error, OSError) and error.errno == errno.EROFS)):
                 # Out of the index already: do not orphan its file. (Taken and ENOENT: the name
                 # unlinked, or the new name's directory removed, the victim's file left holding the
                 # page: unlinked, ENOENT ignored.)
-                self._unlink_later(victim)
+                unlink = self._unlink_later(victim)
             self._victim_moved(job)
             if error is None or (taken and not gone):
                 self._publish_done(job, error)
@@ -418,7 +421,7 @@ class WritePath(TierBase):
                 # victim unlinked above, and the page goes into a new file (before: the write failed).
                 self._faults.count(error, "recycle")
             job.victim = None
-            self._write_slot(job, job.slot)  # still holding the slot: a new file in its place
+            self._new_file_instead(job, unlink)  # still holding the slot: a new file in its place
         except Exception:
             self._write_bug(job)
         except BaseException:
@@ -446,19 +449,38 @@ class WritePath(TierBase):
                 return
             if not isinstance(error, OSError):
                 raise AssertionError(f"spare not taken without a fault: {error!r}")
+            unlink = None
             if not isinstance(error, FileNotFoundError):
                 self._faults.count(error, "spare")
-                self._unlink_spare(spare)
+                unlink = self._unlink_spare(spare)
             elif taken:
                 # The rename's ENOENT: the spare's name unlinked, or the page's directory removed
                 # (then the spare still holds the page under its name): unlinked, ENOENT ignored.
-                self._unlink_spare(spare)
-            self._write_slot(job, job.slot)
+                unlink = self._unlink_spare(spare)
+            self._new_file_instead(job, unlink)
         except Exception:
             self._write_bug(job)
         except BaseException:
             self._write_rescue(job)
             raise
+
+    def _new_file_instead(self, job: WriteJob, unlink: asyncio.Task[None] | None) -> None:
+        """``job``, holding its slot and room, writes a new file in place of the file it could not
+        take over (a recycle's victim, a spare), whose unlink is ``unlink`` (counted in
+        ``_unfreed_files``; None: none). The new file needs the blocks that unlink frees: where
+        the file system is nearly full (:meth:`_short_of_room`) it waits for the unlink, its slot
+        given back meanwhile (taken again after), as a first try that evicts. Review 261: it went
+        at once, and the unlink landing after the new file took its blocks cost an ENOSPC and a
+        page evicted for the retry."""
+        if unlink is None or not self._short_of_room():
+            self._write_slot(job, job.slot)
+            return
+        self._io_slots.give_back(job)
+        freed = asyncio.gather(unlink, return_exceptions=True)
+        step = job.handoffs + 1
+        done = functools.partial(self._claim_after_unlinks, job, step)
+        job.step = job.handoffs = step
+        freed.add_done_callback(done)
 
     def _written(self, job: WriteJob, step: int, error: BaseException | None) -> None:
         """A new file published (``error`` None) or not: the backend's completion."""
