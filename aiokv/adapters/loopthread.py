@@ -546,8 +546,10 @@ class LoopThread:
     def close(self) -> None:
         """Stop the loop and join the thread (the first call; a later one asks for the stop again and
         returns). Idempotent; tasks still pending are cancelled and posted work never picked up is
-        dropped (coroutines closed unstarted). After the loop died this only drops what was posted since.
-        On the loop's own thread (a callback, which cannot join its thread): :meth:`close_from_loop`."""
+        dropped (coroutines closed unstarted). After the loop died it asks for no stop (the dying thread
+        ends by itself): the first call still joins that thread (its end: the work it cancelled, waited
+        for, then its finalizers; without a bound), later ones only drop what was posted since. On the
+        loop's own thread (a callback, which cannot join its thread): :meth:`close_from_loop`."""
         if self.in_loop_thread():
             self.close_from_loop()
             return

@@ -5,7 +5,9 @@ shutdown too, from an ``atexit`` hook).
 Since review 251 (4f217ef) the stop of the store's own loop thread is a callback of the close's
 future, run on the loop thread, that starts an ``aiokv-store-stop`` thread, and ``close()`` waited
 for the loop thread's end without bound: the start refused, nothing ever stopped the loop and
-``close()`` (vLLM's ``shutdown()``) hung for good. It stopped the thread itself before, and does again.
+``close()`` (vLLM's ``shutdown()``) hung for good. Since review 259 (c4eb30e) that callback, on the loop
+thread, stops the loop there (``LoopThread.close()`` on its own thread acts as ``close_from_loop``): no
+thread is started for the stop, none joined; ``close()`` only waits for the thread's end.
 
 The fault is real: the test moves the loop thread into a pids cgroup (v1) whose limit it already
 reaches, once the close's run on the loop ended (the disk tier closed), so the kernel refuses the
