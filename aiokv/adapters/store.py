@@ -396,7 +396,7 @@ class PageFileStore:
         """Calls of :meth:`clear` that returned False after ``close_timeout`` with the clear still
         running (disk I/O stuck in the kernel): it ends once that I/O did."""
         self._clear_task: asyncio.Task[bool] | None = None  # the clear in progress (clear())
-        self._stuck_io: asyncio.Future[None] | None = None  # close() left disk I/O stuck: resolves when it ended
+        self._stuck_io: asyncio.Future[None] | None = None  # a close left disk I/O stuck: resolves when it ended
         # A close cut before its tiers closed (the loop's end cancels every task): resolved by the run
         # that closes them (the dying loop's finalizer), once the staging pool may be freed.
         self._cut_close: asyncio.Future[None] | None = None
@@ -941,14 +941,19 @@ class PageFileStore:
         # engine's memory let go under it). The store's own thread is stopped once it ended (its future's
         # callback: arranged however this call is cut short).
         closing = self._close_future()
-        self._closed = True
         deadline = time.monotonic() + self.config.close_timeout
         handed = False
         try:
             try:
+                # Marked begun inside the try: an interrupt landing right after it still hands the close
+                # over (finally). Marked before the try, one landing in between (the deadline's
+                # time.monotonic() call, where a signal's handler runs) left the close never handed over
+                # and counted as begun: the tier open for good unless the caller called close() again.
+                # One landing before the mark leaves no close begun (the finally does nothing then).
+                self._closed = True
                 self._hand_over(closing)
                 handed = True
-                self._stuck_io = closing.result()
+                closing.result()
             except (SystemExit, KeyboardInterrupt) as exc:
                 if closing.done() and not closing.cancelled() and closing.exception() is exc:
                     raise LoopDied(f"aiokv loop thread died: {exc!r}") from exc  # it ended the loop (as run())
@@ -956,30 +961,37 @@ class PageFileStore:
         except LoopDied:
             pass  # the dying thread closed them (finalizer)
         finally:
-            if not handed and not closing.done():
-                # Interrupted before or in the hand-over: made again (the loop runs the close once).
-                with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
-                    self._hand_over(closing)
-            self._regions.clear()  # the engine's memory is its own again
-            # Its layout directory descriptor closed; a look stuck in the kernel (a hung file
-            # system) is not waited for past the bound: it only looks, and ends by itself.
-            if self._check is not None and not self._check.join(max(0.0, deadline - time.monotonic())):
-                log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
-                          "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
-            if self._owns_thread and closing.done() and _stuck_of(closing) is None:
-                # The close ended: its future's callback stopped the store's own thread (on the loop,
-                # which stops after it), waited for here. Never stopped from here: this thread
-                # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was
-                # handed over stopped the loop under it, the tier left open for good (its threads, ring
-                # and lock; no finalizer runs after a close).
-                bound = None if self.thread.died is None else max(0.0, deadline - time.monotonic())
-                if not self._wait_thread_ended(bound):
-                    # A death's end waits for the work it cancelled, its I/O stuck in the kernel (a hung
-                    # file system), then its finalizer closes the tier and frees the pool: it ends by
-                    # itself. Joined without a bound, close() (vLLM's shutdown) held until that I/O ended.
-                    log.error("aiokv store: the dying loop thread of %s is still ending after close_timeout "
-                              "(%.1f s): disk I/O stuck in the kernel; its finalizer closes the disk tier",
-                              self.directory, self.config.close_timeout)
+            if self._closed:
+                self._after_close(closing, handed, deadline)
+
+    def _after_close(self, closing: concurrent.futures.Future[asyncio.Future[None] | None], handed: bool,
+                     deadline: float) -> None:
+        """close()'s ending, however its caller was cut short: the hand-over made again if it was not
+        made, the engine's memory let go, the reader's check joined, the store's own thread waited for."""
+        if not handed and not closing.done():
+            # Interrupted before or in the hand-over: made again (the loop runs the close once).
+            with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
+                self._hand_over(closing)
+        self._regions.clear()  # the engine's memory is its own again
+        # Its layout directory descriptor closed; a look stuck in the kernel (a hung file
+        # system) is not waited for past the bound: it only looks, and ends by itself.
+        if self._check is not None and not self._check.join(max(0.0, deadline - time.monotonic())):
+            log.error("aiokv store: a staleness check of %s is still stuck in the kernel after close_timeout "
+                      "(%.1f s); its thread ends with it", self.directory, self.config.close_timeout)
+        if self._owns_thread and closing.done() and _stuck_of(closing) is None:
+            # The close ended: its future's callback stopped the store's own thread (on the loop,
+            # which stops after it), waited for here. Never stopped from here: this thread
+            # interrupted (a KeyboardInterrupt from a signal handler) while the close ran or was
+            # handed over stopped the loop under it, the tier left open for good (its threads, ring
+            # and lock; no finalizer runs after a close).
+            bound = None if self.thread.died is None else max(0.0, deadline - time.monotonic())
+            if not self._wait_thread_ended(bound):
+                # A death's end waits for the work it cancelled, its I/O stuck in the kernel (a hung
+                # file system), then its finalizer closes the tier and frees the pool: it ends by
+                # itself. Joined without a bound, close() (vLLM's shutdown) held until that I/O ended.
+                log.error("aiokv store: the dying loop thread of %s is still ending after close_timeout "
+                          "(%.1f s): disk I/O stuck in the kernel; its finalizer closes the disk tier",
+                          self.directory, self.config.close_timeout)
 
     def _close_future(self) -> concurrent.futures.Future[asyncio.Future[None] | None]:
         """The future of the close to come or running (made once, before the close begins); the store's
@@ -1021,6 +1033,9 @@ class PageFileStore:
         closing.set_running_or_notify_cancel()
         try:
             stuck = await self._close()
+            # Kept here, on the loop, for every close (an abandoned open's too, which no close() call
+            # waits for): io_stuck and wait_io_settled said nothing was stuck there.
+            self._stuck_io = stuck
         except asyncio.CancelledError:
             died = self.thread.died
             if died is None:  # a close of the shared loop thread cut it (its caller's future was cancelled)
@@ -1095,7 +1110,7 @@ class PageFileStore:
         """Stop the store's own thread once its close ended (after stuck I/O: once that ended and the
         staging pool is freed): the callback of the close's future, on the thread that ended it (mostly
         the loop's, which must not join itself), however the caller of close() was cut short."""
-        stuck = self._stuck_io = _stuck_of(closing)
+        stuck = _stuck_of(closing)
         if stuck is None:
             self._stop_thread()
         else:
@@ -1128,8 +1143,8 @@ class PageFileStore:
 
     @property
     def io_stuck(self) -> bool:
-        """True when :meth:`close` returned with disk I/O still stuck in the kernel (see
-        :meth:`wait_io_settled`)."""
+        """True when the store's close (:meth:`close`'s, or that of an open whose caller was interrupted)
+        ended with disk I/O still stuck in the kernel (see :meth:`wait_io_settled`)."""
         return self._stuck_io is not None
 
     async def wait_io_settled(self) -> None:
