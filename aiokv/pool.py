@@ -653,8 +653,34 @@ class PagePool:
         handler cancelling every task, a loop's shutdown) ended it before the memory was freed:
         every later aclose() raised that cancel at once and the segment was never freed."""
         if self._closing is None or (self._closing.cancelled() and not self._released):
-            self._closing = asyncio.ensure_future(self._release())
+            self._closing = self._start_release()
         return self._closing
+
+    def _start_release(self) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(self._release())
+        task.add_done_callback(self._release_cut)
+        return task
+
+    def _release_cut(self, task: asyncio.Task[None]) -> None:
+        """A release cut before it handed the unmap to a thread (a loop-wide cancel, the loop's end: its
+        first step or its wait for running chunks) hands it over now, to a thread that waits for those
+        chunks itself: nobody may run the release again (the loop is ending), and the segment stayed
+        mapped and named in /dev/shm until exit. A later aclose()/wait_freed() waits for that unmap."""
+        if not task.cancelled() or self._released or (self._unmap is not None and not self._unmap.cancelled()):
+            return
+        self._drop_queued_chunks()
+        try:
+            self._unmap = self._executor.submit(self._unmap_when_prepared)
+        except RuntimeError:  # no thread may take it any more (interpreter shutdown)
+            log.error("page pool %s: its release was cut and no thread may free it: its memory stays mapped "
+                      "until exit", self.memory.segment.name)
+
+    def _unmap_when_prepared(self) -> None:
+        """On a preparation thread: wait for the chunks still preparing (queued ones were dropped), then
+        unmap and unlink."""
+        with self._finished_all:
+            self._finished_all.wait_for(lambda: self._finished == len(self._futures))
+        self.memory.close()
 
     def close_after(self, io_ended: asyncio.Future[None]) -> None:
         """Close now, free the memory once ``io_ended`` resolved: I/O stuck in the kernel (a disk
@@ -676,7 +702,7 @@ class PagePool:
                 log.error("page pool %s: stuck I/O never reported its end: its memory stays mapped until exit",
                           self.memory.segment.name)
                 return
-            self._closing = asyncio.ensure_future(self._release())
+            self._closing = self._start_release()
 
         io_ended.add_done_callback(ended)
 
