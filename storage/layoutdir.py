@@ -540,7 +540,10 @@ def list_fanout(fd: int, index: int, shown: Path, remove_temps: bool, known: dic
                     key = bytes.fromhex(name)
                 except ValueError:
                     continue
-                if key[0] != index:
+                # fromhex also takes upper case and spaced pairs ("64AB..", "64 00 .."): not the
+                # name of a key (``key.hex()``). Indexed, such a file took the budget's room and
+                # was "evicted" under a name it does not have, so it stayed for good (review 264).
+                if len(key) != KEY_BYTES or key.hex() != name or key[0] != index:
                     continue
                 inode = entry.inode()
                 if known is not None:
