@@ -431,6 +431,9 @@ class PageFileStore:
                 self._clean_up_start_once()
             except BaseException as exc:  # what a signal's handler raises (or a close's error): made again
                 cut = exc
+                # A third interrupt handled at this back jump (a point where a signal's handler runs, outside
+                # the try) still escapes: every Python retry has one such point (a back jump, or a retrying
+                # function's entry), so it is left; it needs a signal landing within these few opcodes.
                 continue
             if cut is not None:
                 raise cut
