@@ -569,9 +569,18 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _close_pools_here(self) -> None:
         stores = list(self._stores)
+        failed: Exception | None = None
         try:
             for store in stores:
-                store.close()
+                # Each closed whatever the ones before raised (raised once all were): the first's
+                # error (its disk tier's close failed) skipped the rest, their tiers left open for good
+                # (threads, ring, directory lock), their staging pools mapped, the loop kept running
+                # for their tasks (review 266).
+                try:
+                    store.close()
+                except Exception as exc:
+                    log.error("aiokv backend: closing the disk tier of %s failed", store.directory, exc_info=exc)
+                    failed = failed or exc
         finally:
             self._pools.clear()
             self._stores.clear()
@@ -598,6 +607,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                     # miss, writes are refused): they answered before the loop stops, which would
                     # cancel them under their callers.
                     thread.close()
+        if failed is not None:
+            raise failed
 
     def statistics(self, pool: str = _KV) -> Mapping[str, object]:
         """The disk tier's statistics of one pool's files (for tests and tools); empty before they opened."""
