@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -722,11 +722,18 @@ async def _others_ended(report_s: float) -> None:
     me = asyncio.current_task()
     waited = 0.0
     while others := asyncio.all_tasks() - {me}:
-        _, pending = await asyncio.wait(others, timeout=report_s)
-        if pending:
-            waited += report_s
-            log.warning("aiokv backend: the pools' loop thread has waited %.0f s after close() for %d task(s) to end "
-                        "before it stops (disk I/O stuck in the kernel?); it keeps waiting", waited, len(pending))
+        waited = await _waited(others, report_s, waited, "task(s) to end")
+
+
+async def _waited(awaited: Collection[asyncio.Future[Any]], report_s: float, waited: float, what: str) -> float:
+    """Wait ``report_s`` at most for ``awaited``; warn when some are still pending. Returns the time
+    waited in all so far (``waited`` plus this wait when it was warned)."""
+    _, pending = await asyncio.wait(awaited, timeout=report_s)
+    if pending:
+        waited += report_s
+        log.warning("aiokv backend: the pools' loop thread has waited %.0f s after close() for %d %s before it "
+                    "stops (disk I/O stuck in the kernel?); it keeps waiting", waited, len(pending), what)
+    return waited
 
 
 def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore], report_s: float) -> None:
@@ -738,7 +745,20 @@ def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore], repo
     gets its answer once it ended. What it still waits for is warned every ``report_s``."""
 
     async def settled() -> None:
-        await asyncio.gather(*(store.wait_io_settled() for store in stores))
+        # Warned as the wait for other tasks is: awaited plainly, it waited silently for as long as
+        # the disk hung, the loop thread and the staging pools kept (review 266).
+        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(store.wait_io_settled()) for store in stores}
+        waited = 0.0
+        try:
+            while waits:
+                waited = await _waited(waits, report_s, waited, "store(s)' stuck disk I/O to end")
+                for wait in [wait for wait in waits if wait.done() and not wait.cancelled()]:
+                    if (error := wait.exception()) is not None:  # read: the stop goes on regardless
+                        log.error("aiokv backend: waiting for a store's stuck disk I/O failed", exc_info=error)
+                waits = {wait for wait in waits if not wait.done()}
+        finally:
+            for wait in waits:  # cut (the loop's end): nothing waits for them any more
+                wait.cancel()
         await _others_ended(report_s)
 
     def stop(_: object) -> None:  # on the loop thread, which must not join itself
