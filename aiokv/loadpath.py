@@ -514,8 +514,10 @@ class LoadPath(ManagerBase):
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
         read in one ``DiskTier.read_many`` batch, a page in the pool is held at once, one another
         call brings in as soon as it lands; one that found no room then goes :meth:`_promote`'s
-        way (``windowed``: as :meth:`_promote`). Past a page whose read failed nothing more is read
-        or waited for (those pages are :attr:`NoPage.MISS`, not counted again), for a load
+        way (``windowed``: as :meth:`_promote`). Past a page whose read failed (the batch's, or one
+        read on its own: one that found no room, one another call gave up) nothing more is read
+        or waited for (those pages are :attr:`NoPage.MISS`, not counted again; a wait for a page
+        another call brings in is cut, lest it read the page if that call gives it up), for a load
         (``windowed``) always, for a prefetch once the tier dropped that page. If cancelled, the
         batch's pages are settled when its read ends (:meth:`_read_batch`) and the references
         taken (or still to come) are dropped."""
@@ -543,6 +545,16 @@ class LoadPath(ManagerBase):
             elif r.outcome is ReserveOutcome.PENDING:
                 # The call's waits stop together: one commit_wait_expired (reviews 117, 214).
                 landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, waits, windowed))
+
+        def stop_past(at: int) -> None:
+            # A load's own read failed at page ``at``: no read starts past it. A page another call
+            # was bringing in is no longer waited for: its wait is cut, so that it does not read the
+            # page itself (``again``) when that call gives it up (a read under way finishes).
+            for j in [j for j in landing if j > at]:
+                wait = landing.pop(j)
+                wait.cancel()
+                self._adopt(wait)
+
         try:
             failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
@@ -562,6 +574,7 @@ class LoadPath(ManagerBase):
                     got[i] = self._landed_or_gone(handle, ok, absent)
                     if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
                         failed = i
+                stop_past(failed)
             missed: NoPage | None = None
             for i, key in enumerate(keys):
                 if i > failed:
@@ -571,11 +584,10 @@ class LoadPath(ManagerBase):
                     # goes on while the failed page stays on disk (an EIO): a load reads it again
                     # and finds the rest in the pool; past a page the tier dropped, no match
                     # reaches them. Not counted: the failed page was.
-                    if i in landing:
-                        self._adopt(landing.pop(i))
                     if got[i] is None:
                         got[i] = NoPage.MISS
-                elif i in landing:
+                    continue
+                if i in landing:
                     got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
                     del landing[i]
                 elif got[i] is None:
@@ -587,6 +599,14 @@ class LoadPath(ManagerBase):
                     got[i] = promoted
                     if promoted is NoPage.MISS or promoted is NoPage.FULL or promoted is NoPage.GONE:
                         missed = NoPage.MISS if promoted is NoPage.GONE else promoted
+                if ((got[i] is NoPage.MISS or got[i] is NoPage.GONE) and failed == len(keys)
+                        and (windowed or not disk.contains(key))):
+                    # A page brought in on its own (one another call gave up, read again here; one
+                    # that found no room) that missed ends the work as a failed read of the batch:
+                    # the later pages that found no room were read one by one into the room its
+                    # abort freed, and a page another call brings in was read again (review 263).
+                    failed = i
+                    stop_past(i)
         except BaseException:
             for wait in landing.values():
                 self._adopt(wait)  # its reference, once it has one, is dropped
