@@ -407,15 +407,27 @@ class LoadStream:
         except RuntimeError:
             pass  # the loop closed meanwhile
 
-    def _abandon_dropped(self) -> None:
-        """On the loop: :meth:`_abandon` a dropped stream, tracked so that flush and close wait for it."""
+    def _abandon_dropped(self, ended: asyncio.Future[None] | None = None) -> None:
+        """On the loop: :meth:`_abandon` a dropped stream, tracked (``ended``) so that flush and
+        close wait for it."""
+        if ended is None:
+            ended = self._loop.create_future()
+            self._manager.track(ended, lambda: None)
         abandon = asyncio.ensure_future(self._abandon())
 
-        def retrieve() -> None:  # a failure is counted by _abandon; read here, never left unread
+        def retrieve(_: asyncio.Future[asyncio.CancelledError | None]) -> None:
+            if abandon.cancelled() and not self._stopping:
+                # A loop-wide cancel (a signal's handler cutting every task) ended the task before
+                # its first step (_abandon itself waits through cancels): nothing was abandoned,
+                # the stream's pages stayed pinned until the close. Once more, as quiesce is; the
+                # same tracked future, so a flush waiting on it waits for this one too.
+                self._abandon_dropped(ended)
+                return
             if not abandon.cancelled():
-                abandon.exception()
+                abandon.exception()  # a failure is counted by _abandon; read here, never left unread
+            _set_done(ended)
 
-        self._manager.track(abandon, retrieve)
+        abandon.add_done_callback(retrieve)
 
     def __repr__(self) -> str:
         state = "finished" if self._finished else "open"
