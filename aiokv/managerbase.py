@@ -294,6 +294,10 @@ class ManagerBase:
             busy = disk.statistics()
             if busy.write_behind_queued or busy.write_behind_writing or busy.in_flight:
                 waits.append(pool.table.wait_reclaimable())
+            if busy.write_behind_queued:
+                # The flush replaces write-behind workers a loop-wide cancel ended: else the pages
+                # they left queued held the pool and offloads gave up for room (review 263).
+                waits.append(asyncio.ensure_future(disk.flush()))
         if not waits:
             return False
         return await self._first_of(waits)

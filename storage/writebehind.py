@@ -19,6 +19,8 @@ class WriteBehind:
 
     ``workers`` tasks call ``write(key, handle)`` for each entry, then ``release(handle)``; a
     failing write is reported to ``on_error`` and never raises into the loop. Create inside the loop.
+    Workers a cancel ended that the queue did not ask for (a loop-wide cancel) are replaced by the
+    next ``put``, ``put_nowait``, ``join`` or ``aclose``, counted in :attr:`workers_replaced`.
     """
 
     def __init__(self, depth: int, workers: int, write: Callable[[PageKey, PageHandle], Awaitable[object]],
@@ -32,10 +34,18 @@ class WriteBehind:
         being written, or done. They are in neither :meth:`qsize` nor the tier's I/O slots until the
         write holds one, yet their references come back: a caller waiting for pool room must count
         them (review 166: loads gave up for room in that gap)."""
+        self.workers_replaced = 0
+        """Workers a cancel this queue did not ask for ended (a loop-wide cancel: an application's
+        SIGTERM handler cancelling every task of the loop) that a new one replaced."""
+        self._count = workers
+        self._stopped = False  # aclose() stops the workers: none is replaced from then on
         self._workers = [asyncio.create_task(self._worker()) for _ in range(workers)]
 
     def put_nowait(self, key: PageKey, handle: PageHandle) -> bool:
-        """Queue and take ownership of ``handle``; False (ownership not taken) when full."""
+        """Queue and take ownership of ``handle``; False (ownership not taken) when full or closed."""
+        if self._stopped:
+            return False
+        self._revive()
         try:
             self._queue.put_nowait((key, handle))
         except asyncio.QueueFull:
@@ -43,7 +53,11 @@ class WriteBehind:
         return True
 
     async def put(self, key: PageKey, handle: PageHandle) -> None:
-        """Wait for room, then queue (ownership is taken only when this returns)."""
+        """Wait for room, then queue (ownership is taken only when this returns). ``RuntimeError``
+        once closed."""
+        if self._stopped:
+            raise RuntimeError("the write-behind queue is closed")
+        self._revive()
         await self._queue.put((key, handle))
 
     def qsize(self) -> int:
@@ -51,8 +65,44 @@ class WriteBehind:
         return self._queue.qsize()
 
     async def join(self) -> None:
-        """Wait until every entry queued so far is written or dropped."""
-        await self._queue.join()
+        """Wait until every entry queued so far is written or dropped.
+
+        Workers a cancel ended that this queue did not ask for are replaced first, and again when
+        one ends while this waits (a loop-wide cancel that spared the caller): before, nothing
+        replaced them and this waited for ever on what they left queued (review 263)."""
+        while True:
+            self._revive()
+            joined = asyncio.ensure_future(self._queue.join())
+            try:
+                await asyncio.wait({joined, *(w for w in self._workers if not w.done())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                joined.cancel()
+            if joined.done() and not joined.cancelled():
+                return
+            # A worker ended, or the same cancel cut the wait's own task: look again.
+
+    def _revive(self) -> None:
+        """Replace the workers that ended (a loop-wide cancel; never after aclose began stopping them).
+
+        Called by put, put_nowait, join and aclose only, never from a worker's done callback: a
+        callback respawned workers at every cancel, for ever, under a canceller that cancels every
+        task until none is left (and after ``asyncio.run`` had cancelled them for its loop's end)."""
+        if self._stopped:
+            return
+        alive: list[asyncio.Task[None]] = []
+        for worker in self._workers:
+            if not worker.done():
+                alive.append(worker)
+            elif worker.cancelled():
+                self.workers_replaced += 1
+            elif isinstance(exc := worker.exception(), Exception):  # retrieved: no "never retrieved"
+                log.error("write-behind worker failed; replaced", exc_info=exc)
+            # (else an interrupt's KeyboardInterrupt: that worker replaced itself)
+        missing = self._count - len(alive)
+        if missing > 0:
+            alive.extend(asyncio.create_task(self._worker()) for _ in range(missing))
+        self._workers = alive
 
     async def aclose(self, drain: bool) -> int:
         """Write out (``drain``) or drop what is queued, then stop the workers; returns the count dropped."""
@@ -63,11 +113,10 @@ class WriteBehind:
                 dropped += 1
                 self._release(handle)
                 self._queue.task_done()
-        if not self._queue.empty() or self.writing:
-            # Workers a loop-wide cancel ended (this close cut too, run again): new ones take
-            # their place, else join() waited for ever on what they left queued (review 205).
-            self._workers = [w if not w.done() else asyncio.create_task(self._worker()) for w in self._workers]
-        await self._queue.join()
+        # Workers a loop-wide cancel ended (this close cut too, run again): new ones take their
+        # place, else the join waited for ever on what they left queued (reviews 205, 263).
+        await self.join()
+        self._stopped = True
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
