@@ -175,3 +175,27 @@ async def test_close_after_a_cut_drains_or_drops_the_queue(tmp_path: Path, drain
         await reopened_serves(tmp_path / "disk", [tokens], kv, [source])
     else:
         assert (stats.writes, stats.dropped) == (0, 6), stats
+
+
+async def test_cancelling_until_none_is_left_ends_then_flush_writes(tmp_path: Path) -> None:
+    """A canceller that cancels every other task until none is left (a shutdown's idiom) ends: no
+    worker comes back on its own (a done callback that replaced them spawned one per round, for
+    ever). The next flush brings them back and writes what the cut left queued."""
+    kv = make_kv(6)
+    tokens, source = prompt(6, 6 * T), torch.arange(6 * T)
+    async with KVCache(config(tmp_path / "disk"), LAYOUT, kv) as cache:
+        await cache.pool.wait_ready()
+        assert (await cache.offload(tokens, source)).stored == 6
+        rounds = 0
+        while await cancel_every_task_but(asyncio.current_task()):
+            rounds += 1
+            assert rounds < 20, "tasks keep coming back"
+        disk = cache.disk
+        assert disk is not None
+        assert disk.statistics().write_behind_queued == 6, disk.statistics()
+        async with asyncio.timeout(BOUND_S):
+            await cache.flush()
+        stats = disk.statistics()
+        assert (stats.write_behind_queued, stats.writes) == (0, 6), stats
+        await assert_quiescent(cache)
+    await reopened_serves(tmp_path / "disk", [tokens], kv, [source])
