@@ -1,7 +1,8 @@
 """Review 263 (helper-268): a stream dropped without finish()/aclose() is abandoned on its loop by a
 task of its own (``LoadStream._abandon_dropped``). A loop-wide cancel (a signal's handler cancelling
 every task) at the turn after that task was created ended it before its first step: nothing was
-abandoned, and the stream's pool pages stayed referenced until the cache's close."""
+abandoned, and the stream's pool pages (those of its failed copy) stayed referenced until the
+cache's close."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
 from loop_probes import until
 
 from aiokv import KVCache
+from aiokv.transfers import failed_copy
 
 T = LAYOUT.page_tokens
 PAGES = 8
@@ -30,13 +32,18 @@ def _cut_all_but(spared: asyncio.Task[object] | None) -> int:
 
 
 @pytest.mark.asyncio
-async def test_a_loop_wide_cancel_never_leaves_a_dropped_streams_pages_pinned() -> None:
+async def test_a_loop_wide_cancel_never_leaves_a_dropped_streams_pages_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = make_kv(slots=3 * N)
     async with KVCache(config(None, pool_pages=2 * PAGES), LAYOUT, kv) as cache:
         await cache.pool.wait_ready()
         tokens = prompt(2680, N)
         assert (await cache.offload(tokens, torch.arange(N))).stored == PAGES
         want = kv[:, :N].clone()
+        # Its copies fail at launch: a failed copy's pages stay with the stream until its end (a
+        # delivered copy gives its own back as it ends, whatever became of the stream).
+        transfers = cache._transfers
+        assert transfers is not None
+        monkeypatch.setattr(transfers, "load", lambda *_: failed_copy(RuntimeError("copy launch fault (injected)")))
         stream = await cache.start_load(await cache.match(tokens), torch.arange(N, 2 * N))
         async with asyncio.timeout(30):
             await stream.launched()
@@ -55,6 +62,7 @@ async def test_a_loop_wide_cancel_never_leaves_a_dropped_streams_pages_pinned() 
             await cache.flush()
         assert cache.stats().pool_referenced == 0, "the dropped stream's pages stayed pinned"
         await assert_quiescent(cache)
+        monkeypatch.undo()
         async with await cache.match(tokens) as match:  # the pages are whole and served again
             assert match.tokens == N
             await cache.load(match, torch.arange(2 * N, 3 * N))
