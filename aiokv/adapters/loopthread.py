@@ -127,7 +127,11 @@ class LoopThread:
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # refused (a pids limit): the loop's self-pipe and selector are closed now, not by gc
+            self._loop.close()
+            raise
         self._started.wait()
         self._closed = False
 

@@ -412,7 +412,12 @@ class PageFileStore:
         self._closed = False
         self._abandoned = False  # the open's caller is gone: the open closes what it opened (loop only)
         self._open_task: asyncio.Task[Any] | None = None  # the open running on the loop (loop only)
-        self.thread = thread if thread is not None else open_thread(config, engine)
+        try:
+            self.thread = thread if thread is not None else open_thread(config, engine)
+        except BaseException:  # refused (a pids limit): the check worker, started above, ends (else for good)
+            if self._check is not None:
+                self._check.join()  # no job queued yet: it ends at once
+            raise
         try:
             self.thread.run(self._open())
         except BaseException:
