@@ -53,12 +53,18 @@ async def test_a_warm_read_needs_no_fcntl_on_the_loop(warm_tier: DiskTier, pool:
 
     monkeypatch.setattr(io._cached, "open", looking)
     calls = _loop_fcntls(monkeypatch)
-    for i, data in enumerate(datas):
+    # The cached lookup may answer EAGAIN on a busy host (16 pytest workers on the GPU host: the one
+    # failure there, no warm open in 3 reads; alone it passed), and the next COLD_READ_STREAK (32)
+    # reads then skip it: read again until three reads went the warm way.
+    reads = 0
+    while len(looks) < 3 and reads < 300:
+        i = reads % 3
         got = await read_page(tier, pool, i)
-        assert got is not None and torch.equal(got, data)
+        assert got is not None and torch.equal(got, datas[i])
+        reads += 1
     assert len(looks) == 3 and all(flags & os.O_DIRECT and flags & os.O_NONBLOCK for flags in looks)
     assert calls == [fcntl.F_GETFL] * 3  # the test's own looks; before: an F_SETFL a page too
-    assert tier.statistics().hits == 3
+    assert tier.statistics().hits == reads
     assert_clean(pool)
 
 
