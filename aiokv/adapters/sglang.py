@@ -770,7 +770,10 @@ def _stop_when_settled(thread: LoopThread, stores: Sequence[PageFileStore], repo
     try:
         thread.submit(settled()).add_done_callback(stop)
     except RuntimeError:  # LoopDied too: it ended meanwhile, nothing runs there any more
-        thread.close()
+        # A dying thread's finalizers wait for the stuck I/O before it ends: joined within the bound, as
+        # close() does for a death it sees (joined without one, close() waited for as long as the disk hung).
+        if thread.died is None or thread.wait_ended(report_s):
+            thread.close()
 
 
 def _dp_replica() -> int | None:

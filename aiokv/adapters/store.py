@@ -486,7 +486,7 @@ class PageFileStore:
         self._slots = asyncio.Semaphore(pages)
         # If the loop dies, the dying thread closes the tier and the staging pool (nothing else can).
         # Added here with them, on the loop: the open's caller may be interrupted once it ended.
-        self.thread.add_finalizer(self._close)
+        self.thread.add_finalizer(self._close_dying)
         self._pool, self._disk = pool, disk
         self._open_task = None  # ended: nothing to cut (the done task is not kept for the store's life)
         if self._abandoned:
@@ -1179,6 +1179,25 @@ class PageFileStore:
                 log.warning("aiokv store: the close of %s has waited %.0f s for %d registration(s) of memory with "
                             "the disk tier (a pinning thread stuck in the kernel?); it keeps waiting",
                             self.directory, waited, len(pending))
+
+    async def _close_dying(self) -> None:
+        """The dying loop thread's finalizer: :meth:`_close`, then, when disk I/O is still stuck in the
+        kernel, wait without bound until it ended, the tiers' close (run anew) with it, and the staging
+        pool is freed (warned every ``close_timeout``). The dying thread closes its loop after this: left
+        pending there, that close and the pool's release never ran (tier open for good, pool mapped;
+        review 266). ``close_timeout`` bounds :meth:`close`'s caller, who waits that long at most for
+        this thread's end."""
+        stuck = await self._close()
+        if stuck is None:
+            return
+        report_s = max(self.config.close_timeout, STUCK_REPORT_MIN_S)
+        freed = asyncio.ensure_future(self._pool_freed(stuck))
+        waited = 0.0
+        while not (await asyncio.wait({freed}, timeout=report_s))[0]:
+            waited += report_s
+            log.warning("aiokv store: the dying loop thread of %s has waited %.0f s for disk I/O stuck in the kernel "
+                        "to end; it closes the disk tier and frees the staging pool then", self.directory, waited)
+        freed.result()
 
     async def _close(self) -> asyncio.Future[None] | None:
         """Close within ``close_timeout``; returns the tier's ``io_ended`` when its I/O is still

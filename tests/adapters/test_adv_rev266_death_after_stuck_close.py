@@ -10,6 +10,8 @@ closes its loop with the tier's close (run anew) and the staging pool's ``close_
 pending there. Nothing runs them any more: after the thaw the disk tier stays
 open for good (its threads, io_uring ring, directory lock) and the staging pool mapped, where a death
 seen with calls in flight (review 256) holds the end until the I/O ended and then closes both.
+Fixed (helper 269): the finalizer waits, without bound, until that I/O ended, the tier closed and the
+pool was freed; the backend's stop of the loop found dead joins it within ``close_timeout``.
 
 The faults are real: an ext4 loop mount frozen (``fsfreeze -f``) under writes the tier has in flight,
 and a ``SystemExit`` let out by a callback on the loop thread, posted as the backend's close reaches
@@ -28,14 +30,14 @@ from typing import Any
 import pytest
 from store_helpers import tier_closed, wait_for
 
-import aiokv.adapters.sglang as sglang_module
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))
 from fs_helpers import freeze, loop_ext4, thaw
 
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make engines installs it)")
 sglang_helpers = pytest.importorskip("sglang_helpers")
+
+import aiokv.adapters.sglang as sglang_module  # noqa: E402 (needs SGLang: skipped above without it)
 
 CLOSE_S = 1.0
 MARGIN_S = 3.0
@@ -48,10 +50,6 @@ def _exit() -> None:
 
 
 @pytest.mark.root
-@pytest.mark.xfail(strict=True, reason=(
-    "store.py PageFileStore._close as the dying loop's finalizer is bounded by close_timeout: its tiers' "
-    "close_within gives up on I/O still stuck, and LoopThread._end then closes the loop under the tier's "
-    "close and the staging pool's close_after (tier open, pool mapped for good); helper 265's files"))
 def test_a_death_after_a_close_left_io_stuck_still_closes_the_tier_and_frees_the_pool(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backends: list[Any]) -> None:
     if shutil.which("fsfreeze") is None:
