@@ -92,6 +92,46 @@ class ReadMarks(NamedTuple):
     directory retired under them: removed from outside, a fault for the cache (review 228)."""
 
 
+class _QueuedKeys:
+    """Per key, the write-behind entries queued and not taken by a worker yet, and how many of
+    the first of those a delete discarded (review 264). The queue is FIFO and a worker takes an
+    entry (``Queue.get``) in the same step as it hands it on (:meth:`DiskTier._write_queued`),
+    so the first ``void`` entries of a key a worker takes are those queued before the last
+    delete, and an entry queued after it (the key written again) is written. Entries a close
+    drops are never taken (the counts no longer matter then); one a signal's interrupt cut at the
+    write's very entry stays counted: a later delete then discards one entry too many (a miss,
+    never a deleted page served)."""
+
+    def __init__(self) -> None:
+        self._queued: dict[PageKey, int] = {}
+        self._void: dict[PageKey, int] = {}
+
+    def queued(self, key: PageKey) -> None:
+        self._queued[key] = self._queued.get(key, 0) + 1
+
+    def deleted(self, key: PageKey) -> None:
+        """Every entry of ``key`` queued so far is discarded when taken."""
+        count = self._queued.get(key, 0)
+        if count:
+            self._void[key] = count
+
+    def taken(self, key: PageKey) -> bool:
+        """A worker took an entry of ``key``: True when a delete discarded it."""
+        left = self._queued.get(key, 0) - 1
+        if left > 0:
+            self._queued[key] = left
+        else:
+            self._queued.pop(key, None)
+        void = self._void.get(key, 0)
+        if not void:
+            return False
+        if void > 1:
+            self._void[key] = void - 1
+        else:
+            del self._void[key]
+        return True
+
+
 _STUCK: set[DiskTier] = set()
 """Tiers whose close gave up waiting for I/O stuck in the kernel (:meth:`DiskTier.close_within`),
 until that I/O ended."""
@@ -198,6 +238,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         else:
             log.warning("disk tier: %s is read-only here (%s): serving its %d pages, refusing writes",
                         self.files.layout_dir, self._read_only.value, len(self._index))
+        self._queued_keys = _QueuedKeys()
         self._queue = WriteBehind(self.config.write_behind_depth, self.config.write_behind_workers,
                                   self._write_queued, self._release, lambda: self._faults.unexpected("write-behind"))
         self._accepting = True
@@ -313,7 +354,10 @@ class DiskTier(WritePath, ReadPath, FollowPath):
 
     async def _write_queued(self, key: PageKey, handle: PageHandle) -> bool:
         """A page the write-behind queue hands on: written, or dropped once the close gave up
-        waiting (:meth:`close_within`: the write would only wait behind the stuck ones)."""
+        waiting (:meth:`close_within`: the write would only wait behind the stuck ones), or
+        discarded: the key was deleted after this page was queued (review 264)."""
+        if self._queued_keys.taken(key):  # (first: the queue's get took the entry in this same step)
+            return False
         if self._stuck:
             self._dropped += 1
             return False
@@ -556,12 +600,18 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     # -- delete ---------------------------------------------------------------------------------
 
     async def delete(self, key: PageKey) -> None:
-        """Remove ``key``'s page file (a write in flight for it is discarded when it lands). A file
+        """Remove ``key``'s page file (a write in flight for it is discarded when it lands, and a
+        write-behind of it queued so far when a worker takes it; one queued later is written). A file
         of the key in a fan-out directory not listed whole (away, being listed, or its listing failed
         part-way) is never served once that directory is listed (:meth:`_remember_delete`)."""
         key = exact_key(key)
         if key in self._writing:
             self._delete_after_write.add(key)
+        if self._queue is not None:
+            # A write-behind of the key still queued (no worker took it: not in _writing) is
+            # discarded when a worker takes it; before (review 264) it was stored after this
+            # returned, and served, also after a restart.
+            self._queued_keys.deleted(key)
         listing = self._listing.get(key[0])
         if listing is not None:
             listing.add(key)  # a fan-out directory being listed: the file it finds is not indexed
@@ -602,7 +652,10 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if self._read_only is not None and key not in self._index:
             self._writes_refused += 1
             return False
-        return self._queue.put_nowait(key, handle)
+        if not self._queue.put_nowait(key, handle):
+            return False
+        self._queued_keys.queued(key)  # (no worker runs before this: they take it in a later step)
+        return True
 
     async def write_behind(self, key: PageKey, handle: PageHandle) -> None:
         """Wait for room in the write-behind queue, then as :meth:`write_behind_nowait` (ownership
@@ -613,6 +666,7 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if not self._accepting or self._queue is None:
             raise RuntimeError("disk tier is not accepting writes (not started or closing)")
         await self._queue.put(key, handle)
+        self._queued_keys.queued(key)  # (the put returned in the step that queued it: not taken yet)
 
     async def flush(self) -> None:
         """Wait until every page queued for write-behind, or being written, so far is written or dropped."""

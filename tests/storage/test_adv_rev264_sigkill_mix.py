@@ -126,20 +126,14 @@ def _killed_after(directory: Path, backend: str, seed: int, events: int) -> list
 
 
 def _must_be_absent(log: list[tuple[str, PageKey]]) -> set[PageKey]:
-    """Keys whose last operation issued was a delete that returned. Left out (for now): a key with a
-    write-behind queued since its previous delete, which a delete does not discard today
-    (``test_adv_rev264_delete_queued_write_behind.py``, xfail): with them, seeds 1 and 3 of
-    ``AIOKV_REV264_SEED`` at 60 rounds served such a page after the restart."""
+    """Keys whose last operation issued was a delete that returned, a write-behind queued before
+    it included (the delete discards it: ``test_adv_rev264_delete_queued_write_behind.py``; before
+    that fix, seeds 1 and 3 of ``AIOKV_REV264_SEED`` at 60 rounds served such a page after the
+    restart)."""
     last: dict[PageKey, str] = {}
-    queued: set[PageKey] = set()
     for kind, key in log:
-        if kind == "deleted":
-            last[key] = "queued-then-deleted" if key in queued else kind
-            queued.discard(key)
-        elif kind in ("start", "queued"):
+        if kind in ("deleted", "start", "queued"):
             last[key] = kind
-            if kind == "queued":
-                queued.add(key)
     return {key for key, kind in last.items() if kind == "deleted"}
 
 
