@@ -85,7 +85,10 @@ async def test_a_held_look_leaves_a_live_writers_temporary_file(tmp_path: Path, 
                     conn.send(("write", [1]))  # its fan-out directory made, its blocks read
                     assert await receive(conn) == ("written", [True])
                     fan = a.files.layout_dir / f"{WRITER_TAG:02x}"
-                    watchdog = threading.Timer(BOUND_S, gate.release)  # a failing test never hangs the fs
+                    # A failing test never hangs the fs. Past the waits below (BOUND_S each), not within them:
+                    # fired early (the GPU host's 16 workers), it let the write end and its rename take the
+                    # temporary file away, which read as the look removing it.
+                    watchdog = threading.Timer(4 * BOUND_S, gate.release)
                     gate.hold()
                     watchdog.start()
                     try:
@@ -99,8 +102,9 @@ async def test_a_held_look_leaves_a_live_writers_temporary_file(tmp_path: Path, 
                         looks_before = a._follow_looks
                         a._look_soon()  # the file system is writable now: the held look
                         await until_thread(lambda: a._follow_looks > looks_before, "the held look", BOUND_S)
+                        assert a.statistics().temp_files_removed == removed, "the held look removed a temporary file"
+                        assert watchdog.is_alive(), "the watchdog let the write go before the look: no test"
                         assert _temps(fan) == temps, "the held look removed the other writer's temporary file"
-                        assert a.statistics().temp_files_removed == removed
                     finally:
                         gate.release()
                         watchdog.cancel()
