@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -142,3 +144,34 @@ def pids_limited(tag: str, bound_s: float) -> Iterator[Path]:
             (PIDS / "tasks").write_text(tid)
         wait_for(lambda: not (group / "tasks").read_text().split(), "the test's cgroup empty", bound_s)
         group.rmdir()
+
+
+def frozen_write_then_interrupt(held: dict[str, Any], freeze_fs: Callable[[], None], main: int,
+                                interrupted: Callable[[], bool], bound_s: float,
+                                first_only: bool = False) -> Callable[..., Any]:
+    """A ``PageFileStore._start_disk`` for ``monkeypatch``: once the tier started, a write of its own held
+    in the kernel (``freeze_fs`` freezes its file system and starts the thaw's watchdog), then ``SIGUSR1``
+    sent to thread ``main`` (the open's caller interrupted, its handler raising) and awaited
+    (``interrupted``). The open goes on: it closes what it opened (its caller is gone). ``held`` gets the
+    page (alive until the write ended), the store, the tier and the write's future; ``first_only``:
+    stores started after the first start plainly."""
+    from loop_probes import until_thread
+
+    from aiokv.adapters.store import PageFileStore
+
+    real_start = PageFileStore._start_disk
+
+    async def start_disk(self: PageFileStore, pool: Any) -> Any:
+        disk = await real_start(self, pool)
+        if first_only and held:
+            return disk
+        page = held["page"] = mmap.mmap(-1, self.layout.page_bytes)
+        held.update(store=self, disk=disk)
+        freeze_fs()
+        held["write"] = asyncio.ensure_future(disk.write_from(self.key(b"held"), memoryview(page)))
+        await until_thread(lambda: disk.statistics().in_flight > 0, "a write held by the freeze", bound_s)
+        signal.pthread_kill(main, signal.SIGUSR1)
+        await until_thread(interrupted, "the interrupt handled", bound_s)
+        return disk
+
+    return start_disk

@@ -17,9 +17,7 @@ watchdog thaws after THAW_S. Root only.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import mmap
 import shutil
 import signal
 import sys
@@ -29,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loop_probes import until_thread
-from store_helpers import Interrupted, raise_interrupted, tier_closed, wait_for
+from store_helpers import Interrupted, frozen_write_then_interrupt, raise_interrupted, tier_closed, wait_for
 
 from aiokv.adapters.store import PageFileStore
 
@@ -58,25 +55,15 @@ def test_the_loop_outlives_an_abandoned_opens_close_held_by_a_frozen_disk(
     main = threading.get_ident()
     count = [0]
     held: dict[str, Any] = {}
-    real_start = PageFileStore._start_disk
-
     with loop_ext4(tmp_path, 320) as mount:  # room above the disk tier's 256 MiB free-space floor
         watchdog = threading.Timer(THAW_S, thaw, args=(mount,))
 
-        async def start_disk(self: PageFileStore, pool: Any) -> Any:
-            disk = await real_start(self, pool)
-            if held:
-                return disk
-            # The tier started; a write of its own held in the kernel, then the open's caller interrupted.
-            page = held["page"] = mmap.mmap(-1, self.layout.page_bytes)  # alive until the write ended
-            held.update(store=self, disk=disk)
+        def freeze_fs() -> None:
             freeze(mount)
             watchdog.start()
-            held["write"] = asyncio.ensure_future(disk.write_from(self.key(b"held"), memoryview(page)))
-            await until_thread(lambda: disk.statistics().in_flight > 0, "a write held by the freeze", BOUND_S)
-            signal.pthread_kill(main, signal.SIGUSR1)
-            await until_thread(lambda: count[0] > 0, "the interrupt handled", BOUND_S)
-            return disk  # the open goes on: it closes what it opened (its caller is gone)
+
+        start_disk = frozen_write_then_interrupt(held, freeze_fs, main, lambda: count[0] > 0, BOUND_S,
+                                                 first_only=True)
 
         def handler(signum: int, frame: object) -> None:
             count[0] += 1
