@@ -32,7 +32,7 @@ from loop_probes import until_thread
 from test_disk_fs import late_eviction_unlinks, waits_for_unlinks
 
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskTier, ErrorKind
+from aiokv.storage import DiskBackend, DiskConfig, DiskTier, ErrorKind
 from aiokv.storage.jobs import WriteJob
 
 
@@ -40,6 +40,21 @@ from aiokv.storage.jobs import WriteJob
 def big_pool() -> Iterator[PagePool]:
     with ready_pool(BIG, 8) as pool:
         yield pool
+
+
+async def _ten_pages_then_filled(cfg: DiskConfig, pool: PagePool, mount: Path, leave: int) -> None:
+    """Ten pages stored (the tier closed after), then the disk filled by another program to ``leave``
+    bytes free."""
+    async with DiskTier(cfg, BIG, pool) as tier:
+        for i in range(10):
+            ok, _ = await write_page(tier, pool, i)
+            assert ok
+    fill_up(mount / "ballast", leave=leave)
+
+
+def _at_its_budget(tier: DiskTier) -> None:
+    start = tier.statistics()
+    assert start.effective_capacity_bytes == start.capacity_bytes == start.bytes_stored
 
 
 def _enospc(tier: DiskTier) -> int:
@@ -87,14 +102,9 @@ async def test_own_new_files_in_flight_at_a_look_are_not_free(
     with loop_ext4(tmp_path, 24, reserved_percent=0) as mount:
         cfg = config(mount / "disk", backend, capacity=10 * PER_FILE, min_free_bytes=0,
                      free_space_recheck_s=0.0, recycle_files=False)
-        async with DiskTier(cfg, BIG, big_pool) as tier:
-            for i in range(10):
-                ok, _ = await write_page(tier, big_pool, i)
-                assert ok
-        fill_up(mount / "ballast", leave=PER_FILE // 2)
+        await _ten_pages_then_filled(cfg, big_pool, mount, leave=PER_FILE // 2)
         async with DiskTier(cfg, BIG, big_pool) as again:
-            start = again.statistics()
-            assert start.effective_capacity_bytes == start.capacity_bytes == start.bytes_stored
+            _at_its_budget(again)
             io = again._io
             assert io is not None
             really_publish = io.start_publish
@@ -162,16 +172,11 @@ async def test_deletes_unlinks_in_flight_are_not_free(
     with loop_ext4(tmp_path, 24, reserved_percent=0) as mount:
         cfg = config(mount / "disk", backend, capacity=10 * PER_FILE, min_free_bytes=0,
                      free_space_recheck_s=3600.0, recycle_files=False)
-        async with DiskTier(cfg, BIG, big_pool) as tier:
-            for i in range(10):
-                ok, _ = await write_page(tier, big_pool, i)
-                assert ok
-        fill_up(mount / "ballast", leave=2 * PER_FILE + PER_FILE // 2)
+        await _ten_pages_then_filled(cfg, big_pool, mount, leave=2 * PER_FILE + PER_FILE // 2)
         st = os.statvfs(mount)
         assert 2 * PER_FILE < st.f_bavail * st.f_frsize < 3 * PER_FILE
         async with DiskTier(cfg, BIG, big_pool) as again:
-            start = again.statistics()
-            assert start.effective_capacity_bytes == start.capacity_bytes == start.bytes_stored
+            _at_its_budget(again)
             deleted = {again.files.name(key_of(i)) for i in (0, 1)}
             writes_done = False
             started: list[str] = []
@@ -210,14 +215,9 @@ async def test_failed_recycle_waits_for_its_victims_unlink(
     with loop_ext4(tmp_path, 24, reserved_percent=0) as mount:
         cfg = config(mount / "disk", backend, capacity=10 * PER_FILE, min_free_bytes=0,
                      free_space_recheck_s=3600.0)
-        async with DiskTier(cfg, BIG, big_pool) as tier:
-            for i in range(10):
-                ok, _ = await write_page(tier, big_pool, i)
-                assert ok
-        fill_up(mount / "ballast", leave=PER_FILE // 2)
+        await _ten_pages_then_filled(cfg, big_pool, mount, leave=PER_FILE // 2)
         async with DiskTier(cfg, BIG, big_pool) as again:
-            start = again.statistics()
-            assert start.effective_capacity_bytes == start.capacity_bytes == start.bytes_stored
+            _at_its_budget(again)
             os.chown(again.files.path(key_of(0)), 12345, -1)  # another program's file now
             waited = late_eviction_unlinks(again, monkeypatch)
             ok, _ = await write_page(again, big_pool, 10)
