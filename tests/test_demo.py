@@ -269,6 +269,11 @@ def test_ttft_mode_serves_the_prefix_from_pool_and_disk_beside_floors(
         disk_runs = sorted(row["disk_runs"], key=lambda x: x["s"])
         assert len(disk_runs) == 3 and row["disk_s"] == pytest.approx(disk_runs[1]["s"])
         median_run = disk_runs[1]
+        # Each pool hit's breakdown adds up: the time before its prefill plus the prefill is its TTFT.
+        assert len(row["pool_runs"]) == 3 and row["pool_s"] == statistics.median(x["s"] for x in row["pool_runs"])
+        for x in row["pool_runs"]:
+            assert x["before_prefill_s"] + x["prefill_s"] == pytest.approx(x["s"])
+            assert 0 < x["match_s"] < x["before_prefill_s"] and 0 < x["launch_s"] <= x["prefill_s"]
         assert (row["disk_plan"], row["disk_hit_tokens"], row["disk_pool_tokens"], row["disk_claimed_tokens"],
                 row["disk_declined_tokens"]) == (median_run["plan"], median_run["disk_tokens"],
                                                  median_run["pool_tokens"], median_run["claimed_tokens"],

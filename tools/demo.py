@@ -586,6 +586,13 @@ async def run_ttft(
                 row["disk_claimed_tokens"] = d.claimed_tokens
                 row["disk_declined_tokens"] = d.declined_tokens
                 row["disk_plan"], row["disk_plan_prices"] = d.plan, d.plan_prices
+                # Where each pool hit's time went (host clocks): before the prefill (blocks, input
+                # staging, match, start_load: ttft - prefill), the prefill until the first token
+                # (the tail, waiting on layers), its host-side launch share, the model thread's CPU.
+                row["pool_runs"] = [{"s": x.ttft_s, "match_s": x.match_s, "before_prefill_s": x.ttft_s - x.prefill_s,
+                                     "prefill_s": x.prefill_s, "launch_s": x.launch_s, "load_wait_s": x.load_s,
+                                     "model_cpu_s": x.model_cpu_s, "model_waits": x.model_waits}
+                                    for x in runs["pool"]]
                 row["disk_runs"] = [{"s": x.ttft_s, "plan": x.plan, "disk_tokens": x.disk_tokens,
                                      "pool_tokens": x.pool_tokens, "claimed_tokens": x.claimed_tokens,
                                      "declined_tokens": x.declined_tokens} for x in runs["disk"]]
