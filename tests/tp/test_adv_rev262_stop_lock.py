@@ -24,13 +24,13 @@ import os
 import signal
 import socket
 import stat
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from lock_scenarios import STARTING, STOPPING, reap, spawn
 from loop_probes import until, until_thread, waiting_in
 from tp_helpers import CONFIG
 
@@ -41,60 +41,10 @@ from aiokv.tp.group import RankGroup
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 POOL = "/aiokv-stop-lock-test"
-REPO = Path(__file__).resolve().parents[2]
-
-# A manager's stop at its directory's removal: the lock taken, held until the test says so.
-_STOPPING = r"""
-import os, sys
-from pathlib import Path
-from aiokv.tp import endpoint
-
-directory = Path(sys.argv[1])
-rmdir = os.rmdir
-
-def held_rmdir(path, *args, **kwargs):
-    print("held", flush=True)
-    sys.stdin.readline()
-    rmdir(path, *args, **kwargs)
-
-endpoint.os.rmdir = held_rmdir
-endpoint.remove_endpoint(endpoint.Endpoint(directory, True))
-print("removed" if not directory.exists() else "left", flush=True)
-"""
-
-# A manager's start that has probed the old socket and holds the lock, killed there.
-_STARTING = r"""
-import sys
-import threading
-from pathlib import Path
-from typing import Any
-from aiokv.tp import endpoint
-
-with endpoint.start_lock(Path(sys.argv[1])) as found:
-    print("held", found.created, flush=True)
-    sys.stdin.readline()
-"""
 
 
 def _group(directory: Path) -> RankGroup:
     return RankGroup(LAYOUT, 2, POOL, 4, CONFIG, directory)
-
-
-async def _spawn(scenario: str, directory: Path) -> asyncio.subprocess.Process:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", scenario, os.fspath(directory),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=REPO,
-    )
-    assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 30)
-    assert line.startswith(b"held"), line
-    return process
-
-
-async def _reap(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.kill()
-    await process.wait()
 
 
 async def _reachable(group: RankGroup) -> None:
@@ -114,7 +64,7 @@ async def test_a_start_waits_for_a_stop_removing_its_directory(
     monkeypatch.setattr(endpoint_module, "STOP_WAIT_S", 30.0, raising=False)
     directory = tmp_path / "mgr"
     directory.mkdir(mode=0o700)  # made by the stopping manager: its stop removes it
-    stopping = await _spawn(_STOPPING, directory)
+    stopping = await spawn(STOPPING, directory)
     group = _group(directory)
     start = asyncio.ensure_future(group.start())
     try:
@@ -133,7 +83,7 @@ async def test_a_start_waits_for_a_stop_removing_its_directory(
         assert group.address == directory / SOCKET_NAME
         await _reachable(group)
     finally:
-        await _reap(stopping)
+        await reap(stopping)
         await asyncio.wait([start])
         await group.aclose()
     # Made anew by this start after the removal, it goes with this manager; one that the killed stop
@@ -145,7 +95,7 @@ async def test_a_start_waits_for_a_stop_removing_its_directory(
 async def test_a_start_meeting_another_start_is_still_refused_at_once(tmp_path: Path) -> None:
     directory = tmp_path / "mgr"
     directory.mkdir(mode=0o700)
-    starting = await _spawn(_STARTING, directory)
+    starting = await spawn(STARTING, directory)
     try:
         group = _group(directory)
         try:
@@ -154,7 +104,7 @@ async def test_a_start_meeting_another_start_is_still_refused_at_once(tmp_path: 
         finally:
             await group.aclose()
     finally:
-        await _reap(starting)
+        await reap(starting)
 
 
 @pytest.mark.asyncio
@@ -162,14 +112,14 @@ async def test_a_directory_left_by_a_stop_a_start_held_is_reused(tmp_path: Path)
     directory = tmp_path / "mgr"
     first = _group(directory)
     await first.start()  # it made the directory: its stop removes it, unless a start holds the lock
-    starting = await _spawn(_STARTING, directory)
+    starting = await spawn(STARTING, directory)
     try:
         await first.aclose()
         assert directory.exists()  # left to the start holding its lock
         starting.kill()  # that start dies after its probe: the directory outlives every manager
         await starting.wait()
     finally:
-        await _reap(starting)
+        await reap(starting)
     assert os.listdir(directory) == []
     for _ in range(2):  # reused by the next start, and by the one after its stop (which keeps it)
         group = _group(directory)
@@ -192,7 +142,7 @@ async def test_a_start_waiting_for_a_stop_can_be_closed_or_cancelled(
     monkeypatch.setattr(endpoint_module, "STOP_WAIT_S", 30.0)
     directory = tmp_path / "mgr"
     directory.mkdir(mode=0o700)
-    stopping = await _spawn(_STOPPING, directory)
+    stopping = await spawn(STOPPING, directory)
     group = _group(directory)
     start = asyncio.ensure_future(group.start())
     try:
@@ -215,7 +165,7 @@ async def test_a_start_waiting_for_a_stop_can_be_closed_or_cancelled(
         with pytest.raises(RuntimeError, match="not started"):
             group.address  # noqa: B018 (the property raises)
     finally:
-        await _reap(stopping)
+        await reap(stopping)
         await asyncio.wait([start])
         await group.aclose()
 
@@ -228,14 +178,14 @@ async def test_a_stop_frozen_holding_the_lock_refuses_the_start_after_the_bound(
     monkeypatch.setattr(endpoint_module, "STOP_WAIT_S", 0.05)
     directory = tmp_path / "mgr"
     directory.mkdir(mode=0o700)
-    stopping = await _spawn(_STOPPING, directory)
+    stopping = await spawn(STOPPING, directory)
     group = _group(directory)
     try:
         with pytest.raises(endpoint_module.ManagerStopping, match="a manager is stopping"):
             await group.start()
         assert os.listdir(directory) == []  # nothing bound
     finally:
-        await _reap(stopping)
+        await reap(stopping)
         await group.aclose()
     # The stop died there: its lock went with it, and the directory it left is reused.
     group = _group(directory)
