@@ -15,15 +15,20 @@ stops only under that lock, and a child forked while a start holds the lock clos
 (review 252). A stop holds the lock shared, a start exclusive: a start that meets a stop's lock
 (:class:`ManagerStopping`) tries again in a moment, one that meets another start's is refused
 (review 262).
+
+The lock is the directory's own ``flock``, never an emulated one: NFS, CIFS and FUSE emulate a
+regular file's ``flock`` with POSIX locks (an exclusive one refused on a descriptor opened for
+reading: ``EBADF``), but give directories no ``flock`` of their own, so the kernel locks them itself,
+among this host's processes: the reach of a Unix-domain socket. A directory whose ``flock`` fails
+nevertheless refuses the start (:class:`StartLockFailed`): unlocked, two managers starting there
+could both believe they listen (review 249).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
-import logging
 import os
 import socket
 import stat
@@ -34,8 +39,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
-
-log = logging.getLogger(__name__)
 
 SOCKET_NAME = "manager.sock"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
@@ -104,11 +107,6 @@ def private_directory(directory: str | os.PathLike[str] | None) -> Endpoint:
     return endpoint
 
 
-_FLOCK_UNSUPPORTED = frozenset({errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
-"""``flock`` errors of file systems that cannot lock the directory (NFS emulates ``flock`` with a
-write lock, which a directory opened for reading cannot take; a mount without a lock manager)."""
-
-
 _START_TRIES = 8
 """Times a start makes its directory anew when it was removed under it (by a stopping manager that
 made it) before giving up."""
@@ -125,6 +123,12 @@ STOP_RETRY_FIRST_S = 0.001
 class ManagerStopping(RuntimeError):
     """The directory's lock is held by a manager stopping there (removing the directory it made), not
     by a start: a start may try again in a moment (:data:`STOP_WAIT_S`)."""
+
+
+class StartLockFailed(RuntimeError):
+    """The directory's start lock cannot be taken at all (its ``flock`` fails, ``__cause__``): the
+    start is refused rather than run unlocked. Choose a directory on another file system."""
+
 
 # Reentrant: a signal handler that forks (a SIGCHLD handler respawning a worker by multiprocessing's
 # fork) may run in the thread holding it, inside _open_directory; a plain lock's acquire before that
@@ -179,20 +183,14 @@ def _close_directory(fd: int) -> None:
         os.close(fd)
 
 
-def _lock_directory(fd: int, directory: Path, starting: bool = True) -> bool:
+def _lock_directory(fd: int, starting: bool = True) -> bool:
     """Take the flock of ``fd`` without waiting, exclusive for a start, shared for a stop (not
-    ``starting``): False while another holds it. Where the file system cannot lock, True (unlocked;
-    a warning when ``starting``)."""
+    ``starting``): False while another holds it. Raises ``OSError`` where it cannot be taken at all
+    (a start ran unlocked there, and review 249's race was open again)."""
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if starting else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
-    except OSError as exc:
-        if exc.errno not in _FLOCK_UNSUPPORTED:
-            raise
-        if starting:
-            log.warning("cannot lock %s (%s): starting unlocked; two managers starting there at once "
-                        "may both believe they listen", directory, exc)
     return True
 
 
@@ -221,8 +219,8 @@ def start_lock(directory: str | os.PathLike[str] | None) -> Iterator[Endpoint]:
 
     Raises ``RuntimeError`` at once while another manager holds it (it is starting there right now:
     it will listen, or fail), :class:`ManagerStopping` while stopping managers hold it (removing the
-    directory: try again in a moment). Where the file system cannot lock, a warning and the block
-    runs unlocked.
+    directory: try again in a moment), :class:`StartLockFailed` where the lock cannot be taken at all
+    (the block never runs unlocked).
     The lock ends with the descriptor, so a start that died holding it holds nothing; a child forked
     meanwhile closes its copy. A directory removed before it was locked (a stopping manager that
     made it, see :func:`remove_endpoint`) is made anew: the lock of a directory no longer at the
@@ -234,13 +232,22 @@ def start_lock(directory: str | os.PathLike[str] | None) -> Iterator[Endpoint]:
         except FileNotFoundError:
             continue
         try:
-            if not _lock_directory(fd, endpoint.directory):
+            try:
+                locked = _lock_directory(fd)
+            except OSError as exc:
+                raise StartLockFailed(
+                    f"cannot lock {endpoint.directory} ({exc}): refusing to start unlocked, where two managers "
+                    "starting at once could both believe they listen; choose a directory on another file system"
+                ) from exc
+            if not locked:
                 # A stop holds it for its directory's removal, a few system calls: refused as a
                 # start, an engine restarting its manager right after a stop failed (review 262).
                 if _held_by_stops(fd):
                     raise ManagerStopping(f"a manager is stopping in {endpoint.directory}")
                 # Not removed, even if this start made it: the other start probes and binds there.
-                raise RuntimeError(f"another manager is starting in {endpoint.directory}")
+                # A manager of before review 262 holds it exclusive as it stops, too: see design.md.
+                raise RuntimeError(f"another manager is starting in {endpoint.directory} (or one of an "
+                                   "older aiokv is stopping there)")
             if _still_at(endpoint.directory, fd):
                 yield endpoint
                 return
@@ -322,7 +329,8 @@ def remove_endpoint(endpoint: Endpoint) -> None:
     directory is left to it, for good (a start that did not make it leaves it as it stops): harmless,
     the next start reuses it. A start that opened it before the removal makes it anew. The lock is
     taken shared: a start meeting it knows a stop holds it, and waits (review 262); stops need no
-    turns among themselves, only the manager that made a directory removing it."""
+    turns among themselves, only the manager that made a directory removing it. A directory whose
+    lock cannot be taken at all is left too, never removed unlocked."""
     if not endpoint.created:
         return
     try:
@@ -330,9 +338,9 @@ def remove_endpoint(endpoint: Endpoint) -> None:
     except OSError:
         return  # gone already, or no longer a directory: nothing of ours to remove
     try:
-        if _lock_directory(fd, endpoint.directory, starting=False) and _still_at(endpoint.directory, fd):
+        if _lock_directory(fd, starting=False) and _still_at(endpoint.directory, fd):
             os.rmdir(endpoint.directory)
     except OSError:
-        pass  # not empty: someone else put something there; leave it
+        pass  # not empty (someone else put something there), or not lockable: leave it
     finally:
         _close_directory(fd)

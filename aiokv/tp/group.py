@@ -234,7 +234,8 @@ class RankGroup:
 
     async def start(self) -> None:
         """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it
-        or another is starting there right now (it holds the directory's start lock). A manager
+        or another is starting there right now (it holds the directory's start lock), and
+        ``endpoint.StartLockFailed`` (one) where that lock cannot be taken at all. A manager
         stopping there (removing its directory) is waited for, ``endpoint.STOP_WAIT_S`` at most."""
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")

@@ -24,8 +24,6 @@ manager of the close case starts, on a thread of its own, as the first's close c
 from __future__ import annotations
 
 import asyncio
-import errno
-import logging
 import os
 import socket
 import sys
@@ -40,7 +38,6 @@ from loop_probes import until, until_thread
 from tp_helpers import CONFIG
 
 from aiokv import KVLayout
-from aiokv.tp import endpoint as endpoint_module
 from aiokv.tp import group as group_module
 from aiokv.tp.endpoint import SOCKET_NAME
 from aiokv.tp.group import RankGroup
@@ -254,26 +251,3 @@ async def test_the_start_lock_of_another_process_refuses_until_it_ends(tmp_path:
         if holder.returncode is None:
             holder.kill()
             await holder.wait()
-
-
-@pytest.mark.asyncio
-async def test_a_directory_that_cannot_be_locked_starts_unlocked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Simulated: NFS refuses an exclusive flock of a directory opened for reading (EBADF) and a
-    # mount without a lock manager answers ENOLCK; neither is at hand here.
-    directory = _private(tmp_path)
-
-    def no_locks(fd: int, operation: int) -> None:
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setattr(endpoint_module.fcntl, "flock", no_locks)
-    group = _group(directory)
-    with caplog.at_level(logging.WARNING, logger="aiokv.tp.endpoint"):
-        await group.start()
-    try:
-        assert "starting unlocked" in caplog.text
-        with _connect(directory / SOCKET_NAME):
-            await until(lambda: group.statistics().connections == 1)
-    finally:
-        await group.aclose()
