@@ -169,7 +169,7 @@ class PageIndex:
         ``min_free_bytes``, and inodes), never above ``budget``; after ENOSPC never above what is
         stored (the file system just said so, whatever statvfs counts). ``pending``: the tier's new
         files whose room was in ``used`` at the look but whose blocks it may not have seen taken
-        (writes in flight): off the free room :meth:`free_bytes` starts from (not off the budget in
+        (writes in flight, spares being made): off the free room :meth:`free_bytes` starts from (not off the budget in
         force: docs/storage.md, the file system's room)."""
         room = space.bytes - self.min_free_bytes
         if space.files is not None:
@@ -185,6 +185,6 @@ class PageIndex:
         inodes count as a file's bytes each, as in :meth:`set_capacity`): what the last look found
         (none after ENOSPC) less what ``used`` grew by since. Files it evicted count as freed here
         once out of the index; the tier subtracts those whose unlink has not landed. The tier's
-        writes in flight at the look count as taken (``pending``). Others' files since the look are
-        not seen (corrected at the next look, or the next ENOSPC)."""
+        writes in flight and spares being made at the look count as taken (``pending``). Others'
+        files since the look are not seen (corrected at the next look, or the next ENOSPC)."""
         return self._free_then + self._used_then - self.used

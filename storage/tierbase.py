@@ -374,7 +374,7 @@ class TierBase(TierEdge):
         assert self._dir is not None
         self._space_checked = asyncio.get_running_loop().time()
         self._short_seen = False
-        stored = self._writes
+        stored, spares_made = self._writes, self._spares.made
         try:
             # A thread of its own: ``asyncio.to_thread``'s first call starts the default executor's
             # thread from the loop, which waits there until it runs.
@@ -387,18 +387,23 @@ class TierBase(TierEdge):
             self._enter_read_only(ReadOnly.FILE_SYSTEM)
         # Never below ``used``: spares keep their room (their blocks are allocated already), and
         # the next writes take them first. The writes stored while the look ran may have taken
-        # their blocks after it: pending too (each, whatever its file: a rare case, counted high).
-        self._index.set_capacity(space, after_enospc, self._new_files_pending() + self._writes - stored)
+        # their blocks after it: pending too (each, whatever its file: a rare case, counted high);
+        # so may the spares of a batch that landed while it ran.
+        landed = self._writes - stored + self._spares.made - spares_made
+        self._index.set_capacity(space, after_enospc, self._new_files_pending() + landed)
 
     def _new_files_pending(self) -> int:
-        """Writes in flight holding room for a new file (no victim to overwrite): their room is in
-        ``used``, their blocks maybe not taken yet, so a look at the free space now counts them
-        free. Review 261: the estimate of the free room (:meth:`.WritePath._short_of_room`) counted
-        them twice, and a first try that evicted went at once where its unlink's blocks were
-        needed (an ENOSPC, a page evicted for the retry). Counted at a look only (no cost per
-        write); a spare's write counts too (its blocks are allocated: the estimate errs low). Not
-        the spares of a batch being made (their room in ``used``, their blocks maybe not: left)."""
-        return sum(1 for job in self._writing.values() if job.holds_room and job.victim is None)
+        """New files whose room is in ``used`` but whose blocks may not be taken yet, so that a
+        look at the free space now counts them free: writes in flight holding room for a new file
+        (no victim to overwrite), and the spares of the batch being made. Review 261: the estimate
+        of the free room (:meth:`.WritePath._short_of_room`) counted the writes twice, and a first
+        try that evicted went at once where its unlink's blocks were needed (an ENOSPC, a page
+        evicted for the retry); the spares being made were left out the same way. Counted at a
+        look only (no cost per write); a spare's write counts too, and so does every spare of the
+        batch (some may be allocated already: the estimate errs low, which costs a wait for an
+        unlink)."""
+        writes = sum(1 for job in self._writing.values() if job.holds_room and job.victim is None)
+        return writes + self._spares.making
 
     def _enter_read_only(self, reason: ReadOnly) -> None:
         """Refuse writes from now on. For a read-only file system (an EROFS answer, or statvfs),
