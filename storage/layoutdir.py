@@ -587,11 +587,19 @@ def _remove_temp(fd: int, name: str, shown: Path, faults: list[tuple[OSError, st
 
 def _probe_direct(state: Prepared) -> bool | None:
     """Whether O_DIRECT opens work here (tmpfs before Linux 6.6 answers EINVAL), without creating a
-    file when one exists; None when nothing could be probed."""
-    names = [LOCK_NAME] + [f"{key.hex()[:2]}/{key.hex()}" for _mtime, key in state.found[:1]]
-    for name in names:
+    file when one exists; None when nothing could be probed.
+
+    Each name is opened in the descriptor of its own directory (a page file in the fan-out
+    directory the scan opened), never by a path of two names: a fan-out directory swapped for a
+    symlink since the scan would lead such an open outside the cache (``O_NOFOLLOW`` guards the
+    last name only). Reached in a read-only start without the lock file."""
+    places = [(state.dir_fd, LOCK_NAME)]
+    page = next((key for _mtime, key in state.found if state.fanout[key[0]] >= 0), None)
+    if page is not None:
+        places.append((state.fanout[page[0]], page.hex()))
+    for dir_fd, name in places:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECT | OPEN_FLAGS, dir_fd=state.dir_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECT | OPEN_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
