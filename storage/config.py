@@ -261,6 +261,12 @@ class DiskStatistics:
     write_behind_writing: int = 0
     """Pages a write-behind worker took from the queue and has not released yet (waiting for an I/O
     slot, being written): with :attr:`write_behind_queued`, every page the write-behind holds."""
+    write_behind_voided: int = 0
+    """Write-behinds a ``delete`` of their key discarded (queued before it, dropped when a worker
+    took them; not in ``dropped``, where those a close dropped first are)."""
+    write_behind_workers_replaced: int = 0
+    """Write-behind workers that a cancel the tier did not ask for ended (a loop-wide cancel: an
+    application's SIGTERM handler cancelling every task of the loop), each replaced by a new one."""
     in_flight: int = 0
     """Page reads and writes in progress (holding an I/O slot): ``reads_in_flight + writes_in_flight``."""
     reads_in_flight: int = 0

@@ -105,6 +105,8 @@ class _QueuedKeys:
     def __init__(self) -> None:
         self._queued: dict[PageKey, int] = {}
         self._void: dict[PageKey, int] = {}
+        self.voided = 0
+        """Entries a delete discarded that a worker took (``DiskStatistics.write_behind_voided``)."""
 
     def queued(self, key: PageKey) -> None:
         self._queued[key] = self._queued.get(key, 0) + 1
@@ -129,6 +131,7 @@ class _QueuedKeys:
             self._void[key] = void - 1
         else:
             del self._void[key]
+        self.voided += 1
         return True
 
 
@@ -699,6 +702,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             errors=self._faults.snapshot(),
             write_behind_queued=self._queue.qsize() if self._queue is not None else 0,
             write_behind_writing=self._queue.writing if self._queue is not None else 0,
+            write_behind_voided=self._queued_keys.voided if self._queue is not None else 0,
+            write_behind_workers_replaced=self._queue.workers_replaced if self._queue is not None else 0,
             in_flight=slots.in_use,
             reads_in_flight=slots.in_use - slots.writes_in_use,  # every job that is no write is a read
             writes_in_flight=slots.writes_in_use,

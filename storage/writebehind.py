@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +21,8 @@ class WriteBehind:
     ``workers`` tasks call ``write(key, handle)`` for each entry, then ``release(handle)``; a
     failing write is reported to ``on_error`` and never raises into the loop. Create inside the loop.
     Workers a cancel ended that the queue did not ask for (a loop-wide cancel) are replaced by the
-    next ``put``, ``put_nowait``, ``join`` or ``aclose``, counted in :attr:`workers_replaced`.
+    next ``put``, ``put_nowait``, ``join`` or ``aclose``, and by a ``put`` or ``join`` already
+    waiting when one ends; counted in :attr:`workers_replaced`.
     """
 
     def __init__(self, depth: int, workers: int, write: Callable[[PageKey, PageHandle], Awaitable[object]],
@@ -37,6 +39,10 @@ class WriteBehind:
         self.workers_replaced = 0
         """Workers a cancel this queue did not ask for ended (a loop-wide cancel: an application's
         SIGTERM handler cancelling every task of the loop) that a new one replaced."""
+        self._putters: collections.deque[asyncio.Future[None]] = collections.deque()
+        """Puts waiting for room, first come first served; each is woken by a worker's take (or a
+        close's drop) of an entry. Not ``Queue.put``'s own wait: that one could not also wait for
+        the workers' end (see :meth:`put`)."""
         self._count = workers
         self._stopped = False  # aclose() stops the workers: none is replaced from then on
         self._workers = [asyncio.create_task(self._worker()) for _ in range(workers)]
@@ -53,12 +59,35 @@ class WriteBehind:
         return True
 
     async def put(self, key: PageKey, handle: PageHandle) -> None:
-        """Wait for room, then queue (ownership is taken only when this returns). ``RuntimeError``
-        once closed."""
+        """Wait for room, then queue (ownership is taken only when this returns, in the step that
+        queued it). ``RuntimeError`` once closed.
+
+        The wait also ends when a worker ends: workers a cancel ended that this queue did not ask
+        for (a loop-wide cancel that spared the caller) are replaced, as :meth:`join` does. Before
+        (review 263's leftover, helper 271), the wait in ``Queue.put`` noticed nothing: with every
+        worker gone, no entry was taken and the put waited until another call replaced them, for
+        ever if none came."""
         if self._stopped:
             raise RuntimeError("the write-behind queue is closed")
         self._revive()
-        await self._queue.put((key, handle))
+        while self._queue.full():
+            room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._putters.append(room)
+            try:
+                await asyncio.wait({room, *(w for w in self._workers if not w.done())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                if room.done() and not room.cancelled() and not self._queue.full():
+                    self._wake_putter()  # the room this caller was woken for goes to the next one
+                raise
+            finally:
+                if not room.done():  # (a worker ended, or this caller was cancelled)
+                    room.cancel()
+                    self._putters.remove(room)
+            if self._stopped:
+                raise RuntimeError("the write-behind queue is closed")
+            self._revive()  # (a worker ended: replaced; woken for room: nothing to do)
+        self._queue.put_nowait((key, handle))
 
     def qsize(self) -> int:
         """Entries waiting (not counting those a worker is writing)."""
@@ -87,6 +116,14 @@ class WriteBehind:
             if joined.done() and not joined.cancelled():
                 return
             # A worker ended, or the same cancel cut the wait's own task: look again.
+
+    def _wake_putter(self) -> None:
+        """An entry left the queue: the first put still waiting for room is woken."""
+        while self._putters:
+            room = self._putters.popleft()
+            if not room.done():
+                room.set_result(None)
+                return
 
     def _revive(self) -> None:
         """Replace the workers that ended (a loop-wide cancel; never after aclose began stopping them).
@@ -119,6 +156,7 @@ class WriteBehind:
                 dropped += 1
                 self._release(handle)
                 self._queue.task_done()
+                self._wake_putter()
         # Workers a loop-wide cancel ended (this close cut too, run again): new ones take their
         # place, else the join waited for ever on what they left queued (reviews 205, 263).
         await self.join()
@@ -142,6 +180,7 @@ class WriteBehind:
                 key, handle = await self._queue.get()
                 taken = [handle, 0]  # no call since the get: see _finish
                 self.writing += 1
+                self._wake_putter()  # (an interrupt here: this worker's end wakes the put too)
                 try:
                     await self._write(key, handle)
                 except Exception:

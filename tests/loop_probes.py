@@ -90,3 +90,16 @@ async def cancel_within(tasks: Collection[asyncio.Task[Any]], timeout_s: float) 
         if not task.cancelled():
             task.exception()
     return stuck
+
+
+async def cancel_every_task_but(*spared: asyncio.Task[Any] | None, timeout_s: float = 10.0) -> int:
+    """Cancel every other task of the loop (those of the code under test included), as an
+    application's SIGTERM handler does, and wait up to ``timeout_s`` until they ended
+    (``AssertionError`` naming those still running); returns how many were cancelled."""
+    cut = [task for task in asyncio.all_tasks() if task not in spared and not task.done()]
+    for task in cut:
+        task.cancel()
+    if cut:
+        _done, pending = await asyncio.wait(cut, timeout=timeout_s)
+        assert not pending, pending
+    return len(cut)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config, make_kv, prompt
-from loop_probes import until, waiting_in
+from loop_probes import cancel_every_task_but, until, waiting_in
 
 from aiokv import KVCache
 
@@ -24,18 +24,6 @@ T = LAYOUT.page_tokens
 BOUND_S = 10.0
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU KV buffer: compared directly")]
-
-
-async def cancel_every_task_but(*spared: asyncio.Task[object] | None) -> int:
-    """Cancel every other task of the loop (the cache's own included), as an application's SIGTERM
-    handler does, and wait until they ended."""
-    cut = [task for task in asyncio.all_tasks() if task not in spared and not task.done()]
-    for task in cut:
-        task.cancel()
-    if cut:
-        _done, pending = await asyncio.wait(cut, timeout=BOUND_S)
-        assert not pending, pending
-    return len(cut)
 
 
 async def reopened_serves(directory: Path, prompts: list[list[int]], kv: torch.Tensor, sources: list[torch.Tensor],
