@@ -25,12 +25,16 @@ from aiokv.kernels import TransferPath
 from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
 from aiokv.keys import encoded
 from aiokv.launches import DEFAULT_LAUNCH_BYTES, DEFAULT_LAUNCH_TURN_S
+from aiokv.paths import path_setting
 from aiokv.pool import DEFAULT_CHUNK_BYTES, DEFAULT_WORKERS
 from aiokv.rates_file import RATE_BOUNDS
 from aiokv.reclaim import SegmentInfo, SegmentState, scan
 from aiokv.shm import shm_free_bytes
 from aiokv.storage.config import DiskBackend, DiskConfig, GiB, check_disk_setting, default_disk_dir
 
+MAX_SETTING = 2**63 - 1
+"""Largest value of an int setting of :class:`CacheConfig` (sizes and counts reach the kernel and
+numpy as 64-bit values)."""
 DEFAULT_READ_GROUP_BYTES = 16 << 20
 """Default of :attr:`CacheConfig.read_group_bytes`."""
 DEFAULT_STREAM_READAHEAD_BYTES = 128 << 20
@@ -360,6 +364,10 @@ class CacheConfig:
                 raise TypeError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be positive, got {value}")
+            if value > MAX_SETTING:
+                # cpu_bytes=10**400 raised OverflowError at start (the pool's size in GiB as a float).
+                raise ValueError(f"CacheConfig.{name} must be at most 2**63 - 1, got an int of "
+                                 f"{value.bit_length()} bits")
         if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int):
             raise TypeError(f"CacheConfig.tp_rank must be an int, got {type(self.tp_rank).__name__}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -409,7 +417,7 @@ def _shortcut_value(short: str, value: object) -> object:
         if isinstance(value, str) and not value:
             # Path("") is the working directory: an unset variable would put page files there.
             raise ValueError(f"{label} is an empty path (for no disk tier pass disk_dir=None)")
-        value = Path(value)
+        value = path_setting(value, label)  # a path-like giving bytes, a lone surrogate: named here
     check_disk_setting(DISK_SHORTCUTS[short], value, label)
     return value
 

@@ -105,6 +105,7 @@ class KVLayout:
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, dtype: torch.dtype, page_tokens: int = 256) -> KVLayout:
         """Layout of an MLA model: pages ``[L, page_tokens, 1, latent_dim]``."""
+        _positive_int("latent_dim", latent_dim)  # by its name here (it is the layout's head_dim)
         return cls(KVKind.MLA, num_layers, 1, latent_dim, dtype, page_tokens)
 
     @property
@@ -273,6 +274,7 @@ class KVBuffer:
         mla = layout.kind is KVKind.MLA
         local_rows = 1 if mla else 2 * tp.local_heads
         if isinstance(kv, torch.Tensor):
+            _check_dense(kv, "the KV buffer")
             if kv.dim() != 4:
                 raise ValueError(
                     f"a stacked KV buffer must be 4-D [L, S, rows, D], got shape {tuple(kv.shape)}"
@@ -305,6 +307,13 @@ class KVBuffer:
                 f"(k_list, v_list); got {type(kv).__name__}"
             )
         tensors = k_layers + v_layers
+        for index, t in enumerate(tensors):
+            # Before any shape is read: a layer that is 0-D raised IndexError at shape[0], a nested
+            # one RuntimeError (its sizes), naming nothing.
+            where = f"layer tensor {index}" if form is not BufferForm.STACKED else "KV buffer"
+            _check_dense(t, where)
+            if t.dim() != 3:
+                raise ValueError(f"{where} must be 3-D [S, rows, D], got shape {tuple(t.shape)}")
         device = tensors[0].device
         if device.type not in ("cpu", "cuda"):  # e.g. meta (no storage): every copy would fail
             raise ValueError(f"KV buffer is on {device}: aiokv copies between the pool and CPU or CUDA memory")
@@ -313,8 +322,6 @@ class KVBuffer:
             where = f"layer tensor {index}" if form is not BufferForm.STACKED else "KV buffer"
             if t.dtype != layout.dtype:
                 raise TypeError(f"{where} has dtype {t.dtype}, layout has {layout.dtype}")
-            if t.dim() != 3:
-                raise ValueError(f"{where} must be 3-D [S, rows, D], got shape {tuple(t.shape)}")
             if t.device != device:
                 raise ValueError(f"{where} is on {t.device}, the first is on {device}")
             if t.shape[0] != num_slots:
@@ -384,6 +391,13 @@ class KVBuffer:
     def is_partial(self) -> bool:
         """True when this rank holds only part of each page's rows (tensor parallelism)."""
         return self.rows_local != self.layout.rows
+
+
+def _check_dense(t: torch.Tensor, where: str) -> None:
+    """``TypeError`` naming ``where`` unless ``t`` is a dense (strided) tensor, not a nested one."""
+    if t.is_nested or t.layout is not torch.strided:
+        raise TypeError(f"{where} must be a dense (strided) tensor, got layout {t.layout}"
+                        f"{' (nested)' if t.is_nested else ''}")
 
 
 def _first_shared(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:

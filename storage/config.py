@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from aiokv.paths import path_setting
+
 
 class DiskBackend(enum.Enum):
     """How page bytes move between pool memory and page files."""
@@ -126,7 +128,10 @@ class DiskConfig:
         if isinstance(directory, (str, os.PathLike)) and not isinstance(directory, Path):
             # A str or other path-like is what users pass; kept as a Path (an empty one would be
             # the working directory: refused).
-            text = os.fspath(directory)
+            try:
+                text = os.fspath(directory)
+            except TypeError as exc:  # its __fspath__ returned neither str nor bytes
+                raise TypeError(f"DiskConfig.directory must be a path: {exc}") from None
             if not isinstance(text, str) or not text:
                 raise ValueError(f"DiskConfig.directory must be a non-empty path, got {directory!r}")
             object.__setattr__(self, "directory", Path(text))
@@ -164,6 +169,10 @@ def _check_seconds(value: object, label: str) -> None:
         raise TypeError(f"{label} must be a number of seconds, got {type(value).__name__}")
     if not value >= 0:  # NaN fails too
         raise ValueError(f"{label} must be >= 0, got {value}")
+    try:
+        float(value)
+    except OverflowError:  # an int too large for a float: OverflowError where it met a clock (SpareStock)
+        raise ValueError(f"{label} is too large for a float, got an int of {int(value).bit_length()} bits") from None
 
 
 MAX_FOLLOW_INTERVAL_S = 86400.0
@@ -191,6 +200,7 @@ def _check_directory(value: object, label: str) -> None:
         raise ValueError(f"{label} must be a non-empty path, got {str(value)!r}")
     if "\x00" in str(value):  # else refused by the first system call, at start, naming no setting
         raise ValueError(f"{label} must not contain a NUL character, got {str(value)!r}")
+    path_setting(str(value), label)  # a lone surrogate: UnicodeEncodeError at start, naming nothing
 
 
 def _check_backend(value: object, label: str) -> None:

@@ -56,6 +56,7 @@ from aiokv.config import CacheConfig
 from aiokv.keys import PageKey, encoded
 from aiokv.layout import KVLayout
 from aiokv.pagetable import PageHandle, ReserveOutcome
+from aiokv.paths import path_setting
 from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.storage import DiskBackend, DiskConfig, DiskStatistics, DiskTier
 from aiokv.storage.config import MAX_QUEUE_DEPTH, ReadOnly
@@ -153,6 +154,7 @@ class StoreConfig:
             # Path("") is the working directory (an unset variable would put page files there);
             # a NUL byte failed only when the store opened, as os's "embedded null byte".
             raise ValueError(f"directory must be a non-empty path without NUL bytes, got {str(self.directory)!r}")
+        path_setting(self.directory, "directory")  # a lone surrogate failed only when the store opened
         if not isinstance(self.namespace, str):
             raise TypeError(f"namespace must be a str, got {type(self.namespace).__name__}")
         encoded(self.namespace, "namespace")  # keyed as UTF-8: a lone surrogate failed at the first page
@@ -166,6 +168,8 @@ class StoreConfig:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < (0 if name == "staging_pages" else 1):
                 raise ValueError(f"{name} must be {'>= 0' if name == 'staging_pages' else 'positive'}, got {value}")
+            if value > MAX_INT_OPTION:
+                raise ValueError(f"{name} must be at most 2**63 - 1, got an int of {value.bit_length()} bits")
         if self.queue_depth > MAX_QUEUE_DEPTH:
             # The disk tier's own bound, refused here rather than when the store opens its files.
             raise ValueError(f"queue_depth must be at most {MAX_QUEUE_DEPTH}, got {self.queue_depth}")
@@ -199,10 +203,9 @@ class StoreConfig:
         if unknown:
             raise ValueError(f"unknown aiokv options [{', '.join(unknown)}]; known: {sorted(known)}")
         disk_dir = options.get("disk_dir")
-        if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
-            raise TypeError(f"disk_dir must be a path, got {type(disk_dir).__name__}")
-        if disk_dir == "":
-            raise ValueError("disk_dir is an empty path (it would be the working directory)")
+        # Named as the option (a NUL, a lone surrogate or a path-like giving bytes were refused as
+        # "directory", or by pathlib naming nothing, or at the store's open).
+        directory = path_setting(disk_dir, "disk_dir") if disk_dir is not None else default_disk_dir()
         backend = options.get("disk_backend", DiskBackend.AUTO.value)
         if not isinstance(backend, str):
             raise TypeError(f"disk_backend must be a str, got {type(backend).__name__}")
@@ -220,8 +223,8 @@ class StoreConfig:
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
         default: dict[str, Any] = {f.name: f.default for f in fields(cls)}  # each default once: the fields'
         return cls(
-            directory=Path(disk_dir) if disk_dir is not None else default_disk_dir(),
-            capacity_bytes=_int_option(options, "disk_bytes", default["capacity_bytes"]),
+            directory=directory,
+            capacity_bytes=_int_option(options, "disk_bytes", default["capacity_bytes"], least=1),
             namespace=namespace,
             backend=DiskBackend(backend),
             direct_io=direct_io,
@@ -237,11 +240,22 @@ class StoreConfig:
         )
 
 
-def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
+def _int_option(options: Mapping[str, object], name: str, default: int, least: int | None = None) -> int:
+    """The int option ``name``; ``least``: its lower bound, checked here to name the option (the
+    field it fills may be named otherwise: ``disk_bytes`` is ``capacity_bytes``)."""
     value = options.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")
+    if value > MAX_INT_OPTION:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got an int of {value.bit_length()} bits")
     return value
+
+
+MAX_INT_OPTION = 2**63 - 1
+"""Largest int setting: sizes and counts reach the kernel and numpy as 64-bit values (a staging pool
+of 10**400 pages raised ``OverflowError`` as the store opened)."""
 
 
 def _float_option(options: Mapping[str, object], name: str, default: float) -> float:

@@ -37,6 +37,7 @@ from aiokv.kernels.paths import DEFAULT_STAGING_PAGES
 from aiokv.keys import Salt, Tokens, token_array
 from aiokv.layout import KVLayout, TPSlice
 from aiokv.manager import CacheManager
+from aiokv.paths import path_setting
 from aiokv.results import LoadResult, Match, OffloadResult
 from aiokv.slots import check_host_slots
 
@@ -44,6 +45,7 @@ from .config import TPConfig
 from .group import GroupStatistics, RankGroup
 from .stream import TPLoadStream
 from .transfers import GroupTransfers
+from .wire import MAX_TP_SIZE
 
 
 class TPCache(CacheFacade):
@@ -84,10 +86,18 @@ class TPCache(CacheFacade):
             raise ValueError("CacheConfig.staging_pages is not used by a TPCache: the ranks' movers keep "
                              "their own staging")
         TPSlice.of(layout, 0, tp_size)  # tp_size and the heads divide (ValueError/TypeError)
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if tp_size > MAX_TP_SIZE:
+            # The start built a slice per rank (2**63 ranks: it never returned), and no worker could say hello.
+            raise ValueError(f"tp_size must be at most {MAX_TP_SIZE} (a rank's hello carries it in 16 bits), "
+                             f"got {tp_size}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 < num_slots <= 2**63 - 1:
+            raise ValueError(f"num_slots must be a positive int of at most 2**63 - 1 (slots are int64), "
+                             f"got {num_slots!r}")
         if tp_config is not None and not isinstance(tp_config, TPConfig):
             raise TypeError(f"tp_config must be a TPConfig, got {type(tp_config).__name__}")
+        if directory is not None:
+            # Here, not at start: there an int raised naming nothing, and "" was the working directory.
+            directory = path_setting(directory, "directory")
         self.config = config
         self.layout = layout
         self.tp_size = tp_size

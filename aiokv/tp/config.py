@@ -73,6 +73,10 @@ class TPConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (not value > 0 and not low_ok):
                 zero = " (or 0)" if field.name == "inline_copy_bytes" else ""
                 raise ValueError(f"TPConfig.{field.name} must be a positive number{zero}, got {value!r}")
+            if isinstance(value, int) and value > 2**63 - 1:
+                # Before math.isfinite, which raised OverflowError on an int too large for a float.
+                raise ValueError(f"TPConfig.{field.name} must be at most 2**63 - 1, got an int of "
+                                 f"{value.bit_length()} bits")
             if not math.isfinite(value):  # an endless timeout or backoff would hang, not fail
                 raise ValueError(f"TPConfig.{field.name} must be finite, got {value!r}")
             if field.type == "int" and not isinstance(value, int):

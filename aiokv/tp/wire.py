@@ -46,6 +46,8 @@ wrote specs in, not by job id (ids follow the order specs were built, not sent: 
 HELLO_MAGIC = b"AKVH"
 _FRAME = struct.Struct("<IB")
 _HELLO = struct.Struct("<4sHHH16s")
+MAX_TP_SIZE = 0xFFFF
+"""Most ranks a group can have: a hello carries the rank and ``tp_size`` in 16 bits each."""
 _WELCOME = struct.Struct("<HH16sQIQQQ")
 _REFUSE = struct.Struct("<B")
 _ATTACHED = struct.Struct("<QB")

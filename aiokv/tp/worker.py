@@ -38,7 +38,6 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
@@ -47,6 +46,7 @@ from aiokv.cuda import CompletionBridge
 from aiokv.kernels import TransferPath
 from aiokv.kernels.warmup import WarmUp
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
+from aiokv.paths import path_setting
 from aiokv.pool import PagePool
 from aiokv.reclaim import reclaim
 
@@ -58,6 +58,7 @@ from .layers import LayerProgress, wait_all, wait_all_async
 from .rankwarm import RankWarmUp
 from .specs import LayeredLoad, TransferSpec
 from .wire import (
+    MAX_TP_SIZE,
     PROTOCOL_VERSION,
     Attached,
     Closed,
@@ -228,8 +229,10 @@ class RankWorker:
             raise TypeError(f"engine_stream must be a torch.cuda.Stream or None, got {type(engine_stream).__name__}")
         if path is not None and not isinstance(path, TransferPath):
             raise TypeError(f"path must be a TransferPath or None, got {type(path).__name__}")
-        self.address = Path(address)
+        self.address = path_setting(address, "address")  # Path() raised naming no argument
         self.tp = TPSlice.of(layout, rank, tp_size)
+        if tp_size > MAX_TP_SIZE:  # its hello could not be encoded (struct.error at connect)
+            raise ValueError(f"tp_size must be at most {MAX_TP_SIZE} (a hello carries it in 16 bits), got {tp_size}")
         self.layout = layout
         self.page_layout = layout.for_tp(tp_size)
         """The pool's page format (rank-major parts); its fingerprint is what the manager checks."""
