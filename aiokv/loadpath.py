@@ -100,6 +100,37 @@ is created, so only that task's context copy holds it (``_promote_group`` and ``
 their signatures: tests wrap them). Read only there: a task they spawn inherits it unread."""
 
 
+@dataclass(slots=True)
+class GroupStop:
+    """The read groups one :meth:`LoadPath._promote_groups` call started at once: the first of the
+    call's pages (its index in the call's keys) whose read failed, where that ends the work (as a
+    group's own ``failed``), and how to cut each later group still running. Before (review of
+    d058b19), a group stopped only its own reads past its failed page: a later group went on
+    reading pages no load could serve (its batch's pages still waiting for an I/O slot, its
+    pages that found no room, another call's page given up), holding pool pages and I/O slots."""
+
+    at: int | None = None
+    """The call's first page whose failed read ends the work, once a group found one."""
+    cuts: dict[int, Callable[[], None]] = field(default_factory=dict)
+    """The running groups' cuts by their first page's index (in the call's keys)."""
+
+    def failed(self, page: int) -> None:
+        """A group's read of the call's page ``page`` failed (the work ends there): every group
+        that begins past it and still runs is cut (no read starts there any more)."""
+        if self.at is not None and self.at <= page:
+            return
+        self.at = page
+        for offset, cut in list(self.cuts.items()):
+            if offset > page:
+                cut()
+
+
+_GROUP: contextvars.ContextVar[tuple[GroupStop, int] | None] = contextvars.ContextVar("aiokv_read_group", default=None)
+"""The :class:`GroupStop` of a read group's call and the index of the group's first page in the
+call's keys: set while :meth:`LoadPath._promote_groups` creates the group's task, as
+:data:`_CALL_WAITS` (``_promote_group`` keeps its signature: tests wrap it). None: a group alone."""
+
+
 class NoPage(enum.Enum):
     """Why a promotion (:meth:`LoadPath._promote`) brought no page into the pool."""
 
@@ -501,14 +532,22 @@ class LoadPath(ManagerBase):
                         ) -> list[asyncio.Task[list[Promotion | NoPage]]]:
         """One task per read group of ``keys`` (:func:`read_group_pages`), in order, all started
         (``windowed``: as :meth:`_promote`; ``waits``: the call's, shared by every group, else one
-        for each group)."""
+        for each group). A group whose read fails where that ends the work cuts the later groups
+        (:class:`GroupStop`): they start no read any more."""
         n = read_group_pages(self.layout.page_bytes, self.config.read_group_bytes)
+        stop = GroupStop()
+        tasks: list[asyncio.Task[list[Promotion | NoPage]]] = []
         token = _CALL_WAITS.set(waits)  # each task copies the context as it is created
         try:
-            return [asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed))
-                    for i in range(0, len(keys), n)]
+            for i in range(0, len(keys), n):
+                group = _GROUP.set((stop, i))
+                try:
+                    tasks.append(asyncio.ensure_future(self._promote_group(list(keys[i : i + n]), windowed)))
+                finally:
+                    _GROUP.reset(group)
         finally:
             _CALL_WAITS.reset(token)
+        return tasks
 
     async def _promote_group(self, keys: list[PageKey], windowed: bool = False) -> list[Promotion | NoPage]:
         """:meth:`_promote` of each of ``keys`` (distinct), in order: the pages reserved at once are
@@ -518,9 +557,16 @@ class LoadPath(ManagerBase):
         read on its own: one that found no room, one another call gave up) nothing more is read
         or waited for (those pages are :attr:`NoPage.MISS`, not counted again; a wait for a page
         another call brings in is cut, lest it read the page if that call gives it up), for a load
-        (``windowed``) always, for a prefetch once the tier dropped that page. If cancelled, the
-        batch's pages are settled when its read ends (:meth:`_read_batch`) and the references
-        taken (or still to come) are dropped."""
+        (``windowed``) always, for a prefetch once the tier dropped that page; nor in the later
+        groups of the call (:class:`GroupStop`): a group cut so cancels its batch's read (its pages
+        still waiting for an I/O slot are never read; those being read finish, and the batch's
+        pages are aborted, not counted), cuts its waits and its page read on its own, and reads
+        nothing more; its pages are :attr:`NoPage.MISS` but those it held already (in its result:
+        the caller releases them). If cancelled, the batch's pages are settled when its read ends
+        (:meth:`_read_batch`) and the references taken (or still to come) are dropped."""
+        stop, offset = _GROUP.get() or (GroupStop(), 0)
+        if stop.at is not None and stop.at < offset:
+            return [NoPage.MISS] * len(keys)  # cut before it began: nothing reserved, nothing read
         pool, disk = self.pool, self._disk
         outcomes = pool.reserve(keys)
         batch = [(i, r.handle) for i, r in enumerate(outcomes)
@@ -534,6 +580,7 @@ class LoadPath(ManagerBase):
         # single promotion holds them: left alone until the batch ended, the pool's pressure could
         # evict them meanwhile and the load would stop there (pool_exhausted; review 111).
         landing: dict[int, asyncio.Future[Promotion | NoPage]] = {}
+        singles: set[int] = set()  # pages of landing read on their own (_promote), not waits for another call
         waits = _CALL_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
         reading = [keys[i] for i, _ in batch]
         waits.reading.update(reading)
@@ -545,36 +592,63 @@ class LoadPath(ManagerBase):
             elif r.outcome is ReserveOutcome.PENDING:
                 # The call's waits stop together: one commit_wait_expired (reviews 117, 214).
                 landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, waits, windowed))
+        failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
+        cut = False  # an earlier group of the call cut this one (GroupStop): failed is -1
+        read: asyncio.Future[list[bool]] | None = None  # the batch's read while the group awaits it
+        awaited: int | None = None  # the page of landing the group awaits now
 
         def stop_past(at: int) -> None:
-            # A load's own read failed at page ``at``: no read starts past it. A page another call
-            # was bringing in is no longer waited for: its wait is cut, so that it does not read the
-            # page itself (``again``) when that call gives it up (a read under way finishes).
-            for j in [j for j in landing if j > at]:
+            # A load's read failed at page ``at``: no read starts past it. A page another call was
+            # bringing in is no longer waited for: its wait is cut, so that it does not read the
+            # page itself (``again``) when that call gives it up (a read under way finishes). The
+            # one the group awaits is cancelled only: the group sees it cut (or its page, when it
+            # landed first) and lets it go.
+            for j in [j for j in landing if j > at and j != awaited]:
                 wait = landing.pop(j)
                 wait.cancel()
                 self._adopt(wait)
+            if awaited is not None and awaited > at:
+                landing[awaited].cancel()
 
+        def cut_here() -> None:
+            # An earlier group's read failed (GroupStop.failed): this one is past the work's end.
+            nonlocal failed, cut
+            failed, cut = -1, True
+            if read is not None:
+                read.cancel()  # its jobs still waiting for an I/O slot leave, those reading finish
+            stop_past(-1)
+
+        stop.cuts[offset] = cut_here
         try:
-            failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
             if batch:
                 handles = [handle for _, handle in batch]
                 # Evicted since the caller saw them: read anyway (the tier counts the misses).
                 gone = [not disk.contains(keys[i]) for i, _ in batch]
                 marks = _tier_marks(disk)
+                read = asyncio.ensure_future(disk.read_many(reading, handles))
                 try:
-                    oks = await self._read_batch(disk, reading, handles)
+                    oks = await self._read_batch(read, handles)
                 finally:
+                    read = None
                     waits.reading.difference_update(reading)  # landed, aborted or left to settle
-                if not all(oks) and _evicted_since(disk, marks):
-                    # Evicted while the batch was read (see _evicted_since): misses, not faults.
-                    gone = [absent or (not ok and not disk.contains(keys[i]))
-                            for (i, _), ok, absent in zip(batch, oks, gone, strict=True)]
-                for (i, handle), ok, absent in zip(batch, oks, gone, strict=True):
-                    got[i] = self._landed_or_gone(handle, ok, absent)
-                    if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
-                        failed = i
-                stop_past(failed)
+                if oks is None:
+                    # Cut while it read (its read cancelled, nothing writes into the pages now):
+                    # no page of it is served, none is a fault.
+                    for i, handle in batch:
+                        pool.table.abort(handle)
+                        got[i] = NoPage.MISS
+                else:
+                    if not all(oks) and _evicted_since(disk, marks):
+                        # Evicted while the batch was read (see _evicted_since): misses, not faults.
+                        gone = [absent or (not ok and not disk.contains(keys[i]))
+                                for (i, _), ok, absent in zip(batch, oks, gone, strict=True)]
+                    for (i, handle), ok, absent in zip(batch, oks, gone, strict=True):
+                        got[i] = self._landed_or_gone(handle, ok, absent)
+                        if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
+                            failed = i
+                    if 0 <= failed < len(keys):
+                        stop_past(failed)
+                        stop.failed(offset + failed)  # the later groups read nothing more
             missed: NoPage | None = None
             for i, key in enumerate(keys):
                 if i > failed:
@@ -583,21 +657,36 @@ class LoadPath(ManagerBase):
                     # room when the failed page's abort freed one was) nor waited for. A prefetch
                     # goes on while the failed page stays on disk (an EIO): a load reads it again
                     # and finds the rest in the pool; past a page the tier dropped, no match
-                    # reaches them. Not counted: the failed page was.
+                    # reaches them. Not counted: the failed page was (or an earlier group's).
                     if got[i] is None:
                         got[i] = NoPage.MISS
                     continue
+                if got[i] is None and i not in landing:
+                    if missed is not None:
+                        # The prefix ends at a page that found no room (or failed): the group's
+                        # later pages without room are misses at once, not one wait for room each
+                        # (those waits ran one after another; single promotions waited together:
+                        # review 111). After a FULL they are FULL too: the caller promotes them again.
+                        got[i] = missed
+                    else:
+                        # In a task of its own, as a wait: a cut ends it (a read under way settles).
+                        landing[i] = asyncio.ensure_future(self._promote(key, windowed, waits=waits))
+                        singles.add(i)
                 if i in landing:
-                    got[i] = await asyncio.shield(landing[i])  # a cancel here leaves it to _adopt
+                    wait = landing[i]
+                    awaited = i
+                    try:
+                        got[i] = await asyncio.shield(wait)  # a cancel here leaves it to _adopt
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if not (cut and wait.cancelled()) or (task is not None and task.cancelling()):
+                            raise
+                        got[i] = NoPage.MISS  # cut (GroupStop): not counted
+                    finally:
+                        awaited = None
                     del landing[i]
-                elif got[i] is None:
-                    # The prefix ends at a page that found no room (or failed): the group's later
-                    # pages without room are misses at once, not one wait for room each (those
-                    # waits ran one after another; single promotions waited together: review 111).
-                    # After a FULL they are FULL too: the caller promotes them again.
-                    promoted = missed if missed is not None else await self._promote(key, windowed, waits=waits)
-                    got[i] = promoted
-                    if promoted is NoPage.MISS or promoted is NoPage.FULL or promoted is NoPage.GONE:
+                    promoted = got[i]
+                    if i in singles and promoted in (NoPage.MISS, NoPage.FULL, NoPage.GONE):
                         missed = NoPage.MISS if promoted is NoPage.GONE else promoted
                 if ((got[i] is NoPage.MISS or got[i] is NoPage.GONE) and failed == len(keys)
                         and (windowed or not disk.contains(key))):
@@ -607,21 +696,30 @@ class LoadPath(ManagerBase):
                     # abort freed, and a page another call brings in was read again (review 263).
                     failed = i
                     stop_past(i)
+                    stop.failed(offset + i)
         except BaseException:
-            for wait in landing.values():
+            for i, wait in landing.items():
+                if i in singles:
+                    wait.cancel()  # its read settles when it ends (as when it was awaited here)
                 self._adopt(wait)  # its reference, once it has one, is dropped
             self._release_handles([p.handle for p in got if isinstance(p, Promotion)])
             raise
+        finally:
+            del stop.cuts[offset]
         return [p if p is not None else NoPage.MISS for p in got]
 
-    async def _read_batch(self, disk: DiskTier, keys: list[PageKey], handles: list[PageHandle]) -> list[bool]:
-        """``disk.read_many(keys, handles)``, shielded; an unexpected failure reads as misses. If
-        cancelled, the batch's pages are settled once its read ends: the kernel may still be
-        writing into them, so they are freed only then."""
-        read = asyncio.ensure_future(disk.read_many(keys, handles))
+    async def _read_batch(self, read: asyncio.Future[list[bool]], handles: list[PageHandle]) -> list[bool] | None:
+        """``read`` (``disk.read_many`` of ``handles``' pages), shielded; an unexpected failure reads
+        as misses. None: ``read`` itself was cancelled (a cut group's, :class:`GroupStop`), not this
+        task: the tier returned once nothing wrote into the pages any more, the caller aborts them.
+        If this task is cancelled, the batch's pages are settled once its read ends: the kernel may
+        still be writing into them, so they are freed only then."""
         try:
             return await asyncio.shield(read)
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if read.cancelled() and not (task is not None and task.cancelling()):
+                return None
             self.track(read, lambda: self._settle_reads(read, handles))
             raise
         except Exception:
