@@ -131,9 +131,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
-        extra = dict(storage_config.extra_config or {})
+        given = storage_config.extra_config
+        if given is not None and not isinstance(given, Mapping):
+            # dict() of it raised "dictionary update sequence element #0 ..." naming nothing.
+            raise TypeError(f"extra_config must be a mapping of option names to values, got {type(given).__name__}")
+        extra = dict(given or {})
         self.interface_v1 = bool(extra.get("interface_v1", 0))
-        ignored = sorted(set(extra) - set(_FACTORY_KEYS) - set(_STORE_KEYS))
+        # Sorted by repr: names of mixed types (an int beside the strs) raised TypeError in the sort.
+        ignored = sorted(set(extra) - set(_FACTORY_KEYS) - set(_STORE_KEYS), key=repr)
         if ignored:
             log.warning("aiokv backend: ignoring extra-config entries %s", ignored)
         self.config = StoreConfig.from_options({k: extra[k] for k in _STORE_KEYS if k in extra})
