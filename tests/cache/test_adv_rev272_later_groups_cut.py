@@ -12,16 +12,22 @@ ended, the third and fourth groups' pages were read.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
+from loop_probes import until
 from test_failed_copy_stops_work import _eio
 
 from aiokv import KVCache
+from aiokv.keys import PageKey
+from aiokv.loadpath import NoPage
 
 T = LAYOUT.page_tokens
 GROUP = 2
@@ -89,5 +95,75 @@ async def test_a_failed_read_in_the_first_group_starts_no_read_in_the_later_grou
         assert bool((kv[:, failed * T : N] == POISON).all())  # nothing past the prefix was written
         errors = cache.stats().errors
         assert errors.get("disk_read_failed") == 1, errors  # the failed page only: cut pages are no fault
+    finally:
+        await cache.aclose()
+
+
+LOADER: contextvars.ContextVar[bool] = contextvars.ContextVar("LOADER", default=False)
+"""Set in the load's task (its read groups' tasks and their waits copy it): its reads are the load's."""
+
+
+@pytest.mark.asyncio
+async def test_a_later_groups_wait_for_another_calls_page_is_cut(tmp_path: Path) -> None:
+    """Page 1 (first group) fails with EIO; page 4 (third group) is being brought in by another
+    promotion whose read is held, then fails too (EIO). The load returns page 0; its third group's
+    wait for page 4 must be cut (before: once the other read failed, the group read page 4 itself,
+    for a load that had returned), and every pool page comes back."""
+    pages = 3 * GROUP
+    n = pages * T
+    tokens = prompt(2720, n)
+    source = make_kv(2720)
+    async with KVCache(_config(tmp_path), LAYOUT, source) as writer:
+        await writer.pool.wait_ready()
+        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
+        await writer.flush()
+
+    kv = torch.full_like(source, POISON)
+    cache = KVCache(_config(tmp_path), LAYOUT, kv)
+    await cache.start()
+    try:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        keys = cache._manager.keys(tokens)
+        held = keys[2 * GROUP]
+        gate = asyncio.Event()
+        loads_reads: list[int] = []  # the load's reads of pages past the first group, as decided
+        real_one = disk.read
+
+        def read(key: PageKey, handle: Any) -> Coroutine[Any, Any, bool]:
+            if LOADER.get():
+                loads_reads.append(keys.index(key))
+
+            async def gated() -> bool:
+                if not LOADER.get() and key == held:
+                    await gate.wait()
+                ok: bool = await real_one(key, handle)
+                return ok
+
+            return gated()
+
+        disk.read = read  # type: ignore[method-assign]
+        _eio(cache, keys[1], every=True)
+        _eio(cache, held, every=True)
+        match = await cache.match(tokens)
+        assert match.disk_pages == pages
+        other = asyncio.ensure_future(cache._manager.promote(held))
+        await until(lambda: cache.stats().pool_reserved == 1)  # its read waits for the gate
+        token = LOADER.set(True)
+        try:
+            load = asyncio.ensure_future(cache.load(match, torch.arange(n)))
+        finally:
+            LOADER.reset(token)
+        result = await load
+        assert result.tokens == T
+        gate.set()
+        assert await other is NoPage.MISS
+        await assert_quiescent(cache)  # every read the load left behind ended, every page came back
+        assert not loads_reads, f"the load read pages {loads_reads} on their own after its first group failed"
+        assert torch.equal(kv[:, :T], source[:, :T])
+        assert bool((kv[:, T:n] == POISON).all())
+        errors = cache.stats().errors
+        assert errors.get("disk_read_failed") == 2, errors  # page 1 (the load's), page 4 (the other call's)
     finally:
         await cache.aclose()
