@@ -225,7 +225,7 @@ def bad_kv(draw: st.DrawFn) -> object:
         return layers
     if kind == 8:  # split K/V of the wrong shapes, or for a list that is not two lists
         k = [layer[:, : LAYOUT.num_kv_heads] for layer in layers]
-        return draw(st.sampled_from([(k, k[:1]), (k, [layers[0]] * 2), (layers[0], layers[1]), ([], [])]))
+        return draw(st.sampled_from([(k, k[:1]), (k, [layers[0]] * 2), (k, k), ([], [])]))
     return draw(st.sampled_from([[], (), [None, None], [layers[0], "x"]]))
 
 
