@@ -117,8 +117,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     pages stored, pages a load found gone, and pages evicted for room; only where vLLM publishes
     KV events),
     ``zero_copy`` (default true: chunks move straight between vLLM's region, registered with
-    io_uring, and their files; false: through staging pages), ``close_timeout`` (30 s: how long
-    :meth:`shutdown` waits for transfers in flight before it raises). Raises
+    io_uring, and their files; false: through staging pages), ``close_timeout`` (30 s, > 0: how
+    long :meth:`shutdown` waits for transfers in flight before it raises). Raises
     ``TypeError``/``ValueError`` for a wrong option and ``OSError`` when the directory cannot be used.
     """
 
@@ -159,6 +159,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         if disk_bytes is not None:
             options["disk_bytes"] = disk_bytes
         config = StoreConfig.from_options(options)
+        if config.close_timeout == 0:
+            # shutdown() waits close_timeout for the loop thread to confirm that no transfer is in
+            # flight: with 0 it never could, and every shutdown raised (the tier never closed).
+            raise ValueError("close_timeout must be > 0 for the vLLM tier: shutdown waits that long for transfers "
+                             "in flight (with 0 every shutdown raised, the tier never closed)")
         if locality is not None:
             from vllm.v1.kv_offload.base import Locality
 
