@@ -26,6 +26,7 @@ If the loop ends without :meth:`LoopThread.close` (a callback let ``SystemExit``
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
 import concurrent.futures
@@ -126,14 +127,27 @@ class LoopThread:
         self._last_work = 0.0
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         try:
             self._thread.start()
-        except BaseException:  # refused (a pids limit): the loop's self-pipe and selector are closed now, not by gc
+            self._started.wait()
+        except RuntimeError:  # refused (a pids limit): the loop's self-pipe and selector are closed now, not by gc
             self._loop.close()
             raise
-        self._started.wait()
-        self._closed = False
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt from a signal handler, Ctrl-C at start-up) once the thread
+            # started, in start()'s wait for it or in the wait for the loop: stopped, by a bare thread handed the
+            # stop by this clause's first call (C code: no signal's handler runs before it; see aside.py). Left,
+            # it ran for good, idle, held by nobody; closing the loop (as for a refusal) raised "Cannot close a
+            # running event loop" instead of the interrupt. (One landing in start() before the thread's start,
+            # within threading's own bookkeeping, leaves the stop queued on a loop nothing runs.)
+            self._closed = True
+            try:
+                _thread.start_new_thread(self._loop.call_soon_threadsafe, (self._loop.stop,))
+            except RuntimeError:  # no thread may start (a pids limit): here
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
 
     def _main(self) -> None:
         # Nothing but ``self`` is bound here: this frame is in the traceback of the death ``died``

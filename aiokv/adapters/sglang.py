@@ -28,10 +28,12 @@ MLA pages carry no TP rank: the ranks share their directory, one writing, all re
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -49,6 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from .aside import Aside
 from .loopthread import LoopDied, LoopThread
 from .store import STUCK_REPORT_MIN_S, PageFileStore, Sharing, StoreConfig, open_thread, page_file_bytes
 
@@ -248,8 +251,13 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 if name != _KV:
                     shapes.append((name, host, *_page_geometry(host, True)))
             self._weight_at_open = sum(page_file_bytes(shape[2]) for shape in shapes)
-            self._thread = open_thread(self.config, "sglang")
+            held: list[LoopThread] = []
+            cleanup = Aside(functools.partial(self._close_failed_open, held), "aiokv-sglang-close")
             try:
+                # Into ``held`` (see open_thread), inside the try whose cleanup stops it: returned by
+                # open_thread, an interrupt landing at that return left it running for good (idle).
+                open_thread(self.config, "sglang", held)
+                self._thread = held[0]
                 for name, host, page_bytes, in_place, parts in shapes:
                     if name == _KV:
                         kv = _Pool(_KV, host, page_bytes, in_place, self._new_store(
@@ -259,9 +267,23 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                     else:
                         self._open_pool(name, host, self._weight_at_open)
             except BaseException:
-                self._close_pools()
+                # Closed on a thread of its own (aside.py), handed over by this clause's first call (C code: no
+                # signal's handler runs before it), and waited for: made here, a second interrupt landing at the
+                # entry of the function closing them skipped it (the stores' tiers open, the loop running).
+                try:
+                    _thread.start_new_thread(cleanup.start, ())
+                except RuntimeError:  # no thread may start (a pids limit): made here, exposed as before
+                    cleanup.run()
+                cleanup.wait()  # an interrupt here leaves it running to its end
                 raise
             return True
+
+    def _close_failed_open(self, held: list[LoopThread]) -> None:
+        """Close what an open cut short made: the stores made so far, then the loop thread (``held``:
+        that thread, or nothing when its constructor failed, which then stopped it)."""
+        if held:
+            self._thread = held[0]  # not kept yet where the interrupt landed at the append's return
+        self._close_pools_here()
 
     def _open_pool(self, name: str, host: Any, weight_total: int) -> None:
         page_bytes, in_place, parts = _page_geometry(host, True)

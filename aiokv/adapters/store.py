@@ -32,6 +32,7 @@ Everything runs on the loop of a :class:`LoopThread`; the methods taking corouti
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import contextlib
@@ -64,6 +65,7 @@ from aiokv.storage.config import default_disk_dir as _storage_default_dir
 from aiokv.storage.pagefile import PageFiles, file_bytes
 from aiokv.storage.safefiles import UnsafeDirectoryError
 
+from .aside import Aside
 from .loopthread import LoopDied, LoopThread, check_timing, finite_seconds
 from .storedirs import ReaderCheck, clear_tree, close_dirs, dir_identity, open_dirs
 
@@ -274,10 +276,12 @@ def raw_layout(page_bytes: int) -> KVLayout:
     return KVLayout.mla(num_layers=1, latent_dim=page_bytes, dtype=torch.uint8, page_tokens=1)
 
 
-def open_thread(config: StoreConfig, engine: str) -> LoopThread:
-    """A loop thread polling as ``config`` says, for one store or several sharing it."""
-    return LoopThread(f"aiokv-{engine}", poll_s=config.poll_s, linger_s=config.linger_s,
-                      idle_poll_s=config.idle_poll_s)
+def open_thread(config: StoreConfig, engine: str, into: list[LoopThread]) -> None:
+    """Append to ``into`` a loop thread polling as ``config`` says, for one store or several sharing it.
+    Constructed into the list by C code (list.extend over map), where no signal handler runs between
+    the constructor's return and the append: returned, an interrupt (a KeyboardInterrupt from a signal
+    handler, Ctrl-C at start-up) landing at that return left it running for good, held by nobody."""
+    into.extend(map(LoopThread, [f"aiokv-{engine}"], [config.poll_s], [config.linger_s], [config.idle_poll_s]))
 
 
 def page_file_bytes(page_bytes: int) -> int:
@@ -426,33 +430,48 @@ class PageFileStore:
         self._closed = False
         self._abandoned = False  # the open's caller is gone: the open closes what it opened (loop only)
         self._open_task: asyncio.Task[Any] | None = None  # the open running on the loop (loop only)
+        cleanup = Aside(self._clean_up_start, f"aiokv-{engine}-cleanup")  # made before anything it closes
+        owned: list[LoopThread] = []
         try:
-            self.thread = thread if thread is not None else open_thread(config, engine)
-        except BaseException:  # refused (a pids limit): the check worker, started above, ends (else for good)
+            if thread is None:
+                open_thread(config, engine, owned)
+            self.thread = thread if thread is not None else owned[0]
+        except BaseException:  # refused (a pids limit), or interrupted: the check worker, started above, ends
+            if owned:
+                # Interrupted once it was made: stopped (idle, it holds nothing yet), else it ran for good.
+                owned[0].close()
             if self._check is not None:
                 self._check.join()  # no job queued yet: it ends at once
             raise
         try:
             self.thread.run(self._open())
         except BaseException:
-            self._clean_up_start()
+            # The cleanup runs on a thread of its own (aside.py), handed over by this clause's first call (C
+            # code: no signal's handler runs before it), and is waited for. Made on this thread, an interrupt
+            # at its retry's back jump (Ctrl-C pressed a third time; or a second one at the entry of the
+            # function making it) skipped the rest: the disk tier open for good (threads, ring, lock), the
+            # staging pool mapped, the loop thread running, with nobody holding the store.
+            try:
+                _thread.start_new_thread(cleanup.start, ())
+            except RuntimeError:  # no thread may start (a pids limit): made here, exposed as before
+                cleanup.run()
+            cleanup.wait()  # an interrupt here leaves it running to its end
             raise
 
     def _clean_up_start(self) -> None:
-        """After a start cut short (its open failed, or this thread was interrupted: a KeyboardInterrupt
-        from a signal handler), close what it opened and stop the store's own thread. Another interrupt
-        landing in it (Ctrl-C pressed twice) makes the steps again (each may be made twice), then is
-        raised: it skipped the rest, the loop thread left running for good, or the disk tier open (its
-        threads, ring and lock) with nobody holding the store, the staging pool mapped."""
+        """After a start cut short (its open failed, or its caller was interrupted: a KeyboardInterrupt
+        from a signal handler), close what it opened and stop the store's own thread; on the thread of
+        its own the constructor hands it to. Where its steps fail (or, made on the constructor's thread
+        when no other may start, an interrupt lands in them), it makes them again (each may be made twice),
+        then raises what cut the first pass short: it skipped the rest, the loop thread left running for
+        good, or the disk tier open (its threads, ring and lock) with nobody holding the store, the
+        staging pool mapped."""
         cut: BaseException | None = None
         while True:
             try:
                 self._clean_up_start_once()
-            except BaseException as exc:  # what a signal's handler raises (or a close's error): made again
+            except BaseException as exc:  # a close's error (or what a signal's handler raises): made again
                 cut = exc
-                # A third interrupt handled at this back jump (a point where a signal's handler runs, outside
-                # the try) still escapes: every Python retry has one such point (a back jump, or a retrying
-                # function's entry), so it is left; it needs a signal landing within these few opcodes.
                 continue
             if cut is not None:
                 raise cut

@@ -29,10 +29,12 @@ engine's ``VllmConfig`` revision, overrides, online quantization...: :mod:`.vllm
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
@@ -58,6 +60,7 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTier
 
 from aiokv.storage import DiskStatistics
 
+from .aside import Aside
 from .loopthread import LoopDied
 from .store import PageFileStore, StoreConfig
 from .vllmidentity import engine_config, spec_facts
@@ -228,6 +231,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                         "each revision, hf_overrides or quantization of one model path a namespace of its own")
         facts = spec_facts(offloading_spec, self._chunk_bytes, vllm_config)
         held: list[PageFileStore] = []
+        undo = Aside(functools.partial(self._undo_start, held), "aiokv-vllm-cleanup")  # before anything it undoes
         try:
             # Constructed into ``held`` by C code (list.extend over map), where no signal handler runs
             # between the constructor's return and the append: assigned in Python, an interrupt (a
@@ -246,32 +250,43 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
                 store.thread.call(lambda: store.register_memory(region)).result()
             log.info("aiokv tier: %s (%d chunks of %d bytes)", self._store.directory, num_chunks, self._chunk_bytes)
         except BaseException:
-            # A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
-            # process served read-only), no view of vLLM's region. The view goes even if the close
-            # fails (the exception's frames keep this tier alive), and the start's error is raised.
-            if not held:
-                self._let_go()  # no store: its constructor failed, and closed what it had opened
-                raise
-            store = held[0]
+            # Undone on a thread of its own (aside.py), handed over by this clause's first call (C code: no
+            # signal's handler runs before it), and waited for. Made on this thread, an interrupt (Ctrl-C
+            # pressed twice or three times) landing between its steps skipped the rest: the store's close
+            # never handed over to the loop, the disk tier left open for good (threads, ring, directory lock),
+            # vLLM's region exported.
             try:
-                try:
-                    store.close()
-                except Exception:
-                    log.exception("aiokv tier: closing the disk tier of a failed start failed")
-                    self._let_go()
-                else:
-                    store.when_closed(self._let_go)  # at once: the close ended (a death's: once its end is over)
-            except BaseException:
-                # Interrupted (again: Ctrl-C pressed twice). The close goes on on the loop, which may still
-                # pin the region for io_uring: let go once it ended, as shutdown() does (it was let go at
-                # once). close() again hands the close over should the interrupt have landed before it
-                # reached the loop (it returns at once otherwise): nobody else calls it, and the tier was
-                # left open for good, its lock held, the region exported.
-                with contextlib.suppress(Exception):
-                    store.close()
-                store.when_closed(self._let_go)
-                raise
+                _thread.start_new_thread(undo.start, ())
+            except RuntimeError:  # no thread may start (a pids limit): made here, exposed as before
+                undo.run()
+            undo.wait()  # an interrupt here leaves it running to its end
             raise
+
+    def _undo_start(self, held: list[PageFileStore]) -> None:
+        """A tier that failed to start holds nothing: no thread, no directory lock (a retry in this
+        process served read-only), no view of vLLM's region. The view goes even if the close fails (the
+        exception's frames keep this tier alive); the close may go on on the loop, which may still pin
+        the region for io_uring: the view goes once it ended, as shutdown() does. ``held``: the store,
+        or nothing when its constructor failed (it closed what it had opened)."""
+        if not held:
+            self._let_go()
+            return
+        store = held[0]
+        try:
+            store.close()
+        except Exception:
+            log.exception("aiokv tier: closing the disk tier of a failed start failed")
+            self._let_go()
+        except BaseException:
+            # Interrupted: made on vLLM's thread, where no other could start. The close goes on on the loop:
+            # let go once it ended; close() again hands it over should the interrupt have landed before it
+            # reached the loop (it returns at once otherwise): the tier was left open for good.
+            with contextlib.suppress(Exception):
+                store.close()
+            store.when_closed(self._let_go)
+            raise
+        else:
+            store.when_closed(self._let_go)  # at once: the close ended (a death's: once its end is over)
 
     # -- lookups --------------------------------------------------------------------------------
 

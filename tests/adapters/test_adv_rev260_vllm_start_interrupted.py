@@ -9,7 +9,8 @@ start-up, pressed once or twice) in the tier's constructor where the store it ma
 - A second interrupt in that cleanup's ``store.close()`` after the close was marked begun, before it
   was handed over to the loop: the store's close leaves it to a later ``close()``, and nobody made one:
   the disk tier open for good, vLLM's region exported (the region was to be let go once that close
-  ended, which never ran). The cleanup now calls ``close()`` again, which hands it over.
+  ended, which never ran). The cleanup now calls ``close()`` again, which hands it over. (Since helper
+  273 the cleanup runs on a thread of its own: this interrupt lands in vLLM's wait for it.)
 
 The interrupts are real (``SIGUSR1`` to the constructing thread, its handler raising); the test chooses
 their moments with a trace function (``sys.settrace``, opcode events where needed) that sends the signal
@@ -68,12 +69,15 @@ def _signals(count: list[int]) -> Iterator[None]:
 
 @contextmanager
 def _traced(tracer: Tracer) -> Iterator[None]:
+    """``tracer`` on this thread and on the threads started meanwhile."""
     before = sys.gettrace()
     sys.settrace(tracer)
+    threading.settrace(tracer)
     try:
         yield
     finally:
         sys.settrace(before)
+        threading.settrace(None)
 
 
 def _interrupt_once_constructed(stores: list[PageFileStore]) -> Tracer:
@@ -151,9 +155,14 @@ def test_a_second_interrupt_before_the_cleanups_close_reached_the_loop_still_clo
     marked = first + next(i for i, line in enumerate(lines) if line.strip() == "self._closed = True")
 
     def local(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
-        if event == "line" and frame.f_lineno > marked and count[0] == 1:
+        if event == "line" and frame.f_lineno > marked and count[0] == 1 and not stores:
             stores.append(frame.f_locals["self"])
-            signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here
+            signal.pthread_kill(main, signal.SIGUSR1)  # on vLLM's thread: its handler raises here
+            # Since helper 273 the cleanup runs on a thread of its own (traced through threading.settrace):
+            # the signal lands in vLLM's wait for it; the close goes on once it was handled.
+            pause, deadline = threading.Event(), time.monotonic() + BOUND_S
+            while count[0] == 1 and time.monotonic() < deadline:
+                pause.wait(0.01)
         return local
 
     def calls(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
