@@ -54,6 +54,7 @@ from .jobs import Job, JobStatistics, JobTable, RankFailure
 from .room import RoomQueue
 from .specs import Direction, IntArrayLike, TransferSpec
 from .wire import (
+    MAX_TP_SIZE,
     PROTOCOL_VERSION,
     Attached,
     Closed,
@@ -171,6 +172,10 @@ class RankGroup:
         on_all_attached: Callable[[str], None] | None = None,
         num_slots: int | None = None,
     ) -> None:
+        TPSlice.of(layout, 0, tp_size)  # a bad tp_size raised by its name before the slices are built
+        if tp_size > MAX_TP_SIZE:  # a slice per rank: 2**63 ranks never returned
+            raise ValueError(f"tp_size must be at most {MAX_TP_SIZE} (a rank's hello carries it in 16 bits), "
+                             f"got {tp_size}")
         slices = [TPSlice.of(layout, rank, tp_size) for rank in range(tp_size)]
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)
                                       or not 0 < num_slots < 2**64):

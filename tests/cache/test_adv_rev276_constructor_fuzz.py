@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from aiokv import CacheConfig, DiskBackend, KVCache, KVLayout
 from aiokv.adapters.store import StoreConfig
 from aiokv.storage import DiskConfig
-from aiokv.tp import RankWorker, RankWorkerThread, TPCache, TPConfig
+from aiokv.tp import RankGroup, RankWorker, RankWorkerThread, TPCache, TPConfig
 
 EXAMPLES = 40
 CALLS_PER_EXAMPLE = 25
@@ -477,3 +477,5 @@ def test_a_tp_size_no_hello_can_carry_is_refused_when_made(tp_size: int) -> None
         RankWorker("/tmp/aiokv-rev276.sock", 0, tp_size, HALF, kv)
     with pytest.raises(ValueError, match="num_slots must be a positive int of at most"):
         TPCache(cfg, LAYOUT, tp_size=2, num_slots=2**63)
+    with pytest.raises(ValueError, match="tp_size must be at most 65535"):  # (2**63: it never returned)
+        RankGroup(LAYOUT, tp_size, "/aiokv-rev276", 8)
