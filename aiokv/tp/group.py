@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import cast
 
 from aiokv.layout import KVLayout, TPSlice
+from aiokv.paths import path_setting
 
 from . import endpoint as endpoint_module
 from .config import TPConfig
@@ -177,6 +178,10 @@ class RankGroup:
             raise ValueError(f"tp_size must be at most {MAX_TP_SIZE} (a rank's hello carries it in 16 bits), "
                              f"got {tp_size}")
         slices = [TPSlice.of(layout, rank, tp_size) for rank in range(tp_size)]
+        if config is not None and not isinstance(config, TPConfig):  # a dict was taken, or {} as the defaults
+            raise TypeError(f"config must be a TPConfig or None, got {type(config).__name__}")
+        if directory is not None:  # here: at start an int raised naming nothing, "" was the working directory
+            directory = path_setting(directory, "directory")
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)
                                       or not 0 < num_slots < 2**64):
             raise ValueError(f"num_slots must be a positive int or None, got {num_slots!r}")

@@ -479,3 +479,14 @@ def test_a_tp_size_no_hello_can_carry_is_refused_when_made(tp_size: int) -> None
         TPCache(cfg, LAYOUT, tp_size=2, num_slots=2**63)
     with pytest.raises(ValueError, match="tp_size must be at most 65535"):  # (2**63: it never returned)
         RankGroup(LAYOUT, tp_size, "/aiokv-rev276", 8)
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"config": {}}, "config must be a TPConfig"), ({"config": "x"}, "config must be a TPConfig"),
+    ({"directory": ""}, "directory is an empty path"), ({"directory": 3}, "directory must be a path"),
+])
+def test_a_rank_groups_config_and_directory_are_checked_when_it_is_made(kwargs: dict[str, Any], named: str) -> None:
+    # Before: config={} was taken as the defaults, "x" kept (AttributeError at the first use), and the
+    # directory failed at start naming nothing ("" the working directory).
+    with pytest.raises((TypeError, ValueError), match=named):
+        RankGroup(LAYOUT, 2, "/aiokv-rev276", 8, **kwargs)
