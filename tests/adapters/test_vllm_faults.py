@@ -410,7 +410,7 @@ def _aiokv_threads() -> set[threading.Thread]:
 
 @pytest.mark.parametrize(("options", "error", "match"), [
     ({"no_such_option": 1}, TypeError, "no_such_option"),
-    ({"disk_bytes": 0}, ValueError, "capacity_bytes must be positive"),
+    ({"disk_bytes": 0}, ValueError, "disk_bytes must be at least 1"),  # the option named (review 276)
     ({"disk_bytes": "1G"}, TypeError, "disk_bytes"),
     ({"queue_depth": -1}, ValueError, "queue_depth must be positive"),
     ({"disk_backend": "bogus"}, ValueError, "bogus"),
