@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -584,14 +585,7 @@ class LoadPath(ManagerBase):
         waits = _CALL_WAITS.get() or CommitWaits()  # the call's (see _promote_groups)
         reading = [keys[i] for i, _ in batch]
         waits.reading.update(reading)
-        for i, r in enumerate(outcomes):
-            if r.outcome is ReserveOutcome.PRESENT:
-                held = pool.table.acquire(keys[i])
-                if held is not None:
-                    got[i] = Promotion(held, read=False)
-            elif r.outcome is ReserveOutcome.PENDING:
-                # The call's waits stop together: one commit_wait_expired (reviews 117, 214).
-                landing[i] = asyncio.ensure_future(self._already_in(keys[i], r.outcome, waits, windowed))
+        tier = disk  # (narrowed: the closures below see a DiskTier)
         failed = len(keys)  # the first page whose read failed, when the pages past it are not worth reading
         cut = False  # an earlier group of the call cut this one (GroupStop): failed is -1
         read: asyncio.Future[list[bool]] | None = None  # the batch's read while the group awaits it
@@ -618,6 +612,32 @@ class LoadPath(ManagerBase):
                 read.cancel()  # its jobs still waiting for an I/O slot leave, those reading finish
             stop_past(-1)
 
+        def note(j: int, promoted: Promotion | NoPage) -> None:
+            # Page ``j``'s promotion missed: the work ends there (as a failed read of the batch).
+            nonlocal failed
+            if ((promoted is NoPage.MISS or promoted is NoPage.GONE) and j < failed
+                    and (windowed or not tier.contains(keys[j]))):
+                failed = j
+                stop_past(j)
+                stop.failed(offset + j)
+
+        async def noted(j: int, promotion: Callable[[], Awaitable[Promotion | NoPage]]) -> Promotion | NoPage:
+            # A page of landing, in a task of its own: its miss ends the work in the step it is
+            # known, not once the group gets to the page (in order): a later page's wait could
+            # read its page meanwhile. (A factory: a task cut before its first step never runs it.)
+            promoted = await promotion()
+            note(j, promoted)
+            return promoted
+
+        for i, r in enumerate(outcomes):
+            if r.outcome is ReserveOutcome.PRESENT:
+                held = pool.table.acquire(keys[i])
+                if held is not None:
+                    got[i] = Promotion(held, read=False)
+            elif r.outcome is ReserveOutcome.PENDING:
+                # The call's waits stop together: one commit_wait_expired (reviews 117, 214).
+                landing[i] = asyncio.ensure_future(
+                    noted(i, functools.partial(self._already_in, keys[i], r.outcome, waits, windowed)))
         stop.cuts[offset] = cut_here
         try:
             if batch:
@@ -644,7 +664,7 @@ class LoadPath(ManagerBase):
                                 for (i, _), ok, absent in zip(batch, oks, gone, strict=True)]
                     for (i, handle), ok, absent in zip(batch, oks, gone, strict=True):
                         got[i] = self._landed_or_gone(handle, ok, absent)
-                        if not ok and failed == len(keys) and (windowed or not disk.contains(keys[i])):
+                        if not ok and i < failed and (windowed or not disk.contains(keys[i])):
                             failed = i
                     if 0 <= failed < len(keys):
                         stop_past(failed)
@@ -670,7 +690,8 @@ class LoadPath(ManagerBase):
                         got[i] = missed
                     else:
                         # In a task of its own, as a wait: a cut ends it (a read under way settles).
-                        landing[i] = asyncio.ensure_future(self._promote(key, windowed, waits=waits))
+                        landing[i] = asyncio.ensure_future(
+                            noted(i, functools.partial(self._promote, key, windowed, waits=waits)))
                         singles.add(i)
                 if i in landing:
                     wait = landing[i]
@@ -688,7 +709,7 @@ class LoadPath(ManagerBase):
                     promoted = got[i]
                     if i in singles and promoted in (NoPage.MISS, NoPage.FULL, NoPage.GONE):
                         missed = NoPage.MISS if promoted is NoPage.GONE else promoted
-                if ((got[i] is NoPage.MISS or got[i] is NoPage.GONE) and failed == len(keys)
+                if ((got[i] is NoPage.MISS or got[i] is NoPage.GONE) and i < failed
                         and (windowed or not disk.contains(key))):
                     # A page brought in on its own (one another call gave up, read again here; one
                     # that found no room) that missed ends the work as a failed read of the batch:

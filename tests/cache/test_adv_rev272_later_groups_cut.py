@@ -167,3 +167,94 @@ async def test_a_later_groups_wait_for_another_calls_page_is_cut(tmp_path: Path)
         assert errors.get("disk_read_failed") == 2, errors  # page 1 (the load's), page 4 (the other call's)
     finally:
         await cache.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_waits_failed_read_cuts_the_later_waits_at_once(tmp_path: Path) -> None:
+    """One read group of 5 pages; pages 1 and 3 are reserved by someone else (the load's group waits
+    for them). Page 1 is given up: the group's wait reads it itself, which fails (EIO); page 3 is
+    given up in that very step. The wait for page 3 must be cut then, not read page 3 (before: the
+    group learned of page 1's miss only once it got to page 1, after its batch (held here until
+    the wait for page 3 ended), and the wait for page 3 read its page meanwhile, past the load's
+    failed read)."""
+    pages = 5
+    n = pages * T
+    tokens = prompt(2721, n)
+    source = make_kv(2721)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, source) as writer:
+        await writer.pool.wait_ready()
+        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
+        await writer.flush()
+
+    kv = torch.full_like(source, POISON)
+    cache = KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv)
+    await cache.start()
+    try:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        manager = cache._manager
+        keys = manager.keys(tokens)
+        table = cache.pool.table
+        first, second = (r.handle for r in cache.pool.reserve([keys[1], keys[3]]))
+        assert first is not None and second is not None
+        batches: list[list[int]] = []
+        singles: list[int] = []  # the load's reads of one page (its waits', once a page was given up)
+        waited: list[int] = []  # the load's waits for pages 1 and 3 that ended (cut, or returned)
+        batch_gate = asyncio.Event()
+        real_many, real_one, real_landed = disk.read_many, disk.read, manager._landed_or_gone
+        real_already_in = manager._already_in
+
+        def read_many(pages: Any, handles: Any) -> Coroutine[Any, Any, list[bool]]:
+            if LOADER.get():
+                batches.append([keys.index(k) for k in pages])
+
+            async def gated() -> list[bool]:
+                # The group learns of page 1 only after its batch: held until page 3's wait ended.
+                await batch_gate.wait()
+                oks: list[bool] = await real_many(pages, handles)
+                return oks
+
+            return gated()
+
+        async def already_in(key: PageKey, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await real_already_in(key, *args, **kwargs)
+            finally:
+                waited.append(keys.index(key))
+
+        def read(key: PageKey, handle: Any) -> Coroutine[Any, Any, bool]:
+            if LOADER.get():
+                singles.append(keys.index(key))
+            return real_one(key, handle)
+
+        def landed_or_gone(handle: Any, ok: bool, gone: bool) -> Any:
+            if LOADER.get() and handle.key == keys[1] and not ok:
+                table.abort(second)  # given up as the load learns its read of page 1 failed
+            return real_landed(handle, ok, gone)
+
+        disk.read_many = read_many  # type: ignore[method-assign]
+        disk.read = read  # type: ignore[method-assign]
+        manager._landed_or_gone = landed_or_gone  # type: ignore[method-assign]
+        manager._already_in = already_in  # type: ignore[method-assign]
+        _eio(cache, keys[1], every=True)
+        match = await cache.match(tokens)
+        assert match.pool_pages == 0 and match.disk_pages == pages
+        token = LOADER.set(True)
+        try:
+            load = asyncio.ensure_future(cache.load(match, torch.arange(n)))
+        finally:
+            LOADER.reset(token)
+        await until(lambda: bool(batches))  # the group reserved: it waits for pages 1 and 3
+        assert batches == [[0, 2, 4]]
+        table.abort(first)
+        await until(lambda: 3 in waited)  # cut (the fix), or it read page 3 (before)
+        batch_gate.set()
+        result = await load
+        assert result.tokens == T
+        await assert_quiescent(cache)
+        assert singles == [1], f"the load read pages {singles} on their own (page 1's read failed)"
+        assert torch.equal(kv[:, :T], source[:, :T])
+        assert bool((kv[:, T:n] == POISON).all())
+    finally:
+        await cache.aclose()
