@@ -592,19 +592,31 @@ def _probe_direct(state: Prepared) -> bool | None:
     Each name is opened in the descriptor of its own directory (a page file in the fan-out
     directory the scan opened), never by a path of two names: a fan-out directory swapped for a
     symlink since the scan would lead such an open outside the cache (``O_NOFOLLOW`` guards the
-    last name only). Reached in a read-only start without the lock file."""
+    last name only). Reached in a read-only start without the lock file.
+
+    Opened without ``O_DIRECT``, then set with ``F_SETFL`` once the file is known to be regular
+    (:mod:`.safefiles`' rule): the kernel refuses ``O_DIRECT`` on a FIFO or a directory with
+    ``EINVAL`` too, so a FIFO or directory planted under the name since the scan read as a file
+    system refusing ``O_DIRECT`` (review 278: a start configured ``direct_io=True`` refused)."""
     places = [(state.dir_fd, LOCK_NAME)]
     page = next((key for _mtime, key in state.found if state.fanout[key[0]] >= 0), None)
     if page is not None:
         places.append((state.fanout[page[0]], page.hex()))
     for dir_fd, name in places:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECT | OPEN_FLAGS, dir_fd=dir_fd)
+            fd = os.open(name, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue  # (a FIFO's F_SETFL takes O_DIRECT: its packet mode)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
             continue
-        os.close(fd)
+        finally:
+            os.close(fd)
         return True
     if state.read_only is not None:
         return None
