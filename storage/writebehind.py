@@ -148,19 +148,29 @@ class WriteBehind:
         self._workers = alive
 
     async def aclose(self, drain: bool) -> int:
-        """Write out (``drain``) or drop what is queued, then stop the workers; returns the count dropped."""
+        """Write out (``drain``) or drop what is queued, then stop the workers; returns the count dropped.
+
+        Puts waiting for room may still queue until the workers stop (each woken by a take, or
+        refused ``RuntimeError`` once stopped): what they queued is written or dropped too."""
         dropped = 0
-        if not drain:
-            while not self._queue.empty():
-                _key, handle = self._queue.get_nowait()
-                dropped += 1
-                self._release(handle)
-                self._queue.task_done()
-                self._wake_putter()
-        # Workers a loop-wide cancel ended (this close cut too, run again): new ones take their
-        # place, else the join waited for ever on what they left queued (reviews 205, 263).
-        await self.join()
-        self._stopped = True
+        while True:
+            if not drain:
+                while not self._queue.empty():
+                    _key, handle = self._queue.get_nowait()
+                    dropped += 1
+                    self._release(handle)
+                    self._queue.task_done()
+                    self._wake_putter()
+            # Workers a loop-wide cancel ended (this close cut too, run again): new ones take their
+            # place, else the join waited for ever on what they left queued (reviews 205, 263).
+            await self.join()
+            if not self._queue.qsize() and not self.writing:
+                break
+            # Review 278: the join was woken as the last page taken was done, but a put that
+            # page's take woke (its write needing no I/O: a page stored already, a read-only
+            # tier's refusal) ran first and queued its page; stopped now, that page stayed
+            # queued for good, its put returned and its reference never released.
+        self._stopped = True  # (in the step of the look: no put queues from here on)
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
