@@ -253,7 +253,7 @@ class CacheConfig:
 
     close_timeout: float = 30.0
     """Seconds ``aclose()`` waits for write-behind and background copies before giving up on them
-    (finite, as ``offload_wait`` and ``commit_wait``)."""
+    (finite, as ``offload_wait`` and ``commit_wait``, and more than 0: no close ends in no time)."""
 
     read_group_bytes: int = DEFAULT_READ_GROUP_BYTES
     """A load's or prefetch's disk pages are read in groups of about this many bytes (at least one
@@ -393,6 +393,11 @@ class CacheConfig:
             if name != "launch_turn_s" and value == math.inf:
                 # Waits are bounded (an infinite close_timeout failed the disk tier's close).
                 raise ValueError(f"CacheConfig.{name} must be a finite number of seconds, got {value}")
+            if name == "close_timeout" and value == 0:
+                # No close ends in no time: with 0 every aclose(), an idle cache's too, logged disk I/O
+                # stuck in the kernel and counted close_timeout (the vLLM tier refuses 0 likewise).
+                raise ValueError(f"CacheConfig.close_timeout must be > 0 seconds, got {value}: aclose() "
+                                 "waits that long for the disk tier's close")
 
 
 def _number(name: str, value: object) -> float:

@@ -134,6 +134,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            # Read for its extra config first: None raised AttributeError naming nothing.
+            raise TypeError(f"storage_config must be SGLang's HiCacheStorageConfig, "
+                            f"got {type(storage_config).__name__}")
         given = storage_config.extra_config
         if given is not None and not isinstance(given, Mapping):
             # dict() of it raised "dictionary update sequence element #0 ..." naming nothing.

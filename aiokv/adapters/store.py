@@ -144,8 +144,8 @@ class StoreConfig:
     of the directory, in a worker thread), made when a lookup misses a page whose file exists, and
     between two looks for such files (on the reader's one check thread)."""
     close_timeout: float = DEFAULT_CLOSE_TIMEOUT
-    """Seconds :meth:`PageFileStore.close` waits for disk I/O in flight; past it (writes hung in the
-    kernel: a frozen or hung file system) it returns, counted in ``close_timeouts``, and the staging
+    """Seconds (more than 0) :meth:`PageFileStore.close` waits for disk I/O in flight; past it (writes
+    hung in the kernel: a frozen or hung file system) it returns, counted in ``close_timeouts``, and the staging
     pool stays mapped (and the store's own thread runs) until that I/O ended. Also the bound of
     :meth:`PageFileStore.clear` (past it: False, counted in ``clear_timeouts``; the clear goes on)."""
 
@@ -183,6 +183,11 @@ class StoreConfig:
             if not 0 <= value <= threading.TIMEOUT_MAX:
                 raise ValueError(f"{name} must be finite, >= 0 and at most {threading.TIMEOUT_MAX:g} s, "
                                  f"got {getattr(self, name)!r}")
+        if self.close_timeout == 0:
+            # No close ends in no time: with 0 every close(), an idle store's too, logged disk I/O stuck
+            # in the kernel and counted close_timeouts (and the vLLM tier's shutdown always raised).
+            raise ValueError("close_timeout must be > 0 seconds, got 0: close() waits that long for the disk "
+                             "tier's close")
 
     @property
     def pages_in_staging(self) -> int:
@@ -208,6 +213,9 @@ class StoreConfig:
         # Named as the option (a NUL, a lone surrogate or a path-like giving bytes were refused as
         # "directory", or by pathlib naming nothing, or at the store's open).
         directory = path_setting(disk_dir, "disk_dir") if disk_dir is not None else default_disk_dir()
+        if str(directory) == ".":
+            # The working directory (".", "./"): refused by the field too, named here as the option.
+            raise ValueError(f"disk_dir must not be the working directory, got {disk_dir!r}")
         backend = options.get("disk_backend", DiskBackend.AUTO.value)
         if not isinstance(backend, str):
             raise TypeError(f"disk_backend must be a str, got {type(backend).__name__}")

@@ -75,7 +75,9 @@ SWEEP_WINDOW = 32
 """Pages in a row still on disk after which the search for evicted pages stops (KV events)."""
 
 _PREFIX = "vllm:kv_offload_aiokv_"
-# Counters: the disk tier's statistics field each one follows (vLLM gets the increase per call).
+# Counters: the disk tier's statistics field each one follows (vLLM gets the increase per call). A chosen
+# few of DiskStatistics' counters, not a mirror: the store writes through, never behind (its
+# write_behind_* counters stay 0).
 _COUNTERS = {
     "corrupt_pages": ("corrupt", "Page files that failed verification on read (the load missed; deleted, "
                                  "or kept by a read-only tier, e.g. a reader of another writer's directory)."),
@@ -161,12 +163,8 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             options["disk_dir"] = disk_dir
         if disk_bytes is not None:
             options["disk_bytes"] = disk_bytes
+        # close_timeout=0 is refused there (with 0 every shutdown raised, the tier never closed).
         config = StoreConfig.from_options(options)
-        if config.close_timeout == 0:
-            # shutdown() waits close_timeout for the loop thread to confirm that no transfer is in
-            # flight: with 0 it never could, and every shutdown raised (the tier never closed).
-            raise ValueError("close_timeout must be > 0 for the vLLM tier: shutdown waits that long for transfers "
-                             "in flight (with 0 every shutdown raised, the tier never closed)")
         if locality is not None:
             from vllm.v1.kv_offload.base import Locality
 
