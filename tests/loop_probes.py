@@ -92,13 +92,20 @@ async def cancel_within(tasks: Collection[asyncio.Task[Any]], timeout_s: float) 
     return stuck
 
 
-async def cancel_every_task_but(*spared: asyncio.Task[Any] | None, timeout_s: float = 10.0) -> int:
-    """Cancel every other task of the loop (those of the code under test included), as an
-    application's SIGTERM handler does, and wait up to ``timeout_s`` until they ended
-    (``AssertionError`` naming those still running); returns how many were cancelled."""
+def cancel_every_task_but_nowait(*spared: asyncio.Task[Any] | None) -> list[asyncio.Task[Any]]:
+    """Cancel every other task of the loop that is not done (those of the code under test included),
+    as an application's SIGTERM handler does, in this step (none of them runs before the caller's
+    next await); returns them."""
     cut = [task for task in asyncio.all_tasks() if task not in spared and not task.done()]
     for task in cut:
         task.cancel()
+    return cut
+
+
+async def cancel_every_task_but(*spared: asyncio.Task[Any] | None, timeout_s: float = 10.0) -> int:
+    """As :func:`cancel_every_task_but_nowait`, then wait up to ``timeout_s`` until they ended
+    (``AssertionError`` naming those still running); returns how many were cancelled."""
+    cut = cancel_every_task_but_nowait(*spared)
     if cut:
         _done, pending = await asyncio.wait(cut, timeout=timeout_s)
         assert not pending, pending

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_helpers import LAYOUT, config, make_kv
-from loop_probes import until, until_thread, waiting_in
+from loop_probes import cancel_every_task_but_nowait, until, until_thread, waiting_in
 from test_cache_lifetime import _directory_is_free, _hold_rates_writes
 
 from aiokv import DiskBackend, KVCache
@@ -33,14 +33,6 @@ from test_adv_cache_fs import LAYOUT as FS_LAYOUT
 from test_adv_cache_fs import SLOTS, cache_config, offload_all, prompts
 
 BOUND_S = 30.0
-
-
-def _cancel_every_task_but_mine() -> None:
-    """The application's SIGTERM handler."""
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
 
 
 def _aiokv_threads() -> list[str]:
@@ -56,7 +48,7 @@ async def _cut_then_close_again(cache: KVCache, held: asyncio.Future[None], let_
     closing = asyncio.ensure_future(cache.aclose())
     async with asyncio.timeout(BOUND_S):
         await held
-    _cancel_every_task_but_mine()
+    cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
     await asyncio.wait({closing})
     again = asyncio.ensure_future(cache.aclose())
     await asyncio.wait({again}, timeout=0.5)  # bounded: it waits for the held step

@@ -33,7 +33,7 @@ import xxhash
 from cache_helpers import DEVICE, LAYOUT, assert_quiescent, config
 from cancel_points import most_attempts, pause
 from load_gate import LoadGate
-from loop_probes import until_thread
+from loop_probes import cancel_every_task_but_nowait, until_thread
 
 from aiokv import KVCache
 from aiokv.kernels.hostcopy import HostGather, HostScatter
@@ -86,16 +86,6 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
 
     monkeypatch.setattr(HostScatter, "load", slowed(HostScatter.load))
     monkeypatch.setattr(HostGather, "offload", slowed(HostGather.offload))
-
-
-def cancel_every_task_but_mine() -> int:
-    me = asyncio.current_task()
-    cut = 0
-    for task in asyncio.all_tasks():
-        if task is not me and not task.done():
-            task.cancel()
-            cut += 1
-    return cut
 
 
 class Scene:
@@ -225,13 +215,13 @@ async def test_a_loop_wide_cancel_mid_calls_leaves_no_copy_running_and_no_wrong_
             }
             wait = await pause(attempt, DENSE)
             where = f"seed {seed} attempt {attempt} (cancel after {wait})"
-            cancel_every_task_but_mine()
+            cancel_every_task_but_nowait(asyncio.current_task())
             for cut in range(1, cuts):
                 # SIGTERM again: the cut calls' and the cache's clean-ups (waits through
                 # cancellation, quiesces) cut in their turn, a few turns later.
                 for _ in range((attempt + cut) % 4):
                     await asyncio.sleep(0)
-                cancel_every_task_but_mine()
+                cancel_every_task_but_nowait(asyncio.current_task())
             async with asyncio.timeout(BOUND_S):
                 ends = await asyncio.gather(*calls.values(), return_exceptions=True)
             for name, end in zip(calls, ends, strict=True):
@@ -293,7 +283,7 @@ async def test_a_prefetch_cut_by_a_loop_wide_cancel_leaves_no_unread_error_nor_r
         try:
             task = asyncio.ensure_future(cache.prefetch(tokens, salt="x"))
             await until_thread(lambda: len(gate.held) > 0, "the prefetch's held reads")
-            cancel_every_task_but_mine()
+            cancel_every_task_but_nowait(asyncio.current_task())
             with pytest.raises(asyncio.CancelledError):
                 async with asyncio.timeout(BOUND_S):
                     await asyncio.shield(task)

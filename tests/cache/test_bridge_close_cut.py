@@ -16,19 +16,11 @@ import threading
 
 import pytest
 from cache_helpers import LAYOUT, config, make_kv
-from loop_probes import until_thread, waiting_in
+from loop_probes import cancel_every_task_but_nowait, until_thread, waiting_in
 
 from aiokv import KVCache
 
 BOUND_S = 30.0
-
-
-def _cancel_every_task_but_mine() -> None:
-    """The application's SIGTERM handler."""
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
 
 
 def _threads_named(name: str) -> bool:
@@ -48,7 +40,7 @@ async def test_a_cut_close_frees_the_pool_after_the_copy_thread_ended() -> None:
         closing = asyncio.ensure_future(cache.aclose())
         await until_thread(lambda: _threads_named("aiokv-bridge-close"), "the close joining the bridge", BOUND_S)
         first = cache._close_task
-        _cancel_every_task_but_mine()
+        cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
         await asyncio.wait({closing})
         again = asyncio.ensure_future(cache.aclose())
         # Either the close ran anew up to freeing the pool (the defect), or it waits for the same join.

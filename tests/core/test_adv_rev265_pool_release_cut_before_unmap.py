@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from loop_probes import until, until_thread, waiting_in
+from loop_probes import cancel_every_task_but_nowait, until, until_thread, waiting_in
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -62,13 +62,6 @@ async def _start_aclose(pool: PagePool, where: str) -> asyncio.Future[None]:
     return first
 
 
-def _cancel_every_task_but_mine() -> None:
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("where", ["first step", "chunk wait"])
 async def test_a_loop_ending_under_a_release_still_frees_the_segment(gate: threading.Event, where: str) -> None:
@@ -97,7 +90,7 @@ async def test_a_loop_wide_cancel_of_a_release_still_frees_the_segment(gate: thr
     first = await _start_aclose(pool, where)
     release = pool._closing
     assert release is not None
-    _cancel_every_task_but_mine()
+    cancel_every_task_but_nowait(asyncio.current_task())
     await asyncio.wait({first, release})
     assert first.cancelled() and release.cancelled()
     gate.set()
