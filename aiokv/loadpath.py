@@ -723,6 +723,9 @@ class LoadPath(ManagerBase):
                 if i in singles:
                     wait.cancel()  # its read settles when it ends (as when it was awaited here)
                 self._adopt(wait)  # its reference, once it has one, is dropped
+            # Adopted once: a wait still running whose miss is noted later (note, stop_past) must
+            # not adopt the others again (one owner each; a second release is skipped, not relied on).
+            landing.clear()
             self._release_handles([p.handle for p in got if isinstance(p, Promotion)])
             raise
         finally:

@@ -258,3 +258,55 @@ async def test_a_waits_failed_read_cuts_the_later_waits_at_once(tmp_path: Path) 
         assert bool((kv[:, T:n] == POISON).all())
     finally:
         await cache.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_groups_late_miss_leaves_the_cache_quiescent(tmp_path: Path) -> None:
+    """A read group cancelled while it waits for pages 1 and 3 (reserved elsewhere) adopts both
+    waits. Page 3 then lands (its wait's reference is dropped), page 1 is given up and the wait's
+    own read of it fails (EIO), noted after the group ended (it cuts nothing of the group's any
+    more): every reference and reservation comes back, no exception is left in the loop. (Passes
+    without the group's ``landing.clear()`` too: a second release of page 3 is skipped.)"""
+    pages = 4
+    n = pages * T
+    tokens = prompt(2722, n)
+    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, make_kv(2722)) as writer:
+        await writer.pool.wait_ready()
+        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
+        await writer.flush()
+
+    cache = KVCache(config(tmp_path, pool_pages=16), LAYOUT, make_kv(0))
+    await cache.start()
+    try:
+        await cache.pool.wait_ready()
+        disk = cache.disk
+        assert disk is not None
+        manager = cache._manager
+        keys = manager.keys(tokens)
+        table = cache.pool.table
+        first, second = (r.handle for r in cache.pool.reserve([keys[1], keys[3]]))
+        assert first is not None and second is not None
+        gate = asyncio.Event()
+        real_many = disk.read_many
+
+        def read_many(pages: Any, handles: Any) -> Coroutine[Any, Any, list[bool]]:
+            async def gated() -> list[bool]:
+                await gate.wait()
+                oks: list[bool] = await real_many(pages, handles)
+                return oks
+
+            return gated()
+
+        disk.read_many = read_many  # type: ignore[method-assign]
+        _eio(cache, keys[1], every=True)
+        (group,) = manager._promote_groups(keys, windowed=True)
+        await until(lambda: cache.stats().pool_reserved == 4)  # pages 0 and 2 reserved: the batch waits
+        group.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+        table.commit(second)  # page 3 lands: its wait's reference is dropped
+        table.abort(first)  # page 1 given up: its wait reads it itself, which fails
+        gate.set()
+        await assert_quiescent(cache)
+    finally:
+        await cache.aclose()
