@@ -24,6 +24,10 @@ comes once the C function returned). So the clause's first call hands the cleanu
 
 The caller still waits for its end (it raises what the cleanup raised); an interrupt in that wait leaves
 it running to its end. No signal's handler runs on the cleanup's thread.
+
+An ``Aside`` runs ``fn`` once however often it is started or run: one made ahead (a ``close()`` of its
+owner's, made at construction) lets that call's first call hand the close over, with no Python code (no
+such point) before it; a later call's start only waits for that one run.
 """
 
 from __future__ import annotations
@@ -42,21 +46,30 @@ class Aside:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None  # fn's, once the bare thread made it
+        self._claimed = threading.Lock()  # held by the one start or run that runs fn
 
     def start(self) -> None:
         """The bare thread's target (``_thread.start_new_thread(aside.start, ())``): ``fn`` on a named
         thread, one that ``threading`` knows (``fn`` may join threads, which looks the current thread up:
-        on a bare thread that registers a dummy thread for good), or here when none may start."""
+        on a bare thread that registers a dummy thread for good), or here when none may start. Nothing
+        when ``fn`` ran or runs already (started or run before)."""
+        if not self._claimed.acquire(blocking=False):
+            return
         # Kept before its start: fn's end (which the caller's wait looks for) comes after it.
-        self._thread = threading.Thread(target=self.run, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=self._run_claimed, name=self._name, daemon=True)
         try:
             self._thread.start()
         except BaseException:  # refused (a pids limit; interpreter shutdown): nothing runs fn yet
             self._thread = None
-            self.run()
+            self._run_claimed()
 
     def run(self) -> None:
-        """Run ``fn`` on this thread (the caller's way when no thread may start), keeping what it raised."""
+        """Run ``fn`` on this thread (the caller's way when no thread may start), keeping what it raised;
+        nothing when it ran or runs already."""
+        if self._claimed.acquire(blocking=False):
+            self._run_claimed()
+
+    def _run_claimed(self) -> None:
         try:
             self._fn()
         except BaseException as exc:
@@ -64,9 +77,15 @@ class Aside:
         finally:
             self._done.set()
 
+    def ended(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``fn``'s end; True once it ended (what it raised is kept
+        for :meth:`wait`)."""
+        return self._done.wait(timeout)
+
     def wait(self) -> None:
         """Wait for ``fn``'s end, and its thread's, without a bound (from any thread but its own); raise
-        what it raised. The thread is joined: one counted as alive as it ended looked leaked."""
+        what it raised (to the first wait after its end). The thread is joined: one counted as alive as it
+        ended looked leaked."""
         self._done.wait()
         thread = self._thread
         if thread is not None:

@@ -561,6 +561,13 @@ class LoopThread:
             return exc
         return None
 
+    def _ask_stop(self) -> None:
+        """Ask the loop to stop (from any thread but its own)."""
+        try:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        except RuntimeError:  # closed: it ended (or died) meanwhile
+            pass
+
     def close(self) -> None:
         """Stop the loop and join the thread (the first call; a later one asks for the stop again and
         returns). Idempotent; tasks still pending are cancelled and posted work never picked up is
@@ -576,11 +583,14 @@ class LoopThread:
         if self.died is None:  # a dying loop ends by itself (a stop would cut its finalizers short)
             # At each call: one interrupted (a KeyboardInterrupt from a signal handler) before its stop
             # left the loop running for good, counted as closed. A stop more only turns the loop once
-            # more (the end's runs go on after it).
+            # more (the end's runs go on after it). Asked by a bare thread, handed it by the first call
+            # after the mark (C code: no signal's handler runs before it; see aside.py): asked here, an
+            # interrupt at the entry of call_soon_threadsafe (Ctrl-C once, at a close made once) left it
+            # running for good.
             try:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-            except RuntimeError:  # closed: it ended (or died) meanwhile
-                pass
+                _thread.start_new_thread(self._ask_stop, ())
+            except RuntimeError:  # no thread may start (a pids limit): here
+                self._ask_stop()
         if first:
             self._thread.join()
         self._drop_inbox()

@@ -159,6 +159,8 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self._weight_at_open = 0
         self._opening = threading.Lock()  # SGLang's prefetch and backup threads may both open it
         self._closed = False
+        # Made here: close()'s first call hands it over (no Python code, where an interrupt lands, before it).
+        self._closing = Aside(self._close_all, "aiokv-sglang-close")
         self.closed_misses = 0
         """Calls answered as misses because the backend was closed before or during them."""
 
@@ -559,44 +561,35 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         return all(d is True for d in done)
 
     def close(self) -> None:
-        """Wait for I/O in flight and close every pool's files and the loop thread. Idempotent."""
-        with self._opening:
-            self._closed = True
-            self._close_pools()
+        """Wait for I/O in flight and close every pool's files and the loop thread. Idempotent (a later
+        call waits for the first one's close to end).
 
-    def _close_pools(self) -> None:
-        """Close every pool's store, then stop their loop thread, on a thread of its own that this
-        one waits for: an interrupt of this thread (a ``KeyboardInterrupt`` from a signal handler,
-        Ctrl-C at shutdown) is raised at once and the close goes on to its end. Run here, the
-        interrupt left the stores after the one closing unclosed and stopped the loop under that
-        close (after ``close_timeout``): their disk tiers open for good (threads, ring, lock), their
-        staging pools mapped. Where no thread may start (a pids limit), closed on this thread."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def close_all() -> None:
-            try:
-                self._close_pools_here()
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-
+        The close runs on a thread of its own (``aiokv-sglang-close``), handed over by this method's first
+        call (C code: no signal's handler runs before it, see aside.py) and waited for: an interrupt of
+        this thread (a ``KeyboardInterrupt`` from a signal handler, Ctrl-C at shutdown) is raised at once
+        and the close goes on to its end. Run here, the interrupt left the stores after the one closing
+        unclosed and stopped the loop under that close; landing after the close was marked begun and
+        before its thread started (the entry of a function of its own making it), it skipped the whole
+        close, which SGLang makes once: the disk tiers open for good (threads, ring, directory lock),
+        their staging pools mapped, the loop thread running. Where no thread may start (a pids limit),
+        closed on this thread (logged)."""
         try:
-            threading.Thread(target=close_all, name="aiokv-sglang-close", daemon=True).start()
+            _thread.start_new_thread(self._closing.start, ())
         except RuntimeError as exc:
             # No thread may start (a pids limit; Python 3.12+ at interpreter shutdown): closed here, an
             # interrupt of this thread then cutting the close short. Raised, nothing was closed: the disk
             # tiers open for good, the staging pools mapped, the loop thread running.
             log.error("aiokv backend: no thread could start to close the pools (%s); closing them on the "
                       "calling thread", exc)
+            self._closing.run()
+        self._closing.wait()  # an interrupt here leaves it running to its end
+
+    def _close_all(self) -> None:
+        """close()'s work, on its thread (see :meth:`close`): marked closed, under the opening lock (an
+        open running on another thread ends first), then every pool closed."""
+        with self._opening:
+            self._closed = True
             self._close_pools_here()
-            return
-        try:
-            done.result()
-        except BaseException:
-            if not done.done():  # this thread's own interrupt: the close goes on, its failure logged
-                done.add_done_callback(_log_close_failure)
-            raise
 
     def _close_pools_here(self) -> None:
         stores = list(self._stores)
@@ -729,13 +722,6 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 if hit:
                     move.host.set_from_flat_data_page(index, page[0])
         return results
-
-
-def _log_close_failure(done: concurrent.futures.Future[None]) -> None:
-    """Log how a close whose caller was interrupted failed (nobody else hears of it)."""
-    error = done.exception()
-    if error is not None:
-        log.error("aiokv backend: closing the pools failed after close() was interrupted", exc_info=error)
 
 
 def _busy(thread: LoopThread) -> bool:

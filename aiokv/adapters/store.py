@@ -1011,17 +1011,21 @@ class PageFileStore:
             pass  # the dying thread closed them (finalizer)
         finally:
             if self._closed:
+                # The engine's memory is its own again, by this clause's first call (C code: no signal's
+                # handler runs before it; see aside.py). Let go in _after_close, an interrupt at its entry
+                # (Ctrl-C once, as the close ended) left the store holding views of it for good: vLLM's
+                # region exported (never unmapped) by a store nobody closes again.
+                self._regions.clear()
                 self._after_close(closing, handed, deadline)
 
     def _after_close(self, closing: concurrent.futures.Future[asyncio.Future[None] | None], handed: bool,
                      deadline: float) -> None:
         """close()'s ending, however its caller was cut short: the hand-over made again if it was not
-        made, the engine's memory let go, the reader's check joined, the store's own thread waited for."""
+        made, the reader's check joined, the store's own thread waited for (the engine's memory was let go)."""
         if not handed and not closing.done():
             # Interrupted before or in the hand-over: made again (the loop runs the close once).
             with contextlib.suppress(RuntimeError):  # the loop closed or died: the future says so
                 self._hand_over(closing)
-        self._regions.clear()  # the engine's memory is its own again
         # Its layout directory descriptor closed; a look stuck in the kernel (a hung file
         # system) is not waited for past the bound: it only looks, and ends by itself.
         if self._check is not None and not self._check.join(max(0.0, deadline - time.monotonic())):

@@ -206,6 +206,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         self._unreported: set[int] = set()
         self._shut = False
         self._released = False  # the view of vLLM's region let go (shutdown)
+        self._closing: Aside | None = None  # shutdown()'s close of the store, once handed over
         self._dead = False  # the loop thread died and every job it held is answered for
         # Metrics: the loop leaves a statistics snapshot here when asked (get_stats, one step behind).
         self._snapshots: collections.deque[DiskStatistics] = collections.deque()
@@ -487,9 +488,22 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         use the region (its registration with io_uring) until it ended: the region is let go then.
         A later call waits ``close_timeout`` at most for that end (``RuntimeError`` holding on to
         the region after it) and lets go of it; it closes the disk tier first when the interrupt came
-        before that close began or reached the tier's loop (the region is held until then)."""
+        before that close began or reached the tier's loop (the region is held until then).
+
+        The store's close and the region's release run on a thread of their own, handed over by the first
+        call after this tier is marked shut (C code: no signal's handler runs before it; see aside.py), and
+        waited for: an interrupt landing at the entry of the store's ``close()`` (made here) left no close
+        begun, the disk tier open for good (threads, ring, directory lock) and the region exported unless
+        vLLM called shutdown() again."""
         if self._shut:
             if not self._released:
+                # The first call's close, its caller interrupted, goes on on its thread: its end first
+                # (close() made meanwhile on this thread might begin a second close of the store). Made
+                # here if it never began (no thread could start, and an interrupt landed before it ran).
+                if self._closing is not None:
+                    self._closing.run()  # returns at once once begun
+                    if not self._closing.ended(self._store.config.close_timeout):
+                        raise self._still_moving("the disk tier's close, its caller interrupted, is still running")
                 # A shutdown interrupted in or after the store's close: finish it (and close the store if
                 # the interrupt came before its close began or was handed over to its loop: at once otherwise).
                 self._store.close()
@@ -509,12 +523,22 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             if not thread.wait_ended(bound):
                 raise self._still_moving("the loop thread that died is still cancelling transfers of vLLM's region")
             self._reap(wait=True)  # answers for its jobs
+        closing = self._closing = Aside(self._close_store, "aiokv-vllm-close")  # made before the mark
         self._shut = True
+        try:
+            _thread.start_new_thread(closing.start, ())
+        except RuntimeError:  # no thread may start (a pids limit): made here, exposed as before
+            closing.run()
+        closing.wait()  # an interrupt here leaves it running to its end
+
+    def _close_store(self) -> None:
+        """shutdown()'s close of the store, then its release of vLLM's region (on a thread of its own,
+        or inline where none may start)."""
         try:
             self._store.close()
         except BaseException:
-            # Interrupted (the close goes on on the loop), or the close failed (it ended): the
-            # region is the tier's until its close ended; let go of it then, this call or not.
+            # Interrupted (made inline: the close goes on on the loop), or the close failed (it ended):
+            # the region is the tier's until its close ended; let go of it then, this call or not.
             self._store.when_closed(self._let_go)
             raise
         self._let_go()

@@ -175,3 +175,53 @@ def frozen_write_then_interrupt(held: dict[str, Any], freeze_fs: Callable[[], No
         return disk
 
     return start_disk
+
+
+def refuse_thread(fn: Callable[..., object], args: tuple[Any, ...]) -> int:
+    """A ``_thread.start_new_thread`` refusing as the kernel does at a pids limit: for a module's
+    ``_thread`` (``types.SimpleNamespace(start_new_thread=refuse_thread)``), whose hand-over to a thread
+    of its own then makes the work on the calling thread."""
+    raise RuntimeError("can't start new thread")
+
+
+# -- one interrupt at the first point after a mark where a signal's handler runs --------------------
+
+
+@contextlib.contextmanager
+def interrupt_at_first_call_after(code: types.CodeType, marked: Callable[[types.FrameType], bool]
+                                  ) -> Iterator[list[str]]:
+    """Trace this (the main) thread (``sys.settrace``: call and line events, no opcode events) and send it
+    ``SIGUSR1`` (its handler raising :class:`Interrupted`) once, at the entry of the first Python function
+    called after a frame running ``code`` showed ``marked(frame)`` (checked at its call and line events):
+    a function's entry is a point where a signal's handler runs, the first one after the mark where a
+    Ctrl-C could land. Yields the names of the functions so entered (one, once sent)."""
+    main = threading.get_ident()
+    sent: list[str] = []
+    armed = False
+
+    def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+        nonlocal armed
+        if event == "line" and not sent and marked(frame):
+            armed = True
+        return local
+
+    def calls(frame: types.FrameType, event: str, arg: Any) -> Any:
+        nonlocal armed
+        if armed:
+            armed = False
+            sent.append(frame.f_code.co_qualname)
+            signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here, at this function's entry
+            return None
+        if frame.f_code is code:
+            if not sent and marked(frame):
+                armed = True
+            return local
+        return None
+
+    previous, tracing = signal.signal(signal.SIGUSR1, raise_interrupted), sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield sent
+    finally:
+        sys.settrace(tracing)
+        signal.signal(signal.SIGUSR1, previous)

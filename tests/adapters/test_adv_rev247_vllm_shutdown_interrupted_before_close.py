@@ -5,7 +5,9 @@ The tier asked the store to call back once its close ended (review 246), and the
 running, called at once: the tier let go of vLLM's region with the disk tier still open (its ring
 with the region registered, its loop and threads running), and a second ``shutdown()`` returned at
 once: the disk tier was never closed. Now the callback waits for a close to end, and a second
-``shutdown()`` closes the store, then lets go of the region.
+``shutdown()`` closes the store, then lets go of the region. Since helper 279 the store's close runs on
+a thread of its own that ``shutdown()`` hands it to: the interrupt lands in the wait for it, the close
+held on that thread, and the second ``shutdown()`` waits for its end.
 
 The interrupt is real (a signal to the thread in ``shutdown()``, its handler raising); the test
 chooses its moment: the store's ``close()`` waits on an event before it runs.
@@ -70,7 +72,8 @@ def test_an_interrupt_before_the_stores_close_began_holds_the_region_until_a_shu
         assert not tier_closed(disk) and thread._thread.is_alive()
         assert not released(tier._bytes_view), "let go of the region before the disk tier's close began"
         assert not unmaps(region)
-        tier.shutdown()  # closes the store now, then lets go
+        held.set()  # since helper 279 the close goes on on a thread of its own: now it begins
+        tier.shutdown()  # waits for that close (before: closed the store now), then lets go
         assert tier_closed(disk), "the disk tier was never closed"
         assert unmaps(region), "the region is still exported after a second shutdown"
         thread._thread.join(BOUND_S)

@@ -14,6 +14,8 @@ close's future, arranged when it is made.
 The interrupts are real (a signal to the thread in ``shutdown()``, its handler raising); the test
 chooses their moments: the hand-over (``LoopThread.submit``) waits on an event before (or for the
 second, after) it schedules.
+Since helper 279 ``shutdown()`` closes the store on a thread of its own, which no interrupt reaches: the
+test has it close the store on vLLM's thread, as where no thread may start (a pids limit).
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ import mmap
 import signal
 import threading
 import time
+import types
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import Interrupted, raise_interrupted, released, tier_closed, unmaps, wait_for
+from store_helpers import Interrupted, raise_interrupted, refuse_thread, released, tier_closed, unmaps, wait_for
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec",
                     reason="vLLM is not installed (make test installs requirements-engines.txt)")
 
 from vllm_helpers import CHUNK_BYTES, offloading_spec
 
+import aiokv.adapters.vllm as vllm_module
 from aiokv.adapters.vllm import AiokvTier
 
 BOUND_S = 30.0
@@ -87,6 +91,9 @@ def test_a_second_interrupt_in_the_remade_hand_over_still_closes_the_disk_tier_a
         return real(coro)
 
     monkeypatch.setattr(thread, "submit", submit)
+    # Since helper 279 shutdown() closes the store on a thread of its own, which no interrupt reaches: made
+    # on vLLM's thread here, as where no thread may start (a pids limit), the case this test is about.
+    monkeypatch.setattr(vllm_module, "_thread", types.SimpleNamespace(start_new_thread=refuse_thread))
 
     def interrupter() -> None:
         for _ in range(2):

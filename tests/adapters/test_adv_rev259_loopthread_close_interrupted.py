@@ -4,7 +4,10 @@ again after the interrupt: ``PageFileStore``'s constructor) returned at once, th
 good. Each ``close()`` now asks for the stop.
 
 The interrupt is real (a signal to the closing thread, its handler raising); the test chooses its
-moment: the hand-over of the stop waits until the signal was handled, before it is made.
+moment: the hand-over of the stop waits until the signal was handled, before it is made. Since helper
+279 the stop is asked by a bare thread (see test_adv_rev279_loopthread_close_interrupted_once.py) and is
+asked on the closing thread only where no thread may start (a pids limit): that refusal is what
+``_thread.start_new_thread`` answers here.
 """
 
 from __future__ import annotations
@@ -12,20 +15,28 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from store_helpers import Interrupted, raise_interrupted
 
+from aiokv.adapters import loopthread
 from aiokv.adapters.loopthread import LoopThread
 
 BOUND_S = 30.0
 
 
-def test_a_close_made_again_after_an_interrupt_before_the_stop_stops_the_loop() -> None:
+def test_a_close_made_again_after_an_interrupt_before_the_stop_stops_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread only")
+
+    def refused(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(loopthread, "_thread", types.SimpleNamespace(start_new_thread=refused))
     main = threading.get_ident()
     thread = LoopThread("test-rev259-close")
     loop = thread.loop
