@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import LAYOUT, assert_quiescent, config, make_kv, prompt
-from loop_probes import cancel_every_task_but_nowait
+from loop_probes import cancel_every_task_but_nowait, until_thread
 from test_failed_copy_stops_work import _eio
 
 from aiokv import KVCache
@@ -64,7 +64,12 @@ async def test_pages_a_cut_load_gave_up_are_served_to_the_load_and_prefetch_wait
         _eio(cache, cache._manager.keys(tokens)[failed], every=False)
         ma, mb = await cache.match(tokens), await cache.match(tokens)
         assert ma.disk_pages == mb.disk_pages == PAGES
+        free = cache.stats().pool_free
         a = asyncio.ensure_future(cache.load(ma, torch.arange(N)))
+        # B and the prefetch only once A's groups hold every page (or A ended: a cut at page 0):
+        # on CUDA a load may yield before it reserves (its stream's ordering), and B or the
+        # prefetch then read the failing page first (the GPU run failed so: A served all 32).
+        await until_thread(lambda: cache.stats().pool_free <= free - PAGES or a.done(), "A holds every page")
         b = asyncio.ensure_future(cache.load(mb, torch.arange(N, 2 * N)))
         f = asyncio.ensure_future(cache.prefetch(tokens))
         ra, rb, _ = await asyncio.gather(a, b, f)

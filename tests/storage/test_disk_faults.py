@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -333,15 +334,23 @@ def tmpfs_dir() -> Iterator[Path]:
 async def test_buffered_io_where_o_direct_is_refused(tmpfs_dir: Path, backend: DiskBackend, layout: KVLayout,
                                                      pool: PagePool, monkeypatch: pytest.MonkeyPatch) -> None:
     # tmpfs refused O_DIRECT before Linux 6.6; newer kernels accept it, so the refusal is injected
-    # at the probe (the same EINVAL answer an old tmpfs gives).
-    real_open = os.open
+    # where an old tmpfs gives it, EINVAL: at an open asking for it and at an F_SETFL adding it
+    # (the start's probe opens an existing file without it, then sets it once the file is known
+    # regular: 0058ff5; an open-only injection no longer reached it).
+    real_open, real_fcntl = os.open, fcntl.fcntl
 
     def refuse_direct(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "O_DIRECT refused (injected)")
         return real_open(path, flags, mode, dir_fd=dir_fd)
 
+    def refuse_setfl(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused (injected)")
+        return real_fcntl(fd, cmd, arg)
+
     monkeypatch.setattr(backends_mod.os, "open", refuse_direct)
+    monkeypatch.setattr(fcntl, "fcntl", refuse_setfl)
     async with DiskTier(config(tmpfs_dir, backend), layout, pool) as tier:
         stats = tier.statistics()
         assert not stats.direct_io
