@@ -43,6 +43,14 @@ def _config(tmp_path: Path) -> Any:
     return dataclasses.replace(cfg, disk=dataclasses.replace(cfg.disk, queue_depth=GROUP))
 
 
+async def _on_disk(cfg: Any, tokens: list[int], source: torch.Tensor) -> None:
+    """Offload ``tokens`` (their K/V in ``source``'s first slots) into the disk tier of ``cfg``, flushed."""
+    async with KVCache(cfg, LAYOUT, source) as writer:
+        await writer.pool.wait_ready()
+        assert (await writer.offload(tokens, torch.arange(len(tokens)))).stored == len(tokens) // T
+        await writer.flush()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("failed", [0, 1])
 async def test_a_failed_read_in_the_first_group_starts_no_read_in_the_later_groups(
@@ -53,10 +61,7 @@ async def test_a_failed_read_in_the_first_group_starts_no_read_in_the_later_grou
     groups' pages are never read (before: all of them were), and every pool page comes back."""
     tokens = prompt(272, N)
     source = make_kv(272)
-    async with KVCache(_config(tmp_path), LAYOUT, source) as writer:
-        await writer.pool.wait_ready()
-        assert (await writer.offload(tokens, torch.arange(N))).stored == PAGES
-        await writer.flush()
+    await _on_disk(_config(tmp_path), tokens, source)
 
     kv = torch.full_like(source, POISON)
     cache = KVCache(_config(tmp_path), LAYOUT, kv)
@@ -113,10 +118,7 @@ async def test_a_later_groups_wait_for_another_calls_page_is_cut(tmp_path: Path)
     n = pages * T
     tokens = prompt(2720, n)
     source = make_kv(2720)
-    async with KVCache(_config(tmp_path), LAYOUT, source) as writer:
-        await writer.pool.wait_ready()
-        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
-        await writer.flush()
+    await _on_disk(_config(tmp_path), tokens, source)
 
     kv = torch.full_like(source, POISON)
     cache = KVCache(_config(tmp_path), LAYOUT, kv)
@@ -181,10 +183,7 @@ async def test_a_waits_failed_read_cuts_the_later_waits_at_once(tmp_path: Path) 
     n = pages * T
     tokens = prompt(2721, n)
     source = make_kv(2721)
-    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, source) as writer:
-        await writer.pool.wait_ready()
-        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
-        await writer.flush()
+    await _on_disk(config(tmp_path, pool_pages=16), tokens, source)
 
     kv = torch.full_like(source, POISON)
     cache = KVCache(config(tmp_path, pool_pages=16), LAYOUT, kv)
@@ -270,10 +269,7 @@ async def test_a_cancelled_groups_late_miss_leaves_the_cache_quiescent(tmp_path:
     pages = 4
     n = pages * T
     tokens = prompt(2722, n)
-    async with KVCache(config(tmp_path, pool_pages=16), LAYOUT, make_kv(2722)) as writer:
-        await writer.pool.wait_ready()
-        assert (await writer.offload(tokens, torch.arange(n))).stored == pages
-        await writer.flush()
+    await _on_disk(config(tmp_path, pool_pages=16), tokens, make_kv(2722))
 
     cache = KVCache(config(tmp_path, pool_pages=16), LAYOUT, make_kv(0))
     await cache.start()
