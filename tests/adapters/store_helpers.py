@@ -225,3 +225,42 @@ def interrupt_at_first_call_after(code: types.CodeType, marked: Callable[[types.
     finally:
         sys.settrace(tracing)
         signal.signal(signal.SIGUSR1, previous)
+
+
+@contextlib.contextmanager
+def interrupt_as_open_thread_returns() -> Iterator[tuple[list[Any], list[int]]]:
+    """Within: the first ``open_thread`` that made a ``LoopThread`` gets a real SIGUSR1 (its handler
+    raises :class:`Interrupted`) as it returns, before its caller kept the thread. Yields the threads
+    made (``LoopThread``s, in order) and ``[signals sent]``. Main thread only."""
+    from aiokv.adapters import store as store_module
+    from aiokv.adapters.loopthread import LoopThread
+
+    main = threading.get_ident()
+    made: list[Any] = []
+    signals = [0]
+
+    def handler(signum: int, frame: object) -> None:
+        signals[0] += 1
+        raise_interrupted(signum, frame)
+
+    def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event != "return":
+            return local
+        if frame.f_code is LoopThread.__init__.__code__:
+            made.append(frame.f_locals["self"])
+        elif frame.f_code is store_module.open_thread.__code__ and made and not signals[0]:
+            signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here, as open_thread returns
+        return local
+
+    def calls(frame: types.FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code in (LoopThread.__init__.__code__, store_module.open_thread.__code__) else None
+
+    previous, tracing = signal.signal(signal.SIGUSR1, handler), sys.gettrace()
+    try:
+        sys.settrace(calls)
+        try:
+            yield made, signals
+        finally:
+            sys.settrace(tracing)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

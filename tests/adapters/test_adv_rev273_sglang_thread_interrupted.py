@@ -12,19 +12,12 @@ returns, as an interrupt handled at the end of that call did.
 
 from __future__ import annotations
 
-import signal
-import sys
 import threading
-import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import Interrupted, raise_interrupted
-
-from aiokv.adapters import store as store_module
-from aiokv.adapters.loopthread import LoopThread
+from store_helpers import Interrupted, interrupt_as_open_thread_returns
 
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
                     reason="SGLang is not installed (make engines installs it)")
@@ -32,7 +25,6 @@ sglang_helpers = pytest.importorskip("sglang_helpers")
 
 BOUND_S = 10.0
 
-Tracer = Callable[[types.FrameType, str, Any], Any]
 
 
 def test_an_interrupt_as_the_loop_thread_was_made_stops_it(tmp_path: Path, backends: list[Any]) -> None:
@@ -40,36 +32,8 @@ def test_an_interrupt_as_the_loop_thread_was_made_stops_it(tmp_path: Path, backe
         pytest.skip("signal handlers run on the main thread only")
     h = sglang_helpers
     backend = h.attach(backends, tmp_path / "kv", h.host_pool(4), True, options={"close_timeout": BOUND_S})
-    main = threading.get_ident()
-    made: list[LoopThread] = []
-    signals = [0]
-
-    def handler(signum: int, frame: object) -> None:
-        signals[0] += 1
-        raise_interrupted(signum, frame)
-
-    def local(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
-        if event != "return":
-            return local
-        if frame.f_code is LoopThread.__init__.__code__:
-            made.append(frame.f_locals["self"])
-        elif frame.f_code is store_module.open_thread.__code__ and made and not signals[0]:
-            signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here, as open_thread returns
-        return local
-
-    def calls(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
-        return local if frame.f_code in (LoopThread.__init__.__code__, store_module.open_thread.__code__) else None
-
-    previous, tracing = signal.signal(signal.SIGUSR1, handler), sys.gettrace()
-    try:
-        sys.settrace(calls)
-        try:
-            with pytest.raises(Interrupted):
-                backend.on_host_pools_registered()  # SGLang's controller: opens the pools' files
-        finally:
-            sys.settrace(tracing)
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    with interrupt_as_open_thread_returns() as (made, signals), pytest.raises(Interrupted):
+        backend.on_host_pools_registered()  # SGLang's controller: opens the pools' files
     assert signals[0] == 1 and len(made) == 1
     thread = made[0]
     try:

@@ -11,61 +11,25 @@ function returns, as an interrupt handled at the end of that call did.
 
 from __future__ import annotations
 
-import signal
-import sys
 import threading
-import types
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from store_helpers import Interrupted, raise_interrupted
+from store_helpers import Interrupted, interrupt_as_open_thread_returns
 
-from aiokv.adapters import store as store_module
-from aiokv.adapters.loopthread import LoopThread
 from aiokv.adapters.store import PageFileStore, StoreConfig
 
 BOUND_S = 10.0
 PAGE_BYTES = 8192
 
-Tracer = Callable[[types.FrameType, str, Any], Any]
 
 
 def test_an_interrupt_as_the_stores_own_thread_was_made_stops_it(tmp_path: Path) -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread only")
-    main = threading.get_ident()
-    made: list[LoopThread] = []
-    signals = [0]
-
-    def handler(signum: int, frame: object) -> None:
-        signals[0] += 1
-        raise_interrupted(signum, frame)
-
-    def local(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
-        if event != "return":
-            return local
-        if frame.f_code is LoopThread.__init__.__code__:
-            made.append(frame.f_locals["self"])
-        elif frame.f_code is store_module.open_thread.__code__ and made and not signals[0]:
-            signal.pthread_kill(main, signal.SIGUSR1)  # its handler raises here, as open_thread returns
-        return local
-
-    def calls(frame: types.FrameType, event: str, arg: Any) -> Tracer | None:
-        return local if frame.f_code in (LoopThread.__init__.__code__, store_module.open_thread.__code__) else None
-
     config = StoreConfig.from_options({"disk_dir": str(tmp_path / "cache"), "disk_bytes": 64 * PAGE_BYTES})
-    previous, tracing = signal.signal(signal.SIGUSR1, handler), sys.gettrace()
-    try:
-        sys.settrace(calls)
-        try:
-            with pytest.raises(Interrupted):
-                PageFileStore(config, "test", {"model": "m"}, PAGE_BYTES)
-        finally:
-            sys.settrace(tracing)
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    with interrupt_as_open_thread_returns() as (made, signals), pytest.raises(Interrupted):
+        PageFileStore(config, "test", {"model": "m"}, PAGE_BYTES)
     assert signals[0] == 1 and len(made) == 1
     thread = made[0]
     try:
