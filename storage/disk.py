@@ -135,6 +135,16 @@ class _QueuedKeys:
         return True
 
 
+CLOSE_STALL_S = 1.0
+"""Seconds without progress (no I/O request of the tier ending, no step of its close ending) after
+which :meth:`DiskTier.close_within`, past its own bound, gives the close up as stuck in the kernel.
+A healthy request ends in milliseconds, a loaded disk's within a fraction of this; the close's own
+work off the kernel (bookkeeping, hashing, joins) takes milliseconds."""
+
+CLOSE_POLL_S = CLOSE_STALL_S / 10
+"""How often :meth:`DiskTier.close_within` looks for that progress."""
+
+
 _STUCK: set[DiskTier] = set()
 """Tiers whose close gave up waiting for I/O stuck in the kernel (:meth:`DiskTier.close_within`),
 until that I/O ended."""
@@ -301,11 +311,20 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         await await_close(self._begin_close)
 
     async def close_within(self, seconds: float) -> bool:
-        """As :meth:`aclose`, waiting ``seconds`` at most: True when closed. Else (I/O stuck in the
-        kernel: a frozen or hung file system) False, and from then on pages still queued for
-        write-behind are dropped (counted in ``dropped``), not written; the close goes on in the
-        background and :attr:`io_ended` resolves once no I/O or thread of the tier touches pool
-        memory any more: free the pool only then. Raises ``TypeError``/``ValueError`` for a
+        """As :meth:`aclose`, bounded: True when closed. False when the close stalls in the kernel
+        (a frozen or hung file system): past ``seconds``, once :data:`CLOSE_STALL_S` went by with no
+        I/O request of the tier ending and no step of its close ending (what is left then waits on
+        the kernel: a request in flight, or a thread of the tier in a system call). From then on
+        pages still queued for write-behind are dropped (counted in ``dropped``), not written; the
+        close goes on in the background and :attr:`io_ended` resolves once no I/O or thread of the
+        tier touches pool memory any more: free the pool only then.
+
+        ``seconds`` bounds the wait for a stalled close, not a healthy one: a close whose I/O keeps
+        ending goes on to its end (its queued pages written, per ``drain_on_close``), however small
+        ``seconds`` — 0 included (a caller's own bound used up by other work, review leftover: an
+        idle tier was given up, its queue dropped, "stuck" logged). A stalled close returns False
+        within ``max(seconds, CLOSE_STALL_S)`` of the call, about (the stall counts from the last
+        progress seen, also by an earlier call). Raises ``TypeError``/``ValueError`` for a
         ``seconds`` that is not a finite number >= 0. A cancelled call leaves the close running."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
@@ -313,10 +332,18 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
         # Through aclose (looked up on the instance): what wraps it wraps this close too.
         closing = asyncio.ensure_future(self.aclose())
-        done, _ = await asyncio.wait({closing}, timeout=seconds)
-        if done:
-            closing.result()  # raises what the close raised, as aclose does
-            return True
+        loop = asyncio.get_running_loop()
+        bound = loop.time() + seconds
+        while True:
+            now = loop.time()
+            give_up = max(bound, self._stalled_since(now) + CLOSE_STALL_S)
+            if now >= give_up:
+                break
+            # Polled: progress is seen CLOSE_POLL_S late at most (a timer, no hook on the I/O path).
+            done, _ = await asyncio.wait({closing}, timeout=min(give_up - now, CLOSE_POLL_S))
+            if done:
+                closing.result()  # raises what the close raised, as aclose does
+                return True
         closing.add_done_callback(_consume)  # its outcome is io_ended's: nobody awaits it
         self._waiting_close = closing
         if not self._stuck:
@@ -329,9 +356,19 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                 # Drop what is queued now (the drain in progress would write it behind the stuck
                 # writes); counted once the stuck writes end and the queue's workers stop.
                 self._drop_queued = asyncio.ensure_future(self._queue.aclose(drain=False))
-            log.error("disk tier: I/O still stuck in the kernel after %.1f s at close (frozen or hung file system?): "
-                      "dropping queued pages; the pool must stay mapped until that I/O ends", seconds)
+            log.error("disk tier: I/O still stuck in the kernel at close: nothing ended for %.1f s, %d requests in "
+                      "flight (frozen or hung file system?): dropping queued pages; the pool must stay mapped until "
+                      "that I/O ends", now - self._stalled_since(now), self._io_slots.in_use)
         return False
+
+    def _stalled_since(self, now: float) -> float:
+        """When the close was last seen making progress (a slot given back: a request ended; a step
+        of :meth:`_close` ended), as of ``now``; the first look counts as progress."""
+        mark = (self._io_slots.given_back, self._close_steps)
+        seen = self._progress_seen
+        if seen is None or seen[:2] != mark:
+            seen = self._progress_seen = (*mark, now)
+        return seen[2]
 
     @property
     def io_ended(self) -> asyncio.Future[None]:
@@ -382,15 +419,22 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                 await asyncio.wait(set(self._jobs))
 
     async def _close(self) -> None:
+        # Each step ended counts as progress (_close_steps) for close_within: a close that gets on
+        # is never given up as stuck.
         if self._starting is not None:
             await asyncio.wait({self._starting})  # a start in flight may still be opening the backend
+            self._close_steps += 1
         await self._stop_following()  # its look's thread ended before any descriptor is closed
+        self._close_steps += 1
         await self._stop_watching()  # so did the lock check's
+        self._close_steps += 1
         if self._writable_again is not None:  # no more looks at a read-only file system
             self._writable_again.cancel()
             await asyncio.wait({self._writable_again})
+            self._close_steps += 1
         if self._queue is not None:
             self._dropped += await self._queue.aclose(self.config.drain_on_close)
+            self._close_steps += 1
         if self._drop_queued is not None:
             if self._drop_queued.cancelled():  # cut by a loop-wide cancel: drop what is left anew
                 assert self._queue is not None
@@ -398,15 +442,19 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             self._dropped += await self._drop_queued
             self._drop_queued = None  # counted once, should this close run again
         await self._until_idle()
+        self._close_steps += 1
         if self._dir is not None and self._dir.lock_fd is not None:
             # Files whose unlink failed, a last time: a delete the tier could not carry out is
             # remembered only in memory, and a restart would index and serve the page (review 204).
             retries = self._retry_unlinks()
             if retries:
                 await asyncio.wait(retries)
+                self._close_steps += 1
         await self._close_spares()
+        self._close_steps += 1
         if self._io is not None:
             await self._io.aclose()
+            self._close_steps += 1
         if self._checksums is not None:
             await self._checksums.aclose()
         if self._slots is not None:

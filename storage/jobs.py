@@ -199,6 +199,9 @@ class IOSlots:
         self._in_next_turn = in_next_turn
         self.in_use = 0
         self.writes_in_use = 0
+        self.given_back = 0
+        """Slots given back so far: jobs whose I/O ended (a bounded close watches it for progress,
+        :meth:`~aiokv.storage.DiskTier.close_within`)."""
         self.write_limit = count - reserved_for_reads(count)
         self._turn_ends = 0.0  # starts stop at this time this turn (0: none started yet this turn)
         self._turn_due = False  # a :meth:`_next_turn` is asked for
@@ -354,6 +357,7 @@ class IOSlots:
         # No call before the append (whose return is where an interrupt can come: the slot is back).
         job.holds_slot = False
         self.in_use -= 1
+        self.given_back += 1
         if job.writes:
             self.writes_in_use -= 1
         self._free.append(job.slot)

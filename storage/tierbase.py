@@ -117,6 +117,8 @@ class TierBase(TierEdge):
         self._starting: asyncio.Future[None] | None = None  # DiskTier.start in flight, or ended
         self._io_ended: asyncio.Future[None] | None = None  # see DiskTier.io_ended
         self._stuck = False  # DiskTier.close_within gave up waiting: queued pages are dropped
+        self._close_steps = 0  # steps of DiskTier._close ended: progress DiskTier.close_within watches
+        self._progress_seen: tuple[int, int, float] | None = None  # see DiskTier._stalled_since
         self._drop_queued: asyncio.Future[int] | None = None  # that drop, ending with the queue
         self._waiting_close: asyncio.Future[None] | None = None  # the aclose it stopped waiting for
         self._faults = DiskFaults(faults)
