@@ -22,12 +22,19 @@ reading: ``EBADF``), but give directories no ``flock`` of their own, so the kern
 among this host's processes: the reach of a Unix-domain socket. A directory whose ``flock`` fails
 nevertheless refuses the start (:class:`StartLockFailed`): unlocked, two managers starting there
 could both believe they listen (review 249).
+
+That lock, and the probe of a socket, reach this host only: on a directory shared between hosts a
+live manager's socket refuses another host's connect as a dead one's does. A start therefore claims
+the directory first (:func:`claim_directory`, a record made ``O_EXCL``: :mod:`aiokv.tp.owner`) and
+judges a socket by its probe only where the record says this host (this boot, this mount) made it;
+another host's claim refuses the start, nothing of it removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -39,6 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
+
+from . import owner
 
 SOCKET_NAME = "manager.sock"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
@@ -283,6 +292,50 @@ def clear_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise RuntimeError(f"another manager is listening on {path}")
+
+
+def claim_directory(endpoint: Endpoint) -> str:
+    """Claim the directory for this manager (:mod:`aiokv.tp.owner`) and clear a dead manager's
+    socket there; returns the claim's token (:func:`release_claim`). Call it under
+    :func:`start_lock`, before the bind: the claim is what keeps out another host's start, which
+    this host's lock does not reach.
+
+    A record found is judged first: another host's (or another mount's, or one that cannot be read)
+    refuses the start (:class:`~aiokv.tp.owner.OwnedElsewhere`), nothing removed; this host's is
+    cleared with its socket when that socket does not answer (:func:`clear_stale_socket`), or left
+    when it does (``RuntimeError``). With no record, the socket of a manager of before the records
+    is probed as it always was. Raises :class:`ManagerStopping` when the directory was removed
+    meanwhile (its maker stopping on another host, which this host's lock does not hold back)."""
+    for _ in range(_START_TRIES):
+        try:
+            token = owner.make_record(endpoint.directory)
+        except OSError as exc:
+            # Removed since it was locked: by the manager that made it, stopping on another host
+            # (this host's stops wait for the lock). Tried again in a moment, made anew.
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                raise
+            raise ManagerStopping(f"{endpoint.directory} was removed as this manager started there") from exc
+        if token is not None:
+            try:
+                clear_stale_socket(endpoint.socket_path)
+            except BaseException:
+                owner.remove_record(endpoint.directory, token)
+                raise
+            return token
+        found = owner.read_record(endpoint.directory)
+        if found is None:
+            continue  # removed meanwhile (its manager stopped): claim again
+        owner.judge(found, endpoint.directory)
+        clear_stale_socket(endpoint.socket_path)  # raises while its manager listens
+        owner.remove_record(endpoint.directory, found.token)  # dead: its claim goes with its socket
+    raise RuntimeError(f"{endpoint.directory} was claimed and released {_START_TRIES} times as this manager started")
+
+
+def release_claim(endpoint: Endpoint, token: str) -> None:
+    """Remove this manager's claim (:func:`claim_directory`). Call it under :func:`start_lock`, or
+    while this manager's socket still listens (before its name is unlinked): nobody replaces the
+    claim then, so the one removed is this one."""
+    owner.remove_record(endpoint.directory, token)
 
 
 def unlink_socket(path: Path, identity: tuple[int, int] | None) -> None:

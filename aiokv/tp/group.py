@@ -43,7 +43,8 @@ from .config import TPConfig
 from .endpoint import (
     Endpoint,
     ManagerStopping,
-    clear_stale_socket,
+    claim_directory,
+    release_claim,
     remove_endpoint,
     socket_identity,
     start_lock,
@@ -209,6 +210,9 @@ class RankGroup:
         # (st_dev, st_ino) of the socket file this start bound, while its listener is open: the
         # only file the group ever unlinks (see _stop_listening).
         self._socket_id: tuple[int, int] | None = None
+        # This start's claim on the directory (endpoint.claim_directory) while its listener is open:
+        # released before the socket's name goes, while nobody else may replace it.
+        self._claim: str | None = None
         # The listening socket and the accept loop are ours, not an asyncio.Server's: a connection
         # a Server accepted in the loop turn before its close() makes its transport a turn later,
         # when Server._attach's assert fails (CPython 3.11-3.13) and leaves the socket open for good
@@ -245,8 +249,10 @@ class RankGroup:
     async def start(self) -> None:
         """Create the private directory and listen. Raises ``RuntimeError`` when a live manager owns it
         or another is starting there right now (it holds the directory's start lock), and
-        ``endpoint.StartLockFailed`` (one) where that lock cannot be taken at all. A manager
-        stopping there (removing its directory) is waited for, ``endpoint.STOP_WAIT_S`` at most."""
+        ``endpoint.StartLockFailed`` (one) where that lock cannot be taken at all, and
+        ``owner.OwnedElsewhere`` (one) where a manager on another host (or through another mount)
+        claimed the directory: its socket cannot be probed from here, and nothing of it is removed. A
+        manager stopping there (removing its directory) is waited for, ``endpoint.STOP_WAIT_S`` at most."""
         if self._listener is not None or self._closing:
             raise RuntimeError("RankGroup.start() called twice or after aclose()")
         # Only this start's socket is ever removed: a failed start's inode kept here had a retry that
@@ -292,8 +298,15 @@ class RankGroup:
         they owned the group (review 249). Raises what :func:`start_lock` raises."""
         with start_lock(self._directory) as endpoint:
             self._endpoint = endpoint
-            clear_stale_socket(endpoint.socket_path)
-            self._listener = listener = _listen(os.fspath(endpoint.socket_path))
+            # Claimed before the bind: another host's start, which this host's lock does not keep
+            # out and whose probe our socket refuses, is refused by the claim (see endpoint).
+            claim = claim_directory(endpoint)
+            try:
+                self._listener = listener = _listen(os.fspath(endpoint.socket_path))
+            except BaseException:
+                release_claim(endpoint, claim)
+                raise
+            self._claim = claim
             self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
         return listener
 
@@ -449,9 +462,13 @@ class RankGroup:
             # is a dead manager's to one starting there, which removes it and binds a socket the
             # file system may give the same inode number (ext4 does), and our unlink after the
             # close then removed that live manager's socket (review 249).
+            # The claim goes first, while the socket listens: a start on this host finds it live
+            # and leaves the claim alone; after, one may judge it dead and claim anew.
+            if self._endpoint is not None and self._claim is not None:
+                release_claim(self._endpoint, self._claim)
             if self._endpoint is not None:
                 unlink_socket(self._endpoint.socket_path, self._socket_id)
-            self._socket_id = None
+            self._claim = self._socket_id = None
             with contextlib.suppress(ValueError, OSError):  # not registered (a failed start, a pause)
                 asyncio.get_running_loop().remove_reader(listener.fileno())
             listener.close()

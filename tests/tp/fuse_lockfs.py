@@ -6,12 +6,16 @@ its files comes here as a POSIX lock request (``SETLK``), answered as NFSv4 answ
 on a descriptor opened without write access is refused ``EBADF`` (an exclusive ``flock`` of a file
 opened ``O_RDONLY``), a read lock on one opened without read access too, a conflicting lock
 ``EAGAIN``. Directories, regular files and sockets (a Unix-domain ``bind`` makes one, ``MKNOD``) can
-be made, looked up, listed, chmodded and removed; nothing is cached by the kernel (every lookup and
-``stat`` asks here).
+be made, looked up, listed, chmodded and removed, and regular files written and read; nothing is
+cached by the kernel (every lookup and ``stat`` asks here).
 
 It speaks the kernel's FUSE protocol over ``/dev/fuse`` itself (``include/uapi/linux/fuse.h``), as
-``tests/storage/fuse_eio.py`` does: no libfuse. Run as root: ``python fuse_lockfs.py MOUNTPOINT``; it
-mounts with ``mount(2)``, prints ``ready`` (or why not) and serves until the mount point is unmounted.
+``tests/storage/fuse_eio.py`` does: no libfuse. Run as root: ``python fuse_lockfs.py MOUNTPOINT [MOUNTPOINT ...]``;
+it mounts with ``mount(2)``, prints ``ready`` (or why not) and serves until every mount point is
+unmounted. Several mount points show one tree, each through a mount of its own, as two hosts see an
+NFS export: a socket bound through one is a file through the others, whose connects it refuses, and
+a directory's ``flock`` (the kernel's, per mount) keeps out only processes locking it through the
+same mount.
 Each lock request is counted: a line ``lock NODE TYPE -> ERRNO`` on stderr.
 """
 
@@ -24,6 +28,7 @@ import os
 import stat
 import struct
 import sys
+import threading
 from dataclasses import dataclass, field
 
 _IN = struct.Struct("<IIQQIIIHH")  # fuse_in_header: len, opcode, unique, nodeid, uid, gid, pid, extlen, pad
@@ -45,17 +50,20 @@ _FATTR_MODE = 1 << 0
 _LK_IN = struct.Struct("<QQQQIII")  # fh, owner, lk.start, lk.end, lk.type, lk.pid, lk_flags
 _RELEASE_IN = struct.Struct("<QIIQ")  # fh, flags, release_flags, lock_owner
 _READ_IN = struct.Struct("<QQI")  # fh, offset, size
+_WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding; then the data
+_WRITE_OUT = struct.Struct("<II")  # size, padding
 _DIRENT = struct.Struct("<QQII")  # ino, off, namelen, type; then the name, padded to 8 bytes
 _STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks, bfree, bavail, files, ffree, bsize, namelen, frsize, pad
 
-(LOOKUP, FORGET, GETATTR, SETATTR, MKNOD, MKDIR, UNLINK, RMDIR, OPEN, STATFS, RELEASE, FLUSH, INIT, OPENDIR,
- READDIR, RELEASEDIR, GETLK, SETLK, SETLKW, ACCESS, INTERRUPT, DESTROY, BATCH_FORGET) = (
-    1, 2, 3, 4, 8, 9, 10, 11, 14, 17, 18, 25, 26, 27, 28, 29, 31, 32, 33, 34, 36, 38, 42)
+(LOOKUP, FORGET, GETATTR, SETATTR, MKNOD, MKDIR, UNLINK, RMDIR, OPEN, READ, WRITE, STATFS, RELEASE, FLUSH, INIT,
+ OPENDIR, READDIR, RELEASEDIR, GETLK, SETLK, SETLKW, ACCESS, INTERRUPT, DESTROY, BATCH_FORGET) = (
+    1, 2, 3, 4, 8, 9, 10, 11, 14, 15, 16, 17, 18, 25, 26, 27, 28, 29, 31, 32, 33, 34, 36, 38, 42)
 _NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 _FUSE_POSIX_LOCKS, _FUSE_FLOCK_LOCKS = 1 << 1, 1 << 10
 _RELEASE_FLOCK_UNLOCK = 1 << 1
 _F_RDLCK, _F_WRLCK, _F_UNLCK = 0, 1, 2
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
+_MNT_DETACH = 2
 _MAX_WRITE = 1 << 16
 
 
@@ -64,6 +72,7 @@ class Node:
     mode: int
     children: dict[bytes, int] = field(default_factory=dict)
     locks: dict[int, int] = field(default_factory=dict)  # lock owner -> F_RDLCK or F_WRLCK (whole file)
+    data: bytearray = field(default_factory=bytearray)  # a regular file's bytes
 
 
 class LockFs:
@@ -76,9 +85,9 @@ class LockFs:
         self.next_handle = 1
 
     def attr(self, node: int) -> bytes:
-        mode = self.nodes[node].mode
+        mode, size = self.nodes[node].mode, len(self.nodes[node].data)
         nlink = 2 if stat.S_ISDIR(mode) else 1
-        return _ATTR.pack(node, 0, 0, 0, 0, 0, 0, 0, 0, mode, nlink, os.geteuid(), os.getegid(), 0, 4096, 0)
+        return _ATTR.pack(node, size, 0, 0, 0, 0, 0, 0, 0, mode, nlink, os.geteuid(), os.getegid(), 0, 4096, 0)
 
     def entry(self, node: int) -> bytes:
         return _ENTRY_OUT.pack(node, 1, 0, 0, 0, 0) + self.attr(node)  # valid 0 s: nothing cached
@@ -169,6 +178,14 @@ class LockFs:
         if opcode == READDIR:
             _fh, offset, size = _READ_IN.unpack_from(data, body)
             return 0, self.listing(node, offset, size)
+        if opcode == READ:
+            _fh, offset, size = _READ_IN.unpack_from(data, body)
+            return 0, bytes(self.nodes[node].data[offset:offset + size])
+        if opcode == WRITE:
+            _fh, offset, size, *_more = _WRITE_IN.unpack_from(data, body)
+            content = self.nodes[node].data
+            content[offset:offset + size] = data[body + _WRITE_IN.size:body + _WRITE_IN.size + size]
+            return 0, _WRITE_OUT.pack(size, 0)
         if opcode in (RELEASE, RELEASEDIR):
             handle, _flags, release_flags, owner = _RELEASE_IN.unpack_from(data, body)
             self.handles.pop(handle, None)
@@ -182,8 +199,9 @@ class LockFs:
         return -errno.ENOSYS, b""
 
 
-def serve(fd: int, fs: LockFs) -> None:
-    """Answer requests until the file system is unmounted (read fails with ENODEV)."""
+def serve(fd: int, fs: LockFs, turns: threading.Lock) -> None:
+    """Answer requests until the file system is unmounted (read fails with ENODEV); ``turns`` keeps
+    the mounts' servers off the shared tree at once."""
     while True:
         try:
             data = os.read(fd, _MAX_WRITE + 4096)
@@ -196,7 +214,8 @@ def serve(fd: int, fs: LockFs) -> None:
         _len, opcode, unique, *_rest = _IN.unpack_from(data)
         if opcode in _NO_REPLY:
             continue
-        error, body = fs.answer(data)
+        with turns:
+            error, body = fs.answer(data)
         try:
             os.write(fd, _OUT.pack(_OUT.size + len(body), error, unique) + body)
         except OSError as exc:
@@ -204,16 +223,26 @@ def serve(fd: int, fs: LockFs) -> None:
                 raise
 
 
-def main(target: str) -> None:
+def main(targets: list[str]) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    options = f"fd={fd},rootmode=40000,user_id={os.geteuid()},group_id={os.getegid()}".encode()
-    if libc.mount(b"aiokv-lockfs", target.encode(), b"fuse", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV), options) != 0:
-        print(f"mount(2) of FUSE failed: {os.strerror(ctypes.get_errno())}", flush=True)
-        sys.exit(1)
+    fds = []
+    for target in targets:
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        options = f"fd={fd},rootmode=40000,user_id={os.geteuid()},group_id={os.getegid()}".encode()
+        if libc.mount(b"aiokv-lockfs", target.encode(), b"fuse", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV), options):
+            print(f"mount(2) of FUSE failed: {os.strerror(ctypes.get_errno())}", flush=True)
+            for mounted in targets[:len(fds)]:
+                libc.umount2(mounted.encode(), _MNT_DETACH)
+            sys.exit(1)
+        fds.append(fd)
     print("ready", flush=True)
-    serve(fd, LockFs())
+    fs, turns = LockFs(), threading.Lock()
+    servers = [threading.Thread(target=serve, args=(fd, fs, turns)) for fd in fds]
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.join()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -156,7 +156,7 @@ async def test_a_stop_does_not_remove_the_directory_of_a_start_there(
         clear(path)
         _hold(probed, release)  # probed (the first manager's socket), under the lock, not bound
 
-    monkeypatch.setattr("aiokv.tp.group.clear_stale_socket", held_clear)
+    monkeypatch.setattr(endpoint_module, "clear_stale_socket", held_clear)  # called by claim_directory
     second = await _on(other_loop, _make(directory))
     starts: list[asyncio.Future[None]] = []
     remove_endpoint = group_module.remove_endpoint
