@@ -332,10 +332,27 @@ def claim_directory(endpoint: Endpoint) -> str:
 
 
 def release_claim(endpoint: Endpoint, token: str) -> None:
-    """Remove this manager's claim (:func:`claim_directory`). Call it under :func:`start_lock`, or
-    while this manager's socket still listens (before its name is unlinked): nobody replaces the
-    claim then, so the one removed is this one."""
-    owner.remove_record(endpoint.directory, token)
+    """Remove a stopping manager's claim (:func:`claim_directory`), after its socket's name: not
+    under :func:`start_lock` (which holds it exclusive).
+
+    Taken shared, the lock keeps out this host's starts, which may judge the claim of a socket gone
+    dead, remove it and make their own (this one's unlink then removed theirs); other hosts never
+    remove a claim not theirs. Held by a start, the claim is left to it: it finds the socket gone
+    and clears the claim itself (or, killed first, leaves it to the next start here). Where the lock
+    cannot be taken at all, no start runs on this host: removed unlocked."""
+    try:
+        fd = _open_directory(endpoint.directory)
+    except OSError:
+        return  # gone, with the claim
+    try:
+        try:
+            if not _lock_directory(fd, starting=False):
+                return
+        except OSError:
+            pass
+        owner.remove_record(endpoint.directory, token)
+    finally:
+        _close_directory(fd)
 
 
 def unlink_socket(path: Path, identity: tuple[int, int] | None) -> None:

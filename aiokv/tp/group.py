@@ -39,6 +39,7 @@ from aiokv.layout import KVLayout, TPSlice
 from aiokv.paths import path_setting
 
 from . import endpoint as endpoint_module
+from . import owner
 from .config import TPConfig
 from .endpoint import (
     Endpoint,
@@ -304,7 +305,7 @@ class RankGroup:
             try:
                 self._listener = listener = _listen(os.fspath(endpoint.socket_path))
             except BaseException:
-                release_claim(endpoint, claim)
+                owner.remove_record(endpoint.directory, claim)  # under the start lock: still ours
                 raise
             self._claim = claim
             self._socket_id = socket_identity(os.lstat(endpoint.socket_path))
@@ -462,12 +463,14 @@ class RankGroup:
             # is a dead manager's to one starting there, which removes it and binds a socket the
             # file system may give the same inode number (ext4 does), and our unlink after the
             # close then removed that live manager's socket (review 249).
-            # The claim goes first, while the socket listens: a start on this host finds it live
-            # and leaves the claim alone; after, one may judge it dead and claim anew.
-            if self._endpoint is not None and self._claim is not None:
-                release_claim(self._endpoint, self._claim)
+            # The claim goes after the name: while it stands, another host's start is refused and
+            # cannot replace the socket, so the name is still ours. Gone first, such a start took
+            # the socket for a dead one's and bound its own, given the inode number freed, and our
+            # unlink removed that live socket.
             if self._endpoint is not None:
                 unlink_socket(self._endpoint.socket_path, self._socket_id)
+                if self._claim is not None:
+                    release_claim(self._endpoint, self._claim)
             self._claim = self._socket_id = None
             with contextlib.suppress(ValueError, OSError):  # not registered (a failed start, a pause)
                 asyncio.get_running_loop().remove_reader(listener.fileno())

@@ -195,9 +195,9 @@ def judge(found: OwnerRecord, directory: Path) -> None:
 
 
 def remove_record(directory: Path, token: str) -> None:
-    """Remove ``directory``'s record if it is still the claim ``token``. Exact while nobody else may
-    replace that claim: under the start lock, or while its manager's socket listens (a start on
-    this host then finds it live; another host never removes a claim not its own)."""
+    """Remove ``directory``'s record if it is still the claim ``token``. Exact while no start on this
+    host runs (under the start lock, exclusive or shared): another host never removes a claim not
+    its own, and while one stands none is made."""
     try:
         found = read_record(directory)
     except OwnedElsewhere:

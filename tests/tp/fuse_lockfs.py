@@ -7,7 +7,8 @@ on a descriptor opened without write access is refused ``EBADF`` (an exclusive `
 opened ``O_RDONLY``), a read lock on one opened without read access too, a conflicting lock
 ``EAGAIN``. Directories, regular files and sockets (a Unix-domain ``bind`` makes one, ``MKNOD``) can
 be made, looked up, listed, chmodded and removed, and regular files written and read; nothing is
-cached by the kernel (every lookup and ``stat`` asks here).
+cached by the kernel (every lookup and ``stat`` asks here). A file made takes the lowest inode
+number free, one just freed included, as ext4 (an NFS server's, too) gives it.
 
 It speaks the kernel's FUSE protocol over ``/dev/fuse`` itself (``include/uapi/linux/fuse.h``), as
 ``tests/storage/fuse_eio.py`` does: no libfuse. Run as root: ``python fuse_lockfs.py MOUNTPOINT [MOUNTPOINT ...]``;
@@ -70,6 +71,7 @@ _MAX_WRITE = 1 << 16
 @dataclass
 class Node:
     mode: int
+    ino: int
     children: dict[bytes, int] = field(default_factory=dict)
     locks: dict[int, int] = field(default_factory=dict)  # lock owner -> F_RDLCK or F_WRLCK (whole file)
     data: bytearray = field(default_factory=bytearray)  # a regular file's bytes
@@ -79,15 +81,17 @@ class LockFs:
     """The tree (node ids from 1, the root) and the open handles."""
 
     def __init__(self) -> None:
-        self.nodes: dict[int, Node] = {1: Node(stat.S_IFDIR | 0o700)}
+        self.nodes: dict[int, Node] = {1: Node(stat.S_IFDIR | 0o700, 1)}
         self.next_node = 2
+        self.inos = {1}  # those of the files in the tree (a node id is never reused, its number is)
         self.handles: dict[int, tuple[int, int]] = {}  # fh -> (node, open flags)
         self.next_handle = 1
 
     def attr(self, node: int) -> bytes:
-        mode, size = self.nodes[node].mode, len(self.nodes[node].data)
-        nlink = 2 if stat.S_ISDIR(mode) else 1
-        return _ATTR.pack(node, size, 0, 0, 0, 0, 0, 0, 0, mode, nlink, os.geteuid(), os.getegid(), 0, 4096, 0)
+        found = self.nodes[node]
+        nlink = 2 if stat.S_ISDIR(found.mode) else 1
+        return _ATTR.pack(found.ino, len(found.data), 0, 0, 0, 0, 0, 0, 0, found.mode, nlink, os.geteuid(),
+                          os.getegid(), 0, 4096, 0)
 
     def entry(self, node: int) -> bytes:
         return _ENTRY_OUT.pack(node, 1, 0, 0, 0, 0) + self.attr(node)  # valid 0 s: nothing cached
@@ -96,7 +100,9 @@ class LockFs:
         if name in self.nodes[parent].children:
             return -errno.EEXIST, b""
         node, self.next_node = self.next_node, self.next_node + 1
-        self.nodes[node] = Node(mode)
+        ino = min(set(range(1, len(self.inos) + 2)) - self.inos)
+        self.inos.add(ino)
+        self.nodes[node] = Node(mode, ino)
         self.nodes[parent].children[name] = node
         return 0, self.entry(node)
 
@@ -109,6 +115,7 @@ class LockFs:
         if directory and self.nodes[node].children:
             return -errno.ENOTEMPTY, b""
         del self.nodes[parent].children[name]
+        self.inos.discard(self.nodes[node].ino)
         return 0, b""
 
     def open(self, node: int, flags: int) -> tuple[int, bytes]:

@@ -32,22 +32,26 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
-from loop_probes import until, until_thread
+from loop_probes import until, until_thread, waiting_in
 from tp_helpers import CONFIG
 
 from aiokv import KVLayout
+from aiokv.tp import endpoint as endpoint_module
+from aiokv.tp import group as group_module
 from aiokv.tp import owner as owner_module
 from aiokv.tp.endpoint import SOCKET_NAME
 from aiokv.tp.group import RankGroup
-from aiokv.tp.owner import OWNER_NAME, OwnedElsewhere, this_host
+from aiokv.tp.owner import OWNER_NAME, OwnedElsewhere, OwnerRecord, this_host
 
 LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 POOL = "/aiokv-shared-dir-hosts-test"
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 _MNT_DETACH = 2
 
@@ -217,6 +221,25 @@ async def test_a_killed_managers_claim_and_socket_on_this_host_are_cleared(tmp_p
 
 
 @contextlib.contextmanager
+def _loop_thread(name: str) -> Iterator[Callable[[Coroutine[Any, Any, T]], asyncio.Future[T]]]:
+    """An event loop running on a thread named ``name`` (another manager's); yields a function that
+    runs a coroutine there and returns a future of this loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
+    thread.start()
+
+    def on(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    try:
+        yield on
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+@contextlib.contextmanager
 def _two_mounts(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """``fuse_lockfs.py`` serving one tree at ``<tmp>/a`` and ``<tmp>/b``, unmounted after; skips
     where it cannot be mounted."""
@@ -369,3 +392,101 @@ async def test_a_start_whose_directory_another_hosts_stop_removes_makes_it_anew(
             executor.shutdown()
             await first.aclose()
         assert not (b / "mgr").exists()  # made anew by the second start, removed by its stop
+
+
+@pytest.mark.asyncio
+async def test_a_start_on_another_host_as_a_manager_stops_is_not_broken_by_that_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first manager stops through one mount, held before its socket's name goes; a start through
+    # the other mount runs then. Had the claim gone first, that start found a socket of no claim
+    # (refusing its connect), unlinked it, and bound its own, given the inode number just freed
+    # (ext4 gives it, and fuse_lockfs.py): the stop's unlink, its identity check fooled, then
+    # removed the live socket of the new manager. The claim now goes after the socket's name: the
+    # start is refused meanwhile, and starts once the stop is over.
+    held, release = threading.Event(), threading.Event()
+    unlink = group_module.unlink_socket
+
+    def held_unlink(path: Path, identity: tuple[int, int] | None) -> None:
+        if threading.current_thread().name == "first-host" and not held.is_set():
+            held.set()
+            assert release.wait(30), "the test never let the stop go on"
+        unlink(path, identity)
+
+    monkeypatch.setattr(group_module, "unlink_socket", held_unlink)
+    with _loop_thread("first-host") as on_first, _two_mounts(tmp_path) as (a, b):
+        (a / "mgr").mkdir(mode=0o700)  # made by neither: both leave it
+
+        async def make_first() -> RankGroup:
+            return _group(a / "mgr")
+
+        first = await on_first(make_first())
+        await on_first(first.start())
+        stop = on_first(first.aclose())
+        second = _group(b / "mgr")
+        try:
+            await until_thread(held.is_set, "the first stop's unlink of its socket's name")
+            try:
+                await second.start()
+                started = True
+            except OwnedElsewhere:
+                started = False  # the first's claim still stands: refused, nothing removed
+            release.set()
+            await stop
+            if not started:
+                await second.start()  # the stop is over: nobody owns it
+            # Before: FileNotFoundError, its socket unlinked by the first manager's stop.
+            await _reachable(second, b / "mgr" / SOCKET_NAME)
+            assert sorted(os.listdir(b / "mgr")) == [OWNER_NAME, SOCKET_NAME]
+        finally:
+            release.set()
+            await asyncio.wait([stop])
+            await second.aclose()
+        assert os.listdir(a / "mgr") == []
+
+
+@pytest.mark.asyncio
+async def test_a_start_here_as_a_manager_releases_its_claim_keeps_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stopping manager's socket name is gone, its claim not yet: a start on this host may judge
+    # that claim dead, remove it and make its own. The stop's removal (read the token, unlink)
+    # holds the directory's lock shared, so no start here runs inside it; unlocked, a start between
+    # its read and its unlink had its fresh claim removed (a live manager of no claim, whose socket
+    # the next host's start takes for a dead one's). Held after its read here.
+    monkeypatch.setattr(endpoint_module, "STOP_WAIT_S", 30.0)
+    held, release = threading.Event(), threading.Event()
+    read_record = owner_module.read_record
+
+    def held_read(directory: Path) -> OwnerRecord | None:
+        found = read_record(directory)
+        if threading.current_thread().name == "stopping" and not held.is_set():
+            held.set()
+            assert release.wait(30), "the test never let the stop go on"
+        return found
+
+    directory = tmp_path / "mgr"
+    directory.mkdir(mode=0o700)
+    with _loop_thread("stopping") as on_first:
+        async def make_first() -> RankGroup:
+            return _group(directory)
+
+        first = await on_first(make_first())
+        await on_first(first.start())
+        monkeypatch.setattr(owner_module, "read_record", held_read)
+        stop = on_first(first.aclose())
+        second = _group(directory)
+        start: asyncio.Future[None] | None = None
+        try:
+            await until_thread(held.is_set, "the stop's read of its claim")
+            start = started = asyncio.ensure_future(second.start())
+            await until(lambda: started.done() or waiting_in(started, "sleep"))
+            release.set()
+            await stop
+            await start
+            await _reachable(second)
+            assert _mine(directory)  # before: its claim removed by the first manager's stop
+            assert sorted(os.listdir(directory)) == [OWNER_NAME, SOCKET_NAME]
+        finally:
+            release.set()
+            await asyncio.wait([stop] if start is None else [stop, start])
+            await second.aclose()
+    assert os.listdir(directory) == []
