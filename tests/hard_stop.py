@@ -5,8 +5,9 @@ on. It cannot end one stuck in C without returning to the interpreter, nor one w
 hangs after the raise (a loop's close joining a thread that waits forever): CI then ran to its
 hard limit and printed nothing of where. One watching thread times each test, from setup to
 teardown; HARD_STOP_MARGIN_S past the test's timeout it prints which test, every thread's stack,
-and exits the process (status 3), so the run ends with the hang's location as the last thing it
-printed.
+the kernel side (:func:`kernel_report`: what each thread of the process and of its children waits
+for in the kernel, and every task in D state) and exits the process (status 3), so the run ends
+with the hang's location as the last thing it printed.
 
 ``tests/conftest.py`` registers this module as a plugin; ``-p hard_stop`` loads it into another
 pytest run.
@@ -48,7 +49,67 @@ def _stop(config: pytest.Config, what: str) -> None:
     stream.flush()
     faulthandler.dump_traceback(file=stream, all_threads=True)
     stream.flush()
+    try:
+        stream.write(kernel_report())
+    except Exception as exc:  # (a report that cannot be made must not keep the run from ending)
+        stream.write(f"\nkernel side not reported: {exc!r}\n")
+    stream.flush()
     os._exit(EXIT_STATUS)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as exc:
+        return f"({exc.strerror})"
+
+
+def _stat(pid: str) -> tuple[str, str, int]:
+    """comm, state letter, parent pid of /proc/<pid> (or of a task path); ("", "", 0) if gone."""
+    raw = _read(f"/proc/{pid}/stat")
+    comm_end = raw.rfind(")")
+    if comm_end < 0:
+        return "", "", 0
+    fields = raw[comm_end + 2 :].split()
+    return raw[raw.find("(") + 1 : comm_end], fields[0], int(fields[1])
+
+
+def _tasks(pid: str) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:  # ended meanwhile
+        return []
+
+
+def kernel_report() -> str:
+    """Where the kernel holds what is stuck: each thread of this process, of its descendants (a mkfs, a
+    FUSE server) and every task in D state on the host (a loop device's worker, jbd2, another
+    test's process), with its wait channel and kernel stack (``/proc/*/stack`` needs root).
+    A hang in a system call shows in the Python stacks only as the call; this says what it waits
+    for (an ext4 journal, a held FUSE request, a block device) and who else waits with it."""
+    me = str(os.getpid())
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    parents = {p: _stat(p)[2] for p in pids}
+    ours = {me}
+    grew = True
+    while grew:  # descendants, to any depth
+        grew = False
+        for p, parent in parents.items():
+            if p not in ours and str(parent) in ours:
+                ours.add(p)
+                grew = True
+    lines = ["\nkernel side (threads of this process and its descendants, then every task in D state):\n"]
+    for p in sorted(pids, key=lambda p: (p not in ours, int(p))):
+        for t in sorted(_tasks(p), key=int):
+            comm, state, _ = _stat(f"{p}/task/{t}")
+            if p not in ours and state != "D":
+                continue
+            cmd = _read(f"/proc/{p}/cmdline").replace("\0", " ").strip()[:160]
+            wchan = _read(f"/proc/{p}/task/{t}/wchan")
+            stack = _read(f"/proc/{p}/task/{t}/stack").rstrip()
+            lines.append(f"pid {p} task {t} ({comm}) state {state} wchan {wchan}: {cmd}\n{stack}\n")
+    return "".join(lines)
 
 
 class _Watch:

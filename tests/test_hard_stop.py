@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,19 @@ def test_hangs_past_its_timeout():
 
 def test_never_runs():
     pass
+'''
+
+HANGS_WITH_A_CHILD = '''
+import subprocess
+import time
+
+def test_hangs_waiting_for_a_child():
+    subprocess.Popen(["sleep", "30"])  # a stuck tool (mkfs.ext4) the hang waits for
+    while True:
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass
 '''
 
 TIMES_OUT = '''
@@ -63,6 +77,18 @@ def test_a_test_that_outlives_its_timeout_ends_the_run_with_every_threads_stack(
     assert "test_hangs_past_its_timeout" in out.split("every thread's stack:", 1)[1], out  # the stack
     assert "test_never_runs" not in out
     assert took < 60, took
+
+
+def test_the_hard_stop_also_says_where_the_kernel_holds_the_process_and_its_children(tmp_path: Path) -> None:
+    done, _ = _run(tmp_path, HANGS_WITH_A_CHILD)
+    out = done.stdout + done.stderr
+    assert done.returncode == hard_stop.EXIT_STATUS, out
+    kernel = out.split("kernel side (", 1)[1]
+    child = re.search(r"pid (\d+) task \1 \(sleep\) state S wchan (\S+): sleep 30\n(.*)", kernel)
+    assert child is not None, kernel
+    if os.geteuid() == 0:  # /proc/<pid>/stack: root only
+        assert child[2] != "0" and "nanosleep" in child[3], kernel
+    assert re.search(r"pid (\d+) task \1 \(python[\d.]*\) state S ", kernel), kernel  # the stuck test's own
 
 
 def test_a_timeout_that_ends_its_test_lets_the_run_go_on(tmp_path: Path) -> None:
