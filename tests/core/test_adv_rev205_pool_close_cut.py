@@ -16,19 +16,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from loop_probes import until_thread
+from loop_probes import cancel_every_task_but_nowait, until_thread
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
 
 LAYOUT = KVLayout.mha(2, 2, 16, torch.bfloat16, page_tokens=8)
-
-
-def _cancel_every_task_but_mine() -> None:
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
 
 
 def _segment_left(pool: PagePool) -> bool:
@@ -56,7 +49,7 @@ async def test_a_release_cut_while_unmapping_is_finished_by_the_next_close(
     async def scenario() -> None:
         first = asyncio.ensure_future(pool.aclose())
         await until_thread(entered.is_set, "the unmap's thread in memory.close")
-        _cancel_every_task_but_mine()
+        cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
         await asyncio.wait({first})
         assert first.cancelled()
         go.set()
@@ -100,7 +93,7 @@ async def test_a_release_cut_while_its_unmap_waits_for_a_thread_still_unmaps_onc
     first = asyncio.ensure_future(pool.aclose())
     async with asyncio.timeout(10):
         await submitted.wait()
-    _cancel_every_task_but_mine()
+    cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
     await asyncio.wait({first})
     assert first.cancelled()
     free.set()

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 import pytest
-from loop_probes import until_thread
+from loop_probes import cancel_every_task_but_nowait, until_thread
 from shutdown_helpers import BOUND_S, held_load, new_held, rank_child
 from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, SLOTS, T
 from test_adv_rev201_loop_shutdown_drain import _rank_main
@@ -50,7 +50,7 @@ async def test_a_loop_wide_cancel_of_the_group_s_close_does_not_end_it_for_good(
             closing = asyncio.ensure_future(group.aclose())
             # The close fenced the rank: it waits for the report.
             await until_thread(lambda: group.statistics().fenced == 1, "the close fencing the rank", BOUND_S)
-            _cancel_every_task_but_mine()
+            cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
             await asyncio.wait({closing})
             assert closing.cancelled()
             again = asyncio.ensure_future(group.aclose())
@@ -72,14 +72,6 @@ async def test_a_loop_wide_cancel_of_the_group_s_close_does_not_end_it_for_good(
                 await group.aclose()
 
 
-def _cancel_every_task_but_mine() -> None:
-    """The application's SIGTERM handler."""
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
-
-
 @pytest.mark.asyncio
 async def test_a_loop_wide_cancel_of_the_cache_s_close_does_not_leave_the_pool_for_good(tmp_path: Path) -> None:
     held = new_held()
@@ -95,7 +87,7 @@ async def test_a_loop_wide_cancel_of_the_cache_s_close_does_not_leave_the_pool_f
             load = await held_load(group, held, list(range(T)))
             closing = asyncio.ensure_future(cache.aclose())
             await until_thread(lambda: group.statistics().fenced == 1, "the close fencing the rank", BOUND_S)
-            _cancel_every_task_but_mine()
+            cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
             await asyncio.wait({closing})
             again = asyncio.ensure_future(cache.aclose())
             await asyncio.wait({again}, timeout=1.0)  # bounded: it must wait for the held copy

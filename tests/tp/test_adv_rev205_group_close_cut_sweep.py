@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from cancel_points import most_attempts, pause
-from loop_probes import until_spin, until_thread
+from loop_probes import cancel_every_task_but_nowait, until_spin, until_thread
 from shutdown_helpers import BOUND_S, held_load, new_held, rank_child
 from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, T
 from test_adv_rev201_loop_shutdown_drain import _rank_main
@@ -35,14 +35,6 @@ AFTER_MOST = 64  # loop turns after the job's end by which the close must have e
 # before the close's wake-up in that turn); 5-6 do here, but where the rank's end of the link
 # arrives with its report the close has no link to wait for and ends in its next step.
 AFTER_LEAST = 1
-
-
-def _cancel_every_task_but_mine() -> None:
-    """The application's SIGTERM handler."""
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
 
 
 # The sweep cancels every task of the loop, asyncio's own too: a cancel that lands on the task
@@ -109,7 +101,7 @@ async def _one_point(
             where = f"cancel {waited} after the held copy was let go"
         ended_first = closing.done()
         reported = load.done()
-        _cancel_every_task_but_mine()
+        cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
         await asyncio.wait({closing}, timeout=BOUND_S)
         assert closing.done(), where
         async with asyncio.timeout(BOUND_S):

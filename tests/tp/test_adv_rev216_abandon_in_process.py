@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from held_rank import Held, _hold
-from loop_probes import until_thread
+from loop_probes import cancel_every_task_but_nowait, until_thread
 from test_adv_rev197_farewell_race import MHA, RANK_CONFIG, SLOTS, T
 from tp_helpers import CONFIG
 
@@ -36,14 +36,6 @@ from aiokv.tp import Direction, RankGroup, RankWorker
 
 ABANDON_S = 0.2
 BOUND_S = 20.0
-
-
-def _cancel_every_task_but_mine() -> None:
-    """The application's SIGTERM handler."""
-    me = asyncio.current_task()
-    for task in asyncio.all_tasks():
-        if task is not me:
-            task.cancel()
 
 
 @pytest.mark.asyncio
@@ -72,7 +64,7 @@ async def test_an_abandoned_copy_keeps_its_job_in_flight_in_the_manager_s_own_pr
         assert await asyncio.to_thread(held.entered.acquire, True, BOUND_S), "the copy never began"
 
         def shutdown() -> bool:  # cancels until one lands on the teardown's drain, then its bound
-            _cancel_every_task_but_mine()
+            cancel_every_task_but_nowait(asyncio.current_task())  # the application's SIGTERM handler
             return worker.statistics().copies_abandoned == 1
 
         await until_thread(shutdown, "the worker abandoning its held copy", BOUND_S)
