@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, rank_kv, reserve
+from tp_helpers import CONFIG, RankProcesses, expected_page, full_kv, key, new_pool, origins, rank_kv, reserve
 
 from aiokv import CacheConfig
 from aiokv.cuda import CompletionBridge
@@ -197,7 +197,17 @@ async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
             want = rank_kv(full, layout, rank, tp)[:, 1 : 8 * T]
             for layer, (ok, raw) in enumerate(await ranks.reply(rank)):
                 assert ok is True
-                assert torch.equal(ranks.tensor(raw), want[layer]), f"rank {rank} read layer {layer} before it landed"
+                got = ranks.tensor(raw)
+                if not torch.equal(got, want[layer]):
+                    # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
+                    # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
+                    rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
+                    final = (await ranks.dump(rank))[layer, target]
+                    late = int((final != want[layer]).flatten(1).any(1).sum())
+                    traced = list(zip((rows + 1).tolist(), origins(rank_kv(full, layout, rank, tp), got[rows]),
+                                      strict=True))
+                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait, {late} still "
+                                f"wrong after finish; (token, (held layer, held slot)): {traced[:6]} .. {traced[-2:]}")
             assert torch.equal((await ranks.dump(rank))[:, target], want)
         await ranks.stop_all()
         assert cache.group.jobs.in_flight == 0
@@ -240,7 +250,17 @@ async def test_cuda_ranks_paced_layered_load_bit_exact_per_layer(
             want = rank_kv(full, layout, rank, tp)[:, 1 : pages * T]
             for layer, (ok, raw) in enumerate(await ranks.reply(rank)):
                 assert ok is True
-                assert torch.equal(ranks.tensor(raw), want[layer]), f"rank {rank} read layer {layer} before it landed"
+                got = ranks.tensor(raw)
+                if not torch.equal(got, want[layer]):
+                    # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
+                    # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
+                    rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
+                    final = (await ranks.dump(rank))[layer, target]
+                    late = int((final != want[layer]).flatten(1).any(1).sum())
+                    traced = list(zip((rows + 1).tolist(), origins(rank_kv(full, layout, rank, tp), got[rows]),
+                                      strict=True))
+                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait, {late} still "
+                                f"wrong after finish; (token, (held layer, held slot)): {traced[:6]} .. {traced[-2:]}")
             assert torch.equal((await ranks.dump(rank))[:, target], want)
             stats = await ranks.ask(rank, "stats")
             assert stats.paced_loads == 1, "the rank queued its layered load whole"

@@ -66,6 +66,18 @@ def rank_kv(full: torch.Tensor, layout: KVLayout, rank: int, size: int) -> torch
     return torch.cat([k, v], dim=2).contiguous()
 
 
+def origins(original: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
+    """The (layer, slot) of ``original`` ``[L, S, rows, D]`` whose bytes each of ``rows`` holds
+    (``(-1, -1)``: none): a wrong row read too early shows its slot's old bytes, a misplaced write
+    another layer's or token's."""
+    flat = original.flatten(2)
+    found = []
+    for row in rows.flatten(1):
+        hit = (flat == row).all(-1).nonzero()
+        found.append((int(hit[0, 0]), int(hit[0, 1])) if len(hit) else (-1, -1))
+    return found
+
+
 def expected_page(full: torch.Tensor, slots: Sequence[int], layout: KVLayout) -> torch.Tensor:
     """The page the tokens in ``slots`` make, in ``layout``'s page format: ``[L, T, rows, D]``, or
     ``[parts, L, T, rows / parts, D]`` when rank-major (part p: the K heads of slice p, then its V heads)."""
