@@ -20,15 +20,19 @@ from aiokv.tp import endpoint
 
 directory = Path(sys.argv[1])
 rmdir = os.rmdir
+removed = []
 
 def held_rmdir(path, *args, **kwargs):
     print("held", flush=True)
     sys.stdin.readline()
     rmdir(path, *args, **kwargs)
+    removed.append(path)
 
+# Whether its rmdir succeeded (remove_endpoint swallows its error), not whether the path exists
+# after: a start waiting for this stop makes the directory anew at once, and "left" came then.
 endpoint.os.rmdir = held_rmdir
 endpoint.remove_endpoint(endpoint.Endpoint(directory, True))
-print("removed" if not directory.exists() else "left", flush=True)
+print("removed" if removed else "left", flush=True)
 """
 
 STARTING = r"""

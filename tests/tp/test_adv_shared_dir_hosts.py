@@ -13,8 +13,11 @@ The other host is real on disk: a record naming another boot id and host name be
 is bound and not listening (what a remote manager's socket is to this host); and, through
 ``fuse_lockfs.py`` mounted twice (one tree, two mounts, as two hosts see an NFS export), a live
 manager listening through one mount, whose socket the other mount's connects are refused, its
-``flock`` not shared. The same host's dead manager (a process killed, a record from before the last
-boot) is still cleared.
+``flock`` not shared, and inode numbers reused at once as ext4 reuses them. The same host's dead
+manager (a process killed, a record from before the last boot) is still cleared. A stop unlinks its
+socket's name before its claim (another host's start in between once had its new socket unlinked by
+that stop) and removes the claim under the directory's lock taken shared (a start on this host in
+between once had its fresh claim removed).
 """
 
 from __future__ import annotations
