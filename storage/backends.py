@@ -1366,7 +1366,15 @@ class ThreadPageIO:
 
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         # A cancelled caller must not return while the thread still touches the page: wait it out.
-        return await asyncio.shield(self._start(fn, *args))
+        job = self._start(fn, *args)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # shield forgets the job once its caller is cancelled first: a failure landing later
+            # (an unlink held in a frozen file system, then EISDIR) was logged by asyncio as
+            # "Future exception was never retrieved" (review 284). Its outcome is nobody's now.
+            job.add_done_callback(_retrieve)
+            raise
 
     def _open(self, dir_fd: int, name: str, flags: int, write: bool, direct: bool) -> int:
         self._fault(IOOp.OPEN)
@@ -1509,6 +1517,13 @@ def _loaded(done: Loaded, job: asyncio.Future[object]) -> None:
 def _published(done: Published, job: asyncio.Future[object]) -> None:
     """A worker's publish ended (as :func:`_loaded`)."""
     done(job.exception())
+
+
+def _retrieve(job: asyncio.Future[object]) -> None:
+    """The outcome of a job whose caller was cancelled: retrieved, so a failure is not logged
+    as never retrieved (the caller counted nothing: it never learnt of it)."""
+    if not job.cancelled():
+        job.exception()
 
 
 @again_after_interrupt
