@@ -47,6 +47,7 @@ from .outcomes import Outcomes, again_after_interrupt
 from .pagefile import HEADER_BYTES
 from .safefiles import (
     OPEN_FLAGS,
+    READ_FLAGS,
     CachedOpen,
     UnsafeFileError,
     check_page_fd,
@@ -904,14 +905,14 @@ class UringPageIO:
             # O_NONBLOCK, as a chain's file does. O_DIRECT refuses a FIFO or character device
             # (EINVAL, after an O_NONBLOCK open that cannot block): opened again without it, the
             # check below tells what it is.
-            flags = os.O_RDONLY | OPEN_FLAGS | os.O_DIRECT if chain else os.O_RDONLY | OPEN_FLAGS
+            flags = READ_FLAGS | os.O_DIRECT if chain else READ_FLAGS
             try:
                 try:
                     opened = self._open_cached(dir_fd, encoded, flags)
                 except OSError as exc:
                     if not (chain and exc.errno == errno.EINVAL):
                         raise
-                    flags = os.O_RDONLY | OPEN_FLAGS
+                    flags = READ_FLAGS
                     opened = self._open_cached(dir_fd, encoded, flags)
             except OSError as exc:
                 asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
@@ -962,7 +963,8 @@ class UringPageIO:
         if path is None:
             buffer = ctypes.create_string_buffer(encoded)
             path, keep = ctypes.addressof(buffer), (buffer, keep)
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_DIRECT  # no O_CLOEXEC: see start_publish
+        # READ_FLAGS but O_CLOEXEC (see start_publish).
+        flags = (READ_FLAGS & ~os.O_CLOEXEC) | os.O_DIRECT
         moves = self._transfer(False, slot, True, slot, page)
         # OPENAT into the entry, the transfer, FIXED_FD_INSTALL, CLOSE of the entry (SQE tuples as
         # uring.sqe lays them out: see _transfer); what each returns on success (_moved, inline).
@@ -1076,7 +1078,7 @@ class UringPageIO:
                 if fd < 0:
                     done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
                     return
-                self._read_file(fd, dir_fd, name, slot, page, done, False, os.O_RDONLY | OPEN_FLAGS)
+                self._read_file(fd, dir_fd, name, slot, page, done, False, READ_FLAGS)
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # (a signal's KeyboardInterrupt)
                     if fd >= 0 and not_started(self._read_file, exc):
@@ -1084,7 +1086,7 @@ class UringPageIO:
                     _fault_later(done)
                 raise
 
-        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, os.O_RDONLY | OPEN_FLAGS)],
+        self.engine.submit([uring.sqe(uring.OP_OPENAT, dir_fd, path, 0, 0, READ_FLAGS)],
                            (keep, self._slots), opened)
 
     def _read_file(self, fd: int, dir_fd: int, name: str, slot: int, page: PageBuffer, done: Loaded, now: bool,
@@ -1427,7 +1429,7 @@ class ThreadPageIO:
             raise
 
     def _load(self, dir_fd: int, name: str, slot: int, page: PageBuffer) -> int:
-        fd = self._open(dir_fd, name, os.O_RDONLY, write=False, direct=page.aligned)
+        fd = self._open(dir_fd, name, READ_FLAGS, write=False, direct=page.aligned)
         try:
             self._fault(IOOp.READ)
             return os.preadv(fd, [self._slots.views[slot], page.view], 0)

@@ -28,6 +28,15 @@ import stat
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 """Flags every page-file open carries."""
 
+READ_FLAGS = os.O_RDONLY | os.O_NOATIME | OPEN_FLAGS
+"""Flags of a page file opened to be read. ``O_NOATIME``: a read io_uring issues inline (in the
+loop thread's ``io_uring_enter``) updated the file's access time there, and that update waits for
+the file system: for its journal, or for a read of the inode's table block. With the disk hung the
+loop thread stayed in the kernel until it answered (a read held at a FUSE-gated loop device: for
+good, as the test that would let the gate go ran on that loop). ``O_NOATIME`` needs the file's
+owner (or CAP_FOWNER); a file of another owner is refused anyway (:func:`check_page_fd`), now by
+the open itself (EPERM) where the caller is not privileged."""
+
 # What an O_NOFOLLOW|O_NONBLOCK open answers when the name does not hold a regular file: a symlink
 # (ELOOP), a FIFO without reader / a socket / a device without driver (ENXIO), a directory (EISDIR).
 _PLANTED = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a FIFO, socket or device", errno.EISDIR: "a directory"}
