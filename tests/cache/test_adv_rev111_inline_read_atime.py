@@ -51,8 +51,7 @@ def _config(root: Path, backend: DiskBackend) -> CacheConfig:
 
 def _drop_cached_metadata(mount: Path) -> None:
     """Every metadata block of the ext4 at ``mount`` out of the cache: the journal checkpointed (its
-    blocks written home and let go), then the block device's clean pages dropped."""
-    os.sync()
+    blocks written home and let go: a commit first), then the block device's clean pages dropped."""
     fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.ioctl(fd, EXT4_IOC_CHECKPOINT, struct.pack("I", 0))
