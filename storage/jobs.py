@@ -393,9 +393,14 @@ class IOSlots:
 
 
 async def wait_uncancelled(task: asyncio.Future[Any]) -> None:
-    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards)."""
+    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards), and
+    retrieve its outcome: the cancelled caller never reads it, and a failure left unread was logged
+    by asyncio as "exception was never retrieved" (review 284: a pending-delete save cut while a
+    frozen file system held its thread, failing at the thaw)."""
     while not task.done():
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:
             continue
+    if not task.cancelled():
+        task.exception()
