@@ -201,13 +201,17 @@ async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
                 if not torch.equal(got, want[layer]):
                     # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
                     # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
+                    original = rank_kv(full, layout, rank, tp)
                     rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
-                    final = (await ranks.dump(rank))[layer, target]
-                    late = int((final != want[layer]).flatten(1).any(1).sum())
-                    traced = list(zip((rows + 1).tolist(), origins(rank_kv(full, layout, rank, tp), got[rows]),
-                                      strict=True))
-                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait, {late} still "
-                                f"wrong after finish; (token, (held layer, held slot)): {traced[:6]} .. {traced[-2:]}")
+                    traced = list(zip((rows + 1).tolist(), origins(original, got[rows]), strict=True))
+                    final = (await ranks.dump(rank))[:, target]
+                    after = []  # per layer after finish: wrong rows, and where the first two came from
+                    for each in range(layout.num_layers):
+                        bad = (final[each] != want[each]).flatten(1).any(1).nonzero().flatten()
+                        after.append((each, len(bad), list(zip((bad[:2] + 1).tolist(),
+                                                               origins(original, final[each][bad[:2]]), strict=True))))
+                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait; (token, (held "
+                                f"layer, held slot)): {traced[:6]} .. {traced[-2:]}; after finish, per layer: {after}")
             assert torch.equal((await ranks.dump(rank))[:, target], want)
         await ranks.stop_all()
         assert cache.group.jobs.in_flight == 0
@@ -254,13 +258,17 @@ async def test_cuda_ranks_paced_layered_load_bit_exact_per_layer(
                 if not torch.equal(got, want[layer]):
                     # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
                     # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
+                    original = rank_kv(full, layout, rank, tp)
                     rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
-                    final = (await ranks.dump(rank))[layer, target]
-                    late = int((final != want[layer]).flatten(1).any(1).sum())
-                    traced = list(zip((rows + 1).tolist(), origins(rank_kv(full, layout, rank, tp), got[rows]),
-                                      strict=True))
-                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait, {late} still "
-                                f"wrong after finish; (token, (held layer, held slot)): {traced[:6]} .. {traced[-2:]}")
+                    traced = list(zip((rows + 1).tolist(), origins(original, got[rows]), strict=True))
+                    final = (await ranks.dump(rank))[:, target]
+                    after = []  # per layer after finish: wrong rows, and where the first two came from
+                    for each in range(layout.num_layers):
+                        bad = (final[each] != want[each]).flatten(1).any(1).nonzero().flatten()
+                        after.append((each, len(bad), list(zip((bad[:2] + 1).tolist(),
+                                                               origins(original, final[each][bad[:2]]), strict=True))))
+                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait; (token, (held "
+                                f"layer, held slot)): {traced[:6]} .. {traced[-2:]}; after finish, per layer: {after}")
             assert torch.equal((await ranks.dump(rank))[:, target], want)
             stats = await ranks.ask(rank, "stats")
             assert stats.paced_loads == 1, "the rank queued its layered load whole"
