@@ -963,7 +963,7 @@ class UringPageIO:
         if path is None:
             buffer = ctypes.create_string_buffer(encoded)
             path, keep = ctypes.addressof(buffer), (buffer, keep)
-        # READ_FLAGS but O_CLOEXEC (see start_publish).
+        # READ_FLAGS without O_CLOEXEC (see start_publish).
         flags = (READ_FLAGS & ~os.O_CLOEXEC) | os.O_DIRECT
         moves = self._transfer(False, slot, True, slot, page)
         # OPENAT into the entry, the transfer, FIXED_FD_INSTALL, CLOSE of the entry (SQE tuples as
