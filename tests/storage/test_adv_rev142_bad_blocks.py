@@ -23,7 +23,8 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,45 @@ def device_ranges(path: str, start: int, end: int) -> list[tuple[int, int]]:
     if covered != end - start:
         raise AssertionError(f"{path}: [{start}, {end}) is not all mapped ({covered} bytes)")
     return out
+
+
+_FIFREEZE, _FITHAW = 0xC0045877, 0xC0045878  # _IOWR('X', 119 and 120, int)
+
+
+def _held_open(path: Path) -> list[str]:
+    """Descriptors of any process naming ``path`` or a file under it (a file held open pins its
+    dentry: a lookup of it never reads the directory's block)."""
+    held = []
+    for link in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            if os.readlink(link).startswith(str(path)):
+                held.append(str(link))
+    return held
+
+
+def drop_caches_until(path: Path, uncached: Callable[[], bool]) -> str | None:
+    """Caches dropped until ``uncached()``: the next access to ``path`` reads the device (the bad
+    blocks set there meet it). Each round writes back and checkpoints the journal of ``path``'s file
+    system (a freeze and a thaw: ``drop_caches`` cannot drop a metadata block the journal still
+    holds, and the checkpoint lags on a busy host), then drops clean pages, dentries and inodes.
+    No ``sync()``: it writes back every file system of the host, and waits as long as another
+    test's held one does. Rounds until ``uncached()`` or past BOUND_S; returns None, or why it is
+    still cached."""
+    deadline = time.monotonic() + BOUND_S
+    rounds = 0
+    while True:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, _FIFREEZE, 0)  # writes back, then ext4 commits and checkpoints the whole journal
+            fcntl.ioctl(fd, _FITHAW, 0)
+        finally:
+            os.close(fd)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        rounds += 1
+        if uncached():
+            return None
+        if time.monotonic() > deadline:
+            return f"{rounds} rounds of checkpoint and drop in {BOUND_S:.0f} s; held open: {_held_open(path)}"
 
 
 async def _empty_entries(io: UringPageIO) -> list[int]:

@@ -20,7 +20,7 @@ import pytest
 from disk_helpers import assert_clean, config, key_of
 from follow_helpers import Looks, started
 from loop_probes import until_thread
-from test_adv_rev142_bad_blocks import bad_block_ext4, device_ranges
+from test_adv_rev142_bad_blocks import bad_block_ext4, device_ranges, drop_caches_until
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _old_copy_back, _served
@@ -31,14 +31,6 @@ from aiokv.pool import PagePool
 from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 
 TAG = 0x5A
-
-
-def _drop_caches() -> None:
-    """Written back, then the clean page cache and unused dentries dropped: the next lookup in the
-    fan-out directory reads its block from the device (the bad one)."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def _unlink_errno(path: Path) -> int:
@@ -69,14 +61,10 @@ async def test_a_page_whose_unlink_met_eio_is_never_served_after_a_restart(
             page = fanout / victim.hex()
             for start, end in device_ranges(str(fanout), 0, fanout.stat().st_size):  # its blocks
                 bad.bad("read", start, end)
-            errno_now = 0
-            for _ in range(10):  # a block the journal still held is dropped at the next round (2 here)
-                await asyncio.to_thread(_drop_caches)
-                errno_now = await asyncio.to_thread(_unlink_errno, page)
-                if errno_now:
-                    break
-            if errno_now == 0:
-                pytest.fail("the fan-out directory's block was still cached: no EIO to inject")
+            why = await asyncio.to_thread(drop_caches_until, fanout, lambda: _unlink_errno(page) != 0)
+            if why is not None:
+                pytest.fail(f"the fan-out directory's block was still cached: no EIO to inject ({why})")
+            errno_now = await asyncio.to_thread(_unlink_errno, page)
             faults = a.statistics().errors
             checks = LockChecks(a) if then == "lock_check" else None
             await a.delete(victim)  # its unlink's lookup reads the bad block: EIO
@@ -132,6 +120,7 @@ async def test_a_write_deleted_in_flight_whose_unlink_met_eio_is_never_served(
             ranges = device_ranges(str(fanout), 0, fanout.stat().st_size)
             real_end = a._end_write
             injected: list[int] = []
+            still_cached: list[str | None] = []
 
             def end_write(job: Any, stored: bool) -> None:
                 # The write published its file; its delete's unlink comes next: the block goes bad
@@ -139,11 +128,8 @@ async def test_a_write_deleted_in_flight_whose_unlink_met_eio_is_never_served(
                 if job.key == victim and stored and not injected:
                     for start, end in ranges:
                         bad.bad("read", start, end)
-                    for _ in range(10):
-                        _drop_caches()
-                        injected.append(_unlink_errno(page))
-                        if injected[-1]:
-                            break
+                    still_cached.append(drop_caches_until(fanout, lambda: _unlink_errno(page) != 0))
+                    injected.append(_unlink_errno(page))
                 real_end(job, stored)
 
             a._end_write = end_write  # type: ignore[method-assign]
@@ -157,7 +143,7 @@ async def test_a_write_deleted_in_flight_whose_unlink_met_eio_is_never_served(
             await a.delete(victim)  # carried out when the write lands
             await writing
             await _settled(a)
-            assert injected and injected[-1], f"no EIO injected at the write's end: {injected}"
+            assert injected and injected[-1], f"no EIO injected at the write's end: {injected} {still_cached}"
             bad.good()
             assert page.exists(), "the unlink at the write's end did not fail: nothing to test"
             assert not a.contains(victim) and not await _served(a, victim, size)

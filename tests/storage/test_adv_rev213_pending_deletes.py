@@ -34,7 +34,7 @@ import pytest
 from child_procs import end_child, fork_context
 from disk_helpers import assert_clean, config, key_of, small_layout
 from follow_helpers import Looks, started
-from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
+from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges, drop_caches_until
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
@@ -71,11 +71,9 @@ def _make_fanout_bad(bad: BadBlocks, fanout: Path, page: Path) -> None:
     """Every block of ``fanout`` answers EIO on read, and is no longer cached: a lookup there fails."""
     for start, end in device_ranges(str(fanout), 0, fanout.stat().st_size):
         bad.bad("read", start, end)
-    for _ in range(10):  # a block the journal still held is dropped at a later round
-        _drop_caches()
-        if _lookup_errno(page):
-            return
-    pytest.fail("the fan-out directory's block was still cached: no EIO to inject")
+    why = drop_caches_until(fanout, lambda: _lookup_errno(page) != 0)
+    if why is not None:
+        pytest.fail(f"the fan-out directory's block was still cached: no EIO to inject ({why})")
 
 
 def deleting_child(directory: str, backend: str, then: str, conn: Connection) -> None:

@@ -35,7 +35,7 @@ from take_over_helpers import (
     take_over_config,
     took_over,
 )
-from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges
+from test_adv_rev142_bad_blocks import BadBlocks, bad_block_ext4, device_ranges, drop_caches_until
 from test_adv_rev175_fanouts import _bytes_of
 from test_adv_rev181_put_back import _settled
 from test_adv_rev188_deletes_away import _served
@@ -70,11 +70,9 @@ def _make_unreadable(how: str, record: Path, bad: BadBlocks) -> None:
         return
     for start, end in device_ranges(str(record), 0, record.stat().st_size):
         bad.bad("read", start, end)
-    for _ in range(10):  # a block the journal still held is dropped at a later round
-        _drop_caches()
-        if _read_errno(record.parent) == errno.EIO:
-            return
-    pytest.fail("the record's block was still cached: no EIO to inject")
+    why = drop_caches_until(record, lambda: _read_errno(record.parent) == errno.EIO)
+    if why is not None:
+        pytest.fail(f"the record's block was still cached: no EIO to inject ({why})")
 
 
 @pytest.mark.root
