@@ -36,6 +36,7 @@ from aiokv.pool import PagePool, run_in_new_thread
 from aiokv.rates_file import RatesFileError, decode_rates, encode_rates, read_rates_file, write_rates_file
 from aiokv.results import CacheStatistics, Tier
 from aiokv.storage import DiskTier
+from aiokv.storage.disk import CLOSE_STALL_S
 from aiokv.storage.faults import fault_name
 from aiokv.transfers import Transfers
 
@@ -85,6 +86,13 @@ RATES_READ_WAIT_S = 1.0
 longer in the kernel (a hung device, a stuck network file system) goes on in the background and
 restores the rates once it ends, counted ``rates_late``: the start must not hang on a hint (it
 did, for as long as the device did: review 114)."""
+RATES_CLOSE_WAIT_S = CLOSE_STALL_S
+"""The least a close waits for its rates save, whatever is left of ``close_timeout`` (background
+jobs may have used it all up): a healthy save takes milliseconds, so one not over by then is held
+in the kernel (a frozen file system) or behind another process's lock; it is counted
+``rates_not_saved`` and left to end in its thread. As the disk tier's close is given up only past
+:data:`~aiokv.storage.disk.CLOSE_STALL_S`: a healthy save given 0 s was counted as a fault, then
+left to land unwaited (after the close returned, if the loop still ran)."""
 
 
 class CacheManager(LoadPath, OffloadPath):
@@ -228,13 +236,15 @@ class CacheManager(LoadPath, OffloadPath):
             # (the directory's flock kept by a stopped process: RATES_LOCK_WAIT_S) once used it all
             # up, and the tier, given 0 s, dropped its queued pages as if its I/O were stuck
             # (review 122). The save writes through its own descriptor of the tier's directory.
+            # It is waited for at least RATES_CLOSE_WAIT_S: a healthy save, given what the jobs left
+            # (0 s), was counted as not saved; a save held in the kernel still ends the wait.
             try:
                 held: int | None = self._disk.layout_dir_fd()
             except (OSError, RuntimeError):
                 held = None  # the save tries again itself, and counts what it meets
             saving = asyncio.ensure_future(self._save_rates(held))
             closing = asyncio.ensure_future(self._disk.close_within(max(0.0, deadline - loop.time())))
-            done, _ = await asyncio.wait({saving}, timeout=max(0.0, deadline - loop.time()))
+            done, _ = await asyncio.wait({saving}, timeout=max(RATES_CLOSE_WAIT_S, deadline - loop.time()))
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
                 self.faults.record("rates_not_saved", "rates file still being written at close")
             elif not saving.cancelled() and (exc := saving.exception()) is not None:
