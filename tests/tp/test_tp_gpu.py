@@ -43,6 +43,23 @@ SLOTS = 256
 PAGES = 12
 
 
+async def _wrong_layer(ranks: RankProcesses, rank: int, layer: int, got: torch.Tensor, original: torch.Tensor,
+                       want: torch.Tensor, target: torch.Tensor) -> str:
+    """Where a wrong layer snapshot's rows come from: the slot's old bytes (read too early) or another
+    layer's or token's (a misplaced write; seen once on an H100, stop 56); and, after finish, per
+    layer how many rows are wrong and where the first two came from."""
+    rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
+    traced = list(zip((rows + 1).tolist(), origins(original, got[rows]), strict=True))
+    final = (await ranks.dump(rank))[:, target]
+    after = []
+    for each in range(want.shape[0]):
+        bad = (final[each] != want[each]).flatten(1).any(1).nonzero().flatten()
+        after.append((each, len(bad), list(zip((bad[:2] + 1).tolist(), origins(original, final[each][bad[:2]]),
+                                               strict=True))))
+    return (f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait; (token, (held layer, held slot)): "
+            f"{traced[:6]} .. {traced[-2:]}; after finish, per layer: {after}")
+
+
 @pytest_asyncio.fixture
 async def spawned() -> AsyncIterator[list[RankProcesses]]:
     groups: list[RankProcesses] = []
@@ -199,19 +216,8 @@ async def test_cuda_ranks_layered_load_orders_the_engine_stream_per_layer(
                 assert ok is True
                 got = ranks.tensor(raw)
                 if not torch.equal(got, want[layer]):
-                    # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
-                    # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
-                    original = rank_kv(full, layout, rank, tp)
-                    rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
-                    traced = list(zip((rows + 1).tolist(), origins(original, got[rows]), strict=True))
-                    final = (await ranks.dump(rank))[:, target]
-                    after = []  # per layer after finish: wrong rows, and where the first two came from
-                    for each in range(layout.num_layers):
-                        bad = (final[each] != want[each]).flatten(1).any(1).nonzero().flatten()
-                        after.append((each, len(bad), list(zip((bad[:2] + 1).tolist(),
-                                                               origins(original, final[each][bad[:2]]), strict=True))))
-                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait; (token, (held "
-                                f"layer, held slot)): {traced[:6]} .. {traced[-2:]}; after finish, per layer: {after}")
+                    pytest.fail(await _wrong_layer(ranks, rank, layer, got, rank_kv(full, layout, rank, tp), want,
+                                                   target))
             assert torch.equal((await ranks.dump(rank))[:, target], want)
         await ranks.stop_all()
         assert cache.group.jobs.in_flight == 0
@@ -256,19 +262,8 @@ async def test_cuda_ranks_paced_layered_load_bit_exact_per_layer(
                 assert ok is True
                 got = ranks.tensor(raw)
                 if not torch.equal(got, want[layer]):
-                    # Where the wrong rows' bytes come from: the slot's old bytes (read too early) or
-                    # another layer's or token's (a misplaced write; seen once on an H100, stop 56).
-                    original = rank_kv(full, layout, rank, tp)
-                    rows = (got != want[layer]).flatten(1).any(1).nonzero().flatten()
-                    traced = list(zip((rows + 1).tolist(), origins(original, got[rows]), strict=True))
-                    final = (await ranks.dump(rank))[:, target]
-                    after = []  # per layer after finish: wrong rows, and where the first two came from
-                    for each in range(layout.num_layers):
-                        bad = (final[each] != want[each]).flatten(1).any(1).nonzero().flatten()
-                        after.append((each, len(bad), list(zip((bad[:2] + 1).tolist(),
-                                                               origins(original, final[each][bad[:2]]), strict=True))))
-                    pytest.fail(f"rank {rank} layer {layer}: {len(rows)} rows wrong after its wait; (token, (held "
-                                f"layer, held slot)): {traced[:6]} .. {traced[-2:]}; after finish, per layer: {after}")
+                    pytest.fail(await _wrong_layer(ranks, rank, layer, got, rank_kv(full, layout, rank, tp), want,
+                                                   target))
             assert torch.equal((await ranks.dump(rank))[:, target], want)
             stats = await ranks.ask(rank, "stats")
             assert stats.paced_loads == 1, "the rank queued its layered load whole"
