@@ -567,11 +567,7 @@ class UringPageIO:
         self._ext_jobs[job] = stop
         job.add_done_callback(self._ext_jobs.pop)
         try:
-            await wait_uncancelled(job, stop)
-        except asyncio.CancelledError:
-            # The thread's error is logged for a caller that is gone (it was never retrieved before).
-            _pinning_cut(job, length, address)
-            raise
+            cut = await wait_uncancelled(job, stop)
         finally:
             # What was pinned is used, even by a cancelled caller: the kernel holds it either way.
             for region in done:
@@ -583,6 +579,10 @@ class UringPageIO:
             else:
                 view.release()
             del view  # kept by the tier or released: not by this frame, which a traceback may keep
+        if cut:
+            # The thread's error is logged for a caller that is gone (it was never retrieved before).
+            _pinning_cut(job, length, address)
+            raise asyncio.CancelledError
         error = job.exception()
         if error is not None:
             if not isinstance(error, OSError):
@@ -1280,8 +1280,7 @@ class ThreadPageIO:
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
-            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: raised below all the same
-                await wait_uncancelled(job)
+            await wait_uncancelled(job)  # (its failure, retrieved there, is no one's: the start was cut)
             await io._end_workers()
             raise
         return io

@@ -21,12 +21,13 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
 from .memory import PageBuffer
+from .memory import wait_uncancelled as wait_uncancelled  # one wait for every caller (tierbase, disk, followpath)
 from .uring import TURNS, not_started
 
 
@@ -390,17 +391,3 @@ class IOSlots:
             queue.remove(job)
         job.then = None
         return True
-
-
-async def wait_uncancelled(task: asyncio.Future[Any]) -> None:
-    """Wait for ``task`` even if cancelled again meanwhile (the caller re-raises afterwards), and
-    retrieve its outcome: the cancelled caller never reads it, and a failure left unread was logged
-    by asyncio as "exception was never retrieved" (review 284: a pending-delete save cut while a
-    frozen file system held its thread, failing at the thaw)."""
-    while not task.done():
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            continue
-    if not task.cancelled():
-        task.exception()

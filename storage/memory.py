@@ -163,10 +163,16 @@ class BufferTable:
             return first
 
 
-async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | None = None) -> None:
-    """Wait for ``job`` even if cancelled meanwhile (the ring must outlive the syscall using it);
-    a cancellation sets ``stop`` (the job's thread looks at it between pieces) and is re-raised
-    afterwards."""
+async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | None = None) -> bool:
+    """Wait for ``job`` even if cancelled meanwhile (its thread uses what the caller must not
+    release under it: the ring, the tier's descriptors); a cancellation sets ``stop`` (the job's
+    thread looks at it between pieces). Returns whether this wait was cancelled: the caller
+    re-raises ``CancelledError`` then.
+
+    Retrieves the job's outcome: a cancelled caller never reads it, and a failure left unread was
+    logged by asyncio as "Future exception was never retrieved" in the engine's loop (review 284:
+    a pending-delete save cut while a frozen file system held its thread, failing at the thaw; a
+    threads backend's start cut while its workers started, failing to start one)."""
     cancelled = False
     while not job.done():
         try:
@@ -175,8 +181,9 @@ async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | Non
             cancelled = True
             if stop is not None:
                 stop.set()
-    if cancelled:
-        raise asyncio.CancelledError
+    if not job.cancelled():
+        job.exception()
+    return cancelled
 
 
 def update_in_batches(engine: uring.UringEngine, regions: Sequence[uring.Region], stop: threading.Event,
