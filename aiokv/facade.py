@@ -122,5 +122,6 @@ class CacheFacade(abc.ABC):
         self._manager.costs.prefill.update(tokens, seconds, prefix)
 
     def stats(self) -> CacheStatistics:
-        """A frozen snapshot of the counters."""
+        """A frozen snapshot of the counters, in every state (before the start, after a failed or
+        cancelled one, after the close); without a pool, its counts are zeros."""
         return self._manager.stats()

@@ -32,7 +32,7 @@ from aiokv.config import CacheConfig
 from aiokv.layout import KVLayout
 from aiokv.loadpath import LoadPath
 from aiokv.offloadpath import OffloadPath
-from aiokv.pool import PagePool, run_in_new_thread
+from aiokv.pool import PagePool, PoolStatistics, run_in_new_thread
 from aiokv.rates_file import RatesFileError, decode_rates, encode_rates, read_rates_file, write_rates_file
 from aiokv.results import CacheStatistics, Tier
 from aiokv.storage import DiskTier
@@ -432,8 +432,11 @@ class CacheManager(LoadPath, OffloadPath):
     # -- statistics -----------------------------------------------------------------------------
 
     def stats(self) -> CacheStatistics:
-        """A frozen snapshot of the counters."""
-        pool = self.pool.statistics()
+        """A frozen snapshot of the counters, in every state: before the start, while it runs, after
+        it failed or was cancelled, after the close. Without a pool (none opened yet, or the start
+        was cut before it opened) the pool's counts are zeros (:meth:`PoolStatistics.unopened`);
+        a monitor calls this at any time (it raised "not started" after a cancelled start)."""
+        pool = self._pool.statistics() if self._pool is not None else PoolStatistics.unopened(self.layout.page_bytes)
         disk = self._disk.statistics() if self._disk is not None else None
         errors = dict(self.faults.counts())  # the disk tier's faults included: it shares the log
         if disk is not None:

@@ -84,10 +84,7 @@ class CacheCollector:
                 family.add_metric([*base, key] if label else list(base), value)
 
         for base, cache in caches:
-            try:
-                s = cache.stats()
-            except RuntimeError:
-                continue  # not started or already closed: nothing to export now
+            s = cache.stats()  # in every state: zeros before the pool opened
             c, g = CounterMetricFamily, GaugeMetricFamily
             add(c, "lookups", "Calls to match.", None, base, {"": s.lookups})
             add(c, "hit_tokens", "Tokens matched, by tier.", "tier", base,

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
@@ -62,6 +62,14 @@ class PoolStatistics:
     chunks_ready: int
     chunks_failed: int
     cuda_registered: bool
+
+    @classmethod
+    def unopened(cls, page_bytes: int) -> PoolStatistics:
+        """A pool that does not exist (yet, or ever: a start not begun, or cut before its pool
+        opened): no name, no pages, every count zero."""
+        pages = PageTableStatistics(**{f.name: 0 for f in fields(PageTableStatistics)})
+        return cls(name="", page_bytes=page_bytes, pages=pages, chunks_total=0, chunks_ready=0,
+                   chunks_failed=0, cuda_registered=False)
 
 
 def _page_tensor(buffer: memoryview, layout: KVLayout, count: int) -> torch.Tensor:
