@@ -70,6 +70,16 @@ class _FdHandoff:
             os.close(fd)
 
 
+class _GivenUp:
+    """Set by the close that gave up waiting for its rates save and counted it ``rates_not_saved``:
+    that save, failing later in its thread, is not counted a second time."""
+
+    __slots__ = ("counted",)
+
+    def __init__(self) -> None:
+        self.counted = False
+
+
 def _write_rates_handed(directory: Path, data: bytes, handoff: _FdHandoff) -> bool:
     return write_rates_file(directory, data, handoff.take())
 
@@ -242,10 +252,13 @@ class CacheManager(LoadPath, OffloadPath):
                 held: int | None = self._disk.layout_dir_fd()
             except (OSError, RuntimeError):
                 held = None  # the save tries again itself, and counts what it meets
-            saving = asyncio.ensure_future(self._save_rates(held))
+            given_up = _GivenUp()
+            saving = asyncio.ensure_future(self._save_rates(held, given_up))
             closing = asyncio.ensure_future(self._disk.close_within(max(0.0, deadline - loop.time())))
             done, _ = await asyncio.wait({saving}, timeout=max(RATES_CLOSE_WAIT_S, deadline - loop.time()))
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
+                # Counted here, once: a failure of it once its thread goes on is not counted again.
+                given_up.counted = True
                 self.faults.record("rates_not_saved", "rates file still being written at close")
             elif not saving.cancelled() and (exc := saving.exception()) is not None:
                 self.faults.record("rates_not_saved", f"rates not saved at close: {exc!r}")
@@ -398,11 +411,11 @@ class CacheManager(LoadPath, OffloadPath):
 
         self.track(task, settled)  # flush/aclose wait for it
 
-    async def _save_rates(self, held: int | None = None) -> None:
+    async def _save_rates(self, held: int | None = None, given_up: _GivenUp | None = None) -> None:
         """Write the rates file off the loop when they changed since the last save; only the
-        directory's lock holder writes. A failed write is counted. ``held``: a descriptor of the
-        tier's directory (:meth:`DiskTier.layout_dir_fd`, taken before its close began) that this
-        call owns."""
+        directory's lock holder writes. A failed write is counted, unless the close that gave up
+        waiting for it counted it already (``given_up``). ``held``: a descriptor of the tier's
+        directory (:meth:`DiskTier.layout_dir_fd`, taken before its close began) that this call owns."""
         try:
             async with self._rates_lock:
                 disk, kind = self._disk, self.device_kind
@@ -421,7 +434,11 @@ class CacheManager(LoadPath, OffloadPath):
                                                               handoff), "aiokv-rates", _nothing)
                 except (OSError, RuntimeError) as exc:  # RuntimeError: the tier closed, or no thread left
                     self._rates_dirty = True
-                    self.faults.record("rates_not_saved", f"rates not saved in {disk.files.layout_dir}: {exc}")
+                    what = f"rates not saved in {disk.files.layout_dir}: {exc}"
+                    if given_up is not None and given_up.counted:
+                        log.info("aiokv: %s (the save the close gave up, counted then)", what)
+                    else:
+                        self.faults.record("rates_not_saved", what)
                 finally:
                     if handoff is not None:
                         handoff.close_untaken()  # its thread never ran: could not start, or not yet

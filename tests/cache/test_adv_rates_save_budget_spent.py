@@ -5,7 +5,8 @@ still being written at close") although nothing was wrong, and left to land unwa
 during the tier's close). Now the close waits for its save at least
 ``RATES_CLOSE_WAIT_S`` (as the disk tier's close gets ``CLOSE_STALL_S``): the healthy save lands
 before the close returns, uncounted. A save held in the kernel (a frozen file system, root) still
-does not hang the close: given up past that wait, counted, left to end in its thread.
+does not hang the close: given up past that wait, counted, left to end in its thread; counted once,
+even where it fails there later (it was counted again by the save itself).
 
 The job is one the manager tracks and nobody awaits (``CacheManager.track``, as an abandoned copy
 is), held past the bound; the disk tier, its file system and the rates file are real."""
@@ -13,6 +14,7 @@ is), held past the bound; the disk tier, its file system and the rates file are 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 import time
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from cache_helpers import DEVICE, LAYOUT, make_kv
-from loop_probes import until_thread
+from loop_probes import until_thread, waiting_in
 
 from aiokv import CacheConfig, KVCache
 from aiokv.manager import RATES_CLOSE_WAIT_S
@@ -117,3 +119,38 @@ async def test_a_save_held_in_the_kernel_with_the_budget_spent_keeps_the_close_b
         await until_thread(lambda: not any(t.name == "aiokv-rates" for t in threading.enumerate())
                            and not any(p.name.startswith(RATES_TEMP) for p in rates.parent.iterdir()),
                            "a rates thread or a temporary rates file was left", timeout_s=10.0)
+
+
+@pytest.mark.root
+@pytest.mark.asyncio
+async def test_a_save_given_up_at_close_that_fails_once_thawed_is_counted_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The save given up at the close (counted there) fails later in its thread: thawed, its rename
+    meets a directory planted at the rates file's name (EISDIR). It was counted a second time by
+    the save itself (``rates_not_saved`` 2 for one save); now once, its failure logged (info)."""
+    caplog.set_level(logging.INFO, logger="aiokv.cache")
+    with loop_ext4(tmp_path, 16) as mount:
+        cache = KVCache(_config(mount / "kv"), LAYOUT, make_kv(1))
+        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            rates = await _taught_since_the_last_save(cache)
+            rates.unlink()
+            rates.mkdir()  # the save's rename over it fails (EISDIR) once the file system is thawed
+            cache.manager.track(held, lambda: None)
+            freeze(mount)
+            await cache.aclose()
+            assert cache.stats().errors.get("rates_not_saved") == 1, cache.stats().errors  # given up, counted
+            saves = [t for t in asyncio.all_tasks() if waiting_in(t, "_save_rates")]
+            assert len(saves) == 1, saves  # the given-up save, still held in the kernel
+        finally:
+            thaw(mount)
+            held.set_result(None)
+            await cache.aclose()
+        done, _ = await asyncio.wait(saves, timeout=10.0)
+        assert done, "the given-up save did not end once thawed"
+        assert rates.is_dir()
+        assert cache.stats().errors.get("rates_not_saved") == 1, cache.stats().errors  # was 2
+        failed = [r.getMessage() for r in caplog.records if "the save the close gave up" in r.getMessage()]
+        assert len(failed) == 1 and "Is a directory" in failed[0], failed  # it did fail, in its thread
+        await until_thread(lambda: not any(t.name == "aiokv-rates" for t in threading.enumerate()),
+                           "a rates thread was left", timeout_s=10.0)
