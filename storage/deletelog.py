@@ -123,20 +123,58 @@ def load_deletes_retrying(dir_fd: int, retrying: Callable[[OSError], None]) -> d
     return load_deletes(dir_fd)
 
 
-def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:
-    """Replace the record in ``dir_fd`` with ``records`` atomically (unlinked when empty), durable
-    when this returns. Raises ``OSError`` (EROFS, ENOSPC, EIO...): then the old record stands."""
+PLANTED_PREFIX = ".deletes.planted-"
+"""A directory planted at the record's names, not empty, is renamed aside to this prefix and the
+time (ns), in the layout directory: its content is left as it is, for whoever planted it."""
+
+Planted = list[OSError]
+"""Directories planted in the record's way that a save moved: each an EISDIR (the fault to count)
+naming the planted name and saying what was done."""
+
+
+def _clear_planted(dir_fd: int, name: str, moved: Planted) -> None:
+    """``name`` met EISDIR: a directory (the tier makes none there; a rename or unlink cannot
+    replace one). Removed when empty (``rmdir`` removes nothing else), else renamed aside to a
+    :data:`PLANTED_PREFIX` name in ``dir_fd`` — names only: nothing in it is followed, read or
+    removed, nothing outside the directory touched. Raises ``OSError`` when neither works (the
+    name is something else by now: the save fails and is tried again later)."""
     try:
-        os.unlink(DELETES_TEMP, dir_fd=dir_fd)  # a crash's leftover (never followed: unlink takes the name)
+        os.rmdir(name, dir_fd=dir_fd)
+        done = "removed (empty)"
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        aside = f"{PLANTED_PREFIX}{time.time_ns()}"
+        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        done = f"renamed aside to {aside} (not empty: its content left as it is)"
+    moved.append(IsADirectoryError(errno.EISDIR, f"a directory planted there, {done}", name))
+
+
+def _unlink_record_name(dir_fd: int, name: str, moved: Planted) -> bool:
+    """Unlink ``name`` (never followed: unlink takes the name), a planted directory cleared
+    (:func:`_clear_planted`); False when there was none."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
-        pass
+        return False
+    except IsADirectoryError:
+        _clear_planted(dir_fd, name, moved)
+    return True
+
+
+def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> Planted:
+    """Replace the record in ``dir_fd`` with ``records`` atomically (unlinked when empty), durable
+    when this returns. A directory planted at ``.deletes`` or ``.deletes.new`` (no rename or unlink
+    replaces one: before, review 289, the record was never replaced, and every later start served
+    no page it found) is removed when empty, else renamed aside (:func:`_clear_planted`); returns
+    those, for the caller to count. Raises ``OSError`` (EROFS, ENOSPC, EIO...): then the old record
+    stands."""
+    moved: Planted = []
+    _unlink_record_name(dir_fd, DELETES_TEMP, moved)  # a crash's leftover
     if not records:
-        try:
-            os.unlink(DELETES_NAME, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return
-        os.fsync(dir_fd)
-        return
+        if _unlink_record_name(dir_fd, DELETES_NAME, moved):
+            os.fsync(dir_fd)
+        return moved
     fd = os.open(DELETES_TEMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                  dir_fd=dir_fd)
     try:
@@ -147,7 +185,11 @@ def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(DELETES_TEMP, DELETES_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            os.rename(DELETES_TEMP, DELETES_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except IsADirectoryError:
+            _clear_planted(dir_fd, DELETES_NAME, moved)
+            os.rename(DELETES_TEMP, DELETES_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
             os.unlink(DELETES_TEMP, dir_fd=dir_fd)
@@ -155,16 +197,18 @@ def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> None:
             pass
         raise
     os.fsync(dir_fd)
+    return moved
 
 
-def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey], replace: bool = False) -> None:
+def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey], replace: bool = False) -> Planted:
     """The record on disk less ``dropped``, with ``kept`` (newer times win), saved
     (:func:`save_deletes`). Merged rather than replaced: a tier that took the directory over keeps
     what the cache before it recorded. A damaged record is replaced by ``kept`` (its start-time
     handling is :func:`~.layoutdir.apply_deletes`'), and with ``replace`` so is one that cannot be
     read (EIO: the tier took its deletes for unknown); a passing fault (:data:`TRANSIENT_ERRNOS`)
     raises, as any read fault without ``replace`` (the save is tried again later). One that reads
-    is merged even so: a cache that holds the directory now (the tier not told yet) keeps its own."""
+    is merged even so: a cache that holds the directory now (the tier not told yet) keeps its own.
+    Returns the planted directories the save moved (:func:`save_deletes`)."""
     try:
         on_disk = load_deletes(dir_fd)
     except DeletesCorrupt:
@@ -176,4 +220,5 @@ def update_deletes(dir_fd: int, kept: dict[PageKey, int], dropped: set[PageKey],
     merged = {key: when for key, when in on_disk.items() if key not in dropped}
     merged.update(kept)
     if merged != on_disk or not merged:
-        save_deletes(dir_fd, merged)
+        return save_deletes(dir_fd, merged)
+    return []

@@ -490,7 +490,7 @@ def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int],
             except OSError:
                 kept[key] = result.deletes[key]
     try:
-        save_deletes(dir_fd, kept)
+        result.faults += [(exc, f"replacing {shown / DELETES_NAME} (taken over)") for exc in save_deletes(dir_fd, kept)]
     except OSError as exc:
         result.faults.append((exc, f"saving {shown / DELETES_NAME} (taken over)"))
         return

@@ -666,7 +666,7 @@ class TierBase(TierEdge):
             job = run_in_new_thread(functools.partial(update_deletes, dir_fd, kept, dropped, replace),
                                     "aiokv-disk-deletes", _nothing)
             try:
-                await asyncio.shield(job)
+                planted = await asyncio.shield(job)
             except asyncio.CancelledError:
                 await wait_uncancelled(job)  # (the thread uses the tier's directory descriptor)
                 raise
@@ -677,6 +677,9 @@ class TierBase(TierEdge):
                 if exc.errno == errno.EROFS:
                     self._enter_read_only(ReadOnly.FILE_SYSTEM)
                 return
+            for fault in planted:  # a directory planted in the record's way, moved (review 289)
+                self._faults.count(fault, "replacing the pending-delete record")
+                log.warning("disk tier: replacing the pending-delete record in %s: %s", self.files.layout_dir, fault)
             self._deletes_saved = max(self._deletes_saved, version)
             self._deletes_save_failed = False
             if replace:
