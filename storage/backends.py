@@ -1031,6 +1031,12 @@ class UringPageIO:
         the fault, or the checked way where the chain cannot tell (an EINVAL open, no install, an
         EAGAIN read, a short read)."""
         opened, installed = results[0], results[-2]
+        if opened < 0 and opened != -errno.ECANCELED and results.count(opened) == len(results):
+            # A submission the kernel refused (io_uring_enter failed: every op answers its errno,
+            # none ran): this read's fault, a counted miss. Says nothing of the chain: taken for
+            # "cannot install", a passing refusal turned chain reads off for good (review 289).
+            done(OSError(-opened, os.strerror(-opened)))
+            return
         if opened >= 0 and installed in _INSTALL_WANTS_ROOM:
             # The install found no free descriptor (the process's limit, for now): this read alone
             # goes the checked way. Taken for "cannot install here", one moment at the limit sent
