@@ -173,20 +173,29 @@ def _unreadable(directory: Path, why: str) -> OwnedElsewhere:
     )
 
 
-def judge(found: OwnerRecord, directory: Path) -> None:
-    """Return when this process may judge ``found``'s manager by its socket (this boot, this mount)
-    or knows it dead (this host before its last boot); raise :class:`OwnedElsewhere` otherwise."""
+def owned_elsewhere(found: OwnerRecord, directory: Path) -> str | None:
+    """Where ``found``'s manager runs when its socket cannot be probed from this process ("another
+    host", "this host through another mount of it (...)"); None when it can (this boot, this mount)
+    or that manager is dead for sure (this host before its last boot). Raises ``OSError`` where the
+    directory cannot be looked at."""
     me = this_host()
     same_machine = found.host == me.host and found.machine == me.machine
     if found.boot == me.boot and (me.boot or same_machine):
         dev = os.lstat(directory).st_dev
         if found.dev == dev:
-            return
-        where = f"this host through another mount of it (device {found.dev:#x} there, {dev:#x} here)"
-    elif (same_machine and me.boot and found.boot and me.booted is not None and found.started < me.booted):
-        return  # before this host's last boot (a copy of this host named alike started after it)
-    else:
-        where = "another host"
+            return None
+        return f"this host through another mount of it (device {found.dev:#x} there, {dev:#x} here)"
+    if same_machine and me.boot and found.boot and me.booted is not None and found.started < me.booted:
+        return None  # before this host's last boot (a copy of this host named alike started after it)
+    return "another host"
+
+
+def judge(found: OwnerRecord, directory: Path) -> None:
+    """Return when this process may judge ``found``'s manager by its socket (this boot, this mount)
+    or knows it dead (this host before its last boot); raise :class:`OwnedElsewhere` otherwise."""
+    where = owned_elsewhere(found, directory)
+    if where is None:
+        return
     raise OwnedElsewhere(
         f"{directory} is owned by a manager on {where}: {found.describe()}. Its socket cannot be probed "
         f"from here (it refuses every connection as a dead one would), so it is left alone and this "

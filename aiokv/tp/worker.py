@@ -55,6 +55,7 @@ from .config import TPConfig
 from .endpoint import transport_peer, trusted_peer
 from .executor import Announced, RankExecutor, RankReport
 from .layers import LayerProgress, wait_all, wait_all_async
+from .owner import OWNER_NAME, OwnedElsewhere, owned_elsewhere, read_record
 from .rankwarm import RankWarmUp
 from .specs import LayeredLoad, TransferSpec
 from .wire import (
@@ -196,6 +197,14 @@ class WorkerStatistics:
     copies_abandoned: int = 0
     """Copies still running when a cancelled teardown stopped waiting for them
     (``TPConfig.abandon_copies_s``): left to the process's exit."""
+    connects_refused_elsewhere: int = 0
+    """Of ``connect_failures``, connects refused while the socket's directory was claimed (its
+    ``manager.owner`` record) by a manager on another host, or through another mount of a shared
+    file system: its socket refuses every connect from here, so this rank never attaches to it
+    (logged once per claim, naming the host and the record file)."""
+    owner_elsewhere: str | None = None
+    """That manager (host, boot id, pid, start) as the record names it, while the last connect was
+    refused so; None otherwise."""
 
 
 class RankWorker:
@@ -261,6 +270,9 @@ class RankWorker:
         self._farewells_lost = 0
         self._own_task: asyncio.Task[None] | None = None
         self._sessions = self._connect_failures = self._link_errors = self._specs = 0
+        self._refused_elsewhere = 0  # connects refused where the directory's owner is elsewhere
+        self._owner_elsewhere: str | None = None  # that owner, as its record describes it
+        self._owner_logged: str | None = None  # the token of the claim logged last (once per claim)
         self._warm_up_failed = 0
         self._warm: RankWarmUp | None = None  # the current session's kernel warm-up
         self._reports: collections.Counter[RankStatus] = collections.Counter()
@@ -296,8 +308,12 @@ class RankWorker:
                     current = asyncio.current_task()
                     if not self._closing or (current is not None and current.cancelling()):
                         raise
-                except (FileNotFoundError, ConnectionRefusedError):
+                except FileNotFoundError:
                     self._connect_failures += 1  # no manager listening (yet, or any more)
+                    self._owner_elsewhere = None
+                except ConnectionRefusedError:
+                    self._connect_failures += 1  # no manager listening, or one this host cannot reach
+                    self._note_owner_elsewhere()
                 except WorkerRefusedError as exc:
                     self._error = exc
                     raise
@@ -341,6 +357,35 @@ class RankWorker:
                 self._ended.set()  # what a close without a task of its own waits for
                 self._notify()
             cancels.raise_if_cancelled()
+
+    def _note_owner_elsewhere(self) -> None:
+        """After a refused connect: where the socket's directory is claimed by a manager on another
+        host (or through another mount: a shared file system), its socket refuses every connect
+        from here as a dead one's does, and the rank retried for ever, counted, never logged (the
+        user could not tell why it never attached). Counted, logged once per claim (a warning
+        naming the host and the record file). An unreadable record (a claim being made) says
+        nothing yet. One small read per refused connect, on the loop as the connect's own lookup."""
+        directory = self.address.parent
+        found = None
+        try:
+            found = read_record(directory)
+            where = None if found is None else owned_elsewhere(found, directory)
+        except (OSError, OwnedElsewhere):
+            where = None
+        if found is None or where is None:
+            self._owner_elsewhere = None
+            return
+        self._refused_elsewhere += 1
+        self._owner_elsewhere = found.describe()
+        if found.token != self._owner_logged:
+            self._owner_logged = found.token
+            log.warning(
+                "rank %d: %s refuses every connect from here: %s claims it for a manager on %s (%s). A "
+                "Unix socket answers only on the host (and mount) that bound it, so this rank cannot attach "
+                "to that manager; run the rank on that host, or give this host's manager a directory of its "
+                "own. Retrying (counted in connect_failures).",
+                self.tp.rank, self.address, directory / OWNER_NAME, where, found.describe(),
+            )
 
     async def _session(self) -> bool:
         """One connection; True when it got as far as attaching the pool. Raises :class:`_RetryLater`
@@ -502,6 +547,7 @@ class RankWorker:
         transport, link = await loop.create_unix_connection(
             lambda: _WorkerLink(self, self.config.max_frame_bytes), os.fspath(self.address)
         )
+        self._owner_elsewhere = None  # reached: no longer refused
         try:
             _check_manager(transport)
             async with asyncio.timeout(self.config.handshake_timeout_s):
@@ -851,6 +897,8 @@ class RankWorker:
             - announces[Announced.HELD],
             copies_abandoned=self._copies_abandoned,
             farewells_lost=self._farewells_lost,
+            connects_refused_elsewhere=self._refused_elsewhere,
+            owner_elsewhere=self._owner_elsewhere,
         )
 
     # -- lifetime -------------------------------------------------------------------------------
