@@ -20,6 +20,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+SCATTER_UNSPECIALIZED = ("skip", "first_layer")
+"""Scatter arguments Triton must not specialize on their value: by default an int equal to 1 is a
+variant of its own (the argument compiled in as a constant) and one divisible by 16 another. Both
+vary per call of one plan (a layer-wise load's layers, a load's first token), they buy the kernel
+nothing, and a variant per value class is one more binary to compile, load and warm up; and both
+wrong-KV sightings on a GPU TP rank (a layer holding another layer's rows, a layer left unwritten)
+are what a launch of the ``first_layer == 1`` variant with another layer would write. One variant
+for every value removes that exposure whatever its cause (not found: the launch probe saw no launch
+of a variant compiled for other values; docs/measurements.md, forty-second session)."""
+
 
 @triton.jit
 def gather_kernel(
@@ -64,7 +74,7 @@ def gather_kernel(
     tl.store(page_ptr + page_row[:, None] + col[None, :], values, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCATTER_UNSPECIALIZED)
 def scatter_kernel(
     kv_ptr,
     layer_off_ptr,

@@ -5,7 +5,9 @@ picks the word size, builds the per-layer address tables once, and launches on t
 :func:`gather` and :func:`scatter` are checked one-shot forms of the same.
 
 Triton compiles one *variant* of a kernel per :data:`LaunchKey`: the constexprs, and for each other
-argument its type and whether it is divisible by 16 (an integer equal to 1 is a variant of its own).
+argument its type and whether it is divisible by 16 (an integer equal to 1 is a variant of its own),
+except the scatter's ``skip`` and ``first_layer`` (:data:`aiokv.kernels._jit.SCATTER_UNSPECIALIZED`:
+by their type only).
 :func:`launch_key` computes it with Triton's own specialization rule; :func:`record_launches` lets
 tests and the warm-up (:mod:`aiokv.kernels.warmup`) see which variants launches use.
 """
@@ -13,6 +15,7 @@ tests and the warm-up (:mod:`aiokv.kernels.warmup`) see which variants launches 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -47,23 +50,45 @@ except ImportError:  # another Triton version: the rule its documentation states
     _native_specialize = None
 
 
-def specialization(arg: object) -> object:
+def specialization(arg: object, value: bool = True) -> object:
     """How Triton specializes one runtime argument: a tensor by dtype and 16-byte alignment, an int
-    by width and divisibility by 16, ``1`` as a constant of its own."""
+    by width and divisibility by 16, ``1`` as a constant of its own; with ``value`` False (an
+    argument the kernel lists in ``do_not_specialize``) an int by its width alone."""
     if _native_specialize is not None:
-        return tuple(_native_specialize(_BaseBackend, arg, False, True, True))
+        return tuple(_native_specialize(_BaseBackend, arg, False, value, True))
     if isinstance(arg, torch.Tensor):
         return (str(arg.dtype), "D" if arg.data_ptr() % 16 == 0 else "")
     if isinstance(arg, bool) or not isinstance(arg, int):
         return (type(arg).__name__, None)
+    width = "i32" if -(2**31) <= arg < 2**31 else "i64"
+    if not value:
+        return (width, None)
     if arg == 1:
         return ("constexpr", 1)
-    return ("i32" if -(2**31) <= arg < 2**31 else "i64", "D" if arg % 16 == 0 else "")
+    return (width, "D" if arg % 16 == 0 else "")
+
+
+def _positions(kernel: Any, names: tuple[str, ...]) -> frozenset[int]:
+    """Positions of the arguments ``names`` in ``kernel``'s signature (a JIT or interpreted function)."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    missing = set(names) - set(params)
+    if missing:
+        raise AssertionError(f"{kernel.fn.__name__} has no arguments {sorted(missing)}")
+    return frozenset(params.index(n) for n in names)
+
+
+_UNSPECIALIZED: dict[str, frozenset[int]] = {
+    "gather": frozenset(),
+    "scatter": _positions(_jit.scatter_kernel, _jit.SCATTER_UNSPECIALIZED),
+}
+"""Per kernel, the argument positions Triton keys by type alone (``do_not_specialize``)."""
 
 
 def launch_key(name: str, args: tuple[object, ...], constexprs: dict[str, object]) -> LaunchKey:
     """The variant a launch of kernel ``name`` with these arguments compiles (see the module docstring)."""
-    return name, tuple(specialization(a) for a in args), tuple(sorted(constexprs.items()))
+    fixed = _UNSPECIALIZED[name]
+    return (name, tuple(specialization(a, i not in fixed) for i, a in enumerate(args)),
+            tuple(sorted(constexprs.items())))
 
 
 @dataclass

@@ -403,7 +403,8 @@ class _Pointer:
 
 
 def _stand_in(spec: tuple[object, ...], specialize: Any, dtypes: dict[str, Any]) -> object:
-    """An argument Triton specializes as ``spec`` (a pointer of that dtype and alignment, or an int)."""
+    """An argument Triton specializes as ``spec`` (a pointer of that dtype and alignment, or an int;
+    ``specialize(arg, False)`` is an argument's key where the kernel does not specialize its value)."""
     kind = spec[0]
     candidates: list[object]
     if isinstance(kind, str) and kind.startswith("*") and kind[1:] in dtypes:
@@ -411,7 +412,7 @@ def _stand_in(spec: tuple[object, ...], specialize: Any, dtypes: dict[str, Any])
     else:
         candidates = [16, 17, 1, 0, 2**32, 2**32 + 1, 2**63 + 16, 2**63 + 17, -16, -17]
     for arg in candidates:
-        if specialize(arg) == spec:
+        if spec in (specialize(arg, True), specialize(arg, False)):
             return arg
     raise ValueError(f"no stand-in argument is specialized as {spec}")
 
@@ -460,8 +461,8 @@ def _child_main() -> None:
         dtype = getattr(tl, name)
         dtypes[canonicalize_dtype(dtype)] = dtype
 
-    def specialize(arg: object) -> object:
-        return tuple(native_specialize_impl(BaseBackend, arg, False, True, True))
+    def specialize(arg: object, value: bool) -> object:
+        return tuple(native_specialize_impl(BaseBackend, arg, False, value, True))
 
     listing, cache_dir = request.get("listing"), os.environ["TRITON_CACHE_DIR"]
     for index, key in enumerate(request["keys"]):
