@@ -851,6 +851,18 @@ class UringEngine:
         self._prepared = 0
         self._chains = []
         failed = -(exc.errno or errno.EIO)
+        # A chain refused whole completes op by op, as where every op posts its CQE: where successes
+        # are silent, its first op's failure ended it with the rest -ECANCELED ("skipped"), also a
+        # plain CLOSE run just below, which its owner then closed again: another file's descriptor
+        # by then, maybe (review 289). (A chain the kernel took part of keeps the silent rule.)
+        refused: dict[int, int] = {}
+        for fields in untaken:
+            rid = fields[8] >> self._index_bits
+            refused[rid] = refused.get(rid, 0) + 1
+        for rid, count in refused.items():
+            request = self._inflight.get(rid)
+            if request is not None and request.skip and request.pending == count:
+                request.skip = False
         for fields in untaken:
             if fields[0] == OP_CLOSE and not fields[1] & IOSQE_FIXED_FILE and not fields[11]:
                 # A plain descriptor's CLOSE: run here, as the kernel would have. Its owner counts on

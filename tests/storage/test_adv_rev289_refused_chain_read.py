@@ -7,10 +7,11 @@ cost every later cold read an OPENAT round trip and a look on the loop, for good
 the kernel could not install files. Now such a read is a counted miss that keeps the file, and
 cold reads go on as chains once the ring takes submissions again.
 
-Where the engine posts a CQE for every op (kernels before 5.17), the refused chain's ops all
-answer the enter's errno, and chain reads went off at the first refusal (fails before the fix).
-Where successes stay silent, the engine ended the chain at its first op's failure, the rest
-``-ECANCELED``, which read as an open that failed: checked as well.
+Both of the engine's completion modes: a CQE for every op (kernels before 5.17), where the
+refused chain's ops all answered the enter's errno and chain reads went off at the first refusal;
+and silent successes, where the engine ended the chain at its first op's failure, the rest
+``-ECANCELED`` (read as an open that failed), until it too completed a refused chain op by op
+(test_adv_rev289_refused_chain_closes_once: a CLOSE it ran read as skipped).
 
 Real refusal, as in test_adv_rev120_enter_fails: the ring's descriptor number made to name an
 eventfd, which the kernel answers with EOPNOTSUPP. Both io_uring backends (the threads backend
