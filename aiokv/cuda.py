@@ -298,17 +298,32 @@ class CompletionBridge:
 
     def close(self) -> None:
         """Stop the waiter threads after the events queued so far. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for q in self._queues.values():
-                q.put(None)
-            threads, cpu = list(self._threads), self._cpu
+        stopped = self._stop()
+        if stopped is None:
+            return
+        threads, cpu = stopped
         for thread in threads:
             thread.join()
         if cpu is not None:
             cpu.shutdown(wait=True)
+
+    def close_nowait(self) -> None:
+        """:meth:`close` without waiting (callable on the loop): the threads end by themselves once
+        the work queued so far is over. Idempotent."""
+        stopped = self._stop()
+        if stopped is not None and stopped[1] is not None:
+            stopped[1].shutdown(wait=False)
+
+    def _stop(self) -> tuple[list[threading.Thread], concurrent.futures.ThreadPoolExecutor | None] | None:
+        """Accept nothing more and queue each waiter's end; the threads and the copy executor, or
+        None when closed already."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._closed = True
+            for q in self._queues.values():
+                q.put(None)
+            return list(self._threads), self._cpu
 
 
 # -- raw copies through the CUDA runtime that torch loaded ---------------------------------------

@@ -353,6 +353,10 @@ class RankWorker:
                         cancels.cancelled = True
                 if not self._copies_abandoned:  # else its copy thread may be in an abandoned copy
                     await cancels.outlast(in_thread(bridge.close))  # joins its threads: off the loop
+                elif self._executor is not None:
+                    # Its threads end once the abandoned copies are over (while the loop runs, as the
+                    # link closes then); they were left running for the process's life.
+                    self._executor.drained().add_done_callback(lambda _: bridge.close_nowait())
             finally:
                 self._ended.set()  # what a close without a task of its own waits for
                 self._notify()

@@ -7,7 +7,9 @@ manager watches the worker's process (a pidfd). A worker in the manager's own pr
 cannot watch) is not held: the connection's end failed the job (``RANK_LOST``) and handed its slots
 and pages back while the abandoned copy still wrote them (wrong KV). Now the link stays open while
 the abandoned copies run: their reports go out once they end (the loop still running), then it
-closes; else the process's exit ends it.
+closes; else the process's exit ends it. Likewise the worker's copy thread ends once they are over
+(it was left running for the process's life: "aiokv threads still running as the run ends:
+['aiokv-copy_0']" after every run of tests/tp).
 
 A real group and worker on this loop, the worker's LOAD copy held on its copy thread (the CPU
 mover wrapped as :mod:`held_rank` does), and the application's shutdown: every task but the
@@ -38,9 +40,14 @@ ABANDON_S = 0.2
 BOUND_S = 20.0
 
 
+def _copy_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("aiokv-copy") and t.is_alive()}
+
+
 @pytest.mark.asyncio
 async def test_an_abandoned_copy_keeps_its_job_in_flight_in_the_manager_s_own_process(
         tmp_path: Path, pool: PagePool) -> None:
+    copy_threads = _copy_threads()  # another test's, if any: not this worker's
     held = Held(threading.Semaphore(0), threading.Semaphore(0), multiprocessing.Value("q", 0))
     originals = mover.HostGather.offload, mover.HostScatter.load
     _hold(held)
@@ -80,6 +87,9 @@ async def test_an_abandoned_copy_keeps_its_job_in_flight_in_the_manager_s_own_pr
             await asyncio.wait({serving})
         async with asyncio.timeout(BOUND_S):
             await group.aclose()
+        # The abandoned copy over, the worker's copy thread ends too: it was left running for the
+        # process's life (its bridge never closed; "aiokv-copy_0" still running as the run ended).
+        await until_thread(lambda: _copy_threads() <= copy_threads, "the worker's copy thread ending", BOUND_S)
     finally:
         held.release(8)
         mover.HostGather.offload, mover.HostScatter.load = originals
