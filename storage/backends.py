@@ -52,6 +52,7 @@ from .safefiles import (
     UnsafeFileError,
     check_page_fd,
     classify_open_error,
+    classify_read_open_error,
     open_page_file,
     ready_for_io,
 )
@@ -915,7 +916,7 @@ class UringPageIO:
                     flags = READ_FLAGS
                     opened = self._open_cached(dir_fd, encoded, flags)
             except OSError as exc:
-                asyncio.get_running_loop().call_soon(done, classify_open_error(exc, name))
+                asyncio.get_running_loop().call_soon(done, classify_read_open_error(exc, dir_fd, name))
                 return
             if opened is not None:
                 fd = opened
@@ -1056,7 +1057,7 @@ class UringPageIO:
             if opened == -errno.EINVAL:
                 self._open_then_read(dir_fd, name, name.encode(), slot, page, done)
             else:
-                done(classify_open_error(OSError(-opened, os.strerror(-opened)), name))
+                done(classify_read_open_error(OSError(-opened, os.strerror(-opened)), dir_fd, name))
             return
         got = _bytes_read(results[1:-2])
         if isinstance(got, OSError):
@@ -1082,7 +1083,7 @@ class UringPageIO:
             fd = results[0]
             try:
                 if fd < 0:
-                    done(classify_open_error(OSError(-fd, os.strerror(-fd)), name))
+                    done(classify_read_open_error(OSError(-fd, os.strerror(-fd)), dir_fd, name))
                     return
                 self._read_file(fd, dir_fd, name, slot, page, done, False, READ_FLAGS)
             except BaseException as exc:

@@ -34,8 +34,8 @@ loop thread's ``io_uring_enter``) updated the file's access time there, and that
 the file system: for its journal, or for a read of the inode's table block. With the disk hung the
 loop thread stayed in the kernel until it answered (a read held at a FUSE-gated loop device: for
 good, as the test that would let the gate go ran on that loop). ``O_NOATIME`` needs the file's
-owner (or CAP_FOWNER); a file of another owner is refused anyway (:func:`check_page_fd`), now by
-the open itself (EPERM) where the caller is not privileged."""
+owner (or CAP_FOWNER); a file of another owner is refused anyway (:func:`check_page_fd`), by the
+open itself (EPERM) where the caller is not privileged: :func:`classify_read_open_error`."""
 
 # What an O_NOFOLLOW|O_NONBLOCK open answers when the name does not hold a regular file: a symlink
 # (ELOOP), a FIFO without reader / a socket / a device without driver (ENXIO), a directory (EISDIR).
@@ -59,6 +59,24 @@ def classify_open_error(exc: OSError, name: str) -> OSError:
     if what is None:
         return exc
     return UnsafeFileError(exc.errno, f"{name} is {what}, not a page file")
+
+
+def classify_read_open_error(exc: OSError, dir_fd: int, name: str) -> OSError:
+    """``exc`` from opening page file ``name`` (in ``dir_fd``) with :data:`READ_FLAGS`, as
+    :func:`classify_open_error`; EPERM, which ``O_NOATIME`` answers for a file of another owner where
+    the tier is not privileged, is :class:`UnsafeFileError` when the name holds a file not ours (an
+    ``lstat``, only to tell which: nothing is opened or read), as :func:`check_page_fd` says where
+    the open works. Before (review 289), counted as EPERM, the file stayed indexed, each read of it
+    a fault again."""
+    if exc.errno != errno.EPERM:
+        return classify_open_error(exc, name)
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return exc
+    if st.st_uid != os.geteuid():
+        return UnsafeFileError(errno.EPERM, f"{name} belongs to uid {st.st_uid}, not to uid {os.geteuid()}")
+    return exc
 
 
 def _kind(mode: int) -> str:
@@ -98,6 +116,8 @@ def open_page_file(name: str, flags: int, dir_fd: int, write: bool, direct: bool
     try:
         fd = os.open(name, flags | OPEN_FLAGS, mode, dir_fd=dir_fd)
     except OSError as exc:
+        if flags & os.O_NOATIME:
+            raise classify_read_open_error(exc, dir_fd, name) from None
         raise classify_open_error(exc, name) from None
     try:
         check_page_fd(fd, name, write)
