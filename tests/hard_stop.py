@@ -72,6 +72,8 @@ def _stat(pid: str) -> tuple[str, str, int]:
     if comm_end < 0:
         return "", "", 0
     fields = raw[comm_end + 2 :].split()
+    if len(fields) < 2:  # gone meanwhile: _read's "(No such file or directory)" has a ")" too
+        return "", "", 0
     return raw[raw.find("(") + 1 : comm_end], fields[0], int(fields[1])
 
 

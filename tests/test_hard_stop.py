@@ -91,6 +91,16 @@ def test_the_hard_stop_also_says_where_the_kernel_holds_the_process_and_its_chil
     assert re.search(r"pid (\d+) task \1 \(python[\d.]*\) state S ", kernel), kernel  # the stuck test's own
 
 
+def test_the_kernel_report_skips_a_process_gone_while_it_reads() -> None:
+    # A process that ends between the listing of /proc and the read of its stat (a busy host: the
+    # GPU suite's 16 workers) made the report raise IndexError ("kernel side not reported").
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its /proc entry is gone
+    assert hard_stop._stat(str(child.pid)) == ("", "", 0)
+    assert hard_stop._stat(f"{os.getpid()}/task/{child.pid}") == ("", "", 0)
+    assert hard_stop._stat(str(os.getpid()))[2] == os.getppid()
+
+
 def test_a_timeout_that_ends_its_test_lets_the_run_go_on(tmp_path: Path) -> None:
     done, _ = _run(tmp_path, TIMES_OUT)
     out = done.stdout + done.stderr
