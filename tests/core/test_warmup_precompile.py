@@ -67,7 +67,7 @@ driver.set_active(_TargetOnly(GPUTarget("cuda", 90, 32)))
 hits = []
 triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
 dtypes = {canonicalize_dtype(getattr(tl, n)): getattr(tl, n) for n in ("int64", "int32", "int16", "uint8")}
-spec = lambda a: tuple(native_specialize_impl(BaseBackend, a, False, True, True))
+spec = lambda a, v=True: tuple(native_specialize_impl(BaseBackend, a, False, v, True))
 for name, specs, constexprs in json.loads(sys.argv[1]):
     getattr(_jit, name + "_kernel").warmup(*[_stand_in(_freeze(s), spec, dtypes) for s in specs], grid=(1,),
                                            **dict(constexprs))
@@ -315,7 +315,7 @@ from aiokv.kernels.precompile import Precompile, _TargetOnly, _freeze, _stand_in
 target = GPUTarget("cuda", 90, 32)
 driver.set_active(_TargetOnly(target))
 dtypes = {canonicalize_dtype(getattr(tl, n)): getattr(tl, n) for n in ("int64", "int32", "int16", "uint8")}
-spec = lambda a: tuple(native_specialize_impl(BaseBackend, a, False, True, True))
+spec = lambda a, v=True: tuple(native_specialize_impl(BaseBackend, a, False, v, True))
 keys = [(k[0], _freeze(k[1]), _freeze(k[2])) for k in json.loads(sys.argv[1])]
 
 def load(key):  # the launch's compile step: a compile, or a cache hit
