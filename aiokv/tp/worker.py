@@ -1253,11 +1253,31 @@ def _reclaim_left(pool_name: str) -> None:
         log.debug("rank: reclaiming segments after leaving %s failed: %r", pool_name, exc)
 
 
+def _check_timeout(timeout: object) -> float | None:
+    """A blocking call's ``timeout``: None (no bound) or seconds in ``[0, threading.TIMEOUT_MAX]``.
+
+    Checked before the call does anything: a bad one reached ``Future.result`` or ``Thread.join``
+    after the call had already queued its wait on the worker's loop (or, for ``close``, stopped the
+    worker), raising their ``TypeError``/``ValueError``/``OverflowError`` naming nothing, and a NaN or
+    negative one was a ``TimeoutError`` at once.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not 0 <= timeout <= threading.TIMEOUT_MAX:  # NaN too
+        raise ValueError(f"timeout must be in [0, {threading.TIMEOUT_MAX:g}] seconds or None (no bound), "
+                         f"got {timeout!r}")
+    return float(timeout)
+
+
 class RankWorkerThread:
     """A :class:`RankWorker` on its own thread and event loop, for synchronous model runners.
 
     Same arguments as :class:`RankWorker`; the KV buffer is validated and the engine's CUDA stream
     captured in the constructing thread. ``start()`` / ``close()``, or ``with RankWorkerThread(...)``.
+    A blocking call's ``timeout`` is None or seconds in ``[0, threading.TIMEOUT_MAX]``; any other is a
+    ``TypeError``/``ValueError`` before the call does anything.
     """
 
     def __init__(
@@ -1304,6 +1324,7 @@ class RankWorkerThread:
             self.error = exc
 
     def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        timeout = _check_timeout(timeout)
         if self._loop is None or not self._thread.is_alive():
             raise RuntimeError("the worker thread is not running")
 
@@ -1327,6 +1348,7 @@ class RankWorkerThread:
 
         Raises ``TimeoutError`` after ``timeout`` seconds.
         """
+        timeout = _check_timeout(timeout)
         worker = self.worker
         progress = worker._layer_progress(load, layer)
         if progress is None:
@@ -1357,8 +1379,10 @@ class RankWorkerThread:
         most), so do not call this on the thread running the manager's loop (a ``TPCache`` in this
         process): from a coroutine there, ``await asyncio.to_thread(thread.close)``.
 
-        Raises ``TimeoutError`` when the thread did not end within ``timeout`` seconds.
+        Raises ``TimeoutError`` when the thread did not end within ``timeout`` seconds, and
+        ``TypeError``/``ValueError`` for a bad ``timeout`` (the worker is left running).
         """
+        timeout = _check_timeout(timeout)
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # the loop already ended
                 self._loop.call_soon_threadsafe(self._stop.set)
