@@ -7,7 +7,9 @@ snapshots layer ``l`` right after ``wait_layer(load, l)`` (its engine's stream o
 layer's event), and its whole buffer is dumped once the stream finished. Every layer of every rank
 is compared with the KV the tokens were offloaded from; a wrong row is traced to the (layer, slot)
 of the rank's original buffer that holds its bytes (a late read shows the slot's old bytes, a
-misplaced write another layer's or token's).
+misplaced write another layer's or token's). After every load each rank also reads its mover's
+per-layer address tables back and compares them with freshly built ones (``tp_helpers.wrong_tables``:
+a table overwritten after it was built would misplace rows exactly so).
 
 Why: the one failure of the GPU suite in the forty-first session (H100, 16 pytest workers sharing
 the GPU): rank 1's layer 1 held layer 2's rows of the same tokens after an OK wait, on the ranks'
@@ -75,6 +77,10 @@ async def one_round(cache: TPCache, ranks: RankProcesses, rnd: int, seed: int, f
                   f"snapshot {len(rows)} of {n - 1} rows wrong, after finish {len(later)} wrong; "
                   f"(token, slot, held layer, held slot) {traced}; stats {await ranks.ask(rank, 'stats')}",
                   flush=True)
+        tables = await ranks.ask(rank, "tables")
+        if tables:
+            bad += 1
+            print(f"seed {seed} round {rnd} rank {rank}: copy plans' address tables changed: {tables}", flush=True)
     return bad
 
 

@@ -136,6 +136,7 @@ def rank_main(
     ``"maps"`` -> the pool segments it has mapped;
     ``("layers", load, slots)`` -> per layer l: ``wait_layer(load, l)`` (the engine's wait before
     layer l's attention), then a snapshot of layer l at ``slots``: ``[(ok, raw bytes), ...]``;
+    ``"tables"`` -> :func:`wrong_tables` of its worker's mover;
     ``"stop"`` -> close the worker, answer ``"stopped"`` and exit.
     ``gate``: a semaphore each layer of a layered CPU copy acquires before it is copied (the test
     lets layers land one by one).
@@ -157,6 +158,8 @@ def rank_main(
                     ctrl.send(runner.statistics())
                 elif command == "maps":
                     ctrl.send(shm_mappings())
+                elif command == "tables":
+                    ctrl.send(wrong_tables(runner.worker))
                 elif isinstance(command, tuple) and command[0] == "layers":
                     _, load, at = command
                     ctrl.send([(runner.wait_layer(load, layer, 120.0), _raw(kv[layer, at]))
@@ -202,6 +205,8 @@ async def _async_rank(
                 await reply(worker.statistics())
             elif command == "maps":
                 await reply(shm_mappings())
+            elif command == "tables":
+                await reply(wrong_tables(worker))
             elif isinstance(command, tuple) and command[0] == "layers":
                 _, load, at = command
                 replies = []
@@ -213,6 +218,39 @@ async def _async_rank(
             else:
                 break
     await reply(("stopped", None))
+
+
+def wrong_tables(worker: RankWorker) -> list[str]:
+    """:func:`mover_wrong_tables` of ``worker``'s mover (none before it attached)."""
+    executor = worker._executor
+    mover = None if executor is None else executor._mover
+    return [] if mover is None else mover_wrong_tables(mover)
+
+
+def mover_wrong_tables(mover: Any) -> list[str]:
+    """The copy plans of ``mover`` whose per-layer address tables (``layer_off``, ``slot_stride``,
+    on the KV device) no longer hold what the plan was built with: each read back and compared with
+    the tables of a plan built afresh on the same KV buffer and page tensor. A table overwritten
+    after it was built (another stream's late write into a block the allocator handed over) would
+    send a layer's rows to another layer, or nowhere, on a load that reports OK."""
+    from aiokv.kernels.launch import CopyPlan
+
+    plans: list[tuple[str, CopyPlan | None]] = [("direct", mover._direct)]
+    plans += [(f"offload lane {i}", lane.plan) for i, lane in enumerate(mover._offload_lanes)]
+    plans += [(f"load lane {i}", lane.plan) for i, lane in enumerate(mover._load_lanes)]
+    if mover._layered is not None:
+        plans += [(f"layer buffer {i}", plan) for i, plan in enumerate(mover._layered.plans)]
+    wrong = []
+    for name, plan in plans:
+        if plan is None:
+            continue
+        fresh = CopyPlan(plan.kv, plan.pages)
+        for index, (held, built) in enumerate(zip(plan._launches, fresh._launches, strict=True)):
+            for table in ("layer_off", "slot_stride"):
+                got, want = getattr(held, table).tolist(), getattr(built, table).tolist()
+                if got != want:
+                    wrong.append(f"{name} segment {index} {table}: {got}, built {want}")
+    return wrong
 
 
 def shm_mappings() -> set[str]:
