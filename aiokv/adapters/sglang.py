@@ -892,6 +892,10 @@ def _check_keys(keys: Sequence[object]) -> None:
     (a lone surrogate): keys become file keys through their UTF-8 bytes."""
     if isinstance(keys, (str, bytes)):
         raise TypeError("keys must be a list of str, not one string")
+    if not isinstance(keys, Sequence):
+        # (None raised "'NoneType' object is not iterable", naming nothing; a set or a generator
+        # has no order or length for the pages they pair with)
+        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
     for key in keys:
         if not isinstance(key, str):
             raise TypeError(f"keys must be str, not {type(key).__name__}")
