@@ -916,9 +916,19 @@ def _page_starts(host: Any, count: int, host_indices: object, write: bool) -> li
     slots = int(getattr(host, "logical_size", host.size))
     if not isinstance(host_indices, torch.Tensor):
         raise TypeError(f"host indices must be a tensor, not {type(host_indices).__name__}")
+    # Form first: a sparse one raised torch's RuntimeError at the reshape, a meta one
+    # NotImplementedError, a 2-D one (of the right count) SGLang's AssertionError in place.
+    if host_indices.is_nested or host_indices.layout is not torch.strided or host_indices.is_quantized:
+        raise TypeError(f"host indices must be a dense (strided) tensor, got layout {host_indices.layout}"
+                        f"{' (nested)' if host_indices.is_nested else ''}"
+                        f"{' (quantized)' if host_indices.is_quantized else ''}")
+    if host_indices.is_meta:
+        raise TypeError("host indices must hold values, got a meta tensor")
     dtype = host_indices.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"host indices must be an integer tensor, not {dtype}")
+    if host_indices.dim() != 1:
+        raise ValueError(f"host indices must be 1-D, got shape {tuple(host_indices.shape)}")
     if host_indices.numel() != count * page_tokens:
         raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {page_tokens} tokens")
     pages = host_indices.detach().reshape(count, page_tokens).to("cpu", torch.int64)
