@@ -624,7 +624,17 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         chunk ids (a float was truncated), one per key, inside the region, and for a load no chunk
         named twice (two reads into one chunk race, and the loser's valid page file was counted
         corrupt and deleted). ``TypeError``/``ValueError`` otherwise. None after shutdown: the job
-        is reported failed (the region is gone), as a job the loop can no longer run."""
+        is reported failed (the region is gone), as a job the loop can no longer run. A job id
+        still in flight (not yet returned by ``get_finished_jobs``) is a ``ValueError``: both jobs
+        ran and the id was reported twice, which vLLM's scheduler asserts against."""
+        if not isinstance(job, TransferJob):
+            raise TypeError(f"job must be a TransferJob, got {type(job).__name__}")  # was AttributeError
+        if isinstance(job.job_id, bool) or not isinstance(job.job_id, int):
+            raise TypeError(f"job id must be an int, got {type(job.job_id).__name__}")
+        if job.job_id in self._unreported:
+            raise ValueError(f"job id {job.job_id} is still in flight (not yet reported by get_finished_jobs)")
+        if isinstance(job.keys, (str, bytes)) or not isinstance(job.keys, Iterable):
+            raise TypeError(f"job {job.job_id}: keys must be a list of bytes, got {type(job.keys).__name__}")
         keys = list(job.keys)
         for key in keys:
             _check_key(key)
