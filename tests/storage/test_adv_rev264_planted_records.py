@@ -15,67 +15,21 @@ changes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, config, is_root, key_of
+from planted_helpers import WAIT_S, bytes_of, served, snapshot, started
 
-from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskConfig, DiskTier
+from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.deletelog import DELETES_NAME, DELETES_TEMP, PLANTED_PREFIX, encode
 from aiokv.storage.safefiles import UnsafeDirectoryError
 
 TAG = 0x64
 KEYS = [key_of(i, TAG) for i in range(4)]
-WAIT_S = 30.0
-
-
-def _bytes_of(key: PageKey, size: int) -> bytes:
-    """The one content of ``key`` (the oracle)."""
-    return hashlib.shake_256(key).digest(size)
-
-
-Snapshot = dict[str, tuple[int, int, str]]
-
-
-def _snapshot(directory: Path) -> Snapshot:
-    """Every entry under ``directory``: (size, mtime_ns, sha256 of a regular file's bytes)."""
-    out: Snapshot = {}
-    for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            path = Path(root) / name
-            st = path.lstat()
-            digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() and not path.is_symlink() else ""
-            out[str(path.relative_to(directory))] = (st.st_size, st.st_mtime_ns, digest)
-    return out
-
-
-@contextlib.asynccontextmanager
-async def _started(cfg: DiskConfig, layout: KVLayout, pool: PagePool) -> AsyncIterator[DiskTier]:
-    tier = DiskTier(cfg, layout, pool)
-    async with asyncio.timeout(WAIT_S):
-        await tier.start()
-    try:
-        yield tier
-    finally:
-        async with asyncio.timeout(WAIT_S):
-            await tier.aclose()
-
-
-async def _served(tier: DiskTier, key: PageKey, size: int) -> bool:
-    """Whether ``key`` is served; a page served must be the bytes written for it."""
-    buf = bytearray(b"\x5a" * size)
-    async with asyncio.timeout(WAIT_S):
-        ok = await tier.read_into(key, memoryview(buf))
-    if ok:
-        assert bytes(buf) == _bytes_of(key, size), f"wrong bytes served for {key.hex()}"
-    return ok
 
 
 def _plant(layout_dir: Path, outside: Path, planted: str) -> None:
@@ -118,29 +72,29 @@ async def test_a_planted_record_serves_no_page_it_may_name_and_touches_nothing_o
     outside.mkdir()
     (outside / "target").write_bytes(b"not ours")
     cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
-    async with _started(cfg, layout, pool) as tier:
+    async with started(cfg, layout, pool) as tier:
         for key in KEYS[:2]:
-            assert await tier.write_from(key, memoryview(_bytes_of(key, size)))
+            assert await tier.write_from(key, memoryview(bytes_of(key, size)))
         layout_dir = tier.files.layout_dir
     _plant(layout_dir, outside, planted)
-    before = _snapshot(outside)
-    async with _started(cfg, layout, pool) as tier:
+    before = snapshot(outside)
+    async with started(cfg, layout, pool) as tier:
         for key in KEYS[:2]:
-            assert not await _served(tier, key, size), f"a page the planted record ({planted}) may name was served"
-        assert await tier.write_from(KEYS[2], memoryview(_bytes_of(KEYS[2], size)))
-        assert await _served(tier, KEYS[2], size)
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
-    async with _started(cfg, layout, pool) as tier:
+            assert not await served(tier, key, size), f"a page the planted record ({planted}) may name was served"
+        assert await tier.write_from(KEYS[2], memoryview(bytes_of(KEYS[2], size)))
+        assert await served(tier, KEYS[2], size)
+    assert snapshot(outside) == before, "something outside the cache directory changed"
+    async with started(cfg, layout, pool) as tier:
         for key in KEYS[:2]:
-            assert not await _served(tier, key, size)
-        assert await _served(tier, KEYS[2], size), "the page stored after the planted record was lost"
+            assert not await served(tier, key, size)
+        assert await served(tier, KEYS[2], size), "the page stored after the planted record was lost"
         if planted in ("deletes-dir", "temp-dir"):
             # A directory in the record's way is renamed aside, its content as it was (review 289:
             # it stayed, the record was never replaced, and this start served no page).
             aside = [p for p in layout_dir.iterdir() if p.name.startswith(PLANTED_PREFIX)]
             assert len(aside) == 1, aside
             assert (aside[0] / "inside").read_bytes() == b"x", "a planted directory's contents were touched"
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
+    assert snapshot(outside) == before, "something outside the cache directory changed"
     assert_clean(pool)
 
 
@@ -156,8 +110,8 @@ async def test_a_planted_lock_file_is_refused_or_harmless(
     outside.mkdir()
     (outside / "target").write_bytes(b"not ours")
     cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
-    async with _started(cfg, layout, pool) as tier:
-        assert await tier.write_from(KEYS[0], memoryview(_bytes_of(KEYS[0], size)))
+    async with started(cfg, layout, pool) as tier:
+        assert await tier.write_from(KEYS[0], memoryview(bytes_of(KEYS[0], size)))
         lock = tier.files.layout_dir / ".lock"
     lock.unlink()
     if planted == "directory":
@@ -167,7 +121,7 @@ async def test_a_planted_lock_file_is_refused_or_harmless(
         os.chown(lock, 12345, 12345)
     else:
         os.link(outside / "target", lock)
-    before = _snapshot(outside)
+    before = snapshot(outside)
     tier = DiskTier(cfg, layout, pool)
     try:
         async with asyncio.timeout(WAIT_S):
@@ -177,9 +131,9 @@ async def test_a_planted_lock_file_is_refused_or_harmless(
     else:
         try:
             assert planted == "hardlink", f"a start over a planted .lock ({planted}) went on"
-            assert await _served(tier, KEYS[0], size)
-            assert await tier.write_from(KEYS[1], memoryview(_bytes_of(KEYS[1], size)))
+            assert await served(tier, KEYS[0], size)
+            assert await tier.write_from(KEYS[1], memoryview(bytes_of(KEYS[1], size)))
         finally:
             await tier.aclose()
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
+    assert snapshot(outside) == before, "something outside the cache directory changed"
     assert_clean(pool)

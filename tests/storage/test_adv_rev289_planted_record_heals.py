@@ -14,65 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, config, key_of
+from planted_helpers import bytes_of, served, snapshot, started
 from take_over_helpers import take_over_config, took_over, writer_and_follower
 
-from aiokv.keys import PageKey
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
-from aiokv.storage import DiskBackend, DiskConfig, DiskTier, ReadOnly
+from aiokv.storage import DiskBackend, DiskTier, ReadOnly
 from aiokv.storage.config import ErrorKind
 from aiokv.storage.deletelog import DELETES_NAME, DELETES_TEMP, PLANTED_PREFIX, encode
 
 TAG = 0x89
 KEYS = [key_of(i, TAG) for i in range(4)]
-WAIT_S = 30.0
 PLANTED = ["deletes-empty-dir", "deletes-dir", "temp-empty-dir", "temp-dir", "deletes-fifo", "deletes-symlink"]
-
-
-def _bytes_of(key: PageKey, size: int) -> bytes:
-    return hashlib.shake_256(key).digest(size)
-
-
-def _snapshot(directory: Path) -> dict[str, tuple[int, int, int, str]]:
-    """Every entry under ``directory`` (never followed): mode, size, mtime, a regular file's digest."""
-    out = {}
-    for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            path = Path(root) / name
-            st = path.lstat()
-            regular = stat.S_ISREG(st.st_mode)
-            digest = hashlib.sha256(path.read_bytes()).hexdigest() if regular else ""
-            out[str(path.relative_to(directory))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
-    return out
-
-
-@contextlib.asynccontextmanager
-async def _started(cfg: DiskConfig, layout: KVLayout, pool: PagePool) -> AsyncIterator[DiskTier]:
-    tier = DiskTier(cfg, layout, pool)
-    async with asyncio.timeout(WAIT_S):
-        await tier.start()
-    try:
-        yield tier
-    finally:
-        async with asyncio.timeout(WAIT_S):
-            await tier.aclose()
-
-
-async def _served(tier: DiskTier, key: PageKey, size: int) -> bool:
-    buf = bytearray(b"\x5a" * size)
-    async with asyncio.timeout(WAIT_S):
-        ok = await tier.read_into(key, memoryview(buf))
-    if ok:
-        assert bytes(buf) == _bytes_of(key, size), f"wrong bytes served for {key.hex()}"
-    return ok
 
 
 def _plant(layout_dir: Path, outside: Path, planted: str) -> None:
@@ -108,22 +67,22 @@ async def test_a_record_planted_over_heals_at_the_next_save_and_nothing_is_follo
     outside.mkdir()
     (outside / "target").write_bytes(b"not ours")
     cfg = config(tmp_path / "disk", backend, follow_interval_s=3600.0)
-    async with _started(cfg, layout, pool) as tier:
+    async with started(cfg, layout, pool) as tier:
         for key in KEYS[:2]:
-            assert await tier.write_from(key, memoryview(_bytes_of(key, size)))
+            assert await tier.write_from(key, memoryview(bytes_of(key, size)))
         layout_dir = tier.files.layout_dir
     _plant(layout_dir, outside, planted)
-    before = _snapshot(outside)
-    async with _started(cfg, layout, pool) as tier:
+    before = snapshot(outside)
+    async with started(cfg, layout, pool) as tier:
         if tier._deletes_saving is not None:  # the start's save of the record (in the background)
             await asyncio.wait({tier._deletes_saving})
         for key in KEYS[:2]:  # the record cannot be trusted: its deletes are unknown
-            assert not await _served(tier, key, size), f"a page the planted record ({planted}) may name was served"
-        assert await tier.write_from(KEYS[2], memoryview(_bytes_of(KEYS[2], size)))
-        assert await _served(tier, KEYS[2], size)
+            assert not await served(tier, key, size), f"a page the planted record ({planted}) may name was served"
+        assert await tier.write_from(KEYS[2], memoryview(bytes_of(KEYS[2], size)))
+        assert await served(tier, KEYS[2], size)
         if planted.endswith("-dir"):
             assert _unsafe(tier) >= 1, tier.statistics()  # the directory moved is counted
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
+    assert snapshot(outside) == before, "something outside the cache directory changed"
     for name in (DELETES_NAME, DELETES_TEMP):  # the record replaced: ours, or none (no delete pending)
         with contextlib.suppress(FileNotFoundError):
             st = (layout_dir / name).lstat()
@@ -135,13 +94,13 @@ async def test_a_record_planted_over_heals_at_the_next_save_and_nothing_is_follo
         assert os.readlink(aside[0] / "out") == str(outside)
     else:  # an empty directory removed; a FIFO or a symlink replaced by the rename, as always
         assert aside == []
-    async with _started(cfg, layout, pool) as tier:
+    async with started(cfg, layout, pool) as tier:
         # Review 289: the directory stayed in the record's way, and this start served none of
         # the pages stored since the plant.
-        assert await _served(tier, KEYS[2], size), f"the page stored after the plant ({planted}) was lost"
+        assert await served(tier, KEYS[2], size), f"the page stored after the plant ({planted}) was lost"
         for key in KEYS[:2]:
-            assert not await _served(tier, key, size)
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
+            assert not await served(tier, key, size)
+    assert snapshot(outside) == before, "something outside the cache directory changed"
     assert_clean(pool)
 
 
@@ -159,7 +118,7 @@ async def test_a_take_over_moves_a_directory_planted_at_the_record_and_its_pages
         assert follower.read_only is ReadOnly.LOCKED
         layout_dir = writer.files.layout_dir
         _plant(layout_dir, outside, "deletes-dir")
-        before = _snapshot(outside)
+        before = snapshot(outside)
         await writer.aclose()
         unsafe = _unsafe(follower)
         await took_over(looks)
@@ -167,10 +126,10 @@ async def test_a_take_over_moves_a_directory_planted_at_the_record_and_its_pages
         assert _unsafe(follower) > unsafe, follower.statistics()  # the directory moved is counted
         aside = [p for p in layout_dir.iterdir() if p.name.startswith(PLANTED_PREFIX)]
         assert len(aside) == 1 and (aside[0] / "inside").read_bytes() == b"x", aside
-        assert await follower.write_from(KEYS[2], memoryview(_bytes_of(KEYS[2], size)))
-        assert await _served(follower, KEYS[2], size)
-    async with _started(cfg, layout, pool) as restarted:
-        assert await _served(restarted, KEYS[2], size), "a page stored after the take-over was lost at the restart"
-        assert not any([await _served(restarted, key, size) for key in KEYS[:2]])
-    assert _snapshot(outside) == before, "something outside the cache directory changed"
+        assert await follower.write_from(KEYS[2], memoryview(bytes_of(KEYS[2], size)))
+        assert await served(follower, KEYS[2], size)
+    async with started(cfg, layout, pool) as restarted:
+        assert await served(restarted, KEYS[2], size), "a page stored after the take-over was lost at the restart"
+        assert not any([await served(restarted, key, size) for key in KEYS[:2]])
+    assert snapshot(outside) == before, "something outside the cache directory changed"
     assert_clean(pool)
