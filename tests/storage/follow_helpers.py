@@ -255,10 +255,11 @@ def open_fds() -> set[int]:
     """This process's open descriptors (the listing's own excluded)."""
     with os.scandir("/proc/self/fd") as entries:
         listed = {int(entry.name) for entry in entries}
-    return {fd for fd in listed if _is_open(fd)}
+    return {fd for fd in listed if is_open(fd)}
 
 
-def _is_open(fd: int) -> bool:
+def is_open(fd: int) -> bool:
+    """Whether ``fd`` names an open descriptor of this process."""
     try:
         os.fstat(fd)
     except OSError:

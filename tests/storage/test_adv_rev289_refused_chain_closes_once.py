@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from disk_helpers import assert_clean, config, read_page, stored_page
+from follow_helpers import is_open
 from test_adv_rev120_enter_fails import refusing_ring
 
 import aiokv.storage.uring as uring_module
@@ -25,14 +26,6 @@ from aiokv.storage import DiskBackend, DiskTier
 from aiokv.storage.backends import UringPageIO
 
 READS = 6
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 @pytest.mark.asyncio
@@ -67,12 +60,12 @@ async def test_a_refused_read_chain_closes_its_file_once(tmp_path: Path, layout:
         monkeypatch.undo()
         got = await read_page(tier, pool, 1)  # the ring works again
         assert got is not None and bool((got == expect).all())
-        closed = [fd for fd in others if not _is_open(fd)]
+        closed = [fd for fd in others if not is_open(fd)]
         assert not closed, f"files of the process closed under them by a second close: {closed} ({closes})"
         assert len(others) == READS, f"the engine did not close each refused read's file once: {closes}"
     finally:
         for fd in others:
-            if _is_open(fd):
+            if is_open(fd):
                 os.close(fd)
         await tier.aclose()
     assert_clean(pool)
