@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import xxhash
 from disk_helpers import assert_clean, config, key_of
+from planted_helpers import snapshot as _snapshot
 from test_adv_rev264_crafted_headers import _forge
-from test_adv_rev264_planted_records import _snapshot
 
 from aiokv.keys import PageKey
 from aiokv.layout import KVLayout

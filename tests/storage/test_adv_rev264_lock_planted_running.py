@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from disk_helpers import assert_clean, is_root
 from follow_helpers import read_back, started, store_page
-from test_adv_rev264_planted_records import _snapshot
+from planted_helpers import snapshot as _snapshot
 from test_lock_replaced import LockChecks, _cfg, _lock
 
 from aiokv.layout import KVLayout
