@@ -19,8 +19,10 @@ time (the tier's). A record that cannot be read or fails its check is no record 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import itertools
 import os
 import stat
 import struct
@@ -28,6 +30,8 @@ import time
 from collections.abc import Callable
 
 from aiokv.keys import KEY_BYTES, PageKey
+
+from .safefiles import UnsafeFileError
 
 DELETES_NAME = ".deletes"
 DELETES_TEMP = ".deletes.new"
@@ -125,19 +129,28 @@ def load_deletes_retrying(dir_fd: int, retrying: Callable[[OSError], None]) -> d
 
 PLANTED_PREFIX = ".deletes.planted-"
 """A directory planted at the record's names, not empty, is renamed aside to this prefix and the
-time (ns), in the layout directory: its content is left as it is, for whoever planted it."""
+time (ns), in the layout directory: its content is left as it is, for whoever planted it (the
+newest :data:`PLANTED_KEPT` of them)."""
+PLANTED_KEPT = 4
+"""Names set aside kept at most: at each directory renamed aside, the older ones beyond this are
+removed where that is safe (:func:`_drop_aside`). Review 296: nothing removed them, and whoever
+could write into the cache directory made the tier gather them for ever."""
+ASIDE_EMPTIED_MAX = 1024
+"""Entries of one directory set aside removed at most: a larger one is left (and counted)."""
 
 Planted = list[OSError]
 """Directories planted in the record's way that a save moved: each an EISDIR (the fault to count)
-naming the planted name and saying what was done."""
+naming the planted name and saying what was done; and the names set aside that could not be
+removed (:func:`_trim_aside`)."""
 
 
 def _clear_planted(dir_fd: int, name: str, moved: Planted) -> None:
     """``name`` met EISDIR: a directory (the tier makes none there; a rename or unlink cannot
     replace one). Removed when empty (``rmdir`` removes nothing else), else renamed aside to a
     :data:`PLANTED_PREFIX` name in ``dir_fd`` — names only: nothing in it is followed, read or
-    removed, nothing outside the directory touched. Raises ``OSError`` when neither works (the
-    name is something else by now: the save fails and is tried again later)."""
+    removed, nothing outside the directory touched — and the older names set aside beyond
+    :data:`PLANTED_KEPT` removed (:func:`_trim_aside`). Raises ``OSError`` when neither works
+    (the name is something else by now: the save fails and is tried again later)."""
     try:
         os.rmdir(name, dir_fd=dir_fd)
         done = "removed (empty)"
@@ -147,7 +160,99 @@ def _clear_planted(dir_fd: int, name: str, moved: Planted) -> None:
         aside = f"{PLANTED_PREFIX}{time.time_ns()}"
         os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         done = f"renamed aside to {aside} (not empty: its content left as it is)"
+        moved.append(IsADirectoryError(errno.EISDIR, f"a directory planted there, {done}", name))
+        _trim_aside(dir_fd, moved)
+        return
     moved.append(IsADirectoryError(errno.EISDIR, f"a directory planted there, {done}", name))
+
+
+def _aside_time(name: str) -> int:
+    """The time in a name set aside; -1 (the oldest) for a name this code did not make."""
+    suffix = name[len(PLANTED_PREFIX):]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def _trim_aside(dir_fd: int, moved: Planted) -> None:
+    """Remove the names set aside beyond the newest :data:`PLANTED_KEPT` (:func:`_drop_aside`).
+    Those that cannot be removed safely are left as they are and counted, one fault for all of
+    them (per directory set aside: as many as the plants); a fault here fails nothing (the record's
+    save goes on), it is counted too."""
+    try:
+        # A descriptor of its own for the listing: ``dir_fd``'s file offset stays the tier's.
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            dev = os.fstat(fd).st_dev
+            with os.scandir(fd) as scan:
+                aside = [(entry.name, entry.inode()) for entry in scan if entry.name.startswith(PLANTED_PREFIX)]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        moved.append(exc)
+        return
+    aside.sort(key=lambda entry: (_aside_time(entry[0]), entry[0]), reverse=True)
+    left = []
+    for name, listed_ino in aside[PLANTED_KEPT:]:
+        try:
+            if not _drop_aside(dir_fd, name, listed_ino, dev):
+                left.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            moved.append(exc)
+    if left:
+        moved.append(UnsafeFileError(
+            errno.ENOTEMPTY, f"{len(left)} directories set aside beyond the {PLANTED_KEPT} kept cannot be removed "
+            f"safely (a directory within not empty, too many entries, a mount): left as they are", left[0]))
+
+
+def _drop_aside(dir_fd: int, name: str, listed_ino: int, dev: int) -> bool:
+    """Remove the name set aside ``name`` of ``dir_fd`` (listed with inode ``listed_ino``, on the
+    device ``dev`` of ``dir_fd``) without following anything or leaving the cache directory: a
+    non-directory is unlinked (the name: a symlink's target, a hard link's file stay as they are);
+    a directory is emptied one level down — each entry that is no directory unlinked, each empty
+    directory removed — and removed. False, nothing more done, where that does not empty it (a
+    directory within not empty, more than :data:`ASIDE_EMPTIED_MAX` entries), or where ``name``
+    is a mount point (its inode not the one listed, or another device: what is mounted there is
+    not the cache's). Raises ``OSError``."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    if st.st_ino != listed_ino or st.st_dev != dev:
+        return False
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            return False  # replaced (or mounted over) since the look: left
+        with os.scandir(fd) as scan:
+            entries = list(itertools.islice(scan, ASIDE_EMPTIED_MAX + 1))
+        if len(entries) > ASIDE_EMPTIED_MAX:
+            return False
+        for entry in entries:
+            # By name in the directory opened: nothing is followed (unlink and rmdir take the
+            # name); a name that changed kind meanwhile fails (EISDIR, ENOTDIR), as does a mount
+            # point (EBUSY) or a directory not empty: it stays.
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    os.rmdir(entry.name, dir_fd=fd)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return False
+    return True
 
 
 def _unlink_record_name(dir_fd: int, name: str, moved: Planted) -> bool:
@@ -160,6 +265,15 @@ def _unlink_record_name(dir_fd: int, name: str, moved: Planted) -> bool:
     except IsADirectoryError:
         _clear_planted(dir_fd, name, moved)
     return True
+
+
+def remove_temp(dir_fd: int, moved: Planted) -> bool:
+    """Remove the record's temporary file a crash of its writer left (the lock holder, at a start or
+    a take-over); a directory planted there cleared as a save does (:func:`_clear_planted`, added
+    to ``moved``). Review 296: each start and take-over failed on it (EISDIR), counted and logged
+    each time, until a save of the record happened to clear it. True when a name was removed;
+    raises ``OSError``."""
+    return _unlink_record_name(dir_fd, DELETES_TEMP, moved)
 
 
 def save_deletes(dir_fd: int, records: dict[PageKey, int]) -> Planted:

@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING
 from aiokv.keys import PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes_retrying, save_deletes
+from .deletelog import DELETES_NAME, DELETES_TEMP, Planted, load_deletes_retrying, remove_temp, save_deletes
 from .layoutdir import (
     FANOUT,
     LOCK_NAME,
@@ -428,13 +428,13 @@ def _remove_record_temp(result: Look, dir_fd: int, shown: Path) -> None:
         return
     except OSError:
         pass  # the unlink below says what is wrong
+    moved: Planted = []  # a directory planted there cleared (review 296: it failed at each take-over)
     try:
-        os.unlink(DELETES_TEMP, dir_fd=dir_fd)
-        result.temp_removed += 1
-    except FileNotFoundError:
-        pass
+        if remove_temp(dir_fd, moved) and not moved:
+            result.temp_removed += 1  # a file: a planted directory is counted as a fault
     except OSError as exc:
         result.faults.append((exc, f"removing {shown / DELETES_TEMP}"))
+    result.faults += [(fault, f"removing {shown / DELETES_TEMP}") for fault in moved]
 
 
 def _replace_record(state: FollowState, result: Look, found: dict[PageKey, int], dir_fd: int, fanout: list[int],

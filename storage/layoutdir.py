@@ -46,7 +46,7 @@ from pathlib import Path
 from aiokv.keys import KEY_BYTES, PageKey
 
 from .config import ReadOnly
-from .deletelog import DELETES_NAME, DELETES_TEMP, load_deletes_retrying
+from .deletelog import DELETES_NAME, DELETES_TEMP, Planted, load_deletes_retrying, remove_temp
 from .pagefile import TEMP_PREFIX, PageFiles
 from .safefiles import OPEN_FLAGS, UnsafeDirectoryError, UnsafeFileError, check_page_fd
 from .spares import SPARE_PREFIX
@@ -271,13 +271,15 @@ def apply_deletes(state: Prepared, shown: Path) -> None:
     if writer:
         # A crash while the record was saved left its temporary file (review 218: it lay there
         # until a later save): removed by the lock holder only, as any crash's temporary file.
+        # A directory planted there is cleared (review 296: the unlink failed at each start,
+        # counted and logged each time, until a save happened to clear it).
+        moved: Planted = []
         try:
-            os.unlink(DELETES_TEMP, dir_fd=state.dir_fd)
-            state.temp_removed += 1
-        except FileNotFoundError:
-            pass
+            if remove_temp(state.dir_fd, moved) and not moved:
+                state.temp_removed += 1  # a file: a planted directory is counted as a fault
         except OSError as exc:
             state.faults.append((exc, f"removing {shown / DELETES_TEMP}"))
+        state.faults += [(fault, f"removing {shown / DELETES_TEMP}") for fault in moved]
     def retrying(exc: OSError) -> None:
         # Short of descriptors or memory says nothing about the record: tried again, not taken
         # for a damaged record (that unlinked every page on disk; review 220).
