@@ -399,7 +399,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark the keys' page files most recently used (LRU), those on disk; queued for the loop
-        like a job (no system call), picked up at its next poll."""
+        like a job (no system call), picked up at its next poll. ``TypeError`` for keys that are not
+        a collection of ``bytes`` (nothing queued)."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            # (None raised "'NoneType' object is not iterable", naming nothing)
+            raise TypeError(f"keys must be a collection of bytes, got {type(keys).__name__}")
         keys = list(keys)
         for key in keys:
             _check_key(key)
@@ -621,12 +625,13 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def _pairs(self, job: TransferJob, load: bool = False) -> list[tuple[OffloadKey, int]] | None:
         """The job's (key, chunk) pairs, checked before anything is queued: ``bytes`` keys, integer
-        chunk ids (a float was truncated), one per key, inside the region, and for a load no chunk
-        named twice (two reads into one chunk race, and the loser's valid page file was counted
-        corrupt and deleted). ``TypeError``/``ValueError`` otherwise. None after shutdown: the job
-        is reported failed (the region is gone), as a job the loop can no longer run. A job id
-        still in flight (not yet returned by ``get_finished_jobs``) is a ``ValueError``: both jobs
-        ran and the id was reported twice, which vLLM's scheduler asserts against."""
+        chunk ids (a float was truncated) in a 1-D array (a 2-D one was flattened), one per key,
+        inside the region, and for a load no chunk named twice (two reads into one chunk race, and
+        the loser's valid page file was counted corrupt and deleted). ``TypeError``/``ValueError``
+        otherwise. None after shutdown: the job is reported failed (the region is gone), as a job the
+        loop can no longer run. A job id still in flight (not yet returned by ``get_finished_jobs``)
+        is a ``ValueError``: both jobs ran and the id was reported twice, which vLLM's scheduler
+        asserts against."""
         if not isinstance(job, TransferJob):
             raise TypeError(f"job must be a TransferJob, got {type(job).__name__}")  # was AttributeError
         if isinstance(job.job_id, bool) or not isinstance(job.job_id, int):
@@ -638,10 +643,17 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         keys = list(job.keys)
         for key in keys:
             _check_key(key)
-        ids = np.asarray(job.chunk_ids)
+        try:
+            ids = np.asarray(job.chunk_ids)
+        except ValueError:  # ragged nesting: numpy's "inhomogeneous shape", naming nothing
+            raise ValueError(f"job {job.job_id}: chunk ids must be a 1-D array of integers, got a ragged "
+                             f"{type(job.chunk_ids).__name__}") from None
         if ids.size and ids.dtype.kind not in "iu":
             raise TypeError(f"job {job.job_id}: chunk ids must be integers, not {ids.dtype}")
-        chunks = [int(c) for c in ids.reshape(-1).tolist()]
+        # vLLM passes a 1-D array (one chunk per key); a 2-D one, or a scalar, was flattened and taken.
+        if ids.ndim != 1:
+            raise ValueError(f"job {job.job_id}: chunk ids must be 1-D, got shape {ids.shape}")
+        chunks = [int(c) for c in ids.tolist()]
         if len(keys) != len(chunks):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(chunks)} chunk ids")
         if self._shut:
