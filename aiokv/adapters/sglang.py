@@ -369,7 +369,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). A pool never
         registered holds nothing."""
         _check_keys(keys)
-        transfers = list(pool_transfers or [])
+        transfers = _check_transfers([] if pool_transfers is None else pool_transfers, "pool_transfers")
         for transfer in transfers:
             if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
                 raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
@@ -413,7 +413,9 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages from its pool's files into that pool's host slots; per pool,
         per key, True when the page arrived verified (a wrong index count, or a pool never
-        registered: all False)."""
+        registered: all False). ``TypeError``/``ValueError``, nothing opened or moved, for transfers
+        that are not a list of ``PoolTransfer``, keys of one that are not None or a list of ``str``,
+        and a pool named twice."""
         return self._batch_v2(transfers, write=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
@@ -423,11 +425,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _batch_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
+        transfers = _check_transfers(transfers, "transfers")  # before anything opens or moves
         named = [str(t.name) for t in transfers]
         if len(set(named)) != len(named):  # one answer per pool: two transfers of a pool would lose one
             raise ValueError(f"one call names a pool twice: {sorted(n for n in set(named) if named.count(n) > 1)}")
-        for transfer in transfers:
-            _check_keys(list(transfer.keys or []))
         if self._kv() is None:
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
         names: list[str] = []
@@ -635,7 +636,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             raise failed
 
     def statistics(self, pool: str = _KV) -> Mapping[str, object]:
-        """The disk tier's statistics of one pool's files (for tests and tools); empty before they opened."""
+        """The disk tier's statistics of one pool's files (for tests and tools); empty before they opened
+        and after :meth:`close`. ``pool``: ``"kv"`` or a name registered with ``register_mem_host_pool_v2``;
+        ``TypeError``/``ValueError`` otherwise (an unknown name answered ``{}``, as a pool not opened yet)."""
+        if not isinstance(pool, str):
+            raise TypeError(f"pool must be a pool name (str), got {type(pool).__name__}")
+        known = [_KV, *(name for name in list(self._extra_hosts) if name != _KV)]
+        if pool not in known:
+            raise ValueError(f"pool {str(pool)!r} is not a pool of this backend; valid names: {known}")
         opened = self._pools.get(pool)
         if opened is None or opened.store is None:
             return {}
@@ -887,22 +895,39 @@ def _host_regions(host: Any) -> list[memoryview]:
     return regions
 
 
-def _check_keys(keys: Sequence[object]) -> None:
+def _check_keys(keys: Sequence[object], what: str = "keys") -> None:
     """``TypeError`` unless every key is a ``str``, ``ValueError`` for one that is not valid UTF-8
-    (a lone surrogate): keys become file keys through their UTF-8 bytes."""
+    (a lone surrogate): keys become file keys through their UTF-8 bytes. ``what``: the argument's
+    name in the messages."""
     if isinstance(keys, (str, bytes)):
-        raise TypeError("keys must be a list of str, not one string")
+        raise TypeError(f"{what} must be a list of str, not one string")
     if not isinstance(keys, Sequence):
         # (None raised "'NoneType' object is not iterable", naming nothing; a set or a generator
         # has no order or length for the pages they pair with)
-        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+        raise TypeError(f"{what} must be a list of str, got {type(keys).__name__}")
     for key in keys:
         if not isinstance(key, str):
-            raise TypeError(f"keys must be str, not {type(key).__name__}")
+            raise TypeError(f"{what} must be str, not {type(key).__name__}")
         try:
             key.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(f"key {key!r} is not valid UTF-8: {exc.reason}") from None
+
+
+def _check_transfers(transfers: object, what: str) -> list[PoolTransfer]:
+    """``transfers`` (the argument named ``what``) as a list, checked before anything opens or
+    moves: a list of SGLang's ``PoolTransfer`` whose ``keys`` are None or a list of ``str``
+    (:func:`_check_keys`). ``TypeError``/``ValueError`` otherwise: keys that were not iterable
+    raised "'int' object is not iterable", naming nothing, one string was taken as one key per
+    character, and a transfer that was not a ``PoolTransfer`` raised ``AttributeError``."""
+    if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence):
+        raise TypeError(f"{what} must be a list of PoolTransfer, got {type(transfers).__name__}")
+    for transfer in transfers:
+        if not isinstance(transfer, PoolTransfer):
+            raise TypeError(f"{what} must hold PoolTransfer, not {type(transfer).__name__}")
+        if transfer.keys is not None:
+            _check_keys(transfer.keys, f"transfer.keys (pool {str(transfer.name)!r})")
+    return list(transfers)
 
 
 def _page_starts(host: Any, count: int, host_indices: object, write: bool) -> list[int]:
