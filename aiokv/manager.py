@@ -255,11 +255,18 @@ class CacheManager(LoadPath, OffloadPath):
             given_up = _GivenUp()
             saving = asyncio.ensure_future(self._save_rates(held, given_up))
             closing = asyncio.ensure_future(self._disk.close_within(max(0.0, deadline - loop.time())))
-            done, _ = await asyncio.wait({saving}, timeout=max(RATES_CLOSE_WAIT_S, deadline - loop.time()))
+            try:
+                done, _ = await asyncio.wait({saving}, timeout=max(RATES_CLOSE_WAIT_S, deadline - loop.time()))
+            except asyncio.CancelledError:
+                # The close cut (a loop-wide cancel): the save goes on unwaited, its end still
+                # retrieved (counted there if it failed: nothing counted it here).
+                saving.add_done_callback(functools.partial(self._given_up_rates_ended, given_up))
+                raise
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
                 # Counted here, once: a failure of it once its thread goes on is not counted again.
                 given_up.counted = True
                 self.faults.record("rates_not_saved", "rates file still being written at close")
+                saving.add_done_callback(functools.partial(self._given_up_rates_ended, given_up))
             elif not saving.cancelled() and (exc := saving.exception()) is not None:
                 self.faults.record("rates_not_saved", f"rates not saved at close: {exc!r}")
             try:
@@ -377,6 +384,24 @@ class CacheManager(LoadPath, OffloadPath):
         if saved.clamped:
             self.faults.record("rates_clamped", f"saved rates out of bounds, clamped: {', '.join(saved.clamped)}",
                                len(saved.clamped))
+
+    def _given_up_rates_ended(self, given_up: _GivenUp, task: asyncio.Future[None]) -> None:
+        """The end of a rates save the close stopped waiting for. Its own faults (``OSError``,
+        ``RuntimeError``) it counts or logs itself (:meth:`_save_rates`); anything else it raised
+        (the rates refused by their encoding, a bug) is retrieved and logged here, and counted
+        ``rates_not_saved`` unless the close counted the save already. Review 296: nothing
+        retrieved it, and the engine's loop reported "Task exception was never retrieved"."""
+        if task.cancelled():
+            log.info("aiokv: the rates save the close stopped waiting for was cancelled")
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        # Its traceback logged each time (not a fault of the file system's: a bug or a refused value).
+        log.warning("aiokv: the rates save the close stopped waiting for failed later (%s): %r",
+                    "counted then" if given_up.counted else "counted now", exc, exc_info=exc)
+        if not given_up.counted:
+            self.faults.record("rates_not_saved", f"the rates save the close stopped waiting for failed: {exc!r}")
 
     def _rates_job(self, task: asyncio.Future[None]) -> None:
         """Count ``task`` among the rates file's background jobs until it ends (registered before
