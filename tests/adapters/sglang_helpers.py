@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
@@ -91,7 +91,7 @@ MHATokenToKVPoolHost, MambaPoolHost, MLATokenToKVPoolHost = _import_host_pools()
 from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
     KVBufferLayout,
     KVBuffers,
-    MambaStateBufferInfo,  # noqa: F401  # for the tests' Mamba pools (imported after the host pools)
+    MambaStateBufferInfo,
     MHABufferInfo,
     MLABufferInfo,
 )
@@ -200,3 +200,41 @@ def mla_fill(pool: Any, index: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     size = pool.get_dummy_flat_data_page().numel()
     pool.set_from_flat_data_page(index * PAGE, torch.randn(size, generator=g).to(DTYPE))
+
+
+def mamba_pool(slots: int, side_state: bool = False) -> Any:
+    """SGLang's Mamba state host pool on the CPU (one state slot per page, ``page_first``), over
+    CPU stand-ins for the device state buffers ``[layers, slots, ...]`` (read for their geometry
+    only). ``side_state``: a registered per-slot side buffer, with which the pool refuses buffer
+    addresses (``get_page_buffer_meta``) and pages move as its flat data pages."""
+    temporal = torch.zeros(LAYERS, slots, 4, 16, dtype=torch.float32)
+    conv = (torch.zeros(LAYERS, slots, 8, 3, dtype=torch.bfloat16),)
+    extra = (torch.zeros(slots, 5, dtype=torch.int32),) if side_state else ()
+    info = MambaStateBufferInfo(temporal=temporal, conv=conv, extra_checkpoint_buffers=extra)
+    pool = MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+    pool.test_device_buffers = (temporal, conv, extra)
+    return pool
+
+
+def fill_state(pool: Any, slot: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    size = pool.get_dummy_flat_data_page().numel()
+    pool.set_from_flat_data_page(slot, torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g))
+
+
+def state(pool: Any, slot: int) -> torch.Tensor:
+    return pool.get_data_page(slot, flat=True).clone()
+
+
+def attach_hybrid(made: list[Any], disk_dir: Path, kv_pool: Any, extra: dict[PoolName, Any],
+                  **kw: Any) -> AiokvHiCacheStorage:
+    """What SGLang's HybridCacheController.attach_storage_backend does: factory, the KV (anchor)
+    pool, each entry of the host pool group by name, then on_host_pools_registered."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(disk_dir, True, **kw), kv_pool)
+    made.append(backend)
+    assert isinstance(backend, AiokvHiCacheStorage)
+    backend.register_mem_pool_host(kv_pool)
+    for name, pool in extra.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend

@@ -29,8 +29,7 @@ pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-from sglang_helpers import attach, fill, host_pool, indices, page
-from test_sglang_backend import attach_hybrid, fill_state, mamba_pool, state
+from sglang_helpers import attach, attach_hybrid, fill, fill_state, host_pool, indices, mamba_pool, page, state
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
 
