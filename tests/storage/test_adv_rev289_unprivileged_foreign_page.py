@@ -9,7 +9,12 @@ miss, never a crash, and nothing may read the file by another way (no fallback o
 ``O_NOATIME``): the caller's buffer stays as it was and the file's access time does not move. The
 other page is served. The open's EPERM is counted as what the privileged tier's ``fstat`` check
 says, UNSAFE, and the key leaves the index (its name unlinked, as any planted name): before, it
-was counted EPERM and stayed indexed, each read of it a fault again. Every backend."""
+was counted EPERM and stayed indexed, each read of it a fault again. Every backend.
+
+Review 296: the ring's checked open (``UringPageIO._open_then_read``: an OPENAT through the ring,
+then the ``fstat`` check), which a cold read takes where it cannot be one chain from its open —
+into a caller's buffer that is not aligned, or a tier without ``O_DIRECT`` — had the same handling
+but no test: driven here too, and the test checks that path was taken."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from disk_helpers import BACKENDS, config, fill, key_of, payload, reserve, small_layout
@@ -44,7 +50,13 @@ def _cap_eff() -> int:
     raise AssertionError("no CapEff in /proc/self/status")
 
 
-async def _child_main(directory: str, backend: str, cold: bool) -> dict[str, object]:
+HOW = ("pool", "unaligned", "buffered")
+"""How the child reads: into a pool page (aligned), into a caller's buffer one byte off alignment
+(``read_into``), or into a pool page with ``direct_io`` off. Both of the latter, cold, go the ring's
+checked way (no chain: it needs ``O_DIRECT`` and an aligned buffer)."""
+
+
+async def _child_main(directory: str, backend: str, cold: bool, how: str = "pool") -> dict[str, object]:
     import torch
 
     from aiokv.pool import PagePool
@@ -55,7 +67,12 @@ async def _child_main(directory: str, backend: str, cold: bool) -> dict[str, obj
     pool.wait_ready_blocking()
 
     async def read(tier: DiskTier, key: bytes) -> tuple[bool, torch.Tensor]:
-        """Into a pool page (aligned: a cold read may be one chain) first filled with 0x5a."""
+        """Into a pool page (aligned: a cold read may be one chain), or a buffer one byte off
+        alignment (``how``), first filled with 0x5a."""
+        if how == "unaligned":
+            buf = bytearray(b"\x5a" * (layout.page_bytes + 1))
+            ok = await tier.read_into(key, memoryview(buf)[1:])
+            return ok, torch.frombuffer(buf[1:1 + layout.payload_bytes], dtype=torch.uint8)
         into = reserve(pool, key)
         try:
             pool.memory.page_view(pool.table.check(into))[:] = b"\x5a" * layout.page_bytes
@@ -65,14 +82,23 @@ async def _child_main(directory: str, backend: str, cold: bool) -> dict[str, obj
             pool.table.abort(into)
 
     try:
-        tier = DiskTier(config(Path(directory), DiskBackend(backend)), layout, pool)
+        overrides = {"direct_io": False} if how == "buffered" else {}
+        tier = DiskTier(config(Path(directory), DiskBackend(backend), **overrides), layout, pool)
         await tier.start()
+        checked_opens: list[str] = []  # the names the ring's checked way opened
         try:
             await tier.wait_registered()
             if cold:  # every read through the ring: a chain from its open (O_DIRECT, aligned pages)
                 io = tier.backend
-                assert isinstance(io, UringPageIO) and io.direct and io.chain_reads
+                assert isinstance(io, UringPageIO) and io.direct == (how != "buffered") and io.chain_reads
                 io._cached.available = False
+                checked = io._open_then_read
+
+                def counted(dir_fd: int, name: str, *rest: Any) -> None:  # noted, then run as it is
+                    checked_opens.append(name)
+                    checked(dir_fd, name, *rest)
+
+                io._open_then_read = counted  # type: ignore[method-assign]
             written = {}
             for i, key in enumerate((OURS, FOREIGN)):
                 held = fill(pool, key, i)
@@ -94,14 +120,15 @@ async def _child_main(directory: str, backend: str, cold: bool) -> dict[str, obj
             after = tier.statistics()
             return {"foreign_reads": foreign_reads, "ours": ours, "misses": after.misses - before.misses,
                     "errors": {kind.value: after.errors[kind] - before.errors.get(kind, 0) for kind in after.errors},
-                    "contains": tier.contains(FOREIGN), "backend": after.backend.value}
+                    "contains": tier.contains(FOREIGN), "backend": after.backend.value,
+                    "checked_opens": checked_opens, "names": [FOREIGN.hex(), OURS.hex()]}
         finally:
             await tier.aclose()
     finally:
         pool.close()
 
 
-def child(directory: str, backend: str, cold: bool) -> None:
+def child(directory: str, backend: str, cold: bool, how: str = "pool") -> None:
     """The tier as ``nobody``: imports first (as root), then every privilege dropped."""
     import aiokv.storage.backends
     import aiokv.storage.uring  # noqa: F401  (loaded before the privileges go)
@@ -110,18 +137,22 @@ def child(directory: str, backend: str, cold: bool) -> None:
     os.setgid(NOBODY)
     os.setuid(NOBODY)
     assert os.geteuid() == NOBODY and _cap_eff() == 0, "privileges not dropped"
-    print(json.dumps({"result": asyncio.run(_child_main(directory, backend, cold))}), flush=True)
+    print(json.dumps({"result": asyncio.run(_child_main(directory, backend, cold, how))}), flush=True)
 
 
-CASES = [(backend, False) for backend in BACKENDS] + [(DiskBackend.URING, True)]
+CASES = ([(backend, False, "pool") for backend in BACKENDS] + [(DiskBackend.URING, True, "pool")]
+         + [(backend, True, how) for backend in (DiskBackend.URING, DiskBackend.URING_FIXED)
+            for how in HOW[1:]])
 
 
 @pytest.mark.root
-@pytest.mark.parametrize(("backend", "cold"), CASES, ids=[b.value + ("-cold" if c else "") for b, c in CASES])
+@pytest.mark.parametrize(("backend", "cold", "how"), CASES,
+                         ids=[b.value + ("-cold" if c else "") + ("" if h == "pool" else f"-{h}") for b, c, h in CASES])
 def test_an_unprivileged_tier_misses_a_page_file_of_another_owner_and_reads_nothing(backend: DiskBackend,
-                                                                                    cold: bool) -> None:
+                                                                                    cold: bool, how: str) -> None:
     """``cold``: the name's open on the loop (``openat2`` where the kernel has it cached) turned
-    off: the read opens it through the ring, in a chain from its open."""
+    off: the read opens it through the ring, in a chain from its open (``how`` "pool"), or the
+    checked way (an OPENAT, then the ``fstat`` check: "unaligned", "buffered"; review 296)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the child drops to nobody, and the test gives a file to another uid")
     top = Path(tempfile.mkdtemp(prefix="aiokv-unprivileged-"))  # /tmp's: reachable by nobody
@@ -130,7 +161,8 @@ def test_an_unprivileged_tier_misses_a_page_file_of_another_owner_and_reads_noth
         here = Path(__file__).parent
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent),
                                                             os.environ.get("PYTHONPATH", "")]))
-        code = f"import {Path(__file__).stem} as t; t.child({str(top / 'cache')!r}, {backend.value!r}, {cold!r})"
+        code = (f"import {Path(__file__).stem} as t; "
+                f"t.child({str(top / 'cache')!r}, {backend.value!r}, {cold!r}, {how!r})")
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=top)
         try:
@@ -163,6 +195,8 @@ def test_an_unprivileged_tier_misses_a_page_file_of_another_owner_and_reads_noth
         # index (before: counted EPERM, left indexed, each read of it a fault again).
         assert result["errors"]["unsafe"] == 1 and result["errors"]["eperm"] == 0, result
         assert not result["contains"], result
+        if how != "pool":  # the ring's checked open met the file (once: then out of the index), and ours
+            assert sorted(result["checked_opens"]) == sorted(result["names"]), result
         after = kept.stat()
         assert (after.st_uid, after.st_atime_ns) == (OTHER_UID, before.st_atime_ns), \
             "the file of another owner was read (its access time moved) or changed hands"
