@@ -174,6 +174,7 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
             log.warning("aiokv tier: enable_kv_events is set but vLLM's KV cache events are off")
         num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         self._chunk_bytes = self.block_size_bytes
+        self._num_chunks = num_chunks  # chunk ids are checked against it in every state (after shutdown too)
         # Checked before the store starts: a view the rows cannot be cut from failed only once the
         # store had started, and the failed tier kept its thread, staging pool and directory lock.
         if not primary_kv_view.c_contiguous or primary_kv_view.nbytes != num_chunks * self._chunk_bytes:
@@ -292,8 +293,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT/MISS from the loop's verdict; RETRY while it is being looked up (never blocks). MISS
         for everything once the loop thread died or the tier shut down. ``TypeError`` for a key that
-        is not ``bytes`` (nothing changed)."""
+        is not ``bytes`` or a ``req_context`` that is not vLLM's ``ReqContext`` (nothing changed)."""
         _check_key(key)
+        _check_context(req_context)
         if self._shut or self._reap():
             return LookupResult.MISS
         self._take_answers()
@@ -366,7 +368,9 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Forget the request's verdicts (a later request looks its keys up afresh) and its lookups
-        not posted yet that no other request asks about."""
+        not posted yet that no other request asks about. ``TypeError`` for a ``req_context`` that is
+        not vLLM's ``ReqContext`` (nothing changed)."""
+        _check_context(req_context)
         req_id = req_context.req_id
         for key in self._req_keys.pop(req_id, ()):
             users = self._wanted.get(key)
@@ -400,13 +404,15 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Mark the keys' page files most recently used (LRU), those on disk; queued for the loop
         like a job (no system call), picked up at its next poll. ``TypeError`` for keys that are not
-        a collection of ``bytes`` (nothing queued)."""
+        a collection of ``bytes`` or a ``req_context`` that is not vLLM's ``ReqContext`` (nothing
+        queued)."""
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
             # (None raised "'NoneType' object is not iterable", naming nothing)
             raise TypeError(f"keys must be a collection of bytes, got {type(keys).__name__}")
         keys = list(keys)
         for key in keys:
             _check_key(key)
+        _check_context(req_context)
         if self._shut or not keys or self._reap():
             return
         store, mirror = self._store, self._mirror
@@ -628,10 +634,11 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         chunk ids (a float was truncated) in a 1-D array (a 2-D one was flattened), one per key,
         inside the region, and for a load no chunk named twice (two reads into one chunk race, and
         the loser's valid page file was counted corrupt and deleted). ``TypeError``/``ValueError``
-        otherwise. None after shutdown: the job is reported failed (the region is gone), as a job the
-        loop can no longer run. A job id still in flight (not yet returned by ``get_finished_jobs``)
-        is a ``ValueError``: both jobs ran and the id was reported twice, which vLLM's scheduler
-        asserts against."""
+        otherwise, in every state: after shutdown too (the region's size is the one vLLM gave, vLLM
+        still submits ids inside it). None for a valid job after shutdown: it is reported failed (the
+        region is gone), as a job the loop can no longer run. A job id still in flight (not yet
+        returned by ``get_finished_jobs``) is a ``ValueError``: both jobs ran and the id was reported
+        twice, which vLLM's scheduler asserts against."""
         if not isinstance(job, TransferJob):
             raise TypeError(f"job must be a TransferJob, got {type(job).__name__}")  # was AttributeError
         if isinstance(job.job_id, bool) or not isinstance(job.job_id, int):
@@ -656,15 +663,17 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
         chunks = [int(c) for c in ids.tolist()]
         if len(keys) != len(chunks):
             raise ValueError(f"job {job.job_id}: {len(keys)} keys but {len(chunks)} chunk ids")
-        if self._shut:
-            self._start(job.job_id, _never)
-            return None
-        bad = [c for c in chunks if not 0 <= c < self._region.shape[0]]
+        # Against the region's size as vLLM gave it, not the region's tensor (empty once let go): after
+        # shutdown ids outside it were not checked and the job was reported failed.
+        bad = [c for c in chunks if not 0 <= c < self._num_chunks]
         if bad:
-            raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._region.shape[0]})")
+            raise ValueError(f"job {job.job_id}: chunk ids {bad[:4]} outside [0, {self._num_chunks})")
         if load and len(set(chunks)) != len(chunks):
             twice = sorted({c for c in chunks if chunks.count(c) > 1})
             raise ValueError(f"job {job.job_id}: a load names chunk ids {twice[:4]} more than once")
+        if self._shut:
+            self._start(job.job_id, _never)
+            return None
         return list(zip(keys, chunks, strict=True))
 
     def _start(self, job_id: int, job: Callable[[], Coroutine[Any, Any, _Outcome]]) -> None:
@@ -785,6 +794,13 @@ class AiokvTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped 
 def _check_key(key: object) -> None:
     if not isinstance(key, bytes):
         raise TypeError(f"offload keys must be bytes, not {type(key).__name__}")
+
+
+def _check_context(req_context: object) -> None:
+    # vLLM always passes its ReqContext (its scheduler's, or one its tiers make; never None); anything
+    # else raised AttributeError on ``req_id``, naming nothing.
+    if not isinstance(req_context, ReqContext):
+        raise TypeError(f"req_context must be vLLM's ReqContext, not {type(req_context).__name__}")
 
 
 async def _never() -> _Outcome:
