@@ -911,7 +911,8 @@ def _check_keys(keys: Sequence[object], what: str = "keys") -> None:
         try:
             key.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"key {key!r} is not valid UTF-8: {exc.reason}") from None
+            # (named the key only: in v2 neither transfer.keys nor the pool)
+            raise ValueError(f"{what} must be valid UTF-8: key {key!r} is not ({exc.reason})") from None
 
 
 def _check_transfers(transfers: object, what: str) -> list[PoolTransfer]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolName
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
@@ -238,3 +238,17 @@ def attach_hybrid(made: list[Any], disk_dir: Path, kv_pool: Any, extra: dict[Poo
         backend.register_mem_host_pool_v2(pool, name)
     backend.on_host_pools_registered()
     return backend
+
+
+def stored_hybrid(made: list[Any], disk_dir: Path) -> tuple[AiokvHiCacheStorage, Any, Any]:
+    """A KV + Mamba backend (``attach_hybrid``) over 4 KV pages and 4 Mamba slots, each filled; KV
+    page 0 stored as "h0" (v1) and Mamba slot 1 as "h0" (v2). Returns (backend, KV pool, Mamba pool)."""
+    kv, mamba = host_pool(4), mamba_pool(4)
+    for p in range(4):
+        fill(kv, p, seed=p)
+        fill_state(mamba, p, seed=100 + p)
+    backend = attach_hybrid(made, disk_dir, kv, {PoolName.MAMBA: mamba})
+    assert backend.batch_set_v1(["h0"], indices([0])) == [True]
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]),
+                                              keys=["h0"])]) == {"mamba": [True]}
+    return backend, kv, mamba
