@@ -298,6 +298,12 @@ class KVCache(CacheFacade):
         itself, on the loop. None where no kernels
         run (a CPU KV buffer, or before :meth:`start`) or when the warm-up failed (counted as
         ``warm_up_failed`` in ``stats().errors``). Cancelling the call does not stop the warm-up.
+
+        Unlike the calls that serve, it never raises for a closed cache: the close stops the
+        warm-up and waits for it, and a ``wait_warm`` during or after the close returns what it did
+        (``stopped`` True when the close cut it short). An engine's set-up awaiting it while a
+        shutdown closes the cache thus ends the same whether its call came before the close or
+        after; its next serving call raises ``RuntimeError``.
         """
         warm = self._warm
         if warm is None:

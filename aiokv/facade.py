@@ -58,7 +58,9 @@ class CacheFacade(abc.ABC):
         return self._manager
 
     def keys(self, tokens: Tokens, salt: Salt = None) -> list[PageKey]:
-        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``."""
+        """Page keys of the full pages of ``tokens`` under this cache's namespace and ``salt``.
+        Raises ``RuntimeError`` once the cache's close began, as :meth:`match` does."""
+        self._refuse_closed()
         check_salt(salt)
         return self._manager.keys(tokens, salt)
 
@@ -92,7 +94,8 @@ class CacheFacade(abc.ABC):
         """What loading ``match`` would cost (pool copies, disk reads, recomputing) by the rates
         measured so far, and where a compute-or-load split is expected to meet. Raises
         ``ValueError`` for another cache's match, ``StaleHandleError`` (a ``ValueError``) for one
-        already loaded or released."""
+        already loaded or released; ``RuntimeError`` once the cache's close began."""
+        self._refuse_closed()
         return self._manager.estimate(match)
 
     def note_prefill(self, tokens: int, seconds: float, prefix: int = 0) -> None:
@@ -102,8 +105,10 @@ class CacheFacade(abc.ABC):
         Raises ``TypeError`` unless ``tokens`` and ``prefix`` are ints and ``seconds`` a number,
         ``ValueError`` for no tokens, a negative prefix, either beyond 2**53, a time that is not
         positive and finite, or a rate outside what a rates file may hold
-        (``RATE_BOUNDS["prefill"]``); nothing is folded in then.
+        (``RATE_BOUNDS["prefill"]``); nothing is folded in then. Raises ``RuntimeError`` once the
+        cache's close began (the close saves the rates file: a report after it may never be kept).
         """
+        self._refuse_closed()
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise TypeError(f"tokens must be an int, got {type(tokens).__name__}")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
@@ -120,6 +125,12 @@ class CacheFacade(abc.ABC):
         if not low <= tokens / seconds <= high:
             raise ValueError(f"{tokens} tokens in {seconds!r} s is outside [{low:g}, {high:g}] tokens/s")
         self._manager.costs.prefill.update(tokens, seconds, prefix)
+
+    def _refuse_closed(self) -> None:
+        """Raise as the manager's running calls do once the close began (``match``, ``offload``...):
+        a call that needs no pool (keys, the cost model) must not answer as if the cache served."""
+        if self._manager.closing:
+            raise RuntimeError("the cache is closed")
 
     def stats(self) -> CacheStatistics:
         """A frozen snapshot of the counters, in every state (before the start, after a failed or

@@ -255,10 +255,18 @@ class LoadStream:
 
         The answer never passes the first token of a page already launched, nor ``match.tokens``;
         it only grows. Claiming also reports that the previous claim was computed (for the cost
-        model's prefill rate). Raises ``TypeError`` for a non-int.
+        model's prefill rate). Raises ``TypeError`` for a non-int, ``RuntimeError`` once
+        :meth:`finish` or :meth:`aclose` was called, also while it runs (the engine claims nothing
+        more then; nothing changes), as a second ``finish()`` does.
         """
         if isinstance(end, bool) or not isinstance(end, int):
             raise TypeError(f"end must be an int, got {type(end).__name__}")
+        if self._finished:
+            # It answered as if open (no more tokens; past the claimed front finish() reported where a
+            # fault left the load's front above it) and fed the prefill rate a chunk timed across it.
+            if self._closed_by_aclose:
+                raise RuntimeError("LoadStream.claim() after aclose(): the stream was closed")
+            raise RuntimeError("LoadStream.claim() after finish(): the stream is finished")
         now = time.perf_counter()
         if self._last_claim_tokens:
             # It computed [claimed - tokens, claimed) on top of the tokens before it.
@@ -327,8 +335,14 @@ class LoadStream:
     async def finish(self) -> StreamResult:
         """Wait until the load reached the claimed front and its copies are in the buffer.
 
-        The engine claims nothing more after this. A fault shortens the loaded suffix (counted);
+        The engine claims nothing more after this (:meth:`claim` raises ``RuntimeError`` from the
+        call on, also while it waits). A fault shortens the loaded suffix (counted);
         a cancelled ``finish`` stops the load and returns only when no copy touches the slots.
+        It returns with every pool reference of the stream given back: ``stats().pool_referenced``
+        read right after it counts other holders only (the write-behind keeps a page it is writing
+        to disk referenced until the write ended; a read ahead still in flight when the loader
+        stopped lands in the background, ``background_jobs``, and gives its page back then);
+        ``flush()`` waits for both.
         """
         if self._finished:
             if self._closed_by_aclose:

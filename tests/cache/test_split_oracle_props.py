@@ -6,13 +6,13 @@ a restarted one holds in its pool, faults applied for real between ``match`` and
 (a page file corrupted, truncated or unlinked, a page deleted through the tier, an I/O error on the
 next read, a concurrent prefetch), a copy that fails, and an engine: where its own prefix ends
 (``from_token``), its claims (chunk sizes, loop turns, ``wait_front``), whether it waits on each
-layer after ``launched()``, how it ends (``finish``, ``aclose``, a claim after the end), whether its
-task is cancelled after some loop turns and whether another task aborts its stream (``aclose``) after
-some. One or two engines run at once (their prompts may share pages). Copies into the KV buffer run
-one at a time, each only once the test lets it (:class:`Throttle`), so layers land while the engine
-and the consumer watch. An abort never overlaps the engine's ``launched``/``finish``/``aclose``
-(a lock): those overlaps are the deterministic cases of ``test_split_concurrent_close.py`` (two
-defects this test found, fixed in ``LoadStream``).
+layer after ``launched()``, how it ends (``finish``, ``aclose``, a claim after the end: refused since
+review 295), whether its task is cancelled after some loop turns and whether another task aborts its
+stream (``aclose``) after some. One or two engines run at once (their prompts may share pages).
+Copies into the KV buffer run one at a time, each only once the test lets it (:class:`Throttle`), so
+layers land while the engine and the consumer watch. An abort never overlaps the engine's
+``launched``/``finish``/``aclose`` (a lock): those overlaps are the deterministic cases of
+``test_split_concurrent_close.py`` (two defects this test found, fixed in ``LoadStream``).
 
 Oracle: each token's KV is a hash of its whole prefix, layer, row and column (:func:`oracle`), so a
 page served for the wrong prefix, a half-copied page or a late copy shows up. Checked: every claim
@@ -175,7 +175,7 @@ class Engine:
     layer_order: tuple[int, ...] | None
     """After launched(), wait_layer in this order (None: straight to finish)."""
     ending: str
-    """finish | aclose | claim_after (finish, then claim past the end)."""
+    """finish | aclose | claim_after (finish, then claim past the end: RuntimeError, nothing moves)."""
     cancel_after: int | None
     """Cancel the engine's task after this many loop turns (None: never)."""
     abort_after: int | None
@@ -402,8 +402,10 @@ async def _engine(case: Case, cache: KVCache, root: Path, kv: torch.Tensor, run:
             run.result = await stream.finish()
         if spec.ending == "claim_after":
             before = kv[:, slots[:n]].clone()
-            granted = stream.claim(n + 1)
-            assert run.pos <= granted <= n
+            front = stream.front
+            with pytest.raises(RuntimeError, match=r"claim\(\) after finish\(\): the stream is finished"):
+                stream.claim(n + 1)
+            assert stream.front == front and run.result.claimed == run.pos
             for _ in range(3):
                 await asyncio.sleep(0)
             assert torch.equal(kv[:, slots[:n]], before), "a claim after finish() changed the slots"
@@ -432,8 +434,14 @@ async def _abort_after(kv: torch.Tensor, run: Run, turns: int) -> None:
 
 
 def _claim(stream: LoadStream, kv: torch.Tensor, run: Run, end: int) -> bool:
-    """Claim up to ``end`` and compute what was granted; whether the engine moved."""
+    """Claim up to ``end`` and compute what was granted; whether the engine moved (not once another
+    task's abort closed the stream: the claim is refused then, review 295)."""
     front, before = stream.front, run.pos
+    if run.aborted:  # its aclose() began (synchronously, in the abort's turn): the stream is ended
+        with pytest.raises(RuntimeError, match=r"claim\(\) after aclose\(\): the stream was closed"):
+            stream.claim(end)
+        assert stream.front == front
+        return False
     granted = stream.claim(end)
     assert before <= granted <= min(front, stream.tokens), (before, granted, front, stream.tokens)
     if end > before and front > before:
