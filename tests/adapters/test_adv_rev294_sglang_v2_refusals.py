@@ -29,24 +29,9 @@ pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-from sglang_helpers import attach, attach_hybrid, fill, fill_state, host_pool, indices, mamba_pool, page, state
+from sglang_helpers import attach, fill, host_pool, indices, page, state, stored_hybrid
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
-
-
-def _hybrid(tmp_path: Path, backends: list[Any]) -> tuple[AiokvHiCacheStorage, Any, Any]:
-    """A KV + Mamba backend, KV pages 0..3 and Mamba slots 0..3 filled, KV page 0 stored as "h0"
-    and Mamba slot 1 as "h0"."""
-    kv, mamba = host_pool(4), mamba_pool(4)
-    for p in range(4):
-        fill(kv, p, seed=p)
-        fill_state(mamba, p, seed=100 + p)
-    backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
-    assert backend.batch_set_v1(["h0"], indices([0])) == [True]
-    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]),
-                                              keys=["h0"])]) == {"mamba": [True]}
-    return backend, kv, mamba
-
 
 _Snapshot = tuple[dict[str, object], dict[str, object], list[torch.Tensor], list[torch.Tensor]]
 
@@ -63,7 +48,7 @@ def _same(a: _Snapshot, b: _Snapshot) -> bool:
 
 
 def test_statistics_of_an_unknown_pool_is_refused_by_name(tmp_path: Path, backends: list[Any]) -> None:
-    backend, kv, mamba = _hybrid(tmp_path, backends)
+    backend, kv, mamba = stored_hybrid(backends, tmp_path)
     before = _snapshot(backend, kv, mamba)
     with pytest.raises(ValueError, match=r"pool 'bogus' is not a pool of this backend; valid names: \['kv', 'mamba'\]"):
         backend.statistics(pool="bogus")  # was {}
@@ -96,7 +81,7 @@ BAD_KEYS = (3, object(), "ab", b"ab", {"a"}, iter(["a"]), ("a", 7), [None])
 @pytest.mark.parametrize("write", [False, True], ids=["batch_get_v2", "batch_set_v2"])
 def test_v2_transfer_keys_not_a_list_of_str_are_refused_by_name(tmp_path: Path, backends: list[Any],
                                                                 write: bool) -> None:
-    backend, kv, mamba = _hybrid(tmp_path, backends)
+    backend, kv, mamba = stored_hybrid(backends, tmp_path)
     call = backend.batch_set_v2 if write else backend.batch_get_v2
     before = _snapshot(backend, kv, mamba)
     for keys in BAD_KEYS:
@@ -118,7 +103,7 @@ def test_v2_transfer_keys_not_a_list_of_str_are_refused_by_name(tmp_path: Path, 
 
 
 def test_v2_exists_transfer_keys_not_a_list_of_str_are_refused_by_name(tmp_path: Path, backends: list[Any]) -> None:
-    backend, kv, mamba = _hybrid(tmp_path, backends)
+    backend, kv, mamba = stored_hybrid(backends, tmp_path)
     before = _snapshot(backend, kv, mamba)
     for policy in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
         for keys in BAD_KEYS:
