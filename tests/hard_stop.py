@@ -7,7 +7,8 @@ hard limit and printed nothing of where. One watching thread times each test, fr
 teardown; HARD_STOP_MARGIN_S past the test's timeout it prints which test, every thread's stack,
 the kernel side (:func:`kernel_report`: what each thread of the process and of its children waits
 for in the kernel, and every task in D state) and exits the process (status 3), so the run ends
-with the hang's location as the last thing it printed.
+with the hang's location as the last thing it printed (under pytest-xdist the worker ends: the
+controller reports the test failed, "worker crashed", and goes on with a new worker).
 
 ``tests/conftest.py`` registers this module as a plugin; ``-p hard_stop`` loads it into another
 pytest run.
