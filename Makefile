@@ -42,11 +42,12 @@ lint: setup
 	ln -s $(CURDIR)/storage $(TYPECHECK)/aiokv/storage
 	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p aiokv
 
-# The suite runs in two passes: first on one pytest-xdist worker per CPU (at most TEST_WORKERS_MAX),
-# every test but those marked `timing`; then those alone, which assert wall-clock bounds (loop
-# stalls, GIL holds) that other workers' load would break. TEST_WORKERS=0 runs the first pass in one process.
+# The suite runs in two passes: first on one pytest-xdist worker per CPU (at most TEST_WORKERS_MAX:
+# each worker imports vLLM and SGLang and opens its own pools), every test but those marked
+# `timing`; then those alone, which assert wall-clock bounds (loop stalls, GIL holds) that other
+# workers' load would break. TEST_WORKERS=0 runs the first pass in one process.
 TEST_WORKERS ?= logical
-TEST_WORKERS_MAX ?= 16
+TEST_WORKERS_MAX ?= 8
 test: lint engines
 	$(VENV)/bin/pytest -q --durations=30 -n $(TEST_WORKERS) --maxprocesses $(TEST_WORKERS_MAX) --dist worksteal -m "not timing"
 	$(VENV)/bin/pytest -q --durations=10 -m timing
