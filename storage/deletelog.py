@@ -167,9 +167,11 @@ def _clear_planted(dir_fd: int, name: str, moved: Planted) -> None:
 
 
 def _aside_time(name: str) -> int:
-    """The time in a name set aside; -1 (the oldest) for a name this code did not make."""
+    """The time in a name set aside; -1 (the oldest) for a name this code did not make. ASCII
+    digits only: ``isdigit`` also takes ``²`` or ``①``, which ``int`` refuses (review 299: a name
+    planted so made every start and save raise ``ValueError``)."""
     suffix = name[len(PLANTED_PREFIX):]
-    return int(suffix) if suffix.isdigit() else -1
+    return int(suffix) if suffix.isascii() and suffix.isdigit() else -1
 
 
 def _trim_aside(dir_fd: int, moved: Planted) -> None:
