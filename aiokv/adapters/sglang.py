@@ -367,12 +367,16 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         hit policies: ``ALL_PAGES`` (every page of the prefix in that pool), ``TRAILING_PAGES`` (the
         last ``len(transfer.keys)`` pages before a stop point). ``BLOCK_GROUPS`` raises
         ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). A pool never
-        registered holds nothing."""
+        registered holds nothing. Transfers and their keys are checked as in :meth:`batch_get_v2`,
+        and their host indices too where given (SGLang passes None: they are not read here)."""
         _check_keys(keys)
         transfers = _check_transfers([] if pool_transfers is None else pool_transfers, "pool_transfers")
         for transfer in transfers:
             if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
                 raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
+        # Read nowhere here (SGLang's lookups pass None: staging comes after the hit), but any given
+        # are held to what get/set would take, so a lookup does not pass what the load refuses.
+        self._check_transfer_indices(transfers, write=True, lookup=True)
         kv = self._kv()
         if kv is None or not keys:
             return PoolTransferResult(0, {}, [])
@@ -412,15 +416,19 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages from its pool's files into that pool's host slots; per pool,
-        per key, True when the page arrived verified (a wrong index count, or a pool never
-        registered: all False). ``TypeError``/``ValueError``, nothing opened or moved, for transfers
-        that are not a list of ``PoolTransfer``, keys of one that are not None or a list of ``str``,
-        and a pool named twice."""
+        per key, True when the page arrived verified (a pool never registered: all False).
+        ``TypeError``/``ValueError``, nothing opened or moved (a valid transfer beside the bad one is
+        not run either), for transfers that are not a list of ``PoolTransfer``, keys of one that are
+        not None or a list of ``str``, a pool named twice, and host indices of one that are not
+        ``len(transfer.keys)`` whole pages of its pool as v1 checks them (negative, out of range, a
+        wrong dtype or count, 2-D, sparse, meta, a page read twice...; the message names
+        ``transfer.host_indices`` and the pool; these were answered all False for that pool, logged)."""
         return self._batch_v2(transfers, write=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        """Write each transfer's pages from its pool's host slots; per pool, per key, True when stored."""
+        """Write each transfer's pages from its pool's host slots; per pool, per key, True when stored
+        (bad input refused as in :meth:`batch_get_v2`; one host page may be written under two keys)."""
         return self._batch_v2(transfers, write=True)
 
     def _batch_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
@@ -429,6 +437,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         named = [str(t.name) for t in transfers]
         if len(set(named)) != len(named):  # one answer per pool: two transfers of a pool would lose one
             raise ValueError(f"one call names a pool twice: {sorted(n for n in set(named) if named.count(n) > 1)}")
+        self._check_transfer_indices(transfers, write)  # every transfer's, before anything opens or moves
         if self._kv() is None:
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
         names: list[str] = []
@@ -450,6 +459,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             try:
                 move = self._moves(pool, host, keys, transfer.host_indices, write)
             except (ValueError, TypeError) as exc:
+                # Its indices were checked above: the host pool's own pointers outside its memory.
                 log.error("aiokv backend: %s: %s", name, exc)
                 results[name] = [False] * len(keys)
                 continue
@@ -683,6 +693,27 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self.closed_misses += 1
         if self.closed_misses == 1:
             log.warning("aiokv backend: called after close() (SGLang detaching it?); such calls miss, moving nothing")
+
+    def _check_transfer_indices(self, transfers: Sequence[PoolTransfer], write: bool, lookup: bool = False) -> None:
+        """``TypeError``/``ValueError`` naming ``transfer.host_indices`` and the pool for the first
+        transfer whose host indices are not ``len(transfer.keys)`` whole pages of its registered host
+        pool (:func:`_page_starts`, as v1 checks them; for a read no page twice); checked before any
+        pool opens or page moves, so a valid transfer beside it is not run either (it answered that
+        pool all False, logged, and ran the others). None is taken where a transfer names no key
+        (it moves nothing) and in a ``lookup`` (``batch_exists_v2``: SGLang's lookups pass None, the
+        staging allocated once the hit is known); a pool never registered (answered all False) has
+        only their form checked."""
+        for transfer in transfers:
+            name = str(transfer.name)
+            what = f"transfer.host_indices (pool {name!r})"
+            keys = transfer.keys or []
+            host = self._extra_hosts.get(name, self.mem_pool_host if name == _KV else None)
+            if transfer.host_indices is None and (lookup or not keys):
+                continue
+            if host is None:
+                _check_index_form(transfer.host_indices, what)
+            else:
+                _page_starts(host, len(keys), transfer.host_indices, write, what)
 
     def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
                write: bool) -> _Move:
@@ -931,44 +962,52 @@ def _check_transfers(transfers: object, what: str) -> list[PoolTransfer]:
     return list(transfers)
 
 
-def _page_starts(host: Any, count: int, host_indices: object, write: bool) -> list[int]:
+def _page_starts(host: Any, count: int, host_indices: object, write: bool, what: str = "host indices") -> list[int]:
     """The first host index of each of ``count`` pages at ``host_indices``, checked against SGLang's
     contract (its host pools allocate whole pages of ``page_size`` slots at page-aligned starts, and
     ``get_page_buffer_meta`` / ``get_data_page`` use each page's first index unchecked): an integer
     tensor of ``count * page_size`` indices, each page a run of consecutive indices starting at a
     multiple of ``page_size`` inside the pool, and for a read no page named twice (two reads into
-    one slot race and fail verification). ``TypeError``/``ValueError`` otherwise."""
+    one slot race and fail verification). ``TypeError``/``ValueError`` otherwise, naming ``what``
+    (the argument: in v2 ``transfer.host_indices`` and the pool)."""
     page_tokens = int(getattr(host, "logical_page_size", host.page_size)) or 1
     slots = int(getattr(host, "logical_size", host.size))
-    if not isinstance(host_indices, torch.Tensor):
-        raise TypeError(f"host indices must be a tensor, not {type(host_indices).__name__}")
-    # Form first: a sparse one raised torch's RuntimeError at the reshape, a meta one
-    # NotImplementedError, a 2-D one (of the right count) SGLang's AssertionError in place.
-    if host_indices.is_nested or host_indices.layout is not torch.strided or host_indices.is_quantized:
-        raise TypeError(f"host indices must be a dense (strided) tensor, got layout {host_indices.layout}"
-                        f"{' (nested)' if host_indices.is_nested else ''}"
-                        f"{' (quantized)' if host_indices.is_quantized else ''}")
-    if host_indices.is_meta:
-        raise TypeError("host indices must hold values, got a meta tensor")
-    dtype = host_indices.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(f"host indices must be an integer tensor, not {dtype}")
-    if host_indices.dim() != 1:
-        raise ValueError(f"host indices must be 1-D, got shape {tuple(host_indices.shape)}")
+    host_indices = _check_index_form(host_indices, what)
     if host_indices.numel() != count * page_tokens:
-        raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {page_tokens} tokens")
+        raise ValueError(f"{what}: {host_indices.numel()} indices for {count} pages of {page_tokens} tokens")
     pages = host_indices.detach().reshape(count, page_tokens).to("cpu", torch.int64)
     starts = pages[:, 0]
     if count and (int(starts.min()) < 0 or int(starts.max()) > slots - page_tokens):
-        raise ValueError(f"host indices outside the host pool's {slots} slots")
+        raise ValueError(f"{what} outside the host pool's {slots} slots")
     if bool((starts % page_tokens != 0).any()):
-        raise ValueError(f"host pages must start at a multiple of the page size ({page_tokens})")
+        raise ValueError(f"{what}: host pages must start at a multiple of the page size ({page_tokens})")
     if not torch.equal(pages, starts[:, None] + torch.arange(page_tokens)):
-        raise ValueError(f"each host page must be {page_tokens} consecutive indices")
+        raise ValueError(f"{what}: each host page must be {page_tokens} consecutive indices")
     firsts = [int(s) for s in starts.tolist()]
     if not write and len(set(firsts)) != len(firsts):
-        raise ValueError("a read names one host page twice")
+        raise ValueError(f"{what}: a read names one host page twice")
     return firsts
+
+
+def _check_index_form(host_indices: object, what: str) -> torch.Tensor:
+    """``host_indices``; ``TypeError``/``ValueError`` naming ``what`` unless it is a 1-D dense
+    integer tensor with values (the part of :func:`_page_starts` that needs no host pool)."""
+    if not isinstance(host_indices, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, not {type(host_indices).__name__}")
+    # Form first: a sparse one raised torch's RuntimeError at the reshape, a meta one
+    # NotImplementedError, a 2-D one (of the right count) SGLang's AssertionError in place.
+    if host_indices.is_nested or host_indices.layout is not torch.strided or host_indices.is_quantized:
+        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {host_indices.layout}"
+                        f"{' (nested)' if host_indices.is_nested else ''}"
+                        f"{' (quantized)' if host_indices.is_quantized else ''}")
+    if host_indices.is_meta:
+        raise TypeError(f"{what} must hold values, got a meta tensor")
+    dtype = host_indices.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{what} must be an integer tensor, not {dtype}")
+    if host_indices.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(host_indices.shape)}")
+    return host_indices
 
 
 def _pool_extents(host: Any) -> list[tuple[int, int]]:

@@ -189,12 +189,15 @@ def test_v2_refuses_what_it_cannot_serve(tmp_path: Path, backends: list[Any], ca
     fill_state(mamba, 0, seed=1)
     backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
     with caplog.at_level(logging.ERROR, logger="aiokv.adapters.sglang"):
-        # A pool never registered, and an index count that is not one per page: all False, logged.
+        # A pool never registered: all False, logged.
         got = backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=["a"]),
-                                    PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=["a"])])
-    assert got == {"swa": [False], "mamba": [False]}
-    assert "not registered" in caplog.text and "2 host indices for 1 pages" in caplog.text
-    assert backend.statistics("mamba")["writes"] == 0
+                                    PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])])
+    assert got == {"swa": [False], "mamba": [True]}
+    assert "not registered" in caplog.text
+    # An index count that is not one per page: the whole call is refused naming them (it was all False, logged).
+    with pytest.raises(ValueError, match=r"transfer\.host_indices \(pool 'mamba'\): 2 indices for 1 pages"):
+        backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=["b"])])
+    assert backend.statistics("mamba")["writes"] == 1
     block_groups = PoolTransfer(name=PoolName.MAMBA, keys=["a"], hit_policy=PoolHitPolicy.BLOCK_GROUPS)
     with pytest.raises(ValueError, match="Unsupported pool hit policy"):
         backend.batch_exists_v2(["a"], [block_groups])

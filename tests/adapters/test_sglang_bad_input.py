@@ -68,13 +68,18 @@ def test_v1_read_naming_one_host_page_twice_is_refused(tmp_path: Path, backends:
     assert backend.batch_set_v1(["c", "d"], indices([0, 0])) == [True, True]  # writes from one page: fine
 
 
-def test_v2_bad_indices_fail_that_transfer_only(tmp_path: Path, backends: list[Any]) -> None:
+def test_v2_bad_indices_refuse_the_whole_call(tmp_path: Path, backends: list[Any]) -> None:
+    """As v1 refuses them (review 298; they answered that pool all False, logged, the call going on):
+    a ValueError naming transfer.host_indices and the pool, nothing stored."""
     pool = host_pool(4)
     fill(pool, 0, seed=1)
     backend = attach(backends, tmp_path, pool, interface_v1=True)
     bad = PoolTransfer(name=PoolName.KV, host_indices=torch.arange(-PAGE, 0), keys=["n"])
-    assert backend.batch_set_v2([bad]) == {"kv": [False]}
+    with pytest.raises(ValueError, match=r"transfer\.host_indices \(pool 'kv'\) outside the host pool"):
+        backend.batch_set_v2([bad])
     assert backend.batch_exists(["n"]) == 0
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=indices([0]), keys=["n"])]) \
+        == {"kv": [True]}
 
 
 def test_in_place_pointers_outside_the_pool_are_refused(tmp_path: Path, backends: list[Any]) -> None:
