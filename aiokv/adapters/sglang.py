@@ -342,8 +342,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read each page into its host-pool slots; per key, True when it arrived verified.
         ``TypeError``/``ValueError``, nothing moved, for keys not str and for host indices that are
-        not whole pages of the pool, one per key, each named once (:func:`_page_starts`)."""
+        not whole pages of the pool, one per key, each named once (:func:`_page_starts`), before the
+        pool's files open and also after :meth:`close` (where valid calls miss)."""
         _check_keys(keys)
+        self._check_v1_indices(keys, host_indices, write=False)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
@@ -354,6 +356,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         """Write each page from its host-pool slots; per key, True when stored (bad keys or indices
         refused as in :meth:`batch_get_v1`)."""
         _check_keys(keys)
+        self._check_v1_indices(keys, host_indices, write=True)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
@@ -693,6 +696,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         self.closed_misses += 1
         if self.closed_misses == 1:
             log.warning("aiokv backend: called after close() (SGLang detaching it?); such calls miss, moving nothing")
+
+    def _check_v1_indices(self, keys: list[str], host_indices: object, write: bool) -> None:
+        """v1's host indices checked against the registered KV host pool (:func:`_page_starts`) before
+        the pool's files open and in every state: a first call with bad indices opened the files
+        before refusing, and a closed backend answered them all False (a closed miss) where v2
+        refuses them. Nothing to check without keys (nothing moves) or without a registered pool."""
+        if keys and self.mem_pool_host is not None:
+            _page_starts(self.mem_pool_host, len(keys), host_indices, write)
 
     def _check_transfer_indices(self, transfers: Sequence[PoolTransfer], write: bool, lookup: bool = False) -> None:
         """``TypeError``/``ValueError`` naming ``transfer.host_indices`` and the pool for the first
