@@ -457,6 +457,12 @@ class CacheManager(LoadPath, OffloadPath):
                     held = None  # the handoff owns it now
                     await run_in_new_thread(functools.partial(_write_rates_handed, disk.files.layout_dir, data,
                                                               handoff), "aiokv-rates", _nothing)
+                except asyncio.CancelledError:
+                    # Its outcome unknown (the thread goes on; what it raises is dropped): unsaved, for
+                    # the next save (review 299: a close cut by a loop-wide cancel ran anew, found
+                    # nothing to save, and a failure of this one lost the rates uncounted).
+                    self._rates_dirty = True
+                    raise
                 except (OSError, RuntimeError) as exc:  # RuntimeError: the tier closed, or no thread left
                     self._rates_dirty = True
                     what = f"rates not saved in {disk.files.layout_dir}: {exc}"
