@@ -24,7 +24,7 @@ from aiokv.storage.config import ErrorKind
 from aiokv.storage.deletelog import DELETES_NAME, DELETES_TEMP, PLANTED_KEPT, PLANTED_PREFIX
 
 TAG = 0x99
-ODD = ("²", "①", "1²", "\u0663\u00b2")  # digits to isdigit(), not to int()
+ODD = ("²", "①", "1²", "\u0663\u00b2", "\udcff1")  # digits to isdigit(), not to int(); a name not UTF-8
 
 
 def _aside(layout_dir: Path) -> set[str]:
