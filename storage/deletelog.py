@@ -157,11 +157,11 @@ def _clear_planted(dir_fd: int, name: str, moved: Planted) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
-        aside = f"{PLANTED_PREFIX}{time.time_ns()}"
+        aside = f"{PLANTED_PREFIX}{_aside_stamp(dir_fd)}"
         os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         done = f"renamed aside to {aside} (not empty: its content left as it is)"
         moved.append(IsADirectoryError(errno.EISDIR, f"a directory planted there, {done}", name))
-        _trim_aside(dir_fd, moved)
+        _trim_aside(dir_fd, moved, keep=aside)
         return
     moved.append(IsADirectoryError(errno.EISDIR, f"a directory planted there, {done}", name))
 
@@ -174,24 +174,42 @@ def _aside_time(name: str) -> int:
     return int(suffix) if suffix.isascii() and suffix.isdigit() else -1
 
 
-def _trim_aside(dir_fd: int, moved: Planted) -> None:
-    """Remove the names set aside beyond the newest :data:`PLANTED_KEPT` (:func:`_drop_aside`).
-    Those that cannot be removed safely are left as they are and counted, one fault for all of
-    them (per directory set aside: as many as the plants); a fault here fails nothing (the record's
-    save goes on), it is counted too."""
+def _list_aside(dir_fd: int) -> tuple[int, list[tuple[str, int]]]:
+    """The device of ``dir_fd`` and its names set aside, each with its inode as listed."""
+    # A descriptor of its own for the listing: ``dir_fd``'s file offset stays the tier's.
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        # A descriptor of its own for the listing: ``dir_fd``'s file offset stays the tier's.
-        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            dev = os.fstat(fd).st_dev
-            with os.scandir(fd) as scan:
-                aside = [(entry.name, entry.inode()) for entry in scan if entry.name.startswith(PLANTED_PREFIX)]
-        finally:
-            os.close(fd)
+        dev = os.fstat(fd).st_dev
+        with os.scandir(fd) as scan:
+            return dev, [(entry.name, entry.inode()) for entry in scan if entry.name.startswith(PLANTED_PREFIX)]
+    finally:
+        os.close(fd)
+
+
+def _aside_stamp(dir_fd: int) -> int:
+    """The time for a name set aside now: the wall clock's (ns), or one past the newest name set
+    aside already where that is not below it (the clock stepped back, a name planted from the
+    future): the name just set aside is always the newest, never the first trimmed (review 300)."""
+    now = time.time_ns()
+    try:
+        _dev, aside = _list_aside(dir_fd)
+    except OSError:
+        return now  # the trim lists again (and counts what it meets); it keeps this name anyway
+    return max([now, *(_aside_time(name) + 1 for name, _ino in aside)])
+
+
+def _trim_aside(dir_fd: int, moved: Planted, keep: str | None = None) -> None:
+    """Remove the names set aside beyond the newest :data:`PLANTED_KEPT` (:func:`_drop_aside`),
+    ``keep`` (the one just set aside) counted among them whatever its time (a name of the same or
+    a later time planted meanwhile). Those that cannot be removed safely are left as they are and
+    counted, one fault for all of them (per directory set aside: as many as the plants); a fault
+    here fails nothing (the record's save goes on), it is counted too."""
+    try:
+        dev, aside = _list_aside(dir_fd)
     except OSError as exc:
         moved.append(exc)
         return
-    aside.sort(key=lambda entry: (_aside_time(entry[0]), entry[0]), reverse=True)
+    aside.sort(key=lambda entry: (entry[0] == keep, _aside_time(entry[0]), entry[0]), reverse=True)
     left = []
     for name, listed_ino in aside[PLANTED_KEPT:]:
         try:
