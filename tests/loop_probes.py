@@ -1,4 +1,5 @@
-"""Event-driven probes for async tests: where a task waits, and a bounded wait on a condition.
+"""Event-driven probes for async tests: where a task waits, a bounded wait on a condition, and
+what reached the loop's exception handler.
 
 Importable from every test folder (``tests/`` is on ``sys.path`` through ``tests/conftest.py``).
 """
@@ -6,8 +7,11 @@ Importable from every test folder (``tests/`` is on ``sys.path`` through ``tests
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import time
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -110,3 +114,68 @@ async def cancel_every_task_but(*spared: asyncio.Task[Any] | None, timeout_s: fl
         _done, pending = await asyncio.wait(cut, timeout=timeout_s)
         assert not pending, pending
     return len(cut)
+
+
+SETTLE_TURNS = 3
+"""Loop turns run before a check of :class:`LoopReports`: a thread's outcome posted with
+``call_soon_threadsafe`` reaches its future, and the callbacks that future schedules (a shield's, a
+gather's) run, so what they leave unretrieved is garbage by the collection that follows."""
+
+
+@dataclass
+class LoopReports:
+    """The contexts the running loop's exception handler got while :func:`no_loop_reports` was in
+    force: "Future/Task exception was never retrieved" (asyncio reports it when the future is freed:
+    at once when its last reference goes, or only at a garbage collection when it sits in a cycle,
+    as a task and its coroutine's frame do), an exception raised in a callback or a protocol
+    method, anything else given to ``loop.call_exception_handler``."""
+
+    what: str
+    """The failure's message: what a report here means for the test."""
+    contexts: list[dict[str, Any]] = field(default_factory=list)
+
+    def _handle(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.contexts.append(context)
+
+    async def assert_none(self, turns: int = SETTLE_TURNS) -> None:
+        """Run ``turns`` loop turns, collect garbage (``gc.collect()``: the reports of dropped futures
+        in cycles come only then), then ``AssertionError`` if any report came so far."""
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        gc.collect()
+        assert not self.contexts, f"{self.what}: {[_summary(context) for context in self.contexts]}"
+
+
+def _summary(context: dict[str, Any]) -> str:
+    return f"{context.get('message')!s}: {context.get('exception')!r}"
+
+
+@contextlib.asynccontextmanager
+async def no_loop_reports(what: str = "unhandled exceptions in the loop",
+                          turns: int = SETTLE_TURNS) -> AsyncIterator[LoopReports]:
+    """Collect what reaches the running loop's exception handler inside the block, and fail (a
+    test failure naming ``what``) if anything did: checked at each ``await reports.assert_none()``
+    the block makes and when the block ends, after ``turns`` loop turns and a ``gc.collect()``. The
+    previous handler is restored at the end; if the block raises (a failure, ``pytest.skip``), what
+    was collected goes on to that handler, so nothing is swallowed.
+
+    The suite's ``loop_hygiene`` fixture (tests/conftest.py) fails a test that leaves a report in
+    its loop too, but only after the test and the other fixtures' teardowns, as an error of its own.
+    This checks where the test says: after the fault's thread ended and the futures it concerns were
+    dropped, before the test's close, unmount or other teardown, and in a loop that fixture does not
+    watch (the test's own ``asyncio.Runner`` in a synchronous test)."""
+    loop = asyncio.get_running_loop()
+    reports = LoopReports(what)
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(reports._handle)
+    try:
+        yield reports
+    except BaseException:
+        loop.set_exception_handler(previous)
+        for context in reports.contexts:
+            loop.call_exception_handler(context)
+        raise
+    try:
+        await reports.assert_none(turns)
+    finally:
+        loop.set_exception_handler(previous)
