@@ -13,14 +13,12 @@ empty, else renamed aside): the one planted here is a mount point (a bind mount)
 from __future__ import annotations
 
 import asyncio
-import gc
 from pathlib import Path
-from typing import Any
 
 import pytest
 from disk_helpers import assert_clean, config
 from fs_helpers import bind_mount, freeze, loop_ext4, thaw
-from loop_probes import cancel_every_task_but_nowait, waiting_in
+from loop_probes import cancel_every_task_but_nowait, no_loop_reports, waiting_in
 
 from aiokv.layout import KVLayout
 from aiokv.pool import PagePool
@@ -31,8 +29,6 @@ from aiokv.storage import DiskBackend, DiskTier
 @pytest.mark.asyncio
 async def test_a_cut_deletes_saves_failure_is_never_left_unretrieved(tmp_path: Path, layout: KVLayout,
                                                                      pool: PagePool) -> None:
-    loop = asyncio.get_running_loop()
-    errors: list[dict[str, Any]] = []
     held = tmp_path / "held"
     held.mkdir()
     with loop_ext4(tmp_path, 32) as mount:
@@ -44,28 +40,22 @@ async def test_a_cut_deletes_saves_failure_is_never_left_unretrieved(tmp_path: P
         with bind_mount(held, planted):  # every save of the record fails (EBUSY)
             tier = DiskTier(cfg, layout, pool)
             await tier.start()  # the record cannot be trusted: a save is due (it fails, counted)
-            previous = loop.get_exception_handler()
-            loop.set_exception_handler(lambda _loop, context: errors.append(context))
             try:
-                if tier._deletes_saving is not None:
-                    await asyncio.wait({tier._deletes_saving})
-                freeze(mount)
-                try:
-                    saving = tier._save_deletes_soon()  # a retry (the periodic one), held in the kernel
-                    assert saving is not None
-                    for _ in range(3):
-                        await asyncio.sleep(0)
-                    assert waiting_in(saving, "_save_deletes")
-                    cancel_every_task_but_nowait(asyncio.current_task())
-                finally:
-                    thaw(mount)
-                with pytest.raises(asyncio.CancelledError):
-                    await saving  # it waits for its thread, which fails now
-                for _ in range(3):
-                    await asyncio.sleep(0)
-                gc.collect()
-                assert not errors, f"unhandled exceptions in the loop: {errors}"
+                async with no_loop_reports():  # checked at its end, before the close
+                    if tier._deletes_saving is not None:
+                        await asyncio.wait({tier._deletes_saving})
+                    freeze(mount)
+                    try:
+                        saving = tier._save_deletes_soon()  # a retry (the periodic one), held in the kernel
+                        assert saving is not None
+                        for _ in range(3):
+                            await asyncio.sleep(0)
+                        assert waiting_in(saving, "_save_deletes")
+                        cancel_every_task_but_nowait(asyncio.current_task())
+                    finally:
+                        thaw(mount)
+                    with pytest.raises(asyncio.CancelledError):
+                        await saving  # it waits for its thread, which fails now
             finally:
-                loop.set_exception_handler(previous)
                 await tier.aclose()
     assert_clean(pool)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from loop_probes import no_loop_reports
 from test_adv_rev107_hostile_manager import BOUND_S, EPOCH, FAST, PAGES, SLOTS, FakeManager, done
 from tp_helpers import CONFIG, full_kv, new_pool, rank_kv, threads_off_loop
 
@@ -113,72 +114,65 @@ async def test_a_group_whose_stream_ids_ran_out_still_starts_loads_ordered_at_la
 
 @pytest.mark.asyncio
 async def test_stream_frames_from_a_hostile_manager_end_only_the_session(tmp_path: Path, pool: PagePool) -> None:
-    loop = asyncio.get_running_loop()
-    handled: list[dict[str, object]] = []
-    loop.set_exception_handler(lambda _, context: handled.append(context))
     kv = rank_kv(full_kv(LAYOUT, 3, SLOTS), LAYOUT, 0, 2)
     part = pool.pages[:, 0]  # rank 0's part of each page: [pages, L, T, rows/2, D]
-    try:
-        async with FakeManager(tmp_path / "m") as manager, manager.worker(kv, FAST) as worker:
-            # A STREAM_BEGINS instead of the welcome: the handshake fails, the worker comes back.
-            reader, writer = await manager.hello()
-            writer.write(_begins(1))
-            await _ended(reader)
-            assert worker.statistics().link_errors == 1, worker.statistics()
+    async with no_loop_reports(), FakeManager(tmp_path / "m") as manager, manager.worker(kv, FAST) as worker:
+        # A STREAM_BEGINS instead of the welcome: the handshake fails, the worker comes back.
+        reader, writer = await manager.hello()
+        writer.write(_begins(1))
+        await _ended(reader)
+        assert worker.statistics().link_errors == 1, worker.statistics()
 
-            # Attached: streams announced (one twice), specs of them, and one of a stream announced
-            # only after it ran: every spec runs and lands; the early one at its launch (missed).
-            reader, writer, attached = await manager.welcome(pool.name)
-            assert attached.ok, attached
-            writer.write(_begins(5) + _begins(5) + _load(1, 5, [0, 1], 8))
-            assert (await done(reader)).status is RankStatus.OK
-            writer.write(_load(2, 77, [2], 16))
-            assert (await done(reader)).status is RankStatus.OK
-            writer.write(_begins(77) + _load(3, 77, [3], 20))
-            assert (await done(reader)).status is RankStatus.OK
-            got = kv[:, 8:24].reshape(LAYOUT.num_layers, 4, T, -1, LAYOUT.head_dim).transpose(0, 1)
-            assert torch.equal(got, part[:4]), "a stream's spec landed wrong bytes"
-            stats = worker.statistics()
-            # Streams 5 (announced twice: one stream, before the fix counted twice) and 77; job 2
-            # named 77 before it was announced: ordered at its launch, counted missed.
-            assert (stats.stream_marks, stats.stream_marks_failed, stats.stream_marks_missed) == (2, 0, 1), stats
+        # Attached: streams announced (one twice), specs of them, and one of a stream announced
+        # only after it ran: every spec runs and lands; the early one at its launch (missed).
+        reader, writer, attached = await manager.welcome(pool.name)
+        assert attached.ok, attached
+        writer.write(_begins(5) + _begins(5) + _load(1, 5, [0, 1], 8))
+        assert (await done(reader)).status is RankStatus.OK
+        writer.write(_load(2, 77, [2], 16))
+        assert (await done(reader)).status is RankStatus.OK
+        writer.write(_begins(77) + _load(3, 77, [3], 20))
+        assert (await done(reader)).status is RankStatus.OK
+        got = kv[:, 8:24].reshape(LAYOUT.num_layers, 4, T, -1, LAYOUT.head_dim).transpose(0, 1)
+        assert torch.equal(got, part[:4]), "a stream's spec landed wrong bytes"
+        stats = worker.statistics()
+        # Streams 5 (announced twice: one stream, before the fix counted twice) and 77; job 2
+        # named 77 before it was announced: ordered at its launch, counted missed.
+        assert (stats.stream_marks, stats.stream_marks_failed, stats.stream_marks_missed) == (2, 0, 1), stats
 
-            # Malformed STREAM_BEGINS frames (and a spec with the STREAM flag and id 0) each end
-            # the session only; the KV buffer is left as it was.
-            writer.close()  # the manager ends this session (EOF): the worker comes back
-            await _ended(reader)
-            snapshot = kv.clone()
-            zero_stream = bytearray(TransferSpec.build(9, Direction.LOAD, EPOCH, T, [0], range(T), stream=1)
-                                    .to_bytes())
-            struct.pack_into("<Q", zero_stream, 40, 0)
-            bad_frames = [
-                frame(FrameKind.STREAM_BEGINS, b""),
-                frame(FrameKind.STREAM_BEGINS, b"\1" * 7),
-                frame(FrameKind.STREAM_BEGINS, struct.pack("<QB", 3, 0)),
-                frame(FrameKind.STREAM_BEGINS, struct.pack("<Q", 0)),
-                frame(FrameKind.SPEC, bytes(zero_stream)),
-                # A good announcement, then a bad one in the same write: the link still ends.
-                _begins(6) + frame(FrameKind.STREAM_BEGINS, struct.pack("<Q", 0)),
-            ]
-            for bad in bad_frames:
-                reader, writer, attached = await manager.welcome(pool.name)
-                assert attached.ok
-                writer.write(bad)
-                await _ended(reader)
-            assert torch.equal(kv, snapshot), "a malformed frame changed the KV buffer"
-            # The worker still serves: a fresh session's stream loads, counted in that session only
-            # (each malformed frame's session counted as it ended, before the next connection).
+        # Malformed STREAM_BEGINS frames (and a spec with the STREAM flag and id 0) each end
+        # the session only; the KV buffer is left as it was.
+        writer.close()  # the manager ends this session (EOF): the worker comes back
+        await _ended(reader)
+        snapshot = kv.clone()
+        zero_stream = bytearray(TransferSpec.build(9, Direction.LOAD, EPOCH, T, [0], range(T), stream=1)
+                                .to_bytes())
+        struct.pack_into("<Q", zero_stream, 40, 0)
+        bad_frames = [
+            frame(FrameKind.STREAM_BEGINS, b""),
+            frame(FrameKind.STREAM_BEGINS, b"\1" * 7),
+            frame(FrameKind.STREAM_BEGINS, struct.pack("<QB", 3, 0)),
+            frame(FrameKind.STREAM_BEGINS, struct.pack("<Q", 0)),
+            frame(FrameKind.SPEC, bytes(zero_stream)),
+            # A good announcement, then a bad one in the same write: the link still ends.
+            _begins(6) + frame(FrameKind.STREAM_BEGINS, struct.pack("<Q", 0)),
+        ]
+        for bad in bad_frames:
             reader, writer, attached = await manager.welcome(pool.name)
-            assert worker.statistics().link_errors == 1 + len(bad_frames), worker.statistics()
-            writer.write(_begins(1) + _load(1, 1, [5], 28))
-            assert (await done(reader)).status is RankStatus.OK
-            got = kv[:, 28:32].reshape(LAYOUT.num_layers, 1, T, -1, LAYOUT.head_dim).transpose(0, 1)
-            assert torch.equal(got, part[5:6])
-            stats = worker.statistics()
-            assert (stats.stream_marks, stats.stream_marks_missed) == (1, 0), stats
-    finally:
-        loop.set_exception_handler(None)
-    assert not handled, handled
+            assert attached.ok
+            writer.write(bad)
+            await _ended(reader)
+        assert torch.equal(kv, snapshot), "a malformed frame changed the KV buffer"
+        # The worker still serves: a fresh session's stream loads, counted in that session only
+        # (each malformed frame's session counted as it ended, before the next connection).
+        reader, writer, attached = await manager.welcome(pool.name)
+        assert worker.statistics().link_errors == 1 + len(bad_frames), worker.statistics()
+        writer.write(_begins(1) + _load(1, 1, [5], 28))
+        assert (await done(reader)).status is RankStatus.OK
+        got = kv[:, 28:32].reshape(LAYOUT.num_layers, 1, T, -1, LAYOUT.head_dim).transpose(0, 1)
+        assert torch.equal(got, part[5:6])
+        stats = worker.statistics()
+        assert (stats.stream_marks, stats.stream_marks_missed) == (1, 0), stats
 
 
 @pytest.mark.asyncio
