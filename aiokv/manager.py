@@ -132,6 +132,8 @@ class CacheManager(LoadPath, OffloadPath):
         self._register_cuda = register_cuda
         self._started = False
         self._close_task: asyncio.Task[None] | None = None  # the one close; every aclose() waits for it
+        # The disk tier's close failure counted (one tier close, maybe seen by two of our closes).
+        self._disk_close_failure: BaseException | None = None
         self._starting: asyncio.Future[None] | None = None  # resolved when start() has settled
         self.device_kind: str | None = None if device_later else device or ("cuda" if register_cuda else "cpu")
         """What the saved rates are keyed by, with the layout's fingerprint (None: not known yet)."""
@@ -261,6 +263,10 @@ class CacheManager(LoadPath, OffloadPath):
                 # The close cut (a loop-wide cancel): the save goes on unwaited, its end still
                 # retrieved (counted there if it failed: nothing counted it here).
                 saving.add_done_callback(functools.partial(self._given_up_rates_ended, given_up))
+                # So does the tier's close (a cancel of this task alone does not reach it): its end
+                # retrieved too, a failure counted once (the close run anew sees the same one).
+                # Review 300: "Task exception was never retrieved", counted only if run anew.
+                closing.add_done_callback(self._cut_disk_close_ended)
                 raise
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
                 # Counted here, once: a failure of it once its thread goes on is not counted again.
@@ -274,7 +280,25 @@ class CacheManager(LoadPath, OffloadPath):
                     self.faults.record("close_timeout", "disk I/O stuck in the kernel at close: the pool stays "
                                                         "mapped until it ends")
             except Exception as exc:
-                self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")
+                self._disk_close_failed(exc)
+
+    def _disk_close_failed(self, exc: BaseException) -> None:
+        """Count the disk tier's close failing, once: a close cut while the tier's close ran and
+        the close run anew both see that one close's failure (the same exception)."""
+        if exc is self._disk_close_failure:
+            return
+        self._disk_close_failure = exc
+        self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")
+
+    def _cut_disk_close_ended(self, task: asyncio.Future[bool]) -> None:
+        """The end of the disk tier's close (``close_within``) that a cancelled close left unwaited."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return  # closed, or given up as stuck (that the close run anew counts, if any)
+        log.warning("aiokv: the disk tier's close a cancelled close left failed later: %r", exc, exc_info=exc)
+        self._disk_close_failed(exc)
 
     async def close_pool(self) -> None:
         """Free the pool (after :meth:`aclose` and the worker that copies into it are closed).
