@@ -63,12 +63,6 @@ from .writepath import WritePath
 log = logging.getLogger(__name__)
 
 
-def _consume(task: asyncio.Future[None]) -> None:
-    """The outcome of a close nobody waits for any more (:meth:`DiskTier.close_within`)."""
-    if not task.cancelled():
-        task.exception()
-
-
 _FAULT_NAMES = tuple(fault_name(kind) for kind in ErrorKind)
 """The fault log's kinds of the tier's I/O faults (``DiskStatistics.errors``' keys)."""
 
@@ -164,6 +158,9 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     are made only into free room, on a thread of their own, and removed at close (a crash leaves
     them to the next start, which removes them). ``TypeError``/``ValueError`` for a bad count.
     """
+
+    _late_close_failure: BaseException | None = None
+    """The failure of a close given up as stuck, counted (:meth:`_given_up_close_ended`)."""
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -317,7 +314,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         the kernel: a request in flight, or a thread of the tier in a system call). From then on
         pages still queued for write-behind are dropped (counted in ``dropped``), not written; the
         close goes on in the background and :attr:`io_ended` resolves once no I/O or thread of the
-        tier touches pool memory any more: free the pool only then.
+        tier touches pool memory any more: free the pool only then. A failure of that close is
+        logged and counted ``close_failed`` in the tier's fault log, once.
 
         ``seconds`` bounds the wait for a stalled close, not a healthy one: a close whose I/O keeps
         ending goes on to its end (its queued pages written, per ``drain_on_close``), however small
@@ -344,7 +342,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
             if done:
                 closing.result()  # raises what the close raised, as aclose does
                 return True
-        closing.add_done_callback(_consume)  # its outcome is io_ended's: nobody awaits it
+        # Nobody awaits it any more: its end is retrieved there, a failure logged and counted.
+        closing.add_done_callback(self._given_up_close_ended)
         self._waiting_close = closing
         if not self._stuck:
             self._stuck = True
@@ -360,6 +359,20 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                       "flight (frozen or hung file system?): dropping queued pages; the pool must stay mapped until "
                       "that I/O ends", now - self._stalled_since(now), self._io_slots.in_use)
         return False
+
+    def _given_up_close_ended(self, closing: asyncio.Future[None]) -> None:
+        """The end of a close :meth:`close_within` gave up waiting for. A failure is logged and
+        counted ``close_failed`` in the tier's fault log (the cache's, shared: its ``stats()``),
+        once: every call that gave up on the same close sees the same exception. Before (review
+        303) it was retrieved and dropped: the caller had counted only ``close_timeout``."""
+        if closing.cancelled():
+            return  # a loop-wide cancel: the close is run anew by the next call, which sees its end
+        exc = closing.exception()
+        if exc is None or exc is self._late_close_failure:
+            return
+        self._late_close_failure = exc
+        log.error("disk tier: the close given up as stuck in the kernel failed later: %r", exc, exc_info=exc)
+        self._faults.log.record("close_failed", f"disk tier: the close given up as stuck failed later: {exc!r}")
 
     def _stalled_since(self, now: float) -> float:
         """When the close was last seen making progress (a slot given back: a request ended; a step
