@@ -45,7 +45,7 @@ class WriteBehind:
         the workers' end (see :meth:`put`)."""
         self._count = workers
         self._stopped = False  # aclose() stops the workers: none is replaced from then on
-        self._workers = [asyncio.create_task(self._worker()) for _ in range(workers)]
+        self._workers = [self._start_worker() for _ in range(workers)]
 
     def put_nowait(self, key: PageKey, handle: PageHandle) -> bool:
         """Queue and take ownership of ``handle``; False (ownership not taken) when full or closed."""
@@ -144,7 +144,7 @@ class WriteBehind:
             # (else an interrupt's KeyboardInterrupt: that worker replaced itself)
         missing = self._count - len(alive)
         if missing > 0:
-            alive.extend(asyncio.create_task(self._worker()) for _ in range(missing))
+            alive.extend(self._start_worker() for _ in range(missing))
         self._workers = alive
 
     async def aclose(self, drain: bool) -> int:
@@ -176,6 +176,11 @@ class WriteBehind:
         await asyncio.gather(*self._workers, return_exceptions=True)
         return dropped
 
+    def _start_worker(self) -> asyncio.Task[None]:
+        worker = asyncio.get_running_loop().create_task(self._worker())
+        worker.add_done_callback(_drop_cancel)
+        return worker
+
     async def _worker(self) -> None:
         """Write what is queued, each page's reference released and the queue told once it is done.
 
@@ -201,7 +206,7 @@ class WriteBehind:
             if taken is not None:
                 self._finish(taken)  # (cancelled: the loop is going away; or interrupted)
             if not isinstance(exc, Exception | asyncio.CancelledError):  # (a signal's KeyboardInterrupt)
-                self._workers.append(asyncio.get_running_loop().create_task(self._worker()))
+                self._workers.append(self._start_worker())
             raise
 
     def _finish(self, taken: list[object]) -> None:
@@ -229,3 +234,16 @@ class WriteBehind:
                     taken[1] = 2
                 raise
             taken[1] = 2
+
+
+def _drop_cancel(worker: asyncio.Task[None]) -> None:
+    """A worker a cancel ended lets go of its ``CancelledError`` at once. Kept, that error's
+    traceback held the frames of the write it cut, and through them the write's job and its export
+    of the pool's memory: the pool's close could not unmap the segment (its mapping and descriptor
+    stayed until the cache itself was collected). On CPython 3.11 a cancelled task keeps it until
+    its cancellation is retrieved (review 302)."""
+    if worker.cancelled():
+        try:
+            worker.exception()
+        except asyncio.CancelledError:
+            pass

@@ -140,13 +140,8 @@ async def test_a_cut_close_retrieves_the_tier_close_it_left_and_counts_its_late_
             messages = [r.getMessage() for r in caplog.records]
             late = sum("a cancelled close left failed later" in m and "EIO" in m for m in messages)
             assert late == (0 if loop_wide else 1), messages
-        if not loop_wide:
-            # (Not after a loop-wide cancel on CPython 3.11: each task it ended keeps its
-            # CancelledError, whose traceback holds the write-behind's frames and the pages they
-            # wrote, through a reference the collector does not see: the pool's mapping, and the
-            # descriptor it holds, stay; gone once those cancels are retrieved.)
-            leaked = open_fds() - fds_before
-            assert not leaked, [await asyncio.to_thread(os.readlink, f"/proc/self/fd/{fd}") for fd in leaked]
+        leaked = open_fds() - fds_before
+        assert not leaked, [await asyncio.to_thread(os.readlink, f"/proc/self/fd/{fd}") for fd in leaked]
     finally:
         loop.set_exception_handler(previous)
     assert not reports, reports
