@@ -22,6 +22,7 @@ import gc
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,8 @@ async def test_a_loop_wide_cancel_of_held_writes_leaves_the_pool_freed_at_close(
         try:
             await cache.start()
             await cache.pool.wait_ready()
-            disk = cache.disk
-            assert disk is not None
+            assert cache.disk is not None
+            tier, pool = weakref.ref(cache.disk), weakref.ref(cache.pool)
             name = cache.pool.name.lstrip("/")
             assert await asyncio.to_thread(_mapped, name)
             freeze(mount)
@@ -65,7 +66,8 @@ async def test_a_loop_wide_cancel_of_held_writes_leaves_the_pool_freed_at_close(
             watchdog.start()
             tokens = prompt(2, 4 * T)
             await cache.offload(tokens, torch.arange(len(tokens)))  # write-behind held in the kernel
-            await until_thread(lambda: disk.statistics().in_flight > 0, "a write held by the freeze", BOUND_S)
+            await until_thread(lambda: (disk := tier()) is not None and disk.statistics().in_flight > 0,
+                               "a write held by the freeze", BOUND_S)
             # The close waits for the write-behind to drain (the caller's own wait timed out).
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(cache.aclose(), 0.2)
@@ -91,3 +93,6 @@ async def test_a_loop_wide_cancel_of_held_writes_leaves_the_pool_freed_at_close(
                 thaw(mount)
             async with asyncio.timeout(BOUND_S):
                 await cache.aclose()
+        del cache
+        gc.collect()
+        assert tier() is None and pool() is None, "the closed cache's tier or pool outlived it"
