@@ -284,8 +284,11 @@ class CacheManager(LoadPath, OffloadPath):
 
     def _disk_close_failed(self, exc: BaseException) -> None:
         """Count the disk tier's close failing, once: a close cut while the tier's close ran and
-        the close run anew both see that one close's failure (the same exception)."""
-        if exc is self._disk_close_failure:
+        the close run anew both see that one close's failure (the same exception), and so does the
+        tier where a ``close_within`` gave up on that close (it counts it itself): the tier keeps
+        what was counted (:meth:`DiskTier.close_failure_counted`)."""
+        disk = self._disk
+        if exc is self._disk_close_failure or (disk is not None and disk.close_failure_counted(exc)):
             return
         self._disk_close_failure = exc
         self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")

@@ -159,8 +159,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
     them to the next start, which removes them). ``TypeError``/``ValueError`` for a bad count.
     """
 
-    _late_close_failure: BaseException | None = None
-    """The failure of a close given up as stuck, counted (:meth:`_given_up_close_ended`)."""
+    _counted_close_failure: BaseException | None = None
+    """The failure of this tier's close counted ``close_failed`` (:meth:`close_failure_counted`)."""
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -360,6 +360,17 @@ class DiskTier(WritePath, ReadPath, FollowPath):
                       "that I/O ends", now - self._stalled_since(now), self._io_slots.in_use)
         return False
 
+    def close_failure_counted(self, exc: BaseException) -> bool:
+        """Whether ``exc``, a failure of this tier's close, was counted ``close_failed`` already;
+        marks it counted. One failure reaches every waiter of that close: a :meth:`close_within` that
+        gave up on it (counted here, :meth:`_given_up_close_ended`) and the caller of a later one
+        (the cache's close run anew after a cut, which counts what it raises): counted once between
+        them, whichever sees it first."""
+        if exc is self._counted_close_failure:
+            return True
+        self._counted_close_failure = exc
+        return False
+
     def _given_up_close_ended(self, closing: asyncio.Future[None]) -> None:
         """The end of a close :meth:`close_within` gave up waiting for. A failure is logged and
         counted ``close_failed`` in the tier's fault log (the cache's, shared: its ``stats()``),
@@ -368,9 +379,8 @@ class DiskTier(WritePath, ReadPath, FollowPath):
         if closing.cancelled():
             return  # a loop-wide cancel: the close is run anew by the next call, which sees its end
         exc = closing.exception()
-        if exc is None or exc is self._late_close_failure:
+        if exc is None or self.close_failure_counted(exc):
             return
-        self._late_close_failure = exc
         log.error("disk tier: the close given up as stuck in the kernel failed later: %r", exc, exc_info=exc)
         self._faults.log.record("close_failed", f"disk tier: the close given up as stuck failed later: {exc!r}")
 
