@@ -129,7 +129,9 @@ async def test_a_close_ends_the_listing_of_a_directory_put_back(tmp_path: Path, 
             fs.release()
             await tier.aclose()
         assert _fds() == fds
-        assert not _threads("aiokv-disk-list")
+        # As the start's (above): a bounded wait for the thread's end once its result arrived (one
+        # line after the close it was still alive once under make test's parallel pass).
+        await until_thread(lambda: not _threads("aiokv-disk-list"), "the listing's thread ending", BOUND_S)
         async with started(DiskTier(cfg, layout, pool)) as again:
             assert again.statistics().pages == FILES
     assert_clean(pool)
