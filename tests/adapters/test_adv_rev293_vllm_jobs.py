@@ -30,9 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
-from vllm_helpers import STEP, keys_of, make_manager, payload, tier_of
-
-from aiokv.adapters.vllm import AiokvTier
+from vllm_helpers import finish_jobs, payload, stored_tier
 
 EXAMPLES = 10
 CALLS_PER_EXAMPLE = 25
@@ -41,28 +39,6 @@ CALLS_PER_EXAMPLE = 25
 def _job(job_id: Any, keys: Any, chunks: Any, raw: bool = False) -> TransferJob:
     return TransferJob(job_id=job_id, keys=keys, chunk_ids=chunks if raw else np.asarray(chunks), is_promotion=False,
                        req_context=ReqContext(req_id="r"))
-
-
-def _finish(tier: AiokvTier) -> list[tuple[Any, bool]]:
-    tier.on_schedule_end(STEP)
-    tier.drain_jobs()
-    return [(r.job_id, r.success) for r in tier.get_finished_jobs()]
-
-
-def _stored_tier(tmp_path: Path, managers: list[Any]) -> tuple[AiokvTier, list[bytes]]:
-    """A tier with keys a and b stored from chunks 0 and 1 (payloads 1 and 2)."""
-    managers.append(manager := make_manager(tmp_path))
-    tier = tier_of(manager)
-    keys = keys_of("k", 2)
-    for chunk, seed in ((0, 1), (1, 2)):
-        tier._region[chunk].copy_(torch.frombuffer(bytearray(payload(seed)), dtype=torch.uint8))
-    tier.submit_store(_job(1, keys, [0, 1]))
-    assert _finish(tier) == [(1, True)]
-    # The pool's io_uring registration runs in the background and turns the statistics' backend
-    # from uring to uring_fixed when it ends: over before the statistics are compared.
-    store = tier._store
-    store.thread.run(store._started()[1].wait_registered(), 60)
-    return tier, keys
 
 
 @st.composite
@@ -93,7 +69,7 @@ def bad_jobs(draw: st.DrawFn, keys: list[bytes], chunks: int, load: bool) -> tup
 @given(data=st.data())
 def test_bad_jobs_are_refused_by_name_and_change_nothing(data: st.DataObject, tmp_path: Path,
                                                          managers: list[Any]) -> None:
-    tier, keys = _stored_tier(tmp_path / f"d{len(managers)}", managers)
+    tier, keys = stored_tier(tmp_path / f"d{len(managers)}", managers, _job)
     region = tier._region
     for _ in range(CALLS_PER_EXAMPLE):
         load = data.draw(st.booleans(), label="load")
@@ -104,10 +80,10 @@ def test_bad_jobs_are_refused_by_name_and_change_nothing(data: st.DataObject, tm
             submit(job)  # type: ignore[arg-type]
         text = str(refused.value)
         assert any(name in text for name in names), f"{submit.__name__}({job!r:.80}): names none of {names}: {text}"
-        assert not tier.has_pending_work() and _finish(tier) == []
+        assert not tier.has_pending_work() and finish_jobs(tier) == []
         assert dict(tier.statistics()) == before and torch.equal(region, chunks)
     tier.submit_load(_job(9, keys, [2, 3]))
-    assert _finish(tier) == [(9, True)]
+    assert finish_jobs(tier) == [(9, True)]
     assert region[2].numpy().tobytes() == payload(1) and region[3].numpy().tobytes() == payload(2)
 
 
@@ -115,20 +91,20 @@ def test_bad_jobs_are_refused_by_name_and_change_nothing(data: st.DataObject, tm
 
 
 def test_a_job_id_still_in_flight_is_refused_and_reported_once(tmp_path: Path, managers: list[Any]) -> None:
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     tier.submit_load(_job(7, keys[:1], [2]))
     for submit in (tier.submit_load, tier.submit_store):
         with pytest.raises(ValueError, match="job id 7 is still in flight"):  # was accepted: 7 reported twice
             submit(_job(7, keys[1:], [3]))
-    assert _finish(tier) == [(7, True)]
+    assert finish_jobs(tier) == [(7, True)]
     assert not tier.has_pending_work()
     tier.submit_load(_job(7, keys[1:], [3]))  # reported: the id is free again
-    assert _finish(tier) == [(7, True)]
+    assert finish_jobs(tier) == [(7, True)]
     assert tier._region[2].numpy().tobytes() == payload(1) and tier._region[3].numpy().tobytes() == payload(2)
 
 
 def test_jobs_of_a_wrong_type_are_refused_by_name(tmp_path: Path, managers: list[Any]) -> None:
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     for submit in (tier.submit_load, tier.submit_store):
         with pytest.raises(TypeError, match="must be a TransferJob"):  # was AttributeError
             submit(None)  # type: ignore[arg-type]
@@ -137,4 +113,4 @@ def test_jobs_of_a_wrong_type_are_refused_by_name(tmp_path: Path, managers: list
                 submit(_job(job_id, keys, [2, 3]))
         with pytest.raises(TypeError, match="keys must be a list of bytes"):  # was "... is not iterable"
             submit(_job(5, None, [2, 3]))
-    assert not tier.has_pending_work() and _finish(tier) == []
+    assert not tier.has_pending_work() and finish_jobs(tier) == []

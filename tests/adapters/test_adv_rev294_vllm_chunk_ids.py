@@ -29,7 +29,7 @@ import torch
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.base import TransferJob
-from vllm_helpers import STEP, keys_of, make_manager, payload, tier_of
+from vllm_helpers import finish_jobs, payload, stored_tier
 
 from aiokv.adapters.vllm import AiokvTier
 
@@ -40,29 +40,8 @@ def _job(job_id: int, keys: list[bytes], chunks: object) -> TransferJob:
     return TransferJob(job_id=job_id, keys=keys, chunk_ids=chunks, is_promotion=False, req_context=CTX)
 
 
-def _finish(tier: AiokvTier) -> list[tuple[int, bool]]:
-    tier.on_schedule_end(STEP)
-    tier.drain_jobs()
-    return [(r.job_id, r.success) for r in tier.get_finished_jobs()]
-
-
-def _stored_tier(tmp_path: Path, managers: list[Any]) -> tuple[AiokvTier, list[bytes]]:
-    """A tier with two keys stored from chunks 0 and 1 (payloads 1 and 2), its statistics settled."""
-    managers.append(manager := make_manager(tmp_path))
-    tier = tier_of(manager)
-    keys = keys_of("k", 2)
-    for chunk, seed in ((0, 1), (1, 2)):
-        tier._region[chunk].copy_(torch.frombuffer(bytearray(payload(seed)), dtype=torch.uint8))
-    tier.submit_store(_job(1, keys, np.array([0, 1], dtype=np.int32)))
-    assert _finish(tier) == [(1, True)]
-    # The pool's io_uring registration ends in the background (backend uring -> uring_fixed).
-    store = tier._store
-    store.thread.run(store._started()[1].wait_registered(), 60)
-    return tier, keys
-
-
 def _assert_unchanged(tier: AiokvTier, statistics: dict[str, object], region: torch.Tensor) -> None:
-    assert not tier.has_pending_work() and _finish(tier) == []
+    assert not tier.has_pending_work() and finish_jobs(tier) == []
     assert dict(tier.statistics()) == statistics
     assert torch.equal(tier._region, region)
 
@@ -72,7 +51,7 @@ def _assert_unchanged(tier: AiokvTier, statistics: dict[str, object], region: to
                          ids=["1x2", "2x1-int32", "1x1x2-uint16", "torch-1x2"])
 def test_chunk_ids_of_two_or_more_dimensions_are_refused_by_name(tmp_path: Path, managers: list[Any],
                                                                  chunks: object) -> None:
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     before, region = dict(tier.statistics()), tier._region.clone()
     shape = tuple(np.asarray(chunks).shape)
     for submit in (tier.submit_load, tier.submit_store):
@@ -80,12 +59,12 @@ def test_chunk_ids_of_two_or_more_dimensions_are_refused_by_name(tmp_path: Path,
             submit(_job(5, keys, chunks))  # was flattened and run
         _assert_unchanged(tier, before, region)
     tier.submit_load(_job(9, keys, np.array([2, 3], dtype=np.int32)))
-    assert _finish(tier) == [(9, True)]
+    assert finish_jobs(tier) == [(9, True)]
     assert tier._region[2].numpy().tobytes() == payload(1) and tier._region[3].numpy().tobytes() == payload(2)
 
 
 def test_a_scalar_or_ragged_chunk_ids_are_refused_by_name(tmp_path: Path, managers: list[Any]) -> None:
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     before, region = dict(tier.statistics()), tier._region.clone()
     for submit in (tier.submit_load, tier.submit_store):
         with pytest.raises(ValueError, match=r"chunk ids must be 1-D, got shape \(\)"):
@@ -94,23 +73,23 @@ def test_a_scalar_or_ragged_chunk_ids_are_refused_by_name(tmp_path: Path, manage
             submit(_job(5, keys, [[2], [3, 1]]))  # was numpy's "inhomogeneous shape"
         _assert_unchanged(tier, before, region)
     tier.submit_load(_job(9, keys[:1], np.array([3])))
-    assert _finish(tier) == [(9, True)]
+    assert finish_jobs(tier) == [(9, True)]
     assert tier._region[3].numpy().tobytes() == payload(1)
 
 
 def test_what_vllm_passes_is_taken(tmp_path: Path, managers: list[Any]) -> None:
     """The forms vLLM 0.33's tiering manager builds: ``np.array(list, dtype=np.int32)`` (batched
     promotions), its CPU spec's ``chunk_ids`` (store jobs), and an empty job."""
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     tier.submit_load(_job(2, keys[:1], CPULoadStoreSpec([3]).chunk_ids))
     tier.submit_load(_job(3, keys[1:], np.array([2], dtype=np.int32)))
     tier.submit_store(_job(4, [], np.array([], dtype=np.int32)))
-    assert sorted(_finish(tier)) == [(2, True), (3, True), (4, True)]
+    assert sorted(finish_jobs(tier)) == [(2, True), (3, True), (4, True)]
     assert tier._region[3].numpy().tobytes() == payload(1) and tier._region[2].numpy().tobytes() == payload(2)
 
 
 def test_touch_keys_that_are_not_a_collection_are_refused_by_name(tmp_path: Path, managers: list[Any]) -> None:
-    tier, keys = _stored_tier(tmp_path, managers)
+    tier, keys = stored_tier(tmp_path, managers, _job)
     before, region = dict(tier.statistics()), tier._region.clone()
     for bad in (None, 3, keys[0], "ab"):
         with pytest.raises(TypeError, match="keys must be a collection of bytes"):  # None: "... is not iterable"
@@ -118,5 +97,5 @@ def test_touch_keys_that_are_not_a_collection_are_refused_by_name(tmp_path: Path
         _assert_unchanged(tier, before, region)
     tier.touch(keys, CTX)
     tier.submit_load(_job(9, keys, np.array([3, 2], dtype=np.int32)))
-    assert _finish(tier) == [(9, True)]
+    assert finish_jobs(tier) == [(9, True)]
     assert tier._region[3].numpy().tobytes() == payload(1) and tier._region[2].numpy().tobytes() == payload(2)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
@@ -162,3 +163,27 @@ def on_disk(manager: TieringOffloadingManager, keys: Sequence[bytes]) -> list[bo
     store = tier_of(manager)._store
     page_keys = [store.key(k) for k in keys]
     return store.thread.call(lambda: store.contains(page_keys)).result()
+
+
+def finish_jobs(tier: AiokvTier) -> list[tuple[Any, bool]]:
+    """End a scheduler step, drain the tier's jobs; the (job id, success) of each finished job."""
+    tier.on_schedule_end(STEP)
+    tier.drain_jobs()
+    return [(r.job_id, r.success) for r in tier.get_finished_jobs()]
+
+
+def stored_tier(disk_dir: Path, managers: list[Any],
+                job: Callable[[int, list[bytes], Any], Any]) -> tuple[AiokvTier, list[bytes]]:
+    """A tier with two keys stored from chunks 0 and 1 (payloads 1 and 2) by ``job(1, keys, chunk
+    ids)``, its statistics settled: the pool's io_uring registration ends in the background and
+    turns the statistics' backend from uring into uring_fixed, so it is waited for."""
+    managers.append(manager := make_manager(disk_dir))
+    tier = tier_of(manager)
+    keys = keys_of("k", 2)
+    for chunk, seed in ((0, 1), (1, 2)):
+        tier._region[chunk].copy_(torch.frombuffer(bytearray(payload(seed)), dtype=torch.uint8))
+    tier.submit_store(job(1, keys, np.array([0, 1], dtype=np.int32)))
+    assert finish_jobs(tier) == [(1, True)]
+    store = tier._store
+    store.thread.run(store._started()[1].wait_registered(), 60)
+    return tier, keys
