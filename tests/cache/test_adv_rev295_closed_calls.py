@@ -21,6 +21,7 @@ from cache_helpers import LAYOUT, config, make_kv, prompt
 from loop_probes import until
 
 from aiokv import KVCache, Match
+from aiokv.kernels.warmup import WarmUp
 
 T = LAYOUT.page_tokens
 CLOSED = "^the cache is closed$"
@@ -101,11 +102,17 @@ async def test_a_cache_closed_without_a_start_refuses_them_too() -> None:
 
 @pytest.mark.asyncio
 async def test_wait_warm_after_aclose_returns_as_documented() -> None:
-    # Kept (see KVCache.wait_warm): a CPU cache warms nothing, None before start, while serving and
-    # after the close alike; the case of a warm-up the close stopped is
+    # Kept (see KVCache.wait_warm): None before start; while serving, what the warm-up did (None for
+    # a CPU KV buffer, which warms nothing; under AIOKV_TEST_DEVICE=cuda the warm-up runs); after the
+    # close the same answer. The case of a warm-up the close stopped is
     # tests/core/test_warmup_cache.py (it returns what the warm-up did, stopped).
-    cache = KVCache(config(None), LAYOUT, make_kv(2954))
+    kv = make_kv(2954)
+    cache = KVCache(config(None), LAYOUT, kv)
     assert await cache.wait_warm() is None
     async with cache:
-        assert await cache.wait_warm() is None
-    assert await cache.wait_warm() is None
+        serving = await cache.wait_warm()
+        if kv.device.type == "cpu":
+            assert serving is None
+        else:
+            assert isinstance(serving, WarmUp) and not serving.stopped, serving
+    assert await cache.wait_warm() == serving
