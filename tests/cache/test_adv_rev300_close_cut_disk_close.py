@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import gc
 import logging
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import LAYOUT, make_kv, prompt
-from loop_probes import cancel_every_task_but_nowait, until, until_thread, waiting_in
+from loop_probes import cancel_every_task_but_nowait, no_loop_reports, until, until_thread, waiting_in
 from test_adv_rates_save_budget_spent import _config, _taught_since_the_last_save
 
 from aiokv import KVCache
@@ -59,10 +58,6 @@ async def test_a_cut_close_retrieves_the_tier_close_it_left_and_counts_its_late_
     reaches the tier's close_within and the tier's own close task too (ended cancelled, nothing to
     retrieve); the tier's close then runs anew (each step may run twice), its failure counted once."""
     caplog.set_level(logging.WARNING, logger="aiokv.cache")
-    loop = asyncio.get_running_loop()
-    reports: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: reports.append(context))
     tier_closes: list[int] = []  # ids only: a reference would keep the tier (and its pages) alive
     real_close = DiskTier._close
 
@@ -72,7 +67,7 @@ async def test_a_cut_close_retrieves_the_tier_close_it_left_and_counts_its_late_
         raise OSError(errno.EIO, "EIO at the end of the tier's close (injected)")
 
     monkeypatch.setattr(DiskTier, "_close", failing_close)
-    try:
+    async with no_loop_reports("reported to the loop's handler (the tier's close left never retrieved?)") as reports:
         fds_before = open_fds()
         with loop_ext4(tmp_path, 16) as mount:
             cfg = dataclasses.replace(_config(mount / "kv"), close_timeout=BOUND_S)
@@ -133,15 +128,9 @@ async def test_a_cut_close_retrieves_the_tier_close_it_left_and_counts_its_late_
             del left, closing  # (each a task whose never-retrieved exception is reported at its collection)
             first = None  # its frame holds the tier close it left
             await until_thread(lambda: not _aiokv_threads(), "no aiokv thread left", BOUND_S)
-            for _ in range(3):
-                await asyncio.sleep(0)
-            gc.collect()
-            assert not reports, [context.get("message") for context in reports]  # "never retrieved"
+            await reports.assert_none()  # the tasks left dropped and collected: none "never retrieved"
             messages = [r.getMessage() for r in caplog.records]
             late = sum("a cancelled close left failed later" in m and "EIO" in m for m in messages)
             assert late == (0 if loop_wide else 1), messages
         leaked = open_fds() - fds_before
         assert not leaked, [await asyncio.to_thread(os.readlink, f"/proc/self/fd/{fd}") for fd in leaked]
-    finally:
-        loop.set_exception_handler(previous)
-    assert not reports, reports
