@@ -132,8 +132,6 @@ class CacheManager(LoadPath, OffloadPath):
         self._register_cuda = register_cuda
         self._started = False
         self._close_task: asyncio.Task[None] | None = None  # the one close; every aclose() waits for it
-        # The disk tier's close failure counted (one tier close, maybe seen by two of our closes).
-        self._disk_close_failure: BaseException | None = None
         self._starting: asyncio.Future[None] | None = None  # resolved when start() has settled
         self.device_kind: str | None = None if device_later else device or ("cuda" if register_cuda else "cpu")
         """What the saved rates are keyed by, with the layout's fingerprint (None: not known yet)."""
@@ -266,7 +264,7 @@ class CacheManager(LoadPath, OffloadPath):
                 # So does the tier's close (a cancel of this task alone does not reach it): its end
                 # retrieved too, a failure counted once (the close run anew sees the same one).
                 # Review 300: "Task exception was never retrieved", counted only if run anew.
-                closing.add_done_callback(self._cut_disk_close_ended)
+                closing.add_done_callback(functools.partial(self._cut_disk_close_ended, self._disk))
                 raise
             if not done:  # its thread stays stuck in the kernel; it touches no pool memory
                 # Counted here, once: a failure of it once its thread goes on is not counted again.
@@ -280,28 +278,26 @@ class CacheManager(LoadPath, OffloadPath):
                     self.faults.record("close_timeout", "disk I/O stuck in the kernel at close: the pool stays "
                                                         "mapped until it ends")
             except Exception as exc:
-                self._disk_close_failed(exc)
+                self._disk_close_failed(self._disk, exc)
 
-    def _disk_close_failed(self, exc: BaseException) -> None:
-        """Count the disk tier's close failing, once: a close cut while the tier's close ran and
-        the close run anew both see that one close's failure (the same exception), and so does the
-        tier where a ``close_within`` gave up on that close (it counts it itself): the tier keeps
-        what was counted (:meth:`DiskTier.close_failure_counted`)."""
-        disk = self._disk
-        if exc is self._disk_close_failure or (disk is not None and disk.close_failure_counted(exc)):
+    def _disk_close_failed(self, disk: DiskTier, exc: BaseException) -> None:
+        """Count ``disk``'s close failing, once: a close cut while the tier's close ran and the close
+        run anew both see that one close's failure (the same exception), and so does the tier where a
+        ``close_within`` gave up on that close (it counts it itself). The tier keeps what was counted
+        (:meth:`DiskTier.close_failure_counted`), for all of them: without a tier nothing fails."""
+        if disk.close_failure_counted(exc):
             return
-        self._disk_close_failure = exc
         self.faults.record("close_failed", f"the disk tier's close failed: {exc!r}")
 
-    def _cut_disk_close_ended(self, task: asyncio.Future[bool]) -> None:
-        """The end of the disk tier's close (``close_within``) that a cancelled close left unwaited."""
+    def _cut_disk_close_ended(self, disk: DiskTier, task: asyncio.Future[bool]) -> None:
+        """The end of ``disk``'s close (``close_within``) that a cancelled close left unwaited."""
         if task.cancelled():
             return
         exc = task.exception()
         if exc is None:
             return  # closed, or given up as stuck (that the close run anew counts, if any)
         log.warning("aiokv: the disk tier's close a cancelled close left failed later: %r", exc, exc_info=exc)
-        self._disk_close_failed(exc)
+        self._disk_close_failed(disk, exc)
 
     async def close_pool(self) -> None:
         """Free the pool (after :meth:`aclose` and the worker that copies into it are closed).
