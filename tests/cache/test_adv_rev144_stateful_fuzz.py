@@ -352,9 +352,9 @@ class Driver:
                     good[:k].to(torch.int16), torch.arange(k, device="meta"), np.asarray(good[:k]), None,
                 ]
                 if k:  # bad values (an empty tensor has none)
-                    bad += [good[: k - 1], good[:k] - SLOTS - 1, good[:k] + SLOTS, good[:k] * 0 + good[0]]
-                if k > 1:
-                    bad.append(torch.cat([good[: k - 1], good[:1]]))
+                    bad += [good[: k - 1], good[:k] - SLOTS - 1, good[:k] + SLOTS]
+                if k > 1:  # one slot twice (a single slot repeated once is no repeat: seed 3162 drew it)
+                    bad += [good[:k] * 0 + good[0], torch.cat([good[: k - 1], good[:1]])]
                 return rng.choice(bad)
 
             bad_tokens: list[Any] = [None, 3, "abcd", [1.5] * 8, [True] * 8, [-1] * 8, [2**63] * 8,
