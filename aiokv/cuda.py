@@ -10,6 +10,9 @@ worker thread so a large copy never stalls the loop.
 
 :func:`memcpy_async` queues a raw ``cudaMemcpyAsync`` through the runtime torch loaded
 (the layer-wise load issues thousands of small copies; torch's ``copy_`` costs too much host time).
+:func:`memcpy2d_batch_async` queues many 2-D copies in one ``cudaMemcpy3DBatchAsync`` (CUDA 12.8+,
+:class:`BatchCopier`), one ``cudaMemcpy2DAsync`` each where that is missing, refused or switched off
+(``AIOKV_MEMCPY_BATCH=0``).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import collections
 import concurrent.futures
 import ctypes
 import enum
+import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from .storage.outcomes import future_error
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Lane(enum.Enum):
@@ -419,3 +424,195 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
     lib = _required_runtime()
     err = lib.cudaMemcpyAsync(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
     _check(lib, err, f"cudaMemcpyAsync({nbytes} bytes)")
+
+
+# -- batched 2-D copies: cudaMemcpy3DBatchAsync ------------------------------------------------------
+
+BATCH_ENV = "AIOKV_MEMCPY_BATCH"
+"""Set to ``0`` to queue run copies one ``cudaMemcpy2DAsync`` each instead of in batches."""
+BATCH_MAX_OPS = 64
+"""Copies per ``cudaMemcpy3DBatchAsync`` call, more go in several calls: very large batches hung
+(vllm#49276, torch 2.11 + CUDA 13)."""
+_BATCH_MIN_VERSION = 12080
+"""The runtime that brought ``cudaMemcpy3DBatchAsync`` (12.8: ``failIdx`` its third argument; 13.0
+dropped it)."""
+_OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: the source is read in stream order
+
+
+class Copy2D(Protocol):
+    """A 2-D copy: ``height`` rows of ``width`` bytes, row i from ``src + i * spitch`` to
+    ``dst + i * dpitch`` (``slotruns.RunCopy``)."""
+
+    @property
+    def dst(self) -> int: ...
+    @property
+    def dpitch(self) -> int: ...
+    @property
+    def src(self) -> int: ...
+    @property
+    def spitch(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def height(self) -> int: ...
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _PointerOperand(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t), ("layerHeight", ctypes.c_size_t),
+                ("locHint", _MemLocation)]
+
+
+class _ArrayOperand(ctypes.Structure):
+    _fields_ = [("array", ctypes.c_void_p), ("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
+
+
+class _OperandUnion(ctypes.Union):
+    _fields_ = [("ptr", _PointerOperand), ("array", _ArrayOperand)]
+
+
+class Memcpy3DOperand(ctypes.Structure):
+    """``struct cudaMemcpy3DOperand``: a pointer operand (``rowLength``, ``layerHeight`` in elements,
+    one byte each between pointers) or an array one."""
+
+    _fields_ = [("type", ctypes.c_int), ("op", _OperandUnion)]
+
+
+class Extent(ctypes.Structure):
+    """``struct cudaExtent`` (width in bytes between pointers)."""
+
+    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t), ("depth", ctypes.c_size_t)]
+
+
+class Memcpy3DBatchOp(ctypes.Structure):
+    """``struct cudaMemcpy3DBatchOp`` (``driver_types.h``, CUDA 12.8 and 13)."""
+
+    _fields_ = [("src", Memcpy3DOperand), ("dst", Memcpy3DOperand), ("extent", Extent),
+                ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+# The layout the runtime reads: a wrong size would make it read the ops at the wrong places.
+assert ctypes.sizeof(Memcpy3DBatchOp) == 112, ctypes.sizeof(Memcpy3DBatchOp)
+
+
+def batch_ops(copies: Sequence[Copy2D]) -> ctypes.Array[Memcpy3DBatchOp]:
+    """The ops of one ``cudaMemcpy3DBatchAsync`` doing what ``cudaMemcpy2DAsync`` would for each of
+    ``copies``: ``height`` rows of ``width`` bytes, row i from ``src + i * spitch`` to
+    ``dst + i * dpitch``; a pitch is a row length in one-byte elements, one layer of ``height``
+    rows. The copies must not overlap one another (a batch runs its ops in no particular order)."""
+    ops = (Memcpy3DBatchOp * len(copies))()
+    for op, c in zip(ops, copies, strict=True):
+        op.src.type = op.dst.type = _OPERAND_POINTER
+        op.src.op.ptr.ptr, op.src.op.ptr.rowLength, op.src.op.ptr.layerHeight = c.src, c.spitch, c.height
+        op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.dst.op.ptr.layerHeight = c.dst, c.dpitch, c.height
+        op.extent.width, op.extent.height, op.extent.depth = c.width, c.height, 1
+        op.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
+    return ops
+
+
+def batch_parts(count: int) -> list[int]:
+    """Sizes of the batch calls for ``count`` copies: the fewest within :data:`BATCH_MAX_OPS`, their
+    sizes within one of each other (65 copies: 33 and 32, not 64 and a batch of one)."""
+    calls = -(-count // BATCH_MAX_OPS)
+    base, extra = divmod(count, calls) if calls else (0, 0)
+    return [base + (i < extra) for i in range(calls)]
+
+
+class BatchCopier:
+    """Queues 2-D copies through ``cudaMemcpy3DBatchAsync`` (:func:`batch_parts`), or one
+    ``cudaMemcpy2DAsync`` each where the runtime lacks it (below 12.8), it is switched off
+    (:data:`BATCH_ENV`, :attr:`enabled`), or a batch call failed once: the failed call's copies are
+    then queued again one by one (the same bytes to the same places) and batches stay off.
+
+    ``lib``: the runtime (:func:`_runtime_library`'s, or a stand-in in tests)."""
+
+    def __init__(self, lib: Any, enabled: bool = True) -> None:
+        self._lib = lib
+        self.enabled = enabled
+        self.batch_calls = 0
+        """``cudaMemcpy3DBatchAsync`` calls that succeeded."""
+        self.failure: str | None = None
+        """Why batches were turned off for good (a refused call), None while they are not."""
+        self._fn: Any = None
+        self._fail_index = False
+        self.version = 0
+        version = ctypes.c_int(0)
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+            return
+        self.version = version.value
+        if self.version < _BATCH_MIN_VERSION:
+            return
+        try:
+            fn = lib.cudaMemcpy3DBatchAsync
+        except AttributeError:
+            return
+        self._fail_index = self.version < 13000
+        if self._fail_index:
+            fn.argtypes = [ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_ulonglong,
+                           ctypes.c_void_p]
+        else:
+            fn.argtypes = [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @property
+    def available(self) -> bool:
+        """Whether the runtime has the batch call (and none of it failed)."""
+        return self._fn is not None and self.failure is None
+
+    @property
+    def active(self) -> bool:
+        """Whether :meth:`copy` batches now."""
+        return self.enabled and self.available
+
+    def copy(self, copies: Sequence[Copy2D], stream: torch.cuda.Stream) -> None:
+        """Queue ``copies`` (non-overlapping) on ``stream``, in stream order as a whole: a single copy
+        as a 2-D copy (a batch of one saves no call), more in :func:`batch_parts`. Raises
+        ``RuntimeError`` with CUDA's message where a 2-D copy is refused (a batch refused falls back)."""
+        i = 0
+        parts = batch_parts(len(copies)) if len(copies) > 1 else []
+        for size in parts:
+            if not self.active:
+                break
+            part = copies[i : i + size]
+            err = self._issue_batch(part, stream)
+            if err != 0:
+                self._lib.cudaGetLastError()  # as _check: not torch's next launch's error
+                message = self._lib.cudaGetErrorString(err) or b"?"
+                self.failure = f"cudaMemcpy3DBatchAsync({len(part)} ops) failed: CUDA error {err} ({message.decode()})"
+                log.warning("%s; run copies go by cudaMemcpy2DAsync from now on", self.failure)
+                break  # this part again, one 2-D copy each (what the batch queued is copied again)
+            self.batch_calls += 1
+            i += size
+        for c in copies[i:]:
+            memcpy2d_async(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height, stream)
+
+    def _issue_batch(self, copies: Sequence[Copy2D], stream: torch.cuda.Stream) -> int:
+        """One ``cudaMemcpy3DBatchAsync`` of ``copies``; its error code."""
+        ops = batch_ops(copies)
+        if self._fail_index:
+            failed = ctypes.c_size_t(0)
+            return int(self._fn(len(copies), ops, ctypes.byref(failed), 0, stream.cuda_stream))
+        return int(self._fn(len(copies), ops, 0, stream.cuda_stream))
+
+
+_batch_copier: BatchCopier | None = None
+
+
+def batch_copier() -> BatchCopier:
+    """The process's :class:`BatchCopier` on torch's runtime, on unless :data:`BATCH_ENV` is ``0``.
+    Raises ``RuntimeError`` where no runtime is loaded."""
+    global _batch_copier
+    if _batch_copier is None:
+        _batch_copier = BatchCopier(_required_runtime(), enabled=os.environ.get(BATCH_ENV, "1") != "0")
+    return _batch_copier
+
+
+def memcpy2d_batch_async(copies: Sequence[Copy2D], stream: torch.cuda.Stream) -> None:
+    """Queue ``copies`` (each as :func:`memcpy2d_async` would, none overlapping another) on
+    ``stream`` through :func:`batch_copier`: a few runtime calls for all of them, not one each."""
+    batch_copier().copy(copies, stream)

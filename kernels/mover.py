@@ -19,10 +19,12 @@ load lanes' staging (no extra GPU memory). See :func:`layer_schedule`.
 
 Where every page's slots are one ascending run and the buffer's shape allows it (``load_runs``,
 :mod:`aiokv.kernels.slotruns`), a layer-wise load skips staging and scatter: each unit is layer l of
-a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one
-``cudaMemcpy2DAsync`` per run of pages consecutive in both), its layer event recorded on the copy
-stream. A feeding thread then issues a few runtime calls per layer instead of a few per group plus a
-Triton launch (an engine's model thread shares the GIL with it). A whole-page load of such pages is
+a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one 2-D
+copy per run of pages consecutive in both, all of a unit's in one ``cudaMemcpy3DBatchAsync`` of at
+most :data:`aiokv.cuda.BATCH_MAX_OPS` ops where the runtime has it, else one ``cudaMemcpy2DAsync``
+each: :class:`aiokv.cuda.BatchCopier`), its layer event recorded on the copy stream. A feeding
+thread then issues a few runtime calls per layer instead of a few per group plus a Triton launch (an
+engine's model thread shares the GIL with it). A whole-page load of such pages is
 run copies too, dealt over the load lanes: one per page (every layer) or one per layer of a run of
 pages, whichever is fewer (:func:`~aiokv.kernels.slotruns.whole_load_copies`).
 """
@@ -904,9 +906,7 @@ class PageMover:
         if stream is None:
             memmove_runs([c.at(unit.layer) for c in copies])
         else:
-            for c in copies:
-                r = c.at(unit.layer)
-                _cuda.memcpy2d_async(r.dst, r.dpitch, r.src, r.spitch, r.width, r.height, stream)
+            _cuda.memcpy2d_batch_async([c.at(unit.layer) for c in copies], stream)
         if unit.layer == self.kv.layout.num_layers - 1:
             self._count_runs_loaded(plan.pages[unit.group])
 

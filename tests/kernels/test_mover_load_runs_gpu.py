@@ -1,8 +1,10 @@
 """Loads by run copies on a GPU (cudaMemcpy2DAsync from pinned pool pages), layer-wise and whole:
 bit-exact, the path taken, each layer's event alone guaranteeing its layer, paced and stopped
 part-way, refused part-way (a real CUDA error) and counted, ordered after the caller's stream, a KV
-layer step over the largest pitch. The CPU tests (memmove) are in ``test_mover_load_runs.py`` and
-``test_mover_load_runs_whole.py``."""
+layer step over the largest pitch. Every test runs with a layer's copies batched
+(``cudaMemcpy3DBatchAsync``) and without; a refused batch falls back to 2-D copies. The CPU tests
+(memmove) are in ``test_mover_load_runs.py`` and ``test_mover_load_runs_whole.py``, the batch's
+packing in ``test_memcpy_batch.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 import torch
 from kvcase import POISON, poisoned_pages, random_bits, same_bits
 
+from aiokv import cuda
+from aiokv.cuda import BATCH_MAX_OPS, BatchCopier, batch_parts
 from aiokv.kernels import PageMover, TransferPath, reference_gather, reference_scatter
 from aiokv.kernels import mover as mover_module
 from aiokv.kernels.slotruns import MAX_PITCH
@@ -59,8 +63,22 @@ def _all_equal(a: KVBuffer, b: KVBuffer) -> bool:
     return all(_layer_equal(a, b, layer) for layer in range(LAYOUT.num_layers))
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["2d", "batch"])
+def batch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> BatchCopier:
+    """The process's batch copier for the test: a fresh one, batching or not (the parameter)."""
+    torch.cuda.init()
+    runtime = cuda._runtime_library()
+    assert runtime is not None
+    copier = BatchCopier(runtime, enabled=request.param)
+    if request.param and not copier.available:
+        pytest.skip(f"the CUDA runtime ({copier.version}) has no cudaMemcpy3DBatchAsync")
+    monkeypatch.setattr(cuda, "_batch_copier", copier)
+    return copier
+
+
 def _no_staging(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Staged units raise; returns a list that counts the 2-D copies queued."""
+    """Staged units raise; returns a list that counts the copies queued (2-D copies and the ops of
+    batches the runtime took: a refused batch's copies are counted as the 2-D copies they become)."""
     def no_staging(*_: object) -> None:
         raise AssertionError("a load by runs issued a staged unit")
 
@@ -73,6 +91,15 @@ def _no_staging(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mover_module._cuda, "memcpy2d_async", counting)
+    real_batch = BatchCopier._issue_batch
+
+    def counting_batch(self: BatchCopier, part: list[object], stream: torch.cuda.Stream) -> int:
+        err = real_batch(self, part, stream)  # type: ignore[arg-type]
+        if err == 0:
+            copies.extend([1] * len(part))
+        return err
+
+    monkeypatch.setattr(BatchCopier, "_issue_batch", counting_batch)
     return copies
 
 
@@ -287,8 +314,10 @@ def test_whole_load_by_runs_refused_part_way_orders_the_caller_after_its_copies(
 
 
 def test_paced_load_by_runs_refused_in_its_last_layer_counts_the_pages_copied_whole(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, batch: BatchCopier,
 ) -> None:
+    if batch.enabled:
+        pytest.skip("a refused 2-D copy: batched, a refusal falls back (test_a_refused_batch_...)")
     # A pace of 1 byte: one page a unit, one copy a unit (10 a layer). The copy of the last layer's
     # fifth page is refused: four pages were copied whole (the others lack their last layer).
     _, pages, page_ids, slots, expect = _case(37)
@@ -364,3 +393,116 @@ def test_offload_of_a_kv_layer_step_over_the_largest_pitch_gathers() -> None:
     reference_gather(small, torch.arange(16, 48), want, [3, 0])
     assert same_bits(out, want)
     del big
+
+
+# -- a layer's copies in batches (cudaMemcpy3DBatchAsync) -------------------------------------------
+
+SMALL = KVLayout.mha(3, 1, 16, torch.bfloat16, page_tokens=4)
+"""Small pages: hundreds of runs a layer in a few KiB."""
+
+
+def _many_runs(seed: int, runs: int, merge: bool, skip: int) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
+    """Pinned pool pages of random bits and a load of ``runs`` runs (each 1-4 pages consecutive in
+    the pool and in slots where ``merge``, else one page), in shuffled order: the pages, their ids,
+    the slots (page 0 from its row ``skip``) and the KV buffer's slot count."""
+    gen = torch.Generator().manual_seed(seed)
+    t = SMALL.page_tokens
+    lengths = torch.randint(1, 5, (runs,), generator=gen).tolist() if merge else [1] * runs
+    pool_at, slot_at = torch.randperm(runs, generator=gen).tolist(), torch.randperm(runs, generator=gen).tolist()
+    ids: list[int] = []
+    blocks: list[int] = []
+    for r, n in enumerate(lengths):
+        ids += [4 * pool_at[r] + i for i in range(n)]
+        blocks += [4 * slot_at[r] + i for i in range(n)]
+    pages = poisoned_pages(SMALL, 4 * runs, torch.device("cpu")).pin_memory()
+    source = random_bits((3, 4 * runs * t, 2, 16), torch.bfloat16, gen)
+    reference_gather(KVBuffer.wrap(SMALL, source), torch.arange(4 * runs * t), pages, list(range(4 * runs)))
+    slots = torch.cat([torch.arange(b * t, (b + 1) * t) for b in blocks])[skip:]
+    return pages, ids, slots, 4 * runs * t
+
+
+def _small_poisoned(num_slots: int) -> KVBuffer:
+    return KVBuffer.wrap(SMALL, torch.full((3, num_slots, 2 * 16 * 2), POISON, dtype=torch.uint8, device="cuda")
+                         .view(torch.bfloat16).view(3, num_slots, 2, 16))
+
+
+def _small_equal(a: KVBuffer, b: KVBuffer) -> bool:
+    return all(same_bits(a.k_layers[layer], b.k_layers[layer]) and same_bits(a.v_layers[layer], b.v_layers[layer])
+               for layer in range(SMALL.num_layers))
+
+
+@pytest.mark.parametrize(("runs", "merge", "skip"), [
+    (1, False, 0), (7, True, 2), (BATCH_MAX_OPS, False, 0), (BATCH_MAX_OPS + 1, False, 1), (150, True, 3),
+    (2 * BATCH_MAX_OPS + 22, False, 0),
+])
+def test_layer_wise_loads_of_many_run_shapes_are_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, batch: BatchCopier, runs: int, merge: bool, skip: int
+) -> None:
+    """Whole layer-wise loads and paced ones, one unit a layer: a layer's copies in batches of at
+    most BATCH_MAX_OPS (several calls beyond it; a single copy alone), or one 2-D copy each; the
+    same bytes either way."""
+    pages, ids, slots, num_slots = _many_runs(40 + runs, runs, merge, skip)
+    expect = _small_poisoned(num_slots)
+    reference_scatter(expect, pages, slots, ids, skip_first=skip)
+    copies = _no_staging(monkeypatch)
+    layers = SMALL.num_layers
+
+    back = _small_poisoned(num_slots)
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=pages.shape[0])
+    events = mover.load_layers(ids, slots, skip)
+    assert events is not None and len(events) == layers
+    events[-1].synchronize()
+    assert _small_equal(back, expect)
+    assert mover.runs_loaded == len(ids)
+    per_layer, rest = divmod(len(copies), layers)
+    assert rest == 0 and per_layer >= runs  # page 0 alone when partly needed
+    calls = layers * (len(batch_parts(per_layer)) if per_layer > 1 else 0)
+    assert batch.batch_calls == (calls if batch.enabled else 0)
+
+    paced_back = _small_poisoned(num_slots)
+    paced_mover = PageMover(paced_back, pages, TransferPath.STAGING, 2, run_pages=pages.shape[0])
+    paced = paced_mover.start_layers(ids, slots, skip)
+    assert paced is not None and paced.by_runs and paced.issued_units == 0
+    paced.feed()
+    assert paced.issued_units == layers
+    assert _small_equal(paced_back, expect)
+    assert batch.batch_calls == (2 * calls if batch.enabled else 0)
+    assert len(copies) == 2 * per_layer * layers
+
+
+def test_a_refused_batch_falls_back_to_2d_copies_and_the_load_is_bit_exact(
+    monkeypatch: pytest.MonkeyPatch, batch: BatchCopier
+) -> None:
+    """The second batch call (layer 0's second of three: 150 copies a layer) gets an op of depth 0,
+    which the runtime refuses (a real CUDA error): its copies and every later one go by 2-D copies,
+    batches stay off, the error is cleared (torch's next launch does not see it), and the load
+    lands bit-exact."""
+    if not batch.enabled:
+        pytest.skip("batches only")
+    real_ops = cuda.batch_ops
+    packed: list[int] = []
+
+    def refused_second(copies: list[object]) -> object:
+        ops = real_ops(copies)  # type: ignore[arg-type]
+        packed.append(len(copies))
+        if len(packed) == 2:
+            ops[len(ops) // 2].extent.depth = 0
+        return ops
+
+    monkeypatch.setattr(cuda, "batch_ops", refused_second)
+    runs = 2 * BATCH_MAX_OPS + 22
+    pages, ids, slots, num_slots = _many_runs(51, runs, False, 0)
+    expect = _small_poisoned(num_slots)
+    reference_scatter(expect, pages, slots, ids)
+    copies = _no_staging(monkeypatch)
+    back = _small_poisoned(num_slots)
+    mover = PageMover(back, pages, TransferPath.STAGING, 2, run_pages=pages.shape[0])
+    events = mover.load_layers(ids, slots)
+    assert events is not None
+    events[-1].synchronize()
+    assert batch.failure is not None and "cudaMemcpy3DBatchAsync" in batch.failure, batch.failure
+    assert not batch.available and batch.batch_calls == 1
+    assert packed == batch_parts(runs)[:2]  # nothing packed after the refusal
+    assert len(copies) == runs * SMALL.num_layers  # 50 in the batch taken, the rest by 2-D copies
+    assert _small_equal(back, expect)
+    assert torch.ones(4, device="cuda").add_(1).sum().item() == 8  # no CUDA error left behind
