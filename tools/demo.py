@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+import aiokv.cuda
 from aiokv import CacheConfig, CacheStatistics, KVCache, KVLayout, TransferPath
 from aiokv.storage import DiskConfig
 from aiokv.tp import WorkerStatistics
@@ -458,7 +459,7 @@ def _memcpy_seconds(nbytes: int, device: torch.device, repeats: int) -> float:
 
 async def run_ttft(
     cfg: DemoConfig, lengths: list[int], repeats: int, paths: Sequence[LoadPath] | None = None,
-    trace_dir: Path | None = None,
+    trace_dir: Path | None = None, batch_ab: bool = False,
 ) -> list[dict[str, Any]]:
     """Time to first token of one prompt per length and load path: prefix from the pool, from disk,
     and recomputed, with each tier's floor measured in the same run. One row per (length, path).
@@ -479,6 +480,10 @@ async def run_ttft(
     (host speed drifts within a run); ``recompute`` and ``memcpy`` once per length.
     ``trace_dir``: after the timed pool hits, one more (untimed) under ``torch.profiler``, written as
     a Chrome trace ``pool<n>-<path>.json`` there: where the hit's time goes, stream by stream.
+    ``batch_ab`` (CUDA): every repeat times two pool hits, each after its own tail, one with run
+    copies batched (``cudaMemcpy3DBatchAsync``, ``aiokv.cuda.BatchCopier``) and one without, the
+    order alternating; the row's ``batch_ab`` has each side's median hit, tail and hit / floor (its
+    usual pool figures then take both sides' hits), the batch calls so far and a batch failure.
     """
     device = torch.device(cfg.device)
     page = cfg.page_tokens
@@ -492,6 +497,15 @@ async def run_ttft(
     kv = model.new_kv_buffer(blocks * page)
     gen = torch.Generator().manual_seed(cfg.model.seed + 1)
     rows: list[dict[str, Any]] = []
+    batched = True
+    if batch_ab:
+        if device.type != "cuda":
+            raise ValueError("--memcpy-batch-ab needs a CUDA device")
+        torch.cuda.init()
+        batched = aiokv.cuda.batch_copier().enabled  # restored after each A/B
+        if not aiokv.cuda.batch_copier().available:
+            raise ValueError(f"no cudaMemcpy3DBatchAsync in this CUDA runtime "
+                             f"({aiokv.cuda.batch_copier().version}): nothing to compare")
 
     def engine(cache: KVCache | None, path: LoadPath) -> Engine:
         return Engine(model, kv, BlockTable(blocks, page, False), cache, chunk, 1, load_path=path, claim=cfg.claim)
@@ -547,14 +561,25 @@ async def run_ttft(
                 # and a floor measured a minute before its hit made the ratio follow the drift.
                 tails: list[float] = []
                 disk_only_s: list[float] = []
+                ab: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # (tail, hit) per side
                 _, pool_cfg = _layout_and_config(cfg, pages, None, 0, path)
                 async with KVCache(pool_cfg, layout, kv) as cache:
                     await cache.wait_started()  # set-up: pool chunks, disk registration, kernel warm-up
                     await serve(cache, path, f"fill{n}", "pool", prompt)
                     await serve(cache, path, f"warm{n}", "pool", prompt)
-                    for _ in range(repeats):
-                        tails.append(await _tail_alone(timer, prompt, usable, slots))
-                        runs["pool"].append(await serve(cache, path, f"pool{n}", "pool", prompt))
+                    for rep in range(repeats):
+                        sides: list[bool | None] = [None]
+                        if batch_ab:
+                            sides = [True, False] if rep % 2 == 0 else [False, True]
+                        for side in sides:
+                            if side is not None:
+                                aiokv.cuda.batch_copier().enabled = side
+                            tails.append(await _tail_alone(timer, prompt, usable, slots))
+                            runs["pool"].append(await serve(cache, path, f"pool{n}", "pool", prompt))
+                            if side is not None:
+                                ab[side].append((tails[-1], runs["pool"][-1].ttft_s))
+                    if batch_ab:
+                        aiokv.cuda.batch_copier().enabled = batched
                     if trace_dir is not None:
                         await _traced_hit(trace_dir / f"pool{n}-{path.value}.json",
                                           serve(cache, path, f"trace{n}", "pool", prompt))
@@ -605,6 +630,24 @@ async def run_ttft(
                 row["pool_speedup"] = row["recompute_s"] / row["pool_s"]
                 row["disk_speedup"] = row["recompute_s"] / row["disk_s"]
                 row["pool_vs_floor"] = row["pool_s"] / row["pool_floor_s"]
+                if batch_ab:
+                    row["batch_ab"] = {}
+                    for side, name in ((True, "batch"), (False, "2d")):
+                        side_tail = _median([t for t, _ in ab[side]])
+                        side_hit = _median([h for _, h in ab[side]])
+                        row["batch_ab"][name] = {
+                            "pool_s": side_hit, "tail_s": side_tail, "runs": ab[side],
+                            "pool_vs_floor": side_hit / (max(memcpy_s, side_tail) + side_tail / layers),
+                        }
+                    copier = aiokv.cuda.batch_copier()
+                    row["batch_ab"]["batch_calls"] = copier.batch_calls
+                    row["batch_ab"]["batch_failure"] = copier.failure
+                    on, off = row["batch_ab"]["batch"], row["batch_ab"]["2d"]
+                    print(f"  {n:>7} tokens {path.value:>13}: pool hit / floor batched {on['pool_vs_floor']:.2f}x "
+                          f"({on['pool_s'] * 1e3:.1f} ms, tail {on['tail_s'] * 1e3:.1f}), 2-D "
+                          f"{off['pool_vs_floor']:.2f}x ({off['pool_s'] * 1e3:.1f} ms, "
+                          f"tail {off['tail_s'] * 1e3:.1f}); "
+                          f"{copier.batch_calls} batch calls so far, failure {copier.failure}", file=sys.stderr)
                 row["disk_vs_bound"] = row["disk_s"] / row["disk_bound_s"]
                 ref = logits["recompute"]
                 row["max_abs_logit_diff"] = max(float((logits[k] - ref).abs().max()) for k in ("pool", "disk"))
@@ -687,6 +730,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="repeats per --ttft measurement (median)")
     p.add_argument("--trace", type=Path, metavar="DIR",
                    help="--ttft: also write a torch.profiler Chrome trace of one extra pool hit per length here")
+    p.add_argument("--memcpy-batch-ab", action="store_true",
+                   help="--ttft on CUDA: each repeat times a pool hit with run copies batched and one without")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -746,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in a.ttft_lengths.split(",")]
         paths = [LoadPath(x) for x in dict.fromkeys(a.load_path)]
         KVCache.preload(cfg.device)  # before the loop runs: the first start then imports nothing
-        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats, paths, a.trace))
+        rows = asyncio.run(run_ttft(cfg, lengths, a.repeats, paths, a.trace, a.memcpy_batch_ab))
         print(
             f"time to first token, {m.num_layers}L/{m.hidden} {str(m.dtype).removeprefix('torch.')} on {cfg.device}, "
             f"page {cfg.page_tokens}, median of {a.repeats}, claim {cfg.claim.value}"
