@@ -17,8 +17,8 @@ the page's write neither extends the file nor allocates blocks.
   The next start removes every such name (:mod:`.layoutdir`): spares left by a crash are never
   indexed (they are no key's name) and never reused (they may hold a torn page).
 - Faults: a batch that meets a fault (ENOSPC, EIO, EROFS...) keeps the files it made, is counted
-  (:attr:`SpareStatistics.failed`) and no batch starts for a back-off time; writes meanwhile
-  create their files in their own chain, as without spares.
+  (:attr:`SpareStatistics.failed`, and the fault by kind in the tier's errors) and no batch starts
+  for a back-off time; writes meanwhile create their files in their own chain, as without spares.
 - Close: the stock is unlinked once the batch in flight has landed; a tier that became read-only
   leaves its spares to the next start.
 """
