@@ -94,6 +94,16 @@ class _Pool:
     with no staging copy when its size is a 4096-multiple (the pool's memory is then registered)."""
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """Host indices checked against a host pool (:func:`_page_starts`) at a call's edge."""
+
+    host: Any
+    """The host pool they were checked against (SGLang's ``HostKVCache``)."""
+    firsts: list[int]
+    """The first host index of each page."""
+
+
 @dataclass
 class _Move:
     """One pool's share of a batch: per key the page's buffers, and for flat reads where they go."""
@@ -345,22 +355,22 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         not whole pages of the pool, one per key, each named once (:func:`_page_starts`), before the
         pool's files open and also after :meth:`close` (where valid calls miss)."""
         _check_keys(keys)
-        self._check_v1_indices(keys, host_indices, write=False)
+        checked = self._check_v1_indices(keys, host_indices, write=False)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
-        return self._run([self._moves(kv, kv.host, keys, host_indices, write=False)], write=False)[0]
+        return self._run([self._moves(kv, kv.host, keys, host_indices, write=False, checked=checked)], write=False)[0]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Write each page from its host-pool slots; per key, True when stored (bad keys or indices
         refused as in :meth:`batch_get_v1`)."""
         _check_keys(keys)
-        self._check_v1_indices(keys, host_indices, write=True)
+        checked = self._check_v1_indices(keys, host_indices, write=True)
         kv = self._kv()
         if kv is None or not keys:
             return [False] * len(keys)
-        return self._run([self._moves(kv, kv.host, keys, host_indices, write=True)], write=True)[0]
+        return self._run([self._moves(kv, kv.host, keys, host_indices, write=True, checked=checked)], write=True)[0]
 
     # -- v2: several pools per call (hybrid models) -----------------------------------------------
 
@@ -440,13 +450,14 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         named = [str(t.name) for t in transfers]
         if len(set(named)) != len(named):  # one answer per pool: two transfers of a pool would lose one
             raise ValueError(f"one call names a pool twice: {sorted(n for n in set(named) if named.count(n) > 1)}")
-        self._check_transfer_indices(transfers, write)  # every transfer's, before anything opens or moves
+        # Every transfer's indices, before anything opens or moves.
+        checks = self._check_transfer_indices(transfers, write)
         if self._kv() is None:
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
         names: list[str] = []
         moves: list[_Move] = []
         closed_meanwhile = False
-        for transfer in transfers:
+        for transfer, checked in zip(transfers, checks, strict=True):
             name, keys = str(transfer.name), list(transfer.keys or [])
             pool = self._pools.get(name)
             host = self._extra_hosts.get(name, pool.host if pool is not None else None)
@@ -460,7 +471,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
                 results[name] = [False] * len(keys)
                 continue
             try:
-                move = self._moves(pool, host, keys, transfer.host_indices, write)
+                move = self._moves(pool, host, keys, transfer.host_indices, write, checked)
             except (ValueError, TypeError) as exc:
                 # Its indices were checked above: the host pool's own pointers outside its memory.
                 log.error("aiokv backend: %s: %s", name, exc)
@@ -697,15 +708,19 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         if self.closed_misses == 1:
             log.warning("aiokv backend: called after close() (SGLang detaching it?); such calls miss, moving nothing")
 
-    def _check_v1_indices(self, keys: list[str], host_indices: object, write: bool) -> None:
+    def _check_v1_indices(self, keys: list[str], host_indices: object, write: bool) -> _Checked | None:
         """v1's host indices checked against the registered KV host pool (:func:`_page_starts`) before
         the pool's files open and in every state: a first call with bad indices opened the files
         before refusing, and a closed backend answered them all False (a closed miss) where v2
-        refuses them. Nothing to check without keys (nothing moves) or without a registered pool."""
-        if keys and self.mem_pool_host is not None:
-            _page_starts(self.mem_pool_host, len(keys), host_indices, write)
+        refuses them. Nothing to check without keys (nothing moves) or without a registered pool
+        (None then). Returns what was checked, for :meth:`_moves`."""
+        host = self.mem_pool_host
+        if keys and host is not None:
+            return _Checked(host, _page_starts(host, len(keys), host_indices, write))
+        return None
 
-    def _check_transfer_indices(self, transfers: Sequence[PoolTransfer], write: bool, lookup: bool = False) -> None:
+    def _check_transfer_indices(self, transfers: Sequence[PoolTransfer], write: bool,
+                                lookup: bool = False) -> list[_Checked | None]:
         """``TypeError``/``ValueError`` naming ``transfer.host_indices`` and the pool for the first
         transfer whose host indices are not ``len(transfer.keys)`` whole pages of its registered host
         pool (:func:`_page_starts`, as v1 checks them; for a read no page twice); checked before any
@@ -713,26 +728,35 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         pool all False, logged, and ran the others). None is taken where a transfer names no key
         (it moves nothing) and in a ``lookup`` (``batch_exists_v2``: SGLang's lookups pass None, the
         staging allocated once the hit is known); a pool never registered (answered all False) has
-        only their form checked."""
+        only their form checked. Returns, per transfer, what was checked (None where nothing was
+        against a host pool), for :meth:`_moves`."""
+        checked: list[_Checked | None] = []
         for transfer in transfers:
             name = str(transfer.name)
             what = f"transfer.host_indices (pool {name!r})"
             keys = transfer.keys or []
             host = self._extra_hosts.get(name, self.mem_pool_host if name == _KV else None)
             if transfer.host_indices is None and (lookup or not keys):
-                continue
-            if host is None:
+                checked.append(None)
+            elif host is None:
                 _check_index_form(transfer.host_indices, what)
+                checked.append(None)
             else:
-                _page_starts(host, len(keys), transfer.host_indices, write, what)
+                checked.append(_Checked(host, _page_starts(host, len(keys), transfer.host_indices, write, what)))
+        return checked
 
     def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
-               write: bool) -> _Move:
-        """What moves for ``keys`` at ``host_indices`` of ``host`` (``TypeError``/``ValueError`` for
-        indices that are not ``len(keys)`` whole pages of the pool, see :func:`_page_starts`, before
-        anything moves)."""
-        _check_keys(keys)
-        firsts = _page_starts(host, len(keys), host_indices, write)
+               write: bool, checked: _Checked | None) -> _Move:
+        """What moves for ``keys`` (checked by the caller: :func:`_check_keys`) at ``host_indices`` of
+        ``host``. Their page starts are ``checked``'s where it checked them against ``host`` (the
+        caller's check, before the pool's files opened: each call checks them once); else, where
+        ``host`` was registered or replaced since, they are checked here (``TypeError``/``ValueError``
+        for indices that are not ``len(keys)`` whole pages of the pool, see :func:`_page_starts`,
+        before anything moves)."""
+        if checked is not None and checked.host is host:
+            firsts = checked.firsts
+        else:
+            firsts = _page_starts(host, len(keys), host_indices, write)
         store = _opened(pool)
         if pool.in_place:
             assert host_indices is not None
