@@ -198,17 +198,18 @@ class Crowd:
             pos = start
             stop = rng.choice([start, m.tokens, rng.randrange(start, m.tokens + 1)])
             chunk = rng.choice([1, T, 3 * T])
-            while (end := stream.claim(min(pos + chunk, stop))) > pos:
-                self.kv[:, mine[pos - start : end - start]] = MARK
-                pos = end
-                await asyncio.sleep(0)
             try:
+                # The claims too: an abort task may close the stream between two (claim() says so).
+                while (end := stream.claim(min(pos + chunk, stop))) > pos:
+                    self.kv[:, mine[pos - start : end - start]] = MARK
+                    pos = end
+                    await asyncio.sleep(0)
                 await stream.launched()
                 for layer in range(LAYOUT.num_layers):
                     await stream.wait_layer(layer)
                 result: StreamResult = await stream.finish()
             except RuntimeError as exc:
-                if "aclose" not in str(exc):  # another task closed it: finish() says so
+                if "aclose" not in str(exc):  # another task closed it: claim() or finish() says so
                     raise
                 return
         assert result.claimed == pos and pos <= result.loaded_from <= m.tokens, self.fail(f"{result} claimed {pos}")
