@@ -379,9 +379,10 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         """The usable prefix of ``keys`` across the KV pool and each transfer's pool, with SGLang's
         hit policies: ``ALL_PAGES`` (every page of the prefix in that pool), ``TRAILING_PAGES`` (the
         last ``len(transfer.keys)`` pages before a stop point). ``BLOCK_GROUPS`` raises
-        ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). A pool never
-        registered holds nothing. Transfers and their keys are checked as in :meth:`batch_get_v2`,
-        and their host indices too where given (SGLang passes None: they are not read here)."""
+        ``ValueError`` (as SGLang's own backends do; nothing in 0.5.23 sends it). Transfers, their pools
+        and keys are checked as in :meth:`batch_get_v2` (a pool never registered: ``ValueError``; it
+        was taken as holding nothing), and their host indices too where given (SGLang passes None:
+        they are not read here)."""
         _check_keys(keys)
         transfers = _check_transfers([] if pool_transfers is None else pool_transfers, "pool_transfers")
         for transfer in transfers:
@@ -429,13 +430,15 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages from its pool's files into that pool's host slots; per pool,
-        per key, True when the page arrived verified (a pool never registered: all False).
-        ``TypeError``/``ValueError``, nothing opened or moved (a valid transfer beside the bad one is
-        not run either), for transfers that are not a list of ``PoolTransfer``, keys of one that are
-        not None or a list of ``str``, a pool named twice, and host indices of one that are not
-        ``len(transfer.keys)`` whole pages of its pool as v1 checks them (negative, out of range, a
-        wrong dtype or count, 2-D, sparse, meta, a page read twice...; the message names
-        ``transfer.host_indices`` and the pool; these were answered all False for that pool, logged)."""
+        per key, True when the page arrived verified. ``TypeError``/``ValueError``, nothing opened or
+        moved (a valid transfer beside the bad one is not run either), for transfers that are not a
+        list of ``PoolTransfer``, keys of one that are not None or a list of ``str``, a pool name that
+        is not a ``str`` (None) or names a pool never registered (SGLang 0.5.23 registers each pool
+        before a transfer can name it, so only a caller's bug does; it was answered all False,
+        logged), a pool named twice, and host indices of one that are not ``len(transfer.keys)``
+        whole pages of its pool as v1 checks them (negative, out of range, a wrong dtype or count,
+        2-D, sparse, meta, a page read twice...; the message names ``transfer.host_indices`` and the
+        pool; these were answered all False for that pool, logged)."""
         return self._batch_v2(transfers, write=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
@@ -450,7 +453,7 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
         named = [str(t.name) for t in transfers]
         if len(set(named)) != len(named):  # one answer per pool: two transfers of a pool would lose one
             raise ValueError(f"one call names a pool twice: {sorted(n for n in set(named) if named.count(n) > 1)}")
-        # Every transfer's indices, before anything opens or moves.
+        # Every transfer's pool and indices, before anything opens or moves.
         checks = self._check_transfer_indices(transfers, write)
         if self._kv() is None:
             return {str(t.name): [False] * len(t.keys or []) for t in transfers}
@@ -464,10 +467,11 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
             if pool is None or host is None or not keys:
                 if keys and pool is None and self._closed:
                     # A close() on another thread cleared the pools once _kv found them open: a
-                    # miss of the closed backend (counted below), not a pool never registered.
+                    # miss of the closed backend (counted below). (A pool never registered was
+                    # refused above; one registered after the files opened opens at once.)
                     closed_meanwhile = True
                 elif keys:
-                    log.error("aiokv backend: pool %r is not registered", name)
+                    log.error("aiokv backend: pool %r has no host pool", name)
                 results[name] = [False] * len(keys)
                 continue
             try:
@@ -721,28 +725,34 @@ class AiokvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is un
 
     def _check_transfer_indices(self, transfers: Sequence[PoolTransfer], write: bool,
                                 lookup: bool = False) -> list[_Checked | None]:
-        """``TypeError``/``ValueError`` naming ``transfer.host_indices`` and the pool for the first
-        transfer whose host indices are not ``len(transfer.keys)`` whole pages of its registered host
-        pool (:func:`_page_starts`, as v1 checks them; for a read no page twice); checked before any
-        pool opens or page moves, so a valid transfer beside it is not run either (it answered that
-        pool all False, logged, and ran the others). None is taken where a transfer names no key
+        """``ValueError`` naming the pool for the first transfer that names a pool never registered
+        (the KV pool by ``register_mem_pool_host`` or by name, the others by
+        ``register_mem_host_pool_v2``): SGLang 0.5.23 names only pools of its host pool group, each
+        registered before any transfer can name it (at attach, or as a sidecar's entry is added), so
+        only a caller's bug can (it answered that pool all False, logged). Then ``TypeError``/
+        ``ValueError`` naming ``transfer.host_indices`` and the pool for the first transfer whose host
+        indices are not ``len(transfer.keys)`` whole pages of its registered host pool
+        (:func:`_page_starts`, as v1 checks them; for a read no page twice). All checked before any
+        pool opens or page moves, so a valid transfer beside a bad one is not run either (it answered
+        that pool all False, logged, and ran the others). None is taken where a transfer names no key
         (it moves nothing) and in a ``lookup`` (``batch_exists_v2``: SGLang's lookups pass None, the
-        staging allocated once the hit is known); a pool never registered (answered all False) has
-        only their form checked. Returns, per transfer, what was checked (None where nothing was
-        against a host pool), for :meth:`_moves`."""
+        staging allocated once the hit is known). Returns, per transfer, what was checked (None where
+        nothing was), for :meth:`_moves`."""
         checked: list[_Checked | None] = []
         for transfer in transfers:
             name = str(transfer.name)
-            what = f"transfer.host_indices (pool {name!r})"
-            keys = transfer.keys or []
             host = self._extra_hosts.get(name, self.mem_pool_host if name == _KV else None)
+            if host is None:
+                known = {_KV} if self.mem_pool_host is not None else set()
+                known.update(n for n, h in self._extra_hosts.items() if h is not None)
+                raise ValueError(f"transfer.name: pool {name!r} is not registered with this backend; "
+                                 f"registered: {sorted(known)}")
+            keys = transfer.keys or []
             if transfer.host_indices is None and (lookup or not keys):
                 checked.append(None)
-            elif host is None:
-                _check_index_form(transfer.host_indices, what)
-                checked.append(None)
-            else:
-                checked.append(_Checked(host, _page_starts(host, len(keys), transfer.host_indices, write, what)))
+                continue
+            what = f"transfer.host_indices (pool {name!r})"
+            checked.append(_Checked(host, _page_starts(host, len(keys), transfer.host_indices, write, what)))
         return checked
 
     def _moves(self, pool: _Pool, host: Any, keys: list[str], host_indices: torch.Tensor | None,
@@ -984,7 +994,8 @@ def _check_keys(keys: Sequence[object], what: str = "keys") -> None:
 def _check_transfers(transfers: object, what: str) -> list[PoolTransfer]:
     """``transfers`` (the argument named ``what``) as a list, checked before anything opens or
     moves: a list of SGLang's ``PoolTransfer`` whose ``keys`` are None or a list of ``str``
-    (:func:`_check_keys`). ``TypeError``/``ValueError`` otherwise: keys that were not iterable
+    (:func:`_check_keys`) and whose ``name`` is a ``str`` (SGLang's ``PoolName``).
+    ``TypeError``/``ValueError`` otherwise: keys that were not iterable
     raised "'int' object is not iterable", naming nothing, one string was taken as one key per
     character, and a transfer that was not a ``PoolTransfer`` raised ``AttributeError``."""
     if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence):
@@ -992,6 +1003,9 @@ def _check_transfers(transfers: object, what: str) -> list[PoolTransfer]:
     for transfer in transfers:
         if not isinstance(transfer, PoolTransfer):
             raise TypeError(f"{what} must hold PoolTransfer, not {type(transfer).__name__}")
+        if not isinstance(transfer.name, str):  # SGLang's PoolName is a str (None was read as pool 'None')
+            raise TypeError(f"transfer.name must be a pool name (SGLang's PoolName), "
+                            f"got {type(transfer.name).__name__}")
         if transfer.keys is not None:
             _check_keys(transfer.keys, f"transfer.keys (pool {str(transfer.name)!r})")
     return list(transfers)

@@ -9,7 +9,6 @@ batch_exists for the prefix, batch_get_v1/batch_set_v1, or get/set with the pool
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from pathlib import Path
@@ -184,16 +183,19 @@ def test_v2_hybrid_round_trip_hit_policies_and_restart(tmp_path: Path, backends:
     assert all(torch.equal(page(kv2, p), kv_pages[p]) for p in range(4))
 
 
-def test_v2_refuses_what_it_cannot_serve(tmp_path: Path, backends: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_v2_refuses_what_it_cannot_serve(tmp_path: Path, backends: list[Any]) -> None:
     kv, mamba = host_pool(4), mamba_pool(4)
     fill_state(mamba, 0, seed=1)
     backend = attach_hybrid(backends, tmp_path, kv, {PoolName.MAMBA: mamba})
-    with caplog.at_level(logging.ERROR, logger="aiokv.adapters.sglang"):
-        # A pool never registered: all False, logged.
-        got = backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=["a"]),
-                                    PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])])
-    assert got == {"swa": [False], "mamba": [True]}
-    assert "not registered" in caplog.text
+    # A pool never registered (SGLang registers each before naming it): the whole call is refused
+    # by the pool's name (it was all False, logged; the other transfer ran).
+    with pytest.raises(ValueError, match=r"pool 'swa' is not registered with this backend; registered: "
+                                         r"\['kv', 'mamba'\]"):
+        backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.tensor([0]), keys=["a"]),
+                              PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])])
+    assert backend.statistics("mamba")["writes"] == 0
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=["a"])]) \
+        == {"mamba": [True]}
     # An index count that is not one per page: the whole call is refused naming them (it was all False, logged).
     with pytest.raises(ValueError, match=r"transfer\.host_indices \(pool 'mamba'\): 2 indices for 1 pages"):
         backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=["b"])])
@@ -201,18 +203,20 @@ def test_v2_refuses_what_it_cannot_serve(tmp_path: Path, backends: list[Any], ca
     block_groups = PoolTransfer(name=PoolName.MAMBA, keys=["a"], hit_policy=PoolHitPolicy.BLOCK_GROUPS)
     with pytest.raises(ValueError, match="Unsupported pool hit policy"):
         backend.batch_exists_v2(["a"], [block_groups])
-    # A pool SGLang never registered holds nothing: an ALL_PAGES check on it finds no prefix.
+    # A lookup naming a pool never registered is refused too (it was taken as holding nothing).
     assert backend.batch_set_v1(["a"], indices([0])) == [True]
-    found = backend.batch_exists_v2(["a"], [PoolTransfer(name=PoolName.SWA, keys=["a"])])
-    assert (found.kv_hit_pages, found.extra_pool_hit_pages) == (0, {"kv": 1})
+    with pytest.raises(ValueError, match="pool 'swa' is not registered"):
+        backend.batch_exists_v2(["a"], [PoolTransfer(name=PoolName.SWA, keys=["a"])])
+    found = backend.batch_exists_v2(["a"], [PoolTransfer(name=PoolName.MAMBA, keys=["a"])])
+    assert (found.kv_hit_pages, found.extra_pool_hit_pages) == (1, {"kv": 1, "mamba": 1})
 
 
 def test_a_pool_registered_at_run_time_gets_files_of_its_own(tmp_path: Path, backends: list[Any]) -> None:
     kv, mamba = host_pool(4), mamba_pool(4)
     fill_state(mamba, 2, seed=9)
     backend = attach_hybrid(backends, tmp_path, kv, {})
-    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])]) \
-        == {"mamba": [False]}  # not registered yet
+    with pytest.raises(ValueError, match="pool 'mamba' is not registered"):  # not yet (it was all False)
+        backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])])
     backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)  # SGLang's register_host_pool_entry
     assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=["k"])]) \
         == {"mamba": [True]}
