@@ -48,6 +48,7 @@ from .follow import FollowState, Look, look
 from .jobs import wait_uncancelled
 from .layoutdir import FanoutListing, FollowSeed, file_identity, list_fanout
 from .lockwatch import FanoutCheck, LockCheck, LockState, check_writer
+from .memory import drop_cancel
 from .pagefile import TEMP_PREFIX
 from .spares import SPARE_PREFIX
 from .tierbase import BULK_UNLINK_KEYS, DELETE_TIME_BITS, STORED_SINCE_DELETE, TierBase
@@ -110,6 +111,7 @@ class FollowPath(TierBase):
         self._follow_refused = {}
         self._follow_state = FollowState(seed)
         self._follow_task = asyncio.get_running_loop().create_task(self._follow(self._follow_state))
+        self._follow_task.add_done_callback(drop_cancel)
 
     def _look_soon(self) -> None:
         """The next look now rather than after ``follow_interval_s`` (after the one in progress, if
@@ -128,7 +130,8 @@ class FollowPath(TierBase):
         self._count_undecided()
 
     async def _stop_task(self, task: asyncio.Task[None], what: str) -> None:
-        """Cancel ``task`` (the looks or the lock checks) and wait for it: its thread ends first."""
+        """Cancel ``task`` (the looks or the lock checks) and wait for it: its thread ends first.
+        Its cancellation is retrieved as it ends (:func:`drop_cancel`, added at its start)."""
         task.cancel()
         await asyncio.wait({task})
         if not task.cancelled() and task.exception() is not None:  # (a bug: never expected)
@@ -530,6 +533,7 @@ class FollowPath(TierBase):
             self._layout_stamp = None  # the first check examines every fan-out name
             self._record_stamp = None  # and reads the pending-delete record
             self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+            self._watch_task.add_done_callback(drop_cancel)
 
     def _check_lock_soon(self) -> None:
         """The next check of the lock now rather than after ``follow_interval_s``."""

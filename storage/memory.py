@@ -186,6 +186,17 @@ async def wait_uncancelled(job: asyncio.Future[Any], stop: threading.Event | Non
     return cancelled
 
 
+def drop_cancel(task: asyncio.Future[Any]) -> None:
+    """A done callback: a task a cancel ended lets go of its ``CancelledError`` at once. CPython
+    3.11 keeps it until the cancellation is retrieved, and its traceback's frames hold whatever the
+    task's coroutine held (a tier's task: the tier, past its close; review 306)."""
+    if task.cancelled():
+        try:
+            task.exception()
+        except asyncio.CancelledError:
+            pass
+
+
 def update_in_batches(engine: uring.UringEngine, regions: Sequence[uring.Region], stop: threading.Event,
                       prepare: Callable[[uring.Region], None]) -> Iterator[list[uring.Region]]:
     """Register ``regions`` (consecutive slots, in order) ``REGIONS_PER_UPDATE`` to a call, each
