@@ -11,8 +11,8 @@ worker thread so a large copy never stalls the loop.
 :func:`memcpy_async` queues a raw ``cudaMemcpyAsync`` through the runtime torch loaded
 (the layer-wise load issues thousands of small copies; torch's ``copy_`` costs too much host time).
 :func:`memcpy2d_batch_async` queues many 2-D copies in one ``cudaMemcpy3DBatchAsync`` (CUDA 12.8+,
-:class:`BatchCopier`), one ``cudaMemcpy2DAsync`` each where that is missing, refused or switched off
-(``AIOKV_MEMCPY_BATCH=0``).
+:class:`BatchCopier`) when switched on (``AIOKV_MEMCPY_BATCH=1``), one ``cudaMemcpy2DAsync`` each
+otherwise and where the batch is missing or refused.
 """
 
 from __future__ import annotations
@@ -429,7 +429,10 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> 
 # -- batched 2-D copies: cudaMemcpy3DBatchAsync ------------------------------------------------------
 
 BATCH_ENV = "AIOKV_MEMCPY_BATCH"
-"""Set to ``0`` to queue run copies one ``cudaMemcpy2DAsync`` each instead of in batches."""
+"""Set to ``1`` to queue run copies in ``cudaMemcpy3DBatchAsync`` batches instead of one
+``cudaMemcpy2DAsync`` each. Off by default: bit-exact on an H100 (CUDA 13) but no faster there in
+two A/B runs of 8K-32K pool hits (forty-fourth session, ``docs/measurements.md``), and very large
+batches hung elsewhere (vllm#49276)."""
 BATCH_MAX_OPS = 64
 """Copies per ``cudaMemcpy3DBatchAsync`` call, more go in several calls: very large batches hung
 (vllm#49276, torch 2.11 + CUDA 13)."""
@@ -604,11 +607,11 @@ _batch_copier: BatchCopier | None = None
 
 
 def batch_copier() -> BatchCopier:
-    """The process's :class:`BatchCopier` on torch's runtime, on unless :data:`BATCH_ENV` is ``0``.
+    """The process's :class:`BatchCopier` on torch's runtime, on only where :data:`BATCH_ENV` is ``1``.
     Raises ``RuntimeError`` where no runtime is loaded."""
     global _batch_copier
     if _batch_copier is None:
-        _batch_copier = BatchCopier(_required_runtime(), enabled=os.environ.get(BATCH_ENV, "1") != "0")
+        _batch_copier = BatchCopier(_required_runtime(), enabled=os.environ.get(BATCH_ENV, "0") == "1")
     return _batch_copier
 
 

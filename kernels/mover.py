@@ -21,12 +21,12 @@ Where every page's slots are one ascending run and the buffer's shape allows it 
 :mod:`aiokv.kernels.slotruns`), a layer-wise load skips staging and scatter: each unit is layer l of
 a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one 2-D
 copy per run of pages consecutive in both, all of a unit's in one ``cudaMemcpy3DBatchAsync`` of at
-most :data:`aiokv.cuda.BATCH_MAX_OPS` ops where the runtime has it, else one ``cudaMemcpy2DAsync``
-each: :class:`aiokv.cuda.BatchCopier`), its layer event recorded on the copy stream. A feeding
-thread then issues a few runtime calls per layer instead of a few per group plus a Triton launch (an
-engine's model thread shares the GIL with it). A whole-page load of such pages is
-run copies too, dealt over the load lanes: one per page (every layer) or one per layer of a run of
-pages, whichever is fewer (:func:`~aiokv.kernels.slotruns.whole_load_copies`).
+most :data:`aiokv.cuda.BATCH_MAX_OPS` ops where the runtime has it and ``AIOKV_MEMCPY_BATCH=1``
+asks for it, else one ``cudaMemcpy2DAsync`` each: :class:`aiokv.cuda.BatchCopier`), its layer
+event recorded on the copy stream. A feeding thread then issues a few runtime calls per layer
+instead of a few per group plus a Triton launch (an engine's model thread shares the GIL with it).
+A whole-page load of such pages is run copies too, dealt over the load lanes: one per page (every
+layer) or one per layer of a run of pages, whichever is fewer (:func:`~aiokv.kernels.slotruns.whole_load_copies`).
 """
 
 from __future__ import annotations

@@ -118,8 +118,10 @@ STREAM: Any = _Stream()
 
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
-    """A CUDA 13 stand-in as the process's runtime (the 2-D fallback goes through it too)."""
+    """A CUDA 13 stand-in as the process's runtime (the 2-D fallback goes through it too), batches
+    switched on (they are off by default)."""
     fake = FakeRuntime(13000)
+    monkeypatch.setenv(cuda.BATCH_ENV, "1")
     monkeypatch.setattr(cuda, "_runtime_library", lambda: fake)
     monkeypatch.setattr(cuda, "_batch_copier", None)
     return fake
@@ -270,9 +272,19 @@ def test_switched_off_the_copies_go_one_2d_copy_each(runtime: FakeRuntime, monke
     assert bytes(dst) == _expected(copies, len(dst))
 
 
-def test_on_unless_the_environment_says_0(runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_only_where_the_environment_says_1(runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda.BATCH_ENV, "1")
     assert cuda.batch_copier().active
+
+
+def test_off_by_default(runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cuda.BATCH_ENV, raising=False)
+    copier = cuda.batch_copier()
+    assert copier.available and not copier.active
+    copies, _, dst = _copies(5)
+    cuda.memcpy2d_batch_async(copies, STREAM)
+    assert (runtime.batches, runtime.copies_2d) == ([], 5)
+    assert bytes(dst) == _expected(copies, len(dst))
 
 
 def test_a_refused_batch_is_copied_by_2d_copies_and_batches_stay_off(
