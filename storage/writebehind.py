@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiokv.keys import PageKey
 from aiokv.pagetable import PageHandle
 
+from .memory import drop_cancel
 from .uring import not_started
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,10 @@ class WriteBehind:
 
     def _start_worker(self) -> asyncio.Task[None]:
         worker = asyncio.get_running_loop().create_task(self._worker())
-        worker.add_done_callback(_drop_cancel)
+        # A worker a cancel ended lets go of its CancelledError at once: kept (CPython 3.11 keeps
+        # it until retrieved), its traceback's frames held the cut write's job and its export of
+        # the pool's memory, and the pool's close could not unmap the segment (review 302).
+        worker.add_done_callback(drop_cancel)
         return worker
 
     async def _worker(self) -> None:
@@ -234,16 +238,3 @@ class WriteBehind:
                     taken[1] = 2
                 raise
             taken[1] = 2
-
-
-def _drop_cancel(worker: asyncio.Task[None]) -> None:
-    """A worker a cancel ended lets go of its ``CancelledError`` at once. Kept, that error's
-    traceback held the frames of the write it cut, and through them the write's job and its export
-    of the pool's memory: the pool's close could not unmap the segment (its mapping and descriptor
-    stayed until the cache itself was collected). On CPython 3.11 a cancelled task keeps it until
-    its cancellation is retrieved (review 302)."""
-    if worker.cancelled():
-        try:
-            worker.exception()
-        except asyncio.CancelledError:
-            pass
