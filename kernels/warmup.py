@@ -4,7 +4,7 @@ Triton compiles a kernel per variant (:data:`aiokv.kernels.launch.LaunchKey`: co
 each other argument its type and whether it is divisible by 16; an int equal to 1 is a variant of
 its own). A variant's first launch compiles it (or loads it from Triton's disk cache) and loads it
 onto the device: ~0.3 s on an H200 host, a loop stall when a cache's first copy launches it on the
-event loop. :func:`warm_up` does that work beforehand, on the thread that calls it, in three steps:
+event loop. :func:`warm_up` does that work beforehand, on the thread that calls it, in four steps:
 
 1. *Enumerate* (:func:`variants_of`): run the mover's own planning (:meth:`PageMover._chunks`,
    ``_deal`` and ``_lane_slices`` over the staging lanes, ``_layer_chunks`` for layer-wise loads)
@@ -30,12 +30,14 @@ event loop. :func:`warm_up` does that work beforehand, on the thread that calls 
    binary from its disk cache (~2 ms of Python each) instead of compiling. A variant the helper
    could not compile is compiled here, as without it.
 
-4. *Prime the host allocator* (CUDA, once a process): a copy uploads its slot index through a
-   fresh pinned buffer (:meth:`PageMover._index`) from torch's caching host allocator, which rounds
-   a request up to a power of two and keeps freed blocks; the first request of a size class called
-   ``cudaHostAlloc`` on the event loop (14 ms for a load's first index on an H100 host with six test
-   workers beside it). Two blocks of every class from 8 B to 2 MiB (a 256K-token slot index) are
-   taken and freed here, on the warm-up's thread (torch allocates without the GIL): ~8 MiB pinned.
+4. *Prime the host allocator* (CUDA, once a process per device): a copy uploads its slot index
+   through a fresh pinned buffer (:meth:`PageMover._index`) from torch's caching host allocator,
+   which rounds a request up to a power of two and keeps freed blocks; the first request of a size
+   class called ``cudaHostAlloc`` on the event loop (14 ms for a load's first index on an H100 host
+   with six test workers beside it). Two blocks of every class from 8 B to 2 MiB (a 256K-token slot
+   index) are taken and freed here, on the warm-up's thread (torch allocates without the GIL):
+   ~8 MiB pinned. A priming the stop cut short (or a block refused) leaves the device unprimed: a
+   later warm-up primes it (:func:`prime_host_allocator`).
 
 Calls of page-aligned shapes (skip 0: what an engine whose blocks are pages does), on every path a
 copy may take, come first; ``on_ready`` is called once they are launched and done on the device.
@@ -161,22 +163,33 @@ together)."""
 
 
 def prime_host_allocator(device: torch.device, stop: threading.Event | None = None) -> bool:
-    """Step 4 of the module docstring, once a process per device; True when this call primed it."""
+    """Step 4 of the module docstring, once a process per device; True when this call primed it.
+    ``stop`` (looked at before each size class) cuts it short: then, as where a block is refused
+    (raised), the device is not marked primed and a later warm-up primes it. Before, the mark came
+    first: a close that stopped the warm-up while it primed left the device marked, part primed,
+    and no later warm-up of the process primed it."""
     if device.type != "cuda":
         return False
     with _state_lock:
         if str(device) in _primed:
             return False
-        _primed.add(str(device))
+        _primed.add(str(device))  # claimed: a priming of the device at once beside it does nothing
+    done = False
     held: list[torch.Tensor] = []
-    for shift in PRIMED_BYTES:
-        if stop is not None and stop.is_set():
-            break
-        # int64 elements, as the indices are: the request is exactly 2**shift bytes.
-        elements = max(1, (1 << shift) // 8)
-        held.extend(torch.empty(elements, dtype=torch.int64, pin_memory=True) for _ in range(PRIMED_BLOCKS))
-    del held  # freed unused by any stream: cached for the next request of the class
-    return True
+    try:
+        for shift in PRIMED_BYTES:
+            if stop is not None and stop.is_set():
+                return False
+            # int64 elements, as the indices are: the request is exactly 2**shift bytes.
+            elements = max(1, (1 << shift) // 8)
+            held.extend(torch.empty(elements, dtype=torch.int64, pin_memory=True) for _ in range(PRIMED_BLOCKS))
+        done = True
+        return True
+    finally:
+        del held  # freed unused by any stream: cached for the next request of the class
+        if not done:
+            with _state_lock:
+                _primed.discard(str(device))
 
 
 def _roles(mover: PageMover) -> list[tuple[CopyPlan, int]]:
