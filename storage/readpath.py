@@ -11,7 +11,8 @@ A KeyboardInterrupt (a signal) raised in a step of the job ends the job as a cou
 checksum started: they deliver their completion, at least once), and the interrupt goes on.
 
 A file gone at its open (ENOENT) is a miss either way; one whose page the tier itself took out of
-its index under the read (evicted, deleted) is counted ``_reads_evicted`` (review 222), one still
+its index under the read (evicted, deleted), or before it began, is counted ``_reads_evicted``
+(review 222, helper 307), one still
 indexed (unlinked behind the tier's back) ``_reads_unlinked``: the cache counts that read failed, and
 any read whose window saw one (review 228: the counts are tier-wide).
 """
@@ -37,7 +38,11 @@ class ReadPath(TierBase):
 
     _reads_evicted = 0
     """Reads that found their file gone because the tier itself had taken the page out of its index
-    under them (evicted, deleted, replaced): misses, not faults (:meth:`DiskTier.read_marks`)."""
+    under them (evicted, deleted, replaced), or found the key out of the index when they began:
+    misses, not faults (:meth:`DiskTier.read_marks`). The latter too (helper 307): a caller that
+    saw the page indexed starts its read as a task, whose first step runs after the callbacks
+    already queued, an eviction by the write-behind among them; counted nowhere, that read was a
+    fault for the cache (``disk_read_failed``) where only the budget had spoken."""
 
     _reads_unlinked = 0
     """Reads that found their file gone while their page was still indexed, or in a fan-out
@@ -50,6 +55,8 @@ class ReadPath(TierBase):
         generation = self._index.generation(key)
         if generation is None or not self._accepting:
             self._misses += 1
+            if generation is None and self._accepting:
+                self._reads_evicted += 1  # out of the index before the read began (see _reads_evicted)
             return False
         job = ReadJob(key, page, generation, asyncio.get_running_loop().create_future())
         try:
@@ -81,6 +88,8 @@ class ReadPath(TierBase):
                 generation = index.generation(key) if accepting else None
                 if generation is None:
                     self._misses += 1  # batch.oks[i] stays False
+                    if accepting:
+                        self._reads_evicted += 1  # out of the index before the read began
                     continue
                 job = ReadJob(key, pages[i], generation, None, batch, i)
                 batch.left += 1
