@@ -20,8 +20,8 @@ load lanes' staging (no extra GPU memory). See :func:`layer_schedule`.
 Where every page's slots are one ascending run and the buffer's shape allows it (``load_runs``,
 :mod:`aiokv.kernels.slotruns`), a layer-wise load skips staging and scatter: each unit is layer l of
 a group of pages, copied by the copy engine straight from the pool pages into the KV slots (one 2-D
-copy per run of pages consecutive in both, all of a unit's in one ``cudaMemcpy3DBatchAsync`` of at
-most :data:`aiokv.cuda.BATCH_MAX_OPS` ops where the runtime has it and ``AIOKV_MEMCPY_BATCH=1``
+copy per run of pages consecutive in both, a unit's in ``cudaMemcpy3DBatchAsync`` calls of at most
+:data:`aiokv.cuda.BATCH_MAX_OPS` ops each where the runtime has it and ``AIOKV_MEMCPY_BATCH=1``
 asks for it, else one ``cudaMemcpy2DAsync`` each: :class:`aiokv.cuda.BatchCopier`), its layer
 event recorded on the copy stream. A feeding thread then issues a few runtime calls per layer
 instead of a few per group plus a Triton launch (an engine's model thread shares the GIL with it).
