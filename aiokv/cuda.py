@@ -530,6 +530,7 @@ class BatchCopier:
     ``cudaMemcpy2DAsync`` each where the runtime lacks it (below 12.8), it is switched off
     (:data:`BATCH_ENV`, :attr:`enabled`), or a batch call failed once: the failed call's copies are
     then queued again one by one (the same bytes to the same places) and batches stay off.
+    Shared by the process's feeding threads: refusals on several at once keep (and log) the first.
 
     ``lib``: the runtime (:func:`_runtime_library`'s, or a stand-in in tests)."""
 
@@ -539,7 +540,8 @@ class BatchCopier:
         self.batch_calls = 0
         """``cudaMemcpy3DBatchAsync`` calls that succeeded."""
         self.failure: str | None = None
-        """Why batches were turned off for good (a refused call), None while they are not."""
+        """Why batches were turned off for good (the first refused call), None while they are not."""
+        self._lock = threading.Lock()
         self._fn: Any = None
         self._fail_index = False
         self.version = 0
@@ -586,10 +588,16 @@ class BatchCopier:
             if err != 0:
                 self._lib.cudaGetLastError()  # as _check: not torch's next launch's error
                 message = self._lib.cudaGetErrorString(err) or b"?"
-                self.failure = f"cudaMemcpy3DBatchAsync({len(part)} ops) failed: CUDA error {err} ({message.decode()})"
-                log.warning("%s; run copies go by cudaMemcpy2DAsync from now on", self.failure)
+                failure = f"cudaMemcpy3DBatchAsync({len(part)} ops) failed: CUDA error {err} ({message.decode()})"
+                with self._lock:  # feeding threads share the copier: the first refusal kept, logged once
+                    first = self.failure is None
+                    if first:
+                        self.failure = failure
+                if first:
+                    log.warning("%s; run copies go by cudaMemcpy2DAsync from now on", failure)
                 break  # this part again, one 2-D copy each (what the batch queued is copied again)
-            self.batch_calls += 1
+            with self._lock:  # (a += of two threads at once may lose one)
+                self.batch_calls += 1
             i += size
         for c in copies[i:]:
             memcpy2d_async(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height, stream)

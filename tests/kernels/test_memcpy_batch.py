@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,3 +327,46 @@ def test_the_packer_makes_one_op_per_copy() -> None:
         assert (op.dst.op.ptr.ptr, op.dst.op.ptr.rowLength, op.dst.op.ptr.layerHeight) == (c.dst, c.dpitch, c.height)
         assert (op.extent.width, op.extent.height, op.extent.depth) == (c.width, c.height, 1)
         assert (op.src.op.ptr.locHint.type, op.dst.op.ptr.locHint.type) == (0, 0)  # no hint
+
+
+def test_batches_refused_on_two_threads_at_once_turn_them_off_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Two feeding threads (two loads at once) share the process's copier: both in a batch call
+    the runtime refuses, at the same time. Batches go off once: the first refusal is the one kept,
+    logged once (before: each thread wrote its own failure over the other's and logged it), and
+    each thread's copies land by 2-D copies."""
+    fake = FakeRuntime(13000, refuse_batches=True)
+    both_in = threading.Barrier(2, timeout=30)
+    refuse = fake._batch
+
+    def refused_together(*args: Any) -> int:
+        both_in.wait()  # both threads inside a batch call before either sees its refusal
+        return refuse(*args)
+
+    fake.cudaMemcpy3DBatchAsync = _Function(refused_together)
+    copier = BatchCopier(fake)
+    jobs = [_copies(5), _copies(9)]
+    errors: list[BaseException] = []
+
+    def feed(copies: list[RunCopy]) -> None:
+        try:
+            copier.copy(copies, STREAM)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    # The 2-D copies go through the process's runtime: the stand-in's.
+    with caplog.at_level(logging.WARNING, logger="aiokv.cuda"), \
+            pytest.MonkeyPatch.context() as m:
+        m.setattr(cuda, "_runtime_library", lambda: fake)
+        threads = [threading.Thread(target=feed, args=(copies,)) for copies, _, _ in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert sorted(fake.batches) == [5, 9] and fake.copies_2d == 14
+    for copies, _, dst in jobs:
+        assert bytes(dst) == _expected(copies, len(dst))
+    assert copier.failure is not None and not copier.available and copier.batch_calls == 0
+    warnings = [r for r in caplog.records if "cudaMemcpy3DBatchAsync" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert copier.failure in warnings[0].getMessage()
