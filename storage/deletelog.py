@@ -26,6 +26,7 @@ import itertools
 import os
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -138,17 +139,21 @@ could write into the cache directory made the tier gather them for ever."""
 ASIDE_EMPTIED_MAX = 1024
 """Entries of one directory set aside removed at most: a larger one is left (and counted)."""
 ASIDE_LEFT_REMEMBERED = 4096
-"""Names set aside left by a trim remembered at most (:data:`_aside_left`); past it all are forgotten
-(each then tried, and counted, once more)."""
+"""Names set aside left by a trim remembered at most (:data:`_aside_left`); past it a name left is
+not remembered (tried, and counted, at each trim), those remembered stay. Before, a full set was
+cleared: with more names left in the directories than this, each trim forgot what the one before
+remembered and tried (and counted) them all again, at every trim."""
 
-_aside_left: set[tuple[int, int, str]] = set()
-"""(device, inode as listed, name) of the names set aside that a trim of this process could not
-remove safely: later trims do not try them again, nor count them again. Review 306: each was tried
-at every trim (a directory of over 1,024 entries scanned, one of a non-empty directory emptied
-anew) and the left ones counted each time, so every plant cost more than the one before. A name,
-not only the inode: a directory set aside later that reuses a removed one's inode has a name of
-its own (the time it was set aside). A new process tries each once more. Trims run on threads: set
-operations only (atomic under the GIL)."""
+_aside_left: set[tuple[int, int, int, str]] = set()
+"""(device, inode of the directory, inode as listed, name) of the names set aside that a trim of
+this process could not remove safely: later trims do not try them again, nor count them again.
+Review 306: each was tried at every trim (a directory of over 1,024 entries scanned, one of a
+non-empty directory emptied anew) and the left ones counted each time, so every plant cost more
+than the one before. A name, not only the inode: a directory set aside later that reuses a removed
+one's inode has a name of its own (the time it was set aside). One the directory no longer lists
+(removed by someone) is forgotten at its next trim (before, it kept its room in the set). A new process
+tries each once more. Trims run on threads: :data:`_aside_lock`."""
+_aside_lock = threading.Lock()
 
 Planted = list[OSError]
 """Directories planted in the record's way that a save moved: each an EISDIR (the fault to count)
@@ -214,26 +219,30 @@ def _trim_aside(dir_fd: int, moved: Planted, keep: str | None = None) -> None:
     """Remove the names set aside beyond the newest :data:`PLANTED_KEPT` (:func:`_drop_aside`),
     ``keep`` (the one just set aside) counted among them whatever its time (a name of the same or
     a later time planted meanwhile). Those that cannot be removed safely are left as they are and
-    counted, one fault for all those a trim newly left, and remembered (:data:`_aside_left`): no
-    later trim of the process tries or counts them again. A fault here fails nothing (the record's
-    save goes on), it is counted too."""
+    counted, one fault for all those a trim newly left, and remembered (:data:`_aside_left`, up to
+    :data:`ASIDE_LEFT_REMEMBERED`): no later trim of the process tries or counts them again. A fault
+    here fails nothing (the record's save goes on), it is counted too."""
     try:
         dev, aside = _list_aside(dir_fd)
+        where = os.fstat(dir_fd).st_ino
     except OSError as exc:
         moved.append(exc)
         return
+    listed = {(dev, where, ino, name) for name, ino in aside}
+    with _aside_lock:  # what this directory no longer lists is forgotten (its room freed)
+        _aside_left.difference_update([k for k in _aside_left if k[:2] == (dev, where) and k not in listed])
     aside.sort(key=lambda entry: (entry[0] == keep, _aside_time(entry[0]), entry[0]), reverse=True)
     left = []
     for name, listed_ino in aside[PLANTED_KEPT:]:
-        known = (dev, listed_ino, name)
+        known = (dev, where, listed_ino, name)
         if known in _aside_left:
             continue  # left (and counted) by an earlier trim of this process: not tried again
         try:
             if not _drop_aside(dir_fd, name, listed_ino, dev):
                 left.append(name)
-                if len(_aside_left) >= ASIDE_LEFT_REMEMBERED:
-                    _aside_left.clear()
-                _aside_left.add(known)
+                with _aside_lock:
+                    if len(_aside_left) < ASIDE_LEFT_REMEMBERED:  # past it: tried again next time
+                        _aside_left.add(known)
         except FileNotFoundError:
             pass
         except OSError as exc:
