@@ -36,8 +36,8 @@ event loop. :func:`warm_up` does that work beforehand, on the thread that calls 
    class called ``cudaHostAlloc`` on the event loop (14 ms for a load's first index on an H100 host
    with six test workers beside it). Two blocks of every class from 8 B to 2 MiB (a 256K-token slot
    index) are taken and freed here, on the warm-up's thread (torch allocates without the GIL):
-   ~8 MiB pinned. A priming the stop cut short (or a block refused) leaves the device unprimed: a
-   later warm-up primes it (:func:`prime_host_allocator`).
+   ~8 MiB pinned. A priming the stop cut short (or a block refused: logged, the warm-up's result
+   stands) leaves the device unprimed: a later warm-up primes it (:func:`prime_host_allocator`).
 
 Calls of page-aligned shapes (skip 0: what an engine whose blocks are pages does), on every path a
 copy may take, come first; ``on_ready`` is called once they are launched and done on the device.
@@ -190,6 +190,19 @@ def prime_host_allocator(device: torch.device, stop: threading.Event | None = No
         if not done:
             with _state_lock:
                 _primed.discard(str(device))
+
+
+def prime_quietly(device: torch.device, stop: threading.Event | None = None) -> bool:
+    """:func:`prime_host_allocator` as the warm-up runs it: a block refused (pinned memory short) is
+    logged, not raised. Priming only saves the first copies an allocation on the loop; the variants
+    are warm, and failing the warm-up for it would answer ``wait_warm`` with None and count
+    ``warm_up_failed``."""
+    try:
+        return prime_host_allocator(device, stop)
+    except RuntimeError as err:
+        log.warning("could not prime the pinned host allocator on %s (the first copies allocate their "
+                    "index buffers themselves): %s", device, err)
+        return False
 
 
 def _roles(mover: PageMover) -> list[tuple[CopyPlan, int]]:
@@ -397,7 +410,7 @@ def warm_up(
                 return WarmUp(0, 0, 0.0, 0.0, True)
             done = _Launches(mover, stop, precompile, began).run(ready)
             if not done.stopped:
-                prime_host_allocator(mover.kv.device, stop)
+                prime_quietly(mover.kv.device, stop)
             return done
     finally:
         ready()

@@ -13,6 +13,7 @@ the warm-up's own event, set as the third block is taken.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -91,4 +92,21 @@ def test_a_priming_that_fails_marks_nothing(taken: Taken, monkeypatch: pytest.Mo
             warmup.prime_host_allocator(DEVICE)
     assert str(DEVICE) not in warmup._primed
     assert warmup.prime_host_allocator(DEVICE) is True
+    assert taken == _all_blocks()
+
+
+def test_the_warm_up_logs_a_refused_priming_and_goes_on(
+    taken: Taken, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warm-up primes through prime_quietly: a refused block is a warning, not the warm-up's
+    failure (which would answer wait_warm with None and count warm_up_failed); a later one primes."""
+    def refused(elements: int, *, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger=warmup.__name__):
+        m.setattr(warmup.torch, "empty", refused)
+        assert warmup.prime_quietly(DEVICE) is False
+    assert any("could not prime" in r.getMessage() and "out of memory" in r.getMessage() for r in caplog.records)
+    assert str(DEVICE) not in warmup._primed
+    assert warmup.prime_quietly(DEVICE) is True
     assert taken == _all_blocks()
