@@ -37,7 +37,7 @@ from aiokv.cuda import CompletionBridge
 from aiokv.facade import CacheFacade
 from aiokv.kernels import TransferPath
 from aiokv.kernels.mover import PageMover
-from aiokv.kernels.warmup import WarmUp, warm_up
+from aiokv.kernels.warmup import WarmUp, prime_quietly, warm_up
 from aiokv.keys import Salt, Tokens, check_salt, token_array, tp_part
 from aiokv.layout import KVBuffer, KVBufferLike, KVLayout, TPSlice
 from aiokv.loadpath import TURN_PAGES
@@ -70,12 +70,8 @@ def _build_mover(
         # TP rank's do (TPConfig.offload_runs): on the H200 a group of 8-16 such pages held the
         # loop ~0.5x as long as the gather (an index upload and a kernel launch a staging chunk).
         mover = PageMover(kv, pages, path, staging_pages, run_pages=run_pages, slot_runs=True)
-    _warm_pinned_indices(max(kv.num_slots, len(pages)))
+    prime_quietly(kv.device, max(kv.num_slots, len(pages)))  # warmup.py, step 4: here on the start's thread
     return mover
-
-
-PINNED_INDEX_CAP = 1 << 21
-"""Largest index (int64 elements, 16 MiB) whose pinned block the start allocates ahead."""
 
 
 def _warm_up(mover: PageMover, stop: threading.Event, on_ready: Callable[[], None]) -> WarmUp:
@@ -83,22 +79,6 @@ def _warm_up(mover: PageMover, stop: threading.Event, on_ready: Callable[[], Non
     if mover.kv.device.type == "cuda":
         warm_read_back(mover.kv.device)
     return warm_up(mover, stop, on_ready)
-
-
-def _warm_pinned_indices(most: int) -> None:
-    """Fill torch's pinned host allocator with one block of each size class an index of up to
-    ``most`` int64 elements uses (it rounds to powers of two and keeps freed blocks).
-
-    A copy stages its slot and page indices through a fresh pinned buffer (``PageMover._index``),
-    on the loop; a size class's first ``cudaHostAlloc`` held the loop 5-24 ms on an H200 host (the
-    process's first: 24 ms, caught by a faulthandler watchdog). Here it runs on the start's thread.
-    """
-    blocks = []
-    elements = 8
-    while elements < 2 * min(max(most, 1), PINNED_INDEX_CAP):
-        blocks.append(torch.empty(elements, dtype=torch.int64, pin_memory=True))
-        elements *= 2
-    del blocks  # back to the allocator's free lists, not to the driver
 
 
 def _transfer_path(cuda: bool, configured: TransferPath | None) -> TransferPath:

@@ -30,14 +30,17 @@ event loop. :func:`warm_up` does that work beforehand, on the thread that calls 
    binary from its disk cache (~2 ms of Python each) instead of compiling. A variant the helper
    could not compile is compiled here, as without it.
 
-4. *Prime the host allocator* (CUDA, once a process per device): a copy uploads its slot index
-   through a fresh pinned buffer (:meth:`PageMover._index`) from torch's caching host allocator,
-   which rounds a request up to a power of two and keeps freed blocks; the first request of a size
-   class called ``cudaHostAlloc`` on the event loop (14 ms for a load's first index on an H100 host
-   with six test workers beside it). Two blocks of every class from 8 B to 2 MiB (a 256K-token slot
-   index) are taken and freed here, on the warm-up's thread (torch allocates without the GIL):
-   ~8 MiB pinned. A priming the stop cut short (or a block refused: logged, the warm-up's result
-   stands) leaves the device unprimed: a later warm-up primes it (:func:`prime_host_allocator`).
+4. *Prime the host allocator* (CUDA, once a process per device, before the launches; a cache's
+   start already did it on its own thread): a copy uploads its slot and page indices through fresh
+   pinned buffers (:meth:`PageMover._index`) from torch's caching host allocator, which rounds a
+   request up to a power of two and keeps freed blocks; the first request of a size class called
+   ``cudaHostAlloc`` on the event loop (5-24 ms on an H200 host; 14 ms on an H100 host for a
+   4-page load's page ids, a class under the 64 B the start's priming began at until the
+   forty-fourth session). :data:`PRIMED_BLOCKS` blocks of every class from 8 B to the largest
+   index (the slots or pages, at most :data:`PINNED_INDEX_CAP` elements) are taken and freed
+   (torch allocates without the GIL). A priming the stop cut short (or a block refused: logged,
+   the start or warm-up goes on) leaves the device unprimed: a later one primes it
+   (:func:`prime_host_allocator`).
 
 Calls of page-aligned shapes (skip 0: what an engine whose blocks are pages does), on every path a
 copy may take, come first; ``on_ready`` is called once they are launched and done on the device.
@@ -151,54 +154,68 @@ _turns: dict[str, threading.Lock] = {}
 """Per device: held by the warm-up running there (a later one then finds the variants loaded)."""
 _state_lock = threading.Lock()
 
-_primed: set[str] = set()
-"""Devices whose host allocator a warm-up primed in this process (step 4)."""
+_primed: dict[str, int] = {}
+"""Per device: the largest index (int64 elements) whose size classes are primed in this process
+(step 4)."""
+_priming: set[str] = set()
+"""Devices whose priming runs now (a second one beside it does nothing)."""
 
-PRIMED_BYTES = range(3, 22)
-"""Size classes (log2 of bytes) step 4 primes: 8 B to 2 MiB."""
+PINNED_INDEX_CAP = 1 << 21
+"""Largest index (int64 elements, 16 MiB) whose pinned blocks step 4 takes ahead."""
 
 PRIMED_BLOCKS = 2
 """Blocks of each class step 4 takes at once (a load's slot and page-id indices can be in flight
 together)."""
 
 
-def prime_host_allocator(device: torch.device, stop: threading.Event | None = None) -> bool:
-    """Step 4 of the module docstring, once a process per device; True when this call primed it.
+def primed_elements(most: int) -> list[int]:
+    """Element counts of the size classes (powers of two) an int64 index of 1 to ``most`` elements
+    falls in, ``most`` capped at :data:`PINNED_INDEX_CAP`."""
+    top = min(max(most, 1), PINNED_INDEX_CAP)
+    classes = [1]
+    while classes[-1] < top:
+        classes.append(classes[-1] * 2)
+    return classes
+
+
+def prime_host_allocator(device: torch.device, most: int, stop: threading.Event | None = None) -> bool:
+    """Step 4 of the module docstring for indices of up to ``most`` elements (a cache's slots or
+    pages, whichever are more), once a process per device and size; True when this call primed.
     ``stop`` (looked at before each size class) cuts it short: then, as where a block is refused
-    (raised), the device is not marked primed and a later warm-up primes it. Before, the mark came
-    first: a close that stopped the warm-up while it primed left the device marked, part primed,
-    and no later warm-up of the process primed it."""
+    (raised), the device is not marked primed and a later call primes it (review 308: a mark taken
+    first left a device part primed for good)."""
     if device.type != "cuda":
         return False
+    key = str(device)
+    classes = primed_elements(most)
     with _state_lock:
-        if str(device) in _primed:
+        if _primed.get(key, 0) >= classes[-1] or key in _priming:
             return False
-        _primed.add(str(device))  # claimed: a priming of the device at once beside it does nothing
+        _priming.add(key)
     done = False
     held: list[torch.Tensor] = []
     try:
-        for shift in PRIMED_BYTES:
+        for elements in classes:
             if stop is not None and stop.is_set():
                 return False
-            # int64 elements, as the indices are: the request is exactly 2**shift bytes.
-            elements = max(1, (1 << shift) // 8)
             held.extend(torch.empty(elements, dtype=torch.int64, pin_memory=True) for _ in range(PRIMED_BLOCKS))
         done = True
         return True
     finally:
         del held  # freed unused by any stream: cached for the next request of the class
-        if not done:
-            with _state_lock:
-                _primed.discard(str(device))
+        with _state_lock:
+            _priming.discard(key)
+            if done:
+                _primed[key] = max(_primed.get(key, 0), classes[-1])
 
 
-def prime_quietly(device: torch.device, stop: threading.Event | None = None) -> bool:
-    """:func:`prime_host_allocator` as the warm-up runs it: a block refused (pinned memory short) is
-    logged, not raised. Priming only saves the first copies an allocation on the loop; the variants
-    are warm, and failing the warm-up for it would answer ``wait_warm`` with None and count
-    ``warm_up_failed``."""
+def prime_quietly(device: torch.device, most: int, stop: threading.Event | None = None) -> bool:
+    """:func:`prime_host_allocator` as a cache's start and the warm-up run it: a block refused
+    (pinned memory short) is logged, not raised. Priming only spares the first copies an allocation
+    on the loop: failing a start for it, or the warm-up (``wait_warm`` answered None,
+    ``warm_up_failed`` counted, every variant warm), would cost more than it saves."""
     try:
-        return prime_host_allocator(device, stop)
+        return prime_host_allocator(device, most, stop)
     except RuntimeError as err:
         log.warning("could not prime the pinned host allocator on %s (the first copies allocate their "
                     "index buffers themselves): %s", device, err)
@@ -408,10 +425,9 @@ def warm_up(
         with _turn(mover.kv.device, stop) as waited:
             if not waited:
                 return WarmUp(0, 0, 0.0, 0.0, True)
-            done = _Launches(mover, stop, precompile, began).run(ready)
-            if not done.stopped:
-                prime_quietly(mover.kv.device, stop)
-            return done
+            # First: a TP rank's copies may come before the warm-up ends (a cache primed at start).
+            prime_quietly(mover.kv.device, max(mover.kv.num_slots, mover.pages.shape[0]), stop)
+            return _Launches(mover, stop, precompile, began).run(ready)
     finally:
         ready()
 

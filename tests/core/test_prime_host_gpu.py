@@ -26,20 +26,21 @@ DEVICE = os.environ.get("AIOKV_TEST_DEVICE", "cpu")
 SCRIPT = r"""
 import json, sys
 import torch
-from aiokv.kernels.warmup import PRIMED_BLOCKS, PRIMED_BYTES, prime_host_allocator
+from aiokv.kernels.warmup import PRIMED_BLOCKS, prime_host_allocator, primed_elements
 
 device = torch.device("cuda")
 torch.zeros(1, device=device)  # the context first: its own pinned buffers are not ours to count
-primed = prime_host_allocator(device) if sys.argv[1] == "primed" else None
-again = prime_host_allocator(device) if primed else None
+MOST = 1 << 18  # a 256K-slot cache
+primed = prime_host_allocator(device, MOST) if sys.argv[1] == "primed" else None
+again = prime_host_allocator(device, MOST) if primed else None
 before = torch.cuda.host_memory_stats()["num_host_alloc"]
 stream = torch.cuda.Stream()
 with torch.cuda.stream(stream):
     # What PageMover._index does, for every primed class at once (blocks of a class in flight together).
     held = []
-    for shift in PRIMED_BYTES:
+    for elements in primed_elements(MOST):
         for _ in range(PRIMED_BLOCKS):
-            pinned = torch.empty(max(1, (1 << shift) // 8), dtype=torch.int64, pin_memory=True)
+            pinned = torch.empty(elements, dtype=torch.int64, pin_memory=True)
             held.append(pinned.to(device, non_blocking=True))
 stream.synchronize()
 created = torch.cuda.host_memory_stats()["num_host_alloc"] - before
@@ -67,4 +68,4 @@ def test_indices_after_priming_create_no_pinned_block() -> None:
 
 
 def test_a_cpu_device_primes_nothing() -> None:
-    assert prime_host_allocator(torch.device("cpu")) is False
+    assert prime_host_allocator(torch.device("cpu"), 1 << 18) is False
