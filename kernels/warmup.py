@@ -34,9 +34,11 @@ event loop. :func:`warm_up` does that work beforehand, on the thread that calls 
    start already did it on its own thread): a copy uploads its slot and page indices through fresh
    pinned buffers (:meth:`PageMover._index`) from torch's caching host allocator, which rounds a
    request up to a power of two and keeps freed blocks; the first request of a size class called
-   ``cudaHostAlloc`` on the event loop (5-24 ms on an H200 host; 14 ms on an H100 host for a
-   4-page load's page ids, a class under the 64 B the start's priming began at until the
-   forty-fourth session). :data:`PRIMED_BLOCKS` blocks of every class from 8 B to the largest
+   ``cudaHostAlloc`` on the event loop (5-24 ms on an H200 host). On an H100 host a first load
+   still stalled the loop 14 ms on that line with the start's priming then (one block a class from
+   64 B; the forty-fourth session): whether in the driver or in taking the GIL back after it is not
+   known; every class from 8 B with two blocks creates no block for such indices (GPU test), and
+   the timing tests passed once after. :data:`PRIMED_BLOCKS` blocks of every class from 8 B to the largest
    index (the slots or pages, at most :data:`PINNED_INDEX_CAP` elements) are taken and freed
    (torch allocates without the GIL). A priming the stop cut short (or a block refused: logged,
    the start or warm-up goes on) leaves the device unprimed: a later one primes it
