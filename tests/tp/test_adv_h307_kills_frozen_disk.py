@@ -10,13 +10,14 @@ so a page committed from a dead rank's half copy, served under the other salt or
 the frozen writes went on shows on the rank that gets it. Checked: no wrong byte during the traffic,
 nor in what the restarted manager serves from disk; the close with writes stuck and a rank dead
 ends within its bound; no call hangs. Root only (a loop-mounted ext4); a watchdog thaws if the test
-hangs.
+hangs. ``AIOKV_H307_TP_SEED`` picks the traffic and kills (seeds 1-4 and 307 held).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
 import sys
 import threading
@@ -40,7 +41,7 @@ LAYOUT = KVLayout.mha(2, 4, 8, torch.float16, page_tokens=4)
 NUM_SLOTS = 640
 CLIENTS = 8
 KILLS = 2
-SEED = 307
+SEED = int(os.environ.get("AIOKV_H307_TP_SEED", "307"))
 CLOSE_S = 4.0
 """The manager's close_timeout: the close with writes stuck in the kernel gives up on them after it."""
 THAW_S = 240.0
