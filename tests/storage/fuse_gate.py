@@ -8,7 +8,8 @@ with ``mount(2)``, prints ``ready`` (or why not) and serves until the mount poin
 The file is opened ``FOPEN_DIRECT_IO``: every read and write reaches this process, none is served
 from the page cache. Commands on stdin, one a line, each answered on stdout: ``hold`` (READ and
 WRITE requests from now on wait unanswered; ``held``), ``release`` (answer the waiting ones, in
-order, and hold no more; ``released``), ``count`` (how many wait now).
+order, and hold no more; ``released``), ``count`` (how many wait now), ``fail`` (READ requests from
+now on fail with EIO, as a disk's bad sectors; ``failing``), ``heal`` (answer them again; ``healed``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Gate:
         self.backing = os.open(backing, os.O_RDWR)
         self.size = os.fstat(self.backing).st_size
         self.holding = False
+        self.failing = False
         self.held: list[bytes] = []
 
     def attr(self, node: int) -> bytes:
@@ -82,6 +84,8 @@ class Gate:
         if opcode == OPENDIR:
             return 0, _OPEN_OUT.pack(1, 0, 0)
         if opcode == READ:
+            if self.failing:
+                return -errno.EIO, b""  # a bad sector: the loop device's read fails
             _fh, offset, size, _flags = _RW_IN.unpack_from(data, body)
             return 0, os.pread(self.backing, size, offset)
         if opcode == WRITE:
@@ -126,6 +130,12 @@ class Gate:
             return "released"
         if line == "count":
             return str(len(self.held))
+        if line == "fail":
+            self.failing = True
+            return "failing"
+        if line == "heal":
+            self.failing = False
+            return "healed"
         return f"unknown command {line!r}"
 
 

@@ -47,6 +47,16 @@ class GateControl:
         if self._server.poll() is None:
             assert self._ask("release") == "released"
 
+    def fail_reads(self) -> None:
+        """READ requests reaching the device from now on fail with EIO (a disk's bad sectors);
+        writes still land."""
+        assert self._ask("fail") == "failing"
+
+    def heal(self) -> None:
+        """Answer READ requests again (idempotent)."""
+        if self._server.poll() is None:
+            assert self._ask("heal") == "healed"
+
     def held(self) -> int:
         """Requests waiting now (the loop device sends them one at a time: 0 or 1 mostly)."""
         return int(self._ask("count"))
