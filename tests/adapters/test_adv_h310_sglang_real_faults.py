@@ -41,6 +41,10 @@ from sglang_helpers import (
 )
 
 from aiokv.adapters.sglang import AiokvHiCacheStorage
+from aiokv.storage import ErrorKind
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
+from gate_helpers import gated_ext4
 
 HEADER = 4096  # a page file's header; the payload follows
 
@@ -105,37 +109,44 @@ def pages(pool: Any, count: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_v1_pages_damaged_between_lookup_and_prefetch_miss_and_nothing_else_moves(
         tmp_path: Path, backends: list[Any], layout: str, zero_copy: bool) -> None:
-    keys = prefix_keys(list(range(24)))  # 6 pages
-    pool = host_pool(16, layout)
+    keys = prefix_keys(list(range(32)))  # 8 pages
+    pool = host_pool(20, layout)
     for p, key in enumerate(keys):
         fill(pool, p, seed_of(key))
     backend = attach(backends, tmp_path, pool, True, page_first=layout == "page_first",
                      options={"zero_copy": zero_copy})
-    assert backend.batch_set_v1(keys, indices(list(range(6)))) == [True] * 6
-    assert backend.batch_exists(keys) == 6  # SGLang's lookup: the whole prefix
+    assert backend.batch_set_v1(keys, indices(list(range(8)))) == [True] * 8
+    assert backend.batch_exists(keys) == 8  # SGLang's lookup: the whole prefix
     files = [file_of(backend, k) for k in keys]
+    first_file = files[0].read_bytes()
     flip(files[1])
     truncate(files[2])
     removed_by_another_process(files[3])
     replaced_by_another_writer(files[4], files[0])  # a valid file, of another key
-    before = pages(pool, 16)
-    got = backend.batch_get_v1(keys, indices(list(range(8, 14))))
-    after = pages(pool, 16)
-    assert got == [True, False, False, False, False, True]
-    for p, key in zip(range(8, 14), keys, strict=True):
-        if got[p - 8]:
+    files[5].unlink()
+    os.mkfifo(files[5], 0o600)  # a FIFO planted: never opened blocking
+    files[6].unlink()
+    files[6].symlink_to(files[0])  # a link to a valid file: never followed
+    before = pages(pool, 20)
+    targets = list(range(10, 18))
+    got = backend.batch_get_v1(keys, indices(targets))
+    after = pages(pool, 20)
+    assert got == [True, False, False, False, False, False, False, True]
+    for p, key, ok in zip(targets, keys, got, strict=True):
+        if ok:
             assert torch.equal(after[p], oracle(key, layout)), f"page {p} holds other bytes than its key's"
-    targets = set(range(8, 14)) if zero_copy else {8, 13}
-    changed = {p for p in range(16) if not torch.equal(before[p], after[p])}
-    assert changed <= targets, f"host pages outside the prefetch's own changed: {sorted(changed - targets)}"
+    allowed = set(targets) if zero_copy else {p for p, ok in zip(targets, got, strict=True) if ok}
+    changed = {p for p in range(20) if not torch.equal(before[p], after[p])}
+    assert changed <= allowed, f"host pages outside the prefetch's own changed: {sorted(changed - allowed)}"
     stats = backend.statistics()
     assert stats["corrupt"] >= 3  # flipped, truncated, another key's header
+    assert files[0].read_bytes() == first_file, "the file a planted link led to changed"
     # The damaged keys are misses now; the backend stores them again and serves them bit-exact.
     assert backend.batch_exists(keys) == 1
-    assert backend.batch_set_v1(keys[1:5], indices([1, 2, 3, 4])) == [True] * 4
-    assert backend.batch_exists(keys) == 6
-    assert backend.batch_get_v1(keys, indices(list(range(8, 14)))) == [True] * 6
-    for p, key in zip(range(8, 14), keys, strict=True):
+    assert backend.batch_set_v1(keys[1:7], indices([1, 2, 3, 4, 5, 6])) == [True] * 6
+    assert backend.batch_exists(keys) == 8
+    assert backend.batch_get_v1(keys, indices(targets)) == [True] * 8
+    for p, key in zip(targets, keys, strict=True):
         assert torch.equal(page(pool, p), oracle(key, layout))
 
 
@@ -272,3 +283,39 @@ def test_two_processes_with_other_layouts_on_one_directory_read_their_own_bytes(
         ref = host_pool(1, "layer_first")
         fill(ref, 0, seed_of(key) + 1000)
         assert torch.equal(page(other_pool, p), page(ref, 0))
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "staged"])
+def test_prefetch_over_reads_failing_with_eio_then_healing(
+        tmp_path: Path, backends: list[Any], zero_copy: bool) -> None:
+    """The disk under the ext4 fails every read with EIO (the FUSE gate under its loop device)
+    between SGLang's lookup and its prefetch: the prefetch misses every page, the EIO is counted, no
+    host page outside its targets changes (staged: not even those). Healed, the same pages are
+    still there (an EIO is no corruption) and load bit-exact."""
+    keys = prefix_keys(list(range(12)))  # 3 pages
+    with gated_ext4(tmp_path, 320) as (mount, gate):
+        try:
+            pool = host_pool(8)
+            for p, key in enumerate(keys):
+                fill(pool, p, seed_of(key))
+            backend = attach(backends, mount / "kv", pool, True, options={"zero_copy": zero_copy})
+            assert backend.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+            assert backend.batch_exists(keys) == 3
+            gate.fail_reads()
+            before = pages(pool, 8)
+            assert backend.batch_get_v1(keys, indices([4, 5, 6])) == [False] * 3
+            gate.heal()
+            changed = {p for p in range(8) if not torch.equal(before[p], page(pool, p))}
+            assert changed <= ({4, 5, 6} if zero_copy else set())
+            stats = backend.statistics()
+            assert stats["errors"][ErrorKind.EIO] >= 1 and stats["corrupt"] == 0
+            assert backend.batch_exists(keys) == 3
+            assert backend.batch_get_v1(keys, indices([4, 5, 6])) == [True] * 3
+            for p, key in zip((4, 5, 6), keys, strict=True):
+                assert torch.equal(page(pool, p), oracle(key))
+        finally:
+            gate.heal()
+            for backend in backends:
+                backend.close()
+            backends.clear()

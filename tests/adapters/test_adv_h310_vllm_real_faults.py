@@ -46,6 +46,7 @@ from aiokv.storage import ErrorKind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
 from fs_helpers import fill_up, loop_ext4, remount
+from gate_helpers import gated_ext4
 from store_helpers import wait_for
 
 
@@ -293,8 +294,6 @@ def test_reads_failing_with_eio_at_the_device_then_healing(
     is counted, and no chunk outside the job changes (through staging not even the job's). Once the
     disk reads again, the same pages load their own bytes (kept: an EIO is no corruption) and the
     tier stores again."""
-    from gate_helpers import gated_ext4
-
     with gated_ext4(tmp_path, 320) as (mount, gate):
         manager = make_manager(mount, options={"zero_copy": zero_copy})
         try:
