@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -316,6 +317,149 @@ def test_prefetch_over_reads_failing_with_eio_then_healing(
                 assert torch.equal(page(pool, p), oracle(key))
         finally:
             gate.heal()
+            for backend in backends:
+                backend.close()
+            backends.clear()
+
+
+_KILLED_BACKUP = """
+import sys
+sys.path.insert(0, {helpers!r})
+from pathlib import Path
+import test_adv_h310_sglang_real_faults as t
+from sglang_helpers import attach, fill, host_pool, indices
+made = []
+pool = host_pool(8)
+backend = attach(made, Path({root!r}), pool, True)
+request = 0
+while True:  # backs requests up until killed
+    keys = t.prefix_keys([request * 1000 + i for i in range(16)])
+    for p, key in enumerate(keys):
+        fill(pool, p, t.seed_of(key))
+    print("storing", request, flush=True)  # the kill lands in (or right before) this backup
+    assert backend.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+    request += 1
+"""
+
+
+@pytest.mark.slow
+def test_a_backend_killed_mid_backup_leaves_a_directory_a_fresh_backend_serves(
+        tmp_path: Path, backends: list[Any]) -> None:
+    """The SGLang process backing pages up is SIGKILLed mid-``batch_set_v1``. A fresh backend on the
+    same directory writes (the lock went with the process), finds every page reported stored and
+    loads it bit-exact, a page cut short misses (never other bytes), stores again, and leaves no
+    temporary file of the dead process."""
+    script = _KILLED_BACKUP.format(helpers=str(Path(__file__).parent), root=str(tmp_path))
+    reported = 0
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            while reported < 5:  # requests before the one announced returned all True
+                line = proc.stdout.readline()
+                assert line.startswith("storing"), line + (proc.stderr.read() if proc.poll() is not None else "")
+                reported = int(line.split()[1])
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(30) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    pool = host_pool(8)
+    backend = attach(backends, tmp_path, pool, True)
+    for request in range(reported + 3):  # it may have run ahead of the last line read
+        keys = prefix_keys([request * 1000 + i for i in range(16)])
+        found = backend.batch_exists(keys)
+        if request < reported:
+            assert found == 4, f"request {request}, reported stored, is gone"
+        got = backend.batch_get_v1(keys, indices([4, 5, 6, 7]))
+        assert got[:found] == [True] * found
+        for p, key, ok in zip((4, 5, 6, 7), keys, got, strict=True):
+            if ok:
+                assert torch.equal(page(pool, p), oracle(key)), f"request {request}: other bytes than its key's"
+    again = prefix_keys([-1 - i for i in range(16)])
+    for p, key in enumerate(again):
+        fill(pool, p, seed_of(key))
+    assert backend.batch_set_v1(again, indices([0, 1, 2, 3])) == [True] * 4
+    assert backend.statistics()["read_only"] is None
+    leftovers = list(tmp_path.rglob(".tmp-*"))
+    assert leftovers == [], f"temporary files of the killed process left: {leftovers}"
+
+
+_KILLED_HELD_BACKUP = """
+import sys
+sys.path.insert(0, {helpers!r})
+from pathlib import Path
+import test_adv_h310_sglang_real_faults as t
+from sglang_helpers import attach, fill, host_pool, indices
+made = []
+pool = host_pool(8)
+backend = attach(made, Path({root!r}), pool, True)
+for request in range(3):
+    keys = t.prefix_keys([request * 1000 + i for i in range(16)])
+    for p, key in enumerate(keys):
+        fill(pool, p, t.seed_of(key))
+    assert backend.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+keys = t.prefix_keys([3000 + i for i in range(16)])
+for p, key in enumerate(keys):
+    fill(pool, p, t.seed_of(key))
+print("ready", flush=True)
+sys.stdin.readline()
+backend.batch_set_v1(keys, indices([0, 1, 2, 3]))  # its writes are held at the device: killed here
+print("not killed", flush=True)
+"""
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_backend_killed_with_its_writes_held_at_the_device(tmp_path: Path, backends: list[Any]) -> None:
+    """The SGLang process is SIGKILLed while its backup's page writes are held in the kernel (the
+    FUSE gate under the ext4's loop device holds them), then the writes are let through. A fresh
+    backend on the directory writes, loads every page stored before bit-exact, and whatever it
+    finds of the killed backup holds that key's bytes (the rest misses); no temporary file is left."""
+    with gated_ext4(tmp_path, 320) as (mount, gate):
+        try:
+            script = _KILLED_HELD_BACKUP.format(helpers=str(Path(__file__).parent), root=str(mount / "kv"))
+            with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) as proc:
+                try:
+                    assert proc.stdout is not None and proc.stdin is not None
+                    line = proc.stdout.readline()
+                    assert line == "ready\n", line + (proc.stderr.read() if proc.poll() is not None else "")
+                    gate.hold()
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    gate.wait_held()  # a page write of the backup reached the device and waits there
+                    proc.send_signal(signal.SIGKILL)
+                    gate.release()
+                    assert proc.wait(30) == -signal.SIGKILL
+                finally:
+                    gate.release()
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            pool = host_pool(8)
+            backend = attach(backends, mount / "kv", pool, True)
+            for request in range(4):
+                keys = prefix_keys([request * 1000 + i for i in range(16)])
+                found = backend.batch_exists(keys)
+                if request < 3:
+                    assert found == 4, f"request {request}, stored before the kill, is gone"
+                got = backend.batch_get_v1(keys, indices([4, 5, 6, 7]))
+                assert got[:found] == [True] * found
+                for p, key, ok in zip((4, 5, 6, 7), keys, got, strict=True):
+                    if ok:
+                        assert torch.equal(page(pool, p), oracle(key)), f"request {request}: other bytes"
+            again = prefix_keys([-1 - i for i in range(16)])
+            for p, key in enumerate(again):
+                fill(pool, p, seed_of(key))
+            assert backend.batch_set_v1(again, indices([0, 1, 2, 3])) == [True] * 4
+            stats = backend.statistics()
+            assert stats["read_only"] is None
+            assert stats["temp_files_removed"] >= 1  # the held writes' temporary files, left by the kill
+            assert list((mount / "kv").rglob(".tmp-*")) == [], "temporary files of the killed process left"
+        finally:
+            gate.release()
             for backend in backends:
                 backend.close()
             backends.clear()
