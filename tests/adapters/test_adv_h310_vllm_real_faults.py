@@ -350,3 +350,68 @@ def region(manager: TieringOffloadingManager) -> list[bytes]:
     with manager.primary_tier.get_kv_memoryview().cast("B") as flat:
         data = bytes(flat)
     return [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+
+
+_KILLED_HELD_CHILD = """
+import sys
+sys.path.insert(0, {helpers!r})
+from pathlib import Path
+import test_adv_h310_vllm_real_faults as t
+from vllm_helpers import STEP, complete_stores, make_manager
+manager = make_manager(Path({root!r}))
+t.store_request(manager, "r0", t.prefix_keys(0, 4))
+keys = t.prefix_keys(1, 3)
+print("ready", flush=True)
+sys.stdin.readline()
+complete_stores(manager, "r1", keys, [t.seed_of(k) for k in keys])
+with manager.lock:
+    manager.on_schedule_end(STEP)  # the store job reaches the tier; its writes are held at the device
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_tier_killed_with_its_writes_held_at_the_device(
+        tmp_path: Path, managers: list[TieringOffloadingManager]) -> None:
+    """The process storing through vLLM's tier is SIGKILLed while the store job's page writes are
+    held in the kernel (the FUSE gate under the ext4's loop device), then the writes are let
+    through. A fresh tier on the directory writes, serves the pages stored before bit-exact, finds
+    nothing of the cut job (or only its keys' own bytes), and removes the temporary files left."""
+    with gated_ext4(tmp_path, 320) as (mount, gate):
+        try:
+            script = _KILLED_HELD_CHILD.format(helpers=str(Path(__file__).parent), root=str(mount))
+            with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) as proc:
+                try:
+                    assert proc.stdout is not None and proc.stdin is not None
+                    line = proc.stdout.readline()
+                    assert line == "ready\n", line + (proc.stderr.read() if proc.poll() is not None else "")
+                    gate.hold()
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    gate.wait_held()  # a page write of the job reached the device and waits there
+                    proc.send_signal(signal.SIGKILL)
+                    gate.release()
+                    assert proc.wait(30) == -signal.SIGKILL
+                finally:
+                    gate.release()
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            managers.append(manager := make_manager(mount))
+            tier = tier_of(manager)
+            assert check_hits_bit_exact(manager, prefix_keys(0, 4), "q0") == [True] * 4
+            check_hits_bit_exact(manager, prefix_keys(1, 3), "q1")
+            again = prefix_keys(2, 3)
+            store_request(manager, "r2", again)
+            assert on_disk(manager, again) == [True] * 3
+            stats = tier.statistics()
+            assert stats["read_only"] is None
+            assert stats["temp_files_removed"] >= 1  # the held writes' temporary files, left by the kill
+            assert list(mount.rglob(".tmp-*")) == [], "temporary files of the killed process left"
+        finally:
+            gate.release()
+            for manager in managers:
+                manager.shutdown()
+            managers.clear()
