@@ -45,7 +45,7 @@ from aiokv.adapters.sglang import AiokvHiCacheStorage
 from aiokv.storage import ErrorKind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
-from gate_helpers import gated_ext4
+from gate_helpers import gated_ext4, kill_with_a_write_held
 
 HEADER = 4096  # a page file's header; the payload follows
 
@@ -420,24 +420,7 @@ def test_a_backend_killed_with_its_writes_held_at_the_device(tmp_path: Path, bac
     with gated_ext4(tmp_path, 320) as (mount, gate):
         try:
             script = _KILLED_HELD_BACKUP.format(helpers=str(Path(__file__).parent), root=str(mount / "kv"))
-            with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) as proc:
-                try:
-                    assert proc.stdout is not None and proc.stdin is not None
-                    line = proc.stdout.readline()
-                    assert line == "ready\n", line + (proc.stderr.read() if proc.poll() is not None else "")
-                    gate.hold()
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                    gate.wait_held()  # a page write of the backup reached the device and waits there
-                    proc.send_signal(signal.SIGKILL)
-                    gate.release()
-                    assert proc.wait(30) == -signal.SIGKILL
-                finally:
-                    gate.release()
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+            kill_with_a_write_held(script, gate)
             pool = host_pool(8)
             backend = attach(backends, mount / "kv", pool, True)
             for request in range(4):

@@ -46,7 +46,7 @@ from aiokv.storage import ErrorKind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "storage"))  # the storage suite's file-system helpers
 from fs_helpers import fill_up, loop_ext4, remount
-from gate_helpers import gated_ext4
+from gate_helpers import gated_ext4, kill_with_a_write_held
 from store_helpers import wait_for
 
 
@@ -381,24 +381,7 @@ def test_a_tier_killed_with_its_writes_held_at_the_device(
     with gated_ext4(tmp_path, 320) as (mount, gate):
         try:
             script = _KILLED_HELD_CHILD.format(helpers=str(Path(__file__).parent), root=str(mount))
-            with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) as proc:
-                try:
-                    assert proc.stdout is not None and proc.stdin is not None
-                    line = proc.stdout.readline()
-                    assert line == "ready\n", line + (proc.stderr.read() if proc.poll() is not None else "")
-                    gate.hold()
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                    gate.wait_held()  # a page write of the job reached the device and waits there
-                    proc.send_signal(signal.SIGKILL)
-                    gate.release()
-                    assert proc.wait(30) == -signal.SIGKILL
-                finally:
-                    gate.release()
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+            kill_with_a_write_held(script, gate)
             managers.append(manager := make_manager(mount))
             tier = tier_of(manager)
             assert check_hits_bit_exact(manager, prefix_keys(0, 4), "q0") == [True] * 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -134,3 +135,27 @@ def gated_ext4(tmp: Path, size_mib: int) -> Iterator[tuple[Path, GateControl]]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def kill_with_a_write_held(script: str, gate: GateControl) -> None:
+    """Run ``script`` (``python -c``) in a child that prints ``ready``, then writes through the
+    gated file system on ``go``; SIGKILL it while one of its writes is held at the device, then
+    release the gate. The child must die of the signal (a real cut write, temp files left)."""
+    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = proc.stdout.readline()
+            assert line == "ready\n", line + (proc.stderr.read() if proc.poll() is not None else "")
+            gate.hold()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            gate.wait_held()  # a write of the child reached the device and waits there
+            proc.send_signal(signal.SIGKILL)
+            gate.release()
+            assert proc.wait(30) == -signal.SIGKILL
+        finally:
+            gate.release()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
